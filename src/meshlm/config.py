@@ -1,0 +1,486 @@
+"""Typed configuration: model, parallel layout, training, data; TOML files and dotted overrides.
+
+Responsible for: the dataclasses every other module reads, model presets, loading a TOML file,
+applying `section.field=value` overrides, and rejecting unknown keys or invalid values with a
+`ConfigError` that names the field, the value and the rule.
+Not responsible for: checking a layout against a world size (that needs the world size; see
+`mesh.py`), or anything that touches torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user mistake in a configuration: the message names the field, the value and the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Dimensions of a Llama-style decoder, dense or Mixture-of-Experts.
+
+    Field names follow Hugging Face where one exists. `num_experts == 0` means dense everywhere;
+    otherwise layers `first_dense_layers..` (every `moe_layer_freq`-th) use MoE.
+    """
+
+    preset: str | None = None
+    vocab_size: int = 256
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int = 768
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    # Llama-3 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    # Mixture of Experts
+    num_experts: int = 0
+    num_experts_per_token: int = 2
+    moe_intermediate_size: int | None = None  # None: intermediate_size
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None  # total width of the shared expert(s)
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert output (Qwen2-MoE)
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    first_dense_layers: int = 0  # leading layers that stay dense (DeepSeek)
+    moe_layer_freq: int = 1  # every n-th layer after those is MoE
+    router_aux_loss_coef: float = 0.01
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None and self.num_heads > 0:
+            self.head_dim = self.hidden_size // self.num_heads
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        if self.shared_expert_intermediate_size is not None:
+            return self.shared_expert_intermediate_size
+        return self.num_shared_experts * self.expert_intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not self.is_moe or layer < self.first_dense_layers:
+            return False
+        return (layer - self.first_dense_layers) % self.moe_layer_freq == 0
+
+    def validate(self) -> None:
+        positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "intermediate_size", "max_seq_len", "head_dim"]
+        for name in positive:
+            _require(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "must be > 0")
+        _require(self.hidden_size % self.num_heads == 0 or self.head_dim != self.hidden_size // self.num_heads,
+                 "model.num_heads", self.num_heads,
+                 f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
+                 f"must divide model.num_heads={self.num_heads} (grouped-query attention)")
+        _require(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "must be even (RoPE rotates pairs)")
+        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
+        _require(self.num_experts >= 0, "model.num_experts", self.num_experts, "must be >= 0 (0 = dense)")
+        if self.is_moe:
+            _require(1 <= self.num_experts_per_token <= self.num_experts, "model.num_experts_per_token",
+                     self.num_experts_per_token, f"must be in 1..model.num_experts={self.num_experts}")
+            _require(self.moe_layer_freq >= 1, "model.moe_layer_freq", self.moe_layer_freq, "must be >= 1")
+            _require(0 <= self.first_dense_layers <= self.num_layers, "model.first_dense_layers",
+                     self.first_dense_layers, f"must be in 0..model.num_layers={self.num_layers}")
+        if self.rope_scaling is not None:
+            missing = {"factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"} - set(self.rope_scaling)
+            _require(not missing, "model.rope_scaling", self.rope_scaling, f"is missing keys {sorted(missing)}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset={name!r} is unknown; choose one of {sorted(MODEL_PRESETS)}")
+        cfg = cls(preset=name, **{**MODEL_PRESETS[name], **overrides})
+        return cfg
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> "ModelConfig":
+        """Read a Hugging Face `config.json` (file or the directory holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"no Hugging Face config at {str(path)!r}; pass a model directory with config.json")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        arch = (hf.get("architectures") or [""])[0]
+        model_type = hf.get("model_type", "")
+        supported = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
+        if model_type not in supported:
+            raise ConfigError(f"Hugging Face model_type={model_type!r} ({arch}) is not supported; "
+                              f"supported: {sorted(supported)}")
+        num_heads = hf["num_attention_heads"]
+        kw: dict[str, Any] = dict(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            intermediate_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size"),
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            rope_theta=float(_hf_rope_theta(hf)),
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        )
+        rs = _hf_rope_scaling(hf)
+        if rs is not None:
+            kw["rope_scaling"] = rs
+        if model_type == "mixtral":
+            kw.update(num_experts=hf["num_local_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+                      norm_topk_prob=True, router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.02))
+        elif model_type in ("qwen2_moe", "qwen3_moe"):
+            sparse_step = hf.get("decoder_sparse_step", 1)
+            if hf.get("mlp_only_layers"):
+                raise ConfigError(f"mlp_only_layers={hf['mlp_only_layers']} is not supported; "
+                                  "only a leading run of dense layers is")
+            kw.update(num_experts=hf["num_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+                      moe_intermediate_size=hf["moe_intermediate_size"],
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "qwen3_moe")),
+                      moe_layer_freq=sparse_step, first_dense_layers=sparse_step - 1,
+                      router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
+            if model_type == "qwen2_moe" and hf.get("shared_expert_intermediate_size", 0):
+                kw.update(num_shared_experts=1, shared_expert_gate=True,
+                          shared_expert_intermediate_size=hf["shared_expert_intermediate_size"])
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+
+def _hf_rope_theta(hf: dict) -> float:
+    if "rope_theta" in hf:
+        return hf["rope_theta"]
+    params = hf.get("rope_parameters") or {}
+    return params.get("rope_theta", 10000.0)
+
+
+def _hf_rope_scaling(hf: dict) -> dict | None:
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported; only 'llama3' scaling is")
+    return {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings")}
+
+
+_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # A few million parameters, byte-level vocabulary: trains on a laptop CPU in minutes.
+    "tiny": dict(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                 intermediate_size=768, max_seq_len=256, rope_theta=10000.0, norm_eps=1e-5),
+    # Tiny MoE twin, for tests and CPU demos of expert parallelism.
+    "tiny-moe": dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                     intermediate_size=384, max_seq_len=256, num_experts=8, num_experts_per_token=2,
+                     moe_intermediate_size=128, num_shared_experts=1, first_dense_layers=1),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336, max_seq_len=131072, rope_theta=500000.0,
+                      rope_scaling=_LLAMA3_ROPE, norm_eps=1e-5),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       intermediate_size=28672, max_seq_len=131072, rope_theta=500000.0,
+                       rope_scaling=_LLAMA3_ROPE, norm_eps=1e-5),
+    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128,
+                        num_kv_heads=8, intermediate_size=53248, max_seq_len=131072, rope_theta=500000.0,
+                        rope_scaling=_LLAMA3_ROPE, norm_eps=1e-5),
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                         intermediate_size=14336, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5,
+                         num_experts=8, num_experts_per_token=2, router_aux_loss_coef=0.02),
+    # DeepSeek-V3 dimensions (671B total, ~37B active). Its multi-head latent attention is modelled
+    # as grouped-query attention of the same width; routing as softmax top-k. 3 leading dense layers,
+    # 256 routed experts (8 active) + 1 shared expert.
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, num_kv_heads=128,
+                        head_dim=128, intermediate_size=18432, max_seq_len=163840, rope_theta=10000.0,
+                        norm_eps=1e-6, num_experts=256, num_experts_per_token=8, moe_intermediate_size=2048,
+                        num_shared_experts=1, first_dense_layers=3, router_aux_loss_coef=0.0001),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel layout, training, data
+# --------------------------------------------------------------------------------------------
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each parallelism and their knobs. `dp_shard = -1` takes what the others leave."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard
+    sequence_parallel: bool = True  # with tp > 1
+    pp_schedule: str = "1f1b"
+    pp_chunks: int = 1  # virtual stages per rank (interleaved)
+    num_microbatches: int = 0  # pipeline microbatches; 0: derived from the batch
+    bucket_size_mb: float = 25.0
+    recompute: str = "none"  # none | selective | full
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
+        _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
+                 "must be >= 1, or -1 to take what the other degrees leave of the world size")
+        _require(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
+        _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
+                 f"must be one of {list(PP_SCHEDULES)}")
+        _require(self.num_microbatches >= 0, "parallel.num_microbatches", self.num_microbatches,
+                 "must be >= 0 (0 = derived)")
+        _require(self.bucket_size_mb > 0, "parallel.bucket_size_mb", self.bucket_size_mb, "must be > 0")
+        _require(self.recompute in ("none", "selective", "full"), "parallel.recompute", self.recompute,
+                 "must be none, selective or full")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 150
+    seq_len: int = 256
+    global_batch_size: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    global_batch_tokens: int = 0  # if > 0, overrides global_batch_size (= tokens // seq_len)
+    micro_batch_size: int = 16  # sequences per forward/backward on one rank
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 15
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global norm; 0 disables
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+    run_dir: str = "runs/default"
+    checkpoint_interval: int = 0  # steps; 0: only at the end
+    keep_checkpoints: int = 2
+    log_interval: int = 1
+    val_interval: int = 50
+    val_batches: int = 4
+    peak_tflops: float = 0.0  # per device, for MFU; 0: guessed from the device
+    sample_tokens: int = 120  # generated at the end of `meshlm train`
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_interval",
+                     "val_interval", "keep_checkpoints"):
+            _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
+        for name in ("warmup_steps", "checkpoint_interval", "val_batches", "global_batch_tokens",
+                     "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
+            _require(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "must be >= 0")
+        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2",
+                 (self.beta1, self.beta2), "must be in [0, 1)")
+        _require(self.lr_schedule in ("cosine", "linear", "constant"), "train.lr_schedule",
+                 self.lr_schedule, "must be cosine, linear or constant")
+        _require(self.precision in ("auto", "fp32", "bf16"), "train.precision", self.precision,
+                 "must be auto, fp32 or bf16")
+        _require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "must be auto, cpu or cuda")
+        if self.global_batch_tokens:
+            _require(self.global_batch_tokens % self.seq_len == 0, "train.global_batch_tokens",
+                     self.global_batch_tokens, f"must be a multiple of train.seq_len={self.seq_len}")
+            self.global_batch_size = self.global_batch_tokens // self.seq_len
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # file, folder, or .jsonl; empty: the embedded default (Python stdlib sources)
+    tokenizer: str = ""  # a Hugging Face tokenizer.json; empty: bytes
+    val_fraction: float = 0.02
+    max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large)
+
+    def validate(self) -> None:
+        _require(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in [0, 1)")
+        _require(self.max_bytes > 0, "data.max_bytes", self.max_bytes, "must be > 0")
+        if self.path:
+            _require(Path(self.path).exists(), "data.path", self.path, "must be an existing file or folder")
+        if self.tokenizer:
+            _require(Path(self.tokenizer).exists(), "data.tokenizer", self.tokenizer,
+                     "must be an existing tokenizer.json (or empty for bytes)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.from_preset("tiny"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> "Config":
+        self.model.validate()
+        self.parallel.validate()
+        self.train.validate()
+        self.data.validate()
+        _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", self.train.seq_len,
+                 f"must be <= model.max_seq_len={self.model.max_seq_len}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and overrides
+# --------------------------------------------------------------------------------------------
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a validated `Config` from an optional TOML file and `section.field=value` overrides.
+
+    `model.preset` is applied first (from the file or an override), then every other model field,
+    so `--set model.preset=llama3-8b --set model.num_layers=2` means a 2-layer Llama-3-8B.
+    """
+    raw: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if section not in _SECTIONS:
+                raise ConfigError(f"unknown config section [{section}]; valid sections: {sorted(_SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"config key {section!r} must be a [section] table")
+            for key, value in values.items():
+                _check_key(section, key)
+                raw[section][key] = value
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r} must look like section.field=value (e.g. train.lr=3e-4)")
+        section, name = key.strip().split(".", 1)
+        _check_key(section, name)
+        raw[section][name] = _parse_value(_SECTIONS[section], name, text.strip())
+
+    model_raw = dict(raw["model"])
+    preset = model_raw.pop("preset", "tiny")
+    if preset:
+        model = ModelConfig.from_preset(preset)
+    else:
+        model = ModelConfig()
+    for key, value in model_raw.items():
+        setattr(model, key, _coerce(ModelConfig, key, value))
+    if "head_dim" not in model_raw and ("hidden_size" in model_raw or "num_heads" in model_raw) and preset:
+        model.head_dim = model.hidden_size // model.num_heads if model.num_heads > 0 else 0
+    cfg = Config(model=model,
+                 parallel=ParallelConfig(**{k: _coerce(ParallelConfig, k, v) for k, v in raw["parallel"].items()}),
+                 train=TrainConfig(**{k: _coerce(TrainConfig, k, v) for k, v in raw["train"].items()}),
+                 data=DataConfig(**{k: _coerce(DataConfig, k, v) for k, v in raw["data"].items()}))
+    return cfg.validate()
+
+
+def _check_key(section: str, key: str) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}; valid sections: {sorted(_SECTIONS)}")
+    names = [f.name for f in fields(_SECTIONS[section])]
+    if key not in names:
+        raise ConfigError(f"unknown key {section}.{key}; valid keys in [{section}]: {', '.join(names)}")
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _parse_value(cls: type, name: str, text: str) -> Any:
+    """Parse an override's text by the field's declared type (TOML syntax accepted too)."""
+    tp = _field_type(cls, name)
+    base = _base_type(tp)
+    if base is str:
+        return text.strip('"').strip("'")
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        if base is bool and text.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            return text.lower() in ("true", "yes", "on", "1")
+        raise ConfigError(f"{_section_of(cls)}.{name}={text!r} is not a valid {base.__name__}") from None
+
+
+def _base_type(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+        return args[0]
+    return tp
+
+
+def _section_of(cls: type) -> str:
+    return next(k for k, v in _SECTIONS.items() if v is cls)
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    tp = _field_type(cls, name)
+    base = _base_type(tp)
+    if value is None and type(None) in typing.get_args(tp):
+        return None
+    where = f"{_section_of(cls)}.{name}"
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        return int(value)
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        return float(value)
+    if base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return value
+    if typing.get_origin(base) is dict or base is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}={value!r} must be a table")
+        return value
+    return value
+
+
+def _require(ok: bool, name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} {rule}")

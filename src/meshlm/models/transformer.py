@@ -1,0 +1,263 @@
+"""The reference decoder: a Llama-style transformer in plain PyTorch, on one device.
+
+Responsible for: embedding, RMSNorm, RoPE (with Llama-3 frequency scaling), grouped-query attention
+through `scaled_dot_product_attention` (optional q/k norm, optional q/k/v bias), SwiGLU MLP or MoE per
+layer, tied or untied output head, an optional contiguous KV cache for generation, and a deterministic
+initialisation that depends only on (seed, parameter name) -- never on how the model is sharded.
+Not responsible for: any parallelism (strategies are transforms in `meshlm.parallel`), loss
+functions, or the paged KV cache of the inference engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.config import ModelConfig
+from meshlm.models.moe import MoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of RoPE, with Llama-3 scaling of the low frequencies when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of shape [..., seq, head_dim] for integer `positions` of shape [..., seq]."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_bhsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (the Hugging Face convention, so checkpoints load without permuting)."""
+    if cos.dim() == 2:
+        cos, sin = cos[None, None], sin[None, None]
+    else:  # [batch, seq, dim]
+        cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x_bhsd.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x_bhsd * cos + rotated * sin
+
+
+class KVCache:
+    """A contiguous per-layer KV cache for single-process generation: [batch, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
+        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.length = 0  # tokens already stored (the same for every row)
+        self.max_len = max_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store new k/v at positions [length, length + new) and return the whole prefix."""
+        new = k.shape[2]
+        end = self.length + new
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; {end} were asked for")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.wq = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # Head counts are read from the projection widths so that a tensor-parallel transform that
+        # shards wq/wk/wv by heads needs no change here.
+        q_bhsd = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k_bhsd = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v_bhsd = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q_bhsd, k_bhsd = self.q_norm(q_bhsd), self.k_norm(k_bhsd)
+        q_bhsd, k_bhsd = apply_rope(q_bhsd, cos, sin), apply_rope(k_bhsd, cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k_bhsd, v_bhsd = cache.update(layer, k_bhsd, v_bhsd)
+        groups = q_bhsd.shape[1] // k_bhsd.shape[1]
+        if groups > 1:
+            k_bhsd = k_bhsd.repeat_interleave(groups, dim=1)
+            v_bhsd = v_bhsd.repeat_interleave(groups, dim=1)
+        if past == 0:
+            out = F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, is_causal=seq > 1)
+        elif seq == 1:
+            out = F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd)
+        else:  # a chunk after a cached prefix: query i sees keys up to past + i
+            total = k_bhsd.shape[2]
+            mask = torch.ones(seq, total, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(bsz, seq, -1)
+        return self.wo(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w_gate = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w_up = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w_down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, self.layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """`forward(tokens [batch, seq]) -> logits [batch, seq, vocab]`.
+
+    Layers live in a `ModuleDict` keyed by their global index ("0", "1", ...), so a pipeline stage
+    that keeps a subset keeps the same parameter names as the full model (checkpoints stay portable).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.num_layers)})
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # A plain tensor, not a buffer: `.to(dtype)` must not round the frequencies to bf16.
+        with torch.device("cpu"):
+            self.inv_freq = rope_inv_freq(config)
+
+    def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        h = self.embed(tokens) if self.embed is not None else tokens
+        seq = h.shape[1]
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + seq, device=h.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        for block in self.layers.values():
+            h = block(h, cos, sin, cache)
+        if cache is not None:
+            cache.length += seq
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the MoE load-balancing losses of the last forward, weighted by the config's coefficient."""
+        losses = [m.last_aux_loss for m in self.modules() if isinstance(m, MoE) and m.last_aux_loss is not None]
+        if not losses:
+            return 0.0
+        return self.config.router_aux_loss_coef * torch.stack(losses).sum()
+
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        seen, total = set(), 0
+        for name, p in self.named_parameters():
+            if id(p) in seen or (exclude_embedding and name.startswith("embed.")):
+                continue
+            seen.add(id(p))
+            total += p.numel()
+        return total
+
+
+# --------------------------------------------------------------------------------------------
+# Deterministic initialisation
+# --------------------------------------------------------------------------------------------
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from (seed, parameter name): the same on every rank and every layout."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def init_param(name: str, shape: torch.Size | tuple[int, ...], config: ModelConfig, seed: int) -> torch.Tensor:
+    """The full initial value of parameter `name` (a rank slices its shard out of it)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    std = config.init_std
+    # Output projections of residual branches are scaled down with depth (GPT-2 / Megatron style).
+    if any(name.endswith(s) for s in ("wo.weight", "w_down.weight", "w_down")):
+        std = std / math.sqrt(2 * config.num_layers)
+    return torch.randn(shape, generator=param_generator(seed, name)) * std
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, config: ModelConfig, seed: int) -> None:
+    """Fill every parameter from its (seed, name) stream. Tied weights are filled once."""
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        p.copy_(init_param(name, p.shape, config, seed).to(p.dtype))
+
+
+def build_model(config: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Construct and deterministically initialise the reference model."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device="cpu")
+    init_weights(model, config, seed)
+    return model.to(device=device, dtype=dtype)

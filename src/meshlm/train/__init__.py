@@ -1,0 +1,1 @@
+"""meshlm.train"""
