@@ -116,6 +116,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_bhsd, k_bhsd = self.q_norm(q_bhsd), self.k_norm(k_bhsd)
         q_bhsd, k_bhsd = apply_rope(q_bhsd, cos, sin), apply_rope(k_bhsd, cos, sin)
+        if hasattr(cache, "attend"):
+            # A cache that runs attention itself (the inference engine's paged KV cache): it stores
+            # k/v where its block tables say and returns [batch, heads, seq, head_dim].
+            out = cache.attend(layer, q_bhsd, k_bhsd, v_bhsd)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
         past = 0
         if cache is not None:
             past = cache.length
@@ -259,5 +264,8 @@ def build_model(config: ModelConfig, *, seed: int = 0, device: str | torch.devic
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to_empty(device="cpu")
+    # to_empty gives each module its own new tensor, which unties lm_head from embed: tie again.
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
     init_weights(model, config, seed)
     return model.to(device=device, dtype=dtype)

@@ -1,1 +1,66 @@
-"""meshlm.planner"""
+"""meshlm.planner: predict memory and step time of parallel layouts on a cluster, pick one, explain it.
+
+Works from configs and model dimensions only (no torch needed except for `calibrate`).
+
+  model_stats  exact parameter counts and matmul FLOPs of our model (the FLOP convention is there)
+  cluster      GPU/cluster presets (a100, h100, h200, b200, gb200-nvl72) and `local` from calibration
+  cost         Job, Layout, placement, collective and pipeline-bubble formulas, `Estimate`
+  search       layout enumeration, pruning, ranking
+  explain      why the winner wins and what bounds it
+  inference    serving: KV cache, largest batch, decode tokens/s, prefill time
+  plot         PNG of the top layouts' memory and time breakdowns
+  calibrate    measure this machine (matmul FLOP/s, gloo collectives)
+  cli          `meshlm plan` (add_plan_parser, run_plan)
+
+Python API: `estimate(...)` (one layout) and `plan(...)` (search) below.
+"""
+
+from __future__ import annotations
+
+from meshlm.config import ModelConfig
+from meshlm.planner.cluster import PRESETS, Cluster, get_cluster
+from meshlm.planner.cost import Estimate, Job, Layout, parse_layout, pipeline_bubble
+from meshlm.planner.search import SearchResult
+
+__all__ = ["estimate", "plan", "Estimate", "Job", "Layout", "Cluster", "PRESETS", "SearchResult",
+           "get_cluster", "pipeline_bubble"]
+
+
+def _inputs(model, cluster, *, seq_len, global_batch_size, global_batch_tokens, precision, calibration):
+    from meshlm.planner.cli import make_job, resolve_model
+
+    cfg = model if isinstance(model, ModelConfig) else resolve_model(model)
+    clu = cluster if isinstance(cluster, Cluster) else get_cluster(cluster, calibration=calibration)
+    job = make_job(seq_len=seq_len, global_batch_size=global_batch_size, global_batch_tokens=global_batch_tokens,
+                   precision=precision)
+    return cfg, clu, job
+
+
+def estimate(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, layout: str | dict | Layout,
+             seq_len: int = 8192, global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
+             precision: str = "bf16", calibration: str | None = None) -> Estimate:
+    """Estimate one layout. `layout` is `"tp=8,pp=4,..."`, a dict of the same keys, or a `Layout`.
+
+    The returned `Estimate` has fits, memory_gib (by component and total), time_s (by component and
+    step), mfu, hfu, tokens_per_s, tflops_per_gpu, hw_tflops_per_gpu.
+    """
+    from meshlm.planner import cost
+
+    cfg, clu, job = _inputs(model, cluster, seq_len=seq_len, global_batch_size=global_batch_size,
+                            global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration)
+    if isinstance(layout, str):
+        layout = parse_layout(layout, gpus=gpus)
+    elif isinstance(layout, dict):
+        layout = parse_layout(",".join(f"{k}={v}" for k, v in layout.items()), gpus=gpus)
+    return cost.estimate(cfg, clu, job, layout, gpus=gpus)
+
+
+def plan(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, seq_len: int = 8192,
+         global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
+         precision: str = "bf16", top: int = 10, calibration: str | None = None) -> SearchResult:
+    """Search all layouts; `result.ranked` holds the fitting ones, fastest first."""
+    from meshlm.planner.search import search
+
+    cfg, clu, job = _inputs(model, cluster, seq_len=seq_len, global_batch_size=global_batch_size,
+                            global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration)
+    return search(cfg, clu, job, gpus=gpus, top=top)

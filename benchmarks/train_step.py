@@ -1,0 +1,98 @@
+"""Time training steps of one model on one device and print JSON.
+
+    python benchmarks/train_step.py --preset tiny --batch 8 --seq-len 256 --steps 10
+    python benchmarks/train_step.py --preset llama3-8b --set num_layers=2 --device cuda --batch 2 --seq-len 4096
+
+Prints tokens/s, step time (median of the timed steps), peak memory, and MFU against the device's
+peak dense bf16 FLOP/s (on a GPU; on CPU the MFU is against --peak-tflops when given). The model is
+meshlm's reference model, no parallelism: this is the single-device baseline every layout is compared to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from meshlm.config import ModelConfig, _coerce
+from meshlm.models import build_model
+from meshlm.planner.model_stats import flops_per_token
+
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0, "GB200": 2250.0}
+
+
+def gpu_peak_tflops(name: str) -> float:
+    return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name.upper()), 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a ModelConfig field, e.g. num_layers=2")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: by GPU name)")
+    args = ap.parse_args()
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
+    overrides = {}
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        overrides[key] = _coerce(ModelConfig, key, json.loads(value))
+    cfg = ModelConfig.from_preset(args.preset, **overrides)
+    cfg.max_seq_len = max(cfg.max_seq_len, args.seq_len)
+    model = build_model(cfg, seed=0, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen).to(device)
+
+    def step() -> float:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - start
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        step()
+    times = [step() for _ in range(args.steps)]
+    step_s = statistics.median(times)
+    tokens_per_step = args.batch * args.seq_len
+    train_flops = 3 * flops_per_token(cfg, args.seq_len) * tokens_per_step
+    peak = args.peak_tflops or (gpu_peak_tflops(torch.cuda.get_device_name()) if device == "cuda" else 0.0)
+    result = {
+        "preset": args.preset, "overrides": overrides, "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "precision": "bf16" if bf16 else "fp32", "batch": args.batch, "seq_len": args.seq_len,
+        "params": model.num_params(), "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+        "achieved_tflops": train_flops / step_s / 1e12,
+        "mfu": (train_flops / step_s / (peak * 1e12)) if peak else None,
+        "peak_memory_mib": (torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else None,
+    }
+    if device == "cpu":
+        import resource
+
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The `meshlm` command line: train, generate, info, plan, serve.
+
+Responsible for: argument parsing, turning user mistakes (ValueError and subclasses) into one clear
+line on stderr with exit code 2, and dispatching to the library. Heavy imports (torch) happen inside
+the command that needs them so `meshlm --help` is instant.
+Not responsible for: any logic of its own beyond wiring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = """examples:
+  meshlm train                                   # tiny model on the Python stdlib sources, CPU ok
+  meshlm train --set train.steps=50 --set train.lr=1e-3
+  meshlm train --config configs/tiny.toml --resume
+  meshlm generate --checkpoint runs/default --prompt "def fib(n):"
+  meshlm info --model llama3-70b
+"""
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a model (single process, or N local ranks with --nproc)",
+        description="Train a model. With no arguments: the `tiny` preset on the embedded default corpus "
+                    "(the Python standard library sources of this interpreter), a few minutes on a laptop CPU. "
+                    "Settings come from the defaults, then --config (TOML), then each --set in order.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="override examples: --set model.preset=tiny-moe --set train.steps=200 --set train.run_dir=runs/x\n"
+               "sections: model, parallel, train, data (see configs/tiny.toml for every field)")
+    p.add_argument("--config", metavar="FILE", help="TOML config file ([model], [parallel], [train], [data])")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field, e.g. train.lr=3e-4 (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from <run_dir>/checkpoints/latest (bit-identical continuation)")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a meshlm checkpoint or a Hugging Face model",
+                       description="Generate a continuation of --prompt, single process, with a KV cache.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="parameter counts, FLOPs per token and weight memory of a model",
+                       description="Describe a model: parameters (total, embedding, active per token for MoE), "
+                                   "training FLOPs per token, and the memory its weights take.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="tiny", metavar="PRESET", help="a preset name (default tiny)")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory or config.json")
+    p.add_argument("--seq-len", type=int, default=0, help="sequence length for the attention FLOPs "
+                                                           "(default: 4096, capped by the model's max)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshlm",
+        description="Train and serve transformer LLMs across a mesh of devices: data, tensor, pipeline, "
+                    "expert and context parallelism on one device mesh; a planner; a paged-KV inference engine.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    from meshlm import __version__
+
+    parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
+    _add_generate(sub)
+    _add_info(sub)
+    return parser
+
+
+def cmd_train(args) -> int:
+    from meshlm.config import load_config
+    from meshlm.train.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg, resume=args.resume)
+    trainer.train()
+    if trainer.is_main and cfg.train.sample_tokens > 0:
+        prompt = "def "
+        text = trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens)
+        print(f"--- sample ---\n{prompt}{text}\n--------------")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from meshlm.generation import generate
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p={args.top_p} must be in (0, 1]")
+    if args.checkpoint:
+        from meshlm.train.checkpoint import load_checkpoint_for_inference
+
+        model, _cfg, tokenizer = load_checkpoint_for_inference(args.checkpoint)
+    else:
+        from meshlm.models.hf import load_pretrained, load_tokenizer
+
+        model = load_pretrained(args.hf, dtype=torch.float32)
+        tokenizer = load_tokenizer(args.hf)
+    model.eval()
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise ValueError("--prompt encodes to no tokens; give some text")
+    limit = model.config.max_seq_len
+    if len(ids) + args.max_new_tokens > limit:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens={args.max_new_tokens} exceeds the "
+                         f"model's context of {limit} tokens; shorten one of them")
+    with torch.no_grad():
+        out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    print(args.prompt + tokenizer.decode(out))
+    return 0
+
+
+def cmd_info(args) -> int:
+    import json
+
+    from meshlm.config import ModelConfig
+    from meshlm.planner.model_stats import count_params, flops_per_token
+
+    cfg = ModelConfig.from_hf(args.hf) if args.hf else ModelConfig.from_preset(args.model)
+    seq_len = args.seq_len or min(4096, cfg.max_seq_len)
+    params = count_params(cfg)
+    flops = flops_per_token(cfg, seq_len)
+    info = {"model": args.hf or args.model, "seq_len": seq_len, "params": params,
+            "train_flops_per_token": 3 * flops, "forward_flops_per_token": flops,
+            "weights_gib": {"fp32": params["total"] * 4 / 2**30, "bf16": params["total"] * 2 / 2**30}}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"model            {info['model']}  ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads, vocab {cfg.vocab_size}"
+          + (f", {cfg.num_experts} experts top-{cfg.num_experts_per_token}" if cfg.is_moe else "") + ")")
+    for key, value in params.items():
+        print(f"params.{key:<11} {value:>20,}  ({value / 1e9:.3f} B)")
+    print(f"FLOPs/token      {3 * flops:>20.4g}  training (fwd+bwd) at seq_len {seq_len}; forward {flops:.4g}")
+    print(f"weights          {info['weights_gib']['bf16']:>20.2f}  GiB in bf16 "
+          f"({info['weights_gib']['fp32']:.2f} GiB fp32)")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except ValueError as e:  # user mistakes: one line, no traceback
+        print(f"meshlm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"meshlm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

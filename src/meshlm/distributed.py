@@ -1,0 +1,96 @@
+"""Process-group setup and teardown for one training or serving process.
+
+Responsible for: reading the rank layout that the launcher (torchrun, or srun through torchrun)
+puts in RANK / WORLD_SIZE / LOCAL_RANK, choosing the backend (gloo on CPU, NCCL on CUDA with one
+device per local rank), starting the default process group, and tearing it down.
+Not responsible for: launching processes (torchrun does that), building the mesh of parallel groups
+(`meshlm.mesh.build_mesh`), or any collective (`meshlm.comm`).
+
+A single process (no launcher, WORLD_SIZE unset or 1) gets no process group at all: a
+`Mesh` of world size 1 works without one, and every collective on a one-rank axis is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: global rank, world size, rank within its node, and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None  # None: single process, no process group
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prints; the others stay quiet."""
+        return self.rank == 0
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) as set by torchrun; (0, 1, 0) when no launcher set them."""
+    environ = os.environ if environ is None else environ
+    try:
+        rank = int(environ.get("RANK", "0"))
+        world_size = int(environ.get("WORLD_SIZE", "1"))
+        local_rank = int(environ.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise ValueError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers (set by torchrun): {e}") from None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} WORLD_SIZE={world_size} is not a valid layout; launch with torchrun")
+    return rank, world_size, local_rank
+
+
+def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | None = None,
+                     timeout_s: float = 600.0) -> DistEnv:
+    """Start the default process group for this process (if the launch has more than one rank).
+
+    `device_type` is "cpu" (gloo; one intra-op thread per rank so that N ranks on one host do not
+    oversubscribe its cores) or "cuda" (NCCL; this process owns cuda:LOCAL_RANK). MASTER_ADDR and
+    MASTER_PORT are read by torch's env:// rendezvous, as torchrun sets them.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type={device_type!r} is not supported; use 'cpu' or 'cuda'")
+    rank, world_size, local_rank = read_launch_env(environ)
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device_type='cuda' but no CUDA device is visible; use device_type='cpu'")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                             "visible; start at most that many processes per node")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1:
+        return DistEnv(rank=0, world_size=1, local_rank=0, backend=None, device=device)
+    if dist.is_initialized():
+        raise ValueError("a default process group already exists; call teardown_distributed() first")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cpu":
+        torch.set_num_threads(1)
+    kwargs = {"device_id": device} if device_type == "cuda" else {}
+    env = os.environ if environ is None else environ
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world_size} but {missing} are not set; launch with torchrun")
+    init_method = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device=device)
+
+
+def teardown_distributed() -> None:
+    """Destroy the default process group (and every subgroup) if one exists. Safe to call twice."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""Single-process text generation with the reference model: prefill, then decode token by token.
+
+Responsible for: running a prompt (or a batch of equal-length prompts) through `Transformer` with its
+contiguous `KVCache`, picking each next token greedily or by temperature / top-k / top-p sampling
+(reproducible with `seed`), and stopping at `max_new_tokens` or a stop token.
+Not responsible for: tokenisation, paged KV caches, continuous batching or serving (`meshlm.infer`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshlm.models.transformer import KVCache, Transformer
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_ids: list[int] | list[list[int]] | torch.Tensor, *,
+             max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             seed: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = ()) -> list[int] | list[list[int]]:
+    """The new tokens after `prompt_ids` (the prompt itself is not repeated).
+
+    `prompt_ids` is one prompt (a list of ints or a 1-D tensor), giving `list[int]`, or a batch of
+    prompts of equal length (a list of lists or a 2-D tensor), giving `list[list[int]]`. Greedy when
+    `temperature == 0`. A stop token ends its row and is included as the row's last token, like
+    Hugging Face `generate`; the other rows go on until they stop too or reach `max_new_tokens`.
+    """
+    tokens_bs, batched = _as_batch(prompt_ids)
+    _check_args(model, tokens_bs, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_p=top_p, top_k=top_k)
+    batch, prompt_len = tokens_bs.shape
+    if max_new_tokens == 0:
+        return [[] for _ in range(batch)] if batched else []
+    device = model.embed.weight.device
+    dtype = model.embed.weight.dtype
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+    cache = KVCache(model.config, batch, prompt_len + max_new_tokens, device=device, dtype=dtype)
+
+    was_training = model.training
+    model.eval()
+    try:
+        logits_bv = model(tokens_bs.to(device), cache=cache)[:, -1]
+        out: list[list[int]] = [[] for _ in range(batch)]
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            next_b = _pick(logits_bv.float(), temperature=temperature, top_p=top_p, top_k=top_k,
+                           generator=generator)
+            for row in range(batch):
+                if not done[row]:
+                    out[row].append(int(next_b[row]))
+            done |= torch.isin(next_b, stop)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            # Finished rows keep decoding (their outputs are discarded) so the batch stays rectangular.
+            logits_bv = model(next_b[:, None], cache=cache)[:, -1]
+    finally:
+        model.train(was_training)
+    return out if batched else out[0]
+
+
+def _as_batch(prompt_ids) -> tuple[torch.Tensor, bool]:
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() not in (1, 2):
+            raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}; pass [seq] or [batch, seq]")
+        tokens = prompt_ids.long()
+        return (tokens[None], False) if tokens.dim() == 1 else (tokens, True)
+    prompt_ids = list(prompt_ids)
+    if prompt_ids and all(isinstance(p, (list, tuple)) for p in prompt_ids):
+        lengths = sorted({len(p) for p in prompt_ids})
+        if len(lengths) != 1:
+            raise ValueError(f"batched prompts have lengths {lengths}; generate() needs equal lengths "
+                             "(pad them yourself, or call it once per prompt)")
+        return torch.tensor(prompt_ids, dtype=torch.long), True
+    return torch.tensor(prompt_ids, dtype=torch.long)[None], False
+
+
+def _check_args(model: Transformer, tokens_bs: torch.Tensor, *, max_new_tokens: int, temperature: float,
+                top_p: float, top_k: int) -> None:
+    config = model.config
+    if tokens_bs.shape[-1] == 0:
+        raise ValueError("prompt_ids is empty; generation needs at least one prompt token")
+    if tokens_bs.numel() and (int(tokens_bs.min()) < 0 or int(tokens_bs.max()) >= config.vocab_size):
+        raise ValueError(f"prompt_ids holds ids outside 0..{config.vocab_size - 1} (the model's vocab_size)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    total = tokens_bs.shape[-1] + max_new_tokens
+    if total > config.max_seq_len:
+        raise ValueError(f"prompt ({tokens_bs.shape[-1]} tokens) + max_new_tokens={max_new_tokens} = {total} "
+                         f"exceeds the model's max_seq_len={config.max_seq_len}; ask for fewer tokens")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = off)")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 = off)")
+
+
+def _pick(logits_bv: torch.Tensor, *, temperature: float, top_p: float, top_k: int,
+          generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row: argmax when temperature is 0, else a sample from the filtered distribution."""
+    if temperature == 0:
+        return logits_bv.argmax(dim=-1)
+    logits_bv = logits_bv / temperature
+    if 0 < top_k < logits_bv.shape[-1]:
+        kth = torch.topk(logits_bv, top_k, dim=-1).values[:, -1:]
+        logits_bv = logits_bv.masked_fill(logits_bv < kth, float("-inf"))
+    if top_p < 1:
+        sorted_bv, order_bv = torch.sort(logits_bv, dim=-1, descending=True)
+        probs_bv = sorted_bv.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+        drop_sorted = probs_bv.cumsum(dim=-1) - probs_bv >= top_p
+        drop_bv = drop_sorted.scatter(-1, order_bv, drop_sorted)
+        logits_bv = logits_bv.masked_fill(drop_bv, float("-inf"))
+    probs_bv = logits_bv.softmax(dim=-1)
+    return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]

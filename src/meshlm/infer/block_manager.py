@@ -1,0 +1,160 @@
+"""Fixed-size KV-cache blocks: allocation, reference counts, and prefix caching.
+
+Responsible for: which physical block of the paged KV cache holds which 16 (block_size) tokens of
+which sequence; sharing full blocks between sequences whose token prefixes are equal (prefix
+caching), keyed by a hash of the block's tokens chained on the previous block's hash, and checked
+token for token on a hit; keeping freed blocks that hold a cached prefix reusable until their space
+is needed (least recently freed first); hit counters.
+Not responsible for: the tensors themselves (model_runner.py) or deciding who gets blocks
+(scheduler.py). No torch import here.
+
+Only full blocks are ever shared, and a sequence only writes at positions at or beyond its
+`num_computed_tokens`, which always lie past its shared blocks: a shared block is never written.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from meshlm.infer.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1 (give the KV cache more memory)")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Free blocks in eviction order (oldest freed first); a free block may still hold a cached prefix.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Prefix cache: chained hash -> block, and per cached block (hash, parent block, tokens).
+        self.cached: dict[int, int] = {}
+        self.block_info: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}
+        # Per sequence: hashes of its leading full blocks already registered (the chain so far).
+        self.seq_hashes: dict[int, list[int]] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    @staticmethod
+    def _chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent_hash, tokens))
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
+
+        At least one token is left uncached: its logits are needed to sample the next token.
+        Returns the number of tokens whose KV is now cached (and sets `num_computed_tokens`).
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        self.seq_hashes[seq.seq_id] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self.num_queried_tokens += seq.num_tokens
+        if not self.enable_prefix_caching:
+            return 0
+        parent_hash, parent_block = None, None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = self._chain_hash(parent_hash, tokens)
+            block = self.cached.get(h)
+            if block is None or self.block_info[block][1:] != (parent_block, tokens):
+                break  # a miss, or a hash collision caught by the token comparison
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            self.seq_hashes[seq.seq_id].append(h)
+            parent_hash, parent_block = h, block
+        num_cached = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = num_cached
+        self.num_hit_tokens += num_cached
+        return num_cached
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that became full (all their tokens computed) in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        num_full = seq.num_computed_tokens // self.block_size
+        while len(hashes) < num_full:
+            i = len(hashes)
+            block = seq.block_table[i]
+            parent_hash = hashes[-1] if hashes else None
+            parent_block = seq.block_table[i - 1] if i else None
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = self._chain_hash(parent_hash, tokens)
+            hashes.append(h)
+            if h not in self.cached and block not in self.block_info:
+                self.cached[h] = block
+                self.block_info[block] = (h, parent_block, tokens)
+            # else: another sequence computed the same block concurrently (its copy stays the cached
+            # one; this block is simply freed later), or this block was itself a cache hit.
+
+    # ---- allocation ------------------------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        info = self.block_info.pop(block, None)
+        if info is not None:  # evict the cached prefix this block held
+            del self.cached[info[0]]
+        assert self.ref_counts[block] == 0
+        self.ref_counts[block] = 1
+        return block
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the block table to hold `num_tokens` tokens; False (and no change) if blocks run out."""
+        missing = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if missing > len(self.free_blocks):
+            return False
+        for _ in range(max(missing, 0)):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks reaching zero go to the free list.
+
+        The tail is freed first so that, under memory pressure, a sequence's last blocks are evicted
+        before its first ones (a prefix is only useful from its beginning).
+        """
+        for block in reversed(seq.block_table):
+            assert self.ref_counts[block] > 0
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.seq_hashes.pop(seq.seq_id, None)
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Reference counts equal the number of live block tables holding each block (for tests)."""
+        counts = [0] * self.num_blocks
+        for seq in live:
+            for block in seq.block_table:
+                counts[block] += 1
+        assert counts == self.ref_counts, (counts, self.ref_counts)
+        assert set(self.free_blocks) == {b for b in range(self.num_blocks) if counts[b] == 0}
+        assert all(self.cached[info[0]] == b for b, info in self.block_info.items())
+        assert len(self.cached) == len(self.block_info)

@@ -1,0 +1,217 @@
+"""The inference engine: requests in, tokens and text out, one continuous-batching step at a time.
+
+Responsible for: validating requests against the context length and the cache, the step loop
+(schedule -> StepInput -> model -> sample -> update), incremental detokenization with stop strings,
+aborting requests, and the counters the server exports.
+Not responsible for: threads, HTTP or streaming (server.py), loading models (llm.py), or the policy of
+who runs (scheduler.py). Single-threaded: callers serialize access.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from meshlm.infer.block_manager import BlockManager
+from meshlm.infer.model_runner import ModelRunner, StepInput
+from meshlm.infer.sampling import Sampler
+from meshlm.infer.scheduler import Scheduler
+from meshlm.infer.sequence import SamplingParams, Sequence
+from meshlm.infer.tokenizer import Tokenizer
+from meshlm.models.transformer import Transformer
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. `new_token_ids` / `new_text` are what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Detok:
+    text: str = ""  # text of the generated tokens, cut at a stop string
+    emitted: int = 0  # characters already returned as new_text
+    num_tokens: int = 0  # generated tokens already returned
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or model.config.max_seq_len
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
+                                  kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.block_manager = BlockManager(num_blocks=self.runner.num_blocks, block_size=block_size,
+                                          enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_chunked_prefill=enable_chunked_prefill)
+        self.sampler = Sampler(seed=seed)
+        self.requests: dict[str, Sequence] = {}
+        self._detok: dict[str, _Detok] = {}
+        self._next_id = 0
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (tokenizer.json): give prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {self.max_model_len}; "
+                             "shorten the prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                             f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(ids, params, request_id=request_id, eos_token_ids=self.eos_token_ids,
+                       max_model_len=self.max_model_len)
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+        self._detok[request_id] = _Detok()
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self.sampler.release(seq)
+            self._detok.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that produced tokens or finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        step = StepInput.from_schedule(out, self.runner.block_size)
+        sampling = [item.seq for item in out.scheduled if item.samples]
+        logits = self.runner.execute(step)
+        samples = self.sampler(logits, sampling)
+        self.scheduler.update(out, {seq.seq_id: s for seq, s in zip(sampling, samples)})
+        self.num_steps += 1
+        self.num_generated_tokens += len(sampling)
+        now = time.monotonic()
+        results = []
+        for seq in sampling:
+            if not seq.is_finished:
+                self._check_stop_strings(seq)
+            if seq.is_finished:
+                seq.finish_time = now
+            results.append(self._output(seq))
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+                self._detok.pop(seq.request_id, None)
+                self.sampler.release(seq)
+        return results
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        stops = seq.params.stop
+        if not stops or self.tokenizer is None:
+            return
+        state = self._detok[seq.request_id]
+        text = self.tokenizer.decode(seq.output_token_ids)
+        # Only the tail can hold a new match; search a window covering the longest stop string.
+        start = max(0, len(state.text) - max(map(len, stops)))
+        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            state.text = text[:min(hits)]
+            self.scheduler.finish(seq, "stop")
+        else:
+            state.text = text
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state = self._detok[seq.request_id]
+        if self.tokenizer is not None and not seq.params.stop:
+            state.text = self.tokenizer.decode(seq.output_token_ids)
+        text = state.text
+        # Hold back what may still change: an incomplete UTF-8 character, or the start of a stop string.
+        emit_upto = len(text)
+        if not seq.is_finished:
+            if text.endswith("\ufffd"):
+                emit_upto = len(text.rstrip("\ufffd"))
+            if seq.params.stop:
+                emit_upto = min(emit_upto, len(text) - max(map(len, seq.params.stop)) + 1)
+        emit_upto = max(emit_upto, state.emitted)
+        new_text, state.emitted = text[state.emitted:emit_upto], emit_upto
+        new_ids = seq.output_token_ids[state.num_tokens:]
+        state.num_tokens = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
+            text=text, finished=seq.is_finished, finish_reason=seq.finish_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            new_token_ids=new_ids, new_text=new_text, num_cached_tokens=seq.num_cached_tokens)
+
+    # ---- offline use ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run `prompts` to completion through continuous batching; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.add_request(prompt, sp).request_id)
+        except ValueError:
+            for request_id in ids:  # all or nothing
+                self.abort(request_id)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for result in self.step():
+                if result.finished:
+                    final[result.request_id] = result
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_total": bm.num_blocks, "prefix_cache_hit_rate": bm.hit_rate,
+            "prefix_cache_queried_tokens": bm.num_queried_tokens, "prefix_cache_hit_tokens": bm.num_hit_tokens,
+            "generated_tokens": self.num_generated_tokens, "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }

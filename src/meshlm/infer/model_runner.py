@@ -1,0 +1,168 @@
+"""Runs one engine step on the model: a paged KV cache per layer and attention over block tables.
+
+Responsible for: sizing the paged KV cache (one [num_blocks, block_size, kv_heads, head_dim] key and
+value tensor per layer) from a memory budget or a block count; turning a scheduler step into a plain
+`StepInput` (flat token ids, positions, slot mapping, block tables) -- a picklable object so that,
+later, rank 0 can schedule and send each step to a group of tensor-parallel ranks; and running the
+reference model's own modules with a `PagedAttention` context that the model's `Attention` calls
+(`cache.attend(layer, q, k, v)`): it writes the step's keys/values into their slots and attends each
+sequence over the keys its block table points to. Plain PyTorch, runs on CPU; a fused GPU kernel can
+replace `PagedAttention.attend` behind the same interface.
+Not responsible for: the model's math other than attention with the paged cache, scheduling, or
+sampling (sampling.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from meshlm.infer.scheduler import SchedulerOutput
+from meshlm.models.transformer import Transformer, rope_cos_sin
+
+
+@dataclass
+class StepInput:
+    """Everything a rank needs to run one step, as plain Python data (no tensors, no sequences)."""
+
+    token_ids: list[int]  # all sequences' new tokens, concatenated
+    positions: list[int]
+    slot_mapping: list[int]  # where each new token's k/v goes: block * block_size + offset
+    query_lens: list[int]  # new tokens per sequence
+    context_lens: list[int]  # tokens per sequence after this step (cached + new)
+    block_tables: list[list[int]]
+    logits_indices: list[int]  # flat rows whose logits are wanted (each sampling sequence's last token)
+
+    @classmethod
+    def from_schedule(cls, out: SchedulerOutput, block_size: int) -> "StepInput":
+        step = cls([], [], [], [], [], [], [])
+        for item in out.scheduled:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            table = seq.block_table
+            for pos in range(start, end):
+                step.token_ids.append(seq.token_at(pos))
+                step.positions.append(pos)
+                step.slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+            step.query_lens.append(item.num_new_tokens)
+            step.context_lens.append(end)
+            step.block_tables.append(list(table))
+            if item.samples:
+                step.logits_indices.append(len(step.token_ids) - 1)
+        return step
+
+
+class PagedAttention:
+    """The per-step attention context handed to the model as its `cache`."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int):
+        device = k_caches[0].device
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.slots = torch.tensor(step.slot_mapping, dtype=torch.long, device=device)
+
+        def gather_index(table: list[int], length: int) -> torch.Tensor:
+            pos = torch.arange(length)
+            return (torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size)
+
+        # Decodes (one new token) are batched, their keys padded to the longest context and masked;
+        # prefill chunks run one sequence at a time with their own causal mask.
+        starts = [0]
+        for n in step.query_lens:
+            starts.append(starts[-1] + n)
+        decode = [i for i, n in enumerate(step.query_lens) if n == 1]
+        self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
+        self.decode_index = self.decode_mask = None
+        if decode:
+            longest = max(step.context_lens[i] for i in decode)
+            index = torch.zeros(len(decode), longest, dtype=torch.long)
+            mask = torch.zeros(len(decode), 1, 1, longest, dtype=torch.bool)
+            for row, i in enumerate(decode):
+                length = step.context_lens[i]
+                index[row, :length] = gather_index(step.block_tables[i], length)
+                mask[row, ..., :length] = True
+            self.decode_index, self.decode_mask = index.to(device), mask.to(device)
+        self.prefills = []  # (first row, new tokens, gather index, causal mask or None)
+        for i, n in enumerate(step.query_lens):
+            if n == 1:
+                continue
+            length = step.context_lens[i]
+            past = length - n
+            mask = None
+            if past:  # query j sits at position past + j and sees keys up to it
+                mask = torch.ones(n, length, dtype=torch.bool, device=device).tril(diagonal=past)
+            self.prefills.append((starts[i], n, gather_index(step.block_tables[i], length).to(device), mask))
+
+    def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
+        assert q_bhsd.shape[0] == 1, "the engine packs all sequences of a step into one row"
+        k_flat = self.k_caches[layer].flatten(0, 1)  # [slots, kv_heads, head_dim]
+        v_flat = self.v_caches[layer].flatten(0, 1)
+        k_flat[self.slots] = k_bhsd[0].transpose(0, 1).to(k_flat.dtype)
+        v_flat[self.slots] = v_bhsd[0].transpose(0, 1).to(v_flat.dtype)
+        groups = q_bhsd.shape[1] // k_bhsd.shape[1]
+        out = torch.empty_like(q_bhsd)
+        if self.decode_index is not None:
+            q = q_bhsd[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # [batch, heads, 1, dim]
+            k = k_flat[self.decode_index].permute(0, 2, 1, 3).to(q.dtype)  # [batch, kv_heads, len, dim]
+            v = v_flat[self.decode_index].permute(0, 2, 1, 3).to(q.dtype)
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask)
+            out[0, :, self.decode_rows] = o.squeeze(2).transpose(0, 1)
+        for start, n, index, mask in self.prefills:
+            q = q_bhsd[:, :, start:start + n]
+            k = k_flat[index].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            v = v_flat[index].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out[:, :, start:start + n] = o
+        return out
+
+
+def kv_block_bytes(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, kv_dtype: torch.dtype | None = None):
+        """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default 256 MiB)."""
+        self.model = model.eval()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_dtype = kv_dtype or self.dtype
+        self.block_size = block_size
+        cfg = model.config
+        if num_blocks is None:
+            budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else 256 << 20
+            num_blocks = budget // kv_block_bytes(model, block_size, self.kv_dtype)
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
+                                 f"{kv_block_bytes(model, block_size, self.kv_dtype)} bytes; give it more memory")
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run the step's tokens; return float32 logits [len(step.logits_indices), vocab]."""
+        model = self.model
+        tokens = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        ctx = PagedAttention(self.k_caches, self.v_caches, step, self.block_size)
+        # The model's own modules; only attention is redirected to the paged cache (via `ctx`). Logits
+        # are computed for the sampling rows only, not for every prefill token.
+        h = model.embed(tokens[None])
+        cos, sin = rope_cos_sin(model.inv_freq, positions, h.dtype)
+        for block in model.layers.values():
+            h = block(h, cos, sin, ctx)
+        h = h[0, torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)]
+        return model.lm_head(model.norm(h)).float()

@@ -1,0 +1,165 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Responsible for: first-come-first-served admission of waiting requests, chunked prefill under a
+per-step token budget mixed with the decodes of running requests, preemption by recompute (the
+newest running request gives its blocks back and is prefilled again later) when KV blocks run out,
+and the bookkeeping after a step (computed tokens, appended samples, finishing).
+Not responsible for: tensors or sampling (model_runner.py, sampling.py), stop strings (the engine
+detokenizes and calls `finish`). No torch import here.
+
+Why no request starves: the waiting queue is served strictly in order (a request that does not fit
+blocks those behind it), preemption always picks the newest running request, and a request is only
+accepted if it fits in the whole cache alone -- so the oldest request always makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from meshlm.infer.block_manager import BlockManager
+from meshlm.infer.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last token, so its logits give a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        if bm.blocks_needed(seq.max_total_tokens) > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r} needs up to {seq.max_total_tokens} tokens "
+                f"({bm.blocks_needed(seq.max_total_tokens)} KV blocks) but the cache has {bm.num_blocks} blocks; "
+                "lower max_tokens, shorten the prompt, or give the KV cache more memory")
+        if not self.enable_chunked_prefill and seq.max_total_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {seq.request_id!r} needs {seq.max_total_tokens} tokens in one step without chunked "
+                f"prefill, above max_num_batched_tokens={self.max_num_batched_tokens}; enable chunked prefill")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence now (stop condition met, or aborted) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # Running requests first, oldest first: decodes and the rest of chunked prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert n > 0
+            while not bm.ensure_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # the newest; possibly `seq` itself
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # `seq` itself was preempted: everything after it was preempted too
+
+        # Then new requests in arrival order, unless memory was short this step.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                bm.match_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if (n < remaining and not self.enable_chunked_prefill) or not bm.ensure_slots(seq, seq.num_computed_tokens + n):
+                bm.free(seq)  # give back the prefix hits; retried next step, still first in line
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, tuple[int, dict | None]]) -> list[Sequence]:
+        """Account a finished step: `sampled[seq_id] = (token, logprobs or None)` for sampling rows.
+
+        Returns the sequences that finished by token or length (stop strings are the engine's).
+        """
+        finished = []
+        for item in out.scheduled:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+            if not samples:
+                continue
+            token, logprobs = sampled[seq.seq_id]
+            seq.append_token(token, logprobs)
+            reason = seq.check_stop_by_tokens()
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished

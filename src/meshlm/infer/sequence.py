@@ -1,0 +1,153 @@
+"""Request state of the inference engine: sampling parameters and one `Sequence` per request.
+
+Responsible for: validating the user's sampling parameters, and holding what the scheduler and
+the block manager need about a request (prompt and generated token ids, status, block table, how
+many tokens already have their keys/values in the cache).
+Not responsible for: deciding what runs (scheduler.py), owning KV blocks (block_manager.py),
+sampling itself (sampling.py) or text (the engine detokenizes). No torch import here.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to generate one request's tokens.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. `seed` gives the
+    request its own random generator, so its samples do not depend on what else is in the batch.
+    `stop` strings end the text (the stop string itself is not returned); `stop_token_ids` end it
+    with that token included in `token_ids`. `logprobs` = n returns the log-probability of each
+    sampled token and of the n most likely tokens at that step.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k is None:
+            self.top_k = 0
+        if int(self.top_k) != self.top_k:
+            raise ValueError(f"top_k={self.top_k} must be an integer (0 or -1 disables it)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs={self.logprobs} must be between 0 and 20")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its tokens, where it stands, and which KV blocks hold its cache.
+
+    Invariant while not finished: `num_computed_tokens < num_tokens` -- there is always at least one
+    token whose keys/values are still to be computed (the last one, whose logits give the next token).
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if not self.request_id:
+            self.request_id = str(self.seq_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens (what a recompute after preemption prefills)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold (prompt + max_tokens, capped by the context)."""
+        total = self.num_prompt_tokens + self.params.max_tokens
+        return total if self.max_model_len is None else min(total, self.max_model_len)
+
+    def append_token(self, token: int, logprobs: dict | None = None) -> None:
+        self.output_token_ids.append(int(token))
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def check_stop_by_tokens(self) -> str | None:
+        """The finish reason implied by the last generated token and the length limits, if any."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return "length"
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return "length"
+        return None

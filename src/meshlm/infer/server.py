@@ -1,0 +1,464 @@
+"""`meshlm serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, extra `serve`).
+
+Responsible for: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or
+not), GET /v1/models, /health and /metrics (Prometheus text); validating every request and answering
+bad input with a 4xx and an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`)
+while the other requests go on; an optional API key (`Authorization: Bearer KEY`); running the engine
+in one background thread that requests are queued to (`AsyncEngine`).
+Not responsible for: the engine itself, tensor parallelism, or TLS (put a proxy in front). Binds to
+127.0.0.1 unless told otherwise.
+
+Chat prompts use the model's chat template; a tokenizer without one gets the fallback template
+documented in `meshlm.infer.tokenizer` (`<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`).
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at runtime.
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from meshlm.infer.engine import Engine, RequestOutput
+from meshlm.infer.sequence import SamplingParams
+
+# ---------------------------------------------------------------------------------------------
+# The engine in a background thread
+# ---------------------------------------------------------------------------------------------
+
+
+class Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count)."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        lines += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return lines
+
+
+_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.submit_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+
+class AsyncEngine:
+    """Owns the engine; a daemon thread steps it while there is work. Thread-safe `submit`/`abort`."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self.ttft = Histogram(_TIME_BUCKETS)
+        self.tpot = Histogram(_TIME_BUCKETS)
+        self.num_requests = 0
+        self.num_errors = 0
+        self._thread = threading.Thread(target=self._run, name="meshlm-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, asyncio.Queue, int]:
+        """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens)."""
+        stream = _Stream(asyncio.get_running_loop())
+        with self._cv:
+            seq = self.engine.add_request(prompt, params, request_id=f"req-{uuid.uuid4().hex}")
+            self._streams[seq.request_id] = stream
+            self.num_requests += 1
+            self._cv.notify()
+        return seq.request_id, stream.queue, seq.num_prompt_tokens
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self.engine.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def stats(self) -> dict:
+        with self._cv:
+            return self.engine.stats()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self.engine.has_unfinished():
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                try:
+                    outputs, error = self.engine.step(), None
+                except Exception as e:  # a bug in a step: fail the requests in flight, keep serving
+                    outputs, error = [], e
+                    for request_id in list(self._streams):
+                        self.engine.abort(request_id)
+                    self.num_errors += 1
+                now = time.monotonic()
+                deliveries = []
+                if error is not None:
+                    deliveries = [(s, error) for s in self._streams.values()]
+                    self._streams.clear()
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    if out.new_token_ids and stream.first_token_time is None:
+                        stream.first_token_time = now
+                        self.ttft.observe(now - stream.submit_time)
+                    if out.finished:
+                        del self._streams[out.request_id]
+                        if len(out.token_ids) > 1 and stream.first_token_time is not None:
+                            self.tpot.observe((now - stream.first_token_time) / (len(out.token_ids) - 1))
+                    deliveries.append((stream, out))
+            for stream, item in deliveries:
+                try:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                except RuntimeError:  # the request's event loop is gone
+                    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Request validation (OpenAI fields -> SamplingParams)
+# ---------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _number(body: dict, key: str, default, kind=float, *, allow_none=True):
+    value = body.get(key, default)
+    if value is None and allow_none:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and int(value) != value):
+        raise APIError(400, f"{key}={value!r} must be {'an integer' if kind is int else 'a number'}", param=key)
+    return kind(value)
+
+
+def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
+    for key in ("n", "best_of"):
+        if body.get(key, 1) not in (1, None):
+            raise APIError(400, f"{key}={body[key]!r}: only 1 is supported", param=key)
+    max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise APIError(400, "stop must be a string or a list of strings", param="stop")
+    logprobs = body.get("logprobs")
+    if chat:  # chat: logprobs is a boolean, the count is top_logprobs
+        logprobs = _number(body, "top_logprobs", 0, int) if logprobs else None
+    elif logprobs is not None:
+        logprobs = _number(body, "logprobs", None, int)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+        raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    try:
+        return SamplingParams(
+            temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+            top_k=_number(body, "top_k", 0, int), max_tokens=_number(body, max_key, 16, int),
+            seed=_number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
+            ignore_eos=bool(body.get("ignore_eos", False)))
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, "each message needs a 'role' and a 'content'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(content, str):
+            raise APIError(400, "message content must be a string or a list of text parts", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+
+
+def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    tokenizer = engine.engine.tokenizer
+    created = int(time.time())
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def read_body(request: Request) -> dict:
+        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", type_="authentication_error")
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is None:
+            raise APIError(400, "'model' is required", param="model")
+        if model != model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return body
+
+    def submit(prompt, params):
+        try:
+            return engine.submit(prompt, params)
+        except ValueError as e:
+            raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
+
+    async def run(request: Request, *, chat: bool):
+        body = await read_body(request)
+        params = sampling_params_from(body, chat=chat)
+        if chat:
+            if tokenizer is None:
+                raise APIError(400, "this model has no tokenizer; chat needs one")
+            prompt = tokenizer.encode_chat(_chat_messages(body))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one
+            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) and prompt:
+                pass
+            elif not isinstance(prompt, str) or not prompt:
+                raise APIError(400, "'prompt' is required: a non-empty string or list of token ids (batches of "
+                                    "several prompts are not supported: send one request each)", param="prompt")
+            if isinstance(prompt, str) and tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
+        request_id, queue, num_prompt = submit(prompt, params)
+        kind = "chat.completion" if chat else "text_completion"
+        rid = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
+        if body.get("stream"):
+            return StreamingResponse(_stream(request_id, queue, rid, kind, chat, num_prompt, body),
+                                     media_type="text/event-stream")
+        out = None
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise APIError(500, f"the engine failed: {out}", type_="server_error")
+                if out.finished:
+                    break
+        finally:
+            if not isinstance(out, RequestOutput) or not out.finished:
+                engine.abort(request_id)
+        choice = {"index": 0, "finish_reason": out.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["logprobs"] = _chat_logprobs(out, tokenizer) if params.logprobs is not None else None
+        else:
+            choice["text"] = out.text
+            choice["logprobs"] = _completion_logprobs(out, tokenizer) if params.logprobs is not None else None
+        return JSONResponse({
+            "id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": len(out.token_ids),
+                      "total_tokens": num_prompt + len(out.token_ids)}})
+
+    async def _stream(request_id, queue, rid, kind, chat, num_prompt, body):
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        finished = False
+
+        def event(delta: str | None, finish_reason, first=False) -> str:
+            choice = {"index": 0, "finish_reason": finish_reason}
+            if chat:
+                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                choice["delta"] = d
+            else:
+                choice["text"] = delta or ""
+            data = {"id": rid, "object": chunk_kind, "created": int(time.time()), "model": model_name,
+                    "choices": [choice]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            if chat:
+                yield event(None, None, first=True)
+            while True:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    err = APIError(500, f"the engine failed: {out}", type_="server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    finished = True
+                    break
+                if out.new_text:
+                    yield event(out.new_text, None)
+                if out.finished:
+                    finished = True
+                    yield event(None, out.finish_reason)
+                    if (body.get("stream_options") or {}).get("include_usage"):
+                        usage = {"prompt_tokens": num_prompt, "completion_tokens": len(out.token_ids),
+                                 "total_tokens": num_prompt + len(out.token_ids)}
+                        yield f"data: {json.dumps({'id': rid, 'object': chunk_kind, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away: free its blocks
+                engine.abort(request_id)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return error(exc)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "meshlm",
+                                            "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        s = engine.stats()
+        lines = []
+        for name, key, help_text, kind in [
+            ("meshlm_requests_running", "num_running", "requests being processed", "gauge"),
+            ("meshlm_requests_waiting", "num_waiting", "requests waiting for admission", "gauge"),
+            ("meshlm_kv_blocks_used", "kv_blocks_used", "KV cache blocks in use", "gauge"),
+            ("meshlm_kv_blocks_free", "kv_blocks_free", "KV cache blocks free", "gauge"),
+            ("meshlm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache / queried", "gauge"),
+            ("meshlm_generated_tokens_total", "generated_tokens", "tokens generated", "counter"),
+            ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
+        ]:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
+        lines += [f"# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
+                  f"meshlm_requests_total {engine.num_requests}"]
+        lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
+        lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _completion_logprobs(out: RequestOutput, tokenizer) -> dict:
+    dec = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
+    return {"tokens": [dec(lp["token"]) for lp in out.logprobs],
+            "token_logprobs": [lp["logprob"] for lp in out.logprobs],
+            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in out.logprobs]}
+
+
+def _chat_logprobs(out: RequestOutput, tokenizer) -> dict:
+    dec = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
+    return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
+                         "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
+                        for lp in out.logprobs]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a Hugging Face model directory or a meshlm checkpoint: POST /v1/completions, "
+                    "/v1/chat/completions (stream or not), GET /v1/models, /health, /metrics.")
+    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory or meshlm checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
+def build_server(args):
+    """(uvicorn.Server, AsyncEngine) for parsed `meshlm serve` arguments; the caller runs the server."""
+    import uvicorn
+
+    from meshlm.infer.llm import LLM
+
+    llm = LLM(args.model, tp=args.tp, device=args.device, block_size=args.block_size,
+              kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)), max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              enable_prefix_caching=not args.no_prefix_caching)
+    engine = AsyncEngine(llm.engine)
+    name = args.served_model_name or Path(args.model).resolve().name
+    app = create_app(engine, model_name=name, api_key=args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return uvicorn.Server(config), engine
+
+
+def run_serve(args) -> int:
+    server, engine = build_server(args)
+    print(f"meshlm serve: http://{args.host}:{args.port}/v1 (model {args.model})", flush=True)
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m meshlm.infer.server --model DIR ...` (the same as `meshlm serve`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="meshlm")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(argv if argv is not None else __import__("sys").argv[1:])])
+    try:
+        return run_serve(args)
+    except ValueError as e:
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""The device mesh: parallel degrees, their validation, and the named process groups.
+
+Responsible for: `ParallelDims` (the degree of every parallelism, resolved and checked against the
+world size before any work starts), the pure mapping from a global rank to its coordinate on each
+axis (`rank_coords`, `group_ranks`), and `Mesh`, an explicit object that owns the process group of
+every axis and the `CommStats` that count what moves over them.
+Not responsible for: starting the default process group (`meshlm.distributed`), collectives
+(`meshlm.comm`), or model-dependent checks such as heads divisible by tp (each strategy checks its own).
+
+Rank order. Axes are laid out row-major in the order ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+tp is innermost, so the ranks of one tp group are consecutive global ranks, which launchers place on
+one node -- tp all-reduces/all-gathers every layer and needs the fastest links (NVLink). cp exchanges
+KV blocks every layer, next in bandwidth need. dp_shard (FSDP/ZeRO gathers) and dp_replicate (one
+gradient all-reduce per step) tolerate slower links. pp is outermost: it moves only activations
+between neighbouring stages, point to point, the least traffic, so it is the axis that crosses nodes.
+
+Flattened views: "dp" = dp_replicate x dp_shard (gradient reduction, data sharding) and
+"dp_cp" = dp_replicate x dp_shard x cp (the ranks that see different tokens of one model replica;
+loss and gradients are reduced over them when cp > 1). ep does not get an axis of its own here:
+experts are spread over dp_shard x cp (see `ParallelDims.resolve`); the expert-parallel transform
+builds its groups from those ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from meshlm.comm import CommStats
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+ALL_AXES = AXES + tuple(FLAT_AXES)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt_set(values: list[int]) -> str:
+    return "{" + ",".join(str(v) for v in values) + "}"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallelism. `dp_shard=-1` takes what the other degrees leave of the world."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def from_config(cls, parallel) -> "ParallelDims":
+        """From a `meshlm.config.ParallelConfig` (only the degrees are read)."""
+        return cls(pp=parallel.pp, dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard,
+                   cp=parallel.cp, tp=parallel.tp, ep=parallel.ep)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.dp_shard != -1
+
+    @property
+    def world_size(self) -> int:
+        self._require_resolved()
+        return math.prod(self.degree(a) for a in AXES)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of model replicas that see different sequences."""
+        self._require_resolved()
+        return self.dp_replicate * self.dp_shard
+
+    def degree(self, axis: str) -> int:
+        """Size of a mesh axis (one of ALL_AXES)."""
+        if axis in FLAT_AXES:
+            self._require_resolved()
+            return math.prod(getattr(self, a) for a in FLAT_AXES[axis])
+        if axis not in AXES:
+            raise ValueError(f"axis={axis!r} is unknown; choose one of {list(ALL_AXES)}")
+        return getattr(self, axis)
+
+    def resolve(self, world_size: int) -> "ParallelDims":
+        """Fill in dp_shard=-1 and check the degrees against `world_size`; returns a new ParallelDims.
+
+        Raises ValueError naming the numbers and a fix, before any process group is touched.
+        """
+        if world_size < 1:
+            raise ValueError(f"world size {world_size} must be >= 1")
+        for name in ("pp", "dp_replicate", "cp", "tp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value} must be an integer >= 1")
+        if not isinstance(self.dp_shard, int) or (self.dp_shard != -1 and self.dp_shard < 1):
+            raise ValueError(f"dp_shard={self.dp_shard} must be >= 1, or -1 to take what the other "
+                             "degrees leave of the world size")
+        fixed = [a for a in AXES if a != "dp_shard" or self.dp_shard != -1]
+        product = math.prod(getattr(self, a) for a in fixed)
+        terms = " x ".join(f"{a}={getattr(self, a)}" for a in fixed)
+        if self.dp_shard == -1:
+            if world_size % product != 0:
+                raise ValueError(f"{terms} = {product} does not divide world size {world_size}; "
+                                 f"{self._fix_hint(fixed, world_size, exact=False)}")
+            dims = dataclasses.replace(self, dp_shard=world_size // product)
+        else:
+            if product != world_size:
+                raise ValueError(f"{terms} = {product} != world size {world_size}; "
+                                 f"{self._fix_hint(fixed, world_size, exact=True)}, "
+                                 "or set dp_shard=-1 to take what the others leave")
+            dims = self
+        shard_cp = dims.dp_shard * dims.cp
+        if shard_cp % dims.ep != 0:
+            raise ValueError(f"ep={dims.ep} does not divide dp_shard x cp = {dims.dp_shard} x {dims.cp} = "
+                             f"{shard_cp} (experts are spread over the data-shard and context ranks); "
+                             f"choose ep in {_fmt_set(_divisors(shard_cp))}")
+        return dims
+
+    def _fix_hint(self, fixed: list[str], world_size: int, *, exact: bool) -> str:
+        """'choose tp in {1,2,4}' for each degree > 1 that could alone make the layout fit."""
+        hints = []
+        for axis in reversed(fixed):  # innermost first: the usual thing to change is tp
+            value = getattr(self, axis)
+            if value == 1:
+                continue
+            rest = math.prod(getattr(self, a) for a in fixed) // value
+            if world_size % rest != 0:
+                continue
+            choices = [d for d in _divisors(world_size // rest) if not exact or d * rest == world_size]
+            hints.append(f"choose {axis} in {_fmt_set(choices)}")
+        if not hints:
+            return f"choose degrees whose product divides {world_size}"
+        return " or ".join(hints)
+
+    def _require_resolved(self) -> None:
+        if not self.is_resolved:
+            raise ValueError("dp_shard=-1 is not resolved yet; call dims.resolve(world_size) first")
+
+
+def rank_coords(dims: ParallelDims, rank: int) -> dict[str, int]:
+    """Coordinate of global `rank` on every axis (AXES and the flattened ones), tp fastest-varying."""
+    world = dims.world_size
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} is outside the mesh of world size {world}")
+    coords: dict[str, int] = {}
+    rest = rank
+    for axis in reversed(AXES):
+        coords[axis] = rest % dims.degree(axis)
+        rest //= dims.degree(axis)
+    for flat, parts in FLAT_AXES.items():
+        c = 0
+        for part in parts:  # row-major, like the global order
+            c = c * dims.degree(part) + coords[part]
+        coords[flat] = c
+    return {a: coords[a] for a in ALL_AXES}
+
+
+def _rank_of(dims: ParallelDims, coords: dict[str, int]) -> int:
+    rank = 0
+    for axis in AXES:
+        rank = rank * dims.degree(axis) + coords[axis]
+    return rank
+
+
+def group_ranks(dims: ParallelDims, rank: int, axis: str) -> list[int]:
+    """Global ranks of the group of `rank` along `axis`, ordered by their coordinate on it."""
+    coords = rank_coords(dims, rank)
+    parts = FLAT_AXES.get(axis, (axis,))
+    dims.degree(axis)  # validates the name
+    ranks = []
+    for c in range(dims.degree(axis)):
+        member = dict(coords)
+        for part in reversed(parts):
+            member[part] = c % dims.degree(part)
+            c //= dims.degree(part)
+        ranks.append(_rank_of(dims, member))
+    return ranks
+
+
+class Mesh:
+    """Named process groups over the world, plus the `CommStats` of everything sent over them.
+
+    Build it with `build_mesh`. A world of one process needs no process group: every axis then has
+    size 1, `group()` returns None, and `meshlm.comm` skips collectives on one-rank axes.
+    """
+
+    def __init__(self, dims: ParallelDims, *, device_type: str, rank: int, device_mesh=None,
+                 views: dict | None = None, stats: CommStats | None = None):
+        assert dims.is_resolved
+        self.dims = dims
+        self.device_type = device_type
+        self.rank = rank
+        self.world_size = dims.world_size
+        self.device_mesh = device_mesh  # torch DeviceMesh (for DTensor users); None for one process
+        self._views = views or {}  # flattened axis name -> its 1-D DeviceMesh
+        self.stats = stats if stats is not None else CommStats()
+        self.coords = rank_coords(dims, rank)
+
+    def size(self, axis: str) -> int:
+        return self.dims.degree(axis)
+
+    def local_rank(self, axis: str) -> int:
+        """This rank's coordinate along `axis` (its rank within the axis group)."""
+        self.dims.degree(axis)
+        return self.coords[axis]
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along `axis`, by coordinate."""
+        return group_ranks(self.dims, self.rank, axis)
+
+    def global_rank(self, axis: str, coord: int) -> int:
+        """Global rank of the member with coordinate `coord` in this rank's `axis` group."""
+        return self.ranks(axis)[coord]
+
+    def group(self, axis: str):
+        """The ProcessGroup of this rank's group along `axis` (None in a one-process world)."""
+        self.dims.degree(axis)
+        if self.device_mesh is None:
+            return None
+        if axis in self._views:
+            return self._views[axis].get_group()
+        return self.device_mesh.get_group(axis)
+
+    def __repr__(self) -> str:
+        degrees = ", ".join(f"{a}={self.size(a)}" for a in AXES)
+        return f"Mesh({degrees}, ep={self.dims.ep}, rank={self.rank}, device_type={self.device_type!r})"
+
+
+def build_mesh(dims: ParallelDims, *, device_type: str, stats: CommStats | None = None) -> Mesh:
+    """Resolve `dims` against the world and create every axis group (collective over all ranks).
+
+    Needs the default process group when the world has more than one rank (`init_distributed`).
+    """
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    dims = dims.resolve(world_size)
+    if world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        return Mesh(dims, device_type=device_type, rank=0, stats=stats)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(device_type, tuple(dims.degree(a) for a in AXES), mesh_dim_names=AXES)
+    # Flattened views are kept here rather than sliced from the root mesh later (torch deprecates that).
+    views = {flat: device_mesh[parts]._flatten(flat) for flat, parts in FLAT_AXES.items()}
+    rank = dist.get_rank()
+    mesh = Mesh(dims, device_type=device_type, rank=rank, device_mesh=device_mesh, views=views, stats=stats)
+    for axis in ALL_AXES:  # the torch groups must agree with our pure rank arithmetic
+        assert dist.get_process_group_ranks(mesh.group(axis)) == mesh.ranks(axis), axis
+    return mesh

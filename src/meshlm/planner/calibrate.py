@@ -1,0 +1,142 @@
+"""Measure this machine for the `local` cluster: matmul FLOP/s and collective latency/bandwidth.
+
+Responsible for: timing fp32 matmuls of a few sizes in this process, spawning `world_size` local
+gloo ranks (one thread each) that time all_reduce, all_gather, reduce_scatter, all_to_all and
+send/recv over message sizes, fitting `time = latency + bytes_moved / bandwidth` to each, and writing
+the JSON file that `cluster.local_cluster` reads.
+Not responsible for: the cost model (the fit is expressed in the same terms `cost.collective_time`
+uses: a ring moves (n-1)/n of the buffer per rank and per phase).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes per message (fp32 elements x 4)
+
+
+def measure_matmul(*, sizes=(256, 512, 1024), repeats: int = 3) -> float:
+    """Best achieved fp32 matmul FLOP/s over a few square sizes (one thread, as the ranks run)."""
+    import torch
+
+    torch.set_num_threads(1)
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+def measure_memory_bandwidth(*, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    import torch
+
+    x = torch.empty(nbytes // 4)
+    y = torch.empty_like(x)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        y.copy_(x)
+        best = max(best, 2 * nbytes / (time.perf_counter() - t))  # read + write
+    return best
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results: dict = {}
+    try:
+        for nbytes in SIZES:
+            n = nbytes // 4
+            n -= n % world
+            buf = torch.ones(n)
+            ops = {
+                "all_reduce": lambda: dist.all_reduce(buf),
+                "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(n), buf[: n // world]),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(n // world), buf),
+                "all_to_all": lambda: dist.all_to_all_single(torch.empty(n), buf),
+                "p2p": (lambda: dist.send(buf, 1)) if rank == 0 else (lambda: dist.recv(buf, 0)),
+            }
+            for name, fn in ops.items():
+                if name == "p2p" and rank > 1:
+                    continue
+                try:
+                    fn()  # warm-up
+                    times = []
+                    for _ in range(repeats):
+                        dist.barrier() if name != "p2p" else None
+                        t = time.perf_counter()
+                        fn()
+                        times.append(time.perf_counter() - t)
+                    results.setdefault(name, []).append([n * 4, min(times)])
+                except RuntimeError as e:  # an op the backend lacks: record and go on
+                    results.setdefault("unsupported", []).append(f"{name}: {str(e)[:80]}")
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out_dir, "rank0.json").write_text(json.dumps(results))
+
+
+def _fit(points: list, factor: float) -> tuple[float, float]:
+    """Least-squares `t = latency + factor * bytes / bandwidth` over (bytes, t) points."""
+    xs = [factor * b for b, _ in points]
+    ys = [t for _, t in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    slope = max(slope, 1e-15)
+    latency = max(0.0, my - slope * mx)
+    return latency, 1.0 / slope
+
+
+def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict:
+    """Measure and write the calibration file; return its contents."""
+    import torch.multiprocessing as mp
+
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size} must be >= 2 to time collectives")
+    data: dict = {"device": "cpu", "matmul_flops": measure_matmul(),
+                  "memory_bandwidth": measure_memory_bandwidth(), "world_size": world_size}
+    try:
+        data["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        data["memory_bytes"] = 16 * 2**30
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(world_size, _free_port(), tmp, repeats), nprocs=world_size,
+                           join=True, start_method="spawn")
+        raw = json.loads(Path(tmp, "rank0.json").read_text())
+    n = world_size
+    ring = (n - 1) / n
+    factors = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": ring, "all_to_all": ring, "p2p": 1.0}
+    fits = {}
+    for name, pts in raw.items():
+        if name in factors and len(pts) >= 2:
+            lat, bw = _fit(pts, factors[name])
+            fits[name] = {"latency": lat, "bandwidth": bw, "points": pts}
+    data["collectives"] = fits
+    if "unsupported" in raw:
+        data["unsupported"] = raw["unsupported"]
+    # The cost model has one link; use the all-reduce fit (gradient sync dominates CPU runs), its
+    # latency counted per ring hop as collective_time does.
+    ref = fits.get("all_reduce") or next(iter(fits.values()))
+    data["link"] = {"bandwidth": ref["bandwidth"], "latency": ref["latency"] / max(1, 2 * (n - 1))}
+    Path(out).write_text(json.dumps(data, indent=2))
+    return data

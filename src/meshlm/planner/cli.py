@@ -1,0 +1,231 @@
+"""`meshlm plan`: search layouts, estimate one, estimate serving, or calibrate this machine.
+
+Responsible for: the argument parser of the `plan` command (`add_plan_parser`), turning flags into
+the planner's inputs (model preset or Hugging Face config.json, cluster, job sizes like 4M), and
+printing tables or JSON (`run_plan`). User mistakes raise ValueError; the top-level CLI prints them
+as one line with exit code 2.
+Not responsible for: any estimate (see `cost.py`, `search.py`, `inference.py`).
+
+  meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 --global-batch-tokens 4M
+  meshlm plan estimate --model llama3-70b --cluster h100 --gpus 64 --layout tp=8,pp=4,zero_stage=1 --json
+  meshlm plan infer --model llama3-70b --cluster h100 --tp 8 --context-len 8192
+  meshlm plan calibrate --out plan_calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """`4M` -> 4 * 2**20 (token batches are powers of two by custom), `512` -> 512, `1.5K` -> 1536."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().lower()
+    mult = 1
+    if t and t[-1] in _UNITS:
+        mult, t = _UNITS[t[-1]], t[:-1]
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number like 4096, 4M or 16M (K/M/G = 2^10/2^20/2^30)") from None
+    if value < 1 or not float(value).is_integer():
+        raise ValueError(f"size {text!r} must be a positive whole number")
+    return int(value)
+
+
+def resolve_model(spec: str):
+    """A preset name, or a Hugging Face config.json (or the directory holding one)."""
+    from meshlm.config import MODEL_PRESETS, ModelConfig
+
+    if spec in MODEL_PRESETS:
+        return ModelConfig.from_preset(spec)
+    if spec.endswith(".json") or Path(spec).is_dir():
+        return ModelConfig.from_hf(spec)
+    raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(MODEL_PRESETS))}) "
+                     "nor a Hugging Face config.json / model directory")
+
+
+def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
+             precision: str = "bf16", flash_attention: bool = True):
+    from meshlm.planner.cost import Job
+
+    if seq_len is None or int(seq_len) < 1:
+        raise ValueError(f"--seq-len={seq_len} must be >= 1")
+    if global_batch_tokens:
+        tokens = parse_size(global_batch_tokens)
+        if tokens % seq_len:
+            raise ValueError(f"--global-batch-tokens={global_batch_tokens} ({tokens}) must be a multiple of "
+                             f"--seq-len={seq_len}")
+        gbs = tokens // seq_len
+    elif global_batch_size:
+        gbs = parse_size(global_batch_size)
+    else:
+        raise ValueError("give --global-batch-size (sequences) or --global-batch-tokens (e.g. 4M)")
+    job = Job(seq_len=int(seq_len), global_batch_size=gbs, precision=precision, flash_attention=flash_attention)
+    job.validate()
+    return job
+
+
+def _add_common(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--model", required=required, metavar="PRESET|CONFIG.json",
+                   help="a model preset (e.g. llama3-70b) or a Hugging Face config.json")
+    p.add_argument("--cluster", default="h100", help="a100 | h100 | h200 | b200 | gb200-nvl72 | local (default h100)")
+    p.add_argument("--calibration", default="plan_calibration.json", metavar="FILE",
+                   help="calibration file for --cluster local (default plan_calibration.json)")
+    p.add_argument("--gpus", type=int, required=required, help="number of GPUs")
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch-size", default=None, help="sequences per optimizer step")
+    batch.add_argument("--global-batch-tokens", default=None, help="tokens per optimizer step, e.g. 4M")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="training precision")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="predict memory and step time of parallel layouts on a cluster and pick one",
+        description="Search every valid layout (dp_replicate, dp_shard + ZeRO stage, tp, pp + schedule, cp, "
+                    "ep, micro-batch, recompute) for a model on a cluster, rank those that fit by step "
+                    "time and explain the winner. Sub-commands: estimate (one layout), infer (serving), "
+                    "calibrate (measure this machine for --cluster local).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 "
+               "--global-batch-tokens 4M\nJSON keys: fits, memory_gib{...,total}, time_s{...,step}, mfu, hfu, "
+               "tokens_per_s, tflops_per_gpu (see README).")
+    _add_common(p, required=False)
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--plot", metavar="FILE.png", help="write memory and time breakdowns of the top layouts")
+    sub = p.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
+
+    e = sub.add_parser("estimate", help="memory and step time of one layout",
+                       description="Estimate one layout. --layout keys: dp_replicate, dp_shard (default: the "
+                                   "rest), tp, pp, cp, ep, zero_stage, pp_schedule, pp_chunks, num_microbatches, "
+                                   "micro_batch_size, recompute (none|selective|full), sequence_parallel.")
+    _add_common(e, required=True)
+    e.add_argument("--layout", required=True, help="e.g. tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=selective")
+
+    i = sub.add_parser("infer", help="serving estimate: KV cache, largest batch, decode tokens/s, prefill",
+                       description="Serving estimate for one tensor-parallel replica.")
+    i.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
+    i.add_argument("--cluster", default="h100")
+    i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
+    i.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the replica")
+    i.add_argument("--context-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
+    i.add_argument("--batch", type=int, default=0, help="concurrent sequences (default: the largest that fits)")
+    i.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="weight precision")
+    i.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("calibrate", help="measure matmul FLOP/s and collectives here for --cluster local",
+                       description="Spawn local gloo ranks, time matmuls and collectives over message sizes, "
+                                   "fit latency and bandwidth, and write them to --out.")
+    c.add_argument("--out", default="plan_calibration.json", help="output file (default plan_calibration.json)")
+    c.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (default 2)")
+    c.add_argument("--json", action="store_true")
+    return p
+
+
+def run_plan(args) -> int:
+    from meshlm.planner.cluster import get_cluster
+
+    cmd = getattr(args, "plan_command", None)
+    if cmd == "calibrate":
+        from meshlm.planner.calibrate import calibrate
+
+        data = calibrate(args.out, world_size=args.world_size)
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            link = data["link"]
+            print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s, memory {data['memory_bandwidth'] / 1e9:.1f} GB/s, "
+                  f"collective link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.0f} us/hop "
+                  f"-> {args.out}")
+        return 0
+    if args.model is None:
+        raise ValueError("--model is required (a preset such as llama3-70b, or a Hugging Face config.json)")
+    cfg = resolve_model(args.model)
+    cluster = get_cluster(args.cluster, calibration=args.calibration)
+    if cmd == "infer":
+        from meshlm.planner.inference import estimate_inference
+
+        est = estimate_inference(cfg, cluster, tp=args.tp, context_len=args.context_len, batch=args.batch,
+                                 precision=args.precision)
+        if args.json:
+            print(json.dumps(est.to_dict(), indent=2))
+        else:
+            print(f"{args.model} on {cluster.gpu} x{args.tp} (tp): weights {est.weights_gib:.1f} GiB/GPU, "
+                  f"KV cache {est.kv_bytes_per_token / 1024:.1f} KiB/token/GPU, {est.max_tokens_in_cache:,} tokens "
+                  f"fit -> max batch {est.max_batch} at {est.context_len} tokens")
+            print(f"decode at batch {est.batch}: {est.decode_step_s * 1e3:.2f} ms/step, "
+                  f"{est.decode_tokens_per_s:,.0f} tokens/s ({est.decode_bound}-bound); "
+                  f"prefill of {est.context_len} tokens: {est.prefill_s * 1e3:.1f} ms")
+        return 0
+    if args.gpus is None:
+        raise ValueError("--gpus is required")
+    job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
+                   global_batch_tokens=args.global_batch_tokens, precision=args.precision)
+    if cmd == "estimate":
+        from meshlm.planner.cost import estimate, parse_layout
+
+        est = estimate(cfg, cluster, job, parse_layout(args.layout, gpus=args.gpus), gpus=args.gpus)
+        if args.json:
+            print(json.dumps(est.to_dict(), indent=2))
+        else:
+            print(format_table([est]))
+            from meshlm.planner.explain import bound_of
+
+            print(bound_of(est))
+        return 0
+
+    from meshlm.planner.explain import explain
+    from meshlm.planner.search import search
+
+    result = search(cfg, cluster, job, gpus=args.gpus, top=args.top)
+    text = explain(result)
+    if args.plot:
+        from meshlm.planner.plot import plot_estimates
+
+        plot_estimates(result.ranked, args.plot,
+                       title=f"{args.model} on {args.gpus} x {cluster.gpu}, seq {job.seq_len}, "
+                             f"{job.tokens / 2**20:.3g}M tokens/step")
+    if args.json:
+        print(json.dumps({"model": args.model, "cluster": cluster.name, "gpus": args.gpus,
+                          "seq_len": job.seq_len, "global_batch_size": job.global_batch_size,
+                          "precision": job.precision, "evaluated": result.evaluated, "num_fit": result.num_fit,
+                          "ranked": [e.to_dict() for e in result.ranked],
+                          "closest_miss": result.closest_miss.to_dict() if result.closest_miss else None,
+                          "explanation": text}, indent=2))
+        return 0
+    print(f"{args.model} on {args.gpus} x {cluster.gpu} ({cluster.name}), seq {job.seq_len}, "
+          f"{job.global_batch_size} sequences ({job.tokens:,} tokens) per step, {job.precision}: "
+          f"{result.evaluated} layouts evaluated, {result.num_fit} fit")
+    if result.ranked:
+        print(format_table(result.ranked))
+    print()
+    print(text)
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def format_table(estimates) -> str:
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'v':>2} {'cp':>3} {'ep':>3} {'dp':>9} {'z':>1} {'mbs':>3} "
+            f"{'schedule':<11} {'recomp':<9} {'mem GiB':>8} {'step s':>8} {'MFU':>6} {'HFU':>6} "
+            f"{'TFLOP/s':>8} {'tokens/s':>11}  top overhead")
+    rows = [head, "-" * len(head)]
+    for i, e in enumerate(estimates, 1):
+        lo = e.layout
+        dp = f"{lo.dp_replicate}x{lo.dp_shard}" if lo.dp_replicate > 1 else str(lo.dp_shard)
+        over = {k: v for k, v in e.time_s.items() if k not in ("compute", "step")}
+        worst = max(over, key=over.get)
+        sched = lo.pp_schedule if lo.pp > 1 else "-"
+        rows.append(f"{i:>3} {lo.tp:>3} {lo.pp:>3} {lo.pp_chunks:>2} {lo.cp:>3} {lo.ep:>3} {dp:>9} "
+                    f"{lo.zero_stage:>1} {lo.micro_batch_size:>3} {sched:<11} {lo.recompute:<9} "
+                    f"{e.memory_gib['total']:>8.1f} {e.time_s['step']:>8.3g} {e.mfu:>6.1%} {e.hfu:>6.1%} "
+                    f"{e.tflops_per_gpu:>8.1f} {e.tokens_per_s:>11,.0f}  {worst} {over[worst] / e.time_s['step']:.0%}"
+                    + ("" if e.fits else "  DOES NOT FIT"))
+    return "\n".join(rows)

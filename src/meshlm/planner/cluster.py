@@ -1,0 +1,121 @@
+"""Cluster descriptions: GPU type, scale-up domain (NVLink) and scale-out network, plus `local`.
+
+Responsible for: the preset clusters (public datasheet figures, dense, per GPU), the per-GPU-type
+efficiency constants the cost model uses, and building the `local` cluster from the JSON file that
+`meshlm plan calibrate` writes.
+Not responsible for: any cost formula (see `cost.py`) or measuring anything (see `calibrate.py`).
+
+Units: FLOP/s, bytes, bytes/s and seconds everywhere inside the planner. Bandwidths are per GPU and
+per direction ("450 GB/s each way" for H100 NVLink); network figures are per GPU (one NIC per GPU).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpu: str
+    peak_flops: dict  # precision -> dense FLOP/s per GPU ("bf16", "fp8", "fp32")
+    hbm_bytes: float  # capacity per GPU
+    hbm_bw: float  # bytes/s per GPU
+    scaleup_size: int  # GPUs per scale-up (NVLink) domain
+    scaleup_bw: float  # bytes/s per GPU per direction inside the domain
+    scaleout_bw: float  # bytes/s per GPU across domains
+    scaleup_latency: float  # seconds per hop of a collective inside the domain
+    scaleout_latency: float  # seconds per hop across domains
+    # Achievable fractions (per GPU type, not per run): see PRESETS for the justification.
+    matmul_efficiency: float  # of peak, for the matmuls of a transformer layer
+    link_efficiency: float  # of the link bandwidth, for large collectives (NCCL bus bandwidth)
+    hbm_efficiency: float  # of the HBM bandwidth, for streaming elementwise kernels / decode
+    reserved_bytes: float  # per GPU: CUDA context, NCCL, allocator pools that training cannot use
+
+    def peak(self, precision: str) -> float:
+        if precision not in self.peak_flops:
+            raise ValueError(f"precision={precision!r} is not known for cluster {self.name!r}; "
+                             f"choose one of {sorted(self.peak_flops)}")
+        return self.peak_flops[precision]
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _gbit(x: float) -> float:
+    return x * 1e9 / 8
+
+
+# Efficiency constants, per GPU type (never per run):
+#  * matmul_efficiency: the fraction of dense peak that well-shaped bf16 GEMMs of transformer sizes
+#    reach in public cuBLAS/Megatron measurements. A100: ~250 of 312 TFLOP/s (0.80). Hopper and
+#    Blackwell have far higher peaks that are harder to feed from HBM and need larger tiles; their
+#    GEMMs of these shapes sustain ~650-700 of 989 TFLOP/s on H100 (0.70), the same fraction is assumed
+#    for B200. Flash attention runs at a similar fraction; it is folded into the same constant.
+#  * link_efficiency: NCCL bus bandwidth over the nominal link rate for large messages, ~0.8 on NVLink
+#    and InfiniBand alike (e.g. ~360 of 450 GB/s on H100 NVLink; ~45 of 50 GB/s per 400G NIC is higher,
+#    the common figure is used for both so the constant stays one number per GPU type).
+#  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used.
+_A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
+             hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
+             scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, link_efficiency=0.8,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB)
+_H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
+             hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.70, link_efficiency=0.8,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB)
+_B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
+             hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.70, link_efficiency=0.8,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB)
+
+PRESETS: dict[str, Cluster] = {
+    "a100": Cluster(name="a100", **_A100),
+    "h100": Cluster(name="h100", **_H100),
+    "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12}),
+    "b200": Cluster(name="b200", **_B200),
+    "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72}),
+}
+
+
+def get_cluster(name: str, *, calibration: str | Path | None = None) -> Cluster:
+    """A preset by name, or `local` from a calibration file (default `plan_calibration.json`)."""
+    if name == "local":
+        return local_cluster(calibration or "plan_calibration.json")
+    if name not in PRESETS:
+        raise ValueError(f"cluster={name!r} is unknown; choose one of {sorted(PRESETS) + ['local']}")
+    return PRESETS[name]
+
+
+def local_cluster(path: str | Path) -> Cluster:
+    """The current machine, from what `meshlm plan calibrate` measured.
+
+    Measured numbers are achieved rates, so every efficiency is 1. All ranks share one host, so the
+    scale-up domain is the whole world and both links are the measured collective bandwidth.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"calibration file {str(path)!r} does not exist; run `meshlm plan calibrate "
+                         f"--out {path}` first, or pick a preset cluster")
+    data = json.loads(path.read_text())
+    try:
+        flops = float(data["matmul_flops"])
+        bw = float(data["link"]["bandwidth"])
+        lat = float(data["link"]["latency"])
+        mem_bw = float(data.get("memory_bandwidth", 10e9))
+        mem = float(data.get("memory_bytes", 16 * GiB))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate`") from None
+    return Cluster(name="local", gpu=data.get("device", "cpu"),
+                   peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
+                   scaleup_size=int(data.get("world_size_max", 1 << 20)), scaleup_bw=bw, scaleout_bw=bw,
+                   scaleup_latency=lat, scaleout_latency=lat, matmul_efficiency=1.0, link_efficiency=1.0,
+                   hbm_efficiency=1.0, reserved_bytes=0.0)
+
+
+def with_overrides(cluster: Cluster, **kw) -> Cluster:
+    return replace(cluster, **kw)

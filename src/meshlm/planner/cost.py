@@ -1,0 +1,654 @@
+"""The cost model: memory per GPU and step time of one training layout, by component.
+
+Responsible for: `Job` and `Layout` (the planner's inputs), validating a layout against the model and
+the GPU count, placing each parallel group on the scale-up or scale-out link, the collective time
+formulas, the pipeline-bubble formula of each schedule, and `estimate_layout`, which returns an
+`Estimate` (memory_gib and time_s by component, MFU, HFU, tokens/s, TFLOP/s per GPU).
+Not responsible for: enumerating layouts (`search.py`), explaining them (`explain.py`), or inference
+(`inference.py`).
+
+Rank placement follows the mesh convention: tp innermost, then cp, dp_shard, dp_replicate, pp
+outermost; ep is carved out of dp_shard x cp (its stride is tp). A group whose ranks all sit in one
+scale-up domain uses that link; one whose ranks are all in different domains uses the scale-out
+link; a group spanning both runs hierarchically (inside first, then across, one NIC per GPU).
+
+Model-state bytes per parameter (bf16 / fp8 training, Megatron's distributed-optimizer convention):
+2 (bf16 weights) + 4 (fp32 gradients: accumulated and reduced in fp32) + 12 (fp32 master, Adam m and
+v). fp32 training (the CPU runs): 4 + 4 + 8 (no separate master copy). ZeRO-1 shards the 12/8, ZeRO-2
+also the gradients, ZeRO-3 also the weights, each over dp_shard x cp.
+
+Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
+dense layers are spread evenly), experts are assumed perfectly balanced, tensor-parallel
+communication is not overlapped with compute, data-parallel communication overlaps with the
+backward (or forward) pass of one microbatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from meshlm.config import PP_SCHEDULES, ModelConfig
+from meshlm.planner import model_stats
+from meshlm.planner.cluster import GiB, Cluster
+
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp8", "fp32")
+FRAGMENTATION = 0.08  # caching-allocator fragmentation margin, fraction of what is allocated
+# ZeRO-3 keeps the next layer's gathered weights while computing this one (prefetch): 2 layers live.
+ZERO3_PREFETCH_LAYERS = 2
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    seq_len: int
+    global_batch_size: int  # sequences per optimizer step
+    precision: str = "bf16"  # bf16 | fp8 | fp32
+    # Fused (flash) attention stores no s x s scores; False models 2021-era unfused softmax kernels.
+    flash_attention: bool = True
+
+    def validate(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len} must be >= 1")
+        if self.global_batch_size < 1:
+            raise ValueError(f"global batch={self.global_batch_size} sequences must be >= 1 "
+                             "(give --global-batch-size or --global-batch-tokens >= --seq-len)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout. Keys are the `parallel.*` config names plus micro_batch_size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    pp_schedule: str = "1f1b"
+    pp_chunks: int = 1
+    num_microbatches: int = 0  # 0: derived, global_batch / (dp * micro_batch_size)
+    micro_batch_size: int = 1
+    sequence_parallel: bool = True
+    recompute: str = "none"
+    bucket_size_mb: float = 25.0
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def short(self) -> str:
+        parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel and self.tp > 1 else ""),
+                 f"pp{self.pp}" + (f"x{self.pp_chunks}" if self.pp_chunks > 1 else ""),
+                 (f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}")
+                 + f"/z{self.zero_stage}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"mbs{self.micro_batch_size}")
+        if self.pp > 1:
+            parts.append(self.pp_schedule)
+        parts.append(f"rc:{self.recompute}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_LAYOUT_TYPES = {f.name: f.type for f in fields(Layout)}
+
+
+def parse_layout(text: str, *, gpus: int) -> Layout:
+    """`tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=full` -> Layout; dp_shard defaults to the rest."""
+    kw: dict = {}
+    for item in [t for t in text.replace(" ", "").split(",") if t]:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"layout item {item!r} must look like key=value (e.g. tp=8)")
+        if key not in _LAYOUT_TYPES:
+            raise ValueError(f"layout key {key!r} is unknown; valid keys: {', '.join(_LAYOUT_TYPES)}")
+        kind = _LAYOUT_TYPES[key]
+        if kind == "bool":
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(f"layout {key}={value!r} must be true or false")
+            kw[key] = value.lower() in ("true", "1", "yes", "on")
+        elif kind == "str":
+            kw[key] = value
+        else:
+            try:
+                kw[key] = float(value) if kind == "float" else int(value)
+            except ValueError:
+                raise ValueError(f"layout {key}={value!r} must be a number") from None
+    if kw.get("dp_shard", -1) == -1:
+        others = kw.get("dp_replicate", 1) * kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+        if others < 1 or gpus % others:
+            raise ValueError(f"layout {text!r}: dp_replicate*tp*pp*cp={others} must divide --gpus={gpus}")
+        kw["dp_shard"] = gpus // others
+    return Layout(**kw)
+
+
+def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) -> int:
+    """Raise ValueError naming the value and the fix; return the number of microbatches."""
+    lo = layout
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_chunks", "micro_batch_size"):
+        if getattr(lo, name) < 1:
+            raise ValueError(f"layout {name}={getattr(lo, name)} must be >= 1")
+    if lo.world != gpus:
+        raise ValueError(f"layout dp_replicate*dp_shard*tp*pp*cp = {lo.world} must equal --gpus={gpus}")
+    if lo.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"layout zero_stage={lo.zero_stage} must be 0, 1, 2 or 3")
+    if lo.recompute not in RECOMPUTE:
+        raise ValueError(f"layout recompute={lo.recompute!r} must be one of {list(RECOMPUTE)}")
+    if lo.pp_schedule not in PP_SCHEDULES:
+        raise ValueError(f"layout pp_schedule={lo.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
+    if lo.pp_chunks > 1 and lo.pp_schedule != "interleaved":
+        raise ValueError(f"layout pp_chunks={lo.pp_chunks} needs pp_schedule=interleaved")
+    if cfg.num_heads % lo.tp or cfg.num_kv_heads % lo.tp:
+        raise ValueError(f"layout tp={lo.tp} must divide num_heads={cfg.num_heads} and "
+                         f"num_kv_heads={cfg.num_kv_heads}")
+    if lo.pp * lo.pp_chunks > cfg.num_layers:
+        raise ValueError(f"layout pp*pp_chunks={lo.pp * lo.pp_chunks} exceeds num_layers={cfg.num_layers}")
+    if lo.ep > 1:
+        if not cfg.is_moe:
+            raise ValueError(f"layout ep={lo.ep} needs a MoE model; set ep=1")
+        if cfg.num_experts % lo.ep:
+            raise ValueError(f"layout ep={lo.ep} must divide num_experts={cfg.num_experts}")
+        if (lo.dp_shard * lo.cp) % lo.ep:
+            raise ValueError(f"layout ep={lo.ep} must divide dp_shard*cp={lo.dp_shard * lo.cp} "
+                             "(experts are sharded over the data-parallel ranks)")
+    if job.seq_len % (2 * lo.cp if lo.cp > 1 else 1):
+        raise ValueError(f"seq_len={job.seq_len} must be divisible by 2*cp={2 * lo.cp} "
+                         "(load-balanced causal split)")
+    if lo.sequence_parallel and lo.tp > 1 and (job.seq_len // lo.cp) % lo.tp:
+        raise ValueError(f"seq_len/cp={job.seq_len // lo.cp} must be divisible by tp={lo.tp} "
+                         "with sequence_parallel; or set sequence_parallel=false")
+    per_step = lo.dp * lo.micro_batch_size
+    if job.global_batch_size % per_step:
+        raise ValueError(f"global batch of {job.global_batch_size} sequences must be divisible by "
+                         f"dp_replicate*dp_shard*micro_batch_size={per_step}; change the batch or the layout")
+    m = job.global_batch_size // per_step
+    if lo.num_microbatches and lo.num_microbatches != m:
+        raise ValueError(f"layout num_microbatches={lo.num_microbatches} disagrees with the batch: "
+                         f"{job.global_batch_size} / (dp {lo.dp} * micro_batch_size {lo.micro_batch_size}) = {m}")
+    return m
+
+
+# --------------------------------------------------------------------------------------------
+# Placement and collectives
+# --------------------------------------------------------------------------------------------
+
+
+def group_span(stride: int, size: int, scaleup_size: int) -> tuple[int, int]:
+    """(members per scale-up domain, domains) of a group of `size` ranks spaced `stride` apart."""
+    if size <= 1:
+        return 1, 1
+    if stride >= scaleup_size:
+        return 1, size
+    n_in = max(1, min(size, scaleup_size // stride))
+    return n_in, math.ceil(size / n_in)
+
+
+def link_name(n_in: int, n_out: int) -> str:
+    if n_in * n_out <= 1:
+        return "none"
+    if n_out == 1:
+        return "scale-up"
+    return "scale-out" if n_in == 1 else "hierarchical"
+
+
+def _hops(n: int) -> float:
+    # Ring latency grows with n; at scale NCCL switches to trees, whose latency grows with log n.
+    return n - 1 if n <= 16 else 2 * math.ceil(math.log2(n))
+
+
+def _rs_flat(nbytes: float, n: int, bw: float, lat: float) -> float:
+    """Reduce-scatter (or all-gather) of a `nbytes` buffer over a ring of n ranks."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bw + _hops(n) * lat
+
+
+def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
+    """Seconds for one collective; `nbytes` is the full (unsharded) buffer, or for all_to_all the
+    bytes each rank sends in total, or for p2p the message."""
+    n_in, n_out = span
+    up_bw = cluster.scaleup_bw * cluster.link_efficiency
+    out_bw = cluster.scaleout_bw * cluster.link_efficiency
+    up_lat, out_lat = cluster.scaleup_latency, cluster.scaleout_latency
+    if kind == "p2p":
+        return nbytes / (up_bw if n_out == 1 else out_bw) + (up_lat if n_out == 1 else out_lat)
+    if kind in ("reduce_scatter", "all_gather"):
+        # inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU)
+        return _rs_flat(nbytes, n_in, up_bw, up_lat) + _rs_flat(nbytes / n_in, n_out, out_bw, out_lat)
+    if kind == "all_reduce":
+        return (2 * _rs_flat(nbytes, n_in, up_bw, up_lat)
+                + 2 * _rs_flat(nbytes / n_in, n_out, out_bw, out_lat))
+    if kind == "all_to_all":
+        n = n_in * n_out
+        if n <= 1:
+            return 0.0
+        inside = nbytes * (n_in - 1) / n / up_bw
+        across = nbytes * (n - n_in) / n / out_bw if n_out > 1 else 0.0
+        return max(inside, across) + (n - 1) * (out_lat if n_out > 1 else up_lat)
+    raise AssertionError(f"unknown collective {kind}")
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline bubble
+# --------------------------------------------------------------------------------------------
+
+
+def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks: int = 1,
+                    t_fwd: float = 1.0, t_bwd_input: float = 1.0, t_bwd_weight: float = 1.0) -> float:
+    """Idle time of the busiest rank in one step, in the units of the per-microbatch times.
+
+    `t_fwd`, `t_bwd_input`, `t_bwd_weight` are one rank's times for one microbatch over all its
+    chunks (forward, input-gradient backward, weight-gradient backward). With T = t_fwd + t_bwd_input
+    + t_bwd_weight and p = pp, m = num_microbatches, v = pp_chunks:
+
+      gpipe        (p - 1) * T                      all forwards, then all backwards
+      1f1b         (p - 1) * T                      same bubble as GPipe, fewer microbatches in flight
+      interleaved  (p - 1) * T / v                  Narayanan et al. 2021: bubble shrinks by v
+      zero_bubble  (p - 1) * max(0, t_fwd + t_bwd_input - t_bwd_weight)
+                                                    ZB-H1 (Qi et al. 2023): deferred weight-gradient
+                                                    work fills the drain; with equal F, B, W this is
+                                                    a third of 1F1B's bubble
+    The fraction of the ideal time is bubble / (m * T), e.g. (p - 1) / m for 1F1B. A schedule
+    simulator is checked against exactly these numbers.
+    """
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"pp_schedule={schedule!r} must be one of {list(PP_SCHEDULES)}")
+    if pp < 1 or num_microbatches < 1 or pp_chunks < 1:
+        raise ValueError(f"pp={pp}, num_microbatches={num_microbatches}, pp_chunks={pp_chunks} must be >= 1")
+    if pp == 1:
+        return 0.0
+    total = t_fwd + t_bwd_input + t_bwd_weight
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) * total
+    if schedule == "interleaved":
+        return (pp - 1) * total / pp_chunks
+    return (pp - 1) * max(0.0, t_fwd + t_bwd_input - t_bwd_weight)
+
+
+def inflight_microbatches(schedule: str, *, pp: int, num_microbatches: int, pp_chunks: int = 1) -> float:
+    """Microbatches whose activations the first pipeline rank holds at its peak, in units of one
+    microbatch through all of that rank's layers (interleaving holds extra partial chunks)."""
+    m = num_microbatches
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        # Megatron's warm-up on rank 0: 2(p-1) + (v-1)p chunk-forwards before the first backward.
+        chunks = min(m * pp_chunks, 2 * (pp - 1) + (pp_chunks - 1) * pp + 1)
+        return chunks / pp_chunks
+    return float(min(m, pp))  # 1F1B and ZB-H1 (same peak memory by design)
+
+
+# --------------------------------------------------------------------------------------------
+# The estimate
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Estimate:
+    """One layout's prediction. `memory_gib` and `time_s` map component -> value, with `total` and
+    `step`; `mfu` counts model FLOPs only, `hfu` counts recomputation too."""
+
+    layout: Layout
+    fits: bool
+    memory_gib: dict
+    time_s: dict
+    mfu: float
+    hfu: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs per GPU per second (the MFU numerator)
+    hw_tflops_per_gpu: float  # with recomputation (the HFU numerator)
+    num_microbatches: int
+    links: dict = field(default_factory=dict)  # axis -> scale-up | scale-out | hierarchical | none
+    hbm_gib: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layout_str"] = self.layout.short()
+        return d
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """Per-layer averages of a model, computed once per search (the search is arithmetic only)."""
+
+    cfg: ModelConfig
+    seq_len: int
+    layer_tp: float  # params per layer sharded by tp (attention + dense MLP / shared experts)
+    layer_experts: float  # routed expert params per layer (all experts), sharded by ep * tp
+    layer_rep: float  # replicated params per layer
+    embed: int
+    head: int  # untied output head params (tied: a copy on the last stage when pp > 1, see below)
+    flops_dense: float  # forward FLOPs per token per layer (average), excluding the attention core
+    flops_dense_moe_experts: float  # part of flops_dense done by routed experts (for fp8 / EP bookkeeping)
+    flops_attn: float  # attention core per token per layer
+    flops_head: float
+    act_tp: dict  # recompute -> per-token-per-layer elements split by tp
+    act_seq: dict  # recompute -> per-token-per-layer elements split by tp only under SP
+    moe_layer_fraction: float
+    model_flops_per_token: float  # training, no recompute
+    hw_flops_per_token: dict  # recompute -> training FLOPs per token
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, seq_len: int) -> "ModelSummary":
+        L = cfg.num_layers
+        lp = [model_stats.layer_params(cfg, i) for i in range(L)]
+        lf = [model_stats.layer_flops(cfg, i, seq_len) for i in range(L)]
+        act = {rc: [model_stats.activation_elems_per_token(cfg, i, recompute=rc) for i in range(L)]
+               for rc in RECOMPUTE}
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
+        expert_flops = 2 * 3 * cfg.hidden_size * cfg.expert_intermediate_size * cfg.num_experts_per_token
+        return cls(
+            cfg=cfg, seq_len=seq_len,
+            layer_tp=sum(p.attention + p.mlp for p in lp) / L,
+            layer_experts=sum(p.experts for p in lp) / L,
+            layer_rep=sum(p.replicated for p in lp) / L,
+            embed=cfg.vocab_size * cfg.hidden_size,
+            head=cfg.vocab_size * cfg.hidden_size,
+            flops_dense=sum(f.dense for f in lf) / L,
+            flops_dense_moe_experts=expert_flops * n_moe / L,
+            flops_attn=sum(f.attention_core for f in lf) / L,
+            flops_head=2 * cfg.hidden_size * cfg.vocab_size,
+            act_tp={rc: sum(a[0] for a in v) / L for rc, v in act.items()},
+            act_seq={rc: sum(a[1] for a in v) / L for rc, v in act.items()},
+            moe_layer_fraction=n_moe / L,
+            model_flops_per_token=model_stats.train_flops_per_token(cfg, seq_len),
+            hw_flops_per_token={rc: model_stats.train_flops_per_token(cfg, seq_len, recompute=rc)
+                                for rc in RECOMPUTE},
+        )
+
+
+def _bytes_per(precision: str) -> dict:
+    if precision == "fp32":
+        return dict(param=4, grad=4, optim=8, act=4, reduce=4)
+    return dict(param=2, grad=4, optim=12, act=2, reduce=4)
+
+
+def _stage_split(num_layers: int, stages: int, head_units: float) -> tuple[int, int, float]:
+    """Split layers over `stages` virtual stages (contiguous) with the output head on the last one.
+
+    Returns (layers per regular stage n, layers on the last stage, the bottleneck load in layer units).
+    Choosing n larger than L / stages lightens the last stage, which also runs the head.
+    """
+    if stages == 1:
+        return num_layers, num_layers, num_layers + head_units
+    best = None
+    for n in range(math.ceil(num_layers / stages), num_layers + 1):
+        last = max(0, num_layers - (stages - 1) * n)
+        if (stages - 1) * n + last < num_layers:
+            continue
+        load = max(n, last + head_units)
+        if best is None or load < best[2] - 1e-9:
+            best = (n, last, load)
+        if last == 0:
+            break
+    assert best is not None
+    return best
+
+
+def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: Layout, *,
+                    num_microbatches: int) -> Estimate:
+    """Memory and time of `layout` (already validated; see `validate_layout`)."""
+    cfg, lo, s = summary.cfg, layout, job.seq_len
+    by = _bytes_per(job.precision)
+    h = cfg.hidden_size
+    tp, pp, cp, ep, v = lo.tp, lo.pp, lo.cp, lo.ep, lo.pp_chunks
+    m = num_microbatches
+    mbs = lo.micro_batch_size
+    sp = lo.sequence_parallel and tp > 1
+    gpus = lo.world
+    L = cfg.num_layers
+    tokens_mb = mbs * s / cp  # tokens one rank processes per microbatch
+    peak = cluster.peak(job.precision)
+    peak_attn = cluster.peak("bf16") if job.precision == "fp8" else peak
+    eff = cluster.matmul_efficiency
+    hbm_bw = cluster.hbm_bw * cluster.hbm_efficiency
+
+    # ---- placement -------------------------------------------------------------------------
+    D = cluster.scaleup_size
+    span_tp = group_span(1, tp, D)
+    span_cp = group_span(tp, cp, D)
+    span_ep = group_span(tp, ep, D)
+    span_dps = group_span(tp, cp * lo.dp_shard, D)  # ZeRO / FSDP shards over dp_shard x cp
+    span_dpr = group_span(tp * cp * lo.dp_shard, lo.dp_replicate, D)
+    span_dp_all = group_span(tp, cp * lo.dp, D)  # plain all-reduce over every data-parallel rank
+    span_pp = group_span(tp * cp * lo.dp, pp, D)
+    links = {"tp": link_name(*span_tp), "cp": link_name(*span_cp), "ep": link_name(*span_ep),
+             "dp_shard": link_name(*span_dps), "dp_replicate": link_name(*span_dpr),
+             "pp": link_name(*span_pp)}
+
+    # ---- pipeline split: head on the last stage, measured in layer-compute units --------------
+    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+    n_chunk, last_chunk, bottleneck_chunk = _stage_split(L, pp * v, head_units if pp > 1 else 0.0)
+    if pp == 1:
+        layers_first = layers_last = L
+        rank_units = L + head_units
+    else:
+        layers_first = v * n_chunk
+        layers_last = (v - 1) * n_chunk + last_chunk
+        rank_units = (v - 1) * n_chunk + bottleneck_chunk
+
+    # ---- compute per microbatch on the bottleneck rank ---------------------------------------
+    rc = lo.recompute
+    dense_f = summary.flops_dense * tokens_mb / tp
+    attn_f = summary.flops_attn * tokens_mb / tp
+    t_dense = dense_f / (peak * eff)
+    # FLOPs count the full s x s square (the convention), but a fused causal kernel skips the masked
+    # half, so it takes half that time; the unfused kernels of 2021 computed the whole square.
+    t_attn = attn_f * (0.5 if job.flash_attention else 1.0) / (peak_attn * eff)
+    t_layer_fwd_mm = t_dense + t_attn
+    # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes), read +
+    # write, forward; backward moves about twice as much. Without SP the norm/residual part is
+    # replicated on every tp rank.
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size
+                                           + cfg.shared_intermediate_size)
+             + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
+    elems_seq = 10 * h + summary.moe_layer_fraction * 4 * cfg.num_experts_per_token * h
+    elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
+    if not job.flash_attention:
+        # unfused scale+mask+softmax (+dropout) over s scores per head: ~4 passes forward
+        elems_tp += 4 * cfg.num_heads * s
+    elem_bytes_fwd = tokens_mb * by["act"] * (elems_tp / tp + elems_seq / (tp if sp else 1))
+    t_elem_fwd = elem_bytes_fwd / hbm_bw
+    t_fwd_layer = t_layer_fwd_mm + t_elem_fwd
+    t_bwd_layer = 2 * t_fwd_layer
+    t_rc_layer = {"none": 0.0, "selective": t_attn + 0.5 * t_elem_fwd, "full": t_fwd_layer}[rc]
+
+    # Tensor-parallel comm per layer per microbatch: 2 all-reduces (or AG+RS pairs under SP) forward,
+    # 2 backward, 2 more when the forward is recomputed in full. Not overlapped (Megatron default).
+    act_msg = tokens_mb * h * by["act"]
+    t_tp_coll = collective_time("all_reduce", act_msg, span_tp, cluster) if tp > 1 else 0.0
+    n_tp_coll = 4 + (2 if rc == "full" else 0)
+    t_tp_layer = n_tp_coll * t_tp_coll
+    # Context parallel ring: cp-1 steps each passing a K,V chunk forward and K,V + dK,dV backward,
+    # overlapped with the attention of the chunk in hand; only the excess is exposed.
+    if cp > 1:
+        kv_chunk = mbs * (s / cp) * 2 * kv_dim / tp * by["act"]
+        t_step_comm = collective_time("p2p", kv_chunk, span_cp if span_cp[1] == 1 else (1, 2), cluster)
+        t_attn_step = t_attn / cp
+        passes = 3 + (1 if rc in ("full", "selective") else 0)  # fwd (1), bwd (2x bytes), recompute
+        t_cp_layer = (cp - 1) * passes * max(0.0, t_step_comm - t_attn_step)
+    else:
+        t_cp_layer = 0.0
+    # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
+    if ep > 1 and cfg.is_moe:
+        a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"]
+        n_a2a = 4 + (2 if rc == "full" else 0)
+        t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, span_ep, cluster)
+    else:
+        t_ep_layer = 0.0
+
+    comp_mb = rank_units * (t_fwd_layer + t_bwd_layer)
+    layers_busy = max(layers_first, layers_last)
+    rc_mb = layers_busy * t_rc_layer
+    tp_mb = layers_busy * t_tp_layer
+    cp_mb = layers_busy * t_cp_layer
+    ep_mb = layers_busy * t_ep_layer
+    t_mb = comp_mb + rc_mb + tp_mb + cp_mb + ep_mb
+    t_mb_fwd = (comp_mb / 3) + (tp_mb + cp_mb + ep_mb) / 3
+    t_mb_bwd = t_mb - t_mb_fwd
+
+    # ---- pipeline ----------------------------------------------------------------------------
+    bubble = pipeline_bubble(lo.pp_schedule, pp=pp, num_microbatches=m, pp_chunks=v,
+                             t_fwd=t_mb_fwd, t_bwd_input=t_mb_bwd / 2, t_bwd_weight=t_mb_bwd / 2)
+    if pp > 1:
+        hop = collective_time("p2p", act_msg / (tp if sp else 1), span_pp if span_pp[1] == 1 else (1, 2), cluster)
+        t_pp_p2p = 2 * v * (m + pp - 1) * hop
+    else:
+        t_pp_p2p = 0.0
+
+    # ---- parameters on the busiest-memory rank -----------------------------------------------
+    layers_mem = max(layers_first, layers_last)
+    dense_params = layers_mem * (summary.layer_tp / tp + summary.layer_rep)
+    expert_params = layers_mem * summary.layer_experts / (tp * ep)
+    embed_params = summary.embed / tp
+    head_params = summary.head / tp if (not cfg.tie_embeddings or pp > 1) else 0.0
+    if pp == 1:
+        dense_params += embed_params + head_params + h
+    else:  # the bigger of the first stage (embedding) and the last (head + final norm)
+        first = layers_first * (summary.layer_tp / tp + summary.layer_rep) + embed_params
+        last = layers_last * (summary.layer_tp / tp + summary.layer_rep) + head_params + h
+        dense_params = max(first, last)
+    shard = lo.dp_shard * cp
+    expert_shard = max(1, shard // ep)
+    z = lo.zero_stage
+
+    def sharded(n_dense: float, n_exp: float, stage_needed: int) -> float:
+        if z >= stage_needed:
+            return math.ceil(n_dense / shard) + math.ceil(n_exp / expert_shard)
+        return n_dense + n_exp
+
+    mem = {
+        "weights": sharded(dense_params, expert_params, 3) * by["param"],
+        "gradients": sharded(dense_params, expert_params, 2) * by["grad"],
+        "optimizer": sharded(dense_params, expert_params, 1) * by["optim"],
+    }
+    # Activations of the first rank (most microbatches in flight) or the last (logits).
+    per_layer_mb = tokens_mb * by["act"] * (summary.act_tp[rc] / tp + summary.act_seq[rc] / (tp if sp else 1))
+    inflight = inflight_microbatches(lo.pp_schedule, pp=pp, num_microbatches=m, pp_chunks=v)
+    act_first = inflight * layers_first * per_layer_mb
+    if rc == "full":  # the one layer being recomputed holds its full activations during backward
+        act_first += tokens_mb * by["act"] * (summary.act_tp["none"] / tp + summary.act_seq["none"] / (tp if sp else 1))
+    logits = tokens_mb * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their gradient
+    act_last = (layers_last * per_layer_mb + logits) if pp > 1 else 0.0
+    mem["activations"] = max(act_first + (logits if pp == 1 else 0.0), act_last)
+    buffers = 0.0
+    if tp > 1:
+        buffers += 2 * act_msg  # gathered sequence-parallel activations
+    if lo.dp > 1 or cp > 1:
+        buffers += 2 * lo.bucket_size_mb * 1e6 if z < 3 else 0.0
+        if z == 3:
+            layer_full = (summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (tp * ep))
+            buffers += ZERO3_PREFETCH_LAYERS * layer_full * by["param"] + layer_full * by["grad"]
+    if ep > 1:
+        buffers += 2 * tokens_mb * cfg.num_experts_per_token * h * by["act"] / (tp if sp else 1)
+    if pp > 1:
+        buffers += 4 * act_msg / (tp if sp else 1)
+    mem["comm_buffers"] = buffers
+    allocated = sum(mem.values())
+    mem["fragmentation"] = FRAGMENTATION * allocated
+    mem["reserved"] = cluster.reserved_bytes
+    total_bytes = sum(mem.values())
+
+    # ---- data-parallel / ZeRO communication ------------------------------------------------------
+    n_dense_local = dense_params  # parameters one rank owns before ZeRO sharding
+    n_exp_local = expert_params
+    t_dp = 0.0
+    bucket_time = 0.0
+    if lo.dp * cp > 1:
+        g_dense = n_dense_local * by["reduce"]
+        g_exp = n_exp_local * by["reduce"]
+        span_exp = group_span(tp * ep, max(1, lo.dp * cp // ep), D)
+        if z == 0:
+            comm = (collective_time("all_reduce", g_dense, span_dp_all, cluster)
+                    + collective_time("all_reduce", g_exp, span_exp, cluster))
+            window = t_mb_bwd
+        elif z in (1, 2):
+            comm = (collective_time("reduce_scatter", g_dense, span_dps, cluster)
+                    + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
+                    + collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
+                    + collective_time("reduce_scatter", g_exp, span_exp, cluster)
+                    + collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster))
+            window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
+        else:
+            # FSDP: gather weights for forward and again for backward, reduce-scatter gradients, every
+            # microbatch; then one all-reduce of the shard across replicas per step.
+            per_mb = (2 * collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
+                      + collective_time("reduce_scatter", g_dense, span_dps, cluster)
+                      + 2 * collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster)
+                      + collective_time("reduce_scatter", g_exp, span_exp, cluster))
+            comm = m * per_mb + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
+            window = m * t_mb
+        bucket = lo.bucket_size_mb * 1e6
+        bucket_time = comm * min(1.0, bucket / max(1.0, g_dense + g_exp))  # the last bucket never overlaps
+        t_dp = max(comm - window, bucket_time)
+
+    # ---- optimizer: streams weights, gradients, master and Adam states through HBM ----------------
+    n_opt = sharded(dense_params, expert_params, 1)
+    t_opt = n_opt * (by["grad"] + by["optim"] * 2 + by["param"]) / hbm_bw
+
+    compute = m * (comp_mb + rc_mb)
+    time = {
+        "compute": m * comp_mb,
+        "recompute": m * rc_mb,
+        "tp_comm": m * tp_mb,
+        "cp_comm": m * cp_mb,
+        "ep_comm": m * ep_mb,
+        "pp_bubble": bubble,
+        "pp_p2p": t_pp_p2p,
+        "dp_comm": t_dp,
+        "optimizer": t_opt,
+    }
+    assert compute >= 0
+    step = sum(time.values())
+    time["step"] = step
+    tokens = job.tokens
+    model_flops = summary.model_flops_per_token * tokens
+    hw_flops = summary.hw_flops_per_token[rc] * tokens
+    peak_all = gpus * peak
+    return Estimate(
+        layout=layout,
+        fits=total_bytes <= cluster.hbm_bytes,
+        memory_gib={**{k: v / GiB for k, v in mem.items()}, "total": total_bytes / GiB},
+        time_s=time,
+        mfu=model_flops / (step * peak_all),
+        hfu=hw_flops / (step * peak_all),
+        tokens_per_s=tokens / step,
+        tflops_per_gpu=model_flops / step / gpus / 1e12,
+        hw_tflops_per_gpu=hw_flops / step / gpus / 1e12,
+        num_microbatches=m,
+        links=links,
+        hbm_gib=cluster.hbm_bytes / GiB,
+    )
+
+
+def estimate(cfg: ModelConfig, cluster: Cluster, job: Job, layout: Layout, *, gpus: int | None = None) -> Estimate:
+    """Validate and estimate one layout."""
+    job.validate()
+    gpus = layout.world if gpus is None else gpus
+    m = validate_layout(cfg, job, layout, gpus=gpus)
+    return estimate_layout(ModelSummary.build(cfg, job.seq_len), cluster, job, layout, num_microbatches=m)

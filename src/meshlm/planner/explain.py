@@ -1,0 +1,101 @@
+"""Words for a plan: why the winning layout wins and what bounds it.
+
+Responsible for: turning a `SearchResult` (or one `Estimate`) into a short paragraph naming the
+largest time component after compute and the link it runs on, the largest memory component and the
+headroom, and how the winner compares with the runner-up and with the best layout of other
+(tp, pp) classes.
+Not responsible for: any number (they all come from `cost.py`).
+"""
+
+from __future__ import annotations
+
+from meshlm.planner.cost import Estimate
+from meshlm.planner.search import SearchResult
+
+# Which mesh axis (and so which link) each communication time component rides on.
+_COMPONENT_AXIS = {"tp_comm": "tp", "cp_comm": "cp", "ep_comm": "ep", "pp_p2p": "pp", "dp_comm": "dp_shard"}
+_COMPONENT_WORDS = {
+    "compute": "matmul and elementwise compute", "recompute": "activation recomputation",
+    "tp_comm": "tensor-parallel all-reduces / all-gathers", "cp_comm": "context-parallel ring exchange",
+    "ep_comm": "expert all-to-all", "pp_bubble": "pipeline bubble", "pp_p2p": "pipeline send/recv",
+    "dp_comm": "data-parallel / ZeRO communication not hidden by backward", "optimizer": "optimizer step",
+}
+
+
+def bound_of(est: Estimate) -> str:
+    """One sentence: the biggest non-compute time component and the biggest memory component."""
+    overheads = {k: v for k, v in est.time_s.items() if k not in ("compute", "step")}
+    worst = max(overheads, key=overheads.get)
+    step = est.time_s["step"]
+    axis = _COMPONENT_AXIS.get(worst)
+    if worst == "dp_comm" and est.layout.dp_replicate > 1:
+        axis = "dp_replicate"
+    link = f" on the {est.links.get(axis, 'none')} link" if axis and est.links.get(axis, "none") != "none" else ""
+    mem = {k: v for k, v in est.memory_gib.items() if k != "total"}
+    big_mem = max(mem, key=mem.get)
+    headroom = est.hbm_gib - est.memory_gib["total"]
+    return (f"compute is {est.time_s['compute'] / step:.0%} of the step; the largest overhead is the "
+            f"{_COMPONENT_WORDS[worst]} ({overheads[worst]:.3g} s, {overheads[worst] / step:.0%}){link}. "
+            f"Memory: {est.memory_gib['total']:.1f} of {est.hbm_gib:.0f} GiB, largest part {big_mem} "
+            f"({mem[big_mem]:.1f} GiB); " + (f"{headroom:.1f} GiB headroom." if headroom >= 0
+                                             else f"{-headroom:.1f} GiB over capacity."))
+
+
+def _diff(a: Estimate, b: Estimate) -> str:
+    """Name the time components where `a` saves most against `b`."""
+    keys = [k for k in a.time_s if k != "step"]
+    gains = sorted(((b.time_s[k] - a.time_s[k], k) for k in keys), reverse=True)
+    parts = [f"{_COMPONENT_WORDS[k]} ({g:.3g} s less)" for g, k in gains[:2] if g > 1e-3 * b.time_s["step"]]
+    losses = [f"{_COMPONENT_WORDS[k]} ({-g:.3g} s more)" for g, k in gains[::-1][:1] if g < -1e-3 * b.time_s["step"]]
+    text = ", ".join(parts) if parts else "nearly identical components"
+    if losses:
+        text += f"; it pays for it with {losses[0]}"
+    return text
+
+
+def explain(result: SearchResult) -> str:
+    if not result.ranked:
+        miss = result.closest_miss
+        text = f"No layout fits in memory ({result.evaluated} evaluated)."
+        if miss is not None:
+            text += (f" The closest is {miss.layout.short()} at {miss.memory_gib['total']:.1f} GiB of "
+                     f"{miss.hbm_gib:.0f} GiB. " + bound_of(miss)
+                     + " Use more GPUs, a GPU with more memory, a shorter sequence or a smaller model.")
+        return text
+    win = result.ranked[0]
+    lo = win.layout
+    lines = [f"Winner: {lo.short()} -- step {win.time_s['step']:.3g} s, MFU {win.mfu:.1%}"
+             + (f" (HFU {win.hfu:.1%} with {lo.recompute} recompute)" if lo.recompute != "none" else "")
+             + f", {win.tokens_per_s:,.0f} tokens/s, {win.num_microbatches} microbatches per step."]
+    why = []
+    if lo.tp > 1:
+        why.append(f"TP={lo.tp} keeps the per-layer collectives on the {win.links['tp']} link")
+    if lo.pp > 1:
+        why.append(f"PP={lo.pp} splits the layers so weights and optimizer state fit, with a "
+                   f"{lo.pp_schedule} bubble of {win.time_s['pp_bubble'] / win.time_s['step']:.0%}")
+    if lo.cp > 1:
+        why.append(f"CP={lo.cp} splits each sequence, cutting per-rank activations and TP degree")
+    if lo.zero_stage:
+        why.append(f"ZeRO-{lo.zero_stage} over {lo.dp_shard * lo.cp} ranks shards "
+                   + {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}[lo.zero_stage])
+    if lo.recompute != "none":
+        why.append(f"{lo.recompute} recomputation is the cheapest policy that fits activations in memory")
+    if why:
+        lines.append("Why: " + "; ".join(why) + ".")
+    lines.append("Bound: " + bound_of(win))
+    if len(result.ranked) > 1:
+        second = result.ranked[1]
+        gap = second.time_s["step"] / win.time_s["step"] - 1
+        lines.append(f"Runner-up {second.layout.short()} is {gap:.1%} slower: the winner has "
+                     f"{_diff(win, second)}.")
+    others = []
+    for (tp, pp), est in sorted(result.best_by_class.items()):
+        if (tp, pp) == (lo.tp, lo.pp) or not (tp == lo.tp or pp == lo.pp):
+            continue
+        if est.fits:
+            others.append(f"tp={tp},pp={pp}: best {est.time_s['step'] / win.time_s['step'] - 1:+.0%} step time")
+        else:
+            others.append(f"tp={tp},pp={pp}: does not fit (needs {est.memory_gib['total']:.0f} GiB)")
+    if others:
+        lines.append("Alternatives: " + "; ".join(others[:6]) + ".")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""A PNG of the top layouts: memory per GPU and step time, each as stacked components.
+
+Responsible for: drawing (matplotlib, imported only here and only when a plot is asked for).
+Not responsible for: any number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshlm.planner.cost import Estimate
+
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "comm_buffers", "fragmentation", "reserved")
+TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "pp_p2p", "dp_comm",
+              "optimizer")
+
+
+def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = "") -> Path:
+    if not estimates:
+        raise ValueError("nothing to plot: no layout fits; drop --plot or change the job")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'meshlm[plot]')") from None
+    path = Path(path)
+    labels = [f"#{i + 1} {e.layout.short()}" for i, e in enumerate(estimates)]
+    n = len(estimates)
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(15, 2.2 + 0.55 * n), sharey=True)
+    cmap = plt.get_cmap("tab10")
+    ys = list(range(n))[::-1]
+    for ax, parts, key, unit in ((ax_m, MEMORY_PARTS, "memory_gib", "GiB per GPU"),
+                                 (ax_t, TIME_PARTS, "time_s", "seconds per step")):
+        left = [0.0] * n
+        for j, part in enumerate(parts):
+            vals = [getattr(e, key).get(part, 0.0) for e in estimates]
+            if not any(v > 0 for v in vals):
+                continue
+            ax.barh(ys, vals, left=left, color=cmap(j % 10), label=part, height=0.7)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.set_xlabel(unit)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / (1 + n)), fontsize=7, ncol=5,
+                  frameon=False)
+        ax.grid(axis="x", alpha=0.3)
+    hbm = estimates[0].hbm_gib
+    ax_m.axvline(hbm, color="black", linestyle="--", linewidth=1)
+    ax_m.text(hbm, n - 0.4, f" HBM {hbm:.0f} GiB", fontsize=8, va="bottom")
+    for y, e in zip(ys, estimates):
+        ax_t.text(e.time_s["step"], y, f" MFU {e.mfu:.0%}", va="center", fontsize=8)
+    ax_m.set_yticks(ys)
+    ax_m.set_yticklabels(labels, fontsize=8)
+    ax_m.set_title("memory per GPU by component")
+    ax_t.set_title("step time by component")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,333 @@
+"""Training data: tokenizers, text sources, packing into fixed-length samples, a resumable batch loader.
+
+Responsible for: the byte tokenizer and Hugging Face `tokenizer.json` tokenizers; reading a text file,
+a folder of text files, a `.jsonl` with a `text` field, or the embedded default corpus (the `.py` files
+of the running interpreter's standard library); a deterministic train/validation split by document;
+packing the token stream into samples of `seq_len + 1` tokens; and `BatchLoader`, which walks a
+seeded shuffle of the samples one global batch per optimizer step, hands data-parallel rank r its
+contiguous slice, splits it into micro-batches, and can save and restore its position.
+Not responsible for: moving batches to a device, or sharding the sequence dimension (context
+parallelism slices the micro-batches it is given).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import numpy as np
+import torch
+
+from meshlm.config import DataConfig
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, no special tokens, nothing to download."""
+
+    vocab_size = 256
+    eos_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        """One token stream for many documents, joined by a blank line (vectorised: no Python loop per byte)."""
+        blob = "\n\n".join(texts).encode("utf-8")
+        return np.frombuffer(blob, dtype=np.uint8).astype(np.int32)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` through the `tokenizers` library (an optional dependency)."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError:
+            raise ValueError(f"data.tokenizer={str(path)!r} needs the `tokenizers` package; install the "
+                             "`hf` extra (pip install 'meshlm[hf]') or leave data.tokenizer empty for bytes") from None
+        self.path = str(path)
+        self._tok = _HFTokenizer.from_file(self.path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = next((t for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+                    if self._tok.token_to_id(t) is not None), None)
+        self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        """Documents are encoded in one batch call (parallel in Rust) and joined by EOS when it exists."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        sep = [self.eos_token_id] if self.eos_token_id is not None else []
+        parts = []
+        for enc in encodings:
+            parts.append(np.asarray(enc.ids, dtype=np.int32))
+            if sep:
+                parts.append(np.asarray(sep, dtype=np.int32))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def load_tokenizer(data: DataConfig) -> ByteTokenizer | HFTokenizer:
+    """Bytes unless `data.tokenizer` names a `tokenizer.json`."""
+    if not data.tokenizer:
+        return ByteTokenizer()
+    path = Path(data.tokenizer)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"data.tokenizer={data.tokenizer!r} does not exist; pass a tokenizer.json "
+                         "(or a folder holding one), or leave it empty for bytes")
+    return HFTokenizer(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------
+
+_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".toml", ".c", ".h", ".cpp", ".js",
+                  ".ts", ".html", ".css", ".yaml", ".yml", ".sh", ".tex", ".csv", ""}
+# Folders of the standard library that are not "the standard library" or are mostly generated tests.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_files() -> list[Path]:
+    """The `.py` files of the running interpreter's standard library, sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py")
+             if not any(part in _STDLIB_SKIP for part in p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def read_documents(data: DataConfig) -> list[str]:
+    """The documents of the configured source in a deterministic order, capped at `data.max_bytes`.
+
+    A text file is one document, a folder gives one per text file (sorted by relative path), a
+    `.jsonl` one per line (its `text` field), and no path means the standard-library sources.
+    """
+    if not data.path:
+        paths = stdlib_files()
+    else:
+        source = Path(data.path)
+        if not source.exists():
+            raise ValueError(f"data.path={data.path!r} does not exist; pass a text file, a folder or a .jsonl")
+        if source.is_dir():
+            paths = sorted((p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES),
+                           key=lambda p: p.relative_to(source).as_posix())
+            if not paths:
+                raise ValueError(f"data.path={data.path!r} holds no text files ({sorted(_TEXT_SUFFIXES - {''})})")
+        elif source.suffix == ".jsonl":
+            return _cap(_read_jsonl(source), data.max_bytes)
+        else:
+            paths = [source]
+    docs, total = [], 0
+    for p in paths:
+        if total >= data.max_bytes:
+            break
+        text = p.read_bytes()[: data.max_bytes - total].decode("utf-8", errors="replace")
+        total += len(text.encode("utf-8"))
+        docs.append(text)
+    return docs
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    docs = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); each line must be an object") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(f"{path}:{lineno} has no string field 'text'; each line must be "
+                                 '{"text": "..."}')
+            docs.append(row["text"])
+    return docs
+
+
+def _cap(docs: list[str], max_bytes: int) -> list[str]:
+    out, total = [], 0
+    for d in docs:
+        if total >= max_bytes:
+            break
+        b = d.encode("utf-8")[: max_bytes - total]
+        total += len(b)
+        out.append(b.decode("utf-8", errors="ignore"))
+    return out
+
+
+def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Deterministic split by document: each document goes to validation when a hash of its content
+    falls below `val_fraction` (stable when files are added). A single document is split by its tail."""
+    if val_fraction <= 0 or not docs:
+        return docs, []
+    if len(docs) == 1:
+        cut = int(len(docs[0]) * (1 - val_fraction))
+        return [docs[0][:cut]], [docs[0][cut:]]
+    train, val = [], []
+    for d in docs:
+        h = int.from_bytes(hashlib.sha256(d.encode("utf-8", errors="replace")).digest()[:8], "little")
+        (val if h / 2**64 < val_fraction else train).append(d)
+    if not val:  # few documents: take the last one rather than have no validation at all
+        train, val = train[:-1], train[-1:]
+    return train, val
+
+
+# --------------------------------------------------------------------------------------------
+# Packing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedDataset:
+    """A token stream cut into overlapping-by-one samples: sample i is tokens[i*s : i*s + s + 1].
+
+    `inputs = sample[:-1]`, `targets = sample[1:]`, so every token is predicted exactly once.
+    """
+
+    tokens: torch.Tensor  # 1-D int32
+    seq_len: int
+
+    def __len__(self) -> int:
+        return max(0, (self.tokens.numel() - 1) // self.seq_len)
+
+    def samples(self, indices: torch.Tensor) -> torch.Tensor:
+        """[len(indices), seq_len + 1] int64."""
+        view = self.tokens[: len(self) * self.seq_len + 1].unfold(0, self.seq_len + 1, self.seq_len)
+        return view[indices].long()
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.samples(indices)
+        return s[:, :-1], s[:, 1:]
+
+
+def pack(tokens: np.ndarray | torch.Tensor, seq_len: int) -> PackedDataset:
+    t = torch.as_tensor(np.asarray(tokens, dtype=np.int32)) if not isinstance(tokens, torch.Tensor) else tokens
+    return PackedDataset(tokens=t.to(torch.int32).contiguous(), seq_len=seq_len)
+
+
+def build_datasets(data: DataConfig, *, seq_len: int,
+                   tokenizer: ByteTokenizer | HFTokenizer) -> tuple[PackedDataset, PackedDataset]:
+    """Read, split, tokenize and pack: (train, validation). Cached in memory only, by the caller."""
+    train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
+    train = pack(tokenizer.encode_documents(train_docs), seq_len)
+    val = pack(tokenizer.encode_documents(val_docs), seq_len)
+    where = data.path or "the standard-library corpus"
+    if len(train) == 0:
+        raise ValueError(f"{where} gives {train.tokens.numel()} training tokens, fewer than one sample of "
+                         f"train.seq_len+1={seq_len + 1}; use more text or a smaller train.seq_len")
+    return train, val
+
+
+# --------------------------------------------------------------------------------------------
+# Loader
+# --------------------------------------------------------------------------------------------
+
+
+class BatchLoader:
+    """One global batch per optimizer step, from a seeded shuffle reshuffled every epoch.
+
+    Rank `dp_rank` of `dp_size` takes the contiguous slice `[r*B/dp, (r+1)*B/dp)` of each global
+    batch (B = global_batch_size) and gets it as a list of micro-batches `(inputs, targets)`.
+    Concatenating every rank's slices gives the global batch, so any data-parallel layout sees
+    exactly the samples of the single-process run. A partial batch at an epoch's end is dropped.
+    """
+
+    def __init__(self, dataset: PackedDataset, *, global_batch_size: int, micro_batch_size: int,
+                 seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+        if dataset.seq_len != seq_len:
+            raise ValueError(f"dataset is packed for seq_len={dataset.seq_len}, loader asked for {seq_len}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in 0..dp_size-1={dp_size - 1}")
+        if global_batch_size % dp_size:
+            raise ValueError(f"train.global_batch_size={global_batch_size} must be divisible by the "
+                             f"data-parallel size {dp_size}")
+        local = global_batch_size // dp_size
+        if local % micro_batch_size:
+            raise ValueError(f"per-rank batch global_batch_size/dp_size={global_batch_size}/{dp_size}={local} "
+                             f"must be divisible by train.micro_batch_size={micro_batch_size}")
+        if len(dataset) < global_batch_size:
+            raise ValueError(f"the training set has {len(dataset)} samples of {seq_len + 1} tokens, fewer than "
+                             f"train.global_batch_size={global_batch_size}; use more data or a smaller batch")
+        self.dataset = dataset
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.epoch, self.position = 0, 0
+        self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def _order(self) -> torch.Tensor:
+        if self._perm_epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm, self._perm_epoch = torch.randperm(len(self.dataset), generator=g), self.epoch
+        return self._perm
+
+    def next_global_indices(self) -> torch.Tensor:
+        """Sample indices of the next global batch (all ranks), advancing the position."""
+        if self.position + self.global_batch_size > len(self.dataset):
+            self.epoch, self.position = self.epoch + 1, 0
+        idx = self._order()[self.position: self.position + self.global_batch_size]
+        self.position += self.global_batch_size
+        return idx
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next global batch."""
+        idx = self.next_global_indices()
+        local = self.global_batch_size // self.dp_size
+        mine = idx[self.dp_rank * local: (self.dp_rank + 1) * local]
+        return [self.dataset.batch(chunk) for chunk in mine.split(self.micro_batch_size)]
+
+    def __iter__(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_samples": len(self.dataset), "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_samples", "global_batch_size"):
+            mine = self.seed if key == "seed" else len(self.dataset) if key == "num_samples" else self.global_batch_size
+            if state[key] != mine:
+                raise ValueError(f"cannot resume the data loader: saved {key}={state[key]}, now {mine}; "
+                                 "the data, seed and global batch size must match the checkpoint")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def validation_batches(dataset: PackedDataset, *, num_batches: int, micro_batch_size: int,
+                       dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set (the first samples, in order, wrapping if the split is small) for comparable val losses.
+
+    Rank r takes every dp_size-th micro-batch so data-parallel ranks split the work.
+    """
+    n = len(dataset)
+    if n == 0 or num_batches == 0:
+        return []
+    total = num_batches * micro_batch_size
+    idx = torch.arange(total) % n
+    chunks = list(idx.split(micro_batch_size))
+    return [dataset.batch(c) for c in chunks[dp_rank::dp_size]]

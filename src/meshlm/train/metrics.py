@@ -1,0 +1,116 @@
+"""Training metrics: model FLOPs, MFU, memory, a `metrics.jsonl` per run and a progress bar.
+
+Responsible for: a simple analytic FLOPs-per-token estimate (the planner has the exact cost model),
+a guess of a device's peak bf16 TFLOP/s when none is configured, peak memory of this process, and
+`MetricsLogger`, which appends one JSON object per logged step to `<run_dir>/metrics.jsonl` and
+drives a rich progress bar (rank 0 only; both can be turned off).
+Not responsible for: reducing metrics across ranks (the trainer passes values already reduced).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from meshlm.config import ModelConfig
+
+# Dense bf16 tensor-core peaks (no sparsity), TFLOP/s per device; matched against the device name.
+_PEAK_TFLOPS = (("B200", 2250.0), ("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
+_CUDA_UNKNOWN_TFLOPS = 100.0
+# A nominal figure for a few CPU cores in fp32: MFU on CPU is only a relative number.
+CPU_TFLOPS = 0.5
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 * N_active_non_embedding + 12 * L * H * s.
+
+    N counts the matrices a token passes through (the output head included, the embedding lookup
+    not; for MoE only the top-k routed experts plus the shared ones and the router). The attention
+    term counts QK^T and AV over the full sequence (H = heads * head_dim), i.e. without the causal
+    halving, as in the PaLM / Megatron MFU convention.
+    """
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attn = d * hd * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
+    dense_mlp = 3 * d * cfg.intermediate_size
+    moe_mlp = (3 * d * cfg.expert_intermediate_size * cfg.num_experts_per_token
+               + 3 * d * cfg.shared_intermediate_size + d * cfg.num_experts) if cfg.is_moe else 0
+    per_layer = [attn + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers)]
+    n_active = sum(per_layer) + d * cfg.vocab_size  # output head
+    return 6.0 * n_active + 12.0 * cfg.num_layers * cfg.num_heads * hd * seq_len
+
+
+def peak_tflops_guess(device: torch.device) -> tuple[float, str]:
+    """(peak TFLOP/s per device, how it was obtained) for MFU when train.peak_tflops is 0."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _PEAK_TFLOPS:
+            if key in name:
+                return value, f"{name}: {value:g} TFLOP/s bf16 dense"
+        return _CUDA_UNKNOWN_TFLOPS, f"{name} is not in the table: assuming {_CUDA_UNKNOWN_TFLOPS:g} TFLOP/s"
+    return CPU_TFLOPS, f"CPU: a nominal {CPU_TFLOPS:g} TFLOP/s (MFU is only relative; set train.peak_tflops)"
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process: allocated tensors on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+class MetricsLogger:
+    """Appends rows to `<run_dir>/metrics.jsonl` and shows a progress bar; a no-op when not enabled.
+
+    `enabled` is true on the rank that logs (rank 0); every other rank constructs it disabled.
+    """
+
+    def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool = True,
+                 progress: bool = True, start_step: int = 0):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = None
+        self._progress = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def log(self, row: dict) -> None:
+        """Write one row (a step's metrics, or a validation row with `val_loss`)."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._progress is not None:
+            if "loss" in row:
+                info = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s"
+                self._progress.update(self._task, completed=row["step"], info=info)
+            if "val_loss" in row:
+                self._progress.console.print(f"step {row['step']}: val_loss {row['val_loss']:.4f}")
+
+    def print(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,256 @@
+"""The training loop: data -> micro-steps -> clip -> optimizer step -> metrics, validation, checkpoints.
+
+Responsible for: building model, optimizer, data and loader from a `Config`; the optimizer step as
+gradient accumulation over micro-batches with the loss normalised to the exact global token mean;
+the LR schedule, clipping, periodic validation, checkpoints (and bit-identical resume), metrics,
+and a text sample at the end.
+Not responsible for: parallelism. The step is shaped so a data-parallel strategy plugs in without
+changing it: `self.model` may be a wrapper (its `no_sync()` is used on non-final micro-steps),
+`self.dp_rank/dp_size` pick the loader's slice, `self.grad_norm_fn` supplies the global gradient
+norm, and `self.reduce_mean` averages reported scalars over ranks.
+
+Loss normalisation: every micro-batch contributes `sum of token losses / tokens in the global batch`,
+so the gradients *summed* over micro-batches (and over data-parallel ranks) are those of the mean
+over the global batch. A data-parallel gradient reduction must therefore be a sum, not a mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meshlm.config import Config
+from meshlm.models import build_model
+from meshlm.planner.model_stats import train_flops_per_token
+from meshlm.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from meshlm.train.data import BatchLoader, build_datasets, load_tokenizer, validation_batches
+from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess
+from meshlm.train.optim import NormFn, build_optimizer, clip_grad_norm, lr_at, set_lr
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is available; use train.device=auto or cpu")
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32. Parameters and optimizer state stay fp32 either way."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return torch.bfloat16 if name == "bf16" else None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, resume: bool = False):
+        self.cfg = cfg.validate()
+        t = cfg.train
+        # Single process for now; a data-parallel launcher sets these (and wraps self.model).
+        self.rank, self.world_size = 0, 1
+        self.dp_rank, self.dp_size = 0, 1
+        self.device = resolve_device(t.device)
+        self.autocast_dtype = resolve_precision(t.precision, self.device)
+        seed_everything(t.seed)
+
+        self.tokenizer = load_tokenizer(cfg.data)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
+                             f"{cfg.model.vocab_size}; set model.vocab_size >= {self.tokenizer.vocab_size}")
+        self.train_data, self.val_data = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=self.tokenizer)
+        self.loader = BatchLoader(self.train_data, global_batch_size=t.global_batch_size,
+                                  micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
+                                  dp_rank=self.dp_rank, dp_size=self.dp_size)
+
+        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device)
+        self.model = self.base_model  # a parallel wrapper replaces this; base_model stays the Transformer
+        self.optimizer = build_optimizer(self.base_model, t)
+        self.grad_norm_fn: NormFn | None = None  # None: the local norm (right for one process / DDP)
+
+        self.run_dir = Path(t.run_dir)
+        self.step = 0
+        self.first_val_loss: float | None = None
+        self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
+        self.peak_tflops, self.peak_note = ((t.peak_tflops, "train.peak_tflops") if t.peak_tflops > 0
+                                            else peak_tflops_guess(self.device))
+        self.resumed_from: Path | None = None
+        if resume:
+            self.resumed_from = latest_checkpoint(self.run_dir)
+            if self.resumed_from is not None:
+                self.load(self.resumed_from)
+        if self.resumed_from is None and self.is_main:
+            # A fresh run owns its run_dir: stale checkpoints of an earlier run must not become "latest".
+            shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- hooks a parallel strategy overrides -------------------------------------------------
+    def no_sync(self):
+        """Context for non-final micro-steps: the wrapper's `no_sync()` defers the gradient reduction."""
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a reported scalar over data-parallel ranks (identity on one process)."""
+        return value
+
+    # -- one optimizer step ------------------------------------------------------------------
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_tokens: int,
+                   num_micro_batches: int) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns its (detached) share of the global mean loss.
+
+        `num_tokens` is the token count of the whole global batch (all micro-batches, all ranks);
+        `num_micro_batches` likewise, for the MoE auxiliary loss, which is a mean over micro-batches.
+        """
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        with self.autocast():
+            logits = self.model(inputs)
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        loss = loss_sum / num_tokens
+        aux = self.base_model.aux_loss()
+        total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
+        total.backward()
+        return loss.detach()
+
+    def train_step(self) -> dict:
+        """One optimizer step over the next global batch; returns its metrics row."""
+        t = self.cfg.train
+        start = time.perf_counter()
+        micro_batches = self.loader.next_batch()
+        lr = lr_at(self.step, t)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = t.global_batch_size * t.seq_len  # packing: no padding, every target counts
+        loss = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            final = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if final else self.no_sync():
+                loss += self.micro_step(inputs, targets, num_tokens=num_tokens,
+                                        num_micro_batches=len(micro_batches) * self.dp_size)
+        grad_norm = clip_grad_norm(self.base_model.parameters(), t.grad_clip, norm_fn=self.grad_norm_fn)
+        self.optimizer.step()
+        self.step += 1
+        # Each rank holds the sum over its slice of (token losses / global tokens): summing ranks
+        # gives the global mean, i.e. dp_size times the mean that reduce_mean computes.
+        loss_value = float(self.reduce_mean(loss)) * self.dp_size
+        step_time = time.perf_counter() - start
+        tokens_per_s = num_tokens / step_time
+        mfu = tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
+        return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(self.device),
+                "step_time_s": step_time}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over a fixed set of validation batches (the same set every time)."""
+        t = self.cfg.train
+        batches = validation_batches(self.val_data, num_batches=t.val_batches, micro_batch_size=t.micro_batch_size,
+                                     dp_rank=self.dp_rank, dp_size=self.dp_size)
+        if not batches:
+            return float("nan")
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        count = 0
+        for inputs, targets in batches:
+            with self.autocast():
+                logits = self.model(inputs.to(self.device))
+            total += F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
+                                     reduction="sum")
+            count += targets.numel()
+        self.model.train()
+        return float(self.reduce_mean(total / count))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self, *, until_step: int | None = None) -> dict:
+        """Train to `train.steps` (or stop early at `until_step`, e.g. to test resuming) and save.
+
+        Returns a summary: steps, final loss, first/final validation loss, mean tokens/s.
+        """
+        t = self.cfg.train
+        stop = t.steps if until_step is None else min(until_step, t.steps)
+        logger = MetricsLogger(self.run_dir, total_steps=t.steps, enabled=self.is_main,
+                               progress=t.progress, start_step=self.step)
+        logger.print(f"meshlm: {self.base_model.num_params():,} parameters, {len(self.train_data):,} training "
+                     f"samples of {t.seq_len} tokens, device {self.device}, "
+                     f"precision {self.autocast_dtype or torch.float32}; MFU peak: {self.peak_note}")
+        if self.resumed_from is not None:
+            logger.print(f"resumed from {self.resumed_from} at step {self.step}")
+        has_val = t.val_batches > 0 and len(self.val_data) > 0
+        last = {"loss": float("nan")}
+        final_val = None
+        times = []
+        try:
+            if has_val and self.first_val_loss is None:
+                self.first_val_loss = final_val = self.evaluate()
+                logger.log({"step": self.step, "val_loss": final_val})
+            while self.step < stop:
+                last = self.train_step()
+                times.append(last["step_time_s"])
+                if self.step % t.log_interval == 0 or self.step == stop:
+                    logger.log(last)
+                if has_val and (self.step % t.val_interval == 0 or self.step == stop):
+                    final_val = self.evaluate()
+                    logger.log({"step": self.step, "val_loss": final_val})
+                if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != stop:
+                    self.save()
+            self.save()
+        finally:
+            logger.close()
+        num_tokens = t.global_batch_size * t.seq_len
+        return {"steps": self.step, "loss": last["loss"], "val_loss": final_val,
+                "first_val_loss": self.first_val_loss,
+                "tokens_per_s": num_tokens * len(times) / sum(times) if times else 0.0}
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self) -> Path:
+        extra = {"rng": rng_state(), "loader": self.loader.state_dict(), "first_val_loss": self.first_val_loss}
+        files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
+        return save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
+                               config=self.cfg, rank_extra=extra, rank=self.rank,
+                               keep=self.cfg.train.keep_checkpoints, files=files)
+
+    def load(self, path: str | Path) -> None:
+        state = load_checkpoint(path, model=self.base_model, optimizer=self.optimizer, config=self.cfg,
+                                rank=self.rank)
+        self.step = state["step"]
+        extra = state["rank_extra"]
+        self.loader.load_state_dict(extra["loader"])
+        set_rng_state(extra["rng"])
+        self.first_val_loss = extra.get("first_val_loss")
+
+    # -- sampling ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, seed: int | None = None) -> str:
+        """The text the model continues `prompt` with (the prompt itself not included)."""
+        from meshlm.generation import generate
+
+        ids = self.tokenizer.encode(prompt) or self.tokenizer.encode("\n")
+        room = self.cfg.model.max_seq_len - len(ids)
+        if room <= 0:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in model.max_seq_len="
+                             f"{self.cfg.model.max_seq_len}")
+        with self.autocast():
+            out = generate(self.base_model, ids, max_new_tokens=min(max_new_tokens, room),
+                           temperature=temperature, seed=seed)
+        return self.tokenizer.decode(out)

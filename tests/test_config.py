@@ -1,0 +1,92 @@
+"""Config loading: TOML files, presets, dotted overrides, and the errors a user sees."""
+
+from pathlib import Path
+
+import pytest
+
+from meshlm.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.model.preset == "tiny" and cfg.model.head_dim == cfg.model.hidden_size // cfg.model.num_heads
+
+
+def test_unknown_key_lists_valid_names():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["train.learning_rate=1e-3"])
+    msg = str(e.value)
+    assert "train.learning_rate" in msg and "lr" in msg and "warmup_steps" in msg
+
+
+def test_unknown_section_rejected(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[trainer]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="trainer"):
+        load_config(p)
+
+
+def test_num_heads_must_divide_hidden():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["model.num_heads=7"])
+    msg = str(e.value)
+    assert "model.num_heads=7" in msg and "hidden_size" in msg
+
+
+def test_negative_lr_rejected():
+    with pytest.raises(ConfigError, match=r"train\.lr=-0\.1 must be > 0"):
+        load_config(overrides=["train.lr=-0.1"])
+
+
+def test_override_types():
+    cfg = load_config(overrides=["train.lr=3e-4", "train.steps=7", "train.progress=false",
+                                 "train.run_dir=runs/x", "model.num_layers=2", "train.grad_clip=0"])
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+    assert cfg.train.progress is False
+    assert cfg.train.run_dir == "runs/x"
+    assert cfg.model.num_layers == 2
+    assert cfg.train.grad_clip == 0.0 and isinstance(cfg.train.grad_clip, float)
+
+
+def test_override_wrong_type_rejected():
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(overrides=["train.steps=2.5"])
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(overrides=["steps=3"])
+
+
+def test_toml_file_and_override_precedence(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[model]\npreset = "tiny-moe"\n[train]\nsteps = 11\nlr = 1e-3\n[data]\nval_fraction = 0.1\n')
+    cfg = load_config(p, ["train.lr=5e-4"])
+    assert cfg.model.preset == "tiny-moe" and cfg.model.num_experts == 8
+    assert cfg.train.steps == 11 and cfg.train.lr == 5e-4 and cfg.data.val_fraction == 0.1
+
+
+def test_preset_then_override():
+    cfg = load_config(overrides=["model.preset=llama3-8b", "model.num_layers=2"])
+    assert cfg.model.hidden_size == 4096 and cfg.model.num_layers == 2 and cfg.model.num_kv_heads == 8
+    with pytest.raises(ConfigError, match="preset"):
+        load_config(overrides=["model.preset=nope"])
+
+
+def test_invalid_toml_rejected(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(p)
+
+
+def test_shipped_tiny_config_matches_defaults():
+    """configs/tiny.toml spells out the default job: loading it must equal the built-in defaults
+    except for the fields it deliberately sets differently."""
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    default = load_config()
+    assert cfg.model == default.model
+    differing = {k for k, v in cfg.train.__dict__.items() if default.train.__dict__[k] != v}
+    assert differing <= {"run_dir", "checkpoint_interval"}
+    assert cfg.data == default.data

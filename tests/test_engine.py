@@ -1,0 +1,138 @@
+"""The inference engine against Hugging Face transformers and against our own contiguous-cache path.
+
+Greedy outputs must equal transformers' `generate` token for token, for tiny random Llama, Qwen2 and
+Mixtral checkpoints, for a batch of prompts of different lengths run through continuous batching:
+plainly, with prefix-cache hits, with chunked prefill forced small, and under preemption.
+"""
+
+import random
+
+import pytest
+import torch
+
+from meshlm import LLM, SamplingParams
+from meshlm.config import ModelConfig
+from meshlm.infer.engine import Engine
+from meshlm.models import KVCache, build_model
+
+transformers = pytest.importorskip("transformers")
+
+MAX_NEW = 10
+
+
+def _tiny_hf(kind: str):
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+                  eos_token_id=95, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
+                                                                         num_experts_per_tok=2))
+    raise AssertionError(kind)
+
+
+def _prompts(seed: int, prefix_len: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, 90) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(2, 90) for _ in range(n)] for n in (3, 17, 1, 29, 8, 12)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral"])
+def hf_case(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = _tiny_hf(request.param).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    prompts = _prompts(1) + _prompts(2, prefix_len=21)
+    expected = []
+    with torch.no_grad():
+        for p in prompts:  # one at a time: no padding in the reference
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False,
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            expected.append(out[0, len(p):].tolist())
+    return path, prompts, expected
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(),  # continuous batching; shared prefixes give prefix-cache hits
+    dict(enable_prefix_caching=False),
+    dict(block_size=4, max_num_batched_tokens=7),  # chunked prefill forced small
+    dict(block_size=4, num_blocks=16, max_num_seqs=8),  # tiny KV budget: preemption by recompute
+], ids=["batched", "no-prefix-cache", "chunked", "preempt"])
+def test_greedy_matches_transformers(hf_case, engine_kwargs):
+    path, prompts, expected = hf_case
+    llm = LLM(str(path), **engine_kwargs)
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [r.token_ids for r in results] == expected
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    if engine_kwargs.get("num_blocks"):
+        assert stats["num_preemptions"] > 0
+    if not engine_kwargs:
+        # A second round hits the cache for whole prompts and still gives the same tokens.
+        again = llm.generate(prompts[::-1], SamplingParams(temperature=0, max_tokens=MAX_NEW))
+        assert [r.token_ids for r in again] == expected[::-1]
+        assert any(r.num_cached_tokens > 0 for r in again)
+        assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def _tiny_model():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=64, max_seq_len=96, init_std=0.2)
+    return build_model(cfg, seed=0)
+
+
+def test_paged_attention_matches_contiguous_cache():
+    model = _tiny_model()
+    prompt = list(range(3, 20))
+    # Reference: our contiguous KVCache path, greedy.
+    cache = KVCache(model.config, 1, 64)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), cache=cache)
+        ref = []
+        for _ in range(8):
+            tok = int(logits[0, -1].argmax())
+            ref.append(tok)
+            logits = model(torch.tensor([[tok]]), cache=cache)
+    engine = Engine(model, block_size=4, max_num_batched_tokens=6)
+    [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+    assert out.token_ids == ref and out.finish_reason == "length"
+
+
+def test_sampling_seed_stop_tokens_logprobs():
+    model = _tiny_model()
+    engine = Engine(model, block_size=4)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=12)
+    alone = engine.generate([[5, 6, 7]], params)[0].token_ids
+    # Same seed -> same tokens, whatever else is in the batch.
+    crowd = engine.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], [SamplingParams(temperature=1.0, max_tokens=5), params,
+                                                               SamplingParams(temperature=0, max_tokens=3)])
+    assert crowd[1].token_ids == alone
+    greedy = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12))[0].token_ids
+    assert engine.generate([[5, 6, 7]], SamplingParams(temperature=1.0, top_k=1, max_tokens=12))[0].token_ids == greedy
+    stop_at = greedy[3]
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == greedy[:greedy.index(stop_at) + 1] and out.finish_reason == "stop"
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp["token"] == tok and len(lp["top"]) == 3 and lp["logprob"] == max(lp["top"].values())
+
+
+def test_user_errors():
+    model = _tiny_model()
+    with pytest.raises(ValueError, match="tp=2"):
+        LLM(model, tp=2)
+    llm = LLM(model, block_size=4)
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([list(range(1, 60)) * 2])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, 999]])
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"])
+    assert not llm.engine.has_unfinished()

@@ -1,0 +1,184 @@
+"""`meshlm serve` over real HTTP (httpx) on 127.0.0.1: completions and chat, streamed and not,
+concurrency, metrics, and every kind of bad input answered with a 4xx while a good request completes."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from argparse import Namespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+transformers = pytest.importorskip("transformers")
+
+KEY = "secret-test-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, this is meshlm serving tokens",
+          "def add(a, b):\n    return a + b", "continuous batching with a paged kv cache"] * 20
+
+
+def make_model_dir(path):
+    """A tiny random Llama with a small byte-level BPE tokenizer.json (no chat template)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, eos_token_id=tok.token_to_id("</s>"),
+                                   bos_token_id=tok.token_to_id("<s>"), initializer_range=0.2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from meshlm.infer.server import build_server
+
+    model_dir = make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    port = free_port()
+    args = Namespace(model=str(model_dir), host="127.0.0.1", port=port, api_key=KEY, served_model_name="tiny",
+                     block_size=8, kv_cache_mb=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=None,
+                     no_prefix_caching=False, tp=1, device="cpu")
+    srv, engine = build_server(args)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.stop()
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, headers=HEADERS, timeout=60, **kw)
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_health_models_and_key(server):
+    assert httpx.get(server + "/health").status_code == 200
+    r = httpx.get(server + "/v1/models")
+    assert r.json()["data"][0]["id"] == "tiny"
+    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_completion_stream_and_not(server):
+    body = {"model": "tiny", "prompt": "the quick brown", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "text_completion" and data["usage"]["completion_tokens"] == 12
+    text = data["choices"][0]["text"]
+    assert data["choices"][0]["finish_reason"] == "length"
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, headers=HEADERS,
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    # Token-id prompts and logprobs.
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 2,
+                                         "temperature": 0, "ignore_eos": True})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 3 and all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+def test_chat_stream_and_not(server):
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "hello world"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "chat.completion"
+    msg = data["choices"][0]["message"]
+    assert msg["role"] == "assistant" and data["usage"]["completion_tokens"] == 8
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**body, "stream": True}, headers=HEADERS,
+                      timeout=60) as r:
+        events = sse_events(r)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == msg["content"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_requests_and_bad_input(server):
+    async def main():
+        async with httpx.AsyncClient(base_url=server, headers=HEADERS, timeout=60) as client:
+            good = [client.post("/v1/completions", json={"model": "tiny", "prompt": f"hello {i}", "max_tokens": 16,
+                                                         "temperature": 0.7, "seed": i, "ignore_eos": True})
+                    for i in range(6)]
+            long_prompt = "the quick brown fox " * 200
+            bad = [
+                client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                client.post("/v1/completions", json={"model": "nope", "prompt": "hi"}),
+                client.post("/v1/completions", json={"model": "tiny"}),
+                client.post("/v1/completions", json={"prompt": "hi"}),
+                client.post("/v1/chat/completions", json={"model": "tiny"}),
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": -1}),
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 10**9}),
+                client.post("/v1/completions", json={"model": "tiny", "prompt": long_prompt, "max_tokens": 4}),
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "temperature": "hot"}),
+            ]
+            return await asyncio.gather(*good, *bad)
+
+    responses = asyncio.run(main())
+    good, bad = responses[:6], responses[6:]
+    for r in good:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16
+    for r in bad:
+        assert 400 <= r.status_code < 500, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+    assert bad[1].status_code == 404
+    # The server still serves after all that, and its metrics saw the traffic.
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "again", "max_tokens": 2})
+    assert r.status_code == 200
+    metrics = httpx.get(server + "/metrics").text
+    for name in ("meshlm_requests_running", "meshlm_requests_waiting", "meshlm_kv_blocks_used",
+                 "meshlm_kv_blocks_free", "meshlm_prefix_cache_hit_rate", "meshlm_generated_tokens_total",
+                 "meshlm_time_to_first_token_seconds_count", "meshlm_time_per_output_token_seconds_bucket"):
+        assert name in metrics
+    assert "meshlm_kv_blocks_used 0" in metrics
+
+
+def test_client_disconnect_frees_blocks(server):
+    with httpx.stream("POST", server + "/v1/completions", headers=HEADERS, timeout=60,
+                      json={"model": "tiny", "prompt": "hello", "max_tokens": 100, "stream": True,
+                            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first event
+    deadline = time.monotonic() + 20
+    while "meshlm_requests_running 0" not in httpx.get(server + "/metrics").text:
+        assert time.monotonic() < deadline, "an abandoned request kept running"
+        time.sleep(0.05)

@@ -1,0 +1,175 @@
+"""The single-process training stack: loss goes down, accumulation is exact, resume is bit-identical,
+checkpoints are atomic and refuse a different model, schedule and clipping behave."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm.config import load_config
+from meshlm.train.checkpoint import latest_checkpoint, load_checkpoint_for_inference, resolve_checkpoint
+from meshlm.train.metrics import flops_per_token
+from meshlm.train.optim import clip_grad_norm, lr_at
+from meshlm.train.trainer import Trainer
+
+SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+               "model.intermediate_size=64", "model.max_seq_len=64"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 3}\n\n" for i in range(600)))
+    return path
+
+
+def make_cfg(run_dir, text_file, *extra):
+    return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
+                                  "train.progress=false", "train.seq_len=32", "train.global_batch_size=8",
+                                  "train.micro_batch_size=8", "train.steps=10", "train.warmup_steps=2",
+                                  "train.lr=1e-2", "train.val_interval=5", "train.val_batches=2",
+                                  "data.val_fraction=0.1", "train.device=cpu", *extra])
+
+
+def step_losses(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_a_few_steps_lower_the_loss(tmp_path, text_file):
+    cfg = make_cfg(tmp_path / "run", text_file, "train.steps=25", "train.val_interval=25")
+    summary = Trainer(cfg).train()
+    assert summary["steps"] == 25
+    assert summary["val_loss"] < summary["first_val_loss"] - 1.0
+    losses = step_losses(tmp_path / "run")
+    assert len(losses) == 25 and losses[-1] < losses[0] - 1.0
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_mib", "step_time_s"} <= set(row)
+    assert (tmp_path / "run" / "checkpoints" / "step_000025").is_dir()
+
+
+def test_grad_accumulation_matches_one_micro_batch(tmp_path, text_file):
+    runs = {}
+    for micro in (8, 2):
+        trainer = Trainer(make_cfg(tmp_path / f"m{micro}", text_file, f"train.micro_batch_size={micro}",
+                                   "train.steps=3", "train.val_batches=0"))
+        trainer.train()
+        runs[micro] = (step_losses(tmp_path / f"m{micro}"), trainer.base_model.state_dict())
+    (losses_a, weights_a), (losses_b, weights_b) = runs[8], runs[2]
+    assert losses_a == pytest.approx(losses_b, abs=1e-5)
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_resume_is_bit_identical(tmp_path, text_file):
+    straight = Trainer(make_cfg(tmp_path / "straight", text_file))
+    straight.train()
+
+    first = Trainer(make_cfg(tmp_path / "split", text_file))
+    assert first.train(until_step=5)["steps"] == 5
+    assert latest_checkpoint(tmp_path / "split").name == "step_000005"
+    second = Trainer(make_cfg(tmp_path / "split", text_file), resume=True)
+    assert second.step == 5
+    summary = second.train()
+
+    assert summary["steps"] == 10 and summary["first_val_loss"] == first.first_val_loss
+    assert step_losses(tmp_path / "split") == step_losses(tmp_path / "straight")
+    for (name, a), b in zip(straight.base_model.state_dict().items(), second.base_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(straight.optimizer.state_dict()["state"].values(), second.optimizer.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and torch.equal(a["step"], b["step"])
+
+
+def test_unfinished_checkpoint_is_never_latest(tmp_path, text_file):
+    run = tmp_path / "run"
+    trainer = Trainer(make_cfg(run, text_file, "train.steps=2", "train.val_batches=0"))
+    trainer.train()
+    root = run / "checkpoints"
+    # A crash between writing and renaming leaves step_N.tmp/ behind: it must be ignored.
+    crashed = root / "step_000007.tmp"
+    crashed.mkdir()
+    (crashed / "meta.json").write_text("{}")
+    assert latest_checkpoint(run) == root / "step_000002"
+    resumed = Trainer(make_cfg(run, text_file, "train.steps=2", "train.val_batches=0"), resume=True)
+    assert resumed.step == 2
+    # A pointer to something that is not a complete checkpoint is an error, not a silent fresh start.
+    (root / "latest").write_text("step_000007.tmp")
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        latest_checkpoint(run)
+
+
+def test_keeps_only_the_last_checkpoints(tmp_path, text_file):
+    run = tmp_path / "run"
+    Trainer(make_cfg(run, text_file, "train.steps=4", "train.checkpoint_interval=1", "train.keep_checkpoints=2",
+                     "train.val_batches=0")).train()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000003", "step_000004"]
+
+
+def test_mismatched_or_corrupt_checkpoint_is_refused(tmp_path, text_file):
+    run = tmp_path / "run"
+    Trainer(make_cfg(run, text_file, "train.steps=1", "train.val_batches=0")).train()
+    with pytest.raises(ValueError, match=r"model\.num_layers: checkpoint 2, now 3"):
+        Trainer(make_cfg(run, text_file, "model.num_layers=3"), resume=True)
+    ckpt = latest_checkpoint(run)
+    data_file = next(ckpt.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt"):
+        Trainer(make_cfg(run, text_file), resume=True)
+    (ckpt / ".metadata").unlink()
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        Trainer(make_cfg(run, text_file), resume=True)
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        resolve_checkpoint(tmp_path / "nothing")
+
+
+def test_checkpoint_loads_for_inference_and_samples(tmp_path, text_file):
+    run = tmp_path / "run"
+    trainer = Trainer(make_cfg(run, text_file, "train.steps=2", "train.val_batches=0"))
+    trainer.train()
+    model, cfg, tokenizer = load_checkpoint_for_inference(run)
+    assert cfg.model == trainer.cfg.model and not model.training
+    tokens = torch.tensor([tokenizer.encode("def f1(x):")])
+    trainer.base_model.eval()
+    assert torch.equal(model(tokens), trainer.base_model(tokens))
+    assert isinstance(trainer.sample("def ", 5), str)
+
+
+def test_moe_model_trains_with_aux_loss(tmp_path, text_file):
+    cfg = make_cfg(tmp_path / "moe", text_file, "model.num_experts=4", "model.num_experts_per_token=2",
+                   "model.moe_intermediate_size=32", "train.steps=3", "train.micro_batch_size=4",
+                   "train.val_batches=0")
+    summary = Trainer(cfg).train()
+    assert summary["steps"] == 3 and math.isfinite(summary["loss"])
+
+
+def test_lr_schedule():
+    cfg = load_config(overrides=["train.steps=110", "train.warmup_steps=10", "train.lr=1.0",
+                                 "train.min_lr_ratio=0.1"]).train
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)  # halfway through the cosine
+    assert lr_at(109, cfg) == pytest.approx(0.1, abs=1e-3) and lr_at(500, cfg) == pytest.approx(0.1)
+    cfg.lr_schedule = "linear"
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    cfg.lr_schedule = "constant"
+    assert lr_at(60, cfg) == 1.0
+
+
+def test_clip_grad_norm_and_norm_hook():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([0.0, 4.0, 0.0, 0.0])
+    assert float(clip_grad_norm(params, 0.0)) == pytest.approx(5.0)  # 0: measure only
+    assert float(clip_grad_norm(params, 1.0)) == pytest.approx(5.0)
+    assert float(torch.linalg.vector_norm(torch.cat([p.grad for p in params]))) == pytest.approx(1.0, rel=1e-5)
+    # A distributed strategy reports a larger global norm: every rank scales by it.
+    norm = clip_grad_norm(params, 0.5, norm_fn=lambda grads: torch.tensor(2.0))
+    assert float(norm) == 2.0 and float(params[0].grad[0]) == pytest.approx(0.6 * 0.25, rel=1e-5)
+
+
+def test_flops_per_token_close_to_planner():
+    from meshlm.planner.model_stats import train_flops_per_token
+
+    cfg = load_config().model
+    assert flops_per_token(cfg, 256) == pytest.approx(train_flops_per_token(cfg, 256), rel=0.02)
