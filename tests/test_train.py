@@ -70,6 +70,8 @@ def test_resume_is_bit_identical(tmp_path, text_file):
     first = Trainer(make_cfg(tmp_path / "split", text_file))
     assert first.train(until_step=5)["steps"] == 5
     assert latest_checkpoint(tmp_path / "split").name == "step_000005"
+    with open(tmp_path / "split" / "metrics.jsonl", "a") as f:  # logged after the checkpoint, then a crash
+        f.write(json.dumps({"step": 6, "loss": 99.0}) + "\n")
     second = Trainer(make_cfg(tmp_path / "split", text_file), resume=True)
     assert second.step == 5
     summary = second.train()

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_generate(sub)
     _add_info(sub)
+    from meshlm.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -122,7 +125,8 @@ def cmd_generate(args) -> int:
                          f"model's context of {limit} tokens; shorten one of them")
     with torch.no_grad():
         out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                       stop_token_ids=tuple(getattr(tokenizer, "eos_token_ids", ()) or ()))
     print(args.prompt + tokenizer.decode(out))
     return 0
 
@@ -154,7 +158,13 @@ def cmd_info(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "info": cmd_info}
+def cmd_plan(args) -> int:
+    from meshlm.planner.cli import run_plan
+
+    return run_plan(args)
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "info": cmd_info, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ class _Detok:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  eos_token_ids: tuple[int, ...] | None = None, seed: int = 0):
         self.model = model

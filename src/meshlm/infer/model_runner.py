@@ -57,71 +57,72 @@ class StepInput:
 class PagedAttention:
     """The per-step attention context handed to the model as its `cache`."""
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int):
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
+                 *, dtype: torch.dtype):
         device = k_caches[0].device
         self.k_caches, self.v_caches = k_caches, v_caches
         self.slots = torch.tensor(step.slot_mapping, dtype=torch.long, device=device)
 
-        def gather_index(table: list[int], length: int) -> torch.Tensor:
-            pos = torch.arange(length)
-            return (torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size)
+        def blocks_of(table: list[int], length: int) -> torch.Tensor:
+            return torch.tensor(table[:-(-length // block_size)], dtype=torch.long)
 
-        # Decodes (one new token) are batched, their keys padded to the longest context and masked;
+        # Keys/values are gathered a whole block at a time (one index per block, not per token).
+        # Decodes (one new token) are batched, their blocks padded to the longest context and masked;
         # prefill chunks run one sequence at a time with their own causal mask.
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(step.query_lens) if n == 1]
         self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
-        self.decode_index = self.decode_mask = None
+        self.decode_blocks = self.decode_mask = None
         if decode:
-            longest = max(step.context_lens[i] for i in decode)
-            index = torch.zeros(len(decode), longest, dtype=torch.long)
-            mask = torch.zeros(len(decode), 1, 1, longest, dtype=torch.bool)
+            longest = -(-max(step.context_lens[i] for i in decode) // block_size)
+            blocks = torch.zeros(len(decode), longest, dtype=torch.long)
+            mask = torch.zeros(len(decode), 1, 1, longest * block_size, dtype=torch.bool)
             for row, i in enumerate(decode):
                 length = step.context_lens[i]
-                index[row, :length] = gather_index(step.block_tables[i], length)
+                table = blocks_of(step.block_tables[i], length)
+                blocks[row, :len(table)] = table
                 mask[row, ..., :length] = True
-            self.decode_index, self.decode_mask = index.to(device), mask.to(device)
-        self.prefills = []  # (first row, new tokens, gather index, causal mask or None)
+            self.decode_blocks, self.decode_mask = blocks.to(device), _additive(mask.to(device), dtype)
+        self.prefills = []  # (first row, new tokens, context length, blocks, additive causal mask)
         for i, n in enumerate(step.query_lens):
             if n == 1:
                 continue
             length = step.context_lens[i]
-            past = length - n
-            mask = None
-            if past:  # query j sits at position past + j and sees keys up to it
-                mask = torch.ones(n, length, dtype=torch.bool, device=device).tril(diagonal=past)
-            self.prefills.append((starts[i], n, gather_index(step.block_tables[i], length).to(device), mask))
+            # Query j sits at position (length - n) + j and sees the keys up to it.
+            mask = _additive(torch.ones(n, length, dtype=torch.bool, device=device).tril(diagonal=length - n), dtype)
+            self.prefills.append((starts[i], n, length, blocks_of(step.block_tables[i], length).to(device), mask))
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         assert q_bhsd.shape[0] == 1, "the engine packs all sequences of a step into one row"
-        k_flat = self.k_caches[layer].flatten(0, 1)  # [slots, kv_heads, head_dim]
-        v_flat = self.v_caches[layer].flatten(0, 1)
-        k_flat[self.slots] = k_bhsd[0].transpose(0, 1).to(k_flat.dtype)
-        v_flat[self.slots] = v_bhsd[0].transpose(0, 1).to(v_flat.dtype)
-        groups = q_bhsd.shape[1] // k_bhsd.shape[1]
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]  # [blocks, block_size, kv_heads, dim]
+        k_cache.flatten(0, 1)[self.slots] = k_bhsd[0].transpose(0, 1).to(k_cache.dtype)
+        v_cache.flatten(0, 1)[self.slots] = v_bhsd[0].transpose(0, 1).to(v_cache.dtype)
+        num_kv, dim = k_bhsd.shape[1], q_bhsd.shape[-1]
+        groups = q_bhsd.shape[1] // num_kv
         out = torch.empty_like(q_bhsd)
-        if self.decode_index is not None:
-            q = q_bhsd[0, :, self.decode_rows].transpose(0, 1).unsqueeze(2)  # [batch, heads, 1, dim]
-            k = k_flat[self.decode_index].permute(0, 2, 1, 3).to(q.dtype)  # [batch, kv_heads, len, dim]
-            v = v_flat[self.decode_index].permute(0, 2, 1, 3).to(q.dtype)
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # Grouped-query attention without copying k/v per query head: the `groups` query heads that
+        # share a kv head are one more dim of q (decode: extra query rows), k/v broadcast over it.
+        if self.decode_blocks is not None:
+            batch = self.decode_blocks.shape[0]
+            q = q_bhsd[0, :, self.decode_rows].transpose(0, 1).reshape(batch, num_kv, groups, dim)
+            k = k_cache[self.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [batch, kv_heads, len, dim]
+            v = v_cache[self.decode_blocks].flatten(1, 2).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask)
-            out[0, :, self.decode_rows] = o.squeeze(2).transpose(0, 1)
-        for start, n, index, mask in self.prefills:
-            q = q_bhsd[:, :, start:start + n]
-            k = k_flat[index].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            v = v_flat[index].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            if mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            out[:, :, start:start + n] = o
+            out[0, :, self.decode_rows] = o.reshape(batch, num_kv * groups, dim).transpose(0, 1)
+        for start, n, length, blocks, mask in self.prefills:
+            q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
+            k = k_cache[blocks].flatten(0, 1)[:length].transpose(0, 1)[:, None].to(q.dtype)  # [kv_heads, 1, len, dim]
+            v = v_cache[blocks].flatten(0, 1)[:length].transpose(0, 1)[:, None].to(q.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out[0, :, start:start + n] = o.reshape(num_kv * groups, n, dim)
         return out
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean keep-mask as 0 / -inf, built once per step rather than converted in every layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def kv_block_bytes(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
@@ -157,7 +158,7 @@ class ModelRunner:
         model = self.model
         tokens = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
-        ctx = PagedAttention(self.k_caches, self.v_caches, step, self.block_size)
+        ctx = PagedAttention(self.k_caches, self.v_caches, step, self.block_size, dtype=self.dtype)
         # The model's own modules; only attention is redirected to the paged cache (via `ctx`). Logits
         # are computed for the sampling rows only, not for every prefill token.
         h = model.embed(tokens[None])

@@ -48,7 +48,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True):
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         if max_num_batched_tokens < 1:

@@ -412,7 +412,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")

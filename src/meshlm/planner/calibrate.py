@@ -67,10 +67,12 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, repeats: int) -> 
             n = nbytes // 4
             n -= n % world
             buf = torch.ones(n)
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             ops = {
                 "all_reduce": lambda: dist.all_reduce(buf),
-                "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(n), buf[: n // world]),
-                "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(n // world), buf),
+                "all_gather": lambda: all_gather(torch.empty(n), buf[: n // world]),
+                "reduce_scatter": lambda: reduce_scatter(torch.empty(n // world), buf),
                 "all_to_all": lambda: dist.all_to_all_single(torch.empty(n), buf),
                 "p2p": (lambda: dist.send(buf, 1)) if rank == 0 else (lambda: dist.recv(buf, 0)),
             }

@@ -53,9 +53,11 @@ def _gbit(x: float) -> float:
 # Efficiency constants, per GPU type (never per run):
 #  * matmul_efficiency: the fraction of dense peak that well-shaped bf16 GEMMs of transformer sizes
 #    reach in public cuBLAS/Megatron measurements. A100: ~250 of 312 TFLOP/s (0.80). Hopper and
-#    Blackwell have far higher peaks that are harder to feed from HBM and need larger tiles; their
-#    GEMMs of these shapes sustain ~650-700 of 989 TFLOP/s on H100 (0.70), the same fraction is assumed
-#    for B200. Flash attention runs at a similar fraction; it is folded into the same constant.
+#    Blackwell peaks assume boost clocks that a 700 W+ part does not hold under sustained GEMM load,
+#    and their higher peaks are harder to feed; public H100 SXM bf16 GEMM measurements at transformer
+#    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200. Flash
+#    attention runs at a similar fraction; it is folded into the same constant. (Set from these
+#    GEMM figures, not from any end-to-end training run.)
 #  * link_efficiency: NCCL bus bandwidth over the nominal link rate for large messages, ~0.8 on NVLink
 #    and InfiniBand alike (e.g. ~360 of 450 GB/s on H100 NVLink; ~45 of 50 GB/s per 400G NIC is higher,
 #    the common figure is used for both so the constant stays one number per GPU type).
@@ -66,11 +68,11 @@ _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp3
              hbm_efficiency=0.8, reserved_bytes=2 * GiB)
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.70, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB)
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.70, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB)
 
 PRESETS: dict[str, Cluster] = {

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster
-from meshlm.planner.cost import Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
+from meshlm.planner.cost import Estimate, Job, Layout, ModelSummary, estimate_layout
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 PP_CHUNKS = (2, 3, 4, 5, 6, 8)

@@ -66,6 +66,7 @@ class MetricsLogger:
     """Appends rows to `<run_dir>/metrics.jsonl` and shows a progress bar; a no-op when not enabled.
 
     `enabled` is true on the rank that logs (rank 0); every other rank constructs it disabled.
+    `start_step > 0` (a resumed run) first drops rows logged after that step by the interrupted run.
     """
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool = True,
@@ -77,6 +78,11 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step > 0 and self.path.exists():
+            # Resuming: rows a crashed run logged after its last checkpoint are about to be redone.
+            rows = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            self.path.write_text("".join(r + "\n" for r in rows))
         self._file = open(self.path, "a")
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

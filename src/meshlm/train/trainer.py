@@ -87,6 +87,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak_tflops, self.peak_note = ((t.peak_tflops, "train.peak_tflops") if t.peak_tflops > 0
                                             else peak_tflops_guess(self.device))
+        self.saved_step: int | None = None  # the step of the checkpoint on disk that matches this state
         self.resumed_from: Path | None = None
         if resume:
             self.resumed_from = latest_checkpoint(self.run_dir)
@@ -214,7 +215,8 @@ class Trainer:
                     logger.log({"step": self.step, "val_loss": final_val})
                 if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != stop:
                     self.save()
-            self.save()
+            if self.saved_step != self.step:
+                self.save()
         finally:
             logger.close()
         num_tokens = t.global_batch_size * t.seq_len
@@ -226,14 +228,16 @@ class Trainer:
     def save(self) -> Path:
         extra = {"rng": rng_state(), "loader": self.loader.state_dict(), "first_val_loss": self.first_val_loss}
         files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
-        return save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
+        path = save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
                                config=self.cfg, rank_extra=extra, rank=self.rank,
                                keep=self.cfg.train.keep_checkpoints, files=files)
+        self.saved_step = self.step
+        return path
 
     def load(self, path: str | Path) -> None:
         state = load_checkpoint(path, model=self.base_model, optimizer=self.optimizer, config=self.cfg,
                                 rank=self.rank)
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
         extra = state["rank_extra"]
         self.loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"])
