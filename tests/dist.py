@@ -14,6 +14,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -58,7 +59,9 @@ def _worker(rank, world_size, port, stack_dir, fn, args, kwargs, results):
         return
     try:
         out = fn(rank, world_size, *args, **kwargs)
-        results.put(("ok", rank, out))
+        # Plain pickle bytes: the queue's own pickler would pass tensors as shared-memory handles
+        # that die with this process before the parent reads them.
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 -- everything goes back to the test
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -78,8 +81,18 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 60.0, **kwargs)
     raise DistributedTestError(f"could not find a free port in {_PORT_TRIES} tries")
 
 
+def _context():
+    """forkserver with torch preloaded: a rank starts in milliseconds instead of re-importing torch
+    (seconds each on a shared 2-core machine); the server forks before any torch thread pool exists."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "meshlm.models.transformer"])
+    return ctx
+
+
 def _launch(fn, world_size, args, kwargs, timeout, port):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="meshlm-dist-") as stack_dir:
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, stack_dir, fn, args, kwargs, results),
@@ -92,6 +105,7 @@ def _launch(fn, world_size, args, kwargs, timeout, port):
         init_errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         first_error_at = None
+        first_failed = None
         timed_out = False
         while len(ok) + len(errors) + len(init_errors) < world_size:
             now = time.monotonic()
@@ -109,21 +123,21 @@ def _launch(fn, world_size, args, kwargs, timeout, port):
                             and p.exitcode is not None and results.empty():
                         errors[r] = f"rank {r} exited with code {p.exitcode} without reporting"
                         first_error_at = first_error_at or time.monotonic()
+                        first_failed = r if first_failed is None else first_failed
                 continue
             if kind == "ok":
-                ok[rank] = payload
-            elif kind == "error":
-                errors[rank] = payload
-                first_error_at = first_error_at or time.monotonic()
+                ok[rank] = pickle.loads(payload)
             else:
-                init_errors[rank] = payload
+                (errors if kind == "error" else init_errors)[rank] = payload
                 first_error_at = first_error_at or time.monotonic()
+                first_failed = rank if first_failed is None else first_failed
 
         running = [r for r, p in enumerate(procs) if r not in ok and r not in errors and r not in init_errors
                    and p.is_alive()]
         stacks = _dump_stacks(procs, running, stack_dir)
-        for p in procs:
-            p.join(timeout=2.0)
+        for r, p in enumerate(procs):
+            if r not in running:
+                p.join(timeout=2.0)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -138,6 +152,8 @@ def _launch(fn, world_size, args, kwargs, timeout, port):
         lines.append(f"timed out after {timeout:.0f} s; ranks still running: {running}")
     elif running:
         lines.append(f"ranks still running after another rank failed: {running}")
+    if first_failed is not None:
+        lines.append(f"first to fail: rank {first_failed}")
     for r in sorted({**errors, **init_errors}):
         lines.append(f"----- rank {r} failed -----\n{errors.get(r) or init_errors[r]}")
     for r in running:

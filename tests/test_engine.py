@@ -20,6 +20,15 @@ transformers = pytest.importorskip("transformers")
 MAX_NEW = 10
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # Tiny models: more intra-op threads only fight over the shared cores (and are much slower then).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _tiny_hf(kind: str):
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
@@ -136,3 +145,19 @@ def test_user_errors():
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text needs a tokenizer"])
     assert not llm.engine.has_unfinished()
+
+
+def test_llm_loads_meshlm_checkpoint(tmp_path):
+    from meshlm.config import Config
+    from meshlm.train.checkpoint import save_checkpoint
+
+    cfg = Config(model=ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   intermediate_size=64, max_seq_len=64, init_std=0.2))
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    save_checkpoint(tmp_path, step=1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    config=cfg, rank_extra={})
+    llm = LLM(str(tmp_path))
+    [out] = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    ref = Engine(model, block_size=4).generate([list(b"def f(x):")], SamplingParams(temperature=0, max_tokens=6,
+                                                                                    ignore_eos=True))[0]
+    assert out.token_ids == ref.token_ids and isinstance(out.text, str)

@@ -124,6 +124,7 @@ def _simulate(requests, *, num_blocks, block_size, budget, max_num_seqs, chunked
         live = sched.running + [s for s in sched.waiting if s.block_table]
         bm.check_invariants(live)
         assert all(not s.block_table for s in sched.waiting)
+        assert 0 <= bm.num_hit_tokens <= bm.num_queried_tokens
     for seq in seqs:
         assert seq.is_finished and seq.finish_reason == "length"
         assert len(seq.output_token_ids) == seq.params.max_tokens

@@ -9,11 +9,21 @@ import time
 from argparse import Namespace
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 transformers = pytest.importorskip("transformers")
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # Tiny models: more intra-op threads only fight over the shared cores (and are much slower then).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 KEY = "secret-test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -105,6 +115,16 @@ def test_completion_stream_and_not(server):
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+    # A stop string cuts the text before it, streamed or not.
+    stop = text[4:7]
+    assert len(stop) == 3
+    r = post(server, "/v1/completions", {**body, "stop": [stop]})
+    assert r.json()["choices"][0]["text"] == text[:text.index(stop)]
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stop": stop, "stream": True},
+                      headers=HEADERS, timeout=60) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[:text.index(stop)]
     # Token-id prompts and logprobs.
     r = post(server, "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 2,
                                          "temperature": 0, "ignore_eos": True})
@@ -182,3 +202,18 @@ def test_client_disconnect_frees_blocks(server):
     while "meshlm_requests_running 0" not in httpx.get(server + "/metrics").text:
         assert time.monotonic() < deadline, "an abandoned request kept running"
         time.sleep(0.05)
+
+
+def test_chat_templates():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from meshlm.infer.tokenizer import Tokenizer
+
+    raw = HFTokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert Tokenizer(raw).apply_chat_template(msgs) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    tok = Tokenizer(raw, chat_template=template, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    assert tok.apply_chat_template(msgs) == "<s>[system]be brief</s>[user]hi</s>[assistant]"

@@ -38,7 +38,8 @@ def _add_train(sub) -> None:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a meshlm checkpoint or a Hugging Face model",
-                       description="Generate a continuation of --prompt, single process, with a KV cache.")
+                       description="Generate a continuation of --prompt on the inference engine "
+                                   "(paged KV cache), single process.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     from meshlm.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+    from meshlm.infer.server import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -96,38 +100,20 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from meshlm.generation import generate
+    from meshlm.infer.llm import LLM
+    from meshlm.infer.sequence import SamplingParams
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p={args.top_p} must be in (0, 1]")
-    if args.checkpoint:
-        from meshlm.train.checkpoint import load_checkpoint_for_inference
-
-        model, _cfg, tokenizer = load_checkpoint_for_inference(args.checkpoint)
-    else:
-        from meshlm.models.hf import load_pretrained, load_tokenizer
-
-        model = load_pretrained(args.hf, dtype=torch.float32)
-        tokenizer = load_tokenizer(args.hf)
-    model.eval()
-    ids = tokenizer.encode(args.prompt)
-    if not ids:
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_new_tokens, seed=args.seed)
+    llm = LLM(args.checkpoint or args.hf)
+    if llm.tokenizer is None:
+        raise ValueError(f"{args.checkpoint or args.hf!r} has no tokenizer (tokenizer.json); cannot encode --prompt")
+    if not llm.tokenizer.encode(args.prompt):
         raise ValueError("--prompt encodes to no tokens; give some text")
-    limit = model.config.max_seq_len
-    if len(ids) + args.max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens={args.max_new_tokens} exceeds the "
-                         f"model's context of {limit} tokens; shorten one of them")
-    with torch.no_grad():
-        out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       stop_token_ids=tuple(getattr(tokenizer, "eos_token_ids", ()) or ()))
-    print(args.prompt + tokenizer.decode(out))
+    result = llm.generate([args.prompt], params)[0]
+    print(args.prompt + result.text)
     return 0
 
 
@@ -164,7 +150,14 @@ def cmd_plan(args) -> int:
     return run_plan(args)
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "info": cmd_info, "plan": cmd_plan}
+def cmd_serve(args) -> int:
+    from meshlm.infer.server import run_serve
+
+    return run_serve(args)
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "info": cmd_info, "plan": cmd_plan,
+            "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,6 +148,13 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.seq_id, None)
 
+    def unmatch(self, seq: Sequence) -> None:
+        """Undo `match_prefix` for a sequence that could not be admitted after all (and its counters)."""
+        self.num_queried_tokens -= seq.num_tokens
+        self.num_hit_tokens -= seq.num_cached_tokens
+        seq.num_cached_tokens = 0
+        self.free(seq)
+
     def check_invariants(self, live: list[Sequence]) -> None:
         """Reference counts equal the number of live block tables holding each block (for tests)."""
         counts = [0] * self.num_blocks

@@ -84,8 +84,9 @@ class Engine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None) -> Sequence:
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                      request_id: str | None = None) -> Sequence:
+        """Tokenize and validate a request without touching the engine's state (safe from any thread)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if not ids:
@@ -96,16 +97,25 @@ class Engine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+        seq = Sequence(ids, params, request_id=request_id or "", eos_token_ids=self.eos_token_ids,
+                       max_model_len=self.max_model_len)
+        self.scheduler.check(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = seq
+        self._detok[seq.request_id] = _Detok()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None) -> Sequence:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(ids, params, request_id=request_id, eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len)
-        self.scheduler.add(seq)
-        self.requests[request_id] = seq
-        self._detok[request_id] = _Detok()
+        seq = self.make_sequence(prompt, params, request_id=request_id)
+        self.add_sequence(seq)
         return seq
 
     def abort(self, request_id: str) -> None:

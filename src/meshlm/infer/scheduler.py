@@ -63,7 +63,8 @@ class Scheduler:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence) -> None:
+        """ValueError if the request could never run here (it would wait forever)."""
         bm = self.block_manager
         if bm.blocks_needed(seq.max_total_tokens) > bm.num_blocks:
             raise ValueError(
@@ -74,6 +75,9 @@ class Scheduler:
             raise ValueError(
                 f"request {seq.request_id!r} needs {seq.max_total_tokens} tokens in one step without chunked "
                 f"prefill, above max_num_batched_tokens={self.max_num_batched_tokens}; enable chunked prefill")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -129,12 +133,11 @@ class Scheduler:
         # Then new requests in arrival order, unless memory was short this step.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                bm.match_prefix(seq)
+            bm.match_prefix(seq)  # a waiting sequence holds no blocks: it starts from the prefix cache
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             if (n < remaining and not self.enable_chunked_prefill) or not bm.ensure_slots(seq, seq.num_computed_tokens + n):
-                bm.free(seq)  # give back the prefix hits; retried next step, still first in line
+                bm.unmatch(seq)  # give back the prefix hits; retried next step, still first in line
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

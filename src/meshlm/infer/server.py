@@ -64,12 +64,19 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Owns the engine; a daemon thread steps it while there is work. Thread-safe `submit`/`abort`."""
+    """Owns the engine; a daemon thread steps it while there is work.
+
+    `submit` and `abort` may be called from any thread: a request is tokenized and validated in the
+    caller's thread, then queued; only the engine thread touches the scheduler, between steps, so a
+    new request never waits for a running step to be accepted or rejected.
+    """
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._cv = threading.Condition()
         self._streams: dict[str, _Stream] = {}
+        self._pending: list = []
+        self._aborts: list[str] = []
         self._stopped = False
         self.ttft = Histogram(_TIME_BUCKETS)
         self.tpot = Histogram(_TIME_BUCKETS)
@@ -81,8 +88,9 @@ class AsyncEngine:
     def submit(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, asyncio.Queue, int]:
         """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens)."""
         stream = _Stream(asyncio.get_running_loop())
+        seq = self.engine.make_sequence(prompt, params, request_id=f"req-{uuid.uuid4().hex}")
         with self._cv:
-            seq = self.engine.add_request(prompt, params, request_id=f"req-{uuid.uuid4().hex}")
+            self._pending.append(seq)
             self._streams[seq.request_id] = stream
             self.num_requests += 1
             self._cv.notify()
@@ -90,8 +98,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with self._cv:
-            self.engine.abort(request_id)
-            self._streams.pop(request_id, None)
+            if self._streams.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._cv.notify()
 
     def stop(self) -> None:
         with self._cv:
@@ -100,25 +109,33 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def stats(self) -> dict:
-        with self._cv:
-            return self.engine.stats()
+        return self.engine.stats()  # plain counters, read without stopping the engine
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self.engine.has_unfinished():
+                while not (self._stopped or self._pending or self._aborts or self.engine.has_unfinished()):
                     self._cv.wait()
                 if self._stopped:
                     return
-                try:
-                    outputs, error = self.engine.step(), None
-                except Exception as e:  # a bug in a step: fail the requests in flight, keep serving
-                    outputs, error = [], e
-                    for request_id in list(self._streams):
-                        self.engine.abort(request_id)
-                    self.num_errors += 1
-                now = time.monotonic()
-                deliveries = []
+                pending, self._pending = self._pending, []
+                aborts, self._aborts = self._aborts, []
+            for request_id in aborts:
+                self.engine.abort(request_id)
+            for seq in pending:
+                if seq.request_id in aborts:
+                    continue
+                self.engine.add_sequence(seq)
+            try:
+                outputs, error = self.engine.step(), None
+            except Exception as e:  # a bug in a step: fail the requests in flight, keep serving
+                outputs, error = [], e
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+                self.num_errors += 1
+            now = time.monotonic()
+            deliveries = []
+            with self._cv:
                 if error is not None:
                     deliveries = [(s, error) for s in self._streams.values()]
                     self._streams.clear()

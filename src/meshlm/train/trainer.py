@@ -245,8 +245,13 @@ class Trainer:
 
     # -- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
-    def sample(self, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, seed: int | None = None) -> str:
-        """The text the model continues `prompt` with (the prompt itself not included)."""
+    def sample(self, prompt: str, max_new_tokens: int, *, temperature: float = 0.7, top_p: float = 0.95,
+               seed: int | None = None) -> str:
+        """The text the model continues `prompt` with (the prompt itself not included).
+
+        Sampled by default (seeded by train.seed, so reproducible): a small byte-level model decoded
+        greedily falls into repeating its most frequent word. `temperature=0` is greedy.
+        """
         from meshlm.generation import generate
 
         ids = self.tokenizer.encode(prompt) or self.tokenizer.encode("\n")
@@ -255,6 +260,6 @@ class Trainer:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in model.max_seq_len="
                              f"{self.cfg.model.max_seq_len}")
         with self.autocast():
-            out = generate(self.base_model, ids, max_new_tokens=min(max_new_tokens, room),
-                           temperature=temperature, seed=seed)
+            out = generate(self.base_model, ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
+                           top_p=top_p, seed=self.cfg.train.seed if seed is None else seed)
         return self.tokenizer.decode(out)
