@@ -109,8 +109,21 @@ def check_axis(mesh: Mesh, axis: str) -> dict:
     h.wait()
     close(buf, _x(30 + prv, 3, 2))
     _expect(mesh, [("send", axis, _nb(3, 2)), ("recv", axis, _nb(3, 2))])
+    # the same ring with async send/recv handles
+    buf = torch.empty(3, 2)
+    handles = [comm.send(_x(35 + c, 3, 2), mesh, axis, dst=nxt, async_op=True),
+               comm.recv(buf, mesh, axis, src=prv, async_op=True)]
+    assert handles[1].wait() is buf and handles[0].wait() is None
+    close(buf, _x(35 + prv, 3, 2))
+    got = comm.all_to_all_single(inp, mesh, axis, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                                 async_op=True).wait()
+    close(got, want)
+    _expect(mesh, [("send", axis, _nb(3, 2)), ("recv", axis, _nb(3, 2)),
+                   ("all_to_all", axis, 4 * width * sum(send_sizes))])
     with pytest.raises(ValueError, match="another member"):
         comm.send(buf, mesh, axis, dst=c)
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(torch.zeros(4, 6).t(), mesh, axis)
 
     check_autograd(mesh, axis)
     return {k: v.calls for k, v in mesh.stats.snapshot().items()}

@@ -1,5 +1,6 @@
 """The multi-rank harness itself: results come back by rank; failures and hangs fail fast and say where."""
 
+import re
 import time
 
 import pytest
@@ -56,7 +57,8 @@ def test_hanging_rank_fails_within_timeout_and_shows_its_stack():
     with pytest.raises(DistributedTestError) as err:
         run_distributed(rank_one_hangs, 2, timeout=5)
     msg = str(err.value)
-    assert "timed out after 5 s; ranks still running: [1]" in msg
+    # rank 0 normally has returned by then; on a very loaded machine it may still be starting
+    assert re.search(r"timed out after 5 s; ranks still running: \[(0, )?1\]", msg), msg
     assert "rank_one_hangs" in msg  # the faulthandler stack of the hanging rank
     assert time.monotonic() - start < 30
 

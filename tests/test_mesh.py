@@ -92,3 +92,44 @@ def test_real_mesh_groups_on_four_ranks():
         assert pp_cp["pp"][2] == [rank % 2, rank % 2 + 2] and pp_cp["dp"][0] == 1
         rep = layouts[2]
         assert rep["dp"] == (4, rank, [0, 1, 2, 3]) and rep["dp_replicate"][2] == [rank % 2, rank % 2 + 2]
+
+
+def test_launch_env_is_read_from_torchrun_variables():
+    from meshlm.distributed import init_distributed, read_launch_env
+
+    assert read_launch_env({}) == (0, 1, 0)
+    assert read_launch_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == (5, 8, 1)
+    with pytest.raises(ValueError, match="RANK=8 WORLD_SIZE=8"):
+        read_launch_env({"RANK": "8", "WORLD_SIZE": "8"})
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        init_distributed("cpu", environ={"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="device_type='tpu'"):
+        init_distributed("tpu", environ={})
+    env = init_distributed("cpu", environ={})  # one process: no process group at all
+    assert env.world_size == 1 and env.backend is None and env.is_main
+
+
+def init_worker(rank, world_size, port):
+    import torch.distributed as dist
+
+    from meshlm.distributed import init_distributed, teardown_distributed
+
+    dist.destroy_process_group()  # the harness made one; start again from torchrun-style variables
+    env = init_distributed("cpu", environ={"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                                           "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": str(port)})
+    mesh = build_mesh(ParallelDims(), device_type="cpu")
+    t = torch.ones(1)
+    comm.all_reduce(t, mesh, "dp")
+    teardown_distributed()
+    teardown_distributed()  # safe twice
+    return env.rank, env.backend, torch.get_num_threads(), t.item()
+
+
+def test_init_distributed_on_two_ranks():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert run_distributed(init_worker, 2, port, timeout=60) == [(0, "gloo", 1, 2.0), (1, "gloo", 1, 2.0)]

@@ -130,6 +130,8 @@ def test_checkpoint_loads_for_inference_and_samples(tmp_path, text_file):
     run = tmp_path / "run"
     trainer = Trainer(make_cfg(run, text_file, "train.steps=2", "train.val_batches=0"))
     trainer.train()
+    latest = latest_checkpoint(run)
+    assert resolve_checkpoint(run) == resolve_checkpoint(run / "checkpoints") == resolve_checkpoint(latest) == latest
     model, cfg, tokenizer = load_checkpoint_for_inference(run)
     assert cfg.model == trainer.cfg.model and not model.training
     tokens = torch.tensor([tokenizer.encode("def f1(x):")])
@@ -175,3 +177,12 @@ def test_flops_per_token_close_to_planner():
 
     cfg = load_config().model
     assert flops_per_token(cfg, 256) == pytest.approx(train_flops_per_token(cfg, 256), rel=0.02)
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(tmp_path, text_file):
+    trainer = Trainer(make_cfg(tmp_path / "bf16", text_file, "train.precision=bf16", "train.steps=2",
+                               "train.val_batches=1"))
+    summary = trainer.train()
+    assert math.isfinite(summary["loss"]) and math.isfinite(summary["val_loss"])
+    assert all(p.dtype == torch.float32 for p in trainer.base_model.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())

@@ -17,7 +17,8 @@ Byte convention (what `CommStats` counts; the planner applies algorithm factors 
   broadcast           N bytes of the tensor, on the source and on every receiver.
   all_to_all          the bytes this rank sends (its whole input, its own slice included).
   send / recv         the tensor sent / received, counted under op "send" / "recv".
-A call on an axis of size 1 moves nothing: it returns at once and is not counted at all.
+A call on an axis of size 1 moves nothing: it returns at once (possibly the input tensor itself,
+not a copy) and is not counted at all -- so a one-process Mesh needs no process group.
 
 Seconds are the host time spent inside the call plus, for `async_op=True`, inside `wait()`. On CPU
 (gloo) that is the time the collective took; on CUDA it is launch time unless the caller synchronises.
@@ -160,9 +161,16 @@ def _done(result, async_op: bool):
     """Result of a call that moved nothing, in the form the caller asked for."""
     if not async_op:
         return result
-    h = CommHandle([], CommStats(), "", "", result)
-    h._done = True
-    return h
+    handle = CommHandle([], CommStats(), "none", "none", result)
+    handle._done = True  # nothing to wait for, nothing to count
+    return handle
+
+
+def _require_contiguous(t: torch.Tensor, what: str) -> None:
+    # In-place collectives write through the tensor's storage; a strided view would be copied and lost.
+    if not t.is_contiguous():
+        raise ValueError(f"{what} needs a contiguous tensor (got strides {t.stride()} for shape "
+                         f"{tuple(t.shape)}); pass t.contiguous() and use the returned tensor")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -194,6 +202,7 @@ def all_reduce(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, op="sum", async
     """Reduce `tensor` in place over the axis group; returns it (or a handle whose wait() does)."""
     if mesh.size(axis) == 1:
         return _done(tensor, async_op)
+    _require_contiguous(tensor, "all_reduce")
     red = _reduce_op(op)
     return _run(mesh, axis, "all_reduce", _nbytes(tensor),
                 lambda g: dist.all_reduce(tensor, op=red, group=g, async_op=async_op), async_op, tensor)
@@ -208,6 +217,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, mesh: "Mes
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return _done(output, async_op)
+    _require_contiguous(output, "all_gather_into_tensor")
     return _run(mesh, axis, "all_gather", _nbytes(output),
                 lambda g: _all_gather_single(output, input.contiguous(), group=g, async_op=async_op),
                 async_op, output)
@@ -234,6 +244,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, mesh: "Mesh
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return _done(output, async_op)
+    _require_contiguous(output, "reduce_scatter_tensor")
     red = _reduce_op(op)
     return _run(mesh, axis, "reduce_scatter", _nbytes(input),
                 lambda g: _reduce_scatter_single(output, input.contiguous(), op=red, group=g, async_op=async_op),
@@ -262,6 +273,7 @@ def broadcast(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int = 0, as
     """Copy the tensor of the member with coordinate `src` on `axis` into `tensor` on every member."""
     if mesh.size(axis) == 1:
         return _done(tensor, async_op)
+    _require_contiguous(tensor, "broadcast")
     src_rank = mesh.global_rank(axis, src)
     return _run(mesh, axis, "broadcast", _nbytes(tensor),
                 lambda g: dist.broadcast(tensor, src=src_rank, group=g, async_op=async_op), async_op, tensor)
@@ -315,6 +327,7 @@ def send(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dst: int, async_op: b
 def recv(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int, async_op: bool = False):
     """Receive into `tensor` from the member with coordinate `src` on `axis`; returns `tensor`."""
     peer = _peer(mesh, axis, src)
+    _require_contiguous(tensor, "recv")
     fn = dist.irecv if async_op else dist.recv
     return _run(mesh, axis, "recv", _nbytes(tensor), lambda g: fn(tensor, src=peer, group=g), async_op, tensor)
 
@@ -346,7 +359,7 @@ def batch_isend_irecv(ops: Sequence[P2P], mesh: "Mesh", axis: str) -> CommHandle
         if op.kind not in ("send", "recv"):
             raise ValueError(f"P2P kind {op.kind!r} must be 'send' or 'recv'")
         fn = dist.isend if op.kind == "send" else dist.irecv
-        assert op.tensor.is_contiguous(), "point-to-point tensors must be contiguous"
+        _require_contiguous(op.tensor, f"batch_isend_irecv ({op.kind})")
         p2p_ops.append(dist.P2POp(fn, op.tensor, _peer(mesh, axis, op.peer), group))
     if not p2p_ops:
         return _done(None, True)

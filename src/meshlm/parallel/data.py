@@ -24,6 +24,10 @@ Buckets follow reverse registration order, which approximates the order in which
 gradients (the head first, the embedding last), so the first buckets are ready while backward still
 runs. Buckets are launched strictly in order on every rank -- a bucket that is ready early waits for
 its predecessors -- because collectives on one group must be issued in the same order everywhere.
+A parameter this rank's backward did not reach (an unused branch) contributes zeros and still gets
+the summed gradient; but every rank's synchronising backward must reach at least one parameter,
+since that is what starts the reduction. Memory: one flat buffer per bucket, i.e. one extra copy of
+the gradients (gradients are copied in before and out after the all-reduce).
 """
 
 from __future__ import annotations
@@ -185,7 +189,9 @@ class DataParallel:
         After the all-reduce every rank holds the full gradients, so the local norm is the global
         norm and no communication is needed (ZeRO, TP and PP provide functions that do communicate).
         """
-        norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]
+        # at least fp32 (bf16 gradients), fp64 kept as is
+        norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.promote_types(g.dtype, torch.float32))
+                 for g in grads]
         if not norms:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms))
@@ -206,6 +212,8 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, *, bucket_size_mb: float =
                         broadcast: bool = True) -> DataParallel:
     """Make `model` data-parallel over `axis` of `mesh`, in place; returns the handle with no_sync().
 
+    `axis` is the group whose members see different tokens of the same replica: "dp" normally,
+    "dp_cp" when context parallelism splits sequences too (their gradients are partial sums as well).
     Collective over the axis (every member must call it). `broadcast=True` copies the parameters of
     coordinate 0 to the others first: a deterministic init already makes them equal, but a replica
     that drifted (a different seed, a partial checkpoint load) would otherwise train silently apart.

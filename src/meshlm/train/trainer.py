@@ -57,12 +57,19 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, resume: bool = False):
+    """`Trainer(cfg).train()`; `resume=True` continues from `<run_dir>/checkpoints/latest` if there is one.
+
+    `rank/world_size` place this process among all ranks (rank 0 logs and publishes checkpoints);
+    `dp_rank/dp_size` pick its slice of every global batch. A data-parallel launcher passes them and
+    overrides `parallelize` (and, for sharded gradients, sets `grad_norm_fn`).
+    """
+
+    def __init__(self, cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1,
+                 dp_rank: int = 0, dp_size: int = 1):
         self.cfg = cfg.validate()
         t = cfg.train
-        # Single process for now; a data-parallel launcher sets these (and wraps self.model).
-        self.rank, self.world_size = 0, 1
-        self.dp_rank, self.dp_size = 0, 1
+        self.rank, self.world_size = rank, world_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.device = resolve_device(t.device)
         self.autocast_dtype = resolve_precision(t.precision, self.device)
         seed_everything(t.seed)
@@ -77,7 +84,7 @@ class Trainer:
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
 
         self.base_model = build_model(cfg.model, seed=t.seed, device=self.device)
-        self.model = self.base_model  # a parallel wrapper replaces this; base_model stays the Transformer
+        self.model = self.parallelize(self.base_model)  # may be a wrapper; base_model stays the Transformer
         self.optimizer = build_optimizer(self.base_model, t)
         self.grad_norm_fn: NormFn | None = None  # None: the local norm (right for one process / DDP)
 
@@ -103,9 +110,16 @@ class Trainer:
         return self.rank == 0
 
     # -- hooks a parallel strategy overrides -------------------------------------------------
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the step runs (e.g. a data-parallel wrapper around `model`); identity here."""
+        return model
+
     def no_sync(self):
         """Context for non-final micro-steps: the wrapper's `no_sync()` defers the gradient reduction."""
         return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
+
+    def barrier(self) -> None:
+        """Wait for every rank (checkpoint publication); nothing to wait for on one process."""
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average a reported scalar over data-parallel ranks (identity on one process)."""
@@ -230,7 +244,7 @@ class Trainer:
         files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
         path = save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
                                config=self.cfg, rank_extra=extra, rank=self.rank,
-                               keep=self.cfg.train.keep_checkpoints, files=files)
+                               keep=self.cfg.train.keep_checkpoints, barrier=self.barrier, files=files)
         self.saved_step = self.step
         return path
 
@@ -245,7 +259,7 @@ class Trainer:
 
     # -- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
-    def sample(self, prompt: str, max_new_tokens: int, *, temperature: float = 0.7, top_p: float = 0.95,
+    def sample(self, prompt: str, max_new_tokens: int, *, temperature: float = 0.8, top_p: float = 0.95,
                seed: int | None = None) -> str:
         """The text the model continues `prompt` with (the prompt itself not included).
 
