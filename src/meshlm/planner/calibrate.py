@@ -1,6 +1,9 @@
 """Measure this machine for the `local` cluster: matmul FLOP/s and collective latency/bandwidth.
 
-Responsible for: timing fp32 matmuls of a few sizes in this process, spawning `world_size` local
+Responsible for: timing fp32 matmuls of a few sizes and causal attention (forward + backward) in this
+process (one thread: one core's rate),
+recording how many cores local ranks share (the cost model divides the per-core rate when ranks
+outnumber cores), spawning `world_size` local
 gloo ranks (one thread each) that time all_reduce, all_gather, reduce_scatter, all_to_all and
 send/recv over message sizes, fitting `time = latency + bytes_moved / bandwidth` to each, and writing
 the JSON file that `cluster.local_cluster` reads.
@@ -20,8 +23,11 @@ from pathlib import Path
 SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes per message (fp32 elements x 4)
 
 
-def measure_matmul(*, sizes=(256, 512, 1024), repeats: int = 3) -> float:
-    """Best achieved fp32 matmul FLOP/s over a few square sizes (one thread, as the ranks run)."""
+def measure_matmul(*, sizes=(256, 512, 1024), repeats: int = 5) -> float:
+    """Sustained fp32 matmul FLOP/s (one thread, as the ranks run): the median of `repeats` timings
+    of each square size, best size -- a median, not the luckiest run, since training sustains it."""
+    import statistics
+
     import torch
 
     torch.set_num_threads(1)
@@ -29,11 +35,34 @@ def measure_matmul(*, sizes=(256, 512, 1024), repeats: int = 3) -> float:
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         torch.mm(a, b)
+        rates = []
         for _ in range(repeats):
             t = time.perf_counter()
             torch.mm(a, b)
-            best = max(best, 2 * n**3 / (time.perf_counter() - t))
+            rates.append(2 * n**3 / (time.perf_counter() - t))
+        best = max(best, statistics.median(rates))
     return best
+
+
+def measure_attention(*, batch: int = 4, heads: int = 4, seq_len: int = 256, head_dim: int = 64,
+                      repeats: int = 5) -> float:
+    """Causal scaled-dot-product attention, forward + backward, in FLOP/s as FlashAttention counts them
+    (the unmasked half of the square; backward 2.5x forward) -- what `attention_efficiency` means."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, requires_grad=True) for _ in range(3))
+    flops = 4 * batch * heads * seq_len * seq_len * head_dim * 0.5 * 3.5
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        if i:  # the first call pays one-time setup
+            times.append(time.perf_counter() - t)
+    return flops / statistics.median(times)
 
 
 def measure_memory_bandwidth(*, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
@@ -47,6 +76,14 @@ def measure_memory_bandwidth(*, nbytes: int = 64 * 2**20, repeats: int = 3) -> f
         y.copy_(x)
         best = max(best, 2 * nbytes / (time.perf_counter() - t))  # read + write
     return best
+
+
+def _cpu_cores() -> int:
+    """Cores this process may run on (what local ranks share), not the host's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _free_port() -> int:
@@ -115,8 +152,9 @@ def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict
 
     if world_size < 2:
         raise ValueError(f"world_size={world_size} must be >= 2 to time collectives")
-    data: dict = {"device": "cpu", "matmul_flops": measure_matmul(),
-                  "memory_bandwidth": measure_memory_bandwidth(), "world_size": world_size}
+    data: dict = {"device": "cpu", "matmul_flops": measure_matmul(), "attention_flops": measure_attention(),
+                  "memory_bandwidth": measure_memory_bandwidth(), "world_size": world_size,
+                  "cpu_cores": _cpu_cores()}
     try:
         data["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

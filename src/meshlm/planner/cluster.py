@@ -32,9 +32,15 @@ class Cluster:
     scaleout_latency: float  # seconds per hop across domains
     # Achievable fractions (per GPU type, not per run): see PRESETS for the justification.
     matmul_efficiency: float  # of peak, for the matmuls of a transformer layer
+    attention_efficiency: float  # of peak, fused causal attention forward + backward, on the FLOPs it runs
     link_efficiency: float  # of the link bandwidth, for large collectives (NCCL bus bandwidth)
     hbm_efficiency: float  # of the HBM bandwidth, for streaming elementwise kernels / decode
     reserved_bytes: float  # per GPU: CUDA context, NCCL, allocator pools that training cannot use
+    # Compute units the ranks of one scale-up domain share; 0 = every rank has its own (a GPU). On a
+    # CPU host it is the core count: more ranks than cores time-share them, so each rank computes at
+    # cores / ranks of the measured single-core rate, and a collective has no idle core to run on
+    # while the others compute (see cost.estimate_layout).
+    compute_slots: int = 0
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -58,21 +64,28 @@ def _gbit(x: float) -> float:
 #    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200. Flash
 #    attention runs at a similar fraction; it is folded into the same constant. (Set from these
 #    GEMM figures, not from any end-to-end training run.)
+#  * attention_efficiency: fused causal attention (FlashAttention-class), forward + backward, counted
+#    on the FLOPs the kernel runs (the unmasked half; backward 2.5x forward, as its authors count).
+#    A100: FlashAttention-2 reaches ~180-190 of 312 TFLOP/s fwd+bwd causal at head dim 128 and 2-8K
+#    tokens (Dao 2023) -> 0.60. H100: FlashAttention-2 reaches only ~1/3 of peak; FlashAttention-3 /
+#    cuDNN fused attention ~600-650 forward and ~450-500 backward (Shah et al. 2024), ~0.5 combined
+#    with the 1:2.5 weighting -> 0.50, the 2024-era kernel. B200: the Hopper fraction is assumed.
+#    (From kernel benchmarks, not from any end-to-end run.)
 #  * link_efficiency: NCCL bus bandwidth over the nominal link rate for large messages, ~0.8 on NVLink
 #    and InfiniBand alike (e.g. ~360 of 450 GB/s on H100 NVLink; ~45 of 50 GB/s per 400G NIC is higher,
 #    the common figure is used for both so the constant stays one number per GPU type).
 #  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used.
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
-             scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, link_efficiency=0.8,
+             scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.60, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB)
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.50, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB)
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.50, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB)
 
 PRESETS: dict[str, Cluster] = {
@@ -97,7 +110,9 @@ def local_cluster(path: str | Path) -> Cluster:
     """The current machine, from what `meshlm plan calibrate` measured.
 
     Measured numbers are achieved rates, so every efficiency is 1. All ranks share one host, so the
-    scale-up domain is the whole world and both links are the measured collective bandwidth.
+    scale-up domain is the whole world and both links are the measured collective bandwidth. The
+    matmul rate and memory bandwidth were measured on one core; the recorded core count tells the
+    cost model how many ranks can run at that rate at once (older files without it: no sharing).
     """
     path = Path(path)
     if not path.exists():
@@ -115,8 +130,9 @@ def local_cluster(path: str | Path) -> Cluster:
     return Cluster(name="local", gpu=data.get("device", "cpu"),
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
                    scaleup_size=int(data.get("world_size_max", 1 << 20)), scaleup_bw=bw, scaleout_bw=bw,
-                   scaleup_latency=lat, scaleout_latency=lat, matmul_efficiency=1.0, link_efficiency=1.0,
-                   hbm_efficiency=1.0, reserved_bytes=0.0)
+                   scaleup_latency=lat, scaleout_latency=lat, matmul_efficiency=1.0,
+                   attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops), link_efficiency=1.0,
+                   hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)))
 
 
 def with_overrides(cluster: Cluster, **kw) -> Cluster:

@@ -26,7 +26,7 @@ backward (or forward) pass of one microbatch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from meshlm.config import PP_SCHEDULES, ModelConfig
 from meshlm.planner import model_stats
@@ -34,6 +34,7 @@ from meshlm.planner.cluster import GiB, Cluster
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8", "fp32")
+MiB = 2**20  # bucket sizes are in MiB, as in parallel/data.py
 FRAGMENTATION = 0.08  # caching-allocator fragmentation margin, fraction of what is allocated
 # ZeRO-3 keeps the next layer's gathered weights while computing this one (prefetch): 2 layers live.
 ZERO3_PREFETCH_LAYERS = 2
@@ -422,10 +423,19 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     gpus = lo.world
     L = cfg.num_layers
     tokens_mb = mbs * s / cp  # tokens one rank processes per microbatch
-    peak = cluster.peak(job.precision)
-    peak_attn = cluster.peak("bf16") if job.precision == "fp8" else peak
+    # Ranks that time-share compute units (a CPU host running more ranks than it has cores) each
+    # compute and stream memory at slots / ranks of the single-unit rate. GPUs never share (slots 0).
+    ranks_per_domain = min(gpus, cluster.scaleup_size)
+    share = max(1.0, ranks_per_domain / cluster.compute_slots) if cluster.compute_slots else 1.0
+    # On such a host a collective is memory copies and reductions done by those same cores (the
+    # "link" is the loopback), so it time-shares them too, and it has no idle core to overlap on.
+    cores_saturated = bool(cluster.compute_slots) and ranks_per_domain >= cluster.compute_slots
+    if share > 1:
+        cluster = replace(cluster, scaleup_bw=cluster.scaleup_bw / share, scaleout_bw=cluster.scaleout_bw / share)
+    peak = cluster.peak(job.precision) / share
+    peak_attn = (cluster.peak("bf16") if job.precision == "fp8" else cluster.peak(job.precision)) / share
     eff = cluster.matmul_efficiency
-    hbm_bw = cluster.hbm_bw * cluster.hbm_efficiency
+    hbm_bw = cluster.hbm_bw * cluster.hbm_efficiency / share
 
     # ---- placement -------------------------------------------------------------------------
     D = cluster.scaleup_size
@@ -456,9 +466,17 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     dense_f = summary.flops_dense * tokens_mb / tp
     attn_f = summary.flops_attn * tokens_mb / tp
     t_dense = dense_f / (peak * eff)
-    # FLOPs count the full s x s square (the convention), but a fused causal kernel skips the masked
-    # half, so it takes half that time; the unfused kernels of 2021 computed the whole square.
-    t_attn = attn_f * (0.5 if job.flash_attention else 1.0) / (peak_attn * eff)
+    if job.flash_attention:
+        # FLOPs count the full s x s square (the convention), but a fused causal kernel skips the
+        # masked half, and runs at its own efficiency (softmax and masking inside the kernel, lower
+        # than a plain GEMM's). Its backward recomputes the scores: 2.5x the forward's matmuls (the
+        # FlashAttention papers' count), where a GEMM's backward is 2x.
+        t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency)
+        t_attn_bwd = 2.5 * t_attn
+    else:
+        # the unfused kernels of 2021: batched GEMMs over the whole square (softmax as HBM traffic below)
+        t_attn = attn_f / (peak_attn * eff)
+        t_attn_bwd = 2 * t_attn
     t_layer_fwd_mm = t_dense + t_attn
     # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes), read +
     # write, forward; backward moves about twice as much. Without SP the norm/residual part is
@@ -475,7 +493,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     elem_bytes_fwd = tokens_mb * by["act"] * (elems_tp / tp + elems_seq / (tp if sp else 1))
     t_elem_fwd = elem_bytes_fwd / hbm_bw
     t_fwd_layer = t_layer_fwd_mm + t_elem_fwd
-    t_bwd_layer = 2 * t_fwd_layer
+    t_bwd_layer = 2 * (t_dense + t_elem_fwd) + t_attn_bwd
     t_rc_layer = {"none": 0.0, "selective": t_attn + 0.5 * t_elem_fwd, "full": t_fwd_layer}[rc]
 
     # Tensor-parallel comm per layer per microbatch: 2 all-reduces (or AG+RS pairs under SP) forward,
@@ -509,7 +527,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     cp_mb = layers_busy * t_cp_layer
     ep_mb = layers_busy * t_ep_layer
     t_mb = comp_mb + rc_mb + tp_mb + cp_mb + ep_mb
-    t_mb_fwd = (comp_mb / 3) + (tp_mb + cp_mb + ep_mb) / 3
+    t_mb_fwd = rank_units * t_fwd_layer + (tp_mb + cp_mb + ep_mb) / 3
     t_mb_bwd = t_mb - t_mb_fwd
 
     # ---- pipeline ----------------------------------------------------------------------------
@@ -560,7 +578,12 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     if tp > 1:
         buffers += 2 * act_msg  # gathered sequence-parallel activations
     if lo.dp > 1 or cp > 1:
-        buffers += 2 * lo.bucket_size_mb * 1e6 if z < 3 else 0.0
+        if z == 0:
+            # meshlm's DP (parallel/data.py) copies every gradient into a flat per-bucket buffer for the
+            # all-reduce: one extra copy of all gradients, whatever the bucket size.
+            buffers += (dense_params + expert_params) * by["grad"]
+        elif z < 3:
+            buffers += 2 * lo.bucket_size_mb * MiB
         if z == 3:
             layer_full = (summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (tp * ep))
             buffers += ZERO3_PREFETCH_LAYERS * layer_full * by["param"] + layer_full * by["grad"]
@@ -603,7 +626,9 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
                       + collective_time("reduce_scatter", g_exp, span_exp, cluster))
             comm = m * per_mb + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
             window = m * t_mb
-        bucket = lo.bucket_size_mb * 1e6
+        if cores_saturated:
+            window = 0.0
+        bucket = lo.bucket_size_mb * MiB
         bucket_time = comm * min(1.0, bucket / max(1.0, g_dense + g_exp))  # the last bucket never overlaps
         t_dp = max(comm - window, bucket_time)
 
