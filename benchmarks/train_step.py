@@ -21,12 +21,7 @@ import torch.nn.functional as F
 from meshlm.config import ModelConfig, _coerce
 from meshlm.models import build_model
 from meshlm.planner.model_stats import flops_per_token
-
-GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0, "GB200": 2250.0}
-
-
-def gpu_peak_tflops(name: str) -> float:
-    return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name.upper()), 0.0)
+from meshlm.train.metrics import peak_tflops_guess
 
 
 def main() -> None:
@@ -77,7 +72,7 @@ def main() -> None:
     step_s = statistics.median(times)
     tokens_per_step = args.batch * args.seq_len
     train_flops = 3 * flops_per_token(cfg, args.seq_len) * tokens_per_step
-    peak = args.peak_tflops or (gpu_peak_tflops(torch.cuda.get_device_name()) if device == "cuda" else 0.0)
+    peak = args.peak_tflops or (peak_tflops_guess(torch.device(device))[0] if device == "cuda" else 0.0)
     result = {
         "preset": args.preset, "overrides": overrides, "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -15,6 +15,7 @@ EPILOG = """examples:
   meshlm train                                   # tiny model on the Python stdlib sources, CPU ok
   meshlm train --set train.steps=50 --set train.lr=1e-3
   meshlm train --config configs/tiny.toml --resume
+  meshlm train --nproc 4                         # 4 local data-parallel ranks
   meshlm generate --checkpoint runs/default --prompt "def fib(n):"
   meshlm info --model llama3-70b
 """
@@ -34,6 +35,20 @@ def _add_train(sub) -> None:
                    help="override one field, e.g. train.lr=3e-4 (repeatable)")
     p.add_argument("--resume", action="store_true",
                    help="continue from <run_dir>/checkpoints/latest (bit-identical continuation)")
+    launch = p.add_argument_group(
+        "launching ranks", "Passed to PyTorch's elastic launcher (torch.distributed.run), which starts "
+        "--nproc ranks on this node. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out.")
+    launch.add_argument("--nproc", type=int, default=0, metavar="N",
+                        help="ranks on this node (CPU: gloo, one thread each; GPU: NCCL, one device each)")
+    launch.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="nodes taking part; each runs this command once (default 1)")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="c10d rendezvous on the first node (needed with --nnodes > 1)")
+    launch.add_argument("--rdzv-id", default="meshlm", metavar="ID",
+                        help="job id shared by the nodes of one run (default meshlm)")
+    launch.add_argument("--node-rank", type=int, default=None, metavar="R",
+                        help="fix this node's rank (static rendezvous at --rdzv-endpoint) instead of "
+                             "ranking nodes by arrival (c10d)")
 
 
 def _add_generate(sub) -> None:
@@ -86,16 +101,83 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
+    import os
+
     from meshlm.config import load_config
-    from meshlm.train.trainer import Trainer
+    from meshlm.distributed import read_launch_env
 
     cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg, resume=args.resume)
-    trainer.train()
-    if trainer.is_main and cfg.train.sample_tokens > 0:
-        prompt = "def "
-        text = trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens)
-        print(f"--- sample ---\n{prompt}{text}\n--------------")
+    under_launcher = "WORLD_SIZE" in os.environ or "RANK" in os.environ
+    if args.nproc:
+        if under_launcher:
+            raise ValueError("--nproc was given but this process is already one rank of a launch "
+                             f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')}); drop --nproc under torchrun/srun")
+        return _launch_ranks(args, cfg)
+    if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
+        raise ValueError("--nnodes/--rdzv-endpoint/--node-rank need --nproc N (ranks per node)")
+    _, world_size, _ = read_launch_env()
+    from meshlm.parallel.parallelize import check_layout
+
+    check_layout(cfg, world_size)  # before the process group: a bad layout fails fast, with one line
+    return _train_this_rank(cfg, resume=args.resume, distributed=under_launcher)
+
+
+def _train_this_rank(cfg, *, resume: bool, distributed: bool) -> int:
+    from meshlm.distributed import init_distributed, teardown_distributed
+    from meshlm.train.trainer import Trainer, resolve_device
+
+    if distributed:
+        init_distributed(resolve_device(cfg.train.device).type)
+    try:
+        trainer = Trainer(cfg, resume=resume)
+        trainer.train()
+        if trainer.is_main and cfg.train.sample_tokens > 0:
+            prompt = "def "
+            text = trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens)
+            print(f"--- sample ---\n{prompt}{text}\n--------------")
+    finally:
+        teardown_distributed()
+    return 0
+
+
+def _launch_ranks(args, cfg) -> int:
+    """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
+    import os
+
+    from meshlm.parallel.parallelize import check_layout
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise ValueError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (an address of the first "
+                         "node that every node can reach), the same on every node")
+    if args.node_rank is not None and not args.rdzv_endpoint:
+        raise ValueError("--node-rank needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+    check_layout(cfg, args.nproc * args.nnodes)  # before any rank starts
+    launcher = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc)]
+    if args.rdzv_endpoint is None:
+        launcher += ["--standalone"]  # one node: a private c10d rendezvous on a free local port
+    elif args.node_rank is None:
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+    else:
+        launcher += ["--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
+                     "--node-rank", str(args.node_rank)]
+    rank_args = ["train", *(["--config", args.config] if args.config else []),
+                 *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else [])]
+    # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
+    # launcher from printing its warning about choosing that default for us.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun([*launcher, "--module", "meshlm.cli", *rank_args])
+    except ChildFailedError as e:
+        failed = sorted(e.failures.items())
+        codes = sorted({f.exitcode for _, f in failed})
+        print(f"meshlm train: {len(failed)} rank(s) failed (global ranks {[r for r, _ in failed]}, exit codes "
+              f"{codes}); their errors are printed above", file=sys.stderr)
+        return 2 if codes == [2] else 1
     return 0
 
 

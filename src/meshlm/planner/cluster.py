@@ -36,6 +36,9 @@ class Cluster:
     link_efficiency: float  # of the link bandwidth, for large collectives (NCCL bus bandwidth)
     hbm_efficiency: float  # of the HBM bandwidth, for streaming elementwise kernels / decode
     reserved_bytes: float  # per GPU: CUDA context, NCCL, allocator pools that training cannot use
+    # Fraction of the compute units a collective occupies while it overlaps compute (NCCL runs as
+    # kernels on SMs), i.e. how much slower the overlapped compute runs. See PRESETS.
+    comm_sm_fraction: float = 0.0
     # Compute units the ranks of one scale-up domain share; 0 = every rank has its own (a GPU). On a
     # CPU host it is the core count: more ranks than cores time-share them, so each rank computes at
     # cores / ranks of the measured single-core rate, and a collective has no idle core to run on
@@ -65,28 +68,32 @@ def _gbit(x: float) -> float:
 #    attention runs at a similar fraction; it is folded into the same constant. (Set from these
 #    GEMM figures, not from any end-to-end training run.)
 #  * attention_efficiency: fused causal attention (FlashAttention-class), forward + backward, counted
-#    on the FLOPs the kernel runs (the unmasked half; backward 2.5x forward, as its authors count).
-#    A100: FlashAttention-2 reaches ~180-190 of 312 TFLOP/s fwd+bwd causal at head dim 128 and 2-8K
-#    tokens (Dao 2023) -> 0.60. H100: FlashAttention-2 reaches only ~1/3 of peak; FlashAttention-3 /
-#    cuDNN fused attention ~600-650 forward and ~450-500 backward (Shah et al. 2024), ~0.5 combined
-#    with the 1:2.5 weighting -> 0.50, the 2024-era kernel. B200: the Hopper fraction is assumed.
+#    on the FLOPs the kernel runs (the unmasked half; backward 2.5x forward, as its authors count),
+#    at long sequences (cost.py scales it down for short blocks). A100: FlashAttention-2 reaches
+#    ~190-200 of 312 TFLOP/s fwd+bwd causal at head dim 128 and 8-16K tokens (Dao 2023) -> 0.65.
+#    H100: FlashAttention-2 reaches only ~1/3 of peak; FlashAttention-3 / cuDNN fused attention
+#    ~600-650 forward and ~500 backward at long sequences (Shah et al. 2024), ~0.55 combined with the
+#    1:2.5 weighting -> 0.55, the 2024-era kernel. B200: the Hopper fraction is assumed.
 #    (From kernel benchmarks, not from any end-to-end run.)
 #  * link_efficiency: NCCL bus bandwidth over the nominal link rate for large messages, ~0.8 on NVLink
 #    and InfiniBand alike (e.g. ~360 of 450 GB/s on H100 NVLink; ~45 of 50 GB/s per 400G NIC is higher,
 #    the common figure is used for both so the constant stays one number per GPU type).
+#  * comm_sm_fraction: an overlapped collective is not free -- NCCL runs it as kernels holding one
+#    SM per channel, and large collectives on NVSwitch/InfiniBand systems use ~16 channels, so
+#    compute overlapped with them runs on 16 of the SMs fewer (A100 108 SMs, H100 132, B200 148).
 #  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used.
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
-             scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.60, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB)
+             scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108)
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.50, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB)
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132)
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.50, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB)
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),

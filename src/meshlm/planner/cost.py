@@ -36,6 +36,13 @@ RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8", "fp32")
 MiB = 2**20  # bucket sizes are in MiB, as in parallel/data.py
 FRAGMENTATION = 0.08  # caching-allocator fragmentation margin, fraction of what is allocated
+# A layout "fits" only with this fraction of the memory left free beyond everything itemised. The
+# itemised model state is exact (tests/test_planner_measured.py), but activations, fragmentation and
+# NCCL/library buffers are estimates; a prediction within a few percent of capacity is a coin toss
+# that ends in an out-of-memory error at step 1 or at the first long-tail allocation, so it is not
+# offered as fitting (4 GiB of an 80 GiB GPU).
+MIN_HEADROOM = 0.05
+ATTN_BLOCK_OVERHEAD = 256  # tokens; see t_attn in estimate_layout
 # ZeRO-3 keeps the next layer's gathered weights while computing this one (prefetch): 2 layers live.
 ZERO3_PREFETCH_LAYERS = 2
 
@@ -52,6 +59,9 @@ class Job:
     precision: str = "bf16"  # bf16 | fp8 | fp32
     # Fused (flash) attention stores no s x s scores; False models 2021-era unfused softmax kernels.
     flash_attention: bool = True
+    # Norms, RoPE, SwiGLU and residual adds as fused kernels (Megatron/TE, torch.compile); False
+    # models eager PyTorch, one memory pass per op (meshlm's model uncompiled, e.g. the CPU runs).
+    fused_elementwise: bool = True
 
     def validate(self) -> None:
         if self.seq_len < 1:
@@ -471,7 +481,12 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         # masked half, and runs at its own efficiency (softmax and masking inside the kernel, lower
         # than a plain GEMM's). Its backward recomputes the scores: 2.5x the forward's matmuls (the
         # FlashAttention papers' count), where a GEMM's backward is 2x.
-        t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency)
+        # Each kernel call sees s / cp queries (a ring step under context parallelism): the masked
+        # diagonal tiles and the per-row-block softmax epilogue cost a fixed ~ATTN_BLOCK_OVERHEAD
+        # tokens' worth, so short blocks run below the long-sequence rate (FlashAttention's own
+        # curves: ~0.8 of it at 1K tokens, ~0.97 at 8K).
+        block = s / cp
+        t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block / (block + ATTN_BLOCK_OVERHEAD))
         t_attn_bwd = 2.5 * t_attn
     else:
         # the unfused kernels of 2021: batched GEMMs over the whole square (softmax as HBM traffic below)
@@ -485,8 +500,18 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size
                                            + cfg.shared_intermediate_size)
              + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
-    elems_seq = 10 * h + summary.moe_layer_fraction * 4 * cfg.num_experts_per_token * h
-    elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
+    moe_elems = summary.moe_layer_fraction * 4 * cfg.num_experts_per_token * h
+    if job.fused_elementwise:
+        elems_seq = 10 * h + moe_elems
+        elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
+    else:
+        # Eager PyTorch, meshlm's model as written: every op is its own pass over memory. Per token,
+        # elements read + written: each RMSNorm 7h (pow, mean, scale, weight), residual adds 3h each,
+        # RoPE 10 per rotated element (neg, cat, two products, add) on q and k, the GQA
+        # repeat_interleave of k and v, the attention output's transpose copy, SwiGLU 5 per
+        # intermediate (silu, product).
+        elems_seq = 20 * h + moe_elems
+        elems_tp = 10 * (q_dim + kv_dim) + 2 * (q_dim + kv_dim) + 2 * q_dim + 5 * inter
     if not job.flash_attention:
         # unfused scale+mask+softmax (+dropout) over s scores per head: ~4 passes forward
         elems_tp += 4 * cfg.num_heads * s
@@ -509,7 +534,13 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         t_step_comm = collective_time("p2p", kv_chunk, span_cp if span_cp[1] == 1 else (1, 2), cluster)
         t_attn_step = t_attn / cp
         passes = 3 + (1 if rc in ("full", "selective") else 0)  # fwd (1), bwd (2x bytes), recompute
-        t_cp_layer = (cp - 1) * passes * max(0.0, t_step_comm - t_attn_step)
+        t_cp_layer = (cp - 1) * passes * (max(0.0, t_step_comm - t_attn_step)
+                                          + cluster.comm_sm_fraction * min(t_step_comm, t_attn_step))
+        # Online-softmax merge after each extra ring step: read the step's partial output and the
+        # running one, write it back, in fp32 (3 passes over this rank's q columns) forward, and
+        # about twice that backward (dO and the partial gradients); memory-bound, not overlapped.
+        merge_bytes = tokens_mb * q_dim / tp * 4 * 3 * (1 + 2 + (1 if rc in ("full", "selective") else 0))
+        t_cp_layer += (cp - 1) * merge_bytes / hbm_bw
     else:
         t_cp_layer = 0.0
     # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
@@ -569,8 +600,11 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     per_layer_mb = tokens_mb * by["act"] * (summary.act_tp[rc] / tp + summary.act_seq[rc] / (tp if sp else 1))
     inflight = inflight_microbatches(lo.pp_schedule, pp=pp, num_microbatches=m, pp_chunks=v)
     act_first = inflight * layers_first * per_layer_mb
-    if rc == "full":  # the one layer being recomputed holds its full activations during backward
-        act_first += tokens_mb * by["act"] * (summary.act_tp["none"] / tp + summary.act_seq["none"] / (tp if sp else 1))
+    # Backward of one layer holds the gradients of that layer's intermediate tensors next to the saved
+    # ones (about one layer's full activations); under full recompute the layer being recomputed
+    # also holds its full activations again.
+    layer_full_act = tokens_mb * by["act"] * (summary.act_tp["none"] / tp + summary.act_seq["none"] / (tp if sp else 1))
+    act_first += layer_full_act * (2 if rc == "full" else 1)
     logits = tokens_mb * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their gradient
     act_last = (layers_last * per_layer_mb + logits) if pp > 1 else 0.0
     mem["activations"] = max(act_first + (logits if pp == 1 else 0.0), act_last)
@@ -631,6 +665,8 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         bucket = lo.bucket_size_mb * MiB
         bucket_time = comm * min(1.0, bucket / max(1.0, g_dense + g_exp))  # the last bucket never overlaps
         t_dp = max(comm - window, bucket_time)
+        # What is hidden still costs: the collective's kernels occupy SMs the overlapped compute loses.
+        t_dp += cluster.comm_sm_fraction * max(0.0, comm - t_dp)
 
     # ---- optimizer: streams weights, gradients, master and Adam states through HBM ----------------
     n_opt = sharded(dense_params, expert_params, 1)
@@ -657,7 +693,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     peak_all = gpus * peak
     return Estimate(
         layout=layout,
-        fits=total_bytes <= cluster.hbm_bytes,
+        fits=total_bytes <= cluster.hbm_bytes * (1 - MIN_HEADROOM),
         memory_gib={**{k: v / GiB for k, v in mem.items()}, "total": total_bytes / GiB},
         time_s=time,
         mfu=model_flops / (step * peak_all),

@@ -33,7 +33,7 @@ def bound_of(est: Estimate) -> str:
     link = f" on the {est.links.get(axis, 'none')} link" if axis and est.links.get(axis, "none") != "none" else ""
     mem = {k: v for k, v in est.memory_gib.items() if k != "total"}
     big_mem = max(mem, key=mem.get)
-    headroom = est.hbm_gib - est.memory_gib["total"]
+    headroom = est.hbm_gib - est.memory_gib["total"]  # fitting layouts keep >= MIN_HEADROOM of it free
     return (f"compute is {est.time_s['compute'] / step:.0%} of the step; the largest overhead is the "
             f"{_COMPONENT_WORDS[worst]} ({overheads[worst]:.3g} s, {overheads[worst] / step:.0%}){link}. "
             f"Memory: {est.memory_gib['total']:.1f} of {est.hbm_gib:.0f} GiB, largest part {big_mem} "

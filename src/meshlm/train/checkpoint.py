@@ -3,10 +3,15 @@
 Responsible for: saving model + optimizer state with `torch.distributed.checkpoint` (DCP; it needs no
 process group on one process and reshards under another layout when there is one), a `meta.json`
 (step, the config as a dict), one `rank_XXXXX.pt` per rank with that rank's extras (RNG states, data
-loader position); atomic publication (write `step_N.tmp/`, fsync, rename to `step_N/`, then
-atomically replace the `latest` pointer); keeping the last `keep` checkpoints; refusing a checkpoint
+loader position; which rank's file to read after a change of world size is the trainer's call);
+atomic publication (write `step_N.tmp/`, fsync, rename to `step_N/`, then atomically replace the
+`latest` pointer); keeping the last `keep` checkpoints; refusing a checkpoint
 whose model config differs; and loading a model alone for generation.
 Not responsible for: deciding when to save (the trainer), or Hugging Face formats (`models/hf.py`).
+
+With several ranks every rank calls `save_checkpoint` (DCP's save is collective over the default
+process group; a replicated tensor is written once), all into the same directory, so a multi-node
+run needs a shared filesystem for `run_dir`; rank 0 alone publishes, after a barrier.
 
 Layout::
 
@@ -204,6 +209,11 @@ def _prune(root: Path, *, keep: int, protect: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------------
+
+
+def saved_world_size(path: str | Path) -> int:
+    """How many ranks saved checkpoint `path` (one `rank_XXXXX.pt` each)."""
+    return len(list(Path(path).glob("rank_*.pt")))
 
 
 def read_meta(path: str | Path) -> dict:

@@ -4,10 +4,12 @@ Responsible for: building model, optimizer, data and loader from a `Config`; the
 gradient accumulation over micro-batches with the loss normalised to the exact global token mean;
 the LR schedule, clipping, periodic validation, checkpoints (and bit-identical resume), metrics,
 and a text sample at the end.
-Not responsible for: parallelism. The step is shaped so a data-parallel strategy plugs in without
-changing it: `self.model` may be a wrapper (its `no_sync()` is used on non-final micro-steps),
-`self.dp_rank/dp_size` pick the loader's slice, `self.grad_norm_fn` supplies the global gradient
-norm, and `self.reduce_mean` averages reported scalars over ranks.
+Not responsible for: how a parallel strategy works. The trainer builds the `Mesh` from
+`cfg.parallel` and the world (the default process group, if one was started), and
+`meshlm.parallel.parallelize` hands it back the module to run, the `no_sync()` context for
+accumulation and the global gradient-norm function -- one code path for one process and for many.
+Each rank loads only its data-parallel slice of every global batch; rank 0 logs and publishes
+checkpoints; reported losses are global (reduced over the "dp" axis).
 
 Loss normalisation: every micro-batch contributes `sum of token losses / tokens in the global batch`,
 so the gradients *summed* over micro-batches (and over data-parallel ranks) are those of the mean
@@ -24,15 +26,26 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshlm import comm
 from meshlm.config import Config
+from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
+from meshlm.parallel.parallelize import check_layout, parallelize
 from meshlm.planner.model_stats import train_flops_per_token
-from meshlm.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from meshlm.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    saved_world_size,
+    set_rng_state,
+)
 from meshlm.train.data import BatchLoader, build_datasets, load_tokenizer, validation_batches
 from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess
-from meshlm.train.optim import NormFn, build_optimizer, clip_grad_norm, lr_at, set_lr
+from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,19 +72,24 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """`Trainer(cfg).train()`; `resume=True` continues from `<run_dir>/checkpoints/latest` if there is one.
 
-    `rank/world_size` place this process among all ranks (rank 0 logs and publishes checkpoints);
-    `dp_rank/dp_size` pick its slice of every global batch. A data-parallel launcher passes them and
-    overrides `parallelize` (and, for sharded gradients, sets `grad_norm_fn`).
+    Runs as one process, or as one rank of many when the default process group is started (e.g.
+    `meshlm.distributed.init_distributed` under torchrun): the layout comes from `cfg.parallel`
+    resolved against that world, and is checked (`check_layout`) before any data or model is built.
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False, rank: int = 0, world_size: int = 1,
-                 dp_rank: int = 0, dp_size: int = 1):
+    def __init__(self, cfg: Config, *, resume: bool = False):
         self.cfg = cfg.validate()
         t = cfg.train
-        self.rank, self.world_size = rank, world_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        dims = check_layout(cfg, world_size)  # user mistakes surface here, before any work
         self.device = resolve_device(t.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # under a launcher, init_distributed made cuda:LOCAL_RANK current
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.autocast_dtype = resolve_precision(t.precision, self.device)
+        self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
+        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
+        self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
         seed_everything(t.seed)
 
         self.tokenizer = load_tokenizer(cfg.data)
@@ -84,9 +102,9 @@ class Trainer:
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
 
         self.base_model = build_model(cfg.model, seed=t.seed, device=self.device)
-        self.model = self.parallelize(self.base_model)  # may be a wrapper; base_model stays the Transformer
+        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel)
+        self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
         self.optimizer = build_optimizer(self.base_model, t)
-        self.grad_norm_fn: NormFn | None = None  # None: the local norm (right for one process / DDP)
 
         self.run_dir = Path(t.run_dir)
         self.step = 0
@@ -96,6 +114,7 @@ class Trainer:
                                             else peak_tflops_guess(self.device))
         self.saved_step: int | None = None  # the step of the checkpoint on disk that matches this state
         self.resumed_from: Path | None = None
+        self.resume_note: str | None = None
         if resume:
             self.resumed_from = latest_checkpoint(self.run_dir)
             if self.resumed_from is not None:
@@ -104,26 +123,20 @@ class Trainer:
             # A fresh run owns its run_dir: stale checkpoints of an earlier run must not become "latest".
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    # -- hooks a parallel strategy overrides -------------------------------------------------
-    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module the step runs (e.g. a data-parallel wrapper around `model`); identity here."""
-        return model
-
-    def no_sync(self):
-        """Context for non-final micro-steps: the wrapper's `no_sync()` defers the gradient reduction."""
-        return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
-
     def barrier(self) -> None:
         """Wait for every rank (checkpoint publication); nothing to wait for on one process."""
+        if self.world_size > 1:
+            dist.barrier()
 
-    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a reported scalar over data-parallel ranks (identity on one process)."""
-        return value
+    def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a reported tensor over the data-parallel ranks (the input itself on one rank)."""
+        return comm.all_reduce(value.clone(), self.mesh, "dp")
 
     # -- one optimizer step ------------------------------------------------------------------
     def autocast(self):
@@ -152,6 +165,7 @@ class Trainer:
         """One optimizer step over the next global batch; returns its metrics row."""
         t = self.cfg.train
         start = time.perf_counter()
+        self.mesh.stats.reset()
         micro_batches = self.loader.next_batch()
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
@@ -160,21 +174,26 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             final = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if final else self.no_sync():
+            with contextlib.nullcontext() if final else self.parallel.no_sync():
                 loss += self.micro_step(inputs, targets, num_tokens=num_tokens,
                                         num_micro_batches=len(micro_batches) * self.dp_size)
-        grad_norm = clip_grad_norm(self.base_model.parameters(), t.grad_clip, norm_fn=self.grad_norm_fn)
+        grad_norm = clip_grad_norm(self.base_model.parameters(), t.grad_clip, norm_fn=self.parallel.grad_norm_fn)
         self.optimizer.step()
         self.step += 1
-        # Each rank holds the sum over its slice of (token losses / global tokens): summing ranks
-        # gives the global mean, i.e. dp_size times the mean that reduce_mean computes.
-        loss_value = float(self.reduce_mean(loss)) * self.dp_size
+        # What the step itself moved (gradient reduction, ...), taken before the metric reductions
+        # below, which exist only for logging.
+        comm_stats = self.mesh.stats.summary()
+        # Each rank holds the sum over its slice of (token losses / global tokens): the sum over
+        # ranks is the global mean.
+        loss_value = float(self.sum_over_dp(loss))
         step_time = time.perf_counter() - start
         tokens_per_s = num_tokens / step_time
         mfu = tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
         return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(self.device),
-                "step_time_s": step_time}
+                "step_time_s": step_time,
+                "comm_mb": {axis: v["mb"] for axis, v in comm_stats.items()},
+                "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -182,19 +201,19 @@ class Trainer:
         t = self.cfg.train
         batches = validation_batches(self.val_data, num_batches=t.val_batches, micro_batch_size=t.micro_batch_size,
                                      dp_rank=self.dp_rank, dp_size=self.dp_size)
-        if not batches:
-            return float("nan")
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        count = 0
+        # [sum of token losses, tokens] summed over ranks: right even when ranks hold different
+        # numbers of batches (or none), and every rank joins the reduction.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
             with self.autocast():
                 logits = self.model(inputs.to(self.device))
-            total += F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
-                                     reduction="sum")
-            count += targets.numel()
+            totals[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
+                                         reduction="sum")
+            totals[1] += targets.numel()
         self.model.train()
-        return float(self.reduce_mean(total / count))
+        loss_sum, count = self.sum_over_dp(totals).tolist()
+        return loss_sum / count if count else float("nan")
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self, *, until_step: int | None = None) -> dict:
@@ -206,11 +225,15 @@ class Trainer:
         stop = t.steps if until_step is None else min(until_step, t.steps)
         logger = MetricsLogger(self.run_dir, total_steps=t.steps, enabled=self.is_main,
                                progress=t.progress, start_step=self.step)
+        if self.world_size > 1:
+            logger.print(f"meshlm: {self.world_size} ranks, {self.mesh}")
         logger.print(f"meshlm: {self.base_model.num_params():,} parameters, {len(self.train_data):,} training "
                      f"samples of {t.seq_len} tokens, device {self.device}, "
                      f"precision {self.autocast_dtype or torch.float32}; MFU peak: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
+        if self.resume_note is not None:
+            logger.print(self.resume_note)
         has_val = t.val_batches > 0 and len(self.val_data) > 0
         last = {"loss": float("nan")}
         final_val = None
@@ -249,13 +272,27 @@ class Trainer:
         return path
 
     def load(self, path: str | Path) -> None:
+        """Restore model, optimizer, step, this rank's RNG and the data position from a checkpoint.
+
+        At the world size it was saved with, every rank takes its own extras and the continuation
+        is bit-identical. At another world size (e.g. saved by 2 ranks, resumed by 1 or 4) every
+        rank takes rank 0's: the loader position is global (global batches consumed, not per-rank
+        samples) and data-parallel ranks draw identical RNG streams, so the run continues on the
+        same batches -- equal within fp32 rounding, not bit-identical (sums over ranks reorder).
+        """
+        path = Path(path)
+        saved_world = saved_world_size(path)
+        same_layout = saved_world == self.world_size
         state = load_checkpoint(path, model=self.base_model, optimizer=self.optimizer, config=self.cfg,
-                                rank=self.rank)
+                                rank=self.rank if same_layout else 0)
         self.step = self.saved_step = state["step"]
         extra = state["rank_extra"]
         self.loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"])
         self.first_val_loss = extra.get("first_val_loss")
+        if not same_layout:
+            self.resume_note = (f"the checkpoint was saved by {saved_world} ranks, this run has {self.world_size}: "
+                                "continuing from the global data position (not bit-identical)")
 
     # -- sampling ----------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,115 @@
+"""The one place that turns a plain model into a parallel one, in one fixed order.
+
+Responsible for: checking, before any work, that a layout can run (`check_layout`: the settings
+this build implements, the degrees against the world size, the global batch against the
+data-parallel degree) and `parallelize`, which applies the strategies to a model in the order of
+DESIGN.md -- PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP --
+and hands the trainer what it needs: the module to run, the `no_sync()` context for gradient
+accumulation and the global gradient-norm function for clipping.
+Not responsible for: the strategies themselves (one file each in `meshlm.parallel`), building the
+mesh (`meshlm.mesh`), or the training step (`meshlm.train.trainer`).
+
+Only data parallelism exists so far; every other strategy raises a ValueError naming its setting
+before anything is built, so a layout the code cannot run never half-starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshlm.config import Config, ParallelConfig
+from meshlm.mesh import Mesh, ParallelDims
+from meshlm.parallel.data import DataParallel, apply_data_parallel
+from meshlm.train.optim import NormFn
+
+# Set on a model by `parallelize`: a second application would stack hooks and reduce twice.
+_MARK = "_meshlm_parallelized"
+
+
+def check_supported(parallel: ParallelConfig) -> None:
+    """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
+    not_yet = [("tp", parallel.tp, 1), ("pp", parallel.pp, 1), ("cp", parallel.cp, 1), ("ep", parallel.ep, 1),
+               ("zero_stage", parallel.zero_stage, 0)]
+    for name, value, plain in not_yet:
+        if value != plain:
+            raise ValueError(f"parallel.{name}={value} is not implemented yet; only data parallelism is "
+                             f"(set parallel.{name}={plain}, and use the ranks for parallel.dp_shard)")
+    if parallel.recompute != "none":
+        raise ValueError(f"parallel.recompute={parallel.recompute!r} is not implemented yet; "
+                         "set parallel.recompute=none")
+
+
+def check_layout(cfg: Config, world_size: int) -> ParallelDims:
+    """The resolved degrees for `world_size` ranks, or a ValueError naming the numbers and a fix.
+
+    Cheap and collective-free: the launcher calls it before starting any rank, and every rank
+    again before it builds data or model.
+    """
+    # The arithmetic first: "tp=3 does not divide 4 ranks" is the more basic mistake.
+    dims = ParallelDims.from_config(cfg.parallel).resolve(world_size)
+    check_supported(cfg.parallel)
+    t = cfg.train
+    per_step = dims.dp * t.micro_batch_size
+    if t.global_batch_size % per_step:
+        lower = max(per_step, t.global_batch_size // per_step * per_step)
+        raise ValueError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by data-parallel degree x "
+            f"train.micro_batch_size = {dims.dp} x {t.micro_batch_size} = {per_step} (each of the {dims.dp} "
+            f"data-parallel ranks runs whole micro-batches); set train.global_batch_size to a multiple of "
+            f"{per_step} (e.g. {lower} or {lower + per_step}), or change train.micro_batch_size or the "
+            "number of ranks")
+    return dims
+
+
+@dataclass
+class ParallelModel:
+    """What `parallelize` hands the trainer.
+
+    `module` is what the step calls (`module(tokens) -> logits`); data parallelism only attaches
+    hooks, so today it is the model itself. `data_parallel` is None when the dp degree is 1.
+    """
+
+    module: nn.Module
+    mesh: Mesh
+    data_parallel: DataParallel | None = None
+
+    def no_sync(self):
+        """Context for the non-final micro-steps of gradient accumulation: no gradient reduction."""
+        return self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
+
+    @property
+    def grad_norm_fn(self) -> NormFn | None:
+        """The global gradient norm for clipping; None means the local norm (one process)."""
+        return self.data_parallel.grad_norm_fn if self.data_parallel is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.local_rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size("dp")
+
+
+def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broadcast: bool = True) -> ParallelModel:
+    """Apply every strategy `parallel` asks for to `model` (in place), in the fixed order; collective.
+
+    Every rank of the mesh must call it. `broadcast=True` makes data-parallel replicas start from
+    coordinate 0's weights (see `apply_data_parallel`). Raises ValueError for a setting that is
+    not implemented yet, or for a model that was parallelized already, before changing anything.
+    """
+    check_supported(parallel)
+    if getattr(model, _MARK, False):
+        raise ValueError("this model was parallelized already; build a fresh model (a second pass would "
+                         "attach a second set of gradient hooks and reduce every gradient twice)")
+    # The fixed order; the strategies before DP do not exist yet and were refused above:
+    # PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
+    setattr(model, _MARK, True)
+    result = ParallelModel(module=model, mesh=mesh)
+    if mesh.size("dp") > 1:
+        result.data_parallel = apply_data_parallel(model, mesh, bucket_size_mb=parallel.bucket_size_mb,
+                                                   axis="dp", broadcast=broadcast)
+    return result
