@@ -38,9 +38,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from meshlm.config import ModelConfig
-from meshlm.planner import estimate
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.cost import Layout
+from meshlm.planner.cost import Job, Layout, estimate
 from meshlm.planner.model_stats import count_params
 
 # A tiny Llama (3.3M parameters, 13 MB of fp32 gradients): a step is ~0.1-0.5 s on one core, so the
@@ -188,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     for spec in LAYOUTS:
         world, global_batch, mbs, bucket_mb = spec
         layout = Layout(dp_shard=world, micro_batch_size=mbs, bucket_size_mb=bucket_mb)
-        est = estimate(cfg, local, gpus=world, layout=layout, seq_len=SEQ_LEN, global_batch_size=global_batch,
-                       precision="fp32")
+        # meshlm's model runs eager here: one memory pass per elementwise op (Job.fused_elementwise)
+        job = Job(seq_len=SEQ_LEN, global_batch_size=global_batch, precision="fp32", fused_elementwise=False)
+        est = estimate(cfg, local, job, layout, gpus=world)
         times = [t for run in runs[spec] for t in run["times"]]
         measured, median, state = min(times), statistics.median(times), runs[spec][0]["state"]
         load = max(loads[spec])

@@ -20,15 +20,6 @@ transformers = pytest.importorskip("transformers")
 MAX_NEW = 10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Tiny models: more intra-op threads only fight over the shared cores (and are much slower then).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _tiny_hf(kind: str):
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,

@@ -16,15 +16,6 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 transformers = pytest.importorskip("transformers")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Tiny models: more intra-op threads only fight over the shared cores (and are much slower then).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 KEY = "secret-test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, this is meshlm serving tokens",

@@ -19,8 +19,13 @@ also the gradients, ZeRO-3 also the weights, each over dp_shard x cp.
 
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
 dense layers are spread evenly), experts are assumed perfectly balanced, tensor-parallel
-communication is not overlapped with compute, data-parallel communication overlaps with the
-backward (or forward) pass of one microbatch.
+communication is not overlapped with compute (meshlm's TP does not overlap it, nor did the Megatron
+runs of the published comparison), data-parallel communication overlaps with the backward (or
+forward) pass of one microbatch, and what overlaps still slows the compute by the SMs the
+collective holds (`Cluster.comm_sm_fraction`). Fused attention has its own efficiency, lower for
+the short blocks of a context-parallel ring. A layout fits only with MIN_HEADROOM of memory free.
+On a CPU host (`compute_slots`) ranks beyond the core count time-share the cores, and collectives
+get no overlap once every core computes.
 """
 
 from __future__ import annotations

@@ -197,10 +197,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss over a fixed set of validation batches (the same set every time)."""
+        """Mean token loss over a fixed validation set (the same every time, and under every layout).
+
+        The set is the first `train.val_batches` x `train.global_batch_size` validation samples, so
+        it depends neither on the micro-batch size nor on the number of ranks that split it.
+        """
         t = self.cfg.train
-        batches = validation_batches(self.val_data, num_batches=t.val_batches, micro_batch_size=t.micro_batch_size,
-                                     dp_rank=self.dp_rank, dp_size=self.dp_size)
+        micro_per_global = t.global_batch_size // t.micro_batch_size  # a multiple of dp (check_layout)
+        batches = validation_batches(self.val_data, num_batches=t.val_batches * micro_per_global,
+                                     micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
+                                     dp_size=self.dp_size)
         self.model.eval()
         # [sum of token losses, tokens] summed over ranks: right even when ranks hold different
         # numbers of batches (or none), and every rank joins the reduction.
