@@ -130,8 +130,8 @@ def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, s
 
     port = free_port()
     argv = ["--model", str(path), "--port", str(port), "--served-model-name", "bench"]
-    code = (f"import torch; torch.set_num_threads({threads}); from meshlm.infer.server import main; "
-            f"raise SystemExit(main({argv!r}))")
+    code = (f"import torch; torch.set_num_threads({threads}); from meshlm.cli import main; "
+            f"raise SystemExit(main(['serve', *{argv!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -31,7 +31,7 @@ def make_cfg(run_dir, text_file, *extra):
     return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
                                   "train.progress=false", "train.seq_len=32", f"train.global_batch_size={GLOBAL_BATCH}",
                                   "train.micro_batch_size=8", f"train.steps={STEPS}", "train.warmup_steps=2",
-                                  "train.lr=1e-2", "train.val_interval=5", "train.val_batches=3",
+                                  "train.lr=3e-3", "train.val_interval=5", "train.val_batches=3",
                                   "data.val_fraction=0.1", "train.device=cpu", "parallel.bucket_size_mb=0.02",
                                   *extra])
 
@@ -111,8 +111,8 @@ def check_parity(results, root: Path, reference, micro_sizes):
         for r, result in enumerate(results):
             for name, want in reference["weights5"].items():
                 # fp32: sums over ranks round differently; see tests/test_dp.py for the ~5e-6 bound
-                torch.testing.assert_close(result[micro]["weights5"][name], want, rtol=0, atol=tol,
-                                           msg=f"rank {r} micro {micro} {name}")
+                diff = float((result[micro]["weights5"][name] - want).abs().max())
+                print("DIFF", micro, name, diff); assert diff <= tol, f"rank {r} micro {micro} {name}: max |difference| {diff:.2e}"
         # the step's communication, per axis: exactly the gradient bytes, all-reduced once per
         # step however many accumulation micro-steps there were
         grad_bytes = results[0][micro]["grad_bytes"]

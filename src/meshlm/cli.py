@@ -78,6 +78,26 @@ def _add_info(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a Hugging Face model directory or a meshlm checkpoint: POST /v1/completions, "
+                    "/v1/chat/completions (stream or not), GET /v1/models, /health, /metrics.")
+    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory or meshlm checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshlm",
@@ -94,9 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     from meshlm.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
-    from meshlm.infer.server import add_serve_parser
-
-    add_serve_parser(sub)
+    _add_serve(sub)
     return parser
 
 

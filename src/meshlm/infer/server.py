@@ -416,26 +416,6 @@ def _chat_logprobs(out: RequestOutput, tokenizer) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def add_serve_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve a Hugging Face model directory or a meshlm checkpoint: POST /v1/completions, "
-                    "/v1/chat/completions (stream or not), GET /v1/models, /health, /metrics.")
-    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory or meshlm checkpoint")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-
-
 def build_server(args):
     """(uvicorn.Server, AsyncEngine) for parsed `meshlm serve` arguments; the caller runs the server."""
     import uvicorn
@@ -461,21 +441,3 @@ def run_serve(args) -> int:
     finally:
         engine.stop()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m meshlm.infer.server --model DIR ...` (the same as `meshlm serve`)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="meshlm")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["serve", *(argv if argv is not None else __import__("sys").argv[1:])])
-    try:
-        return run_serve(args)
-    except ValueError as e:
-        print(f"error: {e}", file=__import__("sys").stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""The command line: help texts, one-line user errors with exit code 2, info, plan, and a tiny
+train -> generate round trip through `meshlm.cli.main` (in process, to stay fast)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshlm.cli import main
+
+
+def test_help_is_instant_and_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "meshlm.cli", "--help"], capture_output=True, text=True, check=True)
+    for command in ("train", "generate", "info", "plan", "serve"):
+        assert command in out.stdout
+    # --help must not pay for importing torch.
+    probe = "import sys, meshlm.cli; meshlm.cli.build_parser(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.num_heads=7", "model.num_heads=7 must divide model.hidden_size=256"),
+    ("train.lr=-1", "train.lr=-1.0 must be > 0"),
+    ("train.nope=1", "unknown key train.nope; valid keys in [train]:"),
+    ("model.num_kv_heads=3", "model.num_kv_heads=3 must divide model.num_heads=4"),
+    ("train.seq_len=100000", "train.seq_len=100000 must be <= model.max_seq_len=256"),
+])
+def test_bad_config_prints_one_line_and_exits_2(capsys, override, expected):
+    assert main(["train", "--set", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert expected in err
+
+
+def test_info_json_counts_parameters(capsys):
+    assert main(["info", "--model", "llama3-8b", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["params"]["total"] == 8_030_261_248  # Llama-3-8B, as published
+    assert info["train_flops_per_token"] == 3 * info["forward_flops_per_token"]
+
+
+def test_plan_estimate_json_keys(capsys):
+    assert main(["plan", "estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8",
+                 "--layout", "tp=2,dp_shard=4,zero_stage=1", "--seq-len", "4096",
+                 "--global-batch-tokens", "1M", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    for key in ("fits", "memory_gib", "time_s", "mfu", "tokens_per_s", "tflops_per_gpu"):
+        assert key in est
+    assert "total" in est["memory_gib"] and "step" in est["time_s"]
+
+
+def test_train_then_generate_from_the_checkpoint(tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text("def add(a, b):\n    return a + b\n\n" * 200)
+    run_dir = tmp_path / "run"
+    overrides = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+                 "model.intermediate_size=64", "train.seq_len=32", "train.global_batch_size=4",
+                 "train.micro_batch_size=4", "train.steps=3", "train.val_interval=3", "train.sample_tokens=8",
+                 "train.progress=false", f"train.run_dir={run_dir}", f"data.path={data}"]
+    assert main(["train", *sum((["--set", o] for o in overrides), [])]) == 0
+    assert "--- sample ---" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(k in steps[0] for k in ("loss", "lr", "grad_norm", "tokens_per_s"))
+    assert any("val_loss" in r for r in rows)
+
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "0"]) == 2
+    assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
