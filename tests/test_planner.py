@@ -295,3 +295,48 @@ def test_calibrate_writes_a_usable_local_cluster(tmp_path):
     local = get_cluster("local", calibration=out)
     e = estimate("tiny", local, gpus=2, layout="dp_shard=2", seq_len=256, global_batch_size=4, precision="fp32")
     assert e.fits and e.time_s["step"] > 0
+
+
+def test_local_ranks_beyond_the_cores_time_share_them(tmp_path):
+    """A CPU host with 2 cores: 4 ranks each compute at half the single-core rate, and collectives
+    get no overlap once every core computes; without a recorded core count nothing is shared."""
+    calib = {"matmul_flops": 5e10, "attention_flops": 2e10, "attention_block_overhead": 100.0,
+             "link": {"bandwidth": 1e9, "latency": 1e-4}}
+    (tmp_path / "old.json").write_text(json.dumps(calib))
+    (tmp_path / "new.json").write_text(json.dumps({**calib, "cpu_cores": 2}))
+    new, old = (get_cluster("local", calibration=tmp_path / f"{n}.json") for n in ("new", "old"))
+    assert new.compute_slots == 2 and old.compute_slots == 0
+
+    def est(cluster, world):  # the same work per rank at every world size
+        return estimate("tiny", cluster, gpus=world, layout=f"dp_shard={world}", seq_len=128,
+                        global_batch_size=2 * world, precision="fp32")
+
+    assert est(new, 2).time_s["compute"] == pytest.approx(est(new, 1).time_s["compute"])
+    assert est(new, 4).time_s["compute"] == pytest.approx(2 * est(new, 2).time_s["compute"])
+    assert est(old, 4).time_s["compute"] == pytest.approx(est(old, 2).time_s["compute"])
+    assert est(new, 2).time_s["dp_comm"] > est(old, 2).time_s["dp_comm"]  # no idle core to overlap on
+
+
+def test_fitting_keeps_a_minimum_headroom():
+    from meshlm.planner.cluster import with_overrides
+    from meshlm.planner.cost import MIN_HEADROOM
+
+    h100 = get_cluster("h100")
+    e = estimate("llama3-8b", h100, gpus=8, layout="tp=8", seq_len=4096, global_batch_size=8)
+    need = e.memory_gib["total"] * 2**30
+    tight = with_overrides(h100, hbm_bytes=need / (1 - MIN_HEADROOM / 2))  # fits, but within the margin
+    roomy = with_overrides(h100, hbm_bytes=need / (1 - 2 * MIN_HEADROOM))
+    assert not estimate("llama3-8b", tight, gpus=8, layout="tp=8", seq_len=4096, global_batch_size=8).fits
+    assert estimate("llama3-8b", roomy, gpus=8, layout="tp=8", seq_len=4096, global_batch_size=8).fits
+
+
+def test_overlapped_collectives_cost_the_sms_they_hold():
+    from meshlm.planner.cluster import with_overrides
+
+    h100 = get_cluster("h100")
+    free = with_overrides(h100, comm_sm_fraction=0.0)
+    lay = "tp=8,pp=1,dp_shard=8,zero_stage=3"
+    taxed = estimate("llama3-70b", h100, gpus=64, layout=lay, seq_len=8192, global_batch_tokens="4M")
+    untaxed = estimate("llama3-70b", free, gpus=64, layout=lay, seq_len=8192, global_batch_tokens="4M")
+    assert taxed.time_s["dp_comm"] > untaxed.time_s["dp_comm"]
+    assert taxed.time_s["compute"] == untaxed.time_s["compute"]

@@ -67,6 +67,7 @@ def reference(tmp_path_factory, text_file):
     trainer.train(until_step=PARITY_STEPS)
     after5 = weights(trainer)
     trainer.train()
+    assert step_losses(run_dir)[PARITY_STEPS - 1] < step_losses(run_dir)[0] - 0.5  # parity is not trivial
     return {"losses": step_losses(run_dir), "weights5": after5, "val": val_losses(run_dir)}
 
 
@@ -105,14 +106,16 @@ def check_parity(results, root: Path, reference, micro_sizes):
         assert len(losses) in (PARITY_STEPS, STEPS)  # the straight run went on to 10
         for got, want in zip(losses[:PARITY_STEPS], reference["losses"]):
             assert abs(got - want) <= tol * abs(want), (micro, losses, reference["losses"])
-        # the validation loss is averaged over all ranks' batches (3 batches: uneven over ranks)
+        # the validation loss: the same set (3 global batches) split over the ranks, averaged
         for (step, got), (ref_step, want) in zip(val_losses(run_dir), reference["val"]):
             assert step == ref_step and abs(got - want) <= tol * abs(want), (micro, step, got, want)
         for r, result in enumerate(results):
             for name, want in reference["weights5"].items():
-                # fp32: sums over ranks round differently; see tests/test_dp.py for the ~5e-6 bound
+                # fp32: sums over ranks round differently and AdamW magnifies that where gradients
+                # are tiny, in proportion to the lr (see tests/test_dp.py): at lr 3e-3 the largest
+                # difference seen is ~4e-6, at 1e-2 it was ~1.2e-5.
                 diff = float((result[micro]["weights5"][name] - want).abs().max())
-                print("DIFF", micro, name, diff); assert diff <= tol, f"rank {r} micro {micro} {name}: max |difference| {diff:.2e}"
+                assert diff <= tol, f"rank {r} micro {micro} {name}: max |difference| {diff:.2e}"
         # the step's communication, per axis: exactly the gradient bytes, all-reduced once per
         # step however many accumulation micro-steps there were
         grad_bytes = results[0][micro]["grad_bytes"]

@@ -172,6 +172,11 @@ def _launch_ranks(args, cfg) -> int:
     if args.node_rank is not None and not args.rdzv_endpoint:
         raise ValueError("--node-rank needs --rdzv-endpoint HOST:PORT (the address of node 0)")
     check_layout(cfg, args.nproc * args.nnodes)  # before any rank starts
+    import torch
+
+    if cfg.train.device != "cpu" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        raise ValueError(f"--nproc={args.nproc} but this node has {torch.cuda.device_count()} CUDA devices (one "
+                         f"per rank); use --nproc <= {torch.cuda.device_count()}, or train.device=cpu")
     launcher = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc)]
     if args.rdzv_endpoint is None:
         launcher += ["--standalone"]  # one node: a private c10d rendezvous on a free local port

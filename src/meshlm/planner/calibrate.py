@@ -78,6 +78,18 @@ def measure_memory_bandwidth(*, nbytes: int = 64 * 2**20, repeats: int = 3) -> f
     return best
 
 
+def fit_attention(*, short: int = 128, long: int = 512, tokens: int = 2048) -> dict:
+    """Attention rate over the query length L as rate(L) = R * L / (L + L0), from two lengths at equal
+    tokens: R is `attention_flops` (the long-sequence rate), L0 `attention_block_overhead` (tokens),
+    the same form the cost model applies to GPU presets."""
+    r1 = measure_attention(batch=tokens // short, seq_len=short)
+    r2 = measure_attention(batch=tokens // long, seq_len=long)
+    denom = r1 / short - r2 / long
+    overhead = max(0.0, (r2 - r1) / denom) if denom > 0 else 0.0
+    return {"attention_flops": r1 * (short + overhead) / short, "attention_block_overhead": overhead,
+            "attention_points": [[short, r1], [long, r2]]}
+
+
 def _cpu_cores() -> int:
     """Cores this process may run on (what local ranks share), not the host's total."""
     try:
@@ -152,7 +164,8 @@ def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict
 
     if world_size < 2:
         raise ValueError(f"world_size={world_size} must be >= 2 to time collectives")
-    data: dict = {"device": "cpu", "matmul_flops": measure_matmul(), "attention_flops": measure_attention(),
+    attention = fit_attention()
+    data: dict = {"device": "cpu", "matmul_flops": measure_matmul(), **attention,
                   "memory_bandwidth": measure_memory_bandwidth(), "world_size": world_size,
                   "cpu_cores": _cpu_cores()}
     try:

@@ -36,6 +36,10 @@ class Cluster:
     link_efficiency: float  # of the link bandwidth, for large collectives (NCCL bus bandwidth)
     hbm_efficiency: float  # of the HBM bandwidth, for streaming elementwise kernels / decode
     reserved_bytes: float  # per GPU: CUDA context, NCCL, allocator pools that training cannot use
+    # Attention runs at attention_efficiency * L / (L + this) for kernel calls over L query tokens:
+    # FlashAttention's published curves rise like that with L0 ~ 256 (~0.8 of the long-sequence
+    # rate at 1K tokens, ~0.97 at 8K); `local` measures its own.
+    attention_block_overhead: float = 256.0
     # Fraction of the compute units a collective occupies while it overlaps compute (NCCL runs as
     # kernels on SMs), i.e. how much slower the overlapped compute runs. See PRESETS.
     comm_sm_fraction: float = 0.0
@@ -69,7 +73,7 @@ def _gbit(x: float) -> float:
 #    GEMM figures, not from any end-to-end training run.)
 #  * attention_efficiency: fused causal attention (FlashAttention-class), forward + backward, counted
 #    on the FLOPs the kernel runs (the unmasked half; backward 2.5x forward, as its authors count),
-#    at long sequences (cost.py scales it down for short blocks). A100: FlashAttention-2 reaches
+#    at long sequences (scaled down for short blocks by `attention_block_overhead`). A100: FlashAttention-2 reaches
 #    ~190-200 of 312 TFLOP/s fwd+bwd causal at head dim 128 and 8-16K tokens (Dao 2023) -> 0.65.
 #    H100: FlashAttention-2 reaches only ~1/3 of peak; FlashAttention-3 / cuDNN fused attention
 #    ~600-650 forward and ~500 backward at long sequences (Shah et al. 2024), ~0.55 combined with the
@@ -138,7 +142,8 @@ def local_cluster(path: str | Path) -> Cluster:
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
                    scaleup_size=int(data.get("world_size_max", 1 << 20)), scaleup_bw=bw, scaleout_bw=bw,
                    scaleup_latency=lat, scaleout_latency=lat, matmul_efficiency=1.0,
-                   attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops), link_efficiency=1.0,
+                   attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops),
+                   attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
                    hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)))
 
 

@@ -47,7 +47,6 @@ FRAGMENTATION = 0.08  # caching-allocator fragmentation margin, fraction of what
 # that ends in an out-of-memory error at step 1 or at the first long-tail allocation, so it is not
 # offered as fitting (4 GiB of an 80 GiB GPU).
 MIN_HEADROOM = 0.05
-ATTN_BLOCK_OVERHEAD = 256  # tokens; see t_attn in estimate_layout
 # ZeRO-3 keeps the next layer's gathered weights while computing this one (prefetch): 2 layers live.
 ZERO3_PREFETCH_LAYERS = 2
 
@@ -487,11 +486,11 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         # than a plain GEMM's). Its backward recomputes the scores: 2.5x the forward's matmuls (the
         # FlashAttention papers' count), where a GEMM's backward is 2x.
         # Each kernel call sees s / cp queries (a ring step under context parallelism): the masked
-        # diagonal tiles and the per-row-block softmax epilogue cost a fixed ~ATTN_BLOCK_OVERHEAD
-        # tokens' worth, so short blocks run below the long-sequence rate (FlashAttention's own
-        # curves: ~0.8 of it at 1K tokens, ~0.97 at 8K).
+        # diagonal tiles and the per-row-block softmax epilogue cost a fixed number of tokens' worth
+        # (`attention_block_overhead`), so short blocks run below the long-sequence rate.
         block = s / cp
-        t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block / (block + ATTN_BLOCK_OVERHEAD))
+        block_eff = block / (block + cluster.attention_block_overhead)
+        t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
         t_attn_bwd = 2.5 * t_attn
     else:
         # the unfused kernels of 2021: batched GEMMs over the whole square (softmax as HBM traffic below)
