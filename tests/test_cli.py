@@ -33,6 +33,17 @@ def test_bad_config_prints_one_line_and_exits_2(capsys, override, expected):
     assert expected in err
 
 
+def test_srun_tasks_without_a_launcher_are_refused(capsys, monkeypatch):
+    # `srun meshlm train` with several tasks and no torchrun: each task would train alone, all into
+    # the same run_dir. It must stop with one line pointing at --nproc (one launcher per node).
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    assert main(["train", "--set", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "SLURM_STEP_NUM_TASKS=8" in err and "--nproc" in err, err
+
+
 def test_info_json_counts_parameters(capsys):
     assert main(["info", "--model", "llama3-8b", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -39,7 +39,12 @@ def _grad_norm(grads):
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
-def _step(model, opt, norm_fn):
+def _step(model, opt, norm_fn) -> float:
+    """Clip, step, zero; returns the gradient norm before clipping.
+
+    The norm is what shows a gradient scaled by a constant (e.g. reduced twice): AdamW's update
+    and the clipping are nearly invariant to that scale, so the weights alone would not.
+    """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = norm_fn(grads)
     factor = torch.clamp(1.0 / (total + 1e-6), max=1.0)  # clip at global norm 1.0
@@ -47,6 +52,7 @@ def _step(model, opt, norm_fn):
         g.mul_(factor)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return float(total)
 
 
 def _optimizer(model):
@@ -57,10 +63,10 @@ def _config(tied: bool) -> ModelConfig:
     return ModelConfig(**CFG, tie_embeddings=tied)
 
 
-def reference(accum: int, dtype=torch.float32, tied: bool = False) -> tuple[list[float], dict]:
+def reference(accum: int, dtype=torch.float32, tied: bool = False) -> tuple[list[float], list[float], dict]:
     model = build_model(_config(tied), seed=SEED, dtype=dtype)
     opt = _optimizer(model)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         inputs, targets = _batch(step)
         total = 0.0
@@ -69,8 +75,8 @@ def reference(accum: int, dtype=torch.float32, tied: bool = False) -> tuple[list
             loss.backward()
             total += loss.item()
         losses.append(total)
-        _step(model, opt, _grad_norm)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        norms.append(_step(model, opt, _grad_norm))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def dp_worker(rank, world_size, accum: int, drift: bool, dtype=torch.float32, tied: bool = False):
@@ -83,7 +89,7 @@ def dp_worker(rank, world_size, accum: int, drift: bool, dtype=torch.float32, ti
     opt = _optimizer(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # = the gradient bytes
     assert sum(dp.bucket_bytes) == grad_bytes and len(dp.buckets) > 1
-    partial_losses, per_step_events = [], []
+    partial_losses, norms, per_step_events = [], [], []
     for step in range(STEPS):
         mesh.stats.reset()
         inputs, targets = _batch(step)
@@ -102,28 +108,30 @@ def dp_worker(rank, world_size, accum: int, drift: bool, dtype=torch.float32, ti
         dp.finish_grad_sync()  # already done at the end of backward: must be a no-op
         per_step_events.append(list(mesh.stats.events))
         partial_losses.append(total)
-        _step(model, opt, dp.grad_norm_fn)
+        norms.append(_step(model, opt, dp.grad_norm_fn))
     expected = [CommEvent("all_reduce", "dp", n) for n in dp.bucket_bytes]
     assert all(events == expected for events in per_step_events), per_step_events[0]
     # buckets hold whole tensors in reverse registration order (the order backward produces them)
     names = [n for b in dp.buckets for n in b.names]
     assert names == [n for n, _ in model.named_parameters()][::-1]  # (named_parameters skips tied repeats)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return partial_losses, state, dp.bucket_bytes
+    return partial_losses, norms, state, dp.bucket_bytes
 
 
 def _check(world_size: int, accum: int, drift: bool, dtype=torch.float32, tied: bool = False):
-    ref_losses, ref_state = reference(accum, dtype, tied)
+    ref_losses, ref_norms, ref_state = reference(accum, dtype, tied)
     results = run_distributed(dp_worker, world_size, accum, drift, dtype, tied, timeout=90)
     global_losses = [sum(r[0][s] for r in results) for s in range(STEPS)]
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for got, want in zip(global_losses, ref_losses):
         assert abs(got - want) <= tol * abs(want), (global_losses, ref_losses)
+    for _, norms, _, _ in results:  # every rank holds the summed gradient: the single-process norm
+        assert norms == pytest.approx(ref_norms, rel=tol), (norms, ref_norms)
     # fp32: the sum over ranks rounds differently from the one-process sum (~1e-7 relative), and
     # AdamW's division by sqrt(v) magnifies that for elements with tiny gradients: the observed max
     # |difference| after 5 steps is ~5e-6 on weights of ~1e-2. In fp64 the same run agrees to ~1e-14,
     # which is what shows the reduction itself is exact.
-    for _, state, _ in results:
+    for _, _, state, _ in results:
         for name, want in ref_state.items():
             torch.testing.assert_close(state[name], want, rtol=tol, atol=tol, msg=name)
     # the weights moved: parity is not trivially satisfied

@@ -126,6 +126,8 @@ def test_user_errors():
     model = _tiny_model()
     with pytest.raises(ValueError, match="tp=2"):
         LLM(model, tp=2)
+    with pytest.raises(ValueError, match="block_size=0"):
+        LLM(model, block_size=0)
     llm = LLM(model, block_size=4)
     with pytest.raises(ValueError, match="context length"):
         llm.generate([list(range(1, 60)) * 2])
@@ -152,3 +154,40 @@ def test_llm_loads_meshlm_checkpoint(tmp_path):
     ref = Engine(model, block_size=4).generate([list(b"def f(x):")], SamplingParams(temperature=0, max_tokens=6,
                                                                                     ignore_eos=True))[0]
     assert out.token_ids == ref.token_ids and isinstance(out.text, str)
+
+
+class _LetterTokenizer:
+    """A stand-in tokenizer: token t is the letter chr(97 + t % 26); no special tokens."""
+
+    eos_token_ids = ()
+
+    def encode(self, text, **_):
+        return [ord(c) % 64 for c in text]
+
+    def decode(self, ids, **_):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_stop_strings_on_the_last_token():
+    engine = Engine(_tiny_model(), _LetterTokenizer(), block_size=4)
+    full = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert len(full.text) == 6
+    # A stop string that never appears: the text of a length-finished request keeps its last token.
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, stop=["QQ"]))[0]
+    assert (out.text, out.finish_reason) == (full.text, "length")
+    # A stop string completed by the very last allowed token still cuts the text.
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, stop=[full.text]))[0]
+    assert (out.text, out.finish_reason) == ("", "stop")
+
+
+def test_extreme_sampling_params_do_not_fail_the_step():
+    # A failed step fails every request in it (the server aborts them all), so one request's odd but
+    # valid parameters must not raise: a near-zero temperature and more logprobs than the vocabulary.
+    cfg = ModelConfig(vocab_size=16, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      intermediate_size=64, max_seq_len=32, init_std=0.2)
+    engine = Engine(build_model(cfg, seed=0), block_size=4)
+    greedy = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+    cold, wide = engine.generate([[1, 2, 3], [1, 2, 3]], [SamplingParams(temperature=1e-40, max_tokens=4, seed=1),
+                                                          SamplingParams(temperature=0, max_tokens=4, logprobs=20)])
+    assert cold.token_ids == greedy and wide.token_ids == greedy
+    assert all(len(lp["top"]) == 16 for lp in wide.logprobs)

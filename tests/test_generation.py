@@ -36,6 +36,8 @@ def test_greedy_equals_full_forward_argmax(model):
     assert generate(model, torch.tensor(prompt), max_new_tokens=12) == out
     # top_k=1 sampling is greedy, whatever the temperature.
     assert generate(model, prompt, max_new_tokens=12, temperature=2.0, top_k=1, seed=0) == out
+    # A near-zero temperature is greedy too (not a nan distribution).
+    assert generate(model, prompt, max_new_tokens=12, temperature=1e-40, seed=0) == out
 
 
 def test_batch_equals_one_by_one(model):

@@ -26,9 +26,11 @@ def test_core_does_not_import_torch():
 
 def test_sampling_params_validation():
     assert SamplingParams(stop="x").stop == ["x"]
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(max_tokens=-3), dict(logprobs=99)):
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(max_tokens=-3), dict(logprobs=99),
+                dict(seed=2**64), dict(seed=1.5), dict(logprobs=2.0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    assert type(SamplingParams(top_k=3.0).top_k) is int  # torch.topk refuses a float k
     with pytest.raises(ValueError):
         Sequence([])
 
@@ -60,6 +62,22 @@ def test_prefix_cache_hit_and_token_check():
     e = Sequence(list(range(9)))
     assert bm.match_prefix(e) == 8
     assert bm.hit_rate > 0
+
+
+def test_prefix_cache_chains_past_a_duplicate_parent():
+    # a and b miss together (admitted in the same step), so b's first block duplicates a's cached one;
+    # b's second block, cached on top of that duplicate, must still be a hit for a later c.
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b = Sequence(list(range(5))), Sequence(list(range(4)) + [9, 9, 9, 9, 1])
+    for seq in (a, b):
+        assert bm.match_prefix(seq) == 0 and bm.ensure_slots(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+    c = Sequence(list(range(4)) + [9, 9, 9, 9, 2])
+    assert bm.match_prefix(c) == 8
+    assert c.block_table == [a.block_table[0], b.block_table[1]]
+    bm.check_invariants([a, b, c])
 
 
 def test_scheduler_rejects_requests_that_can_never_fit():

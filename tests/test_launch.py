@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+# train.micro_batch_size is left at its default (the whole per-rank batch), as `meshlm train --nproc N`
+# in the README does: the same settings must run on 2 and on 4 ranks.
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.intermediate_size=64", "model.max_seq_len=64", "train.progress=false", "train.seq_len=32",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=3", "train.val_batches=1",
+        "train.global_batch_size=8", "train.steps=3", "train.val_batches=1",
         "train.val_interval=3", "train.sample_tokens=0", "train.device=cpu", "data.val_fraction=0.1"]
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID", "GROUP_RANK")

@@ -307,8 +307,8 @@ def test_local_ranks_beyond_the_cores_time_share_them(tmp_path):
     new, old = (get_cluster("local", calibration=tmp_path / f"{n}.json") for n in ("new", "old"))
     assert new.compute_slots == 2 and old.compute_slots == 0
 
-    def est(cluster, world):  # the same work per rank at every world size
-        return estimate("tiny", cluster, gpus=world, layout=f"dp_shard={world}", seq_len=128,
+    def est(cluster, world):  # the same work per rank at every world size; 1 MiB buckets overlap
+        return estimate("tiny", cluster, gpus=world, layout=f"dp_shard={world},bucket_size_mb=1", seq_len=128,
                         global_batch_size=2 * world, precision="fp32")
 
     assert est(new, 2).time_s["compute"] == pytest.approx(est(new, 1).time_s["compute"])

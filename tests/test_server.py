@@ -158,6 +158,13 @@ def test_concurrent_requests_and_bad_input(server):
                 client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 10**9}),
                 client.post("/v1/completions", json={"model": "tiny", "prompt": long_prompt, "max_tokens": 4}),
                 client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "temperature": "hot"}),
+                client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "hi", "max_tokens": Infinity}',
+                            headers={"content-type": "application/json"}),
+                # A seed torch cannot take: must be refused up front, not fail the step of everyone.
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "seed": 2**64}),
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "temperature": 10**400}),
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True,
+                                                     "stream_options": "usage please"}),
             ]
             return await asyncio.gather(*good, *bad)
 
@@ -208,3 +215,24 @@ def test_chat_templates():
                 "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
     tok = Tokenizer(raw, chat_template=template, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
     assert tok.apply_chat_template(msgs) == "<s>[system]be brief</s>[user]hi</s>[assistant]"
+
+
+def test_chat_template_errors_are_4xx():
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from meshlm.infer.server import create_app
+    from meshlm.infer.tokenizer import Tokenizer
+
+    raw = HFTokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok = Tokenizer(raw, chat_template="{{ raise_exception('Conversation roles must alternate') }}")
+    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=tok, max_model_len=16))  # never reached
+    client = TestClient(create_app(engine, model_name="tiny"))
+    for template_bug in (False, True):
+        if template_bug:  # a template that is broken itself, not one that refuses the messages
+            tok.chat_template, tok._template = "{{ messages[0].content | no_such_filter }}", None
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

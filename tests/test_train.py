@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshlm.config import load_config
-from meshlm.train.checkpoint import latest_checkpoint, load_checkpoint_for_inference, resolve_checkpoint
+from meshlm.train.checkpoint import (latest_checkpoint, load_checkpoint_for_inference, resolve_checkpoint,
+                                     save_checkpoint)
 from meshlm.train.metrics import flops_per_token
 from meshlm.train.optim import clip_grad_norm, lr_at
 from meshlm.train.trainer import Trainer
@@ -107,6 +108,22 @@ def test_keeps_only_the_last_checkpoints(tmp_path, text_file):
     Trainer(make_cfg(run, text_file, "train.steps=4", "train.checkpoint_interval=1", "train.keep_checkpoints=2",
                      "train.val_batches=0")).train()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000003", "step_000004"]
+
+
+def test_keeps_the_newest_checkpoints_past_a_million_steps(tmp_path):
+    # step_1000000 sorts before step_999999 as a name: pruning must go by the step number.
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (999_998, 999_999, 1_000_000):
+        save_checkpoint(tmp_path, step=step, model=model, optimizer=optimizer, config=load_config(),
+                        rank_extra={}, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1000000", "step_999999"]
+
+
+def test_run_dir_that_cannot_be_created_is_a_user_error(tmp_path, text_file):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"train.run_dir=.*a_file/run.* cannot be created"):
+        Trainer(make_cfg(tmp_path / "a_file" / "run", text_file))
 
 
 def test_mismatched_or_corrupt_checkpoint_is_refused(tmp_path, text_file):

@@ -44,6 +44,10 @@ def step_losses(run_dir) -> list[float]:
     return [r["loss"] for r in rows(run_dir) if "loss" in r]
 
 
+def grad_norms(run_dir) -> list[float]:
+    return [r["grad_norm"] for r in rows(run_dir) if "loss" in r]
+
+
 def val_losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["val_loss"]) for r in rows(run_dir) if "val_loss" in r]
 
@@ -68,7 +72,8 @@ def reference(tmp_path_factory, text_file):
     after5 = weights(trainer)
     trainer.train()
     assert step_losses(run_dir)[PARITY_STEPS - 1] < step_losses(run_dir)[0] - 0.5  # parity is not trivial
-    return {"losses": step_losses(run_dir), "weights5": after5, "val": val_losses(run_dir)}
+    return {"losses": step_losses(run_dir), "grad_norms": grad_norms(run_dir), "weights5": after5,
+            "val": val_losses(run_dir)}
 
 
 def dp_worker(rank, world_size, root: Path, text_file: Path, micro_sizes: list[int], with_resume: bool):
@@ -106,6 +111,10 @@ def check_parity(results, root: Path, reference, micro_sizes):
         assert len(losses) in (PARITY_STEPS, STEPS)  # the straight run went on to 10
         for got, want in zip(losses[:PARITY_STEPS], reference["losses"]):
             assert abs(got - want) <= tol * abs(want), (micro, losses, reference["losses"])
+        # The gradient norm before clipping shows a gradient off by a constant factor (reduced
+        # twice, or averaged instead of summed), which AdamW and clipping all but hide in the weights.
+        norms = grad_norms(run_dir)[:PARITY_STEPS]
+        assert norms == pytest.approx(reference["grad_norms"][:PARITY_STEPS], rel=tol), (micro, norms)
         # the validation loss: the same set (3 global batches) split over the ranks, averaged
         for (step, got), (ref_step, want) in zip(val_losses(run_dir), reference["val"]):
             assert step == ref_step and abs(got - want) <= tol * abs(want), (micro, step, got, want)
@@ -157,6 +166,30 @@ def test_dp4_matches_single_process(tmp_path, text_file, reference):
     check_parity(results, tmp_path, reference, micro_sizes)
 
 
+# A large aux coefficient, so that a mis-scaled load-balancing loss moves the routers visibly.
+MOE = ["model.num_experts=4", "model.num_experts_per_token=2", "model.moe_intermediate_size=32",
+       "model.router_aux_loss_coef=0.5", "train.micro_batch_size=4", "train.steps=3", "train.val_batches=0"]
+
+
+def moe_worker(rank, world_size, run_dir, text_file):
+    trainer = Trainer(make_cfg(run_dir, text_file, *MOE))
+    trainer.train()
+    return weights(trainer)
+
+
+def test_moe_aux_loss_under_dp_matches_single_process(tmp_path, text_file):
+    # The aux loss is a mean over the micro-batches of the global batch: one micro-batch on each of
+    # 2 ranks must train exactly like 2 accumulated micro-batches in one process.
+    single = Trainer(make_cfg(tmp_path / "single", text_file, *MOE))
+    single.train()
+    results = run_distributed(moe_worker, 2, tmp_path / "dp", text_file, timeout=120)
+    assert step_losses(tmp_path / "dp") == pytest.approx(step_losses(tmp_path / "single"), rel=1e-5)
+    for r, got in enumerate(results):
+        for name, want in weights(single).items():
+            diff = float((got[name] - want).abs().max())
+            assert diff <= 1e-5, f"rank {r} {name}: max |difference| {diff:.2e}"
+
+
 # -- parallelize / check_layout, in one process -------------------------------------------------
 
 
@@ -171,6 +204,17 @@ def test_check_layout_names_the_numbers_and_the_fix(text_file, tmp_path):
         name, value = setting.split("=")
         with pytest.raises(ValueError, match=rf"{name}={value} is not implemented yet"):
             check_layout(make_cfg(tmp_path, text_file, setting), 4)
+
+
+def test_default_config_runs_on_2_and_4_ranks():
+    # `meshlm train --nproc 2` / `--nproc 4` with the built-in defaults (README): the micro-batch
+    # defaults to the whole per-rank batch, so any dp that divides the global batch works.
+    cfg = load_config()
+    assert cfg.train.micro_batch_size == 0
+    for world in (1, 2, 4):
+        assert check_layout(cfg, world).dp == world
+    with pytest.raises(ValueError, match=r"global_batch_size=32 is not divisible by the data-parallel degree 3"):
+        check_layout(cfg, 3)
 
 
 def test_parallelize_refuses_unsupported_settings_and_a_second_pass(text_file, tmp_path):

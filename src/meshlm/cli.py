@@ -133,6 +133,12 @@ def cmd_train(args) -> int:
         return _launch_ranks(args, cfg)
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
         raise ValueError("--nnodes/--rdzv-endpoint/--node-rank need --nproc N (ranks per node)")
+    srun_tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if not under_launcher and srun_tasks.isdigit() and int(srun_tasks) > 1:
+        # Without a launcher every task would be a one-process run of its own, all in one run_dir.
+        raise ValueError(f"this is one of SLURM_STEP_NUM_TASKS={srun_tasks} srun tasks but no launcher set RANK/"
+                         "WORLD_SIZE; run one task per node as `meshlm train --nproc GPUS_PER_NODE --nnodes N "
+                         "--rdzv-endpoint HEAD:PORT ...` (see examples/slurm.sbatch)")
     _, world_size, _ = read_launch_env()
     from meshlm.parallel.parallelize import check_layout
 

@@ -389,7 +389,9 @@ class TrainConfig:
     seq_len: int = 128
     global_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     global_batch_tokens: int = 0  # if > 0, overrides global_batch_size (= tokens // seq_len)
-    micro_batch_size: int = 32  # sequences per forward/backward on one rank
+    # sequences per forward/backward on one rank; 0: the whole per-rank batch (global_batch_size /
+    # data-parallel degree, no accumulation), so the defaults run on any dp dividing the batch
+    micro_batch_size: int = 0
     lr: float = 1.2e-3
     min_lr_ratio: float = 0.1
     lr_schedule: str = "cosine"  # cosine | linear | constant
@@ -413,11 +415,10 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        for name in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "log_interval",
-                     "val_interval", "keep_checkpoints"):
+        for name in ("steps", "seq_len", "global_batch_size", "log_interval", "val_interval", "keep_checkpoints"):
             _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
-        for name in ("warmup_steps", "checkpoint_interval", "val_batches", "global_batch_tokens",
-                     "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
+        for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "val_batches",
+                     "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
             _require(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "must be >= 0")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")

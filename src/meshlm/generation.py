@@ -102,7 +102,8 @@ def _pick(logits_bv: torch.Tensor, *, temperature: float, top_p: float, top_k: i
     """Next token per row: argmax when temperature is 0, else a sample from the filtered distribution."""
     if temperature == 0:
         return logits_bv.argmax(dim=-1)
-    logits_bv = logits_bv / temperature
+    # Shifted so each row's largest logit is 0: a tiny temperature then gives -inf, never inf - inf = nan.
+    logits_bv = (logits_bv - logits_bv.amax(dim=-1, keepdim=True)) / temperature
     if 0 < top_k < logits_bv.shape[-1]:
         kth = torch.topk(logits_bv, top_k, dim=-1).values[:, -1:]
         logits_bv = logits_bv.masked_fill(logits_bv < kth, float("-inf"))

@@ -31,7 +31,9 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         # Free blocks in eviction order (oldest freed first); a free block may still hold a cached prefix.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        # Prefix cache: chained hash -> block, and per cached block (hash, parent block, tokens).
+        # Prefix cache: chained hash -> block, and per cached block (hash, parent's hash, tokens). The
+        # parent is named by hash, not block: the sequence that cached a block may hold a duplicate of
+        # the cached parent (both computed it at once), and the child must still be found.
         self.cached: dict[int, int] = {}
         self.block_info: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}
         # Per sequence: hashes of its leading full blocks already registered (the chain so far).
@@ -74,19 +76,19 @@ class BlockManager:
         self.num_queried_tokens += seq.num_tokens
         if not self.enable_prefix_caching:
             return 0
-        parent_hash, parent_block = None, None
+        parent_hash = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = self._chain_hash(parent_hash, tokens)
             block = self.cached.get(h)
-            if block is None or self.block_info[block][1:] != (parent_block, tokens):
+            if block is None or self.block_info[block][1:] != (parent_hash, tokens):
                 break  # a miss, or a hash collision caught by the token comparison
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
             self.seq_hashes[seq.seq_id].append(h)
-            parent_hash, parent_block = h, block
+            parent_hash = h
         num_cached = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
@@ -103,13 +105,12 @@ class BlockManager:
             i = len(hashes)
             block = seq.block_table[i]
             parent_hash = hashes[-1] if hashes else None
-            parent_block = seq.block_table[i - 1] if i else None
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = self._chain_hash(parent_hash, tokens)
             hashes.append(h)
             if h not in self.cached and block not in self.block_info:
                 self.cached[h] = block
-                self.block_info[block] = (h, parent_block, tokens)
+                self.block_info[block] = (h, parent_hash, tokens)
             # else: another sequence computed the same block concurrently (its copy stays the cached
             # one; this block is simply freed later), or this block was itself a cache hit.
 

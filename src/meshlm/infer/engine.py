@@ -145,8 +145,9 @@ class Engine:
         now = time.monotonic()
         results = []
         for seq in sampling:
-            if not seq.is_finished:
-                self._check_stop_strings(seq)
+            # Also for a sequence that just finished by length or a stop token: its text must include
+            # that last token, and a stop string it completes still cuts the text.
+            self._check_stop_strings(seq)
             if seq.is_finished:
                 seq.finish_time = now
             results.append(self._output(seq))
@@ -167,7 +168,10 @@ class Engine:
         hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
         if hits:
             state.text = text[:min(hits)]
-            self.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(seq, "stop")
         else:
             state.text = text
 

@@ -135,6 +135,8 @@ class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, kv_dtype: torch.dtype | None = None):
         """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default 256 MiB)."""
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1 (tokens per KV block; 16 is usual)")
         self.model = model.eval()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -45,7 +45,7 @@ class Sampler:
             info = None
             if n is not None:
                 logprobs_v = torch.log_softmax(logits_nv[row], dim=-1)
-                top = torch.topk(logprobs_v, n) if n else None
+                top = torch.topk(logprobs_v, min(n, logprobs_v.shape[-1])) if n else None
                 info = {"token": tokens[row], "logprob": float(logprobs_v[tokens[row]]),
                         "top": dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}}
             results.append((tokens[row], info))
@@ -53,7 +53,8 @@ class Sampler:
 
     @staticmethod
     def _sample(logits_v: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        logits_v = logits_v / params.temperature
+        # Shifted so the largest logit is 0 first: a tiny temperature then gives -inf, never inf - inf = nan.
+        logits_v = (logits_v - logits_v.max()) / params.temperature
         if 0 < params.top_k < logits_v.shape[-1]:
             kth = torch.topk(logits_v, params.top_k).values[-1]
             logits_v = logits_v.masked_fill(logits_v < kth, float("-inf"))

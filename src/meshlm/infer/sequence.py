@@ -49,10 +49,16 @@ class SamplingParams:
             self.top_k = 0
         if int(self.top_k) != self.top_k:
             raise ValueError(f"top_k={self.top_k} must be an integer (0 or -1 disables it)")
+        self.top_k = int(self.top_k)  # 3.0 -> 3: torch.topk takes only an int
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs={self.logprobs} must be between 0 and 20")
+        # torch.Generator takes seeds in [-2**63, 2**64): checked here, because a bad seed found while
+        # sampling would fail the whole step, and with it every other request in the batch.
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(1 << 63) <= self.seed < (1 << 64)):
+            raise ValueError(f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs={self.logprobs!r} must be an integer between 0 and 20")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

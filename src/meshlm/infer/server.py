@@ -16,6 +16,7 @@ documented in `meshlm.infer.tokenizer` (`<|role|>\\ncontent\\n` per message, the
 
 import asyncio
 import json
+import math
 import threading
 import time
 import uuid
@@ -177,9 +178,14 @@ def _number(body: dict, key: str, default, kind=float, *, allow_none=True):
     value = body.get(key, default)
     if value is None and allow_none:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and int(value) != value):
-        raise APIError(400, f"{key}={value!r} must be {'an integer' if kind is int else 'a number'}", param=key)
-    return kind(value)
+    # json.loads accepts NaN and Infinity: refused here (int(inf) would raise OverflowError, a 500).
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value)):
+        raise APIError(400, f"{key}={value!r} must be {'an integer' if kind is int else 'a finite number'}", param=key)
+    try:
+        return kind(value)
+    except OverflowError:  # float(10**400)
+        raise APIError(400, f"{key}={value!r} is out of range", param=key) from None
 
 
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
@@ -233,6 +239,7 @@ def _chat_messages(body: dict) -> list[dict]:
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from jinja2 import TemplateError
 
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
     tokenizer = engine.engine.tokenizer
@@ -271,7 +278,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         if chat:
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; chat needs one")
-            prompt = tokenizer.encode_chat(_chat_messages(body))
+            messages = _chat_messages(body)
+            try:
+                prompt = tokenizer.encode_chat(messages)
+            except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
+                raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -283,6 +294,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                                     "several prompts are not supported: send one request each)", param="prompt")
             if isinstance(prompt, str) and tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                           param="stream_options")
         request_id, queue, num_prompt = submit(prompt, params)
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")

@@ -52,16 +52,23 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     dims = ParallelDims.from_config(cfg.parallel).resolve(world_size)
     check_supported(cfg.parallel)
     t = cfg.train
-    per_step = dims.dp * t.micro_batch_size
+    # micro_batch_size=0 means the whole per-rank batch: then only the dp degree must divide.
+    per_step = dims.dp * (t.micro_batch_size or 1)
     if t.global_batch_size % per_step:
         lower = max(per_step, t.global_batch_size // per_step * per_step)
+        divisor = (f"data-parallel degree x train.micro_batch_size = {dims.dp} x {t.micro_batch_size} = {per_step}"
+                   if t.micro_batch_size else f"the data-parallel degree {dims.dp}")
         raise ValueError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by data-parallel degree x "
-            f"train.micro_batch_size = {dims.dp} x {t.micro_batch_size} = {per_step} (each of the {dims.dp} "
-            f"data-parallel ranks runs whole micro-batches); set train.global_batch_size to a multiple of "
-            f"{per_step} (e.g. {lower} or {lower + per_step}), or change train.micro_batch_size or the "
-            "number of ranks")
+            f"train.global_batch_size={t.global_batch_size} is not divisible by {divisor} (each of the "
+            f"{dims.dp} data-parallel ranks runs whole micro-batches); set train.global_batch_size to a "
+            f"multiple of {per_step} (e.g. {lower} or {lower + per_step}), or change train.micro_batch_size "
+            "or the number of ranks")
     return dims
+
+
+def micro_batch_size(cfg: Config, dp: int) -> int:
+    """Sequences per forward/backward on one rank: `train.micro_batch_size`, or for 0 the per-rank batch."""
+    return cfg.train.micro_batch_size or cfg.train.global_batch_size // dp
 
 
 @dataclass

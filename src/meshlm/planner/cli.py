@@ -141,7 +141,9 @@ def run_plan(args) -> int:
             print(json.dumps(data, indent=2))
         else:
             link = data["link"]
-            print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s, memory {data['memory_bandwidth'] / 1e9:.1f} GB/s, "
+            print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s per core, attention "
+                  f"{data['attention_flops'] / 1e9:.1f} GFLOP/s (+{data['attention_block_overhead']:.0f} tokens/block), "
+                  f"{data['cpu_cores']} cores, memory {data['memory_bandwidth'] / 1e9:.1f} GB/s, "
                   f"collective link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.0f} us/hop "
                   f"-> {args.out}")
         return 0

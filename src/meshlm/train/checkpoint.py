@@ -118,7 +118,8 @@ def _is_complete(path: Path) -> bool:
 
 
 def _complete_checkpoints(root: Path) -> list[Path]:
-    return sorted((p for p in root.glob("step_*") if _is_complete(p)), key=lambda p: p.name)
+    """Oldest first, by step number (as names, step_1000000 would sort before step_999999)."""
+    return sorted((p for p in root.glob("step_*") if _is_complete(p)), key=lambda p: int(p.name[len("step_"):]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from meshlm import comm
 from meshlm.config import Config
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
-from meshlm.parallel.parallelize import check_layout, parallelize
+from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
 from meshlm.planner.model_stats import train_flops_per_token
 from meshlm.train.checkpoint import (
     latest_checkpoint,
@@ -90,6 +90,7 @@ class Trainer:
         self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
         self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
         self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        self.micro_batch_size = micro_batch_size(cfg, self.dp_size)
         seed_everything(t.seed)
 
         self.tokenizer = load_tokenizer(cfg.data)
@@ -98,7 +99,7 @@ class Trainer:
                              f"{cfg.model.vocab_size}; set model.vocab_size >= {self.tokenizer.vocab_size}")
         self.train_data, self.val_data = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=self.tokenizer)
         self.loader = BatchLoader(self.train_data, global_batch_size=t.global_batch_size,
-                                  micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
+                                  micro_batch_size=self.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
 
         self.base_model = build_model(cfg.model, seed=t.seed, device=self.device)
@@ -115,6 +116,12 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the checkpoint on disk that matches this state
         self.resumed_from: Path | None = None
         self.resume_note: str | None = None
+        if self.is_main:
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"train.run_dir={t.run_dir!r} cannot be created ({e.strerror}); "
+                                 "choose a writable directory") from None
         if resume:
             self.resumed_from = latest_checkpoint(self.run_dir)
             if self.resumed_from is not None:
@@ -203,9 +210,9 @@ class Trainer:
         it depends neither on the micro-batch size nor on the number of ranks that split it.
         """
         t = self.cfg.train
-        micro_per_global = t.global_batch_size // t.micro_batch_size  # a multiple of dp (check_layout)
+        micro_per_global = t.global_batch_size // self.micro_batch_size  # a multiple of dp (check_layout)
         batches = validation_batches(self.val_data, num_batches=t.val_batches * micro_per_global,
-                                     micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank,
+                                     micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
                                      dp_size=self.dp_size)
         self.model.eval()
         # [sum of token losses, tokens] summed over ranks: right even when ranks hold different
