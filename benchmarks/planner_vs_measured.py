@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", default="plan_calibration.json")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per layout and pass (after WARMUP untimed)")
-    ap.add_argument("--rounds", type=int, default=3, help="passes over all layouts")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over all layouts")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     path = Path(args.calibration)

@@ -44,6 +44,14 @@ def test_srun_tasks_without_a_launcher_are_refused(capsys, monkeypatch):
     assert len(err.splitlines()) == 1 and "SLURM_STEP_NUM_TASKS=8" in err and "--nproc" in err, err
 
 
+def test_launch_exit_code_is_2_when_the_ranks_failed_on_a_user_mistake():
+    from meshlm.cli import launch_exit_code
+
+    # rank 0 raised a ValueError (exit 2); the launcher then stopped rank 1 with SIGTERM (-15)
+    assert launch_exit_code([-15, 2]) == 2 and launch_exit_code([2]) == 2
+    assert launch_exit_code([1, 2]) == 1 and launch_exit_code([-9]) == 1
+
+
 def test_info_json_counts_parameters(capsys):
     assert main(["info", "--model", "llama3-8b", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -73,6 +73,7 @@ def test_resume_is_bit_identical(tmp_path, text_file):
     assert latest_checkpoint(tmp_path / "split").name == "step_000005"
     with open(tmp_path / "split" / "metrics.jsonl", "a") as f:  # logged after the checkpoint, then a crash
         f.write(json.dumps({"step": 6, "loss": 99.0}) + "\n")
+        f.write('{"step": 7, "lo')  # the crash hit in the middle of a write
     second = Trainer(make_cfg(tmp_path / "split", text_file), resume=True)
     assert second.step == 5
     summary = second.train()

@@ -206,8 +206,15 @@ def _launch_ranks(args, cfg) -> int:
         codes = sorted({f.exitcode for _, f in failed})
         print(f"meshlm train: {len(failed)} rank(s) failed (global ranks {[r for r, _ in failed]}, exit codes "
               f"{codes}); their errors are printed above", file=sys.stderr)
-        return 2 if codes == [2] else 1
+        return launch_exit_code(codes)
     return 0
+
+
+def launch_exit_code(codes: list[int]) -> int:
+    """The exit code of a failed launch from its ranks' codes: 2 (a user mistake) when every rank
+    that exited by itself exited 2 -- the launcher stops the others with a signal (a negative code)."""
+    own = {c for c in codes if c >= 0}
+    return 2 if own == {2} else 1
 
 
 def cmd_generate(args) -> int:

@@ -56,13 +56,15 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     per_step = dims.dp * (t.micro_batch_size or 1)
     if t.global_batch_size % per_step:
         lower = max(per_step, t.global_batch_size // per_step * per_step)
-        divisor = (f"data-parallel degree x train.micro_batch_size = {dims.dp} x {t.micro_batch_size} = {per_step}"
-                   if t.micro_batch_size else f"the data-parallel degree {dims.dp}")
+        if t.micro_batch_size:
+            divisor = f"data-parallel degree x train.micro_batch_size = {dims.dp} x {t.micro_batch_size} = {per_step}"
+            other = "train.micro_batch_size or the number of ranks"
+        else:
+            divisor, other = f"the data-parallel degree {dims.dp}", "the number of ranks"
         raise ValueError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by {divisor} (each of the "
             f"{dims.dp} data-parallel ranks runs whole micro-batches); set train.global_batch_size to a "
-            f"multiple of {per_step} (e.g. {lower} or {lower + per_step}), or change train.micro_batch_size "
-            "or the number of ranks")
+            f"multiple of {per_step} (e.g. {lower} or {lower + per_step}), or change {other}")
     return dims
 
 

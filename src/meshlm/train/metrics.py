@@ -62,6 +62,15 @@ def peak_memory_mib(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl row; infinity for a line that is not a whole JSON object."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return float("inf")
+    return row.get("step", 0) if isinstance(row, dict) else float("inf")
+
+
 class MetricsLogger:
     """Appends rows to `<run_dir>/metrics.jsonl` and shows a progress bar; a no-op when not enabled.
 
@@ -79,9 +88,9 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if start_step > 0 and self.path.exists():
-            # Resuming: rows a crashed run logged after its last checkpoint are about to be redone.
-            rows = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            # Resuming: rows a crashed run logged after its last checkpoint are about to be redone
+            # (and a row the crash cut short is dropped).
+            rows = [line for line in self.path.read_text().splitlines() if _step_of(line) <= start_step]
             self.path.write_text("".join(r + "\n" for r in rows))
         self._file = open(self.path, "a")
         if progress:
