@@ -51,6 +51,9 @@ def test_sources_file_folder_jsonl(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:1 has no string field 'text'"):
         read_documents(DataConfig(path=str(tmp_path / "bad.jsonl")))
     assert read_documents(DataConfig(path=str(tmp_path / "d" / "a.txt"), max_bytes=2)) == ["aa"]
+    # a folder of JSONL shards is read by each line's `text` field, not as raw text
+    (tmp_path / "d" / "c.jsonl").write_text(json.dumps({"text": "ccc"}) + "\n" + json.dumps({"text": "dd"}) + "\n")
+    assert read_documents(DataConfig(path=str(tmp_path / "d"))) == ["aaa", "bbb", "ccc", "dd"]
 
 
 def test_stdlib_corpus_is_deterministic_and_capped():

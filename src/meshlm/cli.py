@@ -95,7 +95,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto (default: cuda when present, in bf16; else cpu in fp32), cpu or cuda")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,8 +229,13 @@ def cmd_generate(args) -> int:
     llm = LLM(args.checkpoint or args.hf)
     if llm.tokenizer is None:
         raise ValueError(f"{args.checkpoint or args.hf!r} has no tokenizer (tokenizer.json); cannot encode --prompt")
-    if not llm.tokenizer.encode(args.prompt):
+    num_prompt = len(llm.tokenizer.encode(args.prompt))
+    if num_prompt == 0:
         raise ValueError("--prompt encodes to no tokens; give some text")
+    if num_prompt + args.max_new_tokens > llm.engine.max_model_len:
+        raise ValueError(f"the prompt ({num_prompt} tokens) + --max-new-tokens={args.max_new_tokens} exceeds the "
+                         f"model's context of {llm.engine.max_model_len} tokens; use --max-new-tokens <= "
+                         f"{max(llm.engine.max_model_len - num_prompt, 0)}")
     result = llm.generate([args.prompt], params)[0]
     print(args.prompt + result.text)
     return 0

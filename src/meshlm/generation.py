@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.infer.sampling import sample
 from meshlm.models.transformer import KVCache, Transformer
 
 
@@ -45,7 +46,7 @@ def generate(model: Transformer, prompt_ids: list[int] | list[list[int]] | torch
         out: list[list[int]] = [[] for _ in range(batch)]
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
-            next_b = _pick(logits_bv.float(), temperature=temperature, top_p=top_p, top_k=top_k,
+            next_b = sample(logits_bv.float(), temperature=temperature, top_p=top_p, top_k=top_k,
                            generator=generator)
             for row in range(batch):
                 if not done[row]:
@@ -95,24 +96,3 @@ def _check_args(model: Transformer, tokens_bs: torch.Tensor, *, max_new_tokens: 
         raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = off)")
     if top_k < 0:
         raise ValueError(f"top_k={top_k} must be >= 0 (0 = off)")
-
-
-def _pick(logits_bv: torch.Tensor, *, temperature: float, top_p: float, top_k: int,
-          generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row: argmax when temperature is 0, else a sample from the filtered distribution."""
-    if temperature == 0:
-        return logits_bv.argmax(dim=-1)
-    # Shifted so each row's largest logit is 0: a tiny temperature then gives -inf, never inf - inf = nan.
-    logits_bv = (logits_bv - logits_bv.amax(dim=-1, keepdim=True)) / temperature
-    if 0 < top_k < logits_bv.shape[-1]:
-        kth = torch.topk(logits_bv, top_k, dim=-1).values[:, -1:]
-        logits_bv = logits_bv.masked_fill(logits_bv < kth, float("-inf"))
-    if top_p < 1:
-        sorted_bv, order_bv = torch.sort(logits_bv, dim=-1, descending=True)
-        probs_bv = sorted_bv.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
-        drop_sorted = probs_bv.cumsum(dim=-1) - probs_bv >= top_p
-        drop_bv = drop_sorted.scatter(-1, order_bv, drop_sorted)
-        logits_bv = logits_bv.masked_fill(drop_bv, float("-inf"))
-    probs_bv = logits_bv.softmax(dim=-1)
-    return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]

@@ -55,9 +55,13 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
 
 class LLM:
     def __init__(self, model: str | Path | Transformer, *, tp: int = 1, tokenizer: Tokenizer | None = None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **engine_kwargs):
+                 dtype: torch.dtype | None = None, device: str | torch.device = "auto", **engine_kwargs):
         """`engine_kwargs` go to `Engine`: block_size, num_blocks, kv_cache_memory_bytes, max_num_seqs,
         max_num_batched_tokens, max_model_len, enable_prefix_caching, enable_chunked_prefill, eos_token_ids, seed."""
+        if device == "auto":  # the GPU when there is one, as training does
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         if tp != 1:
             raise ValueError(f"tp={tp}: tensor-parallel inference is not available yet; use tp=1")
         if isinstance(model, Transformer):

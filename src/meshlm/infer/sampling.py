@@ -13,7 +13,30 @@ import torch
 
 from meshlm.infer.sequence import SamplingParams, Sequence
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SamplingParams", "Sampler", "sample"]
+
+
+def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token per row: argmax when temperature is 0, else a draw from the filtered distribution.
+
+    The one implementation of temperature / top-k / top-p, shared by the engine's `Sampler` and the
+    single-process `meshlm.generation.generate`.
+    """
+    if temperature == 0:
+        return logits_bv.argmax(dim=-1)
+    # Shifted so each row's largest logit is 0: a tiny temperature then gives -inf, never inf - inf = nan.
+    logits_bv = (logits_bv - logits_bv.amax(dim=-1, keepdim=True)) / temperature
+    if 0 < top_k < logits_bv.shape[-1]:
+        kth = torch.topk(logits_bv, top_k, dim=-1).values[:, -1:]
+        logits_bv = logits_bv.masked_fill(logits_bv < kth, float("-inf"))
+    if top_p < 1:
+        sorted_bv, order_bv = torch.sort(logits_bv, dim=-1, descending=True)
+        probs_bv = sorted_bv.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        drop_sorted = probs_bv.cumsum(dim=-1) - probs_bv >= top_p
+        logits_bv = logits_bv.masked_fill(drop_sorted.scatter(-1, order_bv, drop_sorted), float("-inf"))
+    return torch.multinomial(logits_bv.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
 class Sampler:
@@ -38,7 +61,9 @@ class Sampler:
         tokens = logits_nv.argmax(dim=-1).tolist()
         for row, seq in enumerate(seqs):
             if not seq.params.greedy:
-                tokens[row] = self._sample(logits_nv[row], seq.params, self._generator(seq))
+                p = seq.params
+                tokens[row] = int(sample(logits_nv[row:row + 1], temperature=p.temperature, top_k=p.top_k,
+                                         top_p=p.top_p, generator=self._generator(seq))[0])
         results = []
         for row, seq in enumerate(seqs):
             n = seq.params.logprobs
@@ -50,19 +75,3 @@ class Sampler:
                         "top": dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}}
             results.append((tokens[row], info))
         return results
-
-    @staticmethod
-    def _sample(logits_v: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        # Shifted so the largest logit is 0 first: a tiny temperature then gives -inf, never inf - inf = nan.
-        logits_v = (logits_v - logits_v.max()) / params.temperature
-        if 0 < params.top_k < logits_v.shape[-1]:
-            kth = torch.topk(logits_v, params.top_k).values[-1]
-            logits_v = logits_v.masked_fill(logits_v < kth, float("-inf"))
-        probs_v = torch.softmax(logits_v, dim=-1)
-        if params.top_p < 1.0:
-            sorted_p, order = probs_v.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-            drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
-            sorted_p[drop] = 0.0
-            probs_v = torch.zeros_like(probs_v).scatter_(0, order, sorted_p)
-        return int(torch.multinomial(probs_v, 1, generator=gen))

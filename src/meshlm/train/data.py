@@ -147,6 +147,11 @@ def read_documents(data: DataConfig) -> list[str]:
     for p in paths:
         if total >= data.max_bytes:
             break
+        if p.suffix == ".jsonl":  # a folder of JSONL shards: each line's `text` is a document
+            for text in _cap(_read_jsonl(p), data.max_bytes - total):
+                total += len(text.encode("utf-8"))
+                docs.append(text)
+            continue
         text = p.read_bytes()[: data.max_bytes - total].decode("utf-8", errors="replace")
         total += len(text.encode("utf-8"))
         docs.append(text)

@@ -16,31 +16,12 @@ from pathlib import Path
 
 import torch
 
-from meshlm.config import ModelConfig
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s per device; matched against the device name.
 _PEAK_TFLOPS = (("B200", 2250.0), ("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 _CUDA_UNKNOWN_TFLOPS = 100.0
 # A nominal figure for a few CPU cores in fp32: MFU on CPU is only a relative number.
 CPU_TFLOPS = 0.5
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 * N_active_non_embedding + 12 * L * H * s.
-
-    N counts the matrices a token passes through (the output head included, the embedding lookup
-    not; for MoE only the top-k routed experts plus the shared ones and the router). The attention
-    term counts QK^T and AV over the full sequence (H = heads * head_dim), i.e. without the causal
-    halving, as in the PaLM / Megatron MFU convention.
-    """
-    d, hd = cfg.hidden_size, cfg.head_dim
-    attn = d * hd * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
-    dense_mlp = 3 * d * cfg.intermediate_size
-    moe_mlp = (3 * d * cfg.expert_intermediate_size * cfg.num_experts_per_token
-               + 3 * d * cfg.shared_intermediate_size + d * cfg.num_experts) if cfg.is_moe else 0
-    per_layer = [attn + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers)]
-    n_active = sum(per_layer) + d * cfg.vocab_size  # output head
-    return 6.0 * n_active + 12.0 * cfg.num_layers * cfg.num_heads * hd * seq_len
 
 
 def peak_tflops_guess(device: torch.device) -> tuple[float, str]:
