@@ -60,6 +60,7 @@ LAYOUTS = [
     (2, 8, 4, 25.0),   # DP 2, one bucket
     (2, 8, 2, 25.0),   # DP 2, 2 accumulation steps
     (2, 8, 4, 1.0),    # DP 2, ~13 small buckets overlapped with backward
+    (3, 12, 4, 25.0),  # DP 3 (more ranks than the 2 cores of a small CI machine)
     (4, 8, 2, 25.0),   # DP 4 (2 ranks per core here)
     (4, 16, 2, 4.0),   # DP 4, 2 accumulation steps, 4 MiB buckets
 ]
