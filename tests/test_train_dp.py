@@ -116,8 +116,9 @@ def check_parity(results, root: Path, reference, micro_sizes):
         norms = grad_norms(run_dir)[:PARITY_STEPS]
         assert norms == pytest.approx(reference["grad_norms"][:PARITY_STEPS], rel=tol), (micro, norms)
         # the validation loss: the same set (3 global batches) split over the ranks, averaged
-        got_val = val_losses(run_dir)[:len(reference["val"])]
-        assert reference["val"] and len(got_val) == len(reference["val"]), (got_val, reference["val"])
+        got_val = val_losses(run_dir)
+        # steps 0 and 5 at least (a run stopped at step 5 has no step-10 row)
+        assert len(got_val) >= 2 and len(reference["val"]) >= len(got_val), (got_val, reference["val"])
         for (step, got), (ref_step, want) in zip(got_val, reference["val"]):
             assert step == ref_step and abs(got - want) <= tol * abs(want), (micro, step, got, want)
         for r, result in enumerate(results):
