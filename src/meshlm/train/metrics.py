@@ -62,6 +62,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool = True,
                  progress: bool = True, start_step: int = 0):
         self.enabled = enabled
+        self.total_steps = total_steps
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
         self._progress = None
@@ -88,12 +89,16 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._progress is not None:
-            if "loss" in row:
-                info = f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s"
+        if "loss" in row:
+            info = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
+                    f"{row['tokens_per_s']:,.0f} tok/s  MFU {100 * row.get('mfu', 0.0):.1f}%  "
+                    f"mem {row.get('memory_mib', 0.0):,.0f} MiB")
+            if self._progress is not None:
                 self._progress.update(self._task, completed=row["step"], info=info)
-            if "val_loss" in row:
-                self._progress.console.print(f"step {row['step']}: val_loss {row['val_loss']:.4f}")
+            else:  # no bar: one plain line per logged step, for log files and batch jobs
+                print(f"step {row['step']}/{self.total_steps}  {info}", flush=True)
+        if "val_loss" in row:
+            self.print(f"step {row['step']}: val_loss {row['val_loss']:.4f}")
 
     def print(self, text: str) -> None:
         if not self.enabled:
