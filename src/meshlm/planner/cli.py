@@ -1,4 +1,5 @@
-"""`meshlm plan`: search layouts, estimate one, estimate serving, or calibrate this machine.
+"""`meshlm plan`: search layouts, estimate one, estimate serving, simulate a pipeline schedule, or calibrate
+this machine.
 
 Responsible for: the argument parser of the `plan` command (`add_plan_parser`), turning flags into
 the planner's inputs (model preset or Hugging Face config.json, cluster, job sizes like 4M), and
@@ -10,6 +11,7 @@ Not responsible for: any estimate (see `cost.py`, `search.py`, `inference.py`).
   meshlm plan estimate --model llama3-70b --cluster h100 --gpus 64 --layout tp=8,pp=4,zero_stage=1 --json
   meshlm plan infer --model llama3-70b --cluster h100 --tp 8 --context-len 8192
   meshlm plan calibrate --out plan_calibration.json
+  meshlm plan schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2 --plot pp.png
 """
 
 from __future__ import annotations
@@ -120,6 +122,17 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     i.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="weight precision")
     i.add_argument("--json", action="store_true")
 
+    s = sub.add_parser("schedule", help="simulate a pipeline schedule: bubble, peak in-flight, timeline PNG",
+                       description="Simulate one pipeline schedule in unit time (F=1, B=1, W=1 per microbatch "
+                                   "and chunk; the full backward is B+W) and print its bubble and the "
+                                   "microbatches each rank holds at its peak.")
+    s.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    s.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zero_bubble"])
+    s.add_argument("--chunks", type=int, default=1, help="virtual chunks per rank (interleaved)")
+    s.add_argument("--plot", metavar="FILE.png", help="write the timeline")
+    s.add_argument("--json", action="store_true")
+
     c = sub.add_parser("calibrate", help="measure matmul FLOP/s and collectives here for --cluster local",
                        description="Spawn local gloo ranks, time matmuls and collectives over message sizes, "
                                    "fit latency and bandwidth, and write them to --out.")
@@ -146,6 +159,23 @@ def run_plan(args) -> int:
                   f"{data['cpu_cores']} cores, memory {data['memory_bandwidth'] / 1e9:.1f} GB/s, "
                   f"collective link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.0f} us/hop "
                   f"-> {args.out}")
+        return 0
+    if cmd == "schedule":
+        from meshlm.parallel.schedules import build_schedule, plot_schedule, simulate
+
+        sim = simulate(build_schedule(args.schedule, pp=args.pp, num_microbatches=args.microbatches,
+                                      pp_chunks=args.chunks))
+        if args.plot:
+            plot_schedule(sim, args.plot)
+        if args.json:
+            print(json.dumps({"schedule": args.schedule, "pp": args.pp, "num_microbatches": args.microbatches,
+                              "pp_chunks": args.chunks, "makespan": sim.makespan, "bubble": sim.bubble,
+                              "bubble_fraction": sim.bubble_fraction, "peak_inflight": sim.peak_inflight}))
+        else:
+            print(f"{args.schedule} pp={args.pp} m={args.microbatches} v={args.chunks}: bubble {sim.bubble:g} of "
+                  f"{sim.makespan:g} time units ({sim.bubble_fraction:.1%} of the compute), peak in-flight "
+                  f"microbatches per rank {[round(x, 2) for x in sim.peak_inflight]}"
+                  + (f"; timeline -> {args.plot}" if args.plot else ""))
         return 0
     if args.model is None:
         raise ValueError("--model is required (a preset such as llama3-70b, or a Hugging Face config.json)")

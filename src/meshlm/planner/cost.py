@@ -34,6 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from meshlm.config import PP_SCHEDULES, ModelConfig
+from meshlm.parallel.schedules import split_layers
 from meshlm.planner import model_stats
 from meshlm.planner.cluster import GiB, Cluster
 
@@ -281,12 +282,15 @@ def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks:
       gpipe        (p - 1) * T                      all forwards, then all backwards
       1f1b         (p - 1) * T                      same bubble as GPipe, fewer microbatches in flight
       interleaved  (p - 1) * T / v                  Narayanan et al. 2021: bubble shrinks by v
-      zero_bubble  (p - 1) * max(0, t_fwd + t_bwd_input - t_bwd_weight)
-                                                    ZB-H1 (Qi et al. 2023): deferred weight-gradient
+      zero_bubble  (p - 1) * max(F, B, F + B - W)  ZB-H1 (Qi et al. 2023): deferred weight-gradient
                                                     work fills the drain; with equal F, B, W this is
-                                                    a third of 1F1B's bubble
-    The fraction of the ideal time is bubble / (m * T), e.g. (p - 1) / m for 1F1B. A schedule
-    simulator is checked against exactly these numbers.
+                                                    a third of 1F1B's bubble. The paper's max(0, F+B-W)
+                                                    ignores that the last rank waits (p-1) F for its
+                                                    first input whatever W is; with W > min(F, B) its
+                                                    schedule leaves max(F, B) per stage (simulated)
+    The fraction of the ideal time is bubble / (m * T), e.g. (p - 1) / m for 1F1B. These are exact for
+    the schedules `meshlm.parallel.schedules` generates (interleaved: m divisible by p; zero_bubble:
+    m >= p); tests/test_schedules.py checks them against its simulator over a grid.
     """
     if schedule not in PP_SCHEDULES:
         raise ValueError(f"pp_schedule={schedule!r} must be one of {list(PP_SCHEDULES)}")
@@ -299,7 +303,7 @@ def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks:
         return (pp - 1) * total
     if schedule == "interleaved":
         return (pp - 1) * total / pp_chunks
-    return (pp - 1) * max(0.0, t_fwd + t_bwd_input - t_bwd_weight)
+    return (pp - 1) * max(t_fwd, t_bwd_input, t_fwd + t_bwd_input - t_bwd_weight)
 
 
 def inflight_microbatches(schedule: str, *, pp: int, num_microbatches: int, pp_chunks: int = 1) -> float:
@@ -402,26 +406,29 @@ def _bytes_per(precision: str) -> dict:
     return dict(param=2, grad=4, optim=12, act=2, reduce=4)
 
 
-def _stage_split(num_layers: int, stages: int, head_units: float) -> tuple[int, int, float]:
-    """Split layers over `stages` virtual stages (contiguous) with the output head on the last one.
+def _rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> tuple[list[int], float]:
+    """Layers on each pipeline rank, and the bottleneck rank's load in layer units (head included).
 
-    Returns (layers per regular stage n, layers on the last stage, the bottleneck load in layer units).
-    Choosing n larger than L / stages lightens the last stage, which also runs the head.
+    The split is the runtime's (`parallel.schedules.split_layers`): contiguous stages s = chunk * pp +
+    rank, uneven counts spread over the earlier stages, and the last stage (which also runs the output
+    head) given the layer count that minimises the busiest rank's load (ties: the fewest layers on any
+    rank, as memory follows layers).
     """
+    stages = pp * chunks
     if stages == 1:
-        return num_layers, num_layers, num_layers + head_units
+        return [num_layers], num_layers + head_units
     best = None
-    for n in range(math.ceil(num_layers / stages), num_layers + 1):
-        last = max(0, num_layers - (stages - 1) * n)
-        if (stages - 1) * n + last < num_layers:
+    for last in range(0, math.ceil(num_layers / stages) + 1):
+        if num_layers - last < stages - 1:
             continue
-        load = max(n, last + head_units)
-        if best is None or load < best[2] - 1e-9:
-            best = (n, last, load)
-        if last == 0:
-            break
+        per_stage = split_layers(num_layers, stages, last_stage_layers=last)
+        per_rank = [sum(per_stage[c * pp + r] for c in range(chunks)) for r in range(pp)]
+        load = max(per_rank[:-1] + [per_rank[-1] + head_units])
+        key = (round(load, 9), max(per_rank))
+        if best is None or key < best[0]:
+            best = (key, per_rank, load)
     assert best is not None
-    return best
+    return best[1], best[2]
 
 
 def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: Layout, *,
@@ -466,14 +473,8 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
 
     # ---- pipeline split: head on the last stage, measured in layer-compute units --------------
     head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
-    n_chunk, last_chunk, bottleneck_chunk = _stage_split(L, pp * v, head_units if pp > 1 else 0.0)
-    if pp == 1:
-        layers_first = layers_last = L
-        rank_units = L + head_units
-    else:
-        layers_first = v * n_chunk
-        layers_last = (v - 1) * n_chunk + last_chunk
-        rank_units = (v - 1) * n_chunk + bottleneck_chunk
+    rank_layers, rank_units = _rank_split(L, pp=pp, chunks=v, head_units=head_units)
+    layers_first, layers_last = rank_layers[0], rank_layers[-1]
 
     # ---- compute per microbatch on the bottleneck rank ---------------------------------------
     rc = lo.recompute
