@@ -203,7 +203,7 @@ def test_check_layout_names_the_numbers_and_the_fix(text_file, tmp_path):
         check_layout(make_cfg(tmp_path, text_file, "train.micro_batch_size=4"), 4)
     with pytest.raises(ValueError, match=r"tp=3 = 3 does not divide world size 4; choose tp in \{1,2,4\}"):
         check_layout(make_cfg(tmp_path, text_file, "parallel.tp=3"), 4)
-    for setting in ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"):
+    for setting in ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=2"):
         name, value = setting.split("=")
         with pytest.raises(ValueError, match=rf"{name}={value} is not implemented yet"):
             check_layout(make_cfg(tmp_path, text_file, setting), 4)

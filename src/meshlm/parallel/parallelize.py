@@ -9,7 +9,8 @@ accumulation and the global gradient-norm function for clipping.
 Not responsible for: the strategies themselves (one file each in `meshlm.parallel`), building the
 mesh (`meshlm.mesh`), or the training step (`meshlm.train.trainer`).
 
-Only data parallelism exists so far; every other strategy raises a ValueError naming its setting
+Data parallelism and ZeRO-1/2/3 exist so far (ZeRO replaces the DDP all-reduce: it reduce-scatters
+over "dp_shard" and all-reduces the shards over "dp_replicate"); every other strategy raises a ValueError naming its setting
 before anything is built, so a layout the code cannot run never half-starts.
 """
 
@@ -23,6 +24,7 @@ from torch import nn
 from meshlm.config import Config, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.data import DataParallel, apply_data_parallel
+from meshlm.parallel.zero import ZeroSharding, apply_zero
 from meshlm.train.optim import NormFn
 
 # Set on a model by `parallelize`: a second application would stack hooks and reduce twice.
@@ -31,12 +33,13 @@ _MARK = "_meshlm_parallelized"
 
 def check_supported(parallel: ParallelConfig) -> None:
     """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    not_yet = [("tp", parallel.tp, 1), ("pp", parallel.pp, 1), ("cp", parallel.cp, 1), ("ep", parallel.ep, 1),
-               ("zero_stage", parallel.zero_stage, 0)]
+    not_yet = [("tp", parallel.tp, 1), ("pp", parallel.pp, 1), ("cp", parallel.cp, 1), ("ep", parallel.ep, 1)]
     for name, value, plain in not_yet:
         if value != plain:
-            raise ValueError(f"parallel.{name}={value} is not implemented yet; only data parallelism is "
+            raise ValueError(f"parallel.{name}={value} is not implemented yet; only data parallelism "
+                             "(plain, or ZeRO with parallel.zero_stage=1..3) is "
                              f"(set parallel.{name}={plain}, and use the ranks for parallel.dp_shard)")
+
     if parallel.recompute != "none":
         raise ValueError(f"parallel.recompute={parallel.recompute!r} is not implemented yet; "
                          "set parallel.recompute=none")
@@ -78,21 +81,35 @@ class ParallelModel:
     """What `parallelize` hands the trainer.
 
     `module` is what the step calls (`module(tokens) -> logits`); data parallelism only attaches
-    hooks, so today it is the model itself. `data_parallel` is None when the dp degree is 1.
+    hooks, so today it is the model itself. `data_parallel` is None when the dp degree is 1 or ZeRO
+    is on; `zero` (parallel.zero_stage >= 1) is the handle the optimizer is built from
+    (`build_optimizer(model, cfg, zero=...)`), and then `clip_params` is its flat shard.
     """
 
     module: nn.Module
     mesh: Mesh
     data_parallel: DataParallel | None = None
+    zero: ZeroSharding | None = None  # set for parallel.zero_stage >= 1 (then data_parallel is None)
 
     def no_sync(self):
         """Context for the non-final micro-steps of gradient accumulation: no gradient reduction."""
+        if self.zero is not None:
+            return self.zero.no_sync()
         return self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
 
     @property
     def grad_norm_fn(self) -> NormFn | None:
         """The global gradient norm for clipping; None means the local norm (one process)."""
+        if self.zero is not None:
+            return self.zero.grad_norm_fn
         return self.data_parallel.grad_norm_fn if self.data_parallel is not None else None
+
+    def clip_params(self, model: nn.Module) -> list[nn.Parameter]:
+        """The tensors whose `.grad` the optimizer steps on, for `clip_grad_norm`: the model's parameters,
+        or under ZeRO the optimizer's flat shard (its `.grad` is the reduced gradient shard)."""
+        if self.zero is not None:
+            return [self.zero.param_shard]
+        return list(model.parameters())
 
     @property
     def dp_rank(self) -> int:
@@ -114,11 +131,16 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if getattr(model, _MARK, False):
         raise ValueError("this model was parallelized already; build a fresh model (a second pass would "
                          "attach a second set of gradient hooks and reduce every gradient twice)")
-    # The fixed order; the strategies before DP do not exist yet and were refused above:
+    # The fixed order; the strategies before ZeRO do not exist yet and were refused above:
     # PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
     setattr(model, _MARK, True)
     result = ParallelModel(module=model, mesh=mesh)
-    if mesh.size("dp") > 1:
+    if parallel.zero_stage > 0:
+        # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
+        # DP's all-reduce on top would reduce every gradient twice.
+        result.zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
+                                 broadcast=broadcast)
+    elif mesh.size("dp") > 1:
         result.data_parallel = apply_data_parallel(model, mesh, bucket_size_mb=parallel.bucket_size_mb,
                                                    axis="dp", broadcast=broadcast)
     return result

@@ -9,6 +9,10 @@ atomic publication (write `step_N.tmp/`, fsync, rename to `step_N/`, then atomic
 whose model config differs; and loading a model alone for generation.
 Not responsible for: deciding when to save (the trainer), or Hugging Face formats (`models/hf.py`).
 
+The optimizer state is always stored in the per-parameter layout of an unsharded AdamW: a ZeRO
+optimizer gathers its shards on save and takes its own shard on load (`meshlm.parallel.zero`), so a
+checkpoint moves between zero stages and data-parallel sizes.
+
 With several ranks every rank calls `save_checkpoint` (DCP's save is collective over the default
 process group; a replicated tensor is written once), all into the same directory, so a multi-node
 run needs a shared filesystem for `run_dir`; rank 0 alone publishes, after a barrier.
@@ -21,6 +25,7 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -146,10 +151,11 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    with _full_params(optimizer):
+        model_sd, optim_sd = _state_dicts(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     torch.save(rank_extra, tmp / f"rank_{rank:05d}.pt")
     if rank == 0:
         meta = {"format": FORMAT_VERSION, "step": step, "config": config.to_dict()}
@@ -167,6 +173,23 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
         _prune(root, keep=keep, protect=final)
     barrier()
     return final
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state in the per-parameter layout of an unsharded AdamW.
+
+    A ZeRO optimizer (`meshlm.parallel.zero.ZeroAdamW`) gathers its shards into that layout
+    (`full_state_dict`, collective) so the checkpoint loads under any zero stage and dp size.
+    """
+    if hasattr(optimizer, "full_state_dict"):
+        return get_model_state_dict(model), optimizer.full_state_dict()
+    return get_state_dict(model, optimizer)
+
+
+def _full_params(optimizer: torch.optim.Optimizer | None):
+    """ZeRO-3 frees the full parameters between uses: hold them for the duration of a save or load."""
+    zero = getattr(optimizer, "zero", None)
+    return zero.full_params() if zero is not None else contextlib.nullcontext()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -271,7 +294,14 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     path = Path(path)
     meta = read_meta(path)
     check_model_config(meta["config"].get("model", {}), config.model, where=str(path))
-    if optimizer is not None:
+    if optimizer is not None and hasattr(optimizer, "load_full_state_dict"):
+        with _full_params(optimizer):
+            model_sd, optim_sd = _state_dicts(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            _dcp_load(state, path)
+            set_model_state_dict(model, state["model"])
+            optimizer.load_full_state_dict(state["optim"])  # after the model: it re-reads the master shard
+    elif optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, path)

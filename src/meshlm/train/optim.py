@@ -5,7 +5,8 @@ the compute is bf16, the master weights and moments stay fp32), weight decay on 
 (norm scales and biases are not decayed), the schedule (linear warmup, then cosine or linear decay
 to `min_lr_ratio * lr`, or constant), and global-norm gradient clipping with a hook through which a
 distributed strategy supplies the norm over all shards.
-Not responsible for: sharding optimizer state (ZeRO wraps or replaces the optimizer built here).
+Not responsible for: sharding optimizer state (`meshlm.parallel.zero.ZeroAdamW`, which `build_optimizer`
+returns when given a ZeRO handle).
 """
 
 from __future__ import annotations
@@ -31,11 +32,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, *, zero=None) -> torch.optim.Optimizer:
+    """AdamW over `model`; with a `meshlm.parallel.zero.ZeroSharding` handle, the ZeRO AdamW over this
+    rank's flat shard (same hyperparameters, same decay rule, same `param_groups[...]["lr"]` interface)."""
     for name, p in model.named_parameters():
         if p.dtype != torch.float32:
             raise ValueError(f"parameter {name} is {p.dtype}; the optimizer keeps fp32 master weights, so build "
                              "the model in fp32 and use train.precision=bf16 for bf16 compute (autocast)")
+    if zero is not None:
+        from meshlm.parallel.zero import ZeroAdamW  # parallel/ imports train.optim: import here
+
+        return ZeroAdamW(zero, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     # foreach=False keeps the update a plain per-parameter loop: identical numerics whatever the grouping.
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, foreach=False)

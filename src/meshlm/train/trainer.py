@@ -105,7 +105,7 @@ class Trainer:
         self.base_model = build_model(cfg.model, seed=t.seed, device=self.device)
         self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel)
         self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
-        self.optimizer = build_optimizer(self.base_model, t)
+        self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
 
         self.run_dir = Path(t.run_dir)
         self.step = 0
@@ -184,7 +184,8 @@ class Trainer:
             with contextlib.nullcontext() if final else self.parallel.no_sync():
                 loss += self.micro_step(inputs, targets, num_tokens=num_tokens,
                                         num_micro_batches=len(micro_batches) * self.dp_size)
-        grad_norm = clip_grad_norm(self.base_model.parameters(), t.grad_clip, norm_fn=self.parallel.grad_norm_fn)
+        grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
+                                   norm_fn=self.parallel.grad_norm_fn)
         self.optimizer.step()
         self.step += 1
         # What the step itself moved (gradient reduction, ...), taken before the metric reductions
