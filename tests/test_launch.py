@@ -50,20 +50,25 @@ def check_one_run(run_dir: Path, world_size: int, output: str) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == [1, 2, 3], output  # rank 0 alone logs: no duplicated rows
-    assert all(r["comm_mb"]["dp"] > 0 for r in rows if "loss" in r)
+    assert all(sum(r["comm_mb"].values()) > 0 for r in rows if "loss" in r)  # dp, or dp_shard under ZeRO
     checkpoint = run_dir / "checkpoints" / "step_000003"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
     assert sorted(p.name for p in checkpoint.glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(world_size)]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_nproc_launches_local_ranks(tmp_path, text_file, nproc):
+@pytest.mark.parametrize("nproc, overrides", [
+    (2, ()),
+    # hybrid ZeRO-3 (2 replicas x 2 shards), ending with the sample every rank must take part in
+    (4, ("parallel.dp_replicate=2", "parallel.zero_stage=3", "train.sample_tokens=8")),
+])
+def test_nproc_launches_local_ranks(tmp_path, text_file, nproc, overrides):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(train_command(run_dir, text_file, "--nproc", str(nproc)), capture_output=True,
-                          text=True, timeout=240, env=clean_env())
+    proc = subprocess.run(train_command(run_dir, text_file, "--nproc", str(nproc), overrides=overrides),
+                          capture_output=True, text=True, timeout=240, env=clean_env())
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert f"meshlm: {nproc} ranks" in proc.stdout
+    assert ("--- sample ---" in proc.stdout) == bool(overrides)
     check_one_run(run_dir, nproc, output)
 
 

@@ -153,15 +153,20 @@ def _train_this_rank(cfg, *, resume: bool, distributed: bool) -> int:
 
     if distributed:
         init_distributed(resolve_device(cfg.train.device).type)
+    finished = False
     try:
         trainer = Trainer(cfg, resume=resume)
         trainer.train()
-        if trainer.is_main and cfg.train.sample_tokens > 0:
+        if cfg.train.sample_tokens > 0:
+            # Every rank generates (the same tokens: same weights, same seed): under ZeRO-3 each
+            # forward gathers parameters collectively, so rank 0 cannot run it alone.
             prompt = "def "
             text = trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens)
-            print(f"--- sample ---\n{prompt}{text}\n--------------")
+            if trainer.is_main:
+                print(f"--- sample ---\n{prompt}{text}\n--------------")
+        finished = True
     finally:
-        teardown_distributed()
+        teardown_distributed(wait=finished)
     return 0
 
 

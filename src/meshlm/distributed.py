@@ -90,7 +90,14 @@ def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | N
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device=device)
 
 
-def teardown_distributed() -> None:
-    """Destroy the default process group (and every subgroup) if one exists. Safe to call twice."""
+def teardown_distributed(*, wait: bool = False) -> None:
+    """Destroy the default process group (and every subgroup) if one exists. Safe to call twice.
+
+    `wait=True` (after a successful run) first waits for every rank: a rank that tears its groups
+    down while a peer is still finishing its last collective on them makes gloo abort that peer at
+    exit. Not after an error: the peers may never reach the barrier, and the launcher stops them.
+    """
     if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
