@@ -203,7 +203,7 @@ def test_check_layout_names_the_numbers_and_the_fix(text_file, tmp_path):
         check_layout(make_cfg(tmp_path, text_file, "train.micro_batch_size=4"), 4)
     with pytest.raises(ValueError, match=r"tp=3 = 3 does not divide world size 4; choose tp in \{1,2,4\}"):
         check_layout(make_cfg(tmp_path, text_file, "parallel.tp=3"), 4)
-    for setting in ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=2"):
+    for setting in ("parallel.pp=2", "parallel.cp=2", "parallel.ep=2"):  # tp: tests/test_train_tp.py
         name, value = setting.split("=")
         with pytest.raises(ValueError, match=rf"{name}={value} is not implemented yet"):
             check_layout(make_cfg(tmp_path, text_file, setting), 4)
@@ -224,10 +224,10 @@ def test_parallelize_refuses_unsupported_settings_and_a_second_pass(text_file, t
     cfg = make_cfg(tmp_path, text_file)
     mesh = build_mesh(ParallelDims(), device_type="cpu")
     model = build_model(cfg.model, seed=0)
-    cfg.parallel.tp = 2
-    with pytest.raises(ValueError, match="parallel.tp=2 is not implemented yet"):
+    cfg.parallel.pp = 2
+    with pytest.raises(ValueError, match="parallel.pp=2 is not implemented yet"):
         parallelize(model, mesh, cfg.parallel)
-    cfg.parallel.tp = 1
+    cfg.parallel.pp = 1
     result = parallelize(model, mesh, cfg.parallel)  # the refusal above changed nothing
     assert result.module is model and result.data_parallel is None and result.grad_norm_fn is None
     assert (result.dp_rank, result.dp_size) == (0, 1)

@@ -9,9 +9,11 @@ accumulation and the global gradient-norm function for clipping.
 Not responsible for: the strategies themselves (one file each in `meshlm.parallel`), building the
 mesh (`meshlm.mesh`), or the training step (`meshlm.train.trainer`).
 
-Data parallelism and ZeRO-1/2/3 exist so far (ZeRO replaces the DDP all-reduce: it reduce-scatters
-over "dp_shard" and all-reduces the shards over "dp_replicate"); every other strategy raises a ValueError naming its setting
-before anything is built, so a layout the code cannot run never half-starts.
+Data parallelism, ZeRO-1/2/3 and tensor parallelism (+ sequence parallelism) exist so far (ZeRO
+replaces the DDP all-reduce: it reduce-scatters over "dp_shard" and all-reduces the shards over
+"dp_replicate"; TP shards the model over "tp" first, and DP then all-reduces the TP-local shards over
+"dp"). ZeRO together with tp > 1 is not implemented yet; every other strategy raises a ValueError
+naming its setting before anything is built, so a layout the code cannot run never half-starts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from meshlm.config import Config, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.data import DataParallel, apply_data_parallel
+from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_grad_norm
 from meshlm.parallel.zero import ZeroSharding, apply_zero
 from meshlm.train.optim import NormFn
 
@@ -33,12 +36,16 @@ _MARK = "_meshlm_parallelized"
 
 def check_supported(parallel: ParallelConfig) -> None:
     """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    not_yet = [("tp", parallel.tp, 1), ("pp", parallel.pp, 1), ("cp", parallel.cp, 1), ("ep", parallel.ep, 1)]
+    not_yet = [("pp", parallel.pp, 1), ("cp", parallel.cp, 1), ("ep", parallel.ep, 1)]
     for name, value, plain in not_yet:
         if value != plain:
             raise ValueError(f"parallel.{name}={value} is not implemented yet; only data parallelism "
-                             "(plain, or ZeRO with parallel.zero_stage=1..3) is "
-                             f"(set parallel.{name}={plain}, and use the ranks for parallel.dp_shard)")
+                             "(plain, or ZeRO with parallel.zero_stage=1..3) and tensor parallelism (parallel.tp) "
+                             f"are (set parallel.{name}={plain}, and use the ranks for parallel.dp_shard or parallel.tp)")
+    if parallel.tp > 1 and parallel.zero_stage > 0:
+        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} together with parallel.tp={parallel.tp} is not "
+                         "implemented yet; set parallel.zero_stage=0 (plain data parallelism over the TP shards) "
+                         "or parallel.tp=1")
 
     if parallel.recompute != "none":
         raise ValueError(f"parallel.recompute={parallel.recompute!r} is not implemented yet; "
@@ -55,6 +62,11 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     dims = ParallelDims.from_config(cfg.parallel).resolve(world_size)
     check_supported(cfg.parallel)
     t = cfg.train
+    check_tensor_parallel(cfg.model, dims.tp)  # heads, sizes and vocab divisible by tp; no MoE
+    if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
+        raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
+                         "parallelism splits every sequence over the tp ranks); set train.seq_len to a multiple "
+                         f"of {dims.tp}, or parallel.sequence_parallel=false")
     # micro_batch_size=0 means the whole per-rank batch: then only the dp degree must divide.
     per_step = dims.dp * (t.micro_batch_size or 1)
     if t.global_batch_size % per_step:
@@ -90,6 +102,7 @@ class ParallelModel:
     mesh: Mesh
     data_parallel: DataParallel | None = None
     zero: ZeroSharding | None = None  # set for parallel.zero_stage >= 1 (then data_parallel is None)
+    tensor_parallel: bool = False  # tp > 1: the module returns this rank's vocab slice of the logits
 
     def no_sync(self):
         """Context for the non-final micro-steps of gradient accumulation: no gradient reduction."""
@@ -102,6 +115,11 @@ class ParallelModel:
         """The global gradient norm for clipping; None means the local norm (one process)."""
         if self.zero is not None:
             return self.zero.grad_norm_fn
+        if self.tensor_parallel:
+            # After DP's all-reduce the gradients are full over dp but still sharded over tp; the
+            # norm needs the parameters' shard metadata, so it reads them rather than `grads`.
+            params = list(self.module.parameters())
+            return lambda grads: tensor_parallel_grad_norm(params, self.mesh)
         return self.data_parallel.grad_norm_fn if self.data_parallel is not None else None
 
     def clip_params(self, model: nn.Module) -> list[nn.Parameter]:
@@ -131,10 +149,17 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if getattr(model, _MARK, False):
         raise ValueError("this model was parallelized already; build a fresh model (a second pass would "
                          "attach a second set of gradient hooks and reduce every gradient twice)")
-    # The fixed order; the strategies before ZeRO do not exist yet and were refused above:
+    tp = mesh.size("tp")
+    if tp != parallel.tp:
+        raise ValueError(f"parallel.tp={parallel.tp} but the mesh has tp={tp}; build the mesh from the same "
+                         "parallel config")
+    check_tensor_parallel(model.config, tp)
+    # The fixed order; PP, EP and CP do not exist yet and were refused above:
     # PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
     setattr(model, _MARK, True)
-    result = ParallelModel(module=model, mesh=mesh)
+    result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1)
+    if tp > 1:
+        apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
     if parallel.zero_stage > 0:
         # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
         # DP's all-reduce on top would reduce every gradient twice.

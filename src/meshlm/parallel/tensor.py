@@ -16,7 +16,7 @@ summed over tp, replicated ones counted once) and `full_state_dict` / `load_full
 (checkpoints hold the full tensors, so they reload under any tp degree).
 Not responsible for: data parallelism over the other axes (`data.py`, `zero.py` then work on the
 TP-local shards), MoE layers (refused; use expert parallelism), KV-cache generation under TP, and
-wiring into `parallelize` / the trainer (not done yet).
+the order of transforms (`parallelize.py` applies this one first).
 
 Where the communication goes (n = tp degree; all through `meshlm.comm`, so every byte is counted):
 

@@ -11,7 +11,10 @@ Not responsible for: deciding when to save (the trainer), or Hugging Face format
 
 The optimizer state is always stored in the per-parameter layout of an unsharded AdamW: a ZeRO
 optimizer gathers its shards on save and takes its own shard on load (`meshlm.parallel.zero`), so a
-checkpoint moves between zero stages and data-parallel sizes.
+checkpoint moves between zero stages and data-parallel sizes. Likewise under tensor parallelism
+(parameters tagged `_meshlm_shard`, see `meshlm.parallel.tensor`) the parameters and their AdamW
+moments are gathered over their mesh axis to the full tensors on save and sliced back on load, so a
+checkpoint saved at one tp degree loads at any other (tp=1 in one process included).
 
 With several ranks every rank calls `save_checkpoint` (DCP's save is collective over the default
 process group; a replicated tensor is written once), all into the same directory, so a multi-node
@@ -134,13 +137,15 @@ def _complete_checkpoints(root: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     config: Config, rank_extra: dict, rank: int = 0, keep: int = 2,
-                    barrier: Callable[[], None] = lambda: None, files: dict[str, Path] | None = None) -> Path:
+                    barrier: Callable[[], None] = lambda: None, files: dict[str, Path] | None = None,
+                    mesh=None) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; return its directory.
 
     `rank_extra` (RNG states, loader position, ...) goes to this rank's own file. With several
     ranks every rank calls this (DCP's save is collective) and passes a `barrier` so rank 0
     publishes only after all ranks have written. `files` are copied in by rank 0 (e.g. the
-    tokenizer.json, so the checkpoint is self-contained).
+    tokenizer.json, so the checkpoint is self-contained). `mesh` is needed when the model is tensor
+    parallel (its shards are gathered over it, collectively).
     """
     root = checkpoints_root(run_dir)
     final = root / checkpoint_dir_name(step)
@@ -153,6 +158,8 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
     barrier()
     with _full_params(optimizer):
         model_sd, optim_sd = _state_dicts(model, optimizer)
+        if _shards(model):
+            model_sd, optim_sd = _gather_shards(model, mesh, model_sd, optim_sd)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
@@ -184,6 +191,74 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     if hasattr(optimizer, "full_state_dict"):
         return get_model_state_dict(model), optimizer.full_state_dict()
     return get_state_dict(model, optimizer)
+
+
+def _shards(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """State-dict key -> (mesh axis, dim) of every tensor-parallel shard (empty for an unsharded model)."""
+    return {k: t._meshlm_shard for k, t in model.state_dict(keep_vars=True).items()
+            if getattr(t, "_meshlm_shard", None) is not None}
+
+
+def _copy_optim(optim_sd: dict) -> dict:
+    """A copy down to the per-parameter dicts: those of `get_state_dict` are the optimizer's live state."""
+    return {**optim_sd, "state": {fqn: dict(v) for fqn, v in optim_sd.get("state", {}).items()}}
+
+
+def _optim_items(optim_sd: dict, shards: dict[str, tuple[str, int]]):
+    """(state dict of one parameter, key, (axis, dim)) for every sharded moment tensor of an AdamW state dict."""
+    for fqn, per_param in optim_sd.get("state", {}).items():
+        if fqn in shards:
+            for key, value in per_param.items():
+                if torch.is_tensor(value) and value.dim() > 0:  # exp_avg, exp_avg_sq; not the scalar step
+                    yield per_param, key, shards[fqn]
+
+
+@torch.no_grad()
+def _gather_shards(model: nn.Module, mesh, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+    """Model and optimizer state dicts with every tensor-parallel shard replaced by the full tensor (collective)."""
+    from meshlm import comm
+
+    assert mesh is not None, "a tensor-parallel model needs the mesh to save or load a checkpoint"
+    shards = _shards(model)
+    model_sd, optim_sd = dict(model_sd), _copy_optim(optim_sd)
+    for key, (axis, dim) in shards.items():
+        if key in model_sd:
+            model_sd[key] = comm.all_gather(model_sd[key].detach().contiguous(), mesh, axis, dim=dim).clone()
+    for per_param, key, (axis, dim) in _optim_items(optim_sd, shards):
+        per_param[key] = comm.all_gather(per_param[key].contiguous(), mesh, axis, dim=dim).clone()
+    return model_sd, optim_sd
+
+
+def _full_placeholders(model: nn.Module, mesh, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+    """Full-shape tensors for DCP to load into, in place of this rank's shards (no communication)."""
+    shards = _shards(model)
+
+    def full(t: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] *= mesh.size(axis)
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+
+    model_sd, optim_sd = dict(model_sd), _copy_optim(optim_sd)
+    for key, (axis, dim) in shards.items():
+        if key in model_sd:
+            model_sd[key] = full(model_sd[key], axis, dim)
+    for per_param, key, (axis, dim) in _optim_items(optim_sd, shards):
+        per_param[key] = full(per_param[key], axis, dim)
+    return model_sd, optim_sd
+
+
+def _slice_shards(model: nn.Module, mesh, model_sd: dict, optim_sd: dict) -> None:
+    """Replace the loaded full tensors by this rank's shards, in place (no communication)."""
+    shards = _shards(model)
+
+    def mine(t: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        return t.chunk(mesh.size(axis), dim=dim)[mesh.local_rank(axis)].clone()
+
+    for key, (axis, dim) in shards.items():
+        if key in model_sd:
+            model_sd[key] = mine(model_sd[key], axis, dim)
+    for per_param, key, (axis, dim) in _optim_items(optim_sd, shards):
+        per_param[key] = mine(per_param[key], axis, dim)
 
 
 def _full_params(optimizer: torch.optim.Optimizer | None):
@@ -289,8 +364,11 @@ def _dcp_load(state: dict, path: Path) -> None:
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    config: Config, rank: int = 0) -> dict:
-    """Load model (+ optimizer) state in place; return {"step", "config", "rank_extra"}."""
+                    config: Config, rank: int = 0, mesh=None) -> dict:
+    """Load model (+ optimizer) state in place; return {"step", "config", "rank_extra"}.
+
+    A tensor-parallel model (see `save_checkpoint`) needs `mesh`; it loads the full tensors and keeps
+    its own slices."""
     path = Path(path)
     meta = read_meta(path)
     check_model_config(meta["config"].get("model", {}), config.model, where=str(path))
@@ -301,6 +379,13 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
             _dcp_load(state, path)
             set_model_state_dict(model, state["model"])
             optimizer.load_full_state_dict(state["optim"])  # after the model: it re-reads the master shard
+    elif optimizer is not None and _shards(model):
+        assert mesh is not None, "a tensor-parallel model needs the mesh to load a checkpoint"
+        model_sd, optim_sd = _full_placeholders(model, mesh, *get_state_dict(model, optimizer))
+        state = {"model": model_sd, "optim": optim_sd}
+        _dcp_load(state, path)
+        _slice_shards(model, mesh, state["model"], state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     elif optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}

@@ -11,6 +11,12 @@ accumulation and the global gradient-norm function -- one code path for one proc
 Each rank loads only its data-parallel slice of every global batch; rank 0 logs and publishes
 checkpoints; reported losses are global (reduced over the "dp" axis).
 
+Under tensor parallelism (parallel.tp > 1) the model returns this rank's vocab slice of the logits:
+the losses go through `vocab_parallel_cross_entropy` (the same value on every tp rank, so reported
+losses are still reduced over "dp" only), clipping uses the TP-aware norm, checkpoints hold the full
+unsharded tensors (see `meshlm.train.checkpoint`), and the end-of-training sample runs on a full copy
+of the model gathered over tp (generation with the KV cache does not run on the TP-sharded model).
+
 Loss normalisation: every micro-batch contributes `sum of token losses / tokens in the global batch`,
 so the gradients *summed* over micro-batches (and over data-parallel ranks) are those of the mean
 over the global batch. A data-parallel gradient reduction must therefore be a sum, not a mean.
@@ -34,6 +40,7 @@ from meshlm.config import Config
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
+from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.planner.model_stats import train_flops_per_token
 from meshlm.train.checkpoint import (
     latest_checkpoint,
@@ -145,6 +152,12 @@ class Trainer:
         """Sum a reported tensor over the data-parallel ranks (the input itself on one rank)."""
         return comm.all_reduce(value.clone(), self.mesh, "dp")
 
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of the token losses of one micro-batch (under tp, from this rank's vocab slice; collective)."""
+        if self.parallel.tensor_parallel:
+            return vocab_parallel_cross_entropy(logits, targets, self.mesh, reduction="sum")
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
     # -- one optimizer step ------------------------------------------------------------------
     def autocast(self):
         if self.autocast_dtype is None:
@@ -161,8 +174,7 @@ class Trainer:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         with self.autocast():
             logits = self.model(inputs)
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-        loss = loss_sum / num_tokens
+        loss = self.loss_sum(logits, targets) / num_tokens
         aux = self.base_model.aux_loss()
         total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
         total.backward()
@@ -222,8 +234,7 @@ class Trainer:
         for inputs, targets in batches:
             with self.autocast():
                 logits = self.model(inputs.to(self.device))
-            totals[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
-                                         reduction="sum")
+            totals[0] += self.loss_sum(logits, targets.to(self.device))
             totals[1] += targets.numel()
         self.model.train()
         loss_sum, count = self.sum_over_dp(totals).tolist()
@@ -241,7 +252,11 @@ class Trainer:
                                progress=t.progress, start_step=self.step)
         if self.world_size > 1:
             logger.print(f"meshlm: {self.world_size} ranks, {self.mesh}")
-        logger.print(f"meshlm: {self.base_model.num_params():,} parameters, {len(self.train_data):,} training "
+        # Under tp a sharded parameter holds 1/tp of its elements on this rank: count the whole model.
+        shards = [getattr(p, "_meshlm_shard", None) for p in self.base_model.parameters()]
+        num_params = sum(p.numel() * (self.mesh.size(shard[0]) if shard is not None else 1)
+                         for p, shard in zip(self.base_model.parameters(), shards))
+        logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training "
                      f"samples of {t.seq_len} tokens, device {self.device}, "
                      f"precision {self.autocast_dtype or torch.float32}; MFU peak: {self.peak_note}")
         if self.resumed_from is not None:
@@ -281,7 +296,8 @@ class Trainer:
         files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
         path = save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
                                config=self.cfg, rank_extra=extra, rank=self.rank,
-                               keep=self.cfg.train.keep_checkpoints, barrier=self.barrier, files=files)
+                               keep=self.cfg.train.keep_checkpoints, barrier=self.barrier, files=files,
+                               mesh=self.mesh)
         self.saved_step = self.step
         return path
 
@@ -298,7 +314,7 @@ class Trainer:
         saved_world = saved_world_size(path)
         same_layout = saved_world == self.world_size
         state = load_checkpoint(path, model=self.base_model, optimizer=self.optimizer, config=self.cfg,
-                                rank=self.rank if same_layout else 0)
+                                rank=self.rank if same_layout else 0, mesh=self.mesh)
         self.step = self.saved_step = state["step"]
         extra = state["rank_extra"]
         self.loader.load_state_dict(extra["loader"])
@@ -324,7 +340,13 @@ class Trainer:
         if room <= 0:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in model.max_seq_len="
                              f"{self.cfg.model.max_seq_len}")
+        model = self.base_model
+        if self.parallel.tensor_parallel:
+            # The KV cache and the one-token decode steps do not fit the TP-sharded model (its heads
+            # are split, and SP splits the sequence): every rank samples from a full copy instead.
+            model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device)
+            model.load_state_dict(full_state_dict(self.base_model, self.mesh))
         with self.autocast():
-            out = generate(self.base_model, ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
+            out = generate(model, ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
                            top_p=top_p, seed=self.cfg.train.seed if seed is None else seed)
         return self.tokenizer.decode(out)
