@@ -5,14 +5,17 @@
 Uses the calibration file written by `meshlm plan calibrate` (runs it first when the file is missing
 or predates the core count), then, for each layout below, spawns `world` gloo ranks on this host
 (one intra-op thread each), times real training steps of a tiny model (forward and backward of
-every micro-batch, the bucketed data-parallel all-reduce of `meshlm.parallel.data`, AdamW; fp32)
+every micro-batch, the bucketed data-parallel all-reduce of `meshlm.parallel.data` or the ZeRO
+reduce-scatter / all-gathers of `meshlm.parallel.zero` with its `ZeroAdamW`, else AdamW; fp32)
 and compares the fastest step (see `measure`) with the planner's prediction for the same model, batch and
 layout. Each rank also counts its model-state bytes exactly (parameters, gradients, AdamW state
-tensors, data-parallel bucket buffers), printed next to the planner's memory components.
+tensors, data-parallel bucket buffers; under ZeRO the flat master shard is counted with the
+optimizer for stages 1/2 and as the weights for stage 3, as tests/test_planner_measured.py does),
+printed next to the planner's memory components.
 
-Layouts that exist today: the single process and data parallelism at world 2 and 4, with and
-without gradient accumulation, with large and small buckets. ZeRO, TP and PP rows come when those
-strategies land. On a host with fewer cores than ranks the ranks time-share the cores; the `local`
+Layouts: the single process and data parallelism at world 2 and 4, with and without gradient
+accumulation, with large and small buckets; ZeRO stages 1, 2, 3 at world 2 and 4 and hybrid
+sharding (dp_replicate=2 x dp_shard=2) at world 4. TP and PP rows come when those strategies land. On a host with fewer cores than ranks the ranks time-share the cores; the `local`
 cluster models that from the core count the calibration recorded (see `cluster.local_cluster`),
 so world 4 on 2 cores is predicted, not excused.
 
@@ -52,17 +55,21 @@ SEQ_LEN = 128
 WARMUP = 2  # untimed steps per pass (the second step still ran ~20% slower than later ones here)
 UNCONTENDED = 0.85  # core share above which a pass counts as undisturbed by other work on the host
 
-# (world, global batch in sequences, micro-batch size, bucket size in MiB); accumulation steps =
-# global batch / (world * micro-batch size).
+# (world, global batch in sequences, micro-batch size, bucket size in MiB, ZeRO stage, dp_replicate);
+# accumulation steps = global batch / (world * micro-batch size); dp_shard = world / dp_replicate.
 LAYOUTS = [
-    (1, 8, 8, 25.0),   # the single-process baseline
-    (1, 8, 4, 25.0),   # ... with 2 accumulation steps
-    (2, 8, 4, 25.0),   # DP 2, one bucket
-    (2, 8, 2, 25.0),   # DP 2, 2 accumulation steps
-    (2, 8, 4, 1.0),    # DP 2, ~13 small buckets overlapped with backward
-    (3, 12, 4, 25.0),  # DP 3 (more ranks than the 2 cores of a small CI machine)
-    (4, 8, 2, 25.0),   # DP 4 (2 ranks per core here)
-    (4, 16, 2, 4.0),   # DP 4, 2 accumulation steps, 4 MiB buckets
+    (1, 8, 8, 25.0, 0, 1),   # the single-process baseline
+    (2, 8, 4, 25.0, 0, 1),   # DP 2, one bucket
+    (2, 8, 2, 25.0, 0, 1),   # DP 2, 2 accumulation steps
+    (2, 8, 4, 1.0, 0, 1),    # DP 2, ~13 small buckets overlapped with backward
+    (4, 8, 2, 25.0, 0, 1),   # DP 4 (2 ranks per core here)
+    (4, 16, 2, 4.0, 0, 1),   # DP 4, 2 accumulation steps, 4 MiB buckets
+    (2, 8, 4, 4.0, 1, 1),    # ZeRO-1, dp_shard 2
+    (2, 8, 2, 4.0, 2, 1),    # ZeRO-2, dp_shard 2, 2 accumulation steps
+    (2, 8, 4, 25.0, 3, 1),   # ZeRO-3, dp_shard 2 (a unit per block; gathers not overlapped)
+    (4, 8, 2, 4.0, 1, 1),    # ZeRO-1, dp_shard 4 (2 ranks per core here)
+    (4, 8, 2, 25.0, 3, 1),   # ZeRO-3, dp_shard 4
+    (4, 8, 2, 4.0, 2, 2),    # hybrid ZeRO-2: dp_replicate 2 x dp_shard 2
 ]
 
 
@@ -72,15 +79,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model_state_bytes(model, opt, dp) -> dict:
-    """Exactly counted bytes this rank holds for model state (what the planner's memory test checks)."""
+def _model_state_bytes(model, opt, dp, zero) -> dict:
+    """Exactly counted bytes this rank holds for model state (what the planner's memory test checks),
+    after the optimizer step; `gradients` is replaced by the peak over the micro-steps by the caller
+    (ZeRO-2/3 hold full gradients during accumulation, only the shard after the last micro-step)."""
     params = [p for p in model.parameters()]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+    master = zero.param_shard.numel() * 4 if zero is not None else 0
+    shard_grad = zero.grad_shard.numel() * 4 if zero is not None else 0
     return {
-        "weights": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "weights": sum(storages.values()) + (master if zero is not None and zero.stage == 3 else 0),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None) + shard_grad,
         "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values()
-                         for k, t in st.items() if k != "step" and torch.is_tensor(t)),
-        "dp_buckets": sum(dp.bucket_bytes) if dp is not None else 0,
+                         for k, t in st.items() if k != "step" and torch.is_tensor(t))
+        + (master if zero is not None and zero.stage < 3 else 0),
+        "dp_buckets": sum((zero or dp).bucket_bytes) if (zero or dp) is not None else 0,
     }
 
 
@@ -89,21 +102,30 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.data import apply_data_parallel
+    from meshlm.parallel.zero import ZeroAdamW, apply_zero
 
     torch.set_num_threads(1)
-    _, global_batch, mbs, bucket_mb = spec
+    _, global_batch, mbs, bucket_mb, stage, dp_replicate = spec
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         cfg = ModelConfig(**MODEL)
         model = build_model(cfg, seed=0)
-        dp = None
+        dp = zero = None
         if world > 1:
-            mesh = build_mesh(ParallelDims(), device_type="cpu", stats=CommStats())
-            dp = apply_data_parallel(model, mesh, bucket_size_mb=bucket_mb)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world // dp_replicate).resolve(world)
+            mesh = build_mesh(dims, device_type="cpu", stats=CommStats())
+        if stage > 0:
+            zero = apply_zero(model, mesh, stage=stage, bucket_size_mb=bucket_mb)
+            opt = ZeroAdamW(zero, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        else:
+            if world > 1:
+                dp = apply_data_parallel(model, mesh, bucket_size_mb=bucket_mb)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sync = zero or dp
         local = global_batch // world
         global_tokens = global_batch * SEQ_LEN
         times = []
+        params = list(model.parameters())
         for step in range(steps + WARMUP):  # the first steps pay one-time allocations: not timed
             g = torch.Generator().manual_seed(step)
             seqs = torch.randint(0, cfg.vocab_size, (global_batch, SEQ_LEN + 1), generator=g)
@@ -111,16 +133,20 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
             micro = list(zip(mine[:, :-1].split(mbs), mine[:, 1:].split(mbs)))
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
+            peak_grads = 0
             for i, (inputs, targets) in enumerate(micro):
                 last = i == len(micro) - 1
-                with dp.no_sync() if (dp is not None and not last) else torch.enable_grad():
+                with sync.no_sync() if (sync is not None and not last) else torch.enable_grad():
                     logits = model(inputs)
                     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / global_tokens
                     loss.backward()
+                if step == steps + WARMUP - 1:  # the last step only: counting is not free
+                    peak_grads = max(peak_grads, sum(p.grad.numel() * 4 for p in params if p.grad is not None)
+                                     + (zero.grad_shard.numel() * 4 if zero is not None else 0))
             opt.step()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             if step == steps + WARMUP - 1:  # count before zero_grad frees the gradients
-                state = _model_state_bytes(model, opt, dp)
+                state = {**_model_state_bytes(model, opt, dp, zero), "gradients": peak_grads}
             opt.zero_grad(set_to_none=True)
             if step >= WARMUP:
                 times.append((elapsed, cpu))
@@ -192,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[spec].append(measure(spec, steps=args.steps))
     rows = []
     for spec in LAYOUTS:
-        world, global_batch, mbs, bucket_mb = spec
-        layout = Layout(dp_shard=world, micro_batch_size=mbs, bucket_size_mb=bucket_mb)
+        world, global_batch, mbs, bucket_mb, stage, dp_replicate = spec
+        layout = Layout(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, zero_stage=stage,
+                        micro_batch_size=mbs, bucket_size_mb=bucket_mb)
         # meshlm's model runs eager here: one memory pass per elementwise op (Job.fused_elementwise)
         job = Job(seq_len=SEQ_LEN, global_batch_size=global_batch, precision="fp32", fused_elementwise=False)
         est = estimate(cfg, local, job, layout, gpus=world)
@@ -203,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         load = max(loads[spec])
         predicted = est.time_s["step"]
         rows.append({
-            "layout": f"dp{world} mbs{mbs} accum{est.num_microbatches} bucket{bucket_mb:g}MiB",
+            "layout": (f"dp{dp_replicate}x{world // dp_replicate}" if dp_replicate > 1 else f"dp{world}")
+            + (f" zero{stage}" if stage else "") + f" mbs{mbs} accum{est.num_microbatches} bucket{bucket_mb:g}MiB",
             "world": world, "global_batch": global_batch, "seq_len": SEQ_LEN,
             "predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
             "measured_median_s": round(median, 4), "host_load_max": round(load, 2),
@@ -230,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         # rows whose best pass still had other work on the cores measure that work too
         "median_ratio_uncontended": statistics.median(clean) if clean else None,
         "uncontended_rows": len(clean),
-        "pending": "ZeRO-1/2/3, TP and PP rows: those strategies are not in meshlm.parallel yet",
+        "pending": "TP and PP rows: those strategies are not in meshlm.parallel yet",
     }, indent=2))
     return 0
 

@@ -267,7 +267,7 @@ def test_local_cluster_needs_calibration(tmp_path):
 @pytest.mark.parametrize("name", ["gqa", "tied_bias_qknorm", "moe_shared_gate"])
 def test_model_state_bytes_match_a_real_adamw_step(name):
     """At world 1 in fp32, predicted weights + gradients + optimizer state equal what a real AdamW
-    step allocates (the multi-rank ZeRO comparison waits for the runtime strategies)."""
+    step allocates (multi-rank DP and ZeRO: tests/test_planner_measured.py)."""
     cfg = ModelConfig(**{**TINY, **VARIANTS[name]})
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -340,3 +340,30 @@ def test_overlapped_collectives_cost_the_sms_they_hold():
     untaxed = estimate("llama3-70b", free, gpus=64, layout=lay, seq_len=8192, global_batch_tokens="4M")
     assert taxed.time_s["dp_comm"] > untaxed.time_s["dp_comm"]
     assert taxed.time_s["compute"] == untaxed.time_s["compute"]
+
+
+def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
+    """fp32 is meshlm's runtime: ZeRO-1/2 keep full weights plus a flat master shard (optimizer 12/n),
+    ZeRO-3's shard is the weights (optimizer 8/n), accumulation keeps full gradients under stage 2,
+    one padded gradient copy of buffers, and stage 3 gathers twice per micro-step."""
+    cfg = ModelConfig(**TINY)
+
+    def est(stage, *, batch=4, precision="fp32"):
+        return estimate(cfg, "a100", gpus=4, layout=f"dp_shard=4,zero_stage={stage}", seq_len=16,
+                        global_batch_size=batch, precision=precision)
+
+    base, z1, z2, z3 = (est(z) for z in range(4))
+    n = base.memory_gib["weights"] * 2**30 / 4  # parameters
+    b = {k: {key: round(e.memory_gib[key] * 2**30) for key in e.memory_gib} for k, e in
+         {0: base, 1: z1, 2: z2, 3: z3}.items()}
+    shard = math.ceil(n / 4)
+    assert b[1]["weights"] == b[2]["weights"] == 4 * n and b[3]["weights"] == 4 * shard
+    assert b[1]["optimizer"] == b[2]["optimizer"] == 12 * shard and b[3]["optimizer"] == 8 * shard
+    assert b[1]["gradients"] == 4 * (n + shard) and b[2]["gradients"] == b[3]["gradients"] == 4 * shard
+    assert est(2, batch=8).memory_gib["gradients"] == z1.memory_gib["gradients"]  # accumulation: full grads
+    assert b[1]["comm_buffers"] == b[2]["comm_buffers"] == b[3]["comm_buffers"] == 4 * n
+    assert est(3, batch=8).time_s["dp_comm"] > z3.time_s["dp_comm"] > z1.time_s["dp_comm"]
+    # mixed precision keeps the usual accounting: bf16 weights, fp32 grads, 12 bytes of optimizer state
+    m1 = est(1, precision="bf16")
+    assert round(m1.memory_gib["optimizer"] * 2**30) == 12 * shard
+    assert round(m1.memory_gib["weights"] * 2**30) == 2 * n

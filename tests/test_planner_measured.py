@@ -6,10 +6,20 @@ on each rank: parameter bytes, gradient bytes, AdamW state tensor bytes (exp_avg
 data-parallel bucket buffers. The planner's `weights`, `gradients`, `optimizer` and `comm_buffers`
 for the same layout (dp_shard=2, zero_stage=0, precision fp32) must equal them.
 
-"Equal up to padding": a sharded layout (ZeRO, once it exists) pads each flat shard to a multiple of
-the shard count, so the planner's ceil(params / shards) may differ from a rank's bytes by less than
-one element per shard and flat buffer. Plain data parallelism shards nothing, so there is no padding
-and the comparison is exact. AdamW's per-tensor `step` counter (a 4-byte scalar per parameter
+The same for meshlm's ZeRO (`meshlm.parallel.zero`, `ZeroAdamW`) at stages 1, 2, 3 with dp_shard=2
+(world 2) and hybrid dp_replicate=2 x dp_shard=2 (world 4), with and without accumulation, counted
+per rank as: weights = bytes of the model's parameter storage (size 0 under stage 3 between uses)
+plus, under stage 3, the flat master shard (which is then the only copy of the weights); optimizer =
+the AdamW moments plus, under stages 1/2, the flat fp32 master shard; gradients = the largest, over
+the micro-steps, of the bytes in `.grad` plus the flat gradient shard; comm_buffers = the padded
+bucket buffers (all reduce-scatters are in flight at once at the end of backward).
+
+"Equal up to padding": ZeRO pads every bucket to a multiple of dp_shard (n) with zeros, < n elements
+per bucket. A rank's flat shard (of parameters, gradients, each moment) therefore holds
+sum_b ceil(numel_b / n) elements, where the planner counts ceil(params / n): between 0 and
+(number of buckets - 1) elements more per flat shard, and the padded buffers hold between 0 and
+(n - 1) x buckets elements more than the parameters. Everything not sharded is compared exactly, and
+so is plain data parallelism, which shards nothing. AdamW's per-tensor `step` counter (a 4-byte scalar per parameter
 tensor) is bookkeeping, not model state; it is counted and checked to be exactly that, separately.
 """
 
@@ -91,3 +101,91 @@ def test_predicted_model_state_equals_counted_bytes_per_rank_dp2():
         assert got["step_counters"] == 4 * got["num_param_tensors"]
     # the small bucket size really made several buckets, and the buffer bytes do not depend on it
     assert counted[("gqa", BUCKETS_MB[0])]["num_buckets"] > 1 == counted[("gqa", BUCKETS_MB[1])]["num_buckets"]
+
+
+# (dp_replicate, dp_shard) -> [(stage, micro-batch size, bucket MiB)]; the global batch is 2 sequences
+# per data-parallel rank, so micro-batch 1 accumulates over 2 micro-steps and micro-batch 2 does not.
+ZERO_CASES = [(stage, mbs, bucket) for stage in (1, 2) for mbs in (1, 2) for bucket in BUCKETS_MB] + \
+             [(3, mbs, BUCKETS_MB[0]) for mbs in (1, 2)]
+ZERO_VARIANTS = ("gqa", "moe")
+
+
+def zero_count_worker(rank, world_size, dp_replicate):
+    from meshlm.comm import CommStats
+    from meshlm.mesh import ParallelDims, build_mesh
+    from meshlm.models.transformer import build_model
+    from meshlm.parallel.zero import ZeroAdamW, apply_zero
+
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world_size // dp_replicate).resolve(world_size)
+    mesh = build_mesh(dims, device_type="cpu", stats=CommStats())
+    dp_rank = mesh.local_rank("dp_replicate") * mesh.size("dp_shard") + mesh.local_rank("dp_shard")
+    global_batch = 2 * world_size
+    out = {}
+    cases = ZERO_CASES if dp_replicate == 1 else [(s, 1, BUCKETS_MB[0]) for s in (1, 2, 3)]
+    for name in ZERO_VARIANTS:
+        cfg = ModelConfig(**BASE, **VARIANTS[name])
+        for stage, mbs, bucket_mb in cases:
+            model = build_model(cfg, seed=0)
+            zero = apply_zero(model, mesh, stage=stage, bucket_size_mb=bucket_mb)
+            opt = ZeroAdamW(zero, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+            g = torch.Generator().manual_seed(0)
+            seqs = torch.randint(0, cfg.vocab_size, (global_batch, SEQ + 1), generator=g)
+            mine = seqs[dp_rank * 2:(dp_rank + 1) * 2]
+            micro = list(zip(mine[:, :-1].split(mbs), mine[:, 1:].split(mbs)))
+            params = list(model.parameters())
+            grads = 0
+            for i, (inputs, targets) in enumerate(micro):
+                with zero.no_sync() if i < len(micro) - 1 else torch.enable_grad():
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / seqs[:, 1:].numel()
+                    loss.backward()
+                grads = max(grads, sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+                            + zero.grad_shard.numel() * zero.grad_shard.element_size())
+            opt.step()
+            storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+            master = zero.param_shard.numel() * zero.param_shard.element_size()
+            out[(name, stage, mbs, bucket_mb)] = {
+                "weights": sum(storages.values()) + (master if stage == 3 else 0),
+                "gradients": grads,
+                "optimizer": opt.state_bytes() + (master if stage < 3 else 0),
+                "comm_buffers": sum(zero.bucket_bytes),
+                "num_buckets": len(zero.buckets),
+                "micro_steps": len(micro),
+            }
+            zero.remove()
+    return out
+
+
+def _check_zero(counted, *, dp_replicate, dp_shard):
+    n = dp_shard
+    for (name, stage, mbs, bucket_mb), got in counted.items():
+        cfg = ModelConfig(**BASE, **VARIANTS[name])
+        layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, zero_stage=stage, micro_batch_size=mbs,
+                        bucket_size_mb=bucket_mb)
+        est = estimate(cfg, "a100", gpus=dp_replicate * dp_shard, layout=layout, seq_len=SEQ,
+                       global_batch_size=2 * dp_replicate * dp_shard, precision="fp32")
+        assert est.num_microbatches == got["micro_steps"]
+        buckets = got["num_buckets"]
+        # flat shards (4 bytes each element) in each component, and the unsharded remainder
+        shards = {"weights": 1 if stage == 3 else 0, "optimizer": 3 if stage < 3 else 2, "gradients": 1,
+                  "comm_buffers": 0}
+        for key in ("weights", "gradients", "optimizer", "comm_buffers"):
+            predicted = round(est.memory_gib[key] * 2**30)
+            extra = got[key] - predicted  # padding bytes the planner leaves out
+            most = 4 * (shards[key] * (buckets - 1) if key != "comm_buffers" else (n - 1) * buckets)
+            assert 0 <= extra <= most, (name, stage, mbs, bucket_mb, key, predicted, got[key], most)
+
+
+def test_predicted_zero_model_state_equals_counted_bytes_up_to_padding_dp2():
+    results = run_distributed(zero_count_worker, 2, 1, timeout=120)
+    counted = results[0]
+    assert set(results[1]) == set(counted)
+    _check_zero(counted, dp_replicate=1, dp_shard=2)
+    # the small buckets made several (padded) buckets; stages 2/3 without accumulation keep only the shard
+    assert counted[("gqa", 1, 1, BUCKETS_MB[0])]["num_buckets"] > 1
+    assert counted[("gqa", 2, 2, BUCKETS_MB[0])]["gradients"] < counted[("gqa", 2, 1, BUCKETS_MB[0])]["gradients"] / 2
+
+
+def test_predicted_zero_model_state_hybrid_2x2():
+    results = run_distributed(zero_count_worker, 4, 2, timeout=120)
+    _check_zero(results[0], dp_replicate=2, dp_shard=2)

@@ -14,8 +14,22 @@ link; a group spanning both runs hierarchically (inside first, then across, one 
 
 Model-state bytes per parameter (bf16 / fp8 training, Megatron's distributed-optimizer convention):
 2 (bf16 weights) + 4 (fp32 gradients: accumulated and reduced in fp32) + 12 (fp32 master, Adam m and
-v). fp32 training (the CPU runs): 4 + 4 + 8 (no separate master copy). ZeRO-1 shards the 12/8, ZeRO-2
-also the gradients, ZeRO-3 also the weights, each over dp_shard x cp.
+v). ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3 also the weights, each over dp_shard x cp
+(communication: Megatron / FSDP-style, overlapped, ZeRO-3 prefetching the next layer).
+fp32 training is meshlm's own runtime (what `cluster=local` and benchmarks/planner_vs_measured.py
+run), modelled as `parallel/data.py` and `parallel/zero.py` really allocate and communicate:
+  plain DP   4 + 4 + 8, plus one flat copy of all gradients in the all-reduce buckets;
+  ZeRO-1/2   full fp32 weights (4) + a flat fp32 master shard (4/n, counted under `optimizer`) + the
+             moments (8/n); gradients: the 4/n shard, plus the full 4 under stage 1 -- or under
+             stage 2 with accumulation (no_sync keeps full gradients until the last micro-step);
+  ZeRO-3     the 4/n shard is the weights (no other copy); moments 8/n; gradients as stage 2;
+  buffers    ZeRO 1-3: one padded copy of all gradients (every reduce-scatter in flight at the end of
+             backward; for stage 3 this is also the peak of gathered unit + in-flight buffers);
+  comm       one reduce-scatter of all gradients per step (overlapping the last backward) and an
+             all-reduce of the shard over dp_replicate; all-gathers, synchronous: of all parameters
+             once per step (stages 1/2), of every unit twice per micro-step (stage 3, no prefetch).
+n = dp_shard; meshlm pads each bucket to a multiple of n (< n elements per bucket), which the planner's
+ceil(params / n) leaves out (tests/test_planner_measured.py bounds the difference).
 
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
 dense layers are spread evenly), experts are assumed perfectly balanced, tensor-parallel
@@ -596,11 +610,27 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
             return math.ceil(n_dense / shard) + math.ceil(n_exp / expert_shard)
         return n_dense + n_exp
 
-    mem = {
-        "weights": sharded(dense_params, expert_params, 3) * by["param"],
-        "gradients": sharded(dense_params, expert_params, 2) * by["grad"],
-        "optimizer": sharded(dense_params, expert_params, 1) * by["optim"],
-    }
+    n_local = dense_params + expert_params
+    meshlm_zero = job.precision == "fp32" and z > 0 and (lo.dp > 1 or cp > 1)
+    if meshlm_zero:
+        # meshlm's own ZeRO (parallel/zero.py), fp32 throughout. Stages 1/2 keep the full fp32
+        # parameters AND a flat fp32 master shard next to the moments (optimizer: 4 + 8 bytes per
+        # parameter / shards); under stage 3 that shard is the weights (no other copy), so the
+        # optimizer is the moments alone. Gradients: a flat shard always; stage 1 keeps the full
+        # `.grad` too, stages 2/3 free it per bucket once copied out -- except that accumulation
+        # (no_sync micro-steps, m > 1) keeps full gradients until the last micro-step.
+        shard_n = sharded(dense_params, expert_params, 1)
+        mem = {
+            "weights": (shard_n if z == 3 else n_local) * by["param"],
+            "gradients": (shard_n + (n_local if z == 1 or m > 1 else 0.0)) * by["grad"],
+            "optimizer": shard_n * (by["optim"] + (by["param"] if z < 3 else 0)),
+        }
+    else:
+        mem = {
+            "weights": sharded(dense_params, expert_params, 3) * by["param"],
+            "gradients": sharded(dense_params, expert_params, 2) * by["grad"],
+            "optimizer": sharded(dense_params, expert_params, 1) * by["optim"],
+        }
     # Activations of the first rank (most microbatches in flight) or the last (logits).
     per_layer_mb = tokens_mb * by["act"] * (summary.act_tp[rc] / tp + summary.act_seq[rc] / (tp if sp else 1))
     inflight = inflight_microbatches(lo.pp_schedule, pp=pp, num_microbatches=m, pp_chunks=v)
@@ -617,13 +647,21 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     if tp > 1:
         buffers += 2 * act_msg  # gathered sequence-parallel activations
     if lo.dp > 1 or cp > 1:
-        if z == 0:
+        if meshlm_zero:
+            # Every reduce-scatter stays in flight until the end of backward (finish_grad_sync waits
+            # for all), so every bucket's padded input buffer is alive at once: one padded copy of
+            # the gradients. Stages 1/2 all-gather every bucket into a new padded buffer at the
+            # optimizer step (same size, not at the same time). Stage 3: at the peak -- the last
+            # block's backward -- the gathered rest-of-model unit and that block plus the in-flight
+            # buffers of every later block add up to the same one padded copy (no prefetch).
+            buffers += n_local * by["grad"]
+        elif z == 0:
             # meshlm's DP (parallel/data.py) copies every gradient into a flat per-bucket buffer for the
             # all-reduce: one extra copy of all gradients, whatever the bucket size.
             buffers += (dense_params + expert_params) * by["grad"]
         elif z < 3:
             buffers += 2 * lo.bucket_size_mb * MiB
-        if z == 3:
+        elif z == 3:
             layer_full = (summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (tp * ep))
             buffers += ZERO3_PREFETCH_LAYERS * layer_full * by["param"] + layer_full * by["grad"]
     if ep > 1:
@@ -645,7 +683,19 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         g_dense = n_dense_local * by["reduce"]
         g_exp = n_exp_local * by["reduce"]
         span_exp = group_span(tp * ep, max(1, lo.dp * cp // ep), D)
-        if z == 0:
+        sync = 0.0  # collectives the runtime issues synchronously (nothing to overlap with)
+        if meshlm_zero:
+            # meshlm's ZeRO: one reduce-scatter of all (padded) gradients per step, launched per
+            # bucket during the last micro-step's backward (async), then the shard's all-reduce over
+            # dp_replicate; stages 1/2 all-gather every updated parameter inside the optimizer step
+            # (synchronous), stage 3 all-gathers every unit before its forward and again before its
+            # backward in every micro-step, synchronously (no prefetch).
+            comm = (collective_time("reduce_scatter", g_dense + g_exp, span_dps, cluster)
+                    + collective_time("all_reduce", (g_dense + g_exp) / shard, span_dpr, cluster))
+            gathers = 2 * m if z == 3 else 1
+            sync = gathers * collective_time("all_gather", n_local * by["param"], span_dps, cluster)
+            window = t_mb_bwd
+        elif z == 0:
             comm = (collective_time("all_reduce", g_dense, span_dp_all, cluster)
                     + collective_time("all_reduce", g_exp, span_exp, cluster))
             window = t_mb_bwd
@@ -671,7 +721,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         bucket_time = comm * min(1.0, bucket / max(1.0, g_dense + g_exp))  # the last bucket never overlaps
         t_dp = max(comm - window, bucket_time)
         # What is hidden still costs: the collective's kernels occupy SMs the overlapped compute loses.
-        t_dp += cluster.comm_sm_fraction * max(0.0, comm - t_dp)
+        t_dp += cluster.comm_sm_fraction * max(0.0, comm - t_dp) + sync
 
     # ---- optimizer: streams weights, gradients, master and Adam states through HBM ----------------
     n_opt = sharded(dense_params, expert_params, 1)
