@@ -9,7 +9,6 @@ import time
 from argparse import Namespace
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")

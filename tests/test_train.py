@@ -13,16 +13,13 @@ from meshlm.train.checkpoint import (latest_checkpoint, load_checkpoint_for_infe
                                      save_checkpoint)
 from meshlm.train.optim import clip_grad_norm, lr_at
 from meshlm.train.trainer import Trainer
+from runs import SMALL_MODEL, step_losses, write_corpus
 
-SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-               "model.intermediate_size=64", "model.max_seq_len=64"]
 
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 3}\n\n" for i in range(600)))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 600)
 
 
 def make_cfg(run_dir, text_file, *extra):
@@ -31,11 +28,6 @@ def make_cfg(run_dir, text_file, *extra):
                                   "train.micro_batch_size=8", "train.steps=10", "train.warmup_steps=2",
                                   "train.lr=1e-2", "train.val_interval=5", "train.val_batches=2",
                                   "data.val_fraction=0.1", "train.device=cpu", *extra])
-
-
-def step_losses(run_dir) -> list[float]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
 
 
 def test_a_few_steps_lower_the_loss(tmp_path, text_file):

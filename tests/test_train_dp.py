@@ -4,7 +4,6 @@ logs its communication per axis, and `parallelize` / `check_layout` refuse what 
 One launch per world size keeps this file fast: each rank trains every configuration in turn.
 """
 
-import json
 import shutil
 from pathlib import Path
 
@@ -19,9 +18,8 @@ from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, parallelize
 from meshlm.train.checkpoint import latest_checkpoint
 from meshlm.train.trainer import Trainer
+from runs import SMALL_MODEL, grad_norms, rows, step_losses, val_losses, write_corpus
 
-SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-               "model.intermediate_size=64", "model.max_seq_len=64"]
 STEPS = 10
 PARITY_STEPS = 5
 GLOBAL_BATCH = 8
@@ -36,31 +34,13 @@ def make_cfg(run_dir, text_file, *extra):
                                   *extra])
 
 
-def rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_losses(run_dir) -> list[float]:
-    return [r["loss"] for r in rows(run_dir) if "loss" in r]
-
-
-def grad_norms(run_dir) -> list[float]:
-    return [r["grad_norm"] for r in rows(run_dir) if "loss" in r]
-
-
-def val_losses(run_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["val_loss"]) for r in rows(run_dir) if "val_loss" in r]
-
-
 def weights(trainer) -> dict:
     return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 3}\n\n" for i in range(400)))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 400)
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,8 @@ from meshlm.parallel.parallelize import check_layout
 from meshlm.parallel.zero import apply_zero
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import Trainer
+from runs import SMALL_MODEL, write_corpus
 
-SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-               "model.intermediate_size=64", "model.max_seq_len=64"]
 STEPS = 5
 RESUME_AT = 3
 TOL = 1e-5
@@ -60,9 +59,7 @@ def run_steps(trainer, until: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 3}\n\n" for i in range(400)))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 400)
 
 
 @pytest.fixture(scope="module")

@@ -402,7 +402,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
         ]:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
-        lines += [f"# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
+        lines += ["# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
                   f"meshlm_requests_total {engine.num_requests}"]
         lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
         lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")

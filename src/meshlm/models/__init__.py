@@ -1,4 +1,4 @@
-"""Plain PyTorch models: no torch.distributed here; parallelism is applied as transforms."""
+"""Plain single-device PyTorch models; parallelism is applied to them as transforms (meshlm.parallel)."""
 
 from meshlm.models.moe import MoE
 from meshlm.models.transformer import KVCache, Transformer, build_model, init_weights

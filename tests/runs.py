@@ -1,0 +1,30 @@
+"""What the trainer tests share: a small model, a small corpus, and readers of metrics.jsonl."""
+
+import json
+from pathlib import Path
+
+# 2 layers of width 32 with GQA (4 heads, 2 kv heads): 35k parameters, a step in milliseconds.
+SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+               "model.intermediate_size=64", "model.max_seq_len=64"]
+
+
+def write_corpus(path: Path, num_functions: int) -> Path:
+    """A small, regular Python-like text: the loss falls quickly, so parity checks are not trivial."""
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 3}\n\n" for i in range(num_functions)))
+    return path
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(run_dir) -> list[float]:
+    return [r["loss"] for r in rows(run_dir) if "loss" in r]
+
+
+def grad_norms(run_dir) -> list[float]:
+    return [r["grad_norm"] for r in rows(run_dir) if "loss" in r]
+
+
+def val_losses(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in rows(run_dir) if "val_loss" in r]
