@@ -135,6 +135,9 @@ class Trainer:
                 self.load(self.resumed_from)
         if self.resumed_from is None and self.is_main:
             # A fresh run owns its run_dir: stale checkpoints of an earlier run must not become "latest".
+            if (self.run_dir / "checkpoints").is_dir() and not resume:
+                print(f"meshlm: starting afresh in {self.run_dir}: replacing the checkpoints of an earlier run "
+                      "there (pass --resume to continue it instead)", flush=True)
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
