@@ -33,15 +33,21 @@ def test_bad_config_prints_one_line_and_exits_2(capsys, override, expected):
     assert expected in err
 
 
-def test_srun_tasks_without_a_launcher_are_refused(capsys, monkeypatch):
-    # `srun meshlm train` with several tasks and no torchrun: each task would train alone, all into
-    # the same run_dir. It must stop with one line pointing at --nproc (one launcher per node).
-    for name in ("RANK", "WORLD_SIZE"):
+def test_srun_tasks_are_ranks_and_need_a_master_address(capsys, monkeypatch):
+    # `srun -n 8 meshlm train` (one task per GPU, no torchrun): each task is one rank of 8. Without
+    # MASTER_ADDR/MASTER_PORT it stops with one line saying what to export, before any work.
+    from meshlm.distributed import read_launch_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
+    assert read_launch_env(slurm) == (5, 8, 1)
+    assert read_launch_env({**slurm, "RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"}) == (2, 4, 2)  # torchrun wins
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
     assert main(["train", "--set", "train.steps=1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "SLURM_STEP_NUM_TASKS=8" in err and "--nproc" in err, err
+    assert len(err.splitlines()) == 1 and "MASTER_ADDR" in err, err
 
 
 def test_launch_exit_code_is_2_when_the_ranks_failed_on_a_user_mistake():

@@ -123,23 +123,17 @@ def cmd_train(args) -> int:
     import os
 
     from meshlm.config import load_config
-    from meshlm.distributed import read_launch_env
+    from meshlm.distributed import launched_ranks, read_launch_env
 
     cfg = load_config(args.config, args.overrides)
-    under_launcher = "WORLD_SIZE" in os.environ or "RANK" in os.environ
+    under_launcher = launched_ranks()  # torchrun, or one task of a multi-task srun step
     if args.nproc:
         if under_launcher:
-            raise ValueError("--nproc was given but this process is already one rank of a launch "
-                             f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')}); drop --nproc under torchrun/srun")
+            raise ValueError(f"--nproc was given but this process is already one of {read_launch_env()[1]} "
+                             "launched ranks; drop --nproc under torchrun/srun")
         return _launch_ranks(args, cfg)
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
         raise ValueError("--nnodes/--rdzv-endpoint/--node-rank need --nproc N (ranks per node)")
-    srun_tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
-    if not under_launcher and srun_tasks.isdigit() and int(srun_tasks) > 1:
-        # Without a launcher every task would be a one-process run of its own, all in one run_dir.
-        raise ValueError(f"this is one of SLURM_STEP_NUM_TASKS={srun_tasks} srun tasks but no launcher set RANK/"
-                         "WORLD_SIZE; run one task per node as `meshlm train --nproc GPUS_PER_NODE --nnodes N "
-                         "--rdzv-endpoint HEAD:PORT ...` (see examples/slurm.sbatch)")
     _, world_size, _ = read_launch_env()
     from meshlm.parallel.parallelize import check_layout
 

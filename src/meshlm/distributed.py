@@ -38,17 +38,32 @@ class DistEnv:
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) as set by torchrun; (0, 1, 0) when no launcher set them."""
+    """(rank, world_size, local_rank) of this process; (0, 1, 0) when no launcher started it.
+
+    torchrun (and `meshlm train --nproc`) set RANK / WORLD_SIZE / LOCAL_RANK. Without them, a task
+    of a multi-task `srun` step is a rank too: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (one task
+    per GPU; the batch script exports MASTER_ADDR and MASTER_PORT, see examples/slurm.sbatch).
+    """
     environ = os.environ if environ is None else environ
+    if "RANK" not in environ and "WORLD_SIZE" not in environ and int(environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+    else:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     try:
-        rank = int(environ.get("RANK", "0"))
-        world_size = int(environ.get("WORLD_SIZE", "1"))
-        local_rank = int(environ.get("LOCAL_RANK", str(rank)))
+        rank = int(environ.get(names[0], "0"))
+        world_size = int(environ.get(names[1], "1"))
+        local_rank = int(environ.get(names[2], str(rank)))
     except ValueError as e:
-        raise ValueError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers (set by torchrun): {e}") from None
+        raise ValueError(f"{'/'.join(names)} must be integers (set by the launcher): {e}") from None
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"RANK={rank} WORLD_SIZE={world_size} is not a valid layout; launch with torchrun")
+        raise ValueError(f"{names[0]}={rank} {names[1]}={world_size} is not a valid layout; "
+                         "launch with torchrun, srun or `meshlm train --nproc N`")
     return rank, world_size, local_rank
+
+
+def launched_ranks(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher (torchrun, srun with several tasks) started this process as one of many ranks."""
+    return read_launch_env(environ)[1] > 1 or "WORLD_SIZE" in (os.environ if environ is None else environ)
 
 
 def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | None = None,
@@ -83,7 +98,8 @@ def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | N
     env = os.environ if environ is None else environ
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
-        raise ValueError(f"WORLD_SIZE={world_size} but {missing} are not set; launch with torchrun")
+        raise ValueError(f"{world_size} ranks but {missing} are not set; launch with torchrun, or export "
+                         "MASTER_ADDR=<first node> MASTER_PORT=<free port> before srun")
     init_method = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)

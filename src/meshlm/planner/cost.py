@@ -28,6 +28,9 @@ run), modelled as `parallel/data.py` and `parallel/zero.py` really allocate and 
   comm       one reduce-scatter of all gradients per step (overlapping the last backward) and an
              all-reduce of the shard over dp_replicate; all-gathers, synchronous: of all parameters
              once per step (stages 1/2), of every unit twice per micro-step (stage 3, no prefetch).
+  TP         (`parallel/tensor.py`, plain DP over the TP-local shards) attention and MLP matrices
+             (and q/k/v biases), the embedding and lm_head (split over the vocabulary) hold 1/tp per
+             rank; norms are full copies on every tp rank; DP's bucket copy is of the local shards. Its collectives per microbatch are `tp_collectives` (bytes: `Estimate.tp_comm_bytes`).
 n = dp_shard; meshlm pads each bucket to a multiple of n (< n elements per bucket), which the planner's
 ceil(params / n) leaves out (tests/test_planner_measured.py bounds the difference).
 
@@ -336,6 +339,50 @@ def inflight_microbatches(schedule: str, *, pp: int, num_microbatches: int, pp_c
 
 
 # --------------------------------------------------------------------------------------------
+# Tensor-parallel collectives
+# --------------------------------------------------------------------------------------------
+
+
+def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: float, act_bytes: int,
+                   recompute: str = "none", norm_grads_in_graph: bool = True) -> tuple[list, list]:
+    """The tensor-parallel collectives of one microbatch (forward + backward) on one rank, as
+    `(per_layer, around_layers)` lists of (kind, bytes, count); bytes in CommStats' convention.
+
+    These are exactly the collectives `meshlm.parallel.tensor` issues (its module docstring lists
+    them; tests/test_planner_measured.py compares the byte total with a real run's CommStats), x =
+    tokens * hidden * act_bytes:
+      per layer   no SP: 4 all-reduces of x;  SP: 4 all-gathers + 4 reduce-scatters of x, and the
+                  all-reduce of the attn_norm and mlp_norm gradients (2 of 4 * hidden bytes);
+                  qk_norm: 2 all-reduces of 4 * head_dim (q_norm, k_norm gradients, both modes);
+                  full recompute repeats the forward's 2 (AR, or AG + RS).
+      around      embedding: AR of x (no SP) / RS + AG backward (SP); lm_head input: AR backward
+                  (no SP) / AG + RS (SP); SP final norm gradient: AR of 4 * hidden; loss: 3
+                  all-reduces of 4 bytes per token (max, sum of exponentials, target logit).
+    The grad-norm all-reduce (4 bytes once per step) is added by the caller.
+    `norm_grads_in_graph=False` leaves out the norm-gradient all-reduces: Megatron coalesces them
+    into one all-reduce per step after backward (negligible), where meshlm issues them per layer in
+    the graph (latency-bound, visible on a CPU host).
+    """
+    if tp <= 1:
+        return [], []
+    x = tokens * cfg.hidden_size * act_bytes
+    full = recompute == "full"
+    if sequence_parallel:
+        layer = [("all_gather", x, 4 + (2 if full else 0)), ("reduce_scatter", x, 4 + (2 if full else 0))]
+        edge = [("reduce_scatter", x, 2), ("all_gather", x, 2)]
+        if norm_grads_in_graph:
+            layer.append(("all_reduce", 4 * cfg.hidden_size, 2))
+            edge.append(("all_reduce", 4 * cfg.hidden_size, 1))
+    else:
+        layer = [("all_reduce", x, 4 + (2 if full else 0))]
+        edge = [("all_reduce", x, 2)]
+    if cfg.qk_norm and norm_grads_in_graph:
+        layer.append(("all_reduce", 4 * cfg.head_dim, 2))
+    edge.append(("all_reduce", 4 * tokens, 3))
+    return layer, edge
+
+
+# --------------------------------------------------------------------------------------------
 # The estimate
 # --------------------------------------------------------------------------------------------
 
@@ -357,6 +404,9 @@ class Estimate:
     num_microbatches: int
     links: dict = field(default_factory=dict)  # axis -> scale-up | scale-out | hierarchical | none
     hbm_gib: float = 0.0
+    # Bytes one rank moves over the "tp" axis per optimizer step, counted as meshlm.comm.CommStats
+    # counts them (all_gather its output, reduce_scatter its input, all_reduce the tensor).
+    tp_comm_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -540,12 +590,16 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     t_bwd_layer = 2 * (t_dense + t_elem_fwd) + t_attn_bwd
     t_rc_layer = {"none": 0.0, "selective": t_attn + 0.5 * t_elem_fwd, "full": t_fwd_layer}[rc]
 
-    # Tensor-parallel comm per layer per microbatch: 2 all-reduces (or AG+RS pairs under SP) forward,
-    # 2 backward, 2 more when the forward is recomputed in full. Not overlapped (Megatron default).
+    # Tensor-parallel comm per microbatch, the collectives of `tp_collectives` (meshlm's TP, which
+    # matches Megatron's): per layer 2 all-reduces (or AG + RS pairs under SP) forward, 2 backward,
+    # 2 more when the forward is recomputed in full; around the layers the embedding, lm_head input and
+    # loss. Not overlapped (Megatron default, and meshlm's TP).
     act_msg = tokens_mb * h * by["act"]
-    t_tp_coll = collective_time("all_reduce", act_msg, span_tp, cluster) if tp > 1 else 0.0
-    n_tp_coll = 4 + (2 if rc == "full" else 0)
-    t_tp_layer = n_tp_coll * t_tp_coll
+    tp_layer_colls, tp_edge_colls = tp_collectives(cfg, tp=tp, sequence_parallel=sp, tokens=tokens_mb,
+                                                   act_bytes=by["act"], recompute=rc,
+                                                   norm_grads_in_graph=job.precision == "fp32")
+    t_tp_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_layer_colls)
+    t_tp_edge = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_edge_colls)
     # Context parallel ring: cp-1 steps each passing a K,V chunk forward and K,V + dK,dV backward,
     # overlapped with the attention of the chunk in hand; only the excess is exposed.
     if cp > 1:
@@ -573,7 +627,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     comp_mb = rank_units * (t_fwd_layer + t_bwd_layer)
     layers_busy = max(layers_first, layers_last)
     rc_mb = layers_busy * t_rc_layer
-    tp_mb = layers_busy * t_tp_layer
+    tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
     cp_mb = layers_busy * t_cp_layer
     ep_mb = layers_busy * t_ep_layer
     t_mb = comp_mb + rc_mb + tp_mb + cp_mb + ep_mb
@@ -759,6 +813,8 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         num_microbatches=m,
         links=links,
         hbm_gib=cluster.hbm_bytes / GiB,
+        tp_comm_bytes=(m * sum(n * b for _, b, n in tp_layer_colls) * layers_busy
+                       + m * sum(n * b for _, b, n in tp_edge_colls) + (4 if tp > 1 else 0)),
     )
 
 
