@@ -15,7 +15,11 @@ printed next to the planner's memory components.
 
 Layouts: the single process and data parallelism at world 2 and 4, with and without gradient
 accumulation, with large and small buckets; ZeRO stages 1, 2, 3 at world 2 and 4 and hybrid
-sharding (dp_replicate=2 x dp_shard=2) at world 4. TP and PP rows come when those strategies land. On a host with fewer cores than ranks the ranks time-share the cores; the `local`
+sharding (dp_replicate=2 x dp_shard=2) at world 4; tensor parallelism (`meshlm.parallel.tensor`,
+vocab-parallel loss) tp=2 with and without sequence parallelism at world 2, and tp=2 x dp=2 (plain
+DP over the TP shards) at world 4, where each row also reports the bytes the step moved over the
+"tp" axis (CommStats) next to the planner's `tp_comm_bytes`. PP rows come when it lands.
+`--only tp` (or dp, zero) runs a subset. On a host with fewer cores than ranks the ranks time-share the cores; the `local`
 cluster models that from the core count the calibration recorded (see `cluster.local_cluster`),
 so world 4 on 2 cores is predicted, not excused.
 
@@ -55,22 +59,28 @@ SEQ_LEN = 128
 WARMUP = 2  # untimed steps per pass (the second step still ran ~20% slower than later ones here)
 UNCONTENDED = 0.85  # core share above which a pass counts as undisturbed by other work on the host
 
-# (world, global batch in sequences, micro-batch size, bucket size in MiB, ZeRO stage, dp_replicate);
-# accumulation steps = global batch / (world * micro-batch size); dp_shard = world / dp_replicate.
+# (world, global batch in sequences, micro-batch size, bucket size in MiB, ZeRO stage, dp_replicate,
+# tp, sequence parallel); dp = world / tp; accumulation steps = global batch / (dp * micro-batch
+# size); dp_shard = dp / dp_replicate.
 LAYOUTS = [
-    (1, 8, 8, 25.0, 0, 1),   # the single-process baseline
-    (2, 8, 4, 25.0, 0, 1),   # DP 2, one bucket
-    (2, 8, 2, 25.0, 0, 1),   # DP 2, 2 accumulation steps
-    (2, 8, 4, 1.0, 0, 1),    # DP 2, ~13 small buckets overlapped with backward
-    (4, 8, 2, 25.0, 0, 1),   # DP 4 (2 ranks per core here)
-    (4, 16, 2, 4.0, 0, 1),   # DP 4, 2 accumulation steps, 4 MiB buckets
-    (2, 8, 4, 4.0, 1, 1),    # ZeRO-1, dp_shard 2
-    (2, 8, 2, 4.0, 2, 1),    # ZeRO-2, dp_shard 2, 2 accumulation steps
-    (2, 8, 4, 25.0, 3, 1),   # ZeRO-3, dp_shard 2 (a unit per block; gathers not overlapped)
-    (4, 8, 2, 4.0, 1, 1),    # ZeRO-1, dp_shard 4 (2 ranks per core here)
-    (4, 8, 2, 25.0, 3, 1),   # ZeRO-3, dp_shard 4
-    (4, 8, 2, 4.0, 2, 2),    # hybrid ZeRO-2: dp_replicate 2 x dp_shard 2
+    (1, 8, 8, 25.0, 0, 1, 1, False),   # the single-process baseline
+    (2, 8, 4, 25.0, 0, 1, 1, False),   # DP 2, one bucket
+    (2, 8, 2, 25.0, 0, 1, 1, False),   # DP 2, 2 accumulation steps
+    (4, 8, 2, 25.0, 0, 1, 1, False),   # DP 4 (2 ranks per core here)
+    (2, 8, 4, 4.0, 1, 1, 1, False),    # ZeRO-1, dp_shard 2
+    (2, 8, 2, 4.0, 2, 1, 1, False),    # ZeRO-2, dp_shard 2, 2 accumulation steps
+    (2, 8, 4, 25.0, 3, 1, 1, False),   # ZeRO-3, dp_shard 2 (a unit per block; gathers not overlapped)
+    (4, 8, 2, 4.0, 1, 1, 1, False),    # ZeRO-1, dp_shard 4 (2 ranks per core here)
+    (4, 8, 2, 25.0, 3, 1, 1, False),   # ZeRO-3, dp_shard 4
+    (4, 8, 2, 4.0, 2, 2, 1, False),    # hybrid ZeRO-2: dp_replicate 2 x dp_shard 2
+    (2, 8, 8, 25.0, 0, 1, 2, True),    # TP 2 + SP (vocab-parallel embedding, lm_head and loss)
+    (2, 8, 8, 25.0, 0, 1, 2, False),   # TP 2 without SP (all-reduces)
+    (4, 8, 4, 25.0, 0, 1, 2, True),    # TP 2 + SP x DP 2 (DP all-reduce of the TP shards)
 ]
+
+
+def _kind(spec: tuple) -> str:
+    return "tp" if spec[6] > 1 else "zero" if spec[4] else "dp"
 
 
 def _free_port() -> int:
@@ -102,51 +112,65 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.data import apply_data_parallel
+    from meshlm.parallel.tensor import apply_tensor_parallel, tensor_parallel_grad_norm, vocab_parallel_cross_entropy
     from meshlm.parallel.zero import ZeroAdamW, apply_zero
 
     torch.set_num_threads(1)
-    _, global_batch, mbs, bucket_mb, stage, dp_replicate = spec
+    _, global_batch, mbs, bucket_mb, stage, dp_replicate, tp, sp = spec
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         cfg = ModelConfig(**MODEL)
         model = build_model(cfg, seed=0)
-        dp = zero = None
+        dp = zero = mesh = None
+        stats = CommStats()
+        dp_size, dp_rank = world // tp, rank
         if world > 1:
-            dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world // dp_replicate).resolve(world)
-            mesh = build_mesh(dims, device_type="cpu", stats=CommStats())
+            dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world // (dp_replicate * tp), tp=tp).resolve(world)
+            mesh = build_mesh(dims, device_type="cpu", stats=stats)
+            dp_rank = mesh.local_rank("dp")
+        if tp > 1:  # TP first, then DP over "dp" on the local shards (parallel/parallelize.py's order)
+            apply_tensor_parallel(model, mesh, sequence_parallel=sp)
         if stage > 0:
             zero = apply_zero(model, mesh, stage=stage, bucket_size_mb=bucket_mb)
             opt = ZeroAdamW(zero, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
         else:
-            if world > 1:
-                dp = apply_data_parallel(model, mesh, bucket_size_mb=bucket_mb)
+            if dp_size > 1:
+                dp = apply_data_parallel(model, mesh, bucket_size_mb=bucket_mb, axis="dp")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         sync = zero or dp
-        local = global_batch // world
+        local = global_batch // dp_size
         global_tokens = global_batch * SEQ_LEN
         times = []
         params = list(model.parameters())
         for step in range(steps + WARMUP):  # the first steps pay one-time allocations: not timed
             g = torch.Generator().manual_seed(step)
             seqs = torch.randint(0, cfg.vocab_size, (global_batch, SEQ_LEN + 1), generator=g)
-            mine = seqs[rank * local:(rank + 1) * local]
+            mine = seqs[dp_rank * local:(dp_rank + 1) * local]
             micro = list(zip(mine[:, :-1].split(mbs), mine[:, 1:].split(mbs)))
             dist.barrier()
+            tp_bytes_before = stats.total(axis="tp").bytes
             start, cpu_start = time.perf_counter(), time.process_time()
             peak_grads = 0
             for i, (inputs, targets) in enumerate(micro):
                 last = i == len(micro) - 1
                 with sync.no_sync() if (sync is not None and not last) else torch.enable_grad():
                     logits = model(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / global_tokens
+                    if tp > 1:  # this rank's vocab slice of the logits
+                        loss = vocab_parallel_cross_entropy(logits, targets, mesh, reduction="sum") / global_tokens
+                    else:
+                        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / global_tokens
                     loss.backward()
                 if step == steps + WARMUP - 1:  # the last step only: counting is not free
                     peak_grads = max(peak_grads, sum(p.grad.numel() * 4 for p in params if p.grad is not None)
                                      + (zero.grad_shard.numel() * 4 if zero is not None else 0))
+            if tp > 1:  # the trainer's clipping norm (one float over tp)
+                tensor_parallel_grad_norm(params, mesh)
             opt.step()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             if step == steps + WARMUP - 1:  # count before zero_grad frees the gradients
                 state = {**_model_state_bytes(model, opt, dp, zero), "gradients": peak_grads}
+                if tp > 1:
+                    state["tp_comm_bytes"] = stats.total(axis="tp").bytes - tp_bytes_before
             opt.zero_grad(set_to_none=True)
             if step >= WARMUP:
                 times.append((elapsed, cpu))
@@ -196,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", default="plan_calibration.json")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per layout and pass (after WARMUP untimed)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over all layouts")
+    ap.add_argument("--only", choices=("dp", "zero", "tp"), help="run only the layouts of one kind")
     args = ap.parse_args(argv)
+    layouts = [spec for spec in LAYOUTS if args.only in (None, _kind(spec))]
     torch.set_num_threads(1)
     path = Path(args.calibration)
     if _needs_calibration(path):
@@ -210,17 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     # pass whose ranks got the largest share of their cores (closest to the idle host the planner
     # models). `core_share` of every pass is printed: well below 1 means other work took the cores
     # (or, for DP, that ranks waited on each other), and that row's ratio is correspondingly low.
-    runs: dict = {spec: [] for spec in LAYOUTS}
-    loads: dict = {spec: [] for spec in LAYOUTS}
+    runs: dict = {spec: [] for spec in layouts}
+    loads: dict = {spec: [] for spec in layouts}
     for _ in range(args.rounds):
-        for spec in LAYOUTS:
+        for spec in layouts:
             loads[spec].append(os.getloadavg()[0])
             runs[spec].append(measure(spec, steps=args.steps))
     rows = []
-    for spec in LAYOUTS:
-        world, global_batch, mbs, bucket_mb, stage, dp_replicate = spec
-        layout = Layout(dp_replicate=dp_replicate, dp_shard=world // dp_replicate, zero_stage=stage,
-                        micro_batch_size=mbs, bucket_size_mb=bucket_mb)
+    for spec in layouts:
+        world, global_batch, mbs, bucket_mb, stage, dp_replicate, tp, sp = spec
+        dp_shard = world // (dp_replicate * tp)
+        layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, sequence_parallel=sp,
+                        zero_stage=stage, micro_batch_size=mbs, bucket_size_mb=bucket_mb)
         # meshlm's model runs eager here: one memory pass per elementwise op (Job.fused_elementwise)
         job = Job(seq_len=SEQ_LEN, global_batch_size=global_batch, precision="fp32", fused_elementwise=False)
         est = estimate(cfg, local, job, layout, gpus=world)
@@ -230,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         load = max(loads[spec])
         predicted = est.time_s["step"]
         rows.append({
-            "layout": (f"dp{dp_replicate}x{world // dp_replicate}" if dp_replicate > 1 else f"dp{world}")
+            "layout": (f"tp{tp}{'sp' if sp else ''} " if tp > 1 else "")
+            + (f"dp{dp_replicate}x{dp_shard}" if dp_replicate > 1 else f"dp{dp_shard}")
             + (f" zero{stage}" if stage else "") + f" mbs{mbs} accum{est.num_microbatches} bucket{bucket_mb:g}MiB",
             "world": world, "global_batch": global_batch, "seq_len": SEQ_LEN,
             "predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
@@ -245,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                             "comm_buffers")},
                 "counted_rank0": state,
             },
+            **({"tp_comm_bytes": {"predicted": round(est.tp_comm_bytes), "counted_rank0": state["tp_comm_bytes"]}}
+               if tp > 1 else {}),
         })
     ratios = [r["ratio"] for r in rows]
     clean = [r["ratio"] for r in rows if not r["contended"]]
@@ -258,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         # rows whose best pass still had other work on the cores measure that work too
         "median_ratio_uncontended": statistics.median(clean) if clean else None,
         "uncontended_rows": len(clean),
-        "pending": "TP and PP rows: those strategies are not in meshlm.parallel yet",
+        "pending": "PP rows: pipeline parallelism is not in meshlm.parallel yet",
     }, indent=2))
     return 0
 

@@ -14,6 +14,13 @@ the AdamW moments plus, under stages 1/2, the flat fp32 master shard; gradients 
 the micro-steps, of the bytes in `.grad` plus the flat gradient shard; comm_buffers = the padded
 bucket buffers (all reduce-scatters are in flight at once at the end of backward).
 
+And for tensor parallelism (`meshlm.parallel.tensor`, vocab-parallel loss, then plain DP over "dp" on
+the local shards) at tp=2 with and without sequence parallelism (world 2) and tp=2 x dp=2 (world 4):
+weights, gradients and optimizer state per rank equal exactly (shards are exact when tp divides the
+heads, vocabulary and intermediate size; norms are full copies), and so does the planner's
+`tp_comm_bytes` with the bytes CommStats counted on the "tp" axis over one optimizer step (2
+accumulation micro-steps and the grad-norm all-reduce).
+
 "Equal up to padding": ZeRO pads every bucket to a multiple of dp_shard (n) with zeros, < n elements
 per bucket. A rank's flat shard (of parameters, gradients, each moment) therefore holds
 sum_b ceil(numel_b / n) elements, where the planner counts ceil(params / n): between 0 and
@@ -189,3 +196,81 @@ def test_predicted_zero_model_state_equals_counted_bytes_up_to_padding_dp2():
 def test_predicted_zero_model_state_hybrid_2x2():
     results = run_distributed(zero_count_worker, 4, 2, timeout=120)
     _check_zero(results[0], dp_replicate=2, dp_shard=2)
+
+
+# Tensor parallelism (`meshlm.parallel.tensor`, then plain DP over "dp" on the local shards): shards
+# are exact when tp divides heads, kv heads, vocabulary and intermediate size, so everything is equal.
+# (tp, dp, sequence_parallel, model variant); one launch per world size.
+TP_CASES = {2: [(2, 1, True, "gqa"), (2, 1, False, "tied_bias_qknorm"), (2, 1, True, "tied_bias_qknorm")],
+            4: [(2, 2, True, "gqa")]}
+TP_BUCKET_MB = 0.002
+
+
+def tp_count_worker(rank, world_size):
+    from meshlm.comm import CommStats
+    from meshlm.mesh import ParallelDims, build_mesh
+    from meshlm.models.transformer import build_model
+    from meshlm.parallel.data import apply_data_parallel
+    from meshlm.parallel.tensor import apply_tensor_parallel, tensor_parallel_grad_norm, vocab_parallel_cross_entropy
+
+    out = {}
+    for tp, dp, sp, name in TP_CASES[world_size]:
+        stats = CommStats()
+        mesh = build_mesh(ParallelDims(dp_shard=dp, tp=tp), device_type="cpu", stats=stats)
+        cfg = ModelConfig(**BASE, **VARIANTS[name])
+        model = apply_tensor_parallel(build_model(cfg, seed=0), mesh, sequence_parallel=sp)
+        ddp = apply_data_parallel(model, mesh, bucket_size_mb=TP_BUCKET_MB, axis="dp") if dp > 1 else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        global_batch = GLOBAL_BATCH * dp // 2  # 2 micro-steps of MICRO_BATCH per data-parallel rank
+        seqs = torch.randint(0, cfg.vocab_size, (global_batch, SEQ + 1), generator=g)
+        local = global_batch // dp
+        d = mesh.local_rank("dp")
+        mine = seqs[d * local:(d + 1) * local]
+        micro = list(zip(mine[:, :-1].split(MICRO_BATCH), mine[:, 1:].split(MICRO_BATCH)))
+        params = list(model.parameters())
+        stats.reset()
+        for i, (inputs, targets) in enumerate(micro):
+            with ddp.no_sync() if ddp is not None and i < len(micro) - 1 else torch.enable_grad():
+                loss = vocab_parallel_cross_entropy(model(inputs), targets, mesh, reduction="sum") / seqs[:, 1:].numel()
+                loss.backward()
+        tensor_parallel_grad_norm(params, mesh)  # the trainer's clipping norm: one float over tp
+        opt.step()
+        out[(tp, dp, sp, name)] = {
+            "weights": sum(p.numel() * p.element_size() for p in params),
+            "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params),
+            "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values() for k, t in st.items()
+                             if k != "step"),
+            "dp_buckets": sum(ddp.bucket_bytes) if ddp is not None else 0,
+            "tp_comm_bytes": stats.total(axis="tp").bytes,
+            "micro_steps": len(micro),
+        }
+        if ddp is not None:
+            ddp.remove()
+    return out
+
+
+def _check_tp(results, world_size):
+    for r, counted in enumerate(results):
+        for (tp, dp, sp, name), got in counted.items():
+            cfg = ModelConfig(**BASE, **VARIANTS[name])
+            layout = Layout(dp_shard=dp, tp=tp, sequence_parallel=sp, micro_batch_size=MICRO_BATCH,
+                            bucket_size_mb=TP_BUCKET_MB)
+            est = estimate(cfg, "a100", gpus=world_size, layout=layout, seq_len=SEQ,
+                           global_batch_size=GLOBAL_BATCH * dp // 2, precision="fp32")
+            assert est.num_microbatches == got["micro_steps"] == 2
+            case = (r, tp, dp, sp, name)
+            for key in ("weights", "gradients", "optimizer"):
+                assert round(est.memory_gib[key] * 2**30) == got[key], (case, key, est.memory_gib[key] * 2**30, got)
+            # comm_buffers = DP's flat copy of the local gradients + the SP gather buffer (2 activations)
+            sp_gather = 2 * MICRO_BATCH * SEQ * cfg.hidden_size * 4
+            assert round(est.memory_gib["comm_buffers"] * 2**30) - sp_gather == got["dp_buckets"], (case, got)
+            assert est.tp_comm_bytes == got["tp_comm_bytes"], (case, est.tp_comm_bytes, got["tp_comm_bytes"])
+
+
+def test_predicted_tp_model_state_and_comm_equal_counted_tp2():
+    _check_tp(run_distributed(tp_count_worker, 2, timeout=90), 2)
+
+
+def test_predicted_tp2_dp2_model_state_and_comm_equal_counted():
+    _check_tp(run_distributed(tp_count_worker, 4, timeout=120), 4)
