@@ -4,8 +4,11 @@ Every test uses tiny models; extra intra-op threads only fight over the few core
 (and with the ranks the distributed tests spawn), which makes everything many times slower.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
+from runs import write_corpus
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -14,3 +17,9 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """The trainer tests' corpus (400 small functions); a module may override it with its own."""
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 400)

@@ -18,7 +18,7 @@ from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, parallelize
 from meshlm.train.checkpoint import latest_checkpoint
 from meshlm.train.trainer import Trainer
-from runs import SMALL_MODEL, grad_norms, rows, step_losses, val_losses, write_corpus
+from runs import SMALL_MODEL, grad_norms, rows, step_losses, val_losses
 
 STEPS = 10
 PARITY_STEPS = 5
@@ -36,11 +36,6 @@ def make_cfg(run_dir, text_file, *extra):
 
 def weights(trainer) -> dict:
     return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 400)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, parallelize
 from meshlm.parallel.tensor import full_state_dict
 from meshlm.train.trainer import Trainer
-from runs import SMALL_MODEL, grad_norms, step_losses, val_losses, write_corpus
+from runs import SMALL_MODEL, grad_norms, step_losses, val_losses
 
 STEPS = 7
 PARITY_STEPS = 5
@@ -42,11 +42,6 @@ def make_cfg(run_dir, text_file, *extra):
 def full_weights(trainer) -> dict:
     """The reference-layout weights (gathered over tp; collective under tp)."""
     return full_state_dict(trainer.base_model, trainer.mesh)
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 400)
 
 
 @pytest.fixture(scope="module")

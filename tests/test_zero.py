@@ -22,7 +22,7 @@ from meshlm.parallel.parallelize import check_layout
 from meshlm.parallel.zero import apply_zero
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import Trainer
-from runs import SMALL_MODEL, write_corpus
+from runs import SMALL_MODEL
 
 STEPS = 5
 RESUME_AT = 3
@@ -55,11 +55,6 @@ def run_steps(trainer, until: int) -> list[dict]:
                     "ag": stats.total(op="all_gather", axis="dp_shard").bytes,
                     "ar_rep": stats.total(op="all_reduce", axis="dp_replicate").bytes})
     return out
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 400)
 
 
 @pytest.fixture(scope="module")

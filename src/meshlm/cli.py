@@ -120,8 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    import os
-
     from meshlm.config import load_config
     from meshlm.distributed import launched_ranks, read_launch_env
 

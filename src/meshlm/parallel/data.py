@@ -64,7 +64,24 @@ class _Bucket:
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
 
-class DataParallel:
+class GradientSync:
+    """What DataParallel and ZeRO share: `no_sync()`, the switch that defers their gradient reduction."""
+
+    _sync_enabled = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate full gradients locally in `.grad`, with no communication
+        (non-final micro-steps of gradient accumulation)."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+
+class DataParallel(GradientSync):
     """The hooks and buckets that `apply_data_parallel` attached to a model (the model is unchanged)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, bucket_size_mb: float, axis: str):
@@ -170,16 +187,6 @@ class DataParallel:
             bucket.ready.clear()
         self._next_launch = 0
         self._callback_queued = False
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate gradients locally, with no communication."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
 
     # -- after backward -------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from torch import nn
 
 from meshlm import comm
 from meshlm.mesh import Mesh
+from meshlm.parallel.data import GradientSync
 
 SHARD_AXIS = "dp_shard"
 REPLICATE_AXIS = "dp_replicate"
@@ -95,7 +96,7 @@ class _Bucket:
         return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
 
-class ZeroSharding:
+class ZeroSharding(GradientSync):
     """The hooks, buckets and flat shard that `apply_zero` attached to a model (the model is unchanged)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float):
@@ -317,16 +318,6 @@ class ZeroSharding:
         # Hybrid sharding: the same shard of the other replicas holds their tokens' share.
         comm.all_reduce(self.grad_shard, self.mesh, REPLICATE_AXIS)
         self._next_launch = 0
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate full gradients locally in `.grad`, with no communication."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
 
     # -- after backward -----------------------------------------------------------------------
 
