@@ -113,7 +113,8 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
     from meshlm.models.transformer import build_model
     from meshlm.parallel.data import apply_data_parallel
     from meshlm.parallel.tensor import apply_tensor_parallel, tensor_parallel_grad_norm, vocab_parallel_cross_entropy
-    from meshlm.parallel.zero import ZeroAdamW, apply_zero
+    from meshlm.parallel.zero import apply_zero
+    from meshlm.parallel.zero_adamw import ZeroAdamW
 
     torch.set_num_threads(1)
     _, global_batch, mbs, bucket_mb, stage, dp_replicate, tp, sp = spec

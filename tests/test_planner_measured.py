@@ -6,7 +6,7 @@ on each rank: parameter bytes, gradient bytes, AdamW state tensor bytes (exp_avg
 data-parallel bucket buffers. The planner's `weights`, `gradients`, `optimizer` and `comm_buffers`
 for the same layout (dp_shard=2, zero_stage=0, precision fp32) must equal them.
 
-The same for meshlm's ZeRO (`meshlm.parallel.zero`, `ZeroAdamW`) at stages 1, 2, 3 with dp_shard=2
+The same for meshlm's ZeRO (`meshlm.parallel.zero`, `meshlm.parallel.zero_adamw.ZeroAdamW`) at stages 1, 2, 3 with dp_shard=2
 (world 2) and hybrid dp_replicate=2 x dp_shard=2 (world 4), with and without accumulation, counted
 per rank as: weights = bytes of the model's parameter storage (size 0 under stage 3 between uses)
 plus, under stage 3, the flat master shard (which is then the only copy of the weights); optimizer =
@@ -121,7 +121,8 @@ def zero_count_worker(rank, world_size, dp_replicate):
     from meshlm.comm import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
-    from meshlm.parallel.zero import ZeroAdamW, apply_zero
+    from meshlm.parallel.zero import apply_zero
+    from meshlm.parallel.zero_adamw import ZeroAdamW
 
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world_size // dp_replicate).resolve(world_size)
     mesh = build_mesh(dims, device_type="cpu", stats=CommStats())

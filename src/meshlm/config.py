@@ -402,7 +402,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global norm; 0 disables
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp64 (parity proofs)
     device: str = "auto"  # auto | cpu | cuda
     run_dir: str = "runs/default"
     checkpoint_interval: int = 0  # steps; 0: only at the end
@@ -426,8 +426,8 @@ class TrainConfig:
                  (self.beta1, self.beta2), "must be in [0, 1)")
         _require(self.lr_schedule in ("cosine", "linear", "constant"), "train.lr_schedule",
                  self.lr_schedule, "must be cosine, linear or constant")
-        _require(self.precision in ("auto", "fp32", "bf16"), "train.precision", self.precision,
-                 "must be auto, fp32 or bf16")
+        _require(self.precision in ("auto", "fp32", "bf16", "fp64"), "train.precision", self.precision,
+                 "must be auto, fp32, bf16 or fp64")
         _require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "must be auto, cpu or cuda")
         if self.global_batch_tokens:
             _require(self.global_batch_tokens % self.seq_len == 0, "train.global_batch_tokens",

@@ -225,6 +225,17 @@ class Mesh:
             return self._views[axis].get_group()
         return self.device_mesh.get_group(axis)
 
+    def duplicate(self) -> "Mesh":
+        """The same layout over a second, independent set of process groups, sharing this mesh's
+        CommStats; collective over the world (every rank must call it, in the same order).
+
+        For a strategy that issues two streams of collectives on one axis whose relative order is
+        not the same on every rank (ZeRO-3's parameter gathers next to its gradient reduce-scatters):
+        each stream on its own groups keeps each in order."""
+        if self.device_mesh is None:
+            return self
+        return build_mesh(self.dims, device_type=self.device_type, stats=self.stats)
+
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.size(a)}" for a in AXES)
         return f"Mesh({degrees}, ep={self.dims.ep}, rank={self.rank}, device_type={self.device_type!r})"

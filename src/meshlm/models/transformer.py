@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # bf16 -> fp32; fp64 stays fp64
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -121,10 +121,10 @@ class Attention(nn.Module):
             # k/v where its block tables say and returns [batch, heads, seq, head_dim].
             out = cache.attend(layer, q_bhsd, k_bhsd, v_bhsd)
             return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k_bhsd, v_bhsd = cache.update(layer, k_bhsd, v_bhsd)
+        if cache is None:
+            return self.wo(self.core(q_bhsd, k_bhsd, v_bhsd))
+        past = cache.length
+        k_bhsd, v_bhsd = cache.update(layer, k_bhsd, v_bhsd)
         groups = q_bhsd.shape[1] // k_bhsd.shape[1]
         if groups > 1:
             k_bhsd = k_bhsd.repeat_interleave(groups, dim=1)
@@ -140,6 +140,18 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, seq, -1)
         return self.wo(out)
 
+    def core(self, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
+        """Causal attention over a whole sequence (no cache): [batch, heads, seq, head_dim] in,
+        [batch, seq, heads * head_dim] out. A method of its own, with no parameters, so that a
+        transform can replace it (selective activation recomputation, `meshlm.parallel.recompute`)."""
+        bsz, _, seq, _ = q_bhsd.shape
+        groups = q_bhsd.shape[1] // k_bhsd.shape[1]
+        if groups > 1:
+            k_bhsd = k_bhsd.repeat_interleave(groups, dim=1)
+            v_bhsd = v_bhsd.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, is_causal=seq > 1)
+        return out.transpose(1, 2).reshape(bsz, seq, -1)
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -151,7 +163,12 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_gate(x), self.w_up(x)))
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: a method of its own so that a transform can replace it (selective
+        activation recomputation, `meshlm.parallel.recompute`)."""
+        return F.silu(gate) * up
 
 
 class Block(nn.Module):

@@ -20,10 +20,9 @@ After `loss.backward()` returns on the last micro-step, every `.grad` already ho
 (the wait happens in a callback at the end of backward); `finish_grad_sync()` is there for callers
 that want to be explicit and is a no-op then.
 
-Buckets follow reverse registration order, which approximates the order in which backward produces
-gradients (the head first, the embedding last), so the first buckets are ready while backward still
-runs. Buckets are launched strictly in order on every rank -- a bucket that is ready early waits for
-its predecessors -- because collectives on one group must be issued in the same order everywhere.
+The bucketing, the hooks and the in-order launch are the shared engine of `parallel/buckets.py`
+(buckets in reverse registration order, one async collective each, all waited at the end of
+backward); this file only says that a bucket's collective is an all-reduce over `axis`.
 A parameter this rank's backward did not reach (an unused branch) contributes zeros and still gets
 the summed gradient; but every rank's synchronising backward must reach at least one parameter,
 since that is what starts the reduction. Memory: one flat buffer per bucket, i.e. one extra copy of
@@ -32,7 +31,6 @@ the gradients (gradients are copied in before and out after the all-reduce).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -40,153 +38,49 @@ from torch import nn
 
 from meshlm import comm
 from meshlm.mesh import Mesh
+from meshlm.parallel.buckets import Bucket, GradientBuckets, group_by_size
 
 
-class _Bucket:
-    """Parameters whose gradients are reduced together through one flat buffer."""
+class DataParallel(GradientBuckets):
+    """The hooks and buckets that `apply_data_parallel` attached to a model (the model is unchanged).
 
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str]):
-        self.index = index
-        self.params = params
-        self.names = names
-        numels = [p.numel() for p in params]
-        self.offsets = [sum(numels[:i]) for i in range(len(params))]
-        self.buffer = torch.empty(sum(numels), dtype=params[0].dtype, device=params[0].device)
-        self.ready: set[int] = set()  # indices into params whose gradient this backward produced
-        self.handle: comm.CommHandle | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def view(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
-
-
-class GradientSync:
-    """What DataParallel and ZeRO share: `no_sync()`, the switch that defers their gradient reduction."""
-
-    _sync_enabled = True
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate full gradients locally in `.grad`, with no communication
-        (non-final micro-steps of gradient accumulation)."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
-
-class DataParallel(GradientSync):
-    """The hooks and buckets that `apply_data_parallel` attached to a model (the model is unchanged)."""
+    Each bucket owns a flat buffer: gradients are copied in, all-reduced in place, copied back.
+    """
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, bucket_size_mb: float, axis: str):
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
         self.model, self.mesh, self.axis = model, mesh, axis
         self.bucket_size_mb = bucket_size_mb
-        self._sync_enabled = True
-        self._callback_queued = False
-        self._next_launch = 0
-        self.buckets = self._make_buckets(bucket_size_mb)
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for b in self.buckets for p in b.params]
-
-    # -- setup ------------------------------------------------------------------------------
-
-    def _make_buckets(self, bucket_size_mb: float) -> list[_Bucket]:
-        limit = bucket_size_mb * 2**20
-        named, seen = [], set()
-        for name, p in self.model.named_parameters():  # tied weights appear once
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                named.append((name, p))
-        buckets, params, names, size = [], [], [], 0
-        for name, p in reversed(named):
-            # A flat buffer holds one dtype on one device; a full bucket is closed after the tensor
-            # that filled it, so no tensor is ever split and no bucket is empty.
-            if params and (p.dtype != params[0].dtype or p.device != params[0].device):
-                buckets.append(_Bucket(len(buckets), params, names))
-                params, names, size = [], [], 0
-            params.append(p)
-            names.append(name)
-            size += p.numel() * p.element_size()
-            if size >= limit:
-                buckets.append(_Bucket(len(buckets), params, names))
-                params, names, size = [], [], 0
-        if params:
-            buckets.append(_Bucket(len(buckets), params, names))
-        return buckets
+        buckets = [Bucket(i, params, names) for i, (params, names) in enumerate(group_by_size(model, bucket_size_mb))]
+        for b in buckets:
+            b.flat_buffer = torch.empty(b.padded, dtype=b.params[0].dtype, device=b.params[0].device)
+        super().__init__(buckets)
 
     @torch.no_grad()
     def broadcast_parameters(self) -> None:
         """Copy coordinate 0's parameters to every rank of the axis (one broadcast per bucket)."""
         for b in self.buckets:
+            b.flat(b.params, out=b.flat_buffer)
+            comm.broadcast(b.flat_buffer, self.mesh, self.axis, src=0)
             for i, p in enumerate(b.params):
-                b.view(i).copy_(p)
-            comm.broadcast(b.buffer, self.mesh, self.axis, src=0)
-            for i, p in enumerate(b.params):
-                p.copy_(b.view(i))
+                p.copy_(b.unflat(b.flat_buffer, i))
 
-    # -- backward -----------------------------------------------------------------------------
-
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._sync_enabled or self.mesh.size(self.axis) == 1:
-            return
-        if not self._callback_queued:
-            # Runs once the whole backward is done: reduces what is left, waits, writes the grads back.
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
-            self._callback_queued = True
-        bucket, i = self._where[id(param)]
-        bucket.ready.add(i)
-        self._launch_ready()
+    # -- the bucket engine's two questions: which collective, and where its result goes -------------
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
+    def launch(self, bucket: Bucket) -> comm.CommHandle:
+        # A parameter unused by this rank's graph (grad None) contributes zeros to the sum.
+        bucket.buffer = bucket.flat((p.grad for p in bucket.params), out=bucket.flat_buffer)
+        return comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True)
+
+    @torch.no_grad()
+    def finish_bucket(self, bucket: Bucket) -> None:
         for i, p in enumerate(bucket.params):
-            if p.grad is None:  # unused by this rank's graph: it contributes nothing to the sum
-                bucket.view(i).zero_()
+            # Every rank writes a gradient, even for a parameter its own graph did not use, so
+            # that the optimizer updates the same tensors everywhere and the replicas stay equal.
+            if p.grad is None:
+                p.grad = bucket.unflat(bucket.buffer, i).clone()
             else:
-                bucket.view(i).copy_(p.grad)
-        bucket.handle = comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True)
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
-            self._next_launch += 1
-
-    @torch.no_grad()
-    def finish_grad_sync(self) -> None:
-        """Reduce any bucket not yet launched (parameters unused this step), wait for all, write back.
-
-        Called automatically at the end of a synchronising backward; calling it again is a no-op.
-        """
-        if not self._callback_queued:
-            return
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
-        for bucket in self.buckets:
-            bucket.handle.wait()
-            for i, p in enumerate(bucket.params):
-                # Every rank writes a gradient, even for a parameter its own graph did not use, so
-                # that the optimizer updates the same tensors everywhere and the replicas stay equal.
-                if p.grad is None:
-                    p.grad = bucket.view(i).clone()
-                else:
-                    p.grad.copy_(bucket.view(i))
-            bucket.handle = None
-            bucket.ready.clear()
-        self._next_launch = 0
-        self._callback_queued = False
+                p.grad.copy_(bucket.unflat(bucket.buffer, i))
 
     # -- after backward -------------------------------------------------------------------------
 
@@ -202,17 +96,6 @@ class DataParallel(GradientSync):
         if not norms:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms))
-
-    @property
-    def bucket_bytes(self) -> list[int]:
-        """Bytes of each bucket in launch order: what one synchronising backward all-reduces."""
-        return [b.nbytes for b in self.buckets]
-
-    def remove(self) -> None:
-        """Detach the hooks (the model becomes a plain single-process model again)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, *, bucket_size_mb: float = 25.0, axis: str = "dp",

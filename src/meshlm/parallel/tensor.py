@@ -156,7 +156,7 @@ class GradReducedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return comm.copy_to_group(self.weight, self.mesh, AXIS) * x.to(dtype)
 
@@ -274,7 +274,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_local, targets, mesh, axis, ignore_index):
-        logits = logits_local.float()
+        logits = logits_local.to(torch.promote_types(logits_local.dtype, torch.float32))
         rows = logits.shape[-1]
         start = mesh.local_rank(axis) * rows
         # Subtracting the global max keeps exp() in range exactly as a one-device log_softmax does.
@@ -337,18 +337,18 @@ def tensor_parallel_grad_norm(params, mesh: Mesh, *, axis: str = AXIS) -> torch.
     A sharded gradient (`_meshlm_shard` on its parameter) contributes its squares from every tp
     rank; a replicated one holds the full gradient on every rank and is counted once.
     """
-    sharded = torch.zeros((), dtype=torch.float32)
-    replicated = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.detach()
-        sq = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).float().cpu() ** 2
+    grads = [(p, p.grad.detach()) for p in params if p.grad is not None]
+    # fp32 sums (bf16 and fp32 gradients); fp64 under train.precision=fp64
+    dtype = torch.promote_types(grads[0][1].dtype, torch.float32) if grads else torch.float32
+    sharded = torch.zeros((), dtype=dtype)
+    replicated = torch.zeros((), dtype=dtype)
+    for p, g in grads:
+        sq = torch.linalg.vector_norm(g, dtype=dtype).cpu() ** 2
         if getattr(p, "_meshlm_shard", None) is not None:
             sharded = sharded + sq
         else:
             replicated = replicated + sq
-    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    device = grads[0][1].device if grads else torch.device("cpu")
     sharded = sharded.to(device).reshape(1).contiguous()
     comm.all_reduce(sharded, mesh, axis)
     return (sharded[0] + replicated.to(device)).sqrt()

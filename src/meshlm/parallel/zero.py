@@ -3,14 +3,12 @@
 Responsible for: `apply_zero(model, mesh, stage=..., bucket_size_mb=...) -> ZeroSharding`, which
 attaches gradient hooks that reduce-scatter bucketed gradients into this rank's flat gradient shard
 (launched asynchronously as backward produces them, like `parallel/data.py`'s all-reduce),
-`ZeroSharding.no_sync()` for accumulation, the global gradient-norm function, and
-`ZeroAdamW`, an AdamW over this rank's flat shard of the parameters that all-gathers the updated
-parameters after its step and reads/writes its state in the per-parameter layout of the unsharded
-AdamW (`full_state_dict` / `load_full_state_dict`), so a checkpoint moves between zero stages and
-data-parallel sizes.
-Not responsible for: sharding the data, or the loss normalisation (the trainer; gradients are SUMMED
-over ranks exactly as in `parallel/data.py`), or prefetching the next unit's parameters (ZeRO-3
-gathers synchronously, unit by unit: correct, not yet overlapped).
+`ZeroSharding.no_sync()` for accumulation, the global gradient-norm function (tensor-parallel aware),
+and ZeRO-3's gathering of parameters one unit ahead.
+Not responsible for: the optimizer over the flat shard (`parallel/zero_adamw.py`, `ZeroAdamW`), the
+bucket hooks and their in-order launch (the shared engine of `parallel/buckets.py`), sharding the
+data, or the loss normalisation (the trainer; gradients are SUMMED over ranks exactly as in
+`parallel/data.py`).
 
 Stages. Every rank computes full gradients (of its tokens) in every stage.
   stage 1: full fp32 parameters everywhere; the model's `.grad` tensors stay allocated (the full
@@ -23,7 +21,12 @@ Stages. Every rank computes full gradients (of its tokens) in every stage.
            is all-gathered before the unit's forward, freed after it, gathered again when the
            gradient of the unit's output arrives, and freed once all the unit's gradients are in.
            Between uses every parameter has storage of size 0 (`full_params()` gathers them all, for
-           checkpoints and inspection).
+           checkpoints and inspection). Prefetch: when a unit is gathered, the gather of the unit
+           that runs next (next block in forward; previous block in backward) is started
+           asynchronously, so its all-gather overlaps this unit's compute; at most two units are
+           full at a time. These gathers run on a second set of process groups (`Mesh.duplicate`):
+           the reduce-scatters of backward are launched when a bucket's gradients are in, a local
+           event, so on one group the two kinds could interleave differently on different ranks.
 Accumulation: inside `no_sync()` gradients accumulate locally in `.grad` (the full gradient, in every
 stage) and the last micro-step's backward reduce-scatters the accumulated sum once.
 
@@ -45,12 +48,15 @@ same update; parameters are gathered within the replica only.
 
 Weight decay: the same rule as `train.optim.param_groups` (>= 2-D tensors decayed), carried as a
 flat boolean mask over the shard.
+
+Tensor parallelism underneath (tp > 1): ZeRO works on the TP-local shards, which are ordinary local
+tensors to it; only the gradient norm needs to know which elements are TP shards (summed over "tp")
+and which are replicated over tp (norm weights: counted once). The flat mask `tp_sharded` says so.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable
 
 import torch
@@ -58,93 +64,96 @@ from torch import nn
 
 from meshlm import comm
 from meshlm.mesh import Mesh
-from meshlm.parallel.data import GradientSync
+from meshlm.parallel.buckets import Bucket, GradientBuckets, group_by_size, trainable_parameters
 
 SHARD_AXIS = "dp_shard"
 REPLICATE_AXIS = "dp_replicate"
 
 
-class _Bucket:
-    """Parameters reduce-scattered together; `padded` elements, of which this rank owns `chunk`."""
+class _ShardedBucket(Bucket):
+    """A bucket padded to `num_shards` equal chunks, of which this rank owns one (`chunk` elements at
+    `shard_offset` of its flat shard); under ZeRO-3 also the unit whose parameters live in it."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], num_shards: int, shard_offset: int):
-        self.params, self.names = params, names
-        numels = [p.numel() for p in params]
-        self.offsets = [sum(numels[:i]) for i in range(len(params))]
-        self.numel = sum(numels)
-        self.padded = math.ceil(self.numel / num_shards) * num_shards
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], num_shards: int,
+                 shard_offset: int):
+        super().__init__(index, params, names, pad_to=num_shards)
         self.chunk = self.padded // num_shards
-        self.shard_offset = shard_offset  # where this bucket's chunk sits in the rank's flat shard
-        self.ready: set[int] = set()
+        self.shard_offset = shard_offset
         self.unit: nn.Module | None = None  # ZeRO-3: the module around whose passes the bucket is gathered
         self.full: torch.Tensor | None = None  # ZeRO-3: the padded full parameters (storage freed between uses)
         self.gathered = False
-        self.buffer: torch.Tensor | None = None  # gradient input while a reduce-scatter is in flight
-        self.handle: comm.CommHandle | None = None
-
-    def flat(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
-        """The padded flat concatenation of one tensor per parameter (None: zeros)."""
-        p0 = self.params[0]
-        out = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
-        for i, (p, t) in enumerate(zip(self.params, tensors)):
-            if t is not None:
-                out[self.offsets[i]:self.offsets[i] + p.numel()].copy_(t.reshape(-1))
-        return out
-
-    def unflat(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        self.gather_handle: comm.CommHandle | None = None  # ZeRO-3: a gather in flight (prefetch)
+        self.next_forward: _ShardedBucket | None = None  # ZeRO-3: the unit whose forward comes next
+        self.next_backward: _ShardedBucket | None = None  # ... and whose backward comes next
 
 
-class ZeroSharding(GradientSync):
+class ZeroSharding(GradientBuckets):
     """The hooks, buckets and flat shard that `apply_zero` attached to a model (the model is unchanged)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage={stage} must be 1, 2 or 3 (0 is plain data parallelism)")
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
+        for name, p in trainable_parameters(model):
+            if p.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"parameter {name} is {p.dtype}; ZeRO keeps fp32 master weights, build the "
+                                 "model in fp32 and use train.precision=bf16 for bf16 compute")
         self.model, self.mesh, self.stage = model, mesh, stage
         self.num_shards, self.shard_rank = mesh.size(SHARD_AXIS), mesh.local_rank(SHARD_AXIS)
-        self.buckets = self._unit_buckets() if stage == 3 else self._make_buckets(bucket_size_mb)
-        self.shard_numel = sum(b.chunk for b in self.buckets)
-        p0 = self.buckets[0].params[0]
+        groups = self._unit_groups() if stage == 3 else group_by_size(model, bucket_size_mb)
+        buckets, offset = [], 0
+        for params, names in groups:
+            buckets.append(_ShardedBucket(len(buckets), params, names, self.num_shards, offset))
+            offset += buckets[-1].chunk
+        self.shard_numel = offset
+        p0 = buckets[0].params[0]
         # The gradient shard: reduce-scatter outputs land in views of it, one per bucket.
         self.grad_shard = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
-        # The fp32 master shard the optimizer updates; its `.grad` is the gradient shard, so
+        params_by_id = {id(p): p.detach() for b in buckets for p in b.params}
+        self.buckets = buckets  # local_shard reads them; the engine below sets them again
+        # The master shard the optimizer updates; its `.grad` is the gradient shard, so
         # `clip_grad_norm([param_shard], ...)` clips exactly what the optimizer steps on.
-        self.param_shard = nn.Parameter(self.local_shard({id(p): p.detach() for b in self.buckets for p in b.params}),
-                                        requires_grad=False)
+        self.param_shard = nn.Parameter(self.local_shard(params_by_id), requires_grad=False)
         self.param_shard.grad = self.grad_shard
-        self._sync_enabled = True
-        self._backward_syncs = True  # whether the backward in progress reduces (no_sync was off at its start)
-        self._callback_queued = False
-        self._next_launch = 0
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for b in self.buckets for p in b.params]
+        # Elements of TP-sharded parameters (None without tensor parallelism): the norm sums them over tp.
+        self.tp_sharded = None
+        if mesh.size("tp") > 1:
+            flags = {id(p): torch.full_like(p, float(getattr(p, "_meshlm_shard", None) is not None))
+                     for b in buckets for p in b.params}
+            self.tp_sharded = self.local_shard(flags).bool()  # padding: False (its gradient is zero)
+        super().__init__(buckets)
         if stage == 3:
-            for b in self.buckets:
-                self._hooks += [b.unit.register_forward_pre_hook(lambda m, a, b=b: self.gather(b)),
+            self.gather_mesh = mesh.duplicate()  # the parameter gathers' own groups (see the module doc)
+            self._link_units()
+            for b in buckets:
+                self._hooks += [b.unit.register_forward_pre_hook(lambda m, a, b=b: self._use(b, b.next_forward)),
                                 b.unit.register_forward_hook(lambda m, a, o, b=b: self._after_forward(b, o))]
 
-    def _unit_buckets(self) -> list[_Bucket]:
+    def _unit_groups(self) -> list[tuple[list[nn.Parameter], list[str]]]:
         """ZeRO-3: one bucket per transformer block, in backward order, then the rest (embedding, final
         norm, head) -- the units whose parameters are gathered around their forward and backward."""
+        self._units = []
         layers = getattr(self.model, "layers", None)
         blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
-        name_of = {}
-        for name, p in self.model.named_parameters():
-            name_of.setdefault(id(p), name)
-        buckets, seen, offset = [], set(), 0
+        name_of = {id(p): name for name, p in trainable_parameters(self.model)}
+        groups, seen = [], set()
         for unit in [*reversed(blocks), self.model]:
             params = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
             if params:
-                buckets.append(_Bucket(params, [name_of[id(p)] for p in params], self.num_shards, offset))
-                buckets[-1].unit = unit
-                offset += buckets[-1].chunk
-        return buckets
+                groups.append((params, [name_of[id(p)] for p in params]))
+                self._units.append(unit)
+        return groups
+
+    def _link_units(self) -> None:
+        """Forward runs the root (embedding...) then blocks 0..N-1; backward the root's head, then N-1..0."""
+        for b, unit in zip(self.buckets, self._units):
+            b.unit = unit
+        root, blocks_backward = self.buckets[-1], self.buckets[:-1]
+        forward = [root, *reversed(blocks_backward)]
+        backward = [root, *blocks_backward]
+        for order, attr in ((forward, "next_forward"), (backward, "next_backward")):
+            for b, nxt in zip(order, order[1:]):
+                setattr(b, attr, nxt)
 
     # -- ZeRO-3: parameters live as shards; full only around the forward / backward of their unit ---
 
@@ -158,29 +167,47 @@ class ZeroSharding(GradientSync):
             b.gathered = True
             self.free(b)
 
-    @torch.no_grad()
-    def gather(self, bucket: _Bucket) -> None:
-        if self.stage < 3 or bucket.gathered:
+    def _start_gather(self, bucket: _ShardedBucket) -> None:
+        if self.stage < 3 or bucket.gathered or bucket.gather_handle is not None:
             return
         bucket.full.untyped_storage().resize_(bucket.padded * bucket.full.element_size())
-        comm.all_gather_into_tensor(bucket.full, self.shard_of(bucket, self.param_shard).contiguous(),
-                                    self.mesh, SHARD_AXIS)
-        bucket.gathered = True
+        bucket.gather_handle = comm.all_gather_into_tensor(
+            bucket.full, self.shard_of(bucket, self.param_shard).contiguous(), self.gather_mesh, SHARD_AXIS,
+            async_op=True)
 
-    def free(self, bucket: _Bucket) -> None:
-        if self.stage < 3 or not bucket.gathered:
+    @torch.no_grad()
+    def gather(self, bucket: _ShardedBucket) -> None:
+        """Make the bucket's parameters full (waiting for a prefetch in flight, or gathering now)."""
+        if self.stage < 3 or bucket.gathered:
             return
-        # The parameters stay views of this storage; a later gather refills it in place.
-        bucket.full.untyped_storage().resize_(0)
-        bucket.gathered = False
+        self._start_gather(bucket)
+        bucket.gather_handle.wait()
+        bucket.gather_handle, bucket.gathered = None, True
 
-    def _after_forward(self, bucket: _Bucket, output) -> None:
+    def _use(self, bucket: _ShardedBucket, upcoming: _ShardedBucket | None) -> None:
+        """Before a unit's forward or backward: its parameters now, the next unit's on the way."""
+        self.gather(bucket)
+        if upcoming is not None:
+            self._start_gather(upcoming)
+
+    def free(self, bucket: _ShardedBucket) -> None:
+        if self.stage < 3:
+            return
+        if bucket.gather_handle is not None:  # a prefetch that was not used after all
+            bucket.gather_handle.wait()
+            bucket.gather_handle, bucket.gathered = None, True
+        if bucket.gathered:
+            # The parameters stay views of this storage; a later gather refills it in place.
+            bucket.full.untyped_storage().resize_(0)
+            bucket.gathered = False
+
+    def _after_forward(self, bucket: _ShardedBucket, output) -> None:
         self.free(bucket)
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             # The gradient of the unit's output arrives just before the unit's own backward: gather
             # then. (A module full-backward pre-hook would do too, but warns for the root, whose
             # input -- token ids -- needs no gradient.)
-            output.register_hook(lambda grad: self.gather(bucket))
+            output.register_hook(lambda grad: self._use(bucket, bucket.next_backward))
 
     @contextlib.contextmanager
     def full_params(self):
@@ -194,43 +221,12 @@ class ZeroSharding(GradientSync):
             for b in self.buckets:
                 self.free(b)
 
-    def _make_buckets(self, bucket_size_mb: float) -> list[_Bucket]:
-        limit = bucket_size_mb * 2**20
-        named, seen = [], set()
-        for name, p in self.model.named_parameters():  # tied weights appear once
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                named.append((name, p))
-        if not named:
-            raise ValueError("ZeRO needs a model with trainable parameters")
-        groups, params, names, size = [], [], [], 0
-        for name, p in reversed(named):
-            if p.dtype != torch.float32:
-                raise ValueError(f"parameter {name} is {p.dtype}; ZeRO keeps fp32 master weights, build the "
-                                 "model in fp32 and use train.precision=bf16 for bf16 compute")
-            if params and p.device != params[0].device:
-                groups.append((params, names))
-                params, names, size = [], [], 0
-            params.append(p)
-            names.append(name)
-            size += p.numel() * p.element_size()
-            if size >= limit:
-                groups.append((params, names))
-                params, names, size = [], [], 0
-        if params:
-            groups.append((params, names))
-        buckets, offset = [], 0
-        for params, names in groups:
-            buckets.append(_Bucket(params, names, self.num_shards, offset))
-            offset += buckets[-1].chunk
-        return buckets
-
     # -- views of the flat shard --------------------------------------------------------------
 
-    def shard_of(self, bucket: _Bucket, flat_shard: torch.Tensor) -> torch.Tensor:
+    def shard_of(self, bucket: _ShardedBucket, flat_shard: torch.Tensor) -> torch.Tensor:
         return flat_shard[bucket.shard_offset:bucket.shard_offset + bucket.chunk]
 
-    def my_chunk(self, bucket: _Bucket, padded_flat: torch.Tensor) -> torch.Tensor:
+    def my_chunk(self, bucket: _ShardedBucket, padded_flat: torch.Tensor) -> torch.Tensor:
         start = self.shard_rank * bucket.chunk
         return padded_flat[start:start + bucket.chunk]
 
@@ -261,190 +257,60 @@ class ZeroSharding(GradientSync):
                 p.copy_(b.unflat(flat, i))
         self.param_shard.copy_(self.local_shard({id(p): p.detach() for b in self.buckets for p in b.params}))
 
-    # -- backward -----------------------------------------------------------------------------
-
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._sync_enabled and self.stage < 3:
-            return
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
-            self._callback_queued = True
-            self._backward_syncs = self._sync_enabled
-        bucket, i = self._where[id(param)]
-        bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params):
-            self.free(bucket)  # ZeRO-3: the unit's backward is done with its full parameters
-        if self._backward_syncs:
-            self._launch_ready()
+    # -- the bucket engine: a reduce-scatter into this rank's gradient shard per bucket ----------
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
-        # Collectives on one group must be issued in the same order on every rank: strictly by bucket.
+    def launch(self, bucket: _ShardedBucket) -> comm.CommHandle:
         bucket.buffer = bucket.flat(p.grad for p in bucket.params)
         if self.stage >= 2:
             for p in bucket.params:  # the full gradient is not kept: the shard is all this rank needs
                 p.grad = None
-        bucket.handle = comm.reduce_scatter_tensor(self.shard_of(bucket, self.grad_shard), bucket.buffer,
-                                                   self.mesh, SHARD_AXIS, async_op=True)
+        return comm.reduce_scatter_tensor(self.shard_of(bucket, self.grad_shard), bucket.buffer,
+                                          self.mesh, SHARD_AXIS, async_op=True)
 
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
-            self._next_launch += 1
+    def on_bucket_complete(self, bucket: _ShardedBucket) -> None:
+        self.free(bucket)  # ZeRO-3: the unit's backward is done with its full parameters
 
-    @torch.no_grad()
-    def finish_grad_sync(self) -> None:
-        """Reduce-scatter buckets not yet launched (unused parameters), wait for all; then the shard
-        holds the summed gradient. Called automatically at the end of a synchronising backward."""
-        if not self._callback_queued:
-            return
+    def after_backward(self, synced: bool) -> None:
         for bucket in self.buckets:
             self.free(bucket)  # ZeRO-3: units whose parameters this backward did not reach
-        self._callback_queued = False
-        if not self._backward_syncs:  # ZeRO-3 under no_sync: only the freeing above
-            for bucket in self.buckets:
-                bucket.ready.clear()
-            return
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
-        for bucket in self.buckets:
-            bucket.handle.wait()
-            bucket.handle, bucket.buffer = None, None
-            bucket.ready.clear()
-        # Hybrid sharding: the same shard of the other replicas holds their tokens' share.
-        comm.all_reduce(self.grad_shard, self.mesh, REPLICATE_AXIS)
-        self._next_launch = 0
+        if synced:
+            # Hybrid sharding: the same shard of the other replicas holds their tokens' share.
+            comm.all_reduce(self.grad_shard, self.mesh, REPLICATE_AXIS)
 
     # -- after backward -----------------------------------------------------------------------
 
     def grad_norm_fn(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
-        """Global L2 norm from this rank's gradient shard(s): sqrt(all_reduce over dp_shard of the sum of
-        squares). Shards are disjoint within a replica and equal across replicas, so dp_shard suffices."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2
-        comm.all_reduce(sq, self.mesh, SHARD_AXIS)
-        return sq.sqrt().float()
+        """Global L2 norm of the reduced gradient, from this rank's shard (`grads` is `[param_shard.grad]`,
+        i.e. the gradient shard, as `clip_grad_norm` passes it).
 
-    @property
-    def bucket_bytes(self) -> list[int]:
-        """Padded bytes of each bucket: what one step reduce-scatters, and all-gathers, per bucket."""
-        return [b.padded * b.params[0].element_size() for b in self.buckets]
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-
-class ZeroAdamW(torch.optim.Optimizer):
-    """AdamW on this rank's flat parameter shard; `step()` also all-gathers the updated parameters.
-
-    One param group holding the flat fp32 shard (so `set_lr` and the trainer's interface work), whose
-    `.grad` is the ZeRO gradient shard. The update is the same elementwise arithmetic as
-    `torch.optim.AdamW(foreach=False)`, with the decay applied where the flat mask says so.
-    """
-
-    def __init__(self, zero: ZeroSharding, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float):
-        self.zero = zero
-        shard = zero.param_shard
-        self._params_by_id = {id(p): p for b in zero.buckets for p in b.params}
-        super().__init__([shard], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        masks = {id(p): torch.full_like(p, float(p.dim() >= 2)) for b in zero.buckets for p in b.params}
-        self.decay_mask = zero.local_shard(masks).bool()  # padding: False (its values stay zero anyway)
-        self.state[shard] = {"step": torch.zeros((), dtype=torch.float32),
-                             "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
-
-    @property
-    def shard(self) -> torch.Tensor:
-        return self.param_groups[0]["params"][0]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # The model's full `.grad` (stage 1, or accumulation) must not carry into the next step; the
-        # shard is overwritten by the next reduce-scatter, zeroed only for clarity.
-        for b in self.zero.buckets:
-            for p in b.params:
-                p.grad = None
-        self.zero.grad_shard.zero_()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        assert closure is None, "ZeroAdamW takes no closure"
-        group = self.param_groups[0]
-        lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-        param, grad, state = self.shard, self.zero.grad_shard, self.state[self.shard]
-        state["step"] += 1
-        if wd != 0:
-            param.mul_(torch.where(self.decay_mask, 1 - lr * wd, 1.0))
-        state["exp_avg"].lerp_(grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step = float(state["step"])
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-        denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
-        # ZeRO-1/2 keep full parameters on every rank: bring every rank's updated shard back. ZeRO-3
-        # gathers each unit from the shard when its next forward needs it.
-        if self.zero.stage < 3:
-            for pid, full in self.zero.gather_full(param).items():
-                self._params_by_id[pid].copy_(full)
-
-    # -- the per-parameter layout of checkpoints ------------------------------------------------
-
-    def _named(self) -> list[tuple[str, nn.Parameter]]:
-        # registration order, as `torch.distributed.checkpoint.state_dict.get_state_dict` names them
-        return [(n, p) for b in self.zero.buckets for n, p in zip(b.names, b.params)][::-1]
-
-    def full_state_dict(self) -> dict:
-        """The optimizer state as `get_state_dict(model, torch.optim.AdamW)` lays it out: full
-        per-parameter moments keyed by parameter name. Collective over dp_shard (all-gathers)."""
-        state = self.state[self.shard]
-        exp_avg = self.zero.gather_full(state["exp_avg"])
-        exp_avg_sq = self.zero.gather_full(state["exp_avg_sq"])
-        named = self._named()
-        # every hyperparameter key torch's AdamW has (DCP matches the saved keys against its template)
-        plain = torch.optim.AdamW([torch.zeros(1)], foreach=False,
-                                  **{k: v for k, v in self.param_groups[0].items() if k != "params"})
-        group = {k: v for k, v in plain.param_groups[0].items() if k != "params"}
-        groups = [{**group, "weight_decay": group["weight_decay"] if decayed else 0.0,
-                   "params": [n for n, p in named if (p.dim() >= 2) == decayed]} for decayed in (True, False)]
-        return {"state": {n: {"step": state["step"].clone(), "exp_avg": exp_avg[id(p)].clone(),
-                              "exp_avg_sq": exp_avg_sq[id(p)].clone()} for n, p in named},
-                "param_groups": groups}
-
-    @torch.no_grad()
-    def load_full_state_dict(self, sd: dict) -> None:
-        """Take this rank's shard of a per-parameter state (from any zero stage or dp size)."""
-        named = self._named()
-        missing = [n for n, _ in named if n not in sd["state"]]
-        if missing:
-            raise ValueError(f"the optimizer state has no entry for {missing[:3]}; it belongs to another model")
-        state = self.state[self.shard]
-        steps = {float(sd["state"][n]["step"]) for n, _ in named}
-        assert len(steps) == 1, f"per-parameter AdamW steps differ: {steps}"
-        state["step"].fill_(steps.pop())
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key].copy_(self.zero.local_shard({id(p): sd["state"][n][key] for n, p in named}))
-        # the parameters were loaded with the model: refresh the master shard from them
-        self.shard.copy_(self.zero.local_shard({id(p): p.detach() for _, p in named}))
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (the moments; the fp32 master shard excluded)."""
-        s = self.state[self.shard]
-        return sum(s[k].numel() * s[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+        Sums of squares are all-reduced over dp_shard: shards are disjoint within a replica and equal
+        across replicas (after the hybrid all-reduce), so dp_shard suffices. Under tensor parallelism the
+        elements of TP shards are then summed over "tp" too, while replicated ones (norm weights, equal
+        on every tp rank) are counted once.
+        """
+        (g,) = [g.detach() for g in grads]
+        if self.tp_sharded is None:
+            sq = torch.linalg.vector_norm(g, dtype=torch.float64).reshape(1) ** 2
+            comm.all_reduce(sq, self.mesh, SHARD_AXIS)
+            total = sq[0]
+        else:
+            sq = torch.stack([torch.linalg.vector_norm(g[self.tp_sharded], dtype=torch.float64),
+                              torch.linalg.vector_norm(g[~self.tp_sharded], dtype=torch.float64)]) ** 2
+            comm.all_reduce(sq, self.mesh, SHARD_AXIS)
+            sharded = sq[:1].clone()
+            comm.all_reduce(sharded, self.mesh, "tp")
+            total = sharded[0] + sq[1]
+        return total.sqrt().to(torch.promote_types(g.dtype, torch.float32))
 
 
 def apply_zero(model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float = 25.0,
                broadcast: bool = True) -> ZeroSharding:
-    """Shard gradients / optimizer state of `model` over "dp_shard" (ZeRO `stage` 1 or 2), in place.
+    """Shard optimizer state (stage 1), gradients (2) and parameters (3) of `model` over "dp_shard", in place.
 
-    Collective over "dp". Build the optimizer with `ZeroAdamW(zero, ...)` (`train.optim.build_optimizer`
-    does when given the handle). `broadcast=True` starts every replica from dp coordinate 0's weights.
+    Collective over "dp" (and, stage 3, over the whole world once, to create the gather groups). Build
+    the optimizer with `ZeroAdamW(zero, ...)` (`train.optim.build_optimizer` does when given the
+    handle). `broadcast=True` starts every replica from dp coordinate 0's weights.
     """
     zero = ZeroSharding(model, mesh, stage=stage, bucket_size_mb=bucket_size_mb)
     if broadcast:

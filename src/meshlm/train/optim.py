@@ -5,7 +5,7 @@ the compute is bf16, the master weights and moments stay fp32), weight decay on 
 (norm scales and biases are not decayed), the schedule (linear warmup, then cosine or linear decay
 to `min_lr_ratio * lr`, or constant), and global-norm gradient clipping with a hook through which a
 distributed strategy supplies the norm over all shards.
-Not responsible for: sharding optimizer state (`meshlm.parallel.zero.ZeroAdamW`, which `build_optimizer`
+Not responsible for: sharding optimizer state (`meshlm.parallel.zero_adamw.ZeroAdamW`, which `build_optimizer`
 returns when given a ZeRO handle).
 """
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from meshlm.config import TrainConfig
+from meshlm.parallel.zero_adamw import ZeroAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -36,12 +37,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, zero=None) -> torch.o
     """AdamW over `model`; with a `meshlm.parallel.zero.ZeroSharding` handle, the ZeRO AdamW over this
     rank's flat shard (same hyperparameters, same decay rule, same `param_groups[...]["lr"]` interface)."""
     for name, p in model.named_parameters():
-        if p.dtype != torch.float32:
+        if p.dtype not in (torch.float32, torch.float64):  # fp64: train.precision=fp64, for parity proofs
             raise ValueError(f"parameter {name} is {p.dtype}; the optimizer keeps fp32 master weights, so build "
                              "the model in fp32 and use train.precision=bf16 for bf16 compute (autocast)")
     if zero is not None:
-        from meshlm.parallel.zero import ZeroAdamW  # parallel/ imports train.optim: import here
-
         return ZeroAdamW(zero, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     # foreach=False keeps the update a plain per-parameter loop: identical numerics whatever the grouping.
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -69,6 +68,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+# A strategy's global gradient norm from this process's gradients (see `ParallelModel.grad_norm_fn`).
 NormFn = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
@@ -76,7 +76,8 @@ def local_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm over the given gradients, in fp32."""
     if not grads:
         return torch.zeros(())
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads])
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.promote_types(g.dtype, torch.float32))
+                         for g in grads])
     return torch.linalg.vector_norm(norms)
 
 

@@ -64,10 +64,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32. Parameters and optimizer state stay fp32 either way."""
+    """The autocast dtype, or None for no autocast. Parameters and optimizer state stay fp32 (or all
+    fp64 with train.precision=fp64, see `param_dtype`)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     return torch.bfloat16 if name == "bf16" else None
+
+
+def param_dtype(name: str) -> torch.dtype:
+    """fp32 master weights, except train.precision=fp64: parameters, gradients, optimizer state and
+    compute all in float64. Slow, and meant for proofs: two layouts agree to ~1e-12 there, so a parity
+    check needs no tolerance tuned to a CPU's fp32 rounding (see `meshlm verify`)."""
+    return torch.float64 if name == "fp64" else torch.float32
 
 
 def seed_everything(seed: int) -> None:
@@ -109,7 +117,8 @@ class Trainer:
                                   micro_batch_size=self.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
 
-        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device)
+        self.dtype = param_dtype(t.precision)
+        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
         self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel)
         self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
@@ -159,7 +168,8 @@ class Trainer:
         """Sum of the token losses of one micro-batch (under tp, from this rank's vocab slice; collective)."""
         if self.parallel.tensor_parallel:
             return vocab_parallel_cross_entropy(logits, targets, self.mesh, reduction="sum")
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
     # -- one optimizer step ------------------------------------------------------------------
     def autocast(self):
@@ -193,7 +203,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = t.global_batch_size * t.seq_len  # packing: no padding, every target counts
-        loss = torch.zeros((), device=self.device)
+        loss = torch.zeros((), dtype=self.dtype, device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             final = i == len(micro_batches) - 1
             with contextlib.nullcontext() if final else self.parallel.no_sync():
@@ -261,7 +271,7 @@ class Trainer:
                          for p, shard in zip(self.base_model.parameters(), shards))
         logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training "
                      f"samples of {t.seq_len} tokens, device {self.device}, "
-                     f"precision {self.autocast_dtype or torch.float32}; MFU peak: {self.peak_note}")
+                     f"precision {self.autocast_dtype or self.dtype}; MFU peak: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
         if self.resume_note is not None:
@@ -347,7 +357,7 @@ class Trainer:
         if self.parallel.tensor_parallel:
             # The KV cache and the one-token decode steps do not fit the TP-sharded model (its heads
             # are split, and SP splits the sequence): every rank samples from a full copy instead.
-            model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device)
+            model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
             model.load_state_dict(full_state_dict(self.base_model, self.mesh))
         with self.autocast():
             out = generate(model, ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,

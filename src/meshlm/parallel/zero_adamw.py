@@ -1,0 +1,116 @@
+"""AdamW over a ZeRO flat shard: the optimizer half of ZeRO-1/2/3 (`parallel/zero.py` is the other).
+
+Responsible for: `ZeroAdamW(zero, ...)`, an AdamW whose one parameter is this rank's flat fp32 master
+shard (`zero.param_shard`, whose `.grad` is the reduce-scattered gradient shard), applying the same
+elementwise arithmetic as `torch.optim.AdamW(foreach=False)` with the per-parameter decay rule
+(>= 2-D tensors decayed) carried as a flat mask; after the step it all-gathers the updated
+parameters (stages 1/2; stage 3 gathers each unit when its next forward needs it). Its state is
+read and written in the per-parameter layout of the unsharded AdamW (`full_state_dict` /
+`load_full_state_dict`), so a checkpoint moves between zero stages and data-parallel sizes.
+Not responsible for: the gradient reduction, the shard layout or parameter gathering (`zero.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshlm.parallel.zero import ZeroSharding
+
+
+class ZeroAdamW(torch.optim.Optimizer):
+    """AdamW on this rank's flat parameter shard; `step()` also all-gathers the updated parameters.
+
+    One param group holding the flat fp32 shard (so `set_lr` and the trainer's interface work), whose
+    `.grad` is the ZeRO gradient shard. The update is the same elementwise arithmetic as
+    `torch.optim.AdamW(foreach=False)`, with the decay applied where the flat mask says so.
+    """
+
+    def __init__(self, zero: ZeroSharding, *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        self.zero = zero
+        shard = zero.param_shard
+        self._params_by_id = {id(p): p for b in zero.buckets for p in b.params}
+        super().__init__([shard], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        masks = {id(p): torch.full_like(p, float(p.dim() >= 2)) for b in zero.buckets for p in b.params}
+        self.decay_mask = zero.local_shard(masks).bool()  # padding: False (its values stay zero anyway)
+        self.state[shard] = {"step": torch.zeros((), dtype=torch.float32),
+                             "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.param_groups[0]["params"][0]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The model's full `.grad` (stage 1, or accumulation) must not carry into the next step; the
+        # shard is overwritten by the next reduce-scatter, zeroed only for clarity.
+        for b in self.zero.buckets:
+            for p in b.params:
+                p.grad = None
+        self.zero.grad_shard.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "ZeroAdamW takes no closure"
+        group = self.param_groups[0]
+        lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+        param, grad, state = self.shard, self.zero.grad_shard, self.state[self.shard]
+        state["step"] += 1
+        if wd != 0:
+            param.mul_(torch.where(self.decay_mask, 1 - lr * wd, 1.0))
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = float(state["step"])
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
+        # ZeRO-1/2 keep full parameters on every rank: bring every rank's updated shard back. ZeRO-3
+        # gathers each unit from the shard when its next forward needs it.
+        if self.zero.stage < 3:
+            for pid, full in self.zero.gather_full(param).items():
+                self._params_by_id[pid].copy_(full)
+
+    # -- the per-parameter layout of checkpoints ------------------------------------------------
+
+    def _named(self) -> list[tuple[str, nn.Parameter]]:
+        # registration order, as `torch.distributed.checkpoint.state_dict.get_state_dict` names them
+        return [(n, p) for b in self.zero.buckets for n, p in zip(b.names, b.params)][::-1]
+
+    def full_state_dict(self) -> dict:
+        """The optimizer state as `get_state_dict(model, torch.optim.AdamW)` lays it out: full
+        per-parameter moments keyed by parameter name. Collective over dp_shard (all-gathers)."""
+        state = self.state[self.shard]
+        exp_avg = self.zero.gather_full(state["exp_avg"])
+        exp_avg_sq = self.zero.gather_full(state["exp_avg_sq"])
+        named = self._named()
+        # every hyperparameter key torch's AdamW has (DCP matches the saved keys against its template)
+        plain = torch.optim.AdamW([torch.zeros(1)], foreach=False,
+                                  **{k: v for k, v in self.param_groups[0].items() if k != "params"})
+        group = {k: v for k, v in plain.param_groups[0].items() if k != "params"}
+        groups = [{**group, "weight_decay": group["weight_decay"] if decayed else 0.0,
+                   "params": [n for n, p in named if (p.dim() >= 2) == decayed]} for decayed in (True, False)]
+        return {"state": {n: {"step": state["step"].clone(), "exp_avg": exp_avg[id(p)].clone(),
+                              "exp_avg_sq": exp_avg_sq[id(p)].clone()} for n, p in named},
+                "param_groups": groups}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, sd: dict) -> None:
+        """Take this rank's shard of a per-parameter state (from any zero stage or dp size)."""
+        named = self._named()
+        missing = [n for n, _ in named if n not in sd["state"]]
+        if missing:
+            raise ValueError(f"the optimizer state has no entry for {missing[:3]}; it belongs to another model")
+        state = self.state[self.shard]
+        steps = {float(sd["state"][n]["step"]) for n, _ in named}
+        assert len(steps) == 1, f"per-parameter AdamW steps differ: {steps}"
+        state["step"].fill_(steps.pop())
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key].copy_(self.zero.local_shard({id(p): sd["state"][n][key] for n, p in named}))
+        # the parameters were loaded with the model: refresh the master shard from them
+        self.shard.copy_(self.zero.local_shard({id(p): p.detach() for _, p in named}))
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (the moments; the fp32 master shard excluded)."""
+        s = self.state[self.shard]
+        return sum(s[k].numel() * s[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
