@@ -189,7 +189,7 @@ class Mesh:
     """
 
     def __init__(self, dims: ParallelDims, *, device_type: str, rank: int, device_mesh=None,
-                 views: dict | None = None, stats: CommStats | None = None):
+                 views: dict | None = None, stats: CommStats | None = None, groups: dict | None = None):
         assert dims.is_resolved
         self.dims = dims
         self.device_type = device_type
@@ -198,6 +198,7 @@ class Mesh:
         self.device_mesh = device_mesh  # torch DeviceMesh (for DTensor users); None for one process
         self._views = views or {}  # flattened axis name -> its 1-D DeviceMesh
         self.stats = stats if stats is not None else CommStats()
+        self._groups = groups or {}  # axis -> ProcessGroup replacing the device mesh's (see `duplicate`)
         self.coords = rank_coords(dims, rank)
 
     def size(self, axis: str) -> int:
@@ -221,20 +222,37 @@ class Mesh:
         self.dims.degree(axis)
         if self.device_mesh is None:
             return None
+        if axis in self._groups:
+            return self._groups[axis]
         if axis in self._views:
             return self._views[axis].get_group()
         return self.device_mesh.get_group(axis)
 
-    def duplicate(self) -> "Mesh":
-        """The same layout over a second, independent set of process groups, sharing this mesh's
-        CommStats; collective over the world (every rank must call it, in the same order).
+    def duplicate(self, *axes: str) -> "Mesh":
+        """The same layout with new, independent process groups for `axes` (the other axes keep
+        this mesh's groups) and this mesh's CommStats; collective over the world (every rank must
+        call it, with the same axes).
 
         For a strategy that issues two streams of collectives on one axis whose relative order is
         not the same on every rank (ZeRO-3's parameter gathers next to its gradient reduce-scatters):
-        each stream on its own groups keeps each in order."""
+        each stream on its own group stays in order."""
         if self.device_mesh is None:
             return self
-        return build_mesh(self.dims, device_type=self.device_type, stats=self.stats)
+        groups = dict(self._groups)
+        for axis in axes:
+            if self.size(axis) == 1:
+                continue
+            every = []  # each group of the axis once, in the same order on every rank
+            for r in range(self.world_size):
+                ranks = group_ranks(self.dims, r, axis)
+                if ranks not in every:
+                    every.append(ranks)
+            for ranks in every:
+                group = dist.new_group(ranks)  # every rank takes part in creating every group
+                if self.rank in ranks:
+                    groups[axis] = group
+        return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
+                    views=self._views, stats=self.stats, groups=groups)
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.size(a)}" for a in AXES)

@@ -26,7 +26,11 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.w_gate[e])) * F.linear(x, self.w_up[e]), self.w_down[e])
+        return F.linear(self.act(F.linear(x, self.w_gate[e]), F.linear(x, self.w_up[e])), self.w_down[e])
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, replaceable by a transform (selective recomputation, `meshlm.parallel.recompute`)."""
+        return F.silu(gate) * up
 
     def forward(self, x_td: torch.Tensor, expert_idx_tk: torch.Tensor, weight_tk: torch.Tensor) -> torch.Tensor:
         """Dropless: for each expert, gather its tokens, run it, scatter-add the weighted result."""

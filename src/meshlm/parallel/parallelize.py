@@ -11,24 +11,27 @@ mesh (`meshlm.mesh`), or the training step (`meshlm.train.trainer`).
 
 Data parallelism, ZeRO-1/2/3 and tensor parallelism (+ sequence parallelism) exist so far (ZeRO
 replaces the DDP all-reduce: it reduce-scatters over "dp_shard" and all-reduces the shards over
-"dp_replicate"; TP shards the model over "tp" first, and DP then all-reduces the TP-local shards over
-"dp"). ZeRO together with tp > 1 is not implemented yet; every other strategy raises a ValueError
-naming its setting before anything is built, so a layout the code cannot run never half-starts.
+"dp_replicate"; TP shards the model over "tp" first, and DP or ZeRO then work on the TP-local shards,
+"2-D" parallelism), and activation recomputation (parallel.recompute=selective|full, see
+`meshlm.parallel.recompute`). Pipeline, expert and context parallelism raise a ValueError naming
+their setting before anything is built, so a layout the code cannot run never half-starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from meshlm.config import Config, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.data import DataParallel, apply_data_parallel
+from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_grad_norm
 from meshlm.parallel.zero import ZeroSharding, apply_zero
-from meshlm.train.optim import NormFn
 
 # Set on a model by `parallelize`: a second application would stack hooks and reduce twice.
 _MARK = "_meshlm_parallelized"
@@ -42,14 +45,6 @@ def check_supported(parallel: ParallelConfig) -> None:
             raise ValueError(f"parallel.{name}={value} is not implemented yet; only data parallelism "
                              "(plain, or ZeRO with parallel.zero_stage=1..3) and tensor parallelism (parallel.tp) "
                              f"are (set parallel.{name}={plain}, and use the ranks for parallel.dp_shard or parallel.tp)")
-    if parallel.tp > 1 and parallel.zero_stage > 0:
-        raise ValueError(f"parallel.zero_stage={parallel.zero_stage} together with parallel.tp={parallel.tp} is not "
-                         "implemented yet; set parallel.zero_stage=0 (plain data parallelism over the TP shards) "
-                         "or parallel.tp=1")
-
-    if parallel.recompute != "none":
-        raise ValueError(f"parallel.recompute={parallel.recompute!r} is not implemented yet; "
-                         "set parallel.recompute=none")
 
 
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:
@@ -111,7 +106,7 @@ class ParallelModel:
         return self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
 
     @property
-    def grad_norm_fn(self) -> NormFn | None:
+    def grad_norm_fn(self) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
         """The global gradient norm for clipping; None means the local norm (one process)."""
         if self.zero is not None:
             return self.zero.grad_norm_fn
@@ -160,6 +155,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1)
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
+    apply_recompute(model, parallel.recompute)
     if parallel.zero_stage > 0:
         # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
         # DP's all-reduce on top would reduce every gradient twice.

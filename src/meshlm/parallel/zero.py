@@ -122,7 +122,7 @@ class ZeroSharding(GradientBuckets):
             self.tp_sharded = self.local_shard(flags).bool()  # padding: False (its gradient is zero)
         super().__init__(buckets)
         if stage == 3:
-            self.gather_mesh = mesh.duplicate()  # the parameter gathers' own groups (see the module doc)
+            self.gather_mesh = mesh.duplicate(SHARD_AXIS)  # the parameter gathers' own groups (see the module doc)
             self._link_units()
             for b in buckets:
                 self._hooks += [b.unit.register_forward_pre_hook(lambda m, a, b=b: self._use(b, b.next_forward)),

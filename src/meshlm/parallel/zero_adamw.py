@@ -57,7 +57,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         param, grad, state = self.shard, self.zero.grad_shard, self.state[self.shard]
         state["step"] += 1
         if wd != 0:
-            param.mul_(torch.where(self.decay_mask, 1 - lr * wd, 1.0))
+            # `param * scalar` rounds as torch's AdamW does; torch.where(mask, 1 - lr * wd, 1.0) would
+            # make a default-dtype (fp32) factor, off by ~6e-8 under train.precision=fp64.
+            param.copy_(torch.where(self.decay_mask, param * (1 - lr * wd), param))
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step = float(state["step"])

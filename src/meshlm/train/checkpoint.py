@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshlm.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from meshlm.mesh import ParallelDims
 
 FORMAT_VERSION = 1
 _META = "meta.json"
@@ -315,6 +316,12 @@ def saved_world_size(path: str | Path) -> int:
     return len(list(Path(path).glob("rank_*.pt")))
 
 
+def saved_layout(path: str | Path) -> ParallelDims:
+    """The parallel degrees checkpoint `path` was saved under (its config, resolved against its ranks)."""
+    parallel = config_from_dict(read_meta(path)["config"]).parallel
+    return ParallelDims.from_config(parallel).resolve(saved_world_size(path))
+
+
 def read_meta(path: str | Path) -> dict:
     path = Path(path)
     try:
@@ -375,8 +382,13 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     if optimizer is not None and hasattr(optimizer, "load_full_state_dict"):
         with _full_params(optimizer):
             model_sd, optim_sd = _state_dicts(model, optimizer)
+            if _shards(model):  # ZeRO over tensor-parallel shards: load full tensors, keep this rank's slices
+                assert mesh is not None, "a tensor-parallel model needs the mesh to load a checkpoint"
+                model_sd, optim_sd = _full_placeholders(model, mesh, model_sd, optim_sd)
             state = {"model": model_sd, "optim": optim_sd}
             _dcp_load(state, path)
+            if _shards(model):
+                _slice_shards(model, mesh, state["model"], state["optim"])
             set_model_state_dict(model, state["model"])
             optimizer.load_full_state_dict(state["optim"])  # after the model: it re-reads the master shard
     elif optimizer is not None and _shards(model):

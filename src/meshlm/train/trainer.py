@@ -40,6 +40,7 @@ from meshlm.config import Config
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
+from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.planner.model_stats import train_flops_per_token
 from meshlm.train.checkpoint import (
@@ -47,7 +48,7 @@ from meshlm.train.checkpoint import (
     load_checkpoint,
     rng_state,
     save_checkpoint,
-    saved_world_size,
+    saved_layout,
     set_rng_state,
 )
 from meshlm.train.data import BatchLoader, build_datasets, load_tokenizer, validation_batches
@@ -76,6 +77,12 @@ def param_dtype(name: str) -> torch.dtype:
     compute all in float64. Slow, and meant for proofs: two layouts agree to ~1e-12 there, so a parity
     check needs no tolerance tuned to a CPU's fp32 rounding (see `meshlm verify`)."""
     return torch.float64 if name == "fp64" else torch.float32
+
+
+def _degrees(dims) -> str:
+    """`tp=2, dp_shard=2`: the degrees above 1 of a resolved layout."""
+    return ", ".join(f"{a}={getattr(dims, a)}" for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+                     if getattr(dims, a) > 1) or "one process"
 
 
 def seed_everything(seed: int) -> None:
@@ -126,6 +133,9 @@ class Trainer:
         self.run_dir = Path(t.run_dir)
         self.step = 0
         self.first_val_loss: float | None = None
+        # What autograd keeps for backward during one micro-batch (this rank's activation memory,
+        # parallel.recompute shows here): measured once, on the first micro-step, by a saved-tensor hook.
+        self.activation_mib: float | None = None
         self.flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
         self.peak_tflops, self.peak_note = ((t.peak_tflops, "train.peak_tflops") if t.peak_tflops > 0
                                             else peak_tflops_guess(self.device))
@@ -185,11 +195,15 @@ class Trainer:
         `num_micro_batches` likewise, for the MoE auxiliary loss, which is a mean over micro-batches.
         """
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        with self.autocast():
-            logits = self.model(inputs)
-        loss = self.loss_sum(logits, targets) / num_tokens
-        aux = self.base_model.aux_loss()
-        total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
+        meter = SavedTensorMeter(self.base_model) if self.activation_mib is None else contextlib.nullcontext()
+        with meter:
+            with self.autocast():
+                logits = self.model(inputs)
+            loss = self.loss_sum(logits, targets) / num_tokens
+            aux = self.base_model.aux_loss()
+            total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
+        if self.activation_mib is None:
+            self.activation_mib = meter.bytes / 2**20
         total.backward()
         return loss.detach()
 
@@ -224,6 +238,7 @@ class Trainer:
         mfu = tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
         return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(self.device),
+                "activation_mib": self.activation_mib,
                 "step_time_s": step_time,
                 "comm_mb": {axis: v["mb"] for axis, v in comm_stats.items()},
                 "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
@@ -317,15 +332,16 @@ class Trainer:
     def load(self, path: str | Path) -> None:
         """Restore model, optimizer, step, this rank's RNG and the data position from a checkpoint.
 
-        At the world size it was saved with, every rank takes its own extras and the continuation
-        is bit-identical. At another world size (e.g. saved by 2 ranks, resumed by 1 or 4) every
-        rank takes rank 0's: the loader position is global (global batches consumed, not per-rank
-        samples) and data-parallel ranks draw identical RNG streams, so the run continues on the
-        same batches -- equal within fp32 rounding, not bit-identical (sums over ranks reorder).
+        Under the layout it was saved with (the same parallel degrees), every rank takes its own
+        extras and the continuation is bit-identical. Under another layout (e.g. saved by 2 ranks,
+        resumed by 1 or 4; or tp=2 resumed as dp=2) every rank takes rank 0's: the loader position
+        is global (global batches consumed, not per-rank samples) and data-parallel ranks draw
+        identical RNG streams, so the run continues on the same batches -- equal within fp32
+        rounding, not bit-identical (sums over ranks reorder).
         """
         path = Path(path)
-        saved_world = saved_world_size(path)
-        same_layout = saved_world == self.world_size
+        saved = saved_layout(path)
+        same_layout = saved == self.mesh.dims
         state = load_checkpoint(path, model=self.base_model, optimizer=self.optimizer, config=self.cfg,
                                 rank=self.rank if same_layout else 0, mesh=self.mesh)
         self.step = self.saved_step = state["step"]
@@ -334,8 +350,9 @@ class Trainer:
         set_rng_state(extra["rng"])
         self.first_val_loss = extra.get("first_val_loss")
         if not same_layout:
-            self.resume_note = (f"the checkpoint was saved by {saved_world} ranks, this run has {self.world_size}: "
-                                "continuing from the global data position (not bit-identical)")
+            self.resume_note = (f"the checkpoint was saved by {saved.world_size} ranks ({_degrees(saved)}), this "
+                                f"run has {self.world_size} ({_degrees(self.mesh.dims)}): continuing from the "
+                                "global data position (not bit-identical)")
 
     # -- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -358,7 +375,9 @@ class Trainer:
             # The KV cache and the one-token decode steps do not fit the TP-sharded model (its heads
             # are split, and SP splits the sequence): every rank samples from a full copy instead.
             model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
-            model.load_state_dict(full_state_dict(self.base_model, self.mesh))
+            zero = self.parallel.zero
+            with zero.full_params() if zero is not None else contextlib.nullcontext():  # ZeRO-3: gathered
+                model.load_state_dict(full_state_dict(self.base_model, self.mesh))
         with self.autocast():
             out = generate(model, ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
                            top_p=top_p, seed=self.cfg.train.seed if seed is None else seed)
