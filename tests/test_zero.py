@@ -1,6 +1,11 @@
-"""ZeRO-1/2 under the Trainer reproduce the single-process run (losses, grad norms, weights), move
-exactly the padded flat-buffer bytes, hold 1/dp of the optimizer state, and checkpoint in the
-unsharded per-parameter layout (bit-identical resume; a ZeRO-2 checkpoint resumes with zero_stage=0).
+"""ZeRO-1/2/3 under the Trainer reproduce the single-process run, move exactly the padded flat-buffer
+bytes, hold 1/dp of the optimizer state, and checkpoint in the unsharded per-parameter layout
+(bit-identical resume; a ZeRO-2 checkpoint resumes with zero_stage=0).
+
+Parity (tests/parity.py): a configuration run with train.precision=fp64 must match the fp64
+single-process run in losses, grad norms and every weight to FP64_TOL; one run in fp32 (the real
+dtype) in losses and grad norms to FP32_REL. Every stage, and hybrid sharding, runs in both
+precisions somewhere below; the byte counts are checked in both (4 or 8 bytes an element).
 
 One launch per world size: each rank runs every configuration in turn. Steps are driven with
 `Trainer.train_step()` so the communication of each step can be read from the mesh's CommStats.
@@ -22,11 +27,12 @@ from meshlm.parallel.parallelize import check_layout
 from meshlm.parallel.zero import apply_zero
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import Trainer
+from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
 from runs import SMALL_MODEL
 
 STEPS = 5
 RESUME_AT = 3
-TOL = 1e-5
+PRECISIONS = {"fp32": (4, FP32_REL), "fp64": (8, FP64_TOL)}  # bytes an element, tolerance
 
 
 def make_cfg(run_dir, text_file, *extra):
@@ -59,22 +65,27 @@ def run_steps(trainer, until: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_file):
-    trainer = Trainer(make_cfg(tmp_path_factory.mktemp("ref") / "run", text_file))
-    rows = run_steps(trainer, STEPS)
-    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # parity is not trivial
-    # clipping is active (grad_clip=0.5), so a wrong norm would change the weights too
-    assert max(r["grad_norm"] for r in rows) > 0.5
-    full_state = sum(2 * p.numel() * 4 for p in trainer.base_model.parameters())  # exp_avg + exp_avg_sq
-    return {"rows": rows, "weights": weights(trainer), "numel": trainer.base_model.num_params(),
-            "state_bytes": full_state}
+    """The single-process run in each precision."""
+    out = {}
+    for precision, (size, _) in PRECISIONS.items():
+        trainer = Trainer(make_cfg(tmp_path_factory.mktemp("ref") / "run", text_file, f"train.precision={precision}"))
+        rows = run_steps(trainer, STEPS)
+        assert rows[-1]["loss"] < rows[0]["loss"] - 0.3  # parity is not trivial
+        # clipping is active (grad_clip=0.5), so a wrong norm would change the weights too
+        assert max(r["grad_norm"] for r in rows) > 0.5
+        numel = trainer.base_model.num_params()
+        out[precision] = {"rows": rows, "weights": weights(trainer), "numel": numel,
+                          "state_bytes": 2 * numel * size}  # exp_avg + exp_avg_sq
+    return out
 
 
 def zero_worker(rank, world_size, root: Path, text_file: Path, configs: list[tuple], with_resume: bool):
     out = {}
-    for stage, micro, extra in configs:
-        key = (stage, micro, extra)
-        trainer = Trainer(make_cfg(root / f"s{stage}m{micro}{extra}", text_file, f"parallel.zero_stage={stage}",
-                                   f"train.micro_batch_size={micro}", *([extra] if extra else [])))
+    for key in configs:
+        stage, micro, extra, precision = key
+        trainer = Trainer(make_cfg(root / f"s{stage}m{micro}{extra}{precision}", text_file,
+                                   f"parallel.zero_stage={stage}", f"train.micro_batch_size={micro}",
+                                   f"train.precision={precision}", *([extra] if extra else [])))
         zero = trainer.parallel.zero
         assert zero is not None and trainer.parallel.data_parallel is None
         rows = run_steps(trainer, STEPS)
@@ -98,25 +109,25 @@ def zero_worker(rank, world_size, root: Path, text_file: Path, configs: list[tup
         assert resumed.step == RESUME_AT and resumed.resume_note is None
         rest = run_steps(resumed, STEPS)
         out["split"] = {"rows": first + rest, "weights": weights(resumed)}
-        out["padding"] = padding_check(rank)
+        out["padding"] = {dtype: padding_check(rank, dtype) for dtype in (torch.float32, torch.float64)}
     return out
 
 
-def padding_check(rank) -> dict:
+def padding_check(rank, dtype) -> dict:
     """A toy model whose sizes do not divide by 2: padded buckets, parity with torch AdamW."""
     mesh = build_mesh(ParallelDims(dp_shard=2).resolve(2), device_type="cpu")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))  # 15, 5, 5, 1 elements
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1)).to(dtype)  # 15, 5, 5, 1 elements
     ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
     zero = apply_zero(model, mesh, stage=2, bucket_size_mb=1 / 2**20)  # 1 byte: a bucket per tensor
     tcfg = TrainConfig(lr=0.1, weight_decay=0.5)
     opt = build_optimizer(model, tcfg, zero=zero)
-    ref_model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+    ref_model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1)).to(dtype)
     with torch.no_grad():
         for p, r in zip(ref_model.parameters(), ref):
             p.copy_(r)
     ref_opt = build_optimizer(ref_model, tcfg)
-    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), dtype=dtype)
     mesh.stats.reset()
     for _ in range(2):
         opt.zero_grad()
@@ -125,36 +136,44 @@ def padding_check(rank) -> dict:
         ref_opt.zero_grad()
         ref_model(x).sum().backward()
         ref_opt.step()
-    diff = max(float((a - b).detach().abs().max()) for a, b in zip(model.parameters(), ref_model.parameters()))
     return {"numels": [b.numel for b in zero.buckets], "padded": [b.padded for b in zero.buckets],
             "rs": mesh.stats.total(op="reduce_scatter", axis="dp_shard").bytes,
-            "ag": mesh.stats.total(op="all_gather", axis="dp_shard").bytes, "diff": diff}
+            "ag": mesh.stats.total(op="all_gather", axis="dp_shard").bytes,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "want": {n: p.detach().clone() for n, p in ref_model.named_parameters()}}
 
 
 def check_parity(results, reference, configs):
-    for stage, micro, extra in configs:
-        key = (stage, micro, extra)
+    for key in configs:
+        stage, micro, extra, precision = key
+        size, tol = PRECISIONS[precision]
+        ref = reference[precision]
         for r, result in enumerate(results):
             got = result[key]
-            for step, (row, want) in enumerate(zip(got["rows"], reference["rows"])):
-                assert abs(row["loss"] - want["loss"]) <= TOL * abs(want["loss"]), (key, r, step, row, want)
-                assert abs(row["grad_norm"] - want["grad_norm"]) <= TOL * want["grad_norm"], (key, r, step, row)
-            for name, want in reference["weights"].items():
-                diff = float((got["weights"][name] - want).abs().max())
-                assert diff <= TOL, f"{key} rank {r} {name}: max |difference| {diff:.2e}"
+            what = " ".join(x for x in (f"zero_stage={stage} micro={micro}", extra, precision, f"rank {r}") if x)
+            assert_close_seq([x["loss"] for x in got["rows"]], [x["loss"] for x in ref["rows"]], rtol=tol,
+                             what=f"{what}: loss")
+            assert_close_seq([x["grad_norm"] for x in got["rows"]], [x["grad_norm"] for x in ref["rows"]], rtol=tol,
+                             what=f"{what}: grad norm")
+            if precision == "fp64":
+                assert_state_close(got["weights"], ref["weights"], atol=tol, what=f"{what}: weights")
             # exact bytes: one reduce-scatter and one all-gather of every padded bucket per step
             n = got["num_shards"]
-            assert sum(got["bucket_numels"]) == reference["numel"]
+            assert sum(got["bucket_numels"]) == ref["numel"]
             assert all(p == -(-b // n) * n for p, b in zip(got["padded"], got["bucket_numels"]))
-            padded_bytes = 4 * sum(got["padded"])
-            # ZeRO-3 gathers every unit's parameters for each micro-step's forward and backward instead
-            gathers = 2 * got["micro_steps"] if stage == 3 else 1
+            padded_bytes = size * sum(got["padded"])
+            # ZeRO-3 gathers every block for each micro-step's forward and backward instead, and the
+            # root unit (embedding, norm, head; the last bucket) once: it stays gathered from its
+            # forward into its backward
+            gathered = padded_bytes
+            if stage == 3:
+                gathered = got["micro_steps"] * (2 * padded_bytes - size * got["padded"][-1])
             for row in got["rows"]:
-                assert (row["rs"], row["ag"]) == (padded_bytes, gathers * padded_bytes), (key, row, padded_bytes)
+                assert (row["rs"], row["ag"]) == (padded_bytes, gathered), (key, row, padded_bytes)
                 replicas = len(results) // n
                 assert row["ar_rep"] == (padded_bytes // n if replicas > 1 else 0), (key, row)
             # optimizer state: 1/dp of the unsharded AdamW's, up to the padding
-            assert got["state_bytes"] * n == reference["state_bytes"] + 8 * (sum(got["padded"]) - reference["numel"])
+            assert got["state_bytes"] * n == ref["state_bytes"] + 2 * size * (sum(got["padded"]) - ref["numel"])
             # ZeRO-2/3 free the full gradients during backward; ZeRO-1 keeps them
             assert got["grads_kept"] == (stage == 1), key
             # ZeRO-3 frees the full parameters between uses
@@ -162,34 +181,39 @@ def check_parity(results, reference, configs):
 
 
 def test_zero_dp2_matches_single_process_and_checkpoints(tmp_path, text_file, reference):
-    configs = [(1, 4, ""), (2, 2, ""), (3, 2, "")]  # per-rank batch 4: one micro-batch; or 2 accumulated
+    # per-rank batch 4: one micro-batch; or 2 accumulated
+    configs = [(1, 4, "", "fp64"), (2, 2, "", "fp32"), (3, 2, "", "fp64")]
     results = run_distributed(zero_worker, 2, tmp_path, text_file, configs, True, timeout=150)
     check_parity(results, reference, configs)
 
     for r, result in enumerate(results):
-        straight = result[(2, 2, "")]
+        straight = result[(2, 2, "", "fp32")]
         assert [(x["loss"], x["grad_norm"]) for x in result["split"]["rows"]] == \
             [(x["loss"], x["grad_norm"]) for x in straight["rows"]], r
         for name, w in straight["weights"].items():
             assert torch.equal(w, result["split"]["weights"][name]), (r, name)
 
-    pad = results[0]["padding"]
-    assert pad["numels"] == [1, 5, 5, 15] and pad["padded"] == [2, 6, 6, 16]
-    assert pad["rs"] == pad["ag"] == 2 * 4 * 30  # 2 steps x 30 padded fp32 elements
-    assert pad["diff"] <= 1e-6
+    for r, result in enumerate(results):
+        for dtype, size in ((torch.float32, 4), (torch.float64, 8)):
+            pad = result["padding"][dtype]
+            assert pad["numels"] == [1, 5, 5, 15] and pad["padded"] == [2, 6, 6, 16]
+            assert pad["rs"] == pad["ag"] == 2 * size * 30  # 2 steps x 30 padded elements
+        pad = result["padding"][torch.float64]
+        assert_state_close(pad["weights"], pad["want"], atol=FP64_TOL, what=f"padded toy rank {r}: weights")
 
     # the ZeRO-2 dp=2 checkpoint (per-parameter layout) resumes in one process with zero_stage=0
     single = Trainer(make_cfg(tmp_path / "to_stage0", text_file), resume=True)
     assert single.step == RESUME_AT and single.parallel.zero is None
     row = run_steps(single, RESUME_AT + 1)[0]
-    want = reference["rows"][RESUME_AT]["loss"]
-    assert abs(row["loss"] - want) <= TOL * abs(want), (row, want)
+    assert_close_seq([row["loss"]], [reference["fp32"]["rows"][RESUME_AT]["loss"]], rtol=FP32_REL,
+                     what="ZeRO-2 checkpoint resumed with zero_stage=0: loss")
 
 
 def test_zero_dp4_and_hybrid_match_single_process(tmp_path, text_file, reference):
     # per-rank batch 2: one micro-batch, then 2 accumulated; hybrid: 2 replicas x 2 shards
-    configs = [(1, 1, ""), (2, 2, ""), (3, 2, ""), (2, 1, "parallel.dp_replicate=2"),
-               (3, 1, "parallel.dp_replicate=2")]
+    hybrid = "parallel.dp_replicate=2"
+    configs = [(1, 1, "", "fp32"), (2, 2, "", "fp64"), (3, 2, "", "fp32"), (2, 1, hybrid, "fp64"),
+               (3, 1, hybrid, "fp32")]
     results = run_distributed(zero_worker, 4, tmp_path, text_file, configs, False, timeout=180)
     check_parity(results, reference, configs)
 
@@ -208,6 +232,7 @@ def test_plain_checkpoint_resumes_under_zero(tmp_path, text_file, reference, sta
     plain.save()
     zero = Trainer(make_cfg(tmp_path / "run", text_file, f"parallel.zero_stage={stage}"), resume=True)
     assert zero.step == RESUME_AT and zero.parallel.zero is not None
-    for row, want in zip(run_steps(zero, STEPS), reference["rows"][RESUME_AT:]):
-        assert abs(row["loss"] - want["loss"]) <= TOL * abs(want["loss"]), (row, want)
-        assert abs(row["grad_norm"] - want["grad_norm"]) <= TOL * want["grad_norm"], (row, want)
+    rows, want = run_steps(zero, STEPS), reference["fp32"]["rows"][RESUME_AT:]
+    for metric in ("loss", "grad_norm"):
+        assert_close_seq([x[metric] for x in rows], [x[metric] for x in want], rtol=FP32_REL,
+                         what=f"plain checkpoint resumed under zero_stage={stage}: {metric}")

@@ -111,8 +111,13 @@ class GradientBuckets:
     and `finish_bucket` has run (the end-of-backward callback); `finish_grad_sync()` is then a no-op.
     """
 
-    def __init__(self, buckets: list[Bucket]):
+    def __init__(self, buckets: list[Bucket], *, max_in_flight: int | None = None):
         self.buckets = buckets
+        # With a limit, launching a bucket first completes the oldest ones in flight beyond it (wait,
+        # `finish_bucket`, drop its buffer): ZeRO's per-launch buffers then never add up to a whole copy
+        # of the gradients. None: every collective stays in flight until backward ends.
+        self.max_in_flight = max_in_flight
+        self._next_wait = 0
         self._sync_enabled = True
         self._backward_syncs = True  # whether the backward in progress reduces (no_sync was off at its start)
         self._callback_queued = False
@@ -164,9 +169,20 @@ class GradientBuckets:
             self._launch_ready()
 
     def _launch_next(self) -> None:
+        # Completing the oldest first, before the new launch allocates its buffer, keeps the buffers
+        # alive at any moment at max_in_flight.
+        while self.max_in_flight is not None and self._next_launch - self._next_wait >= self.max_in_flight:
+            self._complete_next()
         bucket = self.buckets[self._next_launch]
         bucket.handle = self.launch(bucket)
         self._next_launch += 1
+
+    def _complete_next(self) -> None:
+        bucket = self.buckets[self._next_wait]
+        bucket.handle.wait()
+        self.finish_bucket(bucket)
+        bucket.handle, bucket.buffer = None, None
+        self._next_wait += 1
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -186,13 +202,11 @@ class GradientBuckets:
         if synced:
             while self._next_launch < len(self.buckets):
                 self._launch_next()
-            for bucket in self.buckets:
-                bucket.handle.wait()
-                self.finish_bucket(bucket)
-                bucket.handle, bucket.buffer = None, None
+            while self._next_wait < len(self.buckets):
+                self._complete_next()
         for bucket in self.buckets:
             bucket.ready.clear()
-        self._next_launch = 0
+        self._next_launch = self._next_wait = 0
         self.after_backward(synced)
 
     @property

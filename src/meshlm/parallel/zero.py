@@ -68,6 +68,8 @@ from meshlm.parallel.buckets import Bucket, GradientBuckets, group_by_size, trai
 
 SHARD_AXIS = "dp_shard"
 REPLICATE_AXIS = "dp_replicate"
+# Reduce-scatters in flight during backward: each holds a padded copy of its bucket's gradients.
+MAX_REDUCE_SCATTERS_IN_FLIGHT = 2
 
 
 class _ShardedBucket(Bucket):
@@ -105,22 +107,21 @@ class ZeroSharding(GradientBuckets):
             buckets.append(_ShardedBucket(len(buckets), params, names, self.num_shards, offset))
             offset += buckets[-1].chunk
         self.shard_numel = offset
-        p0 = buckets[0].params[0]
-        # The gradient shard: reduce-scatter outputs land in views of it, one per bucket.
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
+        # The gradient shard: reduce-scatter outputs land in views of it, one per bucket. It exists from
+        # the first reduce-scatter of a step until the optimizer's zero_grad (`release_grad_shard`).
+        self.grad_shard: torch.Tensor | None = None
         params_by_id = {id(p): p.detach() for b in buckets for p in b.params}
         self.buckets = buckets  # local_shard reads them; the engine below sets them again
         # The master shard the optimizer updates; its `.grad` is the gradient shard, so
         # `clip_grad_norm([param_shard], ...)` clips exactly what the optimizer steps on.
         self.param_shard = nn.Parameter(self.local_shard(params_by_id), requires_grad=False)
-        self.param_shard.grad = self.grad_shard
         # Elements of TP-sharded parameters (None without tensor parallelism): the norm sums them over tp.
         self.tp_sharded = None
         if mesh.size("tp") > 1:
             flags = {id(p): torch.full_like(p, float(getattr(p, "_meshlm_shard", None) is not None))
                      for b in buckets for p in b.params}
             self.tp_sharded = self.local_shard(flags).bool()  # padding: False (its gradient is zero)
-        super().__init__(buckets)
+        super().__init__(buckets, max_in_flight=MAX_REDUCE_SCATTERS_IN_FLIGHT)
         if stage == 3:
             self.gather_mesh = mesh.duplicate(SHARD_AXIS)  # the parameter gathers' own groups (see the module doc)
             self._link_units()
@@ -202,8 +203,12 @@ class ZeroSharding(GradientBuckets):
             bucket.gathered = False
 
     def _after_forward(self, bucket: _ShardedBucket, output) -> None:
-        self.free(bucket)
-        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+        backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
+        # The root unit's backward (head, final norm) starts right after its forward ends: keep it
+        # rather than free and gather it again (as FSDP2 does for its root).
+        if not (backward_follows and bucket is self.buckets[-1]):
+            self.free(bucket)
+        if backward_follows:
             # The gradient of the unit's output arrives just before the unit's own backward: gather
             # then. (A module full-backward pre-hook would do too, but warns for the root, whose
             # input -- token ids -- needs no gradient.)
@@ -261,12 +266,20 @@ class ZeroSharding(GradientBuckets):
 
     @torch.no_grad()
     def launch(self, bucket: _ShardedBucket) -> comm.CommHandle:
+        if self.grad_shard is None:  # every chunk is written by its reduce-scatter: no zeroing needed
+            p0 = bucket.params[0]
+            self.grad_shard = torch.empty(self.shard_numel, dtype=p0.dtype, device=p0.device)
+            self.param_shard.grad = self.grad_shard
         bucket.buffer = bucket.flat(p.grad for p in bucket.params)
         if self.stage >= 2:
             for p in bucket.params:  # the full gradient is not kept: the shard is all this rank needs
                 p.grad = None
         return comm.reduce_scatter_tensor(self.shard_of(bucket, self.grad_shard), bucket.buffer,
                                           self.mesh, SHARD_AXIS, async_op=True)
+
+    def release_grad_shard(self) -> None:
+        """Drop the gradient shard (the optimizer's zero_grad): no memory for it between steps."""
+        self.grad_shard = self.param_shard.grad = None
 
     def on_bucket_complete(self, bucket: _ShardedBucket) -> None:
         self.free(bucket)  # ZeRO-3: the unit's backward is done with its full parameters

@@ -43,11 +43,11 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The model's full `.grad` (stage 1, or accumulation) must not carry into the next step; the
-        # shard is overwritten by the next reduce-scatter, zeroed only for clarity.
+        # gradient shard is dropped too (the next step's first reduce-scatter allocates it again).
         for b in self.zero.buckets:
             for p in b.params:
                 p.grad = None
-        self.zero.grad_shard.zero_()
+        self.zero.release_grad_shard()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -23,11 +23,12 @@ run), modelled as `parallel/data.py` and `parallel/zero.py` really allocate and 
              moments (8/n); gradients: the 4/n shard, plus the full 4 under stage 1 -- or under
              stage 2 with accumulation (no_sync keeps full gradients until the last micro-step);
   ZeRO-3     the 4/n shard is the weights (no other copy); moments 8/n; gradients as stage 2;
-  buffers    ZeRO 1-3: one padded copy of all gradients (every reduce-scatter in flight at the end of
-             backward; for stage 3 this is also the peak of gathered unit + in-flight buffers);
+  buffers    ZeRO 1-3: the padded gradient copies of at most 2 reduce-scatters in flight; stage 3 also
+             the gathered units (the root unit, the block in use and the prefetched next one);
   comm       one reduce-scatter of all gradients per step (overlapping the last backward) and an
-             all-reduce of the shard over dp_replicate; all-gathers, synchronous: of all parameters
-             once per step (stages 1/2), of every unit twice per micro-step (stage 3, no prefetch).
+             all-reduce of the shard over dp_replicate; all-gathers: of all parameters once per step,
+             synchronously (stages 1/2); stage 3 of every block twice and the root unit once per
+             micro-step, prefetched one unit ahead (overlapping compute).
   TP         (`parallel/tensor.py`, plain DP over the TP-local shards) attention and MLP matrices
              (and q/k/v biases), the embedding and lm_head (split over the vocabulary) hold 1/tp per
              rank; norms are full copies on every tp rank; DP's bucket copy is of the local shards. Its collectives per microbatch are `tp_collectives` (bytes: `Estimate.tp_comm_bytes`).
@@ -702,13 +703,23 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         buffers += 2 * act_msg  # gathered sequence-parallel activations
     if lo.dp > 1 or cp > 1:
         if meshlm_zero:
-            # Every reduce-scatter stays in flight until the end of backward (finish_grad_sync waits
-            # for all), so every bucket's padded input buffer is alive at once: one padded copy of
-            # the gradients. Stages 1/2 all-gather every bucket into a new padded buffer at the
-            # optimizer step (same size, not at the same time). Stage 3: at the peak -- the last
-            # block's backward -- the gathered rest-of-model unit and that block plus the in-flight
-            # buffers of every later block add up to the same one padded copy (no prefetch).
-            buffers += n_local * by["grad"]
+            # At most 2 reduce-scatters are in flight (parallel/zero.py), each holding a padded copy of
+            # its bucket's gradients. Stages 1/2: a bucket closes once it holds bucket_size_mb, so it
+            # is at most that plus one tensor (the embedding is the largest): an upper bound. Stage 3
+            # (a bucket is a unit): during a block's backward the root unit (embedding, final norm,
+            # head; kept gathered from its forward to the end of its backward), that block and the
+            # next one (prefetched) are gathered, and the two previous blocks' reduce-scatters are
+            # in flight: 4 blocks' worth once a rank has 4 or more (fewer: as many as it has).
+            if z < 3:
+                largest = max(summary.embed, summary.head) / tp
+                bucket = lo.bucket_size_mb * MiB / by["grad"] + largest
+                buffers += min(n_local, 2 * bucket) * by["grad"]
+            else:
+                layer = summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (tp * ep)
+                root = n_local - layers_mem * layer
+                gathered = min(layers_mem, 2)
+                in_flight = min(layers_mem, 4) - gathered
+                buffers += (root + gathered * layer) * by["param"] + in_flight * layer * by["grad"]
         elif z == 0:
             # meshlm's DP (parallel/data.py) copies every gradient into a flat per-bucket buffer for the
             # all-reduce: one extra copy of all gradients, whatever the bucket size.
@@ -742,13 +753,21 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
             # meshlm's ZeRO: one reduce-scatter of all (padded) gradients per step, launched per
             # bucket during the last micro-step's backward (async), then the shard's all-reduce over
             # dp_replicate; stages 1/2 all-gather every updated parameter inside the optimizer step
-            # (synchronous), stage 3 all-gathers every unit before its forward and again before its
-            # backward in every micro-step, synchronously (no prefetch).
+            # (synchronous). Stage 3 all-gathers every block before its forward and again before its
+            # backward in every micro-step, and the root unit (embedding, norm, head) once: each gather
+            # is prefetched one unit ahead, so all but the root's (which starts the forward) overlap
+            # the compute of the micro-steps.
             comm = (collective_time("reduce_scatter", g_dense + g_exp, span_dps, cluster)
                     + collective_time("all_reduce", (g_dense + g_exp) / shard, span_dpr, cluster))
-            gathers = 2 * m if z == 3 else 1
-            sync = gathers * collective_time("all_gather", n_local * by["param"], span_dps, cluster)
             window = t_mb_bwd
+            if z == 3:
+                root = n_local - layers_mem * (summary.layer_tp / tp + summary.layer_rep
+                                               + summary.layer_experts / (tp * ep))
+                comm += m * collective_time("all_gather", (2 * n_local - 2 * root) * by["param"], span_dps, cluster)
+                window = m * t_mb
+                sync = m * collective_time("all_gather", root * by["param"], span_dps, cluster)
+            else:
+                sync = collective_time("all_gather", n_local * by["param"], span_dps, cluster)
         elif z == 0:
             comm = (collective_time("all_reduce", g_dense, span_dp_all, cluster)
                     + collective_time("all_reduce", g_exp, span_exp, cluster))
