@@ -91,7 +91,7 @@ def _rank(rank: int, world_size: int, args) -> dict:
         return step
 
     steps = {OURS: train_step(ours, ours_opt, 1.0), PEER: train_step(peer, peer_opt, float(world_size))}
-    externals = {OURS: (ours, ours_opt, zero.param_shard, zero.grad_shard, ours_opt.decay_mask),
+    externals = {OURS: (ours, ours_opt, zero.param_shard),  # the gradient shard exists only from backward to zero_grad
                  PEER: (peer, peer_opt)}
     row = compare(steps, externals, args=args, device=device, ours_stats=mesh.stats, sum_losses_over_ranks=True)
     return {"world_size": world_size, "model_params": ours.num_params(), "tokens_per_step": global_tokens, **row}

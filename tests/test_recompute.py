@@ -105,14 +105,8 @@ def test_refusals():
 # SMALL_MODEL's shape: h=32, 4 heads of 8 (kv heads 2), SwiGLU width 64.
 MEM = dict(vocab_size=256, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64, max_seq_len=64)
 BATCH, SEQ = 2, 16
-# Measured / predicted of a ratio to mode none. The planner's per-layer elements (model_stats.
-# activation_elems_per_token) assume fused kernels; the eager model keeps more in mode none: each
-# RMSNorm keeps 3 tensors (input, normalised, weighted) where the planner counts 2, SDPA keeps k and
-# v after the GQA expansion (num_heads wide, not num_kv_heads) plus its log-sum-exp, and SwiGLU keeps
-# silu(gate) next to gate, up and the product. Here that is 582 elements per token and layer against
-# 416 predicted (x1.40), so a ratio to none comes out x0.71 of the predicted one. Full recomputation
-# keeps exactly what the planner says (the block input, h per token), so its ratio sits at the low end.
-RATIO_BAND = (0.6, 1.0)
+# The planner's per-layer elements (model_stats.activation_elems_per_token) with eager=True describe
+# this model run op by op, as the CPU runs it: they must equal what autograd keeps, byte for byte.
 
 
 def _per_layer_bytes(mode: str) -> float:
@@ -128,7 +122,8 @@ def _per_layer_bytes(mode: str) -> float:
 
 
 def _predicted_per_layer_bytes(mode: str) -> float:
-    tp_sharded, sequence_only = activation_elems_per_token(ModelConfig(**MEM, num_layers=1), 0, recompute=mode)
+    tp_sharded, sequence_only = activation_elems_per_token(ModelConfig(**MEM, num_layers=1), 0, recompute=mode,
+                                                           eager=True)
     return (tp_sharded + sequence_only) * BATCH * SEQ * 4  # fp32, as the planner's precision="fp32"
 
 
@@ -142,30 +137,17 @@ def memory():
     return rows
 
 
-def test_recomputation_keeps_less_for_backward(memory):
-    (none, pred_none), (selective, _), (full, pred_full) = memory["none"], memory["selective"], memory["full"]
+def test_recomputation_keeps_what_the_planner_predicts(memory):
+    (none, pred_none), (selective, pred_selective), (full, pred_full) = (memory[m] for m in ("none", "selective", "full"))
     assert none > selective > full > 0
-    # full keeps the block input and nothing else: exactly the planner's number
-    assert full == pred_full
-    # the eager extras of mode none (see RATIO_BAND)
-    assert 1.2 <= none / pred_none <= 1.6
-    # selective drops at least silu(gate) and the GQA-expanded k, v (the attention core's inputs are the
-    # unexpanded ones now)
+    # every mode: exactly the planner's eager count (full: the block input alone)
+    assert (none, selective, full) == (pred_none, pred_selective, pred_full)
+    # and what selective drops is what lives inside the recomputed core and activation: silu(gate), the
+    # GQA-expanded k and v, the log-sum-exp
     c = MEM
-    dropped = c["intermediate_size"] + 2 * (c["hidden_size"] - c["num_kv_heads"] * c["hidden_size"] // c["num_heads"])
-    assert none - selective >= dropped * BATCH * SEQ * 4
-    got, want = full / none, pred_full / pred_none
-    assert RATIO_BAND[0] <= got / want <= RATIO_BAND[1], (got, want)
-
-
-@pytest.mark.xfail(strict=True, reason="the planner's selective count (model_stats.activation_elems_per_token) "
-                   "leaves out the attention output and the SwiGLU product, which the wo / w_down matmuls keep "
-                   "for their weight gradients, and the RMSNorm outputs: it predicts 256 elements per token and "
-                   "layer here, 482 are kept")
-def test_planner_predicts_the_selective_saving(memory):
-    (none, pred_none), (selective, pred_selective) = memory["none"], memory["selective"]
-    got, want = selective / none, pred_selective / pred_none
-    assert RATIO_BAND[0] <= got / want <= RATIO_BAND[1], (got, want)
+    q_dim, kv_dim = c["hidden_size"], c["num_kv_heads"] * c["hidden_size"] // c["num_heads"]
+    inside = c["intermediate_size"] + 2 * (q_dim - kv_dim) + c["num_heads"]
+    assert none - selective == inside * BATCH * SEQ * 4
 
 
 # --------------------------------------------------------------------------------------------

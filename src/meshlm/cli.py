@@ -133,8 +133,10 @@ def _add_serve(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshlm",
-        description="Train and serve transformer LLMs across a mesh of devices: data, tensor, pipeline, "
-                    "expert and context parallelism on one device mesh; a planner; a paged-KV inference engine.",
+        description="Train and serve transformer LLMs across a mesh of devices: data parallelism (DDP, "
+                    "ZeRO-1/2/3, hybrid), tensor + sequence parallelism and activation recomputation on one "
+                    "device mesh, each layout verifiable against one process (meshlm verify); a planner "
+                    "(which also models pipeline, expert and context parallelism); a paged-KV inference engine.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     from meshlm import __version__
 

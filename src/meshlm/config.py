@@ -354,10 +354,10 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
-    pp: int = 1
+    pp: int = 1  # pp, cp, ep > 1: modelled by the planner; the trainer refuses them (not implemented yet)
     cp: int = 1
     ep: int = 1
-    zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard
+    zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
     sequence_parallel: bool = True  # with tp > 1
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1  # virtual stages per rank (interleaved)

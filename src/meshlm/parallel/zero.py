@@ -235,6 +235,22 @@ class ZeroSharding(GradientBuckets):
         start = self.shard_rank * bucket.chunk
         return padded_flat[start:start + bucket.chunk]
 
+    def shard_ranges(self, select) -> list[tuple[int, int]]:
+        """[start, end) ranges of this rank's flat shard holding parameters `p` with `select(p)` true
+        (adjacent ranges merged): the places a per-parameter rule applies, without a flat mask."""
+        ranges: list[tuple[int, int]] = []
+        for b in self.buckets:
+            mine = self.shard_rank * b.chunk
+            for p, offset in zip(b.params, b.offsets):
+                start, end = max(offset, mine), min(offset + p.numel(), mine + b.chunk)
+                if start < end and select(p):
+                    start, end = b.shard_offset + start - mine, b.shard_offset + end - mine
+                    if ranges and ranges[-1][1] == start:
+                        ranges[-1] = (ranges[-1][0], end)
+                    else:
+                        ranges.append((start, end))
+        return ranges
+
     @torch.no_grad()
     def local_shard(self, tensors_of: dict[int, torch.Tensor]) -> torch.Tensor:
         """This rank's flat shard of one full tensor per parameter (keyed by id of the parameter)."""

@@ -3,7 +3,7 @@
 Responsible for: `ZeroAdamW(zero, ...)`, an AdamW whose one parameter is this rank's flat fp32 master
 shard (`zero.param_shard`, whose `.grad` is the reduce-scattered gradient shard), applying the same
 elementwise arithmetic as `torch.optim.AdamW(foreach=False)` with the per-parameter decay rule
-(>= 2-D tensors decayed) carried as a flat mask; after the step it all-gathers the updated
+(>= 2-D tensors decayed) applied to the ranges of the shard that hold such tensors; after the step it all-gathers the updated
 parameters (stages 1/2; stage 3 gathers each unit when its next forward needs it). Its state is
 read and written in the per-parameter layout of the unsharded AdamW (`full_state_dict` /
 `load_full_state_dict`), so a checkpoint moves between zero stages and data-parallel sizes.
@@ -23,7 +23,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     One param group holding the flat fp32 shard (so `set_lr` and the trainer's interface work), whose
     `.grad` is the ZeRO gradient shard. The update is the same elementwise arithmetic as
-    `torch.optim.AdamW(foreach=False)`, with the decay applied where the flat mask says so.
+    `torch.optim.AdamW(foreach=False)`, with the decay applied to the decayed tensors' ranges.
     """
 
     def __init__(self, zero: ZeroSharding, *, lr: float, betas: tuple[float, float], eps: float,
@@ -32,8 +32,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         shard = zero.param_shard
         self._params_by_id = {id(p): p for b in zero.buckets for p in b.params}
         super().__init__([shard], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        masks = {id(p): torch.full_like(p, float(p.dim() >= 2)) for b in zero.buckets for p in b.params}
-        self.decay_mask = zero.local_shard(masks).bool()  # padding: False (its values stay zero anyway)
+        # where the shard holds >= 2-D tensors (padding is not decayed; its values stay zero anyway)
+        self.decay_ranges = zero.shard_ranges(lambda p: p.dim() >= 2)
         self.state[shard] = {"step": torch.zeros((), dtype=torch.float32),
                              "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
 
@@ -57,9 +57,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         param, grad, state = self.shard, self.zero.grad_shard, self.state[self.shard]
         state["step"] += 1
         if wd != 0:
-            # `param * scalar` rounds as torch's AdamW does; torch.where(mask, 1 - lr * wd, 1.0) would
-            # make a default-dtype (fp32) factor, off by ~6e-8 under train.precision=fp64.
-            param.copy_(torch.where(self.decay_mask, param * (1 - lr * wd), param))
+            for start, end in self.decay_ranges:  # in place by a Python scalar, as torch's AdamW rounds it
+                param[start:end].mul_(1 - lr * wd)
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step = float(state["step"])

@@ -437,11 +437,12 @@ class ModelSummary:
     hw_flops_per_token: dict  # recompute -> training FLOPs per token
 
     @classmethod
-    def build(cls, cfg: ModelConfig, seq_len: int) -> "ModelSummary":
+    def build(cls, cfg: ModelConfig, seq_len: int, *, eager: bool = False) -> "ModelSummary":
+        """`eager`: activations as meshlm's model keeps them run op by op (Job.fused_elementwise=False)."""
         L = cfg.num_layers
         lp = [model_stats.layer_params(cfg, i) for i in range(L)]
         lf = [model_stats.layer_flops(cfg, i, seq_len) for i in range(L)]
-        act = {rc: [model_stats.activation_elems_per_token(cfg, i, recompute=rc) for i in range(L)]
+        act = {rc: [model_stats.activation_elems_per_token(cfg, i, recompute=rc, eager=eager) for i in range(L)]
                for rc in RECOMPUTE}
         n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
         expert_flops = 2 * 3 * cfg.hidden_size * cfg.expert_intermediate_size * cfg.num_experts_per_token
@@ -688,6 +689,10 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         }
     # Activations of the first rank (most microbatches in flight) or the last (logits).
     per_layer_mb = tokens_mb * by["act"] * (summary.act_tp[rc] / tp + summary.act_seq[rc] / (tp if sp else 1))
+    if not job.flash_attention and rc == "none":
+        # an unfused attention keeps its s x s scores and softmax (by["act"] each) and the dropout mask
+        # (1 byte) per head: what selective recomputation was invented to drop (Korthikanti et al.)
+        per_layer_mb += tokens_mb * (2 * by["act"] + 1) * cfg.num_heads * s / tp
     inflight = inflight_microbatches(lo.pp_schedule, pp=pp, num_microbatches=m, pp_chunks=v)
     act_first = inflight * layers_first * per_layer_mb
     # Backward of one layer holds the gradients of that layer's intermediate tensors next to the saved
@@ -842,4 +847,5 @@ def estimate(cfg: ModelConfig, cluster: Cluster, job: Job, layout: Layout, *, gp
     job.validate()
     gpus = layout.world if gpus is None else gpus
     m = validate_layout(cfg, job, layout, gpus=gpus)
-    return estimate_layout(ModelSummary.build(cfg, job.seq_len), cluster, job, layout, num_microbatches=m)
+    return estimate_layout(ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise), cluster, job,
+                           layout, num_microbatches=m)

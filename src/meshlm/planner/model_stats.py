@@ -160,18 +160,27 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, recompute: str = "n
 # --------------------------------------------------------------------------------------------
 
 
-def activation_elems_per_token(cfg: ModelConfig, layer: int, *, recompute: str) -> tuple[float, float]:
+def activation_elems_per_token(cfg: ModelConfig, layer: int, *, recompute: str,
+                               eager: bool = False) -> tuple[float, float]:
     """Elements one token keeps for backward in `layer`, split as (tp_sharded, sequence_only).
 
     `tp_sharded` elements are split by tensor parallelism (per-head and per-column tensors);
     `sequence_only` ones (inputs of the two norms, the residual stream) are split by tp only under
-    sequence parallelism. Assumes a fused attention kernel (no s x s matrix is stored).
+    sequence parallelism. A fused attention kernel is assumed (no s x s matrix is stored; the caller
+    adds the scores of an unfused one).
 
     none:      norm inputs and outputs (4h), q, k, v, attention output, SwiGLU gate, up and product.
-    selective: Megatron's selective recompute -- the attention core and the cheap elementwise ops
-               (norm outputs, SwiGLU product) are recomputed, so only the norm inputs (2h), q, k, v
-               and the SwiGLU gate/up outputs stay.
+    selective: meshlm's `parallel.recompute=selective` recomputes the attention core and the SwiGLU
+               activation. Their inputs (q, k, v; gate, up) and outputs (the inputs of wo and w_down,
+               which those matmuls keep for their weight gradients) stay, so with fused kernels it
+               keeps what none keeps: it frees only what an unfused implementation holds inside the
+               two -- the s x s scores, and what `eager` lists below.
     full:      only the layer input (h); everything else is recomputed in backward.
+    eager:     meshlm's model as PyTorch runs it op by op (`Job(fused_elementwise=False)`, cluster
+               `local`): each RMSNorm also keeps its normalised input and 1/rms (h + 1, twice); inside the
+               attention core the k and v expanded to every query head (GQA repeat: 2 (q_dim - kv_dim)
+               more) and the kernel's log-sum-exp (num_heads); inside the activation silu(gate) (its
+               width). Selective recomputation frees those inside the core and the activation.
     """
     h, hd = cfg.hidden_size, cfg.head_dim
     q_dim, kv_dim = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -182,10 +191,13 @@ def activation_elems_per_token(cfg: ModelConfig, layer: int, *, recompute: str) 
         dispatch = cfg.num_experts_per_token * h + cfg.num_experts
     else:
         inter, dispatch = cfg.intermediate_size, 0
-    if recompute == "none":
-        return q_dim + 2 * kv_dim + q_dim + 3 * inter + dispatch, 4 * h
-    if recompute == "selective":
-        return q_dim + 2 * kv_dim + 2 * inter + dispatch, 2 * h
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} must be none, selective or full")
     if recompute == "full":
         return 0.0, float(h)
-    raise ValueError(f"recompute={recompute!r} must be none, selective or full")
+    tp_sharded, sequence_only = q_dim + 2 * kv_dim + q_dim + 3 * inter + dispatch, 4.0 * h
+    if eager:
+        sequence_only += 2 * (h + 1)
+        if recompute == "none":
+            tp_sharded += 2 * (q_dim - kv_dim) + cfg.num_heads + inter
+    return tp_sharded, sequence_only

@@ -94,7 +94,7 @@ def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int 
     cfg.validate()
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1")
-    summary = ModelSummary.build(cfg, job.seq_len)
+    summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
     fitting: list[Estimate] = []
     closest: Estimate | None = None
     best_by_class: dict = {}
