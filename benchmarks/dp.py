@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from meshlm.comm import CommStats
@@ -32,11 +29,7 @@ from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models.transformer import build_model
 from meshlm.parallel.data import apply_data_parallel
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _common import run_ranks  # noqa: E402 -- benchmarks/ is on sys.path when run as a script
 
 
 def _batches(args, rank: int, world_size: int, step: int):
@@ -56,59 +49,56 @@ def _train_step(model, opt, inputs, targets, global_tokens, scale):
     opt.zero_grad(set_to_none=True)
 
 
-def _rank(rank: int, world_size: int, port: int, args, out_queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                          num_heads=4, num_kv_heads=2, intermediate_size=3 * args.hidden, max_seq_len=args.seq_len)
-        mesh = build_mesh(ParallelDims(), device_type="cpu", stats=CommStats())
-        ours = build_model(cfg, seed=0)
-        dp = apply_data_parallel(ours, mesh, bucket_size_mb=args.bucket_mb)
-        ref = build_model(cfg, seed=0)
-        ddp = torch.nn.parallel.DistributedDataParallel(ref, process_group=mesh.group("dp"),
-                                                        bucket_cap_mb=args.bucket_mb)
-        opts = {"meshlm": torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=False),
-                "ddp": torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=False)}
-        models = {"meshlm": ours, "ddp": ddp}
-        scales = {"meshlm": 1.0, "ddp": float(world_size)}  # DDP averages; meshlm sums (see parallel/data.py)
-        times = {"meshlm": [], "ddp": []}
-        step = 0
-        for rnd in range(args.warmup + args.rounds):
-            for name in ("meshlm", "ddp") if rnd % 2 == 0 else ("ddp", "meshlm"):
-                dist.barrier()
-                for i in range(args.steps_per_round):
-                    inputs, targets, tokens = _batches(args, rank, world_size, step + i)
-                    mesh.stats.reset()
-                    start = time.perf_counter()
-                    _train_step(models[name], opts[name], inputs, targets, tokens, scales[name])
-                    if rnd >= args.warmup:
-                        times[name].append(time.perf_counter() - start)
-                    if name == "meshlm":
-                        bytes_per_step = mesh.stats.total(op="all_reduce").bytes
-                        calls_per_step = mesh.stats.total(op="all_reduce").calls
-            step += args.steps_per_round
-        max_diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters()))
-        if rank == 0:
-            ours_s, ddp_s = statistics.median(times["meshlm"]), statistics.median(times["ddp"])
-            out_queue.put({
-                "benchmark": "data_parallel", "world_size": world_size, "backend": "gloo", "device": "cpu",
-                "model_params": sum(p.numel() for p in ours.parameters()),
-                "tokens_per_step": args.batch * world_size * args.seq_len,
-                "timed_steps_each": args.rounds * args.steps_per_round,
-                "meshlm_step_ms": round(ours_s * 1e3, 2), "ddp_step_ms": round(ddp_s * 1e3, 2),
-                "ratio_meshlm_over_ddp": round(ours_s / ddp_s, 3),
-                "meshlm_min_step_ms": round(min(times["meshlm"]) * 1e3, 2),
-                "ddp_min_step_ms": round(min(times["ddp"]) * 1e3, 2),
-                "ratio_of_min": round(min(times["meshlm"]) / min(times["ddp"]), 3),
-                "meshlm_bytes_all_reduced_per_step": bytes_per_step,
-                "meshlm_all_reduce_calls_per_step": calls_per_step,
-                "meshlm_buckets": len(dp.buckets),
-                "ddp_gradient_bytes_per_step": sum(p.numel() * p.element_size() for p in ref.parameters()),
-                "max_weight_diff_meshlm_vs_ddp": max_diff,
-            })
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world_size: int, args) -> dict | None:
+    """One rank of the comparison (the process group is up: `_common.run_ranks`); rank 0 returns the row."""
+    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                      num_heads=4, num_kv_heads=2, intermediate_size=3 * args.hidden, max_seq_len=args.seq_len)
+    mesh = build_mesh(ParallelDims(), device_type="cpu", stats=CommStats())
+    ours = build_model(cfg, seed=0)
+    dp = apply_data_parallel(ours, mesh, bucket_size_mb=args.bucket_mb)
+    ref = build_model(cfg, seed=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref, process_group=mesh.group("dp"),
+                                                    bucket_cap_mb=args.bucket_mb)
+    opts = {"meshlm": torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=False),
+            "ddp": torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=False)}
+    models = {"meshlm": ours, "ddp": ddp}
+    scales = {"meshlm": 1.0, "ddp": float(world_size)}  # DDP averages; meshlm sums (see parallel/data.py)
+    times = {"meshlm": [], "ddp": []}
+    step = 0
+    for rnd in range(args.warmup + args.rounds):
+        for name in ("meshlm", "ddp") if rnd % 2 == 0 else ("ddp", "meshlm"):
+            dist.barrier()
+            for i in range(args.steps_per_round):
+                inputs, targets, tokens = _batches(args, rank, world_size, step + i)
+                mesh.stats.reset()
+                start = time.perf_counter()
+                _train_step(models[name], opts[name], inputs, targets, tokens, scales[name])
+                if rnd >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+                if name == "meshlm":
+                    bytes_per_step = mesh.stats.total(op="all_reduce").bytes
+                    calls_per_step = mesh.stats.total(op="all_reduce").calls
+        step += args.steps_per_round
+    max_diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters()))
+    if rank == 0:
+        ours_s, ddp_s = statistics.median(times["meshlm"]), statistics.median(times["ddp"])
+        return {
+            "benchmark": "data_parallel", "world_size": world_size, "backend": "gloo", "device": "cpu",
+            "model_params": sum(p.numel() for p in ours.parameters()),
+            "tokens_per_step": args.batch * world_size * args.seq_len,
+            "timed_steps_each": args.rounds * args.steps_per_round,
+            "meshlm_step_ms": round(ours_s * 1e3, 2), "ddp_step_ms": round(ddp_s * 1e3, 2),
+            "ratio_meshlm_over_ddp": round(ours_s / ddp_s, 3),
+            "meshlm_min_step_ms": round(min(times["meshlm"]) * 1e3, 2),
+            "ddp_min_step_ms": round(min(times["ddp"]) * 1e3, 2),
+            "ratio_of_min": round(min(times["meshlm"]) / min(times["ddp"]), 3),
+            "meshlm_bytes_all_reduced_per_step": bytes_per_step,
+            "meshlm_all_reduce_calls_per_step": calls_per_step,
+            "meshlm_buckets": len(dp.buckets),
+            "ddp_gradient_bytes_per_step": sum(p.numel() * p.element_size() for p in ref.parameters()),
+            "max_weight_diff_meshlm_vs_ddp": max_diff,
+        }
+    return None
 
 
 def main() -> None:
@@ -124,26 +114,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds, alternating which goes first")
     ap.add_argument("--steps-per-round", type=int, default=3)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    out_queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.world_size, port, args, out_queue))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    result = None
-    while result is None:
-        try:
-            result = out_queue.get(timeout=1.0)
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    args.device = "cpu"  # gloo ranks (run_ranks reads it)
+    result = run_ranks(_rank, args.world_size, args)
     print(json.dumps(result, indent=2))
 
 

@@ -42,9 +42,10 @@ def check_supported(parallel: ParallelConfig) -> None:
     not_yet = [("pp", parallel.pp, 1), ("cp", parallel.cp, 1), ("ep", parallel.ep, 1)]
     for name, value, plain in not_yet:
         if value != plain:
-            raise ValueError(f"parallel.{name}={value} is not implemented yet; only data parallelism "
-                             "(plain, or ZeRO with parallel.zero_stage=1..3) and tensor parallelism (parallel.tp) "
-                             f"are (set parallel.{name}={plain}, and use the ranks for parallel.dp_shard or parallel.tp)")
+            raise ValueError(f"parallel.{name}={value} is not implemented yet; what runs: data parallelism "
+                             "(plain, or ZeRO with parallel.zero_stage=1..3, hybrid with parallel.dp_replicate), "
+                             "tensor parallelism (parallel.tp) under either, and parallel.recompute "
+                             f"(set parallel.{name}={plain}, and use the ranks for parallel.dp_shard or parallel.tp)")
 
 
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:

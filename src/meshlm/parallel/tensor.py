@@ -78,7 +78,8 @@ def check_tensor_parallel(config, tp: int) -> None:
                              f"or change model.{name} to a multiple of {tp}")
     if config.is_moe:
         raise ValueError(f"tensor parallelism of MoE layers is not implemented (model.num_experts="
-                         f"{config.num_experts}); set parallel.tp=1 and spread the experts with parallel.ep")
+                         f"{config.num_experts}); set parallel.tp=1: MoE models run under data parallelism "
+                         "(plain or ZeRO, every rank holding all experts)")
 
 
 # --------------------------------------------------------------------------------------------
