@@ -87,7 +87,8 @@ def _context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "meshlm.models.transformer"])
+    # torch._dynamo: the first meta-device init in build_model imports it (and sympy), ~1 s per rank otherwise
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "meshlm.models.transformer"])
     return ctx
 
 

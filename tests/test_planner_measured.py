@@ -12,7 +12,7 @@ per rank as: weights = bytes of the model's parameter storage (size 0 under stag
 plus, under stage 3, the flat master shard (which is then the only copy of the weights); optimizer =
 the AdamW moments plus, under stages 1/2, the flat fp32 master shard; gradients = the largest, over
 the micro-steps, of the bytes in `.grad` plus the flat gradient shard; comm_buffers = the peak, during
-backward, of the padded buffers of the reduce-scatters in flight (at most 2) plus, under stage 3, the
+backward, of the padded buffers of the reduce-scatters in flight (at most 1) plus, under stage 3, the
 gathered units (the planner's stage-1/2 figure is an upper bound there: it cannot see where buckets close).
 
 And for tensor parallelism (`meshlm.parallel.tensor`, vocab-parallel loss, then plain DP over "dp" on
@@ -219,7 +219,7 @@ def _check_zero(counted, *, dp_replicate, dp_shard):
             extra = got[key] - predicted  # padding bytes the planner leaves out
             most = 4 * (shards[key] * (buckets - 1) if key != "comm_buffers" else (n - 1) * buckets)
             if key == "comm_buffers" and stage < 3:
-                # two buckets in flight at most; the planner's bound takes each as bucket_size_mb plus
+                # one bucket in flight at most; the planner's bound takes it as bucket_size_mb plus
                 # the largest tensor, the real ones close right after crossing bucket_size_mb
                 assert 0 < got[key] <= predicted + most, (name, stage, mbs, bucket_mb, predicted, got[key])
                 continue

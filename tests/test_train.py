@@ -13,7 +13,8 @@ from meshlm.train.checkpoint import (latest_checkpoint, load_checkpoint_for_infe
                                      save_checkpoint)
 from meshlm.train.optim import clip_grad_norm, lr_at
 from meshlm.train.trainer import Trainer
-from runs import SMALL_MODEL, step_losses, write_corpus
+from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
+from runs import SMALL_MODEL, grad_norms, step_losses, write_corpus
 
 
 
@@ -42,17 +43,22 @@ def test_a_few_steps_lower_the_loss(tmp_path, text_file):
     assert (tmp_path / "run" / "checkpoints" / "step_000025").is_dir()
 
 
-def test_grad_accumulation_matches_one_micro_batch(tmp_path, text_file):
+@pytest.mark.parametrize("precision", ["fp32", "fp64"])
+def test_grad_accumulation_matches_one_micro_batch(tmp_path, text_file, precision):
+    """fp64: losses, grad norms and weights to FP64_TOL; fp32: losses and grad norms to FP32_REL."""
     runs = {}
     for micro in (8, 2):
-        trainer = Trainer(make_cfg(tmp_path / f"m{micro}", text_file, f"train.micro_batch_size={micro}",
-                                   "train.steps=3", "train.val_batches=0"))
+        run_dir = tmp_path / f"m{micro}"
+        trainer = Trainer(make_cfg(run_dir, text_file, f"train.micro_batch_size={micro}", "train.steps=3",
+                                   "train.val_batches=0", f"train.precision={precision}"))
         trainer.train()
-        runs[micro] = (step_losses(tmp_path / f"m{micro}"), trainer.base_model.state_dict())
-    (losses_a, weights_a), (losses_b, weights_b) = runs[8], runs[2]
-    assert losses_a == pytest.approx(losses_b, abs=1e-5)
-    for name in weights_a:
-        torch.testing.assert_close(weights_a[name], weights_b[name], atol=1e-5, rtol=0, msg=name)
+        runs[micro] = (step_losses(run_dir), grad_norms(run_dir), trainer.base_model.state_dict())
+    (losses, norms, weights), (want_losses, want_norms, want_weights) = runs[2], runs[8]
+    tol = FP64_TOL if precision == "fp64" else FP32_REL
+    assert_close_seq(losses, want_losses, rtol=tol, what=f"{precision} 4 x 2 accumulated vs 1 x 8: loss")
+    assert_close_seq(norms, want_norms, rtol=tol, what=f"{precision} 4 x 2 accumulated vs 1 x 8: grad norm")
+    if precision == "fp64":
+        assert_state_close(weights, want_weights, atol=tol, what="fp64 4 x 2 accumulated vs 1 x 8: weights")
 
 
 def test_resume_is_bit_identical(tmp_path, text_file):

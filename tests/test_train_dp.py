@@ -1,6 +1,11 @@
 """The Trainer under data parallelism reproduces the single-process Trainer, resumes bit-identically,
 logs its communication per axis, and `parallelize` / `check_layout` refuse what cannot run.
 
+Parity (tests/parity.py): a configuration run with train.precision=fp64 matches the fp64
+single-process run in losses, grad norms, validation losses and every weight to FP64_TOL; one run
+in fp32 (the real dtype) in losses, grad norms and validation losses to FP32_REL. Each world size
+runs one configuration in each precision.
+
 One launch per world size keeps this file fast: each rank trains every configuration in turn.
 """
 
@@ -18,11 +23,13 @@ from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, parallelize
 from meshlm.train.checkpoint import latest_checkpoint
 from meshlm.train.trainer import Trainer
+from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
 from runs import SMALL_MODEL, grad_norms, rows, step_losses, val_losses
 
 STEPS = 10
 PARITY_STEPS = 5
 GLOBAL_BATCH = 8
+PRECISIONS = {"fp32": (4, FP32_REL), "fp64": (8, FP64_TOL)}  # bytes an element, tolerance
 
 
 def make_cfg(run_dir, text_file, *extra):
@@ -40,32 +47,38 @@ def weights(trainer) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, text_file):
-    """The single-process run: losses of 10 steps, weights after 5, validation losses."""
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    trainer = Trainer(make_cfg(run_dir, text_file))
-    trainer.train(until_step=PARITY_STEPS)
-    after5 = weights(trainer)
-    trainer.train()
-    assert step_losses(run_dir)[PARITY_STEPS - 1] < step_losses(run_dir)[0] - 0.5  # parity is not trivial
-    return {"losses": step_losses(run_dir), "grad_norms": grad_norms(run_dir), "weights5": after5,
-            "val": val_losses(run_dir)}
-
-
-def dp_worker(rank, world_size, root: Path, text_file: Path, micro_sizes: list[int], with_resume: bool):
+    """The single-process run in each precision: losses (fp32: of 10 steps), weights after 5,
+    validation losses."""
     out = {}
-    for micro in micro_sizes:
-        cfg = make_cfg(root / f"m{micro}", text_file, f"train.micro_batch_size={micro}")
+    for precision in PRECISIONS:
+        run_dir = tmp_path_factory.mktemp("ref") / "run"
+        trainer = Trainer(make_cfg(run_dir, text_file, f"train.precision={precision}"))
+        trainer.train(until_step=PARITY_STEPS)
+        after5 = weights(trainer)
+        if precision == "fp32":
+            trainer.train()  # a 2-rank checkpoint resumes on 1 rank below: steps 6 to 10
+        assert step_losses(run_dir)[PARITY_STEPS - 1] < step_losses(run_dir)[0] - 0.5  # parity is not trivial
+        out[precision] = {"losses": step_losses(run_dir), "grad_norms": grad_norms(run_dir), "weights5": after5,
+                          "val": val_losses(run_dir), "numel": trainer.base_model.num_params()}
+    return out
+
+
+def dp_worker(rank, world_size, root: Path, text_file: Path, configs: list[tuple], with_resume: bool):
+    """configs: (micro-batch size, precision); with_resume: the first one also checks resuming."""
+    out = {}
+    for micro, precision in configs:
+        cfg = make_cfg(root / f"m{micro}{precision}", text_file, f"train.micro_batch_size={micro}",
+                       f"train.precision={precision}")
         trainer = Trainer(cfg)
         assert trainer.dp_size == world_size and trainer.loader.dp_rank == rank
         trainer.train(until_step=PARITY_STEPS)
-        out[micro] = {"weights5": weights(trainer),
-                      "grad_bytes": sum(p.numel() * p.element_size() for p in trainer.base_model.parameters())}
-        if with_resume and micro == micro_sizes[0]:
+        out[micro, precision] = {"weights5": weights(trainer)}
+        if with_resume and (micro, precision) == configs[0]:
             trainer.train()  # the straight run: 10 steps in one go
             out["straight"] = (weights(trainer), trainer.optimizer.state_dict())
     if with_resume:
-        micro = micro_sizes[0]
-        cfg = make_cfg(root / "split", text_file, f"train.micro_batch_size={micro}")
+        micro, precision = configs[0]
+        cfg = make_cfg(root / "split", text_file, f"train.micro_batch_size={micro}", f"train.precision={precision}")
         Trainer(cfg).train(until_step=PARITY_STEPS)
         dist.barrier()
         if rank == 0:  # kept for the parent to resume at another world size
@@ -78,46 +91,42 @@ def dp_worker(rank, world_size, root: Path, text_file: Path, micro_sizes: list[i
     return out
 
 
-def check_parity(results, root: Path, reference, micro_sizes):
-    tol = 1e-5
-    for micro in micro_sizes:
-        run_dir = root / f"m{micro}"
+def check_parity(results, root: Path, reference, configs):
+    for micro, precision in configs:
+        size, tol = PRECISIONS[precision]
+        ref = reference[precision]
+        what = f"dp={len(results)} micro={micro} {precision}"
+        run_dir = root / f"m{micro}{precision}"
         losses = step_losses(run_dir)  # written by rank 0 only: one row per step
         assert len(losses) in (PARITY_STEPS, STEPS)  # the straight run went on to 10
-        for got, want in zip(losses[:PARITY_STEPS], reference["losses"]):
-            assert abs(got - want) <= tol * abs(want), (micro, losses, reference["losses"])
+        assert_close_seq(losses[:PARITY_STEPS], ref["losses"][:PARITY_STEPS], rtol=tol, what=f"{what}: loss")
         # The gradient norm before clipping shows a gradient off by a constant factor (reduced
         # twice, or averaged instead of summed), which AdamW and clipping all but hide in the weights.
-        norms = grad_norms(run_dir)[:PARITY_STEPS]
-        assert norms == pytest.approx(reference["grad_norms"][:PARITY_STEPS], rel=tol), (micro, norms)
-        # the validation loss: the same set (3 global batches) split over the ranks, averaged
-        got_val = val_losses(run_dir)
-        # steps 0 and 5 at least (a run stopped at step 5 has no step-10 row)
-        assert len(got_val) >= 2 and len(reference["val"]) >= len(got_val), (got_val, reference["val"])
-        for (step, got), (ref_step, want) in zip(got_val, reference["val"]):
-            assert step == ref_step and abs(got - want) <= tol * abs(want), (micro, step, got, want)
-        for r, result in enumerate(results):
-            for name, want in reference["weights5"].items():
-                # fp32: sums over ranks round differently and AdamW magnifies that where gradients
-                # are tiny, in proportion to the lr (see tests/test_dp.py): at lr 3e-3 the largest
-                # difference seen is ~4e-6, at 1e-2 it was ~1.2e-5.
-                diff = float((result[micro]["weights5"][name] - want).abs().max())
-                assert diff <= tol, f"rank {r} micro {micro} {name}: max |difference| {diff:.2e}"
+        assert_close_seq(grad_norms(run_dir)[:PARITY_STEPS], ref["grad_norms"][:PARITY_STEPS], rtol=tol,
+                         what=f"{what}: grad norm")
+        # the validation loss: the same set (3 global batches) split over the ranks, averaged;
+        # steps 0 and 5 (a run stopped at step 5 has no step-10 row)
+        got_val, want_val = val_losses(run_dir)[:2], ref["val"][:2]
+        assert [s for s, _ in got_val] == [s for s, _ in want_val] == [0, PARITY_STEPS], (got_val, want_val)
+        assert_close_seq([v for _, v in got_val], [v for _, v in want_val], rtol=tol, what=f"{what}: val loss")
+        if precision == "fp64":
+            for r, result in enumerate(results):
+                assert_state_close(result[micro, precision]["weights5"], ref["weights5"], atol=tol,
+                                   what=f"{what} rank {r}: weights after {PARITY_STEPS} steps")
         # the step's communication, per axis: exactly the gradient bytes, all-reduced once per
         # step however many accumulation micro-steps there were
-        grad_bytes = results[0][micro]["grad_bytes"]
         for row in (r for r in rows(run_dir) if "loss" in r):
-            assert row["comm_mb"] == {"dp": grad_bytes / 2**20}, row
+            assert row["comm_mb"] == {"dp": size * ref["numel"] / 2**20}, row
             assert row["comm_s"]["dp"] >= 0
 
 
 def test_dp2_matches_single_process_and_resumes_bit_identically(tmp_path, text_file, reference):
-    micro_sizes = [4, 2]  # per-rank batch 4: one micro-batch, then 2 accumulated
-    results = run_distributed(dp_worker, 2, tmp_path, text_file, micro_sizes, True, timeout=120)
-    check_parity(results, tmp_path, reference, micro_sizes)
+    configs = [(4, "fp32"), (2, "fp64")]  # per-rank batch 4: one micro-batch, then 2 accumulated
+    results = run_distributed(dp_worker, 2, tmp_path, text_file, configs, True, timeout=120)
+    check_parity(results, tmp_path, reference, configs)
 
     # 10 straight == 5 + resume + 5, on every rank: losses, weights, optimizer state
-    assert step_losses(tmp_path / "split") == step_losses(tmp_path / "m4")
+    assert step_losses(tmp_path / "split") == step_losses(tmp_path / "m4fp32")
     for r, result in enumerate(results):
         (w_straight, opt_straight), (w_resumed, opt_resumed) = result["straight"], result["resumed"]
         for name in w_straight:
@@ -129,19 +138,17 @@ def test_dp2_matches_single_process_and_resumes_bit_identically(tmp_path, text_f
 
     # The loader position is global, so a checkpoint of 2 ranks resumes on 1: same batches, equal
     # within fp32 rounding (not bit-identical: the sums over ranks are ordered differently).
-    single = Trainer(make_cfg(tmp_path / "other_world", text_file), resume=True)
+    single = Trainer(make_cfg(tmp_path / "other_world", text_file, "train.precision=fp32"), resume=True)
     assert single.step == PARITY_STEPS and "saved by 2 ranks" in single.resume_note
     single.train()
-    losses = step_losses(tmp_path / "other_world")
-    assert len(losses) == STEPS
-    for got, want in zip(losses, reference["losses"]):
-        assert abs(got - want) <= 1e-5 * abs(want), (losses, reference["losses"])
+    assert_close_seq(step_losses(tmp_path / "other_world"), reference["fp32"]["losses"], rtol=FP32_REL,
+                     what="dp=2 checkpoint resumed on 1 rank: loss")
 
 
 def test_dp4_matches_single_process(tmp_path, text_file, reference):
-    micro_sizes = [2, 1]  # per-rank batch 2: one micro-batch, then 2 accumulated
-    results = run_distributed(dp_worker, 4, tmp_path, text_file, micro_sizes, False, timeout=180)
-    check_parity(results, tmp_path, reference, micro_sizes)
+    configs = [(2, "fp64"), (1, "fp32")]  # per-rank batch 2: one micro-batch, then 2 accumulated
+    results = run_distributed(dp_worker, 4, tmp_path, text_file, configs, False, timeout=180)
+    check_parity(results, tmp_path, reference, configs)
 
 
 # A large aux coefficient, so that a mis-scaled load-balancing loss moves the routers visibly.
@@ -150,22 +157,28 @@ MOE = ["model.num_experts=4", "model.num_experts_per_token=2", "model.moe_interm
 
 
 def moe_worker(rank, world_size, run_dir, text_file):
-    trainer = Trainer(make_cfg(run_dir, text_file, *MOE))
-    trainer.train()
-    return weights(trainer)
+    out = {}
+    for precision in PRECISIONS:
+        trainer = Trainer(make_cfg(run_dir / precision, text_file, *MOE, f"train.precision={precision}"))
+        trainer.train()
+        out[precision] = weights(trainer)
+    return out
 
 
 def test_moe_aux_loss_under_dp_matches_single_process(tmp_path, text_file):
     # The aux loss is a mean over the micro-batches of the global batch: one micro-batch on each of
-    # 2 ranks must train exactly like 2 accumulated micro-batches in one process.
-    single = Trainer(make_cfg(tmp_path / "single", text_file, *MOE))
-    single.train()
+    # 2 ranks must train exactly like 2 accumulated micro-batches in one process. A mis-scaled aux
+    # loss shows in the grad norm (the coefficient is large) and, in fp64, in the router weights.
     results = run_distributed(moe_worker, 2, tmp_path / "dp", text_file, timeout=120)
-    assert step_losses(tmp_path / "dp") == pytest.approx(step_losses(tmp_path / "single"), rel=1e-5)
-    for r, got in enumerate(results):
-        for name, want in weights(single).items():
-            diff = float((got[name] - want).abs().max())
-            assert diff <= 1e-5, f"rank {r} {name}: max |difference| {diff:.2e}"
+    for precision, (_, tol) in PRECISIONS.items():
+        single = Trainer(make_cfg(tmp_path / "single" / precision, text_file, *MOE, f"train.precision={precision}"))
+        single.train()
+        got_dir, want_dir = tmp_path / "dp" / precision, tmp_path / "single" / precision
+        assert_close_seq(step_losses(got_dir), step_losses(want_dir), rtol=tol, what=f"MoE dp=2 {precision}: loss")
+        assert_close_seq(grad_norms(got_dir), grad_norms(want_dir), rtol=tol, what=f"MoE dp=2 {precision}: grad norm")
+        if precision == "fp64":
+            for r, got in enumerate(results):
+                assert_state_close(got[precision], weights(single), atol=tol, what=f"MoE dp=2 fp64 rank {r}: weights")
 
 
 # -- parallelize / check_layout, in one process -------------------------------------------------

@@ -16,6 +16,7 @@ from dist import run_distributed
 from meshlm import verify
 from meshlm.cli import main as cli_main
 from meshlm.config import load_config
+from parity import FP64_TOL
 from runs import SMALL_MODEL
 
 STEPS = 3
@@ -59,8 +60,8 @@ def test_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, nproc
                         launch=harness(), log=io.StringIO())
     assert report.ok, verify.format_report(report)
     assert [r.step for r in report.rows] == [1, 2, 3]
-    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= 1e-12, verify.format_report(report)
-    assert report.max_weight_diff <= 1e-12 and report.num_tensors == 21
+    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL and report.num_tensors == 21
     assert set(report.comm_bytes) == axes and all(v > 0 for v in report.comm_bytes.values())
     assert all(r.comm_bytes == report.rows[0].comm_bytes for r in report.rows)  # the same traffic every step
 
@@ -73,7 +74,7 @@ def test_a_doubled_gradient_fails_and_the_table_shows_where(tmp_path, text_file)
     assert code == 1, text
     step1 = next(line for line in text.splitlines() if line.split()[:1] == ["1"])
     cells = step1.split()
-    assert cells[3] != "nan" and float(cells[3]) <= 1e-12  # the first loss is right ...
+    assert cells[3] != "nan" and float(cells[3]) <= FP64_TOL  # the first loss is right ...
     assert cells[6] == "1.0e+00!"  # ... the gradient norm twice the reference's
     verdict = text.strip().splitlines()[-1]
     assert verdict.startswith("verdict: MISMATCH") and "grad norm differs from step 1" in verdict, text
@@ -89,7 +90,7 @@ def test_cli_verify_through_the_elastic_launcher(tmp_path, text_file, capsys, mo
     report = json.loads(captured.out)  # stdout holds the JSON alone; progress went to stderr
     assert report["match"] and report["layout"].startswith("dp_shard=2,") and report["precision"] == "fp64"
     assert [r["step"] for r in report["rows"]] == [1, 2]
-    assert report["weights"]["max_abs_diff"] <= 1e-12
+    assert report["weights"]["max_abs_diff"] <= FP64_TOL
     assert report["tolerance"] == {"loss_rel": 1e-9, "grad_norm_rel": 1e-9, "weights_abs": 1e-9}
     assert report["comm_bytes"]["dp"] > 0
     assert "meshlm verify: reference done" in captured.err

@@ -191,7 +191,7 @@ def toy_worker(rank, world_size):
             for p, name in zip(b.params, b.names):
                 ref = dict(reference.named_parameters())[name]
                 want, got = ref.grad if ref.grad is not None else torch.zeros_like(ref), grads[id(p)]
-                assert torch.allclose(got, want, atol=1e-12, rtol=0), (step, name, float((got - want).abs().max()))
+                assert torch.allclose(got, want, atol=FP64_TOL, rtol=0), (step, name, float((got - want).abs().max()))
         reference.zero_grad()
         zero.grad_shard.zero_()
     assert in_flight and all(in_flight), in_flight

@@ -68,7 +68,7 @@ class MoE(nn.Module):
 
     def route(self, x_td: torch.Tensor):
         """Top-k experts and their weights per token, plus the load-balancing loss."""
-        probs_te = F.softmax(self.router(x_td), dim=-1, dtype=torch.float32)
+        probs_te = F.softmax(self.router(x_td), dim=-1, dtype=torch.promote_types(x_td.dtype, torch.float32))
         weight_tk, expert_idx_tk = torch.topk(probs_te, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weight_tk = weight_tk / weight_tk.sum(dim=-1, keepdim=True)

@@ -23,7 +23,7 @@ run), modelled as `parallel/data.py` and `parallel/zero.py` really allocate and 
              moments (8/n); gradients: the 4/n shard, plus the full 4 under stage 1 -- or under
              stage 2 with accumulation (no_sync keeps full gradients until the last micro-step);
   ZeRO-3     the 4/n shard is the weights (no other copy); moments 8/n; gradients as stage 2;
-  buffers    ZeRO 1-3: the padded gradient copies of at most 2 reduce-scatters in flight; stage 3 also
+  buffers    ZeRO 1-3: the padded gradient copy of the one reduce-scatter in flight; stage 3 also
              the gathered units (the root unit, the block in use and the prefetched next one);
   comm       one reduce-scatter of all gradients per step (overlapping the last backward) and an
              all-reduce of the shard over dp_replicate; all-gathers: of all parameters once per step,
@@ -708,22 +708,22 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         buffers += 2 * act_msg  # gathered sequence-parallel activations
     if lo.dp > 1 or cp > 1:
         if meshlm_zero:
-            # At most 2 reduce-scatters are in flight (parallel/zero.py), each holding a padded copy of
-            # its bucket's gradients. Stages 1/2: a bucket closes once it holds bucket_size_mb, so it
-            # is at most that plus one tensor (the embedding is the largest): an upper bound. Stage 3
-            # (a bucket is a unit): during a block's backward the root unit (embedding, final norm,
-            # head; kept gathered from its forward to the end of its backward), that block and the
-            # next one (prefetched) are gathered, and the two previous blocks' reduce-scatters are
-            # in flight: 4 blocks' worth once a rank has 4 or more (fewer: as many as it has).
+            # One reduce-scatter is in flight at a time (parallel/zero.py), holding a padded copy of its
+            # bucket's gradients. Stages 1/2: a bucket closes once it holds bucket_size_mb, so it is at
+            # most that plus one tensor (the embedding is the largest): an upper bound. Stage 3 (a
+            # bucket is a unit): during a block's backward the root unit (embedding, final norm, head;
+            # kept gathered from its forward to the end of its backward), that block and the next one
+            # (prefetched) are gathered, and the previous block's reduce-scatter is in flight: 3
+            # blocks' worth once a rank has 3 or more (fewer: as many as it has).
             if z < 3:
                 largest = max(summary.embed, summary.head) / tp
                 bucket = lo.bucket_size_mb * MiB / by["grad"] + largest
-                buffers += min(n_local, 2 * bucket) * by["grad"]
+                buffers += min(n_local, bucket) * by["grad"]
             else:
                 layer = summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (tp * ep)
                 root = n_local - layers_mem * layer
                 gathered = min(layers_mem, 2)
-                in_flight = min(layers_mem, 4) - gathered
+                in_flight = min(layers_mem, 3) - gathered
                 buffers += (root + gathered * layer) * by["param"] + in_flight * layer * by["grad"]
         elif z == 0:
             # meshlm's DP (parallel/data.py) copies every gradient into a flat per-bucket buffer for the
