@@ -346,6 +346,7 @@ class P2P:
     kind: str
     tensor: torch.Tensor
     peer: int
+    tag: int = 0  # matches a send to its receive by tag, not by order, where the backend honours it (gloo)
 
 
 def batch_isend_irecv(ops: Sequence[P2P], mesh: "Mesh", axis: str) -> CommHandle:
@@ -360,7 +361,7 @@ def batch_isend_irecv(ops: Sequence[P2P], mesh: "Mesh", axis: str) -> CommHandle
             raise ValueError(f"P2P kind {op.kind!r} must be 'send' or 'recv'")
         fn = dist.isend if op.kind == "send" else dist.irecv
         _require_contiguous(op.tensor, f"batch_isend_irecv ({op.kind})")
-        p2p_ops.append(dist.P2POp(fn, op.tensor, _peer(mesh, axis, op.peer), group))
+        p2p_ops.append(dist.P2POp(fn, op.tensor, _peer(mesh, axis, op.peer), group, op.tag))
     if not p2p_ops:
         return _done(None, True)
     start = time.perf_counter()

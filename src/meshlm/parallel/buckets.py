@@ -209,6 +209,18 @@ class GradientBuckets:
         self._next_launch = self._next_wait = 0
         self.after_backward(synced)
 
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Reduce what `.grad` holds now, every bucket in order, and wait: for a caller that ran all of
+        a step's backward passes inside `no_sync()` (a pipeline step's many partial backwards)."""
+        assert not self._callback_queued and self._next_launch == 0, "call it after backward, not during"
+        while self._next_launch < len(self.buckets):
+            self._launch_next()
+        while self._next_wait < len(self.buckets):
+            self._complete_next()
+        self._next_launch = self._next_wait = 0
+        self.after_backward(True)
+
     @property
     def bucket_bytes(self) -> list[int]:
         """Padded bytes of each bucket in launch order: what one synchronising backward reduces per bucket."""

@@ -12,9 +12,11 @@ mesh (`meshlm.mesh`), or the training step (`meshlm.train.trainer`).
 Data parallelism, ZeRO-1/2/3 and tensor parallelism (+ sequence parallelism) exist so far (ZeRO
 replaces the DDP all-reduce: it reduce-scatters over "dp_shard" and all-reduces the shards over
 "dp_replicate"; TP shards the model over "tp" first, and DP or ZeRO then work on the TP-local shards,
-"2-D" parallelism), and activation recomputation (parallel.recompute=selective|full, see
-`meshlm.parallel.recompute`). Pipeline, expert and context parallelism raise a ValueError naming
-their setting before anything is built, so a layout the code cannot run never half-starts.
+"2-D" parallelism), activation recomputation (parallel.recompute=selective|full, see
+`meshlm.parallel.recompute`), and pipeline parallelism (parallel.pp, `meshlm.parallel.pipeline`: the
+model is split into this rank's stage first; with plain data parallelism only, so far). Expert and
+context parallelism, and pp with tp / ZeRO / recompute, raise a ValueError naming their setting before
+anything is built, so a layout the code cannot run never half-starts.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from torch import nn
 from meshlm.config import Config, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.data import DataParallel, apply_data_parallel
+from meshlm.parallel.pipeline import PipelineStage, check_pipeline_model, pipeline_grad_norm, split_model
 from meshlm.parallel.recompute import apply_recompute
+from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_grad_norm
 from meshlm.parallel.zero import ZeroSharding, apply_zero
 
@@ -39,13 +43,26 @@ _MARK = "_meshlm_parallelized"
 
 def check_supported(parallel: ParallelConfig) -> None:
     """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    not_yet = [("pp", parallel.pp, 1), ("cp", parallel.cp, 1), ("ep", parallel.ep, 1)]
+    not_yet = [("cp", parallel.cp, 1), ("ep", parallel.ep, 1)]
     for name, value, plain in not_yet:
         if value != plain:
             raise ValueError(f"parallel.{name}={value} is not implemented yet; what runs: data parallelism "
                              "(plain, or ZeRO with parallel.zero_stage=1..3, hybrid with parallel.dp_replicate), "
-                             "tensor parallelism (parallel.tp) under either, and parallel.recompute "
+                             "tensor parallelism (parallel.tp) under either, parallel.recompute, and pipeline "
+                             "parallelism (parallel.pp) with plain data parallelism "
                              f"(set parallel.{name}={plain}, and use the ranks for parallel.dp_shard or parallel.tp)")
+    if parallel.pp > 1:
+        # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone
+        # or with plain data parallelism. The rest composes in principle but has not been proven yet.
+        unproven = [("tp", parallel.tp, 1), ("zero_stage", parallel.zero_stage, 0),
+                    ("recompute", parallel.recompute, "none")]
+        for name, value, plain in unproven:
+            if value != plain:
+                raise ValueError(f"parallel.{name}={value} with parallel.pp={parallel.pp} is not implemented yet; "
+                                 "what runs under pipeline parallelism: every parallel.pp_schedule (gpipe, 1f1b, "
+                                 "interleaved with parallel.pp_chunks, zero_bubble), alone or with plain data "
+                                 f"parallelism (parallel.dp_shard / dp_replicate); set parallel.{name}={plain}, "
+                                 "or parallel.pp=1")
 
 
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:
@@ -58,6 +75,8 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     dims = ParallelDims.from_config(cfg.parallel).resolve(world_size)
     check_supported(cfg.parallel)
     t = cfg.train
+    if dims.pp > 1:
+        check_pipeline_model(cfg.model, dims.pp * cfg.parallel.pp_chunks)
     check_tensor_parallel(cfg.model, dims.tp)  # heads, sizes and vocab divisible by tp; no MoE
     if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
@@ -76,12 +95,28 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
             f"train.global_batch_size={t.global_batch_size} is not divisible by {divisor} (each of the "
             f"{dims.dp} data-parallel ranks runs whole micro-batches); set train.global_batch_size to a "
             f"multiple of {per_step} (e.g. {lower} or {lower + per_step}), or change {other}")
+    if dims.pp > 1:
+        p = cfg.parallel
+        if not t.micro_batch_size and p.num_microbatches and (t.global_batch_size // dims.dp) % p.num_microbatches:
+            raise ValueError(f"parallel.num_microbatches={p.num_microbatches} does not divide the per-rank batch "
+                             f"train.global_batch_size / dp = {t.global_batch_size // dims.dp}; change either")
+        m = t.global_batch_size // (dims.dp * micro_batch_size(cfg, dims.dp))
+        if p.num_microbatches and p.num_microbatches != m:
+            raise ValueError(f"parallel.num_microbatches={p.num_microbatches} disagrees with the batch: "
+                             f"train.global_batch_size / (dp x train.micro_batch_size) = {m}; set it to {m} or 0")
+        build_schedule(p.pp_schedule, pp=dims.pp, num_microbatches=m, pp_chunks=p.pp_chunks)  # raises if it cannot
     return dims
 
 
 def micro_batch_size(cfg: Config, dp: int) -> int:
-    """Sequences per forward/backward on one rank: `train.micro_batch_size`, or for 0 the per-rank batch."""
-    return cfg.train.micro_batch_size or cfg.train.global_batch_size // dp
+    """Sequences per forward/backward on one rank: `train.micro_batch_size`, or for 0 the per-rank batch
+    (under pipeline parallelism with parallel.num_microbatches set: the per-rank batch split into that many)."""
+    if cfg.train.micro_batch_size:
+        return cfg.train.micro_batch_size
+    per_rank = cfg.train.global_batch_size // dp
+    if cfg.parallel.pp > 1 and cfg.parallel.num_microbatches:
+        return max(1, per_rank // cfg.parallel.num_microbatches)
+    return per_rank
 
 
 @dataclass
@@ -99,6 +134,8 @@ class ParallelModel:
     data_parallel: DataParallel | None = None
     zero: ZeroSharding | None = None  # set for parallel.zero_stage >= 1 (then data_parallel is None)
     tensor_parallel: bool = False  # tp > 1: the module returns this rank's vocab slice of the logits
+    pipeline: PipelineStage | None = None  # pp > 1: this rank's stage; the trainer runs whole steps through it
+    pp_schedule: str = "1f1b"
 
     def no_sync(self):
         """Context for the non-final micro-steps of gradient accumulation: no gradient reduction."""
@@ -111,6 +148,9 @@ class ParallelModel:
         """The global gradient norm for clipping; None means the local norm (one process)."""
         if self.zero is not None:
             return self.zero.grad_norm_fn
+        if self.pipeline is not None:
+            # Each parameter lives on one stage, and after DP's reduction its gradient is whole over dp.
+            return lambda grads: pipeline_grad_norm(grads, self.mesh)
         if self.tensor_parallel:
             # After DP's all-reduce the gradients are full over dp but still sharded over tp; the
             # norm needs the parameters' shard metadata, so it reads them rather than `grads`.
@@ -146,14 +186,20 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
         raise ValueError("this model was parallelized already; build a fresh model (a second pass would "
                          "attach a second set of gradient hooks and reduce every gradient twice)")
     tp = mesh.size("tp")
+    if mesh.size("pp") != parallel.pp:
+        raise ValueError(f"parallel.pp={parallel.pp} but the mesh has pp={mesh.size('pp')}; build the mesh from "
+                         "the same parallel config")
     if tp != parallel.tp:
         raise ValueError(f"parallel.tp={parallel.tp} but the mesh has tp={tp}; build the mesh from the same "
                          "parallel config")
     check_tensor_parallel(model.config, tp)
-    # The fixed order; PP, EP and CP do not exist yet and were refused above:
+    # The fixed order; EP and CP do not exist yet and were refused above:
     # PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
     setattr(model, _MARK, True)
-    result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1)
+    result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1, pp_schedule=parallel.pp_schedule)
+    if parallel.pp > 1:
+        result.pipeline = split_model(model, pp_rank=mesh.local_rank("pp"), pp=parallel.pp,
+                                      pp_chunks=parallel.pp_chunks)
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
     apply_recompute(model, parallel.recompute)

@@ -92,7 +92,8 @@ class MetricsLogger:
         if "loss" in row:
             info = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
                     f"{row['tokens_per_s']:,.0f} tok/s  MFU {100 * row.get('mfu', 0.0):.1f}%  "
-                    f"mem {row.get('memory_mib', 0.0):,.0f} MiB")
+                    f"mem {row.get('memory_mib', 0.0):,.0f} MiB"
+                    + (f" (activations {row['activation_mib']:,.1f})" if row.get("activation_mib") else ""))
             if self._progress is not None:
                 self._progress.update(self._task, completed=row["step"], info=info)
             else:  # no bar: one plain line per logged step, for log files and batch jobs

@@ -40,7 +40,10 @@ from meshlm.config import Config
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
+from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
+from meshlm.parallel.pipeline import run_pipeline_step
 from meshlm.parallel.recompute import SavedTensorMeter
+from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.planner.model_stats import train_flops_per_token
 from meshlm.train.checkpoint import (
@@ -207,6 +210,23 @@ class Trainer:
         total.backward()
         return loss.detach()
 
+    def pipeline_step(self, micro_batches, *, num_tokens: int) -> torch.Tensor:
+        """Forward + backward of every micro-batch of the step through the pipeline schedule (pp > 1);
+        returns this data-parallel rank's share of the global mean loss (the same on every stage).
+
+        All backward passes run inside no_sync (a stage runs many partial backwards per micro-batch);
+        the gradients are then reduced over data parallelism once."""
+        p = self.cfg.parallel
+        schedule = build_schedule(p.pp_schedule, pp=p.pp, num_microbatches=len(micro_batches), pp_chunks=p.pp_chunks)
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        with self.parallel.no_sync(), self.autocast():
+            result = run_pipeline_step(self.parallel.pipeline, schedule, batches, mesh=self.mesh,
+                                       num_tokens=num_tokens, activation_dtype=self.dtype)
+        if self.parallel.data_parallel is not None:
+            self.parallel.data_parallel.reduce_grads()
+        self.pipeline_timeline = result.timeline  # this rank's actions of the last step (start, end)
+        return result.loss.to(self.dtype)
+
     def train_step(self) -> dict:
         """One optimizer step over the next global batch; returns its metrics row."""
         t = self.cfg.train
@@ -218,6 +238,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = t.global_batch_size * t.seq_len  # packing: no padding, every target counts
         loss = torch.zeros((), dtype=self.dtype, device=self.device)
+        if self.parallel.pipeline is not None:
+            loss += self.pipeline_step(micro_batches, num_tokens=num_tokens)
+            micro_batches = []  # the pipeline ran them all
         for i, (inputs, targets) in enumerate(micro_batches):
             final = i == len(micro_batches) - 1
             with contextlib.nullcontext() if final else self.parallel.no_sync():
@@ -259,6 +282,15 @@ class Trainer:
         # [sum of token losses, tokens] summed over ranks: right even when ranks hold different
         # numbers of batches (or none), and every rank joins the reduction.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.parallel.pipeline is not None and batches:
+            # Forward only through the stages; the stages of one pipeline hold the same batches.
+            batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+            with self.autocast():
+                result = run_pipeline_step(self.parallel.pipeline, None, batches, mesh=self.mesh, num_tokens=1,
+                                           activation_dtype=self.dtype, forward_only=True)
+            totals[0] += result.loss
+            totals[1] += sum(targets.numel() for _, targets in batches)
+            batches = []
         for inputs, targets in batches:
             with self.autocast():
                 logits = self.model(inputs.to(self.device))
@@ -371,7 +403,11 @@ class Trainer:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in model.max_seq_len="
                              f"{self.cfg.model.max_seq_len}")
         model = self.base_model
-        if self.parallel.tensor_parallel:
+        if self.parallel.pipeline is not None:
+            # Generation runs the whole model: every rank gathers the stages into a full copy.
+            model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
+            model.load_state_dict(pipeline_full_state_dict(self.parallel.pipeline, model, self.mesh))
+        elif self.parallel.tensor_parallel:
             # The KV cache and the one-token decode steps do not fit the TP-sharded model (its heads
             # are split, and SP splits the sequence): every rank samples from a full copy instead.
             model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)

@@ -1,0 +1,353 @@
+"""Pipeline parallelism that runs: the stage split of the model and one executor for every schedule.
+
+Responsible for: splitting a `Transformer` over the "pp" axis (`split_model`: a rank keeps only the
+blocks of its chunks, the embedding on stage 0, the final norm and output head on the last stage; the
+others become None, and every kept parameter keeps its full-model name, so checkpoints stay
+layout-independent), and `run_pipeline_step`, which executes one rank's action list of any schedule
+of `meshlm.parallel.schedules` (gpipe, 1f1b, interleaved, zero_bubble) on real ranks: forwards,
+backwards (fused, or split into input gradient B and weight gradient W for zero_bubble), the
+point-to-point transfers of activations and their gradients through `comm.batch_isend_irecv` on the
+"pp" axis (counted in `CommStats`), the loss of the last stage, the activations held per
+(microbatch, chunk) and freed after their backward, and a timeline of every action.
+Not responsible for: the order of actions (`schedules.build_schedule`), the layer counts per stage
+(`schedules.split_layers`), splitting the global batch into micro-batches (the trainer), or reducing
+gradients over data-parallel ranks (the trainer runs the whole pipeline step and then one reduction).
+
+How a step runs. There are S = pp * pp_chunks stages; rank r holds chunks c = 0..v-1, stage c * pp + r.
+  F(mb, c)  receive the activation of microbatch mb from the rank of stage s - 1 (stage 0 embeds the
+            tokens instead), run the chunk, send the output to the rank of stage s + 1 -- or, on the last
+            stage, compute the micro-batch loss: sum of token losses / tokens of the global batch (the
+            trainer's convention, so gradients summed over micro-batches are those of the global mean).
+  B(mb, c)  receive the output gradient from the next stage (the last stage starts from its loss),
+            backpropagate, send the gradient of the chunk input to the previous stage. zero_bubble's B
+            computes only that input gradient (`torch.autograd.grad`, keeping the graph) ...
+  W(mb, c)  ... and W later the weight gradients (`torch.autograd.backward(..., inputs=params)`). W walks
+            the chunk's graph again from its output, so on this eager runtime B + W costs more than a
+            fused B; what W buys is the order: the input gradient the previous stage waits for leaves first.
+Shapes are known in advance (micro-batch x seq x hidden, the activation dtype), so receives need no
+handshake. Every message carries a tag naming (activation or gradient, stage, microbatch): on gloo a
+receive then matches its send whatever order two ranks post them in (interleaving sends activations
+and gradients over the same pair of ranks). Sends are posted as soon as their tensor exists and waited
+at the end of the step; the receive of the next action is posted before the current one computes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm import comm
+from meshlm.mesh import Mesh
+from meshlm.models.transformer import Transformer, rope_cos_sin
+from meshlm.parallel.schedules import Action, Schedule, split_layers
+
+# --------------------------------------------------------------------------------------------
+# Stage split
+# --------------------------------------------------------------------------------------------
+
+
+def check_pipeline_model(config, num_stages: int) -> None:
+    """Raise ValueError for a model this pipeline cannot split over `num_stages` stages."""
+    if config.tie_embeddings and num_stages > 1:
+        raise ValueError("model.tie_embeddings=true shares one weight between the first stage (embedding) "
+                         "and the last (output head); the pipeline does not synchronise it yet: set "
+                         "model.tie_embeddings=false, or parallel.pp=1")
+    if config.is_moe and num_stages > 1:
+        raise ValueError("MoE models do not run under pipeline parallelism yet (the load-balancing loss is "
+                         "not carried between stages): set parallel.pp=1 for model.num_experts > 0")
+    if config.num_layers < num_stages:
+        raise ValueError(f"model.num_layers={config.num_layers} must be >= parallel.pp x parallel.pp_chunks = "
+                         f"{num_stages} (every stage runs at least one block)")
+
+
+@dataclass
+class PipelineStage:
+    """This rank's part of the model: the chunks of stages c * pp + rank, c = 0..pp_chunks - 1."""
+
+    model: Transformer  # pruned in place: only this rank's blocks, embed / norm / lm_head where they live
+    rank: int  # coordinate on the pp axis
+    pp: int
+    pp_chunks: int
+    layers_per_stage: list[int]  # over all stages, stage order
+    chunk_layers: list[list[str]]  # per chunk of this rank: its block names, in order
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.pp_chunks
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    def is_first(self, chunk: int) -> bool:
+        return self.stage(chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.stage(chunk) == self.num_stages - 1
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """Tokens [b, s] (first stage) or hidden states [b, s, h] in; hidden states, or logits on the
+        last stage, out. RoPE's cos/sin are recomputed from the sequence length, as Transformer.forward does."""
+        m = self.model
+        h = m.embed(x) if self.is_first(chunk) else x
+        positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(m.inv_freq, positions, h.dtype)
+        for name in self.chunk_layers[chunk]:
+            h = m.layers[name](h, cos, sin)
+        if self.is_last(chunk):
+            h = m.lm_head(m.norm(h))
+        return h
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The trainable parameters one chunk's forward uses (zero_bubble's W differentiates these)."""
+        mods: list[nn.Module] = [self.model.layers[n] for n in self.chunk_layers[chunk]]
+        if self.is_first(chunk):
+            mods.append(self.model.embed)
+        if self.is_last(chunk):
+            mods += [self.model.norm, self.model.lm_head]
+        return [p for mod in mods for p in mod.parameters() if p.requires_grad]
+
+
+def split_model(model: Transformer, *, pp_rank: int, pp: int, pp_chunks: int = 1,
+                layers_per_stage: Sequence[int] | None = None) -> PipelineStage:
+    """Prune `model` in place to rank `pp_rank`'s chunks and return the stage that runs them.
+
+    `layers_per_stage` (one count per stage, stage order) defaults to `split_layers`. Blocks keep their
+    global names ("0".."L-1") in `model.layers`; the blocks of other ranks are dropped, and embed / norm /
+    lm_head become None on the ranks that do not hold the first / last stage.
+    """
+    num_stages = pp * pp_chunks
+    config = model.config
+    check_pipeline_model(config, num_stages)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank={pp_rank} must be in 0..{pp - 1}")
+    counts = list(layers_per_stage) if layers_per_stage is not None else split_layers(config.num_layers, num_stages)
+    if len(counts) != num_stages or sum(counts) != config.num_layers or min(counts) < 1:
+        raise ValueError(f"layers per stage {counts} must be {num_stages} counts (pp x pp_chunks), each >= 1, "
+                         f"summing to model.num_layers={config.num_layers}")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    chunk_layers = [[str(i) for i in range(starts[c * pp + pp_rank], starts[c * pp + pp_rank] + counts[c * pp + pp_rank])]
+                    for c in range(pp_chunks)]
+    keep = {n for names in chunk_layers for n in names}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if pp_rank != 0:
+        model.embed = None
+    if pp_rank != pp - 1:
+        model.norm = None
+        model.lm_head = None
+    return PipelineStage(model=model, rank=pp_rank, pp=pp, pp_chunks=pp_chunks, layers_per_stage=counts,
+                         chunk_layers=chunk_layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Executor
+# --------------------------------------------------------------------------------------------
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the token cross-entropies of one micro-batch (bf16 logits promoted; fp64 stays fp64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One executed action: host seconds from the start of the step, compute only (the wait for its
+    input is before `start`)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class PipelineStepResult:
+    loss: torch.Tensor  # sum over micro-batches of their loss shares, the same on every pp rank
+    timeline: list[TimedAction] = field(default_factory=list)  # this rank's actions, in execution order
+    peak_activations: int = 0  # most (microbatch, chunk) activations held at once on this rank
+    seconds: float = 0.0  # wall time of the whole step on this rank
+
+    @property
+    def busy(self) -> float:
+        return sum(t.end - t.start for t in self.timeline)
+
+
+_ACT, _GRAD = 0, 1  # what a message carries, for its tag
+
+
+def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
+                      micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, mesh: Mesh, num_tokens: int,
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+                      activation_dtype: torch.dtype | None = None, forward_only: bool = False,
+                      axis: str = "pp") -> PipelineStepResult:
+    """Run this rank's actions of `schedule` over `micro_batches` ((inputs, targets) pairs, tokens
+    [b, s]; every rank passes the same shapes, only the last stage reads targets); collective over `axis`.
+
+    Gradients accumulate into the parameters' `.grad` (the caller zeroes them and reduces over data
+    parallelism afterwards). `forward_only=True` runs only forwards, under no_grad, chunk by chunk
+    (validation; `schedule` may then be None).
+    Returns the summed loss (sum over micro-batches of loss_fn / num_tokens), all-reduced over `axis`
+    so every stage reports the last stage's value.
+    """
+    pp, v = stage.pp, stage.pp_chunks
+    if mesh.size(axis) != pp or (schedule is not None and (schedule.pp, schedule.pp_chunks) != (pp, v)):
+        raise ValueError(f"stage (pp={pp}, pp_chunks={v}), mesh {axis}={mesh.size(axis)} and schedule "
+                         f"{schedule and (schedule.pp, schedule.pp_chunks)} must agree")
+    if schedule is None and not forward_only:
+        raise ValueError("a training step needs a schedule (schedules.build_schedule)")
+    m = len(micro_batches)
+    if schedule is not None and schedule.num_microbatches != m:
+        raise ValueError(f"{m} micro-batches for a schedule of {schedule.num_microbatches}")
+    S, rank = stage.num_stages, stage.rank
+    bsz, seq = micro_batches[0][0].shape
+    device = micro_batches[0][0].device
+    if activation_dtype is None:
+        activation_dtype = next(stage.model.parameters()).dtype
+    shape = (bsz, seq, stage.model.config.hidden_size)
+    if forward_only:
+        # Nothing is held for a backward, so no schedule's memory bound matters: chunk by chunk, every
+        # microbatch in order (deadlock-free, as sends never block).
+        actions = [Action("F", mb, c) for c in range(v) for mb in range(m)]
+    else:
+        actions = list(schedule.ranks[rank])
+    t0 = time.perf_counter()
+
+    def rank_of(s: int) -> int:
+        return s % pp
+
+    def tag(kind: int, s: int, mb: int) -> int:  # the same number on the sender and the receiver
+        return (kind * S + s) * m + mb
+
+    # -- point to point -------------------------------------------------------------------------
+    sends: list[tuple[comm.CommHandle, torch.Tensor]] = []  # waited at the end: posted early, waited late
+    posted: dict[int, tuple[comm.CommHandle, torch.Tensor]] = {}  # action index -> its receive in flight
+
+    def send(t: torch.Tensor, kind: int, to_stage: int, mb: int) -> None:
+        t = t.detach().contiguous()
+        op = comm.P2P("send", t, rank_of(to_stage), tag(kind, to_stage, mb))
+        sends.append((comm.batch_isend_irecv([op], mesh, axis), t))
+
+    def needs_recv(a: Action) -> bool:
+        s = stage.stage(a.chunk)
+        return (a.kind == "F" and s > 0) or (a.kind == "B" and s < S - 1)
+
+    def post_recv(i: int) -> None:
+        if i >= len(actions) or i in posted or not needs_recv(actions[i]):
+            return
+        a = actions[i]
+        s = stage.stage(a.chunk)
+        src, kind = (s - 1, _ACT) if a.kind == "F" else (s + 1, _GRAD)
+        buf = torch.empty(shape, dtype=activation_dtype, device=device)
+        op = comm.P2P("recv", buf, rank_of(src), tag(kind, s, a.microbatch))
+        posted[i] = (comm.batch_isend_irecv([op], mesh, axis), buf)
+
+    def take_recv(i: int) -> torch.Tensor:
+        post_recv(i)
+        handle, buf = posted.pop(i)
+        handle.wait()
+        return buf
+
+    # -- compute --------------------------------------------------------------------------------
+    # (mb, chunk) -> [chunk input, chunk output (or loss), output gradient]; held from F to the
+    # backward that frees it (B when fused, W when split).
+    held: dict[tuple[int, int], list] = {}
+    peak = 0
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    timeline: list[TimedAction] = []
+    grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
+
+    with grad_mode:
+        for i, a in enumerate(actions):
+            s = stage.stage(a.chunk)
+            key = (a.microbatch, a.chunk)
+            received = take_recv(i) if needs_recv(a) else None
+            post_recv(i + 1)  # the next action's input can arrive while this one computes
+            start = time.perf_counter() - t0
+            if a.kind == "F":
+                if s == 0:
+                    x = micro_batches[a.microbatch][0].to(device)
+                else:
+                    x = received.requires_grad_(not forward_only)
+                y = stage.forward_chunk(a.chunk, x)
+                if s == S - 1:
+                    y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
+                    loss_total += y.detach().to(torch.float64)
+                else:
+                    send(y, _ACT, s + 1, a.microbatch)
+                if not forward_only:
+                    held[key] = [x, y, None]
+                    peak = max(peak, len(held))
+            elif a.kind == "B":
+                x, y, _ = held[key]
+                grad_out = received  # None on the last stage: y is the loss
+                if schedule.split_backward:  # zero_bubble: the input gradient only
+                    if s > 0:
+                        (gx,) = torch.autograd.grad(y, x, grad_out, retain_graph=True)
+                        send(gx, _GRAD, s - 1, a.microbatch)
+                    held[key][2] = grad_out
+                else:
+                    torch.autograd.backward(y, grad_out)
+                    if s > 0:
+                        send(x.grad, _GRAD, s - 1, a.microbatch)
+                    del held[key]
+            else:  # W: the weight gradients of a split backward
+                x, y, grad_out = held.pop(key)
+                torch.autograd.backward(y, grad_out, inputs=stage.chunk_parameters(a.chunk))
+            timeline.append(TimedAction(a, start, time.perf_counter() - t0))
+
+    for handle, _ in sends:
+        handle.wait()
+    assert not held and not posted, "every activation is freed and every receive consumed by the step's end"
+    loss = comm.all_reduce(loss_total, mesh, axis)  # only the last stage holds a nonzero sum
+    return PipelineStepResult(loss=loss, timeline=timeline, peak_activations=peak,
+                              seconds=time.perf_counter() - t0)
+
+
+def pipeline_grad_norm(grads: Sequence[torch.Tensor], mesh: Mesh, *, axis: str = "pp") -> torch.Tensor:
+    """Global L2 norm of gradients that each live on one stage: squares summed over `axis` (collective).
+    Data-parallel replicas must hold the reduced (whole) gradients already."""
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for g in grads:
+        sq += torch.linalg.vector_norm(g.detach(), dtype=torch.promote_types(g.dtype, torch.float32)).double() ** 2
+    return comm.all_reduce(sq, mesh, axis).sqrt()
+
+
+@torch.no_grad()
+def full_state_dict(stage: PipelineStage, full_model: nn.Module, mesh: Mesh, *, axis: str = "pp") -> dict:
+    """The state dict of the whole model on every pp rank (collective): each tensor broadcast over `axis`
+    from the rank whose stage holds it. `full_model` is an unsplit model of the same config; it
+    supplies names, shapes and dtypes. For the end-of-training sample, not for checkpoints."""
+    pp, counts = stage.pp, stage.layers_per_stage
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+
+    def owner(name: str) -> int:
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            s = max(i for i, start in enumerate(starts) if start <= layer)
+            return s % pp
+        return 0 if name.startswith("embed.") else pp - 1
+
+    mine = stage.model.state_dict()
+    out = {}
+    for name, t in full_model.state_dict().items():
+        src = owner(name)
+        buf = mine[name].detach().clone().contiguous() if src == stage.rank else torch.empty_like(t)
+        out[name] = comm.broadcast(buf, mesh, axis, src=src)
+    return out
+
+
+def measured_bubble(timelines: Sequence[Sequence[TimedAction]]) -> tuple[float, float]:
+    """(bubble, bubble fraction) of one step from every rank's timeline, as `schedules.simulate` defines
+    them: makespan minus the busiest rank's busy time, and that over the busy time. Times of different
+    ranks are host clocks from each rank's own step start, so this is approximate."""
+    busy = [sum(t.end - t.start for t in tl) for tl in timelines]
+    start = min(tl[0].start for tl in timelines if tl)
+    makespan = max(tl[-1].end for tl in timelines if tl) - start
+    top = max(busy)
+    return makespan - top, (makespan - top) / top if top else 0.0
