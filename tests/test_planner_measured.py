@@ -243,9 +243,11 @@ def test_predicted_zero_model_state_hybrid_2x2():
 
 # Tensor parallelism (`meshlm.parallel.tensor`, then plain DP over "dp" on the local shards): shards
 # are exact when tp divides heads, kv heads, vocabulary and intermediate size, so everything is equal.
-# (tp, dp, sequence_parallel, model variant); one launch per world size.
-TP_CASES = {2: [(2, 1, True, "gqa"), (2, 1, False, "tied_bias_qknorm"), (2, 1, True, "tied_bias_qknorm")],
-            4: [(2, 2, True, "gqa")]}
+# (tp, dp, sequence_parallel, model variant, recompute); one launch per world size.
+TP_CASES = {2: [(2, 1, True, "gqa", "none"), (2, 1, False, "tied_bias_qknorm", "none"),
+                (2, 1, True, "tied_bias_qknorm", "none"), (2, 1, True, "gqa", "full"),
+                (2, 1, False, "gqa", "full"), (2, 1, True, "tied_bias_qknorm", "selective")],
+            4: [(2, 2, True, "gqa", "none")]}
 TP_BUCKET_MB = 0.002
 
 
@@ -254,14 +256,15 @@ def tp_count_worker(rank, world_size):
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.data import apply_data_parallel
+    from meshlm.parallel.recompute import apply_recompute
     from meshlm.parallel.tensor import apply_tensor_parallel, tensor_parallel_grad_norm, vocab_parallel_cross_entropy
 
     out = {}
-    for tp, dp, sp, name in TP_CASES[world_size]:
+    for tp, dp, sp, name, rc in TP_CASES[world_size]:
         stats = CommStats()
         mesh = build_mesh(ParallelDims(dp_shard=dp, tp=tp), device_type="cpu", stats=stats)
         cfg = ModelConfig(**BASE, **VARIANTS[name])
-        model = apply_tensor_parallel(build_model(cfg, seed=0), mesh, sequence_parallel=sp)
+        model = apply_recompute(apply_tensor_parallel(build_model(cfg, seed=0), mesh, sequence_parallel=sp), rc)
         ddp = apply_data_parallel(model, mesh, bucket_size_mb=TP_BUCKET_MB, axis="dp") if dp > 1 else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(0)
@@ -279,7 +282,7 @@ def tp_count_worker(rank, world_size):
                 loss.backward()
         tensor_parallel_grad_norm(params, mesh)  # the trainer's clipping norm: one float over tp
         opt.step()
-        out[(tp, dp, sp, name)] = {
+        out[(tp, dp, sp, name, rc)] = {
             "weights": sum(p.numel() * p.element_size() for p in params),
             "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params),
             "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values() for k, t in st.items()
@@ -295,14 +298,14 @@ def tp_count_worker(rank, world_size):
 
 def _check_tp(results, world_size):
     for r, counted in enumerate(results):
-        for (tp, dp, sp, name), got in counted.items():
+        for (tp, dp, sp, name, rc), got in counted.items():
             cfg = ModelConfig(**BASE, **VARIANTS[name])
             layout = Layout(dp_shard=dp, tp=tp, sequence_parallel=sp, micro_batch_size=MICRO_BATCH,
-                            bucket_size_mb=TP_BUCKET_MB)
+                            bucket_size_mb=TP_BUCKET_MB, recompute=rc)
             est = estimate(cfg, "a100", gpus=world_size, layout=layout, seq_len=SEQ,
                            global_batch_size=GLOBAL_BATCH * dp // 2, precision="fp32")
             assert est.num_microbatches == got["micro_steps"] == 2
-            case = (r, tp, dp, sp, name)
+            case = (r, tp, dp, sp, name, rc)
             for key in ("weights", "gradients", "optimizer"):
                 assert round(est.memory_gib[key] * 2**30) == got[key], (case, key, est.memory_gib[key] * 2**30, got)
             # comm_buffers = DP's flat copy of the local gradients + the SP gather buffer (2 activations)

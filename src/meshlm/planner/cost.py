@@ -355,7 +355,9 @@ def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens
       per layer   no SP: 4 all-reduces of x;  SP: 4 all-gathers + 4 reduce-scatters of x, and the
                   all-reduce of the attn_norm and mlp_norm gradients (2 of 4 * hidden bytes);
                   qk_norm: 2 all-reduces of 4 * head_dim (q_norm, k_norm gradients, both modes);
-                  full recompute repeats the forward's 2 (AR, or AG + RS).
+                  full recompute repeats the forward's collectives up to w_down's input, the last
+                  tensor backward needs (torch's checkpoint stops there): no SP 1 AR (attention's
+                  output); SP 2 AG (attention and MLP inputs) + 1 RS (attention's output).
       around      embedding: AR of x (no SP) / RS + AG backward (SP); lm_head input: AR backward
                   (no SP) / AG + RS (SP); SP final norm gradient: AR of 4 * hidden; loss: 3
                   all-reduces of 4 bytes per token (max, sum of exponentials, target logit).
@@ -369,13 +371,13 @@ def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens
     x = tokens * cfg.hidden_size * act_bytes
     full = recompute == "full"
     if sequence_parallel:
-        layer = [("all_gather", x, 4 + (2 if full else 0)), ("reduce_scatter", x, 4 + (2 if full else 0))]
+        layer = [("all_gather", x, 4 + (2 if full else 0)), ("reduce_scatter", x, 4 + (1 if full else 0))]
         edge = [("reduce_scatter", x, 2), ("all_gather", x, 2)]
         if norm_grads_in_graph:
             layer.append(("all_reduce", 4 * cfg.hidden_size, 2))
             edge.append(("all_reduce", 4 * cfg.hidden_size, 1))
     else:
-        layer = [("all_reduce", x, 4 + (2 if full else 0))]
+        layer = [("all_reduce", x, 4 + (1 if full else 0))]
         edge = [("all_reduce", x, 2)]
     if cfg.qk_norm and norm_grads_in_graph:
         layer.append(("all_reduce", 4 * cfg.head_dim, 2))
