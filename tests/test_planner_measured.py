@@ -145,8 +145,8 @@ def _track_zero_buffers(zero, *, accumulates: bool) -> dict[str, int]:
         measure()
         return handle
 
-    def tracked_use(bucket, upcoming):
-        use(bucket, upcoming)
+    def tracked_use(bucket, upcoming, **kw):
+        use(bucket, upcoming, **kw)
         measure()
 
     zero.launch, zero._use = tracked_launch, tracked_use

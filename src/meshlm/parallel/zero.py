@@ -23,8 +23,10 @@ Stages. Every rank computes full gradients (of its tokens) in every stage.
            Between uses every parameter has storage of size 0 (`full_params()` gathers them all, for
            checkpoints and inspection). Prefetch: when a unit is gathered, the gather of the unit
            that runs next (next block in forward; previous block in backward) is started
-           asynchronously, so its all-gather overlaps this unit's compute; at most two units are
-           full at a time. These gathers run on a second set of process groups (`Mesh.duplicate`):
+           asynchronously, so its all-gather overlaps this unit's compute. The root unit is kept
+           from its forward into the start of its backward and freed when the first block's
+           backward starts (the embedding lookup's backward reads no weight): at most the root and
+           two blocks are full at a time in forward, two blocks in backward. These gathers run on a second set of process groups (`Mesh.duplicate`):
            the reduce-scatters of backward are launched when a bucket's gradients are in, a local
            event, so on one group the two kinds could interleave differently on different ranks.
 Accumulation: inside `no_sync()` gradients accumulate locally in `.grad` (the full gradient, in every
@@ -187,11 +189,16 @@ class ZeroSharding(GradientBuckets):
         bucket.gather_handle.wait()
         bucket.gather_handle, bucket.gathered = None, True
 
-    def _use(self, bucket: _ShardedBucket, upcoming: _ShardedBucket | None) -> None:
+    def _use(self, bucket: _ShardedBucket, upcoming: _ShardedBucket | None, *, backward: bool = False) -> None:
         """Before a unit's forward or backward: its parameters now, the next unit's on the way."""
         self.gather(bucket)
         if upcoming is not None:
             self._start_gather(upcoming)
+        root = self.buckets[-1]
+        if backward and bucket is not root:
+            # The root's backward reads its weights only up to here (head, final norm); what is left of
+            # it, the embedding lookup's backward, reads none: free it now, not after the last block.
+            self.free(root)
 
     def free(self, bucket: _ShardedBucket) -> None:
         if self.stage < 3:
@@ -214,7 +221,7 @@ class ZeroSharding(GradientBuckets):
             # The gradient of the unit's output arrives just before the unit's own backward: gather
             # then. (A module full-backward pre-hook would do too, but warns for the root, whose
             # input -- token ids -- needs no gradient.)
-            output.register_hook(lambda grad: self._use(bucket, bucket.next_backward))
+            output.register_hook(lambda grad: self._use(bucket, bucket.next_backward, backward=True))
 
     @contextlib.contextmanager
     def full_params(self):

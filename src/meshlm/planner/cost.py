@@ -713,10 +713,9 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
             # One reduce-scatter is in flight at a time (parallel/zero.py), holding a padded copy of its
             # bucket's gradients. Stages 1/2: a bucket closes once it holds bucket_size_mb, so it is at
             # most that plus one tensor (the embedding is the largest): an upper bound. Stage 3 (a
-            # bucket is a unit): during a block's backward the root unit (embedding, final norm, head;
-            # kept gathered from its forward to the end of its backward), that block and the next one
-            # (prefetched) are gathered, and the previous block's reduce-scatter is in flight: 3
-            # blocks' worth once a rank has 3 or more (fewer: as many as it has).
+            # bucket is a unit): in forward the root unit (embedding, final norm, head; kept until the
+            # first block's backward), a block and the next one (prefetched) are gathered; in a block's
+            # backward that block and the next one, with the previous block's reduce-scatter in flight.
             if z < 3:
                 largest = max(summary.embed, summary.head) / tp
                 bucket = lo.bucket_size_mb * MiB / by["grad"] + largest
@@ -726,7 +725,8 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
                 root = n_local - layers_mem * layer
                 gathered = min(layers_mem, 2)
                 in_flight = min(layers_mem, 3) - gathered
-                buffers += (root + gathered * layer) * by["param"] + in_flight * layer * by["grad"]
+                buffers += max((root + gathered * layer) * by["param"],
+                               gathered * layer * by["param"] + in_flight * layer * by["grad"])
         elif z == 0:
             # meshlm's DP (parallel/data.py) copies every gradient into a flat per-bucket buffer for the
             # all-reduce: one extra copy of all gradients, whatever the bucket size.
