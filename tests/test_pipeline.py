@@ -137,3 +137,37 @@ def test_split_model_keeps_names_and_refuses_what_it_cannot_split():
         split_model(build_model(ModelConfig(**MODEL, num_layers=2, tie_embeddings=True)), pp_rank=0, pp=2)
     with pytest.raises(ValueError, match="layers per stage"):
         split_model(build_model(_model_config(4)), pp_rank=0, pp=2, layers_per_stage=[4, 0])
+
+
+def _messages(sched, rank: int, *, sent: bool) -> dict[int, list[tuple]]:
+    """Per peer, the (kind, to stage, microbatch) messages rank `rank` sends (or receives), in the order
+    the executor posts them: its action order."""
+    S, pp = sched.num_stages, sched.pp
+    out: dict[int, list[tuple]] = {}
+    for a in sched.ranks[rank]:
+        s = sched.stage(rank, a.chunk)
+        if sent:
+            if a.kind == "F" and s < S - 1:
+                out.setdefault((s + 1) % pp, []).append(("act", s + 1, a.microbatch))
+            if a.kind == "B" and s > 0:
+                out.setdefault((s - 1) % pp, []).append(("grad", s - 1, a.microbatch))
+        else:
+            if a.kind == "F" and s > 0:
+                out.setdefault((s - 1) % pp, []).append(("act", s, a.microbatch))
+            if a.kind == "B" and s < S - 1:
+                out.setdefault((s + 1) % pp, []).append(("grad", s, a.microbatch))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+def test_messages_match_in_posting_order(name):
+    # gloo matches a receive to its send by tag; NCCL ignores tags and matches each pair of ranks in
+    # posting order. Both ends post in their own action order: prove the two orders agree, so the
+    # executor needs no tags on backends that ignore them.
+    for pp in (2, 3, 4):
+        for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            for m in range(pp if name == "interleaved" else 1, 13, pp if name == "interleaved" else 1):
+                sched = build_schedule(name, pp=pp, num_microbatches=m, pp_chunks=v)
+                for src in range(pp):
+                    for dst, msgs in _messages(sched, src, sent=True).items():
+                        assert msgs == _messages(sched, dst, sent=False)[src], (name, pp, v, m, src, dst)

@@ -357,7 +357,8 @@ def test_overlapped_collectives_cost_the_sms_they_hold():
 def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
     """fp32 is meshlm's runtime: ZeRO-1/2 keep full weights plus a flat master shard (optimizer 12/n),
     ZeRO-3's shard is the weights (optimizer 8/n), accumulation keeps full gradients under stage 2,
-    one padded gradient copy of buffers, and stage 3 gathers twice per micro-step."""
+    one padded gradient copy of buffers (stage 3: the gathered units), and stage 3 gathers every block
+    twice per micro-step."""
     cfg = ModelConfig(**TINY)
 
     def est(stage, *, batch=4, precision="fp32"):
@@ -373,7 +374,12 @@ def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
     assert b[1]["optimizer"] == b[2]["optimizer"] == 12 * shard and b[3]["optimizer"] == 8 * shard
     assert b[1]["gradients"] == 4 * (n + shard) and b[2]["gradients"] == b[3]["gradients"] == 4 * shard
     assert est(2, batch=8).memory_gib["gradients"] == z1.memory_gib["gradients"]  # accumulation: full grads
-    assert b[1]["comm_buffers"] == b[2]["comm_buffers"] == b[3]["comm_buffers"] == 4 * n
+    # one bucket (25 MB) in flight: a padded gradient copy; stage 3: the larger of the forward peak (the
+    # root unit and two of the three blocks gathered) and the backward one (two blocks gathered, one
+    # block's gradients in flight)
+    assert b[1]["comm_buffers"] == b[2]["comm_buffers"] == 4 * n
+    layer = sum(p.numel() for p in build_model(cfg).layers["0"].parameters())
+    assert cfg.num_layers == 3 and b[3]["comm_buffers"] == 4 * max(n - layer, 3 * layer)
     assert est(3, batch=8).time_s["dp_comm"] > z3.time_s["dp_comm"] > z1.time_s["dp_comm"]
     # mixed precision keeps the usual accounting: bf16 weights, fp32 grads, 12 bytes of optimizer state
     m1 = est(1, precision="bf16")

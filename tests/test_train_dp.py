@@ -191,7 +191,7 @@ def test_check_layout_names_the_numbers_and_the_fix(text_file, tmp_path):
         check_layout(make_cfg(tmp_path, text_file, "train.micro_batch_size=4"), 4)
     with pytest.raises(ValueError, match=r"tp=3 = 3 does not divide world size 4; choose tp in \{1,2,4\}"):
         check_layout(make_cfg(tmp_path, text_file, "parallel.tp=3"), 4)
-    for setting in ("parallel.pp=2", "parallel.cp=2", "parallel.ep=2"):  # tp: tests/test_train_tp.py
+    for setting in ("parallel.cp=2", "parallel.ep=2"):  # tp: tests/test_train_tp.py; pp: tests/test_train_pp.py
         name, value = setting.split("=")
         with pytest.raises(ValueError, match=rf"{name}={value} is not implemented yet"):
             check_layout(make_cfg(tmp_path, text_file, setting), 4)
@@ -212,8 +212,12 @@ def test_parallelize_refuses_unsupported_settings_and_a_second_pass(text_file, t
     cfg = make_cfg(tmp_path, text_file)
     mesh = build_mesh(ParallelDims(), device_type="cpu")
     model = build_model(cfg.model, seed=0)
+    cfg.parallel.cp = 2
+    with pytest.raises(ValueError, match="parallel.cp=2 is not implemented yet"):
+        parallelize(model, mesh, cfg.parallel)
+    cfg.parallel.cp = 1
     cfg.parallel.pp = 2
-    with pytest.raises(ValueError, match="parallel.pp=2 is not implemented yet"):
+    with pytest.raises(ValueError, match="parallel.pp=2 but the mesh has pp=1"):
         parallelize(model, mesh, cfg.parallel)
     cfg.parallel.pp = 1
     result = parallelize(model, mesh, cfg.parallel)  # the refusal above changed nothing

@@ -354,7 +354,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
-    pp: int = 1  # pp, cp, ep > 1: modelled by the planner; the trainer refuses them (not implemented yet)
+    pp: int = 1  # cp, ep > 1: modelled by the planner; the trainer refuses them (not implemented yet)
     cp: int = 1
     ep: int = 1
     zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
@@ -362,6 +362,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1  # virtual stages per rank (interleaved)
     num_microbatches: int = 0  # pipeline microbatches; 0: derived from the batch
+    pp_layers: str = ""  # blocks per pipeline stage, stage order (pp x pp_chunks counts), e.g. "5,3"; "": even
     bucket_size_mb: float = 25.0
     recompute: str = "none"  # none | selective | full
 
@@ -376,6 +377,9 @@ class ParallelConfig:
         _require(self.num_microbatches >= 0, "parallel.num_microbatches", self.num_microbatches,
                  "must be >= 0 (0 = derived)")
         _require(self.bucket_size_mb > 0, "parallel.bucket_size_mb", self.bucket_size_mb, "must be > 0")
+        _require(all(p.strip().isdigit() and int(p) >= 1 for p in self.pp_layers.split(",")) if self.pp_layers
+                 else True, "parallel.pp_layers", self.pp_layers,
+                 'must be comma-separated block counts >= 1, one per stage (e.g. "5,3"), or "" for an even split')
         _require(self.recompute in ("none", "selective", "full"), "parallel.recompute", self.recompute,
                  "must be none, selective or full")
 

@@ -14,9 +14,9 @@ replaces the DDP all-reduce: it reduce-scatters over "dp_shard" and all-reduces 
 "dp_replicate"; TP shards the model over "tp" first, and DP or ZeRO then work on the TP-local shards,
 "2-D" parallelism), activation recomputation (parallel.recompute=selective|full, see
 `meshlm.parallel.recompute`), and pipeline parallelism (parallel.pp, `meshlm.parallel.pipeline`: the
-model is split into this rank's stage first; with plain data parallelism only, so far). Expert and
-context parallelism, and pp with tp / ZeRO / recompute, raise a ValueError naming their setting before
-anything is built, so a layout the code cannot run never half-starts.
+model is split into this rank's stage first; with tensor parallelism, data parallelism -- plain or
+ZeRO-1/2 -- and recomputation). Expert and context parallelism, and pp with ZeRO-3, raise a ValueError
+naming their setting before anything is built, so a layout the code cannot run never half-starts.
 """
 
 from __future__ import annotations
@@ -49,20 +49,18 @@ def check_supported(parallel: ParallelConfig) -> None:
             raise ValueError(f"parallel.{name}={value} is not implemented yet; what runs: data parallelism "
                              "(plain, or ZeRO with parallel.zero_stage=1..3, hybrid with parallel.dp_replicate), "
                              "tensor parallelism (parallel.tp) under either, parallel.recompute, and pipeline "
-                             "parallelism (parallel.pp) with plain data parallelism "
+                             "parallelism (parallel.pp) with all of those but ZeRO-3 "
                              f"(set parallel.{name}={plain}, and use the ranks for parallel.dp_shard or parallel.tp)")
-    if parallel.pp > 1:
-        # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone
-        # or with plain data parallelism. The rest composes in principle but has not been proven yet.
-        unproven = [("tp", parallel.tp, 1), ("zero_stage", parallel.zero_stage, 0),
-                    ("recompute", parallel.recompute, "none")]
-        for name, value, plain in unproven:
-            if value != plain:
-                raise ValueError(f"parallel.{name}={value} with parallel.pp={parallel.pp} is not implemented yet; "
-                                 "what runs under pipeline parallelism: every parallel.pp_schedule (gpipe, 1f1b, "
-                                 "interleaved with parallel.pp_chunks, zero_bubble), alone or with plain data "
-                                 f"parallelism (parallel.dp_shard / dp_replicate); set parallel.{name}={plain}, "
-                                 "or parallel.pp=1")
+    if parallel.pp > 1 and parallel.zero_stage == 3:
+        # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone or
+        # with tensor parallelism, data parallelism (plain or ZeRO-1/2) and recomputation. ZeRO-3 gathers
+        # parameters per block around forward and backward, which the executor's split backward and
+        # out-of-order micro-batches would have to follow: not built yet.
+        raise ValueError(f"parallel.zero_stage=3 with parallel.pp={parallel.pp} is not implemented yet; what runs "
+                         "under pipeline parallelism: every parallel.pp_schedule (gpipe, 1f1b, interleaved with "
+                         "parallel.pp_chunks, zero_bubble), with tensor parallelism (parallel.tp), data parallelism "
+                         "(parallel.dp_shard / dp_replicate, plain or parallel.zero_stage=1/2) and parallel.recompute; "
+                         "set parallel.zero_stage=2 (or 1, 0), or parallel.pp=1")
 
 
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:
@@ -77,6 +75,7 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     t = cfg.train
     if dims.pp > 1:
         check_pipeline_model(cfg.model, dims.pp * cfg.parallel.pp_chunks)
+        pp_layers(cfg.parallel, cfg.model.num_layers)  # raises for counts that do not fit
     check_tensor_parallel(cfg.model, dims.tp)  # heads, sizes and vocab divisible by tp; no MoE
     if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
@@ -106,6 +105,19 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
                              f"train.global_batch_size / (dp x train.micro_batch_size) = {m}; set it to {m} or 0")
         build_schedule(p.pp_schedule, pp=dims.pp, num_microbatches=m, pp_chunks=p.pp_chunks)  # raises if it cannot
     return dims
+
+
+def pp_layers(parallel: ParallelConfig, num_layers: int) -> list[int] | None:
+    """Blocks per pipeline stage from `parallel.pp_layers` (None: the even split of `split_layers`)."""
+    if not parallel.pp_layers:
+        return None
+    counts = [int(p) for p in parallel.pp_layers.split(",")]
+    stages = parallel.pp * parallel.pp_chunks
+    if len(counts) != stages or sum(counts) != num_layers:
+        raise ValueError(f"parallel.pp_layers={parallel.pp_layers!r} must give {stages} counts (parallel.pp x "
+                         f"parallel.pp_chunks, one per stage in stage order) summing to model.num_layers={num_layers}; "
+                         f"got {len(counts)} summing to {sum(counts)}")
+    return counts
 
 
 def micro_batch_size(cfg: Config, dp: int) -> int:
@@ -146,6 +158,12 @@ class ParallelModel:
     @property
     def grad_norm_fn(self) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
         """The global gradient norm for clipping; None means the local norm (one process)."""
+        if self.pipeline is not None and self.tensor_parallel and self.zero is None:
+            params = list(self.module.parameters())
+            return lambda grads: pipeline_grad_norm([tensor_parallel_grad_norm(params, self.mesh)], self.mesh)
+        if self.zero is not None and self.pipeline is not None:
+            # ZeRO's norm covers this stage's parameters (its shards summed over dp_shard); stages add up.
+            return lambda grads: pipeline_grad_norm([self.zero.grad_norm_fn(grads)], self.mesh)
         if self.zero is not None:
             return self.zero.grad_norm_fn
         if self.pipeline is not None:
@@ -199,7 +217,8 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1, pp_schedule=parallel.pp_schedule)
     if parallel.pp > 1:
         result.pipeline = split_model(model, pp_rank=mesh.local_rank("pp"), pp=parallel.pp,
-                                      pp_chunks=parallel.pp_chunks)
+                                      pp_chunks=parallel.pp_chunks,
+                                      layers_per_stage=pp_layers(parallel, model.config.num_layers))
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
     apply_recompute(model, parallel.recompute)

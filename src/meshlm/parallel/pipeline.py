@@ -8,10 +8,15 @@ of `meshlm.parallel.schedules` (gpipe, 1f1b, interleaved, zero_bubble) on real r
 backwards (fused, or split into input gradient B and weight gradient W for zero_bubble), the
 point-to-point transfers of activations and their gradients through `comm.batch_isend_irecv` on the
 "pp" axis (counted in `CommStats`), the loss of the last stage, the activations held per
-(microbatch, chunk) and freed after their backward, and a timeline of every action.
-Not responsible for: the order of actions (`schedules.build_schedule`), the layer counts per stage
-(`schedules.split_layers`), splitting the global batch into micro-batches (the trainer), or reducing
-gradients over data-parallel ranks (the trainer runs the whole pipeline step and then one reduction).
+(microbatch, chunk) and freed after their backward, and a timeline of every action (written for a
+run's first steps by `write_timeline`, read back as a `SimResult` to draw by `load_timeline`); also
+the gradient norm summed over stages (`pipeline_grad_norm`) and the whole model's state dict gathered
+from the stages for the end-of-training sample (`full_state_dict`).
+Not responsible for: the order of actions (`schedules.build_schedule`), the default layer counts per
+stage (`schedules.split_layers`), splitting the global batch into micro-batches (the trainer), or
+reducing gradients over data-parallel ranks (the trainer runs every backward of the step under
+`no_sync()` and then reduces once). Tensor parallelism composes from outside: `apply_tensor_parallel`
+runs on the split model, the trainer passes the vocab-parallel loss and `sequence_shards`.
 
 How a step runs. There are S = pp * pp_chunks stages; rank r holds chunks c = 0..v-1, stage c * pp + r.
   F(mb, c)  receive the activation of microbatch mb from the rank of stage s - 1 (stage 0 embeds the
@@ -25,17 +30,22 @@ How a step runs. There are S = pp * pp_chunks stages; rank r holds chunks c = 0.
             the chunk's graph again from its output, so on this eager runtime B + W costs more than a
             fused B; what W buys is the order: the input gradient the previous stage waits for leaves first.
 Shapes are known in advance (micro-batch x seq x hidden, the activation dtype), so receives need no
-handshake. Every message carries a tag naming (activation or gradient, stage, microbatch): on gloo a
-receive then matches its send whatever order two ranks post them in (interleaving sends activations
-and gradients over the same pair of ranks). Sends are posted as soon as their tensor exists and waited
-at the end of the step; the receive of the next action is posted before the current one computes.
+handshake. Every message carries a tag naming (activation or gradient, stage, microbatch), so on gloo a
+receive matches its send whatever order two ranks post them in. NCCL ignores tags and matches the
+messages of each pair of ranks in posting order; both ends post in their own action order, and for
+every schedule those orders agree message for message (tests/test_pipeline.py proves it, interleaving at
+pp=2 included, where activations and gradients share a direction); not run on GPUs yet.
+Sends are posted as soon as their tensor exists and waited once done (at the latest at the end
+of the step); the receive of the next action is posted before the current one computes.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +54,7 @@ from torch import nn
 from meshlm import comm
 from meshlm.mesh import Mesh
 from meshlm.models.transformer import Transformer, rope_cos_sin
-from meshlm.parallel.schedules import Action, Schedule, split_layers
+from meshlm.parallel.schedules import Action, Schedule, SimResult, Timed, build_schedule, simulate, split_layers
 
 # --------------------------------------------------------------------------------------------
 # Stage split
@@ -89,12 +99,13 @@ class PipelineStage:
     def is_last(self, chunk: int) -> bool:
         return self.stage(chunk) == self.num_stages - 1
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+    def forward_chunk(self, chunk: int, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
         """Tokens [b, s] (first stage) or hidden states [b, s, h] in; hidden states, or logits on the
-        last stage, out. RoPE's cos/sin are recomputed from the sequence length, as Transformer.forward does."""
+        last stage, out. RoPE's cos/sin are recomputed from the sequence length, as Transformer.forward
+        does: `seq_len` is the whole sequence's (under sequence parallelism the hidden states are a chunk)."""
         m = self.model
         h = m.embed(x) if self.is_first(chunk) else x
-        positions = torch.arange(h.shape[1], device=h.device)
+        positions = torch.arange(seq_len or h.shape[1], device=h.device)
         cos, sin = rope_cos_sin(m.inv_freq, positions, h.dtype)
         for name in self.chunk_layers[chunk]:
             h = m.layers[name](h, cos, sin)
@@ -172,6 +183,7 @@ class PipelineStepResult:
     timeline: list[TimedAction] = field(default_factory=list)  # this rank's actions, in execution order
     peak_activations: int = 0  # most (microbatch, chunk) activations held at once on this rank
     seconds: float = 0.0  # wall time of the whole step on this rank
+    t0_wall: float = 0.0  # time.time() at the step's start: aligns the timelines of different ranks
 
     @property
     def busy(self) -> float:
@@ -185,7 +197,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                       micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, mesh: Mesh, num_tokens: int,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
                       activation_dtype: torch.dtype | None = None, forward_only: bool = False,
-                      axis: str = "pp") -> PipelineStepResult:
+                      sequence_shards: int = 1, axis: str = "pp") -> PipelineStepResult:
     """Run this rank's actions of `schedule` over `micro_batches` ((inputs, targets) pairs, tokens
     [b, s]; every rank passes the same shapes, only the last stage reads targets); collective over `axis`.
 
@@ -193,7 +205,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     parallelism afterwards). `forward_only=True` runs only forwards, under no_grad, chunk by chunk
     (validation; `schedule` may then be None).
     Returns the summed loss (sum over micro-batches of loss_fn / num_tokens), all-reduced over `axis`
-    so every stage reports the last stage's value.
+    so every stage reports the last stage's value. `sequence_shards`: the hidden states between blocks
+    hold seq / sequence_shards positions (tensor parallelism with sequence parallelism: tp).
     """
     pp, v = stage.pp, stage.pp_chunks
     if mesh.size(axis) != pp or (schedule is not None and (schedule.pp, schedule.pp_chunks) != (pp, v)):
@@ -209,14 +222,14 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     device = micro_batches[0][0].device
     if activation_dtype is None:
         activation_dtype = next(stage.model.parameters()).dtype
-    shape = (bsz, seq, stage.model.config.hidden_size)
+    shape = (bsz, seq // sequence_shards, stage.model.config.hidden_size)
     if forward_only:
         # Nothing is held for a backward, so no schedule's memory bound matters: chunk by chunk, every
         # microbatch in order (deadlock-free, as sends never block).
         actions = [Action("F", mb, c) for c in range(v) for mb in range(m)]
     else:
         actions = list(schedule.ranks[rank])
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
 
     def rank_of(s: int) -> int:
         return s % pp
@@ -225,7 +238,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
         return (kind * S + s) * m + mb
 
     # -- point to point -------------------------------------------------------------------------
-    sends: list[tuple[comm.CommHandle, torch.Tensor]] = []  # waited at the end: posted early, waited late
+    sends: list[tuple[comm.CommHandle, torch.Tensor]] = []  # posted early, waited late (reaped once done)
     posted: dict[int, tuple[comm.CommHandle, torch.Tensor]] = {}  # action index -> its receive in flight
 
     def send(t: torch.Tensor, kind: int, to_stage: int, mb: int) -> None:
@@ -274,7 +287,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                     x = micro_batches[a.microbatch][0].to(device)
                 else:
                     x = received.requires_grad_(not forward_only)
-                y = stage.forward_chunk(a.chunk, x)
+                y = stage.forward_chunk(a.chunk, x, seq_len=seq)
                 if s == S - 1:
                     y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
                     loss_total += y.detach().to(torch.float64)
@@ -300,13 +313,19 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                 x, y, grad_out = held.pop(key)
                 torch.autograd.backward(y, grad_out, inputs=stage.chunk_parameters(a.chunk))
             timeline.append(TimedAction(a, start, time.perf_counter() - t0))
+            # A finished send no longer needs its tensor: drop it (a sent gradient would otherwise live
+            # until the step ends).
+            in_flight = []
+            for h, t in sends:
+                h.wait() if h.is_completed() else in_flight.append((h, t))
+            sends[:] = in_flight
 
     for handle, _ in sends:
         handle.wait()
     assert not held and not posted, "every activation is freed and every receive consumed by the step's end"
     loss = comm.all_reduce(loss_total, mesh, axis)  # only the last stage holds a nonzero sum
     return PipelineStepResult(loss=loss, timeline=timeline, peak_activations=peak,
-                              seconds=time.perf_counter() - t0)
+                              seconds=time.perf_counter() - t0, t0_wall=t0_wall)
 
 
 def pipeline_grad_norm(grads: Sequence[torch.Tensor], mesh: Mesh, *, axis: str = "pp") -> torch.Tensor:
@@ -319,10 +338,12 @@ def pipeline_grad_norm(grads: Sequence[torch.Tensor], mesh: Mesh, *, axis: str =
 
 
 @torch.no_grad()
-def full_state_dict(stage: PipelineStage, full_model: nn.Module, mesh: Mesh, *, axis: str = "pp") -> dict:
+def full_state_dict(stage: PipelineStage, full_model: nn.Module, mesh: Mesh, *, mine: dict | None = None,
+                    axis: str = "pp") -> dict:
     """The state dict of the whole model on every pp rank (collective): each tensor broadcast over `axis`
     from the rank whose stage holds it. `full_model` is an unsplit model of the same config; it
-    supplies names, shapes and dtypes. For the end-of-training sample, not for checkpoints."""
+    supplies names, shapes and dtypes. `mine`: this stage's full tensors (default: its state dict; under
+    tensor parallelism pass them gathered over tp). For the end-of-training sample, not for checkpoints."""
     pp, counts = stage.pp, stage.layers_per_stage
     starts = [sum(counts[:s]) for s in range(len(counts))]
 
@@ -333,13 +354,85 @@ def full_state_dict(stage: PipelineStage, full_model: nn.Module, mesh: Mesh, *, 
             return s % pp
         return 0 if name.startswith("embed.") else pp - 1
 
-    mine = stage.model.state_dict()
+    mine = stage.model.state_dict() if mine is None else mine
     out = {}
     for name, t in full_model.state_dict().items():
         src = owner(name)
         buf = mine[name].detach().clone().contiguous() if src == stage.rank else torch.empty_like(t)
         out[name] = comm.broadcast(buf, mesh, axis, src=src)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Measured timelines: written by the trainer for the first steps, drawn like the simulator's
+# --------------------------------------------------------------------------------------------
+
+TIMELINE_DIR = "timeline"  # under the run directory: one rank_XXXXX.jsonl per rank, a line per step
+
+
+def write_timeline(run_dir: str | Path, *, rank: int, step: int, schedule: Schedule, pp_rank: int,
+                   result: PipelineStepResult) -> Path:
+    """Append this rank's timeline of `step` to <run_dir>/timeline/rank_XXXXX.jsonl (step 1 starts the file)."""
+    path = Path(run_dir) / TIMELINE_DIR / f"rank_{rank:05d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    row = {"step": step, "schedule": schedule.name, "pp": schedule.pp, "pp_chunks": schedule.pp_chunks,
+           "num_microbatches": schedule.num_microbatches, "pp_rank": pp_rank, "t0": result.t0_wall,
+           "actions": [[t.action.kind, t.action.microbatch, t.action.chunk, t.start, t.end] for t in result.timeline]}
+    with open(path, "w" if step == 1 else "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return path
+
+
+def load_timeline(run_dir: str | Path, *, step: int | None = None) -> SimResult:
+    """The measured timeline of one step (default: the last recorded) as a `SimResult`, in seconds, for
+    `schedules.plot_schedule`; one rank per pipeline stage (the first data-parallel replica found).
+    Ranks' clocks are aligned by their wall-clock step starts (the same host clock, or NTP across nodes)."""
+    files = sorted((Path(run_dir) / TIMELINE_DIR).glob("rank_*.jsonl"))
+    if not files:
+        raise ValueError(f"{run_dir} has no {TIMELINE_DIR}/rank_*.jsonl: it is not a pipeline-parallel run "
+                         "(parallel.pp > 1), or it stopped before its first step")
+    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    if step is None:
+        step = max(r["step"] for r in rows)
+    by_stage: dict[int, dict] = {}
+    for r in rows:
+        if r["step"] == step:
+            by_stage.setdefault(r["pp_rank"], r)
+    if not by_stage:
+        raise ValueError(f"{run_dir}: no timeline recorded for step {step} (the first steps are recorded: "
+                         f"{sorted({r['step'] for r in rows})})")
+    first = by_stage[min(by_stage)]
+    sched = build_schedule(first["schedule"], pp=first["pp"], num_microbatches=first["num_microbatches"],
+                           pp_chunks=first["pp_chunks"])
+    if sorted(by_stage) != list(range(sched.pp)):
+        raise ValueError(f"{run_dir}: step {step} has timelines of pp ranks {sorted(by_stage)}, want 0..{sched.pp - 1}")
+    origin = min(r["t0"] for r in by_stage.values())
+    timeline = [[Timed(Action(k, mb, c), r["t0"] - origin + s, r["t0"] - origin + e) for k, mb, c, s, e in r["actions"]]
+                for r in (by_stage[p] for p in range(sched.pp))]
+    return _as_sim_result(sched, timeline)
+
+
+def _as_sim_result(schedule: Schedule, timeline: list[list[Timed]]) -> SimResult:
+    start = min(tl[0].start for tl in timeline if tl)
+    timeline = [[Timed(t.action, t.start - start, t.end - start) for t in tl] for tl in timeline]
+    makespan = max(tl[-1].end for tl in timeline if tl)
+    busy = [sum(t.end - t.start for t in tl) for tl in timeline]
+    top = max(busy)
+    peaks = schedule.peak_activations()
+    return SimResult(schedule=schedule, timeline=timeline, busy=busy, idle=[makespan - b for b in busy],
+                     makespan=makespan, bubble=makespan - top, bubble_fraction=(makespan - top) / top if top else 0.0,
+                     peak_activations=peaks, peak_inflight=[p / schedule.pp_chunks for p in peaks])
+
+
+def simulate_measured(measured: SimResult) -> SimResult:
+    """The simulator's prediction for the measured run: the same schedule with the measured mean time of
+    each kind of action (a fused B counts as input gradient, W as zero)."""
+    durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+    for tl in measured.timeline:
+        for t in tl:
+            durations[t.action.kind].append(t.end - t.start)
+    mean = {k: sum(v) / len(v) if v else 0.0 for k, v in durations.items()}
+    return simulate(measured.schedule, t_fwd=mean["F"], t_bwd_input=mean["B"], t_bwd_weight=mean["W"])
 
 
 def measured_bubble(timelines: Sequence[Sequence[TimedAction]]) -> tuple[float, float]:

@@ -223,9 +223,11 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, *, sequence_parallel: 
     if tp == 1:
         return model
     setattr(model, _MARK, True)
-    tied = model.lm_head.weight is model.embed.weight
+    # A pipeline stage (meshlm.parallel.pipeline) may lack the embedding or the norm and head (None).
+    tied = model.lm_head is not None and model.embed is not None and model.lm_head.weight is model.embed.weight
 
-    model.embed = VocabParallelEmbedding(model.embed, mesh, sequence_parallel=sequence_parallel)
+    if model.embed is not None:
+        model.embed = VocabParallelEmbedding(model.embed, mesh, sequence_parallel=sequence_parallel)
     if sequence_parallel:
         model.register_forward_pre_hook(_full_positions, with_kwargs=True)
 
@@ -254,8 +256,10 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, *, sequence_parallel: 
             block.attn_norm = GradReducedRMSNorm(block.attn_norm, mesh)
             block.mlp_norm = GradReducedRMSNorm(block.mlp_norm, mesh)
 
-    if sequence_parallel:
+    if sequence_parallel and model.norm is not None:
         model.norm = GradReducedRMSNorm(model.norm, mesh)
+    if model.lm_head is None:
+        return model
     if tied:
         model.lm_head.weight = model.embed.weight
         model.lm_head.out_features = model.embed.weight.shape[0]

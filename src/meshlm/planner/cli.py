@@ -12,6 +12,7 @@ Not responsible for: any estimate (see `cost.py`, `search.py`, `inference.py`).
   meshlm plan infer --model llama3-70b --cluster h100 --tp 8 --context-len 8192
   meshlm plan calibrate --out plan_calibration.json
   meshlm plan schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2 --plot pp.png
+  meshlm plan schedule --from-run runs/pp --plot measured.png     # a pp run's measured timeline
 """
 
 from __future__ import annotations
@@ -126,8 +127,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                        description="Simulate one pipeline schedule in unit time (F=1, B=1, W=1 per microbatch "
                                    "and chunk; the full backward is B+W) and print its bubble and the "
                                    "microbatches each rank holds at its peak.")
-    s.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    s.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    s.add_argument("--pp", type=int, help="pipeline ranks (required unless --from-run)")
+    s.add_argument("--microbatches", type=int, help="microbatches per step (required unless --from-run)")
+    s.add_argument("--from-run", metavar="RUN_DIR", help="draw the measured timeline of a pipeline-parallel training "
+                   "run (recorded for its first steps) instead, next to the simulator's prediction for the same "
+                   "measured action times")
+    s.add_argument("--step", type=int, help="with --from-run: the step to draw (default: the last recorded)")
     s.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zero_bubble"])
     s.add_argument("--chunks", type=int, default=1, help="virtual chunks per rank (interleaved)")
     s.add_argument("--plot", metavar="FILE.png", help="write the timeline")
@@ -160,9 +165,34 @@ def run_plan(args) -> int:
                   f"collective link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.0f} us/hop "
                   f"-> {args.out}")
         return 0
+    if cmd == "schedule" and args.from_run:
+        from meshlm.parallel.pipeline import load_timeline, simulate_measured
+        from meshlm.parallel.schedules import plot_schedule
+
+        run = load_timeline(args.from_run, step=args.step)
+        predicted = simulate_measured(run)
+        sch = run.schedule
+        if args.plot:
+            plot_schedule(run, args.plot, title=f"measured {sch.name}: pp={sch.pp}, m={sch.num_microbatches}, "
+                                                f"bubble {run.bubble * 1e3:.1f} ms ({run.bubble_fraction:.1%})")
+        out = {"schedule": sch.name, "pp": sch.pp, "num_microbatches": sch.num_microbatches,
+               "pp_chunks": sch.pp_chunks, "makespan_s": run.makespan, "bubble_fraction": run.bubble_fraction,
+               "idle_s_per_rank": run.idle, "predicted_bubble_fraction": predicted.bubble_fraction,
+               "predicted_idle_s_per_rank": predicted.idle}
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"measured {sch.name} pp={sch.pp} m={sch.num_microbatches} v={sch.pp_chunks}: step "
+                  f"{run.makespan * 1e3:.1f} ms, bubble {run.bubble_fraction:.1%} of the busiest rank's compute "
+                  f"(simulated with the measured action times: {predicted.bubble_fraction:.1%}); idle ms per rank "
+                  f"{[round(x * 1e3, 1) for x in run.idle]} (simulated {[round(x * 1e3, 1) for x in predicted.idle]})"
+                  + (f"; timeline -> {args.plot}" if args.plot else ""))
+        return 0
     if cmd == "schedule":
         from meshlm.parallel.schedules import build_schedule, plot_schedule, simulate
 
+        if args.pp is None or args.microbatches is None:
+            raise ValueError("meshlm plan schedule needs --pp and --microbatches (or --from-run RUN_DIR)")
         sim = simulate(build_schedule(args.schedule, pp=args.pp, num_microbatches=args.microbatches,
                                       pp_chunks=args.chunks))
         if args.plot:

@@ -17,6 +17,12 @@ losses are still reduced over "dp" only), clipping uses the TP-aware norm, check
 unsharded tensors (see `meshlm.train.checkpoint`), and the end-of-training sample runs on a full copy
 of the model gathered over tp (generation with the KV cache does not run on the TP-sharded model).
 
+Under pipeline parallelism (parallel.pp > 1) the model is this rank's stage: `pipeline_step` hands the
+step's micro-batches to the executor of `meshlm.parallel.pipeline` (every backward under no_sync, then
+one data-parallel reduction), the loss comes from the last stage (the same on every rank), clipping sums
+the norm over the stages, each rank saves only its stage's tensors (DCP merges them), validation runs
+forward-only through the stages and the sample on a full copy gathered from them.
+
 Loss normalisation: every micro-batch contributes `sum of token losses / tokens in the global batch`,
 so the gradients *summed* over micro-batches (and over data-parallel ranks) are those of the mean
 over the global batch. A data-parallel gradient reduction must therefore be a sum, not a mean.
@@ -41,7 +47,7 @@ from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
 from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
-from meshlm.parallel.pipeline import run_pipeline_step
+from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
 from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
@@ -57,6 +63,9 @@ from meshlm.train.checkpoint import (
 from meshlm.train.data import BatchLoader, build_datasets, load_tokenizer, validation_batches
 from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+
+TIMELINE_STEPS = 3  # pipeline runs record the per-action timeline of their first steps (<run_dir>/timeline/)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -210,6 +219,12 @@ class Trainer:
         total.backward()
         return loss.detach()
 
+    @property
+    def sequence_shards(self) -> int:
+        """How many pieces the sequence of the hidden states between blocks is cut into (SP: tp)."""
+        sp = self.parallel.tensor_parallel and self.cfg.parallel.sequence_parallel
+        return self.mesh.size("tp") if sp else 1
+
     def pipeline_step(self, micro_batches, *, num_tokens: int) -> torch.Tensor:
         """Forward + backward of every micro-batch of the step through the pipeline schedule (pp > 1);
         returns this data-parallel rank's share of the global mean loss (the same on every stage).
@@ -221,10 +236,15 @@ class Trainer:
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
         with self.parallel.no_sync(), self.autocast():
             result = run_pipeline_step(self.parallel.pipeline, schedule, batches, mesh=self.mesh,
-                                       num_tokens=num_tokens, activation_dtype=self.dtype)
-        if self.parallel.data_parallel is not None:
-            self.parallel.data_parallel.reduce_grads()
-        self.pipeline_timeline = result.timeline  # this rank's actions of the last step (start, end)
+                                       num_tokens=num_tokens, activation_dtype=self.dtype, loss_fn=self.loss_sum,
+                                       sequence_shards=self.sequence_shards)
+        buckets = self.parallel.zero or self.parallel.data_parallel
+        if buckets is not None:
+            buckets.reduce_grads()
+        self.pipeline_result = result  # this rank's actions of the last step (timeline), its peak activations
+        if self.step < TIMELINE_STEPS:  # the first steps' timelines, for `meshlm plan schedule --from-run`
+            write_timeline(self.run_dir, rank=self.rank, step=self.step + 1, schedule=schedule,
+                           pp_rank=self.mesh.local_rank("pp"), result=result)
         return result.loss.to(self.dtype)
 
     def train_step(self) -> dict:
@@ -259,12 +279,18 @@ class Trainer:
         step_time = time.perf_counter() - start
         tokens_per_s = num_tokens / step_time
         mfu = tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
-        return {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(self.device),
-                "activation_mib": self.activation_mib,
-                "step_time_s": step_time,
-                "comm_mb": {axis: v["mb"] for axis, v in comm_stats.items()},
-                "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
+        row = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+               "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(self.device),
+               "activation_mib": self.activation_mib,
+               "step_time_s": step_time,
+               "comm_mb": {axis: v["mb"] for axis, v in comm_stats.items()},
+               "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
+        if self.parallel.pipeline is not None:
+            # This rank's idle share of its pipeline step: waits for activations and gradients (the bubble)
+            # and for its own sends, over the step's wall time (rank 0 logs: the first stage's).
+            result = self.pipeline_result
+            row["pp_bubble"] = 1.0 - result.busy / result.seconds if result.seconds else 0.0
+        return row
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -287,7 +313,8 @@ class Trainer:
             batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
             with self.autocast():
                 result = run_pipeline_step(self.parallel.pipeline, None, batches, mesh=self.mesh, num_tokens=1,
-                                           activation_dtype=self.dtype, forward_only=True)
+                                           activation_dtype=self.dtype, forward_only=True, loss_fn=self.loss_sum,
+                                           sequence_shards=self.sequence_shards)
             totals[0] += result.loss
             totals[1] += sum(targets.numel() for _, targets in batches)
             batches = []
@@ -316,6 +343,9 @@ class Trainer:
         shards = [getattr(p, "_meshlm_shard", None) for p in self.base_model.parameters()]
         num_params = sum(p.numel() * (self.mesh.size(shard[0]) if shard is not None else 1)
                          for p, shard in zip(self.base_model.parameters(), shards))
+        if self.parallel.pipeline is not None:  # each stage holds its own blocks: add them up
+            num_params = int(comm.all_reduce(torch.tensor([num_params], dtype=torch.int64, device=self.device),
+                                             self.mesh, "pp").item())
         logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training "
                      f"samples of {t.seq_len} tokens, device {self.device}, "
                      f"precision {self.autocast_dtype or self.dtype}; MFU peak: {self.peak_note}")
@@ -406,7 +436,8 @@ class Trainer:
         if self.parallel.pipeline is not None:
             # Generation runs the whole model: every rank gathers the stages into a full copy.
             model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
-            model.load_state_dict(pipeline_full_state_dict(self.parallel.pipeline, model, self.mesh))
+            mine = full_state_dict(self.base_model, self.mesh) if self.parallel.tensor_parallel else None
+            model.load_state_dict(pipeline_full_state_dict(self.parallel.pipeline, model, self.mesh, mine=mine))
         elif self.parallel.tensor_parallel:
             # The KV cache and the one-token decode steps do not fit the TP-sharded model (its heads
             # are split, and SP splits the sequence): every rank samples from a full copy instead.
