@@ -134,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshlm",
         description="Train and serve transformer LLMs across a mesh of devices: data parallelism (DDP, "
-                    "ZeRO-1/2/3, hybrid), tensor + sequence parallelism and activation recomputation on one "
-                    "device mesh, each layout verifiable against one process (meshlm verify); a planner "
-                    "(which also models pipeline, expert and context parallelism); a paged-KV inference engine.",
+                    "ZeRO-1/2/3, hybrid), tensor + sequence parallelism, pipeline parallelism and activation "
+                    "recomputation on one device mesh, each layout verifiable against one process (meshlm "
+                    "verify); a planner (which also models expert and context parallelism); a paged-KV "
+                    "inference engine.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     from meshlm import __version__
 
