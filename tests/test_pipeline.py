@@ -133,6 +133,15 @@ def test_split_model_keeps_names_and_refuses_what_it_cannot_split():
         assert torch.equal(p, full[n]), n
     stage0 = split_model(build_model(_model_config(8), seed=SEED), pp_rank=0, pp=2, pp_chunks=2)
     assert stage0.chunk_layers == [["0", "1"], ["4", "5"]]
+    # the default is the planner's cost-balanced split (schedules.balanced_split): with this small vocabulary
+    # the even one; with a big one the last stage, which also runs the output head, gets fewer blocks
+    from meshlm.parallel.pipeline import default_layers_per_stage
+
+    assert stage.layers_per_stage == default_layers_per_stage(model.config, pp=2, seq_len=MODEL["max_seq_len"])
+    big = ModelConfig(**{**MODEL, "vocab_size": 4096}, num_layers=8)
+    last = split_model(build_model(big, seed=SEED), pp_rank=3, pp=4)
+    assert last.layers_per_stage == default_layers_per_stage(big, pp=4, seq_len=big.max_seq_len) == [3, 2, 2, 1]
+    assert last.chunk_layers == [["7"]]
     with pytest.raises(ValueError, match="tie_embeddings"):
         split_model(build_model(ModelConfig(**MODEL, num_layers=2, tie_embeddings=True)), pp_rank=0, pp=2)
     with pytest.raises(ValueError, match="layers per stage"):
@@ -171,3 +180,123 @@ def test_messages_match_in_posting_order(name):
                 for src in range(pp):
                     for dst, msgs in _messages(sched, src, sent=True).items():
                         assert msgs == _messages(sched, dst, sent=False)[src], (name, pp, v, m, src, dst)
+
+
+def _split_backward_run(rank: int, how: str, *, qk_norm: bool = False, recompute: str = "none"):
+    """One chunk (pp=2, stage `rank`) forward, then its backward fused or split ("split": B + W of
+    SplitBackward; "rewalk": W walking the chain again, the fallback). Returns (B counts, W counts, grads,
+    input grad); counts are (matmul FLOPs, aten ops by name)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from meshlm.parallel.pipeline import SplitBackward
+    from meshlm.parallel.recompute import apply_recompute
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    def measured(fn):
+        with FlopCounterMode(display=False) as flops, Ops() as ops:
+            out = fn()
+        return out, (flops.get_total_flops(), ops.ops)
+
+    model = build_model(ModelConfig(**MODEL, num_layers=4, qk_norm=qk_norm), seed=SEED, dtype=torch.float64)
+    apply_recompute(model, recompute)
+    stage = split_model(model, pp_rank=rank, pp=2, pp_chunks=1)
+    g = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ + 1), generator=g)
+    x = tokens[:, :-1] if rank == 0 else torch.randn(MICRO, SEQ, MODEL["hidden_size"], dtype=torch.float64,
+                                                      generator=g).requires_grad_()
+    split, key = SplitBackward(stage), (0, 0)
+    y = split.forward(key, lambda: stage.forward_chunk(0, x, seq_len=SEQ))
+    grad_out = torch.randn(y.shape, dtype=torch.float64, generator=g) if rank == 0 else None
+    if rank == 1:
+        y = token_loss_sum(y, tokens[:, 1:]) / (MICRO * SEQ)
+    if how == "fused":
+        _, b = measured(lambda: torch.autograd.backward(y, grad_out))
+        w, gx = (0, collections.Counter()), x.grad if rank else None
+    else:
+        if how == "rewalk":
+            split.outputs[key] = None
+        (gx, saved), b = measured(lambda: split.backward_input(key, y, x if rank else None, grad_out))
+        _, w = measured(lambda: split.backward_weight(key, y, saved))
+    split.remove()
+    return b, w, {n: p.grad.clone() for n, p in model.named_parameters()}, gx
+
+
+@pytest.mark.parametrize("rank", [0, 1])  # first stage (embedding, no input gradient), last (head + loss)
+@pytest.mark.parametrize("qk_norm,recompute", [(False, "none"), (True, "none"), (False, "selective")])
+def test_split_backward_costs_one_fused_backward(rank, qk_norm, recompute):
+    # W backpropagates from each parameter-owning module's output to its own parameters only: B + W run
+    # the ops of one fused backward (the same matmul FLOPs, the same aten ops but one view per Linear:
+    # its output's view node runs in B for the input gradient and again in W for the weight gradient,
+    # a metadata op), where a W that re-walks the chain costs ~1.5x. Gradients are bit-identical.
+    (fb, fops), _, fgrads, fgx = _split_backward_run(rank, "fused", qk_norm=qk_norm, recompute=recompute)
+    (bb, bops), (wb, wops), grads, gx = _split_backward_run(rank, "split", qk_norm=qk_norm, recompute=recompute)
+    (rb, _), (rw, _), rgrads, _ = _split_backward_run(rank, "rewalk", qk_norm=qk_norm, recompute=recompute)
+    assert fb > 0 and bb > 0 and wb > 0
+    assert bb + wb == fb, (bb, wb, fb)
+    if rank == 1:  # the fallback (and the old W): the chain walked twice, ~1.5x
+        assert rb + rw > 1.4 * fb, (rb, rw, fb)
+    else:  # no input gradient on the first stage: the old B did nothing, its W was the whole backward
+        assert (rb, rw) == (0, fb)
+    diff = bops + wops
+    diff.subtract(fops)
+    model = split_model(build_model(_model_config(4)), pp_rank=rank, pp=2, pp_chunks=1).model
+    num_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    extra = {k: v for k, v in diff.items() if v and k != "aten.detach.default"}  # detach: autograd bookkeeping
+    assert extra == {"aten.view.default": num_linear}, diff
+    assert set(grads) == set(fgrads) == set(rgrads)
+    for n in fgrads:
+        assert torch.equal(grads[n], fgrads[n]) and torch.equal(rgrads[n], fgrads[n]), n
+    if rank == 1:
+        assert torch.equal(gx, fgx)
+
+
+def test_split_backward_falls_back_where_it_cannot_split():
+    from meshlm.parallel.pipeline import SplitBackward
+    from meshlm.parallel.recompute import apply_recompute
+
+    model = apply_recompute(build_model(_model_config(4), seed=SEED, dtype=torch.float64), "full")
+    split = SplitBackward(split_model(model, pp_rank=0, pp=2, pp_chunks=1))
+    assert split.owners[0] is None  # full recomputation: each per-module W would recompute the block again
+    split.remove()
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_split_backward_module_called_twice(chained):
+    # A module called twice: its parameters get both calls' gradients. Called on its own earlier
+    # output, its parameters sit upstream of itself (W from the second output would count the first
+    # call again), so that microbatch falls back to a W that walks the chain; both match fused.
+    from types import SimpleNamespace
+
+    from meshlm.parallel.pipeline import SplitBackward
+
+    torch.manual_seed(SEED)
+    model = torch.nn.ModuleDict({"lin": torch.nn.Linear(4, 4).double(), "norm": torch.nn.LayerNorm(4).double()})
+    stage = SimpleNamespace(model=model, pp_chunks=1, chunk_parameters=lambda c: list(model.parameters()))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def forward():
+        a = model["lin"](x)
+        b = model["lin"](torch.tanh(a) if chained else x.flip(0))
+        return model["norm"](a * b).sum()
+
+    ref = torch.autograd.grad(forward(), [x, *model.parameters()])
+    split = SplitBackward(stage)
+    y = split.forward((0, 0), forward)
+    assert (split.outputs[(0, 0)] is None) == chained
+    gx, saved = split.backward_input((0, 0), y, x, None)
+    split.backward_weight((0, 0), y, saved)
+    split.remove()
+    torch.testing.assert_close(gx, ref[0], rtol=0, atol=1e-14)
+    for p, want in zip(model.parameters(), ref[1:]):
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=1e-14)

@@ -385,3 +385,50 @@ def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
     m1 = est(1, precision="bf16")
     assert round(m1.memory_gib["optimizer"] * 2**30) == 12 * shard
     assert round(m1.memory_gib["weights"] * 2**30) == 2 * n
+
+
+@pytest.mark.parametrize("model, layers, pp, chunks, seq_len", [
+    (dict(vocab_size=32000, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 8, 4, 1, 32),
+    (dict(vocab_size=512, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 4, 2, 1, 32),
+    (dict(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 5, 2, 1, 8),
+    (dict(vocab_size=8192, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128), 12, 2, 3, 64),
+    ("llama3-8b", 32, 4, 1, 8192),
+    ("llama3-70b", 80, 8, 2, 4096),
+])
+def test_planner_and_runtime_pick_the_same_pipeline_split(model, layers, pp, chunks, seq_len):
+    """One rule (`schedules.balanced_split`) decides the default split of the planner and the runtime
+    (`parallelize.pp_layers` with parallel.pp_layers empty): the same blocks per rank and the same head units."""
+    from meshlm.config import ParallelConfig
+    from meshlm.parallel.parallelize import pp_layers
+    from meshlm.parallel.schedules import balanced_split, stage_loads
+    from meshlm.planner import cost
+    from meshlm.planner.model_stats import pipeline_units
+
+    cfg = (ModelConfig.from_preset(model) if isinstance(model, str)
+           else ModelConfig(**model, num_layers=layers, max_seq_len=max(64, seq_len)))
+    assert cfg.num_layers == layers
+    summary = cost.ModelSummary.build(cfg, seq_len)
+    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)  # as estimate_layout
+    assert pipeline_units(cfg, seq_len) == (head_units, 0.0)
+    parallel = ParallelConfig(pp=pp, pp_chunks=chunks, pp_schedule="interleaved" if chunks > 1 else "1f1b")
+    counts = pp_layers(parallel, cfg, seq_len=seq_len)
+    assert counts == balanced_split(layers, pp=pp, pp_chunks=chunks, head_units=head_units)
+    assert len(counts) == pp * chunks and sum(counts) == layers and min(counts) >= 1
+    planner_rank, planner_load = cost._rank_split(layers, pp=pp, chunks=chunks, head_units=head_units)
+    runtime_rank, runtime_load = stage_loads(counts, pp=pp, pp_chunks=chunks, head_units=head_units)
+    assert (planner_rank, planner_load) == (runtime_rank, runtime_load)
+    if isinstance(model, dict) and model["vocab_size"] == 32000:
+        # a big vocabulary: the head is worth ~3 blocks, so the last stage gets fewer
+        assert counts == [3, 2, 2, 1], counts
+    if isinstance(model, dict) and model["vocab_size"] == 512:
+        assert counts == [3, 1], counts  # tests/test_train_pp.py trains this split against one process
+
+
+def test_pipeline_split_override_is_validated():
+    from meshlm.config import ParallelConfig
+    from meshlm.parallel.parallelize import pp_layers
+
+    cfg = ModelConfig(**{**TINY, "num_layers": 4})
+    assert pp_layers(ParallelConfig(pp=2, pp_layers="1,3"), cfg, seq_len=16) == [1, 3]
+    with pytest.raises(ValueError, match="must give 2 counts"):
+        pp_layers(ParallelConfig(pp=2, pp_layers="1,2"), cfg, seq_len=16)

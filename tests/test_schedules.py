@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshlm.config import PP_SCHEDULES
-from meshlm.parallel.schedules import (SCHEDULES, Action, Schedule, build_schedule, plot_schedule, simulate,
-                                       split_layers)
+from meshlm.parallel.schedules import (SCHEDULES, Action, Schedule, balanced_split, build_schedule, plot_schedule,
+                                       simulate, split_layers, stage_loads)
 from meshlm.planner import cost
 
 
@@ -166,10 +166,35 @@ def test_split_layers_spreads_the_remainder():
         split_layers(10, 4, last_stage_layers=8)
 
 
+def test_balanced_split_rule():
+    """The one default split (planner and runtime): >= 1 block per stage, the last stage lightened by the
+    head's units, ties to the fewest blocks on a rank, then the lightest last stage."""
+    assert balanced_split(8, pp=4, head_units=0.2) == [2, 2, 2, 2]  # even is already optimal
+    assert balanced_split(8, pp=4, head_units=3.0) == [3, 2, 2, 1]  # a big vocabulary: the last stage gets fewer
+    assert balanced_split(8, pp=4, head_units=90.0) == [3, 2, 2, 1]  # never an empty stage
+    assert balanced_split(4, pp=2, head_units=1.45) == [3, 1]
+    assert balanced_split(10, pp=4) == [3, 3, 3, 1]  # tie on the busiest rank (3): the lighter last stage
+    assert balanced_split(5, pp=1, head_units=9.0) == [5]
+    assert balanced_split(8, pp=2, pp_chunks=2, head_units=0.5) == [2, 2, 2, 2]
+    # the embedding's units lighten the first stage the same way (today both callers pass 0: a lookup)
+    assert balanced_split(12, pp=4, head_units=2.0, embed_units=2.0) == [2, 4, 4, 2]
+    for L, pp, v, h in ((9, 4, 1, 5.0), (16, 4, 2, 2.5), (7, 7, 1, 3.0), (126, 16, 7, 1.5)):
+        counts = balanced_split(L, pp=pp, pp_chunks=v, head_units=h)
+        assert len(counts) == pp * v and sum(counts) == L and min(counts) >= 1, counts
+    with pytest.raises(ValueError, match="num_layers=3"):
+        balanced_split(3, pp=4)
+    with pytest.raises(ValueError, match="head_units=-1"):
+        balanced_split(8, pp=2, head_units=-1)
+
+
 def test_planner_uneven_interleaved_split():
-    """126 layers on 16 ranks x 7 chunks: 8 layers on the busiest rank, not 7 chunks x 2 = 14."""
+    """126 layers on 16 ranks x 7 chunks: 8 layers on the busiest rank, not 7 chunks x 2 = 14. The last
+    rank's 7 chunks keep a layer each (the runtime runs no empty stage): 7 + the head's 1.5 = 8.5; a
+    head-only last stage (min_blocks=0, not run by meshlm) would make it 8."""
     per_rank, load = cost._rank_split(126, pp=16, chunks=7, head_units=1.5)
-    assert sum(per_rank) == 126 and max(per_rank) == 8 and load == pytest.approx(8)
+    assert sum(per_rank) == 126 and max(per_rank) == 8 and load == pytest.approx(8.5)
+    counts = balanced_split(126, pp=16, pp_chunks=7, head_units=1.5, min_blocks=0)
+    assert counts[-1] == 0 and stage_loads(counts, pp=16, pp_chunks=7, head_units=1.5)[1] == pytest.approx(8)
     per_rank, load = cost._rank_split(32, pp=4, chunks=1, head_units=0.4)
     assert per_rank == [8, 8, 8, 8] and load == pytest.approx(8.4)
     per_rank, load = cost._rank_split(30, pp=4, chunks=1, head_units=2.0)

@@ -199,3 +199,44 @@ def test_check_layout_refuses_what_pipeline_does_not_run_yet(tmp_path, text_file
             check_layout(make_cfg(tmp_path, text_file, "parallel.pp=2", setting), 4)
     with pytest.raises(ValueError, match="needs num_microbatches=4 divisible by pp=8|must be >= parallel.pp"):
         check_layout(make_cfg(tmp_path, text_file, "parallel.pp=8", "parallel.pp_schedule=interleaved"), 8)
+
+
+BALANCED = ["model.vocab_size=512"]  # the head is worth ~1.45 blocks: the default split of 4 blocks is 3,1
+
+
+def balanced_worker(rank, world_size, run_dir: Path, text_file: Path):
+    trainer = Trainer(make_cfg(run_dir, text_file, *BALANCED, "parallel.pp=2"))
+    trainer.train()
+    return {"weights": weights(trainer), "pp_rank": trainer.mesh.local_rank("pp"),
+            "counts": trainer.parallel.pipeline.layers_per_stage}
+
+
+def test_balanced_default_split_trains_like_one_process(tmp_path, text_file):
+    """parallel.pp_layers empty: the runtime takes the planner's cost-balanced split (uneven here) and
+    still reproduces one process in fp64."""
+    from meshlm.parallel.parallelize import pp_layers
+    from meshlm.parallel.schedules import balanced_split, stage_loads
+    from meshlm.planner import cost
+    from meshlm.planner.model_stats import pipeline_units
+
+    cfg = make_cfg(tmp_path / "pp", text_file, *BALANCED, "parallel.pp=2")
+    head_units, _ = pipeline_units(cfg.model, cfg.train.seq_len)
+    want = balanced_split(4, pp=2, head_units=head_units)
+    assert want == [3, 1] and pp_layers(cfg.parallel, cfg.model, seq_len=cfg.train.seq_len) == want
+    assert cost._rank_split(4, pp=2, chunks=1, head_units=head_units) == stage_loads(want, pp=2, head_units=head_units)
+    ref_dir = tmp_path / "ref"
+    ref = Trainer(make_cfg(ref_dir, text_file, *BALANCED))
+    ref.train()
+    ref_weights = weights(ref)
+    results = run_distributed(balanced_worker, 2, tmp_path / "pp", text_file, timeout=300)
+    what = "pp=2 balanced default split 3,1"
+    assert len(step_losses(tmp_path / "pp")) == len(step_losses(ref_dir)) == STEPS
+    assert_close_seq(step_losses(tmp_path / "pp"), step_losses(ref_dir), rtol=FP64_TOL, what=f"{what}: loss")
+    assert_close_seq(grad_norms(tmp_path / "pp"), grad_norms(ref_dir), rtol=FP64_TOL, what=f"{what}: grad norm")
+    blocks = {}
+    for res in results:
+        assert res["counts"] == want
+        assert_state_close(res["weights"], {k: ref_weights[k] for k in res["weights"]}, atol=FP64_TOL, what=what)
+        blocks[res["pp_rank"]] = sorted({k.split(".")[1] for k in res["weights"] if k.startswith("layers.")})
+    assert blocks == {0: ["0", "1", "2"], 1: ["3"]}, blocks
+    assert sorted(k for res in results for k in res["weights"]) == sorted(ref_weights)

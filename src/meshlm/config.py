@@ -362,7 +362,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1  # virtual stages per rank (interleaved)
     num_microbatches: int = 0  # pipeline microbatches; 0: derived from the batch
-    pp_layers: str = ""  # blocks per pipeline stage, stage order (pp x pp_chunks counts), e.g. "5,3"; "": even
+    pp_layers: str = ""  # blocks per pipeline stage, stage order (pp x pp_chunks counts), e.g. "5,3"; "": cost-balanced (schedules.balanced_split)
     bucket_size_mb: float = 25.0
     recompute: str = "none"  # none | selective | full
 
@@ -379,7 +379,7 @@ class ParallelConfig:
         _require(self.bucket_size_mb > 0, "parallel.bucket_size_mb", self.bucket_size_mb, "must be > 0")
         _require(all(p.strip().isdigit() and int(p) >= 1 for p in self.pp_layers.split(",")) if self.pp_layers
                  else True, "parallel.pp_layers", self.pp_layers,
-                 'must be comma-separated block counts >= 1, one per stage (e.g. "5,3"), or "" for an even split')
+                 'must be comma-separated block counts >= 1, one per stage (e.g. "5,3"), or "" for the cost-balanced default')
         _require(self.recompute in ("none", "selective", "full"), "parallel.recompute", self.recompute,
                  "must be none, selective or full")
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshlm.config import Config, ParallelConfig
+from meshlm.config import Config, ModelConfig, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.data import DataParallel, apply_data_parallel
-from meshlm.parallel.pipeline import PipelineStage, check_pipeline_model, pipeline_grad_norm, split_model
+from meshlm.parallel.pipeline import (PipelineStage, check_pipeline_model, default_layers_per_stage, pipeline_grad_norm,
+                                     split_model)
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_grad_norm
@@ -75,7 +76,7 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     t = cfg.train
     if dims.pp > 1:
         check_pipeline_model(cfg.model, dims.pp * cfg.parallel.pp_chunks)
-        pp_layers(cfg.parallel, cfg.model.num_layers)  # raises for counts that do not fit
+        pp_layers(cfg.parallel, cfg.model, seq_len=t.seq_len)  # raises for counts that do not fit
     check_tensor_parallel(cfg.model, dims.tp)  # heads, sizes and vocab divisible by tp; no MoE
     if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
@@ -107,10 +108,13 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     return dims
 
 
-def pp_layers(parallel: ParallelConfig, num_layers: int) -> list[int] | None:
-    """Blocks per pipeline stage from `parallel.pp_layers` (None: the even split of `split_layers`)."""
+def pp_layers(parallel: ParallelConfig, model: ModelConfig, *, seq_len: int) -> list[int]:
+    """Blocks per pipeline stage, stage order: `parallel.pp_layers` (validated), or when it is empty the
+    planner's cost-balanced split (`pipeline.default_layers_per_stage`: `schedules.balanced_split` with the
+    output head's FLOPs against a block's at `seq_len`; every stage keeps at least one block)."""
+    num_layers = model.num_layers
     if not parallel.pp_layers:
-        return None
+        return default_layers_per_stage(model, pp=parallel.pp, pp_chunks=parallel.pp_chunks, seq_len=seq_len)
     counts = [int(p) for p in parallel.pp_layers.split(",")]
     stages = parallel.pp * parallel.pp_chunks
     if len(counts) != stages or sum(counts) != num_layers:
@@ -192,11 +196,13 @@ class ParallelModel:
         return self.mesh.size("dp")
 
 
-def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broadcast: bool = True) -> ParallelModel:
+def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broadcast: bool = True,
+                seq_len: int | None = None) -> ParallelModel:
     """Apply every strategy `parallel` asks for to `model` (in place), in the fixed order; collective.
 
     Every rank of the mesh must call it. `broadcast=True` makes data-parallel replicas start from
-    coordinate 0's weights (see `apply_data_parallel`). Raises ValueError for a setting that is
+    coordinate 0's weights (see `apply_data_parallel`). `seq_len` (train.seq_len; None: the model's
+    max_seq_len) prices the pipeline's default split (`pp_layers`). Raises ValueError for a setting that is
     not implemented yet, or for a model that was parallelized already, before changing anything.
     """
     check_supported(parallel)
@@ -218,7 +224,8 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if parallel.pp > 1:
         result.pipeline = split_model(model, pp_rank=mesh.local_rank("pp"), pp=parallel.pp,
                                       pp_chunks=parallel.pp_chunks,
-                                      layers_per_stage=pp_layers(parallel, model.config.num_layers))
+                                      layers_per_stage=pp_layers(parallel, model.config,
+                                                                 seq_len=seq_len or model.config.max_seq_len))
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
     apply_recompute(model, parallel.recompute)

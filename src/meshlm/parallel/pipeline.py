@@ -12,8 +12,8 @@ point-to-point transfers of activations and their gradients through `comm.batch_
 run's first steps by `write_timeline`, read back as a `SimResult` to draw by `load_timeline`); also
 the gradient norm summed over stages (`pipeline_grad_norm`) and the whole model's state dict gathered
 from the stages for the end-of-training sample (`full_state_dict`).
-Not responsible for: the order of actions (`schedules.build_schedule`), the default layer counts per
-stage (`schedules.split_layers`), splitting the global batch into micro-batches (the trainer), or
+Not responsible for: the order of actions (`schedules.build_schedule`), the rule behind the default
+layer counts per stage (`schedules.balanced_split`), splitting the global batch into micro-batches (the trainer), or
 reducing gradients over data-parallel ranks (the trainer runs every backward of the step under
 `no_sync()` and then reduces once). Tensor parallelism composes from outside: `apply_tensor_parallel`
 runs on the split model, the trainer passes the vocab-parallel loss and `sequence_shards`.
@@ -25,10 +25,14 @@ How a step runs. There are S = pp * pp_chunks stages; rank r holds chunks c = 0.
             trainer's convention, so gradients summed over micro-batches are those of the global mean).
   B(mb, c)  receive the output gradient from the next stage (the last stage starts from its loss),
             backpropagate, send the gradient of the chunk input to the previous stage. zero_bubble's B
-            computes only that input gradient (`torch.autograd.grad`, keeping the graph) ...
-  W(mb, c)  ... and W later the weight gradients (`torch.autograd.backward(..., inputs=params)`). W walks
-            the chunk's graph again from its output, so on this eager runtime B + W costs more than a
-            fused B; what W buys is the order: the input gradient the previous stage waits for leaves first.
+            (`SplitBackward`) walks the chunk's gradient chain once, keeping the graph, for the input
+            gradient and the gradients arriving at the outputs of the modules that own parameters
+            (recorded by forward hooks during F); no weight-gradient node runs ...
+  W(mb, c)  ... and W later the weight gradients: from each recorded module output to that module's own
+            parameters only (a matmul, elementwise-product or embedding node each), so B + W run the ops
+            of one fused backward (tests/test_pipeline.py counts FLOPs and aten ops), and the input
+            gradient the previous stage waits for leaves first. Under full recomputation (and the other
+            cases `SplitBackward` lists) W falls back to walking the chain again from the chunk output.
 Shapes are known in advance (micro-batch x seq x hidden, the activation dtype), so receives need no
 handshake. Every message carries a tag naming (activation or gradient, stage, microbatch), so on gloo a
 receive matches its send whatever order two ranks post them in. NCCL ignores tags and matches the
@@ -54,7 +58,7 @@ from torch import nn
 from meshlm import comm
 from meshlm.mesh import Mesh
 from meshlm.models.transformer import Transformer, rope_cos_sin
-from meshlm.parallel.schedules import Action, Schedule, SimResult, Timed, build_schedule, simulate, split_layers
+from meshlm.parallel.schedules import Action, Schedule, SimResult, Timed, balanced_split, build_schedule, simulate
 
 # --------------------------------------------------------------------------------------------
 # Stage split
@@ -73,6 +77,17 @@ def check_pipeline_model(config, num_stages: int) -> None:
     if config.num_layers < num_stages:
         raise ValueError(f"model.num_layers={config.num_layers} must be >= parallel.pp x parallel.pp_chunks = "
                          f"{num_stages} (every stage runs at least one block)")
+
+
+def default_layers_per_stage(config, *, pp: int, pp_chunks: int = 1, seq_len: int) -> list[int]:
+    """Blocks per stage (stage order) when `parallel.pp_layers` is empty: `schedules.balanced_split`,
+    the planner's split, with the output head's compute measured against a block's at `seq_len`
+    (`planner.model_stats.pipeline_units`); every stage keeps at least one block."""
+    from meshlm.planner.model_stats import pipeline_units  # torch-free arithmetic on the config
+
+    head_units, embed_units = pipeline_units(config, seq_len)
+    return balanced_split(config.num_layers, pp=pp, pp_chunks=pp_chunks, head_units=head_units,
+                          embed_units=embed_units)
 
 
 @dataclass
@@ -127,7 +142,9 @@ def split_model(model: Transformer, *, pp_rank: int, pp: int, pp_chunks: int = 1
                 layers_per_stage: Sequence[int] | None = None) -> PipelineStage:
     """Prune `model` in place to rank `pp_rank`'s chunks and return the stage that runs them.
 
-    `layers_per_stage` (one count per stage, stage order) defaults to `split_layers`. Blocks keep their
+    `layers_per_stage` (one count per stage, stage order, each >= 1) defaults to
+    `default_layers_per_stage` at the model's max_seq_len (the trainer passes the split for
+    train.seq_len, `parallelize.pp_layers`). Blocks keep their
     global names ("0".."L-1") in `model.layers`; the blocks of other ranks are dropped, and embed / norm /
     lm_head become None on the ranks that do not hold the first / last stage.
     """
@@ -136,7 +153,8 @@ def split_model(model: Transformer, *, pp_rank: int, pp: int, pp_chunks: int = 1
     check_pipeline_model(config, num_stages)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} must be in 0..{pp - 1}")
-    counts = list(layers_per_stage) if layers_per_stage is not None else split_layers(config.num_layers, num_stages)
+    counts = (list(layers_per_stage) if layers_per_stage is not None
+              else default_layers_per_stage(config, pp=pp, pp_chunks=pp_chunks, seq_len=config.max_seq_len))
     if len(counts) != num_stages or sum(counts) != config.num_layers or min(counts) < 1:
         raise ValueError(f"layers per stage {counts} must be {num_stages} counts (pp x pp_chunks), each >= 1, "
                          f"summing to model.num_layers={config.num_layers}")
@@ -188,6 +206,126 @@ class PipelineStepResult:
     @property
     def busy(self) -> float:
         return sum(t.end - t.start for t in self.timeline)
+
+
+class SplitBackward:
+    """zero_bubble's backward split into B (input gradient) and W (weight gradients) without W walking
+    the chunk's gradient chain again.
+
+    Every leaf module of a chunk that owns trainable parameters (Linear, RMSNorm and tensor
+    parallelism's GradReducedRMSNorm, the embedding, the output head, qk-norms) gets a forward hook
+    that records its output tensors during the chunk's F. B differentiates the chunk output with
+    respect to its input *and* those outputs in one `torch.autograd.grad` call (the chain is walked
+    once; no weight-gradient node runs, since no parameter is asked for); W then backpropagates each
+    captured gradient from its module output to that module's own parameters only -- the matmul (or
+    elementwise product, or embedding) node of the module, nothing upstream: B + W together run the
+    nodes of one fused backward. Hooks firing while a block is recomputed inside B are ignored: the
+    recomputed tensors only refill saved tensors, the gradient flows through the graph of the F pass.
+    Memory: from B to W a (mb, chunk) holds the captured gradients (one tensor the size of each module
+    output) instead of the one output gradient, and B keeps the whole graph (retain_graph), also the
+    tensors only the input gradient needed.
+
+    A chunk falls back to W = `torch.autograd.backward(y, grad_out, inputs=chunk params)` (walking
+    the chain again) when the split cannot be proven exact: under full recomputation (each per-module
+    W call would be a new backward and recompute the block again), when a parameter-owning module has
+    submodules or shares a parameter with another module, when a trainable parameter of the chunk is
+    owned by no such module, and for a microbatch in which a module ran twice, the second time on an
+    input that depends on its first output (its own parameters upstream of itself would be counted twice).
+    """
+
+    def __init__(self, stage: PipelineStage):
+        self.stage = stage
+        full = getattr(stage.model, "_meshlm_recompute", None) == "full"
+        self.owners: dict[int, list[tuple[nn.Module, list[nn.Parameter]]] | None] = {}  # chunk -> modules
+        self.recording: tuple[int, int] | None = None  # the (mb, chunk) whose F is running
+        self.outputs: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]] | None] = {}
+        self.grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._chunk_of: dict[nn.Module, int] = {}
+        self._handles = []
+        for c in range(stage.pp_chunks):
+            want = {id(p): p for p in stage.chunk_parameters(c)}
+            owners, seen, ok = [], set(), not full
+            for mod in stage.model.modules():
+                own = [p for p in mod.parameters(recurse=False) if id(p) in want]
+                if not own:
+                    continue
+                if next(mod.children(), None) is not None or seen & {id(p) for p in own}:
+                    ok = False
+                seen |= {id(p) for p in own}
+                owners.append((mod, own))
+            ok = ok and seen == want.keys()
+            self.owners[c] = owners if ok else None
+            if ok:
+                for mod, _ in owners:
+                    self._chunk_of[mod] = c
+                    self._handles.append(mod.register_forward_hook(self._record))
+
+    def _record(self, mod: nn.Module, args, out) -> None:
+        key = self.recording
+        if key is None or self._chunk_of.get(mod) != key[1] or self.outputs.get(key) is None:
+            return  # not in an F of this chunk (a recomputation inside B, or a fallback microbatch)
+        if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+            self.outputs[key] = None  # an output we cannot differentiate from: fall back
+            return
+        outs = self.outputs[key]
+        earlier = {t.grad_fn for m, t in outs if m is mod}
+        if earlier and _reaches(args, earlier):
+            self.outputs[key] = None  # called on its own earlier output: fall back
+            return
+        outs.append((mod, out))
+
+    def forward(self, key: tuple[int, int], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run F of (mb, chunk) = key through `fn`, recording the outputs W will need."""
+        self.outputs[key] = [] if self.owners[key[1]] is not None else None
+        self.recording = key
+        try:
+            return fn()
+        finally:
+            self.recording = None
+
+    def backward_input(self, key: tuple[int, int], y: torch.Tensor, x: torch.Tensor | None,
+                       grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, object]:
+        """B: the gradient of the chunk input `x` (None: the chunk input is token ids) and what W needs."""
+        outs = self.outputs.get(key)
+        if outs is None:  # fallback: W walks the chain again from the output
+            gx = torch.autograd.grad(y, x, grad_out, retain_graph=True)[0] if x is not None else None
+            return gx, grad_out
+        wanted = ([x] if x is not None else []) + [t for _, t in outs]
+        got = torch.autograd.grad(y, wanted, grad_out, retain_graph=True, allow_unused=True)
+        if x is None:
+            return None, list(got)
+        return got[0], list(got[1:])
+
+    def backward_weight(self, key: tuple[int, int], y: torch.Tensor, saved) -> None:
+        """W: the weight gradients of (mb, chunk) = key, accumulated into `.grad`."""
+        outs = self.outputs.pop(key, None)
+        if outs is None:
+            torch.autograd.backward(y, saved, inputs=self.stage.chunk_parameters(key[1]))
+            return
+        params = dict(self.owners[key[1]])
+        for (mod, t), g in zip(outs, saved):
+            if g is not None:  # None: this output did not reach the chunk output (no gradient)
+                torch.autograd.backward(t, g, inputs=params[mod])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _reaches(args, nodes: set) -> bool:
+    """Whether the autograd graph upstream of the tensors in `args` contains one of `nodes`."""
+    stack = [a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+    seen = set()
+    while stack:
+        n = stack.pop()
+        if n in nodes:
+            return True
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        stack.extend(f for f, _ in n.next_functions)
+    return False
 
 
 _ACT, _GRAD = 0, 1  # what a message carries, for its tag
@@ -267,13 +405,14 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
         return buf
 
     # -- compute --------------------------------------------------------------------------------
-    # (mb, chunk) -> [chunk input, chunk output (or loss), output gradient]; held from F to the
-    # backward that frees it (B when fused, W when split).
+    # (mb, chunk) -> [chunk input, chunk output (or loss), output gradient (split: what B leaves for
+    # W)]; held from F to the backward that frees it (B when fused, W when split).
     held: dict[tuple[int, int], list] = {}
     peak = 0
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     timeline: list[TimedAction] = []
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
+    split = SplitBackward(stage) if not forward_only and schedule.split_backward else None
 
     with grad_mode:
         for i, a in enumerate(actions):
@@ -287,7 +426,10 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                     x = micro_batches[a.microbatch][0].to(device)
                 else:
                     x = received.requires_grad_(not forward_only)
-                y = stage.forward_chunk(a.chunk, x, seq_len=seq)
+                if split is not None:
+                    y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq))
+                else:
+                    y = stage.forward_chunk(a.chunk, x, seq_len=seq)
                 if s == S - 1:
                     y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
                     loss_total += y.detach().to(torch.float64)
@@ -299,19 +441,18 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
             elif a.kind == "B":
                 x, y, _ = held[key]
                 grad_out = received  # None on the last stage: y is the loss
-                if schedule.split_backward:  # zero_bubble: the input gradient only
+                if split is not None:  # zero_bubble: the input gradient (and the module outputs' for W)
+                    gx, held[key][2] = split.backward_input(key, y, x if s > 0 else None, grad_out)
                     if s > 0:
-                        (gx,) = torch.autograd.grad(y, x, grad_out, retain_graph=True)
                         send(gx, _GRAD, s - 1, a.microbatch)
-                    held[key][2] = grad_out
                 else:
                     torch.autograd.backward(y, grad_out)
                     if s > 0:
                         send(x.grad, _GRAD, s - 1, a.microbatch)
                     del held[key]
             else:  # W: the weight gradients of a split backward
-                x, y, grad_out = held.pop(key)
-                torch.autograd.backward(y, grad_out, inputs=stage.chunk_parameters(a.chunk))
+                x, y, saved = held.pop(key)
+                split.backward_weight(key, y, saved)
             timeline.append(TimedAction(a, start, time.perf_counter() - t0))
             # A finished send no longer needs its tensor: drop it (a sent gradient would otherwise live
             # until the step ends).
@@ -322,6 +463,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
 
     for handle, _ in sends:
         handle.wait()
+    if split is not None:
+        split.remove()
     assert not held and not posted, "every activation is freed and every receive consumed by the step's end"
     loss = comm.all_reduce(loss_total, mesh, axis)  # only the last stage holds a nonzero sum
     return PipelineStepResult(loss=loss, timeline=timeline, peak_activations=peak,

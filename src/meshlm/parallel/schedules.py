@@ -2,7 +2,8 @@
 
 Responsible for: the ordered list of actions each pipeline rank runs in one training step for
 GPipe, 1F1B, interleaved 1F1B (Megatron order) and zero-bubble ZB-H1 (`build_schedule`); checking
-that a schedule runs every (microbatch, stage) exactly once and cannot deadlock; the layer split over stages (`split_layers`); simulating it with
+that a schedule runs every (microbatch, stage) exactly once and cannot deadlock; the layer split over stages
+(`split_layers`, and `balanced_split`: the one default split of the planner and the runtime); simulating it with
 given per-action times (`simulate`: per-rank busy and idle time, makespan, bubble, peak activations
 held); and drawing the timeline (`plot_schedule`, matplotlib imported lazily).
 Not responsible for: running a model (the pipeline runtime executes these action lists, sending
@@ -124,6 +125,64 @@ def split_layers(num_layers: int, num_stages: int, *, last_stage_layers: int | N
         raise ValueError(f"last_stage_layers={last_stage_layers} must leave at least one of num_layers="
                          f"{num_layers} layers for each of the other {num_stages - 1} stages")
     return split_layers(rest, num_stages - 1) + [last_stage_layers]
+
+
+def stage_loads(counts: list[int], *, pp: int, pp_chunks: int = 1, head_units: float = 0.0,
+                embed_units: float = 0.0) -> tuple[list[int], float]:
+    """(blocks per rank, the busiest rank's load in block units) of per-stage `counts` (stage order,
+    stage s = chunk * pp + rank): rank 0 also runs the embedding (`embed_units`), rank pp - 1 the final
+    norm, output head and loss (`head_units`)."""
+    assert len(counts) == pp * pp_chunks, (counts, pp, pp_chunks)
+    per_rank = [sum(counts[c * pp + r] for c in range(pp_chunks)) for r in range(pp)]
+    loads = [float(n) for n in per_rank]
+    loads[0] += embed_units
+    loads[-1] += head_units
+    return per_rank, max(loads)
+
+
+def balanced_split(num_layers: int, *, pp: int, pp_chunks: int = 1, head_units: float = 0.0,
+                   embed_units: float = 0.0, min_blocks: int = 1) -> list[int]:
+    """The default blocks per stage (stage order), for the planner and the runtime alike.
+
+    The rule: every stage keeps at least `min_blocks` = 1 block (the runtime does not run a stage
+    without blocks, so neither the runtime nor the planner passes 0; 0 lets the last stage hold the
+    head alone, the planner's choice before this rule was shared). The last stage (which also runs
+    the output head, worth `head_units` blocks of compute) takes the block count that minimises the
+    busiest rank's load; with `embed_units` > 0 (and >= 3 stages) the first stage's count is chosen
+    the same way; the other stages share the rest as `split_layers` does, earlier stages taking the
+    extra blocks. Ties go to the fewest blocks on any rank (memory follows blocks), then to the
+    lightest last (and first) stage, which also holds the head's parameters and logits (so 10 blocks
+    over 4 stages with no head cost: [3, 3, 3, 1], not [3, 3, 2, 2]; the busiest rank runs 3 either
+    way). Units are compute relative to one average block: forward FLOPs per token at the training
+    sequence length (`meshlm.planner.model_stats.pipeline_units`).
+    """
+    stages = pp * pp_chunks
+    if stages < 1 or num_layers < stages:
+        raise ValueError(f"num_layers={num_layers} must be >= num_stages={stages} >= 1 (pp * pp_chunks); "
+                         "use fewer stages")
+    if head_units < 0 or embed_units < 0:
+        raise ValueError(f"head_units={head_units} and embed_units={embed_units} must be >= 0")
+    if stages == 1:
+        return [num_layers]
+    top = -(-num_layers // stages)  # ceil: a lightened end stage never needs more than the even share
+    firsts: list[int | None] = list(range(min_blocks, top + 1)) if embed_units > 0 and stages >= 3 else [None]
+    if min_blocks not in (0, 1):
+        raise ValueError(f"min_blocks={min_blocks} must be 0 or 1")
+    best = None
+    for last in range(min_blocks, top + 1):
+        for first in firsts:
+            rest = num_layers - last - (first or 0)
+            middle = stages - 1 - (first is not None)
+            if rest < middle:
+                continue
+            counts = ([first] if first is not None else []) + split_layers(rest, middle) + [last]
+            per_rank, load = stage_loads(counts, pp=pp, pp_chunks=pp_chunks, head_units=head_units,
+                                         embed_units=embed_units)
+            key = (round(load, 9), max(per_rank))
+            if best is None or key < best[0]:
+                best = (key, counts)
+    assert best is not None
+    return best[1]
 
 
 def _check_sizes(name: str, pp: int, num_microbatches: int, pp_chunks: int) -> None:

@@ -52,7 +52,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from meshlm.config import PP_SCHEDULES, ModelConfig
-from meshlm.parallel.schedules import split_layers
+from meshlm.parallel.schedules import balanced_split, stage_loads
 from meshlm.planner import model_stats
 from meshlm.planner.cluster import GiB, Cluster
 
@@ -477,26 +477,15 @@ def _bytes_per(precision: str) -> dict:
 def _rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> tuple[list[int], float]:
     """Layers on each pipeline rank, and the bottleneck rank's load in layer units (head included).
 
-    The split is the runtime's (`parallel.schedules.split_layers`): contiguous stages s = chunk * pp +
-    rank, uneven counts spread over the earlier stages, and the last stage (which also runs the output
-    head) given the layer count that minimises the busiest rank's load (ties: the fewest layers on any
-    rank, as memory follows layers).
+    The split is the runtime's default (`parallel.schedules.balanced_split`, which the runtime uses
+    when `parallel.pp_layers` = ""): contiguous stages s = chunk * pp + rank, the last stage (which also
+    runs the output head) given the layer count that minimises the busiest rank's load, the rest spread
+    over the earlier stages first, every stage keeping at least one layer as the runtime needs (a
+    head-only last stage would sometimes be faster, e.g. 126 layers over 16 x 7 stages with the head worth
+    1.5 layers: 8 instead of 8.5, but meshlm does not run one; tests/test_planner.py checks the agreement).
     """
-    stages = pp * chunks
-    if stages == 1:
-        return [num_layers], num_layers + head_units
-    best = None
-    for last in range(0, math.ceil(num_layers / stages) + 1):
-        if num_layers - last < stages - 1:
-            continue
-        per_stage = split_layers(num_layers, stages, last_stage_layers=last)
-        per_rank = [sum(per_stage[c * pp + r] for c in range(chunks)) for r in range(pp)]
-        load = max(per_rank[:-1] + [per_rank[-1] + head_units])
-        key = (round(load, 9), max(per_rank))
-        if best is None or key < best[0]:
-            best = (key, per_rank, load)
-    assert best is not None
-    return best[1], best[2]
+    counts = balanced_split(num_layers, pp=pp, pp_chunks=chunks, head_units=head_units)
+    return stage_loads(counts, pp=pp, pp_chunks=chunks, head_units=head_units)
 
 
 def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: Layout, *,

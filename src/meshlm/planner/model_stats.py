@@ -127,6 +127,17 @@ def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> LayerFlops:
     return LayerFlops(dense=2 * matmul_params, attention_core=2 * 2 * seq_len * q_dim)
 
 
+def pipeline_units(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(head_units, embed_units): the pipeline's end-stage extras in units of one average block's forward
+    FLOPs per token at `seq_len`, what `parallel.schedules.balanced_split` balances. The output head is
+    its matmul (2 x hidden x vocab; the loss's softmax, ~vocab FLOPs, is left out as the planner leaves it
+    out); the embedding is a lookup, 0 FLOPs. The same arithmetic as the planner's `ModelSummary`."""
+    L = cfg.num_layers
+    flops = [layer_flops(cfg, i, seq_len) for i in range(L)]
+    block = sum(f.dense for f in flops) / L + sum(f.attention_core for f in flops) / L
+    return 2 * cfg.hidden_size * cfg.vocab_size / block, 0.0
+
+
 def forward_flops_breakdown(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     """Forward matmul FLOPs per token by part: layers_dense, attention_core, lm_head, total."""
     flops = [layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers)]

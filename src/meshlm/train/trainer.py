@@ -138,7 +138,7 @@ class Trainer:
 
         self.dtype = param_dtype(t.precision)
         self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
-        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel)
+        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
         self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
 
