@@ -14,8 +14,9 @@ between the two so that load from other processes hits both alike. Schedules, ou
                (ZB-H1) runs 1: the row is the nearest pair there is, not the same schedule.
 Prints one JSON object: per (pp, schedule) the median and minimum step time of each, their ratio,
 both losses of the first step (they must agree), and our measured bubble fraction (idle time of the
-busiest rank over its busy time, from the executor's per-action timeline) next to the simulator's
-prediction for equal action times.
+busiest rank over its busy time, from the executor's per-action timeline of the last step) next to the
+simulator's prediction for that step (`pipeline.simulate_measured`: every action its measured time, the
+measured comm latency and host gap between actions, both also printed) and for equal action times.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch import nn
 
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models.transformer import build_model
-from meshlm.parallel.pipeline import measured_bubble, run_pipeline_step, split_model, token_loss_sum
+from meshlm.parallel.pipeline import (measured_overheads, measured_timeline, run_pipeline_step, simulate_measured,
+                                     split_model, token_loss_sum)
 from meshlm.parallel.schedules import build_schedule, simulate
 
 from _common import add_common_args, batch, model_config, parse_world_sizes, run_ranks, time_alternating  # noqa: E402
@@ -98,7 +100,7 @@ def _bench(rank: int, world_size: int, args) -> dict:
             inputs, targets = batch(args, i, m * micro, device)
             mbs = list(zip(inputs.split(micro), targets.split(micro)))
             res = run_pipeline_step(ours, sched, mbs, mesh=mesh, num_tokens=num_tokens)
-            timelines.append(res.timeline)
+            timelines.append((res.timeline, res.t0_wall))
             ours.model.zero_grad(set_to_none=True)
             return res.loss.detach()
 
@@ -115,10 +117,14 @@ def _bench(rank: int, world_size: int, args) -> dict:
 
         seconds, losses = time_alternating({"meshlm": ours_step, "torch": peer_step}, warmup=args.warmup,
                                            timed=args.steps, device=device)
-        # the busiest rank's idle time, from every rank's timeline of the last step
+        # the busiest rank's idle time, from every rank's timeline of the last step (clocks aligned by
+        # the ranks' wall-clock step starts), next to the simulator fed with that step's own action
+        # times, its measured comm latency and its host gap between actions
         every = [None] * world_size
         dist.all_gather_object(every, timelines[-1])
-        bubble = measured_bubble(every)[1]
+        measured = measured_timeline(sched, [tl for tl, _ in every], [t0 for _, t0 in every])
+        t_comm, t_gap = measured_overheads(measured)
+        predicted = simulate_measured(measured, t_comm=t_comm, t_gap=t_gap)
         a, b = statistics.median(seconds["meshlm"]), statistics.median(seconds["torch"])
         out[f"pp{pp}_{name}"] = {
             "meshlm_step_ms_median": round(a * 1e3, 2), "torch_step_ms_median": round(b * 1e3, 2),
@@ -126,8 +132,12 @@ def _bench(rank: int, world_size: int, args) -> dict:
             "torch_step_ms_min": round(min(seconds["torch"]) * 1e3, 2),
             "step_time_ratio": round(a / b, 3),
             "loss_step1": [losses["meshlm"][0].item(), losses["torch"][0].item()],
-            "meshlm_measured_bubble_fraction": round(bubble, 3),
-            "simulated_bubble_fraction": round(simulate(sched).bubble_fraction, 3),
+            "meshlm_measured_bubble_fraction": round(measured.bubble_fraction, 3),
+            "simulated_bubble_fraction": round(predicted.bubble_fraction, 3),
+            "simulated_bubble_fraction_equal_times": round(simulate(sched).bubble_fraction, 3),
+            "measured_idle_ms_per_rank": [round(x * 1e3, 1) for x in measured.idle],
+            "simulated_idle_ms_per_rank": [round(x * 1e3, 1) for x in predicted.idle],
+            "comm_latency_ms": round(t_comm * 1e3, 3), "gap_between_actions_ms": round(t_gap * 1e3, 3),
             "chunks_per_rank": {"meshlm": ours_v, "torch": torch_v}}
     return out
 

@@ -40,7 +40,9 @@ messages of each pair of ranks in posting order; both ends post in their own act
 every schedule those orders agree message for message (tests/test_pipeline.py proves it, interleaving at
 pp=2 included, where activations and gradients share a direction); not run on GPUs yet.
 Sends are posted as soon as their tensor exists and waited once done (at the latest at the end
-of the step); the receive of the next action is posted before the current one computes.
+of the step); receives are posted at the step's start on CPU (gloo: a receive posted between two
+actions costs host time on the critical path), else the receive of the next action before the current
+one computes.
 """
 
 from __future__ import annotations
@@ -414,12 +416,24 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     split = SplitBackward(stage) if not forward_only and schedule.split_backward else None
 
+    # On CPU (gloo) every receive of the step is posted before the first action: a receive posted in
+    # the middle of the step costs 0.15-0.3 ms (up to several ms) of host time on the critical path
+    # between two actions, where the same post at the step's start costs ~0.05 ms and precedes any
+    # traffic (benchmarks/pp.py, pp=2 interleaved: measured bubble 0.15-0.24 -> 0.06-0.09). It holds one
+    # buffer per receive (micro-batch x seq x hidden) from the step's start. NCCL would queue the early
+    # receives ahead of this rank's sends on one stream, so there the receive of the next action is
+    # posted while the current one computes.
+    prepost = device.type == "cpu"
+    if prepost:
+        for i in range(len(actions)):
+            post_recv(i)
     with grad_mode:
         for i, a in enumerate(actions):
             s = stage.stage(a.chunk)
             key = (a.microbatch, a.chunk)
             received = take_recv(i) if needs_recv(a) else None
-            post_recv(i + 1)  # the next action's input can arrive while this one computes
+            if not prepost:
+                post_recv(i + 1)  # the next action's input can arrive while this one computes
             start = time.perf_counter() - t0
             if a.kind == "F":
                 if s == 0:
@@ -567,15 +581,67 @@ def _as_sim_result(schedule: Schedule, timeline: list[list[Timed]]) -> SimResult
                      peak_activations=peaks, peak_inflight=[p / schedule.pp_chunks for p in peaks])
 
 
-def simulate_measured(measured: SimResult) -> SimResult:
-    """The simulator's prediction for the measured run: the same schedule with the measured mean time of
-    each kind of action (a fused B counts as input gradient, W as zero)."""
-    durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}
-    for tl in measured.timeline:
+def measured_timeline(schedule: Schedule, timelines: Sequence[Sequence[TimedAction]],
+                      t0_walls: Sequence[float] | None = None) -> SimResult:
+    """Every pp rank's `PipelineStepResult.timeline` of one step (rank order) as a `SimResult`, in
+    seconds from the first action's start; `t0_walls` (their `t0_wall`) aligns the ranks' clocks
+    (default: the ranks started their steps together)."""
+    offsets = [w - min(t0_walls) for w in t0_walls] if t0_walls is not None else [0.0] * len(timelines)
+    return _as_sim_result(schedule, [[Timed(t.action, o + t.start, o + t.end) for t in tl]
+                                     for tl, o in zip(timelines, offsets)])
+
+
+def _dependencies(schedule: Schedule, a: Action, s: int) -> list[tuple[str, int, int]]:
+    S = schedule.num_stages
+    if a.kind == "F":
+        return [("F", a.microbatch, s - 1)] if s > 0 else []
+    if a.kind == "B":
+        return [("F", a.microbatch, s)] + ([("B", a.microbatch, s + 1)] if s < S - 1 else [])
+    return [("B", a.microbatch, s)]
+
+
+def measured_overheads(measured: SimResult) -> tuple[float, float]:
+    """(t_comm, t_gap) of a measured timeline, in seconds, for `schedules.simulate`: medians of
+    - t_comm: over actions whose rank sat idle waiting for an input from another rank (the producer
+      ended after this rank's previous action), this action's start minus the producer's end: transfer
+      plus the receive's wait and the host time to the action's start;
+    - t_gap: over actions that waited for nothing (every input was there when the previous action of
+      the rank ended), start minus the previous action's end: the executor's bookkeeping between two
+      actions (reaping sends, posting receives), which no action's span includes.
+    0.0 where no action is of the kind."""
+    sched = measured.schedule
+    end: dict[tuple[str, int, int], float] = {}
+    for r, tl in enumerate(measured.timeline):
         for t in tl:
-            durations[t.action.kind].append(t.end - t.start)
-    mean = {k: sum(v) / len(v) if v else 0.0 for k, v in durations.items()}
-    return simulate(measured.schedule, t_fwd=mean["F"], t_bwd_input=mean["B"], t_bwd_weight=mean["W"])
+            end[(t.action.kind, t.action.microbatch, sched.stage(r, t.action.chunk))] = t.end
+    comm, gaps = [], []
+    for r, tl in enumerate(measured.timeline):
+        for k, t in enumerate(tl):
+            prev_end = tl[k - 1].end if k else None
+            deps = _dependencies(sched, t.action, sched.stage(r, t.action.chunk))
+            remote = [end[d] for d in deps if sched.rank_of(d[2]) != r]
+            local = [end[d] for d in deps if sched.rank_of(d[2]) == r] + ([prev_end] if k else [])
+            if remote and (not local or max(remote) >= max(local)):
+                comm.append(max(0.0, t.start - max(remote)))
+            elif k:
+                gaps.append(max(0.0, t.start - prev_end))
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return 0.0 if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+    return median(comm), median(gaps)
+
+
+def simulate_measured(measured: SimResult, *, t_comm: float | None = None, t_gap: float | None = None) -> SimResult:
+    """The simulator's prediction for the measured run: the same schedule, every action taking its own
+    measured time on its own rank (so the busy time per rank is the measured one and only the idle time
+    is predicted), cross-rank dependencies delayed by `t_comm` and consecutive actions of a rank
+    separated by `t_gap` (default: `measured_overheads` of the run)."""
+    comm_s, gap_s = measured_overheads(measured)
+    durations = {(r, t.action): t.end - t.start for r, tl in enumerate(measured.timeline) for t in tl}
+    return simulate(measured.schedule, durations=durations, t_comm=comm_s if t_comm is None else t_comm,
+                    t_gap=gap_s if t_gap is None else t_gap)
 
 
 def measured_bubble(timelines: Sequence[Sequence[TimedAction]]) -> tuple[float, float]:

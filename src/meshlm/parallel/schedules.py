@@ -24,6 +24,7 @@ frees them (B when fused, W when split, as W still reads them).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # the same names as config.PP_SCHEDULES
@@ -313,16 +314,21 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, *, t_fwd: float = 1.0, t_bwd_input: float = 1.0, t_bwd_weight: float = 1.0,
-             t_comm: float = 0.0) -> SimResult:
+             t_comm: float = 0.0, t_gap: float = 0.0,
+             durations: Mapping[tuple[int, Action], float] | None = None) -> SimResult:
     """Execute `schedule` with the given times of one action (one microbatch through one chunk).
 
     A fused backward (every schedule but zero_bubble) takes t_bwd_input + t_bwd_weight. `t_comm` is
-    added to a dependency whose producer is on another rank. Raises ValueError on a deadlock (no rank
-    can start its next action) or an invalid schedule.
+    added to a dependency whose producer is on another rank. `t_gap` is host time between two actions
+    of one rank (bookkeeping outside the actions: it delays the next action but is not busy time).
+    `durations` maps (rank, action) to that action's own time (a measured run), overriding the three
+    per-kind times for the actions it names. Raises ValueError on a deadlock (no rank can start its
+    next action) or an invalid schedule.
     """
     schedule.validate()
+    durations = dict(durations or {})
     for name, value in (("t_fwd", t_fwd), ("t_bwd_input", t_bwd_input), ("t_bwd_weight", t_bwd_weight),
-                        ("t_comm", t_comm)):
+                        ("t_comm", t_comm), ("t_gap", t_gap), *((f"durations[{k}]", x) for k, x in durations.items())):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
     pp, S = schedule.pp, schedule.num_stages
@@ -352,9 +358,9 @@ def simulate(schedule: Schedule, *, t_fwd: float = 1.0, t_bwd_input: float = 1.0
                 needed = deps(a, s)
                 if any(d not in finish for d in needed):
                     break
-                start = max([free_at[r]] + [finish[d] + (t_comm if schedule.rank_of(d[2]) != r else 0.0)
-                                            for d in needed])
-                end = start + duration[a.kind]
+                start = max([free_at[r] + (t_gap if pos[r] else 0.0)]
+                            + [finish[d] + (t_comm if schedule.rank_of(d[2]) != r else 0.0) for d in needed])
+                end = start + durations.get((r, a), duration[a.kind])
                 finish[(a.kind, a.microbatch, s)] = end
                 timeline[r].append(Timed(a, start, end))
                 free_at[r] = end
@@ -371,7 +377,7 @@ def simulate(schedule: Schedule, *, t_fwd: float = 1.0, t_bwd_input: float = 1.0
     idle = [makespan - b for b in busy]
     top = max(busy)
     peaks = schedule.peak_activations()
-    times = (t_fwd, t_bwd_input, t_bwd_weight, t_comm)
+    times = (t_fwd, t_bwd_input, t_bwd_weight, t_comm, t_gap, *durations.values())
     slots = [round(i) for i in idle] if all(float(x).is_integer() for x in times) else None
     return SimResult(schedule=schedule, timeline=timeline, busy=busy, idle=idle, makespan=makespan,
                      bubble=makespan - top, bubble_fraction=(makespan - top) / top if top else 0.0,

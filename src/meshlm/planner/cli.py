@@ -166,11 +166,12 @@ def run_plan(args) -> int:
                   f"-> {args.out}")
         return 0
     if cmd == "schedule" and args.from_run:
-        from meshlm.parallel.pipeline import load_timeline, simulate_measured
+        from meshlm.parallel.pipeline import load_timeline, measured_overheads, simulate_measured
         from meshlm.parallel.schedules import plot_schedule
 
         run = load_timeline(args.from_run, step=args.step)
-        predicted = simulate_measured(run)
+        t_comm, t_gap = measured_overheads(run)
+        predicted = simulate_measured(run, t_comm=t_comm, t_gap=t_gap)
         sch = run.schedule
         if args.plot:
             plot_schedule(run, args.plot, title=f"measured {sch.name}: pp={sch.pp}, m={sch.num_microbatches}, "
@@ -178,13 +179,16 @@ def run_plan(args) -> int:
         out = {"schedule": sch.name, "pp": sch.pp, "num_microbatches": sch.num_microbatches,
                "pp_chunks": sch.pp_chunks, "makespan_s": run.makespan, "bubble_fraction": run.bubble_fraction,
                "idle_s_per_rank": run.idle, "predicted_bubble_fraction": predicted.bubble_fraction,
-               "predicted_idle_s_per_rank": predicted.idle}
+               "predicted_makespan_s": predicted.makespan, "predicted_idle_s_per_rank": predicted.idle,
+               "measured_comm_latency_s": t_comm, "measured_gap_s": t_gap}
         if args.json:
             print(json.dumps(out))
         else:
             print(f"measured {sch.name} pp={sch.pp} m={sch.num_microbatches} v={sch.pp_chunks}: step "
                   f"{run.makespan * 1e3:.1f} ms, bubble {run.bubble_fraction:.1%} of the busiest rank's compute "
-                  f"(simulated with the measured action times: {predicted.bubble_fraction:.1%}); idle ms per rank "
+                  f"(simulated with the measured action times, comm latency {t_comm * 1e3:.2f} ms and "
+                  f"{t_gap * 1e3:.2f} ms between actions: {predicted.bubble_fraction:.1%}, step "
+                  f"{predicted.makespan * 1e3:.1f} ms); idle ms per rank "
                   f"{[round(x * 1e3, 1) for x in run.idle]} (simulated {[round(x * 1e3, 1) for x in predicted.idle]})"
                   + (f"; timeline -> {args.plot}" if args.plot else ""))
         return 0
