@@ -642,14 +642,3 @@ def simulate_measured(measured: SimResult, *, t_comm: float | None = None, t_gap
     durations = {(r, t.action): t.end - t.start for r, tl in enumerate(measured.timeline) for t in tl}
     return simulate(measured.schedule, durations=durations, t_comm=comm_s if t_comm is None else t_comm,
                     t_gap=gap_s if t_gap is None else t_gap)
-
-
-def measured_bubble(timelines: Sequence[Sequence[TimedAction]]) -> tuple[float, float]:
-    """(bubble, bubble fraction) of one step from every rank's timeline, as `schedules.simulate` defines
-    them: makespan minus the busiest rank's busy time, and that over the busy time. Times of different
-    ranks are host clocks from each rank's own step start, so this is approximate."""
-    busy = [sum(t.end - t.start for t in tl) for tl in timelines]
-    start = min(tl[0].start for tl in timelines if tl)
-    makespan = max(tl[-1].end for tl in timelines if tl) - start
-    top = max(busy)
-    return makespan - top, (makespan - top) / top if top else 0.0
