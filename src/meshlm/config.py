@@ -354,8 +354,8 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
-    pp: int = 1  # cp, ep > 1: modelled by the planner; the trainer refuses them (not implemented yet)
-    cp: int = 1
+    pp: int = 1
+    cp: int = 1  # cp, ep > 1: modelled by the planner; the trainer refuses them (not implemented yet)
     ep: int = 1
     zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
     sequence_parallel: bool = True  # with tp > 1
