@@ -111,11 +111,11 @@ class ZeroSharding(GradientBuckets):
             buckets.append(_ShardedBucket(len(buckets), params, names, self.num_shards, offset))
             offset += buckets[-1].chunk
         self.shard_numel = offset
+        super().__init__(buckets, max_in_flight=MAX_REDUCE_SCATTERS_IN_FLIGHT)  # hooks fire in backward only
         # The gradient shard: reduce-scatter outputs land in views of it, one per bucket. It exists from
         # the first reduce-scatter of a step until the optimizer's zero_grad (`release_grad_shard`).
         self.grad_shard: torch.Tensor | None = None
         params_by_id = {id(p): p.detach() for b in buckets for p in b.params}
-        self.buckets = buckets  # local_shard reads them; the engine below sets them again
         # The master shard the optimizer updates; its `.grad` is the gradient shard, so
         # `clip_grad_norm([param_shard], ...)` clips exactly what the optimizer steps on.
         self.param_shard = nn.Parameter(self.local_shard(params_by_id), requires_grad=False)
@@ -125,7 +125,6 @@ class ZeroSharding(GradientBuckets):
             flags = {id(p): torch.full_like(p, float(getattr(p, "_meshlm_shard", None) is not None))
                      for b in buckets for p in b.params}
             self.tp_sharded = self.local_shard(flags).bool()  # padding: False (its gradient is zero)
-        super().__init__(buckets, max_in_flight=MAX_REDUCE_SCATTERS_IN_FLIGHT)
         if stage == 3:
             self.gather_mesh = mesh.duplicate(SHARD_AXIS)  # the parameter gathers' own groups (see the module doc)
             self._link_units()
