@@ -43,11 +43,13 @@ def test_rank_order_tp_innermost_pp_outermost():
     assert rank_coords(dims, 4)["dp_shard"] == 1 and rank_coords(dims, 8)["dp_replicate"] == 1
     assert rank_coords(dims, 16)["pp"] == 1
     c = rank_coords(dims, 31)
-    assert c == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "dp": 3, "dp_cp": 7}
+    assert c == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "dp": 3, "dp_cp": 7,
+                 "dp_shard_cp": 3}
     assert group_ranks(dims, 5, "tp") == [4, 5]
     assert group_ranks(dims, 5, "pp") == [5, 21]
     assert group_ranks(dims, 5, "dp") == [1, 5, 9, 13]
     assert group_ranks(dims, 5, "dp_cp") == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert group_ranks(dims, 5, "dp_shard_cp") == [1, 3, 5, 7]
     with pytest.raises(ValueError, match="outside"):
         rank_coords(dims, 32)
 
@@ -64,7 +66,8 @@ def test_groups_partition_the_world(degrees):
             others = {a: {rank_coords(dims, r)[a] for r in g} for a in AXES}
             varying = {a for a, v in others.items() if len(v) > 1}
             assert varying <= {"dp": {"dp_replicate", "dp_shard"},
-                               "dp_cp": {"dp_replicate", "dp_shard", "cp"}}.get(axis, {axis})
+                               "dp_cp": {"dp_replicate", "dp_shard", "cp"},
+                               "dp_shard_cp": {"dp_shard", "cp"}}.get(axis, {axis})
 
 
 def mesh_worker(rank, world_size):

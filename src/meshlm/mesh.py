@@ -16,7 +16,8 @@ between neighbouring stages, point to point, the least traffic, so it is the axi
 
 Flattened views: "dp" = dp_replicate x dp_shard (gradient reduction, data sharding) and
 "dp_cp" = dp_replicate x dp_shard x cp (the ranks that see different tokens of one model replica;
-loss and gradients are reduced over them when cp > 1). ep does not get an axis of its own here:
+loss and gradients are reduced over them when cp > 1), and "dp_shard_cp" = dp_shard x cp (what ZeRO
+shards over when cp > 1: the cp ranks hold the same parameters, so they share the shard). ep does not get an axis of its own here:
 experts are spread over dp_shard x cp (see `ParallelDims.resolve`); the expert-parallel transform
 builds its groups from those ranks.
 """
@@ -32,7 +33,8 @@ import torch.distributed as dist
 from meshlm.comm import CommStats
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
-FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp")}
 ALL_AXES = AXES + tuple(FLAT_AXES)
 
 
