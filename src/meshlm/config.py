@@ -355,8 +355,9 @@ class ParallelConfig:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
-    cp: int = 1  # cp, ep > 1: modelled by the planner; the trainer refuses them (not implemented yet)
-    ep: int = 1
+    cp: int = 1  # context parallelism: every sequence split over cp ranks (parallel/context.py)
+    cp_method: str = "ring"  # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer)
+    ep: int = 1  # ep > 1: modelled by the planner; the trainer refuses it (not implemented yet)
     zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
     sequence_parallel: bool = True  # with tp > 1
     pp_schedule: str = "1f1b"
@@ -382,6 +383,8 @@ class ParallelConfig:
                  'must be comma-separated block counts >= 1, one per stage (e.g. "5,3"), or "" for the cost-balanced default')
         _require(self.recompute in ("none", "selective", "full"), "parallel.recompute", self.recompute,
                  "must be none, selective or full")
+        _require(self.cp_method in ("ring", "allgather"), "parallel.cp_method", self.cp_method,
+                 "must be ring or allgather")
 
 
 @dataclass

@@ -1,0 +1,323 @@
+"""Context parallelism: every sequence split over the "cp" ranks, attention computed across them.
+
+Responsible for: the load-balanced causal split of a sequence (`shard_sequence`, `local_positions`),
+ring attention (`ring_attention`: key/value blocks passed around the cp ranks, partial results merged
+by log-sum-exp, backward as a ring), the all-gather variant (`allgather_attention`: K/V gathered once
+per layer), the one log-sum-exp merge of partial attention results (`merge_partials`, which split-KV
+decoding reuses), and `apply_context_parallel`, which swaps every attention's core for one of them.
+Not responsible for: the loss normalisation (the trainer: every rank's token-loss sum over the global
+token count, summed over "dp_cp"), the gradient reduction of the replicated parameters over "dp_cp"
+(`parallel/data.py` and `parallel/zero.py` are handed that axis), or RoPE (the model rotates q and k by
+the positions it is given: the trainer passes this rank's true positions, `ContextParallel.positions`).
+
+The split. With cp ranks the sequence is cut into 2*cp equal chunks and rank i holds chunks i and
+2*cp-1-i, in that order: under the causal mask chunk j attends to j+1 chunks, so every rank attends
+to (i+1) + (2cp-i) = 2cp+1 chunks' worth, the same work everywhere (a plain split into cp pieces
+would leave the last rank cp times the first's). seq_len must divide by 2*cp.
+
+Ring attention (forward). Each rank starts with its own K/V (both chunks, only the kv heads: GQA's
+query heads share them and are expanded locally); for cp steps it attends its queries to the block in
+hand while the block moves on to the next rank (`comm.batch_isend_irecv`, posted before the compute
+so the transfer overlaps it). Per (query chunk, key chunk) pair the causal mask is decided by chunk
+index: an earlier key chunk is attended in full, the same chunk causally, a later one not at all (the
+pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp; `merge_partials`
+combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the output and the
+log-sum-exp -- 1/cp of the sequence's, whatever cp is.
+
+Ring attention (backward). The K/V blocks go round again; for each block every rank computes its
+queries' share of dK/dV (and its own dQ) from the saved output and log-sum-exp (the FlashAttention
+backward), and the partial dK/dV of a block travel with it, summed rank by rank, and reach the owner
+after the last step. Volume per rank and layer, exact (`CommStats` "send" on "cp"): forward (cp-1)
+blocks of K+V; backward (cp-1) blocks of K+V plus (cp-1) blocks of dK+dV (the owner's own share stays
+put, so the partial sums make cp-1 hops, not cp). The partial sums travel in the compute dtype (fp32
+under bf16 autocast, for accuracy), K/V in theirs.
+
+All-gather (parallel.cp_method=allgather, Llama 3 style): K and V of every rank gathered once per
+layer (one all-gather over "cp", the output counted: cp blocks of K+V), attention with a mask built
+from the true positions; backward reduce-scatters dK/dV (cp blocks in). Fewer, larger messages and no
+ring steps -- better for short sequences; it keeps the whole sequence's K/V (kv heads) per layer for
+backward, where the ring keeps 1/cp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm import comm
+from meshlm.comm import P2P
+from meshlm.mesh import Mesh
+
+AXIS = "cp"
+METHODS = ("ring", "allgather")
+
+
+# --------------------------------------------------------------------------------------------
+# The load-balanced split
+# --------------------------------------------------------------------------------------------
+
+
+def check_seq_len(seq_len: int, cp: int) -> None:
+    """Raise ValueError unless `seq_len` splits into 2*cp equal chunks."""
+    if cp > 1 and seq_len % (2 * cp):
+        lower = max(2 * cp, seq_len // (2 * cp) * 2 * cp)
+        raise ValueError(f"train.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (context "
+                         f"parallelism cuts every sequence into 2*cp chunks, two per rank, to balance the causal "
+                         f"work); set train.seq_len to a multiple of {2 * cp} (e.g. {lower} or {lower + 2 * cp}), "
+                         "or change parallel.cp")
+
+
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of 2*cp) rank `cp_rank` holds, in the order it holds them."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def local_positions(seq_len: int, *, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The true positions of the tokens rank `cp_rank` holds (RoPE rotates by these), int64 [seq_len / cp]."""
+    check_seq_len(seq_len, cp)
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in chunk_ids(cp_rank, cp)])
+
+
+def shard_sequence(x: torch.Tensor, *, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of `x` along `dim` (tokens, targets, hidden states), concatenated."""
+    if cp == 1:
+        return x
+    check_seq_len(x.shape[dim], cp)
+    c = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, j * c, c) for j in chunk_ids(cp_rank, cp)], dim=dim)
+
+
+def unshard_sequence(x_local: torch.Tensor, mesh: Mesh, *, dim: int = 1, axis: str = AXIS) -> torch.Tensor:
+    """The whole sequence from every rank's `shard_sequence` piece (an all-gather; for tests and tools)."""
+    cp = mesh.size(axis)
+    if cp == 1:
+        return x_local
+    pieces = comm.all_gather(x_local.contiguous(), mesh, axis, dim=dim).chunk(cp, dim=dim)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, piece in enumerate(pieces):
+        first, second = piece.chunk(2, dim=dim)
+        a, b = chunk_ids(rank, cp)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Partial attention and its merge
+# --------------------------------------------------------------------------------------------
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint key sets into the result over their union.
+
+    `out_*` [..., seq, head_dim] are softmax-weighted sums over each key set, `lse_*` [..., seq] the
+    log-sum-exp of each set's scores. Exact: the union's softmax reweights each part by
+    exp(lse_part - lse_union)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+    return out, lse
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:  # a chunk against itself: query i sees keys 0..i
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """kv heads -> query heads (GQA): head h of the queries reads kv head h // groups."""
+    return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_expand`: the query heads' gradients summed onto their kv head."""
+    if groups == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _pairs(cp_rank: int, src: int, cp: int, c: int):
+    """(query slice, key slice, causal) for every (query chunk, key chunk) pair that is not fully masked,
+    for this rank's queries against the block of rank `src`."""
+    for qi, qa in enumerate(chunk_ids(cp_rank, cp)):
+        for ki, kb in enumerate(chunk_ids(src, cp)):
+            if kb <= qa:
+                yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kb == qa
+
+
+def _no_autocast(device_type: str):
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+class _RingAttention(torch.autograd.Function):
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's two chunks) -> out [b, h, s, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mesh: Mesh, axis: str):
+        cp, r = mesh.size(axis), mesh.local_rank(axis)
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        nxt, prv = (r + 1) % cp, (r - 1) % cp
+        with _no_autocast(q.device.type):
+            qc = q.to(cdt)
+            out = torch.zeros_like(qc)
+            lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
+            block = torch.stack([k, v]).contiguous()  # what travels: the kv heads only
+            for step in range(cp):
+                src = (r - step) % cp
+                handle, incoming = None, None
+                if step < cp - 1:  # the next block is on its way while this one is attended to
+                    incoming = torch.empty_like(block)
+                    handle = comm.batch_isend_irecv([P2P("send", block, nxt, tag=2 * step),
+                                                     P2P("recv", incoming, prv, tag=2 * step)], mesh, axis)
+                kb, vb = _expand(block[0].to(cdt), groups), _expand(block[1].to(cdt), groups)
+                for qs, ks, causal in _pairs(r, src, cp, c):
+                    s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
+                    part_lse = torch.logsumexp(s, dim=-1)
+                    part = torch.matmul(torch.exp(s - part_lse[..., None]), vb[:, :, ks])
+                    # lse starts at -inf (no keys yet): merging with it keeps `part` exactly
+                    out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse)
+                if handle is not None:
+                    handle.wait()
+                    block = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mesh, ctx.axis = mesh, axis
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        mesh, axis = ctx.mesh, ctx.axis
+        cp, r = mesh.size(axis), mesh.local_rank(axis)
+        cdt = lse.dtype
+        groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+        nxt, prv = (r + 1) % cp, (r - 1) % cp
+        with _no_autocast(q.device.type):
+            qc, doc = q.to(cdt), dout.to(cdt)
+            delta = (doc * out.to(cdt)).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+            dq = torch.zeros_like(qc)
+            block = torch.stack([k, v]).contiguous()
+            own = None  # this rank's share of its own block's dK/dV (it never leaves)
+            sends = []
+            for step in range(cp):
+                src = (r - step) % cp
+                ops, incoming, partial_in = [], None, None
+                if step >= 2:  # the partial dK/dV of block `src`, summed by the ranks it visited before
+                    partial_in = torch.empty((2, *k.shape), dtype=cdt, device=k.device)
+                    ops.append(P2P("recv", partial_in, prv, tag=2 * (step - 1) + 1))
+                if step < cp - 1:
+                    incoming = torch.empty_like(block)
+                    ops += [P2P("send", block, nxt, tag=2 * step), P2P("recv", incoming, prv, tag=2 * step)]
+                handle = comm.batch_isend_irecv(ops, mesh, axis) if ops else None
+                kb, vb = _expand(block[0].to(cdt), groups), _expand(block[1].to(cdt), groups)
+                dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+                for qs, ks, causal in _pairs(r, src, cp, c):
+                    s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
+                    p = torch.exp(s - lse[:, :, qs, None])
+                    dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), doc[:, :, qs])
+                    ds = p * (torch.matmul(doc[:, :, qs], vb[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
+                    dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
+                    dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qc[:, :, qs]) * scale
+                grads = torch.stack([_fold(dk, groups), _fold(dv, groups)])
+                if handle is not None:
+                    handle.wait()
+                if step == 0:
+                    own = grads
+                else:
+                    if partial_in is not None:
+                        grads = grads + partial_in
+                    sends.append(comm.batch_isend_irecv([P2P("send", grads.contiguous(), nxt, tag=2 * step + 1)],
+                                                        mesh, axis))
+                if incoming is not None:
+                    block = incoming
+            if cp > 1:  # the other ranks' shares of this rank's block come home
+                partial_in = torch.empty_like(own)
+                comm.batch_isend_irecv([P2P("recv", partial_in, prv, tag=2 * (cp - 1) + 1)], mesh, axis).wait()
+                own = own + partial_in
+            for handle in sends:
+                handle.wait()
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *, axis: str = AXIS) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole (cp-split) sequence, by a ring over `axis`.
+
+    q [b, heads, s, d]; k, v [b, kv_heads, s, d] -- this rank's two chunks (`shard_sequence`), already
+    rotated by their true positions. Returns [b, heads, s, d]. Collective over `axis`."""
+    return _RingAttention.apply(q, k, v, mesh, axis)
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
+                        axis: str = AXIS) -> torch.Tensor:
+    """`ring_attention`'s result with K/V gathered once (one all-gather forward, one reduce-scatter backward)."""
+    cp, r, s = mesh.size(axis), mesh.local_rank(axis), q.shape[2]
+    kv = comm.gather_along_dim(torch.stack([k, v]).contiguous(), mesh, axis, dim=3, grad_op="reduce_scatter")
+    seq = s * cp
+    q_pos = local_positions(seq, cp=cp, cp_rank=r, device=q.device)
+    k_pos = torch.cat([local_positions(seq, cp=cp, cp_rank=j, device=q.device) for j in range(cp)])
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, _expand(kv[0], groups), _expand(kv[1], groups),
+                                          attn_mask=q_pos[:, None] >= k_pos[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# The transform
+# --------------------------------------------------------------------------------------------
+
+
+def _context_core(q_bhsd, k_bhsd, v_bhsd, *, mesh: Mesh, method: str):
+    """Replacement of `Attention.core`: [b, h, s, d] in, [b, s, h * d] out (s = this rank's tokens)."""
+    attend = ring_attention if method == "ring" else allgather_attention
+    out = attend(q_bhsd, k_bhsd, v_bhsd, mesh)
+    bsz, _, seq, _ = q_bhsd.shape
+    return out.transpose(1, 2).reshape(bsz, seq, -1)
+
+
+@dataclass
+class ContextParallel:
+    """What `apply_context_parallel` hands the trainer: how to cut a batch and which positions it has."""
+
+    mesh: Mesh
+    method: str
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.size(AXIS)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.local_rank(AXIS)
+
+    def shard(self, x: torch.Tensor, *, dim: int = 1) -> torch.Tensor:
+        """This rank's chunks of a batch of sequences (tokens or targets) along `dim`."""
+        return shard_sequence(x, cp=self.cp, cp_rank=self.cp_rank, dim=dim)
+
+    def positions(self, seq_len: int, *, device=None) -> torch.Tensor:
+        """The true positions of this rank's tokens of a sequence of `seq_len`."""
+        return local_positions(seq_len, cp=self.cp, cp_rank=self.cp_rank, device=device)
+
+
+def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring") -> ContextParallel:
+    """Make every attention of `model` attend across the "cp" ranks (in place); returns the handle.
+
+    The model then expects this rank's chunks of every sequence and their true positions
+    (`model(handle.shard(tokens), positions=handle.positions(seq_len))`); the KV-cache paths used for
+    generation are untouched (they do not call `core`)."""
+    from meshlm.models.transformer import Attention  # models never import parallel; the reverse is fine
+
+    if method not in METHODS:
+        raise ValueError(f"parallel.cp_method={method!r} must be one of {list(METHODS)}")
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.core = functools.partial(_context_core, mesh=mesh, method=method)
+    return ContextParallel(mesh=mesh, method=method)

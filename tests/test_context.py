@@ -1,0 +1,126 @@
+"""Context parallelism: the load-balanced split, ring and all-gather attention against dense causal SDPA on
+the whole sequence (output and every gradient), and the exact bytes of the ring (meshlm.parallel.context).
+
+Each rank holds its two chunks of q, k, v (`shard_sequence`), attends across the cp ranks and
+backpropagates a fixed output gradient; the parent puts the pieces back in sequence order and
+compares with one process's SDPA. In float64 to FP64_TOL, and in float32 to the issue's 1e-5.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist import run_distributed
+from meshlm.mesh import ParallelDims, build_mesh
+from meshlm.parallel.context import (
+    allgather_attention,
+    local_positions,
+    merge_partials,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
+from parity import FP64_TOL
+
+
+def _qkv(*, batch, heads, kv_heads, seq, dim, dtype):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, heads, seq, dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, seq, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, seq, dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, heads, seq, dim, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+def _dense(q, k, v, dout):
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                         is_causal=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def attention_worker(rank, world_size, method, shape, dtype):
+    mesh = build_mesh(ParallelDims(cp=world_size), device_type="cpu")
+    q, k, v, dout = _qkv(**shape, dtype=dtype)
+    mine = [shard_sequence(t, cp=world_size, cp_rank=rank, dim=2).requires_grad_(True) for t in (q, k, v)]
+    attend = ring_attention if method == "ring" else allgather_attention
+    mesh.stats.reset()
+    out = attend(*mine, mesh)
+    fwd = mesh.stats.snapshot()
+    mesh.stats.reset()
+    out.backward(shard_sequence(dout, cp=world_size, cp_rank=rank, dim=2))
+    bwd = mesh.stats.snapshot()
+    full = [unshard_sequence(t, mesh, dim=2) for t in (out.detach(), *(m.grad for m in mine))]
+    counts = lambda snap: {f"{op}/{axis}": (s.calls, s.bytes) for (op, axis), s in snap.items()}  # noqa: E731
+    return full, counts(fwd), counts(bwd)
+
+
+SHAPES = {
+    "gqa": dict(batch=2, heads=4, kv_heads=2, seq=16, dim=8),
+    # chunks of 3 tokens (seq 12 over 2*cp=4, or 24 over 8): boundaries that are no power of two
+    "odd_chunks": dict(batch=1, heads=2, kv_heads=1, seq=12, dim=4),
+    "mha": dict(batch=1, heads=2, kv_heads=2, seq=24, dim=4),
+}
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("cp,shape", [(2, "gqa"), (2, "odd_chunks"), (4, "gqa"), (4, "mha")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_attention_equals_dense_causal_sdpa(method, cp, shape, dtype):
+    results = run_distributed(attention_worker, cp, method, SHAPES[shape], dtype)
+    q, k, v, dout = _qkv(**SHAPES[shape], dtype=dtype)
+    want = _dense(q, k, v, dout)
+    tol = FP64_TOL if dtype == torch.float64 else 1e-5
+    for rank, (got, _, _) in enumerate(results):
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            diff = (g - w).abs().max().item()
+            assert diff <= tol, f"rank {rank} {method} cp={cp}: {name} differs by {diff:.3g} (> {tol})"
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bytes_equal_the_analytic_volume(method, cp):
+    shape = SHAPES["gqa"]
+    results = run_distributed(attention_worker, cp, method, shape, torch.float32)
+    # One block: this rank's K or V, [batch, kv_heads, seq / cp, dim] in fp32.
+    block = shape["batch"] * shape["kv_heads"] * shape["seq"] // cp * shape["dim"] * 4
+    for _, fwd, bwd in results:
+        if method == "ring":
+            # forward: (cp-1) blocks of K+V sent (and received); backward: the same K+V again plus
+            # (cp-1) partial dK+dV sums.
+            assert fwd == {"send/cp": (cp - 1, (cp - 1) * 2 * block), "recv/cp": (cp - 1, (cp - 1) * 2 * block)}
+            assert bwd["send/cp"] == (2 * (cp - 1), (cp - 1) * 2 * block * 2)
+            assert bwd["recv/cp"] == (2 * (cp - 1), (cp - 1) * 2 * block * 2)
+        else:
+            # all_gather counts its output (cp blocks of K+V); reduce_scatter its input (the same).
+            assert fwd == {"all_gather/cp": (1, cp * 2 * block)}
+            assert bwd == {"reduce_scatter/cp": (1, cp * 2 * block)}
+
+
+def test_split_is_load_balanced_and_positions_are_true():
+    seq, cp = 16, 4
+    tokens = torch.arange(seq)[None]
+    pieces = [shard_sequence(tokens, cp=cp, cp_rank=r) for r in range(cp)]
+    assert pieces[0].tolist() == [[0, 1, 14, 15]] and pieces[3].tolist() == [[6, 7, 8, 9]]
+    for r, piece in enumerate(pieces):
+        assert piece[0].tolist() == local_positions(seq, cp=cp, cp_rank=r).tolist()
+        # causal work: each token attends to position + 1 keys; every rank gets the same total
+        assert int((piece + 1).sum()) == (seq * (seq + 1) // 2) // cp
+    assert sorted(torch.cat(pieces, 1)[0].tolist()) == list(range(seq))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        local_positions(12, cp=4, cp_rank=0)
+
+
+def test_merge_partials_is_softmax_over_the_union():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 10, generator=g, dtype=torch.float64)
+    v = torch.randn(10, 4, generator=g, dtype=torch.float64)
+    parts = []
+    for cols in (slice(0, 4), slice(4, 10)):
+        lse = torch.logsumexp(s[:, cols], -1)
+        parts.append((torch.softmax(s[:, cols], -1) @ v[cols], lse))
+    out, lse = merge_partials(*parts[0], *parts[1])
+    assert torch.allclose(out, torch.softmax(s, -1) @ v, atol=1e-14)
+    assert torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-14)
