@@ -15,13 +15,17 @@ replaces the DDP all-reduce: it reduce-scatters over "dp_shard" and all-reduces 
 "2-D" parallelism), activation recomputation (parallel.recompute=selective|full, see
 `meshlm.parallel.recompute`), and pipeline parallelism (parallel.pp, `meshlm.parallel.pipeline`: the
 model is split into this rank's stage first; with tensor parallelism, data parallelism -- plain or
-ZeRO-1/2 -- and recomputation). Expert and context parallelism, and pp with ZeRO-3, raise a ValueError
-naming their setting before anything is built, so a layout the code cannot run never half-starts.
+ZeRO-1/2 -- and recomputation), and context parallelism (parallel.cp, `meshlm.parallel.context`: every
+attention attends across the cp ranks; the cp ranks join the data-parallel ones in the gradient
+reduction, "dp_cp", and in ZeRO's sharding, "dp_shard_cp"; the trainer feeds this rank's chunks of
+every sequence). Expert parallelism, and pp with ZeRO-3, raise a ValueError naming their setting
+before anything is built, so a layout the code cannot run never half-starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +34,7 @@ from torch import nn
 
 from meshlm.config import Config, ModelConfig, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
+from meshlm.parallel.context import ContextParallel, apply_context_parallel, check_seq_len
 from meshlm.parallel.data import DataParallel, apply_data_parallel
 from meshlm.parallel.pipeline import (PipelineStage, check_pipeline_model, default_layers_per_stage, pipeline_grad_norm,
                                      split_model)
@@ -44,14 +49,12 @@ _MARK = "_meshlm_parallelized"
 
 def check_supported(parallel: ParallelConfig) -> None:
     """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    not_yet = [("cp", parallel.cp, 1), ("ep", parallel.ep, 1)]
-    for name, value, plain in not_yet:
-        if value != plain:
-            raise ValueError(f"parallel.{name}={value} is not implemented yet; what runs: data parallelism "
-                             "(plain, or ZeRO with parallel.zero_stage=1..3, hybrid with parallel.dp_replicate), "
-                             "tensor parallelism (parallel.tp) under either, parallel.recompute, and pipeline "
-                             "parallelism (parallel.pp) with all of those but ZeRO-3 "
-                             f"(set parallel.{name}={plain}, and use the ranks for parallel.dp_shard or parallel.tp)")
+    if parallel.ep != 1:
+        raise ValueError(f"parallel.ep={parallel.ep} is not implemented yet; what runs: data parallelism "
+                         "(plain, or ZeRO with parallel.zero_stage=1..3, hybrid with parallel.dp_replicate), "
+                         "tensor parallelism (parallel.tp), context parallelism (parallel.cp), parallel.recompute, "
+                         "and pipeline parallelism (parallel.pp) with all of those but ZeRO-3 "
+                         "(set parallel.ep=1, and use the ranks for parallel.dp_shard)")
     if parallel.pp > 1 and parallel.zero_stage == 3:
         # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone or
         # with tensor parallelism, data parallelism (plain or ZeRO-1/2) and recomputation. ZeRO-3 gathers
@@ -60,8 +63,25 @@ def check_supported(parallel: ParallelConfig) -> None:
         raise ValueError(f"parallel.zero_stage=3 with parallel.pp={parallel.pp} is not implemented yet; what runs "
                          "under pipeline parallelism: every parallel.pp_schedule (gpipe, 1f1b, interleaved with "
                          "parallel.pp_chunks, zero_bubble), with tensor parallelism (parallel.tp), data parallelism "
-                         "(parallel.dp_shard / dp_replicate, plain or parallel.zero_stage=1/2) and parallel.recompute; "
-                         "set parallel.zero_stage=2 (or 1, 0), or parallel.pp=1")
+                         "(parallel.dp_shard / dp_replicate, plain or parallel.zero_stage=1/2), context parallelism "
+                         "(parallel.cp) and parallel.recompute; set parallel.zero_stage=2 (or 1, 0), or parallel.pp=1")
+
+
+def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int, sequence_parallel: bool) -> None:
+    """Raise ValueError unless `cp` context-parallel ranks can split sequences of `seq_len` of `model`."""
+    if cp == 1:
+        return
+    check_seq_len(seq_len, cp)
+    if model.is_moe:
+        # The Switch load-balancing loss is a product of two means over the tokens of a micro-batch:
+        # computed on each rank's part of the sequence it is not the whole sequence's.
+        raise ValueError(f"parallel.cp={cp} with a Mixture-of-Experts model (model.num_experts="
+                         f"{model.num_experts}) is not implemented yet (the load-balancing loss is over whole "
+                         "sequences); set parallel.cp=1, or use a dense model")
+    if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
+        raise ValueError(f"train.seq_len / parallel.cp = {seq_len // cp} tokens per rank is not divisible by "
+                         f"parallel.tp={tp} (sequence parallelism splits them over the tp ranks); set "
+                         f"train.seq_len to a multiple of {math.lcm(2 * cp, cp * tp)}, or parallel.sequence_parallel=false")
 
 
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:
@@ -78,6 +98,8 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
         check_pipeline_model(cfg.model, dims.pp * cfg.parallel.pp_chunks)
         pp_layers(cfg.parallel, cfg.model, seq_len=t.seq_len)  # raises for counts that do not fit
     check_tensor_parallel(cfg.model, dims.tp)  # heads, sizes and vocab divisible by tp; no MoE
+    check_context_parallel(cfg.model, dims.cp, seq_len=t.seq_len, tp=dims.tp,
+                           sequence_parallel=cfg.parallel.sequence_parallel)
     if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
                          "parallelism splits every sequence over the tp ranks); set train.seq_len to a multiple "
@@ -151,6 +173,7 @@ class ParallelModel:
     zero: ZeroSharding | None = None  # set for parallel.zero_stage >= 1 (then data_parallel is None)
     tensor_parallel: bool = False  # tp > 1: the module returns this rank's vocab slice of the logits
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage; the trainer runs whole steps through it
+    context: ContextParallel | None = None  # cp > 1: the module takes this rank's chunks and their positions
     pp_schedule: str = "1f1b"
 
     def no_sync(self):
@@ -217,7 +240,11 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
         raise ValueError(f"parallel.tp={parallel.tp} but the mesh has tp={tp}; build the mesh from the same "
                          "parallel config")
     check_tensor_parallel(model.config, tp)
-    # The fixed order; EP and CP do not exist yet and were refused above:
+    cp = mesh.size("cp")
+    if cp != parallel.cp:
+        raise ValueError(f"parallel.cp={parallel.cp} but the mesh has cp={cp}; build the mesh from the same "
+                         "parallel config")
+    # The fixed order; EP does not exist yet and was refused above:
     # PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
     setattr(model, _MARK, True)
     result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1, pp_schedule=parallel.pp_schedule)
@@ -228,13 +255,17 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
                                                                  seq_len=seq_len or model.config.max_seq_len))
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
+    if cp > 1:
+        result.context = apply_context_parallel(model, mesh, method=parallel.cp_method)
     apply_recompute(model, parallel.recompute)
     if parallel.zero_stage > 0:
         # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
         # DP's all-reduce on top would reduce every gradient twice.
         result.zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
                                  broadcast=broadcast)
-    elif mesh.size("dp") > 1:
+    elif mesh.size("dp_cp") > 1:
+        # Under context parallelism the cp ranks hold the same weights and see different tokens: their
+        # gradients are summed with the data-parallel ranks' ("dp_cp"; "dp" when cp = 1).
         result.data_parallel = apply_data_parallel(model, mesh, bucket_size_mb=parallel.bucket_size_mb,
-                                                   axis="dp", broadcast=broadcast)
+                                                   axis="dp_cp" if cp > 1 else "dp", broadcast=broadcast)
     return result

@@ -116,13 +116,16 @@ class PipelineStage:
     def is_last(self, chunk: int) -> bool:
         return self.stage(chunk) == self.num_stages - 1
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
+    def forward_chunk(self, chunk: int, x: torch.Tensor, *, seq_len: int | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [b, s] (first stage) or hidden states [b, s, h] in; hidden states, or logits on the
-        last stage, out. RoPE's cos/sin are recomputed from the sequence length, as Transformer.forward
-        does: `seq_len` is the whole sequence's (under sequence parallelism the hidden states are a chunk)."""
+        last stage, out. RoPE's cos/sin are recomputed from the positions, as Transformer.forward does:
+        `positions` of the tokens this rank holds (context parallelism: its chunks' true positions), or
+        0..seq_len-1, `seq_len` the whole sequence's (under sequence parallelism the hidden states are a chunk)."""
         m = self.model
         h = m.embed(x) if self.is_first(chunk) else x
-        positions = torch.arange(seq_len or h.shape[1], device=h.device)
+        if positions is None:
+            positions = torch.arange(seq_len or h.shape[1], device=h.device)
         cos, sin = rope_cos_sin(m.inv_freq, positions, h.dtype)
         for name in self.chunk_layers[chunk]:
             h = m.layers[name](h, cos, sin)
@@ -337,7 +340,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                       micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, mesh: Mesh, num_tokens: int,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
                       activation_dtype: torch.dtype | None = None, forward_only: bool = False,
-                      sequence_shards: int = 1, axis: str = "pp") -> PipelineStepResult:
+                      sequence_shards: int = 1, positions: torch.Tensor | None = None,
+                      axis: str = "pp") -> PipelineStepResult:
     """Run this rank's actions of `schedule` over `micro_batches` ((inputs, targets) pairs, tokens
     [b, s]; every rank passes the same shapes, only the last stage reads targets); collective over `axis`.
 
@@ -346,7 +350,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     (validation; `schedule` may then be None).
     Returns the summed loss (sum over micro-batches of loss_fn / num_tokens), all-reduced over `axis`
     so every stage reports the last stage's value. `sequence_shards`: the hidden states between blocks
-    hold seq / sequence_shards positions (tensor parallelism with sequence parallelism: tp).
+    hold seq / sequence_shards positions (tensor parallelism with sequence parallelism: tp). `positions`:
+    the true positions of the tokens (context parallelism: this rank's chunks); None: 0..seq-1.
     """
     pp, v = stage.pp, stage.pp_chunks
     if mesh.size(axis) != pp or (schedule is not None and (schedule.pp, schedule.pp_chunks) != (pp, v)):
@@ -441,9 +446,9 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                 else:
                     x = received.requires_grad_(not forward_only)
                 if split is not None:
-                    y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq))
+                    y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions))
                 else:
-                    y = stage.forward_chunk(a.chunk, x, seq_len=seq)
+                    y = stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions)
                 if s == S - 1:
                     y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
                     loss_total += y.detach().to(torch.float64)

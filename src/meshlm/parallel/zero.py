@@ -51,6 +51,10 @@ same update; parameters are gathered within the replica only.
 Weight decay: the same rule as `train.optim.param_groups` (>= 2-D tensors decayed), carried as a
 flat boolean mask over the shard.
 
+Context parallelism (cp > 1): the cp ranks of a replica are data-parallel ranks for the parameters
+(same weights, different tokens), so everything above happens over "dp_shard_cp" (dp_shard x cp)
+instead of "dp_shard", and the initial broadcast over "dp_cp".
+
 Tensor parallelism underneath (tp > 1): ZeRO works on the TP-local shards, which are ordinary local
 tensors to it; only the gradient norm needs to know which elements are TP shards (summed over "tp")
 and which are replicated over tp (norm weights: counted once). The flat mask `tp_sharded` says so.
@@ -68,7 +72,6 @@ from meshlm import comm
 from meshlm.mesh import Mesh
 from meshlm.parallel.buckets import Bucket, GradientBuckets, group_by_size, trainable_parameters
 
-SHARD_AXIS = "dp_shard"
 REPLICATE_AXIS = "dp_replicate"
 # Reduce-scatters in flight during backward: each holds a padded copy of its bucket's gradients. One
 # is enough to overlap: the next bucket is launched a whole bucket's backward later, by which time the
@@ -104,7 +107,11 @@ class ZeroSharding(GradientBuckets):
                 raise ValueError(f"parameter {name} is {p.dtype}; ZeRO keeps fp32 master weights, build the "
                                  "model in fp32 and use train.precision=bf16 for bf16 compute")
         self.model, self.mesh, self.stage = model, mesh, stage
-        self.num_shards, self.shard_rank = mesh.size(SHARD_AXIS), mesh.local_rank(SHARD_AXIS)
+        # Context parallelism: the cp ranks of a replica hold the same parameters and see different
+        # tokens, exactly like dp_shard ranks, so they share the sharding (see the module doc).
+        cp = mesh.size("cp") > 1
+        self.shard_axis, self.data_axis = ("dp_shard_cp", "dp_cp") if cp else ("dp_shard", "dp")
+        self.num_shards, self.shard_rank = mesh.size(self.shard_axis), mesh.local_rank(self.shard_axis)
         groups = self._unit_groups() if stage == 3 else group_by_size(model, bucket_size_mb)
         buckets, offset = [], 0
         for params, names in groups:
@@ -126,7 +133,7 @@ class ZeroSharding(GradientBuckets):
                      for b in buckets for p in b.params}
             self.tp_sharded = self.local_shard(flags).bool()  # padding: False (its gradient is zero)
         if stage == 3:
-            self.gather_mesh = mesh.duplicate(SHARD_AXIS)  # the parameter gathers' own groups (see the module doc)
+            self.gather_mesh = mesh.duplicate(self.shard_axis)  # the parameter gathers' own groups (see the module doc)
             self._link_units()
             for b in buckets:
                 self._hooks += [b.unit.register_forward_pre_hook(lambda m, a, b=b: self._use(b, b.next_forward)),
@@ -176,7 +183,7 @@ class ZeroSharding(GradientBuckets):
             return
         bucket.full.untyped_storage().resize_(bucket.padded * bucket.full.element_size())
         bucket.gather_handle = comm.all_gather_into_tensor(
-            bucket.full, self.shard_of(bucket, self.param_shard).contiguous(), self.gather_mesh, SHARD_AXIS,
+            bucket.full, self.shard_of(bucket, self.param_shard).contiguous(), self.gather_mesh, self.shard_axis,
             async_op=True)
 
     @torch.no_grad()
@@ -271,7 +278,7 @@ class ZeroSharding(GradientBuckets):
         out = {}
         for b in self.buckets:
             full = flat_shard.new_empty(b.padded)
-            comm.all_gather_into_tensor(full, self.shard_of(b, flat_shard).contiguous(), self.mesh, SHARD_AXIS)
+            comm.all_gather_into_tensor(full, self.shard_of(b, flat_shard).contiguous(), self.mesh, self.shard_axis)
             for i, p in enumerate(b.params):
                 out[id(p)] = b.unflat(full, i)
         return out
@@ -281,7 +288,7 @@ class ZeroSharding(GradientBuckets):
         """Copy the parameters of dp coordinate 0 to every data-parallel rank (one broadcast per bucket)."""
         for b in self.buckets:
             flat = b.flat(b.params)
-            comm.broadcast(flat, self.mesh, "dp", src=0)
+            comm.broadcast(flat, self.mesh, self.data_axis, src=0)
             for i, p in enumerate(b.params):
                 p.copy_(b.unflat(flat, i))
         self.param_shard.copy_(self.local_shard({id(p): p.detach() for b in self.buckets for p in b.params}))
@@ -299,7 +306,7 @@ class ZeroSharding(GradientBuckets):
             for p in bucket.params:  # the full gradient is not kept: the shard is all this rank needs
                 p.grad = None
         return comm.reduce_scatter_tensor(self.shard_of(bucket, self.grad_shard), bucket.buffer,
-                                          self.mesh, SHARD_AXIS, async_op=True)
+                                          self.mesh, self.shard_axis, async_op=True)
 
     def release_grad_shard(self) -> None:
         """Drop the gradient shard (the optimizer's zero_grad): no memory for it between steps."""
@@ -329,12 +336,12 @@ class ZeroSharding(GradientBuckets):
         (g,) = [g.detach() for g in grads]
         if self.tp_sharded is None:
             sq = torch.linalg.vector_norm(g, dtype=torch.float64).reshape(1) ** 2
-            comm.all_reduce(sq, self.mesh, SHARD_AXIS)
+            comm.all_reduce(sq, self.mesh, self.shard_axis)
             total = sq[0]
         else:
             sq = torch.stack([torch.linalg.vector_norm(g[self.tp_sharded], dtype=torch.float64),
                               torch.linalg.vector_norm(g[~self.tp_sharded], dtype=torch.float64)]) ** 2
-            comm.all_reduce(sq, self.mesh, SHARD_AXIS)
+            comm.all_reduce(sq, self.mesh, self.shard_axis)
             sharded = sq[:1].clone()
             comm.all_reduce(sharded, self.mesh, "tp")
             total = sharded[0] + sq[1]

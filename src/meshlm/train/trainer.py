@@ -140,6 +140,7 @@ class Trainer:
         self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
         self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
         self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
+        self.context = self.parallel.context  # cp > 1: each rank runs its chunks of every sequence
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
 
         self.run_dir = Path(t.run_dir)
@@ -183,8 +184,19 @@ class Trainer:
             dist.barrier()
 
     def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a reported tensor over the data-parallel ranks (the input itself on one rank)."""
-        return comm.all_reduce(value.clone(), self.mesh, "dp")
+        """Sum a reported tensor over the ranks that hold different tokens of the batch: the data-parallel
+        ranks, and under context parallelism their cp ranks (the input itself on one rank)."""
+        return comm.all_reduce(value.clone(), self.mesh, "dp_cp" if self.context is not None else "dp")
+
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """(inputs, targets, positions) of a micro-batch as this rank runs it, on the device: under
+        context parallelism its two chunks of every sequence and their true positions (RoPE); else the
+        whole sequences and positions None (0..seq-1)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        if self.context is None:
+            return inputs, targets, None
+        positions = self.context.positions(inputs.shape[1], device=self.device)
+        return self.context.shard(inputs), self.context.shard(targets), positions
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the token losses of one micro-batch (under tp, from this rank's vocab slice; collective)."""
@@ -206,11 +218,11 @@ class Trainer:
         `num_tokens` is the token count of the whole global batch (all micro-batches, all ranks);
         `num_micro_batches` likewise, for the MoE auxiliary loss, which is a mean over micro-batches.
         """
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets, positions = self.local_batch(inputs, targets)
         meter = SavedTensorMeter(self.base_model) if self.activation_mib is None else contextlib.nullcontext()
         with meter:
             with self.autocast():
-                logits = self.model(inputs)
+                logits = self.model(inputs, positions=positions)
             loss = self.loss_sum(logits, targets) / num_tokens
             aux = self.base_model.aux_loss()
             total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
@@ -233,11 +245,13 @@ class Trainer:
         the gradients are then reduced over data parallelism once."""
         p = self.cfg.parallel
         schedule = build_schedule(p.pp_schedule, pp=p.pp, num_microbatches=len(micro_batches), pp_chunks=p.pp_chunks)
-        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        batches = [self.local_batch(x, y) for x, y in micro_batches]
+        positions = batches[0][2]
+        batches = [(x, y) for x, y, _ in batches]
         with self.parallel.no_sync(), self.autocast():
             result = run_pipeline_step(self.parallel.pipeline, schedule, batches, mesh=self.mesh,
                                        num_tokens=num_tokens, activation_dtype=self.dtype, loss_fn=self.loss_sum,
-                                       sequence_shards=self.sequence_shards)
+                                       sequence_shards=self.sequence_shards, positions=positions)
         buckets = self.parallel.zero or self.parallel.data_parallel
         if buckets is not None:
             buckets.reduce_grads()
@@ -310,18 +324,21 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.parallel.pipeline is not None and batches:
             # Forward only through the stages; the stages of one pipeline hold the same batches.
-            batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+            batches = [self.local_batch(x, y) for x, y in batches]
+            positions = batches[0][2]
+            batches = [(x, y) for x, y, _ in batches]
             with self.autocast():
                 result = run_pipeline_step(self.parallel.pipeline, None, batches, mesh=self.mesh, num_tokens=1,
                                            activation_dtype=self.dtype, forward_only=True, loss_fn=self.loss_sum,
-                                           sequence_shards=self.sequence_shards)
+                                           sequence_shards=self.sequence_shards, positions=positions)
             totals[0] += result.loss
             totals[1] += sum(targets.numel() for _, targets in batches)
             batches = []
         for inputs, targets in batches:
+            inputs, targets, positions = self.local_batch(inputs, targets)
             with self.autocast():
-                logits = self.model(inputs.to(self.device))
-            totals[0] += self.loss_sum(logits, targets.to(self.device))
+                logits = self.model(inputs, positions=positions)
+            totals[0] += self.loss_sum(logits, targets)
             totals[1] += targets.numel()
         self.model.train()
         loss_sum, count = self.sum_over_dp(totals).tolist()

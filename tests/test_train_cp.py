@@ -1,0 +1,91 @@
+"""The Trainer under context parallelism reproduces the single-process run, alone and composed with data
+parallelism, ZeRO, tensor (+ sequence) parallelism, pipeline parallelism and recomputation, with both
+`parallel.cp_method`s; layouts that cannot run are refused before any work.
+
+Parity goes through `meshlm verify` (its ranks started by the test harness): fp64 runs must match the
+single-process fp64 run to FP64_TOL in losses, grad norms and every final weight; one fp32 run checks
+losses and grad norms to FP32_REL. Every run also checks that the cp axis moved bytes.
+"""
+
+import io
+
+import pytest
+
+from dist import run_distributed
+from meshlm import verify
+from meshlm.config import load_config
+from meshlm.parallel.parallelize import check_layout
+from parity import FP32_REL, FP64_TOL
+from runs import SMALL_MODEL
+
+STEPS = 5
+# seq 32: chunks of 4 tokens at cp=4, 8 at cp=2; micro-batches of 2 so dp=2 accumulates too.
+SETTINGS = [*SMALL_MODEL, "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "train.lr=3e-3", "train.warmup_steps=2", "train.device=cpu", "data.val_fraction=0.1",
+            "parallel.bucket_size_mb=0.02"]
+
+
+def make_cfg(text_file, *extra):
+    return load_config(overrides=[*SETTINGS, f"data.path={text_file}", *extra])
+
+
+def train_ranks(rank, world_size, cfg):
+    from meshlm.train.trainer import Trainer
+
+    Trainer(cfg).train()
+
+
+def launch(cfg, nproc):
+    run_distributed(train_ranks, nproc, cfg, timeout=240)
+
+
+LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
+    "cp2": (2, ["parallel.cp=2"], {"cp", "dp_cp"}),
+    "cp4": (4, ["parallel.cp=4"], {"cp", "dp_cp"}),
+    "cp2xdp2": (4, ["parallel.cp=2"], {"cp", "dp_cp"}),
+    "cp2xtp2": (4, ["parallel.cp=2", "parallel.tp=2"], {"cp", "dp_cp", "tp"}),
+    "cp2xzero3": (4, ["parallel.cp=2", "parallel.zero_stage=3"], {"cp", "dp_shard_cp"}),
+    "cp2xtp2xdp2": (8, ["parallel.cp=2", "parallel.tp=2"], {"cp", "dp_cp", "tp"}),
+}
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, layout, method):
+    nproc, settings, axes = LAYOUTS[layout]
+    cfg = make_cfg(text_file, *settings, f"parallel.cp_method={method}")
+    report = verify.run(cfg, nproc=nproc, steps=STEPS, run_dir=tmp_path, launch=launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL
+    assert axes <= set(report.comm_bytes), report.comm_bytes
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.zero_stage=1"], ["parallel.zero_stage=2", "parallel.dp_replicate=2"],
+    ["parallel.pp=2"], ["parallel.recompute=selective"], ["parallel.recompute=full"],
+], ids=["zero1", "zero2_hybrid", "pp2", "selective", "full"])
+def test_cp2_composes_with(tmp_path, text_file, layout):
+    nproc = 4 if ("parallel.pp=2" in layout or "parallel.dp_replicate=2" in layout) else 2
+    cfg = make_cfg(text_file, "parallel.cp=2", *layout)
+    report = verify.run(cfg, nproc=nproc, steps=3, run_dir=tmp_path, launch=launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL
+
+
+def test_fp32_losses_and_grad_norms(tmp_path, text_file):
+    report = verify.run(make_cfg(text_file, "parallel.cp=2"), nproc=2, steps=STEPS, run_dir=tmp_path,
+                        launch=launch, log=io.StringIO(), precision="fp32")
+    assert report.ok, verify.format_report(report)
+    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP32_REL, verify.format_report(report)
+
+
+@pytest.mark.parametrize("settings, world, match", [
+    (["parallel.cp=2", "train.seq_len=30"], 2, "multiple of 4"),
+    (["parallel.cp=2", "parallel.tp=4", "model.num_kv_heads=4", "train.seq_len=36"], 8, "multiple of 8"),
+    (["parallel.cp=2", "model.preset=tiny-moe"], 2, "Mixture-of-Experts"),
+    (["parallel.cp=3"], 4, "cp"),
+])
+def test_layouts_that_cannot_run_are_refused(text_file, settings, world, match):
+    with pytest.raises(ValueError, match=match):
+        check_layout(make_cfg(text_file, *settings), world)
