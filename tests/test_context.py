@@ -124,3 +124,43 @@ def test_merge_partials_is_softmax_over_the_union():
     out, lse = merge_partials(*parts[0], *parts[1])
     assert torch.allclose(out, torch.softmax(s, -1) @ v, atol=1e-14)
     assert torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-14)
+
+
+MEMORY_MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                    max_seq_len=256)
+
+
+def saved_bytes_worker(rank, world_size, seq, method):
+    """Bytes autograd keeps for backward in one forward + loss of this rank's part of a batch of 2 sequences."""
+    from meshlm.config import ModelConfig
+    from meshlm.models.transformer import build_model
+    from meshlm.parallel.context import apply_context_parallel
+    from meshlm.parallel.recompute import SavedTensorMeter
+
+    model = build_model(ModelConfig(**MEMORY_MODEL), seed=0)
+    tokens = torch.randint(0, 64, (2, seq + 1), generator=torch.Generator().manual_seed(1))
+    x, y, positions = tokens[:, :-1], tokens[:, 1:], None
+    if world_size > 1:
+        handle = apply_context_parallel(model, build_mesh(ParallelDims(cp=world_size), device_type="cpu"),
+                                        method=method)
+        x, y, positions = handle.shard(x), handle.shard(y), handle.positions(seq)
+    with SavedTensorMeter(model) as meter:
+        loss = F.cross_entropy(model(x, positions=positions).flatten(0, 1), y.flatten(), reduction="sum")
+    loss.backward()
+    return meter.bytes
+
+
+def test_activation_bytes_per_rank_fall_as_one_over_cp():
+    seq = 256
+    series = {1: saved_bytes_worker(0, 1, seq, "ring")}
+    for cp in (2, 4):
+        per_rank = run_distributed(saved_bytes_worker, cp, seq, "ring")
+        assert len(set(per_rank)) == 1, per_rank  # the balanced split: every rank keeps the same
+        series[cp] = per_rank[0]
+    print("activation bytes per rank at seq", seq, {cp: f"{b / 2**20:.3f} MiB" for cp, b in series.items()})
+    # Everything a rank keeps is per local token: cp=4 keeps half of cp=2 (up to a few bytes of int64
+    # positions); against cp=1, whose dense SDPA keeps a little more than the ring's q, k, v, out, lse,
+    # within 6%.
+    assert abs(series[4] * 2 - series[2]) <= 16, series
+    for cp in (2, 4):
+        assert 0.94 <= series[cp] * cp / series[1] <= 1.0, series

@@ -23,6 +23,10 @@ one data-parallel reduction), the loss comes from the last stage (the same on ev
 the norm over the stages, each rank saves only its stage's tensors (DCP merges them), validation runs
 forward-only through the stages and the sample on a full copy gathered from them.
 
+Under context parallelism (parallel.cp > 1) every rank runs its two chunks of every sequence
+(`meshlm.parallel.context`): `local_batch` cuts inputs and targets and passes the tokens' true positions;
+losses and validation sums are reduced over "dp_cp" (data-parallel and cp ranks), and gradients too.
+
 Loss normalisation: every micro-batch contributes `sum of token losses / tokens in the global batch`,
 so the gradients *summed* over micro-batches (and over data-parallel ranks) are those of the mean
 over the global batch. A data-parallel gradient reduction must therefore be a sum, not a mean.
