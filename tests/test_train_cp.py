@@ -59,6 +59,16 @@ def test_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, layou
     assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
     assert report.max_weight_diff <= FP64_TOL
     assert axes <= set(report.comm_bytes), report.comm_bytes
+    # The cp axis moves exactly the analytic volume, every step (send and receive both counted for the
+    # ring): per layer and micro-batch, with B the bytes of one rank's K (or V) block,
+    #   ring       forward (cp-1) x (K+V) out and in; backward (cp-1) x (K+V + dK+dV) out and in
+    #   allgather  forward one all-gather of cp x (K+V); backward one reduce-scatter of the same
+    cp = int(next(s for s in settings if s.startswith("parallel.cp=")).split("=")[1])
+    tp = int(next((s for s in settings if s.startswith("parallel.tp=")), "=1").split("=")[1])
+    micro_batches = 8 // (2 * (nproc // (cp * tp)))  # global batch / (micro-batch x dp)
+    block = 2 * (2 // tp) * (32 // cp) * 8 * 8  # micro-batch x kv heads on this rank x seq / cp x head_dim x fp64
+    per_layer = 2 * (cp - 1) * (2 * block + 4 * block) if method == "ring" else cp * 2 * block * 2
+    assert {r.comm_bytes["cp"] for r in report.rows} == {2 * micro_batches * per_layer}
 
 
 @pytest.mark.parametrize("layout", [
