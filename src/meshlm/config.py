@@ -64,6 +64,12 @@ class ModelConfig:
     first_dense_layers: int = 0  # leading layers that stay dense (DeepSeek)
     moe_layer_freq: int = 1  # every n-th layer after those is MoE
     router_aux_loss_coef: float = 0.01
+    # Tokens per expert per rank capped at ceil(capacity_factor * tokens * top_k / num_experts); the
+    # overflow (lowest router weight first) is dropped. 0.0: dropless (every routed token is processed).
+    capacity_factor: float = 0.0
+    # Aux-loss-free balancing (DeepSeek-V3): after each optimizer step a per-expert selection bias
+    # moves by this much towards balance (`meshlm.parallel.expert.update_router_biases`). 0.0: off.
+    router_bias_update_rate: float = 0.0
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -110,6 +116,10 @@ class ModelConfig:
             _require(self.moe_layer_freq >= 1, "model.moe_layer_freq", self.moe_layer_freq, "must be >= 1")
             _require(0 <= self.first_dense_layers <= self.num_layers, "model.first_dense_layers",
                      self.first_dense_layers, f"must be in 0..model.num_layers={self.num_layers}")
+        _require(self.capacity_factor >= 0, "model.capacity_factor", self.capacity_factor,
+                 "must be >= 0 (0 = dropless; e.g. 1.25 caps each expert at 1.25x its even share)")
+        _require(self.router_bias_update_rate >= 0, "model.router_bias_update_rate", self.router_bias_update_rate,
+                 "must be >= 0 (0 = off; DeepSeek-V3 uses 1e-3)")
         if self.rope_scaling is not None:
             missing = {"factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"} - set(self.rope_scaling)

@@ -19,7 +19,7 @@ Flattened views: "dp" = dp_replicate x dp_shard (gradient reduction, data shardi
 loss and gradients are reduced over them when cp > 1), and "dp_shard_cp" = dp_shard x cp (what ZeRO
 shards over when cp > 1: the cp ranks hold the same parameters, so they share the shard). ep does not get an axis of its own here:
 experts are spread over dp_shard x cp (see `ParallelDims.resolve`); the expert-parallel transform
-builds its groups from those ranks.
+builds its groups from those ranks and attaches them with `Mesh.with_axes` (`meshlm.parallel.expert.expert_mesh`).
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ class Mesh:
     """
 
     def __init__(self, dims: ParallelDims, *, device_type: str, rank: int, device_mesh=None,
-                 views: dict | None = None, stats: CommStats | None = None, groups: dict | None = None):
+                 views: dict | None = None, stats: CommStats | None = None, groups: dict | None = None,
+                 extra_axes: dict | None = None):
         assert dims.is_resolved
         self.dims = dims
         self.device_type = device_type
@@ -201,18 +202,26 @@ class Mesh:
         self._views = views or {}  # flattened axis name -> its 1-D DeviceMesh
         self.stats = stats if stats is not None else CommStats()
         self._groups = groups or {}  # axis -> ProcessGroup replacing the device mesh's (see `duplicate`)
+        # axis -> (global ranks of this rank's group by coordinate, its ProcessGroup); see `with_axes`
+        self._extra_axes = extra_axes or {}
         self.coords = rank_coords(dims, rank)
 
     def size(self, axis: str) -> int:
+        if axis in self._extra_axes:
+            return len(self._extra_axes[axis][0])
         return self.dims.degree(axis)
 
     def local_rank(self, axis: str) -> int:
         """This rank's coordinate along `axis` (its rank within the axis group)."""
+        if axis in self._extra_axes:
+            return self._extra_axes[axis][0].index(self.rank)
         self.dims.degree(axis)
         return self.coords[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`, by coordinate."""
+        if axis in self._extra_axes:
+            return list(self._extra_axes[axis][0])
         return group_ranks(self.dims, self.rank, axis)
 
     def global_rank(self, axis: str, coord: int) -> int:
@@ -221,6 +230,8 @@ class Mesh:
 
     def group(self, axis: str):
         """The ProcessGroup of this rank's group along `axis` (None in a one-process world)."""
+        if axis in self._extra_axes:
+            return self._extra_axes[axis][1]
         self.dims.degree(axis)
         if self.device_mesh is None:
             return None
@@ -254,7 +265,22 @@ class Mesh:
                 if self.rank in ranks:
                     groups[axis] = group
         return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
-                    views=self._views, stats=self.stats, groups=groups)
+                    views=self._views, stats=self.stats, groups=groups, extra_axes=self._extra_axes)
+
+    def with_axes(self, axes: dict) -> "Mesh":
+        """This mesh (same groups, same CommStats) plus axes it does not derive from `dims`: `axes`
+        maps a new axis name to (the global ranks of this rank's group in coordinate order, its
+        ProcessGroup -- None where the group has one rank). The caller creates the groups (every
+        rank takes part in creating every group); `meshlm.parallel.expert.expert_mesh` adds "ep"
+        and "ep_dp" this way. `duplicate` keeps these axes' groups as they are."""
+        for axis, (ranks, _) in axes.items():
+            if axis in ALL_AXES:
+                raise ValueError(f"axis {axis!r} is one of the mesh's own axes {list(ALL_AXES)}; choose another name")
+            if self.rank not in ranks:
+                raise ValueError(f"axis {axis!r}: rank {self.rank} is not in its own group {list(ranks)}")
+        return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
+                    views=self._views, stats=self.stats, groups=self._groups,
+                    extra_axes={**self._extra_axes, **{a: (list(r), g) for a, (r, g) in axes.items()}})
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.size(a)}" for a in AXES)

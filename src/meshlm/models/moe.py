@@ -1,13 +1,20 @@
 """Mixture-of-Experts feed-forward layer: router, routed experts, optional shared experts.
 
 Responsible for: softmax top-k routing (optionally renormalised), the experts' SwiGLU weights stored
-stacked as `[num_experts, ...]` tensors (so expert parallelism shards dim 0), a dropless reference
-computation (every routed token is processed), optional shared experts with an optional sigmoid gate,
-and the auxiliary load-balancing loss of the last forward.
-Not responsible for: dispatching tokens across ranks (`meshlm.parallel.expert` replaces `experts_forward`).
+stacked as `[num_experts, ...]` tensors (so expert parallelism shards dim 0), the reference
+computation (dropless by default; with `model.capacity_factor > 0` the capacity rule of
+`drop_over_capacity`), optional shared experts with an optional sigmoid gate, the auxiliary
+load-balancing loss of the last forward, the per-expert selection bias of aux-loss-free balancing
+(`router_bias`, used for top-k selection only) and the per-expert load that updates it
+(`last_tokens_per_expert`, `load_since_update`, `last_dropped`).
+Not responsible for: dispatching tokens across ranks (`meshlm.parallel.expert` replaces the forward
+of `Experts`), or updating `router_bias` (`meshlm.parallel.expert.update_router_biases`, which can
+sum the load over data-parallel ranks).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +40,9 @@ class Experts(nn.Module):
         return F.silu(gate) * up
 
     def forward(self, x_td: torch.Tensor, expert_idx_tk: torch.Tensor, weight_tk: torch.Tensor) -> torch.Tensor:
-        """Dropless: for each expert, gather its tokens, run it, scatter-add the weighted result."""
+        """For each expert, gather its tokens, run it, scatter-add the weighted result.
+
+        An expert index of -1 (an assignment dropped over capacity) matches no expert: it adds nothing."""
         out = torch.zeros_like(x_td)
         flat_expert = expert_idx_tk.reshape(-1)
         flat_token = torch.arange(x_td.shape[0], device=x_td.device).repeat_interleave(expert_idx_tk.shape[1])
@@ -65,11 +74,31 @@ class MoE(nn.Module):
             if config.shared_expert_gate:
                 self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.last_aux_loss: torch.Tensor | None = None
+        self.capacity_factor = config.capacity_factor
+        self.router_bias_update_rate = config.router_bias_update_rate
+        # A plain float32 tensor, not a registered buffer (like the Transformer's inv_freq): build_model
+        # creates modules on the meta device and `to_empty` would leave a buffer uninitialised, and
+        # `.to(bfloat16)` would round away updates of 1e-3. Moved to the input's device on first use.
+        self.router_bias: torch.Tensor | None = None
+        if config.router_bias_update_rate > 0:
+            with torch.device("cpu"):
+                self.router_bias = torch.zeros(config.num_experts, dtype=torch.float32)
+        self.last_tokens_per_expert: torch.Tensor | None = None  # router assignments per expert, last forward
+        self.load_since_update: torch.Tensor | None = None  # the same, summed over training forwards
+        self.last_dropped: torch.Tensor | None = None  # assignments dropped over capacity, last forward
 
     def route(self, x_td: torch.Tensor):
         """Top-k experts and their weights per token, plus the load-balancing loss."""
         probs_te = F.softmax(self.router(x_td), dim=-1, dtype=torch.promote_types(x_td.dtype, torch.float32))
-        weight_tk, expert_idx_tk = torch.topk(probs_te, self.top_k, dim=-1)
+        if self.router_bias is None:
+            weight_tk, expert_idx_tk = torch.topk(probs_te, self.top_k, dim=-1)
+        else:
+            # DeepSeek-V3: the bias steers which experts are chosen; the weights stay the router's own.
+            if self.router_bias.device != probs_te.device:
+                self.router_bias = self.router_bias.to(probs_te.device)
+            expert_idx_tk = torch.topk(probs_te.detach() + self.router_bias.to(probs_te.dtype), self.top_k,
+                                       dim=-1).indices
+            weight_tk = probs_te.gather(-1, expert_idx_tk)
         if self.norm_topk_prob:
             weight_tk = weight_tk / weight_tk.sum(dim=-1, keepdim=True)
         # Switch-Transformer balance loss: E * sum_e (fraction of assignments to e) * (mean prob of e).
@@ -84,6 +113,12 @@ class MoE(nn.Module):
         x_td = x.reshape(-1, shape[-1])
         expert_idx_tk, weight_tk, aux = self.route(x_td)
         self.last_aux_loss = aux
+        self._record_load(expert_idx_tk, training=self.training and torch.is_grad_enabled())
+        if self.capacity_factor > 0:
+            expert_idx_tk, self.last_dropped = drop_over_capacity(
+                expert_idx_tk, weight_tk, num_experts=self.num_experts, capacity_factor=self.capacity_factor)
+        else:
+            self.last_dropped = torch.zeros((), dtype=torch.int64, device=x_td.device)
         out = self.experts(x_td, expert_idx_tk, weight_tk)
         if self.shared is not None:
             shared = self.shared(x_td)
@@ -91,3 +126,38 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(x_td)) * shared
             out = out + shared
         return out.reshape(shape)
+
+    @torch.no_grad()
+    def _record_load(self, expert_idx_tk: torch.Tensor, *, training: bool) -> None:
+        # The load is what the router chose, before capacity drops: that is what the bias must balance.
+        load_e = torch.bincount(expert_idx_tk.reshape(-1), minlength=self.num_experts)
+        self.last_tokens_per_expert = load_e
+        # Only training forwards steer the bias (not evaluation under no_grad). A recomputed forward
+        # (activation checkpointing) counts twice, which scales every expert alike: the update reads
+        # only the sign of (mean - load), so it is unchanged.
+        if training:
+            self.load_since_update = load_e if self.load_since_update is None else self.load_since_update + load_e
+
+
+@torch.no_grad()
+def drop_over_capacity(expert_idx_tk: torch.Tensor, weight_tk: torch.Tensor, *, num_experts: int,
+                       capacity_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cap each expert at ceil(capacity_factor * tokens * top_k / num_experts) assignments of these tokens.
+
+    Among an expert's assignments the lowest router weights are dropped first (ties: later tokens
+    first). Returns the expert indices with dropped assignments set to -1, and how many were dropped
+    (a 0-d int64 tensor). The same rule runs in the reference and, per rank on the rank's own tokens,
+    under expert parallelism, so both compute the same thing.
+    """
+    num_tokens, top_k = expert_idx_tk.shape
+    capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    flat_e = expert_idx_tk.reshape(-1)
+    # Heaviest first, then grouped by expert (both sorts stable): each expert's assignments in priority order.
+    by_weight = torch.argsort(weight_tk.reshape(-1), descending=True, stable=True)
+    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
+    counts_e = torch.bincount(flat_e, minlength=num_experts)
+    starts_e = torch.cumsum(counts_e, 0) - counts_e
+    position = torch.arange(flat_e.numel(), device=flat_e.device) - starts_e[flat_e[order]]
+    keep = torch.empty_like(flat_e, dtype=torch.bool)
+    keep[order] = position < capacity
+    return torch.where(keep, flat_e, -1).reshape(expert_idx_tk.shape), (~keep).sum()
