@@ -92,8 +92,8 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool) -> None:
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="predict memory and step time of parallel layouts on a cluster and pick one",
-        description="Search every valid layout (dp_replicate, dp_shard + ZeRO stage, tp, pp + schedule, cp, "
-                    "ep, micro-batch, recompute) for a model on a cluster, rank those that fit by step "
+        description="Search every valid layout (dp_replicate, dp_shard + ZeRO stage, tp, pp + schedule, "
+                    "cp + method, ep, micro-batch, recompute) for a model on a cluster, rank those that fit by step "
                     "time and explain the winner. Sub-commands: estimate (one layout), infer (serving), "
                     "calibrate (measure this machine for --cluster local).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -107,8 +107,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="memory and step time of one layout",
                        description="Estimate one layout. --layout keys: dp_replicate, dp_shard (default: the "
-                                   "rest), tp, pp, cp, ep, zero_stage, pp_schedule, pp_chunks, num_microbatches, "
-                                   "micro_batch_size, recompute (none|selective|full), sequence_parallel.")
+                                   "rest), tp, pp, cp, cp_method (ring|allgather), ep, zero_stage, pp_schedule, "
+                                   "pp_chunks, num_microbatches, micro_batch_size, recompute (none|selective|full), "
+                                   "sequence_parallel.")
     _add_common(e, required=True)
     e.add_argument("--layout", required=True, help="e.g. tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=selective")
 
@@ -289,7 +290,8 @@ def format_table(estimates) -> str:
         over = {k: v for k, v in e.time_s.items() if k not in ("compute", "step")}
         worst = max(over, key=over.get)
         sched = lo.pp_schedule if lo.pp > 1 else "-"
-        rows.append(f"{i:>3} {lo.tp:>3} {lo.pp:>3} {lo.pp_chunks:>2} {lo.cp:>3} {lo.ep:>3} {dp:>9} "
+        cp = f"{lo.cp}ag" if lo.cp > 1 and lo.cp_method == "allgather" else str(lo.cp)  # as Layout.short()
+        rows.append(f"{i:>3} {lo.tp:>3} {lo.pp:>3} {lo.pp_chunks:>2} {cp:>3} {lo.ep:>3} {dp:>9} "
                     f"{lo.zero_stage:>1} {lo.micro_batch_size:>3} {sched:<11} {lo.recompute:<9} "
                     f"{e.memory_gib['total']:>8.1f} {e.time_s['step']:>8.3g} {e.mfu:>6.1%} {e.hfu:>6.1%} "
                     f"{e.tflops_per_gpu:>8.1f} {e.tokens_per_s:>11,.0f}  {worst} {over[worst] / e.time_s['step']:.0%}"

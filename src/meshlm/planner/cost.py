@@ -35,6 +35,17 @@ run), modelled as `parallel/data.py` and `parallel/zero.py` really allocate and 
 n = dp_shard; meshlm pads each bucket to a multiple of n (< n elements per bucket), which the planner's
 ceil(params / n) leaves out (tests/test_planner_measured.py bounds the difference).
 
+Context parallelism (cp > 1, `parallel/context.py`): every rank holds seq/cp tokens of each sequence;
+ZeRO shards over dp_shard x cp and gradients are reduced over dp x cp (the cp ranks hold the same
+weights). parallel.cp_method: `ring` passes this rank's K+V block round the cp ranks, cp - 1 steps
+forward and (with the partial dK+dV, fp32) backward, overlapped with the attention of the block in hand
+(plus an fp32 merge pass per step); `allgather` does one all-gather of K+V and one reduce-scatter of
+dK+dV per layer, exposed. Both repeat their forward communication when the core is recomputed.
+Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole sequence's K/V and a
+[seq/cp, seq] mask; the ring 1/cp of the sequence). The attention compute is priced the same for both
+(a fused causal kernel over seq/cp queries); meshlm's all-gather runs SDPA with a boolean mask, which
+on a GPU computes the masked tiles too -- the memory model counts that mask, the time model does not.
+
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
 dense layers are spread evenly), experts are assumed perfectly balanced, tensor-parallel
 communication is not overlapped with compute (meshlm's TP does not overlap it, nor did the Megatron
@@ -58,6 +69,11 @@ from meshlm.planner.cluster import GiB, Cluster
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8", "fp32")
+# parallel.cp_method, as `meshlm.parallel.context.METHODS` (not imported: the planner runs without torch).
+CP_METHODS = ("ring", "allgather")
+# Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
+# passes its partial dK/dV: fp32 whatever the activation dtype (`parallel/context.py`, for accuracy).
+CP_COMPUTE_BYTES = 4
 MiB = 2**20  # bucket sizes are in MiB, as in parallel/data.py
 FRAGMENTATION = 0.08  # caching-allocator fragmentation margin, fraction of what is allocated
 # A layout "fits" only with this fraction of the memory left free beyond everything itemised. The
@@ -109,6 +125,9 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # ring: K/V blocks passed round the cp ranks, overlapped with attention; allgather: K/V of the whole
+    # sequence gathered once per layer (parallel.cp_method). Only matters when cp > 1.
+    cp_method: str = "ring"
     ep: int = 1
     zero_stage: int = 0
     pp_schedule: str = "1f1b"
@@ -133,7 +152,7 @@ class Layout:
                  (f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}")
                  + f"/z{self.zero_stage}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + ("ag" if self.cp_method == "allgather" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts.append(f"mbs{self.micro_batch_size}")
@@ -190,6 +209,9 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
         raise ValueError(f"layout zero_stage={lo.zero_stage} must be 0, 1, 2 or 3")
     if lo.recompute not in RECOMPUTE:
         raise ValueError(f"layout recompute={lo.recompute!r} must be one of {list(RECOMPUTE)}")
+    if lo.cp_method not in CP_METHODS:
+        raise ValueError(f"layout cp_method={lo.cp_method!r} must be one of {list(CP_METHODS)} "
+                         "(parallel.cp_method); e.g. cp=2,cp_method=allgather")
     if lo.pp_schedule not in PP_SCHEDULES:
         raise ValueError(f"layout pp_schedule={lo.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
     if lo.pp_chunks > 1 and lo.pp_schedule != "interleaved":
@@ -410,6 +432,9 @@ class Estimate:
     # Bytes one rank moves over the "tp" axis per optimizer step, counted as meshlm.comm.CommStats
     # counts them (all_gather its output, reduce_scatter its input, all_reduce the tensor).
     tp_comm_bytes: float = 0.0
+    # The same over the "cp" axis: what the ring sends (CommStats' "send"; the receives mirror them), or
+    # the all-gathers' outputs and reduce-scatters' inputs.
+    cp_comm_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -472,6 +497,55 @@ def _bytes_per(precision: str) -> dict:
     if precision == "fp32":
         return dict(param=4, grad=4, optim=8, act=4, reduce=4)
     return dict(param=2, grad=4, optim=12, act=2, reduce=4)
+
+
+def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, recompute: str | None = None) -> float:
+    """Bytes one rank keeps for backward in one (average) layer for one microbatch, with a fused
+    attention kernel (the caller adds an unfused one's scores); `recompute` overrides the layout's.
+
+    Per token, `ModelSummary.act_tp` / `act_seq` (model_stats.activation_elems_per_token) at the
+    activation dtype, over mbs x seq / cp tokens. Under context parallelism (cp > 1, not recompute=full,
+    which keeps only the layer input) the attention core is `parallel/context.py`'s, not the one those
+    counts assume, and keeps instead (recompute=selective re-runs the core in backward, keeping only its
+    inputs q, k, v and the output wo keeps: exactly what cp = 1 keeps, so no change there):
+      ring       this rank's q, k, v, the output and the log-sum-exp (heads per token, in the fp32
+                 compute dtype); no GQA-expanded K/V (the ring expands them inside, untracked), so the
+                 eager count loses that expansion and its SDPA log-sum-exp.
+      allgather  K and V of the whole sequence in place of this rank's: eager (meshlm's SDPA call)
+                 expanded to every query head (2 x q_dim x cp per local token; when kv heads = heads
+                 they are views of the gathered buffer, the same bytes), fused kernels at the kv heads
+                 (2 x kv_dim x cp); the rest of what SDPA keeps as at cp = 1; and the additive form
+                 SDPA makes of the boolean mask, [seq/cp, seq] of the activation dtype per layer and
+                 microbatch -- independent of mbs and tp, quadratic in the sequence (8 GiB per layer at
+                 128K tokens over cp=4 in bf16): what rules all-gather out for long sequences unless the
+                 core is recomputed (then it lives for one layer's backward, `layer_full_act`).
+    tests/test_planner_cp.py checks the eager counts byte for byte against a real cp=2 run.
+    """
+    cfg, lo = summary.cfg, layout
+    rc = lo.recompute if recompute is None else recompute
+    by = _bytes_per(job.precision)
+    act = by["act"]
+    tp, cp = lo.tp, lo.cp
+    sp = lo.sequence_parallel and tp > 1
+    s_local = job.seq_len / cp
+    tokens_mb = lo.micro_batch_size * s_local
+    out = tokens_mb * act * (summary.act_tp[rc] / tp + summary.act_seq[rc] / (tp if sp else 1))
+    if cp == 1 or rc != "none":
+        return out
+    eager = not job.fused_elementwise
+    q_dim, kv_dim, heads = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads
+    # What the cp = 1 count holds inside the core beyond q, k, v and the output (eager only; fused: nothing):
+    # the GQA-expanded k and v, and SDPA's log-sum-exp.
+    expansion = 2 * (q_dim - kv_dim) if eager else 0
+    sdpa_lse = heads if eager else 0
+    if lo.cp_method == "ring":
+        per_token = heads * CP_COMPUTE_BYTES - (expansion + sdpa_lse) * act
+        return out + tokens_mb * per_token / tp
+    # all-gather: the same SDPA call as cp = 1 (its log-sum-exp counted as there), over gathered K/V
+    gathered_kv = 2 * (q_dim if eager else kv_dim) * cp  # per local token
+    per_token = (gathered_kv - 2 * kv_dim - expansion) * act
+    mask = s_local * job.seq_len * act
+    return out + tokens_mb * per_token / tp + mask
 
 
 def _rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> tuple[list[int], float]:
@@ -593,22 +667,45 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
                                                    norm_grads_in_graph=job.precision == "fp32")
     t_tp_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_layer_colls)
     t_tp_edge = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_edge_colls)
-    # Context parallel ring: cp-1 steps each passing a K,V chunk forward and K,V + dK,dV backward,
-    # overlapped with the attention of the chunk in hand; only the excess is exposed.
+    # Context parallelism, the volumes of `parallel/context.py` (its docstring; `Estimate.cp_comm_bytes`
+    # counts them as CommStats does). One block = this rank's K (or V): mbs x seq/cp x kv_dim/tp.
+    # Recomputation (selective: the core; full: the layer) runs the core's forward communication again.
+    rc_again = 1 if rc in ("full", "selective") else 0
     if cp > 1:
-        kv_chunk = mbs * (s / cp) * 2 * kv_dim / tp * by["act"]
-        t_step_comm = collective_time("p2p", kv_chunk, span_cp if span_cp[1] == 1 else (1, 2), cluster)
-        t_attn_step = t_attn / cp
-        passes = 3 + (1 if rc in ("full", "selective") else 0)  # fwd (1), bwd (2x bytes), recompute
-        t_cp_layer = (cp - 1) * passes * (max(0.0, t_step_comm - t_attn_step)
-                                          + cluster.comm_sm_fraction * min(t_step_comm, t_attn_step))
-        # Online-softmax merge after each extra ring step: read the step's partial output and the
-        # running one, write it back, in fp32 (3 passes over this rank's q columns) forward, and
-        # about twice that backward (dO and the partial gradients); memory-bound, not overlapped.
-        merge_bytes = tokens_mb * q_dim / tp * 4 * 3 * (1 + 2 + (1 if rc in ("full", "selective") else 0))
-        t_cp_layer += (cp - 1) * merge_bytes / hbm_bw
+        kv_block = mbs * (s / cp) * kv_dim / tp * by["act"]
+        kv_pair = 2 * kv_block  # K + V
+        grad_pair = kv_pair * CP_COMPUTE_BYTES / by["act"]  # dK + dV partial sums, in the compute dtype
+        if lo.cp_method == "ring":
+            # cp - 1 ring steps each way, each overlapped with the attention of the block in hand
+            # (forward t_attn / cp; backward t_attn_bwd / cp): K+V forward; K+V and the partial dK+dV
+            # (sent together to the next rank) backward. Only the excess is exposed, and what overlaps
+            # still costs the SMs the transfer holds; a CPU host with every core busy overlaps nothing.
+            ring_span = span_cp if span_cp[1] == 1 else (1, 2)
+            t_send_fwd = collective_time("p2p", kv_pair, ring_span, cluster)
+            t_send_bwd = collective_time("p2p", kv_pair + grad_pair, ring_span, cluster)
+
+            def overlapped(t_comm: float, t_compute: float) -> float:
+                if cores_saturated:
+                    return t_comm
+                return max(0.0, t_comm - t_compute) + cluster.comm_sm_fraction * min(t_comm, t_compute)
+
+            t_cp_layer = (cp - 1) * ((1 + rc_again) * overlapped(t_send_fwd, t_attn / cp)
+                                     + overlapped(t_send_bwd, t_attn_bwd / cp))
+            # Online-softmax merge after each extra ring step: read the step's partial output and the
+            # running one, write it back, in fp32 (3 passes over this rank's q columns) forward, and
+            # about twice that backward (dO and the partial gradients); memory-bound, not overlapped.
+            merge_bytes = tokens_mb * q_dim / tp * CP_COMPUTE_BYTES * 3 * (1 + 2 + rc_again)
+            t_cp_layer += (cp - 1) * merge_bytes / hbm_bw
+            cp_layer_bytes = (cp - 1) * ((1 + rc_again) * kv_pair + kv_pair + grad_pair)
+        else:
+            # All-gather (Llama 3 style): one all-gather of every rank's K+V forward (its output: cp blocks
+            # of K+V) and one reduce-scatter of dK+dV backward (in K/V's dtype: the gradient of the
+            # gathered tensor), on the cp group; the attention needs all of it, so neither overlaps.
+            t_cp_layer = ((1 + rc_again) * collective_time("all_gather", cp * kv_pair, span_cp, cluster)
+                          + collective_time("reduce_scatter", cp * kv_pair, span_cp, cluster))
+            cp_layer_bytes = (2 + rc_again) * cp * kv_pair
     else:
-        t_cp_layer = 0.0
+        t_cp_layer = cp_layer_bytes = 0.0
     # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
     if ep > 1 and cfg.is_moe:
         a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"]
@@ -679,7 +776,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
             "optimizer": sharded(dense_params, expert_params, 1) * by["optim"],
         }
     # Activations of the first rank (most microbatches in flight) or the last (logits).
-    per_layer_mb = tokens_mb * by["act"] * (summary.act_tp[rc] / tp + summary.act_seq[rc] / (tp if sp else 1))
+    per_layer_mb = layer_activation_bytes(summary, job, lo)
     if not job.flash_attention and rc == "none":
         # an unfused attention keeps its s x s scores and softmax (by["act"] each) and the dropout mask
         # (1 byte) per head: what selective recomputation was invented to drop (Korthikanti et al.)
@@ -689,7 +786,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     # Backward of one layer holds the gradients of that layer's intermediate tensors next to the saved
     # ones (about one layer's full activations); under full recompute the layer being recomputed
     # also holds its full activations again.
-    layer_full_act = tokens_mb * by["act"] * (summary.act_tp["none"] / tp + summary.act_seq["none"] / (tp if sp else 1))
+    layer_full_act = layer_activation_bytes(summary, job, lo, recompute="none")
     act_first += layer_full_act * (2 if rc == "full" else 1)
     logits = tokens_mb * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their gradient
     act_last = (layers_last * per_layer_mb + logits) if pp > 1 else 0.0
@@ -830,6 +927,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         hbm_gib=cluster.hbm_bytes / GiB,
         tp_comm_bytes=(m * sum(n * b for _, b, n in tp_layer_colls) * layers_busy
                        + m * sum(n * b for _, b, n in tp_edge_colls) + (4 if tp > 1 else 0)),
+        cp_comm_bytes=m * layers_busy * cp_layer_bytes,
     )
 
 

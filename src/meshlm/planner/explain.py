@@ -16,7 +16,7 @@ from meshlm.planner.search import SearchResult
 _COMPONENT_AXIS = {"tp_comm": "tp", "cp_comm": "cp", "ep_comm": "ep", "pp_p2p": "pp", "dp_comm": "dp_shard"}
 _COMPONENT_WORDS = {
     "compute": "matmul and elementwise compute", "recompute": "activation recomputation",
-    "tp_comm": "tensor-parallel all-reduces / all-gathers", "cp_comm": "context-parallel ring exchange",
+    "tp_comm": "tensor-parallel all-reduces / all-gathers", "cp_comm": "context-parallel K/V exchange",
     "ep_comm": "expert all-to-all", "pp_bubble": "pipeline bubble", "pp_p2p": "pipeline send/recv",
     "dp_comm": "data-parallel / ZeRO communication not hidden by backward", "optimizer": "optimizer step",
 }
@@ -74,7 +74,9 @@ def explain(result: SearchResult) -> str:
         why.append(f"PP={lo.pp} splits the layers so weights and optimizer state fit, with a "
                    f"{lo.pp_schedule} bubble of {win.time_s['pp_bubble'] / win.time_s['step']:.0%}")
     if lo.cp > 1:
-        why.append(f"CP={lo.cp} splits each sequence, cutting per-rank activations and TP degree")
+        how = ("K/V all-gathered once per layer: one exposed collective instead of cp - 1 overlapped ring steps"
+               if lo.cp_method == "allgather" else "K/V passed round a ring, overlapped with attention")
+        why.append(f"CP={lo.cp} splits each sequence, cutting per-rank activations and TP degree ({how})")
     if lo.zero_stage:
         why.append(f"ZeRO-{lo.zero_stage} over {lo.dp_shard * lo.cp} ranks shards "
                    + {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}[lo.zero_stage])

@@ -11,7 +11,8 @@ Pruning (each rule only drops layouts the cost model can never rank higher):
   * GPipe is skipped: 1F1B has the same bubble with fewer microbatches in flight;
   * recomputation: for each layout the cheapest policy that fits is kept (none < selective < full
     in time, the reverse in memory); if none fits, `full` is kept as the closest miss;
-  * context parallelism only while each rank keeps >= 1024 tokens of the sequence;
+  * context parallelism only while each rank keeps >= 1024 tokens of the sequence; both methods
+    (ring and all-gather) are tried for each cp > 1;
   * hybrid sharding (dp_replicate > 1) only with ZeRO-3, with power-of-two shard groups.
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster
-from meshlm.planner.cost import Estimate, Job, Layout, ModelSummary, estimate_layout
+from meshlm.planner.cost import CP_METHODS, Estimate, Job, Layout, ModelSummary, estimate_layout
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 PP_CHUNKS = (2, 3, 4, 5, 6, 8)
@@ -60,6 +61,7 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
             if cp > 1 and (job.seq_len // cp) % tp:
                 continue
             rest = gpus // (tp * cp)
+            cp_methods = CP_METHODS if cp > 1 else ("ring",)  # the method only matters when cp > 1
             for pp in _divisors(rest):
                 if pp > L:
                     break
@@ -83,9 +85,10 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
                             for ep in eps:
                                 if (dps * cp) % ep:
                                     continue
-                                yield Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp, ep=ep,
-                                             zero_stage=z, pp_schedule=sched, pp_chunks=v,
-                                             micro_batch_size=mbs, sequence_parallel=tp > 1), m
+                                for method in cp_methods:
+                                    yield Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp,
+                                                 cp_method=method, ep=ep, zero_stage=z, pp_schedule=sched,
+                                                 pp_chunks=v, micro_batch_size=mbs, sequence_parallel=tp > 1), m
 
 
 def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int = 10) -> SearchResult:
