@@ -53,7 +53,7 @@ def check_one_run(run_dir: Path, world_size: int, output: str) -> None:
     assert all(sum(r["comm_mb"].values()) > 0 for r in rows if "loss" in r)  # dp, or dp_shard under ZeRO
     checkpoint = run_dir / "checkpoints" / "step_000003"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
-    assert sorted(p.name for p in checkpoint.glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(world_size)]
+    assert sorted(p.name for p in checkpoint.glob("rank_*.json")) == [f"rank_{r:05d}.json" for r in range(world_size)]
 
 
 @pytest.mark.parametrize("nproc, overrides", [

@@ -35,7 +35,12 @@ def _add_train(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one field, e.g. train.lr=3e-4 (repeatable)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from <run_dir>/checkpoints/latest (bit-identical continuation)")
+                   help="continue from <run_dir>/checkpoints/latest (bit-identical continuation under the same "
+                        "layout; when that pointer is damaged, from the newest complete checkpoint); refuses "
+                        "when there is none and never deletes anything")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh even though train.run_dir holds an earlier run's checkpoints (they are "
+                        "deleted); without it such a run refuses")
     launch = p.add_argument_group(
         "launching ranks", "Passed to PyTorch's elastic launcher (torch.distributed.run), which starts "
         "--nproc ranks on this node. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out.")
@@ -156,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from meshlm.config import load_config
+    from meshlm.train.checkpoint import check_run_dir
     from meshlm.distributed import launched_ranks, read_launch_env
 
     cfg = load_config(args.config, args.overrides)
@@ -171,10 +177,11 @@ def cmd_train(args) -> int:
     from meshlm.parallel.parallelize import check_layout
 
     check_layout(cfg, world_size)  # before the process group: a bad layout fails fast, with one line
-    return _train_this_rank(cfg, resume=args.resume, distributed=under_launcher)
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite)
+    return _train_this_rank(cfg, resume=args.resume, overwrite=args.overwrite, distributed=under_launcher)
 
 
-def _train_this_rank(cfg, *, resume: bool, distributed: bool) -> int:
+def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool) -> int:
     from meshlm.distributed import init_distributed, teardown_distributed
     from meshlm.train.trainer import Trainer, resolve_device
 
@@ -182,7 +189,7 @@ def _train_this_rank(cfg, *, resume: bool, distributed: bool) -> int:
         init_distributed(resolve_device(cfg.train.device).type)
     finished = False
     try:
-        trainer = Trainer(cfg, resume=resume)
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
         trainer.train()
         if cfg.train.sample_tokens > 0:
             # Every rank generates (the same tokens: same weights, same seed): under ZeRO-3 each
@@ -202,6 +209,7 @@ def _launch_ranks(args, cfg) -> int:
     import os
 
     from meshlm.parallel.parallelize import check_layout
+    from meshlm.train.checkpoint import check_run_dir
 
     if args.nproc < 1 or args.nnodes < 1:
         raise ValueError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
@@ -211,6 +219,7 @@ def _launch_ranks(args, cfg) -> int:
     if args.node_rank is not None and not args.rdzv_endpoint:
         raise ValueError("--node-rank needs --rdzv-endpoint HOST:PORT (the address of node 0)")
     check_layout(cfg, args.nproc * args.nnodes)  # before any rank starts
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite)
     import torch
 
     if cfg.train.device != "cpu" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
@@ -225,7 +234,7 @@ def _launch_ranks(args, cfg) -> int:
         launcher += ["--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
                      "--node-rank", str(args.node_rank)]
     rank_args = ["train", *(["--config", args.config] if args.config else []),
-                 *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else [])]
+                 *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
     # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
     # launcher from printing its warning about choosing that default for us.
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -178,7 +178,7 @@ def run_reference(cfg: Config) -> None:
 def final_weights(run_dir: str | Path) -> dict:
     """The model state of a run's latest checkpoint, in the dtype it was trained in (full tensors)."""
     from meshlm.models import build_model
-    from meshlm.train.checkpoint import config_from_dict, latest_checkpoint, load_checkpoint, read_meta
+    from meshlm.train.checkpoint import config_from_dict, latest_checkpoint, load_weights, read_meta
     from meshlm.train.trainer import param_dtype
 
     path = latest_checkpoint(run_dir)
@@ -186,7 +186,7 @@ def final_weights(run_dir: str | Path) -> dict:
         raise LaunchFailed(f"{run_dir} has no checkpoint: the run did not finish", code=1)
     cfg = config_from_dict(read_meta(path)["config"])
     model = build_model(cfg.model, seed=cfg.train.seed, dtype=param_dtype(cfg.train.precision))
-    load_checkpoint(path, model=model, optimizer=None, config=cfg)
+    load_weights(path, model)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 

@@ -1,13 +1,23 @@
-"""Checkpoints of a training run: atomic, resumable bit-identically, loadable for inference.
+"""Checkpoints of a training run: atomic, verified, resumable bit-identically, loadable for inference.
 
 Responsible for: saving model + optimizer state with `torch.distributed.checkpoint` (DCP; it needs no
-process group on one process and reshards under another layout when there is one), a `meta.json`
-(step, the config as a dict), one `rank_XXXXX.pt` per rank with that rank's extras (RNG states, data
-loader position; which rank's file to read after a change of world size is the trainer's call);
-atomic publication (write `step_N.tmp/`, fsync, rename to `step_N/`, then atomically replace the
-`latest` pointer); keeping the last `keep` checkpoints; refusing a checkpoint
-whose model config differs; and loading a model alone for generation.
-Not responsible for: deciding when to save (the trainer), or Hugging Face formats (`models/hf.py`).
+process group on one process and reshards under another layout when there is one), the weights again
+as safetensors (what inference reads), a `meta.json` (format, step, world size, the config as a dict),
+one `rank_XXXXX.json` per rank with that rank's extras (RNG states, data loader position: plain JSON;
+which rank's file to read after a change of layout is the trainer's call), and `manifest.json`, written
+last: the size and sha256 of every file. Publication is atomic and durable (every rank fsyncs what it
+wrote; rank 0 writes the manifest, renames `step_N.tmp/` to `step_N/`, then atomically replaces the
+`latest` pointer, and only then prunes, keeping the last `keep`). Loading verifies the manifest before
+anything is parsed and refuses a damaged, incomplete or mismatched checkpoint (or a model config that
+differs) with one line naming the file and the fix; `--resume` falls back to the newest complete
+checkpoint when `latest` is damaged (`resume_checkpoint`).
+Not responsible for: deciding when to save or whether a run_dir may be reused (the trainer), or Hugging
+Face formats (`models/hf.py`).
+
+Nothing in a checkpoint runs code on inference: `generate`, `serve` and `LLM` read meta.json, the
+manifest and the safetensors only. Resuming reads DCP's `.metadata`, which is a pickle, and only after
+its checksum matched: that guards against damage, not against a crafted checkpoint -- resume only runs
+you trust.
 
 The optimizer state is always stored in the per-parameter layout of an unsharded AdamW: a ZeRO
 optimizer gathers its shards on save and takes its own shard on load (`meshlm.parallel.zero`), so a
@@ -23,12 +33,14 @@ run needs a shared filesystem for `run_dir`; rank 0 alone publishes, after a bar
 Layout::
 
     <run_dir>/checkpoints/latest            text file: "step_000123"
-    <run_dir>/checkpoints/step_000123/      .metadata + *.distcp (DCP), meta.json, rank_00000.pt, ...
+    <run_dir>/checkpoints/step_000123/      .metadata + *.distcp (DCP), model_rank_*.safetensors (one per
+                                            pipeline stage), meta.json, rank_00000.json, ..., manifest.json
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -50,11 +62,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from safetensors.torch import load_file, save_file
+
 from meshlm.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: JSON rank files, manifest.json, safetensors weights (1 had pickled rank files)
 _META = "meta.json"
+_MANIFEST = "manifest.json"
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -71,18 +86,25 @@ def checkpoints_root(run_dir: str | Path) -> Path:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as plain JSON data (lists of ints): a rank file never holds a pickle."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(words), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,22 +112,94 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint the `latest` pointer names, or None when the run has none yet.
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, in one line naming the file and the fix (the CLI prints it, exit 2)."""
 
-    Only the pointer counts: a `step_N.tmp/` left by a crash, or a renamed directory whose pointer
-    update did not happen, is never picked up.
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len("step_"):])
+
+
+def _is_complete(path: Path) -> bool:
+    """A published checkpoint: a step_N name (never step_N.tmp) holding its manifest, which is written last."""
+    return re.fullmatch(r"step_\d+", path.name) is not None and (path / _MANIFEST).is_file()
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """Oldest first, by step number (as names, step_1000000 would sort before step_999999)."""
+    return sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
+
+
+def _read_pointer(root: Path) -> tuple[Path | None, str | None]:
+    """(the checkpoint `latest` names, None) if it is a complete one; else (None, what is wrong with it)."""
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None, f"{pointer} is missing"
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None, f"{pointer} cannot be read"
+    if re.fullmatch(r"step_\d+", name) is None:
+        return None, f"{pointer} does not name a checkpoint ({name[:40]!r})"
+    if not _is_complete(root / name):
+        return None, f"{pointer} names {name}, which is not a complete checkpoint"
+    return root / name, None
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint the `latest` pointer names; None when the run has no checkpoint at all.
+
+    Strict (inference, `meshlm verify`): a damaged pointer next to complete checkpoints raises
+    CheckpointError naming it and the newest complete one. A `step_N.tmp/` left by a crash is never
+    picked up. `--resume` is lenient instead: `resume_checkpoint`.
     """
     root = checkpoints_root(run_dir)
-    pointer = root / "latest"
-    if not pointer.exists():
+    complete = _complete_checkpoints(root) if root.is_dir() else []
+    path, problem = _read_pointer(root)
+    if path is not None:
+        return path
+    if not complete:
         return None
-    name = pointer.read_text().strip()
-    path = root / name
-    if not _is_complete(path):
-        raise ValueError(f"{pointer} names {name!r}, which is not a complete checkpoint; delete the pointer "
-                         f"or point it at one of {sorted(p.name for p in _complete_checkpoints(root))}")
-    return path
+    newest = complete[-1].name
+    raise CheckpointError(f"{problem}; the newest complete checkpoint is {newest}: pass {root / newest}, or "
+                          f"write {newest} into {root / 'latest'}")
+
+
+def resume_checkpoint(run_dir: str | Path) -> tuple[Path, str | None]:
+    """(the checkpoint `--resume` continues from, a note when it is not the one `latest` names).
+
+    `latest`, or when that pointer is damaged the newest complete checkpoint. Raises CheckpointError
+    when there is none (`--resume` never starts afresh by itself, and never deletes anything)."""
+    root = checkpoints_root(run_dir)
+    path, problem = _read_pointer(root)
+    if path is not None:
+        return path, None
+    complete = _complete_checkpoints(root) if root.is_dir() else []
+    if complete:
+        return complete[-1], f"{problem}: resuming from the newest complete checkpoint, {complete[-1].name}"
+    found = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+    what = f"only incomplete ones ({', '.join(found[:4])})" if found else "none"
+    raise CheckpointError(f"--resume: {root} holds no complete checkpoint ({what}); run without --resume to start "
+                          "afresh (with --overwrite if the run_dir holds an earlier run)")
+
+
+def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
+    """Raise CheckpointError unless a run may start in `run_dir` as asked (cheap: the launcher calls it
+    before starting ranks). A fresh run must not silently replace an earlier run's checkpoints: it needs
+    `overwrite`; `resume` needs a complete checkpoint (`resume_checkpoint`)."""
+    if resume and overwrite:
+        raise CheckpointError("--resume continues the run in train.run_dir and --overwrite replaces it; pass one")
+    root = checkpoints_root(run_dir)
+    if resume:
+        resume_checkpoint(run_dir)
+        return
+    held = sorted(p.name for p in root.glob("*")) if root.is_dir() else []
+    if held and not overwrite:
+        complete = _complete_checkpoints(root)
+        newest = f"newest: {complete[-1].name}" if complete else f"none complete: {', '.join(held[:3])}"
+        raise CheckpointError(f"train.run_dir={str(run_dir)!r} holds the checkpoints of an earlier run ({newest}); "
+                              "pass --resume to continue it, --overwrite to replace it, or choose another "
+                              "train.run_dir")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -114,21 +208,72 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / _META).exists():
         return path
     for run_dir in (path, path.parent if path.name == "checkpoints" else None):
-        if run_dir is not None and (checkpoints_root(run_dir) / "latest").exists():
-            return latest_checkpoint(run_dir)
-    raise ValueError(f"no checkpoint at {str(path)!r}: expected a run directory (with checkpoints/latest), "
-                     f"its checkpoints/ folder, or a step_N checkpoint directory (with {_META})")
+        if run_dir is not None and checkpoints_root(run_dir).is_dir():
+            found = latest_checkpoint(run_dir)
+            if found is not None:
+                return found
+    raise CheckpointError(f"no checkpoint at {str(path)!r}: expected a run directory (with checkpoints/latest), "
+                          f"its checkpoints/ folder, or a step_N checkpoint directory (with {_META})")
 
 
-def _is_complete(path: Path) -> bool:
-    """A published checkpoint: a step_N name (never step_N.tmp) holding both DCP metadata and meta.json."""
-    return (re.fullmatch(r"step_\d+", path.name) is not None and (path / _META).is_file()
-            and (path / ".metadata").is_file())
+def _other_checkpoint_hint(path: Path) -> str:
+    """The fix for a damaged checkpoint: the newest complete one before it, if any."""
+    older = [p for p in _complete_checkpoints(path.parent) if _step_of(p) < _step_of(path)] \
+        if re.fullmatch(r"step_\d+", path.name) else []
+    if older:
+        return f"resume from {older[-1].name} instead (write {older[-1].name} into {path.parent / 'latest'})"
+    return "no earlier checkpoint is left: start afresh (--overwrite) or restore the file from a copy"
 
 
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """Oldest first, by step number (as names, step_1000000 would sort before step_999999)."""
-    return sorted((p for p in root.glob("step_*") if _is_complete(p)), key=lambda p: int(p.name[len("step_"):]))
+# --------------------------------------------------------------------------------------------
+# Integrity: the manifest
+# --------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _describe(paths: list[Path]) -> dict[str, list]:
+    """{file name: [size, sha256]}: what the manifest records of each file."""
+    return {p.name: [p.stat().st_size, _sha256(p)] for p in paths}
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check every file of checkpoint `path` against its manifest (present, size, sha256) and that every
+    rank's file is there; return the manifest. Raises CheckpointError naming the first bad file and the fix.
+
+    Run before anything of the checkpoint is parsed: DCP's `.metadata` is a pickle, read only once its
+    checksum matches what the saving run recorded (which protects against damage, not against a crafted
+    checkpoint: resume only runs you trust; inference reads safetensors and JSON only)."""
+    path = Path(path)
+    manifest_file = path / _MANIFEST
+    hint = _other_checkpoint_hint(path)
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{manifest_file} is missing: the checkpoint was never completely published "
+                              f"(a crash during its save?); {hint}")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files, world_size = manifest["files"], int(manifest["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{manifest_file} is corrupt (not the manifest JSON meshlm writes); {hint}") from None
+    for r in range(world_size):
+        if f"rank_{r:05d}.json" not in files:
+            raise CheckpointError(f"{manifest_file} lists no rank_{r:05d}.json of its {world_size} ranks; {hint}")
+    for name, (size, digest) in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing; {hint}")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, the manifest {size} (truncated or "
+                                  f"overwritten); {hint}")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f} does not match its checksum (corrupt); {hint}")
+    return manifest
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,17 +281,28 @@ def _complete_checkpoints(root: Path) -> list[Path]:
 # --------------------------------------------------------------------------------------------
 
 
+def _writes_weights(mesh) -> bool:
+    """Whether this rank writes the safetensors of the weights it holds: one rank per pipeline stage (the
+    first of its data/context-parallel and tensor-parallel groups: the others hold the same tensors)."""
+    return mesh is None or (mesh.local_rank("dp_cp") == 0 and mesh.local_rank("tp") == 0)
+
+
 def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    config: Config, rank_extra: dict, rank: int = 0, keep: int = 2,
+                    config: Config, rank_extra: dict, rank: int = 0, world_size: int = 1, keep: int = 2,
                     barrier: Callable[[], None] = lambda: None, files: dict[str, Path] | None = None,
                     mesh=None) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; return its directory.
 
-    `rank_extra` (RNG states, loader position, ...) goes to this rank's own file. With several
-    ranks every rank calls this (DCP's save is collective) and passes a `barrier` so rank 0
+    `rank_extra` (RNG states, loader position, ...: plain JSON data) goes to this rank's own file. With
+    several ranks every rank calls this (DCP's save is collective) and passes a `barrier` so rank 0
     publishes only after all ranks have written. `files` are copied in by rank 0 (e.g. the
     tokenizer.json, so the checkpoint is self-contained). `mesh` is needed when the model is tensor
-    parallel (its shards are gathered over it, collectively).
+    parallel (its shards are gathered over it, collectively) or split into pipeline stages.
+
+    Durability: every rank fsyncs the files it wrote and records their sizes and checksums; after a
+    barrier rank 0 merges those into `manifest.json`, written last, fsyncs, renames `step_N.tmp` to
+    `step_N` and only then replaces `latest` (atomically) and prunes older checkpoints -- the one
+    `latest` names is never removed before its successor is published.
     """
     root = checkpoints_root(run_dir)
     final = root / checkpoint_dir_name(step)
@@ -157,6 +313,7 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
+    mine = [tmp / f"rank_{rank:05d}.json"]
     with _full_params(optimizer):
         model_sd, optim_sd = _state_dicts(model, optimizer)
         if _shards(model):
@@ -164,23 +321,58 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    torch.save(rank_extra, tmp / f"rank_{rank:05d}.pt")
+        if _writes_weights(mesh):
+            # The weights again, as safetensors: what inference reads (no pickle), one file per pipeline stage.
+            weights = tmp / f"model_rank_{rank:05d}.safetensors"
+            save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in model_sd.items()}, str(weights))
+            mine.append(weights)
+    mine[0].write_text(json.dumps(rank_extra))
+    mine += sorted(tmp.glob(f"__{rank}_*.distcp"))  # DCP's data files of this rank
+    for f in mine:
+        _fsync_file(f)
+    part = tmp / f"manifest_{rank:05d}.part"
+    part.write_text(json.dumps(_describe(mine)))
+    _fsync_file(part)
     if rank == 0:
-        meta = {"format": FORMAT_VERSION, "step": step, "config": config.to_dict()}
+        meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config.to_dict()}
         (tmp / _META).write_text(json.dumps(meta, indent=1))
         for name, src in (files or {}).items():
             shutil.copyfile(src, tmp / name)
     barrier()
     if rank == 0:
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): the new one replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(root / "latest", final.name)
-        _prune(root, keep=keep, protect=final)
+        _publish(tmp, final, world_size=world_size, keep=keep)
     barrier()
     return final
+
+
+def _publish(tmp: Path, final: Path, *, world_size: int, keep: int) -> None:
+    """Rank 0, after every rank wrote: the manifest, then the rename, then `latest`, then pruning."""
+    root = final.parent
+    files: dict[str, list] = {}
+    parts = sorted(tmp.glob("manifest_*.part"))
+    assert len(parts) == world_size, f"{len(parts)} manifest parts for {world_size} ranks"
+    for part in parts:
+        files.update(json.loads(part.read_text()))
+        part.unlink()
+    rest = [p for p in sorted(tmp.iterdir()) if p.is_file() and p.name not in files]  # meta, .metadata, tokenizer
+    for p in rest:
+        _fsync_file(p)
+    files.update(_describe(rest))
+    manifest = tmp / _MANIFEST
+    manifest.write_text(json.dumps({"format": FORMAT_VERSION, "world_size": world_size, "files": files}, indent=1))
+    _fsync_file(manifest)
+    _fsync_dir(tmp)
+    aside = None
+    if final.exists():  # re-saving a step: set the old copy aside, delete it only once the new one is published
+        aside = root / f"{final.name}.old"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / "latest", final.name)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    _prune(root, keep=keep, protect=final)
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -278,12 +470,9 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -312,8 +501,8 @@ def _prune(root: Path, *, keep: int, protect: Path) -> None:
 
 
 def saved_world_size(path: str | Path) -> int:
-    """How many ranks saved checkpoint `path` (one `rank_XXXXX.pt` each)."""
-    return len(list(Path(path).glob("rank_*.pt")))
+    """How many ranks saved checkpoint `path` (as its meta.json records; each wrote a `rank_XXXXX.json`)."""
+    return int(read_meta(path)["world_size"])
 
 
 def saved_layout(path: str | Path) -> ParallelDims:
@@ -331,11 +520,10 @@ def read_meta(path: str | Path) -> dict:
                          "or a run directory") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"checkpoint {str(path)!r} is corrupt: {_META} is not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT_VERSION or "config" not in meta or "step" not in meta:
-        raise ValueError(f"checkpoint {str(path)!r} has an unknown format {meta.get('format')!r} "
-                         f"(this meshlm reads format {FORMAT_VERSION})")
-    if not (path / ".metadata").exists():
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt: the DCP .metadata file is missing")
+    if meta.get("format") != FORMAT_VERSION or not {"config", "step", "world_size"} <= set(meta):
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this meshlm reads "
+                              f"format {FORMAT_VERSION} (older checkpoints: resume them with the meshlm that wrote "
+                              "them, or start afresh)")
     return meta
 
 
@@ -377,8 +565,13 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     A tensor-parallel model (see `save_checkpoint`) needs `mesh`; it loads the full tensors and keeps
     its own slices."""
     path = Path(path)
+    verify_checkpoint(path)  # before any of it is parsed (DCP's .metadata is a pickle)
     meta = read_meta(path)
     check_model_config(meta["config"].get("model", {}), config.model, where=str(path))
+    rank_file = path / f"rank_{rank:05d}.json"
+    if rank >= int(meta["world_size"]):
+        raise CheckpointError(f"checkpoint {str(path)!r} was saved by {meta['world_size']} ranks and has no "
+                              f"{rank_file.name} (this rank's RNG and data position are unknown)")
     if optimizer is not None and hasattr(optimizer, "load_full_state_dict"):
         with _full_params(optimizer):
             model_sd, optim_sd = _state_dicts(model, optimizer)
@@ -407,15 +600,26 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         state = {"model": get_model_state_dict(model)}
         _dcp_load(state, path)
         set_model_state_dict(model, state["model"])
-    rank_file = path / f"rank_{rank:05d}.pt"
-    if not rank_file.exists():
-        raise ValueError(f"checkpoint {str(path)!r} has no {rank_file.name}; it was saved by fewer ranks "
-                         "(the RNG and data position of this rank are unknown)")
     try:
-        rank_extra = torch.load(rank_file, weights_only=False)  # our own file: RNG states hold numpy arrays
-    except Exception as e:
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt: {rank_file.name} cannot be read ({e})") from e
+        rank_extra = json.loads(rank_file.read_text())  # plain data: nothing in a checkpoint runs code
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{rank_file} cannot be read ({e}); {_other_checkpoint_hint(path)}") from None
     return {"step": int(meta["step"]), "config": meta["config"], "rank_extra": rank_extra}
+
+
+def load_weights(path: str | Path, model: nn.Module) -> None:
+    """The weights of checkpoint `path` into `model` (the full, unsharded model), from its safetensors
+    files only -- no pickle is read, so a checkpoint from anywhere is safe to generate from."""
+    path = Path(path)
+    verify_checkpoint(path)
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("model_rank_*.safetensors")):
+        state.update(load_file(str(f)))
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no weights for {missing[:3]}"
+                              f"{' ...' if len(missing) > 3 else ''}; {_other_checkpoint_hint(path)}")
+    model.load_state_dict(state)
 
 
 def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.device = "cpu",
@@ -428,7 +632,7 @@ def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.devic
     meta = read_meta(ckpt)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, seed=cfg.train.seed)
-    load_checkpoint(ckpt, model=model, optimizer=None, config=cfg)
+    load_weights(ckpt, model)
     if (ckpt / "tokenizer.json").exists():
         tokenizer = HFTokenizer(ckpt / "tokenizer.json")
     elif cfg.data.tokenizer:

@@ -57,8 +57,9 @@ from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.planner.model_stats import train_flops_per_token
 from meshlm.train.checkpoint import (
-    latest_checkpoint,
+    check_run_dir,
     load_checkpoint,
+    resume_checkpoint,
     rng_state,
     save_checkpoint,
     saved_layout,
@@ -108,18 +109,21 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """`Trainer(cfg).train()`; `resume=True` continues from `<run_dir>/checkpoints/latest` if there is one.
+    """`Trainer(cfg).train()`; `resume=True` continues from `<run_dir>/checkpoints/latest` (or, when that
+    pointer is damaged, the newest complete checkpoint) and refuses when there is none; a fresh run into a
+    run_dir that holds checkpoints refuses unless `overwrite=True` (which deletes them).
 
     Runs as one process, or as one rank of many when the default process group is started (e.g.
     `meshlm.distributed.init_distributed` under torchrun): the layout comes from `cfg.parallel`
     resolved against that world, and is checked (`check_layout`) before any data or model is built.
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False):
+    def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False):
         self.cfg = cfg.validate()
         t = cfg.train
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dims = check_layout(cfg, world_size)  # user mistakes surface here, before any work
+        check_run_dir(t.run_dir, resume=resume, overwrite=overwrite)
         self.device = resolve_device(t.device)
         if self.device.type == "cuda" and self.device.index is None:
             # under a launcher, init_distributed made cuda:LOCAL_RANK current
@@ -159,21 +163,21 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the checkpoint on disk that matches this state
         self.resumed_from: Path | None = None
         self.resume_note: str | None = None
+        self.fallback_note: str | None = None  # --resume took another checkpoint than `latest` names: why
         if self.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ValueError(f"train.run_dir={t.run_dir!r} cannot be created ({e.strerror}); "
                                  "choose a writable directory") from None
-        if resume:
-            self.resumed_from = latest_checkpoint(self.run_dir)
-            if self.resumed_from is not None:
-                self.load(self.resumed_from)
-        if self.resumed_from is None and self.is_main:
-            # A fresh run owns its run_dir: stale checkpoints of an earlier run must not become "latest".
-            if (self.run_dir / "checkpoints").is_dir() and not resume:
-                print(f"meshlm: starting afresh in {self.run_dir}: replacing the checkpoints of an earlier run "
-                      "there (pass --resume to continue it instead)", flush=True)
+        if resume:  # never deletes anything; check_run_dir made sure there is a complete checkpoint
+            self.resumed_from, self.fallback_note = resume_checkpoint(self.run_dir)
+            self.load(self.resumed_from)
+        elif self.is_main:
+            # A fresh run owns its run_dir (with overwrite=True when an earlier run left checkpoints there).
+            if (self.run_dir / "checkpoints").is_dir():
+                print(f"meshlm: starting afresh in {self.run_dir}: deleting the checkpoints of an earlier run "
+                      "there (--overwrite)", flush=True)
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
@@ -372,6 +376,8 @@ class Trainer:
                      f"precision {self.autocast_dtype or self.dtype}; MFU peak: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
+        if self.fallback_note is not None:
+            logger.print(self.fallback_note)
         if self.resume_note is not None:
             logger.print(self.resume_note)
         has_val = t.val_batches > 0 and len(self.val_data) > 0
@@ -406,7 +412,7 @@ class Trainer:
         extra = {"rng": rng_state(), "loader": self.loader.state_dict(), "first_val_loss": self.first_val_loss}
         files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
         path = save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
-                               config=self.cfg, rank_extra=extra, rank=self.rank,
+                               config=self.cfg, rank_extra=extra, rank=self.rank, world_size=self.world_size,
                                keep=self.cfg.train.keep_checkpoints, barrier=self.barrier, files=files,
                                mesh=self.mesh)
         self.saved_step = self.step
