@@ -100,13 +100,12 @@ def test_activation_bytes_under_cp_equal_the_planners_exactly(measured):
     for row in rows:
         print(f"  {row[0]:>6} {row[1]:<9} {row[2]:<9} {row[3]:>8.0f} {row[4]:>8.0f}")
     # the methods really differ as the planner says: per local token the all-gather keeps the whole
-    # sequence's K/V expanded to the query heads (2 q_dim cp) where the ring keeps this rank's (2 kv_dim),
-    # plus the [seq/cp, seq] mask once per layer (fp32 here)
+    # sequence's K/V at the kv heads (2 kv_dim cp) where the ring keeps this rank's (2 kv_dim); no mask
     q_dim, tokens = BASE["hidden_size"], BATCH * SEQ // CP
     for kv in KV_HEADS:
         kv_dim = q_dim // BASE["num_heads"] * kv
         ring, ag = measured[(kv, "ring", "none")]["per_layer"], measured[(kv, "allgather", "none")]["per_layer"]
-        assert ag - ring == 4 * ((2 * q_dim * CP - 2 * kv_dim) * tokens + SEQ // CP * SEQ), kv
+        assert ag - ring == 4 * (2 * kv_dim * CP - 2 * kv_dim) * tokens, kv
     # recomputing the core (selective) keeps the same whatever the method, as without cp
     for kv in KV_HEADS:
         assert measured[(kv, "ring", "selective")]["per_layer"] == measured[(kv, "allgather", "selective")]["per_layer"]
@@ -159,10 +158,10 @@ def test_short_sequences_favour_the_all_gather_and_long_ones_the_ring():
     assert short["allgather"].time_s["cp_comm"] < short["ring"].time_s["cp_comm"]
     assert short["allgather"].time_s["step"] < short["ring"].time_s["step"]
     long = {m: _cp_est(m, seq=131072, gpus=16, cp=8, cluster="h200") for m in METHODS}
-    # the all-gather keeps the whole sequence's K/V and a [seq/cp, seq] mask per layer: 2 GiB at 128K / 8
-    mask_gib = 131072 / 8 * 131072 * 2 / 2**30
-    assert long["allgather"].memory_gib["activations"] > long["ring"].memory_gib["activations"] + 32 * mask_gib
-    assert long["ring"].fits and not long["allgather"].fits
+    # the all-gather keeps the whole sequence's K/V (kv heads) per layer where the ring keeps 1/cp of it
+    assert long["allgather"].memory_gib["activations"] > long["ring"].memory_gib["activations"]
+    print("\n128K over cp=8, activations GiB: ring", round(long["ring"].memory_gib["activations"], 1),
+          "allgather", round(long["allgather"].memory_gib["activations"], 1))
     # across nodes (tp=8 fills a node, cp=2 spans two) time alone tells them apart: the all-gather's
     # exposed transfer grows with the sequence, the ring's hides behind attention that grows faster
     across = {(seq, m): estimate("llama3-8b", "h100", gpus=16, layout=f"tp=8,cp=2,cp_method={m},zero_stage=1",
@@ -178,4 +177,6 @@ def test_search_tries_both_methods_and_picks_by_sequence_length():
     assert {lo.cp_method for lo in cp_layouts} == set(METHODS)
     assert cp_layouts[0].cp_method == "allgather"  # the fastest layout with cp > 1
     long = plan("llama3-8b", "h100", gpus=64, seq_len=131072, global_batch_tokens="4M", top=1)
-    assert long.ranked[0].layout.cp > 1 and long.ranked[0].layout.cp_method == "ring"
+    # at 128K context parallelism wins; with the all-gather's K/V linear in the sequence (no mask) either
+    # method can (Llama 3 trained its long-context stage with the all-gather)
+    assert long.ranked[0].layout.cp > 1

@@ -33,10 +33,11 @@ put, so the partial sums make cp-1 hops, not cp). The partial sums travel in the
 under bf16 autocast, for accuracy), K/V in theirs.
 
 All-gather (parallel.cp_method=allgather, Llama 3 style): K and V of every rank gathered once per
-layer (one all-gather over "cp", the output counted: cp blocks of K+V), attention with a mask built
-from the true positions; backward reduce-scatters dK/dV (cp blocks in). Fewer, larger messages and no
-ring steps -- better for short sequences; it keeps the whole sequence's K/V (kv heads) per layer for
-backward, where the ring keeps 1/cp.
+layer (one all-gather over "cp", the output counted: cp blocks of K+V), then the ring's per-chunk-pair
+attention over the gathered blocks (no mask tensor: a boolean mask would make SDPA keep a float
+[s/cp, s] mask per layer, quadratic in the sequence); backward reduce-scatters dK/dV (cp blocks in).
+Fewer, larger messages and no ring steps -- better for short sequences; it keeps the whole sequence's
+K/V (kv heads) per layer for backward, where the ring keeps 1/cp.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshlm import comm
@@ -158,6 +158,39 @@ def _no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
 
 
+def _shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, float]:
+    """(GQA group size, chunk length, softmax scale) of this rank's q [b, h, 2c, d] and k [b, hkv, 2c, d]."""
+    return q.shape[1] // k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+
+
+def _block_forward(qc, block, *, cp_rank: int, src: int, cp: int, out, lse) -> None:
+    """Attend this rank's queries `qc` to the K/V `block` [2, b, hkv, 2c, d] of rank `src`, merging each
+    (query chunk, key chunk) pair's partial result into `out` / `lse` in place (the online softmax)."""
+    groups, c, scale = _shape(qc, block[0])
+    kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
+    for qs, ks, causal in _pairs(cp_rank, src, cp, c):
+        s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
+        part_lse = torch.logsumexp(s, dim=-1)
+        part = torch.matmul(torch.exp(s - part_lse[..., None]), vb[:, :, ks])
+        # lse starts at -inf (no keys yet): merging with it keeps `part` exactly
+        out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse)
+
+
+def _block_backward(qc, doc, block, *, cp_rank: int, src: int, cp: int, lse, delta, dq) -> torch.Tensor:
+    """This rank's share of dK/dV of `block` (rank `src`'s K/V), [2, b, hkv, 2c, d]; adds its part of dQ
+    into `dq`. The FlashAttention backward: probabilities recomputed from the saved log-sum-exp."""
+    groups, c, scale = _shape(qc, block[0])
+    kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
+    dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+    for qs, ks, causal in _pairs(cp_rank, src, cp, c):
+        p = torch.exp(_scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale) - lse[:, :, qs, None])
+        dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), doc[:, :, qs])
+        ds = p * (torch.matmul(doc[:, :, qs], vb[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
+        dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
+        dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qc[:, :, qs]) * scale
+    return torch.stack([_fold(dk, groups), _fold(dv, groups)])
+
+
 class _RingAttention(torch.autograd.Function):
     """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's two chunks) -> out [b, h, s, d]."""
 
@@ -165,7 +198,6 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mesh: Mesh, axis: str):
         cp, r = mesh.size(axis), mesh.local_rank(axis)
         cdt = torch.promote_types(q.dtype, torch.float32)
-        groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
         nxt, prv = (r + 1) % cp, (r - 1) % cp
         with _no_autocast(q.device.type):
             qc = q.to(cdt)
@@ -173,19 +205,12 @@ class _RingAttention(torch.autograd.Function):
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
             block = torch.stack([k, v]).contiguous()  # what travels: the kv heads only
             for step in range(cp):
-                src = (r - step) % cp
                 handle, incoming = None, None
                 if step < cp - 1:  # the next block is on its way while this one is attended to
                     incoming = torch.empty_like(block)
                     handle = comm.batch_isend_irecv([P2P("send", block, nxt, tag=2 * step),
                                                      P2P("recv", incoming, prv, tag=2 * step)], mesh, axis)
-                kb, vb = _expand(block[0].to(cdt), groups), _expand(block[1].to(cdt), groups)
-                for qs, ks, causal in _pairs(r, src, cp, c):
-                    s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
-                    part_lse = torch.logsumexp(s, dim=-1)
-                    part = torch.matmul(torch.exp(s - part_lse[..., None]), vb[:, :, ks])
-                    # lse starts at -inf (no keys yet): merging with it keeps `part` exactly
-                    out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse)
+                _block_forward(qc, block, cp_rank=r, src=(r - step) % cp, cp=cp, out=out, lse=lse)
                 if handle is not None:
                     handle.wait()
                     block = incoming
@@ -200,7 +225,6 @@ class _RingAttention(torch.autograd.Function):
         mesh, axis = ctx.mesh, ctx.axis
         cp, r = mesh.size(axis), mesh.local_rank(axis)
         cdt = lse.dtype
-        groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
         nxt, prv = (r + 1) % cp, (r - 1) % cp
         with _no_autocast(q.device.type):
             qc, doc = q.to(cdt), dout.to(cdt)
@@ -210,25 +234,16 @@ class _RingAttention(torch.autograd.Function):
             own = None  # this rank's share of its own block's dK/dV (it never leaves)
             sends = []
             for step in range(cp):
-                src = (r - step) % cp
                 ops, incoming, partial_in = [], None, None
-                if step >= 2:  # the partial dK/dV of block `src`, summed by the ranks it visited before
+                if step >= 2:  # the partial dK/dV of this step's block, summed by the ranks it visited before
                     partial_in = torch.empty((2, *k.shape), dtype=cdt, device=k.device)
                     ops.append(P2P("recv", partial_in, prv, tag=2 * (step - 1) + 1))
                 if step < cp - 1:
                     incoming = torch.empty_like(block)
                     ops += [P2P("send", block, nxt, tag=2 * step), P2P("recv", incoming, prv, tag=2 * step)]
                 handle = comm.batch_isend_irecv(ops, mesh, axis) if ops else None
-                kb, vb = _expand(block[0].to(cdt), groups), _expand(block[1].to(cdt), groups)
-                dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-                for qs, ks, causal in _pairs(r, src, cp, c):
-                    s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
-                    p = torch.exp(s - lse[:, :, qs, None])
-                    dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), doc[:, :, qs])
-                    ds = p * (torch.matmul(doc[:, :, qs], vb[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
-                    dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
-                    dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qc[:, :, qs]) * scale
-                grads = torch.stack([_fold(dk, groups), _fold(dv, groups)])
+                grads = _block_backward(qc, doc, block, cp_rank=r, src=(r - step) % cp, cp=cp, lse=lse,
+                                        delta=delta, dq=dq)
                 if handle is not None:
                     handle.wait()
                 if step == 0:
@@ -249,6 +264,40 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 
+class _GatheredAttention(torch.autograd.Function):
+    """q [b, h, s, d] (this rank's chunks), kv [2, b, hkv, cp * s, d] (every rank's, in rank order) ->
+    out [b, h, s, d]; no communication here (the gather's autograd reduce-scatters dK/dV)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, cp_rank: int, cp: int):
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        s = q.shape[2]
+        with _no_autocast(q.device.type):
+            qc = q.to(cdt)
+            out = torch.zeros_like(qc)
+            lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
+            for src in range(cp):
+                _block_forward(qc, kv[:, :, :, src * s:(src + 1) * s], cp_rank=cp_rank, src=src, cp=cp, out=out,
+                               lse=lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.cp_rank, ctx.cp = cp_rank, cp
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        s, cdt = q.shape[2], lse.dtype
+        with _no_autocast(q.device.type):
+            qc, doc = q.to(cdt), dout.to(cdt)
+            delta = (doc * out.to(cdt)).sum(-1)
+            dq = torch.zeros_like(qc)
+            dkv = torch.cat([_block_backward(qc, doc, kv[:, :, :, src * s:(src + 1) * s], cp_rank=ctx.cp_rank,
+                                             src=src, cp=ctx.cp, lse=lse, delta=delta, dq=dq)
+                             for src in range(ctx.cp)], dim=3)
+        return dq.to(q.dtype), dkv.to(kv.dtype), None, None
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *, axis: str = AXIS) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole (cp-split) sequence, by a ring over `axis`.
 
@@ -259,15 +308,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
                         axis: str = AXIS) -> torch.Tensor:
-    """`ring_attention`'s result with K/V gathered once (one all-gather forward, one reduce-scatter backward)."""
-    cp, r, s = mesh.size(axis), mesh.local_rank(axis), q.shape[2]
+    """`ring_attention`'s result with K/V gathered once (one all-gather forward, one reduce-scatter backward).
+
+    The same per-chunk-pair attention as the ring (fully masked pairs skipped, no mask tensor), over the
+    gathered blocks; it keeps the whole sequence's K/V (kv heads only) for backward."""
     kv = comm.gather_along_dim(torch.stack([k, v]).contiguous(), mesh, axis, dim=3, grad_op="reduce_scatter")
-    seq = s * cp
-    q_pos = local_positions(seq, cp=cp, cp_rank=r, device=q.device)
-    k_pos = torch.cat([local_positions(seq, cp=cp, cp_rank=j, device=q.device) for j in range(cp)])
-    groups = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, _expand(kv[0], groups), _expand(kv[1], groups),
-                                          attn_mask=q_pos[:, None] >= k_pos[None, :])
+    return _GatheredAttention.apply(q, kv, mesh.local_rank(axis), mesh.size(axis))
 
 
 # --------------------------------------------------------------------------------------------

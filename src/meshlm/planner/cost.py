@@ -511,14 +511,9 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
       ring       this rank's q, k, v, the output and the log-sum-exp (heads per token, in the fp32
                  compute dtype); no GQA-expanded K/V (the ring expands them inside, untracked), so the
                  eager count loses that expansion and its SDPA log-sum-exp.
-      allgather  K and V of the whole sequence in place of this rank's: eager (meshlm's SDPA call)
-                 expanded to every query head (2 x q_dim x cp per local token; when kv heads = heads
-                 they are views of the gathered buffer, the same bytes), fused kernels at the kv heads
-                 (2 x kv_dim x cp); the rest of what SDPA keeps as at cp = 1; and the additive form
-                 SDPA makes of the boolean mask, [seq/cp, seq] of the activation dtype per layer and
-                 microbatch -- independent of mbs and tp, quadratic in the sequence (8 GiB per layer at
-                 128K tokens over cp=4 in bf16): what rules all-gather out for long sequences unless the
-                 core is recomputed (then it lives for one layer's backward, `layer_full_act`).
+      allgather  the same, with the gathered K and V of the whole sequence (kv heads: 2 x kv_dim x cp per
+                 local token) in place of this rank's k and v: linear in the sequence per rank, but cp
+                 times the ring's K/V.
     tests/test_planner_cp.py checks the eager counts byte for byte against a real cp=2 run.
     """
     cfg, lo = summary.cfg, layout
@@ -538,14 +533,13 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
     # the GQA-expanded k and v, and SDPA's log-sum-exp.
     expansion = 2 * (q_dim - kv_dim) if eager else 0
     sdpa_lse = heads if eager else 0
-    if lo.cp_method == "ring":
-        per_token = heads * CP_COMPUTE_BYTES - (expansion + sdpa_lse) * act
-        return out + tokens_mb * per_token / tp
-    # all-gather: the same SDPA call as cp = 1 (its log-sum-exp counted as there), over gathered K/V
-    gathered_kv = 2 * (q_dim if eager else kv_dim) * cp  # per local token
-    per_token = (gathered_kv - 2 * kv_dim - expansion) * act
-    mask = s_local * job.seq_len * act
-    return out + tokens_mb * per_token / tp + mask
+    # Both methods: the core of parallel/context.py keeps this rank's q, the output and the fp32
+    # log-sum-exp; the ring keeps this rank's k and v, the all-gather the gathered K/V of the whole
+    # sequence at the kv heads instead (2 x kv_dim x cp per local token).
+    per_token = heads * CP_COMPUTE_BYTES - (expansion + sdpa_lse) * act
+    if lo.cp_method == "allgather":
+        per_token += 2 * kv_dim * (cp - 1) * act
+    return out + tokens_mb * per_token / tp
 
 
 def _rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> tuple[list[int], float]:
