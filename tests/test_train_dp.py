@@ -191,9 +191,7 @@ def test_check_layout_names_the_numbers_and_the_fix(text_file, tmp_path):
         check_layout(make_cfg(tmp_path, text_file, "train.micro_batch_size=4"), 4)
     with pytest.raises(ValueError, match=r"tp=3 = 3 does not divide world size 4; choose tp in \{1,2,4\}"):
         check_layout(make_cfg(tmp_path, text_file, "parallel.tp=3"), 4)
-    # tp: tests/test_train_tp.py; pp: tests/test_train_pp.py; cp: tests/test_train_cp.py
-    with pytest.raises(ValueError, match=r"parallel.ep=2 is not implemented yet"):
-        check_layout(make_cfg(tmp_path, text_file, "parallel.ep=2"), 4)
+    # tp: tests/test_train_tp.py; pp: tests/test_train_pp.py; cp: tests/test_train_cp.py; ep: tests/test_train_ep.py
 
 
 def test_default_config_runs_on_2_and_4_ranks():
@@ -211,10 +209,10 @@ def test_parallelize_refuses_unsupported_settings_and_a_second_pass(text_file, t
     cfg = make_cfg(tmp_path, text_file)
     mesh = build_mesh(ParallelDims(), device_type="cpu")
     model = build_model(cfg.model, seed=0)
-    cfg.parallel.ep = 2
-    with pytest.raises(ValueError, match="parallel.ep=2 is not implemented yet"):
+    cfg.parallel.ep, cfg.parallel.zero_stage = 2, 1
+    with pytest.raises(ValueError, match="parallel.ep=2 with parallel.zero_stage=1 is not implemented yet"):
         parallelize(model, mesh, cfg.parallel)
-    cfg.parallel.ep = 1
+    cfg.parallel.ep, cfg.parallel.zero_stage = 1, 0
     cfg.parallel.cp = 2
     with pytest.raises(ValueError, match="parallel.cp=2 but the mesh has cp=1"):
         parallelize(model, mesh, cfg.parallel)

@@ -78,13 +78,18 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
-def group_by_size(model: nn.Module, bucket_size_mb: float) -> list[tuple[list[nn.Parameter], list[str]]]:
+def group_by_size(model: nn.Module, bucket_size_mb: float, *,
+                  params: list[nn.Parameter] | None = None) -> list[tuple[list[nn.Parameter], list[str]]]:
     """(params, names) per bucket, in reverse registration order; a new bucket starts when the last
     one reached `bucket_size_mb` or the dtype/device changes (a flat buffer holds one of each).
-    Whole tensors only, so no bucket is empty and none splits a tensor."""
+    Whole tensors only, so no bucket is empty and none splits a tensor. `params`: only these of the
+    model's trainable parameters (e.g. the experts, reduced over another group than the rest)."""
     if bucket_size_mb <= 0:
         raise ValueError(f"parallel.bucket_size_mb={bucket_size_mb} must be > 0")
     named = trainable_parameters(model)
+    if params is not None:
+        keep = {id(p) for p in params}
+        named = [(name, p) for name, p in named if id(p) in keep]
     if not named:
         raise ValueError("the model has no trainable parameters to reduce")
     limit = bucket_size_mb * 2**20

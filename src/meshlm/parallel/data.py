@@ -47,10 +47,12 @@ class DataParallel(GradientBuckets):
     Each bucket owns a flat buffer: gradients are copied in, all-reduced in place, copied back.
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, *, bucket_size_mb: float, axis: str):
+    def __init__(self, model: nn.Module, mesh: Mesh, *, bucket_size_mb: float, axis: str,
+                 params: list[nn.Parameter] | None = None):
         self.model, self.mesh, self.axis = model, mesh, axis
         self.bucket_size_mb = bucket_size_mb
-        buckets = [Bucket(i, params, names) for i, (params, names) in enumerate(group_by_size(model, bucket_size_mb))]
+        groups = group_by_size(model, bucket_size_mb, params=params)
+        buckets = [Bucket(i, params, names) for i, (params, names) in enumerate(groups)]
         for b in buckets:
             b.flat_buffer = torch.empty(b.padded, dtype=b.params[0].dtype, device=b.params[0].device)
         super().__init__(buckets)
@@ -99,17 +101,19 @@ class DataParallel(GradientBuckets):
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, *, bucket_size_mb: float = 25.0, axis: str = "dp",
-                        broadcast: bool = True) -> DataParallel:
+                        broadcast: bool = True, params: list[nn.Parameter] | None = None) -> DataParallel:
     """Make `model` data-parallel over `axis` of `mesh`, in place; returns the handle with no_sync().
 
     `axis` is the group whose members see different tokens of the same replica: "dp" normally,
     "dp_cp" when context parallelism splits sequences too (their gradients are partial sums as well).
+    `params`: only these parameters (None: all trainable ones). Expert parallelism reduces the dense
+    parameters over "dp" and the experts over "ep_dp" (the ranks holding the same experts): two handles.
     Collective over the axis (every member must call it). `broadcast=True` copies the parameters of
     coordinate 0 to the others first: a deterministic init already makes them equal, but a replica
     that drifted (a different seed, a partial checkpoint load) would otherwise train silently apart.
     """
     mesh.size(axis)  # validates the axis name
-    dp = DataParallel(model, mesh, bucket_size_mb=bucket_size_mb, axis=axis)
+    dp = DataParallel(model, mesh, bucket_size_mb=bucket_size_mb, axis=axis, params=params)
     if broadcast:
         dp.broadcast_parameters()
     return dp

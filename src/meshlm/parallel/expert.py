@@ -258,3 +258,17 @@ def expert_load_stats(model: nn.Module, mesh: Mesh | None = None, *, axis: str =
         stats[name] = {"min": min(load), "max": max(load), "imbalance": max(load) / mean if mean else math.nan,
                        "dropped": dropped}
     return stats
+
+
+def router_biases(model: nn.Module) -> dict[str, list[float]]:
+    """The aux-loss-free selection bias of every MoE that has one, as plain data (checkpoint extras)."""
+    return {name: m.router_bias.tolist() for name, m in model.named_modules()
+            if isinstance(m, MoE) and m.router_bias is not None}
+
+
+@torch.no_grad()
+def set_router_biases(model: nn.Module, biases: dict[str, list[float]]) -> None:
+    """Restore what `router_biases` returned (a checkpoint without them leaves the biases as they are)."""
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and m.router_bias is not None and name in biases:
+            m.router_bias.copy_(torch.tensor(biases[name], dtype=m.router_bias.dtype))

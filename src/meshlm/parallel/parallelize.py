@@ -36,6 +36,7 @@ from meshlm.config import Config, ModelConfig, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.context import ContextParallel, apply_context_parallel, check_seq_len
 from meshlm.parallel.data import DataParallel, apply_data_parallel
+from meshlm.parallel.expert import apply_expert_parallel, expert_mesh
 from meshlm.parallel.pipeline import (PipelineStage, check_pipeline_model, default_layers_per_stage, pipeline_grad_norm,
                                      split_model)
 from meshlm.parallel.recompute import apply_recompute
@@ -49,12 +50,11 @@ _MARK = "_meshlm_parallelized"
 
 def check_supported(parallel: ParallelConfig) -> None:
     """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    if parallel.ep != 1:
-        raise ValueError(f"parallel.ep={parallel.ep} is not implemented yet; what runs: data parallelism "
-                         "(plain, or ZeRO with parallel.zero_stage=1..3, hybrid with parallel.dp_replicate), "
-                         "tensor parallelism (parallel.tp), context parallelism (parallel.cp), parallel.recompute, "
-                         "and pipeline parallelism (parallel.pp) with all of those but ZeRO-3 "
-                         "(set parallel.ep=1, and use the ranks for parallel.dp_shard)")
+    if parallel.ep > 1 and parallel.zero_stage > 0:
+        raise ValueError(f"parallel.ep={parallel.ep} with parallel.zero_stage={parallel.zero_stage} is not "
+                         "implemented yet; what runs under expert parallelism: plain data parallelism (parallel."
+                         "dp_shard, hybrid with parallel.dp_replicate) and parallel.recompute; set "
+                         "parallel.zero_stage=0, or parallel.ep=1")
     if parallel.pp > 1 and parallel.zero_stage == 3:
         # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone or
         # with tensor parallelism, data parallelism (plain or ZeRO-1/2) and recomputation. ZeRO-3 gathers
@@ -65,6 +65,20 @@ def check_supported(parallel: ParallelConfig) -> None:
                          "parallel.pp_chunks, zero_bubble), with tensor parallelism (parallel.tp), data parallelism "
                          "(parallel.dp_shard / dp_replicate, plain or parallel.zero_stage=1/2), context parallelism "
                          "(parallel.cp) and parallel.recompute; set parallel.zero_stage=2 (or 1, 0), or parallel.pp=1")
+
+
+def check_expert_parallel(model: ModelConfig, ep: int) -> None:
+    """Raise ValueError unless the experts of `model` split over `ep` ranks (tp, pp and cp refuse MoE models
+    themselves: `check_tensor_parallel`, `check_pipeline_model`, `check_context_parallel`)."""
+    if ep == 1:
+        return
+    if not model.is_moe:
+        raise ValueError(f"parallel.ep={ep} needs a Mixture-of-Experts model (model.num_experts > 0, e.g. "
+                         "model.preset=tiny-moe); set parallel.ep=1 for a dense model")
+    if model.num_experts % ep:
+        choices = ",".join(str(d) for d in range(1, model.num_experts + 1) if model.num_experts % d == 0)
+        raise ValueError(f"parallel.ep={ep} does not divide model.num_experts={model.num_experts} (each ep rank "
+                         f"holds num_experts / ep experts); choose ep in {{{choices}}}")
 
 
 def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int, sequence_parallel: bool) -> None:
@@ -100,6 +114,7 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     check_tensor_parallel(cfg.model, dims.tp)  # heads, sizes and vocab divisible by tp; no MoE
     check_context_parallel(cfg.model, dims.cp, seq_len=t.seq_len, tp=dims.tp,
                            sequence_parallel=cfg.parallel.sequence_parallel)
+    check_expert_parallel(cfg.model, dims.ep)
     if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
                          "parallelism splits every sequence over the tp ranks); set train.seq_len to a multiple "
@@ -174,13 +189,19 @@ class ParallelModel:
     tensor_parallel: bool = False  # tp > 1: the module returns this rank's vocab slice of the logits
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage; the trainer runs whole steps through it
     context: ContextParallel | None = None  # cp > 1: the module takes this rank's chunks and their positions
+    expert_parallel: bool = False  # ep > 1: this rank holds num_experts / ep experts of every MoE layer
+    expert_data_parallel: DataParallel | None = None  # ep > 1: the experts' gradients, summed over "ep_dp"
     pp_schedule: str = "1f1b"
 
     def no_sync(self):
         """Context for the non-final micro-steps of gradient accumulation: no gradient reduction."""
         if self.zero is not None:
             return self.zero.no_sync()
-        return self.data_parallel.no_sync() if self.data_parallel is not None else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for handle in (self.data_parallel, self.expert_data_parallel):
+            if handle is not None:
+                stack.enter_context(handle.no_sync())
+        return stack
 
     @property
     def grad_norm_fn(self) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
@@ -196,6 +217,11 @@ class ParallelModel:
         if self.pipeline is not None:
             # Each parameter lives on one stage, and after DP's reduction its gradient is whole over dp.
             return lambda grads: pipeline_grad_norm(grads, self.mesh)
+        if self.expert_parallel:
+            # The experts are sharded over "ep" (each rank holds its own, reduced over "ep_dp"), the rest is
+            # whole after DP's all-reduce: the same rule as tensor parallelism's, on the "ep" axis.
+            params = list(self.module.parameters())
+            return lambda grads: tensor_parallel_grad_norm(params, self.mesh, axis="ep")
         if self.tensor_parallel:
             # After DP's all-reduce the gradients are full over dp but still sharded over tp; the
             # norm needs the parameters' shard metadata, so it reads them rather than `grads`.
@@ -244,8 +270,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if cp != parallel.cp:
         raise ValueError(f"parallel.cp={parallel.cp} but the mesh has cp={cp}; build the mesh from the same "
                          "parallel config")
-    # The fixed order; EP does not exist yet and was refused above:
-    # PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
+    # The fixed order: PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
     setattr(model, _MARK, True)
     result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1, pp_schedule=parallel.pp_schedule)
     if parallel.pp > 1:
@@ -255,6 +280,12 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
                                                                  seq_len=seq_len or model.config.max_seq_len))
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
+    if parallel.ep > 1:
+        check_expert_parallel(model.config, parallel.ep)
+        # The "ep" and "ep_dp" groups join the mesh (collective): from here on the trainer uses this one.
+        mesh = result.mesh = expert_mesh(mesh, parallel.ep)
+        apply_expert_parallel(model, mesh)
+        result.expert_parallel = True
     if cp > 1:
         result.context = apply_context_parallel(model, mesh, method=parallel.cp_method)
     apply_recompute(model, parallel.recompute)
@@ -265,7 +296,14 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
                                  broadcast=broadcast)
     elif mesh.size("dp_cp") > 1:
         # Under context parallelism the cp ranks hold the same weights and see different tokens: their
-        # gradients are summed with the data-parallel ranks' ("dp_cp"; "dp" when cp = 1).
+        # gradients are summed with the data-parallel ranks' ("dp_cp"; "dp" when cp = 1). Under expert
+        # parallelism the experts are summed only over the ranks that hold the same ones ("ep_dp").
+        experts = [p for p in model.parameters() if getattr(p, "_meshlm_shard", None) == ("ep", 0)]
+        dense = [p for p in model.parameters() if all(p is not e for e in experts)]
         result.data_parallel = apply_data_parallel(model, mesh, bucket_size_mb=parallel.bucket_size_mb,
-                                                   axis="dp_cp" if cp > 1 else "dp", broadcast=broadcast)
+                                                   axis="dp_cp" if cp > 1 else "dp", broadcast=broadcast,
+                                                   params=dense)
+        if experts and mesh.size("ep_dp") > 1:
+            result.expert_data_parallel = apply_data_parallel(model, mesh, bucket_size_mb=parallel.bucket_size_mb,
+                                                              axis="ep_dp", broadcast=broadcast, params=experts)
     return result

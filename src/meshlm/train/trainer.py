@@ -49,6 +49,7 @@ from meshlm import comm
 from meshlm.config import Config
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
+from meshlm.parallel.expert import expert_load_stats, router_biases, set_router_biases, update_router_biases
 from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
 from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
 from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
@@ -148,6 +149,8 @@ class Trainer:
         self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
         self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
         self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
+        self.mesh = self.parallel.mesh  # expert parallelism adds its "ep" and "ep_dp" groups
+        self.moe = cfg.model.is_moe
         self.context = self.parallel.context  # cp > 1: each rank runs its chunks of every sequence
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
 
@@ -191,10 +194,15 @@ class Trainer:
         if self.world_size > 1:
             dist.barrier()
 
+    @property
+    def token_axis(self) -> str:
+        """The ranks that hold different tokens of the batch: the data-parallel ones, and under context
+        parallelism their cp ranks."""
+        return "dp_cp" if self.context is not None else "dp"
+
     def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a reported tensor over the ranks that hold different tokens of the batch: the data-parallel
-        ranks, and under context parallelism their cp ranks (the input itself on one rank)."""
-        return comm.all_reduce(value.clone(), self.mesh, "dp_cp" if self.context is not None else "dp")
+        """Sum a reported tensor over `token_axis` (the input itself on one rank)."""
+        return comm.all_reduce(value.clone(), self.mesh, self.token_axis)
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
         """(inputs, targets, positions) of a micro-batch as this rank runs it, on the device: under
@@ -291,6 +299,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
         self.optimizer.step()
+        if self.moe:  # aux-loss-free balancing (model.router_bias_update_rate): the load of this step
+            update_router_biases(self.base_model, self.mesh, axis=self.token_axis)
         self.step += 1
         # What the step itself moved (gradient reduction, ...), taken before the metric reductions
         # below, which exist only for logging.
@@ -307,6 +317,14 @@ class Trainer:
                "step_time_s": step_time,
                "comm_mb": {axis: v["mb"] for axis, v in comm_stats.items()},
                "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
+        if self.moe:
+            # Tokens per expert of the last micro-batch, summed over the data ranks: the worst layer's.
+            stats = expert_load_stats(self.base_model, self.mesh, axis=self.token_axis)
+            if stats:
+                worst = max(stats.values(), key=lambda v: v["imbalance"])
+                row["expert_load"] = {"min": worst["min"], "max": worst["max"],
+                                      "imbalance": worst["imbalance"],
+                                      "dropped": sum(v["dropped"] for v in stats.values())}
         if self.parallel.pipeline is not None:
             # This rank's idle share of its pipeline step: waits for activations and gradients (the bubble)
             # and for its own sends, over the step's wall time (rank 0 logs: the first stage's).
@@ -409,7 +427,8 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:
-        extra = {"rng": rng_state(), "loader": self.loader.state_dict(), "first_val_loss": self.first_val_loss}
+        extra = {"rng": rng_state(), "loader": self.loader.state_dict(), "first_val_loss": self.first_val_loss,
+                 "router_bias": router_biases(self.base_model)}
         files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
         path = save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
                                config=self.cfg, rank_extra=extra, rank=self.rank, world_size=self.world_size,
@@ -438,6 +457,7 @@ class Trainer:
         self.loader.load_state_dict(extra["loader"])
         set_rng_state(extra["rng"])
         self.first_val_loss = extra.get("first_val_loss")
+        set_router_biases(self.base_model, extra.get("router_bias", {}))
         if not same_layout:
             self.resume_note = (f"the checkpoint was saved by {saved.world_size} ranks ({_degrees(saved)}), this "
                                 f"run has {self.world_size} ({_degrees(self.mesh.dims)}): continuing from the "
