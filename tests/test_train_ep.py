@@ -1,5 +1,6 @@
 """The Trainer under expert parallelism reproduces the single-process dropless MoE, alone and with data
-parallelism (plain and hybrid), with a capacity factor and with aux-loss-free balancing; layouts that
+parallelism (plain and hybrid, ZeRO-1/2: the experts sharded over the ranks holding the same ones), with a
+capacity factor and with aux-loss-free balancing; layouts that
 cannot run yet are refused before any work.
 
 Parity goes through `meshlm verify` (ranks started by the test harness): fp64 runs match the one-process
@@ -49,6 +50,10 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
     "ep4": (4, ["parallel.ep=4"], {"ep", "dp"}),
     "ep2xdp_shard4": (4, ["parallel.ep=2"], {"ep", "ep_dp", "dp"}),  # two ep groups: experts reduced over ep_dp
     "hybrid_ep2": (4, ["parallel.ep=2", "parallel.dp_replicate=2"], {"ep", "ep_dp", "dp"}),
+    "ep2xzero1": (2, ["parallel.ep=2", "parallel.zero_stage=1"], {"ep", "dp_shard"}),
+    "ep2xzero2xdp_shard4": (4, ["parallel.ep=2", "parallel.zero_stage=2"], {"ep", "ep_dp", "dp_shard"}),
+    "hybrid_ep2xzero2": (4, ["parallel.ep=2", "parallel.zero_stage=2", "parallel.dp_replicate=2"],
+                         {"ep", "ep_dp", "dp_shard", "dp_replicate"}),
     "ep2_capacity": (2, ["parallel.ep=2", "model.capacity_factor=1.0"], {"ep", "dp"}),
     "ep2_bias": (2, ["parallel.ep=2", "model.router_bias_update_rate=0.01"], {"ep", "dp"}),
 }
@@ -74,7 +79,31 @@ def test_layouts_that_cannot_run_yet_are_refused(text_file):
         check_layout(load_config(overrides=[*SMALL_MODEL, "train.seq_len=32", f"data.path={text_file}", "parallel.ep=2"]), 2)
     with pytest.raises(ValueError, match=r"parallel.ep=3 does not divide model.num_experts=4.*\{1,2,4\}"):
         check_layout(make_cfg(text_file, "parallel.ep=3", "train.global_batch_size=6"), 3)
-    with pytest.raises(ValueError, match="zero_stage=2 is not implemented yet"):
-        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.zero_stage=2"), 2)
+    with pytest.raises(ValueError, match="zero_stage=3 is not implemented yet"):
+        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.zero_stage=3"), 2)
     with pytest.raises(ValueError, match="ep=2 does not divide dp_shard x cp"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.dp_replicate=2"), 2)
+
+
+def test_a_checkpoint_saved_under_ep_x_zero2_resumes_in_one_process(tmp_path, text_file):
+    """The checkpoint holds the reference layout (experts gathered over "ep", their ZeRO moments over
+    "ep_dp"): one process resumes it and continues as the uninterrupted one-process run does."""
+    from meshlm.train.trainer import Trainer
+
+    steps = ["train.steps=4", "train.precision=fp64", "train.val_batches=0", "train.sample_tokens=0",
+             "train.progress=false"]
+    saved = make_cfg(text_file, *steps, "parallel.ep=2", "parallel.zero_stage=2", f"train.run_dir={tmp_path / 'ep'}")
+    run_distributed(train_until, 2, saved, 2)
+    resumed = make_cfg(text_file, *steps, f"train.run_dir={tmp_path / 'ep'}")
+    Trainer(resumed, resume=True).train()
+    Trainer(make_cfg(text_file, *steps, f"train.run_dir={tmp_path / 'one'}")).train()
+    got, want = [r["loss"] for r in rows(tmp_path / "ep") if "loss" in r], [r["loss"] for r in rows(tmp_path / "one")
+                                                                          if "loss" in r]
+    assert len(got) == len(want) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= FP64_TOL, (got, want)
+
+
+def train_until(rank, world_size, cfg, step):
+    from meshlm.train.trainer import Trainer
+
+    Trainer(cfg).train(until_step=step)

@@ -42,7 +42,7 @@ from meshlm.parallel.pipeline import (PipelineStage, check_pipeline_model, defau
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_grad_norm
-from meshlm.parallel.zero import ZeroSharding, apply_zero
+from meshlm.parallel.zero import ZeroGroup, ZeroSharding, apply_zero
 
 # Set on a model by `parallelize`: a second application would stack hooks and reduce twice.
 _MARK = "_meshlm_parallelized"
@@ -50,11 +50,11 @@ _MARK = "_meshlm_parallelized"
 
 def check_supported(parallel: ParallelConfig) -> None:
     """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    if parallel.ep > 1 and parallel.zero_stage > 0:
-        raise ValueError(f"parallel.ep={parallel.ep} with parallel.zero_stage={parallel.zero_stage} is not "
-                         "implemented yet; what runs under expert parallelism: plain data parallelism (parallel."
-                         "dp_shard, hybrid with parallel.dp_replicate) and parallel.recompute; set "
-                         "parallel.zero_stage=0, or parallel.ep=1")
+    if parallel.ep > 1 and parallel.zero_stage == 3:
+        raise ValueError(f"parallel.ep={parallel.ep} with parallel.zero_stage=3 is not implemented yet; what runs "
+                         "under expert parallelism: data parallelism (parallel.dp_shard, hybrid with parallel."
+                         "dp_replicate), plain or ZeRO-1/2 (the experts sharded over the ranks holding the same "
+                         "ones), and parallel.recompute; set parallel.zero_stage=2, or parallel.ep=1")
     if parallel.pp > 1 and parallel.zero_stage == 3:
         # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone or
         # with tensor parallelism, data parallelism (plain or ZeRO-1/2) and recomputation. ZeRO-3 gathers
@@ -185,7 +185,9 @@ class ParallelModel:
     module: nn.Module
     mesh: Mesh
     data_parallel: DataParallel | None = None
-    zero: ZeroSharding | None = None  # set for parallel.zero_stage >= 1 (then data_parallel is None)
+    # set for parallel.zero_stage >= 1 (then data_parallel is None); under expert parallelism a ZeroGroup
+    # of two shardings (the dense parameters over dp_shard, the experts over "ep_dp")
+    zero: ZeroSharding | ZeroGroup | None = None
     tensor_parallel: bool = False  # tp > 1: the module returns this rank's vocab slice of the logits
     pipeline: PipelineStage | None = None  # pp > 1: this rank's stage; the trainer runs whole steps through it
     context: ContextParallel | None = None  # cp > 1: the module takes this rank's chunks and their positions
@@ -233,7 +235,7 @@ class ParallelModel:
         """The tensors whose `.grad` the optimizer steps on, for `clip_grad_norm`: the model's parameters,
         or under ZeRO the optimizer's flat shard (its `.grad` is the reduced gradient shard)."""
         if self.zero is not None:
-            return [self.zero.param_shard]
+            return [part.param_shard for part in self.zero.parts]
         return list(model.parameters())
 
     @property
@@ -289,17 +291,25 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if cp > 1:
         result.context = apply_context_parallel(model, mesh, method=parallel.cp_method)
     apply_recompute(model, parallel.recompute)
+    # Under expert parallelism the experts' gradients are summed (or ZeRO-sharded) only over the ranks that
+    # hold the same experts ("ep_dp"), the other parameters' over every data-parallel rank.
+    experts = [p for p in model.parameters() if getattr(p, "_meshlm_shard", None) == ("ep", 0)]
+    dense = [p for p in model.parameters() if all(p is not e for e in experts)] if experts else None
     if parallel.zero_stage > 0:
         # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
         # DP's all-reduce on top would reduce every gradient twice.
         result.zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
-                                 broadcast=broadcast)
+                                 broadcast=broadcast, params=dense)
+        if experts:
+            # ep_dp spans the replicas too: one sharding over all of it, no replica all-reduce; the
+            # other experts' squares join the gradient norm over "ep".
+            expert_zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
+                                     broadcast=broadcast, params=experts, shard_axis="ep_dp", replicate_axis=None,
+                                     data_axis="ep_dp", other_shards_axis="ep")
+            result.zero = ZeroGroup([result.zero, expert_zero])
     elif mesh.size("dp_cp") > 1:
         # Under context parallelism the cp ranks hold the same weights and see different tokens: their
-        # gradients are summed with the data-parallel ranks' ("dp_cp"; "dp" when cp = 1). Under expert
-        # parallelism the experts are summed only over the ranks that hold the same ones ("ep_dp").
-        experts = [p for p in model.parameters() if getattr(p, "_meshlm_shard", None) == ("ep", 0)]
-        dense = [p for p in model.parameters() if all(p is not e for e in experts)]
+        # gradients are summed with the data-parallel ranks' ("dp_cp"; "dp" when cp = 1).
         result.data_parallel = apply_data_parallel(model, mesh, bucket_size_mb=parallel.bucket_size_mb,
                                                    axis="dp_cp" if cp > 1 else "dp", broadcast=broadcast,
                                                    params=dense)

@@ -99,20 +99,29 @@ class _ShardedBucket(Bucket):
 class ZeroSharding(GradientBuckets):
     """The hooks, buckets and flat shard that `apply_zero` attached to a model (the model is unchanged)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float):
+    def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float,
+                 params: list[nn.Parameter] | None = None, shard_axis: str | None = None,
+                 replicate_axis: str | None = REPLICATE_AXIS, data_axis: str | None = None,
+                 other_shards_axis: str | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage={stage} must be 1, 2 or 3 (0 is plain data parallelism)")
         for name, p in trainable_parameters(model):
             if p.dtype not in (torch.float32, torch.float64):
                 raise ValueError(f"parameter {name} is {p.dtype}; ZeRO keeps fp32 master weights, build the "
                                  "model in fp32 and use train.precision=bf16 for bf16 compute")
+        assert params is None or stage < 3, "ZeRO-3 shards whole units (blocks): all the model's parameters"
         self.model, self.mesh, self.stage = model, mesh, stage
         # Context parallelism: the cp ranks of a replica hold the same parameters and see different
         # tokens, exactly like dp_shard ranks, so they share the sharding (see the module doc).
         cp = mesh.size("cp") > 1
-        self.shard_axis, self.data_axis = ("dp_shard_cp", "dp_cp") if cp else ("dp_shard", "dp")
+        default_shard, default_data = ("dp_shard_cp", "dp_cp") if cp else ("dp_shard", "dp")
+        self.shard_axis, self.data_axis = shard_axis or default_shard, data_axis or default_data
+        self.replicate_axis = replicate_axis  # None: the shard axis spans every replica already
+        # Ranks holding other parameters of the same kind (expert parallelism: "ep", the other experts):
+        # the gradient norm sums their squares too.
+        self.other_shards_axis = other_shards_axis
         self.num_shards, self.shard_rank = mesh.size(self.shard_axis), mesh.local_rank(self.shard_axis)
-        groups = self._unit_groups() if stage == 3 else group_by_size(model, bucket_size_mb)
+        groups = self._unit_groups() if stage == 3 else group_by_size(model, bucket_size_mb, params=params)
         buckets, offset = [], 0
         for params, names in groups:
             buckets.append(_ShardedBucket(len(buckets), params, names, self.num_shards, offset))
@@ -318,22 +327,31 @@ class ZeroSharding(GradientBuckets):
     def after_backward(self, synced: bool) -> None:
         for bucket in self.buckets:
             self.free(bucket)  # ZeRO-3: units whose parameters this backward did not reach
-        if synced:
+        if synced and self.replicate_axis is not None:
             # Hybrid sharding: the same shard of the other replicas holds their tokens' share.
-            comm.all_reduce(self.grad_shard, self.mesh, REPLICATE_AXIS)
+            comm.all_reduce(self.grad_shard, self.mesh, self.replicate_axis)
 
     # -- after backward -----------------------------------------------------------------------
 
+    @property
+    def parts(self) -> list["ZeroSharding"]:
+        """The shardings of the model (this one; see `ZeroGroup`)."""
+        return [self]
+
     def grad_norm_fn(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the reduced gradient, from this rank's shard (`grads` is `[param_shard.grad]`,
-        i.e. the gradient shard, as `clip_grad_norm` passes it).
-
-        Sums of squares are all-reduced over dp_shard: shards are disjoint within a replica and equal
-        across replicas (after the hybrid all-reduce), so dp_shard suffices. Under tensor parallelism the
-        elements of TP shards are then summed over "tp" too, while replicated ones (norm weights, equal
-        on every tp rank) are counted once.
-        """
+        i.e. the gradient shard, as `clip_grad_norm` passes it)."""
         (g,) = [g.detach() for g in grads]
+        return self.grad_sq_norm().sqrt().to(torch.promote_types(g.dtype, torch.float32))
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """The squared global norm of this sharding's reduced gradient (float64; collective).
+
+        Sums of squares are all-reduced over the shard axis: shards are disjoint within a replica and
+        equal across replicas (after the hybrid all-reduce), so that suffices. Under tensor parallelism
+        the elements of TP shards are then summed over "tp" too, while replicated ones (norm weights,
+        equal on every tp rank) are counted once; with `other_shards_axis` (experts) everything is."""
+        g = self.grad_shard.detach()
         if self.tp_sharded is None:
             sq = torch.linalg.vector_norm(g, dtype=torch.float64).reshape(1) ** 2
             comm.all_reduce(sq, self.mesh, self.shard_axis)
@@ -345,18 +363,54 @@ class ZeroSharding(GradientBuckets):
             sharded = sq[:1].clone()
             comm.all_reduce(sharded, self.mesh, "tp")
             total = sharded[0] + sq[1]
-        return total.sqrt().to(torch.promote_types(g.dtype, torch.float32))
+        if self.other_shards_axis is not None:
+            total = comm.all_reduce(total.reshape(1).clone(), self.mesh, self.other_shards_axis)[0]
+        return total
+
+
+class ZeroGroup:
+    """Several `ZeroSharding`s over disjoint parameters of one model, each over its own group, used as
+    one (expert parallelism: the dense parameters sharded over dp_shard, the experts over "ep_dp", the
+    ranks holding the same experts). `ZeroAdamW` steps every part."""
+
+    def __init__(self, parts: list[ZeroSharding]):
+        self.parts = parts
+        self.stage = parts[0].stage
+
+    def no_sync(self):
+        stack = contextlib.ExitStack()
+        for part in self.parts:
+            stack.enter_context(part.no_sync())
+        return stack
+
+    @contextlib.contextmanager
+    def full_params(self):
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.full_params())
+            yield
+
+    def reduce_grads(self) -> None:
+        for part in self.parts:
+            part.reduce_grads()
+
+    def grad_norm_fn(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
+        """The global norm over every part (`grads`: the parts' gradient shards, as `clip_grad_norm` passes)."""
+        dtype = torch.promote_types(next(iter(grads)).dtype, torch.float32)
+        return sum(part.grad_sq_norm() for part in self.parts).sqrt().to(dtype)
 
 
 def apply_zero(model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float = 25.0,
-               broadcast: bool = True) -> ZeroSharding:
+               broadcast: bool = True, **axes) -> ZeroSharding:
     """Shard optimizer state (stage 1), gradients (2) and parameters (3) of `model` over "dp_shard", in place.
 
     Collective over "dp" (and, stage 3, over the whole world once, to create the gather groups). Build
     the optimizer with `ZeroAdamW(zero, ...)` (`train.optim.build_optimizer` does when given the
-    handle). `broadcast=True` starts every replica from dp coordinate 0's weights.
+    handle). `broadcast=True` starts every replica from dp coordinate 0's weights. `axes`: the
+    `ZeroSharding` keywords for a part of the model over other groups (params, shard_axis,
+    replicate_axis, data_axis, other_shards_axis; see `ZeroGroup`).
     """
-    zero = ZeroSharding(model, mesh, stage=stage, bucket_size_mb=bucket_size_mb)
+    zero = ZeroSharding(model, mesh, stage=stage, bucket_size_mb=bucket_size_mb, **axes)
     if broadcast:
         zero.broadcast_parameters()
     if stage == 3:

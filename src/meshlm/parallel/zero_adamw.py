@@ -19,45 +19,51 @@ from meshlm.parallel.zero import ZeroSharding
 
 
 class ZeroAdamW(torch.optim.Optimizer):
-    """AdamW on this rank's flat parameter shard; `step()` also all-gathers the updated parameters.
+    """AdamW on this rank's flat parameter shard(s); `step()` also all-gathers the updated parameters.
 
-    One param group holding the flat fp32 shard (so `set_lr` and the trainer's interface work), whose
-    `.grad` is the ZeRO gradient shard. The update is the same elementwise arithmetic as
-    `torch.optim.AdamW(foreach=False)`, with the decay applied to the decayed tensors' ranges.
+    One param group per ZeRO sharding of the model (one, or a `ZeroGroup`'s parts: expert parallelism
+    shards the experts over their own group), each holding its flat fp32 shard (so `set_lr` and the
+    trainer's interface work), whose `.grad` is that sharding's gradient shard. The update is the same
+    elementwise arithmetic as `torch.optim.AdamW(foreach=False)`, with the decay applied to the decayed
+    tensors' ranges.
     """
 
     def __init__(self, zero: ZeroSharding, *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float):
         self.zero = zero
-        shard = zero.param_shard
-        self._params_by_id = {id(p): p for b in zero.buckets for p in b.params}
-        super().__init__([shard], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # where the shard holds >= 2-D tensors (padding is not decayed; its values stay zero anyway)
-        self.decay_ranges = zero.shard_ranges(lambda p: p.dim() >= 2)
-        self.state[shard] = {"step": torch.zeros((), dtype=torch.float32),
-                             "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
-
-    @property
-    def shard(self) -> torch.Tensor:
-        return self.param_groups[0]["params"][0]
+        self.parts = list(zero.parts)
+        self._params_by_id = {id(p): p for z in self.parts for b in z.buckets for p in b.params}
+        super().__init__([{"params": [z.param_shard]} for z in self.parts],
+                         dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # where each shard holds >= 2-D tensors (padding is not decayed; its values stay zero anyway)
+        self.decay_ranges = [z.shard_ranges(lambda p: p.dim() >= 2) for z in self.parts]
+        for z in self.parts:
+            shard = z.param_shard
+            self.state[shard] = {"step": torch.zeros((), dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The model's full `.grad` (stage 1, or accumulation) must not carry into the next step; the
         # gradient shard is dropped too (the next step's first reduce-scatter allocates it again).
-        for b in self.zero.buckets:
-            for p in b.params:
-                p.grad = None
-        self.zero.release_grad_shard()
+        for z in self.parts:
+            for b in z.buckets:
+                for p in b.params:
+                    p.grad = None
+            z.release_grad_shard()
 
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "ZeroAdamW takes no closure"
-        group = self.param_groups[0]
+        for z, group, decay_ranges in zip(self.parts, self.param_groups, self.decay_ranges):
+            self._step_part(z, group, decay_ranges)
+
+    def _step_part(self, z: ZeroSharding, group: dict, decay_ranges: list[tuple[int, int]]) -> None:
         lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-        param, grad, state = self.shard, self.zero.grad_shard, self.state[self.shard]
+        param = group["params"][0]
+        grad, state = z.grad_shard, self.state[param]
         state["step"] += 1
         if wd != 0:
-            for start, end in self.decay_ranges:  # in place by a Python scalar, as torch's AdamW rounds it
+            for start, end in decay_ranges:  # in place by a Python scalar, as torch's AdamW rounds it
                 param[start:end].mul_(1 - lr * wd)
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -68,50 +74,55 @@ class ZeroAdamW(torch.optim.Optimizer):
         param.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
         # ZeRO-1/2 keep full parameters on every rank: bring every rank's updated shard back. ZeRO-3
         # gathers each unit from the shard when its next forward needs it.
-        if self.zero.stage < 3:
-            for pid, full in self.zero.gather_full(param).items():
+        if z.stage < 3:
+            for pid, full in z.gather_full(param).items():
                 self._params_by_id[pid].copy_(full)
 
     # -- the per-parameter layout of checkpoints ------------------------------------------------
 
-    def _named(self) -> list[tuple[str, nn.Parameter]]:
+    @staticmethod
+    def _named(z: ZeroSharding) -> list[tuple[str, nn.Parameter]]:
         # registration order, as `torch.distributed.checkpoint.state_dict.get_state_dict` names them
-        return [(n, p) for b in self.zero.buckets for n, p in zip(b.names, b.params)][::-1]
+        return [(n, p) for b in z.buckets for n, p in zip(b.names, b.params)][::-1]
 
     def full_state_dict(self) -> dict:
         """The optimizer state as `get_state_dict(model, torch.optim.AdamW)` lays it out: full
-        per-parameter moments keyed by parameter name. Collective over dp_shard (all-gathers)."""
-        state = self.state[self.shard]
-        exp_avg = self.zero.gather_full(state["exp_avg"])
-        exp_avg_sq = self.zero.gather_full(state["exp_avg_sq"])
-        named = self._named()
+        per-parameter moments keyed by parameter name. Collective over each part's shard axis (all-gathers)."""
+        states, names = {}, []
+        for z in self.parts:
+            state = self.state[z.param_shard]
+            exp_avg, exp_avg_sq = z.gather_full(state["exp_avg"]), z.gather_full(state["exp_avg_sq"])
+            for n, p in self._named(z):
+                states[n] = {"step": state["step"].clone(), "exp_avg": exp_avg[id(p)].clone(),
+                             "exp_avg_sq": exp_avg_sq[id(p)].clone()}
+                names.append((n, p))
         # every hyperparameter key torch's AdamW has (DCP matches the saved keys against its template)
         plain = torch.optim.AdamW([torch.zeros(1)], foreach=False,
                                   **{k: v for k, v in self.param_groups[0].items() if k != "params"})
         group = {k: v for k, v in plain.param_groups[0].items() if k != "params"}
         groups = [{**group, "weight_decay": group["weight_decay"] if decayed else 0.0,
-                   "params": [n for n, p in named if (p.dim() >= 2) == decayed]} for decayed in (True, False)]
-        return {"state": {n: {"step": state["step"].clone(), "exp_avg": exp_avg[id(p)].clone(),
-                              "exp_avg_sq": exp_avg_sq[id(p)].clone()} for n, p in named},
-                "param_groups": groups}
+                   "params": [n for n, p in names if (p.dim() >= 2) == decayed]} for decayed in (True, False)]
+        return {"state": states, "param_groups": groups}
 
     @torch.no_grad()
     def load_full_state_dict(self, sd: dict) -> None:
         """Take this rank's shard of a per-parameter state (from any zero stage or dp size)."""
-        named = self._named()
-        missing = [n for n, _ in named if n not in sd["state"]]
-        if missing:
-            raise ValueError(f"the optimizer state has no entry for {missing[:3]}; it belongs to another model")
-        state = self.state[self.shard]
-        steps = {float(sd["state"][n]["step"]) for n, _ in named}
-        assert len(steps) == 1, f"per-parameter AdamW steps differ: {steps}"
-        state["step"].fill_(steps.pop())
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key].copy_(self.zero.local_shard({id(p): sd["state"][n][key] for n, p in named}))
-        # the parameters were loaded with the model: refresh the master shard from them
-        self.shard.copy_(self.zero.local_shard({id(p): p.detach() for _, p in named}))
+        for z in self.parts:
+            named = self._named(z)
+            missing = [n for n, _ in named if n not in sd["state"]]
+            if missing:
+                raise ValueError(f"the optimizer state has no entry for {missing[:3]}; it belongs to another model")
+            shard = z.param_shard
+            state = self.state[shard]
+            steps = {float(sd["state"][n]["step"]) for n, _ in named}
+            assert len(steps) == 1, f"per-parameter AdamW steps differ: {steps}"
+            state["step"].fill_(steps.pop())
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].copy_(z.local_shard({id(p): sd["state"][n][key] for n, p in named}))
+            # the parameters were loaded with the model: refresh the master shard from them
+            shard.copy_(z.local_shard({id(p): p.detach() for _, p in named}))
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (the moments; the fp32 master shard excluded)."""
-        s = self.state[self.shard]
-        return sum(s[k].numel() * s[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+        """Bytes of optimizer state this rank holds (the moments; the fp32 master shards excluded)."""
+        return sum(s[k].numel() * s[k].element_size() for z in self.parts for s in [self.state[z.param_shard]]
+                   for k in ("exp_avg", "exp_avg_sq"))
