@@ -177,7 +177,7 @@ def cmd_train(args) -> int:
     from meshlm.parallel.parallelize import check_layout
 
     check_layout(cfg, world_size)  # before the process group: a bad layout fails fast, with one line
-    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite)
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
     return _train_this_rank(cfg, resume=args.resume, overwrite=args.overwrite, distributed=under_launcher)
 
 
@@ -219,7 +219,7 @@ def _launch_ranks(args, cfg) -> int:
     if args.node_rank is not None and not args.rdzv_endpoint:
         raise ValueError("--node-rank needs --rdzv-endpoint HOST:PORT (the address of node 0)")
     check_layout(cfg, args.nproc * args.nnodes)  # before any rank starts
-    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite)
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
     import torch
 
     if cfg.train.device != "cpu" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():

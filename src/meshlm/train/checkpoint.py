@@ -10,7 +10,9 @@ wrote; rank 0 writes the manifest, renames `step_N.tmp/` to `step_N/`, then atom
 `latest` pointer, and only then prunes, keeping the last `keep`). Loading verifies the manifest before
 anything is parsed and refuses a damaged, incomplete or mismatched checkpoint (or a model config that
 differs) with one line naming the file and the fix; `--resume` falls back to the newest complete
-checkpoint when `latest` is damaged (`resume_checkpoint`).
+checkpoint when `latest` is damaged (`resume_checkpoint`), and `meshlm train --resume` checks all of that
+before it starts any rank (`check_run_dir`), and each rank once more before it reads anything (checksums
+cost a read of the checkpoint per check; `checksums=False` where the caller has just verified).
 Not responsible for: deciding when to save or whether a run_dir may be reused (the trainer), or Hugging
 Face formats (`models/hf.py`).
 
@@ -178,40 +180,60 @@ def resume_checkpoint(run_dir: str | Path) -> tuple[Path, str | None]:
     if complete:
         return complete[-1], f"{problem}: resuming from the newest complete checkpoint, {complete[-1].name}"
     found = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
-    what = f"only incomplete ones ({', '.join(found[:4])})" if found else "none"
-    raise CheckpointError(f"--resume: {root} holds no complete checkpoint ({what}); run without --resume to start "
-                          "afresh (with --overwrite if the run_dir holds an earlier run)")
+    if found:
+        raise CheckpointError(f"--resume: {root} holds no complete checkpoint, only incomplete ones without "
+                              f"{_MANIFEST} ({', '.join(found[:4])}: a crash during their save?); start afresh "
+                              "with --overwrite instead of --resume (this deletes them)")
+    raise CheckpointError(f"--resume: {root} holds no checkpoint; run without --resume to start afresh")
 
 
-def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
-    """Raise CheckpointError unless a run may start in `run_dir` as asked (cheap: the launcher calls it
-    before starting ranks). A fresh run must not silently replace an earlier run's checkpoints: it needs
-    `overwrite`; `resume` needs a complete checkpoint (`resume_checkpoint`)."""
+def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, model: ModelConfig | None = None) -> None:
+    """Raise CheckpointError unless a run may start in `run_dir` as asked (the launcher calls it before
+    starting ranks, so a refusal is one line, once). A fresh run must not silently replace an earlier run's
+    checkpoints: it needs `overwrite`; `resume` needs a complete checkpoint (`resume_checkpoint`) that is
+    intact (`verify_checkpoint`: its checksums, computed here once for every rank), whose meta.json and
+    rank files parse and, given `model`, that was trained with that model config."""
     if resume and overwrite:
         raise CheckpointError("--resume continues the run in train.run_dir and --overwrite replaces it; pass one")
     root = checkpoints_root(run_dir)
     if resume:
-        resume_checkpoint(run_dir)
+        path = resume_checkpoint(run_dir)[0]
+        verify_checkpoint(path)
+        meta = read_meta(path)
+        if model is not None:
+            check_model_config(meta["config"].get("model") or {}, model, where=f"{path} ({_META})")
+        for r in range(int(meta["world_size"])):  # every rank's file parses (small files), not just this one's
+            _read_rank_file(path / f"rank_{r:05d}.json")
         return
     held = sorted(p.name for p in root.glob("*")) if root.is_dir() else []
     if held and not overwrite:
         complete = _complete_checkpoints(root)
-        newest = f"newest: {complete[-1].name}" if complete else f"none complete: {', '.join(held[:3])}"
-        raise CheckpointError(f"train.run_dir={str(run_dir)!r} holds the checkpoints of an earlier run ({newest}); "
-                              "pass --resume to continue it, --overwrite to replace it, or choose another "
-                              "train.run_dir")
+        if complete:
+            raise CheckpointError(f"train.run_dir={str(run_dir)!r} holds the checkpoints of an earlier run (newest: "
+                                  f"{complete[-1].name}); pass --resume to continue it, --overwrite to replace it, "
+                                  "or choose another train.run_dir")
+        raise CheckpointError(f"train.run_dir={str(run_dir)!r} holds what an earlier run left in {root.name}/ (no "
+                              f"complete checkpoint: {', '.join(held[:3])}); pass --overwrite to replace it, or "
+                              "choose another train.run_dir")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from a run directory, its `checkpoints/` folder, or the checkpoint itself."""
     path = Path(path)
-    if (path / _META).exists():
+    if (path / _META).exists() or (path / _MANIFEST).exists():
         return path
     for run_dir in (path, path.parent if path.name == "checkpoints" else None):
         if run_dir is not None and checkpoints_root(run_dir).is_dir():
             found = latest_checkpoint(run_dir)
             if found is not None:
                 return found
+            root = checkpoints_root(run_dir)
+            _, problem = _read_pointer(root)
+            incomplete = sorted(p.name for p in root.glob("step_*"))
+            if incomplete or (root / "latest").exists():
+                raise CheckpointError(f"{problem}, and {root} holds no complete checkpoint (none with "
+                                      f"{_MANIFEST}: {', '.join(incomplete[:4]) or 'no step_N at all'}); the "
+                                      "run never finished a save: train it again (--overwrite)")
     raise CheckpointError(f"no checkpoint at {str(path)!r}: expected a run directory (with checkpoints/latest), "
                           f"its checkpoints/ folder, or a step_N checkpoint directory (with {_META})")
 
@@ -243,9 +265,11 @@ def _describe(paths: list[Path]) -> dict[str, list]:
     return {p.name: [p.stat().st_size, _sha256(p)] for p in paths}
 
 
-def verify_checkpoint(path: str | Path) -> dict:
-    """Check every file of checkpoint `path` against its manifest (present, size, sha256) and that every
-    rank's file is there; return the manifest. Raises CheckpointError naming the first bad file and the fix.
+def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict:
+    """Check every file of checkpoint `path` against its manifest (present, size, and with `checksums` its
+    sha256) and that every rank's file is there; return the manifest. Raises CheckpointError naming the first
+    bad file and the fix. `checksums=False` is for a caller that verified them already (reading a large
+    checkpoint once per check costs what reading it costs): the trainer checks the run_dir first.
 
     Run before anything of the checkpoint is parsed: DCP's `.metadata` is a pickle, read only once its
     checksum matches what the saving run recorded (which protects against damage, not against a crafted
@@ -259,11 +283,16 @@ def verify_checkpoint(path: str | Path) -> dict:
     try:
         manifest = json.loads(manifest_file.read_text())
         files, world_size = manifest["files"], int(manifest["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        files = {str(name): (int(size), str(digest)) for name, (size, digest) in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{manifest_file} is corrupt (not the manifest JSON meshlm writes); {hint}") from None
-    for r in range(world_size):
-        if f"rank_{r:05d}.json" not in files:
-            raise CheckpointError(f"{manifest_file} lists no rank_{r:05d}.json of its {world_size} ranks; {hint}")
+    for name in files:
+        if Path(name).name != name or name in (".", ".."):  # a manifest names files of its own directory only
+            raise CheckpointError(f"{manifest_file} is corrupt (it names {name!r}, not a file of the checkpoint); "
+                                  f"{hint}")
+    for name in (_META, *(f"rank_{r:05d}.json" for r in range(world_size))):
+        if name not in files:
+            raise CheckpointError(f"{manifest_file} lists no {name} (it was saved by {world_size} ranks); {hint}")
     for name, (size, digest) in sorted(files.items()):
         f = path / name
         if not f.is_file():
@@ -271,8 +300,10 @@ def verify_checkpoint(path: str | Path) -> dict:
         if f.stat().st_size != size:
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, the manifest {size} (truncated or "
                                   f"overwritten); {hint}")
+    for name, (size, digest) in sorted(files.items()) if checksums else []:
+        f = path / name
         if _sha256(f) != digest:
-            raise CheckpointError(f"{f} does not match its checksum (corrupt); {hint}")
+            raise CheckpointError(f"{f} does not match its checksum in {_MANIFEST} (corrupt); {hint}")
     return manifest
 
 
@@ -362,16 +393,17 @@ def _publish(tmp: Path, final: Path, *, world_size: int, keep: int) -> None:
     manifest.write_text(json.dumps({"format": FORMAT_VERSION, "world_size": world_size, "files": files}, indent=1))
     _fsync_file(manifest)
     _fsync_dir(tmp)
-    aside = None
-    if final.exists():  # re-saving a step: set the old copy aside, delete it only once the new one is published
-        aside = root / f"{final.name}.old"
+    # Re-saving a step: set the old copy aside, and delete it only once `latest` names the new one. (A crash
+    # between the two renames leaves the old copy in step_N.old, which --resume does not pick up; the trainer
+    # re-saves a step only after resuming from an earlier one, so `latest` never names a complete old copy.)
+    aside = root / f"{final.name}.old"
+    if final.exists():
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
     os.replace(tmp, final)
     _fsync_dir(root)
     _write_atomic(root / "latest", final.name)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)  # also one a crash left behind
     _prune(root, keep=keep, protect=final)
 
 
@@ -505,26 +537,46 @@ def saved_world_size(path: str | Path) -> int:
     return int(read_meta(path)["world_size"])
 
 
-def saved_layout(path: str | Path) -> ParallelDims:
-    """The parallel degrees checkpoint `path` was saved under (its config, resolved against its ranks)."""
-    parallel = config_from_dict(read_meta(path)["config"]).parallel
-    return ParallelDims.from_config(parallel).resolve(saved_world_size(path))
+def saved_layout(path: str | Path, *, checksums: bool = True) -> ParallelDims:
+    """The parallel degrees checkpoint `path` was saved under (its config, resolved against its ranks).
+
+    The first thing a resume reads of a checkpoint: verified against its manifest first."""
+    verify_checkpoint(path, checksums=checksums)
+    meta = read_meta(path)
+    try:
+        parallel = config_from_dict(meta["config"]).parallel
+        return ParallelDims.from_config(parallel).resolve(int(meta["world_size"]))
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{Path(path) / _META} holds a parallel layout this meshlm cannot read ({e}); "
+                              f"{_other_checkpoint_hint(Path(path))}") from None
 
 
 def read_meta(path: str | Path) -> dict:
+    """meta.json of checkpoint `path` (format, step, world_size, config); CheckpointError if it is unusable.
+    Callers verify the checkpoint first (`verify_checkpoint`): this only parses."""
     path = Path(path)
+    meta_file = path / _META
     try:
-        meta = json.loads((path / _META).read_text())
+        meta = json.loads(meta_file.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{str(path)!r} is not a checkpoint (no {_META}); pass a step_N directory "
-                         "or a run directory") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt: {_META} is not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT_VERSION or not {"config", "step", "world_size"} <= set(meta):
-        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this meshlm reads "
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint (no {_META}); pass a step_N directory "
+                              "or a run directory") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"{meta_file} is corrupt ({_one_line(e)}); {_other_checkpoint_hint(path)}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} is corrupt (not a JSON object); {_other_checkpoint_hint(path)}")
+    if meta.get("format") != FORMAT_VERSION or not {"config", "step", "world_size"} <= set(meta) \
+            or not isinstance(meta["config"], dict):
+        raise CheckpointError(f"{meta_file} has format {meta.get('format')!r}; this meshlm reads "
                               f"format {FORMAT_VERSION} (older checkpoints: resume them with the meshlm that wrote "
                               "them, or start afresh)")
     return meta
+
+
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception as one short line (DCP and JSON errors can span many)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def config_from_dict(d: dict) -> Config:
@@ -540,11 +592,13 @@ def config_from_dict(d: dict) -> Config:
 def check_model_config(saved: dict, current: ModelConfig, *, where: str) -> None:
     """Raise ValueError naming every model field whose value differs from the checkpoint's."""
     now = json.loads(json.dumps(current.__dict__))
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
-             for k in sorted(set(saved) | set(now)) if k != "preset" and saved.get(k) != now.get(k)]
-    if diffs:
-        raise ValueError(f"checkpoint {where} was trained with a different model config: " + "; ".join(diffs)
-                         + ". Use the checkpoint's model settings or start a new run_dir.")
+    keys = [k for k in sorted(set(saved) | set(now)) if k != "preset" and saved.get(k) != now.get(k)]
+    if keys:
+        diffs = "; ".join(f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in keys)
+        sets = " ".join(f"--set model.{k}={json.dumps(saved.get(k))}" for k in keys[:3])
+        raise CheckpointError(f"checkpoint {where} was trained with a different model config ({diffs}); use the "
+                              f"checkpoint's model settings ({sets}{' ...' if len(keys) > 3 else ''}) or start "
+                              "a new run_dir")
 
 
 def _dcp_load(state: dict, path: Path) -> None:
@@ -554,24 +608,51 @@ def _dcp_load(state: dict, path: Path) -> None:
             dcp.load(state, checkpoint_id=path)
     # DCP wraps reader failures in CheckpointException, a BaseException subclass, so name it.
     except (Exception, CheckpointException) as e:
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt or incomplete and cannot be loaded: "
-                         f"{type(e).__name__}: {str(e)[:300]}") from e
+        if _peer_failed(e):  # the files were verified: another rank stopped (and said why), not this checkpoint
+            raise CheckpointError(f"loading checkpoint {str(path)!r} stopped because another rank did (see its "
+                                  f"error; {_one_line(e, 80)})") from e
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded ({_one_line(e)}); "
+                              f"{_other_checkpoint_hint(path)}") from e
+
+
+def _peer_failed(e: BaseException) -> bool:
+    """Whether a collective DCP load failed because another rank went away (gloo/NCCL lost the peer)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    text = str(e).lower()
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        s in text for s in ("closed by peer", "reset by peer", "remote worker", "connection refused", "nccl"))
+
+
+def _read_rank_file(rank_file: Path) -> dict:
+    """A rank's extras: plain JSON data (nothing in a rank file runs code)."""
+    try:
+        rank_extra = json.loads(rank_file.read_text())
+        if not isinstance(rank_extra, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{rank_file} is not the JSON meshlm writes ({_one_line(e, 80)}); "
+                              f"{_other_checkpoint_hint(rank_file.parent)}") from None
+    return rank_extra
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    config: Config, rank: int = 0, mesh=None) -> dict:
+                    config: Config, rank: int = 0, mesh=None, checksums: bool = True) -> dict:
     """Load model (+ optimizer) state in place; return {"step", "config", "rank_extra"}.
 
     A tensor-parallel model (see `save_checkpoint`) needs `mesh`; it loads the full tensors and keeps
-    its own slices."""
+    its own slices. `checksums=False`: the caller verified them (`verify_checkpoint`)."""
     path = Path(path)
-    verify_checkpoint(path)  # before any of it is parsed (DCP's .metadata is a pickle)
+    verify_checkpoint(path, checksums=checksums)  # before any of it is parsed (DCP's .metadata is a pickle)
     meta = read_meta(path)
-    check_model_config(meta["config"].get("model", {}), config.model, where=str(path))
+    check_model_config(meta["config"].get("model") or {}, config.model, where=f"{path} ({_META})")
     rank_file = path / f"rank_{rank:05d}.json"
     if rank >= int(meta["world_size"]):
         raise CheckpointError(f"checkpoint {str(path)!r} was saved by {meta['world_size']} ranks and has no "
                               f"{rank_file.name} (this rank's RNG and data position are unknown)")
+    rank_extra = _read_rank_file(rank_file)  # before DCP reads anything
     if optimizer is not None and hasattr(optimizer, "load_full_state_dict"):
         with _full_params(optimizer):
             model_sd, optim_sd = _state_dicts(model, optimizer)
@@ -600,21 +681,21 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         state = {"model": get_model_state_dict(model)}
         _dcp_load(state, path)
         set_model_state_dict(model, state["model"])
-    try:
-        rank_extra = json.loads(rank_file.read_text())  # plain data: nothing in a checkpoint runs code
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{rank_file} cannot be read ({e}); {_other_checkpoint_hint(path)}") from None
     return {"step": int(meta["step"]), "config": meta["config"], "rank_extra": rank_extra}
 
 
-def load_weights(path: str | Path, model: nn.Module) -> None:
+def load_weights(path: str | Path, model: nn.Module, *, checksums: bool = True) -> None:
     """The weights of checkpoint `path` into `model` (the full, unsharded model), from its safetensors
-    files only -- no pickle is read, so a checkpoint from anywhere is safe to generate from."""
+    files only -- no pickle is read, so a checkpoint from anywhere is safe to generate from. Only the files
+    its manifest lists (and verified) are read: a stray file next to them is ignored."""
     path = Path(path)
-    verify_checkpoint(path)
+    listed = verify_checkpoint(path, checksums=checksums)["files"]
     state: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("model_rank_*.safetensors")):
-        state.update(load_file(str(f)))
+    for f in sorted(path / name for name in listed if re.fullmatch(r"model_rank_\d+\.safetensors", name)):
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type is no ValueError
+            raise CheckpointError(f"{f} cannot be read ({_one_line(e, 80)}); {_other_checkpoint_hint(path)}") from None
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no weights for {missing[:3]}"
@@ -629,11 +710,12 @@ def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.devic
     from meshlm.train.data import ByteTokenizer, HFTokenizer
 
     ckpt = resolve_checkpoint(path)
+    listed = verify_checkpoint(ckpt)["files"]  # before meta.json is parsed
     meta = read_meta(ckpt)
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, seed=cfg.train.seed)
-    load_weights(ckpt, model)
-    if (ckpt / "tokenizer.json").exists():
+    load_weights(ckpt, model, checksums=False)  # verified just above
+    if "tokenizer.json" in listed:  # the copy the run saved (verified), never a stray file
         tokenizer = HFTokenizer(ckpt / "tokenizer.json")
     elif cfg.data.tokenizer:
         tokenizer = HFTokenizer(cfg.data.tokenizer)

@@ -175,7 +175,7 @@ class Trainer:
                                  "choose a writable directory") from None
         if resume:  # never deletes anything; check_run_dir made sure there is a complete checkpoint
             self.resumed_from, self.fallback_note = resume_checkpoint(self.run_dir)
-            self.load(self.resumed_from)
+            self.load(self.resumed_from, checksums=False)  # check_run_dir verified it
         elif self.is_main:
             # A fresh run owns its run_dir (with overwrite=True when an earlier run left checkpoints there).
             if (self.run_dir / "checkpoints").is_dir():
@@ -437,7 +437,7 @@ class Trainer:
         self.saved_step = self.step
         return path
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path, *, checksums: bool = True) -> None:
         """Restore model, optimizer, step, this rank's RNG and the data position from a checkpoint.
 
         Under the layout it was saved with (the same parallel degrees), every rank takes its own
@@ -448,10 +448,10 @@ class Trainer:
         rounding, not bit-identical (sums over ranks reorder).
         """
         path = Path(path)
-        saved = saved_layout(path)
+        saved = saved_layout(path, checksums=checksums)  # verifies the checkpoint (checksums: unless done)
         same_layout = saved == self.mesh.dims
         state = load_checkpoint(path, model=self.base_model, optimizer=self.optimizer, config=self.cfg,
-                                rank=self.rank if same_layout else 0, mesh=self.mesh)
+                                rank=self.rank if same_layout else 0, mesh=self.mesh, checksums=False)
         self.step = self.saved_step = state["step"]
         extra = state["rank_extra"]
         self.loader.load_state_dict(extra["loader"])
