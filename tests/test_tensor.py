@@ -263,9 +263,10 @@ def test_bad_sizes_raise_clear_error(overrides, tp, name):
     assert "_meshlm_shard" not in vars(model.layers["0"].attn.wq.weight)  # nothing was changed
 
 
-def test_moe_is_refused():
+def test_moe_under_sequence_parallelism_is_refused():
+    # Without SP the MoE layers run whole on every tp rank (parity: tests/test_train_ep.py).
     cfg = ModelConfig(**dict(DENSE, num_experts=4, num_experts_per_token=2))
-    with pytest.raises(ValueError, match="MoE.*parallel.tp=1: MoE models run under data parallelism"):
+    with pytest.raises(ValueError, match="MoE model.*set parallel.sequence_parallel=false"):
         apply_tensor_parallel(build_model(cfg, seed=0), _fake_mesh(2))
 
 

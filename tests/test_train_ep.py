@@ -54,6 +54,12 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
     "ep2xzero2xdp_shard4": (4, ["parallel.ep=2", "parallel.zero_stage=2"], {"ep", "ep_dp", "dp_shard"}),
     "hybrid_ep2xzero2": (4, ["parallel.ep=2", "parallel.zero_stage=2", "parallel.dp_replicate=2"],
                          {"ep", "ep_dp", "dp_shard", "dp_replicate"}),
+    # tensor parallelism without SP: attention and dense layers split over tp, MoE layers whole on the tp
+    # ranks (the experts split over ep)
+    "tp2_moe": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"], {"tp"}),
+    "ep2xtp2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false"], {"ep", "dp", "tp"}),
+    "ep2xtp2xzero2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false",
+                          "parallel.zero_stage=2"], {"ep", "dp_shard", "tp"}),
     "ep2_capacity": (2, ["parallel.ep=2", "model.capacity_factor=1.0"], {"ep", "dp"}),
     "ep2_bias": (2, ["parallel.ep=2", "model.router_bias_update_rate=0.01"], {"ep", "dp"}),
 }
@@ -79,6 +85,8 @@ def test_layouts_that_cannot_run_yet_are_refused(text_file):
         check_layout(load_config(overrides=[*SMALL_MODEL, "train.seq_len=32", f"data.path={text_file}", "parallel.ep=2"]), 2)
     with pytest.raises(ValueError, match=r"parallel.ep=3 does not divide model.num_experts=4.*\{1,2,4\}"):
         check_layout(make_cfg(text_file, "parallel.ep=3", "train.global_batch_size=6"), 3)
+    with pytest.raises(ValueError, match="sequence_parallel=false"):
+        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.tp=2"), 4)
     with pytest.raises(ValueError, match="zero_stage=3 is not implemented yet"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.zero_stage=3"), 2)
     with pytest.raises(ValueError, match="ep=2 does not divide dp_shard x cp"):

@@ -163,7 +163,7 @@ def test_bad_tensor_parallel_layouts_are_refused_with_the_fix(text_file, tmp_pat
     # without sequence parallelism the sequence is not split
     check_layout(cfg("parallel.tp=4", "model.num_kv_heads=4", "train.seq_len=30",
                      "parallel.sequence_parallel=false"), 4)
-    with pytest.raises(ValueError, match=r"tensor parallelism of MoE layers is not implemented"):
+    with pytest.raises(ValueError, match=r"sequence parallelism of a MoE model .* set parallel.sequence_parallel=false"):
         check_layout(cfg("parallel.tp=2", "model.num_experts=4", "model.num_experts_per_token=2",
                          "model.moe_intermediate_size=32"), 2)
 

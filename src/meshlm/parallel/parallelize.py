@@ -111,7 +111,8 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     if dims.pp > 1:
         check_pipeline_model(cfg.model, dims.pp * cfg.parallel.pp_chunks)
         pp_layers(cfg.parallel, cfg.model, seq_len=t.seq_len)  # raises for counts that do not fit
-    check_tensor_parallel(cfg.model, dims.tp)  # heads, sizes and vocab divisible by tp; no MoE
+    # heads, sizes and vocab divisible by tp; MoE only without sequence parallelism
+    check_tensor_parallel(cfg.model, dims.tp, sequence_parallel=cfg.parallel.sequence_parallel)
     check_context_parallel(cfg.model, dims.cp, seq_len=t.seq_len, tp=dims.tp,
                            sequence_parallel=cfg.parallel.sequence_parallel)
     check_expert_parallel(cfg.model, dims.ep)
@@ -223,7 +224,8 @@ class ParallelModel:
             # The experts are sharded over "ep" (each rank holds its own, reduced over "ep_dp"), the rest is
             # whole after DP's all-reduce: the same rule as tensor parallelism's, on the "ep" axis.
             params = list(self.module.parameters())
-            return lambda grads: tensor_parallel_grad_norm(params, self.mesh, axis="ep")
+            axes = ("tp", "ep") if self.tensor_parallel else ("ep",)
+            return lambda grads: tensor_parallel_grad_norm(params, self.mesh, axes=axes)
         if self.tensor_parallel:
             # After DP's all-reduce the gradients are full over dp but still sharded over tp; the
             # norm needs the parameters' shard metadata, so it reads them rather than `grads`.
@@ -267,7 +269,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if tp != parallel.tp:
         raise ValueError(f"parallel.tp={parallel.tp} but the mesh has tp={tp}; build the mesh from the same "
                          "parallel config")
-    check_tensor_parallel(model.config, tp)
+    check_tensor_parallel(model.config, tp, sequence_parallel=parallel.sequence_parallel)
     cp = mesh.size("cp")
     if cp != parallel.cp:
         raise ValueError(f"parallel.cp={parallel.cp} but the mesh has cp={cp}; build the mesh from the same "

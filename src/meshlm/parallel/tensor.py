@@ -15,7 +15,8 @@ It also gives the trainer what reads that metadata: `tensor_parallel_grad_norm` 
 summed over tp, replicated ones counted once) and `full_state_dict` / `load_full_state_dict`
 (checkpoints hold the full tensors, so they reload under any tp degree).
 Not responsible for: data parallelism over the other axes (`data.py`, `zero.py` then work on the
-TP-local shards), MoE layers (refused; use expert parallelism), KV-cache generation under TP, and
+TP-local shards), MoE layers (left whole and replicated on the tp ranks -- so only without sequence
+parallelism -- the experts being split by expert parallelism), KV-cache generation under TP, and
 the order of transforms (`parallelize.py` applies this one first).
 
 Where the communication goes (n = tp degree; all through `meshlm.comm`, so every byte is counted):
@@ -63,8 +64,9 @@ _MARK = "_meshlm_tensor_parallel"
 # --------------------------------------------------------------------------------------------
 
 
-def check_tensor_parallel(config, tp: int) -> None:
-    """Raise ValueError naming the first model size that `tp` does not divide, and the fix."""
+def check_tensor_parallel(config, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Raise ValueError naming the first model size that `tp` does not divide, and the fix; and for MoE
+    layers under sequence parallelism (they run replicated on the tp ranks, on the whole sequence)."""
     if tp == 1:
         return
     divisible = [("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
@@ -76,10 +78,11 @@ def check_tensor_parallel(config, tp: int) -> None:
                              f"splits it evenly over the tp ranks); choose tp among the divisors "
                              f"{{{choices}}} of {value} (it must also divide the other sizes), "
                              f"or change model.{name} to a multiple of {tp}")
-    if config.is_moe:
-        raise ValueError(f"tensor parallelism of MoE layers is not implemented (model.num_experts="
-                         f"{config.num_experts}); set parallel.tp=1: MoE models run under data parallelism "
-                         "(plain or ZeRO, every rank holding all experts)")
+    if config.is_moe and sequence_parallel:
+        raise ValueError(f"tensor parallelism with sequence parallelism of a MoE model (model.num_experts="
+                         f"{config.num_experts}) is not implemented yet: the MoE layers run replicated on the tp "
+                         "ranks, on the whole sequence; set parallel.sequence_parallel=false (the attention and "
+                         "dense layers are still split over tp, the experts over parallel.ep), or parallel.tp=1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +222,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, *, sequence_parallel: 
     tp = mesh.size(AXIS)
     if getattr(model, _MARK, False):
         raise ValueError("apply_tensor_parallel was applied to this model already; build a fresh model")
-    check_tensor_parallel(model.config, tp)
+    check_tensor_parallel(model.config, tp, sequence_parallel=sequence_parallel)
     if tp == 1:
         return model
     setattr(model, _MARK, True)
@@ -245,7 +248,11 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, *, sequence_parallel: 
         attn.register_forward_hook(_leave_region(mesh, sequence_parallel))
 
         mlp = block.mlp
-        assert isinstance(mlp, MLP) and not isinstance(mlp, MoE)  # MoE was refused above
+        if isinstance(mlp, MoE):
+            # Replicated on the tp ranks (no SP: the residual stream is whole on each): every tp rank
+            # routes the same tokens, and the experts are split over "ep" instead (expert.py).
+            continue
+        assert isinstance(mlp, MLP)
         _column_parallel(mlp.w_gate, mesh)
         _column_parallel(mlp.w_up, mesh)
         _row_parallel(mlp.w_down, mesh)
@@ -336,27 +343,32 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
-def tensor_parallel_grad_norm(params, mesh: Mesh, *, axis: str = AXIS) -> torch.Tensor:
-    """Global L2 norm of the gradients of `params` (collective over `axis`; one float all-reduced).
+def tensor_parallel_grad_norm(params, mesh: Mesh, *, axes: tuple[str, ...] = (AXIS,)) -> torch.Tensor:
+    """Global L2 norm of the gradients of `params` (collective over each of `axes`; one float each).
 
-    A sharded gradient (`_meshlm_shard` on its parameter) contributes its squares from every tp
-    rank; a replicated one holds the full gradient on every rank and is counted once.
+    A sharded gradient (`_meshlm_shard = (axis, dim)` on its parameter) contributes its squares from
+    every rank of its axis ("tp"; expert parallelism's "ep"); a replicated one holds the full gradient on
+    every rank and is counted once. Every axis in `axes` is reduced (so every rank joins the same
+    collectives), whether or not this rank holds a shard of it.
     """
     grads = [(p, p.grad.detach()) for p in params if p.grad is not None]
     # fp32 sums (bf16 and fp32 gradients); fp64 under train.precision=fp64
     dtype = torch.promote_types(grads[0][1].dtype, torch.float32) if grads else torch.float32
-    sharded = torch.zeros((), dtype=dtype)
+    sharded = {axis: torch.zeros((), dtype=dtype) for axis in axes}
     replicated = torch.zeros((), dtype=dtype)
     for p, g in grads:
         sq = torch.linalg.vector_norm(g, dtype=dtype).cpu() ** 2
-        if getattr(p, "_meshlm_shard", None) is not None:
-            sharded = sharded + sq
+        shard = getattr(p, "_meshlm_shard", None)
+        if shard is not None:
+            assert shard[0] in sharded, f"a gradient sharded over {shard[0]!r}, not in {axes}"
+            sharded[shard[0]] = sharded[shard[0]] + sq
         else:
             replicated = replicated + sq
     device = grads[0][1].device if grads else torch.device("cpu")
-    sharded = sharded.to(device).reshape(1).contiguous()
-    comm.all_reduce(sharded, mesh, axis)
-    return (sharded[0] + replicated.to(device)).sqrt()
+    total = replicated.to(device)
+    for axis, sq in sharded.items():
+        total = total + comm.all_reduce(sq.to(device).reshape(1).contiguous(), mesh, axis)[0]
+    return total.sqrt()
 
 
 @torch.no_grad()

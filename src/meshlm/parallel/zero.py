@@ -138,7 +138,7 @@ class ZeroSharding(GradientBuckets):
         # Elements of TP-sharded parameters (None without tensor parallelism): the norm sums them over tp.
         self.tp_sharded = None
         if mesh.size("tp") > 1:
-            flags = {id(p): torch.full_like(p, float(getattr(p, "_meshlm_shard", None) is not None))
+            flags = {id(p): torch.full_like(p, float(getattr(p, "_meshlm_shard", (None,))[0] == "tp"))
                      for b in buckets for p in b.params}
             self.tp_sharded = self.local_shard(flags).bool()  # padding: False (its gradient is zero)
         if stage == 3:
