@@ -367,7 +367,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1  # context parallelism: every sequence split over cp ranks (parallel/context.py)
     cp_method: str = "ring"  # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer)
-    ep: int = 1  # ep > 1: modelled by the planner; the trainer refuses it (not implemented yet)
+    ep: int = 1  # expert parallelism: each rank of an ep group holds num_experts / ep experts (parallel/expert.py)
     zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
     sequence_parallel: bool = True  # with tp > 1
     pp_schedule: str = "1f1b"
