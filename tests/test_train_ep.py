@@ -1,5 +1,6 @@
 """The Trainer under expert parallelism reproduces the single-process dropless MoE, alone and with data
-parallelism (plain and hybrid, ZeRO-1/2: the experts sharded over the ranks holding the same ones), with a
+parallelism (plain and hybrid, ZeRO-1/2: the experts sharded over the ranks holding the same ones), tensor
+parallelism (without SP), pipeline parallelism (every schedule; MoE models under pp too), with a
 capacity factor and with aux-loss-free balancing; layouts that
 cannot run yet are refused before any work.
 
@@ -60,6 +61,13 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
     "ep2xtp2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false"], {"ep", "dp", "tp"}),
     "ep2xtp2xzero2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false",
                           "parallel.zero_stage=2"], {"ep", "dp_shard", "tp"}),
+    # pipeline parallelism: each stage adds its MoE layers' load-balancing losses to its own backward
+    "pp2_moe_1f1b": (2, ["parallel.pp=2"], {"pp"}),
+    "pp2_moe_zero_bubble": (2, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], {"pp"}),
+    "pp2_moe_interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2",
+                                "model.num_layers=4"], {"pp"}),
+    "ep2xpp2": (4, ["parallel.ep=2", "parallel.pp=2"], {"ep", "dp", "pp"}),
+    "ep2xpp2xzero1": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=1"], {"ep", "dp_shard", "pp"}),
     "ep2_capacity": (2, ["parallel.ep=2", "model.capacity_factor=1.0"], {"ep", "dp"}),
     "ep2_bias": (2, ["parallel.ep=2", "model.router_bias_update_rate=0.01"], {"ep", "dp"}),
 }

@@ -208,30 +208,32 @@ class ParallelModel:
 
     @property
     def grad_norm_fn(self) -> Callable[[list[torch.Tensor]], torch.Tensor] | None:
-        """The global gradient norm for clipping; None means the local norm (one process)."""
-        if self.pipeline is not None and self.tensor_parallel and self.zero is None:
-            params = list(self.module.parameters())
-            return lambda grads: pipeline_grad_norm([tensor_parallel_grad_norm(params, self.mesh)], self.mesh)
-        if self.zero is not None and self.pipeline is not None:
-            # ZeRO's norm covers this stage's parameters (its shards summed over dp_shard); stages add up.
-            return lambda grads: pipeline_grad_norm([self.zero.grad_norm_fn(grads)], self.mesh)
+        """The global gradient norm for clipping; None means the local norm (one process).
+
+        This stage's norm (its whole model without pipeline parallelism), then summed over the stages:
+        ZeRO's from its shards; under tensor / expert parallelism from the parameters' shard tags
+        (sharded gradients summed over their axis, replicated ones counted once); else, after DP's
+        reduction, the gradients are whole and the local norm is the stage's."""
+        stage_norm = None
         if self.zero is not None:
-            return self.zero.grad_norm_fn
+            stage_norm = self.zero.grad_norm_fn
+        elif self.tensor_parallel or self.expert_parallel:
+            params = list(self.module.parameters())
+            axes = tuple(a for a, on in (("tp", self.tensor_parallel), ("ep", self.expert_parallel)) if on)
+            stage_norm = lambda grads: tensor_parallel_grad_norm(params, self.mesh, axes=axes)  # noqa: E731
         if self.pipeline is not None:
-            # Each parameter lives on one stage, and after DP's reduction its gradient is whole over dp.
-            return lambda grads: pipeline_grad_norm(grads, self.mesh)
-        if self.expert_parallel:
-            # The experts are sharded over "ep" (each rank holds its own, reduced over "ep_dp"), the rest is
-            # whole after DP's all-reduce: the same rule as tensor parallelism's, on the "ep" axis.
-            params = list(self.module.parameters())
-            axes = ("tp", "ep") if self.tensor_parallel else ("ep",)
-            return lambda grads: tensor_parallel_grad_norm(params, self.mesh, axes=axes)
-        if self.tensor_parallel:
-            # After DP's all-reduce the gradients are full over dp but still sharded over tp; the
-            # norm needs the parameters' shard metadata, so it reads them rather than `grads`.
-            params = list(self.module.parameters())
-            return lambda grads: tensor_parallel_grad_norm(params, self.mesh)
+            if stage_norm is None:  # each parameter lives on one stage, whole over dp after the reduction
+                return lambda grads: pipeline_grad_norm(grads, self.mesh)
+            return lambda grads: pipeline_grad_norm([stage_norm(grads)], self.mesh)
+        if stage_norm is not None:
+            return stage_norm
         return self.data_parallel.grad_norm_fn if self.data_parallel is not None else None
+
+    def reduce_grads(self) -> None:
+        """The data-parallel reduction of gradients accumulated under `no_sync` (the pipeline's step)."""
+        for handle in (self.zero, self.data_parallel, self.expert_data_parallel):
+            if handle is not None:
+                handle.reduce_grads()
 
     def clip_params(self, model: nn.Module) -> list[nn.Parameter]:
         """The tensors whose `.grad` the optimizer steps on, for `clip_grad_norm`: the model's parameters,

@@ -59,6 +59,7 @@ from torch import nn
 
 from meshlm import comm
 from meshlm.mesh import Mesh
+from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer, rope_cos_sin
 from meshlm.parallel.schedules import Action, Schedule, SimResult, Timed, balanced_split, build_schedule, simulate
 
@@ -73,9 +74,6 @@ def check_pipeline_model(config, num_stages: int) -> None:
         raise ValueError("model.tie_embeddings=true shares one weight between the first stage (embedding) "
                          "and the last (output head); the pipeline does not synchronise it yet: set "
                          "model.tie_embeddings=false, or parallel.pp=1")
-    if config.is_moe and num_stages > 1:
-        raise ValueError("MoE models do not run under pipeline parallelism yet (the load-balancing loss is "
-                         "not carried between stages): set parallel.pp=1 for model.num_experts > 0")
     if config.num_layers < num_stages:
         raise ValueError(f"model.num_layers={config.num_layers} must be >= parallel.pp x parallel.pp_chunks = "
                          f"{num_stages} (every stage runs at least one block)")
@@ -90,6 +88,19 @@ def default_layers_per_stage(config, *, pp: int, pp_chunks: int = 1, seq_len: in
     head_units, embed_units = pipeline_units(config, seq_len)
     return balanced_split(config.num_layers, pp=pp, pp_chunks=pp_chunks, head_units=head_units,
                           embed_units=embed_units)
+
+
+class _WithAuxLoss(torch.autograd.Function):
+    """Identity on `h`; in backward it also differentiates `aux` (a loss term computed on this stage) with
+    gradient 1, so a stage adds its own loss terms to the one backward that reaches it."""
+
+    @staticmethod
+    def forward(ctx, h, aux):
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
 
 
 @dataclass
@@ -117,7 +128,7 @@ class PipelineStage:
         return self.stage(chunk) == self.num_stages - 1
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, *, seq_len: int | None = None,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, aux_scale: float = 0.0) -> torch.Tensor:
         """Tokens [b, s] (first stage) or hidden states [b, s, h] in; hidden states, or logits on the
         last stage, out. RoPE's cos/sin are recomputed from the positions, as Transformer.forward does:
         `positions` of the tokens this rank holds (context parallelism: its chunks' true positions), or
@@ -129,6 +140,13 @@ class PipelineStage:
         cos, sin = rope_cos_sin(m.inv_freq, positions, h.dtype)
         for name in self.chunk_layers[chunk]:
             h = m.layers[name](h, cos, sin)
+        if aux_scale and torch.is_grad_enabled():
+            # The MoE load-balancing losses of this chunk's blocks join the backward here, on their own
+            # stage: the loss is computed on the last stage only.
+            aux = [b.mlp.last_aux_loss for b in map(m.layers.__getitem__, self.chunk_layers[chunk])
+                   if isinstance(b.mlp, MoE) and b.mlp.last_aux_loss is not None]
+            if aux:
+                h = _WithAuxLoss.apply(h, torch.stack(aux).sum() * aux_scale)
         if self.is_last(chunk):
             h = m.lm_head(m.norm(h))
         return h
@@ -341,7 +359,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
                       activation_dtype: torch.dtype | None = None, forward_only: bool = False,
                       sequence_shards: int = 1, positions: torch.Tensor | None = None,
-                      axis: str = "pp") -> PipelineStepResult:
+                      aux_scale: float = 0.0, axis: str = "pp") -> PipelineStepResult:
     """Run this rank's actions of `schedule` over `micro_batches` ((inputs, targets) pairs, tokens
     [b, s]; every rank passes the same shapes, only the last stage reads targets); collective over `axis`.
 
@@ -352,6 +370,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     so every stage reports the last stage's value. `sequence_shards`: the hidden states between blocks
     hold seq / sequence_shards positions (tensor parallelism with sequence parallelism: tp). `positions`:
     the true positions of the tokens (context parallelism: this rank's chunks); None: 0..seq-1.
+    `aux_scale`: the weight of each micro-batch's MoE load-balancing loss (coefficient / micro-batches of
+    the global batch), added on the stage that computes it.
     """
     pp, v = stage.pp, stage.pp_chunks
     if mesh.size(axis) != pp or (schedule is not None and (schedule.pp, schedule.pp_chunks) != (pp, v)):
@@ -446,9 +466,10 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                 else:
                     x = received.requires_grad_(not forward_only)
                 if split is not None:
-                    y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions))
+                    y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions,
+                                                                          aux_scale=aux_scale))
                 else:
-                    y = stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions)
+                    y = stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions, aux_scale=aux_scale)
                 if s == S - 1:
                     y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
                     loss_total += y.detach().to(torch.float64)

@@ -265,12 +265,13 @@ class Trainer:
         positions = batches[0][2]
         batches = [(x, y) for x, y, _ in batches]
         with self.parallel.no_sync(), self.autocast():
+            # The MoE load-balancing loss, a mean over the global batch's micro-batches (as `micro_step`).
+            aux_scale = self.cfg.model.router_aux_loss_coef / (len(batches) * self.dp_size) if self.moe else 0.0
             result = run_pipeline_step(self.parallel.pipeline, schedule, batches, mesh=self.mesh,
                                        num_tokens=num_tokens, activation_dtype=self.dtype, loss_fn=self.loss_sum,
-                                       sequence_shards=self.sequence_shards, positions=positions)
-        buckets = self.parallel.zero or self.parallel.data_parallel
-        if buckets is not None:
-            buckets.reduce_grads()
+                                       sequence_shards=self.sequence_shards, positions=positions,
+                                       aux_scale=aux_scale)
+        self.parallel.reduce_grads()
         self.pipeline_result = result  # this rank's actions of the last step (timeline), its peak activations
         if self.step < TIMELINE_STEPS:  # the first steps' timelines, for `meshlm plan schedule --from-run`
             write_timeline(self.run_dir, rank=self.rank, step=self.step + 1, schedule=schedule,
