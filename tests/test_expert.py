@@ -74,6 +74,30 @@ def test_ep_groups_are_runs_of_dp_shard_cp_and_ep_dp_holds_the_same_experts():
         ep_group_ranks(dims, 0, 3)
 
 
+def _duplicate_rank(rank, world_size):
+    import torch.distributed as dist
+
+    mesh = expert_mesh(build_mesh(ParallelDims(dp_shard=4, ep=2), device_type="cpu"), 2)
+    twin = mesh.duplicate("ep", "ep_dp")
+    out = {}
+    for axis in ("ep", "ep_dp"):
+        assert twin.group(axis) is not mesh.group(axis)
+        out[axis] = (dist.get_process_group_ranks(twin.group(axis)), twin.ranks(axis),
+                     comm.all_reduce(torch.tensor([rank]), twin, axis).item())
+    bare = mesh.with_axes({"bare": (mesh.ranks("ep"), mesh.group("ep"))})  # no `every`: cannot be created again
+    with pytest.raises(ValueError, match="without `every`"):
+        bare.duplicate("bare")
+    return out
+
+
+def test_the_ep_axes_can_be_duplicated():
+    """`Mesh.duplicate` creates the ep and ep_dp groups again (ZeRO-3 gathers the experts on its own groups)."""
+    for rank, got in enumerate(run_distributed(_duplicate_rank, 4)):
+        dims = ParallelDims(dp_shard=4, ep=2).resolve(4)
+        for axis, members in (("ep", ep_group_ranks(dims, rank, 2)), ("ep_dp", ep_dp_group_ranks(dims, rank, 2))):
+            assert got[axis] == (members, members, sum(members)), (rank, axis)
+
+
 def test_one_process_ep1_is_the_reference_and_refuses_misuse():
     mesh = build_mesh(ParallelDims(), device_type="cpu")
     with pytest.raises(ValueError, match="needs a mesh with an 'ep' axis"):

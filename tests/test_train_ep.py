@@ -1,5 +1,5 @@
 """The Trainer under expert parallelism reproduces the single-process dropless MoE, alone and with data
-parallelism (plain and hybrid, ZeRO-1/2: the experts sharded over the ranks holding the same ones), tensor
+parallelism (plain and hybrid, ZeRO-1/2/3: the experts sharded over the ranks holding the same ones), tensor
 parallelism (without SP), pipeline parallelism (every schedule; MoE models under pp too), with a
 capacity factor and with aux-loss-free balancing; layouts that
 cannot run yet are refused before any work.
@@ -55,12 +55,23 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
     "ep2xzero2xdp_shard4": (4, ["parallel.ep=2", "parallel.zero_stage=2"], {"ep", "ep_dp", "dp_shard"}),
     "hybrid_ep2xzero2": (4, ["parallel.ep=2", "parallel.zero_stage=2", "parallel.dp_replicate=2"],
                          {"ep", "ep_dp", "dp_shard", "dp_replicate"}),
+    # ZeRO-3: the dense parameters of each block (and the root: embedding, norm, head) gathered over
+    # dp_shard, the block's experts over ep_dp (size 1 on 2 ranks: nothing to gather); hybrid with a
+    # dense first block, which the experts' sharding has no unit for
+    "ep2xzero3": (2, ["parallel.ep=2", "parallel.zero_stage=3"], {"ep", "dp_shard"}),
+    "ep2xzero3xdp_shard4": (4, ["parallel.ep=2", "parallel.zero_stage=3"], {"ep", "ep_dp", "dp_shard"}),
+    "hybrid_ep2xzero3_dense_first": (4, ["parallel.ep=2", "parallel.zero_stage=3", "parallel.dp_replicate=2",
+                                         "model.first_dense_layers=1"], {"ep", "ep_dp", "dp_shard", "dp_replicate"}),
+    "ep2xzero3_recompute": (2, ["parallel.ep=2", "parallel.zero_stage=3", "parallel.recompute=full"],
+                            {"ep", "dp_shard"}),
     # tensor parallelism without SP: attention and dense layers split over tp, MoE layers whole on the tp
     # ranks (the experts split over ep)
     "tp2_moe": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"], {"tp"}),
     "ep2xtp2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false"], {"ep", "dp", "tp"}),
     "ep2xtp2xzero2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false",
                           "parallel.zero_stage=2"], {"ep", "dp_shard", "tp"}),
+    "ep2xtp2xzero3": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false",
+                          "parallel.zero_stage=3"], {"ep", "dp_shard", "tp"}),
     # pipeline parallelism: each stage adds its MoE layers' load-balancing losses to its own backward
     "pp2_moe_1f1b": (2, ["parallel.pp=2"], {"pp"}),
     "pp2_moe_zero_bubble": (2, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], {"pp"}),
@@ -95,20 +106,22 @@ def test_layouts_that_cannot_run_yet_are_refused(text_file):
         check_layout(make_cfg(text_file, "parallel.ep=3", "train.global_batch_size=6"), 3)
     with pytest.raises(ValueError, match="sequence_parallel=false"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.tp=2"), 4)
-    with pytest.raises(ValueError, match="zero_stage=3 is not implemented yet"):
-        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.zero_stage=3"), 2)
+    with pytest.raises(ValueError, match="zero_stage=3 with parallel.pp=2 is not implemented yet"):
+        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"), 4)
     with pytest.raises(ValueError, match="ep=2 does not divide dp_shard x cp"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.dp_replicate=2"), 2)
 
 
-def test_a_checkpoint_saved_under_ep_x_zero2_resumes_in_one_process(tmp_path, text_file):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_saved_under_ep_x_zero_resumes_in_one_process(tmp_path, text_file, stage):
     """The checkpoint holds the reference layout (experts gathered over "ep", their ZeRO moments over
     "ep_dp"): one process resumes it and continues as the uninterrupted one-process run does."""
     from meshlm.train.trainer import Trainer
 
     steps = ["train.steps=4", "train.precision=fp64", "train.val_batches=0", "train.sample_tokens=0",
              "train.progress=false"]
-    saved = make_cfg(text_file, *steps, "parallel.ep=2", "parallel.zero_stage=2", f"train.run_dir={tmp_path / 'ep'}")
+    saved = make_cfg(text_file, *steps, "parallel.ep=2", f"parallel.zero_stage={stage}",
+                     f"train.run_dir={tmp_path / 'ep'}")
     run_distributed(train_until, 2, saved, 2)
     resumed = make_cfg(text_file, *steps, f"train.run_dir={tmp_path / 'ep'}")
     Trainer(resumed, resume=True).train()

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dist import run_distributed
-from meshlm.config import TrainConfig, load_config
+from meshlm.config import ModelConfig, TrainConfig, load_config
 from meshlm.mesh import ParallelDims, build_mesh
+from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout
 from meshlm.parallel.zero import apply_zero
 from meshlm.train.optim import build_optimizer
@@ -236,3 +237,32 @@ def test_plain_checkpoint_resumes_under_zero(tmp_path, text_file, reference, sta
     for metric in ("loss", "grad_norm"):
         assert_close_seq([x[metric] for x in rows], [x[metric] for x in want], rtol=FP32_REL,
                          what=f"plain checkpoint resumed under zero_stage={stage}: {metric}")
+
+
+def test_zero3_over_part_of_a_model_has_units_only_where_that_part_has_parameters():
+    """Expert parallelism's two ZeRO-3 shardings of one model (here both in one process): the experts'
+    has a unit per MoE block and no root unit, the rest's a unit per block plus the root; together they
+    compute the plain model's gradients and leave every parameter freed."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=3, num_heads=2, num_kv_heads=1, intermediate_size=32,
+                      max_seq_len=16, num_experts=4, num_experts_per_token=2, moe_intermediate_size=8,
+                      first_dense_layers=1)
+    model, ref = (build_model(cfg, seed=0, dtype=torch.float64) for _ in range(2))
+    mesh = build_mesh(ParallelDims(), device_type="cpu")
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    dense = [p for n, p in model.named_parameters() if ".experts." not in n]
+    rest = apply_zero(model, mesh, stage=3, bucket_size_mb=1.0, params=dense)
+    expert_zero = apply_zero(model, mesh, stage=3, bucket_size_mb=1.0, params=experts, replicate_axis=None)
+    blocks = list(model.layers.values())
+    assert [b.unit for b in rest.buckets] == [*reversed(blocks), model] and rest.root is rest.buckets[-1]
+    assert [b.unit for b in expert_zero.buckets] == [blocks[2], blocks[1]] and expert_zero.root is None  # 0 is dense
+    first, second = expert_zero.buckets[1], expert_zero.buckets[0]  # blocks 1 and 2
+    assert (first.next_forward, second.next_forward, second.next_backward, first.next_backward) == \
+        (second, None, first, None)
+    assert all(len(b.params) == 3 for b in expert_zero.buckets)  # w_gate, w_up, w_down
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for m in (model, ref):
+        m(tokens).sum().backward()
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    for part in (rest, expert_zero):
+        want = part.local_shard({id(p): r.grad for p, r in zip(model.parameters(), ref.parameters())})
+        torch.testing.assert_close(part.grad_shard, want, rtol=0, atol=FP64_TOL)

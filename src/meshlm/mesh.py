@@ -183,6 +183,29 @@ def group_ranks(dims: ParallelDims, rank: int, axis: str) -> list[int]:
     return ranks
 
 
+def every_group(world_size: int, members_of) -> list[list[int]]:
+    """The groups of one axis, each once, in the order of their lowest rank (the same on every rank):
+    `members_of(rank)` gives the global ranks of `rank`'s group."""
+    every = []
+    for r in range(world_size):
+        ranks = members_of(r)
+        if ranks not in every:
+            every.append(ranks)
+    return every
+
+
+def create_groups(every: list[list[int]], rank: int):
+    """Create one process group per entry of `every` (the ranks of each group of one axis) and return
+    the one holding `rank` (None if none does). Collective over the world: every rank must call it
+    with the same `every`, since every rank takes part in creating every group, in the same order."""
+    mine = None
+    for ranks in every:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 class Mesh:
     """Named process groups over the world, plus the `CommStats` of everything sent over them.
 
@@ -202,7 +225,8 @@ class Mesh:
         self._views = views or {}  # flattened axis name -> its 1-D DeviceMesh
         self.stats = stats if stats is not None else CommStats()
         self._groups = groups or {}  # axis -> ProcessGroup replacing the device mesh's (see `duplicate`)
-        # axis -> (global ranks of this rank's group by coordinate, its ProcessGroup); see `with_axes`
+        # axis -> (global ranks of this rank's group by coordinate, its ProcessGroup, the ranks of every
+        # group of the axis or None); see `with_axes`
         self._extra_axes = extra_axes or {}
         self.coords = rank_coords(dims, rank)
 
@@ -244,35 +268,38 @@ class Mesh:
     def duplicate(self, *axes: str) -> "Mesh":
         """The same layout with new, independent process groups for `axes` (the other axes keep
         this mesh's groups) and this mesh's CommStats; collective over the world (every rank must
-        call it, with the same axes).
+        call it, with the same axes). An axis added by `with_axes` can be duplicated when it was
+        added with `every` (the ranks of each of its groups).
 
         For a strategy that issues two streams of collectives on one axis whose relative order is
         not the same on every rank (ZeRO-3's parameter gathers next to its gradient reduce-scatters):
         each stream on its own group stays in order."""
         if self.device_mesh is None:
             return self
-        groups = dict(self._groups)
+        groups, extra_axes = dict(self._groups), dict(self._extra_axes)
         for axis in axes:
             if self.size(axis) == 1:
                 continue
-            every = []  # each group of the axis once, in the same order on every rank
-            for r in range(self.world_size):
-                ranks = group_ranks(self.dims, r, axis)
-                if ranks not in every:
-                    every.append(ranks)
-            for ranks in every:
-                group = dist.new_group(ranks)  # every rank takes part in creating every group
-                if self.rank in ranks:
-                    groups[axis] = group
+            if axis in extra_axes:
+                ranks, _, every = extra_axes[axis]
+                if every is None:
+                    raise ValueError(f"axis {axis!r} was added by with_axes without `every`: its groups cannot "
+                                     "be created again; pass every= to with_axes")
+                extra_axes[axis] = (ranks, create_groups(every, self.rank), every)
+            else:
+                every = every_group(self.world_size, lambda r: group_ranks(self.dims, r, axis))  # noqa: B023
+                groups[axis] = create_groups(every, self.rank)
         return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
-                    views=self._views, stats=self.stats, groups=groups, extra_axes=self._extra_axes)
+                    views=self._views, stats=self.stats, groups=groups, extra_axes=extra_axes)
 
-    def with_axes(self, axes: dict) -> "Mesh":
+    def with_axes(self, axes: dict, *, every: dict | None = None) -> "Mesh":
         """This mesh (same groups, same CommStats) plus axes it does not derive from `dims`: `axes`
         maps a new axis name to (the global ranks of this rank's group in coordinate order, its
         ProcessGroup -- None where the group has one rank). The caller creates the groups (every
-        rank takes part in creating every group); `meshlm.parallel.expert.expert_mesh` adds "ep"
-        and "ep_dp" this way. `duplicate` keeps these axes' groups as they are."""
+        rank takes part in creating every group, e.g. with `create_groups`); `every` may map an
+        axis to the ranks of each of its groups, in the order they were created, which lets
+        `duplicate` create them again. `meshlm.parallel.expert.expert_mesh` adds "ep" and "ep_dp" this way."""
+        every = every or {}
         for axis, (ranks, _) in axes.items():
             if axis in ALL_AXES:
                 raise ValueError(f"axis {axis!r} is one of the mesh's own axes {list(ALL_AXES)}; choose another name")
@@ -280,7 +307,7 @@ class Mesh:
                 raise ValueError(f"axis {axis!r}: rank {self.rank} is not in its own group {list(ranks)}")
         return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
                     views=self._views, stats=self.stats, groups=self._groups,
-                    extra_axes={**self._extra_axes, **{a: (list(r), g) for a, (r, g) in axes.items()}})
+                    extra_axes={**self._extra_axes, **{a: (list(r), g, every.get(a)) for a, (r, g) in axes.items()}})
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.size(a)}" for a in AXES)

@@ -35,12 +35,11 @@ import itertools
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from meshlm import comm
-from meshlm.mesh import Mesh, ParallelDims, group_ranks, rank_coords
+from meshlm.mesh import Mesh, ParallelDims, create_groups, every_group, group_ranks, rank_coords
 from meshlm.models.moe import Experts, MoE
 
 AXIS = "ep"
@@ -82,24 +81,19 @@ def expert_mesh(mesh: Mesh, ep: int | None = None) -> Mesh:
 
     `ep` defaults to `mesh.dims.ep`. Every rank creates every group, in the same order; a group of
     one rank (and every group of a one-process world) is None, which `meshlm.comm` never touches.
+    The ranks of every group go with the axes, so `Mesh.duplicate` can create them again (ZeRO-3's
+    parameter gathers over "ep_dp").
     """
     ep = mesh.dims.ep if ep is None else ep
     _check_ep(mesh.dims, ep)
-    axes = {}
+    axes, every = {}, {}
     for axis, members_of in ((AXIS, ep_group_ranks), (DATA_AXIS, ep_dp_group_ranks)):
         mine, group = members_of(mesh.dims, mesh.rank, ep), None
+        every[axis] = every_group(mesh.world_size, lambda r: members_of(mesh.dims, r, ep))  # noqa: B023
         if len(mine) > 1 and mesh.device_mesh is not None:  # the same size on every rank: all agree
-            every = []
-            for r in range(mesh.world_size):
-                ranks = members_of(mesh.dims, r, ep)
-                if ranks not in every:
-                    every.append(ranks)
-            for ranks in every:
-                created = dist.new_group(ranks)
-                if mesh.rank in ranks:
-                    group = created
+            group = create_groups(every[axis], mesh.rank)
         axes[axis] = (mine, group)
-    return mesh.with_axes(axes)
+    return mesh.with_axes(axes, every=every)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ model is split into this rank's stage first; with tensor parallelism, data paral
 ZeRO-1/2 -- and recomputation), and context parallelism (parallel.cp, `meshlm.parallel.context`: every
 attention attends across the cp ranks; the cp ranks join the data-parallel ones in the gradient
 reduction, "dp_cp", and in ZeRO's sharding, "dp_shard_cp"; the trainer feeds this rank's chunks of
-every sequence). Expert parallelism, and pp with ZeRO-3, raise a ValueError naming their setting
-before anything is built, so a layout the code cannot run never half-starts.
+every sequence), and expert parallelism (parallel.ep, `meshlm.parallel.expert`: with data parallelism,
+plain or ZeRO-1/2/3, the experts' gradients -- and under ZeRO their shards -- over "ep_dp", the ranks
+holding the same experts). pp with ZeRO-3 raises a ValueError naming its setting before anything is
+built, so a layout the code cannot run never half-starts.
 """
 
 from __future__ import annotations
@@ -50,11 +52,6 @@ _MARK = "_meshlm_parallelized"
 
 def check_supported(parallel: ParallelConfig) -> None:
     """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    if parallel.ep > 1 and parallel.zero_stage == 3:
-        raise ValueError(f"parallel.ep={parallel.ep} with parallel.zero_stage=3 is not implemented yet; what runs "
-                         "under expert parallelism: data parallelism (parallel.dp_shard, hybrid with parallel."
-                         "dp_replicate), plain or ZeRO-1/2 (the experts sharded over the ranks holding the same "
-                         "ones), and parallel.recompute; set parallel.zero_stage=2, or parallel.ep=1")
     if parallel.pp > 1 and parallel.zero_stage == 3:
         # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone or
         # with tensor parallelism, data parallelism (plain or ZeRO-1/2) and recomputation. ZeRO-3 gathers
@@ -306,7 +303,8 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
                                  broadcast=broadcast, params=dense)
         if experts:
             # ep_dp spans the replicas too: one sharding over all of it, no replica all-reduce; the
-            # other experts' squares join the gradient norm over "ep".
+            # other experts' squares join the gradient norm over "ep". ZeRO-3: both shardings gather
+            # per block (the experts have no root unit), each on its own duplicated groups.
             expert_zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
                                      broadcast=broadcast, params=experts, shard_axis="ep_dp", replicate_axis=None,
                                      data_axis="ep_dp", other_shards_axis="ep")

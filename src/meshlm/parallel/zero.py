@@ -55,6 +55,12 @@ Context parallelism (cp > 1): the cp ranks of a replica are data-parallel ranks 
 (same weights, different tokens), so everything above happens over "dp_shard_cp" (dp_shard x cp)
 instead of "dp_shard", and the initial broadcast over "dp_cp".
 
+Expert parallelism (ep > 1): two shardings of one model, used as one (`ZeroGroup`): the experts over
+"ep_dp" (the ranks holding the same experts, across replicas: no replica all-reduce), everything else
+as above; each is built with `params=` its parameters. Under stage 3 both gather per block -- the
+rest's units hold a block's dense parameters (plus the root unit), the experts' units a block's experts
+only (no root unit; no unit for a dense block) -- and each gathers on its own duplicated groups.
+
 Tensor parallelism underneath (tp > 1): ZeRO works on the TP-local shards, which are ordinary local
 tensors to it; only the gradient norm needs to know which elements are TP shards (summed over "tp")
 and which are replicated over tp (norm weights: counted once). The flat mask `tp_sharded` says so.
@@ -109,7 +115,6 @@ class ZeroSharding(GradientBuckets):
             if p.dtype not in (torch.float32, torch.float64):
                 raise ValueError(f"parameter {name} is {p.dtype}; ZeRO keeps fp32 master weights, build the "
                                  "model in fp32 and use train.precision=bf16 for bf16 compute")
-        assert params is None or stage < 3, "ZeRO-3 shards whole units (blocks): all the model's parameters"
         self.model, self.mesh, self.stage = model, mesh, stage
         # Context parallelism: the cp ranks of a replica hold the same parameters and see different
         # tokens, exactly like dp_shard ranks, so they share the sharding (see the module doc).
@@ -121,7 +126,7 @@ class ZeroSharding(GradientBuckets):
         # the gradient norm sums their squares too.
         self.other_shards_axis = other_shards_axis
         self.num_shards, self.shard_rank = mesh.size(self.shard_axis), mesh.local_rank(self.shard_axis)
-        groups = self._unit_groups() if stage == 3 else group_by_size(model, bucket_size_mb, params=params)
+        groups = self._unit_groups(params) if stage == 3 else group_by_size(model, bucket_size_mb, params=params)
         buckets, offset = [], 0
         for params, names in groups:
             buckets.append(_ShardedBucket(len(buckets), params, names, self.num_shards, offset))
@@ -148,16 +153,22 @@ class ZeroSharding(GradientBuckets):
                 self._hooks += [b.unit.register_forward_pre_hook(lambda m, a, b=b: self._use(b, b.next_forward)),
                                 b.unit.register_forward_hook(lambda m, a, o, b=b: self._after_forward(b, o))]
 
-    def _unit_groups(self) -> list[tuple[list[nn.Parameter], list[str]]]:
+    def _unit_groups(self, only: list[nn.Parameter] | None) -> list[tuple[list[nn.Parameter], list[str]]]:
         """ZeRO-3: one bucket per transformer block, in backward order, then the rest (embedding, final
-        norm, head) -- the units whose parameters are gathered around their forward and backward."""
+        norm, head) -- the units whose parameters are gathered around their forward and backward.
+
+        `only`: just these of the model's parameters (expert parallelism shards the experts and the
+        rest over different groups, as two shardings of the same blocks). A unit left with no
+        parameters gets no bucket: the experts' sharding has no root unit, nor units for dense blocks."""
         self._units = []
         layers = getattr(self.model, "layers", None)
         blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
         name_of = {id(p): name for name, p in trainable_parameters(self.model)}
+        keep = None if only is None else {id(p) for p in only}
         groups, seen = [], set()
         for unit in [*reversed(blocks), self.model]:
-            params = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
+            params = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen
+                      and (keep is None or id(p) in keep)]
             seen.update(id(p) for p in params)
             if params:
                 groups.append((params, [name_of[id(p)] for p in params]))
@@ -165,12 +176,15 @@ class ZeroSharding(GradientBuckets):
         return groups
 
     def _link_units(self) -> None:
-        """Forward runs the root (embedding...) then blocks 0..N-1; backward the root's head, then N-1..0."""
+        """Forward runs the root (embedding...), if this sharding has one, then blocks 0..N-1; backward
+        the root's head, then N-1..0."""
         for b, unit in zip(self.buckets, self._units):
             b.unit = unit
-        root, blocks_backward = self.buckets[-1], self.buckets[:-1]
-        forward = [root, *reversed(blocks_backward)]
-        backward = [root, *blocks_backward]
+        self.root = next((b for b in self.buckets if b.unit is self.model), None)
+        blocks_backward = [b for b in self.buckets if b is not self.root]
+        head = [self.root] if self.root is not None else []
+        forward = [*head, *reversed(blocks_backward)]
+        backward = [*head, *blocks_backward]
         for order, attr in ((forward, "next_forward"), (backward, "next_backward")):
             for b, nxt in zip(order, order[1:]):
                 setattr(b, attr, nxt)
@@ -209,11 +223,10 @@ class ZeroSharding(GradientBuckets):
         self.gather(bucket)
         if upcoming is not None:
             self._start_gather(upcoming)
-        root = self.buckets[-1]
-        if backward and bucket is not root:
+        if backward and self.root is not None and bucket is not self.root:
             # The root's backward reads its weights only up to here (head, final norm); what is left of
             # it, the embedding lookup's backward, reads none: free it now, not after the last block.
-            self.free(root)
+            self.free(self.root)
 
     def free(self, bucket: _ShardedBucket) -> None:
         if self.stage < 3:
@@ -230,7 +243,7 @@ class ZeroSharding(GradientBuckets):
         backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
         # The root unit's backward (head, final norm) starts right after its forward ends: keep it
         # rather than free and gather it again (as FSDP2 does for its root).
-        if not (backward_follows and bucket is self.buckets[-1]):
+        if not (backward_follows and bucket is self.root):
             self.free(bucket)
         if backward_follows:
             # The gradient of the unit's output arrives just before the unit's own backward: gather
@@ -404,11 +417,11 @@ def apply_zero(model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: floa
                broadcast: bool = True, **axes) -> ZeroSharding:
     """Shard optimizer state (stage 1), gradients (2) and parameters (3) of `model` over "dp_shard", in place.
 
-    Collective over "dp" (and, stage 3, over the whole world once, to create the gather groups). Build
-    the optimizer with `ZeroAdamW(zero, ...)` (`train.optim.build_optimizer` does when given the
-    handle). `broadcast=True` starts every replica from dp coordinate 0's weights. `axes`: the
-    `ZeroSharding` keywords for a part of the model over other groups (params, shard_axis,
-    replicate_axis, data_axis, other_shards_axis; see `ZeroGroup`).
+    Collective over "dp" (and, stage 3, over the whole world once, to create the gather groups: every
+    rank applies the same shardings in the same order). Build the optimizer with `ZeroAdamW(zero, ...)`
+    (`train.optim.build_optimizer` does when given the handle). `broadcast=True` starts every replica
+    from dp coordinate 0's weights. `axes`: the `ZeroSharding` keywords for a part of the model over
+    other groups (params, shard_axis, replicate_axis, data_axis, other_shards_axis; see `ZeroGroup`).
     """
     zero = ZeroSharding(model, mesh, stage=stage, bucket_size_mb=bucket_size_mb, **axes)
     if broadcast:
