@@ -46,6 +46,9 @@ def _add_train(sub) -> None:
         "--nproc ranks on this node. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out.")
     launch.add_argument("--nproc", type=int, default=0, metavar="N",
                         help="ranks on this node (CPU: gloo, one thread each; GPU: NCCL, one device each)")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="when a rank dies, restart all ranks up to R times; they resume from the newest "
+                             "complete checkpoint of the run by themselves (default 0: the run fails)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="nodes taking part; each runs this command once (default 1)")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
@@ -174,22 +177,44 @@ def cmd_train(args) -> int:
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
         raise ValueError("--nnodes/--rdzv-endpoint/--node-rank need --nproc N (ranks per node)")
     _, world_size, _ = read_launch_env()
+    from meshlm.distributed import restart_count
     from meshlm.parallel.parallelize import check_layout
+    from meshlm.train.checkpoint import has_complete_checkpoint
 
     check_layout(cfg, world_size)  # before the process group: a bad layout fails fast, with one line
-    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
-    return _train_this_rank(cfg, resume=args.resume, overwrite=args.overwrite, distributed=under_launcher)
+    resume, overwrite, restarts = args.resume, args.overwrite, restart_count() if under_launcher else 0
+    if restarts:
+        # The launcher restarted every rank after one failed (--max-restarts): continue from the newest
+        # complete checkpoint of this run, or, if it died before the first one, start it again.
+        resume = has_complete_checkpoint(cfg.train.run_dir)
+        overwrite = not resume
+    check_run_dir(cfg.train.run_dir, resume=resume, overwrite=overwrite, model=cfg.model)
+    return _train_this_rank(cfg, resume=resume, overwrite=overwrite, distributed=under_launcher, restarts=restarts)
 
 
-def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool) -> int:
-    from meshlm.distributed import init_distributed, teardown_distributed
+def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int = 0) -> int:
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    run = _run_rank
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        # Started by torch elastic: an exception also goes to the error file it names, so that the
+        # launcher's last line can say why the first failed rank failed.
+        run = record(_run_rank)
+    return run(cfg, resume=resume, overwrite=overwrite, distributed=distributed, restarts=restarts)
+
+
+def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int) -> int:
+    from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
     from meshlm.train.trainer import Trainer, resolve_device
 
     if distributed:
-        init_distributed(resolve_device(cfg.train.device).type)
+        exit_with_parent()  # a killed launcher takes its ranks with it (no orphans training on)
+        init_distributed(resolve_device(cfg.train.device).type, timeout_s=cfg.parallel.collective_timeout_s)
     finished = False
     try:
-        trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, restarts=restarts)
         trainer.train()
         if cfg.train.sample_tokens > 0:
             # Every rank generates (the same tokens: same weights, same seed): under ZeRO-3 each
@@ -225,7 +250,10 @@ def _launch_ranks(args, cfg) -> int:
     if cfg.train.device != "cpu" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
         raise ValueError(f"--nproc={args.nproc} but this node has {torch.cuda.device_count()} CUDA devices (one "
                          f"per rank); use --nproc <= {torch.cuda.device_count()}, or train.device=cpu")
-    launcher = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc)]
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
+    launcher = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc),
+                "--max-restarts", str(args.max_restarts)]
     if args.rdzv_endpoint is None:
         launcher += ["--standalone"]  # one node: a private c10d rendezvous on a free local port
     elif args.node_rank is None:
@@ -246,10 +274,25 @@ def _launch_ranks(args, cfg) -> int:
     except ChildFailedError as e:
         failed = sorted(e.failures.items())
         codes = sorted({f.exitcode for _, f in failed})
-        print(f"meshlm train: {len(failed)} rank(s) failed (global ranks {[r for r, _ in failed]}, exit codes "
-              f"{codes}); their errors are printed above", file=sys.stderr)
+        print(f"meshlm train: {first_failure(e)}", file=sys.stderr)
         return launch_exit_code(codes)
     return 0
+
+
+def first_failure(error) -> str:
+    """One line on the rank that failed first (the others are mostly the launcher's teardown of them)."""
+    rank, failure = error.get_first_failure()
+    if failure.exitcode < 0:
+        why = f"killed by {failure.signal_name()}"
+    else:
+        message = failure.message
+        while isinstance(message, dict):  # the error file of a rank that raised (`record`): its exception
+            message = message.get("message", "")
+        lines = [line for line in str(message or "").strip().splitlines() if line.strip()]
+        why = f"exit code {failure.exitcode}" + (f": {lines[-1][:600]}" if lines else "")
+    others = len(error.failures) - 1
+    return (f"rank {rank} failed first ({why})" + (f"; {others} other rank(s) stopped after it" if others else "")
+            + "; its error is printed above")
 
 
 def launch_exit_code(codes: list[int]) -> int:

@@ -132,21 +132,40 @@ class CommStats:
 # --------------------------------------------------------------------------------------------
 
 
+class CollectiveError(RuntimeError):
+    """A collective that did not complete -- a peer rank stopped, died or diverged, or the wait exceeded the
+    process group's timeout (parallel.collective_timeout_s) -- named by rank, op and mesh axis."""
+
+
+def _failed(error: Exception, where: tuple[int, list[int]] | None, op: str, axis: str,
+            seconds: float) -> CollectiveError:
+    text = str(error).strip()
+    first = text.splitlines()[0][:200] if text else type(error).__name__
+    rank, ranks = where if where is not None else ("?", "?")
+    return CollectiveError(f"rank {rank}: {op} on mesh axis {axis!r} (global ranks {ranks}) failed after "
+                           f"{seconds:.1f} s: {first} -- a peer rank stopped, died or diverged "
+                           "(parallel.collective_timeout_s bounds the wait)")
+
+
 class CommHandle:
     """An in-flight asynchronous collective. `wait()` blocks, counts the wait, returns the result."""
 
     def __init__(self, works: Sequence, stats: CommStats, op: str, axis: str, result=None,
-                 finalize: Callable | None = None):
+                 finalize: Callable | None = None, where: tuple[int, list[int]] | None = None):
         self._works = [w for w in works if w is not None]
         self._stats, self._op, self._axis = stats, op, axis
         self._result, self._finalize = result, finalize
+        self._where = where  # (this rank, the group's global ranks), for an error that names them
         self._done = False
 
     def wait(self):
         if not self._done:
             start = time.perf_counter()
-            for w in self._works:
-                w.wait()
+            try:
+                for w in self._works:
+                    w.wait()
+            except RuntimeError as e:  # torch's DistBackendError is one
+                raise _failed(e, self._where, self._op, self._axis, time.perf_counter() - start) from e
             self._stats.add_seconds(self._op, self._axis, time.perf_counter() - start)
             if self._finalize is not None:
                 self._result = self._finalize()
@@ -190,11 +209,14 @@ def _run(mesh: "Mesh", axis: str, op: str, nbytes: int, call: Callable, async_op
     """Issue `call(group)` (which returns a Work or a list of Works when async), count it, return."""
     group = mesh.group(axis)
     start = time.perf_counter()
-    works = call(group)
+    try:
+        works = call(group)
+    except RuntimeError as e:  # torch's DistBackendError is one
+        raise _failed(e, (mesh.rank, mesh.ranks(axis)), op, axis, time.perf_counter() - start) from e
     mesh.stats.record(op, axis, nbytes, time.perf_counter() - start)
     if async_op:
         works = works if isinstance(works, list) else [works]
-        return CommHandle(works, mesh.stats, op, axis, result, finalize)
+        return CommHandle(works, mesh.stats, op, axis, result, finalize, where=(mesh.rank, mesh.ranks(axis)))
     return finalize() if finalize is not None else result
 
 
@@ -370,7 +392,7 @@ def batch_isend_irecv(ops: Sequence[P2P], mesh: "Mesh", axis: str) -> CommHandle
     for i, op in enumerate(ops):
         mesh.stats.record(op.kind, axis, _nbytes(op.tensor), seconds if i == 0 else 0.0)
     wait_op = "recv" if any(op.kind == "recv" for op in ops) else "send"
-    return CommHandle(works, mesh.stats, wait_op, axis, None)
+    return CommHandle(works, mesh.stats, wait_op, axis, None, where=(mesh.rank, mesh.ranks(axis)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -376,6 +376,9 @@ class ParallelConfig:
     pp_layers: str = ""  # blocks per pipeline stage, stage order (pp x pp_chunks counts), e.g. "5,3"; "": cost-balanced (schedules.balanced_split)
     bucket_size_mb: float = 25.0
     recompute: str = "none"  # none | selective | full
+    # A collective that has not completed after this long (a peer rank stopped, died or diverged) raises an
+    # error naming the rank, the op and the mesh axis, and the job fails (or restarts, --max-restarts).
+    collective_timeout_s: float = 600.0
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks"):
@@ -395,6 +398,8 @@ class ParallelConfig:
                  "must be none, selective or full")
         _require(self.cp_method in ("ring", "allgather"), "parallel.cp_method", self.cp_method,
                  "must be ring or allgather")
+        _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s", self.collective_timeout_s,
+                 "must be > 0 seconds")
 
 
 @dataclass

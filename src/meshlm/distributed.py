@@ -13,6 +13,7 @@ A single process (no launcher, WORLD_SIZE unset or 1) gets no process group at a
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -100,10 +101,45 @@ def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | N
     if missing:
         raise ValueError(f"{world_size} ranks but {missing} are not set; launch with torchrun, or export "
                          "MASTER_ADDR=<first node> MASTER_PORT=<free port> before srun")
-    init_method = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    timeout = timedelta(seconds=timeout_s)
+    # The rendezvous store: torch elastic's agent hosts one (TORCHELASTIC_USE_AGENT_STORE) and keeps it when
+    # it restarts the ranks after a failure (--max-restarts), so every attempt gets a key prefix of its own:
+    # without it the new ranks read the dead ranks' addresses and fail to connect. Otherwise rank 0 hosts it.
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"meshlm/attempt_{restart_count(env)}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device=device)
+
+
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times the launcher restarted this job's ranks after a failure (torch elastic's
+    TORCHELASTIC_RESTART_COUNT, with `meshlm train --max-restarts R`); 0 on the first attempt."""
+    environ = os.environ if environ is None else environ
+    try:
+        return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def exit_with_parent() -> None:
+    """Have the kernel kill this process when its parent (the launcher's agent) dies (Linux).
+
+    Without it, a launcher killed by SIGKILL leaves its ranks training on as orphans. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def teardown_distributed(*, wait: bool = False) -> None:

@@ -187,6 +187,12 @@ def resume_checkpoint(run_dir: str | Path) -> tuple[Path, str | None]:
     raise CheckpointError(f"--resume: {root} holds no checkpoint; run without --resume to start afresh")
 
 
+def has_complete_checkpoint(run_dir: str | Path) -> bool:
+    """Whether `run_dir` holds a published checkpoint (one `--resume` could continue from)."""
+    root = checkpoints_root(run_dir)
+    return root.is_dir() and bool(_complete_checkpoints(root))
+
+
 def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, model: ModelConfig | None = None) -> None:
     """Raise CheckpointError unless a run may start in `run_dir` as asked (the launcher calls it before
     starting ranks, so a refusal is one line, once). A fresh run must not silently replace an earlier run's

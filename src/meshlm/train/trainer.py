@@ -35,6 +35,7 @@ over the global batch. A data-parallel gradient reduction must therefore be a su
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import shutil
 import time
@@ -103,6 +104,21 @@ def _degrees(dims) -> str:
                      if getattr(dims, a) > 1) or "one process"
 
 
+def last_logged_step(run_dir: str | Path) -> int:
+    """The last training step metrics.jsonl recorded (0 when there is none)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    last = 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut short by the failure
+                continue
+            if "loss" in row:
+                last = max(last, int(row["step"]))
+    return last
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -119,7 +135,7 @@ class Trainer:
     resolved against that world, and is checked (`check_layout`) before any data or model is built.
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False):
+    def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False, restarts: int = 0):
         self.cfg = cfg.validate()
         t = cfg.train
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -173,6 +189,8 @@ class Trainer:
             except OSError as e:
                 raise ValueError(f"train.run_dir={t.run_dir!r} cannot be created ({e.strerror}); "
                                  "choose a writable directory") from None
+        # After the launcher restarted the ranks (--max-restarts): how far the run had got, to log what it lost.
+        last_logged = last_logged_step(self.run_dir) if restarts and self.is_main else 0
         if resume:  # never deletes anything; check_run_dir made sure there is a complete checkpoint
             self.resumed_from, self.fallback_note = resume_checkpoint(self.run_dir)
             self.load(self.resumed_from, checksums=False)  # check_run_dir verified it
@@ -184,6 +202,8 @@ class Trainer:
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
+        self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step)}
+                            if restarts else None)
 
     @property
     def is_main(self) -> bool:
@@ -395,6 +415,10 @@ class Trainer:
                      f"precision {self.autocast_dtype or self.dtype}; MFU peak: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
+        if self.restart_row is not None:
+            logger.log(self.restart_row)
+            logger.print(f"restart {self.restart_row['restart']}: a rank failed; continuing from step {self.step} "
+                         f"({self.restart_row['lost_steps']} step(s) lost since the last checkpoint)")
         if self.fallback_note is not None:
             logger.print(self.fallback_note)
         if self.resume_note is not None:
