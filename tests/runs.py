@@ -28,3 +28,17 @@ def grad_norms(run_dir) -> list[float]:
 
 def val_losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["val_loss"]) for r in rows(run_dir) if "val_loss" in r]
+
+
+def train_ranks(rank, world_size, cfg):
+    """One rank of a layout run as `meshlm train` runs it (for `verify.run(..., launch=harness_launch)`)."""
+    from meshlm.train.trainer import Trainer
+
+    Trainer(cfg).train()
+
+
+def harness_launch(cfg, nproc):
+    """`meshlm verify`'s launch seam through the test harness: faster than torch elastic's start-up."""
+    from dist import run_distributed
+
+    run_distributed(train_ranks, nproc, cfg, timeout=240)

@@ -11,12 +11,11 @@ import io
 
 import pytest
 
-from dist import run_distributed
 from meshlm import verify
 from meshlm.config import load_config
 from meshlm.parallel.parallelize import check_layout
 from parity import FP32_REL, FP64_TOL
-from runs import SMALL_MODEL
+from runs import SMALL_MODEL, harness_launch
 
 STEPS = 5
 # seq 32: chunks of 4 tokens at cp=4, 8 at cp=2; micro-batches of 2 so dp=2 accumulates too.
@@ -27,16 +26,6 @@ SETTINGS = [*SMALL_MODEL, "train.seq_len=32", "train.global_batch_size=8", "trai
 
 def make_cfg(text_file, *extra):
     return load_config(overrides=[*SETTINGS, f"data.path={text_file}", *extra])
-
-
-def train_ranks(rank, world_size, cfg):
-    from meshlm.train.trainer import Trainer
-
-    Trainer(cfg).train()
-
-
-def launch(cfg, nproc):
-    run_distributed(train_ranks, nproc, cfg, timeout=240)
 
 
 LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
@@ -54,7 +43,7 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
 def test_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, layout, method):
     nproc, settings, axes = LAYOUTS[layout]
     cfg = make_cfg(text_file, *settings, f"parallel.cp_method={method}")
-    report = verify.run(cfg, nproc=nproc, steps=STEPS, run_dir=tmp_path, launch=launch, log=io.StringIO())
+    report = verify.run(cfg, nproc=nproc, steps=STEPS, run_dir=tmp_path, launch=harness_launch, log=io.StringIO())
     assert report.ok, verify.format_report(report)
     assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
     assert report.max_weight_diff <= FP64_TOL
@@ -78,14 +67,14 @@ def test_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, layou
 def test_cp2_composes_with(tmp_path, text_file, layout):
     nproc = 4 if ("parallel.pp=2" in layout or "parallel.dp_replicate=2" in layout) else 2
     cfg = make_cfg(text_file, "parallel.cp=2", *layout)
-    report = verify.run(cfg, nproc=nproc, steps=3, run_dir=tmp_path, launch=launch, log=io.StringIO())
+    report = verify.run(cfg, nproc=nproc, steps=3, run_dir=tmp_path, launch=harness_launch, log=io.StringIO())
     assert report.ok, verify.format_report(report)
     assert report.max_weight_diff <= FP64_TOL
 
 
 def test_fp32_losses_and_grad_norms(tmp_path, text_file):
     report = verify.run(make_cfg(text_file, "parallel.cp=2"), nproc=2, steps=STEPS, run_dir=tmp_path,
-                        launch=launch, log=io.StringIO(), precision="fp32")
+                        launch=harness_launch, log=io.StringIO(), precision="fp32")
     assert report.ok, verify.format_report(report)
     assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP32_REL, verify.format_report(report)
 

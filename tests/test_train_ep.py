@@ -20,7 +20,7 @@ from meshlm import verify
 from meshlm.config import load_config
 from meshlm.parallel.parallelize import check_layout
 from parity import FP64_TOL
-from runs import SMALL_MODEL, rows
+from runs import SMALL_MODEL, harness_launch, rows
 
 STEPS = 5
 # 4 experts, top-2, every layer MoE, a shared expert; a large aux coefficient so a mis-scaled
@@ -34,16 +34,6 @@ SETTINGS = [*SMALL_MODEL, *MOE, "train.seq_len=32", "train.global_batch_size=8",
 
 def make_cfg(text_file, *extra):
     return load_config(overrides=[*SETTINGS, f"data.path={text_file}", *extra])
-
-
-def train_ranks(rank, world_size, cfg):
-    from meshlm.train.trainer import Trainer
-
-    Trainer(cfg).train()
-
-
-def launch(cfg, nproc):
-    run_distributed(train_ranks, nproc, cfg, timeout=240)
 
 
 LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
@@ -87,8 +77,8 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, layout):
     nproc, settings, axes = LAYOUTS[layout]
-    report = verify.run(make_cfg(text_file, *settings), nproc=nproc, steps=STEPS, run_dir=tmp_path, launch=launch,
-                        log=io.StringIO())
+    report = verify.run(make_cfg(text_file, *settings), nproc=nproc, steps=STEPS, run_dir=tmp_path,
+                        launch=harness_launch, log=io.StringIO())
     assert report.ok, verify.format_report(report)
     assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
     assert report.max_weight_diff <= FP64_TOL
