@@ -69,6 +69,9 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
                                 "model.num_layers=4"], {"pp"}),
     "ep2xpp2": (4, ["parallel.ep=2", "parallel.pp=2"], {"ep", "dp", "pp"}),
     "ep2xpp2xzero1": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=1"], {"ep", "dp_shard", "pp"}),
+    # micro_batch_size=0 (each rank's whole batch at once): verify gives the reference the same micro-batches,
+    # since the load-balancing loss is a mean over each micro-batch's tokens
+    "ep2_whole_batch": (2, ["parallel.ep=2", "train.micro_batch_size=0"], {"ep", "dp"}),
     "ep2_capacity": (2, ["parallel.ep=2", "model.capacity_factor=1.0"], {"ep", "dp"}),
     "ep2_bias": (2, ["parallel.ep=2", "model.router_bias_update_rate=0.01"], {"ep", "dp"}),
 }

@@ -82,11 +82,16 @@ def prepare(cfg: Config, *, steps: int, precision: str, run_dir: str | Path) -> 
     return cfg.validate()
 
 
-def reference_config(cfg: Config, *, run_dir: str | Path) -> Config:
-    """The same config on one process: the parallel section back to its defaults."""
+def reference_config(cfg: Config, *, run_dir: str | Path, micro_batch_size: int | None = None) -> Config:
+    """The same config on one process: the parallel section back to its defaults, and the layout's micro-batch
+    size (`micro_batch_size`, when the config leaves it to the layout: train.micro_batch_size = 0). The
+    micro-batches must be the same: a MoE load-balancing loss is a mean over each micro-batch's tokens, so
+    one micro-batch of the whole batch is another loss than the mean over dp micro-batches of it."""
     ref = copy.deepcopy(cfg)
     ref.parallel = ParallelConfig()
     ref.train.run_dir = str(run_dir)
+    if micro_batch_size is not None and not ref.train.micro_batch_size:
+        ref.train.micro_batch_size = micro_batch_size
     return ref.validate()
 
 
@@ -337,7 +342,11 @@ def run(cfg: Config, *, nproc: int, steps: int = DEFAULT_STEPS, precision: str =
     check(cfg, nproc=nproc, steps=steps, precision=precision)  # before any work or directory
     root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="meshlm-verify-"))
     layout_cfg = prepare(cfg, steps=steps, precision=precision, run_dir=root / "layout")
-    ref_cfg = reference_config(layout_cfg, run_dir=root / "reference")
+    from meshlm.parallel.parallelize import check_layout, micro_batch_size
+
+    dp = check_layout(layout_cfg, nproc).dp
+    ref_cfg = reference_config(layout_cfg, run_dir=root / "reference",
+                               micro_batch_size=micro_batch_size(layout_cfg, dp))
     rel_tol, weight_tol = TOLERANCES[precision]
     report = Report(nproc=nproc, layout=describe_layout(layout_cfg, nproc), precision=precision, steps=steps,
                     rel_tol=rel_tol, weight_tol=weight_tol, run_dir=str(root))
