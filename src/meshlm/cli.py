@@ -425,9 +425,10 @@ def cmd_convert(args) -> int:
         info = convert.to_hf(args.input, args.to_hf, overwrite=args.overwrite, dtype=args.dtype)
         for note in info["notes"]:
             print(f"meshlm convert: note: {note}", file=sys.stderr)
+        tokenizer = {"tokenizer.json": "its tokenizer.json", "bytes": "a tokenizer.json of its byte tokenizer",
+                     None: "no tokenizer"}[info["tokenizer"]]
         print(f"wrote {info['to']}: {info['architecture']} ({info['model_type']}, {info['dtype']}) from "
-              f"{info['from']} (step {info['step']})" + ("" if info["tokenizer"] else
-                                                         "; no tokenizer.json (the run used bytes)"))
+              f"{info['from']} (step {info['step']}), with {tokenizer}")
         return 0
     if args.dtype is not None:
         raise ValueError("--dtype applies to --to-hf only (a meshlm checkpoint keeps fp32 master weights)")
