@@ -484,7 +484,8 @@ class Trainer:
         self.first_val_loss = extra.get("first_val_loss")
         set_router_biases(self.base_model, extra.get("router_bias", {}))
         if not same_layout:
-            self.resume_note = (f"the checkpoint was saved by {saved.world_size} ranks ({_degrees(saved)}), this "
+            ranks = "1 process" if saved.world_size == 1 else f"{saved.world_size} ranks"
+            self.resume_note = (f"the checkpoint was saved by {ranks} ({_degrees(saved)}), this "
                                 f"run has {self.world_size} ({_degrees(self.mesh.dims)}): continuing from the "
                                 "global data position (not bit-identical)")
 
