@@ -197,3 +197,13 @@ def test_bf16_autocast_keeps_fp32_master_weights(tmp_path, text_file):
     assert math.isfinite(summary["loss"]) and math.isfinite(summary["val_loss"])
     assert all(p.dtype == torch.float32 for p in trainer.base_model.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())
+
+
+def test_resume_applies_the_configs_optimizer_settings_and_says_so(tmp_path, text_file):
+    run = tmp_path / "run"
+    Trainer(make_cfg(run, text_file, "train.steps=2", "train.val_batches=0")).train()
+    resumed = Trainer(make_cfg(run, text_file, "train.steps=3", "train.val_batches=0", "train.beta2=0.9"), resume=True)
+    assert all(tuple(g["betas"])[1] == 0.9 for g in resumed.optimizer.param_groups)
+    assert "betas (0.9, 0.95) -> (0.9, 0.9)" in resumed.optimizer_note
+    same = Trainer(make_cfg(run, text_file, "train.steps=3", "train.val_batches=0"), resume=True)
+    assert same.optimizer_note is None

@@ -183,6 +183,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.resume_note: str | None = None
         self.fallback_note: str | None = None  # --resume took another checkpoint than `latest` names: why
+        self.optimizer_note: str | None = None  # the config's betas / eps replaced the checkpoint's
         if self.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -419,8 +420,9 @@ class Trainer:
             logger.log(self.restart_row)
             logger.print(f"restart {self.restart_row['restart']}: a rank failed; continuing from step {self.step} "
                          f"({self.restart_row['lost_steps']} step(s) lost since the last checkpoint)")
-        if self.fallback_note is not None:
-            logger.print(self.fallback_note)
+        for note in (self.fallback_note, self.optimizer_note):
+            if note is not None:
+                logger.print(note)
         if self.resume_note is not None:
             logger.print(self.resume_note)
         has_val = t.val_batches > 0 and len(self.val_data) > 0
@@ -483,6 +485,18 @@ class Trainer:
         set_rng_state(extra["rng"])
         self.first_val_loss = extra.get("first_val_loss")
         set_router_biases(self.base_model, extra.get("router_bias", {}))
+        # The optimizer's state dict carries its hyperparameters; the config is what the user asks for now
+        # (the learning rate is set every step anyway).
+        t, changed = self.cfg.train, set()
+        for group in self.optimizer.param_groups:
+            for key, now in (("betas", (t.beta1, t.beta2)), ("eps", t.eps)):
+                saved = tuple(group[key]) if key == "betas" else group[key]
+                if saved != now:
+                    changed.add(f"{key} {saved} -> {now}")
+                    group[key] = now
+        if changed:
+            self.optimizer_note = ("optimizer settings differ from the checkpoint's; using the config's: "
+                                   + ", ".join(sorted(changed)))
         if not same_layout:
             ranks = "1 process" if saved.world_size == 1 else f"{saved.world_size} ranks"
             self.resume_note = (f"the checkpoint was saved by {ranks} ({_degrees(saved)}), this "
