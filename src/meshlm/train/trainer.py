@@ -490,9 +490,9 @@ class Trainer:
         t, changed = self.cfg.train, set()
         for group in self.optimizer.param_groups:
             for key, now in (("betas", (t.beta1, t.beta2)), ("eps", t.eps)):
-                saved = tuple(group[key]) if key == "betas" else group[key]
-                if saved != now:
-                    changed.add(f"{key} {saved} -> {now}")
+                current = tuple(group[key]) if key == "betas" else group[key]
+                if current != now:
+                    changed.add(f"{key} {current} -> {now}")
                     group[key] = now
         if changed:
             self.optimizer_note = ("optimizer settings differ from the checkpoint's; using the config's: "
