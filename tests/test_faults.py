@@ -95,7 +95,7 @@ def final_weights(run_dir: Path) -> dict:
 
 
 def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file):
-    steps = ["train.steps=24"]
+    steps = ["train.steps=18"]
     ref = start(tmp_path / "ref", text_file, extra=steps)
     try:
         assert ref.wait(timeout=240) == 0, ref.communicate()[1][-2000:]
