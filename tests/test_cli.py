@@ -95,3 +95,25 @@ def test_train_then_generate_from_the_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("def ")
     assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "0"]) == 2
     assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+
+
+def test_serve_without_its_extra_names_it_in_one_line(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--model", "anything"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "uvicorn" in err[0] and "[serve]" in err[0], err
+
+
+def test_train_ends_with_the_checkpoint_and_the_next_commands(tmp_path, text_file, capsys):
+    run = tmp_path / "run"
+    sets = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+            "model.intermediate_size=64", "model.max_seq_len=32", "train.seq_len=16", "train.global_batch_size=2",
+            "train.steps=1", "train.val_batches=0", "train.sample_tokens=0", "train.progress=false",
+            "train.device=cpu", f"data.path={text_file}", f"train.run_dir={run}"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2] == f"checkpoint: {run / 'checkpoints' / 'step_000001'}", out[-2:]
+    assert out[-1].startswith(f"next: meshlm generate --checkpoint {run}") and "meshlm serve --model" in out[-1]

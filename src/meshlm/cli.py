@@ -263,6 +263,11 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
             text = trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens)
             if trainer.is_main:
                 print(f"--- sample ---\n{prompt}{text}\n--------------")
+        if trainer.is_main and trainer.saved_step is not None:
+            run_dir = cfg.train.run_dir
+            print(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.saved_step:06d}'}\n"
+                  f"next: meshlm generate --checkpoint {run_dir} --prompt \"def \"   |   "
+                  f"meshlm serve --model {run_dir}   |   meshlm convert {run_dir} --to-hf OUT_DIR")
         finished = True
     finally:
         teardown_distributed(wait=finished)
@@ -410,7 +415,18 @@ def cmd_plan(args) -> int:
     return run_plan(args)
 
 
+def require_extra(extra: str, *modules: str) -> None:
+    """Raise ValueError naming the pip extra that brings `modules` when one of them is missing."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"this command needs {', '.join(missing)} (the [{extra}] extra): "
+                         f"pip install -e \".[{extra}]\" (or pip install meshlm[{extra}])")
+
+
 def cmd_serve(args) -> int:
+    require_extra("serve", "fastapi", "uvicorn")
     from meshlm.infer.server import run_serve
 
     return run_serve(args)
