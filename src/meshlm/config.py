@@ -428,6 +428,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     run_dir: str = "runs/default"
     checkpoint_interval: int = 0  # steps; 0: only at the end
+    # Stage each checkpoint in CPU memory and write it in the background while training goes on; the next
+    # save (and the end of training) waits for it, then publishes it. The last one is written synchronously.
+    async_checkpoint: bool = False
     keep_checkpoints: int = 2
     log_interval: int = 1
     val_interval: int = 50

@@ -49,6 +49,8 @@ import random
 import re
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -341,6 +343,38 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
     `step_N` and only then replaces `latest` (atomically) and prunes older checkpoints -- the one
     `latest` names is never removed before its successor is published.
     """
+    return finish_save(begin_save(run_dir, step=step, model=model, optimizer=optimizer, config=config,
+                                  rank_extra=rank_extra, rank=rank, world_size=world_size, keep=keep,
+                                  barrier=barrier, files=files, mesh=mesh))
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose state is captured (staged in CPU memory when asynchronous) but not yet published."""
+
+    tmp: Path
+    final: Path
+    step: int
+    rank: int
+    world_size: int
+    keep: int
+    barrier: Callable[[], None]
+    meta: dict
+    files: dict[str, Path]
+    rank_extra: dict
+    writes: list = field(default_factory=list)  # what is still writing: DCP's future, the weights' thread
+
+
+def begin_save(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+               config: Config, rank_extra: dict, rank: int = 0, world_size: int = 1, keep: int = 2,
+               barrier: Callable[[], None] = lambda: None, files: dict[str, Path] | None = None, mesh=None,
+               async_group=None, asynchronous: bool = False) -> PendingSave:
+    """The first half of `save_checkpoint` (collective): capture the state and start writing it.
+
+    `asynchronous=True` stages the state in CPU memory and writes it in the background (DCP's `async_save`,
+    its coordination on `async_group`, a process group of its own: the training's collectives go on
+    meanwhile; and a thread for the weights' safetensors); training may change the model as soon as this
+    returns. `finish_save` waits for the writes and publishes."""
     root = checkpoints_root(run_dir)
     final = root / checkpoint_dir_name(step)
     tmp = root / (final.name + ".tmp")
@@ -350,36 +384,58 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier()
-    mine = [tmp / f"rank_{rank:05d}.json"]
+    meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config.to_dict()}
+    pending = PendingSave(tmp=tmp, final=final, step=step, rank=rank, world_size=world_size, keep=keep,
+                          barrier=barrier, meta=meta, files=dict(files or {}), rank_extra=rank_extra)
     with _full_params(optimizer):
         model_sd, optim_sd = _state_dicts(model, optimizer)
         if _shards(model):
             model_sd, optim_sd = _gather_shards(model, mesh, model_sd, optim_sd)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+            if asynchronous:
+                one_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+                response = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
+                                          process_group=async_group, no_dist=one_process)
+                pending.writes.append(getattr(response, "upload_completion", response))
+            else:
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         if _writes_weights(mesh):
             # The weights again, as safetensors: what inference reads (no pickle), one file per pipeline stage.
-            weights = tmp / f"model_rank_{rank:05d}.safetensors"
-            save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in model_sd.items()}, str(weights))
-            mine.append(weights)
-    mine[0].write_text(json.dumps(rank_extra))
-    mine += sorted(tmp.glob(f"__{rank}_*.distcp"))  # DCP's data files of this rank
+            weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in model_sd.items()}
+            path = str(tmp / f"model_rank_{rank:05d}.safetensors")
+            if asynchronous:
+                writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshlm-save")
+                pending.writes.append(writer.submit(save_file, weights, path))  # its errors surface in finish_save
+                writer.shutdown(wait=False)
+            else:
+                save_file(weights, path)
+    return pending
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """The second half of `save_checkpoint` (collective): wait for the writes, fsync, manifest, publish."""
+    p = pending
+    for write in p.writes:
+        write.result()
+    mine = [p.tmp / f"rank_{p.rank:05d}.json"]
+    mine[0].write_text(json.dumps(p.rank_extra))
+    mine += sorted(p.tmp.glob(f"model_rank_{p.rank:05d}.safetensors"))
+    mine += sorted(p.tmp.glob(f"__{p.rank}_*.distcp"))  # DCP's data files of this rank
     for f in mine:
         _fsync_file(f)
-    part = tmp / f"manifest_{rank:05d}.part"
+    part = p.tmp / f"manifest_{p.rank:05d}.part"
     part.write_text(json.dumps(_describe(mine)))
     _fsync_file(part)
-    if rank == 0:
-        meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config.to_dict()}
-        (tmp / _META).write_text(json.dumps(meta, indent=1))
-        for name, src in (files or {}).items():
-            shutil.copyfile(src, tmp / name)
-    barrier()
-    if rank == 0:
-        _publish(tmp, final, world_size=world_size, keep=keep)
-    barrier()
-    return final
+    if p.rank == 0:
+        (p.tmp / _META).write_text(json.dumps(p.meta, indent=1))
+        for name, src in p.files.items():
+            shutil.copyfile(src, p.tmp / name)
+    p.barrier()
+    if p.rank == 0:
+        _publish(p.tmp, p.final, world_size=p.world_size, keep=p.keep)
+    p.barrier()
+    return p.final
 
 
 def _publish(tmp: Path, final: Path, *, world_size: int, keep: int) -> None:

@@ -59,11 +59,12 @@ from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.planner.model_stats import train_flops_per_token
 from meshlm.train.checkpoint import (
+    begin_save,
     check_run_dir,
+    finish_save,
     load_checkpoint,
     resume_checkpoint,
     rng_state,
-    save_checkpoint,
     saved_layout,
     set_rng_state,
 )
@@ -184,6 +185,8 @@ class Trainer:
         self.resume_note: str | None = None
         self.fallback_note: str | None = None  # --resume took another checkpoint than `latest` names: why
         self.optimizer_note: str | None = None  # the config's betas / eps replaced the checkpoint's
+        self.pending_save = None  # a checkpoint staged and being written in the background (async_checkpoint)
+        self.checkpoint_group = None  # the process group of that background writing, made on first use
         if self.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -442,9 +445,10 @@ class Trainer:
                     final_val = self.evaluate()
                     logger.log({"step": self.step, "val_loss": final_val})
                 if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != stop:
-                    self.save()
+                    self.save(asynchronous=t.async_checkpoint)
             if self.saved_step != self.step:
                 self.save()
+            self.finish_checkpoint()
         finally:
             logger.close()
         num_tokens = t.global_batch_size * t.seq_len
@@ -453,16 +457,32 @@ class Trainer:
                 "tokens_per_s": num_tokens * len(times) / sum(times) if times else 0.0}
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self, *, asynchronous: bool = False) -> Path:
+        """Checkpoint the current step. `asynchronous`: the state is staged and written in the background
+        (train.async_checkpoint); it is published by the next save or `finish_checkpoint`. A save first
+        publishes the one still pending, so at most one is in flight."""
+        self.finish_checkpoint()
         extra = {"rng": rng_state(), "loader": self.loader.state_dict(), "first_val_loss": self.first_val_loss,
                  "router_bias": router_biases(self.base_model)}
         files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
-        path = save_checkpoint(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
-                               config=self.cfg, rank_extra=extra, rank=self.rank, world_size=self.world_size,
-                               keep=self.cfg.train.keep_checkpoints, barrier=self.barrier, files=files,
-                               mesh=self.mesh)
+        if asynchronous and self.checkpoint_group is None and self.world_size > 1:
+            # DCP's background writer coordinates the ranks on a group of its own, never the training's.
+            self.checkpoint_group = dist.new_group(backend="gloo")
+        pending = begin_save(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
+                             config=self.cfg, rank_extra=extra, rank=self.rank, world_size=self.world_size,
+                             keep=self.cfg.train.keep_checkpoints, barrier=self.barrier, files=files, mesh=self.mesh,
+                             asynchronous=asynchronous, async_group=self.checkpoint_group)
         self.saved_step = self.step
-        return path
+        if asynchronous:
+            self.pending_save = pending
+            return pending.final
+        return finish_save(pending)
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the checkpoint being written in the background (if any) and publish it (collective)."""
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            finish_save(pending)
 
     def load(self, path: str | Path, *, checksums: bool = True) -> None:
         """Restore model, optimizer, step, this rank's RNG and the data position from a checkpoint.
