@@ -6,6 +6,8 @@ backpropagates a fixed output gradient; the parent puts the pieces back in seque
 compares with one process's SDPA. In float64 to FP64_TOL, and in float32 to the issue's 1e-5.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,20 +43,29 @@ def _dense(q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def attention_worker(rank, world_size, method, shape, dtype):
+METHODS = ("ring", "allgather")
+DTYPES = (torch.float64, torch.float32)
+
+
+def attention_worker(rank, world_size, shape):
+    """Every (method, dtype) on this rank's chunks: the whole output and gradients, and the bytes moved."""
     mesh = build_mesh(ParallelDims(cp=world_size), device_type="cpu")
-    q, k, v, dout = _qkv(**shape, dtype=dtype)
-    mine = [shard_sequence(t, cp=world_size, cp_rank=rank, dim=2).requires_grad_(True) for t in (q, k, v)]
-    attend = ring_attention if method == "ring" else allgather_attention
-    mesh.stats.reset()
-    out = attend(*mine, mesh)
-    fwd = mesh.stats.snapshot()
-    mesh.stats.reset()
-    out.backward(shard_sequence(dout, cp=world_size, cp_rank=rank, dim=2))
-    bwd = mesh.stats.snapshot()
-    full = [unshard_sequence(t, mesh, dim=2) for t in (out.detach(), *(m.grad for m in mine))]
     counts = lambda snap: {f"{op}/{axis}": (s.calls, s.bytes) for (op, axis), s in snap.items()}  # noqa: E731
-    return full, counts(fwd), counts(bwd)
+    results = {}
+    for method in METHODS:
+        attend = ring_attention if method == "ring" else allgather_attention
+        for dtype in DTYPES:
+            q, k, v, dout = _qkv(**shape, dtype=dtype)
+            mine = [shard_sequence(t, cp=world_size, cp_rank=rank, dim=2).requires_grad_(True) for t in (q, k, v)]
+            mesh.stats.reset()
+            out = attend(*mine, mesh)
+            fwd = counts(mesh.stats.snapshot())
+            mesh.stats.reset()
+            out.backward(shard_sequence(dout, cp=world_size, cp_rank=rank, dim=2))
+            bwd = counts(mesh.stats.snapshot())
+            full = [unshard_sequence(t, mesh, dim=2) for t in (out.detach(), *(m.grad for m in mine))]
+            results[method, str(dtype)] = (full, fwd, bwd)
+    return results
 
 
 SHAPES = {
@@ -65,28 +76,35 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("method", ["ring", "allgather"])
+@functools.lru_cache(maxsize=None)
+def launched(cp: int, shape: str) -> list[dict]:
+    """One multi-rank launch per (cp, shape), shared by the tests below."""
+    return run_distributed(attention_worker, cp, SHAPES[shape])
+
+
 @pytest.mark.parametrize("cp,shape", [(2, "gqa"), (2, "odd_chunks"), (4, "gqa"), (4, "mha")])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_attention_equals_dense_causal_sdpa(method, cp, shape, dtype):
-    results = run_distributed(attention_worker, cp, method, SHAPES[shape], dtype)
-    q, k, v, dout = _qkv(**SHAPES[shape], dtype=dtype)
-    want = _dense(q, k, v, dout)
-    tol = FP64_TOL if dtype == torch.float64 else 1e-5
-    for rank, (got, _, _) in enumerate(results):
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-            diff = (g - w).abs().max().item()
-            assert diff <= tol, f"rank {rank} {method} cp={cp}: {name} differs by {diff:.3g} (> {tol})"
+def test_attention_equals_dense_causal_sdpa(cp, shape):
+    results = launched(cp, shape)
+    for method in METHODS:
+        for dtype in DTYPES:
+            q, k, v, dout = _qkv(**SHAPES[shape], dtype=dtype)
+            want = _dense(q, k, v, dout)
+            tol = FP64_TOL if dtype == torch.float64 else 1e-5
+            for rank, result in enumerate(results):
+                got = result[method, str(dtype)][0]
+                for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+                    diff = (g - w).abs().max().item()
+                    assert diff <= tol, f"rank {rank} {method} {dtype} cp={cp}: {name} differs by {diff:.3g} (> {tol})"
 
 
-@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("cp", [2, 4])
 def test_bytes_equal_the_analytic_volume(method, cp):
     shape = SHAPES["gqa"]
-    results = run_distributed(attention_worker, cp, method, shape, torch.float32)
     # One block: this rank's K or V, [batch, kv_heads, seq / cp, dim] in fp32.
     block = shape["batch"] * shape["kv_heads"] * shape["seq"] // cp * shape["dim"] * 4
-    for _, fwd, bwd in results:
+    for result in launched(cp, "gqa"):
+        _, fwd, bwd = result[method, str(torch.float32)]
         if method == "ring":
             # forward: (cp-1) blocks of K+V sent (and received); backward: the same K+V again plus
             # (cp-1) partial dK+dV sums.
