@@ -136,3 +136,8 @@ def test_init_distributed_on_two_ranks():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert run_distributed(init_worker, 2, port, timeout=60) == [(0, "gloo", 1, 2.0), (1, "gloo", 1, 2.0)]
+
+
+def test_a_layout_wider_than_one_process_says_how_many_ranks_to_start():
+    with pytest.raises(ValueError, match=r"pp=2 .* choose pp in \{1\}; or start 2 ranks .* meshlm train --nproc 2"):
+        ParallelDims(pp=2).resolve(1)
