@@ -14,7 +14,7 @@ from meshlm.train.checkpoint import (latest_checkpoint, load_checkpoint_for_infe
 from meshlm.train.optim import clip_grad_norm, lr_at
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL, grad_norms, step_losses, write_corpus
+from runs import SMALL_MODEL, grad_norms, rows, step_losses, write_corpus
 
 
 
@@ -207,3 +207,14 @@ def test_resume_applies_the_configs_optimizer_settings_and_says_so(tmp_path, tex
     assert "betas (0.9, 0.95) -> (0.9, 0.9)" in resumed.optimizer_note
     same = Trainer(make_cfg(run, text_file, "train.steps=3", "train.val_batches=0"), resume=True)
     assert same.optimizer_note is None
+
+
+def test_mfu_is_not_invented_on_cpu(tmp_path, text_file, capsys):
+    """Without a known peak (CPU, no train.peak_tflops) MFU is null and the step line shows tokens/s only."""
+    Trainer(make_cfg(tmp_path / "a", text_file, "train.steps=1", "train.val_batches=0")).train()
+    row = [r for r in rows(tmp_path / "a") if "loss" in r][0]
+    assert row["mfu"] is None
+    out = capsys.readouterr().out
+    assert "MFU: not shown on CPU" in out and "tok/s" in out and "MFU 0" not in out
+    Trainer(make_cfg(tmp_path / "b", text_file, "train.steps=1", "train.val_batches=0", "train.peak_tflops=1")).train()
+    assert [r for r in rows(tmp_path / "b") if "loss" in r][0]["mfu"] > 0

@@ -21,18 +21,18 @@ import torch
 _PEAK_TFLOPS = (("B200", 2250.0), ("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 _CUDA_UNKNOWN_TFLOPS = 100.0
 # A nominal figure for a few CPU cores in fp32: MFU on CPU is only a relative number.
-CPU_TFLOPS = 0.5
 
 
-def peak_tflops_guess(device: torch.device) -> tuple[float, str]:
-    """(peak TFLOP/s per device, how it was obtained) for MFU when train.peak_tflops is 0."""
+def peak_tflops_guess(device: torch.device) -> tuple[float | None, str]:
+    """(peak TFLOP/s per device, how it was obtained) for MFU when train.peak_tflops is 0; None on CPU,
+    whose peak meshlm cannot know (MFU is then not reported: tokens/s is the measure)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in _PEAK_TFLOPS:
             if key in name:
                 return value, f"{name}: {value:g} TFLOP/s bf16 dense"
         return _CUDA_UNKNOWN_TFLOPS, f"{name} is not in the table: assuming {_CUDA_UNKNOWN_TFLOPS:g} TFLOP/s"
-    return CPU_TFLOPS, f"CPU: a nominal {CPU_TFLOPS:g} TFLOP/s (MFU is only relative; set train.peak_tflops)"
+    return None, "not shown on CPU (it needs the device's peak: set train.peak_tflops)"
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -91,7 +91,8 @@ class MetricsLogger:
         self._file.flush()
         if "loss" in row:
             info = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
-                    f"{row['tokens_per_s']:,.0f} tok/s  MFU {100 * row.get('mfu', 0.0):.1f}%  "
+                    f"{row['tokens_per_s']:,.0f} tok/s  "
+                    + (f"MFU {100 * row['mfu']:.1f}%  " if row.get("mfu") is not None else "") +
                     f"mem {row.get('memory_mib', 0.0):,.0f} MiB"
                     + (f" (activations {row['activation_mib']:,.1f})" if row.get("activation_mib") else ""))
             if self._progress is not None:

@@ -335,7 +335,8 @@ class Trainer:
         loss_value = float(self.sum_over_dp(loss))
         step_time = time.perf_counter() - start
         tokens_per_s = num_tokens / step_time
-        mfu = tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
+        mfu = (tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
+               if self.peak_tflops else None)  # None: no known peak (CPU without train.peak_tflops)
         row = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(self.device),
                "activation_mib": self.activation_mib,
@@ -416,7 +417,7 @@ class Trainer:
                                              self.mesh, "pp").item())
         logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training "
                      f"samples of {t.seq_len} tokens, device {self.device}, "
-                     f"precision {self.autocast_dtype or self.dtype}; MFU peak: {self.peak_note}")
+                     f"precision {self.autocast_dtype or self.dtype}; MFU: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
         if self.restart_row is not None:
