@@ -42,3 +42,15 @@ def harness_launch(cfg, nproc):
     from dist import run_distributed
 
     run_distributed(train_ranks, nproc, cfg, timeout=240)
+
+
+def randomize_weights(model, seed: int) -> None:
+    """Weights of a visible scale: a fresh Hugging Face model has zero biases and routers and near-uniform
+    logits, which would hide a wrong mapping."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)

@@ -17,18 +17,11 @@ from meshlm.cli import main  # noqa: E402
 from meshlm.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from meshlm.models import build_model  # noqa: E402
 from meshlm.train.checkpoint import load_checkpoint_for_inference, rng_state, save_checkpoint  # noqa: E402
+from runs import randomize_weights
 
 VOCAB = 128
 TOKENS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
 
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights of a visible scale (zero biases and near-uniform logits would hide mistakes)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
 
 
 def _tokenizer_file(path: Path) -> Path:
@@ -44,7 +37,7 @@ def _tokenizer_file(path: Path) -> Path:
 def _meshlm_run(run_dir: Path, model_cfg: ModelConfig, *, seed: int, tokenizer: Path | None = None):
     """A checkpoint as the trainer writes it (weights + AdamW state + meta + manifest), of a random model."""
     model = build_model(model_cfg, seed=seed)
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = Config(model=model_cfg, train=TrainConfig(run_dir=str(run_dir), seq_len=16))
     save_checkpoint(run_dir, step=7, model=model, optimizer=optimizer, config=cfg,
@@ -121,7 +114,7 @@ def hf_llama(tmp_path_factory):
         vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=64)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _randomize(hf, seed=5)
+    randomize_weights(hf, seed=5)
     hf.save_pretrained(path)
     _tokenizer_file(path / "tokenizer.json")
     with torch.no_grad():

@@ -21,6 +21,7 @@ from meshlm.generation import generate  # noqa: E402
 from meshlm.models import build_model  # noqa: E402
 from meshlm.models.hf import load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
 from meshlm.models.transformer import rope_inv_freq  # noqa: E402
+from runs import randomize_weights
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, intermediate_size=96, max_position_embeddings=128, attn_implementation="eager")
@@ -43,20 +44,12 @@ ARCHS = {
 PROMPT_LEN, NEW_TOKENS = 8, 20
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights of a visible scale (HF init leaves biases and routers at zero and logits near-uniform)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
-
 
 def _hf_model(model_type: str, extra: dict, seed: int):
     config = transformers.AutoConfig.for_model(model_type, **TINY, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     return model.eval()
 
 
@@ -127,7 +120,7 @@ def test_our_model_saves_to_transformers(overrides, prompts, tmp_path):
     config = ModelConfig(vocab_size=128, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                          intermediate_size=96, max_seq_len=64, **overrides)
     ours = build_model(config, seed=3)
-    _randomize(ours, seed=3)
+    randomize_weights(ours, seed=3)
     save_pretrained(ours, tmp_path)
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
                                                                  output_loading_info=True)

@@ -24,6 +24,7 @@ from meshlm.mesh import ParallelDims, build_mesh  # noqa: E402
 from meshlm.models.hf import load_pretrained  # noqa: E402
 from meshlm.parallel.expert import apply_expert_parallel, expert_mesh  # noqa: E402
 from meshlm.parallel.parallelize import parallelize  # noqa: E402
+from runs import randomize_weights
 
 VOCAB, NUM_EXPERTS, EP = 128, 4, 2
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -38,14 +39,6 @@ ARCHS = {
 SHAPES = [(2, 12), (3, 7)]  # (sequences, tokens) fed by rank 0 and rank 1
 TOL = 1e-4
 
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights of a visible scale (HF init leaves routers at zero and logits near-uniform)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
 
 
 def _tokens(rank: int, seed: int) -> torch.Tensor:
@@ -82,7 +75,7 @@ def test_hf_moe_under_ep2_matches_transformers(arch, tmp_path):
     config = transformers.AutoConfig.for_model(model_type, **TINY, **extra)
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _randomize(hf, seed)
+    randomize_weights(hf, seed)
     hf.eval().save_pretrained(tmp_path)
 
     results = run_distributed(_rank_logits, 2, tmp_path, seed, timeout=120)
