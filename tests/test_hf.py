@@ -21,7 +21,7 @@ from meshlm.generation import generate  # noqa: E402
 from meshlm.models import build_model  # noqa: E402
 from meshlm.models.hf import load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
 from meshlm.models.transformer import rope_inv_freq  # noqa: E402
-from runs import randomize_weights
+from runs import randomize_weights  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, intermediate_size=96, max_position_embeddings=128, attn_implementation="eager")
