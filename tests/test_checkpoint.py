@@ -408,3 +408,33 @@ def test_two_ranks_refuse_a_damaged_checkpoint(tmp_path, text_file, capfd, launc
     # Mended, it resumes on both ranks (which take the launcher's verdict on the checksums).
     assert cli_main(train_argv(run, text_file, "--resume", "--nproc", "2")) == 0
     assert "resumed from" in capfd.readouterr().out
+
+
+def resume_rank(rank, world_size, run, text_file):
+    """One rank resuming `run` under torchrun-like start (no launcher pre-check): its refusal, or None."""
+    from meshlm.train.trainer import Trainer
+
+    cfg = load_config(overrides=[*TINY, f"data.path={text_file}", f"train.run_dir={run}", "train.steps=3"])
+    hashed = []
+    real = ckpt._sha256
+    ckpt._sha256 = lambda f: hashed.append(f.name) or real(f)
+    try:
+        Trainer(cfg, resume=True)
+    except ckpt.CheckpointError as e:
+        return str(e), hashed
+    return None, hashed
+
+
+def test_ranks_share_the_checksums_and_all_refuse_what_one_found(trained, tmp_path, text_file):
+    from dist import run_distributed
+
+    run = fresh(trained, "one", tmp_path)
+    checkpoint = run / "checkpoints" / "step_000002"
+    listed = sorted(json.loads((checkpoint / "manifest.json").read_text())["files"])
+    (error0, hashed0), (error1, hashed1) = run_distributed(resume_rank, 2, run, text_file)
+    assert error0 is None and error1 is None
+    assert sorted(hashed0 + hashed1) == listed and not set(hashed0) & set(hashed1)  # each file once, in all
+    victim = listed[1]  # hashed by rank 1 only
+    garble(checkpoint / victim)
+    (error0, _), (error1, _) = run_distributed(resume_rank, 2, run, text_file)
+    assert error0 == error1 and victim in error0 and "checksum" in error0, (error0, error1)

@@ -195,7 +195,8 @@ def has_complete_checkpoint(run_dir: str | Path) -> bool:
     return root.is_dir() and bool(_complete_checkpoints(root))
 
 
-def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, model: ModelConfig | None = None) -> None:
+def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, model: ModelConfig | None = None,
+                  checksums: bool | tuple[int, int] = True) -> None:
     """Raise CheckpointError unless a run may start in `run_dir` as asked (the launcher calls it before
     starting ranks, so a refusal is one line, once). A fresh run must not silently replace an earlier run's
     checkpoints: it needs `overwrite`; `resume` needs a complete checkpoint (`resume_checkpoint`) that is
@@ -206,7 +207,7 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, model: 
     root = checkpoints_root(run_dir)
     if resume:
         path = resume_checkpoint(run_dir)[0]
-        verify_checkpoint(path)
+        verify_checkpoint(path, checksums=checksums)
         meta = read_meta(path)
         if model is not None:
             check_model_config(meta["config"].get("model") or {}, model, where=f"{path} ({_META})")
@@ -273,11 +274,13 @@ def _describe(paths: list[Path]) -> dict[str, list]:
     return {p.name: [p.stat().st_size, _sha256(p)] for p in paths}
 
 
-def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict:
+def verify_checkpoint(path: str | Path, *, checksums: bool | tuple[int, int] = True) -> dict:
     """Check every file of checkpoint `path` against its manifest (present, size, and with `checksums` its
     sha256) and that every rank's file is there; return the manifest. Raises CheckpointError naming the first
     bad file and the fix. `checksums=False` is for a caller that verified them already (reading a large
     checkpoint once per check costs what reading it costs): the trainer checks the run_dir first.
+    `checksums=(part, parts)` hashes only every parts-th file from the part-th (sorted by name): the ranks
+    of a job share the reading and combine their verdicts (`Trainer`).
 
     Run before anything of the checkpoint is parsed: DCP's `.metadata` is a pickle, read only once its
     checksum matches what the saving run recorded (which protects against damage, not against a crafted
@@ -308,7 +311,12 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict:
         if f.stat().st_size != size:
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, the manifest {size} (truncated or "
                                   f"overwritten); {hint}")
-    for name, (size, digest) in sorted(files.items()) if checksums else []:
+    names = sorted(files)
+    if isinstance(checksums, tuple):
+        part, parts = checksums
+        names = names[part::parts]
+    for name in names if checksums is not False else []:
+        digest = files[name][1]
         f = path / name
         if _sha256(f) != digest:
             raise CheckpointError(f"{f} does not match its checksum in {_MANIFEST} (corrupt); {hint}")

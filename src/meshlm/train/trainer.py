@@ -59,6 +59,7 @@ from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.planner.model_stats import train_flops_per_token
 from meshlm.train.checkpoint import (
+    CheckpointError,
     begin_save,
     check_run_dir,
     finish_save,
@@ -141,7 +142,7 @@ class Trainer:
         t = cfg.train
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dims = check_layout(cfg, world_size)  # user mistakes surface here, before any work
-        check_run_dir(t.run_dir, resume=resume, overwrite=overwrite)
+        self.check_run_dir(resume=resume, overwrite=overwrite, world_size=world_size)
         self.device = resolve_device(t.device)
         if self.device.type == "cuda" and self.device.index is None:
             # under a launcher, init_distributed made cuda:LOCAL_RANK current
@@ -208,6 +209,23 @@ class Trainer:
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
         self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step)}
                             if restarts else None)
+
+    def check_run_dir(self, *, resume: bool, overwrite: bool, world_size: int) -> None:
+        """`checkpoint.check_run_dir` with the checksums of a resumed checkpoint shared out: each rank hashes
+        1/world of its files and every rank raises the first rank's refusal (collective)."""
+        run_dir = self.cfg.train.run_dir
+        if world_size == 1:
+            return check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        error = None
+        try:
+            check_run_dir(run_dir, resume=resume, overwrite=overwrite, checksums=(dist.get_rank(), world_size))
+        except CheckpointError as e:
+            error = str(e)
+        errors: list[str | None] = [None] * world_size
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise CheckpointError(first)
 
     @property
     def is_main(self) -> bool:
