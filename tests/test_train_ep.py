@@ -137,3 +137,20 @@ def train_until(rank, world_size, cfg, step):
     from meshlm.train.trainer import Trainer
 
     Trainer(cfg).train(until_step=step)
+
+
+# The model as shipped: the `tiny-moe` preset (8 experts top-2, a shared expert, a dense first layer).
+PRESET = ["model.preset=tiny-moe", "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+          "train.lr=3e-3", "train.warmup_steps=2", "train.device=cpu", "data.val_fraction=0.1",
+          "parallel.bucket_size_mb=0.05"]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_tiny_moe_preset_under_ep_matches_one_process(tmp_path, text_file, ep):
+    cfg = load_config(overrides=[*PRESET, f"data.path={text_file}", f"parallel.ep={ep}"])
+    report = verify.run(cfg, nproc=ep, steps=STEPS, run_dir=tmp_path, launch=harness_launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL
+    logged = [r["expert_load"] for r in rows(tmp_path / "layout") if "expert_load" in r]
+    assert len(logged) == STEPS and all(e["min"] < e["max"] for e in logged), logged
