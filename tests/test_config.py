@@ -85,3 +85,12 @@ def test_shipped_tiny_config_matches_defaults():
     """configs/tiny.toml spells out the default job of `meshlm train`: it must equal the built-in defaults."""
     cfg = load_config(ROOT / "configs" / "tiny.toml")
     assert cfg == load_config()
+    # and it names every field of the sections it spells out (a new field cannot be forgotten there)
+    import dataclasses
+    import tomllib
+
+    from meshlm.config import DataConfig, ParallelConfig, TrainConfig
+
+    written = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
+    for section, cls in (("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig)):
+        assert set(written[section]) == {f.name for f in dataclasses.fields(cls)}, section
