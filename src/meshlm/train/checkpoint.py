@@ -362,7 +362,6 @@ class PendingSave:
 
     tmp: Path
     final: Path
-    step: int
     rank: int
     world_size: int
     keep: int
@@ -393,7 +392,7 @@ def begin_save(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: t
         tmp.mkdir()
     barrier()
     meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config.to_dict()}
-    pending = PendingSave(tmp=tmp, final=final, step=step, rank=rank, world_size=world_size, keep=keep,
+    pending = PendingSave(tmp=tmp, final=final, rank=rank, world_size=world_size, keep=keep,
                           barrier=barrier, meta=meta, files=dict(files or {}), rank_extra=rank_extra)
     with _full_params(optimizer):
         model_sd, optim_sd = _state_dicts(model, optimizer)
@@ -600,11 +599,6 @@ def _prune(root: Path, *, keep: int, protect: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------------
-
-
-def saved_world_size(path: str | Path) -> int:
-    """How many ranks saved checkpoint `path` (as its meta.json records; each wrote a `rank_XXXXX.json`)."""
-    return int(read_meta(path)["world_size"])
 
 
 def saved_layout(path: str | Path, *, checksums: bool = True) -> ParallelDims:
