@@ -288,6 +288,17 @@ class ZeroSharding(GradientBuckets):
                         ranges.append((start, end))
         return ranges
 
+    def param_ranges(self):
+        """(name, parameter, start, end, shard_start) for every parameter part this rank's flat shard
+        holds: elements [start, end) of the flattened (TP-local) parameter live at [shard_start,
+        shard_start + end - start) of the shard. What a checkpoint writes and reads in place."""
+        for b in self.buckets:
+            mine = self.shard_rank * b.chunk
+            for name, p, offset in zip(b.names, b.params, b.offsets):
+                start, end = max(offset, mine), min(offset + p.numel(), mine + b.chunk)
+                if start < end:
+                    yield name, p, start - offset, end - offset, b.shard_offset + start - mine
+
     @torch.no_grad()
     def local_shard(self, tensors_of: dict[int, torch.Tensor]) -> torch.Tensor:
         """This rank's flat shard of one full tensor per parameter (keyed by id of the parameter)."""

@@ -5,8 +5,9 @@ shard (`zero.param_shard`, whose `.grad` is the reduce-scattered gradient shard)
 elementwise arithmetic as `torch.optim.AdamW(foreach=False)` with the per-parameter decay rule
 (>= 2-D tensors decayed) applied to the ranges of the shard that hold such tensors; after the step it all-gathers the updated
 parameters (stages 1/2; stage 3 gathers each unit when its next forward needs it). Its state is
-read and written in the per-parameter layout of the unsharded AdamW (`full_state_dict` /
-`load_full_state_dict`), so a checkpoint moves between zero stages and data-parallel sizes.
+read and written in the per-parameter layout of the unsharded AdamW, each rank its own pieces of it
+(`meshlm.train.shards`; `checkpoint_param_groups`, `load_sharded_state`), so a checkpoint moves between
+zero stages and data-parallel sizes without any rank holding a full tensor.
 Not responsible for: the gradient reduction, the shard layout or parameter gathering (`zero.py`).
 """
 
@@ -85,42 +86,32 @@ class ZeroAdamW(torch.optim.Optimizer):
         # registration order, as `torch.distributed.checkpoint.state_dict.get_state_dict` names them
         return [(n, p) for b in z.buckets for n, p in zip(b.names, b.params)][::-1]
 
-    def full_state_dict(self) -> dict:
-        """The optimizer state as `get_state_dict(model, torch.optim.AdamW)` lays it out: full
-        per-parameter moments keyed by parameter name. Collective over each part's shard axis (all-gathers)."""
-        states, names = {}, []
-        for z in self.parts:
-            state = self.state[z.param_shard]
-            exp_avg, exp_avg_sq = z.gather_full(state["exp_avg"]), z.gather_full(state["exp_avg_sq"])
-            for n, p in self._named(z):
-                states[n] = {"step": state["step"].clone(), "exp_avg": exp_avg[id(p)].clone(),
-                             "exp_avg_sq": exp_avg_sq[id(p)].clone()}
-                names.append((n, p))
-        # every hyperparameter key torch's AdamW has (DCP matches the saved keys against its template)
+    def checkpoint_param_groups(self) -> list[dict]:
+        """The param groups `get_state_dict(model, torch.optim.AdamW)` writes: decayed and not, by parameter
+        name, with every hyperparameter key torch's AdamW has (DCP matches saved keys against them)."""
+        names = [(n, p) for z in self.parts for n, p in self._named(z)]
         plain = torch.optim.AdamW([torch.zeros(1)], foreach=False,
                                   **{k: v for k, v in self.param_groups[0].items() if k != "params"})
         group = {k: v for k, v in plain.param_groups[0].items() if k != "params"}
-        groups = [{**group, "weight_decay": group["weight_decay"] if decayed else 0.0,
-                   "params": [n for n, p in names if (p.dim() >= 2) == decayed]} for decayed in (True, False)]
-        return {"state": states, "param_groups": groups}
+        return [{**group, "weight_decay": group["weight_decay"] if decayed else 0.0,
+                 "params": [n for n, p in names if (p.dim() >= 2) == decayed]} for decayed in (True, False)]
 
     @torch.no_grad()
-    def load_full_state_dict(self, sd: dict) -> None:
-        """Take this rank's shard of a per-parameter state (from any zero stage or dp size)."""
+    def load_sharded_state(self, sd: dict) -> None:
+        """After a checkpoint was read into this rank's shards in place (`meshlm.train.shards`): set the
+        step counts from `sd["state"]` (per-parameter, as AdamW stores them) and, under ZeRO-1/2, bring
+        the full parameters from the loaded master shards (one all-gather per bucket)."""
         for z in self.parts:
             named = self._named(z)
             missing = [n for n, _ in named if n not in sd["state"]]
             if missing:
                 raise ValueError(f"the optimizer state has no entry for {missing[:3]}; it belongs to another model")
-            shard = z.param_shard
-            state = self.state[shard]
             steps = {float(sd["state"][n]["step"]) for n, _ in named}
             assert len(steps) == 1, f"per-parameter AdamW steps differ: {steps}"
-            state["step"].fill_(steps.pop())
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key].copy_(z.local_shard({id(p): sd["state"][n][key] for n, p in named}))
-            # the parameters were loaded with the model: refresh the master shard from them
-            shard.copy_(z.local_shard({id(p): p.detach() for _, p in named}))
+            self.state[z.param_shard]["step"].fill_(steps.pop())
+            if z.stage < 3:
+                for pid, full in z.gather_full(z.param_shard).items():
+                    self._params_by_id[pid].copy_(full)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (the moments; the fp32 master shards excluded)."""

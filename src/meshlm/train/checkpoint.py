@@ -41,7 +41,6 @@ Layout::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -59,21 +58,27 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from meshlm.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims
+from meshlm.train.shards import (
+    Piece,
+    ShardedState,
+    after_load,
+    assemble,
+    assign_writers,
+    checkpoint_state,
+    piece_name,
+    weight_pieces,
+)
 
-FORMAT_VERSION = 2  # 2: JSON rank files, manifest.json, safetensors weights (1 had pickled rank files)
+FORMAT_VERSION = 3  # 3: every rank writes its own pieces; 2: full tensors (read too); 1: pickled rank files
+_READABLE_FORMATS = (2, 3)
 _META = "meta.json"
 _MANIFEST = "manifest.json"
+_PIECES = "meshlm.pieces"  # safetensors metadata: where each piece that is not a whole tensor belongs
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -328,12 +333,6 @@ def verify_checkpoint(path: str | Path, *, checksums: bool | tuple[int, int] = T
 # --------------------------------------------------------------------------------------------
 
 
-def _writes_weights(mesh) -> bool:
-    """Whether this rank writes the safetensors of the weights it holds: one rank per pipeline stage (the
-    first of its data/context-parallel and tensor-parallel groups: the others hold the same tensors)."""
-    return mesh is None or (mesh.local_rank("dp_cp") == 0 and mesh.local_rank("tp") == 0)
-
-
 def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     config: Config, rank_extra: dict, rank: int = 0, world_size: int = 1, keep: int = 2,
                     barrier: Callable[[], None] = lambda: None, files: dict[str, Path] | None = None,
@@ -394,29 +393,19 @@ def begin_save(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: t
     meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config.to_dict()}
     pending = PendingSave(tmp=tmp, final=final, rank=rank, world_size=world_size, keep=keep,
                           barrier=barrier, meta=meta, files=dict(files or {}), rank_extra=rank_extra)
-    with _full_params(optimizer):
-        model_sd, optim_sd = _state_dicts(model, optimizer)
-        if _shards(model):
-            model_sd, optim_sd = _gather_shards(model, mesh, model_sd, optim_sd)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            if asynchronous:
-                one_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-                response = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
-                                          process_group=async_group, no_dist=one_process)
-                pending.writes.append(getattr(response, "upload_completion", response))
-            else:
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-        if _writes_weights(mesh):
-            # The weights again, as safetensors: what inference reads (no pickle), one file per pipeline stage.
-            weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in model_sd.items()}
-            path = str(tmp / f"model_rank_{rank:05d}.safetensors")
-            if asynchronous:
-                writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshlm-save")
-                pending.writes.append(writer.submit(save_file, weights, path))  # its errors surface in finish_save
-                writer.shutdown(wait=False)
-            else:
-                save_file(weights, path)
+    state = checkpoint_state(model, optimizer, mesh)  # this rank's pieces, views of the live tensors
+    if asynchronous:
+        # Staged: CPU copies of this rank's pieces (its shard, never a full tensor), then written by a
+        # thread while training goes on; DCP's coordination runs on `async_group`, not the training's groups.
+        state = _staged(state)
+    weights = _my_weights(state["model"], rank=rank)
+    if asynchronous:
+        one_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshlm-save")
+        pending.writes.append(writer.submit(_write, state, weights, tmp, rank, group=async_group, no_dist=one_process))
+        writer.shutdown(wait=False)  # its errors surface in finish_save
+    else:
+        _write(state, weights, tmp, rank)
     return pending
 
 
@@ -476,89 +465,47 @@ def _publish(tmp: Path, final: Path, *, world_size: int, keep: int) -> None:
     _prune(root, keep=keep, protect=final)
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state in the per-parameter layout of an unsharded AdamW.
+def _my_weights(state_model: dict, *, rank: int) -> dict[str, tuple[torch.Tensor, dict | None]]:
+    """The pieces of the weights this rank writes to its safetensors file (name -> (tensor, where)): each
+    piece that several ranks hold (replicas) is written by one of them (collective over the world)."""
+    import torch.distributed as dist
 
-    A ZeRO optimizer (`meshlm.parallel.zero.ZeroAdamW`) gathers its shards into that layout
-    (`full_state_dict`, collective) so the checkpoint loads under any zero stage and dp size.
-    """
-    if hasattr(optimizer, "full_state_dict"):
-        return get_model_state_dict(model), optimizer.full_state_dict()
-    return get_state_dict(model, optimizer)
-
-
-def _shards(model: nn.Module) -> dict[str, tuple[str, int]]:
-    """State-dict key -> (mesh axis, dim) of every tensor-parallel shard (empty for an unsharded model)."""
-    return {k: t._meshlm_shard for k, t in model.state_dict(keep_vars=True).items()
-            if getattr(t, "_meshlm_shard", None) is not None}
-
-
-def _copy_optim(optim_sd: dict) -> dict:
-    """A copy down to the per-parameter dicts: those of `get_state_dict` are the optimizer's live state."""
-    return {**optim_sd, "state": {fqn: dict(v) for fqn, v in optim_sd.get("state", {}).items()}}
+    pieces = weight_pieces(state_model)
+    everyone = [list(pieces)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(pieces))
+    out = {}
+    for key, shape, piece in assign_writers(pieces, everyone, rank if len(everyone) > 1 else 0):
+        name = piece_name(key, shape, piece)
+        where = None if name == key else {"key": key, "offsets": list(piece.offsets), "shape": list(shape)}
+        out[name] = (piece.tensor, where)
+    return out
 
 
-def _optim_items(optim_sd: dict, shards: dict[str, tuple[str, int]]):
-    """(state dict of one parameter, key, (axis, dim)) for every sharded moment tensor of an AdamW state dict."""
-    for fqn, per_param in optim_sd.get("state", {}).items():
-        if fqn in shards:
-            for key, value in per_param.items():
-                if torch.is_tensor(value) and value.dim() > 0:  # exp_avg, exp_avg_sq; not the scalar step
-                    yield per_param, key, shards[fqn]
+def _staged(tree):
+    """A copy of a `checkpoint_state` with every piece copied to CPU memory (asynchronous save)."""
+    if isinstance(tree, ShardedState):
+        return ShardedState(tree.shape, [Piece(p.offsets, p.tensor.detach().to("cpu", copy=True)) for p in tree.pieces],
+                            dtype=tree.dtype, device=torch.device("cpu"))
+    if isinstance(tree, dict):
+        return {k: _staged(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_staged(v) for v in tree]
+    return tree.detach().to("cpu", copy=True) if torch.is_tensor(tree) else tree
 
 
-@torch.no_grad()
-def _gather_shards(model: nn.Module, mesh, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
-    """Model and optimizer state dicts with every tensor-parallel shard replaced by the full tensor (collective)."""
-    from meshlm import comm
-
-    assert mesh is not None, "a tensor-parallel model needs the mesh to save or load a checkpoint"
-    shards = _shards(model)
-    model_sd, optim_sd = dict(model_sd), _copy_optim(optim_sd)
-    for key, (axis, dim) in shards.items():
-        if key in model_sd:
-            model_sd[key] = comm.all_gather(model_sd[key].detach().contiguous(), mesh, axis, dim=dim).clone()
-    for per_param, key, (axis, dim) in _optim_items(optim_sd, shards):
-        per_param[key] = comm.all_gather(per_param[key].contiguous(), mesh, axis, dim=dim).clone()
-    return model_sd, optim_sd
-
-
-def _full_placeholders(model: nn.Module, mesh, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
-    """Full-shape tensors for DCP to load into, in place of this rank's shards (no communication)."""
-    shards = _shards(model)
-
-    def full(t: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-        shape = list(t.shape)
-        shape[dim] *= mesh.size(axis)
-        return torch.empty(shape, dtype=t.dtype, device=t.device)
-
-    model_sd, optim_sd = dict(model_sd), _copy_optim(optim_sd)
-    for key, (axis, dim) in shards.items():
-        if key in model_sd:
-            model_sd[key] = full(model_sd[key], axis, dim)
-    for per_param, key, (axis, dim) in _optim_items(optim_sd, shards):
-        per_param[key] = full(per_param[key], axis, dim)
-    return model_sd, optim_sd
-
-
-def _slice_shards(model: nn.Module, mesh, model_sd: dict, optim_sd: dict) -> None:
-    """Replace the loaded full tensors by this rank's shards, in place (no communication)."""
-    shards = _shards(model)
-
-    def mine(t: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-        return t.chunk(mesh.size(axis), dim=dim)[mesh.local_rank(axis)].clone()
-
-    for key, (axis, dim) in shards.items():
-        if key in model_sd:
-            model_sd[key] = mine(model_sd[key], axis, dim)
-    for per_param, key, (axis, dim) in _optim_items(optim_sd, shards):
-        per_param[key] = mine(per_param[key], axis, dim)
-
-
-def _full_params(optimizer: torch.optim.Optimizer | None):
-    """ZeRO-3 frees the full parameters between uses: hold them for the duration of a save or load."""
-    zero = getattr(optimizer, "zero", None)
-    return zero.full_params() if zero is not None else contextlib.nullcontext()
+def _write(state: dict, weights: dict, tmp: Path, rank: int, *, group=None, no_dist: bool = False) -> None:
+    """DCP's files of this rank's pieces (collective over `group`), then its safetensors of the weights."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=no_dist)
+    if weights:
+        # One file per rank; pieces of one flat ZeRO shard share its storage, which safetensors refuses: copies.
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, (t, _) in weights.items()}
+        where = {name: w for name, (_, w) in weights.items() if w is not None}
+        save_file(tensors, str(tmp / f"model_rank_{rank:05d}.safetensors"),
+                  metadata={_PIECES: json.dumps(where)} if where else None)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -629,10 +576,10 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"{meta_file} is corrupt ({_one_line(e)}); {_other_checkpoint_hint(path)}") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file} is corrupt (not a JSON object); {_other_checkpoint_hint(path)}")
-    if meta.get("format") != FORMAT_VERSION or not {"config", "step", "world_size"} <= set(meta) \
+    if meta.get("format") not in _READABLE_FORMATS or not {"config", "step", "world_size"} <= set(meta) \
             or not isinstance(meta["config"], dict):
         raise CheckpointError(f"{meta_file} has format {meta.get('format')!r}; this meshlm reads "
-                              f"format {FORMAT_VERSION} (older checkpoints: resume them with the meshlm that wrote "
+                              f"formats {list(_READABLE_FORMATS)} (older checkpoints: resume them with the meshlm that wrote "
                               "them, or start afresh)")
     return meta
 
@@ -717,34 +664,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         raise CheckpointError(f"checkpoint {str(path)!r} was saved by {meta['world_size']} ranks and has no "
                               f"{rank_file.name} (this rank's RNG and data position are unknown)")
     rank_extra = _read_rank_file(rank_file)  # before DCP reads anything
-    if optimizer is not None and hasattr(optimizer, "load_full_state_dict"):
-        with _full_params(optimizer):
-            model_sd, optim_sd = _state_dicts(model, optimizer)
-            if _shards(model):  # ZeRO over tensor-parallel shards: load full tensors, keep this rank's slices
-                assert mesh is not None, "a tensor-parallel model needs the mesh to load a checkpoint"
-                model_sd, optim_sd = _full_placeholders(model, mesh, model_sd, optim_sd)
-            state = {"model": model_sd, "optim": optim_sd}
-            _dcp_load(state, path)
-            if _shards(model):
-                _slice_shards(model, mesh, state["model"], state["optim"])
-            set_model_state_dict(model, state["model"])
-            optimizer.load_full_state_dict(state["optim"])  # after the model: it re-reads the master shard
-    elif optimizer is not None and _shards(model):
-        assert mesh is not None, "a tensor-parallel model needs the mesh to load a checkpoint"
-        model_sd, optim_sd = _full_placeholders(model, mesh, *get_state_dict(model, optimizer))
-        state = {"model": model_sd, "optim": optim_sd}
-        _dcp_load(state, path)
-        _slice_shards(model, mesh, state["model"], state["optim"])
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    elif optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        _dcp_load(state, path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        state = {"model": get_model_state_dict(model)}
-        _dcp_load(state, path)
-        set_model_state_dict(model, state["model"])
+    state = checkpoint_state(model, optimizer, mesh)  # this rank's pieces: DCP reads only what overlaps them
+    _dcp_load(state, path)
+    after_load(state, model=model, optimizer=optimizer)
     return {"step": int(meta["step"]), "config": meta["config"], "rank_extra": rank_extra}
 
 
@@ -754,12 +676,19 @@ def load_weights(path: str | Path, model: nn.Module, *, checksums: bool = True) 
     its manifest lists (and verified) are read: a stray file next to them is ignored."""
     path = Path(path)
     listed = verify_checkpoint(path, checksums=checksums)["files"]
-    state: dict[str, torch.Tensor] = {}
+    named: dict[str, torch.Tensor] = {}
+    layout: dict[str, dict] = {}
     for f in sorted(path / name for name in listed if re.fullmatch(r"model_rank_\d+\.safetensors", name)):
         try:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                layout.update(json.loads((st.metadata() or {}).get(_PIECES, "{}")))
+                named.update({name: st.get_tensor(name) for name in st.keys()})
         except Exception as e:  # safetensors' own error type is no ValueError
             raise CheckpointError(f"{f} cannot be read ({_one_line(e, 80)}); {_other_checkpoint_hint(path)}") from None
+    try:
+        state = assemble(named, layout)  # a sharded run wrote pieces (each once); put the full tensors together
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {e}; {_other_checkpoint_hint(path)}") from None
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no weights for {missing[:3]}"
