@@ -16,13 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist import run_distributed
 from meshlm.config import load_config
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.parallel.tensor import full_state_dict
 from meshlm.parallel.zero import apply_zero
+from meshlm.train.shards import checkpoint_state
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
 from runs import SMALL_MODEL, grad_norms, step_losses
@@ -95,7 +98,49 @@ def layouts_worker(rank, world_size, root: Path, text_file: Path, layouts: dict,
         resumed.train()
         dist.barrier()
         out["dp4_next_loss"] = step_losses(root / "as_dp4")[-1]
+        out["probe"] = probe_save_and_load(root / "probe", text_file)
     return out
+
+
+class AllocationProbe(TorchDispatchMode):
+    """Records every floating-point tensor an op allocates (an output whose storage is none of its inputs'):
+    the largest one, and the bytes of all of them. Views, in-place ops and copies into existing tensors
+    allocate none; byte tensors (the pickled plans and metadata ranks exchange) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.total = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.is_floating_point():
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in inputs:
+                    self.largest, self.total = max(self.largest, storage.nbytes()), self.total + storage.nbytes()
+        return out
+
+
+def probe_save_and_load(run_dir: Path, text_file: Path) -> dict:
+    """tp=2 x ZeRO-3 (dp_shard=2): save and load a checkpoint with every allocation recorded."""
+    trainer = Trainer(make_cfg(run_dir, text_file, "train.precision=fp32", "parallel.tp=2", "parallel.zero_stage=3",
+                               "train.checkpoint_interval=0", steps=1))
+    trainer.train()
+    zero = trainer.parallel.zero
+    state = trainer.optimizer.state[zero.param_shard]
+    shard_bytes = sum(t.numel() * t.element_size() for t in (zero.param_shard, state["exp_avg"], state["exp_avg_sq"]))
+    full_bytes = [p.numel() * p.element_size() * (2 if getattr(p, "_meshlm_shard", None) else 1)
+                  for p in trainer.base_model.parameters()]  # each parameter unsharded (tp=2)
+    pieces = checkpoint_state(trainer.base_model, trainer.optimizer, trainer.mesh)["model"].values()
+    largest_piece = max(p.tensor.numel() * p.tensor.element_size() for s in pieces for p in s.pieces)
+    with AllocationProbe() as saving:
+        path = trainer.save()
+    with AllocationProbe() as loading:
+        trainer.load(path)
+    return {"save": (saving.largest, saving.total), "load": (loading.largest, loading.total),
+            "shard_bytes": shard_bytes, "largest_full": max(full_bytes), "largest_piece": largest_piece}
 
 
 def check(results, reference, layouts: dict, *, fp32: bool):
@@ -117,6 +162,16 @@ def test_zero_1_2_3_over_tp2_match_one_process_and_checkpoint_moves(tmp_path, te
     check(results, reference, LAYOUTS_4, fp32=True)
     next_loss = reference["fp64_next_loss"]
     assert_close_seq([results[0]["dp4_next_loss"]], [next_loss], rtol=FP64_TOL, what="tp2 x ZeRO-3 -> dp=4 step 6")
+    # Save and load never build a full tensor: no allocation is larger than the largest piece this rank
+    # holds (a ZeRO range of a tp shard), which is smaller than the largest parameter; and all of a save's
+    # allocations together (DCP's copy of each piece, the safetensors copy of the weights) stay within
+    # twice this rank's shard.
+    for r, result in enumerate(results):
+        probe = result["probe"]
+        for what in ("save", "load"):
+            largest, total = probe[what]
+            assert largest <= probe["largest_piece"] < probe["largest_full"], (r, what, probe)
+            assert total <= 2 * probe["shard_bytes"], (r, what, probe)
     single = Trainer(make_cfg(tmp_path / "as_single", text_file, "train.precision=fp64", steps=STEPS + 1), resume=True)
     assert single.step == STEPS and "tp=2" in single.resume_note
     single.train()
