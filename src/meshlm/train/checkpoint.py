@@ -21,16 +21,18 @@ manifest and the safetensors only. Resuming reads DCP's `.metadata`, which is a 
 its checksum matched: that guards against damage, not against a crafted checkpoint -- resume only runs
 you trust.
 
-The optimizer state is always stored in the per-parameter layout of an unsharded AdamW: a ZeRO
-optimizer gathers its shards on save and takes its own shard on load (`meshlm.parallel.zero`), so a
-checkpoint moves between zero stages and data-parallel sizes. Likewise under tensor parallelism
-(parameters tagged `_meshlm_shard`, see `meshlm.parallel.tensor`) the parameters and their AdamW
-moments are gathered over their mesh axis to the full tensors on save and sliced back on load, so a
-checkpoint saved at one tp degree loads at any other (tp=1 in one process included).
+The state is always stored in the per-parameter layout of one unsharded model and `torch.optim.AdamW`,
+and every rank writes only the pieces of it that it holds, each at its offsets in the full tensor
+(`meshlm.train.shards`: tensor/expert-parallel shards from their `_meshlm_shard` tags, ZeRO's flat ranges
+cut into rectangles of their parameters); a piece several ranks hold is written once. On load DCP reads
+into each rank's pieces exactly the parts of the saved ones they overlap, so a checkpoint moves between
+any two layouts (dp, ZeRO stage, tp, pp, ep, cp, world size; one process included) and no rank ever
+builds a full tensor, saving or loading. The safetensors copy of the weights is written the same way, in
+pieces (their places in its metadata); inference puts the full tensors together.
 
 With several ranks every rank calls `save_checkpoint` (DCP's save is collective over the default
-process group; a replicated tensor is written once), all into the same directory, so a multi-node
-run needs a shared filesystem for `run_dir`; rank 0 alone publishes, after a barrier.
+process group), all into the same directory, so a multi-node run needs a shared filesystem for
+`run_dir`; rank 0 alone publishes, after a barrier.
 
 Layout::
 
@@ -342,8 +344,8 @@ def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimiz
     `rank_extra` (RNG states, loader position, ...: plain JSON data) goes to this rank's own file. With
     several ranks every rank calls this (DCP's save is collective) and passes a `barrier` so rank 0
     publishes only after all ranks have written. `files` are copied in by rank 0 (e.g. the
-    tokenizer.json, so the checkpoint is self-contained). `mesh` is needed when the model is tensor
-    parallel (its shards are gathered over it, collectively) or split into pipeline stages.
+    tokenizer.json, so the checkpoint is self-contained). `mesh` is needed when the model is sharded
+    (tensor/expert parallel: it places the shards in the full tensors).
 
     Durability: every rank fsyncs the files it wrote and records their sizes and checksums; after a
     barrier rank 0 merges those into `manifest.json`, written last, fsyncs, renames `step_N.tmp` to
@@ -377,10 +379,10 @@ def begin_save(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: t
                async_group=None, asynchronous: bool = False) -> PendingSave:
     """The first half of `save_checkpoint` (collective): capture the state and start writing it.
 
-    `asynchronous=True` stages the state in CPU memory and writes it in the background (DCP's `async_save`,
-    its coordination on `async_group`, a process group of its own: the training's collectives go on
-    meanwhile; and a thread for the weights' safetensors); training may change the model as soon as this
-    returns. `finish_save` waits for the writes and publishes."""
+    `asynchronous=True` copies this rank's pieces to CPU memory and writes them from a thread (DCP's save,
+    its coordination on `async_group`, a process group of its own, so the training's collectives go on
+    meanwhile; then the weights' safetensors); training may change the model as soon as this returns.
+    `finish_save` waits for the writes and publishes."""
     root = checkpoints_root(run_dir)
     final = root / checkpoint_dir_name(step)
     tmp = root / (final.name + ".tmp")
@@ -653,8 +655,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
                     config: Config, rank: int = 0, mesh=None, checksums: bool = True) -> dict:
     """Load model (+ optimizer) state in place; return {"step", "config", "rank_extra"}.
 
-    A tensor-parallel model (see `save_checkpoint`) needs `mesh`; it loads the full tensors and keeps
-    its own slices. `checksums=False`: the caller verified them (`verify_checkpoint`)."""
+    Each rank reads only the parts of the saved pieces that overlap its own (any layout saved it); a
+    sharded model needs `mesh`. `checksums=False`: the caller verified them (`verify_checkpoint`)."""
     path = Path(path)
     verify_checkpoint(path, checksums=checksums)  # before any of it is parsed (DCP's .metadata is a pickle)
     meta = read_meta(path)
