@@ -25,6 +25,8 @@ from meshlm.config import load_config
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.parallel.tensor import full_state_dict
 from meshlm.parallel.zero import apply_zero
+from meshlm.models import build_model
+from meshlm.train.checkpoint import load_weights
 from meshlm.train.shards import checkpoint_state
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
@@ -139,6 +141,11 @@ def probe_save_and_load(run_dir: Path, text_file: Path) -> dict:
         path = trainer.save()
     with AllocationProbe() as loading:
         trainer.load(path)
+    # inference's copy: the safetensors pieces (ZeRO ranges of tp shards) put together equal the weights
+    weights = full_weights(trainer)
+    model = build_model(trainer.cfg.model, seed=1)
+    load_weights(path, model)
+    assert all(torch.equal(t, weights[k]) for k, t in model.state_dict().items())
     return {"save": (saving.largest, saving.total), "load": (loading.largest, loading.total),
             "shard_bytes": shard_bytes, "largest_full": max(full_bytes), "largest_piece": largest_piece}
 
