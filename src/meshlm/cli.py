@@ -93,7 +93,7 @@ def _add_verify(sub) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a meshlm checkpoint or a Hugging Face model",
                        description="Generate a continuation of --prompt on the inference engine "
-                                   "(paged KV cache), single process.")
+                                   "(paged KV cache): one process, or --tp N tensor-parallel ranks.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
@@ -103,6 +103,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks on this node (started through torch's launcher; each holds 1/N of "
+                        "the weights and of every KV block; default 1)")
 
 
 def _add_info(sub) -> None:
@@ -276,8 +279,6 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
 
 def _launch_ranks(args, cfg) -> int:
     """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
-    import os
-
     from meshlm.parallel.parallelize import check_layout
     from meshlm.train.checkpoint import check_run_dir
 
@@ -308,6 +309,13 @@ def _launch_ranks(args, cfg) -> int:
                      "--node-rank", str(args.node_rank)]
     rank_args = ["train", *(["--config", args.config] if args.config else []),
                  *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
+    return _torchrun(launcher, rank_args)
+
+
+def _torchrun(launcher: list[str], rank_args: list[str]) -> int:
+    """`meshlm <rank_args>` on every rank torch's launcher starts (`launcher`: its flags); the exit code."""
+    import os
+
     # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
     # launcher from printing its warning about choosing that default for us.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -319,7 +327,7 @@ def _launch_ranks(args, cfg) -> int:
     except ChildFailedError as e:
         failed = sorted(e.failures.items())
         codes = sorted({f.exitcode for _, f in failed})
-        print(f"meshlm train: {first_failure(e)}", file=sys.stderr)
+        print(f"meshlm {rank_args[0]}: {first_failure(e)}", file=sys.stderr)
         return launch_exit_code(codes)
     return 0
 
@@ -360,14 +368,37 @@ def cmd_verify(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from meshlm.distributed import init_distributed, launched_ranks, teardown_distributed
     from meshlm.infer.llm import LLM
     from meshlm.infer.sequence import SamplingParams
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.tp < 1:
+        raise ValueError(f"--tp={args.tp} must be >= 1")
+    if args.tp > 1 and not launched_ranks():
+        return _torchrun(["--standalone", "--nproc-per-node", str(args.tp)], args.argv)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_new_tokens, seed=args.seed)
-    llm = LLM(args.checkpoint or args.hf)
+    if args.tp > 1:
+        import torch
+
+        init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        llm = LLM(args.checkpoint or args.hf, tp=args.tp)
+        if llm.is_driver:
+            try:
+                _generate_and_print(llm, args, params)
+            finally:
+                llm.close()
+    except BaseException:
+        teardown_distributed()  # no waiting for ranks that may never arrive: the launcher stops them
+        raise
+    teardown_distributed(wait=True)
+    return 0
+
+
+def _generate_and_print(llm, args, params) -> None:
     if llm.tokenizer is None:
         raise ValueError(f"{args.checkpoint or args.hf!r} has no tokenizer (tokenizer.json); cannot encode --prompt")
     num_prompt = len(llm.tokenizer.encode(args.prompt))
@@ -379,7 +410,6 @@ def cmd_generate(args) -> int:
                          f"{max(llm.engine.max_model_len - num_prompt, 0)}")
     result = llm.generate([args.prompt], params)[0]
     print(args.prompt + result.text)
-    return 0
 
 
 def cmd_info(args) -> int:
@@ -461,6 +491,7 @@ COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what ranks started by a launcher run again
     if args.command is None:
         parser.print_help()
         return 2

@@ -26,6 +26,8 @@ Seconds are the host time spent inside the call plus, for `async_op=True`, insid
 
 from __future__ import annotations
 
+import json
+
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -299,6 +301,22 @@ def broadcast(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int = 0, as
     src_rank = mesh.global_rank(axis, src)
     return _run(mesh, axis, "broadcast", _nbytes(tensor),
                 lambda g: dist.broadcast(tensor, src=src_rank, group=g, async_op=async_op), async_op, tensor)
+
+
+def broadcast_json(obj, mesh: "Mesh", axis: str, *, src: int = 0):
+    """`obj` (JSON data) of the member with coordinate `src` on `axis`, on every member (others pass None):
+    two broadcasts, the length then the UTF-8 bytes. Plain data only: nothing received is unpickled."""
+    if mesh.size(axis) == 1:
+        return obj
+    device = _comm_device(mesh)
+    mine = mesh.local_rank(axis) == src
+    payload = json.dumps(obj, separators=(",", ":")).encode() if mine else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    broadcast(length, mesh, axis, src=src)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if mine
+            else torch.empty(int(length.item()), dtype=torch.uint8, device=device))
+    broadcast(data, mesh, axis, src=src)
+    return obj if mine else json.loads(data.cpu().numpy().tobytes().decode())
 
 
 def all_to_all_single(tensor: torch.Tensor, mesh: "Mesh", axis: str, *,

@@ -49,16 +49,18 @@ class Engine:
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0):
+                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, runner=None):
+        """`runner`: what runs each step on the model (default: a `ModelRunner` over `model` with the KV
+        cache arguments); `infer.parallel.TensorParallelRunner` runs it on several ranks."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.config.max_seq_len
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = tuple(eos_token_ids)
-        self.runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
-                                  kv_cache_memory_bytes=kv_cache_memory_bytes)
-        self.block_manager = BlockManager(num_blocks=self.runner.num_blocks, block_size=block_size,
+        self.runner = runner or ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
+                                            kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.block_manager = BlockManager(num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
                                           enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,

@@ -2,8 +2,8 @@
 
 Responsible for: sizing the paged KV cache (one [num_blocks, block_size, kv_heads, head_dim] key and
 value tensor per layer) from a memory budget or a block count; turning a scheduler step into a plain
-`StepInput` (flat token ids, positions, slot mapping, block tables) -- a picklable object so that,
-later, rank 0 can schedule and send each step to a group of tensor-parallel ranks; and running the
+`StepInput` (flat token ids, positions, slot mapping, block tables) -- plain data, which rank 0 sends
+to its tensor-parallel ranks each step (`infer/parallel.py`); and running the
 reference model's own modules with a `PagedAttention` context that the model's `Attention` calls
 (`cache.attend(layer, q, k, v)`): it writes the step's keys/values into their slots and attends each
 sequence over the keys its block table points to. Plain PyTorch, runs on CPU; a fused GPU kernel can
@@ -125,16 +125,26 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
+def local_kv_heads(model: Transformer) -> int:
+    """The kv heads this rank's model computes: all of them, or its share under tensor parallelism (read
+    from the key projection's width, as the model's attention does)."""
+    attn = next(iter(model.layers.values())).attn
+    return attn.wk.out_features // model.config.head_dim
+
+
 def kv_block_bytes(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block on this rank: keys and values of `block_size` tokens, every layer, local heads."""
     cfg = model.config
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return 2 * cfg.num_layers * block_size * local_kv_heads(model) * cfg.head_dim * itemsize
 
 
 class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, kv_dtype: torch.dtype | None = None):
-        """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default 256 MiB)."""
+        """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default 256 MiB, per
+        rank: under tensor parallelism a block holds only this rank's kv heads, so the same budget holds tp
+        times the blocks)."""
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1 (tokens per KV block; 16 is usual)")
         self.model = model.eval()
@@ -150,13 +160,14 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
                                  f"{kv_block_bytes(model, block_size, self.kv_dtype)} bytes; give it more memory")
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, local_kv_heads(model), cfg.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run the step's tokens; return float32 logits [len(step.logits_indices), vocab]."""
+        """Run the step's tokens; return float32 logits [len(step.logits_indices), vocab] (under tensor
+        parallelism this rank's vocab slice: the lm_head is split over the vocabulary)."""
         model = self.model
         tokens = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
