@@ -499,9 +499,23 @@ def _staged(tree):
 
 def _write(state: dict, weights: dict, tmp: Path, rank: int, *, group=None, no_dist: bool = False) -> None:
     """DCP's files of this rank's pieces (collective over `group`), then its safetensors of the weights."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=no_dist)
+    import time
+
+    from meshlm.comm import CollectiveError
+
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+            dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=no_dist)
+    # DCP gathers its plans over the world; a peer that died or stopped fails it (after the process group's
+    # timeout, parallel.collective_timeout_s), wrapped in CheckpointException, a BaseException subclass.
+    except (Exception, CheckpointException) as e:
+        if not _peer_failed(e):  # this rank's own failure (a full disk, ...): as it is
+            raise
+        raise CollectiveError(f"rank {rank}: saving checkpoint {tmp.name} (torch.distributed.checkpoint, over every "
+                              f"rank) failed after {time.perf_counter() - start:.1f} s: {_one_line(e, 160)} -- a peer "
+                              "rank stopped, died or diverged (parallel.collective_timeout_s bounds the wait)") from e
     if weights:
         # One file per rank; pieces of one flat ZeRO shard share its storage, which safetensors refuses: copies.
         tensors = {name: t.detach().to("cpu").contiguous().clone() for name, (t, _) in weights.items()}
