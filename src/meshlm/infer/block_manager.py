@@ -8,6 +8,10 @@ is needed (least recently freed first); hit counters.
 Not responsible for: the tensors themselves (model_runner.py) or deciding who gets blocks
 (scheduler.py). No torch import here.
 
+Groups (context-parallel serving, `num_groups` = cp ranks): block b lives on rank b % num_groups, and a
+sequence's j-th block is always taken from group j % num_groups, so every rank holds an equal share of
+every long sequence and the capacity is that of all the ranks together. One group: plain paging.
+
 Only full blocks are ever shared, and a sequence only writes at positions at or beyond its
 `num_computed_tokens`, which always lie past its shared blocks: a shared block is never written.
 """
@@ -20,17 +24,22 @@ from meshlm.infer.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_groups: int = 1):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1 (give the KV cache more memory)")
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
+        if num_groups < 1 or num_blocks % num_groups:
+            raise ValueError(f"num_blocks={num_blocks} must be a multiple of num_groups={num_groups} (>= 1)")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_groups = num_groups
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        # Free blocks in eviction order (oldest freed first); a free block may still hold a cached prefix.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Free blocks of each group in eviction order (oldest freed first); a free block may still hold a
+        # cached prefix.
+        self.free_lists: list[OrderedDict[int, None]] = [
+            OrderedDict((b, None) for b in range(g, num_blocks, num_groups)) for g in range(num_groups)]
         # Prefix cache: chained hash -> block, and per cached block (hash, parent's hash, tokens). The
         # parent is named by hash, not block: the sequence that cached a block may hold a duplicate of
         # the cached parent (both computed it at once), and the child must still be found.
@@ -45,11 +54,14 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return sum(map(len, self.free_lists))
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    def used_blocks_per_group(self) -> list[int]:
+        return [self.num_blocks // self.num_groups - len(f) for f in self.free_lists]
 
     @property
     def hit_rate(self) -> float:
@@ -84,7 +96,7 @@ class BlockManager:
             if block is None or self.block_info[block][1:] != (parent_hash, tokens):
                 break  # a miss, or a hash collision caught by the token comparison
             if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
+                del self.free_lists[block % self.num_groups][block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
             self.seq_hashes[seq.seq_id].append(h)
@@ -116,8 +128,8 @@ class BlockManager:
 
     # ---- allocation ------------------------------------------------------------------------------
 
-    def _take_free_block(self) -> int:
-        block, _ = self.free_blocks.popitem(last=False)
+    def _take_free_block(self, group: int) -> int:
+        block, _ = self.free_lists[group].popitem(last=False)
         info = self.block_info.pop(block, None)
         if info is not None:  # evict the cached prefix this block held
             del self.cached[info[0]]
@@ -127,11 +139,14 @@ class BlockManager:
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold `num_tokens` tokens; False (and no change) if blocks run out."""
-        missing = self.blocks_needed(num_tokens) - len(seq.block_table)
-        if missing > len(self.free_blocks):
+        have, want = len(seq.block_table), self.blocks_needed(num_tokens)
+        needed = [0] * self.num_groups
+        for j in range(have, want):
+            needed[j % self.num_groups] += 1
+        if any(n > len(f) for n, f in zip(needed, self.free_lists)):
             return False
-        for _ in range(max(missing, 0)):
-            seq.block_table.append(self._take_free_block())
+        for j in range(have, want):
+            seq.block_table.append(self._take_free_block(j % self.num_groups))
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -144,7 +159,7 @@ class BlockManager:
             assert self.ref_counts[block] > 0
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+                self.free_lists[block % self.num_groups][block] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.seq_id, None)
@@ -163,6 +178,8 @@ class BlockManager:
             for block in seq.block_table:
                 counts[block] += 1
         assert counts == self.ref_counts, (counts, self.ref_counts)
-        assert set(self.free_blocks) == {b for b in range(self.num_blocks) if counts[b] == 0}
+        assert {b for f in self.free_lists for b in f} == {b for b in range(self.num_blocks) if counts[b] == 0}
+        assert all(b % self.num_groups == g for g, f in enumerate(self.free_lists) for b in f)
+        assert all(b % self.num_groups == j % self.num_groups for seq in live for j, b in enumerate(seq.block_table))
         assert all(self.cached[info[0]] == b for b, info in self.block_info.items())
         assert len(self.cached) == len(self.block_info)
