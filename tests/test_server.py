@@ -84,8 +84,15 @@ def sse_events(response) -> list:
 
 def test_health_models_and_key(server):
     assert httpx.get(server + "/health").status_code == 200
-    r = httpx.get(server + "/v1/models")
+    r = httpx.get(server + "/v1/models", headers=HEADERS)
     assert r.json()["data"][0]["id"] == "tiny"
+    # The key guards every endpoint but /health.
+    for path in ("/v1/models", "/metrics"):
+        r = httpx.get(server + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": []},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
     r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
@@ -180,7 +187,7 @@ def test_concurrent_requests_and_bad_input(server):
     # The server still serves after all that, and its metrics saw the traffic.
     r = post(server, "/v1/completions", {"model": "tiny", "prompt": "again", "max_tokens": 2})
     assert r.status_code == 200
-    metrics = httpx.get(server + "/metrics").text
+    metrics = httpx.get(server + "/metrics", headers=HEADERS).text
     for name in ("meshlm_requests_running", "meshlm_requests_waiting", "meshlm_kv_blocks_used",
                  "meshlm_kv_blocks_free", "meshlm_prefix_cache_hit_rate", "meshlm_generated_tokens_total",
                  "meshlm_time_to_first_token_seconds_count", "meshlm_time_per_output_token_seconds_bucket"):
@@ -196,7 +203,7 @@ def test_client_disconnect_frees_blocks(server):
             if line.startswith("data: "):
                 break  # leave after the first event
     deadline = time.monotonic() + 20
-    while "meshlm_requests_running 0" not in httpx.get(server + "/metrics").text:
+    while "meshlm_requests_running 0" not in httpx.get(server + "/metrics", headers=HEADERS).text:
         assert time.monotonic() < deadline, "an abandoned request kept running"
         time.sleep(0.05)
 

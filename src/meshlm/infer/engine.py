@@ -2,7 +2,9 @@
 
 Responsible for: validating requests against the context length and the cache, the step loop
 (schedule -> StepInput -> model -> sample -> update), incremental detokenization with stop strings,
-aborting requests, and the counters the server exports.
+aborting requests, and the counters the server exports. A failure that belongs to one request (its
+sampling, or the model on its tokens alone) finishes that request with finish_reason "error" and the
+message in `RequestOutput.error`; the other requests of the step go on with the same tokens.
 Not responsible for: threads, HTTP or streaming (server.py), loading models (llm.py), or the policy of
 who runs (scheduler.py). Single-threaded: callers serialize access.
 """
@@ -10,12 +12,15 @@ who runs (scheduler.py). Single-threaded: callers serialize access.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from meshlm.infer.block_manager import BlockManager
+import torch
+
 from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.infer.sampling import Sampler
-from meshlm.infer.scheduler import Scheduler
+from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingParams, Sequence
 from meshlm.infer.tokenizer import Tokenizer
 from meshlm.models.transformer import Transformer
@@ -35,6 +40,8 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error")
+    retrieved: list[dict] | None = None  # passages put before the prompt (retrieval-augmented requests)
 
 
 @dataclass
@@ -69,6 +76,7 @@ class Engine:
         self._next_id = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.finish_reasons: Counter[str] = Counter()  # "stop" | "length" | "abort" | "error" -> requests
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -124,6 +132,7 @@ class Engine:
             self.scheduler.finish(seq, "abort")
             self.sampler.release(seq)
             self._detok.pop(request_id, None)
+            self.finish_reasons["abort"] += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -135,11 +144,23 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        step = StepInput.from_schedule(out, self.runner.block_size)
-        sampling = [item.seq for item in out.scheduled if item.samples]
-        logits = self.runner.execute(step)
-        samples = self.sampler(logits, sampling)
-        self.scheduler.update(out, {seq.seq_id: s for seq, s in zip(sampling, samples)})
+        failed: dict[Sequence, Exception] = {}
+        try:
+            logits = self.runner.execute(StepInput.from_schedule(out, self.runner.block_size))
+            rows = [item.seq for item in out.scheduled if item.samples]
+        except Exception:  # noqa: BLE001 -- find whose tokens fail; the others must not pay for them
+            logits, rows = self._execute_one_by_one(out, failed)
+        sampled: dict[int, tuple[int, dict | None]] = {}
+        sampling = []
+        for seq, result in zip(rows, self.sampler(logits, rows) if rows else []):
+            if isinstance(result, Exception):
+                failed[seq] = result
+            else:
+                sampled[seq.seq_id] = result
+                sampling.append(seq)
+        if failed:
+            out.scheduled = [item for item in out.scheduled if item.seq not in failed]
+        self.scheduler.update(out, sampled)
         self.num_steps += 1
         self.num_generated_tokens += len(sampling)
         now = time.monotonic()
@@ -152,10 +173,38 @@ class Engine:
                 seq.finish_time = now
             results.append(self._output(seq))
             if seq.is_finished:
-                self.requests.pop(seq.request_id, None)
-                self._detok.pop(seq.request_id, None)
-                self.sampler.release(seq)
+                self._forget(seq)
+        for seq, error in failed.items():
+            self.scheduler.finish(seq, "error")
+            seq.finish_time = now
+            result = self._output(seq)
+            result.error = f"{type(error).__name__}: {error}"
+            results.append(result)
+            self._forget(seq)
         return results
+
+    def _forget(self, seq: Sequence) -> None:
+        self.finish_reasons[seq.finish_reason or "stop"] += 1
+        self.requests.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        self.sampler.release(seq)
+
+    def _execute_one_by_one(self, out: SchedulerOutput, failed: dict[Sequence, Exception]):
+        """Re-run a failed step one sequence at a time; the sequences that fail alone go to `failed`.
+
+        Safe to repeat: each sequence writes only its own KV slots, with the same values as before.
+        """
+        rows, parts = [], []
+        for item in out.scheduled:
+            try:
+                logits = self.runner.execute(StepInput.from_schedule(SchedulerOutput([item]), self.runner.block_size))
+            except Exception as e:  # noqa: BLE001 -- this request's own failure
+                failed[item.seq] = e
+                continue
+            if item.samples:
+                rows.append(item.seq)
+                parts.append(logits)
+        return (torch.cat(parts) if parts else None), rows
 
     def _check_stop_strings(self, seq: Sequence) -> None:
         stops = seq.params.stop
@@ -227,5 +276,5 @@ class Engine:
             "kv_blocks_total": bm.num_blocks, "prefix_cache_hit_rate": bm.hit_rate,
             "prefix_cache_queried_tokens": bm.num_queried_tokens, "prefix_cache_hit_tokens": bm.num_hit_tokens,
             "generated_tokens": self.num_generated_tokens, "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
+            "num_steps": self.num_steps, "finish_reasons": dict(self.finish_reasons),
         }

@@ -20,6 +20,7 @@ import math
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from meshlm.infer.engine import Engine, RequestOutput
@@ -86,9 +87,15 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="meshlm-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, asyncio.Queue, int]:
-        """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens)."""
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               queue: asyncio.Queue | None = None) -> tuple[str, asyncio.Queue, int]:
+        """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens).
+
+        Several requests may share one `queue` (the choices of one HTTP request): outputs carry their id.
+        """
         stream = _Stream(asyncio.get_running_loop())
+        if queue is not None:
+            stream.queue = queue
         seq = self.engine.make_sequence(prompt, params, request_id=f"req-{uuid.uuid4().hex}")
         with self._cv:
             self._pending.append(seq)
@@ -181,11 +188,37 @@ def _number(body: dict, key: str, default, kind=float, *, allow_none=True):
     # json.loads accepts NaN and Infinity: refused here (int(inf) would raise OverflowError, a 500).
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value)):
-        raise APIError(400, f"{key}={value!r} must be {'an integer' if kind is int else 'a finite number'}", param=key)
+        raise APIError(400, f"{key}={_short(value)} must be {'an integer' if kind is int else 'a finite number'}",
+                       param=key)
     try:
         return kind(value)
     except OverflowError:  # float(10**400)
-        raise APIError(400, f"{key}={value!r} is out of range", param=key) from None
+        raise APIError(400, f"{key}={_short(value)} is out of range", param=key) from None
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{key}={_short(value)} must be true or false", param=key)
+    return value
+
+
+def _short(value) -> str:
+    """A user value for an error message: bounded length, ASCII only (safe whatever the client sent)."""
+    text = ascii(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_text(text: str, param: str) -> str:
+    """Refuse text that is not valid Unicode (JSON lets a lone surrogate such as \\ud800 through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds text that is not valid Unicode ({e.reason} at character {e.start}); "
+                            "send UTF-8 text", param=param) from None
+    return text
 
 
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
@@ -196,9 +229,13 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise APIError(400, "stop must be a string or a list of strings", param="stop")
+    for s in [stop] if isinstance(stop, str) else stop or []:
+        check_text(s, "stop")
+    if isinstance(stop, list) and len(stop) > 16:
+        raise APIError(400, f"{len(stop)} stop strings: at most 16", param="stop")
     logprobs = body.get("logprobs")
     if chat:  # chat: logprobs is a boolean, the count is top_logprobs
-        logprobs = _number(body, "top_logprobs", 0, int) if logprobs else None
+        logprobs = _number(body, "top_logprobs", 0, int) if _bool(body, "logprobs") else None
     elif logprobs is not None:
         logprobs = _number(body, "logprobs", None, int)
     stop_ids = body.get("stop_token_ids")
@@ -209,7 +246,7 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
             top_k=_number(body, "top_k", 0, int), max_tokens=_number(body, max_key, 16, int),
             seed=_number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
-            ignore_eos=bool(body.get("ignore_eos", False)))
+            ignore_eos=_bool(body, "ignore_eos"))
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
@@ -223,11 +260,22 @@ def _chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, "each message needs a 'role' and a 'content'", param="messages")
         content = m.get("content")
+        if content is None:  # e.g. an assistant turn that only called tools
+            content = ""
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise APIError(400, "each content part must be an object with a 'type'", param="messages")
+                if part["type"] == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise APIError(400, f"a text content part needs 'text' as a string, not "
+                                            f"{_short(part.get('text'))}", param="messages")
+                    parts.append(part["text"])
+            content = "".join(parts)
         if not isinstance(content, str):
             raise APIError(400, "message content must be a string or a list of text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")})
     return out
 
 
@@ -236,24 +284,43 @@ def _chat_messages(body: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None):
+MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
+MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
+
+
+def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES):
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from jinja2 import TemplateError
 
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
     tokenizer = engine.engine.tokenizer
     created = int(time.time())
 
-    def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(e: APIError) -> Response:
+        # json.dumps escapes to ASCII: an error never fails to encode, whatever text it quotes.
+        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
-    async def read_body(request: Request) -> dict:
+    def check_key(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", type_="authentication_error")
+
+    async def read_body(request: Request) -> dict:
+        check_key(request)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise APIError(413, f"the body has {declared} bytes; at most {max_body_bytes} are accepted")
+        raw = bytearray()
+        async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
+            raw += chunk
+            if len(raw) > max_body_bytes:
+                raise APIError(413, f"the body is over {max_body_bytes} bytes, the most accepted")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(bytes(raw))
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
@@ -262,109 +329,157 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         if model is None:
             raise APIError(400, "'model' is required", param="model")
         if model != model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+            raise APIError(404, f"the model {_short(model)} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         return body
 
-    def submit(prompt, params):
+    def submit(prompt, params, queue=None):
         try:
-            return engine.submit(prompt, params)
+            return engine.submit(prompt, params, queue)
         except ValueError as e:
             raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
+
+    def dec(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
 
     async def run(request: Request, *, chat: bool):
         body = await read_body(request)
         params = sampling_params_from(body, chat=chat)
+        n = _number(body, "n", 1, int)
+        if not 1 <= n <= MAX_CHOICES:
+            raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
+        if body.get("best_of") not in (None, n):
+            raise APIError(400, f"best_of={_short(body['best_of'])}: only best_of == n is supported", param="best_of")
+        stream = _bool(body, "stream")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                           param="stream_options")
         if chat:
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; chat needs one")
             messages = _chat_messages(body)
             try:
-                prompt = tokenizer.encode_chat(messages)
+                prompts = [tokenizer.encode_chat(messages)]
             except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
                 raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) and prompt:
-                pass
-            elif not isinstance(prompt, str) or not prompt:
-                raise APIError(400, "'prompt' is required: a non-empty string or list of token ids (batches of "
-                                    "several prompts are not supported: send one request each)", param="prompt")
-            if isinstance(prompt, str) and tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-        if not isinstance(body.get("stream_options") or {}, dict):
-            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
-                           param="stream_options")
-        request_id, queue, num_prompt = submit(prompt, params)
-        kind = "chat.completion" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
-        if body.get("stream"):
-            return StreamingResponse(_stream(request_id, queue, rid, kind, chat, num_prompt, body),
-                                     media_type="text/event-stream")
-        out = None
+            prompts = _completion_prompts(body.get("prompt"), has_tokenizer=tokenizer is not None)
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
+                                f"{MAX_CHOICES} per request", param="n")
+        queue: asyncio.Queue = asyncio.Queue()
+        ids: list[str] = []  # choice index -> request id (index = prompt * n + sample, as OpenAI numbers them)
+        num_prompt = 0
         try:
-            while True:
-                out = await queue.get()
+            for prompt in prompts:
+                for j in range(n):
+                    # Sample j of a seeded request draws from its own seed, so the n choices differ.
+                    p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
+                    request_id, _, tokens = submit(prompt, p, queue)
+                    ids.append(request_id)
+                    num_prompt += tokens if j == 0 else 0
+        except APIError:
+            for request_id in ids:  # all or nothing
+                engine.abort(request_id)
+            raise
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        kind = "chat.completion" if chat else "text_completion"
+        rid = ("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-")
+        if stream:
+            return StreamingResponse(_stream(request, ids, index, queue, rid, chat, num_prompt, body, params),
+                                     media_type="text/event-stream")
+        finals: dict[str, RequestOutput] = {}
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            while len(finals) < len(ids):
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the client hung up: nobody will read the answer
+                    getter.cancel()
+                    request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finals.values())
+                    return Response(status_code=499)
+                out = getter.result()
                 if isinstance(out, Exception):
                     raise APIError(500, f"the engine failed: {out}", type_="server_error")
                 if out.finished:
-                    break
+                    if out.finish_reason == "error":
+                        raise APIError(500, f"generating this request failed: {out.error}", type_="server_error")
+                    finals[out.request_id] = out
         finally:
-            if not isinstance(out, RequestOutput) or not out.finished:
-                engine.abort(request_id)
-        choice = {"index": 0, "finish_reason": out.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-            choice["logprobs"] = _chat_logprobs(out, tokenizer) if params.logprobs is not None else None
-        else:
-            choice["text"] = out.text
-            choice["logprobs"] = _completion_logprobs(out, tokenizer) if params.logprobs is not None else None
+            gone.cancel()
+            for request_id in ids:
+                if request_id not in finals:
+                    engine.abort(request_id)
+        choices = []
+        for i, request_id in enumerate(ids):
+            out = finals[request_id]
+            choice = {"index": i, "finish_reason": out.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+                choice["logprobs"] = _chat_logprobs(out.logprobs, dec) if params.logprobs is not None else None
+            else:
+                choice["text"] = out.text
+                choice["logprobs"] = _completion_logprobs(out.logprobs, dec) if params.logprobs is not None else None
+            choices.append(choice)
+        completion = sum(len(o.token_ids) for o in finals.values())
+        request.scope["meshlm.tokens"] = completion
         return JSONResponse({
-            "id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": len(out.token_ids),
-                      "total_tokens": num_prompt + len(out.token_ids)}})
+            "id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": choices,
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                      "total_tokens": num_prompt + completion}})
 
-    async def _stream(request_id, queue, rid, kind, chat, num_prompt, body):
+    async def _stream(request, ids, index, queue, rid, chat, num_prompt, body, params):
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        finished = False
+        finished: dict[str, RequestOutput] = {}
 
-        def event(delta: str | None, finish_reason, first=False) -> str:
-            choice = {"index": 0, "finish_reason": finish_reason}
+        def event(i: int, delta: str | None, finish_reason, *, first=False, logprobs=None) -> str:
+            choice = {"index": i, "finish_reason": finish_reason}
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
                 choice["delta"] = d
+                if logprobs:
+                    choice["logprobs"] = _chat_logprobs(logprobs, dec)
             else:
                 choice["text"] = delta or ""
+                if logprobs:
+                    choice["logprobs"] = _completion_logprobs(logprobs, dec)
             data = {"id": rid, "object": chunk_kind, "created": int(time.time()), "model": model_name,
                     "choices": [choice]}
             return f"data: {json.dumps(data)}\n\n"
 
         try:
             if chat:
-                yield event(None, None, first=True)
-            while True:
+                for i in range(len(ids)):
+                    yield event(i, None, None, first=True)
+            while len(finished) < len(ids):
                 out = await queue.get()
-                if isinstance(out, Exception):
-                    err = APIError(500, f"the engine failed: {out}", type_="server_error")
+                if isinstance(out, Exception) or out.finish_reason == "error":
+                    why = out if isinstance(out, Exception) else out.error
+                    err = APIError(500, f"the engine failed: {why}", type_="server_error")
                     yield f"data: {json.dumps(err.body())}\n\n"
-                    finished = True
                     break
-                if out.new_text:
-                    yield event(out.new_text, None)
+                i = index[out.request_id]
+                # Logprobs of this step's new tokens travel with the chunk (its text may lag a token or
+                # two behind them: an incomplete character or a possible stop string is held back).
+                new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if (
+                    params.logprobs is not None and out.new_token_ids) else None
+                if out.new_text or new_lp:
+                    yield event(i, out.new_text, None, logprobs=new_lp)
                 if out.finished:
-                    finished = True
-                    yield event(None, out.finish_reason)
-                    if (body.get("stream_options") or {}).get("include_usage"):
-                        usage = {"prompt_tokens": num_prompt, "completion_tokens": len(out.token_ids),
-                                 "total_tokens": num_prompt + len(out.token_ids)}
-                        yield f"data: {json.dumps({'id': rid, 'object': chunk_kind, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
-                    break
+                    finished[out.request_id] = out
+                    yield event(i, None, out.finish_reason)
+            else:
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    completion = sum(len(o.token_ids) for o in finished.values())
+                    usage = {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                             "total_tokens": num_prompt + completion}
+                    yield f"data: {json.dumps({'id': rid, 'object': chunk_kind, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away: free its blocks
-                engine.abort(request_id)
+            request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finished.values())
+            for request_id in ids:
+                if request_id not in finished:  # the client went away (or one choice failed): free the blocks
+                    engine.abort(request_id)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -379,7 +494,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         return await run(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        check_key(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "meshlm",
                                             "max_model_len": engine.engine.max_model_len}]}
@@ -389,7 +505,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        check_key(request)
         s = engine.stats()
         lines = []
         for name, key, help_text, kind in [
@@ -398,12 +515,19 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             ("meshlm_kv_blocks_used", "kv_blocks_used", "KV cache blocks in use", "gauge"),
             ("meshlm_kv_blocks_free", "kv_blocks_free", "KV cache blocks free", "gauge"),
             ("meshlm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache / queried", "gauge"),
+            ("meshlm_prefix_cache_queried_tokens_total", "prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache", "counter"),
+            ("meshlm_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", "counter"),
             ("meshlm_generated_tokens_total", "generated_tokens", "tokens generated", "counter"),
             ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
         ]:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
         lines += ["# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
                   f"meshlm_requests_total {engine.num_requests}"]
+        lines += ["# HELP meshlm_requests_finished_total sequences finished, by reason (abort: the client left "
+                  "or the request was cancelled; error: this sequence failed alone)",
+                  "# TYPE meshlm_requests_finished_total counter"]
+        reasons = {"stop": 0, "length": 0, "abort": 0, "error": 0, **s["finish_reasons"]}
+        lines += [f'meshlm_requests_finished_total{{reason="{r}"}} {c}' for r, c in sorted(reasons.items())]
         lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
         lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
@@ -411,18 +535,43 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     return app
 
 
-def _completion_logprobs(out: RequestOutput, tokenizer) -> dict:
-    dec = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
-    return {"tokens": [dec(lp["token"]) for lp in out.logprobs],
-            "token_logprobs": [lp["logprob"] for lp in out.logprobs],
-            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in out.logprobs]}
+def _completion_logprobs(logprobs: list[dict], dec) -> dict:
+    return {"tokens": [dec(lp["token"]) for lp in logprobs],
+            "token_logprobs": [lp["logprob"] for lp in logprobs],
+            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
 
 
-def _chat_logprobs(out: RequestOutput, tokenizer) -> dict:
-    dec = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
+def _chat_logprobs(logprobs: list[dict], dec) -> dict:
     return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
                          "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
-                        for lp in out.logprobs]}
+                        for lp in logprobs]}
+
+
+async def _client_gone(request) -> None:
+    """Return when the client closes the connection (the body has been read: only a disconnect comes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _completion_prompts(prompt, *, has_tokenizer: bool) -> list:
+    """A completion's `prompt`: a string, a list of token ids, or a list of either (several prompts)."""
+    def one(p):
+        if isinstance(p, str) and p:
+            if not has_tokenizer:
+                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
+            return check_text(p, "prompt")
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise APIError(400, "'prompt' is required: a non-empty string or list of token ids, or a list of those",
+                       param="prompt")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise APIError(400, f"{len(prompt)} prompts: at most {MAX_CHOICES} per request", param="prompt")
+        return [one(p) for p in prompt]
+    return [one(prompt)]
 
 
 # ---------------------------------------------------------------------------------------------
