@@ -31,7 +31,7 @@ def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p
     """
     if temperature < MIN_TEMPERATURE:
         return logits_bv.argmax(dim=-1)
-    logits_bv = logits_bv.float()
+    logits_bv = raw_bv = logits_bv.float()
     # Shifted so each row's largest logit is 0, then scaled by 1/temperature clamped to float32's range:
     # -inf logits stay -inf, finite ones stay finite (a huge temperature is a uniform draw, not inf/inf).
     logits_bv = logits_bv - logits_bv.amax(dim=-1, keepdim=True)
@@ -51,7 +51,7 @@ def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p
     # Rows the model itself made non-finite (nan logits) fall back to argmax rather than failing the step.
     bad = ~torch.isfinite(probs_bv).all(dim=-1)
     if bool(bad.any()):
-        probs_bv[bad] = torch.nn.functional.one_hot(torch.nan_to_num(logits_bv[bad], nan=float("-inf")).argmax(-1),
+        probs_bv[bad] = torch.nn.functional.one_hot(torch.nan_to_num(raw_bv[bad], nan=float("-inf")).argmax(-1),
                                                     probs_bv.shape[-1]).float()
     return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]
 

@@ -289,12 +289,16 @@ MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a 
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES):
+               max_body_bytes: int = MAX_BODY_BYTES, log=None):
+    """The FastAPI app. `log(line)`, when given, gets one line per request: method, path, status,
+    completion tokens and latency (status 499: the client left before the answer)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from jinja2 import TemplateError
 
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    if log is not None:
+        app.add_middleware(_AccessLog, log=log)
     tokenizer = engine.engine.tokenizer
     created = int(time.time())
 
@@ -351,7 +355,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         if body.get("best_of") not in (None, n):
             raise APIError(400, f"best_of={_short(body['best_of'])}: only best_of == n is supported", param="best_of")
         stream = _bool(body, "stream")
-        if not isinstance(body.get("stream_options") or {}, dict):
+        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
                            param="stream_options")
         if chat:
@@ -547,6 +551,34 @@ def _chat_logprobs(logprobs: list[dict], dec) -> dict:
                         for lp in logprobs]}
 
 
+class _AccessLog:
+    """ASGI middleware: one log line per request once its response is fully sent (streams included).
+
+    Plain ASGI rather than FastAPI's `http` middleware, which would buffer streamed responses and hide
+    client disconnects from the handlers."""
+
+    def __init__(self, app, log):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.monotonic()
+        status = [499]  # until a response starts: the client left first
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            tokens = scope.get("meshlm.tokens", 0)
+            self.log(f"{scope['method']} {scope['path']} {status[0]} tokens={tokens} "
+                     f"{time.monotonic() - start:.3f}s")
+
+
 async def _client_gone(request) -> None:
     """Return when the client closes the connection (the body has been read: only a disconnect comes)."""
     while True:
@@ -591,14 +623,19 @@ def build_server(args):
               enable_prefix_caching=not args.no_prefix_caching)
     engine = AsyncEngine(llm.engine)
     name = args.served_model_name or Path(args.model).resolve().name
-    app = create_app(engine, model_name=name, api_key=args.api_key)
+    log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
+    app = create_app(engine, model_name=name, api_key=args.api_key,
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    return uvicorn.Server(config), engine
+    server = uvicorn.Server(config)
+    server.meshlm_model_name = name  # the id clients must send, for the banner
+    return server, engine
 
 
 def run_serve(args) -> int:
     server, engine = build_server(args)
-    print(f"meshlm serve: http://{args.host}:{args.port}/v1 (model {args.model})", flush=True)
+    print(f"meshlm serve: http://{args.host}:{args.port}/v1 serving {args.model} as model "
+          f"\"{server.meshlm_model_name}\" (send \"model\": \"{server.meshlm_model_name}\")", flush=True)
     try:
         server.run()
     finally:
