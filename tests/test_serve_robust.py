@@ -246,3 +246,100 @@ def test_disconnects_abort_and_free_blocks(served):
     # The access log has one line per request: method, path, status, tokens, latency.
     assert any(line.startswith("POST /v1/completions 499 tokens=") for line in served.log)
     assert any(line.startswith("POST /v1/completions 200 tokens=") for line in served.log)
+
+
+# ---- serving gaps -------------------------------------------------------------------------------
+
+
+def _post(served, path, body):
+    r = httpx.post(served.url + path, headers=HEADERS, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(served, path, body) -> list:
+    events = []
+    with httpx.stream("POST", served.url + path, headers=HEADERS, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def test_n_and_several_prompts(served):
+    body = {"model": "tiny", "prompt": [[5, 6, 7], "hello world"], "n": 3, "max_tokens": 5, "temperature": 0.9,
+            "seed": 11, "ignore_eos": True}
+    data = _post(served, "/v1/completions", body)
+    choices = data["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    # Choice prompt * n + j is that prompt sampled alone with seed + j.
+    for i, prompt in enumerate(body["prompt"]):
+        for j in range(3):
+            alone = _post(served, "/v1/completions", {**body, "prompt": prompt, "n": 1, "seed": 11 + j})
+            assert choices[i * 3 + j]["text"] == alone["choices"][0]["text"]
+    assert len({c["text"] for c in choices[:3]}) > 1  # the samples differ
+    single = _post(served, "/v1/completions", {**body, "n": 1, "prompt": "hello world"})["usage"]["prompt_tokens"]
+    assert data["usage"] == {"prompt_tokens": 3 + single, "completion_tokens": 30, "total_tokens": 33 + single}
+    # Streamed: chunks of the six choices interleave; each choice's text is the same as above.
+    texts = {}
+    for e in _stream(served, "/v1/completions", body):
+        c = e["choices"][0]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(6)] == [c["text"] for c in choices]
+    chat = _post(served, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                  "n": 2, "max_tokens": 3, "temperature": 0})
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]  # greedy: the same answer twice
+    for bad in ({"n": 0}, {"n": 65}, {"n": 2, "prompt": ["a"] * 40}, {"prompt": [[]]}, {"prompt": ["a", 5]},
+                {"best_of": 2}):
+        r = httpx.post(served.url + "/v1/completions", headers=HEADERS, json={**body, **bad}, timeout=60)
+        assert r.status_code == 400, (bad, r.text)
+
+
+def test_logprobs_in_streamed_chunks(served):
+    body = {"model": "tiny", "prompt": "the quick", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2}
+    whole = _post(served, "/v1/completions", body)["choices"][0]["logprobs"]
+    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for e in _stream(served, "/v1/completions", body):
+        for key in lp:
+            lp[key] += e["choices"][0].get("logprobs", {}).get(key, []) if e["choices"][0].get("logprobs") else []
+    assert lp == whole and len(lp["tokens"]) == 6
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 1}
+    whole = _post(served, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    streamed = [t for e in _stream(served, "/v1/chat/completions", chat)
+                for t in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert streamed == whole and len(whole) == 4
+
+
+def test_stop_strings_are_checked_incrementally(served):
+    """Text and stop cuts equal those of a full decode, yet each step decodes only a few tokens."""
+    from meshlm.infer.sequence import SamplingParams
+
+    engine = served.engine.engine
+    tok = engine.tokenizer
+    decoded = []
+    with served.engine._cv:
+        plain = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+        full = tok.decode(plain.token_ids)
+        assert plain.text == full
+        stop = full[60:63]
+        decode = tok.decode
+        tok.decode = lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw)
+        try:
+            cut = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                                                              stop=[stop, "never-in-this-text"]))[0]
+        finally:
+            tok.decode = decode
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    # Re-decoding the whole output every step would decode ~n^2/2 tokens.
+    assert sum(decoded) <= 6 * len(cut.token_ids), (sum(decoded), len(cut.token_ids))
+
+
+def test_serve_banner_names_the_model_id():
+    from meshlm.infer.server import serve_banner
+
+    line = serve_banner("127.0.0.1", 8000, "runs/default", "default")
+    assert '"model": "default"' in line and "runs/default" in line

@@ -46,9 +46,20 @@ class RequestOutput:
 
 @dataclass
 class _Detok:
+    """Incremental detokenization: each step decodes a few tokens, never the whole output again.
+
+    Tokens [prefix_offset, read_offset) were decoded already and are decoded again only as context for
+    the next piece (a tokenizer may render a token differently at the start of a text, e.g. a leading
+    space); the new piece is what decoding from prefix_offset adds to them. A piece that ends in an
+    incomplete UTF-8 character waits for the next token.
+    """
+
     text: str = ""  # text of the generated tokens, cut at a stop string
     emitted: int = 0  # characters already returned as new_text
     num_tokens: int = 0  # generated tokens already returned
+    prefix_offset: int = 0
+    read_offset: int = 0
+    stopped: bool = False  # a stop string cut `text`: nothing more is appended
 
 
 class Engine:
@@ -206,36 +217,42 @@ class Engine:
                 parts.append(logits)
         return (torch.cat(parts) if parts else None), rows
 
-    def _check_stop_strings(self, seq: Sequence) -> None:
-        stops = seq.params.stop
-        if not stops or self.tokenizer is None:
-            return
+    def _advance_text(self, seq: Sequence) -> None:
         state = self._detok[seq.request_id]
-        text = self.tokenizer.decode(seq.output_token_ids)
-        # Only the tail can hold a new match; search a window covering the longest stop string.
-        start = max(0, len(state.text) - max(map(len, stops)))
-        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        if self.tokenizer is None or state.stopped:
+            return
+        ids = seq.output_token_ids
+        prefix = self.tokenizer.decode(ids[state.prefix_offset:state.read_offset])
+        full = self.tokenizer.decode(ids[state.prefix_offset:])
+        if len(full) > len(prefix) and (seq.is_finished or not full.endswith("\ufffd")):
+            state.text += full[len(prefix):]
+            state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        state = self._detok[seq.request_id]
+        before = len(state.text)
+        self._advance_text(seq)
+        stops = seq.params.stop
+        if not stops or self.tokenizer is None or state.stopped or len(state.text) == before:
+            return
+        # Only the new piece, and the characters before it a stop string could start in, can hold a match.
+        start = max(0, before - max(map(len, stops)) + 1)
+        hits = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
         if hits:
-            state.text = text[:min(hits)]
+            state.text = state.text[:min(hits)]
+            state.stopped = True
             if seq.is_finished:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
-        else:
-            state.text = text
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._detok[seq.request_id]
-        if self.tokenizer is not None and not seq.params.stop:
-            state.text = self.tokenizer.decode(seq.output_token_ids)
         text = state.text
-        # Hold back what may still change: an incomplete UTF-8 character, or the start of a stop string.
+        # Hold back what may still change: the start of a stop string.
         emit_upto = len(text)
-        if not seq.is_finished:
-            if text.endswith("\ufffd"):
-                emit_upto = len(text.rstrip("\ufffd"))
-            if seq.params.stop:
-                emit_upto = min(emit_upto, len(text) - max(map(len, seq.params.stop)) + 1)
+        if not seq.is_finished and seq.params.stop:
+            emit_upto = min(emit_upto, len(text) - max(map(len, seq.params.stop)) + 1)
         emit_upto = max(emit_upto, state.emitted)
         new_text, state.emitted = text[state.emitted:emit_upto], emit_upto
         new_ids = seq.output_token_ids[state.num_tokens:]

@@ -222,9 +222,6 @@ def check_text(text: str, param: str) -> str:
 
 
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
-    for key in ("n", "best_of"):
-        if body.get(key, 1) not in (1, None):
-            raise APIError(400, f"{key}={body[key]!r}: only 1 is supported", param=key)
     max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
@@ -632,10 +629,15 @@ def build_server(args):
     return server, engine
 
 
+def serve_banner(host: str, port: int, model_path: str, model_name: str) -> str:
+    """The line `meshlm serve` starts with: where it listens and the model id requests must name."""
+    return (f"meshlm serve: http://{host}:{port}/v1 serving {model_path} as model {json.dumps(model_name)} "
+            f"(requests send \"model\": {json.dumps(model_name)})")
+
+
 def run_serve(args) -> int:
     server, engine = build_server(args)
-    print(f"meshlm serve: http://{args.host}:{args.port}/v1 serving {args.model} as model "
-          f"\"{server.meshlm_model_name}\" (send \"model\": \"{server.meshlm_model_name}\")", flush=True)
+    print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
     try:
         server.run()
     finally:
