@@ -21,7 +21,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, this is m
           "def add(a, b):\n    return a + b", "continuous batching with a paged kv cache"] * 20
 
 
-def make_model_dir(path):
+def make_model_dir(path, *, max_len: int = 128):
     """A tiny random Llama with a small byte-level BPE tokenizer.json (no chat template)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -35,7 +35,7 @@ def make_model_dir(path):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=128, eos_token_id=tok.token_to_id("</s>"),
+                                   max_position_embeddings=max_len, eos_token_id=tok.token_to_id("</s>"),
                                    bos_token_id=tok.token_to_id("<s>"), initializer_range=0.2)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -55,7 +55,8 @@ def server(tmp_path_factory):
     port = free_port()
     args = Namespace(model=str(model_dir), host="127.0.0.1", port=port, api_key=KEY, served_model_name="tiny",
                      block_size=8, kv_cache_mb=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=None,
-                     no_prefix_caching=False, tp=1, device="cpu", max_body_mb=16, quiet=True)
+                     no_prefix_caching=False, tp=1, device="cpu", max_body_mb=16, quiet=True,
+                     rag=None, rag_top_k=4)
     srv, engine = build_server(args)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -20,10 +20,12 @@ import math
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from meshlm.infer.engine import Engine, RequestOutput
+from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.sequence import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -54,6 +56,7 @@ class Histogram:
         return lines
 
 
+_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -84,6 +87,10 @@ class AsyncEngine:
         self.tpot = Histogram(_TIME_BUCKETS)
         self.num_requests = 0
         self.num_errors = 0
+        self.rag_latency = Histogram(_TIME_BUCKETS)
+        self.rag_tokens = Histogram(_TOKEN_BUCKETS)
+        self.rag_prompt_tokens = 0  # prompt tokens of retrieval-augmented sequences
+        self.rag_cached_tokens = 0  # ... of which the prefix cache already held
         self._thread = threading.Thread(target=self._run, name="meshlm-engine", daemon=True)
         self._thread.start()
 
@@ -286,9 +293,10 @@ MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a 
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, log=None):
+               max_body_bytes: int = MAX_BODY_BYTES, log=None, rag_index=None, rag_top_k: int = 4):
     """The FastAPI app. `log(line)`, when given, gets one line per request: method, path, status,
-    completion tokens and latency (status 499: the client left before the answer)."""
+    completion tokens and latency (status 499: the client left before the answer). `rag_index` (a
+    `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from jinja2 import TemplateError
@@ -340,6 +348,31 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         except ValueError as e:
             raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
 
+    rag_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="meshlm-rag") if rag_index is not None else None
+
+    async def retrieve(query: str, top_k: int, mode: str) -> tuple[str, list[dict]]:
+        """Search in a worker thread (the event loop and the engine thread never wait on it)."""
+        def work():
+            start = time.monotonic()
+            passages = rag_index.search(query, top_k=top_k, mode=mode)
+            block = format_passages(passages)
+            num_tokens = len(tokenizer.encode(block, add_special_tokens=False)) if tokenizer is not None and block else 0
+            return passages, block, num_tokens, time.monotonic() - start
+
+        try:
+            passages, block, num_tokens, seconds = await asyncio.get_running_loop().run_in_executor(rag_pool, work)
+        except ValueError as e:
+            raise APIError(400, str(e), param="rag") from e
+        engine.rag_latency.observe(seconds)
+        engine.rag_tokens.observe(num_tokens)
+        return block, [p.public() for p in passages]
+
+    def note_rag(outs) -> None:
+        """Prefix-cache accounting of retrieval-augmented prompts (how much of them was already cached)."""
+        for out in outs:
+            engine.rag_prompt_tokens += len(out.prompt_token_ids)
+            engine.rag_cached_tokens += out.num_cached_tokens
+
     def dec(token: int) -> str:
         return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
 
@@ -355,16 +388,31 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
                            param="stream_options")
+        rag_opts = _rag_options(body.get("rag"), rag_index, rag_top_k)
+        retrieved: list[list[dict]] | None = None
         if chat:
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; chat needs one")
             messages = _chat_messages(body)
+            if rag_opts is not None:
+                query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+                block, found = await retrieve(query, *rag_opts)
+                messages, retrieved = augment_messages(messages, block), [found]
             try:
                 prompts = [tokenizer.encode_chat(messages)]
             except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
                 raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
         else:
             prompts = _completion_prompts(body.get("prompt"), has_tokenizer=tokenizer is not None)
+            if rag_opts is not None:
+                if not all(isinstance(p, str) for p in prompts):
+                    raise APIError(400, "rag needs text prompts (the query is the prompt's text), not token ids",
+                                   param="rag")
+                retrieved = []
+                for i, prompt in enumerate(prompts):
+                    block, found = await retrieve(prompt, *rag_opts)
+                    prompts[i] = block + prompt
+                    retrieved.append(found)
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
                                 f"{MAX_CHOICES} per request", param="n")
@@ -387,7 +435,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-")
         if stream:
-            return StreamingResponse(_stream(request, ids, index, queue, rid, chat, num_prompt, body, params),
+            return StreamingResponse(_stream(request, ids, index, queue, rid, chat, num_prompt, body, params,
+                                             retrieved, n),
                                      media_type="text/event-stream")
         finals: dict[str, RequestOutput] = {}
         gone = asyncio.ensure_future(_client_gone(request))
@@ -421,20 +470,28 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             else:
                 choice["text"] = out.text
                 choice["logprobs"] = _completion_logprobs(out.logprobs, dec) if params.logprobs is not None else None
+            if retrieved is not None:
+                choice["retrieved"] = retrieved[i // n]
             choices.append(choice)
         completion = sum(len(o.token_ids) for o in finals.values())
         request.scope["meshlm.tokens"] = completion
-        return JSONResponse({
-            "id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": choices,
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
-                      "total_tokens": num_prompt + completion}})
+        response = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": choices,
+                    "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                              "total_tokens": num_prompt + completion}}
+        if retrieved is not None:
+            note_rag(finals.values())
+            if len(retrieved) == 1:
+                response["retrieved"] = retrieved[0]
+        return JSONResponse(response)
 
-    async def _stream(request, ids, index, queue, rid, chat, num_prompt, body, params):
+    async def _stream(request, ids, index, queue, rid, chat, num_prompt, body, params, retrieved, n):
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         finished: dict[str, RequestOutput] = {}
 
         def event(i: int, delta: str | None, finish_reason, *, first=False, logprobs=None) -> str:
             choice = {"index": i, "finish_reason": finish_reason}
+            if first and retrieved is not None:
+                choice["retrieved"] = retrieved[i // n]
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
                 choice["delta"] = d
@@ -449,7 +506,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             return f"data: {json.dumps(data)}\n\n"
 
         try:
-            if chat:
+            if chat or retrieved is not None:  # the first chunk of each choice: role, passages
                 for i in range(len(ids)):
                     yield event(i, None, None, first=True)
             while len(finished) < len(ids):
@@ -468,6 +525,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                     yield event(i, out.new_text, None, logprobs=new_lp)
                 if out.finished:
                     finished[out.request_id] = out
+                    if retrieved is not None:
+                        note_rag([out])
                     yield event(i, None, out.finish_reason)
             else:
                 if (body.get("stream_options") or {}).get("include_usage"):
@@ -529,6 +588,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                   "# TYPE meshlm_requests_finished_total counter"]
         reasons = {"stop": 0, "length": 0, "abort": 0, "error": 0, **s["finish_reasons"]}
         lines += [f'meshlm_requests_finished_total{{reason="{r}"}} {c}' for r, c in sorted(reasons.items())]
+        lines += engine.rag_latency.render("meshlm_rag_retrieval_seconds", "time to retrieve passages for a prompt")
+        lines += engine.rag_tokens.render("meshlm_rag_retrieved_tokens", "tokens of retrieved passages put before a prompt")
+        rag_rate = engine.rag_cached_tokens / engine.rag_prompt_tokens if engine.rag_prompt_tokens else 0.0
+        lines += ["# HELP meshlm_rag_prefix_cache_hit_rate prompt tokens of retrieval-augmented requests found in "
+                  "the prefix cache / their prompt tokens", "# TYPE meshlm_rag_prefix_cache_hit_rate gauge",
+                  f"meshlm_rag_prefix_cache_hit_rate {rag_rate}",
+                  "# HELP meshlm_rag_prefix_cache_hit_tokens_total prompt tokens of retrieval-augmented requests "
+                  "found in the prefix cache", "# TYPE meshlm_rag_prefix_cache_hit_tokens_total counter",
+                  f"meshlm_rag_prefix_cache_hit_tokens_total {engine.rag_cached_tokens}"]
         lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
         lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
@@ -576,6 +644,30 @@ class _AccessLog:
                      f"{time.monotonic() - start:.3f}s")
 
 
+def _rag_options(value, index, default_top_k: int) -> tuple[int, str] | None:
+    """A request's `rag` field -> (top_k, mode), or None when it does not ask for retrieval."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise APIError(400, f"rag={_short(value)} must be an object such as {{\"top_k\": 4}} (or true)", param="rag")
+    unknown = set(value) - {"top_k", "mode"}
+    if unknown:
+        raise APIError(400, f"rag has unknown fields {sorted(map(_short, unknown))}; it takes top_k and mode",
+                       param="rag")
+    if index is None:
+        raise APIError(400, "this server has no retrieval index (start it with --rag INDEX)", param="rag")
+    top_k = _number(value, "top_k", default_top_k, int)
+    mode = value.get("mode", "bm25")
+    if mode not in index.modes:
+        raise APIError(400, f"rag mode {_short(mode)} is not available; this index offers {list(index.modes)}",
+                       param="rag")
+    if not 1 <= top_k <= 64:
+        raise APIError(400, f"rag top_k={top_k} must be between 1 and 64", param="rag")
+    return top_k, mode
+
+
 async def _client_gone(request) -> None:
     """Return when the client closes the connection (the body has been read: only a disconnect comes)."""
     while True:
@@ -620,9 +712,15 @@ def build_server(args):
               enable_prefix_caching=not args.no_prefix_caching)
     engine = AsyncEngine(llm.engine)
     name = args.served_model_name or Path(args.model).resolve().name
+    rag_index = None
+    if args.rag is not None:
+        from meshlm.infer.rag import RagIndex
+
+        rag_index = RagIndex.load(args.rag)
     log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
     app = create_app(engine, model_name=name, api_key=args.api_key,
-                     max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log)
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log, rag_index=rag_index,
+                     rag_top_k=args.rag_top_k)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     server.meshlm_model_name = name  # the id clients must send, for the banner
