@@ -1,10 +1,14 @@
 """`meshlm serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, extra `serve`).
 
-Responsible for: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or
-not), GET /v1/models, /health and /metrics (Prometheus text); validating every request and answering
-bad input with a 4xx and an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`)
-while the other requests go on; an optional API key (`Authorization: Bearer KEY`); running the engine
-in one background thread that requests are queued to (`AsyncEngine`).
+Responsible for: POST /v1/completions (one prompt or several) and /v1/chat/completions, `n` choices
+each, streamed as server-sent events (with logprobs per chunk) or not; GET /v1/models, /health and
+/metrics (Prometheus text); validating every request and answering bad input with a 4xx and an
+OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`) while the other requests go
+on; aborting the requests of a client that hangs up; an optional API key (`Authorization: Bearer KEY`,
+every endpoint but /health); one log line per request; retrieval-augmented requests (`"rag"`, with an
+index from `meshlm.infer.rag`: retrieval runs in worker threads, the passages go before the prompt and
+the response lists them as `retrieved`); running the engine in one background thread that requests are
+queued to (`AsyncEngine`).
 Not responsible for: the engine itself, tensor parallelism, or TLS (put a proxy in front). Binds to
 127.0.0.1 unless told otherwise.
 
