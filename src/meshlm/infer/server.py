@@ -115,6 +115,20 @@ class AsyncEngine:
             self._cv.notify()
         return seq.request_id, stream.queue, seq.num_prompt_tokens
 
+    async def submit_async(self, prompt: str | list[int], params: SamplingParams,
+                           queue: asyncio.Queue) -> tuple[str, asyncio.Queue, int]:
+        """`submit`, tokenizing in a worker thread: a long prompt never holds up the event loop."""
+        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params,
+                                      request_id=f"req-{uuid.uuid4().hex}")
+        stream = _Stream(asyncio.get_running_loop())
+        stream.queue = queue
+        with self._cv:
+            self._pending.append(seq)
+            self._streams[seq.request_id] = stream
+            self.num_requests += 1
+            self._cv.notify()
+        return seq.request_id, queue, seq.num_prompt_tokens
+
     def abort(self, request_id: str) -> None:
         with self._cv:
             if self._streams.pop(request_id, None) is not None:
@@ -346,9 +360,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                            param="model", code="model_not_found")
         return body
 
-    def submit(prompt, params, queue=None):
+    async def submit(prompt, params, queue):
         try:
-            return engine.submit(prompt, params, queue)
+            return await engine.submit_async(prompt, params, queue)
         except ValueError as e:
             raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
 
@@ -403,7 +417,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 block, found = await retrieve(query, *rag_opts)
                 messages, retrieved = augment_messages(messages, block), [found]
             try:
-                prompts = [tokenizer.encode_chat(messages)]
+                prompts = [await asyncio.to_thread(tokenizer.encode_chat, messages)]
             except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
                 raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
         else:
@@ -428,7 +442,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 for j in range(n):
                     # Sample j of a seeded request draws from its own seed, so the n choices differ.
                     p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
-                    request_id, _, tokens = submit(prompt, p, queue)
+                    request_id, _, tokens = await submit(prompt, p, queue)
                     ids.append(request_id)
                     num_prompt += tokens if j == 0 else 0
         except APIError:
