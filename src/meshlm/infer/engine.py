@@ -15,9 +15,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from meshlm.infer.block_manager import BlockManager
 import torch
 
+from meshlm.infer.block_manager import BlockManager
 from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput

@@ -369,8 +369,15 @@ class RagIndex:
         """Best k rows, ties broken by row (deterministic whatever the backend)."""
         candidates = np.flatnonzero(scores > 0) if positive else np.arange(len(scores))
         if len(candidates) > k:
-            kth = np.partition(scores[candidates], -k)[-k]
-            candidates = candidates[scores[candidates] >= kth]
+            import torch  # its topk stays fast when most scores tie, where np.partition degrades badly
+
+            kth = float(torch.from_numpy(np.ascontiguousarray(scores[candidates], dtype=np.float32)).topk(k).values[-1])
+            # Rows tied at the k-th score can be most of the index (a word every chunk has): keep the
+            # first ones (candidates are in row order) without sorting them all.
+            cand_scores = scores[candidates].astype(np.float32)
+            above = candidates[cand_scores > kth]
+            tied = candidates[cand_scores == kth][:k - len(above)]
+            candidates = np.concatenate([above, tied])
         order = sorted(candidates.tolist(), key=lambda r: (-float(scores[r]), r))[:k]
         return [(r, float(scores[r])) for r in order]
 
