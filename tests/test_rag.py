@@ -144,6 +144,10 @@ def test_dense_index_with_a_local_encoder(tmp_path):
         top = index.search(chunk["title"] + "\n" + chunk["text"], top_k=3, mode="dense")
         assert top[0].doc_id == d["id"] and top[0].score == pytest.approx(1.0, abs=1e-4)
     assert index.search(question(docs[3]), top_k=4, mode="hybrid")[0].doc_id == docs[3]["id"]
+    if index._faiss is not None:  # faiss and the numpy fallback rank alike
+        with_faiss = [(p.id, round(p.score, 4)) for p in index.search(question(docs[9]), top_k=5, mode="dense")]
+        index._faiss = None
+        assert [(p.id, round(p.score, 4)) for p in index.search(question(docs[9]), top_k=5, mode="dense")] == with_faiss
     other = _tiny_encoder(tmp_path / "other", words, seed=1)
     with pytest.raises(RagIndexError, match="not the one"):
         RagIndex.load(tmp_path / "ix", embed_model=other)

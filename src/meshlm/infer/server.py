@@ -70,6 +70,7 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submit_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.rag = False  # a retrieval-augmented prompt
 
 
 class AsyncEngine:
@@ -115,13 +116,15 @@ class AsyncEngine:
             self._cv.notify()
         return seq.request_id, stream.queue, seq.num_prompt_tokens
 
-    async def submit_async(self, prompt: str | list[int], params: SamplingParams,
-                           queue: asyncio.Queue) -> tuple[str, asyncio.Queue, int]:
-        """`submit`, tokenizing in a worker thread: a long prompt never holds up the event loop."""
+    async def submit_async(self, prompt: str | list[int], params: SamplingParams, queue: asyncio.Queue, *,
+                           rag: bool = False) -> tuple[str, asyncio.Queue, int]:
+        """`submit`, tokenizing in a worker thread: a long prompt never holds up the event loop.
+
+        `rag`: the prompt starts with retrieved passages (counted in the RAG prefix-cache figures)."""
         seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params,
                                       request_id=f"req-{uuid.uuid4().hex}")
         stream = _Stream(asyncio.get_running_loop())
-        stream.queue = queue
+        stream.queue, stream.rag = queue, rag
         with self._cv:
             self._pending.append(seq)
             self._streams[seq.request_id] = stream
@@ -179,6 +182,9 @@ class AsyncEngine:
                     if out.new_token_ids and stream.first_token_time is None:
                         stream.first_token_time = now
                         self.ttft.observe(now - stream.submit_time)
+                        if stream.rag:  # its prefill is done: how much of the prompt the cache held
+                            self.rag_prompt_tokens += len(out.prompt_token_ids)
+                            self.rag_cached_tokens += out.num_cached_tokens
                     if out.finished:
                         del self._streams[out.request_id]
                         if len(out.token_ids) > 1 and stream.first_token_time is not None:
@@ -360,9 +366,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                            param="model", code="model_not_found")
         return body
 
-    async def submit(prompt, params, queue):
+    async def submit(prompt, params, queue, rag):
         try:
-            return await engine.submit_async(prompt, params, queue)
+            return await engine.submit_async(prompt, params, queue, rag=rag)
         except ValueError as e:
             raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
 
@@ -384,12 +390,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         engine.rag_latency.observe(seconds)
         engine.rag_tokens.observe(num_tokens)
         return block, [p.public() for p in passages]
-
-    def note_rag(outs) -> None:
-        """Prefix-cache accounting of retrieval-augmented prompts (how much of them was already cached)."""
-        for out in outs:
-            engine.rag_prompt_tokens += len(out.prompt_token_ids)
-            engine.rag_cached_tokens += out.num_cached_tokens
 
     def dec(token: int) -> str:
         return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
@@ -442,7 +442,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 for j in range(n):
                     # Sample j of a seeded request draws from its own seed, so the n choices differ.
                     p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
-                    request_id, _, tokens = await submit(prompt, p, queue)
+                    request_id, _, tokens = await submit(prompt, p, queue, retrieved is not None)
                     ids.append(request_id)
                     num_prompt += tokens if j == 0 else 0
         except APIError:
@@ -497,7 +497,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                     "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
                               "total_tokens": num_prompt + completion}}
         if retrieved is not None:
-            note_rag(finals.values())
             if len(retrieved) == 1:
                 response["retrieved"] = retrieved[0]
         return JSONResponse(response)
@@ -543,8 +542,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                     yield event(i, out.new_text, None, logprobs=new_lp)
                 if out.finished:
                     finished[out.request_id] = out
-                    if retrieved is not None:
-                        note_rag([out])
                     yield event(i, None, out.finish_reason)
             else:
                 if (body.get("stream_options") or {}).get("include_usage"):
@@ -730,6 +727,10 @@ def build_server(args):
               enable_prefix_caching=not args.no_prefix_caching)
     engine = AsyncEngine(llm.engine)
     name = args.served_model_name or Path(args.model).resolve().name
+    if not 1 <= args.rag_top_k <= 64:
+        raise ValueError(f"--rag-top-k={args.rag_top_k} must be between 1 and 64")
+    if args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb={args.max_body_mb} must be > 0")
     rag_index = None
     if args.rag is not None:
         from meshlm.infer.rag import RagIndex
