@@ -117,8 +117,9 @@ class AsyncEngine:
         return seq.request_id, stream.queue, seq.num_prompt_tokens
 
     async def submit_async(self, prompt: str | list[int], params: SamplingParams, queue: asyncio.Queue, *,
-                           rag: bool = False) -> tuple[str, asyncio.Queue, int]:
+                           rag: bool = False) -> tuple[str, asyncio.Queue, list[int]]:
         """`submit`, tokenizing in a worker thread: a long prompt never holds up the event loop.
+        Returns (id, queue, the prompt's token ids).
 
         `rag`: the prompt starts with retrieved passages (counted in the RAG prefix-cache figures)."""
         seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params,
@@ -130,7 +131,7 @@ class AsyncEngine:
             self._streams[seq.request_id] = stream
             self.num_requests += 1
             self._cv.notify()
-        return seq.request_id, queue, seq.num_prompt_tokens
+        return seq.request_id, queue, seq.prompt_token_ids
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -442,10 +443,12 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 for j in range(n):
                     # Sample j of a seeded request draws from its own seed, so the n choices differ.
                     p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
-                    request_id, _, tokens = await submit(prompt, p, queue, retrieved is not None)
+                    request_id, _, prompt_ids = await submit(prompt, p, queue, retrieved is not None)
                     ids.append(request_id)
-                    num_prompt += tokens if j == 0 else 0
-        except APIError:
+                    if j == 0:
+                        num_prompt += len(prompt_ids)
+                        prompt = prompt_ids  # the other samples reuse the tokens
+        except BaseException:
             for request_id in ids:  # all or nothing
                 engine.abort(request_id)
             raise
