@@ -21,7 +21,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, this is m
           "def add(a, b):\n    return a + b", "continuous batching with a paged kv cache"] * 20
 
 
-def make_model_dir(path):
+def make_model_dir(path, *, max_len: int = 128):
     """A tiny random Llama with a small byte-level BPE tokenizer.json (no chat template)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -35,7 +35,7 @@ def make_model_dir(path):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=128, eos_token_id=tok.token_to_id("</s>"),
+                                   max_position_embeddings=max_len, eos_token_id=tok.token_to_id("</s>"),
                                    bos_token_id=tok.token_to_id("<s>"), initializer_range=0.2)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -55,7 +55,8 @@ def server(tmp_path_factory):
     port = free_port()
     args = Namespace(model=str(model_dir), host="127.0.0.1", port=port, api_key=KEY, served_model_name="tiny",
                      block_size=8, kv_cache_mb=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=None,
-                     no_prefix_caching=False, tp=1, device="cpu")
+                     no_prefix_caching=False, tp=1, device="cpu", max_body_mb=16, quiet=True,
+                     rag=None, rag_top_k=4)
     srv, engine = build_server(args)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -84,8 +85,15 @@ def sse_events(response) -> list:
 
 def test_health_models_and_key(server):
     assert httpx.get(server + "/health").status_code == 200
-    r = httpx.get(server + "/v1/models")
+    r = httpx.get(server + "/v1/models", headers=HEADERS)
     assert r.json()["data"][0]["id"] == "tiny"
+    # The key guards every endpoint but /health.
+    for path in ("/v1/models", "/metrics"):
+        r = httpx.get(server + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": []},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
     r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
@@ -180,7 +188,7 @@ def test_concurrent_requests_and_bad_input(server):
     # The server still serves after all that, and its metrics saw the traffic.
     r = post(server, "/v1/completions", {"model": "tiny", "prompt": "again", "max_tokens": 2})
     assert r.status_code == 200
-    metrics = httpx.get(server + "/metrics").text
+    metrics = httpx.get(server + "/metrics", headers=HEADERS).text
     for name in ("meshlm_requests_running", "meshlm_requests_waiting", "meshlm_kv_blocks_used",
                  "meshlm_kv_blocks_free", "meshlm_prefix_cache_hit_rate", "meshlm_generated_tokens_total",
                  "meshlm_time_to_first_token_seconds_count", "meshlm_time_per_output_token_seconds_bucket"):
@@ -196,7 +204,7 @@ def test_client_disconnect_frees_blocks(server):
             if line.startswith("data: "):
                 break  # leave after the first event
     deadline = time.monotonic() + 20
-    while "meshlm_requests_running 0" not in httpx.get(server + "/metrics").text:
+    while "meshlm_requests_running 0" not in httpx.get(server + "/metrics", headers=HEADERS).text:
         assert time.monotonic() < deadline, "an abandoned request kept running"
         time.sleep(0.05)
 

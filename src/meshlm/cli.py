@@ -1,4 +1,4 @@
-"""The `meshlm` command line: train, verify, generate, info, plan, serve.
+"""The `meshlm` command line: train, verify, generate, info, plan, serve, convert, rag.
 
 Responsible for: argument parsing, turning user mistakes (ValueError and subclasses) into one clear
 line on stderr with exit code 2, and dispatching to the library. Heavy imports (torch) happen inside
@@ -128,7 +128,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory or meshlm checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint except /health")
+    p.add_argument("--max-body-mb", type=float, default=16.0,
+                   help="largest request body accepted, in MiB (default 16); larger ones get 413")
+    p.add_argument("--quiet", action="store_true",
+                   help="do not log a line per request (method, path, status, tokens, latency)")
+    p.add_argument("--rag", default=None, metavar="INDEX",
+                   help="a `meshlm rag index` folder: requests with \"rag\": {\"top_k\": K} get passages put "
+                        "before their prompt and a \"retrieved\" list in the response")
+    p.add_argument("--rag-top-k", type=int, default=4, help="passages per request when it does not say (default 4)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
@@ -202,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     _add_serve(sub)
     _add_convert(sub)
+    from meshlm.infer.rag import add_rag_parser
+
+    add_rag_parser(sub)
     return parser
 
 
@@ -462,6 +474,13 @@ def cmd_serve(args) -> int:
     return run_serve(args)
 
 
+def cmd_rag(args) -> int:
+    require_extra("rag", "bm25s")
+    from meshlm.infer.rag import run_rag
+
+    return run_rag(args)
+
+
 def cmd_convert(args) -> int:
     from meshlm import convert
 
@@ -485,7 +504,7 @@ def cmd_convert(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "info": cmd_info, "plan": cmd_plan,
-            "serve": cmd_serve, "convert": cmd_convert}
+            "serve": cmd_serve, "convert": cmd_convert, "rag": cmd_rag}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
 Responsible for: validating requests against the context length and the cache, the step loop
 (schedule -> StepInput -> model -> sample -> update), incremental detokenization with stop strings,
-aborting requests, and the counters the server exports.
+aborting requests, and the counters the server exports. A failure that belongs to one request (its
+sampling, or the model on its tokens alone) finishes that request with finish_reason "error" and the
+message in `RequestOutput.error`; the other requests of the step go on with the same tokens.
 Not responsible for: threads, HTTP or streaming (server.py), loading models (llm.py), or the policy of
 who runs (scheduler.py). Single-threaded: callers serialize access.
 """
@@ -10,12 +12,15 @@ who runs (scheduler.py). Single-threaded: callers serialize access.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
 
 from meshlm.infer.block_manager import BlockManager
 from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.infer.sampling import Sampler
-from meshlm.infer.scheduler import Scheduler
+from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingParams, Sequence
 from meshlm.infer.tokenizer import Tokenizer
 from meshlm.models.transformer import Transformer
@@ -35,13 +40,26 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error")
+    retrieved: list[dict] | None = None  # passages put before the prompt (retrieval-augmented requests)
 
 
 @dataclass
 class _Detok:
+    """Incremental detokenization: each step decodes a few tokens, never the whole output again.
+
+    Tokens [prefix_offset, read_offset) were decoded already and are decoded again only as context for
+    the next piece (a tokenizer may render a token differently at the start of a text, e.g. a leading
+    space); the new piece is what decoding from prefix_offset adds to them. A piece that ends in an
+    incomplete UTF-8 character waits for the next token.
+    """
+
     text: str = ""  # text of the generated tokens, cut at a stop string
     emitted: int = 0  # characters already returned as new_text
     num_tokens: int = 0  # generated tokens already returned
+    prefix_offset: int = 0
+    read_offset: int = 0
+    stopped: bool = False  # a stop string cut `text`: nothing more is appended
 
 
 class Engine:
@@ -71,6 +89,7 @@ class Engine:
         self._next_id = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.finish_reasons: Counter[str] = Counter()  # "stop" | "length" | "abort" | "error" -> requests
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -126,6 +145,7 @@ class Engine:
             self.scheduler.finish(seq, "abort")
             self.sampler.release(seq)
             self._detok.pop(request_id, None)
+            self.finish_reasons["abort"] += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -137,11 +157,23 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        step = StepInput.from_schedule(out, self.runner.block_size)
-        sampling = [item.seq for item in out.scheduled if item.samples]
-        logits = self.runner.execute(step)
-        samples = self.sampler(logits, sampling)
-        self.scheduler.update(out, {seq.seq_id: s for seq, s in zip(sampling, samples)})
+        failed: dict[Sequence, Exception] = {}
+        try:
+            logits = self.runner.execute(StepInput.from_schedule(out, self.runner.block_size))
+            rows = [item.seq for item in out.scheduled if item.samples]
+        except Exception:  # noqa: BLE001 -- find whose tokens fail; the others must not pay for them
+            logits, rows = self._execute_one_by_one(out, failed)
+        sampled: dict[int, tuple[int, dict | None]] = {}
+        sampling = []
+        for seq, result in zip(rows, self.sampler(logits, rows) if rows else []):
+            if isinstance(result, Exception):
+                failed[seq] = result
+            else:
+                sampled[seq.seq_id] = result
+                sampling.append(seq)
+        if failed:
+            out.scheduled = [item for item in out.scheduled if item.seq not in failed]
+        self.scheduler.update(out, sampled)
         self.num_steps += 1
         self.num_generated_tokens += len(sampling)
         now = time.monotonic()
@@ -154,41 +186,75 @@ class Engine:
                 seq.finish_time = now
             results.append(self._output(seq))
             if seq.is_finished:
-                self.requests.pop(seq.request_id, None)
-                self._detok.pop(seq.request_id, None)
-                self.sampler.release(seq)
+                self._forget(seq)
+        for seq, error in failed.items():
+            self.scheduler.finish(seq, "error")
+            seq.finish_time = now
+            result = self._output(seq)
+            result.error = f"{type(error).__name__}: {error}"
+            results.append(result)
+            self._forget(seq)
         return results
 
-    def _check_stop_strings(self, seq: Sequence) -> None:
-        stops = seq.params.stop
-        if not stops or self.tokenizer is None:
-            return
+    def _forget(self, seq: Sequence) -> None:
+        self.finish_reasons[seq.finish_reason or "stop"] += 1
+        self.requests.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        self.sampler.release(seq)
+
+    def _execute_one_by_one(self, out: SchedulerOutput, failed: dict[Sequence, Exception]):
+        """Re-run a failed step one sequence at a time; the sequences that fail alone go to `failed`.
+
+        Safe to repeat: each sequence writes only its own KV slots, with the same values as before.
+        """
+        rows, parts = [], []
+        for item in out.scheduled:
+            try:
+                logits = self.runner.execute(StepInput.from_schedule(SchedulerOutput([item]), self.runner.block_size))
+            except Exception as e:  # noqa: BLE001 -- this request's own failure
+                failed[item.seq] = e
+                continue
+            if item.samples:
+                rows.append(item.seq)
+                parts.append(logits)
+        return (torch.cat(parts) if parts else None), rows
+
+    def _advance_text(self, seq: Sequence) -> None:
         state = self._detok[seq.request_id]
-        text = self.tokenizer.decode(seq.output_token_ids)
-        # Only the tail can hold a new match; search a window covering the longest stop string.
-        start = max(0, len(state.text) - max(map(len, stops)))
-        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        if self.tokenizer is None or state.stopped:
+            return
+        ids = seq.output_token_ids
+        prefix = self.tokenizer.decode(ids[state.prefix_offset:state.read_offset])
+        full = self.tokenizer.decode(ids[state.prefix_offset:])
+        if len(full) > len(prefix) and (seq.is_finished or not full.endswith("\ufffd")):
+            state.text += full[len(prefix):]
+            state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        state = self._detok[seq.request_id]
+        before = len(state.text)
+        self._advance_text(seq)
+        stops = seq.params.stop
+        if not stops or self.tokenizer is None or state.stopped or len(state.text) == before:
+            return
+        # Only the new piece, and the characters before it a stop string could start in, can hold a match.
+        start = max(0, before - max(map(len, stops)) + 1)
+        hits = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
         if hits:
-            state.text = text[:min(hits)]
+            state.text = state.text[:min(hits)]
+            state.stopped = True
             if seq.is_finished:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
-        else:
-            state.text = text
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._detok[seq.request_id]
-        if self.tokenizer is not None and not seq.params.stop:
-            state.text = self.tokenizer.decode(seq.output_token_ids)
         text = state.text
-        # Hold back what may still change: an incomplete UTF-8 character, or the start of a stop string.
+        # Hold back what may still change: the start of a stop string.
         emit_upto = len(text)
-        if not seq.is_finished:
-            if text.endswith("\ufffd"):
-                emit_upto = len(text.rstrip("\ufffd"))
-            if seq.params.stop:
-                emit_upto = min(emit_upto, len(text) - max(map(len, seq.params.stop)) + 1)
+        if not seq.is_finished and seq.params.stop:
+            emit_upto = min(emit_upto, len(text) - max(map(len, seq.params.stop)) + 1)
         emit_upto = max(emit_upto, state.emitted)
         new_text, state.emitted = text[state.emitted:emit_upto], emit_upto
         new_ids = seq.output_token_ids[state.num_tokens:]
@@ -229,5 +295,5 @@ class Engine:
             "kv_blocks_total": bm.num_blocks, "prefix_cache_hit_rate": bm.hit_rate,
             "prefix_cache_queried_tokens": bm.num_queried_tokens, "prefix_cache_hit_tokens": bm.num_hit_tokens,
             "generated_tokens": self.num_generated_tokens, "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
+            "num_steps": self.num_steps, "finish_reasons": dict(self.finish_reasons),
         }

@@ -117,8 +117,30 @@ class LLM:
             close()
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One result per prompt, in order, each with `token_ids` (the generated ids) and `text`."""
+                 params: SamplingParams | list[SamplingParams] | None = None, *, rag=None, rag_top_k: int = 4,
+                 rag_mode: str = "bm25") -> list[RequestOutput]:
+        """One result per prompt, in order, each with `token_ids` (the generated ids) and `text`.
+
+        `rag` (a `meshlm.infer.rag.RagIndex` or an index folder): each prompt (text) gets the `rag_top_k`
+        passages found for it put before it (the template in `meshlm.infer.rag`), and its result's
+        `retrieved` lists them (id, doc_id, title, score).
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self.engine.generate(list(prompts), params or SamplingParams())
+        prompts = list(prompts)
+        retrieved = None
+        if rag is not None:
+            from meshlm.infer.rag import as_index, format_passages
+
+            index = as_index(rag)
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("rag= needs text prompts (each prompt is the search query), not token ids")
+            retrieved = []
+            for i, prompt in enumerate(prompts):
+                passages = index.search(prompt, top_k=rag_top_k, mode=rag_mode)
+                prompts[i] = format_passages(passages) + prompt
+                retrieved.append([p.public() for p in passages])
+        outputs = self.engine.generate(prompts, params or SamplingParams())
+        for out, found in zip(outputs, retrieved or []):
+            out.retrieved = found
+        return outputs

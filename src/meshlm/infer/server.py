@@ -1,10 +1,14 @@
 """`meshlm serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, extra `serve`).
 
-Responsible for: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or
-not), GET /v1/models, /health and /metrics (Prometheus text); validating every request and answering
-bad input with a 4xx and an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`)
-while the other requests go on; an optional API key (`Authorization: Bearer KEY`); running the engine
-in one background thread that requests are queued to (`AsyncEngine`).
+Responsible for: POST /v1/completions (one prompt or several) and /v1/chat/completions, `n` choices
+each, streamed as server-sent events (with logprobs per chunk) or not; GET /v1/models, /health and
+/metrics (Prometheus text); validating every request and answering bad input with a 4xx and an
+OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`) while the other requests go
+on; aborting the requests of a client that hangs up; an optional API key (`Authorization: Bearer KEY`,
+every endpoint but /health); one log line per request; retrieval-augmented requests (`"rag"`, with an
+index from `meshlm.infer.rag`: retrieval runs in worker threads, the passages go before the prompt and
+the response lists them as `retrieved`); running the engine in one background thread that requests are
+queued to (`AsyncEngine`).
 Not responsible for: the engine itself, tensor parallelism, or TLS (put a proxy in front). Binds to
 127.0.0.1 unless told otherwise.
 
@@ -20,9 +24,12 @@ import math
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from meshlm.infer.engine import Engine, RequestOutput
+from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.sequence import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -53,6 +60,7 @@ class Histogram:
         return lines
 
 
+_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -62,6 +70,7 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submit_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.rag = False  # a retrieval-augmented prompt
 
 
 class AsyncEngine:
@@ -83,12 +92,22 @@ class AsyncEngine:
         self.tpot = Histogram(_TIME_BUCKETS)
         self.num_requests = 0
         self.num_errors = 0
+        self.rag_latency = Histogram(_TIME_BUCKETS)
+        self.rag_tokens = Histogram(_TOKEN_BUCKETS)
+        self.rag_prompt_tokens = 0  # prompt tokens of retrieval-augmented sequences
+        self.rag_cached_tokens = 0  # ... of which the prefix cache already held
         self._thread = threading.Thread(target=self._run, name="meshlm-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, asyncio.Queue, int]:
-        """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens)."""
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               queue: asyncio.Queue | None = None) -> tuple[str, asyncio.Queue, int]:
+        """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens).
+
+        Several requests may share one `queue` (the choices of one HTTP request): outputs carry their id.
+        """
         stream = _Stream(asyncio.get_running_loop())
+        if queue is not None:
+            stream.queue = queue
         seq = self.engine.make_sequence(prompt, params, request_id=f"req-{uuid.uuid4().hex}")
         with self._cv:
             self._pending.append(seq)
@@ -96,6 +115,23 @@ class AsyncEngine:
             self.num_requests += 1
             self._cv.notify()
         return seq.request_id, stream.queue, seq.num_prompt_tokens
+
+    async def submit_async(self, prompt: str | list[int], params: SamplingParams, queue: asyncio.Queue, *,
+                           rag: bool = False) -> tuple[str, asyncio.Queue, list[int]]:
+        """`submit`, tokenizing in a worker thread: a long prompt never holds up the event loop.
+        Returns (id, queue, the prompt's token ids).
+
+        `rag`: the prompt starts with retrieved passages (counted in the RAG prefix-cache figures)."""
+        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params,
+                                      request_id=f"req-{uuid.uuid4().hex}")
+        stream = _Stream(asyncio.get_running_loop())
+        stream.queue, stream.rag = queue, rag
+        with self._cv:
+            self._pending.append(seq)
+            self._streams[seq.request_id] = stream
+            self.num_requests += 1
+            self._cv.notify()
+        return seq.request_id, queue, seq.prompt_token_ids
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -147,6 +183,9 @@ class AsyncEngine:
                     if out.new_token_ids and stream.first_token_time is None:
                         stream.first_token_time = now
                         self.ttft.observe(now - stream.submit_time)
+                        if stream.rag:  # its prefill is done: how much of the prompt the cache held
+                            self.rag_prompt_tokens += len(out.prompt_token_ids)
+                            self.rag_cached_tokens += out.num_cached_tokens
                     if out.finished:
                         del self._streams[out.request_id]
                         if len(out.token_ids) > 1 and stream.first_token_time is not None:
@@ -181,24 +220,51 @@ def _number(body: dict, key: str, default, kind=float, *, allow_none=True):
     # json.loads accepts NaN and Infinity: refused here (int(inf) would raise OverflowError, a 500).
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value)):
-        raise APIError(400, f"{key}={value!r} must be {'an integer' if kind is int else 'a finite number'}", param=key)
+        raise APIError(400, f"{key}={_short(value)} must be {'an integer' if kind is int else 'a finite number'}",
+                       param=key)
     try:
         return kind(value)
     except OverflowError:  # float(10**400)
-        raise APIError(400, f"{key}={value!r} is out of range", param=key) from None
+        raise APIError(400, f"{key}={_short(value)} is out of range", param=key) from None
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{key}={_short(value)} must be true or false", param=key)
+    return value
+
+
+def _short(value) -> str:
+    """A user value for an error message: bounded length, ASCII only (safe whatever the client sent)."""
+    text = ascii(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_text(text: str, param: str) -> str:
+    """Refuse text that is not valid Unicode (JSON lets a lone surrogate such as \\ud800 through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds text that is not valid Unicode ({e.reason} at character {e.start}); "
+                            "send UTF-8 text", param=param) from None
+    return text
 
 
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
-    for key in ("n", "best_of"):
-        if body.get(key, 1) not in (1, None):
-            raise APIError(400, f"{key}={body[key]!r}: only 1 is supported", param=key)
     max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise APIError(400, "stop must be a string or a list of strings", param="stop")
+    for s in [stop] if isinstance(stop, str) else stop or []:
+        check_text(s, "stop")
+    if isinstance(stop, list) and len(stop) > 16:
+        raise APIError(400, f"{len(stop)} stop strings: at most 16", param="stop")
     logprobs = body.get("logprobs")
     if chat:  # chat: logprobs is a boolean, the count is top_logprobs
-        logprobs = _number(body, "top_logprobs", 0, int) if logprobs else None
+        logprobs = _number(body, "top_logprobs", 0, int) if _bool(body, "logprobs") else None
     elif logprobs is not None:
         logprobs = _number(body, "logprobs", None, int)
     stop_ids = body.get("stop_token_ids")
@@ -209,7 +275,7 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
             top_k=_number(body, "top_k", 0, int), max_tokens=_number(body, max_key, 16, int),
             seed=_number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
-            ignore_eos=bool(body.get("ignore_eos", False)))
+            ignore_eos=_bool(body, "ignore_eos"))
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
@@ -223,11 +289,22 @@ def _chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, "each message needs a 'role' and a 'content'", param="messages")
         content = m.get("content")
+        if content is None:  # e.g. an assistant turn that only called tools
+            content = ""
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise APIError(400, "each content part must be an object with a 'type'", param="messages")
+                if part["type"] == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise APIError(400, f"a text content part needs 'text' as a string, not "
+                                            f"{_short(part.get('text'))}", param="messages")
+                    parts.append(part["text"])
+            content = "".join(parts)
         if not isinstance(content, str):
             raise APIError(400, "message content must be a string or a list of text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")})
     return out
 
 
@@ -236,24 +313,48 @@ def _chat_messages(body: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None):
+MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
+MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
+
+
+def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, log=None, rag_index=None, rag_top_k: int = 4):
+    """The FastAPI app. `log(line)`, when given, gets one line per request: method, path, status,
+    completion tokens and latency (status 499: the client left before the answer). `rag_index` (a
+    `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from jinja2 import TemplateError
 
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    if log is not None:
+        app.add_middleware(_AccessLog, log=log)
     tokenizer = engine.engine.tokenizer
     created = int(time.time())
 
-    def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(e: APIError) -> Response:
+        # json.dumps escapes to ASCII: an error never fails to encode, whatever text it quotes.
+        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
-    async def read_body(request: Request) -> dict:
+    def check_key(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", type_="authentication_error")
+
+    async def read_body(request: Request) -> dict:
+        check_key(request)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise APIError(413, f"the body has {declared} bytes; at most {max_body_bytes} are accepted")
+        raw = bytearray()
+        async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
+            raw += chunk
+            if len(raw) > max_body_bytes:
+                raise APIError(413, f"the body is over {max_body_bytes} bytes, the most accepted")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(bytes(raw))
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
@@ -262,109 +363,201 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         if model is None:
             raise APIError(400, "'model' is required", param="model")
         if model != model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+            raise APIError(404, f"the model {_short(model)} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         return body
 
-    def submit(prompt, params):
+    async def submit(prompt, params, queue, rag):
         try:
-            return engine.submit(prompt, params)
+            return await engine.submit_async(prompt, params, queue, rag=rag)
         except ValueError as e:
             raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
+
+    rag_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="meshlm-rag") if rag_index is not None else None
+
+    async def retrieve(query: str, top_k: int, mode: str) -> tuple[str, list[dict]]:
+        """Search in a worker thread (the event loop and the engine thread never wait on it)."""
+        def work():
+            start = time.monotonic()
+            passages = rag_index.search(query, top_k=top_k, mode=mode)
+            block = format_passages(passages)
+            num_tokens = len(tokenizer.encode(block, add_special_tokens=False)) if tokenizer is not None and block else 0
+            return passages, block, num_tokens, time.monotonic() - start
+
+        try:
+            passages, block, num_tokens, seconds = await asyncio.get_running_loop().run_in_executor(rag_pool, work)
+        except ValueError as e:
+            raise APIError(400, str(e), param="rag") from e
+        engine.rag_latency.observe(seconds)
+        engine.rag_tokens.observe(num_tokens)
+        return block, [p.public() for p in passages]
+
+    def dec(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
 
     async def run(request: Request, *, chat: bool):
         body = await read_body(request)
         params = sampling_params_from(body, chat=chat)
+        n = _number(body, "n", 1, int)
+        if not 1 <= n <= MAX_CHOICES:
+            raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
+        if body.get("best_of") not in (None, n):
+            raise APIError(400, f"best_of={_short(body['best_of'])}: only best_of == n is supported", param="best_of")
+        stream = _bool(body, "stream")
+        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                           param="stream_options")
+        rag_opts = _rag_options(body.get("rag"), rag_index, rag_top_k)
+        retrieved: list[list[dict]] | None = None
         if chat:
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; chat needs one")
             messages = _chat_messages(body)
+            if rag_opts is not None:
+                query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+                block, found = await retrieve(query, *rag_opts)
+                messages, retrieved = augment_messages(messages, block), [found]
             try:
-                prompt = tokenizer.encode_chat(messages)
+                prompts = [await asyncio.to_thread(tokenizer.encode_chat, messages)]
             except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
                 raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt) and prompt:
-                pass
-            elif not isinstance(prompt, str) or not prompt:
-                raise APIError(400, "'prompt' is required: a non-empty string or list of token ids (batches of "
-                                    "several prompts are not supported: send one request each)", param="prompt")
-            if isinstance(prompt, str) and tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-        if not isinstance(body.get("stream_options") or {}, dict):
-            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
-                           param="stream_options")
-        request_id, queue, num_prompt = submit(prompt, params)
-        kind = "chat.completion" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + request_id.removeprefix("req-")
-        if body.get("stream"):
-            return StreamingResponse(_stream(request_id, queue, rid, kind, chat, num_prompt, body),
-                                     media_type="text/event-stream")
-        out = None
+            prompts = _completion_prompts(body.get("prompt"), has_tokenizer=tokenizer is not None)
+            if rag_opts is not None:
+                if not all(isinstance(p, str) for p in prompts):
+                    raise APIError(400, "rag needs text prompts (the query is the prompt's text), not token ids",
+                                   param="rag")
+                retrieved = []
+                for i, prompt in enumerate(prompts):
+                    block, found = await retrieve(prompt, *rag_opts)
+                    prompts[i] = block + prompt
+                    retrieved.append(found)
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
+                                f"{MAX_CHOICES} per request", param="n")
+        queue: asyncio.Queue = asyncio.Queue()
+        ids: list[str] = []  # choice index -> request id (index = prompt * n + sample, as OpenAI numbers them)
+        num_prompt = 0
         try:
-            while True:
-                out = await queue.get()
+            for prompt in prompts:
+                for j in range(n):
+                    # Sample j of a seeded request draws from its own seed, so the n choices differ.
+                    p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
+                    request_id, _, prompt_ids = await submit(prompt, p, queue, retrieved is not None)
+                    ids.append(request_id)
+                    if j == 0:
+                        num_prompt += len(prompt_ids)
+                        prompt = prompt_ids  # the other samples reuse the tokens
+        except BaseException:
+            for request_id in ids:  # all or nothing
+                engine.abort(request_id)
+            raise
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        kind = "chat.completion" if chat else "text_completion"
+        rid = ("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-")
+        if stream:
+            return StreamingResponse(_stream(request, ids, index, queue, rid, chat, num_prompt, body, params,
+                                             retrieved, n),
+                                     media_type="text/event-stream")
+        finals: dict[str, RequestOutput] = {}
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            while len(finals) < len(ids):
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the client hung up: nobody will read the answer
+                    getter.cancel()
+                    request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finals.values())
+                    return Response(status_code=499)
+                out = getter.result()
                 if isinstance(out, Exception):
                     raise APIError(500, f"the engine failed: {out}", type_="server_error")
                 if out.finished:
-                    break
+                    if out.finish_reason == "error":
+                        raise APIError(500, f"generating this request failed: {out.error}", type_="server_error")
+                    finals[out.request_id] = out
         finally:
-            if not isinstance(out, RequestOutput) or not out.finished:
-                engine.abort(request_id)
-        choice = {"index": 0, "finish_reason": out.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-            choice["logprobs"] = _chat_logprobs(out, tokenizer) if params.logprobs is not None else None
-        else:
-            choice["text"] = out.text
-            choice["logprobs"] = _completion_logprobs(out, tokenizer) if params.logprobs is not None else None
-        return JSONResponse({
-            "id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": [choice],
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": len(out.token_ids),
-                      "total_tokens": num_prompt + len(out.token_ids)}})
+            gone.cancel()
+            for request_id in ids:
+                if request_id not in finals:
+                    engine.abort(request_id)
+        choices = []
+        for i, request_id in enumerate(ids):
+            out = finals[request_id]
+            choice = {"index": i, "finish_reason": out.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+                choice["logprobs"] = _chat_logprobs(out.logprobs, dec) if params.logprobs is not None else None
+            else:
+                choice["text"] = out.text
+                choice["logprobs"] = _completion_logprobs(out.logprobs, dec) if params.logprobs is not None else None
+            if retrieved is not None:
+                choice["retrieved"] = retrieved[i // n]
+            choices.append(choice)
+        completion = sum(len(o.token_ids) for o in finals.values())
+        request.scope["meshlm.tokens"] = completion
+        response = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": choices,
+                    "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                              "total_tokens": num_prompt + completion}}
+        if retrieved is not None:
+            if len(retrieved) == 1:
+                response["retrieved"] = retrieved[0]
+        return JSONResponse(response)
 
-    async def _stream(request_id, queue, rid, kind, chat, num_prompt, body):
+    async def _stream(request, ids, index, queue, rid, chat, num_prompt, body, params, retrieved, n):
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        finished = False
+        finished: dict[str, RequestOutput] = {}
 
-        def event(delta: str | None, finish_reason, first=False) -> str:
-            choice = {"index": 0, "finish_reason": finish_reason}
+        def event(i: int, delta: str | None, finish_reason, *, first=False, logprobs=None) -> str:
+            choice = {"index": i, "finish_reason": finish_reason}
+            if first and retrieved is not None:
+                choice["retrieved"] = retrieved[i // n]
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
                 choice["delta"] = d
+                if logprobs:
+                    choice["logprobs"] = _chat_logprobs(logprobs, dec)
             else:
                 choice["text"] = delta or ""
+                if logprobs:
+                    choice["logprobs"] = _completion_logprobs(logprobs, dec)
             data = {"id": rid, "object": chunk_kind, "created": int(time.time()), "model": model_name,
                     "choices": [choice]}
             return f"data: {json.dumps(data)}\n\n"
 
         try:
-            if chat:
-                yield event(None, None, first=True)
-            while True:
+            if chat or retrieved is not None:  # the first chunk of each choice: role, passages
+                for i in range(len(ids)):
+                    yield event(i, None, None, first=True)
+            while len(finished) < len(ids):
                 out = await queue.get()
-                if isinstance(out, Exception):
-                    err = APIError(500, f"the engine failed: {out}", type_="server_error")
+                if isinstance(out, Exception) or out.finish_reason == "error":
+                    why = out if isinstance(out, Exception) else out.error
+                    err = APIError(500, f"the engine failed: {why}", type_="server_error")
                     yield f"data: {json.dumps(err.body())}\n\n"
-                    finished = True
                     break
-                if out.new_text:
-                    yield event(out.new_text, None)
+                i = index[out.request_id]
+                # Logprobs of this step's new tokens travel with the chunk (its text may lag a token or
+                # two behind them: an incomplete character or a possible stop string is held back).
+                new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if (
+                    params.logprobs is not None and out.new_token_ids) else None
+                if out.new_text or new_lp:
+                    yield event(i, out.new_text, None, logprobs=new_lp)
                 if out.finished:
-                    finished = True
-                    yield event(None, out.finish_reason)
-                    if (body.get("stream_options") or {}).get("include_usage"):
-                        usage = {"prompt_tokens": num_prompt, "completion_tokens": len(out.token_ids),
-                                 "total_tokens": num_prompt + len(out.token_ids)}
-                        yield f"data: {json.dumps({'id': rid, 'object': chunk_kind, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
-                    break
+                    finished[out.request_id] = out
+                    yield event(i, None, out.finish_reason)
+            else:
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    completion = sum(len(o.token_ids) for o in finished.values())
+                    usage = {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                             "total_tokens": num_prompt + completion}
+                    yield f"data: {json.dumps({'id': rid, 'object': chunk_kind, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away: free its blocks
-                engine.abort(request_id)
+            request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finished.values())
+            for request_id in ids:
+                if request_id not in finished:  # the client went away (or one choice failed): free the blocks
+                    engine.abort(request_id)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -379,7 +572,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         return await run(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        check_key(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "meshlm",
                                             "max_model_len": engine.engine.max_model_len}]}
@@ -389,7 +583,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        check_key(request)
         s = engine.stats()
         lines = []
         for name, key, help_text, kind in [
@@ -398,12 +593,28 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             ("meshlm_kv_blocks_used", "kv_blocks_used", "KV cache blocks in use", "gauge"),
             ("meshlm_kv_blocks_free", "kv_blocks_free", "KV cache blocks free", "gauge"),
             ("meshlm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache / queried", "gauge"),
+            ("meshlm_prefix_cache_queried_tokens_total", "prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache", "counter"),
+            ("meshlm_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", "counter"),
             ("meshlm_generated_tokens_total", "generated_tokens", "tokens generated", "counter"),
             ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
         ]:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
         lines += ["# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
                   f"meshlm_requests_total {engine.num_requests}"]
+        lines += ["# HELP meshlm_requests_finished_total sequences finished, by reason (abort: the client left "
+                  "or the request was cancelled; error: this sequence failed alone)",
+                  "# TYPE meshlm_requests_finished_total counter"]
+        reasons = {"stop": 0, "length": 0, "abort": 0, "error": 0, **s["finish_reasons"]}
+        lines += [f'meshlm_requests_finished_total{{reason="{r}"}} {c}' for r, c in sorted(reasons.items())]
+        lines += engine.rag_latency.render("meshlm_rag_retrieval_seconds", "time to retrieve passages for a prompt")
+        lines += engine.rag_tokens.render("meshlm_rag_retrieved_tokens", "tokens of retrieved passages put before a prompt")
+        rag_rate = engine.rag_cached_tokens / engine.rag_prompt_tokens if engine.rag_prompt_tokens else 0.0
+        lines += ["# HELP meshlm_rag_prefix_cache_hit_rate prompt tokens of retrieval-augmented requests found in "
+                  "the prefix cache / their prompt tokens", "# TYPE meshlm_rag_prefix_cache_hit_rate gauge",
+                  f"meshlm_rag_prefix_cache_hit_rate {rag_rate}",
+                  "# HELP meshlm_rag_prefix_cache_hit_tokens_total prompt tokens of retrieval-augmented requests "
+                  "found in the prefix cache", "# TYPE meshlm_rag_prefix_cache_hit_tokens_total counter",
+                  f"meshlm_rag_prefix_cache_hit_tokens_total {engine.rag_cached_tokens}"]
         lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
         lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
@@ -411,18 +622,95 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     return app
 
 
-def _completion_logprobs(out: RequestOutput, tokenizer) -> dict:
-    dec = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
-    return {"tokens": [dec(lp["token"]) for lp in out.logprobs],
-            "token_logprobs": [lp["logprob"] for lp in out.logprobs],
-            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in out.logprobs]}
+def _completion_logprobs(logprobs: list[dict], dec) -> dict:
+    return {"tokens": [dec(lp["token"]) for lp in logprobs],
+            "token_logprobs": [lp["logprob"] for lp in logprobs],
+            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
 
 
-def _chat_logprobs(out: RequestOutput, tokenizer) -> dict:
-    dec = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
+def _chat_logprobs(logprobs: list[dict], dec) -> dict:
     return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
                          "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
-                        for lp in out.logprobs]}
+                        for lp in logprobs]}
+
+
+class _AccessLog:
+    """ASGI middleware: one log line per request once its response is fully sent (streams included).
+
+    Plain ASGI rather than FastAPI's `http` middleware, which would buffer streamed responses and hide
+    client disconnects from the handlers."""
+
+    def __init__(self, app, log):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.monotonic()
+        status = [499]  # until a response starts: the client left first
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            tokens = scope.get("meshlm.tokens", 0)
+            self.log(f"{scope['method']} {scope['path']} {status[0]} tokens={tokens} "
+                     f"{time.monotonic() - start:.3f}s")
+
+
+def _rag_options(value, index, default_top_k: int) -> tuple[int, str] | None:
+    """A request's `rag` field -> (top_k, mode), or None when it does not ask for retrieval."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise APIError(400, f"rag={_short(value)} must be an object such as {{\"top_k\": 4}} (or true)", param="rag")
+    unknown = set(value) - {"top_k", "mode"}
+    if unknown:
+        raise APIError(400, f"rag has unknown fields {sorted(map(_short, unknown))}; it takes top_k and mode",
+                       param="rag")
+    if index is None:
+        raise APIError(400, "this server has no retrieval index (start it with --rag INDEX)", param="rag")
+    top_k = _number(value, "top_k", default_top_k, int)
+    mode = value.get("mode", "bm25")
+    if mode not in index.modes:
+        raise APIError(400, f"rag mode {_short(mode)} is not available; this index offers {list(index.modes)}",
+                       param="rag")
+    if not 1 <= top_k <= 64:
+        raise APIError(400, f"rag top_k={top_k} must be between 1 and 64", param="rag")
+    return top_k, mode
+
+
+async def _client_gone(request) -> None:
+    """Return when the client closes the connection (the body has been read: only a disconnect comes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _completion_prompts(prompt, *, has_tokenizer: bool) -> list:
+    """A completion's `prompt`: a string, a list of token ids, or a list of either (several prompts)."""
+    def one(p):
+        if isinstance(p, str) and p:
+            if not has_tokenizer:
+                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
+            return check_text(p, "prompt")
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise APIError(400, "'prompt' is required: a non-empty string or list of token ids, or a list of those",
+                       param="prompt")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise APIError(400, f"{len(prompt)} prompts: at most {MAX_CHOICES} per request", param="prompt")
+        return [one(p) for p in prompt]
+    return [one(prompt)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,14 +730,34 @@ def build_server(args):
               enable_prefix_caching=not args.no_prefix_caching)
     engine = AsyncEngine(llm.engine)
     name = args.served_model_name or Path(args.model).resolve().name
-    app = create_app(engine, model_name=name, api_key=args.api_key)
+    if not 1 <= args.rag_top_k <= 64:
+        raise ValueError(f"--rag-top-k={args.rag_top_k} must be between 1 and 64")
+    if args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb={args.max_body_mb} must be > 0")
+    rag_index = None
+    if args.rag is not None:
+        from meshlm.infer.rag import RagIndex
+
+        rag_index = RagIndex.load(args.rag)
+    log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
+    app = create_app(engine, model_name=name, api_key=args.api_key,
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log, rag_index=rag_index,
+                     rag_top_k=args.rag_top_k)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    return uvicorn.Server(config), engine
+    server = uvicorn.Server(config)
+    server.meshlm_model_name = name  # the id clients must send, for the banner
+    return server, engine
+
+
+def serve_banner(host: str, port: int, model_path: str, model_name: str) -> str:
+    """The line `meshlm serve` starts with: where it listens and the model id requests must name."""
+    return (f"meshlm serve: http://{host}:{port}/v1 serving {model_path} as model {json.dumps(model_name)} "
+            f"(requests send \"model\": {json.dumps(model_name)})")
 
 
 def run_serve(args) -> int:
     server, engine = build_server(args)
-    print(f"meshlm serve: http://{args.host}:{args.port}/v1 (model {args.model})", flush=True)
+    print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
     try:
         server.run()
     finally:

@@ -1,0 +1,345 @@
+"""No request can break `meshlm serve`: a fuzz corpus of malformed bodies next to good requests, numerically
+extreme sampling values, one sequence failing alone, and clients that hang up (streaming or not)."""
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("transformers")
+
+from test_server import free_port, make_model_dir  # noqa: E402 -- after the importorskips
+
+KEY = "k"
+HEADERS = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+
+
+class Served:
+    def __init__(self, url, engine, log):
+        self.url, self.engine, self.log = url, engine, log
+        self.step_delay = 0.0  # > 0: the engine sleeps this long per step (a slow model, for disconnects)
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", headers=HEADERS).text
+
+    def finished(self, reason: str) -> int:
+        line = next(x for x in self.metrics().splitlines() if x.startswith(f'meshlm_requests_finished_total{{reason="{reason}"}}'))
+        return int(line.split()[-1])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from meshlm.infer.llm import LLM
+    from meshlm.infer.server import AsyncEngine, create_app
+
+    model_dir = make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    llm = LLM(str(model_dir), device="cpu", block_size=8, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = AsyncEngine(llm.engine)
+    log: list[str] = []
+    app = create_app(engine, model_name="tiny", api_key=KEY, max_body_bytes=1 << 20, log=log.append)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    state = Served(f"http://127.0.0.1:{port}", engine, log)
+    step = llm.engine.step
+
+    def slow_step():
+        if state.step_delay:
+            time.sleep(state.step_delay)
+        return step()
+
+    llm.engine.step = slow_step
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield state
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.stop()
+
+
+def test_sampling_is_safe_for_every_accepted_value():
+    import torch
+
+    from meshlm.infer.sampling import sample
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50) * 5
+    logits[1, 7] = float("-inf")
+    greedy = logits.argmax(-1)
+    for t in (1e-300, 1e-30, 1e-6, 5e-324):
+        assert torch.equal(sample(logits, temperature=t, generator=gen), greedy), t
+    for p in (1e-300, 5e-324, 1e-9):
+        assert torch.equal(sample(logits, temperature=1.0, top_p=p, generator=gen), greedy), p
+    for kw in (dict(temperature=1e300), dict(temperature=1e300, top_p=1e-300), dict(temperature=1e-4, top_k=1),
+               dict(temperature=3.0, top_k=2, top_p=0.5)):
+        tokens = sample(logits, generator=gen, **kw)
+        assert tokens.shape == (3,) and bool(((tokens >= 0) & (tokens < 50)).all()), kw
+    # A row the model made nan falls back to argmax of what is left instead of failing the batch.
+    bad = logits.clone()
+    bad[0, :10] = float("nan")
+    assert sample(bad, temperature=0.7, generator=gen)[0] == bad[0, 10:].argmax() + 10
+
+
+def test_one_failing_sequence_fails_alone(served):
+    """A sequence whose model run or sampling raises finishes with "error"; the others keep their tokens."""
+    from meshlm.infer.sequence import SamplingParams
+
+    engine = served.engine.engine
+    assert not engine.has_unfinished()
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    with served.engine._cv:  # the engine thread is idle; keep it off while this test drives the engine
+        alone = [r.token_ids for r in engine.generate(prompts, params)]
+        runner, sampler = engine.runner.execute, engine.sampler._sample_row
+
+        def execute(step):  # the model fails on any step holding token 99 (the poisoned request)
+            if 99 in step.token_ids:
+                raise RuntimeError("poisoned")
+            return runner(step)
+
+        def sample_row(logits, seq, greedy):
+            if seq.prompt_token_ids[0] == 98:
+                raise FloatingPointError("bad row")
+            return sampler(logits, seq, greedy)
+
+        engine.runner.execute, engine.sampler._sample_row = execute, sample_row
+        try:
+            before = engine.stats()["finish_reasons"].get("error", 0)
+            out = engine.generate([prompts[0], [99, 5, 6], prompts[1], [98, 5], prompts[2]], params)
+        finally:
+            engine.runner.execute, engine.sampler._sample_row = runner, sampler
+    assert [o.token_ids for o in (out[0], out[2], out[4])] == alone
+    assert [o.finish_reason for o in out] == ["length", "error", "length", "error", "length"]
+    assert "poisoned" in out[1].error and "bad row" in out[3].error
+    assert engine.stats()["finish_reasons"]["error"] == before + 2
+    assert engine.block_manager.num_used_blocks == 0 and not engine.requests
+
+
+def fuzz_corpus(seed: int = 0, size: int = 640) -> list[tuple[str, bytes]]:
+    """(path, body) pairs, deterministic for a seed: a few hand-made broken texts, then a valid body with one
+    or two fields (or message fields) set to a weird value. Some mutations stay valid (unknown fields, a
+    huge temperature): the test counts how many are refused."""
+    rng = random.Random(seed)
+    weird = [None, True, False, 0, -1, 1.5, -1e308, 1e308, 2**64, -(2**63) - 1, 10**4000, "", "x", "\u0000",
+             "\ud800", "\udfff\ud800", "\u202e\u200b\ufeff", "💥" * 500, "a" * 100_000, [], {}, [[]], [None],
+             [1, "a"], {"a": {"b": [1]}}, [True, False], [-1], [2**40], ["\ud83d"], [[1, 2], "x"], [[]] * 3,
+             {"type": "text", "text": 5}, [{"type": "text", "text": 5}], [{"type": 5}], [{"text": "hi"}], ["hi"]]
+    raw_numbers = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" * 5000, "0.0000000001e-400"]
+    fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "seed",
+              "logprobs", "stream", "stream_options", "stop_token_ids", "ignore_eos", "max_completion_tokens",
+              "messages", "top_logprobs", "user", "echo"]
+    base_c = {"model": "tiny", "prompt": "hello world", "max_tokens": 2}
+    base_m = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    corpus: list[tuple[str, bytes]] = []
+    for text in (b"", b"{", b"[", b"null", b"123", b'"s"', b"[]", b"{not json", b'{"model": "tiny",}',
+                 b"\xff\xfe\x00", b"\xef\xbb\xbf{}", b'{"model": "tiny", "prompt": "a\\ud800"}',
+                 b"[" * 100_000, b'{"a":' * 100_000, b"[" * 100_000 + b"]" * 100_000,
+                 b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                 b'{"model": "tiny", "prompt": "' + b"x" * (2 << 20) + b'"}'):  # the last: over the body limit
+        corpus += [("/v1/completions", text), ("/v1/chat/completions", text)]
+    while len(corpus) < size:
+        chat = rng.random() < 0.5
+        body = json.loads(json.dumps(base_m if chat else base_c))
+        for _ in range(rng.choice((1, 1, 2))):
+            key = rng.choice(fields)
+            if chat and rng.random() < 0.4:  # inside a message
+                msg = body["messages"][0] if isinstance(body.get("messages"), list) and body["messages"] else {}
+                msg[rng.choice(["role", "content", "name"])] = rng.choice(weird)
+                body["messages"] = [msg]
+            else:
+                body[key] = rng.choice(weird)
+        text = json.dumps(body).encode()  # ASCII-escaped: lone surrogates travel as \ud800
+        if rng.random() < 0.15:  # a number JSON itself cannot hold but Python's parser accepts
+            text = text[:-1] + f', "{rng.choice(fields)}": {rng.choice(raw_numbers)}}}'.encode()
+        corpus.append(("/v1/chat/completions" if chat else "/v1/completions", text))
+    return corpus
+
+
+GOOD = [({"model": "tiny", "prompt": [5 + i, 40, 41, 42], "max_tokens": 8, "ignore_eos": True, "logprobs": 0,
+          "temperature": 0.9 if i % 2 else 0, "seed": i}) for i in range(6)]
+# Valid but extreme: must be served (these once put nan into the whole batch).
+EXTREME = [{"model": "tiny", "prompt": "hi", "max_tokens": 3, **kw} for kw in
+           (dict(temperature=1e-300), dict(top_p=1e-300), dict(temperature=1e300), dict(temperature=5e-324, top_p=5e-324),
+            dict(temperature=1e300, top_k=1), dict(top_k=10**30), dict(seed=-(2**63)))]
+
+
+def _tokens(r) -> list:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def test_fuzz_bodies_next_to_good_requests(served):
+    corpus = fuzz_corpus()
+    assert len(corpus) >= 600
+    with httpx.Client(base_url=served.url, headers=HEADERS, timeout=60) as client:
+        alone = [_tokens(client.post("/v1/completions", json=b)) for b in GOOD]
+
+    async def main():
+        sem = asyncio.Semaphore(12)
+        async with httpx.AsyncClient(base_url=served.url, headers=HEADERS, timeout=120) as client:
+            async def send(path, content):
+                async with sem:
+                    return await client.post(path, content=content)
+
+            bad = [asyncio.ensure_future(send(path, text)) for path, text in corpus[:len(corpus) // 2]]
+            # The good requests start while the fuzz bodies arrive, and run next to the rest of them.
+            good = [asyncio.ensure_future(send("/v1/completions", json.dumps(b).encode())) for b in GOOD + EXTREME]
+            bad += [asyncio.ensure_future(send(path, text)) for path, text in corpus[len(corpus) // 2:]]
+            return await asyncio.gather(*bad), await asyncio.gather(*good)
+
+    bad, good = asyncio.run(main())
+    statuses = [r.status_code for r in bad + good]
+    assert not [s for s in statuses if s >= 500], sorted(set(statuses))
+    for r in bad:
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"], r.text
+    assert sum(400 <= r.status_code < 500 for r in bad) >= 500  # the rest are mutations that stay valid
+    assert 413 in statuses
+    assert [_tokens(r) for r in good[:len(GOOD)]] == alone
+    assert all(r.status_code == 200 for r in good[len(GOOD):]), [r.text for r in good[len(GOOD):]]
+    # Nothing left behind: no request, stream, KV block or generator outlives its request.
+    deadline = time.monotonic() + 10
+    while served.engine.engine.has_unfinished() or served.engine._streams:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    eng = served.engine.engine
+    assert eng.block_manager.num_used_blocks == 0 and not eng.requests and not eng._detok
+    assert not eng.sampler.generators
+
+
+def _wait_for(cond, what: str):
+    deadline = time.monotonic() + 20
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_disconnects_abort_and_free_blocks(served):
+    """A client that leaves -- streaming or not -- aborts its request (not a natural finish) and frees its KV."""
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 100, "ignore_eos": True}
+    served.step_delay = 0.02  # 100 tokens take >= 2 s: the client leaves long before the natural end
+    try:
+        aborts, lengths = served.finished("abort"), served.finished("length")
+        with httpx.stream("POST", served.url + "/v1/completions", headers=HEADERS, timeout=60,
+                          json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # leave after the first event
+        _wait_for(lambda: served.finished("abort") == aborts + 1, "a disconnected stream was not aborted")
+        _wait_for(lambda: "meshlm_kv_blocks_used 0" in served.metrics(), "an aborted stream kept its KV blocks")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(served.url + "/v1/completions", headers=HEADERS, json=body, timeout=0.5)
+        _wait_for(lambda: served.finished("abort") == aborts + 2, "a non-streaming client's request ran on")
+        _wait_for(lambda: "meshlm_kv_blocks_used 0" in served.metrics(), "an aborted request kept its KV blocks")
+        assert served.finished("length") == lengths  # neither ran to its end
+    finally:
+        served.step_delay = 0.0
+    # The access log has one line per request: method, path, status, tokens, latency.
+    assert any(line.startswith("POST /v1/completions 499 tokens=") for line in served.log)
+    assert any(line.startswith("POST /v1/completions 200 tokens=") for line in served.log)
+
+
+# ---- serving gaps -------------------------------------------------------------------------------
+
+
+def _post(served, path, body):
+    r = httpx.post(served.url + path, headers=HEADERS, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(served, path, body) -> list:
+    events = []
+    with httpx.stream("POST", served.url + path, headers=HEADERS, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def test_n_and_several_prompts(served):
+    body = {"model": "tiny", "prompt": [[5, 6, 7], "hello world"], "n": 3, "max_tokens": 5, "temperature": 0.9,
+            "seed": 11, "ignore_eos": True}
+    data = _post(served, "/v1/completions", body)
+    choices = data["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    # Choice prompt * n + j is that prompt sampled alone with seed + j.
+    for i, prompt in enumerate(body["prompt"]):
+        for j in range(3):
+            alone = _post(served, "/v1/completions", {**body, "prompt": prompt, "n": 1, "seed": 11 + j})
+            assert choices[i * 3 + j]["text"] == alone["choices"][0]["text"]
+    assert len({c["text"] for c in choices[:3]}) > 1  # the samples differ
+    single = _post(served, "/v1/completions", {**body, "n": 1, "prompt": "hello world"})["usage"]["prompt_tokens"]
+    assert data["usage"] == {"prompt_tokens": 3 + single, "completion_tokens": 30, "total_tokens": 33 + single}
+    # Streamed: chunks of the six choices interleave; each choice's text is the same as above.
+    texts = {}
+    for e in _stream(served, "/v1/completions", body):
+        c = e["choices"][0]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(6)] == [c["text"] for c in choices]
+    chat = _post(served, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                  "n": 2, "max_tokens": 3, "temperature": 0})
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]  # greedy: the same answer twice
+    for bad in ({"n": 0}, {"n": 65}, {"n": 2, "prompt": ["a"] * 40}, {"prompt": [[]]}, {"prompt": ["a", 5]},
+                {"best_of": 2}):
+        r = httpx.post(served.url + "/v1/completions", headers=HEADERS, json={**body, **bad}, timeout=60)
+        assert r.status_code == 400, (bad, r.text)
+
+
+def test_logprobs_in_streamed_chunks(served):
+    body = {"model": "tiny", "prompt": "the quick", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2}
+    whole = _post(served, "/v1/completions", body)["choices"][0]["logprobs"]
+    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for e in _stream(served, "/v1/completions", body):
+        for key in lp:
+            lp[key] += e["choices"][0].get("logprobs", {}).get(key, []) if e["choices"][0].get("logprobs") else []
+    assert lp == whole and len(lp["tokens"]) == 6
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 1}
+    whole = _post(served, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    streamed = [t for e in _stream(served, "/v1/chat/completions", chat)
+                for t in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert streamed == whole and len(whole) == 4
+
+
+def test_stop_strings_are_checked_incrementally(served):
+    """Text and stop cuts equal those of a full decode, yet each step decodes only a few tokens."""
+    from meshlm.infer.sequence import SamplingParams
+
+    engine = served.engine.engine
+    tok = engine.tokenizer
+    decoded = []
+    with served.engine._cv:
+        plain = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+        full = tok.decode(plain.token_ids)
+        assert plain.text == full
+        stop = full[60:63]
+        decode = tok.decode
+        tok.decode = lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw)
+        try:
+            cut = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                                                              stop=[stop, "never-in-this-text"]))[0]
+        finally:
+            tok.decode = decode
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    # Re-decoding the whole output every step would decode ~n^2/2 tokens.
+    assert sum(decoded) <= 6 * len(cut.token_ids), (sum(decoded), len(cut.token_ids))
+
+
+def test_serve_banner_names_the_model_id():
+    from meshlm.infer.server import serve_banner
+
+    line = serve_banner("127.0.0.1", 8000, "runs/default", "default")
+    assert '"model": "default"' in line and "runs/default" in line
