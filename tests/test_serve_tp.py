@@ -1,7 +1,9 @@
-"""Tensor-parallel serving (`LLM(..., tp=2)`, `meshlm generate --tp 2`) gives the single-process engine's
-greedy tokens, for tiny random Llama, Qwen2 and Mixtral checkpoints, with continuous batching, chunked
-prefill, prefix-cache hits and forced preemption in the same run; each rank's KV cache holds half the kv
-heads, so the same per-rank budget holds twice the blocks."""
+"""Serving on several ranks -- tensor parallel (`LLM(..., tp=2)`), KV split over ranks (`cp=2`) and both
+(tp=2 x cp=2), and `meshlm generate --tp 2 / --cp 2` -- gives the single-process engine's greedy tokens,
+for tiny random Llama, Qwen2 and Mixtral checkpoints, with continuous batching, chunked prefill,
+prefix-cache hits and forced preemption in the same run. Under tp each rank's cache holds half the kv
+heads; under cp each holds every other block of each sequence, and a sequence longer than one rank's
+whole cache is served."""
 
 import random
 
@@ -32,6 +34,9 @@ def _tiny_hf(kind: str):
                                                                      num_experts_per_tok=2))
 
 
+LONG_PROMPT = [(7 * i) % 90 + 2 for i in range(30)]  # + 12 new tokens = 42 tokens = 11 blocks of 4
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(3)
     prefix = [rng.randrange(2, 90) for _ in range(13)]
@@ -54,28 +59,54 @@ def _generate(llm: LLM) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs], llm.engine.stats()
 
 
-def _tp_ranks(rank, world_size, paths):
+LAYOUTS = {"tp2": (2, 1), "cp2": (1, 2), "tp2_cp2": (2, 2)}  # name: (tp, cp)
+
+
+def _parallel_ranks(rank, world_size, paths, layouts):
     out = {}
-    for kind, path in paths.items():
-        llm = LLM(path, tp=world_size, device="cpu", **ENGINE)
-        if not llm.is_driver:
-            assert llm.engine is None
-            continue
-        out[kind] = _generate(llm)
-        out[kind, "kv_heads"] = llm.engine.runner.runner.k_caches[0].shape[2]
-        llm.close()
+    for name, (tp, cp) in layouts.items():
+        for kind, path in paths.items():
+            if tp * cp != world_size:
+                continue
+            # cp: each rank gets half the blocks, so the block manager sees the single process's number
+            llm = LLM(path, tp=tp, cp=cp, device="cpu", **{**ENGINE, "num_blocks": ENGINE["num_blocks"] // cp})
+            if not llm.is_driver:
+                assert llm.engine is None
+                continue
+            out[name, kind] = _generate(llm)
+            out[name, kind, "kv_heads"] = llm.engine.runner.runner.k_caches[0].shape[2]
+            out[name, kind, "blocks_per_rank"] = llm.engine.runner.runner.num_blocks
+            llm.close()
+    if world_size == 2:  # one sequence longer than a rank's whole cache (6 blocks of 4 tokens), served at cp=2
+        llm = LLM(paths["llama"], cp=2, device="cpu", block_size=4, num_blocks=6, dtype=torch.float64)
+        if llm.is_driver:
+            out["long"] = llm.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+            llm.close()
     return out
 
 
-def test_tp2_greedy_tokens_equal_one_process(checkpoints):
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     single = {kind: _generate(LLM(path, device="cpu", **ENGINE)) for kind, path in checkpoints.items()}
-    results = run_distributed(_tp_ranks, 2, {k: str(v) for k, v in checkpoints.items()}, timeout=180)
-    assert results[1] == {}
-    for kind in KINDS:
-        tokens, stats = results[0][kind]
-        assert tokens == single[kind][0], kind
-        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, (kind, stats)
-        assert results[0][kind, "kv_heads"] == 1  # 2 kv heads over tp=2
+    layouts = {n: tc for n, tc in LAYOUTS.items() if tc[0] * tc[1] == world}
+    results = run_distributed(_parallel_ranks, world, {k: str(v) for k, v in checkpoints.items()}, layouts,
+                              timeout=240)
+    assert all(r == {} for r in results[1:])
+    for name, (tp, cp) in layouts.items():
+        for kind in KINDS:
+            tokens, stats = results[0][name, kind]
+            assert tokens == single[kind][0], (name, kind)
+            assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, (name, kind, stats)
+            assert stats["kv_blocks_total"] == ENGINE["num_blocks"]  # all cp ranks together
+            assert results[0][name, kind, "kv_heads"] == 2 // tp  # 2 kv heads over tp
+            assert results[0][name, kind, "blocks_per_rank"] == ENGINE["num_blocks"] // cp
+    if world == 2:
+        alone = LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=32, dtype=torch.float64)
+        want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+        assert results[0]["long"] == want and len(want) == 12
+        with pytest.raises(ValueError, match="KV blocks"):  # what one rank's cache alone would refuse
+            LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=6).generate(
+                [LONG_PROMPT], SamplingParams(max_tokens=12))
 
 
 def test_tp_needs_its_ranks():
@@ -94,4 +125,6 @@ def test_generate_tp2_from_the_cli(tmp_path, capfd):
     one = capfd.readouterr().out
     assert cli_main([*argv, "--tp", "2"]) == 0  # two ranks through torch's launcher
     two = capfd.readouterr().out
-    assert one.startswith("hello world") and len(one) > len("hello world\n") and two == one, (one, two)
+    assert cli_main([*argv, "--cp", "2"]) == 0
+    split = capfd.readouterr().out
+    assert one.startswith("hello world") and len(one) > len("hello world\n") and two == one == split, (one, two, split)

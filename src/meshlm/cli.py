@@ -93,7 +93,7 @@ def _add_verify(sub) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a meshlm checkpoint or a Hugging Face model",
                        description="Generate a continuation of --prompt on the inference engine "
-                                   "(paged KV cache): one process, or --tp N tensor-parallel ranks.")
+                                   "(paged KV cache): one process, or --tp N x --cp M ranks.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
@@ -106,6 +106,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks on this node (started through torch's launcher; each holds 1/N of "
                         "the weights and of every KV block; default 1)")
+    p.add_argument("--cp", type=int, default=1, metavar="M",
+                   help="context-parallel ranks: every sequence's KV blocks spread over M ranks, so a context "
+                        "M times one rank's cache is served (x --tp ranks in all; default 1)")
 
 
 def _add_info(sub) -> None:
@@ -386,18 +389,19 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if args.tp < 1:
-        raise ValueError(f"--tp={args.tp} must be >= 1")
-    if args.tp > 1 and not launched_ranks():
-        return _torchrun(["--standalone", "--nproc-per-node", str(args.tp)], args.argv)
+    if args.tp < 1 or args.cp < 1:
+        raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
+    ranks = args.tp * args.cp
+    if ranks > 1 and not launched_ranks():
+        return _torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_new_tokens, seed=args.seed)
-    if args.tp > 1:
+    if ranks > 1:
         import torch
 
         init_distributed("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        llm = LLM(args.checkpoint or args.hf, tp=args.tp)
+        llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp)
         if llm.is_driver:
             try:
                 _generate_and_print(llm, args, params)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.infer.block_manager import BlockManager
+from meshlm.comm import CollectiveError
 from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
@@ -79,6 +80,7 @@ class Engine:
         self.runner = runner or ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
                                             kv_cache_memory_bytes=kv_cache_memory_bytes)
         self.block_manager = BlockManager(num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
+                                          num_groups=getattr(self.runner, "num_groups", 1),
                                           enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -161,6 +163,8 @@ class Engine:
         try:
             logits = self.runner.execute(StepInput.from_schedule(out, self.runner.block_size))
             rows = [item.seq for item in out.scheduled if item.samples]
+        except CollectiveError:  # a rank of a parallel runner is gone: no sequence of this step can run
+            raise
         except Exception:  # noqa: BLE001 -- find whose tokens fail; the others must not pay for them
             logits, rows = self._execute_one_by_one(out, failed)
         sampled: dict[int, tuple[int, dict | None]] = {}

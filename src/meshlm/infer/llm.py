@@ -2,10 +2,10 @@
 
 Responsible for: loading a model and its tokenizer from a Hugging Face directory (config.json,
 safetensors, tokenizer.json) or a meshlm training checkpoint, building the `Engine`, and running a
-batch of prompts to completion through continuous batching; with `tp=N`, on N ranks (every rank
-constructs the `LLM`; rank 0 drives the engine, the others run their shard until it closes, see
-`infer/parallel.py`).
-Not responsible for: serving (server.py) or starting ranks (torchrun, or `meshlm generate --tp N`).
+batch of prompts to completion through continuous batching; with `tp=N` and/or `cp=M`, on N x M ranks
+(every rank constructs the `LLM`; rank 0 drives the engine, the others run their part until it closes,
+see `infer/parallel.py`).
+Not responsible for: serving (server.py) or starting ranks (torchrun, or `meshlm generate --tp N --cp M`).
 """
 
 from __future__ import annotations
@@ -55,36 +55,37 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
     return net, _WrappedTokenizer(tok)
 
 
-def serving_mesh(tp: int, device: str | torch.device):
-    """The mesh of a tensor-parallel `LLM`: every rank of the launch on "tp" (the process group must exist)."""
+def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1):
+    """The mesh of a parallel `LLM`: the ranks of the launch as cp x tp (the process group must exist)."""
     import torch.distributed as dist
 
     from meshlm.mesh import ParallelDims, build_mesh
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world != tp:
-        raise ValueError(f"tp={tp} serves on {tp} ranks but this process is one of {world}; start {tp} ranks "
-                         f"(`meshlm generate --tp {tp}`, or torchrun --nproc-per-node {tp} with every rank "
-                         "building the LLM)")
-    return build_mesh(ParallelDims(tp=tp, dp_shard=1), device_type=torch.device(device).type)
+    if world != tp * cp:
+        raise ValueError(f"tp={tp} x cp={cp} serves on {tp * cp} ranks but this process is one of {world}; start "
+                         f"{tp * cp} ranks (`meshlm generate --tp {tp} --cp {cp}`, or torchrun --nproc-per-node "
+                         f"{tp * cp} with every rank building the LLM)")
+    return build_mesh(ParallelDims(tp=tp, cp=cp, dp_shard=1), device_type=torch.device(device).type)
 
 
 class LLM:
-    def __init__(self, model: str | Path | Transformer, *, tp: int = 1, tokenizer: Tokenizer | None = None,
+    def __init__(self, model: str | Path | Transformer, *, tp: int = 1, cp: int = 1, tokenizer: Tokenizer | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device = "auto", **engine_kwargs):
         """`engine_kwargs` go to `Engine`: block_size, num_blocks, kv_cache_memory_bytes, max_num_seqs,
         max_num_batched_tokens, max_model_len, enable_prefix_caching, enable_chunked_prefill, eos_token_ids, seed.
 
-        `tp > 1`: tensor-parallel over the `tp` ranks of this launch (each rank calls this with the same
-        arguments; the KV cache arguments are per rank). On rank 0 it returns a usable LLM (`is_driver`);
-        on the others it runs their shard of every step and returns once rank 0 calls `close()`."""
+        `tp`, `cp` > 1: on the tp x cp ranks of this launch (each rank calls this with the same arguments),
+        the weights split over tp, every sequence's KV blocks spread over cp (`infer/parallel.py`); the KV
+        cache arguments are per rank. On rank 0 it returns a usable LLM (`is_driver`); on the others it
+        runs their part of every step and returns once rank 0 calls `close()`."""
         if device == "auto":  # the GPU when there is one, as training does
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype is None:
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        if tp < 1:
-            raise ValueError(f"tp={tp} must be >= 1")
-        mesh = serving_mesh(tp, device) if tp > 1 else None
+        if tp < 1 or cp < 1:
+            raise ValueError(f"tp={tp} and cp={cp} must be >= 1")
+        mesh = serving_mesh(tp, device, cp=cp) if tp * cp > 1 else None
         if isinstance(model, Transformer):
             net, tok = model.eval(), tokenizer
         else:
@@ -97,21 +98,21 @@ class LLM:
         self.is_driver = True
         if mesh is not None:
             from meshlm.infer.model_runner import ModelRunner
-            from meshlm.infer.parallel import TensorParallelRunner, run_worker, shard_for_serving
+            from meshlm.infer.parallel import ParallelRunner, run_worker, shard_for_serving, split_kv_attention
 
             net = shard_for_serving(net, mesh)
-            runner = ModelRunner(net, **{k: engine_kwargs.pop(k) for k in ("block_size", "num_blocks",
-                                                                             "kv_cache_memory_bytes")
-                                         if k in engine_kwargs})
-            if mesh.local_rank("tp") != 0:
+            cache = {k: engine_kwargs.pop(k) for k in ("block_size", "num_blocks", "kv_cache_memory_bytes")
+                     if k in engine_kwargs}
+            runner = ModelRunner(net, **cache, attention=split_kv_attention(mesh) if cp > 1 else None)
+            if mesh.rank != 0:
                 self.is_driver, self.engine = False, None
                 run_worker(runner, mesh)
                 return
-            engine_kwargs["runner"] = TensorParallelRunner(runner, mesh)
+            engine_kwargs["runner"] = ParallelRunner(runner, mesh)
         self.engine = Engine(net, tok, **engine_kwargs)
 
     def close(self) -> None:
-        """Tensor-parallel: release the other ranks (rank 0; afterwards this LLM generates no more)."""
+        """On several ranks: release the others (rank 0; afterwards this LLM generates no more)."""
         close = getattr(self.engine.runner, "close", None) if self.engine is not None else None
         if close is not None:
             close()

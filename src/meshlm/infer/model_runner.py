@@ -169,10 +169,11 @@ def kv_block_bytes(model: Transformer, block_size: int, dtype: torch.dtype) -> i
 
 class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, kv_dtype: torch.dtype | None = None):
+                 kv_cache_memory_bytes: int | None = None, kv_dtype: torch.dtype | None = None, attention=None):
         """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default 256 MiB, per
         rank: under tensor parallelism a block holds only this rank's kv heads, so the same budget holds tp
-        times the blocks)."""
+        times the blocks). `attention`: the class of the per-step attention context (default
+        `PagedAttention`; context-parallel serving passes one that attends over this rank's blocks)."""
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1 (tokens per KV block; 16 is usual)")
         self.model = model.eval()
@@ -192,6 +193,7 @@ class ModelRunner:
         self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.buffers = GatherBuffers()  # reused by every layer of every step
+        self.attention = attention or PagedAttention
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -200,7 +202,7 @@ class ModelRunner:
         model = self.model
         tokens = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
-        ctx = PagedAttention(self.k_caches, self.v_caches, step, self.block_size, dtype=self.dtype,
+        ctx = self.attention(self.k_caches, self.v_caches, step, self.block_size, dtype=self.dtype,
                              buffers=self.buffers)
         # The model's own modules; only attention is redirected to the paged cache (via `ctx`). Logits
         # are computed for the sampling rows only, not for every prefill token.

@@ -1,16 +1,25 @@
-"""Serving on several ranks: one engine on rank 0, the model's tensor-parallel shards on every rank.
+"""Serving on several ranks: one engine on rank 0; the model split over "tp", the KV cache over "cp".
 
-Responsible for: `TensorParallelRunner`, what rank 0's `Engine` calls in place of its `ModelRunner`: each
-step it sends the `StepInput` (plain data, as JSON) to the other ranks over "tp", runs its own shard of
-the step, and all-gathers the vocab-parallel logits; `run_worker`, the loop of the other ranks (receive a
-step, run it, take part in the gather, until rank 0 says stop); and `shard_for_serving`, the training's
-tensor-parallel transform without sequence parallelism (`apply_tensor_parallel`): attention heads, MLP
-columns and the vocabulary split over tp, so each rank's paged KV cache holds only its kv heads -- the
-same memory per rank holds tp times the tokens.
-Every rank runs the same modules on the same tokens, and the scheduler, block manager and sampler live
-on rank 0 alone (torch-free and unchanged); the others never see a request.
-Not responsible for: launching ranks (`meshlm generate --tp N` starts them through torch's launcher;
-under torchrun every rank builds `LLM(..., tp=N)`), scheduling or sampling (rank 0's engine).
+Responsible for:
+  - `ParallelRunner`, what rank 0's `Engine` calls in place of its `ModelRunner`: each step it sends the
+    `StepInput` (plain data, as JSON) to every rank (over "cp", then over "tp"), runs its own part of the
+    step, and returns the full logits; `run_worker`, the loop of the other ranks (receive a step, run it,
+    take part in its collectives, until rank 0 says stop).
+  - tensor parallelism (`shard_for_serving`): the training's transform without sequence parallelism
+    (`apply_tensor_parallel`): attention heads, MLP columns and the vocabulary split over tp, so each
+    rank's paged KV cache holds only its kv heads (the same memory per rank holds tp times the tokens);
+    the vocab-parallel logits are all-gathered.
+  - context parallelism (`SplitKVAttention`): a sequence's j-th KV block lives on cp rank j % cp (the
+    block manager's groups), so every rank holds ~1/cp of every long sequence and a sequence longer than
+    one rank's cache is served. Every cp rank runs the model on the step's new tokens (the weights are
+    not split over cp), writes the keys/values of the slots it holds, attends the queries over its own
+    blocks -- a partial result and its log-sum-exp -- and one all-gather over cp of (output, lse) per
+    layer merges them exactly (`parallel.context.merge_partials`'s arithmetic). Prefill chunks go the
+    same way (not the training's ring: the keys stay where they are, only the partials travel).
+The scheduler, block manager and sampler live on rank 0 alone (torch-free and unchanged apart from the
+groups); the other ranks never see a request.
+Not responsible for: launching ranks (`meshlm generate --tp N --cp M` starts them through torch's
+launcher; under torchrun every rank builds `LLM(..., tp=N, cp=M)`), scheduling or sampling.
 """
 
 from __future__ import annotations
@@ -20,45 +29,55 @@ import dataclasses
 import torch
 
 from meshlm import comm
-from meshlm.infer.model_runner import ModelRunner, StepInput
+from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput
 from meshlm.mesh import Mesh
 from meshlm.models.transformer import Transformer
 
-AXIS = "tp"
 _STOP = {"stop": True}
 
 
 def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:
     """`model` (the full weights, the same on every rank) split in place over "tp" for inference."""
+    if mesh.size("tp") == 1:
+        return model
     from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
-    check_tensor_parallel(model.config, mesh.size(AXIS), sequence_parallel=False)
+    check_tensor_parallel(model.config, mesh.size("tp"), sequence_parallel=False)
     return apply_tensor_parallel(model, mesh, sequence_parallel=False)
 
 
+def _send(message, mesh: Mesh):
+    """Rank 0's `message` on every rank: over its cp group, then each of those over its tp group."""
+    if mesh.local_rank("tp") == 0:
+        message = comm.broadcast_json(message, mesh, "cp")
+    return comm.broadcast_json(message, mesh, "tp")
+
+
 def _run_step(runner: ModelRunner, mesh: Mesh, step: StepInput) -> torch.Tensor:
-    """This rank's part of a step, then the full logits (the vocab slices of every rank, in order)."""
-    logits = runner.execute(step)
-    return comm.all_gather(logits, mesh, AXIS, dim=1)
+    """This rank's part of a step, then the full logits (every tp rank's vocab slice, in order)."""
+    return comm.all_gather(runner.execute(step), mesh, "tp", dim=1)
 
 
-class TensorParallelRunner:
-    """Rank 0's runner: the same interface as `ModelRunner` (block_size, num_blocks, execute)."""
+class ParallelRunner:
+    """Rank 0's runner: the interface of `ModelRunner` (block_size, num_blocks, execute) over every rank;
+    `num_blocks` counts the blocks of all cp ranks, `num_groups` tells the block manager where they are."""
 
     def __init__(self, runner: ModelRunner, mesh: Mesh):
-        assert mesh.local_rank(AXIS) == 0, "rank 0 of the tp group drives; the others run `run_worker`"
+        assert mesh.rank == 0, "rank 0 drives; the others run `run_worker`"
         self.runner, self.mesh = runner, mesh
-        self.block_size, self.num_blocks = runner.block_size, runner.num_blocks
+        self.block_size = runner.block_size
+        self.num_groups = mesh.size("cp")
+        self.num_blocks = runner.num_blocks * self.num_groups
         self.closed = False
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        comm.broadcast_json(dataclasses.asdict(step), self.mesh, AXIS)
+        _send(dataclasses.asdict(step), self.mesh)
         return _run_step(self.runner, self.mesh, step)
 
     def close(self) -> None:
         """Release the other ranks from `run_worker` (once; the engine is unusable afterwards)."""
         if not self.closed:
-            comm.broadcast_json(_STOP, self.mesh, AXIS)
+            _send(_STOP, self.mesh)
             self.closed = True
 
 
@@ -66,8 +85,78 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
     """A rank other than 0: run the steps rank 0 sends until it closes; return how many ran."""
     steps = 0
     while True:
-        message = comm.broadcast_json(None, mesh, AXIS)
+        message = _send(None, mesh)
         if message == _STOP:
             return steps
         _run_step(runner, mesh, StepInput(**message))
         steps += 1
+
+
+def split_kv_attention(mesh: Mesh):
+    """The `attention` class a `ModelRunner` of a cp rank uses (bound to its mesh)."""
+    def make(k_caches, v_caches, step, block_size, *, dtype, buffers=None):
+        return SplitKVAttention(k_caches, v_caches, step, block_size, dtype=dtype, buffers=buffers, mesh=mesh)
+    return make
+
+
+class SplitKVAttention:
+    """The attention context of one step on one cp rank: its blocks only, partials merged over "cp".
+
+    The step's block tables hold global block ids; block b is this rank's local block b // cp when
+    b % cp == its cp coordinate."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
+                 *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh):
+        self.k_caches, self.v_caches, self.mesh = k_caches, v_caches, mesh
+        self.buffers = buffers or GatherBuffers()
+        device = k_caches[0].device
+        cp, me = mesh.size("cp"), mesh.local_rank("cp")
+        mine = [(row, (slot // block_size) // cp * block_size + slot % block_size)
+                for row, slot in enumerate(step.slot_mapping) if (slot // block_size) % cp == me]
+        self.write_rows = torch.tensor([r for r, _ in mine], dtype=torch.long, device=device)
+        self.write_slots = torch.tensor([s for _, s in mine], dtype=torch.long, device=device)
+        self.num_rows = len(step.token_ids)
+        # Per sequence: (first row, new tokens, this rank's local blocks, additive mask [new, keys]).
+        self.seqs = []
+        start = 0
+        for n, length, table in zip(step.query_lens, step.context_lens, step.block_tables):
+            used = -(-length // block_size)
+            local = [(j, b // cp) for j, b in enumerate(table[:used]) if b % cp == me]
+            if local:
+                keys = torch.cat([torch.arange(j * block_size, (j + 1) * block_size) for j, _ in local])
+                queries = torch.arange(length - n, length)
+                visible = (keys[None, :] <= queries[:, None]) & (keys[None, :] < length)
+                mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+                blocks = torch.tensor([b for _, b in local], dtype=torch.long)
+                self.seqs.append((start, n, blocks.to(device), mask.to(device)))
+            start += n
+
+    def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        if self.write_rows.numel():
+            k_cache.flatten(0, 1)[self.write_slots] = k_bhsd[0, :, self.write_rows].transpose(0, 1).to(k_cache.dtype)
+            v_cache.flatten(0, 1)[self.write_slots] = v_bhsd[0, :, self.write_rows].transpose(0, 1).to(v_cache.dtype)
+        heads, dim = q_bhsd.shape[1], q_bhsd.shape[-1]
+        num_kv = k_bhsd.shape[1]
+        groups = heads // num_kv
+        # This rank's partial: output and log-sum-exp per (head, row); rows that see none of its keys
+        # keep lse = -inf and weigh nothing in the merge.
+        out = q_bhsd.new_zeros(heads, self.num_rows, dim)
+        lse = q_bhsd.new_full((heads, self.num_rows), float("-inf"))
+        for start, n, blocks, mask in self.seqs:
+            q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
+            k, v = self.buffers.gather(k_cache, v_cache, blocks)
+            k = k.flatten(0, 1).transpose(0, 1)[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
+            v = v.flatten(0, 1).transpose(0, 1)[:, None].to(q.dtype)
+            scores = torch.matmul(q, k.transpose(-1, -2)) * dim ** -0.5 + mask
+            part_lse = torch.logsumexp(scores, dim=-1)  # [kv, groups, n]
+            weights = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)  # a row with no visible key: 0
+            out[:, start:start + n] = torch.matmul(weights, v).reshape(heads, n, dim)
+            lse[:, start:start + n] = part_lse.reshape(heads, n)
+        # One all-gather of (output, lse) over cp, then the exact merge of the partials.
+        both = comm.all_gather(torch.cat([out, lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
+        outs, lses = both[..., :dim], both[..., dim]
+        total = torch.logsumexp(lses, dim=0)  # [heads, rows]
+        scale = torch.exp(lses - total).nan_to_num(0.0)
+        merged = (outs * scale[..., None]).sum(dim=0)
+        return merged[None].to(q_bhsd.dtype)
