@@ -128,3 +128,50 @@ def test_generate_tp2_from_the_cli(tmp_path, capfd):
     assert cli_main([*argv, "--cp", "2"]) == 0
     split = capfd.readouterr().out
     assert one.startswith("hello world") and len(one) > len("hello world\n") and two == one == split, (one, two, split)
+
+
+def test_serve_tp2_answers_like_one_process_and_reports_per_rank(tmp_path):
+    """`meshlm serve --cp 2`: the server started
+    through torch's launcher answers a greedy completion with the single-process tokens; /metrics has
+    the KV blocks of each cp rank and the bytes each axis moved; the ranks exit when it stops."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from test_server import free_port, make_model_dir
+
+    path = str(make_model_dir(tmp_path))
+    want = LLM(path, device="cpu", block_size=8).generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=6))[0].text
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "serve", "--model", path, "--cp", "2", "--port",
+                             str(port), "--device", "cpu", "--block-size", "8", "--kv-cache-mb", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up")
+        body = {"model": "x", "prompt": "hello world", "max_tokens": 6, "temperature": 0}
+        got = httpx.post(f"{url}/v1/completions", json={**body, "model": os.path.basename(path)}, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'meshlm_kv_blocks_used_per_rank{cp_rank="1"}' in metrics
+        comm = [line for line in metrics.splitlines() if line.startswith('meshlm_comm_bytes_total{axis="cp"}')]
+        assert comm and float(comm[0].split()[-1]) > 0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "KV cache of" in out and "over 2 ranks" in out, out

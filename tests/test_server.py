@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     port = free_port()
     args = Namespace(model=str(model_dir), host="127.0.0.1", port=port, api_key=KEY, served_model_name="tiny",
                      block_size=8, kv_cache_mb=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=None,
-                     no_prefix_caching=False, tp=1, device="cpu", max_body_mb=16, quiet=True,
+                     no_prefix_caching=False, tp=1, cp=1, device="cpu", max_body_mb=16, quiet=True,
                      rag=None, rag_top_k=4)
     srv, engine = build_server(args)
     thread = threading.Thread(target=srv.run, daemon=True)

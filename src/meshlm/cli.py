@@ -148,7 +148,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (each holds 1/N of the weights and of every KV block; default 1)")
+    p.add_argument("--cp", type=int, default=1, metavar="M",
+                   help="context-parallel ranks (every sequence's KV blocks spread over M ranks; x --tp ranks in "
+                        "all, started through torch's launcher; --kv-cache-mb is per rank; default 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (default: cuda when present, in bf16; else cpu in fp32), cpu or cuda")
 
@@ -473,9 +477,26 @@ def require_extra(extra: str, *modules: str) -> None:
 
 def cmd_serve(args) -> int:
     require_extra("serve", "fastapi", "uvicorn")
+    from meshlm.distributed import init_distributed, launched_ranks, teardown_distributed
     from meshlm.infer.server import run_serve
 
-    return run_serve(args)
+    if args.tp < 1 or args.cp < 1:
+        raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
+    ranks = args.tp * args.cp
+    if ranks == 1:
+        return run_serve(args)
+    if not launched_ranks():
+        return _torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
+    import torch
+
+    init_distributed("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    try:
+        code = run_serve(args)
+    except BaseException:
+        teardown_distributed()
+        raise
+    teardown_distributed(wait=True)
+    return code
 
 
 def cmd_rag(args) -> int:

@@ -293,6 +293,7 @@ class Engine:
 
     def stats(self) -> dict:
         bm = self.block_manager
+        mesh = getattr(self.runner, "mesh", None)
         return {
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks,
@@ -300,4 +301,9 @@ class Engine:
             "prefix_cache_queried_tokens": bm.num_queried_tokens, "prefix_cache_hit_tokens": bm.num_hit_tokens,
             "generated_tokens": self.num_generated_tokens, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps, "finish_reasons": dict(self.finish_reasons),
+            # several ranks: the blocks each cp rank holds (tp ranks hold the same blocks, each its heads),
+            # and what every mesh axis moved (rank 0's view)
+            "kv_blocks_used_per_rank": bm.used_blocks_per_group(),
+            "comm": {axis: {"calls": o.calls, "bytes": o.bytes, "seconds": o.seconds}
+                     for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
         }

@@ -615,6 +615,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                   "# HELP meshlm_rag_prefix_cache_hit_tokens_total prompt tokens of retrieval-augmented requests "
                   "found in the prefix cache", "# TYPE meshlm_rag_prefix_cache_hit_tokens_total counter",
                   f"meshlm_rag_prefix_cache_hit_tokens_total {engine.rag_cached_tokens}"]
+        lines += ["# HELP meshlm_kv_blocks_used_per_rank KV cache blocks in use on each context-parallel rank",
+                  "# TYPE meshlm_kv_blocks_used_per_rank gauge"]
+        lines += [f'meshlm_kv_blocks_used_per_rank{{cp_rank="{r}"}} {n}' for r, n in enumerate(s["kv_blocks_used_per_rank"])]
+        for unit, key, help_text in (("bytes", "bytes", "bytes moved by collectives"),
+                                     ("seconds", "seconds", "seconds spent waiting in collectives")):
+            lines += [f"# HELP meshlm_comm_{unit}_total {help_text} (rank 0), by mesh axis",
+                      f"# TYPE meshlm_comm_{unit}_total counter"]
+            lines += [f'meshlm_comm_{unit}_total{{axis="{a}"}} {c[key]}' for a, c in sorted(s["comm"].items())]
         lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
         lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
@@ -718,16 +726,22 @@ def _completion_prompts(prompt, *, has_tokenizer: bool) -> list:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_server(args):
+def build_llm(args):
+    """The `LLM` of parsed `meshlm serve` arguments (on several ranks: every rank builds it; on the others
+    this returns only when rank 0 closes it)."""
+    from meshlm.infer.llm import LLM
+
+    return LLM(args.model, tp=args.tp, cp=args.cp, device=args.device, block_size=args.block_size,
+               kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)), max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               enable_prefix_caching=not args.no_prefix_caching)
+
+
+def build_server(args, llm=None):
     """(uvicorn.Server, AsyncEngine) for parsed `meshlm serve` arguments; the caller runs the server."""
     import uvicorn
 
-    from meshlm.infer.llm import LLM
-
-    llm = LLM(args.model, tp=args.tp, device=args.device, block_size=args.block_size,
-              kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)), max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              enable_prefix_caching=not args.no_prefix_caching)
+    llm = llm or build_llm(args)
     engine = AsyncEngine(llm.engine)
     name = args.served_model_name or Path(args.model).resolve().name
     if not 1 <= args.rag_top_k <= 64:
@@ -755,11 +769,26 @@ def serve_banner(host: str, port: int, model_path: str, model_name: str) -> str:
             f"(requests send \"model\": {json.dumps(model_name)})")
 
 
+def kv_banner(stats: dict, *, block_size: int, tp: int, cp: int) -> str:
+    """The second line of `meshlm serve`: how many tokens the KV cache holds, over how many ranks."""
+    ranks = f" over {tp * cp} ranks (tp={tp}: each holds 1/{tp} of the kv heads; cp={cp}: each holds 1/{cp} of the " \
+            "blocks)" if tp * cp > 1 else ""
+    return (f"meshlm serve: KV cache of {stats['kv_blocks_total']} blocks x {block_size} tokens = "
+            f"{stats['kv_blocks_total'] * block_size} tokens{ranks}")
+
+
 def run_serve(args) -> int:
-    server, engine = build_server(args)
-    print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
+    llm = build_llm(args)
+    if not llm.is_driver:  # another rank of a parallel server: it ran its part until rank 0 closed
+        return 0
     try:
-        server.run()
+        server, engine = build_server(args, llm)
+        print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
+        print(kv_banner(llm.engine.stats(), block_size=args.block_size, tp=args.tp, cp=args.cp), flush=True)
+        try:
+            server.run()
+        finally:
+            engine.stop()
     finally:
-        engine.stop()
+        llm.close()
     return 0
