@@ -18,6 +18,7 @@ EPILOG = """examples:
   meshlm train --nproc 4                         # 4 local data-parallel ranks
   meshlm verify --nproc 4 --set parallel.tp=2    # prove a layout against the single-process run
   meshlm generate --checkpoint runs/default --prompt "def fib(n):"
+  meshlm eval --checkpoint runs/default          # loss and perplexity on the run's validation split
   meshlm info --model llama3-70b
 """
 
@@ -103,6 +104,32 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="loss and perplexity of a checkpoint or a Hugging Face model on a dataset",
+        description="Evaluate a model: the mean token loss and perplexity (exp of the loss) over a dataset, by\n"
+                    "default the run's validation split (its data.path and data.val_fraction), or all of --data.\n"
+                    "Whole global batches (train.global_batch_size samples of train.seq_len tokens) are evaluated,\n"
+                    "the same samples under every layout; --nproc N runs it on N local ranks with the layout of\n"
+                    "--set parallel.* (any layout `meshlm train` accepts).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  meshlm eval --checkpoint runs/default                       # the run's validation split\n"
+               "  meshlm eval --checkpoint runs/default --data my_corpus/ --json\n"
+               "  meshlm eval --checkpoint runs/default --nproc 2 --set parallel.tp=2\n"
+               "  meshlm eval --hf path/to/hf-model --data notes.txt --set train.seq_len=512")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, "
+                                                 "tokenizer.json)")
+    p.add_argument("--data", metavar="PATH", help="evaluate all of this text file, folder of text files or .jsonl "
+                                                  "(default: the run's validation split)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a parallel/train/data field, e.g. train.global_batch_size=8 (repeatable)")
+    p.add_argument("--nproc", type=int, default=0, metavar="N", help="ranks on this node (default: one process)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _add_info(sub) -> None:
@@ -193,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_verify(sub)
     _add_generate(sub)
+    _add_eval(sub)
     _add_info(sub)
     from meshlm.planner.cli import add_plan_parser
 
@@ -267,7 +295,7 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
             run_dir = cfg.train.run_dir
             print(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.saved_step:06d}'}\n"
                   f"next: meshlm generate --checkpoint {run_dir} --prompt \"def \"   |   "
-                  f"meshlm serve --model {run_dir}   |   meshlm convert {run_dir} --to-hf OUT_DIR")
+                  f"meshlm eval --checkpoint {run_dir}   |   meshlm serve --model {run_dir}")
         finished = True
     finally:
         teardown_distributed(wait=finished)
@@ -276,8 +304,6 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
 
 def _launch_ranks(args, cfg) -> int:
     """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
-    import os
-
     from meshlm.parallel.parallelize import check_layout
     from meshlm.train.checkpoint import check_run_dir
 
@@ -308,6 +334,13 @@ def _launch_ranks(args, cfg) -> int:
                      "--node-rank", str(args.node_rank)]
     rank_args = ["train", *(["--config", args.config] if args.config else []),
                  *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
+    return run_torchrun(launcher, rank_args)
+
+
+def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
+    """`torchrun LAUNCHER -m meshlm.cli RANK_ARGS`; its exit code, with one line on the first failed rank."""
+    import os
+
     # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
     # launcher from printing its warning about choosing that default for us.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -319,7 +352,7 @@ def _launch_ranks(args, cfg) -> int:
     except ChildFailedError as e:
         failed = sorted(e.failures.items())
         codes = sorted({f.exitcode for _, f in failed})
-        print(f"meshlm train: {first_failure(e)}", file=sys.stderr)
+        print(f"meshlm {rank_args[0]}: {first_failure(e)}", file=sys.stderr)
         return launch_exit_code(codes)
     return 0
 
@@ -379,6 +412,47 @@ def cmd_generate(args) -> int:
                          f"{max(llm.engine.max_model_len - num_prompt, 0)}")
     result = llm.generate([args.prompt], params)[0]
     print(args.prompt + result.text)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from meshlm import evaluate
+    from meshlm.distributed import launched_ranks
+
+    if args.nproc:
+        if launched_ranks():
+            raise ValueError("--nproc was given but this process is already one of several launched ranks; "
+                             "drop --nproc under torchrun/srun")
+        if args.nproc < 1:
+            raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        from meshlm.parallel.parallelize import check_layout
+
+        cfg, _ = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data,
+                                      overrides=args.overrides)
+        check_layout(cfg, args.nproc)  # before any rank starts
+        rank_args = ["eval", *(["--checkpoint", args.checkpoint] if args.checkpoint else ["--hf", args.hf]),
+                     *(["--data", args.data] if args.data else []),
+                     *[a for o in args.overrides for a in ("--set", o)], *(["--json"] if args.json else [])]
+        return run_torchrun(["--nnodes", "1", "--nproc-per-node", str(args.nproc), "--standalone"], rank_args)
+    if not launched_ranks():
+        print(evaluate.format_result(evaluate.evaluate(checkpoint=args.checkpoint, hf=args.hf, data=args.data,
+                                                       overrides=args.overrides), as_json=args.json))
+        return 0
+    from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
+
+    exit_with_parent()  # a killed launcher takes its ranks with it
+    cfg, _ = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data, overrides=args.overrides)
+    from meshlm.train.trainer import resolve_device
+
+    env = init_distributed(resolve_device(cfg.train.device).type, timeout_s=cfg.parallel.collective_timeout_s)
+    finished = False
+    try:
+        result = evaluate.evaluate(checkpoint=args.checkpoint, hf=args.hf, data=args.data, overrides=args.overrides)
+        if env.rank == 0:
+            print(evaluate.format_result(result, as_json=args.json), flush=True)
+        finished = True
+    finally:
+        teardown_distributed(wait=finished)
     return 0
 
 
@@ -454,7 +528,8 @@ def cmd_convert(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "info": cmd_info, "plan": cmd_plan,
+COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "eval": cmd_eval, "info": cmd_info,
+            "plan": cmd_plan,
             "serve": cmd_serve, "convert": cmd_convert}
 
 

@@ -143,16 +143,7 @@ class Trainer:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dims = check_layout(cfg, world_size)  # user mistakes surface here, before any work
         self.check_run_dir(resume=resume, overwrite=overwrite, world_size=world_size)
-        self.device = resolve_device(t.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # under a launcher, init_distributed made cuda:LOCAL_RANK current
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.autocast_dtype = resolve_precision(t.precision, self.device)
-        self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
-        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
-        self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
-        self.micro_batch_size = micro_batch_size(cfg, self.dp_size)
-        seed_everything(t.seed)
+        self.setup_mesh(dims)
 
         self.tokenizer = load_tokenizer(cfg.data)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -163,13 +154,7 @@ class Trainer:
                                   micro_batch_size=self.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
 
-        self.dtype = param_dtype(t.precision)
-        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
-        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
-        self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
-        self.mesh = self.parallel.mesh  # expert parallelism adds its "ep" and "ep_dp" groups
-        self.moe = cfg.model.is_moe
-        self.context = self.parallel.context  # cp > 1: each rank runs its chunks of every sequence
+        self.setup_model()
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
 
         self.run_dir = Path(t.run_dir)
@@ -209,6 +194,35 @@ class Trainer:
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
         self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step)}
                             if restarts else None)
+
+    def setup_mesh(self, dims) -> None:
+        """Device, precision, mesh, this rank's place in it and the micro-batch size; seeds the RNGs.
+        (Shared with `meshlm.evaluate.Evaluator`, which runs a trained model under a layout.)"""
+        t = self.cfg.train
+        self.device = resolve_device(t.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # under a launcher, init_distributed made cuda:LOCAL_RANK current
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.autocast_dtype = resolve_precision(t.precision, self.device)
+        self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
+        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
+        self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        self.micro_batch_size = micro_batch_size(self.cfg, self.dp_size)
+        seed_everything(t.seed)
+
+    def setup_model(self, *, weights=None) -> None:
+        """Build the model and apply the layout. `weights(model)`, when given, fills the full model
+        before it is split over the ranks (so every layout starts from the same tensors)."""
+        cfg, t = self.cfg, self.cfg.train
+        self.dtype = param_dtype(t.precision)
+        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
+        if weights is not None:
+            weights(self.base_model)
+        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
+        self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
+        self.mesh = self.parallel.mesh  # expert parallelism adds its "ep" and "ep_dp" groups
+        self.moe = cfg.model.is_moe
+        self.context = self.parallel.context  # cp > 1: each rank runs its chunks of every sequence
 
     def check_run_dir(self, *, resume: bool, overwrite: bool, world_size: int) -> None:
         """`checkpoint.check_run_dir` with the checksums of a resumed checkpoint shared out: each rank hashes
@@ -376,16 +390,22 @@ class Trainer:
             row["pp_bubble"] = 1.0 - result.busy / result.seconds if result.seconds else 0.0
         return row
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over a fixed validation set (the same every time, and under every layout).
 
         The set is the first `train.val_batches` x `train.global_batch_size` validation samples, so
         it depends neither on the micro-batch size nor on the number of ranks that split it.
         """
+        loss_sum, count = self.loss_totals(self.val_data, num_global_batches=self.cfg.train.val_batches)
+        return loss_sum / count if count else float("nan")
+
+    @torch.no_grad()
+    def loss_totals(self, dataset, *, num_global_batches: int) -> tuple[float, int]:
+        """(sum of token losses, tokens) over the first `num_global_batches` x `train.global_batch_size`
+        samples of `dataset` (wrapping around a smaller one), summed over the ranks (collective)."""
         t = self.cfg.train
         micro_per_global = t.global_batch_size // self.micro_batch_size  # a multiple of dp (check_layout)
-        batches = validation_batches(self.val_data, num_batches=t.val_batches * micro_per_global,
+        batches = validation_batches(dataset, num_batches=num_global_batches * micro_per_global,
                                      micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
                                      dp_size=self.dp_size)
         self.model.eval()
@@ -412,7 +432,7 @@ class Trainer:
             totals[1] += targets.numel()
         self.model.train()
         loss_sum, count = self.sum_over_dp(totals).tolist()
-        return loss_sum / count if count else float("nan")
+        return loss_sum, int(count)
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self, *, until_step: int | None = None) -> dict:
