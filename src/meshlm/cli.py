@@ -235,7 +235,10 @@ def cmd_train(args) -> int:
     from meshlm.train.checkpoint import check_run_dir
     from meshlm.distributed import launched_ranks, read_launch_env
 
+    from meshlm.train.metrics import check_trackers
+
     cfg = load_config(args.config, args.overrides)
+    check_trackers(tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb)  # before any rank or work
     under_launcher = launched_ranks()  # torchrun, or one task of a multi-task srun step
     if args.nproc:
         if under_launcher:

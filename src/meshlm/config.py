@@ -438,6 +438,9 @@ class TrainConfig:
     peak_tflops: float = 0.0  # per device, for MFU; 0: guessed from the device
     sample_tokens: int = 120  # generated at the end of `meshlm train`
     progress: bool = True
+    # TensorBoard event files next to metrics.jsonl (`tensorboard --logdir runs`); needs the [tb] extra
+    tensorboard: bool = False
+    wandb: bool = False  # also log to an offline Weights & Biases run in <run_dir>/wandb; needs wandb installed
 
     def validate(self) -> None:
         for name in ("steps", "seq_len", "global_batch_size", "log_interval", "val_interval", "keep_checkpoints"):

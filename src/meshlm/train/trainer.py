@@ -70,7 +70,7 @@ from meshlm.train.checkpoint import (
     set_rng_state,
 )
 from meshlm.train.data import BatchLoader, build_datasets, load_tokenizer, validation_batches
-from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess
+from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess, remove_tracker_files
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
@@ -191,6 +191,7 @@ class Trainer:
                       "there (--overwrite)", flush=True)
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            remove_tracker_files(self.run_dir)
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
         self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step)}
                             if restarts else None)
@@ -443,7 +444,8 @@ class Trainer:
         t = self.cfg.train
         stop = t.steps if until_step is None else min(until_step, t.steps)
         logger = MetricsLogger(self.run_dir, total_steps=t.steps, enabled=self.is_main,
-                               progress=t.progress, start_step=self.step)
+                               progress=t.progress, start_step=self.step, tensorboard=t.tensorboard,
+                               wandb_config=self.cfg.to_dict() if t.wandb else None)
         if self.world_size > 1:
             logger.print(f"meshlm: {self.world_size} ranks, {self.mesh}")
         # Under tp a sharded parameter holds 1/tp of its elements on this rank: count the whole model.
