@@ -19,6 +19,7 @@ EPILOG = """examples:
   meshlm verify --nproc 4 --set parallel.tp=2    # prove a layout against the single-process run
   meshlm generate --checkpoint runs/default --prompt "def fib(n):"
   meshlm eval --checkpoint runs/default          # loss and perplexity on the run's validation split
+  meshlm plot runs/default --out loss.png        # loss, val loss, tokens/s, communication share
   meshlm info --model llama3-70b
 """
 
@@ -132,6 +133,17 @@ def _add_eval(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _add_plot(sub) -> None:
+    p = sub.add_parser(
+        "plot", help="draw training runs (loss, validation loss, tokens/s, communication) into a PNG",
+        description="Draw one or more training runs from their metrics.jsonl: loss and validation loss per step "
+                    "(runs overlaid), tokens/s, and the share of each step spent in communication. "
+                    "Needs matplotlib (pip install meshlm[plot]).",
+        epilog="example: meshlm plot runs/dp2 runs/tp2 --out compare.png")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.run_dir of a run (holds metrics.jsonl)")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the picture to write")
+
+
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="parameter counts, FLOPs per token and weight memory of a model",
                        description="Describe a model: parameters (total, embedding, active per token for MoE), "
@@ -221,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(sub)
     _add_generate(sub)
     _add_eval(sub)
+    _add_plot(sub)
     _add_info(sub)
     from meshlm.planner.cli import add_plan_parser
 
@@ -459,6 +472,16 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from meshlm.plot import plot_runs
+
+    runs = plot_runs(args.run_dirs, args.out)
+    print(f"wrote {args.out}: loss and validation loss, tokens/s and communication share of {len(runs)} run(s)")
+    for run in runs:
+        print(f"  {run.summary()}")
+    return 0
+
+
 def cmd_info(args) -> int:
     import json
 
@@ -531,9 +554,8 @@ def cmd_convert(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "eval": cmd_eval, "info": cmd_info,
-            "plan": cmd_plan,
-            "serve": cmd_serve, "convert": cmd_convert}
+COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "eval": cmd_eval, "plot": cmd_plot,
+            "info": cmd_info, "plan": cmd_plan, "serve": cmd_serve, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
