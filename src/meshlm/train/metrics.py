@@ -56,6 +56,38 @@ def _step_of(line: str) -> float:
     return row.get("step", 0) if isinstance(row, dict) else float("inf")
 
 
+LINE_WIDTH = 80  # the step line of log files (no terminal to ask): it fits a classic terminal
+BAR_WIDTH = 12  # cells of the progress bar itself; the numbers next to it matter more
+
+
+def _count(value: float) -> str:
+    """1234 -> "1,234", 37012 -> "37.0k", 2.5e6 -> "2.50M": at most 6 characters for any rate."""
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e4:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:,.0f}"
+
+
+def step_info(row: dict, width: int) -> str:
+    """The numbers of a step row, most important first (loss, tokens/s, lr, grad norm, MFU, memory,
+    activations), as many as fit in `width` characters: the bar and the step line never wrap or get cut."""
+    mem = row.get("memory_mib") or 0.0
+    parts = [f"loss {row['loss']:.4f}", f"{_count(row['tokens_per_s'])} tok/s", f"lr {row['lr']:.1e}",
+             f"grad {row['grad_norm']:.3g}"]
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    parts.append(f"mem {mem / 1024:.1f} GiB" if mem >= 10 * 1024 else f"mem {mem:,.0f} MiB")
+    if row.get("activation_mib"):
+        parts.append(f"act {row['activation_mib']:,.1f} MiB")
+    text = parts[0]
+    for part in parts[1:]:
+        if len(text) + 2 + len(part) > width:
+            break
+        text += "  " + part
+    return text
+
+
 def check_trackers(*, tensorboard: bool, wandb: bool) -> None:
     """Raise ValueError (one line, the pip command) when a tracker the config asks for is not installed."""
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -98,9 +130,10 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool = True,
                  progress: bool = True, start_step: int = 0, tensorboard: bool = False,
-                 wandb_config: dict | None = None):
+                 wandb_config: dict | None = None, console=None):
         """`tensorboard`: also write TensorBoard event files into `run_dir`; `wandb_config`: also log to an
-        offline W&B run (in `run_dir/wandb`) with this config."""
+        offline W&B run (in `run_dir/wandb`) with this config; `console`: the rich Console the bar draws
+        on (default: the terminal)."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -134,8 +167,8 @@ class MetricsLogger:
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
             self._progress.start()
 
@@ -153,15 +186,14 @@ class MetricsLogger:
             if self._wandb is not None and scalars:
                 self._wandb.log(scalars, step=row.get("step", 0))
         if "loss" in row:
-            info = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
-                    f"{row['tokens_per_s']:,.0f} tok/s  "
-                    + (f"MFU {100 * row['mfu']:.1f}%  " if row.get("mfu") is not None else "") +
-                    f"mem {row.get('memory_mib', 0.0):,.0f} MiB"
-                    + (f" (activations {row['activation_mib']:,.1f})" if row.get("activation_mib") else ""))
             if self._progress is not None:
-                self._progress.update(self._task, completed=row["step"], info=info)
+                # What the other columns leave of the console's width (one space between columns).
+                steps = len(f"{self.total_steps}") * 2 + 1
+                room = self._progress.console.width - (len("train") + BAR_WIDTH + steps + len("0:00:00") + 4 + 1)
+                self._progress.update(self._task, completed=row["step"], info=step_info(row, max(room, 20)))
             else:  # no bar: one plain line per logged step, for log files and batch jobs
-                print(f"step {row['step']}/{self.total_steps}  {info}", flush=True)
+                head = f"step {row['step']}/{self.total_steps}"
+                print(f"{head}  {step_info(row, LINE_WIDTH - len(head) - 2)}", flush=True)
         if "val_loss" in row:
             self.print(f"step {row['step']}: val_loss {row['val_loss']:.4f}")
 
