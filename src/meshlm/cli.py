@@ -32,7 +32,7 @@ def _add_train(sub) -> None:
                     "Settings come from the defaults, then --config (TOML), then each --set in order.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="override examples: --set model.preset=tiny-moe --set train.steps=200 --set train.run_dir=runs/x\n"
-               "sections: model, parallel, train, data (see configs/tiny.toml for every field)")
+               "sections: model, parallel, train, data (`meshlm config` prints every field, with its meaning)")
     p.add_argument("--config", metavar="FILE", help="TOML config file ([model], [parallel], [train], [data])")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one field, e.g. train.lr=3e-4 (repeatable)")
@@ -144,6 +144,20 @@ def _add_plot(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE.png", help="the picture to write")
 
 
+def _add_config(sub) -> None:
+    p = sub.add_parser(
+        "config", help="print a config as commented TOML: every field, its value and what it does",
+        description="Print the config `meshlm train` would run with these --config/--set, as TOML with every field "
+                    "of every section and the comment the code gives it. With no arguments: the defaults, the "
+                    "text of configs/tiny.toml.",
+        epilog="examples:\n  meshlm config > my.toml                       # start a config of your own\n"
+               "  meshlm config --set parallel.tp=2 --set train.steps=50",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="TOML config file (as for train)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field (repeatable)")
+
+
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="parameter counts, FLOPs per token and weight memory of a model",
                        description="Describe a model: parameters (total, embedding, active per token for MoE), "
@@ -234,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_eval(sub)
     _add_plot(sub)
+    _add_config(sub)
     _add_info(sub)
     from meshlm.planner.cli import add_plan_parser
 
@@ -482,6 +497,19 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    from meshlm.config import load_config
+    from meshlm.config_doc import reference_toml, render_config
+
+    if args.config is None and not args.overrides:
+        sys.stdout.write(reference_toml())
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    what = " ".join([*(["--config", args.config] if args.config else []), *[f"--set {o}" for o in args.overrides]])
+    sys.stdout.write(render_config(cfg, header=f"# written by `meshlm config {what}`: meshlm train --config <this file>"))
+    return 0
+
+
 def cmd_info(args) -> int:
     import json
 
@@ -555,7 +583,7 @@ def cmd_convert(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "eval": cmd_eval, "plot": cmd_plot,
-            "info": cmd_info, "plan": cmd_plan, "serve": cmd_serve, "convert": cmd_convert}
+            "config": cmd_config, "info": cmd_info, "plan": cmd_plan, "serve": cmd_serve, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
