@@ -113,3 +113,17 @@ def test_human_output_names_the_model_and_the_data(run, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"meshlm eval: {run_dir} (step 3) on the validation split of ")
     assert out[1].startswith("loss ") and "perplexity" in out[1]
+
+
+def test_a_hugging_face_export_of_the_run_evaluates_the_same(run, tmp_path, capsys):
+    pytest.importorskip("tokenizers", reason="the [hf] extra (tokenizers) is not installed")
+    from meshlm import convert
+
+    run_dir, corpus = run
+    convert.to_hf(str(run_dir), str(tmp_path / "hf"), overwrite=False, dtype=None)
+    ours = _eval_json(capsys, "--checkpoint", str(run_dir), "--data", str(corpus))
+    # a Hugging Face directory has no run config: the sequence length and batch are set here
+    theirs = _eval_json(capsys, "--hf", str(tmp_path / "hf"), "--data", str(corpus), "--set", "train.seq_len=32",
+                        "--set", "train.global_batch_size=8")
+    assert theirs["step"] is None and theirs["tokens"] == ours["tokens"]
+    assert abs(theirs["loss"] - ours["loss"]) < 1e-5 * ours["loss"]  # fp32 (HF default) against the fp64 run
