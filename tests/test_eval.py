@@ -127,3 +127,14 @@ def test_a_hugging_face_export_of_the_run_evaluates_the_same(run, tmp_path, caps
                         "--set", "train.global_batch_size=8")
     assert theirs["step"] is None and theirs["tokens"] == ours["tokens"]
     assert abs(theirs["loss"] - ours["loss"]) < 1e-5 * ours["loss"]  # fp32 (HF default) against the fp64 run
+
+
+def test_the_runs_data_gone_asks_for_data(run, capsys):
+    run_dir, corpus = run
+    moved = corpus.rename(corpus.with_suffix(".moved"))
+    try:
+        assert main(["eval", "--checkpoint", str(run_dir)]) == 2
+    finally:
+        moved.rename(corpus)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(the run's data) does not exist here; pass --data PATH" in err[0], err

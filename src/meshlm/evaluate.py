@@ -89,11 +89,11 @@ def eval_config(*, checkpoint: str | None = None, hf: str | None = None, data: s
         if not Path(data).exists():
             raise ValueError(f"--data {data!r} does not exist; pass a text file, a folder of text files or a .jsonl")
         cfg.data.path = data
-    cfg = _with_overrides(cfg, list(overrides))
-    if cfg.data.path and not Path(cfg.data.path).exists():
+    if not any(o.strip().startswith("data.path") for o in overrides) and cfg.data.path \
+            and not Path(cfg.data.path).exists():
         raise ValueError(f"data.path={cfg.data.path!r} (the run's data) does not exist here; pass --data PATH "
                          "(a text file, a folder of text files or a .jsonl)")
-    return cfg.validate(), source
+    return _with_overrides(cfg, list(overrides)).validate(), source
 
 
 class Evaluator(Trainer):
