@@ -1,4 +1,4 @@
-"""The `meshlm` command line: train, verify, generate, info, plan, serve.
+"""The `meshlm` command line: train, verify, generate, eval, plot, config, info, plan, serve, convert.
 
 Responsible for: argument parsing, turning user mistakes (ValueError and subclasses) into one clear
 line on stderr with exit code 2, and dispatching to the library. Heavy imports (torch) happen inside
@@ -262,7 +262,6 @@ def cmd_train(args) -> int:
     from meshlm.config import load_config
     from meshlm.train.checkpoint import check_run_dir
     from meshlm.distributed import launched_ranks, read_launch_env
-
     from meshlm.train.metrics import check_trackers
 
     cfg = load_config(args.config, args.overrides)
