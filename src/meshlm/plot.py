@@ -103,7 +103,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Run]:
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    ax_comm.set_ylim(bottom=0)
+    # at least 0-1 %: a run without communication draws a flat line at 0, not an axis of rounding noise
+    ax_comm.set_ylim(0, max([1.0, *(110 * c for r in runs for c in r.comm_share)]))
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=100)

@@ -36,7 +36,7 @@ def peak_tflops_guess(device: torch.device) -> tuple[float | None, str]:
             if key in name:
                 return value, f"{name}: {value:g} TFLOP/s bf16 dense"
         return _CUDA_UNKNOWN_TFLOPS, f"{name} is not in the table: assuming {_CUDA_UNKNOWN_TFLOPS:g} TFLOP/s"
-    return None, "not shown on CPU (it needs the device's peak: set train.peak_tflops)"
+    return None, "not shown on CPU (needs train.peak_tflops)"
 
 
 def peak_memory_mib(device: torch.device) -> float:

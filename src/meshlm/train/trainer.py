@@ -455,9 +455,10 @@ class Trainer:
         if self.parallel.pipeline is not None:  # each stage holds its own blocks: add them up
             num_params = int(comm.all_reduce(torch.tensor([num_params], dtype=torch.int64, device=self.device),
                                              self.mesh, "pp").item())
-        logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training "
-                     f"samples of {t.seq_len} tokens, device {self.device}, "
-                     f"precision {self.autocast_dtype or self.dtype}; MFU: {self.peak_note}")
+        # Two lines that fit 80 columns (a terminal would wrap one long line mid-phrase).
+        precision = str(self.autocast_dtype or self.dtype).removeprefix("torch.")
+        logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training samples of "
+                     f"{t.seq_len} tokens\ndevice {self.device}, precision {precision}; MFU: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
         if self.restart_row is not None:
