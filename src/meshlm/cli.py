@@ -458,7 +458,7 @@ def cmd_eval(args) -> int:
         from meshlm.parallel.parallelize import check_layout
 
         cfg, _ = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data,
-                                      overrides=args.overrides)
+                                      overrides=args.overrides, checksums=False)  # the ranks verify it
         check_layout(cfg, args.nproc)  # before any rank starts
         rank_args = ["eval", *(["--checkpoint", args.checkpoint] if args.checkpoint else ["--hf", args.hf]),
                      *(["--data", args.data] if args.data else []),
@@ -471,13 +471,14 @@ def cmd_eval(args) -> int:
     from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
 
     exit_with_parent()  # a killed launcher takes its ranks with it
-    cfg, _ = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data, overrides=args.overrides)
+    prepared = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data, overrides=args.overrides)
     from meshlm.train.trainer import resolve_device
 
+    cfg = prepared[0]
     env = init_distributed(resolve_device(cfg.train.device).type, timeout_s=cfg.parallel.collective_timeout_s)
     finished = False
     try:
-        result = evaluate.evaluate(checkpoint=args.checkpoint, hf=args.hf, data=args.data, overrides=args.overrides)
+        result = evaluate.evaluate(data=args.data, prepared=prepared)
         if env.rank == 0:
             print(evaluate.format_result(result, as_json=args.json), flush=True)
         finished = True

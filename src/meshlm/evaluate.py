@@ -61,15 +61,17 @@ def _with_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 def eval_config(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,
-                overrides: list[str] = ()) -> tuple[Config, dict]:
-    """(the evaluation's config, where its weights come from) for a meshlm checkpoint or a HF directory."""
+                overrides: list[str] = (), checksums: bool = True) -> tuple[Config, dict]:
+    """(the evaluation's config, where its weights come from) for a meshlm checkpoint or a HF directory.
+    `checksums=False` checks the checkpoint's files by size only (the launcher's look at the config: the
+    ranks verify it before they read the weights)."""
     from meshlm.train.checkpoint import config_from_dict, read_meta, resolve_checkpoint, verify_checkpoint
 
     if (checkpoint is None) == (hf is None):
         raise ValueError("give one of --checkpoint DIR or --hf DIR")
     if checkpoint is not None:
         path = resolve_checkpoint(checkpoint)
-        verify_checkpoint(path)  # before meta.json is parsed
+        verify_checkpoint(path, checksums=checksums)  # before meta.json is parsed
         meta = read_meta(path)
         cfg = config_from_dict(meta["config"])
         source = {"checkpoint": path, "step": int(meta["step"]), "name": str(checkpoint)}
@@ -144,12 +146,13 @@ def _eval_dataset(cfg: Config, tokenizer):
 
 
 def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,
-             overrides: list[str] = ()) -> EvalResult:
+             overrides: list[str] = (), prepared: tuple[Config, dict] | None = None) -> EvalResult:
     """Evaluate on this process, or as one rank of the default process group (every rank calls it;
-    every rank gets the same result). `data` given: all of it; else the run's validation split."""
+    every rank gets the same result). `data` given: all of it; else the run's validation split.
+    `prepared`: what `eval_config` returned for these arguments (it is not done twice)."""
     from meshlm.train.data import load_tokenizer
 
-    cfg, source = eval_config(checkpoint=checkpoint, hf=hf, data=data, overrides=overrides)
+    cfg, source = prepared or eval_config(checkpoint=checkpoint, hf=hf, data=data, overrides=overrides)
     if data is not None:
         cfg.data.val_fraction = 0.0  # a dataset given for evaluation is evaluated whole
     evaluator = Evaluator(cfg, weights=_weights_loader(source))
