@@ -94,3 +94,56 @@ def test_shipped_tiny_config_matches_defaults():
     written = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
     for section, cls in (("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig)):
         assert set(written[section]) == {f.name for f in dataclasses.fields(cls)}, section
+
+
+def test_tiny_toml_is_the_reference_generated_from_the_dataclasses():
+    from meshlm.config_doc import reference_toml
+
+    assert (ROOT / "configs" / "tiny.toml").read_text() == reference_toml(), \
+        "configs/tiny.toml is out of date: regenerate it with `meshlm config > configs/tiny.toml`"
+
+
+def test_the_reference_parses_to_the_dataclass_defaults_and_names_every_field(tmp_path):
+    import dataclasses
+    import tomllib
+
+    from meshlm.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+    from meshlm.config_doc import reference_toml
+
+    text = reference_toml()
+    written = tomllib.loads(text)
+    for section, cls in (("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig)):
+        assert written[section] == dataclasses.asdict(cls()), section
+    assert written["model"] == {"preset": "tiny"}  # the preset's fields are there, commented out
+    path = tmp_path / "reference.toml"
+    path.write_text(text)
+    assert load_config(path) == Config().validate()
+    lines = text.splitlines()
+    for f in dataclasses.fields(ModelConfig):
+        assert any(line.startswith((f"# {f.name} = ", f"# {f.name} (unset)", f"{f.name} = ")) for line in lines), f.name
+    # each field carries the comment its dataclass gives it
+    assert any(line.startswith("pp_schedule = ") and "zero_bubble" in line for line in lines)
+
+
+def test_a_rendered_config_reads_back_to_itself(tmp_path):
+    from meshlm.config_doc import render_config
+
+    cfg = load_config(overrides=["model.num_layers=2", "model.rope_scaling={factor = 8.0, low_freq_factor = 1.0, "
+                                 "high_freq_factor = 4.0, original_max_position_embeddings = 64}",
+                                 "parallel.tp=2", "parallel.pp_layers=1,1", "train.lr=3e-4", "train.tensorboard=true",
+                                 "data.val_fraction=0.1"])
+    path = tmp_path / "c.toml"
+    path.write_text(render_config(cfg))
+    assert "\nnum_layers = 2" in path.read_text() and "\n# hidden_size = 256" in path.read_text()
+    assert load_config(path) == cfg
+
+
+def test_meshlm_config_prints_the_reference_or_the_resolved_config(capsys):
+    from meshlm.cli import main
+
+    assert main(["config"]) == 0
+    assert capsys.readouterr().out == (ROOT / "configs" / "tiny.toml").read_text()
+    assert main(["config", "--set", "train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# written by `meshlm config --set train.steps=7`") and "\nsteps = 7 " in out
+    assert main(["config", "--set", "train.nope=1"]) == 2

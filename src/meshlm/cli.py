@@ -1,4 +1,4 @@
-"""The `meshlm` command line: train, verify, generate, info, plan, serve, convert, rag.
+"""The `meshlm` command line: train, verify, generate, eval, plot, config, info, plan, serve, convert, rag.
 
 Responsible for: argument parsing, turning user mistakes (ValueError and subclasses) into one clear
 line on stderr with exit code 2, and dispatching to the library. Heavy imports (torch) happen inside
@@ -18,6 +18,8 @@ EPILOG = """examples:
   meshlm train --nproc 4                         # 4 local data-parallel ranks
   meshlm verify --nproc 4 --set parallel.tp=2    # prove a layout against the single-process run
   meshlm generate --checkpoint runs/default --prompt "def fib(n):"
+  meshlm eval --checkpoint runs/default          # loss and perplexity on the run's validation split
+  meshlm plot runs/default --out loss.png        # loss, val loss, tokens/s, communication share
   meshlm info --model llama3-70b
 """
 
@@ -30,7 +32,7 @@ def _add_train(sub) -> None:
                     "Settings come from the defaults, then --config (TOML), then each --set in order.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="override examples: --set model.preset=tiny-moe --set train.steps=200 --set train.run_dir=runs/x\n"
-               "sections: model, parallel, train, data (see configs/tiny.toml for every field)")
+               "sections: model, parallel, train, data (`meshlm config` prints every field, with its meaning)")
     p.add_argument("--config", metavar="FILE", help="TOML config file ([model], [parallel], [train], [data])")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one field, e.g. train.lr=3e-4 (repeatable)")
@@ -109,6 +111,57 @@ def _add_generate(sub) -> None:
     p.add_argument("--cp", type=int, default=1, metavar="M",
                    help="context-parallel ranks: every sequence's KV blocks spread over M ranks, so a context "
                         "M times one rank's cache is served (x --tp ranks in all; default 1)")
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="loss and perplexity of a checkpoint or a Hugging Face model on a dataset",
+        description="Evaluate a model: the mean token loss and perplexity (exp of the loss) over a dataset, by\n"
+                    "default the run's validation split (its data.path and data.val_fraction), or all of --data.\n"
+                    "Whole global batches (train.global_batch_size samples of train.seq_len tokens) are evaluated,\n"
+                    "the same samples under every layout; --nproc N runs it on N local ranks with the layout of\n"
+                    "--set parallel.* (any layout `meshlm train` accepts).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  meshlm eval --checkpoint runs/default                       # the run's validation split\n"
+               "  meshlm eval --checkpoint runs/default --data my_corpus/ --json\n"
+               "  meshlm eval --checkpoint runs/default --nproc 2 --set parallel.tp=2\n"
+               "  meshlm eval --hf path/to/hf-model --data notes.txt --set train.seq_len=512")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, "
+                                                 "tokenizer.json)")
+    p.add_argument("--data", metavar="PATH", help="evaluate all of this text file, folder of text files or .jsonl "
+                                                  "(default: the run's validation split)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a parallel/train/data field, e.g. train.global_batch_size=8 (repeatable)")
+    p.add_argument("--nproc", type=int, default=0, metavar="N", help="ranks on this node (default: one process)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser(
+        "plot", help="draw training runs (loss, validation loss, tokens/s, communication) into a PNG",
+        description="Draw one or more training runs from their metrics.jsonl: loss and validation loss per step "
+                    "(runs overlaid), tokens/s, and the share of each step spent in communication. "
+                    "Needs matplotlib (pip install meshlm[plot]).",
+        epilog="example: meshlm plot runs/dp2 runs/tp2 --out compare.png")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.run_dir of a run (holds metrics.jsonl)")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the picture to write")
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser(
+        "config", help="print a config as commented TOML: every field, its value and what it does",
+        description="Print the config `meshlm train` would run with these --config/--set, as TOML with every field "
+                    "of every section and the comment the code gives it. With no arguments: the defaults, the "
+                    "text of configs/tiny.toml.",
+        epilog="examples:\n  meshlm config > my.toml                       # start a config of your own\n"
+               "  meshlm config --set parallel.tp=2 --set train.steps=50",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="TOML config file (as for train)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one field (repeatable)")
 
 
 def _add_info(sub) -> None:
@@ -212,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_verify(sub)
     _add_generate(sub)
+    _add_eval(sub)
+    _add_plot(sub)
+    _add_config(sub)
     _add_info(sub)
     from meshlm.planner.cli import add_plan_parser
 
@@ -228,8 +284,10 @@ def cmd_train(args) -> int:
     from meshlm.config import load_config
     from meshlm.train.checkpoint import check_run_dir
     from meshlm.distributed import launched_ranks, read_launch_env
+    from meshlm.train.metrics import check_trackers
 
     cfg = load_config(args.config, args.overrides)
+    check_trackers(tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb)  # before any rank or work
     under_launcher = launched_ranks()  # torchrun, or one task of a multi-task srun step
     if args.nproc:
         if under_launcher:
@@ -289,7 +347,7 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
             run_dir = cfg.train.run_dir
             print(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.saved_step:06d}'}\n"
                   f"next: meshlm generate --checkpoint {run_dir} --prompt \"def \"   |   "
-                  f"meshlm serve --model {run_dir}   |   meshlm convert {run_dir} --to-hf OUT_DIR")
+                  f"meshlm eval --checkpoint {run_dir}   |   meshlm serve --model {run_dir}")
         finished = True
     finally:
         teardown_distributed(wait=finished)
@@ -328,11 +386,11 @@ def _launch_ranks(args, cfg) -> int:
                      "--node-rank", str(args.node_rank)]
     rank_args = ["train", *(["--config", args.config] if args.config else []),
                  *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
-    return _torchrun(launcher, rank_args)
+    return run_torchrun(launcher, rank_args)
 
 
-def _torchrun(launcher: list[str], rank_args: list[str]) -> int:
-    """`meshlm <rank_args>` on every rank torch's launcher starts (`launcher`: its flags); the exit code."""
+def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
+    """`torchrun LAUNCHER -m meshlm.cli RANK_ARGS`; its exit code, with one line on the first failed rank."""
     import os
 
     # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
@@ -397,7 +455,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
     ranks = args.tp * args.cp
     if ranks > 1 and not launched_ranks():
-        return _torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
+        return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_new_tokens, seed=args.seed)
     if ranks > 1:
@@ -430,6 +488,71 @@ def _generate_and_print(llm, args, params) -> None:
                          f"{max(llm.engine.max_model_len - num_prompt, 0)}")
     result = llm.generate([args.prompt], params)[0]
     print(args.prompt + result.text)
+
+
+def cmd_eval(args) -> int:
+    from meshlm import evaluate
+    from meshlm.distributed import launched_ranks
+
+    if args.nproc:
+        if launched_ranks():
+            raise ValueError("--nproc was given but this process is already one of several launched ranks; "
+                             "drop --nproc under torchrun/srun")
+        if args.nproc < 1:
+            raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        from meshlm.parallel.parallelize import check_layout
+
+        cfg, _ = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data,
+                                      overrides=args.overrides, checksums=False)  # the ranks verify it
+        check_layout(cfg, args.nproc)  # before any rank starts
+        rank_args = ["eval", *(["--checkpoint", args.checkpoint] if args.checkpoint else ["--hf", args.hf]),
+                     *(["--data", args.data] if args.data else []),
+                     *[a for o in args.overrides for a in ("--set", o)], *(["--json"] if args.json else [])]
+        return run_torchrun(["--nnodes", "1", "--nproc-per-node", str(args.nproc), "--standalone"], rank_args)
+    if not launched_ranks():
+        print(evaluate.format_result(evaluate.evaluate(checkpoint=args.checkpoint, hf=args.hf, data=args.data,
+                                                       overrides=args.overrides), as_json=args.json))
+        return 0
+    from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
+
+    exit_with_parent()  # a killed launcher takes its ranks with it
+    prepared = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data, overrides=args.overrides)
+    from meshlm.train.trainer import resolve_device
+
+    cfg = prepared[0]
+    env = init_distributed(resolve_device(cfg.train.device).type, timeout_s=cfg.parallel.collective_timeout_s)
+    finished = False
+    try:
+        result = evaluate.evaluate(data=args.data, prepared=prepared)
+        if env.rank == 0:
+            print(evaluate.format_result(result, as_json=args.json), flush=True)
+        finished = True
+    finally:
+        teardown_distributed(wait=finished)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from meshlm.plot import plot_runs
+
+    runs = plot_runs(args.run_dirs, args.out)
+    print(f"wrote {args.out}: loss and validation loss, tokens/s and communication share of {len(runs)} run(s)")
+    for run in runs:
+        print(f"  {run.summary()}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from meshlm.config import load_config
+    from meshlm.config_doc import reference_toml, render_config
+
+    if args.config is None and not args.overrides:
+        sys.stdout.write(reference_toml())
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    what = " ".join([*(["--config", args.config] if args.config else []), *[f"--set {o}" for o in args.overrides]])
+    sys.stdout.write(render_config(cfg, header=f"# written by `meshlm config {what}`: meshlm train --config <this file>"))
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -486,7 +609,7 @@ def cmd_serve(args) -> int:
     if ranks == 1:
         return run_serve(args)
     if not launched_ranks():
-        return _torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
+        return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
     import torch
 
     init_distributed("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
@@ -528,8 +651,9 @@ def cmd_convert(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "info": cmd_info, "plan": cmd_plan,
-            "serve": cmd_serve, "convert": cmd_convert, "rag": cmd_rag}
+COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "eval": cmd_eval, "plot": cmd_plot,
+            "config": cmd_config, "info": cmd_info, "plan": cmd_plan, "serve": cmd_serve, "convert": cmd_convert,
+            "rag": cmd_rag}
 
 
 def main(argv: list[str] | None = None) -> int:

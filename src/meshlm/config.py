@@ -361,20 +361,20 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 class ParallelConfig:
     """Degrees of each parallelism and their knobs. `dp_shard = -1` takes what the others leave."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
+    dp_replicate: int = 1  # data-parallel replicas (hybrid sharding with zero_stage > 0)
+    dp_shard: int = -1  # data-parallel ranks that shard (ZeRO); -1: what the other degrees leave of the world
+    tp: int = 1  # tensor parallelism (+ sequence parallelism below)
+    pp: int = 1  # pipeline stages (schedule below)
     cp: int = 1  # context parallelism: every sequence split over cp ranks (parallel/context.py)
     cp_method: str = "ring"  # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer)
     ep: int = 1  # expert parallelism: each rank of an ep group holds num_experts / ep experts (parallel/expert.py)
     zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
     sequence_parallel: bool = True  # with tp > 1
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
     pp_chunks: int = 1  # virtual stages per rank (interleaved)
     num_microbatches: int = 0  # pipeline microbatches; 0: derived from the batch
     pp_layers: str = ""  # blocks per pipeline stage, stage order (pp x pp_chunks counts), e.g. "5,3"; "": cost-balanced (schedules.balanced_split)
-    bucket_size_mb: float = 25.0
+    bucket_size_mb: float = 25.0  # gradients reduced in buckets of this size, overlapped with backward
     recompute: str = "none"  # none | selective | full
     # A collective that has not completed after this long (a peer rank stopped, died or diverged) raises an
     # error naming the rank, the op and the mesh axis, and the job fails (or restarts, --max-restarts).
@@ -407,17 +407,17 @@ class TrainConfig:
     # The defaults are the CPU demo (`meshlm train`, configs/tiny.toml): tiny on the stdlib corpus,
     # ~2 minutes on 2 cores, validation loss ~5.6 -> ~2.2 (measured; seq 128 x 32 beat 256 x 16 at
     # equal tokens, and lr 1.2e-3 beat 2e-3 and 3e-3).
-    steps: int = 150
-    seq_len: int = 128
+    steps: int = 150  # optimizer steps
+    seq_len: int = 128  # tokens per sample
     global_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     global_batch_tokens: int = 0  # if > 0, overrides global_batch_size (= tokens // seq_len)
     # sequences per forward/backward on one rank; 0: the whole per-rank batch (global_batch_size /
     # data-parallel degree, no accumulation), so the defaults run on any dp dividing the batch
     micro_batch_size: int = 0
-    lr: float = 1.2e-3
-    min_lr_ratio: float = 0.1
+    lr: float = 1.2e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # the schedule ends at lr x this
     lr_schedule: str = "cosine"  # cosine | linear | constant
-    warmup_steps: int = 15
+    warmup_steps: int = 15  # linear warm-up from 0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -426,18 +426,21 @@ class TrainConfig:
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp64 (parity proofs)
     device: str = "auto"  # auto | cpu | cuda
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # metrics.jsonl, checkpoints/ (and TensorBoard files) go here
     checkpoint_interval: int = 0  # steps; 0: only at the end
     # Stage each checkpoint in CPU memory and write it in the background while training goes on; the next
     # save (and the end of training) waits for it, then publishes it. The last one is written synchronously.
     async_checkpoint: bool = False
-    keep_checkpoints: int = 2
-    log_interval: int = 1
-    val_interval: int = 50
-    val_batches: int = 4
-    peak_tflops: float = 0.0  # per device, for MFU; 0: guessed from the device
+    keep_checkpoints: int = 2  # the newest ones kept on disk
+    log_interval: int = 1  # steps between metrics rows
+    val_interval: int = 50  # steps between validation losses
+    val_batches: int = 4  # global batches of the validation split per validation; 0: none
+    peak_tflops: float = 0.0  # per device, for MFU; 0: known GPUs from a table, none on CPU (MFU not shown)
     sample_tokens: int = 120  # generated at the end of `meshlm train`
-    progress: bool = True
+    progress: bool = True  # a progress bar; false: one plain line per logged step
+    # TensorBoard event files next to metrics.jsonl (`tensorboard --logdir runs`); needs the [tb] extra
+    tensorboard: bool = False
+    wandb: bool = False  # also log to an offline Weights & Biases run in <run_dir>/wandb; needs wandb installed
 
     def validate(self) -> None:
         for name in ("steps", "seq_len", "global_batch_size", "log_interval", "val_interval", "keep_checkpoints"):
@@ -464,7 +467,7 @@ class TrainConfig:
 class DataConfig:
     path: str = ""  # file, folder, or .jsonl; empty: the embedded default (Python stdlib sources)
     tokenizer: str = ""  # a Hugging Face tokenizer.json; empty: bytes
-    val_fraction: float = 0.02
+    val_fraction: float = 0.02  # share of the documents held out for validation
     max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large)
 
     def validate(self) -> None:

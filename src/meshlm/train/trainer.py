@@ -70,7 +70,7 @@ from meshlm.train.checkpoint import (
     set_rng_state,
 )
 from meshlm.train.data import BatchLoader, build_datasets, load_tokenizer, validation_batches
-from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess
+from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess, remove_tracker_files
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
@@ -143,16 +143,7 @@ class Trainer:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dims = check_layout(cfg, world_size)  # user mistakes surface here, before any work
         self.check_run_dir(resume=resume, overwrite=overwrite, world_size=world_size)
-        self.device = resolve_device(t.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # under a launcher, init_distributed made cuda:LOCAL_RANK current
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.autocast_dtype = resolve_precision(t.precision, self.device)
-        self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
-        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
-        self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
-        self.micro_batch_size = micro_batch_size(cfg, self.dp_size)
-        seed_everything(t.seed)
+        self.setup_mesh(dims)
 
         self.tokenizer = load_tokenizer(cfg.data)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -163,13 +154,7 @@ class Trainer:
                                   micro_batch_size=self.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
 
-        self.dtype = param_dtype(t.precision)
-        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
-        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
-        self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
-        self.mesh = self.parallel.mesh  # expert parallelism adds its "ep" and "ep_dp" groups
-        self.moe = cfg.model.is_moe
-        self.context = self.parallel.context  # cp > 1: each rank runs its chunks of every sequence
+        self.setup_model()
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
 
         self.run_dir = Path(t.run_dir)
@@ -206,9 +191,39 @@ class Trainer:
                       "there (--overwrite)", flush=True)
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            remove_tracker_files(self.run_dir)
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
         self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step)}
                             if restarts else None)
+
+    def setup_mesh(self, dims) -> None:
+        """Device, precision, mesh, this rank's place in it and the micro-batch size; seeds the RNGs.
+        (Shared with `meshlm.evaluate.Evaluator`, which runs a trained model under a layout.)"""
+        t = self.cfg.train
+        self.device = resolve_device(t.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # under a launcher, init_distributed made cuda:LOCAL_RANK current
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.autocast_dtype = resolve_precision(t.precision, self.device)
+        self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
+        self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
+        self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        self.micro_batch_size = micro_batch_size(self.cfg, self.dp_size)
+        seed_everything(t.seed)
+
+    def setup_model(self, *, weights=None) -> None:
+        """Build the model and apply the layout. `weights(model)`, when given, fills the full model
+        before it is split over the ranks (so every layout starts from the same tensors)."""
+        cfg, t = self.cfg, self.cfg.train
+        self.dtype = param_dtype(t.precision)
+        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
+        if weights is not None:
+            weights(self.base_model)
+        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
+        self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
+        self.mesh = self.parallel.mesh  # expert parallelism adds its "ep" and "ep_dp" groups
+        self.moe = cfg.model.is_moe
+        self.context = self.parallel.context  # cp > 1: each rank runs its chunks of every sequence
 
     def check_run_dir(self, *, resume: bool, overwrite: bool, world_size: int) -> None:
         """`checkpoint.check_run_dir` with the checksums of a resumed checkpoint shared out: each rank hashes
@@ -376,16 +391,22 @@ class Trainer:
             row["pp_bubble"] = 1.0 - result.busy / result.seconds if result.seconds else 0.0
         return row
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over a fixed validation set (the same every time, and under every layout).
 
         The set is the first `train.val_batches` x `train.global_batch_size` validation samples, so
         it depends neither on the micro-batch size nor on the number of ranks that split it.
         """
+        loss_sum, count = self.loss_totals(self.val_data, num_global_batches=self.cfg.train.val_batches)
+        return loss_sum / count if count else float("nan")
+
+    @torch.no_grad()
+    def loss_totals(self, dataset, *, num_global_batches: int) -> tuple[float, int]:
+        """(sum of token losses, tokens) over the first `num_global_batches` x `train.global_batch_size`
+        samples of `dataset` (wrapping around a smaller one), summed over the ranks (collective)."""
         t = self.cfg.train
         micro_per_global = t.global_batch_size // self.micro_batch_size  # a multiple of dp (check_layout)
-        batches = validation_batches(self.val_data, num_batches=t.val_batches * micro_per_global,
+        batches = validation_batches(dataset, num_batches=num_global_batches * micro_per_global,
                                      micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
                                      dp_size=self.dp_size)
         self.model.eval()
@@ -412,7 +433,7 @@ class Trainer:
             totals[1] += targets.numel()
         self.model.train()
         loss_sum, count = self.sum_over_dp(totals).tolist()
-        return loss_sum / count if count else float("nan")
+        return loss_sum, int(count)
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self, *, until_step: int | None = None) -> dict:
@@ -423,7 +444,8 @@ class Trainer:
         t = self.cfg.train
         stop = t.steps if until_step is None else min(until_step, t.steps)
         logger = MetricsLogger(self.run_dir, total_steps=t.steps, enabled=self.is_main,
-                               progress=t.progress, start_step=self.step)
+                               progress=t.progress, start_step=self.step, tensorboard=t.tensorboard,
+                               wandb_config=self.cfg.to_dict() if t.wandb else None)
         if self.world_size > 1:
             logger.print(f"meshlm: {self.world_size} ranks, {self.mesh}")
         # Under tp a sharded parameter holds 1/tp of its elements on this rank: count the whole model.
@@ -433,9 +455,10 @@ class Trainer:
         if self.parallel.pipeline is not None:  # each stage holds its own blocks: add them up
             num_params = int(comm.all_reduce(torch.tensor([num_params], dtype=torch.int64, device=self.device),
                                              self.mesh, "pp").item())
-        logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training "
-                     f"samples of {t.seq_len} tokens, device {self.device}, "
-                     f"precision {self.autocast_dtype or self.dtype}; MFU: {self.peak_note}")
+        # Two lines that fit 80 columns (a terminal would wrap one long line mid-phrase).
+        precision = str(self.autocast_dtype or self.dtype).removeprefix("torch.")
+        logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training samples of "
+                     f"{t.seq_len} tokens\ndevice {self.device}, precision {precision}; MFU: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
         if self.restart_row is not None:

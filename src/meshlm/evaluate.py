@@ -1,0 +1,188 @@
+"""`meshlm eval`: the loss and perplexity of a trained model on a dataset, on one process or under a layout.
+
+Responsible for: the config of an evaluation (a meshlm checkpoint's own config, or a Hugging Face model
+directory's, with `--set` overrides of the parallel/train/data sections), the dataset (the run's
+validation split by default, or every document of `--data PATH` in any `data.path` form), and the
+report: mean token loss, perplexity = exp(loss), and how many samples and tokens it covers.
+Not responsible for: how a layout runs. `Evaluator` is a `Trainer` without data loader, optimizer or
+run directory: it builds the mesh and the parallelized model through the trainer's own `setup_mesh` /
+`setup_model` (the full weights are loaded before the model is split over the ranks) and sums the token
+losses with the trainer's `loss_totals`, so every layout the trainer accepts evaluates the same way.
+Launching ranks (`--nproc`) is the CLI's, through the same elastic launcher as `meshlm train`.
+
+Which samples: the first whole global batches (`train.global_batch_size` samples each, split over the
+data-parallel ranks as in training) of the dataset, so the set does not depend on the layout; fewer
+than one global batch of samples left at the end is not evaluated, and the report says how many.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshlm.config import Config, DataConfig, ModelConfig, load_config
+from meshlm.train.trainer import Trainer
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    perplexity: float
+    samples: int  # evaluated
+    tokens: int  # predicted tokens evaluated
+    skipped_samples: int  # the tail of the dataset, fewer than one global batch
+    seq_len: int
+    model: str
+    step: int | None  # the checkpoint's step (None for a Hugging Face model)
+    data: str  # what was evaluated, in words
+    world_size: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with `section.field=value` overrides applied (and validated) exactly as `--set` does for train."""
+    from meshlm.verify import config_toml
+
+    for item in overrides:
+        if item.strip().startswith("model."):
+            raise ValueError(f"--set {item}: the model comes from the checkpoint; only parallel.*, train.* and "
+                             "data.* can be set for eval")
+    if not overrides:
+        return cfg
+    with tempfile.TemporaryDirectory(prefix="meshlm-eval-") as tmp:
+        path = Path(tmp) / "config.toml"
+        path.write_text(config_toml(cfg))
+        return load_config(path, overrides)
+
+
+def eval_config(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,
+                overrides: list[str] = (), checksums: bool = True) -> tuple[Config, dict]:
+    """(the evaluation's config, where its weights come from) for a meshlm checkpoint or a HF directory.
+    `checksums=False` checks the checkpoint's files by size only (the launcher's look at the config: the
+    ranks verify it before they read the weights)."""
+    from meshlm.train.checkpoint import config_from_dict, read_meta, resolve_checkpoint, verify_checkpoint
+
+    if (checkpoint is None) == (hf is None):
+        raise ValueError("give one of --checkpoint DIR or --hf DIR")
+    if checkpoint is not None:
+        path = resolve_checkpoint(checkpoint)
+        verify_checkpoint(path, checksums=checksums)  # before meta.json is parsed
+        meta = read_meta(path)
+        cfg = config_from_dict(meta["config"])
+        source = {"checkpoint": path, "step": int(meta["step"]), "name": str(checkpoint)}
+    else:
+        path = Path(hf)
+        model = ModelConfig.from_hf(path)
+        tokenizer = path / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise ValueError(f"--hf {hf}: no tokenizer.json there, so the text cannot be encoded; pass a Hugging "
+                             "Face directory that has one")
+        cfg = Config(model=model, data=DataConfig(tokenizer=str(tokenizer)))
+        cfg.train.seq_len = min(cfg.train.seq_len, model.max_seq_len)
+        source = {"hf": path, "step": None, "name": str(hf)}
+    # Evaluation runs no training: no sample, no progress bar, and the run's data source stays unless --data.
+    cfg.train.sample_tokens, cfg.train.progress = 0, False
+    if data is not None:
+        if not Path(data).exists():
+            raise ValueError(f"--data {data!r} does not exist; pass a text file, a folder of text files or a .jsonl")
+        cfg.data.path = data
+    if not any(o.strip().startswith("data.path") for o in overrides) and cfg.data.path \
+            and not Path(cfg.data.path).exists():
+        raise ValueError(f"data.path={cfg.data.path!r} (the run's data) does not exist here; pass --data PATH "
+                         "(a text file, a folder of text files or a .jsonl)")
+    return _with_overrides(cfg, list(overrides)).validate(), source
+
+
+class Evaluator(Trainer):
+    """The trainer's mesh, parallelized model and loss sums, without data loader, optimizer or run_dir."""
+
+    def __init__(self, cfg: Config, *, weights):
+        # Trainer.__init__ is not called: it would read the training data, build an optimizer and own a run_dir.
+        import torch.distributed as dist
+
+        from meshlm.parallel.parallelize import check_layout
+
+        self.cfg = cfg
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.setup_mesh(check_layout(cfg, world_size))
+        self.setup_model(weights=weights)
+        self.model.eval()
+
+
+def _weights_loader(source: dict):
+    """A function that fills a full model with the source's weights (safetensors only, no pickle)."""
+    def load(model) -> None:
+        import torch
+
+        if "checkpoint" in source:
+            from meshlm.train.checkpoint import load_weights
+
+            load_weights(source["checkpoint"], model, checksums=False)  # verified by eval_config
+        else:
+            from meshlm.models.hf import load_pretrained
+
+            state = load_pretrained(source["hf"]).state_dict()
+            with torch.no_grad():
+                model.load_state_dict(state)
+
+    return load
+
+
+def _eval_dataset(cfg: Config, tokenizer):
+    """(dataset, its description): every document of data.path given with --data, else the validation split."""
+    from meshlm.train.data import pack, read_documents, split_documents
+
+    docs = read_documents(cfg.data)
+    where = cfg.data.path or "the standard-library corpus"
+    if cfg.data.val_fraction > 0:
+        _, docs = split_documents(docs, cfg.data.val_fraction)
+        where = f"the validation split of {where} (data.val_fraction={cfg.data.val_fraction:g})"
+    return pack(tokenizer.encode_documents(docs), cfg.train.seq_len), where
+
+
+def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,
+             overrides: list[str] = (), prepared: tuple[Config, dict] | None = None) -> EvalResult:
+    """Evaluate on this process, or as one rank of the default process group (every rank calls it;
+    every rank gets the same result). `data` given: all of it; else the run's validation split.
+    `prepared`: what `eval_config` returned for these arguments (it is not done twice)."""
+    from meshlm.train.data import load_tokenizer
+
+    cfg, source = prepared or eval_config(checkpoint=checkpoint, hf=hf, data=data, overrides=overrides)
+    if data is not None:
+        cfg.data.val_fraction = 0.0  # a dataset given for evaluation is evaluated whole
+    evaluator = Evaluator(cfg, weights=_weights_loader(source))
+    saved = source.get("checkpoint")
+    if saved is not None and (saved / "tokenizer.json").is_file():  # the copy the run saved (verified)
+        tokenizer = load_tokenizer(DataConfig(tokenizer=str(saved / "tokenizer.json")))
+    else:  # data.tokenizer, or bytes
+        tokenizer = load_tokenizer(cfg.data)
+    dataset, where = _eval_dataset(cfg, tokenizer)
+    batch = cfg.train.global_batch_size
+    num_batches = len(dataset) // batch
+    if num_batches == 0:
+        raise ValueError(f"{where} gives {len(dataset)} samples of {cfg.train.seq_len + 1} tokens, fewer than one "
+                         f"global batch (train.global_batch_size={batch}); use more data, or --set "
+                         f"train.global_batch_size={max(len(dataset), 1)} (or a smaller train.seq_len)")
+    loss_sum, tokens = evaluator.loss_totals(dataset, num_global_batches=num_batches)
+    loss = loss_sum / tokens
+    return EvalResult(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf,
+                      samples=num_batches * batch, tokens=tokens, skipped_samples=len(dataset) - num_batches * batch,
+                      seq_len=cfg.train.seq_len, model=source["name"], step=source["step"], data=where,
+                      world_size=evaluator.world_size)
+
+
+def format_result(r: EvalResult, *, as_json: bool) -> str:
+    if as_json:
+        return json.dumps(r.to_dict(), indent=1)
+    step = f" (step {r.step})" if r.step is not None else ""
+    ranks = f", {r.world_size} ranks" if r.world_size > 1 else ""
+    skipped = (f"; the last {r.skipped_samples} samples (less than one global batch) not evaluated"
+               if r.skipped_samples else "")
+    return (f"meshlm eval: {r.model}{step} on {r.data}: {r.samples} samples of {r.seq_len} tokens "
+            f"({r.tokens:,} tokens){ranks}{skipped}\n"
+            f"loss {r.loss:.4f}  perplexity {r.perplexity:.3f}")
