@@ -23,6 +23,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * NVIDIA's NeMo / Megatron-Bridge rows that say "DDP (FSDP=0)" or nothing use Megatron's
     distributed optimizer (ZeRO-1), the default of their recipes; "FSDP" rows ZeRO-3;
     Megatron-Bridge tables with the precision column blank are the FP8 recipe tables;
+  * DP communication exposed for Megatron-LM before 2023 (2021/2022 papers, MegaScale's baseline);
+  * torchtitan's A100 table ran eager (`fused_elementwise=False`);
+  * TP communication overlapped with GEMMs where the stack does it (MegaScale's runs, NVIDIA's recipes);
   * recompute blank: none (the NeMo/Megatron-Bridge performance recipes), except the MegaScale rows,
     which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2).
 """
@@ -175,7 +178,19 @@ def predict_row(row: dict) -> dict:
     seq = seq_len_of(row)
     mbs_given = _int(row["mbs"])
     gbs = _int(row["gbs_seqs"]) or (mbs_given or 1) * n
-    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2022)
+    # TP communication overlapped with the GEMMs: MegaScale's own runs (its Sec. 3.3), and NVIDIA's NeMo /
+    # Megatron-Bridge recipes (`tp_comm_overlap` on in their performance configs); not Megatron 2021/2022
+    # nor MegaScale's Megatron-LM baseline.
+    nvidia = row["group"].startswith(("H_nemo", "I_megatron_bridge"))
+    overlap = "(megascale)" in row["model"].lower() or nvidia
+    # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
+    # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
+    megatron_old = row["group"].startswith(("A_", "C_")) or "(megatron-lm)" in row["model"].lower()
+    # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
+    # memory pass per elementwise op.
+    eager = row["group"].startswith("K_torchtitan")
+    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2022,
+              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager)
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
     dp = _int(row["dp"]) or n // (tp * pp * cp)
     vpp_text = row["vpp"].strip().lower()
@@ -189,8 +204,9 @@ def predict_row(row: dict) -> dict:
     rc = recompute_of(row)
     # Sequence parallelism: as the row says; NVIDIA's recipes turn it on with tp > 1 for dense models.
     sp_text = row["sp"].strip().lower()
-    sp = sp_text.startswith("yes") or (not sp_text and tp > 1 and not cfg.is_moe)
-    summary = ModelSummary.build(cfg, job.seq_len)
+    # (Megatron-Core requires it for MoE with tp > 1.)
+    sp = sp_text.startswith("yes") or (not sp_text and tp > 1)
+    summary = ModelSummary.build(cfg, job.seq_len, eager=eager)
     candidates, reasons = [], []
     for mbs in mbs_list:
         for sched, v in schedules:

@@ -12,7 +12,7 @@ per direction ("450 GB/s each way" for H100 NVLink); network figures are per GPU
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 GiB = 2**30
@@ -48,6 +48,23 @@ class Cluster:
     # cores / ranks of the measured single-core rate, and a collective has no idle core to run on
     # while the others compute (see cost.estimate_layout).
     compute_slots: int = 0
+    # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
+    # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
+    gemm_k_overhead: float = 256.0
+    # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
+    # per hop in s, achieved bandwidth in bytes/s)}}, kind one of collectives.KINDS. The default for a
+    # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
+    # the fits `meshlm plan calibrate` measures for each collective.
+    collective_fits: dict = field(default_factory=dict)
+
+    def collective_fit(self, kind: str, tier: str) -> tuple[float, float]:
+        """(latency per hop, bandwidth) of one collective kind on "scale-up" or "scale-out"."""
+        fit = self.collective_fits.get(tier, {}).get(kind)
+        if fit is not None:
+            return float(fit[0]), float(fit[1])
+        if tier == "scale-up":
+            return self.scaleup_latency, self.scaleup_bw * self.link_efficiency
+        return self.scaleout_latency, self.scaleout_bw * self.link_efficiency
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -138,14 +155,30 @@ def local_cluster(path: str | Path) -> Cluster:
         mem = float(data.get("memory_bytes", 16 * GiB))
     except (KeyError, TypeError) as e:
         raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate`") from None
-    return Cluster(name="local", gpu=data.get("device", "cpu"),
+    # Each collective's own fit (calibrate.py fits `t = latency + factor * bytes / bandwidth` at its world
+    # size, factor the ring's), its latency spread over the hops collectives.collective_time counts there.
+    n = max(2, int(data.get("world_size", 2)))
+    hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "p2p": 1}
+    fits = {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]))
+            for kind, f in (data.get("collectives") or {}).items() if kind in hops}
+    return Cluster(name="local", gpu=data.get("device", "cpu"), collective_fits={"scale-up": fits, "scale-out": fits},
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
                    scaleup_size=int(data.get("world_size_max", 1 << 20)), scaleup_bw=bw, scaleout_bw=bw,
                    scaleup_latency=lat, scaleout_latency=lat, matmul_efficiency=1.0,
                    attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops),
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
-                   hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)))
+                   hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)),
+                   gemm_k_overhead=0.0)
 
 
 def with_overrides(cluster: Cluster, **kw) -> Cluster:
     return replace(cluster, **kw)
+
+
+def slowed_links(cluster: Cluster, factor: float) -> Cluster:
+    """`cluster` with every link (defaults and per-collective fits) `factor` times slower in bandwidth:
+    ranks time-sharing the cores of one host share its memory copies too (cost.estimate_layout)."""
+    fits = {tier: {k: (lat, bw / factor) for k, (lat, bw) in kinds.items()}
+            for tier, kinds in cluster.collective_fits.items()}
+    return replace(cluster, scaleup_bw=cluster.scaleup_bw / factor, scaleout_bw=cluster.scaleout_bw / factor,
+                   collective_fits=fits)

@@ -65,7 +65,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from meshlm.config import PP_SCHEDULES, ModelConfig
 from meshlm.parallel.schedules import balanced_split, stage_loads
 from meshlm.planner import model_stats
-from meshlm.planner.cluster import GiB, Cluster
+from meshlm.planner.cluster import GiB, Cluster, slowed_links
+from meshlm.planner.collectives import collective_time, group_span, link_name  # noqa: F401 (re-exported)
+from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8", "fp32")
@@ -101,6 +103,13 @@ class Job:
     # Norms, RoPE, SwiGLU and residual adds as fused kernels (Megatron/TE, torch.compile); False
     # models eager PyTorch, one memory pass per op (meshlm's model uncompiled, e.g. the CPU runs).
     fused_elementwise: bool = True
+    # Tensor-parallel collectives pipelined under the GEMMs (Megatron-Core / Transformer Engine
+    # `tp_comm_overlap`, MegaScale Sec. 3.3); meshlm's own TP does not overlap them (False).
+    tp_comm_overlap: bool = False
+    # Gradient reduce-scatter / all-reduce and parameter all-gather overlapped with the backward / forward
+    # (meshlm's DP and ZeRO, PyTorch DDP/FSDP, Megatron-Core's overlap_grad_reduce / overlap_param_gather).
+    # False: issued after the backward, exposed (Megatron-LM before 2023); ZeRO-3 always prefetches.
+    dp_comm_overlap: bool = True
 
     def validate(self) -> None:
         if self.seq_len < 1:
@@ -244,66 +253,6 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
         raise ValueError(f"layout num_microbatches={lo.num_microbatches} disagrees with the batch: "
                          f"{job.global_batch_size} / (dp {lo.dp} * micro_batch_size {lo.micro_batch_size}) = {m}")
     return m
-
-
-# --------------------------------------------------------------------------------------------
-# Placement and collectives
-# --------------------------------------------------------------------------------------------
-
-
-def group_span(stride: int, size: int, scaleup_size: int) -> tuple[int, int]:
-    """(members per scale-up domain, domains) of a group of `size` ranks spaced `stride` apart."""
-    if size <= 1:
-        return 1, 1
-    if stride >= scaleup_size:
-        return 1, size
-    n_in = max(1, min(size, scaleup_size // stride))
-    return n_in, math.ceil(size / n_in)
-
-
-def link_name(n_in: int, n_out: int) -> str:
-    if n_in * n_out <= 1:
-        return "none"
-    if n_out == 1:
-        return "scale-up"
-    return "scale-out" if n_in == 1 else "hierarchical"
-
-
-def _hops(n: int) -> float:
-    # Ring latency grows with n; at scale NCCL switches to trees, whose latency grows with log n.
-    return n - 1 if n <= 16 else 2 * math.ceil(math.log2(n))
-
-
-def _rs_flat(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Reduce-scatter (or all-gather) of a `nbytes` buffer over a ring of n ranks."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) / n * nbytes / bw + _hops(n) * lat
-
-
-def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
-    """Seconds for one collective; `nbytes` is the full (unsharded) buffer, or for all_to_all the
-    bytes each rank sends in total, or for p2p the message."""
-    n_in, n_out = span
-    up_bw = cluster.scaleup_bw * cluster.link_efficiency
-    out_bw = cluster.scaleout_bw * cluster.link_efficiency
-    up_lat, out_lat = cluster.scaleup_latency, cluster.scaleout_latency
-    if kind == "p2p":
-        return nbytes / (up_bw if n_out == 1 else out_bw) + (up_lat if n_out == 1 else out_lat)
-    if kind in ("reduce_scatter", "all_gather"):
-        # inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU)
-        return _rs_flat(nbytes, n_in, up_bw, up_lat) + _rs_flat(nbytes / n_in, n_out, out_bw, out_lat)
-    if kind == "all_reduce":
-        return (2 * _rs_flat(nbytes, n_in, up_bw, up_lat)
-                + 2 * _rs_flat(nbytes / n_in, n_out, out_bw, out_lat))
-    if kind == "all_to_all":
-        n = n_in * n_out
-        if n <= 1:
-            return 0.0
-        inside = nbytes * (n_in - 1) / n / up_bw
-        across = nbytes * (n - n_in) / n / out_bw if n_out > 1 else 0.0
-        return max(inside, across) + (n - 1) * (out_lat if n_out > 1 else up_lat)
-    raise AssertionError(f"unknown collective {kind}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,7 +526,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     # "link" is the loopback), so it time-shares them too, and it has no idle core to overlap on.
     cores_saturated = bool(cluster.compute_slots) and ranks_per_domain >= cluster.compute_slots
     if share > 1:
-        cluster = replace(cluster, scaleup_bw=cluster.scaleup_bw / share, scaleout_bw=cluster.scaleout_bw / share)
+        cluster = slowed_links(cluster, share)
     peak = cluster.peak(job.precision) / share
     peak_attn = (cluster.peak("bf16") if job.precision == "fp8" else cluster.peak(job.precision)) / share
     eff = cluster.matmul_efficiency
@@ -603,9 +552,13 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
 
     # ---- compute per microbatch on the bottleneck rank ---------------------------------------
     rc = lo.recompute
-    dense_f = summary.flops_dense * tokens_mb / tp
     attn_f = summary.flops_attn * tokens_mb / tp
-    t_dense = dense_f / (peak * eff)
+    # Each GEMM of the layer by its shape (kernels.py): thin tp shards and small experts run below the
+    # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate, everything else in bf16.
+    gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction)
+    gemm_in_bytes = 1 if job.precision == "fp8" else by["act"]
+    t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=peak * eff, hbm_bw=hbm_bw, in_bytes=gemm_in_bytes,
+                                         k_overhead=cluster.gemm_k_overhead)
     if job.flash_attention:
         # FLOPs count the full s x s square (the convention), but a fused causal kernel skips the
         # masked half, and runs at its own efficiency (softmax and masking inside the kernel, lower
@@ -647,8 +600,13 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         elems_tp += 4 * cfg.num_heads * s
     elem_bytes_fwd = tokens_mb * by["act"] * (elems_tp / tp + elems_seq / (tp if sp else 1))
     t_elem_fwd = elem_bytes_fwd / hbm_bw
+    t_elem_bwd = 2 * t_elem_fwd
+    if job.precision == "fp8":
+        cast_fwd, cast_bwd = fp8_cast_bytes(gemms)
+        t_elem_fwd += cast_fwd / hbm_bw
+        t_elem_bwd += cast_bwd / hbm_bw
     t_fwd_layer = t_layer_fwd_mm + t_elem_fwd
-    t_bwd_layer = 2 * (t_dense + t_elem_fwd) + t_attn_bwd
+    t_bwd_layer = t_dense_bwd + t_elem_bwd + t_attn_bwd
     t_rc_layer = {"none": 0.0, "selective": t_attn + 0.5 * t_elem_fwd, "full": t_fwd_layer}[rc]
 
     # Tensor-parallel comm per microbatch, the collectives of `tp_collectives` (meshlm's TP, which
@@ -660,6 +618,13 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
                                                    act_bytes=by["act"], recompute=rc,
                                                    norm_grads_in_graph=job.precision == "fp32")
     t_tp_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_layer_colls)
+    if job.tp_comm_overlap and not cores_saturated:
+        # Megatron/TE userbuffers: each all-gather is split and pipelined under the GEMM that consumes it,
+        # each reduce-scatter under the GEMM that produces it; what the GEMMs cannot cover is exposed, and
+        # what they cover still costs the SMs the transfer holds.
+        window = t_dense + t_dense_bwd
+        t_tp_layer = (max(0.0, t_tp_layer - window)
+                      + cluster.comm_sm_fraction * min(t_tp_layer, window))
     t_tp_edge = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_edge_colls)
     # Context parallelism, the volumes of `parallel/context.py` (its docstring; `Estimate.cp_comm_bytes`
     # counts them as CommStats does). One block = this rank's K (or V): mbs x seq/cp x kv_dim/tp.
@@ -875,7 +840,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
                       + collective_time("reduce_scatter", g_exp, span_exp, cluster))
             comm = m * per_mb + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
             window = m * t_mb
-        if cores_saturated:
+        if cores_saturated or (not job.dp_comm_overlap and z < 3):
             window = 0.0
         bucket = lo.bucket_size_mb * MiB
         bucket_time = comm * min(1.0, bucket / max(1.0, g_dense + g_exp))  # the last bucket never overlaps

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from meshlm.config import ModelConfig
 from meshlm.planner import model_stats
 from meshlm.planner.cluster import GiB, Cluster
-from meshlm.planner.cost import collective_time, group_span
+from meshlm.planner.collectives import collective_time, group_span
 
 WORKSPACE_FRACTION = 0.05  # activations and allocator slack during serving, of HBM
 
