@@ -18,7 +18,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
     choice that fits (fastest overall if none fits);
   * missing architectures from the published model cards / papers (`ARCHS`, each cited);
   * GPT-style models (4h GeLU MLP, squared-ReLU for Nemotron) are mapped to SwiGLU with intermediate =
-    2/3 * ffn (same parameters and FLOPs per token); Llama-family ffn sizes are SwiGLU sizes already;
+    2/3 * ffn rounded to a multiple of 128 (so tp divides it; the same parameters and FLOPs per token
+    within 0.3%); Llama-family ffn sizes are SwiGLU sizes already;
   * runs from before FlashAttention (2021) use unfused attention (`flash_attention=False`);
   * NVIDIA's NeMo / Megatron-Bridge rows that say "DDP (FSDP=0)" or nothing use Megatron's
     distributed optimizer (ZeRO-1), the default of their recipes; "FSDP" rows ZeRO-3;
@@ -105,7 +106,7 @@ def model_of(row: dict) -> ModelConfig:
     gpt = arch.get("mlp") == "gelu" or name.startswith("gpt") and "oss" not in name
     kw = dict(vocab_size=get("vocab", "vocab") or 51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
               num_kv_heads=get("kv_heads", "kv_heads") or heads, max_seq_len=_int(row["seq_len"]) or 8192,
-              intermediate_size=round(2 * ffn / 3) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
+              intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
     if arch.get("head_dim"):
         kw["head_dim"] = arch["head_dim"]
     if arch.get("experts"):

@@ -51,6 +51,14 @@ class Cluster:
     # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
     # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
     gemm_k_overhead: float = 256.0
+    # Power under training load, watts per GPU (see PRESETS): the GPU's board power (datasheet TDP; a
+    # training job holds it near TDP), the rest of its server (CPUs, memory, NICs, fans, PSU losses: the
+    # system's datasheet maximum less its GPUs, per GPU), and its share of the network (switches + optics).
+    gpu_power_w: float = 0.0
+    node_power_w: float = 0.0
+    network_power_w: float = 0.0
+    # Data-centre overhead (cooling, power conversion): facility power / IT power.
+    pue: float = 1.0
     # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
     # per hop in s, achieved bandwidth in bytes/s)}}, kind one of collectives.KINDS. The default for a
     # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
@@ -103,25 +111,40 @@ def _gbit(x: float) -> float:
 #    SM per channel, and large collectives on NVSwitch/InfiniBand systems use ~16 channels, so
 #    compute overlapped with them runs on 16 of the SMs fewer (A100 108 SMs, H100 132, B200 148).
 #  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used.
+# Power (watts per GPU), from the datasheets:
+#  * A100 SXM 400 W; DGX A100 6.5 kW max for 8 GPUs -> (6500 - 8 x 400) / 8 = 412 W of server per GPU.
+#  * H100 SXM 700 W (H200 the same); DGX H100 10.2 kW max -> (10200 - 5600) / 8 = 575 W per GPU.
+#  * B200 1000 W; DGX B200 14.3 kW max -> (14300 - 8000) / 8 = 787 W per GPU.
+#  * GB200 NVL72: 1200 W per Blackwell GPU (GB200 superchip configuration); the rack's ~120 kW (NVIDIA
+#    GB200 NVL72 spec) less 72 x 1200 W leaves ~470 W per GPU for Grace CPUs, NVLink switch trays and fans.
+#  * network: a two/three-tier InfiniBand NDR fat tree has ~3 switch ports and 2 transceivers per GPU
+#    (QM9700: 64 ports, ~1.7 kW with its optics -> ~27 W per port; NDR OSFP transceivers ~15-17 W each):
+#    ~3 x 27 + 2 x 16 = ~110 W per GPU (A100 HDR: the same topology, 100 W).
+#  * PUE 1.2: a modern GPU data centre (hyperscalers report 1.1; the Uptime Institute's 2023 survey
+#    average is 1.58); override with --pue.
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108)
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108,
+             gpu_power_w=400.0, node_power_w=412.0, network_power_w=100.0, pue=1.2)
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132)
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132,
+             gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2)
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148)
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
+             gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
     "h100": Cluster(name="h100", **_H100),
     "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12}),
     "b200": Cluster(name="b200", **_B200),
-    "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72}),
+    "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
+                                                 "gpu_power_w": 1200.0, "node_power_w": 470.0}),
 }
 
 

@@ -225,9 +225,14 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
         raise ValueError(f"layout pp_schedule={lo.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
     if lo.pp_chunks > 1 and lo.pp_schedule != "interleaved":
         raise ValueError(f"layout pp_chunks={lo.pp_chunks} needs pp_schedule=interleaved")
-    if cfg.num_heads % lo.tp or cfg.num_kv_heads % lo.tp:
-        raise ValueError(f"layout tp={lo.tp} must divide num_heads={cfg.num_heads} and "
-                         f"num_kv_heads={cfg.num_kv_heads}")
+    # What the runtime's `parallel.tensor.check_tensor_parallel` refuses: every tp-split size must divide.
+    for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
+        value = getattr(cfg, name)
+        if lo.tp > 1 and value % lo.tp:
+            raise ValueError(f"layout tp={lo.tp} must divide model.{name}={value} (tensor parallelism splits it "
+                             f"evenly); choose a tp that divides num_heads={cfg.num_heads}, num_kv_heads="
+                             f"{cfg.num_kv_heads}, vocab_size={cfg.vocab_size} and intermediate_size="
+                             f"{cfg.intermediate_size}, or pad model.{name} to a multiple of {lo.tp}")
     if lo.pp * lo.pp_chunks > cfg.num_layers:
         raise ValueError(f"layout pp*pp_chunks={lo.pp * lo.pp_chunks} exceeds num_layers={cfg.num_layers}")
     if lo.ep > 1:
@@ -751,8 +756,8 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     act_last = (layers_last * per_layer_mb + logits) if pp > 1 else 0.0
     mem["activations"] = max(act_first + (logits if pp == 1 else 0.0), act_last)
     buffers = 0.0
-    if tp > 1:
-        buffers += 2 * act_msg  # gathered sequence-parallel activations
+    if sp:
+        buffers += 2 * act_msg  # gathered sequence-parallel activations (none without SP)
     if lo.dp > 1 or cp > 1:
         if meshlm_zero:
             # One reduce-scatter is in flight at a time (parallel/zero.py), holding a padded copy of its

@@ -7,7 +7,7 @@ Not responsible for: attention (priced in `cost.py` as its own fused kernel), co
 (`collectives.py`), or deciding what runs when (`cost.py`).
 
 GEMM model. A GEMM of M x K times K x N runs at the cluster's large-GEMM rate (`peak x matmul_efficiency`,
-cited in cluster.py) scaled by K / (K + GEMM_K_OVERHEAD), and never faster than its operands stream
+cited in cluster.py) scaled by K / (K + k_overhead), and never faster than its operands stream
 through HBM (roofline: max of the two). The K term is the fixed per-output-tile cost of a tiled GEMM:
 each thread block fills its multi-stage shared-memory pipeline before the first tensor-core instruction
 and drains an epilogue after the last (NVIDIA, "Matrix Multiplication Background User's Guide",
@@ -59,6 +59,8 @@ def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fracti
         if cfg.shared_intermediate_size:
             s = cfg.shared_intermediate_size
             out += [(tokens, 2 * s / tp, h, moe_fraction), (tokens, h, s / tp, moe_fraction)]
+            if cfg.shared_expert_gate:
+                out.append((tokens, 1, h, moe_fraction))
     return out
 
 
