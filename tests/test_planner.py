@@ -272,7 +272,7 @@ def test_local_cluster_needs_calibration(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"matmul_flops": 5e10, "link": {"bandwidth": 2e9, "latency": 1e-4}}))
     local = get_cluster("local", calibration=tmp_path / "c.json")
     e = estimate("tiny", local, gpus=2, layout="dp_shard=2,zero_stage=1", seq_len=256, global_batch_size=8,
-                 precision="fp32")
+                 precision="fp32", runtime="meshlm")
     assert e.time_s["step"] > 0 and e.time_s["dp_comm"] > 0
 
 
@@ -292,7 +292,7 @@ def test_model_state_bytes_match_a_real_adamw_step(name):
         "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values()
                          for k, t in st.items() if k != "step"),
     }
-    est = estimate(cfg, "a100", gpus=1, layout="dp_shard=1", seq_len=16, global_batch_size=1, precision="fp32")
+    est = estimate(cfg, "a100", gpus=1, layout="dp_shard=1", seq_len=16, global_batch_size=1, precision="fp32", runtime="meshlm")
     for key, value in measured.items():
         assert est.memory_gib[key] * 2**30 == pytest.approx(value, rel=1e-9), key
 
@@ -305,7 +305,7 @@ def test_calibrate_writes_a_usable_local_cluster(tmp_path):
     assert data["matmul_flops"] > 0 and data["link"]["bandwidth"] > 0
     assert {"all_reduce", "all_gather", "reduce_scatter"} <= set(data["collectives"])
     local = get_cluster("local", calibration=out)
-    e = estimate("tiny", local, gpus=2, layout="dp_shard=2", seq_len=256, global_batch_size=4, precision="fp32")
+    e = estimate("tiny", local, gpus=2, layout="dp_shard=2", seq_len=256, global_batch_size=4, precision="fp32", runtime="meshlm")
     assert e.fits and e.time_s["step"] > 0
 
 
@@ -321,7 +321,7 @@ def test_local_ranks_beyond_the_cores_time_share_them(tmp_path):
 
     def est(cluster, world):  # the same work per rank at every world size; 1 MiB buckets overlap
         return estimate("tiny", cluster, gpus=world, layout=f"dp_shard={world},bucket_size_mb=1", seq_len=128,
-                        global_batch_size=2 * world, precision="fp32")
+                        global_batch_size=2 * world, precision="fp32", runtime="meshlm")
 
     assert est(new, 2).time_s["compute"] == pytest.approx(est(new, 1).time_s["compute"])
     assert est(new, 4).time_s["compute"] == pytest.approx(2 * est(new, 2).time_s["compute"])
@@ -355,7 +355,7 @@ def test_overlapped_collectives_cost_the_sms_they_hold():
 
 
 def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
-    """fp32 is meshlm's runtime: ZeRO-1/2 keep full weights plus a flat master shard (optimizer 12/n),
+    """runtime="meshlm" (fp32) is meshlm's runtime: ZeRO-1/2 keep full weights plus a flat master shard (optimizer 12/n),
     ZeRO-3's shard is the weights (optimizer 8/n), accumulation keeps full gradients under stage 2,
     one padded gradient copy of buffers (stage 3: the gathered units), and stage 3 gathers every block
     twice per micro-step."""
@@ -363,7 +363,8 @@ def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
 
     def est(stage, *, batch=4, precision="fp32"):
         return estimate(cfg, "a100", gpus=4, layout=f"dp_shard=4,zero_stage={stage}", seq_len=16,
-                        global_batch_size=batch, precision=precision)
+                        global_batch_size=batch, precision=precision,
+                        runtime="meshlm" if precision == "fp32" else "megatron")
 
     base, z1, z2, z3 = (est(z) for z in range(4))
     n = base.memory_gib["weights"] * 2**30 / 4  # parameters
@@ -518,6 +519,23 @@ def test_fp8_is_faster_than_bf16_but_not_twice():
     fp8 = cost.estimate(cfg, h100, Job(seq_len=8192, global_batch_size=64, precision="fp8"), lo)
     # GEMMs at twice the rate, but attention, elementwise work and the fp8 casts stay at bf16 / HBM speed
     assert 1.2 < bf16.time_s["step"] / fp8.time_s["step"] < 1.9
+
+
+def test_runtime_accounting_is_an_explicit_field():
+    from meshlm.planner import cost
+
+    cfg = ModelConfig(**TINY)
+    lo = cost.Layout(dp_shard=4, zero_stage=1)
+    mine = cost.estimate(cfg, get_cluster("a100"), Job(seq_len=16, global_batch_size=4, precision="fp32",
+                                                       runtime="meshlm"), lo)
+    megatron = cost.estimate(cfg, get_cluster("a100"), Job(seq_len=16, global_batch_size=4, precision="fp32"), lo)
+    # meshlm's ZeRO-1 keeps full fp32 weights + a flat master shard; Megatron's accounting shards the 8
+    # bytes of fp32 moments only (fp32 weights are the master copy)
+    assert mine.memory_gib["optimizer"] > megatron.memory_gib["optimizer"]
+    with pytest.raises(ValueError, match="runtime='meshlm' trains in fp32"):
+        Job(seq_len=16, global_batch_size=4, precision="bf16", runtime="meshlm").validate()
+    with pytest.raises(ValueError, match="runtime='torch' must be one of"):
+        Job(seq_len=16, global_batch_size=4, runtime="torch").validate()
 
 
 def test_validate_layout_refuses_what_the_runtime_refuses():

@@ -63,6 +63,13 @@ def parse_amount(text: str | float | None, *, flag: str) -> float | None:
     return value
 
 
+def runtime_of(args) -> str:
+    """--runtime, or its default: meshlm's own runtime on --cluster local (this machine runs meshlm), else megatron."""
+    if getattr(args, "runtime", None):
+        return args.runtime
+    return "meshlm" if args.cluster == "local" else "megatron"
+
+
 def job_operations(est, cfg, cluster, args) -> dict:
     """Failures / checkpoint / goodput and power of one estimate, with the command's flags."""
     from meshlm.planner import model_stats
@@ -88,7 +95,7 @@ def resolve_model(spec: str):
 
 
 def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
-             precision: str = "bf16", flash_attention: bool = True):
+             precision: str = "bf16", flash_attention: bool = True, runtime: str = "megatron"):
     from meshlm.planner.cost import Job
 
     if seq_len is None or int(seq_len) < 1:
@@ -103,7 +110,8 @@ def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch
         gbs = parse_size(global_batch_size)
     else:
         raise ValueError("give --global-batch-size (sequences) or --global-batch-tokens (e.g. 4M)")
-    job = Job(seq_len=int(seq_len), global_batch_size=gbs, precision=precision, flash_attention=flash_attention)
+    job = Job(seq_len=int(seq_len), global_batch_size=gbs, precision=precision, flash_attention=flash_attention,
+              runtime=runtime)
     job.validate()
     return job
 
@@ -127,7 +135,11 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-size", default=None, help="sequences per optimizer step")
     batch.add_argument("--global-batch-tokens", default=None, help="tokens per optimizer step, e.g. 4M")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="training precision")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp32"],
+                   help="training precision (default bf16; fp32 on --cluster local, as meshlm trains on CPUs)")
+    p.add_argument("--runtime", choices=["megatron", "meshlm"], default=None,
+                   help="whose memory/communication accounting: megatron (mixed precision, the default for the "
+                        "presets) or meshlm (its own fp32 runtime, the default for --cluster local)")
     p.add_argument("--train-tokens", default=None, metavar="N",
                    help="tokens of the whole run (e.g. 15T) for its days and energy")
     p.add_argument("--failure-rate", type=float, default=None, metavar="PER_GPU_HOUR",
@@ -283,6 +295,8 @@ def run_plan(args) -> int:
     if args.model is None:
         raise ValueError("--model is required (a preset such as llama3-70b, or a Hugging Face config.json)")
     cfg = resolve_model(args.model)
+    if cmd != "infer" and args.precision is None:
+        args.precision = "fp32" if args.cluster == "local" else "bf16"
     if cmd == "scale":
         return run_scale(args, cfg)
     if cmd == "compare":
@@ -309,7 +323,8 @@ def run_plan(args) -> int:
     if args.gpus is None:
         raise ValueError("--gpus is required")
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
-                   global_batch_tokens=args.global_batch_tokens, precision=args.precision)
+                   global_batch_tokens=args.global_batch_tokens, precision=args.precision,
+                   runtime=runtime_of(args))
     if cmd == "estimate":
         from meshlm.planner.cost import estimate, parse_layout
 
@@ -386,7 +401,8 @@ def run_scale(args, cfg) -> int:
                   + (f"{tokens:,} tokens per step" if mode == "strong" else f"{per_gpu:,} tokens per GPU per step"),
                   flush=True)
         curves[mode] = scale_curve(cfg, cluster, counts=counts, seq_len=args.seq_len, precision=args.precision,
-                                   mode=mode, global_batch_tokens=tokens, tokens_per_gpu=per_gpu)
+                                   runtime=runtime_of(args), mode=mode, global_batch_tokens=tokens,
+                                   tokens_per_gpu=per_gpu)
         if not args.json:
             print(describe(curves[mode], mode=mode))
             print()
@@ -417,7 +433,7 @@ def run_compare(args, cfg) -> int:
     if args.gpus is None:
         raise ValueError("--gpus is required")
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
-                   global_batch_tokens=args.global_batch_tokens, precision=args.precision)
+                   global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron")
     rows = []
     for name in args.cluster:
         cluster = get_cluster(name, calibration=args.calibration)

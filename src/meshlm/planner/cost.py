@@ -16,8 +16,8 @@ Model-state bytes per parameter (bf16 / fp8 training, Megatron's distributed-opt
 2 (bf16 weights) + 4 (fp32 gradients: accumulated and reduced in fp32) + 12 (fp32 master, Adam m and
 v). ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3 also the weights, each over dp_shard x cp
 (communication: Megatron / FSDP-style, overlapped, ZeRO-3 prefetching the next layer).
-fp32 training is meshlm's own runtime (what `cluster=local` and benchmarks/planner_vs_measured.py
-run), modelled as `parallel/data.py` and `parallel/zero.py` really allocate and communicate:
+`Job.runtime = "meshlm"` (fp32; what `cluster=local` and benchmarks/planner_vs_measured.py run) follows
+meshlm's own runtime, as `parallel/data.py` and `parallel/zero.py` really allocate and communicate:
   plain DP   4 + 4 + 8, plus one flat copy of all gradients in the all-reduce buckets;
   ZeRO-1/2   full fp32 weights (4) + a flat fp32 master shard (4/n, counted under `optimizer`) + the
              moments (8/n); gradients: the 4/n shard, plus the full 4 under stage 1 -- or under
@@ -71,6 +71,11 @@ from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8", "fp32")
+# Whose runtime the accounting follows: "megatron" (Megatron-Core / FSDP conventions: bf16 weights, fp32
+# gradients, a distributed optimizer, norm gradients reduced once per step) or "meshlm" (meshlm's own
+# parallel/data.py + parallel/zero.py, fp32, exactly as they allocate and communicate; what `--cluster
+# local` runs and tests/test_planner_measured.py counts).
+RUNTIMES = ("megatron", "meshlm")
 # parallel.cp_method, as `meshlm.parallel.context.METHODS` (not imported: the planner runs without torch).
 CP_METHODS = ("ring", "allgather")
 # Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
@@ -110,6 +115,7 @@ class Job:
     # (meshlm's DP and ZeRO, PyTorch DDP/FSDP, Megatron-Core's overlap_grad_reduce / overlap_param_gather).
     # False: issued after the backward, exposed (Megatron-LM before 2023); ZeRO-3 always prefetches.
     dp_comm_overlap: bool = True
+    runtime: str = "megatron"  # one of RUNTIMES: whose memory and communication accounting applies
 
     def validate(self) -> None:
         if self.seq_len < 1:
@@ -119,6 +125,11 @@ class Job:
                              "(give --global-batch-size or --global-batch-tokens >= --seq-len)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r} must be one of {list(RUNTIMES)}")
+        if self.runtime == "meshlm" and self.precision != "fp32":
+            raise ValueError(f"runtime='meshlm' trains in fp32 (precision={self.precision!r} given); use "
+                             "precision='fp32', or runtime='megatron' for mixed precision")
 
     @property
     def tokens(self) -> int:
@@ -621,7 +632,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     act_msg = tokens_mb * h * by["act"]
     tp_layer_colls, tp_edge_colls = tp_collectives(cfg, tp=tp, sequence_parallel=sp, tokens=tokens_mb,
                                                    act_bytes=by["act"], recompute=rc,
-                                                   norm_grads_in_graph=job.precision == "fp32")
+                                                   norm_grads_in_graph=job.runtime == "meshlm")
     t_tp_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_layer_colls)
     if job.tp_comm_overlap and not cores_saturated:
         # Megatron/TE userbuffers: each all-gather is split and pipelined under the GEMM that consumes it,
@@ -719,7 +730,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         return n_dense + n_exp
 
     n_local = dense_params + expert_params
-    meshlm_zero = job.precision == "fp32" and z > 0 and (lo.dp > 1 or cp > 1)
+    meshlm_zero = job.runtime == "meshlm" and z > 0 and (lo.dp > 1 or cp > 1)
     if meshlm_zero:
         # meshlm's own ZeRO (parallel/zero.py), fp32 throughout. Stages 1/2 keep the full fp32
         # parameters AND a flat fp32 master shard next to the moments (optimizer: 4 + 8 bytes per
