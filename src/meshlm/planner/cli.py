@@ -182,7 +182,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                                     "buys less than half its linear share of tokens/s.")
     _add_common(sc, required=True, gpus="range")
     sc.add_argument("--tokens-per-gpu", default=None,
-                    help="weak scaling: tokens per GPU per step (default: the strong batch at the smallest count)")
+                    help="weak scaling: tokens per GPU per step (default: the strong run's at the largest count, "
+                         "at least one sequence)")
     sc.add_argument("--mode", choices=["both", "strong", "weak"], default="both", help="which curves (default both)")
     sc.add_argument("--plot", metavar="FILE.png", help="write tokens/s against GPUs with the point marked")
 
@@ -392,7 +393,9 @@ def run_scale(args, cfg) -> int:
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     counts = parse_gpu_counts(args.gpus)
     tokens = _job_tokens(args)
-    per_gpu = parse_size(args.tokens_per_gpu) if args.tokens_per_gpu else max(args.seq_len, tokens // counts[0])
+    # Weak scaling's default per-GPU batch is the strong run's at its largest count (at least one sequence),
+    # so the two curves meet there.
+    per_gpu = parse_size(args.tokens_per_gpu) if args.tokens_per_gpu else max(args.seq_len, tokens // counts[-1])
     modes = ["strong", "weak"] if args.mode == "both" else [args.mode]
     curves = {}
     for mode in modes:
