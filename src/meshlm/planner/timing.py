@@ -277,7 +277,12 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     else:
         t_ep_layer = 0.0
 
-    comp_mb = rank_units * (t_fwd_layer + t_bwd_layer)
+    # The loss over the vocabulary (the last stage, charged to the bottleneck rank like the head): fp32
+    # logits written from the head GEMM's output, read for the max and the sum of exponentials, and the
+    # gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per
+    # logit of this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise).
+    t_loss = tokens_mb * cfg.vocab_size / tp * 4 * 5 / hbm_bw
+    comp_mb = rank_units * (t_fwd_layer + t_bwd_layer) + t_loss
     layers_busy = r.layers_busy
     rc_mb = layers_busy * t_rc_layer
     tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
