@@ -685,3 +685,25 @@ def test_infer_reports_no_decode_speed_when_nothing_fits(capsys):
     rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--tp", "1", "--json"], capsys)
     d = json.loads(out)
     assert d["fits"] is False and "fewer than one sequence" in d["reason"]
+
+
+def test_published_runs_median_error_within_ten_percent():
+    """benchmarks/planner_published.py on the shared reference rows (each run with its own layout):
+    the median |error| of the predicted throughput stays <= 10% overall and on the fitted groups."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "planner_published.py"
+    spec = importlib.util.spec_from_file_location("planner_published", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if not bench.DEFAULT_CSV.exists():
+        pytest.skip(f"published runs CSV not found at {bench.DEFAULT_CSV}")
+    import csv
+
+    with bench.DEFAULT_CSV.open(newline="") as f:
+        results = [bench.predict_row(r) for r in csv.DictReader(f)]
+    summary = bench.summarize(results)
+    assert summary["rows_used"] >= 60
+    assert summary["median_abs_error"] <= 0.10, summary
+    assert summary["fit_groups_median_abs_error"] <= 0.10, summary

@@ -57,7 +57,8 @@ def parse_amount(text: str | float | None, *, flag: str) -> float | None:
     try:
         value = float(t) * mult
     except ValueError:
-        raise ValueError(f"{flag} {text!r} is not a number like 15T, 500G or 2e12 (K/M/G/T = 1e3/1e6/1e9/1e12)") from None
+        raise ValueError(f"{flag} {text!r} is not a number like 15T, 500G or 2e12 "
+                         "(K/M/G/T = 1e3/1e6/1e9/1e12)") from None
     if value <= 0:
         raise ValueError(f"{flag} {text!r} must be > 0")
     return value

@@ -93,9 +93,10 @@ def _gbit(x: float) -> float:
 #    reach in public cuBLAS/Megatron measurements. A100: ~250 of 312 TFLOP/s (0.80). Hopper and
 #    Blackwell peaks assume boost clocks that a 700 W+ part does not hold under sustained GEMM load,
 #    and their higher peaks are harder to feed; public H100 SXM bf16 GEMM measurements at transformer
-#    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200. Flash
-#    attention runs at a similar fraction; it is folded into the same constant. (Set from these
-#    GEMM figures, not from any end-to-end training run.)
+#    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200 and for fp8
+#    (of the fp8 peak). This is the rate of a large GEMM; kernels.py lowers it for small K
+#    (`gemm_k_overhead`) and bounds it by HBM for thin shapes. Attention has its own constant below.
+#    (Set from these GEMM figures, not from any end-to-end training run.)
 #  * attention_efficiency: fused causal attention (FlashAttention-class), forward + backward, counted
 #    on the FLOPs the kernel runs (the unmasked half; backward 2.5x forward, as its authors count),
 #    at long sequences (scaled down for short blocks by `attention_block_overhead`). A100: FlashAttention-2 reaches

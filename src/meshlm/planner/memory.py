@@ -24,7 +24,8 @@ meshlm's own runtime, as `parallel/data.py` and `parallel/zero.py` really alloca
              micro-step, prefetched one unit ahead (overlapping compute).
   TP         (`parallel/tensor.py`, plain DP over the TP-local shards) attention and MLP matrices
              (and q/k/v biases), the embedding and lm_head (split over the vocabulary) hold 1/tp per
-             rank; norms are full copies on every tp rank; DP's bucket copy is of the local shards. Its collectives per microbatch are `tp_collectives` (bytes: `Estimate.tp_comm_bytes`).
+             rank; norms are full copies on every tp rank; DP's bucket copy is of the local shards. Its
+             collectives per microbatch are `timing.tp_collectives` (bytes: `Estimate.tp_comm_bytes`).
 n = dp_shard; meshlm pads each bucket to a multiple of n (< n elements per bucket), which the planner's
 ceil(params / n) leaves out (tests/test_planner_measured.py bounds the difference).
 """

@@ -75,7 +75,8 @@ def _point(gpus: int, tokens: int, est: Estimate | None) -> ScalePoint:
 
 
 def scale_curve(cfg: ModelConfig, cluster: Cluster, *, counts: list[int], seq_len: int, precision: str,
-                mode: str, runtime: str = "megatron", global_batch_tokens: int = 0, tokens_per_gpu: int = 0, progress=None) -> list[ScalePoint]:
+                mode: str, runtime: str = "megatron", global_batch_tokens: int = 0, tokens_per_gpu: int = 0,
+                progress=None) -> list[ScalePoint]:
     """The best fitting layout at each count. mode="strong": `global_batch_tokens` at every count;
     "weak": `tokens_per_gpu` x gpus (rounded down to whole sequences). `progress(point)` is called as
     each count is done."""
@@ -127,8 +128,9 @@ def describe(points: list[ScalePoint], *, mode: str) -> str:
             rows.append(f"{p.gpus:>6} {p.global_batch_tokens:>12,} {'(nothing fits in memory)':<48}")
             continue
         marg = "" if p.marginal_share is None else f"{p.marginal_share:.0%}"
-        rows.append(f"{p.gpus:>6} {p.global_batch_tokens:>12,} {p.layout:<48} {p.step_s:>8.3g} {p.tokens_per_s:>13,.0f} "
-                    f"{p.mfu:>6.1%} {p.comm_share:>5.0%} {p.scaling_efficiency:>5.0%} {marg:>8}  {p.bound}")
+        rows.append(f"{p.gpus:>6} {p.global_batch_tokens:>12,} {p.layout:<48} {p.step_s:>8.3g} "
+                    f"{p.tokens_per_s:>13,.0f} {p.mfu:>6.1%} {p.comm_share:>5.0%} {p.scaling_efficiency:>5.0%} "
+                    f"{marg:>8}  {p.bound}")
     point = diminishing_point(points)
     if point is None:
         rows.append(f"No diminishing-returns point in this range: every step up buys >= {DIMINISHING:.0%} of "
