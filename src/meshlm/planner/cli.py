@@ -461,7 +461,8 @@ def run_compare(args, cfg) -> int:
         if not r["fits"]:
             print(f"  {r['cluster']:<12} nothing fits in memory")
             continue
-        print(f"  {r['cluster']:<12} {r['layout']:<48} step {r['step_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s, "
+        print(f"  {r['cluster']:<12} ({r['scaleup_size']}-GPU scale-up domains) {r['layout']}")
+        print(f"  {'':<12} step {r['step_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s, "
               f"MFU {r['mfu']:.1%}, {r['cluster_mw']:.3g} MW, {r['kwh_per_million_tokens']:.3g} kWh/M tokens")
         print(f"  {'':<12} {r['bound']}")
     fitting = [r for r in rows if r["fits"]]

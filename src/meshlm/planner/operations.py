@@ -98,6 +98,10 @@ def operations(est, cluster: Cluster, *, total_params: float, precision: str,
     return {"failures": f, "power": p}
 
 
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
+
+
 def _tokens(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
         if n >= scale:
@@ -109,8 +113,8 @@ def describe(ops: dict) -> str:
     """Two lines for the text output of `meshlm plan` / `plan estimate`."""
     f, p = ops["failures"], ops["power"]
     line1 = (f"Failures: cluster MTBF {f['mtbf_hours']:.3g} h at {f['failure_rate_per_gpu_hour']:.2g} failures per "
-             f"GPU-hour; a {f['checkpoint_gb']:,.0f} GB checkpoint takes {f['checkpoint_write_s']:.3g} s at "
-             f"{f['storage_gb_per_s']:,.0f} GB/s -> checkpoint every {f['checkpoint_interval_s'] / 60:.3g} min "
+             f"GPU-hour; a {_num(f['checkpoint_gb'])} GB checkpoint takes {f['checkpoint_write_s']:.3g} s at "
+             f"{_num(f['storage_gb_per_s'])} GB/s -> checkpoint every {f['checkpoint_interval_s'] / 60:.3g} min "
              f"(Young/Daly), expected goodput {f['goodput']:.1%}.")
     if p["watts_per_gpu"] <= 0:
         return line1 + "\nPower: not known for this cluster (no datasheet figures; presets only)."
