@@ -111,8 +111,11 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) ->
         "pp": group_span(tp * cp * lo.dp, pp, D),
     }
     links = {k: link_name(*spans[k]) for k in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}
-    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
-    rank_layers, rank_units = rank_split(cfg.num_layers, pp=pp, chunks=v, head_units=head_units)
+    split = summary.splits.get((pp, v))
+    if split is None:
+        head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+        split = summary.splits[(pp, v)] = rank_split(cfg.num_layers, pp=pp, chunks=v, head_units=head_units)
+    rank_layers, rank_units = split
     return RankSetup(
         cluster=cluster, by=by, tp=tp, pp=pp, cp=cp, ep=ep, v=v, sp=lo.sequence_parallel and tp > 1,
         rc=lo.recompute, tokens_mb=tokens_mb, act_msg=tokens_mb * cfg.hidden_size * by["act"],

@@ -19,7 +19,7 @@ Pruning (each rule only drops layouts the cost model can never rank higher):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster
@@ -107,7 +107,7 @@ def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int 
     for base, m in candidate_layouts(cfg, cluster, job, gpus):
         chosen = None
         for rc in ("none", "selective", "full"):
-            lo = Layout(**{**base.to_dict(), "recompute": rc})
+            lo = replace(base, recompute=rc)
             est = estimate_layout(summary, cluster, job, lo, num_microbatches=m)
             evaluated += 1
             chosen = est
