@@ -9,7 +9,7 @@ Not responsible for: any estimate (see `cost.py`, `search.py`, `inference.py`).
 
   meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 --global-batch-tokens 4M
   meshlm plan estimate --model llama3-70b --cluster h100 --gpus 64 --layout tp=8,pp=4,zero_stage=1 --json
-  meshlm plan scale --model llama3-70b --cluster h100 --gpus 8:16384 --global-batch-tokens 16M --plot scale.png
+  meshlm plan scale --model llama3-70b --cluster h100 --gpus 8:16384 --global-batch-tokens 2M --plot scale.png
   meshlm plan compare --model llama3-70b --gpus 1152 --cluster h100 --cluster gb200-nvl72 --global-batch-tokens 16M
   meshlm plan infer --model llama3-70b --cluster h100 --tp 8 --context-len 8192
   meshlm plan calibrate --out plan_calibration.json
