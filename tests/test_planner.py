@@ -630,6 +630,8 @@ def test_cli_scale_and_plot(capsys, tmp_path):
     pts = d["curves"]["strong"]
     assert [p["gpus"] for p in pts] == [1, 2, 4] and all(p["global_batch_tokens"] == 16 * 256 for p in pts)
     assert pts[0]["scaling_efficiency"] == 1.0 and all(0 <= p["comm_share"] < 1 for p in pts)
+    assert all(0 < p["goodput"] <= 1 and p["cluster_mw"] > 0 for p in pts)
+    assert pts[0]["mtbf_hours"] == pytest.approx(4 * pts[-1]["mtbf_hours"])  # 1 GPU vs 4
     # a tiny model is latency-bound well before 4 GPUs share 16 sequences
     assert pts[-1]["tokens_per_s"] < 4 * pts[0]["tokens_per_s"]
 

@@ -4,7 +4,7 @@ Responsible for: parsing a GPU-count range (`8:16384` = the powers of two from 8
 `8,64,512`), searching the best layout at each count under strong scaling (the global batch fixed) or
 weak scaling (the batch per GPU fixed), and the diminishing-returns point: the last count before the
 next step up buys less than half its linear share of throughput (or none: a point where adding GPUs
-slows the system).
+slows the system); each count also carries the job's MTBF, goodput and power (`operations.py`).
 Not responsible for: the search or the estimate (`search.py`, `cost.py`), or drawing (`plot.py`).
 """
 
@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshlm.config import ModelConfig
+from meshlm.planner import model_stats
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.cost import Estimate, Job
+from meshlm.planner.operations import operations
 from meshlm.planner.search import search
 
 COMM_KEYS = ("tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm")
@@ -56,6 +58,9 @@ class ScalePoint:
     mfu: float = 0.0
     comm_share: float = 0.0  # communication components / step
     bound: str = ""  # largest non-compute time component
+    mtbf_hours: float = 0.0  # of the whole job (operations.failures)
+    goodput: float = 0.0  # expected useful fraction with Young/Daly checkpointing
+    cluster_mw: float = 0.0  # operations.power
     scaling_efficiency: float = 0.0  # (tokens/s per GPU) / (that of the first fitting count)
     marginal_share: float | None = None  # of the step from the previous count: gain / linear gain
 
@@ -63,7 +68,7 @@ class ScalePoint:
         return asdict(self)
 
 
-def _point(gpus: int, tokens: int, est: Estimate | None) -> ScalePoint:
+def _point(gpus: int, tokens: int, est: Estimate | None, ops: dict | None) -> ScalePoint:
     if est is None:
         return ScalePoint(gpus=gpus, global_batch_tokens=tokens, fits=False)
     step = est.time_s["step"]
@@ -71,7 +76,8 @@ def _point(gpus: int, tokens: int, est: Estimate | None) -> ScalePoint:
     return ScalePoint(gpus=gpus, global_batch_tokens=tokens, fits=True, layout=est.layout.short(), step_s=step,
                       tokens_per_s=est.tokens_per_s, mfu=est.mfu,
                       comm_share=sum(est.time_s.get(k, 0.0) for k in COMM_KEYS) / step,
-                      bound=max(over, key=over.get))
+                      bound=max(over, key=over.get), mtbf_hours=ops["failures"]["mtbf_hours"],
+                      goodput=ops["failures"]["goodput"], cluster_mw=ops["power"]["cluster_mw"])
 
 
 def scale_curve(cfg: ModelConfig, cluster: Cluster, *, counts: list[int], seq_len: int, precision: str,
@@ -82,6 +88,7 @@ def scale_curve(cfg: ModelConfig, cluster: Cluster, *, counts: list[int], seq_le
     each count is done."""
     if mode not in ("strong", "weak"):
         raise ValueError(f"scaling mode {mode!r} must be strong or weak")
+    total_params = model_stats.count_params(cfg)["total"]
     points = []
     for n in counts:
         tokens = global_batch_tokens if mode == "strong" else tokens_per_gpu * n
@@ -91,7 +98,9 @@ def scale_curve(cfg: ModelConfig, cluster: Cluster, *, counts: list[int], seq_le
                              f"{seq_len}; raise --global-batch-tokens / --tokens-per-gpu")
         job = Job(seq_len=seq_len, global_batch_size=seqs, precision=precision, runtime=runtime)
         result = search(cfg, cluster, job, gpus=n, top=1)
-        points.append(_point(n, seqs * seq_len, result.ranked[0] if result.ranked else None))
+        best = result.ranked[0] if result.ranked else None
+        ops = None if best is None else operations(best, cluster, total_params=total_params, precision=precision)
+        points.append(_point(n, seqs * seq_len, best, ops))
         if progress is not None:
             progress(points[-1])
     _relate(points)
@@ -121,7 +130,7 @@ def diminishing_point(points: list[ScalePoint]) -> ScalePoint | None:
 
 def describe(points: list[ScalePoint], *, mode: str) -> str:
     head = (f"{mode} scaling\n{'GPUs':>6} {'tokens/step':>12} {'layout':<48} {'step s':>8} {'tokens/s':>13} "
-            f"{'MFU':>6} {'comm':>5} {'eff':>5} {'marginal':>8}  bound")
+            f"{'MFU':>6} {'comm':>5} {'eff':>5} {'marginal':>8} {'MTBF h':>7} {'goodput':>7} {'MW':>6}  bound")
     rows = [head]
     for p in points:
         if not p.fits:
@@ -130,7 +139,7 @@ def describe(points: list[ScalePoint], *, mode: str) -> str:
         marg = "" if p.marginal_share is None else f"{p.marginal_share:.0%}"
         rows.append(f"{p.gpus:>6} {p.global_batch_tokens:>12,} {p.layout:<48} {p.step_s:>8.3g} "
                     f"{p.tokens_per_s:>13,.0f} {p.mfu:>6.1%} {p.comm_share:>5.0%} {p.scaling_efficiency:>5.0%} "
-                    f"{marg:>8}  {p.bound}")
+                    f"{marg:>8} {p.mtbf_hours:>7.3g} {p.goodput:>7.1%} {p.cluster_mw:>6.3g}  {p.bound}")
     point = diminishing_point(points)
     if point is None:
         rows.append(f"No diminishing-returns point in this range: every step up buys >= {DIMINISHING:.0%} of "
