@@ -27,14 +27,12 @@ Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole 
 on a GPU computes the masked tiles too -- the memory model counts that mask, the time model does not.
 
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
-dense layers are spread evenly), experts are assumed perfectly balanced, tensor-parallel
-communication is not overlapped with compute (meshlm's TP does not overlap it, nor did the Megatron
-runs of the published comparison), data-parallel communication overlaps with the backward (or
-forward) pass of one microbatch, and what overlaps still slows the compute by the SMs the
-collective holds (`Cluster.comm_sm_fraction`). Fused attention has its own efficiency, lower for
-the short blocks of a context-parallel ring. A layout fits only with MIN_HEADROOM of memory free.
-On a CPU host (`compute_slots`) ranks beyond the core count time-share the cores, and collectives
-get no overlap once every core computes.
+dense layers are spread evenly), experts are assumed perfectly balanced and their routing, permutation
+and all-to-all cost no more than their bytes (fine-grained MoE runs measured in
+benchmarks/planner_published.py are several times slower than that), pipeline p2p is never
+overlapped, and fused attention has its own efficiency, lower for the short blocks of a
+context-parallel ring. On a CPU host (`compute_slots`) ranks beyond the core count time-share the
+cores, and collectives get no overlap once every core computes.
 """
 
 from __future__ import annotations
