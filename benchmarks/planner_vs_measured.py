@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, sequence_parallel=sp,
                         zero_stage=stage, micro_batch_size=mbs, bucket_size_mb=bucket_mb)
         # meshlm's model runs eager here: one memory pass per elementwise op (Job.fused_elementwise)
-        job = Job(seq_len=SEQ_LEN, global_batch_size=global_batch, precision="fp32", fused_elementwise=False)
+        job = Job(seq_len=SEQ_LEN, global_batch_size=global_batch, precision="fp32", fused_elementwise=False, runtime="meshlm")
         est = estimate(cfg, local, job, layout, gpus=world)
         # The pass whose ranks got the most of their cores is the least disturbed by other work.
         best = max(runs[spec], key=lambda run: run["core_share"])

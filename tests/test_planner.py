@@ -272,7 +272,7 @@ def test_local_cluster_needs_calibration(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"matmul_flops": 5e10, "link": {"bandwidth": 2e9, "latency": 1e-4}}))
     local = get_cluster("local", calibration=tmp_path / "c.json")
     e = estimate("tiny", local, gpus=2, layout="dp_shard=2,zero_stage=1", seq_len=256, global_batch_size=8,
-                 precision="fp32")
+                 precision="fp32", runtime="meshlm")
     assert e.time_s["step"] > 0 and e.time_s["dp_comm"] > 0
 
 
@@ -292,7 +292,7 @@ def test_model_state_bytes_match_a_real_adamw_step(name):
         "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values()
                          for k, t in st.items() if k != "step"),
     }
-    est = estimate(cfg, "a100", gpus=1, layout="dp_shard=1", seq_len=16, global_batch_size=1, precision="fp32")
+    est = estimate(cfg, "a100", gpus=1, layout="dp_shard=1", seq_len=16, global_batch_size=1, precision="fp32", runtime="meshlm")
     for key, value in measured.items():
         assert est.memory_gib[key] * 2**30 == pytest.approx(value, rel=1e-9), key
 
@@ -305,7 +305,7 @@ def test_calibrate_writes_a_usable_local_cluster(tmp_path):
     assert data["matmul_flops"] > 0 and data["link"]["bandwidth"] > 0
     assert {"all_reduce", "all_gather", "reduce_scatter"} <= set(data["collectives"])
     local = get_cluster("local", calibration=out)
-    e = estimate("tiny", local, gpus=2, layout="dp_shard=2", seq_len=256, global_batch_size=4, precision="fp32")
+    e = estimate("tiny", local, gpus=2, layout="dp_shard=2", seq_len=256, global_batch_size=4, precision="fp32", runtime="meshlm")
     assert e.fits and e.time_s["step"] > 0
 
 
@@ -321,7 +321,7 @@ def test_local_ranks_beyond_the_cores_time_share_them(tmp_path):
 
     def est(cluster, world):  # the same work per rank at every world size; 1 MiB buckets overlap
         return estimate("tiny", cluster, gpus=world, layout=f"dp_shard={world},bucket_size_mb=1", seq_len=128,
-                        global_batch_size=2 * world, precision="fp32")
+                        global_batch_size=2 * world, precision="fp32", runtime="meshlm")
 
     assert est(new, 2).time_s["compute"] == pytest.approx(est(new, 1).time_s["compute"])
     assert est(new, 4).time_s["compute"] == pytest.approx(2 * est(new, 2).time_s["compute"])
@@ -355,7 +355,7 @@ def test_overlapped_collectives_cost_the_sms_they_hold():
 
 
 def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
-    """fp32 is meshlm's runtime: ZeRO-1/2 keep full weights plus a flat master shard (optimizer 12/n),
+    """runtime="meshlm" (fp32) is meshlm's runtime: ZeRO-1/2 keep full weights plus a flat master shard (optimizer 12/n),
     ZeRO-3's shard is the weights (optimizer 8/n), accumulation keeps full gradients under stage 2,
     one padded gradient copy of buffers (stage 3: the gathered units), and stage 3 gathers every block
     twice per micro-step."""
@@ -363,7 +363,8 @@ def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
 
     def est(stage, *, batch=4, precision="fp32"):
         return estimate(cfg, "a100", gpus=4, layout=f"dp_shard=4,zero_stage={stage}", seq_len=16,
-                        global_batch_size=batch, precision=precision)
+                        global_batch_size=batch, precision=precision,
+                        runtime="meshlm" if precision == "fp32" else "megatron")
 
     base, z1, z2, z3 = (est(z) for z in range(4))
     n = base.memory_gib["weights"] * 2**30 / 4  # parameters
@@ -432,3 +433,279 @@ def test_pipeline_split_override_is_validated():
     assert pp_layers(ParallelConfig(pp=2, pp_layers="1,3"), cfg, seq_len=16) == [1, 3]
     with pytest.raises(ValueError, match="must give 2 counts"):
         pp_layers(ParallelConfig(pp=2, pp_layers="1,2"), cfg, seq_len=16)
+
+
+# ---- time model: GEMM shapes, collectives per kind, overlap per strategy ---------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_layer_gemms_carry_exactly_the_dense_flops(name):
+    from meshlm.planner.cost import ModelSummary
+    from meshlm.planner.kernels import layer_gemms
+
+    cfg = ModelConfig(**{**TINY, **VARIANTS[name]})
+    s = ModelSummary.build(cfg, 64)
+    gemms = layer_gemms(cfg, tokens=1, tp=1, ep=1, moe_fraction=s.moe_layer_fraction)
+    assert sum(2 * m * n * k * c for m, n, k, c in gemms) == pytest.approx(s.flops_dense)
+    if cfg.is_moe:  # the same FLOPs whatever ep, only split over fewer local experts with more rows each
+        split = layer_gemms(cfg, tokens=1, tp=1, ep=2, moe_fraction=s.moe_layer_fraction)
+        assert sum(2 * m * n * k * c for m, n, k, c in split) == pytest.approx(s.flops_dense)
+
+
+def test_thin_gemms_run_below_the_large_gemm_rate():
+    from meshlm.planner.kernels import gemm_time
+
+    kw = dict(rate=600e12, hbm_bw=3e12, in_bytes=2, k_overhead=256)
+    big = gemm_time(8192, 8192, 8192, **kw)
+    thin = gemm_time(8192, 8192, 512, **kw)  # a tp=16 shard of the same row-parallel layer
+    rate_big, rate_thin = 2 * 8192**3 / big, 2 * 8192 * 8192 * 512 / thin
+    assert rate_thin < 0.7 * rate_big and rate_big == pytest.approx(600e12 * 8192 / (8192 + 256))
+    decode = gemm_time(1, 8192, 8192, **kw)  # one token: bound by streaming the weights
+    assert decode == pytest.approx(2 * 8192 * 8192 / 3e12, rel=1e-3)
+
+
+def test_collective_fits_are_per_kind_and_tier():
+    from meshlm.planner.cluster import with_overrides
+    from meshlm.planner.collectives import collective_time
+
+    h100 = get_cluster("h100")
+    slow_a2a = with_overrides(h100, collective_fits={"scale-out": {"all_to_all": (20e-6, 10e9)}})
+    span = (8, 4)
+    assert collective_time("all_reduce", 1e9, span, slow_a2a) == collective_time("all_reduce", 1e9, span, h100)
+    assert collective_time("all_to_all", 1e9, span, slow_a2a) > 2 * collective_time("all_to_all", 1e9, span, h100)
+    assert collective_time("all_to_all", 1e9, (8, 1), slow_a2a) == collective_time("all_to_all", 1e9, (8, 1), h100)
+
+
+def test_local_cluster_uses_each_calibrated_collective(tmp_path):
+    from meshlm.planner.cluster import local_cluster
+
+    data = {"matmul_flops": 1e11, "world_size": 4, "link": {"bandwidth": 1e9, "latency": 1e-4},
+            "collectives": {"all_reduce": {"latency": 6e-4, "bandwidth": 2e9},
+                            "p2p": {"latency": 5e-5, "bandwidth": 4e9}}}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    clu = local_cluster(path)
+    assert clu.collective_fit("all_reduce", "scale-up") == (pytest.approx(6e-4 / 6), 2e9)  # 2 (n - 1) hops
+    assert clu.collective_fit("p2p", "scale-out") == (5e-5, 4e9)
+    assert clu.collective_fit("all_gather", "scale-up") == (1e-4, 1e9)  # not measured: the link's fit
+
+
+def test_comm_overlap_flags_change_only_their_component():
+    cfg = ModelConfig.from_preset("llama3-70b")
+    h100 = get_cluster("h100")
+    from meshlm.planner import cost
+
+    layout = cost.Layout(tp=8, pp=2, dp_shard=4, zero_stage=1)
+
+    def run(**kw):
+        return cost.estimate(cfg, h100, Job(seq_len=4096, global_batch_size=64, **kw), layout)
+
+    base, tp_ov, dp_ex = run(), run(tp_comm_overlap=True), run(dp_comm_overlap=False)
+    assert tp_ov.time_s["tp_comm"] < 0.5 * base.time_s["tp_comm"]
+    assert dp_ex.time_s["dp_comm"] > base.time_s["dp_comm"]
+    for key in ("compute", "optimizer"):
+        assert tp_ov.time_s[key] == dp_ex.time_s[key] == base.time_s[key]
+    assert dp_ex.time_s["pp_bubble"] == base.time_s["pp_bubble"]  # the bubble scales with per-microbatch time,
+    assert tp_ov.time_s["pp_bubble"] < base.time_s["pp_bubble"]  # which hidden TP communication shortens
+
+
+def test_fp8_is_faster_than_bf16_but_not_twice():
+    cfg = ModelConfig.from_preset("llama3-8b")
+    h100 = get_cluster("h100")
+    from meshlm.planner import cost
+
+    lo = cost.Layout(dp_shard=8, zero_stage=1)
+    bf16 = cost.estimate(cfg, h100, Job(seq_len=8192, global_batch_size=64), lo)
+    fp8 = cost.estimate(cfg, h100, Job(seq_len=8192, global_batch_size=64, precision="fp8"), lo)
+    # GEMMs at twice the rate, but attention, elementwise work and the fp8 casts stay at bf16 / HBM speed
+    assert 1.2 < bf16.time_s["step"] / fp8.time_s["step"] < 1.9
+
+
+def test_runtime_accounting_is_an_explicit_field():
+    from meshlm.planner import cost
+
+    cfg = ModelConfig(**TINY)
+    lo = cost.Layout(dp_shard=4, zero_stage=1)
+    mine = cost.estimate(cfg, get_cluster("a100"), Job(seq_len=16, global_batch_size=4, precision="fp32",
+                                                       runtime="meshlm"), lo)
+    megatron = cost.estimate(cfg, get_cluster("a100"), Job(seq_len=16, global_batch_size=4, precision="fp32"), lo)
+    # meshlm's ZeRO-1 keeps full fp32 weights + a flat master shard; Megatron's accounting shards the 8
+    # bytes of fp32 moments only (fp32 weights are the master copy)
+    assert mine.memory_gib["optimizer"] > megatron.memory_gib["optimizer"]
+    with pytest.raises(ValueError, match="runtime='meshlm' trains in fp32"):
+        Job(seq_len=16, global_batch_size=4, precision="bf16", runtime="meshlm").validate()
+    with pytest.raises(ValueError, match="runtime='torch' must be one of"):
+        Job(seq_len=16, global_batch_size=4, runtime="torch").validate()
+
+
+def test_validate_layout_refuses_what_the_runtime_refuses():
+    from meshlm.planner import cost
+
+    job = Job(seq_len=64, global_batch_size=4)
+    odd_vocab = ModelConfig(**{**TINY, "vocab_size": 65})
+    with pytest.raises(ValueError, match="tp=2 must divide model.vocab_size=65"):
+        cost.validate_layout(odd_vocab, job, cost.Layout(tp=2), gpus=2)
+    odd_mlp = ModelConfig(**{**TINY, "num_kv_heads": 4, "intermediate_size": 50})
+    with pytest.raises(ValueError, match="tp=4 must divide model.intermediate_size=50"):
+        cost.validate_layout(odd_mlp, job, cost.Layout(tp=4), gpus=4)
+    assert cost.validate_layout(odd_mlp, job, cost.Layout(tp=2), gpus=2) == 4
+
+
+# ---- failures, power, scale, compare ---------------------------------------------------------------
+
+
+def test_failures_follow_young_daly():
+    from meshlm.planner.operations import FAILURE_RATE_PER_GPU_HOUR, failures
+
+    f = failures(gpus=16384, step_s=10.0, ckpt_bytes=405e9 * 14)
+    assert f["mtbf_hours"] == pytest.approx(1 / (16384 * FAILURE_RATE_PER_GPU_HOUR))
+    assert 2.5 < f["mtbf_hours"] < 3.5  # Llama 3: 419 interruptions in 54 days on 16K GPUs
+    d, m = f["checkpoint_write_s"], f["mtbf_hours"] * 3600
+    assert f["checkpoint_interval_s"] == pytest.approx(math.sqrt(2 * d * m) - d)
+
+    def waste(tau):
+        return d / tau + ((tau + d) / 2 + f["restart_s"]) / m
+
+    assert f["goodput"] == pytest.approx(1 - waste(f["checkpoint_interval_s"]))
+    assert waste(0.7 * f["checkpoint_interval_s"]) > waste(f["checkpoint_interval_s"]) < waste(1.4 * f["checkpoint_interval_s"])
+    small = failures(gpus=64, step_s=10.0, ckpt_bytes=405e9 * 14)
+    assert small["goodput"] > f["goodput"] and small["mtbf_hours"] == pytest.approx(256 * f["mtbf_hours"])
+    with pytest.raises(ValueError, match="storage bandwidth"):
+        failures(gpus=8, step_s=1.0, ckpt_bytes=1e9, storage_bw=0)
+
+
+def test_power_adds_gpu_server_network_and_pue():
+    from meshlm.planner.operations import power
+
+    h100 = get_cluster("h100")
+    p = power(h100, gpus=1000, step_s=2.0, tokens_per_s=1e6, train_tokens=15e12)
+    per_gpu = (700 + 575 + 110) * 1.2
+    assert p["cluster_mw"] == pytest.approx(1000 * per_gpu / 1e6)
+    assert p["energy_per_step_kwh"] == pytest.approx(1000 * per_gpu * 2.0 / 3.6e6)
+    assert p["kwh_per_million_tokens"] == pytest.approx(1000 * per_gpu / 3.6e6)  # 1 s per million tokens
+    assert p["run_mwh"] == pytest.approx(15e12 / 1e6 * p["kwh_per_million_tokens"] / 1000)
+    assert p["run_days"] == pytest.approx(15e12 / 1e6 / 86400)
+
+
+def test_cli_estimate_json_has_failures_and_power(capsys):
+    rc, out = _cli(["plan", "estimate", "--model", "llama3-70b", "--cluster", "h100", "--gpus", "64",
+                    "--layout", "tp=8,pp=4,zero_stage=1", "--global-batch-tokens", "4M", "--train-tokens", "15T",
+                    "--json"], capsys)
+    d = json.loads(out)
+    for key in ("mtbf_hours", "checkpoint_write_s", "checkpoint_interval_s", "goodput", "checkpoint_gb"):
+        assert key in d["failures"]
+    for key in ("cluster_mw", "energy_per_step_kwh", "kwh_per_million_tokens", "run_days", "run_mwh"):
+        assert key in d["power"]
+    assert d["power"]["train_tokens"] == 15e12 and 0 < d["failures"]["goodput"] < 1
+    rc, out = _cli(["plan", "estimate", "--model", "llama3-70b", "--cluster", "h100", "--gpus", "64",
+                    "--layout", "tp=8,pp=4,zero_stage=1", "--global-batch-tokens", "4M"], capsys)
+    assert "Failures: cluster MTBF" in out and "Young/Daly" in out and "MW" in out
+
+
+def test_diminishing_returns_point():
+    from meshlm.planner.scale import ScalePoint, _relate, diminishing_point, parse_gpu_counts
+
+    assert parse_gpu_counts("8:64") == [8, 16, 32, 64] and parse_gpu_counts("8:48") == [8, 16, 32, 48]
+    assert parse_gpu_counts("64,8") == [8, 64]
+    with pytest.raises(ValueError, match="LO:HI"):
+        parse_gpu_counts("64:8")
+    tps = {8: 100.0, 16: 200.0, 32: 380.0, 64: 520.0, 128: 500.0}  # 64 -> 128 slows the system
+    points = [ScalePoint(gpus=n, global_batch_tokens=1, fits=True, tokens_per_s=t) for n, t in tps.items()]
+    _relate(points)
+    assert points[2].marginal_share == pytest.approx(0.9) and points[3].marginal_share == pytest.approx(140 / 380)
+    assert diminishing_point(points).gpus == 32
+    assert points[4].marginal_share < 0
+
+
+def test_cli_scale_and_plot(capsys, tmp_path):
+    png = tmp_path / "scale.png"
+    rc, out = _cli(["plan", "scale", "--model", "tiny", "--cluster", "h100", "--gpus", "1:4", "--seq-len", "256",
+                    "--global-batch-size", "16", "--plot", str(png)], capsys)
+    assert rc == 0 and "strong scaling" in out and "weak scaling" in out
+    assert ("Diminishing returns past" in out) or ("No diminishing-returns point" in out)
+    assert png.exists() and png.stat().st_size > 10_000
+    rc, out = _cli(["plan", "scale", "--model", "tiny", "--cluster", "h100", "--gpus", "1:4", "--seq-len", "256",
+                    "--global-batch-size", "16", "--mode", "strong", "--json"], capsys)
+    d = json.loads(out)
+    pts = d["curves"]["strong"]
+    assert [p["gpus"] for p in pts] == [1, 2, 4] and all(p["global_batch_tokens"] == 16 * 256 for p in pts)
+    assert pts[0]["scaling_efficiency"] == 1.0 and all(0 <= p["comm_share"] < 1 for p in pts)
+    assert all(0 < p["goodput"] <= 1 and p["cluster_mw"] > 0 for p in pts)
+    assert pts[0]["mtbf_hours"] == pytest.approx(4 * pts[-1]["mtbf_hours"])  # 1 GPU vs 4
+    # a tiny model is latency-bound well before 4 GPUs share 16 sequences
+    assert pts[-1]["tokens_per_s"] < 4 * pts[0]["tokens_per_s"]
+
+
+def test_cli_compare_names_the_bounding_link(capsys):
+    rc, out = _cli(["plan", "compare", "--model", "llama3-8b", "--gpus", "16", "--seq-len", "4096",
+                    "--global-batch-tokens", "1M", "--cluster", "h100", "--cluster", "gb200-nvl72", "--json"], capsys)
+    d = json.loads(out)
+    assert [r["cluster"] for r in d["clusters"]] == ["h100", "gb200-nvl72"]
+    for r in d["clusters"]:
+        assert r["fits"] and r["bound"].startswith("links:") and r["cluster_mw"] > 0
+    # 16 GPUs are two NVLink domains of an H100 cluster but one NVL72 domain: nothing leaves it
+    assert "scale-out" not in json.dumps(d["clusters"][1]["links"])
+    with pytest.raises(ValueError, match="two or more --cluster"):
+        _cli(["plan", "compare", "--model", "llama3-8b", "--gpus", "16", "--global-batch-tokens", "1M",
+              "--cluster", "h100"], capsys)
+
+
+# ---- wording: each line agrees with the others and says why (issue 16) --------------------------------
+
+
+def test_zero_wording_names_the_ranks_the_layout_string_shows():
+    from meshlm.planner.cost import Layout
+    from meshlm.planner.explain import zero_group_words
+
+    lo = Layout(dp_shard=2, cp=4, zero_stage=2)
+    assert "dp2/z2" in lo.short() and "cp4" in lo.short()
+    assert zero_group_words(lo) == "the 8 ranks of dp_shard 2 x cp 4"
+    assert zero_group_words(Layout(dp_shard=8, zero_stage=1)) == "the 8 dp_shard ranks"
+
+
+def test_does_not_fit_says_why_next_to_the_headroom():
+    from meshlm.planner.cli import format_table
+    from meshlm.planner.cluster import with_overrides
+    from meshlm.planner.cost import MIN_HEADROOM
+    from meshlm.planner.explain import bound_of
+
+    h100 = get_cluster("h100")
+    e = estimate("llama3-8b", h100, gpus=8, layout="tp=8", seq_len=4096, global_batch_size=8)
+    tight = with_overrides(h100, hbm_bytes=e.memory_gib["total"] * 2**30 / (1 - MIN_HEADROOM / 2))
+    miss = estimate("llama3-8b", tight, gpus=8, layout="tp=8", seq_len=4096, global_batch_size=8)
+    assert not miss.fits
+    assert "less than the free-memory margin" in format_table([miss])
+    text = bound_of(miss)
+    assert "does not fit" in text and "GiB free, under the" in text and "headroom" not in text
+    assert "fits, keeping" in bound_of(e)
+
+
+def test_infer_reports_no_decode_speed_when_nothing_fits(capsys):
+    rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--tp", "1"], capsys)
+    assert rc == 0 and "does not fit" in out and "0 tokens of KV cache" in out
+    assert "decode at batch" not in out
+    rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--tp", "1", "--json"], capsys)
+    d = json.loads(out)
+    assert d["fits"] is False and "fewer than one sequence" in d["reason"]
+
+
+def test_published_runs_median_error_within_ten_percent():
+    """benchmarks/planner_published.py on the shared reference rows (each run with its own layout):
+    the median |error| of the predicted throughput stays <= 10% overall and on the fitted groups."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "planner_published.py"
+    spec = importlib.util.spec_from_file_location("planner_published", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if not bench.DEFAULT_CSV.exists():
+        pytest.skip(f"published runs CSV not found at {bench.DEFAULT_CSV}")
+    import csv
+
+    with bench.DEFAULT_CSV.open(newline="") as f:
+        results = [bench.predict_row(r) for r in csv.DictReader(f)]
+    summary = bench.summarize(results)
+    assert summary["rows_used"] >= 60
+    assert summary["median_abs_error"] <= 0.10, summary
+    assert summary["fit_groups_median_abs_error"] <= 0.10, summary

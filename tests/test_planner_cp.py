@@ -71,7 +71,7 @@ def cp_count_worker(rank, world_size):
 
 
 def _planner(kv: int, method: str, rc: str, layers: int) -> cost.Estimate:
-    job = Job(seq_len=SEQ, global_batch_size=BATCH, precision="fp32", fused_elementwise=False)
+    job = Job(seq_len=SEQ, global_batch_size=BATCH, precision="fp32", fused_elementwise=False, runtime="meshlm")
     layout = Layout(cp=CP, cp_method=method, recompute=rc, micro_batch_size=BATCH)
     return cost.estimate(_model_cfg(kv, layers), get_cluster("a100"), job, layout, gpus=CP)
 

@@ -26,20 +26,22 @@ __all__ = ["estimate", "plan", "Estimate", "Job", "Layout", "Cluster", "PRESETS"
            "get_cluster", "pipeline_bubble"]
 
 
-def _inputs(model, cluster, *, seq_len, global_batch_size, global_batch_tokens, precision, calibration):
+def _inputs(model, cluster, *, seq_len, global_batch_size, global_batch_tokens, precision, calibration,
+            runtime="megatron"):
     from meshlm.planner.cli import make_job, resolve_model
 
     cfg = model if isinstance(model, ModelConfig) else resolve_model(model)
     clu = cluster if isinstance(cluster, Cluster) else get_cluster(cluster, calibration=calibration)
     job = make_job(seq_len=seq_len, global_batch_size=global_batch_size, global_batch_tokens=global_batch_tokens,
-                   precision=precision)
+                   precision=precision, runtime=runtime)
     return cfg, clu, job
 
 
 def estimate(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, layout: str | dict | Layout,
              seq_len: int = 8192, global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
-             precision: str = "bf16", calibration: str | None = None) -> Estimate:
+             precision: str = "bf16", calibration: str | None = None, runtime: str = "megatron") -> Estimate:
     """Estimate one layout. `layout` is `"tp=8,pp=4,..."`, a dict of the same keys, or a `Layout`.
+    `runtime="meshlm"` (with precision="fp32") follows meshlm's own runtime's accounting (cost.RUNTIMES).
 
     The returned `Estimate` has fits, memory_gib (by component and total), time_s (by component and
     step), mfu, hfu, tokens_per_s, tflops_per_gpu, hw_tflops_per_gpu.
@@ -47,7 +49,8 @@ def estimate(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, lay
     from meshlm.planner import cost
 
     cfg, clu, job = _inputs(model, cluster, seq_len=seq_len, global_batch_size=global_batch_size,
-                            global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration)
+                            global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration,
+                            runtime=runtime)
     if isinstance(layout, str):
         layout = parse_layout(layout, gpus=gpus)
     elif isinstance(layout, dict):

@@ -9,6 +9,8 @@ Not responsible for: any estimate (see `cost.py`, `search.py`, `inference.py`).
 
   meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 --global-batch-tokens 4M
   meshlm plan estimate --model llama3-70b --cluster h100 --gpus 64 --layout tp=8,pp=4,zero_stage=1 --json
+  meshlm plan scale --model llama3-70b --cluster h100 --gpus 8:16384 --global-batch-tokens 2M --plot scale.png
+  meshlm plan compare --model llama3-70b --gpus 1152 --cluster h100 --cluster gb200-nvl72 --global-batch-tokens 16M
   meshlm plan infer --model llama3-70b --cluster h100 --tp 8 --context-len 8192
   meshlm plan calibrate --out plan_calibration.json
   meshlm plan schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2 --plot pp.png
@@ -41,6 +43,46 @@ def parse_size(text: str | int) -> int:
     return int(value)
 
 
+_DECIMAL = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+def parse_amount(text: str | float | None, *, flag: str) -> float | None:
+    """`15T` -> 1.5e13, `500G` -> 5e11, `2e12` -> 2e12 (decimal units: token counts, bytes per second)."""
+    if text is None:
+        return None
+    t = str(text).strip().lower()
+    mult = 1.0
+    if t and t[-1] in _DECIMAL:
+        mult, t = _DECIMAL[t[-1]], t[:-1]
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a number like 15T, 500G or 2e12 "
+                         "(K/M/G/T = 1e3/1e6/1e9/1e12)") from None
+    if value <= 0:
+        raise ValueError(f"{flag} {text!r} must be > 0")
+    return value
+
+
+def runtime_of(args) -> str:
+    """--runtime, or its default: meshlm's own runtime on --cluster local (this machine runs meshlm), else megatron."""
+    if getattr(args, "runtime", None):
+        return args.runtime
+    return "meshlm" if args.cluster == "local" else "megatron"
+
+
+def job_operations(est, cfg, cluster, args) -> dict:
+    """Failures / checkpoint / goodput and power of one estimate, with the command's flags."""
+    from meshlm.planner import model_stats
+    from meshlm.planner.operations import FAILURE_RATE_PER_GPU_HOUR, operations
+
+    rate = FAILURE_RATE_PER_GPU_HOUR if getattr(args, "failure_rate", None) is None else args.failure_rate
+    return operations(est, cluster, total_params=model_stats.count_params(cfg)["total"], precision=args.precision,
+                      failure_rate_per_gpu_hour=rate,
+                      storage_bw=parse_amount(getattr(args, "storage_bw", None), flag="--storage-bw"),
+                      train_tokens=parse_amount(getattr(args, "train_tokens", None), flag="--train-tokens"))
+
+
 def resolve_model(spec: str):
     """A preset name, or a Hugging Face config.json (or the directory holding one)."""
     from meshlm.config import MODEL_PRESETS, ModelConfig
@@ -54,7 +96,7 @@ def resolve_model(spec: str):
 
 
 def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
-             precision: str = "bf16", flash_attention: bool = True):
+             precision: str = "bf16", flash_attention: bool = True, runtime: str = "megatron"):
     from meshlm.planner.cost import Job
 
     if seq_len is None or int(seq_len) < 1:
@@ -69,23 +111,43 @@ def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch
         gbs = parse_size(global_batch_size)
     else:
         raise ValueError("give --global-batch-size (sequences) or --global-batch-tokens (e.g. 4M)")
-    job = Job(seq_len=int(seq_len), global_batch_size=gbs, precision=precision, flash_attention=flash_attention)
+    job = Job(seq_len=int(seq_len), global_batch_size=gbs, precision=precision, flash_attention=flash_attention,
+              runtime=runtime)
     job.validate()
     return job
 
 
-def _add_common(p: argparse.ArgumentParser, *, required: bool) -> None:
+def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one") -> None:
     p.add_argument("--model", required=required, metavar="PRESET|CONFIG.json",
                    help="a model preset (e.g. llama3-70b) or a Hugging Face config.json")
-    p.add_argument("--cluster", default="h100", help="a100 | h100 | h200 | b200 | gb200-nvl72 | local (default h100)")
+    if gpus == "compare":
+        p.add_argument("--cluster", action="append", required=True,
+                       help="a cluster to compare; give it twice or more (e.g. --cluster h100 --cluster gb200-nvl72)")
+    else:
+        p.add_argument("--cluster", default="h100",
+                       help="a100 | h100 | h200 | b200 | gb200-nvl72 | local (default h100)")
     p.add_argument("--calibration", default="plan_calibration.json", metavar="FILE",
                    help="calibration file for --cluster local (default plan_calibration.json)")
-    p.add_argument("--gpus", type=int, required=required, help="number of GPUs")
+    if gpus == "range":
+        p.add_argument("--gpus", required=True, help="GPU counts: LO:HI (powers of two, e.g. 8:16384) or 8,64,512")
+    else:
+        p.add_argument("--gpus", type=int, required=required, help="number of GPUs")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
     batch = p.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-size", default=None, help="sequences per optimizer step")
     batch.add_argument("--global-batch-tokens", default=None, help="tokens per optimizer step, e.g. 4M")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="training precision")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp32"],
+                   help="training precision (default bf16; fp32 on --cluster local, as meshlm trains on CPUs)")
+    p.add_argument("--runtime", choices=["megatron", "meshlm"], default=None,
+                   help="whose memory/communication accounting: megatron (mixed precision, the default for the "
+                        "presets) or meshlm (its own fp32 runtime, the default for --cluster local)")
+    p.add_argument("--train-tokens", default=None, metavar="N",
+                   help="tokens of the whole run (e.g. 15T) for its days and energy")
+    p.add_argument("--failure-rate", type=float, default=None, metavar="PER_GPU_HOUR",
+                   help="failures per GPU-hour (default 1.97e-5, the Llama 3 paper's 16K-GPU run)")
+    p.add_argument("--storage-bw", default=None, metavar="BYTES_PER_S",
+                   help="checkpoint storage write bandwidth of the job, e.g. 500G (default 122 MB/s per GPU, "
+                        "the Llama 3 paper's 2 TB/s for 16K GPUs)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -112,6 +174,26 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                                    "sequence_parallel.")
     _add_common(e, required=True)
     e.add_argument("--layout", required=True, help="e.g. tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=selective")
+
+    sc = sub.add_parser("scale", help="best layout, tokens/s, MFU and comm share at each GPU count; "
+                                      "strong and weak scaling; the diminishing-returns point",
+                        description="Search the best layout at each GPU count of --gpus LO:HI (powers of two) under "
+                                    "strong scaling (--global-batch-tokens at every count) and weak scaling "
+                                    "(--tokens-per-gpu x GPUs), and name the last count before the next step up "
+                                    "buys less than half its linear share of tokens/s.")
+    _add_common(sc, required=True, gpus="range")
+    sc.add_argument("--tokens-per-gpu", default=None,
+                    help="weak scaling: tokens per GPU per step (default: the strong run's at the largest count, "
+                         "at least one sequence)")
+    sc.add_argument("--mode", choices=["both", "strong", "weak"], default="both", help="which curves (default both)")
+    sc.add_argument("--plot", metavar="FILE.png", help="write tokens/s against GPUs with the point marked")
+
+    cmpp = sub.add_parser("compare", help="the best layout on two or more clusters, side by side, and the link "
+                                          "that bounds each",
+                          description="Search each --cluster for the same job and print the winners side by side: "
+                                      "step time, tokens/s, MFU, power, which link each parallel axis rides and "
+                                      "which communication bounds the step.")
+    _add_common(cmpp, required=True, gpus="compare")
 
     i = sub.add_parser("infer", help="serving estimate: KV cache, largest batch, decode tokens/s, prefill",
                        description="Serving estimate for one tensor-parallel replica.")
@@ -215,6 +297,12 @@ def run_plan(args) -> int:
     if args.model is None:
         raise ValueError("--model is required (a preset such as llama3-70b, or a Hugging Face config.json)")
     cfg = resolve_model(args.model)
+    if cmd != "infer" and args.precision is None:
+        args.precision = "fp32" if args.cluster == "local" else "bf16"
+    if cmd == "scale":
+        return run_scale(args, cfg)
+    if cmd == "compare":
+        return run_compare(args, cfg)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     if cmd == "infer":
         from meshlm.planner.inference import estimate_inference
@@ -227,6 +315,9 @@ def run_plan(args) -> int:
             print(f"{args.model} on {cluster.gpu} x{args.tp} (tp): weights {est.weights_gib:.1f} GiB/GPU, "
                   f"KV cache {est.kv_bytes_per_token / 1024:.1f} KiB/token/GPU, {est.max_tokens_in_cache:,} tokens "
                   f"fit -> max batch {est.max_batch} at {est.context_len} tokens")
+            if not est.fits:
+                print(f"does not fit: {est.reason}; no decode speed to report")
+                return 0
             print(f"decode at batch {est.batch}: {est.decode_step_s * 1e3:.2f} ms/step, "
                   f"{est.decode_tokens_per_s:,.0f} tokens/s ({est.decode_bound}-bound); "
                   f"prefill of {est.context_len} tokens: {est.prefill_s * 1e3:.1f} ms")
@@ -234,18 +325,22 @@ def run_plan(args) -> int:
     if args.gpus is None:
         raise ValueError("--gpus is required")
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
-                   global_batch_tokens=args.global_batch_tokens, precision=args.precision)
+                   global_batch_tokens=args.global_batch_tokens, precision=args.precision,
+                   runtime=runtime_of(args))
     if cmd == "estimate":
         from meshlm.planner.cost import estimate, parse_layout
 
         est = estimate(cfg, cluster, job, parse_layout(args.layout, gpus=args.gpus), gpus=args.gpus)
+        ops = job_operations(est, cfg, cluster, args)
         if args.json:
-            print(json.dumps(est.to_dict(), indent=2))
+            print(json.dumps({**est.to_dict(), **ops}, indent=2))
         else:
-            print(format_table([est]))
             from meshlm.planner.explain import bound_of
+            from meshlm.planner.operations import describe
 
+            print(format_table([est]))
             print(bound_of(est))
+            print(describe(ops))
         return 0
 
     from meshlm.planner.explain import explain
@@ -259,8 +354,9 @@ def run_plan(args) -> int:
         plot_estimates(result.ranked, args.plot,
                        title=f"{args.model} on {args.gpus} x {cluster.gpu}, seq {job.seq_len}, "
                              f"{job.tokens / 2**20:.3g}M tokens/step")
+    ops = job_operations(result.ranked[0], cfg, cluster, args) if result.ranked else {}
     if args.json:
-        print(json.dumps({"model": args.model, "cluster": cluster.name, "gpus": args.gpus,
+        print(json.dumps({**ops, "model": args.model, "cluster": cluster.name, "gpus": args.gpus,
                           "seq_len": job.seq_len, "global_batch_size": job.global_batch_size,
                           "precision": job.precision, "evaluated": result.evaluated, "num_fit": result.num_fit,
                           "ranked": [e.to_dict() for e in result.ranked],
@@ -274,8 +370,107 @@ def run_plan(args) -> int:
         print(format_table(result.ranked))
     print()
     print(text)
+    if ops:
+        from meshlm.planner.operations import describe
+
+        print(describe(ops))
     if args.plot:
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _job_tokens(args) -> int:
+    if args.global_batch_tokens:
+        return parse_size(args.global_batch_tokens)
+    if args.global_batch_size:
+        return parse_size(args.global_batch_size) * args.seq_len
+    raise ValueError("give --global-batch-size (sequences) or --global-batch-tokens (e.g. 4M)")
+
+
+def run_scale(args, cfg) -> int:
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.scale import describe, diminishing_point, parse_gpu_counts, scale_curve
+
+    cluster = get_cluster(args.cluster, calibration=args.calibration)
+    counts = parse_gpu_counts(args.gpus)
+    tokens = _job_tokens(args)
+    # Weak scaling's default per-GPU batch is the strong run's at its largest count (at least one sequence),
+    # so the two curves meet there.
+    per_gpu = parse_size(args.tokens_per_gpu) if args.tokens_per_gpu else max(args.seq_len, tokens // counts[-1])
+    modes = ["strong", "weak"] if args.mode == "both" else [args.mode]
+    curves = {}
+    for mode in modes:
+        if not args.json:
+            print(f"{mode} scaling of {args.model} on {cluster.name}: "
+                  + (f"{tokens:,} tokens per step" if mode == "strong" else f"{per_gpu:,} tokens per GPU per step"),
+                  flush=True)
+        curves[mode] = scale_curve(cfg, cluster, counts=counts, seq_len=args.seq_len, precision=args.precision,
+                                   runtime=runtime_of(args), mode=mode, global_batch_tokens=tokens,
+                                   tokens_per_gpu=per_gpu)
+        if not args.json:
+            print(describe(curves[mode], mode=mode))
+            print()
+    marks = {mode: diminishing_point(points) for mode, points in curves.items()}
+    if args.plot:
+        from meshlm.planner.plot import plot_scaling
+
+        plot_scaling(curves, args.plot, marks=marks, title=f"{args.model} on {cluster.gpu} ({cluster.name}), "
+                                                            f"seq {args.seq_len}")
+    if args.json:
+        print(json.dumps({"model": args.model, "cluster": cluster.name, "seq_len": args.seq_len,
+                          "curves": {m: [p.to_dict() for p in pts] for m, pts in curves.items()},
+                          "diminishing_returns_gpus": {m: (p.gpus if p else None) for m, p in marks.items()}},
+                         indent=2))
+    elif args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def run_compare(args, cfg) -> int:
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.explain import link_summary
+    from meshlm.planner.search import search
+
+    if len(args.cluster) < 2:
+        raise ValueError(f"plan compare needs two or more --cluster (got {args.cluster}); "
+                         "e.g. --cluster h100 --cluster gb200-nvl72")
+    if args.gpus is None:
+        raise ValueError("--gpus is required")
+    job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
+                   global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron")
+    rows = []
+    for name in args.cluster:
+        cluster = get_cluster(name, calibration=args.calibration)
+        result = search(cfg, cluster, job, gpus=args.gpus, top=1)
+        if not result.ranked:
+            rows.append({"cluster": name, "fits": False, "bound": "nothing fits in memory"})
+            continue
+        est = result.ranked[0]
+        ops = job_operations(est, cfg, cluster, args)
+        rows.append({"cluster": name, "gpu": cluster.gpu, "scaleup_size": cluster.scaleup_size, "fits": True,
+                     "layout": est.layout.short(), "step_s": est.time_s["step"], "tokens_per_s": est.tokens_per_s,
+                     "mfu": est.mfu, "links": est.links, "cluster_mw": ops["power"]["cluster_mw"],
+                     "kwh_per_million_tokens": ops["power"]["kwh_per_million_tokens"],
+                     "goodput": ops["failures"]["goodput"], "bound": link_summary(est)})
+    if args.json:
+        print(json.dumps({"model": args.model, "gpus": args.gpus, "seq_len": job.seq_len,
+                          "global_batch_size": job.global_batch_size, "clusters": rows}, indent=2))
+        return 0
+    print(f"{args.model} on {args.gpus} GPUs, seq {job.seq_len}, {job.tokens:,} tokens per step, {job.precision}")
+    for r in rows:
+        if not r["fits"]:
+            print(f"  {r['cluster']:<12} nothing fits in memory")
+            continue
+        print(f"  {r['cluster']:<12} ({r['scaleup_size']}-GPU scale-up domains) {r['layout']}")
+        print(f"  {'':<12} step {r['step_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s, "
+              f"MFU {r['mfu']:.1%}, {r['cluster_mw']:.3g} MW, {r['kwh_per_million_tokens']:.3g} kWh/M tokens")
+        print(f"  {'':<12} {r['bound']}")
+    fitting = [r for r in rows if r["fits"]]
+    if len(fitting) > 1:
+        best = max(fitting, key=lambda r: r["tokens_per_s"])
+        others = ", ".join(f"{best['tokens_per_s'] / r['tokens_per_s']:.2f}x the tokens/s of {r['cluster']}"
+                           for r in fitting if r is not best)
+        print(f"Fastest: {best['cluster']}, {others}.")
     return 0
 
 
@@ -295,5 +490,6 @@ def format_table(estimates) -> str:
                     f"{lo.zero_stage:>1} {lo.micro_batch_size:>3} {sched:<11} {lo.recompute:<9} "
                     f"{e.memory_gib['total']:>8.1f} {e.time_s['step']:>8.3g} {e.mfu:>6.1%} {e.hfu:>6.1%} "
                     f"{e.tflops_per_gpu:>8.1f} {e.tokens_per_s:>11,.0f}  {worst} {over[worst] / e.time_s['step']:.0%}"
-                    + ("" if e.fits else "  DOES NOT FIT"))
+                    + ("" if e.fits else ("  DOES NOT FIT (over capacity)" if e.memory_gib["total"] > e.hbm_gib
+                                          else "  DOES NOT FIT (less than the free-memory margin left)")))
     return "\n".join(rows)

@@ -12,7 +12,7 @@ per direction ("450 GB/s each way" for H100 NVLink); network figures are per GPU
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 GiB = 2**30
@@ -48,6 +48,31 @@ class Cluster:
     # cores / ranks of the measured single-core rate, and a collective has no idle core to run on
     # while the others compute (see cost.estimate_layout).
     compute_slots: int = 0
+    # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
+    # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
+    gemm_k_overhead: float = 256.0
+    # Power under training load, watts per GPU (see PRESETS): the GPU's board power (datasheet TDP; a
+    # training job holds it near TDP), the rest of its server (CPUs, memory, NICs, fans, PSU losses: the
+    # system's datasheet maximum less its GPUs, per GPU), and its share of the network (switches + optics).
+    gpu_power_w: float = 0.0
+    node_power_w: float = 0.0
+    network_power_w: float = 0.0
+    # Data-centre overhead (cooling, power conversion): facility power / IT power.
+    pue: float = 1.0
+    # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
+    # per hop in s, achieved bandwidth in bytes/s)}}, kind one of collectives.KINDS. The default for a
+    # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
+    # the fits `meshlm plan calibrate` measures for each collective.
+    collective_fits: dict = field(default_factory=dict)
+
+    def collective_fit(self, kind: str, tier: str) -> tuple[float, float]:
+        """(latency per hop, bandwidth) of one collective kind on "scale-up" or "scale-out"."""
+        fit = self.collective_fits.get(tier, {}).get(kind)
+        if fit is not None:
+            return float(fit[0]), float(fit[1])
+        if tier == "scale-up":
+            return self.scaleup_latency, self.scaleup_bw * self.link_efficiency
+        return self.scaleout_latency, self.scaleout_bw * self.link_efficiency
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -68,9 +93,10 @@ def _gbit(x: float) -> float:
 #    reach in public cuBLAS/Megatron measurements. A100: ~250 of 312 TFLOP/s (0.80). Hopper and
 #    Blackwell peaks assume boost clocks that a 700 W+ part does not hold under sustained GEMM load,
 #    and their higher peaks are harder to feed; public H100 SXM bf16 GEMM measurements at transformer
-#    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200. Flash
-#    attention runs at a similar fraction; it is folded into the same constant. (Set from these
-#    GEMM figures, not from any end-to-end training run.)
+#    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200 and for fp8
+#    (of the fp8 peak). This is the rate of a large GEMM; kernels.py lowers it for small K
+#    (`gemm_k_overhead`) and bounds it by HBM for thin shapes. Attention has its own constant below.
+#    (Set from these GEMM figures, not from any end-to-end training run.)
 #  * attention_efficiency: fused causal attention (FlashAttention-class), forward + backward, counted
 #    on the FLOPs the kernel runs (the unmasked half; backward 2.5x forward, as its authors count),
 #    at long sequences (scaled down for short blocks by `attention_block_overhead`). A100: FlashAttention-2 reaches
@@ -86,25 +112,40 @@ def _gbit(x: float) -> float:
 #    SM per channel, and large collectives on NVSwitch/InfiniBand systems use ~16 channels, so
 #    compute overlapped with them runs on 16 of the SMs fewer (A100 108 SMs, H100 132, B200 148).
 #  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used.
+# Power (watts per GPU), from the datasheets:
+#  * A100 SXM 400 W; DGX A100 6.5 kW max for 8 GPUs -> (6500 - 8 x 400) / 8 = 412 W of server per GPU.
+#  * H100 SXM 700 W (H200 the same); DGX H100 10.2 kW max -> (10200 - 5600) / 8 = 575 W per GPU.
+#  * B200 1000 W; DGX B200 14.3 kW max -> (14300 - 8000) / 8 = 787 W per GPU.
+#  * GB200 NVL72: 1200 W per Blackwell GPU (GB200 superchip configuration); the rack's ~120 kW (NVIDIA
+#    GB200 NVL72 spec) less 72 x 1200 W leaves ~470 W per GPU for Grace CPUs, NVLink switch trays and fans.
+#  * network: a two/three-tier InfiniBand NDR fat tree has ~3 switch ports and 2 transceivers per GPU
+#    (QM9700: 64 ports, ~1.7 kW with its optics -> ~27 W per port; NDR OSFP transceivers ~15-17 W each):
+#    ~3 x 27 + 2 x 16 = ~110 W per GPU (A100 HDR: the same topology, 100 W).
+#  * PUE 1.2: a modern GPU data centre (hyperscalers report 1.1; the Uptime Institute's 2023 survey
+#    average is 1.58); override with --pue.
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108)
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108,
+             gpu_power_w=400.0, node_power_w=412.0, network_power_w=100.0, pue=1.2)
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132)
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132,
+             gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2)
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148)
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
+             gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
     "h100": Cluster(name="h100", **_H100),
     "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12}),
     "b200": Cluster(name="b200", **_B200),
-    "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72}),
+    "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
+                                                 "gpu_power_w": 1200.0, "node_power_w": 470.0}),
 }
 
 
@@ -138,14 +179,30 @@ def local_cluster(path: str | Path) -> Cluster:
         mem = float(data.get("memory_bytes", 16 * GiB))
     except (KeyError, TypeError) as e:
         raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate`") from None
-    return Cluster(name="local", gpu=data.get("device", "cpu"),
+    # Each collective's own fit (calibrate.py fits `t = latency + factor * bytes / bandwidth` at its world
+    # size, factor the ring's), its latency spread over the hops collectives.collective_time counts there.
+    n = max(2, int(data.get("world_size", 2)))
+    hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "p2p": 1}
+    fits = {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]))
+            for kind, f in (data.get("collectives") or {}).items() if kind in hops}
+    return Cluster(name="local", gpu=data.get("device", "cpu"), collective_fits={"scale-up": fits, "scale-out": fits},
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
                    scaleup_size=int(data.get("world_size_max", 1 << 20)), scaleup_bw=bw, scaleout_bw=bw,
                    scaleup_latency=lat, scaleout_latency=lat, matmul_efficiency=1.0,
                    attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops),
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
-                   hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)))
+                   hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)),
+                   gemm_k_overhead=0.0)
 
 
 def with_overrides(cluster: Cluster, **kw) -> Cluster:
     return replace(cluster, **kw)
+
+
+def slowed_links(cluster: Cluster, factor: float) -> Cluster:
+    """`cluster` with every link (defaults and per-collective fits) `factor` times slower in bandwidth:
+    ranks time-sharing the cores of one host share its memory copies too (cost.estimate_layout)."""
+    fits = {tier: {k: (lat, bw / factor) for k, (lat, bw) in kinds.items()}
+            for tier, kinds in cluster.collective_fits.items()}
+    return replace(cluster, scaleup_bw=cluster.scaleup_bw / factor, scaleout_bw=cluster.scaleout_bw / factor,
+                   collective_fits=fits)

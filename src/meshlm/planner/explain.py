@@ -9,7 +9,7 @@ Not responsible for: any number (they all come from `cost.py`).
 
 from __future__ import annotations
 
-from meshlm.planner.cost import Estimate
+from meshlm.planner.cost import MIN_HEADROOM, Estimate
 from meshlm.planner.search import SearchResult
 
 # Which mesh axis (and so which link) each communication time component rides on.
@@ -33,12 +33,49 @@ def bound_of(est: Estimate) -> str:
     link = f" on the {est.links.get(axis, 'none')} link" if axis and est.links.get(axis, "none") != "none" else ""
     mem = {k: v for k, v in est.memory_gib.items() if k != "total"}
     big_mem = max(mem, key=mem.get)
-    headroom = est.hbm_gib - est.memory_gib["total"]  # fitting layouts keep >= MIN_HEADROOM of it free
     return (f"compute is {est.time_s['compute'] / step:.0%} of the step; the largest overhead is the "
             f"{_COMPONENT_WORDS[worst]} ({overheads[worst]:.3g} s, {overheads[worst] / step:.0%}){link}. "
             f"Memory: {est.memory_gib['total']:.1f} of {est.hbm_gib:.0f} GiB, largest part {big_mem} "
-            f"({mem[big_mem]:.1f} GiB); " + (f"{headroom:.1f} GiB headroom." if headroom >= 0
-                                             else f"{-headroom:.1f} GiB over capacity."))
+            f"({mem[big_mem]:.1f} GiB); " + memory_verdict(est))
+
+
+def memory_verdict(est: Estimate) -> str:
+    """Whether the layout fits and why, in the same terms as `Estimate.fits` (cost.MIN_HEADROOM)."""
+    headroom = est.hbm_gib - est.memory_gib["total"]
+    margin = est.hbm_gib * MIN_HEADROOM
+    if headroom < 0:
+        return f"{-headroom:.1f} GiB over capacity: does not fit."
+    if not est.fits:
+        return (f"only {headroom:.1f} GiB free, under the {margin:.1f} GiB ({MIN_HEADROOM:.0%} of the GPU) the "
+                "planner keeps free for allocator spikes and library buffers: does not fit.")
+    return f"{headroom:.1f} GiB headroom (fits, keeping the {margin:.1f} GiB margin)."
+
+
+def zero_group_words(lo) -> str:
+    """The ranks ZeRO shards over, named as the layout string names them (dp_shard, times cp)."""
+    n = lo.dp_shard * lo.cp
+    if lo.cp > 1:
+        return f"the {n} ranks of dp_shard {lo.dp_shard} x cp {lo.cp}"
+    return f"the {n} dp_shard ranks" + (f" of each of {lo.dp_replicate} replicas" if lo.dp_replicate > 1 else "")
+
+
+def link_summary(est: Estimate) -> str:
+    """Which link each parallel axis rides, and which communication bounds the step (plan compare)."""
+    lo = est.layout
+    axes = [(name, deg) for name, deg in (("TP", lo.tp), ("EP", lo.ep), ("CP", lo.cp), ("PP", lo.pp),
+                                          ("DP", lo.dp)) if deg > 1]
+    key = {"TP": "tp", "EP": "ep", "CP": "cp", "PP": "pp", "DP": "dp_shard" if lo.dp_shard > 1 else "dp_replicate"}
+    where = ", ".join(f"{name}={deg} on {est.links.get(key[name], 'none')}" for name, deg in axes) or "one GPU"
+    step = est.time_s["step"]
+    comm = {k: est.time_s.get(k, 0.0) for k in _COMPONENT_AXIS}
+    worst = max(comm, key=comm.get)
+    if comm[worst] <= 0:
+        return f"links: {where}; no communication on the critical path (compute-bound)."
+    axis = _COMPONENT_AXIS[worst]
+    if worst == "dp_comm" and lo.dp_replicate > 1:
+        axis = "dp_replicate"
+    return (f"links: {where}; bound by the {_COMPONENT_WORDS[worst]} on the {est.links.get(axis, 'none')} link "
+            f"({comm[worst] / step:.0%} of the step).")
 
 
 def _diff(a: Estimate, b: Estimate) -> str:
@@ -78,7 +115,7 @@ def explain(result: SearchResult) -> str:
                if lo.cp_method == "allgather" else "K/V passed round a ring, overlapped with attention")
         why.append(f"CP={lo.cp} splits each sequence, cutting per-rank activations and TP degree ({how})")
     if lo.zero_stage:
-        why.append(f"ZeRO-{lo.zero_stage} over {lo.dp_shard * lo.cp} ranks shards "
+        why.append(f"ZeRO-{lo.zero_stage} over {zero_group_words(lo)} shards "
                    + {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}[lo.zero_stage])
     if lo.recompute != "none":
         why.append(f"{lo.recompute} recomputation is the cheapest policy that fits activations in memory")

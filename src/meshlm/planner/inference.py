@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from meshlm.config import ModelConfig
 from meshlm.planner import model_stats
 from meshlm.planner.cluster import GiB, Cluster
-from meshlm.planner.cost import collective_time, group_span
+from meshlm.planner.collectives import collective_time, group_span
 
 WORKSPACE_FRACTION = 0.05  # activations and allocator slack during serving, of HBM
 
@@ -34,6 +34,7 @@ class InferenceEstimate:
     batch: int
     context_len: int
     fits: bool
+    reason: str = ""  # why it does not fit (empty when it fits)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +74,14 @@ def estimate_inference(cfg: ModelConfig, cluster: Cluster, *, tp: int = 1, conte
     prefill = (prefill_flops / (cluster.peak(precision if precision != "fp32" else "bf16") * cluster.matmul_efficiency)
                + (2 * cfg.num_layers * collective_time("all_reduce", context_len * cfg.hidden_size * 2, span, cluster)
                   if tp > 1 else 0.0))
-    return InferenceEstimate(tp=tp, weights_gib=weights / GiB, kv_bytes_per_token=kv_per_token,
+    reason = ""
+    if max_batch < 1:
+        reason = (f"{weights / GiB:.1f} GiB of weights per GPU leave room for {max_tokens:,} tokens of KV cache, "
+                  f"fewer than one sequence of {context_len} tokens; raise --tp, shorten --context-len or use "
+                  f"--precision fp8")
+    elif b > max_batch:
+        reason = f"--batch {b} needs {b * context_len:,} tokens of KV cache; {max_tokens:,} fit (max batch {max_batch})"
+    return InferenceEstimate(reason=reason, tp=tp, weights_gib=weights / GiB, kv_bytes_per_token=kv_per_token,
                              max_tokens_in_cache=max_tokens, max_batch=max_batch, decode_step_s=step,
                              decode_tokens_per_s=b / step, decode_bound=label, prefill_s=prefill, batch=b,
                              context_len=context_len, fits=max_batch >= 1 and b <= max_batch)

@@ -59,3 +59,41 @@ def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_scaling(curves: dict, path: str | Path, *, title: str = "", marks: dict | None = None) -> Path:
+    """tokens/s against GPUs (log-log) for each curve {"strong": [ScalePoint], "weak": [...]}, with the
+    linear extrapolation of each curve's first fitting point, and `marks` {name: ScalePoint} (the
+    diminishing-returns points) circled."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'meshlm[plot]')") from None
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, points in curves.items():
+        fit = [p for p in points if p.fits]
+        if not fit:
+            continue
+        line, = ax.plot([p.gpus for p in fit], [p.tokens_per_s for p in fit], marker="o", label=f"{name} scaling")
+        base = fit[0]
+        ax.plot([p.gpus for p in fit], [base.tokens_per_s * p.gpus / base.gpus for p in fit], linestyle=":",
+                color=line.get_color(), label=f"{name}: linear")
+        mark = (marks or {}).get(name)
+        if mark is not None:
+            ax.scatter([mark.gpus], [mark.tokens_per_s], s=200, facecolors="none", edgecolors="red", zorder=5)
+            ax.annotate(f"diminishing returns past {mark.gpus}", (mark.gpus, mark.tokens_per_s),
+                        textcoords="offset points", xytext=(10, -15), color="red")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s (whole cluster)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

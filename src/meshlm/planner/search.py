@@ -6,7 +6,8 @@ Not responsible for: the cost formulas (`cost.py`) or the wording (`explain.py`)
 
 Pruning (each rule only drops layouts the cost model can never rank higher):
   * tensor parallelism stays inside one scale-up domain (a tp group across the network is never
-    competitive: it moves 4-6 activation-sized collectives per layer), and must divide the heads;
+    competitive: it moves 4-6 activation-sized collectives per layer), and must divide the heads, kv
+    heads, vocabulary and intermediate size (as `cost.validate_layout` and the runtime require);
   * sequence parallelism is always on with tp > 1 (same bytes as plain all-reduces, less memory);
   * GPipe is skipped: 1F1B has the same bubble with fewer microbatches in flight;
   * recomputation: for each layout the cheapest policy that fits is kept (none < selective < full
@@ -18,7 +19,7 @@ Pruning (each rule only drops layouts the cost model can never rank higher):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster
@@ -53,7 +54,8 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
     """Yield (layout without recompute choice, num_microbatches) for every valid pruned layout."""
     L = cfg.num_layers
     tps = [t for t in _divisors(gpus) if t <= cluster.scaleup_size and cfg.num_heads % t == 0
-           and cfg.num_kv_heads % t == 0 and (job.seq_len % t == 0)]
+           and cfg.num_kv_heads % t == 0 and cfg.vocab_size % t == 0 and cfg.intermediate_size % t == 0
+           and (job.seq_len % t == 0)]
     for tp in tps:
         for cp in _pow2_upto(gpus // tp):
             if gpus % (tp * cp) or (cp > 1 and (job.seq_len % (2 * cp) or job.seq_len // cp < 1024)):
@@ -105,7 +107,7 @@ def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int 
     for base, m in candidate_layouts(cfg, cluster, job, gpus):
         chosen = None
         for rc in ("none", "selective", "full"):
-            lo = Layout(**{**base.to_dict(), "recompute": rc})
+            lo = replace(base, recompute=rc)
             est = estimate_layout(summary, cluster, job, lo, num_microbatches=m)
             evaluated += 1
             chosen = est

@@ -1,0 +1,81 @@
+"""Collective costs: where a parallel group sits on the cluster, and how long one collective takes there.
+
+Responsible for: placing a group of ranks on the two link tiers (`group_span`, `link_name`) and the
+time of one all-reduce, all-gather, reduce-scatter, all-to-all or point-to-point message
+(`collective_time`), from the cluster's per-collective, per-tier fits (`Cluster.collective_fit`:
+latency per hop + achieved bandwidth).
+Not responsible for: which collectives a layout issues, how many, or what overlaps them (`cost.py`).
+
+Algorithms (NCCL's, as in its documentation and nccl-tests' "bus bandwidth" convention):
+  * reduce-scatter / all-gather: a ring moving (n - 1) / n of the buffer per rank; all-reduce is one of
+    each. Latency: a ring pays a hop per step; past 16 ranks NCCL switches to trees (latency ~ log n).
+  * a group spanning both tiers runs hierarchically: inside each scale-up domain on the whole buffer, then
+    across domains on 1/n_in of it, each GPU on its own NIC (rail-optimised fabrics, one NIC per GPU).
+  * all-to-all: every rank sends (n - 1) / n of its bytes; the part leaving the domain rides the NICs, the
+    rest NVLink, concurrently; one message per peer.
+  * p2p: one message, one hop.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshlm.planner.cluster import Cluster
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def group_span(stride: int, size: int, scaleup_size: int) -> tuple[int, int]:
+    """(members per scale-up domain, domains) of a group of `size` ranks spaced `stride` apart."""
+    if size <= 1:
+        return 1, 1
+    if stride >= scaleup_size:
+        return 1, size
+    n_in = max(1, min(size, scaleup_size // stride))
+    return n_in, math.ceil(size / n_in)
+
+
+def link_name(n_in: int, n_out: int) -> str:
+    if n_in * n_out <= 1:
+        return "none"
+    if n_out == 1:
+        return "scale-up"
+    return "scale-out" if n_in == 1 else "hierarchical"
+
+
+def _hops(n: int) -> float:
+    # Ring latency grows with n; at scale NCCL switches to trees, whose latency grows with log n.
+    return n - 1 if n <= 16 else 2 * math.ceil(math.log2(n))
+
+
+def _ring(nbytes: float, n: int, fit: tuple[float, float]) -> float:
+    """One reduce-scatter (or all-gather) phase of a `nbytes` buffer over a ring of n ranks."""
+    if n <= 1:
+        return 0.0
+    latency, bandwidth = fit
+    return (n - 1) / n * nbytes / bandwidth + _hops(n) * latency
+
+
+def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
+    """Seconds for one collective; `nbytes` is the full (unsharded) buffer, or for all_to_all the
+    bytes each rank sends in total, or for p2p the message."""
+    n_in, n_out = span
+    up = lambda k: cluster.collective_fit(k, "scale-up")  # noqa: E731
+    out = lambda k: cluster.collective_fit(k, "scale-out")  # noqa: E731
+    if kind == "p2p":
+        latency, bandwidth = up("p2p") if n_out == 1 else out("p2p")
+        return nbytes / bandwidth + latency
+    if kind in ("reduce_scatter", "all_gather"):
+        # inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU)
+        return _ring(nbytes, n_in, up(kind)) + _ring(nbytes / n_in, n_out, out(kind))
+    if kind == "all_reduce":
+        return 2 * _ring(nbytes, n_in, up(kind)) + 2 * _ring(nbytes / n_in, n_out, out(kind))
+    if kind == "all_to_all":
+        n = n_in * n_out
+        if n <= 1:
+            return 0.0
+        (lat_up, bw_up), (lat_out, bw_out) = up(kind), out(kind)
+        inside = nbytes * (n_in - 1) / n / bw_up
+        across = nbytes * (n - n_in) / n / bw_out if n_out > 1 else 0.0
+        return max(inside, across) + (n - 1) * (lat_out if n_out > 1 else lat_up)
+    raise AssertionError(f"unknown collective {kind}")

@@ -1,0 +1,87 @@
+"""Kernel times on one GPU: the GEMMs of a layer by shape, and the memory-bound work around them.
+
+Responsible for: the matrix shapes one rank multiplies in an (average) decoder layer and the head under a
+given tp / ep (`layer_gemms`), the time of one GEMM from its shape (`gemm_time`), and the HBM traffic of
+fp8 casting (`fp8_cast_bytes`).
+Not responsible for: attention (priced in `cost.py` as its own fused kernel), communication
+(`collectives.py`), or deciding what runs when (`cost.py`).
+
+GEMM model. A GEMM of M x K times K x N runs at the cluster's large-GEMM rate (`peak x matmul_efficiency`,
+cited in cluster.py) scaled by K / (K + k_overhead), and never faster than its operands stream
+through HBM (roofline: max of the two). The K term is the fixed per-output-tile cost of a tiled GEMM:
+each thread block fills its multi-stage shared-memory pipeline before the first tensor-core instruction
+and drains an epilogue after the last (NVIDIA, "Matrix Multiplication Background User's Guide",
+deeplearning performance docs: tile and pipeline overheads make small-K and thin GEMMs run below peak;
+Anthony et al. 2024, "The Case for Co-Designing Model Architectures with Hardware", arXiv:2401.14489,
+measure the same rise of GEMM throughput with the hidden size on A100/H100). CUTLASS/cuBLAS Ampere and
+Hopper kernels use K-steps of 32-64 with 3-4 stages plus an epilogue about one stage long: ~4 x 64 = 256
+elements of K of fixed cost per tile. So thin tensor-parallel shards (K = h/tp) and small experts run
+below the rate of a big square GEMM; the backward's weight-gradient GEMM (K = tokens) runs near it. The
+constant is `Cluster.gemm_k_overhead` (256 on the GPU presets).
+"""
+
+from __future__ import annotations
+
+from meshlm.config import ModelConfig
+
+
+
+def gemm_time(m: float, n: float, k: float, *, rate: float, hbm_bw: float, in_bytes: float,
+              out_bytes: float = 2.0, k_overhead: float = 0.0) -> float:
+    """Seconds for C[m, n] = A[m, k] @ B[k, n] at `rate` FLOP/s for large shapes, `k_overhead` elements
+    of K of fixed cost per output tile (`Cluster.gemm_k_overhead`)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    compute = 2.0 * m * n * k * (k + k_overhead) / (rate * k)
+    memory = (in_bytes * (m * k + k * n) + out_bytes * m * n) / hbm_bw
+    return max(compute, memory)
+
+
+def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fraction: float) -> list[tuple]:
+    """Forward GEMMs of one average layer on one rank, as (m, n, k, count) for a microbatch of `tokens`.
+
+    Column-parallel layers split N by tp, row-parallel ones K; a MoE layer's routed experts are split
+    over ep ranks (E / ep local experts, each seeing tokens * top_k * ep / E rows when balanced) and by
+    tp within; `moe_fraction` of the layers are MoE (their dense MLP replaced by experts + shared
+    experts + router).
+    """
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    out = [(tokens, (q + 2 * kv) / tp, h, 1.0), (tokens, h, q / tp, 1.0)]
+    dense = 1.0 - moe_fraction
+    if dense > 0:
+        out += [(tokens, 2 * cfg.intermediate_size / tp, h, dense), (tokens, h, cfg.intermediate_size / tp, dense)]
+    if moe_fraction > 0:
+        e_inter, local = cfg.expert_intermediate_size, cfg.num_experts / ep
+        rows = tokens * cfg.num_experts_per_token * ep / cfg.num_experts
+        out += [(rows, 2 * e_inter / tp, h, moe_fraction * local), (rows, h, e_inter / tp, moe_fraction * local),
+                (tokens, cfg.num_experts, h, moe_fraction)]
+        if cfg.shared_intermediate_size:
+            s = cfg.shared_intermediate_size
+            out += [(tokens, 2 * s / tp, h, moe_fraction), (tokens, h, s / tp, moe_fraction)]
+            if cfg.shared_expert_gate:
+                out.append((tokens, 1, h, moe_fraction))
+    return out
+
+
+def gemms_fwd_bwd(gemms: list[tuple], *, rate: float, hbm_bw: float, in_bytes: float,
+                  k_overhead: float) -> tuple[float, float]:
+    """(forward, backward) seconds of `gemms`: backward = the input-gradient GEMM (m x k from m x n by
+    n x k: inner dim n) + the weight-gradient GEMM (k x n from k x m by m x n: inner dim m)."""
+    kw = dict(rate=rate, hbm_bw=hbm_bw, in_bytes=in_bytes, k_overhead=k_overhead)
+    fwd = bwd = 0.0
+    for m, n, k, count in gemms:
+        fwd += count * gemm_time(m, n, k, **kw)
+        bwd += count * (gemm_time(m, k, n, **kw) + gemm_time(k, n, m, **kw))
+    return fwd, bwd
+
+
+def fp8_cast_bytes(gemms: list[tuple]) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of casting GEMM inputs to fp8 (Transformer Engine's delayed /
+    current scaling): forward each activation input m x k is read in bf16 and written in fp8 twice
+    (row-wise, and transposed for the weight gradient): 2 + 2 x 1 bytes per element; backward the
+    output gradient m x n the same. Weights are cast once per step and cached across microbatches
+    (not counted)."""
+    fwd = sum(count * 4.0 * m * k for m, n, k, count in gemms)
+    bwd = sum(count * 4.0 * m * n for m, n, k, count in gemms)
+    return fwd, bwd

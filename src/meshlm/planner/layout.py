@@ -1,0 +1,201 @@
+"""The planner's inputs: the job (`Job`) and the parallel layout (`Layout`), parsed and validated.
+
+Responsible for: what a job and a layout are, parsing `tp=8,pp=4,...`, and `validate_layout`, which
+refuses (ValueError naming the value and the fix) every layout the runtime would refuse -- degrees that do
+not multiply to the GPU count, tp not dividing heads, kv heads, vocabulary or intermediate size (as
+`parallel.tensor.check_tensor_parallel`), ep not dividing experts or dp_shard x cp, sequence lengths the
+context/sequence split cannot divide, batches the data-parallel ranks cannot share.
+Not responsible for: enumerating layouts (`search.py`) or costing them (`cost.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from meshlm.config import PP_SCHEDULES, ModelConfig
+
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp8", "fp32")
+# Whose runtime the accounting follows: "megatron" (Megatron-Core / FSDP conventions: bf16 weights, fp32
+# gradients, a distributed optimizer, norm gradients reduced once per step) or "meshlm" (meshlm's own
+# parallel/data.py + parallel/zero.py, fp32, exactly as they allocate and communicate; what `--cluster
+# local` runs and tests/test_planner_measured.py counts).
+RUNTIMES = ("megatron", "meshlm")
+# parallel.cp_method, as `meshlm.parallel.context.METHODS` (not imported: the planner runs without torch).
+CP_METHODS = ("ring", "allgather")
+# Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
+# passes its partial dK/dV: fp32 whatever the activation dtype (`parallel/context.py`, for accuracy).
+CP_COMPUTE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Job:
+    seq_len: int
+    global_batch_size: int  # sequences per optimizer step
+    precision: str = "bf16"  # bf16 | fp8 | fp32
+    # Fused (flash) attention stores no s x s scores; False models 2021-era unfused softmax kernels.
+    flash_attention: bool = True
+    # Norms, RoPE, SwiGLU and residual adds as fused kernels (Megatron/TE, torch.compile); False
+    # models eager PyTorch, one memory pass per op (meshlm's model uncompiled, e.g. the CPU runs).
+    fused_elementwise: bool = True
+    # Tensor-parallel collectives pipelined under the GEMMs (Megatron-Core / Transformer Engine
+    # `tp_comm_overlap`, MegaScale Sec. 3.3); meshlm's own TP does not overlap them (False).
+    tp_comm_overlap: bool = False
+    # Gradient reduce-scatter / all-reduce and parameter all-gather overlapped with the backward / forward
+    # (meshlm's DP and ZeRO, PyTorch DDP/FSDP, Megatron-Core's overlap_grad_reduce / overlap_param_gather).
+    # False: issued after the backward, exposed (Megatron-LM before 2023); ZeRO-3 always prefetches.
+    dp_comm_overlap: bool = True
+    runtime: str = "megatron"  # one of RUNTIMES: whose memory and communication accounting applies
+
+    def validate(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len={self.seq_len} must be >= 1")
+        if self.global_batch_size < 1:
+            raise ValueError(f"global batch={self.global_batch_size} sequences must be >= 1 "
+                             "(give --global-batch-size or --global-batch-tokens >= --seq-len)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r} must be one of {list(RUNTIMES)}")
+        if self.runtime == "meshlm" and self.precision != "fp32":
+            raise ValueError(f"runtime='meshlm' trains in fp32 (precision={self.precision!r} given); use "
+                             "precision='fp32', or runtime='megatron' for mixed precision")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout. Keys are the `parallel.*` config names plus micro_batch_size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    # ring: K/V blocks passed round the cp ranks, overlapped with attention; allgather: K/V of the whole
+    # sequence gathered once per layer (parallel.cp_method). Only matters when cp > 1.
+    cp_method: str = "ring"
+    ep: int = 1
+    zero_stage: int = 0
+    pp_schedule: str = "1f1b"
+    pp_chunks: int = 1
+    num_microbatches: int = 0  # 0: derived, global_batch / (dp * micro_batch_size)
+    micro_batch_size: int = 1
+    sequence_parallel: bool = True
+    recompute: str = "none"
+    bucket_size_mb: float = 25.0
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def short(self) -> str:
+        parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel and self.tp > 1 else ""),
+                 f"pp{self.pp}" + (f"x{self.pp_chunks}" if self.pp_chunks > 1 else ""),
+                 (f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}")
+                 + f"/z{self.zero_stage}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}" + ("ag" if self.cp_method == "allgather" else ""))
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"mbs{self.micro_batch_size}")
+        if self.pp > 1:
+            parts.append(self.pp_schedule)
+        parts.append(f"rc:{self.recompute}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_LAYOUT_TYPES = {f.name: f.type for f in fields(Layout)}
+
+
+def parse_layout(text: str, *, gpus: int) -> Layout:
+    """`tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=full` -> Layout; dp_shard defaults to the rest."""
+    kw: dict = {}
+    for item in [t for t in text.replace(" ", "").split(",") if t]:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"layout item {item!r} must look like key=value (e.g. tp=8)")
+        if key not in _LAYOUT_TYPES:
+            raise ValueError(f"layout key {key!r} is unknown; valid keys: {', '.join(_LAYOUT_TYPES)}")
+        kind = _LAYOUT_TYPES[key]
+        if kind == "bool":
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(f"layout {key}={value!r} must be true or false")
+            kw[key] = value.lower() in ("true", "1", "yes", "on")
+        elif kind == "str":
+            kw[key] = value
+        else:
+            try:
+                kw[key] = float(value) if kind == "float" else int(value)
+            except ValueError:
+                raise ValueError(f"layout {key}={value!r} must be a number") from None
+    if kw.get("dp_shard", -1) == -1:
+        others = kw.get("dp_replicate", 1) * kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+        if others < 1 or gpus % others:
+            raise ValueError(f"layout {text!r}: dp_replicate*tp*pp*cp={others} must divide --gpus={gpus}")
+        kw["dp_shard"] = gpus // others
+    return Layout(**kw)
+
+
+def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) -> int:
+    """Raise ValueError naming the value and the fix; return the number of microbatches."""
+    lo = layout
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_chunks", "micro_batch_size"):
+        if getattr(lo, name) < 1:
+            raise ValueError(f"layout {name}={getattr(lo, name)} must be >= 1")
+    if lo.world != gpus:
+        raise ValueError(f"layout dp_replicate*dp_shard*tp*pp*cp = {lo.world} must equal --gpus={gpus}")
+    if lo.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"layout zero_stage={lo.zero_stage} must be 0, 1, 2 or 3")
+    if lo.recompute not in RECOMPUTE:
+        raise ValueError(f"layout recompute={lo.recompute!r} must be one of {list(RECOMPUTE)}")
+    if lo.cp_method not in CP_METHODS:
+        raise ValueError(f"layout cp_method={lo.cp_method!r} must be one of {list(CP_METHODS)} "
+                         "(parallel.cp_method); e.g. cp=2,cp_method=allgather")
+    if lo.pp_schedule not in PP_SCHEDULES:
+        raise ValueError(f"layout pp_schedule={lo.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
+    if lo.pp_chunks > 1 and lo.pp_schedule != "interleaved":
+        raise ValueError(f"layout pp_chunks={lo.pp_chunks} needs pp_schedule=interleaved")
+    # What the runtime's `parallel.tensor.check_tensor_parallel` refuses: every tp-split size must divide.
+    for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
+        value = getattr(cfg, name)
+        if lo.tp > 1 and value % lo.tp:
+            raise ValueError(f"layout tp={lo.tp} must divide model.{name}={value} (tensor parallelism splits it "
+                             f"evenly); choose a tp that divides num_heads={cfg.num_heads}, num_kv_heads="
+                             f"{cfg.num_kv_heads}, vocab_size={cfg.vocab_size} and intermediate_size="
+                             f"{cfg.intermediate_size}, or pad model.{name} to a multiple of {lo.tp}")
+    if lo.pp * lo.pp_chunks > cfg.num_layers:
+        raise ValueError(f"layout pp*pp_chunks={lo.pp * lo.pp_chunks} exceeds num_layers={cfg.num_layers}")
+    if lo.ep > 1:
+        if not cfg.is_moe:
+            raise ValueError(f"layout ep={lo.ep} needs a MoE model; set ep=1")
+        if cfg.num_experts % lo.ep:
+            raise ValueError(f"layout ep={lo.ep} must divide num_experts={cfg.num_experts}")
+        if (lo.dp_shard * lo.cp) % lo.ep:
+            raise ValueError(f"layout ep={lo.ep} must divide dp_shard*cp={lo.dp_shard * lo.cp} "
+                             "(experts are sharded over the data-parallel ranks)")
+    if job.seq_len % (2 * lo.cp if lo.cp > 1 else 1):
+        raise ValueError(f"seq_len={job.seq_len} must be divisible by 2*cp={2 * lo.cp} "
+                         "(load-balanced causal split)")
+    if lo.sequence_parallel and lo.tp > 1 and (job.seq_len // lo.cp) % lo.tp:
+        raise ValueError(f"seq_len/cp={job.seq_len // lo.cp} must be divisible by tp={lo.tp} "
+                         "with sequence_parallel; or set sequence_parallel=false")
+    per_step = lo.dp * lo.micro_batch_size
+    if job.global_batch_size % per_step:
+        raise ValueError(f"global batch of {job.global_batch_size} sequences must be divisible by "
+                         f"dp_replicate*dp_shard*micro_batch_size={per_step}; change the batch or the layout")
+    m = job.global_batch_size // per_step
+    if lo.num_microbatches and lo.num_microbatches != m:
+        raise ValueError(f"layout num_microbatches={lo.num_microbatches} disagrees with the batch: "
+                         f"{job.global_batch_size} / (dp {lo.dp} * micro_batch_size {lo.micro_batch_size}) = {m}")
+    return m

@@ -1,0 +1,375 @@
+"""Step time of one layout on the busiest rank, by component.
+
+Responsible for: one microbatch's compute (GEMMs by shape from `kernels.py`, attention as its own fused
+kernel, memory-bound elementwise work at HBM bandwidth) and its tensor / context / expert-parallel
+communication (`microbatch_time`), the pipeline bubble of each schedule (`pipeline_bubble`) and p2p, the
+data-parallel / ZeRO communication left exposed after what overlaps (`dp_comm_time`), and the optimizer
+step (`optimizer_time`). Which collectives tensor parallelism issues: `tp_collectives`.
+Not responsible for: memory (`memory.py`), collective formulas (`collectives.py`) or placement
+(`placement.py`).
+
+Exposed vs overlapped communication, per strategy: TP is exposed unless `Job.tp_comm_overlap` (then
+pipelined under the layer's GEMMs); the CP ring overlaps each step with the attention of the block in
+hand, the CP all-gather is exposed; EP all-to-all is exposed; DP / ZeRO-1/2 overlap the last
+microbatch's backward (and forward for the parameter gather) unless `Job.dp_comm_overlap` is False;
+ZeRO-3 prefetches over all microbatches. What overlaps still costs the SMs the collective holds
+(`Cluster.comm_sm_fraction`), and the last gradient bucket never overlaps.
+
+Context parallelism (cp > 1, `parallel/context.py`): every rank holds seq/cp tokens of each sequence;
+ZeRO shards over dp_shard x cp and gradients are reduced over dp x cp (the cp ranks hold the same
+weights). parallel.cp_method: `ring` passes this rank's K+V block round the cp ranks, cp - 1 steps
+forward and (with the partial dK+dV, fp32) backward, overlapped with the attention of the block in hand
+(plus an fp32 merge pass per step); `allgather` does one all-gather of K+V and one reduce-scatter of
+dK+dV per layer, exposed. Both repeat their forward communication when the core is recomputed.
+Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole sequence's K/V and a
+[seq/cp, seq] mask; the ring 1/cp of the sequence). The attention compute is priced the same for both
+(a fused causal kernel over seq/cp queries); meshlm's all-gather runs SDPA with a boolean mask, which
+on a GPU computes the masked tiles too -- the memory model counts that mask, the time model does not.
+
+Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
+dense layers are spread evenly), experts are assumed perfectly balanced and their routing, permutation
+and all-to-all cost no more than their bytes (fine-grained MoE runs measured in
+benchmarks/planner_published.py are several times slower than that), pipeline p2p is never
+overlapped, and fused attention has its own efficiency, lower for the short blocks of a
+context-parallel ring. On a CPU host (`compute_slots`) ranks beyond the core count time-share the
+cores, and collectives get no overlap once every core computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshlm.config import PP_SCHEDULES, ModelConfig
+from meshlm.planner.collectives import collective_time
+from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms
+from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
+from meshlm.planner.memory import MiB, RankParams
+from meshlm.planner.placement import RankSetup
+
+if TYPE_CHECKING:
+    from meshlm.planner.cost import ModelSummary
+
+
+def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks: int = 1,
+                    t_fwd: float = 1.0, t_bwd_input: float = 1.0, t_bwd_weight: float = 1.0) -> float:
+    """Idle time of the busiest rank in one step, in the units of the per-microbatch times.
+
+    `t_fwd`, `t_bwd_input`, `t_bwd_weight` are one rank's times for one microbatch over all its
+    chunks (forward, input-gradient backward, weight-gradient backward). With T = t_fwd + t_bwd_input
+    + t_bwd_weight and p = pp, m = num_microbatches, v = pp_chunks:
+
+      gpipe        (p - 1) * T                      all forwards, then all backwards
+      1f1b         (p - 1) * T                      same bubble as GPipe, fewer microbatches in flight
+      interleaved  (p - 1) * T / v                  Narayanan et al. 2021: bubble shrinks by v
+      zero_bubble  (p - 1) * max(F, B, F + B - W)  ZB-H1 (Qi et al. 2023): deferred weight-gradient
+                                                    work fills the drain; with equal F, B, W this is
+                                                    a third of 1F1B's bubble. The paper's max(0, F+B-W)
+                                                    ignores that the last rank waits (p-1) F for its
+                                                    first input whatever W is; with W > min(F, B) its
+                                                    schedule leaves max(F, B) per stage (simulated)
+    The fraction of the ideal time is bubble / (m * T), e.g. (p - 1) / m for 1F1B. These are exact for
+    the schedules `meshlm.parallel.schedules` generates (interleaved: m divisible by p; zero_bubble:
+    m >= p); tests/test_schedules.py checks them against its simulator over a grid.
+    """
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"pp_schedule={schedule!r} must be one of {list(PP_SCHEDULES)}")
+    if pp < 1 or num_microbatches < 1 or pp_chunks < 1:
+        raise ValueError(f"pp={pp}, num_microbatches={num_microbatches}, pp_chunks={pp_chunks} must be >= 1")
+    if pp == 1:
+        return 0.0
+    total = t_fwd + t_bwd_input + t_bwd_weight
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) * total
+    if schedule == "interleaved":
+        return (pp - 1) * total / pp_chunks
+    return (pp - 1) * max(t_fwd, t_bwd_input, t_fwd + t_bwd_input - t_bwd_weight)
+
+
+def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: float, act_bytes: int,
+                   recompute: str = "none", norm_grads_in_graph: bool = True) -> tuple[list, list]:
+    """The tensor-parallel collectives of one microbatch (forward + backward) on one rank, as
+    `(per_layer, around_layers)` lists of (kind, bytes, count); bytes in CommStats' convention.
+
+    These are exactly the collectives `meshlm.parallel.tensor` issues (its module docstring lists
+    them; tests/test_planner_measured.py compares the byte total with a real run's CommStats), x =
+    tokens * hidden * act_bytes:
+      per layer   no SP: 4 all-reduces of x;  SP: 4 all-gathers + 4 reduce-scatters of x, and the
+                  all-reduce of the attn_norm and mlp_norm gradients (2 of 4 * hidden bytes);
+                  qk_norm: 2 all-reduces of 4 * head_dim (q_norm, k_norm gradients, both modes);
+                  full recompute repeats the forward's collectives up to w_down's input, the last
+                  tensor backward needs (torch's checkpoint stops there): no SP 1 AR (attention's
+                  output); SP 2 AG (attention and MLP inputs) + 1 RS (attention's output).
+      around      embedding: AR of x (no SP) / RS + AG backward (SP); lm_head input: AR backward
+                  (no SP) / AG + RS (SP); SP final norm gradient: AR of 4 * hidden; loss: 3
+                  all-reduces of 4 bytes per token (max, sum of exponentials, target logit).
+    The grad-norm all-reduce (4 bytes once per step) is added by the caller.
+    `norm_grads_in_graph=False` leaves out the norm-gradient all-reduces: Megatron coalesces them
+    into one all-reduce per step after backward (negligible), where meshlm issues them per layer in
+    the graph (latency-bound, visible on a CPU host).
+    """
+    if tp <= 1:
+        return [], []
+    x = tokens * cfg.hidden_size * act_bytes
+    full = recompute == "full"
+    if sequence_parallel:
+        layer = [("all_gather", x, 4 + (2 if full else 0)), ("reduce_scatter", x, 4 + (1 if full else 0))]
+        edge = [("reduce_scatter", x, 2), ("all_gather", x, 2)]
+        if norm_grads_in_graph:
+            layer.append(("all_reduce", 4 * cfg.hidden_size, 2))
+            edge.append(("all_reduce", 4 * cfg.hidden_size, 1))
+    else:
+        layer = [("all_reduce", x, 4 + (1 if full else 0))]
+        edge = [("all_reduce", x, 2)]
+    if cfg.qk_norm and norm_grads_in_graph:
+        layer.append(("all_reduce", 4 * cfg.head_dim, 2))
+    edge.append(("all_reduce", 4 * tokens, 3))
+    return layer, edge
+
+
+@dataclass(frozen=True)
+class MicrobatchTime:
+    """One microbatch on the bottleneck rank (seconds), and the bytes its TP / CP collectives move."""
+
+    compute: float  # forward + backward of its layers and head
+    recompute: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    fwd: float  # forward share of the total (the pipeline bubble's F)
+    tp_bytes: float  # per microbatch, CommStats convention
+    cp_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm
+
+    @property
+    def bwd(self) -> float:
+        return self.total - self.fwd
+
+
+def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> MicrobatchTime:
+    cfg, s, h = summary.cfg, job.seq_len, summary.cfg.hidden_size
+    cluster, by, tp, cp, ep, sp, rc = r.cluster, r.by, r.tp, r.cp, r.ep, r.sp, r.rc
+    tokens_mb, mbs, peak, peak_attn, hbm_bw = r.tokens_mb, lo.micro_batch_size, r.peak, r.peak_attn, r.hbm_bw
+    eff, cores_saturated, rank_units = cluster.matmul_efficiency, r.cores_saturated, r.rank_units
+    span_tp, span_cp, span_ep = r.spans["tp"], r.spans["cp"], r.spans["ep"]
+    attn_f = summary.flops_attn * tokens_mb / tp
+    # Each GEMM of the layer by its shape (kernels.py): thin tp shards and small experts run below the
+    # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate, everything else in bf16.
+    gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction)
+    gemm_in_bytes = 1 if job.precision == "fp8" else by["act"]
+    t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=peak * eff, hbm_bw=hbm_bw, in_bytes=gemm_in_bytes,
+                                         k_overhead=cluster.gemm_k_overhead)
+    if job.flash_attention:
+        # FLOPs count the full s x s square (the convention), but a fused causal kernel skips the
+        # masked half, and runs at its own efficiency (softmax and masking inside the kernel, lower
+        # than a plain GEMM's). Its backward recomputes the scores: 2.5x the forward's matmuls (the
+        # FlashAttention papers' count), where a GEMM's backward is 2x.
+        # Each kernel call sees s / cp queries (a ring step under context parallelism): the masked
+        # diagonal tiles and the per-row-block softmax epilogue cost a fixed number of tokens' worth
+        # (`attention_block_overhead`), so short blocks run below the long-sequence rate.
+        block = s / cp
+        block_eff = block / (block + cluster.attention_block_overhead)
+        t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
+        t_attn_bwd = 2.5 * t_attn
+    else:
+        # the unfused kernels of 2021: batched GEMMs over the whole square (softmax as HBM traffic below)
+        t_attn = attn_f / (peak_attn * eff)
+        t_attn_bwd = 2 * t_attn
+    t_layer_fwd_mm = t_dense + t_attn
+    # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes), read +
+    # write, forward; backward moves about twice as much. Without SP the norm/residual part is
+    # replicated on every tp rank.
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size
+                                           + cfg.shared_intermediate_size)
+             + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
+    moe_elems = summary.moe_layer_fraction * 4 * cfg.num_experts_per_token * h
+    if job.fused_elementwise:
+        elems_seq = 10 * h + moe_elems
+        elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
+    else:
+        # Eager PyTorch, meshlm's model as written: every op is its own pass over memory. Per token,
+        # elements read + written: each RMSNorm 7h (pow, mean, scale, weight), residual adds 3h each,
+        # RoPE 10 per rotated element (neg, cat, two products, add) on q and k, the GQA
+        # repeat_interleave of k and v, the attention output's transpose copy, SwiGLU 5 per
+        # intermediate (silu, product).
+        elems_seq = 20 * h + moe_elems
+        elems_tp = 10 * (q_dim + kv_dim) + 2 * (q_dim + kv_dim) + 2 * q_dim + 5 * inter
+    if not job.flash_attention:
+        # unfused scale+mask+softmax (+dropout) over s scores per head: ~4 passes forward
+        elems_tp += 4 * cfg.num_heads * s
+    elem_bytes_fwd = tokens_mb * by["act"] * (elems_tp / tp + elems_seq / (tp if sp else 1))
+    t_elem_fwd = elem_bytes_fwd / hbm_bw
+    t_elem_bwd = 2 * t_elem_fwd
+    if job.precision == "fp8":
+        cast_fwd, cast_bwd = fp8_cast_bytes(gemms)
+        t_elem_fwd += cast_fwd / hbm_bw
+        t_elem_bwd += cast_bwd / hbm_bw
+    t_fwd_layer = t_layer_fwd_mm + t_elem_fwd
+    t_bwd_layer = t_dense_bwd + t_elem_bwd + t_attn_bwd
+    t_rc_layer = {"none": 0.0, "selective": t_attn + 0.5 * t_elem_fwd, "full": t_fwd_layer}[rc]
+
+    # Tensor-parallel comm per microbatch, the collectives of `tp_collectives` (meshlm's TP, which
+    # matches Megatron's): per layer 2 all-reduces (or AG + RS pairs under SP) forward, 2 backward,
+    # 2 more when the forward is recomputed in full; around the layers the embedding, lm_head input and
+    # loss. Not overlapped (Megatron default, and meshlm's TP).
+    tp_layer_colls, tp_edge_colls = tp_collectives(cfg, tp=tp, sequence_parallel=sp, tokens=tokens_mb,
+                                                   act_bytes=by["act"], recompute=rc,
+                                                   norm_grads_in_graph=job.runtime == "meshlm")
+    t_tp_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_layer_colls)
+    if job.tp_comm_overlap and not cores_saturated:
+        # Megatron/TE userbuffers: each all-gather is split and pipelined under the GEMM that consumes it,
+        # each reduce-scatter under the GEMM that produces it; what the GEMMs cannot cover is exposed, and
+        # what they cover still costs the SMs the transfer holds.
+        window = t_dense + t_dense_bwd
+        t_tp_layer = (max(0.0, t_tp_layer - window)
+                      + cluster.comm_sm_fraction * min(t_tp_layer, window))
+    t_tp_edge = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_edge_colls)
+    # Context parallelism, the volumes of `parallel/context.py` (its docstring; `Estimate.cp_comm_bytes`
+    # counts them as CommStats does). One block = this rank's K (or V): mbs x seq/cp x kv_dim/tp.
+    # Recomputation (selective: the core; full: the layer) runs the core's forward communication again.
+    rc_again = 1 if rc in ("full", "selective") else 0
+    if cp > 1:
+        kv_block = mbs * (s / cp) * kv_dim / tp * by["act"]
+        kv_pair = 2 * kv_block  # K + V
+        grad_pair = kv_pair * CP_COMPUTE_BYTES / by["act"]  # dK + dV partial sums, in the compute dtype
+        if lo.cp_method == "ring":
+            # cp - 1 ring steps each way, each overlapped with the attention of the block in hand
+            # (forward t_attn / cp; backward t_attn_bwd / cp): K+V forward; K+V and the partial dK+dV
+            # (sent together to the next rank) backward. Only the excess is exposed, and what overlaps
+            # still costs the SMs the transfer holds; a CPU host with every core busy overlaps nothing.
+            ring_span = span_cp if span_cp[1] == 1 else (1, 2)
+            t_send_fwd = collective_time("p2p", kv_pair, ring_span, cluster)
+            t_send_bwd = collective_time("p2p", kv_pair + grad_pair, ring_span, cluster)
+
+            def overlapped(t_comm: float, t_compute: float) -> float:
+                if cores_saturated:
+                    return t_comm
+                return max(0.0, t_comm - t_compute) + cluster.comm_sm_fraction * min(t_comm, t_compute)
+
+            t_cp_layer = (cp - 1) * ((1 + rc_again) * overlapped(t_send_fwd, t_attn / cp)
+                                     + overlapped(t_send_bwd, t_attn_bwd / cp))
+            # Online-softmax merge after each extra ring step: read the step's partial output and the
+            # running one, write it back, in fp32 (3 passes over this rank's q columns) forward, and
+            # about twice that backward (dO and the partial gradients); memory-bound, not overlapped.
+            merge_bytes = tokens_mb * q_dim / tp * CP_COMPUTE_BYTES * 3 * (1 + 2 + rc_again)
+            t_cp_layer += (cp - 1) * merge_bytes / hbm_bw
+            cp_layer_bytes = (cp - 1) * ((1 + rc_again) * kv_pair + kv_pair + grad_pair)
+        else:
+            # All-gather (Llama 3 style): one all-gather of every rank's K+V forward (its output: cp blocks
+            # of K+V) and one reduce-scatter of dK+dV backward (in K/V's dtype: the gradient of the
+            # gathered tensor), on the cp group; the attention needs all of it, so neither overlaps.
+            t_cp_layer = ((1 + rc_again) * collective_time("all_gather", cp * kv_pair, span_cp, cluster)
+                          + collective_time("reduce_scatter", cp * kv_pair, span_cp, cluster))
+            cp_layer_bytes = (2 + rc_again) * cp * kv_pair
+    else:
+        t_cp_layer = cp_layer_bytes = 0.0
+    # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
+    if ep > 1 and cfg.is_moe:
+        a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"]
+        n_a2a = 4 + (2 if rc == "full" else 0)
+        t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, span_ep, cluster)
+    else:
+        t_ep_layer = 0.0
+
+    # The loss over the vocabulary (the last stage, charged to the bottleneck rank like the head): fp32
+    # logits written from the head GEMM's output, read for the max and the sum of exponentials, and the
+    # gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per
+    # logit of this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise).
+    t_loss = tokens_mb * cfg.vocab_size / tp * 4 * 5 / hbm_bw
+    comp_mb = rank_units * (t_fwd_layer + t_bwd_layer) + t_loss
+    layers_busy = r.layers_busy
+    rc_mb = layers_busy * t_rc_layer
+    tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
+    cp_mb = layers_busy * t_cp_layer
+    ep_mb = layers_busy * t_ep_layer
+    t_mb_fwd = rank_units * t_fwd_layer + (tp_mb + cp_mb + ep_mb) / 3
+
+    return MicrobatchTime(
+        compute=comp_mb, recompute=rc_mb, tp_comm=tp_mb, cp_comm=cp_mb, ep_comm=ep_mb, fwd=t_mb_fwd,
+        tp_bytes=(sum(n * b for _, b, n in tp_layer_colls) * layers_busy + sum(n * b for _, b, n in tp_edge_colls)),
+        cp_bytes=layers_busy * cp_layer_bytes)
+
+
+def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int) -> float:
+    """Activation sends between pipeline stages, exposed: 2 per microbatch and chunk, plus the fill."""
+    if r.pp == 1:
+        return 0.0
+    span = r.spans["pp"] if r.spans["pp"][1] == 1 else (1, 2)
+    hop = collective_time("p2p", r.act_msg / (r.tp if r.sp else 1), span, r.cluster)
+    return 2 * r.v * (num_microbatches + r.pp - 1) * hop
+
+
+def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
+                 num_microbatches: int) -> float:
+    """Data-parallel / ZeRO communication left on the critical path of one step."""
+    cluster, by, tp, cp, ep, m, z = r.cluster, r.by, r.tp, r.cp, r.ep, num_microbatches, p.zero_stage
+    span_dps, span_dpr, span_dp_all = r.spans["dp_shard"], r.spans["dp_replicate"], r.spans["dp_all"]
+    span_exp, cores_saturated = r.spans["dp_experts"], r.cores_saturated
+    n_local, layers_mem, shard = p.local, p.layers, p.shard
+    t_mb, t_mb_fwd, t_mb_bwd = mb.total, mb.fwd, mb.bwd
+    n_dense_local = p.dense  # parameters one rank owns before ZeRO sharding
+    n_exp_local = p.experts
+    t_dp = 0.0
+    bucket_time = 0.0
+    if lo.dp * cp > 1:
+        g_dense = n_dense_local * by["reduce"]
+        g_exp = n_exp_local * by["reduce"]
+        sync = 0.0  # collectives the runtime issues synchronously (nothing to overlap with)
+        if p.meshlm_zero:
+            # meshlm's ZeRO: one reduce-scatter of all (padded) gradients per step, launched per
+            # bucket during the last micro-step's backward (async), then the shard's all-reduce over
+            # dp_replicate; stages 1/2 all-gather every updated parameter inside the optimizer step
+            # (synchronous). Stage 3 all-gathers every block before its forward and again before its
+            # backward in every micro-step, and the root unit (embedding, norm, head) once: each gather
+            # is prefetched one unit ahead, so all but the root's (which starts the forward) overlap
+            # the compute of the micro-steps.
+            comm = (collective_time("reduce_scatter", g_dense + g_exp, span_dps, cluster)
+                    + collective_time("all_reduce", (g_dense + g_exp) / shard, span_dpr, cluster))
+            window = t_mb_bwd
+            if z == 3:
+                root = n_local - layers_mem * (summary.layer_tp / tp + summary.layer_rep
+                                               + summary.layer_experts / (tp * ep))
+                comm += m * collective_time("all_gather", (2 * n_local - 2 * root) * by["param"], span_dps, cluster)
+                window = m * t_mb
+                sync = m * collective_time("all_gather", root * by["param"], span_dps, cluster)
+            else:
+                sync = collective_time("all_gather", n_local * by["param"], span_dps, cluster)
+        elif z == 0:
+            comm = (collective_time("all_reduce", g_dense, span_dp_all, cluster)
+                    + collective_time("all_reduce", g_exp, span_exp, cluster))
+            window = t_mb_bwd
+        elif z in (1, 2):
+            comm = (collective_time("reduce_scatter", g_dense, span_dps, cluster)
+                    + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
+                    + collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
+                    + collective_time("reduce_scatter", g_exp, span_exp, cluster)
+                    + collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster))
+            window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
+        else:
+            # FSDP: gather weights for forward and again for backward, reduce-scatter gradients, every
+            # microbatch; then one all-reduce of the shard across replicas per step.
+            per_mb = (2 * collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
+                      + collective_time("reduce_scatter", g_dense, span_dps, cluster)
+                      + 2 * collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster)
+                      + collective_time("reduce_scatter", g_exp, span_exp, cluster))
+            comm = m * per_mb + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
+            window = m * t_mb
+        if cores_saturated or (not job.dp_comm_overlap and z < 3):
+            window = 0.0
+        bucket = lo.bucket_size_mb * MiB
+        bucket_time = comm * min(1.0, bucket / max(1.0, g_dense + g_exp))  # the last bucket never overlaps
+        t_dp = max(comm - window, bucket_time)
+        # What is hidden still costs: the collective's kernels occupy SMs the overlapped compute loses.
+        t_dp += cluster.comm_sm_fraction * max(0.0, comm - t_dp) + sync
+
+    return t_dp
+
+
+def optimizer_time(r: RankSetup, p: RankParams) -> float:
+    """The optimizer step streams gradients, master weights and Adam moments and writes the weights."""
+    by = r.by
+    return p.sharded(1) * (by["grad"] + by["optim"] * 2 + by["param"]) / r.hbm_bw
