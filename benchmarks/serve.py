@@ -59,9 +59,16 @@ def offline(path: Path, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     # Warm-up on prompts that share no prefix with the measured ones (no prefix-cache help).
     llm.generate([[1] * n for n in (5, 40, 90)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine, runner = llm.engine, llm.engine.runner
+    before = dict(engine.seconds), runner.attention_seconds
     t = time.perf_counter()
     ours = llm.generate(prompts, params)
     ours_s = time.perf_counter() - t
+    split = {k: engine.seconds[k] - before[0][k] for k in engine.seconds}
+    attention = runner.attention_seconds - before[1]
+    split = {"model_without_attention": split["model"] - attention, "attention": attention,
+             "scheduler": split["schedule"], "sampling": split["sampling"],
+             "rest (detokenize, stop strings, outputs)": ours_s - split["model"] - split["schedule"] - split["sampling"]}
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     width = max(map(len, prompts))
@@ -76,12 +83,29 @@ def offline(path: Path, prompts: list[list[int]], output_len: int) -> dict:
         t = time.perf_counter()
         out = hf.generate(tokens, attention_mask=mask, **gen)
         hf_s = time.perf_counter() - t
+        cb_s, cb_same = None, None
+        if hasattr(hf, "generate_batch"):  # transformers' own continuous batching (paged attention)
+            config = transformers.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
+                                                   do_sample=False, eos_token_id=None, pad_token_id=0)
+            try:
+                hf.generate_batch(prompts[:4], generation_config=config)
+                t = time.perf_counter()
+                batch = hf.generate_batch(prompts, generation_config=config)
+                cb_s = time.perf_counter() - t
+                cb_tokens = [o.generated_tokens for o in sorted(batch.values(), key=lambda o: int(o.request_id.split("_")[-1]))]
+                cb_same = f"{sum(a == r.token_ids for a, r in zip(cb_tokens, ours))}/{len(prompts)}"
+            except Exception as e:  # an API that moved between versions: say so in the JSON
+                cb_same = f"not run: {type(e).__name__}: {str(e)[:120]}"
     total = len(prompts) * output_len
     same = sum(out[i, width:].tolist() == r.token_ids for i, r in enumerate(ours))
     return {"num_prompts": len(prompts), "output_len": output_len, "output_tokens": total,
             "meshlm_tokens_per_s": round(total / ours_s, 1), "meshlm_seconds": round(ours_s, 3),
             "transformers_padded_tokens_per_s": round(total / hf_s, 1), "transformers_seconds": round(hf_s, 3),
             "speedup": round(hf_s / ours_s, 3), "greedy_outputs_identical": f"{same}/{len(prompts)}",
+            "transformers_continuous_batching_tokens_per_s": round(total / cb_s, 1) if cb_s else None,
+            "speedup_vs_continuous_batching": round(cb_s / ours_s, 3) if cb_s else None,
+            "continuous_batching_outputs_identical": cb_same,
+            "meshlm_step_time_split_s": {k: round(v, 3) for k, v in split.items()},
             "engine_steps": llm.engine.num_steps}
 
 

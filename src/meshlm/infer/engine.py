@@ -91,6 +91,10 @@ class Engine:
         self._next_id = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        # Where a step's time goes (seconds, summed over steps): scheduling + the step's plain input +
+        # the scheduler's update ("schedule"), the model ("model"; of it, attention: runner.attention_seconds),
+        # sampling. Detokenization and stop strings are what is left of a step.
+        self.seconds = {"schedule": 0.0, "model": 0.0, "sampling": 0.0}
         self.finish_reasons: Counter[str] = Counter()  # "stop" | "length" | "abort" | "error" -> requests
 
     # ---- requests ------------------------------------------------------------------------------
@@ -156,12 +160,18 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that produced tokens or finished in it."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         failed: dict[Sequence, Exception] = {}
         try:
-            logits = self.runner.execute(StepInput.from_schedule(out, self.runner.block_size))
+            step = StepInput.from_schedule(out, self.runner.block_size)
+            t1 = time.perf_counter()
+            self.seconds["schedule"] += t1 - t0
+            logits = self.runner.execute(step)
+            t0 = time.perf_counter()
+            self.seconds["model"] += t0 - t1
             rows = [item.seq for item in out.scheduled if item.samples]
         except CollectiveError:  # a rank of a parallel runner is gone: no sequence of this step can run
             raise
@@ -169,7 +179,11 @@ class Engine:
             logits, rows = self._execute_one_by_one(out, failed)
         sampled: dict[int, tuple[int, dict | None]] = {}
         sampling = []
-        for seq, result in zip(rows, self.sampler(logits, rows) if rows else []):
+        t0 = time.perf_counter()
+        results = self.sampler(logits, rows) if rows else []
+        t1 = time.perf_counter()
+        self.seconds["sampling"] += t1 - t0
+        for seq, result in zip(rows, results):
             if isinstance(result, Exception):
                 failed[seq] = result
             else:
@@ -178,6 +192,7 @@ class Engine:
         if failed:
             out.scheduled = [item for item in out.scheduled if item.seq not in failed]
         self.scheduler.update(out, sampled)
+        self.seconds["schedule"] += time.perf_counter() - t1
         self.num_steps += 1
         self.num_generated_tokens += len(sampling)
         now = time.monotonic()

@@ -14,6 +14,7 @@ sampling (sampling.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,7 @@ class PagedAttention:
         device = k_caches[0].device
         self.k_caches, self.v_caches = k_caches, v_caches
         self.buffers = buffers or GatherBuffers()
+        self.seconds = 0.0  # spent in attend (the runner adds it up: the benchmark's attention share)
         self.slots = torch.tensor(step.slot_mapping, dtype=torch.long, device=device)
 
         def blocks_of(table: list[int], length: int) -> torch.Tensor:
@@ -121,6 +123,12 @@ class PagedAttention:
             self.prefills.append((starts[i], n, length, blocks_of(step.block_tables[i], length).to(device), mask))
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self._attend(layer, q_bhsd, k_bhsd, v_bhsd)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def _attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         assert q_bhsd.shape[0] == 1, "the engine packs all sequences of a step into one row"
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]  # [blocks, block_size, kv_heads, dim]
         k_cache.flatten(0, 1)[self.slots] = k_bhsd[0].transpose(0, 1).to(k_cache.dtype)
@@ -194,6 +202,7 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.buffers = GatherBuffers()  # reused by every layer of every step
         self.attention = attention or PagedAttention
+        self.attention_seconds = 0.0  # PagedAttention's time, summed over steps (not under other `attention`)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -211,4 +220,5 @@ class ModelRunner:
         for block in model.layers.values():
             h = block(h, cos, sin, ctx)
         h = h[0, torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)]
+        self.attention_seconds += getattr(ctx, "seconds", 0.0)
         return model.lm_head(model.norm(h)).float()
