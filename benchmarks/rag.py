@@ -20,15 +20,13 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from serve import free_port, make_model  # benchmarks/serve.py: the same tiny model and port helper
+from serve import make_model, meshlm_server  # benchmarks/serve.py: the same tiny model and server
 
 SYLLABLES = ["ka", "lo", "mi", "ter", "zu", "van", "rop", "eli", "dus", "gar", "fen", "qui", "bra", "tol", "nex",
              "sor", "pim", "ula", "dre", "cho"]
@@ -97,24 +95,8 @@ async def _ttft(client, body: dict) -> float:
 def ttft(model: Path, index: Path, docs: list[dict], n: int, threads: int) -> dict:
     import httpx
 
-    port = free_port()
-    argv = ["--model", str(model), "--port", str(port), "--served-model-name", "bench", "--rag", str(index), "--quiet"]
-    code = (f"import torch; torch.set_num_threads({threads}); from meshlm.cli import main; "
-            f"raise SystemExit(main(['serve', *{argv!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"meshlm serve did not start: {proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.2)
-
+    with meshlm_server(["--model", str(model), "--served-model-name", "bench", "--rag", str(index), "--quiet"],
+                       threads=threads) as url:
         async def run() -> dict:
             out = {"no_rag": [], "rag_first": [], "rag_repeat": []}
             async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -135,9 +117,6 @@ def ttft(model: Path, index: Path, docs: list[dict], n: int, threads: int) -> di
             return res
 
         return asyncio.run(run())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def prefix_reuse(model: Path, index: Path, docs: list[dict], questions: int, repeats: int, output_len: int,

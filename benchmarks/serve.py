@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -115,6 +116,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180):
+    """`meshlm serve SERVE_ARGS` on a free port in a subprocess with `threads` intra-op threads; yields its
+    URL once /health answers, and stops it on exit."""
+    import httpx
+
+    port = free_port()
+    argv = [*serve_args, "--port", str(port)]
+    code = (f"import torch; torch.set_num_threads({threads}); from meshlm.cli import main; "
+            f"raise SystemExit(main(['serve', *{argv!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"meshlm serve did not start: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 async def one_request(client, prompt: list[int], output_len: int) -> dict:
     body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -150,31 +180,10 @@ async def online_run(url: str, prompts: list[list[int]], output_len: int, rate: 
 
 
 def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, seed: int, threads: int) -> dict:
-    import httpx
-
-    port = free_port()
-    argv = ["--model", str(path), "--port", str(port), "--served-model-name", "bench"]
-    code = (f"import torch; torch.set_num_threads({threads}); from meshlm.cli import main; "
-            f"raise SystemExit(main(['serve', *{argv!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"meshlm serve did not start: {proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.2)
+    with meshlm_server(["--model", str(path), "--served-model-name", "bench"], threads=threads) as url:
         t = time.perf_counter()
         results = asyncio.run(online_run(url, prompts, output_len, rate, seed))
         wall = time.perf_counter() - t
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
     def p99(xs):
         xs = sorted(xs)

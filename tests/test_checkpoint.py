@@ -266,8 +266,8 @@ def test_a_resume_hashes_the_checkpoint_once_per_rank(trained, tmp_path, monkeyp
 
     run = fresh(trained, "one", tmp_path)
     hashed = []
-    real_sha256 = ckpt._sha256
-    monkeypatch.setattr(ckpt, "_sha256", lambda f: hashed.append(f.name) or real_sha256(f))
+    real_sha256 = ckpt.sha256_file
+    monkeypatch.setattr(ckpt, "sha256_file", lambda f: hashed.append(f.name) or real_sha256(f))
     cfg = load_config(overrides=[*TINY, f"data.path={text_file}", f"train.run_dir={run}", "train.steps=3"])
     Trainer(cfg, resume=True)
     assert sorted(hashed) == sorted(set(hashed)), hashed  # every file once
@@ -416,8 +416,8 @@ def resume_rank(rank, world_size, run, text_file):
 
     cfg = load_config(overrides=[*TINY, f"data.path={text_file}", f"train.run_dir={run}", "train.steps=3"])
     hashed = []
-    real = ckpt._sha256
-    ckpt._sha256 = lambda f: hashed.append(f.name) or real(f)
+    real = ckpt.sha256_file
+    ckpt.sha256_file = lambda f: hashed.append(f.name) or real(f)
     try:
         Trainer(cfg, resume=True)
     except ckpt.CheckpointError as e:

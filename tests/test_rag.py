@@ -3,9 +3,6 @@ tiny random encoder built here, refusal of corrupt indexes, and `meshlm serve --
 
 import json
 import random
-import threading
-import time
-from argparse import Namespace
 
 import pytest
 
@@ -158,28 +155,17 @@ def test_dense_index_with_a_local_encoder(tmp_path):
 
 @pytest.fixture(scope="module")
 def rag_server(corpus_index, tmp_path_factory):
-    from test_server import free_port, make_model_dir
+    from test_server import free_port, make_model_dir, running, serve_args
 
     from meshlm.infer.server import build_server
 
     pytest.importorskip("fastapi")
     model_dir = make_model_dir(tmp_path_factory.mktemp("rag-llama"), max_len=1024)
     port = free_port()
-    args = Namespace(model=str(model_dir), host="127.0.0.1", port=port, api_key=None, served_model_name="tiny",
-                     block_size=8, kv_cache_mb=4, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=None,
-                     no_prefix_caching=False, tp=1, cp=1, device="cpu", max_body_mb=16, quiet=True,
-                     rag=str(corpus_index[1]), rag_top_k=4)
-    srv, engine = build_server(args)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", model_dir
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    srv, engine = build_server(serve_args(model_dir, port, "--max-num-batched-tokens", "256",
+                                          "--rag", str(corpus_index[1])))
+    with running(srv, engine):
+        yield f"http://127.0.0.1:{port}", model_dir
 
 
 def _metric(text: str, name: str) -> float:

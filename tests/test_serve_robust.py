@@ -4,7 +4,6 @@ extreme sampling values, one sequence failing alone, and clients that hang up (s
 import asyncio
 import json
 import random
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from test_server import free_port, make_model_dir  # noqa: E402 -- after the importorskips
+from test_server import free_port, make_model_dir, running  # noqa: E402 -- after the importorskips
 
 KEY = "k"
 HEADERS = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
@@ -54,16 +53,8 @@ def served(tmp_path_factory):
         return step()
 
     llm.engine.step = slow_step
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield state
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    with running(srv, engine):
+        yield state
 
 
 def test_sampling_is_safe_for_every_accepted_value():

@@ -2,11 +2,11 @@
 concurrency, metrics, and every kind of bad input answered with a 4xx while a good request completes."""
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
-from argparse import Namespace
 
 import pytest
 
@@ -47,27 +47,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from meshlm.infer.server import build_server
+def serve_args(model_dir, port: int, *flags: str):
+    """`meshlm serve` arguments for a tiny CPU server, parsed by the CLI's own parser."""
+    from meshlm.cli import build_parser
 
-    model_dir = make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-    port = free_port()
-    args = Namespace(model=str(model_dir), host="127.0.0.1", port=port, api_key=KEY, served_model_name="tiny",
-                     block_size=8, kv_cache_mb=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=None,
-                     no_prefix_caching=False, tp=1, cp=1, device="cpu", max_body_mb=16, quiet=True,
-                     rag=None, rag_top_k=4)
-    srv, engine = build_server(args)
+    return build_parser().parse_args(["serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu",
+                                      "--served-model-name", "tiny", "--block-size", "8", "--kv-cache-mb", "4",
+                                      "--max-num-seqs", "8", "--quiet", *flags])
+
+
+@contextlib.contextmanager
+def running(srv, engine):
+    """A uvicorn server on a thread, from started to stopped (and its engine with it)."""
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not srv.started:
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    try:
+        yield
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from meshlm.infer.server import build_server
+
+    model_dir = make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+    port = free_port()
+    srv, engine = build_server(serve_args(model_dir, port, "--api-key", KEY, "--max-num-batched-tokens", "64"))
+    with running(srv, engine):
+        yield f"http://127.0.0.1:{port}"
 
 
 def post(url, path, body, **kw):

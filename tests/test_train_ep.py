@@ -11,7 +11,6 @@ the logged expert load), and the "ep" axis moves exactly the all-to-all volume e
 """
 
 import io
-import json
 
 import pytest
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meshlm.files import sha256_file
+
 FORMAT = "meshlm-rag-index"
 VERSION = 1
 RAG_HEADER = "Use the following passages to answer.\n\n"
@@ -180,7 +182,7 @@ class Embedder:
         for f in sorted(self.path.iterdir()):
             if f.suffix in (".json", ".safetensors", ".txt", ".model"):
                 h.update(f.name.encode())
-                h.update(_file_sha256(f).encode())
+                h.update(sha256_file(f).encode())
         return h.hexdigest()
 
     def __call__(self, texts: list[str]) -> np.ndarray:
@@ -202,14 +204,6 @@ class Embedder:
 # ---------------------------------------------------------------------------------------------
 # The index
 # ---------------------------------------------------------------------------------------------
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _bm25(tokens: list[list[str]]):
@@ -240,7 +234,7 @@ def build_index(docs_path: str | Path, out: str | Path, *, chunk_tokens: int = 2
         tok_file = Path(tokenizer_dir) / "tokenizer.json"
         if not tok_file.is_file():
             raise ValueError(f"--tokenizer {str(tokenizer_dir)!r} has no tokenizer.json; give a model folder")
-        tokenizer, tokenizer_name = Tokenizer.from_file(str(tok_file)), f"tokenizer.json sha256:{_file_sha256(tok_file)}"
+        tokenizer, tokenizer_name = Tokenizer.from_file(str(tok_file)), f"tokenizer.json sha256:{sha256_file(tok_file)}"
     docs = read_documents(docs_path)
     chunks = []
     for d in docs:
@@ -267,7 +261,7 @@ def build_index(docs_path: str | Path, out: str | Path, *, chunk_tokens: int = 2
     files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "meta.json")
     meta = {"format": FORMAT, "version": VERSION, "num_documents": len(docs), "num_chunks": len(chunks),
             "chunk_tokens": chunk_tokens, "chunk_overlap": chunk_overlap, "tokenizer": tokenizer_name,
-            "dense": dense, "files": {p.relative_to(out).as_posix(): _file_sha256(p) for p in files}}
+            "dense": dense, "files": {p.relative_to(out).as_posix(): sha256_file(p) for p in files}}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -315,7 +309,7 @@ class RagIndex:
                 f = path / name
                 if not f.is_file():
                     raise RagIndexError(f"{path} is incomplete: {name} is missing; {fix}")
-                if _file_sha256(f) != digest:
+                if sha256_file(f) != digest:
                     raise RagIndexError(f"{path} is corrupt: {name} does not match its checksum; {fix}")
         try:
             chunks = [json.loads(line) for line in (path / "chunks.jsonl").read_text(encoding="utf-8").splitlines()]

@@ -43,7 +43,6 @@ Layout::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -64,6 +63,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from meshlm.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from meshlm.files import sha256_file
 from meshlm.mesh import ParallelDims
 from meshlm.train.shards import (
     Piece,
@@ -268,17 +268,9 @@ def _other_checkpoint_hint(path: Path) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _describe(paths: list[Path]) -> dict[str, list]:
     """{file name: [size, sha256]}: what the manifest records of each file."""
-    return {p.name: [p.stat().st_size, _sha256(p)] for p in paths}
+    return {p.name: [p.stat().st_size, sha256_file(p)] for p in paths}
 
 
 def verify_checkpoint(path: str | Path, *, checksums: bool | tuple[int, int] = True) -> dict:
@@ -325,7 +317,7 @@ def verify_checkpoint(path: str | Path, *, checksums: bool | tuple[int, int] = T
     for name in names if checksums is not False else []:
         digest = files[name][1]
         f = path / name
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise CheckpointError(f"{f} does not match its checksum in {_MANIFEST} (corrupt); {hint}")
     return manifest
 
