@@ -60,15 +60,20 @@ def field_comments(cls: type) -> dict[str, tuple[list[str], str]]:
     return out
 
 
-def _toml_value(value) -> str:
+def toml_value(value) -> str:
+    """One value as TOML (what `load_config` reads back to the same value): the config writers' one rule."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float) and (value != value or abs(value) == float("inf")):
+        return "nan" if value != value else ("inf" if value > 0 else "-inf")
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
@@ -98,7 +103,7 @@ def render_config(cfg: Config, *, header: str = "") -> str:
         if section == "model":
             preset = values.preset or ""
             base = ModelConfig.from_preset(preset) if preset else ModelConfig()
-            out.append(_line(f"preset = {_toml_value(preset)}", comments["preset"][1]
+            out.append(_line(f"preset = {toml_value(preset)}", comments["preset"][1]
                              or "a preset sets the fields below; \"\": the dataclass defaults"))
             out.append("# commented out: the preset's value (uncomment a field to change it)")
         for f in fields(cls):
@@ -110,9 +115,9 @@ def render_config(cfg: Config, *, header: str = "") -> str:
             if value is None:
                 out.append(_line(f"# {f.name} (unset)", inline))
             elif base is not None and value == getattr(base, f.name):
-                out.append(_line(f"# {f.name} = {_toml_value(value)}", inline))
+                out.append(_line(f"# {f.name} = {toml_value(value)}", inline))
             else:
-                out.append(_line(f"{f.name} = {_toml_value(value)}", inline))
+                out.append(_line(f"{f.name} = {toml_value(value)}", inline))
     return "\n".join(out).lstrip("\n") + "\n"
 
 

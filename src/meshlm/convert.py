@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from meshlm.config_doc import toml_value
+
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 
@@ -271,21 +273,8 @@ def config_toml(cfg) -> str:
                 value = ""  # not a preset: every field below
             if value is None:
                 continue
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value) if not isinstance(value, float) or value == value and abs(value) != float("inf") \
-            else ("nan" if value != value else ("inf" if value > 0 else "-inf"))
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")

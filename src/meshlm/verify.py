@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from meshlm.config import Config, ParallelConfig, load_config
+from meshlm.config_doc import toml_value
 
 Launch = Callable[[Config, int], None]
 
@@ -116,22 +117,11 @@ def describe_layout(cfg: Config, world_size: int) -> str:
 
 def config_toml(cfg: Config) -> str:
     """`cfg` as a TOML file that `load_config` reads back to the same config (checked)."""
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)  # a JSON string is a TOML basic string
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
-        raise TypeError(f"cannot write {v!r} to TOML")
-
     lines = ["# written by `meshlm verify`: rerun with `meshlm train --config <this file>`"]
     for section, values in cfg.to_dict().items():
         lines.append(f"\n[{section}]")
         # None is TOML-less: such a field is left out and takes its default (checked below).
-        lines += [f"{k} = {value(v)}" for k, v in values.items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 
