@@ -253,10 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshlm",
         description="Train and serve transformer LLMs across a mesh of devices: data parallelism (DDP, "
-                    "ZeRO-1/2/3, hybrid), tensor + sequence parallelism, pipeline parallelism and activation "
-                    "recomputation on one device mesh, each layout verifiable against one process (meshlm "
-                    "verify); a planner (which also models expert and context parallelism); a paged-KV "
-                    "inference engine.",
+                    "ZeRO-1/2/3, hybrid), tensor + sequence parallelism, pipeline parallelism, expert parallelism "
+                    "(MoE all-to-all), context parallelism (ring attention) and activation recomputation on one "
+                    "device mesh, each layout verifiable against one process (meshlm verify); sharded checkpoints "
+                    "that reload under any layout; a planner; a paged-KV inference engine on one device or "
+                    "several (--tp, --cp), with an OpenAI-compatible server and retrieval.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     from meshlm import __version__
 
