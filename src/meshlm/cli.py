@@ -614,7 +614,7 @@ def cmd_info(args) -> int:
     import json
 
     from meshlm.config import ModelConfig
-    from meshlm.planner.model_stats import count_params, flops_per_token
+    from meshlm.models.stats import count_params, flops_per_token
 
     cfg = ModelConfig.from_hf(args.hf) if args.hf else ModelConfig.from_preset(args.model)
     seq_len = args.seq_len or min(4096, cfg.max_seq_len)

@@ -73,7 +73,7 @@ def runtime_of(args) -> str:
 
 def job_operations(est, cfg, cluster, args) -> dict:
     """Failures / checkpoint / goodput and power of one estimate, with the command's flags."""
-    from meshlm.planner import model_stats
+    from meshlm.models import stats as model_stats
     from meshlm.planner.operations import FAILURE_RATE_PER_GPU_HOUR, operations
 
     rate = FAILURE_RATE_PER_GPU_HOUR if getattr(args, "failure_rate", None) is None else args.failure_rate
