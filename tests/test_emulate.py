@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.cli import main
+from meshlm.config import ModelConfig
 from meshlm.emulate import EmulatedCluster, parse_duration, parse_rate
 
 needs_root = pytest.mark.skipif(
@@ -108,6 +109,38 @@ def test_ctrl_c_stops_the_nodes_and_removes_the_namespaces(tmp_path):
     assert _netns() == before
 
 
+def test_an_emulated_calibration_is_a_two_tier_local_cluster(tmp_path):
+    """Nodes are scale-up domains sharing the host's cores; groups across nodes run gloo's flat ring."""
+    from meshlm.planner.calibrate import emulated_calibration
+    from meshlm.planner.cluster import local_cluster
+    from meshlm.planner.collectives import collective_time
+
+    def pts(bw):  # all_gather points of a 2-rank group: t = 1e-4 + (1/2) * bytes / bw
+        return [[b, 1e-4 + 0.5 * b / bw] for b in (2**16, 2**20, 2**22)]
+
+    tiers = {"scale-up": {"all_gather": pts(1e9)}, "scale-out": {"all_gather": pts(5e7)}}
+    machine = {"matmul_flops": 1e10, "cpu_cores": 2}
+    path = tmp_path / "emu.json"
+    path.write_text(json.dumps(emulated_calibration(tiers, nodes=2, procs_per_node=2, rate_bps=8e8,
+                                                    machine=machine)))
+    c = local_cluster(path)
+    assert c.scaleup_size == 2 and c.host_shared_by_domains and c.flat_rings and c.compute_slots == 2
+    assert c.collective_fit("all_gather", "scale-up")[1] == pytest.approx(1e9)
+    assert c.collective_fit("all_gather", "scale-out")[1] == pytest.approx(5e7)
+    # 4 ranks over 2 nodes: one ring of 4, its crossing hops carrying 2 ranks' shares of the node link
+    assert collective_time("all_gather", 4e6, (2, 2), c) == pytest.approx(0.75 * 4e6 / 1e8 + 3 * 1e-4, rel=1e-6)
+    # a 2-rank group across nodes: the measured pattern itself
+    assert collective_time("all_gather", 4e6, (1, 2), c) == pytest.approx(0.5 * 4e6 / 5e7 + 1e-4, rel=1e-6)
+    # cores are shared by every node's ranks: 4 ranks on 2 cores compute at half the rate
+    from meshlm.planner.cost import Job, Layout, estimate
+
+    model = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=64, max_seq_len=16)
+    job = Job(seq_len=16, global_batch_size=4, precision="fp32", fused_elementwise=False, runtime="meshlm")
+    two, four = (estimate(model, c, job, Layout(dp_shard=n, micro_batch_size=4 // n)) for n in (2, 4))
+    assert four.time_s["compute"] == pytest.approx(two.time_s["compute"])  # half the work at half the rate
+
+
 # -- the planner on the emulated cluster ----------------------------------------------------------------
 
 NODES, PER_NODE = 2, 2
@@ -118,10 +151,11 @@ SEQ, BATCH, STEPS, WARMUP = 128, 8, 6, 2
 LAYOUTS = {"tp2 in node x dp2 across": dict(tp=2), "tp4 across nodes": dict(tp=4), "dp4 across nodes": dict(tp=1)}
 CAL_SIZES = (2**14, 2**18, 2**20, 2**22)
 # The issue's goal is predicted / measured within 25%. Measured here on a 2-core host shared with other
-# jobs (load average ~4 while this ran): the ranks get less than the cores the planner gives them, and the
-# ratios came out at 0.53-0.66 (tp2 x dp2 0.61, tp4 0.66, dp4 0.53 at 1gbit). So the test asserts what holds:
-# the ranking wherever the planner separates two layouts by more than SEPARATION (more than this host's run
-# to run noise), and a loose bound on each ratio that a planner off by a large factor would still fail.
+# jobs (load average 4-5 while this ran), the ranks get less than the cores the planner gives them and a
+# layout's step moves by up to 2x from one run to the next; over three runs the ratios were 0.67-0.75
+# (tp2 x dp2), 0.48-0.95 (tp4), 0.61-0.67 (dp4). So the test asserts what holds: the ranking wherever the
+# planner separates two layouts by more than SEPARATION, and a loose bound on each ratio that a planner
+# off by a large factor still fails; the ratios are printed (pytest -s).
 SEPARATION = 1.25
 RATIO_BOUND = (0.25, 2.0)
 

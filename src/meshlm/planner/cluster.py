@@ -52,6 +52,9 @@ class Cluster:
     # of all domains share `compute_slots`, and the scale-out link is a shaped link measured as such (not
     # the host's memory copies), so core sharing slows only the scale-up link.
     host_shared_by_domains: bool = False
+    # Collectives of a group spanning both tiers run as one flat ring over all its ranks (gloo), not
+    # hierarchically (NCCL): see collectives.collective_time. Set for emulated clusters, which run gloo.
+    flat_rings: bool = False
     # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
     # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
     gemm_k_overhead: float = 256.0
@@ -199,6 +202,7 @@ def local_cluster(path: str | Path) -> Cluster:
     return Cluster(name="local", gpu=data.get("device", "cpu"), collective_fits={"scale-up": fits, "scale-out": out_fits},
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
                    scaleup_size=domain, scaleup_bw=bw, scaleout_bw=out_bw, host_shared_by_domains=shared,
+                   flat_rings=shared,
                    scaleup_latency=lat, scaleout_latency=out_lat, matmul_efficiency=1.0,
                    attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops),
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
