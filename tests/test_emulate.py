@@ -147,13 +147,13 @@ NODES, PER_NODE = 2, 2
 RATE = 1e9  # bits/s per node link, each way
 MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=4",
          "model.intermediate_size=768", "model.max_seq_len=128"]
-SEQ, BATCH, STEPS, WARMUP = 128, 8, 6, 2
+SEQ, BATCH, STEPS, WARMUP = 128, 8, 5, 2
 LAYOUTS = {"tp2 in node x dp2 across": dict(tp=2), "tp4 across nodes": dict(tp=4), "dp4 across nodes": dict(tp=1)}
 CAL_SIZES = (2**14, 2**18, 2**20, 2**22)
 # The goal is predicted / measured within 25%. Measured here on a 2-core host shared with other
 # jobs (load average 4-5 while this ran), the ranks get less than the cores the planner gives them and a
-# layout's step moves by up to 2x from one run to the next; over three runs the ratios were 0.67-0.75
-# (tp2 x dp2), 0.48-0.95 (tp4), 0.61-0.67 (dp4). So the test asserts what holds: the ranking wherever the
+# layout's step moves by up to 2x from one run to the next; over four runs the ratios were 0.55-0.79
+# (tp2 x dp2), 0.48-0.95 (tp4), 0.61-0.97 (dp4). So the test asserts what holds: the ranking wherever the
 # planner separates two layouts by more than SEPARATION, and a loose bound on each ratio that a planner
 # off by a large factor still fails; the ratios are printed (pytest -s).
 SEPARATION = 1.25
