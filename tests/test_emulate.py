@@ -51,6 +51,22 @@ def test_rates_and_durations_parse_or_are_refused():
         parse_duration("1 hour")
 
 
+def test_hosts_without_root_or_iproute2_are_refused(monkeypatch):
+    import meshlm.emulate as emulate
+
+    monkeypatch.setattr(emulate.sys, "platform", "linux")
+    monkeypatch.setattr(emulate.shutil, "which", lambda tool: None if tool == "tc" else "/bin/" + tool)
+    with pytest.raises(ValueError, match="needs tc .*install iproute2"):
+        emulate.check_host()
+    monkeypatch.setattr(emulate.shutil, "which", lambda tool: "/bin/" + tool)
+    monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
+    with pytest.raises(ValueError, match="needs root"):
+        emulate.check_host()
+    with pytest.raises(ValueError, match="needs root"):  # before anything is created
+        with EmulatedCluster(nodes=2, rate_bps=1e9):
+            pass
+
+
 def test_train_emulation_mistakes_are_one_line(capsys):
     assert main(["train", "--emulate-nodes", "2", "--inter-node-bw", "1gbit"]) == 2
     assert "need --nproc" in capsys.readouterr().err
