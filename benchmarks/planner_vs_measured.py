@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, Layout, estimate
-from meshlm.planner.model_stats import count_params
+from meshlm.models.stats import count_params
 
 # A tiny Llama (3.3M parameters, 13 MB of fp32 gradients): a step is ~0.1-0.5 s on one core, so the
 # all-reduce is visible next to the compute, and the whole script runs in about two minutes.

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from meshlm.config import ModelConfig, _coerce
 from meshlm.models import build_model
-from meshlm.planner.model_stats import flops_per_token
+from meshlm.models.stats import flops_per_token
 from meshlm.train.metrics import peak_tflops_guess
 
 

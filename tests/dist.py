@@ -3,9 +3,11 @@
 `run_distributed(fn, world_size, *args, timeout=60, **kwargs)` spawns `world_size` processes, each
 with a default gloo process group (MASTER_ADDR=127.0.0.1, a free port, retried if another job takes
 it first) and one intra-op thread, calls `fn(rank, world_size, *args, **kwargs)` and returns the list
-of return values by rank (they must be picklable). If a rank raises, crashes or the whole run
-exceeds `timeout` seconds, the test fails with every failed rank's traceback, the current stack of
-every rank still running (dumped by faulthandler before it is killed), and which ranks those were.
+of return values by rank (they must be picklable). `run_distributed_with(fn, world_size, args,
+before_init=f, master_addr=A, timeout=...)` is the same with `f(rank)` called in each rank before its
+process group starts (e.g. to enter an emulated node's network namespace) and the rendezvous at A.
+If a rank raises, crashes or the whole run exceeds `timeout` seconds, the test fails with every failed
+rank's traceback, the current stack of every rank still running (dumped by faulthandler before it is killed), and which ranks those were.
 `fn` must be importable by name (a module-level function of a test module).
 """
 
@@ -42,7 +44,7 @@ def _is_port_collision(text: str) -> bool:
     return "address already in use" in text or "eaddrinuse" in text
 
 
-def _worker(rank, world_size, port, stack_dir, fn, args, kwargs, results):
+def _worker(rank, world_size, port, stack_dir, fn, args, kwargs, results, before_init=None, master_addr="127.0.0.1"):
     import torch
     import torch.distributed as dist
 
@@ -50,10 +52,12 @@ def _worker(rank, world_size, port, stack_dir, fn, args, kwargs, results):
     stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        if before_init is not None:
+            before_init(rank)
+        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size)
     except Exception:  # noqa: BLE001 -- reported to the parent, which may retry on another port
         results.put(("init_error", rank, traceback.format_exc()))
         return
@@ -74,8 +78,14 @@ def _worker(rank, world_size, port, stack_dir, fn, args, kwargs, results):
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 60.0, **kwargs) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results by rank."""
+    return run_distributed_with(fn, world_size, args, kwargs, timeout=timeout)
+
+
+def run_distributed_with(fn, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
+                         timeout: float = 60.0, before_init=None, master_addr: str = "127.0.0.1") -> list:
+    """`run_distributed` with `before_init(rank)` run in each rank first, and the rendezvous at `master_addr`."""
     for attempt in range(_PORT_TRIES):
-        outcome = _launch(fn, world_size, args, kwargs, timeout, _free_port())
+        outcome = _launch(fn, world_size, args, kwargs or {}, timeout, _free_port(), before_init, master_addr)
         if outcome != "port_collision":
             return outcome
     raise DistributedTestError(f"could not find a free port in {_PORT_TRIES} tries")
@@ -92,11 +102,12 @@ def _context():
     return ctx
 
 
-def _launch(fn, world_size, args, kwargs, timeout, port):
+def _launch(fn, world_size, args, kwargs, timeout, port, before_init=None, master_addr="127.0.0.1"):
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="meshlm-dist-") as stack_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, stack_dir, fn, args, kwargs, results),
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, stack_dir, fn, args, kwargs, results,
+                                                   before_init, master_addr),
                              daemon=True)
                  for r in range(world_size)]
         for p in procs:

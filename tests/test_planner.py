@@ -19,7 +19,7 @@ from meshlm.planner.cli import add_plan_parser, parse_size, run_plan
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, pipeline_bubble
 from meshlm.planner.inference import estimate_inference
-from meshlm.planner.model_stats import count_params, flops_per_token, train_flops_per_token
+from meshlm.models.stats import count_params, flops_per_token, train_flops_per_token
 from meshlm.planner.search import search
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=48,
@@ -403,7 +403,7 @@ def test_planner_and_runtime_pick_the_same_pipeline_split(model, layers, pp, chu
     from meshlm.parallel.parallelize import pp_layers
     from meshlm.parallel.schedules import balanced_split, stage_loads
     from meshlm.planner import cost
-    from meshlm.planner.model_stats import pipeline_units
+    from meshlm.models.stats import pipeline_units
 
     cfg = (ModelConfig.from_preset(model) if isinstance(model, str)
            else ModelConfig(**model, num_layers=layers, max_seq_len=max(64, seq_len)))

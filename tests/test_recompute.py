@@ -21,7 +21,7 @@ from meshlm.models import KVCache, build_model
 from meshlm.parallel.parallelize import check_layout
 from meshlm.parallel.recompute import apply_recompute, saved_activation_bytes
 from meshlm.parallel.tensor import full_state_dict
-from meshlm.planner.model_stats import activation_elems_per_token
+from meshlm.models.stats import activation_elems_per_token
 from meshlm.train.trainer import Trainer
 from runs import SMALL_MODEL
 

@@ -216,7 +216,7 @@ def test_balanced_default_split_trains_like_one_process(tmp_path, text_file):
     from meshlm.parallel.parallelize import pp_layers
     from meshlm.parallel.schedules import balanced_split, stage_loads
     from meshlm.planner import cost
-    from meshlm.planner.model_stats import pipeline_units
+    from meshlm.models.stats import pipeline_units
 
     cfg = make_cfg(tmp_path / "pp", text_file, *BALANCED, "parallel.pp=2")
     head_units, _ = pipeline_units(cfg.model, cfg.train.seq_len)

@@ -60,6 +60,16 @@ def _add_train(sub) -> None:
     launch.add_argument("--node-rank", type=int, default=None, metavar="R",
                         help="fix this node's rank (static rendezvous at --rdzv-endpoint) instead of "
                              "ranking nodes by arrival (c10d)")
+    emulate = p.add_argument_group(
+        "emulated nodes", "Rehearse a multi-node layout on this machine: each node a Linux network namespace "
+        "(its --nproc ranks talk over its loopback), the nodes joined by links shaped with tc to "
+        "--inter-node-bw each way. Needs root and iproute2 (ip, tc); everything is removed on exit.")
+    emulate.add_argument("--emulate-nodes", type=int, default=0, metavar="N",
+                         help="emulate N nodes of --nproc ranks each (N >= 2; ranks 0..nproc-1 on node 0, ...)")
+    emulate.add_argument("--inter-node-bw", metavar="RATE",
+                         help="each node's link rate in each direction, tc units (1gbit, 100mbit, 125mbps)")
+    emulate.add_argument("--inter-node-latency", metavar="TIME",
+                         help="one-way delay on each node's link (1ms); needs the kernel's netem qdisc")
 
 
 def _add_verify(sub) -> None:
@@ -290,10 +300,15 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_trackers(tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb)  # before any rank or work
     under_launcher = launched_ranks()  # torchrun, or one task of a multi-task srun step
+    emulating = args.emulate_nodes or args.inter_node_bw or args.inter_node_latency
+    if emulating and not args.nproc:
+        raise ValueError("--emulate-nodes/--inter-node-bw/--inter-node-latency need --nproc N (ranks per node)")
     if args.nproc:
         if under_launcher:
             raise ValueError(f"--nproc was given but this process is already one of {read_launch_env()[1]} "
                              "launched ranks; drop --nproc under torchrun/srun")
+        if emulating:
+            return _launch_emulated(args, cfg)
         return _launch_ranks(args, cfg)
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
         raise ValueError("--nnodes/--rdzv-endpoint/--node-rank need --nproc N (ranks per node)")
@@ -388,6 +403,46 @@ def _launch_ranks(args, cfg) -> int:
     rank_args = ["train", *(["--config", args.config] if args.config else []),
                  *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
     return run_torchrun(launcher, rank_args)
+
+
+def _launch_emulated(args, cfg) -> int:
+    """--emulate-nodes N: N network namespaces, each running `meshlm train --nproc P --nnodes N --node-rank i`
+    (torch's launcher, static rendezvous on node 0's address); the namespaces are removed however it ends."""
+    from meshlm.emulate import EmulatedCluster, parse_duration, parse_rate
+    from meshlm.parallel.parallelize import check_layout
+    from meshlm.train.checkpoint import check_run_dir
+
+    if args.emulate_nodes < 2:
+        raise ValueError(f"--emulate-nodes={args.emulate_nodes} must be >= 2 (with --inter-node-bw)")
+    if not args.inter_node_bw:
+        raise ValueError("--emulate-nodes needs --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
+    if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
+        raise ValueError("--emulate-nodes runs every node here; drop --nnodes/--rdzv-endpoint/--node-rank")
+    if args.max_restarts:
+        raise ValueError("--max-restarts is not supported with --emulate-nodes; leave it out")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+    rate = parse_rate(args.inter_node_bw)
+    latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else 0.0
+    nodes = args.emulate_nodes
+    check_layout(cfg, args.nproc * nodes)  # before any namespace or rank
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as run_torchrun: one intra-op thread per rank
+    with EmulatedCluster(nodes=nodes, rate_bps=rate, latency_s=latency) as cluster:
+        # A fresh namespace has no listener on any port: the rendezvous may take a fixed one.
+        endpoint = f"{cluster.addresses[0]}:29500"
+        rank_args = [*(["--config", args.config] if args.config else []),
+                     *[a for o in args.overrides for a in ("--set", o)], *(["--resume"] if args.resume else []),
+                     *(["--overwrite"] if args.overwrite else [])]
+        code = cluster.run_on_nodes(lambda i: [sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(args.nproc),
+                                               "--nnodes", str(nodes), "--node-rank", str(i),
+                                               "--rdzv-endpoint", endpoint, *rank_args])
+    if code:
+        print(f"meshlm train: an emulated node failed (exit code {code}); its error is printed above",
+              file=sys.stderr)
+    return code
 
 
 def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
@@ -560,7 +615,7 @@ def cmd_info(args) -> int:
     import json
 
     from meshlm.config import ModelConfig
-    from meshlm.planner.model_stats import count_params, flops_per_token
+    from meshlm.models.stats import count_params, flops_per_token
 
     cfg = ModelConfig.from_hf(args.hf) if args.hf else ModelConfig.from_preset(args.model)
     seq_len = args.seq_len or min(4096, cfg.max_seq_len)

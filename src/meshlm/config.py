@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from meshlm.dims import ParallelDims
+
 
 class ConfigError(ValueError):
     """A user mistake in a configuration: the message names the field, the value and the fix."""
@@ -358,16 +360,12 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(ParallelDims):
     """Degrees of each parallelism and their knobs. `dp_shard = -1` takes what the others leave."""
 
-    dp_replicate: int = 1  # data-parallel replicas (hybrid sharding with zero_stage > 0)
-    dp_shard: int = -1  # data-parallel ranks that shard (ZeRO); -1: what the other degrees leave of the world
-    tp: int = 1  # tensor parallelism (+ sequence parallelism below)
-    pp: int = 1  # pipeline stages (schedule below)
-    cp: int = 1  # context parallelism: every sequence split over cp ranks (parallel/context.py)
+    # The degrees (dp_replicate, dp_shard, tp, pp, cp, ep) are `meshlm.dims.ParallelDims`' fields.
+
     cp_method: str = "ring"  # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer)
-    ep: int = 1  # expert parallelism: each rank of an ep group holds num_experts / ep experts (parallel/expert.py)
     zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
     sequence_parallel: bool = True  # with tp > 1
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble

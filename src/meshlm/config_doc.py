@@ -38,7 +38,16 @@ REFERENCE_HEADER = """\
 
 
 def field_comments(cls: type) -> dict[str, tuple[list[str], str]]:
-    """{field: (comment lines above it, the comment after it on its line)} from the class's source."""
+    """{field: (comment lines above it, the comment after it on its line)} from the source of the class and
+    of the dataclasses it extends (ParallelConfig's degrees are declared in `meshlm.dims.ParallelDims`)."""
+    out: dict[str, tuple[list[str], str]] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is not object and "__dataclass_fields__" in klass.__dict__:
+            out.update(_own_field_comments(klass))
+    return out
+
+
+def _own_field_comments(cls: type) -> dict[str, tuple[list[str], str]]:
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
     trailing: dict[int, str] = {}

@@ -1,8 +1,8 @@
 """The device mesh: parallel degrees, their validation, and the named process groups.
 
-Responsible for: `ParallelDims` (the degree of every parallelism, resolved and checked against the
-world size before any work starts), the pure mapping from a global rank to its coordinate on each
-axis (`rank_coords`, `group_ranks`), and `Mesh`, an explicit object that owns the process group of
+Responsible for: the pure mapping from a global rank to its coordinate on each axis of resolved
+`ParallelDims` (`rank_coords`, `group_ranks`; the degrees themselves and their checks against the world
+size are `meshlm.dims`, re-exported here), and `Mesh`, an explicit object that owns the process group of
 every axis and the `CommStats` that count what moves over them.
 Not responsible for: starting the default process group (`meshlm.distributed`), collectives
 (`meshlm.comm`), or model-dependent checks such as heads divisible by tp (each strategy checks its own).
@@ -24,126 +24,13 @@ builds its groups from those ranks and attaches them with `Mesh.with_axes` (`mes
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass
-
 import torch.distributed as dist
 
 from meshlm.comm import CommStats
+from meshlm.dims import ALL_AXES, AXES, FLAT_AXES, ParallelDims
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
-FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-             "dp_shard_cp": ("dp_shard", "cp")}
-ALL_AXES = AXES + tuple(FLAT_AXES)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _fmt_set(values: list[int]) -> str:
-    return "{" + ",".join(str(v) for v in values) + "}"
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of each parallelism. `dp_shard=-1` takes what the other degrees leave of the world."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-
-    @classmethod
-    def from_config(cls, parallel) -> "ParallelDims":
-        """From a `meshlm.config.ParallelConfig` (only the degrees are read)."""
-        return cls(pp=parallel.pp, dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard,
-                   cp=parallel.cp, tp=parallel.tp, ep=parallel.ep)
-
-    @property
-    def is_resolved(self) -> bool:
-        return self.dp_shard != -1
-
-    @property
-    def world_size(self) -> int:
-        self._require_resolved()
-        return math.prod(self.degree(a) for a in AXES)
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: the number of model replicas that see different sequences."""
-        self._require_resolved()
-        return self.dp_replicate * self.dp_shard
-
-    def degree(self, axis: str) -> int:
-        """Size of a mesh axis (one of ALL_AXES)."""
-        if axis in FLAT_AXES:
-            self._require_resolved()
-            return math.prod(getattr(self, a) for a in FLAT_AXES[axis])
-        if axis not in AXES:
-            raise ValueError(f"axis={axis!r} is unknown; choose one of {list(ALL_AXES)}")
-        return getattr(self, axis)
-
-    def resolve(self, world_size: int) -> "ParallelDims":
-        """Fill in dp_shard=-1 and check the degrees against `world_size`; returns a new ParallelDims.
-
-        Raises ValueError naming the numbers and a fix, before any process group is touched.
-        """
-        if world_size < 1:
-            raise ValueError(f"world size {world_size} must be >= 1")
-        for name in ("pp", "dp_replicate", "cp", "tp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value} must be an integer >= 1")
-        if not isinstance(self.dp_shard, int) or (self.dp_shard != -1 and self.dp_shard < 1):
-            raise ValueError(f"dp_shard={self.dp_shard} must be >= 1, or -1 to take what the other "
-                             "degrees leave of the world size")
-        fixed = [a for a in AXES if a != "dp_shard" or self.dp_shard != -1]
-        product = math.prod(getattr(self, a) for a in fixed)
-        terms = " x ".join(f"{a}={getattr(self, a)}" for a in fixed)
-        if self.dp_shard == -1:
-            if world_size % product != 0:
-                more = (f"; or start {product} ranks (or a multiple), e.g. meshlm train --nproc {product}"
-                        if world_size < product else "")
-                raise ValueError(f"{terms} = {product} does not divide world size {world_size}; "
-                                 f"{self._fix_hint(fixed, world_size, exact=False)}{more}")
-            dims = dataclasses.replace(self, dp_shard=world_size // product)
-        else:
-            if product != world_size:
-                raise ValueError(f"{terms} = {product} != world size {world_size}; "
-                                 f"{self._fix_hint(fixed, world_size, exact=True)}, "
-                                 "or set dp_shard=-1 to take what the others leave")
-            dims = self
-        shard_cp = dims.dp_shard * dims.cp
-        if shard_cp % dims.ep != 0:
-            raise ValueError(f"ep={dims.ep} does not divide dp_shard x cp = {dims.dp_shard} x {dims.cp} = "
-                             f"{shard_cp} (experts are spread over the data-shard and context ranks); "
-                             f"choose ep in {_fmt_set(_divisors(shard_cp))}")
-        return dims
-
-    def _fix_hint(self, fixed: list[str], world_size: int, *, exact: bool) -> str:
-        """'choose tp in {1,2,4}' for each degree > 1 that could alone make the layout fit."""
-        hints = []
-        for axis in reversed(fixed):  # innermost first: the usual thing to change is tp
-            value = getattr(self, axis)
-            if value == 1:
-                continue
-            rest = math.prod(getattr(self, a) for a in fixed) // value
-            if world_size % rest != 0:
-                continue
-            choices = [d for d in _divisors(world_size // rest) if not exact or d * rest == world_size]
-            hints.append(f"choose {axis} in {_fmt_set(choices)}")
-        if not hints:
-            return f"choose degrees whose product divides {world_size}"
-        return " or ".join(hints)
-
-    def _require_resolved(self) -> None:
-        if not self.is_resolved:
-            raise ValueError("dp_shard=-1 is not resolved yet; call dims.resolve(world_size) first")
-
+__all__ = ["ALL_AXES", "AXES", "FLAT_AXES", "Mesh", "ParallelDims", "build_mesh", "create_groups", "every_group",
+           "group_ranks", "rank_coords"]
 
 def rank_coords(dims: ParallelDims, rank: int) -> dict[str, int]:
     """Coordinate of global `rank` on every axis (AXES and the flattened ones), tp fastest-varying."""

@@ -82,8 +82,8 @@ def check_pipeline_model(config, num_stages: int) -> None:
 def default_layers_per_stage(config, *, pp: int, pp_chunks: int = 1, seq_len: int) -> list[int]:
     """Blocks per stage (stage order) when `parallel.pp_layers` is empty: `schedules.balanced_split`,
     the planner's split, with the output head's compute measured against a block's at `seq_len`
-    (`planner.model_stats.pipeline_units`); every stage keeps at least one block."""
-    from meshlm.planner.model_stats import pipeline_units  # torch-free arithmetic on the config
+    (`models.stats.pipeline_units`); every stage keeps at least one block."""
+    from meshlm.models.stats import pipeline_units  # torch-free arithmetic on the config
 
     head_units, embed_units = pipeline_units(config, seq_len)
     return balanced_split(config.num_layers, pp=pp, pp_chunks=pp_chunks, head_units=head_units,

@@ -155,7 +155,7 @@ def balanced_split(num_layers: int, *, pp: int, pp_chunks: int = 1, head_units: 
     lightest last (and first) stage, which also holds the head's parameters and logits (so 10 blocks
     over 4 stages with no head cost: [3, 3, 3, 1], not [3, 3, 2, 2]; the busiest rank runs 3 either
     way). Units are compute relative to one average block: forward FLOPs per token at the training
-    sequence length (`meshlm.planner.model_stats.pipeline_units`).
+    sequence length (`meshlm.models.stats.pipeline_units`).
     """
     stages = pp * pp_chunks
     if stages < 1 or num_layers < stages:

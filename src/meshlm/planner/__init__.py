@@ -1,8 +1,8 @@
 """meshlm.planner: predict memory and step time of parallel layouts on a cluster, pick one, explain it.
 
-Works from configs and model dimensions only (no torch needed except for `calibrate`).
+Works from configs and model dimensions only (no torch needed except for `calibrate`); exact parameter
+counts and matmul FLOPs of our model (and the FLOP convention) are `meshlm.models.stats`, beside the model.
 
-  model_stats  exact parameter counts and matmul FLOPs of our model (the FLOP convention is there)
   cluster      GPU/cluster presets (a100, h100, h200, b200, gb200-nvl72) and `local` from calibration
   cost         Job, Layout, placement, collective and pipeline-bubble formulas, `Estimate`
   search       layout enumeration, pruning, ranking

@@ -7,8 +7,13 @@ outnumber cores), spawning `world_size` local
 gloo ranks (one thread each) that time all_reduce, all_gather, reduce_scatter, all_to_all and
 send/recv over message sizes, fitting `time = latency + bytes_moved / bandwidth` to each, and writing
 the JSON file that `cluster.local_cluster` reads.
+With `emulated` (`calibrate_emulated`): the same on an emulated two-tier cluster (`meshlm.emulate`: nodes
+as network namespaces joined by shaped links), fitting both tiers -- "scale-up" on the ranks of one node
+(loopback) while the other nodes wait, "scale-out" on one rank per node with every rank of a node crossing
+at once (each in its own group of one rank per node, as the data-parallel groups of a tp-inside-the-node
+layout do), so the fit is one rank's share of its node's link, the per-GPU figure the cost model reads.
 Not responsible for: the cost model (the fit is expressed in the same terms `cost.collective_time`
-uses: a ring moves (n-1)/n of the buffer per rank and per phase).
+uses: a ring moves (n-1)/n of the buffer per rank and per phase) or creating namespaces (`meshlm.emulate`).
 """
 
 from __future__ import annotations
@@ -104,45 +109,85 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=SIZES) -> dict:
+    """Time each collective over message sizes on `group` (this rank one of `members`): {kind: [[bytes, s]]}."""
+    import torch
+    import torch.distributed as dist
+
+    world = len(members)
+    first, second = members[0], members[1]
+    results: dict = {}
+    for nbytes in sizes:
+        n = nbytes // 4
+        n -= n % world
+        buf = torch.ones(n)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        ops = {
+            "all_reduce": lambda: dist.all_reduce(buf, group=group),
+            "all_gather": lambda: all_gather(torch.empty(n), buf[: n // world], group=group),
+            "reduce_scatter": lambda: reduce_scatter(torch.empty(n // world), buf, group=group),
+            "all_to_all": lambda: dist.all_to_all_single(torch.empty(n), buf, group=group),
+            # timed where it ends: a send returns once the kernel's socket buffers (megabytes) hold the data
+            "p2p": ((lambda: dist.recv(buf, second, group=group)) if rank == first
+                    else (lambda: dist.send(buf, first, group=group))),
+        }
+        for name, fn in ops.items():
+            if name == "p2p" and rank not in (first, second):
+                continue
+            try:
+                fn()  # warm-up
+                times = []
+                for _ in range(repeats):
+                    dist.barrier(group=group) if name != "p2p" else None
+                    t = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t)
+                results.setdefault(name, []).append([n * 4, min(times)])
+            except RuntimeError as e:  # an op the backend lacks: record and go on
+                results.setdefault("unsupported", []).append(f"{name}: {str(e)[:80]}")
+    return results
+
+
 def _rank_main(rank: int, world: int, port: int, out_dir: str, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    results: dict = {}
     try:
-        for nbytes in SIZES:
-            n = nbytes // 4
-            n -= n % world
-            buf = torch.ones(n)
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            ops = {
-                "all_reduce": lambda: dist.all_reduce(buf),
-                "all_gather": lambda: all_gather(torch.empty(n), buf[: n // world]),
-                "reduce_scatter": lambda: reduce_scatter(torch.empty(n // world), buf),
-                "all_to_all": lambda: dist.all_to_all_single(torch.empty(n), buf),
-                "p2p": (lambda: dist.send(buf, 1)) if rank == 0 else (lambda: dist.recv(buf, 0)),
-            }
-            for name, fn in ops.items():
-                if name == "p2p" and rank > 1:
-                    continue
-                try:
-                    fn()  # warm-up
-                    times = []
-                    for _ in range(repeats):
-                        dist.barrier() if name != "p2p" else None
-                        t = time.perf_counter()
-                        fn()
-                        times.append(time.perf_counter() - t)
-                    results.setdefault(name, []).append([n * 4, min(times)])
-                except RuntimeError as e:  # an op the backend lacks: record and go on
-                    results.setdefault("unsupported", []).append(f"{name}: {str(e)[:80]}")
+        results = _time_collectives(rank, None, list(range(world)), repeats)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "rank0.json").write_text(json.dumps(results))
+
+
+def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 5, sizes=SIZES) -> dict:
+    """On an initialised default group of `world` ranks, `procs_per_node` consecutive ranks per emulated node:
+    the collectives timed inside a node ("scale-up", node 0's ranks while the others wait; absent with one
+    rank per node) and across nodes ("scale-out", one rank per node, every rank of a node at once). Every
+    rank must call it; rank 0's points are returned (the others get {})."""
+    import torch.distributed as dist
+
+    nodes = world // procs_per_node
+    assert nodes * procs_per_node == world and nodes >= 2
+    node_groups = [list(range(n * procs_per_node, (n + 1) * procs_per_node)) for n in range(nodes)]
+    rails = [list(range(j, world, procs_per_node)) for j in range(procs_per_node)]
+    # new_group is collective over the whole world: every rank creates every group, in the same order.
+    node_pgs = [dist.new_group(g) for g in node_groups] if procs_per_node > 1 else []
+    rail_pgs = [dist.new_group(g) for g in rails]
+    out: dict = {}
+    if procs_per_node > 1:
+        if rank in node_groups[0]:
+            out["scale-up"] = _time_collectives(rank, node_pgs[0], node_groups[0], repeats, sizes)
+        dist.barrier()
+    j = rank % procs_per_node
+    out["scale-out"] = _time_collectives(rank, rail_pgs[j], rails[j], repeats, sizes)
+    dist.barrier()
+    for pg in (*node_pgs, *rail_pgs):
+        dist.destroy_process_group(pg)
+    return out if rank == 0 else {}
 
 
 def _fit(points: list, factor: float) -> tuple[float, float]:
@@ -158,25 +203,20 @@ def _fit(points: list, factor: float) -> tuple[float, float]:
     return latency, 1.0 / slope
 
 
-def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict:
-    """Measure and write the calibration file; return its contents."""
-    import torch.multiprocessing as mp
-
-    if world_size < 2:
-        raise ValueError(f"world_size={world_size} must be >= 2 to time collectives")
+def _machine() -> dict:
+    """What one core of this host computes and streams (the ranks run one thread each)."""
     attention = fit_attention()
     data: dict = {"device": "cpu", "matmul_flops": measure_matmul(), **attention,
-                  "memory_bandwidth": measure_memory_bandwidth(), "world_size": world_size,
-                  "cpu_cores": _cpu_cores()}
+                  "memory_bandwidth": measure_memory_bandwidth(), "cpu_cores": _cpu_cores()}
     try:
         data["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         data["memory_bytes"] = 16 * 2**30
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(world_size, _free_port(), tmp, repeats), nprocs=world_size,
-                           join=True, start_method="spawn")
-        raw = json.loads(Path(tmp, "rank0.json").read_text())
-    n = world_size
+    return data
+
+
+def _fits(raw: dict, n: int) -> dict:
+    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n."""
     ring = (n - 1) / n
     factors = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": ring, "all_to_all": ring, "p2p": 1.0}
     fits = {}
@@ -184,12 +224,90 @@ def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict
         if name in factors and len(pts) >= 2:
             lat, bw = _fit(pts, factors[name])
             fits[name] = {"latency": lat, "bandwidth": bw, "points": pts}
+    return fits
+
+
+def _link(fits: dict, n: int) -> dict:
+    # The cost model has one default link per tier; use the all-reduce fit (gradient sync dominates CPU
+    # runs), its latency counted per ring hop as collective_time does.
+    ref = fits.get("all_reduce") or next(iter(fits.values()))
+    return {"bandwidth": ref["bandwidth"], "latency": ref["latency"] / max(1, 2 * (n - 1))}
+
+
+def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict:
+    """Measure and write the calibration file; return its contents."""
+    import torch.multiprocessing as mp
+
+    if world_size < 2:
+        raise ValueError(f"world_size={world_size} must be >= 2 to time collectives")
+    data = _machine()
+    data["world_size"] = world_size
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(world_size, _free_port(), tmp, repeats), nprocs=world_size,
+                           join=True, start_method="spawn")
+        raw = json.loads(Path(tmp, "rank0.json").read_text())
+    fits = _fits(raw, world_size)
     data["collectives"] = fits
     if "unsupported" in raw:
         data["unsupported"] = raw["unsupported"]
-    # The cost model has one link; use the all-reduce fit (gradient sync dominates CPU runs), its
-    # latency counted per ring hop as collective_time does.
-    ref = fits.get("all_reduce") or next(iter(fits.values()))
-    data["link"] = {"bandwidth": ref["bandwidth"], "latency": ref["latency"] / max(1, 2 * (n - 1))}
+    data["link"] = _link(fits, world_size)
+    Path(out).write_text(json.dumps(data, indent=2))
+    return data
+
+
+def emulated_calibration(tiers: dict, *, nodes: int, procs_per_node: int, rate_bps: float,
+                         latency_s: float = 0.0, machine: dict | None = None) -> dict:
+    """The calibration file's contents from `measure_tiers`' points (and `_machine()` unless given)."""
+    data = dict(machine) if machine is not None else _machine()
+    out_fits = _fits(tiers["scale-out"], nodes)
+    # One rank per node: no scale-up link to time; the loopback is never the bottleneck then (unused).
+    up_fits = _fits(tiers["scale-up"], procs_per_node) if "scale-up" in tiers else out_fits
+    data.update(world_size=procs_per_node, collectives=up_fits, link=_link(up_fits, procs_per_node),
+                scale_out={"world_size": nodes, "collectives": out_fits, "link": _link(out_fits, nodes)},
+                emulated={"nodes": nodes, "procs_per_node": procs_per_node, "inter_node_bw_bps": rate_bps,
+                          "inter_node_latency_s": latency_s})
+    return data
+
+
+def _emulated_rank(index: int, namespaces: list, address: str, port: int, procs_per_node: int, out_dir: str,
+                   repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from meshlm.emulate import IFNAME, enter_node
+
+    enter_node(namespaces[index // procs_per_node])
+    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME  # torch's setting: gloo on the node's link
+    torch.set_num_threads(1)
+    world = len(namespaces) * procs_per_node
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=index, world_size=world)
+    try:
+        tiers = measure_tiers(index, world, procs_per_node=procs_per_node, repeats=repeats)
+    finally:
+        dist.destroy_process_group()
+    if index == 0:
+        Path(out_dir, "tiers.json").write_text(json.dumps(tiers))
+
+
+def calibrate_emulated(out: str | Path, *, nodes: int, procs_per_node: int, rate_bps: float,
+                       latency_s: float = 0.0, repeats: int = 5) -> dict:
+    """Create an emulated cluster (`meshlm.emulate`), fit both link tiers on it, write and return the file
+    that `--cluster local --calibration OUT` reads as a two-tier cluster."""
+    import torch.multiprocessing as mp
+
+    from meshlm.emulate import EmulatedCluster
+
+    if procs_per_node < 1:
+        raise ValueError(f"procs_per_node={procs_per_node} must be >= 1")
+    with EmulatedCluster(nodes=nodes, rate_bps=rate_bps, latency_s=latency_s) as cluster, \
+            tempfile.TemporaryDirectory() as tmp:
+        machine = _machine()  # before the ranks start: alone on the cores
+        # A fresh namespace listens on no port: the rendezvous may take a fixed one.
+        mp.start_processes(_emulated_rank, args=(cluster.namespaces, cluster.addresses[0], 29500, procs_per_node,
+                                                 tmp, repeats),
+                           nprocs=nodes * procs_per_node, join=True, start_method="spawn")
+        tiers = json.loads(Path(tmp, "tiers.json").read_text())
+    data = emulated_calibration(tiers, nodes=nodes, procs_per_node=procs_per_node, rate_bps=rate_bps,
+                                latency_s=latency_s, machine=machine)
     Path(out).write_text(json.dumps(data, indent=2))
     return data

@@ -73,7 +73,7 @@ def runtime_of(args) -> str:
 
 def job_operations(est, cfg, cluster, args) -> dict:
     """Failures / checkpoint / goodput and power of one estimate, with the command's flags."""
-    from meshlm.planner import model_stats
+    from meshlm.models import stats as model_stats
     from meshlm.planner.operations import FAILURE_RATE_PER_GPU_HOUR, operations
 
     rate = FAILURE_RATE_PER_GPU_HOUR if getattr(args, "failure_rate", None) is None else args.failure_rate
@@ -226,6 +226,15 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                                    "fit latency and bandwidth, and write them to --out.")
     c.add_argument("--out", default="plan_calibration.json", help="output file (default plan_calibration.json)")
     c.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (default 2)")
+    e = c.add_argument_group("emulated two-tier cluster",
+                             "With --emulated: fit both link tiers of nodes emulated here as network namespaces "
+                             "joined by links shaped to --inter-node-bw (as `meshlm train --emulate-nodes`); "
+                             "needs root and iproute2. `--cluster local --calibration OUT` is then that cluster.")
+    e.add_argument("--emulated", action="store_true", help="calibrate an emulated two-tier cluster")
+    e.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    e.add_argument("--nproc-per-node", type=int, default=2, help="ranks per emulated node (default 2)")
+    e.add_argument("--inter-node-bw", metavar="RATE", help="each node's link rate, tc units (1gbit, 100mbit)")
+    e.add_argument("--inter-node-latency", metavar="TIME", help="one-way delay per node link (needs netem)")
     c.add_argument("--json", action="store_true")
     return p
 
@@ -235,11 +244,31 @@ def run_plan(args) -> int:
 
     cmd = getattr(args, "plan_command", None)
     if cmd == "calibrate":
-        from meshlm.planner.calibrate import calibrate
+        from meshlm.planner.calibrate import calibrate, calibrate_emulated
 
-        data = calibrate(args.out, world_size=args.world_size)
+        emulation = args.inter_node_bw or args.inter_node_latency
+        if emulation and not args.emulated:
+            raise ValueError("--inter-node-bw/--inter-node-latency describe an emulated cluster; add --emulated")
+        if args.emulated:
+            from meshlm.emulate import check_host, parse_duration, parse_rate
+
+            if not args.inter_node_bw:
+                raise ValueError("--emulated needs --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
+            rate = parse_rate(args.inter_node_bw)
+            latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else 0.0
+            check_host()
+            data = calibrate_emulated(args.out, nodes=args.nodes, procs_per_node=args.nproc_per_node,
+                                      rate_bps=rate, latency_s=latency)
+        else:
+            data = calibrate(args.out, world_size=args.world_size)
         if args.json:
             print(json.dumps(data, indent=2))
+        elif args.emulated:
+            up, out = data["link"], data["scale_out"]["link"]
+            print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s per core, {data['cpu_cores']} cores; "
+                  f"{args.nodes} nodes x {args.nproc_per_node} ranks: inside a node {up['bandwidth'] / 1e9:.2f} GB/s "
+                  f"+ {up['latency'] * 1e6:.0f} us/hop, across nodes {out['bandwidth'] / 1e6:.1f} MB/s per rank "
+                  f"+ {out['latency'] * 1e6:.0f} us/hop -> {args.out}")
         else:
             link = data["link"]
             print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s per core, attention "

@@ -48,6 +48,13 @@ class Cluster:
     # cores / ranks of the measured single-core rate, and a collective has no idle core to run on
     # while the others compute (see cost.estimate_layout).
     compute_slots: int = 0
+    # Every scale-up domain on one host (an emulated cluster, `meshlm plan calibrate --emulated`): the ranks
+    # of all domains share `compute_slots`, and the scale-out link is a shaped link measured as such (not
+    # the host's memory copies), so core sharing slows only the scale-up link.
+    host_shared_by_domains: bool = False
+    # Collectives of a group spanning both tiers run as one flat ring over all its ranks (gloo), not
+    # hierarchically (NCCL): see collectives.collective_time. Set for emulated clusters, which run gloo.
+    flat_rings: bool = False
     # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
     # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
     gemm_k_overhead: float = 256.0
@@ -165,6 +172,9 @@ def local_cluster(path: str | Path) -> Cluster:
     scale-up domain is the whole world and both links are the measured collective bandwidth. The
     matmul rate and memory bandwidth were measured on one core; the recorded core count tells the
     cost model how many ranks can run at that rate at once (older files without it: no sharing).
+    A file from `meshlm plan calibrate --emulated` describes two tiers instead: a node's ranks are one
+    scale-up domain (their fits), the nodes are joined by the measured scale-out link, and the ranks of
+    every node share the host's cores.
     """
     path = Path(path)
     if not path.exists():
@@ -179,20 +189,34 @@ def local_cluster(path: str | Path) -> Cluster:
         mem = float(data.get("memory_bytes", 16 * GiB))
     except (KeyError, TypeError) as e:
         raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate`") from None
-    # Each collective's own fit (calibrate.py fits `t = latency + factor * bytes / bandwidth` at its world
-    # size, factor the ring's), its latency spread over the hops collectives.collective_time counts there.
-    n = max(2, int(data.get("world_size", 2)))
-    hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "p2p": 1}
-    fits = {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]))
-            for kind, f in (data.get("collectives") or {}).items() if kind in hops}
-    return Cluster(name="local", gpu=data.get("device", "cpu"), collective_fits={"scale-up": fits, "scale-out": fits},
+    fits = _tier_fits(data)
+    out_fits, out_bw, out_lat, domain, shared = fits, bw, lat, int(data.get("world_size_max", 1 << 20)), False
+    emulated = data.get("emulated")
+    if emulated:  # two tiers (calibrate_emulated): a node's ranks are a scale-up domain; nodes share the host
+        try:
+            out = data["scale_out"]
+            out_fits, out_bw, out_lat = _tier_fits(out), float(out["link"]["bandwidth"]), float(out["link"]["latency"])
+            domain, shared = int(emulated["procs_per_node"]), True
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate --emulated`") from None
+    return Cluster(name="local", gpu=data.get("device", "cpu"), collective_fits={"scale-up": fits, "scale-out": out_fits},
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
-                   scaleup_size=int(data.get("world_size_max", 1 << 20)), scaleup_bw=bw, scaleout_bw=bw,
-                   scaleup_latency=lat, scaleout_latency=lat, matmul_efficiency=1.0,
+                   scaleup_size=domain, scaleup_bw=bw, scaleout_bw=out_bw, host_shared_by_domains=shared,
+                   flat_rings=shared,
+                   scaleup_latency=lat, scaleout_latency=out_lat, matmul_efficiency=1.0,
                    attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops),
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
                    hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)),
                    gemm_k_overhead=0.0)
+
+
+def _tier_fits(data: dict) -> dict:
+    """Each collective's own fit (calibrate.py fits `t = latency + factor * bytes / bandwidth` at its world
+    size, factor the ring's), its latency spread over the hops collectives.collective_time counts there."""
+    n = max(2, int(data.get("world_size", 2)))
+    hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "p2p": 1}
+    return {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]))
+            for kind, f in (data.get("collectives") or {}).items() if kind in hops}
 
 
 def with_overrides(cluster: Cluster, **kw) -> Cluster:
@@ -201,8 +225,11 @@ def with_overrides(cluster: Cluster, **kw) -> Cluster:
 
 def slowed_links(cluster: Cluster, factor: float) -> Cluster:
     """`cluster` with every link (defaults and per-collective fits) `factor` times slower in bandwidth:
-    ranks time-sharing the cores of one host share its memory copies too (cost.estimate_layout)."""
-    fits = {tier: {k: (lat, bw / factor) for k, (lat, bw) in kinds.items()}
+    ranks time-sharing the cores of one host share its memory copies too (cost.estimate_layout). On an
+    emulated cluster only the scale-up tier is memory copies; its scale-out link is shaped, measured as is."""
+    tiers = ("scale-up",) if cluster.host_shared_by_domains else ("scale-up", "scale-out")
+    fits = {tier: {k: (lat, bw / factor if tier in tiers else bw) for k, (lat, bw) in kinds.items()}
             for tier, kinds in cluster.collective_fits.items()}
-    return replace(cluster, scaleup_bw=cluster.scaleup_bw / factor, scaleout_bw=cluster.scaleout_bw / factor,
+    out_factor = factor if "scale-out" in tiers else 1.0
+    return replace(cluster, scaleup_bw=cluster.scaleup_bw / factor, scaleout_bw=cluster.scaleout_bw / out_factor,
                    collective_fits=fits)

@@ -14,6 +14,11 @@ Algorithms (NCCL's, as in its documentation and nccl-tests' "bus bandwidth" conv
   * all-to-all: every rank sends (n - 1) / n of its bytes; the part leaving the domain rides the NICs, the
     rest NVLink, concurrently; one message per peer.
   * p2p: one message, one hop.
+  * On a cluster with `flat_rings` (gloo, e.g. an emulated one) a group spanning both tiers runs one ring over
+    all its ranks instead, paced by its node-crossing hops: one per domain and direction, each carrying the
+    whole ring's traffic. The scale-out fit is one rank's share of its node's link with every rank of the
+    node crossing at once (calibrate.measure_tiers); a group with n_in ranks in a node has 1 / n_in of those
+    ranks' rings crossing, so its crossing hop gets n_in such shares.
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cl
     if kind == "p2p":
         latency, bandwidth = up("p2p") if n_out == 1 else out("p2p")
         return nbytes / bandwidth + latency
+    if cluster.flat_rings and n_out > 1 and kind in ("reduce_scatter", "all_gather", "all_reduce"):
+        latency, bandwidth = out(kind)
+        phase = _ring(nbytes, n_in * n_out, (latency, bandwidth * n_in))
+        return 2 * phase if kind == "all_reduce" else phase
     if kind in ("reduce_scatter", "all_gather"):
         # inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU)
         return _ring(nbytes, n_in, up(kind)) + _ring(nbytes / n_in, n_out, out(kind))

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from meshlm.config import ModelConfig
-from meshlm.planner import model_stats
+from meshlm.models import stats as model_stats
 from meshlm.planner.cluster import GiB, Cluster
 from meshlm.planner.collectives import collective_time, group_span, link_name
 from meshlm.planner.layout import (CP_COMPUTE_BYTES, CP_METHODS, PRECISIONS, RECOMPUTE, RUNTIMES,
-                                   Job, Layout, parse_layout, validate_layout)
+                                   Job, Layout, parse_layout, resolve_layout, validate_layout)
 from meshlm.planner.memory import (FRAGMENTATION, MiB, ZERO3_PREFETCH_LAYERS,
                                    inflight_microbatches, layer_activation_bytes, memory_bytes, rank_params)
 from meshlm.planner.placement import bytes_per, rank_setup, rank_split
@@ -178,7 +178,9 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
 def estimate(cfg: ModelConfig, cluster: Cluster, job: Job, layout: Layout, *, gpus: int | None = None) -> Estimate:
     """Validate and estimate one layout."""
     job.validate()
-    gpus = layout.world if gpus is None else gpus
+    if gpus is None:  # dp_shard=-1 then takes what the other degrees leave of their own product: 1
+        gpus = layout.world if layout.is_resolved else layout.dp_replicate * layout.tp * layout.pp * layout.cp
+    layout = resolve_layout(layout, gpus=gpus)
     m = validate_layout(cfg, job, layout, gpus=gpus)
     return estimate_layout(ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise), cluster, job,
                            layout, num_microbatches=m)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshlm.config import ModelConfig
-from meshlm.planner import model_stats
+from meshlm.models import stats as model_stats
 from meshlm.planner.cluster import GiB, Cluster
 from meshlm.planner.collectives import collective_time, group_span
 

@@ -10,9 +10,10 @@ Not responsible for: enumerating layouts (`search.py`) or costing them (`cost.py
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from meshlm.config import PP_SCHEDULES, ModelConfig
+from meshlm.dims import ParallelDims
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8", "fp32")
@@ -66,19 +67,15 @@ class Job:
         return self.seq_len * self.global_batch_size
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout. Keys are the `parallel.*` config names plus micro_batch_size."""
+@dataclass(unsafe_hash=True)
+class Layout(ParallelDims):
+    """A parallel layout: the degrees (`meshlm.dims.ParallelDims`, the type config and mesh share; dp_shard
+    = -1 takes what the others leave of the GPUs, resolved by `cost.estimate`) plus the planner's knobs.
+    Keys are the `parallel.*` config names plus micro_batch_size."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
     # ring: K/V blocks passed round the cp ranks, overlapped with attention; allgather: K/V of the whole
     # sequence gathered once per layer (parallel.cp_method). Only matters when cp > 1.
     cp_method: str = "ring"
-    ep: int = 1
     zero_stage: int = 0
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1
@@ -90,11 +87,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.world_size
 
     def short(self) -> str:
         parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel and self.tp > 1 else ""),
@@ -139,17 +132,24 @@ def parse_layout(text: str, *, gpus: int) -> Layout:
                 kw[key] = float(value) if kind == "float" else int(value)
             except ValueError:
                 raise ValueError(f"layout {key}={value!r} must be a number") from None
-    if kw.get("dp_shard", -1) == -1:
-        others = kw.get("dp_replicate", 1) * kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
-        if others < 1 or gpus % others:
-            raise ValueError(f"layout {text!r}: dp_replicate*tp*pp*cp={others} must divide --gpus={gpus}")
-        kw["dp_shard"] = gpus // others
-    return Layout(**kw)
+    layout = Layout(**kw)
+    return resolve_layout(layout, gpus=gpus, text=text)
+
+
+def resolve_layout(layout: Layout, *, gpus: int, text: str | None = None) -> Layout:
+    """dp_shard=-1 -> what the other degrees leave of `gpus` (as parallel.dp_shard=-1 does at run time)."""
+    if layout.is_resolved:
+        return layout
+    others = layout.dp_replicate * layout.tp * layout.pp * layout.cp
+    if others < 1 or gpus % others:
+        what = f"layout {text!r}" if text is not None else "layout"
+        raise ValueError(f"{what}: dp_replicate*tp*pp*cp={others} must divide --gpus={gpus}")
+    return replace(layout, dp_shard=gpus // others)
 
 
 def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) -> int:
     """Raise ValueError naming the value and the fix; return the number of microbatches."""
-    lo = layout
+    lo = resolve_layout(layout, gpus=gpus)
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_chunks", "micro_batch_size"):
         if getattr(lo, name) < 1:
             raise ValueError(f"layout {name}={getattr(lo, name)} must be >= 1")

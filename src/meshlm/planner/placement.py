@@ -92,7 +92,8 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) ->
     tokens_mb = lo.micro_batch_size * job.seq_len / cp
     # Ranks that time-share compute units (a CPU host running more ranks than it has cores) each
     # compute and stream memory at slots / ranks of the single-unit rate. GPUs never share (slots 0).
-    ranks_per_domain = min(gpus, cluster.scaleup_size)
+    # (On an emulated cluster every domain is on the one host: all the ranks share its cores.)
+    ranks_per_domain = gpus if cluster.host_shared_by_domains else min(gpus, cluster.scaleup_size)
     share = max(1.0, ranks_per_domain / cluster.compute_slots) if cluster.compute_slots else 1.0
     # On such a host a collective is memory copies and reductions done by those same cores (the
     # "link" is the loopback), so it time-shares them too, and it has no idle core to overlap on.

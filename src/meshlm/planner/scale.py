@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshlm.config import ModelConfig
-from meshlm.planner import model_stats
+from meshlm.models import stats as model_stats
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.cost import Estimate, Job
 from meshlm.planner.operations import operations

@@ -57,7 +57,7 @@ from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
 from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
-from meshlm.planner.model_stats import train_flops_per_token
+from meshlm.models.stats import train_flops_per_token
 from meshlm.train.checkpoint import (
     CheckpointError,
     begin_save,

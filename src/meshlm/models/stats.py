@@ -4,7 +4,8 @@ Responsible for: the number of parameters of every part of `meshlm.models.Transf
 against the real module in the tests), the matmul FLOPs of one token's forward pass, and the
 activation bytes a layer keeps for backward. These numbers feed the planner's cost model, the
 trainer's MFU and `meshlm info`.
-Not responsible for: anything that depends on a parallel layout (see `cost.py`), or torch.
+Not responsible for: anything that depends on a parallel layout (see `meshlm.planner.cost`), or
+torch (imports none: the planner runs without it).
 
 FLOP convention (stated once, used everywhere):
   * Only matrix multiplications are counted, 2 FLOPs per multiply-add; biases, norms, softmax,

@@ -1,0 +1,241 @@
+"""An emulated two-tier cluster on this one machine: nodes as Linux network namespaces, one shaped link each.
+
+Responsible for: `EmulatedCluster`, a context manager that creates one network namespace per node (its
+ranks talk to each other over that namespace's loopback, at memory speed) and joins the nodes through a
+bridge in a "switch" namespace of its own, every node on it by one veth pair whose two ends are shaped
+with `tc` (tbf, or netem where the kernel has it and a latency is asked for) to the inter-node rate:
+each node's link carries at most that rate in each direction, like one NIC per node. Also: parsing the
+rates and durations users give (`parse_rate`, `parse_duration`), refusing where the host cannot do it
+(not root, `ip` or `tc` missing, no netem for a latency), entering a node from a process about to
+start a rank (`enter_node`), and running one command per node (`run_on_nodes`). Everything created
+(namespaces, and with them their links and qdiscs) is removed on exit, on Ctrl-C, SIGTERM and on failure.
+Not responsible for: launching ranks (each node runs `meshlm train --nnodes ... --node-rank i`, i.e. torch's
+launcher) or measuring links (`planner/calibrate.py`).
+
+Addresses: 10.213.0.<node + 1>/24, only inside the namespaces created here (each has its own routing
+table), so nothing of the host's network is touched. Ranks bind gloo to the node's link interface
+(GLOO_SOCKET_IFNAME, torch's setting): a peer on the same node is then reached through the local route
+(loopback, unshaped), a peer on another node through the shaped link.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+IFNAME = "eth0"  # the link interface inside each node's namespace
+SUBNET = "10.213.0"
+MAX_NODES = 200  # addresses .1 .. .200 of the /24
+_CLONE_NEWNET = 0x40000000
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}  # tc's spelling: "bps" = bytes/s
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_CMD_TIMEOUT_S = 30  # one `ip`/`tc` call; they return in milliseconds
+
+
+def parse_rate(text: str) -> float:
+    """'1gbit' / '100mbit' / '125mbps' (tc's units; bps = bytes per second) -> bits per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
+    if not m or m.group(2).lower() not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"inter-node bandwidth {text!r} is not a rate; write e.g. 1gbit, 100mbit or 125mbps "
+                         f"(units: {', '.join(_RATE_UNITS)})")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+
+
+def parse_duration(text: str) -> float:
+    """'1ms' / '200us' / '0.5s' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", str(text))
+    if not m or m.group(2) not in _TIME_UNITS:
+        raise ValueError(f"inter-node latency {text!r} is not a duration; write e.g. 1ms or 200us")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
+
+
+def check_host() -> None:
+    """Raise ValueError (one line) where this host cannot emulate nodes: not root, or no `ip` / `tc`."""
+    if not sys.platform.startswith("linux"):
+        raise ValueError("emulating nodes needs Linux network namespaces; run on Linux")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ValueError(f"emulating nodes needs {' and '.join(missing)} (iproute2); install iproute2")
+    if os.geteuid() != 0:
+        raise ValueError("emulating nodes creates network namespaces, which needs root; run as root "
+                         "(e.g. in a container) or leave out the emulation")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+
+
+def _must(*args: str) -> None:
+    done = _run(*args)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed: {done.stderr.strip()[:300]}")
+
+
+@dataclass
+class EmulatedCluster:
+    """`with EmulatedCluster(nodes=2, rate_bps=1e9) as c:` -- c.namespaces[i], c.addresses[i] of node i.
+
+    `latency_s`: one-way delay added on each node's link; needs the netem qdisc (refused where missing).
+    """
+
+    nodes: int
+    rate_bps: float
+    latency_s: float = 0.0
+    tag: str = ""  # names the namespaces; default from this process id (unique among live processes)
+    namespaces: list = field(default_factory=list, init=False)
+    addresses: list = field(default_factory=list, init=False)
+    switch: str = field(default="", init=False)
+    _created: list = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"nodes={self.nodes} must be between 2 and {MAX_NODES}")
+        if self.rate_bps <= 0:
+            raise ValueError(f"inter-node rate {self.rate_bps} bit/s must be > 0")
+        if self.latency_s < 0:
+            raise ValueError(f"inter-node latency {self.latency_s} s must be >= 0")
+        tag = self.tag or f"meshlm{os.getpid()}"
+        self.switch = f"{tag}-sw"
+        self.namespaces = [f"{tag}-n{i}" for i in range(self.nodes)]
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(self.nodes)]
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> "EmulatedCluster":
+        check_host()
+        # SIGTERM (a job scheduler, `kill`) must tear down too: turn it into an exception while we live.
+        self._old_term = signal.getsignal(signal.SIGTERM) if _main_thread() else None
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Delete every namespace created (their links and qdiscs go with them). Safe to call twice."""
+        for ns in reversed(self._created):
+            _run("ip", "netns", "del", ns)
+        self._created.clear()
+        if getattr(self, "_old_term", None) is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
+            self._old_term = None
+
+    def _create(self) -> None:
+        for ns in (self.switch, *self.namespaces):
+            if _run("ip", "netns", "add", ns).returncode != 0:
+                raise ValueError(f"network namespace {ns!r} exists already (left by a run that was killed?); "
+                                 f"delete it with `ip netns del {ns}`")
+            self._created.append(ns)
+        sw = self.switch
+        _must("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        _must("ip", "-n", sw, "link", "set", "br0", "up")
+        for i, (ns, addr) in enumerate(zip(self.namespaces, self.addresses)):
+            port = f"p{i}"
+            _must("ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", port, "netns", sw)
+            _must("ip", "-n", sw, "link", "set", port, "master", "br0")
+            _must("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFNAME)
+            for where, dev in ((ns, IFNAME), (sw, port)):  # what the node sends, and what it receives
+                self._shape(where, dev)
+                _must("ip", "-n", where, "link", "set", dev, "up")
+            _must("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def _shape(self, ns: str, dev: str) -> None:
+        rate = f"{int(self.rate_bps)}bit"
+        if self.latency_s > 0:
+            done = _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem",
+                        "delay", f"{int(round(self.latency_s * 1e6))}us", "rate", rate)
+            if done.returncode != 0:
+                raise ValueError("--inter-node-latency needs the kernel's netem qdisc (sch_netem), which this "
+                                 f"host lacks ({done.stderr.strip()[:80]}); leave the latency out")
+            return
+        # Token bucket: a burst of 100 us at the rate, at least 16 KiB (a few full-size packets, which tbf
+        # needs): a larger bucket lets every message of up to its size through at memory speed, so the
+        # link would look faster than its rate to anything that pauses between messages (a calibration, a
+        # training step's collectives). Packets queue up to 100 ms before being dropped -- TCP then backs off.
+        burst = max(16 * 1024, int(self.rate_bps / 8 * 1e-4))
+        _must("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+              "burst", str(burst), "latency", "100ms")
+
+    # -- using it ---------------------------------------------------------------------------------
+    def rank_env(self) -> dict:
+        """Environment for a rank on any node: gloo on the node's link interface (torch's setting)."""
+        return {"GLOO_SOCKET_IFNAME": IFNAME}
+
+    def run_on_nodes(self, argv_for_node: Callable[[int], Sequence[str]], *, env: dict | None = None) -> int:
+        """Run `argv_for_node(i)` inside node i's namespace, all at once; wait for all. Exit code: 0, or
+        the first nonzero one (the others are stopped when one fails). Ctrl-C stops them all."""
+        child_env = {**os.environ, **self.rank_env(), **(env or {})}
+        procs = []
+        try:
+            for i, ns in enumerate(self.namespaces):
+                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv_for_node(i)], env=child_env,
+                                              start_new_session=True))
+            code = 0
+            pending = list(procs)
+            while pending:
+                for p in list(pending):
+                    try:
+                        rc = p.wait(timeout=0.5)
+                    except subprocess.TimeoutExpired:
+                        continue
+                    pending.remove(p)
+                    if rc != 0 and code == 0:
+                        code = rc if rc > 0 else 1
+                        _stop(pending)  # one node failed: the others would wait for it until their timeout
+            return code
+        finally:
+            _stop([p for p in procs if p.poll() is None])
+
+
+def _stop(procs: list) -> None:
+    """SIGTERM the process groups we started, then SIGKILL what is left after a grace period."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def enter_node(namespace: str) -> None:
+    """Move this process into a node's network namespace (before it opens any socket): what `ip netns exec`
+    does, for a rank started by multiprocessing. Threads created afterwards inherit it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
