@@ -102,6 +102,21 @@ def test_paged_attention_matches_contiguous_cache():
     assert out.token_ids == ref and out.finish_reason == "length"
 
 
+def test_moe_serves_dropless():
+    """A model trained with a capacity rule serves without it: each token reaches its top-k experts, so
+    its tokens do not depend on what else is in the step."""
+    def moe(capacity_factor):
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=64, max_seq_len=96, init_std=0.2, num_experts=4,
+                          capacity_factor=capacity_factor)
+        return build_model(cfg, seed=0)
+
+    prompts = [list(range(3, 20)), [5, 6, 7], list(range(30, 52))]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.token_ids for o in Engine(moe(0.0), block_size=4).generate(prompts, params)]
+    assert [o.token_ids for o in Engine(moe(0.25), block_size=4).generate(prompts, params)] == want
+
+
 def test_sampling_seed_stop_tokens_logprobs():
     model = _tiny_model()
     engine = Engine(model, block_size=4)

@@ -7,7 +7,8 @@ to its tensor-parallel ranks each step (`infer/parallel.py`); and running the
 reference model's own modules with a `PagedAttention` context that the model's `Attention` calls
 (`cache.attend(layer, q, k, v)`): it writes the step's keys/values into their slots and attends each
 sequence over the keys its block table points to. Plain PyTorch, runs on CPU; a fused GPU kernel can
-replace `PagedAttention.attend` behind the same interface.
+replace `PagedAttention.attend` behind the same interface. MoE layers run dropless (the capacity rule of
+training, if the model has one, is turned off).
 Not responsible for: the model's math other than attention with the paged cache, scheduling, or
 sampling (sampling.py).
 """
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.infer.scheduler import SchedulerOutput
+from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer, rope_cos_sin
 
 
@@ -185,6 +187,13 @@ class ModelRunner:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1 (tokens per KV block; 16 is usual)")
         self.model = model.eval()
+        for module in model.modules():
+            if isinstance(module, MoE):
+                # Inference is dropless whatever the training's capacity rule: with a cap, a token's experts
+                # (and so its output) would depend on what else is in its batch -- continuous batching and
+                # chunked prefill change that every step, and under tensor parallelism every rank routes
+                # only its share of the tokens. Hugging Face MoEs are dropless too.
+                module.capacity_factor = 0.0
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = kv_dtype or self.dtype

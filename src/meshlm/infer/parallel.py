@@ -25,12 +25,15 @@ launcher; under torchrun every rank builds `LLM(..., tp=N, cp=M)`), scheduling o
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
+import torch.nn.functional as F
 
 from meshlm import comm
 from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput
 from meshlm.mesh import Mesh
+from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer
 
 _STOP = {"stop": True}
@@ -43,7 +46,47 @@ def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:
     from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
     check_tensor_parallel(model.config, mesh.size("tp"), sequence_parallel=False)
-    return apply_tensor_parallel(model, mesh, sequence_parallel=False)
+    model = apply_tensor_parallel(model, mesh, sequence_parallel=False)
+    return split_experts(model, mesh)
+
+
+def split_experts(model: Transformer, mesh: Mesh) -> Transformer:
+    """Every MoE layer of `model` with its experts split over the tp ranks (in place; a dense model is
+    returned as it is). Inference is dropless (`ModelRunner` turns the capacity rule off), so each token
+    reaches its top-k experts whichever rank holds them."""
+    from meshlm.parallel.expert import AXIS, apply_expert_parallel
+
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    tp = mesh.size("tp")
+    if not moes or tp == 1:
+        return model
+    if moes[0].num_experts % tp != 0:
+        num = moes[0].num_experts
+        choices = ",".join(str(d) for d in range(1, num + 1) if num % d == 0)
+        raise ValueError(f"model.num_experts={num} is not divisible by tp={tp} (serving splits the experts "
+                         f"over the tp ranks); choose tp in {{{choices}}}")
+    # The tp group itself is the expert group: no new process group; its traffic is counted as "ep".
+    ep_mesh = mesh.with_axes({AXIS: (mesh.ranks("tp"), mesh.group("tp"))})
+    apply_expert_parallel(model, ep_mesh)
+    for moe in moes:
+        # An instance attribute shadows MoE.forward (as apply_expert_parallel does for the experts).
+        moe.forward = functools.partial(_moe_on_own_tokens, moe, mesh=ep_mesh)
+    return model
+
+
+def _moe_on_own_tokens(moe: MoE, x: torch.Tensor, *, mesh: Mesh) -> torch.Tensor:
+    """The MoE of `x` (the same on every rank of the group): each rank routes and dispatches a contiguous
+    1/n of the tokens (the last ranks may have fewer, or none), then the outputs are all-gathered."""
+    from meshlm.parallel.expert import AXIS
+
+    shape = x.shape
+    x_td = x.reshape(-1, shape[-1])
+    tokens, n, me = x_td.shape[0], mesh.size(AXIS), mesh.local_rank(AXIS)
+    per = -(-tokens // n)
+    mine = MoE.forward(moe, x_td[me * per:(me + 1) * per])
+    # Padded to the same rows on every rank: all_gather moves equal shares.
+    out = comm.all_gather(F.pad(mine, (0, 0, 0, per - mine.shape[0])), mesh, AXIS, dim=0)
+    return out[:tokens].reshape(shape)
 
 
 def _send(message, mesh: Mesh):
