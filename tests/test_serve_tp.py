@@ -81,7 +81,7 @@ def _parallel_ranks(rank, world_size, paths, layouts):
                 assert llm.engine is None
                 continue
             out[name, kind] = _generate(llm)
-            out[name, kind, "kv_heads"] = llm.engine.runner.runner.k_caches[0].shape[2]
+            out[name, kind, "kv_heads"] = llm.engine.runner.runner.k_caches[0].shape[0]
             out[name, kind, "blocks_per_rank"] = llm.engine.runner.runner.num_blocks
             out[name, kind, "experts"] = [m.experts.w_gate.shape[0] for m in llm.model.modules() if isinstance(m, MoE)]
             out[name, kind, "ep_bytes"] = llm.engine.runner.mesh.stats.total(axis="ep").bytes

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput
+from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput, block_rows, write_kv
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer
@@ -171,14 +171,14 @@ class SplitKVAttention:
                 visible = (keys[None, :] <= queries[:, None]) & (keys[None, :] < length)
                 mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
                 blocks = torch.tensor([b for _, b in local], dtype=torch.long)
-                self.seqs.append((start, n, blocks.to(device), mask.to(device)))
+                rows = block_rows(blocks, k_caches[0].shape[0], k_caches[0].shape[1])
+                self.seqs.append((start, n, rows.to(device), mask.to(device)))
             start += n
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         if self.write_rows.numel():
-            k_cache.flatten(0, 1)[self.write_slots] = k_bhsd[0, :, self.write_rows].transpose(0, 1).to(k_cache.dtype)
-            v_cache.flatten(0, 1)[self.write_slots] = v_bhsd[0, :, self.write_rows].transpose(0, 1).to(v_cache.dtype)
+            write_kv(k_cache, v_cache, self.write_slots, k_bhsd[0, :, self.write_rows], v_bhsd[0, :, self.write_rows])
         heads, dim = q_bhsd.shape[1], q_bhsd.shape[-1]
         num_kv = k_bhsd.shape[1]
         groups = heads // num_kv
@@ -186,11 +186,11 @@ class SplitKVAttention:
         # keep lse = -inf and weigh nothing in the merge.
         out = q_bhsd.new_zeros(heads, self.num_rows, dim)
         lse = q_bhsd.new_full((heads, self.num_rows), float("-inf"))
-        for start, n, blocks, mask in self.seqs:
+        for start, n, rows, mask in self.seqs:
             q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
-            k, v = self.buffers.gather(k_cache, v_cache, blocks)
-            k = k.flatten(0, 1).transpose(0, 1)[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
-            v = v.flatten(0, 1).transpose(0, 1)[:, None].to(q.dtype)
+            k, v = self.buffers.gather(k_cache, v_cache, rows)
+            k = k[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
+            v = v[:, None].to(q.dtype)
             scores = torch.matmul(q, k.transpose(-1, -2)) * dim ** -0.5 + mask
             part_lse = torch.logsumexp(scores, dim=-1)  # [kv, groups, n]
             weights = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)  # a row with no visible key: 0
