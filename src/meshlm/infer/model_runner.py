@@ -138,7 +138,9 @@ class PagedAttention:
             self.decode.append((torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
                                 rows_of([step.block_tables[i] for i in seqs], longest),
                                 _additive(keep[:, None].to(device), dtype)))
-        self.prefills = []  # (first row, new tokens, context length, cache rows, additive causal mask or None)
+        # (first row, new tokens, context length, cache rows, additive causal mask: None for a chunk with
+        # nothing cached before it)
+        self.prefills = []
         for i, n in enumerate(step.query_lens):
             if n == 1:
                 continue
@@ -178,7 +180,10 @@ class PagedAttention:
             out[0, :, rows] = o.transpose(1, 2).reshape(num_kv * groups, batch, dim)
         for start, n, length, cache_rows, mask in self.prefills:
             q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
-            k, v = self.buffers.gather(k_cache, v_cache, cache_rows)
+            if mask is None and k_cache.dtype == k_bhsd.dtype:  # nothing cached before: the step's own keys
+                k, v = k_bhsd[0, :, start:start + n], v_bhsd[0, :, start:start + n]
+            else:
+                k, v = self.buffers.gather(k_cache, v_cache, cache_rows)
             # [kv_heads, groups, len, dim], a broadcast view: with equal head counts SDPA takes its fused
             # CPU kernel (~2x its plain one).
             k = k[:, None, :length].to(q.dtype).expand(num_kv, groups, length, dim)
