@@ -6,7 +6,9 @@ value tensor per layer) from a memory budget or a block count; turning a schedul
 to its tensor-parallel ranks each step (`infer/parallel.py`); and running the
 reference model's own modules with a `PagedAttention` context that the model's `Attention` calls
 (`cache.attend(layer, q, k, v)`): it writes the step's keys/values into their slots and attends each
-sequence over the keys its block table points to. Plain PyTorch, runs on CPU; a fused GPU kernel can
+sequence over the keys its block table points to -- the blocks copied into persistent buffers a layer at
+a time, decodes batched in a few buckets of similar length (`length_buckets`), each prefill chunk on its
+own. Plain PyTorch, runs on CPU; a fused GPU kernel can
 replace `PagedAttention.attend` behind the same interface. MoE layers run dropless (the capacity rule of
 training, if the model has one, is turned off).
 Not responsible for: the model's math other than attention with the paged cache, scheduling, or
