@@ -136,7 +136,8 @@ class PagedAttention:
         for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
             seqs = [decode[j] for j in bucket]
             longest = -(-max(step.context_lens[i] for i in seqs) // block_size)
-            keep = torch.arange(longest * block_size)[None, :] < torch.tensor([step.context_lens[i] for i in seqs])[:, None]
+            lengths = torch.tensor([step.context_lens[i] for i in seqs])
+            keep = torch.arange(longest * block_size)[None, :] < lengths[:, None]
             self.decode.append((torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
                                 rows_of([step.block_tables[i] for i in seqs], longest),
                                 _additive(keep[:, None].to(device), dtype)))
@@ -178,7 +179,8 @@ class PagedAttention:
             # Two batched matmuls and a softmax: SDPA's CPU kernels are no faster on one query row per
             # sequence, and they check the mask for rows with no key on every call.
             scores = torch.matmul(q, k.transpose(-1, -2)).mul_(dim ** -0.5).add_(mask)
-            o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+            weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+            o = torch.matmul(weights.to(v.dtype), v)
             out[0, :, rows] = o.transpose(1, 2).reshape(num_kv * groups, batch, dim)
         for start, n, length, cache_rows, mask in self.prefills:
             q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
