@@ -122,6 +122,19 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
                 [LONG_PROMPT], SamplingParams(max_tokens=12))
 
 
+def test_experts_must_split_evenly_over_tp():
+    from meshlm.config import ModelConfig
+    from meshlm.infer.parallel import shard_for_serving
+    from meshlm.mesh import Mesh, ParallelDims
+    from meshlm.models import build_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      num_experts=3)
+    mesh = Mesh(ParallelDims(tp=2, dp_shard=1), device_type="cpu", rank=0)  # checked before any group is used
+    with pytest.raises(ValueError, match=r"num_experts=3 is not divisible by tp=2.*choose tp in \{1,3\}"):
+        shard_for_serving(build_model(cfg, seed=0), mesh)
+
+
 def test_tp_needs_its_ranks():
     with pytest.raises(ValueError, match="start 2 ranks"):
         LLM(torch.nn.Linear(1, 1), tp=2)

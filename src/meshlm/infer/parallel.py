@@ -45,7 +45,13 @@ def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:
         return model
     from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
-    check_tensor_parallel(model.config, mesh.size("tp"), sequence_parallel=False)
+    tp = mesh.size("tp")
+    check_tensor_parallel(model.config, tp, sequence_parallel=False)
+    num = model.config.num_experts
+    if model.config.is_moe and num % tp != 0:  # checked before the model is touched
+        choices = ",".join(str(d) for d in range(1, num + 1) if num % d == 0)
+        raise ValueError(f"model.num_experts={num} is not divisible by tp={tp} (serving splits the experts "
+                         f"over the tp ranks); choose tp in {{{choices}}}")
     model = apply_tensor_parallel(model, mesh, sequence_parallel=False)
     return split_experts(model, mesh)
 
@@ -53,18 +59,14 @@ def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:
 def split_experts(model: Transformer, mesh: Mesh) -> Transformer:
     """Every MoE layer of `model` with its experts split over the tp ranks (in place; a dense model is
     returned as it is). Inference is dropless (`ModelRunner` turns the capacity rule off), so each token
-    reaches its top-k experts whichever rank holds them."""
+    reaches its top-k experts whichever rank holds them. num_experts must be divisible by tp
+    (`shard_for_serving` checks it; `apply_expert_parallel` refuses otherwise)."""
     from meshlm.parallel.expert import AXIS, apply_expert_parallel
 
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     tp = mesh.size("tp")
     if not moes or tp == 1:
         return model
-    if moes[0].num_experts % tp != 0:
-        num = moes[0].num_experts
-        choices = ",".join(str(d) for d in range(1, num + 1) if num % d == 0)
-        raise ValueError(f"model.num_experts={num} is not divisible by tp={tp} (serving splits the experts "
-                         f"over the tp ranks); choose tp in {{{choices}}}")
     # The tp group itself is the expert group: no new process group; its traffic is counted as "ep".
     ep_mesh = mesh.with_axes({AXIS: (mesh.ranks("tp"), mesh.group("tp"))})
     apply_expert_parallel(model, ep_mesh)
