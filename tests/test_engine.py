@@ -13,6 +13,7 @@ import torch
 from meshlm import LLM, SamplingParams
 from meshlm.config import ModelConfig
 from meshlm.infer.engine import Engine
+from meshlm.infer.model_runner import length_buckets
 from meshlm.models import KVCache, build_model
 
 transformers = pytest.importorskip("transformers")
@@ -100,6 +101,36 @@ def test_paged_attention_matches_contiguous_cache():
     engine = Engine(model, block_size=4, max_num_batched_tokens=6)
     [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
     assert out.token_ids == ref and out.finish_reason == "length"
+
+
+def test_decode_buckets_match_one_sequence_at_a_time():
+    """Many decodes in one step go in a few buckets of similar length (fewer padded keys): the tokens are
+    those of each prompt run alone."""
+    model = _tiny_model()
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 60) for _ in range(n)] for n in rng.sample(range(1, 70), 40)]
+    assert len(length_buckets([len(p) for p in prompts])) > 1
+    params = SamplingParams(temperature=0, max_tokens=3)
+    together = Engine(model, block_size=4).generate(prompts, params)
+    engine = Engine(model, block_size=4)
+    assert [o.token_ids for o in together] == [engine.generate([p], params)[0].token_ids for p in prompts]
+    assert length_buckets([5, 1, 9, 3], min_size=2) == [[1, 3], [0, 2]]
+    assert length_buckets([5, 1, 9], min_size=2) == [[1, 0, 2]]
+
+
+def test_moe_serves_dropless():
+    """A model trained with a capacity rule serves without it: each token reaches its top-k experts, so
+    its tokens do not depend on what else is in the step."""
+    def moe(capacity_factor):
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=64, max_seq_len=96, init_std=0.2, num_experts=4,
+                          capacity_factor=capacity_factor)
+        return build_model(cfg, seed=0)
+
+    prompts = [list(range(3, 20)), [5, 6, 7], list(range(30, 52))]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.token_ids for o in Engine(moe(0.0), block_size=4).generate(prompts, params)]
+    assert [o.token_ids for o in Engine(moe(0.25), block_size=4).generate(prompts, params)] == want
 
 
 def test_sampling_seed_stop_tokens_logprobs():

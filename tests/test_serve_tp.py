@@ -1,9 +1,9 @@
 """Serving on several ranks -- tensor parallel (`LLM(..., tp=2)`), KV split over ranks (`cp=2`) and both
 (tp=2 x cp=2), and `meshlm generate --tp 2 / --cp 2` -- gives the single-process engine's greedy tokens,
-for tiny random Llama, Qwen2 and Mixtral checkpoints, with continuous batching, chunked prefill,
-prefix-cache hits and forced preemption in the same run. Under tp each rank's cache holds half the kv
-heads; under cp each holds every other block of each sequence, and a sequence longer than one rank's
-whole cache is served."""
+for tiny random Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints, with continuous batching, chunked
+prefill, prefix-cache hits and forced preemption in the same run. Under tp each rank's cache holds half
+the kv heads and each rank holds half the experts of every MoE layer; under cp each holds every other
+block of each sequence, and a sequence longer than one rank's whole cache is served."""
 
 import random
 
@@ -13,10 +13,12 @@ import torch
 from dist import run_distributed
 from meshlm import LLM, SamplingParams
 from meshlm.cli import main as cli_main
+from meshlm.models.moe import MoE
 
 transformers = pytest.importorskip("transformers")
 
-KINDS = ["llama", "qwen2", "mixtral"]
+KINDS = ["llama", "qwen2", "mixtral", "qwen2_moe"]
+MOE_KINDS = ("mixtral", "qwen2_moe")
 MAX_NEW = 8
 # chunked prefill (16 tokens a step), a KV budget so small that sequences are preempted, prefix caching on
 ENGINE = dict(block_size=4, num_blocks=14, max_num_seqs=6, max_num_batched_tokens=16, dtype=torch.float64)
@@ -30,8 +32,13 @@ def _tiny_hf(kind: str):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
-                                                                     num_experts_per_tok=2))
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
+                                                                         num_experts_per_tok=2))
+    # a shared expert with its gate, and a dense first layer
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+        norm_topk_prob=False, mlp_only_layers=[0]))
 
 
 LONG_PROMPT = [(7 * i) % 90 + 2 for i in range(30)]  # + 12 new tokens = 42 tokens = 11 blocks of 4
@@ -74,8 +81,10 @@ def _parallel_ranks(rank, world_size, paths, layouts):
                 assert llm.engine is None
                 continue
             out[name, kind] = _generate(llm)
-            out[name, kind, "kv_heads"] = llm.engine.runner.runner.k_caches[0].shape[2]
+            out[name, kind, "kv_heads"] = llm.engine.runner.runner.k_caches[0].shape[0]
             out[name, kind, "blocks_per_rank"] = llm.engine.runner.runner.num_blocks
+            out[name, kind, "experts"] = [m.experts.w_gate.shape[0] for m in llm.model.modules() if isinstance(m, MoE)]
+            out[name, kind, "ep_bytes"] = llm.engine.runner.mesh.stats.total(axis="ep").bytes
             llm.close()
     if world_size == 2:  # one sequence longer than a rank's whole cache (6 blocks of 4 tokens), served at cp=2
         llm = LLM(paths["llama"], cp=2, device="cpu", block_size=4, num_blocks=6, dtype=torch.float64)
@@ -100,6 +109,10 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
             assert stats["kv_blocks_total"] == ENGINE["num_blocks"]  # all cp ranks together
             assert results[0][name, kind, "kv_heads"] == 2 // tp  # 2 kv heads over tp
             assert results[0][name, kind, "blocks_per_rank"] == ENGINE["num_blocks"] // cp
+            if kind in MOE_KINDS:  # 4 experts, split over the tp ranks (whole on every cp rank)
+                experts = results[0][name, kind, "experts"]
+                assert experts and set(experts) == {4 // tp}, (name, kind, experts)
+                assert (results[0][name, kind, "ep_bytes"] > 0) == (tp > 1), (name, kind)
     if world == 2:
         alone = LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=32, dtype=torch.float64)
         want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
@@ -107,6 +120,19 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
         with pytest.raises(ValueError, match="KV blocks"):  # what one rank's cache alone would refuse
             LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=6).generate(
                 [LONG_PROMPT], SamplingParams(max_tokens=12))
+
+
+def test_experts_must_split_evenly_over_tp():
+    from meshlm.config import ModelConfig
+    from meshlm.infer.parallel import shard_for_serving
+    from meshlm.mesh import Mesh, ParallelDims
+    from meshlm.models import build_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      num_experts=3)
+    mesh = Mesh(ParallelDims(tp=2, dp_shard=1), device_type="cpu", rank=0)  # checked before any group is used
+    with pytest.raises(ValueError, match=r"num_experts=3 is not divisible by tp=2.*choose tp in \{1,3\}"):
+        shard_for_serving(build_model(cfg, seed=0), mesh)
 
 
 def test_tp_needs_its_ranks():

@@ -70,7 +70,7 @@ class Engine:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, runner=None):
         """`runner`: what runs each step on the model (default: a `ModelRunner` over `model` with the KV
-        cache arguments); `infer.parallel.TensorParallelRunner` runs it on several ranks."""
+        cache arguments); `infer.parallel.ParallelRunner` runs it on several ranks."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.config.max_seq_len

@@ -1,13 +1,16 @@
 """Runs one engine step on the model: a paged KV cache per layer and attention over block tables.
 
-Responsible for: sizing the paged KV cache (one [num_blocks, block_size, kv_heads, head_dim] key and
+Responsible for: sizing the paged KV cache (one [kv_heads, num_blocks, block_size, head_dim] key and
 value tensor per layer) from a memory budget or a block count; turning a scheduler step into a plain
 `StepInput` (flat token ids, positions, slot mapping, block tables) -- plain data, which rank 0 sends
 to its tensor-parallel ranks each step (`infer/parallel.py`); and running the
 reference model's own modules with a `PagedAttention` context that the model's `Attention` calls
 (`cache.attend(layer, q, k, v)`): it writes the step's keys/values into their slots and attends each
-sequence over the keys its block table points to. Plain PyTorch, runs on CPU; a fused GPU kernel can
-replace `PagedAttention.attend` behind the same interface.
+sequence over the keys its block table points to -- the blocks copied into persistent buffers a layer at
+a time, decodes batched in a few buckets of similar length (`length_buckets`), each prefill chunk on its
+own. Plain PyTorch, runs on CPU; a fused GPU kernel can
+replace `PagedAttention.attend` behind the same interface. MoE layers run dropless (the capacity rule of
+training, if the model has one, is turned off).
 Not responsible for: the model's math other than attention with the paged cache, scheduling, or
 sampling (sampling.py).
 """
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.infer.scheduler import SchedulerOutput
+from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer, rope_cos_sin
 
 
@@ -55,6 +59,13 @@ class StepInput:
         return step
 
 
+def block_rows(blocks: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """The rows of a layer's cache seen as [kv_heads * num_blocks, block_size, head_dim] that hold `blocks`
+    (any shape, read in order), for kv head 0, then head 1, ...: what `GatherBuffers.gather` copies."""
+    heads = torch.arange(num_kv_heads, device=blocks.device)[:, None] * num_blocks
+    return (heads + blocks.reshape(1, -1)).reshape(-1)
+
+
 class GatherBuffers:
     """Two persistent buffers that the blocks a step attends to are copied into, one layer at a time.
 
@@ -66,18 +77,35 @@ class GatherBuffers:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
-    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor):
-        """(keys, values) of `blocks` (any shape of block ids) as [*blocks.shape, block_size, kv_heads, dim]
-        views of the buffers (valid until the next gather)."""
-        n = blocks.numel()
+    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor):
+        """(keys, values) of the cache `rows` (from `block_rows`) as [kv_heads, tokens, head_dim] views of the
+        buffers (valid until the next gather): each head's keys one after the other, as attention reads them."""
+        num_kv, num_blocks, block_size, dim = k_cache.shape
+        n = rows.numel()
         if self.k is None or self.k.shape[0] < n or self.k.dtype != k_cache.dtype or self.k.device != k_cache.device:
-            shape = (max(n, 2 * (self.k.shape[0] if self.k is not None else 0)), *k_cache.shape[1:])
+            shape = (max(n, 2 * (self.k.shape[0] if self.k is not None else 0)), block_size, dim)
             self.k = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
             self.v = torch.empty(shape, dtype=v_cache.dtype, device=v_cache.device)
-        index = blocks.reshape(-1)
-        k = torch.index_select(k_cache, 0, index, out=self.k[:n])
-        v = torch.index_select(v_cache, 0, index, out=self.v[:n])
-        return k.view(*blocks.shape, *k_cache.shape[1:]), v.view(*blocks.shape, *v_cache.shape[1:])
+        k = torch.index_select(k_cache.view(num_kv * num_blocks, block_size, dim), 0, rows, out=self.k[:n])
+        v = torch.index_select(v_cache.view(num_kv * num_blocks, block_size, dim), 0, rows, out=self.v[:n])
+        return k.view(num_kv, -1, dim), v.view(num_kv, -1, dim)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_hsd: torch.Tensor,
+             v_hsd: torch.Tensor) -> None:
+    """Store new keys/values [kv_heads, tokens, head_dim] at `slots` (block * block_size + offset)."""
+    num_kv, _, _, dim = k_cache.shape
+    k_cache.view(num_kv, -1, dim)[:, slots] = k_hsd.to(k_cache.dtype)
+    v_cache.view(num_kv, -1, dim)[:, slots] = v_hsd.to(v_cache.dtype)
+
+
+def length_buckets(lengths: list[int], *, min_size: int = 16, max_buckets: int = 4) -> list[list[int]]:
+    """Indices of `lengths` in a few groups of similar length (shortest first), each at least `min_size`
+    long (but one): a batch padded to its longest sequence wastes ~half its keys when lengths are spread
+    evenly, four groups ~an eighth, and every group costs a few more kernel launches per layer."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    count = max(1, min(max_buckets, len(order) // min_size))
+    return [order[i * len(order) // count:(i + 1) * len(order) // count] for i in range(count)]
 
 
 class PagedAttention:
@@ -86,41 +114,45 @@ class PagedAttention:
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
                  *, dtype: torch.dtype, buffers: GatherBuffers | None = None):
         device = k_caches[0].device
+        num_kv, num_blocks = k_caches[0].shape[:2]
         self.k_caches, self.v_caches = k_caches, v_caches
         self.buffers = buffers or GatherBuffers()
         self.seconds = 0.0  # spent in attend (the runner adds it up: the benchmark's attention share)
         self.slots = torch.tensor(step.slot_mapping, dtype=torch.long, device=device)
 
-        def blocks_of(table: list[int], length: int) -> torch.Tensor:
-            return torch.tensor(table[:-(-length // block_size)], dtype=torch.long)
+        def rows_of(tables: list[list[int]], num: int) -> torch.Tensor:
+            """Cache rows of the first `num` blocks of each table (missing ones: block 0, masked)."""
+            blocks = torch.tensor([t[:num] + [0] * (num - len(t[:num])) for t in tables], dtype=torch.long)
+            return block_rows(blocks, num_kv, num_blocks).to(device)
 
-        # Keys/values are gathered a whole block at a time (one index per block, not per token).
-        # Decodes (one new token) are batched, their blocks padded to the longest context and masked;
-        # prefill chunks run one sequence at a time with their own causal mask.
+        # Keys/values are gathered a whole block at a time (one index per block and head, not per token).
+        # Decodes (one new token) are batched in a few buckets of similar length, each padded to its
+        # longest context and masked; prefill chunks run one sequence at a time with their own causal mask.
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(step.query_lens) if n == 1]
-        self.decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
-        self.decode_blocks = self.decode_mask = None
-        if decode:
-            longest = -(-max(step.context_lens[i] for i in decode) // block_size)
-            blocks = torch.zeros(len(decode), longest, dtype=torch.long)
-            mask = torch.zeros(len(decode), 1, 1, longest * block_size, dtype=torch.bool)
-            for row, i in enumerate(decode):
-                length = step.context_lens[i]
-                table = blocks_of(step.block_tables[i], length)
-                blocks[row, :len(table)] = table
-                mask[row, ..., :length] = True
-            self.decode_blocks, self.decode_mask = blocks.to(device), _additive(mask.to(device), dtype)
-        self.prefills = []  # (first row, new tokens, context length, blocks, additive causal mask)
+        self.decode = []  # (rows of the outputs, cache rows of their blocks, additive mask [batch, 1, keys])
+        for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
+            seqs = [decode[j] for j in bucket]
+            longest = -(-max(step.context_lens[i] for i in seqs) // block_size)
+            lengths = torch.tensor([step.context_lens[i] for i in seqs])
+            keep = torch.arange(longest * block_size)[None, :] < lengths[:, None]
+            self.decode.append((torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
+                                rows_of([step.block_tables[i] for i in seqs], longest),
+                                _additive(keep[:, None].to(device), dtype)))
+        # (first row, new tokens, context length, cache rows, additive causal mask: None for a chunk with
+        # nothing cached before it)
+        self.prefills = []
         for i, n in enumerate(step.query_lens):
             if n == 1:
                 continue
             length = step.context_lens[i]
             # Query j sits at position (length - n) + j and sees the keys up to it.
-            mask = _additive(torch.ones(n, length, dtype=torch.bool, device=device).tril(diagonal=length - n), dtype)
-            self.prefills.append((starts[i], n, length, blocks_of(step.block_tables[i], length).to(device), mask))
+            mask = None if n == length else _additive(
+                torch.ones(n, length, dtype=torch.bool, device=device).tril(diagonal=length - n), dtype)
+            self.prefills.append((starts[i], n, length, rows_of([step.block_tables[i]], -(-length // block_size)),
+                                  mask))
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -130,28 +162,37 @@ class PagedAttention:
 
     def _attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         assert q_bhsd.shape[0] == 1, "the engine packs all sequences of a step into one row"
-        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]  # [blocks, block_size, kv_heads, dim]
-        k_cache.flatten(0, 1)[self.slots] = k_bhsd[0].transpose(0, 1).to(k_cache.dtype)
-        v_cache.flatten(0, 1)[self.slots] = v_bhsd[0].transpose(0, 1).to(v_cache.dtype)
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]  # [kv_heads, blocks, block_size, dim]
+        write_kv(k_cache, v_cache, self.slots, k_bhsd[0], v_bhsd[0])
         num_kv, dim = k_bhsd.shape[1], q_bhsd.shape[-1]
         groups = q_bhsd.shape[1] // num_kv
         out = torch.empty_like(q_bhsd)
         # Grouped-query attention without copying k/v per query head: the `groups` query heads that
-        # share a kv head are one more dim of q (decode: extra query rows), k/v broadcast over it.
-        if self.decode_blocks is not None:
-            batch = self.decode_blocks.shape[0]
-            q = q_bhsd[0, :, self.decode_rows].transpose(0, 1).reshape(batch, num_kv, groups, dim)
-            k, v = self.buffers.gather(k_cache, v_cache, self.decode_blocks)
-            k = k.flatten(1, 2).transpose(1, 2).to(q.dtype)  # [batch, kv_heads, len, dim]
-            v = v.flatten(1, 2).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask)
-            out[0, :, self.decode_rows] = o.reshape(batch, num_kv * groups, dim).transpose(0, 1)
-        for start, n, length, blocks, mask in self.prefills:
+        # share a kv head are one more dim of q (decode: extra query rows), k/v broadcast over it. The
+        # kv heads lead (the cache's layout), so the gathered keys need no transpose.
+        for rows, cache_rows, mask in self.decode:
+            batch = rows.numel()
+            q = q_bhsd[0, :, rows].view(num_kv, groups, batch, dim).transpose(1, 2)  # [kv, batch, groups, dim]
+            k, v = self.buffers.gather(k_cache, v_cache, cache_rows)
+            k = k.view(num_kv, batch, -1, dim).to(q.dtype)  # [kv, batch, keys, dim]
+            v = v.view(num_kv, batch, -1, dim).to(q.dtype)
+            # Two batched matmuls and a softmax: SDPA's CPU kernels are no faster on one query row per
+            # sequence, and they check the mask for rows with no key on every call.
+            scores = torch.matmul(q, k.transpose(-1, -2)).mul_(dim ** -0.5).add_(mask)
+            weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+            o = torch.matmul(weights.to(v.dtype), v)
+            out[0, :, rows] = o.transpose(1, 2).reshape(num_kv * groups, batch, dim)
+        for start, n, length, cache_rows, mask in self.prefills:
             q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
-            k, v = self.buffers.gather(k_cache, v_cache, blocks)
-            k = k.flatten(0, 1)[:length].transpose(0, 1)[:, None].to(q.dtype)  # [kv_heads, 1, len, dim]
-            v = v.flatten(0, 1)[:length].transpose(0, 1)[:, None].to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if mask is None and k_cache.dtype == k_bhsd.dtype:  # nothing cached before: the step's own keys
+                k, v = k_bhsd[0, :, start:start + n], v_bhsd[0, :, start:start + n]
+            else:
+                k, v = self.buffers.gather(k_cache, v_cache, cache_rows)
+            # [kv_heads, groups, len, dim], a broadcast view: with equal head counts SDPA takes its fused
+            # CPU kernel (~2x its plain one).
+            k = k[:, None, :length].to(q.dtype).expand(num_kv, groups, length, dim)
+            v = v[:, None, :length].to(q.dtype).expand(num_kv, groups, length, dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
             out[0, :, start:start + n] = o.reshape(num_kv * groups, n, dim)
         return out
 
@@ -185,6 +226,13 @@ class ModelRunner:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1 (tokens per KV block; 16 is usual)")
         self.model = model.eval()
+        for module in model.modules():
+            if isinstance(module, MoE):
+                # Inference is dropless whatever the training's capacity rule: with a cap, a token's experts
+                # (and so its output) would depend on what else is in its batch -- continuous batching and
+                # chunked prefill change that every step, and under tensor parallelism every rank routes
+                # only its share of the tokens. Hugging Face MoEs are dropless too.
+                module.capacity_factor = 0.0
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = kv_dtype or self.dtype
@@ -197,7 +245,9 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
                                  f"{kv_block_bytes(model, block_size, self.kv_dtype)} bytes; give it more memory")
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, local_kv_heads(model), cfg.head_dim)
+        # kv heads first: a head's blocks are one [num_blocks, block_size, head_dim] tensor, so the blocks a
+        # step gathers come out as the [kv_heads, keys, head_dim] that attention multiplies, with no transpose.
+        shape = (local_kv_heads(model), num_blocks, block_size, cfg.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.buffers = GatherBuffers()  # reused by every layer of every step

@@ -25,12 +25,15 @@ launcher; under torchrun every rank builds `LLM(..., tp=N, cp=M)`), scheduling o
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
+import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput
+from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput, block_rows, write_kv
 from meshlm.mesh import Mesh
+from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer
 
 _STOP = {"stop": True}
@@ -42,8 +45,50 @@ def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:
         return model
     from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
-    check_tensor_parallel(model.config, mesh.size("tp"), sequence_parallel=False)
-    return apply_tensor_parallel(model, mesh, sequence_parallel=False)
+    tp = mesh.size("tp")
+    check_tensor_parallel(model.config, tp, sequence_parallel=False)
+    num = model.config.num_experts
+    if model.config.is_moe and num % tp != 0:  # checked before the model is touched
+        choices = ",".join(str(d) for d in range(1, num + 1) if num % d == 0)
+        raise ValueError(f"model.num_experts={num} is not divisible by tp={tp} (serving splits the experts "
+                         f"over the tp ranks); choose tp in {{{choices}}}")
+    model = apply_tensor_parallel(model, mesh, sequence_parallel=False)
+    return split_experts(model, mesh)
+
+
+def split_experts(model: Transformer, mesh: Mesh) -> Transformer:
+    """Every MoE layer of `model` with its experts split over the tp ranks (in place; a dense model is
+    returned as it is). Inference is dropless (`ModelRunner` turns the capacity rule off), so each token
+    reaches its top-k experts whichever rank holds them. num_experts must be divisible by tp
+    (`shard_for_serving` checks it; `apply_expert_parallel` refuses otherwise)."""
+    from meshlm.parallel.expert import AXIS, apply_expert_parallel
+
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    tp = mesh.size("tp")
+    if not moes or tp == 1:
+        return model
+    # The tp group itself is the expert group: no new process group; its traffic is counted as "ep".
+    ep_mesh = mesh.with_axes({AXIS: (mesh.ranks("tp"), mesh.group("tp"))})
+    apply_expert_parallel(model, ep_mesh)
+    for moe in moes:
+        # An instance attribute shadows MoE.forward (as apply_expert_parallel does for the experts).
+        moe.forward = functools.partial(_moe_on_own_tokens, moe, mesh=ep_mesh)
+    return model
+
+
+def _moe_on_own_tokens(moe: MoE, x: torch.Tensor, *, mesh: Mesh) -> torch.Tensor:
+    """The MoE of `x` (the same on every rank of the group): each rank routes and dispatches a contiguous
+    1/n of the tokens (the last ranks may have fewer, or none), then the outputs are all-gathered."""
+    from meshlm.parallel.expert import AXIS
+
+    shape = x.shape
+    x_td = x.reshape(-1, shape[-1])
+    tokens, n, me = x_td.shape[0], mesh.size(AXIS), mesh.local_rank(AXIS)
+    per = -(-tokens // n)
+    mine = MoE.forward(moe, x_td[me * per:(me + 1) * per])
+    # Padded to the same rows on every rank: all_gather moves equal shares.
+    out = comm.all_gather(F.pad(mine, (0, 0, 0, per - mine.shape[0])), mesh, AXIS, dim=0)
+    return out[:tokens].reshape(shape)
 
 
 def _send(message, mesh: Mesh):
@@ -128,14 +173,14 @@ class SplitKVAttention:
                 visible = (keys[None, :] <= queries[:, None]) & (keys[None, :] < length)
                 mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
                 blocks = torch.tensor([b for _, b in local], dtype=torch.long)
-                self.seqs.append((start, n, blocks.to(device), mask.to(device)))
+                rows = block_rows(blocks, k_caches[0].shape[0], k_caches[0].shape[1])
+                self.seqs.append((start, n, rows.to(device), mask.to(device)))
             start += n
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         if self.write_rows.numel():
-            k_cache.flatten(0, 1)[self.write_slots] = k_bhsd[0, :, self.write_rows].transpose(0, 1).to(k_cache.dtype)
-            v_cache.flatten(0, 1)[self.write_slots] = v_bhsd[0, :, self.write_rows].transpose(0, 1).to(v_cache.dtype)
+            write_kv(k_cache, v_cache, self.write_slots, k_bhsd[0, :, self.write_rows], v_bhsd[0, :, self.write_rows])
         heads, dim = q_bhsd.shape[1], q_bhsd.shape[-1]
         num_kv = k_bhsd.shape[1]
         groups = heads // num_kv
@@ -143,11 +188,11 @@ class SplitKVAttention:
         # keep lse = -inf and weigh nothing in the merge.
         out = q_bhsd.new_zeros(heads, self.num_rows, dim)
         lse = q_bhsd.new_full((heads, self.num_rows), float("-inf"))
-        for start, n, blocks, mask in self.seqs:
+        for start, n, rows, mask in self.seqs:
             q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
-            k, v = self.buffers.gather(k_cache, v_cache, blocks)
-            k = k.flatten(0, 1).transpose(0, 1)[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
-            v = v.flatten(0, 1).transpose(0, 1)[:, None].to(q.dtype)
+            k, v = self.buffers.gather(k_cache, v_cache, rows)
+            k = k[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
+            v = v[:, None].to(q.dtype)
             scores = torch.matmul(q, k.transpose(-1, -2)) * dim ** -0.5 + mask
             part_lse = torch.logsumexp(scores, dim=-1)  # [kv, groups, n]
             weights = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)  # a row with no visible key: 0

@@ -16,7 +16,8 @@ summed over tp, replicated ones counted once) and `full_state_dict` / `load_full
 (checkpoints hold the full tensors, so they reload under any tp degree).
 Not responsible for: data parallelism over the other axes (`data.py`, `zero.py` then work on the
 TP-local shards), MoE layers (left whole and replicated on the tp ranks -- so only without sequence
-parallelism -- the experts being split by expert parallelism), KV-cache generation under TP, and
+parallelism -- the experts being split by expert parallelism; serving splits them over the tp ranks,
+`meshlm.infer.parallel.split_experts`), KV-cache generation under TP, and
 the order of transforms (`parallelize.py` applies this one first).
 
 Where the communication goes (n = tp degree; all through `meshlm.comm`, so every byte is counted):
