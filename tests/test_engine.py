@@ -21,7 +21,9 @@ transformers = pytest.importorskip("transformers")
 MAX_NEW = 10
 
 
-def _tiny_hf(kind: str):
+def tiny_hf(kind: str):
+    """A tiny random transformers model: llama, qwen2, mixtral, or qwen2_moe (a shared expert with its gate
+    and a dense first layer)."""
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
                   eos_token_id=95, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
@@ -32,6 +34,10 @@ def _tiny_hf(kind: str):
     if kind == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
                                                                          num_experts_per_tok=2))
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[0]))
     raise AssertionError(kind)
 
 
@@ -44,7 +50,7 @@ def _prompts(seed: int, prefix_len: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral"])
 def hf_case(request, tmp_path_factory):
     torch.manual_seed(0)
-    hf = _tiny_hf(request.param).eval()
+    hf = tiny_hf(request.param).eval()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     prompts = _prompts(1) + _prompts(2, prefix_len=21)

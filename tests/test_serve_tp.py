@@ -16,29 +16,13 @@ from meshlm.cli import main as cli_main
 from meshlm.models.moe import MoE
 
 transformers = pytest.importorskip("transformers")
+from test_engine import tiny_hf  # noqa: E402 -- after the importorskip
 
 KINDS = ["llama", "qwen2", "mixtral", "qwen2_moe"]
 MOE_KINDS = ("mixtral", "qwen2_moe")
 MAX_NEW = 8
 # chunked prefill (16 tokens a step), a KV budget so small that sequences are preempted, prefix caching on
 ENGINE = dict(block_size=4, num_blocks=14, max_num_seqs=6, max_num_batched_tokens=16, dtype=torch.float64)
-
-
-def _tiny_hf(kind: str):
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
-                  eos_token_id=95, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    if kind == "qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    if kind == "mixtral":
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
-                                                                         num_experts_per_tok=2))
-    # a shared expert with its gate, and a dense first layer
-    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-        **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64,
-        norm_topk_prob=False, mlp_only_layers=[0]))
 
 
 LONG_PROMPT = [(7 * i) % 90 + 2 for i in range(30)]  # + 12 new tokens = 42 tokens = 11 blocks of 4
@@ -57,7 +41,7 @@ def checkpoints(tmp_path_factory):
     for kind in KINDS:
         torch.manual_seed(0)
         paths[kind] = tmp_path_factory.mktemp(kind)
-        _tiny_hf(kind).save_pretrained(paths[kind])
+        tiny_hf(kind).save_pretrained(paths[kind])
     return paths
 
 
