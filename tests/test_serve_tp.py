@@ -70,11 +70,12 @@ def _parallel_ranks(rank, world_size, paths, layouts):
             out[name, kind, "experts"] = [m.experts.w_gate.shape[0] for m in llm.model.modules() if isinstance(m, MoE)]
             out[name, kind, "ep_bytes"] = llm.engine.runner.mesh.stats.total(axis="ep").bytes
             llm.close()
-    if world_size == 2:  # one sequence longer than a rank's whole cache (6 blocks of 4 tokens), served at cp=2
-        llm = LLM(paths["llama"], cp=2, device="cpu", block_size=4, num_blocks=6, dtype=torch.float64)
-        if llm.is_driver:
-            out["long"] = llm.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
-            llm.close()
+    # one sequence longer than a rank's whole cache (11 blocks of 4 tokens): 6 blocks a rank at cp=2, 3 at cp=4
+    llm = LLM(paths["llama"], cp=world_size, device="cpu", block_size=4, num_blocks=12 // world_size,
+              dtype=torch.float64)
+    if llm.is_driver:
+        out["long"] = llm.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+        llm.close()
     return out
 
 
@@ -97,13 +98,12 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
                 experts = results[0][name, kind, "experts"]
                 assert experts and set(experts) == {4 // tp}, (name, kind, experts)
                 assert (results[0][name, kind, "ep_bytes"] > 0) == (tp > 1), (name, kind)
-    if world == 2:
-        alone = LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=32, dtype=torch.float64)
-        want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
-        assert results[0]["long"] == want and len(want) == 12
-        with pytest.raises(ValueError, match="KV blocks"):  # what one rank's cache alone would refuse
-            LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=6).generate(
-                [LONG_PROMPT], SamplingParams(max_tokens=12))
+    alone = LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=32, dtype=torch.float64)
+    want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+    assert results[0]["long"] == want and len(want) == 12
+    with pytest.raises(ValueError, match="KV blocks"):  # what one rank's cache alone refuses
+        LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=12 // world).generate(
+            [LONG_PROMPT], SamplingParams(max_tokens=12))
 
 
 def test_experts_must_split_evenly_over_tp():
@@ -185,3 +185,41 @@ def test_serve_tp2_answers_like_one_process_and_reports_per_rank(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert "KV cache of" in out and "over 2 ranks" in out, out
+
+
+def test_a_lost_rank_makes_the_server_unhealthy_and_requests_503(tmp_path):
+    """What rank 0 sees when another rank dies: a step raises CollectiveError. Every request in flight and
+    every later one gets 503 (none hangs), /health says unhealthy; one process standing in for the ranks."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from test_server import make_model_dir
+
+    from meshlm.comm import CollectiveError
+    from meshlm.infer.server import AsyncEngine, create_app
+
+    llm = LLM(str(make_model_dir(tmp_path)), device="cpu", block_size=8)
+    steps = {"n": 0}
+    real_step = llm.engine.step
+
+    def step():
+        steps["n"] += 1
+        if steps["n"] > 2:
+            raise CollectiveError("rank 0: all_gather on mesh axis 'tp' (global ranks [0, 1]) failed: "
+                                  "Connection closed by peer")
+        return real_step()
+
+    llm.engine.step = step
+    engine = AsyncEngine(llm.engine)
+    try:
+        client = TestClient(create_app(engine, model_name="tiny"))
+        assert client.get("/health").status_code == 200
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 20, "temperature": 0}
+        first = client.post("/v1/completions", json=body)
+        assert first.status_code == 503 and "Connection closed by peer" in first.json()["error"]["message"]
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        assert client.post("/v1/completions", json=body).status_code == 503  # refused at once, not queued
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 503
+    finally:
+        engine.stop()

@@ -47,13 +47,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_argv(model_dir, port: int, *flags: str) -> list[str]:
+    """The command line of a tiny CPU `meshlm serve`."""
+    return ["serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu", "--served-model-name", "tiny",
+            "--block-size", "8", "--kv-cache-mb", "4", "--max-num-seqs", "8", "--quiet", *flags]
+
+
 def serve_args(model_dir, port: int, *flags: str):
-    """`meshlm serve` arguments for a tiny CPU server, parsed by the CLI's own parser."""
+    """`serve_argv`, parsed by the CLI's own parser."""
     from meshlm.cli import build_parser
 
-    return build_parser().parse_args(["serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu",
-                                      "--served-model-name", "tiny", "--block-size", "8", "--kv-cache-mb", "4",
-                                      "--max-num-seqs", "8", "--quiet", *flags])
+    return build_parser().parse_args(serve_argv(model_dir, port, *flags))
 
 
 @contextlib.contextmanager
@@ -73,15 +77,56 @@ def running(srv, engine):
         engine.stop()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def launched(model_dir, port: int, *flags: str):
+    """`meshlm serve` in a subprocess of its own session (it starts its own ranks with --tp/--cp); its URL
+    once /health answers; the whole process group stopped on exit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    argv = serve_argv(model_dir, port, *flags)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, tmp_path_factory):
+    """The same tests against one process and against `meshlm serve --tp 2` (two ranks, torch's launcher)."""
     from meshlm.infer.server import build_server
 
     model_dir = make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
     port = free_port()
-    srv, engine = build_server(serve_args(model_dir, port, "--api-key", KEY, "--max-num-batched-tokens", "64"))
-    with running(srv, engine):
-        yield f"http://127.0.0.1:{port}"
+    flags = ("--api-key", KEY, "--max-num-batched-tokens", "64")
+    if request.param == 1:
+        srv, engine = build_server(serve_args(model_dir, port, *flags))
+        with running(srv, engine):
+            yield f"http://127.0.0.1:{port}"
+    else:
+        with launched(model_dir, port, *flags, "--tp", "2") as url:
+            yield url
 
 
 def post(url, path, body, **kw):

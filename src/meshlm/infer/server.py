@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from meshlm.comm import CollectiveError
 from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.sequence import SamplingParams
@@ -88,6 +89,9 @@ class AsyncEngine:
         self._pending: list = []
         self._aborts: list[str] = []
         self._stopped = False
+        # A rank of a multi-rank engine is gone (CollectiveError): nothing can run any more. Requests then
+        # fail with 503 and /health says unhealthy, instead of waiting on a collective that never completes.
+        self.broken: Exception | None = None
         self.ttft = Histogram(_TIME_BUCKETS)
         self.tpot = Histogram(_TIME_BUCKETS)
         self.num_requests = 0
@@ -105,6 +109,7 @@ class AsyncEngine:
 
         Several requests may share one `queue` (the choices of one HTTP request): outputs carry their id.
         """
+        self._check_alive()
         stream = _Stream(asyncio.get_running_loop())
         if queue is not None:
             stream.queue = queue
@@ -122,6 +127,7 @@ class AsyncEngine:
         Returns (id, queue, the prompt's token ids).
 
         `rag`: the prompt starts with retrieved passages (counted in the RAG prefix-cache figures)."""
+        self._check_alive()
         seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params,
                                       request_id=f"req-{uuid.uuid4().hex}")
         stream = _Stream(asyncio.get_running_loop())
@@ -132,6 +138,10 @@ class AsyncEngine:
             self.num_requests += 1
             self._cv.notify()
         return seq.request_id, queue, seq.prompt_token_ids
+
+    def _check_alive(self) -> None:
+        if self.broken is not None:
+            raise EngineUnavailable(f"the engine stopped: {self.broken}")
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -151,7 +161,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopped or self._pending or self._aborts or self.engine.has_unfinished()):
+                while not (self._stopped or self._pending or self._aborts or self.engine.has_unfinished()) \
+                        or (self.broken is not None and not self._stopped):
                     self._cv.wait()
                 if self._stopped:
                     return
@@ -165,6 +176,9 @@ class AsyncEngine:
                 self.engine.add_sequence(seq)
             try:
                 outputs, error = self.engine.step(), None
+            except CollectiveError as e:  # another rank is gone: fail everything, refuse what comes
+                outputs, error, self.broken = [], EngineUnavailable(f"the engine stopped: {e}"), e
+                self.num_errors += 1
             except Exception as e:  # a bug in a step: fail the requests in flight, keep serving
                 outputs, error = [], e
                 for request_id in list(self.engine.requests):
@@ -201,6 +215,10 @@ class AsyncEngine:
 # ---------------------------------------------------------------------------------------------
 # Request validation (OpenAI fields -> SamplingParams)
 # ---------------------------------------------------------------------------------------------
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run any request (a rank of a multi-rank engine is gone): HTTP 503."""
 
 
 class APIError(Exception):
@@ -370,6 +388,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def submit(prompt, params, queue, rag):
         try:
             return await engine.submit_async(prompt, params, queue, rag=rag)
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), type_="server_error") from e
         except ValueError as e:
             raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
 
@@ -471,7 +491,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                     return Response(status_code=499)
                 out = getter.result()
                 if isinstance(out, Exception):
-                    raise APIError(500, f"the engine failed: {out}", type_="server_error")
+                    raise APIError(503 if isinstance(out, EngineUnavailable) else 500, f"the engine failed: {out}",
+                                   type_="server_error")
                 if out.finished:
                     if out.finish_reason == "error":
                         raise APIError(500, f"generating this request failed: {out.error}", type_="server_error")
@@ -533,7 +554,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 out = await queue.get()
                 if isinstance(out, Exception) or out.finish_reason == "error":
                     why = out if isinstance(out, Exception) else out.error
-                    err = APIError(500, f"the engine failed: {why}", type_="server_error")
+                    err = APIError(503 if isinstance(out, EngineUnavailable) else 500, f"the engine failed: {why}",
+                                   type_="server_error")
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 i = index[out.request_id]
@@ -580,6 +602,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
     @app.get("/health")
     async def health():
+        if engine.broken is not None:
+            return JSONResponse({"status": "unhealthy", "error": str(engine.broken)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
