@@ -6,6 +6,7 @@ the kv heads and each rank holds half the experts of every MoE layer; under cp e
 block of each sequence, and a sequence longer than one rank's whole cache is served."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -223,3 +224,70 @@ def test_a_lost_rank_makes_the_server_unhealthy_and_requests_503(tmp_path):
             assert r.status_code == 503
     finally:
         engine.stop()
+
+
+def test_killing_a_worker_rank_turns_requests_into_503_not_a_hang(tmp_path):
+    """`meshlm serve --tp 2` with rank 1 SIGKILLed: the next request gets 503 at once (rank 0's collective
+    fails on the closed connection), /health says unhealthy, and the launcher stops the server and names
+    the rank that died first."""
+    import glob
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from test_server import free_port, make_model_dir, serve_argv
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *serve_argv(make_model_dir(tmp_path), port, "--tp", "2")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def descends(pid: int) -> bool:  # from the server's launcher
+        while pid > 1:
+            if pid == proc.pid:
+                return True
+            try:
+                pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                return False
+        return False
+
+    try:
+        for _ in range(1200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up")
+        workers = []
+        for environ in glob.glob("/proc/[0-9]*/environ"):
+            pid = int(environ.split("/")[2])
+            try:
+                if b"LOCAL_RANK=1" in open(environ, "rb").read().split(b"\0") and descends(pid):
+                    workers.append(pid)
+            except OSError:
+                continue
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+        try:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503, r.text
+            health = httpx.get(url + "/health", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        except httpx.TransportError:
+            pass  # the launcher already stopped the server: a refused connection, not a hang
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and "rank 1 failed first (killed by SIGKILL)" in out, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
