@@ -22,6 +22,9 @@ Several ranks (each a process with one intra-op thread, gloo on 127.0.0.1), smal
 On a CPU the ranks share its cores: multi-rank tok/s measures correctness and overhead, not speedup.
 
     python benchmarks/serve.py --par-prompts 32 --par-output-len 64 --kv-blocks-per-rank 32  # bigger
+    python benchmarks/serve.py --parts parallel_offline,longest_context --layouts 1x1,2x1,1x2,2x2
+The default run takes about 4 minutes on 2 CPU cores (most of it the one-process offline part and
+transformers' continuous batching).
 """
 
 from __future__ import annotations
@@ -154,9 +157,10 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 30) -> dict:
     """SIGTERM to `proc`'s process group (it was started in a session of its own) and so to the launcher,
-    which stops its ranks; SIGKILL to whatever of them is still there after `timeout_s`."""
+    which stops its ranks; SIGKILL to whatever of them is still there after `timeout_s`. Says how many
+    child processes `proc` had (the ranks), how many needed SIGKILL and how many are left (0)."""
     below = descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -169,14 +173,15 @@ def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         alive = still_running(below)
-        if not alive:
-            return
-        if time.monotonic() > deadline:
-            for p in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
-            return
+        if not alive or time.monotonic() > deadline:
+            break
         time.sleep(0.2)
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    time.sleep(0.2 if alive else 0)
+    return {"child_processes": len(below), "killed_after_timeout": len(alive),
+            "left_running": len(still_running(below))}
 
 
 def still_running(pids: list[int]) -> list[int]:
@@ -193,10 +198,10 @@ def still_running(pids: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180):
+def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180, stopped: dict | None = None):
     """`meshlm serve SERVE_ARGS` on a free port in a subprocess (in a session of its own) with `threads`
     intra-op threads (ranks started by --tp/--cp take one each); yields its URL once /health answers,
-    and stops it and every rank it started on exit."""
+    and stops it and every rank it started on exit (how that went is put in `stopped`)."""
     import httpx
 
     port = free_port()
@@ -221,7 +226,7 @@ def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180
             time.sleep(0.2)
         yield url
     finally:
-        stop_process_tree(proc)
+        (stopped if stopped is not None else {}).update(stop_process_tree(proc))
         errors.close()
 
 
@@ -261,7 +266,9 @@ async def online_run(url: str, prompts: list[list[int]], output_len: int, rate: 
 
 def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, seed: int, threads: int,
            extra_args: tuple[str, ...] = ()) -> dict:
-    with meshlm_server(["--model", str(path), "--served-model-name", "bench", *extra_args], threads=threads) as url:
+    stopped = {}
+    with meshlm_server(["--model", str(path), "--served-model-name", "bench", *extra_args], threads=threads,
+                       stopped=stopped) as url:
         t = time.perf_counter()
         results = asyncio.run(online_run(url, prompts, output_len, rate, seed))
         wall = time.perf_counter() - t
@@ -275,7 +282,7 @@ def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, s
     return {"num_requests": len(results), "rate_per_s": rate, "output_len": output_len,
             "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 1), "ttft_p99_ms": round(1e3 * p99(ttft), 1),
             "tpot_mean_ms": round(1e3 * statistics.mean(tpot), 2), "tpot_p99_ms": round(1e3 * p99(tpot), 2),
-            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1)}
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1), "server_stopped": stopped}
 
 
 def layout_name(tp: int, cp: int) -> str:
