@@ -9,6 +9,22 @@ batch (same weights, greedy, fixed output length), plus how many of the outputs 
 Online: `meshlm serve` started as a subprocess on 127.0.0.1, requests streamed at Poisson arrivals of
 --rate requests/s; mean and p99 time to first token (TTFT: request sent -> first streamed text) and
 time per output token (TPOT: (last chunk - first chunk) / (tokens - 1)).
+Several ranks (each a process with one intra-op thread, gloo on 127.0.0.1), smaller sizes (--par-*):
+  parallel_offline  at (tp, cp) in --layouts: the ranks are spawned here, each builds `LLM(..., tp=, cp=)`,
+                    rank 0 times `generate` on the same prompts (greedy, ignore_eos); tok/s and whether
+                    the tokens equal the (1, 1) run's.
+  parallel_online   the same layouts through `meshlm serve --tp --cp` (it launches its ranks itself):
+                    TTFT/TPOT as above; every process of the server is stopped afterwards.
+  longest_context   a fixed per-rank KV budget (--kv-blocks-per-rank blocks of 16 tokens) at cp 1/2/4:
+                    the longest prompt + generation the block arithmetic allows (blocks per rank x cp x
+                    block size), served at that length (tokens compared with one process with a large
+                    budget) and refused one token longer; one rank alone refuses the cp=4 length.
+On a CPU the ranks share its cores: multi-rank tok/s measures correctness and overhead, not speedup.
+
+    python benchmarks/serve.py --par-prompts 32 --par-output-len 64 --kv-blocks-per-rank 32  # bigger
+    python benchmarks/serve.py --parts parallel_offline,longest_context --layouts 1x1,2x1,1x2,2x2
+The default run takes about 4 minutes on 2 CPU cores (most of it the one-process offline part and
+transformers' continuous batching).
 """
 
 from __future__ import annotations
@@ -17,7 +33,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -28,6 +46,9 @@ from pathlib import Path
 
 import torch
 
+from _common import run_ranks
+
+BLOCK_SIZE = 16  # tokens per KV block in the longest-context part
 
 def make_model(path: Path, *, hidden: int, layers: int, vocab: int, max_len: int) -> int:
     """A tiny random Llama + a byte-level BPE tokenizer trained on some of Python's own sources."""
@@ -116,17 +137,80 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """The ids of every process below `pid` (Linux /proc; torch's launcher puts each rank in a session
+    of its own, so killing the launcher's process group alone would not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 30) -> dict:
+    """SIGTERM to `proc`'s process group (it was started in a session of its own) and so to the launcher,
+    which stops its ranks; SIGKILL to whatever of them is still there after `timeout_s`. Says how many
+    child processes `proc` had (the ranks), how many needed SIGKILL and how many are left (0)."""
+    below = descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = still_running(below)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    time.sleep(0.2 if alive else 0)
+    return {"child_processes": len(below), "killed_after_timeout": len(alive),
+            "left_running": len(still_running(below))}
+
+
+def still_running(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (not zombies)."""
+    alive = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(p)
+        except OSError:
+            pass
+    return alive
+
+
 @contextlib.contextmanager
-def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180):
-    """`meshlm serve SERVE_ARGS` on a free port in a subprocess with `threads` intra-op threads; yields its
-    URL once /health answers, and stops it on exit."""
+def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180, stopped: dict | None = None):
+    """`meshlm serve SERVE_ARGS` on a free port in a subprocess (in a session of its own) with `threads`
+    intra-op threads (ranks started by --tp/--cp take one each); yields its URL once /health answers,
+    and stops it and every rank it started on exit (how that went is put in `stopped`)."""
     import httpx
 
     port = free_port()
-    argv = [*serve_args, "--port", str(port)]
+    argv = [*serve_args, "--port", str(port), "--quiet"]
     code = (f"import torch; torch.set_num_threads({threads}); from meshlm.cli import main; "
             f"raise SystemExit(main(['serve', *{argv!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    errors = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the server runs
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=errors,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -137,12 +221,13 @@ def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"meshlm serve did not start: {proc.stderr.read().decode()[-2000:]}")
+                errors.seek(0)
+                raise RuntimeError(f"meshlm serve did not start: {errors.read().decode()[-2000:]}")
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        (stopped if stopped is not None else {}).update(stop_process_tree(proc))
+        errors.close()
 
 
 async def one_request(client, prompt: list[int], output_len: int) -> dict:
@@ -179,8 +264,11 @@ async def online_run(url: str, prompts: list[list[int]], output_len: int, rate: 
         return await asyncio.gather(*tasks)
 
 
-def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, seed: int, threads: int) -> dict:
-    with meshlm_server(["--model", str(path), "--served-model-name", "bench"], threads=threads) as url:
+def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, seed: int, threads: int,
+           extra_args: tuple[str, ...] = ()) -> dict:
+    stopped = {}
+    with meshlm_server(["--model", str(path), "--served-model-name", "bench", *extra_args], threads=threads,
+                       stopped=stopped) as url:
         t = time.perf_counter()
         results = asyncio.run(online_run(url, prompts, output_len, rate, seed))
         wall = time.perf_counter() - t
@@ -194,7 +282,113 @@ def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, s
     return {"num_requests": len(results), "rate_per_s": rate, "output_len": output_len,
             "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 1), "ttft_p99_ms": round(1e3 * p99(ttft), 1),
             "tpot_mean_ms": round(1e3 * statistics.mean(tpot), 2), "tpot_p99_ms": round(1e3 * p99(tpot), 2),
-            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1)}
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1), "server_stopped": stopped}
+
+
+def layout_name(tp: int, cp: int) -> str:
+    return f"tp{tp}_cp{cp}"
+
+
+def generate_on_ranks(rank: int, world_size: int, job: argparse.Namespace) -> dict:
+    """One rank of `parallel_offline` (spawned by `run_ranks`): rank 0 times `generate` and returns it."""
+    from meshlm import LLM, SamplingParams
+
+    llm = LLM(str(job.path), tp=job.tp, cp=job.cp, device="cpu")
+    if not llm.is_driver:
+        return {}
+    try:
+        # warm-up on prompts that share no prefix with the measured ones
+        llm.generate([[1] * n for n in (5, 40)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        t = time.perf_counter()
+        outs = llm.generate(job.prompts, SamplingParams(temperature=0, max_tokens=job.output_len, ignore_eos=True))
+        seconds = time.perf_counter() - t
+    finally:
+        llm.close()
+    total = len(job.prompts) * job.output_len
+    return {"tokens_per_s": round(total / seconds, 1), "seconds": round(seconds, 3), "output_tokens": total,
+            "token_ids": [o.token_ids for o in outs]}
+
+
+def parallel_offline(path: Path, prompts: list[list[int]], output_len: int, layouts: list[tuple[int, int]]) -> dict:
+    results = {}
+    for tp, cp in layouts:
+        job = argparse.Namespace(device="cpu", path=path, tp=tp, cp=cp, prompts=prompts, output_len=output_len)
+        results[layout_name(tp, cp)] = run_ranks(generate_on_ranks, tp * cp, job)
+    reference = results[layout_name(1, 1)]["token_ids"] if (1, 1) in layouts else None
+    for r in results.values():
+        tokens = r.pop("token_ids")
+        if reference is not None:
+            r["greedy_tokens_equal_tp1_cp1"] = f"{sum(a == b for a, b in zip(tokens, reference))}/{len(prompts)}"
+    return {"num_prompts": len(prompts), "output_len": output_len, "layouts": results}
+
+
+def parallel_online(path: Path, prompts: list[list[int]], output_len: int, rate: float, seed: int,
+                    layouts: list[tuple[int, int]]) -> dict:
+    return {layout_name(tp, cp): online(path, prompts, output_len, rate, seed, 1,
+                                        ("--tp", str(tp), "--cp", str(cp), "--device", "cpu"))
+            for tp, cp in layouts}
+
+
+def longest_on_ranks(rank: int, world_size: int, job: argparse.Namespace) -> dict:
+    """One rank of `longest_context`: rank 0 serves the longest prompt + generation the per-rank budget
+    allows at this cp, then asks for one token more (which the engine must refuse)."""
+    from meshlm import LLM, SamplingParams
+
+    llm = LLM(str(job.path), cp=job.cp, device="cpu", block_size=BLOCK_SIZE, num_blocks=job.blocks_per_rank)
+    if not llm.is_driver:
+        return {}
+    try:
+        blocks = llm.engine.block_manager.num_blocks  # over all cp ranks
+        longest = blocks * BLOCK_SIZE  # the scheduler admits prompt + max_tokens <= blocks x block size
+        prompt = job.tokens[:longest - job.output_len]
+        params = SamplingParams(temperature=0, max_tokens=job.output_len, ignore_eos=True)
+        t = time.perf_counter()
+        served = llm.generate([prompt], params)[0].token_ids
+        seconds = time.perf_counter() - t
+        try:
+            llm.generate([job.tokens[:longest - job.output_len + 1]], params)
+            refused = "not refused"
+        except ValueError as e:
+            refused = f"ValueError: {e}"
+    finally:
+        llm.close()
+    return {"kv_blocks_total": blocks, "longest_tokens_by_block_arithmetic": longest,
+            "served_prompt_tokens": len(prompt), "served_new_tokens": len(served), "seconds": round(seconds, 3),
+            "one_token_longer": refused, "token_ids": served}
+
+
+def longest_context(path: Path, tokens: list[int], output_len: int, blocks_per_rank: int, cps: list[int]) -> dict:
+    from meshlm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    reference = LLM(str(path), device="cpu")  # one process, a budget large enough for every length here
+    results = {}
+    for cp in cps:
+        job = argparse.Namespace(device="cpu", path=path, cp=cp, blocks_per_rank=blocks_per_rank, tokens=tokens,
+                                 output_len=output_len)
+        r = run_ranks(longest_on_ranks, cp, job)
+        expected = reference.generate([tokens[:r["served_prompt_tokens"]]], params)[0].token_ids
+        r["greedy_tokens_equal_one_process_large_budget"] = r.pop("token_ids") == expected
+        results[f"cp{cp}"] = r
+    base = results.get("cp1", {}).get("longest_tokens_by_block_arithmetic")
+    for r in results.values():
+        r["longest_vs_cp1"] = round(r["longest_tokens_by_block_arithmetic"] / base, 2) if base else None
+    # One rank with the same per-rank budget and the longest cp's length: refused (a ValueError).
+    top = results[f"cp{max(cps)}"]
+    alone = LLM(str(path), device="cpu", block_size=BLOCK_SIZE, num_blocks=blocks_per_rank)
+    try:
+        alone.generate([tokens[:top["served_prompt_tokens"]]], params)
+        one_rank = "served (unexpected)"
+    except ValueError as e:
+        one_rank = f"ValueError: {e}"
+    return {"block_size": BLOCK_SIZE, "kv_blocks_per_rank": blocks_per_rank,
+            "kv_tokens_per_rank": blocks_per_rank * BLOCK_SIZE, "output_len": output_len, "cp": results,
+            f"one_rank_same_budget_at_cp{max(cps)}_length": one_rank}
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """"1x1,2x1,1x2" -> [(1, 1), (2, 1), (1, 2)] as (tp, cp)."""
+    return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
 
 
 def main() -> None:
@@ -211,22 +405,60 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of both engines and of the server (default 1: comparable on a busy machine)")
     ap.add_argument("--seed", type=int, default=0)
+    par = ap.add_argument_group("several ranks (one thread each; scale these up on a machine with the cores)")
+    par.add_argument("--layouts", type=parse_layouts, default=parse_layouts("1x1,2x1,1x2"),
+                     help="TPxCP layouts of parallel_offline/parallel_online (default 1x1,2x1,1x2)")
+    par.add_argument("--par-prompts", type=int, default=8, help="prompts of parallel_offline (default 8)")
+    par.add_argument("--par-requests", type=int, default=8, help="requests of parallel_online (default 8)")
+    par.add_argument("--par-max-len", type=int, default=64, help="longest of those prompts (default 64)")
+    par.add_argument("--par-output-len", type=int, default=16, help="new tokens per prompt (default 16)")
+    par.add_argument("--par-rate", type=float, default=2.0, help="parallel_online arrivals per second (default 2)")
+    par.add_argument("--kv-blocks-per-rank", type=int, default=4,
+                     help=f"longest_context: KV blocks of {BLOCK_SIZE} tokens per rank (default 4)")
+    par.add_argument("--context-cps", default="1,2,4", help="longest_context's cp degrees (default 1,2,4)")
+    par.add_argument("--long-output-len", type=int, default=8, help="longest_context's new tokens (default 8)")
+    ap.add_argument("--parts", default="offline,online,parallel_offline,parallel_online,longest_context",
+                    help="which parts run (default: all)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    cps = [int(c) for c in args.context_cps.split(",")]
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
+    longest = max(cps) * args.kv_blocks_per_rank * BLOCK_SIZE
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         vocab = make_model(path, hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-                           max_len=args.max_len + args.output_len + 16)
+                           max_len=max(args.max_len + args.output_len, args.par_max_len + args.par_output_len,
+                                       longest) + 16)
         prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                    for _ in range(max(args.num_prompts, args.online_requests))]
+        par_prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(args.min_len, args.par_max_len))]
+                       for _ in range(max(args.par_prompts, args.par_requests))]
+        cores = len(os.sched_getaffinity(0))
         result = {
             "model": {"hidden": args.hidden, "layers": args.layers, "vocab": vocab, "device": "cpu",
-                      "torch_threads": torch.get_num_threads()},
-            "offline": offline(path, prompts[:args.num_prompts], args.output_len),
-            "online": online(path, prompts[:args.online_requests], args.output_len, args.rate, args.seed,
-                             torch.get_num_threads()),
+                      "torch_threads": torch.get_num_threads(), "cpu_cores": cores},
+            "note": (f"the ranks of a multi-rank layout (one thread each) share this machine's {cores} CPU cores: "
+                     "their tok/s measures correctness and overhead (broadcast of each step, collectives), "
+                     "not the speedup of separate devices"),
         }
+        if "offline" in parts:
+            result["offline"] = offline(path, prompts[:args.num_prompts], args.output_len)
+        if "online" in parts:
+            result["online"] = online(path, prompts[:args.online_requests], args.output_len, args.rate, args.seed,
+                                      torch.get_num_threads())
+        if "parallel_offline" in parts:
+            result["parallel_offline"] = parallel_offline(path, par_prompts[:args.par_prompts], args.par_output_len,
+                                                          args.layouts)
+        if "parallel_online" in parts:
+            result["parallel_online"] = parallel_online(path, par_prompts[:args.par_requests], args.par_output_len,
+                                                        args.par_rate, args.seed, args.layouts)
+        if "longest_context" in parts:
+            tokens = [rng.randrange(2, vocab) for _ in range(longest + 1)]
+            result["longest_context"] = longest_context(path, tokens, args.long_output_len, args.kv_blocks_per_rank,
+                                                        cps)
+    result["wall_seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result, indent=2))
 
 
