@@ -134,58 +134,9 @@ def test_generate_tp2_from_the_cli(tmp_path, capfd):
     capfd.readouterr()  # what building the model printed
     assert cli_main(argv) == 0
     one = capfd.readouterr().out
-    assert cli_main([*argv, "--tp", "2"]) == 0  # two ranks through torch's launcher
+    assert cli_main([*argv, "--tp", "2"]) == 0  # two ranks through torch's launcher (--cp: the serve test)
     two = capfd.readouterr().out
-    assert cli_main([*argv, "--cp", "2"]) == 0
-    split = capfd.readouterr().out
-    assert one.startswith("hello world") and len(one) > len("hello world\n") and two == one == split, (one, two, split)
-
-
-def test_serve_tp2_answers_like_one_process_and_reports_per_rank(tmp_path):
-    """`meshlm serve --cp 2`: the server started
-    through torch's launcher answers a greedy completion with the single-process tokens; /metrics has
-    the KV blocks of each cp rank and the bytes each axis moved; the ranks exit when it stops."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("uvicorn")
-    from test_server import free_port, make_model_dir
-
-    path = str(make_model_dir(tmp_path))
-    want = LLM(path, device="cpu", block_size=8).generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=6))[0].text
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "serve", "--model", path, "--cp", "2", "--port",
-                             str(port), "--device", "cpu", "--block-size", "8", "--kv-cache-mb", "1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server did not come up")
-        body = {"model": "x", "prompt": "hello world", "max_tokens": 6, "temperature": 0}
-        got = httpx.post(f"{url}/v1/completions", json={**body, "model": os.path.basename(path)}, timeout=60)
-        assert got.status_code == 200, got.text
-        assert got.json()["choices"][0]["text"] == want
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        assert 'meshlm_kv_blocks_used_per_rank{cp_rank="1"}' in metrics
-        comm = [line for line in metrics.splitlines() if line.startswith('meshlm_comm_bytes_total{axis="cp"}')]
-        assert comm and float(comm[0].split()[-1]) > 0
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert "KV cache of" in out and "over 2 ranks" in out, out
+    assert one.startswith("hello world") and len(one) > len("hello world\n") and two == one, (one, two)
 
 
 def test_a_lost_rank_makes_the_server_unhealthy_and_requests_503(tmp_path):
@@ -226,10 +177,11 @@ def test_a_lost_rank_makes_the_server_unhealthy_and_requests_503(tmp_path):
         engine.stop()
 
 
-def test_killing_a_worker_rank_turns_requests_into_503_not_a_hang(tmp_path):
-    """`meshlm serve --tp 2` with rank 1 SIGKILLed: the next request gets 503 at once (rank 0's collective
-    fails on the closed connection), /health says unhealthy, and the launcher stops the server and names
-    the rank that died first."""
+def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_hang(tmp_path):
+    """`meshlm serve --cp 2` (ranks through torch's launcher): a greedy completion equals one process's,
+    /metrics has the KV blocks of each cp rank and the bytes the cp axis moved, the banner the capacity.
+    Then rank 1 is SIGKILLed: the next request gets 503 at once (rank 0's collective fails on the closed
+    connection), /health says unhealthy, and the launcher stops the server and names the rank that died."""
     import glob
     import os
     import signal
@@ -240,12 +192,15 @@ def test_killing_a_worker_rank_turns_requests_into_503_not_a_hang(tmp_path):
     pytest.importorskip("uvicorn")
     from test_server import free_port, make_model_dir, serve_argv
 
+    model_dir = make_model_dir(tmp_path)
+    want = LLM(str(model_dir), device="cpu", block_size=8).generate(
+        ["hello world"], SamplingParams(temperature=0.0, max_tokens=6))[0].text
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *serve_argv(make_model_dir(tmp_path), port, "--tp", "2")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    argv = [a for a in serve_argv(model_dir, port, "--cp", "2") if a != "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
     def descends(pid: int) -> bool:  # from the server's launcher
@@ -267,6 +222,13 @@ def test_killing_a_worker_rank_turns_requests_into_503_not_a_hang(tmp_path):
                 time.sleep(0.1)
         else:
             pytest.fail("the server did not come up")
+        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "temperature": 0}
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, got.text
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'meshlm_kv_blocks_used_per_rank{cp_rank="1"}' in metrics
+        comm = [line for line in metrics.splitlines() if line.startswith('meshlm_comm_bytes_total{axis="cp"}')]
+        assert comm and float(comm[0].split()[-1]) > 0
         workers = []
         for environ in glob.glob("/proc/[0-9]*/environ"):
             pid = int(environ.split("/")[2])
@@ -277,7 +239,6 @@ def test_killing_a_worker_rank_turns_requests_into_503_not_a_hang(tmp_path):
                 continue
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)
-        body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0}
         try:
             r = httpx.post(url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 503, r.text
@@ -287,6 +248,7 @@ def test_killing_a_worker_rank_turns_requests_into_503_not_a_hang(tmp_path):
             pass  # the launcher already stopped the server: a refused connection, not a hang
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode != 0 and "rank 1 failed first (killed by SIGKILL)" in out, out[-2000:]
+        assert "KV cache of" in out and "over 2 ranks" in out, out[-2000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
