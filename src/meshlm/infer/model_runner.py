@@ -264,11 +264,18 @@ class ModelRunner:
         ctx = self.attention(self.k_caches, self.v_caches, step, self.block_size, dtype=self.dtype,
                              buffers=self.buffers)
         # The model's own modules; only attention is redirected to the paged cache (via `ctx`). Logits
-        # are computed for the sampling rows only, not for every prefill token.
+        # are computed for the sampling rows only, not for every prefill token. An attention context with
+        # `local_rows` (context-parallel serving) has this rank compute only those of the step's tokens.
+        local = getattr(ctx, "local_rows", None)
+        if local is not None:
+            tokens, positions = tokens[local], positions[local]
         h = model.embed(tokens[None])
         cos, sin = rope_cos_sin(model.inv_freq, positions, h.dtype)
         for block in model.layers.values():
             h = block(h, cos, sin, ctx)
-        h = h[0, torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)]
+        if local is not None:
+            h = ctx.select_rows(h)
+        else:
+            h = h[0, torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)]
         self.attention_seconds += getattr(ctx, "seconds", 0.0)
         return model.lm_head(model.norm(h)).float()

@@ -11,11 +11,14 @@ Responsible for:
     the vocab-parallel logits are all-gathered.
   - context parallelism (`SplitKVAttention`): a sequence's j-th KV block lives on cp rank j % cp (the
     block manager's groups), so every rank holds ~1/cp of every long sequence and a sequence longer than
-    one rank's cache is served. Every cp rank runs the model on the step's new tokens (the weights are
-    not split over cp), writes the keys/values of the slots it holds, attends the queries over its own
-    blocks -- a partial result and its log-sum-exp -- and one all-gather over cp of (output, lse) per
-    layer merges them exactly (`parallel.context.merge_partials`'s arithmetic). Prefill chunks go the
-    same way (not the training's ring: the keys stay where they are, only the partials travel).
+    one rank's cache is served. Each new token is computed by the rank that holds its KV slot (its
+    block's owner), so a prefill is split over the ranks block by block and a decode token runs on one
+    rank (the weights are whole on every cp rank). Per layer: each rank writes the keys/values it
+    computed into its own blocks; one all-gather of the queries; every rank attends all queries over its
+    own blocks -- a partial result and its log-sum-exp -- and one all-gather of (output, lse) lets each
+    owner merge its queries' partials exactly (`parallel.context.merge_partials`'s arithmetic); the
+    sampled rows' hidden states reach every rank by one all-reduce. Keys never move, only queries and
+    partials (not the training's ring: the keys here sit in the block layout, not the ring's chunks).
 The scheduler, block manager and sampler live on rank 0 alone (torch-free and unchanged apart from the
 groups); the other ranks never see a request.
 Not responsible for: launching ranks (`meshlm generate --tp N --cp M` starts them through torch's
@@ -156,11 +159,20 @@ class SplitKVAttention:
         self.buffers = buffers or GatherBuffers()
         device = k_caches[0].device
         cp, me = mesh.size("cp"), mesh.local_rank("cp")
-        mine = [(row, (slot // block_size) // cp * block_size + slot % block_size)
-                for row, slot in enumerate(step.slot_mapping) if (slot // block_size) % cp == me]
-        self.write_rows = torch.tensor([r for r, _ in mine], dtype=torch.long, device=device)
-        self.write_slots = torch.tensor([s for _, s in mine], dtype=torch.long, device=device)
+        # Each new token is computed by the rank that holds its KV slot: its block's owner. So a prefill is
+        # split over the ranks block by block and every key/value is written where it is computed.
+        owners = [(slot // block_size) % cp for slot in step.slot_mapping]
+        self.rows_of = [[row for row, o in enumerate(owners) if o == r] for r in range(cp)]
+        self.local_rows = torch.tensor(self.rows_of[me], dtype=torch.long, device=device)
+        self.write_slots = torch.tensor([(step.slot_mapping[row] // block_size) // cp * block_size
+                                         + step.slot_mapping[row] % block_size for row in self.rows_of[me]],
+                                        dtype=torch.long, device=device)
         self.num_rows = len(step.token_ids)
+        self.cp, self.me = cp, me
+        # The rows whose logits are wanted, and which of them this rank computes (at which local index).
+        where = {row: i for i, row in enumerate(self.rows_of[me])}
+        self.sampled_here = [(i, where[row]) for i, row in enumerate(step.logits_indices) if row in where]
+        self.num_sampled = len(step.logits_indices)
         # Per sequence: (first row, new tokens, this rank's local blocks, additive mask [new, keys]).
         self.seqs = []
         start = 0
@@ -179,17 +191,27 @@ class SplitKVAttention:
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
-        if self.write_rows.numel():
-            write_kv(k_cache, v_cache, self.write_slots, k_bhsd[0, :, self.write_rows], v_bhsd[0, :, self.write_rows])
+        assert q_bhsd.shape[2] == len(self.rows_of[self.me]), "the runner must pass this rank's tokens only"
+        if self.write_slots.numel():  # the keys/values of this rank's tokens, into its own blocks
+            write_kv(k_cache, v_cache, self.write_slots, k_bhsd[0], v_bhsd[0])
         heads, dim = q_bhsd.shape[1], q_bhsd.shape[-1]
         num_kv = k_bhsd.shape[1]
         groups = heads // num_kv
+        # Every rank attends every query over its own keys: the queries of all ranks, in step order (padded
+        # to the most any rank has, for one all-gather).
+        most = max(map(len, self.rows_of))
+        mine = q_bhsd.new_zeros(heads, most, dim)
+        mine[:, :q_bhsd.shape[2]] = q_bhsd[0]
+        every = comm.all_gather(mine[None], self.mesh, "cp", dim=0)  # [cp, heads, most, dim]
+        q_all = q_bhsd.new_empty(heads, self.num_rows, dim)
+        for r, rows in enumerate(self.rows_of):
+            q_all[:, rows] = every[r, :, :len(rows)]
         # This rank's partial: output and log-sum-exp per (head, row); rows that see none of its keys
         # keep lse = -inf and weigh nothing in the merge.
         out = q_bhsd.new_zeros(heads, self.num_rows, dim)
         lse = q_bhsd.new_full((heads, self.num_rows), float("-inf"))
         for start, n, rows, mask in self.seqs:
-            q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
+            q = q_all[:, start:start + n].reshape(num_kv, groups, n, dim)
             k, v = self.buffers.gather(k_cache, v_cache, rows)
             k = k[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
             v = v[:, None].to(q.dtype)
@@ -201,7 +223,16 @@ class SplitKVAttention:
         # One all-gather of (output, lse) over cp, then the exact merge of the partials.
         both = comm.all_gather(torch.cat([out, lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
         outs, lses = both[..., :dim], both[..., dim]
+        outs, lses = outs[:, :, self.local_rows], lses[:, :, self.local_rows]  # this rank's queries only
         total = torch.logsumexp(lses, dim=0)  # [heads, rows]
         scale = torch.exp(lses - total).nan_to_num(0.0)
         merged = (outs * scale[..., None]).sum(dim=0)
         return merged[None].to(q_bhsd.dtype)
+
+    def select_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """The hidden states of the sampled rows [num_sampled, hidden] on every rank, from the ranks that
+        computed them (`h`: this rank's rows, [1, local rows, hidden]): one all-reduce over cp."""
+        out = h.new_zeros(self.num_sampled, h.shape[-1])
+        for i, local in self.sampled_here:
+            out[i] = h[0, local]
+        return comm.all_reduce(out, self.mesh, "cp")

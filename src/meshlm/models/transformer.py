@@ -110,9 +110,11 @@ class Attention(nn.Module):
         bsz, seq, _ = x.shape
         # Head counts are read from the projection widths so that a tensor-parallel transform that
         # shards wq/wk/wv by heads needs no change here.
-        q_bhsd = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k_bhsd = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        v_bhsd = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        # (Counted, not -1: a rank of context-parallel serving may get no token of a step.)
+        heads, kv_heads = self.wq.out_features // self.head_dim, self.wk.out_features // self.head_dim
+        q_bhsd = self.wq(x).view(bsz, seq, heads, self.head_dim).transpose(1, 2)
+        k_bhsd = self.wk(x).view(bsz, seq, kv_heads, self.head_dim).transpose(1, 2)
+        v_bhsd = self.wv(x).view(bsz, seq, kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q_bhsd, k_bhsd = self.q_norm(q_bhsd), self.k_norm(k_bhsd)
         q_bhsd, k_bhsd = apply_rope(q_bhsd, cos, sin), apply_rope(k_bhsd, cos, sin)
@@ -120,7 +122,7 @@ class Attention(nn.Module):
             # A cache that runs attention itself (the inference engine's paged KV cache): it stores
             # k/v where its block tables say and returns [batch, heads, seq, head_dim].
             out = cache.attend(layer, q_bhsd, k_bhsd, v_bhsd)
-            return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+            return self.wo(out.transpose(1, 2).reshape(bsz, seq, heads * self.head_dim))
         if cache is None:
             return self.wo(self.core(q_bhsd, k_bhsd, v_bhsd))
         past = cache.length
