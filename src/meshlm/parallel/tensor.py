@@ -13,7 +13,8 @@ and `vocab_parallel_cross_entropy` itself. Every sharded parameter carries `para
 without it are replicated over tp and hold the full gradient on every tp rank after backward.
 It also gives the trainer what reads that metadata: `tensor_parallel_grad_norm` (sharded gradients
 summed over tp, replicated ones counted once) and `full_state_dict` / `load_full_state_dict`
-(checkpoints hold the full tensors, so they reload under any tp degree).
+(the full weights, for tests and the end-of-training sample; checkpoints write each rank's shard at its
+place instead, `meshlm.train.shards`).
 Not responsible for: data parallelism over the other axes (`data.py`, `zero.py` then work on the
 TP-local shards), MoE layers (left whole and replicated on the tp ranks -- so only without sequence
 parallelism -- the experts being split by expert parallelism; serving splits them over the tp ranks,

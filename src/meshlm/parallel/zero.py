@@ -21,7 +21,7 @@ Stages. Every rank computes full gradients (of its tokens) in every stage.
            is all-gathered before the unit's forward, freed after it, gathered again when the
            gradient of the unit's output arrives, and freed once all the unit's gradients are in.
            Between uses every parameter has storage of size 0 (`full_params()` gathers them all, for
-           checkpoints and inspection). Prefetch: when a unit is gathered, the gather of the unit
+           inspection; checkpoints read the flat shards instead, `param_ranges`). Prefetch: when a unit is gathered, the gather of the unit
            that runs next (next block in forward; previous block in backward) is started
            asynchronously, so its all-gather overlaps this unit's compute. The root unit is kept
            from its forward into the start of its backward and freed when the first block's
