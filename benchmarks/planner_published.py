@@ -20,7 +20,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * GPT-style models (4h GeLU MLP, squared-ReLU for Nemotron) are mapped to SwiGLU with intermediate =
     2/3 * ffn rounded to a multiple of 128 (so tp divides it; the same parameters and FLOPs per token
     within 0.3%); Llama-family ffn sizes are SwiGLU sizes already;
-  * runs from before FlashAttention (2021) use unfused attention (`flash_attention=False`);
+  * runs of Megatron-LM before it took up FlashAttention (2023: the `--use-flash-attn` flag) use its
+    unfused attention (`flash_attention=False`): the 2021 paper, and Korthikanti et al. 2022, whose
+    selective recomputation exists to drop the unfused kernel's s x s scores (their Sec. 4.2);
   * NVIDIA's NeMo / Megatron-Bridge rows that say "DDP (FSDP=0)" or nothing use Megatron's
     distributed optimizer (ZeRO-1), the default of their recipes; "FSDP" rows ZeRO-3;
     Megatron-Bridge tables with the precision column blank are the FP8 recipe tables;
@@ -190,7 +192,7 @@ def predict_row(row: dict) -> dict:
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op.
     eager = row["group"].startswith("K_torchtitan")
-    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2022,
+    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2023,
               tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager)
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
     dp = _int(row["dp"]) or n // (tp * pp * cp)
