@@ -280,13 +280,26 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     # gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per
     # logit of this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise).
     t_loss = tokens_mb * cfg.vocab_size / tp * 4 * 5 / hbm_bw
-    comp_mb = rank_units * (t_fwd_layer + t_bwd_layer) + t_loss
+    # The output head on the bottleneck rank (when it is the last pipeline rank): its own GEMM by shape,
+    # tokens x vocab/tp x hidden, not an average layer's time. Under fp8 it runs in bf16: fp8 covers the
+    # linear layers inside the transformer blocks only (Transformer Engine's fp8_autocast wraps the
+    # blocks; Megatron-Core's output layer is a plain ColumnParallelLinear -- Megatron-Bridge's
+    # performance guide: "FP8 computation exclusively to the linear layers within the Transformer block").
+    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+    head_on_busy = head_units if r.rank_layers[-1] + head_units >= rank_units - 1e-9 else 0.0
+    t_head_fwd = t_head_bwd = 0.0
+    if head_on_busy:
+        head_rate = (r.peak_attn if job.precision == "fp8" else peak) * eff
+        t_head_fwd, t_head_bwd = gemms_fwd_bwd([(tokens_mb, cfg.vocab_size / tp, h, 1.0)], rate=head_rate,
+                                               hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
+    layer_units = rank_units - head_on_busy
+    comp_mb = layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_loss
     layers_busy = r.layers_busy
     rc_mb = layers_busy * t_rc_layer
     tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
     cp_mb = layers_busy * t_cp_layer
     ep_mb = layers_busy * t_ep_layer
-    t_mb_fwd = rank_units * t_fwd_layer + (tp_mb + cp_mb + ep_mb) / 3
+    t_mb_fwd = layer_units * t_fwd_layer + t_head_fwd + (tp_mb + cp_mb + ep_mb) / 3
 
     return MicrobatchTime(
         compute=comp_mb, recompute=rc_mb, tp_comm=tp_mb, cp_comm=cp_mb, ep_comm=ep_mb, fwd=t_mb_fwd,
