@@ -30,7 +30,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * torchtitan's A100 table ran eager (`fused_elementwise=False`);
   * TP communication overlapped with GEMMs where the stack does it (MegaScale's runs, NVIDIA's recipes);
   * recompute blank: none (the NeMo/Megatron-Bridge performance recipes), except the MegaScale rows,
-    which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2).
+    which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2);
+  * torchtitan's "selective layer" / "selective op" checkpointing re-runs about half of the forward
+    (`HALF_RECOMPUTE`): the mean of the no-recompute and full-recompute estimates.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ import json
 import re
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.cost import Job, Layout, ModelSummary, estimate_layout, validate_layout
+from meshlm.planner.cluster import GiB
+from meshlm.planner.cost import MIN_HEADROOM, Job, Layout, ModelSummary, estimate_layout, validate_layout
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = REPO / ".." / "shared" / "reference" / "published_runs_dev.csv"
@@ -121,11 +125,21 @@ def recompute_of(row: dict) -> str:
     t = (row["recompute"] or "").lower()
     if t.startswith("yes") or "full" in t:
         return "full"
+    if row["group"].startswith("K_torchtitan") and ("selective layer" in t or "selective op" in t):
+        return HALF_RECOMPUTE
     if "selective" in t:
         return "selective"
     if not t and row["group"].startswith("E_megascale"):
         return "selective"
     return "none"
+
+
+# torchtitan's "selective" activation checkpointing is not Megatron's (attention core only): "selective
+# layer" checkpoints every second transformer block in full (its `selective_ac_option = "2"`), "selective
+# op" saves the matmul outputs but recomputes every second matmul and the ops between (its `_save_list`
+# policy). Both re-run about half of the forward: priced as the mean of the no-recompute and the
+# full-recompute estimates (time and memory), the planner having no per-layer recompute choice.
+HALF_RECOMPUTE = "half"
 
 
 def zero_of(row: dict) -> int:
@@ -164,6 +178,16 @@ def eq3_flops_per_step(row: dict) -> float:
 def _float(text: str) -> float | None:
     m = re.match(r"\s*([\d.]+)", text or "")
     return float(m.group(1)) if m else None
+
+
+def _mean_estimate(pair: list, cluster) -> object:
+    """The mean of two estimates of one layout (time and memory by component), fitting as the planner
+    decides (`cost.MIN_HEADROOM`); labelled recompute="half"."""
+    a, b = pair
+    time_s = {k: (a.time_s[k] + b.time_s[k]) / 2 for k in a.time_s}
+    mem = {k: (a.memory_gib[k] + b.memory_gib[k]) / 2 for k in a.memory_gib}
+    fits = mem["total"] * GiB <= cluster.hbm_bytes * (1 - MIN_HEADROOM)
+    return replace(a, layout=replace(a.layout, recompute=HALF_RECOMPUTE), time_s=time_s, memory_gib=mem, fits=fits)
 
 
 def predict_row(row: dict) -> dict:
@@ -215,13 +239,19 @@ def predict_row(row: dict) -> dict:
         for sched, v in schedules:
             lo = Layout(dp_shard=dp, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
                         pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
-                        micro_batch_size=mbs, sequence_parallel=sp, recompute=rc)
+                        micro_batch_size=mbs, sequence_parallel=sp,
+                        recompute="none" if rc == HALF_RECOMPUTE else rc)
             try:
                 m = validate_layout(cfg, job, lo, gpus=n)
             except ValueError as e:
                 reasons.append(str(e))
                 continue
-            candidates.append(estimate_layout(summary, cluster, job, lo, num_microbatches=m))
+            if rc == HALF_RECOMPUTE:
+                pair = [estimate_layout(summary, cluster, job, replace(lo, recompute=x), num_microbatches=m)
+                        for x in ("none", "full")]
+                candidates.append(_mean_estimate(pair, cluster))
+            else:
+                candidates.append(estimate_layout(summary, cluster, job, lo, num_microbatches=m))
     if not candidates:
         return {**base, "skip": f"layout not expressible: {reasons[0]}"}
     fitting = [e for e in candidates if e.fits]
