@@ -29,6 +29,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * DP communication exposed for Megatron-LM before 2023 (2021/2022 papers, MegaScale's baseline);
   * torchtitan's A100 table ran eager (`fused_elementwise=False`);
   * TP communication overlapped with GEMMs where the stack does it (MegaScale's runs, NVIDIA's recipes);
+  * NVIDIA's NeMo / Megatron-Bridge performance recipes keep and reduce gradients in bf16 (they set
+    `grad_reduce_in_fp32 = False`); the others in fp32;
   * recompute blank: none (the NeMo/Megatron-Bridge performance recipes), except the MegaScale rows,
     which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2);
   * torchtitan's "selective layer" / "selective op" checkpointing re-runs about half of the forward
@@ -217,7 +219,8 @@ def predict_row(row: dict) -> dict:
     # memory pass per elementwise op.
     eager = row["group"].startswith("K_torchtitan")
     job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2023,
-              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager)
+              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
+              grad_reduce_in_fp32=not nvidia)
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
     dp = _int(row["dp"]) or n // (tp * pp * cp)
     vpp_text = row["vpp"].strip().lower()
