@@ -111,7 +111,7 @@ def model_of(row: dict) -> ModelConfig:
     if None in (hidden, heads, layers):
         raise LookupError(f"architecture of {row['model']!r} is neither in the CSV nor in ARCHS")
     ffn = get("ffn", "ffn") or 4 * hidden
-    gpt = arch.get("mlp") == "gelu" or name.startswith("gpt") and "oss" not in name
+    gpt = arch.get("mlp") == "gelu" or "gpt" in name and "oss" not in name
     kw = dict(vocab_size=get("vocab", "vocab") or 51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
               num_kv_heads=get("kv_heads", "kv_heads") or heads, max_seq_len=_int(row["seq_len"]) or 8192,
               intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
