@@ -175,9 +175,15 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
         t_attn_bwd = 2.5 * t_attn
     else:
-        # the unfused kernels of 2021: batched GEMMs over the whole square (softmax as HBM traffic below)
-        t_attn = attn_f / (peak_attn * eff)
-        t_attn_bwd = 2 * t_attn
+        # The unfused kernels of 2021: per head two batched GEMMs over the whole square, scores = q k^T
+        # (s x s, inner dim head_dim) and out = p v (s x head_dim, inner dim s), priced by shape like every
+        # GEMM (kernels.py): the scores' inner dim of 64-128 runs far below the large-GEMM rate, as
+        # FlashAttention's authors measured for standard attention (Dao et al. 2022, Fig. 1 / Sec. 4).
+        # The softmax is HBM traffic (below). attn_f counts the same 4 s^2 head_dim FLOPs per head.
+        heads_mb = mbs * cfg.num_heads / tp
+        hd = cfg.head_dim
+        t_attn, t_attn_bwd = gemms_fwd_bwd([(s, s, hd, heads_mb), (s, hd, s, heads_mb)], rate=peak_attn * eff,
+                                           hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
     t_layer_fwd_mm = t_dense + t_attn
     # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes), read +
     # write, forward; backward moves about twice as much. Without SP the norm/residual part is
