@@ -177,8 +177,8 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     else:
         # The unfused kernels of 2021: per head two batched GEMMs over the whole square, scores = q k^T
         # (s x s, inner dim head_dim) and out = p v (s x head_dim, inner dim s), priced by shape like every
-        # GEMM (kernels.py): the scores' inner dim of 64-128 runs far below the large-GEMM rate, as
-        # FlashAttention's authors measured for standard attention (Dao et al. 2022, Fig. 1 / Sec. 4).
+        # GEMM (kernels.py): the scores' inner dim of 64-128 runs far below the large-GEMM rate (standard
+        # attention is the slow baseline FlashAttention was measured against, Dao et al. 2022).
         # The softmax is HBM traffic (below). attn_f counts the same 4 s^2 head_dim FLOPs per head.
         heads_mb = mbs * cfg.num_heads / tp
         hd = cfg.head_dim
