@@ -22,7 +22,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     within 0.3%); Llama-family ffn sizes are SwiGLU sizes already;
   * runs of Megatron-LM before it took up FlashAttention (2023: the `--use-flash-attn` flag) use its
     unfused attention (`flash_attention=False`): the 2021 paper, and Korthikanti et al. 2022, whose
-    selective recomputation exists to drop the unfused kernel's s x s scores (their Sec. 4.2);
+    selective recomputation exists to drop the unfused kernel's s x s scores (their Sec. 4.2); and
+    MegaScale's Megatron-LM baseline, Megatron-LM's default core attention (`--use-flash-attn` is opt-in;
+    MegaScale Sec. 3.4 lists FlashAttention-2 among its own operator changes over that baseline);
   * NVIDIA's NeMo / Megatron-Bridge rows that say "DDP (FSDP=0)" or nothing use Megatron's
     distributed optimizer (ZeRO-1), the default of their recipes; "FSDP" rows ZeRO-3;
     Megatron-Bridge tables with the precision column blank are the FP8 recipe tables;
@@ -214,11 +216,12 @@ def predict_row(row: dict) -> dict:
     overlap = "(megascale)" in row["model"].lower() or nvidia
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
-    megatron_old = row["group"].startswith(("A_", "C_")) or "(megatron-lm)" in row["model"].lower()
+    megascale_baseline = "(megatron-lm)" in row["model"].lower()
+    megatron_old = row["group"].startswith(("A_", "C_")) or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op.
     eager = row["group"].startswith("K_torchtitan")
-    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2023,
+    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2023 and not megascale_baseline,
               tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
               grad_reduce_in_fp32=not nvidia)
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
