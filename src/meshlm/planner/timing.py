@@ -1,7 +1,9 @@
 """Step time of one layout on the busiest rank, by component.
 
 Responsible for: one microbatch's compute (GEMMs by shape from `kernels.py`, attention as its own fused
-kernel, memory-bound elementwise work at HBM bandwidth) and its tensor / context / expert-parallel
+kernel -- or, unfused, as two batched GEMMs by shape plus the softmax's HBM traffic --, memory-bound
+elementwise work at HBM bandwidth, the output head as its own GEMM (bf16 under fp8: fp8 covers the
+blocks' linear layers only) and the loss at HBM bandwidth) and its tensor / context / expert-parallel
 communication (`microbatch_time`), the pipeline bubble of each schedule (`pipeline_bubble`) and p2p, the
 data-parallel / ZeRO communication left exposed after what overlaps (`dp_comm_time`), and the optimizer
 step (`optimizer_time`). Which collectives tensor parallelism issues: `tp_collectives`.
