@@ -13,6 +13,14 @@ median |error| of the groups used while choosing the model's constants ("fit") a
 ("held_out"), and overall. Rows the planner cannot express are listed under "skipped" with the reason.
 
 Nothing is fitted to any row: the constants are those of `meshlm.planner.cluster` (each cited there).
+What was looked at, honestly: the numeric constants were chosen looking at the FIT_GROUPS rows (and
+datasheets / kernel benchmarks); the issue-15 accuracy work then read EVERY group's rows to find what the
+model missed and changed mechanisms and row descriptions only (`CHANGES`: each with the groups whose
+rows prompted it and its source), no numeric constant. So "held_out" is held out from the constants,
+not from those changes; the JSON says so ("groups_looked_at"), and its "leave_one_group_out" figures
+equal the per-group ones because no constant depends on any group's rows. Rows of MoE models are also
+summarised apart ("median_abs_error_dense" / "_moe"): routing, permutation and dropless
+synchronisation are not modelled (timing.py).
 Choices the rows leave open, made the same way for every row (never from the reported throughput):
   * micro-batch size when not given, and interleaving depth when "v not stated": the fastest predicted
     choice that fits (fastest overall if none fits);
@@ -60,6 +68,23 @@ DEFAULT_CSV = REPO / ".." / "shared" / "reference" / "published_runs_dev.csv"
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
 FIT_GROUPS = ("A_megatron2021_weak_scaling", "E_megascale_175b_strong_scaling", "I_megatron_bridge_h100")
+# The issue-15 changes (mechanisms and row descriptions, no numeric constant), each with the groups whose
+# rows prompted it. Every group's rows were read while making them.
+CHANGES = (
+    ("unfused attention for Megatron-LM before 2023 and MegaScale's Megatron-LM baseline",
+     ("C_korthikanti2022_sp_selective", "E_megascale_175b_strong_scaling"),
+     "FlashAttention reached Megatron-LM in 2023; MegaScale Sec. 3.4"),
+    ("unfused attention's batched GEMMs priced by shape (kernels.py's K overhead)",
+     ("A_megatron2021_weak_scaling", "C_korthikanti2022_sp_selective"), "kernels.py's GEMM model"),
+    ("output head priced as its own GEMM, in bf16 under fp8", ("H_nemo_2407_h100_fp8",),
+     "Megatron-Bridge performance guide: fp8 covers the blocks' linear layers only"),
+    ("torchtitan's selective layer / op checkpointing re-runs about half the forward",
+     ("K_torchtitan_a100_fsdp",), "torchtitan's activation-checkpointing options"),
+    ("bf16 gradients (grad_reduce_in_fp32=False) for NVIDIA's performance recipes; fp8-saved GEMM inputs",
+     ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "NeMo performance recipes; Transformer Engine"),
+    ("GPT-3-shaped MLP for every GPT row (MegaScale's read as SwiGLU of 4h)",
+     ("E_megascale_175b_strong_scaling",), "MegaScale Table 1: GPT-3 175B"),
+)
 
 _GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs
 # Architectures the CSV leaves blank, from the papers / model cards (keys: lower-case name prefixes).
@@ -271,7 +296,7 @@ def predict_row(row: dict) -> dict:
     else:
         metric, measured = "tflops_per_gpu(eq.3)", _float(row["tflops_per_gpu"])
         predicted = eq3_flops_per_step(row) / step / n / 1e12
-    return {**base, "gpus": n, "cluster": cluster.name, "precision": job.precision,
+    return {**base, "gpus": n, "cluster": cluster.name, "precision": job.precision, "moe": cfg.is_moe,
             "layout": best.layout.short(), "fits": best.fits, "memory_gib": round(best.memory_gib["total"], 1),
             "metric": metric, "measured": measured, "predicted": round(predicted, 3),
             "error": round(predicted / measured - 1, 4),
@@ -294,6 +319,11 @@ def summarize(results: list[dict]) -> dict:
                                    for g in groups},
         "fit_groups_median_abs_error": _median_abs([r for r in used if r["group"] in FIT_GROUPS]),
         "held_out_median_abs_error": _median_abs([r for r in used if r["group"] not in FIT_GROUPS]),
+        # no numeric constant depends on any group's rows: leaving a group out changes nothing
+        "leave_one_group_out_median_abs_error": {g: _median_abs([r for r in used if r["group"] == g])
+                                                 for g in groups},
+        "median_abs_error_dense": _median_abs([r for r in used if not r["moe"]]),
+        "median_abs_error_moe": _median_abs([r for r in used if r["moe"]]),
         "median_abs_error": _median_abs(used),
         "median_error": round(statistics.median(r["error"] for r in used), 4) if used else None,
     }
@@ -311,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     results = [predict_row(r) for r in rows]
-    out = {"csv": str(path), "fit_groups": list(FIT_GROUPS), **summarize(results)}
+    out = {"csv": str(path), "fit_groups": list(FIT_GROUPS),
+           "groups_looked_at": "all (the issue-15 changes below were made reading every group's rows)",
+           "changes": [{"change": c, "prompted_by": list(g), "source": src} for c, g, src in CHANGES],
+           **summarize(results)}
     if not args.summary:
         out["rows"] = [r for r in results if "error" in r]
         out["skipped"] = [r for r in results if "skip" in r]
