@@ -462,6 +462,9 @@ def test_thin_gemms_run_below_the_large_gemm_rate():
     assert rate_thin < 0.7 * rate_big and rate_big == pytest.approx(600e12 * 8192 / (8192 + 256))
     decode = gemm_time(1, 8192, 8192, **kw)  # one token: bound by streaming the weights
     assert decode == pytest.approx(2 * 8192 * 8192 / 3e12, rel=1e-3)
+    # fp8: a stage holds the same bytes of K, twice the elements: the same fixed time at twice the rate
+    fp8 = gemm_time(8192, 8192, 8192, **{**kw, "rate": 1200e12, "in_bytes": 1})
+    assert 2 * 8192**3 / fp8 == pytest.approx(1200e12 * 8192 / (8192 + 512))
 
 
 def test_collective_fits_are_per_kind_and_tier():
