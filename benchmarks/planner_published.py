@@ -84,6 +84,10 @@ CHANGES = (
      ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "NeMo performance recipes; Transformer Engine"),
     ("GPT-3-shaped MLP for every GPT row (MegaScale's read as SwiGLU of 4h)",
      ("E_megascale_175b_strong_scaling",), "MegaScale Table 1: GPT-3 175B"),
+    ("a GEMM's fixed K cost in stages of fixed bytes: fp8 pays twice the elements",
+     ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "CUTLASS Hopper tile shapes (kernels.py)"),
+    ("context-parallel attention kernels see one chunk (s / 2cp) of the load-balanced split",
+     ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "parallel/context.py; Transformer Engine's ring"),
 )
 
 _GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs

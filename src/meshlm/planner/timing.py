@@ -169,10 +169,12 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         # masked half, and runs at its own efficiency (softmax and masking inside the kernel, lower
         # than a plain GEMM's). Its backward recomputes the scores: 2.5x the forward's matmuls (the
         # FlashAttention papers' count), where a GEMM's backward is 2x.
-        # Each kernel call sees s / cp queries (a ring step under context parallelism): the masked
-        # diagonal tiles and the per-row-block softmax epilogue cost a fixed number of tokens' worth
-        # (`attention_block_overhead`), so short blocks run below the long-sequence rate.
-        block = s / cp
+        # Each kernel call sees the whole sequence's queries, or under context parallelism one chunk of
+        # the load-balanced split, s / (2 cp) (parallel/context.py attends chunk pair by chunk pair, as
+        # Transformer Engine's ring does): the masked diagonal tiles and the per-row-block softmax
+        # epilogue cost a fixed number of tokens' worth (`attention_block_overhead`), so short blocks run
+        # below the long-sequence rate.
+        block = s / (2 * cp) if cp > 1 else s
         block_eff = block / (block + cluster.attention_block_overhead)
         t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
         t_attn_bwd = 2.5 * t_attn
