@@ -250,7 +250,8 @@ def predict_row(row: dict) -> dict:
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op.
     eager = row["group"].startswith("K_torchtitan")
-    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=year >= 2023 and not megascale_baseline,
+    flash = year >= 2023 and not megascale_baseline
+    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
               tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
               grad_reduce_in_fp32=not nvidia)
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
