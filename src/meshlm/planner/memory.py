@@ -9,7 +9,8 @@ Model-state bytes per parameter (bf16 / fp8 training, Megatron's distributed-opt
 2 (bf16 weights) + 4 (fp32 gradients: accumulated and reduced in fp32) + 12 (fp32 master, Adam m and
 v); the gradients are 2 bytes where `Job.grad_reduce_in_fp32` is False. Under fp8 the GEMM inputs kept
 for backward are fp8 copies (`fp8_saved_input_delta`). ZeRO-1 shards the 12, ZeRO-2 also the gradients,
-ZeRO-3 also the weights, each over dp_shard x cp (communication: Megatron / FSDP-style, overlapped, ZeRO-3 prefetching the next layer).
+ZeRO-3 also the weights, each over dp_shard x cp (communication: Megatron / FSDP-style, overlapped,
+ZeRO-3 prefetching the next layer).
 `Job.runtime = "meshlm"` (fp32; what `cluster=local` and benchmarks/planner_vs_measured.py run) follows
 meshlm's own runtime, as `parallel/data.py` and `parallel/zero.py` really allocate and communicate:
   plain DP   4 + 4 + 8, plus one flat copy of all gradients in the all-reduce buckets;
