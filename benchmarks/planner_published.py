@@ -30,9 +30,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     within 0.3%); Llama-family ffn sizes are SwiGLU sizes already;
   * runs of Megatron-LM before it took up FlashAttention (2023: the `--use-flash-attn` flag) use its
     unfused attention (`flash_attention=False`): the 2021 paper, and Korthikanti et al. 2022, whose
-    selective recomputation exists to drop the unfused kernel's s x s scores (their Sec. 4.2); and
+    selective recomputation exists to drop the unfused kernel's s x s scores; and
     MegaScale's Megatron-LM baseline, Megatron-LM's default core attention (`--use-flash-attn` is opt-in;
-    MegaScale Sec. 3.4 lists FlashAttention-2 among its own operator changes over that baseline);
+    MegaScale's "efficient operators" (its Sec. 3) list FlashAttention-2 among its changes over that baseline);
   * NVIDIA's NeMo / Megatron-Bridge rows that say "DDP (FSDP=0)" or nothing use Megatron's
     distributed optimizer (ZeRO-1), the default of their recipes; "FSDP" rows ZeRO-3;
     Megatron-Bridge tables with the precision column blank are the FP8 recipe tables;
@@ -73,7 +73,7 @@ FIT_GROUPS = ("A_megatron2021_weak_scaling", "E_megascale_175b_strong_scaling", 
 CHANGES = (
     ("unfused attention for Megatron-LM before 2023 and MegaScale's Megatron-LM baseline",
      ("C_korthikanti2022_sp_selective", "E_megascale_175b_strong_scaling"),
-     "FlashAttention reached Megatron-LM in 2023; MegaScale Sec. 3.4"),
+     "FlashAttention reached Megatron-LM in 2023; MegaScale Sec. 3, efficient operators"),
     ("unfused attention's batched GEMMs priced by shape (kernels.py's K overhead)",
      ("A_megatron2021_weak_scaling", "C_korthikanti2022_sp_selective"), "kernels.py's GEMM model"),
     ("output head priced as its own GEMM, in bf16 under fp8", ("H_nemo_2407_h100_fp8",),
