@@ -19,7 +19,7 @@ elements of K of fixed cost per tile. So thin tensor-parallel shards (K = h/tp) 
 below the rate of a big square GEMM; the backward's weight-gradient GEMM (K = tokens) runs near it. The
 constant is `Cluster.gemm_k_overhead` (256 on the GPU presets), in 2-byte elements: a stage holds a
 fixed number of bytes of K (128 B per row), so 1-byte fp8 inputs take twice as many elements per stage
-(CUTLASS's Hopper tiles: 128 x 128 x 64 for bf16, 128 x 128 x 128 for fp8) and the same fixed time is
+(CUTLASS's Hopper GEMMs tile K by 64 bf16 or 128 fp8 elements: 128 B either way) and the same fixed time is
 512 fp8 elements of K at the fp8 rate.
 """
 
