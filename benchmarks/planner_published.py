@@ -86,6 +86,8 @@ CHANGES = (
      ("E_megascale_175b_strong_scaling",), "MegaScale Table 1: GPT-3 175B"),
     ("a GEMM's fixed K cost in stages of fixed bytes: fp8 pays twice the elements",
      ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "CUTLASS Hopper tile shapes (kernels.py)"),
+    ("pipeline sends: with several pp ranks per node only one neighbour's send crosses nodes",
+     ("H_nemo_2407_h100_fp8",), "the mesh's rank placement (placement.py)"),
     ("context-parallel attention kernels see one chunk (s / 2cp) of the load-balanced split",
      ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "parallel/context.py; Transformer Engine's ring"),
 )

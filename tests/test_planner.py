@@ -540,6 +540,21 @@ def test_fp8_output_head_runs_in_bf16():
     assert gains[256000] < gains[32000] - 0.05  # (a head at the fp8 rate: 1.59 vs 1.61)
 
 
+def test_pipeline_sends_cross_domains_only_where_the_neighbour_is_across():
+    """pp ranks two to a node: each rank's one neighbour across nodes rides the NIC, the other NVLink."""
+    from meshlm.planner import cost
+    from meshlm.planner.collectives import collective_time
+
+    cfg = ModelConfig.from_preset("llama3-8b")
+    h100 = get_cluster("h100")
+    job = Job(seq_len=4096, global_batch_size=8)
+    est = cost.estimate(cfg, h100, job, cost.Layout(tp=4, pp=4, sequence_parallel=False), gpus=16)
+    assert est.links["pp"] == "hierarchical"
+    msg = 4096 * cfg.hidden_size * 2
+    pair = collective_time("p2p", msg, (2, 1), h100) + collective_time("p2p", msg, (1, 2), h100)
+    assert est.time_s["pp_p2p"] == pytest.approx((8 + 4 - 1) * pair)
+
+
 def test_bf16_gradients_halve_gradient_memory_and_dp_traffic():
     """Job.grad_reduce_in_fp32=False (NeMo / Megatron-Bridge performance recipes): 2-byte gradients."""
     from meshlm.planner import cost

@@ -318,12 +318,18 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
 
 
 def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int) -> float:
-    """Activation sends between pipeline stages, exposed: 2 per microbatch and chunk, plus the fill."""
+    """Activation sends between pipeline stages, exposed: 2 per microbatch and chunk (one to the next
+    stage, one back to the previous), plus the fill. With several pipeline ranks per scale-up domain a
+    rank has at most one neighbour in another domain: one of its two sends rides the scale-out link, the
+    other the scale-up link; with one rank per domain both cross."""
     if r.pp == 1:
         return 0.0
-    span = r.spans["pp"] if r.spans["pp"][1] == 1 else (1, 2)
-    hop = collective_time("p2p", r.act_msg / (r.tp if r.sp else 1), span, r.cluster)
-    return 2 * r.v * (num_microbatches + r.pp - 1) * hop
+    n_in, n_out = r.spans["pp"]
+    msg = r.act_msg / (r.tp if r.sp else 1)
+    inside = collective_time("p2p", msg, (2, 1), r.cluster)
+    across = collective_time("p2p", msg, (1, 2), r.cluster)
+    pair = 2 * inside if n_out == 1 else (2 * across if n_in == 1 else inside + across)
+    return r.v * (num_microbatches + r.pp - 1) * pair
 
 
 def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
