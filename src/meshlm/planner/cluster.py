@@ -102,7 +102,7 @@ def _gbit(x: float) -> float:
 #    and their higher peaks are harder to feed; public H100 SXM bf16 GEMM measurements at transformer
 #    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200 and for fp8
 #    (of the fp8 peak). This is the rate of a large GEMM; kernels.py lowers it for small K
-#    (`gemm_k_overhead`) and bounds it by HBM for thin shapes. Attention has its own constant below.
+#    (`gemm_k_overhead`, in 2-byte elements: fp8 pays twice as many) and bounds it by HBM for thin shapes. Attention has its own constant below.
 #    (Set from these GEMM figures, not from any end-to-end training run.)
 #  * attention_efficiency: fused causal attention (FlashAttention-class), forward + backward, counted
 #    on the FLOPs the kernel runs (the unmasked half; backward 2.5x forward, as its authors count),

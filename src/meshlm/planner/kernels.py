@@ -17,7 +17,10 @@ measure the same rise of GEMM throughput with the hidden size on A100/H100). CUT
 Hopper kernels use K-steps of 32-64 with 3-4 stages plus an epilogue about one stage long: ~4 x 64 = 256
 elements of K of fixed cost per tile. So thin tensor-parallel shards (K = h/tp) and small experts run
 below the rate of a big square GEMM; the backward's weight-gradient GEMM (K = tokens) runs near it. The
-constant is `Cluster.gemm_k_overhead` (256 on the GPU presets).
+constant is `Cluster.gemm_k_overhead` (256 on the GPU presets), in 2-byte elements: a stage holds a
+fixed number of bytes of K (128 B per row), so 1-byte fp8 inputs take twice as many elements per stage
+(CUTLASS's Hopper GEMMs tile K by 64 bf16 or 128 fp8 elements: 128 B either way) and the same fixed time is
+512 fp8 elements of K at the fp8 rate.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from meshlm.config import ModelConfig
 
 def gemm_time(m: float, n: float, k: float, *, rate: float, hbm_bw: float, in_bytes: float,
               out_bytes: float = 2.0, k_overhead: float = 0.0) -> float:
-    """Seconds for C[m, n] = A[m, k] @ B[k, n] at `rate` FLOP/s for large shapes, `k_overhead` elements
-    of K of fixed cost per output tile (`Cluster.gemm_k_overhead`)."""
+    """Seconds for C[m, n] = A[m, k] @ B[k, n] at `rate` FLOP/s for large shapes, `k_overhead` 2-byte
+    elements of K of fixed cost per output tile (`Cluster.gemm_k_overhead`; twice as many 1-byte ones)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    compute = 2.0 * m * n * k * (k + k_overhead) / (rate * k)
+    k_fixed = k_overhead * max(1.0, 2.0 / in_bytes)  # fp8: twice the elements per stage (module docstring)
+    compute = 2.0 * m * n * k * (k + k_fixed) / (rate * k)
     memory = (in_bytes * (m * k + k * n) + out_bytes * m * n) / hbm_bw
     return max(compute, memory)
 

@@ -47,6 +47,11 @@ class Job:
     # False: issued after the backward, exposed (Megatron-LM before 2023); ZeRO-3 always prefetches.
     dp_comm_overlap: bool = True
     runtime: str = "megatron"  # one of RUNTIMES: whose memory and communication accounting applies
+    # Megatron-Core's gradient buffer (main_grad) and its reduce-scatter / all-reduce in fp32 (its
+    # `grad_reduce_in_fp32`, the planner's default) or, False, in the bf16 parameter dtype: what NVIDIA's
+    # NeMo / Megatron-Bridge performance recipes set (`plugins.grad_reduce_in_fp32 = False`), halving the
+    # gradients' memory and the data-parallel traffic. Mixed precision only (fp32 training keeps fp32).
+    grad_reduce_in_fp32: bool = True
 
     def validate(self) -> None:
         if self.seq_len < 1:

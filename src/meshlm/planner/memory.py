@@ -7,8 +7,10 @@ Not responsible for: time (`timing.py`), or whether a total fits (`cost.py`: MIN
 
 Model-state bytes per parameter (bf16 / fp8 training, Megatron's distributed-optimizer convention):
 2 (bf16 weights) + 4 (fp32 gradients: accumulated and reduced in fp32) + 12 (fp32 master, Adam m and
-v). ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3 also the weights, each over dp_shard x cp
-(communication: Megatron / FSDP-style, overlapped, ZeRO-3 prefetching the next layer).
+v); the gradients are 2 bytes where `Job.grad_reduce_in_fp32` is False. Under fp8 the GEMM inputs kept
+for backward are fp8 copies (`fp8_saved_input_delta`). ZeRO-1 shards the 12, ZeRO-2 also the gradients,
+ZeRO-3 also the weights, each over dp_shard x cp (communication: Megatron / FSDP-style, overlapped,
+ZeRO-3 prefetching the next layer).
 `Job.runtime = "meshlm"` (fp32; what `cluster=local` and benchmarks/planner_vs_measured.py run) follows
 meshlm's own runtime, as `parallel/data.py` and `parallel/zero.py` really allocate and communicate:
   plain DP   4 + 4 + 8, plus one flat copy of all gradients in the all-reduce buckets;
@@ -63,6 +65,21 @@ def inflight_microbatches(schedule: str, *, pp: int, num_microbatches: int, pp_c
     return float(min(m, pp))  # 1F1B and ZB-H1 (same peak memory by design)
 
 
+def fp8_saved_input_delta(summary: ModelSummary) -> tuple[float, float]:
+    """Bytes per token per (average) layer that fp8 training adds to the bf16 count, as (tp_sharded,
+    sequence_only): Transformer Engine's fp8 linear layers keep for their weight gradient the fp8 copy of
+    their input (1 byte per element) instead of the bf16 input (what TE's `Linear` / `LayerNormLinear`
+    modules save for backward under fp8_autocast).
+    So the two norm outputs (inputs of qkv and of the MLP's first matmul) and the SwiGLU product (input
+    of w_down) shrink by a byte per element, while the attention output, which the fused attention kernel
+    keeps in bf16 for its own backward, is kept once more in fp8 as wo's input (+1 byte per element)."""
+    cfg = summary.cfg
+    moe = summary.moe_layer_fraction
+    inter = (moe * (cfg.num_experts_per_token * cfg.expert_intermediate_size + cfg.shared_intermediate_size)
+             + (1 - moe) * cfg.intermediate_size)
+    return float(cfg.num_heads * cfg.head_dim - inter), -2.0 * cfg.hidden_size
+
+
 def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, recompute: str | None = None) -> float:
     """Bytes one rank keeps for backward in one (average) layer for one microbatch, with a fused
     attention kernel (the caller adds an unfused one's scores); `recompute` overrides the layout's.
@@ -89,6 +106,9 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
     s_local = job.seq_len / cp
     tokens_mb = lo.micro_batch_size * s_local
     out = tokens_mb * act * (summary.act_tp[rc] / tp + summary.act_seq[rc] / (tp if sp else 1))
+    if job.precision == "fp8" and rc != "full":
+        fp8_tp, fp8_seq = fp8_saved_input_delta(summary)
+        out += tokens_mb * (fp8_tp / tp + fp8_seq / (tp if sp else 1))
     if cp == 1 or rc != "none":
         return out
     eager = not job.fused_elementwise

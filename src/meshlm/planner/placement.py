@@ -28,11 +28,14 @@ if TYPE_CHECKING:
     from meshlm.planner.cost import ModelSummary
 
 
-def bytes_per(precision: str) -> dict:
-    """Bytes per element of each model-state kind and of activations / gradient reductions."""
+def bytes_per(precision: str, *, grad_reduce_in_fp32: bool = True) -> dict:
+    """Bytes per element of each model-state kind and of activations / gradient reductions;
+    `grad_reduce_in_fp32=False` (`Job.grad_reduce_in_fp32`): mixed-precision gradients kept and reduced
+    in bf16."""
     if precision == "fp32":
         return dict(param=4, grad=4, optim=8, act=4, reduce=4)
-    return dict(param=2, grad=4, optim=12, act=2, reduce=4)
+    grad = 4 if grad_reduce_in_fp32 else 2
+    return dict(param=2, grad=grad, optim=12, act=2, reduce=grad)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> t
 
 def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) -> RankSetup:
     cfg = summary.cfg
-    by = bytes_per(job.precision)
+    by = bytes_per(job.precision, grad_reduce_in_fp32=job.grad_reduce_in_fp32)
     tp, pp, cp, ep, v = lo.tp, lo.pp, lo.cp, lo.ep, lo.pp_chunks
     gpus = lo.world
     tokens_mb = lo.micro_batch_size * job.seq_len / cp

@@ -1,7 +1,9 @@
 """Step time of one layout on the busiest rank, by component.
 
 Responsible for: one microbatch's compute (GEMMs by shape from `kernels.py`, attention as its own fused
-kernel, memory-bound elementwise work at HBM bandwidth) and its tensor / context / expert-parallel
+kernel -- or, unfused, as two batched GEMMs by shape plus the softmax's HBM traffic --, memory-bound
+elementwise work at HBM bandwidth, the output head as its own GEMM (bf16 under fp8: fp8 covers the
+blocks' linear layers only) and the loss at HBM bandwidth) and its tensor / context / expert-parallel
 communication (`microbatch_time`), the pipeline bubble of each schedule (`pipeline_bubble`) and p2p, the
 data-parallel / ZeRO communication left exposed after what overlaps (`dp_comm_time`), and the optimizer
 step (`optimizer_time`). Which collectives tensor parallelism issues: `tp_collectives`.
@@ -167,17 +169,25 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         # masked half, and runs at its own efficiency (softmax and masking inside the kernel, lower
         # than a plain GEMM's). Its backward recomputes the scores: 2.5x the forward's matmuls (the
         # FlashAttention papers' count), where a GEMM's backward is 2x.
-        # Each kernel call sees s / cp queries (a ring step under context parallelism): the masked
-        # diagonal tiles and the per-row-block softmax epilogue cost a fixed number of tokens' worth
-        # (`attention_block_overhead`), so short blocks run below the long-sequence rate.
-        block = s / cp
+        # Each kernel call sees the whole sequence's queries, or under context parallelism one chunk of
+        # the load-balanced split, s / (2 cp) (parallel/context.py attends chunk pair by chunk pair, as
+        # Transformer Engine's ring does): the masked diagonal tiles and the per-row-block softmax
+        # epilogue cost a fixed number of tokens' worth (`attention_block_overhead`), so short blocks run
+        # below the long-sequence rate.
+        block = s / (2 * cp) if cp > 1 else s
         block_eff = block / (block + cluster.attention_block_overhead)
         t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
         t_attn_bwd = 2.5 * t_attn
     else:
-        # the unfused kernels of 2021: batched GEMMs over the whole square (softmax as HBM traffic below)
-        t_attn = attn_f / (peak_attn * eff)
-        t_attn_bwd = 2 * t_attn
+        # The unfused kernels of 2021: per head two batched GEMMs over the whole square, scores = q k^T
+        # (s x s, inner dim head_dim) and out = p v (s x head_dim, inner dim s), priced by shape like every
+        # GEMM (kernels.py): the scores' inner dim of 64-128 runs far below the large-GEMM rate (standard
+        # attention is the slow baseline FlashAttention was measured against, Dao et al. 2022).
+        # The softmax is HBM traffic (below). attn_f counts the same 4 s^2 head_dim FLOPs per head.
+        heads_mb = mbs * cfg.num_heads / tp
+        hd = cfg.head_dim
+        t_attn, t_attn_bwd = gemms_fwd_bwd([(s, s, hd, heads_mb), (s, hd, s, heads_mb)], rate=peak_attn * eff,
+                                           hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
     t_layer_fwd_mm = t_dense + t_attn
     # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes), read +
     # write, forward; backward moves about twice as much. Without SP the norm/residual part is
@@ -280,13 +290,26 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     # gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per
     # logit of this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise).
     t_loss = tokens_mb * cfg.vocab_size / tp * 4 * 5 / hbm_bw
-    comp_mb = rank_units * (t_fwd_layer + t_bwd_layer) + t_loss
+    # The output head on the bottleneck rank (when it is the last pipeline rank): its own GEMM by shape,
+    # tokens x vocab/tp x hidden, not an average layer's time. Under fp8 it runs in bf16: fp8 covers the
+    # linear layers inside the transformer blocks only (Transformer Engine's fp8_autocast wraps the
+    # blocks; Megatron-Core's output layer is a plain ColumnParallelLinear -- Megatron-Bridge's
+    # performance guide: "FP8 computation exclusively to the linear layers within the Transformer block").
+    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+    head_on_busy = head_units if r.rank_layers[-1] + head_units >= rank_units - 1e-9 else 0.0
+    t_head_fwd = t_head_bwd = 0.0
+    if head_on_busy:
+        head_rate = (r.peak_attn if job.precision == "fp8" else peak) * eff
+        t_head_fwd, t_head_bwd = gemms_fwd_bwd([(tokens_mb, cfg.vocab_size / tp, h, 1.0)], rate=head_rate,
+                                               hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
+    layer_units = rank_units - head_on_busy
+    comp_mb = layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_loss
     layers_busy = r.layers_busy
     rc_mb = layers_busy * t_rc_layer
     tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
     cp_mb = layers_busy * t_cp_layer
     ep_mb = layers_busy * t_ep_layer
-    t_mb_fwd = rank_units * t_fwd_layer + (tp_mb + cp_mb + ep_mb) / 3
+    t_mb_fwd = layer_units * t_fwd_layer + t_head_fwd + (tp_mb + cp_mb + ep_mb) / 3
 
     return MicrobatchTime(
         compute=comp_mb, recompute=rc_mb, tp_comm=tp_mb, cp_comm=cp_mb, ep_comm=ep_mb, fwd=t_mb_fwd,
@@ -295,12 +318,18 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
 
 
 def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int) -> float:
-    """Activation sends between pipeline stages, exposed: 2 per microbatch and chunk, plus the fill."""
+    """Activation sends between pipeline stages, exposed: 2 per microbatch and chunk (one to the next
+    stage, one back to the previous), plus the fill. With several pipeline ranks per scale-up domain a
+    rank has at most one neighbour in another domain: one of its two sends rides the scale-out link, the
+    other the scale-up link; with one rank per domain both cross."""
     if r.pp == 1:
         return 0.0
-    span = r.spans["pp"] if r.spans["pp"][1] == 1 else (1, 2)
-    hop = collective_time("p2p", r.act_msg / (r.tp if r.sp else 1), span, r.cluster)
-    return 2 * r.v * (num_microbatches + r.pp - 1) * hop
+    n_in, n_out = r.spans["pp"]
+    msg = r.act_msg / (r.tp if r.sp else 1)
+    inside = collective_time("p2p", msg, (2, 1), r.cluster)
+    across = collective_time("p2p", msg, (1, 2), r.cluster)
+    pair = 2 * inside if n_out == 1 else (2 * across if n_in == 1 else inside + across)
+    return r.v * (num_microbatches + r.pp - 1) * pair
 
 
 def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
