@@ -27,6 +27,7 @@ launcher; under torchrun every rank builds `LLM(..., tp=N, cp=M)`), scheduling o
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 
@@ -34,9 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput, block_rows, write_kv
+from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput, block_rows, length_buckets, write_kv
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
+from meshlm.parallel.context import merge_partials, ring_pass
 from meshlm.models.transformer import Transformer
 
 _STOP = {"stop": True}
@@ -140,94 +142,190 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
         steps += 1
 
 
-def split_kv_attention(mesh: Mesh):
+def context_parallel_attention(mesh: Mesh):
     """The `attention` class a `ModelRunner` of a cp rank uses (bound to its mesh)."""
     def make(k_caches, v_caches, step, block_size, *, dtype, buffers=None):
-        return SplitKVAttention(k_caches, v_caches, step, block_size, dtype=dtype, buffers=buffers, mesh=mesh)
+        return ContextParallelAttention(k_caches, v_caches, step, block_size, dtype=dtype, buffers=buffers,
+                                        mesh=mesh)
     return make
 
 
-class SplitKVAttention:
-    """The attention context of one step on one cp rank: its blocks only, partials merged over "cp".
+def _keep(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the additive 0 / -inf one, built once per step (not in every layer)."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+
+
+class ContextParallelAttention:
+    """The attention context of one step on one cp rank: its own tokens and its own blocks; prefill chunks by
+    a ring of the keys/values over "cp", decode tokens by split-KV partials (the module docstring).
 
     The step's block tables hold global block ids; block b is this rank's local block b // cp when
-    b % cp == its cp coordinate."""
+    b % cp == its cp coordinate. Everything below is decided from the step alone, so every rank knows how
+    many keys each other rank holds and which of its queries may see them."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
                  *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh):
         self.k_caches, self.v_caches, self.mesh = k_caches, v_caches, mesh
         self.buffers = buffers or GatherBuffers()
         device = k_caches[0].device
+        num_kv, num_blocks = k_caches[0].shape[:2]
         cp, me = mesh.size("cp"), mesh.local_rank("cp")
+        self.cp, self.me = cp, me
+        # Partials and their merge in at least fp32 (a log-sum-exp in bf16 is off by a few percent).
+        self.cdt = cdt = torch.promote_types(dtype, torch.float32)
+
+        def local_slot(slot: int) -> int:
+            return (slot // block_size) // cp * block_size + slot % block_size
+
         # Each new token is computed by the rank that holds its KV slot: its block's owner. So a prefill is
         # split over the ranks block by block and every key/value is written where it is computed.
         owners = [(slot // block_size) % cp for slot in step.slot_mapping]
         self.rows_of = [[row for row, o in enumerate(owners) if o == r] for r in range(cp)]
-        self.local_rows = torch.tensor(self.rows_of[me], dtype=torch.long, device=device)
-        self.write_slots = torch.tensor([(step.slot_mapping[row] // block_size) // cp * block_size
-                                         + step.slot_mapping[row] % block_size for row in self.rows_of[me]],
-                                        dtype=torch.long, device=device)
-        self.num_rows = len(step.token_ids)
-        self.cp, self.me = cp, me
+        mine = self.rows_of[me]
+        self.local_rows = torch.tensor(mine, dtype=torch.long, device=device)
+        self.write_slots = torch.tensor([local_slot(step.slot_mapping[row]) for row in mine], dtype=torch.long,
+                                        device=device)
+        where = {row: i for i, row in enumerate(mine)}
         # The rows whose logits are wanted, and which of them this rank computes (at which local index).
-        where = {row: i for i, row in enumerate(self.rows_of[me])}
         self.sampled_here = [(i, where[row]) for i, row in enumerate(step.logits_indices) if row in where]
         self.num_sampled = len(step.logits_indices)
-        # Per sequence: (first row, new tokens, this rank's local blocks, additive mask [new, keys]).
-        self.seqs = []
-        start = 0
-        for n, length, table in zip(step.query_lens, step.context_lens, step.block_tables):
-            used = -(-length // block_size)
-            local = [(j, b // cp) for j, b in enumerate(table[:used]) if b % cp == me]
-            if local:
-                keys = torch.cat([torch.arange(j * block_size, (j + 1) * block_size) for j, _ in local])
-                queries = torch.arange(length - n, length)
-                visible = (keys[None, :] <= queries[:, None]) & (keys[None, :] < length)
-                mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
-                blocks = torch.tensor([b for _, b in local], dtype=torch.long)
-                rows = block_rows(blocks, k_caches[0].shape[0], k_caches[0].shape[1])
-                self.seqs.append((start, n, rows.to(device), mask.to(device)))
-            start += n
+        starts = [0]
+        for n in step.query_lens:
+            starts.append(starts[-1] + n)
+
+        def held(i: int, r: int) -> list[tuple[int, int]]:
+            """(position, local slot on rank r) of every key of sequence i that rank r holds, in position order."""
+            length, table = step.context_lens[i], step.block_tables[i]
+            return [(j * block_size + o, (b // cp) * block_size + o)
+                    for j, b in enumerate(table[:-(-length // block_size)]) if b % cp == r
+                    for o in range(min(block_size, length - j * block_size))]
+
+        # Prefill chunks (more than one new token): the ring. What travels from rank r: the keys/values of
+        # every prefilling sequence that r holds (cached and new), packed one sequence after the other.
+        prefill = [i for i, n in enumerate(step.query_lens) if n > 1]
+        keys = [[held(i, r) for r in range(cp)] for i in prefill]
+        self.ring_sizes = [sum(len(k[r]) for k in keys) for r in range(cp)]
+        self.ring_slots = torch.tensor([slot for k in keys for _, slot in k[me]], dtype=torch.long, device=device)
+        # Per source rank: (this rank's query rows, key columns of the block, additive mask or None) of every
+        # (sequence, source) pair where some query sees some key -- the others are skipped.
+        self.ring_pairs: list[list[tuple[slice, slice, torch.Tensor | None]]] = [[] for _ in range(cp)]
+        offsets = [0] * cp
+        for i, seq_keys in zip(prefill, keys):
+            first = bisect.bisect_left(mine, starts[i])
+            rows = slice(first, bisect.bisect_left(mine, starts[i + 1]))
+            q_pos = torch.tensor([step.positions[row] for row in mine[rows]], dtype=torch.long)
+            for src in range(cp):
+                k_pos = torch.tensor([pos for pos, _ in seq_keys[src]], dtype=torch.long)
+                cols = slice(offsets[src], offsets[src] + len(k_pos))
+                offsets[src] += len(k_pos)
+                if not len(q_pos) or not len(k_pos) or k_pos[0] > q_pos.max():
+                    continue
+                # Causal by position: a key is seen by the queries at or after it.
+                mask = None if k_pos[-1] <= q_pos.min() else _keep(k_pos[None, :] <= q_pos[:, None], cdt).to(device)
+                self.ring_pairs[src].append((rows, cols, mask))
+
+        # Decode tokens (one new token): split-KV, in buckets of similar length. A decode's query is
+        # all-gathered; every rank attends it over its own blocks of that sequence.
+        decode = [i for i, n in enumerate(step.query_lens) if n == 1]
+        self.num_decode = len(decode)
+        self.decode_of = [[d for d, i in enumerate(decode) if owners[starts[i]] == r] for r in range(cp)]
+        self.decode_mine = torch.tensor(self.decode_of[me], dtype=torch.long, device=device)
+        self.decode_local = torch.tensor([where[starts[decode[d]]] for d in self.decode_of[me]], dtype=torch.long,
+                                         device=device)
+        # (decode indices, cache rows of this rank's blocks of them, additive mask [batch, 1, keys])
+        self.decode_buckets = []
+        for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
+            seqs = [decode[d] for d in bucket]
+            blocks = [[(j, b // cp) for j, b in enumerate(step.block_tables[i][:-(-step.context_lens[i] // block_size)])
+                       if b % cp == me] for i in seqs]
+            most = max(map(len, blocks))
+            if most == 0:  # none of these sequences has a block here: their partials stay empty
+                continue
+            table = torch.tensor([[b for _, b in bl] + [0] * (most - len(bl)) for bl in blocks], dtype=torch.long)
+            pos = torch.tensor([[j * block_size + o for j, _ in bl for o in range(block_size)]
+                                + [-1] * (block_size * (most - len(bl))) for bl in blocks], dtype=torch.long)
+            lengths = torch.tensor([step.context_lens[i] for i in seqs])
+            visible = (pos >= 0) & (pos < lengths[:, None])  # padding blocks and the unwritten end masked
+            self.decode_buckets.append((torch.tensor(bucket, dtype=torch.long, device=device),
+                                        block_rows(table, num_kv, num_blocks).to(device),
+                                        _keep(visible[:, None], cdt).to(device)))
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         assert q_bhsd.shape[2] == len(self.rows_of[self.me]), "the runner must pass this rank's tokens only"
         if self.write_slots.numel():  # the keys/values of this rank's tokens, into its own blocks
             write_kv(k_cache, v_cache, self.write_slots, k_bhsd[0], v_bhsd[0])
-        heads, dim = q_bhsd.shape[1], q_bhsd.shape[-1]
-        num_kv = k_bhsd.shape[1]
-        groups = heads // num_kv
-        # Every rank attends every query over its own keys: the queries of all ranks, in step order (padded
-        # to the most any rank has, for one all-gather).
-        most = max(map(len, self.rows_of))
-        mine = q_bhsd.new_zeros(heads, most, dim)
-        mine[:, :q_bhsd.shape[2]] = q_bhsd[0]
-        every = comm.all_gather(mine[None], self.mesh, "cp", dim=0)  # [cp, heads, most, dim]
-        q_all = q_bhsd.new_empty(heads, self.num_rows, dim)
-        for r, rows in enumerate(self.rows_of):
-            q_all[:, rows] = every[r, :, :len(rows)]
-        # This rank's partial: output and log-sum-exp per (head, row); rows that see none of its keys
-        # keep lse = -inf and weigh nothing in the merge.
-        out = q_bhsd.new_zeros(heads, self.num_rows, dim)
-        lse = q_bhsd.new_full((heads, self.num_rows), float("-inf"))
-        for start, n, rows, mask in self.seqs:
-            q = q_all[:, start:start + n].reshape(num_kv, groups, n, dim)
+        q = q_bhsd[0].to(self.cdt)  # [heads, this rank's rows, dim]
+        out = torch.zeros_like(q)
+        if any(self.ring_sizes):
+            self._ring(k_cache, v_cache, q, out)
+        if self.num_decode:
+            self._split_kv(k_cache, v_cache, q, out)
+        return out[None].to(q_bhsd.dtype)
+
+    def _ring(self, k_cache, v_cache, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The prefill rows of `out`: this rank's queries attend the keys/values of every rank, which travel
+        round the cp ring (`parallel.context.ring_pass`), partials merged by `merge_partials`."""
+        num_kv, dim = k_cache.shape[0], k_cache.shape[-1]
+        heads = q.shape[0]
+        groups, scale = heads // num_kv, dim ** -0.5
+        lse = q.new_full(q.shape[:-1], float("-inf"))
+        block = k_cache.new_empty((2, num_kv, self.ring_sizes[self.me], dim))  # what travels: the kv heads only
+        torch.index_select(k_cache.view(num_kv, -1, dim), 1, self.ring_slots, out=block[0])
+        torch.index_select(v_cache.view(num_kv, -1, dim), 1, self.ring_slots, out=block[1])
+
+        def visit(kv: torch.Tensor, src: int) -> None:
+            k, v = kv[0, :, None].to(q.dtype), kv[1, :, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
+            for rows, cols, mask in self.ring_pairs[src]:
+                n = rows.stop - rows.start
+                scores = torch.matmul(q[:, rows].reshape(num_kv, groups, n, dim), k[:, :, cols].transpose(-1, -2))
+                scores = scores * scale if mask is None else scores * scale + mask
+                part_lse = torch.logsumexp(scores, dim=-1)
+                # a row that sees none of these keys: weight 0 (its lse is -inf and the merge ignores it)
+                part = torch.matmul(torch.exp(scores - part_lse[..., None]).nan_to_num(0.0), v[:, :, cols])
+                out[:, rows], lse[:, rows] = merge_partials(out[:, rows], lse[:, rows], part.reshape(heads, n, dim),
+                                                            part_lse.reshape(heads, n))
+
+        ring_pass(block, self.mesh, "cp", visit,
+                  incoming=lambda src: block.new_empty((2, num_kv, self.ring_sizes[src], dim)))
+
+    def _split_kv(self, k_cache, v_cache, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The decode rows of `out`: every decode query all-gathered, attended over each rank's own blocks, and
+        the partials (output, lse) all-gathered once and merged by each query's owner."""
+        num_kv, dim = k_cache.shape[0], k_cache.shape[-1]
+        heads = q.shape[0]
+        groups, scale = heads // num_kv, dim ** -0.5
+        # The decode queries of all ranks, padded to the most any rank has, for one all-gather.
+        most = max(map(len, self.decode_of))
+        padded = q.new_zeros(heads, most, dim)
+        padded[:, :self.decode_local.numel()] = q[:, self.decode_local]
+        every = comm.all_gather(padded[None], self.mesh, "cp", dim=0)  # [cp, heads, most, dim]
+        q_all = q.new_empty(heads, self.num_decode, dim)
+        for r, ds in enumerate(self.decode_of):
+            q_all[:, ds] = every[r, :, :len(ds)]
+        # This rank's partials; sequences with no block here keep lse = -inf and weigh nothing in the merge.
+        part = q.new_zeros(heads, self.num_decode, dim)
+        part_lse = q.new_full((heads, self.num_decode), float("-inf"))
+        for idx, rows, mask in self.decode_buckets:
+            batch = idx.numel()
+            qb = q_all[:, idx].view(num_kv, groups, batch, dim).transpose(1, 2)  # [kv, batch, groups, dim]
             k, v = self.buffers.gather(k_cache, v_cache, rows)
-            k = k[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
-            v = v[:, None].to(q.dtype)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * dim ** -0.5 + mask
-            part_lse = torch.logsumexp(scores, dim=-1)  # [kv, groups, n]
-            weights = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)  # a row with no visible key: 0
-            out[:, start:start + n] = torch.matmul(weights, v).reshape(heads, n, dim)
-            lse[:, start:start + n] = part_lse.reshape(heads, n)
-        # One all-gather of (output, lse) over cp, then the exact merge of the partials.
-        both = comm.all_gather(torch.cat([out, lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
-        outs, lses = both[..., :dim], both[..., dim]
-        outs, lses = outs[:, :, self.local_rows], lses[:, :, self.local_rows]  # this rank's queries only
-        total = torch.logsumexp(lses, dim=0)  # [heads, rows]
-        scale = torch.exp(lses - total).nan_to_num(0.0)
-        merged = (outs * scale[..., None]).sum(dim=0)
-        return merged[None].to(q_bhsd.dtype)
+            k = k.view(num_kv, batch, -1, dim).to(q.dtype)  # [kv, batch, keys, dim]
+            v = v.view(num_kv, batch, -1, dim).to(q.dtype)
+            scores = torch.matmul(qb, k.transpose(-1, -2)) * scale + mask
+            lse = torch.logsumexp(scores, dim=-1)  # [kv, batch, groups]
+            o = torch.matmul(torch.exp(scores - lse[..., None]).nan_to_num(0.0), v)
+            part[:, idx] = o.transpose(1, 2).reshape(heads, batch, dim)
+            part_lse[:, idx] = lse.transpose(1, 2).reshape(heads, batch)
+        # One all-gather of (output, lse) over cp; each owner merges its queries' partials, its own first (it
+        # holds the query's own key, so the running lse is finite from the start).
+        both = comm.all_gather(torch.cat([part, part_lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
+        both = both[:, :, self.decode_mine]  # [cp, heads, this rank's decodes, dim + 1]
+        merged, merged_lse = both[self.me, ..., :dim], both[self.me, ..., dim]
+        for r in range(self.cp):
+            if r != self.me:
+                merged, merged_lse = merge_partials(merged, merged_lse, both[r, ..., :dim], both[r, ..., dim])
+        out[:, self.decode_local] = merged
 
     def select_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The hidden states of the sampled rows [num_sampled, hidden] on every rank, from the ranks that
