@@ -27,6 +27,7 @@ ENGINE = dict(block_size=4, num_blocks=14, max_num_seqs=6, max_num_batched_token
 
 
 LONG_PROMPT = [(7 * i) % 90 + 2 for i in range(30)]  # + 12 new tokens = 42 tokens = 11 blocks of 4
+RING_PROMPT = [(5 * i) % 89 + 3 for i in range(14)]  # 14 tokens: blocks of 4, 4, 4 and 2 tokens
 
 
 def _prompts() -> list[list[int]]:
@@ -76,6 +77,11 @@ def _parallel_ranks(rank, world_size, paths, layouts):
               dtype=torch.float64)
     if llm.is_driver:
         out["long"] = llm.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+        # one prefill step alone (one token sampled): what the cp axis moved for it, on rank 0
+        stats = llm.engine.runner.mesh.stats
+        stats.reset()
+        out["ring"] = llm.generate([RING_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
+        out["ring_bytes"] = {op: stats.total(op=op, axis="cp").bytes for op in ("send", "recv", "all_gather")}
         llm.close()
     return out
 
@@ -102,6 +108,16 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     alone = LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=32, dtype=torch.float64)
     want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
     assert results[0]["long"] == want and len(want) == 12
+    assert results[0]["ring"] == alone.generate([RING_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
+    # The prefill's keys/values go round the cp ring: block j lives on rank j % cp, so rank r holds the keys of
+    # its blocks; over cp - 1 hops rank 0 sends its own, then those of ranks cp-1, cp-2, ..., 2, and receives
+    # those of ranks cp-1, ..., 1. Per key: K and V of 2 kv heads x head_dim 16 in float64, in each of 2 layers.
+    # No query or partial is all-gathered (that is the decodes' split-KV).
+    keys = [sum(min(4, len(RING_PROMPT) - 4 * j) for j in range(4) if j % world == r) for r in range(world)]
+    per_key = 2 * 2 * 16 * 8 * 2
+    assert results[0]["ring_bytes"] == {"send": per_key * sum(keys[-s % world] for s in range(world - 1)),
+                                        "recv": per_key * sum(keys[-(s + 1) % world] for s in range(world - 1)),
+                                        "all_gather": 0}, (keys, results[0]["ring_bytes"])
     with pytest.raises(ValueError, match="KV blocks"):  # what one rank's cache alone refuses
         LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=12 // world).generate(
             [LONG_PROMPT], SamplingParams(max_tokens=12))
