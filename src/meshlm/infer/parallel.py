@@ -9,16 +9,26 @@ Responsible for:
     (`apply_tensor_parallel`): attention heads, MLP columns and the vocabulary split over tp, so each
     rank's paged KV cache holds only its kv heads (the same memory per rank holds tp times the tokens);
     the vocab-parallel logits are all-gathered.
-  - context parallelism (`SplitKVAttention`): a sequence's j-th KV block lives on cp rank j % cp (the
-    block manager's groups), so every rank holds ~1/cp of every long sequence and a sequence longer than
-    one rank's cache is served. Each new token is computed by the rank that holds its KV slot (its
+  - context parallelism (`ContextParallelAttention`): a sequence's j-th KV block lives on cp rank j % cp
+    (the block manager's groups), so every rank holds ~1/cp of every long sequence and a sequence longer
+    than one rank's cache is served. Each new token is computed by the rank that holds its KV slot (its
     block's owner), so a prefill is split over the ranks block by block and a decode token runs on one
-    rank (the weights are whole on every cp rank). Per layer: each rank writes the keys/values it
-    computed into its own blocks; one all-gather of the queries; every rank attends all queries over its
-    own blocks -- a partial result and its log-sum-exp -- and one all-gather of (output, lse) lets each
-    owner merge its queries' partials exactly (`parallel.context.merge_partials`'s arithmetic); the
-    sampled rows' hidden states reach every rank by one all-reduce. Keys never move, only queries and
-    partials (not the training's ring: the keys here sit in the block layout, not the ring's chunks).
+    rank (the weights are whole on every cp rank). Per layer each rank first writes the keys/values it
+    computed into its own blocks; then
+      prefill chunks (more than one new token; all of a step's share one pass): a ring. Each rank's
+        keys/values of the prefilling sequences -- cached and new, only the kv heads, no padding -- go
+        round the cp ranks (cp-1 hops, each posted before the compute so it overlaps it: the training's
+        ring loop, `parallel.context.ring_pass`); the queries stay with their owner, which attends them to
+        the block in hand under a causal mask by position (key position <= query position; a (sequence,
+        source rank) pair where no query sees a key is skipped) and merges the partials with
+        `parallel.context.merge_partials`. Per layer and rank: cp-1 sends of K+V of the blocks in hand
+        (~2 * (cp-1)/cp * L * kv_heads * head_dim values for a prompt of L tokens), nothing all-gathered;
+      decode tokens (one new token): split-KV. The decode queries are all-gathered; every rank attends
+        them over its own blocks of their sequences (in a few buckets of similar length, as
+        `PagedAttention` batches decodes); one all-gather of (output, lse) lets each owner merge its
+        queries' partials exactly (`merge_partials`, its own partial first).
+    A step with both runs the ring, then the split-KV. The sampled rows' hidden states reach every rank by
+    one all-reduce.
 The scheduler, block manager and sampler live on rank 0 alone (torch-free and unchanged apart from the
 groups); the other ranks never see a request.
 Not responsible for: launching ranks (`meshlm generate --tp N --cp M` starts them through torch's

@@ -2,7 +2,7 @@
 
 Responsible for: the load-balanced causal split of a sequence (`shard_sequence`, `local_positions`),
 ring attention (`ring_attention`: key/value blocks passed around the cp ranks, partial results merged
-by log-sum-exp, backward as a ring), the all-gather variant (`allgather_attention`: K/V gathered once
+by log-sum-exp, backward as a ring; its forward loop `ring_pass` is shared with serving), the all-gather variant (`allgather_attention`: K/V gathered once
 per layer), the one log-sum-exp merge of partial attention results (`merge_partials`, which split-KV
 decoding reuses), and `apply_context_parallel`, which swaps every attention's core for one of them.
 Not responsible for: the loss normalisation (the trainer: every rank's token-loss sum over the global
@@ -18,7 +18,9 @@ would leave the last rank cp times the first's). seq_len must divide by 2*cp.
 Ring attention (forward). Each rank starts with its own K/V (both chunks, only the kv heads: GQA's
 query heads share them and are expanded locally); for cp steps it attends its queries to the block in
 hand while the block moves on to the next rank (`comm.batch_isend_irecv`, posted before the compute
-so the transfer overlaps it). Per (query chunk, key chunk) pair the causal mask is decided by chunk
+so the transfer overlaps it). That loop is `ring_pass`, which takes what to do with the block in hand
+as a callable: context-parallel serving's prefill (`infer/parallel.py`) runs the same loop with its
+own blocks (the paged cache's keys, causal by position). Per (query chunk, key chunk) pair the causal mask is decided by chunk
 index: an earlier key chunk is attended in full, the same chunk causally, a later one not at all (the
 pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp; `merge_partials`
 combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the output and the
