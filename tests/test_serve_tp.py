@@ -28,6 +28,8 @@ ENGINE = dict(block_size=4, num_blocks=14, max_num_seqs=6, max_num_batched_token
 
 LONG_PROMPT = [(7 * i) % 90 + 2 for i in range(30)]  # + 12 new tokens = 42 tokens = 11 blocks of 4
 RING_PROMPT = [(5 * i) % 89 + 3 for i in range(14)]  # 14 tokens: blocks of 4, 4, 4 and 2 tokens
+MANY_PROMPTS = [[(11 * i + 3 * j) % 89 + 2 for j in range(1 + (7 * i) % 23)] for i in range(36)]
+MANY_ENGINE = dict(block_size=4, num_blocks=256, max_num_seqs=40, max_num_batched_tokens=128, dtype=torch.float64)
 
 
 def _prompts() -> list[list[int]]:
@@ -83,6 +85,11 @@ def _parallel_ranks(rank, world_size, paths, layouts):
         out["ring"] = llm.generate([RING_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
         out["ring_bytes"] = {op: stats.total(op=op, axis="cp").bytes for op in ("send", "recv", "all_gather")}
         llm.close()
+    # 36 sequences at once: decodes in two length buckets, alongside prefill chunks in the same steps
+    llm = LLM(paths["qwen2"], cp=world_size, device="cpu", **{**MANY_ENGINE, "num_blocks": 256 // world_size})
+    if llm.is_driver:
+        out["many"] = [o.token_ids for o in llm.generate(MANY_PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))]
+        llm.close()
     return out
 
 
@@ -109,6 +116,9 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
     assert results[0]["long"] == want and len(want) == 12
     assert results[0]["ring"] == alone.generate([RING_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
+    many = LLM(checkpoints["qwen2"], device="cpu", **MANY_ENGINE)
+    assert results[0]["many"] == [o.token_ids for o in many.generate(MANY_PROMPTS, SamplingParams(temperature=0.0,
+                                                                                                  max_tokens=12))]
     # The prefill's keys/values go round the cp ring: block j lives on rank j % cp, so rank r holds the keys of
     # its blocks; over cp - 1 hops rank 0 sends its own, then those of ranks cp-1, cp-2, ..., 2, and receives
     # those of ranks cp-1, ..., 1. Per key: K and V of 2 kv heads x head_dim 16 in float64, in each of 2 layers.
