@@ -59,8 +59,59 @@ def _generate(llm: LLM) -> tuple[list[list[int]], dict]:
 LAYOUTS = {"tp2": (2, 1), "cp2": (1, 2), "tp2_cp2": (2, 2)}  # name: (tp, cp)
 
 
+def _cp_attention_error(rank, world_size):
+    """`ContextParallelAttention` at cp=world_size on one step with a prefill chunk after a cached prefix, a
+    prefill from scratch and decodes (the ring in tiles of 2 query rows, split-KV) against attention over
+    each sequence's keys up to the token's position: (max error of this rank's tokens, how many it owns)."""
+    from meshlm.infer.llm import serving_mesh
+    from meshlm.infer.model_runner import StepInput
+    from meshlm.infer.parallel import ContextParallelAttention
+
+    cp, bs, kv, groups, dim = world_size, 4, 2, 2, 8
+    mesh = serving_mesh(1, "cpu", cp=cp)
+    g = torch.Generator().manual_seed(0)  # the same data on every rank
+    # (cached tokens, new tokens): a prefill chunk after a cached prefix, decodes, a prefill from scratch
+    seqs = [(7, 9), (9, 1), (0, 13), (0, 1), (5, 1)]
+    K = [torch.randn(kv, c + n, dim, generator=g, dtype=torch.float64) for c, n in seqs]
+    V = [torch.randn(kv, c + n, dim, generator=g, dtype=torch.float64) for c, n in seqs]
+    Q = [torch.randn(kv * groups, n, dim, generator=g, dtype=torch.float64) for _, n in seqs]
+    k_cache = torch.zeros(kv, 16, bs, dim, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    step, handed = StepInput([], [], [], [], [], [], []), [0] * cp
+    for s, (cached, n) in enumerate(seqs):
+        table = []
+        for j in range(-(-(cached + n) // bs)):  # block j from rank j % cp (global id: local * cp + rank)
+            table.append(handed[j % cp] * cp + j % cp)
+            handed[j % cp] += 1
+        for pos in range(cached + n):
+            b = table[pos // bs]
+            if pos >= cached:
+                step.token_ids.append(0)
+                step.positions.append(pos)
+                step.slot_mapping.append(b * bs + pos % bs)
+            elif b % cp == rank:  # this rank's blocks hold their cached keys; attend writes the new ones
+                k_cache[:, b // cp, pos % bs], v_cache[:, b // cp, pos % bs] = K[s][:, pos], V[s][:, pos]
+        step.query_lens.append(n)
+        step.context_lens.append(cached + n)
+        step.block_tables.append(table)
+    ctx = ContextParallelAttention([k_cache], [v_cache], step, bs, dtype=torch.float64, buffers=None, mesh=mesh,
+                                   tile_rows=2)
+    q, k, v = (torch.cat(x, dim=1)[None] for x in (Q, [K[s][:, c:] for s, (c, _) in enumerate(seqs)],
+                                                     [V[s][:, c:] for s, (c, _) in enumerate(seqs)]))
+    rows = ctx.local_rows
+    out = ctx.attend(0, q[:, :, rows], k[:, :, rows], v[:, :, rows])[0]
+    want = []  # every new token's query over its sequence's keys up to its position
+    for s, (cached, n) in enumerate(seqs):
+        for i in range(n):
+            keys = K[s][:, :cached + i + 1].repeat_interleave(groups, 0)
+            values = V[s][:, :cached + i + 1].repeat_interleave(groups, 0)
+            weights = torch.softmax(Q[s][:, i:i + 1] @ keys.transpose(-1, -2) / dim ** 0.5, dim=-1)
+            want.append((weights @ values)[:, 0])
+    return (out - torch.stack(want, dim=1)[:, rows]).abs().max().item(), rows.numel()
+
+
 def _parallel_ranks(rank, world_size, paths, layouts):
-    out = {}
+    out = {"dense": _cp_attention_error(rank, world_size)}
     for name, (tp, cp) in layouts.items():
         for kind, path in paths.items():
             if tp * cp != world_size:
@@ -101,7 +152,10 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     layouts = {n: tc for n, tc in LAYOUTS.items() if tc[0] * tc[1] == world}
     results = run_distributed(_parallel_ranks, world, {k: str(v) for k, v in checkpoints.items()}, layouts,
                               timeout=240)
-    assert all(r == {} for r in results[1:])
+    assert all(set(r) == {"dense"} for r in results[1:])
+    # every token of the step computed once, by its owner, as dense causal attention computes it
+    assert sum(r["dense"][1] for r in results) == 9 + 1 + 13 + 1 + 1 and all(r["dense"][1] for r in results)
+    assert max(r["dense"][0] for r in results) < 1e-12, [r["dense"] for r in results]
     for name, (tp, cp) in layouts.items():
         for kind in KINDS:
             tokens, stats = results[0][name, kind]

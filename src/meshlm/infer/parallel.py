@@ -174,7 +174,8 @@ class ContextParallelAttention:
     many keys each other rank holds and which of its queries may see them."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
-                 *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh):
+                 *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh, tile_rows: int = 256):
+        """`tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory)."""
         self.k_caches, self.v_caches, self.mesh = k_caches, v_caches, mesh
         self.buffers = buffers or GatherBuffers()
         device = k_caches[0].device
@@ -216,23 +217,26 @@ class ContextParallelAttention:
         keys = [[held(i, r) for r in range(cp)] for i in prefill]
         self.ring_sizes = [sum(len(k[r]) for k in keys) for r in range(cp)]
         self.ring_slots = torch.tensor([slot for k in keys for _, slot in k[me]], dtype=torch.long, device=device)
-        # Per source rank: (this rank's query rows, key columns of the block, additive mask or None) of every
-        # (sequence, source) pair where some query sees some key -- the others are skipped.
-        self.ring_pairs: list[list[tuple[slice, slice, torch.Tensor | None]]] = [[] for _ in range(cp)]
+        # Per source rank, tile by tile: (this rank's query rows, first key column in the block, key columns,
+        # visible keys per row or None). A rank's keys of a sequence are in position order, so a query sees a
+        # prefix of them (causal by position: key position <= query position); its rows are in position order
+        # too, so the rows that see none come first and are skipped, and each tile of rows reads only the
+        # columns its last row sees (a pair where no query sees a key is skipped whole).
+        self.ring_tiles: list[list[tuple[slice, int, int, torch.Tensor | None]]] = [[] for _ in range(cp)]
         offsets = [0] * cp
         for i, seq_keys in zip(prefill, keys):
             first = bisect.bisect_left(mine, starts[i])
-            rows = slice(first, bisect.bisect_left(mine, starts[i + 1]))
-            q_pos = torch.tensor([step.positions[row] for row in mine[rows]], dtype=torch.long)
+            q_pos = torch.tensor([step.positions[row] for row in mine[first:bisect.bisect_left(mine, starts[i + 1])]],
+                                 dtype=torch.long)
             for src in range(cp):
                 k_pos = torch.tensor([pos for pos, _ in seq_keys[src]], dtype=torch.long)
-                cols = slice(offsets[src], offsets[src] + len(k_pos))
+                counts = torch.searchsorted(k_pos, q_pos, right=True)  # keys each query sees
+                for lo in range(int((counts == 0).sum()), len(q_pos), tile_rows):
+                    c = counts[lo:lo + tile_rows]
+                    width = int(c[-1])
+                    self.ring_tiles[src].append((slice(first + lo, first + lo + len(c)), offsets[src], width,
+                                                 None if int(c[0]) == width else c[:, None].to(device)))
                 offsets[src] += len(k_pos)
-                if not len(q_pos) or not len(k_pos) or k_pos[0] > q_pos.max():
-                    continue
-                # Causal by position: a key is seen by the queries at or after it.
-                mask = None if k_pos[-1] <= q_pos.min() else _keep(k_pos[None, :] <= q_pos[:, None], cdt).to(device)
-                self.ring_pairs[src].append((rows, cols, mask))
 
         # Decode tokens (one new token): split-KV, in buckets of similar length. A decode's query is
         # all-gathered; every rank attends it over its own blocks of that sequence.
@@ -286,13 +290,14 @@ class ContextParallelAttention:
 
         def visit(kv: torch.Tensor, src: int) -> None:
             k, v = kv[0, :, None].to(q.dtype), kv[1, :, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
-            for rows, cols, mask in self.ring_pairs[src]:
+            for rows, col, width, counts in self.ring_tiles[src]:
                 n = rows.stop - rows.start
-                scores = torch.matmul(q[:, rows].reshape(num_kv, groups, n, dim), k[:, :, cols].transpose(-1, -2))
-                scores = scores * scale if mask is None else scores * scale + mask
+                scores = torch.matmul(q[:, rows].reshape(num_kv, groups, n, dim),
+                                      k[:, :, col:col + width].transpose(-1, -2)).mul_(scale)
+                if counts is not None:  # row i sees the first counts[i] keys (every row sees one at least)
+                    scores.masked_fill_(torch.arange(width, device=q.device) >= counts, float("-inf"))
                 part_lse = torch.logsumexp(scores, dim=-1)
-                # a row that sees none of these keys: weight 0 (its lse is -inf and the merge ignores it)
-                part = torch.matmul(torch.exp(scores - part_lse[..., None]).nan_to_num(0.0), v[:, :, cols])
+                part = torch.matmul(torch.exp(scores - part_lse[..., None]), v[:, :, col:col + width])
                 out[:, rows], lse[:, rows] = merge_partials(out[:, rows], lse[:, rows], part.reshape(heads, n, dim),
                                                             part_lse.reshape(heads, n))
 
