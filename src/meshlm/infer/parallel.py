@@ -19,8 +19,9 @@ Responsible for:
         keys/values of the prefilling sequences -- cached and new, only the kv heads, no padding -- go
         round the cp ranks (cp-1 hops, each posted before the compute so it overlaps it: the training's
         ring loop, `parallel.context.ring_pass`); the queries stay with their owner, which attends them to
-        the block in hand under a causal mask by position (key position <= query position; a (sequence,
-        source rank) pair where no query sees a key is skipped) and merges the partials with
+        the block in hand under a causal mask by position (key position <= query position), in tiles of
+        query rows that read only the keys their last row sees (rows that see none of a block, and a
+        (sequence, source rank) pair where no query sees a key, are skipped), and merges the partials with
         `parallel.context.merge_partials`. Per layer and rank: cp-1 sends of K+V of the blocks in hand
         (~2 * (cp-1)/cp * L * kv_heads * head_dim values for a prompt of L tokens), nothing all-gathered;
       decode tokens (one new token): split-KV. The decode queries are all-gathered; every rank attends
