@@ -171,10 +171,11 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     alone = LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=32, dtype=torch.float64)
     want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
     assert results[0]["long"] == want and len(want) == 12
-    assert results[0]["ring"] == alone.generate([RING_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    assert results[0]["ring"] == alone.generate([RING_PROMPT], greedy)[0].token_ids
     many = LLM(checkpoints["qwen2"], device="cpu", **MANY_ENGINE)
-    assert results[0]["many"] == [o.token_ids for o in many.generate(MANY_PROMPTS, SamplingParams(temperature=0.0,
-                                                                                                  max_tokens=12))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    assert results[0]["many"] == [o.token_ids for o in many.generate(MANY_PROMPTS, greedy)]
     # The prefill's keys/values go round the cp ring: block j lives on rank j % cp, so rank r holds the keys of
     # its blocks; over cp - 1 hops rank 0 sends its own, then those of ranks cp-1, cp-2, ..., 2, and receives
     # those of ranks cp-1, ..., 1. Per key: K and V of 2 kv heads x head_dim 16 in float64, in each of 2 layers.

@@ -275,7 +275,7 @@ class ContextParallelAttention:
         if any(self.ring_sizes):
             self._ring(k_cache, v_cache, q, out)
         if self.num_decode:
-            self._split_kv(k_cache, v_cache, q, out)
+            self._split_kv(k_cache, v_cache, q_bhsd[0], out)
         return out[None].to(q_bhsd.dtype)
 
     def _ring(self, k_cache, v_cache, q: torch.Tensor, out: torch.Tensor) -> None:
@@ -305,26 +305,27 @@ class ContextParallelAttention:
         ring_pass(block, self.mesh, "cp", visit,
                   incoming=lambda src: block.new_empty((2, num_kv, self.ring_sizes[src], dim)))
 
-    def _split_kv(self, k_cache, v_cache, q: torch.Tensor, out: torch.Tensor) -> None:
+    def _split_kv(self, k_cache, v_cache, q_hsd: torch.Tensor, out: torch.Tensor) -> None:
         """The decode rows of `out`: every decode query all-gathered, attended over each rank's own blocks, and
         the partials (output, lse) all-gathered once and merged by each query's owner."""
         num_kv, dim = k_cache.shape[0], k_cache.shape[-1]
-        heads = q.shape[0]
+        heads = q_hsd.shape[0]
         groups, scale = heads // num_kv, dim ** -0.5
-        # The decode queries of all ranks, padded to the most any rank has, for one all-gather.
+        # The decode queries of all ranks (in the model's dtype), padded to the most any rank has, for one
+        # all-gather.
         most = max(map(len, self.decode_of))
-        padded = q.new_zeros(heads, most, dim)
-        padded[:, :self.decode_local.numel()] = q[:, self.decode_local]
-        every = comm.all_gather(padded[None], self.mesh, "cp", dim=0)  # [cp, heads, most, dim]
-        q_all = q.new_empty(heads, self.num_decode, dim)
+        padded = q_hsd.new_zeros(heads, most, dim)
+        padded[:, :self.decode_local.numel()] = q_hsd[:, self.decode_local]
+        every = comm.all_gather(padded[None], self.mesh, "cp", dim=0).to(out.dtype)  # [cp, heads, most, dim]
+        q = out.new_empty(heads, self.num_decode, dim)
         for r, ds in enumerate(self.decode_of):
-            q_all[:, ds] = every[r, :, :len(ds)]
+            q[:, ds] = every[r, :, :len(ds)]
         # This rank's partials; sequences with no block here keep lse = -inf and weigh nothing in the merge.
         part = q.new_zeros(heads, self.num_decode, dim)
         part_lse = q.new_full((heads, self.num_decode), float("-inf"))
         for idx, rows, mask in self.decode_buckets:
             batch = idx.numel()
-            qb = q_all[:, idx].view(num_kv, groups, batch, dim).transpose(1, 2)  # [kv, batch, groups, dim]
+            qb = q[:, idx].view(num_kv, groups, batch, dim).transpose(1, 2)  # [kv, batch, groups, dim]
             k, v = self.buffers.gather(k_cache, v_cache, rows)
             k = k.view(num_kv, batch, -1, dim).to(q.dtype)  # [kv, batch, keys, dim]
             v = v.view(num_kv, batch, -1, dim).to(q.dtype)
