@@ -205,19 +205,23 @@ class ContextParallelAttention:
         for n in step.query_lens:
             starts.append(starts[-1] + n)
 
-        def held(i: int, r: int) -> list[tuple[int, int]]:
-            """(position, local slot on rank r) of every key of sequence i that rank r holds, in position order."""
-            length, table = step.context_lens[i], step.block_tables[i]
-            return [(j * block_size + o, (b // cp) * block_size + o)
-                    for j, b in enumerate(table[:-(-length // block_size)]) if b % cp == r
-                    for o in range(min(block_size, length - j * block_size))]
+        offset = torch.arange(block_size)
+
+        def held(i: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """(positions, local slots on rank r) of every key of sequence i that rank r holds, in position order."""
+            length = step.context_lens[i]
+            table = torch.tensor(step.block_tables[i][:-(-length // block_size)], dtype=torch.long)
+            j = torch.nonzero(table % cp == r).flatten()
+            pos = (j[:, None] * block_size + offset).flatten()
+            slots = (table[j, None] // cp * block_size + offset).flatten()
+            return pos[pos < length], slots[pos < length]
 
         # Prefill chunks (more than one new token): the ring. What travels from rank r: the keys/values of
         # every prefilling sequence that r holds (cached and new), packed one sequence after the other.
         prefill = [i for i, n in enumerate(step.query_lens) if n > 1]
         keys = [[held(i, r) for r in range(cp)] for i in prefill]
-        self.ring_sizes = [sum(len(k[r]) for k in keys) for r in range(cp)]
-        self.ring_slots = torch.tensor([slot for k in keys for _, slot in k[me]], dtype=torch.long, device=device)
+        self.ring_sizes = [sum(len(k[r][0]) for k in keys) for r in range(cp)]
+        self.ring_slots = torch.cat([k[me][1] for k in keys] or [torch.zeros(0, dtype=torch.long)]).to(device)
         # Per source rank, tile by tile: (this rank's query rows, first key column in the block, key columns,
         # visible keys per row or None). A rank's keys of a sequence are in position order, so a query sees a
         # prefix of them (causal by position: key position <= query position); its rows are in position order
@@ -230,7 +234,7 @@ class ContextParallelAttention:
             q_pos = torch.tensor([step.positions[row] for row in mine[first:bisect.bisect_left(mine, starts[i + 1])]],
                                  dtype=torch.long)
             for src in range(cp):
-                k_pos = torch.tensor([pos for pos, _ in seq_keys[src]], dtype=torch.long)
+                k_pos = seq_keys[src][0]
                 counts = torch.searchsorted(k_pos, q_pos, right=True)  # keys each query sees
                 for lo in range(int((counts == 0).sum()), len(q_pos), tile_rows):
                     c = counts[lo:lo + tile_rows]
@@ -251,18 +255,20 @@ class ContextParallelAttention:
         self.decode_buckets = []
         for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
             seqs = [decode[d] for d in bucket]
-            blocks = [[(j, b // cp) for j, b in enumerate(step.block_tables[i][:-(-step.context_lens[i] // block_size)])
+            # (index j in the table, global id) of this rank's blocks of each sequence
+            blocks = [[(j, b) for j, b in enumerate(step.block_tables[i][:-(-step.context_lens[i] // block_size)])
                        if b % cp == me] for i in seqs]
             most = max(map(len, blocks))
             if most == 0:  # none of these sequences has a block here: their partials stay empty
                 continue
-            table = torch.tensor([[b for _, b in bl] + [0] * (most - len(bl)) for bl in blocks], dtype=torch.long)
-            pos = torch.tensor([[j * block_size + o for j, _ in bl for o in range(block_size)]
-                                + [-1] * (block_size * (most - len(bl))) for bl in blocks], dtype=torch.long)
+            # padded to the most blocks any of them has here (index -1, local block 0: masked)
+            index = torch.tensor([[j for j, _ in bl] + [-1] * (most - len(bl)) for bl in blocks], dtype=torch.long)
+            local = torch.tensor([[b // cp for _, b in bl] + [0] * (most - len(bl)) for bl in blocks], dtype=torch.long)
+            pos = index[..., None] * block_size + offset  # [batch, most, block_size]
             lengths = torch.tensor([step.context_lens[i] for i in seqs])
-            visible = (pos >= 0) & (pos < lengths[:, None])  # padding blocks and the unwritten end masked
+            visible = ((index[..., None] >= 0) & (pos < lengths[:, None, None])).reshape(len(seqs), -1)
             self.decode_buckets.append((torch.tensor(bucket, dtype=torch.long, device=device),
-                                        block_rows(table, num_kv, num_blocks).to(device),
+                                        block_rows(local, num_kv, num_blocks).to(device),
                                         _keep(visible[:, None], cdt).to(device)))
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
