@@ -2,9 +2,10 @@
 
 Responsible for: the load-balanced causal split of a sequence (`shard_sequence`, `local_positions`),
 ring attention (`ring_attention`: key/value blocks passed around the cp ranks, partial results merged
-by log-sum-exp, backward as a ring; its forward loop `ring_pass` is shared with serving), the all-gather variant (`allgather_attention`: K/V gathered once
-per layer), the one log-sum-exp merge of partial attention results (`merge_partials`, which split-KV
-decoding reuses), and `apply_context_parallel`, which swaps every attention's core for one of them.
+by log-sum-exp, backward as a ring; its forward loop, `ring_pass`, is also context-parallel serving's),
+the all-gather variant (`allgather_attention`: K/V gathered once per layer), the one log-sum-exp merge
+of partial attention results (`merge_partials`, which serving's ring and split-KV decoding reuse), and
+`apply_context_parallel`, which swaps every attention's core for one of them.
 Not responsible for: the loss normalisation (the trainer: every rank's token-loss sum over the global
 token count, summed over "dp_cp"), the gradient reduction of the replicated parameters over "dp_cp"
 (`parallel/data.py` and `parallel/zero.py` are handed that axis), or RoPE (the model rotates q and k by
@@ -19,10 +20,10 @@ Ring attention (forward). Each rank starts with its own K/V (both chunks, only t
 query heads share them and are expanded locally); for cp steps it attends its queries to the block in
 hand while the block moves on to the next rank (`comm.batch_isend_irecv`, posted before the compute
 so the transfer overlaps it). That loop is `ring_pass`, which takes what to do with the block in hand
-as a callable: context-parallel serving's prefill (`infer/parallel.py`) runs the same loop with its
-own blocks (the paged cache's keys, causal by position). Per (query chunk, key chunk) pair the causal mask is decided by chunk
-index: an earlier key chunk is attended in full, the same chunk causally, a later one not at all (the
-pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp; `merge_partials`
+as a callable: context-parallel serving's prefill (`infer/parallel.py`) runs the same loop over its own
+blocks (the paged cache's keys, causal by position). Per (query chunk, key chunk) pair the causal mask
+is decided by chunk index: an earlier key chunk is attended in full, the same chunk causally, a later
+one not at all (the pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp; `merge_partials`
 combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the output and the
 log-sum-exp -- 1/cp of the sequence's, whatever cp is.
 
@@ -210,8 +211,8 @@ def ring_pass(block: torch.Tensor, mesh: Mesh, axis: str, visit, *, incoming=Non
         handle, arriving = None, None
         if step < cp - 1:  # the next block is on its way while this one is attended to
             arriving = torch.empty_like(block) if incoming is None else incoming((src - 1) % cp)
-            ops = ([P2P("send", block, nxt, tag=2 * step)] if block.numel() else []) + \
-                  ([P2P("recv", arriving, prv, tag=2 * step)] if arriving.numel() else [])
+            ops = [P2P(kind, tensor, peer, tag=2 * step)
+                   for kind, tensor, peer in (("send", block, nxt), ("recv", arriving, prv)) if tensor.numel()]
             handle = comm.batch_isend_irecv(ops, mesh, axis) if ops else None
         visit(block, src)
         if handle is not None:
