@@ -23,9 +23,9 @@ so the transfer overlaps it). That loop is `ring_pass`, which takes what to do w
 as a callable: context-parallel serving's prefill (`infer/parallel.py`) runs the same loop over its own
 blocks (the paged cache's keys, causal by position). Per (query chunk, key chunk) pair the causal mask
 is decided by chunk index: an earlier key chunk is attended in full, the same chunk causally, a later
-one not at all (the pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp; `merge_partials`
-combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the output and the
-log-sum-exp -- 1/cp of the sequence's, whatever cp is.
+one not at all (the pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp;
+`merge_partials` combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the
+output and the log-sum-exp -- 1/cp of the sequence's, whatever cp is.
 
 Ring attention (backward). The K/V blocks go round again; for each block every rank computes its
 queries' share of dK/dV (and its own dQ) from the saved output and log-sum-exp (the FlashAttention
