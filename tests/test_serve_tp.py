@@ -4,8 +4,9 @@ for tiny random Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints, with continuous
 prefill, prefix-cache hits and forced preemption in the same run. Under tp each rank's cache holds half
 the kv heads and each rank holds half the experts of every MoE layer; under cp each holds every other
 block of each sequence, and a sequence longer than one rank's whole cache is served. Under cp a prefill
-moves exactly the ring's keys/values (no all-gather), and 36 sequences at once (decodes in two length
-buckets, mixed with prefill chunks) give one process's tokens too."""
+moves exactly the ring's keys/values (no all-gather), 36 sequences at once (decodes in two length
+buckets, mixed with prefill chunks) give one process's tokens too, and the cp attention context alone
+equals dense causal attention on a mixed step."""
 
 import random
 import time
