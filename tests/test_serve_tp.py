@@ -3,7 +3,10 @@
 for tiny random Llama, Qwen2, Mixtral and Qwen2-MoE checkpoints, with continuous batching, chunked
 prefill, prefix-cache hits and forced preemption in the same run. Under tp each rank's cache holds half
 the kv heads and each rank holds half the experts of every MoE layer; under cp each holds every other
-block of each sequence, and a sequence longer than one rank's whole cache is served."""
+block of each sequence, and a sequence longer than one rank's whole cache is served. Under cp a prefill
+moves exactly the ring's keys/values (no all-gather), 36 sequences at once (decodes in two length
+buckets, mixed with prefill chunks) give one process's tokens too, and the cp attention context alone
+equals dense causal attention on a mixed step."""
 
 import random
 import time
@@ -27,6 +30,9 @@ ENGINE = dict(block_size=4, num_blocks=14, max_num_seqs=6, max_num_batched_token
 
 
 LONG_PROMPT = [(7 * i) % 90 + 2 for i in range(30)]  # + 12 new tokens = 42 tokens = 11 blocks of 4
+RING_PROMPT = [(5 * i) % 89 + 3 for i in range(14)]  # 14 tokens: blocks of 4, 4, 4 and 2 tokens
+MANY_PROMPTS = [[(11 * i + 3 * j) % 89 + 2 for j in range(1 + (7 * i) % 23)] for i in range(36)]
+MANY_ENGINE = dict(block_size=4, num_blocks=256, max_num_seqs=40, max_num_batched_tokens=128, dtype=torch.float64)
 
 
 def _prompts() -> list[list[int]]:
@@ -54,8 +60,59 @@ def _generate(llm: LLM) -> tuple[list[list[int]], dict]:
 LAYOUTS = {"tp2": (2, 1), "cp2": (1, 2), "tp2_cp2": (2, 2)}  # name: (tp, cp)
 
 
+def _cp_attention_error(rank, world_size):
+    """`ContextParallelAttention` at cp=world_size on one step with a prefill chunk after a cached prefix, a
+    prefill from scratch and decodes (the ring in tiles of 2 query rows, split-KV) against attention over
+    each sequence's keys up to the token's position: (max error of this rank's tokens, how many it owns)."""
+    from meshlm.infer.llm import serving_mesh
+    from meshlm.infer.model_runner import StepInput
+    from meshlm.infer.parallel import ContextParallelAttention
+
+    cp, bs, kv, groups, dim = world_size, 4, 2, 2, 8
+    mesh = serving_mesh(1, "cpu", cp=cp)
+    g = torch.Generator().manual_seed(0)  # the same data on every rank
+    # (cached tokens, new tokens): a prefill chunk after a cached prefix, decodes, a prefill from scratch
+    seqs = [(7, 9), (9, 1), (0, 13), (0, 1), (5, 1)]
+    K = [torch.randn(kv, c + n, dim, generator=g, dtype=torch.float64) for c, n in seqs]
+    V = [torch.randn(kv, c + n, dim, generator=g, dtype=torch.float64) for c, n in seqs]
+    Q = [torch.randn(kv * groups, n, dim, generator=g, dtype=torch.float64) for _, n in seqs]
+    k_cache = torch.zeros(kv, 16, bs, dim, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    step, handed = StepInput([], [], [], [], [], [], []), [0] * cp
+    for s, (cached, n) in enumerate(seqs):
+        table = []
+        for j in range(-(-(cached + n) // bs)):  # block j from rank j % cp (global id: local * cp + rank)
+            table.append(handed[j % cp] * cp + j % cp)
+            handed[j % cp] += 1
+        for pos in range(cached + n):
+            b = table[pos // bs]
+            if pos >= cached:
+                step.token_ids.append(0)
+                step.positions.append(pos)
+                step.slot_mapping.append(b * bs + pos % bs)
+            elif b % cp == rank:  # this rank's blocks hold their cached keys; attend writes the new ones
+                k_cache[:, b // cp, pos % bs], v_cache[:, b // cp, pos % bs] = K[s][:, pos], V[s][:, pos]
+        step.query_lens.append(n)
+        step.context_lens.append(cached + n)
+        step.block_tables.append(table)
+    ctx = ContextParallelAttention([k_cache], [v_cache], step, bs, dtype=torch.float64, buffers=None, mesh=mesh,
+                                   tile_rows=2)
+    q, k, v = (torch.cat(x, dim=1)[None] for x in (Q, [K[s][:, c:] for s, (c, _) in enumerate(seqs)],
+                                                     [V[s][:, c:] for s, (c, _) in enumerate(seqs)]))
+    rows = ctx.local_rows
+    out = ctx.attend(0, q[:, :, rows], k[:, :, rows], v[:, :, rows])[0]
+    want = []  # every new token's query over its sequence's keys up to its position
+    for s, (cached, n) in enumerate(seqs):
+        for i in range(n):
+            keys = K[s][:, :cached + i + 1].repeat_interleave(groups, 0)
+            values = V[s][:, :cached + i + 1].repeat_interleave(groups, 0)
+            weights = torch.softmax(Q[s][:, i:i + 1] @ keys.transpose(-1, -2) / dim ** 0.5, dim=-1)
+            want.append((weights @ values)[:, 0])
+    return (out - torch.stack(want, dim=1)[:, rows]).abs().max().item(), rows.numel()
+
+
 def _parallel_ranks(rank, world_size, paths, layouts):
-    out = {}
+    out = {"dense": _cp_attention_error(rank, world_size)}
     for name, (tp, cp) in layouts.items():
         for kind, path in paths.items():
             if tp * cp != world_size:
@@ -76,6 +133,16 @@ def _parallel_ranks(rank, world_size, paths, layouts):
               dtype=torch.float64)
     if llm.is_driver:
         out["long"] = llm.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+        # one prefill step alone (one token sampled): what the cp axis moved for it, on rank 0
+        stats = llm.engine.runner.mesh.stats
+        stats.reset()
+        out["ring"] = llm.generate([RING_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
+        out["ring_bytes"] = {op: stats.total(op=op, axis="cp").bytes for op in ("send", "recv", "all_gather")}
+        llm.close()
+    # 36 sequences at once: decodes in two length buckets, alongside prefill chunks in the same steps
+    llm = LLM(paths["qwen2"], cp=world_size, device="cpu", **{**MANY_ENGINE, "num_blocks": 256 // world_size})
+    if llm.is_driver:
+        out["many"] = [o.token_ids for o in llm.generate(MANY_PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))]
         llm.close()
     return out
 
@@ -86,7 +153,10 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     layouts = {n: tc for n, tc in LAYOUTS.items() if tc[0] * tc[1] == world}
     results = run_distributed(_parallel_ranks, world, {k: str(v) for k, v in checkpoints.items()}, layouts,
                               timeout=240)
-    assert all(r == {} for r in results[1:])
+    assert all(set(r) == {"dense"} for r in results[1:])
+    # every token of the step computed once, by its owner, as dense causal attention computes it
+    assert sum(r["dense"][1] for r in results) == 9 + 1 + 13 + 1 + 1 and all(r["dense"][1] for r in results)
+    assert max(r["dense"][0] for r in results) < 1e-12, [r["dense"] for r in results]
     for name, (tp, cp) in layouts.items():
         for kind in KINDS:
             tokens, stats = results[0][name, kind]
@@ -102,6 +172,20 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     alone = LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=32, dtype=torch.float64)
     want = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
     assert results[0]["long"] == want and len(want) == 12
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    assert results[0]["ring"] == alone.generate([RING_PROMPT], greedy)[0].token_ids
+    many = LLM(checkpoints["qwen2"], device="cpu", **MANY_ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    assert results[0]["many"] == [o.token_ids for o in many.generate(MANY_PROMPTS, greedy)]
+    # The prefill's keys/values go round the cp ring: block j lives on rank j % cp, so rank r holds the keys of
+    # its blocks; over cp - 1 hops rank 0 sends its own, then those of ranks cp-1, cp-2, ..., 2, and receives
+    # those of ranks cp-1, ..., 1. Per key: K and V of 2 kv heads x head_dim 16 in float64, in each of 2 layers.
+    # No query or partial is all-gathered (that is the decodes' split-KV).
+    keys = [sum(min(4, len(RING_PROMPT) - 4 * j) for j in range(4) if j % world == r) for r in range(world)]
+    per_key = 2 * 2 * 16 * 8 * 2
+    assert results[0]["ring_bytes"] == {"send": per_key * sum(keys[-s % world] for s in range(world - 1)),
+                                        "recv": per_key * sum(keys[-(s + 1) % world] for s in range(world - 1)),
+                                        "all_gather": 0}, (keys, results[0]["ring_bytes"])
     with pytest.raises(ValueError, match="KV blocks"):  # what one rank's cache alone refuses
         LLM(checkpoints["llama"], device="cpu", block_size=4, num_blocks=12 // world).generate(
             [LONG_PROMPT], SamplingParams(max_tokens=12))

@@ -98,12 +98,13 @@ class LLM:
         self.is_driver = True
         if mesh is not None:
             from meshlm.infer.model_runner import ModelRunner
-            from meshlm.infer.parallel import ParallelRunner, run_worker, shard_for_serving, split_kv_attention
+            from meshlm.infer.parallel import (ParallelRunner, context_parallel_attention, run_worker,
+                                               shard_for_serving)
 
             net = shard_for_serving(net, mesh)
             cache = {k: engine_kwargs.pop(k) for k in ("block_size", "num_blocks", "kv_cache_memory_bytes")
                      if k in engine_kwargs}
-            runner = ModelRunner(net, **cache, attention=split_kv_attention(mesh) if cp > 1 else None)
+            runner = ModelRunner(net, **cache, attention=context_parallel_attention(mesh) if cp > 1 else None)
             if mesh.rank != 0:
                 self.is_driver, self.engine = False, None
                 run_worker(runner, mesh)

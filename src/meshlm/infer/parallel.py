@@ -9,16 +9,27 @@ Responsible for:
     (`apply_tensor_parallel`): attention heads, MLP columns and the vocabulary split over tp, so each
     rank's paged KV cache holds only its kv heads (the same memory per rank holds tp times the tokens);
     the vocab-parallel logits are all-gathered.
-  - context parallelism (`SplitKVAttention`): a sequence's j-th KV block lives on cp rank j % cp (the
-    block manager's groups), so every rank holds ~1/cp of every long sequence and a sequence longer than
-    one rank's cache is served. Each new token is computed by the rank that holds its KV slot (its
+  - context parallelism (`ContextParallelAttention`): a sequence's j-th KV block lives on cp rank j % cp
+    (the block manager's groups), so every rank holds ~1/cp of every long sequence and a sequence longer
+    than one rank's cache is served. Each new token is computed by the rank that holds its KV slot (its
     block's owner), so a prefill is split over the ranks block by block and a decode token runs on one
-    rank (the weights are whole on every cp rank). Per layer: each rank writes the keys/values it
-    computed into its own blocks; one all-gather of the queries; every rank attends all queries over its
-    own blocks -- a partial result and its log-sum-exp -- and one all-gather of (output, lse) lets each
-    owner merge its queries' partials exactly (`parallel.context.merge_partials`'s arithmetic); the
-    sampled rows' hidden states reach every rank by one all-reduce. Keys never move, only queries and
-    partials (not the training's ring: the keys here sit in the block layout, not the ring's chunks).
+    rank (the weights are whole on every cp rank). Per layer each rank first writes the keys/values it
+    computed into its own blocks; then
+      prefill chunks (more than one new token; all of a step's share one pass): a ring. Each rank's
+        keys/values of the prefilling sequences -- cached and new, only the kv heads, no padding -- go
+        round the cp ranks (cp-1 hops, each posted before the compute so it overlaps it: the training's
+        ring loop, `parallel.context.ring_pass`); the queries stay with their owner, which attends them to
+        the block in hand under a causal mask by position (key position <= query position), in tiles of
+        query rows that read only the keys their last row sees (rows that see none of a block, and a
+        (sequence, source rank) pair where no query sees a key, are skipped), and merges the partials with
+        `parallel.context.merge_partials`. Per layer and rank: cp-1 sends of K+V of the blocks in hand
+        (~2 * (cp-1)/cp * L * kv_heads * head_dim values for a prompt of L tokens), nothing all-gathered;
+      decode tokens (one new token): split-KV. The decode queries are all-gathered; every rank attends
+        them over its own blocks of their sequences (in a few buckets of similar length, as
+        `PagedAttention` batches decodes); one all-gather of (output, lse) lets each owner merge its
+        queries' partials exactly (`merge_partials`, its own partial first).
+    A step with both runs the ring, then the split-KV. The sampled rows' hidden states reach every rank by
+    one all-reduce.
 The scheduler, block manager and sampler live on rank 0 alone (torch-free and unchanged apart from the
 groups); the other ranks never see a request.
 Not responsible for: launching ranks (`meshlm generate --tp N --cp M` starts them through torch's
@@ -27,6 +38,7 @@ launcher; under torchrun every rank builds `LLM(..., tp=N, cp=M)`), scheduling o
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 
@@ -34,9 +46,10 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput, block_rows, write_kv
+from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput, block_rows, length_buckets, write_kv
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
+from meshlm.parallel.context import merge_partials, ring_pass
 from meshlm.models.transformer import Transformer
 
 _STOP = {"stop": True}
@@ -140,94 +153,202 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
         steps += 1
 
 
-def split_kv_attention(mesh: Mesh):
+def context_parallel_attention(mesh: Mesh):
     """The `attention` class a `ModelRunner` of a cp rank uses (bound to its mesh)."""
     def make(k_caches, v_caches, step, block_size, *, dtype, buffers=None):
-        return SplitKVAttention(k_caches, v_caches, step, block_size, dtype=dtype, buffers=buffers, mesh=mesh)
+        return ContextParallelAttention(k_caches, v_caches, step, block_size, dtype=dtype, buffers=buffers,
+                                        mesh=mesh)
     return make
 
 
-class SplitKVAttention:
-    """The attention context of one step on one cp rank: its blocks only, partials merged over "cp".
+def _keep(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the additive 0 / -inf one, built once per step (not in every layer)."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+
+
+class ContextParallelAttention:
+    """The attention context of one step on one cp rank: its own tokens and its own blocks; prefill chunks by
+    a ring of the keys/values over "cp", decode tokens by split-KV partials (the module docstring).
 
     The step's block tables hold global block ids; block b is this rank's local block b // cp when
-    b % cp == its cp coordinate."""
+    b % cp == its cp coordinate. Everything below is decided from the step alone, so every rank knows how
+    many keys each other rank holds and which of its queries may see them."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
-                 *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh):
+                 *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh, tile_rows: int = 256):
+        """`tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory)."""
         self.k_caches, self.v_caches, self.mesh = k_caches, v_caches, mesh
         self.buffers = buffers or GatherBuffers()
         device = k_caches[0].device
+        num_kv, num_blocks = k_caches[0].shape[:2]
         cp, me = mesh.size("cp"), mesh.local_rank("cp")
+        self.cp, self.me = cp, me
+        # Partials and their merge in at least fp32 (a log-sum-exp in bf16 is off by a few percent).
+        self.cdt = cdt = torch.promote_types(dtype, torch.float32)
+
+        def local_slot(slot: int) -> int:
+            return (slot // block_size) // cp * block_size + slot % block_size
+
         # Each new token is computed by the rank that holds its KV slot: its block's owner. So a prefill is
         # split over the ranks block by block and every key/value is written where it is computed.
         owners = [(slot // block_size) % cp for slot in step.slot_mapping]
         self.rows_of = [[row for row, o in enumerate(owners) if o == r] for r in range(cp)]
-        self.local_rows = torch.tensor(self.rows_of[me], dtype=torch.long, device=device)
-        self.write_slots = torch.tensor([(step.slot_mapping[row] // block_size) // cp * block_size
-                                         + step.slot_mapping[row] % block_size for row in self.rows_of[me]],
-                                        dtype=torch.long, device=device)
-        self.num_rows = len(step.token_ids)
-        self.cp, self.me = cp, me
+        mine = self.rows_of[me]
+        self.local_rows = torch.tensor(mine, dtype=torch.long, device=device)
+        self.write_slots = torch.tensor([local_slot(step.slot_mapping[row]) for row in mine], dtype=torch.long,
+                                        device=device)
+        where = {row: i for i, row in enumerate(mine)}
         # The rows whose logits are wanted, and which of them this rank computes (at which local index).
-        where = {row: i for i, row in enumerate(self.rows_of[me])}
         self.sampled_here = [(i, where[row]) for i, row in enumerate(step.logits_indices) if row in where]
         self.num_sampled = len(step.logits_indices)
-        # Per sequence: (first row, new tokens, this rank's local blocks, additive mask [new, keys]).
-        self.seqs = []
-        start = 0
-        for n, length, table in zip(step.query_lens, step.context_lens, step.block_tables):
-            used = -(-length // block_size)
-            local = [(j, b // cp) for j, b in enumerate(table[:used]) if b % cp == me]
-            if local:
-                keys = torch.cat([torch.arange(j * block_size, (j + 1) * block_size) for j, _ in local])
-                queries = torch.arange(length - n, length)
-                visible = (keys[None, :] <= queries[:, None]) & (keys[None, :] < length)
-                mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
-                blocks = torch.tensor([b for _, b in local], dtype=torch.long)
-                rows = block_rows(blocks, k_caches[0].shape[0], k_caches[0].shape[1])
-                self.seqs.append((start, n, rows.to(device), mask.to(device)))
-            start += n
+        starts = [0]
+        for n in step.query_lens:
+            starts.append(starts[-1] + n)
+
+        offset = torch.arange(block_size)
+
+        def held(i: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """(positions, local slots on rank r) of every key of sequence i that rank r holds, in position order."""
+            length = step.context_lens[i]
+            table = torch.tensor(step.block_tables[i][:-(-length // block_size)], dtype=torch.long)
+            j = torch.nonzero(table % cp == r).flatten()
+            pos = (j[:, None] * block_size + offset).flatten()
+            slots = (table[j, None] // cp * block_size + offset).flatten()
+            return pos[pos < length], slots[pos < length]
+
+        # Prefill chunks (more than one new token): the ring. What travels from rank r: the keys/values of
+        # every prefilling sequence that r holds (cached and new), packed one sequence after the other.
+        prefill = [i for i, n in enumerate(step.query_lens) if n > 1]
+        keys = [[held(i, r) for r in range(cp)] for i in prefill]
+        self.ring_sizes = [sum(len(k[r][0]) for k in keys) for r in range(cp)]
+        self.ring_slots = torch.cat([k[me][1] for k in keys] or [torch.zeros(0, dtype=torch.long)]).to(device)
+        # Per source rank, tile by tile: (this rank's query rows, first key column in the block, key columns,
+        # visible keys per row or None). A rank's keys of a sequence are in position order, so a query sees a
+        # prefix of them (causal by position: key position <= query position); its rows are in position order
+        # too, so the rows that see none come first and are skipped, and each tile of rows reads only the
+        # columns its last row sees (a pair where no query sees a key is skipped whole).
+        self.ring_tiles: list[list[tuple[slice, int, int, torch.Tensor | None]]] = [[] for _ in range(cp)]
+        offsets = [0] * cp
+        for i, seq_keys in zip(prefill, keys):
+            first = bisect.bisect_left(mine, starts[i])
+            q_pos = torch.tensor([step.positions[row] for row in mine[first:bisect.bisect_left(mine, starts[i + 1])]],
+                                 dtype=torch.long)
+            for src in range(cp):
+                k_pos = seq_keys[src][0]
+                counts = torch.searchsorted(k_pos, q_pos, right=True)  # keys each query sees
+                for lo in range(int((counts == 0).sum()), len(q_pos), tile_rows):
+                    c = counts[lo:lo + tile_rows]
+                    width = int(c[-1])
+                    self.ring_tiles[src].append((slice(first + lo, first + lo + len(c)), offsets[src], width,
+                                                 None if int(c[0]) == width else c[:, None].to(device)))
+                offsets[src] += len(k_pos)
+
+        # Decode tokens (one new token): split-KV, in buckets of similar length. A decode's query is
+        # all-gathered; every rank attends it over its own blocks of that sequence.
+        decode = [i for i, n in enumerate(step.query_lens) if n == 1]
+        self.num_decode = len(decode)
+        self.decode_of = [[d for d, i in enumerate(decode) if owners[starts[i]] == r] for r in range(cp)]
+        self.decode_mine = torch.tensor(self.decode_of[me], dtype=torch.long, device=device)
+        self.decode_local = torch.tensor([where[starts[decode[d]]] for d in self.decode_of[me]], dtype=torch.long,
+                                         device=device)
+        # (decode indices, cache rows of this rank's blocks of them, additive mask [batch, 1, keys])
+        self.decode_buckets = []
+        for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
+            seqs = [decode[d] for d in bucket]
+            # (index j in the table, global id) of this rank's blocks of each sequence
+            blocks = [[(j, b) for j, b in enumerate(step.block_tables[i][:-(-step.context_lens[i] // block_size)])
+                       if b % cp == me] for i in seqs]
+            most = max(map(len, blocks))
+            if most == 0:  # none of these sequences has a block here: their partials stay empty
+                continue
+            # padded to the most blocks any of them has here (index -1, local block 0: masked)
+            index = torch.tensor([[j for j, _ in bl] + [-1] * (most - len(bl)) for bl in blocks], dtype=torch.long)
+            local = torch.tensor([[b // cp for _, b in bl] + [0] * (most - len(bl)) for bl in blocks], dtype=torch.long)
+            pos = index[..., None] * block_size + offset  # [batch, most, block_size]
+            lengths = torch.tensor([step.context_lens[i] for i in seqs])
+            visible = ((index[..., None] >= 0) & (pos < lengths[:, None, None])).reshape(len(seqs), -1)
+            self.decode_buckets.append((torch.tensor(bucket, dtype=torch.long, device=device),
+                                        block_rows(local, num_kv, num_blocks).to(device),
+                                        _keep(visible[:, None], cdt).to(device)))
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         assert q_bhsd.shape[2] == len(self.rows_of[self.me]), "the runner must pass this rank's tokens only"
         if self.write_slots.numel():  # the keys/values of this rank's tokens, into its own blocks
             write_kv(k_cache, v_cache, self.write_slots, k_bhsd[0], v_bhsd[0])
-        heads, dim = q_bhsd.shape[1], q_bhsd.shape[-1]
-        num_kv = k_bhsd.shape[1]
-        groups = heads // num_kv
-        # Every rank attends every query over its own keys: the queries of all ranks, in step order (padded
-        # to the most any rank has, for one all-gather).
-        most = max(map(len, self.rows_of))
-        mine = q_bhsd.new_zeros(heads, most, dim)
-        mine[:, :q_bhsd.shape[2]] = q_bhsd[0]
-        every = comm.all_gather(mine[None], self.mesh, "cp", dim=0)  # [cp, heads, most, dim]
-        q_all = q_bhsd.new_empty(heads, self.num_rows, dim)
-        for r, rows in enumerate(self.rows_of):
-            q_all[:, rows] = every[r, :, :len(rows)]
-        # This rank's partial: output and log-sum-exp per (head, row); rows that see none of its keys
-        # keep lse = -inf and weigh nothing in the merge.
-        out = q_bhsd.new_zeros(heads, self.num_rows, dim)
-        lse = q_bhsd.new_full((heads, self.num_rows), float("-inf"))
-        for start, n, rows, mask in self.seqs:
-            q = q_all[:, start:start + n].reshape(num_kv, groups, n, dim)
+        q = q_bhsd[0].to(self.cdt)  # [heads, this rank's rows, dim]
+        out = torch.zeros_like(q)
+        if any(self.ring_sizes):
+            self._ring(k_cache, v_cache, q, out)
+        if self.num_decode:
+            self._split_kv(k_cache, v_cache, q_bhsd[0], out)
+        return out[None].to(q_bhsd.dtype)
+
+    def _ring(self, k_cache, v_cache, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The prefill rows of `out`: this rank's queries attend the keys/values of every rank, which travel
+        round the cp ring (`parallel.context.ring_pass`), partials merged by `merge_partials`."""
+        num_kv, dim = k_cache.shape[0], k_cache.shape[-1]
+        heads = q.shape[0]
+        groups, scale = heads // num_kv, dim ** -0.5
+        lse = q.new_full(q.shape[:-1], float("-inf"))
+        block = k_cache.new_empty((2, num_kv, self.ring_sizes[self.me], dim))  # what travels: the kv heads only
+        torch.index_select(k_cache.view(num_kv, -1, dim), 1, self.ring_slots, out=block[0])
+        torch.index_select(v_cache.view(num_kv, -1, dim), 1, self.ring_slots, out=block[1])
+
+        def visit(kv: torch.Tensor, src: int) -> None:
+            k, v = kv[0, :, None].to(q.dtype), kv[1, :, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
+            for rows, col, width, counts in self.ring_tiles[src]:
+                n = rows.stop - rows.start
+                scores = torch.matmul(q[:, rows].reshape(num_kv, groups, n, dim),
+                                      k[:, :, col:col + width].transpose(-1, -2)).mul_(scale)
+                if counts is not None:  # row i sees the first counts[i] keys (every row sees one at least)
+                    scores.masked_fill_(torch.arange(width, device=q.device) >= counts, float("-inf"))
+                part_lse = torch.logsumexp(scores, dim=-1)
+                part = torch.matmul(torch.exp(scores - part_lse[..., None]), v[:, :, col:col + width])
+                out[:, rows], lse[:, rows] = merge_partials(out[:, rows], lse[:, rows], part.reshape(heads, n, dim),
+                                                            part_lse.reshape(heads, n))
+
+        ring_pass(block, self.mesh, "cp", visit,
+                  incoming=lambda src: block.new_empty((2, num_kv, self.ring_sizes[src], dim)))
+
+    def _split_kv(self, k_cache, v_cache, q_hsd: torch.Tensor, out: torch.Tensor) -> None:
+        """The decode rows of `out`: every decode query all-gathered, attended over each rank's own blocks, and
+        the partials (output, lse) all-gathered once and merged by each query's owner."""
+        num_kv, dim = k_cache.shape[0], k_cache.shape[-1]
+        heads = q_hsd.shape[0]
+        groups, scale = heads // num_kv, dim ** -0.5
+        # The decode queries of all ranks (in the model's dtype), padded to the most any rank has, for one
+        # all-gather.
+        most = max(map(len, self.decode_of))
+        padded = q_hsd.new_zeros(heads, most, dim)
+        padded[:, :self.decode_local.numel()] = q_hsd[:, self.decode_local]
+        every = comm.all_gather(padded[None], self.mesh, "cp", dim=0).to(out.dtype)  # [cp, heads, most, dim]
+        q = out.new_empty(heads, self.num_decode, dim)
+        for r, ds in enumerate(self.decode_of):
+            q[:, ds] = every[r, :, :len(ds)]
+        # This rank's partials; sequences with no block here keep lse = -inf and weigh nothing in the merge.
+        part = q.new_zeros(heads, self.num_decode, dim)
+        part_lse = q.new_full((heads, self.num_decode), float("-inf"))
+        for idx, rows, mask in self.decode_buckets:
+            batch = idx.numel()
+            qb = q[:, idx].view(num_kv, groups, batch, dim).transpose(1, 2)  # [kv, batch, groups, dim]
             k, v = self.buffers.gather(k_cache, v_cache, rows)
-            k = k[:, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
-            v = v[:, None].to(q.dtype)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * dim ** -0.5 + mask
-            part_lse = torch.logsumexp(scores, dim=-1)  # [kv, groups, n]
-            weights = torch.exp(scores - part_lse[..., None]).nan_to_num(0.0)  # a row with no visible key: 0
-            out[:, start:start + n] = torch.matmul(weights, v).reshape(heads, n, dim)
-            lse[:, start:start + n] = part_lse.reshape(heads, n)
-        # One all-gather of (output, lse) over cp, then the exact merge of the partials.
-        both = comm.all_gather(torch.cat([out, lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
-        outs, lses = both[..., :dim], both[..., dim]
-        outs, lses = outs[:, :, self.local_rows], lses[:, :, self.local_rows]  # this rank's queries only
-        total = torch.logsumexp(lses, dim=0)  # [heads, rows]
-        scale = torch.exp(lses - total).nan_to_num(0.0)
-        merged = (outs * scale[..., None]).sum(dim=0)
-        return merged[None].to(q_bhsd.dtype)
+            k = k.view(num_kv, batch, -1, dim).to(q.dtype)  # [kv, batch, keys, dim]
+            v = v.view(num_kv, batch, -1, dim).to(q.dtype)
+            scores = torch.matmul(qb, k.transpose(-1, -2)) * scale + mask
+            lse = torch.logsumexp(scores, dim=-1)  # [kv, batch, groups]
+            o = torch.matmul(torch.exp(scores - lse[..., None]).nan_to_num(0.0), v)
+            part[:, idx] = o.transpose(1, 2).reshape(heads, batch, dim)
+            part_lse[:, idx] = lse.transpose(1, 2).reshape(heads, batch)
+        # One all-gather of (output, lse) over cp; each owner merges its queries' partials, its own first (it
+        # holds the query's own key, so the running lse is finite from the start).
+        both = comm.all_gather(torch.cat([part, part_lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
+        both = both[:, :, self.decode_mine]  # [cp, heads, this rank's decodes, dim + 1]
+        merged, merged_lse = both[self.me, ..., :dim], both[self.me, ..., dim]
+        for r in range(self.cp):
+            if r != self.me:
+                merged, merged_lse = merge_partials(merged, merged_lse, both[r, ..., :dim], both[r, ..., dim])
+        out[:, self.decode_local] = merged
 
     def select_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The hidden states of the sampled rows [num_sampled, hidden] on every rank, from the ranks that

@@ -2,9 +2,10 @@
 
 Responsible for: the load-balanced causal split of a sequence (`shard_sequence`, `local_positions`),
 ring attention (`ring_attention`: key/value blocks passed around the cp ranks, partial results merged
-by log-sum-exp, backward as a ring), the all-gather variant (`allgather_attention`: K/V gathered once
-per layer), the one log-sum-exp merge of partial attention results (`merge_partials`, which split-KV
-decoding reuses), and `apply_context_parallel`, which swaps every attention's core for one of them.
+by log-sum-exp, backward as a ring; its forward loop, `ring_pass`, is also context-parallel serving's),
+the all-gather variant (`allgather_attention`: K/V gathered once per layer), the one log-sum-exp merge
+of partial attention results (`merge_partials`, which serving's ring and split-KV decoding reuse), and
+`apply_context_parallel`, which swaps every attention's core for one of them.
 Not responsible for: the loss normalisation (the trainer: every rank's token-loss sum over the global
 token count, summed over "dp_cp"), the gradient reduction of the replicated parameters over "dp_cp"
 (`parallel/data.py` and `parallel/zero.py` are handed that axis), or RoPE (the model rotates q and k by
@@ -18,11 +19,13 @@ would leave the last rank cp times the first's). seq_len must divide by 2*cp.
 Ring attention (forward). Each rank starts with its own K/V (both chunks, only the kv heads: GQA's
 query heads share them and are expanded locally); for cp steps it attends its queries to the block in
 hand while the block moves on to the next rank (`comm.batch_isend_irecv`, posted before the compute
-so the transfer overlaps it). Per (query chunk, key chunk) pair the causal mask is decided by chunk
-index: an earlier key chunk is attended in full, the same chunk causally, a later one not at all (the
-pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp; `merge_partials`
-combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the output and the
-log-sum-exp -- 1/cp of the sequence's, whatever cp is.
+so the transfer overlaps it). That loop is `ring_pass`, which takes what to do with the block in hand
+as a callable: context-parallel serving's prefill (`infer/parallel.py`) runs the same loop over its own
+blocks (the paged cache's keys, causal by position). Per (query chunk, key chunk) pair the causal mask
+is decided by chunk index: an earlier key chunk is attended in full, the same chunk causally, a later
+one not at all (the pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp;
+`merge_partials` combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the
+output and the log-sum-exp -- 1/cp of the sequence's, whatever cp is.
 
 Ring attention (backward). The K/V blocks go round again; for each block every rank computes its
 queries' share of dK/dV (and its own dQ) from the saved output and log-sum-exp (the FlashAttention
@@ -191,6 +194,33 @@ def _block_backward(qc, doc, block, *, cp_rank: int, src: int, cp: int, lse, del
     return torch.stack([_fold(dk, groups), _fold(dv, groups)])
 
 
+def ring_pass(block: torch.Tensor, mesh: Mesh, axis: str, visit, *, incoming=None) -> None:
+    """Every rank's `block` travels round the ring over `axis`; `visit(block_in_hand, src)` is called once for
+    each rank's block (`src`: its owner), this rank's own first, then ranks r-1, r-2, ... (cp calls, cp-1 hops).
+
+    Each hop (send the block in hand to rank r+1, receive the next from rank r-1, `comm.batch_isend_irecv`,
+    counted in `CommStats` as "send"/"recv" on `axis`) is posted before the visit, so the transfer overlaps
+    the compute. `incoming(src)`: an empty buffer for rank `src`'s block (default: one like `block`, for rings
+    whose blocks all have one shape); an empty block (no elements) is neither sent nor received, so a rank
+    with nothing to contribute only relays. The one ring loop of training's `ring_attention` (chunk-index
+    masks) and of context-parallel serving's prefill (position masks, `infer/parallel.py`)."""
+    cp, r = mesh.size(axis), mesh.local_rank(axis)
+    nxt, prv = (r + 1) % cp, (r - 1) % cp
+    for step in range(cp):
+        src = (r - step) % cp
+        handle, arriving = None, None
+        if step < cp - 1:  # the next block is on its way while this one is attended to
+            arriving = torch.empty_like(block) if incoming is None else incoming((src - 1) % cp)
+            ops = [P2P(kind, tensor, peer, tag=2 * step)
+                   for kind, tensor, peer in (("send", block, nxt), ("recv", arriving, prv)) if tensor.numel()]
+            handle = comm.batch_isend_irecv(ops, mesh, axis) if ops else None
+        visit(block, src)
+        if handle is not None:
+            handle.wait()
+        if arriving is not None:
+            block = arriving
+
+
 class _RingAttention(torch.autograd.Function):
     """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's two chunks) -> out [b, h, s, d]."""
 
@@ -198,22 +228,13 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mesh: Mesh, axis: str):
         cp, r = mesh.size(axis), mesh.local_rank(axis)
         cdt = torch.promote_types(q.dtype, torch.float32)
-        nxt, prv = (r + 1) % cp, (r - 1) % cp
         with _no_autocast(q.device.type):
             qc = q.to(cdt)
             out = torch.zeros_like(qc)
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
-            block = torch.stack([k, v]).contiguous()  # what travels: the kv heads only
-            for step in range(cp):
-                handle, incoming = None, None
-                if step < cp - 1:  # the next block is on its way while this one is attended to
-                    incoming = torch.empty_like(block)
-                    handle = comm.batch_isend_irecv([P2P("send", block, nxt, tag=2 * step),
-                                                     P2P("recv", incoming, prv, tag=2 * step)], mesh, axis)
-                _block_forward(qc, block, cp_rank=r, src=(r - step) % cp, cp=cp, out=out, lse=lse)
-                if handle is not None:
-                    handle.wait()
-                    block = incoming
+            # what travels: the kv heads only
+            ring_pass(torch.stack([k, v]).contiguous(), mesh, axis,
+                      lambda block, src: _block_forward(qc, block, cp_rank=r, src=src, cp=cp, out=out, lse=lse))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.axis = mesh, axis
