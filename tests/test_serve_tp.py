@@ -65,7 +65,7 @@ def _cp_attention_error(rank, world_size):
     prefill from scratch and decodes (the ring in tiles of 2 query rows, split-KV) against attention over
     each sequence's keys up to the token's position: (max error of this rank's tokens, how many it owns)."""
     from meshlm.infer.llm import serving_mesh
-    from meshlm.infer.model_runner import StepInput
+    from meshlm.infer.model_runner import StepInput, new_kv_cache, write_kv
     from meshlm.infer.parallel import ContextParallelAttention
 
     cp, bs, kv, groups, dim = world_size, 4, 2, 2, 8
@@ -76,8 +76,7 @@ def _cp_attention_error(rank, world_size):
     K = [torch.randn(kv, c + n, dim, generator=g, dtype=torch.float64) for c, n in seqs]
     V = [torch.randn(kv, c + n, dim, generator=g, dtype=torch.float64) for c, n in seqs]
     Q = [torch.randn(kv * groups, n, dim, generator=g, dtype=torch.float64) for _, n in seqs]
-    k_cache = torch.zeros(kv, 16, bs, dim, dtype=torch.float64)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = new_kv_cache(kv, 16, bs, dim, dtype=torch.float64)
     step, handed = StepInput([], [], [], [], [], [], []), [0] * cp
     for s, (cached, n) in enumerate(seqs):
         table = []
@@ -91,7 +90,8 @@ def _cp_attention_error(rank, world_size):
                 step.positions.append(pos)
                 step.slot_mapping.append(b * bs + pos % bs)
             elif b % cp == rank:  # this rank's blocks hold their cached keys; attend writes the new ones
-                k_cache[:, b // cp, pos % bs], v_cache[:, b // cp, pos % bs] = K[s][:, pos], V[s][:, pos]
+                write_kv(k_cache, v_cache, torch.tensor([b // cp * bs + pos % bs]), K[s][:, pos:pos + 1],
+                         V[s][:, pos:pos + 1])
         step.query_lens.append(n)
         step.context_lens.append(cached + n)
         step.block_tables.append(table)

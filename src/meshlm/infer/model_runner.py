@@ -1,14 +1,16 @@
 """Runs one engine step on the model: a paged KV cache per layer and attention over block tables.
 
-Responsible for: sizing the paged KV cache (one [kv_heads, num_blocks, block_size, head_dim] key and
-value tensor per layer) from a memory budget or a block count; turning a scheduler step into a plain
+Responsible for: sizing the paged KV cache (per layer a value tensor [kv_heads, num_blocks, block_size,
+head_dim] and a key tensor with each block transposed, [kv_heads, num_blocks, head_dim, block_size]:
+`new_kv_cache`) from a memory budget or a block count; turning a scheduler step into a plain
 `StepInput` (flat token ids, positions, slot mapping, block tables) -- plain data, which rank 0 sends
 to its tensor-parallel ranks each step (`infer/parallel.py`); and running the
 reference model's own modules with a `PagedAttention` context that the model's `Attention` calls
 (`cache.attend(layer, q, k, v)`): it writes the step's keys/values into their slots and attends each
-sequence over the keys its block table points to -- the blocks copied into persistent buffers a layer at
-a time, decodes batched in a few buckets of similar length (`length_buckets`), each prefill chunk on its
-own. Plain PyTorch, runs on CPU; a fused GPU kernel can
+sequence over the keys its block table points to. Decodes are batched in a few buckets of similar length
+(`length_buckets`) and attend straight over the cache (`DecodeBatch`: two `embedding_bag` sums, no block
+copied); a prefill chunk attends its own keys with fused SDPA, or, after a cached prefix, its blocks copied
+into persistent buffers (`GatherBuffers`). Plain PyTorch, runs on CPU; a fused GPU kernel can
 replace `PagedAttention.attend` behind the same interface. MoE layers run dropless (the capacity rule of
 training, if the model has one, is turned off).
 Not responsible for: the model's math other than attention with the paged cache, scheduling, or
@@ -94,6 +96,15 @@ class GatherBuffers:
         return k, v.view(num_kv, -1, dim)
 
 
+def new_kv_cache(num_kv: int, num_blocks: int, block_size: int, head_dim: int, *, dtype: torch.dtype,
+                 device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed (keys, values): values [kv_heads, num_blocks, block_size, head_dim]; keys transposed
+    in their block, [kv_heads, num_blocks, head_dim, block_size] (what `DecodeBatch` reads). kv heads lead: a
+    head's blocks are one tensor, so the blocks a step reads are rows of one table."""
+    return (torch.zeros(num_kv, num_blocks, head_dim, block_size, dtype=dtype, device=device),
+            torch.zeros(num_kv, num_blocks, block_size, head_dim, dtype=dtype, device=device))
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_hsd: torch.Tensor,
              v_hsd: torch.Tensor) -> None:
     """Store new keys/values [kv_heads, tokens, head_dim] at `slots` (block * block_size + offset); keys go
@@ -117,15 +128,24 @@ class DecodeBatch:
     and value three times; this reads each once (2-4x faster on the benchmark's shapes, CPU). The batch is
     padded to its longest sequence (block 0 stands in for missing blocks) and masked."""
 
-    def __init__(self, rows: torch.Tensor, tables: list[list[int]], lengths: list[int], *, num_kv: int,
-                 num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        self.rows = rows  # the step rows of these decodes
-        width = max(len(t) for t in tables)
-        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [batch, width]
-        self.heads = (torch.arange(num_kv)[:, None, None] * num_blocks + blocks[None]).to(device)  # [kv, batch, width]
-        keep = torch.arange(width * block_size)[None, :] < torch.tensor(lengths)[:, None]  # [batch, keys]
-        self.mask = _additive(keep[:, None].to(device), dtype)  # broadcast over [kv, batch, groups, keys]
+    def __init__(self, rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, *, num_kv: int,
+                 num_blocks: int, dtype: torch.dtype):
+        """`rows`: whatever the caller indexes its queries by; `blocks` [batch, width]: the cache blocks each
+        decode attends (padding: any block); `keep` [batch, width * block_size]: which of their keys it sees."""
+        self.rows = rows
+        device = blocks.device
+        self.heads = torch.arange(num_kv, device=device)[:, None, None] * num_blocks + blocks[None]  # [kv, batch, width]
+        self.mask = _additive(keep[:, None], dtype)  # broadcast over [kv, batch, groups, keys]
         self.k_index = self.v_index = None  # built by the first layer, which knows the query heads per kv head
+
+    @classmethod
+    def of_sequences(cls, rows: torch.Tensor, tables: list[list[int]], lengths: list[int], *, block_size: int,
+                     **kwargs) -> "DecodeBatch":
+        """Decodes of whole sequences: each attends the first `length` keys of its block table."""
+        width = max(len(t) for t in tables)
+        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        keep = torch.arange(width * block_size)[None, :] < torch.tensor(lengths)[:, None]
+        return cls(rows, blocks.to(rows.device), keep.to(rows.device), **kwargs)
 
     def _index(self, groups: int, dim: int, block_size: int) -> None:
         num_kv, batch, width = self.heads.shape
@@ -138,8 +158,10 @@ class DecodeBatch:
         self.v_index = v_rows.reshape(num_kv, batch, 1, -1).expand(num_kv, batch, groups, width * block_size).reshape(
             -1, width * block_size)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [kv_heads, batch, groups, dim] -> output [kv_heads, batch, groups, dim]."""
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, with_lse: bool = False):
+        """q [kv_heads, batch, groups, dim] -> output [kv_heads, batch, groups, dim] (in q's dtype), and with
+        `with_lse` the log-sum-exp of the scores [kv_heads, batch, groups] (-inf, output 0, where no key is
+        seen): the partial that context-parallel serving merges over ranks."""
         num_kv, batch, groups, dim = q.shape
         block_size = k_cache.shape[-1]
         width = self.heads.shape[-1]
@@ -148,11 +170,24 @@ class DecodeBatch:
         weights = q[:, :, :, None, :].expand(num_kv, batch, groups, width, dim).reshape(-1, dim)
         scores = F.embedding_bag(self.k_index, k_cache.view(-1, block_size), mode="sum",
                                  per_sample_weights=weights.to(k_cache.dtype))
-        scores = scores.view(num_kv, batch, groups, -1).to(q.dtype).mul_(dim ** -0.5).add_(self.mask)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-        out = F.embedding_bag(self.v_index, v_cache.view(-1, dim), mode="sum",
+        scores = scores.view(num_kv, batch, groups, -1).to(torch.promote_types(q.dtype, torch.float32))
+        scores = scores.mul_(dim ** -0.5).add_(self.mask)
+        if with_lse:
+            lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = F.embedding_bag(self.v_index, v_cache.view(-1, v_cache.shape[-1]), mode="sum",
                               per_sample_weights=probs.view(-1, probs.shape[-1]).to(v_cache.dtype))
-        return out.view(num_kv, batch, groups, dim).to(q.dtype)
+        out = out.view(num_kv, batch, groups, dim).to(q.dtype)
+        return (out, lse) if with_lse else out
+
+
+def read_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+    """The keys and values at `slots` (block * block_size + offset) as [kv_heads, len(slots), head_dim] copies."""
+    num_kv, _, block_size, dim = v_cache.shape
+    k = k_cache[:, slots // block_size, :, slots % block_size]  # [slots, kv_heads, dim]
+    return k.transpose(0, 1), v_cache.view(num_kv, -1, dim)[:, slots]
 
 
 def length_buckets(lengths: list[int], *, min_size: int = 16, max_buckets: int = 4) -> list[list[int]]:
@@ -192,10 +227,10 @@ class PagedAttention:
         for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
             seqs = [decode[j] for j in bucket]
             longest = -(-max(step.context_lens[i] for i in seqs) // block_size)
-            self.decode.append(DecodeBatch(
+            self.decode.append(DecodeBatch.of_sequences(
                 torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
                 [step.block_tables[i][:longest] for i in seqs], [step.context_lens[i] for i in seqs],
-                num_kv=num_kv, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device))
+                block_size=block_size, num_kv=num_kv, num_blocks=num_blocks, dtype=dtype))
         # (first row, new tokens, context length, cache rows, additive causal mask: None for a chunk with
         # nothing cached before it)
         self.prefills = []
@@ -292,15 +327,9 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
                                  f"{kv_block_bytes(model, block_size, self.kv_dtype)} bytes; give it more memory")
         self.num_blocks = num_blocks
-        # kv heads first: a head's blocks are one tensor, so the blocks a step reads are rows of one table.
-        # Values [kv_heads, num_blocks, block_size, head_dim]; keys transposed in their block
-        # [kv_heads, num_blocks, head_dim, block_size]: decode attention scores a query against a block as a
-        # weighted sum of its rows (`DecodeBatch`).
-        kv = local_kv_heads(model)
-        self.k_caches = [torch.zeros(kv, num_blocks, cfg.head_dim, block_size, dtype=self.kv_dtype, device=self.device)
-                         for _ in range(cfg.num_layers)]
-        self.v_caches = [torch.zeros(kv, num_blocks, block_size, cfg.head_dim, dtype=self.kv_dtype, device=self.device)
-                         for _ in range(cfg.num_layers)]
+        caches = [new_kv_cache(local_kv_heads(model), num_blocks, block_size, cfg.head_dim, dtype=self.kv_dtype,
+                               device=self.device) for _ in range(cfg.num_layers)]
+        self.k_caches, self.v_caches = [k for k, _ in caches], [v for _, v in caches]
         self.buffers = GatherBuffers()  # reused by every layer of every step
         self.attention = attention or PagedAttention
         self.attention_seconds = 0.0  # PagedAttention's time, summed over steps (not under other `attention`)

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import GatherBuffers, ModelRunner, StepInput, block_rows, length_buckets, write_kv
+from meshlm.infer.model_runner import (DecodeBatch, GatherBuffers, ModelRunner, StepInput, length_buckets,
+                                       read_slots, write_kv)
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.parallel.context import merge_partials, ring_pass
@@ -161,11 +162,6 @@ def context_parallel_attention(mesh: Mesh):
     return make
 
 
-def _keep(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean visibility mask as the additive 0 / -inf one, built once per step (not in every layer)."""
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
-
-
 class ContextParallelAttention:
     """The attention context of one step on one cp rank: its own tokens and its own blocks; prefill chunks by
     a ring of the keys/values over "cp", decode tokens by split-KV partials (the module docstring).
@@ -176,9 +172,9 @@ class ContextParallelAttention:
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
                  *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh, tile_rows: int = 256):
-        """`tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory)."""
+        """`buffers`: unused (the runner passes every attention context its gather buffers; this one copies no
+        block). `tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory)."""
         self.k_caches, self.v_caches, self.mesh = k_caches, v_caches, mesh
-        self.buffers = buffers or GatherBuffers()
         device = k_caches[0].device
         num_kv, num_blocks = k_caches[0].shape[:2]
         cp, me = mesh.size("cp"), mesh.local_rank("cp")
@@ -251,7 +247,7 @@ class ContextParallelAttention:
         self.decode_mine = torch.tensor(self.decode_of[me], dtype=torch.long, device=device)
         self.decode_local = torch.tensor([where[starts[decode[d]]] for d in self.decode_of[me]], dtype=torch.long,
                                          device=device)
-        # (decode indices, cache rows of this rank's blocks of them, additive mask [batch, 1, keys])
+        # One DecodeBatch per bucket: its rows are decode indices; it attends this rank's blocks of them.
         self.decode_buckets = []
         for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
             seqs = [decode[d] for d in bucket]
@@ -267,9 +263,9 @@ class ContextParallelAttention:
             pos = index[..., None] * block_size + offset  # [batch, most, block_size]
             lengths = torch.tensor([step.context_lens[i] for i in seqs])
             visible = ((index[..., None] >= 0) & (pos < lengths[:, None, None])).reshape(len(seqs), -1)
-            self.decode_buckets.append((torch.tensor(bucket, dtype=torch.long, device=device),
-                                        block_rows(local, num_kv, num_blocks).to(device),
-                                        _keep(visible[:, None], cdt).to(device)))
+            self.decode_buckets.append(DecodeBatch(torch.tensor(bucket, dtype=torch.long, device=device),
+                                                   local.to(device), visible.to(device), num_kv=num_kv,
+                                                   num_blocks=num_blocks, dtype=cdt))
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
@@ -287,13 +283,11 @@ class ContextParallelAttention:
     def _ring(self, k_cache, v_cache, q: torch.Tensor, out: torch.Tensor) -> None:
         """The prefill rows of `out`: this rank's queries attend the keys/values of every rank, which travel
         round the cp ring (`parallel.context.ring_pass`), partials merged by `merge_partials`."""
-        num_kv, dim = k_cache.shape[0], k_cache.shape[-1]
+        num_kv, dim = v_cache.shape[0], v_cache.shape[-1]
         heads = q.shape[0]
         groups, scale = heads // num_kv, dim ** -0.5
         lse = q.new_full(q.shape[:-1], float("-inf"))
-        block = k_cache.new_empty((2, num_kv, self.ring_sizes[self.me], dim))  # what travels: the kv heads only
-        torch.index_select(k_cache.view(num_kv, -1, dim), 1, self.ring_slots, out=block[0])
-        torch.index_select(v_cache.view(num_kv, -1, dim), 1, self.ring_slots, out=block[1])
+        block = torch.stack(read_slots(k_cache, v_cache, self.ring_slots))  # what travels: the kv heads only
 
         def visit(kv: torch.Tensor, src: int) -> None:
             k, v = kv[0, :, None].to(q.dtype), kv[1, :, None].to(q.dtype)  # [kv_heads, 1, keys, dim]
@@ -314,9 +308,9 @@ class ContextParallelAttention:
     def _split_kv(self, k_cache, v_cache, q_hsd: torch.Tensor, out: torch.Tensor) -> None:
         """The decode rows of `out`: every decode query all-gathered, attended over each rank's own blocks, and
         the partials (output, lse) all-gathered once and merged by each query's owner."""
-        num_kv, dim = k_cache.shape[0], k_cache.shape[-1]
+        num_kv, dim = v_cache.shape[0], v_cache.shape[-1]
         heads = q_hsd.shape[0]
-        groups, scale = heads // num_kv, dim ** -0.5
+        groups = heads // num_kv
         # The decode queries of all ranks (in the model's dtype), padded to the most any rank has, for one
         # all-gather.
         most = max(map(len, self.decode_of))
@@ -329,17 +323,12 @@ class ContextParallelAttention:
         # This rank's partials; sequences with no block here keep lse = -inf and weigh nothing in the merge.
         part = q.new_zeros(heads, self.num_decode, dim)
         part_lse = q.new_full((heads, self.num_decode), float("-inf"))
-        for idx, rows, mask in self.decode_buckets:
-            batch = idx.numel()
-            qb = q[:, idx].view(num_kv, groups, batch, dim).transpose(1, 2)  # [kv, batch, groups, dim]
-            k, v = self.buffers.gather(k_cache, v_cache, rows)
-            k = k.view(num_kv, batch, -1, dim).to(q.dtype)  # [kv, batch, keys, dim]
-            v = v.view(num_kv, batch, -1, dim).to(q.dtype)
-            scores = torch.matmul(qb, k.transpose(-1, -2)) * scale + mask
-            lse = torch.logsumexp(scores, dim=-1)  # [kv, batch, groups]
-            o = torch.matmul(torch.exp(scores - lse[..., None]).nan_to_num(0.0), v)
-            part[:, idx] = o.transpose(1, 2).reshape(heads, batch, dim)
-            part_lse[:, idx] = lse.transpose(1, 2).reshape(heads, batch)
+        for batch in self.decode_buckets:
+            idx = batch.rows
+            qb = q[:, idx].view(num_kv, groups, idx.numel(), dim).transpose(1, 2)  # [kv, batch, groups, dim]
+            o, lse = batch.attend(qb, k_cache, v_cache, with_lse=True)
+            part[:, idx] = o.transpose(1, 2).reshape(heads, idx.numel(), dim)
+            part_lse[:, idx] = lse.transpose(1, 2).reshape(heads, idx.numel())
         # One all-gather of (output, lse) over cp; each owner merges its queries' partials, its own first (it
         # holds the query's own key, so the running lse is finite from the start).
         both = comm.all_gather(torch.cat([part, part_lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
