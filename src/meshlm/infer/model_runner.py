@@ -163,15 +163,15 @@ class DecodeBatch:
         `with_lse` the log-sum-exp of the scores [kv_heads, batch, groups] (-inf, output 0, where no key is
         seen): the partial that context-parallel serving merges over ranks."""
         num_kv, batch, groups, dim = q.shape
-        block_size = k_cache.shape[-1]
+        block_size, dtype = k_cache.shape[-1], q.dtype
         width = self.heads.shape[-1]
         if self.k_index is None:
             self._index(groups, dim, block_size)
+        q = q.to(k_cache.dtype) * dim ** -0.5  # the softmax scale on the queries (fewer than the scores)
         weights = q[:, :, :, None, :].expand(num_kv, batch, groups, width, dim).reshape(-1, dim)
-        scores = F.embedding_bag(self.k_index, k_cache.view(-1, block_size), mode="sum",
-                                 per_sample_weights=weights.to(k_cache.dtype))
+        scores = F.embedding_bag(self.k_index, k_cache.view(-1, block_size), mode="sum", per_sample_weights=weights)
         scores = scores.view(num_kv, batch, groups, -1).to(torch.promote_types(q.dtype, torch.float32))
-        scores = scores.mul_(dim ** -0.5).add_(self.mask)
+        scores = scores.add_(self.mask)
         if with_lse:
             lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
@@ -179,7 +179,7 @@ class DecodeBatch:
             probs = torch.softmax(scores, dim=-1)
         out = F.embedding_bag(self.v_index, v_cache.view(-1, v_cache.shape[-1]), mode="sum",
                               per_sample_weights=probs.view(-1, probs.shape[-1]).to(v_cache.dtype))
-        out = out.view(num_kv, batch, groups, dim).to(q.dtype)
+        out = out.view(num_kv, batch, groups, dim).to(dtype)
         return (out, lse) if with_lse else out
 
 
