@@ -2,9 +2,9 @@
 
 Responsible for: POST /v1/completions (one prompt or several) and /v1/chat/completions, `n` choices
 each, streamed as server-sent events (with logprobs per chunk) or not; GET /v1/models, /health and
-/metrics (Prometheus text); validating every request and answering bad input with a 4xx and an
-OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`) while the other requests go
-on; aborting the requests of a client that hangs up; an optional API key (`Authorization: Bearer KEY`,
+/metrics (Prometheus text); answering bad input with a 4xx and an OpenAI-style error body
+(`{"error": {"message", "type", "param", "code"}}`, the checks in `infer/requests.py`) while the other
+requests go on; aborting the requests of a client that hangs up; an optional API key (`Authorization: Bearer KEY`,
 every endpoint but /health); one log line per request; retrieval-augmented requests (`"rag"`, with an
 index from `meshlm.infer.rag`: retrieval runs in worker threads, the passages go before the prompt and
 the response lists them as `retrieved`); running the engine in one background thread that requests are
@@ -20,7 +20,6 @@ documented in `meshlm.infer.tokenizer` (`<|role|>\\ncontent\\n` per message, the
 
 import asyncio
 import json
-import math
 import threading
 import time
 import uuid
@@ -31,6 +30,9 @@ from pathlib import Path
 from meshlm.comm import CollectiveError
 from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.infer.rag import augment_messages, format_passages
+from meshlm.infer.requests import (
+    MAX_BODY_BYTES, MAX_CHOICES, APIError, boolean, chat_logprobs, chat_messages, completion_logprobs,
+    completion_prompts, number, rag_options, sampling_params_from, short)
 from meshlm.infer.sequence import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -212,127 +214,13 @@ class AsyncEngine:
                     pass
 
 
-# ---------------------------------------------------------------------------------------------
-# Request validation (OpenAI fields -> SamplingParams)
-# ---------------------------------------------------------------------------------------------
-
-
 class EngineUnavailable(RuntimeError):
     """The engine cannot run any request (a rank of a multi-rank engine is gone): HTTP 503."""
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _number(body: dict, key: str, default, kind=float, *, allow_none=True):
-    value = body.get(key, default)
-    if value is None and allow_none:
-        return default
-    # json.loads accepts NaN and Infinity: refused here (int(inf) would raise OverflowError, a 500).
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value)):
-        raise APIError(400, f"{key}={_short(value)} must be {'an integer' if kind is int else 'a finite number'}",
-                       param=key)
-    try:
-        return kind(value)
-    except OverflowError:  # float(10**400)
-        raise APIError(400, f"{key}={_short(value)} is out of range", param=key) from None
-
-
-def _bool(body: dict, key: str, default: bool = False) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise APIError(400, f"{key}={_short(value)} must be true or false", param=key)
-    return value
-
-
-def _short(value) -> str:
-    """A user value for an error message: bounded length, ASCII only (safe whatever the client sent)."""
-    text = ascii(value) if not isinstance(value, (dict, list)) else type(value).__name__
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def check_text(text: str, param: str) -> str:
-    """Refuse text that is not valid Unicode (JSON lets a lone surrogate such as \\ud800 through)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"{param} holds text that is not valid Unicode ({e.reason} at character {e.start}); "
-                            "send UTF-8 text", param=param) from None
-    return text
-
-
-def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
-    max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-        raise APIError(400, "stop must be a string or a list of strings", param="stop")
-    for s in [stop] if isinstance(stop, str) else stop or []:
-        check_text(s, "stop")
-    if isinstance(stop, list) and len(stop) > 16:
-        raise APIError(400, f"{len(stop)} stop strings: at most 16", param="stop")
-    logprobs = body.get("logprobs")
-    if chat:  # chat: logprobs is a boolean, the count is top_logprobs
-        logprobs = _number(body, "top_logprobs", 0, int) if _bool(body, "logprobs") else None
-    elif logprobs is not None:
-        logprobs = _number(body, "logprobs", None, int)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
-        raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
-    try:
-        return SamplingParams(
-            temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-            top_k=_number(body, "top_k", 0, int), max_tokens=_number(body, max_key, 16, int),
-            seed=_number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
-            ignore_eos=_bool(body, "ignore_eos"))
-    except ValueError as e:
-        raise APIError(400, str(e)) from e
-
-
-def _chat_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, "each message needs a 'role' and a 'content'", param="messages")
-        content = m.get("content")
-        if content is None:  # e.g. an assistant turn that only called tools
-            content = ""
-        if isinstance(content, list):  # content parts: keep the text ones
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise APIError(400, "each content part must be an object with a 'type'", param="messages")
-                if part["type"] == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise APIError(400, f"a text content part needs 'text' as a string, not "
-                                            f"{_short(part.get('text'))}", param="messages")
-                    parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise APIError(400, "message content must be a string or a list of text parts", param="messages")
-        out.append({"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")})
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------
-
-
-MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
-MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
@@ -381,7 +269,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         if model is None:
             raise APIError(400, "'model' is required", param="model")
         if model != model_name:
-            raise APIError(404, f"the model {_short(model)} does not exist; this server serves {model_name!r}",
+            raise APIError(404, f"the model {short(model)} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         return body
 
@@ -418,21 +306,21 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def run(request: Request, *, chat: bool):
         body = await read_body(request)
         params = sampling_params_from(body, chat=chat)
-        n = _number(body, "n", 1, int)
+        n = number(body, "n", 1, int)
         if not 1 <= n <= MAX_CHOICES:
             raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
         if body.get("best_of") not in (None, n):
-            raise APIError(400, f"best_of={_short(body['best_of'])}: only best_of == n is supported", param="best_of")
-        stream = _bool(body, "stream")
+            raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
+        stream = boolean(body, "stream")
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
                            param="stream_options")
-        rag_opts = _rag_options(body.get("rag"), rag_index, rag_top_k)
+        rag_opts = rag_options(body.get("rag"), rag_index, rag_top_k)
         retrieved: list[list[dict]] | None = None
         if chat:
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; chat needs one")
-            messages = _chat_messages(body)
+            messages = chat_messages(body)
             if rag_opts is not None:
                 query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
                 block, found = await retrieve(query, *rag_opts)
@@ -442,7 +330,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
                 raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
         else:
-            prompts = _completion_prompts(body.get("prompt"), has_tokenizer=tokenizer is not None)
+            prompts = completion_prompts(body.get("prompt"), has_tokenizer=tokenizer is not None)
             if rag_opts is not None:
                 if not all(isinstance(p, str) for p in prompts):
                     raise APIError(400, "rag needs text prompts (the query is the prompt's text), not token ids",
@@ -508,10 +396,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             choice = {"index": i, "finish_reason": out.finish_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
-                choice["logprobs"] = _chat_logprobs(out.logprobs, dec) if params.logprobs is not None else None
+                choice["logprobs"] = chat_logprobs(out.logprobs, dec) if params.logprobs is not None else None
             else:
                 choice["text"] = out.text
-                choice["logprobs"] = _completion_logprobs(out.logprobs, dec) if params.logprobs is not None else None
+                choice["logprobs"] = completion_logprobs(out.logprobs, dec) if params.logprobs is not None else None
             if retrieved is not None:
                 choice["retrieved"] = retrieved[i // n]
             choices.append(choice)
@@ -537,11 +425,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
                 choice["delta"] = d
                 if logprobs:
-                    choice["logprobs"] = _chat_logprobs(logprobs, dec)
+                    choice["logprobs"] = chat_logprobs(logprobs, dec)
             else:
                 choice["text"] = delta or ""
                 if logprobs:
-                    choice["logprobs"] = _completion_logprobs(logprobs, dec)
+                    choice["logprobs"] = completion_logprobs(logprobs, dec)
             data = {"id": rid, "object": chunk_kind, "created": int(time.time()), "model": model_name,
                     "choices": [choice]}
             return f"data: {json.dumps(data)}\n\n"
@@ -654,18 +542,6 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     return app
 
 
-def _completion_logprobs(logprobs: list[dict], dec) -> dict:
-    return {"tokens": [dec(lp["token"]) for lp in logprobs],
-            "token_logprobs": [lp["logprob"] for lp in logprobs],
-            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
-
-
-def _chat_logprobs(logprobs: list[dict], dec) -> dict:
-    return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
-                         "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
-                        for lp in logprobs]}
-
-
 class _AccessLog:
     """ASGI middleware: one log line per request once its response is fully sent (streams included).
 
@@ -694,55 +570,12 @@ class _AccessLog:
                      f"{time.monotonic() - start:.3f}s")
 
 
-def _rag_options(value, index, default_top_k: int) -> tuple[int, str] | None:
-    """A request's `rag` field -> (top_k, mode), or None when it does not ask for retrieval."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        value = {}
-    if not isinstance(value, dict):
-        raise APIError(400, f"rag={_short(value)} must be an object such as {{\"top_k\": 4}} (or true)", param="rag")
-    unknown = set(value) - {"top_k", "mode"}
-    if unknown:
-        raise APIError(400, f"rag has unknown fields {sorted(map(_short, unknown))}; it takes top_k and mode",
-                       param="rag")
-    if index is None:
-        raise APIError(400, "this server has no retrieval index (start it with --rag INDEX)", param="rag")
-    top_k = _number(value, "top_k", default_top_k, int)
-    mode = value.get("mode", "bm25")
-    if mode not in index.modes:
-        raise APIError(400, f"rag mode {_short(mode)} is not available; this index offers {list(index.modes)}",
-                       param="rag")
-    if not 1 <= top_k <= 64:
-        raise APIError(400, f"rag top_k={top_k} must be between 1 and 64", param="rag")
-    return top_k, mode
-
-
 async def _client_gone(request) -> None:
     """Return when the client closes the connection (the body has been read: only a disconnect comes)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _completion_prompts(prompt, *, has_tokenizer: bool) -> list:
-    """A completion's `prompt`: a string, a list of token ids, or a list of either (several prompts)."""
-    def one(p):
-        if isinstance(p, str) and p:
-            if not has_tokenizer:
-                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-            return check_text(p, "prompt")
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return p
-        raise APIError(400, "'prompt' is required: a non-empty string or list of token ids, or a list of those",
-                       param="prompt")
-
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > MAX_CHOICES:
-            raise APIError(400, f"{len(prompt)} prompts: at most {MAX_CHOICES} per request", param="prompt")
-        return [one(p) for p in prompt]
-    return [one(prompt)]
 
 
 # ---------------------------------------------------------------------------------------------

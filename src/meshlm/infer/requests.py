@@ -1,0 +1,177 @@
+"""The OpenAI API's request bodies, checked: every malformed value becomes an `APIError` (a 4xx with an
+OpenAI-style error body naming the field), before anything reaches the engine.
+
+Responsible for: sampling parameters (`sampling_params_from`), chat messages, completion prompts, the
+`rag` option, the size limits of a request, and the logprobs layout of both endpoints' responses.
+Not responsible for: HTTP, the engine, or retrieval (server.py, engine.py, rag.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshlm.infer.sequence import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def number(body: dict, key: str, default, kind=float, *, allow_none=True):
+    value = body.get(key, default)
+    if value is None and allow_none:
+        return default
+    # json.loads accepts NaN and Infinity: refused here (int(inf) would raise OverflowError, a 500).
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value)):
+        raise APIError(400, f"{key}={short(value)} must be {'an integer' if kind is int else 'a finite number'}",
+                       param=key)
+    try:
+        return kind(value)
+    except OverflowError:  # float(10**400)
+        raise APIError(400, f"{key}={short(value)} is out of range", param=key) from None
+
+
+def boolean(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{key}={short(value)} must be true or false", param=key)
+    return value
+
+
+def short(value) -> str:
+    """A user value for an error message: bounded length, ASCII only (safe whatever the client sent)."""
+    text = ascii(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_text(text: str, param: str) -> str:
+    """Refuse text that is not valid Unicode (JSON lets a lone surrogate such as \\ud800 through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds text that is not valid Unicode ({e.reason} at character {e.start}); "
+                            "send UTF-8 text", param=param) from None
+    return text
+
+
+def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
+    max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise APIError(400, "stop must be a string or a list of strings", param="stop")
+    for s in [stop] if isinstance(stop, str) else stop or []:
+        check_text(s, "stop")
+    if isinstance(stop, list) and len(stop) > 16:
+        raise APIError(400, f"{len(stop)} stop strings: at most 16", param="stop")
+    logprobs = body.get("logprobs")
+    if chat:  # chat: logprobs is a boolean, the count is top_logprobs
+        logprobs = number(body, "top_logprobs", 0, int) if boolean(body, "logprobs") else None
+    elif logprobs is not None:
+        logprobs = number(body, "logprobs", None, int)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+        raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    try:
+        return SamplingParams(
+            temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
+            top_k=number(body, "top_k", 0, int), max_tokens=number(body, max_key, 16, int),
+            seed=number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
+            ignore_eos=boolean(body, "ignore_eos"))
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, "each message needs a 'role' and a 'content'", param="messages")
+        content = m.get("content")
+        if content is None:  # e.g. an assistant turn that only called tools
+            content = ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise APIError(400, "each content part must be an object with a 'type'", param="messages")
+                if part["type"] == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise APIError(400, f"a text content part needs 'text' as a string, not "
+                                            f"{short(part.get('text'))}", param="messages")
+                    parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise APIError(400, "message content must be a string or a list of text parts", param="messages")
+        out.append({"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")})
+    return out
+
+
+MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
+MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
+
+
+def completion_logprobs(logprobs: list[dict], dec) -> dict:
+    return {"tokens": [dec(lp["token"]) for lp in logprobs],
+            "token_logprobs": [lp["logprob"] for lp in logprobs],
+            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
+
+
+def chat_logprobs(logprobs: list[dict], dec) -> dict:
+    return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
+                         "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
+                        for lp in logprobs]}
+
+
+def rag_options(value, index, default_top_k: int) -> tuple[int, str] | None:
+    """A request's `rag` field -> (top_k, mode), or None when it does not ask for retrieval."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise APIError(400, f"rag={short(value)} must be an object such as {{\"top_k\": 4}} (or true)", param="rag")
+    unknown = set(value) - {"top_k", "mode"}
+    if unknown:
+        raise APIError(400, f"rag has unknown fields {sorted(map(short, unknown))}; it takes top_k and mode",
+                       param="rag")
+    if index is None:
+        raise APIError(400, "this server has no retrieval index (start it with --rag INDEX)", param="rag")
+    top_k = number(value, "top_k", default_top_k, int)
+    mode = value.get("mode", "bm25")
+    if mode not in index.modes:
+        raise APIError(400, f"rag mode {short(mode)} is not available; this index offers {list(index.modes)}",
+                       param="rag")
+    if not 1 <= top_k <= 64:
+        raise APIError(400, f"rag top_k={top_k} must be between 1 and 64", param="rag")
+    return top_k, mode
+
+
+def completion_prompts(prompt, *, has_tokenizer: bool) -> list:
+    """A completion's `prompt`: a string, a list of token ids, or a list of either (several prompts)."""
+    def one(p):
+        if isinstance(p, str) and p:
+            if not has_tokenizer:
+                raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
+            return check_text(p, "prompt")
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise APIError(400, "'prompt' is required: a non-empty string or list of token ids, or a list of those",
+                       param="prompt")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise APIError(400, f"{len(prompt)} prompts: at most {MAX_CHOICES} per request", param="prompt")
+        return [one(p) for p in prompt]
+    return [one(prompt)]
