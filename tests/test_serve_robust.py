@@ -334,3 +334,27 @@ def test_serve_banner_names_the_model_id():
 
     line = serve_banner("127.0.0.1", 8000, "runs/default", "default")
     assert '"model": "default"' in line and "runs/default" in line
+
+
+def test_a_request_longer_than_the_kv_cache_gets_a_4xx_and_the_server_goes_on(tmp_path):
+    """One process whose KV cache (6 blocks of 4 tokens) cannot hold prompt + max_tokens refuses the request
+    with a 400 naming the blocks (streamed or not) and still serves one that fits: what `--cp` lifts."""
+    from fastapi.testclient import TestClient
+
+    from meshlm.infer.llm import LLM
+    from meshlm.infer.server import AsyncEngine, create_app
+
+    llm = LLM(str(make_model_dir(tmp_path)), device="cpu", block_size=4, num_blocks=6)
+    engine = AsyncEngine(llm.engine)
+    try:
+        client = TestClient(create_app(engine, model_name="tiny"))
+        body = {"model": "tiny", "prompt": [5] * 20, "max_tokens": 8, "temperature": 0}
+        for stream in (False, True):
+            r = client.post("/v1/completions", json={**body, "stream": stream})
+            assert r.status_code == 400, (stream, r.status_code, r.text)
+            assert "7 KV blocks" in r.json()["error"]["message"] and "6 blocks" in r.json()["error"]["message"]
+        fits = client.post("/v1/completions", json={**body, "prompt": [5] * 12, "max_tokens": 8})
+        assert fits.status_code == 200 and fits.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        assert client.get("/health").status_code == 200
+    finally:
+        engine.stop()
