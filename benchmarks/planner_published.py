@@ -253,12 +253,21 @@ def predict_row(row: dict) -> dict:
     # memory pass per elementwise op.
     eager = row["group"].startswith("K_torchtitan")
     flash = year >= 2023 and not megascale_baseline
-    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
-              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-              grad_reduce_in_fp32=not nvidia)
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
     dp = _int(row["dp"]) or n // (tp * pp * cp)
     vpp_text = row["vpp"].strip().lower()
+    interleaved = vpp_text.startswith("interleaved") or _int(vpp_text, 1) > 1
+    rc = recompute_of(row)
+    # NVIDIA's MoE recipes: experts not tensor-parallel (expert_tensor_parallel_size = 1 in every
+    # Megatron-Bridge MoE performance config), and the expert-parallel all-to-all overlapped with another
+    # microbatch (moe_a2a_overlap) wherever Megatron-Core allows it: ep > 1, no full recomputation, and an
+    # interleaved pipeline when pp > 1 (their H100 MoE configs with a virtual pipeline set it; the one without,
+    # GPT-OSS pp=4, does not).
+    nvidia_moe = nvidia and cfg.is_moe
+    ep_overlap = nvidia_moe and ep > 1 and rc != "full" and (pp == 1 or interleaved)
+    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
+              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
+              grad_reduce_in_fp32=not nvidia, ep_comm_overlap=ep_overlap)
     if vpp_text.startswith("interleaved"):
         schedules = [("interleaved", c) for c in range(2, 9) if pp * c <= cfg.num_layers]
     elif _int(vpp_text, 1) > 1:
@@ -266,7 +275,6 @@ def predict_row(row: dict) -> dict:
     else:
         schedules = [("1f1b", 1)]
     mbs_list = [mbs_given] if mbs_given else [1, 2, 4, 8]
-    rc = recompute_of(row)
     # Sequence parallelism: as the row says; NVIDIA's recipes turn it on with tp > 1 for dense models.
     sp_text = row["sp"].strip().lower()
     # (Megatron-Core requires it for MoE with tp > 1.)
@@ -277,7 +285,7 @@ def predict_row(row: dict) -> dict:
         for sched, v in schedules:
             lo = Layout(dp_shard=dp, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
                         pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
-                        micro_batch_size=mbs, sequence_parallel=sp,
+                        micro_batch_size=mbs, sequence_parallel=sp, expert_tp=1 if nvidia_moe else 0,
                         recompute="none" if rc == HALF_RECOMPUTE else rc)
             try:
                 m = validate_layout(cfg, job, lo, gpus=n)

@@ -41,13 +41,16 @@ def gemm_time(m: float, n: float, k: float, *, rate: float, hbm_bw: float, in_by
     return max(compute, memory)
 
 
-def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fraction: float) -> list[tuple]:
+def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fraction: float,
+                etp: int = 0) -> list[tuple]:
     """Forward GEMMs of one average layer on one rank, as (m, n, k, count) for a microbatch of `tokens`.
 
     Column-parallel layers split N by tp, row-parallel ones K; a MoE layer's routed experts are split
     over ep ranks (E / ep local experts, each seeing tokens * top_k * ep / E rows when balanced) and by
     tp within; `moe_fraction` of the layers are MoE (their dense MLP replaced by experts + shared
-    experts + router).
+    experts + router). `etp` (Megatron's expert_tensor_parallel_size, 0: tp) splits the experts over etp
+    ranks instead: under sequence parallelism each rank dispatches its tokens / tp, so an expert sees
+    tokens * (etp / tp) * top_k * ep / E rows of a width e_inter / etp (the same FLOPs per rank).
     """
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -56,9 +59,10 @@ def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fracti
     if dense > 0:
         out += [(tokens, 2 * cfg.intermediate_size / tp, h, dense), (tokens, h, cfg.intermediate_size / tp, dense)]
     if moe_fraction > 0:
+        etp = etp or tp
         e_inter, local = cfg.expert_intermediate_size, cfg.num_experts / ep
-        rows = tokens * cfg.num_experts_per_token * ep / cfg.num_experts
-        out += [(rows, 2 * e_inter / tp, h, moe_fraction * local), (rows, h, e_inter / tp, moe_fraction * local),
+        rows = tokens * etp / tp * cfg.num_experts_per_token * ep / cfg.num_experts
+        out += [(rows, 2 * e_inter / etp, h, moe_fraction * local), (rows, h, e_inter / etp, moe_fraction * local),
                 (tokens, cfg.num_experts, h, moe_fraction)]
         if cfg.shared_intermediate_size:
             s = cfg.shared_intermediate_size

@@ -12,7 +12,8 @@ Not responsible for: memory (`memory.py`), collective formulas (`collectives.py`
 
 Exposed vs overlapped communication, per strategy: TP is exposed unless `Job.tp_comm_overlap` (then
 pipelined under the layer's GEMMs); the CP ring overlaps each step with the attention of the block in
-hand, the CP all-gather is exposed; EP all-to-all is exposed; DP / ZeRO-1/2 overlap the last
+hand, the CP all-gather is exposed; EP all-to-all is exposed unless `Job.ep_comm_overlap` (then under
+another microbatch's compute of the layer); DP / ZeRO-1/2 overlap the last
 microbatch's backward (and forward for the parameter gather) unless `Job.dp_comm_overlap` is False;
 ZeRO-3 prefetches over all microbatches. What overlaps still costs the SMs the collective holds
 (`Cluster.comm_sm_fraction`), and the last gradient bucket never overlaps.
@@ -160,7 +161,8 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     attn_f = summary.flops_attn * tokens_mb / tp
     # Each GEMM of the layer by its shape (kernels.py): thin tp shards and small experts run below the
     # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate, everything else in bf16.
-    gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction)
+    gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction,
+                        etp=r.expert_tp)
     gemm_in_bytes = 1 if job.precision == "fp8" else by["act"]
     t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=peak * eff, hbm_bw=hbm_bw, in_bytes=gemm_in_bytes,
                                          k_overhead=cluster.gemm_k_overhead)
@@ -282,6 +284,16 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"]
         n_a2a = 4 + (2 if rc == "full" else 0)
         t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, span_ep, cluster)
+        if job.ep_comm_overlap and not cores_saturated:
+            # Megatron-Core's overlap_moe_expert_parallel_comm: the forward of one microbatch and the backward
+            # of another run layer by layer on two streams, each one's dispatch / combine under the other's
+            # compute (Megatron-Bridge's docs/training/communication-overlap.md, expert-parallel overlap; the
+            # constraints as Megatron-Core's TransformerConfig checks them). Window:
+            # the layer's forward + backward compute; what it covers still costs the SMs the all-to-all holds
+            # (`Cluster.comm_sm_fraction`). The pipeline's warm-up forwards and cool-down backwards have no
+            # partner; not counted (a few microbatches of many).
+            window = t_fwd_layer + t_bwd_layer
+            t_ep_layer = max(0.0, t_ep_layer - window) + cluster.comm_sm_fraction * min(t_ep_layer, window)
     else:
         t_ep_layer = 0.0
 
@@ -361,7 +373,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
             window = t_mb_bwd
             if z == 3:
                 root = n_local - layers_mem * (summary.layer_tp / tp + summary.layer_rep
-                                               + summary.layer_experts / (tp * ep))
+                                               + summary.layer_experts / (r.expert_tp * ep))
                 comm += m * collective_time("all_gather", (2 * n_local - 2 * root) * by["param"], span_dps, cluster)
                 window = m * t_mb
                 sync = m * collective_time("all_gather", root * by["param"], span_dps, cluster)
