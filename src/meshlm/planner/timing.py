@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.config import PP_SCHEDULES, ModelConfig
 from meshlm.planner.collectives import collective_time
-from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms
+from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
 from meshlm.planner.memory import MiB, RankParams
 from meshlm.planner.placement import RankSetup
@@ -191,14 +191,14 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         t_attn, t_attn_bwd = gemms_fwd_bwd([(s, s, hd, heads_mb), (s, hd, s, heads_mb)], rate=peak_attn * eff,
                                            hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
     t_layer_fwd_mm = t_dense + t_attn
-    # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes), read +
-    # write, forward; backward moves about twice as much. Without SP the norm/residual part is
-    # replicated on every tp rank.
+    # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes: kernels.py's
+    # `moe_dispatch_elements`), read + write, forward; backward moves about twice as much. Without SP the
+    # norm/residual part is replicated on every tp rank.
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size
                                            + cfg.shared_intermediate_size)
              + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
-    moe_elems = summary.moe_layer_fraction * 4 * cfg.num_experts_per_token * h
+    moe_elems = summary.moe_layer_fraction * moe_dispatch_elements(cfg, ep=ep)
     if job.fused_elementwise:
         elems_seq = 10 * h + moe_elems
         elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
