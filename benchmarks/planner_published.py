@@ -19,8 +19,13 @@ model missed and changed mechanisms and row descriptions only (`CHANGES`: each w
 rows prompted it and its source), no numeric constant. So "held_out" is held out from the constants,
 not from those changes; the JSON says so ("groups_looked_at"), and its "leave_one_group_out" figures
 equal the per-group ones because no constant depends on any group's rows. Rows of MoE models are also
-summarised apart ("median_abs_error_dense" / "_moe"): routing, permutation and dropless
-synchronisation are not modelled (timing.py).
+summarised apart ("median_abs_error_dense" / "_moe"). The MoE work (the last three `CHANGES`) read the six
+MoE rows of I_megatron_bridge_h100 and the three it made expressible; it added mechanisms and row
+descriptions taken from NVIDIA's published recipes, no constant. Still not modelled (timing.py): host-side
+time (kernel launches; the dropless dispatcher's per-layer token-count synchronisation), which is what
+fine-grained MoE (Qwen3-30B-A3B, GPT-OSS) most likely loses: their rows stay 35% to 205% too fast, and the same
+Qwen3-30B layout ran at twice the throughput in one container (25.09, token-drop) as in the next
+(25.11, dropless), a spread no layout-level model can follow.
 Choices the rows leave open, made the same way for every row (never from the reported throughput):
   * micro-batch size when not given, and interleaving depth when "v not stated": the fastest predicted
     choice that fits (fastest overall if none fits);
@@ -41,6 +46,13 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * TP communication overlapped with GEMMs where the stack does it (MegaScale's runs, NVIDIA's recipes);
   * NVIDIA's NeMo / Megatron-Bridge performance recipes keep and reduce gradients in bf16 (they set
     `grad_reduce_in_fp32 = False`); the others in fp32;
+  * NVIDIA's MoE recipes: routed experts not tensor-parallel (`expert_tensor_parallel_size = 1` in every
+    Megatron-Bridge MoE performance config: `Layout.expert_tp = 1`, so ep may span the tp ranks), and the
+    expert all-to-all overlapped (`moe_a2a_overlap`: `Job.ep_comm_overlap`) wherever Megatron-Core allows
+    it (ep > 1, no full recompute, a virtual pipeline when pp > 1), as the late-2025 H100 configs set it
+    for DeepSeek-V3 and both Qwen3 models; GPT-OSS (pp 4, no virtual pipeline) runs without. Older
+    containers' recipes set it for DeepSeek-V3 only, so the rule overlaps three rows that likely ran
+    exposed (Qwen3-30B in 25.09 and 25.11, Qwen3-235B in 25.09): their predictions are too fast by that;
   * recompute blank: none (the NeMo/Megatron-Bridge performance recipes), except the MegaScale rows,
     which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2);
   * torchtitan's "selective layer" / "selective op" checkpointing re-runs about half of the forward
@@ -90,6 +102,15 @@ CHANGES = (
      ("H_nemo_2407_h100_fp8",), "the mesh's rank placement (placement.py)"),
     ("context-parallel attention kernels see one chunk (s / 2cp) of the load-balanced split",
      ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "parallel/context.py; Transformer Engine's ring"),
+    ("expert_tp: routed experts split over expert_tp ranks, ep spanning the tp ranks (MoE parallel folding); "
+     "the Qwen3-235B rows (tp 2, ep 32 over 16 dp ranks) become expressible",
+     ("I_megatron_bridge_h100",), "Megatron-Core expert_tensor_parallel_size; Megatron-Bridge MoE configs"),
+    ("expert all-to-all overlapped with another microbatch's compute where the recipe sets moe_a2a_overlap "
+     "(DeepSeek-V3's exposed all-to-all made it 37% too slow)",
+     ("I_megatron_bridge_h100",), "Megatron-Core overlap_moe_expert_parallel_comm; Megatron-Bridge "
+     "communication-overlap docs and performance configs"),
+    ("MoE token permutations priced pass by pass (permute, regroup by local expert and back, weighted unpermute)",
+     ("I_megatron_bridge_h100",), "Megatron-Core's all-to-all token dispatcher (kernels.moe_dispatch_elements)"),
 )
 
 _GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs

@@ -30,10 +30,12 @@ Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole 
 on a GPU computes the masked tiles too -- the memory model counts that mask, the time model does not.
 
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
-dense layers are spread evenly), experts are assumed perfectly balanced and their routing, permutation
-and all-to-all cost no more than their bytes (fine-grained MoE runs measured in
-benchmarks/planner_published.py are several times slower than that), pipeline p2p is never
-overlapped, and fused attention has its own efficiency, lower for the short blocks of a
+dense layers are spread evenly), experts are assumed perfectly balanced (what NVIDIA's published MoE
+benchmarks force), the dispatcher's permutations cost their HBM passes (`kernels.moe_dispatch_elements`)
+and the all-to-all its bytes; host-side time is not modelled -- kernel launches, and the dropless
+dispatcher's per-layer synchronisation of token counts with the host -- though fine-grained MoE runs
+(many small experts, small hidden size) measured in benchmarks/planner_published.py run two to three
+times slower than this model, pipeline p2p is never overlapped, and fused attention has its own efficiency, lower for the short blocks of a
 context-parallel ring. On a CPU host (`compute_slots`) ranks beyond the core count time-share the
 cores, and collectives get no overlap once every core computes.
 """
