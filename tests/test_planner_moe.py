@@ -108,3 +108,27 @@ def test_dispatch_permutations_are_priced_as_memory_traffic():
     microbatches = 16 // 8
     assert eight.time_s["compute"] - one.time_s["compute"] == pytest.approx(
         microbatches * MOE.num_layers * per_mb_layer, rel=1e-6)
+
+
+def test_expert_imbalance_makes_the_busiest_rank_set_the_pace():
+    cluster = get_cluster("h100")
+    lo = Layout(dp_shard=8, ep=8, micro_batch_size=1)
+    even = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16), lo, gpus=8)
+    skewed = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=1.5), lo, gpus=8)
+    assert skewed.time_s["compute"] > even.time_s["compute"]
+    assert skewed.time_s["ep_comm"] > 1.4 * even.time_s["ep_comm"]  # bandwidth-bound: ~1.5x, latency unchanged
+    # the routed experts' FLOPs on the busiest rank grow by the factor; attention and router do not
+    flops = lambda gemms: sum(2 * m * n * k * c for m, n, k, c in gemms)  # noqa: E731
+    base = layer_gemms(MOE, tokens=4096, tp=1, ep=8, moe_fraction=1.0)
+    busy = layer_gemms(MOE, tokens=4096, tp=1, ep=8, moe_fraction=1.0, imbalance=1.5)
+    experts = 2 * 4096 * MOE.num_experts_per_token * 3 * MOE.hidden_size * MOE.moe_intermediate_size
+    assert flops(busy) - flops(base) == pytest.approx(0.5 * experts)
+    # without expert parallelism every expert is local: the rank's total does not depend on the routing
+    one = Layout(dp_shard=8, ep=1, micro_batch_size=1)
+    assert estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=1.5), one,
+                    gpus=8).time_s["step"] == pytest.approx(estimate(MOE, cluster, Job(seq_len=4096,
+                                                                        global_batch_size=16), one, gpus=8).time_s["step"])
+    with pytest.raises(ValueError, match="must be >= 1"):
+        estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=0.5), lo, gpus=8)
+    with pytest.raises(ValueError, match="exceeds ep=8"):
+        estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=9.0), lo, gpus=8)

@@ -42,7 +42,7 @@ def gemm_time(m: float, n: float, k: float, *, rate: float, hbm_bw: float, in_by
 
 
 def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fraction: float,
-                etp: int = 0) -> list[tuple]:
+                etp: int = 0, imbalance: float = 1.0) -> list[tuple]:
     """Forward GEMMs of one average layer on one rank, as (m, n, k, count) for a microbatch of `tokens`.
 
     Column-parallel layers split N by tp, row-parallel ones K; a MoE layer's routed experts are split
@@ -51,6 +51,7 @@ def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fracti
     experts + router). `etp` (Megatron's expert_tensor_parallel_size, 0: tp) splits the experts over etp
     ranks instead: under sequence parallelism each rank dispatches its tokens / tp, so an expert sees
     tokens * (etp / tp) * top_k * ep / E rows of a width e_inter / etp (the same FLOPs per rank).
+    `imbalance` (`Job.expert_imbalance`, with ep > 1) scales the routed experts' rows: the busiest rank's.
     """
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -61,7 +62,7 @@ def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fracti
     if moe_fraction > 0:
         etp = etp or tp
         e_inter, local = cfg.expert_intermediate_size, cfg.num_experts / ep
-        rows = tokens * etp / tp * cfg.num_experts_per_token * ep / cfg.num_experts
+        rows = tokens * etp / tp * cfg.num_experts_per_token * ep / cfg.num_experts * (imbalance if ep > 1 else 1.0)
         out += [(rows, 2 * e_inter / etp, h, moe_fraction * local), (rows, h, e_inter / etp, moe_fraction * local),
                 (tokens, cfg.num_experts, h, moe_fraction)]
         if cfg.shared_intermediate_size:

@@ -58,6 +58,11 @@ class Job:
     # compute. Megatron refuses it with full recomputation, or with pp > 1 without an interleaved schedule
     # (`validate_layout` likewise). False: exposed (meshlm's parallel/expert.py, Megatron's default).
     ep_comm_overlap: bool = False
+    # Routed tokens the busiest expert-parallel rank receives over the mean (>= 1; at most ep, every token).
+    # Dropless routing waits for the slowest rank: its expert GEMMs, their activation and its all-to-all set
+    # the pace. 1.0: balanced, what NVIDIA's published MoE benchmarks force (Megatron-Core's
+    # moe_router_force_load_balancing); a real router's imbalance is the user's figure (none is assumed).
+    expert_imbalance: float = 1.0
 
     def validate(self) -> None:
         if self.seq_len < 1:
@@ -67,6 +72,9 @@ class Job:
                              "(give --global-batch-size or --global-batch-tokens >= --seq-len)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
+        if not self.expert_imbalance >= 1.0:
+            raise ValueError(f"expert_imbalance={self.expert_imbalance} must be >= 1 (the busiest expert rank's "
+                             "routed tokens over the mean; 1.0 = balanced)")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r} must be one of {list(RUNTIMES)}")
         if self.runtime == "meshlm" and self.precision != "fp32":
@@ -211,11 +219,14 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
         folded = lo.tp // lo.etp  # tensor-parallel ranks the ep group may also span (MoE parallel folding)
         if (lo.dp_shard * lo.cp * folded) % lo.ep:
             hint = ("(experts are sharded over the data-parallel ranks)" if folded == 1 else
-                    f"(experts are sharded over dp_shard x cp x tp/expert_tp ranks)")
+                    "(experts are sharded over dp_shard x cp x tp/expert_tp ranks)")
             raise ValueError(f"layout ep={lo.ep} must divide dp_shard*cp{'*tp/expert_tp' if folded > 1 else ''}="
                              f"{lo.dp_shard * lo.cp * folded} {hint}"
                              + ("; with a Megatron-Core run, expert_tp=1 lets ep span the tp ranks too"
                                 if folded == 1 and lo.tp > 1 else ""))
+    if lo.ep > 1 and job.expert_imbalance > lo.ep:
+        raise ValueError(f"expert_imbalance={job.expert_imbalance} exceeds ep={lo.ep}: the busiest of ep ranks "
+                         "receives at most every routed token (ep x the mean)")
     if job.ep_comm_overlap and lo.ep > 1:
         if job.runtime != "megatron":
             raise ValueError("ep_comm_overlap is Megatron-Core's overlap_moe_expert_parallel_comm; meshlm's "

@@ -30,8 +30,8 @@ Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole 
 on a GPU computes the masked tiles too -- the memory model counts that mask, the time model does not.
 
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
-dense layers are spread evenly), experts are assumed perfectly balanced (what NVIDIA's published MoE
-benchmarks force), the dispatcher's permutations cost their HBM passes (`kernels.moe_dispatch_elements`)
+dense layers are spread evenly), experts are balanced unless `Job.expert_imbalance` says by how much the
+busiest expert rank is over the mean, the dispatcher's permutations cost their HBM passes (`kernels.moe_dispatch_elements`)
 and the all-to-all its bytes; host-side time is not modelled -- kernel launches, and the dropless
 dispatcher's per-layer synchronisation of token counts with the host -- though fine-grained MoE runs
 (many small experts, small hidden size) measured in benchmarks/planner_published.py run two to three
@@ -163,8 +163,10 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     attn_f = summary.flops_attn * tokens_mb / tp
     # Each GEMM of the layer by its shape (kernels.py): thin tp shards and small experts run below the
     # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate, everything else in bf16.
+    # Dropless routing: the busiest expert rank (`Job.expert_imbalance` x the mean tokens) sets the pace.
+    imbalance = job.expert_imbalance if ep > 1 else 1.0
     gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction,
-                        etp=r.expert_tp)
+                        etp=r.expert_tp, imbalance=imbalance)
     gemm_in_bytes = 1 if job.precision == "fp8" else by["act"]
     t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=peak * eff, hbm_bw=hbm_bw, in_bytes=gemm_in_bytes,
                                          k_overhead=cluster.gemm_k_overhead)
@@ -197,7 +199,7 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     # `moe_dispatch_elements`), read + write, forward; backward moves about twice as much. Without SP the
     # norm/residual part is replicated on every tp rank.
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size
+    inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size * imbalance
                                            + cfg.shared_intermediate_size)
              + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
     moe_elems = summary.moe_layer_fraction * moe_dispatch_elements(cfg, ep=ep)
@@ -283,7 +285,8 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         t_cp_layer = cp_layer_bytes = 0.0
     # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
     if ep > 1 and cfg.is_moe:
-        a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"]
+        # the busiest rank receives `imbalance` x the mean: the all-to-all ends when it has
+        a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"] * imbalance
         n_a2a = 4 + (2 if rc == "full" else 0)
         t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, span_ep, cluster)
         if job.ep_comm_overlap and not cores_saturated:
