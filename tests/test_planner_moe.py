@@ -102,7 +102,9 @@ def test_dispatch_permutations_are_priced_as_memory_traffic():
     eight = estimate(MOE, cluster, job, Layout(dp_shard=8, ep=8, micro_batch_size=1), gpus=8)
     kw = dict(rate=cluster.peak("bf16") * cluster.matmul_efficiency, hbm_bw=cluster.hbm_bw * cluster.hbm_efficiency,
               in_bytes=2, k_overhead=cluster.gemm_k_overhead)
-    gemm = lambda ep: sum(gemms_fwd_bwd(layer_gemms(MOE, tokens=4096, tp=1, ep=ep, moe_fraction=1.0), **kw))  # noqa: E731
+    def gemm(ep: int) -> float:
+        return sum(gemms_fwd_bwd(layer_gemms(MOE, tokens=4096, tp=1, ep=ep, moe_fraction=1.0), **kw))
+
     k, h = MOE.num_experts_per_token, MOE.hidden_size
     per_mb_layer = gemm(8) - gemm(1) + 4096 * 4 * k * h * 2 * 3 / kw["hbm_bw"]  # bf16, fwd + 2x bwd
     microbatches = 16 // 8
@@ -125,9 +127,9 @@ def test_expert_imbalance_makes_the_busiest_rank_set_the_pace():
     assert flops(busy) - flops(base) == pytest.approx(0.5 * experts)
     # without expert parallelism every expert is local: the rank's total does not depend on the routing
     one = Layout(dp_shard=8, ep=1, micro_batch_size=1)
-    assert estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=1.5), one,
-                    gpus=8).time_s["step"] == pytest.approx(estimate(MOE, cluster, Job(seq_len=4096,
-                                                                        global_batch_size=16), one, gpus=8).time_s["step"])
+    local_skewed = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=1.5), one, gpus=8)
+    local_even = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16), one, gpus=8)
+    assert local_skewed.time_s["step"] == pytest.approx(local_even.time_s["step"])
     with pytest.raises(ValueError, match="must be >= 1"):
         estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=0.5), lo, gpus=8)
     with pytest.raises(ValueError, match="exceeds ep=8"):

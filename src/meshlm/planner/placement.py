@@ -9,8 +9,9 @@ Not responsible for: memory (`memory.py`), time (`timing.py`) or the collective 
 Rank placement follows the mesh convention: tp innermost, then cp, dp_shard, dp_replicate, pp
 outermost; ep is carved out of dp_shard x cp (its stride is tp), or with Megatron's expert_tp < tp (MoE
 parallel folding) out of dp_shard x cp x tp / expert_tp, expert_tp innermost (its stride is expert_tp).
-A group whose ranks all sit in one scale-up domain uses that link; one whose ranks are all in different domains uses the scale-out
-link; a group spanning both runs hierarchically (inside first, then across, one NIC per GPU).
+A group whose ranks all sit in one scale-up domain uses that link; one whose ranks are all in different
+domains uses the scale-out link; a group spanning both runs hierarchically (inside first, then across,
+one NIC per GPU).
 On a CPU host (`Cluster.compute_slots`) ranks beyond the core count time-share the cores (and the
 memory copies of their collectives), and collectives get no overlap once every core computes.
 """

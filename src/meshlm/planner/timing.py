@@ -30,14 +30,14 @@ Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole 
 on a GPU computes the masked tiles too -- the memory model counts that mask, the time model does not.
 
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
-dense layers are spread evenly), experts are balanced unless `Job.expert_imbalance` says by how much the
-busiest expert rank is over the mean, the dispatcher's permutations cost their HBM passes (`kernels.moe_dispatch_elements`)
-and the all-to-all its bytes; host-side time is not modelled -- kernel launches, and the dropless
-dispatcher's per-layer synchronisation of token counts with the host -- though fine-grained MoE runs
-(many small experts, small hidden size) measured in benchmarks/planner_published.py run two to three
-times slower than this model, pipeline p2p is never overlapped, and fused attention has its own efficiency, lower for the short blocks of a
-context-parallel ring. On a CPU host (`compute_slots`) ranks beyond the core count time-share the
-cores, and collectives get no overlap once every core computes.
+dense layers are spread evenly); experts are balanced unless `Job.expert_imbalance` says by how much the
+busiest expert rank is over the mean; the dispatcher's permutations cost their HBM passes
+(`kernels.moe_dispatch_elements`) and the all-to-all its bytes; host-side time is not modelled (kernel
+launches, and the dropless dispatcher's per-layer synchronisation of token counts with the host), though
+fine-grained MoE runs (many small experts, small hidden size) measured in benchmarks/planner_published.py
+run up to three times slower than this model; pipeline p2p is never overlapped; and fused attention has
+its own efficiency, lower for the short blocks of a context-parallel ring. On a CPU host (`compute_slots`)
+ranks beyond the core count time-share the cores, and collectives get no overlap once every core computes.
 """
 
 from __future__ import annotations
