@@ -3,8 +3,9 @@
 Responsible for: what a job and a layout are, parsing `tp=8,pp=4,...`, and `validate_layout`, which
 refuses (ValueError naming the value and the fix) every layout the runtime would refuse -- degrees that do
 not multiply to the GPU count, tp not dividing heads, kv heads, vocabulary or intermediate size (as
-`parallel.tensor.check_tensor_parallel`), ep not dividing experts or dp_shard x cp, sequence lengths the
-context/sequence split cannot divide, batches the data-parallel ranks cannot share.
+`parallel.tensor.check_tensor_parallel`), ep not dividing experts or dp_shard x cp (x tp / expert_tp for a
+Megatron run that folds ep over the tp ranks), expert-parallel overlap where Megatron-Core refuses it,
+sequence lengths the context/sequence split cannot divide, batches the data-parallel ranks cannot share.
 Not responsible for: enumerating layouts (`search.py`) or costing them (`cost.py`).
 """
 
