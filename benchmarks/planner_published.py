@@ -19,8 +19,13 @@ model missed and changed mechanisms and row descriptions only (`CHANGES`: each w
 rows prompted it and its source), no numeric constant. So "held_out" is held out from the constants,
 not from those changes; the JSON says so ("groups_looked_at"), and its "leave_one_group_out" figures
 equal the per-group ones because no constant depends on any group's rows. Rows of MoE models are also
-summarised apart ("median_abs_error_dense" / "_moe"): routing, permutation and dropless
-synchronisation are not modelled (timing.py).
+summarised apart ("median_abs_error_dense" / "_moe"). The MoE work (the last three `CHANGES`) read the six
+MoE rows of I_megatron_bridge_h100 and the three it made expressible; it added mechanisms and row
+descriptions taken from NVIDIA's published recipes, no constant. Still not modelled (timing.py): host-side
+time (kernel launches; the dropless dispatcher's per-layer token-count synchronisation), which is what
+fine-grained MoE (Qwen3-30B-A3B, GPT-OSS) most likely loses: their rows stay 35% to 205% too fast, and the same
+Qwen3-30B layout ran at twice the throughput in one container (25.09, token-drop) as in the next
+(25.11, dropless), a spread no layout-level model can follow.
 Choices the rows leave open, made the same way for every row (never from the reported throughput):
   * micro-batch size when not given, and interleaving depth when "v not stated": the fastest predicted
     choice that fits (fastest overall if none fits);
@@ -41,6 +46,13 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * TP communication overlapped with GEMMs where the stack does it (MegaScale's runs, NVIDIA's recipes);
   * NVIDIA's NeMo / Megatron-Bridge performance recipes keep and reduce gradients in bf16 (they set
     `grad_reduce_in_fp32 = False`); the others in fp32;
+  * NVIDIA's MoE recipes: routed experts not tensor-parallel (`expert_tensor_parallel_size = 1` in every
+    Megatron-Bridge MoE performance config: `Layout.expert_tp = 1`, so ep may span the tp ranks), and the
+    expert all-to-all overlapped (`moe_a2a_overlap`: `Job.ep_comm_overlap`) wherever Megatron-Core allows
+    it (ep > 1, no full recompute, a virtual pipeline when pp > 1), as the late-2025 H100 configs set it
+    for DeepSeek-V3 and both Qwen3 models; GPT-OSS (pp 4, no virtual pipeline) runs without. Older
+    containers' recipes set it for DeepSeek-V3 only, so the rule overlaps three rows that likely ran
+    exposed (Qwen3-30B in 25.09 and 25.11, Qwen3-235B in 25.09): their predictions are too fast by that;
   * recompute blank: none (the NeMo/Megatron-Bridge performance recipes), except the MegaScale rows,
     which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2);
   * torchtitan's "selective layer" / "selective op" checkpointing re-runs about half of the forward
@@ -90,6 +102,15 @@ CHANGES = (
      ("H_nemo_2407_h100_fp8",), "the mesh's rank placement (placement.py)"),
     ("context-parallel attention kernels see one chunk (s / 2cp) of the load-balanced split",
      ("H_nemo_2407_h100_fp8", "I_megatron_bridge_h100"), "parallel/context.py; Transformer Engine's ring"),
+    ("expert_tp: routed experts split over expert_tp ranks, ep spanning the tp ranks (MoE parallel folding); "
+     "the Qwen3-235B rows (tp 2, ep 32 over 16 dp ranks) become expressible",
+     ("I_megatron_bridge_h100",), "Megatron-Core expert_tensor_parallel_size; Megatron-Bridge MoE configs"),
+    ("expert all-to-all overlapped with another microbatch's compute where the recipe sets moe_a2a_overlap "
+     "(DeepSeek-V3's exposed all-to-all made it 37% too slow)",
+     ("I_megatron_bridge_h100",), "Megatron-Core overlap_moe_expert_parallel_comm; Megatron-Bridge "
+     "communication-overlap docs and performance configs"),
+    ("MoE token permutations priced pass by pass (permute, regroup by local expert and back, weighted unpermute)",
+     ("I_megatron_bridge_h100",), "Megatron-Core's all-to-all token dispatcher (kernels.moe_dispatch_elements)"),
 )
 
 _GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs
@@ -253,12 +274,21 @@ def predict_row(row: dict) -> dict:
     # memory pass per elementwise op.
     eager = row["group"].startswith("K_torchtitan")
     flash = year >= 2023 and not megascale_baseline
-    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
-              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-              grad_reduce_in_fp32=not nvidia)
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
     dp = _int(row["dp"]) or n // (tp * pp * cp)
     vpp_text = row["vpp"].strip().lower()
+    interleaved = vpp_text.startswith("interleaved") or _int(vpp_text, 1) > 1
+    rc = recompute_of(row)
+    # NVIDIA's MoE recipes: experts not tensor-parallel (expert_tensor_parallel_size = 1 in every
+    # Megatron-Bridge MoE performance config), and the expert-parallel all-to-all overlapped with another
+    # microbatch (moe_a2a_overlap) wherever Megatron-Core allows it: ep > 1, no full recomputation, and an
+    # interleaved pipeline when pp > 1 (their H100 MoE configs with a virtual pipeline set it; the one without,
+    # GPT-OSS pp=4, does not).
+    nvidia_moe = nvidia and cfg.is_moe
+    ep_overlap = nvidia_moe and ep > 1 and rc != "full" and (pp == 1 or interleaved)
+    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
+              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
+              grad_reduce_in_fp32=not nvidia, ep_comm_overlap=ep_overlap)
     if vpp_text.startswith("interleaved"):
         schedules = [("interleaved", c) for c in range(2, 9) if pp * c <= cfg.num_layers]
     elif _int(vpp_text, 1) > 1:
@@ -266,7 +296,6 @@ def predict_row(row: dict) -> dict:
     else:
         schedules = [("1f1b", 1)]
     mbs_list = [mbs_given] if mbs_given else [1, 2, 4, 8]
-    rc = recompute_of(row)
     # Sequence parallelism: as the row says; NVIDIA's recipes turn it on with tp > 1 for dense models.
     sp_text = row["sp"].strip().lower()
     # (Megatron-Core requires it for MoE with tp > 1.)
@@ -277,7 +306,7 @@ def predict_row(row: dict) -> dict:
         for sched, v in schedules:
             lo = Layout(dp_shard=dp, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
                         pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
-                        micro_batch_size=mbs, sequence_parallel=sp,
+                        micro_batch_size=mbs, sequence_parallel=sp, expert_tp=1 if nvidia_moe else 0,
                         recompute="none" if rc == HALF_RECOMPUTE else rc)
             try:
                 m = validate_layout(cfg, job, lo, gpus=n)

@@ -2,7 +2,7 @@
 
 Responsible for: the matrix shapes one rank multiplies in an (average) decoder layer and the head under a
 given tp / ep (`layer_gemms`), the time of one GEMM from its shape (`gemm_time`), and the HBM traffic of
-fp8 casting (`fp8_cast_bytes`).
+fp8 casting (`fp8_cast_bytes`) and of a MoE layer's token permutations (`moe_dispatch_elements`).
 Not responsible for: attention (priced in `cost.py` as its own fused kernel), communication
 (`collectives.py`), or deciding what runs when (`cost.py`).
 
@@ -41,13 +41,17 @@ def gemm_time(m: float, n: float, k: float, *, rate: float, hbm_bw: float, in_by
     return max(compute, memory)
 
 
-def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fraction: float) -> list[tuple]:
+def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fraction: float,
+                etp: int = 0, imbalance: float = 1.0) -> list[tuple]:
     """Forward GEMMs of one average layer on one rank, as (m, n, k, count) for a microbatch of `tokens`.
 
     Column-parallel layers split N by tp, row-parallel ones K; a MoE layer's routed experts are split
     over ep ranks (E / ep local experts, each seeing tokens * top_k * ep / E rows when balanced) and by
     tp within; `moe_fraction` of the layers are MoE (their dense MLP replaced by experts + shared
-    experts + router).
+    experts + router). `etp` (Megatron's expert_tensor_parallel_size, 0: tp) splits the experts over etp
+    ranks instead: under sequence parallelism each rank dispatches its tokens / tp, so an expert sees
+    tokens * (etp / tp) * top_k * ep / E rows of a width e_inter / etp (the same FLOPs per rank).
+    `imbalance` (`Job.expert_imbalance`, with ep > 1) scales the routed experts' rows: the busiest rank's.
     """
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -56,9 +60,10 @@ def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fracti
     if dense > 0:
         out += [(tokens, 2 * cfg.intermediate_size / tp, h, dense), (tokens, h, cfg.intermediate_size / tp, dense)]
     if moe_fraction > 0:
+        etp = etp or tp
         e_inter, local = cfg.expert_intermediate_size, cfg.num_experts / ep
-        rows = tokens * cfg.num_experts_per_token * ep / cfg.num_experts
-        out += [(rows, 2 * e_inter / tp, h, moe_fraction * local), (rows, h, e_inter / tp, moe_fraction * local),
+        rows = tokens * etp / tp * cfg.num_experts_per_token * ep / cfg.num_experts * (imbalance if ep > 1 else 1.0)
+        out += [(rows, 2 * e_inter / etp, h, moe_fraction * local), (rows, h, e_inter / etp, moe_fraction * local),
                 (tokens, cfg.num_experts, h, moe_fraction)]
         if cfg.shared_intermediate_size:
             s = cfg.shared_intermediate_size
@@ -66,6 +71,24 @@ def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fracti
             if cfg.shared_expert_gate:
                 out.append((tokens, 1, h, moe_fraction))
     return out
+
+
+def moe_dispatch_elements(cfg: ModelConfig, *, ep: int) -> float:
+    """Hidden-state elements read + written per token of one MoE layer's forward by the token dispatcher's
+    memory-bound permutations (Megatron-Core's all-to-all dispatcher, `moe_permute_fusion` or not: the
+    same bytes; meshlm's parallel/expert.py likewise gathers, sorts and scatters), with k = top_k, h = hidden:
+      permute     each token's hidden state copied to its k expert slots: read k h, write k h;
+      sort        after the dispatch all-to-all the rows arrive grouped by source rank and are regrouped by
+                  local expert (Megatron's `sort_chunks_by_idxs`), and the inverse before the combine
+                  all-to-all: 2 x (read k h + write k h) -- only with ep > 1 and more than one local expert;
+      unpermute   the k expert outputs read, weighted by their router probabilities and summed: k h + h.
+    The backward moves the same passes' gradients (the caller's elementwise backward factor). The expert
+    GEMMs' activation (SwiGLU on k x e_inter) is counted with the other SwiGLU elements by the caller."""
+    if not cfg.is_moe:
+        return 0.0
+    k, h = cfg.num_experts_per_token, cfg.hidden_size
+    sort = 4 * k * h if ep > 1 and cfg.num_experts // ep > 1 else 0.0
+    return 2 * k * h + sort + k * h + h
 
 
 def gemms_fwd_bwd(gemms: list[tuple], *, rate: float, hbm_bw: float, in_bytes: float,

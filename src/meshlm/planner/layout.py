@@ -3,8 +3,9 @@
 Responsible for: what a job and a layout are, parsing `tp=8,pp=4,...`, and `validate_layout`, which
 refuses (ValueError naming the value and the fix) every layout the runtime would refuse -- degrees that do
 not multiply to the GPU count, tp not dividing heads, kv heads, vocabulary or intermediate size (as
-`parallel.tensor.check_tensor_parallel`), ep not dividing experts or dp_shard x cp, sequence lengths the
-context/sequence split cannot divide, batches the data-parallel ranks cannot share.
+`parallel.tensor.check_tensor_parallel`), ep not dividing experts or dp_shard x cp (x tp / expert_tp for a
+Megatron run that folds ep over the tp ranks), expert-parallel overlap where Megatron-Core refuses it,
+sequence lengths the context/sequence split cannot divide, batches the data-parallel ranks cannot share.
 Not responsible for: enumerating layouts (`search.py`) or costing them (`cost.py`).
 """
 
@@ -52,6 +53,17 @@ class Job:
     # NeMo / Megatron-Bridge performance recipes set (`plugins.grad_reduce_in_fp32 = False`), halving the
     # gradients' memory and the data-parallel traffic. Mixed precision only (fp32 training keeps fp32).
     grad_reduce_in_fp32: bool = True
+    # Expert-parallel all-to-all (dispatch, combine) hidden under another microbatch's compute: Megatron-Core's
+    # `overlap_moe_expert_parallel_comm` (Megatron-Bridge's `moe_a2a_overlap`) runs the forward of one
+    # microbatch and the backward of another layer by layer, each one's all-to-all under the other's
+    # compute. Megatron refuses it with full recomputation, or with pp > 1 without an interleaved schedule
+    # (`validate_layout` likewise). False: exposed (meshlm's parallel/expert.py, Megatron's default).
+    ep_comm_overlap: bool = False
+    # Routed tokens the busiest expert-parallel rank receives over the mean (>= 1; at most ep, every token).
+    # Dropless routing waits for the slowest rank: its expert GEMMs, their activation and its all-to-all set
+    # the pace. 1.0: balanced, what NVIDIA's published MoE benchmarks force (Megatron-Core's
+    # moe_router_force_load_balancing); a real router's imbalance is the user's figure (none is assumed).
+    expert_imbalance: float = 1.0
 
     def validate(self) -> None:
         if self.seq_len < 1:
@@ -61,6 +73,9 @@ class Job:
                              "(give --global-batch-size or --global-batch-tokens >= --seq-len)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
+        if not self.expert_imbalance >= 1.0:
+            raise ValueError(f"expert_imbalance={self.expert_imbalance} must be >= 1 (the busiest expert rank's "
+                             "routed tokens over the mean; 1.0 = balanced)")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r} must be one of {list(RUNTIMES)}")
         if self.runtime == "meshlm" and self.precision != "fp32":
@@ -89,10 +104,20 @@ class Layout(ParallelDims):
     sequence_parallel: bool = True
     recompute: str = "none"
     bucket_size_mb: float = 25.0
+    # Megatron-Core's expert_tensor_parallel_size ("MoE parallel folding"): the routed experts split over
+    # expert_tp ranks instead of tp, and the ep group carved out of dp_shard x cp x (tp / expert_tp) -- so
+    # ep may span tensor-parallel ranks (e.g. tp=2, expert_tp=1, ep = 2 x dp). 0: expert_tp = tp, meshlm's
+    # only choice (parallel/expert.py shards experts by tp); another value prices Megatron runs only.
+    expert_tp: int = 0
 
     @property
     def world(self) -> int:
         return self.world_size
+
+    @property
+    def etp(self) -> int:
+        """Ranks one routed expert is split over (expert_tp, or tp when 0)."""
+        return self.expert_tp or self.tp
 
     def short(self) -> str:
         parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel and self.tp > 1 else ""),
@@ -102,7 +127,7 @@ class Layout(ParallelDims):
         if self.cp > 1:
             parts.append(f"cp{self.cp}" + ("ag" if self.cp_method == "allgather" else ""))
         if self.ep > 1:
-            parts.append(f"ep{self.ep}")
+            parts.append(f"ep{self.ep}" + (f"etp{self.etp}" if self.etp != self.tp else ""))
         parts.append(f"mbs{self.micro_batch_size}")
         if self.pp > 1:
             parts.append(self.pp_schedule)
@@ -186,9 +211,33 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
             raise ValueError(f"layout ep={lo.ep} needs a MoE model; set ep=1")
         if cfg.num_experts % lo.ep:
             raise ValueError(f"layout ep={lo.ep} must divide num_experts={cfg.num_experts}")
-        if (lo.dp_shard * lo.cp) % lo.ep:
-            raise ValueError(f"layout ep={lo.ep} must divide dp_shard*cp={lo.dp_shard * lo.cp} "
-                             "(experts are sharded over the data-parallel ranks)")
+        if lo.expert_tp < 0 or (lo.expert_tp and lo.tp % lo.expert_tp):
+            raise ValueError(f"layout expert_tp={lo.expert_tp} must divide tp={lo.tp} (or be 0: expert_tp = tp)")
+        if lo.etp != lo.tp and job.runtime != "megatron":
+            raise ValueError(f"layout expert_tp={lo.expert_tp} differs from tp={lo.tp}: meshlm shards experts by "
+                             "tp (parallel/expert.py); use expert_tp=0, or runtime='megatron' to price a "
+                             "Megatron-Core run")
+        folded = lo.tp // lo.etp  # tensor-parallel ranks the ep group may also span (MoE parallel folding)
+        if (lo.dp_shard * lo.cp * folded) % lo.ep:
+            hint = ("(experts are sharded over the data-parallel ranks)" if folded == 1 else
+                    "(experts are sharded over dp_shard x cp x tp/expert_tp ranks)")
+            raise ValueError(f"layout ep={lo.ep} must divide dp_shard*cp{'*tp/expert_tp' if folded > 1 else ''}="
+                             f"{lo.dp_shard * lo.cp * folded} {hint}"
+                             + ("; with a Megatron-Core run, expert_tp=1 lets ep span the tp ranks too"
+                                if folded == 1 and lo.tp > 1 else ""))
+    if lo.ep > 1 and job.expert_imbalance > lo.ep:
+        raise ValueError(f"expert_imbalance={job.expert_imbalance} exceeds ep={lo.ep}: the busiest of ep ranks "
+                         "receives at most every routed token (ep x the mean)")
+    if job.ep_comm_overlap and lo.ep > 1:
+        if job.runtime != "megatron":
+            raise ValueError("ep_comm_overlap is Megatron-Core's overlap_moe_expert_parallel_comm; meshlm's "
+                             "all-to-all is not overlapped: set ep_comm_overlap=False or runtime='megatron'")
+        if lo.recompute == "full":
+            raise ValueError("ep_comm_overlap needs recompute other than 'full' (Megatron-Core refuses "
+                             "overlap_moe_expert_parallel_comm with full recomputation)")
+        if lo.pp > 1 and lo.pp_schedule != "interleaved":
+            raise ValueError(f"ep_comm_overlap with pp={lo.pp} needs pp_schedule=interleaved (Megatron-Core's "
+                             "overlap_moe_expert_parallel_comm needs a virtual pipeline when pp > 1)")
     if job.seq_len % (2 * lo.cp if lo.cp > 1 else 1):
         raise ValueError(f"seq_len={job.seq_len} must be divisible by 2*cp={2 * lo.cp} "
                          "(load-balanced causal split)")

@@ -154,7 +154,7 @@ def rank_params(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> Ra
     layers_first, layers_last = r.layers_first, r.layers_last
     layers_mem = max(layers_first, layers_last)
     dense_params = layers_mem * (summary.layer_tp / tp + summary.layer_rep)
-    expert_params = layers_mem * summary.layer_experts / (tp * ep)
+    expert_params = layers_mem * summary.layer_experts / (r.expert_tp * ep)
     embed_params = summary.embed / tp
     head_params = summary.head / tp if (not cfg.tie_embeddings or pp > 1) else 0.0
     if pp == 1:
@@ -165,7 +165,7 @@ def rank_params(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> Ra
         dense_params = max(first, last)
     shard = lo.dp_shard * cp
     return RankParams(dense=dense_params, experts=expert_params, layers=layers_mem, shard=shard,
-                      expert_shard=max(1, shard // ep), zero_stage=lo.zero_stage,
+                      expert_shard=max(1, shard * (tp // r.expert_tp) // ep), zero_stage=lo.zero_stage,
                       meshlm_zero=job.runtime == "meshlm" and lo.zero_stage > 0 and (lo.dp > 1 or cp > 1))
 
 
@@ -229,7 +229,7 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
                 bucket = lo.bucket_size_mb * MiB / by["grad"] + largest
                 buffers += min(n_local, bucket) * by["grad"]
             else:
-                layer = summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (tp * ep)
+                layer = summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * ep)
                 root = n_local - layers_mem * layer
                 gathered = min(layers_mem, 2)
                 in_flight = min(layers_mem, 3) - gathered
@@ -242,7 +242,7 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
         elif z < 3:
             buffers += 2 * lo.bucket_size_mb * MiB
         elif z == 3:
-            layer_full = (summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (tp * ep))
+            layer_full = (summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * ep))
             buffers += ZERO3_PREFETCH_LAYERS * layer_full * by["param"] + layer_full * by["grad"]
     if ep > 1:
         buffers += 2 * tokens_mb * cfg.num_experts_per_token * h * by["act"] / (tp if sp else 1)

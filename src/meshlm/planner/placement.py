@@ -7,9 +7,11 @@ Not responsible for: memory (`memory.py`), time (`timing.py`) or the collective 
 (`collectives.py`).
 
 Rank placement follows the mesh convention: tp innermost, then cp, dp_shard, dp_replicate, pp
-outermost; ep is carved out of dp_shard x cp (its stride is tp). A group whose ranks all sit in one
-scale-up domain uses that link; one whose ranks are all in different domains uses the scale-out
-link; a group spanning both runs hierarchically (inside first, then across, one NIC per GPU).
+outermost; ep is carved out of dp_shard x cp (its stride is tp), or with Megatron's expert_tp < tp (MoE
+parallel folding) out of dp_shard x cp x tp / expert_tp, expert_tp innermost (its stride is expert_tp).
+A group whose ranks all sit in one scale-up domain uses that link; one whose ranks are all in different
+domains uses the scale-out link; a group spanning both runs hierarchically (inside first, then across,
+one NIC per GPU).
 On a CPU host (`Cluster.compute_slots`) ranks beyond the core count time-share the cores (and the
 memory copies of their collectives), and collectives get no overlap once every core computes.
 """
@@ -59,6 +61,11 @@ class RankSetup:
     links: dict  # axis -> scale-up | scale-out | hierarchical | none
     rank_layers: list  # layers on each pipeline rank
     rank_units: float  # the bottleneck rank's load in layer-compute units (head included)
+    etp: int = 0  # ranks one routed expert is split over (Layout.etp); 0: tp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     @property
     def layers_first(self) -> int:
@@ -90,7 +97,7 @@ def rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> t
 def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) -> RankSetup:
     cfg = summary.cfg
     by = bytes_per(job.precision, grad_reduce_in_fp32=job.grad_reduce_in_fp32)
-    tp, pp, cp, ep, v = lo.tp, lo.pp, lo.cp, lo.ep, lo.pp_chunks
+    tp, pp, cp, ep, v, etp = lo.tp, lo.pp, lo.cp, lo.ep, lo.pp_chunks, lo.etp
     gpus = lo.world
     tokens_mb = lo.micro_batch_size * job.seq_len / cp
     # Ranks that time-share compute units (a CPU host running more ranks than it has cores) each
@@ -107,11 +114,11 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) ->
     spans = {
         "tp": group_span(1, tp, D),
         "cp": group_span(tp, cp, D),
-        "ep": group_span(tp, ep, D),
+        "ep": group_span(etp, ep, D),
         "dp_shard": group_span(tp, cp * lo.dp_shard, D),  # ZeRO / FSDP shards over dp_shard x cp
         "dp_replicate": group_span(tp * cp * lo.dp_shard, lo.dp_replicate, D),
         "dp_all": group_span(tp, cp * lo.dp, D),  # plain all-reduce over every data-parallel rank
-        "dp_experts": group_span(tp * ep, max(1, lo.dp * cp // ep), D),  # expert gradients' replicas
+        "dp_experts": group_span(etp * ep, max(1, lo.dp * cp * tp // (etp * ep)), D),  # expert gradients' replicas
         "pp": group_span(tp * cp * lo.dp, pp, D),
     }
     links = {k: link_name(*spans[k]) for k in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}
@@ -126,4 +133,4 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) ->
         peak=cluster.peak(job.precision) / share,
         peak_attn=(cluster.peak("bf16") if job.precision == "fp8" else cluster.peak(job.precision)) / share,
         hbm_bw=cluster.hbm_bw * cluster.hbm_efficiency / share, cores_saturated=cores_saturated,
-        spans=spans, links=links, rank_layers=rank_layers, rank_units=rank_units)
+        spans=spans, links=links, rank_layers=rank_layers, rank_units=rank_units, etp=etp)

@@ -12,7 +12,8 @@ Not responsible for: memory (`memory.py`), collective formulas (`collectives.py`
 
 Exposed vs overlapped communication, per strategy: TP is exposed unless `Job.tp_comm_overlap` (then
 pipelined under the layer's GEMMs); the CP ring overlaps each step with the attention of the block in
-hand, the CP all-gather is exposed; EP all-to-all is exposed; DP / ZeRO-1/2 overlap the last
+hand, the CP all-gather is exposed; EP all-to-all is exposed unless `Job.ep_comm_overlap` (then under
+another microbatch's compute of the layer); DP / ZeRO-1/2 overlap the last
 microbatch's backward (and forward for the parameter gather) unless `Job.dp_comm_overlap` is False;
 ZeRO-3 prefetches over all microbatches. What overlaps still costs the SMs the collective holds
 (`Cluster.comm_sm_fraction`), and the last gradient bucket never overlaps.
@@ -29,12 +30,14 @@ Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole 
 on a GPU computes the masked tiles too -- the memory model counts that mask, the time model does not.
 
 Known simplifications (each stated where it is used): layers are averaged (a MoE model's leading
-dense layers are spread evenly), experts are assumed perfectly balanced and their routing, permutation
-and all-to-all cost no more than their bytes (fine-grained MoE runs measured in
-benchmarks/planner_published.py are several times slower than that), pipeline p2p is never
-overlapped, and fused attention has its own efficiency, lower for the short blocks of a
-context-parallel ring. On a CPU host (`compute_slots`) ranks beyond the core count time-share the
-cores, and collectives get no overlap once every core computes.
+dense layers are spread evenly); experts are balanced unless `Job.expert_imbalance` says by how much the
+busiest expert rank is over the mean; the dispatcher's permutations cost their HBM passes
+(`kernels.moe_dispatch_elements`) and the all-to-all its bytes; host-side time is not modelled (kernel
+launches, and the dropless dispatcher's per-layer synchronisation of token counts with the host), though
+fine-grained MoE runs (many small experts, small hidden size) measured in benchmarks/planner_published.py
+run up to three times slower than this model; pipeline p2p is never overlapped; and fused attention has
+its own efficiency, lower for the short blocks of a context-parallel ring. On a CPU host (`compute_slots`)
+ranks beyond the core count time-share the cores, and collectives get no overlap once every core computes.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.config import PP_SCHEDULES, ModelConfig
 from meshlm.planner.collectives import collective_time
-from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms
+from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
 from meshlm.planner.memory import MiB, RankParams
 from meshlm.planner.placement import RankSetup
@@ -160,7 +163,10 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     attn_f = summary.flops_attn * tokens_mb / tp
     # Each GEMM of the layer by its shape (kernels.py): thin tp shards and small experts run below the
     # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate, everything else in bf16.
-    gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction)
+    # Dropless routing: the busiest expert rank (`Job.expert_imbalance` x the mean tokens) sets the pace.
+    imbalance = job.expert_imbalance if ep > 1 else 1.0
+    gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction,
+                        etp=r.expert_tp, imbalance=imbalance)
     gemm_in_bytes = 1 if job.precision == "fp8" else by["act"]
     t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=peak * eff, hbm_bw=hbm_bw, in_bytes=gemm_in_bytes,
                                          k_overhead=cluster.gemm_k_overhead)
@@ -189,14 +195,14 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         t_attn, t_attn_bwd = gemms_fwd_bwd([(s, s, hd, heads_mb), (s, hd, s, heads_mb)], rate=peak_attn * eff,
                                            hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
     t_layer_fwd_mm = t_dense + t_attn
-    # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes), read +
-    # write, forward; backward moves about twice as much. Without SP the norm/residual part is
-    # replicated on every tp rank.
+    # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes: kernels.py's
+    # `moe_dispatch_elements`), read + write, forward; backward moves about twice as much. Without SP the
+    # norm/residual part is replicated on every tp rank.
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size
+    inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size * imbalance
                                            + cfg.shared_intermediate_size)
              + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
-    moe_elems = summary.moe_layer_fraction * 4 * cfg.num_experts_per_token * h
+    moe_elems = summary.moe_layer_fraction * moe_dispatch_elements(cfg, ep=ep)
     if job.fused_elementwise:
         elems_seq = 10 * h + moe_elems
         elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
@@ -279,9 +285,20 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         t_cp_layer = cp_layer_bytes = 0.0
     # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
     if ep > 1 and cfg.is_moe:
-        a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"]
+        # the busiest rank receives `imbalance` x the mean: the all-to-all ends when it has
+        a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"] * imbalance
         n_a2a = 4 + (2 if rc == "full" else 0)
         t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, span_ep, cluster)
+        if job.ep_comm_overlap and not cores_saturated:
+            # Megatron-Core's overlap_moe_expert_parallel_comm: the forward of one microbatch and the backward
+            # of another run layer by layer on two streams, each one's dispatch / combine under the other's
+            # compute (Megatron-Bridge's docs/training/communication-overlap.md, expert-parallel overlap; the
+            # constraints as Megatron-Core's TransformerConfig checks them). Window:
+            # the layer's forward + backward compute; what it covers still costs the SMs the all-to-all holds
+            # (`Cluster.comm_sm_fraction`). The pipeline's warm-up forwards and cool-down backwards have no
+            # partner; not counted (a few microbatches of many).
+            window = t_fwd_layer + t_bwd_layer
+            t_ep_layer = max(0.0, t_ep_layer - window) + cluster.comm_sm_fraction * min(t_ep_layer, window)
     else:
         t_ep_layer = 0.0
 
@@ -361,7 +378,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
             window = t_mb_bwd
             if z == 3:
                 root = n_local - layers_mem * (summary.layer_tp / tp + summary.layer_rep
-                                               + summary.layer_experts / (tp * ep))
+                                               + summary.layer_experts / (r.expert_tp * ep))
                 comm += m * collective_time("all_gather", (2 * n_local - 2 * root) * by["param"], span_dps, cluster)
                 window = m * t_mb
                 sync = m * collective_time("all_gather", root * by["param"], span_dps, cluster)

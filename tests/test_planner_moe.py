@@ -1,0 +1,136 @@
+"""Planner: Mixture-of-Experts pricing -- expert tensor parallelism (ep spanning tp ranks), the overlapped
+expert all-to-all, and the token dispatcher's permutation traffic. Torch-free: the planner alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshlm.config import ModelConfig
+from meshlm.planner.cost import estimate
+from meshlm.planner.cluster import get_cluster
+from meshlm.planner.cost import Job, ModelSummary
+from meshlm.planner.kernels import gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
+from meshlm.planner.layout import Layout
+from meshlm.planner.memory import rank_params
+from meshlm.planner.placement import rank_setup
+
+# A small fine-grained MoE (Qwen3-MoE-like shape, 8 layers): 64 experts, top-8.
+MOE = ModelConfig(vocab_size=4096, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
+                  intermediate_size=3072, max_seq_len=4096, num_experts=64, num_experts_per_token=8,
+                  moe_intermediate_size=256)
+JOB = Job(seq_len=4096, global_batch_size=64)
+
+
+def _layout(**kw) -> Layout:
+    base = dict(dp_shard=8, tp=2, pp=1, ep=16, micro_batch_size=1, zero_stage=1)
+    return Layout(**{**base, **kw})
+
+
+def test_ep_may_span_tensor_parallel_ranks_only_with_expert_tp():
+    # ep=16 over dp_shard=8 x tp=2: Megatron-Core's MoE parallel folding (expert_tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="expert_tp=1"):
+        estimate(MOE, get_cluster("h100"), JOB, _layout(), gpus=16)
+    est = estimate(MOE, get_cluster("h100"), JOB, _layout(expert_tp=1), gpus=16)
+    assert est.time_s["step"] > 0 and "ep16etp1" in est.layout.short()
+    # meshlm's own runtime shards experts by tp: not a layout it can run
+    with pytest.raises(ValueError, match="meshlm shards experts by tp"):
+        estimate(MOE, get_cluster("h100"), Job(seq_len=4096, global_batch_size=64, runtime="meshlm",
+                                               precision="fp32"), _layout(expert_tp=1), gpus=16)
+    with pytest.raises(ValueError, match="must divide tp"):
+        estimate(MOE, get_cluster("h100"), JOB, _layout(ep=8, expert_tp=3), gpus=16)
+
+
+def test_expert_tp_splits_experts_over_etp_ranks_with_the_same_flops():
+    tokens = 4096
+    folded = layer_gemms(MOE, tokens=tokens, tp=2, ep=16, moe_fraction=1.0, etp=1)
+    sharded = layer_gemms(MOE, tokens=tokens, tp=2, ep=8, moe_fraction=1.0)
+    flops = lambda gemms: sum(2 * m * n * k * c for m, n, k, c in gemms)  # noqa: E731
+    assert flops(folded) == pytest.approx(flops(sharded))
+    # the routed experts' first GEMM: full width e_inter (not e_inter / tp), the rank's tokens / tp dispatched
+    rows = tokens / 2 * MOE.num_experts_per_token * 16 / MOE.num_experts
+    assert (rows, 2 * MOE.moe_intermediate_size, MOE.hidden_size, 4.0) in folded
+    # parameters: E / ep whole experts per rank (not E / ep experts split over tp), and the ep group's ranks
+    # are contiguous (expert_tp innermost): 16 ranks over two 8-GPU domains
+    summary = ModelSummary.build(MOE, JOB.seq_len)
+    cluster = get_cluster("h100")
+    lo1, lo0 = _layout(expert_tp=1), _layout(ep=8)
+    r1, r0 = rank_setup(summary, cluster, JOB, lo1), rank_setup(summary, cluster, JOB, lo0)
+    assert rank_params(summary, JOB, lo1, r1).experts == pytest.approx(8 * summary.layer_experts / 16)
+    assert rank_params(summary, JOB, lo0, r0).experts == pytest.approx(8 * summary.layer_experts / (2 * 8))
+    assert r1.spans["ep"] == (8, 2) and r0.spans["ep"] == (4, 2)
+
+
+def test_overlapped_expert_all_to_all_is_hidden_under_the_layer_compute():
+    cluster = get_cluster("h100")
+    lo = _layout(expert_tp=1)
+    exposed = estimate(MOE, cluster, JOB, lo, gpus=16)
+    hidden = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=64, ep_comm_overlap=True), lo, gpus=16)
+    assert exposed.time_s["ep_comm"] > 0
+    assert hidden.time_s["ep_comm"] < exposed.time_s["ep_comm"]
+    # what the compute covers still costs the SMs the all-to-all holds
+    assert hidden.time_s["ep_comm"] >= cluster.comm_sm_fraction * exposed.time_s["ep_comm"] - 1e-12
+    assert hidden.time_s["compute"] == pytest.approx(exposed.time_s["compute"])
+    # Megatron-Core refuses the overlap with full recomputation and with a non-interleaved pipeline
+    overlap = Job(seq_len=4096, global_batch_size=64, ep_comm_overlap=True)
+    with pytest.raises(ValueError, match="full"):
+        estimate(MOE, cluster, overlap, _layout(expert_tp=1, recompute="full"), gpus=16)
+    with pytest.raises(ValueError, match="interleaved"):
+        estimate(MOE, cluster, overlap, _layout(dp_shard=4, pp=2, ep=8, expert_tp=1), gpus=16)
+    estimate(MOE, cluster, overlap, _layout(dp_shard=4, pp=2, ep=8, expert_tp=1, pp_schedule="interleaved",
+                                            pp_chunks=2), gpus=16)
+
+
+def test_dispatch_permutations_count_each_pass():
+    k, h = MOE.num_experts_per_token, MOE.hidden_size
+    # permute (k h read + k h written) and unpermute (k h read, h written); no regrouping without ep
+    assert moe_dispatch_elements(MOE, ep=1) == 3 * k * h + h
+    # with several local experts, the rows are regrouped by local expert after the dispatch and back
+    # before the combine: two more passes of k h read + k h written
+    assert moe_dispatch_elements(MOE, ep=8) == 7 * k * h + h
+    # one expert per rank: nothing to regroup
+    assert moe_dispatch_elements(MOE, ep=MOE.num_experts) == 3 * k * h + h
+    dense = ModelConfig(vocab_size=4096, hidden_size=1024, num_layers=8, num_heads=16, intermediate_size=3072)
+    assert moe_dispatch_elements(dense, ep=1) == 0.0
+
+
+def test_dispatch_permutations_are_priced_as_memory_traffic():
+    # the same layout at ep=1 and ep=8, tp=1: the step's compute differs by the expert GEMMs' shapes (more
+    # rows, fewer local experts) and by the regrouping passes' HBM time, forward + twice that backward
+    cluster = get_cluster("h100")
+    job = Job(seq_len=4096, global_batch_size=16)
+    one = estimate(MOE, cluster, job, Layout(dp_shard=8, ep=1, micro_batch_size=1), gpus=8)
+    eight = estimate(MOE, cluster, job, Layout(dp_shard=8, ep=8, micro_batch_size=1), gpus=8)
+    kw = dict(rate=cluster.peak("bf16") * cluster.matmul_efficiency, hbm_bw=cluster.hbm_bw * cluster.hbm_efficiency,
+              in_bytes=2, k_overhead=cluster.gemm_k_overhead)
+    def gemm(ep: int) -> float:
+        return sum(gemms_fwd_bwd(layer_gemms(MOE, tokens=4096, tp=1, ep=ep, moe_fraction=1.0), **kw))
+
+    k, h = MOE.num_experts_per_token, MOE.hidden_size
+    per_mb_layer = gemm(8) - gemm(1) + 4096 * 4 * k * h * 2 * 3 / kw["hbm_bw"]  # bf16, fwd + 2x bwd
+    microbatches = 16 // 8
+    assert eight.time_s["compute"] - one.time_s["compute"] == pytest.approx(
+        microbatches * MOE.num_layers * per_mb_layer, rel=1e-6)
+
+
+def test_expert_imbalance_makes_the_busiest_rank_set_the_pace():
+    cluster = get_cluster("h100")
+    lo = Layout(dp_shard=8, ep=8, micro_batch_size=1)
+    even = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16), lo, gpus=8)
+    skewed = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=1.5), lo, gpus=8)
+    assert skewed.time_s["compute"] > even.time_s["compute"]
+    assert skewed.time_s["ep_comm"] > 1.4 * even.time_s["ep_comm"]  # bandwidth-bound: ~1.5x, latency unchanged
+    # the routed experts' FLOPs on the busiest rank grow by the factor; attention and router do not
+    flops = lambda gemms: sum(2 * m * n * k * c for m, n, k, c in gemms)  # noqa: E731
+    base = layer_gemms(MOE, tokens=4096, tp=1, ep=8, moe_fraction=1.0)
+    busy = layer_gemms(MOE, tokens=4096, tp=1, ep=8, moe_fraction=1.0, imbalance=1.5)
+    experts = 2 * 4096 * MOE.num_experts_per_token * 3 * MOE.hidden_size * MOE.moe_intermediate_size
+    assert flops(busy) - flops(base) == pytest.approx(0.5 * experts)
+    # without expert parallelism every expert is local: the rank's total does not depend on the routing
+    one = Layout(dp_shard=8, ep=1, micro_batch_size=1)
+    local_skewed = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=1.5), one, gpus=8)
+    local_even = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16), one, gpus=8)
+    assert local_skewed.time_s["step"] == pytest.approx(local_even.time_s["step"])
+    with pytest.raises(ValueError, match="must be >= 1"):
+        estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=0.5), lo, gpus=8)
+    with pytest.raises(ValueError, match="exceeds ep=8"):
+        estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=9.0), lo, gpus=8)
