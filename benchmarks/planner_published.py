@@ -17,8 +17,8 @@ What was looked at, honestly: the numeric constants were chosen looking at the F
 datasheets / kernel benchmarks); the issue-15 accuracy work then read EVERY group's rows to find what the
 model missed and changed mechanisms and row descriptions only (`CHANGES`: each with the groups whose
 rows prompted it and its source), no numeric constant. So "held_out" is held out from the constants,
-not from those changes; the JSON says so ("groups_looked_at"), and its "leave_one_group_out" figures
-equal the per-group ones because no constant depends on any group's rows. Rows of MoE models are also
+not from those changes; the JSON says so ("groups_looked_at"). (A leave-one-group-out figure would equal
+the per-group one, since no constant depends on any group's rows; it is not printed.) Rows of MoE models are also
 summarised apart ("median_abs_error_dense" / "_moe"). The MoE work (the last three `CHANGES`) read the six
 MoE rows of I_megatron_bridge_h100 and the three it made expressible; it added mechanisms and row
 descriptions taken from NVIDIA's published recipes, no constant. Still not modelled (timing.py): host-side
@@ -355,9 +355,6 @@ def summarize(results: list[dict]) -> dict:
                                    for g in groups},
         "fit_groups_median_abs_error": _median_abs([r for r in used if r["group"] in FIT_GROUPS]),
         "held_out_median_abs_error": _median_abs([r for r in used if r["group"] not in FIT_GROUPS]),
-        # no numeric constant depends on any group's rows: leaving a group out changes nothing
-        "leave_one_group_out_median_abs_error": {g: _median_abs([r for r in used if r["group"] == g])
-                                                 for g in groups},
         "median_abs_error_dense": _median_abs([r for r in used if not r["moe"]]),
         "median_abs_error_moe": _median_abs([r for r in used if r["moe"]]),
         "median_abs_error": _median_abs(used),
