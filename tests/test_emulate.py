@@ -150,7 +150,8 @@ def test_an_emulated_calibration_is_a_two_tier_local_cluster(tmp_path):
                                                     machine=machine)))
     c = local_cluster(path)
     assert c.scaleup_size == 2 and c.host_shared_by_domains and c.flat_rings and c.compute_slots == 2
-    assert c.collective_fit("all_gather", "scale-up")[1] == pytest.approx(1e9)
+    # measured among 4 busy ranks on 2 cores: written per core (x 2), which the cost model divides back
+    assert c.collective_fit("all_gather", "scale-up")[1] == pytest.approx(2e9)
     assert c.collective_fit("all_gather", "scale-out")[1] == pytest.approx(5e7)
     # 4 ranks over 2 nodes: one ring of 4, its crossing hops carrying 2 ranks' shares of the node link
     assert collective_time("all_gather", 4e6, (2, 2), c) == pytest.approx(0.75 * 4e6 / 1e8 + 3 * 1e-4, rel=1e-6)

@@ -109,8 +109,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=SIZES) -> dict:
-    """Time each collective over message sizes on `group` (this rank one of `members`): {kind: [[bytes, s]]}."""
+def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=SIZES, *,
+                      busy=None, kinds=None) -> dict:
+    """Time each collective over message sizes on `group` (this rank one of `members`): {kind: [[bytes, s]]}.
+
+    Without `busy`: the fastest of `repeats` calls, each after a barrier (the link alone). With `busy` (a
+    function computing a slice): each call follows a slice of compute and no barrier, as a training step
+    issues them, and the median call is kept -- what a rank waits in a collective among busy ranks,
+    peers that are still computing or descheduled included."""
+    import statistics
+
     import torch
     import torch.distributed as dist
 
@@ -133,17 +141,20 @@ def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=
                     else (lambda: dist.send(buf, first, group=group))),
         }
         for name, fn in ops.items():
-            if name == "p2p" and rank not in (first, second):
+            if (name == "p2p" and rank not in (first, second)) or (kinds is not None and name not in kinds):
                 continue
             try:
                 fn()  # warm-up
                 times = []
                 for _ in range(repeats):
-                    dist.barrier(group=group) if name != "p2p" else None
+                    if busy is not None:
+                        busy()
+                    elif name != "p2p":
+                        dist.barrier(group=group)
                     t = time.perf_counter()
                     fn()
                     times.append(time.perf_counter() - t)
-                results.setdefault(name, []).append([n * 4, min(times)])
+                results.setdefault(name, []).append([n * 4, statistics.median(times) if busy else min(times)])
             except RuntimeError as e:  # an op the backend lacks: record and go on
                 results.setdefault("unsupported", []).append(f"{name}: {str(e)[:80]}")
     return results
@@ -163,11 +174,59 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, repeats: int) -> 
         Path(out_dir, "rank0.json").write_text(json.dumps(results))
 
 
-def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 5, sizes=SIZES) -> dict:
+BUSY_SLICE_FLOPS = 2e8  # compute between two timed collectives: ~2-3 ms of one core, a small layer's matmuls
+
+
+def _busy_slice(flops: float = BUSY_SLICE_FLOPS):
+    """A function computing `flops` of fp32 matmuls (256 x 256 blocks), as a rank between two collectives."""
+    import torch
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    count = max(1, round(flops / (2 * 256**3)))
+
+    def run() -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+
+    return run
+
+
+def measure_contention(rank: int, world: int, *, slices: int = 40) -> dict:
+    """How much slower a rank computes while every rank of this host computes than alone: the seconds of
+    `slices` compute slices on rank 0 alone (the others blocked in a barrier) and on every rank at once
+    (each rank's own time; the median rank). Every rank must call it; all get the result."""
+    import statistics
+
+    import torch.distributed as dist
+
+    work = _busy_slice()
+    work()
+    alone = 0.0
+    if rank == 0:
+        t = time.perf_counter()
+        for _ in range(slices):
+            work()
+        alone = time.perf_counter() - t
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(slices):
+        work()
+    mine = time.perf_counter() - t
+    everyone = [None] * world
+    dist.all_gather_object(everyone, [alone, mine])
+    alone = everyone[0][0]
+    together = statistics.median(m for _, m in everyone)
+    return {"alone_s": alone, "together_s": together, "ranks": world, "slowdown": together / alone}
+
+
+def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 5, sizes=SIZES,
+                  kinds=None) -> dict:
     """On an initialised default group of `world` ranks, `procs_per_node` consecutive ranks per emulated node:
-    the collectives timed inside a node ("scale-up", node 0's ranks while the others wait; absent with one
-    rank per node) and across nodes ("scale-out", one rank per node, every rank of a node at once). Every
-    rank must call it; rank 0's points are returned (the others get {})."""
+    the collectives timed inside a node ("scale-up", every node's ranks at once; absent with one rank per
+    node) and across nodes ("scale-out", one rank per node, every rank of a node at once), each call after a
+    slice of compute on every rank (`_time_collectives(busy=...)`): the host's cores are shared by all the
+    ranks as in training, so the fits include the waits for busy peers. Also "contention"
+    (`measure_contention`). Every rank must call it; rank 0's points are returned (the others get {})."""
     import torch.distributed as dist
 
     nodes = world // procs_per_node
@@ -177,13 +236,14 @@ def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 
     # new_group is collective over the whole world: every rank creates every group, in the same order.
     node_pgs = [dist.new_group(g) for g in node_groups] if procs_per_node > 1 else []
     rail_pgs = [dist.new_group(g) for g in rails]
-    out: dict = {}
+    out: dict = {"contention": measure_contention(rank, world)}
+    busy = _busy_slice()
+    node, j = rank // procs_per_node, rank % procs_per_node
     if procs_per_node > 1:
-        if rank in node_groups[0]:
-            out["scale-up"] = _time_collectives(rank, node_pgs[0], node_groups[0], repeats, sizes)
+        out["scale-up"] = _time_collectives(rank, node_pgs[node], node_groups[node], repeats, sizes, busy=busy,
+                                            kinds=kinds)
         dist.barrier()
-    j = rank % procs_per_node
-    out["scale-out"] = _time_collectives(rank, rail_pgs[j], rails[j], repeats, sizes)
+    out["scale-out"] = _time_collectives(rank, rail_pgs[j], rails[j], repeats, sizes, busy=busy, kinds=kinds)
     dist.barrier()
     for pg in (*node_pgs, *rail_pgs):
         dist.destroy_process_group(pg)
@@ -257,11 +317,30 @@ def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict
 
 def emulated_calibration(tiers: dict, *, nodes: int, procs_per_node: int, rate_bps: float,
                          latency_s: float = 0.0, machine: dict | None = None) -> dict:
-    """The calibration file's contents from `measure_tiers`' points (and `_machine()` unless given)."""
+    """The calibration file's contents from `measure_tiers`' points (and `_machine()` unless given).
+
+    The cost model takes one core's rates and divides them by share = ranks / cores where ranks time-share
+    the cores (placement.rank_setup), the scale-up link's bandwidth too. What `measure_tiers` measured
+    among busy ranks already is what a rank gets, so it is written per core: the scale-up fits' bandwidth
+    x share, and the compute rates (`machine`, measured alone) x share / the measured slowdown of compute
+    when every rank computes at once (2 for 4 ranks on 2 idle cores; more when other work shares them).
+    The division then gives back what was measured. The rates alone are kept under "alone"."""
     data = dict(machine) if machine is not None else _machine()
+    world = nodes * procs_per_node
+    cores = int(data.get("cpu_cores", 0))
+    share = max(1.0, world / cores) if cores else 1.0
     out_fits = _fits(tiers["scale-out"], nodes)
     # One rank per node: no scale-up link to time; the loopback is never the bottleneck then (unused).
     up_fits = _fits(tiers["scale-up"], procs_per_node) if "scale-up" in tiers else out_fits
+    if "scale-up" in tiers:
+        for fit in up_fits.values():
+            fit["bandwidth"] *= share
+    contention = tiers.get("contention")
+    if contention:
+        scale = share / max(1.0, contention["slowdown"])
+        data["alone"] = {k: data[k] for k in ("matmul_flops", "attention_flops", "memory_bandwidth") if k in data}
+        data.update({k: v * scale for k, v in data["alone"].items()})
+        data["contention"] = contention
     data.update(world_size=procs_per_node, collectives=up_fits, link=_link(up_fits, procs_per_node),
                 scale_out={"world_size": nodes, "collectives": out_fits, "link": _link(out_fits, nodes)},
                 emulated={"nodes": nodes, "procs_per_node": procs_per_node, "inter_node_bw_bps": rate_bps,
