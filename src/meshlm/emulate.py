@@ -172,11 +172,13 @@ class EmulatedCluster:
         # Token bucket: a burst of 100 us at the rate, at least one full-size packet and a header more (tbf
         # drops a packet larger than its bucket): a larger bucket lets every message of up to its size
         # through at memory speed, so the link would look faster than its rate to anything that pauses
-        # between messages (a calibration, a training step's collectives). Packets queue up to 100 ms
-        # before being dropped -- TCP then backs off.
+        # between messages (a calibration, a training step's collectives). The queue holds 100 ms at the
+        # rate and at least 8 MiB: a drop makes TCP wait for a retransmission timeout (200 ms and more),
+        # and at low rates 100 ms is less than what TCP's socket buffers (megabytes) send at once.
         burst = max(16 * 1024, self.mtu + 1500, int(self.rate_bps / 8 * 1e-4))
+        limit = max(8 * 2**20, int(self.rate_bps / 8 * 0.1))
         _must("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-              "burst", str(burst), "latency", "100ms")
+              "burst", str(burst), "limit", str(limit))
 
     # -- using it ---------------------------------------------------------------------------------
     def rank_env(self) -> dict:

@@ -110,13 +110,15 @@ def _free_port() -> int:
 
 
 def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=SIZES, *,
-                      busy=None, kinds=None) -> dict:
+                      world_sync: bool = False, busy=None, kinds=None) -> dict:
     """Time each collective over message sizes on `group` (this rank one of `members`): {kind: [[bytes, s]]}.
 
-    Without `busy`: the fastest of `repeats` calls, each after a barrier (the link alone). With `busy` (a
-    function computing a slice): each call follows a slice of compute and no barrier, as a training step
-    issues them, and the median call is kept -- what a rank waits in a collective among busy ranks,
-    peers that are still computing or descheduled included."""
+    Default: the fastest of `repeats` calls, each after a barrier of the group (the link alone).
+    `world_sync`: each call after a barrier of the whole world, so that every group of a tier runs at once,
+    sharing the node links and the cores as a step's groups do; the median call is kept. Every rank of the
+    world must call it then. `busy` (with world_sync; a function computing a slice): every rank computes a
+    slice between the barrier and the call, as a training step does between collectives -- the call then
+    also waits for peers that are still computing or descheduled."""
     import statistics
 
     import torch
@@ -141,23 +143,42 @@ def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=
                     else (lambda: dist.send(buf, first, group=group))),
         }
         for name, fn in ops.items():
-            if (name == "p2p" and rank not in (first, second)) or (kinds is not None and name not in kinds):
+            if kinds is not None and name not in kinds:
                 continue
+            if name == "p2p" and rank not in (first, second):
+                if not world_sync:
+                    continue
+                fn = _idle  # still in the world's barriers
             try:
                 fn()  # warm-up
                 times = []
                 for _ in range(repeats):
-                    if busy is not None:
-                        busy()
+                    if world_sync:
+                        dist.barrier()
+                        if busy is not None:
+                            busy()
                     elif name != "p2p":
                         dist.barrier(group=group)
                     t = time.perf_counter()
                     fn()
                     times.append(time.perf_counter() - t)
-                results.setdefault(name, []).append([n * 4, statistics.median(times) if busy else min(times)])
+                results.setdefault(name, []).append([n * 4, statistics.median(times) if world_sync else min(times)])
             except RuntimeError as e:  # an op the backend lacks: record and go on
                 results.setdefault("unsupported", []).append(f"{name}: {str(e)[:80]}")
     return results
+
+
+def _idle() -> None:
+    pass
+
+
+def tier_sizes(rate_bps: float, procs_per_node: int, *, seconds: float = 0.2) -> tuple:
+    """Message sizes to time on an emulated cluster: SIZES, the largest ones cut where one rank's share of
+    its node's link would take over `seconds` (a 4 MiB all-reduce takes seconds at tens of Mbit/s): up
+    to four sizes from 16 KiB, the two smallest and the two largest kept."""
+    cap = max(2**18, rate_bps / 8 / procs_per_node * seconds)
+    sizes = [b for b in (2**14, 2**16, 2**18, 2**19, 2**20, 2**21, 2**22) if b <= cap]
+    return tuple(sizes[:2] + sizes[-2:]) if len(sizes) > 4 else tuple(sizes)
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, repeats: int) -> None:
@@ -191,41 +212,46 @@ def _busy_slice(flops: float = BUSY_SLICE_FLOPS):
     return run
 
 
-def measure_contention(rank: int, world: int, *, slices: int = 40) -> dict:
+def measure_contention(rank: int, world: int, *, slices: int = 60, rounds: int = 3) -> dict:
     """How much slower a rank computes while every rank of this host computes than alone: the seconds of
     `slices` compute slices on rank 0 alone (the others blocked in a barrier) and on every rank at once
-    (each rank's own time; the median rank). Every rank must call it; all get the result."""
+    (the mean over ranks), `rounds` times alternately, the median of each. Every rank must call it; all
+    get the result."""
     import statistics
 
     import torch.distributed as dist
 
     work = _busy_slice()
     work()
-    alone = 0.0
-    if rank == 0:
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            for _ in range(slices):
+                work()
+        mine_alone = time.perf_counter() - t
+        dist.barrier()
         t = time.perf_counter()
         for _ in range(slices):
             work()
-        alone = time.perf_counter() - t
-    dist.barrier()
-    t = time.perf_counter()
-    for _ in range(slices):
-        work()
-    mine = time.perf_counter() - t
-    everyone = [None] * world
-    dist.all_gather_object(everyone, [alone, mine])
-    alone = everyone[0][0]
-    together = statistics.median(m for _, m in everyone)
-    return {"alone_s": alone, "together_s": together, "ranks": world, "slowdown": together / alone}
+        mine = time.perf_counter() - t
+        everyone = [None] * world
+        dist.all_gather_object(everyone, [mine_alone, mine])
+        alone.append(everyone[0][0])
+        together.append(statistics.mean(m for _, m in everyone))
+    a, t = statistics.median(alone), statistics.median(together)
+    return {"alone_s": a, "together_s": t, "ranks": world, "slowdown": t / a}
 
 
 def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 5, sizes=SIZES,
-                  kinds=None) -> dict:
+                  kinds=None, busy_repeats: int = 9) -> dict:
     """On an initialised default group of `world` ranks, `procs_per_node` consecutive ranks per emulated node:
     the collectives timed inside a node ("scale-up", every node's ranks at once; absent with one rank per
-    node) and across nodes ("scale-out", one rank per node, every rank of a node at once), each call after a
-    slice of compute on every rank (`_time_collectives(busy=...)`): the host's cores are shared by all the
-    ranks as in training, so the fits include the waits for busy peers. Also "contention"
+    node) and across nodes ("scale-out", one rank per node, every rank of a node at once), all groups of a
+    tier started together (`_time_collectives(world_sync=True)`), over `sizes`: what the links give. And,
+    as "<tier> busy", the smallest size again after a slice of compute on every rank (`busy_repeats` calls):
+    what a call also waits for busy peers sharing the cores, as in training. Also "contention"
     (`measure_contention`). Every rank must call it; rank 0's points are returned (the others get {})."""
     import torch.distributed as dist
 
@@ -239,11 +265,13 @@ def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 
     out: dict = {"contention": measure_contention(rank, world)}
     busy = _busy_slice()
     node, j = rank // procs_per_node, rank % procs_per_node
+    tiers = [("scale-out", rail_pgs[j], rails[j])]
     if procs_per_node > 1:
-        out["scale-up"] = _time_collectives(rank, node_pgs[node], node_groups[node], repeats, sizes, busy=busy,
-                                            kinds=kinds)
-        dist.barrier()
-    out["scale-out"] = _time_collectives(rank, rail_pgs[j], rails[j], repeats, sizes, busy=busy, kinds=kinds)
+        tiers.insert(0, ("scale-up", node_pgs[node], node_groups[node]))
+    for tier, pg, members in tiers:
+        out[tier] = _time_collectives(rank, pg, members, repeats, sizes, world_sync=True, kinds=kinds)
+        out[f"{tier} busy"] = _time_collectives(rank, pg, members, busy_repeats, sizes[:1], world_sync=True,
+                                                busy=busy, kinds=kinds)
     dist.barrier()
     for pg in (*node_pgs, *rail_pgs):
         dist.destroy_process_group(pg)
@@ -275,8 +303,13 @@ def _machine() -> dict:
     return data
 
 
-def _fits(raw: dict, n: int) -> dict:
-    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n."""
+def _fits(raw: dict, n: int, *, busy: dict | None = None) -> dict:
+    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n. `busy`: the same
+    collectives timed after a slice of compute on every rank ({kind: [[bytes, s]]}); what they took beyond
+    the fit, the median over kinds, is written to every fit as "call_overhead" (seconds per call: the wait
+    for busy peers, paid once per collective whatever its hops)."""
+    import statistics
+
     ring = (n - 1) / n
     factors = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": ring, "all_to_all": ring, "p2p": 1.0}
     fits = {}
@@ -284,6 +317,11 @@ def _fits(raw: dict, n: int) -> dict:
         if name in factors and len(pts) >= 2:
             lat, bw = _fit(pts, factors[name])
             fits[name] = {"latency": lat, "bandwidth": bw, "points": pts}
+    extra = [t - (fits[k]["latency"] + factors[k] * b / fits[k]["bandwidth"])
+             for k, pts in (busy or {}).items() if k in fits for b, t in pts]
+    if extra:
+        for fit in fits.values():
+            fit["call_overhead"] = max(0.0, statistics.median(extra))
     return fits
 
 
@@ -329,9 +367,10 @@ def emulated_calibration(tiers: dict, *, nodes: int, procs_per_node: int, rate_b
     world = nodes * procs_per_node
     cores = int(data.get("cpu_cores", 0))
     share = max(1.0, world / cores) if cores else 1.0
-    out_fits = _fits(tiers["scale-out"], nodes)
+    out_fits = _fits(tiers["scale-out"], nodes, busy=tiers.get("scale-out busy"))
     # One rank per node: no scale-up link to time; the loopback is never the bottleneck then (unused).
-    up_fits = _fits(tiers["scale-up"], procs_per_node) if "scale-up" in tiers else out_fits
+    up_fits = (_fits(tiers["scale-up"], procs_per_node, busy=tiers.get("scale-up busy")) if "scale-up" in tiers
+               else out_fits)
     if "scale-up" in tiers:
         for fit in up_fits.values():
             fit["bandwidth"] *= share
@@ -349,7 +388,7 @@ def emulated_calibration(tiers: dict, *, nodes: int, procs_per_node: int, rate_b
 
 
 def _emulated_rank(index: int, namespaces: list, address: str, port: int, procs_per_node: int, out_dir: str,
-                   repeats: int) -> None:
+                   repeats: int, sizes: tuple) -> None:
     import torch
     import torch.distributed as dist
 
@@ -361,7 +400,7 @@ def _emulated_rank(index: int, namespaces: list, address: str, port: int, procs_
     world = len(namespaces) * procs_per_node
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=index, world_size=world)
     try:
-        tiers = measure_tiers(index, world, procs_per_node=procs_per_node, repeats=repeats)
+        tiers = measure_tiers(index, world, procs_per_node=procs_per_node, repeats=repeats, sizes=sizes)
     finally:
         dist.destroy_process_group()
     if index == 0:
@@ -383,7 +422,7 @@ def calibrate_emulated(out: str | Path, *, nodes: int, procs_per_node: int, rate
         machine = _machine()  # before the ranks start: alone on the cores
         # A fresh namespace listens on no port: the rendezvous may take a fixed one.
         mp.start_processes(_emulated_rank, args=(cluster.namespaces, cluster.addresses[0], 29500, procs_per_node,
-                                                 tmp, repeats),
+                                                 tmp, repeats, tier_sizes(rate_bps, procs_per_node)),
                            nprocs=nodes * procs_per_node, join=True, start_method="spawn")
         tiers = json.loads(Path(tmp, "tiers.json").read_text())
     data = emulated_calibration(tiers, nodes=nodes, procs_per_node=procs_per_node, rate_bps=rate_bps,

@@ -67,7 +67,7 @@ class Cluster:
     # Data-centre overhead (cooling, power conversion): facility power / IT power.
     pue: float = 1.0
     # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
-    # per hop in s, achieved bandwidth in bytes/s)}}, kind one of collectives.KINDS. The default for a
+    # per hop in s, achieved bandwidth in bytes/s[, seconds per call])}}, kind one of collectives.KINDS. The default for a
     # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
     # the fits `meshlm plan calibrate` measures for each collective.
     collective_fits: dict = field(default_factory=dict)
@@ -215,7 +215,10 @@ def _tier_fits(data: dict) -> dict:
     size, factor the ring's), its latency spread over the hops collectives.collective_time counts there."""
     n = max(2, int(data.get("world_size", 2)))
     hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "p2p": 1}
-    return {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]))
+    # A third element, where measured (`calibrate_emulated`): seconds per call, whatever the ring's size
+    # (collectives.collective_time adds it).
+    return {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]),
+                   *([float(f["call_overhead"])] if "call_overhead" in f else []))
             for kind, f in (data.get("collectives") or {}).items() if kind in hops}
 
 
@@ -228,7 +231,7 @@ def slowed_links(cluster: Cluster, factor: float) -> Cluster:
     ranks time-sharing the cores of one host share its memory copies too (cost.estimate_layout). On an
     emulated cluster only the scale-up tier is memory copies; its scale-out link is shaped, measured as is."""
     tiers = ("scale-up",) if cluster.host_shared_by_domains else ("scale-up", "scale-out")
-    fits = {tier: {k: (lat, bw / factor if tier in tiers else bw) for k, (lat, bw) in kinds.items()}
+    fits = {tier: {k: (fit[0], fit[1] / factor if tier in tiers else fit[1], *fit[2:]) for k, fit in kinds.items()}
             for tier, kinds in cluster.collective_fits.items()}
     out_factor = factor if "scale-out" in tiers else 1.0
     return replace(cluster, scaleup_bw=cluster.scaleup_bw / factor, scaleout_bw=cluster.scaleout_bw / out_factor,

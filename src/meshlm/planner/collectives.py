@@ -14,6 +14,9 @@ Algorithms (NCCL's, as in its documentation and nccl-tests' "bus bandwidth" conv
   * all-to-all: every rank sends (n - 1) / n of its bytes; the part leaving the domain rides the NICs, the
     rest NVLink, concurrently; one message per peer.
   * p2p: one message, one hop.
+  * a fit may carry seconds per call (`call_overhead`), paid once per collective on the tier it crosses
+    (scale-out when it leaves the domain): on an emulated cluster, what a call waits for busy peers
+    sharing the host's cores, which does not grow with the ring's hops.
   * On a cluster with `flat_rings` (gloo, e.g. an emulated one) a group spanning both tiers runs one ring over
     all its ranks instead, paced by its node-crossing hops: one per domain and direction, each carrying the
     whole ring's traffic. The scale-out fit is one rank's share of its node's link with every rank of the
@@ -61,9 +64,24 @@ def _ring(nbytes: float, n: int, fit: tuple[float, float]) -> float:
     return (n - 1) / n * nbytes / bandwidth + _hops(n) * latency
 
 
+def call_overhead(cluster: Cluster, kind: str, tier: str) -> float:
+    """Seconds one call of `kind` costs on `tier` beyond its hops and bytes, where the cluster's fit has
+    it (the optional third element; 0 otherwise)."""
+    fit = cluster.collective_fits.get(tier, {}).get(kind)
+    return float(fit[2]) if fit is not None and len(fit) > 2 else 0.0
+
+
 def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
     """Seconds for one collective; `nbytes` is the full (unsharded) buffer, or for all_to_all the
     bytes each rank sends in total, or for p2p the message."""
+    n_in, n_out = span
+    if n_in * n_out <= 1:
+        return 0.0
+    tier = "scale-up" if n_out == 1 else "scale-out"
+    return _collective_time(kind, nbytes, span, cluster) + call_overhead(cluster, kind, tier)
+
+
+def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
     n_in, n_out = span
     up = lambda k: cluster.collective_fit(k, "scale-up")  # noqa: E731
     out = lambda k: cluster.collective_fit(k, "scale-out")  # noqa: E731
