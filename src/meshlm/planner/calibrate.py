@@ -95,6 +95,44 @@ def fit_attention(*, short: int = 128, long: int = 512, tokens: int = 2048) -> d
             "attention_points": [[short, r1], [long, r2]]}
 
 
+def measure_step_overhead(*, repeats: int = 9) -> float:
+    """Seconds of a training step that computes almost nothing (a 2-layer model of width 64 on 16 tokens:
+    forward, backward, gradient clipping, AdamW, zero_grad), the median of `repeats` after two untimed:
+    the framework's fixed work per step (Python, dispatch, the optimizer's per-tensor loops), which the
+    FLOP and byte counts of the cost model do not see."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    from meshlm.config import ModelConfig
+    from meshlm.models.transformer import Transformer
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                      intermediate_size=128, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.vocab_size, (1, 16))
+    times = []
+    for i in range(repeats + 2):
+        t = time.perf_counter()
+        F.cross_entropy(model(x).view(-1, cfg.vocab_size), x.view(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def emulated_machine() -> dict:
+    """`_machine()` and the fixed cost of a step (`measure_step_overhead`), alone on the cores: what
+    `emulated_calibration` scales to the ranks sharing them."""
+    return {**_machine(), "step_overhead_s": measure_step_overhead()}
+
+
 def _cpu_cores() -> int:
     """Cores this process may run on (what local ranks share), not the host's total."""
     try:
@@ -248,8 +286,9 @@ def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 
                   kinds=None, busy_repeats: int = 9) -> dict:
     """On an initialised default group of `world` ranks, `procs_per_node` consecutive ranks per emulated node:
     the collectives timed inside a node ("scale-up", every node's ranks at once; absent with one rank per
-    node) and across nodes ("scale-out", one rank per node, every rank of a node at once), all groups of a
-    tier started together (`_time_collectives(world_sync=True)`), over `sizes`: what the links give. And,
+    node), across nodes ("scale-out", one rank per node, every rank of a node at once) and over all the
+    ranks ("flat", absent with one rank per node), all groups of a tier started together
+    (`_time_collectives(world_sync=True)`), over `sizes`: what the links give. And,
     as "<tier> busy", the smallest size again after a slice of compute on every rank (`busy_repeats` calls):
     what a call also waits for busy peers sharing the cores, as in training. Also "contention"
     (`measure_contention`). Every rank must call it; rank 0's points are returned (the others get {})."""
@@ -267,7 +306,8 @@ def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 
     node, j = rank // procs_per_node, rank % procs_per_node
     tiers = [("scale-out", rail_pgs[j], rails[j])]
     if procs_per_node > 1:
-        tiers.insert(0, ("scale-up", node_pgs[node], node_groups[node]))
+        # one ring over every rank, node after node: gloo's flat ring, each node's link crossed once each way
+        tiers = [("scale-up", node_pgs[node], node_groups[node]), *tiers, ("flat", None, list(range(world)))]
     for tier, pg, members in tiers:
         out[tier] = _time_collectives(rank, pg, members, repeats, sizes, world_sync=True, kinds=kinds)
         out[f"{tier} busy"] = _time_collectives(rank, pg, members, busy_repeats, sizes[:1], world_sync=True,
@@ -303,8 +343,24 @@ def _machine() -> dict:
     return data
 
 
+def _marginal_fit(points: list, factor: float) -> tuple[float, float]:
+    """`t = latency + factor * bytes / bandwidth` with the bandwidth of the smallest and the largest
+    message's difference -- far apart, so that noise in either moves it little, and not pulled up by the
+    middle sizes that a shaped link's token bucket lets through at once -- and the latency the median of
+    what the points take beyond it."""
+    import statistics
+
+    (b1, t1), (b2, t2) = min(points), max(points)
+    slope = (t2 - t1) / (factor * (b2 - b1)) if b2 > b1 else 0.0
+    if slope <= 0:  # noise larger than the largest message's time: the least-squares fit
+        return _fit(points, factor)
+    latency = max(0.0, statistics.median(t - factor * b * slope for b, t in points))
+    return latency, 1.0 / slope
+
+
 def _fits(raw: dict, n: int, *, busy: dict | None = None) -> dict:
-    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n. `busy`: the same
+    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n (with `busy`: the
+    marginal fits of `_marginal_fit`). `busy`: the same
     collectives timed after a slice of compute on every rank ({kind: [[bytes, s]]}); what they took beyond
     the fit, the median over kinds, is written to every fit as "call_overhead" (seconds per call: the wait
     for busy peers, paid once per collective whatever its hops)."""
@@ -315,7 +371,7 @@ def _fits(raw: dict, n: int, *, busy: dict | None = None) -> dict:
     fits = {}
     for name, pts in raw.items():
         if name in factors and len(pts) >= 2:
-            lat, bw = _fit(pts, factors[name])
+            lat, bw = (_marginal_fit if busy is not None else _fit)(pts, factors[name])
             fits[name] = {"latency": lat, "bandwidth": bw, "points": pts}
     extra = [t - (fits[k]["latency"] + factors[k] * b / fits[k]["bandwidth"])
              for k, pts in (busy or {}).items() if k in fits for b, t in pts]
@@ -362,7 +418,8 @@ def emulated_calibration(tiers: dict, *, nodes: int, procs_per_node: int, rate_b
     among busy ranks already is what a rank gets, so it is written per core: the scale-up fits' bandwidth
     x share, and the compute rates (`machine`, measured alone) x share / the measured slowdown of compute
     when every rank computes at once (2 for 4 ranks on 2 idle cores; more when other work shares them).
-    The division then gives back what was measured. The rates alone are kept under "alone"."""
+    The division then gives back what was measured. The fixed seconds of a step (`step_overhead_s`, from
+    `emulated_machine`) are multiplied by that slowdown. The figures alone are kept under "alone"."""
     data = dict(machine) if machine is not None else _machine()
     world = nodes * procs_per_node
     cores = int(data.get("cpu_cores", 0))
@@ -374,14 +431,20 @@ def emulated_calibration(tiers: dict, *, nodes: int, procs_per_node: int, rate_b
     if "scale-up" in tiers:
         for fit in up_fits.values():
             fit["bandwidth"] *= share
+    # The world's ring: its bandwidth is that of a node-crossing hop (collectives.collective_time).
+    flat = _fits(tiers["flat"], world, busy=tiers.get("flat busy")) if "flat" in tiers else None
     contention = tiers.get("contention")
     if contention:
         scale = share / max(1.0, contention["slowdown"])
-        data["alone"] = {k: data[k] for k in ("matmul_flops", "attention_flops", "memory_bandwidth") if k in data}
-        data.update({k: v * scale for k, v in data["alone"].items()})
+        data["alone"] = {k: data[k] for k in ("matmul_flops", "attention_flops", "memory_bandwidth",
+                                              "step_overhead_s") if k in data}
+        data.update({k: v * scale for k, v in data["alone"].items() if k != "step_overhead_s"})
+        if "step_overhead_s" in data:  # seconds, as they are while every rank computes
+            data["step_overhead_s"] *= max(1.0, contention["slowdown"])
         data["contention"] = contention
     data.update(world_size=procs_per_node, collectives=up_fits, link=_link(up_fits, procs_per_node),
                 scale_out={"world_size": nodes, "collectives": out_fits, "link": _link(out_fits, nodes)},
+                **({"flat": {"world_size": world, "collectives": flat}} if flat else {}),
                 emulated={"nodes": nodes, "procs_per_node": procs_per_node, "inter_node_bw_bps": rate_bps,
                           "inter_node_latency_s": latency_s})
     return data
@@ -419,7 +482,7 @@ def calibrate_emulated(out: str | Path, *, nodes: int, procs_per_node: int, rate
         raise ValueError(f"procs_per_node={procs_per_node} must be >= 1")
     with EmulatedCluster(nodes=nodes, rate_bps=rate_bps, latency_s=latency_s) as cluster, \
             tempfile.TemporaryDirectory() as tmp:
-        machine = _machine()  # before the ranks start: alone on the cores
+        machine = emulated_machine()  # before the ranks start: alone on the cores
         # A fresh namespace listens on no port: the rendezvous may take a fixed one.
         mp.start_processes(_emulated_rank, args=(cluster.namespaces, cluster.addresses[0], 29500, procs_per_node,
                                                  tmp, repeats, tier_sizes(rate_bps, procs_per_node)),

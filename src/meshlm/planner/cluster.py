@@ -55,6 +55,10 @@ class Cluster:
     # Collectives of a group spanning both tiers run as one flat ring over all its ranks (gloo), not
     # hierarchically (NCCL): see collectives.collective_time. Set for emulated clusters, which run gloo.
     flat_rings: bool = False
+    # Seconds every training step costs beyond its FLOPs and bytes (the framework's fixed work: Python,
+    # dispatch, the optimizer's per-tensor loops), counted with the optimizer. Measured on an emulated
+    # cluster (calibrate.measure_step_overhead); 0 elsewhere, where it is small next to a step.
+    step_overhead: float = 0.0
     # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
     # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
     gemm_k_overhead: float = 256.0
@@ -199,7 +203,10 @@ def local_cluster(path: str | Path) -> Cluster:
             domain, shared = int(emulated["procs_per_node"]), True
         except (KeyError, TypeError) as e:
             raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate --emulated`") from None
-    return Cluster(name="local", gpu=data.get("device", "cpu"), collective_fits={"scale-up": fits, "scale-out": out_fits},
+    # An emulated cluster's ring over all its ranks, where measured: see collectives.collective_time.
+    flat = {"flat": _tier_fits(data["flat"])} if emulated and data.get("flat") else {}
+    return Cluster(name="local", gpu=data.get("device", "cpu"),
+                   collective_fits={"scale-up": fits, "scale-out": out_fits, **flat},
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
                    scaleup_size=domain, scaleup_bw=bw, scaleout_bw=out_bw, host_shared_by_domains=shared,
                    flat_rings=shared,
@@ -207,6 +214,7 @@ def local_cluster(path: str | Path) -> Cluster:
                    attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops),
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
                    hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)),
+                   step_overhead=float(data.get("step_overhead_s", 0.0)) if emulated else 0.0,
                    gemm_k_overhead=0.0)
 
 

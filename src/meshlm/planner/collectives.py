@@ -21,7 +21,9 @@ Algorithms (NCCL's, as in its documentation and nccl-tests' "bus bandwidth" conv
     all its ranks instead, paced by its node-crossing hops: one per domain and direction, each carrying the
     whole ring's traffic. The scale-out fit is one rank's share of its node's link with every rank of the
     node crossing at once (calibrate.measure_tiers); a group with n_in ranks in a node has 1 / n_in of those
-    ranks' rings crossing, so its crossing hop gets n_in such shares.
+    ranks' rings crossing, so its crossing hop gets n_in such shares. Where the cluster also has a "flat"
+    fit (one ring over all the ranks of an emulated cluster, timed as such), a crossing hop gets that
+    ring's bandwidth, shared by the rings crossing the same link (scale-up size / n_in of them).
 """
 
 from __future__ import annotations
@@ -75,10 +77,13 @@ def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cl
     """Seconds for one collective; `nbytes` is the full (unsharded) buffer, or for all_to_all the
     bytes each rank sends in total, or for p2p the message."""
     n_in, n_out = span
-    if n_in * n_out <= 1:
-        return 0.0
+    base = _collective_time(kind, nbytes, span, cluster)
+    if n_in * n_out <= 1 and kind != "p2p":
+        return base
     tier = "scale-up" if n_out == 1 else "scale-out"
-    return _collective_time(kind, nbytes, span, cluster) + call_overhead(cluster, kind, tier)
+    if cluster.flat_rings and n_in > 1 and n_out > 1 and kind in cluster.collective_fits.get("flat", {}):
+        tier = "flat"
+    return base + call_overhead(cluster, kind, tier)
 
 
 def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
@@ -89,8 +94,14 @@ def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: C
         latency, bandwidth = up("p2p") if n_out == 1 else out("p2p")
         return nbytes / bandwidth + latency
     if cluster.flat_rings and n_out > 1 and kind in ("reduce_scatter", "all_gather", "all_reduce"):
-        latency, bandwidth = out(kind)
-        phase = _ring(nbytes, n_in * n_out, (latency, bandwidth * n_in))
+        flat = cluster.collective_fits.get("flat", {}).get(kind)
+        if flat is not None:  # measured on one ring of every rank: a node-crossing hop's own bandwidth,
+            # shared by the scaleup_size / n_in rings of such groups that cross a node's link at once
+            latency, bandwidth = float(flat[0]), float(flat[1]) * n_in / max(n_in, cluster.scaleup_size)
+        else:
+            latency, bandwidth = out(kind)
+            bandwidth *= n_in
+        phase = _ring(nbytes, n_in * n_out, (latency, bandwidth))
         return 2 * phase if kind == "all_reduce" else phase
     if kind in ("reduce_scatter", "all_gather"):
         # inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU)
