@@ -178,7 +178,7 @@ NODES, PER_NODE = 2, 2
 # shared cores are the rest: ~0.1-0.2 s.
 RATE = 1e8  # bits/s per node link, each way
 MODEL = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4",
-         "model.intermediate_size=1024", "model.max_seq_len=128"]
+         "model.intermediate_size=1536", "model.max_seq_len=128"]
 SEQ, BATCH = 128, 8
 ROUNDS, WARMUP = 5, 1  # steps of each layout, interleaved round by round; the first round is not timed
 LAYOUTS = {"tp2 in node x dp2 across": dict(tp=2), "tp4 across nodes": dict(tp=4), "dp4 across nodes": dict(tp=1)}
@@ -202,7 +202,7 @@ def _emulated_worker(rank, world_size, corpus, root):
     from meshlm.planner.calibrate import measure_tiers, tier_sizes
     from meshlm.train.trainer import Trainer
 
-    tiers = measure_tiers(rank, world_size, procs_per_node=PER_NODE, repeats=5, sizes=tier_sizes(RATE, PER_NODE),
+    tiers = measure_tiers(rank, world_size, procs_per_node=PER_NODE, repeats=4, sizes=tier_sizes(RATE, PER_NODE),
                           kinds=CAL_KINDS)
     trainers = {}
     for name, par in LAYOUTS.items():
