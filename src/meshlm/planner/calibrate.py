@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes per message (fp32 elements x 4)
+RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def measure_matmul(*, sizes=(256, 512, 1024), repeats: int = 5) -> float:
@@ -310,9 +311,11 @@ def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 
         # one ring over every rank, node after node: gloo's flat ring, each node's link crossed once each way
         tiers = [("scale-up", node_pgs[node], node_groups[node]), *tiers, ("flat", None, list(range(world)))]
     for tier, pg, members in tiers:
-        out[tier] = _time_collectives(rank, pg, members, repeats, sizes, world_sync=True, kinds=kinds)
+        # the flat ring: the ring collectives only (collectives.collective_time prices those on it)
+        tier_kinds = ([k for k in (kinds or RING_KINDS) if k in RING_KINDS] if tier == "flat" else kinds)
+        out[tier] = _time_collectives(rank, pg, members, repeats, sizes, world_sync=True, kinds=tier_kinds)
         out[f"{tier} busy"] = _time_collectives(rank, pg, members, busy_repeats, sizes[:1], world_sync=True,
-                                                busy=busy, kinds=kinds)
+                                                busy=busy, kinds=tier_kinds)
     dist.barrier()
     for pg in (*node_pgs, *rail_pgs):
         dist.destroy_process_group(pg)

@@ -81,7 +81,8 @@ def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cl
     if n_in * n_out <= 1 and kind != "p2p":
         return base
     tier = "scale-up" if n_out == 1 else "scale-out"
-    if cluster.flat_rings and n_in > 1 and n_out > 1 and kind in cluster.collective_fits.get("flat", {}):
+    if (cluster.flat_rings and n_in > 1 and n_out > 1 and kind in ("reduce_scatter", "all_gather", "all_reduce")
+            and kind in cluster.collective_fits.get("flat", {})):
         tier = "flat"
     return base + call_overhead(cluster, kind, tier)
 
