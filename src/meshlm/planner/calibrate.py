@@ -154,8 +154,8 @@ def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=
 
     Default: the fastest of `repeats` calls, each after a barrier of the group (the link alone).
     `world_sync`: each call after a barrier of the whole world, so that every group of a tier runs at once,
-    sharing the node links and the cores as a step's groups do; the median call is kept. Every rank of the
-    world must call it then. `busy` (with world_sync; a function computing a slice): every rank computes a
+    sharing the node links and the cores as a step's groups do; the median call is kept, each timed from
+    the last rank's arrival to the last rank's exit. Every rank of the world must call it then. `busy` (with world_sync; a function computing a slice): every rank computes a
     slice between the barrier and the call, as a training step does between collectives -- the call then
     also waits for peers that are still computing or descheduled."""
     import statistics
@@ -190,7 +190,7 @@ def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=
                 fn = _idle  # still in the world's barriers
             try:
                 fn()  # warm-up
-                times = []
+                times, spans = [], []
                 for _ in range(repeats):
                     if world_sync:
                         dist.barrier()
@@ -198,9 +198,18 @@ def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=
                             busy()
                     elif name != "p2p":
                         dist.barrier(group=group)
-                    t = time.perf_counter()
+                    t = time.monotonic()
                     fn()
-                    times.append(time.perf_counter() - t)
+                    spans.append((t, time.monotonic()))
+                    times.append(spans[-1][1] - t)
+                if world_sync and busy is None:
+                    # Ranks leave a collective at different times (in gloo's ring over nodes, 100 ms apart
+                    # for 5 MB at 100 Mbit/s), and whatever comes next waits for the last: time it from the
+                    # last rank's arrival to the last rank's exit (one host: one monotonic clock).
+                    everyone = [None] * dist.get_world_size()
+                    dist.all_gather_object(everyone, spans)
+                    times = [max(r[i][1] for r in everyone if r) - max(r[i][0] for r in everyone if r)
+                             for i in range(repeats)]
                 results.setdefault(name, []).append([n * 4, statistics.median(times) if world_sync else min(times)])
             except RuntimeError as e:  # an op the backend lacks: record and go on
                 results.setdefault("unsupported", []).append(f"{name}: {str(e)[:80]}")
