@@ -180,10 +180,13 @@ RATE = 1e8  # bits/s per node link, each way
 MODEL = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4",
          "model.intermediate_size=1536", "model.max_seq_len=128"]
 SEQ, BATCH = 128, 8
-ROUNDS, WARMUP = 5, 1  # steps of each layout, interleaved round by round; the first round is not timed
+ROUNDS, WARMUP = 6, 1  # steps of each layout, interleaved round by round; the first round is not timed
 LAYOUTS = {"tp2 in node x dp2 across": dict(tp=2), "tp4 across nodes": dict(tp=4), "dp4 across nodes": dict(tp=1)}
 CAL_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # what these layouts issue
 RATIO_BOUND = (0.75, 1.25)  # predicted / measured: the issue's "within 25%"
+
+
+PRIORITY = -10  # nice value of the ranks (and of the parent while it measures a core alone)
 
 
 def _enter(rank, namespaces):
@@ -191,6 +194,10 @@ def _enter(rank, namespaces):
 
     enter_node(namespaces[rank // PER_NODE])
     os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    # A shared host's other work (load average 4-9 on 2 cores while this was written) otherwise takes the
+    # cores from the ranks at random moments, doubling some steps; the test runs as root (needs_root).
+    # Threads started afterwards (gloo's) inherit it.
+    os.setpriority(os.PRIO_PROCESS, 0, PRIORITY)
 
 
 def _emulated_worker(rank, world_size, corpus, root):
@@ -233,7 +240,12 @@ def test_planner_predicts_and_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_
     from runs import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt", 300)
-    machine = emulated_machine()  # before the ranks: alone on the cores, as `plan calibrate --emulated` does
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, PRIORITY)  # as the ranks will run
+    try:
+        machine = emulated_machine()  # before the ranks: alone on the cores, as `plan calibrate --emulated` does
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
     before = _netns()
     with EmulatedCluster(nodes=NODES, rate_bps=RATE, tag=f"mltest{os.getpid()}") as cluster:
         results = run_distributed_with(_emulated_worker, NODES * PER_NODE, (str(corpus), str(tmp_path)),

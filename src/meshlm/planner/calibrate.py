@@ -222,12 +222,12 @@ def _idle() -> None:
 
 def tier_sizes(rate_bps: float, procs_per_node: int, *, seconds: float = 0.4) -> tuple:
     """Message sizes to time on an emulated cluster: SIZES, the largest ones cut where one rank's share of
-    its node's link would take over `seconds` (a 4 MiB all-reduce takes seconds at tens of Mbit/s): up
-    to four sizes from 16 KiB, the two smallest and the two largest kept. Large enough that the token
-    bucket's burst (tens of KiB through at once) is a small part of the largest, which set the bandwidth."""
+    its node's link would take over `seconds` (a 4 MiB all-reduce takes seconds at tens of Mbit/s): 16 and
+    64 KiB (the per-call costs) and the largest that fits, which sets the bandwidth (`_marginal_fit`): large
+    enough that the token bucket's burst (tens of KiB through at once) is a small part of it."""
     cap = max(2**18, rate_bps / 8 / procs_per_node * seconds)
     sizes = [b for b in (2**14, 2**16, 2**18, 2**19, 2**20, 2**21, 2**22) if b <= cap]
-    return tuple(sizes[:2] + sizes[-2:]) if len(sizes) > 4 else tuple(sizes)
+    return tuple(sizes[:2] + sizes[-1:])
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, repeats: int) -> None:
