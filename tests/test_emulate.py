@@ -209,7 +209,7 @@ def _emulated_worker(rank, world_size, corpus, root):
     from meshlm.planner.calibrate import measure_tiers, tier_sizes
     from meshlm.train.trainer import Trainer
 
-    tiers = measure_tiers(rank, world_size, procs_per_node=PER_NODE, repeats=4, sizes=tier_sizes(RATE, PER_NODE),
+    tiers = measure_tiers(rank, world_size, procs_per_node=PER_NODE, repeats=3, sizes=tier_sizes(RATE, PER_NODE),
                           kinds=CAL_KINDS)
     trainers = {}
     for name, par in LAYOUTS.items():
