@@ -167,15 +167,55 @@ def test_an_emulated_calibration_is_a_two_tier_local_cluster(tmp_path):
     assert four.time_s["compute"] == pytest.approx(two.time_s["compute"])  # half the work at half the rate
 
 
+def test_an_emulated_calibration_prices_contention_waits_and_the_flat_ring(tmp_path):
+    """What `measure_tiers` measures among busy ranks reaches the cost model: the compute slowdown, the fixed
+    cost of a step, a call's wait for busy peers (once per call) and gloo's ring over all the ranks."""
+    from meshlm.planner.calibrate import emulated_calibration
+    from meshlm.planner.cluster import local_cluster
+    from meshlm.planner.collectives import collective_time
+    from meshlm.planner.cost import Job, Layout, estimate
+
+    def pts(bw, factor, sizes=(2**14, 2**16, 2**22)):  # t = 1e-4 + factor * bytes / bw
+        return [[b, 1e-4 + factor * b / bw] for b in sizes]
+
+    wait = 5e-3
+    tiers = {"scale-up": {"all_gather": pts(1e9, 0.5)}, "scale-out": {"all_gather": pts(5e7, 0.5)},
+             "flat": {"all_gather": pts(1.2e8, 0.75)},
+             # a call after a slice of compute on every rank: `wait` more than the link alone
+             "flat busy": {"all_gather": [[2**14, 1e-4 + 0.75 * 2**14 / 1.2e8 + wait]]},
+             "contention": {"alone_s": 1.0, "together_s": 3.0, "ranks": 4, "slowdown": 3.0}}
+    machine = {"matmul_flops": 1e10, "memory_bandwidth": 1e10, "cpu_cores": 2, "step_overhead_s": 0.01}
+    path = tmp_path / "emu.json"
+    path.write_text(json.dumps(emulated_calibration(tiers, nodes=2, procs_per_node=2, rate_bps=8e8,
+                                                    machine=machine)))
+    c = local_cluster(path)
+    # 4 ranks over 2 nodes: the measured ring of 4 (its crossing hop's bandwidth), plus the wait, once
+    assert collective_time("all_gather", 4e6, (2, 2), c) == pytest.approx(0.75 * 4e6 / 1.2e8 + 1e-4 + wait,
+                                                                          rel=1e-6)
+    # 2-rank groups across nodes still ride the scale-out fit (no busy points there: no wait)
+    assert collective_time("all_gather", 4e6, (1, 2), c) == pytest.approx(0.5 * 4e6 / 5e7 + 1e-4, rel=1e-6)
+    model = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=64, max_seq_len=16)
+    job = Job(seq_len=16, global_batch_size=4, precision="fp32", fused_elementwise=False, runtime="meshlm")
+    est = estimate(model, c, job, Layout(dp_shard=4, micro_batch_size=1))
+    # each of 4 ranks computes at 1/3 of one core alone (the measured slowdown), not the 1/2 of 2 cores
+    path2 = tmp_path / "alone.json"
+    path2.write_text(json.dumps({**json.loads(path.read_text()), "matmul_flops": 1e10 / 3,
+                                 "memory_bandwidth": 1e10 / 3, "cpu_cores": 4}))
+    assert est.time_s["compute"] == pytest.approx(estimate(model, local_cluster(path2), job,
+                                                           Layout(dp_shard=4, micro_batch_size=1)).time_s["compute"])
+    assert est.time_s["optimizer"] >= 0.03  # the step's fixed 10 ms alone, 3x slower among busy ranks
+
+
 # -- the planner on the emulated cluster ----------------------------------------------------------------
 
 NODES, PER_NODE = 2, 2
 # A slow link makes the step's traffic across nodes, which the shaped rate paces, most of each layout's
 # step -- the same whatever else runs on the host -- and separates the layouts: per step a node sends
-# about 4 MB (tp2 x dp2: each rail all-reduces half the 3.9 MB of gradients), 6 MB (dp4: one ring over
-# the 4 ranks carries 1.5x the gradients across) and 7.5 MB of activations plus as many reduce-scatters
-# (tp4: gloo's reduce-scatter moves what an all-reduce does). Compute and the waits of 4 ranks on 2
-# shared cores are the rest: ~0.1-0.2 s.
+# about 5.5 MB (tp2 x dp2: each of its two ranks all-reduces half of the 5.5 MB of gradients with its
+# peer), 8 MB (dp4: one ring over the 4 ranks carries 1.5x the gradients across) and ~12 MB (tp4: the
+# activations' all-gathers and reduce-scatters; gloo's reduce-scatter moves what an all-reduce does):
+# ~0.65, 0.85 and 1.15 s measured. Compute and the waits of 4 ranks on 2 shared cores are the rest.
 RATE = 1e8  # bits/s per node link, each way
 MODEL = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4",
          "model.intermediate_size=1536", "model.max_seq_len=128"]

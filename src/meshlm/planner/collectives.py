@@ -95,7 +95,7 @@ def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: C
         latency, bandwidth = up("p2p") if n_out == 1 else out("p2p")
         return nbytes / bandwidth + latency
     if cluster.flat_rings and n_out > 1 and kind in ("reduce_scatter", "all_gather", "all_reduce"):
-        flat = cluster.collective_fits.get("flat", {}).get(kind)
+        flat = cluster.collective_fits.get("flat", {}).get(kind) if n_in > 1 else None
         if flat is not None:  # measured on one ring of every rank: a node-crossing hop's own bandwidth,
             # shared by the scaleup_size / n_in rings of such groups that cross a node's link at once
             latency, bandwidth = float(flat[0]), float(flat[1]) * n_in / max(n_in, cluster.scaleup_size)
