@@ -4,7 +4,8 @@ Responsible for: `EmulatedCluster`, a context manager that creates one network n
 ranks talk to each other over that namespace's loopback, at memory speed) and joins the nodes through a
 bridge in a "switch" namespace of its own, every node on it by one veth pair whose two ends are shaped
 with `tc` (tbf, or netem where the kernel has it and a latency is asked for) to the inter-node rate:
-each node's link carries at most that rate in each direction, like one NIC per node. Also: parsing the
+each node's link carries at most that rate in each direction, like one NIC per node (64 KiB packets, as
+a NIC's segmentation offload hands the stack, and a queue deep enough that TCP is never dropped). Also: parsing the
 rates and durations users give (`parse_rate`, `parse_duration`), refusing where the host cannot do it
 (not root, `ip` or `tc` missing, no netem for a latency), entering a node from a process about to
 start a rank (`enter_node`), and running one command per node (`run_on_nodes`). Everything created

@@ -8,10 +8,14 @@ gloo ranks (one thread each) that time all_reduce, all_gather, reduce_scatter, a
 send/recv over message sizes, fitting `time = latency + bytes_moved / bandwidth` to each, and writing
 the JSON file that `cluster.local_cluster` reads.
 With `emulated` (`calibrate_emulated`): the same on an emulated two-tier cluster (`meshlm.emulate`: nodes
-as network namespaces joined by shaped links), fitting both tiers -- "scale-up" on the ranks of one node
-(loopback) while the other nodes wait, "scale-out" on one rank per node with every rank of a node crossing
-at once (each in its own group of one rank per node, as the data-parallel groups of a tp-inside-the-node
-layout do), so the fit is one rank's share of its node's link, the per-GPU figure the cost model reads.
+as network namespaces joined by shaped links), every rank of the host running at once as in training
+(`measure_tiers`): "scale-up" on each node's ranks (loopback), "scale-out" on one rank per node with every
+rank of a node crossing at once (each in its own group of one rank per node, as the data-parallel groups
+of a tp-inside-the-node layout do), so the fit is one rank's share of its node's link, the per-GPU figure
+the cost model reads, and "flat", one ring over all the ranks (gloo's ring across nodes); each also after
+a slice of compute on every rank (a call's wait for busy peers: `call_overhead`); the slowdown of compute
+when every rank computes (`measure_contention`); and the fixed framework cost of a step
+(`measure_step_overhead`). `emulated_calibration` writes them in the cost model's per-core terms.
 Not responsible for: the cost model (the fit is expressed in the same terms `cost.collective_time`
 uses: a ring moves (n-1)/n of the buffer per rank and per phase) or creating namespaces (`meshlm.emulate`).
 """
