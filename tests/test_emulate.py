@@ -67,6 +67,18 @@ def test_hosts_without_root_or_iproute2_are_refused(monkeypatch):
             pass
 
 
+def test_cluster_emulate_refuses_hosts_without_root_in_one_line(monkeypatch, capsys, tmp_path):
+    import meshlm.emulate as emulate
+
+    monkeypatch.setattr(emulate.sys, "platform", "linux")
+    monkeypatch.setattr(emulate.shutil, "which", lambda tool: "/bin/" + tool)
+    monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
+    assert main(["cluster", "emulate", "--nodes", "2", "--procs-per-node", "2", "--inter-node-bw", "1gbit", "--",
+                 "meshlm", "train", "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and len(err.strip().splitlines()) == 1
+
+
 def test_train_emulation_mistakes_are_one_line(capsys):
     assert main(["train", "--emulate-nodes", "2", "--inter-node-bw", "1gbit"]) == 2
     assert "need --nproc" in capsys.readouterr().err

@@ -265,7 +265,7 @@ def _busy_slice(flops: float = BUSY_SLICE_FLOPS):
     return run
 
 
-def measure_contention(rank: int, world: int, *, slices: int = 60, rounds: int = 3) -> dict:
+def measure_contention(rank: int, world: int, *, slices: int = 60, rounds: int = 2) -> dict:
     """How much slower a rank computes while every rank of this host computes than alone: the seconds of
     `slices` compute slices on rank 0 alone (the others blocked in a barrier) and on every rank at once
     (the mean over ranks), `rounds` times alternately, the median of each. Every rank must call it; all
@@ -298,7 +298,7 @@ def measure_contention(rank: int, world: int, *, slices: int = 60, rounds: int =
 
 
 def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 5, sizes=SIZES,
-                  kinds=None, busy_repeats: int = 9) -> dict:
+                  kinds=None, busy_repeats: int = 7) -> dict:
     """On an initialised default group of `world` ranks, `procs_per_node` consecutive ranks per emulated node:
     the collectives timed inside a node ("scale-up", every node's ranks at once; absent with one rank per
     node), across nodes ("scale-out", one rank per node, every rank of a node at once) and over all the
