@@ -4,9 +4,9 @@ Parsing and refusals run anywhere. The rest needs root and iproute2 (skipped wit
 are created and removed (also when the body raises, and on Ctrl-C of a process running nodes); and the
 same tiny training job on 2 emulated nodes x 2 ranks (inter-node links shaped to RATE) with tp inside a
 node (tp2 x dp2), tp across nodes (tp4) and plain data parallelism across nodes (dp4): measured step
-times next to the planner's predictions for the cluster calibrated on the same emulation
-(`calibrate.measure_tiers`), which must rank the layouts as measured where it separates them (see
-SEPARATION), each ratio within RATIO_BOUND; the ratios are printed.
+times (medians, steps of the layouts interleaved) next to the planner's predictions for the cluster
+calibrated on the same emulation by micro-benchmarks (`calibrate.measure_tiers`), which must each be
+within 25% (RATIO_BOUND) and rank the layouts as measured; the ratios are printed (pytest -s).
 """
 
 from __future__ import annotations
@@ -67,6 +67,18 @@ def test_hosts_without_root_or_iproute2_are_refused(monkeypatch):
             pass
 
 
+def test_cluster_emulate_refuses_hosts_without_root_in_one_line(monkeypatch, capsys, tmp_path):
+    import meshlm.emulate as emulate
+
+    monkeypatch.setattr(emulate.sys, "platform", "linux")
+    monkeypatch.setattr(emulate.shutil, "which", lambda tool: "/bin/" + tool)
+    monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
+    assert main(["cluster", "emulate", "--nodes", "2", "--procs-per-node", "2", "--inter-node-bw", "1gbit", "--",
+                 "meshlm", "train", "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and len(err.strip().splitlines()) == 1
+
+
 def test_train_emulation_mistakes_are_one_line(capsys):
     assert main(["train", "--emulate-nodes", "2", "--inter-node-bw", "1gbit"]) == 2
     assert "need --nproc" in capsys.readouterr().err
@@ -76,6 +88,15 @@ def test_train_emulation_mistakes_are_one_line(capsys):
     assert ">= 2" in capsys.readouterr().err
     assert main(["plan", "calibrate", "--inter-node-bw", "1gbit"]) == 2
     assert "--emulated" in capsys.readouterr().err
+    emulate = ["cluster", "emulate", "--nodes", "2", "--procs-per-node", "2", "--inter-node-bw", "1gbit"]
+    assert main(emulate) == 2
+    assert "after --" in capsys.readouterr().err
+    assert main([*emulate, "--", "meshlm", "serve"]) == 2
+    assert "runs `meshlm train" in capsys.readouterr().err
+    assert main([*emulate, "--", "meshlm", "train", "--nproc", "2"]) == 2
+    assert "drop --nproc" in capsys.readouterr().err
+    assert main([*emulate[:3], "1", *emulate[4:], "--", "meshlm", "train"]) == 2
+    assert ">= 2" in capsys.readouterr().err
 
 
 @needs_root
@@ -141,7 +162,8 @@ def test_an_emulated_calibration_is_a_two_tier_local_cluster(tmp_path):
                                                     machine=machine)))
     c = local_cluster(path)
     assert c.scaleup_size == 2 and c.host_shared_by_domains and c.flat_rings and c.compute_slots == 2
-    assert c.collective_fit("all_gather", "scale-up")[1] == pytest.approx(1e9)
+    # measured among 4 busy ranks on 2 cores: written per core (x 2), which the cost model divides back
+    assert c.collective_fit("all_gather", "scale-up")[1] == pytest.approx(2e9)
     assert c.collective_fit("all_gather", "scale-out")[1] == pytest.approx(5e7)
     # 4 ranks over 2 nodes: one ring of 4, its crossing hops carrying 2 ranks' shares of the node link
     assert collective_time("all_gather", 4e6, (2, 2), c) == pytest.approx(0.75 * 4e6 / 1e8 + 3 * 1e-4, rel=1e-6)
@@ -157,23 +179,66 @@ def test_an_emulated_calibration_is_a_two_tier_local_cluster(tmp_path):
     assert four.time_s["compute"] == pytest.approx(two.time_s["compute"])  # half the work at half the rate
 
 
+def test_an_emulated_calibration_prices_contention_waits_and_the_flat_ring(tmp_path):
+    """What `measure_tiers` measures among busy ranks reaches the cost model: the compute slowdown, the fixed
+    cost of a step, a call's wait for busy peers (once per call) and gloo's ring over all the ranks."""
+    from meshlm.planner.calibrate import emulated_calibration
+    from meshlm.planner.cluster import local_cluster
+    from meshlm.planner.collectives import collective_time
+    from meshlm.planner.cost import Job, Layout, estimate
+
+    def pts(bw, factor, sizes=(2**14, 2**16, 2**22)):  # t = 1e-4 + factor * bytes / bw
+        return [[b, 1e-4 + factor * b / bw] for b in sizes]
+
+    wait = 5e-3
+    tiers = {"scale-up": {"all_gather": pts(1e9, 0.5)}, "scale-out": {"all_gather": pts(5e7, 0.5)},
+             "flat": {"all_gather": pts(1.2e8, 0.75)},
+             # a call after a slice of compute on every rank: `wait` more than the link alone
+             "flat busy": {"all_gather": [[2**14, 1e-4 + 0.75 * 2**14 / 1.2e8 + wait]]},
+             "contention": {"alone_s": 1.0, "together_s": 3.0, "ranks": 4, "slowdown": 3.0}}
+    machine = {"matmul_flops": 1e10, "memory_bandwidth": 1e10, "cpu_cores": 2, "step_overhead_s": 0.01}
+    path = tmp_path / "emu.json"
+    path.write_text(json.dumps(emulated_calibration(tiers, nodes=2, procs_per_node=2, rate_bps=8e8,
+                                                    machine=machine)))
+    c = local_cluster(path)
+    # 4 ranks over 2 nodes: the measured ring of 4 (its crossing hop's bandwidth), plus the wait, once
+    assert collective_time("all_gather", 4e6, (2, 2), c) == pytest.approx(0.75 * 4e6 / 1.2e8 + 1e-4 + wait,
+                                                                          rel=1e-6)
+    # 2-rank groups across nodes still ride the scale-out fit (no busy points there: no wait)
+    assert collective_time("all_gather", 4e6, (1, 2), c) == pytest.approx(0.5 * 4e6 / 5e7 + 1e-4, rel=1e-6)
+    model = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=64, max_seq_len=16)
+    job = Job(seq_len=16, global_batch_size=4, precision="fp32", fused_elementwise=False, runtime="meshlm")
+    est = estimate(model, c, job, Layout(dp_shard=4, micro_batch_size=1))
+    # each of 4 ranks computes at 1/3 of one core alone (the measured slowdown), not the 1/2 of 2 cores
+    path2 = tmp_path / "alone.json"
+    path2.write_text(json.dumps({**json.loads(path.read_text()), "matmul_flops": 1e10 / 3,
+                                 "memory_bandwidth": 1e10 / 3, "cpu_cores": 4}))
+    assert est.time_s["compute"] == pytest.approx(estimate(model, local_cluster(path2), job,
+                                                           Layout(dp_shard=4, micro_batch_size=1)).time_s["compute"])
+    assert est.time_s["optimizer"] >= 0.03  # the step's fixed 10 ms alone, 3x slower among busy ranks
+
+
 # -- the planner on the emulated cluster ----------------------------------------------------------------
 
 NODES, PER_NODE = 2, 2
-RATE = 1e9  # bits/s per node link, each way
-MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=4",
-         "model.intermediate_size=768", "model.max_seq_len=128"]
-SEQ, BATCH, STEPS, WARMUP = 128, 8, 5, 2
+# A slow link makes the step's traffic across nodes, which the shaped rate paces, most of each layout's
+# step -- the same whatever else runs on the host -- and separates the layouts: per step a node sends
+# about 5.5 MB (tp2 x dp2: each of its two ranks all-reduces half of the 5.5 MB of gradients with its
+# peer), 8 MB (dp4: one ring over the 4 ranks carries 1.5x the gradients across) and ~12 MB (tp4: the
+# activations' all-gathers and reduce-scatters; gloo's reduce-scatter moves what an all-reduce does):
+# ~0.65, 0.85 and 1.15 s measured. Compute and the waits of 4 ranks on 2 shared cores are the rest.
+RATE = 1e8  # bits/s per node link, each way
+MODEL = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4",
+         "model.intermediate_size=1536", "model.max_seq_len=128"]
+SEQ, BATCH = 128, 8
+ROUNDS, WARMUP = 6, 1  # steps of each layout, interleaved round by round; the first round is not timed
 LAYOUTS = {"tp2 in node x dp2 across": dict(tp=2), "tp4 across nodes": dict(tp=4), "dp4 across nodes": dict(tp=1)}
-CAL_SIZES = (2**14, 2**18, 2**20, 2**22)
-# The issue's goal is predicted / measured within 25%. Measured here on a 2-core host shared with other
-# jobs (load average 4-5 while this ran), the ranks get less than the cores the planner gives them and a
-# layout's step moves by up to 2x from one run to the next; over four runs the ratios were 0.55-0.79
-# (tp2 x dp2), 0.48-0.95 (tp4), 0.61-0.97 (dp4). So the test asserts what holds: the ranking wherever the
-# planner separates two layouts by more than SEPARATION, and a loose bound on each ratio that a planner
-# off by a large factor still fails; the ratios are printed (pytest -s).
-SEPARATION = 1.25
-RATIO_BOUND = (0.25, 2.0)
+CAL_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # what these layouts issue
+RATIO_BOUND = (0.75, 1.25)  # predicted / measured: the issue's "within 25%"
+
+
+PRIORITY = -10  # nice value of the ranks (and of the parent while it measures a core alone)
 
 
 def _enter(rank, namespaces):
@@ -181,40 +246,58 @@ def _enter(rank, namespaces):
 
     enter_node(namespaces[rank // PER_NODE])
     os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    # A shared host's other work (load average 4-9 on 2 cores while this was written) otherwise takes the
+    # cores from the ranks at random moments, doubling some steps; the test runs as root (needs_root).
+    # Threads started afterwards (gloo's) inherit it.
+    os.setpriority(os.PRIO_PROCESS, 0, PRIORITY)
 
 
 def _emulated_worker(rank, world_size, corpus, root):
+    """Calibrate (micro-benchmarks only), then one Trainer per layout, their steps interleaved round by
+    round (each after a barrier), so that a burst of other work on the host slows every layout alike."""
+    import torch.distributed as dist
+
     from meshlm.config import load_config
-    from meshlm.planner.calibrate import measure_tiers
+    from meshlm.planner.calibrate import measure_tiers, tier_sizes
     from meshlm.train.trainer import Trainer
 
-    tiers = measure_tiers(rank, world_size, procs_per_node=PER_NODE, repeats=3, sizes=CAL_SIZES)
-    times = {}
+    tiers = measure_tiers(rank, world_size, procs_per_node=PER_NODE, repeats=3, sizes=tier_sizes(RATE, PER_NODE),
+                          kinds=CAL_KINDS)
+    trainers = {}
     for name, par in LAYOUTS.items():
         run_dir = Path(root) / name.replace(" ", "_")
         cfg = load_config(overrides=[*MODEL, f"data.path={corpus}", f"train.run_dir={run_dir}",
                                      f"train.seq_len={SEQ}", f"train.global_batch_size={BATCH}",
-                                     f"train.steps={STEPS}", "train.val_batches=0", "train.progress=false",
+                                     f"train.steps={ROUNDS}", "train.val_batches=0", "train.progress=false",
                                      "train.device=cpu", *[f"parallel.{k}={v}" for k, v in par.items()]])
-        Trainer(cfg).train()
-        if rank == 0:
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            times[name] = [r["step_time_s"] for r in rows if "step_time_s" in r][WARMUP:]
+        trainers[name] = Trainer(cfg)
+    times: dict = {name: [] for name in LAYOUTS}
+    for r in range(ROUNDS):
+        for name, trainer in trainers.items():
+            dist.barrier()
+            row = trainer.train_step()
+            if r >= WARMUP:
+                times[name].append(row["step_time_s"])
     return tiers, times
 
 
 @needs_root
-def test_planner_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_path):
+def test_planner_predicts_and_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_path):
     from dist import run_distributed_with
     from meshlm.config import load_config
-    from meshlm.planner.calibrate import _machine, emulated_calibration
+    from meshlm.planner.calibrate import emulated_calibration, emulated_machine
     from meshlm.planner.cluster import local_cluster
     from meshlm.planner.cost import Job, Layout, estimate
 
     from runs import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt", 300)
-    machine = _machine()  # before the ranks: alone on the cores, as `plan calibrate` measures
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, PRIORITY)  # as the ranks will run
+    try:
+        machine = emulated_machine()  # before the ranks: alone on the cores, as `plan calibrate --emulated` does
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
     before = _netns()
     with EmulatedCluster(nodes=NODES, rate_bps=RATE, tag=f"mltest{os.getpid()}") as cluster:
         results = run_distributed_with(_emulated_worker, NODES * PER_NODE, (str(corpus), str(tmp_path)),
@@ -241,20 +324,18 @@ def test_planner_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_path):
                       "ratio": est.time_s["step"] / measured, "links": est.links,
                       "predicted_parts": {k: round(v, 4) for k, v in est.time_s.items() if v},
                       "measured_all": [round(t, 4) for t in times[name]]}
-    print(json.dumps({"load_average": os.getloadavg(), "rows": rows}, indent=1))
-    # the shaped link is what the scale-out fit saw: a node's two ranks share RATE (bytes/s: /8)
-    out_bw = local.collective_fit("all_gather", "scale-out")[1]
-    assert 0.2 * RATE / 8 / PER_NODE < out_bw < 1.5 * RATE / 8 / PER_NODE, out_bw
-    assert local.collective_fit("all_gather", "scale-up")[1] > 1.5 * out_bw
+    print(json.dumps({"load_average": os.getloadavg(), "contention": tiers["contention"], "rows": rows}, indent=1))
+    # the shaped link is what the calibration saw: one ring over the 4 ranks crosses each node link once
+    # each way (its all-reduce paced by RATE; bytes/s: /8), a node's two rails share it
+    assert 0.7 * RATE / 8 < local.collective_fit("all_reduce", "flat")[1] < 1.4 * RATE / 8, tiers["flat"]
+    assert 0.7 * RATE / 8 / PER_NODE < local.collective_fit("all_reduce", "scale-out")[1] < 1.4 * RATE / 8 / PER_NODE
     assert rows["tp4 across nodes"]["links"]["tp"] == "hierarchical"
     assert rows["tp2 in node x dp2 across"]["links"]["tp"] == "scale-up"
     assert rows["tp2 in node x dp2 across"]["links"]["dp_shard"] == "scale-out"
-    # tp over the slow link is the measured loser. The planner does not always see it: on a quiet machine
-    # the scale-out fit comes out fast and tp4 was predicted 0.70 s against dp4's 0.72 s (issue 15, open),
-    # so its separating them is not asserted; every pair it does separate must be measured in its order.
-    assert rows["tp4 across nodes"]["measured_s"] > rows["dp4 across nodes"]["measured_s"], rows
-    separated = [(a, b) for a in rows for b in rows if rows[a]["predicted_s"] > SEPARATION * rows[b]["predicted_s"]]
-    for slow, fast in separated:
-        assert rows[slow]["measured_s"] > rows[fast]["measured_s"], (slow, fast, rows)
+    assert rows["dp4 across nodes"]["links"]["dp_shard"] == "hierarchical"
+    # the issue's claims: each prediction within 25% of the measured step, and the same ranking
     for name, row in rows.items():
-        assert RATIO_BOUND[0] < row["ratio"] < RATIO_BOUND[1], (name, rows)
+        assert RATIO_BOUND[0] <= row["ratio"] <= RATIO_BOUND[1], (name, rows)
+    measured_order = sorted(rows, key=lambda n: rows[n]["measured_s"])
+    assert sorted(rows, key=lambda n: rows[n]["predicted_s"]) == measured_order, rows
+    assert measured_order[-1] == "tp4 across nodes"  # tp over the slow link loses, as it should

@@ -1,4 +1,4 @@
-"""The `meshlm` command line: train, verify, generate, eval, plot, config, info, plan, serve, convert, rag.
+"""The `meshlm` command line: train, verify, generate, eval, plot, config, info, plan, serve, convert, rag, cluster.
 
 Responsible for: argument parsing, turning user mistakes (ValueError and subclasses) into one clear
 line on stderr with exit code 2, and dispatching to the library. Heavy imports (torch) happen inside
@@ -63,7 +63,8 @@ def _add_train(sub) -> None:
     emulate = p.add_argument_group(
         "emulated nodes", "Rehearse a multi-node layout on this machine: each node a Linux network namespace "
         "(its --nproc ranks talk over its loopback), the nodes joined by links shaped with tc to "
-        "--inter-node-bw each way. Needs root and iproute2 (ip, tc); everything is removed on exit.")
+        "--inter-node-bw each way. Needs root and iproute2 (ip, tc); everything is removed on exit. "
+        "The same as `meshlm cluster emulate --nodes N --procs-per-node P --inter-node-bw RATE -- meshlm train ...`.")
     emulate.add_argument("--emulate-nodes", type=int, default=0, metavar="N",
                          help="emulate N nodes of --nproc ranks each (N >= 2; ranks 0..nproc-1 on node 0, ...)")
     emulate.add_argument("--inter-node-bw", metavar="RATE",
@@ -259,6 +260,71 @@ def _add_convert(sub) -> None:
                         "(repeatable; the model comes from the Hugging Face config)")
 
 
+# Flags `cluster emulate` sets on each node's command itself (one node rank and rendezvous per namespace).
+_NODE_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--emulate-nodes",
+               "--inter-node-bw", "--inter-node-latency")
+
+
+def _add_cluster(sub) -> None:
+    p = sub.add_parser("cluster", help="run a meshlm command on an emulated multi-node cluster on this machine")
+    csub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
+    e = csub.add_parser(
+        "emulate", help="emulated nodes (network namespaces, shaped links) each running the given command",
+        description="Create --nodes Linux network namespaces on this machine, one per node, joined through a "
+                    "bridge by links shaped with tc (tbf) to --inter-node-bw in each direction; run the command "
+                    "after -- once in each namespace as that node (torch's launcher: --procs-per-node ranks, "
+                    "node rank i, static rendezvous on node 0's address), with gloo bound to the node's link, so "
+                    "ranks of one node talk over its loopback and ranks of different nodes over the shaped "
+                    "link. The namespaces (with their links and qdiscs) are removed when the command ends, "
+                    "fails or is interrupted. Needs Linux, root and iproute2 (ip, tc). The command is "
+                    "`meshlm train ...` (the command that takes a node rank); leave out its --nproc/--nnodes/"
+                    "--node-rank/--rdzv-endpoint, which are set per node.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  meshlm cluster emulate --nodes 2 --procs-per-node 2 --inter-node-bw 1gbit -- \\\n"
+               "      meshlm train --set parallel.tp=2 --set train.steps=20\n"
+               "calibrate the planner on the same emulation: meshlm plan calibrate --emulated --nodes 2 "
+               "--nproc-per-node 2 --inter-node-bw 1gbit --out emu.json")
+    e.add_argument("--nodes", type=int, required=True, metavar="N", help="emulated nodes (>= 2)")
+    e.add_argument("--procs-per-node", type=int, required=True, metavar="P", help="ranks on each node (>= 1)")
+    e.add_argument("--inter-node-bw", required=True, metavar="RATE",
+                   help="each node's link rate in each direction, tc units (1gbit, 100mbit, 125mbps)")
+    e.add_argument("--inter-node-latency", metavar="TIME",
+                   help="one-way delay on each node's link (1ms); needs the kernel's netem qdisc, refused "
+                        "where it is missing")
+    e.add_argument("node_command", nargs=argparse.REMAINDER, metavar="-- meshlm train ...",
+                   help="the command each node runs")
+
+
+def cmd_cluster(args) -> int:
+    """`meshlm cluster emulate ... -- meshlm train ...`: the train command, validated here, run by
+    `_launch_emulated` (the one implementation, also behind `meshlm train --emulate-nodes`)."""
+    if args.cluster_command != "emulate":
+        raise ValueError("say what to do: meshlm cluster emulate --nodes N --procs-per-node P --inter-node-bw "
+                         "RATE -- meshlm train ...")
+    inner = list(args.node_command)
+    if inner[:1] == ["--"]:
+        inner = inner[1:]
+    if inner[:1] == ["meshlm"]:
+        inner = inner[1:]
+    if not inner:
+        raise ValueError("give the command each node runs after --, e.g. -- meshlm train --set parallel.tp=2")
+    if inner[0] != "train":
+        raise ValueError(f"`meshlm {inner[0]}` takes no node rank; cluster emulate runs `meshlm train ...` "
+                         "(for the planner: meshlm plan calibrate --emulated)")
+    given = [a.split("=", 1)[0] for a in inner if a.split("=", 1)[0] in _NODE_FLAGS]
+    if given:
+        raise ValueError(f"drop {', '.join(given)} from the node command: cluster emulate sets the ranks per node "
+                         "(--procs-per-node), the node rank and the rendezvous of every node")
+    from meshlm.config import load_config
+
+    train = build_parser().parse_args(inner)
+    train.argv = inner
+    train.nproc, train.emulate_nodes = args.procs_per_node, args.nodes
+    train.inter_node_bw, train.inter_node_latency = args.inter_node_bw, args.inter_node_latency
+    cfg = load_config(train.config, train.overrides)
+    return _launch_emulated(train, cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshlm",
@@ -285,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     _add_serve(sub)
     _add_convert(sub)
+    _add_cluster(sub)
     from meshlm.infer.rag import add_rag_parser
 
     add_rag_parser(sub)
@@ -406,24 +473,26 @@ def _launch_ranks(args, cfg) -> int:
 
 
 def _launch_emulated(args, cfg) -> int:
-    """--emulate-nodes N: N network namespaces, each running `meshlm train --nproc P --nnodes N --node-rank i`
-    (torch's launcher, static rendezvous on node 0's address); the namespaces are removed however it ends."""
-    from meshlm.emulate import EmulatedCluster, parse_duration, parse_rate
+    """`meshlm cluster emulate` and `meshlm train --emulate-nodes N`: N network namespaces, each running
+    `meshlm train --nproc P --nnodes N --node-rank i` (torch's launcher, static rendezvous on node 0's
+    address); the namespaces are removed however it ends."""
+    from meshlm.emulate import EmulatedCluster, check_host, parse_duration, parse_rate
     from meshlm.parallel.parallelize import check_layout
     from meshlm.train.checkpoint import check_run_dir
 
     if args.emulate_nodes < 2:
-        raise ValueError(f"--emulate-nodes={args.emulate_nodes} must be >= 2 (with --inter-node-bw)")
+        raise ValueError(f"{args.emulate_nodes} emulated nodes: need >= 2 (--emulate-nodes / cluster emulate --nodes)")
     if not args.inter_node_bw:
-        raise ValueError("--emulate-nodes needs --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
+        raise ValueError("emulated nodes need --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
-        raise ValueError("--emulate-nodes runs every node here; drop --nnodes/--rdzv-endpoint/--node-rank")
+        raise ValueError("emulated nodes all run here; drop --nnodes/--rdzv-endpoint/--node-rank")
     if args.max_restarts:
-        raise ValueError("--max-restarts is not supported with --emulate-nodes; leave it out")
+        raise ValueError("--max-restarts is not supported on emulated nodes; leave it out")
     if args.nproc < 1:
-        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        raise ValueError(f"{args.nproc} ranks per node (--nproc / cluster emulate --procs-per-node) must be >= 1")
     rate = parse_rate(args.inter_node_bw)
     latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else 0.0
+    check_host()  # no ip/tc, not root: one line before anything else
     nodes = args.emulate_nodes
     check_layout(cfg, args.nproc * nodes)  # before any namespace or rank
     check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
@@ -709,7 +778,7 @@ def cmd_convert(args) -> int:
 
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "eval": cmd_eval, "plot": cmd_plot,
             "config": cmd_config, "info": cmd_info, "plan": cmd_plan, "serve": cmd_serve, "convert": cmd_convert,
-            "rag": cmd_rag}
+            "rag": cmd_rag, "cluster": cmd_cluster}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ Responsible for: `EmulatedCluster`, a context manager that creates one network n
 ranks talk to each other over that namespace's loopback, at memory speed) and joins the nodes through a
 bridge in a "switch" namespace of its own, every node on it by one veth pair whose two ends are shaped
 with `tc` (tbf, or netem where the kernel has it and a latency is asked for) to the inter-node rate:
-each node's link carries at most that rate in each direction, like one NIC per node. Also: parsing the
+each node's link carries at most that rate in each direction, like one NIC per node (64 KiB packets, as
+a NIC's segmentation offload hands the stack, and a queue deep enough that TCP is never dropped). Also: parsing the
 rates and durations users give (`parse_rate`, `parse_duration`), refusing where the host cannot do it
 (not root, `ip` or `tc` missing, no netem for a latency), entering a node from a process about to
 start a rank (`enter_node`), and running one command per node (`run_on_nodes`). Everything created
@@ -89,6 +90,11 @@ class EmulatedCluster:
     nodes: int
     rate_bps: float
     latency_s: float = 0.0
+    # Bytes per packet on the node links. A real NIC segments and coalesces in hardware (TSO/GRO: the stack
+    # sees 64 KiB segments); here every packet costs the shared CPUs a trip through two veths, a bridge and
+    # two qdiscs, and at 1500 bytes that CPU work, not the shaped rate, bounded the link (~45 of 125 MB/s
+    # at 1gbit on 2 busy cores). 64 KiB packets give the rate back (a 4 MiB all-reduce at the shaped rate).
+    mtu: int = 65000
     tag: str = ""  # names the namespaces; default from this process id (unique among live processes)
     namespaces: list = field(default_factory=list, init=False)
     addresses: list = field(default_factory=list, init=False)
@@ -98,6 +104,8 @@ class EmulatedCluster:
     def __post_init__(self) -> None:
         if not 2 <= self.nodes <= MAX_NODES:
             raise ValueError(f"nodes={self.nodes} must be between 2 and {MAX_NODES}")
+        if not 1280 <= self.mtu <= 65535:
+            raise ValueError(f"mtu={self.mtu} must be between 1280 and 65535 bytes")
         if self.rate_bps <= 0:
             raise ValueError(f"inter-node rate {self.rate_bps} bit/s must be > 0")
         if self.latency_s < 0:
@@ -148,6 +156,7 @@ class EmulatedCluster:
             _must("ip", "-n", sw, "link", "set", port, "master", "br0")
             _must("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFNAME)
             for where, dev in ((ns, IFNAME), (sw, port)):  # what the node sends, and what it receives
+                _must("ip", "-n", where, "link", "set", dev, "mtu", str(self.mtu))
                 self._shape(where, dev)
                 _must("ip", "-n", where, "link", "set", dev, "up")
             _must("ip", "-n", ns, "link", "set", "lo", "up")
@@ -161,13 +170,16 @@ class EmulatedCluster:
                 raise ValueError("--inter-node-latency needs the kernel's netem qdisc (sch_netem), which this "
                                  f"host lacks ({done.stderr.strip()[:80]}); leave the latency out")
             return
-        # Token bucket: a burst of 100 us at the rate, at least 16 KiB (a few full-size packets, which tbf
-        # needs): a larger bucket lets every message of up to its size through at memory speed, so the
-        # link would look faster than its rate to anything that pauses between messages (a calibration, a
-        # training step's collectives). Packets queue up to 100 ms before being dropped -- TCP then backs off.
-        burst = max(16 * 1024, int(self.rate_bps / 8 * 1e-4))
+        # Token bucket: a burst of 100 us at the rate, at least one full-size packet and a header more (tbf
+        # drops a packet larger than its bucket): a larger bucket lets every message of up to its size
+        # through at memory speed, so the link would look faster than its rate to anything that pauses
+        # between messages (a calibration, a training step's collectives). The queue holds 100 ms at the
+        # rate and at least 8 MiB: a drop makes TCP wait for a retransmission timeout (200 ms and more),
+        # and at low rates 100 ms is less than what TCP's socket buffers (megabytes) send at once.
+        burst = max(16 * 1024, self.mtu + 1500, int(self.rate_bps / 8 * 1e-4))
+        limit = max(8 * 2**20, int(self.rate_bps / 8 * 0.1))
         _must("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-              "burst", str(burst), "latency", "100ms")
+              "burst", str(burst), "limit", str(limit))
 
     # -- using it ---------------------------------------------------------------------------------
     def rank_env(self) -> dict:

@@ -264,11 +264,18 @@ def run_plan(args) -> int:
         if args.json:
             print(json.dumps(data, indent=2))
         elif args.emulated:
-            up, out = data["link"], data["scale_out"]["link"]
-            print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s per core, {data['cpu_cores']} cores; "
-                  f"{args.nodes} nodes x {args.nproc_per_node} ranks: inside a node {up['bandwidth'] / 1e9:.2f} GB/s "
-                  f"+ {up['latency'] * 1e6:.0f} us/hop, across nodes {out['bandwidth'] / 1e6:.1f} MB/s per rank "
-                  f"+ {out['latency'] * 1e6:.0f} us/hop -> {args.out}")
+            ranks = args.nodes * args.nproc_per_node
+            share = max(1.0, ranks / data["cpu_cores"])  # the file holds per-core figures (emulated_calibration)
+            alone, slow = data.get("alone", data), data.get("contention", {}).get("slowdown", share)
+            up, out = data["collectives"]["all_reduce"], data["scale_out"]["collectives"]["all_reduce"]
+            flat = data.get("flat", {}).get("collectives", {}).get("all_reduce")
+            print(f"matmul {alone['matmul_flops'] / 1e9:.1f} GFLOP/s on one core alone, {data['cpu_cores']} cores; "
+                  f"{ranks} ranks computing at once: {slow:.1f}x slower each; a step's fixed work "
+                  f"{data.get('step_overhead_s', 0) * 1e3:.0f} ms. All-reduce inside a node "
+                  f"{up['bandwidth'] / share / 1e9:.2f} GB/s, across nodes {out['bandwidth'] / 1e6:.1f} MB/s per rank"
+                  + (f", on one ring of all ranks {flat['bandwidth'] / 1e6:.1f} MB/s per node link" if flat else "")
+                  + f"; a call among busy ranks waits +{up.get('call_overhead', 0) * 1e3:.1f} ms inside a node, "
+                  f"+{out.get('call_overhead', 0) * 1e3:.1f} ms across -> {args.out}")
         else:
             link = data["link"]
             print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s per core, attention "

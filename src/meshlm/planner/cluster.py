@@ -55,6 +55,10 @@ class Cluster:
     # Collectives of a group spanning both tiers run as one flat ring over all its ranks (gloo), not
     # hierarchically (NCCL): see collectives.collective_time. Set for emulated clusters, which run gloo.
     flat_rings: bool = False
+    # Seconds every training step costs beyond its FLOPs and bytes (the framework's fixed work: Python,
+    # dispatch, the optimizer's per-tensor loops), counted with the optimizer. Measured on an emulated
+    # cluster (calibrate.measure_step_overhead); 0 elsewhere, where it is small next to a step.
+    step_overhead: float = 0.0
     # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
     # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
     gemm_k_overhead: float = 256.0
@@ -67,7 +71,7 @@ class Cluster:
     # Data-centre overhead (cooling, power conversion): facility power / IT power.
     pue: float = 1.0
     # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
-    # per hop in s, achieved bandwidth in bytes/s)}}, kind one of collectives.KINDS. The default for a
+    # per hop in s, achieved bandwidth in bytes/s[, seconds per call])}}, kind one of collectives.KINDS. The default for a
     # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
     # the fits `meshlm plan calibrate` measures for each collective.
     collective_fits: dict = field(default_factory=dict)
@@ -199,7 +203,10 @@ def local_cluster(path: str | Path) -> Cluster:
             domain, shared = int(emulated["procs_per_node"]), True
         except (KeyError, TypeError) as e:
             raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate --emulated`") from None
-    return Cluster(name="local", gpu=data.get("device", "cpu"), collective_fits={"scale-up": fits, "scale-out": out_fits},
+    # An emulated cluster's ring over all its ranks, where measured: see collectives.collective_time.
+    flat = {"flat": _tier_fits(data["flat"])} if emulated and data.get("flat") else {}
+    return Cluster(name="local", gpu=data.get("device", "cpu"),
+                   collective_fits={"scale-up": fits, "scale-out": out_fits, **flat},
                    peak_flops={"fp32": flops, "bf16": flops, "fp8": flops}, hbm_bytes=mem, hbm_bw=mem_bw,
                    scaleup_size=domain, scaleup_bw=bw, scaleout_bw=out_bw, host_shared_by_domains=shared,
                    flat_rings=shared,
@@ -207,6 +214,7 @@ def local_cluster(path: str | Path) -> Cluster:
                    attention_efficiency=min(1.0, float(data.get("attention_flops", flops)) / flops),
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
                    hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)),
+                   step_overhead=float(data.get("step_overhead_s", 0.0)) if emulated else 0.0,
                    gemm_k_overhead=0.0)
 
 
@@ -215,7 +223,10 @@ def _tier_fits(data: dict) -> dict:
     size, factor the ring's), its latency spread over the hops collectives.collective_time counts there."""
     n = max(2, int(data.get("world_size", 2)))
     hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "p2p": 1}
-    return {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]))
+    # A third element, where measured (`calibrate_emulated`): seconds per call, whatever the ring's size
+    # (collectives.collective_time adds it).
+    return {kind: (float(f["latency"]) / hops[kind], float(f["bandwidth"]),
+                   *([float(f["call_overhead"])] if "call_overhead" in f else []))
             for kind, f in (data.get("collectives") or {}).items() if kind in hops}
 
 
@@ -228,7 +239,7 @@ def slowed_links(cluster: Cluster, factor: float) -> Cluster:
     ranks time-sharing the cores of one host share its memory copies too (cost.estimate_layout). On an
     emulated cluster only the scale-up tier is memory copies; its scale-out link is shaped, measured as is."""
     tiers = ("scale-up",) if cluster.host_shared_by_domains else ("scale-up", "scale-out")
-    fits = {tier: {k: (lat, bw / factor if tier in tiers else bw) for k, (lat, bw) in kinds.items()}
+    fits = {tier: {k: (fit[0], fit[1] / factor if tier in tiers else fit[1], *fit[2:]) for k, fit in kinds.items()}
             for tier, kinds in cluster.collective_fits.items()}
     out_factor = factor if "scale-out" in tiers else 1.0
     return replace(cluster, scaleup_bw=cluster.scaleup_bw / factor, scaleout_bw=cluster.scaleout_bw / out_factor,

@@ -14,11 +14,16 @@ Algorithms (NCCL's, as in its documentation and nccl-tests' "bus bandwidth" conv
   * all-to-all: every rank sends (n - 1) / n of its bytes; the part leaving the domain rides the NICs, the
     rest NVLink, concurrently; one message per peer.
   * p2p: one message, one hop.
+  * a fit may carry seconds per call (`call_overhead`), paid once per collective on the tier it crosses
+    (scale-out when it leaves the domain): on an emulated cluster, what a call waits for busy peers
+    sharing the host's cores, which does not grow with the ring's hops.
   * On a cluster with `flat_rings` (gloo, e.g. an emulated one) a group spanning both tiers runs one ring over
     all its ranks instead, paced by its node-crossing hops: one per domain and direction, each carrying the
     whole ring's traffic. The scale-out fit is one rank's share of its node's link with every rank of the
     node crossing at once (calibrate.measure_tiers); a group with n_in ranks in a node has 1 / n_in of those
-    ranks' rings crossing, so its crossing hop gets n_in such shares.
+    ranks' rings crossing, so its crossing hop gets n_in such shares. Where the cluster also has a "flat"
+    fit (one ring over all the ranks of an emulated cluster, timed as such), a crossing hop gets that
+    ring's bandwidth, shared by the rings crossing the same link (scale-up size / n_in of them).
 """
 
 from __future__ import annotations
@@ -61,9 +66,28 @@ def _ring(nbytes: float, n: int, fit: tuple[float, float]) -> float:
     return (n - 1) / n * nbytes / bandwidth + _hops(n) * latency
 
 
+def call_overhead(cluster: Cluster, kind: str, tier: str) -> float:
+    """Seconds one call of `kind` costs on `tier` beyond its hops and bytes, where the cluster's fit has
+    it (the optional third element; 0 otherwise)."""
+    fit = cluster.collective_fits.get(tier, {}).get(kind)
+    return float(fit[2]) if fit is not None and len(fit) > 2 else 0.0
+
+
 def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
     """Seconds for one collective; `nbytes` is the full (unsharded) buffer, or for all_to_all the
     bytes each rank sends in total, or for p2p the message."""
+    n_in, n_out = span
+    base = _collective_time(kind, nbytes, span, cluster)
+    if n_in * n_out <= 1 and kind != "p2p":
+        return base
+    tier = "scale-up" if n_out == 1 else "scale-out"
+    if (cluster.flat_rings and n_in > 1 and n_out > 1 and kind in ("reduce_scatter", "all_gather", "all_reduce")
+            and kind in cluster.collective_fits.get("flat", {})):
+        tier = "flat"
+    return base + call_overhead(cluster, kind, tier)
+
+
+def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
     n_in, n_out = span
     up = lambda k: cluster.collective_fit(k, "scale-up")  # noqa: E731
     out = lambda k: cluster.collective_fit(k, "scale-out")  # noqa: E731
@@ -71,8 +95,14 @@ def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cl
         latency, bandwidth = up("p2p") if n_out == 1 else out("p2p")
         return nbytes / bandwidth + latency
     if cluster.flat_rings and n_out > 1 and kind in ("reduce_scatter", "all_gather", "all_reduce"):
-        latency, bandwidth = out(kind)
-        phase = _ring(nbytes, n_in * n_out, (latency, bandwidth * n_in))
+        flat = cluster.collective_fits.get("flat", {}).get(kind) if n_in > 1 else None
+        if flat is not None:  # measured on one ring of every rank: a node-crossing hop's own bandwidth,
+            # shared by the scaleup_size / n_in rings of such groups that cross a node's link at once
+            latency, bandwidth = float(flat[0]), float(flat[1]) * n_in / max(n_in, cluster.scaleup_size)
+        else:
+            latency, bandwidth = out(kind)
+            bandwidth *= n_in
+        phase = _ring(nbytes, n_in * n_out, (latency, bandwidth))
         return 2 * phase if kind == "all_reduce" else phase
     if kind in ("reduce_scatter", "all_gather"):
         # inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU)

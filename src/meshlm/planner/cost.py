@@ -149,7 +149,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
                                      t_fwd=mb.fwd, t_bwd_input=mb.bwd / 2, t_bwd_weight=mb.bwd / 2),
         "pp_p2p": pp_p2p_time(lo, r, num_microbatches=m),
         "dp_comm": dp_comm_time(summary, job, lo, r, p, mb, num_microbatches=m),
-        "optimizer": optimizer_time(r, p),
+        "optimizer": optimizer_time(r, p) + cluster.step_overhead,  # with the step's fixed framework work
     }
     step = sum(time.values())
     time["step"] = step
