@@ -310,7 +310,10 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, got.text
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        assert 'meshlm_kv_blocks_used_per_rank{cp_rank="1"}' in metrics
+        value = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line[:1] not in "#"}
+        per_rank = [value[f'meshlm_kv_blocks_used_per_rank{{cp_rank="{r}"}}']
+                    + value[f'meshlm_kv_blocks_free_per_rank{{cp_rank="{r}"}}'] for r in range(2)]
+        assert per_rank == [value["meshlm_kv_blocks_used"] / 2 + value["meshlm_kv_blocks_free"] / 2] * 2, per_rank
         comm = [line for line in metrics.splitlines() if line.startswith('meshlm_comm_bytes_total{axis="cp"}')]
         assert comm and float(comm[0].split()[-1]) > 0
         workers = []

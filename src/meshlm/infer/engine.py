@@ -319,6 +319,7 @@ class Engine:
             # several ranks: the blocks each cp rank holds (tp ranks hold the same blocks, each its heads),
             # and what every mesh axis moved (rank 0's view)
             "kv_blocks_used_per_rank": bm.used_blocks_per_group(),
+            "kv_blocks_free_per_rank": [len(f) for f in bm.free_lists],
             "comm": {axis: {"calls": o.calls, "bytes": o.bytes, "seconds": o.seconds}
                      for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
         }

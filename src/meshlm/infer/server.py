@@ -527,9 +527,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                   "# HELP meshlm_rag_prefix_cache_hit_tokens_total prompt tokens of retrieval-augmented requests "
                   "found in the prefix cache", "# TYPE meshlm_rag_prefix_cache_hit_tokens_total counter",
                   f"meshlm_rag_prefix_cache_hit_tokens_total {engine.rag_cached_tokens}"]
-        lines += ["# HELP meshlm_kv_blocks_used_per_rank KV cache blocks in use on each context-parallel rank",
-                  "# TYPE meshlm_kv_blocks_used_per_rank gauge"]
-        lines += [f'meshlm_kv_blocks_used_per_rank{{cp_rank="{r}"}} {n}' for r, n in enumerate(s["kv_blocks_used_per_rank"])]
+        for kind in ("used", "free"):
+            lines += [f"# HELP meshlm_kv_blocks_{kind}_per_rank KV cache blocks {kind.replace('used', 'in use')} on "
+                      "each context-parallel rank", f"# TYPE meshlm_kv_blocks_{kind}_per_rank gauge"]
+            lines += [f'meshlm_kv_blocks_{kind}_per_rank{{cp_rank="{r}"}} {n}'
+                      for r, n in enumerate(s[f"kv_blocks_{kind}_per_rank"])]
         for unit, key, help_text in (("bytes", "bytes", "bytes moved by collectives"),
                                      ("seconds", "seconds", "seconds spent waiting in collectives")):
             lines += [f"# HELP meshlm_comm_{unit}_total {help_text} (rank 0), by mesh axis",
