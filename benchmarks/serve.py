@@ -88,7 +88,8 @@ def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int)
     """meshlm's `LLM.generate` and transformers' padded `generate` (and continuous batching, once) on the same
     prompts. Each engine runs `repeats` times on prompts of the same lengths (other token ids each time, so
     meshlm's prefix cache does not help), alternating, and the fastest run of each counts (`timeit`'s rule:
-    on a shared machine the slow runs measure the neighbours). CPU seconds are reported beside wall seconds."""
+    on a shared machine the slow runs measure the neighbours); the median of the repeats' paired ratios is
+    printed too. CPU seconds are reported beside wall seconds."""
     import transformers
 
     from meshlm import LLM, SamplingParams
@@ -151,6 +152,9 @@ def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int)
             "transformers_padded_tokens_per_s": round(total / hf_s, 1), "transformers_seconds": round(hf_s, 3),
             "transformers_cpu_seconds": round(hf_cpu, 3),
             "speedup": round(hf_s / ours_s, 3), "speedup_cpu_seconds": round(hf_cpu / ours_cpu, 3),
+            # each repeat runs the two engines back to back: the median of those paired ratios follows slow
+            # drifts of a shared machine less than the ratio of the fastest runs
+            "speedup_paired_median": round(statistics.median(h[0] / o[0] for o, h in zip(ours_runs, hf_runs)), 3),
             "every_run_s": {"meshlm": [round(run[0], 3) for run in ours_runs],
                             "transformers_padded": [round(run[0], 3) for run in hf_runs]},
             "greedy_outputs_identical": f"{same}/{len(prompts)}",
