@@ -51,7 +51,7 @@ def test_srun_tasks_are_ranks_and_need_a_master_address(capsys, monkeypatch):
 
 
 def test_launch_exit_code_is_2_when_the_ranks_failed_on_a_user_mistake():
-    from meshlm.cli import launch_exit_code
+    from meshlm.launch import launch_exit_code
 
     # rank 0 raised a ValueError (exit 2); the launcher then stopped rank 1 with SIGTERM (-15)
     assert launch_exit_code([-15, 2]) == 2 and launch_exit_code([2]) == 2

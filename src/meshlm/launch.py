@@ -1,0 +1,134 @@
+"""Starting the ranks of a command: local and multi-node ranks through torch's launcher (torchrun's
+`main`, `run_torchrun`), and emulated nodes (`launch_emulated`: one network namespace per node, each
+running `meshlm train` as that node).
+
+Responsible for: the launcher's arguments (rendezvous, node rank, restarts), checking the layout and the
+run directory before any rank starts, and turning a failed launch into one line on the rank that failed
+first and an exit code (`launch_exit_code`).
+Not responsible for: what a rank does (cli.py runs it), or the namespaces and links (emulate.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def train_args(args) -> list[str]:
+    """The `meshlm train` arguments every rank is started with: the config, its overrides, --resume/--overwrite."""
+    return [*(["--config", args.config] if args.config else []), *[a for o in args.overrides for a in ("--set", o)],
+            *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
+
+
+def launch_ranks(args, cfg) -> int:
+    """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
+    from meshlm.parallel.parallelize import check_layout
+    from meshlm.train.checkpoint import check_run_dir
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise ValueError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (an address of the first "
+                         "node that every node can reach), the same on every node")
+    if args.node_rank is not None and not args.rdzv_endpoint:
+        raise ValueError("--node-rank needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+    check_layout(cfg, args.nproc * args.nnodes)  # before any rank starts
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
+    import torch
+
+    if cfg.train.device != "cpu" and torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        raise ValueError(f"--nproc={args.nproc} but this node has {torch.cuda.device_count()} CUDA devices (one "
+                         f"per rank); use --nproc <= {torch.cuda.device_count()}, or train.device=cpu")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
+    launcher = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc),
+                "--max-restarts", str(args.max_restarts)]
+    if args.rdzv_endpoint is None:
+        launcher += ["--standalone"]  # one node: a private c10d rendezvous on a free local port
+    elif args.node_rank is None:
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+    else:
+        launcher += ["--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
+                     "--node-rank", str(args.node_rank)]
+    return run_torchrun(launcher, ["train", *train_args(args)])
+
+
+def launch_emulated(args, cfg) -> int:
+    """`meshlm cluster emulate` and `meshlm train --emulate-nodes N`: N network namespaces, each running
+    `meshlm train --nproc P --nnodes N --node-rank i` (torch's launcher, static rendezvous on node 0's
+    address); the namespaces are removed however it ends."""
+    from meshlm.emulate import EmulatedCluster, check_host, parse_duration, parse_rate
+    from meshlm.parallel.parallelize import check_layout
+    from meshlm.train.checkpoint import check_run_dir
+
+    if args.emulate_nodes < 2:
+        raise ValueError(f"{args.emulate_nodes} emulated nodes: need >= 2 (--emulate-nodes / cluster emulate --nodes)")
+    if not args.inter_node_bw:
+        raise ValueError("emulated nodes need --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
+    if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
+        raise ValueError("emulated nodes all run here; drop --nnodes/--rdzv-endpoint/--node-rank")
+    if args.max_restarts:
+        raise ValueError("--max-restarts is not supported on emulated nodes; leave it out")
+    if args.nproc < 1:
+        raise ValueError(f"{args.nproc} ranks per node (--nproc / cluster emulate --procs-per-node) must be >= 1")
+    rate = parse_rate(args.inter_node_bw)
+    latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else 0.0
+    check_host()  # no ip/tc, not root: one line before anything else
+    nodes = args.emulate_nodes
+    check_layout(cfg, args.nproc * nodes)  # before any namespace or rank
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as run_torchrun: one intra-op thread per rank
+    with EmulatedCluster(nodes=nodes, rate_bps=rate, latency_s=latency) as cluster:
+        # A fresh namespace has no listener on any port: the rendezvous may take a fixed one.
+        endpoint = f"{cluster.addresses[0]}:29500"
+        code = cluster.run_on_nodes(lambda i: [sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(args.nproc),
+                                               "--nnodes", str(nodes), "--node-rank", str(i),
+                                               "--rdzv-endpoint", endpoint, *train_args(args)])
+    if code:
+        print(f"meshlm train: an emulated node failed (exit code {code}); its error is printed above",
+              file=sys.stderr)
+    return code
+
+
+def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
+    """`torchrun LAUNCHER -m meshlm.cli RANK_ARGS`; its exit code, with one line on the first failed rank."""
+    import os
+
+    # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
+    # launcher from printing its warning about choosing that default for us.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun([*launcher, "--module", "meshlm.cli", *rank_args])
+    except ChildFailedError as e:
+        failed = sorted(e.failures.items())
+        codes = sorted({f.exitcode for _, f in failed})
+        print(f"meshlm {rank_args[0]}: {first_failure(e)}", file=sys.stderr)
+        return launch_exit_code(codes)
+    return 0
+
+
+def first_failure(error) -> str:
+    """One line on the rank that failed first (the others are mostly the launcher's teardown of them)."""
+    rank, failure = error.get_first_failure()
+    if failure.exitcode < 0:
+        why = f"killed by {failure.signal_name()}"
+    else:
+        message = failure.message
+        while isinstance(message, dict):  # the error file of a rank that raised (`record`): its exception
+            message = message.get("message", "")
+        lines = [line for line in str(message or "").strip().splitlines() if line.strip()]
+        why = f"exit code {failure.exitcode}" + (f": {lines[-1][:600]}" if lines else "")
+    others = len(error.failures) - 1
+    return (f"rank {rank} failed first ({why})" + (f"; {others} other rank(s) stopped after it" if others else "")
+            + "; its error is printed above")
+
+
+def launch_exit_code(codes: list[int]) -> int:
+    """The exit code of a failed launch from its ranks' codes: 2 (a user mistake) when every rank
+    that exited by itself exited 2 -- the launcher stops the others with a signal (a negative code)."""
+    own = {c for c in codes if c >= 0}
+    return 2 if own == {2} else 1
