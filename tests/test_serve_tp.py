@@ -95,7 +95,7 @@ def _cp_attention_error(rank, world_size):
         step.query_lens.append(n)
         step.context_lens.append(cached + n)
         step.block_tables.append(table)
-    ctx = ContextParallelAttention([k_cache], [v_cache], step, bs, dtype=torch.float64, buffers=None, mesh=mesh,
+    ctx = ContextParallelAttention([k_cache], [v_cache], step, bs, dtype=torch.float64, mesh=mesh,
                                    tile_rows=2)
     q, k, v = (torch.cat(x, dim=1)[None] for x in (Q, [K[s][:, c:] for s, (c, _) in enumerate(seqs)],
                                                      [V[s][:, c:] for s, (c, _) in enumerate(seqs)]))

@@ -46,8 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import (DecodeBatch, GatherBuffers, ModelRunner, StepInput, length_buckets,
-                                       read_slots, write_kv)
+from meshlm.infer.model_runner import DecodeBatch, ModelRunner, StepInput, length_buckets, read_slots, write_kv
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.parallel.context import merge_partials, ring_pass
@@ -155,10 +154,10 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
 
 
 def context_parallel_attention(mesh: Mesh):
-    """The `attention` class a `ModelRunner` of a cp rank uses (bound to its mesh)."""
+    """The `attention` class a `ModelRunner` of a cp rank uses (bound to its mesh). It copies no block, so the
+    runner's gather `buffers` go unused."""
     def make(k_caches, v_caches, step, block_size, *, dtype, buffers=None):
-        return ContextParallelAttention(k_caches, v_caches, step, block_size, dtype=dtype, buffers=buffers,
-                                        mesh=mesh)
+        return ContextParallelAttention(k_caches, v_caches, step, block_size, dtype=dtype, mesh=mesh)
     return make
 
 
@@ -171,9 +170,8 @@ class ContextParallelAttention:
     many keys each other rank holds and which of its queries may see them."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
-                 *, dtype: torch.dtype, buffers: GatherBuffers | None, mesh: Mesh, tile_rows: int = 256):
-        """`buffers`: unused (the runner passes every attention context its gather buffers; this one copies no
-        block). `tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory)."""
+                 *, dtype: torch.dtype, mesh: Mesh, tile_rows: int = 256):
+        """`tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory)."""
         self.k_caches, self.v_caches, self.mesh = k_caches, v_caches, mesh
         device = k_caches[0].device
         num_kv, num_blocks = k_caches[0].shape[:2]
