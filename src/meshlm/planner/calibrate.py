@@ -159,9 +159,10 @@ def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=
     Default: the fastest of `repeats` calls, each after a barrier of the group (the link alone).
     `world_sync`: each call after a barrier of the whole world, so that every group of a tier runs at once,
     sharing the node links and the cores as a step's groups do; the median call is kept, each timed from
-    the last rank's arrival to the last rank's exit. Every rank of the world must call it then. `busy` (with world_sync; a function computing a slice): every rank computes a
-    slice between the barrier and the call, as a training step does between collectives -- the call then
-    also waits for peers that are still computing or descheduled."""
+    the last rank's arrival to the last rank's exit. Every rank of the world must call it then.
+    `busy` (with world_sync; a function computing a slice): every rank computes a slice between the barrier
+    and the call, as a training step does between collectives -- the call then also waits for peers that
+    are still computing or descheduled."""
     import statistics
 
     import torch
