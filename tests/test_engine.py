@@ -13,7 +13,6 @@ import torch
 from meshlm import LLM, SamplingParams
 from meshlm.config import ModelConfig
 from meshlm.infer.engine import Engine
-from meshlm.infer.model_runner import length_buckets
 from meshlm.models import KVCache, build_model
 
 transformers = pytest.importorskip("transformers")
@@ -109,19 +108,16 @@ def test_paged_attention_matches_contiguous_cache():
     assert out.token_ids == ref and out.finish_reason == "length"
 
 
-def test_decode_buckets_match_one_sequence_at_a_time():
-    """Many decodes in one step go in a few buckets of similar length (fewer padded keys): the tokens are
-    those of each prompt run alone."""
+def test_decodes_of_many_lengths_match_one_sequence_at_a_time():
+    """Many decodes of very different lengths in one step are one batch over the cache (no key padded):
+    the tokens are those of each prompt run alone."""
     model = _tiny_model()
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 60) for _ in range(n)] for n in rng.sample(range(1, 70), 40)]
-    assert len(length_buckets([len(p) for p in prompts])) > 1
     params = SamplingParams(temperature=0, max_tokens=3)
     together = Engine(model, block_size=4).generate(prompts, params)
     engine = Engine(model, block_size=4)
     assert [o.token_ids for o in together] == [engine.generate([p], params)[0].token_ids for p in prompts]
-    assert length_buckets([5, 1, 9, 3], min_size=2) == [[1, 3], [0, 2]]
-    assert length_buckets([5, 1, 9], min_size=2) == [[1, 0, 2]]
 
 
 def test_moe_serves_dropless():
@@ -228,3 +224,32 @@ def test_extreme_sampling_params_do_not_fail_the_step():
                                                           SamplingParams(temperature=0, max_tokens=4, logprobs=20)])
     assert cold.token_ids == greedy and wide.token_ids == greedy
     assert all(len(lp["top"]) == 16 for lp in wide.logprobs)
+
+
+def test_decode_batch_matches_dense_attention_on_any_blocks():
+    """`DecodeBatch` alone, in float64: decodes of any number of blocks (none too: an empty partial), each
+    block seen up to any count, grouped-query heads; output and log-sum-exp equal softmax attention over
+    exactly the keys each decode sees."""
+    from meshlm.infer.model_runner import DecodeBatch, new_kv_cache
+
+    torch.manual_seed(0)
+    num_kv, groups, dim, bs, num_blocks = 2, 3, 8, 4, 12
+    k_cache, v_cache = new_kv_cache(num_kv, num_blocks, bs, dim, dtype=torch.float64)
+    k_cache.normal_(), v_cache.normal_()
+    blocks = [[3, 7, 1], [], [5], [0, 11, 2, 9, 4]]
+    counts = [[4, 4, 2], [], [1], [4, 3, 4, 4, 1]]  # not only a prefix: a middle block seen in part
+    batch = DecodeBatch(torch.arange(len(blocks)), blocks, counts, block_size=bs, num_kv=num_kv,
+                        num_blocks=num_blocks, dtype=torch.float64)
+    q = torch.randn(num_kv, len(blocks), groups, dim, dtype=torch.float64)
+    out, lse = batch.attend(q, k_cache, v_cache, with_lse=True)
+    plain = batch.attend(q, k_cache, v_cache)  # the softmax path (no log-sum-exp)
+    for i, (bl, cs) in enumerate(zip(blocks, counts)):
+        if not bl:
+            assert (out[:, i] == 0).all() and (plain[:, i] == 0).all() and torch.isinf(lse[:, i]).all()
+            continue
+        keys = torch.cat([k_cache[:, b, :, :c].transpose(-1, -2) for b, c in zip(bl, cs)], dim=1)  # [kv, n, dim]
+        values = torch.cat([v_cache[:, b, :c] for b, c in zip(bl, cs)], dim=1)
+        scores = torch.einsum("hgd,hnd->hgn", q[:, i], keys) / dim ** 0.5
+        torch.testing.assert_close(out[:, i], torch.softmax(scores, -1) @ values, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(plain[:, i], out[:, i], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[:, i], torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)

@@ -7,10 +7,10 @@ head_dim] and a key tensor with each block transposed, [kv_heads, num_blocks, he
 to its tensor-parallel ranks each step (`infer/parallel.py`); and running the
 reference model's own modules with a `PagedAttention` context that the model's `Attention` calls
 (`cache.attend(layer, q, k, v)`): it writes the step's keys/values into their slots and attends each
-sequence over the keys its block table points to. Decodes are batched in a few buckets of similar length
-(`length_buckets`) and attend straight over the cache (`DecodeBatch`: two `embedding_bag` sums, no block
-copied); a prefill chunk attends its own keys with fused SDPA, or, after a cached prefix, its blocks copied
-into persistent buffers (`GatherBuffers`). Plain PyTorch, runs on CPU; a fused GPU kernel can
+sequence over the keys its block table points to. All decodes of a step are one batch that attends
+straight over the cache (`DecodeBatch`: two `embedding_bag` sums, no block copied, no key padded); a prefill
+chunk attends its own keys with fused SDPA, or, after a cached prefix, its blocks copied into persistent
+buffers (`GatherBuffers`). Plain PyTorch, runs on CPU; a fused GPU kernel can
 replace `PagedAttention.attend` behind the same interface. MoE layers run dropless (the capacity rule of
 training, if the model has one, is turned off).
 Not responsible for: the model's math other than attention with the paged cache, scheduling, or
@@ -116,47 +116,66 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 
 
 class DecodeBatch:
-    """Attention of a batch of decodes (one new token each) straight over the paged cache, no block copied.
+    """Attention of a batch of decodes (one new token each) straight over the paged cache, no block copied,
+    no key padded.
 
     Two `embedding_bag` sums -- an indexed, weighted sum of table rows computed where the rows lie:
       * scores: a key block is stored transposed ([head_dim, block_size]), so the scores of one query
         against one block are the block's head_dim rows weighted by the query's head_dim entries (one bag
         of head_dim rows per query head and block);
-      * output: the value rows of a sequence's keys weighted by their softmax weights (one bag per query
-        head, a row per key).
+      * output: the value rows of a sequence's visible keys weighted by their softmax weights (one bag per
+        query head, of exactly that sequence's keys: bags of any length, `offsets`).
     Copying the blocks out first (index_select into a buffer, then two batched matmuls) moves every key
-    and value three times; this reads each once (2-4x faster on the benchmark's shapes, CPU). The batch is
-    padded to its longest sequence (block 0 stands in for missing blocks) and masked."""
+    and value three times; this reads each once (2-4x faster on the benchmark's shapes, CPU). All decodes
+    of a step are one batch whatever their lengths: only the scores (a few floats per key) are laid out
+    padded to the longest sequence for the softmax, never the keys or values. The indices are built once
+    per step (by the first layer) and serve every layer."""
 
-    def __init__(self, rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, *, num_kv: int,
-                 num_blocks: int, dtype: torch.dtype):
-        """`rows`: whatever the caller indexes its queries by; `blocks` [batch, width]: the cache blocks each
-        decode attends (padding: any block); `keep` [batch, width * block_size]: which of their keys it sees."""
-        self.rows = rows
-        device = blocks.device
-        self.heads = torch.arange(num_kv, device=device)[:, None, None] * num_blocks + blocks[None]  # [kv, batch, width]
-        self.mask = _additive(keep[:, None], dtype)  # broadcast over [kv, batch, groups, keys]
-        self.k_index = self.v_index = None  # built by the first layer, which knows the query heads per kv head
+    def __init__(self, rows: torch.Tensor, blocks: list[list[int]], counts: list[list[int]], *, block_size: int,
+                 num_kv: int, num_blocks: int, dtype: torch.dtype):
+        """`rows`: whatever the caller indexes its queries by; `blocks[i]`: the cache blocks decode i attends;
+        `counts[i][j]`: how many keys of block `blocks[i][j]` it sees (the block's first ones)."""
+        self.rows, self.dtype = rows, dtype
+        self.block_size, self.num_kv, self.num_blocks = block_size, num_kv, num_blocks
+        self.blocks, self.counts = blocks, counts
+        self.width = max(map(len, blocks), default=0)  # most blocks of any decode: the scores' padded width
+        self.index = None  # built by the first layer, which knows the query heads per kv head
 
     @classmethod
     def of_sequences(cls, rows: torch.Tensor, tables: list[list[int]], lengths: list[int], *, block_size: int,
                      **kwargs) -> "DecodeBatch":
         """Decodes of whole sequences: each attends the first `length` keys of its block table."""
-        width = max(len(t) for t in tables)
-        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        keep = torch.arange(width * block_size)[None, :] < torch.tensor(lengths)[:, None]
-        return cls(rows, blocks.to(rows.device), keep.to(rows.device), **kwargs)
+        blocks = [t[:-(-n // block_size)] for t, n in zip(tables, lengths)]
+        counts = [[block_size] * (len(b) - 1) + [n - (len(b) - 1) * block_size] for b, n in zip(blocks, lengths)]
+        return cls(rows, blocks, counts, block_size=block_size, **kwargs)
 
-    def _index(self, groups: int, dim: int, block_size: int) -> None:
-        num_kv, batch, width = self.heads.shape
-        device = self.heads.device
-        # keys: row (head * num_blocks + block) * dim + d of the [.., block_size] table, per query head
-        k_rows = (self.heads * dim)[..., None] + torch.arange(dim, device=device)  # [kv, batch, width, dim]
-        self.k_index = k_rows[:, :, None].expand(num_kv, batch, groups, width, dim).reshape(-1, dim)
-        # values: row (head * num_blocks + block) * block_size + offset of the [.., dim] table
-        v_rows = ((self.heads * block_size)[..., None] + torch.arange(block_size, device=device))
-        self.v_index = v_rows.reshape(num_kv, batch, 1, -1).expand(num_kv, batch, groups, width * block_size).reshape(
-            -1, width * block_size)
+    def _build(self, groups: int, dim: int) -> "_DecodeIndex":
+        """Every index the layers share. Bags are ordered [kv head, decode, query head of the group, block]
+        (scores) and [kv head, decode, query head of the group] (values); positions are read off masks over
+        the padded layout [decode, group, block(, key of the block)], so no Python loop runs per key."""
+        bs, batch, width, nb = self.block_size, len(self.blocks), self.width, self.num_blocks
+        blocks = torch.tensor([b + [0] * (width - len(b)) for b in self.blocks], dtype=torch.long)  # [batch, width]
+        counts = torch.tensor([c + [0] * (width - len(c)) for c in self.counts], dtype=torch.long)
+        heads = torch.arange(self.num_kv)[:, None]
+        # score bags: each (decode, group) and each of its blocks
+        used = torch.nonzero((counts > 0)[:, None].expand(batch, groups, width).reshape(-1)).squeeze(1)
+        block = blocks[:, None].expand(batch, groups, width).reshape(-1)[used]
+        k_index = ((heads * nb * dim)[..., None] + ((block * dim)[:, None] + torch.arange(dim))).reshape(-1, dim)
+        unseen = torch.arange(bs) >= counts[:, None].expand(batch, groups, width).reshape(-1)[used][:, None]
+        bag_mask = torch.zeros(unseen.shape, dtype=self.dtype).masked_fill_(unseen, float("-inf"))
+        # value bags: each (decode, group), over the keys it sees
+        seen = (torch.arange(bs) < counts[..., None]).view(batch, 1, width * bs).expand(batch, groups, width * bs)
+        place = torch.nonzero(seen.reshape(-1)).squeeze(1)  # into the padded scores of one kv head
+        slots = (blocks[..., None] * bs + torch.arange(bs)).view(batch, 1, -1).expand(batch, groups, width * bs)
+        sizes = seen.sum(-1).reshape(1, -1).expand(self.num_kv, -1).reshape(-1)
+        v_index = (heads * nb * bs + slots.reshape(-1)[place]).reshape(-1)
+        # embedding_bag reads 32-bit indices ~25% faster than 64-bit ones (CPU, the benchmark's shapes)
+        small = torch.int32 if self.num_kv * nb * max(dim, bs) < 2 ** 31 else torch.long
+        device = self.rows.device
+        return _DecodeIndex(k_index.to(device, small), (used // width).to(device),
+                            ((heads * batch * groups * width) + used).reshape(-1).to(device), bag_mask.to(device),
+                            v_index.to(device, small), (heads * batch * groups * width * bs + place).reshape(-1).to(device),
+                            (torch.cumsum(sizes, 0) - sizes).to(device, small))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, with_lse: bool = False):
         """q [kv_heads, batch, groups, dim] -> output [kv_heads, batch, groups, dim] (in q's dtype), and with
@@ -164,23 +183,36 @@ class DecodeBatch:
         seen): the partial that context-parallel serving merges over ranks."""
         num_kv, batch, groups, dim = q.shape
         block_size, dtype = k_cache.shape[-1], q.dtype
-        width = self.heads.shape[-1]
-        if self.k_index is None:
-            self._index(groups, dim, block_size)
+        if self.index is None:
+            self.index = self._build(groups, dim)
+        ix = self.index
         q = q.to(k_cache.dtype) * dim ** -0.5  # the softmax scale on the queries (fewer than the scores)
-        weights = q[:, :, :, None, :].expand(num_kv, batch, groups, width, dim).reshape(-1, dim)
-        scores = F.embedding_bag(self.k_index, k_cache.view(-1, block_size), mode="sum", per_sample_weights=weights)
-        scores = scores.view(num_kv, batch, groups, -1).to(torch.promote_types(q.dtype, torch.float32))
-        scores = scores.add_(self.mask)
+        weights = q.reshape(num_kv, batch * groups, dim)[:, ix.query].reshape(-1, dim)
+        bags = F.embedding_bag(ix.k_index, k_cache.view(-1, block_size), mode="sum", per_sample_weights=weights)
+        bags = bags.to(torch.promote_types(dtype, torch.float32)).view(num_kv, -1, block_size).add_(ix.bag_mask)
+        scores = bags.new_full((num_kv * batch * groups * self.width, block_size), float("-inf"))
+        scores.index_copy_(0, ix.dest, bags.view(-1, block_size))
+        scores = scores.view(num_kv, batch, groups, -1)
         if with_lse:
             lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
         else:
             probs = torch.softmax(scores, dim=-1)
-        out = F.embedding_bag(self.v_index, v_cache.view(-1, v_cache.shape[-1]), mode="sum",
-                              per_sample_weights=probs.view(-1, probs.shape[-1]).to(v_cache.dtype))
+        out = F.embedding_bag(ix.v_index, v_cache.view(-1, v_cache.shape[-1]), ix.offsets, mode="sum",
+                              per_sample_weights=probs.view(-1)[ix.prob_index].to(v_cache.dtype))
         out = out.view(num_kv, batch, groups, dim).to(dtype)
         return (out, lse) if with_lse else out
+
+
+@dataclass
+class _DecodeIndex:
+    k_index: torch.Tensor  # [bags, head_dim] rows of the transposed key table, a bag per (kv, decode, group, block)
+    query: torch.Tensor  # the (decode, group) whose query weighs each bag (same for every kv head)
+    dest: torch.Tensor  # each bag's row among the padded scores [kv * batch * groups * width, block_size]
+    bag_mask: torch.Tensor  # [bags of one kv head, block_size]: -inf on keys past the block's count
+    v_index: torch.Tensor  # value rows, a run per (kv, decode, group): that decode's visible keys
+    prob_index: torch.Tensor  # where each of those keys' probability lies in the padded scores (flat)
+    offsets: torch.Tensor  # where each run starts in v_index
 
 
 def read_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
@@ -188,15 +220,6 @@ def read_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     num_kv, _, block_size, dim = v_cache.shape
     k = k_cache[:, slots // block_size, :, slots % block_size]  # [slots, kv_heads, dim]
     return k.transpose(0, 1), v_cache.view(num_kv, -1, dim)[:, slots]
-
-
-def length_buckets(lengths: list[int], *, min_size: int = 16, max_buckets: int = 4) -> list[list[int]]:
-    """Indices of `lengths` in a few groups of similar length (shortest first), each at least `min_size`
-    long (but one): a batch padded to its longest sequence wastes ~half its keys when lengths are spread
-    evenly, four groups ~an eighth, and every group costs a few more kernel launches per layer."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    count = max(1, min(max_buckets, len(order) // min_size))
-    return [order[i * len(order) // count:(i + 1) * len(order) // count] for i in range(count)]
 
 
 class PagedAttention:
@@ -216,21 +239,17 @@ class PagedAttention:
             blocks = torch.tensor([t[:num] + [0] * (num - len(t[:num])) for t in tables], dtype=torch.long)
             return block_rows(blocks, num_kv, num_blocks).to(device)
 
-        # Keys/values are gathered a whole block at a time (one index per block and head, not per token).
-        # Decodes (one new token) are batched in a few buckets of similar length, each padded to its
-        # longest context and masked; prefill chunks run one sequence at a time with their own causal mask.
+        # Decodes (one new token) are one batch that attends straight over the cache (`DecodeBatch`);
+        # prefill chunks run one sequence at a time with their own causal mask, their blocks gathered a
+        # whole block at a time (one index per block and head, not per token) when something is cached.
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(step.query_lens) if n == 1]
-        self.decode = []  # DecodeBatch per bucket
-        for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
-            seqs = [decode[j] for j in bucket]
-            longest = -(-max(step.context_lens[i] for i in seqs) // block_size)
-            self.decode.append(DecodeBatch.of_sequences(
-                torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device),
-                [step.block_tables[i][:longest] for i in seqs], [step.context_lens[i] for i in seqs],
-                block_size=block_size, num_kv=num_kv, num_blocks=num_blocks, dtype=dtype))
+        self.decode = DecodeBatch.of_sequences(
+            torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
+            [step.block_tables[i] for i in decode], [step.context_lens[i] for i in decode],
+            block_size=block_size, num_kv=num_kv, num_blocks=num_blocks, dtype=dtype) if decode else None
         # (first row, new tokens, context length, cache rows, additive causal mask: None for a chunk with
         # nothing cached before it)
         self.prefills = []
@@ -259,10 +278,10 @@ class PagedAttention:
         out = torch.empty_like(q_bhsd)
         # Grouped-query attention without copying k/v per query head: the `groups` query heads that
         # share a kv head are one more dim of q, k/v broadcast over it (prefill) or indexed per group (decode).
-        for batch in self.decode:
-            rows = batch.rows
+        if self.decode is not None:
+            rows = self.decode.rows
             q = q_bhsd[0, :, rows].view(num_kv, groups, rows.numel(), dim).transpose(1, 2)  # [kv, batch, groups, dim]
-            o = batch.attend(q, k_cache, v_cache)
+            o = self.decode.attend(q, k_cache, v_cache)
             out[0, :, rows] = o.transpose(1, 2).reshape(num_kv * groups, rows.numel(), dim)
         for start, n, length, cache_rows, mask in self.prefills:
             q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)

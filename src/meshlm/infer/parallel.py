@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import DecodeBatch, ModelRunner, StepInput, length_buckets, read_slots, write_kv
+from meshlm.infer.model_runner import DecodeBatch, ModelRunner, StepInput, read_slots, write_kv
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.parallel.context import merge_partials, ring_pass
@@ -237,7 +237,7 @@ class ContextParallelAttention:
                                                  None if int(c[0]) == width else c[:, None].to(device)))
                 offsets[src] += len(k_pos)
 
-        # Decode tokens (one new token): split-KV, in buckets of similar length. A decode's query is
+        # Decode tokens (one new token): split-KV. A decode's query is
         # all-gathered; every rank attends it over its own blocks of that sequence.
         decode = [i for i, n in enumerate(step.query_lens) if n == 1]
         self.num_decode = len(decode)
@@ -245,25 +245,17 @@ class ContextParallelAttention:
         self.decode_mine = torch.tensor(self.decode_of[me], dtype=torch.long, device=device)
         self.decode_local = torch.tensor([where[starts[decode[d]]] for d in self.decode_of[me]], dtype=torch.long,
                                          device=device)
-        # One DecodeBatch per bucket: its rows are decode indices; it attends this rank's blocks of them.
-        self.decode_buckets = []
-        for bucket in length_buckets([step.context_lens[i] for i in decode]) if decode else []:
-            seqs = [decode[d] for d in bucket]
-            # (index j in the table, global id) of this rank's blocks of each sequence
-            blocks = [[(j, b) for j, b in enumerate(step.block_tables[i][:-(-step.context_lens[i] // block_size)])
-                       if b % cp == me] for i in seqs]
-            most = max(map(len, blocks))
-            if most == 0:  # none of these sequences has a block here: their partials stay empty
-                continue
-            # padded to the most blocks any of them has here (index -1, local block 0: masked)
-            index = torch.tensor([[j for j, _ in bl] + [-1] * (most - len(bl)) for bl in blocks], dtype=torch.long)
-            local = torch.tensor([[b // cp for _, b in bl] + [0] * (most - len(bl)) for bl in blocks], dtype=torch.long)
-            pos = index[..., None] * block_size + offset  # [batch, most, block_size]
-            lengths = torch.tensor([step.context_lens[i] for i in seqs])
-            visible = ((index[..., None] >= 0) & (pos < lengths[:, None, None])).reshape(len(seqs), -1)
-            self.decode_buckets.append(DecodeBatch(torch.tensor(bucket, dtype=torch.long, device=device),
-                                                   local.to(device), visible.to(device), num_kv=num_kv,
-                                                   num_blocks=num_blocks, dtype=cdt))
+        # One DecodeBatch of every decode (its rows are decode indices): it attends this rank's blocks of each
+        # (a decode with none here keeps an empty partial).
+        blocks, counts = [], []
+        for i in decode:
+            length = step.context_lens[i]
+            mine = [(j, b) for j, b in enumerate(step.block_tables[i][:-(-length // block_size)]) if b % cp == me]
+            blocks.append([b // cp for _, b in mine])
+            counts.append([min(block_size, length - j * block_size) for j, _ in mine])
+        self.decode_batch = DecodeBatch(torch.arange(len(decode), device=device), blocks, counts,
+                                        block_size=block_size, num_kv=num_kv, num_blocks=num_blocks,
+                                        dtype=cdt) if decode else None
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
@@ -319,14 +311,10 @@ class ContextParallelAttention:
         for r, ds in enumerate(self.decode_of):
             q[:, ds] = every[r, :, :len(ds)]
         # This rank's partials; sequences with no block here keep lse = -inf and weigh nothing in the merge.
-        part = q.new_zeros(heads, self.num_decode, dim)
-        part_lse = q.new_full((heads, self.num_decode), float("-inf"))
-        for batch in self.decode_buckets:
-            idx = batch.rows
-            qb = q[:, idx].view(num_kv, groups, idx.numel(), dim).transpose(1, 2)  # [kv, batch, groups, dim]
-            o, lse = batch.attend(qb, k_cache, v_cache, with_lse=True)
-            part[:, idx] = o.transpose(1, 2).reshape(heads, idx.numel(), dim)
-            part_lse[:, idx] = lse.transpose(1, 2).reshape(heads, idx.numel())
+        qb = q.view(num_kv, groups, self.num_decode, dim).transpose(1, 2)  # [kv, batch, groups, dim]
+        o, lse = self.decode_batch.attend(qb, k_cache, v_cache, with_lse=True)
+        part = o.transpose(1, 2).reshape(heads, self.num_decode, dim)
+        part_lse = lse.transpose(1, 2).reshape(heads, self.num_decode)
         # One all-gather of (output, lse) over cp; each owner merges its queries' partials, its own first (it
         # holds the query's own key, so the running lse is finite from the start).
         both = comm.all_gather(torch.cat([part, part_lse[..., None]], dim=-1)[None], self.mesh, "cp", dim=0)
