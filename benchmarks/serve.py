@@ -33,8 +33,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
+import resource
 import signal
 import socket
 import statistics
@@ -77,30 +79,27 @@ def shifted(prompts: list[list[int]], shift: int, vocab: int) -> list[list[int]]
     return [[(t - 2 + shift) % (vocab - 2) + 2 for t in p] for p in prompts]
 
 
-def timed(fn) -> tuple[float, float, object]:
-    """(wall seconds, CPU seconds of this process, result) of `fn()`."""
-    cpu, wall = time.process_time(), time.perf_counter()
+def timed(fn) -> tuple[float, float, int, object]:
+    """(wall seconds, CPU seconds of this process, page faults it took, result) of `fn()`."""
+    faults, cpu, wall = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
     out = fn()
-    return time.perf_counter() - wall, time.process_time() - cpu, out
+    return (time.perf_counter() - wall, time.process_time() - cpu,
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, out)
 
 
-def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
-    """meshlm's `LLM.generate` and transformers' padded `generate` (and continuous batching, once) on the same
-    prompts. Each engine runs `repeats` times on prompts of the same lengths (other token ids each time, so
-    meshlm's prefix cache does not help), alternating, and the fastest run of each counts (`timeit`'s rule:
-    on a shared machine the slow runs measure the neighbours); the median of the repeats' paired ratios is
-    printed too. CPU seconds are reported beside wall seconds."""
+def transformers_worker(conn, path: str, threads: int, same_malloc: bool) -> None:
+    """transformers' generation in a process of its own, so that its malloc is what a transformers user
+    gets (meshlm's `LLM` raises glibc's malloc thresholds for its whole process; `same_malloc` sets them
+    here too). Receives (kind, prompts, output_len) and answers timed(...) with the tokens as lists."""
     import transformers
 
-    from meshlm import LLM, SamplingParams
-
-    llm = LLM(str(path))
-    vocab = llm.engine.model.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    torch.set_num_threads(threads)
+    if same_malloc:
+        from meshlm.infer.host_memory import reuse_freed_host_memory
+        reuse_freed_host_memory()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    gen = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
 
-    def padded(ps: list[list[int]], **kw):
+    def padded(ps: list[list[int]], output_len: int) -> list[list[int]]:
         width = max(map(len, ps))
         tokens = torch.zeros(len(ps), width, dtype=torch.long)
         mask = torch.zeros_like(tokens)
@@ -108,55 +107,109 @@ def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int)
             tokens[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         with torch.no_grad():
-            return hf.generate(tokens, attention_mask=mask, **{**gen, **kw})[:, width:]
+            out = hf.generate(tokens, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                              do_sample=False, pad_token_id=0)
+        return out[:, width:].tolist()
 
-    # Warm-up on prompts that share no prefix with the measured ones (no prefix-cache help).
-    llm.generate([[1] * n for n in (5, 40, 90)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    padded(prompts[:4], max_new_tokens=4, min_new_tokens=4)
-    engine, runner = llm.engine, llm.engine.runner
-    ours_runs, hf_runs = [], []
-    for r in range(repeats):
-        ps = shifted(prompts, r, vocab)
-        before = dict(engine.seconds), runner.attention_seconds, engine.num_steps
-        wall, cpu, out = timed(lambda: llm.generate(ps, params))
-        split = {k: engine.seconds[k] - before[0][k] for k in engine.seconds}
-        attention = runner.attention_seconds - before[1]
-        split = {"model_without_attention": split["model"] - attention, "attention": attention,
-                 "scheduler": split["schedule"], "sampling": split["sampling"],
-                 "rest (detokenize, stop strings, outputs)": wall - split["model"] - split["schedule"] - split["sampling"]}
-        ours_runs.append((wall, cpu, split, out, engine.num_steps - before[2]))
-        hf_wall, hf_cpu, hf_out = timed(lambda: padded(ps))
-        hf_runs.append((hf_wall, hf_cpu, sum(hf_out[i].tolist() == o.token_ids for i, o in enumerate(out))))
-    ours_s, ours_cpu, split, _, steps = min(ours_runs, key=lambda run: run[0])
-    hf_s, hf_cpu, _ = min(hf_runs, key=lambda run: run[0])
-    same = min(run[2] for run in hf_runs)
-
-    cb_s, cb_same = None, None
-    if hasattr(hf, "generate_batch"):  # transformers' own continuous batching (paged attention), once
+    def continuous(ps: list[list[int]], output_len: int):
+        """transformers' own continuous batching (paged attention), where this version has it."""
+        if not hasattr(hf, "generate_batch"):
+            return None
         config = transformers.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
                                                do_sample=False, eos_token_id=None, pad_token_id=0)
         try:
             with torch.no_grad():
-                hf.generate_batch(prompts[:4], generation_config=config)
-                t = time.perf_counter()
-                batch = hf.generate_batch(prompts, generation_config=config)
-                cb_s = time.perf_counter() - t
-            cb_tokens = [o.generated_tokens for o in sorted(batch.values(), key=lambda o: int(o.request_id.split("_")[-1]))]
-            cb_same = f"{sum(a == r.token_ids for a, r in zip(cb_tokens, ours_runs[0][3]))}/{len(prompts)}"
+                batch = hf.generate_batch(ps, generation_config=config)
+            return [o.generated_tokens for o in sorted(batch.values(), key=lambda o: int(o.request_id.split("_")[-1]))]
         except Exception as e:  # an API that moved between versions: say so in the JSON
-            cb_same = f"not run: {type(e).__name__}: {str(e)[:120]}"
+            return f"not run: {type(e).__name__}: {str(e)[:120]}"
+
+    while (job := conn.recv()) is not None:
+        kind, ps, output_len = job
+        conn.send(timed(lambda: (padded if kind == "padded" else continuous)(ps, output_len)))
+
+
+@contextlib.contextmanager
+def transformers_process(path: Path, *, same_malloc: bool):
+    """A running `transformers_worker`; call the yielded function with (kind, prompts, output_len)."""
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=transformers_worker, args=(there, str(path), torch.get_num_threads(), same_malloc),
+                       daemon=True)
+    proc.start()
+
+    def run(*job):
+        here.send(job)
+        return here.recv()
+
+    try:
+        yield run
+    finally:
+        here.send(None)
+        proc.join(60)
+
+
+def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+    """meshlm's `LLM.generate` and transformers' padded `generate` (and continuous batching, once) on the same
+    prompts. Each engine runs `repeats` times on prompts of the same lengths (other token ids each time, so
+    meshlm's prefix cache does not help), alternating, and the fastest run of each counts (`timeit`'s rule:
+    on a shared machine the slow runs measure the neighbours); the median of the repeats' paired ratios is
+    printed too. CPU seconds and page faults are reported beside wall seconds.
+
+    transformers runs in a process of its own, as its users run it: meshlm's `LLM` raises glibc malloc's
+    thresholds for its process (`infer/host_memory.py`), which would speed up transformers too. A second
+    transformers process with the same malloc thresholds is timed as well, and its ratio printed beside."""
+    from meshlm import LLM, SamplingParams
+
+    llm = LLM(str(path))
+    vocab = llm.engine.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    with transformers_process(path, same_malloc=False) as hf, transformers_process(path, same_malloc=True) as hf_same:
+        # Warm-up on prompts that share no prefix with the measured ones (no prefix-cache help).
+        llm.generate([[1] * n for n in (5, 40, 90)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        hf("padded", prompts[:4], 4), hf_same("padded", prompts[:4], 4)
+        engine, runner = llm.engine, llm.engine.runner
+        ours_runs, hf_runs, same_runs = [], [], []
+        for r in range(repeats):
+            ps = shifted(prompts, r, vocab)
+            before = dict(engine.seconds), runner.attention_seconds, engine.num_steps
+            wall, cpu, faults, out = timed(lambda: llm.generate(ps, params))
+            split = {k: engine.seconds[k] - before[0][k] for k in engine.seconds}
+            attention = runner.attention_seconds - before[1]
+            split = {"model_without_attention": split["model"] - attention, "attention": attention,
+                     "scheduler": split["schedule"], "sampling": split["sampling"],
+                     "rest (detokenize, stop strings, outputs)": wall - split["model"] - split["schedule"]
+                     - split["sampling"]}
+            ours_runs.append((wall, cpu, faults, split, out, engine.num_steps - before[2]))
+            for worker, runs in ((hf, hf_runs), (hf_same, same_runs)):
+                hf_wall, hf_cpu, hf_faults, hf_out = worker("padded", ps, output_len)
+                runs.append((hf_wall, hf_cpu, hf_faults, sum(h == o.token_ids for h, o in zip(hf_out, out))))
+        hf("continuous", prompts[:4], output_len)
+        cb_s, _, _, cb_tokens = hf("continuous", prompts, output_len)
+    ours_s, ours_cpu, ours_faults, split, _, steps = min(ours_runs, key=lambda run: run[0])
+    hf_s, hf_cpu, hf_faults, _ = min(hf_runs, key=lambda run: run[0])
+    same_s = min(run[0] for run in same_runs)
+    same = min(run[3] for run in hf_runs + same_runs)
+    if isinstance(cb_tokens, list):
+        cb_same = f"{sum(a == r.token_ids for a, r in zip(cb_tokens, ours_runs[0][4]))}/{len(prompts)}"
+    else:
+        cb_s, cb_same = None, cb_tokens
     total = len(prompts) * output_len
     return {"num_prompts": len(prompts), "output_len": output_len, "output_tokens": total, "repeats": repeats,
             "meshlm_tokens_per_s": round(total / ours_s, 1), "meshlm_seconds": round(ours_s, 3),
-            "meshlm_cpu_seconds": round(ours_cpu, 3),
+            "meshlm_cpu_seconds": round(ours_cpu, 3), "meshlm_page_faults": ours_faults,
             "transformers_padded_tokens_per_s": round(total / hf_s, 1), "transformers_seconds": round(hf_s, 3),
-            "transformers_cpu_seconds": round(hf_cpu, 3),
+            "transformers_cpu_seconds": round(hf_cpu, 3), "transformers_page_faults": hf_faults,
             "speedup": round(hf_s / ours_s, 3), "speedup_cpu_seconds": round(hf_cpu / ours_cpu, 3),
-            # each repeat runs the two engines back to back: the median of those paired ratios follows slow
+            # each repeat runs the engines back to back: the median of those paired ratios follows slow
             # drifts of a shared machine less than the ratio of the fastest runs
             "speedup_paired_median": round(statistics.median(h[0] / o[0] for o, h in zip(ours_runs, hf_runs)), 3),
+            # transformers with the malloc thresholds meshlm's LLM sets (not what its users get by default)
+            "transformers_same_malloc_tokens_per_s": round(total / same_s, 1),
+            "speedup_vs_transformers_same_malloc": round(same_s / ours_s, 3),
             "every_run_s": {"meshlm": [round(run[0], 3) for run in ours_runs],
-                            "transformers_padded": [round(run[0], 3) for run in hf_runs]},
+                            "transformers_padded": [round(run[0], 3) for run in hf_runs],
+                            "transformers_padded_same_malloc": [round(run[0], 3) for run in same_runs]},
             "greedy_outputs_identical": f"{same}/{len(prompts)}",
             "transformers_continuous_batching_tokens_per_s": round(total / cb_s, 1) if cb_s else None,
             "speedup_vs_continuous_batching": round(cb_s / ours_s, 3) if cb_s else None,

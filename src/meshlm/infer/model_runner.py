@@ -109,10 +109,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
              v_hsd: torch.Tensor) -> None:
     """Store new keys/values [kv_heads, tokens, head_dim] at `slots` (block * block_size + offset); keys go
     transposed into their block ([kv_heads, blocks, head_dim, block_size], see `ModelRunner`)."""
-    num_kv, _, _, dim = v_cache.shape
-    block_size = v_cache.shape[2]
-    k_cache[:, slots // block_size, :, slots % block_size] = k_hsd.transpose(0, 1).to(k_cache.dtype)
-    v_cache.view(num_kv, -1, dim)[:, slots] = v_hsd.to(v_cache.dtype)
+    num_kv, _, block_size, dim = v_cache.shape
+    # index_copy_ into flat views (advanced-index assignment takes a path several times slower on CPU)
+    k_pos = ((slots // block_size) * (dim * block_size) + slots % block_size)[:, None] \
+        + torch.arange(dim, device=slots.device) * block_size  # [tokens, dim] in the flat key table
+    k_cache.view(num_kv, -1).index_copy_(1, k_pos.reshape(-1), k_hsd.to(k_cache.dtype).reshape(num_kv, -1))
+    v_cache.view(num_kv, -1, dim).index_copy_(1, slots, v_hsd.to(v_cache.dtype))
 
 
 class DecodeBatch:
@@ -187,7 +189,7 @@ class DecodeBatch:
             self.index = self._build(groups, dim)
         ix = self.index
         q = q.to(k_cache.dtype) * dim ** -0.5  # the softmax scale on the queries (fewer than the scores)
-        weights = q.reshape(num_kv, batch * groups, dim)[:, ix.query].reshape(-1, dim)
+        weights = torch.index_select(q.reshape(num_kv, batch * groups, dim), 1, ix.query).reshape(-1, dim)
         bags = F.embedding_bag(ix.k_index, k_cache.view(-1, block_size), mode="sum", per_sample_weights=weights)
         bags = bags.to(torch.promote_types(dtype, torch.float32)).view(num_kv, -1, block_size).add_(ix.bag_mask)
         scores = bags.new_full((num_kv * batch * groups * self.width, block_size), float("-inf"))
@@ -198,8 +200,9 @@ class DecodeBatch:
             probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
         else:
             probs = torch.softmax(scores, dim=-1)
+        weights = torch.index_select(probs.view(-1), 0, ix.prob_index).to(v_cache.dtype)
         out = F.embedding_bag(ix.v_index, v_cache.view(-1, v_cache.shape[-1]), ix.offsets, mode="sum",
-                              per_sample_weights=probs.view(-1)[ix.prob_index].to(v_cache.dtype))
+                              per_sample_weights=weights)
         out = out.view(num_kv, batch, groups, dim).to(dtype)
         return (out, lse) if with_lse else out
 
@@ -280,9 +283,9 @@ class PagedAttention:
         # share a kv head are one more dim of q, k/v broadcast over it (prefill) or indexed per group (decode).
         if self.decode is not None:
             rows = self.decode.rows
-            q = q_bhsd[0, :, rows].view(num_kv, groups, rows.numel(), dim).transpose(1, 2)  # [kv, batch, groups, dim]
-            o = self.decode.attend(q, k_cache, v_cache)
-            out[0, :, rows] = o.transpose(1, 2).reshape(num_kv * groups, rows.numel(), dim)
+            q = torch.index_select(q_bhsd[0], 1, rows).view(num_kv, groups, rows.numel(), dim).transpose(1, 2)
+            o = self.decode.attend(q, k_cache, v_cache)  # [kv, batch, groups, dim]
+            out[0].index_copy_(1, rows, o.transpose(1, 2).reshape(num_kv * groups, rows.numel(), dim))
         for start, n, length, cache_rows, mask in self.prefills:
             q = q_bhsd[0, :, start:start + n].reshape(num_kv, groups, n, dim)
             if mask is None and k_cache.dtype == k_bhsd.dtype:  # nothing cached before: the step's own keys
