@@ -25,8 +25,8 @@ Responsible for:
         `parallel.context.merge_partials`. Per layer and rank: cp-1 sends of K+V of the blocks in hand
         (~2 * (cp-1)/cp * L * kv_heads * head_dim values for a prompt of L tokens), nothing all-gathered;
       decode tokens (one new token): split-KV. The decode queries are all-gathered; every rank attends
-        them over its own blocks of their sequences (in a few buckets of similar length, as
-        `PagedAttention` batches decodes); one all-gather of (output, lse) lets each owner merge its
+        them over its own blocks of their sequences (one `DecodeBatch`, as `PagedAttention` runs
+        decodes); one all-gather of (output, lse) lets each owner merge its
         queries' partials exactly (`merge_partials`, its own partial first).
     A step with both runs the ring, then the split-KV. The sampled rows' hidden states reach every rank by
     one all-reduce.
