@@ -208,7 +208,7 @@ def _add_serve(sub) -> None:
                         "before their prompt and a \"retrieved\" list in the response")
     p.add_argument("--rag-top-k", type=int, default=4, help="passages per request when it does not say (default 4)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (default 32)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")

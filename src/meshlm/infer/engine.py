@@ -64,7 +64,7 @@ class _Detok:
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *, block_size: int = 16,
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None, *, block_size: int = 32,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,

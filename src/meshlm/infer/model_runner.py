@@ -324,14 +324,14 @@ def kv_block_bytes(model: Transformer, block_size: int, dtype: torch.dtype) -> i
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, *, block_size: int = 16, num_blocks: int | None = None,
+    def __init__(self, model: Transformer, *, block_size: int = 32, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, kv_dtype: torch.dtype | None = None, attention=None):
         """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default 256 MiB, per
         rank: under tensor parallelism a block holds only this rank's kv heads, so the same budget holds tp
         times the blocks). `attention`: the class of the per-step attention context (default
         `PagedAttention`; context-parallel serving passes one that attends over this rank's blocks)."""
         if block_size < 1:
-            raise ValueError(f"block_size={block_size} must be >= 1 (tokens per KV block; 16 is usual)")
+            raise ValueError(f"block_size={block_size} must be >= 1 (tokens per KV block; 16 or 32 are usual)")
         self.model = model.eval()
         for module in model.modules():
             if isinstance(module, MoE):
