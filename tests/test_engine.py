@@ -284,12 +284,9 @@ def test_llm_reuses_the_host_memory_steps_free():
     import subprocess
     import sys
 
-    from meshlm.infer.host_memory import reuse_freed_host_memory
-
     probe = subprocess.run([sys.executable, "-c", "from meshlm.infer.host_memory import reuse_freed_host_memory as r; "
                             "print(r())"], capture_output=True, text=True, check=True)
     if probe.stdout.strip() != "True":  # not glibc: nothing to set
-        assert reuse_freed_host_memory() is False
         pytest.skip("this C library has no glibc mallopt")
     faults = {on: int(subprocess.run([sys.executable, "-c", _FAULTS, on], capture_output=True, text=True,
                                      check=True).stdout.split()[-1]) for on in ("0", "1")}

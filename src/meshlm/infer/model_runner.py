@@ -162,13 +162,15 @@ class DecodeBatch:
         blocks = torch.tensor([b + [0] * (width - len(b)) for b in self.blocks], dtype=small)  # [batch, width]
         counts = torch.tensor([c + [0] * (width - len(c)) for c in self.counts], dtype=small)
         heads = torch.arange(num_kv, dtype=small)[:, None]
-        # score bags: each (decode, group) and each of its blocks
+        # score bags: each (decode, group) and each block it attends
         used = torch.nonzero((counts > 0)[:, None].expand(batch, groups, width).reshape(-1)).squeeze(1)
-        block = blocks[:, None].expand(batch, groups, width).reshape(-1)[used]
-        k_index = ((block * dim)[:, None] + torch.arange(dim, dtype=small)).expand(num_kv, -1, -1) \
+
+        def per_bag(t: torch.Tensor) -> torch.Tensor:  # [batch, width] -> one value per score bag
+            return t[:, None].expand(batch, groups, width).reshape(-1)[used]
+
+        k_index = ((per_bag(blocks) * dim)[:, None] + torch.arange(dim, dtype=small)).expand(num_kv, -1, -1) \
             + (heads * nb * dim)[..., None]
-        unseen = torch.arange(bs) >= counts[:, None].expand(batch, groups, width).reshape(-1)[used][:, None]
-        bag_mask = torch.zeros(unseen.shape, dtype=self.dtype).masked_fill_(unseen, float("-inf"))
+        unseen = torch.arange(bs) >= per_bag(counts)[:, None]
         # value bags: each (decode, group), over the keys it sees
         seen = (torch.arange(bs, dtype=small) < counts[..., None]).view(batch, 1, width * bs)
         seen = seen.expand(batch, groups, width * bs)
@@ -176,11 +178,14 @@ class DecodeBatch:
         slots = (blocks[..., None] * bs + torch.arange(bs, dtype=small)).view(batch, 1, -1).expand(batch, groups, -1)
         sizes = seen.sum(-1, dtype=small).reshape(1, -1).expand(num_kv, -1).reshape(-1)
         device = self.rows.device
-        return _DecodeIndex(k_index.reshape(-1, dim).to(device), (used // width).to(device),
-                            ((heads * batch * groups * width).long() + used).reshape(-1).to(device),
-                            bag_mask.to(device), (slots.reshape(-1)[place] + heads * nb * bs).reshape(-1).to(device),
-                            (place + heads * batch * groups * width * bs).reshape(-1).to(device),
-                            (torch.cumsum(sizes, 0, dtype=small) - sizes).to(device))
+        return _DecodeIndex(
+            k_index=k_index.reshape(-1, dim).to(device),
+            query=(used // width).to(device),
+            dest=((heads * batch * groups * width).long() + used).reshape(-1).to(device),
+            bag_mask=torch.zeros(unseen.shape, dtype=self.dtype).masked_fill_(unseen, float("-inf")).to(device),
+            v_index=(slots.reshape(-1)[place] + heads * nb * bs).reshape(-1).to(device),
+            prob_index=(place + heads * batch * groups * width * bs).reshape(-1).to(device),
+            offsets=(torch.cumsum(sizes, 0, dtype=small) - sizes).to(device))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, with_lse: bool = False):
         """q [kv_heads, batch, groups, dim] -> output [kv_heads, batch, groups, dim] (in q's dtype), and with
