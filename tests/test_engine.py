@@ -67,7 +67,8 @@ def hf_case(request, tmp_path_factory):
     dict(enable_prefix_caching=False),
     dict(block_size=4, max_num_batched_tokens=7),  # chunked prefill forced small
     dict(block_size=4, num_blocks=16, max_num_seqs=8),  # tiny KV budget: preemption by recompute
-], ids=["batched", "no-prefix-cache", "chunked", "preempt"])
+    dict(native_attention=False),  # decode attention by torch ops, not the compiled kernel
+], ids=["batched", "no-prefix-cache", "chunked", "preempt", "torch-decode-attention"])
 def test_greedy_matches_transformers(hf_case, engine_kwargs):
     path, prompts, expected = hf_case
     llm = LLM(str(path), **engine_kwargs)
@@ -254,6 +255,45 @@ def test_decode_batch_matches_dense_attention_on_any_blocks():
         torch.testing.assert_close(plain[:, i], out[:, i], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse[:, i], torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
 
+
+
+@pytest.mark.parametrize("groups, bs", [(1, 32), (3, 4)])
+def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, bs):
+    """The compiled kernel (`infer/native.py`) in float32, as the engine runs it on a CPU: the same decodes as
+    above (empty ones, blocks seen in part), output and log-sum-exp against float64 softmax attention; and the
+    kernel, not the torch path, did the work."""
+    from meshlm.infer.model_runner import DecodeBatch, new_kv_cache
+    from meshlm.infer.native import decode_attention_kernel
+
+    if decode_attention_kernel() is None:
+        pytest.skip("no C compiler builds the kernel here")
+    torch.manual_seed(0)
+    num_kv, dim, num_blocks = 2, 16, 12
+    k_cache, v_cache = new_kv_cache(num_kv, num_blocks, bs, dim, dtype=torch.float32)
+    k_cache.normal_(), v_cache.normal_()
+    blocks = [[3, 7, 1], [], [5], [0, 11, 2, 9, 4]]
+    counts = [[bs, bs, 2], [], [1], [bs, bs - 1, bs, bs, 1]]
+    batch = DecodeBatch(torch.arange(len(blocks)), blocks, counts, block_size=bs, num_kv=num_kv,
+                        num_blocks=num_blocks, dtype=torch.float32)
+    q = torch.randn(num_kv, len(blocks), groups, dim)
+    out, lse = batch.attend(q, k_cache, v_cache, with_lse=True)
+    plain = batch.attend(q, k_cache, v_cache)
+    assert batch.table is not None and batch.index is None  # the kernel ran, the torch indices were never built
+    torch_path = DecodeBatch(torch.arange(len(blocks)), blocks, counts, block_size=bs, num_kv=num_kv,
+                             num_blocks=num_blocks, dtype=torch.float32, native=False)
+    torch.testing.assert_close(out, torch_path.attend(q, k_cache, v_cache), rtol=1e-5, atol=1e-5)
+    assert torch_path.table is None and torch_path.index is not None
+    k64, v64, q64 = k_cache.double(), v_cache.double(), q.double()
+    for i, (bl, cs) in enumerate(zip(blocks, counts)):
+        if not bl:
+            assert (out[:, i] == 0).all() and (plain[:, i] == 0).all() and torch.isinf(lse[:, i]).all()
+            continue
+        keys = torch.cat([k64[:, b, :, :c].transpose(-1, -2) for b, c in zip(bl, cs)], dim=1)
+        values = torch.cat([v64[:, b, :c] for b, c in zip(bl, cs)], dim=1)
+        scores = torch.einsum("hgd,hnd->hgn", q64[:, i], keys) / dim ** 0.5
+        torch.testing.assert_close(out[:, i].double(), torch.softmax(scores, -1) @ values, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain[:, i], out[:, i], rtol=0, atol=0)
+        torch.testing.assert_close(lse[:, i].double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
 
 _FAULTS = """
 import resource, sys, torch

@@ -68,9 +68,10 @@ class Engine:
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, runner=None):
+                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, runner=None,
+                 native_attention: bool = True):
         """`runner`: what runs each step on the model (default: a `ModelRunner` over `model` with the KV
-        cache arguments); `infer.parallel.ParallelRunner` runs it on several ranks."""
+        cache arguments and `native_attention`); `infer.parallel.ParallelRunner` runs it on several ranks."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.config.max_seq_len
@@ -78,7 +79,8 @@ class Engine:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = tuple(eos_token_ids)
         self.runner = runner or ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
-                                            kv_cache_memory_bytes=kv_cache_memory_bytes)
+                                            kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                            native_attention=native_attention)
         self.block_manager = BlockManager(num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
                                           num_groups=getattr(self.runner, "num_groups", 1),
                                           enable_prefix_caching=enable_prefix_caching)

@@ -75,7 +75,8 @@ class LLM:
                  dtype: torch.dtype | None = None, device: str | torch.device = "auto", reuse_host_memory: bool = True,
                  **engine_kwargs):
         """`engine_kwargs` go to `Engine`: block_size, num_blocks, kv_cache_memory_bytes, max_num_seqs,
-        max_num_batched_tokens, max_model_len, enable_prefix_caching, enable_chunked_prefill, eos_token_ids, seed.
+        max_num_batched_tokens, max_model_len, enable_prefix_caching, enable_chunked_prefill, eos_token_ids, seed,
+        native_attention (decode attention by the compiled CPU kernel of `infer/native.py`; default True).
 
         `reuse_host_memory` (on a CPU device): raise glibc malloc's mmap and trim thresholds for this process,
         so that each step reuses the memory the previous one freed instead of faulting fresh pages in
@@ -110,8 +111,8 @@ class LLM:
                                                shard_for_serving)
 
             net = shard_for_serving(net, mesh)
-            cache = {k: engine_kwargs.pop(k) for k in ("block_size", "num_blocks", "kv_cache_memory_bytes")
-                     if k in engine_kwargs}
+            cache = {k: engine_kwargs.pop(k) for k in ("block_size", "num_blocks", "kv_cache_memory_bytes",
+                                                       "native_attention") if k in engine_kwargs}
             runner = ModelRunner(net, **cache, attention=context_parallel_attention(mesh) if cp > 1 else None)
             if mesh.rank != 0:
                 self.is_driver, self.engine = False, None

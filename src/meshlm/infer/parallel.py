@@ -156,8 +156,8 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
 def context_parallel_attention(mesh: Mesh):
     """The `attention` class a `ModelRunner` of a cp rank uses (bound to its mesh). It copies no block, so the
     runner's gather `buffers` go unused."""
-    def make(k_caches, v_caches, step, block_size, *, dtype, buffers=None):
-        return ContextParallelAttention(k_caches, v_caches, step, block_size, dtype=dtype, mesh=mesh)
+    def make(k_caches, v_caches, step, block_size, *, dtype, buffers=None, native=True):
+        return ContextParallelAttention(k_caches, v_caches, step, block_size, dtype=dtype, mesh=mesh, native=native)
     return make
 
 
@@ -170,8 +170,9 @@ class ContextParallelAttention:
     many keys each other rank holds and which of its queries may see them."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], step: StepInput, block_size: int,
-                 *, dtype: torch.dtype, mesh: Mesh, tile_rows: int = 256):
-        """`tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory)."""
+                 *, dtype: torch.dtype, mesh: Mesh, tile_rows: int = 256, native: bool = True):
+        """`tile_rows`: query rows the prefill ring attends at a time (bounds the scores' memory); `native`:
+        as `ModelRunner`'s `native_attention` (the decode partials)."""
         self.k_caches, self.v_caches, self.mesh = k_caches, v_caches, mesh
         device = k_caches[0].device
         num_kv, num_blocks = k_caches[0].shape[:2]
@@ -255,7 +256,7 @@ class ContextParallelAttention:
             counts.append([min(block_size, length - j * block_size) for j, _ in mine])
         self.decode_batch = DecodeBatch(torch.arange(len(decode), device=device), blocks, counts,
                                         block_size=block_size, num_kv=num_kv, num_blocks=num_blocks,
-                                        dtype=cdt) if decode else None
+                                        dtype=cdt, native=native) if decode else None
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]

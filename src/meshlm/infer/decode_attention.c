@@ -1,0 +1,174 @@
+/* Decode attention straight over meshlm's paged KV cache, fp32, one thread: the kernel `infer/native.py`
+ * compiles and `DecodeBatch` calls on a CPU (its torch path, two embedding_bag sums, gives the same numbers).
+ *
+ * Layouts (those of `new_kv_cache`; every array contiguous):
+ *   q        [num_kv, batch, groups, dim]     the decode queries, already multiplied by the softmax scale
+ *   k_cache  [num_kv, num_blocks, dim, block] a key block transposed: one row of `block` keys per head dim
+ *   v_cache  [num_kv, num_blocks, block, dim]
+ *   blocks   [batch, width]   the cache blocks decode b attends, in key order
+ *   counts   [batch, width]   how many keys of each it sees (its first ones); 0 skips the entry
+ *   out      [num_kv, batch, groups, dim]
+ *   lse      [num_kv, batch, groups] or NULL: log-sum-exp of the scores (-inf, and out 0, where no key is seen)
+ *   scratch  meshlm_decode_attention_scratch(groups, width, block) floats: the scores of one (kv head, decode)
+ *
+ * Per (kv head, decode): the scores of its `groups` query heads against every key it sees (a key row is
+ * read once for all of them), an exact softmax (max, then exp and sum), then the weighted sum of the value
+ * rows (each read once for all query heads). Each key and value is read once; nothing is copied. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Register tiles of CHUNK floats (one 512-bit vector, or two 256-bit ones, or what the CPU has: GCC/Clang
+ * vector extensions, lowered for the target): keys (scores) or head dims (output) are summed in a register
+ * over the whole reduction, then stored once. Summing through the scratch or the output row instead
+ * chains every step through a store and a load, several times slower. */
+#define CHUNK 16
+typedef float vf __attribute__((vector_size(CHUNK * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(CHUNK * sizeof(int32_t))));
+
+static inline vf load(const float *p) {
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+/* A block is its own 4 KiB page or so, where the hardware prefetcher stops: software asks ahead. */
+static inline void prefetch(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+static void prefetch_decode(const float *k_cache, const float *v_cache, const int32_t *blk, const int32_t *cnt,
+                            int64_t h, int64_t dim, int64_t block, int64_t num_blocks, int64_t width) {
+    for (int64_t j = 0; j < width; ++j) {
+        if (cnt[j] <= 0) continue;
+        prefetch(k_cache + (h * num_blocks + blk[j]) * dim * block, dim * block);
+        prefetch(v_cache + (h * num_blocks + blk[j]) * block * dim, cnt[j] * dim);
+    }
+}
+
+/* e^x for x <= 0 (a score minus its row's max), 0 below -87: x = n ln2 + r with |r| <= ln2/2, e^r by its
+ * Taylor polynomial to r^7 (relative error < 2e-7), 2^n put into the exponent bits. */
+static inline vf exp_nonpositive(vf x) {
+    const vi live = x >= -87.0f, low = (vi)((vf){0} - 87.0f);
+    x = (vf)(((vi)x & live) | (low & ~live)); /* max(x, -87) */
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rounded to the nearest integer */
+    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;           /* ln2 in two parts */
+    vf p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vf scale = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return (vf)((vi)(p * scale) & live);
+}
+
+/* The floats `scratch` holds: the scores of each query head of one decode, plus room for a last tile. */
+int64_t meshlm_decode_attention_scratch(int64_t groups, int64_t width, int64_t block) {
+    return groups * (width * block + CHUNK);
+}
+
+void meshlm_decode_attention(const float *restrict q, const float *restrict k_cache,
+                             const float *restrict v_cache, const int32_t *restrict blocks,
+                             const int32_t *restrict counts, float *restrict out, float *restrict lse,
+                             float *restrict scratch, int64_t num_kv, int64_t batch, int64_t groups,
+                             int64_t dim, int64_t block, int64_t num_blocks, int64_t width) {
+    const int64_t stride = width * block + CHUNK; /* scores of one query head in `scratch`, room for a tile */
+    for (int64_t h = 0; h < num_kv; ++h) {
+        for (int64_t b = 0; b < batch; ++b) {
+            const int32_t *blk = blocks + b * width, *cnt = counts + b * width;
+            const float *qb = q + (h * batch + b) * groups * dim;
+            float *ob = out + (h * batch + b) * groups * dim;
+            /* the next decode's keys and values on their way to the cache while this one computes */
+            if (b + 1 < batch) prefetch_decode(k_cache, v_cache, blocks + (b + 1) * width, counts + (b + 1) * width,
+                                               h, dim, block, num_blocks, width);
+            else if (h + 1 < num_kv) prefetch_decode(k_cache, v_cache, blocks, counts, h + 1, dim, block, num_blocks, width);
+            /* scores: s[g][key] = sum_d q[g][d] * K[d][key], CHUNK keys at a time */
+            int64_t seen = 0;
+            for (int64_t j = 0; j < width; ++j) {
+                const int64_t c = cnt[j];
+                if (c <= 0) continue;
+                const float *kb = k_cache + (h * num_blocks + blk[j]) * dim * block;
+                for (int64_t g = 0; g < groups; ++g) {
+                    float *s = scratch + g * stride + seen;
+                    const float *qg = qb + g * dim;
+                    int64_t t0 = 0;
+                    for (; t0 < c && t0 + CHUNK <= block; t0 += CHUNK) {
+                        const float *kt = kb + t0;
+                        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains: an FMA's latency hidden */
+                        int64_t d = 0;
+                        for (; d + 4 <= dim; d += 4) {
+                            a0 += qg[d] * load(kt + d * block);
+                            a1 += qg[d + 1] * load(kt + (d + 1) * block);
+                            a2 += qg[d + 2] * load(kt + (d + 2) * block);
+                            a3 += qg[d + 3] * load(kt + (d + 3) * block);
+                        }
+                        for (; d < dim; ++d) a0 += qg[d] * load(kt + d * block);
+                        store(s + t0, (a0 + a1) + (a2 + a3)); /* keys past c: the next block's place, or the room */
+                    }
+                    for (int64_t t = t0; t < c; ++t) { /* a block size not a multiple of CHUNK */
+                        float a = 0.0f;
+                        for (int64_t d = 0; d < dim; ++d) a += qg[d] * kb[d * block + t];
+                        s[t] = a;
+                    }
+                }
+                seen += c;
+            }
+            /* softmax per query head, the probabilities left in `scratch` */
+            for (int64_t g = 0; g < groups; ++g) {
+                float *s = scratch + g * stride;
+                float top = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < seen; ++t) top = s[t] > top ? s[t] : top;
+                vf part = {0};
+                int64_t t = 0;
+                for (; t + CHUNK <= seen; t += CHUNK) {
+                    const vf e = exp_nonpositive(load(s + t) - top);
+                    store(s + t, e);
+                    part += e;
+                }
+                if (t < seen) { /* the last keys: a whole tile computed, the ones past `seen` zeroed */
+                    vf e = exp_nonpositive(load(s + t) - top);
+                    for (int i = (int)(seen - t); i < CHUNK; ++i) e[i] = 0.0f;
+                    store(s + t, e);
+                    part += e;
+                }
+                for (int i = 0; i < CHUNK; ++i) sum += part[i];
+                const float inv = seen ? 1.0f / sum : 0.0f;
+                for (t = 0; t < seen; ++t) s[t] *= inv;
+                if (lse) lse[(h * batch + b) * groups + g] = seen ? top + logf(sum) : -INFINITY;
+                for (int64_t d = 0; d < dim; ++d) ob[g * dim + d] = 0.0f;
+            }
+            /* output: o[g] = sum_key p[g][key] * V[key], CHUNK head dims at a time */
+            seen = 0;
+            for (int64_t j = 0; j < width; ++j) {
+                const int64_t c = cnt[j];
+                if (c <= 0) continue;
+                const float *vb = v_cache + (h * num_blocks + blk[j]) * block * dim;
+                for (int64_t g = 0; g < groups; ++g) {
+                    const float *p = scratch + g * stride + seen;
+                    float *o = ob + g * dim;
+                    int64_t d0 = 0;
+                    for (; d0 + CHUNK <= dim; d0 += CHUNK) {
+                        const float *vt = vb + d0;
+                        vf a0 = load(o + d0), a1 = {0}, a2 = {0}, a3 = {0};
+                        int64_t t = 0;
+                        for (; t + 4 <= c; t += 4) {
+                            a0 += p[t] * load(vt + t * dim);
+                            a1 += p[t + 1] * load(vt + (t + 1) * dim);
+                            a2 += p[t + 2] * load(vt + (t + 2) * dim);
+                            a3 += p[t + 3] * load(vt + (t + 3) * dim);
+                        }
+                        for (; t < c; ++t) a0 += p[t] * load(vt + t * dim);
+                        store(o + d0, (a0 + a1) + (a2 + a3));
+                    }
+                    for (int64_t d = d0; d < dim; ++d) /* a head dim not a multiple of CHUNK */
+                        for (int64_t t = 0; t < c; ++t) o[d] += p[t] * vb[t * dim + d];
+                }
+                seen += c;
+            }
+        }
+    }
+}
