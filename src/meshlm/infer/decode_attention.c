@@ -96,6 +96,25 @@ void meshlm_decode_attention(const float *restrict q, const float *restrict k_ca
                     float *s = scratch + g * stride + seen;
                     const float *qg = qb + g * dim;
                     int64_t t0 = 0;
+                    for (; t0 + CHUNK < c && t0 + 2 * CHUNK <= block; t0 += 2 * CHUNK) {
+                        /* two tiles side by side: each d reads 2 * CHUNK consecutive keys (whole cache lines
+                         * in address order, as the hardware prefetcher likes), two chains per tile */
+                        const float *kt = kb + t0;
+                        vf a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};
+                        int64_t d = 0;
+                        for (; d + 2 <= dim; d += 2) {
+                            a0 += qg[d] * load(kt + d * block);
+                            b0 += qg[d] * load(kt + d * block + CHUNK);
+                            a1 += qg[d + 1] * load(kt + (d + 1) * block);
+                            b1 += qg[d + 1] * load(kt + (d + 1) * block + CHUNK);
+                        }
+                        for (; d < dim; ++d) {
+                            a0 += qg[d] * load(kt + d * block);
+                            b0 += qg[d] * load(kt + d * block + CHUNK);
+                        }
+                        store(s + t0, a0 + a1);
+                        store(s + t0 + CHUNK, b0 + b1);
+                    }
                     for (; t0 < c && t0 + CHUNK <= block; t0 += CHUNK) {
                         const float *kt = kb + t0;
                         vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains: an FMA's latency hidden */
@@ -151,6 +170,23 @@ void meshlm_decode_attention(const float *restrict q, const float *restrict k_ca
                     const float *p = scratch + g * stride + seen;
                     float *o = ob + g * dim;
                     int64_t d0 = 0;
+                    for (; d0 + 2 * CHUNK <= dim; d0 += 2 * CHUNK) { /* two tiles of a value row at once */
+                        const float *vt = vb + d0;
+                        vf a0 = load(o + d0), b0 = load(o + d0 + CHUNK), a1 = {0}, b1 = {0};
+                        int64_t t = 0;
+                        for (; t + 2 <= c; t += 2) {
+                            a0 += p[t] * load(vt + t * dim);
+                            b0 += p[t] * load(vt + t * dim + CHUNK);
+                            a1 += p[t + 1] * load(vt + (t + 1) * dim);
+                            b1 += p[t + 1] * load(vt + (t + 1) * dim + CHUNK);
+                        }
+                        for (; t < c; ++t) {
+                            a0 += p[t] * load(vt + t * dim);
+                            b0 += p[t] * load(vt + t * dim + CHUNK);
+                        }
+                        store(o + d0, a0 + a1);
+                        store(o + d0 + CHUNK, b0 + b1);
+                    }
                     for (; d0 + CHUNK <= dim; d0 += CHUNK) {
                         const float *vt = vb + d0;
                         vf a0 = load(o + d0), a1 = {0}, a2 = {0}, a3 = {0};

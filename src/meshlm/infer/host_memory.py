@@ -12,12 +12,21 @@ are still mapped and unmapped as before.
 The setting is process-wide (malloc is), so it is an explicit choice of whoever owns the process:
 `LLM(..., reuse_host_memory=True)` (the default; `meshlm generate` and `meshlm serve` build an `LLM`)
 calls `reuse_freed_host_memory()`; False leaves malloc alone. Without glibc (macOS, musl) it does nothing.
+
+`advise_huge_pages(t)` asks Linux for 2 MiB pages under one tensor (`madvise(MADV_HUGEPAGE)`), before its
+memory is first touched: the KV cache's (`new_kv_cache`). Decode attention reads a few KiB from each of
+thousands of blocks spread over the cache, every step; with 4 KiB pages nearly each block costs a TLB miss
+(a page walk, nested under a hypervisor). On the benchmark's shapes the decode kernel runs 20-28% faster on
+huge pages (interleaved microbenchmark). It changes no value and nothing outside that tensor; where the
+kernel's transparent huge pages are off, or off Linux, it does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+
+import torch
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -35,3 +44,24 @@ def reuse_freed_host_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+
+
+MADV_HUGEPAGE = 14  # linux/mman.h
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned part of a CPU tensor's memory (see the module docstring);
+    True when the kernel took the advice. Call it before the memory is first written."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    start = -(-t.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end <= start:
+        return False  # smaller than a huge page once aligned
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise(start, end - start, MADV_HUGEPAGE) == 0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from meshlm.infer.host_memory import advise_huge_pages
 from meshlm.infer.native import decode_attention_kernel, native_decode_attention
 from meshlm.infer.scheduler import SchedulerOutput
 from meshlm.models.moe import MoE
@@ -101,9 +102,14 @@ def new_kv_cache(num_kv: int, num_blocks: int, block_size: int, head_dim: int, *
                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's zeroed (keys, values): values [kv_heads, num_blocks, block_size, head_dim]; keys transposed
     in their block, [kv_heads, num_blocks, head_dim, block_size] (what `DecodeBatch` reads). kv heads lead: a
-    head's blocks are one tensor, so the blocks a step reads are rows of one table."""
-    return (torch.zeros(num_kv, num_blocks, head_dim, block_size, dtype=dtype, device=device),
-            torch.zeros(num_kv, num_blocks, block_size, head_dim, dtype=dtype, device=device))
+    head's blocks are one tensor, so the blocks a step reads are rows of one table. On a CPU, on huge pages
+    where Linux gives them (`advise_huge_pages`, before the zeros touch the memory)."""
+    caches = (torch.empty(num_kv, num_blocks, head_dim, block_size, dtype=dtype, device=device),
+              torch.empty(num_kv, num_blocks, block_size, head_dim, dtype=dtype, device=device))
+    for c in caches:
+        advise_huge_pages(c)
+        c.zero_()
+    return caches
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_hsd: torch.Tensor,
