@@ -257,18 +257,19 @@ def test_decode_batch_matches_dense_attention_on_any_blocks():
 
 
 
-@pytest.mark.parametrize("groups, bs", [(1, 32), (3, 4)])
-def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, bs):
+@pytest.mark.parametrize("groups, bs, dim", [(1, 32, 16), (3, 4, 16), (2, 48, 40), (2, 24, 32), (4, 64, 128)])
+def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, bs, dim):
     """The compiled kernel (`infer/native.py`) in float32, as the engine runs it on a CPU: the same decodes as
     above (empty ones, blocks seen in part), output and log-sum-exp against float64 softmax attention; and the
-    kernel, not the torch path, did the work."""
+    kernel, not the torch path, did the work. Block sizes and head dims that take each of its tile paths
+    (pairs of 16-float tiles, one tile, the scalar rest)."""
     from meshlm.infer.model_runner import DecodeBatch, new_kv_cache
     from meshlm.infer.native import decode_attention_kernel
 
     if decode_attention_kernel() is None:
         pytest.skip("no C compiler builds the kernel here")
     torch.manual_seed(0)
-    num_kv, dim, num_blocks = 2, 16, 12
+    num_kv, num_blocks = 2, 12
     k_cache, v_cache = new_kv_cache(num_kv, num_blocks, bs, dim, dtype=torch.float32)
     k_cache.normal_(), v_cache.normal_()
     blocks = [[3, 7, 1], [], [5], [0, 11, 2, 9, 4]]
@@ -294,6 +295,31 @@ def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, b
         torch.testing.assert_close(out[:, i].double(), torch.softmax(scores, -1) @ values, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(plain[:, i], out[:, i], rtol=0, atol=0)
         torch.testing.assert_close(lse[:, i].double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_without_a_c_compiler_takes_the_torch_path(monkeypatch):
+    """Where no C compiler builds the kernel, decodes still run (by torch ops), with the same numbers."""
+    from meshlm.infer import native
+    from meshlm.infer.model_runner import DecodeBatch, new_kv_cache
+
+    torch.manual_seed(0)
+    k_cache, v_cache = new_kv_cache(2, 6, 4, 8, dtype=torch.float32)
+    k_cache.normal_(), v_cache.normal_()
+    q = torch.randn(2, 2, 1, 8)
+    args = (torch.arange(2), [[1, 4], [2]], [[4, 3], [2]])
+    kwargs = dict(block_size=4, num_kv=2, num_blocks=6, dtype=torch.float32)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    native.decode_attention_kernel.cache_clear()
+    try:
+        assert native.decode_attention_kernel() is None
+        batch = DecodeBatch(*args, **kwargs)
+        out = batch.attend(q, k_cache, v_cache)
+        assert batch.table is None and batch.index is not None
+    finally:
+        native.decode_attention_kernel.cache_clear()
+    monkeypatch.undo()
+    if native.decode_attention_kernel() is not None:
+        torch.testing.assert_close(DecodeBatch(*args, **kwargs).attend(q, k_cache, v_cache), out)
 
 _FAULTS = """
 import resource, sys, torch
