@@ -95,7 +95,7 @@ def transformers_worker(conn, path: str, threads: int, same_malloc: bool) -> Non
 
     torch.set_num_threads(threads)
     if same_malloc:
-        from meshlm.infer.host_memory import reuse_freed_host_memory
+        from meshlm.host_memory import reuse_freed_host_memory
         reuse_freed_host_memory()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -157,7 +157,7 @@ def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int)
     printed too. CPU seconds and page faults are reported beside wall seconds.
 
     transformers runs in a process of its own, as its users run it: meshlm's `LLM` raises glibc malloc's
-    thresholds for its process (`infer/host_memory.py`), which would speed up transformers too. A second
+    thresholds for its process (`host_memory.py`), which would speed up transformers too. A second
     transformers process with the same malloc thresholds is timed as well, and its ratio printed beside."""
     from meshlm import LLM, SamplingParams
 

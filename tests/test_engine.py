@@ -350,7 +350,7 @@ def test_llm_reuses_the_host_memory_steps_free():
     import subprocess
     import sys
 
-    probe = subprocess.run([sys.executable, "-c", "from meshlm.infer.host_memory import reuse_freed_host_memory as r; "
+    probe = subprocess.run([sys.executable, "-c", "from meshlm.host_memory import reuse_freed_host_memory as r; "
                             "print(r())"], capture_output=True, text=True, check=True)
     if probe.stdout.strip() != "True":  # not glibc: nothing to set
         pytest.skip("this C library has no glibc mallopt")

@@ -218,3 +218,15 @@ def test_mfu_is_not_invented_on_cpu(tmp_path, text_file, capsys):
     assert "MFU: not shown on CPU" in out and "tok/s" in out and "MFU 0" not in out
     Trainer(make_cfg(tmp_path / "b", text_file, "train.steps=1", "train.val_batches=0", "train.peak_tflops=1")).train()
     assert [r for r in rows(tmp_path / "b") if "loss" in r][0]["mfu"] > 0
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_trainer_on_a_cpu_reuses_freed_host_memory_as_configured(tmp_path, text_file, monkeypatch, reuse):
+    """train.reuse_host_memory (default true) raises malloc's thresholds for the rank's process on a CPU
+    (meshlm/host_memory.py, whose effect on page faults test_engine measures); false leaves malloc alone."""
+    import meshlm.train.trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "reuse_freed_host_memory", lambda: calls.append(1) or True)
+    Trainer(make_cfg(tmp_path / "run", text_file, f"train.reuse_host_memory={str(reuse).lower()}", "train.steps=1"))
+    assert calls == ([1] if reuse else [])

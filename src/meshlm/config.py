@@ -436,6 +436,9 @@ class TrainConfig:
     peak_tflops: float = 0.0  # per device, for MFU; 0: known GPUs from a table, none on CPU (MFU not shown)
     sample_tokens: int = 120  # generated at the end of `meshlm train`
     progress: bool = True  # a progress bar; false: one plain line per logged step
+    # on a CPU device: raise glibc malloc's mmap/trim thresholds for this process so each step reuses the
+    # memory the last one freed instead of faulting fresh pages in (meshlm/host_memory.py; ~10% on the demo)
+    reuse_host_memory: bool = True
     # TensorBoard event files next to metrics.jsonl (`tensorboard --logdir runs`); needs the [tb] extra
     tensorboard: bool = False
     wandb: bool = False  # also log to an offline Weights & Biases run in <run_dir>/wandb; needs wandb installed

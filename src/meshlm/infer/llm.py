@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from meshlm.infer.engine import Engine, RequestOutput
-from meshlm.infer.host_memory import reuse_freed_host_memory
+from meshlm.host_memory import reuse_freed_host_memory
 from meshlm.infer.sequence import SamplingParams
 from meshlm.infer.tokenizer import Tokenizer, read_eos_token_ids
 from meshlm.models.transformer import Transformer
@@ -80,7 +80,7 @@ class LLM:
 
         `reuse_host_memory` (on a CPU device): raise glibc malloc's mmap and trim thresholds for this process,
         so that each step reuses the memory the previous one freed instead of faulting fresh pages in
-        (`infer/host_memory.py`; ~10% of a CPU run's time otherwise). Process-wide; False leaves malloc alone.
+        (`host_memory.py`; ~10% of a CPU run's time otherwise). Process-wide; False leaves malloc alone.
 
         `tp`, `cp` > 1: on the tp x cp ranks of this launch (each rank calls this with the same arguments),
         the weights split over tp, every sequence's KV blocks spread over cp (`infer/parallel.py`); the KV

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshlm.infer.host_memory import advise_huge_pages
+from meshlm.host_memory import advise_huge_pages
 from meshlm.infer.native import decode_attention_kernel, native_decode_attention
 from meshlm.infer.scheduler import SchedulerOutput
 from meshlm.models.moe import MoE

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from meshlm import comm
 from meshlm.config import Config
+from meshlm.host_memory import reuse_freed_host_memory
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.expert import expert_load_stats, router_biases, set_router_biases, update_router_biases
@@ -205,6 +206,8 @@ class Trainer:
             # under a launcher, init_distributed made cuda:LOCAL_RANK current
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.autocast_dtype = resolve_precision(t.precision, self.device)
+        if t.reuse_host_memory and self.device.type == "cpu":
+            reuse_freed_host_memory()
         self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
         self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
         self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")

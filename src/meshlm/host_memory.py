@@ -1,6 +1,7 @@
-"""Reuse of freed host memory between engine steps: glibc malloc's two thresholds, set once per process.
+"""Host memory for CPU runs: reuse of freed memory between steps (glibc malloc's two thresholds, set once
+per process), and huge pages under the KV cache.
 
-Each step of the engine allocates and frees the same activations again (hundreds of KiB to a few MiB on
+Each step of the engine (or of training) allocates and frees the same activations again (hundreds of KiB to a few MiB on
 the benchmark's model). With glibc's defaults, blocks that large are mapped fresh from the kernel
 (`mmap`) or the heap's free top is handed back (`trim`) after each step, so the next step faults every
 page in again, zero-filled: ~10^5 page faults and ~0.2 s of kernel time per `benchmarks/serve.py` run,
@@ -10,8 +11,11 @@ keeps up to 256 MiB of freed memory for reuse instead of returning it at once. A
 are still mapped and unmapped as before.
 
 The setting is process-wide (malloc is), so it is an explicit choice of whoever owns the process:
-`LLM(..., reuse_host_memory=True)` (the default; `meshlm generate` and `meshlm serve` build an `LLM`)
-calls `reuse_freed_host_memory()`; False leaves malloc alone. Without glibc (macOS, musl) it does nothing.
+`LLM(..., reuse_host_memory=True)` (the default; `meshlm generate` and `meshlm serve` build an `LLM`) and
+`train.reuse_host_memory = true` (the default; each rank of `meshlm train`, `meshlm eval` on a CPU) call
+`reuse_freed_host_memory()`; False leaves malloc alone. Without glibc (macOS, musl) it does nothing.
+Training the default `meshlm train` job for 40 steps on 2 cores: 40.0 s wall and 2.3x fewer page faults
+against 44.5-46.5 s with malloc's defaults.
 
 `advise_huge_pages(t)` asks Linux for 2 MiB pages under one tensor (`madvise(MADV_HUGEPAGE)`), before its
 memory is first touched: the KV cache's (`new_kv_cache`). Decode attention reads a few KiB from each of
