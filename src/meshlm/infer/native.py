@@ -1,19 +1,22 @@
 """The one compiled kernel of the engine: decode attention over the paged KV cache on a CPU, fp32.
 
 `decode_attention.c` (next to this file, C99 with GCC/Clang vector extensions, no torch headers) is
-compiled with the system's C compiler the first time a process asks for it (~0.3 s) and cached under ~/.cache/meshlm/kernels, one
-shared library per source, compiler, flags and CPU (it is built for the CPU it runs on). Ranks that build
-it at once each write their own file and rename it into place, so none ever loads a partial one.
+compiled with the system's C compiler the first time a process asks for it (~0.3 s) and cached under
+~/.cache/meshlm/kernels, one shared library per source, compiler, flags and CPU (it is built for the CPU
+it runs on). Ranks that build it at once each write their own file and rename it into place, so none
+ever loads a partial one.
 
 Why: on the benchmark's decode steps (64 sequences of ~170 keys, 4 layers), attention through torch ops
 (`DecodeBatch`'s embedding_bag path) took ~40% of a step. The keys and values a step reads (~44 MB there)
 do not fit the CPU's caches, so the kernel is built to stream them: each key and value read once, in
-address order, from register tiles, the next decode's blocks prefetched, no index tensor. Measured on
-that machine: per layer 0.86 ms against 1.2-2.3 ms for the torch path (interleaved microbenchmark,
-near the 0.8 ms a plain gather of the same blocks takes); the whole offline benchmark ~10% faster
-(paired median 1.10 over 5 alternating runs), with the same greedy tokens. Without a C compiler, or where compiling fails, `decode_attention_kernel`
-returns None and the engine keeps its torch path (same numbers within fp32 rounding); `ModelRunner(...,
-native_attention=False)` (also `Engine`/`LLM`) chooses the torch path explicitly.
+address order, into register tiles, the next decode's blocks prefetched, no index tensor. Measured on
+that machine: 0.86 ms per layer against 1.2-2.3 ms for the torch path (interleaved microbenchmark; a
+plain gather of the same blocks takes 0.8 ms); the whole offline benchmark ~10% faster (paired median
+1.10 over 5 alternating runs), with the same greedy tokens.
+
+Without a C compiler, or where compiling fails, `decode_attention_kernel` returns None and the engine
+keeps its torch path (the same numbers within fp32 rounding); `ModelRunner(..., native_attention=False)`
+(also `Engine`/`LLM`) chooses the torch path explicitly.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lse = q.new_empty(q.shape[:-1]) if with_lse else None
     width = blocks.shape[1]
     scratch = q.new_empty(lib.meshlm_decode_attention_scratch(groups, width, block))
-    lib.meshlm_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), counts.data_ptr(), out.data_ptr(),
-       lse.data_ptr() if lse is not None else None, scratch.data_ptr(), num_kv, batch, groups, dim, block,
-       num_blocks, width)
+    lib.meshlm_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
+                                counts.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None,
+                                scratch.data_ptr(), num_kv, batch, groups, dim, block, num_blocks, width)
     return (out, lse) if with_lse else out
