@@ -19,9 +19,9 @@
 #include <string.h>
 
 /* Register tiles of CHUNK floats (one 512-bit vector, or two 256-bit ones, or what the CPU has: GCC/Clang
- * vector extensions, lowered for the target): keys (scores) or head dims (output) are summed in a register
- * over the whole reduction, then stored once. Summing through the scratch or the output row instead
- * chains every step through a store and a load, several times slower. */
+ * vector extensions, lowered for the target), summed in registers over a whole reduction and stored once.
+ * Summing through the scratch or the output row instead chains every step through a store and a load,
+ * several times slower. */
 #define CHUNK 16
 typedef float vf __attribute__((vector_size(CHUNK * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(CHUNK * sizeof(int32_t))));
@@ -66,6 +66,57 @@ static inline vf exp_nonpositive(vf x) {
     return (vf)((vi)(p * scale) & live);
 }
 
+/* out[col] (=, or += with `add`) sum over i < n of w[i] * x[i * stride + col], for col < cols: the scores of
+ * one query against a key block (rows: head dims, columns: keys) and a query's output from a value block
+ * (rows: keys, columns: head dims) are both this. Columns go CHUNK at a time in registers -- two tiles side
+ * by side where they fit, so each row is read in address order, whole cache lines, as the hardware
+ * prefetcher likes, in two chains per tile; else one tile in four chains (an FMA's latency hidden) --
+ * and one at a time where cols is not a multiple of CHUNK. Whole tiles may read and write up to `room`
+ * columns (>= cols): the scores' scratch has that room, an output row has none beyond its cols. */
+static void weighted_rows(const float *restrict w, const float *restrict x, int64_t n, int64_t stride,
+                          int64_t cols, int64_t room, float *restrict out, int add) {
+    int64_t c0 = 0;
+    for (; c0 + CHUNK < cols && c0 + 2 * CHUNK <= room; c0 += 2 * CHUNK) {
+        const float *xc = x + c0;
+        vf a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};
+        int64_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            a0 += w[i] * load(xc + i * stride);
+            b0 += w[i] * load(xc + i * stride + CHUNK);
+            a1 += w[i + 1] * load(xc + (i + 1) * stride);
+            b1 += w[i + 1] * load(xc + (i + 1) * stride + CHUNK);
+        }
+        for (; i < n; ++i) {
+            a0 += w[i] * load(xc + i * stride);
+            b0 += w[i] * load(xc + i * stride + CHUNK);
+        }
+        if (add) {
+            a0 += load(out + c0);
+            b0 += load(out + c0 + CHUNK);
+        }
+        store(out + c0, a0 + a1);
+        store(out + c0 + CHUNK, b0 + b1);
+    }
+    for (; c0 < cols && c0 + CHUNK <= room; c0 += CHUNK) {
+        const float *xc = x + c0;
+        vf a0 = add ? load(out + c0) : (vf){0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+            a0 += w[i] * load(xc + i * stride);
+            a1 += w[i + 1] * load(xc + (i + 1) * stride);
+            a2 += w[i + 2] * load(xc + (i + 2) * stride);
+            a3 += w[i + 3] * load(xc + (i + 3) * stride);
+        }
+        for (; i < n; ++i) a0 += w[i] * load(xc + i * stride);
+        store(out + c0, (a0 + a1) + (a2 + a3));
+    }
+    for (; c0 < cols; ++c0) {
+        float a = add ? out[c0] : 0.0f;
+        for (int64_t i = 0; i < n; ++i) a += w[i] * x[i * stride + c0];
+        out[c0] = a;
+    }
+}
+
 /* The floats `scratch` holds: the scores of each query head of one decode, plus room for a last tile. */
 int64_t meshlm_decode_attention_scratch(int64_t groups, int64_t width, int64_t block) {
     return groups * (width * block + CHUNK);
@@ -83,57 +134,19 @@ void meshlm_decode_attention(const float *restrict q, const float *restrict k_ca
             const float *qb = q + (h * batch + b) * groups * dim;
             float *ob = out + (h * batch + b) * groups * dim;
             /* the next decode's keys and values on their way to the cache while this one computes */
-            if (b + 1 < batch) prefetch_decode(k_cache, v_cache, blocks + (b + 1) * width, counts + (b + 1) * width,
-                                               h, dim, block, num_blocks, width);
-            else if (h + 1 < num_kv) prefetch_decode(k_cache, v_cache, blocks, counts, h + 1, dim, block, num_blocks, width);
-            /* scores: s[g][key] = sum_d q[g][d] * K[d][key], CHUNK keys at a time */
+            if (b + 1 < batch)
+                prefetch_decode(k_cache, v_cache, blk + width, cnt + width, h, dim, block, num_blocks, width);
+            else if (h + 1 < num_kv)
+                prefetch_decode(k_cache, v_cache, blocks, counts, h + 1, dim, block, num_blocks, width);
+            /* scores: s[g][key] = sum_d q[g][d] * K[d][key] (keys past c land in the next block's place or the
+             * room, to be overwritten) */
             int64_t seen = 0;
             for (int64_t j = 0; j < width; ++j) {
                 const int64_t c = cnt[j];
                 if (c <= 0) continue;
                 const float *kb = k_cache + (h * num_blocks + blk[j]) * dim * block;
-                for (int64_t g = 0; g < groups; ++g) {
-                    float *s = scratch + g * stride + seen;
-                    const float *qg = qb + g * dim;
-                    int64_t t0 = 0;
-                    for (; t0 + CHUNK < c && t0 + 2 * CHUNK <= block; t0 += 2 * CHUNK) {
-                        /* two tiles side by side: each d reads 2 * CHUNK consecutive keys (whole cache lines
-                         * in address order, as the hardware prefetcher likes), two chains per tile */
-                        const float *kt = kb + t0;
-                        vf a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};
-                        int64_t d = 0;
-                        for (; d + 2 <= dim; d += 2) {
-                            a0 += qg[d] * load(kt + d * block);
-                            b0 += qg[d] * load(kt + d * block + CHUNK);
-                            a1 += qg[d + 1] * load(kt + (d + 1) * block);
-                            b1 += qg[d + 1] * load(kt + (d + 1) * block + CHUNK);
-                        }
-                        for (; d < dim; ++d) {
-                            a0 += qg[d] * load(kt + d * block);
-                            b0 += qg[d] * load(kt + d * block + CHUNK);
-                        }
-                        store(s + t0, a0 + a1);
-                        store(s + t0 + CHUNK, b0 + b1);
-                    }
-                    for (; t0 < c && t0 + CHUNK <= block; t0 += CHUNK) {
-                        const float *kt = kb + t0;
-                        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* four chains: an FMA's latency hidden */
-                        int64_t d = 0;
-                        for (; d + 4 <= dim; d += 4) {
-                            a0 += qg[d] * load(kt + d * block);
-                            a1 += qg[d + 1] * load(kt + (d + 1) * block);
-                            a2 += qg[d + 2] * load(kt + (d + 2) * block);
-                            a3 += qg[d + 3] * load(kt + (d + 3) * block);
-                        }
-                        for (; d < dim; ++d) a0 += qg[d] * load(kt + d * block);
-                        store(s + t0, (a0 + a1) + (a2 + a3)); /* keys past c: the next block's place, or the room */
-                    }
-                    for (int64_t t = t0; t < c; ++t) { /* a block size not a multiple of CHUNK */
-                        float a = 0.0f;
-                        for (int64_t d = 0; d < dim; ++d) a += qg[d] * kb[d * block + t];
-                        s[t] = a;
-                    }
-                }
+                for (int64_t g = 0; g < groups; ++g)
+                    weighted_rows(qb + g * dim, kb, dim, block, c, block, scratch + g * stride + seen, 0);
                 seen += c;
             }
             /* softmax per query head, the probabilities left in `scratch` */
@@ -160,49 +173,14 @@ void meshlm_decode_attention(const float *restrict q, const float *restrict k_ca
                 if (lse) lse[(h * batch + b) * groups + g] = seen ? top + logf(sum) : -INFINITY;
                 for (int64_t d = 0; d < dim; ++d) ob[g * dim + d] = 0.0f;
             }
-            /* output: o[g] = sum_key p[g][key] * V[key], CHUNK head dims at a time */
+            /* output: o[g] = sum_key p[g][key] * V[key] */
             seen = 0;
             for (int64_t j = 0; j < width; ++j) {
                 const int64_t c = cnt[j];
                 if (c <= 0) continue;
                 const float *vb = v_cache + (h * num_blocks + blk[j]) * block * dim;
-                for (int64_t g = 0; g < groups; ++g) {
-                    const float *p = scratch + g * stride + seen;
-                    float *o = ob + g * dim;
-                    int64_t d0 = 0;
-                    for (; d0 + 2 * CHUNK <= dim; d0 += 2 * CHUNK) { /* two tiles of a value row at once */
-                        const float *vt = vb + d0;
-                        vf a0 = load(o + d0), b0 = load(o + d0 + CHUNK), a1 = {0}, b1 = {0};
-                        int64_t t = 0;
-                        for (; t + 2 <= c; t += 2) {
-                            a0 += p[t] * load(vt + t * dim);
-                            b0 += p[t] * load(vt + t * dim + CHUNK);
-                            a1 += p[t + 1] * load(vt + (t + 1) * dim);
-                            b1 += p[t + 1] * load(vt + (t + 1) * dim + CHUNK);
-                        }
-                        for (; t < c; ++t) {
-                            a0 += p[t] * load(vt + t * dim);
-                            b0 += p[t] * load(vt + t * dim + CHUNK);
-                        }
-                        store(o + d0, a0 + a1);
-                        store(o + d0 + CHUNK, b0 + b1);
-                    }
-                    for (; d0 + CHUNK <= dim; d0 += CHUNK) {
-                        const float *vt = vb + d0;
-                        vf a0 = load(o + d0), a1 = {0}, a2 = {0}, a3 = {0};
-                        int64_t t = 0;
-                        for (; t + 4 <= c; t += 4) {
-                            a0 += p[t] * load(vt + t * dim);
-                            a1 += p[t + 1] * load(vt + (t + 1) * dim);
-                            a2 += p[t + 2] * load(vt + (t + 2) * dim);
-                            a3 += p[t + 3] * load(vt + (t + 3) * dim);
-                        }
-                        for (; t < c; ++t) a0 += p[t] * load(vt + t * dim);
-                        store(o + d0, (a0 + a1) + (a2 + a3));
-                    }
-                    for (int64_t d = d0; d < dim; ++d) /* a head dim not a multiple of CHUNK */
-                        for (int64_t t = 0; t < c; ++t) o[d] += p[t] * vb[t * dim + d];
-                }
+                for (int64_t g = 0; g < groups; ++g)
+                    weighted_rows(scratch + g * stride + seen, vb, c, dim, dim, dim, ob + g * dim, 1);
                 seen += c;
             }
         }
