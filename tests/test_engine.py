@@ -280,6 +280,12 @@ def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, b
     out, lse = batch.attend(q, k_cache, v_cache, with_lse=True)
     plain = batch.attend(q, k_cache, v_cache)
     assert batch.table is not None and batch.index is None  # the kernel ran, the torch indices were never built
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # the (kv head, decode) pairs split over threads: each computed as by one
+    try:
+        assert torch.equal(batch.attend(q, k_cache, v_cache), plain)
+    finally:
+        torch.set_num_threads(threads)
     torch_path = DecodeBatch(torch.arange(len(blocks)), blocks, counts, block_size=bs, num_kv=num_kv,
                              num_blocks=num_blocks, dtype=torch.float32, native=False)
     torch.testing.assert_close(out, torch_path.attend(q, k_cache, v_cache), rtol=1e-5, atol=1e-5)

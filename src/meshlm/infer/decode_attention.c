@@ -9,7 +9,10 @@
  *   counts   [batch, width]   how many keys of each it sees (its first ones); 0 skips the entry
  *   out      [num_kv, batch, groups, dim]
  *   lse      [num_kv, batch, groups] or NULL: log-sum-exp of the scores (-inf, and out 0, where no key is seen)
- *   scratch  meshlm_decode_attention_scratch(groups, width, block) floats: the scores of one (kv head, decode)
+ *   scratch  meshlm_decode_attention_scratch(groups, width, block, threads) floats: per thread, the scores
+ *            of one (kv head, decode)
+ *   threads  how many threads share the (kv head, decode) pairs, each a contiguous run of them (OpenMP,
+ *            where the library was compiled with it: the runtime torch itself uses; else one)
  *
  * Per (kv head, decode): the scores of its `groups` query heads against every key it sees (a key row is
  * read once for all of them), an exact softmax (max, then exp and sum), then the weighted sum of the value
@@ -17,6 +20,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* Register tiles of CHUNK floats (one 512-bit vector, or two 256-bit ones, or what the CPU has: GCC/Clang
  * vector extensions, lowered for the target), summed in registers over a whole reduction and stored once.
@@ -117,72 +123,81 @@ static void weighted_rows(const float *restrict w, const float *restrict x, int6
     }
 }
 
-/* The floats `scratch` holds: the scores of each query head of one decode, plus room for a last tile. */
-int64_t meshlm_decode_attention_scratch(int64_t groups, int64_t width, int64_t block) {
-    return groups * (width * block + CHUNK);
+/* The floats `scratch` holds: per thread, the scores of each query head of one decode, plus room for a
+ * last tile. */
+int64_t meshlm_decode_attention_scratch(int64_t groups, int64_t width, int64_t block, int64_t threads) {
+    return threads * groups * (width * block + CHUNK);
 }
 
 void meshlm_decode_attention(const float *restrict q, const float *restrict k_cache,
                              const float *restrict v_cache, const int32_t *restrict blocks,
                              const int32_t *restrict counts, float *restrict out, float *restrict lse,
                              float *restrict scratch, int64_t num_kv, int64_t batch, int64_t groups,
-                             int64_t dim, int64_t block, int64_t num_blocks, int64_t width) {
+                             int64_t dim, int64_t block, int64_t num_blocks, int64_t width, int64_t threads) {
     const int64_t stride = width * block + CHUNK; /* scores of one query head in `scratch`, room for a tile */
-    for (int64_t h = 0; h < num_kv; ++h) {
-        for (int64_t b = 0; b < batch; ++b) {
-            const int32_t *blk = blocks + b * width, *cnt = counts + b * width;
-            const float *qb = q + (h * batch + b) * groups * dim;
-            float *ob = out + (h * batch + b) * groups * dim;
-            /* the next decode's keys and values on their way to the cache while this one computes */
-            if (b + 1 < batch)
-                prefetch_decode(k_cache, v_cache, blk + width, cnt + width, h, dim, block, num_blocks, width);
-            else if (h + 1 < num_kv)
-                prefetch_decode(k_cache, v_cache, blocks, counts, h + 1, dim, block, num_blocks, width);
-            /* scores: s[g][key] = sum_d q[g][d] * K[d][key] (keys past c land in the next block's place or the
-             * room, to be overwritten) */
-            int64_t seen = 0;
-            for (int64_t j = 0; j < width; ++j) {
-                const int64_t c = cnt[j];
-                if (c <= 0) continue;
-                const float *kb = k_cache + (h * num_blocks + blk[j]) * dim * block;
-                for (int64_t g = 0; g < groups; ++g)
-                    weighted_rows(qb + g * dim, kb, dim, block, c, block, scratch + g * stride + seen, 0);
-                seen += c;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t hb = 0; hb < num_kv * batch; ++hb) {
+        const int64_t h = hb / batch, b = hb % batch;
+#ifdef _OPENMP
+        float *restrict scores = scratch + omp_get_thread_num() * groups * stride;
+#else
+        float *restrict scores = scratch;
+#endif
+        const int32_t *blk = blocks + b * width, *cnt = counts + b * width;
+        const float *qb = q + (h * batch + b) * groups * dim;
+        float *ob = out + (h * batch + b) * groups * dim;
+        /* the next decode's keys and values on their way to the cache while this one computes */
+        if (b + 1 < batch)
+            prefetch_decode(k_cache, v_cache, blk + width, cnt + width, h, dim, block, num_blocks, width);
+        else if (h + 1 < num_kv)
+            prefetch_decode(k_cache, v_cache, blocks, counts, h + 1, dim, block, num_blocks, width);
+        /* scores: s[g][key] = sum_d q[g][d] * K[d][key] (keys past c land in the next block's place or the
+         * room, to be overwritten) */
+        int64_t seen = 0;
+        for (int64_t j = 0; j < width; ++j) {
+            const int64_t c = cnt[j];
+            if (c <= 0) continue;
+            const float *kb = k_cache + (h * num_blocks + blk[j]) * dim * block;
+            for (int64_t g = 0; g < groups; ++g)
+                weighted_rows(qb + g * dim, kb, dim, block, c, block, scores + g * stride + seen, 0);
+            seen += c;
+        }
+        /* softmax per query head, the probabilities left in `scores` */
+        for (int64_t g = 0; g < groups; ++g) {
+            float *s = scores + g * stride;
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < seen; ++t) top = s[t] > top ? s[t] : top;
+            vf part = {0};
+            int64_t t = 0;
+            for (; t + CHUNK <= seen; t += CHUNK) {
+                const vf e = exp_nonpositive(load(s + t) - top);
+                store(s + t, e);
+                part += e;
             }
-            /* softmax per query head, the probabilities left in `scratch` */
-            for (int64_t g = 0; g < groups; ++g) {
-                float *s = scratch + g * stride;
-                float top = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t < seen; ++t) top = s[t] > top ? s[t] : top;
-                vf part = {0};
-                int64_t t = 0;
-                for (; t + CHUNK <= seen; t += CHUNK) {
-                    const vf e = exp_nonpositive(load(s + t) - top);
-                    store(s + t, e);
-                    part += e;
-                }
-                if (t < seen) { /* the last keys: a whole tile computed, the ones past `seen` zeroed */
-                    vf e = exp_nonpositive(load(s + t) - top);
-                    for (int i = (int)(seen - t); i < CHUNK; ++i) e[i] = 0.0f;
-                    store(s + t, e);
-                    part += e;
-                }
-                for (int i = 0; i < CHUNK; ++i) sum += part[i];
-                const float inv = seen ? 1.0f / sum : 0.0f;
-                for (t = 0; t < seen; ++t) s[t] *= inv;
-                if (lse) lse[(h * batch + b) * groups + g] = seen ? top + logf(sum) : -INFINITY;
-                for (int64_t d = 0; d < dim; ++d) ob[g * dim + d] = 0.0f;
+            if (t < seen) { /* the last keys: a whole tile computed, the ones past `seen` zeroed */
+                vf e = exp_nonpositive(load(s + t) - top);
+                for (int i = (int)(seen - t); i < CHUNK; ++i) e[i] = 0.0f;
+                store(s + t, e);
+                part += e;
             }
-            /* output: o[g] = sum_key p[g][key] * V[key] */
-            seen = 0;
-            for (int64_t j = 0; j < width; ++j) {
-                const int64_t c = cnt[j];
-                if (c <= 0) continue;
-                const float *vb = v_cache + (h * num_blocks + blk[j]) * block * dim;
-                for (int64_t g = 0; g < groups; ++g)
-                    weighted_rows(scratch + g * stride + seen, vb, c, dim, dim, dim, ob + g * dim, 1);
-                seen += c;
-            }
+            for (int i = 0; i < CHUNK; ++i) sum += part[i];
+            const float inv = seen ? 1.0f / sum : 0.0f;
+            for (t = 0; t < seen; ++t) s[t] *= inv;
+            if (lse) lse[(h * batch + b) * groups + g] = seen ? top + logf(sum) : -INFINITY;
+            for (int64_t d = 0; d < dim; ++d) ob[g * dim + d] = 0.0f;
+        }
+        /* output: o[g] = sum_key p[g][key] * V[key] */
+        seen = 0;
+        for (int64_t j = 0; j < width; ++j) {
+            const int64_t c = cnt[j];
+            if (c <= 0) continue;
+            const float *vb = v_cache + (h * num_blocks + blk[j]) * block * dim;
+            for (int64_t g = 0; g < groups; ++g)
+                weighted_rows(scores + g * stride + seen, vb, c, dim, dim, dim, ob + g * dim, 1);
+            seen += c;
         }
     }
 }
