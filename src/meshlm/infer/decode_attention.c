@@ -1,4 +1,4 @@
-/* Decode attention straight over meshlm's paged KV cache, fp32, one thread: the kernel `infer/native.py`
+/* Decode attention straight over meshlm's paged KV cache, fp32: the kernel `infer/native.py`
  * compiles and `DecodeBatch` calls on a CPU (its torch path, two embedding_bag sums, gives the same numbers).
  *
  * Layouts (those of `new_kv_cache`; every array contiguous):
