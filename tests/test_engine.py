@@ -227,6 +227,15 @@ def test_extreme_sampling_params_do_not_fail_the_step():
     assert all(len(lp["top"]) == 16 for lp in wide.logprobs)
 
 
+def _dense_attention(q, k_cache, v_cache, blocks, counts, i):
+    """Softmax attention of decode i over exactly the keys it sees, in float64: (output, lse) [kv, groups(, dim)]."""
+    k64, v64, q64 = k_cache.double(), v_cache.double(), q.double()
+    keys = torch.cat([k64[:, b, :, :c].transpose(-1, -2) for b, c in zip(blocks[i], counts[i])], dim=1)  # [kv, n, dim]
+    values = torch.cat([v64[:, b, :c] for b, c in zip(blocks[i], counts[i])], dim=1)
+    scores = torch.einsum("hgd,hnd->hgn", q64[:, i], keys) / q.shape[-1] ** 0.5
+    return torch.softmax(scores, -1) @ values, torch.logsumexp(scores, -1)
+
+
 def test_decode_batch_matches_dense_attention_on_any_blocks():
     """`DecodeBatch` alone, in float64: decodes of any number of blocks (none too: an empty partial), each
     block seen up to any count, grouped-query heads; output and log-sum-exp equal softmax attention over
@@ -244,17 +253,14 @@ def test_decode_batch_matches_dense_attention_on_any_blocks():
     q = torch.randn(num_kv, len(blocks), groups, dim, dtype=torch.float64)
     out, lse = batch.attend(q, k_cache, v_cache, with_lse=True)
     plain = batch.attend(q, k_cache, v_cache)  # the softmax path (no log-sum-exp)
-    for i, (bl, cs) in enumerate(zip(blocks, counts)):
-        if not bl:
+    for i in range(len(blocks)):
+        if not blocks[i]:
             assert (out[:, i] == 0).all() and (plain[:, i] == 0).all() and torch.isinf(lse[:, i]).all()
             continue
-        keys = torch.cat([k_cache[:, b, :, :c].transpose(-1, -2) for b, c in zip(bl, cs)], dim=1)  # [kv, n, dim]
-        values = torch.cat([v_cache[:, b, :c] for b, c in zip(bl, cs)], dim=1)
-        scores = torch.einsum("hgd,hnd->hgn", q[:, i], keys) / dim ** 0.5
-        torch.testing.assert_close(out[:, i], torch.softmax(scores, -1) @ values, rtol=1e-12, atol=1e-12)
+        want, want_lse = _dense_attention(q, k_cache, v_cache, blocks, counts, i)
+        torch.testing.assert_close(out[:, i], want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(plain[:, i], out[:, i], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lse[:, i], torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
-
+        torch.testing.assert_close(lse[:, i], want_lse, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("groups, bs, dim", [(1, 32, 16), (3, 4, 16), (2, 48, 40), (2, 24, 32), (4, 64, 128)])
@@ -290,17 +296,14 @@ def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, b
                              num_blocks=num_blocks, dtype=torch.float32, native=False)
     torch.testing.assert_close(out, torch_path.attend(q, k_cache, v_cache), rtol=1e-5, atol=1e-5)
     assert torch_path.table is None and torch_path.index is not None
-    k64, v64, q64 = k_cache.double(), v_cache.double(), q.double()
-    for i, (bl, cs) in enumerate(zip(blocks, counts)):
-        if not bl:
+    for i in range(len(blocks)):
+        if not blocks[i]:
             assert (out[:, i] == 0).all() and (plain[:, i] == 0).all() and torch.isinf(lse[:, i]).all()
             continue
-        keys = torch.cat([k64[:, b, :, :c].transpose(-1, -2) for b, c in zip(bl, cs)], dim=1)
-        values = torch.cat([v64[:, b, :c] for b, c in zip(bl, cs)], dim=1)
-        scores = torch.einsum("hgd,hnd->hgn", q64[:, i], keys) / dim ** 0.5
-        torch.testing.assert_close(out[:, i].double(), torch.softmax(scores, -1) @ values, rtol=1e-5, atol=1e-5)
+        want, want_lse = _dense_attention(q, k_cache, v_cache, blocks, counts, i)
+        torch.testing.assert_close(out[:, i].double(), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(plain[:, i], out[:, i], rtol=0, atol=0)
-        torch.testing.assert_close(lse[:, i].double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[:, i].double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_without_a_c_compiler_takes_the_torch_path(monkeypatch):
@@ -326,6 +329,7 @@ def test_decode_attention_without_a_c_compiler_takes_the_torch_path(monkeypatch)
     monkeypatch.undo()
     if native.decode_attention_kernel() is not None:
         torch.testing.assert_close(DecodeBatch(*args, **kwargs).attend(q, k_cache, v_cache), out)
+
 
 _FAULTS = """
 import resource, sys, torch

@@ -124,6 +124,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     v_cache.view(num_kv, -1, dim).index_copy_(1, slots, v_hsd.to(v_cache.dtype))
 
 
+def padded(rows: list[list[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Lists of at most `width` ints as one [len(rows), width] tensor, each filled out with 0 (block 0, or
+    no key: whoever reads it masks the filling)."""
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=dtype)
+
+
 class DecodeBatch:
     """Attention of a batch of decodes (one new token each) straight over the paged cache, no block copied,
     no key padded.
@@ -171,8 +177,7 @@ class DecodeBatch:
         (broadcast adds) is ~5x faster than in 64 bits on CPU."""
         bs, batch, width, nb, num_kv = self.block_size, len(self.blocks), self.width, self.num_blocks, self.num_kv
         small = torch.int32 if num_kv * max(nb * max(dim, bs), batch * groups * width * bs) < 2 ** 31 else torch.long
-        blocks = torch.tensor([b + [0] * (width - len(b)) for b in self.blocks], dtype=small)  # [batch, width]
-        counts = torch.tensor([c + [0] * (width - len(c)) for c in self.counts], dtype=small)
+        blocks, counts = padded(self.blocks, width, small), padded(self.counts, width, small)  # [batch, width]
         heads = torch.arange(num_kv, dtype=small)[:, None]
         # score bags: each (decode, group) and each block it attends
         used = torch.nonzero((counts > 0)[:, None].expand(batch, groups, width).reshape(-1)).squeeze(1)
@@ -207,8 +212,7 @@ class DecodeBatch:
         block_size, dtype = k_cache.shape[-1], q.dtype
         if self.native and self._native_applies(q, k_cache, v_cache):
             if self.table is None:
-                self.table = tuple(torch.tensor([r + [0] * (self.width - len(r)) for r in rows], dtype=torch.int32)
-                                   for rows in (self.blocks, self.counts))
+                self.table = tuple(padded(rows, self.width, torch.int32) for rows in (self.blocks, self.counts))
             return native_decode_attention(q * dim ** -0.5, k_cache, v_cache, *self.table, with_lse=with_lse)
         if self.index is None:
             self.index = self._build(groups, dim)
@@ -269,7 +273,7 @@ class PagedAttention:
 
         def rows_of(tables: list[list[int]], num: int) -> torch.Tensor:
             """Cache rows of the first `num` blocks of each table (missing ones: block 0, masked)."""
-            blocks = torch.tensor([t[:num] + [0] * (num - len(t[:num])) for t in tables], dtype=torch.long)
+            blocks = padded([t[:num] for t in tables], num, torch.long)
             return block_rows(blocks, num_kv, num_blocks).to(device)
 
         # Decodes (one new token) are one batch that attends straight over the cache (`DecodeBatch`);
