@@ -52,7 +52,7 @@ class ModelConfig:
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    tie_embeddings: bool = False  # lm_head shares the embedding weight (with pp > 1: refused, not implemented yet)
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
     # Mixture of Experts
@@ -366,8 +366,10 @@ class ParallelConfig(ParallelDims):
     # The degrees (dp_replicate, dp_shard, tp, pp, cp, ep) are `meshlm.dims.ParallelDims`' fields.
 
     cp_method: str = "ring"  # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer)
-    zero_stage: int = 0  # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp)
-    sequence_parallel: bool = True  # with tp > 1
+    # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp; 3 with pp > 1 is refused, not
+    # implemented yet)
+    zero_stage: int = 0
+    sequence_parallel: bool = True  # with tp > 1 (refused on a MoE model, not implemented yet)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
     pp_chunks: int = 1  # virtual stages per rank (interleaved)
     num_microbatches: int = 0  # pipeline microbatches; 0: derived from the batch

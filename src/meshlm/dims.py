@@ -41,7 +41,9 @@ class ParallelDims:
     dp_shard: int = -1  # data-parallel ranks that shard (ZeRO); -1: what the other degrees leave of the world
     tp: int = 1  # tensor parallelism (+ sequence parallelism below)
     pp: int = 1  # pipeline stages (schedule below)
-    cp: int = 1  # context parallelism: every sequence split over cp ranks (parallel/context.py)
+    # context parallelism: every sequence split over cp ranks (parallel/context.py); dense models only (MoE: not
+    # implemented yet)
+    cp: int = 1
     ep: int = 1  # expert parallelism: each rank of an ep group holds num_experts / ep experts (parallel/expert.py)
 
     @classmethod
