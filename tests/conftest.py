@@ -23,3 +23,10 @@ def _one_torch_thread():
 def text_file(tmp_path_factory) -> Path:
     """The trainer tests' corpus (400 small functions); a module may override it with its own."""
     return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 400)
+
+
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path, monkeypatch):
+    """Every test runs in a directory of its own: what a user's `meshlm train` left in the checkout (runs/default)
+    or what another test wrote must not change a test's outcome. Tests reach the repository by its path."""
+    monkeypatch.chdir(tmp_path)

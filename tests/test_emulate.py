@@ -38,6 +38,19 @@ def _netns() -> set[str]:
                                                        text=True).stdout.splitlines() if line.strip()}
 
 
+@pytest.fixture
+def netns_tag():
+    """A tag for the namespaces a test creates; whatever carries it is deleted after the test, passed or
+    failed, so that a failure here cannot leave namespaces that fail the next test."""
+    from meshlm.emulate import delete_namespace
+
+    tag = f"mlt{os.getpid()}x{time.monotonic_ns() % 10**6}"
+    yield tag
+    for ns in _netns():
+        if ns.startswith(tag):
+            delete_namespace(ns)
+
+
 def test_rates_and_durations_parse_or_are_refused():
     assert parse_rate("1gbit") == 1e9
     assert parse_rate("100mbit") == 1e8
@@ -100,10 +113,10 @@ def test_train_emulation_mistakes_are_one_line(capsys):
 
 
 @needs_root
-def test_namespaces_are_removed_on_exit_and_on_error():
+def test_namespaces_are_removed_on_exit_and_on_error(netns_tag):
     before = _netns()
     with pytest.raises(RuntimeError, match="boom"):
-        with EmulatedCluster(nodes=3, rate_bps=1e9, tag=f"mltesterr{os.getpid()}") as c:
+        with EmulatedCluster(nodes=3, rate_bps=1e9, tag=netns_tag) as c:
             assert set(c.namespaces) | {c.switch} <= _netns()
             # node 0 reaches node 2 across the bridge, through the shaped links
             ping = subprocess.run(["ip", "netns", "exec", c.namespaces[0], "ping", "-c", "1", "-W", "2",
@@ -117,10 +130,10 @@ def test_namespaces_are_removed_on_exit_and_on_error():
 
 
 @needs_root
-def test_latency_needs_netem_and_is_refused_without_it():
+def test_latency_needs_netem_and_is_refused_without_it(netns_tag):
     before = _netns()
     try:
-        with EmulatedCluster(nodes=2, rate_bps=1e9, latency_s=1e-3, tag=f"mltestlat{os.getpid()}") as c:
+        with EmulatedCluster(nodes=2, rate_bps=1e9, latency_s=1e-3, tag=netns_tag) as c:
             qdisc = subprocess.run(["ip", "netns", "exec", c.namespaces[0], "tc", "qdisc", "show", "dev", "eth0"],
                                    capture_output=True, text=True).stdout
             assert "netem" in qdisc and "delay 1ms" in qdisc  # a kernel with netem: emulated
@@ -130,20 +143,29 @@ def test_latency_needs_netem_and_is_refused_without_it():
 
 
 @needs_root
-def test_ctrl_c_stops_the_nodes_and_removes_the_namespaces(tmp_path):
+def test_ctrl_c_stops_the_nodes_and_removes_the_namespaces(netns_tag):
+    nap = f"60.{os.getpid()}"  # a command line no other process has
     script = ("import sys; from meshlm.emulate import EmulatedCluster\n"
-              f"with EmulatedCluster(nodes=2, rate_bps=1e8, tag='mltestint{os.getpid()}') as c:\n"
+              f"with EmulatedCluster(nodes=2, rate_bps=1e8, tag='{netns_tag}') as c:\n"
               "    print('up', flush=True)\n"
-              "    sys.exit(c.run_on_nodes(lambda i: ['sleep', '60']))\n")
+              f"    sys.exit(c.run_on_nodes(lambda i: ['sleep', '{nap}']))\n")
     before = _netns()
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert proc.stdout.readline().strip() == "up"
-    assert {f"mltestint{os.getpid()}-{n}" for n in ("n0", "n1", "sw")} <= _netns()
-    time.sleep(0.5)  # the sleeps have started
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) != 0
-    assert _netns() == before
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert {f"{netns_tag}-{n}" for n in ("n0", "n1", "sw")} <= _netns()
+        # at any moment: before the nodes' commands have started, while they start, or while they run
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) != 0
+        assert _netns() == before
+        sleeping = subprocess.run(["pgrep", "-f", f"^sleep {nap}$"], capture_output=True, text=True).stdout.split()
+        assert not sleeping or shutil.which("pgrep") is None, f"node commands left running: {sleeping}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_an_emulated_calibration_is_a_two_tier_local_cluster(tmp_path):
@@ -282,7 +304,7 @@ def _emulated_worker(rank, world_size, corpus, root):
 
 
 @needs_root
-def test_planner_predicts_and_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_path):
+def test_planner_predicts_and_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_path, netns_tag):
     from dist import run_distributed_with
     from meshlm.config import load_config
     from meshlm.planner.calibrate import emulated_calibration, emulated_machine
@@ -299,7 +321,7 @@ def test_planner_predicts_and_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_
     finally:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     before = _netns()
-    with EmulatedCluster(nodes=NODES, rate_bps=RATE, tag=f"mltest{os.getpid()}") as cluster:
+    with EmulatedCluster(nodes=NODES, rate_bps=RATE, tag=netns_tag) as cluster:
         results = run_distributed_with(_emulated_worker, NODES * PER_NODE, (str(corpus), str(tmp_path)),
                                        before_init=functools.partial(_enter, namespaces=cluster.namespaces),
                                        master_addr=cluster.addresses[0], timeout=240)

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from meshlm.nccl_order import TracedOp, TracedWait
+
 if TYPE_CHECKING:
     from meshlm.mesh import Mesh
 
@@ -79,12 +81,17 @@ class CommEvent:
 class CommStats:
     """Calls, bytes and seconds per (op, axis). Owned by its creator (a `Mesh` holds one as `.stats`).
 
-    `keep_events=True` also keeps the ordered list of calls (tests assert exact per-call sizes).
+    `keep_events=True` also keeps the ordered list of calls (tests assert exact per-call sizes);
+    `keep_trace=True` keeps what NCCL would run -- every op with its communicator, peers and tags, and every
+    wait -- for `meshlm.nccl_order.replay` (a GPU's ordering rules checked on CPU).
     """
 
     keep_events: bool = False
+    keep_trace: bool = False
     ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
     events: list[CommEvent] = field(default_factory=list)
+    trace: list[TracedOp | TracedWait] = field(default_factory=list)
+    num_traced: int = field(default=0, repr=False)  # TracedOps in `trace`
 
     def record(self, op: str, axis: str, nbytes: int, seconds: float = 0.0) -> None:
         s = self.ops[(op, axis)]
@@ -97,9 +104,23 @@ class CommStats:
     def add_seconds(self, op: str, axis: str, seconds: float) -> None:
         self.ops[(op, axis)].seconds += seconds
 
+    def trace_op(self, op: TracedOp) -> int | None:
+        """Keep `op` (when keep_trace); returns its number, for `trace_wait`."""
+        if not self.keep_trace:
+            return None
+        self.trace.append(op)
+        self.num_traced += 1
+        return self.num_traced - 1
+
+    def trace_wait(self, index: int | None) -> None:
+        if self.keep_trace and index is not None:
+            self.trace.append(TracedWait(index))
+
     def reset(self) -> None:
         self.ops.clear()
         self.events.clear()
+        self.trace.clear()
+        self.num_traced = 0
 
     def snapshot(self) -> dict[tuple[str, str], OpStats]:
         """A copy, safe to keep while counting goes on (e.g. to diff two steps)."""
@@ -153,11 +174,13 @@ class CommHandle:
     """An in-flight asynchronous collective. `wait()` blocks, counts the wait, returns the result."""
 
     def __init__(self, works: Sequence, stats: CommStats, op: str, axis: str, result=None,
-                 finalize: Callable | None = None, where: tuple[int, list[int]] | None = None):
+                 finalize: Callable | None = None, where: tuple[int, list[int]] | None = None,
+                 traced: int | None = None):
         self._works = [w for w in works if w is not None]
         self._stats, self._op, self._axis = stats, op, axis
         self._result, self._finalize = result, finalize
         self._where = where  # (this rank, the group's global ranks), for an error that names them
+        self._traced = traced  # its number in stats.trace
         self._done = False
 
     def wait(self):
@@ -169,6 +192,7 @@ class CommHandle:
             except RuntimeError as e:  # torch's DistBackendError is one
                 raise _failed(e, self._where, self._op, self._axis, time.perf_counter() - start) from e
             self._stats.add_seconds(self._op, self._axis, time.perf_counter() - start)
+            self._stats.trace_wait(self._traced)
             if self._finalize is not None:
                 self._result = self._finalize()
             self._done = True
@@ -206,10 +230,22 @@ def _reduce_op(op):
     return op
 
 
+def _traced(mesh: "Mesh", axis: str, group, op: str, nbytes: int = 0, p2p: tuple = ()) -> int | None:
+    """Keep the op for the NCCL-order replay when the mesh's CommStats trace (see `CommStats`)."""
+    if not mesh.stats.keep_trace:
+        return None
+    ranks = tuple(mesh.ranks(axis))
+    name = f"{getattr(group, 'group_name', '')}:{','.join(map(str, ranks))}"  # the same on every member
+    return mesh.stats.trace_op(TracedOp(name, ranks, op, nbytes, p2p, axis))
+
+
 def _run(mesh: "Mesh", axis: str, op: str, nbytes: int, call: Callable, async_op: bool, result,
-         finalize: Callable | None = None):
-    """Issue `call(group)` (which returns a Work or a list of Works when async), count it, return."""
+         finalize: Callable | None = None, peer: int | None = None):
+    """Issue `call(group)` (which returns a Work or a list of Works when async), count it, return.
+    `peer`: the other rank's global rank, for a send or receive."""
     group = mesh.group(axis)
+    traced = _traced(mesh, axis, group, "p2p" if peer is not None else op, nbytes,
+                     ((op, peer, nbytes, 0),) if peer is not None else ())
     start = time.perf_counter()
     try:
         works = call(group)
@@ -218,7 +254,9 @@ def _run(mesh: "Mesh", axis: str, op: str, nbytes: int, call: Callable, async_op
     mesh.stats.record(op, axis, nbytes, time.perf_counter() - start)
     if async_op:
         works = works if isinstance(works, list) else [works]
-        return CommHandle(works, mesh.stats, op, axis, result, finalize, where=(mesh.rank, mesh.ranks(axis)))
+        return CommHandle(works, mesh.stats, op, axis, result, finalize, where=(mesh.rank, mesh.ranks(axis)),
+                          traced=traced)
+    mesh.stats.trace_wait(traced)
     return finalize() if finalize is not None else result
 
 
@@ -361,7 +399,7 @@ def send(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dst: int, async_op: b
     peer = _peer(mesh, axis, dst)
     fn = dist.isend if async_op else dist.send
     return _run(mesh, axis, "send", _nbytes(tensor), lambda g: fn(tensor.contiguous(), dst=peer, group=g),
-                async_op, None)
+                async_op, None, peer=peer)
 
 
 def recv(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int, async_op: bool = False):
@@ -369,7 +407,8 @@ def recv(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int, async_op: b
     peer = _peer(mesh, axis, src)
     _require_contiguous(tensor, "recv")
     fn = dist.irecv if async_op else dist.recv
-    return _run(mesh, axis, "recv", _nbytes(tensor), lambda g: fn(tensor, src=peer, group=g), async_op, tensor)
+    return _run(mesh, axis, "recv", _nbytes(tensor), lambda g: fn(tensor, src=peer, group=g), async_op, tensor,
+                peer=peer)
 
 
 def _peer(mesh: "Mesh", axis: str, coord: int) -> int:
@@ -404,13 +443,15 @@ def batch_isend_irecv(ops: Sequence[P2P], mesh: "Mesh", axis: str) -> CommHandle
         p2p_ops.append(dist.P2POp(fn, op.tensor, _peer(mesh, axis, op.peer), group, op.tag))
     if not p2p_ops:
         return _done(None, True)
+    traced = _traced(mesh, axis, group, "p2p", p2p=tuple((op.kind, _peer(mesh, axis, op.peer), _nbytes(op.tensor),
+                                                          op.tag) for op in ops))
     start = time.perf_counter()
     works = dist.batch_isend_irecv(p2p_ops)
     seconds = time.perf_counter() - start
     for i, op in enumerate(ops):
         mesh.stats.record(op.kind, axis, _nbytes(op.tensor), seconds if i == 0 else 0.0)
     wait_op = "recv" if any(op.kind == "recv" for op in ops) else "send"
-    return CommHandle(works, mesh.stats, wait_op, axis, None, where=(mesh.rank, mesh.ranks(axis)))
+    return CommHandle(works, mesh.stats, wait_op, axis, None, where=(mesh.rank, mesh.ranks(axis)), traced=traced)
 
 
 # --------------------------------------------------------------------------------------------

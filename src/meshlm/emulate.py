@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -133,13 +134,15 @@ class EmulatedCluster:
         self.close()
 
     def close(self) -> None:
-        """Delete every namespace created (their links and qdiscs go with them). Safe to call twice."""
-        for ns in reversed(self._created):
-            _run("ip", "netns", "del", ns)
-        self._created.clear()
-        if getattr(self, "_old_term", None) is not None:
-            signal.signal(signal.SIGTERM, self._old_term)
-            self._old_term = None
+        """Delete every namespace created (their links and qdiscs go with them). Safe to call twice; a
+        Ctrl-C or SIGTERM arriving meanwhile is raised once everything is deleted, not halfway."""
+        with _signals_deferred():
+            for ns in reversed(self._created):
+                delete_namespace(ns)
+            self._created.clear()
+            if getattr(self, "_old_term", None) is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+                self._old_term = None
 
     def _create(self) -> None:
         for ns in (self.switch, *self.namespaces):
@@ -192,9 +195,12 @@ class EmulatedCluster:
         child_env = {**os.environ, **self.rank_env(), **(env or {})}
         procs = []
         try:
-            for i, ns in enumerate(self.namespaces):
-                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv_for_node(i)], env=child_env,
-                                              start_new_session=True))
+            # A Ctrl-C inside Popen (the child started, its handle not yet returned) would leave that node's
+            # command running, unknown to us: signals wait until every node's process is in `procs`.
+            with _signals_deferred():
+                for i, ns in enumerate(self.namespaces):
+                    procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv_for_node(i)], env=child_env,
+                                                  start_new_session=True))
             code = 0
             pending = list(procs)
             while pending:
@@ -212,22 +218,59 @@ class EmulatedCluster:
             _stop([p for p in procs if p.poll() is None])
 
 
-def _stop(procs: list) -> None:
-    """SIGTERM the process groups we started, then SIGKILL what is left after a grace period."""
+def _stop(procs: list, grace_s: float = 5.0) -> None:
+    """SIGTERM the process groups we started, then SIGKILL every group still there after one shared grace
+    period (not one per process: Ctrl-C of many nodes must not take nodes x grace)."""
+    for p in procs:
+        _kill_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
     for p in procs:
         try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             pass
     for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
+        _kill_group(p, signal.SIGKILL)  # also what a node's command started and left behind
+        if p.poll() is None:
+            p.wait()
+
+
+def _kill_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _signals_deferred:
+    """Within it, SIGINT and SIGTERM are noted instead of raised; on leaving, the first one noted is raised
+    (KeyboardInterrupt), so a block that must finish (starting the nodes' processes, tearing down) finishes.
+    Only the main thread can set handlers; elsewhere it does nothing."""
+
+    def __enter__(self):
+        self.noted, self.old = [], {}
+        if _main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.old[sig] = signal.signal(sig, lambda signum, frame: self.noted.append(signum))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+        if self.noted and exc[0] is None:
+            raise KeyboardInterrupt
+
+
+def delete_namespace(name: str) -> None:
+    """What `ip netns del NAME` does -- detach the namespace's bind mount, remove its file -- without starting
+    a process (teardown must not wait for a fork and an exec on a loaded machine). Missing: nothing to do."""
+    path = f"/run/netns/{name}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.umount2(path.encode(), 2)  # MNT_DETACH; fails harmlessly where it is not mounted
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -253,16 +253,26 @@ class _RingAttention(torch.autograd.Function):
             dq = torch.zeros_like(qc)
             block = torch.stack([k, v]).contiguous()
             own = None  # this rank's share of its own block's dK/dV (it never leaves)
-            sends = []
-            for step in range(cp):
+            outgoing = None  # the partial dK/dV summed at the last step, passed on with this step's exchange
+            for step in range(cp + 1):
+                # One group per step, as NCCL needs (a send completes only once its receive runs, and each
+                # rank's groups run in order): the last step's partial sums go on to rank r+1 in the same
+                # group that brings this step's from rank r-1, and the K/V blocks move on beside them.
                 ops, incoming, partial_in = [], None, None
-                if step >= 2:  # the partial dK/dV of this step's block, summed by the ranks it visited before
+                if outgoing is not None:
+                    ops.append(P2P("send", outgoing, nxt, tag=2 * (step - 1) + 1))
+                if step >= 2:  # the partial dK/dV of this step's block (at step cp: of this rank's own)
                     partial_in = torch.empty((2, *k.shape), dtype=cdt, device=k.device)
                     ops.append(P2P("recv", partial_in, prv, tag=2 * (step - 1) + 1))
                 if step < cp - 1:
                     incoming = torch.empty_like(block)
                     ops += [P2P("send", block, nxt, tag=2 * step), P2P("recv", incoming, prv, tag=2 * step)]
                 handle = comm.batch_isend_irecv(ops, mesh, axis) if ops else None
+                if step == cp:  # the other ranks' shares of this rank's block have come home
+                    if handle is not None:
+                        handle.wait()
+                        own = own + partial_in
+                    break
                 grads = _block_backward(qc, doc, block, cp_rank=r, src=(r - step) % cp, cp=cp, lse=lse,
                                         delta=delta, dq=dq)
                 if handle is not None:
@@ -270,18 +280,9 @@ class _RingAttention(torch.autograd.Function):
                 if step == 0:
                     own = grads
                 else:
-                    if partial_in is not None:
-                        grads = grads + partial_in
-                    sends.append(comm.batch_isend_irecv([P2P("send", grads.contiguous(), nxt, tag=2 * step + 1)],
-                                                        mesh, axis))
+                    outgoing = (grads + partial_in if partial_in is not None else grads).contiguous()
                 if incoming is not None:
                     block = incoming
-            if cp > 1:  # the other ranks' shares of this rank's block come home
-                partial_in = torch.empty_like(own)
-                comm.batch_isend_irecv([P2P("recv", partial_in, prv, tag=2 * (cp - 1) + 1)], mesh, axis).wait()
-                own = own + partial_in
-            for handle in sends:
-                handle.wait()
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 

@@ -34,15 +34,15 @@ How a step runs. There are S = pp * pp_chunks stages; rank r holds chunks c = 0.
             gradient the previous stage waits for leaves first. Under full recomputation (and the other
             cases `SplitBackward` lists) W falls back to walking the chain again from the chunk output.
 Shapes are known in advance (micro-batch x seq x hidden, the activation dtype), so receives need no
-handshake. Every message carries a tag naming (activation or gradient, stage, microbatch), so on gloo a
-receive matches its send whatever order two ranks post them in. NCCL ignores tags and matches the
-messages of each pair of ranks in posting order; both ends post in their own action order, and for
-every schedule those orders agree message for message (tests/test_pipeline.py proves it, interleaving at
-pp=2 included, where activations and gradients share a direction); not run on GPUs yet.
-Sends are posted as soon as their tensor exists and waited once done (at the latest at the end
-of the step); receives are posted at the step's start on CPU (gloo: a receive posted between two
-actions costs host time on the critical path), else the receive of the next action before the current
-one computes.
+handshake. What travels where is `schedules.exchanges`: after each action, one group (`batch_isend_irecv`)
+holds its output, sent on, together with the next action's input, received (in the interleaved steady
+state a forward and a backward share one four-way group, as in Megatron). That is NCCL's order: a send
+completes only once its receive runs and each rank's groups run one after another, so a send in a group
+of its own, or behind a receive of a later action, could wait on a peer that waits on it -- gloo, whose
+sends are buffered, would never show it; `tests/test_nccl_order.py` replays every schedule and real runs
+under NCCL's rules. Every message also carries a tag naming (activation or gradient, stage,
+microbatch) for gloo; NCCL ignores tags and pairs each two ranks' messages in posting order, which the
+same replay checks agree message for message.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from meshlm import comm
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer, rope_cos_sin
+from meshlm.parallel import schedules
 from meshlm.parallel.schedules import Action, Schedule, SimResult, Timed, balanced_split, build_schedule, simulate
 
 # --------------------------------------------------------------------------------------------
@@ -351,9 +352,6 @@ def _reaches(args, nodes: set) -> bool:
     return False
 
 
-_ACT, _GRAD = 0, 1  # what a message carries, for its tag
-
-
 def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                       micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, mesh: Mesh, num_tokens: int,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
@@ -389,45 +387,40 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
         activation_dtype = next(stage.model.parameters()).dtype
     shape = (bsz, seq // sequence_shards, stage.model.config.hidden_size)
     if forward_only:
-        # Nothing is held for a backward, so no schedule's memory bound matters: chunk by chunk, every
-        # microbatch in order (deadlock-free, as sends never block).
-        actions = [Action("F", mb, c) for c in range(v) for mb in range(m)]
+        actions = list(schedules.forward_only_actions(pp, v, m))
     else:
         actions = list(schedule.ranks[rank])
+    # What is sent and received where: the previous action's output together with the next action's input,
+    # in one group (NCCL's order: a send completes only when its receive runs; see schedules.exchanges).
+    groups = schedules.exchanges(tuple(actions), rank=rank, pp=pp, num_stages=S,
+                                 pairs=range(0) if forward_only else schedule.steady_pairs(rank))
     t0, t0_wall = time.perf_counter(), time.time()
 
-    def rank_of(s: int) -> int:
-        return s % pp
-
-    def tag(kind: int, s: int, mb: int) -> int:  # the same number on the sender and the receiver
-        return (kind * S + s) * m + mb
+    def tag(msg: schedules.Message) -> int:  # the same number on the sender and the receiver (gloo matches by it)
+        return (("act", "grad").index(msg.payload) * S + msg.stage) * m + msg.microbatch
 
     # -- point to point -------------------------------------------------------------------------
-    sends: list[tuple[comm.CommHandle, torch.Tensor]] = []  # posted early, waited late (reaped once done)
-    posted: dict[int, tuple[comm.CommHandle, torch.Tensor]] = {}  # action index -> its receive in flight
+    sends: list[tuple[comm.CommHandle, torch.Tensor]] = []  # waited late (reaped once done)
+    outbox: dict[tuple, torch.Tensor] = {}  # (payload, receiving stage, mb) -> computed, goes out with the next group
+    inbox: dict[tuple, tuple[comm.CommHandle, torch.Tensor]] = {}  # the same key -> its receive in flight
 
-    def send(t: torch.Tensor, kind: int, to_stage: int, mb: int) -> None:
-        t = t.detach().contiguous()
-        op = comm.P2P("send", t, rank_of(to_stage), tag(kind, to_stage, mb))
-        sends.append((comm.batch_isend_irecv([op], mesh, axis), t))
+    def exchange(i: int) -> None:
+        ops, received = [], []
+        for msg in groups[i]:
+            key = (msg.payload, msg.stage, msg.microbatch)
+            if msg.kind == "send":
+                ops.append(comm.P2P("send", outbox.pop(key), msg.peer, tag(msg)))
+            else:
+                buf = torch.empty(shape, dtype=activation_dtype, device=device)
+                ops.append(comm.P2P("recv", buf, msg.peer, tag(msg)))
+                received.append((key, buf))
+        if ops:
+            handle = comm.batch_isend_irecv(ops, mesh, axis)
+            sends.extend((handle, op.tensor) for op in ops if op.kind == "send")
+            inbox.update((key, (handle, buf)) for key, buf in received)
 
-    def needs_recv(a: Action) -> bool:
-        s = stage.stage(a.chunk)
-        return (a.kind == "F" and s > 0) or (a.kind == "B" and s < S - 1)
-
-    def post_recv(i: int) -> None:
-        if i >= len(actions) or i in posted or not needs_recv(actions[i]):
-            return
-        a = actions[i]
-        s = stage.stage(a.chunk)
-        src, kind = (s - 1, _ACT) if a.kind == "F" else (s + 1, _GRAD)
-        buf = torch.empty(shape, dtype=activation_dtype, device=device)
-        op = comm.P2P("recv", buf, rank_of(src), tag(kind, s, a.microbatch))
-        posted[i] = (comm.batch_isend_irecv([op], mesh, axis), buf)
-
-    def take_recv(i: int) -> torch.Tensor:
-        post_recv(i)
-        handle, buf = posted.pop(i)
+    def take(payload: str, s: int, mb: int) -> torch.Tensor:
+        handle, buf = inbox.pop((payload, s, mb))
         handle.wait()
         return buf
 
@@ -441,30 +434,17 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     split = SplitBackward(stage) if not forward_only and schedule.split_backward else None
 
-    # On CPU (gloo) every receive of the step is posted before the first action: a receive posted in
-    # the middle of the step costs 0.15-0.3 ms (up to several ms) of host time on the critical path
-    # between two actions, where the same post at the step's start costs ~0.05 ms and precedes any
-    # traffic (benchmarks/pp.py, pp=2 interleaved: measured bubble 0.15-0.24 -> 0.06-0.09). It holds one
-    # buffer per receive (micro-batch x seq x hidden) from the step's start. NCCL would queue the early
-    # receives ahead of this rank's sends on one stream, so there the receive of the next action is
-    # posted while the current one computes.
-    prepost = device.type == "cpu"
-    if prepost:
-        for i in range(len(actions)):
-            post_recv(i)
     with grad_mode:
         for i, a in enumerate(actions):
             s = stage.stage(a.chunk)
             key = (a.microbatch, a.chunk)
-            received = take_recv(i) if needs_recv(a) else None
-            if not prepost:
-                post_recv(i + 1)  # the next action's input can arrive while this one computes
+            exchange(i)
             start = time.perf_counter() - t0
             if a.kind == "F":
                 if s == 0:
                     x = micro_batches[a.microbatch][0].to(device)
                 else:
-                    x = received.requires_grad_(not forward_only)
+                    x = take("act", s, a.microbatch).requires_grad_(not forward_only)
                 if split is not None:
                     y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions,
                                                                           aux_scale=aux_scale))
@@ -474,21 +454,21 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                     y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
                     loss_total += y.detach().to(torch.float64)
                 else:
-                    send(y, _ACT, s + 1, a.microbatch)
+                    outbox[("act", s + 1, a.microbatch)] = y.detach().contiguous()
                 if not forward_only:
                     held[key] = [x, y, None]
                     peak = max(peak, len(held))
             elif a.kind == "B":
                 x, y, _ = held[key]
-                grad_out = received  # None on the last stage: y is the loss
+                grad_out = take("grad", s, a.microbatch) if s < S - 1 else None  # the last stage's y is the loss
                 if split is not None:  # zero_bubble: the input gradient (and the module outputs' for W)
                     gx, held[key][2] = split.backward_input(key, y, x if s > 0 else None, grad_out)
                     if s > 0:
-                        send(gx, _GRAD, s - 1, a.microbatch)
+                        outbox[("grad", s - 1, a.microbatch)] = gx.detach().contiguous()
                 else:
                     torch.autograd.backward(y, grad_out)
                     if s > 0:
-                        send(x.grad, _GRAD, s - 1, a.microbatch)
+                        outbox[("grad", s - 1, a.microbatch)] = x.grad.detach().contiguous()
                     del held[key]
             else:  # W: the weight gradients of a split backward
                 x, y, saved = held.pop(key)
@@ -501,11 +481,12 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                 h.wait() if h.is_completed() else in_flight.append((h, t))
             sends[:] = in_flight
 
+    exchange(len(actions))  # the last action's output
     for handle, _ in sends:
         handle.wait()
     if split is not None:
         split.remove()
-    assert not held and not posted, "every activation is freed and every receive consumed by the step's end"
+    assert not held and not inbox and not outbox, "every activation is freed and every message sent by the step's end"
     loss = comm.all_reduce(loss_total, mesh, axis)  # only the last stage holds a nonzero sum
     return PipelineStepResult(loss=loss, timeline=timeline, peak_activations=peak,
                               seconds=time.perf_counter() - t0, t0_wall=t0_wall)

@@ -87,6 +87,14 @@ class Schedule:
                         raise ValueError(f"schedule {self.name!r}: {kind} of microbatch {mb} on stage {s} "
                                          f"runs {n} times; every one must run exactly once")
 
+    def steady_pairs(self, rank: int) -> range:
+        """Indices in rank `rank`'s list where a forward-backward pair of the steady state starts, whose
+        outputs and next inputs travel in one four-way group (interleaved only; empty otherwise)."""
+        if self.name != "interleaved":
+            return range(0)
+        warmup = interleaved_warmup(self.pp, self.num_microbatches, self.pp_chunks, rank)
+        return range(warmup, warmup + 2 * (self.num_microbatches * self.pp_chunks - warmup), 2)
+
     def peak_activations(self) -> list[int]:
         """Per rank, the most (microbatch, chunk) activations held at once (order only, not timing)."""
         free_kind = "W" if self.split_backward else "B"
@@ -214,6 +222,11 @@ def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
     return ranks
 
 
+def interleaved_warmup(pp: int, m: int, v: int, rank: int) -> int:
+    """Forwards rank `rank` runs before its first backward in the interleaved schedule."""
+    return min(2 * (pp - rank - 1) + (v - 1) * pp, m * v)
+
+
 def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
     """Megatron-LM's interleaved 1F1B: virtual microbatch k runs microbatch (k // (p v)) p + k % p on
     chunk (k // p) % v (backward: chunks in reverse). Rank r warms up with 2 (p - r - 1) + (v - 1) p
@@ -229,7 +242,7 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
 
     ranks = []
     for r in range(pp):
-        warmup = min(2 * (pp - r - 1) + (v - 1) * pp, total)
+        warmup = interleaved_warmup(pp, m, v, r)
         acts = [action("F", k) for k in range(warmup)]
         for k in range(total - warmup):
             acts += [action("F", warmup + k), action("B", k)]
@@ -283,6 +296,77 @@ def build_schedule(name: str, *, pp: int, num_microbatches: int, pp_chunks: int 
                      split_backward=name == "zero_bubble", ranks=tuple(tuple(r) for r in ranks))
     sched.validate()
     return sched
+
+
+# --------------------------------------------------------------------------------------------
+# Point to point: which sends and receives go together
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One send or receive between pipeline ranks of one microbatch: the activation ("act") going into
+    `stage`, or the gradient ("grad") of the output of `stage` coming back to it."""
+
+    kind: str  # "send" | "recv"
+    peer: int  # the other pipeline rank
+    payload: str  # "act" | "grad"
+    stage: int  # the stage that receives it
+    microbatch: int
+
+
+def forward_only_actions(pp: int, pp_chunks: int, num_microbatches: int) -> tuple[Action, ...]:
+    """A rank's actions when only forwards run (validation): the interleaved schedule's order without its
+    backwards -- pp microbatches at a time through one chunk, then the same through the next -- which keeps
+    every rank busy and never makes a send wait on its own rank's later receive."""
+    return tuple(Action("F", mb, c) for first in range(0, num_microbatches, pp) for c in range(pp_chunks)
+                 for mb in range(first, min(first + pp, num_microbatches)))
+
+
+def exchanges(actions: tuple[Action, ...], *, rank: int, pp: int, num_stages: int,
+              pairs: range = range(0)) -> list[list[Message]]:
+    """The point-to-point groups one rank issues around its `actions`: group i (0 <= i <= len(actions)) goes
+    out after action i-1 and before action i, and holds the output of action i-1 (sent on) together with
+    the input of action i (received) -- Megatron's send_forward_recv_backward pairing, which interleaved
+    schedules make a send and a receive to different neighbours. Both in ONE group is what NCCL needs: a
+    send completes only once its receive runs, and each communicator runs a rank's groups in order, so a
+    send issued in a group of its own, or behind a receive of a later action, can wait on a peer that
+    waits on it (`tests/test_nccl_order.py` replays every schedule under these rules)."""
+
+    def stage(a: Action) -> int:
+        return a.chunk * pp + rank
+
+    def output(a: Action) -> Message | None:
+        s = stage(a)
+        if a.kind == "F" and s < num_stages - 1:
+            return Message("send", (s + 1) % pp, "act", s + 1, a.microbatch)
+        if a.kind == "B" and s > 0:
+            return Message("send", (s - 1) % pp, "grad", s - 1, a.microbatch)
+        return None
+
+    def input_of(a: Action) -> Message | None:
+        s = stage(a)
+        if a.kind == "F" and s > 0:
+            return Message("recv", (s - 1) % pp, "act", s, a.microbatch)
+        if a.kind == "B" and s < num_stages - 1:
+            return Message("recv", (s + 1) % pp, "grad", s, a.microbatch)
+        return None
+
+    # Units: one action, or a forward and a backward of the steady state (`pairs`: where each starts; the
+    # interleaved schedule's, where Megatron exchanges both outputs and both next inputs in one group).
+    units, i = [], 0
+    while i < len(actions):
+        n = 2 if i in pairs else 1
+        units.append(list(range(i, i + n)))
+        i += n
+    groups: list[list[Message]] = [[] for _ in range(len(actions) + 1)]
+    for u, unit in enumerate(units):
+        before = units[u - 1] if u > 0 else []
+        sent = [output(actions[j]) for j in before]
+        received = [input_of(actions[j]) for j in unit]
+        groups[unit[0]] = [m for m in (*sent, *received) if m is not None]
+    groups[-1] = [m for m in (output(actions[j]) for j in units[-1]) if m is not None] if units else []
+    return groups
 
 
 # --------------------------------------------------------------------------------------------
