@@ -14,8 +14,8 @@ receives match by tag, its timeouts raise):
   communicator and rank): an op starts when the previous op on that communicator has completed;
 - an op issued after the rank waited for another op starts only after that one completed (the wait makes
   the compute stream wait, and the next op's stream waits for the compute stream);
-- a collective completes once every member runs it; the members' n-th ops on a communicator are one op,
-  so they must be the same collective with the same size;
+- a collective completes once every member runs it; the members' n-th collectives on a communicator are
+  one op, so they must be the same collective with the same size (an all-to-all's sizes may differ);
 - a group of sends and receives (`batch_isend_irecv`) runs as one: each send completes once the matching
   receive runs on the peer, and the other way round (no buffering); the group completes when all of its
   ops have. Sends and receives are paired in issue order per (sender, receiver) on a communicator -- NCCL
@@ -127,7 +127,8 @@ def replay(traces: dict[int, list] | list[list]) -> list[str]:
                 problems.append(f"ranks {missing} never issue the {first.describe()} that ranks "
                                 f"{sorted(present)} issue")
                 continue
-            kinds = {(o.op, o.nbytes) for o in ops.values()}
+            # an all-to-all's members send what their splits say (uneven under expert parallelism)
+            kinds = {(o.op, o.nbytes if o.op != "all_to_all" else 0) for o in ops.values()}
             if len(kinds) > 1:
                 problems.append("collective number {} on {} differs between ranks: {}".format(
                     k, next(iter(ops.values())).axis or group,

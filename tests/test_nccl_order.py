@@ -1,0 +1,207 @@
+"""NCCL's ordering rules, checked on CPU (`meshlm.nccl_order`).
+
+Gloo, which these tests run on, buffers sends, matches receives by tag and raises on a timeout; NCCL runs each
+rank's ops on a communicator in order, completes a send only once its receive runs, pairs messages in order
+and has no tags. So a communication order can pass every gloo test and hang on its first GPU. Here:
+- the replay itself: it finds a deadlock, a mispairing, a collective issued differently, an unmatched op,
+  and follows waits across communicators;
+- every pipeline schedule's exchange plan (`schedules.exchanges`) at pp 2-8, chunks 1-3 and many micro-batch
+  counts, training and validation, replays clean -- and the order the runtime used before (each send alone,
+  the next action's receive posted ahead of it) deadlocks, as the checker must show;
+- real multi-rank training runs recorded op by op (`CommStats(keep_trace=True)`): every pipeline schedule at
+  pp 2 and 4 (chunks 1-2), training and validation; ring and all-gather context parallelism, forward and
+  backward; ZeRO-3 with its two communicators, tensor parallelism, expert all-to-all, a checkpoint save.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dist import run_distributed
+from meshlm.nccl_order import TracedOp, TracedWait, replay
+from meshlm.parallel.schedules import SCHEDULES, build_schedule, exchanges, forward_only_actions
+
+
+def _p2p(*ops, ranks=(0, 1)):
+    return TracedOp("g", ranks, "p2p", 0, tuple(ops), "pp")
+
+
+def test_lone_sends_to_each_other_deadlock_and_a_paired_exchange_does_not():
+    send_to = lambda peer, tag=0: ("send", peer, 8, tag)  # noqa: E731
+    recv_from = lambda peer, tag=0: ("recv", peer, 8, tag)  # noqa: E731
+    lone = {0: [_p2p(send_to(1)), _p2p(recv_from(1))], 1: [_p2p(send_to(0)), _p2p(recv_from(0))]}
+    problems = replay(lone)
+    assert len(problems) == 1 and "deadlock" in problems[0]
+    assert "rank 0 waits in op 0: [send 8 B to rank 1" in problems[0] and "rank 1 waits in op 0" in problems[0]
+    paired = {0: [_p2p(send_to(1), recv_from(1))], 1: [_p2p(recv_from(0), send_to(0))]}
+    assert replay(paired) == []
+    # one side posts its receive first: the other's lone send completes against it
+    assert replay({0: [_p2p(send_to(1)), _p2p(recv_from(1))], 1: [_p2p(recv_from(0)), _p2p(send_to(0))]}) == []
+
+
+def test_nccl_pairs_in_order_not_by_tag_and_every_op_needs_a_partner():
+    crossed = {0: [_p2p(("send", 1, 8, 1)), _p2p(("send", 1, 8, 2))],
+               1: [_p2p(("recv", 0, 8, 2)), _p2p(("recv", 0, 8, 1))]}
+    problems = replay(crossed)
+    assert problems and all("paired by NCCL" in p for p in problems)
+    assert "no peer matches" in replay({0: [_p2p(("send", 1, 8, 0))], 1: []})[0]
+
+
+def test_collectives_must_be_issued_alike_and_waits_order_communicators():
+    ar = lambda group, n=4: TracedOp(group, (0, 1), "all_reduce", n, (), group)  # noqa: E731
+    assert replay({0: [ar("a"), ar("b")], 1: [ar("b"), ar("a")]}) == []  # two streams: no wait between them
+    # a wait makes the next op (any communicator) start only after the waited one: crossed, that hangs
+    crossed = {0: [ar("a"), TracedWait(0), ar("b")], 1: [ar("b"), TracedWait(0), ar("a")]}
+    assert "deadlock" in replay(crossed)[0]
+    bad = replay({0: [ar("a", 4)], 1: [TracedOp("a", (0, 1), "all_gather", 4, (), "a")]})
+    assert "differs between ranks" in bad[0]
+    assert "never issue" in replay({0: [ar("a"), ar("a")], 1: [ar("a")]})[0]
+
+
+def _plan_traces(rank_actions, *, pp, num_stages, pairs=None):
+    """The ops a pipeline's exchange plan issues per rank, and the waits the runtime makes (before an action
+    that needs a received tensor: right after the group that brings it)."""
+    traces = []
+    for r, actions in enumerate(rank_actions):
+        trace, n = [], 0
+        for group in exchanges(actions, rank=r, pp=pp, num_stages=num_stages,
+                               pairs=pairs[r] if pairs else range(0)):
+            if group:
+                trace.append(_p2p(*((m.kind, m.peer, 64, hash((m.payload, m.stage, m.microbatch))) for m in group),
+                                  ranks=tuple(range(pp))))
+                if any(m.kind == "recv" for m in group):
+                    trace.append(TracedWait(n))
+                n += 1
+        traces.append(trace)
+    return traces
+
+
+def _old_runtime_traces(schedule):
+    """The order the pipeline used on CUDA before: the next action's receive posted (alone) before the
+    current action computes, its output then sent alone."""
+    pp, S = schedule.pp, schedule.num_stages
+    traces = []
+    for r, actions in enumerate(schedule.ranks):
+        trace, n, posted = [], 0, {}
+
+        def post(i):
+            nonlocal n
+            if i >= len(actions) or i in posted:
+                return
+            a, s = actions[i], schedule.stage(r, actions[i].chunk)
+            if (a.kind == "F" and s > 0) or (a.kind == "B" and s < S - 1):
+                src = s - 1 if a.kind == "F" else s + 1
+                trace.append(_p2p(("recv", src % pp, 64, hash((a.kind, s, a.microbatch))), ranks=tuple(range(pp))))
+                posted[i] = n
+                n += 1
+
+        for i, a in enumerate(actions):
+            s = schedule.stage(r, a.chunk)
+            post(i)
+            if i in posted:
+                trace.append(TracedWait(posted.pop(i)))
+            post(i + 1)
+            if a.kind == "F" and s < S - 1:
+                trace.append(_p2p(("send", (s + 1) % pp, 64, hash(("F", s + 1, a.microbatch))), ranks=tuple(range(pp))))
+                n += 1
+            elif a.kind == "B" and s > 0:
+                trace.append(_p2p(("send", (s - 1) % pp, 64, hash(("B", s - 1, a.microbatch))), ranks=tuple(range(pp))))
+                n += 1
+        traces.append(trace)
+    return traces
+
+
+def _sizes():
+    for name in SCHEDULES:
+        for pp in (2, 3, 4, 8):
+            for v in ((2, 3) if name == "interleaved" else (1,)):
+                for m in (1, 2, 3, 4, 5, 8, 12, 16):
+                    try:
+                        yield build_schedule(name, pp=pp, num_microbatches=m, pp_chunks=v)
+                    except ValueError:
+                        continue  # a size the schedule does not take
+
+
+def test_every_schedules_exchange_plan_runs_under_nccls_rules_and_the_old_order_did_not():
+    checked = old_deadlocks = 0
+    for sched in _sizes():
+        traces = _plan_traces(sched.ranks, pp=sched.pp, num_stages=sched.num_stages,
+                              pairs=[sched.steady_pairs(r) for r in range(sched.pp)])
+        assert replay(traces) == [], (sched.name, sched.pp, sched.pp_chunks, sched.num_microbatches)
+        checked += 1
+        if sched.num_microbatches >= 2:
+            old = replay(_old_runtime_traces(sched))
+            assert old and "deadlock" in old[0], (sched.name, sched.pp, sched.num_microbatches)
+            old_deadlocks += 1
+    assert checked > 100 and old_deadlocks > 90
+    for pp in (2, 3, 4):  # validation: forwards only, any micro-batch count
+        for v in (1, 2, 3):
+            for m in (1, 2, 3, 5, 8):
+                acts = forward_only_actions(pp, v, m)
+                assert replay(_plan_traces([acts] * pp, pp=pp, num_stages=pp * v)) == [], (pp, v, m)
+
+
+# -- real runs, recorded ----------------------------------------------------------------------------------
+
+TRAIN = ["train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=1", "train.steps=1",
+         "train.val_batches=1", "data.val_fraction=0.1", "train.device=cpu", "train.progress=false",
+         "parallel.bucket_size_mb=0.02"]
+MOE = ["model.num_experts=4", "model.num_experts_per_token=2", "model.moe_intermediate_size=32"]
+LAYOUTS = {  # name -> (world size, overrides)
+    "pp2 gpipe x dp2": (4, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    "pp2 1f1b x dp2": (4, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp2 interleaved x tp2": (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2",
+                                  "parallel.tp=2"]),
+    "pp2 zero_bubble x zero1": (4, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.zero_stage=1"]),
+    "pp4 1f1b": (4, ["parallel.pp=4"]),
+    "pp4 gpipe": (4, ["parallel.pp=4", "parallel.pp_schedule=gpipe"]),
+    "pp4 interleaved": (4, ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2",
+                            "model.num_layers=8"]),
+    "pp4 zero_bubble": (4, ["parallel.pp=4", "parallel.pp_schedule=zero_bubble"]),
+    "cp2 ring x dp2": (4, ["parallel.cp=2", "parallel.cp_method=ring"]),
+    "cp4 ring": (4, ["parallel.cp=4", "parallel.cp_method=ring"]),
+    "cp2 allgather x tp2": (4, ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.tp=2"]),
+    "zero3 dp4": (4, ["parallel.zero_stage=3"]),
+    "zero3 x tp2": (4, ["parallel.zero_stage=3", "parallel.tp=2"]),
+    "ep2 x dp2 moe": (4, ["parallel.ep=2", *MOE]),
+}
+
+
+def _record(rank, world_size, corpus, root, layouts):
+    """Per layout: one training step, one validation pass and a checkpoint, every op recorded."""
+    from meshlm.config import load_config
+    from meshlm.train.trainer import Trainer
+    from runs import SMALL_MODEL
+
+    out = {}
+    for name, (_, overrides) in layouts.items():
+        cfg = load_config(overrides=[*SMALL_MODEL, "model.num_layers=4", f"data.path={corpus}",
+                                     f"train.run_dir={root}/{name.replace(' ', '_')}", *TRAIN, *overrides])
+        trainer = Trainer(cfg)
+        stats = trainer.mesh.stats
+        stats.reset()
+        stats.keep_trace = True
+        trainer.train_step()
+        trainer.evaluate()
+        trainer.save()
+        out[name] = list(stats.trace)
+        stats.keep_trace = False
+    return out
+
+
+def test_real_runs_replay_under_nccls_rules(tmp_path, text_file):
+    results = run_distributed(_record, 4, str(text_file), str(tmp_path), LAYOUTS, timeout=400)
+    for name in LAYOUTS:
+        traces = {rank: results[rank][name] for rank in range(4)}
+        assert any(traces.values()), name  # something was recorded
+        assert replay(traces) == [], name
+    # what each layout had to show: p2p groups on pp with sends and receives together, cp's ring, the
+    # duplicated ZeRO-3 communicator beside the first, the expert all-to-all
+    ops = {name: [op for op in results[0][name] if isinstance(op, TracedOp)] for name in LAYOUTS}
+    assert any(op.op == "p2p" and {k for k, *_ in op.p2p} == {"send", "recv"} and op.axis == "pp"
+               for op in ops["pp2 1f1b x dp2"])
+    assert any(op.op == "p2p" and op.axis == "cp" for op in ops["cp4 ring"])
+    assert any(op.op == "all_gather" and op.axis == "cp" for op in ops["cp2 allgather x tp2"])
+    zero3_groups = {op.group for op in ops["zero3 dp4"] if op.axis == "dp_shard"}
+    assert len(zero3_groups) >= 2, zero3_groups
+    assert any(op.op == "all_to_all" and op.axis == "ep" for op in ops["ep2 x dp2 moe"])
