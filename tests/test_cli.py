@@ -4,6 +4,7 @@ train -> generate round trip through `meshlm.cli.main` (in process, to stay fast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,50 @@ def test_train_ends_with_the_checkpoint_and_the_next_commands(tmp_path, text_fil
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-2] == f"checkpoint: {run / 'checkpoints' / 'step_000001'}", out[-2:]
     assert out[-1].startswith(f"next: meshlm generate --checkpoint {run}") and "meshlm serve --model" in out[-1]
+
+
+def test_nproc_zero_is_refused_like_any_count_below_one(capsys, tmp_path):
+    for bad in ("0", "-1"):
+        assert main(["train", "--nproc", bad, "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--nproc={bad} " in err and ">= 1" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_takes_its_own_gpu_or_the_one_slurm_binds_to_its_task():
+    from meshlm.distributed import cuda_device_index
+
+    assert [cuda_device_index(r, 8) for r in range(8)] == list(range(8))  # torchrun: cuda:LOCAL_RANK
+    assert [cuda_device_index(r, 1) for r in range(8)] == [0] * 8  # srun --gpus-per-task=1: each sees one
+    with pytest.raises(ValueError, match="LOCAL_RANK=9 but only 8 CUDA devices"):
+        cuda_device_index(9, 8)
+
+
+def test_the_sbatch_example_resumes_only_when_there_is_a_checkpoint(tmp_path):
+    """examples/slurm.sbatch run with stand-ins for srun and scontrol: the first submission starts fresh (no
+    --resume, which would refuse an empty run directory), a later one resumes."""
+    import os
+    import stat
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", 'printf "%s\\n" "$@" > "$SRUN_ARGS"'), ("scontrol", "echo node1")):
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/bash\n{body}\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "meshlm",
+           "SRUN_ARGS": str(tmp_path / "argv")}
+
+    def submitted() -> list[str]:
+        subprocess.run(["bash", str(root / "examples" / "slurm.sbatch"), "--set", "train.steps=3"], env=env,
+                       cwd=tmp_path, check=True)
+        return (tmp_path / "argv").read_text().split("\n")
+
+    first = submitted()
+    assert "--resume" not in first and "train.run_dir=runs/meshlm" in first and first[-2:] == ["train.steps=3", ""]
+    (tmp_path / "runs" / "meshlm" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "meshlm" / "checkpoints" / "latest").write_text("step_000010")
+    assert "--resume" in submitted()

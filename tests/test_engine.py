@@ -71,7 +71,7 @@ def hf_case(request, tmp_path_factory):
 ], ids=["batched", "no-prefix-cache", "chunked", "preempt", "torch-decode-attention"])
 def test_greedy_matches_transformers(hf_case, engine_kwargs):
     path, prompts, expected = hf_case
-    llm = LLM(str(path), **engine_kwargs)
+    llm = LLM(str(path), device="cpu", **engine_kwargs)
     results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert [r.token_ids for r in results] == expected
     stats = llm.engine.stats()
@@ -159,10 +159,10 @@ def test_sampling_seed_stop_tokens_logprobs():
 def test_user_errors():
     model = _tiny_model()
     with pytest.raises(ValueError, match="tp=2"):
-        LLM(model, tp=2)
+        LLM(model, tp=2, device="cpu")
     with pytest.raises(ValueError, match="block_size=0"):
-        LLM(model, block_size=0)
-    llm = LLM(model, block_size=4)
+        LLM(model, block_size=0, device="cpu")
+    llm = LLM(model, block_size=4, device="cpu")
     with pytest.raises(ValueError, match="context length"):
         llm.generate([list(range(1, 60)) * 2])
     with pytest.raises(ValueError, match="max_tokens"):
@@ -183,7 +183,7 @@ def test_llm_loads_meshlm_checkpoint(tmp_path):
     model = build_model(cfg.model, seed=cfg.train.seed)
     save_checkpoint(tmp_path, step=1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                     config=cfg, rank_extra={})
-    llm = LLM(str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu")
     [out] = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     ref = Engine(model, block_size=4).generate([list(b"def f(x):")], SamplingParams(temperature=0, max_tokens=6,
                                                                                     ignore_eos=True))[0]

@@ -48,8 +48,9 @@ def _add_train(sub) -> None:
     launch = p.add_argument_group(
         "launching ranks", "Passed to PyTorch's elastic launcher (torch.distributed.run), which starts "
         "--nproc ranks on this node. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out.")
-    launch.add_argument("--nproc", type=int, default=0, metavar="N",
-                        help="ranks on this node (CPU: gloo, one thread each; GPU: NCCL, one device each)")
+    launch.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="ranks on this node (CPU: gloo, one thread each; GPU: NCCL, one device each); "
+                             "leave it out for one process")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="R",
                         help="when a rank dies, restart all ranks up to R times; they resume from the newest "
                              "complete checkpoint of the run by themselves (default 0: the run fails)")
@@ -148,7 +149,7 @@ def _add_eval(sub) -> None:
                                                   "(default: the run's validation split)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a parallel/train/data field, e.g. train.global_batch_size=8 (repeatable)")
-    p.add_argument("--nproc", type=int, default=0, metavar="N", help="ranks on this node (default: one process)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks on this node (default: one process)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -221,6 +222,10 @@ def _add_serve(sub) -> None:
                         "all, started through torch's launcher; --kv-cache-mb is per rank; default 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (default: cuda when present, in bf16; else cpu in fp32), cpu or cuda")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with --tp/--cp: how long a rank waits in a step's collective for the others before the "
+                        "server reports the engine broken (default 600); an idle server keeps its ranks alive "
+                        "with a small message a second, so idling longer than this is fine")
 
 
 def _add_convert(sub) -> None:
@@ -370,9 +375,9 @@ def cmd_train(args) -> int:
     check_trackers(tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb)  # before any rank or work
     under_launcher = launched_ranks()  # torchrun, or one task of a multi-task srun step
     emulating = args.emulate_nodes or args.inter_node_bw or args.inter_node_latency
-    if emulating and not args.nproc:
+    if emulating and args.nproc is None:
         raise ValueError("--emulate-nodes/--inter-node-bw/--inter-node-latency need --nproc N (ranks per node)")
-    if args.nproc:
+    if args.nproc is not None:
         if under_launcher:
             raise ValueError(f"--nproc was given but this process is already one of {read_launch_env()[1]} "
                              "launched ranks; drop --nproc under torchrun/srun")
@@ -501,7 +506,7 @@ def cmd_eval(args) -> int:
     from meshlm import evaluate
     from meshlm.distributed import launched_ranks
 
-    if args.nproc:
+    if args.nproc is not None:
         if launched_ranks():
             raise ValueError("--nproc was given but this process is already one of several launched ranks; "
                              "drop --nproc under torchrun/srun")
@@ -619,7 +624,10 @@ def cmd_serve(args) -> int:
         return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
     import torch
 
-    init_distributed("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if args.collective_timeout <= 0:
+        raise ValueError(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
+    init_distributed("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
+                     timeout_s=args.collective_timeout)
     try:
         code = run_serve(args)
     except BaseException:

@@ -62,6 +62,17 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> tuple[int, int,
     return rank, world_size, local_rank
 
 
+def cuda_device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of the rank with `local_rank` on its node, `visible` devices in sight: one device each
+    (torchrun: cuda:LOCAL_RANK), or the one device Slurm binds to each task (srun --gpus-per-task=1: every
+    task sees its own GPU as cuda:0 whatever its SLURM_LOCALID) -- local_rank % visible. More ranks than
+    devices on a node that shows several is a mistake, refused."""
+    if visible > 1 and local_rank >= visible:
+        raise ValueError(f"LOCAL_RANK={local_rank} but only {visible} CUDA devices are visible; start at most that "
+                         "many processes per node (or bind one GPU to each task: srun --gpus-per-task=1)")
+    return local_rank % visible
+
+
 def launched_ranks(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a launcher (torchrun, srun with several tasks) started this process as one of many ranks."""
     return read_launch_env(environ)[1] > 1 or "WORLD_SIZE" in (os.environ if environ is None else environ)
@@ -81,10 +92,7 @@ def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | N
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device_type='cuda' but no CUDA device is visible; use device_type='cpu'")
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
-                             "visible; start at most that many processes per node")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

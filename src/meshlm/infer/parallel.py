@@ -41,6 +41,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,8 @@ from meshlm.parallel.context import merge_partials, ring_pass
 from meshlm.models.transformer import Transformer
 
 _STOP = {"stop": True}
+_KEEPALIVE = {"keepalive": True}
+KEEPALIVE_S = 1.0  # an idle driver tells the other ranks it is alive this often (far below any collective timeout)
 
 
 def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:
@@ -121,25 +125,56 @@ def _run_step(runner: ModelRunner, mesh: Mesh, step: StepInput) -> torch.Tensor:
 
 class ParallelRunner:
     """Rank 0's runner: the interface of `ModelRunner` (block_size, num_blocks, execute) over every rank;
-    `num_blocks` counts the blocks of all cp ranks, `num_groups` tells the block manager where they are."""
+    `num_blocks` counts the blocks of all cp ranks, `num_groups` tells the block manager where they are.
 
-    def __init__(self, runner: ModelRunner, mesh: Mesh):
+    The other ranks wait for rank 0's next step inside a collective, which the process group's timeout bounds
+    (gloo raises, NCCL's watchdog aborts the process). So that a server idle for longer than that timeout still
+    answers, a keepalive thread sends a no-op message after `keepalive_s` without a step; a lock keeps it and
+    the steps in one order on rank 0, as the other ranks receive them."""
+
+    def __init__(self, runner: ModelRunner, mesh: Mesh, *, keepalive_s: float = KEEPALIVE_S):
         assert mesh.rank == 0, "rank 0 drives; the others run `run_worker`"
         self.runner, self.mesh = runner, mesh
         self.block_size = runner.block_size
         self.num_groups = mesh.size("cp")
         self.num_blocks = runner.num_blocks * self.num_groups
         self.closed = False
+        self.keepalive_s = keepalive_s
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._closing = threading.Event()
+        # a CUDA device is per thread: the keepalive's collectives run on the driver's device
+        self._cuda = torch.cuda.current_device() if mesh.device_type == "cuda" else None
+        self._keepalive = threading.Thread(target=self._keep_alive, name="meshlm-keepalive", daemon=True)
+        self._keepalive.start()
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        _send(dataclasses.asdict(step), self.mesh)
-        return _run_step(self.runner, self.mesh, step)
+        with self._lock:
+            _send(dataclasses.asdict(step), self.mesh)
+            out = _run_step(self.runner, self.mesh, step)
+            self._last = time.monotonic()
+        return out
 
     def close(self) -> None:
         """Release the other ranks from `run_worker` (once; the engine is unusable afterwards)."""
-        if not self.closed:
-            _send(_STOP, self.mesh)
-            self.closed = True
+        self._closing.set()
+        with self._lock:
+            if not self.closed:
+                _send(_STOP, self.mesh)
+                self.closed = True
+
+    def _keep_alive(self) -> None:
+        if self._cuda is not None:
+            torch.cuda.set_device(self._cuda)
+        while not self._closing.wait(self.keepalive_s / 4):
+            with self._lock:
+                if self.closed or time.monotonic() - self._last < self.keepalive_s:
+                    continue
+                try:
+                    _send(_KEEPALIVE, self.mesh)
+                except comm.CollectiveError:
+                    return  # a rank is gone: the next step raises it to the engine, which reports it
+                self._last = time.monotonic()
 
 
 def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
@@ -149,6 +184,8 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
         message = _send(None, mesh)
         if message == _STOP:
             return steps
+        if message == _KEEPALIVE:
+            continue
         _run_step(runner, mesh, StepInput(**message))
         steps += 1
 

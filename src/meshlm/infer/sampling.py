@@ -76,6 +76,9 @@ class Sampler:
         """(token, logprobs or None) per row, or the exception sampling that row raised: one request's
         failure is that request's alone (the engine aborts it), never the batch's."""
         assert logits_nv.shape[0] == len(seqs)
+        if all(seq.params.greedy and seq.params.logprobs is None for seq in seqs):
+            # only the token ids leave the device, not [rows, vocab] logits (argmax: the same index in any dtype)
+            return [(token, None) for token in logits_nv.argmax(dim=-1).tolist()]
         logits_nv = logits_nv.float().cpu()
         greedy = logits_nv.argmax(dim=-1).tolist()
         results: list[tuple[int, dict | None] | Exception] = []

@@ -232,6 +232,30 @@ class PipelineStepResult:
         return sum(t.end - t.start for t in self.timeline)
 
 
+class StepClock:
+    """Points in time within one step, in seconds from its start: the host's clock on a CPU, where an action's
+    host time is its work; CUDA events on a GPU, where the host only queues kernels (read once, after the
+    step, so timing adds no synchronisation inside it)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = self.mark()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        """From the start to `mark` (on CUDA: waits for the mark's event)."""
+        if not self.cuda:
+            return mark - self.t0
+        mark.synchronize()
+        return self.t0.elapsed_time(mark) / 1e3
+
+
 class SplitBackward:
     """zero_bubble's backward split into B (input gradient) and W (weight gradients) without W walking
     the chunk's gradient chain again.
@@ -394,7 +418,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     # in one group (NCCL's order: a send completes only when its receive runs; see schedules.exchanges).
     groups = schedules.exchanges(tuple(actions), rank=rank, pp=pp, num_stages=S,
                                  pairs=range(0) if forward_only else schedule.steady_pairs(rank))
-    t0, t0_wall = time.perf_counter(), time.time()
+    clock, t0_wall = StepClock(device), time.time()
 
     def tag(msg: schedules.Message) -> int:  # the same number on the sender and the receiver (gloo matches by it)
         return (("act", "grad").index(msg.payload) * S + msg.stage) * m + msg.microbatch
@@ -430,7 +454,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     held: dict[tuple[int, int], list] = {}
     peak = 0
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
-    timeline: list[TimedAction] = []
+    marks: list[tuple] = []  # (action, its start, its end) as StepClock marks
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     split = SplitBackward(stage) if not forward_only and schedule.split_backward else None
 
@@ -439,12 +463,14 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
             s = stage.stage(a.chunk)
             key = (a.microbatch, a.chunk)
             exchange(i)
-            start = time.perf_counter() - t0
+            if a.kind != "W" and (s > 0 if a.kind == "F" else s < S - 1):  # its input comes from a neighbour
+                received = take("act" if a.kind == "F" else "grad", s, a.microbatch)
+            start = clock.mark()  # after the input arrived: waiting is not the action's time
             if a.kind == "F":
                 if s == 0:
                     x = micro_batches[a.microbatch][0].to(device)
                 else:
-                    x = take("act", s, a.microbatch).requires_grad_(not forward_only)
+                    x = received.requires_grad_(not forward_only)
                 if split is not None:
                     y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions,
                                                                           aux_scale=aux_scale))
@@ -460,7 +486,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                     peak = max(peak, len(held))
             elif a.kind == "B":
                 x, y, _ = held[key]
-                grad_out = take("grad", s, a.microbatch) if s < S - 1 else None  # the last stage's y is the loss
+                grad_out = received if s < S - 1 else None  # the last stage's y is the loss
                 if split is not None:  # zero_bubble: the input gradient (and the module outputs' for W)
                     gx, held[key][2] = split.backward_input(key, y, x if s > 0 else None, grad_out)
                     if s > 0:
@@ -473,7 +499,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
             else:  # W: the weight gradients of a split backward
                 x, y, saved = held.pop(key)
                 split.backward_weight(key, y, saved)
-            timeline.append(TimedAction(a, start, time.perf_counter() - t0))
+            marks.append((a, start, clock.mark()))
             # A finished send no longer needs its tensor: drop it (a sent gradient would otherwise live
             # until the step ends).
             in_flight = []
@@ -484,12 +510,14 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     exchange(len(actions))  # the last action's output
     for handle, _ in sends:
         handle.wait()
+    end = clock.mark()
+    timeline = [TimedAction(a, clock.seconds(start), clock.seconds(stop)) for a, start, stop in marks]
     if split is not None:
         split.remove()
     assert not held and not inbox and not outbox, "every activation is freed and every message sent by the step's end"
     loss = comm.all_reduce(loss_total, mesh, axis)  # only the last stage holds a nonzero sum
     return PipelineStepResult(loss=loss, timeline=timeline, peak_activations=peak,
-                              seconds=time.perf_counter() - t0, t0_wall=t0_wall)
+                              seconds=clock.seconds(end), t0_wall=t0_wall)
 
 
 def pipeline_grad_norm(grads: Sequence[torch.Tensor], mesh: Mesh, *, axis: str = "pp") -> torch.Tensor:

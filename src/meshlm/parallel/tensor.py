@@ -356,20 +356,21 @@ def tensor_parallel_grad_norm(params, mesh: Mesh, *, axes: tuple[str, ...] = (AX
     grads = [(p, p.grad.detach()) for p in params if p.grad is not None]
     # fp32 sums (bf16 and fp32 gradients); fp64 under train.precision=fp64
     dtype = torch.promote_types(grads[0][1].dtype, torch.float32) if grads else torch.float32
-    sharded = {axis: torch.zeros((), dtype=dtype) for axis in axes}
-    replicated = torch.zeros((), dtype=dtype)
+    device = grads[0][1].device if grads else torch.device("cpu")
+    # summed where the gradients are: no copy to the host (a GPU sync) per parameter
+    sharded = {axis: torch.zeros((), dtype=dtype, device=device) for axis in axes}
+    replicated = torch.zeros((), dtype=dtype, device=device)
     for p, g in grads:
-        sq = torch.linalg.vector_norm(g, dtype=dtype).cpu() ** 2
+        sq = torch.linalg.vector_norm(g, dtype=dtype) ** 2
         shard = getattr(p, "_meshlm_shard", None)
         if shard is not None:
             assert shard[0] in sharded, f"a gradient sharded over {shard[0]!r}, not in {axes}"
             sharded[shard[0]] = sharded[shard[0]] + sq
         else:
             replicated = replicated + sq
-    device = grads[0][1].device if grads else torch.device("cpu")
-    total = replicated.to(device)
+    total = replicated
     for axis, sq in sharded.items():
-        total = total + comm.all_reduce(sq.to(device).reshape(1).contiguous(), mesh, axis)[0]
+        total = total + comm.all_reduce(sq.reshape(1).contiguous(), mesh, axis)[0]
     return total.sqrt()
 
 

@@ -103,8 +103,8 @@ def rng_state() -> dict:
     state = {"python": [version, list(words), gauss],
              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
              "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's device only: a resume may see fewer
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -114,8 +114,13 @@ def set_rng_state(state: dict) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        if isinstance(cuda[0], list):  # written by earlier meshlm: every visible device's state; take ours
+            index = torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(torch.tensor(cuda, dtype=torch.uint8))
 
 
 # --------------------------------------------------------------------------------------------

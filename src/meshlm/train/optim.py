@@ -42,9 +42,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, zero=None) -> torch.o
                              "the model in fp32 and use train.precision=bf16 for bf16 compute (autocast)")
     if zero is not None:
         return ZeroAdamW(zero, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    # foreach=False keeps the update a plain per-parameter loop: identical numerics whatever the grouping.
+    # On CPU foreach=False keeps the update a plain per-parameter loop: identical numerics whatever the grouping
+    # (the parity proofs). On CUDA the fused kernel: one launch for all parameters instead of ~10 per parameter.
+    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    kind = {"fused": True} if on_cuda else {"foreach": False}
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, foreach=False)
+                             eps=cfg.eps, **kind)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
