@@ -15,8 +15,6 @@ and has no tags. So a communication order can pass every gloo test and hang on i
 
 from __future__ import annotations
 
-import pytest
-
 from dist import run_distributed
 from meshlm.nccl_order import TracedOp, TracedWait, replay
 from meshlm.parallel.schedules import SCHEDULES, build_schedule, exchanges, forward_only_actions

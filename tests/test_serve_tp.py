@@ -269,43 +269,28 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
     import glob
     import os
     import signal
-    import subprocess
-    import sys
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from test_server import free_port, make_model_dir, serve_argv
+    from test_server import free_port, make_model_dir, serve_argv, server_process
 
     model_dir = make_model_dir(tmp_path)
     want = LLM(str(model_dir), device="cpu", block_size=8).generate(
         ["hello world"], SamplingParams(temperature=0.0, max_tokens=6))[0].text
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     argv = [a for a in serve_argv(model_dir, port, "--cp", "2") if a != "--quiet"]
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    with server_process(argv, port) as (proc, url):
 
-    def descends(pid: int) -> bool:  # from the server's launcher
-        while pid > 1:
-            if pid == proc.pid:
-                return True
-            try:
-                pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                return False
-        return False
+        def descends(pid: int) -> bool:  # from the server's launcher
+            while pid > 1:
+                if pid == proc.pid:
+                    return True
+                try:
+                    pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    return False
+            return False
 
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server did not come up")
         body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "temperature": 0}
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, got.text
@@ -336,10 +321,6 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode != 0 and "rank 1 failed first (killed by SIGKILL)" in out, out[-2000:]
         assert "KV cache of" in out and "over 2 ranks" in out, out[-2000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 IDLE_TIMEOUT_S, IDLE_S = 5, 12  # the collective timeout, and an idle time well past it
@@ -348,32 +329,14 @@ IDLE_TIMEOUT_S, IDLE_S = 5, 12  # the collective timeout, and an idle time well 
 def test_a_tp2_server_idle_past_its_collective_timeout_still_answers(tmp_path):
     """`meshlm serve --tp 2 --collective-timeout 5` on gloo, idle for 12 s, then asked: it answers (the worker
     rank waits for rank 0's next step inside a collective, which the keepalive renews while idle)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from test_server import free_port, make_model_dir, serve_argv
+    from test_server import free_port, make_model_dir, serve_argv, server_process
 
     model_dir = make_model_dir(tmp_path)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    argv = serve_argv(model_dir, port, "--tp", "2", "--collective-timeout", str(IDLE_TIMEOUT_S))
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server did not come up")
+    with server_process(serve_argv(model_dir, port, "--tp", "2", "--collective-timeout", str(IDLE_TIMEOUT_S)),
+                        port) as (proc, url):
         body = {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature": 0}
         first = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert first.status_code == 200, first.text
@@ -383,7 +346,3 @@ def test_a_tp2_server_idle_past_its_collective_timeout_still_answers(tmp_path):
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

@@ -41,6 +41,38 @@ def make_model_dir(path, *, max_len: int = 128):
     return path
 
 
+@contextlib.contextmanager
+def server_process(argv: list[str], port: int):
+    """`meshlm <argv>` in a session of its own, without the launcher variables of any enclosing launch;
+    yields (the process, its URL) once GET /health answers 200; kills it and its ranks on the way out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up")
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

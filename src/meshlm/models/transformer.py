@@ -290,10 +290,14 @@ def init_weights(model: nn.Module, config: ModelConfig, seed: int) -> None:
 
 
 def build_model(config: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> Transformer:
-    """Construct and deterministically initialise the reference model."""
+                dtype: torch.dtype = torch.float32, materialize: bool = True) -> Transformer:
+    """Construct and deterministically initialise the reference model. `materialize=False`: leave every
+    parameter on the meta device (shapes only, no memory), for whoever fills in only the parts it needs;
+    each parameter's values are `init_param(name, ...)` whoever computes them."""
     with torch.device("meta"):
         model = Transformer(config)
+    if not materialize:
+        return model
     model = model.to_empty(device="cpu")
     # to_empty gives each module its own new tensor, which unties lm_head from embed: tie again.
     if config.tie_embeddings:

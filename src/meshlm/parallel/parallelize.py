@@ -27,6 +27,7 @@ built, so a layout the code cannot run never half-starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.context import ContextParallel, apply_context_parallel, check_seq_len
 from meshlm.parallel.data import DataParallel, apply_data_parallel
 from meshlm.parallel.expert import apply_expert_parallel, expert_mesh
+from meshlm.parallel.materialize import ShardInit, materialize
 from meshlm.parallel.pipeline import (PipelineStage, check_pipeline_model, default_layers_per_stage, pipeline_grad_norm,
                                      split_model)
 from meshlm.parallel.recompute import apply_recompute
@@ -249,13 +251,17 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broadcast: bool = True,
-                seq_len: int | None = None) -> ParallelModel:
+                seq_len: int | None = None, init: ShardInit | None = None) -> ParallelModel:
     """Apply every strategy `parallel` asks for to `model` (in place), in the fixed order; collective.
 
     Every rank of the mesh must call it. `broadcast=True` makes data-parallel replicas start from
     coordinate 0's weights (see `apply_data_parallel`). `seq_len` (train.seq_len; None: the model's
     max_seq_len) prices the pipeline's default split (`pp_layers`). Raises ValueError for a setting that is
     not implemented yet, or for a model that was parallelized already, before changing anything.
+
+    A model on the meta device (`build_model(..., materialize=False)`) is split as it is, then each rank
+    gives values only to what it holds (`init`, a `materialize.ShardInit`; its mesh is set here): no rank
+    ever holds the whole model, and no broadcast is needed (every rank computes the same numbers).
     """
     check_supported(parallel)
     if getattr(model, _MARK, False):
@@ -292,6 +298,14 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if cp > 1:
         result.context = apply_context_parallel(model, mesh, method=parallel.cp_method)
     apply_recompute(model, parallel.recompute)
+    zero_init = None
+    if any(p.is_meta for p in model.parameters()):
+        if init is None:
+            raise ValueError("the model is on the meta device: pass init=ShardInit(...) to give each rank its values")
+        init = dataclasses.replace(init, mesh=mesh)
+        materialize(model, init, hollow=parallel.zero_stage == 3)
+        zero_init = init if parallel.zero_stage == 3 else None  # ZeRO-3 fills its shards unit by unit
+        broadcast = False
     # Under expert parallelism the experts' gradients are summed (or ZeRO-sharded) only over the ranks that
     # hold the same experts ("ep_dp"), the other parameters' over every data-parallel rank.
     experts = [p for p in model.parameters() if getattr(p, "_meshlm_shard", None) == ("ep", 0)]
@@ -300,14 +314,14 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
         # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
         # DP's all-reduce on top would reduce every gradient twice.
         result.zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
-                                 broadcast=broadcast, params=dense)
+                                 broadcast=broadcast, params=dense, init=zero_init)
         if experts:
             # ep_dp spans the replicas too: one sharding over all of it, no replica all-reduce; the
             # other experts' squares join the gradient norm over "ep". ZeRO-3: both shardings gather
             # per block (the experts have no root unit), each on its own duplicated groups.
             expert_zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
                                      broadcast=broadcast, params=experts, shard_axis="ep_dp", replicate_axis=None,
-                                     data_axis="ep_dp", other_shards_axis="ep")
+                                     data_axis="ep_dp", other_shards_axis="ep", init=zero_init)
             result.zero = ZeroGroup([result.zero, expert_zero])
     elif mesh.size("dp_cp") > 1:
         # Under context parallelism the cp ranks hold the same weights and see different tokens: their

@@ -108,7 +108,7 @@ class ZeroSharding(GradientBuckets):
     def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float,
                  params: list[nn.Parameter] | None = None, shard_axis: str | None = None,
                  replicate_axis: str | None = REPLICATE_AXIS, data_axis: str | None = None,
-                 other_shards_axis: str | None = None):
+                 other_shards_axis: str | None = None, init=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage={stage} must be 1, 2 or 3 (0 is plain data parallelism)")
         for name, p in trainable_parameters(model):
@@ -136,16 +136,18 @@ class ZeroSharding(GradientBuckets):
         # The gradient shard: reduce-scatter outputs land in views of it, one per bucket. It exists from
         # the first reduce-scatter of a step until the optimizer's zero_grad (`release_grad_shard`).
         self.grad_shard: torch.Tensor | None = None
-        params_by_id = {id(p): p.detach() for b in buckets for p in b.params}
         # The master shard the optimizer updates; its `.grad` is the gradient shard, so
-        # `clip_grad_norm([param_shard], ...)` clips exactly what the optimizer steps on.
-        self.param_shard = nn.Parameter(self.local_shard(params_by_id), requires_grad=False)
+        # `clip_grad_norm([param_shard], ...)` clips exactly what the optimizer steps on. A model built sharded
+        # (`init`, ZeRO-3: parameters without storage) takes each unit's values from `init`, one unit at a time.
+        self.param_shard = nn.Parameter(self.local_shard(
+            (lambda b, i, p: init(b.names[i], p)) if init is not None else (lambda b, i, p: p.detach())),
+            requires_grad=False)
         # Elements of TP-sharded parameters (None without tensor parallelism): the norm sums them over tp.
         self.tp_sharded = None
         if mesh.size("tp") > 1:
-            flags = {id(p): torch.full_like(p, float(getattr(p, "_meshlm_shard", (None,))[0] == "tp"))
-                     for b in buckets for p in b.params}
-            self.tp_sharded = self.local_shard(flags).bool()  # padding: False (its gradient is zero)
+            self.tp_sharded = self.local_shard(  # padding: False (its gradient is zero)
+                lambda b, i, p: torch.full(p.shape, float(getattr(p, "_meshlm_shard", (None,))[0] == "tp"),
+                                           dtype=p.dtype, device=p.device)).bool()
         if stage == 3:
             self.gather_mesh = mesh.duplicate(self.shard_axis)  # the parameter gathers' own groups (see the module doc)
             self._link_units()
@@ -195,7 +197,9 @@ class ZeroSharding(GradientBuckets):
     def _shard_parameters(self) -> None:
         """Point every parameter into its bucket's flat buffer, then free the buffers (stage 3)."""
         for b in self.buckets:
-            b.full = b.flat(b.params)
+            # the values do not matter: the buffer is freed below and gathered from the shards before any use
+            p0 = b.params[0]
+            b.full = torch.empty(b.padded, dtype=p0.dtype, device=p0.device)
             for i, p in enumerate(b.params):
                 p.data = b.unflat(b.full, i)
             b.gathered = True
@@ -300,9 +304,10 @@ class ZeroSharding(GradientBuckets):
                     yield name, p, start - offset, end - offset, b.shard_offset + start - mine
 
     @torch.no_grad()
-    def local_shard(self, tensors_of: dict[int, torch.Tensor]) -> torch.Tensor:
-        """This rank's flat shard of one full tensor per parameter (keyed by id of the parameter)."""
-        return torch.cat([self.my_chunk(b, b.flat(tensors_of.get(id(p)) for p in b.params))
+    def local_shard(self, value_of) -> torch.Tensor:
+        """This rank's flat shard of one full tensor per parameter, `value_of(bucket, i, param)` (None: zeros),
+        asked for one bucket at a time (a bucket's full tensors are dropped once its chunk is cut)."""
+        return torch.cat([self.my_chunk(b, b.flat(value_of(b, i, p) for i, p in enumerate(b.params))).clone()
                           for b in self.buckets])
 
     @torch.no_grad()
@@ -324,7 +329,7 @@ class ZeroSharding(GradientBuckets):
             comm.broadcast(flat, self.mesh, self.data_axis, src=0)
             for i, p in enumerate(b.params):
                 p.copy_(b.unflat(flat, i))
-        self.param_shard.copy_(self.local_shard({id(p): p.detach() for b in self.buckets for p in b.params}))
+        self.param_shard.copy_(self.local_shard(lambda b, i, p: p.detach()))
 
     # -- the bucket engine: a reduce-scatter into this rank's gradient shard per bucket ----------
 

@@ -19,6 +19,9 @@ from torch import nn
 from meshlm.parallel.zero import ZeroSharding
 
 
+_UPDATE_SLICE = 1 << 22  # elements updated at a time (elementwise: the same numbers as all at once)
+
+
 class ZeroAdamW(torch.optim.Optimizer):
     """AdamW on this rank's flat parameter shard(s); `step()` also all-gathers the updated parameters.
 
@@ -71,8 +74,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         step = float(state["step"])
         bias_correction1 = 1 - beta1 ** step
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-        denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
+        for start in range(0, param.numel(), _UPDATE_SLICE):  # temporaries of a slice, not of the shard
+            part = slice(start, start + _UPDATE_SLICE)
+            denom = (state["exp_avg_sq"][part].sqrt() / bias_correction2_sqrt).add_(eps)
+            param[part].addcdiv_(state["exp_avg"][part], denom, value=-lr / bias_correction1)
         # ZeRO-1/2 keep full parameters on every rank: bring every rank's updated shard back. ZeRO-3
         # gathers each unit from the shard when its next forward needs it.
         if z.stage < 3:

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+from meshlm.parallel.materialize import placement
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -116,17 +118,6 @@ def rectangles(start: int, end: int, shape) -> list[tuple[tuple[int, ...], tuple
     if end % inner:
         out += rectangles(rows_to * inner, end, shape)
     return out
-
-
-def placement(local_shape, tag, mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(full shape, offsets of this rank's shard) of a tensor of `local_shape` tagged `(axis, dim)` or None."""
-    shape, offsets = list(local_shape), [0] * len(local_shape)
-    if tag is not None:
-        axis, dim = tag
-        assert mesh is not None, "a sharded model needs its mesh to save or load a checkpoint"
-        offsets[dim] = mesh.local_rank(axis) * shape[dim]
-        shape[dim] *= mesh.size(axis)
-    return tuple(shape), tuple(offsets)
 
 
 def _whole(t: torch.Tensor, tag, mesh) -> ShardedState:

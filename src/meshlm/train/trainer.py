@@ -53,6 +53,7 @@ from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.expert import expert_load_stats, router_biases, set_router_biases, update_router_biases
 from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
+from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
 from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
 from meshlm.parallel.recompute import SavedTensorMeter
@@ -215,14 +216,18 @@ class Trainer:
         seed_everything(t.seed)
 
     def setup_model(self, *, weights=None) -> None:
-        """Build the model and apply the layout. `weights(model)`, when given, fills the full model
-        before it is split over the ranks (so every layout starts from the same tensors)."""
+        """Build the model and apply the layout: on the meta device, split, then each rank initialises only
+        what it holds (`parallel/materialize.py`: the values the single-device model has there). `weights(model)`,
+        when given, fills the full model before it is split over the ranks (so every layout starts from the
+        same tensors); that one is built whole."""
         cfg, t = self.cfg, self.cfg.train
         self.dtype = param_dtype(t.precision)
-        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype)
+        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype,
+                                      materialize=weights is not None)
         if weights is not None:
             weights(self.base_model)
-        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len)
+        init = ShardInit(cfg.model, t.seed, self.mesh, self.device, self.dtype)
+        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len, init=init)
         self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
         self.mesh = self.parallel.mesh  # expert parallelism adds its "ep" and "ep_dp" groups
         self.moe = cfg.model.is_moe

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run (under 10 minutes on one node): tests/gpu (NCCL layouts need 2-4 GPUs and are
+# skipped with fewer), then the benchmarks that take --device cuda, at small sizes, each beside its PyTorch peer.
+# On a machine with CUDA and the project installed (pip install --no-deps -e . where no package index is reachable):
+#   bash tests/gpu/run.sh            # JSON of each benchmark under gpu-results/
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${GPU_RESULTS:-gpu-results}
+mkdir -p "$out"
+status=0
+gpus=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+echo "visible GPUs: $gpus"
+if [ "$gpus" -lt 1 ]; then
+    echo "no CUDA device: nothing to check here" >&2
+    exit 1
+fi
+timeout 420 python -m pytest tests/gpu -q -rs -p no:cacheprovider || status=1
+ranks=$(( gpus >= 2 ? 2 : 1 ))
+bench() {  # name, then its arguments
+    local name=$1; shift
+    echo "== benchmarks/$name.py $*"
+    timeout 60 python "benchmarks/$name.py" "$@" > "$out/$name.json" 2> "$out/$name.err" || { status=1; tail -5 "$out/$name.err"; }
+}
+bench train_step --device cuda
+if [ "$gpus" -ge 2 ]; then
+    bench tp --device cuda --world-sizes 2 --steps 5
+    bench zero --device cuda --world-sizes 2 --steps 5
+    bench cp --device cuda --cps 1,2
+fi
+echo "results in $out/ (exit $status)"
+exit $status

@@ -1,0 +1,142 @@
+"""Checks only a machine with NVIDIA GPUs can make (skipped without CUDA); `tests/gpu/run.sh` runs them with the
+benchmarks on CUDA. What each shows:
+- one GPU: training in bf16 on CUDA follows the fp32 CPU run's losses closely; a model built sharded on the
+  GPU; the pipeline timeline measured by CUDA events; greedy serving on CUDA, pinned to its device;
+- two GPUs and more (NCCL): pp=2 under every schedule, cp=2 ring attention, ep=2, tp=2 x ZeRO-3 (4 GPUs),
+  each through `meshlm train --nproc` with a short collective timeout; `meshlm serve --tp 2` answering after
+  an idle period longer than its collective timeout. These are the orders `tests/test_nccl_order.py` proves
+  deadlock-free on CPU; here NCCL itself runs them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if CUDA else 0
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.intermediate_size=128", "model.max_seq_len=64", "train.seq_len=64", "train.global_batch_size=8",
+         "train.micro_batch_size=2", "train.val_batches=1", "train.val_interval=10", "train.lr=3e-3",
+         "train.warmup_steps=2", "train.progress=false", "parallel.collective_timeout_s=60"]
+
+
+def _corpus(tmp_path: Path) -> Path:
+    from runs import write_corpus
+
+    return write_corpus(tmp_path / "corpus.txt", 400)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    from runs import step_losses
+
+    return step_losses(run_dir)
+
+
+def test_bf16_on_cuda_follows_the_fp32_cpu_run(tmp_path):
+    from meshlm.config import load_config
+    from meshlm.train.trainer import Trainer
+
+    corpus = _corpus(tmp_path)
+    runs = {}
+    for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
+        run_dir = tmp_path / device
+        cfg = load_config(overrides=[*SMALL, f"data.path={corpus}", f"train.run_dir={run_dir}", "train.steps=10",
+                                     f"train.device={device}", f"train.precision={precision}"])
+        Trainer(cfg).train()
+        runs[device] = _losses(run_dir)
+    assert runs["cuda"][-1] < runs["cuda"][0] - 0.5
+    assert max(abs(a - b) for a, b in zip(runs["cpu"], runs["cuda"])) < 0.1, runs
+
+
+def test_a_model_built_sharded_on_the_gpu_holds_the_single_device_values(tmp_path):
+    from meshlm.config import load_config
+    from meshlm.models.transformer import build_model
+    from meshlm.train.trainer import Trainer
+
+    cfg = load_config(overrides=[*SMALL, f"data.path={_corpus(tmp_path)}", f"train.run_dir={tmp_path / 'r'}",
+                                 "train.device=cuda"])
+    trainer = Trainer(cfg)
+    whole = build_model(cfg.model, seed=cfg.train.seed).state_dict()
+    for name, p in trainer.base_model.state_dict().items():
+        assert p.device.type == "cuda"
+        torch.testing.assert_close(p.cpu(), whole[name], rtol=0, atol=0)
+
+
+def test_the_pipeline_timeline_is_measured_on_the_gpu():
+    from meshlm.parallel.pipeline import StepClock
+
+    clock = StepClock(torch.device("cuda"))
+    x = torch.randn(4096, 4096, device="cuda")
+    start = clock.mark()
+    for _ in range(20):
+        x = x @ x.T / 4096
+    end = clock.mark()
+    # the host queued the matmuls in microseconds; the events saw the GPU do them
+    assert clock.seconds(end) - clock.seconds(start) > 1e-4
+
+
+def test_greedy_serving_on_cuda_equals_the_cpu(tmp_path):
+    from test_server import make_model_dir
+
+    from meshlm import LLM, SamplingParams
+
+    model_dir = make_model_dir(tmp_path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    cpu = LLM(str(model_dir), device="cpu", dtype=torch.float32).generate(["hello world"], greedy)[0].token_ids
+    gpu = LLM(str(model_dir), device="cuda", dtype=torch.float32).generate(["hello world"], greedy)[0].token_ids
+    assert gpu == cpu
+
+
+# -- several GPUs: NCCL ---------------------------------------------------------------------------------------
+
+LAYOUTS = {  # name -> (GPUs, overrides)
+    "pp2 gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    "pp2 1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp2 interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2"]),
+    "pp2 zero_bubble": (2, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
+    "cp2 ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"]),
+    "ep2": (2, ["parallel.ep=2", "model.num_experts=4", "model.num_experts_per_token=2",
+                "model.moe_intermediate_size=64"]),
+    "tp2 x zero3": (4, ["parallel.tp=2", "parallel.zero_stage=3"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_nccl_layouts_train(tmp_path, name):
+    gpus, overrides = LAYOUTS[name]
+    if GPUS < gpus:
+        pytest.skip(f"needs {gpus} GPUs, {GPUS} visible")
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(gpus), "--set", f"data.path={_corpus(tmp_path)}",
+            "--set", f"train.run_dir={run_dir}", "--set", "train.steps=6", "--set", "train.device=cuda",
+            "--set", "train.precision=bf16", *[a for o in [*SMALL, *overrides] for a in ("--set", o)]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = _losses(run_dir)
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+def test_a_tp2_server_on_gpus_idle_past_its_timeout_answers(tmp_path):
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, {GPUS} visible")
+    httpx = pytest.importorskip("httpx")
+    from test_server import free_port, make_model_dir, serve_argv, server_process
+
+    model_dir = make_model_dir(tmp_path)
+    port = free_port()
+    argv = [a if a != "cpu" else "cuda" for a in serve_argv(model_dir, port, "--tp", "2", "--collective-timeout", "10")]
+    with server_process(argv, port) as (_, url):
+        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        time.sleep(20)
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
