@@ -120,3 +120,20 @@ def test_aux_loss_is_one_for_uniform_routing():
         for block in model.layers.values():
             assert 0.95 < block.mlp.last_aux_loss.item() < 1.2
     assert build_model(ModelConfig(**DENSE)).aux_loss() == 0.0
+
+
+def test_rope_keeps_q_and_k_in_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast the projections give bf16 q/k; RoPE's fp32 cos/sin must not promote them to fp32 (the
+    attention, and the K/V context parallelism ships, would run in fp32)."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      max_seq_len=16)
+    model, seen, sdpa = build_model(cfg), [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 64, (2, 16)))
+    assert seen == [(torch.bfloat16,) * 3]

@@ -75,6 +75,9 @@ def apply_rope(x_bhsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         cos, sin = cos[None, None], sin[None, None]
     else:  # [batch, seq, dim]
         cos, sin = cos[:, None], sin[:, None]
+    # in q/k's own dtype: bf16 q/k under autocast times fp32 cos/sin would come out fp32, and everything after
+    # (attention, the K/V context parallelism ships) would run in fp32 (as Hugging Face, in the input's dtype)
+    cos, sin = cos.to(x_bhsd.dtype), sin.to(x_bhsd.dtype)
     half = x_bhsd.shape[-1] // 2
     rotated = torch.cat([x_bhsd[..., half:], x_bhsd[..., :half]], dim=-1)
     return (x_bhsd * cos).add_(rotated.mul_(sin))
