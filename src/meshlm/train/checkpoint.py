@@ -397,11 +397,15 @@ def begin_save(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: t
         # Staged: CPU copies of this rank's pieces (its shard, never a full tensor), then written by a
         # thread while training goes on; DCP's coordination runs on `async_group`, not the training's groups.
         state = _staged(state)
+        copied = torch.cuda.Event() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        if copied is not None:
+            copied.record()  # the writer thread waits for this point of the training stream, nothing later
     weights = _my_weights(state["model"], rank=rank)
     if asynchronous:
         one_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshlm-save")
-        pending.writes.append(writer.submit(_write, state, weights, tmp, rank, group=async_group, no_dist=one_process))
+        pending.writes.append(writer.submit(_write, state, weights, tmp, rank, group=async_group, no_dist=one_process,
+                                            copied=copied))
         writer.shutdown(wait=False)  # its errors surface in finish_save
     else:
         _write(state, weights, tmp, rank)
@@ -483,19 +487,31 @@ def _my_weights(state_model: dict, *, rank: int) -> dict[str, tuple[torch.Tensor
 
 
 def _staged(tree):
-    """A copy of a `checkpoint_state` with every piece copied to CPU memory (asynchronous save)."""
+    """A copy of a `checkpoint_state` with every piece copied to CPU memory (asynchronous save). From a GPU the
+    copies go into pinned memory without blocking the training thread; `_write` waits for them (a CUDA event)."""
     if isinstance(tree, ShardedState):
-        return ShardedState(tree.shape, [Piece(p.offsets, p.tensor.detach().to("cpu", copy=True)) for p in tree.pieces],
+        return ShardedState(tree.shape, [Piece(p.offsets, _host_copy(p.tensor)) for p in tree.pieces],
                             dtype=tree.dtype, device=torch.device("cpu"))
     if isinstance(tree, dict):
         return {k: _staged(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_staged(v) for v in tree]
-    return tree.detach().to("cpu", copy=True) if torch.is_tensor(tree) else tree
+    return _host_copy(tree) if torch.is_tensor(tree) else tree
 
 
-def _write(state: dict, weights: dict, tmp: Path, rank: int, *, group=None, no_dist: bool = False) -> None:
-    """DCP's files of this rank's pieces (collective over `group`), then its safetensors of the weights."""
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t.detach().to("cpu", copy=True)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t.detach(), non_blocking=True)
+
+
+def _write(state: dict, weights: dict, tmp: Path, rank: int, *, group=None, no_dist: bool = False,
+           copied=None) -> None:
+    """DCP's files of this rank's pieces (collective over `group`), then its safetensors of the weights.
+    `copied`: a CUDA event after the staging copies, waited for first."""
+    if copied is not None:
+        copied.synchronize()
     import time
 
     from meshlm.comm import CollectiveError
