@@ -142,6 +142,8 @@ def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file):
 
 
 def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_rank_op_and_axis(tmp_path, text_file):
+    """Rank 1 is SIGSTOPped mid-run: rank 0's collective gives up after the timeout with one line naming itself,
+    the op and the mesh axis, and the rank that stopped answering (`meshlm.liveness`)."""
     run = tmp_path / "run"
     # no checkpoints: the stop then falls in one of meshlm's own collectives (DCP's saves use torch's)
     proc = start(run, text_file, extra=["train.steps=400", "parallel.collective_timeout_s=3",
@@ -177,6 +179,7 @@ def test_a_stopped_rank_fails_the_run_within_the_timeout_naming_rank_op_and_axis
     named = [line for line in err.splitlines() if "on mesh axis" in line and "failed after" in line]
     assert named, err[-3000:]
     assert "rank 0:" in named[0] and "parallel.collective_timeout_s" in named[0], named[0]
+    assert "not responding: rank 1" in named[-1], named  # the stopped rank, named by its silent heartbeat
     last = err.strip().splitlines()[-1]
     assert last.startswith("meshlm train: rank ") and "failed first" in last, last
 

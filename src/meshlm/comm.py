@@ -92,8 +92,10 @@ class CommStats:
     events: list[CommEvent] = field(default_factory=list)
     trace: list[TracedOp | TracedWait] = field(default_factory=list)
     num_traced: int = field(default=0, repr=False)  # TracedOps in `trace`
+    last: tuple[str, str] | None = field(default=None, repr=False)  # (op, axis) of the latest call, for errors
 
     def record(self, op: str, axis: str, nbytes: int, seconds: float = 0.0) -> None:
+        self.last = (op, axis)
         s = self.ops[(op, axis)]
         s.calls += 1
         s.bytes += nbytes

@@ -110,6 +110,9 @@ def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | N
         raise ValueError(f"{world_size} ranks but {missing} are not set; launch with torchrun, or export "
                          "MASTER_ADDR=<first node> MASTER_PORT=<free port> before srun")
     timeout = timedelta(seconds=timeout_s)
+    # NCCL's own watchdog aborts the process at the group's timeout without saying who is missing: give ours
+    # (`meshlm.liveness`, at twice the collective timeout) the time to say it first.
+    pg_timeout = timedelta(seconds=3 * timeout_s + 60) if backend == "nccl" else timeout
     # The rendezvous store: torch elastic's agent hosts one (TORCHELASTIC_USE_AGENT_STORE) and keeps it when
     # it restarts the ranks after a failure (--max-restarts), so every attempt gets a key prefix of its own:
     # without it the new ranks read the dead ranks' addresses and fail to connect. Otherwise rank 0 hosts it.
@@ -117,7 +120,7 @@ def init_distributed(device_type: str = "cpu", *, environ: Mapping[str, str] | N
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
                           is_master=not agent_store and rank == 0, timeout=timeout)
     store = dist.PrefixStore(f"meshlm/attempt_{restart_count(env)}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout, **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device=device)
 
 

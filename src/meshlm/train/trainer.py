@@ -53,6 +53,7 @@ from meshlm.mesh import Mesh, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.expert import expert_load_stats, router_biases, set_router_biases, update_router_biases
 from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
+from meshlm.liveness import Heartbeat
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
 from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
@@ -482,12 +483,15 @@ class Trainer:
         last = {"loss": float("nan")}
         final_val = None
         times = []
+        heartbeat = self.start_heartbeat()
         try:
             if has_val and self.first_val_loss is None:
                 self.first_val_loss = final_val = self.evaluate()
                 logger.log({"step": self.step, "val_loss": final_val})
             while self.step < stop:
                 last = self.train_step()
+                if heartbeat is not None:
+                    heartbeat.progress()
                 times.append(last["step_time_s"])
                 if self.step % t.log_interval == 0 or self.step == stop:
                     logger.log(last)
@@ -499,12 +503,33 @@ class Trainer:
             if self.saved_step != self.step:
                 self.save()
             self.finish_checkpoint()
+        except comm.CollectiveError as e:
+            if heartbeat is None:
+                raise
+            raise comm.CollectiveError(f"{e}; {heartbeat.explain()}") from e
         finally:
             logger.close()
+            if heartbeat is not None:
+                heartbeat.close()
         num_tokens = t.global_batch_size * t.seq_len
         return {"steps": self.step, "loss": last["loss"], "val_loss": final_val,
                 "first_val_loss": self.first_val_loss,
                 "tokens_per_s": num_tokens * len(times) / sum(times) if times else 0.0}
+
+    def start_heartbeat(self) -> Heartbeat | None:
+        """With several ranks: this rank's heartbeat (a failed collective's error then names the ranks that
+        stopped answering); on CUDA also the step watchdog that turns NCCL's silent wait into that error."""
+        if self.world_size == 1:
+            return None
+        timeout = self.cfg.parallel.collective_timeout_s
+        stats = self.mesh.stats
+
+        def describe() -> str:
+            return f" (last collective issued: {stats.last[0]} on mesh axis {stats.last[1]!r})" if stats.last else ""
+
+        # a step is many collectives: the watchdog allows one full timeout past the collectives' own
+        return Heartbeat(self.rank, self.world_size, describe=describe,
+                         watchdog_s=2 * timeout if self.device.type == "cuda" else None)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, *, asynchronous: bool = False) -> Path:
