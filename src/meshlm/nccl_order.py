@@ -96,6 +96,16 @@ def replay(traces: dict[int, list] | list[list]) -> list[str]:
             items[(rank, i)] = item
             ops.append(item)
 
+    partner = _pair_messages(items, sends, recvs, problems)
+    coll_peer = _match_collectives(items, collectives, problems)
+    if problems:
+        return problems
+    return _run(items, partner, coll_peer, waited, ranks=list(by_rank))
+
+
+def _pair_messages(items, sends, recvs, problems: list[str]) -> dict:
+    """(rank, op, index in its group) -> its partner's: the k-th send from a to b with the k-th receive at b
+    from a (NCCL's pairing); a pair whose sizes or tags differ, and an op left over, are problems."""
     partner: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     for key in set(sends) | set(recvs):
         s, r = sends.get(key, []), recvs.get(key, [])
@@ -109,8 +119,11 @@ def replay(traces: dict[int, list] | list[list]) -> list[str]:
         for who, extra in (("send", s[len(r):]), ("receive", r[len(s):])):
             for rank, i, _ in extra:
                 problems.append(f"rank {rank}: {items[(rank, i)].op.describe()} has a {who} that no peer matches")
+    return partner
 
-    # the n-th collective of each member of a communicator is one op
+
+def _match_collectives(items, collectives, problems: list[str]) -> dict:
+    """(rank, op) -> every member's (rank, op) of the same collective: each member's n-th on a communicator."""
     group_members: dict[str, tuple[int, ...]] = {}
     for (group, rank), idx in collectives.items():
         group_members[group] = items[(rank, idx[0])].op.ranks
@@ -135,11 +148,15 @@ def replay(traces: dict[int, list] | list[list]) -> list[str]:
                     "; ".join(f"rank {m}: {o.op} of {o.nbytes} B" for m, o in sorted(ops.items()))))
             for m, i in present.items():
                 coll_peer[(m, i)] = sorted(present.items())
-    if problems:
-        return problems
+    return coll_peer
+
+
+def _run(items, partner, coll_peer, waited, *, ranks) -> list[str]:
+    """Advance every op that may start and finds its partners running, until nothing moves; what is left
+    is a deadlock, described by each stuck rank's running ops."""
 
     # The waits a rank has passed: the compute stream is past its k-th wait once the ops of waits 0..k are done.
-    passed = dict.fromkeys(by_rank, 0)
+    passed = dict.fromkeys(ranks, 0)
 
     def started(item: _Item) -> bool:
         return (not item.done and (item.after is None or items[(item.rank, item.after)].done)
