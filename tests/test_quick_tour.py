@@ -79,13 +79,13 @@ def tour(tmp_path_factory):
     train = argv(COMMANDS[0])
     assert train[0] == "train", COMMANDS[0]
     previous = os.getcwd()
-    os.chdir(root)  # the tour's paths (runs/default, loss.png) are relative
+    os.chdir(root)  # the tour's paths (runs/default, loss.png) are relative; each test goes back there
     try:
         code, out, err = run_main([*train, *[a for o in [*FAST_TRAIN, f"data.path={corpus}"] for a in ("--set", o)]])
-        assert code == 0, err
-        yield root, out
     finally:
         os.chdir(previous)
+    assert code == 0, err
+    return root, out
 
 
 def test_the_tour_goes_train_plot_generate_eval_serve_plan():
@@ -112,9 +112,10 @@ def _skip_without_extra(command: str) -> None:
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if argv(c)[0] not in ("train", "serve")],
                          ids=lambda c: argv(c)[0])
-def test_tour_command(tour, command):
+def test_tour_command(tour, command, monkeypatch):
     _skip_without_extra(command)
     root, _ = tour
+    monkeypatch.chdir(root)  # where the tour's `meshlm train` ran: its paths (runs/default, loss.png) are relative
     code, out, err = run_main(argv(command))
     assert code == 0, f"`{command}` exited {code}: {err}"
     name = argv(command)[0]
