@@ -10,7 +10,9 @@ and has no tags. So a communication order can pass every gloo test and hang on i
   the next action's receive posted ahead of it) deadlocks, as the checker must show;
 - real multi-rank training runs recorded op by op (`CommStats(keep_trace=True)`): every pipeline schedule at
   pp 2 and 4 (chunks 1-2), training and validation; ring and all-gather context parallelism, forward and
-  backward; ZeRO-3 with its two communicators, tensor parallelism, expert all-to-all, a checkpoint save.
+  backward; ZeRO-3 with its two communicators, tensor parallelism, expert all-to-all, a checkpoint save
+  (what goes through `meshlm.comm`; DCP's own collectives do not);
+- tp, cp and tp x cp serving: prefill chunks, decodes, the cp ring and split-KV, the driver's broadcasts.
 """
 
 from __future__ import annotations
@@ -203,3 +205,44 @@ def test_real_runs_replay_under_nccls_rules(tmp_path, text_file):
     zero3_groups = {op.group for op in ops["zero3 dp4"] if op.axis == "dp_shard"}
     assert len(zero3_groups) >= 2, zero3_groups
     assert any(op.op == "all_to_all" and op.axis == "ep" for op in ops["ep2 x dp2 moe"])
+
+
+SERVING = {2: {"tp2": (2, 1), "cp2": (1, 2)}, 4: {"tp2 x cp2": (2, 2)}}  # world size -> name -> (tp, cp)
+
+
+def _record_serving(rank, world_size):
+    """Per layout: greedy generation of prompts long enough for chunked prefill, decodes batched beside
+    prefills, over the launch's ranks; every op recorded (the driver's keepalive included, if it fires)."""
+    import torch
+
+    from meshlm.comm import CommStats
+    from meshlm.config import ModelConfig
+    from meshlm.infer.llm import LLM
+    from meshlm.infer.sequence import SamplingParams
+    from meshlm.models.transformer import build_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      max_seq_len=128)
+    prompts = [[(7 * i + j) % 60 + 1 for j in range(n)] for i, n in enumerate((5, 40, 23))]
+    out = {}
+    for name, (tp, cp) in SERVING[world_size].items():
+        stats = CommStats(keep_trace=True)
+        llm = LLM(build_model(cfg, seed=0), tp=tp, cp=cp, device="cpu", dtype=torch.float32, comm_stats=stats,
+                  block_size=4, max_num_batched_tokens=16)
+        if llm.is_driver:
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+            llm.close()
+        out[name] = list(stats.trace)
+    return out
+
+
+def test_tp_and_cp_serving_steps_replay_under_nccls_rules():
+    for world, layouts in SERVING.items():
+        results = run_distributed(_record_serving, world, timeout=240)
+        for name in layouts:
+            traces = {rank: results[rank][name] for rank in range(world)}
+            ops = [op for op in traces[0] if isinstance(op, TracedOp)]
+            assert len(ops) > 20, (name, len(ops))  # steps were recorded: broadcasts, gathers, the ring
+            assert replay(traces) == [], name
+            if "cp2" in name:  # the prefill's ring over the cp ranks' KV blocks
+                assert any(op.op == "p2p" and op.axis == "cp" for op in ops), name

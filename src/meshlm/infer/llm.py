@@ -56,8 +56,9 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
     return net, _WrappedTokenizer(tok)
 
 
-def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1):
-    """The mesh of a parallel `LLM`: the ranks of the launch as cp x tp (the process group must exist)."""
+def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1, stats=None):
+    """The mesh of a parallel `LLM`: the ranks of the launch as cp x tp (the process group must exist);
+    `stats`: the `comm.CommStats` it counts into (default: a new one)."""
     import torch.distributed as dist
 
     from meshlm.mesh import ParallelDims, build_mesh
@@ -67,13 +68,13 @@ def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1):
         raise ValueError(f"tp={tp} x cp={cp} serves on {tp * cp} ranks but this process is one of {world}; start "
                          f"{tp * cp} ranks (`meshlm generate --tp {tp} --cp {cp}`, or torchrun --nproc-per-node "
                          f"{tp * cp} with every rank building the LLM)")
-    return build_mesh(ParallelDims(tp=tp, cp=cp, dp_shard=1), device_type=torch.device(device).type)
+    return build_mesh(ParallelDims(tp=tp, cp=cp, dp_shard=1), device_type=torch.device(device).type, stats=stats)
 
 
 class LLM:
     def __init__(self, model: str | Path | Transformer, *, tp: int = 1, cp: int = 1, tokenizer: Tokenizer | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device = "auto", reuse_host_memory: bool = True,
-                 **engine_kwargs):
+                 comm_stats=None, **engine_kwargs):
         """`engine_kwargs` go to `Engine`: block_size, num_blocks, kv_cache_memory_bytes, max_num_seqs,
         max_num_batched_tokens, max_model_len, enable_prefix_caching, enable_chunked_prefill, eos_token_ids, seed,
         native_attention (decode attention by the compiled CPU kernel of `infer/native.py`; default True).
@@ -85,7 +86,8 @@ class LLM:
         `tp`, `cp` > 1: on the tp x cp ranks of this launch (each rank calls this with the same arguments),
         the weights split over tp, every sequence's KV blocks spread over cp (`infer/parallel.py`); the KV
         cache arguments are per rank. On rank 0 it returns a usable LLM (`is_driver`); on the others it
-        runs their part of every step and returns once rank 0 calls `close()`."""
+        runs their part of every step and returns once rank 0 calls `close()`. `comm_stats`: a `comm.CommStats`
+        the ranks' communication is counted (or traced) into."""
         if device == "auto":  # the GPU when there is one, as training does
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype is None:
@@ -94,7 +96,7 @@ class LLM:
             raise ValueError(f"tp={tp} and cp={cp} must be >= 1")
         if reuse_host_memory and torch.device(device).type == "cpu":
             reuse_freed_host_memory()
-        mesh = serving_mesh(tp, device, cp=cp) if tp * cp > 1 else None
+        mesh = serving_mesh(tp, device, cp=cp, stats=comm_stats) if tp * cp > 1 else None
         if isinstance(model, Transformer):
             net, tok = model.eval(), tokenizer
         else:
