@@ -29,15 +29,15 @@ from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models.transformer import build_model
 from meshlm.parallel.data import apply_data_parallel
 
-from _common import run_ranks  # noqa: E402 -- benchmarks/ is on sys.path when run as a script
+from _common import device_of, run_ranks, synchronize  # noqa: E402 -- benchmarks/ is on sys.path when run as a script
 
 
-def _batches(args, rank: int, world_size: int, step: int):
+def _batches(args, rank: int, world_size: int, step: int, device: torch.device):
     """This rank's contiguous slice of global batch `step`."""
     g = torch.Generator().manual_seed(step)
     global_batch = args.batch * world_size
     seqs = torch.randint(0, args.vocab, (global_batch, args.seq_len + 1), generator=g)
-    mine = seqs[rank * args.batch:(rank + 1) * args.batch]
+    mine = seqs[rank * args.batch:(rank + 1) * args.batch].to(device)
     return mine[:, :-1], mine[:, 1:], global_batch * args.seq_len
 
 
@@ -53,10 +53,11 @@ def _rank(rank: int, world_size: int, args) -> dict | None:
     """One rank of the comparison (the process group is up: `_common.run_ranks`); rank 0 returns the row."""
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                       num_heads=4, num_kv_heads=2, intermediate_size=3 * args.hidden, max_seq_len=args.seq_len)
-    mesh = build_mesh(ParallelDims(), device_type="cpu", stats=CommStats())
-    ours = build_model(cfg, seed=0)
+    device = device_of(args, rank)
+    mesh = build_mesh(ParallelDims(), device_type=device.type, stats=CommStats())
+    ours = build_model(cfg, seed=0, device=device)
     dp = apply_data_parallel(ours, mesh, bucket_size_mb=args.bucket_mb)
-    ref = build_model(cfg, seed=0)
+    ref = build_model(cfg, seed=0, device=device)
     ddp = torch.nn.parallel.DistributedDataParallel(ref, process_group=mesh.group("dp"),
                                                     bucket_cap_mb=args.bucket_mb)
     opts = {"meshlm": torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=False),
@@ -69,10 +70,11 @@ def _rank(rank: int, world_size: int, args) -> dict | None:
         for name in ("meshlm", "ddp") if rnd % 2 == 0 else ("ddp", "meshlm"):
             dist.barrier()
             for i in range(args.steps_per_round):
-                inputs, targets, tokens = _batches(args, rank, world_size, step + i)
+                inputs, targets, tokens = _batches(args, rank, world_size, step + i, device)
                 mesh.stats.reset()
                 start = time.perf_counter()
                 _train_step(models[name], opts[name], inputs, targets, tokens, scales[name])
+                synchronize(device)  # on a GPU: its time, not the launches'
                 if rnd >= args.warmup:
                     times[name].append(time.perf_counter() - start)
                 if name == "meshlm":
@@ -83,7 +85,8 @@ def _rank(rank: int, world_size: int, args) -> dict | None:
     if rank == 0:
         ours_s, ddp_s = statistics.median(times["meshlm"]), statistics.median(times["ddp"])
         return {
-            "benchmark": "data_parallel", "world_size": world_size, "backend": "gloo", "device": "cpu",
+            "benchmark": "data_parallel", "world_size": world_size,
+            "backend": "nccl" if device.type == "cuda" else "gloo", "device": device.type,
             "model_params": sum(p.numel() for p in ours.parameters()),
             "tokens_per_step": args.batch * world_size * args.seq_len,
             "timed_steps_each": args.rounds * args.steps_per_round,
@@ -113,8 +116,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds, alternating which goes first")
     ap.add_argument("--steps-per-round", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cpu: gloo ranks with one thread each; cuda: one GPU per rank, NCCL")
     args = ap.parse_args()
-    args.device = "cpu"  # gloo ranks (run_ranks reads it)
     result = run_ranks(_rank, args.world_size, args)
     print(json.dumps(result, indent=2))
 

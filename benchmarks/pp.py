@@ -35,7 +35,8 @@ from meshlm.parallel.pipeline import (measured_overheads, measured_timeline, run
                                      split_model, token_loss_sum)
 from meshlm.parallel.schedules import build_schedule, simulate
 
-from _common import add_common_args, batch, model_config, parse_world_sizes, run_ranks, time_alternating  # noqa: E402
+from _common import (add_common_args, batch, device_of, model_config, parse_world_sizes, run_ranks,  # noqa: E402
+                     time_alternating)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
@@ -78,8 +79,8 @@ def _torch_schedule(name: str, stage, pp: int, m: int, device, loss_fn):
 
 
 def _bench(rank: int, world_size: int, args) -> dict:
-    device = torch.device("cpu")
-    mesh = build_mesh(ParallelDims(pp=world_size), device_type="cpu")
+    device = device_of(args, rank)
+    mesh = build_mesh(ParallelDims(pp=world_size), device_type=device.type)
     pp, m, micro = world_size, args.microbatches, args.batch
     cfg = model_config(args)
     num_tokens = m * micro * args.seq_len
@@ -89,9 +90,9 @@ def _bench(rank: int, world_size: int, args) -> dict:
         torch_v = 2 if name in ("interleaved", "zero_bubble") else 1
         if cfg.num_layers < pp * max(ours_v, torch_v):
             continue
-        ours = split_model(build_model(cfg, seed=0), pp_rank=rank, pp=pp, pp_chunks=ours_v)
+        ours = split_model(build_model(cfg, seed=0, device=device), pp_rank=rank, pp=pp, pp_chunks=ours_v)
         sched = build_schedule(name, pp=pp, num_microbatches=m, pp_chunks=ours_v)
-        peer_stage = split_model(build_model(cfg, seed=0), pp_rank=rank, pp=pp, pp_chunks=torch_v)
+        peer_stage = split_model(build_model(cfg, seed=0, device=device), pp_rank=rank, pp=pp, pp_chunks=torch_v)
         loss_fn = lambda logits, targets: token_loss_sum(logits, targets) / num_tokens  # noqa: E731
         peer = _torch_schedule(name, peer_stage, pp, m, device, loss_fn)
         timelines = []
@@ -148,12 +149,10 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default %(default)s)")
     ap.set_defaults(layers=8, hidden=128, vocab=1024, seq_len=64, batch=2, steps=6)
     args = ap.parse_args()
-    if args.device != "cpu":
-        raise SystemExit("benchmarks/pp.py runs on CPU (gloo) only so far")
     results = {}
     for world_size in parse_world_sizes(args):
         results |= run_ranks(_bench, world_size, args)
-    print(json.dumps({"benchmark": "pp", "device": "cpu", "backend": "gloo",
+    print(json.dumps({"benchmark": "pp", "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
                       "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
                                 "seq_len": args.seq_len},
                       "microbatches": args.microbatches, "micro_batch_size": args.batch,

@@ -23,6 +23,8 @@ bench() {  # name, then its arguments
 }
 bench train_step --device cuda
 if [ "$gpus" -ge 2 ]; then
+    bench dp --device cuda --rounds 2 --warmup 1
+    bench pp --device cuda --world-sizes 2 --steps 3
     bench tp --device cuda --world-sizes 2 --steps 5
     bench zero --device cuda --world-sizes 2 --steps 5
     bench cp --device cuda --cps 1,2
