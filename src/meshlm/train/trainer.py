@@ -528,8 +528,11 @@ class Trainer:
             return f" (last collective issued: {stats.last[0]} on mesh axis {stats.last[1]!r})" if stats.last else ""
 
         # a step is many collectives: the watchdog allows one full timeout past the collectives' own
-        return Heartbeat(self.rank, self.world_size, describe=describe,
-                         watchdog_s=2 * timeout if self.device.type == "cuda" else None)
+        try:
+            return Heartbeat(self.rank, self.world_size, describe=describe,
+                             watchdog_s=2 * timeout if self.device.type == "cuda" else None)
+        except (KeyError, RuntimeError, ValueError):  # no reachable store: train on, errors name fewer ranks
+            return None
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, *, asynchronous: bool = False) -> Path:
