@@ -19,7 +19,10 @@ ranks=$(( gpus >= 2 ? 2 : 1 ))
 bench() {  # name, then its arguments
     local name=$1; shift
     echo "== benchmarks/$name.py $*"
-    timeout 60 python "benchmarks/$name.py" "$@" > "$out/$name.json" 2> "$out/$name.err" || { status=1; tail -5 "$out/$name.err"; }
+    if ! timeout 60 python "benchmarks/$name.py" "$@" > "$out/$name.json" 2> "$out/$name.err"; then
+        status=1
+        tail -5 "$out/$name.err"
+    fi
 }
 bench train_step --device cuda
 if [ "$gpus" -ge 2 ]; then

@@ -117,8 +117,8 @@ def test_nccl_layouts_train(tmp_path, name):
     if GPUS < gpus:
         pytest.skip(f"needs {gpus} GPUs, {GPUS} visible")
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(gpus), "--set", f"data.path={_corpus(tmp_path)}",
-            "--set", f"train.run_dir={run_dir}", "--set", "train.steps=6", "--set", "train.device=cuda",
+    argv = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(gpus),
+            "--set", f"data.path={_corpus(tmp_path)}", "--set", f"train.run_dir={run_dir}", "--set", "train.steps=6", "--set", "train.device=cuda",
             "--set", "train.precision=bf16", *[a for o in [*SMALL, *overrides] for a in ("--set", o)]]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -376,6 +376,55 @@ def _reaches(args, nodes: set) -> bool:
     return False
 
 
+class _Exchanges:
+    """One step's point-to-point traffic on one rank: `exchange(i)` sends and receives group i of the plan
+    (`schedules.exchanges`), `take` gives an action its received input, `outbox` holds outputs until their group."""
+
+    def __init__(self, groups: list, mesh: Mesh, axis: str, *, num_stages: int, num_microbatches: int,
+                 buffer: Callable[[], torch.Tensor]):
+        self.groups, self.mesh, self.axis, self.buffer = groups, mesh, axis, buffer
+        self.num_stages, self.num_microbatches = num_stages, num_microbatches
+        self.sends: list[tuple[comm.CommHandle, torch.Tensor]] = []  # waited late (reaped once done)
+        self.outbox: dict[tuple, torch.Tensor] = {}  # (payload, receiving stage, mb) -> computed, not yet sent
+        self.inbox: dict[tuple, tuple[comm.CommHandle, torch.Tensor]] = {}  # the same key -> its receive in flight
+
+    def tag(self, msg: schedules.Message) -> int:
+        """The same number on the sender and the receiver (gloo matches by it)."""
+        kind = ("act", "grad").index(msg.payload)
+        return (kind * self.num_stages + msg.stage) * self.num_microbatches + msg.microbatch
+
+    def exchange(self, i: int) -> None:
+        ops, received = [], []
+        for msg in self.groups[i]:
+            key = (msg.payload, msg.stage, msg.microbatch)
+            if msg.kind == "send":
+                ops.append(comm.P2P("send", self.outbox.pop(key), msg.peer, self.tag(msg)))
+            else:
+                buf = self.buffer()
+                ops.append(comm.P2P("recv", buf, msg.peer, self.tag(msg)))
+                received.append((key, buf))
+        if ops:
+            handle = comm.batch_isend_irecv(ops, self.mesh, self.axis)
+            self.sends.extend((handle, op.tensor) for op in ops if op.kind == "send")
+            self.inbox.update((key, (handle, buf)) for key, buf in received)
+
+    def take(self, payload: str, stage: int, mb: int) -> torch.Tensor:
+        handle, buf = self.inbox.pop((payload, stage, mb))
+        handle.wait()
+        return buf
+
+    def reap(self) -> None:
+        """Drop what finished sends held (a sent gradient would otherwise live until the step ends)."""
+        in_flight = []
+        for h, t in self.sends:
+            h.wait() if h.is_completed() else in_flight.append((h, t))
+        self.sends[:] = in_flight
+
+    def finish(self) -> None:
+        for handle, _ in self.sends:
+            handle.wait()
+
+
 def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                       micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, mesh: Mesh, num_tokens: int,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
@@ -419,34 +468,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     groups = schedules.exchanges(tuple(actions), rank=rank, pp=pp, num_stages=S,
                                  pairs=range(0) if forward_only else schedule.steady_pairs(rank))
     clock, t0_wall = StepClock(device), time.time()
-
-    def tag(msg: schedules.Message) -> int:  # the same number on the sender and the receiver (gloo matches by it)
-        return (("act", "grad").index(msg.payload) * S + msg.stage) * m + msg.microbatch
-
-    # -- point to point -------------------------------------------------------------------------
-    sends: list[tuple[comm.CommHandle, torch.Tensor]] = []  # waited late (reaped once done)
-    outbox: dict[tuple, torch.Tensor] = {}  # (payload, receiving stage, mb) -> computed, goes out with the next group
-    inbox: dict[tuple, tuple[comm.CommHandle, torch.Tensor]] = {}  # the same key -> its receive in flight
-
-    def exchange(i: int) -> None:
-        ops, received = [], []
-        for msg in groups[i]:
-            key = (msg.payload, msg.stage, msg.microbatch)
-            if msg.kind == "send":
-                ops.append(comm.P2P("send", outbox.pop(key), msg.peer, tag(msg)))
-            else:
-                buf = torch.empty(shape, dtype=activation_dtype, device=device)
-                ops.append(comm.P2P("recv", buf, msg.peer, tag(msg)))
-                received.append((key, buf))
-        if ops:
-            handle = comm.batch_isend_irecv(ops, mesh, axis)
-            sends.extend((handle, op.tensor) for op in ops if op.kind == "send")
-            inbox.update((key, (handle, buf)) for key, buf in received)
-
-    def take(payload: str, s: int, mb: int) -> torch.Tensor:
-        handle, buf = inbox.pop((payload, s, mb))
-        handle.wait()
-        return buf
+    p2p = _Exchanges(groups, mesh, axis, num_stages=S, num_microbatches=m,
+                     buffer=lambda: torch.empty(shape, dtype=activation_dtype, device=device))
 
     # -- compute --------------------------------------------------------------------------------
     # (mb, chunk) -> [chunk input, chunk output (or loss), output gradient (split: what B leaves for
@@ -462,9 +485,9 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
         for i, a in enumerate(actions):
             s = stage.stage(a.chunk)
             key = (a.microbatch, a.chunk)
-            exchange(i)
+            p2p.exchange(i)
             if a.kind != "W" and (s > 0 if a.kind == "F" else s < S - 1):  # its input comes from a neighbour
-                received = take("act" if a.kind == "F" else "grad", s, a.microbatch)
+                received = p2p.take("act" if a.kind == "F" else "grad", s, a.microbatch)
             start = clock.mark()  # after the input arrived: waiting is not the action's time
             if a.kind == "F":
                 if s == 0:
@@ -480,7 +503,7 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                     y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
                     loss_total += y.detach().to(torch.float64)
                 else:
-                    outbox[("act", s + 1, a.microbatch)] = y.detach().contiguous()
+                    p2p.outbox[("act", s + 1, a.microbatch)] = y.detach().contiguous()
                 if not forward_only:
                     held[key] = [x, y, None]
                     peak = max(peak, len(held))
@@ -490,31 +513,26 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                 if split is not None:  # zero_bubble: the input gradient (and the module outputs' for W)
                     gx, held[key][2] = split.backward_input(key, y, x if s > 0 else None, grad_out)
                     if s > 0:
-                        outbox[("grad", s - 1, a.microbatch)] = gx.detach().contiguous()
+                        p2p.outbox[("grad", s - 1, a.microbatch)] = gx.detach().contiguous()
                 else:
                     torch.autograd.backward(y, grad_out)
                     if s > 0:
-                        outbox[("grad", s - 1, a.microbatch)] = x.grad.detach().contiguous()
+                        p2p.outbox[("grad", s - 1, a.microbatch)] = x.grad.detach().contiguous()
                     del held[key]
             else:  # W: the weight gradients of a split backward
                 x, y, saved = held.pop(key)
                 split.backward_weight(key, y, saved)
             marks.append((a, start, clock.mark()))
-            # A finished send no longer needs its tensor: drop it (a sent gradient would otherwise live
-            # until the step ends).
-            in_flight = []
-            for h, t in sends:
-                h.wait() if h.is_completed() else in_flight.append((h, t))
-            sends[:] = in_flight
+            p2p.reap()
 
-    exchange(len(actions))  # the last action's output
-    for handle, _ in sends:
-        handle.wait()
+    p2p.exchange(len(actions))  # the last action's output
+    p2p.finish()
     end = clock.mark()
     timeline = [TimedAction(a, clock.seconds(start), clock.seconds(stop)) for a, start, stop in marks]
     if split is not None:
         split.remove()
-    assert not held and not inbox and not outbox, "every activation is freed and every message sent by the step's end"
+    assert not held and not p2p.inbox and not p2p.outbox, \
+        "every activation is freed and every message sent by the step's end"
     loss = comm.all_reduce(loss_total, mesh, axis)  # only the last stage holds a nonzero sum
     return PipelineStepResult(loss=loss, timeline=timeline, peak_activations=peak,
                               seconds=clock.seconds(end), t0_wall=t0_wall)
