@@ -176,8 +176,11 @@ def test_split_model_keeps_names_and_refuses_what_it_cannot_split():
     last = split_model(build_model(big, seed=SEED), pp_rank=3, pp=4)
     assert last.layers_per_stage == default_layers_per_stage(big, pp=4, seq_len=big.max_seq_len) == [3, 2, 2, 1]
     assert last.chunk_layers == [["7"]]
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        split_model(build_model(ModelConfig(**MODEL, num_layers=2, tie_embeddings=True)), pp_rank=0, pp=2)
+    # tied embeddings: the last stage keeps the head, a copy of the embedding (summed over "pp_ends" in training)
+    tied = build_model(ModelConfig(**MODEL, num_layers=2, tie_embeddings=True))
+    embedding = tied.embed.weight.detach().clone()
+    tail = split_model(tied, pp_rank=1, pp=2)
+    assert tail.model.embed is None and torch.equal(tail.model.lm_head.weight, embedding)
     with pytest.raises(ValueError, match="layers per stage"):
         split_model(build_model(_model_config(4)), pp_rank=0, pp=2, layers_per_stage=[4, 0])
 

@@ -263,10 +263,11 @@ def test_bad_sizes_raise_clear_error(overrides, tp, name):
     assert "_meshlm_shard" not in vars(model.layers["0"].attn.wq.weight)  # nothing was changed
 
 
-def test_moe_under_sequence_parallelism_is_refused():
-    # Without SP the MoE layers run whole on every tp rank (parity: tests/test_train_ep.py).
-    cfg = ModelConfig(**dict(DENSE, num_experts=4, num_experts_per_token=2))
-    with pytest.raises(ValueError, match="MoE model.*set parallel.sequence_parallel=false"):
+def test_a_capacity_factor_under_sequence_parallelism_is_refused():
+    # Dropless MoE layers run under SP on each rank's chunk (parity: tests/test_train_ep.py); a capacity is a
+    # share of the whole micro-batch's tokens, which no rank sees.
+    cfg = ModelConfig(**dict(DENSE, num_experts=4, num_experts_per_token=2, capacity_factor=1.0))
+    with pytest.raises(ValueError, match="capacity_factor=1.0 with tensor parallelism.*capacity_factor=0"):
         apply_tensor_parallel(build_model(cfg, seed=0), _fake_mesh(2))
 
 

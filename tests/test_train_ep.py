@@ -1,6 +1,6 @@
 """The Trainer under expert parallelism reproduces the single-process dropless MoE, alone and with data
 parallelism (plain and hybrid, ZeRO-1/2/3: the experts sharded over the ranks holding the same ones), tensor
-parallelism (without SP), pipeline parallelism (every schedule; MoE models under pp too), with a
+parallelism (with and without SP), context parallelism, pipeline parallelism (every schedule; MoE models under pp too), with a
 capacity factor and with aux-loss-free balancing; layouts that
 cannot run yet are refused before any work.
 
@@ -61,6 +61,15 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
                           "parallel.zero_stage=2"], {"ep", "dp_shard", "tp"}),
     "ep2xtp2xzero3": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false",
                           "parallel.zero_stage=3"], {"ep", "dp_shard", "tp"}),
+    # tensor parallelism with SP: each tp rank's MoE layers route its chunk of the sequence (no gather),
+    # their gradients summed over tp, the load-balancing counts over tp
+    "ep2xtp2_sp": (4, ["parallel.ep=2", "parallel.tp=2"], {"ep", "dp", "tp"}),
+    "ep2xtp2_spxzero3": (8, ["parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=3"],
+                         {"ep", "ep_dp", "dp_shard", "tp"}),
+    # context parallelism: the counts summed over cp too; ep carved from dp_shard x cp
+    "cp2xep2": (4, ["parallel.cp=2", "parallel.ep=2"], {"ep", "cp", "dp_cp"}),
+    "cp2xtp2xep2": (8, ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2"], {"ep", "cp", "tp", "dp_cp"}),
+    "cp2xtp2_bias": (4, ["parallel.cp=2", "parallel.tp=2", "model.router_bias_update_rate=0.01"], {"cp", "tp"}),
     # pipeline parallelism: each stage adds its MoE layers' load-balancing losses to its own backward
     "pp2_moe_1f1b": (2, ["parallel.pp=2"], {"pp"}),
     "pp2_moe_zero_bubble": (2, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], {"pp"}),
@@ -104,8 +113,10 @@ def test_layouts_that_cannot_run_yet_are_refused(text_file):
         check_layout(load_config(overrides=[*SMALL_MODEL, "train.seq_len=32", f"data.path={text_file}", "parallel.ep=2"]), 2)
     with pytest.raises(ValueError, match=r"parallel.ep=3 does not divide model.num_experts=4.*\{1,2,4\}"):
         check_layout(make_cfg(text_file, "parallel.ep=3", "train.global_batch_size=6"), 3)
-    with pytest.raises(ValueError, match="sequence_parallel=false"):
-        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.tp=2"), 4)
+    with pytest.raises(ValueError, match=r"capacity_factor=1.0 with tensor parallelism.*capacity_factor=0"):
+        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.tp=2", "model.capacity_factor=1.0"), 4)
+    with pytest.raises(ValueError, match=r"capacity_factor=1.0 with parallel.cp=2.*capacity_factor=0"):
+        check_layout(make_cfg(text_file, "parallel.cp=2", "model.capacity_factor=1.0"), 2)
     with pytest.raises(ValueError, match="zero_stage=3 with parallel.pp=2 is not implemented yet"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"), 4)
     with pytest.raises(ValueError, match="ep=2 does not divide dp_shard x cp"):

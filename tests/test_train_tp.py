@@ -163,9 +163,11 @@ def test_bad_tensor_parallel_layouts_are_refused_with_the_fix(text_file, tmp_pat
     # without sequence parallelism the sequence is not split
     check_layout(cfg("parallel.tp=4", "model.num_kv_heads=4", "train.seq_len=30",
                      "parallel.sequence_parallel=false"), 4)
-    with pytest.raises(ValueError, match=r"sequence parallelism of a MoE model .* set parallel.sequence_parallel=false"):
-        check_layout(cfg("parallel.tp=2", "model.num_experts=4", "model.num_experts_per_token=2",
-                         "model.moe_intermediate_size=32"), 2)
+    # a dropless MoE runs under SP (tests/test_train_ep.py); a capacity factor does not
+    moe = ("model.num_experts=4", "model.num_experts_per_token=2", "model.moe_intermediate_size=32")
+    check_layout(cfg("parallel.tp=2", *moe), 2)
+    with pytest.raises(ValueError, match=r"capacity_factor=1.25 with tensor parallelism.*capacity_factor=0"):
+        check_layout(cfg("parallel.tp=2", *moe, "model.capacity_factor=1.25"), 2)
 
     # parallelize checks the same before touching the model
     mesh = build_mesh(ParallelDims(), device_type="cpu")

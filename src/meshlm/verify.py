@@ -34,6 +34,7 @@ import contextlib
 import copy
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -390,6 +391,97 @@ def format_report(r: Report) -> str:
         lines.append("verdict: MISMATCH -- " + "; ".join(r.failures)
                      + (f"; {matched} match" if r.matched else ""))
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Every layout (`meshlm verify --all-layouts`)
+# --------------------------------------------------------------------------------------------
+
+# The batch of the enumeration: every dp up to 4 divides it (micro-batches of 2), seq 64 splits over cp x tp up to 8.
+ALL_LAYOUTS_DEFAULTS = ["train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def all_layouts(cfg: Config, *, max_ranks: int) -> tuple[list[tuple[int, dict[str, int]]], dict[str, int]]:
+    """Every (dp_replicate, dp_shard, tp, pp, cp, ep, zero_stage) of 2..`max_ranks` ranks for `cfg`'s model
+    and batch (ep > 1 only for a MoE model), the rest of `cfg.parallel` as it is: ([(ranks, degrees)] that
+    `check_layout` accepts, {a kind of refusal, its numbers written N: how many layouts got it})."""
+    from meshlm.parallel.parallelize import check_layout
+
+    accepted, refused = [], {}
+    experts = cfg.model.num_experts if cfg.model.is_moe else 1
+    for world in range(2, max_ranks + 1):
+        for dp_replicate, tp, pp, cp in ((r, t, p, c) for r in _divisors(world) for t in _divisors(world)
+                                         for p in _divisors(world) for c in _divisors(world)):
+            if world % (dp_replicate * tp * pp * cp):
+                continue
+            dp_shard = world // (dp_replicate * tp * pp * cp)
+            for ep in (e for e in _divisors(experts) if e <= world):
+                for zero_stage in (0, 1, 2, 3):
+                    degrees = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
+                                   zero_stage=zero_stage)
+                    layout = copy.deepcopy(cfg)
+                    for key, value in degrees.items():
+                        setattr(layout.parallel, key, value)
+                    try:
+                        check_layout(layout, world)
+                    except ValueError as e:
+                        # one entry per kind of refusal: the numbers (which differ layout to layout) as N
+                        reason = re.sub(r"\d+", "N", str(e).split(";")[0].split(" (")[0])
+                        refused[reason] = refused.get(reason, 0) + 1
+                        continue
+                    accepted.append((world, degrees))
+    return accepted, refused
+
+
+def layout_name(degrees: dict[str, int]) -> str:
+    """`dp_shard=2 tp=2 zero_stage=3`: the degrees that are not 1 (zero_stage: not 0); `dp_shard=1` alone."""
+    parts = [f"{k}={v}" for k, v in degrees.items() if v != (0 if k == "zero_stage" else 1)]
+    return " ".join(parts) or "dp_shard=1"
+
+
+def main_all_layouts(cfg: Config, *, max_ranks: int, sample: int = 0, seed: int = 0, steps: int = DEFAULT_STEPS,
+                     precision: str = "fp64", launch: Launch | None = None, out: TextIO | None = None,
+                     log: TextIO | None = None) -> int:
+    """`meshlm verify --all-layouts`: verify every layout `all_layouts` accepts (or `sample` of them, drawn
+    with `seed`), one line each, then a summary; exit code 0 when every one matched, else 1."""
+    import random
+
+    out = sys.stdout if out is None else out
+    accepted, refused = all_layouts(cfg, max_ranks=max_ranks)
+    chosen = accepted if not sample or sample >= len(accepted) else sorted(
+        random.Random(seed).sample(accepted, sample), key=lambda a: (a[0], list(a[1].values())))
+    print(f"meshlm verify --all-layouts: {len(accepted)} layouts of 2..{max_ranks} ranks run "
+          f"({sum(refused.values())} combinations refused); verifying {len(chosen)}, {steps} steps in {precision}",
+          file=out, flush=True)
+    counts = {"MATCH": 0, "MISMATCH": 0, "FAILED": 0}
+    for world, degrees in chosen:
+        layout = copy.deepcopy(cfg)
+        for key, value in degrees.items():
+            setattr(layout.parallel, key, value)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="meshlm-verify-") as root, open(Path(root) / "verify.log", "w") as own:
+            try:
+                r = run(layout, nproc=world, steps=steps, precision=precision, run_dir=root, launch=launch,
+                        log=log if log is not None else own)
+            except (LaunchFailed, RuntimeError) as e:
+                counts["FAILED"] += 1
+                print(f"{world} ranks  {layout_name(degrees):<52} FAILED  {str(e).splitlines()[0][:80]}",
+                      file=out, flush=True)
+                continue
+        verdict = "MATCH" if r.ok else "MISMATCH"
+        counts[verdict] += 1
+        diff = max((max(row.loss[2], row.grad_norm[2]) for row in r.rows), default=math.nan)
+        print(f"{world} ranks  {layout_name(degrees):<52} {verdict:<8} loss/grad {diff:.1e}  "
+              f"weights {r.max_weight_diff:.1e}  {time.perf_counter() - start:.1f} s", file=out, flush=True)
+    print(f"summary: {len(chosen)} verified: {counts['MATCH']} MATCH, {counts['MISMATCH']} MISMATCH, "
+          f"{counts['FAILED']} failed", file=out)
+    for reason, n in sorted(refused.items(), key=lambda kv: -kv[1]):
+        print(f"  refused {n:>4}: {reason[:150]}", file=out)
+    return 0 if counts["MATCH"] == len(chosen) else 1
 
 
 def main(cfg: Config, *, nproc: int, steps: int = DEFAULT_STEPS, precision: str = "fp64",

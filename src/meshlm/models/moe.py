@@ -4,7 +4,8 @@ Responsible for: softmax top-k routing (optionally renormalised), the experts' S
 stacked as `[num_experts, ...]` tensors (so expert parallelism shards dim 0), the reference
 computation (dropless by default; with `model.capacity_factor > 0` the capacity rule of
 `drop_over_capacity`), optional shared experts with an optional sigmoid gate, the auxiliary
-load-balancing loss of the last forward, the per-expert selection bias of aux-loss-free balancing
+load-balancing loss of the last forward (over a micro-batch's tokens, also where ranks split them:
+`token_shards`), the per-expert selection bias of aux-loss-free balancing
 (`router_bias`, used for top-k selection only) and the per-expert load that updates it
 (`last_tokens_per_expert`, `load_since_update`, `last_dropped`).
 Not responsible for: dispatching tokens across ranks (`meshlm.parallel.expert` replaces the forward
@@ -86,6 +87,10 @@ class MoE(nn.Module):
         self.last_tokens_per_expert: torch.Tensor | None = None  # router assignments per expert, last forward
         self.load_since_update: torch.Tensor | None = None  # the same, summed over training forwards
         self.last_dropped: torch.Tensor | None = None  # assignments dropped over capacity, last forward
+        # None here: this layer sees all of a micro-batch's tokens. Where ranks split them (context
+        # parallelism; tensor parallelism's sequence parallelism) `meshlm.parallel.expert.balance_over`
+        # sets a function that sums a tensor over those ranks (counts, no gradient).
+        self.token_shards = None
 
     def route(self, x_td: torch.Tensor):
         """Top-k experts and their weights per token, plus the load-balancing loss."""
@@ -101,11 +106,18 @@ class MoE(nn.Module):
             weight_tk = probs_te.gather(-1, expert_idx_tk)
         if self.norm_topk_prob:
             weight_tk = weight_tk / weight_tk.sum(dim=-1, keepdim=True)
-        # Switch-Transformer balance loss: E * sum_e (fraction of assignments to e) * (mean prob of e).
-        counts_e = torch.zeros(self.num_experts, device=x_td.device, dtype=torch.float32)
+        # Switch-Transformer balance loss: E * sum_e (fraction of assignments to e) * (mean prob of e),
+        # both over the micro-batch's tokens. Where ranks split those tokens (`token_shards`), the counts
+        # are summed over them and each rank's loss is its own tokens' share of the mean probability:
+        # the shares add up to the whole loss, and so do the gradients the ranks sum.
+        counts_e = torch.zeros(self.num_experts + 1, device=x_td.device, dtype=torch.float32)
         counts_e.scatter_add_(0, expert_idx_tk.reshape(-1), torch.ones_like(expert_idx_tk.reshape(-1), dtype=torch.float32))
-        fraction_e = counts_e / expert_idx_tk.numel()
-        aux = self.num_experts * (fraction_e * probs_te.mean(dim=0)).sum()
+        counts_e[-1] = x_td.shape[0]  # the tokens, summed with the counts
+        if self.token_shards is not None:
+            counts_e = self.token_shards(counts_e)
+        num_tokens = counts_e[-1]
+        fraction_e = counts_e[:-1] / (num_tokens * self.top_k)
+        aux = self.num_experts * (fraction_e * (probs_te.sum(dim=0) / num_tokens)).sum()
         return expert_idx_tk, weight_tk, aux
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -269,6 +269,8 @@ def param_generator(seed: int, name: str) -> torch.Generator:
 
 def init_param(name: str, shape: torch.Size | tuple[int, ...], config: ModelConfig, seed: int) -> torch.Tensor:
     """The full initial value of parameter `name` (a rank slices its shard out of it)."""
+    if name == "lm_head.weight" and config.tie_embeddings:
+        name = "embed.weight"  # one weight: a pipeline's last stage, which holds only the head, starts from it too
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
         return torch.ones(shape)

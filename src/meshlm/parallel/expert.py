@@ -15,7 +15,8 @@ Responsible for:
               grouped matmul where torch has one for the dtype and device, else a loop; the results
               go back by the inverse all_to_all and are summed into token order with the router
               weights (the same order of additions as the reference).
-  balancing   `update_router_biases` (aux-loss-free, DeepSeek-V3) and `expert_load_stats` (logging).
+  balancing   `balance_over` (the load-balancing loss of a micro-batch whose tokens ranks split: cp, SP),
+              `update_router_biases` (aux-loss-free, DeepSeek-V3) and `expert_load_stats` (logging).
 Not responsible for: reducing expert gradients over "ep_dp" or the others over "dp_cp" (the data-
 parallel transforms, wired by `parallelize.py`), checkpointing the expert shards (`train/shards.py`), or the
 capacity rule itself (`meshlm.models.moe.drop_over_capacity`; it runs per rank on the rank's tokens).
@@ -210,26 +211,51 @@ def _grouped_mm_runs(experts: Experts) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _summed(tensors: list[torch.Tensor], mesh: Mesh | None, axis: str) -> torch.Tensor:
-    """The tensors stacked and summed over `axis` in one all_reduce (no-op without a mesh)."""
+def _summed(tensors: list[torch.Tensor], mesh: Mesh | None, axes: tuple[str, ...]) -> torch.Tensor:
+    """The tensors stacked and summed over each of `axes`, one all_reduce each (no-op without a mesh)."""
     stacked = torch.stack(tensors).to(torch.int64).contiguous()
-    return comm.all_reduce(stacked, mesh, axis) if mesh is not None else stacked
+    for axis in axes if mesh is not None else ():
+        stacked = comm.all_reduce(stacked, mesh, axis)
+    return stacked
+
+
+def _axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def balance_over(model: nn.Module, mesh: Mesh, axes: tuple[str, ...]) -> None:
+    """Make every MoE's load-balancing loss that of the whole micro-batch when the ranks of `axes` split
+    its tokens (context parallelism "cp", sequence parallelism "tp"): the per-expert counts and the token
+    count are summed over them (one all_reduce of num_experts + 1 floats per axis, per MoE forward)."""
+    axes = tuple(a for a in axes if mesh.size(a) > 1)
+    if not axes:
+        return
+
+    def summed(counts: torch.Tensor) -> torch.Tensor:
+        for axis in axes:
+            counts = comm.all_reduce(counts.contiguous(), mesh, axis)
+        return counts
+
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            moe.token_shards = summed
 
 
 @torch.no_grad()
-def update_router_biases(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "dp_cp") -> None:
+def update_router_biases(model: nn.Module, mesh: Mesh | None = None, *,
+                         axis: str | tuple[str, ...] = "dp_cp") -> None:
     """After an optimizer step: bias_e += rate * sign(mean load - load_e) in every MoE with a bias.
 
     The load is each expert's router assignments over the training forwards since the last update,
-    summed over `axis` (the ranks that see different tokens; collective there) when `mesh` is given,
-    so every rank applies the same update. MoEs without `model.router_bias_update_rate` are skipped.
+    summed over `axis` (the ranks that see different tokens, one axis or several: under sequence
+    parallelism also "tp"; collective there) when `mesh` is given, so every rank applies the same update. MoEs without `model.router_bias_update_rate` are skipped.
     """
     moes = [m for m in model.modules() if isinstance(m, MoE) and m.router_bias is not None]
     if not moes:
         return
     loads = _summed([m.load_since_update if m.load_since_update is not None
                      else torch.zeros(m.num_experts, dtype=torch.int64, device=m.router_bias.device)
-                     for m in moes], mesh, axis)
+                     for m in moes], mesh, _axes(axis))
     for moe, load_e in zip(moes, loads):
         load_e = load_e.to(moe.router_bias.device, torch.float32)
         moe.router_bias += moe.router_bias_update_rate * torch.sign(load_e.mean() - load_e)
@@ -237,7 +263,8 @@ def update_router_biases(model: nn.Module, mesh: Mesh | None = None, *, axis: st
 
 
 @torch.no_grad()
-def expert_load_stats(model: nn.Module, mesh: Mesh | None = None, *, axis: str = "dp_cp") -> dict[str, dict]:
+def expert_load_stats(model: nn.Module, mesh: Mesh | None = None, *,
+                      axis: str | tuple[str, ...] = "dp_cp") -> dict[str, dict]:
     """Per MoE of the last forward: tokens per expert min / max, imbalance (= max / mean) and the
     assignments dropped over capacity, summed over `axis` (collective there) when `mesh` is given."""
     named = [(name, m) for name, m in model.named_modules()
@@ -246,7 +273,7 @@ def expert_load_stats(model: nn.Module, mesh: Mesh | None = None, *, axis: str =
         return {}
     rows = [torch.cat([m.last_tokens_per_expert, m.last_dropped.reshape(1)]) for _, m in named]
     stats = {}
-    for (name, _), row in zip(named, _summed(rows, mesh, axis).tolist()):
+    for (name, _), row in zip(named, _summed(rows, mesh, _axes(axis)).tolist()):
         load, dropped = row[:-1], row[-1]
         mean = sum(load) / len(load)
         stats[name] = {"min": min(load), "max": max(load), "imbalance": max(load) / mean if mean else math.nan,

@@ -39,13 +39,14 @@ from meshlm.config import Config, ModelConfig, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.context import ContextParallel, apply_context_parallel, check_seq_len
 from meshlm.parallel.data import DataParallel, apply_data_parallel
-from meshlm.parallel.expert import apply_expert_parallel, expert_mesh
+from meshlm.parallel.expert import apply_expert_parallel, balance_over, expert_mesh
 from meshlm.parallel.materialize import ShardInit, materialize
-from meshlm.parallel.pipeline import (PipelineStage, check_pipeline_model, default_layers_per_stage, pipeline_grad_norm,
-                                     split_model)
+from meshlm.parallel.pipeline import (PipelineStage, TiedEmbedding, check_pipeline_model, counted,
+                                     default_layers_per_stage, pipeline_grad_norm, split_model, tied_embedding_mesh)
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.schedules import build_schedule
-from meshlm.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_grad_norm
+from meshlm.parallel.tensor import (apply_tensor_parallel, check_tensor_parallel, sum_moe_grads_over_tp,
+                                   tensor_parallel_grad_norm)
 from meshlm.parallel.zero import ZeroGroup, ZeroSharding, apply_zero
 
 # Set on a model by `parallelize`: a second application would stack hooks and reduce twice.
@@ -67,8 +68,7 @@ def check_supported(parallel: ParallelConfig) -> None:
 
 
 def check_expert_parallel(model: ModelConfig, ep: int) -> None:
-    """Raise ValueError unless the experts of `model` split over `ep` ranks (tp, pp and cp refuse MoE models
-    themselves: `check_tensor_parallel`, `check_pipeline_model`, `check_context_parallel`)."""
+    """Raise ValueError unless the experts of `model` split over `ep` ranks."""
     if ep == 1:
         return
     if not model.is_moe:
@@ -85,12 +85,11 @@ def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int
     if cp == 1:
         return
     check_seq_len(seq_len, cp)
-    if model.is_moe:
-        # The Switch load-balancing loss is a product of two means over the tokens of a micro-batch:
-        # computed on each rank's part of the sequence it is not the whole sequence's.
-        raise ValueError(f"parallel.cp={cp} with a Mixture-of-Experts model (model.num_experts="
-                         f"{model.num_experts}) is not implemented yet (the load-balancing loss is over whole "
-                         "sequences); set parallel.cp=1, or use a dense model")
+    if model.is_moe and model.capacity_factor > 0:
+        raise ValueError(f"model.capacity_factor={model.capacity_factor} with parallel.cp={cp} is not "
+                         "implemented: each cp rank's MoE layers see only its chunks of the sequence, and the "
+                         "capacity is a share of the whole micro-batch's tokens; set model.capacity_factor=0 "
+                         "(dropless) or parallel.cp=1")
     if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
         raise ValueError(f"train.seq_len / parallel.cp = {seq_len // cp} tokens per rank is not divisible by "
                          f"parallel.tp={tp} (sequence parallelism splits them over the tp ranks); set "
@@ -193,7 +192,7 @@ class ParallelModel:
     context: ContextParallel | None = None  # cp > 1: the module takes this rank's chunks and their positions
     expert_parallel: bool = False  # ep > 1: this rank holds num_experts / ep experts of every MoE layer
     expert_data_parallel: DataParallel | None = None  # ep > 1: the experts' gradients, summed over "ep_dp"
-    pp_schedule: str = "1f1b"
+    tied: TiedEmbedding | None = None  # pp > 1 with tied embeddings, on the first and last stage
 
     def no_sync(self):
         """Context for the non-final micro-steps of gradient accumulation: no gradient reduction."""
@@ -217,19 +216,23 @@ class ParallelModel:
         if self.zero is not None:
             stage_norm = self.zero.grad_norm_fn
         elif self.tensor_parallel or self.expert_parallel:
-            params = list(self.module.parameters())
+            params = counted(self.module.parameters())
             axes = tuple(a for a, on in (("tp", self.tensor_parallel), ("ep", self.expert_parallel)) if on)
             stage_norm = lambda grads: tensor_parallel_grad_norm(params, self.mesh, axes=axes)  # noqa: E731
         if self.pipeline is not None:
             if stage_norm is None:  # each parameter lives on one stage, whole over dp after the reduction
-                return lambda grads: pipeline_grad_norm(grads, self.mesh)
+                params = counted(self.module.parameters())  # a tied head's copy counted on the first stage
+                return lambda grads: pipeline_grad_norm([p.grad for p in params if p.grad is not None], self.mesh)
             return lambda grads: pipeline_grad_norm([stage_norm(grads)], self.mesh)
         if stage_norm is not None:
             return stage_norm
         return self.data_parallel.grad_norm_fn if self.data_parallel is not None else None
 
     def reduce_grads(self) -> None:
-        """The data-parallel reduction of gradients accumulated under `no_sync` (the pipeline's step)."""
+        """The data-parallel reduction of gradients accumulated under `no_sync` (the pipeline's step); first
+        the two copies of a tied embedding add their gradients."""
+        if self.tied is not None:
+            self.tied.sum_grads()
         for handle in (self.zero, self.data_parallel, self.expert_data_parallel):
             if handle is not None:
                 handle.reduce_grads()
@@ -281,12 +284,14 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
                          "parallel config")
     # The fixed order: PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
     setattr(model, _MARK, True)
-    result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1, pp_schedule=parallel.pp_schedule)
+    result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1)
     if parallel.pp > 1:
         result.pipeline = split_model(model, pp_rank=mesh.local_rank("pp"), pp=parallel.pp,
                                       pp_chunks=parallel.pp_chunks,
                                       layers_per_stage=pp_layers(parallel, model.config,
                                                                  seq_len=seq_len or model.config.max_seq_len))
+        if model.config.tie_embeddings:
+            mesh = result.mesh = tied_embedding_mesh(mesh)  # collective: the "pp_ends" groups
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=parallel.sequence_parallel)
     if parallel.ep > 1:
@@ -297,6 +302,8 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
         result.expert_parallel = True
     if cp > 1:
         result.context = apply_context_parallel(model, mesh, method=parallel.cp_method)
+    # The MoE load-balancing loss is over a micro-batch's tokens: sum its counts over the ranks that split them.
+    balance_over(model, mesh, ("cp",) + (("tp",) if parallel.sequence_parallel else ()))
     apply_recompute(model, parallel.recompute)
     zero_init = None
     if any(p.is_meta for p in model.parameters()):
@@ -306,6 +313,10 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
         materialize(model, init, hollow=parallel.zero_stage == 3)
         zero_init = init if parallel.zero_stage == 3 else None  # ZeRO-3 fills its shards unit by unit
         broadcast = False
+    if result.pipeline is not None:
+        result.tied = TiedEmbedding.of(result.pipeline, mesh)  # on the parameters the step uses: after materialize
+    if parallel.sequence_parallel:
+        sum_moe_grads_over_tp(model, mesh)
     # Under expert parallelism the experts' gradients are summed (or ZeRO-sharded) only over the ranks that
     # hold the same experts ("ep_dp"), the other parameters' over every data-parallel rank.
     experts = [p for p in model.parameters() if getattr(p, "_meshlm_shard", None) == ("ep", 0)]

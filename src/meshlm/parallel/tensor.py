@@ -16,8 +16,9 @@ summed over tp, replicated ones counted once) and `full_state_dict` / `load_full
 (the full weights, for tests and the end-of-training sample; checkpoints write each rank's shard at its
 place instead, `meshlm.train.shards`).
 Not responsible for: data parallelism over the other axes (`data.py`, `zero.py` then work on the
-TP-local shards), MoE layers (left whole and replicated on the tp ranks -- so only without sequence
-parallelism -- the experts being split by expert parallelism; serving splits them over the tp ranks,
+TP-local shards), splitting MoE layers (left whole and replicated on the tp ranks, the experts split by
+expert parallelism; under SP each tp rank's MoE runs on its own chunk of the sequence and its gradients
+are summed over tp, `sum_moe_grads_over_tp`; serving splits experts over the tp ranks,
 `meshlm.infer.parallel.split_experts`), KV-cache generation under TP, and
 the order of transforms (`parallelize.py` applies this one first).
 
@@ -37,6 +38,10 @@ convention: all_gather counts its output, reduce_scatter its input, all_reduce t
   with SP:     4 all_gather and 4 reduce_scatter of 4*b*s*h bytes, plus 2 all_reduce of 4*h
                bytes (the gradients of attn_norm and mlp_norm)
   with qk_norm, both: plus 2 all_reduce of 4*head_dim bytes (q_norm, k_norm see only local heads).
+  a MoE layer instead of the MLP: without SP, no traffic around it (replicated; its input gradient is
+  whole on every rank); with SP, in forward one all_reduce of 4 x (num_experts + 1) bytes (the
+  balancing counts, `expert.balance_over`), in backward one all_reduce per MoE parameter of its local
+  size (its gradient) -- the experts' own traffic is on "ep" (expert.py).
 Around the layers: the embedding (all_reduce of 4*b*s*h without SP / reduce_scatter with SP, its
 backward free / all-gather), under SP the final norm (one all_reduce of 4*h in backward), the lm_head
 input (like a column-parallel input; a tied lm_head shares the embedding's shard), and the loss adds
@@ -67,8 +72,8 @@ _MARK = "_meshlm_tensor_parallel"
 
 
 def check_tensor_parallel(config, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Raise ValueError naming the first model size that `tp` does not divide, and the fix; and for MoE
-    layers under sequence parallelism (they run replicated on the tp ranks, on the whole sequence)."""
+    """Raise ValueError naming the first model size that `tp` does not divide, and the fix; and for a
+    capacity factor under sequence parallelism (MoE layers then see a part of each micro-batch's tokens)."""
     if tp == 1:
         return
     divisible = [("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
@@ -80,11 +85,11 @@ def check_tensor_parallel(config, tp: int, *, sequence_parallel: bool = False) -
                              f"splits it evenly over the tp ranks); choose tp among the divisors "
                              f"{{{choices}}} of {value} (it must also divide the other sizes), "
                              f"or change model.{name} to a multiple of {tp}")
-    if config.is_moe and sequence_parallel:
-        raise ValueError(f"tensor parallelism with sequence parallelism of a MoE model (model.num_experts="
-                         f"{config.num_experts}) is not implemented yet: the MoE layers run replicated on the tp "
-                         "ranks, on the whole sequence; set parallel.sequence_parallel=false (the attention and "
-                         "dense layers are still split over tp, the experts over parallel.ep), or parallel.tp=1")
+    if config.is_moe and sequence_parallel and config.capacity_factor > 0:
+        raise ValueError(f"model.capacity_factor={config.capacity_factor} with tensor parallelism and sequence "
+                         "parallelism is not implemented: each tp rank's MoE layers see only its part of the "
+                         "sequence, and the capacity is a share of the whole micro-batch's tokens; set "
+                         "model.capacity_factor=0 (dropless) or parallel.sequence_parallel=false")
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,9 +255,14 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, *, sequence_parallel: 
         attn.register_forward_hook(_leave_region(mesh, sequence_parallel))
 
         mlp = block.mlp
+        if sequence_parallel:
+            block.attn_norm = GradReducedRMSNorm(block.attn_norm, mesh)
+            block.mlp_norm = GradReducedRMSNorm(block.mlp_norm, mesh)
         if isinstance(mlp, MoE):
-            # Replicated on the tp ranks (no SP: the residual stream is whole on each): every tp rank
-            # routes the same tokens, and the experts are split over "ep" instead (expert.py).
+            # Replicated on the tp ranks, the experts split over "ep" instead (expert.py). Without SP every
+            # tp rank routes the same whole sequence; with SP each routes its own chunk, no gather: the
+            # gradients are then partial sums (`sum_moe_grads_over_tp`), and the load-balancing loss's
+            # counts are summed over tp (`expert.balance_over`).
             continue
         assert isinstance(mlp, MLP)
         _column_parallel(mlp.w_gate, mesh)
@@ -260,10 +270,6 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, *, sequence_parallel: 
         _row_parallel(mlp.w_down, mesh)
         mlp.register_forward_pre_hook(_enter_region(mesh, sequence_parallel))
         mlp.register_forward_hook(_leave_region(mesh, sequence_parallel))
-
-        if sequence_parallel:
-            block.attn_norm = GradReducedRMSNorm(block.attn_norm, mesh)
-            block.mlp_norm = GradReducedRMSNorm(block.mlp_norm, mesh)
 
     if sequence_parallel and model.norm is not None:
         model.norm = GradReducedRMSNorm(model.norm, mesh)
@@ -276,6 +282,26 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, *, sequence_parallel: 
         _column_parallel(model.lm_head, mesh)
     model.lm_head.register_forward_pre_hook(_enter_region(mesh, sequence_parallel))
     return model
+
+
+def sum_moe_grads_over_tp(model: nn.Module, mesh: Mesh) -> None:
+    """Under sequence parallelism each tp rank's MoE layers (router, experts, shared experts: replicated
+    over tp) see only its chunk of the sequence, so its gradients are that chunk's part: sum them over tp.
+
+    A hook on each parameter sums every backward's gradient before it is accumulated (so gradient
+    accumulation and the data-parallel hooks, which run after accumulation, see whole gradients); the
+    weights are used inside expert dispatch, where no `copy_to_group` of the weight (as
+    `GradReducedRMSNorm` does) can be placed. Call it on the parameters the step will use (after
+    `materialize` replaced any meta ones). One all_reduce per MoE parameter and backward, over tp.
+    """
+    if mesh.size(AXIS) == 1:
+        return
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            for p in moe.parameters():
+                if p.requires_grad:
+                    p.register_hook(lambda g: comm.all_reduce(g.clone(memory_format=torch.contiguous_format),
+                                                             mesh, AXIS))
 
 
 # --------------------------------------------------------------------------------------------

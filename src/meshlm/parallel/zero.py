@@ -148,6 +148,13 @@ class ZeroSharding(GradientBuckets):
             self.tp_sharded = self.local_shard(  # padding: False (its gradient is zero)
                 lambda b, i, p: torch.full(p.shape, float(getattr(p, "_meshlm_shard", (None,))[0] == "tp"),
                                            dtype=p.dtype, device=p.device)).bool()
+        # Elements the gradient norm skips (None: none): a tied head's copy of the embedding under pp, counted
+        # on the first stage (`pipeline.TiedEmbedding`).
+        self.uncounted = None
+        if any(getattr(p, "_meshlm_tied_copy", False) for b in buckets for p in b.params):
+            self.uncounted = self.local_shard(
+                lambda b, i, p: torch.full(p.shape, float(getattr(p, "_meshlm_tied_copy", False)),
+                                           dtype=p.dtype, device=p.device)).bool()
         if stage == 3:
             self.gather_mesh = mesh.duplicate(self.shard_axis)  # the parameter gathers' own groups (see the module doc)
             self._link_units()
@@ -381,6 +388,8 @@ class ZeroSharding(GradientBuckets):
         the elements of TP shards are then summed over "tp" too, while replicated ones (norm weights,
         equal on every tp rank) are counted once; with `other_shards_axis` (experts) everything is."""
         g = self.grad_shard.detach()
+        if self.uncounted is not None:
+            g = g.masked_fill(self.uncounted, 0)
         if self.tp_sharded is None:
             sq = torch.linalg.vector_norm(g, dtype=torch.float64).reshape(1) ** 2
             comm.all_reduce(sq, self.mesh, self.shard_axis)

@@ -147,9 +147,38 @@ def _tags(model: nn.Module) -> dict[str, tuple[str, int] | None]:
     return {k: getattr(t, "_meshlm_shard", None) for k, t in model.state_dict(keep_vars=True).items()}
 
 
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Under pipeline parallelism the last stage's copy of a tied embedding (`pipeline.TiedEmbedding`) is
+    named "lm_head.weight" there; one process keeps its optimizer state as "embed.weight", and so does
+    the checkpoint: {this rank's name: the checkpoint's}."""
+    head = getattr(model, "lm_head", None)
+    if head is not None and getattr(head.weight, "_meshlm_tied_copy", False):
+        return {"lm_head.weight": "embed.weight"}
+    return {}
+
+
+def _renamed(optim: dict, names: dict[str, str]) -> dict:
+    """An optimizer state dict with its per-parameter keys renamed by `names` (state and param groups)."""
+    if not names:
+        return optim
+    out = dict(optim)
+    if "state" in optim:
+        out["state"] = {names.get(k, k): v for k, v in optim["state"].items()}
+    if "param_groups" in optim:
+        out["param_groups"] = [{**g, "params": [names.get(n, n) for n in g["params"]]} for g in optim["param_groups"]]
+    return out
+
+
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh) -> dict:
     """{"model": ..., "optim": ...} (no "optim" when `optimizer` is None) of `ShardedState`s over the live
     storage: DCP saves from it and loads into it in place (then `after_load`). Touches no data."""
+    state = _state(model, optimizer, mesh)
+    if "optim" in state:
+        state["optim"] = _renamed(state["optim"], _tied_names(model))
+    return state
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh) -> dict:
     if getattr(optimizer, "parts", None) is not None:  # ZeroAdamW: the flat shards are the state
         return _zero_state(model, optimizer, mesh)
     tags = _tags(model)
@@ -208,6 +237,8 @@ def after_load(state: dict, *, model: nn.Module, optimizer: torch.optim.Optimize
     under ZeRO-1/2 the full parameters from the loaded master shards."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    if "optim" in state:
+        state = {**state, "optim": _renamed(state["optim"], {v: k for k, v in _tied_names(model).items()})}
     if getattr(optimizer, "parts", None) is not None:
         optimizer.load_sharded_state(state["optim"])
         return

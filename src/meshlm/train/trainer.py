@@ -56,7 +56,7 @@ from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallel
 from meshlm.liveness import Heartbeat
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
-from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
+from meshlm.parallel.pipeline import counted, run_pipeline_step, write_timeline
 from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
@@ -266,6 +266,13 @@ class Trainer:
         parallelism their cp ranks."""
         return "dp_cp" if self.context is not None else "dp"
 
+    @property
+    def moe_token_axes(self) -> tuple[str, ...]:
+        """The ranks whose MoE layers route different tokens: `token_axis`, and under sequence
+        parallelism the tp ranks (each routes its chunk of the sequence)."""
+        sp = self.parallel.tensor_parallel and self.cfg.parallel.sequence_parallel
+        return (self.token_axis, "tp") if sp else (self.token_axis,)
+
     def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a reported tensor over `token_axis` (the input itself on one rank)."""
         return comm.all_reduce(value.clone(), self.mesh, self.token_axis)
@@ -367,7 +374,7 @@ class Trainer:
                                    norm_fn=self.parallel.grad_norm_fn)
         self.optimizer.step()
         if self.moe:  # aux-loss-free balancing (model.router_bias_update_rate): the load of this step
-            update_router_biases(self.base_model, self.mesh, axis=self.token_axis)
+            update_router_biases(self.base_model, self.mesh, axis=self.moe_token_axes)
         self.step += 1
         # What the step itself moved (gradient reduction, ...), taken before the metric reductions
         # below, which exist only for logging.
@@ -387,7 +394,7 @@ class Trainer:
                "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
         if self.moe:
             # Tokens per expert of the last micro-batch, summed over the data ranks: the worst layer's.
-            stats = expert_load_stats(self.base_model, self.mesh, axis=self.token_axis)
+            stats = expert_load_stats(self.base_model, self.mesh, axis=self.moe_token_axes)
             if stats:
                 worst = max(stats.values(), key=lambda v: v["imbalance"])
                 row["expert_load"] = {"min": worst["min"], "max": worst["max"],
@@ -458,9 +465,11 @@ class Trainer:
         if self.world_size > 1:
             logger.print(f"meshlm: {self.world_size} ranks, {self.mesh}")
         # Under tp a sharded parameter holds 1/tp of its elements on this rank: count the whole model.
-        shards = [getattr(p, "_meshlm_shard", None) for p in self.base_model.parameters()]
+        # A tied head's copy of the embedding on the last pipeline stage is the same weight: counted once.
+        params = counted(self.base_model.parameters())
+        shards = [getattr(p, "_meshlm_shard", None) for p in params]
         num_params = sum(p.numel() * (self.mesh.size(shard[0]) if shard is not None else 1)
-                         for p, shard in zip(self.base_model.parameters(), shards))
+                         for p, shard in zip(params, shards))
         if self.parallel.pipeline is not None:  # each stage holds its own blocks: add them up
             num_params = int(comm.all_reduce(torch.tensor([num_params], dtype=torch.int64, device=self.device),
                                              self.mesh, "pp").item())
