@@ -3,7 +3,8 @@
 Responsible for: the load-balanced causal split of a sequence (`shard_sequence`, `local_positions`),
 ring attention (`ring_attention`: key/value blocks passed around the cp ranks, partial results merged
 by log-sum-exp, backward as a ring; its forward loop, `ring_pass`, is also context-parallel serving's),
-the all-gather variant (`allgather_attention`: K/V gathered once per layer), the one log-sum-exp merge
+the all-gather variant (`allgather_attention`: K/V gathered once per layer), Ulysses (`ulysses_attention`:
+heads instead of tokens split over cp for the attention, by two all-to-alls), the one log-sum-exp merge
 of partial attention results (`merge_partials`, which serving's ring and split-KV decoding reuse), and
 `apply_context_parallel`, which swaps every attention's core for one of them.
 Not responsible for: the loss normalisation (the trainer: every rank's token-loss sum over the global
@@ -41,6 +42,26 @@ attention over the gathered blocks (no mask tensor: a boolean mask would make SD
 [s/cp, s] mask per layer, quadratic in the sequence); backward reduce-scatters dK/dV (cp blocks in).
 Fewer, larger messages and no ring steps -- better for short sequences; it keeps the whole sequence's
 K/V (kv heads) per layer for backward, where the ring keeps 1/cp.
+
+Ulysses (parallel.cp_method=ulysses, DeepSpeed-Ulysses): the sequence stays split as above, but attention
+is split by heads instead. One all-to-all over "cp" turns this rank's q, k, v [b, heads, s/cp, d] into
+the whole sequence of heads/cp of them (q, k and v packed in one message); the tokens are put back in
+sequence order (the split's chunks are not contiguous), ordinary causal attention runs over the whole
+sequence on the local heads (`_causal_core`, the model's own core: GQA expansion and SDPA), and a second
+all-to-all returns the output to this rank's tokens, all heads, for the output projection. The heads are
+those of this tp rank (tensor parallelism splits them first). GQA: the kv heads must split over cp too;
+where cp does not divide them they are replicated first to lcm(kv_heads, cp) (each copy next to the query
+heads that read it), so every rank gets the kv heads its query heads need (`check_ulysses` refuses heads
+that cp does not divide). What it keeps for backward is what the model's own core keeps, per local token
+the same as without cp (heads/cp over the whole sequence); no communication overlaps compute.
+Volume per rank and layer, exact (`CommStats` "all_to_all" on "cp" counts a rank's whole input, its own
+slice included), with T = b x s/cp tokens on this rank, d = head_dim, E the element size, h = num_heads /
+tp and g = lcm(num_kv_heads / tp, cp) the kv heads after replication:
+    forward   T d E (h + 2g)  (q, k, v)  +  T d E h  (the output)
+    backward  the same again (the inverse exchanges of the gradients)
+so 4 T d E (h + g) per layer and micro-batch. Recomputation repeats forward exchanges: full both, selective
+only q, k, v's (its checkpoint stops once the core's saved tensors are back, and nothing after the output's
+exchange is kept inside the core), T d E (h + 2g) more.
 """
 
 from __future__ import annotations
@@ -54,10 +75,11 @@ from torch import nn
 
 from meshlm import comm
 from meshlm.comm import P2P
+from meshlm.config import CP_METHODS
 from meshlm.mesh import Mesh
 
 AXIS = "cp"
-METHODS = ("ring", "allgather")
+METHODS = CP_METHODS  # parallel.cp_method: ring, allgather, ulysses
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,13 +123,7 @@ def unshard_sequence(x_local: torch.Tensor, mesh: Mesh, *, dim: int = 1, axis: s
     cp = mesh.size(axis)
     if cp == 1:
         return x_local
-    pieces = comm.all_gather(x_local.contiguous(), mesh, axis, dim=dim).chunk(cp, dim=dim)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for rank, piece in enumerate(pieces):
-        first, second = piece.chunk(2, dim=dim)
-        a, b = chunk_ids(rank, cp)
-        chunks[a], chunks[b] = first, second
-    return torch.cat(chunks, dim=dim)
+    return _to_sequence_order(comm.all_gather(x_local.contiguous(), mesh, axis, dim=dim).chunk(cp, dim=dim), cp, dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,12 +355,88 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh:
 
 
 # --------------------------------------------------------------------------------------------
+# Ulysses: all-to-all from sequence-split to head-split and back
+# --------------------------------------------------------------------------------------------
+
+
+def ulysses_kv_heads(kv_heads: int, cp: int) -> int:
+    """The kv heads Ulysses exchanges: `kv_heads` replicated to lcm(kv_heads, cp), so cp splits them."""
+    return math.lcm(kv_heads, cp)
+
+
+def check_ulysses(num_heads: int, num_kv_heads: int, *, cp: int, tp: int = 1) -> None:
+    """Raise ValueError unless Ulysses can split the heads of one tp rank over `cp` ranks."""
+    if cp == 1:
+        return
+    heads = num_heads // tp
+    if heads % cp:
+        per = "" if tp == 1 else f" / parallel.tp={tp} = {heads} per tp rank"
+        choices = ",".join(str(d) for d in range(2, heads + 1) if heads % d == 0) or "none"
+        raise ValueError(f"parallel.cp_method=ulysses with parallel.cp={cp}: model.num_heads={num_heads}{per} is "
+                         f"not divisible by cp (Ulysses splits every tp rank's attention heads over the cp ranks); "
+                         f"choose cp in {{{choices}}}, or parallel.cp_method=ring or allgather")
+    # the kv heads are replicated to lcm(kv, cp), which always divides the query heads once cp and kv do
+    assert heads % ulysses_kv_heads(num_kv_heads // tp, cp) == 0
+
+
+def _causal_core(q_bhsd, k_bhsd, v_bhsd):
+    """`Attention.core` (the model's dense causal attention, GQA expanded): [b, h, s, d] -> [b, s, h * d]."""
+    from meshlm.models.transformer import Attention  # models never import parallel; the reverse is fine
+
+    return Attention.core(None, q_bhsd, k_bhsd, v_bhsd)  # core reads nothing of its module
+
+
+def _to_sequence_order(x, cp: int, dim: int) -> torch.Tensor:
+    """Every rank's `shard_sequence` piece, x[rank] (a tensor's first dim or a sequence), -> their chunks
+    in true token order, concatenated along `dim` (of a piece)."""
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank in range(cp):
+        first, second = chunk_ids(rank, cp)
+        chunks[first], chunks[second] = x[rank].chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def _ulysses(q, k, v, mesh: Mesh, axis: str) -> torch.Tensor:
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's tokens) -> [b, s, h * d], attention over the whole
+    sequence by head groups (two all-to-alls over `axis`)."""
+    cp = mesh.size(axis)
+    b, h, s, d = q.shape
+    check_ulysses(h, k.shape[1], cp=cp)
+    g = ulysses_kv_heads(k.shape[1], cp)
+    if g > k.shape[1]:  # replicated next to themselves: kv head j -> copies j*r .. j*r + r - 1
+        k, v = k.repeat_interleave(g // k.shape[1], dim=1), v.repeat_interleave(g // k.shape[1], dim=1)
+    # [cp (destination), b, heads for it (q, then k, then v), s, d]: one message per peer
+    send = torch.cat([t.view(b, cp, t.shape[1] // cp, s, d) for t in (q, k, v)], dim=2).transpose(0, 1)
+    got = comm.all_to_all(send.contiguous(), mesh, axis)  # [cp (source), b, local heads, s, d]
+    whole = _to_sequence_order(got, cp, dim=2)  # [b, local heads, cp * s, d]
+    ql, kl, vl = whole.split([h // cp, g // cp, g // cp], dim=1)
+    out = _causal_core(ql, kl, vl).view(b, cp * 2, s // 2, h // cp, d)  # [b, chunk, c, local heads, d]
+    # back: every rank its own two chunks, of every head group
+    back = torch.stack([torch.cat([out[:, j] for j in chunk_ids(r, cp)], dim=1) for r in range(cp)])
+    got = comm.all_to_all(back, mesh, axis)  # [cp (head group), b, s, h / cp, d]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, s, h * d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
+                      axis: str = AXIS) -> torch.Tensor:
+    """`ring_attention`'s result by Ulysses' head split: one all-to-all to the whole sequence of heads / cp,
+    dense causal attention, one all-to-all back (and the inverse exchanges backward).
+
+    q [b, heads, s, d]; k, v [b, kv_heads, s, d] -- this rank's two chunks. heads must divide by the
+    size of `axis` (`check_ulysses`). Returns [b, heads, s, d]. Collective over `axis`."""
+    b, h, s, d = q.shape
+    return _ulysses(q, k, v, mesh, axis).view(b, s, h, d).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
 # The transform
 # --------------------------------------------------------------------------------------------
 
 
 def _context_core(q_bhsd, k_bhsd, v_bhsd, *, mesh: Mesh, method: str):
     """Replacement of `Attention.core`: [b, h, s, d] in, [b, s, h * d] out (s = this rank's tokens)."""
+    if method == "ulysses":
+        return _ulysses(q_bhsd, k_bhsd, v_bhsd, mesh, AXIS)
     attend = ring_attention if method == "ring" else allgather_attention
     out = attend(q_bhsd, k_bhsd, v_bhsd, mesh)
     bsz, _, seq, _ = q_bhsd.shape

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from meshlm.config import PP_SCHEDULES, ModelConfig
+from meshlm.config import CP_METHODS, PP_SCHEDULES, ModelConfig  # CP_METHODS: parallel.cp_method's
 from meshlm.dims import ParallelDims
 
 RECOMPUTE = ("none", "selective", "full")
@@ -23,8 +23,6 @@ PRECISIONS = ("bf16", "fp8", "fp32")
 # parallel/data.py + parallel/zero.py, fp32, exactly as they allocate and communicate; what `--cluster
 # local` runs and tests/test_planner_measured.py counts).
 RUNTIMES = ("megatron", "meshlm")
-# parallel.cp_method, as `meshlm.parallel.context.METHODS` (not imported: the planner runs without torch).
-CP_METHODS = ("ring", "allgather")
 # Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
 # passes its partial dK/dV: fp32 whatever the activation dtype (`parallel/context.py`, for accuracy).
 CP_COMPUTE_BYTES = 4
