@@ -408,8 +408,8 @@ def _ulysses(q, k, v, mesh: Mesh, axis: str) -> torch.Tensor:
     # [cp (destination), b, heads for it (q, then k, then v), s, d]: one message per peer
     send = torch.cat([t.view(b, cp, t.shape[1] // cp, s, d) for t in (q, k, v)], dim=2).transpose(0, 1)
     got = comm.all_to_all(send.contiguous(), mesh, axis)  # [cp (source), b, local heads, s, d]
-    whole = _to_sequence_order(got, cp, dim=2)  # [b, local heads, cp * s, d]
-    ql, kl, vl = whole.split([h // cp, g // cp, g // cp], dim=1)
+    # In token order, each of q, k, v a tensor of its own: attention keeps exactly what it would without cp.
+    ql, kl, vl = (_to_sequence_order(part, cp, dim=2) for part in got.split([h // cp, g // cp, g // cp], dim=2))
     out = _causal_core(ql, kl, vl).view(b, cp * 2, s // 2, h // cp, d)  # [b, chunk, c, local heads, d]
     # back: every rank its own two chunks, of every head group
     back = torch.stack([torch.cat([out[:, j] for j in chunk_ids(r, cp)], dim=1) for r in range(cp)])

@@ -23,6 +23,8 @@ PRECISIONS = ("bf16", "fp8", "fp32")
 # parallel/data.py + parallel/zero.py, fp32, exactly as they allocate and communicate; what `--cluster
 # local` runs and tests/test_planner_measured.py counts).
 RUNTIMES = ("megatron", "meshlm")
+# How Layout.short() marks each method after "cp<n>" (ring, the default, unmarked).
+CP_METHOD_MARKS = {"ring": "", "allgather": "ag", "ulysses": "u"}
 # Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
 # passes its partial dK/dV: fp32 whatever the activation dtype (`parallel/context.py`, for accuracy).
 CP_COMPUTE_BYTES = 4
@@ -92,7 +94,8 @@ class Layout(ParallelDims):
     Keys are the `parallel.*` config names plus micro_batch_size."""
 
     # ring: K/V blocks passed round the cp ranks, overlapped with attention; allgather: K/V of the whole
-    # sequence gathered once per layer (parallel.cp_method). Only matters when cp > 1.
+    # sequence gathered once per layer; ulysses: all-to-alls to split attention by heads instead of tokens
+    # (parallel.cp_method). Only matters when cp > 1.
     cp_method: str = "ring"
     zero_stage: int = 0
     pp_schedule: str = "1f1b"
@@ -123,7 +126,7 @@ class Layout(ParallelDims):
                  (f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}")
                  + f"/z{self.zero_stage}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}" + ("ag" if self.cp_method == "allgather" else ""))
+            parts.append(f"cp{self.cp}" + CP_METHOD_MARKS[self.cp_method])
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f"etp{self.etp}" if self.etp != self.tp else ""))
         parts.append(f"mbs{self.micro_batch_size}")
@@ -190,6 +193,11 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
     if lo.cp_method not in CP_METHODS:
         raise ValueError(f"layout cp_method={lo.cp_method!r} must be one of {list(CP_METHODS)} "
                          "(parallel.cp_method); e.g. cp=2,cp_method=allgather")
+    # What the runtime's `parallel.context.check_ulysses` refuses: heads of a tp rank that cp does not divide.
+    if lo.cp > 1 and lo.cp_method == "ulysses" and lo.tp and (cfg.num_heads // lo.tp) % lo.cp:
+        raise ValueError(f"layout cp={lo.cp} with cp_method=ulysses must divide num_heads / tp = {cfg.num_heads} / "
+                         f"{lo.tp} (Ulysses splits every tp rank's heads over cp); choose another cp, or "
+                         "cp_method=ring or allgather")
     if lo.pp_schedule not in PP_SCHEDULES:
         raise ValueError(f"layout pp_schedule={lo.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
     if lo.pp_chunks > 1 and lo.pp_schedule != "interleaved":

@@ -23,7 +23,9 @@ ZeRO shards over dp_shard x cp and gradients are reduced over dp x cp (the cp ra
 weights). parallel.cp_method: `ring` passes this rank's K+V block round the cp ranks, cp - 1 steps
 forward and (with the partial dK+dV, fp32) backward, overlapped with the attention of the block in hand
 (plus an fp32 merge pass per step); `allgather` does one all-gather of K+V and one reduce-scatter of
-dK+dV per layer, exposed. Both repeat their forward communication when the core is recomputed.
+dK+dV per layer, exposed; `ulysses` two all-to-alls each way (q, k, v to whole-sequence head groups, the
+output back), exposed, its attention one kernel over the whole sequence on heads / cp. All repeat their
+forward communication when the core is recomputed (Ulysses under selective: q, k, v's only).
 Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole sequence's K/V and a
 [seq/cp, seq] mask; the ring 1/cp of the sequence). The attention compute is priced the same for both
 (a fused causal kernel over seq/cp queries); meshlm's all-gather runs SDPA with a boolean mask, which
@@ -42,6 +44,7 @@ ranks beyond the core count time-share the cores, and collectives get no overlap
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -180,7 +183,8 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         # Transformer Engine's ring does): the masked diagonal tiles and the per-row-block softmax
         # epilogue cost a fixed number of tokens' worth (`attention_block_overhead`), so short blocks run
         # below the long-sequence rate.
-        block = s / (2 * cp) if cp > 1 else s
+        # Ulysses attends over the whole sequence (heads / cp of them): one call, block s.
+        block = s / (2 * cp) if cp > 1 and lo.cp_method != "ulysses" else s
         block_eff = block / (block + cluster.attention_block_overhead)
         t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
         t_attn_bwd = 2.5 * t_attn
@@ -248,7 +252,18 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     # counts them as CommStats does). One block = this rank's K (or V): mbs x seq/cp x kv_dim/tp.
     # Recomputation (selective: the core; full: the layer) runs the core's forward communication again.
     rc_again = 1 if rc in ("full", "selective") else 0
-    if cp > 1:
+    if cp > 1 and lo.cp_method == "ulysses":
+        # Two all-to-alls forward (q, k, v of this rank's tokens, kv heads replicated to g = lcm(kv/tp, cp);
+        # then the output), their inverses backward; recompute repeats q, k, v's (selective: the checkpoint
+        # stops there) or both (full). The attention needs all of it and the projection the output: exposed.
+        head = mbs * (s / cp) * cfg.head_dim * by["act"]  # one head of this rank's tokens
+        h_tp, g = cfg.num_heads // tp, math.lcm(cfg.num_kv_heads // tp, cp)
+        qkv, o = head * (h_tp + 2 * g), head * h_tp
+        n_qkv, n_o = 2 + (rc != "none"), 2 + (rc == "full")
+        t_cp_layer = (n_qkv * collective_time("all_to_all", qkv, span_cp, cluster)
+                      + n_o * collective_time("all_to_all", o, span_cp, cluster))
+        cp_layer_bytes = n_qkv * qkv + n_o * o
+    elif cp > 1:
         kv_block = mbs * (s / cp) * kv_dim / tp * by["act"]
         kv_pair = 2 * kv_block  # K + V
         grad_pair = kv_pair * CP_COMPUTE_BYTES / by["act"]  # dK + dV partial sums, in the compute dtype
