@@ -17,6 +17,8 @@ from dist import run_distributed
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.parallel.context import (
     allgather_attention,
+    hybrid_attention,
+    hybrid_mesh,
     local_positions,
     merge_partials,
     ring_attention,
@@ -55,8 +57,9 @@ def attention_worker(rank, world_size, shape):
     mesh = build_mesh(ParallelDims(cp=world_size), device_type="cpu")
     counts = lambda snap: {f"{op}/{axis}": (s.calls, s.bytes) for (op, axis), s in snap.items()}  # noqa: E731
     results = {}
+    usp2 = hybrid_mesh(mesh, 2) if world_size == 4 else None
     for method in _methods(shape["heads"], world_size):
-        attend = ATTEND[method]
+        attend = ATTEND[method] if method != "usp2" else (lambda q, k, v, _: hybrid_attention(q, k, v, usp2))
         for dtype in DTYPES:
             q, k, v, dout = _qkv(**shape, dtype=dtype)
             mine = [shard_sequence(t, cp=world_size, cp_rank=rank, dim=2).requires_grad_(True) for t in (q, k, v)]
@@ -72,8 +75,9 @@ def attention_worker(rank, world_size, shape):
 
 
 def _methods(heads: int, cp: int) -> list[str]:
-    """Ulysses splits the heads over cp: only where cp divides them."""
-    return [m for m in METHODS if m != "ulysses" or heads % cp == 0]
+    """Ulysses splits the heads over cp: only where cp divides them; the hybrid "usp2" (Ulysses over pairs of
+    cp ranks, the ring across the pairs) at cp = 4."""
+    return [m for m in METHODS if m != "ulysses" or heads % cp == 0] + (["usp2"] if cp == 4 else [])
 
 
 SHAPES = {
@@ -129,6 +133,22 @@ def test_bytes_equal_the_analytic_volume(method, cp):
             head = block // shape["kv_heads"]  # one head of this rank's tokens
             h, g = shape["heads"], math.lcm(shape["kv_heads"], cp)
             assert fwd == bwd == {"all_to_all/cp": (2, head * (h + 2 * g) + head * h)}
+
+
+def test_hybrid_bytes_equal_the_analytic_volume():
+    cp, shape = 4, SHAPES["gqa"]
+    block = shape["batch"] * shape["kv_heads"] * shape["seq"] // cp * shape["dim"] * 4  # as above
+    # the hybrid (U = 2): Ulysses' all-to-alls over the pair (kv heads as they are: g = lcm(2, U) = 2), then
+    # the ring over cp / U = 2 pairs, one step, whose K (or V) block is the pair's U x seq / cp tokens at
+    # g / U kv heads: head x g bytes; backward K+V and dK+dV (fp32)
+    h, g = shape["heads"], 2
+    head = block // shape["kv_heads"]
+    kv = 2 * head * g
+    for result in launched(cp, "gqa"):
+        _, fwd, bwd = result["usp2", str(torch.float32)]
+        a2a = (2, head * (h + 2 * g) + head * h)
+        assert fwd == {"all_to_all/cp_ulysses": a2a, "send/cp_ring": (1, kv), "recv/cp_ring": (1, kv)}
+        assert bwd == {"all_to_all/cp_ulysses": a2a, "send/cp_ring": (2, 2 * kv), "recv/cp_ring": (2, 2 * kv)}
 
 
 def test_split_is_load_balanced_and_positions_are_true():

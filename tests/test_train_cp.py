@@ -93,6 +93,23 @@ def test_ulysses_layouts_match_the_single_process_run_in_fp64(tmp_path, text_fil
     assert {r.comm_bytes["cp"] for r in report.rows} == {layers * micro_batches * per_layer}
 
 
+def test_hybrid_cp4_with_ulysses_pairs_matches_the_single_process_run_in_fp64(tmp_path, text_file):
+    cfg = make_cfg(text_file, "parallel.cp=4", "parallel.cp_ulysses=2")
+    report = verify.run(cfg, nproc=4, steps=3, run_dir=tmp_path, launch=harness_launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL
+    # Per layer and micro-batch (4 micro-batches, 2 layers), with one head of this rank's tokens H = 2 x 8 x 8
+    # x fp64 and g = lcm(2 kv heads, 2) = 2: over the pair, all-to-alls of H (4 + 2g) and H 4, forward and
+    # backward; round the ring of 2 pairs, one step of the pair's K+V (g / 2 kv heads of 16 tokens: H g each)
+    # forward, K+V and dK+dV backward, sent and received.
+    head, g = 2 * 8 * 8 * 8, 2
+    a2a = 2 * (head * (4 + 2 * g) + head * 4)
+    ring = 2 * (2 * head * g + 4 * head * g)
+    assert {r.comm_bytes["cp_ulysses"] for r in report.rows} == {2 * 4 * a2a}
+    assert {r.comm_bytes["cp_ring"] for r in report.rows} == {2 * 4 * ring}
+
+
 @pytest.mark.parametrize("layout", [
     ["parallel.zero_stage=1"], ["parallel.zero_stage=2", "parallel.dp_replicate=2"],
     ["parallel.pp=2"], ["parallel.recompute=selective"], ["parallel.recompute=full"],
@@ -120,6 +137,10 @@ def test_fp32_losses_and_grad_norms(tmp_path, text_file):
     (["parallel.cp=2", "parallel.tp=4", "model.num_kv_heads=4", "parallel.cp_method=ulysses"], 8,
      r"num_heads=4 / parallel.tp=4 = 1 per tp rank is not divisible by cp"),
     (["parallel.cp=2", "parallel.cp_method=alltoall"], 2, "ring, allgather or ulysses"),
+    (["parallel.cp=4", "parallel.cp_ulysses=3"], 4, r"cp_ulysses=3 does not divide parallel.cp=4.*\{1,2,4\}"),
+    (["parallel.cp=4", "parallel.cp_ulysses=2", "parallel.cp_method=allgather"], 4, "set parallel.cp_method=ring"),
+    (["parallel.cp=4", "parallel.cp_ulysses=4", "model.num_heads=6", "model.num_kv_heads=2",
+      "model.hidden_size=48"], 4, "num_heads=6 is not divisible by cp"),
 ])
 def test_layouts_that_cannot_run_are_refused(text_file, settings, world, match):
     with pytest.raises(ValueError, match=match):

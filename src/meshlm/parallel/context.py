@@ -76,9 +76,12 @@ from torch import nn
 from meshlm import comm
 from meshlm.comm import P2P
 from meshlm.config import CP_METHODS
-from meshlm.mesh import Mesh
+from meshlm.mesh import Mesh, create_groups, every_group, group_ranks
 
 AXIS = "cp"
+# The hybrid (parallel.cp_ulysses = U > 1): "cp" seen as cp / U groups of U consecutive ranks.
+ULYSSES_AXIS = "cp_ulysses"  # the U ranks of this rank's group (the all-to-alls)
+RING_AXIS = "cp_ring"  # the cp / U ranks at this rank's place in every group (the ring)
 METHODS = CP_METHODS  # parallel.cp_method: ring, allgather, ulysses
 
 
@@ -164,11 +167,11 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _pairs(cp_rank: int, src: int, cp: int, c: int):
+def _pairs(q_ids, k_ids, c: int):
     """(query slice, key slice, causal) for every (query chunk, key chunk) pair that is not fully masked,
-    for this rank's queries against the block of rank `src`."""
-    for qi, qa in enumerate(chunk_ids(cp_rank, cp)):
-        for ki, kb in enumerate(chunk_ids(src, cp)):
+    for queries holding chunks `q_ids` (in that order, `c` tokens each) against a block holding `k_ids`."""
+    for qi, qa in enumerate(q_ids):
+        for ki, kb in enumerate(k_ids):
             if kb <= qa:
                 yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kb == qa
 
@@ -177,17 +180,19 @@ def _no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
 
 
-def _shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, float]:
-    """(GQA group size, chunk length, softmax scale) of this rank's q [b, h, 2c, d] and k [b, hkv, 2c, d]."""
-    return q.shape[1] // k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+def _shape(q: torch.Tensor, k: torch.Tensor, q_ids) -> tuple[int, int, float]:
+    """(GQA group size, chunk length, softmax scale) of this rank's q [b, h, n c, d] (n = len(q_ids)
+    chunks) and k [b, hkv, n c, d]."""
+    return q.shape[1] // k.shape[1], q.shape[2] // len(q_ids), 1.0 / math.sqrt(q.shape[-1])
 
 
-def _block_forward(qc, block, *, cp_rank: int, src: int, cp: int, out, lse) -> None:
-    """Attend this rank's queries `qc` to the K/V `block` [2, b, hkv, 2c, d] of rank `src`, merging each
-    (query chunk, key chunk) pair's partial result into `out` / `lse` in place (the online softmax)."""
-    groups, c, scale = _shape(qc, block[0])
+def _block_forward(qc, block, *, q_ids, k_ids, out, lse) -> None:
+    """Attend this rank's queries `qc` (chunks `q_ids`) to the K/V `block` [2, b, hkv, n c, d] holding chunks
+    `k_ids`, merging each (query chunk, key chunk) pair's partial result into `out` / `lse` in place (the
+    online softmax)."""
+    groups, c, scale = _shape(qc, block[0], q_ids)
     kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
-    for qs, ks, causal in _pairs(cp_rank, src, cp, c):
+    for qs, ks, causal in _pairs(q_ids, k_ids, c):
         s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
         part_lse = torch.logsumexp(s, dim=-1)
         part = torch.matmul(torch.exp(s - part_lse[..., None]), vb[:, :, ks])
@@ -195,13 +200,13 @@ def _block_forward(qc, block, *, cp_rank: int, src: int, cp: int, out, lse) -> N
         out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse)
 
 
-def _block_backward(qc, doc, block, *, cp_rank: int, src: int, cp: int, lse, delta, dq) -> torch.Tensor:
-    """This rank's share of dK/dV of `block` (rank `src`'s K/V), [2, b, hkv, 2c, d]; adds its part of dQ
-    into `dq`. The FlashAttention backward: probabilities recomputed from the saved log-sum-exp."""
-    groups, c, scale = _shape(qc, block[0])
+def _block_backward(qc, doc, block, *, q_ids, k_ids, lse, delta, dq) -> torch.Tensor:
+    """This rank's share of dK/dV of `block` (the K/V of chunks `k_ids`), [2, b, hkv, n c, d]; adds its part
+    of dQ into `dq`. The FlashAttention backward: probabilities recomputed from the saved log-sum-exp."""
+    groups, c, scale = _shape(qc, block[0], q_ids)
     kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
     dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-    for qs, ks, causal in _pairs(cp_rank, src, cp, c):
+    for qs, ks, causal in _pairs(q_ids, k_ids, c):
         p = torch.exp(_scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale) - lse[:, :, qs, None])
         dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), doc[:, :, qs])
         ds = p * (torch.matmul(doc[:, :, qs], vb[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
@@ -238,10 +243,10 @@ def ring_pass(block: torch.Tensor, mesh: Mesh, axis: str, visit, *, incoming=Non
 
 
 class _RingAttention(torch.autograd.Function):
-    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's two chunks) -> out [b, h, s, d]."""
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's chunks, `chunks_of(rank on axis)`) -> out [b, h, s, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh: Mesh, axis: str):
+    def forward(ctx, q, k, v, mesh: Mesh, axis: str, chunks_of):
         cp, r = mesh.size(axis), mesh.local_rank(axis)
         cdt = torch.promote_types(q.dtype, torch.float32)
         with _no_autocast(q.device.type):
@@ -250,10 +255,11 @@ class _RingAttention(torch.autograd.Function):
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
             # what travels: the kv heads only
             ring_pass(torch.stack([k, v]).contiguous(), mesh, axis,
-                      lambda block, src: _block_forward(qc, block, cp_rank=r, src=src, cp=cp, out=out, lse=lse))
+                      lambda block, src: _block_forward(qc, block, q_ids=chunks_of(r), k_ids=chunks_of(src), out=out,
+                                                        lse=lse))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mesh, ctx.axis = mesh, axis
+        ctx.mesh, ctx.axis, ctx.chunks_of = mesh, axis, chunks_of
         return out
 
     @staticmethod
@@ -289,8 +295,8 @@ class _RingAttention(torch.autograd.Function):
                         handle.wait()
                         own = own + partial_in
                     break
-                grads = _block_backward(qc, doc, block, cp_rank=r, src=(r - step) % cp, cp=cp, lse=lse,
-                                        delta=delta, dq=dq)
+                grads = _block_backward(qc, doc, block, q_ids=ctx.chunks_of(r), k_ids=ctx.chunks_of((r - step) % cp),
+                                        lse=lse, delta=delta, dq=dq)
                 if handle is not None:
                     handle.wait()
                 if step == 0:
@@ -299,7 +305,7 @@ class _RingAttention(torch.autograd.Function):
                     outgoing = (grads + partial_in if partial_in is not None else grads).contiguous()
                 if incoming is not None:
                     block = incoming
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -315,8 +321,8 @@ class _GatheredAttention(torch.autograd.Function):
             out = torch.zeros_like(qc)
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
             for src in range(cp):
-                _block_forward(qc, kv[:, :, :, src * s:(src + 1) * s], cp_rank=cp_rank, src=src, cp=cp, out=out,
-                               lse=lse)
+                _block_forward(qc, kv[:, :, :, src * s:(src + 1) * s], q_ids=chunk_ids(cp_rank, cp),
+                               k_ids=chunk_ids(src, cp), out=out, lse=lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.cp_rank, ctx.cp = cp_rank, cp
@@ -330,8 +336,9 @@ class _GatheredAttention(torch.autograd.Function):
             qc, doc = q.to(cdt), dout.to(cdt)
             delta = (doc * out.to(cdt)).sum(-1)
             dq = torch.zeros_like(qc)
-            dkv = torch.cat([_block_backward(qc, doc, kv[:, :, :, src * s:(src + 1) * s], cp_rank=ctx.cp_rank,
-                                             src=src, cp=ctx.cp, lse=lse, delta=delta, dq=dq)
+            dkv = torch.cat([_block_backward(qc, doc, kv[:, :, :, src * s:(src + 1) * s],
+                                             q_ids=chunk_ids(ctx.cp_rank, ctx.cp), k_ids=chunk_ids(src, ctx.cp),
+                                             lse=lse, delta=delta, dq=dq)
                              for src in range(ctx.cp)], dim=3)
         return dq.to(q.dtype), dkv.to(kv.dtype), None, None
 
@@ -341,7 +348,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh
 
     q [b, heads, s, d]; k, v [b, kv_heads, s, d] -- this rank's two chunks (`shard_sequence`), already
     rotated by their true positions. Returns [b, heads, s, d]. Collective over `axis`."""
-    return _RingAttention.apply(q, k, v, mesh, axis)
+    cp = mesh.size(axis)
+    return _RingAttention.apply(q, k, v, mesh, axis, functools.partial(chunk_ids, cp=cp))
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
@@ -429,6 +437,76 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: M
 
 
 # --------------------------------------------------------------------------------------------
+# The hybrid (USP): Ulysses inside groups of U consecutive cp ranks, the ring across the groups
+# --------------------------------------------------------------------------------------------
+
+
+def check_hybrid(cp: int, ulysses: int, method: str) -> None:
+    """Raise ValueError unless parallel.cp_ulysses=`ulysses` can split `cp` (the hybrid runs the ring)."""
+    if ulysses == 1:
+        return
+    if cp % ulysses:
+        choices = ",".join(str(d) for d in range(1, cp + 1) if cp % d == 0)
+        raise ValueError(f"parallel.cp_ulysses={ulysses} does not divide parallel.cp={cp} (the cp ranks form "
+                         f"groups of cp_ulysses for the all-to-alls, a ring across the groups); choose it in "
+                         f"{{{choices}}}")
+    if method != "ring":
+        raise ValueError(f"parallel.cp_ulysses={ulysses} with parallel.cp_method={method!r}: the hybrid is Ulysses "
+                         "within groups of cp_ulysses ranks and the ring across them; set parallel.cp_method=ring, "
+                         "or parallel.cp_ulysses=1")
+
+
+def hybrid_mesh(mesh: Mesh, ulysses: int) -> Mesh:
+    """`mesh` plus the axes "cp_ulysses" (this rank's group of `ulysses` consecutive cp ranks) and "cp_ring"
+    (the ranks at its place in every group); same CommStats. Collective over the world (every rank creates
+    every group, in the same order)."""
+    def members_of(rank: int, axis: str) -> list[int]:
+        cp_ranks = group_ranks(mesh.dims, rank, AXIS)
+        i = cp_ranks.index(rank)
+        return cp_ranks[i - i % ulysses:i - i % ulysses + ulysses] if axis == ULYSSES_AXIS else cp_ranks[i % ulysses::ulysses]
+
+    axes, every = {}, {}
+    for axis in (ULYSSES_AXIS, RING_AXIS):
+        every[axis] = every_group(mesh.world_size, functools.partial(members_of, axis=axis))
+        mine, group = members_of(mesh.rank, axis), None
+        if len(mine) > 1 and mesh.device_mesh is not None:  # the same size on every rank: all agree
+            group = create_groups(every[axis], mesh.rank)
+        axes[axis] = (mine, group)
+    return mesh.with_axes(axes, every=every)
+
+
+def _hybrid_chunks(ring_rank: int, *, ulysses: int, cp: int) -> tuple[int, ...]:
+    """The chunks (of 2 cp) a group of the ring holds after its all-to-all: its ranks' pairs, in rank order."""
+    return tuple(j for u in range(ulysses) for j in chunk_ids(ring_rank * ulysses + u, cp))
+
+
+def _hybrid(q, k, v, mesh: Mesh) -> torch.Tensor:
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's tokens) -> [b, s, h * d]: an all-to-all over
+    "cp_ulysses" to the group's tokens of heads / U, ring attention over "cp_ring", an all-to-all back."""
+    U, cp = mesh.size(ULYSSES_AXIS), mesh.size(AXIS)
+    b, h, s, d = q.shape
+    check_ulysses(h, k.shape[1], cp=U)
+    g = ulysses_kv_heads(k.shape[1], U)
+    if g > k.shape[1]:
+        k, v = k.repeat_interleave(g // k.shape[1], dim=1), v.repeat_interleave(g // k.shape[1], dim=1)
+    send = torch.cat([t.view(b, U, t.shape[1] // U, s, d) for t in (q, k, v)], dim=2).transpose(0, 1)
+    got = comm.all_to_all(send.contiguous(), mesh, ULYSSES_AXIS)  # [U (source), b, local heads, s, d]
+    # the group's tokens in its ranks' order (the ring masks by chunk index, `_hybrid_chunks`)
+    ql, kl, vl = (torch.cat(part.unbind(0), dim=2) for part in got.split([h // U, g // U, g // U], dim=2))
+    chunks_of = functools.partial(_hybrid_chunks, ulysses=U, cp=cp)
+    out = _RingAttention.apply(ql, kl, vl, mesh, RING_AXIS, chunks_of)  # [b, h / U, U s, d]
+    back = torch.stack(out.split(s, dim=2))  # [U (destination), b, h / U, s, d]
+    got = comm.all_to_all(back, mesh, ULYSSES_AXIS)  # [U (head group), b, h / U, s, d]
+    return got.permute(1, 3, 0, 2, 4).reshape(b, s, h * d)
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """`ring_attention`'s result by the hybrid; `mesh` from `hybrid_mesh`. Shapes as `ulysses_attention`."""
+    b, h, s, d = q.shape
+    return _hybrid(q, k, v, mesh).view(b, s, h, d).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
 # The transform
 # --------------------------------------------------------------------------------------------
 
@@ -437,6 +515,8 @@ def _context_core(q_bhsd, k_bhsd, v_bhsd, *, mesh: Mesh, method: str):
     """Replacement of `Attention.core`: [b, h, s, d] in, [b, s, h * d] out (s = this rank's tokens)."""
     if method == "ulysses":
         return _ulysses(q_bhsd, k_bhsd, v_bhsd, mesh, AXIS)
+    if method == "hybrid":
+        return _hybrid(q_bhsd, k_bhsd, v_bhsd, mesh)
     attend = ring_attention if method == "ring" else allgather_attention
     out = attend(q_bhsd, k_bhsd, v_bhsd, mesh)
     bsz, _, seq, _ = q_bhsd.shape
@@ -467,9 +547,11 @@ class ContextParallel:
         return local_positions(seq_len, cp=self.cp, cp_rank=self.cp_rank, device=device)
 
 
-def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring") -> ContextParallel:
+def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring", ulysses: int = 1) -> ContextParallel:
     """Make every attention of `model` attend across the "cp" ranks (in place); returns the handle.
 
+    `ulysses` > 1 (parallel.cp_ulysses, with method "ring"): the hybrid, Ulysses within groups of that many
+    consecutive cp ranks and the ring across the groups (collective: creates the groups, `hybrid_mesh`).
     The model then expects this rank's chunks of every sequence and their true positions
     (`model(handle.shard(tokens), positions=handle.positions(seq_len))`); the KV-cache paths used for
     generation are untouched (they do not call `core`)."""
@@ -477,7 +559,11 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring"
 
     if method not in METHODS:
         raise ValueError(f"parallel.cp_method={method!r} must be one of {list(METHODS)}")
+    check_hybrid(mesh.size(AXIS), ulysses, method)
+    core = functools.partial(_context_core, mesh=mesh, method=method)
+    if ulysses > 1:
+        core = functools.partial(_context_core, mesh=hybrid_mesh(mesh, ulysses), method="hybrid")
     for module in model.modules():
         if isinstance(module, Attention):
-            module.core = functools.partial(_context_core, mesh=mesh, method=method)
+            module.core = core
     return ContextParallel(mesh=mesh, method=method)

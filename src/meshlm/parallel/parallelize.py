@@ -37,7 +37,8 @@ from torch import nn
 
 from meshlm.config import Config, ModelConfig, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
-from meshlm.parallel.context import ContextParallel, apply_context_parallel, check_seq_len, check_ulysses
+from meshlm.parallel.context import (ContextParallel, apply_context_parallel, check_hybrid, check_seq_len,
+                                     check_ulysses)
 from meshlm.parallel.data import DataParallel, apply_data_parallel
 from meshlm.parallel.expert import apply_expert_parallel, expert_mesh
 from meshlm.parallel.materialize import ShardInit, materialize
@@ -81,13 +82,14 @@ def check_expert_parallel(model: ModelConfig, ep: int) -> None:
 
 
 def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int, sequence_parallel: bool,
-                           method: str = "ring") -> None:
+                           method: str = "ring", ulysses: int = 1) -> None:
     """Raise ValueError unless `cp` context-parallel ranks can split sequences of `seq_len` of `model`."""
     if cp == 1:
         return
     check_seq_len(seq_len, cp)
-    if method == "ulysses":
-        check_ulysses(model.num_heads, model.num_kv_heads, cp=cp, tp=tp)
+    check_hybrid(cp, ulysses, method)
+    if method == "ulysses" or ulysses > 1:
+        check_ulysses(model.num_heads, model.num_kv_heads, cp=cp if method == "ulysses" else ulysses, tp=tp)
     if model.is_moe:
         # The Switch load-balancing loss is a product of two means over the tokens of a micro-batch:
         # computed on each rank's part of the sequence it is not the whole sequence's.
@@ -116,7 +118,8 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     # heads, sizes and vocab divisible by tp; MoE only without sequence parallelism
     check_tensor_parallel(cfg.model, dims.tp, sequence_parallel=cfg.parallel.sequence_parallel)
     check_context_parallel(cfg.model, dims.cp, seq_len=t.seq_len, tp=dims.tp,
-                           sequence_parallel=cfg.parallel.sequence_parallel, method=cfg.parallel.cp_method)
+                           sequence_parallel=cfg.parallel.sequence_parallel, method=cfg.parallel.cp_method,
+                           ulysses=cfg.parallel.cp_ulysses)
     check_expert_parallel(cfg.model, dims.ep)
     if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
@@ -299,7 +302,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
         apply_expert_parallel(model, mesh)
         result.expert_parallel = True
     if cp > 1:
-        result.context = apply_context_parallel(model, mesh, method=parallel.cp_method)
+        result.context = apply_context_parallel(model, mesh, method=parallel.cp_method, ulysses=parallel.cp_ulysses)
     apply_recompute(model, parallel.recompute)
     zero_init = None
     if any(p.is_meta for p in model.parameters()):
