@@ -135,12 +135,12 @@ def test_fp32_losses_and_grad_norms(tmp_path, text_file):
     (["parallel.cp=2", "model.preset=tiny-moe"], 2, "Mixture-of-Experts"),
     (["parallel.cp=3"], 4, "cp"),
     (["parallel.cp=2", "parallel.tp=4", "model.num_kv_heads=4", "parallel.cp_method=ulysses"], 8,
-     r"num_heads=4 / parallel.tp=4 = 1 per tp rank is not divisible by cp"),
+     r"cp=2 with model.num_heads=4 / parallel.tp=4 = 1 per tp rank: the heads are not divisible by 2"),
     (["parallel.cp=2", "parallel.cp_method=alltoall"], 2, "ring, allgather or ulysses"),
     (["parallel.cp=4", "parallel.cp_ulysses=3"], 4, r"cp_ulysses=3 does not divide parallel.cp=4.*\{1,2,4\}"),
     (["parallel.cp=4", "parallel.cp_ulysses=2", "parallel.cp_method=allgather"], 4, "set parallel.cp_method=ring"),
     (["parallel.cp=4", "parallel.cp_ulysses=4", "model.num_heads=6", "model.num_kv_heads=2",
-      "model.hidden_size=48"], 4, "num_heads=6 is not divisible by cp"),
+      "model.hidden_size=48"], 4, r"cp_ulysses=4 with model.num_heads=6: .* choose parallel.cp_ulysses in \{2,3,6\}"),
 ])
 def test_layouts_that_cannot_run_are_refused(text_file, settings, world, match):
     with pytest.raises(ValueError, match=match):

@@ -4,7 +4,8 @@ Responsible for: the load-balanced causal split of a sequence (`shard_sequence`,
 ring attention (`ring_attention`: key/value blocks passed around the cp ranks, partial results merged
 by log-sum-exp, backward as a ring; its forward loop, `ring_pass`, is also context-parallel serving's),
 the all-gather variant (`allgather_attention`: K/V gathered once per layer), Ulysses (`ulysses_attention`:
-heads instead of tokens split over cp for the attention, by two all-to-alls), the one log-sum-exp merge
+heads instead of tokens split over cp for the attention, by two all-to-alls) and the hybrid of the ring and
+Ulysses (`hybrid_attention`: Ulysses within groups of cp ranks, the ring across them), the one log-sum-exp merge
 of partial attention results (`merge_partials`, which serving's ring and split-KV decoding reuse), and
 `apply_context_parallel`, which swaps every attention's core for one of them.
 Not responsible for: the loss normalisation (the trainer: every rank's token-loss sum over the global
@@ -62,6 +63,15 @@ tp and g = lcm(num_kv_heads / tp, cp) the kv heads after replication:
 so 4 T d E (h + g) per layer and micro-batch. Recomputation repeats forward exchanges: full both, selective
 only q, k, v's (its checkpoint stops once the core's saved tensors are back, and nothing after the output's
 exchange is kept inside the core), T d E (h + 2g) more.
+
+The hybrid (USP: parallel.cp_ulysses = U > 1, with cp_method=ring; `hybrid_mesh`, `hybrid_attention`): the
+cp ranks form cp / U groups of U consecutive ranks ("cp_ulysses"); Ulysses' all-to-all inside each group
+gives a rank heads / U of the group's 2U chunks, the ring runs across the groups ("cp_ring", the ranks at the
+same place in every group; `ring_pass` unchanged, the causal mask by chunk index over a group's chunks), and
+the all-to-all back returns the output. Per rank and layer, with T, d, E, h as above, g = lcm(num_kv_heads /
+tp, U) and R = cp / U: on "cp_ulysses" Ulysses' 4 T d E (h + g) (U in place of cp); on "cp_ring" the ring's
+volume for a block of K (or V) of T d E g bytes (the group's U T tokens at g / U heads): forward (R-1) x K+V,
+backward (R-1) x (K+V + dK+dV), each sent and received. U = cp is Ulysses over a ring of one.
 """
 
 from __future__ import annotations
@@ -372,17 +382,20 @@ def ulysses_kv_heads(kv_heads: int, cp: int) -> int:
     return math.lcm(kv_heads, cp)
 
 
-def check_ulysses(num_heads: int, num_kv_heads: int, *, cp: int, tp: int = 1) -> None:
-    """Raise ValueError unless Ulysses can split the heads of one tp rank over `cp` ranks."""
+def check_ulysses(num_heads: int, num_kv_heads: int, *, cp: int, tp: int = 1, hybrid: bool = False) -> None:
+    """Raise ValueError unless Ulysses can split the heads of one tp rank over `cp` ranks (`hybrid`: `cp` is
+    parallel.cp_ulysses, the ranks of one all-to-all group)."""
     if cp == 1:
         return
     heads = num_heads // tp
     if heads % cp:
         per = "" if tp == 1 else f" / parallel.tp={tp} = {heads} per tp rank"
         choices = ",".join(str(d) for d in range(2, heads + 1) if heads % d == 0) or "none"
-        raise ValueError(f"parallel.cp_method=ulysses with parallel.cp={cp}: model.num_heads={num_heads}{per} is "
-                         f"not divisible by cp (Ulysses splits every tp rank's attention heads over the cp ranks); "
-                         f"choose cp in {{{choices}}}, or parallel.cp_method=ring or allgather")
+        setting, other = (("parallel.cp_ulysses", "parallel.cp_ulysses=1") if hybrid else
+                          ("parallel.cp", "parallel.cp_method=ring or allgather"))
+        raise ValueError(f"{'' if hybrid else 'parallel.cp_method=ulysses, '}{setting}={cp} with model.num_heads={num_heads}{per}: the heads are not divisible by "
+                         f"{cp} (Ulysses splits every tp rank's attention heads over its all-to-all ranks); "
+                         f"choose {setting} in {{{choices}}}, or {other}")
     # the kv heads are replicated to lcm(kv, cp), which always divides the query heads once cp and kv do
     assert heads % ulysses_kv_heads(num_kv_heads // tp, cp) == 0
 
@@ -404,20 +417,29 @@ def _to_sequence_order(x, cp: int, dim: int) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
+def _heads_exchange(q, k, v, mesh: Mesh, axis: str) -> list[torch.Tensor]:
+    """Ulysses' first all-to-all over `axis` (n ranks): q [b, h, s, d], k/v [b, hkv, s, d] of this rank's
+    tokens -> q, k, v of every rank's tokens for this rank's heads, each [n (source rank), b, heads / n, s, d]
+    (kv heads replicated to lcm(hkv, n) first where n does not divide them)."""
+    n = mesh.size(axis)
+    b, h, s, d = q.shape
+    check_ulysses(h, k.shape[1], cp=n, hybrid=axis == ULYSSES_AXIS)
+    g = ulysses_kv_heads(k.shape[1], n)
+    if g > k.shape[1]:  # replicated next to themselves: kv head j -> copies j*r .. j*r + r - 1
+        k, v = k.repeat_interleave(g // k.shape[1], dim=1), v.repeat_interleave(g // k.shape[1], dim=1)
+    # [n (destination), b, heads for it (q, then k, then v), s, d]: one message per peer
+    send = torch.cat([t.view(b, n, t.shape[1] // n, s, d) for t in (q, k, v)], dim=2).transpose(0, 1)
+    got = comm.all_to_all(send.contiguous(), mesh, axis)  # [n (source), b, local heads, s, d]
+    return got.split([h // n, g // n, g // n], dim=2)
+
+
 def _ulysses(q, k, v, mesh: Mesh, axis: str) -> torch.Tensor:
     """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's tokens) -> [b, s, h * d], attention over the whole
     sequence by head groups (two all-to-alls over `axis`)."""
     cp = mesh.size(axis)
     b, h, s, d = q.shape
-    check_ulysses(h, k.shape[1], cp=cp)
-    g = ulysses_kv_heads(k.shape[1], cp)
-    if g > k.shape[1]:  # replicated next to themselves: kv head j -> copies j*r .. j*r + r - 1
-        k, v = k.repeat_interleave(g // k.shape[1], dim=1), v.repeat_interleave(g // k.shape[1], dim=1)
-    # [cp (destination), b, heads for it (q, then k, then v), s, d]: one message per peer
-    send = torch.cat([t.view(b, cp, t.shape[1] // cp, s, d) for t in (q, k, v)], dim=2).transpose(0, 1)
-    got = comm.all_to_all(send.contiguous(), mesh, axis)  # [cp (source), b, local heads, s, d]
     # In token order, each of q, k, v a tensor of its own: attention keeps exactly what it would without cp.
-    ql, kl, vl = (_to_sequence_order(part, cp, dim=2) for part in got.split([h // cp, g // cp, g // cp], dim=2))
+    ql, kl, vl = (_to_sequence_order(part, cp, dim=2) for part in _heads_exchange(q, k, v, mesh, axis))
     out = _causal_core(ql, kl, vl).view(b, cp * 2, s // 2, h // cp, d)  # [b, chunk, c, local heads, d]
     # back: every rank its own two chunks, of every head group
     back = torch.stack([torch.cat([out[:, j] for j in chunk_ids(r, cp)], dim=1) for r in range(cp)])
@@ -463,7 +485,8 @@ def hybrid_mesh(mesh: Mesh, ulysses: int) -> Mesh:
     def members_of(rank: int, axis: str) -> list[int]:
         cp_ranks = group_ranks(mesh.dims, rank, AXIS)
         i = cp_ranks.index(rank)
-        return cp_ranks[i - i % ulysses:i - i % ulysses + ulysses] if axis == ULYSSES_AXIS else cp_ranks[i % ulysses::ulysses]
+        first = i - i % ulysses
+        return cp_ranks[first:first + ulysses] if axis == ULYSSES_AXIS else cp_ranks[i % ulysses::ulysses]
 
     axes, every = {}, {}
     for axis in (ULYSSES_AXIS, RING_AXIS):
@@ -485,14 +508,8 @@ def _hybrid(q, k, v, mesh: Mesh) -> torch.Tensor:
     "cp_ulysses" to the group's tokens of heads / U, ring attention over "cp_ring", an all-to-all back."""
     U, cp = mesh.size(ULYSSES_AXIS), mesh.size(AXIS)
     b, h, s, d = q.shape
-    check_ulysses(h, k.shape[1], cp=U)
-    g = ulysses_kv_heads(k.shape[1], U)
-    if g > k.shape[1]:
-        k, v = k.repeat_interleave(g // k.shape[1], dim=1), v.repeat_interleave(g // k.shape[1], dim=1)
-    send = torch.cat([t.view(b, U, t.shape[1] // U, s, d) for t in (q, k, v)], dim=2).transpose(0, 1)
-    got = comm.all_to_all(send.contiguous(), mesh, ULYSSES_AXIS)  # [U (source), b, local heads, s, d]
     # the group's tokens in its ranks' order (the ring masks by chunk index, `_hybrid_chunks`)
-    ql, kl, vl = (torch.cat(part.unbind(0), dim=2) for part in got.split([h // U, g // U, g // U], dim=2))
+    ql, kl, vl = (torch.cat(part.unbind(0), dim=2) for part in _heads_exchange(q, k, v, mesh, ULYSSES_AXIS))
     chunks_of = functools.partial(_hybrid_chunks, ulysses=U, cp=cp)
     out = _RingAttention.apply(ql, kl, vl, mesh, RING_AXIS, chunks_of)  # [b, h / U, U s, d]
     back = torch.stack(out.split(s, dim=2))  # [U (destination), b, h / U, s, d]

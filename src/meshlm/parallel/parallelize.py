@@ -89,7 +89,8 @@ def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int
     check_seq_len(seq_len, cp)
     check_hybrid(cp, ulysses, method)
     if method == "ulysses" or ulysses > 1:
-        check_ulysses(model.num_heads, model.num_kv_heads, cp=cp if method == "ulysses" else ulysses, tp=tp)
+        hybrid = method != "ulysses"
+        check_ulysses(model.num_heads, model.num_kv_heads, cp=ulysses if hybrid else cp, tp=tp, hybrid=hybrid)
     if model.is_moe:
         # The Switch load-balancing loss is a product of two means over the tokens of a micro-batch:
         # computed on each rank's part of the sequence it is not the whole sequence's.

@@ -169,8 +169,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="memory and step time of one layout",
                        description="Estimate one layout. --layout keys: dp_replicate, dp_shard (default: the "
-                                   "rest), tp, pp, cp, cp_method (ring|allgather|ulysses), ep, zero_stage, pp_schedule, "
-                                   "pp_chunks, num_microbatches, micro_batch_size, recompute (none|selective|full), "
+                                   "rest), tp, pp, cp, cp_method (ring|allgather|ulysses), ep, zero_stage, "
+                                   "pp_schedule, pp_chunks, num_microbatches, micro_batch_size, recompute (none|selective|full), "
                                    "sequence_parallel, expert_tp (Megatron's expert tensor parallel size; 0: tp).")
     _add_common(e, required=True)
     e.add_argument("--layout", required=True, help="e.g. tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=selective")
