@@ -193,11 +193,6 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
     if lo.cp_method not in CP_METHODS:
         raise ValueError(f"layout cp_method={lo.cp_method!r} must be one of {list(CP_METHODS)} "
                          "(parallel.cp_method); e.g. cp=2,cp_method=allgather")
-    # What the runtime's `parallel.context.check_ulysses` refuses: heads of a tp rank that cp does not divide.
-    if lo.cp > 1 and lo.cp_method == "ulysses" and lo.tp and (cfg.num_heads // lo.tp) % lo.cp:
-        raise ValueError(f"layout cp={lo.cp} with cp_method=ulysses must divide num_heads / tp = {cfg.num_heads} / "
-                         f"{lo.tp} (Ulysses splits every tp rank's heads over cp); choose another cp, or "
-                         "cp_method=ring or allgather")
     if lo.pp_schedule not in PP_SCHEDULES:
         raise ValueError(f"layout pp_schedule={lo.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
     if lo.pp_chunks > 1 and lo.pp_schedule != "interleaved":
@@ -210,6 +205,11 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
                              f"evenly); choose a tp that divides num_heads={cfg.num_heads}, num_kv_heads="
                              f"{cfg.num_kv_heads}, vocab_size={cfg.vocab_size} and intermediate_size="
                              f"{cfg.intermediate_size}, or pad model.{name} to a multiple of {lo.tp}")
+    # What the runtime's `parallel.context.check_ulysses` refuses: heads of a tp rank that cp does not divide.
+    if lo.cp > 1 and lo.cp_method == "ulysses" and (cfg.num_heads // lo.tp) % lo.cp:
+        raise ValueError(f"layout cp={lo.cp} with cp_method=ulysses must divide num_heads / tp = {cfg.num_heads} / "
+                         f"{lo.tp} (Ulysses splits every tp rank's heads over cp); choose another cp, or "
+                         "cp_method=ring or allgather")
     if lo.pp * lo.pp_chunks > cfg.num_layers:
         raise ValueError(f"layout pp*pp_chunks={lo.pp * lo.pp_chunks} exceeds num_layers={cfg.num_layers}")
     if lo.ep > 1:
