@@ -7,7 +7,8 @@ head, loss and RoPE tables cancel), and with `CommStats` the bytes sent on the "
 forward and backward. The planner's eager activation count (`Job(fused_elementwise=False)`, fp32) and
 its `cp_comm_bytes` must equal them exactly, for recompute none, selective and full, for models whose
 kv heads are half, a quarter of and as many as the query heads (the methods keep K/V at different
-head counts, so only a spread of shapes tells the counts apart).
+head counts, so only a spread of shapes tells the counts apart); "usp2" is the hybrid with
+cp_ulysses=2 (at cp=2 a ring of one: the all-to-alls and what the hybrid keeps, not its ring steps).
 
 And the arithmetic: layout parsing and validation, the time model's collectives, and that the search
 tries every method, the all-gather beating the ring at short sequences and the ring it at long ones.
@@ -48,12 +49,13 @@ def cp_count_worker(rank, world_size):
     tokens = torch.randint(0, BASE["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     out = {}
     for kv in KV_HEADS:
-        for method in METHODS:
+        for method in (*METHODS, "usp2"):
             for rc in RECOMPUTE:
                 saved, sent = {}, {}
                 for layers in (1, 3):
                     model = build_model(_model_cfg(kv, layers), seed=0)
-                    handle = apply_context_parallel(model, mesh, method=method)
+                    handle = apply_context_parallel(model, mesh, method=method if method != "usp2" else "ring",
+                                                    ulysses=2 if method == "usp2" else 1)
                     apply_recompute(model, rc)
                     inputs, targets = handle.shard(tokens[:, :-1]), handle.shard(tokens[:, 1:])
                     stats.reset()
@@ -64,7 +66,8 @@ def cp_count_worker(rank, world_size):
                     saved[layers] = meter.bytes
                     # what one rank sends: every collective's bytes, less the ring's receives (they mirror
                     # the sends), as Estimate.cp_comm_bytes counts
-                    sent[layers] = stats.total(axis="cp").bytes - stats.total(op="recv", axis="cp").bytes
+                    sent[layers] = sum(stats.total(axis=a).bytes - stats.total(op="recv", axis=a).bytes
+                                       for a in ("cp", "cp_ulysses", "cp_ring"))
                 out[(kv, method, rc)] = {"per_layer": (saved[3] - saved[1]) / 2, "cp_bytes_3_layers": sent[3],
                                          "cp_bytes_per_layer": (sent[3] - sent[1]) / 2}
     return out
@@ -72,7 +75,8 @@ def cp_count_worker(rank, world_size):
 
 def _planner(kv: int, method: str, rc: str, layers: int) -> cost.Estimate:
     job = Job(seq_len=SEQ, global_batch_size=BATCH, precision="fp32", fused_elementwise=False, runtime="meshlm")
-    layout = Layout(cp=CP, cp_method=method, recompute=rc, micro_batch_size=BATCH)
+    hybrid = dict(cp_method="ring", cp_ulysses=2) if method == "usp2" else dict(cp_method=method)
+    layout = Layout(cp=CP, **hybrid, recompute=rc, micro_batch_size=BATCH)
     return cost.estimate(_model_cfg(kv, layers), get_cluster("a100"), job, layout, gpus=CP)
 
 
@@ -126,6 +130,10 @@ def test_layout_cp_method_parse_validate_and_short():
     assert parse_layout("cp=2", gpus=8).cp_method == "ring"
     lo = parse_layout("cp=4,cp_method=ulysses", gpus=8)
     assert "cp4u" in lo.short().split()
+    assert "cp4u2" in parse_layout("cp=4,cp_ulysses=2", gpus=8).short().split()
+    with pytest.raises(ValueError, match=r"cp_ulysses=2 \(the hybrid\) needs cp_method=ring"):
+        estimate("llama3-8b", "h100", gpus=8, layout="cp=4,cp_ulysses=2,cp_method=allgather", seq_len=8192,
+                 global_batch_size=2)
     with pytest.raises(ValueError, match=r"cp=3 with cp_method=ulysses must divide num_heads / tp = 32 / 2"):
         estimate("llama3-8b", "h100", gpus=6, layout="cp=3,tp=2,cp_method=ulysses", seq_len=8196, global_batch_size=1)
     with pytest.raises(ValueError, match=r"cp_method='alltoall'.*ring.*allgather.*ulysses"):
@@ -170,6 +178,19 @@ def test_ulysses_time_is_its_exposed_all_to_alls_and_bytes_the_docstrings():
         per_step = est.num_microbatches * cfg.num_layers
         assert est.time_s["cp_comm"] == pytest.approx(per_step * (n_qkv * t_qkv + n_out * t_out), rel=1e-12), rc
         assert est.cp_comm_bytes == per_step * (n_qkv * qkv + n_out * out), rc
+
+
+def test_hybrid_bytes_are_ulysses_in_its_groups_and_the_ring_across_them():
+    cfg = ModelConfig.from_preset("llama3-8b")  # 32 heads, 8 kv heads
+    seq, cp, u = 8192, 8, 4  # kv heads as they are (lcm(8, 4) = 8), a ring of 2 groups
+    head = seq / cp * cfg.head_dim * 2  # one head of one rank's tokens, bf16
+    a2a = head * (32 + 2 * 8) + head * 32
+    kv_pair = 2 * head * 8  # the group's 4 x seq / cp tokens at 8 / 4 kv heads, K + V
+    est = estimate("llama3-8b", "h100", gpus=8, layout=f"cp={cp},cp_ulysses={u},zero_stage=3", seq_len=seq,
+                   global_batch_size=1)
+    per_step = est.num_microbatches * cfg.num_layers
+    # all-to-alls forward and backward; one ring step: K+V forward, K+V and dK+dV (fp32) backward
+    assert est.cp_comm_bytes == per_step * (2 * a2a + (cp // u - 1) * (kv_pair + kv_pair + 2 * kv_pair))
 
 
 def test_short_sequences_favour_the_all_gather_and_long_ones_the_ring():

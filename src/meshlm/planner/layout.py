@@ -97,6 +97,9 @@ class Layout(ParallelDims):
     # sequence gathered once per layer; ulysses: all-to-alls to split attention by heads instead of tokens
     # (parallel.cp_method). Only matters when cp > 1.
     cp_method: str = "ring"
+    # parallel.cp_ulysses: > 1 (with cp_method=ring) the hybrid, Ulysses within groups of this many consecutive
+    # cp ranks and the ring across the groups
+    cp_ulysses: int = 1
     zero_stage: int = 0
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1
@@ -120,13 +123,19 @@ class Layout(ParallelDims):
         """Ranks one routed expert is split over (expert_tp, or tp when 0)."""
         return self.expert_tp or self.tp
 
+    def cp_name(self) -> str:
+        """cp as `short` writes it: the degree and the method's mark (cp_ulysses as u<U> for the hybrid)."""
+        if self.cp > 1 and self.cp_ulysses > 1:
+            return f"{self.cp}u{self.cp_ulysses}"
+        return f"{self.cp}{CP_METHOD_MARKS[self.cp_method] if self.cp > 1 else ''}"
+
     def short(self) -> str:
         parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel and self.tp > 1 else ""),
                  f"pp{self.pp}" + (f"x{self.pp_chunks}" if self.pp_chunks > 1 else ""),
                  (f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}")
                  + f"/z{self.zero_stage}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}" + CP_METHOD_MARKS[self.cp_method])
+            parts.append(f"cp{self.cp_name()}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f"etp{self.etp}" if self.etp != self.tp else ""))
         parts.append(f"mbs{self.micro_batch_size}")
@@ -181,7 +190,7 @@ def resolve_layout(layout: Layout, *, gpus: int, text: str | None = None) -> Lay
 def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) -> int:
     """Raise ValueError naming the value and the fix; return the number of microbatches."""
     lo = resolve_layout(layout, gpus=gpus)
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_chunks", "micro_batch_size"):
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_chunks", "micro_batch_size", "cp_ulysses"):
         if getattr(lo, name) < 1:
             raise ValueError(f"layout {name}={getattr(lo, name)} must be >= 1")
     if lo.world != gpus:
@@ -210,6 +219,11 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
         raise ValueError(f"layout cp={lo.cp} with cp_method=ulysses must divide num_heads / tp = {cfg.num_heads} / "
                          f"{lo.tp} (Ulysses splits every tp rank's heads over cp); choose another cp, or "
                          "cp_method=ring or allgather")
+    # ... and `parallel.context.check_hybrid`'s
+    if lo.cp_ulysses > 1 and (lo.cp % lo.cp_ulysses or lo.cp_method != "ring"
+                              or (cfg.num_heads // lo.tp) % lo.cp_ulysses):
+        raise ValueError(f"layout cp_ulysses={lo.cp_ulysses} (the hybrid) needs cp_method=ring and must divide cp="
+                         f"{lo.cp} and num_heads / tp = {cfg.num_heads} / {lo.tp}; change it, or cp_ulysses=1")
     if lo.pp * lo.pp_chunks > cfg.num_layers:
         raise ValueError(f"layout pp*pp_chunks={lo.pp * lo.pp_chunks} exceeds num_layers={cfg.num_layers}")
     if lo.ep > 1:

@@ -100,6 +100,8 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
                  attention output a second time -- the core keeps it split by heads, wo's input is it
                  split by tokens (without cp they are one tensor). The whole sequence of q, k, v and the
                  scores' blocks live during the core only.
+      hybrid     (cp_ulysses = U > 1, the ring across groups of U) the ring's, with its K and V at lcm(kv / tp, U)
+                 heads (replicated as Ulysses does), and the output twice as Ulysses keeps it.
     tests/test_planner_cp.py checks the eager counts byte for byte against a real cp=2 run.
     """
     cfg, lo = summary.cfg, layout
@@ -132,7 +134,11 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
     per_token = heads * CP_COMPUTE_BYTES - (expansion + sdpa_lse) * act
     if lo.cp_method == "allgather":
         per_token += 2 * kv_dim * (cp - 1) * act
-    return out + tokens_mb * per_token / tp
+    out += tokens_mb * per_token / tp
+    if lo.cp_ulysses > 1:  # the hybrid: the ring's, on K/V replicated to lcm(kv / tp, U), and the output twice
+        g = math.lcm(cfg.num_kv_heads // tp, lo.cp_ulysses)
+        out += tokens_mb * (2 * (g - cfg.num_kv_heads // tp) * cfg.head_dim + q_dim / tp) * act
+    return out
 
 
 @dataclass(frozen=True)
