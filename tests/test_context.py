@@ -1,5 +1,5 @@
-"""Context parallelism: the load-balanced split, ring and all-gather attention against dense causal SDPA on
-the whole sequence (output and every gradient), and the exact bytes of the ring (meshlm.parallel.context).
+"""Context parallelism: the load-balanced split, ring, all-gather and Ulysses attention against dense causal SDPA
+on the whole sequence (output and every gradient), and the exact bytes of each (meshlm.parallel.context).
 
 Each rank holds its two chunks of q, k, v (`shard_sequence`), attends across the cp ranks and
 backpropagates a fixed output gradient; the parent puts the pieces back in sequence order and
@@ -7,6 +7,7 @@ compares with one process's SDPA. In float64 to FP64_TOL, and in float32 to the 
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -16,10 +17,13 @@ from dist import run_distributed
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.parallel.context import (
     allgather_attention,
+    hybrid_attention,
+    hybrid_mesh,
     local_positions,
     merge_partials,
     ring_attention,
     shard_sequence,
+    ulysses_attention,
     unshard_sequence,
 )
 from parity import FP64_TOL
@@ -43,7 +47,8 @@ def _dense(q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-METHODS = ("ring", "allgather")
+METHODS = ("ring", "allgather", "ulysses")
+ATTEND = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 DTYPES = (torch.float64, torch.float32)
 
 
@@ -52,8 +57,9 @@ def attention_worker(rank, world_size, shape):
     mesh = build_mesh(ParallelDims(cp=world_size), device_type="cpu")
     counts = lambda snap: {f"{op}/{axis}": (s.calls, s.bytes) for (op, axis), s in snap.items()}  # noqa: E731
     results = {}
-    for method in METHODS:
-        attend = ring_attention if method == "ring" else allgather_attention
+    usp2 = hybrid_mesh(mesh, 2) if world_size == 4 else None
+    for method in _methods(shape["heads"], world_size):
+        attend = ATTEND[method] if method != "usp2" else (lambda q, k, v, _: hybrid_attention(q, k, v, usp2))
         for dtype in DTYPES:
             q, k, v, dout = _qkv(**shape, dtype=dtype)
             mine = [shard_sequence(t, cp=world_size, cp_rank=rank, dim=2).requires_grad_(True) for t in (q, k, v)]
@@ -68,8 +74,14 @@ def attention_worker(rank, world_size, shape):
     return results
 
 
+def _methods(heads: int, cp: int) -> list[str]:
+    """Ulysses splits the heads over cp: only where cp divides them; the hybrid "usp2" (Ulysses over pairs of
+    cp ranks, the ring across the pairs) at cp = 4."""
+    return [m for m in METHODS if m != "ulysses" or heads % cp == 0] + (["usp2"] if cp == 4 else [])
+
+
 SHAPES = {
-    "gqa": dict(batch=2, heads=4, kv_heads=2, seq=16, dim=8),
+    "gqa": dict(batch=2, heads=4, kv_heads=2, seq=16, dim=8),  # at cp=4 Ulysses replicates the 2 kv heads
     # chunks of 3 tokens (seq 12 over 2*cp=4, or 24 over 8): boundaries that are no power of two
     "odd_chunks": dict(batch=1, heads=2, kv_heads=1, seq=12, dim=4),
     "mha": dict(batch=1, heads=2, kv_heads=2, seq=24, dim=4),
@@ -85,7 +97,7 @@ def launched(cp: int, shape: str) -> list[dict]:
 @pytest.mark.parametrize("cp,shape", [(2, "gqa"), (2, "odd_chunks"), (4, "gqa"), (4, "mha")])
 def test_attention_equals_dense_causal_sdpa(cp, shape):
     results = launched(cp, shape)
-    for method in METHODS:
+    for method in _methods(SHAPES[shape]["heads"], cp):
         for dtype in DTYPES:
             q, k, v, dout = _qkv(**SHAPES[shape], dtype=dtype)
             want = _dense(q, k, v, dout)
@@ -111,10 +123,32 @@ def test_bytes_equal_the_analytic_volume(method, cp):
             assert fwd == {"send/cp": (cp - 1, (cp - 1) * 2 * block), "recv/cp": (cp - 1, (cp - 1) * 2 * block)}
             assert bwd["send/cp"] == (2 * (cp - 1), (cp - 1) * 2 * block * 2)
             assert bwd["recv/cp"] == (2 * (cp - 1), (cp - 1) * 2 * block * 2)
-        else:
+        elif method == "allgather":
             # all_gather counts its output (cp blocks of K+V); reduce_scatter its input (the same).
             assert fwd == {"all_gather/cp": (1, cp * 2 * block)}
             assert bwd == {"reduce_scatter/cp": (1, cp * 2 * block)}
+        else:
+            # all_to_all counts its whole input: q, k, v (kv heads replicated to g = lcm(kv_heads, cp)) of this
+            # rank's tokens, then the output; backward the inverse exchanges of the same sizes.
+            head = block // shape["kv_heads"]  # one head of this rank's tokens
+            h, g = shape["heads"], math.lcm(shape["kv_heads"], cp)
+            assert fwd == bwd == {"all_to_all/cp": (2, head * (h + 2 * g) + head * h)}
+
+
+def test_hybrid_bytes_equal_the_analytic_volume():
+    cp, shape = 4, SHAPES["gqa"]
+    block = shape["batch"] * shape["kv_heads"] * shape["seq"] // cp * shape["dim"] * 4  # as above
+    # the hybrid (U = 2): Ulysses' all-to-alls over the pair (kv heads as they are: g = lcm(2, U) = 2), then
+    # the ring over cp / U = 2 pairs, one step, whose K (or V) block is the pair's U x seq / cp tokens at
+    # g / U kv heads: head x g bytes; backward K+V and dK+dV (fp32)
+    h, g = shape["heads"], 2
+    head = block // shape["kv_heads"]
+    kv = 2 * head * g
+    for result in launched(cp, "gqa"):
+        _, fwd, bwd = result["usp2", str(torch.float32)]
+        a2a = (2, head * (h + 2 * g) + head * h)
+        assert fwd == {"all_to_all/cp_ulysses": a2a, "send/cp_ring": (1, kv), "recv/cp_ring": (1, kv)}
+        assert bwd == {"all_to_all/cp_ulysses": a2a, "send/cp_ring": (2, 2 * kv), "recv/cp_ring": (2, 2 * kv)}
 
 
 def test_split_is_load_balanced_and_positions_are_true():
@@ -182,3 +216,14 @@ def test_activation_bytes_per_rank_fall_as_one_over_cp():
     assert abs(series[4] * 2 - series[2]) <= 16, series
     for cp in (2, 4):
         assert 0.94 <= series[cp] * cp / series[1] <= 1.0, series
+
+
+def test_ulysses_refuses_heads_that_cp_does_not_divide():
+    from meshlm.parallel.context import check_ulysses, ulysses_kv_heads
+
+    check_ulysses(8, 2, cp=4)  # kv heads fewer than cp: replicated, not refused
+    assert ulysses_kv_heads(2, 4) == 4 and ulysses_kv_heads(6, 4) == 12 and ulysses_kv_heads(8, 4) == 8
+    with pytest.raises(ValueError, match=r"parallel.cp=4 with model.num_heads=6: .*parallel.cp in \{2,3,6\}"):
+        check_ulysses(6, 2, cp=4)
+    with pytest.raises(ValueError, match=r"num_heads=8 / parallel.tp=4 = 2 per tp rank"):
+        check_ulysses(8, 4, cp=4, tp=4)

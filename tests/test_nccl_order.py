@@ -161,6 +161,8 @@ LAYOUTS = {  # name -> (world size, overrides)
     "cp2 ring x dp2": (4, ["parallel.cp=2", "parallel.cp_method=ring"]),
     "cp4 ring": (4, ["parallel.cp=4", "parallel.cp_method=ring"]),
     "cp2 allgather x tp2": (4, ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.tp=2"]),
+    "cp2 ulysses x tp2": (4, ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.tp=2"]),
+    "cp4 ring x ulysses2": (4, ["parallel.cp=4", "parallel.cp_ulysses=2"]),
     "zero3 dp4": (4, ["parallel.zero_stage=3"]),
     "zero3 x tp2": (4, ["parallel.zero_stage=3", "parallel.tp=2"]),
     "ep2 x dp2 moe": (4, ["parallel.ep=2", *MOE]),
@@ -202,6 +204,8 @@ def test_real_runs_replay_under_nccls_rules(tmp_path, text_file):
                for op in ops["pp2 1f1b x dp2"])
     assert any(op.op == "p2p" and op.axis == "cp" for op in ops["cp4 ring"])
     assert any(op.op == "all_gather" and op.axis == "cp" for op in ops["cp2 allgather x tp2"])
+    assert any(op.op == "all_to_all" and op.axis == "cp" for op in ops["cp2 ulysses x tp2"])
+    assert {(op.op, op.axis) for op in ops["cp4 ring x ulysses2"]} >= {("all_to_all", "cp_ulysses"), ("p2p", "cp_ring")}
     zero3_groups = {op.group for op in ops["zero3 dp4"] if op.axis == "dp_shard"}
     assert len(zero3_groups) >= 2, zero3_groups
     assert any(op.op == "all_to_all" and op.axis == "ep" for op in ops["ep2 x dp2 moe"])

@@ -1,4 +1,4 @@
-"""The planner under context parallelism: both methods (parallel.cp_method = ring | allgather).
+"""The planner under context parallelism: every method (parallel.cp_method = ring | allgather | ulysses).
 
 Measured against a real run: two gloo ranks run meshlm's model under cp=2 (`apply_context_parallel`,
 each rank its two chunks of every sequence and their true positions) and count, with
@@ -7,10 +7,11 @@ head, loss and RoPE tables cancel), and with `CommStats` the bytes sent on the "
 forward and backward. The planner's eager activation count (`Job(fused_elementwise=False)`, fp32) and
 its `cp_comm_bytes` must equal them exactly, for recompute none, selective and full, for models whose
 kv heads are half, a quarter of and as many as the query heads (the methods keep K/V at different
-head counts, so only a spread of shapes tells the counts apart).
+head counts, so only a spread of shapes tells the counts apart); "usp2" is the hybrid with
+cp_ulysses=2 (at cp=2 a ring of one: the all-to-alls and what the hybrid keeps, not its ring steps).
 
 And the arithmetic: layout parsing and validation, the time model's collectives, and that the search
-tries both methods, the all-gather winning at short sequences and the ring at long ones.
+tries every method, the all-gather beating the ring at short sequences and the ring it at long ones.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from meshlm.planner.cost import Job, Layout, parse_layout
 
 BASE = dict(vocab_size=256, hidden_size=32, num_heads=4, intermediate_size=64, max_seq_len=64)
 KV_HEADS = (2, 1, 4)  # GQA 2:1, 4:1, and plain multi-head attention
-METHODS = ("ring", "allgather")
+METHODS = ("ring", "allgather", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 BATCH, SEQ, CP = 2, 16, 2  # seq / cp = 8 tokens per rank, 2 chunks of 4
 
@@ -48,12 +49,13 @@ def cp_count_worker(rank, world_size):
     tokens = torch.randint(0, BASE["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     out = {}
     for kv in KV_HEADS:
-        for method in METHODS:
+        for method in (*METHODS, "usp2"):
             for rc in RECOMPUTE:
                 saved, sent = {}, {}
                 for layers in (1, 3):
                     model = build_model(_model_cfg(kv, layers), seed=0)
-                    handle = apply_context_parallel(model, mesh, method=method)
+                    handle = apply_context_parallel(model, mesh, method=method if method != "usp2" else "ring",
+                                                    ulysses=2 if method == "usp2" else 1)
                     apply_recompute(model, rc)
                     inputs, targets = handle.shard(tokens[:, :-1]), handle.shard(tokens[:, 1:])
                     stats.reset()
@@ -64,7 +66,8 @@ def cp_count_worker(rank, world_size):
                     saved[layers] = meter.bytes
                     # what one rank sends: every collective's bytes, less the ring's receives (they mirror
                     # the sends), as Estimate.cp_comm_bytes counts
-                    sent[layers] = stats.total(axis="cp").bytes - stats.total(op="recv", axis="cp").bytes
+                    sent[layers] = sum(stats.total(axis=a).bytes - stats.total(op="recv", axis=a).bytes
+                                       for a in ("cp", "cp_ulysses", "cp_ring"))
                 out[(kv, method, rc)] = {"per_layer": (saved[3] - saved[1]) / 2, "cp_bytes_3_layers": sent[3],
                                          "cp_bytes_per_layer": (sent[3] - sent[1]) / 2}
     return out
@@ -72,7 +75,8 @@ def cp_count_worker(rank, world_size):
 
 def _planner(kv: int, method: str, rc: str, layers: int) -> cost.Estimate:
     job = Job(seq_len=SEQ, global_batch_size=BATCH, precision="fp32", fused_elementwise=False, runtime="meshlm")
-    layout = Layout(cp=CP, cp_method=method, recompute=rc, micro_batch_size=BATCH)
+    hybrid = dict(cp_method="ring", cp_ulysses=2) if method == "usp2" else dict(cp_method=method)
+    layout = Layout(cp=CP, **hybrid, recompute=rc, micro_batch_size=BATCH)
     return cost.estimate(_model_cfg(kv, layers), get_cluster("a100"), job, layout, gpus=CP)
 
 
@@ -124,7 +128,15 @@ def test_layout_cp_method_parse_validate_and_short():
     assert "cp2ag" in lo.short().split()
     assert "cp2" in parse_layout("cp=2", gpus=8).short().split()  # ring: the default, unmarked
     assert parse_layout("cp=2", gpus=8).cp_method == "ring"
-    with pytest.raises(ValueError, match=r"cp_method='alltoall'.*ring.*allgather"):
+    lo = parse_layout("cp=4,cp_method=ulysses", gpus=8)
+    assert "cp4u" in lo.short().split()
+    assert "cp4u2" in parse_layout("cp=4,cp_ulysses=2", gpus=8).short().split()
+    with pytest.raises(ValueError, match=r"cp_ulysses=2 \(the hybrid\) needs cp_method=ring"):
+        estimate("llama3-8b", "h100", gpus=8, layout="cp=4,cp_ulysses=2,cp_method=allgather", seq_len=8192,
+                 global_batch_size=2)
+    with pytest.raises(ValueError, match=r"cp=3 with cp_method=ulysses must divide num_heads / tp = 32 / 2"):
+        estimate("llama3-8b", "h100", gpus=6, layout="cp=3,tp=2,cp_method=ulysses", seq_len=8196, global_batch_size=1)
+    with pytest.raises(ValueError, match=r"cp_method='alltoall'.*ring.*allgather.*ulysses"):
         estimate("llama3-8b", "h100", gpus=8, layout="cp=2,cp_method=alltoall", seq_len=8192, global_batch_size=8)
 
 
@@ -153,6 +165,34 @@ def test_allgather_time_is_one_exposed_all_gather_and_reduce_scatter_per_layer()
         assert ring.cp_comm_bytes == ring.num_microbatches * cfg.num_layers * (cp - 1) * (n_ag * kv_pair + 3 * kv_pair)
 
 
+def test_ulysses_time_is_its_exposed_all_to_alls_and_bytes_the_docstrings():
+    cfg = ModelConfig.from_preset("llama3-8b")  # 32 heads, 8 kv heads
+    clu = get_cluster("h100")
+    seq, cp = 8192, 16  # kv heads replicated to lcm(8, 16) = 16
+    head = seq / cp * cfg.head_dim * 2  # one head of one rank's tokens, bf16
+    qkv, out = head * (32 + 2 * 16), head * 32
+    span = cost.group_span(1, cp, clu.scaleup_size)
+    t_qkv, t_out = (cost.collective_time("all_to_all", n, span, clu) for n in (qkv, out))
+    for rc, n_qkv, n_out in (("none", 2, 2), ("selective", 3, 2), ("full", 3, 3)):
+        est = _cp_est("ulysses", seq=seq, gpus=16, cp=cp, rc=rc)
+        per_step = est.num_microbatches * cfg.num_layers
+        assert est.time_s["cp_comm"] == pytest.approx(per_step * (n_qkv * t_qkv + n_out * t_out), rel=1e-12), rc
+        assert est.cp_comm_bytes == per_step * (n_qkv * qkv + n_out * out), rc
+
+
+def test_hybrid_bytes_are_ulysses_in_its_groups_and_the_ring_across_them():
+    cfg = ModelConfig.from_preset("llama3-8b")  # 32 heads, 8 kv heads
+    seq, cp, u = 8192, 8, 4  # kv heads as they are (lcm(8, 4) = 8), a ring of 2 groups
+    head = seq / cp * cfg.head_dim * 2  # one head of one rank's tokens, bf16
+    a2a = head * (32 + 2 * 8) + head * 32
+    kv_pair = 2 * head * 8  # the group's 4 x seq / cp tokens at 8 / 4 kv heads, K + V
+    est = estimate("llama3-8b", "h100", gpus=8, layout=f"cp={cp},cp_ulysses={u},zero_stage=3", seq_len=seq,
+                   global_batch_size=1)
+    per_step = est.num_microbatches * cfg.num_layers
+    # all-to-alls forward and backward; one ring step: K+V forward, K+V and dK+dV (fp32) backward
+    assert est.cp_comm_bytes == per_step * (2 * a2a + (cp // u - 1) * (kv_pair + kv_pair + 2 * kv_pair))
+
+
 def test_short_sequences_favour_the_all_gather_and_long_ones_the_ring():
     short = {m: _cp_est(m, seq=8192) for m in METHODS}
     assert short["allgather"].time_s["cp_comm"] < short["ring"].time_s["cp_comm"]
@@ -171,11 +211,15 @@ def test_short_sequences_favour_the_all_gather_and_long_ones_the_ring():
     assert across[(32768, "ring")] < across[(32768, "allgather")]
 
 
-def test_search_tries_both_methods_and_picks_by_sequence_length():
+def test_search_tries_every_method_and_picks_by_sequence_length():
     short = plan("llama3-8b", "h100", gpus=16, seq_len=8192, global_batch_tokens="1M", top=0)
     cp_layouts = [e.layout for e in short.ranked if e.layout.cp > 1]
     assert {lo.cp_method for lo in cp_layouts} == set(METHODS)
-    assert cp_layouts[0].cp_method == "allgather"  # the fastest layout with cp > 1
+    # the fastest layout with cp > 1 is not the ring: one collective beats cp - 1 short steps at 8K (Ulysses
+    # also attends in one kernel over the whole sequence, beyond the all-gather's short chunk pairs)
+    assert cp_layouts[0].cp_method == "ulysses"
+    best = {m: next(lo for lo in cp_layouts if lo.cp_method == m) for m in METHODS}
+    assert [lo.cp for lo in best.values()] == [2, 2, 2]
     long = plan("llama3-8b", "h100", gpus=64, seq_len=131072, global_batch_tokens="4M", top=1)
     # at 128K context parallelism wins; with the all-gather's K/V linear in the sequence (no mask) either
     # method can (Llama 3 trained its long-context stage with the all-gather)

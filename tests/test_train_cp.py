@@ -8,6 +8,7 @@ losses and grad norms to FP32_REL. Every run also checks that the cp axis moved 
 """
 
 import io
+import math
 
 import pytest
 
@@ -60,6 +61,55 @@ def test_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, layou
     assert {r.comm_bytes["cp"] for r in report.rows} == {2 * micro_batches * per_layer}
 
 
+# Ulysses, each launch covering one composition (recomputation rides along with two of them).
+ULYSSES = {  # id: (ranks, settings)
+    "cp2": (2, ["parallel.cp=2"]),
+    "cp4_full": (4, ["parallel.cp=4", "parallel.recompute=full"]),
+    "cp2xtp2_selective": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.recompute=selective"]),
+    "cp2xpp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
+    "cp2xzero3": (4, ["parallel.cp=2", "parallel.zero_stage=3"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(ULYSSES))
+def test_ulysses_layouts_match_the_single_process_run_in_fp64(tmp_path, text_file, layout):
+    nproc, settings = ULYSSES[layout]
+    cfg = make_cfg(text_file, *settings, "parallel.cp_method=ulysses")
+    report = verify.run(cfg, nproc=nproc, steps=3, run_dir=tmp_path, launch=harness_launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL
+    # Exact bytes on "cp" (parallel/context.py's docstring): per layer and micro-batch, with one head of this
+    # rank's tokens H = micro-batch x seq / cp x head_dim x fp64, h the query heads of a tp rank and g its kv
+    # heads replicated to lcm(kv, cp): forward all-to-alls of H (h + 2g) and H h, backward the same; recompute
+    # runs q, k, v's again (selective: the output's is not, nothing after it in the core is kept) or both (full).
+    cp, tp, pp, rc = cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.recompute
+    dp = nproc // (cp * tp * pp)
+    micro_batches, layers = 8 // (2 * dp), 2 // pp
+    head = 2 * (32 // cp) * 8 * 8
+    h, g = 4 // tp, math.lcm(2 // tp, cp)
+    qkv, out = head * (h + 2 * g), head * h
+    per_layer = 2 * (qkv + out) + {"none": 0, "selective": qkv, "full": qkv + out}[rc]
+    assert {r.comm_bytes["cp"] for r in report.rows} == {layers * micro_batches * per_layer}
+
+
+def test_hybrid_cp4_with_ulysses_pairs_matches_the_single_process_run_in_fp64(tmp_path, text_file):
+    cfg = make_cfg(text_file, "parallel.cp=4", "parallel.cp_ulysses=2")
+    report = verify.run(cfg, nproc=4, steps=3, run_dir=tmp_path, launch=harness_launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    assert max(max(r.loss[2], r.grad_norm[2]) for r in report.rows) <= FP64_TOL, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL
+    # Per layer and micro-batch (4 micro-batches, 2 layers), with one head of this rank's tokens H = 2 x 8 x 8
+    # x fp64 and g = lcm(2 kv heads, 2) = 2: over the pair, all-to-alls of H (4 + 2g) and H 4, forward and
+    # backward; round the ring of 2 pairs, one step of the pair's K+V (g / 2 kv heads of 16 tokens: H g each)
+    # forward, K+V and dK+dV backward, sent and received.
+    head, g = 2 * 8 * 8 * 8, 2
+    a2a = 2 * (head * (4 + 2 * g) + head * 4)
+    ring = 2 * (2 * head * g + 4 * head * g)
+    assert {r.comm_bytes["cp_ulysses"] for r in report.rows} == {2 * 4 * a2a}
+    assert {r.comm_bytes["cp_ring"] for r in report.rows} == {2 * 4 * ring}
+
+
 @pytest.mark.parametrize("layout", [
     ["parallel.zero_stage=1"], ["parallel.zero_stage=2", "parallel.dp_replicate=2"],
     ["parallel.pp=2"], ["parallel.recompute=selective"], ["parallel.recompute=full"],
@@ -84,6 +134,13 @@ def test_fp32_losses_and_grad_norms(tmp_path, text_file):
     (["parallel.cp=2", "parallel.tp=4", "model.num_kv_heads=4", "train.seq_len=36"], 8, "multiple of 8"),
     (["parallel.cp=2", "model.preset=tiny-moe", "model.capacity_factor=1.0"], 2, "capacity_factor=0"),
     (["parallel.cp=3"], 4, "cp"),
+    (["parallel.cp=2", "parallel.tp=4", "model.num_kv_heads=4", "parallel.cp_method=ulysses"], 8,
+     r"cp=2 with model.num_heads=4 / parallel.tp=4 = 1 per tp rank: the heads are not divisible by 2"),
+    (["parallel.cp=2", "parallel.cp_method=alltoall"], 2, "ring, allgather or ulysses"),
+    (["parallel.cp=4", "parallel.cp_ulysses=3"], 4, r"cp_ulysses=3 does not divide parallel.cp=4.*\{1,2,4\}"),
+    (["parallel.cp=4", "parallel.cp_ulysses=2", "parallel.cp_method=allgather"], 4, "set parallel.cp_method=ring"),
+    (["parallel.cp=4", "parallel.cp_ulysses=4", "model.num_heads=6", "model.num_kv_heads=2",
+      "model.hidden_size=48"], 4, r"cp_ulysses=4 with model.num_heads=6: .* choose parallel.cp_ulysses in \{2,3,6\}"),
 ])
 def test_layouts_that_cannot_run_are_refused(text_file, settings, world, match):
     with pytest.raises(ValueError, match=match):

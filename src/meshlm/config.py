@@ -357,6 +357,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------------------------
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+CP_METHODS = ("ring", "allgather", "ulysses")  # parallel.cp_method (`meshlm.parallel.context`)
 
 
 @dataclass
@@ -365,7 +366,12 @@ class ParallelConfig(ParallelDims):
 
     # The degrees (dp_replicate, dp_shard, tp, pp, cp, ep) are `meshlm.dims.ParallelDims`' fields.
 
-    cp_method: str = "ring"  # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer)
+    # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer) | ulysses (all-to-all
+    # to split the attention by heads instead of tokens; num_heads / tp must divide by cp)
+    cp_method: str = "ring"
+    # > 1: the hybrid (USP) with cp_method=ring -- Ulysses all-to-alls within groups of this many consecutive cp
+    # ranks (it must divide cp, and the heads per tp rank), the ring across the groups; 1: the method alone
+    cp_ulysses: int = 1
     # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp; 3 with pp > 1 is refused, not
     # implemented yet)
     zero_stage: int = 0
@@ -381,7 +387,7 @@ class ParallelConfig(ParallelDims):
     collective_timeout_s: float = 600.0
 
     def validate(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks"):
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks", "cp_ulysses"):
             _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
                  "must be >= 1, or -1 to take what the other degrees leave of the world size")
@@ -396,8 +402,8 @@ class ParallelConfig(ParallelDims):
                  'must be comma-separated block counts >= 1, one per stage (e.g. "5,3"), or "" for the cost-balanced default')
         _require(self.recompute in ("none", "selective", "full"), "parallel.recompute", self.recompute,
                  "must be none, selective or full")
-        _require(self.cp_method in ("ring", "allgather"), "parallel.cp_method", self.cp_method,
-                 "must be ring or allgather")
+        _require(self.cp_method in CP_METHODS, "parallel.cp_method", self.cp_method,
+                 "must be ring, allgather or ulysses")
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s", self.collective_timeout_s,
                  "must be > 0 seconds")
 

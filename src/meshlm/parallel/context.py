@@ -3,7 +3,9 @@
 Responsible for: the load-balanced causal split of a sequence (`shard_sequence`, `local_positions`),
 ring attention (`ring_attention`: key/value blocks passed around the cp ranks, partial results merged
 by log-sum-exp, backward as a ring; its forward loop, `ring_pass`, is also context-parallel serving's),
-the all-gather variant (`allgather_attention`: K/V gathered once per layer), the one log-sum-exp merge
+the all-gather variant (`allgather_attention`: K/V gathered once per layer), Ulysses (`ulysses_attention`:
+heads instead of tokens split over cp for the attention, by two all-to-alls) and the hybrid of the ring and
+Ulysses (`hybrid_attention`: Ulysses within groups of cp ranks, the ring across them), the one log-sum-exp merge
 of partial attention results (`merge_partials`, which serving's ring and split-KV decoding reuse), and
 `apply_context_parallel`, which swaps every attention's core for one of them.
 Not responsible for: the loss normalisation (the trainer: every rank's token-loss sum over the global
@@ -41,6 +43,35 @@ attention over the gathered blocks (no mask tensor: a boolean mask would make SD
 [s/cp, s] mask per layer, quadratic in the sequence); backward reduce-scatters dK/dV (cp blocks in).
 Fewer, larger messages and no ring steps -- better for short sequences; it keeps the whole sequence's
 K/V (kv heads) per layer for backward, where the ring keeps 1/cp.
+
+Ulysses (parallel.cp_method=ulysses, DeepSpeed-Ulysses): the sequence stays split as above, but attention
+is split by heads instead. One all-to-all over "cp" turns this rank's q, k, v [b, heads, s/cp, d] into
+the whole sequence of heads/cp of them (q, k and v packed in one message); the tokens are put back in
+sequence order (the split's chunks are not contiguous), ordinary causal attention runs over the whole
+sequence on the local heads (`_causal_core`, the model's own core: GQA expansion and SDPA), and a second
+all-to-all returns the output to this rank's tokens, all heads, for the output projection. The heads are
+those of this tp rank (tensor parallelism splits them first). GQA: the kv heads must split over cp too;
+where cp does not divide them they are replicated first to lcm(kv_heads, cp) (each copy next to the query
+heads that read it), so every rank gets the kv heads its query heads need (`check_ulysses` refuses heads
+that cp does not divide). What it keeps for backward is what the model's own core keeps, per local token
+the same as without cp (heads/cp over the whole sequence); no communication overlaps compute.
+Volume per rank and layer, exact (`CommStats` "all_to_all" on "cp" counts a rank's whole input, its own
+slice included), with T = b x s/cp tokens on this rank, d = head_dim, E the element size, h = num_heads /
+tp and g = lcm(num_kv_heads / tp, cp) the kv heads after replication:
+    forward   T d E (h + 2g)  (q, k, v)  +  T d E h  (the output)
+    backward  the same again (the inverse exchanges of the gradients)
+so 4 T d E (h + g) per layer and micro-batch. Recomputation repeats forward exchanges: full both, selective
+only q, k, v's (its checkpoint stops once the core's saved tensors are back, and nothing after the output's
+exchange is kept inside the core), T d E (h + 2g) more.
+
+The hybrid (USP: parallel.cp_ulysses = U > 1, with cp_method=ring; `hybrid_mesh`, `hybrid_attention`): the
+cp ranks form cp / U groups of U consecutive ranks ("cp_ulysses"); Ulysses' all-to-all inside each group
+gives a rank heads / U of the group's 2U chunks, the ring runs across the groups ("cp_ring", the ranks at the
+same place in every group; `ring_pass` unchanged, the causal mask by chunk index over a group's chunks), and
+the all-to-all back returns the output. Per rank and layer, with T, d, E, h as above, g = lcm(num_kv_heads /
+tp, U) and R = cp / U: on "cp_ulysses" Ulysses' 4 T d E (h + g) (U in place of cp); on "cp_ring" the ring's
+volume for a block of K (or V) of T d E g bytes (the group's U T tokens at g / U heads): forward (R-1) x K+V,
+backward (R-1) x (K+V + dK+dV), each sent and received. U = cp is Ulysses over a ring of one.
 """
 
 from __future__ import annotations
@@ -54,10 +85,14 @@ from torch import nn
 
 from meshlm import comm
 from meshlm.comm import P2P
-from meshlm.mesh import Mesh
+from meshlm.config import CP_METHODS
+from meshlm.mesh import Mesh, create_groups, every_group, group_ranks
 
 AXIS = "cp"
-METHODS = ("ring", "allgather")
+# The hybrid (parallel.cp_ulysses = U > 1): "cp" seen as cp / U groups of U consecutive ranks.
+ULYSSES_AXIS = "cp_ulysses"  # the U ranks of this rank's group (the all-to-alls)
+RING_AXIS = "cp_ring"  # the cp / U ranks at this rank's place in every group (the ring)
+METHODS = CP_METHODS  # parallel.cp_method: ring, allgather, ulysses
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,13 +136,7 @@ def unshard_sequence(x_local: torch.Tensor, mesh: Mesh, *, dim: int = 1, axis: s
     cp = mesh.size(axis)
     if cp == 1:
         return x_local
-    pieces = comm.all_gather(x_local.contiguous(), mesh, axis, dim=dim).chunk(cp, dim=dim)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for rank, piece in enumerate(pieces):
-        first, second = piece.chunk(2, dim=dim)
-        a, b = chunk_ids(rank, cp)
-        chunks[a], chunks[b] = first, second
-    return torch.cat(chunks, dim=dim)
+    return _to_sequence_order(comm.all_gather(x_local.contiguous(), mesh, axis, dim=dim).chunk(cp, dim=dim), cp, dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,11 +177,11 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _pairs(cp_rank: int, src: int, cp: int, c: int):
+def _pairs(q_ids, k_ids, c: int):
     """(query slice, key slice, causal) for every (query chunk, key chunk) pair that is not fully masked,
-    for this rank's queries against the block of rank `src`."""
-    for qi, qa in enumerate(chunk_ids(cp_rank, cp)):
-        for ki, kb in enumerate(chunk_ids(src, cp)):
+    for queries holding chunks `q_ids` (in that order, `c` tokens each) against a block holding `k_ids`."""
+    for qi, qa in enumerate(q_ids):
+        for ki, kb in enumerate(k_ids):
             if kb <= qa:
                 yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kb == qa
 
@@ -161,17 +190,19 @@ def _no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False)
 
 
-def _shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, float]:
-    """(GQA group size, chunk length, softmax scale) of this rank's q [b, h, 2c, d] and k [b, hkv, 2c, d]."""
-    return q.shape[1] // k.shape[1], q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
+def _shape(q: torch.Tensor, k: torch.Tensor, q_ids) -> tuple[int, int, float]:
+    """(GQA group size, chunk length, softmax scale) of this rank's q [b, h, n c, d] (n = len(q_ids)
+    chunks) and k [b, hkv, n c, d]."""
+    return q.shape[1] // k.shape[1], q.shape[2] // len(q_ids), 1.0 / math.sqrt(q.shape[-1])
 
 
-def _block_forward(qc, block, *, cp_rank: int, src: int, cp: int, out, lse) -> None:
-    """Attend this rank's queries `qc` to the K/V `block` [2, b, hkv, 2c, d] of rank `src`, merging each
-    (query chunk, key chunk) pair's partial result into `out` / `lse` in place (the online softmax)."""
-    groups, c, scale = _shape(qc, block[0])
+def _block_forward(qc, block, *, q_ids, k_ids, out, lse) -> None:
+    """Attend this rank's queries `qc` (chunks `q_ids`) to the K/V `block` [2, b, hkv, n c, d] holding chunks
+    `k_ids`, merging each (query chunk, key chunk) pair's partial result into `out` / `lse` in place (the
+    online softmax)."""
+    groups, c, scale = _shape(qc, block[0], q_ids)
     kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
-    for qs, ks, causal in _pairs(cp_rank, src, cp, c):
+    for qs, ks, causal in _pairs(q_ids, k_ids, c):
         s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
         part_lse = torch.logsumexp(s, dim=-1)
         part = torch.matmul(torch.exp(s - part_lse[..., None]), vb[:, :, ks])
@@ -179,13 +210,13 @@ def _block_forward(qc, block, *, cp_rank: int, src: int, cp: int, out, lse) -> N
         out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse)
 
 
-def _block_backward(qc, doc, block, *, cp_rank: int, src: int, cp: int, lse, delta, dq) -> torch.Tensor:
-    """This rank's share of dK/dV of `block` (rank `src`'s K/V), [2, b, hkv, 2c, d]; adds its part of dQ
-    into `dq`. The FlashAttention backward: probabilities recomputed from the saved log-sum-exp."""
-    groups, c, scale = _shape(qc, block[0])
+def _block_backward(qc, doc, block, *, q_ids, k_ids, lse, delta, dq) -> torch.Tensor:
+    """This rank's share of dK/dV of `block` (the K/V of chunks `k_ids`), [2, b, hkv, n c, d]; adds its part
+    of dQ into `dq`. The FlashAttention backward: probabilities recomputed from the saved log-sum-exp."""
+    groups, c, scale = _shape(qc, block[0], q_ids)
     kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
     dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-    for qs, ks, causal in _pairs(cp_rank, src, cp, c):
+    for qs, ks, causal in _pairs(q_ids, k_ids, c):
         p = torch.exp(_scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale) - lse[:, :, qs, None])
         dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), doc[:, :, qs])
         ds = p * (torch.matmul(doc[:, :, qs], vb[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
@@ -222,10 +253,10 @@ def ring_pass(block: torch.Tensor, mesh: Mesh, axis: str, visit, *, incoming=Non
 
 
 class _RingAttention(torch.autograd.Function):
-    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's two chunks) -> out [b, h, s, d]."""
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's chunks, `chunks_of(rank on axis)`) -> out [b, h, s, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh: Mesh, axis: str):
+    def forward(ctx, q, k, v, mesh: Mesh, axis: str, chunks_of):
         cp, r = mesh.size(axis), mesh.local_rank(axis)
         cdt = torch.promote_types(q.dtype, torch.float32)
         with _no_autocast(q.device.type):
@@ -234,10 +265,11 @@ class _RingAttention(torch.autograd.Function):
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
             # what travels: the kv heads only
             ring_pass(torch.stack([k, v]).contiguous(), mesh, axis,
-                      lambda block, src: _block_forward(qc, block, cp_rank=r, src=src, cp=cp, out=out, lse=lse))
+                      lambda block, src: _block_forward(qc, block, q_ids=chunks_of(r), k_ids=chunks_of(src), out=out,
+                                                        lse=lse))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mesh, ctx.axis = mesh, axis
+        ctx.mesh, ctx.axis, ctx.chunks_of = mesh, axis, chunks_of
         return out
 
     @staticmethod
@@ -273,8 +305,8 @@ class _RingAttention(torch.autograd.Function):
                         handle.wait()
                         own = own + partial_in
                     break
-                grads = _block_backward(qc, doc, block, cp_rank=r, src=(r - step) % cp, cp=cp, lse=lse,
-                                        delta=delta, dq=dq)
+                grads = _block_backward(qc, doc, block, q_ids=ctx.chunks_of(r), k_ids=ctx.chunks_of((r - step) % cp),
+                                        lse=lse, delta=delta, dq=dq)
                 if handle is not None:
                     handle.wait()
                 if step == 0:
@@ -283,7 +315,7 @@ class _RingAttention(torch.autograd.Function):
                     outgoing = (grads + partial_in if partial_in is not None else grads).contiguous()
                 if incoming is not None:
                     block = incoming
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -299,8 +331,8 @@ class _GatheredAttention(torch.autograd.Function):
             out = torch.zeros_like(qc)
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
             for src in range(cp):
-                _block_forward(qc, kv[:, :, :, src * s:(src + 1) * s], cp_rank=cp_rank, src=src, cp=cp, out=out,
-                               lse=lse)
+                _block_forward(qc, kv[:, :, :, src * s:(src + 1) * s], q_ids=chunk_ids(cp_rank, cp),
+                               k_ids=chunk_ids(src, cp), out=out, lse=lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.cp_rank, ctx.cp = cp_rank, cp
@@ -314,8 +346,9 @@ class _GatheredAttention(torch.autograd.Function):
             qc, doc = q.to(cdt), dout.to(cdt)
             delta = (doc * out.to(cdt)).sum(-1)
             dq = torch.zeros_like(qc)
-            dkv = torch.cat([_block_backward(qc, doc, kv[:, :, :, src * s:(src + 1) * s], cp_rank=ctx.cp_rank,
-                                             src=src, cp=ctx.cp, lse=lse, delta=delta, dq=dq)
+            dkv = torch.cat([_block_backward(qc, doc, kv[:, :, :, src * s:(src + 1) * s],
+                                             q_ids=chunk_ids(ctx.cp_rank, ctx.cp), k_ids=chunk_ids(src, ctx.cp),
+                                             lse=lse, delta=delta, dq=dq)
                              for src in range(ctx.cp)], dim=3)
         return dq.to(q.dtype), dkv.to(kv.dtype), None, None
 
@@ -325,7 +358,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh
 
     q [b, heads, s, d]; k, v [b, kv_heads, s, d] -- this rank's two chunks (`shard_sequence`), already
     rotated by their true positions. Returns [b, heads, s, d]. Collective over `axis`."""
-    return _RingAttention.apply(q, k, v, mesh, axis)
+    cp = mesh.size(axis)
+    return _RingAttention.apply(q, k, v, mesh, axis, functools.partial(chunk_ids, cp=cp))
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
@@ -339,12 +373,167 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh:
 
 
 # --------------------------------------------------------------------------------------------
+# Ulysses: all-to-all from sequence-split to head-split and back
+# --------------------------------------------------------------------------------------------
+
+
+def ulysses_kv_heads(kv_heads: int, cp: int) -> int:
+    """The kv heads Ulysses exchanges: `kv_heads` replicated to lcm(kv_heads, cp), so cp splits them."""
+    return math.lcm(kv_heads, cp)
+
+
+def check_ulysses(num_heads: int, num_kv_heads: int, *, cp: int, tp: int = 1, hybrid: bool = False) -> None:
+    """Raise ValueError unless Ulysses can split the heads of one tp rank over `cp` ranks (`hybrid`: `cp` is
+    parallel.cp_ulysses, the ranks of one all-to-all group)."""
+    if cp == 1:
+        return
+    heads = num_heads // tp
+    if heads % cp:
+        per = "" if tp == 1 else f" / parallel.tp={tp} = {heads} per tp rank"
+        choices = ",".join(str(d) for d in range(2, heads + 1) if heads % d == 0) or "none"
+        setting, other = (("parallel.cp_ulysses", "parallel.cp_ulysses=1") if hybrid else
+                          ("parallel.cp", "parallel.cp_method=ring or allgather"))
+        raise ValueError(f"{'' if hybrid else 'parallel.cp_method=ulysses, '}{setting}={cp} with model.num_heads={num_heads}{per}: the heads are not divisible by "
+                         f"{cp} (Ulysses splits every tp rank's attention heads over its all-to-all ranks); "
+                         f"choose {setting} in {{{choices}}}, or {other}")
+    # the kv heads are replicated to lcm(kv, cp), which always divides the query heads once cp and kv do
+    assert heads % ulysses_kv_heads(num_kv_heads // tp, cp) == 0
+
+
+def _causal_core(q_bhsd, k_bhsd, v_bhsd):
+    """`Attention.core` (the model's dense causal attention, GQA expanded): [b, h, s, d] -> [b, s, h * d]."""
+    from meshlm.models.transformer import Attention  # models never import parallel; the reverse is fine
+
+    return Attention.core(None, q_bhsd, k_bhsd, v_bhsd)  # core reads nothing of its module
+
+
+def _to_sequence_order(x, cp: int, dim: int) -> torch.Tensor:
+    """Every rank's `shard_sequence` piece, x[rank] (a tensor's first dim or a sequence), -> their chunks
+    in true token order, concatenated along `dim` (of a piece)."""
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank in range(cp):
+        first, second = chunk_ids(rank, cp)
+        chunks[first], chunks[second] = x[rank].chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def _heads_exchange(q, k, v, mesh: Mesh, axis: str) -> list[torch.Tensor]:
+    """Ulysses' first all-to-all over `axis` (n ranks): q [b, h, s, d], k/v [b, hkv, s, d] of this rank's
+    tokens -> q, k, v of every rank's tokens for this rank's heads, each [n (source rank), b, heads / n, s, d]
+    (kv heads replicated to lcm(hkv, n) first where n does not divide them)."""
+    n = mesh.size(axis)
+    b, h, s, d = q.shape
+    check_ulysses(h, k.shape[1], cp=n, hybrid=axis == ULYSSES_AXIS)
+    g = ulysses_kv_heads(k.shape[1], n)
+    if g > k.shape[1]:  # replicated next to themselves: kv head j -> copies j*r .. j*r + r - 1
+        k, v = k.repeat_interleave(g // k.shape[1], dim=1), v.repeat_interleave(g // k.shape[1], dim=1)
+    # [n (destination), b, heads for it (q, then k, then v), s, d]: one message per peer
+    send = torch.cat([t.view(b, n, t.shape[1] // n, s, d) for t in (q, k, v)], dim=2).transpose(0, 1)
+    got = comm.all_to_all(send.contiguous(), mesh, axis)  # [n (source), b, local heads, s, d]
+    return got.split([h // n, g // n, g // n], dim=2)
+
+
+def _ulysses(q, k, v, mesh: Mesh, axis: str) -> torch.Tensor:
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's tokens) -> [b, s, h * d], attention over the whole
+    sequence by head groups (two all-to-alls over `axis`)."""
+    cp = mesh.size(axis)
+    b, h, s, d = q.shape
+    # In token order, each of q, k, v a tensor of its own: attention keeps exactly what it would without cp.
+    ql, kl, vl = (_to_sequence_order(part, cp, dim=2) for part in _heads_exchange(q, k, v, mesh, axis))
+    out = _causal_core(ql, kl, vl).view(b, cp * 2, s // 2, h // cp, d)  # [b, chunk, c, local heads, d]
+    # back: every rank its own two chunks, of every head group
+    back = torch.stack([torch.cat([out[:, j] for j in chunk_ids(r, cp)], dim=1) for r in range(cp)])
+    got = comm.all_to_all(back, mesh, axis)  # [cp (head group), b, s, h / cp, d]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, s, h * d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
+                      axis: str = AXIS) -> torch.Tensor:
+    """`ring_attention`'s result by Ulysses' head split: one all-to-all to the whole sequence of heads / cp,
+    dense causal attention, one all-to-all back (and the inverse exchanges backward).
+
+    q [b, heads, s, d]; k, v [b, kv_heads, s, d] -- this rank's two chunks. heads must divide by the
+    size of `axis` (`check_ulysses`). Returns [b, heads, s, d]. Collective over `axis`."""
+    b, h, s, d = q.shape
+    return _ulysses(q, k, v, mesh, axis).view(b, s, h, d).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# The hybrid (USP): Ulysses inside groups of U consecutive cp ranks, the ring across the groups
+# --------------------------------------------------------------------------------------------
+
+
+def check_hybrid(cp: int, ulysses: int, method: str) -> None:
+    """Raise ValueError unless parallel.cp_ulysses=`ulysses` can split `cp` (the hybrid runs the ring)."""
+    if ulysses == 1:
+        return
+    if cp % ulysses:
+        choices = ",".join(str(d) for d in range(1, cp + 1) if cp % d == 0)
+        raise ValueError(f"parallel.cp_ulysses={ulysses} does not divide parallel.cp={cp} (the cp ranks form "
+                         f"groups of cp_ulysses for the all-to-alls, a ring across the groups); choose it in "
+                         f"{{{choices}}}")
+    if method != "ring":
+        raise ValueError(f"parallel.cp_ulysses={ulysses} with parallel.cp_method={method!r}: the hybrid is Ulysses "
+                         "within groups of cp_ulysses ranks and the ring across them; set parallel.cp_method=ring, "
+                         "or parallel.cp_ulysses=1")
+
+
+def hybrid_mesh(mesh: Mesh, ulysses: int) -> Mesh:
+    """`mesh` plus the axes "cp_ulysses" (this rank's group of `ulysses` consecutive cp ranks) and "cp_ring"
+    (the ranks at its place in every group); same CommStats. Collective over the world (every rank creates
+    every group, in the same order)."""
+    def members_of(rank: int, axis: str) -> list[int]:
+        cp_ranks = group_ranks(mesh.dims, rank, AXIS)
+        i = cp_ranks.index(rank)
+        first = i - i % ulysses
+        return cp_ranks[first:first + ulysses] if axis == ULYSSES_AXIS else cp_ranks[i % ulysses::ulysses]
+
+    axes, every = {}, {}
+    for axis in (ULYSSES_AXIS, RING_AXIS):
+        every[axis] = every_group(mesh.world_size, functools.partial(members_of, axis=axis))
+        mine, group = members_of(mesh.rank, axis), None
+        if len(mine) > 1 and mesh.device_mesh is not None:  # the same size on every rank: all agree
+            group = create_groups(every[axis], mesh.rank)
+        axes[axis] = (mine, group)
+    return mesh.with_axes(axes, every=every)
+
+
+def _hybrid_chunks(ring_rank: int, *, ulysses: int, cp: int) -> tuple[int, ...]:
+    """The chunks (of 2 cp) a group of the ring holds after its all-to-all: its ranks' pairs, in rank order."""
+    return tuple(j for u in range(ulysses) for j in chunk_ids(ring_rank * ulysses + u, cp))
+
+
+def _hybrid(q, k, v, mesh: Mesh) -> torch.Tensor:
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's tokens) -> [b, s, h * d]: an all-to-all over
+    "cp_ulysses" to the group's tokens of heads / U, ring attention over "cp_ring", an all-to-all back."""
+    U, cp = mesh.size(ULYSSES_AXIS), mesh.size(AXIS)
+    b, h, s, d = q.shape
+    # the group's tokens in its ranks' order (the ring masks by chunk index, `_hybrid_chunks`)
+    ql, kl, vl = (torch.cat(part.unbind(0), dim=2) for part in _heads_exchange(q, k, v, mesh, ULYSSES_AXIS))
+    chunks_of = functools.partial(_hybrid_chunks, ulysses=U, cp=cp)
+    out = _RingAttention.apply(ql, kl, vl, mesh, RING_AXIS, chunks_of)  # [b, h / U, U s, d]
+    back = torch.stack(out.split(s, dim=2))  # [U (destination), b, h / U, s, d]
+    got = comm.all_to_all(back, mesh, ULYSSES_AXIS)  # [U (head group), b, h / U, s, d]
+    return got.permute(1, 3, 0, 2, 4).reshape(b, s, h * d)
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """`ring_attention`'s result by the hybrid; `mesh` from `hybrid_mesh`. Shapes as `ulysses_attention`."""
+    b, h, s, d = q.shape
+    return _hybrid(q, k, v, mesh).view(b, s, h, d).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
 # The transform
 # --------------------------------------------------------------------------------------------
 
 
 def _context_core(q_bhsd, k_bhsd, v_bhsd, *, mesh: Mesh, method: str):
     """Replacement of `Attention.core`: [b, h, s, d] in, [b, s, h * d] out (s = this rank's tokens)."""
+    if method == "ulysses":
+        return _ulysses(q_bhsd, k_bhsd, v_bhsd, mesh, AXIS)
+    if method == "hybrid":
+        return _hybrid(q_bhsd, k_bhsd, v_bhsd, mesh)
     attend = ring_attention if method == "ring" else allgather_attention
     out = attend(q_bhsd, k_bhsd, v_bhsd, mesh)
     bsz, _, seq, _ = q_bhsd.shape
@@ -375,9 +564,11 @@ class ContextParallel:
         return local_positions(seq_len, cp=self.cp, cp_rank=self.cp_rank, device=device)
 
 
-def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring") -> ContextParallel:
+def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring", ulysses: int = 1) -> ContextParallel:
     """Make every attention of `model` attend across the "cp" ranks (in place); returns the handle.
 
+    `ulysses` > 1 (parallel.cp_ulysses, with method "ring"): the hybrid, Ulysses within groups of that many
+    consecutive cp ranks and the ring across the groups (collective: creates the groups, `hybrid_mesh`).
     The model then expects this rank's chunks of every sequence and their true positions
     (`model(handle.shard(tokens), positions=handle.positions(seq_len))`); the KV-cache paths used for
     generation are untouched (they do not call `core`)."""
@@ -385,7 +576,11 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring"
 
     if method not in METHODS:
         raise ValueError(f"parallel.cp_method={method!r} must be one of {list(METHODS)}")
+    check_hybrid(mesh.size(AXIS), ulysses, method)
+    core = functools.partial(_context_core, mesh=mesh, method=method)
+    if ulysses > 1:
+        core = functools.partial(_context_core, mesh=hybrid_mesh(mesh, ulysses), method="hybrid")
     for module in model.modules():
         if isinstance(module, Attention):
-            module.core = functools.partial(_context_core, mesh=mesh, method=method)
+            module.core = core
     return ContextParallel(mesh=mesh, method=method)

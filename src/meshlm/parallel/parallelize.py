@@ -37,7 +37,8 @@ from torch import nn
 
 from meshlm.config import Config, ModelConfig, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
-from meshlm.parallel.context import ContextParallel, apply_context_parallel, check_seq_len
+from meshlm.parallel.context import (ContextParallel, apply_context_parallel, check_hybrid, check_seq_len,
+                                     check_ulysses)
 from meshlm.parallel.data import DataParallel, apply_data_parallel
 from meshlm.parallel.expert import apply_expert_parallel, balance_over, expert_mesh
 from meshlm.parallel.materialize import ShardInit, materialize
@@ -80,11 +81,16 @@ def check_expert_parallel(model: ModelConfig, ep: int) -> None:
                          f"holds num_experts / ep experts); choose ep in {{{choices}}}")
 
 
-def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int, sequence_parallel: bool) -> None:
+def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int, sequence_parallel: bool,
+                           method: str = "ring", ulysses: int = 1) -> None:
     """Raise ValueError unless `cp` context-parallel ranks can split sequences of `seq_len` of `model`."""
     if cp == 1:
         return
     check_seq_len(seq_len, cp)
+    check_hybrid(cp, ulysses, method)
+    if method == "ulysses" or ulysses > 1:
+        hybrid = method != "ulysses"
+        check_ulysses(model.num_heads, model.num_kv_heads, cp=ulysses if hybrid else cp, tp=tp, hybrid=hybrid)
     if model.is_moe and model.capacity_factor > 0:
         raise ValueError(f"model.capacity_factor={model.capacity_factor} with parallel.cp={cp} is not "
                          "implemented: each cp rank's MoE layers see only its chunks of the sequence, and the "
@@ -112,7 +118,8 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     # heads, sizes and vocab divisible by tp; MoE only without sequence parallelism
     check_tensor_parallel(cfg.model, dims.tp, sequence_parallel=cfg.parallel.sequence_parallel)
     check_context_parallel(cfg.model, dims.cp, seq_len=t.seq_len, tp=dims.tp,
-                           sequence_parallel=cfg.parallel.sequence_parallel)
+                           sequence_parallel=cfg.parallel.sequence_parallel, method=cfg.parallel.cp_method,
+                           ulysses=cfg.parallel.cp_ulysses)
     check_expert_parallel(cfg.model, dims.ep)
     if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
         raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
@@ -301,7 +308,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
         apply_expert_parallel(model, mesh)
         result.expert_parallel = True
     if cp > 1:
-        result.context = apply_context_parallel(model, mesh, method=parallel.cp_method)
+        result.context = apply_context_parallel(model, mesh, method=parallel.cp_method, ulysses=parallel.cp_ulysses)
     # The MoE load-balancing loss is over a micro-batch's tokens: sum its counts over the ranks that split them.
     balance_over(model, mesh, ("cp",) + (("tp",) if parallel.sequence_parallel else ()))
     apply_recompute(model, parallel.recompute)

@@ -169,9 +169,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="memory and step time of one layout",
                        description="Estimate one layout. --layout keys: dp_replicate, dp_shard (default: the "
-                                   "rest), tp, pp, cp, cp_method (ring|allgather), ep, zero_stage, pp_schedule, "
-                                   "pp_chunks, num_microbatches, micro_batch_size, recompute (none|selective|full), "
-                                   "sequence_parallel, expert_tp (Megatron's expert tensor parallel size; 0: tp).")
+                                   "rest), tp, pp, cp, cp_method (ring|allgather|ulysses), cp_ulysses, ep, "
+                                   "zero_stage, pp_schedule, pp_chunks, num_microbatches, micro_batch_size, recompute "
+                                   "(none|selective|full), sequence_parallel, expert_tp (Megatron's expert tensor parallel size; 0: tp).")
     _add_common(e, required=True)
     e.add_argument("--layout", required=True, help="e.g. tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=selective")
 
@@ -521,7 +521,7 @@ def format_table(estimates) -> str:
         over = {k: v for k, v in e.time_s.items() if k not in ("compute", "step")}
         worst = max(over, key=over.get)
         sched = lo.pp_schedule if lo.pp > 1 else "-"
-        cp = f"{lo.cp}ag" if lo.cp > 1 and lo.cp_method == "allgather" else str(lo.cp)  # as Layout.short()
+        cp = lo.cp_name()  # as Layout.short()
         rows.append(f"{i:>3} {lo.tp:>3} {lo.pp:>3} {lo.pp_chunks:>2} {cp:>3} {lo.ep:>3} {dp:>9} "
                     f"{lo.zero_stage:>1} {lo.micro_batch_size:>3} {sched:<11} {lo.recompute:<9} "
                     f"{e.memory_gib['total']:>8.1f} {e.time_s['step']:>8.3g} {e.mfu:>6.1%} {e.hfu:>6.1%} "

@@ -111,8 +111,11 @@ def explain(result: SearchResult) -> str:
         why.append(f"PP={lo.pp} splits the layers so weights and optimizer state fit, with a "
                    f"{lo.pp_schedule} bubble of {win.time_s['pp_bubble'] / win.time_s['step']:.0%}")
     if lo.cp > 1:
-        how = ("K/V all-gathered once per layer: one exposed collective instead of cp - 1 overlapped ring steps"
-               if lo.cp_method == "allgather" else "K/V passed round a ring, overlapped with attention")
+        how = {"allgather": "K/V all-gathered once per layer: one exposed collective instead of cp - 1 "
+                            "overlapped ring steps",
+               "ulysses": "attention split by heads through two exposed all-to-alls per layer, each rank "
+                          "attending over the whole sequence",
+               "ring": "K/V passed round a ring, overlapped with attention"}[lo.cp_method]
         why.append(f"CP={lo.cp} splits each sequence, cutting per-rank activations and TP degree ({how})")
     if lo.zero_stage:
         why.append(f"ZeRO-{lo.zero_stage} over {zero_group_words(lo)} shards "

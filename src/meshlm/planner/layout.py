@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from meshlm.config import PP_SCHEDULES, ModelConfig
+from meshlm.config import CP_METHODS, PP_SCHEDULES, ModelConfig  # CP_METHODS: parallel.cp_method's
 from meshlm.dims import ParallelDims
 
 RECOMPUTE = ("none", "selective", "full")
@@ -23,8 +23,8 @@ PRECISIONS = ("bf16", "fp8", "fp32")
 # parallel/data.py + parallel/zero.py, fp32, exactly as they allocate and communicate; what `--cluster
 # local` runs and tests/test_planner_measured.py counts).
 RUNTIMES = ("megatron", "meshlm")
-# parallel.cp_method, as `meshlm.parallel.context.METHODS` (not imported: the planner runs without torch).
-CP_METHODS = ("ring", "allgather")
+# How Layout.short() marks each method after "cp<n>" (ring, the default, unmarked).
+CP_METHOD_MARKS = {"ring": "", "allgather": "ag", "ulysses": "u"}
 # Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
 # passes its partial dK/dV: fp32 whatever the activation dtype (`parallel/context.py`, for accuracy).
 CP_COMPUTE_BYTES = 4
@@ -94,8 +94,12 @@ class Layout(ParallelDims):
     Keys are the `parallel.*` config names plus micro_batch_size."""
 
     # ring: K/V blocks passed round the cp ranks, overlapped with attention; allgather: K/V of the whole
-    # sequence gathered once per layer (parallel.cp_method). Only matters when cp > 1.
+    # sequence gathered once per layer; ulysses: all-to-alls to split attention by heads instead of tokens
+    # (parallel.cp_method). Only matters when cp > 1.
     cp_method: str = "ring"
+    # parallel.cp_ulysses: > 1 (with cp_method=ring) the hybrid, Ulysses within groups of this many consecutive
+    # cp ranks and the ring across the groups
+    cp_ulysses: int = 1
     zero_stage: int = 0
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1
@@ -119,13 +123,19 @@ class Layout(ParallelDims):
         """Ranks one routed expert is split over (expert_tp, or tp when 0)."""
         return self.expert_tp or self.tp
 
+    def cp_name(self) -> str:
+        """cp as `short` writes it: the degree and the method's mark (cp_ulysses as u<U> for the hybrid)."""
+        if self.cp > 1 and self.cp_ulysses > 1:
+            return f"{self.cp}u{self.cp_ulysses}"
+        return f"{self.cp}{CP_METHOD_MARKS[self.cp_method] if self.cp > 1 else ''}"
+
     def short(self) -> str:
         parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel and self.tp > 1 else ""),
                  f"pp{self.pp}" + (f"x{self.pp_chunks}" if self.pp_chunks > 1 else ""),
                  (f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}")
                  + f"/z{self.zero_stage}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}" + ("ag" if self.cp_method == "allgather" else ""))
+            parts.append(f"cp{self.cp_name()}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f"etp{self.etp}" if self.etp != self.tp else ""))
         parts.append(f"mbs{self.micro_batch_size}")
@@ -180,7 +190,7 @@ def resolve_layout(layout: Layout, *, gpus: int, text: str | None = None) -> Lay
 def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) -> int:
     """Raise ValueError naming the value and the fix; return the number of microbatches."""
     lo = resolve_layout(layout, gpus=gpus)
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_chunks", "micro_batch_size"):
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "pp_chunks", "micro_batch_size", "cp_ulysses"):
         if getattr(lo, name) < 1:
             raise ValueError(f"layout {name}={getattr(lo, name)} must be >= 1")
     if lo.world != gpus:
@@ -204,6 +214,16 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
                              f"evenly); choose a tp that divides num_heads={cfg.num_heads}, num_kv_heads="
                              f"{cfg.num_kv_heads}, vocab_size={cfg.vocab_size} and intermediate_size="
                              f"{cfg.intermediate_size}, or pad model.{name} to a multiple of {lo.tp}")
+    # What the runtime's `parallel.context.check_ulysses` refuses: heads of a tp rank that cp does not divide.
+    if lo.cp > 1 and lo.cp_method == "ulysses" and (cfg.num_heads // lo.tp) % lo.cp:
+        raise ValueError(f"layout cp={lo.cp} with cp_method=ulysses must divide num_heads / tp = {cfg.num_heads} / "
+                         f"{lo.tp} (Ulysses splits every tp rank's heads over cp); choose another cp, or "
+                         "cp_method=ring or allgather")
+    # ... and `parallel.context.check_hybrid`'s
+    if lo.cp_ulysses > 1 and (lo.cp % lo.cp_ulysses or lo.cp_method != "ring"
+                              or (cfg.num_heads // lo.tp) % lo.cp_ulysses):
+        raise ValueError(f"layout cp_ulysses={lo.cp_ulysses} (the hybrid) needs cp_method=ring and must divide cp="
+                         f"{lo.cp} and num_heads / tp = {cfg.num_heads} / {lo.tp}; change it, or cp_ulysses=1")
     if lo.pp * lo.pp_chunks > cfg.num_layers:
         raise ValueError(f"layout pp*pp_chunks={lo.pp * lo.pp_chunks} exceeds num_layers={cfg.num_layers}")
     if lo.ep > 1:

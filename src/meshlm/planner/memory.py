@@ -95,6 +95,13 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
       allgather  the same, with the gathered K and V of the whole sequence (kv heads: 2 x kv_dim x cp per
                  local token) in place of this rank's k and v: linear in the sequence per rank, but cp
                  times the ring's K/V.
+      ulysses    the model's own core (whole sequence, heads / cp; kv heads replicated to lcm(kv, cp) keep
+                 no more than the GQA expansion would): per local token what cp = 1 keeps, plus the
+                 attention output a second time -- the core keeps it split by heads, wo's input is it
+                 split by tokens (without cp they are one tensor). The whole sequence of q, k, v and the
+                 scores' blocks live during the core only.
+      hybrid     (cp_ulysses = U > 1, the ring across groups of U) the ring's, with its K and V at lcm(kv / tp, U)
+                 heads (replicated as Ulysses does), and the output twice as Ulysses keeps it.
     tests/test_planner_cp.py checks the eager counts byte for byte against a real cp=2 run.
     """
     cfg, lo = summary.cfg, layout
@@ -113,6 +120,10 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
         return out
     eager = not job.fused_elementwise
     q_dim, kv_dim, heads = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads
+    if lo.cp_method == "ulysses":
+        # The model's own core, on heads / cp over the whole sequence: per local token what cp = 1 keeps,
+        # and the attention output once more (the core keeps it head-split, wo its input token-split).
+        return out + tokens_mb * q_dim * act / tp
     # What the cp = 1 count holds inside the core beyond q, k, v and the output (eager only; fused: nothing):
     # the GQA-expanded k and v, and SDPA's log-sum-exp.
     expansion = 2 * (q_dim - kv_dim) if eager else 0
@@ -123,7 +134,11 @@ def layer_activation_bytes(summary: ModelSummary, job: Job, layout: Layout, *, r
     per_token = heads * CP_COMPUTE_BYTES - (expansion + sdpa_lse) * act
     if lo.cp_method == "allgather":
         per_token += 2 * kv_dim * (cp - 1) * act
-    return out + tokens_mb * per_token / tp
+    out += tokens_mb * per_token / tp
+    if lo.cp_ulysses > 1:  # the hybrid: the ring's, on K/V replicated to lcm(kv / tp, U), and the output twice
+        g = math.lcm(cfg.num_kv_heads // tp, lo.cp_ulysses)
+        out += tokens_mb * (2 * (g - cfg.num_kv_heads // tp) * cfg.head_dim + q_dim / tp) * act
+    return out
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ Pruning (each rule only drops layouts the cost model can never rank higher):
   * GPipe is skipped: 1F1B has the same bubble with fewer microbatches in flight;
   * recomputation: for each layout the cheapest policy that fits is kept (none < selective < full
     in time, the reverse in memory); if none fits, `full` is kept as the closest miss;
-  * context parallelism only while each rank keeps >= 1024 tokens of the sequence; both methods
-    (ring and all-gather) are tried for each cp > 1;
+  * context parallelism only while each rank keeps >= 1024 tokens of the sequence; every method
+    (ring, all-gather, and Ulysses where cp divides a tp rank's heads) is tried for each cp > 1;
   * hybrid sharding (dp_replicate > 1) only with ZeRO-3, with power-of-two shard groups.
 """
 
@@ -64,6 +64,8 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
                 continue
             rest = gpus // (tp * cp)
             cp_methods = CP_METHODS if cp > 1 else ("ring",)  # the method only matters when cp > 1
+            if (cfg.num_heads // tp) % cp:  # Ulysses splits a tp rank's heads over cp
+                cp_methods = tuple(m for m in cp_methods if m != "ulysses")
             for pp in _divisors(rest):
                 if pp > L:
                     break

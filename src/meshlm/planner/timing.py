@@ -23,7 +23,11 @@ ZeRO shards over dp_shard x cp and gradients are reduced over dp x cp (the cp ra
 weights). parallel.cp_method: `ring` passes this rank's K+V block round the cp ranks, cp - 1 steps
 forward and (with the partial dK+dV, fp32) backward, overlapped with the attention of the block in hand
 (plus an fp32 merge pass per step); `allgather` does one all-gather of K+V and one reduce-scatter of
-dK+dV per layer, exposed. Both repeat their forward communication when the core is recomputed.
+dK+dV per layer, exposed; `ulysses` two all-to-alls each way (q, k, v to whole-sequence head groups, the
+output back), exposed, its attention one kernel over the whole sequence on heads / cp. All repeat their
+forward communication when the core is recomputed (Ulysses under selective: q, k, v's only). The hybrid
+(`Layout.cp_ulysses` = U > 1, with the ring): Ulysses' all-to-alls over groups of U consecutive cp ranks,
+the ring over the cp / U groups, its block the group's tokens at lcm(kv / tp, U) / U kv heads.
 Activations per layer: `layer_activation_bytes` (the all-gather keeps the whole sequence's K/V and a
 [seq/cp, seq] mask; the ring 1/cp of the sequence). The attention compute is priced the same for both
 (a fused causal kernel over seq/cp queries); meshlm's all-gather runs SDPA with a boolean mask, which
@@ -42,11 +46,12 @@ ranks beyond the core count time-share the cores, and collectives get no overlap
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshlm.config import PP_SCHEDULES, ModelConfig
-from meshlm.planner.collectives import collective_time
+from meshlm.planner.collectives import collective_time, group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
 from meshlm.planner.memory import MiB, RankParams
@@ -180,7 +185,8 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         # Transformer Engine's ring does): the masked diagonal tiles and the per-row-block softmax
         # epilogue cost a fixed number of tokens' worth (`attention_block_overhead`), so short blocks run
         # below the long-sequence rate.
-        block = s / (2 * cp) if cp > 1 else s
+        # Ulysses attends over the whole sequence (heads / cp of them): one call, block s.
+        block = s / (2 * cp) if cp > 1 and lo.cp_method != "ulysses" else s
         block_eff = block / (block + cluster.attention_block_overhead)
         t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
         t_attn_bwd = 2.5 * t_attn
@@ -248,16 +254,37 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     # counts them as CommStats does). One block = this rank's K (or V): mbs x seq/cp x kv_dim/tp.
     # Recomputation (selective: the core; full: the layer) runs the core's forward communication again.
     rc_again = 1 if rc in ("full", "selective") else 0
-    if cp > 1:
-        kv_block = mbs * (s / cp) * kv_dim / tp * by["act"]
+    t_cp_layer = cp_layer_bytes = 0.0
+    # Ulysses' all-to-alls run over every cp rank (cp_method=ulysses) or over the hybrid's groups of cp_ulysses
+    # consecutive ones, the ring (or the all-gather) over the rest: cp / n_u ranks.
+    n_u = cp if lo.cp_method == "ulysses" else (lo.cp_ulysses if cp > 1 else 1)
+    ring = cp // n_u
+    g = math.lcm(cfg.num_kv_heads // tp, n_u)  # kv heads a rank exchanges: replicated to lcm(kv / tp, n_u)
+    if n_u > 1:
+        # Two all-to-alls forward (q, k, v of this rank's tokens; then the output), their inverses backward;
+        # recompute repeats q, k, v's (selective: the checkpoint stops there) or both (full). The attention
+        # needs all of it and the projection the output: exposed.
+        span_u = span_cp if n_u == cp else group_span(tp, n_u, cluster.scaleup_size)
+        head = mbs * (s / cp) * cfg.head_dim * by["act"]  # one head of this rank's tokens
+        h_tp = cfg.num_heads // tp
+        qkv, o = head * (h_tp + 2 * g), head * h_tp
+        n_qkv, n_o = 2 + (rc != "none"), 2 + (rc == "full")
+        t_cp_layer += (n_qkv * collective_time("all_to_all", qkv, span_u, cluster)
+                       + n_o * collective_time("all_to_all", o, span_u, cluster))
+        cp_layer_bytes += n_qkv * qkv + n_o * o
+    if ring > 1:
+        # One block = this rank's K (or V) as the ring passes it: mbs x seq/cp x kv_dim/tp (the hybrid's: its
+        # group's n_u x as many tokens at g / n_u kv heads).
+        span_r = span_cp if ring == cp else group_span(tp * n_u, ring, cluster.scaleup_size)
+        kv_block = mbs * (s / cp) * cfg.head_dim * g * by["act"]
         kv_pair = 2 * kv_block  # K + V
         grad_pair = kv_pair * CP_COMPUTE_BYTES / by["act"]  # dK + dV partial sums, in the compute dtype
         if lo.cp_method == "ring":
-            # cp - 1 ring steps each way, each overlapped with the attention of the block in hand
-            # (forward t_attn / cp; backward t_attn_bwd / cp): K+V forward; K+V and the partial dK+dV
+            # ring - 1 steps each way, each overlapped with the attention of the block in hand
+            # (forward t_attn / ring; backward t_attn_bwd / ring): K+V forward; K+V and the partial dK+dV
             # (sent together to the next rank) backward. Only the excess is exposed, and what overlaps
             # still costs the SMs the transfer holds; a CPU host with every core busy overlaps nothing.
-            ring_span = span_cp if span_cp[1] == 1 else (1, 2)
+            ring_span = span_r if span_r[1] == 1 else (1, 2)
             t_send_fwd = collective_time("p2p", kv_pair, ring_span, cluster)
             t_send_bwd = collective_time("p2p", kv_pair + grad_pair, ring_span, cluster)
 
@@ -266,23 +293,21 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
                     return t_comm
                 return max(0.0, t_comm - t_compute) + cluster.comm_sm_fraction * min(t_comm, t_compute)
 
-            t_cp_layer = (cp - 1) * ((1 + rc_again) * overlapped(t_send_fwd, t_attn / cp)
-                                     + overlapped(t_send_bwd, t_attn_bwd / cp))
+            t_cp_layer += (ring - 1) * ((1 + rc_again) * overlapped(t_send_fwd, t_attn / ring)
+                                        + overlapped(t_send_bwd, t_attn_bwd / ring))
             # Online-softmax merge after each extra ring step: read the step's partial output and the
             # running one, write it back, in fp32 (3 passes over this rank's q columns) forward, and
             # about twice that backward (dO and the partial gradients); memory-bound, not overlapped.
             merge_bytes = tokens_mb * q_dim / tp * CP_COMPUTE_BYTES * 3 * (1 + 2 + rc_again)
-            t_cp_layer += (cp - 1) * merge_bytes / hbm_bw
-            cp_layer_bytes = (cp - 1) * ((1 + rc_again) * kv_pair + kv_pair + grad_pair)
+            t_cp_layer += (ring - 1) * merge_bytes / hbm_bw
+            cp_layer_bytes += (ring - 1) * ((1 + rc_again) * kv_pair + kv_pair + grad_pair)
         else:
             # All-gather (Llama 3 style): one all-gather of every rank's K+V forward (its output: cp blocks
             # of K+V) and one reduce-scatter of dK+dV backward (in K/V's dtype: the gradient of the
             # gathered tensor), on the cp group; the attention needs all of it, so neither overlaps.
-            t_cp_layer = ((1 + rc_again) * collective_time("all_gather", cp * kv_pair, span_cp, cluster)
-                          + collective_time("reduce_scatter", cp * kv_pair, span_cp, cluster))
-            cp_layer_bytes = (2 + rc_again) * cp * kv_pair
-    else:
-        t_cp_layer = cp_layer_bytes = 0.0
+            t_cp_layer += ((1 + rc_again) * collective_time("all_gather", cp * kv_pair, span_cp, cluster)
+                           + collective_time("reduce_scatter", cp * kv_pair, span_cp, cluster))
+            cp_layer_bytes += (2 + rc_again) * cp * kv_pair
     # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
     if ep > 1 and cfg.is_moe:
         # the busiest rank receives `imbalance` x the mean: the all-to-all ends when it has
