@@ -617,10 +617,10 @@ def test_validate_layout_refuses_what_the_runtime_refuses():
 
     job = Job(seq_len=64, global_batch_size=4)
     odd_vocab = ModelConfig(**{**TINY, "vocab_size": 65})
-    with pytest.raises(ValueError, match="tp=2 must divide model.vocab_size=65"):
+    with pytest.raises(ValueError, match="model.vocab_size=65 is not divisible by tp=2"):
         cost.validate_layout(odd_vocab, job, cost.Layout(tp=2), gpus=2)
     odd_mlp = ModelConfig(**{**TINY, "num_kv_heads": 4, "intermediate_size": 50})
-    with pytest.raises(ValueError, match="tp=4 must divide model.intermediate_size=50"):
+    with pytest.raises(ValueError, match="model.intermediate_size=50 is not divisible by tp=4"):
         cost.validate_layout(odd_mlp, job, cost.Layout(tp=4), gpus=4)
     assert cost.validate_layout(odd_mlp, job, cost.Layout(tp=2), gpus=2) == 4
 

@@ -131,10 +131,10 @@ def test_layout_cp_method_parse_validate_and_short():
     lo = parse_layout("cp=4,cp_method=ulysses", gpus=8)
     assert "cp4u" in lo.short().split()
     assert "cp4u2" in parse_layout("cp=4,cp_ulysses=2", gpus=8).short().split()
-    with pytest.raises(ValueError, match=r"cp_ulysses=2 \(the hybrid\) needs cp_method=ring"):
+    with pytest.raises(ValueError, match=r"cp_ulysses=2 with parallel.cp_method='allgather': the hybrid.*cp_method=ring"):
         estimate("llama3-8b", "h100", gpus=8, layout="cp=4,cp_ulysses=2,cp_method=allgather", seq_len=8192,
                  global_batch_size=2)
-    with pytest.raises(ValueError, match=r"cp=3 with cp_method=ulysses must divide num_heads / tp = 32 / 2"):
+    with pytest.raises(ValueError, match=r"cp_method=ulysses, parallel.cp=3 with model.num_heads=32 / parallel.tp=2 = 16 per tp rank"):
         estimate("llama3-8b", "h100", gpus=6, layout="cp=3,tp=2,cp_method=ulysses", seq_len=8196, global_batch_size=1)
     with pytest.raises(ValueError, match=r"cp_method='alltoall'.*ring.*allgather.*ulysses"):
         estimate("llama3-8b", "h100", gpus=8, layout="cp=2,cp_method=alltoall", seq_len=8192, global_batch_size=8)

@@ -33,7 +33,7 @@ def test_ep_may_span_tensor_parallel_ranks_only_with_expert_tp():
     est = estimate(MOE, get_cluster("h100"), JOB, _layout(expert_tp=1), gpus=16)
     assert est.time_s["step"] > 0 and "ep16etp1" in est.layout.short()
     # meshlm's own runtime shards experts by tp: not a layout it can run
-    with pytest.raises(ValueError, match="meshlm shards experts by tp"):
+    with pytest.raises(ValueError, match="meshlm keeps experts whole on the tp ranks"):
         estimate(MOE, get_cluster("h100"), Job(seq_len=4096, global_batch_size=64, runtime="meshlm",
                                                precision="fp32"), _layout(expert_tp=1), gpus=16)
     with pytest.raises(ValueError, match="must divide tp"):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.dims import ParallelDims
+from meshlm.rules import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
 
 
 class ConfigError(ValueError):
@@ -356,8 +357,6 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 # Parallel layout, training, data
 # --------------------------------------------------------------------------------------------
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
-CP_METHODS = ("ring", "allgather", "ulysses")  # parallel.cp_method (`meshlm.parallel.context`)
 
 
 @dataclass
@@ -391,7 +390,8 @@ class ParallelConfig(ParallelDims):
             _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
                  "must be >= 1, or -1 to take what the other degrees leave of the world size")
-        _require(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
+        _require(self.zero_stage in ZERO_STAGES, "parallel.zero_stage", self.zero_stage,
+                 f"must be one of {list(ZERO_STAGES)}")
         _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
                  f"must be one of {list(PP_SCHEDULES)}")
         _require(self.num_microbatches >= 0, "parallel.num_microbatches", self.num_microbatches,
@@ -400,10 +400,10 @@ class ParallelConfig(ParallelDims):
         _require(all(p.strip().isdigit() and int(p) >= 1 for p in self.pp_layers.split(",")) if self.pp_layers
                  else True, "parallel.pp_layers", self.pp_layers,
                  'must be comma-separated block counts >= 1, one per stage (e.g. "5,3"), or "" for the cost-balanced default')
-        _require(self.recompute in ("none", "selective", "full"), "parallel.recompute", self.recompute,
-                 "must be none, selective or full")
+        _require(self.recompute in RECOMPUTE_MODES, "parallel.recompute", self.recompute,
+                 f"must be one of {list(RECOMPUTE_MODES)}")
         _require(self.cp_method in CP_METHODS, "parallel.cp_method", self.cp_method,
-                 "must be ring, allgather or ulysses")
+                 f"must be one of {list(CP_METHODS)}")
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s", self.collective_timeout_s,
                  "must be > 0 seconds")
 

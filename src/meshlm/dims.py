@@ -19,6 +19,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from meshlm.rules import check_ep_groups
+
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
              "dp_shard_cp": ("dp_shard", "cp")}
@@ -105,11 +107,7 @@ class ParallelDims:
                                  f"{self._fix_hint(fixed, world_size, exact=True)}, "
                                  "or set dp_shard=-1 to take what the others leave")
             dims = self
-        shard_cp = dims.dp_shard * dims.cp
-        if shard_cp % dims.ep != 0:
-            raise ValueError(f"ep={dims.ep} does not divide dp_shard x cp = {dims.dp_shard} x {dims.cp} = "
-                             f"{shard_cp} (experts are spread over the data-shard and context ranks); "
-                             f"choose ep in {_fmt_set(_divisors(shard_cp))}")
+        check_ep_groups(dims.ep, dp_shard=dims.dp_shard, cp=dims.cp)
         return dims
 
     def _fix_hint(self, fixed: list[str], world_size: int, *, exact: bool) -> str:

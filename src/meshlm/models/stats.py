@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.config import ModelConfig
+from meshlm.rules import RECOMPUTE_MODES
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ def activation_elems_per_token(cfg: ModelConfig, layer: int, *, recompute: str,
         dispatch = cfg.num_experts_per_token * h + cfg.num_experts
     else:
         inter, dispatch = cfg.intermediate_size, 0
-    if recompute not in ("none", "selective", "full"):
+    if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} must be none, selective or full")
     if recompute == "full":
         return 0.0, float(h)

@@ -85,8 +85,8 @@ from torch import nn
 
 from meshlm import comm
 from meshlm.comm import P2P
-from meshlm.config import CP_METHODS
 from meshlm.mesh import Mesh, create_groups, every_group, group_ranks
+from meshlm.rules import CP_METHODS, check_hybrid, check_seq_len, check_ulysses, ulysses_kv_heads  # noqa: F401
 
 AXIS = "cp"
 # The hybrid (parallel.cp_ulysses = U > 1): "cp" seen as cp / U groups of U consecutive ranks.
@@ -98,16 +98,6 @@ METHODS = CP_METHODS  # parallel.cp_method: ring, allgather, ulysses
 # --------------------------------------------------------------------------------------------
 # The load-balanced split
 # --------------------------------------------------------------------------------------------
-
-
-def check_seq_len(seq_len: int, cp: int) -> None:
-    """Raise ValueError unless `seq_len` splits into 2*cp equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        lower = max(2 * cp, seq_len // (2 * cp) * 2 * cp)
-        raise ValueError(f"train.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (context "
-                         f"parallelism cuts every sequence into 2*cp chunks, two per rank, to balance the causal "
-                         f"work); set train.seq_len to a multiple of {2 * cp} (e.g. {lower} or {lower + 2 * cp}), "
-                         "or change parallel.cp")
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -377,29 +367,6 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh:
 # --------------------------------------------------------------------------------------------
 
 
-def ulysses_kv_heads(kv_heads: int, cp: int) -> int:
-    """The kv heads Ulysses exchanges: `kv_heads` replicated to lcm(kv_heads, cp), so cp splits them."""
-    return math.lcm(kv_heads, cp)
-
-
-def check_ulysses(num_heads: int, num_kv_heads: int, *, cp: int, tp: int = 1, hybrid: bool = False) -> None:
-    """Raise ValueError unless Ulysses can split the heads of one tp rank over `cp` ranks (`hybrid`: `cp` is
-    parallel.cp_ulysses, the ranks of one all-to-all group)."""
-    if cp == 1:
-        return
-    heads = num_heads // tp
-    if heads % cp:
-        per = "" if tp == 1 else f" / parallel.tp={tp} = {heads} per tp rank"
-        choices = ",".join(str(d) for d in range(2, heads + 1) if heads % d == 0) or "none"
-        setting, other = (("parallel.cp_ulysses", "parallel.cp_ulysses=1") if hybrid else
-                          ("parallel.cp", "parallel.cp_method=ring or allgather"))
-        raise ValueError(f"{'' if hybrid else 'parallel.cp_method=ulysses, '}{setting}={cp} with model.num_heads={num_heads}{per}: the heads are not divisible by "
-                         f"{cp} (Ulysses splits every tp rank's attention heads over its all-to-all ranks); "
-                         f"choose {setting} in {{{choices}}}, or {other}")
-    # the kv heads are replicated to lcm(kv, cp), which always divides the query heads once cp and kv do
-    assert heads % ulysses_kv_heads(num_kv_heads // tp, cp) == 0
-
-
 def _causal_core(q_bhsd, k_bhsd, v_bhsd):
     """`Attention.core` (the model's dense causal attention, GQA expanded): [b, h, s, d] -> [b, s, h * d]."""
     from meshlm.models.transformer import Attention  # models never import parallel; the reverse is fine
@@ -461,21 +428,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: M
 # --------------------------------------------------------------------------------------------
 # The hybrid (USP): Ulysses inside groups of U consecutive cp ranks, the ring across the groups
 # --------------------------------------------------------------------------------------------
-
-
-def check_hybrid(cp: int, ulysses: int, method: str) -> None:
-    """Raise ValueError unless parallel.cp_ulysses=`ulysses` can split `cp` (the hybrid runs the ring)."""
-    if ulysses == 1:
-        return
-    if cp % ulysses:
-        choices = ",".join(str(d) for d in range(1, cp + 1) if cp % d == 0)
-        raise ValueError(f"parallel.cp_ulysses={ulysses} does not divide parallel.cp={cp} (the cp ranks form "
-                         f"groups of cp_ulysses for the all-to-alls, a ring across the groups); choose it in "
-                         f"{{{choices}}}")
-    if method != "ring":
-        raise ValueError(f"parallel.cp_ulysses={ulysses} with parallel.cp_method={method!r}: the hybrid is Ulysses "
-                         "within groups of cp_ulysses ranks and the ring across them; set parallel.cp_method=ring, "
-                         "or parallel.cp_ulysses=1")
 
 
 def hybrid_mesh(mesh: Mesh, ulysses: int) -> Mesh:

@@ -42,6 +42,7 @@ from torch import nn
 from meshlm import comm
 from meshlm.mesh import Mesh, ParallelDims, create_groups, every_group, group_ranks, rank_coords
 from meshlm.models.moe import Experts, MoE
+from meshlm.rules import check_ep_groups
 
 AXIS = "ep"
 DATA_AXIS = "ep_dp"
@@ -54,11 +55,7 @@ _MARK = "_meshlm_expert_parallel"
 
 
 def _check_ep(dims: ParallelDims, ep: int) -> None:
-    shard_cp = dims.degree("dp_shard_cp")
-    if not isinstance(ep, int) or ep < 1 or shard_cp % ep != 0:
-        choices = ",".join(str(d) for d in range(1, shard_cp + 1) if shard_cp % d == 0)
-        raise ValueError(f"parallel.ep={ep} must divide dp_shard x cp = {dims.dp_shard} x {dims.cp} = {shard_cp} "
-                         f"(experts are spread over those ranks); choose ep in {{{choices}}}")
+    check_ep_groups(ep, dp_shard=dims.dp_shard, cp=dims.cp)
 
 
 def ep_group_ranks(dims: ParallelDims, rank: int, ep: int) -> list[int]:

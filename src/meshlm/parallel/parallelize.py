@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,18 +36,16 @@ from torch import nn
 
 from meshlm.config import Config, ModelConfig, ParallelConfig
 from meshlm.mesh import Mesh, ParallelDims
-from meshlm.parallel.context import (ContextParallel, apply_context_parallel, check_hybrid, check_seq_len,
-                                     check_ulysses)
+from meshlm.parallel.context import ContextParallel, apply_context_parallel
 from meshlm.parallel.data import DataParallel, apply_data_parallel
 from meshlm.parallel.expert import apply_expert_parallel, balance_over, expert_mesh
 from meshlm.parallel.materialize import ShardInit, materialize
-from meshlm.parallel.pipeline import (PipelineStage, TiedEmbedding, check_pipeline_model, counted,
-                                     default_layers_per_stage, pipeline_grad_norm, split_model, tied_embedding_mesh)
+from meshlm.parallel.pipeline import (PipelineStage, TiedEmbedding, counted, default_layers_per_stage,
+                                     pipeline_grad_norm, split_model, tied_embedding_mesh)
 from meshlm.parallel.recompute import apply_recompute
-from meshlm.parallel.schedules import build_schedule
-from meshlm.parallel.tensor import (apply_tensor_parallel, check_tensor_parallel, sum_moe_grads_over_tp,
-                                   tensor_parallel_grad_norm)
+from meshlm.parallel.tensor import apply_tensor_parallel, sum_moe_grads_over_tp, tensor_parallel_grad_norm
 from meshlm.parallel.zero import ZeroGroup, ZeroSharding, apply_zero
+from meshlm.rules import check_expert_parallel, check_layout_numbers, check_tensor_parallel
 
 # Set on a model by `parallelize`: a second application would stack hooks and reduce twice.
 _MARK = "_meshlm_parallelized"
@@ -68,40 +65,6 @@ def check_supported(parallel: ParallelConfig) -> None:
                          "(parallel.cp) and parallel.recompute; set parallel.zero_stage=2 (or 1, 0), or parallel.pp=1")
 
 
-def check_expert_parallel(model: ModelConfig, ep: int) -> None:
-    """Raise ValueError unless the experts of `model` split over `ep` ranks."""
-    if ep == 1:
-        return
-    if not model.is_moe:
-        raise ValueError(f"parallel.ep={ep} needs a Mixture-of-Experts model (model.num_experts > 0, e.g. "
-                         "model.preset=tiny-moe); set parallel.ep=1 for a dense model")
-    if model.num_experts % ep:
-        choices = ",".join(str(d) for d in range(1, model.num_experts + 1) if model.num_experts % d == 0)
-        raise ValueError(f"parallel.ep={ep} does not divide model.num_experts={model.num_experts} (each ep rank "
-                         f"holds num_experts / ep experts); choose ep in {{{choices}}}")
-
-
-def check_context_parallel(model: ModelConfig, cp: int, *, seq_len: int, tp: int, sequence_parallel: bool,
-                           method: str = "ring", ulysses: int = 1) -> None:
-    """Raise ValueError unless `cp` context-parallel ranks can split sequences of `seq_len` of `model`."""
-    if cp == 1:
-        return
-    check_seq_len(seq_len, cp)
-    check_hybrid(cp, ulysses, method)
-    if method == "ulysses" or ulysses > 1:
-        hybrid = method != "ulysses"
-        check_ulysses(model.num_heads, model.num_kv_heads, cp=ulysses if hybrid else cp, tp=tp, hybrid=hybrid)
-    if model.is_moe and model.capacity_factor > 0:
-        raise ValueError(f"model.capacity_factor={model.capacity_factor} with parallel.cp={cp} is not "
-                         "implemented: each cp rank's MoE layers see only its chunks of the sequence, and the "
-                         "capacity is a share of the whole micro-batch's tokens; set model.capacity_factor=0 "
-                         "(dropless) or parallel.cp=1")
-    if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
-        raise ValueError(f"train.seq_len / parallel.cp = {seq_len // cp} tokens per rank is not divisible by "
-                         f"parallel.tp={tp} (sequence parallelism splits them over the tp ranks); set "
-                         f"train.seq_len to a multiple of {math.lcm(2 * cp, cp * tp)}, or parallel.sequence_parallel=false")
-
-
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     """The resolved degrees for `world_size` ranks, or a ValueError naming the numbers and a fix.
 
@@ -111,43 +74,15 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     # The arithmetic first: "tp=3 does not divide 4 ranks" is the more basic mistake.
     dims = ParallelDims.from_config(cfg.parallel).resolve(world_size)
     check_supported(cfg.parallel)
-    t = cfg.train
+    p, t = cfg.parallel, cfg.train
+    # Every other refusal, the planner's too (`meshlm.rules`).
+    check_layout_numbers(cfg.model, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp,
+                         cp=dims.cp, ep=dims.ep, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
+                         cp_method=p.cp_method, cp_ulysses=p.cp_ulysses, pp_schedule=p.pp_schedule,
+                         pp_chunks=p.pp_chunks, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+                         micro_batch_size=t.micro_batch_size, num_microbatches=p.num_microbatches)
     if dims.pp > 1:
-        check_pipeline_model(cfg.model, dims.pp * cfg.parallel.pp_chunks)
-        pp_layers(cfg.parallel, cfg.model, seq_len=t.seq_len)  # raises for counts that do not fit
-    # heads, sizes and vocab divisible by tp; MoE only without sequence parallelism
-    check_tensor_parallel(cfg.model, dims.tp, sequence_parallel=cfg.parallel.sequence_parallel)
-    check_context_parallel(cfg.model, dims.cp, seq_len=t.seq_len, tp=dims.tp,
-                           sequence_parallel=cfg.parallel.sequence_parallel, method=cfg.parallel.cp_method,
-                           ulysses=cfg.parallel.cp_ulysses)
-    check_expert_parallel(cfg.model, dims.ep)
-    if dims.tp > 1 and cfg.parallel.sequence_parallel and t.seq_len % dims.tp:
-        raise ValueError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={dims.tp} (sequence "
-                         "parallelism splits every sequence over the tp ranks); set train.seq_len to a multiple "
-                         f"of {dims.tp}, or parallel.sequence_parallel=false")
-    # micro_batch_size=0 means the whole per-rank batch: then only the dp degree must divide.
-    per_step = dims.dp * (t.micro_batch_size or 1)
-    if t.global_batch_size % per_step:
-        lower = max(per_step, t.global_batch_size // per_step * per_step)
-        if t.micro_batch_size:
-            divisor = f"data-parallel degree x train.micro_batch_size = {dims.dp} x {t.micro_batch_size} = {per_step}"
-            other = "train.micro_batch_size or the number of ranks"
-        else:
-            divisor, other = f"the data-parallel degree {dims.dp}", "the number of ranks"
-        raise ValueError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by {divisor} (each of the "
-            f"{dims.dp} data-parallel ranks runs whole micro-batches); set train.global_batch_size to a "
-            f"multiple of {per_step} (e.g. {lower} or {lower + per_step}), or change {other}")
-    if dims.pp > 1:
-        p = cfg.parallel
-        if not t.micro_batch_size and p.num_microbatches and (t.global_batch_size // dims.dp) % p.num_microbatches:
-            raise ValueError(f"parallel.num_microbatches={p.num_microbatches} does not divide the per-rank batch "
-                             f"train.global_batch_size / dp = {t.global_batch_size // dims.dp}; change either")
-        m = t.global_batch_size // (dims.dp * micro_batch_size(cfg, dims.dp))
-        if p.num_microbatches and p.num_microbatches != m:
-            raise ValueError(f"parallel.num_microbatches={p.num_microbatches} disagrees with the batch: "
-                             f"train.global_batch_size / (dp x train.micro_batch_size) = {m}; set it to {m} or 0")
-        build_schedule(p.pp_schedule, pp=dims.pp, num_microbatches=m, pp_chunks=p.pp_chunks)  # raises if it cannot
+        pp_layers(p, cfg.model, seq_len=t.seq_len)  # raises for counts that do not fit (a runtime-only setting)
     return dims
 
 

@@ -63,17 +63,11 @@ from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer, rope_cos_sin
 from meshlm.parallel import schedules
 from meshlm.parallel.schedules import Action, Schedule, SimResult, Timed, balanced_split, build_schedule, simulate
+from meshlm.rules import check_pipeline_model
 
 # --------------------------------------------------------------------------------------------
 # Stage split
 # --------------------------------------------------------------------------------------------
-
-
-def check_pipeline_model(config, num_stages: int) -> None:
-    """Raise ValueError for a model this pipeline cannot split over `num_stages` stages."""
-    if config.num_layers < num_stages:
-        raise ValueError(f"model.num_layers={config.num_layers} must be >= parallel.pp x parallel.pp_chunks = "
-                         f"{num_stages} (every stage runs at least one block)")
 
 
 def default_layers_per_stage(config, *, pp: int, pp_chunks: int = 1, seq_len: int) -> list[int]:

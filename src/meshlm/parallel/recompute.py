@@ -42,8 +42,9 @@ from torch.utils.checkpoint import checkpoint
 
 from meshlm.models.moe import Experts
 from meshlm.models.transformer import MLP, Attention
+from meshlm.rules import RECOMPUTE_MODES
 
-MODES = ("none", "selective", "full")
+MODES = RECOMPUTE_MODES  # parallel.recompute (`meshlm.rules`)
 # Set on a model by `apply_recompute`: a second application would checkpoint inside a checkpoint.
 _MARK = "_meshlm_recompute"
 

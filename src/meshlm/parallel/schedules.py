@@ -27,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # the same names as config.PP_SCHEDULES
+from meshlm.rules import PP_SCHEDULES, check_schedule
+
+SCHEDULES = PP_SCHEDULES  # parallel.pp_schedule (`meshlm.rules`)
 KINDS = ("F", "B", "W")
 
 
@@ -194,18 +196,6 @@ def balanced_split(num_layers: int, *, pp: int, pp_chunks: int = 1, head_units: 
     return best[1]
 
 
-def _check_sizes(name: str, pp: int, num_microbatches: int, pp_chunks: int) -> None:
-    if name not in SCHEDULES:
-        raise ValueError(f"pp_schedule={name!r} must be one of {list(SCHEDULES)}")
-    if pp < 1 or num_microbatches < 1 or pp_chunks < 1:
-        raise ValueError(f"pp={pp}, num_microbatches={num_microbatches}, pp_chunks={pp_chunks} must all be >= 1")
-    if pp_chunks > 1 and name != "interleaved":
-        raise ValueError(f"pp_chunks={pp_chunks} needs pp_schedule='interleaved' (or set pp_chunks=1)")
-    if name == "interleaved" and num_microbatches % pp:
-        raise ValueError(f"interleaved 1F1B needs num_microbatches={num_microbatches} divisible by pp={pp} "
-                         "(Megatron's order runs microbatches in groups of pp); change either")
-
-
 def _gpipe(pp: int, m: int) -> list[list[Action]]:
     return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(pp)]
 
@@ -282,7 +272,7 @@ def _zero_bubble_h1(pp: int, m: int) -> list[list[Action]]:
 
 def build_schedule(name: str, *, pp: int, num_microbatches: int, pp_chunks: int = 1) -> Schedule:
     """The per-rank action lists of schedule `name` (one of SCHEDULES), validated."""
-    _check_sizes(name, pp, num_microbatches, pp_chunks)
+    check_schedule(name, pp, num_microbatches, pp_chunks)  # the refusals live in `meshlm.rules`
     m = num_microbatches
     if name == "gpipe":
         ranks = _gpipe(pp, m)

@@ -61,6 +61,7 @@ from meshlm import comm
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.models.transformer import MLP, Attention, RMSNorm, Transformer
+from meshlm.rules import check_tensor_parallel  # noqa: F401 (the refusals live there; re-exported)
 
 AXIS = "tp"
 _MARK = "_meshlm_tensor_parallel"
@@ -69,27 +70,6 @@ _MARK = "_meshlm_tensor_parallel"
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
-
-
-def check_tensor_parallel(config, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Raise ValueError naming the first model size that `tp` does not divide, and the fix; and for a
-    capacity factor under sequence parallelism (MoE layers then see a part of each micro-batch's tokens)."""
-    if tp == 1:
-        return
-    divisible = [("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
-                 ("vocab_size", config.vocab_size), ("intermediate_size", config.intermediate_size)]
-    for name, value in divisible:
-        if value % tp != 0:
-            choices = ",".join(str(d) for d in range(1, value + 1) if value % d == 0)
-            raise ValueError(f"model.{name}={value} is not divisible by tp={tp} (tensor parallelism "
-                             f"splits it evenly over the tp ranks); choose tp among the divisors "
-                             f"{{{choices}}} of {value} (it must also divide the other sizes), "
-                             f"or change model.{name} to a multiple of {tp}")
-    if config.is_moe and sequence_parallel and config.capacity_factor > 0:
-        raise ValueError(f"model.capacity_factor={config.capacity_factor} with tensor parallelism and sequence "
-                         "parallelism is not implemented: each tp rank's MoE layers see only its part of the "
-                         "sequence, and the capacity is a share of the whole micro-batch's tokens; set "
-                         "model.capacity_factor=0 (dropless) or parallel.sequence_parallel=false")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """The planner's inputs: the job (`Job`) and the parallel layout (`Layout`), parsed and validated.
 
 Responsible for: what a job and a layout are, parsing `tp=8,pp=4,...`, and `validate_layout`, which
-refuses (ValueError naming the value and the fix) every layout the runtime would refuse -- degrees that do
-not multiply to the GPU count, tp not dividing heads, kv heads, vocabulary or intermediate size (as
-`parallel.tensor.check_tensor_parallel`), ep not dividing experts or dp_shard x cp (x tp / expert_tp for a
-Megatron run that folds ep over the tp ranks), expert-parallel overlap where Megatron-Core refuses it,
-sequence lengths the context/sequence split cannot divide, batches the data-parallel ranks cannot share.
+refuses (ValueError naming the value and the fix) every layout the runtime would refuse -- by calling the
+runtime's own rules (`meshlm.rules.check_layout_numbers`, the one definition: sizes tp does not divide,
+sequences cp / SP / Ulysses cannot split, experts ep cannot spread, stages, schedules, batches) after the
+planner's own: degrees that do not multiply to the GPU count, and what only a Megatron-Core run has
+(expert_tp folding ep over the tp ranks, expert-parallel overlap where Megatron-Core refuses it).
 Not responsible for: enumerating layouts (`search.py`) or costing them (`cost.py`).
 """
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from meshlm.config import CP_METHODS, PP_SCHEDULES, ModelConfig  # CP_METHODS: parallel.cp_method's
+from meshlm.config import ModelConfig
 from meshlm.dims import ParallelDims
+from meshlm.rules import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES, check_ep_groups, check_layout_numbers
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = RECOMPUTE_MODES  # parallel.recompute's (`meshlm.rules`)
 PRECISIONS = ("bf16", "fp8", "fp32")
 # Whose runtime the accounting follows: "megatron" (Megatron-Core / FSDP conventions: bf16 weights, fp32
 # gradients, a distributed optimizer, norm gradients reduced once per step) or "meshlm" (meshlm's own
@@ -195,56 +196,32 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
             raise ValueError(f"layout {name}={getattr(lo, name)} must be >= 1")
     if lo.world != gpus:
         raise ValueError(f"layout dp_replicate*dp_shard*tp*pp*cp = {lo.world} must equal --gpus={gpus}")
-    if lo.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"layout zero_stage={lo.zero_stage} must be 0, 1, 2 or 3")
     if lo.recompute not in RECOMPUTE:
         raise ValueError(f"layout recompute={lo.recompute!r} must be one of {list(RECOMPUTE)}")
-    if lo.cp_method not in CP_METHODS:
-        raise ValueError(f"layout cp_method={lo.cp_method!r} must be one of {list(CP_METHODS)} "
-                         "(parallel.cp_method); e.g. cp=2,cp_method=allgather")
-    if lo.pp_schedule not in PP_SCHEDULES:
-        raise ValueError(f"layout pp_schedule={lo.pp_schedule!r} must be one of {list(PP_SCHEDULES)}")
-    if lo.pp_chunks > 1 and lo.pp_schedule != "interleaved":
-        raise ValueError(f"layout pp_chunks={lo.pp_chunks} needs pp_schedule=interleaved")
-    # What the runtime's `parallel.tensor.check_tensor_parallel` refuses: every tp-split size must divide.
-    for name in ("num_heads", "num_kv_heads", "vocab_size", "intermediate_size"):
-        value = getattr(cfg, name)
-        if lo.tp > 1 and value % lo.tp:
-            raise ValueError(f"layout tp={lo.tp} must divide model.{name}={value} (tensor parallelism splits it "
-                             f"evenly); choose a tp that divides num_heads={cfg.num_heads}, num_kv_heads="
-                             f"{cfg.num_kv_heads}, vocab_size={cfg.vocab_size} and intermediate_size="
-                             f"{cfg.intermediate_size}, or pad model.{name} to a multiple of {lo.tp}")
-    # What the runtime's `parallel.context.check_ulysses` refuses: heads of a tp rank that cp does not divide.
-    if lo.cp > 1 and lo.cp_method == "ulysses" and (cfg.num_heads // lo.tp) % lo.cp:
-        raise ValueError(f"layout cp={lo.cp} with cp_method=ulysses must divide num_heads / tp = {cfg.num_heads} / "
-                         f"{lo.tp} (Ulysses splits every tp rank's heads over cp); choose another cp, or "
-                         "cp_method=ring or allgather")
-    # ... and `parallel.context.check_hybrid`'s
-    if lo.cp_ulysses > 1 and (lo.cp % lo.cp_ulysses or lo.cp_method != "ring"
-                              or (cfg.num_heads // lo.tp) % lo.cp_ulysses):
-        raise ValueError(f"layout cp_ulysses={lo.cp_ulysses} (the hybrid) needs cp_method=ring and must divide cp="
-                         f"{lo.cp} and num_heads / tp = {cfg.num_heads} / {lo.tp}; change it, or cp_ulysses=1")
-    if lo.pp * lo.pp_chunks > cfg.num_layers:
-        raise ValueError(f"layout pp*pp_chunks={lo.pp * lo.pp_chunks} exceeds num_layers={cfg.num_layers}")
     if lo.ep > 1:
-        if not cfg.is_moe:
-            raise ValueError(f"layout ep={lo.ep} needs a MoE model; set ep=1")
-        if cfg.num_experts % lo.ep:
-            raise ValueError(f"layout ep={lo.ep} must divide num_experts={cfg.num_experts}")
         if lo.expert_tp < 0 or (lo.expert_tp and lo.tp % lo.expert_tp):
             raise ValueError(f"layout expert_tp={lo.expert_tp} must divide tp={lo.tp} (or be 0: expert_tp = tp)")
         if lo.etp != lo.tp and job.runtime != "megatron":
-            raise ValueError(f"layout expert_tp={lo.expert_tp} differs from tp={lo.tp}: meshlm shards experts by "
-                             "tp (parallel/expert.py); use expert_tp=0, or runtime='megatron' to price a "
-                             "Megatron-Core run")
+            raise ValueError(f"layout expert_tp={lo.expert_tp} differs from tp={lo.tp}: meshlm keeps experts whole "
+                             "on the tp ranks (parallel/expert.py); use expert_tp=0, or runtime='megatron' to price "
+                             "a Megatron-Core run")
         folded = lo.tp // lo.etp  # tensor-parallel ranks the ep group may also span (MoE parallel folding)
-        if (lo.dp_shard * lo.cp * folded) % lo.ep:
-            hint = ("(experts are sharded over the data-parallel ranks)" if folded == 1 else
-                    "(experts are sharded over dp_shard x cp x tp/expert_tp ranks)")
-            raise ValueError(f"layout ep={lo.ep} must divide dp_shard*cp{'*tp/expert_tp' if folded > 1 else ''}="
-                             f"{lo.dp_shard * lo.cp * folded} {hint}"
-                             + ("; with a Megatron-Core run, expert_tp=1 lets ep span the tp ranks too"
-                                if folded == 1 and lo.tp > 1 else ""))
+        if folded == 1:
+            try:
+                check_ep_groups(lo.ep, dp_shard=lo.dp_shard, cp=lo.cp)  # the runtime's rule (`dims.ParallelDims`)
+            except ValueError as e:
+                if lo.tp == 1:
+                    raise
+                raise ValueError(f"{e}; with a Megatron-Core run, expert_tp=1 lets ep span the tp ranks too") from None
+        elif (lo.dp_shard * lo.cp * folded) % lo.ep:
+            raise ValueError(f"layout ep={lo.ep} must divide dp_shard*cp*tp/expert_tp={lo.dp_shard * lo.cp * folded} "
+                             "(experts are sharded over dp_shard x cp x tp/expert_tp ranks)")
+    # Everything else the runtime refuses, by the runtime's own rules (`meshlm.rules`).
+    m = check_layout_numbers(cfg, dp_replicate=lo.dp_replicate, dp_shard=lo.dp_shard, tp=lo.tp, pp=lo.pp, cp=lo.cp,
+                             ep=lo.ep, zero_stage=lo.zero_stage, sequence_parallel=lo.sequence_parallel,
+                             cp_method=lo.cp_method, cp_ulysses=lo.cp_ulysses, pp_schedule=lo.pp_schedule,
+                             pp_chunks=lo.pp_chunks, seq_len=job.seq_len, global_batch_size=job.global_batch_size,
+                             micro_batch_size=lo.micro_batch_size, num_microbatches=lo.num_microbatches)
     if lo.ep > 1 and job.expert_imbalance > lo.ep:
         raise ValueError(f"expert_imbalance={job.expert_imbalance} exceeds ep={lo.ep}: the busiest of ep ranks "
                          "receives at most every routed token (ep x the mean)")
@@ -258,18 +235,4 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
         if lo.pp > 1 and lo.pp_schedule != "interleaved":
             raise ValueError(f"ep_comm_overlap with pp={lo.pp} needs pp_schedule=interleaved (Megatron-Core's "
                              "overlap_moe_expert_parallel_comm needs a virtual pipeline when pp > 1)")
-    if job.seq_len % (2 * lo.cp if lo.cp > 1 else 1):
-        raise ValueError(f"seq_len={job.seq_len} must be divisible by 2*cp={2 * lo.cp} "
-                         "(load-balanced causal split)")
-    if lo.sequence_parallel and lo.tp > 1 and (job.seq_len // lo.cp) % lo.tp:
-        raise ValueError(f"seq_len/cp={job.seq_len // lo.cp} must be divisible by tp={lo.tp} "
-                         "with sequence_parallel; or set sequence_parallel=false")
-    per_step = lo.dp * lo.micro_batch_size
-    if job.global_batch_size % per_step:
-        raise ValueError(f"global batch of {job.global_batch_size} sequences must be divisible by "
-                         f"dp_replicate*dp_shard*micro_batch_size={per_step}; change the batch or the layout")
-    m = job.global_batch_size // per_step
-    if lo.num_microbatches and lo.num_microbatches != m:
-        raise ValueError(f"layout num_microbatches={lo.num_microbatches} disagrees with the batch: "
-                         f"{job.global_batch_size} / (dp {lo.dp} * micro_batch_size {lo.micro_batch_size}) = {m}")
     return m

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.cost import CP_METHODS, Estimate, Job, Layout, ModelSummary, estimate_layout
+from meshlm.planner.layout import validate_layout
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 PP_CHUNKS = (2, 3, 4, 5, 6, 8)
@@ -63,9 +64,11 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
             if cp > 1 and (job.seq_len // cp) % tp:
                 continue
             rest = gpus // (tp * cp)
-            cp_methods = CP_METHODS if cp > 1 else ("ring",)  # the method only matters when cp > 1
-            if (cfg.num_heads // tp) % cp:  # Ulysses splits a tp rank's heads over cp
-                cp_methods = tuple(m for m in cp_methods if m != "ulysses")
+            # (cp_method, cp_ulysses): each method, and the hybrid -- Ulysses within groups of u ranks, the ring
+            # across them -- for every u strictly between 1 and cp (what does not split the heads is refused below)
+            cp_methods = [(m, 1) for m in CP_METHODS] + [("ring", u) for u in _divisors(cp) if 1 < u < cp]
+            if cp == 1:
+                cp_methods = [("ring", 1)]  # the method only matters when cp > 1
             for pp in _divisors(rest):
                 if pp > L:
                     break
@@ -89,10 +92,16 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
                             for ep in eps:
                                 if (dps * cp) % ep:
                                     continue
-                                for method in cp_methods:
-                                    yield Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp,
-                                                 cp_method=method, ep=ep, zero_stage=z, pp_schedule=sched,
-                                                 pp_chunks=v, micro_batch_size=mbs, sequence_parallel=tp > 1), m
+                                for method, ulysses in cp_methods:
+                                    lo = Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp,
+                                                cp_method=method, cp_ulysses=ulysses, ep=ep, zero_stage=z,
+                                                pp_schedule=sched, pp_chunks=v, micro_batch_size=mbs,
+                                                sequence_parallel=tp > 1)
+                                    try:  # the runtime's own refusals (`meshlm.rules`): never propose those
+                                        validate_layout(cfg, job, lo, gpus=gpus)
+                                    except ValueError:
+                                        continue
+                                    yield lo, m
 
 
 def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int = 10) -> SearchResult:

@@ -50,7 +50,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshlm.config import PP_SCHEDULES, ModelConfig
+from meshlm.config import ModelConfig
+from meshlm.rules import PP_SCHEDULES
 from meshlm.planner.collectives import collective_time, group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
