@@ -359,6 +359,12 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
+def zero3_reshards(reshard_after_forward: bool | None, pp: int) -> bool:
+    """parallel.zero3_reshard_after_forward resolved: unset is false under a pipeline (pp > 1), true
+    otherwise -- the one rule the runtime (`parallelize`) and the planner (`planner.memory`) both apply."""
+    return pp == 1 if reshard_after_forward is None else reshard_after_forward
+
+
 @dataclass
 class ParallelConfig(ParallelDims):
     """Degrees of each parallelism and their knobs. `dp_shard = -1` takes what the others leave."""
@@ -366,9 +372,14 @@ class ParallelConfig(ParallelDims):
     # The degrees (dp_replicate, dp_shard, tp, pp, cp, ep) are `meshlm.dims.ParallelDims`' fields.
 
     cp_method: str = "ring"  # ring (K/V blocks passed around the cp ranks) | allgather (K/V gathered once per layer)
-    # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp; 3 with pp > 1 is refused, not
-    # implemented yet)
+    # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp and pp)
     zero_stage: int = 0
+    # ZeRO-3 (FSDP2's reshard_after_forward): true frees a block's gathered parameters after each micro-batch's
+    # forward and gathers them again for its backward (least memory, 2 all-gathers per unit and micro-batch);
+    # false gathers each unit once per step and keeps it until the step's gradient reduction (the stage's
+    # whole parameters full, 1 all-gather per unit and step). Unset: false with pp > 1, true otherwise
+    # (torchtitan's default: per-micro-batch gathers under a pipeline cost more than they save)
+    zero3_reshard_after_forward: bool | None = None
     sequence_parallel: bool = True  # with tp > 1 (refused on a MoE model, not implemented yet)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
     pp_chunks: int = 1  # virtual stages per rank (interleaved)
@@ -386,6 +397,9 @@ class ParallelConfig(ParallelDims):
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
                  "must be >= 1, or -1 to take what the other degrees leave of the world size")
         _require(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
+        _require(self.zero3_reshard_after_forward is None or isinstance(self.zero3_reshard_after_forward, bool),
+                 "parallel.zero3_reshard_after_forward", self.zero3_reshard_after_forward,
+                 "must be true, false or unset (false with pp > 1, true otherwise)")
         _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
                  f"must be one of {list(PP_SCHEDULES)}")
         _require(self.num_microbatches >= 0, "parallel.num_microbatches", self.num_microbatches,

@@ -20,8 +20,8 @@ attention attends across the cp ranks; the cp ranks join the data-parallel ones 
 reduction, "dp_cp", and in ZeRO's sharding, "dp_shard_cp"; the trainer feeds this rank's chunks of
 every sequence), and expert parallelism (parallel.ep, `meshlm.parallel.expert`: with data parallelism,
 plain or ZeRO-1/2/3, the experts' gradients -- and under ZeRO their shards -- over "ep_dp", the ranks
-holding the same experts). pp with ZeRO-3 raises a ValueError naming its setting before anything is
-built, so a layout the code cannot run never half-starts.
+holding the same experts). Under pipeline parallelism ZeRO-3 gathers per stage: the stage's blocks and
+a root unit of whatever of embedding, norm and head it holds (`parallel.zero3_reshard_after_forward`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshlm.config import Config, ModelConfig, ParallelConfig
+from meshlm.config import Config, ModelConfig, ParallelConfig, zero3_reshards
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.context import ContextParallel, apply_context_parallel, check_seq_len
 from meshlm.parallel.data import DataParallel, apply_data_parallel
@@ -53,17 +53,12 @@ _MARK = "_meshlm_parallelized"
 
 
 def check_supported(parallel: ParallelConfig) -> None:
-    """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    if parallel.pp > 1 and parallel.zero_stage == 3:
-        # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone or
-        # with tensor parallelism, data parallelism (plain or ZeRO-1/2) and recomputation. ZeRO-3 gathers
-        # parameters per block around forward and backward, which the executor's split backward and
-        # out-of-order micro-batches would have to follow: not built yet.
-        raise ValueError(f"parallel.zero_stage=3 with parallel.pp={parallel.pp} is not implemented yet; what runs "
-                         "under pipeline parallelism: every parallel.pp_schedule (gpipe, 1f1b, interleaved with "
-                         "parallel.pp_chunks, zero_bubble), with tensor parallelism (parallel.tp), data parallelism "
-                         "(parallel.dp_shard / dp_replicate, plain or parallel.zero_stage=1/2), context parallelism "
-                         "(parallel.cp) and parallel.recompute; set parallel.zero_stage=2 (or 1, 0), or parallel.pp=1")
+    """Raise ValueError naming the first setting this build cannot run yet (and what does work).
+
+    Nothing is refused today: every combination of the degrees, ZeRO stages, schedules and
+    recomputation runs (pp x ZeRO-3 too, tests/test_train_pp_zero3.py); the checks of what a model or a
+    batch allows are `check_layout`'s."""
+    del parallel
 
 
 def check_expert_parallel(model: ModelConfig, ep: int) -> None:
@@ -312,17 +307,23 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     dense = [p for p in model.parameters() if all(p is not e for e in experts)] if experts else None
     if parallel.zero_stage > 0:
         # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
-        # DP's all-reduce on top would reduce every gradient twice.
+        # DP's all-reduce on top would reduce every gradient twice. ZeRO-3 under a pipeline gathers
+        # around the modules each chunk calls (the stage's forward never calls the model itself).
+        stage3 = dict(reshard_after_forward=zero3_reshards(parallel.zero3_reshard_after_forward, parallel.pp),
+                      pipeline_chunks=None if result.pipeline is None else
+                      [result.pipeline.chunk_modules(c) for c in range(parallel.pp_chunks)])
         result.zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
-                                 broadcast=broadcast, params=dense, init=zero_init)
+                                 broadcast=broadcast, params=dense, init=zero_init, **stage3)
         if experts:
             # ep_dp spans the replicas too: one sharding over all of it, no replica all-reduce; the
             # other experts' squares join the gradient norm over "ep". ZeRO-3: both shardings gather
             # per block (the experts have no root unit), each on its own duplicated groups.
             expert_zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
                                      broadcast=broadcast, params=experts, shard_axis="ep_dp", replicate_axis=None,
-                                     data_axis="ep_dp", other_shards_axis="ep", init=zero_init)
+                                     data_axis="ep_dp", other_shards_axis="ep", init=zero_init, **stage3)
             result.zero = ZeroGroup([result.zero, expert_zero])
+        if parallel.zero_stage == 3 and result.pipeline is not None:
+            result.pipeline.weight_pass = result.zero.weight_pass  # zero_bubble's W: nothing to gather
     elif mesh.size("dp_cp") > 1:
         # Under context parallelism the cp ranks hold the same weights and see different tokens: their
         # gradients are summed with the data-parallel ranks' ("dp_cp"; "dp" when cp = 1).

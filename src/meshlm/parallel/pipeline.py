@@ -47,6 +47,7 @@ same replay checks agree message for message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +115,9 @@ class PipelineStage:
     pp_chunks: int
     layers_per_stage: list[int]  # over all stages, stage order
     chunk_layers: list[list[str]]  # per chunk of this rank: its block names, in order
+    # Entered around each weight-gradient-only pass of a split W (ZeRO-3's `weight_pass`: no weight is read,
+    # none gathered); None: nothing to tell
+    weight_pass: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -152,14 +156,16 @@ class PipelineStage:
             h = m.lm_head(m.norm(h))
         return h
 
+    def chunk_modules(self, chunk: int) -> list[nn.Module]:
+        """The modules one chunk's forward calls, in order (`forward_chunk`): the embedding on the first
+        stage, the chunk's blocks, the final norm and the head on the last (ZeRO-3 gathers around them)."""
+        m = self.model
+        return ([m.embed] if self.is_first(chunk) else []) + [m.layers[n] for n in self.chunk_layers[chunk]] \
+            + ([m.norm, m.lm_head] if self.is_last(chunk) else [])
+
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
         """The trainable parameters one chunk's forward uses (zero_bubble's W differentiates these)."""
-        mods: list[nn.Module] = [self.model.layers[n] for n in self.chunk_layers[chunk]]
-        if self.is_first(chunk):
-            mods.append(self.model.embed)
-        if self.is_last(chunk):
-            mods += [self.model.norm, self.model.lm_head]
-        return [p for mod in mods for p in mod.parameters() if p.requires_grad]
+        return [p for mod in self.chunk_modules(chunk) for p in mod.parameters() if p.requires_grad]
 
 
 def split_model(model: Transformer, *, pp_rank: int, pp: int, pp_chunks: int = 1,
@@ -351,9 +357,10 @@ class SplitBackward:
             torch.autograd.backward(y, saved, inputs=self.stage.chunk_parameters(key[1]))
             return
         params = dict(self.owners[key[1]])
-        for (mod, t), g in zip(outs, saved):
-            if g is not None:  # None: this output did not reach the chunk output (no gradient)
-                torch.autograd.backward(t, g, inputs=params[mod])
+        with self.stage.weight_pass() if self.stage.weight_pass is not None else contextlib.nullcontext():
+            for (mod, t), g in zip(outs, saved):
+                if g is not None:  # None: this output did not reach the chunk output (no gradient)
+                    torch.autograd.backward(t, g, inputs=params[mod])
 
     def remove(self) -> None:
         for h in self._handles:
