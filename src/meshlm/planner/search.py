@@ -87,10 +87,13 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
                             for ep in eps:
                                 if (dps * cp) % ep:
                                     continue
-                                for method in cp_methods:
-                                    yield Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp,
-                                                 cp_method=method, ep=ep, zero_stage=z, pp_schedule=sched,
-                                                 pp_chunks=v, micro_batch_size=mbs, sequence_parallel=tp > 1), m
+                                # ZeRO-3: units resharded after each forward, or kept for the step
+                                for reshard in ((True, False) if z == 3 else (None,)):
+                                    for method in cp_methods:
+                                        yield Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp,
+                                                     cp_method=method, ep=ep, zero_stage=z, pp_schedule=sched,
+                                                     pp_chunks=v, micro_batch_size=mbs, sequence_parallel=tp > 1,
+                                                     zero3_reshard_after_forward=reshard), m
 
 
 def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int = 10) -> SearchResult:
