@@ -357,7 +357,8 @@ class SplitBackward:
             torch.autograd.backward(y, saved, inputs=self.stage.chunk_parameters(key[1]))
             return
         params = dict(self.owners[key[1]])
-        with self.stage.weight_pass() if self.stage.weight_pass is not None else contextlib.nullcontext():
+        weight_pass = getattr(self.stage, "weight_pass", None)  # (a stand-in stage may lack it)
+        with weight_pass() if weight_pass is not None else contextlib.nullcontext():
             for (mod, t), g in zip(outs, saved):
                 if g is not None:  # None: this output did not reach the chunk output (no gradient)
                     torch.autograd.backward(t, g, inputs=params[mod])
