@@ -5,8 +5,9 @@ pp=2 x dp_shard=2 x ZeRO-3 under each schedule (gpipe, 1f1b, interleaved with 2 
 with parallel.zero3_reshard_after_forward unset (false under pp), true and false, and for
 pp=2 x tp=2 x dp_shard=2 at 8 ranks. The parameter all-gathers of every step over "dp_shard" are
 counted exactly against zero.py's formulas (per rank: reshard true, m x (2 x the stage's block units
-+ its root unit, once more unless it holds just the embedding); false, every unit once), and every
-parameter is freed between steps. The pp=2 ZeRO-3 checkpoint (each stage's flat shards) reloads in
++ its root unit, once more unless it holds just the embedding); false, every unit once), the most
+units full at once (resharding: 2, a unit and its prefetched successor; keeping: all of the stage's),
+and every parameter is freed between steps. The pp=2 ZeRO-3 checkpoint (each stage's flat shards) reloads in
 one process and continues like the single-process run.
 One launch per world size; each rank trains every configuration in turn.
 """
@@ -65,8 +66,8 @@ def run_steps(trainer, until: int) -> list[dict]:
     out = []
     while trainer.step < until:
         row = trainer.train_step()
-        out.append({"loss": row["loss"], "grad_norm": row["grad_norm"],
-                    "ag": trainer.mesh.stats.total(op="all_gather", axis="dp_shard").bytes})
+        gathers = trainer.mesh.stats.total(op="all_gather", axis="dp_shard")
+        out.append({"loss": row["loss"], "grad_norm": row["grad_norm"], "ag": gathers.bytes, "ag_calls": gathers.calls})
     return out
 
 
@@ -81,11 +82,25 @@ def reference(tmp_path_factory, text_file):
     return out
 
 
-def expected_gathers(zero, *, micro_batches: int) -> int:
-    """zero.py's formula for the dp_shard parameter all-gathers of one step on this rank, in bytes."""
-    if not zero.reshard_after_forward:
-        return sum(b.nbytes for b in zero.buckets)
-    return micro_batches * sum((1 + b.backward_gather) * b.nbytes for b in zero.buckets)
+def expected_gathers(zero, *, micro_batches: int) -> tuple[int, int]:
+    """zero.py's formula for the dp_shard parameter all-gathers of one step on this rank: (calls, bytes)."""
+    if not zero.reshard_after_forward:  # every unit once
+        return len(zero.buckets), sum(b.nbytes for b in zero.buckets)
+    per_unit = [1 + b.backward_gather for b in zero.buckets]  # forward, and backward unless just the embedding
+    return (micro_batches * sum(per_unit),
+            micro_batches * sum(n * b.nbytes for n, b in zip(per_unit, zero.buckets)))
+
+
+def watch_gathered(zero) -> list[int]:
+    """[the most units full (or being gathered) at once], kept up to date as gathers start."""
+    peak, start = [0], zero._start_gather
+
+    def counting(bucket):
+        start(bucket)
+        peak[0] = max(peak[0], sum(b.gathered or b.gather_handle is not None for b in zero.buckets))
+
+    zero._start_gather = counting
+    return peak
 
 
 def pp_zero3_worker(rank, world_size, root: Path, text_file: Path):
@@ -94,7 +109,9 @@ def pp_zero3_worker(rank, world_size, root: Path, text_file: Path):
         trainer = Trainer(make_cfg(root / name, text_file, "parallel.pp=2", "parallel.zero_stage=3", *extra))
         zero = trainer.parallel.zero
         assert zero.stage == 3 and trainer.mesh.size("dp_shard") == 2
+        peak = watch_gathered(zero)
         rows = run_steps(trainer, STEPS)
+        peak_gathered = peak[0]  # (full_params below gathers every unit)
         freed = all(p.untyped_storage().nbytes() == 0 for p in trainer.base_model.parameters())
         if name == SAVED:
             trainer.save()
@@ -102,7 +119,7 @@ def pp_zero3_worker(rank, world_size, root: Path, text_file: Path):
         out[name] = {"rows": rows, "weights": full, "keys": sorted(full), "freed": freed,
                      "reshard": zero.reshard_after_forward, "pp_rank": trainer.mesh.local_rank("pp"),
                      "want_ag": expected_gathers(zero, micro_batches=GLOBAL_BATCH // trainer.dp_size),
-                     "units": len(zero.buckets), "root": zero.root is not None,
+                     "units": len(zero.buckets), "root": zero.root is not None, "peak_gathered": peak_gathered,
                      "root_backward": zero.root is not None and zero.root.backward_gather}
     dist.barrier()
     return out
@@ -121,11 +138,14 @@ def check(results, reference, world_size):
                                what=f"{what} rank {r}: weights")
             assert got["reshard"] == (f"{RESHARD}=true" in extra), (what, got["reshard"])
             assert got["freed"], f"{what} rank {r}: parameters left gathered after the step"
+            # memory: resharding holds a unit and the next one's prefetch, keeping every unit of the stage
+            want_peak = min(2, got["units"]) if got["reshard"] else got["units"]
+            assert got["peak_gathered"] == want_peak, (what, r, got["peak_gathered"], want_peak)
             # exact all-gather bytes per step; the stage's root unit: embedding (rank 0, no backward
             # gather), norm + head (the last rank)
             assert got["root"] and got["root_backward"] == (got["pp_rank"] == 1), (what, got)
             for step, row in enumerate(got["rows"]):
-                assert row["ag"] == got["want_ag"], (what, r, step, row["ag"], got["want_ag"])
+                assert (row["ag_calls"], row["ag"]) == got["want_ag"], (what, r, step, row, got["want_ag"])
         assert {k for res in results for k in res[name]["keys"]} == set(reference["weights"]), what
 
 
@@ -134,7 +154,7 @@ def test_pp2_dp2_zero3_every_schedule_matches_one_process(tmp_path, text_file, r
     check(results, reference, 4)
     # reshard true moves more than false: per micro-batch against once per step
     for res in results:
-        assert res["interleaved_reshard"]["want_ag"] > res["interleaved_keep"]["want_ag"]
+        assert res["interleaved_reshard"]["want_ag"][1] > res["interleaved_keep"]["want_ag"][1]
     # the pp=2 x dp_shard=2 ZeRO-3 checkpoint (each stage's flat shards) reloads in one process
     shutil.copytree(tmp_path / SAVED, tmp_path / "one")
     resumed = Trainer(make_cfg(tmp_path / "one", text_file), resume=True)
