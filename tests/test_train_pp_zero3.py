@@ -1,8 +1,8 @@
 """Pipeline parallelism x ZeRO-3 under the Trainer reproduces the single-process Trainer.
 
 fp64 parity (tests/parity.py, FP64_TOL): losses, grad norms and every weight after 3 steps, for
-pp=2 x dp_shard=2 x ZeRO-3 under each schedule (gpipe, 1f1b, interleaved with 2 chunks, zero_bubble)
-with parallel.zero3_reshard_after_forward unset (false under pp), true and false, and for
+pp=2 x dp_shard=2 x ZeRO-3 under each schedule (gpipe, 1f1b, interleaved with 2 chunks, zero_bubble, also
+with full recomputation) with parallel.zero3_reshard_after_forward unset (false under pp), true and false, and for
 pp=2 x tp=2 x dp_shard=2 at 8 ranks. The parameter all-gathers of every step over "dp_shard" are
 counted exactly against zero.py's formulas (per rank: reshard true, m x (2 x the stage's block units
 + its root unit, once more unless it holds just the embedding); false, every unit once), the most
@@ -36,7 +36,10 @@ LAYOUTS = {
         ("interleaved_reshard", ["parallel.pp_schedule=interleaved", "parallel.pp_chunks=2", f"{RESHARD}=true"]),
         ("interleaved_keep", ["parallel.pp_schedule=interleaved", "parallel.pp_chunks=2", f"{RESHARD}=false"]),
         ("zero_bubble_reshard", ["parallel.pp_schedule=zero_bubble", f"{RESHARD}=true"]),
-        ("zero_bubble_keep", ["parallel.pp_schedule=zero_bubble", f"{RESHARD}=false"])],
+        ("zero_bubble_keep", ["parallel.pp_schedule=zero_bubble", f"{RESHARD}=false"]),
+        # full recomputation: W walks the chunk's chain again (SplitBackward's fallback) and gathers again
+        ("zero_bubble_full_reshard", ["parallel.pp_schedule=zero_bubble", "parallel.recompute=full",
+                                      f"{RESHARD}=true"])],
     8: [("1f1b_tp2", ["parallel.pp_schedule=1f1b", "parallel.tp=2", f"{RESHARD}=true"])],
 }
 SAVED = "1f1b_reshard"  # the layout whose checkpoint reloads in one process
@@ -82,11 +85,15 @@ def reference(tmp_path_factory, text_file):
     return out
 
 
-def expected_gathers(zero, *, micro_batches: int) -> tuple[int, int]:
-    """zero.py's formula for the dp_shard parameter all-gathers of one step on this rank: (calls, bytes)."""
+def expected_gathers(zero, *, micro_batches: int, backward_passes: int = 1) -> tuple[int, int]:
+    """zero.py's formula for the dp_shard parameter all-gathers of one step on this rank: (calls, bytes).
+    `backward_passes`: per micro-batch, the passes that walk the chain (2 where zero_bubble's W falls
+    back to walking it again after B, under full recomputation; on the first stage B then has no input
+    gradient to compute and W alone walks)."""
     if not zero.reshard_after_forward:  # every unit once
         return len(zero.buckets), sum(b.nbytes for b in zero.buckets)
-    per_unit = [1 + b.backward_gather for b in zero.buckets]  # forward, and backward unless just the embedding
+    # forward, and each backward pass unless the unit is just the embedding
+    per_unit = [1 + backward_passes * b.backward_gather for b in zero.buckets]
     return (micro_batches * sum(per_unit),
             micro_batches * sum(n * b.nbytes for n, b in zip(per_unit, zero.buckets)))
 
@@ -118,7 +125,9 @@ def pp_zero3_worker(rank, world_size, root: Path, text_file: Path):
         full = weights(trainer)
         out[name] = {"rows": rows, "weights": full, "keys": sorted(full), "freed": freed,
                      "reshard": zero.reshard_after_forward, "pp_rank": trainer.mesh.local_rank("pp"),
-                     "want_ag": expected_gathers(zero, micro_batches=GLOBAL_BATCH // trainer.dp_size),
+                     "want_ag": expected_gathers(zero, micro_batches=GLOBAL_BATCH // trainer.dp_size,
+                                                 backward_passes=1 + ("parallel.recompute=full" in extra
+                                                                      and trainer.mesh.local_rank("pp") > 0)),
                      "units": len(zero.buckets), "root": zero.root is not None, "peak_gathered": peak_gathered,
                      "root_backward": zero.root is not None and zero.root.backward_gather}
     dist.barrier()

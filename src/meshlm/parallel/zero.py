@@ -54,8 +54,11 @@ Stages. Every rank computes full gradients (of its tokens) in every stage.
            rank and P(u) the padded bytes of unit u:
              False:               sum over units of P(u)                      (each unit once per step)
              True, whole model:   m x (2 x sum over blocks of P(b) + P(root))
-             True, pipeline:      m x sum over the stage's units of (1 + g(u)) x P(u), g(u) = 0 for a
-                                  root unit of just the embedding (the first stage), else 1.
+             True, pipeline:      m x sum over the stage's units of (1 + w x g(u)) x P(u), g(u) = 0 for a
+                                  root unit of just the embedding (the first stage), else 1; w the
+                                  backward passes walking the chain per micro-batch: 1, or 2 where
+                                  zero_bubble's W walks it again after B (full recomputation; on the
+                                  first stage B has no input gradient to compute then: 1).
 Accumulation: inside `no_sync()` gradients accumulate locally in `.grad` (the full gradient, in every
 stage) and the last micro-step's backward reduce-scatters the accumulated sum once.
 
