@@ -16,7 +16,9 @@ Not responsible for: the order of actions (`schedules.build_schedule`), the rule
 layer counts per stage (`schedules.balanced_split`), splitting the global batch into micro-batches (the trainer), or
 reducing gradients over data-parallel ranks (the trainer runs every backward of the step under
 `no_sync()` and then reduces once). Tensor parallelism composes from outside: `apply_tensor_parallel`
-runs on the split model, the trainer passes the vocab-parallel loss and `sequence_shards`.
+runs on the split model, the trainer passes the vocab-parallel loss and `sequence_shards`; so does ZeRO-3,
+whose gathers hook the modules `PipelineStage.chunk_modules` lists, and which a split W tells, through
+`PipelineStage.weight_pass`, that it reads no weight.
 
 How a step runs. There are S = pp * pp_chunks stages; rank r holds chunks c = 0..v-1, stage c * pp + r.
   F(mb, c)  receive the activation of microbatch mb from the rank of stage s - 1 (stage 0 embeds the
