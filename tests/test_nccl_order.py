@@ -10,8 +10,8 @@ and has no tags. So a communication order can pass every gloo test and hang on i
   the next action's receive posted ahead of it) deadlocks, as the checker must show;
 - real multi-rank training runs recorded op by op (`CommStats(keep_trace=True)`): every pipeline schedule at
   pp 2 and 4 (chunks 1-2), training and validation; ring and all-gather context parallelism, forward and
-  backward; ZeRO-3 with its two communicators (also under pp=2), tensor parallelism, expert all-to-all, a checkpoint save
-  (what goes through `meshlm.comm`; DCP's own collectives do not);
+  backward; ZeRO-3 with its two communicators (also under pp=2), tensor parallelism, expert all-to-all, a
+  checkpoint save (what goes through `meshlm.comm`; DCP's own collectives do not);
 - tp, cp and tp x cp serving: prefill chunks, decodes, the cp ring and split-KV, the driver's broadcasts.
 """
 

@@ -707,7 +707,8 @@ def test_zero3_reshard_after_forward_is_priced():
         return estimate(cfg, "a100", gpus=4, layout=f"pp=2,dp_shard=2,zero_stage=3{extra}", seq_len=128,
                         global_batch_size=16, precision="fp32", runtime="meshlm")
 
-    keep, reshard, default = est(",zero3_reshard_after_forward=false"), est(",zero3_reshard_after_forward=true"), est("")
+    keep, reshard = est(",zero3_reshard_after_forward=false"), est(",zero3_reshard_after_forward=true")
+    default = est("")
     assert default.memory_gib == keep.memory_gib and default.layout.short() == keep.layout.short()
     assert "dp2/z3k" in keep.layout.short() and "dp2/z3 " in reshard.layout.short()
     lo = parse_layout("pp=2,dp_shard=2,zero_stage=3", gpus=4)

@@ -1,6 +1,6 @@
 """ZeRO-1/2/3 under the Trainer reproduce the single-process run (ZeRO-3 with parameters resharded
-after each forward, and kept gathered for the step), move exactly the padded flat-buffer bytes, hold 1/dp of the optimizer state, and checkpoint in the unsharded per-parameter layout
-(bit-identical resume; a ZeRO-2 checkpoint resumes with zero_stage=0).
+after each forward, and kept gathered for the step), move exactly the padded flat-buffer bytes, hold
+1/dp of the optimizer state, and checkpoint in the unsharded per-parameter layout (bit-identical resume; a ZeRO-2 checkpoint resumes with zero_stage=0).
 
 Parity (tests/parity.py): a configuration run with train.precision=fp64 must match the fp64
 single-process run in losses, grad norms and every weight to FP64_TOL; one run in fp32 (the real
