@@ -10,8 +10,8 @@ and has no tags. So a communication order can pass every gloo test and hang on i
   the next action's receive posted ahead of it) deadlocks, as the checker must show;
 - real multi-rank training runs recorded op by op (`CommStats(keep_trace=True)`): every pipeline schedule at
   pp 2 and 4 (chunks 1-2), training and validation; ring and all-gather context parallelism, forward and
-  backward; ZeRO-3 with its two communicators, tensor parallelism, expert all-to-all, a checkpoint save
-  (what goes through `meshlm.comm`; DCP's own collectives do not);
+  backward; ZeRO-3 with its two communicators (also under pp=2), tensor parallelism, expert all-to-all, a
+  checkpoint save (what goes through `meshlm.comm`; DCP's own collectives do not);
 - tp, cp and tp x cp serving: prefill chunks, decodes, the cp ring and split-KV, the driver's broadcasts.
 """
 
@@ -153,6 +153,11 @@ LAYOUTS = {  # name -> (world size, overrides)
     "pp2 interleaved x tp2": (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2",
                                   "parallel.tp=2"]),
     "pp2 zero_bubble x zero1": (4, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.zero_stage=1"]),
+    # ZeRO-3's gathers on their duplicated communicator, beside the pipeline's p2p groups
+    "pp2 zero_bubble x zero3": (4, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.zero_stage=3",
+                                    "parallel.zero3_reshard_after_forward=true"]),
+    "pp2 interleaved x zero3": (4, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2",
+                                    "parallel.zero_stage=3"]),
     "pp4 1f1b": (4, ["parallel.pp=4"]),
     "pp4 gpipe": (4, ["parallel.pp=4", "parallel.pp_schedule=gpipe"]),
     "pp4 interleaved": (4, ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2",

@@ -688,3 +688,46 @@ def test_published_runs_median_error_within_ten_percent():
     assert summary["held_out_median_abs_error"] <= 0.10, summary
     assert summary["median_abs_error_dense"] <= 0.08, summary
     assert max(summary["per_group_median_abs_error"].values()) <= 0.15, summary
+
+
+def test_zero3_reshard_after_forward_is_priced():
+    """pp x ZeRO-3 under meshlm's runtime: keeping the units gathered (zero3_reshard_after_forward unset under
+    pp, or false) holds every parameter of the stage during the step, resharding only the root unit and two
+    blocks (parallel/zero.py); the gathers per step fall from two per micro-batch to one per unit."""
+    from meshlm.config import load_config
+    from meshlm.planner.cost import ModelSummary
+    from meshlm.planner.layout import parse_layout
+    from meshlm.planner.memory import rank_params
+    from meshlm.planner.placement import rank_setup
+
+    cfg = load_config(overrides=["model.preset=tiny", "model.num_layers=8"]).model
+    cluster, job = get_cluster("a100"), Job(seq_len=128, global_batch_size=16, precision="fp32", runtime="meshlm")
+
+    def est(extra):
+        return estimate(cfg, "a100", gpus=4, layout=f"pp=2,dp_shard=2,zero_stage=3{extra}", seq_len=128,
+                        global_batch_size=16, precision="fp32", runtime="meshlm")
+
+    keep, reshard = est(",zero3_reshard_after_forward=false"), est(",zero3_reshard_after_forward=true")
+    default = est("")
+    assert default.memory_gib == keep.memory_gib and default.layout.short() == keep.layout.short()
+    assert "dp2/z3k" in keep.layout.short() and "dp2/z3 " in reshard.layout.short()
+    lo = parse_layout("pp=2,dp_shard=2,zero_stage=3", gpus=4)
+    summary = ModelSummary.build(cfg, 128)
+    r = rank_setup(summary, cluster, job, lo)
+    p = rank_params(summary, job, lo, r)
+    layer = summary.layer_tp + summary.layer_rep  # tp = 1, dense
+    root = p.local - p.layers * layer
+    assert p.layers == 4 and root > 0
+    want_keep = (p.local + layer) * 4  # the whole stage gathered + one block's gradient copy in flight
+    want_reshard = max((root + 2 * layer) * 4, 3 * layer * 4)  # root + 2 blocks, or 2 blocks + a reduce-scatter
+    got = keep.memory_gib["comm_buffers"] - reshard.memory_gib["comm_buffers"]  # the rest of the buffers: equal
+    assert got * 2**30 == pytest.approx(want_keep - want_reshard, rel=1e-9)
+    assert keep.time_s["dp_comm"] < reshard.time_s["dp_comm"]  # 1 gather per unit and step against 2 x m
+    # without pp the default is to reshard
+    one = estimate(cfg, "a100", gpus=2, layout="dp_shard=2,zero_stage=3", seq_len=128, global_batch_size=16,
+                   precision="fp32", runtime="meshlm")
+    assert one.layout.zero3_reshards and "z3k" not in one.layout.short()
+    # the search prices both choices
+    found = search(cfg, cluster, job, gpus=4, top=0)
+    z3 = {e.layout.zero3_reshard_after_forward for e in found.ranked if e.layout.zero_stage == 3 and e.layout.pp == 2}
+    assert z3 == {True, False}

@@ -52,6 +52,7 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "tp2_zero2_dp2": (4, ["parallel.tp=2", "parallel.zero_stage=2"]),
     "pp2": (2, ["parallel.pp=2"]),
+    "pp2_zero3_dp2": (4, ["parallel.pp=2", "parallel.zero_stage=3"]),
     "cp2_ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"]),
     "cp2_dp2": (4, ["parallel.cp=2"]),
     "moe_1proc": (1, MOE),
@@ -72,6 +73,8 @@ PAIRS = [  # (save under, resume under)
     ("moe_1proc", "moe_ep2_zero2"),
     ("hybrid_zero2_2x2", "zero3_dp2"),
     ("hybrid_zero3_2x2", "zero1_dp2"),
+    ("pp2_zero3_dp2", "tp2"),  # each stage's ZeRO-3 flat shards -> whole tensors split over tp
+    ("1proc", "pp2_zero3_dp2"),  # and back: whole tensors -> each stage's flat shards
 ]
 
 def _is_moe(layout: str) -> bool:

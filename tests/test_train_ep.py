@@ -120,6 +120,8 @@ def test_layouts_that_cannot_run_yet_are_refused(text_file):
         check_layout(make_cfg(text_file, "parallel.cp=2", "model.capacity_factor=1.0"), 2)
     with pytest.raises(ValueError, match="zero_stage=3 with parallel.pp=2 is not implemented yet"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"), 4)
+    # pp x ZeRO-3 is no longer refused (tests/test_train_pp_zero3.py proves it on a dense model)
+    assert check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"), 4).pp == 2
     with pytest.raises(ValueError, match="ep=2 does not divide dp_shard x cp"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.dp_replicate=2"), 2)
 

@@ -49,8 +49,10 @@ def train_until(rank, world_size, cfg, step, resume):
     Trainer(cfg, resume=resume).train(until_step=step)
 
 
-def test_a_tied_checkpoint_moves_between_pp2_and_one_process(tmp_path, text_file):
-    """pp=2 saves the tied weight once, as one process does: one process resumes the pp=2 checkpoint, and
+@pytest.mark.parametrize("ranks, extra", [(2, []), (4, ["parallel.zero_stage=2"])])
+def test_a_tied_checkpoint_moves_between_pp2_and_one_process(tmp_path, text_file, ranks, extra):
+    """pp=2 saves the tied weight once, as one process does (under ZeRO the head's copy of the moments, cut
+    by other shards than the embedding's, is not written): one process resumes the pp=2 checkpoint, and
     pp=2 resumes one process's; both continue exactly as the uninterrupted one-process run."""
     from dist import run_distributed
     from meshlm.train.trainer import Trainer
@@ -65,10 +67,10 @@ def test_a_tied_checkpoint_moves_between_pp2_and_one_process(tmp_path, text_file
 
     Trainer(cfg("one")).train()
     want = step_losses(tmp_path / "one")
-    run_distributed(train_until, 2, cfg("pp_then_one", "parallel.pp=2"), 2, False)
+    run_distributed(train_until, ranks, cfg("pp_then_one", "parallel.pp=2", *extra), 2, False)
     Trainer(cfg("pp_then_one"), resume=True).train()
     Trainer(cfg("one_then_pp")).train(until_step=2)
-    run_distributed(train_until, 2, cfg("one_then_pp", "parallel.pp=2"), 4, True)
+    run_distributed(train_until, ranks, cfg("one_then_pp", "parallel.pp=2", *extra), 4, True)
     for name in ("pp_then_one", "one_then_pp"):
         got = step_losses(tmp_path / name)
         assert len(got) == len(want) == 4

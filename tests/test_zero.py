@@ -1,6 +1,6 @@
-"""ZeRO-1/2/3 under the Trainer reproduce the single-process run, move exactly the padded flat-buffer
-bytes, hold 1/dp of the optimizer state, and checkpoint in the unsharded per-parameter layout
-(bit-identical resume; a ZeRO-2 checkpoint resumes with zero_stage=0).
+"""ZeRO-1/2/3 under the Trainer reproduce the single-process run (ZeRO-3 with parameters resharded
+after each forward, and kept gathered for the step), move exactly the padded flat-buffer bytes, hold
+1/dp of the optimizer state, and checkpoint in the unsharded per-parameter layout (bit-identical resume; a ZeRO-2 checkpoint resumes with zero_stage=0).
 
 Parity (tests/parity.py): a configuration run with train.precision=fp64 must match the fp64
 single-process run in losses, grad norms and every weight to FP64_TOL; one run in fp32 (the real
@@ -166,8 +166,10 @@ def check_parity(results, reference, configs):
             # ZeRO-3 gathers every block for each micro-step's forward and backward instead, and the
             # root unit (embedding, norm, head; the last bucket) once: it stays gathered from its
             # forward into its backward
+            # ... unless parallel.zero3_reshard_after_forward=false: every unit once per step, kept from the
+            # first forward to the last micro-step's backward
             gathered = padded_bytes
-            if stage == 3:
+            if stage == 3 and "zero3_reshard_after_forward=false" not in extra:
                 gathered = got["micro_steps"] * (2 * padded_bytes - size * got["padded"][-1])
             for row in got["rows"]:
                 assert (row["rs"], row["ag"]) == (padded_bytes, gathered), (key, row, padded_bytes)
@@ -183,7 +185,8 @@ def check_parity(results, reference, configs):
 
 def test_zero_dp2_matches_single_process_and_checkpoints(tmp_path, text_file, reference):
     # per-rank batch 4: one micro-batch; or 2 accumulated
-    configs = [(1, 4, "", "fp64"), (2, 2, "", "fp32"), (3, 2, "", "fp64")]
+    configs = [(1, 4, "", "fp64"), (2, 2, "", "fp32"), (3, 2, "", "fp64"),
+               (3, 2, "parallel.zero3_reshard_after_forward=false", "fp64")]
     results = run_distributed(zero_worker, 2, tmp_path, text_file, configs, True, timeout=150)
     check_parity(results, reference, configs)
 

@@ -359,6 +359,12 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 
+def zero3_reshards(reshard_after_forward: bool | None, pp: int) -> bool:
+    """parallel.zero3_reshard_after_forward resolved: unset is false under a pipeline (pp > 1), true
+    otherwise -- the one rule the runtime (`parallelize`) and the planner (`planner.memory`) both apply."""
+    return pp == 1 if reshard_after_forward is None else reshard_after_forward
+
+
 @dataclass
 class ParallelConfig(ParallelDims):
     """Degrees of each parallelism and their knobs. `dp_shard = -1` takes what the others leave."""
@@ -371,10 +377,15 @@ class ParallelConfig(ParallelDims):
     # > 1: the hybrid (USP) with cp_method=ring -- Ulysses all-to-alls within groups of this many consecutive cp
     # ranks (it must divide cp, and the heads per tp rank), the ring across the groups; 1: the method alone
     cp_ulysses: int = 1
-    # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp; 3 with pp > 1 is refused, not
-    # implemented yet)
+    # 0: plain DDP over dp_shard; 1/2/3: ZeRO over dp_shard (with or without tp and pp)
     zero_stage: int = 0
-    sequence_parallel: bool = True  # with tp > 1 (refused on a MoE model, not implemented yet)
+    # ZeRO-3 (FSDP2's reshard_after_forward): true frees a block's gathered parameters after each micro-batch's
+    # forward and gathers them again for its backward (least memory, 2 all-gathers per unit and micro-batch);
+    # false gathers each unit once per step and keeps it until the step's gradient reduction (the stage's
+    # whole parameters full, 1 all-gather per unit and step). Unset: false with pp > 1, true otherwise
+    # (torchtitan's default: per-micro-batch gathers under a pipeline cost more than they save)
+    zero3_reshard_after_forward: bool | None = None
+    sequence_parallel: bool = True  # with tp > 1: the residual stream split along the sequence over tp
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
     pp_chunks: int = 1  # virtual stages per rank (interleaved)
     num_microbatches: int = 0  # pipeline microbatches; 0: derived from the batch
@@ -392,6 +403,9 @@ class ParallelConfig(ParallelDims):
                  "must be >= 1, or -1 to take what the other degrees leave of the world size")
         _require(self.zero_stage in ZERO_STAGES, "parallel.zero_stage", self.zero_stage,
                  f"must be one of {list(ZERO_STAGES)}")
+        _require(self.zero3_reshard_after_forward is None or isinstance(self.zero3_reshard_after_forward, bool),
+                 "parallel.zero3_reshard_after_forward", self.zero3_reshard_after_forward,
+                 "must be true, false or unset (false with pp > 1, true otherwise)")
         _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
                  f"must be one of {list(PP_SCHEDULES)}")
         _require(self.num_microbatches >= 0, "parallel.num_microbatches", self.num_microbatches,

@@ -1,27 +1,25 @@
 """The one place that turns a plain model into a parallel one, in one fixed order.
 
-Responsible for: checking, before any work, that a layout can run (`check_layout`: the settings
-this build implements, the degrees against the world size, the global batch against the
-data-parallel degree) and `parallelize`, which applies the strategies to a model in the order of
-DESIGN.md -- PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP --
-and hands the trainer what it needs: the module to run, the `no_sync()` context for gradient
-accumulation and the global gradient-norm function for clipping.
+Responsible for: checking, before any work, that a layout can run (`check_layout`: the degrees against
+the world size, `dims.ParallelDims.resolve`; then every refusal of `meshlm.rules.check_layout_numbers`,
+the same rules the planner applies; then the runtime-only parallel.pp_layers) and `parallelize`, which
+applies the strategies to a model in the order PP split -> TP/SP -> EP -> CP -> activation
+checkpointing -> ZeRO / DP, and hands the trainer what it needs: the module to run, the `no_sync()`
+context for gradient accumulation, the global gradient-norm function for clipping and the
+data-parallel reduction at the end of a pipeline step.
 Not responsible for: the strategies themselves (one file each in `meshlm.parallel`), building the
 mesh (`meshlm.mesh`), or the training step (`meshlm.train.trainer`).
 
-Data parallelism, ZeRO-1/2/3 and tensor parallelism (+ sequence parallelism) exist so far (ZeRO
-replaces the DDP all-reduce: it reduce-scatters over "dp_shard" and all-reduces the shards over
-"dp_replicate"; TP shards the model over "tp" first, and DP or ZeRO then work on the TP-local shards,
-"2-D" parallelism), activation recomputation (parallel.recompute=selective|full, see
-`meshlm.parallel.recompute`), and pipeline parallelism (parallel.pp, `meshlm.parallel.pipeline`: the
-model is split into this rank's stage first; with tensor parallelism, data parallelism -- plain or
-ZeRO-1/2 -- and recomputation), and context parallelism (parallel.cp, `meshlm.parallel.context`: every
-attention attends across the cp ranks; the cp ranks join the data-parallel ones in the gradient
-reduction, "dp_cp", and in ZeRO's sharding, "dp_shard_cp"; the trainer feeds this rank's chunks of
-every sequence), and expert parallelism (parallel.ep, `meshlm.parallel.expert`: with data parallelism,
-plain or ZeRO-1/2/3, the experts' gradients -- and under ZeRO their shards -- over "ep_dp", the ranks
-holding the same experts). pp with ZeRO-3 raises a ValueError naming its setting before anything is
-built, so a layout the code cannot run never half-starts.
+What composes (each proven against one process in fp64, tests/test_train_*.py and tests/test_layouts.py):
+data parallelism, plain or ZeRO-1/2/3 (ZeRO reduce-scatters over "dp_shard" -- "dp_shard_cp" under
+context parallelism -- and all-reduces the shards over "dp_replicate"); tensor parallelism with or
+without sequence parallelism, DP and ZeRO working on the TP-local shards; pipeline parallelism (the model
+split into this rank's stage first; ZeRO-3 gathers per stage, `parallel.zero3_reshard_after_forward`;
+tied embeddings as two copies summed over "pp_ends", `pipeline.TiedEmbedding`); context parallelism
+(ring, all-gather, Ulysses and the hybrid; the cp ranks join the data-parallel ones in the gradient
+reduction, "dp_cp"); expert parallelism (the experts' gradients -- and under ZeRO their shards -- over
+"ep_dp"); MoE layers under SP and cp (their load-balancing counts summed over the ranks that split a
+micro-batch's tokens, `expert.balance_over`; under SP their gradients over tp); recomputation.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshlm.config import Config, ModelConfig, ParallelConfig
+from meshlm.config import Config, ModelConfig, ParallelConfig, zero3_reshards
 from meshlm.mesh import Mesh, ParallelDims
 from meshlm.parallel.context import ContextParallel, apply_context_parallel
 from meshlm.parallel.data import DataParallel, apply_data_parallel
@@ -51,20 +49,6 @@ from meshlm.rules import check_expert_parallel, check_layout_numbers, check_tens
 _MARK = "_meshlm_parallelized"
 
 
-def check_supported(parallel: ParallelConfig) -> None:
-    """Raise ValueError naming the first setting this build cannot run yet (and what does work)."""
-    if parallel.pp > 1 and parallel.zero_stage == 3:
-        # Proven by parity tests (tests/test_pipeline.py, tests/test_train_pp.py): every schedule, alone or
-        # with tensor parallelism, data parallelism (plain or ZeRO-1/2) and recomputation. ZeRO-3 gathers
-        # parameters per block around forward and backward, which the executor's split backward and
-        # out-of-order micro-batches would have to follow: not built yet.
-        raise ValueError(f"parallel.zero_stage=3 with parallel.pp={parallel.pp} is not implemented yet; what runs "
-                         "under pipeline parallelism: every parallel.pp_schedule (gpipe, 1f1b, interleaved with "
-                         "parallel.pp_chunks, zero_bubble), with tensor parallelism (parallel.tp), data parallelism "
-                         "(parallel.dp_shard / dp_replicate, plain or parallel.zero_stage=1/2), context parallelism "
-                         "(parallel.cp) and parallel.recompute; set parallel.zero_stage=2 (or 1, 0), or parallel.pp=1")
-
-
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     """The resolved degrees for `world_size` ranks, or a ValueError naming the numbers and a fix.
 
@@ -73,7 +57,6 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     """
     # The arithmetic first: "tp=3 does not divide 4 ranks" is the more basic mistake.
     dims = ParallelDims.from_config(cfg.parallel).resolve(world_size)
-    check_supported(cfg.parallel)
     p, t = cfg.parallel, cfg.train
     # Every other refusal, the planner's too (`meshlm.rules`).
     check_layout_numbers(cfg.model, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp,
@@ -208,7 +191,6 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     gives values only to what it holds (`init`, a `materialize.ShardInit`; its mesh is set here): no rank
     ever holds the whole model, and no broadcast is needed (every rank computes the same numbers).
     """
-    check_supported(parallel)
     if getattr(model, _MARK, False):
         raise ValueError("this model was parallelized already; build a fresh model (a second pass would "
                          "attach a second set of gradient hooks and reduce every gradient twice)")
@@ -265,17 +247,23 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     dense = [p for p in model.parameters() if all(p is not e for e in experts)] if experts else None
     if parallel.zero_stage > 0:
         # ZeRO does the data-parallel reduction itself (reduce-scatter, then the replicas' all-reduce):
-        # DP's all-reduce on top would reduce every gradient twice.
+        # DP's all-reduce on top would reduce every gradient twice. ZeRO-3 under a pipeline gathers
+        # around the modules each chunk calls (the stage's forward never calls the model itself).
+        stage3 = dict(reshard_after_forward=zero3_reshards(parallel.zero3_reshard_after_forward, parallel.pp),
+                      pipeline_chunks=None if result.pipeline is None else
+                      [result.pipeline.chunk_modules(c) for c in range(parallel.pp_chunks)])
         result.zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
-                                 broadcast=broadcast, params=dense, init=zero_init)
+                                 broadcast=broadcast, params=dense, init=zero_init, **stage3)
         if experts:
             # ep_dp spans the replicas too: one sharding over all of it, no replica all-reduce; the
             # other experts' squares join the gradient norm over "ep". ZeRO-3: both shardings gather
             # per block (the experts have no root unit), each on its own duplicated groups.
             expert_zero = apply_zero(model, mesh, stage=parallel.zero_stage, bucket_size_mb=parallel.bucket_size_mb,
                                      broadcast=broadcast, params=experts, shard_axis="ep_dp", replicate_axis=None,
-                                     data_axis="ep_dp", other_shards_axis="ep", init=zero_init)
+                                     data_axis="ep_dp", other_shards_axis="ep", init=zero_init, **stage3)
             result.zero = ZeroGroup([result.zero, expert_zero])
+        if parallel.zero_stage == 3 and result.pipeline is not None:
+            result.pipeline.weight_pass = result.zero.weight_pass  # zero_bubble's W: nothing to gather
     elif mesh.size("dp_cp") > 1:
         # Under context parallelism the cp ranks hold the same weights and see different tokens: their
         # gradients are summed with the data-parallel ranks' ("dp_cp"; "dp" when cp = 1).

@@ -16,7 +16,9 @@ Not responsible for: the order of actions (`schedules.build_schedule`), the rule
 layer counts per stage (`schedules.balanced_split`), splitting the global batch into micro-batches (the trainer), or
 reducing gradients over data-parallel ranks (the trainer runs every backward of the step under
 `no_sync()` and then reduces once). Tensor parallelism composes from outside: `apply_tensor_parallel`
-runs on the split model, the trainer passes the vocab-parallel loss and `sequence_shards`.
+runs on the split model, the trainer passes the vocab-parallel loss and `sequence_shards`; so does ZeRO-3,
+whose gathers hook the modules `PipelineStage.chunk_modules` lists, and which a split W tells, through
+`PipelineStage.weight_pass`, that it reads no weight.
 
 How a step runs. There are S = pp * pp_chunks stages; rank r holds chunks c = 0..v-1, stage c * pp + r.
   F(mb, c)  receive the activation of microbatch mb from the rank of stage s - 1 (stage 0 embeds the
@@ -47,6 +49,7 @@ same replay checks agree message for message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -104,6 +107,9 @@ class PipelineStage:
     pp_chunks: int
     layers_per_stage: list[int]  # over all stages, stage order
     chunk_layers: list[list[str]]  # per chunk of this rank: its block names, in order
+    # Entered around each weight-gradient-only pass of a split W (ZeRO-3's `weight_pass`: no weight is read,
+    # none gathered); None: nothing to tell
+    weight_pass: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -142,14 +148,16 @@ class PipelineStage:
             h = m.lm_head(m.norm(h))
         return h
 
+    def chunk_modules(self, chunk: int) -> list[nn.Module]:
+        """The modules one chunk's forward calls, in order (`forward_chunk`): the embedding on the first
+        stage, the chunk's blocks, the final norm and the head on the last (ZeRO-3 gathers around them)."""
+        m = self.model
+        return ([m.embed] if self.is_first(chunk) else []) + [m.layers[n] for n in self.chunk_layers[chunk]] \
+            + ([m.norm, m.lm_head] if self.is_last(chunk) else [])
+
     def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
         """The trainable parameters one chunk's forward uses (zero_bubble's W differentiates these)."""
-        mods: list[nn.Module] = [self.model.layers[n] for n in self.chunk_layers[chunk]]
-        if self.is_first(chunk):
-            mods.append(self.model.embed)
-        if self.is_last(chunk):
-            mods += [self.model.norm, self.model.lm_head]
-        return [p for mod in mods for p in mod.parameters() if p.requires_grad]
+        return [p for mod in self.chunk_modules(chunk) for p in mod.parameters() if p.requires_grad]
 
 
 def split_model(model: Transformer, *, pp_rank: int, pp: int, pp_chunks: int = 1,
@@ -397,9 +405,11 @@ class SplitBackward:
             torch.autograd.backward(y, saved, inputs=self.stage.chunk_parameters(key[1]))
             return
         params = dict(self.owners[key[1]])
-        for (mod, t), g in zip(outs, saved):
-            if g is not None:  # None: this output did not reach the chunk output (no gradient)
-                torch.autograd.backward(t, g, inputs=params[mod])
+        weight_pass = getattr(self.stage, "weight_pass", None)  # (a stand-in stage may lack it)
+        with weight_pass() if weight_pass is not None else contextlib.nullcontext():
+            for (mod, t), g in zip(outs, saved):
+                if g is not None:  # None: this output did not reach the chunk output (no gradient)
+                    torch.autograd.backward(t, g, inputs=params[mod])
 
     def remove(self) -> None:
         for h in self._handles:

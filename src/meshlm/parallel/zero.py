@@ -4,7 +4,7 @@ Responsible for: `apply_zero(model, mesh, stage=..., bucket_size_mb=...) -> Zero
 attaches gradient hooks that reduce-scatter bucketed gradients into this rank's flat gradient shard
 (launched asynchronously as backward produces them, like `parallel/data.py`'s all-reduce),
 `ZeroSharding.no_sync()` for accumulation, the global gradient-norm function (tensor-parallel aware),
-and ZeRO-3's gathering of parameters one unit ahead.
+and ZeRO-3's gathering of parameters one unit ahead, whole model or pipeline stage.
 Not responsible for: the optimizer over the flat shard (`parallel/zero_adamw.py`, `ZeroAdamW`), the
 bucket hooks and their in-order launch (the shared engine of `parallel/buckets.py`), sharding the
 data, or the loss normalisation (the trainer; gradients are SUMMED over ranks exactly as in
@@ -18,17 +18,47 @@ Stages. Every rank computes full gradients (of its tokens) in every stage.
   stage 3: as stage 2, and the parameters too live only as this rank's flat shard. A bucket is a
            unit -- one transformer block (`model.layers`), or the rest of the model (embedding, final
            norm, head) -- whose parameters are views of one padded flat buffer; the buffer's storage
-           is all-gathered before the unit's forward, freed after it, gathered again when the
-           gradient of the unit's output arrives, and freed once all the unit's gradients are in.
-           Between uses every parameter has storage of size 0 (`full_params()` gathers them all, for
-           inspection; checkpoints read the flat shards instead, `param_ranges`). Prefetch: when a unit is gathered, the gather of the unit
-           that runs next (next block in forward; previous block in backward) is started
-           asynchronously, so its all-gather overlaps this unit's compute. The root unit is kept
-           from its forward into the start of its backward and freed when the first block's
-           backward starts (the embedding lookup's backward reads no weight): at most the root and
-           two blocks are full at a time in forward, two blocks in backward. These gathers run on a second set of process groups (`Mesh.duplicate`):
-           the reduce-scatters of backward are launched when a bucket's gradients are in, a local
-           event, so on one group the two kinds could interleave differently on different ranks.
+           is all-gathered before the unit's forward (a forward pre-hook) and again, when it was freed,
+           as the gradient of the unit's output arrives (a hook on that output: it fires in every pass
+           that walks through the unit). Between uses every parameter has storage of size 0
+           (`full_params()` gathers them all, for inspection; checkpoints read the flat shards instead,
+           `param_ranges`). Prefetch: when a unit is gathered, the gather of the unit that runs next
+           (next block in forward; previous block in backward) is started asynchronously, so its
+           all-gather overlaps this unit's compute. These gathers run on a second set of process groups
+           (`Mesh.duplicate`): the reduce-scatters of backward are launched when a bucket's gradients are
+           in, a local event, so on one group the two kinds could interleave differently on different ranks.
+           When a unit is freed is `reshard_after_forward` (parallel.zero3_reshard_after_forward, FSDP2's
+           name and meaning; unset: false under pipeline parallelism, true otherwise, as torchtitan):
+    True   freed after each forward and, in backward, once the next unit's backward starts (the gradient
+           reaching that unit's output went through every node of this one that reads a weight) or the
+           pass ends. The root unit of a whole-model forward is kept from its forward into its
+           backward, which follows at once (freed when the first block's backward starts; the
+           embedding lookup's backward reads no weight): at most the root and two blocks are full in
+           forward, two blocks in backward.
+    False  kept from the first forward of the step until the backward that reduces (the last
+           micro-step's, freeing each unit as that backward is done with it) or, under a pipeline,
+           until `reduce_grads()`: every unit of the model (stage) is full during the step.
+           Pipeline parallelism (`pipeline_chunks`): the stage's forward calls the embedding, its blocks,
+           the final norm and the head one by one, never the model, so the hooks sit on those modules:
+           a block is its own unit, the root unit holds whatever of embedding / norm / head the stage has
+           (none on a middle stage) and is gathered before the first of them and done after the last;
+           prefetches stay within a chunk. Micro-batches run out of order (several forwards before their
+           backwards, chunks interleaved): every forward and every backward pass gathers what it needs,
+           so the order does not matter. The root unit is not kept into backward (it comes actions later).
+           zero_bubble's B walks the chain like a fused backward (gathers); its W computes weight
+           gradients only, from module outputs to their own parameters, which reads no weight: inside
+           `weight_pass()` nothing is gathered (a W that falls back to walking the chain, under full
+           recomputation, gathers like a backward). A stage's root unit holding just the embedding is not
+           gathered for backward at all.
+           All-gathers on the shard axis per optimizer step, with m micro-batches (micro-steps) of this
+           rank and P(u) the padded bytes of unit u:
+             False:               sum over units of P(u)                      (each unit once per step)
+             True, whole model:   m x (2 x sum over blocks of P(b) + P(root))
+             True, pipeline:      m x sum over the stage's units of (1 + w x g(u)) x P(u), g(u) = 0 for a
+                                  root unit of just the embedding (the first stage), else 1; w the
+                                  backward passes walking the chain per micro-batch: 1, or 2 where
+                                  zero_bubble's W walks it again after B (full recomputation; on the
+                                  first stage B has no input gradient to compute then: 1).
 Accumulation: inside `no_sync()` gradients accumulate locally in `.grad` (the full gradient, in every
 stage) and the last micro-step's backward reduce-scatters the accumulated sum once.
 
@@ -40,9 +70,10 @@ The padding is at most n - 1 elements per bucket; padded elements have zero grad
 parameter and zero moments, so AdamW leaves them zero. Communication per optimizer step, on
 "dp_shard": one reduce-scatter per bucket (counted as the padded bucket bytes) and, stages 1/2, one
 all-gather per bucket of the updated parameters (the padded bucket bytes again); stage 3 instead
-all-gathers every unit twice per micro-step (forward and backward): 2 x micro-steps x padded bytes.
+all-gathers the units around their uses (the formulas above).
 Memory beyond the model: the fp32 master shard (4 bytes / dp_shard per parameter, next to the
-moments' 8), and one padded bucket buffer per reduce-scatter in flight.
+moments' 8), and one padded bucket buffer per reduce-scatter in flight; stage 3 also the gathered units
+(True: the root and two blocks at most; False: the whole model, or stage, during the step).
 
 Hybrid sharding (dp_replicate > 1): after the reduce-scatter the gradient shard is all-reduced over
 "dp_replicate" (the ranks holding the same shard in other replicas), so every replica computes the
@@ -100,6 +131,9 @@ class _ShardedBucket(Bucket):
         self.gather_handle: comm.CommHandle | None = None  # ZeRO-3: a gather in flight (prefetch)
         self.next_forward: _ShardedBucket | None = None  # ZeRO-3: the unit whose forward comes next
         self.next_backward: _ShardedBucket | None = None  # ... and whose backward comes next
+        # ZeRO-3: whether the unit's backward reads its parameters (False for a pipeline stage's root unit that
+        # holds just the embedding: the lookup's backward reads no weight)
+        self.backward_gather = True
 
 
 class ZeroSharding(GradientBuckets):
@@ -108,7 +142,8 @@ class ZeroSharding(GradientBuckets):
     def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float,
                  params: list[nn.Parameter] | None = None, shard_axis: str | None = None,
                  replicate_axis: str | None = REPLICATE_AXIS, data_axis: str | None = None,
-                 other_shards_axis: str | None = None, init=None):
+                 other_shards_axis: str | None = None, init=None, reshard_after_forward: bool = True,
+                 pipeline_chunks: list[list[nn.Module]] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage={stage} must be 1, 2 or 3 (0 is plain data parallelism)")
         for name, p in trainable_parameters(model):
@@ -116,6 +151,12 @@ class ZeroSharding(GradientBuckets):
                 raise ValueError(f"parameter {name} is {p.dtype}; ZeRO keeps fp32 master weights, build the "
                                  "model in fp32 and use train.precision=bf16 for bf16 compute")
         self.model, self.mesh, self.stage = model, mesh, stage
+        # ZeRO-3 (see the module doc): free a unit after each forward (True) or keep it until the step's
+        # reduction (False); `pipeline_chunks`: under pipeline parallelism the modules each chunk's forward calls
+        self.reshard_after_forward, self.pipeline_chunks = reshard_after_forward, pipeline_chunks
+        self._in_backward: _ShardedBucket | None = None  # ZeRO-3: the unit whose backward runs now
+        self._pass_open = False  # ZeRO-3: the end of the backward pass in progress is queued
+        self._weights_only = False  # ZeRO-3: inside `weight_pass()`
         # Context parallelism: the cp ranks of a replica hold the same parameters and see different
         # tokens, exactly like dp_shard ranks, so they share the sharding (see the module doc).
         cp = mesh.size("cp") > 1
@@ -157,10 +198,10 @@ class ZeroSharding(GradientBuckets):
                                            dtype=p.dtype, device=p.device)).bool()
         if stage == 3:
             self.gather_mesh = mesh.duplicate(self.shard_axis)  # the parameter gathers' own groups (see the module doc)
-            self._link_units()
-            for b in buckets:
-                self._hooks += [b.unit.register_forward_pre_hook(lambda m, a, b=b: self._use(b, b.next_forward)),
-                                b.unit.register_forward_hook(lambda m, a, o, b=b: self._after_forward(b, o))]
+            if pipeline_chunks is None:
+                self._link_units()
+            else:
+                self._link_pipeline_units(pipeline_chunks)
 
     def _unit_groups(self, only: list[nn.Parameter] | None) -> list[tuple[list[nn.Parameter], list[str]]]:
         """ZeRO-3: one bucket per transformer block, in backward order, then the rest (embedding, final
@@ -186,7 +227,7 @@ class ZeroSharding(GradientBuckets):
 
     def _link_units(self) -> None:
         """Forward runs the root (embedding...), if this sharding has one, then blocks 0..N-1; backward
-        the root's head, then N-1..0."""
+        the root's head, then N-1..0. A unit is gathered in a forward pre-hook on its module."""
         for b, unit in zip(self.buckets, self._units):
             b.unit = unit
         self.root = next((b for b in self.buckets if b.unit is self.model), None)
@@ -197,6 +238,47 @@ class ZeroSharding(GradientBuckets):
         for order, attr in ((forward, "next_forward"), (backward, "next_backward")):
             for b, nxt in zip(order, order[1:]):
                 setattr(b, attr, nxt)
+        for b in self.buckets:
+            self._hooks += [b.unit.register_forward_pre_hook(lambda m, a, b=b: self._use(b, b.next_forward)),
+                            b.unit.register_forward_hook(lambda m, a, o, b=b: self._after_forward(b, o))]
+
+    def _link_pipeline_units(self, chunks: list[list[nn.Module]]) -> None:
+        """Under pipeline parallelism the stage's forward never calls the model: it calls, per chunk, the
+        embedding (first stage), the chunk's blocks, the final norm and the head (last stage), in that
+        order (`PipelineStage.chunk_modules`). A block is its own unit; the root unit (whatever of the
+        embedding, norm and head this rank holds) is gathered before the first of its modules in the
+        chunk and done after the last. Prefetches stay within a chunk: which chunk or micro-batch runs
+        next is the schedule's business."""
+        for b, unit in zip(self.buckets, self._units):
+            b.unit = unit
+        self.root = next((b for b in self.buckets if b.unit is self.model), None)
+        bucket_of = {id(b.unit): b for b in self.buckets if b is not self.root}
+        if self.root is not None:
+            bucket_of.update((id(m), self.root) for m in self.model.children() if m is not self.model.layers)
+        embed = getattr(self.model, "embed", None)
+        placed = set()
+        for modules in chunks:
+            order: list[list] = []  # [bucket, first module, last module] in forward order
+            for mod in modules:
+                b = bucket_of.get(id(mod))
+                if b is None:
+                    continue  # a module of no unit of this sharding (experts': a dense block, the root)
+                if order and order[-1][0] is b:
+                    order[-1][2] = mod
+                else:
+                    order.append([b, mod, mod])
+            for b, first, last in order:
+                assert id(b) not in placed, "a unit runs in one chunk of the stage"
+                placed.add(id(b))
+                b.backward_gather = not (first is embed and last is embed)
+            for (b, _, _), (nxt, _, _) in zip(order, order[1:]):
+                b.next_forward = nxt
+            backward = [b for b, _, _ in reversed(order) if b.backward_gather]
+            for b, nxt in zip(backward, backward[1:]):
+                b.next_backward = nxt
+            for b, first, last in order:
+                self._hooks += [first.register_forward_pre_hook(lambda m, a, b=b: self._use(b, b.next_forward)),
+                                last.register_forward_hook(lambda m, a, o, b=b: self._after_forward(b, o))]
 
     # -- ZeRO-3: parameters live as shards; full only around the forward / backward of their unit ---
 
@@ -229,15 +311,16 @@ class ZeroSharding(GradientBuckets):
         bucket.gather_handle.wait()
         bucket.gather_handle, bucket.gathered = None, True
 
-    def _use(self, bucket: _ShardedBucket, upcoming: _ShardedBucket | None, *, backward: bool = False) -> None:
-        """Before a unit's forward or backward: its parameters now, the next unit's on the way."""
+    def _use(self, bucket: _ShardedBucket, upcoming: _ShardedBucket | None) -> None:
+        """Before a unit's forward: its parameters now, the next unit's on the way."""
         self.gather(bucket)
         if upcoming is not None:
             self._start_gather(upcoming)
-        if backward and self.root is not None and bucket is not self.root:
-            # The root's backward reads its weights only up to here (head, final norm); what is left of
-            # it, the embedding lookup's backward, reads none: free it now, not after the last block.
-            self.free(self.root)
+
+    def _frees_in_backward(self) -> bool:
+        """Whether backward frees a unit once done with it: always when resharding after forward, else only
+        in the backward that reduces (the last of the step: no later pass of the step needs the unit)."""
+        return self.reshard_after_forward or self._sync_enabled
 
     def free(self, bucket: _ShardedBucket) -> None:
         if self.stage < 3:
@@ -252,15 +335,52 @@ class ZeroSharding(GradientBuckets):
 
     def _after_forward(self, bucket: _ShardedBucket, output) -> None:
         backward_follows = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
-        # The root unit's backward (head, final norm) starts right after its forward ends: keep it
-        # rather than free and gather it again (as FSDP2 does for its root).
-        if not (backward_follows and bucket is self.root):
+        # Kept: without resharding, until the step's reduction; resharding, the root unit of a whole-model
+        # forward, whose backward (head, final norm) starts right after its forward ends (as FSDP2 keeps its
+        # root) -- not a pipeline stage's, whose backward comes some actions later.
+        keep = backward_follows and (not self.reshard_after_forward
+                                     or (bucket is self.root and self.pipeline_chunks is None))
+        if not keep:
             self.free(bucket)
-        if backward_follows:
+        if backward_follows and bucket.backward_gather:
             # The gradient of the unit's output arrives just before the unit's own backward: gather
             # then. (A module full-backward pre-hook would do too, but warns for the root, whose
-            # input -- token ids -- needs no gradient.)
-            output.register_hook(lambda grad: self._use(bucket, bucket.next_backward, backward=True))
+            # input -- token ids -- needs no gradient.) It fires in every pass that walks through the
+            # unit: a fused backward, zero_bubble's B, and a W that walks the chain again.
+            output.register_hook(lambda grad: self._backward_use(bucket))
+
+    @contextlib.contextmanager
+    def weight_pass(self):
+        """Backward passes inside compute weight gradients only, each from a module's output to that
+        module's own parameters (zero_bubble's W, `pipeline.SplitBackward`): no node of theirs reads a
+        weight, so none gathers a unit (the head's output, the logits, is also the root unit's output)."""
+        self._weights_only = True
+        try:
+            yield
+        finally:
+            self._weights_only = False
+
+    def _backward_use(self, bucket: _ShardedBucket) -> None:
+        """A unit's backward starts: the unit before it in this pass is done with its parameters (the
+        gradient reaching this unit's output went through all of that unit's input-gradient nodes, the
+        only ones that read weights); gather this one, prefetch the next."""
+        if self._weights_only:
+            return
+        if not self._pass_open:  # free what the pass leaves gathered once it ends (B of zero_bubble, too)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+            self._pass_open = True
+        previous, self._in_backward = self._in_backward, bucket
+        if previous is not None and previous is not bucket and self._frees_in_backward():
+            self.free(previous)
+        self.gather(bucket)
+        if bucket.next_backward is not None:
+            self._start_gather(bucket.next_backward)
+
+    def _end_of_pass(self) -> None:
+        self._pass_open, self._in_backward = False, None
+        if self._frees_in_backward():
+            for b in self.buckets:
+                self.free(b)
 
     @contextlib.contextmanager
     def full_params(self):
@@ -358,11 +478,13 @@ class ZeroSharding(GradientBuckets):
         self.grad_shard = self.param_shard.grad = None
 
     def on_bucket_complete(self, bucket: _ShardedBucket) -> None:
-        self.free(bucket)  # ZeRO-3: the unit's backward is done with its full parameters
+        if self._frees_in_backward():
+            self.free(bucket)  # ZeRO-3: the unit's backward is done with its full parameters
 
     def after_backward(self, synced: bool) -> None:
-        for bucket in self.buckets:
-            self.free(bucket)  # ZeRO-3: units whose parameters this backward did not reach
+        if synced or self.reshard_after_forward:
+            for bucket in self.buckets:
+                self.free(bucket)  # ZeRO-3: units whose parameters this backward did not reach
         if synced and self.replicate_axis is not None:
             # Hybrid sharding: the same shard of the other replicas holds their tokens' share.
             comm.all_reduce(self.grad_shard, self.mesh, self.replicate_axis)
@@ -432,6 +554,12 @@ class ZeroGroup:
         for part in self.parts:
             part.reduce_grads()
 
+    def weight_pass(self):
+        stack = contextlib.ExitStack()
+        for part in self.parts:
+            stack.enter_context(part.weight_pass())
+        return stack
+
     def grad_norm_fn(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
         """The global norm over every part (`grads`: the parts' gradient shards, as `clip_grad_norm` passes)."""
         dtype = torch.promote_types(next(iter(grads)).dtype, torch.float32)
@@ -439,7 +567,8 @@ class ZeroGroup:
 
 
 def apply_zero(model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: float = 25.0,
-               broadcast: bool = True, **axes) -> ZeroSharding:
+               broadcast: bool = True, reshard_after_forward: bool = True,
+               pipeline_chunks: list[list[nn.Module]] | None = None, **axes) -> ZeroSharding:
     """Shard optimizer state (stage 1), gradients (2) and parameters (3) of `model` over "dp_shard", in place.
 
     Collective over "dp" (and, stage 3, over the whole world once, to create the gather groups: every
@@ -447,8 +576,11 @@ def apply_zero(model: nn.Module, mesh: Mesh, *, stage: int, bucket_size_mb: floa
     (`train.optim.build_optimizer` does when given the handle). `broadcast=True` starts every replica
     from dp coordinate 0's weights. `axes`: the `ZeroSharding` keywords for a part of the model over
     other groups (params, shard_axis, replicate_axis, data_axis, other_shards_axis; see `ZeroGroup`).
+    Stage 3: `reshard_after_forward` (see the module doc); `pipeline_chunks`, under pipeline parallelism,
+    the modules each of this rank's chunks calls in order (`PipelineStage.chunk_modules`).
     """
-    zero = ZeroSharding(model, mesh, stage=stage, bucket_size_mb=bucket_size_mb, **axes)
+    zero = ZeroSharding(model, mesh, stage=stage, bucket_size_mb=bucket_size_mb,
+                        reshard_after_forward=reshard_after_forward, pipeline_chunks=pipeline_chunks, **axes)
     if broadcast:
         zero.broadcast_parameters()
     if stage == 3:

@@ -171,7 +171,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                        description="Estimate one layout. --layout keys: dp_replicate, dp_shard (default: the "
                                    "rest), tp, pp, cp, cp_method (ring|allgather|ulysses), cp_ulysses, ep, "
                                    "zero_stage, pp_schedule, pp_chunks, num_microbatches, micro_batch_size, recompute "
-                                   "(none|selective|full), sequence_parallel, expert_tp (Megatron's expert tensor parallel size; 0: tp).")
+                                   "(none|selective|full), sequence_parallel, expert_tp (Megatron's expert tensor parallel size; 0: tp), "
+                                   "zero3_reshard_after_forward (true|false; unset: false with pp > 1).")
     _add_common(e, required=True)
     e.add_argument("--layout", required=True, help="e.g. tp=8,pp=4,dp_shard=2,zero_stage=1,recompute=selective")
 

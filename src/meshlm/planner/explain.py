@@ -119,7 +119,9 @@ def explain(result: SearchResult) -> str:
         why.append(f"CP={lo.cp} splits each sequence, cutting per-rank activations and TP degree ({how})")
     if lo.zero_stage:
         why.append(f"ZeRO-{lo.zero_stage} over {zero_group_words(lo)} shards "
-                   + {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}[lo.zero_stage])
+                   + {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}[lo.zero_stage]
+                   + ("" if lo.zero_stage < 3 else ", weights gathered per micro-batch" if lo.zero3_reshards
+                      else ", weights gathered once per step and kept"))
     if lo.recompute != "none":
         why.append(f"{lo.recompute} recomputation is the cheapest policy that fits activations in memory")
     if why:

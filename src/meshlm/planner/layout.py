@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from meshlm.config import ModelConfig
+from meshlm.config import ModelConfig, zero3_reshards
 from meshlm.dims import ParallelDims
 from meshlm.rules import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES, check_ep_groups, check_layout_numbers
 
@@ -102,6 +102,9 @@ class Layout(ParallelDims):
     # cp ranks and the ring across the groups
     cp_ulysses: int = 1
     zero_stage: int = 0
+    # ZeRO-3: free gathered units after each micro-batch's forward (True) or keep the stage's units gathered
+    # for the whole step (False); None: False with pp > 1, True otherwise (parallel.zero3_reshard_after_forward)
+    zero3_reshard_after_forward: bool | None = None
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1
     num_microbatches: int = 0  # 0: derived, global_batch / (dp * micro_batch_size)
@@ -120,6 +123,11 @@ class Layout(ParallelDims):
         return self.world_size
 
     @property
+    def zero3_reshards(self) -> bool:
+        """zero3_reshard_after_forward resolved (`config.zero3_reshards`: unset is False under pp)."""
+        return zero3_reshards(self.zero3_reshard_after_forward, self.pp)
+
+    @property
     def etp(self) -> int:
         """Ranks one routed expert is split over (expert_tp, or tp when 0)."""
         return self.expert_tp or self.tp
@@ -134,7 +142,7 @@ class Layout(ParallelDims):
         parts = [f"tp{self.tp}" + ("sp" if self.sequence_parallel and self.tp > 1 else ""),
                  f"pp{self.pp}" + (f"x{self.pp_chunks}" if self.pp_chunks > 1 else ""),
                  (f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp{self.dp_shard}")
-                 + f"/z{self.zero_stage}"]
+                 + f"/z{self.zero_stage}" + ("k" if self.zero_stage == 3 and not self.zero3_reshards else "")]
         if self.cp > 1:
             parts.append(f"cp{self.cp_name()}")
         if self.ep > 1:
@@ -162,7 +170,9 @@ def parse_layout(text: str, *, gpus: int) -> Layout:
         if key not in _LAYOUT_TYPES:
             raise ValueError(f"layout key {key!r} is unknown; valid keys: {', '.join(_LAYOUT_TYPES)}")
         kind = _LAYOUT_TYPES[key]
-        if kind == "bool":
+        if kind == "bool | None" and value.lower() in ("none", ""):
+            kw[key] = None
+        elif kind in ("bool", "bool | None"):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
                 raise ValueError(f"layout {key}={value!r} must be true or false")
             kw[key] = value.lower() in ("true", "1", "yes", "on")

@@ -19,11 +19,14 @@ meshlm's own runtime, as `parallel/data.py` and `parallel/zero.py` really alloca
              stage 2 with accumulation (no_sync keeps full gradients until the last micro-step);
   ZeRO-3     the 4/n shard is the weights (no other copy); moments 8/n; gradients as stage 2;
   buffers    ZeRO 1-3: the padded gradient copy of the one reduce-scatter in flight; stage 3 also
-             the gathered units (the root unit, the block in use and the prefetched next one);
+             the gathered units: resharding after forward (`Layout.zero3_reshards`), the root unit, the
+             block in use and the prefetched next one; keeping them (the default under pp), every unit
+             of the rank's stage(s) for the whole step;
   comm       one reduce-scatter of all gradients per step (overlapping the last backward) and an
              all-reduce of the shard over dp_replicate; all-gathers: of all parameters once per step,
-             synchronously (stages 1/2); stage 3 of every block twice and the root unit once per
-             micro-step, prefetched one unit ahead (overlapping compute).
+             synchronously (stages 1/2); stage 3 resharding, of every block twice and the root unit once
+             per micro-step (pp > 1: the root twice too, it is not kept into backward), prefetched one
+             unit ahead (overlapping compute); stage 3 keeping, of every unit once per step.
   TP         (`parallel/tensor.py`, plain DP over the TP-local shards) attention and MLP matrices
              (and q/k/v biases), the embedding and lm_head (split over the vocabulary) hold 1/tp per
              rank; norms are full copies on every tp rank; DP's bucket copy is of the local shards. Its
@@ -243,13 +246,18 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
                 largest = max(summary.embed, summary.head) / tp
                 bucket = lo.bucket_size_mb * MiB / by["grad"] + largest
                 buffers += min(n_local, bucket) * by["grad"]
-            else:
+            elif lo.zero3_reshards:
                 layer = summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * ep)
                 root = n_local - layers_mem * layer
                 gathered = min(layers_mem, 2)
                 in_flight = min(layers_mem, 3) - gathered
                 buffers += max((root + gathered * layer) * by["param"],
                                gathered * layer * by["param"] + in_flight * layer * by["grad"])
+            else:
+                # Kept: every unit of the stage gathered from the step's first forward to its reduction,
+                # the last of which runs (a block's padded gradient copy) while they still are.
+                layer = summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * ep)
+                buffers += n_local * by["param"] + min(n_local, layer) * by["grad"]
         elif z == 0:
             # meshlm's DP (parallel/data.py) copies every gradient into a flat per-bucket buffer for the
             # all-reduce: one extra copy of all gradients, whatever the bucket size.
@@ -258,7 +266,9 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
             buffers += 2 * lo.bucket_size_mb * MiB
         elif z == 3:
             layer_full = (summary.layer_tp / tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * ep))
-            buffers += ZERO3_PREFETCH_LAYERS * layer_full * by["param"] + layer_full * by["grad"]
+            # FSDP's reshard_after_forward: two layers gathered (prefetch), or the stage's whole weights
+            gathered = ZERO3_PREFETCH_LAYERS * layer_full if lo.zero3_reshards else n_local
+            buffers += gathered * by["param"] + layer_full * by["grad"]
     if ep > 1:
         buffers += 2 * tokens_mb * cfg.num_experts_per_token * h * by["act"] / (tp if sp else 1)
     if pp > 1:

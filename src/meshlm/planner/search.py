@@ -92,16 +92,18 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
                             for ep in eps:
                                 if (dps * cp) % ep:
                                     continue
-                                for method, ulysses in cp_methods:
-                                    lo = Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp,
-                                                cp_method=method, cp_ulysses=ulysses, ep=ep, zero_stage=z,
-                                                pp_schedule=sched, pp_chunks=v, micro_batch_size=mbs,
-                                                sequence_parallel=tp > 1)
-                                    try:  # the runtime's own refusals (`meshlm.rules`): never propose those
-                                        validate_layout(cfg, job, lo, gpus=gpus)
-                                    except ValueError:
-                                        continue
-                                    yield lo, m
+                                # ZeRO-3: units resharded after each forward, or kept for the step
+                                for reshard in ((True, False) if z == 3 else (None,)):
+                                    for method, ulysses in cp_methods:
+                                        lo = Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, cp=cp,
+                                                    cp_method=method, cp_ulysses=ulysses, ep=ep, zero_stage=z,
+                                                    pp_schedule=sched, pp_chunks=v, micro_batch_size=mbs,
+                                                    sequence_parallel=tp > 1, zero3_reshard_after_forward=reshard)
+                                        try:  # the runtime's own refusals (`meshlm.rules`): never propose those
+                                            validate_layout(cfg, job, lo, gpus=gpus)
+                                        except ValueError:
+                                            continue
+                                        yield lo, m
 
 
 def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int = 10) -> SearchResult:

@@ -405,9 +405,15 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
             if z == 3:
                 root = n_local - layers_mem * (summary.layer_tp / tp + summary.layer_rep
                                                + summary.layer_experts / (r.expert_tp * ep))
-                comm += m * collective_time("all_gather", (2 * n_local - 2 * root) * by["param"], span_dps, cluster)
                 window = m * t_mb
-                sync = m * collective_time("all_gather", root * by["param"], span_dps, cluster)
+                if not lo.zero3_reshards:  # every unit once per step; the first gather starts the step
+                    comm += collective_time("all_gather", (n_local - root) * by["param"], span_dps, cluster)
+                    sync = collective_time("all_gather", root * by["param"], span_dps, cluster)
+                else:  # pp > 1: the root is freed after forward and gathered again for backward
+                    again = root if r.pp > 1 else 0.0
+                    comm += m * collective_time("all_gather", (2 * n_local - 2 * root + again) * by["param"],
+                                                span_dps, cluster)
+                    sync = m * collective_time("all_gather", root * by["param"], span_dps, cluster)
             else:
                 sync = collective_time("all_gather", n_local * by["param"], span_dps, cluster)
         elif z == 0:
@@ -421,7 +427,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                     + collective_time("reduce_scatter", g_exp, span_exp, cluster)
                     + collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster))
             window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
-        else:
+        elif lo.zero3_reshards:
             # FSDP: gather weights for forward and again for backward, reduce-scatter gradients, every
             # microbatch; then one all-reduce of the shard across replicas per step.
             per_mb = (2 * collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
@@ -429,6 +435,15 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                       + 2 * collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster)
                       + collective_time("reduce_scatter", g_exp, span_exp, cluster))
             comm = m * per_mb + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
+            window = m * t_mb
+        else:
+            # FSDP without resharding (torchtitan under pp): weights gathered once per step and kept,
+            # gradients reduce-scattered once, after the step's last backward.
+            comm = (collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
+                    + collective_time("reduce_scatter", g_dense, span_dps, cluster)
+                    + collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster)
+                    + collective_time("reduce_scatter", g_exp, span_exp, cluster)
+                    + collective_time("all_reduce", g_dense / shard, span_dpr, cluster))
             window = m * t_mb
         if cores_saturated or (not job.dp_comm_overlap and z < 3):
             window = 0.0

@@ -392,7 +392,7 @@ def begin_save(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: t
     meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "config": config.to_dict()}
     pending = PendingSave(tmp=tmp, final=final, rank=rank, world_size=world_size, keep=keep,
                           barrier=barrier, meta=meta, files=dict(files or {}), rank_extra=rank_extra)
-    state = checkpoint_state(model, optimizer, mesh)  # this rank's pieces, views of the live tensors
+    state = checkpoint_state(model, optimizer, mesh, saving=True)  # this rank's pieces, views of the live tensors
     if asynchronous:
         # Staged: CPU copies of this rank's pieces (its shard, never a full tensor), then written by a
         # thread while training goes on; DCP's coordination runs on `async_group`, not the training's groups.

@@ -169,12 +169,20 @@ def _renamed(optim: dict, names: dict[str, str]) -> dict:
     return out
 
 
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh) -> dict:
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh, *,
+                     saving: bool = False) -> dict:
     """{"model": ..., "optim": ...} (no "optim" when `optimizer` is None) of `ShardedState`s over the live
-    storage: DCP saves from it and loads into it in place (then `after_load`). Touches no data."""
+    storage: DCP saves from it and loads into it in place (then `after_load`). Touches no data.
+    `saving`: what this rank writes -- a tied embedding's copy (`_tied_names`) leaves its optimizer state to
+    the first stage (its pieces, cut by another stage's ZeRO shards, would overlap that stage's); a load
+    reads it like any other tensor."""
     state = _state(model, optimizer, mesh)
+    names = _tied_names(model)
     if "optim" in state:
-        state["optim"] = _renamed(state["optim"], _tied_names(model))
+        state["optim"] = _renamed(state["optim"], names)
+        if saving:
+            for name in names.values():
+                state["optim"]["state"].pop(name, None)
     return state
 
 

@@ -627,16 +627,17 @@ class Trainer:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in model.max_seq_len="
                              f"{self.cfg.model.max_seq_len}")
         model = self.base_model
+        zero = self.parallel.zero
         if self.parallel.pipeline is not None:
             # Generation runs the whole model: every rank gathers the stages into a full copy.
             model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
-            mine = full_state_dict(self.base_model, self.mesh) if self.parallel.tensor_parallel else None
-            model.load_state_dict(pipeline_full_state_dict(self.parallel.pipeline, model, self.mesh, mine=mine))
+            with zero.full_params() if zero is not None else contextlib.nullcontext():  # ZeRO-3: gathered
+                mine = full_state_dict(self.base_model, self.mesh) if self.parallel.tensor_parallel else None
+                model.load_state_dict(pipeline_full_state_dict(self.parallel.pipeline, model, self.mesh, mine=mine))
         elif self.parallel.tensor_parallel:
             # The KV cache and the one-token decode steps do not fit the TP-sharded model (its heads
             # are split, and SP splits the sequence): every rank samples from a full copy instead.
             model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
-            zero = self.parallel.zero
             with zero.full_params() if zero is not None else contextlib.nullcontext():  # ZeRO-3: gathered
                 model.load_state_dict(full_state_dict(self.base_model, self.mesh))
         with self.autocast():
