@@ -3,12 +3,17 @@
     python benchmarks/cp.py                                   # cp = 1, 2, 4 gloo ranks on CPU, ~2 minutes
     python benchmarks/cp.py --budget-mib 96 --cps 1,2 --methods ring
     python benchmarks/cp.py --no-peer --no-peak --step-seq-len 2048
+    python benchmarks/cp.py --methods ring,allgather,ulysses,ring+u2 --heads 4 --kv-heads 2 --no-peer
 
 For every cp in --cps, cp ranks are spawned (one intra-op thread each; cp=1 is one process and runs the
 plain model, whose attention is `F.scaled_dot_product_attention`); every rank builds meshlm's reference
-Transformer from the same seed and applies `parallelize(model, mesh, ParallelConfig(cp=cp, cp_method=m))`
--- context parallelism (`meshlm.parallel.context`) plus the gradient all-reduce over "dp_cp" -- and
-feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len)`, as the trainer does.
+Transformer from the same seed and applies `parallelize(model, mesh, ParallelConfig(cp=cp, cp_method=m,
+cp_ulysses=U))` -- context parallelism (`meshlm.parallel.context`) plus the gradient all-reduce over "dp_cp" --
+and feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len)`, as the trainer does.
+--methods: ring, allgather, ulysses (parallel.cp_method) and the hybrid spelled ring+u<U> (cp_method=ring,
+cp_ulysses=U: Ulysses within groups of U consecutive cp ranks, the ring across them). A method runs at the
+cp values where the runtime allows it (ulysses: cp divides the heads; the hybrid: U divides cp, U divides the
+heads, and cp >= 2U, a ring of at least two groups); elsewhere it is skipped, the reason under "skipped".
 
 1. Longest sequence in a memory budget (the "memory" block). Per rank,
        bytes(seq) = model state + saved activations(seq)
@@ -27,9 +32,9 @@ feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len
    the bytes fit --budget-mib, then bisects the bracket until it is narrower than max(one multiple,
    1/--tolerance of the fitting length). Reported: the longest fitting seq_len per cp and method,
    its ratio to cp=1 (the goal: ~cp), the saved bytes per token of each rank, every probe.
-   Both methods run: ring keeps 1/cp of the sequence's K/V per rank; allgather keeps every rank's K/V
-   of every layer for backward, and its attention's boolean mask [seq/cp, seq], which CPU SDPA keeps
-   for backward as a float mask -- quadratic in seq, so it reaches less far.
+   Ring keeps 1/cp of the sequence's K/V per rank; allgather keeps every rank's K/V (kv heads) of every
+   layer for backward; ulysses keeps what the model's own attention keeps for heads/cp over the whole
+   sequence, per local token the same as without cp; the hybrid the ring's at its group's kv heads.
 
 2. Step time at a fixed sequence (the "step_time" block): one global batch of --batch sequences of
    --step-seq-len tokens per step, forward + backward + AdamW step + zero_grad, at cp=1 (one process)
@@ -47,6 +52,11 @@ feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len
      cpu_seconds_ratio        CPU seconds of all ranks per step / CPU seconds of cp=1: the extra work
                               context parallelism does (communication, partial-result merges, per-block
                               Python), independent of how many cores there are.
+   Per cp > 1 and method also, exact: cp_bytes_per_rank_per_layer, the bytes this rank sent for the
+   attention in one step (CommStats on "cp", and for the hybrid "cp_ulysses" and "cp_ring": ring sends,
+   all-gather outputs, reduce-scatter and all-to-all inputs; a ring's receives mirror its sends and are
+   left out) / --layers, beside planner_cp_bytes_per_rank_per_layer, the planner's `Estimate.cp_comm_bytes`
+   / --layers for the same model, batch (one micro-batch), seq_len and layout (fp32, eager elementwise).
    The losses of step 1 are printed per cp and method: they must agree with cp=1. One more row,
    ring_kernel_cp1: the cp=1 step with the ring's attention swapped in (one rank, one block, no
    communication) -- how much of the ring's extra CPU time is its explicit attention against SDPA's
@@ -56,6 +66,12 @@ feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len
    (`torch.distributed.tensor.experimental.context_parallel`, ring attention on DTensor) tried on the
    same gloo ranks and model -- once as is and once with SDPA forced to the math backend -- inside a
    try/except: whether it ran, its step time if it did, else the first line of its error.
+
+4. The "summary" block: per method and cp, the measured and predicted bytes per rank per layer, the step
+   time and the longest sequence of block 1, side by side.
+
+On an emulated two-tier cluster (nodes as network namespaces, a slow link between them):
+benchmarks/cp_emulated.py, which reuses `time_steps` and `planner_estimate` from here.
 
 Prints one JSON document and nothing else on stdout.
 """
