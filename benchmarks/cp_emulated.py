@@ -127,7 +127,8 @@ def main(argv=None) -> None:
         rows[method] = {"measured_step_ms": got["step_ms_median"], "measured_step_ms_min": got["step_ms_min"],
                         "predicted_step_ms": round(est.time_s["step"] * 1e3, 1),
                         "ratio_predicted_over_measured": round(est.time_s["step"] * 1e3 / got["step_ms_median"], 3),
-                        "predicted_parts_ms": {k: round(v * 1e3, 1) for k, v in est.time_s.items() if v and k != "step"},
+                        "predicted_parts_ms": {k: round(v * 1e3, 1) for k, v in est.time_s.items()
+                                               if v and k != "step"},
                         "links": est.links,
                         "cp_bytes_per_rank_per_layer": got["cp_bytes_per_rank_per_layer"],
                         "planner_cp_bytes_per_rank_per_layer": got["planner_cp_bytes_per_rank_per_layer"],
