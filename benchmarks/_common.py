@@ -108,13 +108,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn, args, out_queue) -> None:
+def _rank_main(rank: int, world_size: int, port: int, fn, args, out_queue, before_init=None,
+               master_addr: str = "127.0.0.1") -> None:
+    if before_init is not None:
+        before_init(rank)
     torch.set_num_threads(1)
     init = {"backend": "gloo"}
     if args.device == "cuda":
         torch.cuda.set_device(rank)
         init = {"backend": "nccl", "device_id": torch.device("cuda", rank)}
-    dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **init)
+    dist.init_process_group(init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size, **init)
     try:
         result = fn(rank, world_size, args)
         if rank == 0:
@@ -123,15 +126,18 @@ def _rank_main(rank: int, world_size: int, port: int, fn, args, out_queue) -> No
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, args) -> dict:
+def run_ranks(fn: Callable, world_size: int, args, *, before_init: Callable | None = None,
+              master_addr: str = "127.0.0.1") -> dict:
     """Run `fn(rank, world_size, args) -> dict` on `world_size` spawned ranks; return rank 0's dict.
 
     `fn` must be a module-level function (spawn pickles it by name). If a rank dies, all are killed.
+    `before_init(rank)` runs in each rank before the process group (e.g. entering an emulated node,
+    `meshlm.emulate.enter_node`), whose rendezvous is then at `master_addr`.
     """
     ctx = mp.get_context("spawn")
     out_queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, out_queue))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, out_queue, before_init, master_addr))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -3,12 +3,17 @@
     python benchmarks/cp.py                                   # cp = 1, 2, 4 gloo ranks on CPU, ~2 minutes
     python benchmarks/cp.py --budget-mib 96 --cps 1,2 --methods ring
     python benchmarks/cp.py --no-peer --no-peak --step-seq-len 2048
+    python benchmarks/cp.py --methods ring,allgather,ulysses,ring+u2 --heads 4 --kv-heads 2 --no-peer
 
 For every cp in --cps, cp ranks are spawned (one intra-op thread each; cp=1 is one process and runs the
 plain model, whose attention is `F.scaled_dot_product_attention`); every rank builds meshlm's reference
-Transformer from the same seed and applies `parallelize(model, mesh, ParallelConfig(cp=cp, cp_method=m))`
--- context parallelism (`meshlm.parallel.context`) plus the gradient all-reduce over "dp_cp" -- and
-feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len)`, as the trainer does.
+Transformer from the same seed and applies `parallelize(model, mesh, ParallelConfig(cp=cp, cp_method=m,
+cp_ulysses=U))` -- context parallelism (`meshlm.parallel.context`) plus the gradient all-reduce over "dp_cp" --
+and feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len)`, as the trainer does.
+--methods: ring, allgather, ulysses (parallel.cp_method) and the hybrid spelled ring+u<U> (cp_method=ring,
+cp_ulysses=U: Ulysses within groups of U consecutive cp ranks, the ring across them). A method runs at the
+cp values where the runtime allows it (ulysses: cp divides the heads; the hybrid: U divides cp, U divides the
+heads, and cp >= 2U, a ring of at least two groups); elsewhere it is skipped, the reason under "skipped".
 
 1. Longest sequence in a memory budget (the "memory" block). Per rank,
        bytes(seq) = model state + saved activations(seq)
@@ -27,9 +32,9 @@ feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len
    the bytes fit --budget-mib, then bisects the bracket until it is narrower than max(one multiple,
    1/--tolerance of the fitting length). Reported: the longest fitting seq_len per cp and method,
    its ratio to cp=1 (the goal: ~cp), the saved bytes per token of each rank, every probe.
-   Both methods run: ring keeps 1/cp of the sequence's K/V per rank; allgather keeps every rank's K/V
-   of every layer for backward, and its attention's boolean mask [seq/cp, seq], which CPU SDPA keeps
-   for backward as a float mask -- quadratic in seq, so it reaches less far.
+   Ring keeps 1/cp of the sequence's K/V per rank; allgather keeps every rank's K/V (kv heads) of every
+   layer for backward; ulysses keeps what the model's own attention keeps for heads/cp over the whole
+   sequence, per local token the same as without cp; the hybrid the ring's at its group's kv heads.
 
 2. Step time at a fixed sequence (the "step_time" block): one global batch of --batch sequences of
    --step-seq-len tokens per step, forward + backward + AdamW step + zero_grad, at cp=1 (one process)
@@ -47,6 +52,11 @@ feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len
      cpu_seconds_ratio        CPU seconds of all ranks per step / CPU seconds of cp=1: the extra work
                               context parallelism does (communication, partial-result merges, per-block
                               Python), independent of how many cores there are.
+   Per cp > 1 and method also, exact: cp_bytes_per_rank_per_layer, the bytes this rank sent for the
+   attention in one step (CommStats on "cp", and for the hybrid "cp_ulysses" and "cp_ring": ring sends,
+   all-gather outputs, reduce-scatter and all-to-all inputs; a ring's receives mirror its sends and are
+   left out) / --layers, beside planner_cp_bytes_per_rank_per_layer, the planner's `Estimate.cp_comm_bytes`
+   / --layers for the same model, batch (one micro-batch), seq_len and layout (fp32, eager elementwise).
    The losses of step 1 are printed per cp and method: they must agree with cp=1. One more row,
    ring_kernel_cp1: the cp=1 step with the ring's attention swapped in (one rank, one block, no
    communication) -- how much of the ring's extra CPU time is its explicit attention against SDPA's
@@ -56,6 +66,12 @@ feeds it `ContextParallel.shard(tokens)` with `ContextParallel.positions(seq_len
    (`torch.distributed.tensor.experimental.context_parallel`, ring attention on DTensor) tried on the
    same gloo ranks and model -- once as is and once with SDPA forced to the math backend -- inside a
    try/except: whether it ran, its step time if it did, else the first line of its error.
+
+4. The "summary" block: per method and cp, the measured and predicted bytes per rank per layer, the step
+   time and the longest sequence of block 1, side by side.
+
+On an emulated two-tier cluster (nodes as network namespaces, a slow link between them):
+benchmarks/cp_emulated.py, which reuses `time_steps` and `planner_estimate` from here.
 
 Prints one JSON document and nothing else on stdout.
 """
@@ -79,20 +95,57 @@ from meshlm.comm import CommStats
 from meshlm.config import ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model
-from meshlm.parallel.context import apply_context_parallel
+from meshlm.parallel.context import apply_context_parallel, check_hybrid, check_ulysses
 from meshlm.parallel.parallelize import parallelize
 from meshlm.parallel.recompute import SavedTensorMeter
+from meshlm.planner.cluster import get_cluster
+from meshlm.planner.cost import Job, Layout, estimate
 from meshlm.train.optim import build_optimizer
 
 MIB = 2 ** 20
-METHODS = ("ring", "allgather")
+METHODS = ("ring", "allgather", "ulysses")  # parallel.cp_method; "ring+u<U>": the hybrid, parallel.cp_ulysses=U
+CP_AXES = ("cp", "cp_ulysses", "cp_ring")  # where context parallelism's traffic is counted (CommStats)
+
+
+def method_settings(name: str) -> tuple[str, int]:
+    """A --methods entry -> (parallel.cp_method, parallel.cp_ulysses): "ulysses" -> ("ulysses", 1),
+    "ring+u2" -> ("ring", 2)."""
+    if name in METHODS:
+        return name, 1
+    base, _, u = name.partition("+u")
+    if base == "ring" and u.isdigit() and int(u) >= 2:
+        return "ring", int(u)
+    raise ValueError(f"--methods entry {name!r} is none of {', '.join(METHODS)}, ring+u<U> (U >= 2)")
+
+
+def skip_reason(name: str, cp: int, args) -> str | None:
+    """Why method `name` does not run at `cp` (None: it runs) -- the runtime's own checks, and the hybrid
+    only where its ring has at least two groups (at cp = U it is Ulysses)."""
+    method, u = method_settings(name)
+    try:
+        if u > 1:
+            check_hybrid(cp, u, method)
+            if cp < 2 * u:
+                return f"the hybrid with cp_ulysses={u} needs cp >= {2 * u} (at cp={u} it is ulysses)"
+            check_ulysses(args.heads, args.kv_heads, cp=u, hybrid=True)
+        elif method == "ulysses":
+            check_ulysses(args.heads, args.kv_heads, cp=cp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def methods_at(args, cp: int) -> list[str]:
+    return [m for m in args.methods if skip_reason(m, cp, args) is None] if cp > 1 else []
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cps", default="1,2,4", help="comma-separated cp degrees, one run each; 1 is the baseline "
                     "and always runs (default %(default)s)")
-    ap.add_argument("--methods", default="ring,allgather", help="cp methods (parallel.cp_method) to run "
+    ap.add_argument("--methods", default="ring,allgather", help="cp methods to run: parallel.cp_method (ring, "
+                    "allgather, ulysses) or the hybrid ring+u<U> (cp_method=ring, cp_ulysses=U; runs where U divides "
+                    "cp and cp >= 2U); a method the heads do not allow at some cp is skipped there "
                     "(default %(default)s)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cpu: gloo ranks with one thread each; cuda: one GPU per rank, NCCL")
@@ -125,8 +178,13 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.cps = sorted({1, *(int(c) for c in args.cps.split(",") if c.strip())})
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if min(args.cps) < 1 or any(m not in METHODS for m in args.methods) or not args.methods:
-        ap.error(f"--cps must be integers >= 1 and --methods a non-empty subset of {list(METHODS)}")
+    try:
+        for m in args.methods:
+            method_settings(m)
+    except ValueError as e:
+        ap.error(str(e))
+    if min(args.cps) < 1 or not args.methods:
+        ap.error(f"--cps must be integers >= 1 and --methods a non-empty subset of {list(METHODS)} or ring+u<U>")
     bad = [c for c in args.cps if args.step_seq_len % (2 * c)]
     if bad:
         ap.error(f"--step-seq-len={args.step_seq_len} must divide by 2 x cp for cp in {bad}")
@@ -142,11 +200,24 @@ def model_config(args) -> ModelConfig:
                        max_seq_len=1 << 20)
 
 
-def _build(args, mesh, cp: int, method: str, device, seq_len: int):
-    """A fresh model from seed 0, parallelized for `cp` (context parallelism + gradient all-reduce over dp_cp)."""
+def _build(args, mesh, cp: int, name: str, device, seq_len: int):
+    """A fresh model from seed 0, parallelized for `cp` (context parallelism + gradient all-reduce over dp_cp)
+    by method `name` (a --methods entry)."""
+    method, u = method_settings(name)
     model = build_model(model_config(args), seed=0, device=device)
-    pm = parallelize(model, mesh, ParallelConfig(cp=cp, dp_shard=1, cp_method=method), seq_len=seq_len)
+    pm = parallelize(model, mesh, ParallelConfig(cp=cp, dp_shard=1, cp_method=method, cp_ulysses=u), seq_len=seq_len)
     return model, pm
+
+
+def planner_estimate(args, cp: int, name: str, cluster=None):
+    """The planner's estimate of the step `time_steps` runs: --batch sequences of --step-seq-len tokens,
+    one micro-batch, fp32, eager elementwise (as meshlm runs on CPU), on `cluster` (bytes do not depend
+    on it; default a100)."""
+    method, u = method_settings(name)
+    job = Job(seq_len=args.step_seq_len, global_batch_size=args.batch, precision="fp32", fused_elementwise=False,
+              runtime="meshlm")
+    layout = Layout(cp=cp, cp_method=method, cp_ulysses=u, micro_batch_size=args.batch)
+    return estimate(model_config(args), cluster or get_cluster("a100"), job, layout, gpus=cp)
 
 
 def _tokens(args, seed: int, num_seqs: int, seq_len: int, device):
@@ -262,7 +333,7 @@ def time_steps(args, mesh, cp: int, device) -> dict:
     num_tokens = nseq * seq
     # cp=1 also times the ring's attention on one rank ("ring_kernel"): one block, no communication, the
     # same explicit per-chunk-pair attention as in the ring -- what the ring's compute costs against SDPA.
-    methods = args.methods if cp > 1 else ["none", "ring_kernel"]
+    methods = methods_at(args, cp) if cp > 1 else ["none", "ring_kernel"]
     runs = {}
     for method in methods:
         if method == "ring_kernel":
@@ -327,6 +398,14 @@ def time_steps(args, mesh, cp: int, device) -> dict:
                         "step_ms_min": round(min(w.tolist()) * 1e3, 1),
                         "cpu_seconds_all_ranks_per_step_median": round(statistics.median(c.tolist()), 3),
                         "comm_this_rank": comm_row, "loss_step1": loss.item()}
+        if cp > 1 and method in args.methods:
+            # what this rank sent for the attention, exact: every collective's bytes on the cp axes, less the
+            # ring's receives (they mirror the sends) -- as the planner's Estimate.cp_comm_bytes counts
+            sent = statistics.median([sum(b for (op, axis), (b, _) in per_step.items()
+                                          if axis in CP_AXES and op != "recv") for per_step in comm[method]])
+            rows[method]["cp_bytes_per_rank_per_layer"] = sent / args.layers
+            rows[method]["planner_cp_bytes_per_rank_per_layer"] = (planner_estimate(args, cp, method).cp_comm_bytes
+                                                                   / args.layers)
     return rows
 
 
@@ -392,7 +471,7 @@ def _rank(rank: int, world_size: int, args) -> dict:
     cp = world_size
     mesh = build_mesh(ParallelDims(cp=cp, dp_shard=1), device_type=device.type, stats=CommStats())
     result = {"cp": cp, "memory": {}}
-    for method in (args.methods if cp > 1 else ["none"]):
+    for method in (methods_at(args, cp) if cp > 1 else ["none"]):
         model, pm = _build(args, mesh, cp, method if cp > 1 else "ring", device, args.step_seq_len)
         state = 16 * sum(p.numel() for p in model.parameters())
         row = longest_sequence(model, pm, args, cp, state, device)
@@ -418,6 +497,8 @@ def report(args, runs: dict[int, dict], seconds: float) -> dict:
     for method in args.methods:
         rows = []
         for cp, run in runs.items():
+            if cp > 1 and method not in run["memory"]:
+                continue  # skipped at this cp (see "skipped")
             row = dict(run["memory"]["none" if cp == 1 else method])
             longest = row.pop("max_seq_len")
             rows.append({"cp": cp, "max_seq_len": longest,
@@ -431,7 +512,7 @@ def report(args, runs: dict[int, dict], seconds: float) -> dict:
     for method in args.methods:
         rows = [{"cp": 1, **b}]
         for cp, run in runs.items():
-            if cp == 1:
+            if cp == 1 or method not in run["step_time"]:
                 continue
             r = run["step_time"][method]
             rows.append({"cp": cp, **r,
@@ -441,6 +522,21 @@ def report(args, runs: dict[int, dict], seconds: float) -> dict:
                                                      b["cpu_seconds_all_ranks_per_step_median"]),
                          "loss_step1_abs_diff_vs_cp1": abs(r["loss_step1"] - b["loss_step1"])})
         step[method] = rows
+    # one line per method and cp: the numbers above side by side
+    summary = {}
+    for method in args.methods:
+        per_cp = {}
+        for cp, run in runs.items():
+            if cp == 1 or method not in run["step_time"]:
+                continue
+            r = run["step_time"][method]
+            mem = run["memory"].get(method, {})
+            per_cp[str(cp)] = {"cp_bytes_per_rank_per_layer": r["cp_bytes_per_rank_per_layer"],
+                               "planner_cp_bytes_per_rank_per_layer": r["planner_cp_bytes_per_rank_per_layer"],
+                               "step_ms_median": r["step_ms_median"], "max_seq_len": mem.get("max_seq_len")}
+        summary[method] = per_cp
+    skipped = {m: {str(cp): why for cp in args.cps if cp > 1 and (why := skip_reason(m, cp, args))}
+               for m in args.methods}
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -483,6 +579,14 @@ def report(args, runs: dict[int, dict], seconds: float) -> dict:
                                   "recv (a receive counts the same bytes again at the other end); seconds = host "
                                   "time inside those calls and their waits (max over ranks)"},
             "results": step},
+        "summary": {
+            "what": "per method and cp: bytes this rank sent per layer for the attention, measured (CommStats on "
+                    "the cp axes -- 'cp', and for the hybrid 'cp_ulysses' and 'cp_ring' -- less the ring's "
+                    "receives, per step / layers) and predicted (the planner's Estimate.cp_comm_bytes / layers, "
+                    "same model, batch, seq_len and layout, fp32); the step time; the longest sequence in the "
+                    "memory budget",
+            "results": summary},
+        "skipped": {m: why for m, why in skipped.items() if why},
         "wall_seconds": round(seconds, 1),
     }
     if not args.no_peer:
