@@ -85,3 +85,71 @@ def test_all_layouts_prints_a_line_per_layout_and_a_summary():
     lines = [line for line in text.splitlines() if " ranks  " in line]
     assert len(lines) == 2 and all("MATCH" in line for line in lines), text
     assert "summary: 2 verified: 2 MATCH, 0 MISMATCH, 0 failed" in text
+
+
+def _planner_layout(d: dict, cfg):
+    from meshlm.planner.layout import Layout
+
+    return Layout(**d, micro_batch_size=cfg.train.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_the_planner_accepts_and_prices_exactly_what_the_runtime_accepts(preset):
+    """One definition (`meshlm.rules`): for every combination, the planner's `validate_layout` and the
+    runtime's `check_layout` agree, and every accepted layout gets an estimate."""
+    from meshlm.parallel.parallelize import check_layout
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.cost import Job, ModelSummary, estimate_layout, validate_layout
+
+    cfg = cfg_of(preset)
+    job = Job(seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size, runtime="meshlm",
+              precision="fp32")
+    summary, cluster = ModelSummary.build(cfg.model, job.seq_len), get_cluster("h100")
+    disagree, priced = [], 0
+    for world, d in _combinations(cfg):
+        layout_cfg = cfg_of(preset)
+        for key, value in d.items():
+            setattr(layout_cfg.parallel, key, value)
+        verdicts = []
+        for check in (lambda: check_layout(layout_cfg, world),
+                      lambda: validate_layout(cfg.model, job, _planner_layout(d, cfg), gpus=world)):
+            try:
+                check()
+                verdicts.append(None)
+            except ValueError as e:
+                verdicts.append(str(e))
+        if (verdicts[0] is None) != (verdicts[1] is None):
+            disagree.append((world, d, verdicts))
+        elif verdicts[0] is None:
+            m = validate_layout(cfg.model, job, _planner_layout(d, cfg), gpus=world)
+            est = estimate_layout(summary, cluster, job, _planner_layout(d, cfg), num_microbatches=m)
+            assert est.time_s["step"] > 0 and est.memory_gib["total"] > 0
+            priced += 1
+    assert not disagree, disagree[:3]
+    assert priced > 150
+
+
+def test_the_planner_search_proposes_only_layouts_the_runtime_runs():
+    """Every candidate the search estimates -- every cp method and the hybrid, pp x ZeRO-3 both ways,
+    interleaved and zero-bubble schedules, ep -- passes `check_layout` as a config for `meshlm train`."""
+    from meshlm.parallel.parallelize import check_layout
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.cost import Job
+    from meshlm.planner.search import candidate_layouts
+
+    seen = set()
+    for preset in PRESETS:
+        long = [*PRESETS[preset], "model.max_seq_len=8192", "train.seq_len=4096", "train.global_batch_size=8"]
+        base = load_config(None, long)
+        job = Job(seq_len=4096, global_batch_size=8, runtime="meshlm", precision="fp32")
+        for gpus in (2, 4, 8):
+            for lo, _ in candidate_layouts(base.model, get_cluster("h100"), job, gpus):
+                cfg = load_config(None, [*long, f"train.micro_batch_size={lo.micro_batch_size}"])
+                for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "cp_method", "cp_ulysses", "ep",
+                            "zero_stage", "pp_schedule", "pp_chunks", "sequence_parallel",
+                            "zero3_reshard_after_forward"):
+                    setattr(cfg.parallel, key, getattr(lo, key))
+                check_layout(cfg, gpus)  # raises for a layout the runtime refuses
+                seen.add((lo.cp_method, lo.cp_ulysses > 1, lo.pp > 1 and lo.zero_stage == 3, lo.ep > 1))
+    assert {("ulysses", False), ("allgather", False), ("ring", True)} <= {(m, h) for m, h, _, _ in seen}
+    assert any(z for _, _, z, _ in seen) and any(e for _, _, _, e in seen)

@@ -134,3 +134,20 @@ def test_expert_imbalance_makes_the_busiest_rank_set_the_pace():
         estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=0.5), lo, gpus=8)
     with pytest.raises(ValueError, match="exceeds ep=8"):
         estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=16, expert_imbalance=9.0), lo, gpus=8)
+
+
+def test_meshlm_keeps_each_expert_whole_on_the_tp_ranks():
+    """meshlm's runtime replicates the routed experts over tp (parallel/expert.py: the ep group is carved
+    from dp_shard x cp at one tp coordinate), so a rank holds num_experts / ep whole experts; Megatron-Core
+    with expert_tp = tp splits each over the tp ranks as well."""
+    summary = ModelSummary.build(MOE, JOB.seq_len)
+    lo = _layout(ep=8)
+    per_rank = {}
+    for runtime in ("meshlm", "megatron"):
+        job = Job(seq_len=4096, global_batch_size=64, runtime=runtime, precision="fp32")
+        p = rank_params(summary, job, lo, rank_setup(summary, get_cluster("h100"), job, lo))
+        per_rank[runtime] = p.experts
+        if runtime == "meshlm":  # ZeRO over the ranks holding the same experts: dp_shard / ep (not x tp)
+            assert p.expert_shard == 8 // 8
+    assert per_rank["meshlm"] == MOE.num_layers * summary.layer_experts / 8
+    assert per_rank["megatron"] == per_rank["meshlm"] / 2

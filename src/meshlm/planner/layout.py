@@ -114,8 +114,9 @@ class Layout(ParallelDims):
     bucket_size_mb: float = 25.0
     # Megatron-Core's expert_tensor_parallel_size ("MoE parallel folding"): the routed experts split over
     # expert_tp ranks instead of tp, and the ep group carved out of dp_shard x cp x (tp / expert_tp) -- so
-    # ep may span tensor-parallel ranks (e.g. tp=2, expert_tp=1, ep = 2 x dp). 0: expert_tp = tp, meshlm's
-    # only choice (parallel/expert.py shards experts by tp); another value prices Megatron runs only.
+    # ep may span tensor-parallel ranks (e.g. tp=2, expert_tp=1, ep = 2 x dp). 0: expert_tp = tp, the ep group
+    # within dp_shard x cp at stride tp -- meshlm's only choice, where each expert is then whole on every tp
+    # rank (replicated, parallel/expert.py; `placement.rank_setup`); another value prices Megatron runs only.
     expert_tp: int = 0
 
     @property

@@ -149,7 +149,7 @@ class RankParams:
     """Parameters on the busiest-memory rank before ZeRO sharding, and how ZeRO shards them."""
 
     dense: float  # tp-sharded and replicated parameters (embedding / head on their stages)
-    experts: float  # routed-expert parameters (sharded by tp x ep)
+    experts: float  # routed-expert parameters (split over ep, and over expert_tp in a Megatron-Core run)
     layers: int  # layers on that rank
     shard: int  # ZeRO group: dp_shard x cp
     expert_shard: int  # ZeRO group of the expert parameters: shard / ep
@@ -183,7 +183,7 @@ def rank_params(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> Ra
         dense_params = max(first, last)
     shard = lo.dp_shard * cp
     return RankParams(dense=dense_params, experts=expert_params, layers=layers_mem, shard=shard,
-                      expert_shard=max(1, shard * (tp // r.expert_tp) // ep), zero_stage=lo.zero_stage,
+                      expert_shard=max(1, shard * (tp // lo.etp) // ep), zero_stage=lo.zero_stage,
                       meshlm_zero=job.runtime == "meshlm" and lo.zero_stage > 0 and (lo.dp > 1 or cp > 1))
 
 

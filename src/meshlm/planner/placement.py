@@ -61,7 +61,7 @@ class RankSetup:
     links: dict  # axis -> scale-up | scale-out | hierarchical | none
     rank_layers: list  # layers on each pipeline rank
     rank_units: float  # the bottleneck rank's load in layer-compute units (head included)
-    etp: int = 0  # ranks one routed expert is split over (Layout.etp); 0: tp
+    etp: int = 0  # ranks one routed expert is split over (Layout.etp; 1 under meshlm's runtime); 0: tp
 
     @property
     def expert_tp(self) -> int:
@@ -133,4 +133,7 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) ->
         peak=cluster.peak(job.precision) / share,
         peak_attn=(cluster.peak("bf16") if job.precision == "fp8" else cluster.peak(job.precision)) / share,
         hbm_bw=cluster.hbm_bw * cluster.hbm_efficiency / share, cores_saturated=cores_saturated,
-        spans=spans, links=links, rank_layers=rank_layers, rank_units=rank_units, etp=etp)
+        spans=spans, links=links, rank_layers=rank_layers, rank_units=rank_units,
+        # meshlm keeps every routed expert whole on each tp rank (replicated over tp, the ep group at stride tp:
+        # `spans` above); Megatron-Core splits it over expert_tp ranks
+        etp=1 if job.runtime == "meshlm" else etp)
