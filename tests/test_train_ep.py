@@ -77,6 +77,7 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
     "pp2_moe_interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_chunks=2",
                                 "model.num_layers=4"], {"pp"}),
     "ep2xpp2": (4, ["parallel.ep=2", "parallel.pp=2"], {"ep", "dp", "pp"}),
+    "ep2xpp2xzero3": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"], {"ep", "dp_shard", "pp"}),
     "ep2xpp2xzero1": (4, ["parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=1"], {"ep", "dp_shard", "pp"}),
     # micro_batch_size=0 (each rank's whole batch at once): verify gives the reference the same micro-batches,
     # since the load-balancing loss is a mean over each micro-batch's tokens
@@ -118,9 +119,7 @@ def test_layouts_that_cannot_run_yet_are_refused(text_file):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.tp=2", "model.capacity_factor=1.0"), 4)
     with pytest.raises(ValueError, match=r"capacity_factor=1.0 with parallel.cp=2.*capacity_factor=0"):
         check_layout(make_cfg(text_file, "parallel.cp=2", "model.capacity_factor=1.0"), 2)
-    with pytest.raises(ValueError, match="zero_stage=3 with parallel.pp=2 is not implemented yet"):
-        check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"), 4)
-    # pp x ZeRO-3 is no longer refused (tests/test_train_pp_zero3.py proves it on a dense model)
+    # pp x ZeRO-3 runs (ep2xpp2xzero3 above)
     assert check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.pp=2", "parallel.zero_stage=3"), 4).pp == 2
     with pytest.raises(ValueError, match="ep=2 does not divide dp_shard x cp"):
         check_layout(make_cfg(text_file, "parallel.ep=2", "parallel.dp_replicate=2"), 2)
