@@ -70,7 +70,7 @@ def test_ep_groups_are_runs_of_dp_shard_cp_and_ep_dp_holds_the_same_experts():
     assert ep_dp_group_ranks(dims, 5, 2) == [1, 3, 5, 7]  # position 1 of every ep group, both replicas
     assert ep_dp_group_ranks(dims, 6, 4) == [2, 6]
     assert ep_dp_group_ranks(dims, 0, 1) == [0, 1, 2, 3, 4, 5, 6, 7]
-    with pytest.raises(ValueError, match=r"parallel.ep=3 must divide dp_shard x cp = 2 x 2 = 4 .*; choose ep in"):
+    with pytest.raises(ValueError, match=r"parallel.ep=3 does not divide dp_shard x cp = 2 x 2 = 4 .*; choose ep in"):
         ep_group_ranks(dims, 0, 3)
 
 

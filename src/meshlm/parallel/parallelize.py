@@ -206,7 +206,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
     if cp != parallel.cp:
         raise ValueError(f"parallel.cp={parallel.cp} but the mesh has cp={cp}; build the mesh from the same "
                          "parallel config")
-    # The fixed order: PP split -> TP/SP -> EP -> CP -> activation checkpointing -> compile -> ZeRO -> DP.
+    # The fixed order: PP split -> TP/SP -> EP -> CP -> activation checkpointing -> ZeRO / DP.
     setattr(model, _MARK, True)
     result = ParallelModel(module=model, mesh=mesh, tensor_parallel=tp > 1)
     if parallel.pp > 1:
