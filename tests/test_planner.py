@@ -388,20 +388,41 @@ def test_fp32_zero_follows_meshlm_runtime_bytes_and_comm():
     assert round(m1.memory_gib["weights"] * 2**30) == 2 * n
 
 
-@pytest.mark.parametrize("model, layers, pp, chunks, seq_len", [
-    (dict(vocab_size=32000, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 8, 4, 1, 32),
-    (dict(vocab_size=512, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 4, 2, 1, 32),
-    (dict(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 5, 2, 1, 8),
-    (dict(vocab_size=8192, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128), 12, 2, 3, 64),
-    ("llama3-8b", 32, 4, 1, 8192),
-    ("llama3-70b", 80, 8, 2, 4096),
+# Expected splits, written out so that the test can fail (comparing with `balanced_split` itself could
+# not). Units: one block's forward FLOPs per token = dense matmuls + 4 * seq_len * hidden of attention
+# core; the head is 2 * hidden * vocab. E.g. hidden 32, kv 2 x 8, intermediate 64: dense = 3 * 2048
+# (q, o, k+v) + 3 * 2 * 32 * 64 = 18432, at seq_len 32 a block is 22528, and vocab 512's head is
+# 32768 / 22528 = 1.45 blocks: [3, 1] loads ranks 3 and 2.45 (busiest 3), [2, 2] would be 2 and 3.45.
+# The last stage gets the count that minimises the busiest rank (ties: fewest blocks on any rank, then
+# the lightest last stage); rank r runs stages r, r + pp, ...
+@pytest.mark.parametrize("model, layers, pp, chunks, seq_len, counts, per_rank, load", [
+    # head 2*32*32000 / 22528 = 90.9 blocks: the last stage keeps its one required block
+    (dict(vocab_size=32000, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 8, 4, 1, 32,
+     [3, 2, 2, 1], [3, 2, 2, 1], 1 + 2 * 32 * 32000 / 22528),
+    # head 1.45 blocks (above); tests/test_train_pp.py trains this split against one process
+    (dict(vocab_size=512, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 4, 2, 1, 32,
+     [3, 1], [3, 1], 3.0),
+    # seq_len 8: block 18432 + 1024, head 4096 / 19456 = 0.21: [3, 2] (3 and 2.21), not [2, 3] (3.21)
+    (dict(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64), 5, 2, 1, 8,
+     [3, 2], [3, 2], 3.0),
+    # hidden 64: block 73728 + 16384 = 90112, head 2*64*8192 / 90112 = 11.64; 6 stages, rank 0 runs
+    # stages 0, 2, 4 (3 + 2 + 2), rank 1 stages 1, 3, 5 (2 + 2 + 1) + the head
+    (dict(vocab_size=8192, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128), 12, 2, 3, 64,
+     [3, 2, 2, 2, 2, 1], [7, 5], 5 + 2 * 64 * 8192 / 90112),
+    # head 1.84 blocks: a last stage of 5 to 7 blocks keeps the busiest rank at 9 ([8, 8, 8, 8] would be
+    # 9.84); the tie goes to the lightest last stage
+    ("llama3-8b", 32, 4, 1, 8192, [9, 9, 9, 5], [9, 9, 9, 5], 9.0),
+    # head 1.14 blocks, 16 stages: 10 blocks per rank would put 11.14 on rank 7; a 1-block last stage
+    # gives 11 on ranks 0-3 (stages 0-3 take the 4 extra blocks: 6 + 5) and 5 + 1 + 1.14 on rank 7
+    ("llama3-70b", 80, 8, 2, 4096, [6, 6, 6, 6] + [5] * 11 + [1], [11, 11, 11, 11, 10, 10, 10, 6], 11.0),
 ])
-def test_planner_and_runtime_pick_the_same_pipeline_split(model, layers, pp, chunks, seq_len):
+def test_planner_and_runtime_pick_the_same_pipeline_split(model, layers, pp, chunks, seq_len, counts, per_rank,
+                                                          load):
     """One rule (`schedules.balanced_split`) decides the default split of the planner and the runtime
-    (`parallelize.pp_layers` with parallel.pp_layers empty): the same blocks per rank and the same head units."""
+    (`parallelize.pp_layers` with parallel.pp_layers empty): both give the expected blocks per stage and rank,
+    with the same head units."""
     from meshlm.config import ParallelConfig
     from meshlm.parallel.parallelize import pp_layers
-    from meshlm.parallel.schedules import balanced_split, stage_loads
     from meshlm.planner import cost
     from meshlm.models.stats import pipeline_units
 
@@ -412,17 +433,10 @@ def test_planner_and_runtime_pick_the_same_pipeline_split(model, layers, pp, chu
     head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)  # as estimate_layout
     assert pipeline_units(cfg, seq_len) == (head_units, 0.0)
     parallel = ParallelConfig(pp=pp, pp_chunks=chunks, pp_schedule="interleaved" if chunks > 1 else "1f1b")
-    counts = pp_layers(parallel, cfg, seq_len=seq_len)
-    assert counts == balanced_split(layers, pp=pp, pp_chunks=chunks, head_units=head_units)
-    assert len(counts) == pp * chunks and sum(counts) == layers and min(counts) >= 1
+    assert len(counts) == pp * chunks and sum(counts) == layers  # the expectation itself is a split
+    assert pp_layers(parallel, cfg, seq_len=seq_len) == counts
     planner_rank, planner_load = cost._rank_split(layers, pp=pp, chunks=chunks, head_units=head_units)
-    runtime_rank, runtime_load = stage_loads(counts, pp=pp, pp_chunks=chunks, head_units=head_units)
-    assert (planner_rank, planner_load) == (runtime_rank, runtime_load)
-    if isinstance(model, dict) and model["vocab_size"] == 32000:
-        # a big vocabulary: the head is worth ~3 blocks, so the last stage gets fewer
-        assert counts == [3, 2, 2, 1], counts
-    if isinstance(model, dict) and model["vocab_size"] == 512:
-        assert counts == [3, 1], counts  # tests/test_train_pp.py trains this split against one process
+    assert planner_rank == per_rank and planner_load == pytest.approx(load, rel=1e-12)
 
 
 def test_pipeline_split_override_is_validated():
