@@ -1,12 +1,11 @@
 """Host memory for CPU runs: reuse of freed memory between steps (glibc malloc's two thresholds, set once
 per process), and huge pages under the KV cache.
 
-Each step of the engine (or of training) allocates and frees the same activations again (hundreds of KiB to a few MiB on
-the benchmark's model). With glibc's defaults, blocks that large are mapped fresh from the kernel
+Each step of the engine (or of training) allocates and frees the same activations again (hundreds of KiB to a
+few MiB each). With glibc's defaults, blocks that large are mapped fresh from the kernel
 (`mmap`) or the heap's free top is handed back (`trim`) after each step, so the next step faults every
-page in again, zero-filled: ~10^5 page faults and ~0.2 s of kernel time per `benchmarks/serve.py` run,
-~10% of it. Raising the mmap threshold to glibc's largest (32 MiB) and the trim threshold to 256 MiB keeps
-those blocks in the heap for the next step (a few hundred page faults per run). The cost: the process
+page in again, zero-filled, in kernel time. Raising the mmap threshold to glibc's largest (32 MiB) and the trim threshold to 256 MiB keeps
+those blocks in the heap for the next step. The cost: the process
 keeps up to 256 MiB of freed memory for reuse instead of returning it at once. Allocations over 32 MiB
 are still mapped and unmapped as before.
 
@@ -14,14 +13,12 @@ The setting is process-wide (malloc is), so it is an explicit choice of whoever 
 `LLM(..., reuse_host_memory=True)` (the default; `meshlm generate` and `meshlm serve` build an `LLM`) and
 `train.reuse_host_memory = true` (the default; each rank of `meshlm train`, `meshlm eval` on a CPU) call
 `reuse_freed_host_memory()`; False leaves malloc alone. Without glibc (macOS, musl) it does nothing.
-Training the default `meshlm train` job for 40 steps on 2 cores: 40.0 s wall and 2.3x fewer page faults
-against 44.5-46.5 s with malloc's defaults.
+The page faults and time it saved, serving and training, are in README.md (the paged KV cache paragraph).
 
 `advise_huge_pages(t)` asks Linux for 2 MiB pages under one tensor (`madvise(MADV_HUGEPAGE)`), before its
 memory is first touched: the KV cache's (`new_kv_cache`). Decode attention reads a few KiB from each of
 thousands of blocks spread over the cache, every step; with 4 KiB pages nearly each block costs a TLB miss
-(a page walk, nested under a hypervisor). On the benchmark's shapes the decode kernel runs 20-28% faster on
-huge pages (interleaved microbenchmark). It changes no value and nothing outside that tensor; where the
+(a page walk, nested under a hypervisor). It changes no value and nothing outside that tensor; where the
 kernel's transparent huge pages are off, or off Linux, it does nothing.
 """
 

@@ -74,8 +74,8 @@ class GatherBuffers:
     """Two persistent buffers that the blocks a step attends to are copied into, one layer at a time.
 
     `index_select` into a buffer that already exists is the fastest copy torch has for this on CPU:
-    advanced indexing (`cache[blocks]`) is ~3x slower, and a fresh output each layer adds the page
-    faults of a new allocation (~another 3x on the benchmark's shapes)."""
+    advanced indexing (`cache[blocks]`) takes a slower path, and a fresh output each layer adds the page
+    faults of a new allocation (README.md, the paged KV cache paragraph, has the measured ratios)."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
@@ -141,14 +141,14 @@ class DecodeBatch:
       * output: the value rows of a sequence's visible keys weighted by their softmax weights (one bag per
         query head, of exactly that sequence's keys: bags of any length, `offsets`).
     Copying the blocks out first (index_select into a buffer, then two batched matmuls) moves every key
-    and value three times; this reads each once (2-4x faster on the benchmark's shapes, CPU). All decodes
+    and value three times; this reads each once (README.md has the measured gain). All decodes
     of a step are one batch whatever their lengths: only the scores (a few floats per key) are laid out
     padded to the longest sequence for the softmax, never the keys or values. The indices are built once
     per step (by the first layer) and serve every layer.
 
     With `native` (the default), an fp32 cache on a CPU is attended by the compiled kernel of `infer/native.py`
-    instead (the same sums in one pass, no index tensor; 1.4-2.7x faster per layer on the benchmark's
-    shapes) whenever it could be built; otherwise, and with `native=False`, by the torch ops below."""
+    instead (the same sums in one pass, no index tensor) whenever it could be built; otherwise, and with
+    `native=False`, by the torch ops below."""
 
     def __init__(self, rows: torch.Tensor, blocks: list[list[int]], counts: list[list[int]], *, block_size: int,
                  num_kv: int, num_blocks: int, dtype: torch.dtype, native: bool = True):
@@ -173,8 +173,8 @@ class DecodeBatch:
         """Every index the layers share. Bags are ordered [kv head, decode, query head of the group, block]
         (scores) and [kv head, decode, query head of the group] (values); positions are read off masks over
         the padded layout [decode, group, block(, key of the block)], so no Python loop runs per key. In
-        32 bits where the numbers fit: embedding_bag reads such indices ~25% faster, and building them
-        (broadcast adds) is ~5x faster than in 64 bits on CPU."""
+        32 bits where the numbers fit: embedding_bag reads fewer index bytes, and the broadcast adds that
+        build them move half the memory of 64 bits (README.md has the measured gain on CPU)."""
         bs, batch, width, nb, num_kv = self.block_size, len(self.blocks), self.width, self.num_blocks, self.num_kv
         small = torch.int32 if num_kv * max(nb * max(dim, bs), batch * groups * width * bs) < 2 ** 31 else torch.long
         blocks, counts = padded(self.blocks, width, small), padded(self.counts, width, small)  # [batch, width]

@@ -1,24 +1,22 @@
 """The one compiled kernel of the engine: decode attention over the paged KV cache on a CPU, fp32.
 
 `decode_attention.c` (next to this file, C99 with GCC/Clang vector extensions, no torch headers) is
-compiled with the system's C compiler the first time a process asks for it (~0.3 s) and cached under
+compiled with the system's C compiler the first time a process asks for it and cached under
 ~/.cache/meshlm/kernels, one shared library per source, compiler, flags and CPU (it is built for the CPU
 it runs on). Ranks that build it at once each write their own file and rename it into place, so none
 ever loads a partial one.
 
-Why: on the benchmark's decode steps (64 sequences of ~170 keys, 4 layers), attention through torch ops
-(`DecodeBatch`'s embedding_bag path) took ~40% of a step. The keys and values a step reads (~44 MB there)
-do not fit the CPU's caches, so the kernel is built to stream them: each key and value read once, in
-address order, into register tiles, the next decode's blocks prefetched, no index tensor. Measured on
-that machine: 0.86 ms per layer against 1.2-2.3 ms for the torch path (interleaved microbenchmark; a
-plain gather of the same blocks takes 0.8 ms); the whole offline benchmark ~10% faster (paired median
-1.10 over 5 alternating runs), with the same greedy tokens.
+Why: a decode step reads every cached key and value of every running sequence, far more than the CPU's
+caches hold, and through torch ops (`DecodeBatch`'s embedding_bag path) that attention is a large share of
+the step. So the kernel is built to stream them: each key and value read once, in address order, into
+register tiles, the next decode's blocks prefetched, no index tensor. What it gained on the serving
+benchmark's machine is in README.md (the paged KV cache paragraph); `benchmarks/serve.py` measures the
+engine with it.
 
 Threads: where the compiler has OpenMP, the (kv head, decode) pairs are split over
 `torch.get_num_threads()` threads, in torch's own OpenMP runtime (the library links libgomp.so.1, which
 torch has already loaded: one runtime, one thread pool); each pair is computed as by one thread, so the
-output does not depend on the count. 2 threads: 1.8x on cache-resident shapes. One thread per rank under
-a launcher, as torch's ops.
+output does not depend on the count. One thread per rank under a launcher, as torch's ops.
 
 Without a C compiler, or where compiling fails, `decode_attention_kernel` returns None and the engine
 keeps its torch path (the same numbers within fp32 rounding); `ModelRunner(..., native_attention=False)`
