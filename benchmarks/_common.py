@@ -5,6 +5,9 @@ Responsible for: the command-line options both share, the model and the batches,
 collecting rank 0's result, timing two implementations in alternation, the one extra, untimed step
 per implementation that measures its peak memory and the bytes its collectives moved, and the
 JSON they print.
+Also: every benchmark's `--smoke` (`parse_args_smoke`: the smallest sizes for one or two steps, the same code
+paths) and the JSON a smoke run prints instead where this host lacks what a benchmark needs (`missing_extras`,
+`print_smoke_skip`).
 Not responsible for: building the implementations or their training steps (each benchmark does).
 
 How memory is counted. `torch.distributed._tools.mem_tracker.MemTracker` (a TorchDispatchMode that
@@ -27,6 +30,7 @@ all-reduce and broadcast the tensor. Barriers are not counted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import queue
 import socket
@@ -43,6 +47,40 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from meshlm.config import ModelConfig
+
+
+SMOKE_HELP = ("smoke test: the same code paths at the smallest sizes, one or two steps, still printing the JSON; "
+              "where this host lacks what the benchmark needs, a JSON saying what was skipped and why (exit 0)")
+# zero.py, tp.py, ep.py, pp.py: a 1-layer model of hidden 32 on 2 ranks, one timed step, no warmup
+SMOKE_MODEL = dict(world_sizes="2", steps=1, warmup=0, hidden=32, layers=1, heads=4, kv_heads=2, vocab=64,
+                   seq_len=16, batch=2)
+
+
+def parse_args_smoke(ap: argparse.ArgumentParser, smoke: dict, argv=None) -> argparse.Namespace:
+    """Add --smoke and parse. With --smoke, `smoke` replaces the defaults (options given explicitly still win)."""
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        ap.set_defaults(**smoke)
+        args = ap.parse_args(argv)
+    return args
+
+
+def missing_extras(*modules: str) -> list[str]:
+    """The modules of `modules` that are not installed (an optional extra of meshlm's)."""
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def print_smoke_skip(benchmark: str, skipped: dict[str, str], **extra) -> None:
+    """The JSON of a smoke run that could not run (part of) its benchmark here: what was skipped, and why."""
+    print(json.dumps({"benchmark": benchmark, "smoke": True, "skipped": skipped, **extra}, indent=2))
+
+
+def smoke_cuda_missing(args) -> str | None:
+    """Why a smoke run with --device cuda cannot run here (None where it can)."""
+    if args.device == "cuda" and torch.cuda.device_count() < max(int(s) for s in str(args.world_sizes).split(",")):
+        return f"--device cuda needs one GPU per rank; this machine has {torch.cuda.device_count()}"
+    return None
 
 
 def add_common_args(ap: argparse.ArgumentParser, *, world_sizes: str) -> None:
@@ -316,7 +354,7 @@ def compare(steps: dict[str, Callable[[int], torch.Tensor]], externals: dict[str
 
 
 def print_results(benchmark: str, args, results: list[dict]) -> None:
-    print(json.dumps({"benchmark": benchmark, "device": args.device,
+    print(json.dumps({"benchmark": benchmark, "smoke": args.smoke, "device": args.device,
                       "backend": "nccl" if args.device == "cuda" else "gloo",
                       "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                                 "kv_heads": args.kv_heads, "vocab": args.vocab, "seq_len": args.seq_len},

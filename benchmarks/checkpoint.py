@@ -3,6 +3,10 @@
     python benchmarks/checkpoint.py                            # tiny model, 1 rank and 4 gloo ranks on CPU
     python benchmarks/checkpoint.py --large                    # + a ~100M-parameter model (several minutes)
     python benchmarks/checkpoint.py --layouts dp4,zero3 --repeats 3
+    python benchmarks/checkpoint.py --smoke                    # a 1-layer model, single + zero3, once (CI)
+
+--smoke: layouts single and zero3 (4 ranks) of a 1-layer model of hidden 32 ("smoke" size), one save and one
+load each (--repeats 1), a 16-token training step. Skips nothing.
 
 What runs. For every model size and layout, ranks are spawned (one intra-op thread each, gloo; see
 benchmarks/_common.py) and every rank builds the model the way the trainer does:
@@ -62,7 +66,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import run_ranks
+from _common import parse_args_smoke, run_ranks
 from meshlm.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model
@@ -82,6 +86,7 @@ LAYOUTS = {
 }
 SIZES = {  # name -> ModelConfig keywords (MLP width 3 x hidden, as the other benchmarks)
     "tiny": dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
+    "smoke": dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96),
     "100m": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
                  intermediate_size=2304),
 }
@@ -321,12 +326,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64, help="tokens of the one training step (default %(default)s)")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory; "
                                                 "removed after each layout)")
-    args = ap.parse_args()
+    args = parse_args_smoke(ap, dict(layouts="single,zero3", repeats=1, seq_len=16))
     layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
     unknown = [s for s in layouts if s not in LAYOUTS]
     if unknown or args.repeats < 1:
         raise SystemExit(f"unknown layouts {unknown} (known: {list(LAYOUTS)}), or --repeats < 1")
-    sizes = ["100m"] if args.only_large else ["tiny"] + (["100m"] if args.large else [])
+    sizes = ["100m"] if args.only_large else ["smoke" if args.smoke else "tiny"] + (["100m"] if args.large else [])
     args.device = "cpu"  # what _common.run_ranks reads
     args.num_params = {s: _num_params(ModelConfig(**SIZES[s], max_seq_len=args.seq_len)) for s in sizes}
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="meshlm_ckpt_bench_"))
@@ -345,7 +350,7 @@ def main() -> None:
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
-    print(json.dumps({"benchmark": "checkpoint", "device": "cpu", "backend": "gloo",
+    print(json.dumps({"benchmark": "checkpoint", "smoke": args.smoke, "device": "cpu", "backend": "gloo",
                       "models": {s: SIZES[s] for s in sizes},
                       "large_model_included": "100m" in sizes,
                       "large_model_note": None if "100m" in sizes else

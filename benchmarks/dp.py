@@ -1,7 +1,8 @@
 """meshlm data parallelism against torch's DistributedDataParallel, same model and data, one run.
 
     python benchmarks/dp.py                      # 2 gloo ranks on CPU, tiny model
-    python benchmarks/dp.py --steps 20 --hidden 256 --layers 4
+    python benchmarks/dp.py --rounds 20 --hidden 256 --layers 4
+    python benchmarks/dp.py --smoke              # 2 ranks, hidden 32, 1 layer, one step each (CI)
 
 Spawns `--world-size` gloo ranks on this host. Each rank builds the same model twice (meshlm
 `apply_data_parallel` and `torch.nn.parallel.DistributedDataParallel`, same bucket size) and times
@@ -10,6 +11,8 @@ between the two in rounds so that load from other processes hits both alike. Pri
 median (and minimum) step time of each, their ratios, the bytes meshlm all-reduced per step (counted by CommStats)
 next to the gradient bytes DDP reduces, and the largest weight difference between the two replicas
 at the end (DDP averages gradients, so its loss is scaled by the world size to take the same steps).
+--smoke: 2 ranks, a 1-layer model of hidden 32, one timed round of one step, no warmup; with --device cuda
+on a host without two GPUs, a JSON saying so instead.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models.transformer import build_model
 from meshlm.parallel.data import apply_data_parallel
 
-from _common import device_of, run_ranks, synchronize  # noqa: E402 -- benchmarks/ is on sys.path when run as a script
+from _common import device_of, parse_args_smoke, print_smoke_skip, run_ranks, synchronize  # noqa: E402 -- benchmarks/ is on sys.path when run as a script
 
 
 def _batches(args, rank: int, world_size: int, step: int, device: torch.device):
@@ -118,9 +121,14 @@ def main() -> None:
     ap.add_argument("--steps-per-round", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cpu: gloo ranks with one thread each; cuda: one GPU per rank, NCCL")
-    args = ap.parse_args()
+    args = parse_args_smoke(ap, dict(world_size=2, hidden=32, layers=1, vocab=64, seq_len=16, batch=2, warmup=0,
+                                     rounds=1, steps_per_round=1))
+    if args.smoke and args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+        print_smoke_skip("data_parallel", {"run": f"--device cuda needs one GPU per rank; this machine has "
+                                                  f"{torch.cuda.device_count()}"})
+        return
     result = run_ranks(_rank, args.world_size, args)
-    print(json.dumps(result, indent=2))
+    print(json.dumps({**result, "smoke": args.smoke}, indent=2))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
     python benchmarks/ep.py                                    # 4 gloo ranks on CPU: ep=4 vs ep=1
     python benchmarks/ep.py --world-sizes 2,4 --experts 16 --hidden 512 --steps 20
     python benchmarks/ep.py --device cuda --world-sizes 8 --ep 4
+    python benchmarks/ep.py --smoke                            # ep=2 vs replicated on 2 ranks, one step (CI)
+
+--smoke: world size 2 (ep=2), a 1-layer model of hidden 32 with 4 experts, one timed step, no warmup;
+with --device cuda on a host without the GPUs, a JSON saying so instead.
 
 What runs. For each world size W, ranks are spawned (one intra-op thread each); every rank builds
 meshlm's reference MoE Transformer twice from the same seed (every layer MoE, `--experts` experts,
@@ -51,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import add_common_args, batch, device_of, measure_step, parse_world_sizes, run_ranks, time_alternating
+from _common import SMOKE_MODEL, parse_args_smoke, print_smoke_skip, smoke_cuda_missing, add_common_args, batch, device_of, measure_step, parse_world_sizes, run_ranks, time_alternating
 from meshlm.comm import CommStats
 from meshlm.config import ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
@@ -222,14 +226,17 @@ def main() -> None:
                      help="load-balancing loss coefficient (default %(default)s)")
     ap.add_argument("--ep", type=int, default=0,
                     help="expert-parallel degree; 0: the world size (default %(default)s)")
-    args = ap.parse_args()
+    args = parse_args_smoke(ap, SMOKE_MODEL | {"experts": 4})
+    if args.smoke and (why := smoke_cuda_missing(args)):
+        print_smoke_skip("ep_vs_replicated_experts", {"run": why})
+        return
     sizes = parse_world_sizes(args)
     for n in sizes:
         ep = args.ep or n
         if n % ep or args.experts % ep:
             raise SystemExit(f"--ep={ep} must divide the world size {n} and --experts={args.experts}")
     results = [run_ranks(_rank, n, args) for n in sizes]
-    print(json.dumps({"benchmark": "ep_vs_replicated_experts", "device": args.device,
+    print(json.dumps({"benchmark": "ep_vs_replicated_experts", "smoke": args.smoke, "device": args.device,
                       "backend": "nccl" if args.device == "cuda" else "gloo",
                       "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                                 "kv_heads": args.kv_heads, "vocab": args.vocab, "seq_len": args.seq_len,

@@ -1,7 +1,8 @@
 """Planner vs published training runs: predicted throughput against the reported figure, row by row.
 
 Reads the published-runs CSV (default: ../shared/reference/published_runs_dev.csv relative to the
-repository root; --csv to override). For each row it builds the model, cluster and layout the row
+repository root; --csv to override; where it is missing -- it is not part of the repository -- a JSON
+saying it was skipped, exit 0). --smoke: the first 3 rows only, a check that the script runs. For each row it builds the model, cluster and layout the row
 describes -- the row's OWN layout (tp, pp, interleaving, dp, cp, ep, ZeRO/FSDP, micro-batch, recompute,
 precision), never the planner's favourite -- asks the planner for the step time and compares:
   * tokens/s per GPU where the row gives it (MegaScale, NeMo, Megatron-Bridge, torchtitan): no FLOP
@@ -366,15 +367,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", default=str(DEFAULT_CSV), help="published runs CSV")
     ap.add_argument("--summary", action="store_true", help="print only the medians (no per-row detail)")
+    ap.add_argument("--smoke", action="store_true", help="the first 3 rows of the CSV only (a check that it runs); "
+                    "without the CSV, a JSON saying it was skipped")
     args = ap.parse_args(argv)
     path = Path(args.csv)
     if not path.exists():
-        print(json.dumps({"skipped": f"published runs CSV not found at {path}; pass --csv"}))
+        print(json.dumps({"benchmark": "planner_published", "smoke": args.smoke,
+                          "skipped": f"published runs CSV not found at {path}; pass --csv"}))
         return 0
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
+    if args.smoke:
+        rows = rows[:3]
     results = [predict_row(r) for r in rows]
-    out = {"csv": str(path), "fit_groups": list(FIT_GROUPS),
+    out = {"benchmark": "planner_published", "smoke": args.smoke, "csv": str(path), "fit_groups": list(FIT_GROUPS),
            "groups_looked_at": "all (the issue-15 changes below were made reading every group's rows)",
            "changes": [{"change": c, "prompted_by": list(g), "source": src} for c, g, src in CHANGES],
            **summarize(results)}

@@ -28,6 +28,10 @@ measured_s, ratio = predicted / measured, the planner's time components, memory,
 the cores the ranks got), `median_ratio`, and `median_ratio_uncontended` over the rows whose
 measured pass had at least UNCONTENDED of its cores (the host is shared: other work on the same
 cores slows a pass in a way no model of this machine can know).
+
+--smoke: one pass, one timed step (after WARMUP) of two layouts -- ZeRO-2 with
+accumulation (DP's no_sync path too), TP 2 + SP -- with a 1-layer model of hidden 32 (SMOKE_MODEL); the calibration, unless
+--calibration names an existing file, is measured with one repeat into a temporary file. Skips nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import os
 import queue
 import socket
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from _common import SMOKE_HELP  # benchmarks/ is on sys.path when run as a script
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, Layout, estimate
@@ -56,6 +63,9 @@ from meshlm.models.stats import count_params
 MODEL = dict(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
              intermediate_size=768, max_seq_len=128)
 SEQ_LEN = 128
+SMOKE_MODEL = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                   intermediate_size=96, max_seq_len=16)
+SMOKE_SEQ_LEN = 16
 WARMUP = 2  # untimed steps per pass (the second step still ran ~20% slower than later ones here)
 UNCONTENDED = 0.85  # core share above which a pass counts as undisturbed by other work on the host
 
@@ -96,7 +106,8 @@ def _model_state_bytes(model, opt, dp, zero) -> dict:
     params = [p for p in model.parameters()]
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
     master = zero.param_shard.numel() * 4 if zero is not None else 0
-    shard_grad = zero.grad_shard.numel() * 4 if zero is not None else 0
+    # the flat gradient shard exists from the first reduce-scatter of a step until zero_grad
+    shard_grad = zero.grad_shard.numel() * 4 if zero is not None and zero.grad_shard is not None else 0
     return {
         "weights": sum(storages.values()) + (master if zero is not None and zero.stage == 3 else 0),
         "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None) + shard_grad,
@@ -107,7 +118,8 @@ def _model_state_bytes(model, opt, dp, zero) -> dict:
     }
 
 
-def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) -> None:
+def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue, model_kw: dict = MODEL,
+          seq_len: int = SEQ_LEN) -> None:
     from meshlm.comm import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
@@ -120,7 +132,7 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
     _, global_batch, mbs, bucket_mb, stage, dp_replicate, tp, sp = spec
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        cfg = ModelConfig(**MODEL)
+        cfg = ModelConfig(**model_kw)
         model = build_model(cfg, seed=0)
         dp = zero = mesh = None
         stats = CommStats()
@@ -140,12 +152,12 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         sync = zero or dp
         local = global_batch // dp_size
-        global_tokens = global_batch * SEQ_LEN
+        global_tokens = global_batch * seq_len
         times = []
         params = list(model.parameters())
         for step in range(steps + WARMUP):  # the first steps pay one-time allocations: not timed
             g = torch.Generator().manual_seed(step)
-            seqs = torch.randint(0, cfg.vocab_size, (global_batch, SEQ_LEN + 1), generator=g)
+            seqs = torch.randint(0, cfg.vocab_size, (global_batch, seq_len + 1), generator=g)
             mine = seqs[dp_rank * local:(dp_rank + 1) * local]
             micro = list(zip(mine[:, :-1].split(mbs), mine[:, 1:].split(mbs)))
             dist.barrier()
@@ -162,8 +174,11 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
                         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / global_tokens
                     loss.backward()
                 if step == steps + WARMUP - 1:  # the last step only: counting is not free
+                    # ZeRO's flat gradient shard exists only from the step's first reduce-scatter (none
+                    # yet after an accumulation micro-step under no_sync) until zero_grad
+                    shard = zero.grad_shard if zero is not None else None
                     peak_grads = max(peak_grads, sum(p.grad.numel() * 4 for p in params if p.grad is not None)
-                                     + (zero.grad_shard.numel() * 4 if zero is not None else 0))
+                                     + (shard.numel() * 4 if shard is not None else 0))
             if tp > 1:  # the trainer's clipping norm (one float over tp)
                 tensor_parallel_grad_norm(params, mesh)
             opt.step()
@@ -180,7 +195,7 @@ def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue) 
         dist.destroy_process_group()
 
 
-def measure(spec: tuple, *, steps: int) -> dict:
+def measure(spec: tuple, *, steps: int, model_kw: dict = MODEL, seq_len: int = SEQ_LEN) -> dict:
     """Step times over `steps` steps (each: the slowest rank), rank 0's model-state bytes, and how much
     of the cores the ranks got (their CPU seconds over wall seconds times the cores they could use;
     below 1 when other work on the host took a share, or while ranks wait on a collective)."""
@@ -188,7 +203,8 @@ def measure(spec: tuple, *, steps: int) -> dict:
     ctx = mp.get_context("spawn")
     out_queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, spec, steps, out_queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, spec, steps, out_queue, model_kw, seq_len))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict = {}
@@ -222,16 +238,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per layout and pass (after WARMUP untimed)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over all layouts")
     ap.add_argument("--only", choices=("dp", "zero", "tp"), help="run only the layouts of one kind")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args(argv)
     layouts = [spec for spec in LAYOUTS if args.only in (None, _kind(spec))]
+    model_kw, seq_len = MODEL, SEQ_LEN
+    if args.smoke:  # ZeRO-2 with accumulation, TP + SP; one pass, one step
+        layouts = [spec for spec in (LAYOUTS[5], LAYOUTS[10]) if spec in layouts]
+        model_kw, seq_len = SMOKE_MODEL, SMOKE_SEQ_LEN
+        if "--steps" not in (argv or sys.argv[1:]):
+            args.steps = 1
+        if "--rounds" not in (argv or sys.argv[1:]):
+            args.rounds = 1
     torch.set_num_threads(1)
-    path = Path(args.calibration)
-    if _needs_calibration(path):
-        from meshlm.planner.calibrate import calibrate
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.calibration)
+        if _needs_calibration(path):
+            from meshlm.planner.calibrate import calibrate
 
-        calibrate(path, world_size=2)
-    local = get_cluster("local", calibration=path)
-    cfg = ModelConfig(**MODEL)
+            if args.smoke:  # a throwaway calibration: one repeat, not written where a real run would read it
+                path = Path(tmp, "plan_calibration.json")
+                calibrate(path, world_size=2, repeats=1)
+            else:
+                calibrate(path, world_size=2)
+        local = get_cluster("local", calibration=path)
+    cfg = ModelConfig(**model_kw)
     # Every layout is measured in `--rounds` passes spread over the run, so a burst of other work on
     # the host does not land on one layout only; the comparison figure is the fastest step of the
     # pass whose ranks got the largest share of their cores (closest to the idle host the planner
@@ -242,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for spec in layouts:
             loads[spec].append(os.getloadavg()[0])
-            runs[spec].append(measure(spec, steps=args.steps))
+            runs[spec].append(measure(spec, steps=args.steps, model_kw=model_kw, seq_len=seq_len))
     rows = []
     for spec in layouts:
         world, global_batch, mbs, bucket_mb, stage, dp_replicate, tp, sp = spec
@@ -250,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, sequence_parallel=sp,
                         zero_stage=stage, micro_batch_size=mbs, bucket_size_mb=bucket_mb)
         # meshlm's model runs eager here: one memory pass per elementwise op (Job.fused_elementwise)
-        job = Job(seq_len=SEQ_LEN, global_batch_size=global_batch, precision="fp32", fused_elementwise=False, runtime="meshlm")
+        job = Job(seq_len=seq_len, global_batch_size=global_batch, precision="fp32", fused_elementwise=False, runtime="meshlm")
         est = estimate(cfg, local, job, layout, gpus=world)
         # The pass whose ranks got the most of their cores is the least disturbed by other work.
         best = max(runs[spec], key=lambda run: run["core_share"])
@@ -261,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             "layout": (f"tp{tp}{'sp' if sp else ''} " if tp > 1 else "")
             + (f"dp{dp_replicate}x{dp_shard}" if dp_replicate > 1 else f"dp{dp_shard}")
             + (f" zero{stage}" if stage else "") + f" mbs{mbs} accum{est.num_microbatches} bucket{bucket_mb:g}MiB",
-            "world": world, "global_batch": global_batch, "seq_len": SEQ_LEN,
+            "world": world, "global_batch": global_batch, "seq_len": seq_len,
             "predicted_s": round(predicted, 4), "measured_s": round(measured, 4),
             "measured_median_s": round(median, 4), "host_load_max": round(load, 2),
             "core_share": [round(run["core_share"], 2) for run in runs[spec]],
@@ -280,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [r["ratio"] for r in rows]
     clean = [r["ratio"] for r in rows if not r["contended"]]
     print(json.dumps({
+        "benchmark": "planner_vs_measured", "smoke": args.smoke,
         "cluster": {"matmul_flops": local.peak("fp32"), "memory_bandwidth": local.hbm_bw,
                     "link_bandwidth": local.scaleup_bw, "link_latency_per_hop": local.scaleup_latency,
                     "cores": local.compute_slots},

@@ -2,6 +2,10 @@
 
     python benchmarks/pp.py                                  # pp=2 and pp=4 gloo ranks on CPU
     python benchmarks/pp.py --world-sizes 2 --microbatches 8 --hidden 256 --layers 8
+    python benchmarks/pp.py --smoke                          # pp=2, every schedule, one step (CI)
+
+--smoke: pp=2 with a 4-layer model of hidden 32 (2 chunks per rank for the interleaved schedules), 4
+micro-batches, one timed step, no warmup; with --device cuda on a host without the GPUs, a JSON saying so.
 
 For every pp in --world-sizes and every schedule, each rank builds the same model twice, split the same
 way (meshlm's `split_model`; torch's `PipelineStage` gets a module per chunk holding the same blocks),
@@ -35,7 +39,7 @@ from meshlm.parallel.pipeline import (measured_overheads, measured_timeline, run
                                      split_model, token_loss_sum)
 from meshlm.parallel.schedules import build_schedule, simulate
 
-from _common import (add_common_args, batch, device_of, model_config, parse_world_sizes, run_ranks,  # noqa: E402
+from _common import (SMOKE_MODEL, parse_args_smoke, print_smoke_skip, smoke_cuda_missing, add_common_args, batch, device_of, model_config, parse_world_sizes, run_ranks,  # noqa: E402
                      time_alternating)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -148,11 +152,14 @@ def main() -> None:
     add_common_args(ap, world_sizes="2,4")
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default %(default)s)")
     ap.set_defaults(layers=8, hidden=128, vocab=1024, seq_len=64, batch=2, steps=6)
-    args = ap.parse_args()
+    args = parse_args_smoke(ap, SMOKE_MODEL | {"layers": 4, "microbatches": 4})
+    if args.smoke and (why := smoke_cuda_missing(args)):
+        print_smoke_skip("pp", {"run": why})
+        return
     results = {}
     for world_size in parse_world_sizes(args):
         results |= run_ranks(_bench, world_size, args)
-    print(json.dumps({"benchmark": "pp", "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
+    print(json.dumps({"benchmark": "pp", "smoke": args.smoke, "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
                       "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
                                 "seq_len": args.seq_len},
                       "microbatches": args.microbatches, "micro_batch_size": args.batch,

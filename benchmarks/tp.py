@@ -2,6 +2,7 @@
 
     python benchmarks/tp.py                                    # tp=2, gloo ranks on CPU
     python benchmarks/tp.py --world-sizes 2,4 --kv-heads 4 --device cuda --steps 20
+    python benchmarks/tp.py --smoke                            # tp=2, hidden 32, 1 layer, one step (CI)
 
 What runs. For each world size (= the tp degree; no data parallelism), ranks are spawned (one
 intra-op thread each); every rank builds meshlm's reference Transformer twice from the same seed:
@@ -20,7 +21,9 @@ intra-op thread each); every rank builds meshlm's reference Transformer twice fr
           chunk, so the reference model's `Transformer.forward` derives the RoPE positions from the
           chunk length; the benchmark passes `positions=arange(seq_len)` (meshlm's transform adds
           the same argument with a forward pre-hook). Attention reads its head counts from the
-          projection widths, so it needs no change.
+          projection widths (`out_features`), which `parallelize_module` leaves at the full model's
+          while each rank's weights hold 1/tp of the heads: the peer sets each rank's head counts on
+          the attention modules, as meshlm's `apply_tensor_parallel` does.
 Both see the whole global batch (`--batch` sequences) on every rank; the loss is
 sum(token losses) / tokens. No gradient clipping, constant learning rate.
 
@@ -35,6 +38,8 @@ What is measured, per implementation:
   peak memory   per rank, over that step, with torch's MemTracker (see benchmarks/_common.py).
   loss          the loss of step 1 and of the last timed step of each; they should agree.
 Prints one JSON object with step_time_ratio = meshlm / dtensor (the goal the issue states: <= 0.9).
+--smoke: the same run at tp=2 with a 1-layer model of hidden 32, one timed step, no warmup (benchmarks/
+_common.py SMOKE_MODEL); with --device cuda on a host without the GPUs, a JSON saying so instead.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from _common import (add_common_args, batch, compare, device_of, model_config, parse_world_sizes, print_results,
-                     run_ranks)
+from _common import (SMOKE_MODEL, add_common_args, batch, compare, device_of, model_config, parse_args_smoke,
+                     parse_world_sizes, print_results, print_smoke_skip, run_ranks, smoke_cuda_missing)
 from meshlm.comm import CommStats
 from meshlm.config import TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
@@ -82,6 +87,14 @@ def dtensor_parallelize(model, tp_mesh) -> None:
             "mlp.w_up": ColwiseParallel(),
             "mlp.w_down": RowwiseParallel(output_layouts=Shard(1)),
         })
+        # Attention counts its heads from wq/wk/wv's out_features, which parallelize_module leaves at the
+        # full width; the local outputs hold this rank's heads only (as meshlm's own transform records).
+        tp = tp_mesh.size()
+        attn = block.attn
+        attn.num_heads //= tp
+        attn.num_kv_heads //= tp
+        for linear in (attn.wq, attn.wk, attn.wv):
+            linear.out_features //= tp
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
@@ -129,7 +142,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, world_sizes="2")
     ap.set_defaults(batch=4)
-    args = ap.parse_args()
+    args = parse_args_smoke(ap, SMOKE_MODEL)
+    if args.smoke and (why := smoke_cuda_missing(args)):
+        print_smoke_skip("tp_vs_dtensor", {"run": why})
+        return
     print_results("tp_vs_dtensor", args, [run_ranks(_rank, n, args) for n in parse_world_sizes(args)])
 
 

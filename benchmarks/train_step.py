@@ -6,6 +6,11 @@
 Prints tokens/s, step time (median of the timed steps), peak memory, and MFU against the device's
 peak dense bf16 FLOP/s (on a GPU; on CPU the MFU is against --peak-tflops when given). The model is
 meshlm's reference model, no parallelism: this is the single-device baseline every layout is compared to.
+
+    python benchmarks/train_step.py --smoke      # preset tiny, 1 sequence of 16 tokens, one step (CI)
+
+--smoke: the tiny preset, batch 1, 16 tokens, one timed step, no warmup, on the device --device picks (a
+GPU where there is one); with --device cuda on a host without a GPU, a JSON saying so instead.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from _common import parse_args_smoke, print_smoke_skip  # benchmarks/ is on sys.path when run as a script
 from meshlm.config import ModelConfig, _coerce
 from meshlm.models import build_model
 from meshlm.models.stats import flops_per_token
@@ -36,7 +42,10 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: by GPU name)")
-    args = ap.parse_args()
+    args = parse_args_smoke(ap, dict(preset="tiny", batch=1, seq_len=16, steps=1, warmup=0))
+    if args.smoke and args.device == "cuda" and not torch.cuda.is_available():
+        print_smoke_skip("train_step", {"run": "--device cuda: this machine has no GPU"})
+        return
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
@@ -74,7 +83,7 @@ def main() -> None:
     train_flops = 3 * flops_per_token(cfg, args.seq_len) * tokens_per_step
     peak = args.peak_tflops or (peak_tflops_guess(torch.device(device))[0] if device == "cuda" else 0.0)
     result = {
-        "preset": args.preset, "overrides": overrides, "device": device,
+        "benchmark": "train_step", "smoke": args.smoke, "preset": args.preset, "overrides": overrides, "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "precision": "bf16" if bf16 else "fp32", "batch": args.batch, "seq_len": args.seq_len,
         "params": model.num_params(), "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,

@@ -2,6 +2,10 @@
 
     python benchmarks/zero.py                                  # world sizes 2 and 4, gloo ranks on CPU
     python benchmarks/zero.py --world-sizes 2,4,8 --device cuda --steps 20
+    python benchmarks/zero.py --smoke                          # 2 ranks, hidden 32, 1 layer, one step (CI)
+
+--smoke: the same comparison at world size 2 with a 1-layer model of hidden 32, one timed step, no warmup
+(benchmarks/_common.py SMOKE_MODEL); with --device cuda on a host without the GPUs, a JSON saying so instead.
 
 What runs. For each world size, ranks are spawned (one intra-op thread each); every rank builds
 meshlm's reference Transformer twice from the same seed and shards it over all ranks:
@@ -45,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from _common import (add_common_args, batch, compare, device_of, model_config, parse_world_sizes, print_results,
+from _common import (SMOKE_MODEL, parse_args_smoke, print_smoke_skip, smoke_cuda_missing, add_common_args, batch, compare, device_of, model_config, parse_world_sizes, print_results,
                      run_ranks)
 from meshlm.comm import CommStats
 from meshlm.config import TrainConfig
@@ -100,7 +104,10 @@ def _rank(rank: int, world_size: int, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, world_sizes="2,4")
-    args = ap.parse_args()
+    args = parse_args_smoke(ap, SMOKE_MODEL)
+    if args.smoke and (why := smoke_cuda_missing(args)):
+        print_smoke_skip("zero3_vs_fsdp2", {"run": why})
+        return
     print_results("zero3_vs_fsdp2", args, [run_ranks(_rank, n, args) for n in parse_world_sizes(args)])
 
 

@@ -1,0 +1,32 @@
+"""Every benchmark's smoke mode (`--smoke`), run as a subprocess: it must exit 0 and print one JSON document, so
+a benchmark that breaks fails here instead of rotting unseen.
+
+A smoke run uses the benchmark's own code paths at the smallest sizes for a step or two; where this host lacks
+what it needs (a GPU, root for network namespaces, an optional extra, the published data) it prints a JSON
+saying what it skipped. Nothing here looks at times.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+def test_every_benchmark_is_listed():
+    assert len(BENCHMARKS) >= 13 and "tp.py" in BENCHMARKS
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_benchmark_smoke_mode_prints_json(script):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread a process
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert isinstance(out, dict) and out, done.stdout[-2000:]
+    assert out.get("smoke") is True or "skipped" in out, sorted(out)
