@@ -90,7 +90,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _common import device_of, measure_step, run_ranks, synchronize
+from _common import device_of, measure_step, parse_args_smoke, run_ranks, synchronize
 from meshlm.comm import CommStats
 from meshlm.config import ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
@@ -175,7 +175,11 @@ def parse_args(argv=None):
     step.add_argument("--warmup", type=int, default=1, help="untimed steps before those (default %(default)s)")
     ap.add_argument("--no-peer", action="store_true",
                     help="skip trying torch.distributed.tensor.experimental.context_parallel")
-    args = ap.parse_args(argv)
+    # --smoke: cp 1 and 2, ring and ulysses, a 1-layer model of hidden 32, one step of 2 x 32 tokens, a budget
+    # that the first probes exceed; no peer, no MemTracker peak
+    args = parse_args_smoke(ap, dict(cps="1,2", methods="ring,ulysses", hidden=32, layers=1, heads=2, kv_heads=1,
+                                     vocab=64, budget_mib=2.0, start_tokens=32, granule=8, tolerance=4,
+                                     no_peak=True, step_seq_len=32, steps=1, warmup=0, no_peer=True), argv)
     args.cps = sorted({1, *(int(c) for c in args.cps.split(",") if c.strip())})
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
@@ -604,7 +608,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
     runs = {cp: run_ranks(_rank, cp, args) for cp in args.cps}
-    print(json.dumps(report(args, runs, time.perf_counter() - start), indent=2))
+    print(json.dumps({**report(args, runs, time.perf_counter() - start), "smoke": args.smoke}, indent=2))
 
 
 if __name__ == "__main__":

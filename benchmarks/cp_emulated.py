@@ -52,10 +52,10 @@ from pathlib import Path
 
 import torch
 
-from _common import run_ranks
+from _common import parse_args_smoke, print_smoke_skip, run_ranks
 from cp import planner_estimate, skip_reason, time_steps
 from meshlm.comm import CommStats
-from meshlm.emulate import EmulatedCluster, parse_rate
+from meshlm.emulate import EmulatedCluster, check_host, parse_rate
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.planner.calibrate import emulated_calibration, emulated_machine, measure_tiers, tier_sizes
 from meshlm.planner.cluster import local_cluster
@@ -79,7 +79,11 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (default %(default)s)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per layout (default %(default)s)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default %(default)s)")
-    args = ap.parse_args(argv)
+    # --smoke: 2 nodes x 1 rank (cp 2), ring and Ulysses (the hybrid needs cp >= 4), a 1-layer model of hidden 32,
+    # one step of 2 x 64 tokens over a 1 Gbit/s link; where this host cannot emulate nodes, a JSON saying why
+    args = parse_args_smoke(ap, dict(procs_per_node=1, inter_node_bw="1gbit", methods="ring,ulysses", hidden=32,
+                                     layers=1, heads=2, kv_heads=1, vocab=64, step_seq_len=64, steps=1, warmup=0),
+                            argv)
     args.device = "cpu"
     args.rate_bps = parse_rate(args.inter_node_bw)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -108,6 +112,12 @@ def _rank(rank: int, world: int, args) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.smoke:
+        try:
+            check_host()
+        except (ValueError, RuntimeError, OSError) as e:
+            print_smoke_skip("context_parallel_emulated", {"everything": str(e).splitlines()[0]})
+            return
     start = time.perf_counter()
     machine = emulated_machine()  # alone on the cores, before the ranks start (as `plan calibrate --emulated`)
     with EmulatedCluster(nodes=args.nodes, rate_bps=args.rate_bps) as cluster:
@@ -136,7 +146,7 @@ def main(argv=None) -> None:
     order = {"measured": sorted(rows, key=lambda m: rows[m]["measured_step_ms"]),
              "predicted": sorted(rows, key=lambda m: rows[m]["predicted_step_ms"])}
     print(json.dumps({
-        "benchmark": "context_parallel_emulated",
+        "benchmark": "context_parallel_emulated", "smoke": args.smoke,
         "cluster": {"nodes": args.nodes, "procs_per_node": args.procs_per_node, "cp": args.cp,
                     "inter_node_bw_bps": args.rate_bps,
                     "fits_bytes_per_s": {tier: {k: round(v["bandwidth"]) for k, v in fits.items()}

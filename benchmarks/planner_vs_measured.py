@@ -29,8 +29,8 @@ the cores the ranks got), `median_ratio`, and `median_ratio_uncontended` over th
 measured pass had at least UNCONTENDED of its cores (the host is shared: other work on the same
 cores slows a pass in a way no model of this machine can know).
 
---smoke: one pass, one timed step (after WARMUP) of two layouts -- ZeRO-2 with
-accumulation (DP's no_sync path too), TP 2 + SP -- with a 1-layer model of hidden 32 (SMOKE_MODEL); the calibration, unless
+--smoke: one pass, one timed step (after WARMUP) of one layout -- ZeRO-2 with
+accumulation (DP's no_sync path too) -- with a 1-layer model of hidden 32 (SMOKE_MODEL); the calibration, unless
 --calibration names an existing file, is measured with one repeat into a temporary file. Skips nothing.
 """
 
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     layouts = [spec for spec in LAYOUTS if args.only in (None, _kind(spec))]
     model_kw, seq_len = MODEL, SEQ_LEN
-    if args.smoke:  # ZeRO-2 with accumulation, TP + SP; one pass, one step
-        layouts = [spec for spec in (LAYOUTS[5], LAYOUTS[10]) if spec in layouts]
+    if args.smoke:  # ZeRO-2 with accumulation; one pass, one step
+        layouts = [spec for spec in (LAYOUTS[5],) if spec in layouts]
         model_kw, seq_len = SMOKE_MODEL, SMOKE_SEQ_LEN
         if "--steps" not in (argv or sys.argv[1:]):
             args.steps = 1

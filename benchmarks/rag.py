@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from _common import missing_extras, parse_args_smoke, print_smoke_skip
 from serve import make_model, meshlm_server  # benchmarks/serve.py: the same tiny model and server
 
 SYLLABLES = ["ka", "lo", "mi", "ter", "zu", "van", "rop", "eli", "dus", "gar", "fen", "qui", "bra", "tol", "nex",
@@ -160,7 +161,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a busy machine)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    # --smoke: one index of 200 chunks, 5 queries, a 1-layer model of hidden 32, 2 requests of 2 tokens
+    args = parse_args_smoke(ap, dict(sizes=[200], queries=5, hidden=32, layers=1, vocab=256, ttft_requests=2,
+                                     serve_docs=50, reuse_questions=2, reuse_repeats=2, output_len=2))
+    if args.smoke and (missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx")):
+        print_smoke_skip("rag", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
+        return
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -178,7 +184,7 @@ def main() -> None:
         result["ttft"] = ttft(model, tmp / "serve-ix", docs, args.ttft_requests, args.threads)
         result["prefix_reuse"] = prefix_reuse(model, tmp / "serve-ix", docs, args.reuse_questions, args.reuse_repeats,
                                               args.output_len, args.seed)
-    print(json.dumps(result, indent=2))
+    print(json.dumps({**result, "smoke": args.smoke}, indent=2))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from _common import run_ranks
+from _common import missing_extras, parse_args_smoke, print_smoke_skip, run_ranks
 
 BLOCK_SIZE = 16  # tokens per KV block in the longest-context part
 
@@ -149,7 +149,7 @@ def transformers_process(path: Path, *, same_malloc: bool):
         proc.join(60)
 
 
-def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int, *, continuous: bool = True) -> dict:
     """meshlm's `LLM.generate` and transformers' padded `generate` (and continuous batching, once) on the same
     prompts. Each engine runs `repeats` times on prompts of the same lengths (other token ids each time, so
     meshlm's prefix cache does not help), alternating, and the fastest run of each counts (`timeit`'s rule:
@@ -184,8 +184,11 @@ def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int)
             for worker, runs in ((hf, hf_runs), (hf_same, same_runs)):
                 hf_wall, hf_cpu, hf_faults, hf_out = worker("padded", ps, output_len)
                 runs.append((hf_wall, hf_cpu, hf_faults, sum(h == o.token_ids for h, o in zip(hf_out, out))))
-        hf("continuous", prompts[:4], output_len)
-        cb_s, _, _, cb_tokens = hf("continuous", prompts, output_len)
+        if continuous:
+            hf("continuous", prompts[:4], output_len)
+            cb_s, _, _, cb_tokens = hf("continuous", prompts, output_len)
+        else:
+            cb_s, cb_tokens = None, "not run (--smoke)"
     ours_s, ours_cpu, ours_faults, split, _, steps = min(ours_runs, key=lambda run: run[0])
     hf_s, hf_cpu, hf_faults, _ = min(hf_runs, key=lambda run: run[0])
     same_s = min(run[0] for run in same_runs)
@@ -508,7 +511,16 @@ def main() -> None:
     par.add_argument("--long-output-len", type=int, default=8, help="longest_context's new tokens (default 8)")
     ap.add_argument("--parts", default="offline,online,parallel_offline,parallel_online,longest_context",
                     help="which parts run (default: all)")
-    args = ap.parse_args()
+    # --smoke: a 1-layer model of hidden 128 (4 heads, 2 kv heads); 4 prompts of up to 16 tokens, 2 new tokens each,
+    # offline (without transformers' continuous batching) and online (2 requests), parallel_offline at 1x1 and
+    # 2x1; the rest listed as skipped
+    args = parse_args_smoke(ap, dict(hidden=128, layers=1, vocab=256, num_prompts=4, min_len=4, max_len=16,
+                                     output_len=2, online_requests=2, rate=50.0, repeats=1, par_prompts=2,
+                                     par_max_len=16, par_output_len=2, layouts=parse_layouts("1x1,2x1"),
+                                     parts="offline,online,parallel_offline"))
+    if args.smoke and (missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx")):
+        print_smoke_skip("serve", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
+        return
     parts = set(args.parts.split(","))
     cps = [int(c) for c in args.context_cps.split(",")]
     torch.set_num_threads(args.threads)
@@ -533,7 +545,8 @@ def main() -> None:
                      "not the speedup of separate devices"),
         }
         if "offline" in parts:
-            result["offline"] = offline(path, prompts[:args.num_prompts], args.output_len, args.repeats)
+            result["offline"] = offline(path, prompts[:args.num_prompts], args.output_len, args.repeats,
+                                        continuous=not args.smoke)  # transformers' continuous batching: slow to start
         if "online" in parts:
             result["online"] = online(path, prompts[:args.online_requests], args.output_len, args.rate, args.seed,
                                       torch.get_num_threads())
@@ -548,6 +561,9 @@ def main() -> None:
             result["longest_context"] = longest_context(path, tokens, args.long_output_len, args.kv_blocks_per_rank,
                                                         cps)
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
+    if args.smoke:
+        result["smoke"] = True
+        result["skipped"] = {p: "not in --smoke" for p in ("parallel_online", "longest_context") if p not in parts}
     print(json.dumps(result, indent=2))
 
 
