@@ -70,6 +70,8 @@ LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)
     "cp2xep2": (4, ["parallel.cp=2", "parallel.ep=2"], {"ep", "cp", "dp_cp"}),
     "cp2xtp2xep2": (8, ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2"], {"ep", "cp", "tp", "dp_cp"}),
     "cp2_ulyssesxep2": (4, ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.ep=2"], {"ep", "cp", "dp_cp"}),
+    "cp4_hybridxep2": (4, ["parallel.cp=4", "parallel.cp_ulysses=2", "parallel.ep=2"],
+                       {"ep", "cp_ulysses", "cp_ring", "dp_cp"}),
     "cp2xtp2_bias": (4, ["parallel.cp=2", "parallel.tp=2", "model.router_bias_update_rate=0.01"], {"cp", "tp"}),
     # pipeline parallelism: each stage adds its MoE layers' load-balancing losses to its own backward
     "pp2_moe_1f1b": (2, ["parallel.pp=2"], {"pp"}),
