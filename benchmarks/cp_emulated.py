@@ -45,7 +45,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path

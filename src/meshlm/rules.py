@@ -116,7 +116,8 @@ def check_context_parallel(model, cp: int, *, seq_len: int, tp: int, sequence_pa
     if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
         raise ValueError(f"train.seq_len / parallel.cp = {seq_len // cp} tokens per rank is not divisible by "
                          f"parallel.tp={tp} (sequence parallelism splits them over the tp ranks); set "
-                         f"train.seq_len to a multiple of {math.lcm(2 * cp, cp * tp)}, or parallel.sequence_parallel=false")
+                         f"train.seq_len to a multiple of {math.lcm(2 * cp, cp * tp)}, or "
+                         "parallel.sequence_parallel=false")
 
 
 def check_expert_parallel(model, ep: int) -> None:

@@ -247,7 +247,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mesh: Mesh, axis: str, chunks_of):
-        cp, r = mesh.size(axis), mesh.local_rank(axis)
+        r = mesh.local_rank(axis)
         cdt = torch.promote_types(q.dtype, torch.float32)
         with _no_autocast(q.device.type):
             qc = q.to(cdt)

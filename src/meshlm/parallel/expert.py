@@ -245,7 +245,8 @@ def update_router_biases(model: nn.Module, mesh: Mesh | None = None, *,
 
     The load is each expert's router assignments over the training forwards since the last update,
     summed over `axis` (the ranks that see different tokens, one axis or several: under sequence
-    parallelism also "tp"; collective there) when `mesh` is given, so every rank applies the same update. MoEs without `model.router_bias_update_rate` are skipped.
+    parallelism also "tp"; collective there) when `mesh` is given, so every rank applies the same update.
+    MoEs without `model.router_bias_update_rate` are skipped.
     """
     moes = [m for m in model.modules() if isinstance(m, MoE) and m.router_bias is not None]
     if not moes:

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from meshlm.config import ModelConfig, zero3_reshards
 from meshlm.dims import ParallelDims
-from meshlm.rules import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES, check_ep_groups, check_layout_numbers
+from meshlm.rules import CP_METHODS  # noqa: F401 (re-exported to cost and search)
+from meshlm.rules import RECOMPUTE_MODES, check_ep_groups, check_layout_numbers
 
 RECOMPUTE = RECOMPUTE_MODES  # parallel.recompute's (`meshlm.rules`)
 PRECISIONS = ("bf16", "fp8", "fp32")
