@@ -188,3 +188,27 @@ def _dump_stacks(procs, running, stack_dir) -> dict[int, str]:
         path = Path(stack_dir) / f"rank{r}.txt"
         stacks[r] = path.read_text() if path.exists() else ""
     return stacks
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc; a launcher's ranks)."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(found)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children first."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop(0))
+        out += kids
+        todo += kids
+    return out

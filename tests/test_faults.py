@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dist import children
 from runs import SMALL_MODEL
 
 SETTINGS = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4",
@@ -41,20 +42,6 @@ def start(run_dir: Path, text_file: Path, *flags: str, extra=()) -> subprocess.P
             *[a for s in sets for a in ("--set", s)]]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (the launcher's ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found)
 
 
 def alive(pid: int) -> bool:

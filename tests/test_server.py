@@ -46,7 +46,6 @@ def server_process(argv: list[str], port: int):
     """`meshlm <argv>` in a session of its own, without the launcher variables of any enclosing launch;
     yields (the process, its URL) once GET /health answers 200; kills it and its ranks on the way out."""
     import os
-    import signal
     import subprocess
     import sys
 
@@ -68,9 +67,36 @@ def server_process(argv: list[str], port: int):
             pytest.fail("the server did not come up")
         yield proc, url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_tree(proc)
+
+
+def stop_process_tree(proc) -> None:
+    """SIGTERM to `proc`'s process group (the launcher stops its ranks), SIGKILL after 10 s, then SIGKILL to
+    whatever of its descendants is left: no server or rank outlives its test."""
+    import os
+    import signal
+    import subprocess
+
+    from dist import descendants
+
+    # torch's launcher starts each rank in a session of its own: the launcher's process group does not hold them
+    tree = descendants(proc.pid) if proc.poll() is None else []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=10)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def free_port() -> int:
@@ -114,7 +140,6 @@ def launched(model_dir, port: int, *flags: str):
     """`meshlm serve` in a subprocess of its own session (it starts its own ranks with --tp/--cp); its URL
     once /health answers; the whole process group stopped on exit."""
     import os
-    import signal
     import subprocess
     import sys
 
@@ -136,12 +161,7 @@ def launched(model_dir, port: int, *flags: str):
             time.sleep(0.1)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_tree(proc)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
