@@ -107,9 +107,7 @@ def test_the_planner_accepts_and_prices_exactly_what_the_runtime_accepts(preset)
     summary, cluster = ModelSummary.build(cfg.model, job.seq_len), get_cluster("h100")
     disagree, priced = [], 0
     for world, d in _combinations(cfg):
-        layout_cfg = cfg_of(preset)
-        for key, value in d.items():
-            setattr(layout_cfg.parallel, key, value)
+        layout_cfg = verify.with_degrees(cfg, d)
         verdicts = []
         for check in (lambda: check_layout(layout_cfg, world),
                       lambda: validate_layout(cfg.model, job, _planner_layout(d, cfg), gpus=world)):

@@ -53,7 +53,7 @@ class ModelConfig:
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
-    tie_embeddings: bool = False  # lm_head shares the embedding weight (with pp > 1: refused, not implemented yet)
+    tie_embeddings: bool = False  # lm_head shares the embedding weight (under pp: two copies kept equal, pipeline.py)
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
     # Mixture of Experts

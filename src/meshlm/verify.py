@@ -405,6 +405,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def with_degrees(cfg: Config, degrees: dict[str, int]) -> Config:
+    """A copy of `cfg` with these parallel degrees (the other parallel settings as they are)."""
+    out = copy.deepcopy(cfg)
+    for key, value in degrees.items():
+        setattr(out.parallel, key, value)
+    return out
+
+
 def all_layouts(cfg: Config, *, max_ranks: int) -> tuple[list[tuple[int, dict[str, int]]], dict[str, int]]:
     """Every (dp_replicate, dp_shard, tp, pp, cp, ep, zero_stage) of 2..`max_ranks` ranks for `cfg`'s model
     and batch (ep > 1 only for a MoE model), the rest of `cfg.parallel` as it is: ([(ranks, degrees)] that
@@ -423,11 +431,8 @@ def all_layouts(cfg: Config, *, max_ranks: int) -> tuple[list[tuple[int, dict[st
                 for zero_stage in (0, 1, 2, 3):
                     degrees = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                    zero_stage=zero_stage)
-                    layout = copy.deepcopy(cfg)
-                    for key, value in degrees.items():
-                        setattr(layout.parallel, key, value)
                     try:
-                        check_layout(layout, world)
+                        check_layout(with_degrees(cfg, degrees), world)
                     except ValueError as e:
                         # one entry per kind of refusal: the numbers (which differ layout to layout) as N
                         reason = re.sub(r"\d+", "N", str(e).split(";")[0].split(" (")[0])
@@ -459,9 +464,7 @@ def main_all_layouts(cfg: Config, *, max_ranks: int, sample: int = 0, seed: int 
           file=out, flush=True)
     counts = {"MATCH": 0, "MISMATCH": 0, "FAILED": 0}
     for world, degrees in chosen:
-        layout = copy.deepcopy(cfg)
-        for key, value in degrees.items():
-            setattr(layout.parallel, key, value)
+        layout = with_degrees(cfg, degrees)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="meshlm-verify-") as root, open(Path(root) / "verify.log", "w") as own:
             try:

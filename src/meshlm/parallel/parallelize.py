@@ -15,7 +15,7 @@ data parallelism, plain or ZeRO-1/2/3 (ZeRO reduce-scatters over "dp_shard" -- "
 context parallelism -- and all-reduces the shards over "dp_replicate"); tensor parallelism with or
 without sequence parallelism, DP and ZeRO working on the TP-local shards; pipeline parallelism (the model
 split into this rank's stage first; ZeRO-3 gathers per stage, `parallel.zero3_reshard_after_forward`;
-tied embeddings as two copies summed over "pp_ends", `pipeline.TiedEmbedding`); context parallelism
+tied embeddings as two copies summed over "pp_ends", `tied.TiedEmbedding`); context parallelism
 (ring, all-gather, Ulysses and the hybrid; the cp ranks join the data-parallel ones in the gradient
 reduction, "dp_cp"); expert parallelism (the experts' gradients -- and under ZeRO their shards -- over
 "ep_dp"); MoE layers under SP and cp (their load-balancing counts summed over the ranks that split a
@@ -38,9 +38,9 @@ from meshlm.parallel.context import ContextParallel, apply_context_parallel
 from meshlm.parallel.data import DataParallel, apply_data_parallel
 from meshlm.parallel.expert import apply_expert_parallel, balance_over, expert_mesh
 from meshlm.parallel.materialize import ShardInit, materialize
-from meshlm.parallel.pipeline import (PipelineStage, TiedEmbedding, counted, default_layers_per_stage,
-                                     pipeline_grad_norm, split_model, tied_embedding_mesh)
+from meshlm.parallel.pipeline import PipelineStage, default_layers_per_stage, pipeline_grad_norm, split_model
 from meshlm.parallel.recompute import apply_recompute
+from meshlm.parallel.tied import TiedEmbedding, counted, tied_embedding_mesh
 from meshlm.parallel.tensor import apply_tensor_parallel, sum_moe_grads_over_tp, tensor_parallel_grad_norm
 from meshlm.parallel.zero import ZeroGroup, ZeroSharding, apply_zero
 from meshlm.rules import check_expert_parallel, check_layout_numbers, check_tensor_parallel
@@ -184,8 +184,9 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, *, broad
 
     Every rank of the mesh must call it. `broadcast=True` makes data-parallel replicas start from
     coordinate 0's weights (see `apply_data_parallel`). `seq_len` (train.seq_len; None: the model's
-    max_seq_len) prices the pipeline's default split (`pp_layers`). Raises ValueError for a setting that is
-    not implemented yet, or for a model that was parallelized already, before changing anything.
+    max_seq_len) prices the pipeline's default split (`pp_layers`). Raises ValueError for a mesh that does not
+    match `parallel`, a model `meshlm.rules` refuses, or a model that was parallelized already, before
+    changing anything.
 
     A model on the meta device (`build_model(..., materialize=False)`) is split as it is, then each rank
     gives values only to what it holds (`init`, a `materialize.ShardInit`; its mesh is set here): no rank

@@ -190,7 +190,7 @@ class ZeroSharding(GradientBuckets):
                 lambda b, i, p: torch.full(p.shape, float(getattr(p, "_meshlm_shard", (None,))[0] == "tp"),
                                            dtype=p.dtype, device=p.device)).bool()
         # Elements the gradient norm skips (None: none): a tied head's copy of the embedding under pp, counted
-        # on the first stage (`pipeline.TiedEmbedding`).
+        # on the first stage (`tied.TiedEmbedding`).
         self.uncounted = None
         if any(getattr(p, "_meshlm_tied_copy", False) for b in buckets for p in b.params):
             self.uncounted = self.local_shard(

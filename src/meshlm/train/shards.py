@@ -148,7 +148,7 @@ def _tags(model: nn.Module) -> dict[str, tuple[str, int] | None]:
 
 
 def _tied_names(model: nn.Module) -> dict[str, str]:
-    """Under pipeline parallelism the last stage's copy of a tied embedding (`pipeline.TiedEmbedding`) is
+    """Under pipeline parallelism the last stage's copy of a tied embedding (`parallel.tied.TiedEmbedding`) is
     named "lm_head.weight" there; one process keeps its optimizer state as "embed.weight", and so does
     the checkpoint: {this rank's name: the checkpoint's}."""
     head = getattr(model, "lm_head", None)

@@ -56,7 +56,8 @@ from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallel
 from meshlm.liveness import Heartbeat
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
-from meshlm.parallel.pipeline import counted, run_pipeline_step, write_timeline
+from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
+from meshlm.parallel.tied import counted
 from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.schedules import build_schedule
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
