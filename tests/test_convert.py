@@ -92,7 +92,7 @@ def test_meshlm_to_hf_logits_match(case, tmp_path, capsys):
 
 def test_to_hf_dtype_step_dir_and_byte_tokenizer(tmp_path):
     """A step_N directory converts too; --dtype; a byte-level run gets an equivalent tokenizer.json."""
-    from meshlm.train.data import ByteTokenizer
+    from meshlm.tokenizer import ByteTokenizer
 
     _meshlm_run(tmp_path / "run", ModelConfig(**{**DENSE, "vocab_size": 256}), seed=1)
     step = tmp_path / "run" / "checkpoints" / "step_000007"

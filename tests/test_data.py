@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from meshlm.config import DataConfig
+from meshlm.tokenizer import ByteTokenizer, load_tokenizer
 from meshlm.train.data import (
     BatchLoader,
-    ByteTokenizer,
     build_datasets,
-    load_tokenizer,
     pack,
     read_documents,
     split_documents,
@@ -76,7 +75,7 @@ def test_hf_tokenizer_json(tmp_path):
     hf = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
     hf.save(str(tmp_path / "tokenizer.json"))
-    tok = load_tokenizer(DataConfig(tokenizer=str(tmp_path / "tokenizer.json")))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
     assert tok.vocab_size == 5 and tok.eos_token_id == 1
     assert tok.encode("ab a") == [4, 2]
     assert tok.encode_documents(["ab", "b"]).tolist() == [4, 1, 3, 1]

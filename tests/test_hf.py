@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from meshlm.config import ConfigError, ModelConfig  # noqa: E402
 from meshlm.generation import generate  # noqa: E402
 from meshlm.models import build_model  # noqa: E402
-from meshlm.models.hf import load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
+from meshlm.models.hf import load_pretrained, save_pretrained  # noqa: E402
+from meshlm.tokenizer import HFTokenizer  # noqa: E402
 from meshlm.models.transformer import rope_inv_freq  # noqa: E402
 from runs import randomize_weights  # noqa: E402
 
@@ -252,11 +253,10 @@ def test_bf16_load_and_tokenizer(pair, prompts, tmp_path):
         assert (half(prompts).float() - ours(prompts)).abs().max().item() < 0.1 * ours(prompts).abs().max().item()
     if ours.config.tie_embeddings:
         assert half.lm_head.weight is half.embed.weight
-    with pytest.raises(ValueError, match="tokenizer.json"):
-        load_tokenizer(path)
+    assert HFTokenizer.from_dir(path) is None  # no tokenizer.json there
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"[UNK]": 0, "hello": 1, "world": 2}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert load_tokenizer(tmp_path).encode("hello world") == [1, 2]
+    assert HFTokenizer.from_dir(tmp_path).encode("hello world") == [1, 2]

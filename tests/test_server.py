@@ -324,7 +324,7 @@ def test_chat_templates():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
 
-    from meshlm.infer.tokenizer import Tokenizer
+    from meshlm.tokenizer import HFTokenizer as Tokenizer
 
     raw = HFTokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -343,7 +343,7 @@ def test_chat_template_errors_are_4xx():
     from tokenizers import models
 
     from meshlm.infer.server import create_app
-    from meshlm.infer.tokenizer import Tokenizer
+    from meshlm.tokenizer import HFTokenizer as Tokenizer
 
     raw = HFTokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     tok = Tokenizer(raw, chat_template="{{ raise_exception('Conversation roles must alternate') }}")

@@ -150,7 +150,7 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
     """Evaluate on this process, or as one rank of the default process group (every rank calls it;
     every rank gets the same result). `data` given: all of it; else the run's validation split.
     `prepared`: what `eval_config` returned for these arguments (it is not done twice)."""
-    from meshlm.train.data import load_tokenizer
+    from meshlm.tokenizer import load_tokenizer
 
     cfg, source = prepared or eval_config(checkpoint=checkpoint, hf=hf, data=data, overrides=overrides)
     if data is not None:
@@ -158,9 +158,9 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
     evaluator = Evaluator(cfg, weights=_weights_loader(source))
     saved = source.get("checkpoint")
     if saved is not None and (saved / "tokenizer.json").is_file():  # the copy the run saved (verified)
-        tokenizer = load_tokenizer(DataConfig(tokenizer=str(saved / "tokenizer.json")))
+        tokenizer = load_tokenizer(saved / "tokenizer.json")
     else:  # data.tokenizer, or bytes
-        tokenizer = load_tokenizer(cfg.data)
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
     dataset, where = _eval_dataset(cfg, tokenizer)
     batch = cfg.train.global_batch_size
     num_batches = len(dataset) // batch

@@ -23,7 +23,7 @@ from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingParams, Sequence
-from meshlm.infer.tokenizer import Tokenizer
+from meshlm.tokenizer import Tokenizer
 from meshlm.models.transformer import Transformer
 
 

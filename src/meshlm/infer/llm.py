@@ -17,26 +17,8 @@ import torch
 from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.host_memory import reuse_freed_host_memory
 from meshlm.infer.sequence import SamplingParams
-from meshlm.infer.tokenizer import Tokenizer, read_eos_token_ids
+from meshlm.tokenizer import HFTokenizer, Tokenizer, read_eos_token_ids
 from meshlm.models.transformer import Transformer
-
-
-class _WrappedTokenizer(Tokenizer):
-    """A meshlm training tokenizer (ByteTokenizer / HFTokenizer of meshlm.train.data) seen as ours."""
-
-    def __init__(self, tok):
-        eos = getattr(tok, "eos_token_id", None)
-        super().__init__(tok, eos_token_ids=(eos,) if eos is not None else ())
-
-    @property
-    def vocab_size(self) -> int:
-        return int(getattr(self.tokenizer, "vocab_size", 0))
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids)
 
 
 def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -49,11 +31,11 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
     if (path / "config.json").is_file():
         from meshlm.models.hf import load_pretrained
 
-        return load_pretrained(path, dtype=dtype, device=device).eval(), Tokenizer.from_dir(path)
+        return load_pretrained(path, dtype=dtype, device=device).eval(), HFTokenizer.from_dir(path)
     from meshlm.train.checkpoint import load_checkpoint_for_inference
 
     net, _, tok = load_checkpoint_for_inference(path, device=device, dtype=dtype)
-    return net, _WrappedTokenizer(tok)
+    return net, tok
 
 
 def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1, stats=None):

@@ -13,7 +13,7 @@ Not responsible for: the engine itself, tensor parallelism, or TLS (put a proxy 
 127.0.0.1 unless told otherwise.
 
 Chat prompts use the model's chat template; a tokenizer without one gets the fallback template
-documented in `meshlm.infer.tokenizer` (`<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`).
+documented in `meshlm.tokenizer` (`<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at runtime.

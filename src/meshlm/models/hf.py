@@ -6,7 +6,7 @@ mapping Hugging Face tensor names to ours, stacking per-expert weights into our 
 (from the classic one-module-per-expert layout and from transformers 5's fused `gate_up_proj`
 layout); refusing missing, unexpected, duplicated or misshapen tensors with a ValueError that names
 the tensor; and writing our model back as a classic per-expert checkpoint.
-Not responsible for: tokenization (`load_tokenizer` hands over to `meshlm.infer.tokenizer`), the
+Not responsible for: tokenization (`meshlm.tokenizer`), the
 sharded checkpoints of training runs (`meshlm.train.checkpoint`), or quantised weights.
 transformers itself is not imported: the safetensors library reads and writes the files.
 """
@@ -106,16 +106,6 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, *,
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks tensors for: {', '.join(missing)}")
     return model
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a Hugging Face directory (`meshlm.infer.tokenizer.Tokenizer`), from tokenizer.json."""
-    from meshlm.infer.tokenizer import Tokenizer  # local: the model package does not need the engine
-
-    tokenizer = Tokenizer.from_dir(path)
-    if tokenizer is None:
-        raise ValueError(f"no tokenizer.json in {str(path)!r}; pass a Hugging Face directory that has one")
-    return tokenizer
 
 
 def _read_safetensors(path: Path):

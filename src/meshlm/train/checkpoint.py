@@ -729,7 +729,7 @@ def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.devic
                                   dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Config, Any]:
     """(model in eval mode, config, tokenizer) from a run directory or a checkpoint; no optimizer state."""
     from meshlm.models import build_model
-    from meshlm.train.data import ByteTokenizer, HFTokenizer
+    from meshlm.tokenizer import load_tokenizer
 
     ckpt = resolve_checkpoint(path)
     listed = verify_checkpoint(ckpt)["files"]  # before meta.json is parsed
@@ -737,10 +737,6 @@ def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.devic
     cfg = config_from_dict(meta["config"])
     model = build_model(cfg.model, seed=cfg.train.seed)
     load_weights(ckpt, model, checksums=False)  # verified just above
-    if "tokenizer.json" in listed:  # the copy the run saved (verified), never a stray file
-        tokenizer = HFTokenizer(ckpt / "tokenizer.json")
-    elif cfg.data.tokenizer:
-        tokenizer = HFTokenizer(cfg.data.tokenizer)
-    else:
-        tokenizer = ByteTokenizer()
+    # The copy the run saved (verified), never a stray file; else data.tokenizer, or bytes.
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json" if "tokenizer.json" in listed else cfg.data.tokenizer)
     return model.to(device=device, dtype=dtype).eval(), cfg, tokenizer

@@ -17,92 +17,13 @@ import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from meshlm.config import DataConfig
-
-# --------------------------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------------------------
-
-
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-    def encode_documents(self, texts: list[str]) -> np.ndarray: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no special tokens, nothing to download."""
-
-    vocab_size = 256
-    eos_token_id: int | None = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def encode_documents(self, texts: list[str]) -> np.ndarray:
-        """One token stream for many documents, joined by a blank line (vectorised: no Python loop per byte)."""
-        blob = "\n\n".join(texts).encode("utf-8")
-        return np.frombuffer(blob, dtype=np.uint8).astype(np.int32)
-
-
-class HFTokenizer:
-    """A Hugging Face `tokenizer.json` through the `tokenizers` library (an optional dependency)."""
-
-    def __init__(self, path: str | Path):
-        try:
-            from tokenizers import Tokenizer as _HFTokenizer
-        except ImportError:
-            raise ValueError(f"data.tokenizer={str(path)!r} needs the `tokenizers` package; install the "
-                             "`hf` extra (pip install 'meshlm[hf]') or leave data.tokenizer empty for bytes") from None
-        self.path = str(path)
-        self._tok = _HFTokenizer.from_file(self.path)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eos = next((t for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
-                    if self._tok.token_to_id(t) is not None), None)
-        self.eos_token_id = self._tok.token_to_id(eos) if eos else None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def encode_documents(self, texts: list[str]) -> np.ndarray:
-        """Documents are encoded in one batch call (parallel in Rust) and joined by EOS when it exists."""
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
-        sep = [self.eos_token_id] if self.eos_token_id is not None else []
-        parts = []
-        for enc in encodings:
-            parts.append(np.asarray(enc.ids, dtype=np.int32))
-            if sep:
-                parts.append(np.asarray(sep, dtype=np.int32))
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-
-
-def load_tokenizer(data: DataConfig) -> ByteTokenizer | HFTokenizer:
-    """Bytes unless `data.tokenizer` names a `tokenizer.json`."""
-    if not data.tokenizer:
-        return ByteTokenizer()
-    path = Path(data.tokenizer)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.exists():
-        raise ValueError(f"data.tokenizer={data.tokenizer!r} does not exist; pass a tokenizer.json "
-                         "(or a folder holding one), or leave it empty for bytes")
-    return HFTokenizer(path)
-
+from meshlm.tokenizer import Tokenizer
 
 # --------------------------------------------------------------------------------------------
 # Sources
@@ -237,7 +158,7 @@ def pack(tokens: np.ndarray | torch.Tensor, seq_len: int) -> PackedDataset:
 
 
 def build_datasets(data: DataConfig, *, seq_len: int,
-                   tokenizer: ByteTokenizer | HFTokenizer) -> tuple[PackedDataset, PackedDataset]:
+                   tokenizer: Tokenizer) -> tuple[PackedDataset, PackedDataset]:
     """Read, split, tokenize and pack: (train, validation). Cached in memory only, by the caller."""
     train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
     train = pack(tokenizer.encode_documents(train_docs), seq_len)

@@ -73,7 +73,8 @@ from meshlm.train.checkpoint import (
     saved_layout,
     set_rng_state,
 )
-from meshlm.train.data import BatchLoader, build_datasets, load_tokenizer, validation_batches
+from meshlm.tokenizer import load_tokenizer
+from meshlm.train.data import BatchLoader, build_datasets, validation_batches
 from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess, remove_tracker_files
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -149,7 +150,7 @@ class Trainer:
         self.check_run_dir(resume=resume, overwrite=overwrite, world_size=world_size)
         self.setup_mesh(dims)
 
-        self.tokenizer = load_tokenizer(cfg.data)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
                              f"{cfg.model.vocab_size}; set model.vocab_size >= {self.tokenizer.vocab_size}")

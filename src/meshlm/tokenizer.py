@@ -1,0 +1,203 @@
+"""Text <-> token ids, one type for training and serving: bytes, or a Hugging Face `tokenizer.json`.
+
+Responsible for: the `Tokenizer` base every tokenizer here shares (encode, decode, the end-of-sequence ids,
+chat rendering); `ByteTokenizer` (UTF-8 bytes, vocabulary 256, nothing to download); `HFTokenizer` (a
+`tokenizer.json` through the `tokenizers` library, no transformers needed), read either alone (what a
+training run names in `data.tokenizer`) or from a Hugging Face model directory (its end-of-sequence ids from
+config.json / generation_config.json / tokenizer_config.json, its chat template); `load_tokenizer`, the one
+way a training run gets its tokenizer; and `encode_documents`, the token stream training packs.
+
+Chat messages are rendered with the model's chat template (jinja, sandboxed, as Hugging Face does) or, for a
+tokenizer without one, with this fallback template:
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+(each message as `<|role|>`, a newline, its content and a newline; then `<|assistant|>` and a newline to
+prompt the reply).
+
+A tokenizer a meshlm run trained with is `plain`: training packed documents without special tokens (an EOS
+between documents), so its text is encoded without them and decoded with them kept, as it was seen.
+Not responsible for: training tokenizers, detokenizing incrementally (infer/engine.py), the corpus
+(meshlm.train.data).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+# Names an end-of-sequence token goes by in tokenizer.json files that come without a model directory.
+_EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+
+class Tokenizer:
+    """What training, generation and the server need of a tokenizer."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = {}
+    _template = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool | None = None) -> str:
+        raise NotImplementedError
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        """One int32 token stream for many documents, each followed by EOS when there is one."""
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text for chat `messages` ([{"role": ..., "content": ...}]), ending where the reply starts."""
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
+        return self._template.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=self.special_tokens.get("bos_token", ""),
+                                     eos_token=self.special_tokens.get("eos_token", ""))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # A template writes the special tokens (e.g. BOS) itself; the fallback one does not.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=self.chat_template is None)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens: vocabulary 256, no special tokens, nothing to download."""
+
+    vocab_size = 256
+
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool | None = None) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        """Documents joined by a blank line (vectorised: no Python loop per byte)."""
+        blob = "\n\n".join(texts).encode("utf-8")
+        return np.frombuffer(blob, dtype=np.uint8).astype(np.int32)
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer` with its end-of-sequence ids and chat template."""
+
+    def __init__(self, tokenizer, *, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None, plain: bool = False, path: str | None = None):
+        self.tokenizer = tokenizer  # a `tokenizers.Tokenizer`
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens or {}
+        self.plain = plain
+        self.path = path
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "HFTokenizer":
+        """A lone tokenizer.json, as a training run names it: plain, EOS found by its usual names."""
+        tok = _read_tokenizer_json(Path(path))
+        eos = next((tok.token_to_id(t) for t in _EOS_NAMES if tok.token_to_id(t) is not None), None)
+        return cls(tok, eos_token_ids=(eos,) if eos is not None else (), plain=True, path=str(path))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "HFTokenizer | None":
+        """The tokenizer of a Hugging Face directory, or None if it has no tokenizer.json."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            return None
+        tok = _read_tokenizer_json(path / "tokenizer.json")
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        special = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = tok_cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        eos = list(read_eos_token_ids(path))
+        if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
+            t = tok.token_to_id(special["eos_token"])
+            if t not in eos:
+                eos.append(t)
+        template = tok_cfg.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(tok, eos_token_ids=tuple(eos), chat_template=template, special_tokens=special,
+                   path=str(path / "tokenizer.json"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        add = not self.plain if add_special_tokens is None else add_special_tokens
+        return self.tokenizer.encode(text, add_special_tokens=add).ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool | None = None) -> str:
+        skip = not self.plain if skip_special_tokens is None else skip_special_tokens
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip)
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        """Documents encoded in one batch call (parallel in Rust), each followed by EOS when there is one."""
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        sep = [np.asarray([self.eos_token_id], dtype=np.int32)] if self.eos_token_id is not None else []
+        parts = [p for enc in encodings for p in [np.asarray(enc.ids, dtype=np.int32), *sep]]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """The tokenizer a training run names in `data.tokenizer`: bytes for no path, else a tokenizer.json (or a
+    folder holding one), plain. A Hugging Face model directory, with its own EOS ids and chat template, is
+    `HFTokenizer.from_dir`."""
+    if not path:
+        return ByteTokenizer()
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ValueError(f"tokenizer {str(path)!r} is not a tokenizer.json nor a folder holding one; pass one, "
+                         "or leave data.tokenizer empty for bytes")
+    return HFTokenizer.from_file(p)
+
+
+def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
+    """End-of-sequence ids named by a Hugging Face directory's generation_config.json / config.json."""
+    eos: list[int] = []
+    for cfg in (_read_json(Path(path) / "generation_config.json"), _read_json(Path(path) / "config.json")):
+        value = cfg.get("eos_token_id")
+        for t in (value if isinstance(value, list) else [value]):
+            if isinstance(t, int) and t not in eos:
+                eos.append(t)
+    return tuple(eos)
+
+
+def _read_tokenizer_json(path: Path):
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+    except ImportError:
+        raise ValueError(f"tokenizer {str(path)!r} needs the `tokenizers` package; install the `hf` extra "
+                         "(pip install 'meshlm[hf]') or train on bytes (an empty data.tokenizer)") from None
+    return RustTokenizer.from_file(str(path))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _raise(message: str):
+    raise ValueError(message)
