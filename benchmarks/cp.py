@@ -91,7 +91,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from _common import device_of, measure_step, parse_args_smoke, run_ranks, synchronize
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.config import ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model

@@ -53,7 +53,7 @@ import torch
 
 from _common import parse_args_smoke, print_smoke_skip, run_ranks
 from cp import planner_estimate, skip_reason, time_steps
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.emulate import EmulatedCluster, check_host, parse_rate
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.planner.calibrate import emulated_calibration, emulated_machine, measure_tiers, tier_sizes

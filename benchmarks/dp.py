@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.config import ModelConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models.transformer import build_model

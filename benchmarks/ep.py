@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from _common import SMOKE_MODEL, parse_args_smoke, print_smoke_skip, smoke_cuda_missing, add_common_args, batch, device_of, measure_step, parse_world_sizes, run_ranks, time_alternating
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.config import ModelConfig, ParallelConfig, TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model

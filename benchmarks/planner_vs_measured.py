@@ -120,7 +120,7 @@ def _model_state_bytes(model, opt, dp, zero) -> dict:
 
 def _rank(rank: int, world: int, port: int, spec: tuple, steps: int, out_queue, model_kw: dict = MODEL,
           seq_len: int = SEQ_LEN) -> None:
-    from meshlm.comm import CommStats
+    from meshlm.comm_stats import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.data import apply_data_parallel

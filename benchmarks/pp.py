@@ -19,7 +19,7 @@ between the two so that load from other processes hits both alike. Schedules, ou
 Prints one JSON object: per (pp, schedule) the median and minimum step time of each, their ratio,
 both losses of the first step (they must agree), and our measured bubble fraction (idle time of the
 busiest rank over its busy time, from the executor's per-action timeline of the last step) next to the
-simulator's prediction for that step (`pipeline.simulate_measured`: every action its measured time, the
+simulator's prediction for that step (`timeline.simulate_measured`: every action its measured time, the
 measured comm latency and host gap between actions, both also printed) and for equal action times.
 """
 
@@ -35,9 +35,9 @@ from torch import nn
 
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models.transformer import build_model
-from meshlm.parallel.pipeline import (measured_overheads, measured_timeline, run_pipeline_step, simulate_measured,
-                                     split_model, token_loss_sum)
-from meshlm.parallel.schedules import build_schedule, simulate
+from meshlm.parallel.pipeline import run_pipeline_step, split_model, token_loss_sum
+from meshlm.schedules import build_schedule, simulate
+from meshlm.timeline import measured_overheads, measured_timeline, simulate_measured
 
 from _common import (SMOKE_MODEL, parse_args_smoke, print_smoke_skip, smoke_cuda_missing, add_common_args, batch, device_of, model_config, parse_world_sizes, run_ranks,  # noqa: E402
                      time_alternating)

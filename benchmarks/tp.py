@@ -54,7 +54,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from _common import (SMOKE_MODEL, add_common_args, batch, compare, device_of, model_config, parse_args_smoke,
                      parse_world_sizes, print_results, print_smoke_skip, run_ranks, smoke_cuda_missing)
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.config import TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model

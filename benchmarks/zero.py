@@ -51,7 +51,7 @@ from torch.distributed.fsdp import fully_shard
 
 from _common import (SMOKE_MODEL, parse_args_smoke, print_smoke_skip, smoke_cuda_missing, add_common_args, batch, compare, device_of, model_config, parse_world_sizes, print_results,
                      run_ranks)
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.config import TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model

@@ -34,7 +34,7 @@ def _bench_cp():
 def _steps_worker(rank, world_size):
     import torch
 
-    from meshlm.comm import CommStats
+    from meshlm.comm_stats import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
 
     bench = _bench_cp()

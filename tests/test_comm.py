@@ -5,7 +5,7 @@ import torch
 
 from dist import run_distributed
 from meshlm import comm
-from meshlm.comm import CommEvent, CommStats
+from meshlm.comm_stats import CommEvent, CommStats
 from meshlm.mesh import Mesh, ParallelDims, build_mesh
 
 ATOL = 1e-6

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dist import run_distributed
-from meshlm.comm import CommEvent, CommStats
+from meshlm.comm_stats import CommEvent, CommStats
 from meshlm.config import ModelConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models.transformer import build_model

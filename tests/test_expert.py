@@ -13,7 +13,7 @@ import torch
 
 from dist import run_distributed
 from meshlm import comm
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.config import ModelConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model

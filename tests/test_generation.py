@@ -1,4 +1,4 @@
-"""meshlm.generation.generate: greedy against a cache-free argmax loop, sampling knobs, batches, errors."""
+"""meshlm.models.generation.generate: greedy against a cache-free argmax loop, sampling knobs, batches, errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshlm.config import ModelConfig
-from meshlm.generation import generate
+from meshlm.models.generation import generate
 from meshlm.models import build_model
 
 CONFIG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from meshlm.config import ConfigError, ModelConfig  # noqa: E402
-from meshlm.generation import generate  # noqa: E402
+from meshlm.models.generation import generate  # noqa: E402
 from meshlm.models import build_model  # noqa: E402
 from meshlm.models.hf import load_pretrained, save_pretrained  # noqa: E402
 from meshlm.tokenizer import HFTokenizer  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 from dist import run_distributed  # noqa: E402
-from meshlm.comm import CommStats  # noqa: E402
+from meshlm.comm_stats import CommStats  # noqa: E402
 from meshlm.config import ParallelConfig  # noqa: E402
 from meshlm.mesh import ParallelDims, build_mesh  # noqa: E402
 from meshlm.models.hf import load_pretrained  # noqa: E402

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dist import run_distributed
 from meshlm.nccl_order import TracedOp, TracedWait, replay
-from meshlm.parallel.schedules import SCHEDULES, build_schedule, exchanges, forward_only_actions
+from meshlm.schedules import SCHEDULES, build_schedule, exchanges, forward_only_actions
 
 
 def _p2p(*ops, ranks=(0, 1)):
@@ -224,7 +224,7 @@ def _record_serving(rank, world_size):
     prefills, over the launch's ranks; every op recorded (the driver's keepalive included, if it fires)."""
     import torch
 
-    from meshlm.comm import CommStats
+    from meshlm.comm_stats import CommStats
     from meshlm.config import ModelConfig
     from meshlm.infer.llm import LLM
     from meshlm.infer.sequence import SamplingParams

@@ -12,9 +12,9 @@ import torch
 
 from meshlm.config import ModelConfig
 from meshlm.models import build_model
-from meshlm.parallel.pipeline import (PipelineStage, TimedAction, measured_overheads, measured_timeline,
-                                     run_pipeline_step, simulate_measured, split_model, token_loss_sum)
-from meshlm.parallel.schedules import build_schedule, simulate
+from meshlm.parallel.pipeline import PipelineStage, run_pipeline_step, split_model, token_loss_sum
+from meshlm.schedules import build_schedule, simulate
+from meshlm.timeline import TimedAction, measured_overheads, measured_timeline, simulate_measured
 from dist import run_distributed
 from parity import FP64_TOL, assert_close_seq, assert_state_close
 
@@ -138,7 +138,7 @@ def test_simulate_measured_recovers_a_known_timeline(name):
     # A "measured" timeline made by the simulator itself, every action its own duration, known comm
     # latency and gap between actions: `measured_overheads` finds them, and `simulate_measured`
     # reproduces the timeline exactly (busy, idle per rank, makespan, bubble).
-    from meshlm.parallel.schedules import Action
+    from meshlm.schedules import Action
 
     pp, v = 3, 2 if name == "interleaved" else 1
     sched = build_schedule(name, pp=pp, num_microbatches=6, pp_chunks=v)

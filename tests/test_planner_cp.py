@@ -38,7 +38,7 @@ def _model_cfg(kv_heads: int, layers: int) -> ModelConfig:
 
 
 def cp_count_worker(rank, world_size):
-    from meshlm.comm import CommStats
+    from meshlm.comm_stats import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.context import apply_context_parallel

@@ -54,7 +54,7 @@ GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 1, 8  # 2 ranks x 2 accumulation micro-batch
 
 
 def count_worker(rank, world_size):
-    from meshlm.comm import CommStats
+    from meshlm.comm_stats import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.data import apply_data_parallel
@@ -154,7 +154,7 @@ def _track_zero_buffers(zero, *, accumulates: bool) -> dict[str, int]:
 
 
 def zero_count_worker(rank, world_size, dp_replicate):
-    from meshlm.comm import CommStats
+    from meshlm.comm_stats import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.zero import apply_zero
@@ -252,7 +252,7 @@ TP_BUCKET_MB = 0.002
 
 
 def tp_count_worker(rank, world_size):
-    from meshlm.comm import CommStats
+    from meshlm.comm_stats import CommStats
     from meshlm.mesh import ParallelDims, build_mesh
     from meshlm.models.transformer import build_model
     from meshlm.parallel.data import apply_data_parallel

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshlm.config import PP_SCHEDULES
-from meshlm.parallel.schedules import (SCHEDULES, Action, Schedule, balanced_split, build_schedule, plot_schedule,
+from meshlm.schedules import (SCHEDULES, Action, Schedule, balanced_split, build_schedule, plot_schedule,
                                        simulate, split_layers, stage_loads)
 from meshlm.planner import cost
 

@@ -60,7 +60,7 @@ def served(tmp_path_factory):
 def test_sampling_is_safe_for_every_accepted_value():
     import torch
 
-    from meshlm.infer.sampling import sample
+    from meshlm.models.generation import sample
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50) * 5

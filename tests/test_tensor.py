@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dist import run_distributed
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.config import ModelConfig
 from meshlm.mesh import Mesh, ParallelDims, build_mesh
 from meshlm.models.transformer import build_model, rope_cos_sin

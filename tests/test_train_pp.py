@@ -17,8 +17,8 @@ import pytest
 from dist import run_distributed
 from meshlm.config import load_config
 from meshlm.parallel.parallelize import check_layout
-from meshlm.parallel.pipeline import load_timeline
-from meshlm.parallel.schedules import build_schedule
+from meshlm.schedules import build_schedule
+from meshlm.timeline import load_timeline
 from meshlm.parallel.tensor import full_state_dict
 from meshlm.train.trainer import Trainer
 from parity import FP64_TOL, assert_close_seq, assert_state_close

@@ -4,8 +4,8 @@ Responsible for: the plain collectives (all_reduce, all_gather, reduce_scatter, 
 all_to_all_single with uneven splits, send/recv, batch_isend_irecv), each taking
 `(tensor, mesh, axis)` and optionally asynchronous; the autograd-aware ops that tensor, sequence,
 expert and context parallelism compose (copy_to_group, reduce_from_group, gather_along_dim,
-scatter_along_dim, reduce_scatter_along_dim, all_to_all); and `CommStats`, which counts calls,
-bytes and seconds per (op, axis).
+scatter_along_dim, reduce_scatter_along_dim, all_to_all), each counted in the mesh's `CommStats`
+(`meshlm.comm_stats`) by the convention below.
 Not responsible for: building groups (`meshlm.mesh`), deciding what to communicate (the strategies
 in `meshlm.parallel`), or timing on the device (seconds are host time, see below).
 
@@ -27,20 +27,16 @@ Seconds are the host time spent inside the call plus, for `async_op=True`, insid
 from __future__ import annotations
 
 import json
-
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from meshlm.nccl_order import TracedOp, TracedWait
-
-if TYPE_CHECKING:
-    from meshlm.mesh import Mesh
+from meshlm.comm_stats import CommStats
+from meshlm.mesh import Mesh
+from meshlm.nccl_order import TracedOp
 
 # torch 2.13 renamed the single-tensor collectives and deprecates the old names; older torch
 # (>= 2.6 is supported) only has the old ones.
@@ -49,107 +45,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
-
-
-# --------------------------------------------------------------------------------------------
-# Accounting
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class OpStats:
-    calls: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-    def add(self, other: "OpStats") -> None:
-        self.calls += other.calls
-        self.bytes += other.bytes
-        self.seconds += other.seconds
-
-
-@dataclass(frozen=True)
-class CommEvent:
-    """One counted call (kept only when `CommStats(keep_events=True)`)."""
-
-    op: str
-    axis: str
-    bytes: int
-
-
-@dataclass
-class CommStats:
-    """Calls, bytes and seconds per (op, axis). Owned by its creator (a `Mesh` holds one as `.stats`).
-
-    `keep_events=True` also keeps the ordered list of calls (tests assert exact per-call sizes);
-    `keep_trace=True` keeps what NCCL would run -- every op with its communicator, peers and tags, and every
-    wait -- for `meshlm.nccl_order.replay` (a GPU's ordering rules checked on CPU).
-    """
-
-    keep_events: bool = False
-    keep_trace: bool = False
-    ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
-    events: list[CommEvent] = field(default_factory=list)
-    trace: list[TracedOp | TracedWait] = field(default_factory=list)
-    num_traced: int = field(default=0, repr=False)  # TracedOps in `trace`
-    last: tuple[str, str] | None = field(default=None, repr=False)  # (op, axis) of the latest call, for errors
-
-    def record(self, op: str, axis: str, nbytes: int, seconds: float = 0.0) -> None:
-        self.last = (op, axis)
-        s = self.ops[(op, axis)]
-        s.calls += 1
-        s.bytes += nbytes
-        s.seconds += seconds
-        if self.keep_events:
-            self.events.append(CommEvent(op, axis, nbytes))
-
-    def add_seconds(self, op: str, axis: str, seconds: float) -> None:
-        self.ops[(op, axis)].seconds += seconds
-
-    def trace_op(self, op: TracedOp) -> int | None:
-        """Keep `op` (when keep_trace); returns its number, for `trace_wait`."""
-        if not self.keep_trace:
-            return None
-        self.trace.append(op)
-        self.num_traced += 1
-        return self.num_traced - 1
-
-    def trace_wait(self, index: int | None) -> None:
-        if self.keep_trace and index is not None:
-            self.trace.append(TracedWait(index))
-
-    def reset(self) -> None:
-        self.ops.clear()
-        self.events.clear()
-        self.trace.clear()
-        self.num_traced = 0
-
-    def snapshot(self) -> dict[tuple[str, str], OpStats]:
-        """A copy, safe to keep while counting goes on (e.g. to diff two steps)."""
-        return {k: OpStats(v.calls, v.bytes, v.seconds) for k, v in self.ops.items()}
-
-    def total(self, *, op: str | None = None, axis: str | None = None) -> OpStats:
-        out = OpStats()
-        for (o, a), s in self.ops.items():
-            if (op is None or o == op) and (axis is None or a == axis):
-                out.add(s)
-        return out
-
-    def by_axis(self) -> dict[str, OpStats]:
-        out: dict[str, OpStats] = defaultdict(OpStats)
-        for (_, axis), s in self.ops.items():
-            out[axis].add(s)
-        return dict(out)
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Per axis: {"calls", "mb", "seconds"} -- flat numbers for a metrics log line."""
-        return {axis: {"calls": s.calls, "mb": s.bytes / 2**20, "seconds": s.seconds}
-                for axis, s in sorted(self.by_axis().items())}
-
-    def format(self) -> str:
-        parts = [f"{axis}: {v['calls']} calls {v['mb']:.2f} MB {v['seconds'] * 1e3:.1f} ms"
-                 for axis, v in self.summary().items()]
-        return " | ".join(parts) if parts else "no communication"
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +127,7 @@ def _reduce_op(op):
     return op
 
 
-def _traced(mesh: "Mesh", axis: str, group, op: str, nbytes: int = 0, p2p: tuple = ()) -> int | None:
+def _traced(mesh: Mesh, axis: str, group, op: str, nbytes: int = 0, p2p: tuple = ()) -> int | None:
     """Keep the op for the NCCL-order replay when the mesh's CommStats trace (see `CommStats`)."""
     if not mesh.stats.keep_trace:
         return None
@@ -241,7 +136,7 @@ def _traced(mesh: "Mesh", axis: str, group, op: str, nbytes: int = 0, p2p: tuple
     return mesh.stats.trace_op(TracedOp(name, ranks, op, nbytes, p2p, axis))
 
 
-def _run(mesh: "Mesh", axis: str, op: str, nbytes: int, call: Callable, async_op: bool, result,
+def _run(mesh: Mesh, axis: str, op: str, nbytes: int, call: Callable, async_op: bool, result,
          finalize: Callable | None = None, peer: int | None = None):
     """Issue `call(group)` (which returns a Work or a list of Works when async), count it, return.
     `peer`: the other rank's global rank, for a send or receive."""
@@ -262,7 +157,7 @@ def _run(mesh: "Mesh", axis: str, op: str, nbytes: int, call: Callable, async_op
     return finalize() if finalize is not None else result
 
 
-def all_reduce(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, op="sum", async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, mesh: Mesh, axis: str, *, op="sum", async_op: bool = False):
     """Reduce `tensor` in place over the axis group; returns it (or a handle whose wait() does)."""
     if mesh.size(axis) == 1:
         return _done(tensor, async_op)
@@ -272,7 +167,7 @@ def all_reduce(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, op="sum", async
                 lambda g: dist.all_reduce(tensor, op=red, group=g, async_op=async_op), async_op, tensor)
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, mesh: "Mesh", axis: str, *,
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, mesh: Mesh, axis: str, *,
                            async_op: bool = False):
     """Concatenate every rank's `input` along dim 0 into `output` (n x input.shape[0] rows)."""
     n = mesh.size(axis)
@@ -287,7 +182,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, mesh: "Mes
                 async_op, output)
 
 
-def all_gather(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int = 0, async_op: bool = False):
+def all_gather(tensor: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, async_op: bool = False):
     """A new tensor: every rank's `tensor` concatenated along `dim`, in axis-coordinate order."""
     n = mesh.size(axis)
     if n == 1:
@@ -299,7 +194,7 @@ def all_gather(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int = 0, a
                 lambda g: _all_gather_single(out, moved, group=g, async_op=async_op), async_op, None, finalize)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, mesh: "Mesh", axis: str, *, op="sum",
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, mesh: Mesh, axis: str, *, op="sum",
                           async_op: bool = False):
     """Reduce `input` over the group and leave the rank's dim-0 chunk in `output`."""
     n = mesh.size(axis)
@@ -315,7 +210,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, mesh: "Mesh
                 async_op, output)
 
 
-def reduce_scatter(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int = 0, op="sum",
+def reduce_scatter(tensor: torch.Tensor, mesh: Mesh, axis: str, *, dim: int = 0, op="sum",
                    async_op: bool = False):
     """A new tensor: the sum over ranks of `tensor`, this rank's chunk along `dim` (size must divide)."""
     n = mesh.size(axis)
@@ -333,7 +228,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int = 
                 async_op, None, finalize)
 
 
-def broadcast(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int = 0, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, mesh: Mesh, axis: str, *, src: int = 0, async_op: bool = False):
     """Copy the tensor of the member with coordinate `src` on `axis` into `tensor` on every member."""
     if mesh.size(axis) == 1:
         return _done(tensor, async_op)
@@ -343,7 +238,7 @@ def broadcast(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int = 0, as
                 lambda g: dist.broadcast(tensor, src=src_rank, group=g, async_op=async_op), async_op, tensor)
 
 
-def broadcast_json(obj, mesh: "Mesh", axis: str, *, src: int = 0):
+def broadcast_json(obj, mesh: Mesh, axis: str, *, src: int = 0):
     """`obj` (JSON data) of the member with coordinate `src` on `axis`, on every member (others pass None):
     two broadcasts, the length then the UTF-8 bytes. Plain data only: nothing received is unpickled."""
     if mesh.size(axis) == 1:
@@ -359,7 +254,7 @@ def broadcast_json(obj, mesh: "Mesh", axis: str, *, src: int = 0):
     return obj if mine else json.loads(data.cpu().numpy().tobytes().decode())
 
 
-def all_to_all_single(tensor: torch.Tensor, mesh: "Mesh", axis: str, *,
+def all_to_all_single(tensor: torch.Tensor, mesh: Mesh, axis: str, *,
                       output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, async_op: bool = False):
     """Send dim-0 slice i of `tensor` to member i; return what every member sent here, concatenated.
@@ -384,19 +279,19 @@ def all_to_all_single(tensor: torch.Tensor, mesh: "Mesh", axis: str, *,
                 lambda g: dist.all_to_all_single(out, inp, osz, isz, group=g, async_op=async_op), async_op, out)
 
 
-def exchange_split_sizes(input_split_sizes: Sequence[int], mesh: "Mesh", axis: str) -> list[int]:
+def exchange_split_sizes(input_split_sizes: Sequence[int], mesh: Mesh, axis: str) -> list[int]:
     """What every member will send here, given what this rank sends each member (a counted all_to_all)."""
     counts = torch.tensor(list(input_split_sizes), dtype=torch.int64, device=_comm_device(mesh))
     return all_to_all_single(counts, mesh, axis).tolist()
 
 
-def _comm_device(mesh: "Mesh") -> torch.device:
+def _comm_device(mesh: Mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
 
 
-def send(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dst: int, async_op: bool = False):
+def send(tensor: torch.Tensor, mesh: Mesh, axis: str, *, dst: int, async_op: bool = False):
     """Send to the member with coordinate `dst` on `axis` (blocking unless async_op)."""
     peer = _peer(mesh, axis, dst)
     fn = dist.isend if async_op else dist.send
@@ -404,7 +299,7 @@ def send(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, dst: int, async_op: b
                 async_op, None, peer=peer)
 
 
-def recv(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int, async_op: bool = False):
+def recv(tensor: torch.Tensor, mesh: Mesh, axis: str, *, src: int, async_op: bool = False):
     """Receive into `tensor` from the member with coordinate `src` on `axis`; returns `tensor`."""
     peer = _peer(mesh, axis, src)
     _require_contiguous(tensor, "recv")
@@ -413,7 +308,7 @@ def recv(tensor: torch.Tensor, mesh: "Mesh", axis: str, *, src: int, async_op: b
                 peer=peer)
 
 
-def _peer(mesh: "Mesh", axis: str, coord: int) -> int:
+def _peer(mesh: Mesh, axis: str, coord: int) -> int:
     n = mesh.size(axis)
     if not 0 <= coord < n or coord == mesh.local_rank(axis):
         raise ValueError(f"peer coordinate {coord} on axis {axis} (size {n}) must be another member, in 0..{n - 1}")
@@ -430,7 +325,7 @@ class P2P:
     tag: int = 0  # matches a send to its receive by tag, not by order, where the backend honours it (gloo)
 
 
-def batch_isend_irecv(ops: Sequence[P2P], mesh: "Mesh", axis: str) -> CommHandle:
+def batch_isend_irecv(ops: Sequence[P2P], mesh: Mesh, axis: str) -> CommHandle:
     """Issue sends and receives together (pipeline stages, ring attention); wait() on the handle.
 
     Each op is counted under "send" or "recv"; the handle's wait time goes to "recv" if any.
@@ -535,7 +430,7 @@ class _AllToAll(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def _own_chunk(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tensor:
+def _own_chunk(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
     n = mesh.size(axis)
     if x.shape[dim] % n != 0:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} cannot be split over {axis}={n} ranks; "
@@ -543,17 +438,17 @@ def _own_chunk(x: torch.Tensor, mesh: "Mesh", axis: str, dim: int) -> torch.Tens
     return x.chunk(n, dim=dim)[mesh.local_rank(axis)].contiguous()
 
 
-def copy_to_group(x: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+def copy_to_group(x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer)."""
     return _CopyToGroup.apply(x, mesh, axis) if mesh.size(axis) > 1 else x
 
 
-def reduce_from_group(x: torch.Tensor, mesh: "Mesh", axis: str) -> torch.Tensor:
+def reduce_from_group(x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward (output of a row-parallel layer)."""
     return _ReduceFromGroup.apply(x, mesh, axis) if mesh.size(axis) > 1 else x
 
 
-def gather_along_dim(x: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int, grad_op: str = "split") -> torch.Tensor:
+def gather_along_dim(x: torch.Tensor, mesh: Mesh, axis: str, *, dim: int, grad_op: str = "split") -> torch.Tensor:
     """All-gather forward (concatenate along `dim`). Backward, by what the consumer did:
 
     grad_op="split": the consumer computes the same thing on every rank (the full gradient is
@@ -567,17 +462,17 @@ def gather_along_dim(x: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int, grad
     return _GatherAlongDim.apply(x, mesh, axis, dim, grad_op) if mesh.size(axis) > 1 else x
 
 
-def scatter_along_dim(x: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int) -> torch.Tensor:
+def scatter_along_dim(x: torch.Tensor, mesh: Mesh, axis: str, *, dim: int) -> torch.Tensor:
     """Keep this rank's chunk along `dim` forward (no communication); all-gather the gradient backward."""
     return _ScatterAlongDim.apply(x, mesh, axis, dim) if mesh.size(axis) > 1 else x
 
 
-def reduce_scatter_along_dim(x: torch.Tensor, mesh: "Mesh", axis: str, *, dim: int) -> torch.Tensor:
+def reduce_scatter_along_dim(x: torch.Tensor, mesh: Mesh, axis: str, *, dim: int) -> torch.Tensor:
     """Sum over ranks and keep this rank's chunk along `dim` forward; all-gather backward."""
     return _ReduceScatterAlongDim.apply(x, mesh, axis, dim) if mesh.size(axis) > 1 else x
 
 
-def all_to_all(x: torch.Tensor, mesh: "Mesh", axis: str, *, output_split_sizes: Sequence[int] | None = None,
+def all_to_all(x: torch.Tensor, mesh: Mesh, axis: str, *, output_split_sizes: Sequence[int] | None = None,
                input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Differentiable all_to_all_single along dim 0 (uneven splits allowed); backward is the inverse exchange."""
     if mesh.size(axis) == 1:

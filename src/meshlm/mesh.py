@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from meshlm.comm import CommStats
+from meshlm.comm_stats import CommStats
 from meshlm.dims import ALL_AXES, AXES, FLAT_AXES, ParallelDims
 
 __all__ = ["ALL_AXES", "AXES", "FLAT_AXES", "Mesh", "ParallelDims", "build_mesh", "create_groups", "every_group",

@@ -5,7 +5,7 @@ group of sends and receives on one communicator; `TracedWait`: the rank waited f
 `replay`, which runs the records of all ranks under NCCL's rules and returns the problems it finds --
 a deadlock (naming every stuck rank and what it waits in), a collective that the members issue
 differently, a send and receive that NCCL would pair although they do not belong together, or an op whose
-partner never comes. `comm.CommStats(keep_trace=True)` records what `meshlm.comm` issues in this form.
+partner never comes. `comm_stats.CommStats(keep_trace=True)` records what `meshlm.comm` issues in this form.
 Not responsible for: recording (comm.py) or running anything; it is torch-free.
 
 The rules (what gloo, the CPU backend the tests run on, does not enforce: its sends are buffered, its

@@ -40,7 +40,7 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
 
 def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1, stats=None):
     """The mesh of a parallel `LLM`: the ranks of the launch as cp x tp (the process group must exist);
-    `stats`: the `comm.CommStats` it counts into (default: a new one)."""
+    `stats`: the `comm_stats.CommStats` it counts into (default: a new one)."""
     import torch.distributed as dist
 
     from meshlm.mesh import ParallelDims, build_mesh
@@ -68,7 +68,7 @@ class LLM:
         `tp`, `cp` > 1: on the tp x cp ranks of this launch (each rank calls this with the same arguments),
         the weights split over tp, every sequence's KV blocks spread over cp (`infer/parallel.py`); the KV
         cache arguments are per rank. On rank 0 it returns a usable LLM (`is_driver`); on the others it
-        runs their part of every step and returns once rank 0 calls `close()`. `comm_stats`: a `comm.CommStats`
+        runs their part of every step and returns once rank 0 calls `close()`. `comm_stats`: a `comm_stats.CommStats`
         the ranks' communication is counted (or traced) into."""
         if device == "auto":  # the GPU when there is one, as training does
             device = "cuda" if torch.cuda.is_available() else "cpu"

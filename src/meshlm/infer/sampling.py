@@ -4,6 +4,8 @@ Responsible for: greedy, temperature, top-k and top-p sampling per request; a pr
 generator per seeded request (its samples do not depend on the rest of the batch or on
 preemptions); log-probabilities of the sampled token and the top-n alternatives (of the model's
 distribution before temperature and filters, as OpenAI reports them).
+The temperature / top-k / top-p draw itself is `meshlm.models.generation.sample`, shared with the
+single-process generator.
 Not responsible for: stop conditions (sequence.py, engine.py) or running the model.
 """
 
@@ -12,48 +14,9 @@ from __future__ import annotations
 import torch
 
 from meshlm.infer.sequence import SamplingParams, Sequence
+from meshlm.models.generation import sample
 
 __all__ = ["SamplingParams", "Sampler", "sample"]
-
-
-# Below this temperature the distribution is argmax up to float32 rounding: dividing by it would
-# overflow (or, as a float32 scalar, divide by zero) and give nan, so it is sampled greedily.
-MIN_TEMPERATURE = 1e-5
-
-
-def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token per row: argmax when temperature is (nearly) 0, else a draw from the filtered distribution.
-
-    The one implementation of temperature / top-k / top-p, shared by the engine's `Sampler` and the
-    single-process `meshlm.generation.generate`. Numerically safe for every temperature >= 0 and top_p
-    in (0, 1]: the most likely token always stays a candidate, so no row is ever all -inf.
-    """
-    if temperature < MIN_TEMPERATURE:
-        return logits_bv.argmax(dim=-1)
-    logits_bv = raw_bv = logits_bv.float()
-    # Shifted so each row's largest logit is 0, then scaled by 1/temperature clamped to float32's range:
-    # -inf logits stay -inf, finite ones stay finite (a huge temperature is a uniform draw, not inf/inf).
-    logits_bv = logits_bv - logits_bv.amax(dim=-1, keepdim=True)
-    logits_bv = logits_bv * min(1.0 / temperature, 1.0 / MIN_TEMPERATURE)
-    if 0 < top_k < logits_bv.shape[-1]:
-        kth = torch.topk(logits_bv, top_k, dim=-1).values[:, -1:]
-        logits_bv = logits_bv.masked_fill(logits_bv < kth, float("-inf"))
-    if top_p < 1:
-        sorted_bv, order_bv = torch.sort(logits_bv, dim=-1, descending=True)
-        probs_bv = sorted_bv.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included); the top
-        # token always stays (a top_p that rounds to 0 in float32 would otherwise drop every token).
-        drop_sorted = probs_bv.cumsum(dim=-1) - probs_bv >= top_p
-        drop_sorted[:, 0] = False
-        logits_bv = logits_bv.masked_fill(drop_sorted.scatter(-1, order_bv, drop_sorted), float("-inf"))
-    probs_bv = logits_bv.softmax(dim=-1)
-    # Rows the model itself made non-finite (nan logits) fall back to argmax rather than failing the step.
-    bad = ~torch.isfinite(probs_bv).all(dim=-1)
-    if bool(bad.any()):
-        probs_bv[bad] = torch.nn.functional.one_hot(torch.nan_to_num(raw_bv[bad], nan=float("-inf")).argmax(-1),
-                                                    probs_bv.shape[-1]).float()
-    return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]
 
 
 class Sampler:

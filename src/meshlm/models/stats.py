@@ -131,7 +131,7 @@ def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> LayerFlops:
 
 def pipeline_units(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """(head_units, embed_units): the pipeline's end-stage extras in units of one average block's forward
-    FLOPs per token at `seq_len`, what `parallel.schedules.balanced_split` balances. The output head is
+    FLOPs per token at `seq_len`, what `schedules.balanced_split` balances. The output head is
     its matmul (2 x hidden x vocab; the loss's softmax, ~vocab FLOPs, is left out as the planner leaves it
     out); the embedding is a lookup, 0 FLOPs. The same arithmetic as the planner's `ModelSummary`."""
     L = cfg.num_layers

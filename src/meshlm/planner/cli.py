@@ -286,8 +286,8 @@ def run_plan(args) -> int:
                   f"-> {args.out}")
         return 0
     if cmd == "schedule" and args.from_run:
-        from meshlm.parallel.pipeline import load_timeline, measured_overheads, simulate_measured
-        from meshlm.parallel.schedules import plot_schedule
+        from meshlm.schedules import plot_schedule
+        from meshlm.timeline import load_timeline, measured_overheads, simulate_measured
 
         run = load_timeline(args.from_run, step=args.step)
         t_comm, t_gap = measured_overheads(run)
@@ -313,7 +313,7 @@ def run_plan(args) -> int:
                   + (f"; timeline -> {args.plot}" if args.plot else ""))
         return 0
     if cmd == "schedule":
-        from meshlm.parallel.schedules import build_schedule, plot_schedule, simulate
+        from meshlm.schedules import build_schedule, plot_schedule, simulate
 
         if args.pp is None or args.microbatches is None:
             raise ValueError("meshlm plan schedule needs --pp and --microbatches (or --from-run RUN_DIR)")

@@ -63,7 +63,7 @@ class Estimate:
     num_microbatches: int
     links: dict = field(default_factory=dict)  # axis -> scale-up | scale-out | hierarchical | none
     hbm_gib: float = 0.0
-    # Bytes one rank moves over the "tp" axis per optimizer step, counted as meshlm.comm.CommStats
+    # Bytes one rank moves over the "tp" axis per optimizer step, counted as meshlm.comm_stats.CommStats
     # counts them (all_gather its output, reduce_scatter its input, all_reduce the tensor).
     tp_comm_bytes: float = 0.0
     # The same over the "cp" axis: what the ring sends (CommStats' "send"; the receives mirror them), or

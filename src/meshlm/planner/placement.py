@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshlm.parallel.schedules import balanced_split, stage_loads
+from meshlm.schedules import balanced_split, stage_loads
 from meshlm.planner.cluster import Cluster, slowed_links
 from meshlm.planner.collectives import group_span, link_name
 from meshlm.planner.layout import Job, Layout
@@ -83,7 +83,7 @@ class RankSetup:
 def rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> tuple[list[int], float]:
     """Layers on each pipeline rank, and the bottleneck rank's load in layer units (head included).
 
-    The split is the runtime's default (`parallel.schedules.balanced_split`, which the runtime uses
+    The split is the runtime's default (`schedules.balanced_split`, which the runtime uses
     when `parallel.pp_layers` = ""): contiguous stages s = chunk * pp + rank, the last stage (which also
     runs the output head) given the layer count that minimises the busiest rank's load, the rest spread
     over the earlier stages first, every stage keeping at least one layer as the runtime needs (a

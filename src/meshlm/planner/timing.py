@@ -80,7 +80,7 @@ def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks:
                                                     first input whatever W is; with W > min(F, B) its
                                                     schedule leaves max(F, B) per stage (simulated)
     The fraction of the ideal time is bubble / (m * T), e.g. (p - 1) / m for 1F1B. These are exact for
-    the schedules `meshlm.parallel.schedules` generates (interleaved: m divisible by p; zero_bubble:
+    the schedules `meshlm.schedules` generates (interleaved: m divisible by p; zero_bubble:
     m >= p); tests/test_schedules.py checks them against its simulator over a grid.
     """
     if schedule not in PP_SCHEDULES:

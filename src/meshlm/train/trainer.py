@@ -56,10 +56,11 @@ from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallel
 from meshlm.liveness import Heartbeat
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
-from meshlm.parallel.pipeline import run_pipeline_step, write_timeline
+from meshlm.parallel.pipeline import run_pipeline_step
 from meshlm.parallel.tied import counted
 from meshlm.parallel.recompute import SavedTensorMeter
-from meshlm.parallel.schedules import build_schedule
+from meshlm.schedules import build_schedule
+from meshlm.timeline import write_timeline
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.models.stats import train_flops_per_token
 from meshlm.train.checkpoint import (
@@ -621,7 +622,7 @@ class Trainer:
         Sampled by default (seeded by train.seed, so reproducible): a small byte-level model decoded
         greedily falls into repeating its most frequent word. `temperature=0` is greedy.
         """
-        from meshlm.generation import generate
+        from meshlm.models.generation import generate
 
         ids = self.tokenizer.encode(prompt) or self.tokenizer.encode("\n")
         room = self.cfg.model.max_seq_len - len(ids)

@@ -1,0 +1,110 @@
+"""What moved over each mesh axis: calls, bytes and seconds per (op, axis), and optionally every call.
+
+Responsible for: `CommStats`, which a `Mesh` owns and every collective of `meshlm.comm` records into (the
+byte convention is documented there), its per-axis summaries for the logs, and the traces that
+`meshlm.nccl_order` replays under NCCL's ordering rules.
+Not responsible for: communicating (`meshlm.comm`) or building groups (`meshlm.mesh`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from meshlm.nccl_order import TracedOp, TracedWait
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "OpStats") -> None:
+        self.calls += other.calls
+        self.bytes += other.bytes
+        self.seconds += other.seconds
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One counted call (kept only when `CommStats(keep_events=True)`)."""
+
+    op: str
+    axis: str
+    bytes: int
+
+
+@dataclass
+class CommStats:
+    """Calls, bytes and seconds per (op, axis). Owned by its creator (a `Mesh` holds one as `.stats`).
+
+    `keep_events=True` also keeps the ordered list of calls (tests assert exact per-call sizes);
+    `keep_trace=True` keeps what NCCL would run -- every op with its communicator, peers and tags, and every
+    wait -- for `meshlm.nccl_order.replay` (a GPU's ordering rules checked on CPU).
+    """
+
+    keep_events: bool = False
+    keep_trace: bool = False
+    ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    events: list[CommEvent] = field(default_factory=list)
+    trace: list[TracedOp | TracedWait] = field(default_factory=list)
+    num_traced: int = field(default=0, repr=False)  # TracedOps in `trace`
+    last: tuple[str, str] | None = field(default=None, repr=False)  # (op, axis) of the latest call, for errors
+
+    def record(self, op: str, axis: str, nbytes: int, seconds: float = 0.0) -> None:
+        self.last = (op, axis)
+        s = self.ops[(op, axis)]
+        s.calls += 1
+        s.bytes += nbytes
+        s.seconds += seconds
+        if self.keep_events:
+            self.events.append(CommEvent(op, axis, nbytes))
+
+    def add_seconds(self, op: str, axis: str, seconds: float) -> None:
+        self.ops[(op, axis)].seconds += seconds
+
+    def trace_op(self, op: TracedOp) -> int | None:
+        """Keep `op` (when keep_trace); returns its number, for `trace_wait`."""
+        if not self.keep_trace:
+            return None
+        self.trace.append(op)
+        self.num_traced += 1
+        return self.num_traced - 1
+
+    def trace_wait(self, index: int | None) -> None:
+        if self.keep_trace and index is not None:
+            self.trace.append(TracedWait(index))
+
+    def reset(self) -> None:
+        self.ops.clear()
+        self.events.clear()
+        self.trace.clear()
+        self.num_traced = 0
+
+    def snapshot(self) -> dict[tuple[str, str], OpStats]:
+        """A copy, safe to keep while counting goes on (e.g. to diff two steps)."""
+        return {k: OpStats(v.calls, v.bytes, v.seconds) for k, v in self.ops.items()}
+
+    def total(self, *, op: str | None = None, axis: str | None = None) -> OpStats:
+        out = OpStats()
+        for (o, a), s in self.ops.items():
+            if (op is None or o == op) and (axis is None or a == axis):
+                out.add(s)
+        return out
+
+    def by_axis(self) -> dict[str, OpStats]:
+        out: dict[str, OpStats] = defaultdict(OpStats)
+        for (_, axis), s in self.ops.items():
+            out[axis].add(s)
+        return dict(out)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per axis: {"calls", "mb", "seconds"} -- flat numbers for a metrics log line."""
+        return {axis: {"calls": s.calls, "mb": s.bytes / 2**20, "seconds": s.seconds}
+                for axis, s in sorted(self.by_axis().items())}
+
+    def format(self) -> str:
+        parts = [f"{axis}: {v['calls']} calls {v['mb']:.2f} MB {v['seconds'] * 1e3:.1f} ms"
+                 for axis, v in self.summary().items()]
+        return " | ".join(parts) if parts else "no communication"
