@@ -44,7 +44,7 @@ Peak memory, per rank, over one save and one load call, three ways (none of them
 
 Notes (also in the JSON): the synchronous save (`save_checkpoint`) blocks training for all of `save_s`;
 the asynchronous one for `async_blocked_s`. Every rank writes only its own pieces (ZeRO ranges, TP/EP
-shards; `meshlm.train.shards`), so a save's peak per rank follows its shard, not the model.
+shards; `meshlm.checkpoint.shards`), so a save's peak per rank follows its shard, not the model.
 Prints one JSON document.
 """
 
@@ -73,7 +73,7 @@ from meshlm.models import build_model
 from meshlm.models.transformer import Transformer
 from meshlm.parallel.parallelize import parallelize
 from meshlm.parallel.tensor import vocab_parallel_cross_entropy
-from meshlm.train.checkpoint import begin_save, finish_save, load_checkpoint, save_checkpoint, verify_checkpoint
+from meshlm.checkpoint import begin_save, finish_save, load_checkpoint, save_checkpoint, verify_checkpoint
 from meshlm.train.optim import build_optimizer
 
 # name -> (world size, ParallelConfig keywords)
@@ -95,7 +95,7 @@ NOTES = {
     "async_save": "async_blocked_s: begin_save(asynchronous=True), the part training waits for (the CPU staging copy of "
                   "this rank's pieces); async_total_s: until finish_save published it (nothing else runs meanwhile "
                   "here, so it is the background write's length, not training time lost)",
-    "sharded_save": "every rank writes only its own pieces (meshlm.train.shards): ZeRO flat ranges and TP/EP shards "
+    "sharded_save": "every rank writes only its own pieces (meshlm.checkpoint.shards): ZeRO flat ranges and TP/EP shards "
                     "at their offsets; no rank gathers a full tensor, on save or load",
     "load": "load_checkpoint(checksums=False) into a fresh model + optimizer built the same way (as Trainer.load "
             "after saved_layout verified): DCP reads into this rank's pieces in place",

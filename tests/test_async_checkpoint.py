@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from dist import run_distributed
 from meshlm.config import load_config
-from meshlm.train.checkpoint import verify_checkpoint
+from meshlm.checkpoint import verify_checkpoint
 from runs import SMALL_MODEL, step_losses
 
 SETTINGS = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4", "train.steps=5",

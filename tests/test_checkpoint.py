@@ -24,7 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from meshlm.cli import main as cli_main
 from meshlm.config import load_config
-from meshlm.train import checkpoint as ckpt
+from meshlm import checkpoint as ckpt
+from meshlm.checkpoint import find as ckpt_find
+from meshlm.checkpoint import save as ckpt_save
 from runs import SMALL_MODEL, write_corpus
 
 TINY = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4", "train.steps=2",
@@ -238,7 +240,7 @@ def test_publishing_a_step_again_keeps_the_old_copy_until_latest_names_the_new_o
     final = save(1)
     root = final.parent
     seen = []
-    write_atomic = ckpt._write_atomic
+    write_atomic = ckpt_save._write_atomic
 
     def crash_at_latest(path, text):
         seen.append((path.name, text, sorted(p.name for p in root.iterdir()),
@@ -246,14 +248,14 @@ def test_publishing_a_step_again_keeps_the_old_copy_until_latest_names_the_new_o
                      json.loads((final / "rank_00000.json").read_text())))
         raise OSError("killed")
 
-    monkeypatch.setattr(ckpt, "_write_atomic", crash_at_latest)
+    monkeypatch.setattr(ckpt_save, "_write_atomic", crash_at_latest)
     with pytest.raises(OSError, match="killed"):
         save(2)
     # When latest was about to be replaced, the new copy was complete in place and the old one set aside.
     assert seen == [("latest", "step_000005", ["latest", "step_000005", "step_000005.old"],
                      {"version": 1}, {"version": 2})]
     assert (root / "step_000005.old" / "manifest.json").is_file()  # a crash there leaves the old copy on disk
-    monkeypatch.setattr(ckpt, "_write_atomic", write_atomic)
+    monkeypatch.setattr(ckpt_save, "_write_atomic", write_atomic)
     save(3)  # the next save of that step completes: the old copy is removed only after latest is written
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000005"]
     assert json.loads((final / "rank_00000.json").read_text()) == {"version": 3}
@@ -266,8 +268,8 @@ def test_a_resume_hashes_the_checkpoint_once_per_rank(trained, tmp_path, monkeyp
 
     run = fresh(trained, "one", tmp_path)
     hashed = []
-    real_sha256 = ckpt.sha256_file
-    monkeypatch.setattr(ckpt, "sha256_file", lambda f: hashed.append(f.name) or real_sha256(f))
+    real_sha256 = ckpt_find.sha256_file
+    monkeypatch.setattr(ckpt_find, "sha256_file", lambda f: hashed.append(f.name) or real_sha256(f))
     cfg = load_config(overrides=[*TINY, f"data.path={text_file}", f"train.run_dir={run}", "train.steps=3"])
     Trainer(cfg, resume=True)
     assert sorted(hashed) == sorted(set(hashed)), hashed  # every file once
@@ -416,8 +418,8 @@ def resume_rank(rank, world_size, run, text_file):
 
     cfg = load_config(overrides=[*TINY, f"data.path={text_file}", f"train.run_dir={run}", "train.steps=3"])
     hashed = []
-    real = ckpt.sha256_file
-    ckpt.sha256_file = lambda f: hashed.append(f.name) or real(f)
+    real = ckpt_find.sha256_file
+    ckpt_find.sha256_file = lambda f: hashed.append(f.name) or real(f)
     try:
         Trainer(cfg, resume=True)
     except ckpt.CheckpointError as e:

@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from meshlm.cli import main  # noqa: E402
 from meshlm.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from meshlm.models import build_model  # noqa: E402
-from meshlm.train.checkpoint import load_checkpoint_for_inference, rng_state, save_checkpoint  # noqa: E402
+from meshlm.checkpoint import load_checkpoint_for_inference, rng_state, save_checkpoint  # noqa: E402
 from runs import randomize_weights
 
 VOCAB = 128

@@ -176,7 +176,7 @@ def test_user_errors():
 
 def test_llm_loads_meshlm_checkpoint(tmp_path):
     from meshlm.config import Config
-    from meshlm.train.checkpoint import save_checkpoint
+    from meshlm.checkpoint import save_checkpoint
 
     cfg = Config(model=ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                    intermediate_size=64, max_seq_len=64, init_std=0.2))

@@ -43,7 +43,7 @@ def test_eval_reports_loss_and_perplexity_of_the_validation_split(run, capsys):
     import torch
     import torch.nn.functional as F
 
-    from meshlm.train.checkpoint import load_checkpoint_for_inference
+    from meshlm.checkpoint import load_checkpoint_for_inference
     from meshlm.tokenizer import ByteTokenizer
     from meshlm.train.data import pack, read_documents, split_documents
 

@@ -50,7 +50,7 @@ def _cfg(corpus, root, name, overrides, *extra):
 
 def _pieces_match(rank, world_size, corpus, root, layouts):
     from meshlm.models.transformer import build_model
-    from meshlm.train.shards import ShardedState, checkpoint_state
+    from meshlm.checkpoint.shards import ShardedState, checkpoint_state
     from meshlm.train.trainer import Trainer
 
     out = {}

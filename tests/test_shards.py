@@ -1,4 +1,4 @@
-"""The geometry of checkpoint pieces (`meshlm.train.shards`): ZeRO ranges cut into rectangles, and full
+"""The geometry of checkpoint pieces (`meshlm.checkpoint.shards`): ZeRO ranges cut into rectangles, and full
 tensors put back together from pieces (what inference does with a sharded run's safetensors)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from meshlm.train.shards import assemble, assign_writers, rectangles
+from meshlm.checkpoint.shards import assemble, assign_writers, rectangles
 
 
 @pytest.mark.parametrize("shape", [(7,), (4, 6), (3, 4, 5), (2, 3, 1, 4)])

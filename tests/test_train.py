@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshlm.config import load_config
-from meshlm.train.checkpoint import (latest_checkpoint, load_checkpoint_for_inference, resolve_checkpoint,
+from meshlm.checkpoint import (latest_checkpoint, load_checkpoint_for_inference, resolve_checkpoint,
                                      save_checkpoint)
 from meshlm.train.optim import clip_grad_norm, lr_at
 from meshlm.train.trainer import Trainer

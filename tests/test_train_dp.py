@@ -21,7 +21,7 @@ from meshlm.config import load_config
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, parallelize
-from meshlm.train.checkpoint import latest_checkpoint
+from meshlm.checkpoint import latest_checkpoint
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
 from runs import SMALL_MODEL, grad_norms, rows, step_losses, val_losses

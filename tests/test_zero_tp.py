@@ -26,8 +26,8 @@ from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.parallel.tensor import full_state_dict
 from meshlm.parallel.zero import apply_zero
 from meshlm.models import build_model
-from meshlm.train.checkpoint import load_weights
-from meshlm.train.shards import checkpoint_state
+from meshlm.checkpoint import load_weights
+from meshlm.checkpoint.shards import checkpoint_state
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
 from runs import SMALL_MODEL, grad_norms, step_losses

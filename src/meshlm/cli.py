@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from meshlm.config import load_config
-    from meshlm.train.checkpoint import check_run_dir
+    from meshlm.checkpoint import check_run_dir
     from meshlm.distributed import launched_ranks, read_launch_env
     from meshlm.train.metrics import check_trackers
 
@@ -399,7 +399,7 @@ def cmd_train(args) -> int:
     _, world_size, _ = read_launch_env()
     from meshlm.distributed import restart_count
     from meshlm.parallel.parallelize import check_layout
-    from meshlm.train.checkpoint import has_complete_checkpoint
+    from meshlm.checkpoint import has_complete_checkpoint
 
     check_layout(cfg, world_size)  # before the process group: a bad layout fails fast, with one line
     resume, overwrite, restarts = args.resume, args.overwrite, restart_count() if under_launcher else 0

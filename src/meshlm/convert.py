@@ -66,7 +66,7 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = Fals
 
     from meshlm.models import build_model
     from meshlm.models.hf import save_pretrained
-    from meshlm.train.checkpoint import (config_from_dict, load_weights, read_meta, resolve_checkpoint,
+    from meshlm.checkpoint import (config_from_dict, load_weights, read_meta, resolve_checkpoint,
                                          verify_checkpoint)
 
     src, out = Path(checkpoint), Path(out_dir)

@@ -65,7 +65,7 @@ def eval_config(*, checkpoint: str | None = None, hf: str | None = None, data: s
     """(the evaluation's config, where its weights come from) for a meshlm checkpoint or a HF directory.
     `checksums=False` checks the checkpoint's files by size only (the launcher's look at the config: the
     ranks verify it before they read the weights)."""
-    from meshlm.train.checkpoint import config_from_dict, read_meta, resolve_checkpoint, verify_checkpoint
+    from meshlm.checkpoint import config_from_dict, read_meta, resolve_checkpoint, verify_checkpoint
 
     if (checkpoint is None) == (hf is None):
         raise ValueError("give one of --checkpoint DIR or --hf DIR")
@@ -120,7 +120,7 @@ def _weights_loader(source: dict):
         import torch
 
         if "checkpoint" in source:
-            from meshlm.train.checkpoint import load_weights
+            from meshlm.checkpoint import load_weights
 
             load_weights(source["checkpoint"], model, checksums=False)  # verified by eval_config
         else:

@@ -22,7 +22,7 @@ def train_args(args) -> list[str]:
 def launch_ranks(args, cfg) -> int:
     """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
     from meshlm.parallel.parallelize import check_layout
-    from meshlm.train.checkpoint import check_run_dir
+    from meshlm.checkpoint import check_run_dir
 
     if args.nproc < 1 or args.nnodes < 1:
         raise ValueError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
@@ -58,7 +58,7 @@ def launch_emulated(args, cfg) -> int:
     address); the namespaces are removed however it ends."""
     from meshlm.emulate import EmulatedCluster, check_host, parse_duration, parse_rate
     from meshlm.parallel.parallelize import check_layout
-    from meshlm.train.checkpoint import check_run_dir
+    from meshlm.checkpoint import check_run_dir
 
     if args.emulate_nodes < 2:
         raise ValueError(f"{args.emulate_nodes} emulated nodes: need >= 2 (--emulate-nodes / cluster emulate --nodes)")

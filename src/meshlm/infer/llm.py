@@ -32,7 +32,7 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
         from meshlm.models.hf import load_pretrained
 
         return load_pretrained(path, dtype=dtype, device=device).eval(), HFTokenizer.from_dir(path)
-    from meshlm.train.checkpoint import load_checkpoint_for_inference
+    from meshlm.checkpoint import load_checkpoint_for_inference
 
     net, _, tok = load_checkpoint_for_inference(path, device=device, dtype=dtype)
     return net, tok

@@ -7,7 +7,7 @@ mapping Hugging Face tensor names to ours, stacking per-expert weights into our 
 layout); refusing missing, unexpected, duplicated or misshapen tensors with a ValueError that names
 the tensor; and writing our model back as a classic per-expert checkpoint.
 Not responsible for: tokenization (`meshlm.tokenizer`), the
-sharded checkpoints of training runs (`meshlm.train.checkpoint`), or quantised weights.
+sharded checkpoints of training runs (`meshlm.checkpoint`), or quantised weights.
 transformers itself is not imported: the safetensors library reads and writes the files.
 """
 

@@ -18,7 +18,7 @@ Responsible for:
   balancing   `balance_over` (the load-balancing loss of a micro-batch whose tokens ranks split: cp, SP),
               `update_router_biases` (aux-loss-free, DeepSeek-V3) and `expert_load_stats` (logging).
 Not responsible for: reducing expert gradients over "ep_dp" or the others over "dp_cp" (the data-
-parallel transforms, wired by `parallelize.py`), checkpointing the expert shards (`train/shards.py`), or the
+parallel transforms, wired by `parallelize.py`), checkpointing the expert shards (`checkpoint/shards.py`), or the
 capacity rule itself (`meshlm.models.moe.drop_over_capacity`; it runs per rank on the rank's tokens).
 
 Bytes per MoE layer and rank (CommStats counts what a rank sends in an all_to_all), with S = this

@@ -14,7 +14,7 @@ without it are replicated over tp and hold the full gradient on every tp rank af
 It also gives the trainer what reads that metadata: `tensor_parallel_grad_norm` (sharded gradients
 summed over tp, replicated ones counted once) and `full_state_dict` / `load_full_state_dict`
 (the full weights, for tests and the end-of-training sample; checkpoints write each rank's shard at its
-place instead, `meshlm.train.shards`).
+place instead, `meshlm.checkpoint.shards`).
 Not responsible for: data parallelism over the other axes (`data.py`, `zero.py` then work on the
 TP-local shards), splitting MoE layers (left whole and replicated on the tp ranks, the experts split by
 expert parallelism; under SP each tp rank's MoE runs on its own chunk of the sequence and its gradients

@@ -3,7 +3,7 @@
 Responsible for: the "pp_ends" axis (pp coordinates 0 and pp - 1 of each pipeline, Megatron's embedding group,
 `tied_embedding_mesh`), keeping the two copies of one weight equal (`TiedEmbedding.sum_grads`, called before
 the data-parallel reduction) and marking the head's copy so that gradient norms (`counted`, ZeRO's
-`uncounted` mask) and checkpoints (`train.shards`) take the weight once.
+`uncounted` mask) and checkpoints (`checkpoint.shards`) take the weight once.
 Not responsible for: the stage split (`pipeline.split_model`, which leaves the head on the last stage) or the
 initial values (`models.transformer.init_param` gives a tied head the embedding's stream).
 """

@@ -6,7 +6,7 @@ elementwise arithmetic as `torch.optim.AdamW(foreach=False)` with the per-parame
 (>= 2-D tensors decayed) applied to the ranges of the shard that hold such tensors; after the step it all-gathers the updated
 parameters (stages 1/2; stage 3 gathers each unit when its next forward needs it). Its state is
 read and written in the per-parameter layout of the unsharded AdamW, each rank its own pieces of it
-(`meshlm.train.shards`; `checkpoint_param_groups`, `load_sharded_state`), so a checkpoint moves between
+(`meshlm.checkpoint.shards`; `checkpoint_param_groups`, `load_sharded_state`), so a checkpoint moves between
 zero stages and data-parallel sizes without any rank holding a full tensor.
 Not responsible for: the gradient reduction, the shard layout or parameter gathering (`zero.py`).
 """
@@ -103,7 +103,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_sharded_state(self, sd: dict) -> None:
-        """After a checkpoint was read into this rank's shards in place (`meshlm.train.shards`): set the
+        """After a checkpoint was read into this rank's shards in place (`meshlm.checkpoint.shards`): set the
         step counts from `sd["state"]` (per-parameter, as AdamW stores them) and, under ZeRO-1/2, bring
         the full parameters from the loaded master shards (one all-gather per bucket)."""
         for z in self.parts:

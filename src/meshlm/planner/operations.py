@@ -5,7 +5,7 @@ failures of the whole job, the time to write one checkpoint, the checkpoint inte
 work (Young / Daly), the expected goodput (useful fraction of wall time), and the power the job draws
 (cluster MW, energy per step, kWh per million tokens, and for a whole run of `train_tokens`).
 Not responsible for: the step time itself (`cost.py`), or what a checkpoint contains on disk
-(`meshlm.train.checkpoint`; the bytes here are the model state of the planner's accounting).
+(`meshlm.checkpoint`; the bytes here are the model state of the planner's accounting).
 
 Failures. Each GPU fails independently at `failure_rate_per_gpu_hour` (a GPU and its share of host,
 network and software faults); the job stops at the first failure of any GPU, so its mean time between

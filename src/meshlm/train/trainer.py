@@ -14,7 +14,7 @@ checkpoints; reported losses are global (reduced over the "dp" axis).
 Under tensor parallelism (parallel.tp > 1) the model returns this rank's vocab slice of the logits:
 the losses go through `vocab_parallel_cross_entropy` (the same value on every tp rank, so reported
 losses are still reduced over "dp" only), clipping uses the TP-aware norm, checkpoints hold the full
-unsharded tensors (see `meshlm.train.checkpoint`), and the end-of-training sample runs on a full copy
+unsharded tensors (see `meshlm.checkpoint`), and the end-of-training sample runs on a full copy
 of the model gathered over tp (generation with the KV cache does not run on the TP-sharded model).
 
 Under pipeline parallelism (parallel.pp > 1) the model is this rank's stage: `pipeline_step` hands the
@@ -63,7 +63,7 @@ from meshlm.schedules import build_schedule
 from meshlm.timeline import write_timeline
 from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
 from meshlm.models.stats import train_flops_per_token
-from meshlm.train.checkpoint import (
+from meshlm.checkpoint import (
     CheckpointError,
     begin_save,
     check_run_dir,

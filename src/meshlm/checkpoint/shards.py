@@ -18,7 +18,7 @@ Where the pieces come from:
 Also: which rank writes which piece of the weights into the safetensors copy that inference reads
 (`assign_writers`: one holder per piece, spread over the holders), and full tensors put back together
 from such pieces (`assemble`).
-Not responsible for: files, checksums, publication (`train/checkpoint.py`).
+Not responsible for: files, checksums, publication (`checkpoint/`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from meshlm.parallel.materialize import placement
@@ -243,7 +251,10 @@ def unwrap(tree):
 def after_load(state: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Finish a load into `checkpoint_state`'s views: the optimizer's step counts and hyperparameters, and
     under ZeRO-1/2 the full parameters from the loaded master shards."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if "optim" in state:
         state = {**state, "optim": _renamed(state["optim"], {v: k for k, v in _tied_names(model).items()})}
