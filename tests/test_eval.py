@@ -69,13 +69,13 @@ def test_one_process_and_two_ranks_agree(run, capsys, monkeypatch):
     each rank evaluates under tp=2 and gets what one process gets."""
     from dist import run_distributed
 
-    import meshlm.cli
+    import meshlm.cli.eval
 
     run_dir, _ = run
     single = _eval_json(capsys, "--checkpoint", str(run_dir))
     layout = ["parallel.tp=2", "train.micro_batch_size=2"]
     started = []
-    monkeypatch.setattr(meshlm.cli, "run_torchrun", lambda launcher, rank_args: started.append(
+    monkeypatch.setattr(meshlm.cli.eval, "run_torchrun", lambda launcher, rank_args: started.append(
         (launcher, rank_args)) or 0)
     assert main(["eval", "--checkpoint", str(run_dir), "--nproc", "2", *[a for o in layout for a in ("--set", o)],
                  "--json"]) == 0

@@ -15,7 +15,9 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from meshlm.config import ModelConfig
 from meshlm.models.transformer import build_model
 from meshlm.planner import estimate, plan
-from meshlm.planner.cli import add_plan_parser, parse_size, run_plan
+from meshlm.cli.plan import add_parser as add_plan_parser
+from meshlm.cli.plan import run as run_plan
+from meshlm.planner.inputs import parse_size
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, pipeline_bubble
 from meshlm.planner.inference import estimate_inference
@@ -653,7 +655,7 @@ def test_zero_wording_names_the_ranks_the_layout_string_shows():
 
 
 def test_does_not_fit_says_why_next_to_the_headroom():
-    from meshlm.planner.cli import format_table
+    from meshlm.cli.plan import format_table
     from meshlm.planner.cluster import with_overrides
     from meshlm.planner.cost import MIN_HEADROOM
     from meshlm.planner.explain import bound_of

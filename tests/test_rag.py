@@ -157,7 +157,7 @@ def test_dense_index_with_a_local_encoder(tmp_path):
 def rag_server(corpus_index, tmp_path_factory):
     from test_server import free_port, make_model_dir, running, serve_args
 
-    from meshlm.infer.server import build_server
+    from meshlm.cli.serve import build_server
 
     pytest.importorskip("fastapi")
     model_dir = make_model_dir(tmp_path_factory.mktemp("rag-llama"), max_len=1024)

@@ -330,7 +330,7 @@ def test_stop_strings_are_checked_incrementally(served):
 
 
 def test_serve_banner_names_the_model_id():
-    from meshlm.infer.server import serve_banner
+    from meshlm.cli.serve import serve_banner
 
     line = serve_banner("127.0.0.1", 8000, "runs/default", "default")
     assert '"model": "default"' in line and "runs/default" in line

@@ -167,7 +167,7 @@ def launched(model_dir, port: int, *flags: str):
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def server(request, tmp_path_factory):
     """The same tests against one process and against `meshlm serve --tp 2` (two ranks, torch's launcher)."""
-    from meshlm.infer.server import build_server
+    from meshlm.cli.serve import build_server
 
     model_dir = make_model_dir(tmp_path_factory.mktemp("tiny-llama"))
     port = free_port()

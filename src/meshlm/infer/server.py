@@ -25,7 +25,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 from meshlm.comm import CollectiveError
 from meshlm.infer.engine import Engine, RequestOutput
@@ -578,76 +577,3 @@ async def _client_gone(request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-
-def build_llm(args):
-    """The `LLM` of parsed `meshlm serve` arguments (on several ranks: every rank builds it; on the others
-    this returns only when rank 0 closes it)."""
-    from meshlm.infer.llm import LLM
-
-    return LLM(args.model, tp=args.tp, cp=args.cp, device=args.device, block_size=args.block_size,
-               kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)), max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               enable_prefix_caching=not args.no_prefix_caching)
-
-
-def build_server(args, llm=None):
-    """(uvicorn.Server, AsyncEngine) for parsed `meshlm serve` arguments; the caller runs the server."""
-    import uvicorn
-
-    llm = llm or build_llm(args)
-    engine = AsyncEngine(llm.engine)
-    name = args.served_model_name or Path(args.model).resolve().name
-    if not 1 <= args.rag_top_k <= 64:
-        raise ValueError(f"--rag-top-k={args.rag_top_k} must be between 1 and 64")
-    if args.max_body_mb <= 0:
-        raise ValueError(f"--max-body-mb={args.max_body_mb} must be > 0")
-    rag_index = None
-    if args.rag is not None:
-        from meshlm.infer.rag import RagIndex
-
-        rag_index = RagIndex.load(args.rag)
-    log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
-    app = create_app(engine, model_name=name, api_key=args.api_key,
-                     max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log, rag_index=rag_index,
-                     rag_top_k=args.rag_top_k)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
-    server.meshlm_model_name = name  # the id clients must send, for the banner
-    return server, engine
-
-
-def serve_banner(host: str, port: int, model_path: str, model_name: str) -> str:
-    """The line `meshlm serve` starts with: where it listens and the model id requests must name."""
-    return (f"meshlm serve: http://{host}:{port}/v1 serving {model_path} as model {json.dumps(model_name)} "
-            f"(requests send \"model\": {json.dumps(model_name)})")
-
-
-def kv_banner(stats: dict, *, block_size: int, tp: int, cp: int) -> str:
-    """The second line of `meshlm serve`: how many tokens the KV cache holds, over how many ranks."""
-    ranks = f" over {tp * cp} ranks (tp={tp}: each holds 1/{tp} of the kv heads; cp={cp}: each holds 1/{cp} of the " \
-            "blocks)" if tp * cp > 1 else ""
-    return (f"meshlm serve: KV cache of {stats['kv_blocks_total']} blocks x {block_size} tokens = "
-            f"{stats['kv_blocks_total'] * block_size} tokens{ranks}")
-
-
-def run_serve(args) -> int:
-    llm = build_llm(args)
-    if not llm.is_driver:  # another rank of a parallel server: it ran its part until rank 0 closed
-        return 0
-    try:
-        server, engine = build_server(args, llm)
-        print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
-        print(kv_banner(llm.engine.stats(), block_size=args.block_size, tp=args.tp, cp=args.cp), flush=True)
-        try:
-            server.run()
-        finally:
-            engine.stop()
-    finally:
-        llm.close()
-    return 0

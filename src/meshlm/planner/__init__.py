@@ -10,7 +10,7 @@ counts and matmul FLOPs of our model (and the FLOP convention) are `meshlm.model
   inference    serving: KV cache, largest batch, decode tokens/s, prefill time
   plot         PNG of the top layouts' memory and time breakdowns
   calibrate    measure this machine (matmul FLOP/s, gloo collectives)
-  cli          `meshlm plan` (add_plan_parser, run_plan)
+  inputs       sizes (4M), amounts (15T), a model spec, a Job, from what a user types
 
 Python API: `estimate(...)` (one layout) and `plan(...)` (search) below.
 """
@@ -28,7 +28,7 @@ __all__ = ["estimate", "plan", "Estimate", "Job", "Layout", "Cluster", "PRESETS"
 
 def _inputs(model, cluster, *, seq_len, global_batch_size, global_batch_tokens, precision, calibration,
             runtime="megatron"):
-    from meshlm.planner.cli import make_job, resolve_model
+    from meshlm.planner.inputs import make_job, resolve_model
 
     cfg = model if isinstance(model, ModelConfig) else resolve_model(model)
     clu = cluster if isinstance(cluster, Cluster) else get_cluster(cluster, calibration=calibration)

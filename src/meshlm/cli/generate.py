@@ -1,0 +1,73 @@
+"""`meshlm generate`: text from a meshlm checkpoint or a Hugging Face model, on one rank or tp x cp ranks."""
+
+from __future__ import annotations
+
+
+from meshlm.launch import run_torchrun
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a meshlm checkpoint or a Hugging Face model",
+                       description="Generate a continuation of --prompt on the inference engine "
+                                   "(paged KV cache): one process, or --tp N x --cp M ranks.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
+    src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks on this node (started through torch's launcher; each holds 1/N of "
+                        "the weights and of every KV block; default 1)")
+    p.add_argument("--cp", type=int, default=1, metavar="M",
+                   help="context-parallel ranks: every sequence's KV blocks spread over M ranks, so a context "
+                        "M times one rank's cache is served (x --tp ranks in all; default 1)")
+
+
+def run(args) -> int:
+    from meshlm.distributed import init_distributed, launched_ranks, teardown_distributed
+    from meshlm.infer.llm import LLM
+    from meshlm.infer.sequence import SamplingParams
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.tp < 1 or args.cp < 1:
+        raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
+    ranks = args.tp * args.cp
+    if ranks > 1 and not launched_ranks():
+        return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_new_tokens, seed=args.seed)
+    if ranks > 1:
+        import torch
+
+        init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp)
+        if llm.is_driver:
+            try:
+                _generate_and_print(llm, args, params)
+            finally:
+                llm.close()
+    except BaseException:
+        teardown_distributed()  # no waiting for ranks that may never arrive: the launcher stops them
+        raise
+    teardown_distributed(wait=True)
+    return 0
+
+
+def _generate_and_print(llm, args, params) -> None:
+    if llm.tokenizer is None:
+        raise ValueError(f"{args.checkpoint or args.hf!r} has no tokenizer (tokenizer.json); cannot encode --prompt")
+    num_prompt = len(llm.tokenizer.encode(args.prompt))
+    if num_prompt == 0:
+        raise ValueError("--prompt encodes to no tokens; give some text")
+    if num_prompt + args.max_new_tokens > llm.engine.max_model_len:
+        raise ValueError(f"the prompt ({num_prompt} tokens) + --max-new-tokens={args.max_new_tokens} exceeds the "
+                         f"model's context of {llm.engine.max_model_len} tokens; use --max-new-tokens <= "
+                         f"{max(llm.engine.max_model_len - num_prompt, 0)}")
+    result = llm.generate([args.prompt], params)[0]
+    print(args.prompt + result.text)

@@ -1,0 +1,144 @@
+"""`meshlm serve`: the OpenAI-compatible server, on one rank or tp x cp ranks started through torchrun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meshlm.launch import run_torchrun
+from meshlm.cli.common import require_extra
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a Hugging Face model directory or a meshlm checkpoint: POST /v1/completions, "
+                    "/v1/chat/completions (stream or not), GET /v1/models, /health, /metrics.")
+    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory or meshlm checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint except /health")
+    p.add_argument("--max-body-mb", type=float, default=16.0,
+                   help="largest request body accepted, in MiB (default 16); larger ones get 413")
+    p.add_argument("--quiet", action="store_true",
+                   help="do not log a line per request (method, path, status, tokens, latency)")
+    p.add_argument("--rag", default=None, metavar="INDEX",
+                   help="a `meshlm rag index` folder: requests with \"rag\": {\"top_k\": K} get passages put "
+                        "before their prompt and a \"retrieved\" list in the response")
+    p.add_argument("--rag-top-k", type=int, default=4, help="passages per request when it does not say (default 4)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (default 32)")
+    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (each holds 1/N of the weights and of every KV block; default 1)")
+    p.add_argument("--cp", type=int, default=1, metavar="M",
+                   help="context-parallel ranks (every sequence's KV blocks spread over M ranks; x --tp ranks in "
+                        "all, started through torch's launcher; --kv-cache-mb is per rank; default 1)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto (default: cuda when present, in bf16; else cpu in fp32), cpu or cuda")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with --tp/--cp: how long a rank waits in a step's collective for the others before the "
+                        "server reports the engine broken (default 600); an idle server keeps its ranks alive "
+                        "with a small message a second, so idling longer than this is fine")
+
+
+def run(args) -> int:
+    require_extra("serve", "fastapi", "uvicorn")
+    from meshlm.distributed import init_distributed, launched_ranks, teardown_distributed
+
+    if args.tp < 1 or args.cp < 1:
+        raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
+    ranks = args.tp * args.cp
+    if ranks == 1:
+        return serve_here(args)
+    if not launched_ranks():
+        return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
+    import torch
+
+    if args.collective_timeout <= 0:
+        raise ValueError(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
+    init_distributed("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
+                     timeout_s=args.collective_timeout)
+    try:
+        code = serve_here(args)
+    except BaseException:
+        teardown_distributed()
+        raise
+    teardown_distributed(wait=True)
+    return code
+
+
+def build_llm(args):
+    """The `LLM` of parsed `meshlm serve` arguments (on several ranks: every rank builds it; on the others
+    this returns only when rank 0 closes it)."""
+    from meshlm.infer.llm import LLM
+
+    return LLM(args.model, tp=args.tp, cp=args.cp, device=args.device, block_size=args.block_size,
+               kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)), max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               enable_prefix_caching=not args.no_prefix_caching)
+
+
+def build_server(args, llm=None):
+    """(uvicorn.Server, AsyncEngine) for parsed `meshlm serve` arguments; the caller runs the server."""
+    import uvicorn
+
+    from meshlm.infer.server import AsyncEngine, create_app
+
+    llm = llm or build_llm(args)
+    engine = AsyncEngine(llm.engine)
+    name = args.served_model_name or Path(args.model).resolve().name
+    if not 1 <= args.rag_top_k <= 64:
+        raise ValueError(f"--rag-top-k={args.rag_top_k} must be between 1 and 64")
+    if args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb={args.max_body_mb} must be > 0")
+    rag_index = None
+    if args.rag is not None:
+        from meshlm.infer.rag import RagIndex
+
+        rag_index = RagIndex.load(args.rag)
+    log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
+    app = create_app(engine, model_name=name, api_key=args.api_key,
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log, rag_index=rag_index,
+                     rag_top_k=args.rag_top_k)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    server.meshlm_model_name = name  # the id clients must send, for the banner
+    return server, engine
+
+
+def serve_banner(host: str, port: int, model_path: str, model_name: str) -> str:
+    """The line `meshlm serve` starts with: where it listens and the model id requests must name."""
+    return (f"meshlm serve: http://{host}:{port}/v1 serving {model_path} as model {json.dumps(model_name)} "
+            f"(requests send \"model\": {json.dumps(model_name)})")
+
+
+def kv_banner(stats: dict, *, block_size: int, tp: int, cp: int) -> str:
+    """The second line of `meshlm serve`: how many tokens the KV cache holds, over how many ranks."""
+    ranks = f" over {tp * cp} ranks (tp={tp}: each holds 1/{tp} of the kv heads; cp={cp}: each holds 1/{cp} of the " \
+            "blocks)" if tp * cp > 1 else ""
+    return (f"meshlm serve: KV cache of {stats['kv_blocks_total']} blocks x {block_size} tokens = "
+            f"{stats['kv_blocks_total'] * block_size} tokens{ranks}")
+
+
+def serve_here(args) -> int:
+    """This rank's part of the server: rank 0 runs HTTP and the engine, the others their part of each step."""
+    llm = build_llm(args)
+    if not llm.is_driver:  # another rank of a parallel server: it ran its part until rank 0 closed
+        return 0
+    try:
+        server, engine = build_server(args, llm)
+        print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
+        print(kv_banner(llm.engine.stats(), block_size=args.block_size, tp=args.tp, cp=args.cp), flush=True)
+        try:
+            server.run()
+        finally:
+            engine.stop()
+    finally:
+        llm.close()
+    return 0
