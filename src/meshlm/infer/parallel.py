@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import DecodeBatch, ModelRunner, StepInput, read_slots, write_kv
+from meshlm.infer.attention import DecodeBatch, read_slots, write_kv
+from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.parallel.context import merge_partials, ring_pass
