@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.launch import run_torchrun
 from meshlm.cli.common import require_extra
+from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
+from meshlm.launch import run_torchrun
 
 
 def add_parser(sub) -> None:
@@ -29,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rag-top-k", type=int, default=4, help="passages per request when it does not say (default 4)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (default 32)")
-    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
+    p.add_argument("--kv-cache-mb", type=float, default=float(DEFAULT_KV_CACHE_MB),
+                   help=f"KV cache memory in MiB (default {DEFAULT_KV_CACHE_MB})")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -22,6 +22,11 @@ from collections import OrderedDict
 
 from meshlm.infer.sequence import Sequence
 
+# The KV cache's memory per rank when none is given, in MiB: `ModelRunner` makes as many blocks as fit in it,
+# and `meshlm serve --kv-cache-mb` defaults to it. Defined here, torch-free, so the command line's parser
+# reads it without importing torch.
+DEFAULT_KV_CACHE_MB = 256
+
 
 class BlockManager:
     def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_groups: int = 1):

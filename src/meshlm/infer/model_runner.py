@@ -1,7 +1,8 @@
 """Runs one engine step on the model: sizes the paged KV cache and turns a scheduler step into model input.
 
-Responsible for: sizing the paged KV cache (a number of blocks, or as many as fit in a memory budget) and
-allocating it per layer (its layout is `attention.py`'s); turning a scheduler step into a plain `StepInput` (flat token ids, positions, slot mapping, block tables) --
+Responsible for: sizing the paged KV cache (a number of blocks, or as many as fit in a memory budget:
+`DEFAULT_KV_CACHE_MB` per rank unless told) and allocating it per layer (its layout is `attention.py`'s);
+turning a scheduler step into a plain `StepInput` (flat token ids, positions, slot mapping, block tables) --
 plain data, which rank 0 sends to its tensor-parallel ranks each step (`infer/parallel.py`); and running the
 reference model's own modules with a per-step attention context (`attention.PagedAttention` by default) that
 the model's `Attention` calls. MoE layers run dropless (the capacity rule of training, if the model has one,
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.infer.attention import GatherBuffers, PagedAttention, new_kv_cache
+from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.infer.scheduler import SchedulerOutput
 from meshlm.models.moe import MoE
 from meshlm.models.transformer import Transformer, rope_cos_sin
@@ -71,9 +73,9 @@ class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int = 32, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, kv_dtype: torch.dtype | None = None, attention=None,
                  native_attention: bool = True):
-        """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default 256 MiB, per
-        rank: under tensor parallelism a block holds only this rank's kv heads, so the same budget holds tp
-        times the blocks). `attention`: the class of the per-step attention context (default
+        """KV cache of `num_blocks` blocks, or as many as fit in `kv_cache_memory_bytes` (default
+        `DEFAULT_KV_CACHE_MB` MiB, per rank: under tensor parallelism a block holds only this rank's kv heads,
+        so the same budget holds tp times the blocks). `attention`: the class of the per-step attention context (default
         `PagedAttention`; context-parallel serving passes one that attends over this rank's blocks).
         `native_attention`: decodes over an fp32 cache on a CPU by the compiled kernel of `infer/native.py`
         where it builds (False: always the torch ops; the same numbers within fp32 rounding)."""
@@ -93,7 +95,7 @@ class ModelRunner:
         self.block_size = block_size
         cfg = model.config
         if num_blocks is None:
-            budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else 256 << 20
+            budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else DEFAULT_KV_CACHE_MB << 20
             num_blocks = budget // kv_block_bytes(model, block_size, self.kv_dtype)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
