@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.cli.common import require_extra
+from meshlm.cli.common import in_process_group, require_extra, serving_ranks
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.launch import run_torchrun
 
@@ -51,11 +51,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     require_extra("serve", "fastapi", "uvicorn")
-    from meshlm.distributed import init_distributed, launched_ranks, teardown_distributed
+    from meshlm.distributed import launched_ranks
 
-    if args.tp < 1 or args.cp < 1:
-        raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
-    ranks = args.tp * args.cp
+    ranks = serving_ranks(args)
     if ranks == 1:
         return serve_here(args)
     if not launched_ranks():
@@ -64,15 +62,9 @@ def run(args) -> int:
 
     if args.collective_timeout <= 0:
         raise ValueError(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
-    init_distributed("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
-                     timeout_s=args.collective_timeout)
-    try:
-        code = serve_here(args)
-    except BaseException:
-        teardown_distributed()
-        raise
-    teardown_distributed(wait=True)
-    return code
+    return in_process_group(lambda: serve_here(args),
+                            "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
+                            timeout_s=args.collective_timeout)
 
 
 def build_llm(args):
