@@ -292,7 +292,7 @@ def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180
     """`meshlm serve SERVE_ARGS` on a free port in a subprocess (in a session of its own) with `threads`
     intra-op threads (ranks started by --tp/--cp take one each); yields its URL once /health answers,
     and stops it and every rank it started on exit (how that went is put in `stopped`)."""
-    import httpx
+    from meshlm.infer.client import ServerNotReady, wait_until_healthy
 
     port = free_port()
     argv = [*serve_args, "--port", str(port), "--quiet"]
@@ -303,17 +303,11 @@ def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                errors.seek(0)
-                raise RuntimeError(f"meshlm serve did not start: {errors.read().decode()[-2000:]}")
-            time.sleep(0.2)
+        try:
+            wait_until_healthy(url, timeout_s=timeout_s, proc=proc, poll_s=0.2)
+        except ServerNotReady as e:
+            errors.seek(0)
+            raise RuntimeError(f"meshlm serve did not start: {errors.read().decode()[-2000:]}") from e
         yield url
     finally:
         (stopped if stopped is not None else {}).update(stop_process_tree(proc))

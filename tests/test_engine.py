@@ -240,7 +240,7 @@ def test_decode_batch_matches_dense_attention_on_any_blocks():
     """`DecodeBatch` alone, in float64: decodes of any number of blocks (none too: an empty partial), each
     block seen up to any count, grouped-query heads; output and log-sum-exp equal softmax attention over
     exactly the keys each decode sees."""
-    from meshlm.infer.model_runner import DecodeBatch, new_kv_cache
+    from meshlm.infer.attention import DecodeBatch, new_kv_cache
 
     torch.manual_seed(0)
     num_kv, groups, dim, bs, num_blocks = 2, 3, 8, 4, 12
@@ -269,7 +269,7 @@ def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, b
     above (empty ones, blocks seen in part), output and log-sum-exp against float64 softmax attention; and the
     kernel, not the torch path, did the work. Block sizes and head dims that take each of its tile paths
     (pairs of 16-float tiles, one tile, the scalar rest)."""
-    from meshlm.infer.model_runner import DecodeBatch, new_kv_cache
+    from meshlm.infer.attention import DecodeBatch, new_kv_cache
     from meshlm.infer.native import decode_attention_kernel
 
     if decode_attention_kernel() is None:
@@ -309,7 +309,7 @@ def test_native_decode_attention_matches_dense_attention_on_any_blocks(groups, b
 def test_decode_attention_without_a_c_compiler_takes_the_torch_path(monkeypatch):
     """Where no C compiler builds the kernel, decodes still run (by torch ops), with the same numbers."""
     from meshlm.infer import native
-    from meshlm.infer.model_runner import DecodeBatch, new_kv_cache
+    from meshlm.infer.attention import DecodeBatch, new_kv_cache
 
     torch.manual_seed(0)
     k_cache, v_cache = new_kv_cache(2, 6, 4, 8, dtype=torch.float32)

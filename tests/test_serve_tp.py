@@ -65,7 +65,8 @@ def _cp_attention_error(rank, world_size):
     prefill from scratch and decodes (the ring in tiles of 2 query rows, split-KV) against attention over
     each sequence's keys up to the token's position: (max error of this rank's tokens, how many it owns)."""
     from meshlm.infer.llm import serving_mesh
-    from meshlm.infer.model_runner import StepInput, new_kv_cache, write_kv
+    from meshlm.infer.attention import new_kv_cache, write_kv
+    from meshlm.infer.model_runner import StepInput
     from meshlm.infer.parallel import ContextParallelAttention
 
     cp, bs, kv, groups, dim = world_size, 4, 2, 2, 8

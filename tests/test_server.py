@@ -49,25 +49,27 @@ def server_process(argv: list[str], port: int):
     import subprocess
     import sys
 
-    import httpx
-
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server did not come up")
+        wait_until_up(url, proc)
         yield proc, url
     finally:
         stop_process_tree(proc)
+
+
+def wait_until_up(url: str, proc) -> None:
+    """Wait until the server `proc` started answers GET /health with 200 (the test fails after 120 s, or at
+    once if it exits)."""
+    from meshlm.infer.client import ServerNotReady, wait_until_healthy
+
+    try:
+        wait_until_healthy(url, timeout_s=120, proc=proc)
+    except ServerNotReady as e:
+        pytest.fail(f"the server did not come up: {e}")
 
 
 def stop_process_tree(proc) -> None:
@@ -150,15 +152,7 @@ def launched(model_dir, port: int, *flags: str):
                             stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
+        wait_until_up(url, proc)
         yield url
     finally:
         stop_process_tree(proc)

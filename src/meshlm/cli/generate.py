@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+from meshlm.cli.common import in_process_group, serving_ranks
 from meshlm.launch import run_torchrun
 
 
@@ -28,34 +28,33 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from meshlm.distributed import init_distributed, launched_ranks, teardown_distributed
-    from meshlm.infer.llm import LLM
+    from meshlm.distributed import launched_ranks
     from meshlm.infer.sequence import SamplingParams
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    if args.tp < 1 or args.cp < 1:
-        raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
-    ranks = args.tp * args.cp
+    ranks = serving_ranks(args)
     if ranks > 1 and not launched_ranks():
         return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_new_tokens, seed=args.seed)
-    if ranks > 1:
-        import torch
+    if ranks == 1:
+        return generate_here(args, params)
+    import torch
 
-        init_distributed("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp)
-        if llm.is_driver:
-            try:
-                _generate_and_print(llm, args, params)
-            finally:
-                llm.close()
-    except BaseException:
-        teardown_distributed()  # no waiting for ranks that may never arrive: the launcher stops them
-        raise
-    teardown_distributed(wait=True)
+    return in_process_group(lambda: generate_here(args, params), "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def generate_here(args, params) -> int:
+    """This rank's part: rank 0 generates and prints, the others run their part of each step."""
+    from meshlm.infer.llm import LLM
+
+    llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp)
+    if llm.is_driver:
+        try:
+            _generate_and_print(llm, args, params)
+        finally:
+            llm.close()
     return 0
 
 

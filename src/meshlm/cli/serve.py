@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshlm.cli.common import in_process_group, require_extra, serving_ranks
+from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.launch import run_torchrun
-from meshlm.cli.common import require_extra
 
 
 def add_parser(sub) -> None:
@@ -29,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rag-top-k", type=int, default=4, help="passages per request when it does not say (default 4)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (default 32)")
-    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV cache memory in MiB (default 256)")
+    p.add_argument("--kv-cache-mb", type=float, default=float(DEFAULT_KV_CACHE_MB),
+                   help=f"KV cache memory in MiB (default {DEFAULT_KV_CACHE_MB})")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -49,11 +51,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     require_extra("serve", "fastapi", "uvicorn")
-    from meshlm.distributed import init_distributed, launched_ranks, teardown_distributed
+    from meshlm.distributed import launched_ranks
 
-    if args.tp < 1 or args.cp < 1:
-        raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
-    ranks = args.tp * args.cp
+    ranks = serving_ranks(args)
     if ranks == 1:
         return serve_here(args)
     if not launched_ranks():
@@ -62,15 +62,9 @@ def run(args) -> int:
 
     if args.collective_timeout <= 0:
         raise ValueError(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
-    init_distributed("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
-                     timeout_s=args.collective_timeout)
-    try:
-        code = serve_here(args)
-    except BaseException:
-        teardown_distributed()
-        raise
-    teardown_distributed(wait=True)
-    return code
+    return in_process_group(lambda: serve_here(args),
+                            "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
+                            timeout_s=args.collective_timeout)
 
 
 def build_llm(args):

@@ -5,7 +5,7 @@ which sequence; sharing full blocks between sequences whose token prefixes are e
 caching), keyed by a hash of the block's tokens chained on the previous block's hash, and checked
 token for token on a hit; keeping freed blocks that hold a cached prefix reusable until their space
 is needed (least recently freed first); hit counters.
-Not responsible for: the tensors themselves (model_runner.py) or deciding who gets blocks
+Not responsible for: the tensors themselves (model_runner.py, attention.py) or deciding who gets blocks
 (scheduler.py). No torch import here.
 
 Groups (context-parallel serving, `num_groups` = cp ranks): block b lives on rank b % num_groups, and a
@@ -21,6 +21,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from meshlm.infer.sequence import Sequence
+
+# The KV cache's memory per rank when none is given, in MiB: `ModelRunner` makes as many blocks as fit in it,
+# and `meshlm serve --kv-cache-mb` defaults to it. Defined here, torch-free, so the command line's parser
+# reads it without importing torch.
+DEFAULT_KV_CACHE_MB = 256
 
 
 class BlockManager:

@@ -19,7 +19,8 @@ import torch
 
 from meshlm.infer.block_manager import BlockManager
 from meshlm.comm import CollectiveError
-from meshlm.infer.model_runner import ModelRunner, StepInput
+from meshlm.infer.model_runner import StepInput
+from meshlm.infer.parallel import build_runner
 from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingParams, Sequence
@@ -70,17 +71,18 @@ class Engine:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, runner=None,
                  native_attention: bool = True):
-        """`runner`: what runs each step on the model (default: a `ModelRunner` over `model` with the KV
-        cache arguments and `native_attention`); `infer.parallel.ParallelRunner` runs it on several ranks."""
+        """`runner`: what runs each step on the model (default: `infer.parallel.build_runner`'s one-rank
+        `ModelRunner` over `model` with the KV cache arguments and `native_attention`);
+        `infer.parallel.ParallelRunner` runs it on several ranks."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.config.max_seq_len
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = tuple(eos_token_ids)
-        self.runner = runner or ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
-                                            kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                            native_attention=native_attention)
+        self.runner = runner or build_runner(model, block_size=block_size, num_blocks=num_blocks,
+                                             kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                             native_attention=native_attention)
         self.block_manager = BlockManager(num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
                                           num_groups=getattr(self.runner, "num_groups", 1),
                                           enable_prefix_caching=enable_prefix_caching)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from meshlm.infer.engine import Engine, RequestOutput
+from meshlm.infer.parallel import RUNNER_ARGS, ParallelRunner, build_runner, run_worker
 from meshlm.host_memory import reuse_freed_host_memory
 from meshlm.infer.sequence import SamplingParams
 from meshlm.tokenizer import HFTokenizer, Tokenizer, read_eos_token_ids
@@ -89,21 +90,13 @@ class LLM:
         self.model = net
         self.tokenizer = tok
         self.is_driver = True
-        if mesh is not None:
-            from meshlm.infer.model_runner import ModelRunner
-            from meshlm.infer.parallel import (ParallelRunner, context_parallel_attention, run_worker,
-                                               shard_for_serving)
-
-            net = shard_for_serving(net, mesh)
-            cache = {k: engine_kwargs.pop(k) for k in ("block_size", "num_blocks", "kv_cache_memory_bytes",
-                                                       "native_attention") if k in engine_kwargs}
-            runner = ModelRunner(net, **cache, attention=context_parallel_attention(mesh) if cp > 1 else None)
-            if mesh.rank != 0:
-                self.is_driver, self.engine = False, None
-                run_worker(runner, mesh)
-                return
-            engine_kwargs["runner"] = ParallelRunner(runner, mesh)
-        self.engine = Engine(net, tok, **engine_kwargs)
+        runner = build_runner(net, mesh, **{k: engine_kwargs.pop(k) for k in RUNNER_ARGS if k in engine_kwargs})
+        if mesh is not None and mesh.rank != 0:
+            self.is_driver, self.engine = False, None
+            run_worker(runner, mesh)
+            return
+        self.engine = Engine(runner.model, tok, runner=runner if mesh is None else ParallelRunner(runner, mesh),
+                             **engine_kwargs)
 
     def close(self) -> None:
         """On several ranks: release the others (rank 0; afterwards this LLM generates no more)."""

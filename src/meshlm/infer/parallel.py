@@ -1,6 +1,8 @@
 """Serving on several ranks: one engine on rank 0; the model split over "tp", the KV cache over "cp".
 
 Responsible for:
+  - `build_runner`: the one place a rank's `ModelRunner` is made, for any tp x cp (one rank included): the
+    model split over tp, attention over this rank's blocks under cp.
   - `ParallelRunner`, what rank 0's `Engine` calls in place of its `ModelRunner`: each step it sends the
     `StepInput` (plain data, as JSON) to every rank (over "cp", then over "tp"), runs its own part of the
     step, and returns the full logits; `run_worker`, the loop of the other ranks (receive a step, run it,
@@ -48,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from meshlm import comm
-from meshlm.infer.model_runner import DecodeBatch, ModelRunner, StepInput, read_slots, write_kv
+from meshlm.infer.attention import DecodeBatch, read_slots, write_kv
+from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
 from meshlm.parallel.context import merge_partials, ring_pass
@@ -57,6 +60,20 @@ from meshlm.models.transformer import Transformer
 _STOP = {"stop": True}
 _KEEPALIVE = {"keepalive": True}
 KEEPALIVE_S = 1.0  # an idle driver tells the other ranks it is alive this often (far below any collective timeout)
+
+
+# The `ModelRunner` arguments of `LLM`/`Engine` (the KV cache and its attention), as `build_runner` takes them.
+RUNNER_ARGS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "native_attention")
+
+
+def build_runner(model: Transformer, mesh: Mesh | None = None, **runner_kwargs) -> ModelRunner:
+    """This rank's `ModelRunner` over `model` (the full weights): on one rank (`mesh` None) the model as it
+    is; on tp x cp ranks split in place over "tp" (`shard_for_serving`) and, with cp > 1, attending over this
+    rank's blocks (`context_parallel_attention`). `runner_kwargs`: `ModelRunner`'s (`RUNNER_ARGS`)."""
+    if mesh is None:
+        return ModelRunner(model, **runner_kwargs)
+    return ModelRunner(shard_for_serving(model, mesh), **runner_kwargs,
+                       attention=context_parallel_attention(mesh) if mesh.size("cp") > 1 else None)
 
 
 def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:

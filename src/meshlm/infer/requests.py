@@ -1,14 +1,17 @@
 """The OpenAI API's request bodies, checked: every malformed value becomes an `APIError` (a 4xx with an
 OpenAI-style error body naming the field), before anything reaches the engine.
 
-Responsible for: sampling parameters (`sampling_params_from`), chat messages, completion prompts, the
-`rag` option, the size limits of a request, and the logprobs layout of both endpoints' responses.
-Not responsible for: HTTP, the engine, or retrieval (server.py, engine.py, rag.py).
+Responsible for: the body as JSON naming the served model (`json_body`), sampling parameters
+(`sampling_params_from`), the options of a completion (`RequestOptions.of`: n, stream, rag), chat messages,
+completion prompts, the `rag` option and the size limits of a request.
+Not responsible for: HTTP, the engine, retrieval or the responses (server.py, engine.py, rag.py, responses.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 
 from meshlm.infer.sequence import SamplingParams
 
@@ -21,6 +24,51 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def json_body(raw: bytes, *, model_name: str) -> dict:
+    """A request's body: a JSON object whose "model" is the one this server serves."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise APIError(400, "'model' is required", param="model")
+    if model != model_name:
+        raise APIError(404, f"the model {short(model)} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    return body
+
+
+@dataclass
+class RequestOptions:
+    """What a completion or chat completion asks for besides its prompts."""
+
+    params: SamplingParams
+    n: int  # choices per prompt
+    stream: bool
+    include_usage: bool  # a streamed answer ends with the token usage (stream_options)
+    rag: tuple[int, str] | None  # (top_k, mode) of retrieval, or None
+
+    @classmethod
+    def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int) -> "RequestOptions":
+        params = sampling_params_from(body, chat=chat)
+        n = number(body, "n", 1, int)
+        if not 1 <= n <= MAX_CHOICES:
+            raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
+        if body.get("best_of") not in (None, n):
+            raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
+        stream = boolean(body, "stream")
+        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                           param="stream_options")
+        return cls(params, n, stream, include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+                   rag=rag_options(body.get("rag"), rag_index, rag_top_k))
 
 
 def number(body: dict, key: str, default, kind=float, *, allow_none=True):
@@ -120,18 +168,6 @@ def chat_messages(body: dict) -> list[dict]:
 
 MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
 MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
-
-
-def completion_logprobs(logprobs: list[dict], dec) -> dict:
-    return {"tokens": [dec(lp["token"]) for lp in logprobs],
-            "token_logprobs": [lp["logprob"] for lp in logprobs],
-            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
-
-
-def chat_logprobs(logprobs: list[dict], dec) -> dict:
-    return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
-                         "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
-                        for lp in logprobs]}
 
 
 def rag_options(value, index, default_top_k: int) -> tuple[int, str] | None:

@@ -1,11 +1,11 @@
 """`meshlm serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, extra `serve`).
 
 Responsible for: POST /v1/completions (one prompt or several) and /v1/chat/completions, `n` choices
-each, streamed as server-sent events (with logprobs per chunk) or not; GET /v1/models, /health and
-/metrics (Prometheus text); answering bad input with a 4xx and an OpenAI-style error body
-(`{"error": {"message", "type", "param", "code"}}`, the checks in `infer/requests.py`) while the other
-requests go on; aborting the requests of a client that hangs up; an optional API key (`Authorization: Bearer KEY`,
-every endpoint but /health); one log line per request; retrieval-augmented requests (`"rag"`, with an
+each, streamed as server-sent events (with logprobs per chunk) or not (the answers' layout is
+`infer/responses.py`'s); GET /v1/models, /health and /metrics (Prometheus text); answering bad input with a
+4xx and an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`, the checks in
+`infer/requests.py`) while the other requests go on; aborting the requests of a client that hangs up; an
+optional API key (`Authorization: Bearer KEY`, every endpoint but /health); one log line per request; retrieval-augmented requests (`"rag"`, with an
 index from `meshlm.infer.rag`: retrieval runs in worker threads, the passages go before the prompt and
 the response lists them as `retrieved`); running the engine in one background thread that requests are
 queued to (`AsyncEngine`).
@@ -30,8 +30,8 @@ from meshlm.comm import CollectiveError
 from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
-    MAX_BODY_BYTES, MAX_CHOICES, APIError, boolean, chat_logprobs, chat_messages, completion_logprobs,
-    completion_prompts, number, rag_options, sampling_params_from, short)
+    MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, completion_prompts, json_body)
+from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -229,260 +229,38 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-    from jinja2 import TemplateError
 
     app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
     if log is not None:
         app.add_middleware(_AccessLog, log=log)
-    tokenizer = engine.engine.tokenizer
+    api = _Completions(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                       rag_index=rag_index, rag_top_k=rag_top_k)
     created = int(time.time())
 
-    def error(e: APIError) -> Response:
-        # json.dumps escapes to ASCII: an error never fails to encode, whatever text it quotes.
-        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
-
-    def check_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", type_="authentication_error")
-
-    async def read_body(request: Request) -> dict:
-        check_key(request)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            raise APIError(413, f"the body has {declared} bytes; at most {max_body_bytes} are accepted")
-        raw = bytearray()
-        async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
-            raw += chunk
-            if len(raw) > max_body_bytes:
-                raise APIError(413, f"the body is over {max_body_bytes} bytes, the most accepted")
-        try:
-            body = json.loads(bytes(raw))
-        except RecursionError:
-            raise APIError(400, "the body is not valid JSON: nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if model is None:
-            raise APIError(400, "'model' is required", param="model")
-        if model != model_name:
-            raise APIError(404, f"the model {short(model)} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
-        return body
-
-    async def submit(prompt, params, queue, rag):
-        try:
-            return await engine.submit_async(prompt, params, queue, rag=rag)
-        except EngineUnavailable as e:
-            raise APIError(503, str(e), type_="server_error") from e
-        except ValueError as e:
-            raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
-
-    rag_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="meshlm-rag") if rag_index is not None else None
-
-    async def retrieve(query: str, top_k: int, mode: str) -> tuple[str, list[dict]]:
-        """Search in a worker thread (the event loop and the engine thread never wait on it)."""
-        def work():
-            start = time.monotonic()
-            passages = rag_index.search(query, top_k=top_k, mode=mode)
-            block = format_passages(passages)
-            num_tokens = len(tokenizer.encode(block, add_special_tokens=False)) if tokenizer is not None and block else 0
-            return passages, block, num_tokens, time.monotonic() - start
-
-        try:
-            passages, block, num_tokens, seconds = await asyncio.get_running_loop().run_in_executor(rag_pool, work)
-        except ValueError as e:
-            raise APIError(400, str(e), param="rag") from e
-        engine.rag_latency.observe(seconds)
-        engine.rag_tokens.observe(num_tokens)
-        return block, [p.public() for p in passages]
-
-    def dec(token: int) -> str:
-        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else str(token)
-
-    async def run(request: Request, *, chat: bool):
-        body = await read_body(request)
-        params = sampling_params_from(body, chat=chat)
-        n = number(body, "n", 1, int)
-        if not 1 <= n <= MAX_CHOICES:
-            raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
-        if body.get("best_of") not in (None, n):
-            raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
-        stream = boolean(body, "stream")
-        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
-            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
-                           param="stream_options")
-        rag_opts = rag_options(body.get("rag"), rag_index, rag_top_k)
-        retrieved: list[list[dict]] | None = None
-        if chat:
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; chat needs one")
-            messages = chat_messages(body)
-            if rag_opts is not None:
-                query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
-                block, found = await retrieve(query, *rag_opts)
-                messages, retrieved = augment_messages(messages, block), [found]
-            try:
-                prompts = [await asyncio.to_thread(tokenizer.encode_chat, messages)]
-            except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
-                raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
-        else:
-            prompts = completion_prompts(body.get("prompt"), has_tokenizer=tokenizer is not None)
-            if rag_opts is not None:
-                if not all(isinstance(p, str) for p in prompts):
-                    raise APIError(400, "rag needs text prompts (the query is the prompt's text), not token ids",
-                                   param="rag")
-                retrieved = []
-                for i, prompt in enumerate(prompts):
-                    block, found = await retrieve(prompt, *rag_opts)
-                    prompts[i] = block + prompt
-                    retrieved.append(found)
-        if len(prompts) * n > MAX_CHOICES:
-            raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
-                                f"{MAX_CHOICES} per request", param="n")
-        queue: asyncio.Queue = asyncio.Queue()
-        ids: list[str] = []  # choice index -> request id (index = prompt * n + sample, as OpenAI numbers them)
-        num_prompt = 0
-        try:
-            for prompt in prompts:
-                for j in range(n):
-                    # Sample j of a seeded request draws from its own seed, so the n choices differ.
-                    p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
-                    request_id, _, prompt_ids = await submit(prompt, p, queue, retrieved is not None)
-                    ids.append(request_id)
-                    if j == 0:
-                        num_prompt += len(prompt_ids)
-                        prompt = prompt_ids  # the other samples reuse the tokens
-        except BaseException:
-            for request_id in ids:  # all or nothing
-                engine.abort(request_id)
-            raise
-        index = {request_id: i for i, request_id in enumerate(ids)}
-        kind = "chat.completion" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-")
-        if stream:
-            return StreamingResponse(_stream(request, ids, index, queue, rid, chat, num_prompt, body, params,
-                                             retrieved, n),
-                                     media_type="text/event-stream")
-        finals: dict[str, RequestOutput] = {}
-        gone = asyncio.ensure_future(_client_gone(request))
-        try:
-            while len(finals) < len(ids):
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:  # the client hung up: nobody will read the answer
-                    getter.cancel()
-                    request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finals.values())
-                    return Response(status_code=499)
-                out = getter.result()
-                if isinstance(out, Exception):
-                    raise APIError(503 if isinstance(out, EngineUnavailable) else 500, f"the engine failed: {out}",
-                                   type_="server_error")
-                if out.finished:
-                    if out.finish_reason == "error":
-                        raise APIError(500, f"generating this request failed: {out.error}", type_="server_error")
-                    finals[out.request_id] = out
-        finally:
-            gone.cancel()
-            for request_id in ids:
-                if request_id not in finals:
-                    engine.abort(request_id)
-        choices = []
-        for i, request_id in enumerate(ids):
-            out = finals[request_id]
-            choice = {"index": i, "finish_reason": out.finish_reason}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
-                choice["logprobs"] = chat_logprobs(out.logprobs, dec) if params.logprobs is not None else None
-            else:
-                choice["text"] = out.text
-                choice["logprobs"] = completion_logprobs(out.logprobs, dec) if params.logprobs is not None else None
-            if retrieved is not None:
-                choice["retrieved"] = retrieved[i // n]
-            choices.append(choice)
-        completion = sum(len(o.token_ids) for o in finals.values())
-        request.scope["meshlm.tokens"] = completion
-        response = {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "choices": choices,
-                    "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
-                              "total_tokens": num_prompt + completion}}
-        if retrieved is not None:
-            if len(retrieved) == 1:
-                response["retrieved"] = retrieved[0]
-        return JSONResponse(response)
-
-    async def _stream(request, ids, index, queue, rid, chat, num_prompt, body, params, retrieved, n):
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        finished: dict[str, RequestOutput] = {}
-
-        def event(i: int, delta: str | None, finish_reason, *, first=False, logprobs=None) -> str:
-            choice = {"index": i, "finish_reason": finish_reason}
-            if first and retrieved is not None:
-                choice["retrieved"] = retrieved[i // n]
-            if chat:
-                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-                choice["delta"] = d
-                if logprobs:
-                    choice["logprobs"] = chat_logprobs(logprobs, dec)
-            else:
-                choice["text"] = delta or ""
-                if logprobs:
-                    choice["logprobs"] = completion_logprobs(logprobs, dec)
-            data = {"id": rid, "object": chunk_kind, "created": int(time.time()), "model": model_name,
-                    "choices": [choice]}
-            return f"data: {json.dumps(data)}\n\n"
-
-        try:
-            if chat or retrieved is not None:  # the first chunk of each choice: role, passages
-                for i in range(len(ids)):
-                    yield event(i, None, None, first=True)
-            while len(finished) < len(ids):
-                out = await queue.get()
-                if isinstance(out, Exception) or out.finish_reason == "error":
-                    why = out if isinstance(out, Exception) else out.error
-                    err = APIError(503 if isinstance(out, EngineUnavailable) else 500, f"the engine failed: {why}",
-                                   type_="server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                    break
-                i = index[out.request_id]
-                # Logprobs of this step's new tokens travel with the chunk (its text may lag a token or
-                # two behind them: an incomplete character or a possible stop string is held back).
-                new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if (
-                    params.logprobs is not None and out.new_token_ids) else None
-                if out.new_text or new_lp:
-                    yield event(i, out.new_text, None, logprobs=new_lp)
-                if out.finished:
-                    finished[out.request_id] = out
-                    yield event(i, None, out.finish_reason)
-            else:
-                if (body.get("stream_options") or {}).get("include_usage"):
-                    completion = sum(len(o.token_ids) for o in finished.values())
-                    usage = {"prompt_tokens": num_prompt, "completion_tokens": completion,
-                             "total_tokens": num_prompt + completion}
-                    yield f"data: {json.dumps({'id': rid, 'object': chunk_kind, 'model': model_name, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finished.values())
-            for request_id in ids:
-                if request_id not in finished:  # the client went away (or one choice failed): free the blocks
-                    engine.abort(request_id)
+    async def answer(request: Request, *, chat: bool) -> Response:
+        reply = await api.run(request, chat=chat)
+        if reply is None:  # the client hung up: nobody will read the answer
+            return Response(status_code=499)
+        if isinstance(reply, dict):
+            return JSONResponse(reply)
+        return StreamingResponse(reply, media_type="text/event-stream")
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return error(exc)
+        # json.dumps escapes to ASCII: an error never fails to encode, whatever text it quotes.
+        return Response(json.dumps(exc.body()), status_code=exc.status, media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(request, chat=False)
+        return await answer(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, chat=True)
+        return await answer(request, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_key(request)
+        api.check_key(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "meshlm",
                                             "max_model_len": engine.engine.max_model_len}]}
@@ -495,52 +273,270 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        check_key(request)
-        s = engine.stats()
-        lines = []
-        for name, key, help_text, kind in [
-            ("meshlm_requests_running", "num_running", "requests being processed", "gauge"),
-            ("meshlm_requests_waiting", "num_waiting", "requests waiting for admission", "gauge"),
-            ("meshlm_kv_blocks_used", "kv_blocks_used", "KV cache blocks in use", "gauge"),
-            ("meshlm_kv_blocks_free", "kv_blocks_free", "KV cache blocks free", "gauge"),
-            ("meshlm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache / queried", "gauge"),
-            ("meshlm_prefix_cache_queried_tokens_total", "prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache", "counter"),
-            ("meshlm_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", "counter"),
-            ("meshlm_generated_tokens_total", "generated_tokens", "tokens generated", "counter"),
-            ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
-        ]:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
-        lines += ["# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
-                  f"meshlm_requests_total {engine.num_requests}"]
-        lines += ["# HELP meshlm_requests_finished_total sequences finished, by reason (abort: the client left "
-                  "or the request was cancelled; error: this sequence failed alone)",
-                  "# TYPE meshlm_requests_finished_total counter"]
-        reasons = {"stop": 0, "length": 0, "abort": 0, "error": 0, **s["finish_reasons"]}
-        lines += [f'meshlm_requests_finished_total{{reason="{r}"}} {c}' for r, c in sorted(reasons.items())]
-        lines += engine.rag_latency.render("meshlm_rag_retrieval_seconds", "time to retrieve passages for a prompt")
-        lines += engine.rag_tokens.render("meshlm_rag_retrieved_tokens", "tokens of retrieved passages put before a prompt")
-        rag_rate = engine.rag_cached_tokens / engine.rag_prompt_tokens if engine.rag_prompt_tokens else 0.0
-        lines += ["# HELP meshlm_rag_prefix_cache_hit_rate prompt tokens of retrieval-augmented requests found in "
-                  "the prefix cache / their prompt tokens", "# TYPE meshlm_rag_prefix_cache_hit_rate gauge",
-                  f"meshlm_rag_prefix_cache_hit_rate {rag_rate}",
-                  "# HELP meshlm_rag_prefix_cache_hit_tokens_total prompt tokens of retrieval-augmented requests "
-                  "found in the prefix cache", "# TYPE meshlm_rag_prefix_cache_hit_tokens_total counter",
-                  f"meshlm_rag_prefix_cache_hit_tokens_total {engine.rag_cached_tokens}"]
-        for kind in ("used", "free"):
-            lines += [f"# HELP meshlm_kv_blocks_{kind}_per_rank KV cache blocks {kind.replace('used', 'in use')} on "
-                      "each context-parallel rank", f"# TYPE meshlm_kv_blocks_{kind}_per_rank gauge"]
-            lines += [f'meshlm_kv_blocks_{kind}_per_rank{{cp_rank="{r}"}} {n}'
-                      for r, n in enumerate(s[f"kv_blocks_{kind}_per_rank"])]
-        for unit, key, help_text in (("bytes", "bytes", "bytes moved by collectives"),
-                                     ("seconds", "seconds", "seconds spent waiting in collectives")):
-            lines += [f"# HELP meshlm_comm_{unit}_total {help_text} (rank 0), by mesh axis",
-                      f"# TYPE meshlm_comm_{unit}_total counter"]
-            lines += [f'meshlm_comm_{unit}_total{{axis="{a}"}} {c[key]}' for a, c in sorted(s["comm"].items())]
-        lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
-        lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        api.check_key(request)
+        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class _Completions:
+    """The work behind POST /v1/completions and /v1/chat/completions: read and check the body, build the
+    prompts (retrieval first where asked), queue every choice to the engine, then answer whole or as a stream.
+    Also the API key check of the other endpoints. Works on the request's ASGI interface (headers, body
+    stream, receive, scope); the FastAPI responses are `create_app`'s."""
+
+    def __init__(self, engine: AsyncEngine, *, model_name: str, api_key: str | None, max_body_bytes: int,
+                 rag_index, rag_top_k: int):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.max_body_bytes = max_body_bytes
+        self.tokenizer = engine.engine.tokenizer
+        self.rag_index, self.rag_top_k = rag_index, rag_top_k
+        self.rag_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="meshlm-rag") \
+            if rag_index is not None else None
+
+    async def run(self, request, *, chat: bool):
+        """The answer: a JSON body (dict), an event stream (async iterator of str), or None when the client
+        hung up before it was ready."""
+        body = await self.read_body(request)
+        options = RequestOptions.of(body, chat=chat, rag_index=self.rag_index, rag_top_k=self.rag_top_k)
+        if chat:
+            prompts, retrieved = await self.prompts_of_chat(body, options.rag)
+        else:
+            prompts, retrieved = await self.prompts_of_completion(body, options.rag)
+        n = options.n
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
+                                f"{MAX_CHOICES} per request", param="n")
+        queue: asyncio.Queue = asyncio.Queue()
+        ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None)
+        replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
+                          model=self.model_name, dec=self.dec, logprobs=options.params.logprobs is not None,
+                          retrieved=retrieved, n=n)
+        if options.stream:
+            return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage)
+        finals = await self.collect(request, ids, queue)
+        if finals is None:
+            return None
+        outputs = [finals[request_id] for request_id in ids]
+        request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in outputs)
+        return replies.response(outputs, num_prompt)
+
+    # ---- the request ---------------------------------------------------------------------------
+
+    def check_key(self, request) -> None:
+        if self.api_key is not None and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", type_="authentication_error")
+
+    async def read_body(self, request) -> dict:
+        self.check_key(request)
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the body has {declared} bytes; at most {limit} are accepted")
+        raw = bytearray()
+        async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
+            raw += chunk
+            if len(raw) > limit:
+                raise APIError(413, f"the body is over {limit} bytes, the most accepted")
+        return json_body(bytes(raw), model_name=self.model_name)
+
+    async def prompts_of_chat(self, body: dict, rag) -> tuple[list, list[list[dict]] | None]:
+        """The one prompt of a chat (its messages through the chat template), retrieved passages first."""
+        from jinja2 import TemplateError  # the chat templates' engine (a dependency of torch)
+
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; chat needs one")
+        messages, retrieved = chat_messages(body), None
+        if rag is not None:
+            query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+            block, found = await self.retrieve(query, *rag)
+            messages, retrieved = augment_messages(messages, block), [found]
+        try:
+            return [await asyncio.to_thread(self.tokenizer.encode_chat, messages)], retrieved
+        except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
+            raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
+
+    async def prompts_of_completion(self, body: dict, rag) -> tuple[list, list[list[dict]] | None]:
+        """A completion's prompts, each with its retrieved passages before it where asked."""
+        prompts = completion_prompts(body.get("prompt"), has_tokenizer=self.tokenizer is not None)
+        if rag is None:
+            return prompts, None
+        if not all(isinstance(p, str) for p in prompts):
+            raise APIError(400, "rag needs text prompts (the query is the prompt's text), not token ids", param="rag")
+        retrieved = []
+        for i, prompt in enumerate(prompts):
+            block, found = await self.retrieve(prompt, *rag)
+            prompts[i] = block + prompt
+            retrieved.append(found)
+        return prompts, retrieved
+
+    async def retrieve(self, query: str, top_k: int, mode: str) -> tuple[str, list[dict]]:
+        """Search in a worker thread (the event loop and the engine thread never wait on it)."""
+        def work():
+            start = time.monotonic()
+            passages = self.rag_index.search(query, top_k=top_k, mode=mode)
+            block = format_passages(passages)
+            num_tokens = len(self.tokenizer.encode(block, add_special_tokens=False)) \
+                if self.tokenizer is not None and block else 0
+            return passages, block, num_tokens, time.monotonic() - start
+
+        try:
+            passages, block, num_tokens, seconds = await asyncio.get_running_loop().run_in_executor(self.rag_pool,
+                                                                                                    work)
+        except ValueError as e:
+            raise APIError(400, str(e), param="rag") from e
+        self.engine.rag_latency.observe(seconds)
+        self.engine.rag_tokens.observe(num_tokens)
+        return block, [p.public() for p in passages]
+
+    # ---- the engine ----------------------------------------------------------------------------
+
+    async def submit_choices(self, prompts: list, params: SamplingParams, n: int, queue: asyncio.Queue, *,
+                             rag: bool) -> tuple[list[str], int]:
+        """Queue n samples of every prompt, all or nothing. Returns (the request id of each choice, numbered
+        prompt * n + sample as OpenAI numbers them; prompt tokens)."""
+        ids: list[str] = []
+        num_prompt = 0
+        try:
+            for prompt in prompts:
+                for j in range(n):
+                    # Sample j of a seeded request draws from its own seed, so the n choices differ.
+                    p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
+                    request_id, _, prompt_ids = await self.submit(prompt, p, queue, rag)
+                    ids.append(request_id)
+                    if j == 0:
+                        num_prompt += len(prompt_ids)
+                        prompt = prompt_ids  # the other samples reuse the tokens
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return ids, num_prompt
+
+    async def submit(self, prompt, params: SamplingParams, queue: asyncio.Queue, rag: bool):
+        try:
+            return await self.engine.submit_async(prompt, params, queue, rag=rag)
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), type_="server_error") from e
+        except ValueError as e:
+            raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
+
+    async def collect(self, request, ids: list[str], queue: asyncio.Queue) -> dict[str, RequestOutput] | None:
+        """Every choice's final output by request id; None if the client hung up first (its choices aborted)."""
+        finals: dict[str, RequestOutput] = {}
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            while len(finals) < len(ids):
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the client hung up: nobody will read the answer
+                    getter.cancel()
+                    request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finals.values())
+                    return None
+                out = getter.result()
+                if isinstance(out, Exception):
+                    raise _engine_failed(out)
+                if out.finished:
+                    if out.finish_reason == "error":
+                        raise APIError(500, f"generating this request failed: {out.error}", type_="server_error")
+                    finals[out.request_id] = out
+        finally:
+            gone.cancel()
+            for request_id in ids:
+                if request_id not in finals:
+                    self.engine.abort(request_id)
+        return finals
+
+    async def stream(self, request, ids: list[str], queue: asyncio.Queue, replies: Replies, num_prompt: int, *,
+                     include_usage: bool):
+        """The choices as server-sent events while they are generated, then `[DONE]`."""
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        finished: dict[str, RequestOutput] = {}
+        try:
+            if replies.chat or replies.retrieved is not None:  # the first chunk of each choice: role, passages
+                for i in range(len(ids)):
+                    yield replies.event(i, None, None, first=True)
+            while len(finished) < len(ids):
+                out = await queue.get()
+                if isinstance(out, Exception) or out.finish_reason == "error":
+                    yield sse(_engine_failed(out if isinstance(out, Exception) else out.error).body())
+                    break
+                i = index[out.request_id]
+                # Logprobs of this step's new tokens travel with the chunk (its text may lag a token or
+                # two behind them: an incomplete character or a possible stop string is held back).
+                new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if (
+                    replies.logprobs and out.new_token_ids) else None
+                if out.new_text or new_lp:
+                    yield replies.event(i, out.new_text, None, logprobs=new_lp)
+                if out.finished:
+                    finished[out.request_id] = out
+                    yield replies.event(i, None, out.finish_reason)
+            else:
+                if include_usage:
+                    yield replies.usage_event(num_prompt, sum(len(o.token_ids) for o in finished.values()))
+            yield "data: [DONE]\n\n"
+        finally:
+            request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finished.values())
+            for request_id in ids:
+                if request_id not in finished:  # the client went away (or one choice failed): free the blocks
+                    self.engine.abort(request_id)
+
+    def dec(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
+
+
+def _engine_failed(why) -> APIError:
+    """The error of a request the engine could not run: 503 when it has stopped for good, else 500."""
+    return APIError(503 if isinstance(why, EngineUnavailable) else 500, f"the engine failed: {why}",
+                    type_="server_error")
+
+
+def metrics_text(engine: AsyncEngine) -> str:
+    """GET /metrics: the engine's counters and the server's histograms in Prometheus' text format."""
+    s = engine.stats()
+    lines = []
+    for name, key, help_text, kind in [
+        ("meshlm_requests_running", "num_running", "requests being processed", "gauge"),
+        ("meshlm_requests_waiting", "num_waiting", "requests waiting for admission", "gauge"),
+        ("meshlm_kv_blocks_used", "kv_blocks_used", "KV cache blocks in use", "gauge"),
+        ("meshlm_kv_blocks_free", "kv_blocks_free", "KV cache blocks free", "gauge"),
+        ("meshlm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache / queried", "gauge"),
+        ("meshlm_prefix_cache_queried_tokens_total", "prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache", "counter"),
+        ("meshlm_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", "counter"),
+        ("meshlm_generated_tokens_total", "generated_tokens", "tokens generated", "counter"),
+        ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
+    ]:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
+    lines += ["# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
+              f"meshlm_requests_total {engine.num_requests}"]
+    lines += ["# HELP meshlm_requests_finished_total sequences finished, by reason (abort: the client left "
+              "or the request was cancelled; error: this sequence failed alone)",
+              "# TYPE meshlm_requests_finished_total counter"]
+    reasons = {"stop": 0, "length": 0, "abort": 0, "error": 0, **s["finish_reasons"]}
+    lines += [f'meshlm_requests_finished_total{{reason="{r}"}} {c}' for r, c in sorted(reasons.items())]
+    lines += engine.rag_latency.render("meshlm_rag_retrieval_seconds", "time to retrieve passages for a prompt")
+    lines += engine.rag_tokens.render("meshlm_rag_retrieved_tokens", "tokens of retrieved passages put before a prompt")
+    rag_rate = engine.rag_cached_tokens / engine.rag_prompt_tokens if engine.rag_prompt_tokens else 0.0
+    lines += ["# HELP meshlm_rag_prefix_cache_hit_rate prompt tokens of retrieval-augmented requests found in "
+              "the prefix cache / their prompt tokens", "# TYPE meshlm_rag_prefix_cache_hit_rate gauge",
+              f"meshlm_rag_prefix_cache_hit_rate {rag_rate}",
+              "# HELP meshlm_rag_prefix_cache_hit_tokens_total prompt tokens of retrieval-augmented requests "
+              "found in the prefix cache", "# TYPE meshlm_rag_prefix_cache_hit_tokens_total counter",
+              f"meshlm_rag_prefix_cache_hit_tokens_total {engine.rag_cached_tokens}"]
+    for kind in ("used", "free"):
+        lines += [f"# HELP meshlm_kv_blocks_{kind}_per_rank KV cache blocks {kind.replace('used', 'in use')} on "
+                  "each context-parallel rank", f"# TYPE meshlm_kv_blocks_{kind}_per_rank gauge"]
+        lines += [f'meshlm_kv_blocks_{kind}_per_rank{{cp_rank="{r}"}} {n}'
+                  for r, n in enumerate(s[f"kv_blocks_{kind}_per_rank"])]
+    for unit, key, help_text in (("bytes", "bytes", "bytes moved by collectives"),
+                                 ("seconds", "seconds", "seconds spent waiting in collectives")):
+        lines += [f"# HELP meshlm_comm_{unit}_total {help_text} (rank 0), by mesh axis",
+                  f"# TYPE meshlm_comm_{unit}_total counter"]
+        lines += [f'meshlm_comm_{unit}_total{{axis="{a}"}} {c[key]}' for a, c in sorted(s["comm"].items())]
+    lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
+    lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
+    return "\n".join(lines) + "\n"
 
 
 class _AccessLog:
