@@ -40,8 +40,8 @@ dense layers are spread evenly); experts are balanced unless `Job.expert_imbalan
 busiest expert rank is over the mean; the dispatcher's permutations cost their HBM passes
 (`kernels.moe_dispatch_elements`) and the all-to-all its bytes; host-side time is not modelled (kernel
 launches, and the dropless dispatcher's per-layer synchronisation of token counts with the host), though
-fine-grained MoE runs (many small experts, small hidden size) measured in benchmarks/planner_published.py
-run up to three times slower than this model; pipeline p2p is never overlapped; and fused attention has
+fine-grained MoE runs (many small experts, small hidden size) in benchmarks/planner_published.py run
+much slower than this model predicts; pipeline p2p is never overlapped; and fused attention has
 its own efficiency, lower for the short blocks of a context-parallel ring. On a CPU host (`compute_slots`)
 ranks beyond the core count time-share the cores, and collectives get no overlap once every core computes.
 """
