@@ -1,14 +1,11 @@
 """Planner vs published training runs: predicted throughput against the reported figure, row by row.
 
-Reads the published-runs CSV (default: ../shared/reference/published_runs_dev.csv relative to the
-repository root; --csv to override; where it is missing -- it is not part of the repository -- a JSON
-saying it was skipped, exit 0). --smoke: the first 3 rows only, a check that the script runs. For each row it builds the model, cluster and layout the row
-describes -- the row's OWN layout (tp, pp, interleaving, dp, cp, ep, ZeRO/FSDP, micro-batch, recompute,
-precision), never the planner's favourite -- asks the planner for the step time and compares:
-  * tokens/s per GPU where the row gives it (MegaScale, NeMo, Megatron-Bridge, torchtitan): no FLOP
-    convention can differ;
-  * else the step time (Korthikanti 2022 gives it);
-  * else TFLOP/s per GPU with the row's own FLOP formula (Megatron 2021 Table 1: eq. 3).
+Reads the published-runs CSV (default: benchmarks/data/published_runs_dev.csv, in the repository, each row
+with its source; benchmarks/data/README.md; --csv to override; where that file is missing, a JSON saying it
+was skipped, exit 0). --smoke: the first 3 rows only, a check that the script runs. Each row is priced
+with its OWN layout by `meshlm.planner.published` (`score_runs`; its docstring lists how a row becomes a
+model, cluster, job and layout, and the choices the rows leave open), the same code tests/test_planner.py
+checks the medians with.
 Prints JSON: per-row prediction and error (predicted / measured - 1), per-group median |error|, the
 median |error| of the groups used while choosing the model's constants ("fit") and of the others
 ("held_out"), and overall. Rows the planner cannot express are listed under "skipped" with the reason.
@@ -27,60 +24,20 @@ time (kernel launches; the dropless dispatcher's per-layer token-count synchroni
 fine-grained MoE (Qwen3-30B-A3B, GPT-OSS) most likely loses: their rows stay 35% to 205% too fast, and the same
 Qwen3-30B layout ran at twice the throughput in one container (25.09, token-drop) as in the next
 (25.11, dropless), a spread no layout-level model can follow.
-Choices the rows leave open, made the same way for every row (never from the reported throughput):
-  * micro-batch size when not given, and interleaving depth when "v not stated": the fastest predicted
-    choice that fits (fastest overall if none fits);
-  * missing architectures from the published model cards / papers (`ARCHS`, each cited);
-  * GPT-style models (4h GeLU MLP, squared-ReLU for Nemotron) are mapped to SwiGLU with intermediate =
-    2/3 * ffn rounded to a multiple of 128 (so tp divides it; the same parameters and FLOPs per token
-    within 0.3%); Llama-family ffn sizes are SwiGLU sizes already;
-  * runs of Megatron-LM before it took up FlashAttention (2023: the `--use-flash-attn` flag) use its
-    unfused attention (`flash_attention=False`): the 2021 paper, and Korthikanti et al. 2022, whose
-    selective recomputation exists to drop the unfused kernel's s x s scores; and
-    MegaScale's Megatron-LM baseline, Megatron-LM's default core attention (`--use-flash-attn` is opt-in;
-    MegaScale's "efficient operators" (its Sec. 3) list FlashAttention-2 among its changes over that baseline);
-  * NVIDIA's NeMo / Megatron-Bridge rows that say "DDP (FSDP=0)" or nothing use Megatron's
-    distributed optimizer (ZeRO-1), the default of their recipes; "FSDP" rows ZeRO-3;
-    Megatron-Bridge tables with the precision column blank are the FP8 recipe tables;
-  * DP communication exposed for Megatron-LM before 2023 (2021/2022 papers, MegaScale's baseline);
-  * torchtitan's A100 table ran eager (`fused_elementwise=False`);
-  * TP communication overlapped with GEMMs where the stack does it (MegaScale's runs, NVIDIA's recipes);
-  * NVIDIA's NeMo / Megatron-Bridge performance recipes keep and reduce gradients in bf16 (they set
-    `grad_reduce_in_fp32 = False`); the others in fp32;
-  * NVIDIA's MoE recipes: routed experts not tensor-parallel (`expert_tensor_parallel_size = 1` in every
-    Megatron-Bridge MoE performance config: `Layout.expert_tp = 1`, so ep may span the tp ranks), and the
-    expert all-to-all overlapped (`moe_a2a_overlap`: `Job.ep_comm_overlap`) wherever Megatron-Core allows
-    it (ep > 1, no full recompute, a virtual pipeline when pp > 1), as the late-2025 H100 configs set it
-    for DeepSeek-V3 and both Qwen3 models; GPT-OSS (pp 4, no virtual pipeline) runs without. Older
-    containers' recipes set it for DeepSeek-V3 only, so the rule overlaps three rows that likely ran
-    exposed (Qwen3-30B in 25.09 and 25.11, Qwen3-235B in 25.09): their predictions are too fast by that;
-  * recompute blank: none (the NeMo/Megatron-Bridge performance recipes), except the MegaScale rows,
-    which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2);
-  * torchtitan's "selective layer" / "selective op" checkpointing re-runs about half of the forward
-    (`HALF_RECOMPUTE`): the mean of the no-recompute and full-recompute estimates.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import re
-import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
-from meshlm.config import ModelConfig
-from meshlm.planner.cluster import get_cluster
-from meshlm.planner.cluster import GiB
-from meshlm.planner.cost import MIN_HEADROOM, Job, Layout, ModelSummary, estimate_layout, validate_layout
+from meshlm.planner.published import FIT_GROUPS, read_runs, score_runs
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CSV = REPO / ".." / "shared" / "reference" / "published_runs_dev.csv"
-# The groups looked at while choosing the planner's constants; the others are held out (reported
-# separately, never looked at row by row while adjusting the model).
-FIT_GROUPS = ("A_megatron2021_weak_scaling", "E_megascale_175b_strong_scaling", "I_megatron_bridge_h100")
+DEFAULT_CSV = REPO / "benchmarks" / "data" / "published_runs_dev.csv"
+
 # The issue-15 changes (mechanisms and row descriptions, no numeric constant), each with the groups whose
 # rows prompted it. Every group's rows were read while making them.
 CHANGES = (
@@ -114,254 +71,6 @@ CHANGES = (
      ("I_megatron_bridge_h100",), "Megatron-Core's all-to-all token dispatcher (kernels.moe_dispatch_elements)"),
 )
 
-_GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs
-# Architectures the CSV leaves blank, from the papers / model cards (keys: lower-case name prefixes).
-ARCHS = {
-    # NeMo GPT-3 configs (Brown et al. 2020 Table 2.1 sizes); vocab padded as Megatron does.
-    "gpt3-5b": dict(layers=24, hidden=4096, heads=32, ffn=16384, vocab=51200, **_GPT),
-    "gpt3-20b": dict(layers=44, hidden=6144, heads=48, ffn=24576, vocab=51200, **_GPT),
-    "gpt3-175b": dict(layers=96, hidden=12288, heads=96, ffn=49152, vocab=51200, **_GPT),
-    # Touvron et al. 2023 (Llama 2) Table 1 / model cards.
-    "llama2-7b": dict(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000),
-    "llama2-13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000),
-    "llama2-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-    "llama 2 13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000),
-    "llama 2 70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-    # Nemotron-3 8B / Nemotron-4 (Parmar et al. 2024 Table 1; NVIDIA 2024 Nemotron-4 340B report): squared ReLU MLP.
-    "nemotron-8b": dict(layers=32, hidden=4096, heads=32, ffn=16384, vocab=256000, **_GPT),
-    "nemotron-22b": dict(layers=40, hidden=6144, heads=48, kv_heads=8, ffn=24576, vocab=256000, **_GPT),
-    "nemotron-340b": dict(layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728, vocab=256000, **_GPT),
-    # OpenAI gpt-oss model card (2025): 36 layers, 128 experts top-4, head_dim 64.
-    "gpt oss 120b": dict(layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880, vocab=201088,
-                         experts=128, top_k=4, moe_ffn=2880),
-    # Qwen3 technical report (2025) Table 2 / config.json.
-    "qwen3_30b_a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936,
-                          experts=128, top_k=8, moe_ffn=768, qk_norm=True),
-    "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
-                            experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
-}
-
-
-def _int(text: str, default: int | None = None) -> int | None:
-    m = re.match(r"\s*(\d+)", text or "")
-    return int(m.group(1)) if m else default
-
-
-def cluster_of(gpu: str) -> str:
-    g = gpu.lower()
-    for key, name in (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
-                      ("a100", "a100"), ("ampere", "a100")):
-        if key in g:
-            return name
-    raise ValueError(f"unknown GPU {gpu!r} in the CSV")
-
-
-def model_of(row: dict) -> ModelConfig:
-    name = row["model"].strip().lower()
-    if name.startswith("deepseekv3"):
-        return ModelConfig.from_preset("deepseek-v3")
-    arch = next((a for k, a in ARCHS.items() if name.startswith(k)), {})
-    get = lambda key, col: _int(row[col]) if _int(row[col]) else arch.get(key)  # noqa: E731
-    hidden, heads, layers = get("hidden", "hidden"), get("heads", "heads"), get("layers", "layers")
-    if None in (hidden, heads, layers):
-        raise LookupError(f"architecture of {row['model']!r} is neither in the CSV nor in ARCHS")
-    ffn = get("ffn", "ffn") or 4 * hidden
-    gpt = arch.get("mlp") == "gelu" or "gpt" in name and "oss" not in name
-    kw = dict(vocab_size=get("vocab", "vocab") or 51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
-              num_kv_heads=get("kv_heads", "kv_heads") or heads, max_seq_len=_int(row["seq_len"]) or 8192,
-              intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
-    if arch.get("head_dim"):
-        kw["head_dim"] = arch["head_dim"]
-    if arch.get("experts"):
-        kw.update(num_experts=arch["experts"], num_experts_per_token=arch["top_k"],
-                  moe_intermediate_size=arch["moe_ffn"])
-    return ModelConfig(**kw)
-
-
-def recompute_of(row: dict) -> str:
-    t = (row["recompute"] or "").lower()
-    if t.startswith("yes") or "full" in t:
-        return "full"
-    if row["group"].startswith("K_torchtitan") and ("selective layer" in t or "selective op" in t):
-        return HALF_RECOMPUTE
-    if "selective" in t:
-        return "selective"
-    if not t and row["group"].startswith("E_megascale"):
-        return "selective"
-    return "none"
-
-
-# torchtitan's "selective" activation checkpointing is not Megatron's (attention core only): "selective
-# layer" checkpoints every second transformer block in full (its `selective_ac_option = "2"`), "selective
-# op" saves the matmul outputs but recomputes every second matmul and the ops between (its `_save_list`
-# policy). Both re-run about half of the forward: priced as the mean of the no-recompute and the
-# full-recompute estimates (time and memory), the planner having no per-layer recompute choice.
-HALF_RECOMPUTE = "half"
-
-
-def zero_of(row: dict) -> int:
-    t = row["zero_fsdp"].strip().lower()
-    if "fsdp" in t and "fsdp=0" not in t:
-        return 3
-    if "zero-2" in t:
-        return 2
-    if t in ("none",):
-        return 0
-    return 1  # Megatron's distributed optimizer (NeMo / Megatron-Bridge default)
-
-
-def precision_of(row: dict) -> str:
-    t = row["precision"].lower()
-    if "bf16" in t or "16-bit" in t:
-        return "bf16"
-    if "fp8" in t or row["group"].startswith("I_megatron_bridge"):
-        return "fp8"
-    return "bf16"
-
-
-def seq_len_of(row: dict) -> int:
-    s = _int(row["seq_len"])
-    if s:
-        return s
-    # torchtitan's performance.md: Llama 3 runs at 8192, Llama 2 at 4096 (its note on the table)
-    return 8192 if "llama 3" in row["model"].lower() else 4096
-
-
-def eq3_flops_per_step(row: dict) -> float:
-    B, s, l, h, V = (_int(row[k]) for k in ("gbs_seqs", "seq_len", "layers", "hidden", "vocab"))
-    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
-
-
-def _float(text: str) -> float | None:
-    m = re.match(r"\s*([\d.]+)", text or "")
-    return float(m.group(1)) if m else None
-
-
-def _mean_estimate(pair: list, cluster) -> object:
-    """The mean of two estimates of one layout (time and memory by component), fitting as the planner
-    decides (`cost.MIN_HEADROOM`); labelled recompute="half"."""
-    a, b = pair
-    time_s = {k: (a.time_s[k] + b.time_s[k]) / 2 for k in a.time_s}
-    mem = {k: (a.memory_gib[k] + b.memory_gib[k]) / 2 for k in a.memory_gib}
-    fits = mem["total"] * GiB <= cluster.hbm_bytes * (1 - MIN_HEADROOM)
-    return replace(a, layout=replace(a.layout, recompute=HALF_RECOMPUTE), time_s=time_s, memory_gib=mem, fits=fits)
-
-
-def predict_row(row: dict) -> dict:
-    base = {"row_id": row["row_id"], "group": row["group"], "model": row["model"]}
-    n = _int(row["n_gpus"])
-    tp, pp = _int(row["tp"]), _int(row["pp"])
-    if tp is None or pp is None:
-        return {**base, "skip": "the row gives no parallel layout"}
-    try:
-        cfg = model_of(row)
-    except LookupError as e:
-        return {**base, "skip": str(e)}
-    cluster = get_cluster(cluster_of(row["gpu"]))
-    year = max((int(y) for y in re.findall(r"\b(20\d\d)\b", row["source"])), default=2024)
-    seq = seq_len_of(row)
-    mbs_given = _int(row["mbs"])
-    gbs = _int(row["gbs_seqs"]) or (mbs_given or 1) * n
-    # TP communication overlapped with the GEMMs: MegaScale's own runs (its Sec. 3.3), and NVIDIA's NeMo /
-    # Megatron-Bridge recipes (`tp_comm_overlap` on in their performance configs); not Megatron 2021/2022
-    # nor MegaScale's Megatron-LM baseline.
-    nvidia = row["group"].startswith(("H_nemo", "I_megatron_bridge"))
-    overlap = "(megascale)" in row["model"].lower() or nvidia
-    # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
-    # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
-    megascale_baseline = "(megatron-lm)" in row["model"].lower()
-    megatron_old = row["group"].startswith(("A_", "C_")) or megascale_baseline
-    # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
-    # memory pass per elementwise op.
-    eager = row["group"].startswith("K_torchtitan")
-    flash = year >= 2023 and not megascale_baseline
-    cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
-    dp = _int(row["dp"]) or n // (tp * pp * cp)
-    vpp_text = row["vpp"].strip().lower()
-    interleaved = vpp_text.startswith("interleaved") or _int(vpp_text, 1) > 1
-    rc = recompute_of(row)
-    # NVIDIA's MoE recipes: experts not tensor-parallel (expert_tensor_parallel_size = 1 in every
-    # Megatron-Bridge MoE performance config), and the expert-parallel all-to-all overlapped with another
-    # microbatch (moe_a2a_overlap) wherever Megatron-Core allows it: ep > 1, no full recomputation, and an
-    # interleaved pipeline when pp > 1 (their H100 MoE configs with a virtual pipeline set it; the one without,
-    # GPT-OSS pp=4, does not).
-    nvidia_moe = nvidia and cfg.is_moe
-    ep_overlap = nvidia_moe and ep > 1 and rc != "full" and (pp == 1 or interleaved)
-    job = Job(seq_len=seq, global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
-              tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-              grad_reduce_in_fp32=not nvidia, ep_comm_overlap=ep_overlap)
-    if vpp_text.startswith("interleaved"):
-        schedules = [("interleaved", c) for c in range(2, 9) if pp * c <= cfg.num_layers]
-    elif _int(vpp_text, 1) > 1:
-        schedules = [("interleaved", _int(vpp_text))]
-    else:
-        schedules = [("1f1b", 1)]
-    mbs_list = [mbs_given] if mbs_given else [1, 2, 4, 8]
-    # Sequence parallelism: as the row says; NVIDIA's recipes turn it on with tp > 1 for dense models.
-    sp_text = row["sp"].strip().lower()
-    # (Megatron-Core requires it for MoE with tp > 1.)
-    sp = sp_text.startswith("yes") or (not sp_text and tp > 1)
-    summary = ModelSummary.build(cfg, job.seq_len, eager=eager)
-    candidates, reasons = [], []
-    for mbs in mbs_list:
-        for sched, v in schedules:
-            lo = Layout(dp_shard=dp, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
-                        pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
-                        micro_batch_size=mbs, sequence_parallel=sp, expert_tp=1 if nvidia_moe else 0,
-                        recompute="none" if rc == HALF_RECOMPUTE else rc)
-            try:
-                m = validate_layout(cfg, job, lo, gpus=n)
-            except ValueError as e:
-                reasons.append(str(e))
-                continue
-            if rc == HALF_RECOMPUTE:
-                pair = [estimate_layout(summary, cluster, job, replace(lo, recompute=x), num_microbatches=m)
-                        for x in ("none", "full")]
-                candidates.append(_mean_estimate(pair, cluster))
-            else:
-                candidates.append(estimate_layout(summary, cluster, job, lo, num_microbatches=m))
-    if not candidates:
-        return {**base, "skip": f"layout not expressible: {reasons[0]}"}
-    fitting = [e for e in candidates if e.fits]
-    best = min(fitting or candidates, key=lambda e: e.time_s["step"])
-    step = best.time_s["step"]
-    tok_gpu = _float(row["tokens_per_s_per_gpu"])
-    if tok_gpu:
-        metric, measured, predicted = "tokens_per_s_per_gpu", tok_gpu, job.tokens / step / n
-    elif _float(row["step_time_s"]):
-        metric, measured, predicted = "1/step_time", 1 / _float(row["step_time_s"]), 1 / step
-    else:
-        metric, measured = "tflops_per_gpu(eq.3)", _float(row["tflops_per_gpu"])
-        predicted = eq3_flops_per_step(row) / step / n / 1e12
-    return {**base, "gpus": n, "cluster": cluster.name, "precision": job.precision, "moe": cfg.is_moe,
-            "layout": best.layout.short(), "fits": best.fits, "memory_gib": round(best.memory_gib["total"], 1),
-            "metric": metric, "measured": measured, "predicted": round(predicted, 3),
-            "error": round(predicted / measured - 1, 4),
-            "time_breakdown": {k: round(v / step, 3) for k, v in best.time_s.items() if k != "step" and v > 0}}
-
-
-def _median_abs(rows: list[dict]) -> float | None:
-    errs = [abs(r["error"]) for r in rows if "error" in r]
-    return round(statistics.median(errs), 4) if errs else None
-
-
-def summarize(results: list[dict]) -> dict:
-    used = [r for r in results if "error" in r]
-    groups = sorted({r["group"] for r in used})
-    return {
-        "rows_used": len(used),
-        "rows_skipped": len(results) - len(used),
-        "per_group_median_abs_error": {g: _median_abs([r for r in used if r["group"] == g]) for g in groups},
-        "per_group_median_error": {g: round(statistics.median(r["error"] for r in used if r["group"] == g), 4)
-                                   for g in groups},
-        "fit_groups_median_abs_error": _median_abs([r for r in used if r["group"] in FIT_GROUPS]),
-        "held_out_median_abs_error": _median_abs([r for r in used if r["group"] not in FIT_GROUPS]),
-        "median_abs_error_dense": _median_abs([r for r in used if not r["moe"]]),
-        "median_abs_error_moe": _median_abs([r for r in used if r["moe"]]),
-        "median_abs_error": _median_abs(used),
-        "median_error": round(statistics.median(r["error"] for r in used), 4) if used else None,
-    }
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -375,15 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"benchmark": "planner_published", "smoke": args.smoke,
                           "skipped": f"published runs CSV not found at {path}; pass --csv"}))
         return 0
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_runs(path)
     if args.smoke:
         rows = rows[:3]
-    results = [predict_row(r) for r in rows]
+    results, summary = score_runs(rows)
     out = {"benchmark": "planner_published", "smoke": args.smoke, "csv": str(path), "fit_groups": list(FIT_GROUPS),
            "groups_looked_at": "all (the issue-15 changes below were made reading every group's rows)",
            "changes": [{"change": c, "prompted_by": list(g), "source": src} for c, g, src in CHANGES],
-           **summarize(results)}
+           **summary}
     if not args.summary:
         out["rows"] = [r for r in results if "error" in r]
         out["skipped"] = [r for r in results if "skip" in r]

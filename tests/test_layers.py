@@ -120,6 +120,7 @@ def test_the_layering_test_can_fail():
 
 @pytest.mark.parametrize("module", ["meshlm.planner", "meshlm.planner.search", "meshlm.planner.cost",
                                     "meshlm.planner.inference", "meshlm.planner.scale", "meshlm.planner.explain",
+                                    "meshlm.planner.published",
                                     "meshlm.schedules", "meshlm.timeline", "meshlm.tokenizer", "meshlm.cli"])
 def test_torch_free(module):
     """The planner, the schedules and the command line's parser import no torch (a laptop without it can plan)."""

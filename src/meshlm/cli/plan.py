@@ -3,8 +3,8 @@ this machine.
 
 Responsible for: the argument parser of the `plan` command (`add_parser`), turning flags into
 the planner's inputs (`planner/inputs.py`: model preset or Hugging Face config.json, cluster, job sizes like
-4M), and printing tables or JSON (`run`). User mistakes raise ValueError; the top-level CLI prints them
-as one line with exit code 2.
+4M), and printing tables or JSON (`run` hands each subcommand to its own `run_*` function). User mistakes
+raise ValueError; the top-level CLI prints them as one line with exit code 2.
 Not responsible for: any estimate (see `cost.py`, `search.py`, `inference.py`).
 
   meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 --global-batch-tokens 4M
@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from meshlm.planner.inputs import (job_operations, make_job, parse_size, resolve_model,
                                    runtime_of)
+
+if TYPE_CHECKING:
+    from meshlm.config import ModelConfig
 
 
 def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one") -> None:
@@ -150,148 +154,47 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from meshlm.planner.cluster import get_cluster
+    """`meshlm plan [SUBCOMMAND]`: each subcommand's function below; without one, the layout search."""
+    commands = {None: run_search, "estimate": run_estimate, "scale": run_scale, "compare": run_compare,
+                "infer": run_infer, "schedule": run_schedule, "calibrate": run_calibrate}
+    return commands[getattr(args, "plan_command", None)](args)
 
-    cmd = getattr(args, "plan_command", None)
-    if cmd == "calibrate":
-        from meshlm.planner.calibrate import calibrate, calibrate_emulated
 
-        emulation = args.inter_node_bw or args.inter_node_latency
-        if emulation and not args.emulated:
-            raise ValueError("--inter-node-bw/--inter-node-latency describe an emulated cluster; add --emulated")
-        if args.emulated:
-            from meshlm.emulate import check_host, parse_duration, parse_rate
-
-            if not args.inter_node_bw:
-                raise ValueError("--emulated needs --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
-            rate = parse_rate(args.inter_node_bw)
-            latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else 0.0
-            check_host()
-            data = calibrate_emulated(args.out, nodes=args.nodes, procs_per_node=args.nproc_per_node,
-                                      rate_bps=rate, latency_s=latency)
-        else:
-            data = calibrate(args.out, world_size=args.world_size)
-        if args.json:
-            print(json.dumps(data, indent=2))
-        elif args.emulated:
-            ranks = args.nodes * args.nproc_per_node
-            share = max(1.0, ranks / data["cpu_cores"])  # the file holds per-core figures (emulated_calibration)
-            alone, slow = data.get("alone", data), data.get("contention", {}).get("slowdown", share)
-            up, out = data["collectives"]["all_reduce"], data["scale_out"]["collectives"]["all_reduce"]
-            flat = data.get("flat", {}).get("collectives", {}).get("all_reduce")
-            print(f"matmul {alone['matmul_flops'] / 1e9:.1f} GFLOP/s on one core alone, {data['cpu_cores']} cores; "
-                  f"{ranks} ranks computing at once: {slow:.1f}x slower each; a step's fixed work "
-                  f"{data.get('step_overhead_s', 0) * 1e3:.0f} ms. All-reduce inside a node "
-                  f"{up['bandwidth'] / share / 1e9:.2f} GB/s, across nodes {out['bandwidth'] / 1e6:.1f} MB/s per rank"
-                  + (f", on one ring of all ranks {flat['bandwidth'] / 1e6:.1f} MB/s per node link" if flat else "")
-                  + f"; a call among busy ranks waits +{up.get('call_overhead', 0) * 1e3:.1f} ms inside a node, "
-                  f"+{out.get('call_overhead', 0) * 1e3:.1f} ms across -> {args.out}")
-        else:
-            link = data["link"]
-            print(f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s per core, attention "
-                  f"{data['attention_flops'] / 1e9:.1f} GFLOP/s (+{data['attention_block_overhead']:.0f} tokens/block), "
-                  f"{data['cpu_cores']} cores, memory {data['memory_bandwidth'] / 1e9:.1f} GB/s, "
-                  f"collective link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.0f} us/hop "
-                  f"-> {args.out}")
-        return 0
-    if cmd == "schedule" and args.from_run:
-        from meshlm.schedules import plot_schedule
-        from meshlm.timeline import load_timeline, measured_overheads, simulate_measured
-
-        run = load_timeline(args.from_run, step=args.step)
-        t_comm, t_gap = measured_overheads(run)
-        predicted = simulate_measured(run, t_comm=t_comm, t_gap=t_gap)
-        sch = run.schedule
-        if args.plot:
-            plot_schedule(run, args.plot, title=f"measured {sch.name}: pp={sch.pp}, m={sch.num_microbatches}, "
-                                                f"bubble {run.bubble * 1e3:.1f} ms ({run.bubble_fraction:.1%})")
-        out = {"schedule": sch.name, "pp": sch.pp, "num_microbatches": sch.num_microbatches,
-               "pp_chunks": sch.pp_chunks, "makespan_s": run.makespan, "bubble_fraction": run.bubble_fraction,
-               "idle_s_per_rank": run.idle, "predicted_bubble_fraction": predicted.bubble_fraction,
-               "predicted_makespan_s": predicted.makespan, "predicted_idle_s_per_rank": predicted.idle,
-               "measured_comm_latency_s": t_comm, "measured_gap_s": t_gap}
-        if args.json:
-            print(json.dumps(out))
-        else:
-            print(f"measured {sch.name} pp={sch.pp} m={sch.num_microbatches} v={sch.pp_chunks}: step "
-                  f"{run.makespan * 1e3:.1f} ms, bubble {run.bubble_fraction:.1%} of the busiest rank's compute "
-                  f"(simulated with the measured action times, comm latency {t_comm * 1e3:.2f} ms and "
-                  f"{t_gap * 1e3:.2f} ms between actions: {predicted.bubble_fraction:.1%}, step "
-                  f"{predicted.makespan * 1e3:.1f} ms); idle ms per rank "
-                  f"{[round(x * 1e3, 1) for x in run.idle]} (simulated {[round(x * 1e3, 1) for x in predicted.idle]})"
-                  + (f"; timeline -> {args.plot}" if args.plot else ""))
-        return 0
-    if cmd == "schedule":
-        from meshlm.schedules import build_schedule, plot_schedule, simulate
-
-        if args.pp is None or args.microbatches is None:
-            raise ValueError("meshlm plan schedule needs --pp and --microbatches (or --from-run RUN_DIR)")
-        sim = simulate(build_schedule(args.schedule, pp=args.pp, num_microbatches=args.microbatches,
-                                      pp_chunks=args.chunks))
-        if args.plot:
-            plot_schedule(sim, args.plot)
-        if args.json:
-            print(json.dumps({"schedule": args.schedule, "pp": args.pp, "num_microbatches": args.microbatches,
-                              "pp_chunks": args.chunks, "makespan": sim.makespan, "bubble": sim.bubble,
-                              "bubble_fraction": sim.bubble_fraction, "peak_inflight": sim.peak_inflight}))
-        else:
-            print(f"{args.schedule} pp={args.pp} m={args.microbatches} v={args.chunks}: bubble {sim.bubble:g} of "
-                  f"{sim.makespan:g} time units ({sim.bubble_fraction:.1%} of the compute), peak in-flight "
-                  f"microbatches per rank {[round(x, 2) for x in sim.peak_inflight]}"
-                  + (f"; timeline -> {args.plot}" if args.plot else ""))
-        return 0
+def _model(args) -> ModelConfig:
     if args.model is None:
         raise ValueError("--model is required (a preset such as llama3-70b, or a Hugging Face config.json)")
-    cfg = resolve_model(args.model)
-    if cmd != "infer" and args.precision is None:
-        args.precision = "fp32" if args.cluster == "local" else "bf16"
-    if cmd == "scale":
-        return run_scale(args, cfg)
-    if cmd == "compare":
-        return run_compare(args, cfg)
-    cluster = get_cluster(args.cluster, calibration=args.calibration)
-    if cmd == "infer":
-        from meshlm.planner.inference import estimate_inference
+    return resolve_model(args.model)
 
-        est = estimate_inference(cfg, cluster, tp=args.tp, context_len=args.context_len, batch=args.batch,
-                                 precision=args.precision)
-        if args.json:
-            print(json.dumps(est.to_dict(), indent=2))
-        else:
-            print(f"{args.model} on {cluster.gpu} x{args.tp} (tp): weights {est.weights_gib:.1f} GiB/GPU, "
-                  f"KV cache {est.kv_bytes_per_token / 1024:.1f} KiB/token/GPU, {est.max_tokens_in_cache:,} tokens "
-                  f"fit -> max batch {est.max_batch} at {est.context_len} tokens")
-            if not est.fits:
-                print(f"does not fit: {est.reason}; no decode speed to report")
-                return 0
-            print(f"decode at batch {est.batch}: {est.decode_step_s * 1e3:.2f} ms/step, "
-                  f"{est.decode_tokens_per_s:,.0f} tokens/s ({est.decode_bound}-bound); "
-                  f"prefill of {est.context_len} tokens: {est.prefill_s * 1e3:.1f} ms")
-        return 0
+
+def _training_model(args) -> ModelConfig:
+    """--model, and the training precision where --precision is not given: fp32 on --cluster local (meshlm
+    trains in fp32 on CPUs), bf16 elsewhere."""
+    cfg = _model(args)
+    if args.precision is None:
+        args.precision = "fp32" if args.cluster == "local" else "bf16"
+    return cfg
+
+
+def _cluster_and_job(args):
+    """The --cluster and the training job of --gpus, --seq-len and the batch flags."""
+    from meshlm.planner.cluster import get_cluster
+
+    cluster = get_cluster(args.cluster, calibration=args.calibration)
     if args.gpus is None:
         raise ValueError("--gpus is required")
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision,
                    runtime=runtime_of(args))
-    if cmd == "estimate":
-        from meshlm.planner.cost import estimate, parse_layout
+    return cluster, job
 
-        est = estimate(cfg, cluster, job, parse_layout(args.layout, gpus=args.gpus), gpus=args.gpus)
-        ops = job_operations(est, cfg, cluster, args)
-        if args.json:
-            print(json.dumps({**est.to_dict(), **ops}, indent=2))
-        else:
-            from meshlm.planner.explain import bound_of
-            from meshlm.planner.operations import describe
 
-            print(format_table([est]))
-            print(bound_of(est))
-            print(describe(ops))
-        return 0
-
+def run_search(args) -> int:
+    """`meshlm plan`: rank every valid layout on the cluster, explain the winner, optionally plot the top."""
     from meshlm.planner.explain import explain
     from meshlm.planner.search import search
 
+    cfg = _training_model(args)
+    cluster, job = _cluster_and_job(args)
     result = search(cfg, cluster, job, gpus=args.gpus, top=args.top)
     text = explain(result)
     if args.plot:
@@ -325,6 +228,26 @@ def run(args) -> int:
     return 0
 
 
+def run_estimate(args) -> int:
+    """`meshlm plan estimate`: one layout's memory, step time, failures and power."""
+    from meshlm.planner.cost import estimate, parse_layout
+
+    cfg = _training_model(args)
+    cluster, job = _cluster_and_job(args)
+    est = estimate(cfg, cluster, job, parse_layout(args.layout, gpus=args.gpus), gpus=args.gpus)
+    ops = job_operations(est, cfg, cluster, args)
+    if args.json:
+        print(json.dumps({**est.to_dict(), **ops}, indent=2))
+        return 0
+    from meshlm.planner.explain import bound_of
+    from meshlm.planner.operations import describe
+
+    print(format_table([est]))
+    print(bound_of(est))
+    print(describe(ops))
+    return 0
+
+
 def _job_tokens(args) -> int:
     if args.global_batch_tokens:
         return parse_size(args.global_batch_tokens)
@@ -333,10 +256,12 @@ def _job_tokens(args) -> int:
     raise ValueError("give --global-batch-size (sequences) or --global-batch-tokens (e.g. 4M)")
 
 
-def run_scale(args, cfg) -> int:
+def run_scale(args) -> int:
+    """`meshlm plan scale`: the best layout at each GPU count, strong and weak, and where returns diminish."""
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.scale import describe, diminishing_point, parse_gpu_counts, scale_curve
 
+    cfg = _training_model(args)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     counts = parse_gpu_counts(args.gpus)
     tokens = _job_tokens(args)
@@ -372,11 +297,13 @@ def run_scale(args, cfg) -> int:
     return 0
 
 
-def run_compare(args, cfg) -> int:
+def run_compare(args) -> int:
+    """`meshlm plan compare`: the best layout of one job on each --cluster, side by side."""
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.explain import link_summary
     from meshlm.planner.search import search
 
+    cfg = _training_model(args)
     if len(args.cluster) < 2:
         raise ValueError(f"plan compare needs two or more --cluster (got {args.cluster}); "
                          "e.g. --cluster h100 --cluster gb200-nvl72")
@@ -401,23 +328,161 @@ def run_compare(args, cfg) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "gpus": args.gpus, "seq_len": job.seq_len,
                           "global_batch_size": job.global_batch_size, "clusters": rows}, indent=2))
-        return 0
-    print(f"{args.model} on {args.gpus} GPUs, seq {job.seq_len}, {job.tokens:,} tokens per step, {job.precision}")
+    else:
+        print(f"{args.model} on {args.gpus} GPUs, seq {job.seq_len}, {job.tokens:,} tokens per step, {job.precision}")
+        print(format_compare(rows))
+    return 0
+
+
+def format_compare(rows: list[dict]) -> str:
+    """`plan compare`'s rows as text: each cluster's winner and what bounds it, then the fastest."""
+    lines = []
     for r in rows:
         if not r["fits"]:
-            print(f"  {r['cluster']:<12} nothing fits in memory")
+            lines.append(f"  {r['cluster']:<12} nothing fits in memory")
             continue
-        print(f"  {r['cluster']:<12} ({r['scaleup_size']}-GPU scale-up domains) {r['layout']}")
-        print(f"  {'':<12} step {r['step_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s, "
-              f"MFU {r['mfu']:.1%}, {r['cluster_mw']:.3g} MW, {r['kwh_per_million_tokens']:.3g} kWh/M tokens")
-        print(f"  {'':<12} {r['bound']}")
+        lines.append(f"  {r['cluster']:<12} ({r['scaleup_size']}-GPU scale-up domains) {r['layout']}")
+        lines.append(f"  {'':<12} step {r['step_s']:.3g} s, {r['tokens_per_s']:,.0f} tokens/s, "
+                     f"MFU {r['mfu']:.1%}, {r['cluster_mw']:.3g} MW, {r['kwh_per_million_tokens']:.3g} kWh/M tokens")
+        lines.append(f"  {'':<12} {r['bound']}")
     fitting = [r for r in rows if r["fits"]]
     if len(fitting) > 1:
         best = max(fitting, key=lambda r: r["tokens_per_s"])
         others = ", ".join(f"{best['tokens_per_s'] / r['tokens_per_s']:.2f}x the tokens/s of {r['cluster']}"
                            for r in fitting if r is not best)
-        print(f"Fastest: {best['cluster']}, {others}.")
+        lines.append(f"Fastest: {best['cluster']}, {others}.")
+    return "\n".join(lines)
+
+
+def run_infer(args) -> int:
+    """`meshlm plan infer`: one tensor-parallel serving replica's KV cache, batch, decode and prefill."""
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.inference import estimate_inference
+
+    cfg = _model(args)
+    cluster = get_cluster(args.cluster, calibration=args.calibration)
+    est = estimate_inference(cfg, cluster, tp=args.tp, context_len=args.context_len, batch=args.batch,
+                             precision=args.precision)
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return 0
+    print(f"{args.model} on {cluster.gpu} x{args.tp} (tp): weights {est.weights_gib:.1f} GiB/GPU, "
+          f"KV cache {est.kv_bytes_per_token / 1024:.1f} KiB/token/GPU, {est.max_tokens_in_cache:,} tokens "
+          f"fit -> max batch {est.max_batch} at {est.context_len} tokens")
+    if not est.fits:
+        print(f"does not fit: {est.reason}; no decode speed to report")
+        return 0
+    print(f"decode at batch {est.batch}: {est.decode_step_s * 1e3:.2f} ms/step, "
+          f"{est.decode_tokens_per_s:,.0f} tokens/s ({est.decode_bound}-bound); "
+          f"prefill of {est.context_len} tokens: {est.prefill_s * 1e3:.1f} ms")
     return 0
+
+
+def run_schedule(args) -> int:
+    """`meshlm plan schedule`: simulate one pipeline schedule in unit time, or (--from-run) show a run's."""
+    if args.from_run:
+        return _schedule_from_run(args)
+    from meshlm.schedules import build_schedule, plot_schedule, simulate
+
+    if args.pp is None or args.microbatches is None:
+        raise ValueError("meshlm plan schedule needs --pp and --microbatches (or --from-run RUN_DIR)")
+    sim = simulate(build_schedule(args.schedule, pp=args.pp, num_microbatches=args.microbatches,
+                                  pp_chunks=args.chunks))
+    if args.plot:
+        plot_schedule(sim, args.plot)
+    if args.json:
+        print(json.dumps({"schedule": args.schedule, "pp": args.pp, "num_microbatches": args.microbatches,
+                          "pp_chunks": args.chunks, "makespan": sim.makespan, "bubble": sim.bubble,
+                          "bubble_fraction": sim.bubble_fraction, "peak_inflight": sim.peak_inflight}))
+    else:
+        print(f"{args.schedule} pp={args.pp} m={args.microbatches} v={args.chunks}: bubble {sim.bubble:g} of "
+              f"{sim.makespan:g} time units ({sim.bubble_fraction:.1%} of the compute), peak in-flight "
+              f"microbatches per rank {[round(x, 2) for x in sim.peak_inflight]}"
+              + (f"; timeline -> {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _schedule_from_run(args) -> int:
+    """A pipeline-parallel run's measured timeline beside the simulator's, fed the measured action times."""
+    from meshlm.schedules import plot_schedule
+    from meshlm.timeline import load_timeline, measured_overheads, simulate_measured
+
+    run = load_timeline(args.from_run, step=args.step)
+    t_comm, t_gap = measured_overheads(run)
+    predicted = simulate_measured(run, t_comm=t_comm, t_gap=t_gap)
+    sch = run.schedule
+    if args.plot:
+        plot_schedule(run, args.plot, title=f"measured {sch.name}: pp={sch.pp}, m={sch.num_microbatches}, "
+                                            f"bubble {run.bubble * 1e3:.1f} ms ({run.bubble_fraction:.1%})")
+    if args.json:
+        print(json.dumps({"schedule": sch.name, "pp": sch.pp, "num_microbatches": sch.num_microbatches,
+                          "pp_chunks": sch.pp_chunks, "makespan_s": run.makespan,
+                          "bubble_fraction": run.bubble_fraction, "idle_s_per_rank": run.idle,
+                          "predicted_bubble_fraction": predicted.bubble_fraction,
+                          "predicted_makespan_s": predicted.makespan, "predicted_idle_s_per_rank": predicted.idle,
+                          "measured_comm_latency_s": t_comm, "measured_gap_s": t_gap}))
+        return 0
+    print(f"measured {sch.name} pp={sch.pp} m={sch.num_microbatches} v={sch.pp_chunks}: step "
+          f"{run.makespan * 1e3:.1f} ms, bubble {run.bubble_fraction:.1%} of the busiest rank's compute "
+          f"(simulated with the measured action times, comm latency {t_comm * 1e3:.2f} ms and "
+          f"{t_gap * 1e3:.2f} ms between actions: {predicted.bubble_fraction:.1%}, step "
+          f"{predicted.makespan * 1e3:.1f} ms); idle ms per rank "
+          f"{[round(x * 1e3, 1) for x in run.idle]} (simulated {[round(x * 1e3, 1) for x in predicted.idle]})"
+          + (f"; timeline -> {args.plot}" if args.plot else ""))
+    return 0
+
+
+def run_calibrate(args) -> int:
+    """`meshlm plan calibrate`: measure this machine (or an emulated two-tier cluster) for --cluster local."""
+    from meshlm.planner.calibrate import calibrate, calibrate_emulated
+
+    emulation = args.inter_node_bw or args.inter_node_latency
+    if emulation and not args.emulated:
+        raise ValueError("--inter-node-bw/--inter-node-latency describe an emulated cluster; add --emulated")
+    if args.emulated:
+        from meshlm.emulate import check_host, parse_duration, parse_rate
+
+        if not args.inter_node_bw:
+            raise ValueError("--emulated needs --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
+        rate = parse_rate(args.inter_node_bw)
+        latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else 0.0
+        check_host()
+        data = calibrate_emulated(args.out, nodes=args.nodes, procs_per_node=args.nproc_per_node,
+                                  rate_bps=rate, latency_s=latency)
+    else:
+        data = calibrate(args.out, world_size=args.world_size)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif args.emulated:
+        print(format_emulated_calibration(data, ranks=args.nodes * args.nproc_per_node, out=args.out))
+    else:
+        print(format_calibration(data, out=args.out))
+    return 0
+
+
+def format_calibration(data: dict, *, out: str) -> str:
+    """One line: what `plan calibrate` measured on this machine."""
+    link = data["link"]
+    return (f"matmul {data['matmul_flops'] / 1e9:.1f} GFLOP/s per core, attention "
+            f"{data['attention_flops'] / 1e9:.1f} GFLOP/s (+{data['attention_block_overhead']:.0f} tokens/block), "
+            f"{data['cpu_cores']} cores, memory {data['memory_bandwidth'] / 1e9:.1f} GB/s, "
+            f"collective link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.0f} us/hop "
+            f"-> {out}")
+
+
+def format_emulated_calibration(data: dict, *, ranks: int, out: str) -> str:
+    """One line: what `plan calibrate --emulated` measured on the emulated two-tier cluster of `ranks` ranks."""
+    share = max(1.0, ranks / data["cpu_cores"])  # the file holds per-core figures (emulated_calibration)
+    alone, slow = data.get("alone", data), data.get("contention", {}).get("slowdown", share)
+    up, across = data["collectives"]["all_reduce"], data["scale_out"]["collectives"]["all_reduce"]
+    flat = data.get("flat", {}).get("collectives", {}).get("all_reduce")
+    return (f"matmul {alone['matmul_flops'] / 1e9:.1f} GFLOP/s on one core alone, {data['cpu_cores']} cores; "
+            f"{ranks} ranks computing at once: {slow:.1f}x slower each; a step's fixed work "
+            f"{data.get('step_overhead_s', 0) * 1e3:.0f} ms. All-reduce inside a node "
+            f"{up['bandwidth'] / share / 1e9:.2f} GB/s, across nodes {across['bandwidth'] / 1e6:.1f} MB/s per rank"
+            + (f", on one ring of all ranks {flat['bandwidth'] / 1e6:.1f} MB/s per node link" if flat else "")
+            + f"; a call among busy ranks waits +{up.get('call_overhead', 0) * 1e3:.1f} ms inside a node, "
+            f"+{across.get('call_overhead', 0) * 1e3:.1f} ms across -> {out}")
 
 
 def format_table(estimates) -> str:

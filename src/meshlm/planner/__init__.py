@@ -11,6 +11,7 @@ counts and matmul FLOPs of our model (and the FLOP convention) are `meshlm.model
   plot         PNG of the top layouts' memory and time breakdowns
   calibrate    measure this machine (matmul FLOP/s, gloo collectives)
   inputs       sizes (4M), amounts (15T), a model spec, a Job, from what a user types
+  published    the planner against published training runs (benchmarks/data/), each with its own layout
 
 Python API: `estimate(...)` (one layout) and `plan(...)` (search) below.
 """

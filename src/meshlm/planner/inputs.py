@@ -10,41 +10,41 @@ from __future__ import annotations
 from pathlib import Path
 
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
+_DECIMAL = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+def _with_unit(text: str | float, units: dict) -> float | None:
+    """`text` as a number times the multiplier of its one-letter unit suffix (`units`); None if not a number."""
+    t = str(text).strip().lower()
+    mult = 1
+    if t and t[-1] in units:
+        mult, t = units[t[-1]], t[:-1]
+    try:
+        return float(t) * mult
+    except ValueError:
+        return None
 
 
 def parse_size(text: str | int) -> int:
     """`4M` -> 4 * 2**20 (token batches are powers of two by custom), `512` -> 512, `1.5K` -> 1536."""
     if isinstance(text, int):
         return text
-    t = str(text).strip().lower()
-    mult = 1
-    if t and t[-1] in _UNITS:
-        mult, t = _UNITS[t[-1]], t[:-1]
-    try:
-        value = float(t) * mult
-    except ValueError:
-        raise ValueError(f"size {text!r} is not a number like 4096, 4M or 16M (K/M/G = 2^10/2^20/2^30)") from None
+    value = _with_unit(text, _UNITS)
+    if value is None:
+        raise ValueError(f"size {text!r} is not a number like 4096, 4M or 16M (K/M/G = 2^10/2^20/2^30)")
     if value < 1 or not float(value).is_integer():
         raise ValueError(f"size {text!r} must be a positive whole number")
     return int(value)
-
-
-_DECIMAL = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 
 
 def parse_amount(text: str | float | None, *, flag: str) -> float | None:
     """`15T` -> 1.5e13, `500G` -> 5e11, `2e12` -> 2e12 (decimal units: token counts, bytes per second)."""
     if text is None:
         return None
-    t = str(text).strip().lower()
-    mult = 1.0
-    if t and t[-1] in _DECIMAL:
-        mult, t = _DECIMAL[t[-1]], t[:-1]
-    try:
-        value = float(t) * mult
-    except ValueError:
+    value = _with_unit(text, _DECIMAL)
+    if value is None:
         raise ValueError(f"{flag} {text!r} is not a number like 15T, 500G or 2e12 "
-                         "(K/M/G/T = 1e3/1e6/1e9/1e12)") from None
+                         "(K/M/G/T = 1e3/1e6/1e9/1e12)")
     if value <= 0:
         raise ValueError(f"{flag} {text!r} must be > 0")
     return value

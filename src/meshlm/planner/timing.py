@@ -4,9 +4,11 @@ Responsible for: one microbatch's compute (GEMMs by shape from `kernels.py`, att
 kernel -- or, unfused, as two batched GEMMs by shape plus the softmax's HBM traffic --, memory-bound
 elementwise work at HBM bandwidth, the output head as its own GEMM (bf16 under fp8: fp8 covers the
 blocks' linear layers only) and the loss at HBM bandwidth) and its tensor / context / expert-parallel
-communication (`microbatch_time`), the pipeline bubble of each schedule (`pipeline_bubble`) and p2p, the
-data-parallel / ZeRO communication left exposed after what overlaps (`dp_comm_time`), and the optimizer
-step (`optimizer_time`). Which collectives tensor parallelism issues: `tp_collectives`.
+communication (`microbatch_time`, which sums its sections: `layer_compute` -- `attention_time`,
+`elementwise_time` --, `tp_comm_time`, `cp_comm_time` -- `ulysses_comm_time`, `kv_exchange_time` --,
+`ep_comm_time`, `head_time`, `loss_time`), the pipeline bubble of each schedule (`pipeline_bubble`) and
+p2p, the data-parallel / ZeRO communication left exposed after what overlaps (`dp_comm_time`), and the
+optimizer step (`optimizer_time`). Which collectives tensor parallelism issues: `tp_collectives`.
 Not responsible for: memory (`memory.py`), collective formulas (`collectives.py`) or placement
 (`placement.py`).
 
@@ -38,8 +40,8 @@ dense layers are spread evenly); experts are balanced unless `Job.expert_imbalan
 busiest expert rank is over the mean; the dispatcher's permutations cost their HBM passes
 (`kernels.moe_dispatch_elements`) and the all-to-all its bytes; host-side time is not modelled (kernel
 launches, and the dropless dispatcher's per-layer synchronisation of token counts with the host), though
-fine-grained MoE runs (many small experts, small hidden size) measured in benchmarks/planner_published.py
-run up to three times slower than this model; pipeline p2p is never overlapped; and fused attention has
+fine-grained MoE runs (many small experts, small hidden size) in benchmarks/planner_published.py run
+much slower than this model predicts; pipeline p2p is never overlapped; and fused attention has
 its own efficiency, lower for the short blocks of a context-parallel ring. On a CPU host (`compute_slots`)
 ranks beyond the core count time-share the cores, and collectives get no overlap once every core computes.
 """
@@ -160,22 +162,93 @@ class MicrobatchTime:
         return self.total - self.fwd
 
 
+@dataclass(frozen=True)
+class LayerCompute:
+    """One average layer's compute for one microbatch on the busiest rank (seconds): its GEMMs, its
+    attention core and its memory-bound elementwise work, forward and backward. Communication is apart:
+    what overlaps a layer's compute is decided against these terms."""
+
+    dense: float  # the layer's GEMMs, forward
+    dense_bwd: float
+    attn: float  # the attention core, forward
+    attn_bwd: float
+    elem: float  # elementwise work (and fp8 casts), forward
+    elem_bwd: float
+
+    @property
+    def fwd(self) -> float:
+        return self.dense + self.attn + self.elem
+
+    @property
+    def bwd(self) -> float:
+        return self.dense_bwd + self.elem_bwd + self.attn_bwd
+
+    def recompute(self, rc: str) -> float:
+        """What recomputation runs again in the backward: selective the attention core (and about half the
+        elementwise work around it), full the whole forward."""
+        return {"none": 0.0, "selective": self.attn + 0.5 * self.elem, "full": self.fwd}[rc]
+
+
 def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> MicrobatchTime:
-    cfg, s, h = summary.cfg, job.seq_len, summary.cfg.hidden_size
-    cluster, by, tp, cp, ep, sp, rc = r.cluster, r.by, r.tp, r.cp, r.ep, r.sp, r.rc
-    tokens_mb, mbs, peak, peak_attn, hbm_bw = r.tokens_mb, lo.micro_batch_size, r.peak, r.peak_attn, r.hbm_bw
-    eff, cores_saturated, rank_units = cluster.matmul_efficiency, r.cores_saturated, r.rank_units
-    span_tp, span_cp, span_ep = r.spans["tp"], r.spans["cp"], r.spans["ep"]
-    attn_f = summary.flops_attn * tokens_mb / tp
+    """One microbatch on the busiest rank: its layers' compute and recomputation, the output head and the
+    loss, and the tensor / context / expert-parallel communication left exposed, each per layer times the
+    layers the busiest rank holds. The sections are the functions below, in this order."""
+    # Dropless routing: the busiest expert rank (`Job.expert_imbalance` x the mean tokens) sets the pace.
+    imbalance = job.expert_imbalance if r.ep > 1 else 1.0
+    layer = layer_compute(summary, job, lo, r, imbalance=imbalance)
+    t_fwd_layer, t_bwd_layer = layer.fwd, layer.bwd
+    t_rc_layer = layer.recompute(r.rc)
+    t_tp_layer, t_tp_edge, tp_layer_colls, tp_edge_colls = tp_comm_time(summary.cfg, job, r, layer=layer)
+    t_cp_layer, cp_layer_bytes = cp_comm_time(summary.cfg, job, lo, r, layer=layer)
+    t_ep_layer = ep_comm_time(summary, job, r, imbalance=imbalance, window=t_fwd_layer + t_bwd_layer)
+    head_on_busy, t_head_fwd, t_head_bwd = head_time(summary, job, r)
+    t_loss = loss_time(summary.cfg, r)
+
+    layer_units = r.rank_units - head_on_busy
+    comp_mb = layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_loss
+    layers_busy = r.layers_busy
+    rc_mb = layers_busy * t_rc_layer
+    tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
+    cp_mb = layers_busy * t_cp_layer
+    ep_mb = layers_busy * t_ep_layer
+    t_mb_fwd = layer_units * t_fwd_layer + t_head_fwd + (tp_mb + cp_mb + ep_mb) / 3
+
+    return MicrobatchTime(
+        compute=comp_mb, recompute=rc_mb, tp_comm=tp_mb, cp_comm=cp_mb, ep_comm=ep_mb, fwd=t_mb_fwd,
+        tp_bytes=(sum(n * b for _, b, n in tp_layer_colls) * layers_busy + sum(n * b for _, b, n in tp_edge_colls)),
+        cp_bytes=layers_busy * cp_layer_bytes)
+
+
+def overlapped(t_comm: float, window: float, r: RankSetup) -> float:
+    """A collective run under `window` seconds of compute: only the excess is exposed, and what overlaps
+    still costs the SMs the transfer holds (`Cluster.comm_sm_fraction`); a CPU host with every core busy
+    overlaps nothing."""
+    if r.cores_saturated:
+        return t_comm
+    return max(0.0, t_comm - window) + r.cluster.comm_sm_fraction * min(t_comm, window)
+
+
+def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, imbalance: float) -> LayerCompute:
+    """One average layer's GEMMs, attention core and elementwise work for one microbatch."""
+    cluster = r.cluster
     # Each GEMM of the layer by its shape (kernels.py): thin tp shards and small experts run below the
     # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate, everything else in bf16.
-    # Dropless routing: the busiest expert rank (`Job.expert_imbalance` x the mean tokens) sets the pace.
-    imbalance = job.expert_imbalance if ep > 1 else 1.0
-    gemms = layer_gemms(cfg, tokens=tokens_mb, tp=tp, ep=ep, moe_fraction=summary.moe_layer_fraction,
+    gemms = layer_gemms(summary.cfg, tokens=r.tokens_mb, tp=r.tp, ep=r.ep, moe_fraction=summary.moe_layer_fraction,
                         etp=r.expert_tp, imbalance=imbalance)
-    gemm_in_bytes = 1 if job.precision == "fp8" else by["act"]
-    t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=peak * eff, hbm_bw=hbm_bw, in_bytes=gemm_in_bytes,
-                                         k_overhead=cluster.gemm_k_overhead)
+    gemm_in_bytes = 1 if job.precision == "fp8" else r.by["act"]
+    t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=r.peak * cluster.matmul_efficiency, hbm_bw=r.hbm_bw,
+                                         in_bytes=gemm_in_bytes, k_overhead=cluster.gemm_k_overhead)
+    t_attn, t_attn_bwd = attention_time(summary, job, lo, r)
+    t_elem_fwd, t_elem_bwd = elementwise_time(summary, job, r, gemms=gemms, imbalance=imbalance)
+    return LayerCompute(dense=t_dense, dense_bwd=t_dense_bwd, attn=t_attn, attn_bwd=t_attn_bwd,
+                        elem=t_elem_fwd, elem_bwd=t_elem_bwd)
+
+
+def attention_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> tuple[float, float]:
+    """The attention core of one layer and microbatch, forward and backward: one fused kernel
+    (`Job.flash_attention`), or the unfused batched GEMMs of 2021 (their softmax is elementwise work)."""
+    cfg, s, cluster = summary.cfg, job.seq_len, r.cluster
+    attn_f = summary.flops_attn * r.tokens_mb / r.tp
     if job.flash_attention:
         # FLOPs count the full s x s square (the convention), but a fused causal kernel skips the
         # masked half, and runs at its own efficiency (softmax and masking inside the kernel, lower
@@ -187,29 +260,33 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         # epilogue cost a fixed number of tokens' worth (`attention_block_overhead`), so short blocks run
         # below the long-sequence rate.
         # Ulysses attends over the whole sequence (heads / cp of them): one call, block s.
-        block = s / (2 * cp) if cp > 1 and lo.cp_method != "ulysses" else s
+        block = s / (2 * r.cp) if r.cp > 1 and lo.cp_method != "ulysses" else s
         block_eff = block / (block + cluster.attention_block_overhead)
-        t_attn = attn_f * 0.5 / (peak_attn * cluster.attention_efficiency * block_eff)
-        t_attn_bwd = 2.5 * t_attn
-    else:
-        # The unfused kernels of 2021: per head two batched GEMMs over the whole square, scores = q k^T
-        # (s x s, inner dim head_dim) and out = p v (s x head_dim, inner dim s), priced by shape like every
-        # GEMM (kernels.py): the scores' inner dim of 64-128 runs far below the large-GEMM rate (standard
-        # attention is the slow baseline FlashAttention was measured against, Dao et al. 2022).
-        # The softmax is HBM traffic (below). attn_f counts the same 4 s^2 head_dim FLOPs per head.
-        heads_mb = mbs * cfg.num_heads / tp
-        hd = cfg.head_dim
-        t_attn, t_attn_bwd = gemms_fwd_bwd([(s, s, hd, heads_mb), (s, hd, s, heads_mb)], rate=peak_attn * eff,
-                                           hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
-    t_layer_fwd_mm = t_dense + t_attn
-    # Memory-bound elementwise work (norms, residual adds, RoPE, SwiGLU product, MoE permutes: kernels.py's
-    # `moe_dispatch_elements`), read + write, forward; backward moves about twice as much. Without SP the
-    # norm/residual part is replicated on every tp rank.
+        t_attn = attn_f * 0.5 / (r.peak_attn * cluster.attention_efficiency * block_eff)
+        return t_attn, 2.5 * t_attn
+    # The unfused kernels of 2021: per head two batched GEMMs over the whole square, scores = q k^T
+    # (s x s, inner dim head_dim) and out = p v (s x head_dim, inner dim s), priced by shape like every
+    # GEMM (kernels.py): the scores' inner dim of 64-128 runs far below the large-GEMM rate (standard
+    # attention is the slow baseline FlashAttention was measured against, Dao et al. 2022).
+    # The softmax is HBM traffic (`elementwise_time`). attn_f counts the same 4 s^2 head_dim FLOPs per head.
+    heads_mb = lo.micro_batch_size * cfg.num_heads / r.tp
+    hd = cfg.head_dim
+    return gemms_fwd_bwd([(s, s, hd, heads_mb), (s, hd, s, heads_mb)], rate=r.peak_attn * cluster.matmul_efficiency,
+                         hbm_bw=r.hbm_bw, in_bytes=r.by["act"], k_overhead=cluster.gemm_k_overhead)
+
+
+def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: list[tuple],
+                     imbalance: float) -> tuple[float, float]:
+    """Memory-bound elementwise work of one layer and microbatch (norms, residual adds, RoPE, SwiGLU
+    product, MoE permutes: kernels.py's `moe_dispatch_elements`; the unfused softmax; fp8's casts), read +
+    write, forward; backward moves about twice as much. Without SP the norm/residual part is replicated on
+    every tp rank."""
+    cfg, h, tp = summary.cfg, summary.cfg.hidden_size, r.tp
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter = (summary.moe_layer_fraction * (cfg.num_experts_per_token * cfg.expert_intermediate_size * imbalance
                                            + cfg.shared_intermediate_size)
              + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
-    moe_elems = summary.moe_layer_fraction * moe_dispatch_elements(cfg, ep=ep)
+    moe_elems = summary.moe_layer_fraction * moe_dispatch_elements(cfg, ep=r.ep)
     if job.fused_elementwise:
         elems_seq = 10 * h + moe_elems
         elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
@@ -223,141 +300,158 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
         elems_tp = 10 * (q_dim + kv_dim) + 2 * (q_dim + kv_dim) + 2 * q_dim + 5 * inter
     if not job.flash_attention:
         # unfused scale+mask+softmax (+dropout) over s scores per head: ~4 passes forward
-        elems_tp += 4 * cfg.num_heads * s
-    elem_bytes_fwd = tokens_mb * by["act"] * (elems_tp / tp + elems_seq / (tp if sp else 1))
-    t_elem_fwd = elem_bytes_fwd / hbm_bw
+        elems_tp += 4 * cfg.num_heads * job.seq_len
+    elem_bytes_fwd = r.tokens_mb * r.by["act"] * (elems_tp / tp + elems_seq / (tp if r.sp else 1))
+    t_elem_fwd = elem_bytes_fwd / r.hbm_bw
     t_elem_bwd = 2 * t_elem_fwd
     if job.precision == "fp8":
         cast_fwd, cast_bwd = fp8_cast_bytes(gemms)
-        t_elem_fwd += cast_fwd / hbm_bw
-        t_elem_bwd += cast_bwd / hbm_bw
-    t_fwd_layer = t_layer_fwd_mm + t_elem_fwd
-    t_bwd_layer = t_dense_bwd + t_elem_bwd + t_attn_bwd
-    t_rc_layer = {"none": 0.0, "selective": t_attn + 0.5 * t_elem_fwd, "full": t_fwd_layer}[rc]
+        t_elem_fwd += cast_fwd / r.hbm_bw
+        t_elem_bwd += cast_bwd / r.hbm_bw
+    return t_elem_fwd, t_elem_bwd
 
-    # Tensor-parallel comm per microbatch, the collectives of `tp_collectives` (meshlm's TP, which
-    # matches Megatron's): per layer 2 all-reduces (or AG + RS pairs under SP) forward, 2 backward,
-    # 2 more when the forward is recomputed in full; around the layers the embedding, lm_head input and
-    # loss. Not overlapped (Megatron default, and meshlm's TP).
-    tp_layer_colls, tp_edge_colls = tp_collectives(cfg, tp=tp, sequence_parallel=sp, tokens=tokens_mb,
-                                                   act_bytes=by["act"], recompute=rc,
-                                                   norm_grads_in_graph=job.runtime == "meshlm")
-    t_tp_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_layer_colls)
-    if job.tp_comm_overlap and not cores_saturated:
+
+def tp_comm_time(cfg: ModelConfig, job: Job, r: RankSetup, *, layer: LayerCompute) -> tuple[float, float, list, list]:
+    """Tensor-parallel communication per microbatch, the collectives of `tp_collectives` (meshlm's TP, which
+    matches Megatron's): per layer 2 all-reduces (or AG + RS pairs under SP) forward, 2 backward, 2 more
+    when the forward is recomputed in full; around the layers the embedding, lm_head input and loss.
+    Not overlapped (Megatron default, and meshlm's TP) unless `Job.tp_comm_overlap`.
+    Returns (seconds per layer, seconds around the layers, and the two collective lists)."""
+    span_tp, cluster = r.spans["tp"], r.cluster
+    layer_colls, edge_colls = tp_collectives(cfg, tp=r.tp, sequence_parallel=r.sp, tokens=r.tokens_mb,
+                                             act_bytes=r.by["act"], recompute=r.rc,
+                                             norm_grads_in_graph=job.runtime == "meshlm")
+    t_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in layer_colls)
+    if job.tp_comm_overlap:
         # Megatron/TE userbuffers: each all-gather is split and pipelined under the GEMM that consumes it,
-        # each reduce-scatter under the GEMM that produces it; what the GEMMs cannot cover is exposed, and
-        # what they cover still costs the SMs the transfer holds.
-        window = t_dense + t_dense_bwd
-        t_tp_layer = (max(0.0, t_tp_layer - window)
-                      + cluster.comm_sm_fraction * min(t_tp_layer, window))
-    t_tp_edge = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in tp_edge_colls)
-    # Context parallelism, the volumes of `parallel/context.py` (its docstring; `Estimate.cp_comm_bytes`
-    # counts them as CommStats does). One block = this rank's K (or V): mbs x seq/cp x kv_dim/tp.
-    # Recomputation (selective: the core; full: the layer) runs the core's forward communication again.
-    rc_again = 1 if rc in ("full", "selective") else 0
+        # each reduce-scatter under the GEMM that produces it; what the GEMMs cannot cover is exposed.
+        t_layer = overlapped(t_layer, layer.dense + layer.dense_bwd, r)
+    t_edge = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in edge_colls)
+    return t_layer, t_edge, layer_colls, edge_colls
+
+
+def cp_comm_time(cfg: ModelConfig, job: Job, lo: Layout, r: RankSetup, *, layer: LayerCompute) -> tuple[float, float]:
+    """Context-parallel communication of one layer and microbatch, exposed, and its bytes: the volumes of
+    `parallel/context.py` (its docstring; `Estimate.cp_comm_bytes` counts them as CommStats does).
+    Ulysses' all-to-alls run over every cp rank (cp_method=ulysses) or over the hybrid's groups of
+    cp_ulysses consecutive ones, the ring (or the all-gather) over the rest: cp / n_u ranks."""
+    cp = r.cp
     t_cp_layer = cp_layer_bytes = 0.0
-    # Ulysses' all-to-alls run over every cp rank (cp_method=ulysses) or over the hybrid's groups of cp_ulysses
-    # consecutive ones, the ring (or the all-gather) over the rest: cp / n_u ranks.
     n_u = cp if lo.cp_method == "ulysses" else (lo.cp_ulysses if cp > 1 else 1)
     ring = cp // n_u
-    g = math.lcm(cfg.num_kv_heads // tp, n_u)  # kv heads a rank exchanges: replicated to lcm(kv / tp, n_u)
+    g = math.lcm(cfg.num_kv_heads // r.tp, n_u)  # kv heads a rank exchanges: replicated to lcm(kv / tp, n_u)
     if n_u > 1:
-        # Two all-to-alls forward (q, k, v of this rank's tokens; then the output), their inverses backward;
-        # recompute repeats q, k, v's (selective: the checkpoint stops there) or both (full). The attention
-        # needs all of it and the projection the output: exposed.
-        span_u = span_cp if n_u == cp else group_span(tp, n_u, cluster.scaleup_size)
-        head = mbs * (s / cp) * cfg.head_dim * by["act"]  # one head of this rank's tokens
-        h_tp = cfg.num_heads // tp
-        qkv, o = head * (h_tp + 2 * g), head * h_tp
-        n_qkv, n_o = 2 + (rc != "none"), 2 + (rc == "full")
-        t_cp_layer += (n_qkv * collective_time("all_to_all", qkv, span_u, cluster)
-                       + n_o * collective_time("all_to_all", o, span_u, cluster))
-        cp_layer_bytes += n_qkv * qkv + n_o * o
+        t, nbytes = ulysses_comm_time(cfg, job, lo, r, n_u=n_u, kv_heads=g)
+        t_cp_layer += t
+        cp_layer_bytes += nbytes
     if ring > 1:
-        # One block = this rank's K (or V) as the ring passes it: mbs x seq/cp x kv_dim/tp (the hybrid's: its
-        # group's n_u x as many tokens at g / n_u kv heads).
-        span_r = span_cp if ring == cp else group_span(tp * n_u, ring, cluster.scaleup_size)
-        kv_block = mbs * (s / cp) * cfg.head_dim * g * by["act"]
-        kv_pair = 2 * kv_block  # K + V
-        grad_pair = kv_pair * CP_COMPUTE_BYTES / by["act"]  # dK + dV partial sums, in the compute dtype
-        if lo.cp_method == "ring":
-            # ring - 1 steps each way, each overlapped with the attention of the block in hand
-            # (forward t_attn / ring; backward t_attn_bwd / ring): K+V forward; K+V and the partial dK+dV
-            # (sent together to the next rank) backward. Only the excess is exposed, and what overlaps
-            # still costs the SMs the transfer holds; a CPU host with every core busy overlaps nothing.
-            ring_span = span_r if span_r[1] == 1 else (1, 2)
-            t_send_fwd = collective_time("p2p", kv_pair, ring_span, cluster)
-            t_send_bwd = collective_time("p2p", kv_pair + grad_pair, ring_span, cluster)
+        t, t_merge, nbytes = kv_exchange_time(cfg, job, lo, r, layer=layer, n_u=n_u, kv_heads=g)
+        t_cp_layer += t
+        t_cp_layer += t_merge
+        cp_layer_bytes += nbytes
+    return t_cp_layer, cp_layer_bytes
 
-            def overlapped(t_comm: float, t_compute: float) -> float:
-                if cores_saturated:
-                    return t_comm
-                return max(0.0, t_comm - t_compute) + cluster.comm_sm_fraction * min(t_comm, t_compute)
 
-            t_cp_layer += (ring - 1) * ((1 + rc_again) * overlapped(t_send_fwd, t_attn / ring)
-                                        + overlapped(t_send_bwd, t_attn_bwd / ring))
-            # Online-softmax merge after each extra ring step: read the step's partial output and the
-            # running one, write it back, in fp32 (3 passes over this rank's q columns) forward, and
-            # about twice that backward (dO and the partial gradients); memory-bound, not overlapped.
-            merge_bytes = tokens_mb * q_dim / tp * CP_COMPUTE_BYTES * 3 * (1 + 2 + rc_again)
-            t_cp_layer += (ring - 1) * merge_bytes / hbm_bw
-            cp_layer_bytes += (ring - 1) * ((1 + rc_again) * kv_pair + kv_pair + grad_pair)
-        else:
-            # All-gather (Llama 3 style): one all-gather of every rank's K+V forward (its output: cp blocks
-            # of K+V) and one reduce-scatter of dK+dV backward (in K/V's dtype: the gradient of the
-            # gathered tensor), on the cp group; the attention needs all of it, so neither overlaps.
-            t_cp_layer += ((1 + rc_again) * collective_time("all_gather", cp * kv_pair, span_cp, cluster)
-                           + collective_time("reduce_scatter", cp * kv_pair, span_cp, cluster))
-            cp_layer_bytes += (2 + rc_again) * cp * kv_pair
-    # Expert all-to-all: dispatch + combine forward and backward (and again if recomputed).
-    if ep > 1 and cfg.is_moe:
-        # the busiest rank receives `imbalance` x the mean: the all-to-all ends when it has
-        a2a = tokens_mb / (tp if sp else 1) * cfg.num_experts_per_token * h * by["act"] * imbalance
-        n_a2a = 4 + (2 if rc == "full" else 0)
-        t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, span_ep, cluster)
-        if job.ep_comm_overlap and not cores_saturated:
-            # Megatron-Core's overlap_moe_expert_parallel_comm: the forward of one microbatch and the backward
-            # of another run layer by layer on two streams, each one's dispatch / combine under the other's
-            # compute (Megatron-Bridge's docs/training/communication-overlap.md, expert-parallel overlap; the
-            # constraints as Megatron-Core's TransformerConfig checks them). Window:
-            # the layer's forward + backward compute; what it covers still costs the SMs the all-to-all holds
-            # (`Cluster.comm_sm_fraction`). The pipeline's warm-up forwards and cool-down backwards have no
-            # partner; not counted (a few microbatches of many).
-            window = t_fwd_layer + t_bwd_layer
-            t_ep_layer = max(0.0, t_ep_layer - window) + cluster.comm_sm_fraction * min(t_ep_layer, window)
-    else:
-        t_ep_layer = 0.0
+def ulysses_comm_time(cfg: ModelConfig, job: Job, lo: Layout, r: RankSetup, *, n_u: int,
+                      kv_heads: int) -> tuple[float, float]:
+    """Ulysses' all-to-alls over groups of n_u cp ranks: two forward (q, k, v of this rank's tokens; then the
+    output), their inverses backward; recompute repeats q, k, v's (selective: the checkpoint stops there) or
+    both (full). The attention needs all of it and the projection the output: exposed."""
+    cp, tp, rc, cluster = r.cp, r.tp, r.rc, r.cluster
+    span_u = r.spans["cp"] if n_u == cp else group_span(tp, n_u, cluster.scaleup_size)
+    head = lo.micro_batch_size * (job.seq_len / cp) * cfg.head_dim * r.by["act"]  # one head of this rank's tokens
+    h_tp = cfg.num_heads // tp
+    qkv, o = head * (h_tp + 2 * kv_heads), head * h_tp
+    n_qkv, n_o = 2 + (rc != "none"), 2 + (rc == "full")
+    t = (n_qkv * collective_time("all_to_all", qkv, span_u, cluster)
+         + n_o * collective_time("all_to_all", o, span_u, cluster))
+    return t, n_qkv * qkv + n_o * o
 
-    # The loss over the vocabulary (the last stage, charged to the bottleneck rank like the head): fp32
-    # logits written from the head GEMM's output, read for the max and the sum of exponentials, and the
-    # gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per
-    # logit of this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise).
-    t_loss = tokens_mb * cfg.vocab_size / tp * 4 * 5 / hbm_bw
-    # The output head on the bottleneck rank (when it is the last pipeline rank): its own GEMM by shape,
-    # tokens x vocab/tp x hidden, not an average layer's time. Under fp8 it runs in bf16: fp8 covers the
-    # linear layers inside the transformer blocks only (Transformer Engine's fp8_autocast wraps the
-    # blocks; Megatron-Core's output layer is a plain ColumnParallelLinear -- Megatron-Bridge's
-    # performance guide: "FP8 computation exclusively to the linear layers within the Transformer block").
+
+def kv_exchange_time(cfg: ModelConfig, job: Job, lo: Layout, r: RankSetup, *, layer: LayerCompute, n_u: int,
+                     kv_heads: int) -> tuple[float, float, float]:
+    """The ring's (or the all-gather's) exchange of K and V over cp / n_u ranks: (seconds exposed, seconds of
+    the ring's online-softmax merges, bytes). Recomputation (selective: the core; full: the layer) runs the
+    core's forward communication again."""
+    cp, tp, cluster, by = r.cp, r.tp, r.cluster, r.by
+    span_cp, ring = r.spans["cp"], cp // n_u
+    rc_again = 1 if r.rc in ("full", "selective") else 0
+    # One block = this rank's K (or V) as the ring passes it: mbs x seq/cp x kv_dim/tp (the hybrid's: its
+    # group's n_u x as many tokens at g / n_u kv heads).
+    span_r = span_cp if ring == cp else group_span(tp * n_u, ring, cluster.scaleup_size)
+    kv_block = lo.micro_batch_size * (job.seq_len / cp) * cfg.head_dim * kv_heads * by["act"]
+    kv_pair = 2 * kv_block  # K + V
+    grad_pair = kv_pair * CP_COMPUTE_BYTES / by["act"]  # dK + dV partial sums, in the compute dtype
+    if lo.cp_method != "ring":
+        # All-gather (Llama 3 style): one all-gather of every rank's K+V forward (its output: cp blocks
+        # of K+V) and one reduce-scatter of dK+dV backward (in K/V's dtype: the gradient of the
+        # gathered tensor), on the cp group; the attention needs all of it, so neither overlaps.
+        t = ((1 + rc_again) * collective_time("all_gather", cp * kv_pair, span_cp, cluster)
+             + collective_time("reduce_scatter", cp * kv_pair, span_cp, cluster))
+        return t, 0.0, (2 + rc_again) * cp * kv_pair
+    # ring - 1 steps each way, each overlapped with the attention of the block in hand (forward
+    # attn / ring; backward attn_bwd / ring): K+V forward; K+V and the partial dK+dV (sent together to
+    # the next rank) backward.
+    ring_span = span_r if span_r[1] == 1 else (1, 2)
+    t_send_fwd = collective_time("p2p", kv_pair, ring_span, cluster)
+    t_send_bwd = collective_time("p2p", kv_pair + grad_pair, ring_span, cluster)
+    t = (ring - 1) * ((1 + rc_again) * overlapped(t_send_fwd, layer.attn / ring, r)
+                      + overlapped(t_send_bwd, layer.attn_bwd / ring, r))
+    # Online-softmax merge after each extra ring step: read the step's partial output and the running one,
+    # write it back, in fp32 (3 passes over this rank's q columns) forward, and about twice that backward
+    # (dO and the partial gradients); memory-bound, not overlapped.
+    q_dim = cfg.num_heads * cfg.head_dim
+    merge_bytes = r.tokens_mb * q_dim / tp * CP_COMPUTE_BYTES * 3 * (1 + 2 + rc_again)
+    t_merge = (ring - 1) * merge_bytes / r.hbm_bw
+    return t, t_merge, (ring - 1) * ((1 + rc_again) * kv_pair + kv_pair + grad_pair)
+
+
+def ep_comm_time(summary: ModelSummary, job: Job, r: RankSetup, *, imbalance: float, window: float) -> float:
+    """Expert all-to-all of one (average) layer and microbatch: dispatch + combine forward and backward (and
+    again if recomputed), exposed unless `Job.ep_comm_overlap` (then under `window`, the layer's forward +
+    backward compute of another microbatch)."""
+    cfg, ep = summary.cfg, r.ep
+    if not (ep > 1 and cfg.is_moe):
+        return 0.0
+    # the busiest rank receives `imbalance` x the mean: the all-to-all ends when it has
+    a2a = r.tokens_mb / (r.tp if r.sp else 1) * cfg.num_experts_per_token * cfg.hidden_size * r.by["act"] * imbalance
+    n_a2a = 4 + (2 if r.rc == "full" else 0)
+    t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, r.spans["ep"], r.cluster)
+    if job.ep_comm_overlap:
+        # Megatron-Core's overlap_moe_expert_parallel_comm: the forward of one microbatch and the backward
+        # of another run layer by layer on two streams, each one's dispatch / combine under the other's
+        # compute (Megatron-Bridge's docs/training/communication-overlap.md, expert-parallel overlap; the
+        # constraints as Megatron-Core's TransformerConfig checks them). The pipeline's warm-up forwards and
+        # cool-down backwards have no partner; not counted (a few microbatches of many).
+        t_ep_layer = overlapped(t_ep_layer, window, r)
+    return t_ep_layer
+
+
+def head_time(summary: ModelSummary, job: Job, r: RankSetup) -> tuple[float, float, float]:
+    """The output head on the bottleneck rank (when it is the last pipeline rank): (its load in layer units,
+    0 when the busiest rank is another; forward; backward). Its own GEMM by shape, tokens x vocab/tp x
+    hidden, not an average layer's time. Under fp8 it runs in bf16: fp8 covers the linear layers inside the
+    transformer blocks only (Transformer Engine's fp8_autocast wraps the blocks; Megatron-Core's output
+    layer is a plain ColumnParallelLinear -- Megatron-Bridge's performance guide: "FP8 computation
+    exclusively to the linear layers within the Transformer block")."""
+    cfg, cluster = summary.cfg, r.cluster
     head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
-    head_on_busy = head_units if r.rank_layers[-1] + head_units >= rank_units - 1e-9 else 0.0
+    head_on_busy = head_units if r.rank_layers[-1] + head_units >= r.rank_units - 1e-9 else 0.0
     t_head_fwd = t_head_bwd = 0.0
     if head_on_busy:
-        head_rate = (r.peak_attn if job.precision == "fp8" else peak) * eff
-        t_head_fwd, t_head_bwd = gemms_fwd_bwd([(tokens_mb, cfg.vocab_size / tp, h, 1.0)], rate=head_rate,
-                                               hbm_bw=hbm_bw, in_bytes=by["act"], k_overhead=cluster.gemm_k_overhead)
-    layer_units = rank_units - head_on_busy
-    comp_mb = layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_loss
-    layers_busy = r.layers_busy
-    rc_mb = layers_busy * t_rc_layer
-    tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
-    cp_mb = layers_busy * t_cp_layer
-    ep_mb = layers_busy * t_ep_layer
-    t_mb_fwd = layer_units * t_fwd_layer + t_head_fwd + (tp_mb + cp_mb + ep_mb) / 3
+        head_rate = (r.peak_attn if job.precision == "fp8" else r.peak) * cluster.matmul_efficiency
+        t_head_fwd, t_head_bwd = gemms_fwd_bwd([(r.tokens_mb, cfg.vocab_size / r.tp, cfg.hidden_size, 1.0)],
+                                               rate=head_rate, hbm_bw=r.hbm_bw, in_bytes=r.by["act"],
+                                               k_overhead=cluster.gemm_k_overhead)
+    return head_on_busy, t_head_fwd, t_head_bwd
 
-    return MicrobatchTime(
-        compute=comp_mb, recompute=rc_mb, tp_comm=tp_mb, cp_comm=cp_mb, ep_comm=ep_mb, fwd=t_mb_fwd,
-        tp_bytes=(sum(n * b for _, b, n in tp_layer_colls) * layers_busy + sum(n * b for _, b, n in tp_edge_colls)),
-        cp_bytes=layers_busy * cp_layer_bytes)
+
+def loss_time(cfg: ModelConfig, r: RankSetup) -> float:
+    """The loss over the vocabulary (the last stage, charged to the bottleneck rank like the head): fp32
+    logits written from the head GEMM's output, read for the max and the sum of exponentials, and the
+    gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per logit of
+    this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise)."""
+    return r.tokens_mb * cfg.vocab_size / r.tp * 4 * 5 / r.hbm_bw
 
 
 def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int) -> float:
