@@ -1,5 +1,7 @@
-"""What the trainer tests share: a small model, a small corpus, and readers of metrics.jsonl."""
+"""What the trainer tests share: a small model, a small corpus, their configs, the weights a run ends
+with, and readers of metrics.jsonl."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,6 +14,44 @@ def write_corpus(path: Path, num_functions: int) -> Path:
     """A small, regular Python-like text: the loss falls quickly, so parity checks are not trivial."""
     path.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i % 3}\n\n" for i in range(num_functions)))
     return path
+
+
+# What every trainer test's settings start from: the small model on a CPU, sequences of 32 tokens, 2 warm-up
+# steps, a tenth of the corpus held out for validation.
+TRAIN = [*SMALL_MODEL, "train.seq_len=32", "train.warmup_steps=2", "train.device=cpu", "data.val_fraction=0.1"]
+
+
+def train_config(run_dir, text_file, *extra, settings, steps=None):
+    """A trainer test's config: its file's `settings` (TRAIN and what the file adds), the corpus, the run
+    directory (None: the default, or one in `extra`), `train.steps` when `steps` is given, then the
+    test's `extra` (a later value of a field wins). A test file binds its settings once:
+    `make_cfg = partial(train_config, settings=SETTINGS)`."""
+    from meshlm.config import load_config
+
+    run = [f"train.run_dir={run_dir}"] if run_dir is not None else []
+    num_steps = [f"train.steps={steps}"] if steps is not None else []
+    return load_config(overrides=[*settings, f"data.path={text_file}", *run, *num_steps, *extra])
+
+
+def weights(trainer) -> dict:
+    """Copies of the weights this rank holds (its own pieces where a strategy splits them)."""
+    return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
+
+
+def gathered_weights(trainer) -> dict:
+    """`weights`, with ZeRO-3's parameters gathered for the copy (it frees them between uses; collective)."""
+    zero = trainer.parallel.zero
+    with zero.full_params() if zero is not None else contextlib.nullcontext():
+        return weights(trainer)
+
+
+def full_weights(trainer) -> dict:
+    """The single-device model's weights: ZeRO-3's parameters gathered, tp shards gathered (collective)."""
+    from meshlm.parallel.tensor import full_state_dict
+
+    zero = trainer.parallel.zero
+    with zero.full_params() if zero is not None else contextlib.nullcontext():
+        return full_state_dict(trainer.base_model, trainer.mesh)
 
 
 def rows(run_dir) -> list[dict]:

@@ -22,10 +22,12 @@ def test_unknown_key_lists_valid_names():
     assert "train.learning_rate" in msg and "lr" in msg and "warmup_steps" in msg
 
 
-def test_unknown_section_rejected(tmp_path):
+@pytest.mark.parametrize("text, match", [("[trainer]\nsteps = 3\n", "trainer"), ("[train\nsteps=", "not valid TOML")],
+                         ids=["unknown_section", "invalid_toml"])
+def test_bad_config_file_rejected(tmp_path, text, match):
     p = tmp_path / "c.toml"
-    p.write_text("[trainer]\nsteps = 3\n")
-    with pytest.raises(ConfigError, match="trainer"):
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match):
         load_config(p)
 
 
@@ -72,13 +74,6 @@ def test_preset_then_override():
     assert cfg.model.hidden_size == 4096 and cfg.model.num_layers == 2 and cfg.model.num_kv_heads == 8
     with pytest.raises(ConfigError, match="preset"):
         load_config(overrides=["model.preset=nope"])
-
-
-def test_invalid_toml_rejected(tmp_path):
-    p = tmp_path / "c.toml"
-    p.write_text("[train\nsteps=")
-    with pytest.raises(ConfigError, match="not valid TOML"):
-        load_config(p)
 
 
 def test_shipped_tiny_config_matches_defaults():

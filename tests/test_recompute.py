@@ -8,7 +8,7 @@ One launch of 2 ranks runs every distributed configuration in turn.
 
 from __future__ import annotations
 
-import contextlib
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,14 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from dist import run_distributed
-from meshlm.config import ModelConfig, load_config
+from meshlm.config import ModelConfig
 from meshlm.models import KVCache, build_model
 from meshlm.parallel.parallelize import check_layout
 from meshlm.parallel.recompute import apply_recompute, saved_activation_bytes
-from meshlm.parallel.tensor import full_state_dict
 from meshlm.models.stats import activation_elems_per_token
 from meshlm.train.trainer import Trainer
-from runs import SMALL_MODEL
+from runs import TRAIN, full_weights, train_config
 
 DENSE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
              max_seq_len=64, qk_norm=True, attention_bias=True)
@@ -159,21 +158,15 @@ TOL = 1e-9  # fp64: layouts differ only by summation order
 LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2"], "zero3": ["parallel.zero_stage=3"]}
 
 
-def make_cfg(run_dir, text_file, *extra):
-    return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
-                                  "train.progress=false", "train.seq_len=32", "train.global_batch_size=8",
-                                  "train.micro_batch_size=2", f"train.steps={STEPS}", "train.warmup_steps=2",
-                                  "train.lr=3e-3", "train.grad_clip=0.5", "train.val_batches=0",
-                                  "data.val_fraction=0.1", "train.device=cpu", "train.precision=fp64",
-                                  "parallel.bucket_size_mb=0.02", *extra])
+SETTINGS = [*TRAIN, "train.progress=false", "train.global_batch_size=8", "train.micro_batch_size=2", "train.lr=3e-3",
+            "train.grad_clip=0.5", "train.val_batches=0", "train.precision=fp64", "parallel.bucket_size_mb=0.02"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=STEPS)
 
 
 def run_trainer(cfg) -> dict:
     trainer = Trainer(cfg)
     rows = [trainer.train_step() for _ in range(STEPS)]
-    zero = trainer.parallel.zero
-    with zero.full_params() if zero is not None else contextlib.nullcontext():  # ZeRO-3 frees them
-        weights = full_state_dict(trainer.base_model, trainer.mesh)
+    weights = full_weights(trainer)  # ZeRO-3 frees them between uses: gathered
     return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
             "activation_mib": rows[0]["activation_mib"], "weights": weights, "comm_mb": rows[-1]["comm_mb"]}
 

@@ -3,6 +3,7 @@ checkpoints are atomic and refuse a different model, schedule and clipping behav
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from meshlm.checkpoint import (latest_checkpoint, load_checkpoint_for_inference,
 from meshlm.train.optim import clip_grad_norm, lr_at
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL, grad_norms, rows, step_losses, write_corpus
+from runs import TRAIN, grad_norms, rows, step_losses, train_config, write_corpus
 
 
 
@@ -23,12 +24,9 @@ def text_file(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 600)
 
 
-def make_cfg(run_dir, text_file, *extra):
-    return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
-                                  "train.progress=false", "train.seq_len=32", "train.global_batch_size=8",
-                                  "train.micro_batch_size=8", "train.steps=10", "train.warmup_steps=2",
-                                  "train.lr=1e-2", "train.val_interval=5", "train.val_batches=2",
-                                  "data.val_fraction=0.1", "train.device=cpu", *extra])
+SETTINGS = [*TRAIN, "train.progress=false", "train.global_batch_size=8", "train.micro_batch_size=8", "train.lr=1e-2",
+            "train.val_interval=5", "train.val_batches=2"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=10)
 
 
 def test_a_few_steps_lower_the_loss(tmp_path, text_file):

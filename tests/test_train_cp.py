@@ -9,24 +9,20 @@ losses and grad norms to FP32_REL. Every run also checks that the cp axis moved 
 
 import io
 import math
+from functools import partial
 
 import pytest
 
 from meshlm import verify
-from meshlm.config import load_config
 from meshlm.parallel.parallelize import check_layout
 from parity import FP32_REL, FP64_TOL
-from runs import SMALL_MODEL, harness_launch
+from runs import TRAIN, harness_launch, train_config
 
 STEPS = 5
 # seq 32: chunks of 4 tokens at cp=4, 8 at cp=2; micro-batches of 2 so dp=2 accumulates too.
-SETTINGS = [*SMALL_MODEL, "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-            "train.lr=3e-3", "train.warmup_steps=2", "train.device=cpu", "data.val_fraction=0.1",
+SETTINGS = [*TRAIN, "train.global_batch_size=8", "train.micro_batch_size=2", "train.lr=3e-3",
             "parallel.bucket_size_mb=0.02"]
-
-
-def make_cfg(text_file, *extra):
-    return load_config(overrides=[*SETTINGS, f"data.path={text_file}", *extra])
+make_cfg = partial(train_config, None, settings=SETTINGS)
 
 
 LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)

@@ -10,6 +10,7 @@ One launch per world size keeps this file fast: each rank trains every configura
 """
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from meshlm.parallel.parallelize import check_layout, parallelize
 from meshlm.checkpoint import latest_checkpoint
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL, grad_norms, rows, step_losses, val_losses
+from runs import TRAIN, grad_norms, rows, step_losses, train_config, val_losses, weights
 
 STEPS = 10
 PARITY_STEPS = 5
@@ -32,17 +33,9 @@ GLOBAL_BATCH = 8
 PRECISIONS = {"fp32": (4, FP32_REL), "fp64": (8, FP64_TOL)}  # bytes an element, tolerance
 
 
-def make_cfg(run_dir, text_file, *extra):
-    return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
-                                  "train.progress=false", "train.seq_len=32", f"train.global_batch_size={GLOBAL_BATCH}",
-                                  "train.micro_batch_size=8", f"train.steps={STEPS}", "train.warmup_steps=2",
-                                  "train.lr=3e-3", "train.val_interval=5", "train.val_batches=3",
-                                  "data.val_fraction=0.1", "train.device=cpu", "parallel.bucket_size_mb=0.02",
-                                  *extra])
-
-
-def weights(trainer) -> dict:
-    return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
+SETTINGS = [*TRAIN, "train.progress=false", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=8",
+            "train.lr=3e-3", "train.val_interval=5", "train.val_batches=3", "parallel.bucket_size_mb=0.02"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=STEPS)
 
 
 @pytest.fixture(scope="module")

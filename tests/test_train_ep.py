@@ -11,6 +11,7 @@ the logged expert load), and the "ep" axis moves exactly the all-to-all volume e
 """
 
 import io
+from functools import partial
 
 import pytest
 
@@ -19,20 +20,16 @@ from meshlm import verify
 from meshlm.config import load_config
 from meshlm.parallel.parallelize import check_layout
 from parity import FP64_TOL
-from runs import SMALL_MODEL, harness_launch, rows
+from runs import SMALL_MODEL, TRAIN, harness_launch, rows, train_config
 
 STEPS = 5
 # 4 experts, top-2, every layer MoE, a shared expert; a large aux coefficient so a mis-scaled
 # load-balancing loss would move the routers visibly. Micro-batches of 2 sequences of 32 tokens.
 MOE = ["model.num_experts=4", "model.num_experts_per_token=2", "model.moe_intermediate_size=32",
        "model.num_shared_experts=1", "model.router_aux_loss_coef=0.5"]
-SETTINGS = [*SMALL_MODEL, *MOE, "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-            "train.lr=3e-3", "train.warmup_steps=2", "train.device=cpu", "data.val_fraction=0.1",
+SETTINGS = [*TRAIN, *MOE, "train.global_batch_size=8", "train.micro_batch_size=2", "train.lr=3e-3",
             "parallel.bucket_size_mb=0.02"]
-
-
-def make_cfg(text_file, *extra):
-    return load_config(overrides=[*SETTINGS, f"data.path={text_file}", *extra])
+make_cfg = partial(train_config, None, settings=SETTINGS)
 
 
 LAYOUTS = {  # id: (ranks, settings, axes that must have moved bytes)

@@ -10,19 +10,19 @@ One launch per world size; each rank trains every configuration in turn.
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from dist import run_distributed
-from meshlm.config import load_config
 from meshlm.parallel.parallelize import check_layout
 from meshlm.schedules import build_schedule
 from meshlm.timeline import load_timeline
 from meshlm.parallel.tensor import full_state_dict
 from meshlm.train.trainer import Trainer
 from parity import FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL, grad_norms, rows, step_losses, val_losses
+from runs import TRAIN, grad_norms, rows, step_losses, train_config, val_losses, weights
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -56,18 +56,10 @@ def _schedule(name: str) -> tuple[str, int]:
     return extra["parallel.pp_schedule"], int(extra.get("parallel.pp_chunks", 1))
 
 
-def make_cfg(run_dir, text_file, *extra):
-    return load_config(overrides=[*SMALL_MODEL, "model.num_layers=4", f"data.path={text_file}",
-                                  f"train.run_dir={run_dir}", "train.progress=false", "train.seq_len=32",
-                                  f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=1",
-                                  f"train.steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3", "train.lr_schedule=constant",
-                                  "train.val_interval=5", "train.val_batches=2", "data.val_fraction=0.1",
-                                  "train.device=cpu", "train.precision=fp64", "parallel.bucket_size_mb=0.02",
-                                  *extra])
-
-
-def weights(trainer) -> dict:
-    return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
+SETTINGS = [*TRAIN, "model.num_layers=4", "train.progress=false", f"train.global_batch_size={GLOBAL_BATCH}",
+            "train.micro_batch_size=1", "train.lr=3e-3", "train.lr_schedule=constant", "train.val_interval=5",
+            "train.val_batches=2", "train.precision=fp64", "parallel.bucket_size_mb=0.02"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=STEPS)
 
 
 @pytest.fixture(scope="module")

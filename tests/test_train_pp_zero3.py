@@ -13,18 +13,17 @@ One launch per world size; each rank trains every configuration in turn.
 """
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from dist import run_distributed
-from meshlm.config import load_config
 from meshlm.parallel.parallelize import check_layout
-from meshlm.parallel.tensor import full_state_dict
 from meshlm.train.trainer import Trainer
 from parity import FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL
+from runs import TRAIN, full_weights, gathered_weights, train_config
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -45,24 +44,17 @@ LAYOUTS = {
 SAVED = "1f1b_reshard"  # the layout whose checkpoint reloads in one process
 
 
-def make_cfg(run_dir, text_file, *extra):
-    return load_config(overrides=[*SMALL_MODEL, "model.num_layers=4", f"data.path={text_file}",
-                                  f"train.run_dir={run_dir}", "train.progress=false", "train.seq_len=32",
-                                  f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=1",
-                                  f"train.steps={STEPS + 1}", "train.warmup_steps=2", "train.lr=3e-3",
-                                  "train.grad_clip=0.5", "train.val_batches=0", "data.val_fraction=0.1",
-                                  "train.device=cpu", "train.precision=fp64", "parallel.bucket_size_mb=0.02",
-                                  *extra])
+SETTINGS = [*TRAIN, "model.num_layers=4", "train.progress=false", f"train.global_batch_size={GLOBAL_BATCH}",
+            "train.micro_batch_size=1", "train.lr=3e-3", "train.grad_clip=0.5", "train.val_batches=0",
+            "train.precision=fp64", "parallel.bucket_size_mb=0.02"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=STEPS + 1)
 
 
 def weights(trainer) -> dict:
-    zero = trainer.parallel.zero
-    if zero is None:
-        return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
-    with zero.full_params():  # ZeRO-3 frees them between uses
-        if trainer.parallel.tensor_parallel:
-            return full_state_dict(trainer.base_model, trainer.mesh)
-        return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
+    """The weights to compare: ZeRO-3's gathered (it frees them between uses), under tp the full tensors."""
+    if trainer.parallel.zero is not None and trainer.parallel.tensor_parallel:
+        return full_weights(trainer)
+    return gathered_weights(trainer)
 
 
 def run_steps(trainer, until: int) -> list[dict]:

@@ -11,6 +11,7 @@ One launch per world size keeps this file fast: each rank runs every configurati
 """
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,32 +19,21 @@ import torch
 import torch.distributed as dist
 
 from dist import run_distributed
-from meshlm.config import load_config
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout, parallelize
-from meshlm.parallel.tensor import full_state_dict
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL, grad_norms, step_losses, val_losses
+from runs import TRAIN, full_weights, grad_norms, step_losses, train_config, val_losses
 
 STEPS = 7
 PARITY_STEPS = 5
 TOLS = {"fp32": FP32_REL, "fp64": FP64_TOL}
 
 
-def make_cfg(run_dir, text_file, *extra):
-    return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
-                                  "train.progress=false", "train.seq_len=32", "train.global_batch_size=8",
-                                  "train.micro_batch_size=4", f"train.steps={STEPS}", "train.warmup_steps=2",
-                                  "train.lr=3e-3", "train.val_interval=5", "train.val_batches=2",
-                                  "data.val_fraction=0.1", "train.device=cpu", "parallel.bucket_size_mb=0.02",
-                                  *extra])
-
-
-def full_weights(trainer) -> dict:
-    """The reference-layout weights (gathered over tp; collective under tp)."""
-    return full_state_dict(trainer.base_model, trainer.mesh)
+SETTINGS = [*TRAIN, "train.progress=false", "train.global_batch_size=8", "train.micro_batch_size=4", "train.lr=3e-3",
+            "train.val_interval=5", "train.val_batches=2", "parallel.bucket_size_mb=0.02"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=STEPS)
 
 
 @pytest.fixture(scope="module")

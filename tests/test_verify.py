@@ -9,6 +9,7 @@ as a user types it.
 
 import io
 import json
+from functools import partial
 
 import pytest
 
@@ -17,17 +18,15 @@ from meshlm import verify
 from meshlm.cli import main as cli_main
 from meshlm.config import load_config
 from parity import FP64_TOL
-from runs import SMALL_MODEL
+from runs import TRAIN, train_config
 
 STEPS = 3
-SETTINGS = [*SMALL_MODEL, "train.seq_len=32", "train.global_batch_size=8", "train.lr=3e-3",
-            "train.warmup_steps=2", "train.device=cpu", "data.val_fraction=0.1", "parallel.bucket_size_mb=0.02"]
+SETTINGS = [*TRAIN, "train.global_batch_size=8", "train.lr=3e-3", "parallel.bucket_size_mb=0.02"]
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID", "GROUP_RANK", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 
-def make_cfg(text_file, *extra):
-    return load_config(overrides=[*SETTINGS, f"data.path={text_file}", *extra])
+make_cfg = partial(train_config, None, settings=SETTINGS)
 
 
 def train_ranks(rank, world_size, cfg, double_gradients: bool):

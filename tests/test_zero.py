@@ -11,8 +11,8 @@ One launch per world size: each rank runs every configuration in turn. Steps are
 `Trainer.train_step()` so the communication of each step can be read from the mesh's CommStats.
 """
 
-import contextlib
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist import run_distributed
-from meshlm.config import ModelConfig, TrainConfig, load_config
+from meshlm.config import ModelConfig, TrainConfig
 from meshlm.mesh import ParallelDims, build_mesh
 from meshlm.models import build_model
 from meshlm.parallel.parallelize import check_layout
@@ -29,26 +29,16 @@ from meshlm.parallel.zero import apply_zero
 from meshlm.train.optim import build_optimizer
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL
+from runs import TRAIN, gathered_weights, train_config
 
 STEPS = 5
 RESUME_AT = 3
 PRECISIONS = {"fp32": (4, FP32_REL), "fp64": (8, FP64_TOL)}  # bytes an element, tolerance
 
 
-def make_cfg(run_dir, text_file, *extra):
-    return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
-                                  "train.progress=false", "train.seq_len=32", "train.global_batch_size=8",
-                                  "train.micro_batch_size=8", f"train.steps={STEPS}", "train.warmup_steps=2",
-                                  "train.lr=3e-3", "train.grad_clip=0.5", "train.val_batches=0",
-                                  "data.val_fraction=0.1", "train.device=cpu", "parallel.bucket_size_mb=0.02",
-                                  *extra])
-
-
-def weights(trainer) -> dict:
-    zero = trainer.parallel.zero
-    with zero.full_params() if zero is not None else contextlib.nullcontext():  # ZeRO-3 frees them
-        return {k: v.detach().clone() for k, v in trainer.base_model.state_dict().items()}
+SETTINGS = [*TRAIN, "train.progress=false", "train.global_batch_size=8", "train.micro_batch_size=8", "train.lr=3e-3",
+            "train.grad_clip=0.5", "train.val_batches=0", "parallel.bucket_size_mb=0.02"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=STEPS)
 
 
 def run_steps(trainer, until: int) -> list[dict]:
@@ -75,7 +65,7 @@ def reference(tmp_path_factory, text_file):
         # clipping is active (grad_clip=0.5), so a wrong norm would change the weights too
         assert max(r["grad_norm"] for r in rows) > 0.5
         numel = trainer.base_model.num_params()
-        out[precision] = {"rows": rows, "weights": weights(trainer), "numel": numel,
+        out[precision] = {"rows": rows, "weights": gathered_weights(trainer), "numel": numel,
                           "state_bytes": 2 * numel * size}  # exp_avg + exp_avg_sq
     return out
 
@@ -91,7 +81,8 @@ def zero_worker(rank, world_size, root: Path, text_file: Path, configs: list[tup
         assert zero is not None and trainer.parallel.data_parallel is None
         rows = run_steps(trainer, STEPS)
         padded = [b.padded for b in zero.buckets]
-        out[key] = {"rows": rows, "weights": weights(trainer), "padded": padded, "micro_steps": 8 // world_size // micro,
+        out[key] = {"rows": rows, "weights": gathered_weights(trainer), "padded": padded,
+                    "micro_steps": 8 // world_size // micro,
                     "bucket_numels": [b.numel for b in zero.buckets], "num_shards": zero.num_shards,
                     "state_bytes": trainer.optimizer.state_bytes(),
                     "grads_kept": any(p.grad is not None for p in trainer.base_model.parameters()),
@@ -109,7 +100,7 @@ def zero_worker(rank, world_size, root: Path, text_file: Path, configs: list[tup
         resumed = Trainer(cfg, resume=True)
         assert resumed.step == RESUME_AT and resumed.resume_note is None
         rest = run_steps(resumed, STEPS)
-        out["split"] = {"rows": first + rest, "weights": weights(resumed)}
+        out["split"] = {"rows": first + rest, "weights": gathered_weights(resumed)}
         out["padding"] = {dtype: padding_check(rank, dtype) for dtype in (torch.float32, torch.float64)}
     return out
 

@@ -9,8 +9,8 @@ even when a parameter gets no gradient on some rank.
 One launch per world size: each rank runs every configuration in turn.
 """
 
-import contextlib
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,34 +21,21 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist import run_distributed
-from meshlm.config import load_config
 from meshlm.mesh import ParallelDims, build_mesh
-from meshlm.parallel.tensor import full_state_dict
 from meshlm.parallel.zero import apply_zero
 from meshlm.models import build_model
 from meshlm.checkpoint import load_weights
 from meshlm.checkpoint.shards import checkpoint_state
 from meshlm.train.trainer import Trainer
 from parity import FP32_REL, FP64_TOL, assert_close_seq, assert_state_close
-from runs import SMALL_MODEL, grad_norms, step_losses
+from runs import TRAIN, full_weights, grad_norms, step_losses, train_config
 
 STEPS = 5
 
 
-def make_cfg(run_dir, text_file, *extra, steps=STEPS):
-    return load_config(overrides=[*SMALL_MODEL, f"data.path={text_file}", f"train.run_dir={run_dir}",
-                                  "train.progress=false", "train.seq_len=32", "train.global_batch_size=8",
-                                  "train.micro_batch_size=2", f"train.steps={steps}", "train.warmup_steps=2",
-                                  "train.lr=3e-3", "train.grad_clip=0.5", "train.val_batches=0",
-                                  "train.sample_tokens=0", "data.val_fraction=0.1", "train.device=cpu",
-                                  "parallel.bucket_size_mb=0.02", *extra])
-
-
-def full_weights(trainer) -> dict:
-    """The reference-layout weights: ZeRO-3 shards gathered, TP shards gathered (collective)."""
-    zero = trainer.parallel.zero
-    with zero.full_params() if zero is not None else contextlib.nullcontext():
-        return full_state_dict(trainer.base_model, trainer.mesh)
+SETTINGS = [*TRAIN, "train.progress=false", "train.global_batch_size=8", "train.micro_batch_size=2", "train.lr=3e-3",
+            "train.grad_clip=0.5", "train.val_batches=0", "train.sample_tokens=0", "parallel.bucket_size_mb=0.02"]
+make_cfg = partial(train_config, settings=SETTINGS, steps=STEPS)
 
 
 def run(run_dir, text_file, *extra, steps=STEPS) -> tuple[list[float], list[float], dict]:

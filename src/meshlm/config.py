@@ -4,13 +4,13 @@ Responsible for: the dataclasses every other module reads, model presets, loadin
 applying `section.field=value` overrides, and rejecting unknown keys or invalid values with a
 `ConfigError` that names the field, the value and the rule.
 Not responsible for: checking a layout against a world size (that needs the world size; see
-`mesh.py`), or anything that touches torch.
+`mesh.py`), translating Hugging Face's `config.json` (`meshlm.hf_config`, to which `ModelConfig.from_hf`,
+`from_hf_dict` and `to_hf_dict` delegate), or anything that touches torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 import typing
@@ -135,189 +135,26 @@ class ModelConfig:
         cfg = cls(preset=name, **{**MODEL_PRESETS[name], **overrides})
         return cfg
 
+    # -- Hugging Face config.json (meshlm.hf_config) -------------------------------------------
     @classmethod
     def from_hf(cls, path: str | Path) -> "ModelConfig":
         """Read a Hugging Face `config.json` (file or the directory holding it)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.exists():
-            raise ConfigError(f"no Hugging Face config at {str(path)!r}; pass a model directory with config.json")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        from meshlm.hf_config import read_hf_config
+
+        return read_hf_config(path)
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
-        arch = (hf.get("architectures") or [""])[0]
-        model_type = hf.get("model_type", "")
-        supported = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
-        if model_type not in supported:
-            raise ConfigError(f"Hugging Face model_type={model_type!r} ({arch}) is not supported; "
-                              f"supported: {sorted(supported)}")
-        _check_hf_supported(hf, model_type)
-        num_heads = hf["num_attention_heads"]
-        max_seq_len = hf.get("max_position_embeddings", 2048)
-        # Mistral's sliding window only changes attention beyond `sliding_window` tokens; up to there
-        # full causal attention is exact, so cap the length rather than refuse the model.
-        window = hf.get("sliding_window") if model_type == "mistral" else None
-        if window:
-            max_seq_len = min(max_seq_len, window)
-        if model_type == "qwen2_moe":  # transformers names the q/k/v bias flag differently here
-            attention_bias = bool(hf.get("qkv_bias", hf.get("attention_bias", True)))
-        else:
-            attention_bias = bool(hf.get("attention_bias", model_type == "qwen2"))
-        kw: dict[str, Any] = dict(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            intermediate_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size"),
-            max_seq_len=max_seq_len,
-            rope_theta=float(_hf_rope_theta(hf)),
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            init_std=hf.get("initializer_range", 0.02),
-        )
-        rs = _hf_rope_scaling(hf)
-        if rs is not None:
-            kw["rope_scaling"] = rs
-        if model_type == "mixtral":
-            kw.update(num_experts=hf["num_local_experts"], num_experts_per_token=hf["num_experts_per_tok"],
-                      norm_topk_prob=True, router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.02))
-        elif model_type in ("qwen2_moe", "qwen3_moe"):
-            # transformers 5 writes qwen3_moe's expert count as num_local_experts; older files say num_experts.
-            num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-            first_dense, freq = _hf_moe_layer_pattern(hf, num_experts)
-            kw.update(num_experts=num_experts, num_experts_per_token=hf["num_experts_per_tok"],
-                      moe_intermediate_size=hf["moe_intermediate_size"],
-                      norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "qwen3_moe")),
-                      moe_layer_freq=freq, first_dense_layers=first_dense,
-                      router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
-            if model_type == "qwen2_moe" and hf.get("shared_expert_intermediate_size", 0):
-                kw.update(num_shared_experts=1, shared_expert_gate=True,
-                          shared_expert_intermediate_size=hf["shared_expert_intermediate_size"])
-        cfg = cls(**kw)
-        cfg.validate()
-        return cfg
+        """The model a Hugging Face `config.json`'s contents describe (ConfigError: what is not supported)."""
+        from meshlm.hf_config import model_config_from_hf
+
+        return model_config_from_hf(hf)
 
     def to_hf_dict(self) -> dict:
-        """The Hugging Face `config.json` of this model (the inverse of `from_hf_dict`).
+        """The Hugging Face `config.json` of this model (the inverse of `from_hf_dict`)."""
+        from meshlm.hf_config import hf_config_of
 
-        The model type is the simplest one that expresses the config exactly: qwen3 (q/k norm),
-        qwen2 (q/k/v bias) or llama when dense; qwen3_moe (q/k norm), qwen2_moe (gated shared
-        expert) or mixtral when MoE. A config no Hugging Face type expresses raises ConfigError.
-        """
-        self.validate()
-        moe_layers = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
-        if not self.is_moe:
-            model_type = "qwen3" if self.qk_norm else "qwen2" if self.attention_bias else "llama"
-        elif self.qk_norm:
-            model_type = "qwen3_moe"
-        elif self.shared_intermediate_size > 0 or self.attention_bias:
-            model_type = "qwen2_moe"
-        else:
-            model_type = "mixtral"
-        if self.qk_norm and self.attention_bias:
-            raise ConfigError("model.attention_bias=True with model.qk_norm=True has no Hugging Face "
-                              "equivalent (Qwen3 puts a bias on o_proj too); set one of them to False")
-        if model_type == "qwen2_moe" and not (self.shared_expert_gate and self.num_shared_experts == 1):
-            raise ConfigError(f"model.num_shared_experts={self.num_shared_experts} with shared_expert_gate="
-                              f"{self.shared_expert_gate} has no Hugging Face equivalent; Qwen2-MoE needs exactly "
-                              "one shared expert with a sigmoid gate (model.shared_expert_gate=true)")
-        if model_type in ("qwen3_moe", "mixtral") and self.shared_intermediate_size > 0:
-            raise ConfigError(f"model.num_shared_experts={self.num_shared_experts} is only expressible as "
-                              f"qwen2_moe (no q/k norm); {model_type} has no shared expert")
-        if model_type == "mixtral" and (not self.norm_topk_prob or len(moe_layers) != self.num_layers):
-            raise ConfigError("a MoE without q/k norm, bias or shared expert maps to mixtral, which needs "
-                              "model.norm_topk_prob=true and every layer MoE (first_dense_layers=0, "
-                              "moe_layer_freq=1); set model.qk_norm=true to export as qwen3_moe instead")
-        archs = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling is not None:
-            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, **self.rope_scaling}
-        hf: dict[str, Any] = dict(
-            architectures=[archs[model_type]], model_type=model_type,
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-            max_position_embeddings=self.max_seq_len, rms_norm_eps=self.norm_eps,
-            # rope_parameters is what transformers 5 reads; rope_theta + rope_scaling what 4.x reads.
-            rope_parameters=rope, rope_theta=self.rope_theta,
-            rope_scaling=None if self.rope_scaling is None else {"rope_type": "llama3", **self.rope_scaling},
-            hidden_act="silu", tie_word_embeddings=self.tie_embeddings,
-            initializer_range=self.init_std, attention_dropout=0.0,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        )
-        if model_type in ("llama", "qwen3", "qwen3_moe"):
-            hf["attention_bias"] = False
-        if model_type == "llama":
-            hf["mlp_bias"] = False
-        if model_type.startswith("qwen"):
-            hf["use_sliding_window"] = False
-        if model_type == "mixtral":
-            hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_token,
-                      router_aux_loss_coef=self.router_aux_loss_coef)
-        elif self.is_moe:
-            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_token,
-                      moe_intermediate_size=self.expert_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                      decoder_sparse_step=1, router_aux_loss_coef=self.router_aux_loss_coef,
-                      mlp_only_layers=[i for i in range(self.num_layers) if i not in moe_layers])
-            if model_type == "qwen2_moe":
-                hf.update(qkv_bias=self.attention_bias,
-                          shared_expert_intermediate_size=self.shared_intermediate_size)
-        return hf
-
-
-def _check_hf_supported(hf: dict, model_type: str) -> None:
-    """Refuse Hugging Face options the reference model does not implement (instead of loading wrongly)."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported; only SwiGLU ('silu') is")
-    if hf.get("mlp_bias"):
-        raise ConfigError("mlp_bias=true is not supported; the MLP projections have no bias")
-    if hf.get("attention_bias") and model_type not in ("qwen2", "qwen2_moe"):
-        raise ConfigError(f"attention_bias=true on {model_type} (a bias on o_proj too) is not supported")
-    if hf.get("use_sliding_window"):
-        raise ConfigError("use_sliding_window=true is not supported; set it to false (full attention)")
-
-
-def _hf_moe_layer_pattern(hf: dict, num_experts: int) -> tuple[int, int]:
-    """(first_dense_layers, moe_layer_freq) reproducing Qwen-MoE's decoder_sparse_step/mlp_only_layers."""
-    num_layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1) or 1
-    dense_only = set(hf.get("mlp_only_layers") or [])
-    moe = [i for i in range(num_layers) if i not in dense_only and num_experts > 0 and (i + 1) % step == 0]
-    if not moe:
-        raise ConfigError(f"num_experts={num_experts}, decoder_sparse_step={step}, mlp_only_layers="
-                          f"{sorted(dense_only)} leave no MoE layer; use a dense model type instead")
-    first = moe[0]
-    freq = moe[1] - moe[0] if len(moe) > 1 else 1
-    expected = [i for i in range(first, num_layers) if (i - first) % freq == 0]
-    if moe != expected:
-        raise ConfigError(f"MoE layers {moe} (decoder_sparse_step={step}, mlp_only_layers={sorted(dense_only)}) "
-                          "are not 'every n-th layer after a leading dense run', the only pattern supported")
-    return first, freq
-
-
-def _hf_rope_theta(hf: dict) -> float:
-    if "rope_theta" in hf:
-        return hf["rope_theta"]
-    params = hf.get("rope_parameters") or {}
-    return params.get("rope_theta", 10000.0)
-
-
-def _hf_rope_scaling(hf: dict) -> dict | None:
-    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported; only 'llama3' scaling is")
-    return {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                               "original_max_position_embeddings")}
+        return hf_config_of(self)
 
 
 _LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -175,7 +175,7 @@ def final_weights(run_dir: str | Path) -> dict:
     """The model state of a run's latest checkpoint, in the dtype it was trained in (full tensors)."""
     from meshlm.models import build_model
     from meshlm.checkpoint import config_from_dict, latest_checkpoint, load_weights, read_meta
-    from meshlm.train.trainer import param_dtype
+    from meshlm.train.setup import param_dtype
 
     path = latest_checkpoint(run_dir)
     if path is None:

@@ -60,7 +60,7 @@ def run(args) -> int:
 
     exit_with_parent()  # a killed launcher takes its ranks with it
     prepared = evaluate.eval_config(checkpoint=args.checkpoint, hf=args.hf, data=args.data, overrides=args.overrides)
-    from meshlm.train.trainer import resolve_device
+    from meshlm.train.setup import resolve_device
 
     cfg = prepared[0]
     env = init_distributed(resolve_device(cfg.train.device).type, timeout_s=cfg.parallel.collective_timeout_s)

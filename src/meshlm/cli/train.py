@@ -109,7 +109,8 @@ def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, r
 
 def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int) -> int:
     from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
-    from meshlm.train.trainer import Trainer, resolve_device
+    from meshlm.train.setup import resolve_device
+    from meshlm.train.trainer import Trainer
 
     if distributed:
         exit_with_parent()  # a killed launcher takes its ranks with it (no orphans training on)

@@ -413,6 +413,20 @@ class _Exchanges:
             handle.wait()
 
 
+def _check_step(stage: PipelineStage, schedule: Schedule | None, num_microbatches: int, *, mesh: Mesh, axis: str,
+                forward_only: bool) -> None:
+    """Refuse a step whose stage, mesh and schedule disagree (before any communication)."""
+    pp, v = stage.pp, stage.pp_chunks
+    if mesh.size(axis) != pp or (schedule is not None and (schedule.pp, schedule.pp_chunks) != (pp, v)):
+        raise ValueError(f"stage (pp={pp}, pp_chunks={v}), mesh {axis}={mesh.size(axis)} and schedule "
+                         f"{schedule and (schedule.pp, schedule.pp_chunks)} must agree")
+    if schedule is None and not forward_only:
+        raise ValueError("a training step needs a schedule (schedules.build_schedule)")
+    m = num_microbatches
+    if schedule is not None and schedule.num_microbatches != m:
+        raise ValueError(f"{m} micro-batches for a schedule of {schedule.num_microbatches}")
+
+
 def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                       micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, mesh: Mesh, num_tokens: int,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
@@ -433,14 +447,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
     the global batch), added on the stage that computes it.
     """
     pp, v = stage.pp, stage.pp_chunks
-    if mesh.size(axis) != pp or (schedule is not None and (schedule.pp, schedule.pp_chunks) != (pp, v)):
-        raise ValueError(f"stage (pp={pp}, pp_chunks={v}), mesh {axis}={mesh.size(axis)} and schedule "
-                         f"{schedule and (schedule.pp, schedule.pp_chunks)} must agree")
-    if schedule is None and not forward_only:
-        raise ValueError("a training step needs a schedule (schedules.build_schedule)")
     m = len(micro_batches)
-    if schedule is not None and schedule.num_microbatches != m:
-        raise ValueError(f"{m} micro-batches for a schedule of {schedule.num_microbatches}")
+    _check_step(stage, schedule, m, mesh=mesh, axis=axis, forward_only=forward_only)
     S, rank = stage.num_stages, stage.rank
     bsz, seq = micro_batches[0][0].shape
     device = micro_batches[0][0].device

@@ -1,9 +1,11 @@
 """The training loop: data -> micro-steps -> clip -> optimizer step -> metrics, validation, checkpoints.
 
-Responsible for: building model, optimizer, data and loader from a `Config`; the optimizer step as
-gradient accumulation over micro-batches with the loss normalised to the exact global token mean;
-the LR schedule, clipping, periodic validation, checkpoints (and bit-identical resume), metrics,
-and a text sample at the end.
+Responsible for: putting a run together from a `Config` (mesh, data, loader, model, optimizer); the
+optimizer step as gradient accumulation over micro-batches with the loss normalised to the exact global
+token mean; the LR schedule, clipping, periodic validation, when to checkpoint (and bit-identical
+resume), and a text sample at the end. Its parts live beside it: `setup.py` (device, precision, the
+parallel model), `resume.py` (the run directory, what a checkpoint carries beside the weights),
+`report.py` (a step's metrics row), `sample.py` (the whole model generation runs on).
 Not responsible for: how a parallel strategy works. The trainer builds the `Mesh` from
 `cfg.parallel` and the world (the default process group, if one was started), and
 `meshlm.parallel.parallelize` hands it back the module to run, the `no_sync()` context for
@@ -35,102 +37,54 @@ over the global batch. A data-parallel gradient reduction must therefore be a su
 from __future__ import annotations
 
 import contextlib
-import json
-import random
-import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshlm import comm
+from meshlm.checkpoint import load_checkpoint, resume_checkpoint, saved_layout
 from meshlm.config import Config
 from meshlm.host_memory import reuse_freed_host_memory
-from meshlm.mesh import Mesh, build_mesh
-from meshlm.models import build_model
-from meshlm.parallel.expert import expert_load_stats, router_biases, set_router_biases, update_router_biases
-from meshlm.parallel.parallelize import check_layout, micro_batch_size, parallelize
 from meshlm.liveness import Heartbeat
-from meshlm.parallel.materialize import ShardInit
-from meshlm.parallel.pipeline import full_state_dict as pipeline_full_state_dict
+from meshlm.mesh import Mesh, build_mesh
+from meshlm.models.stats import train_flops_per_token
+from meshlm.parallel.expert import update_router_biases
+from meshlm.parallel.parallelize import check_layout, micro_batch_size
 from meshlm.parallel.pipeline import run_pipeline_step
-from meshlm.parallel.tied import counted
 from meshlm.parallel.recompute import SavedTensorMeter
+from meshlm.parallel.tensor import vocab_parallel_cross_entropy
 from meshlm.schedules import build_schedule
 from meshlm.timeline import write_timeline
-from meshlm.parallel.tensor import full_state_dict, vocab_parallel_cross_entropy
-from meshlm.models.stats import train_flops_per_token
-from meshlm.checkpoint import (
-    CheckpointError,
-    begin_save,
-    check_run_dir,
-    finish_save,
-    load_checkpoint,
-    resume_checkpoint,
-    rng_state,
-    saved_layout,
-    set_rng_state,
-)
-from meshlm.tokenizer import load_tokenizer
 from meshlm.train.data import BatchLoader, build_datasets, validation_batches
-from meshlm.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops_guess, remove_tracker_files
+from meshlm.train.metrics import MetricsLogger, peak_tflops_guess
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from meshlm.train.report import count_parameters, expert_load, pipeline_idle_share, step_row
+from meshlm.train.resume import (
+    CheckpointWriter,
+    check_run_dir_on_every_rank,
+    clear_run_dir,
+    last_logged_step,
+    layout_change_note,
+    make_run_dir,
+    rank_extra,
+    restore_rank_extra,
+    use_config_optimizer_settings,
+)
+from meshlm.train.sample import prompt_ids, whole_model
+from meshlm.train.setup import (
+    build_parallel_model,
+    load_training_tokenizer,
+    param_dtype,
+    resolve_device,
+    resolve_precision,
+    seed_everything,
+)
 
 
 TIMELINE_STEPS = 3  # pipeline runs record the per-action timeline of their first steps (<run_dir>/timeline/)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is available; use train.device=auto or cpu")
-    return torch.device(name)
-
-
-def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for no autocast. Parameters and optimizer state stay fp32 (or all
-    fp64 with train.precision=fp64, see `param_dtype`)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    return torch.bfloat16 if name == "bf16" else None
-
-
-def param_dtype(name: str) -> torch.dtype:
-    """fp32 master weights, except train.precision=fp64: parameters, gradients, optimizer state and
-    compute all in float64. Slow, and meant for proofs: two layouts agree to ~1e-12 there, so a parity
-    check needs no tolerance tuned to a CPU's fp32 rounding (see `meshlm verify`)."""
-    return torch.float64 if name == "fp64" else torch.float32
-
-
-def _degrees(dims) -> str:
-    """`tp=2, dp_shard=2`: the degrees above 1 of a resolved layout."""
-    return ", ".join(f"{a}={getattr(dims, a)}" for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-                     if getattr(dims, a) > 1) or "one process"
-
-
-def last_logged_step(run_dir: str | Path) -> int:
-    """The last training step metrics.jsonl recorded (0 when there is none)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    last = 0
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:  # a line cut short by the failure
-                continue
-            if "loss" in row:
-                last = max(last, int(row["step"]))
-    return last
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -148,13 +102,10 @@ class Trainer:
         t = cfg.train
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dims = check_layout(cfg, world_size)  # user mistakes surface here, before any work
-        self.check_run_dir(resume=resume, overwrite=overwrite, world_size=world_size)
+        check_run_dir_on_every_rank(t.run_dir, resume=resume, overwrite=overwrite, world_size=world_size)
         self.setup_mesh(dims)
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
-                             f"{cfg.model.vocab_size}; set model.vocab_size >= {self.tokenizer.vocab_size}")
+        self.tokenizer = load_training_tokenizer(cfg)
         self.train_data, self.val_data = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=self.tokenizer)
         self.loader = BatchLoader(self.train_data, global_batch_size=t.global_batch_size,
                                   micro_batch_size=self.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
@@ -177,27 +128,19 @@ class Trainer:
         self.resume_note: str | None = None
         self.fallback_note: str | None = None  # --resume took another checkpoint than `latest` names: why
         self.optimizer_note: str | None = None  # the config's betas / eps replaced the checkpoint's
-        self.pending_save = None  # a checkpoint staged and being written in the background (async_checkpoint)
-        self.checkpoint_group = None  # the process group of that background writing, made on first use
+        self.checkpoints = CheckpointWriter(
+            self.run_dir, config=self.cfg, rank=self.rank, world_size=self.world_size, mesh=self.mesh,
+            barrier=self.barrier,
+            files={"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None)
         if self.is_main:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"train.run_dir={t.run_dir!r} cannot be created ({e.strerror}); "
-                                 "choose a writable directory") from None
+            make_run_dir(t.run_dir)
         # After the launcher restarted the ranks (--max-restarts): how far the run had got, to log what it lost.
         last_logged = last_logged_step(self.run_dir) if restarts and self.is_main else 0
         if resume:  # never deletes anything; check_run_dir made sure there is a complete checkpoint
             self.resumed_from, self.fallback_note = resume_checkpoint(self.run_dir)
             self.load(self.resumed_from, checksums=False)  # check_run_dir verified it
         elif self.is_main:
-            # A fresh run owns its run_dir (with overwrite=True when an earlier run left checkpoints there).
-            if (self.run_dir / "checkpoints").is_dir():
-                print(f"meshlm: starting afresh in {self.run_dir}: deleting the checkpoints of an earlier run "
-                      "there (--overwrite)", flush=True)
-            shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            remove_tracker_files(self.run_dir)
+            clear_run_dir(self.run_dir)
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
         self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step)}
                             if restarts else None)
@@ -220,140 +163,109 @@ class Trainer:
         seed_everything(t.seed)
 
     def setup_model(self, *, weights=None) -> None:
-        """Build the model and apply the layout: on the meta device, split, then each rank initialises only
-        what it holds (`parallel/materialize.py`: the values the single-device model has there). `weights(model)`,
-        when given, fills the full model before it is split over the ranks (so every layout starts from the
-        same tensors); that one is built whole."""
-        cfg, t = self.cfg, self.cfg.train
-        self.dtype = param_dtype(t.precision)
-        self.base_model = build_model(cfg.model, seed=t.seed, device=self.device, dtype=self.dtype,
-                                      materialize=weights is not None)
-        if weights is not None:
-            weights(self.base_model)
-        init = ShardInit(cfg.model, t.seed, self.mesh, self.device, self.dtype)
-        self.parallel = parallelize(self.base_model, self.mesh, cfg.parallel, seq_len=t.seq_len, init=init)
+        """Build the model and apply the layout (`setup.build_parallel_model`: each rank initialises only what
+        it holds). `weights(model)`, when given, fills the full model before it is split over the ranks.
+        (Shared with `meshlm.evaluate.Evaluator` too.)"""
+        self.dtype = param_dtype(self.cfg.train.precision)
+        self.base_model, self.parallel = build_parallel_model(self.cfg, self.mesh, device=self.device,
+                                                              dtype=self.dtype, weights=weights)
         self.model = self.parallel.module  # what the step runs; base_model stays the plain Transformer
         self.mesh = self.parallel.mesh  # expert parallelism adds its "ep" and "ep_dp" groups
-        self.moe = cfg.model.is_moe
+        self.moe = self.cfg.model.is_moe
         self.context = self.parallel.context  # cp > 1: each rank runs its chunks of every sequence
 
-    def check_run_dir(self, *, resume: bool, overwrite: bool, world_size: int) -> None:
-        """`checkpoint.check_run_dir` with the checksums of a resumed checkpoint shared out: each rank hashes
-        1/world of its files and every rank raises the first rank's refusal (collective)."""
-        run_dir = self.cfg.train.run_dir
-        if world_size == 1:
-            return check_run_dir(run_dir, resume=resume, overwrite=overwrite)
-        error = None
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self, *, until_step: int | None = None) -> dict:
+        """Train to `train.steps` (or stop early at `until_step`, e.g. to test resuming) and save.
+
+        Returns a summary: steps, final loss, first/final validation loss, mean tokens/s.
+        """
+        t = self.cfg.train
+        stop = t.steps if until_step is None else min(until_step, t.steps)
+        logger = MetricsLogger(self.run_dir, total_steps=t.steps, enabled=self.is_main,
+                               progress=t.progress, start_step=self.step, tensorboard=t.tensorboard,
+                               wandb_config=self.cfg.to_dict() if t.wandb else None)
+        self.announce(logger)
+        has_val = t.val_batches > 0 and len(self.val_data) > 0
+        last = {"loss": float("nan")}
+        final_val = None
+        times = []
+        heartbeat = self.start_heartbeat()
         try:
-            check_run_dir(run_dir, resume=resume, overwrite=overwrite, checksums=(dist.get_rank(), world_size))
-        except CheckpointError as e:
-            error = str(e)
-        errors: list[str | None] = [None] * world_size
-        dist.all_gather_object(errors, error)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise CheckpointError(first)
+            if has_val and self.first_val_loss is None:
+                self.first_val_loss = final_val = self.evaluate()
+                logger.log({"step": self.step, "val_loss": final_val})
+            while self.step < stop:
+                last = self.train_step()
+                if heartbeat is not None:
+                    heartbeat.progress()
+                times.append(last["step_time_s"])
+                if self.step % t.log_interval == 0 or self.step == stop:
+                    logger.log(last)
+                if has_val and (self.step % t.val_interval == 0 or self.step == stop):
+                    final_val = self.evaluate()
+                    logger.log({"step": self.step, "val_loss": final_val})
+                if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != stop:
+                    self.save(asynchronous=t.async_checkpoint)
+            if self.saved_step != self.step:
+                self.save()
+            self.finish_checkpoint()
+        except comm.CollectiveError as e:
+            if heartbeat is None:
+                raise
+            raise comm.CollectiveError(f"{e}; {heartbeat.explain()}") from e
+        finally:
+            logger.close()
+            if heartbeat is not None:
+                heartbeat.close()
+        num_tokens = t.global_batch_size * t.seq_len
+        return {"steps": self.step, "loss": last["loss"], "val_loss": final_val,
+                "first_val_loss": self.first_val_loss,
+                "tokens_per_s": num_tokens * len(times) / sum(times) if times else 0.0}
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        """Wait for every rank (checkpoint publication); nothing to wait for on one process."""
+    def announce(self, logger: MetricsLogger) -> None:
+        """The run's opening lines (rank 0): ranks, parameters, data, device; where a resume or restart took
+        it up, and why it differs from the checkpoint (collective under pp: the parameters are counted)."""
+        t = self.cfg.train
         if self.world_size > 1:
-            dist.barrier()
+            logger.print(f"meshlm: {self.world_size} ranks, {self.mesh}")
+        num_params = count_parameters(self.base_model, self.mesh, pipeline=self.parallel.pipeline is not None,
+                                      device=self.device)
+        # Two lines that fit 80 columns (a terminal would wrap one long line mid-phrase).
+        precision = str(self.autocast_dtype or self.dtype).removeprefix("torch.")
+        logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training samples of "
+                     f"{t.seq_len} tokens\ndevice {self.device}, precision {precision}; MFU: {self.peak_note}")
+        if self.resumed_from is not None:
+            logger.print(f"resumed from {self.resumed_from} at step {self.step}")
+        if self.restart_row is not None:
+            logger.log(self.restart_row)
+            logger.print(f"restart {self.restart_row['restart']}: a rank failed; continuing from step {self.step} "
+                         f"({self.restart_row['lost_steps']} step(s) lost since the last checkpoint)")
+        for note in (self.fallback_note, self.optimizer_note):
+            if note is not None:
+                logger.print(note)
+        if self.resume_note is not None:
+            logger.print(self.resume_note)
 
-    @property
-    def token_axis(self) -> str:
-        """The ranks that hold different tokens of the batch: the data-parallel ones, and under context
-        parallelism their cp ranks."""
-        return "dp_cp" if self.context is not None else "dp"
+    def start_heartbeat(self) -> Heartbeat | None:
+        """With several ranks: this rank's heartbeat (a failed collective's error then names the ranks that
+        stopped answering); on CUDA also the step watchdog that turns NCCL's silent wait into that error."""
+        if self.world_size == 1:
+            return None
+        timeout = self.cfg.parallel.collective_timeout_s
+        stats = self.mesh.stats
 
-    @property
-    def moe_token_axes(self) -> tuple[str, ...]:
-        """The ranks whose MoE layers route different tokens: `token_axis`, and under sequence
-        parallelism the tp ranks (each routes its chunk of the sequence)."""
-        sp = self.parallel.tensor_parallel and self.cfg.parallel.sequence_parallel
-        return (self.token_axis, "tp") if sp else (self.token_axis,)
+        def describe() -> str:
+            return f" (last collective issued: {stats.last[0]} on mesh axis {stats.last[1]!r})" if stats.last else ""
 
-    def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a reported tensor over `token_axis` (the input itself on one rank)."""
-        return comm.all_reduce(value.clone(), self.mesh, self.token_axis)
-
-    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """(inputs, targets, positions) of a micro-batch as this rank runs it, on the device: under
-        context parallelism its two chunks of every sequence and their true positions (RoPE); else the
-        whole sequences and positions None (0..seq-1)."""
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        if self.context is None:
-            return inputs, targets, None
-        positions = self.context.positions(inputs.shape[1], device=self.device)
-        return self.context.shard(inputs), self.context.shard(targets), positions
-
-    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Sum of the token losses of one micro-batch (under tp, from this rank's vocab slice; collective)."""
-        if self.parallel.tensor_parallel:
-            return vocab_parallel_cross_entropy(logits, targets, self.mesh, reduction="sum")
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        # a step is many collectives: the watchdog allows one full timeout past the collectives' own
+        try:
+            return Heartbeat(self.rank, self.world_size, describe=describe,
+                             watchdog_s=2 * timeout if self.device.type == "cuda" else None)
+        except (KeyError, RuntimeError, ValueError):  # no reachable store: train on, errors name fewer ranks
+            return None
 
     # -- one optimizer step ------------------------------------------------------------------
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_tokens: int,
-                   num_micro_batches: int) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns its (detached) share of the global mean loss.
-
-        `num_tokens` is the token count of the whole global batch (all micro-batches, all ranks);
-        `num_micro_batches` likewise, for the MoE auxiliary loss, which is a mean over micro-batches.
-        """
-        inputs, targets, positions = self.local_batch(inputs, targets)
-        meter = SavedTensorMeter(self.base_model) if self.activation_mib is None else contextlib.nullcontext()
-        with meter:
-            with self.autocast():
-                logits = self.model(inputs, positions=positions)
-            loss = self.loss_sum(logits, targets) / num_tokens
-            aux = self.base_model.aux_loss()
-            total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
-        if self.activation_mib is None:
-            self.activation_mib = meter.bytes / 2**20
-        total.backward()
-        return loss.detach()
-
-    @property
-    def sequence_shards(self) -> int:
-        """How many pieces the sequence of the hidden states between blocks is cut into (SP: tp)."""
-        sp = self.parallel.tensor_parallel and self.cfg.parallel.sequence_parallel
-        return self.mesh.size("tp") if sp else 1
-
-    def pipeline_step(self, micro_batches, *, num_tokens: int) -> torch.Tensor:
-        """Forward + backward of every micro-batch of the step through the pipeline schedule (pp > 1);
-        returns this data-parallel rank's share of the global mean loss (the same on every stage).
-
-        All backward passes run inside no_sync (a stage runs many partial backwards per micro-batch);
-        the gradients are then reduced over data parallelism once."""
-        p = self.cfg.parallel
-        schedule = build_schedule(p.pp_schedule, pp=p.pp, num_microbatches=len(micro_batches), pp_chunks=p.pp_chunks)
-        batches = [self.local_batch(x, y) for x, y in micro_batches]
-        positions = batches[0][2]
-        batches = [(x, y) for x, y, _ in batches]
-        with self.parallel.no_sync(), self.autocast():
-            # The MoE load-balancing loss, a mean over the global batch's micro-batches (as `micro_step`).
-            aux_scale = self.cfg.model.router_aux_loss_coef / (len(batches) * self.dp_size) if self.moe else 0.0
-            result = run_pipeline_step(self.parallel.pipeline, schedule, batches, mesh=self.mesh,
-                                       num_tokens=num_tokens, activation_dtype=self.dtype, loss_fn=self.loss_sum,
-                                       sequence_shards=self.sequence_shards, positions=positions,
-                                       aux_scale=aux_scale)
-        self.parallel.reduce_grads()
-        self.pipeline_result = result  # this rank's actions of the last step (timeline), its peak activations
-        if self.step < TIMELINE_STEPS:  # the first steps' timelines, for `meshlm plan schedule --from-run`
-            write_timeline(self.run_dir, rank=self.rank, step=self.step + 1, schedule=schedule,
-                           pp_rank=self.mesh.local_rank("pp"), result=result)
-        return result.loss.to(self.dtype)
-
     def train_step(self) -> dict:
         """One optimizer step over the next global batch; returns its metrics row."""
         t = self.cfg.train
@@ -385,31 +297,64 @@ class Trainer:
         # Each rank holds the sum over its slice of (token losses / global tokens): the sum over
         # ranks is the global mean.
         loss_value = float(self.sum_over_dp(loss))
-        step_time = time.perf_counter() - start
-        tokens_per_s = num_tokens / step_time
-        mfu = (tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
-               if self.peak_tflops else None)  # None: no known peak (CPU without train.peak_tflops)
-        row = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-               "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(self.device),
-               "activation_mib": self.activation_mib,
-               "step_time_s": step_time,
-               "comm_mb": {axis: v["mb"] for axis, v in comm_stats.items()},
-               "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
+        row = step_row(step=self.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm), num_tokens=num_tokens,
+                       step_time=time.perf_counter() - start, flops_per_token=self.flops_per_token,
+                       peak_tflops=self.peak_tflops, world_size=self.world_size, device=self.device,
+                       activation_mib=self.activation_mib, comm_stats=comm_stats)
         if self.moe:
-            # Tokens per expert of the last micro-batch, summed over the data ranks: the worst layer's.
-            stats = expert_load_stats(self.base_model, self.mesh, axis=self.moe_token_axes)
-            if stats:
-                worst = max(stats.values(), key=lambda v: v["imbalance"])
-                row["expert_load"] = {"min": worst["min"], "max": worst["max"],
-                                      "imbalance": worst["imbalance"],
-                                      "dropped": sum(v["dropped"] for v in stats.values())}
+            load = expert_load(self.base_model, self.mesh, axis=self.moe_token_axes)
+            if load is not None:
+                row["expert_load"] = load
         if self.parallel.pipeline is not None:
-            # This rank's idle share of its pipeline step: waits for activations and gradients (the bubble)
-            # and for its own sends, over the step's wall time (rank 0 logs: the first stage's).
-            result = self.pipeline_result
-            row["pp_bubble"] = 1.0 - result.busy / result.seconds if result.seconds else 0.0
+            row["pp_bubble"] = pipeline_idle_share(self.pipeline_result)
         return row
 
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_tokens: int,
+                   num_micro_batches: int) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns its (detached) share of the global mean loss.
+
+        `num_tokens` is the token count of the whole global batch (all micro-batches, all ranks);
+        `num_micro_batches` likewise, for the MoE auxiliary loss, which is a mean over micro-batches.
+        """
+        inputs, targets, positions = self.local_batch(inputs, targets)
+        meter = SavedTensorMeter(self.base_model) if self.activation_mib is None else contextlib.nullcontext()
+        with meter:
+            with self.autocast():
+                logits = self.model(inputs, positions=positions)
+            loss = self.loss_sum(logits, targets) / num_tokens
+            aux = self.base_model.aux_loss()
+            total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
+        if self.activation_mib is None:
+            self.activation_mib = meter.bytes / 2**20
+        total.backward()
+        return loss.detach()
+
+    def pipeline_step(self, micro_batches, *, num_tokens: int) -> torch.Tensor:
+        """Forward + backward of every micro-batch of the step through the pipeline schedule (pp > 1);
+        returns this data-parallel rank's share of the global mean loss (the same on every stage).
+
+        All backward passes run inside no_sync (a stage runs many partial backwards per micro-batch);
+        the gradients are then reduced over data parallelism once."""
+        p = self.cfg.parallel
+        schedule = build_schedule(p.pp_schedule, pp=p.pp, num_microbatches=len(micro_batches), pp_chunks=p.pp_chunks)
+        batches = [self.local_batch(x, y) for x, y in micro_batches]
+        positions = batches[0][2]
+        batches = [(x, y) for x, y, _ in batches]
+        with self.parallel.no_sync(), self.autocast():
+            # The MoE load-balancing loss, a mean over the global batch's micro-batches (as `micro_step`).
+            aux_scale = self.cfg.model.router_aux_loss_coef / (len(batches) * self.dp_size) if self.moe else 0.0
+            result = run_pipeline_step(self.parallel.pipeline, schedule, batches, mesh=self.mesh,
+                                       num_tokens=num_tokens, activation_dtype=self.dtype, loss_fn=self.loss_sum,
+                                       sequence_shards=self.sequence_shards, positions=positions,
+                                       aux_scale=aux_scale)
+        self.parallel.reduce_grads()
+        self.pipeline_result = result  # this rank's actions of the last step (timeline), its peak activations
+        if self.step < TIMELINE_STEPS:  # the first steps' timelines, for `meshlm plan schedule --from-run`
+            write_timeline(self.run_dir, rank=self.rank, step=self.step + 1, schedule=schedule,
+                           pp_rank=self.mesh.local_rank("pp"), result=result)
+        return result.loss.to(self.dtype)
+
+    # -- validation --------------------------------------------------------------------------
     def evaluate(self) -> float:
         """Mean token loss over a fixed validation set (the same every time, and under every layout).
 
@@ -454,125 +399,21 @@ class Trainer:
         loss_sum, count = self.sum_over_dp(totals).tolist()
         return loss_sum, int(count)
 
-    # -- the loop ----------------------------------------------------------------------------
-    def train(self, *, until_step: int | None = None) -> dict:
-        """Train to `train.steps` (or stop early at `until_step`, e.g. to test resuming) and save.
-
-        Returns a summary: steps, final loss, first/final validation loss, mean tokens/s.
-        """
-        t = self.cfg.train
-        stop = t.steps if until_step is None else min(until_step, t.steps)
-        logger = MetricsLogger(self.run_dir, total_steps=t.steps, enabled=self.is_main,
-                               progress=t.progress, start_step=self.step, tensorboard=t.tensorboard,
-                               wandb_config=self.cfg.to_dict() if t.wandb else None)
-        if self.world_size > 1:
-            logger.print(f"meshlm: {self.world_size} ranks, {self.mesh}")
-        # Under tp a sharded parameter holds 1/tp of its elements on this rank: count the whole model.
-        # A tied head's copy of the embedding on the last pipeline stage is the same weight: counted once.
-        params = counted(self.base_model.parameters())
-        shards = [getattr(p, "_meshlm_shard", None) for p in params]
-        num_params = sum(p.numel() * (self.mesh.size(shard[0]) if shard is not None else 1)
-                         for p, shard in zip(params, shards))
-        if self.parallel.pipeline is not None:  # each stage holds its own blocks: add them up
-            num_params = int(comm.all_reduce(torch.tensor([num_params], dtype=torch.int64, device=self.device),
-                                             self.mesh, "pp").item())
-        # Two lines that fit 80 columns (a terminal would wrap one long line mid-phrase).
-        precision = str(self.autocast_dtype or self.dtype).removeprefix("torch.")
-        logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training samples of "
-                     f"{t.seq_len} tokens\ndevice {self.device}, precision {precision}; MFU: {self.peak_note}")
-        if self.resumed_from is not None:
-            logger.print(f"resumed from {self.resumed_from} at step {self.step}")
-        if self.restart_row is not None:
-            logger.log(self.restart_row)
-            logger.print(f"restart {self.restart_row['restart']}: a rank failed; continuing from step {self.step} "
-                         f"({self.restart_row['lost_steps']} step(s) lost since the last checkpoint)")
-        for note in (self.fallback_note, self.optimizer_note):
-            if note is not None:
-                logger.print(note)
-        if self.resume_note is not None:
-            logger.print(self.resume_note)
-        has_val = t.val_batches > 0 and len(self.val_data) > 0
-        last = {"loss": float("nan")}
-        final_val = None
-        times = []
-        heartbeat = self.start_heartbeat()
-        try:
-            if has_val and self.first_val_loss is None:
-                self.first_val_loss = final_val = self.evaluate()
-                logger.log({"step": self.step, "val_loss": final_val})
-            while self.step < stop:
-                last = self.train_step()
-                if heartbeat is not None:
-                    heartbeat.progress()
-                times.append(last["step_time_s"])
-                if self.step % t.log_interval == 0 or self.step == stop:
-                    logger.log(last)
-                if has_val and (self.step % t.val_interval == 0 or self.step == stop):
-                    final_val = self.evaluate()
-                    logger.log({"step": self.step, "val_loss": final_val})
-                if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != stop:
-                    self.save(asynchronous=t.async_checkpoint)
-            if self.saved_step != self.step:
-                self.save()
-            self.finish_checkpoint()
-        except comm.CollectiveError as e:
-            if heartbeat is None:
-                raise
-            raise comm.CollectiveError(f"{e}; {heartbeat.explain()}") from e
-        finally:
-            logger.close()
-            if heartbeat is not None:
-                heartbeat.close()
-        num_tokens = t.global_batch_size * t.seq_len
-        return {"steps": self.step, "loss": last["loss"], "val_loss": final_val,
-                "first_val_loss": self.first_val_loss,
-                "tokens_per_s": num_tokens * len(times) / sum(times) if times else 0.0}
-
-    def start_heartbeat(self) -> Heartbeat | None:
-        """With several ranks: this rank's heartbeat (a failed collective's error then names the ranks that
-        stopped answering); on CUDA also the step watchdog that turns NCCL's silent wait into that error."""
-        if self.world_size == 1:
-            return None
-        timeout = self.cfg.parallel.collective_timeout_s
-        stats = self.mesh.stats
-
-        def describe() -> str:
-            return f" (last collective issued: {stats.last[0]} on mesh axis {stats.last[1]!r})" if stats.last else ""
-
-        # a step is many collectives: the watchdog allows one full timeout past the collectives' own
-        try:
-            return Heartbeat(self.rank, self.world_size, describe=describe,
-                             watchdog_s=2 * timeout if self.device.type == "cuda" else None)
-        except (KeyError, RuntimeError, ValueError):  # no reachable store: train on, errors name fewer ranks
-            return None
-
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, *, asynchronous: bool = False) -> Path:
         """Checkpoint the current step. `asynchronous`: the state is staged and written in the background
         (train.async_checkpoint); it is published by the next save or `finish_checkpoint`. A save first
         publishes the one still pending, so at most one is in flight."""
         self.finish_checkpoint()
-        extra = {"rng": rng_state(), "loader": self.loader.state_dict(), "first_val_loss": self.first_val_loss,
-                 "router_bias": router_biases(self.base_model)}
-        files = {"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None
-        if asynchronous and self.checkpoint_group is None and self.world_size > 1:
-            # DCP's background writer coordinates the ranks on a group of its own, never the training's.
-            self.checkpoint_group = dist.new_group(backend="gloo")
-        pending = begin_save(self.run_dir, step=self.step, model=self.base_model, optimizer=self.optimizer,
-                             config=self.cfg, rank_extra=extra, rank=self.rank, world_size=self.world_size,
-                             keep=self.cfg.train.keep_checkpoints, barrier=self.barrier, files=files, mesh=self.mesh,
-                             asynchronous=asynchronous, async_group=self.checkpoint_group)
+        extra = rank_extra(self.loader, self.base_model, first_val_loss=self.first_val_loss)
+        path = self.checkpoints.save(step=self.step, model=self.base_model, optimizer=self.optimizer,
+                                     rank_extra=extra, asynchronous=asynchronous)
         self.saved_step = self.step
-        if asynchronous:
-            self.pending_save = pending
-            return pending.final
-        return finish_save(pending)
+        return path
 
     def finish_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background (if any) and publish it (collective)."""
-        if self.pending_save is not None:
-            pending, self.pending_save = self.pending_save, None
-            finish_save(pending)
+        self.checkpoints.finish()
 
     def load(self, path: str | Path, *, checksums: bool = True) -> None:
         """Restore model, optimizer, step, this rank's RNG and the data position from a checkpoint.
@@ -590,28 +431,12 @@ class Trainer:
         state = load_checkpoint(path, model=self.base_model, optimizer=self.optimizer, config=self.cfg,
                                 rank=self.rank if same_layout else 0, mesh=self.mesh, checksums=False)
         self.step = self.saved_step = state["step"]
-        extra = state["rank_extra"]
-        self.loader.load_state_dict(extra["loader"])
-        set_rng_state(extra["rng"])
-        self.first_val_loss = extra.get("first_val_loss")
-        set_router_biases(self.base_model, extra.get("router_bias", {}))
-        # The optimizer's state dict carries its hyperparameters; the config is what the user asks for now
-        # (the learning rate is set every step anyway).
-        t, changed = self.cfg.train, set()
-        for group in self.optimizer.param_groups:
-            for key, now in (("betas", (t.beta1, t.beta2)), ("eps", t.eps)):
-                current = tuple(group[key]) if key == "betas" else group[key]
-                if current != now:
-                    changed.add(f"{key} {current} -> {now}")
-                    group[key] = now
-        if changed:
-            self.optimizer_note = ("optimizer settings differ from the checkpoint's; using the config's: "
-                                   + ", ".join(sorted(changed)))
+        self.first_val_loss = restore_rank_extra(state["rank_extra"], self.loader, self.base_model)
+        note = use_config_optimizer_settings(self.optimizer, self.cfg.train)
+        if note is not None:
+            self.optimizer_note = note
         if not same_layout:
-            ranks = "1 process" if saved.world_size == 1 else f"{saved.world_size} ranks"
-            self.resume_note = (f"the checkpoint was saved by {ranks} ({_degrees(saved)}), this "
-                                f"run has {self.world_size} ({_degrees(self.mesh.dims)}): continuing from the "
-                                "global data position (not bit-identical)")
+            self.resume_note = layout_change_note(saved, self.mesh.dims, self.world_size)
 
     # -- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -624,26 +449,64 @@ class Trainer:
         """
         from meshlm.models.generation import generate
 
-        ids = self.tokenizer.encode(prompt) or self.tokenizer.encode("\n")
-        room = self.cfg.model.max_seq_len - len(ids)
-        if room <= 0:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in model.max_seq_len="
-                             f"{self.cfg.model.max_seq_len}")
-        model = self.base_model
-        zero = self.parallel.zero
-        if self.parallel.pipeline is not None:
-            # Generation runs the whole model: every rank gathers the stages into a full copy.
-            model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
-            with zero.full_params() if zero is not None else contextlib.nullcontext():  # ZeRO-3: gathered
-                mine = full_state_dict(self.base_model, self.mesh) if self.parallel.tensor_parallel else None
-                model.load_state_dict(pipeline_full_state_dict(self.parallel.pipeline, model, self.mesh, mine=mine))
-        elif self.parallel.tensor_parallel:
-            # The KV cache and the one-token decode steps do not fit the TP-sharded model (its heads
-            # are split, and SP splits the sequence): every rank samples from a full copy instead.
-            model = build_model(self.cfg.model, seed=self.cfg.train.seed, device=self.device, dtype=self.dtype)
-            with zero.full_params() if zero is not None else contextlib.nullcontext():  # ZeRO-3: gathered
-                model.load_state_dict(full_state_dict(self.base_model, self.mesh))
+        ids, room = prompt_ids(self.tokenizer, prompt, max_seq_len=self.cfg.model.max_seq_len)
+        model = whole_model(self.cfg, self.base_model, self.parallel, self.mesh, device=self.device, dtype=self.dtype)
         with self.autocast():
             out = generate(model, ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,
                            top_p=top_p, seed=self.cfg.train.seed if seed is None else seed)
         return self.tokenizer.decode(out)
+
+    # -- what the parts share: the ranks, the tokens, the precision, the loss ----------------
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (checkpoint publication); nothing to wait for on one process."""
+        if self.world_size > 1:
+            dist.barrier()
+
+    @property
+    def token_axis(self) -> str:
+        """The ranks that hold different tokens of the batch: the data-parallel ones, and under context
+        parallelism their cp ranks."""
+        return "dp_cp" if self.context is not None else "dp"
+
+    @property
+    def moe_token_axes(self) -> tuple[str, ...]:
+        """The ranks whose MoE layers route different tokens: `token_axis`, and under sequence
+        parallelism the tp ranks (each routes its chunk of the sequence)."""
+        sp = self.parallel.tensor_parallel and self.cfg.parallel.sequence_parallel
+        return (self.token_axis, "tp") if sp else (self.token_axis,)
+
+    def sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a reported tensor over `token_axis` (the input itself on one rank)."""
+        return comm.all_reduce(value.clone(), self.mesh, self.token_axis)
+
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """(inputs, targets, positions) of a micro-batch as this rank runs it, on the device: under
+        context parallelism its two chunks of every sequence and their true positions (RoPE); else the
+        whole sequences and positions None (0..seq-1)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        if self.context is None:
+            return inputs, targets, None
+        positions = self.context.positions(inputs.shape[1], device=self.device)
+        return self.context.shard(inputs), self.context.shard(targets), positions
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of the token losses of one micro-batch (under tp, from this rank's vocab slice; collective)."""
+        if self.parallel.tensor_parallel:
+            return vocab_parallel_cross_entropy(logits, targets, self.mesh, reduction="sum")
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many pieces the sequence of the hidden states between blocks is cut into (SP: tp)."""
+        sp = self.parallel.tensor_parallel and self.cfg.parallel.sequence_parallel
+        return self.mesh.size("tp") if sp else 1

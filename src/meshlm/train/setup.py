@@ -1,0 +1,77 @@
+"""What a training rank runs on and with, from the `Config`: device, precision, seeds, tokenizer, parallel model.
+
+Responsible for: resolving `train.device` and `train.precision` to a torch device, an autocast dtype and
+the parameters' dtype; seeding every RNG a run draws from; loading the tokenizer and refusing one larger
+than the model's vocabulary; and building the model the way every layout starts -- on the meta device,
+split over the ranks by `meshlm.parallel.parallelize`, each rank then initialising only what it holds.
+Not responsible for: the mesh (`meshlm.mesh`), how a strategy splits the model (`meshlm.parallel`), or the
+optimizer (`meshlm.train.optim`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from meshlm.config import Config
+from meshlm.mesh import Mesh
+from meshlm.models import build_model
+from meshlm.parallel.materialize import ShardInit
+from meshlm.parallel.parallelize import ParallelModel, parallelize
+from meshlm.tokenizer import Tokenizer, load_tokenizer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is available; use train.device=auto or cpu")
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for no autocast. Parameters and optimizer state stay fp32 (or all
+    fp64 with train.precision=fp64, see `param_dtype`)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return torch.bfloat16 if name == "bf16" else None
+
+
+def param_dtype(name: str) -> torch.dtype:
+    """fp32 master weights, except train.precision=fp64: parameters, gradients, optimizer state and
+    compute all in float64. Slow, and meant for proofs: two layouts agree to ~1e-12 there, so a parity
+    check needs no tolerance tuned to a CPU's fp32 rounding (see `meshlm verify`)."""
+    return torch.float64 if name == "fp64" else torch.float32
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_training_tokenizer(cfg: Config) -> Tokenizer:
+    """`data.tokenizer`, refused when it has more tokens than the model has embeddings."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
+                         f"{cfg.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+    return tokenizer
+
+
+def build_parallel_model(cfg: Config, mesh: Mesh, *, device: torch.device, dtype: torch.dtype,
+                         weights: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, ParallelModel]:
+    """(the plain model, what `parallelize` made of it on this rank). Built on the meta device, split, then
+    each rank initialises only what it holds (`parallel/materialize.py`: the values the single-device model
+    has there). `weights(model)`, when given, fills the full model before it is split over the ranks (so
+    every layout starts from the same tensors); that one is built whole."""
+    t = cfg.train
+    model = build_model(cfg.model, seed=t.seed, device=device, dtype=dtype, materialize=weights is not None)
+    if weights is not None:
+        weights(model)
+    init = ShardInit(cfg.model, t.seed, mesh, device, dtype)
+    return model, parallelize(model, mesh, cfg.parallel, seq_len=t.seq_len, init=init)
