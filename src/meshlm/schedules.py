@@ -201,15 +201,16 @@ def _gpipe(pp: int, m: int) -> list[list[Action]]:
 
 
 def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
-    ranks = []
-    for r in range(pp):
-        warmup = min(pp - r - 1, m)
-        acts = [Action("F", i) for i in range(warmup)]
-        for k in range(m - warmup):
-            acts += [Action("F", warmup + k), Action("B", k)]
-        acts += [Action("B", k) for k in range(m - warmup, m)]
-        ranks.append(acts)
-    return ranks
+    return [_warmup_steady_cooldown(m, min(pp - r - 1, m), Action) for r in range(pp)]
+
+
+def _warmup_steady_cooldown(total: int, warmup: int, action) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward at a time, then the remaining backwards:
+    1F1B's order over `total` (virtual) microbatches, `action(kind, k)` naming the k-th of each kind."""
+    acts = [action("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        acts += [action("F", warmup + k), action("B", k)]
+    return acts + [action("B", k) for k in range(total - warmup, total)]
 
 
 def interleaved_warmup(pp: int, m: int, v: int, rank: int) -> int:
@@ -230,15 +231,7 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
             chunk = v - 1 - chunk
         return Action(kind, group * pp + pos % pp, chunk)
 
-    ranks = []
-    for r in range(pp):
-        warmup = interleaved_warmup(pp, m, v, r)
-        acts = [action("F", k) for k in range(warmup)]
-        for k in range(total - warmup):
-            acts += [action("F", warmup + k), action("B", k)]
-        acts += [action("B", k) for k in range(total - warmup, total)]
-        ranks.append(acts)
-    return ranks
+    return [_warmup_steady_cooldown(total, interleaved_warmup(pp, m, v, r), action) for r in range(pp)]
 
 
 def _zero_bubble_h1(pp: int, m: int) -> list[list[Action]]:
