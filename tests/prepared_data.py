@@ -82,8 +82,9 @@ def write_all_formats(folder: Path, docs: list[str]) -> list[str]:
     for rel, p in in_order:
         if rel.startswith("_"):
             continue
+        text = [p.read_text(encoding="utf-8")] if rel.endswith((".txt", ".md")) else []
         expected += {"a.jsonl": parts[0], "b.jsonl.gz": parts[1], "c.jsonl.zst": parts[2],
-                     "d.parquet": parts[3]}.get(rel, [p.read_text(encoding="utf-8")] if rel.endswith((".txt", ".md")) else [])
+                     "d.parquet": parts[3]}.get(rel, text)
     return expected
 
 

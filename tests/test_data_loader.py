@@ -123,7 +123,8 @@ def test_loader_reads_only_its_ranks_samples(prepared):
     loader.next_batch()
     everything = PreparedLoader(PreparedDataset(prepared[0], seq_len=SEQ), global_batch_size=8, micro_batch_size=8,
                                 seq_len=SEQ, seed=5, prefetch=False).next_global_indices()
-    assert torch.equal(torch.cat(read), everything[4:8]) and torch.equal(torch.cat(loader.last_indices), everything[4:8])
+    assert torch.equal(torch.cat(read), everything[4:8])
+    assert torch.equal(torch.cat(loader.last_indices), everything[4:8])
 
 
 def test_blend_weights_and_order_are_world_size_independent(prepared, tmp_path):
@@ -151,7 +152,7 @@ def test_blend_weights_and_order_are_world_size_independent(prepared, tmp_path):
 
 
 def test_damaged_data_and_the_wrong_tokenizer_are_refused_at_open(prepared, tmp_path):
-    folder, tok = prepared
+    folder, _ = prepared
     copy = shutil.copytree(folder, tmp_path / "copy")
     shard = json.loads((copy / "manifest.json").read_text())["splits"]["train"]["shards"][2]
     data = bytearray((copy / shard["bin"]).read_bytes())

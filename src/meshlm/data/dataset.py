@@ -46,8 +46,8 @@ _GOLDEN = (5**0.5 - 1) / 2
 class PreparedDataset:
     """The samples of one split of a prepared folder (see the module docstring)."""
 
-    def __init__(self, path: str | Path, *, seq_len: int, split: str = "train", tokenizer_path: str | Path | None = None,
-                 checksums: bool = False, max_open_shards: int = 256):
+    def __init__(self, path: str | Path, *, seq_len: int, split: str = "train",
+                 tokenizer_path: str | Path | None = None, checksums: bool = False, max_open_shards: int = 256):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
         self.path, self.seq_len, self.split = Path(path), int(seq_len), split

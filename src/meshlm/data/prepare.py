@@ -114,8 +114,8 @@ def tokenizer_info(path: str | Path) -> dict:
     except Exception as e:  # the library raises a bare Exception for unreadable files
         raise ValueError(f"--tokenizer {p} is not a readable tokenizer.json ({e}); pass the model's "
                          "tokenizer.json") from None
-    return {"path": str(p.resolve()), "sha256": sha256_file(p), "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "eos_token_id": _eos_id(tok)}
+    return {"path": str(p.resolve()), "sha256": sha256_file(p),
+            "vocab_size": tok.get_vocab_size(with_added_tokens=True), "eos_token_id": _eos_id(tok)}
 
 
 def _eos_id(tok) -> int | None:
@@ -282,7 +282,8 @@ def _write_shard(task: _Task) -> dict:
         for text in batch:
             raw = text.encode("utf-8", errors="replace")
             text_bytes += len(raw)
-            by_split["val" if task.val_fraction > 0 and _in_validation(raw, task.val_fraction) else "train"].append(text)
+            to_val = task.val_fraction > 0 and _in_validation(raw, task.val_fraction)
+            by_split["val" if to_val else "train"].append(text)
         for split, docs in by_split.items():
             if docs:
                 writers[split].add(tok.encode_batch(docs, add_special_tokens=False))
