@@ -2,7 +2,7 @@
 
 Responsible for: `add_parser(subparsers)` (the `data` command and its `prepare` subcommand), `run(args)`,
 and, until `meshlm.cli` lists the `data` command, `main(argv)` for `python -m meshlm.data.cli data prepare ...`
-(user mistakes: one line on stderr, exit code 2, as `meshlm.cli.main` does).
+(user mistakes: one line on stderr, exit code 2).
 Not responsible for: any work of its own (prepare.py).
 """
 
@@ -72,21 +72,15 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m meshlm.data.cli data prepare ...`, until `meshlm` itself lists the `data` command."""
     parser = argparse.ArgumentParser(prog="meshlm")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_parser(sub)
+    add_parser(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
     try:
         return run(args)
-    except ValueError as e:  # user mistakes: one line, no traceback
+    except ValueError as e:  # user mistakes: one line, exit code 2, no traceback
         print(f"meshlm {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"meshlm {args.command}: interrupted (rerun the same command to continue)", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":
