@@ -141,6 +141,8 @@ def _differences(old: dict, new: dict) -> str:
 
 def _start_or_resume(out: Path, settings: dict) -> dict[int, dict] | None:
     """The records of the shards finished by an earlier run (None when all is done); creates the folder."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a new or empty folder")
     if (out / manifest.MANIFEST).exists():
         old = manifest.read(out)
         if _comparable({k: old.get(k) for k in settings}) == _comparable(settings):
