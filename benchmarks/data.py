@@ -10,8 +10,8 @@ documents) in a temp folder; a byte-level BPE of --vocab entries (with "<|endoft
 documents. MB/s below counts the documents' UTF-8 text bytes, whatever the file format.
 prepare: `meshlm data prepare` (`meshlm.data.cli.main`, in a fresh `python -c` process each) on the .jsonl.zst with each
 --workers count and on the .parquet with the largest: wall seconds end to end (reading, decompressing,
-tokenizing, writing shards and manifest), text MB/s, tokens/s, and the largest resident set of any one of
-its processes (the reading process or a worker).
+tokenizing, writing shards and manifest), text MB/s, tokens/s, CPU seconds, and the largest resident set of
+any one of its processes (the reading process or a worker).
 hf_datasets: the same tokenizer through `datasets.load_dataset("parquet")` and `Dataset.map(batched=True,
 num_proc=N)` in a fresh `python -c` process each (TOKENIZERS_PARALLELISM=false, as meshlm's workers: N processes, N
 cores): load seconds (the conversion to Arrow), map seconds, MB/s of map alone and of load + map.
@@ -22,7 +22,9 @@ prefetching, a --step-ms sleep standing for the training step) in a fresh proces
 and over a corpus --rss-scale times larger (the same shards listed that many times, as hard links): resident
 memory (anonymous and file-backed) after opening and after the loop, and the wait per batch (the first
 batch is never prefetched: reported apart). The page cache is warm (the shards were just written).
-The machine's load average is reported: on a shared machine every rate here is a lower bound.
+The machine's load average is reported: on a shared machine every rate here is a lower bound. `cpu_s` (user +
+system seconds of the run's processes; meshlm: all of it, imports included; datasets: load + map) and
+`text_mb_per_cpu_s` depend much less on what else the machine runs.
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ code = main(sys.argv[1:])
 seconds = time.perf_counter() - start
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 kib = max(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-print(json.dumps({"exit_code": code, "seconds": seconds, "max_rss_mb": round(kib / 1024, 1)}))
+cpu = sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+print(json.dumps({"exit_code": code, "seconds": seconds, "max_rss_mb": round(kib / 1024, 1), "cpu_s": cpu}))
 """
 
 
@@ -158,6 +161,8 @@ def encode(batch):
     return {"input_ids": [e.ids + [eos] for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
 
 
+cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+cpu0 = cpu0.ru_utime + cpu0.ru_stime  # the imports above are not the work
 start = time.perf_counter()
 ds = datasets.load_dataset("parquet", data_files=parquet, split="train", cache_dir=cache)
 loaded = time.perf_counter()
@@ -167,7 +172,8 @@ mapped = time.perf_counter()
 num_tokens = int(pc.sum(pc.list_value_length(out.data.column("input_ids"))).as_py())
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 kib = max(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-print(json.dumps({"load_s": loaded - start, "map_s": mapped - loaded, "num_tokens": num_tokens,
+cpu = sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+print(json.dumps({"load_s": loaded - start, "map_s": mapped - loaded, "num_tokens": num_tokens, "cpu_s": cpu - cpu0,
                   "kept_tokens": {str(i): out[i]["input_ids"] for i in kept}, "max_rss_mb": round(kib / 1024, 1),
                   "datasets_version": datasets.__version__}))
 """
@@ -285,6 +291,7 @@ def run_prepare(name: str, source: Path, tok: Path, out: Path, workers: int, cor
     return {"input": source.name, "workers": workers, "seconds": round(r["seconds"], 2),
             "text_mb_per_s": round(corpus["text_bytes"] / r["seconds"] / 1e6, 2),
             "tokens_per_s": round(tokens / r["seconds"]), "num_tokens": tokens,
+            "cpu_s": round(r["cpu_s"], 2), "text_mb_per_cpu_s": round(corpus["text_bytes"] / r["cpu_s"] / 1e6, 2),
             "num_shards": len(m["splits"]["train"]["shards"]), "max_rss_mb": r["max_rss_mb"],
             "output_bytes": sum((out / s["bin"]).stat().st_size for s in m["splits"]["train"]["shards"])}
 
@@ -300,6 +307,7 @@ def run_hf(parquet: Path, tok: Path, num_proc: int, cache: Path, corpus: dict) -
     return {"num_proc": num_proc, "load_s": round(r["load_s"], 2), "map_s": round(r["map_s"], 2),
             "map_text_mb_per_s": round(corpus["text_bytes"] / r["map_s"] / 1e6, 2),
             "load_and_map_text_mb_per_s": round(corpus["text_bytes"] / total / 1e6, 2),
+            "cpu_s": round(r["cpu_s"], 2), "text_mb_per_cpu_s": round(corpus["text_bytes"] / r["cpu_s"] / 1e6, 2),
             "num_tokens": r["num_tokens"], "max_rss_mb": r["max_rss_mb"], "datasets": r["datasets_version"],
             "_kept_tokens": {int(i): ids for i, ids in r["kept_tokens"].items()}}
 
