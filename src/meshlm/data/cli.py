@@ -1,0 +1,87 @@
+"""`meshlm data prepare`: the command line of `meshlm.data.prepare`.
+
+Responsible for: `add_parser(subparsers)` (the `data` command and its `prepare` subcommand), `run(args)`,
+and, until `meshlm.cli` lists the `data` command, `main(argv)` for `python -m meshlm.data.cli data prepare ...`
+(user mistakes: one line on stderr, exit code 2).
+Not responsible for: any work of its own (prepare.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = """examples:
+  meshlm data prepare corpus/ --tokenizer tokenizer.json --out data/corpus
+  meshlm data prepare a.jsonl.zst b.parquet --tokenizer tok/ --out data/ab --workers 8 --val-fraction 0.01
+  meshlm data prepare dump.parquet --field content --tokenizer tokenizer.json --out data/dump
+
+A rerun of the same command continues an interrupted one (finished shards are kept).
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `data` (with its subcommand `prepare`) to a `meshlm` subparsers object."""
+    from meshlm.data.prepare import DEFAULT_SHARD_BYTES
+
+    p = subparsers.add_parser("data", help="prepare corpora for training (tokenize once into token shards)",
+                              description="Work on training corpora.")
+    sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    prep = sub.add_parser(
+        "prepare", help="tokenize text, .jsonl(.gz/.zst) or .parquet sources into memory-mappable token shards",
+        description="Tokenize SOURCEs once into token shards (flat uint16/uint32 arrays, a document index per "
+                    "shard, manifest.json with sha256s) that training memory-maps. A folder is read recursively "
+                    "in sorted order; a text file is one document; each .jsonl line and each parquet row one "
+                    "document (its --field).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    prep.add_argument("sources", nargs="+", metavar="SOURCE",
+                      help="text files, folders, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files")
+    prep.add_argument("--tokenizer", required=True, metavar="FILE",
+                      help="the model's tokenizer.json (or a folder holding one)")
+    prep.add_argument("--out", required=True, metavar="DIR", help="output folder (new, empty, or an unfinished run's)")
+    prep.add_argument("--workers", type=int, default=1, metavar="N",
+                      help="tokenizing processes, one core each (default %(default)s)")
+    prep.add_argument("--field", default="text", metavar="NAME",
+                      help="JSON key / parquet column holding the text (default %(default)s)")
+    prep.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                      help="share of documents (chosen by a hash of their text) written to a 'val' split "
+                           "(default %(default)s: none)")
+    prep.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20, metavar="MB",
+                      help="input MiB per shard, the unit of parallel work and of resuming (default %(default)s)")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args) -> int:
+    if getattr(args, "data_command", None) != "prepare":
+        print("usage: meshlm data prepare SOURCE... --tokenizer FILE --out DIR (meshlm data prepare --help)",
+              file=sys.stderr)
+        return 2
+    from meshlm.data.prepare import prepare
+
+    summary = prepare(args.sources, tokenizer_path=args.tokenizer, out=args.out, workers=args.workers,
+                      field=args.field, val_fraction=args.val_fraction,
+                      shard_bytes=max(1, int(args.shard_mb * 2**20)), progress=not args.no_progress)
+    splits = ", ".join(f"{split} {summary['num_tokens'][split]:,} tokens in {summary['num_documents'][split]:,} "
+                       "documents" for split in summary["num_tokens"])
+    done = (f"{summary['shards_written']} shards written, {summary['shards_skipped']} already there"
+            if summary["shards_written"] else f"all {summary['num_shards']} shards were already there")
+    print(f"{summary['out']}: {splits}; {done}; {summary['text_mb_per_s']} MB/s of text, "
+          f"{summary['tokens_per_s']:,} tokens/s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m meshlm.data.cli data prepare ...`, until `meshlm` itself lists the `data` command."""
+    parser = argparse.ArgumentParser(prog="meshlm")
+    add_parser(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:  # user mistakes: one line, exit code 2, no traceback
+        print(f"meshlm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

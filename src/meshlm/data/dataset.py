@@ -1,0 +1,239 @@
+"""Prepared token shards as training samples: one prepared folder, or a weighted blend of several.
+
+Responsible for: `PreparedDataset`, which opens a folder written by `prepare` (checks the manifest against
+the files: every shard's size at every open, sha256 only with `checksums=True` -- reading every byte of a
+large corpus at each start would take as long as a pass over it; checks the tokenizer's sha256 against a
+given tokenizer.json), memory-maps its shards on first use (numpy memmap: pages are read when a sample
+touches them, so resident memory does not grow with the corpus), and cuts them into samples of `seq_len + 1`
+tokens with stride `seq_len` that never cross a shard boundary (the last `< seq_len + 1` tokens of a shard
+are not used); where documents start inside samples (for document masking); `BlendedDataset`, which mixes
+prepared datasets by weight; `open_dataset`, the one entry point for a path or a list of {path, weight}.
+Both datasets also say in which order an epoch visits them (`order`): `PreparedLoader` asks for it.
+Not responsible for: which rank reads which sample, micro-batches, prefetching (loader.py).
+
+Sample i of a `PreparedDataset` lies in the shard s with cum[s] <= i < cum[s+1], where cum counts the samples
+of the shards before, at token offset (i - cum[s]) * seq_len; inputs are its first seq_len tokens, targets
+the last seq_len, as in `meshlm.train.data.PackedDataset`. An epoch visits the samples in the order of a
+`SeededPermutation` keyed by (seed, epoch): nothing of size proportional to the corpus is built.
+
+Blends: position g (counted over all epochs, g = epoch * len + position) goes to source pattern[g mod P], the
+P = 65536-long pattern being the sources' weights laid out along a golden-ratio (Weyl) sequence: any run of
+consecutive positions -- so every global batch -- holds each source in proportion to its weight up to a
+few samples. It is the k-th position of that source, k = (g div P) * count + rank within the period, and
+reads that source's sample at position k mod N of its pass k div N (a permutation keyed by the blend's seed,
+the source's number and the pass). Same seed, same sources and weights: the same samples in the same order,
+whatever the number of ranks. A blend's ids are offset per source (source s's samples come after those of
+sources 0..s-1); its length, the sum of its sources', only sets how often the loader's epoch counter turns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshlm.data import manifest
+from meshlm.data.permutation import SeededPermutation, derive_key
+from meshlm.files import sha256_file
+
+BLEND_PERIOD = 1 << 16
+_GOLDEN = (5**0.5 - 1) / 2
+
+
+class PreparedDataset:
+    """The samples of one split of a prepared folder (see the module docstring)."""
+
+    def __init__(self, path: str | Path, *, seq_len: int, split: str = "train",
+                 tokenizer_path: str | Path | None = None, checksums: bool = False, max_open_shards: int = 256):
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1")
+        self.path, self.seq_len, self.split = Path(path), int(seq_len), split
+        self.manifest = manifest.read(self.path)
+        splits = self.manifest["splits"]
+        if split not in splits:
+            raise ValueError(f"{self.path} has no split {split!r} (it has {', '.join(splits)}); prepare it with "
+                             "--val-fraction F for a 'val' split")
+        if tokenizer_path is not None:
+            check_tokenizer(self.path, self.manifest, tokenizer_path)
+        self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        self.vocab_size = self.manifest["tokenizer"]["vocab_size"]
+        self._shards = splits[split]["shards"]
+        for shard in self._shards:
+            manifest.check_shard(self.path, shard, itemsize=self.dtype.itemsize, checksums=checksums)
+        tokens = np.array([s["num_tokens"] for s in self._shards], dtype=np.int64)
+        self.num_tokens = int(tokens.sum())
+        self._cum = np.concatenate([[0], np.cumsum(np.maximum(tokens - 1, 0) // self.seq_len)]).astype(np.int64)
+        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._max_open = max_open_shards
+        self._lock = threading.Lock()  # the loader's prefetch thread and the caller may read at once
+
+    def __len__(self) -> int:
+        return int(self._cum[-1])
+
+    def order(self, seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The sample indices an epoch visits at `positions` (a seeded permutation of all samples)."""
+        return SeededPermutation(len(self), derive_key(seed, epoch))(positions)
+
+    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, document starts) of shard s, memory-mapped; the least recently used are closed past a limit."""
+        with self._lock:
+            if s in self._open:
+                self._open.move_to_end(s)
+                return self._open[s]
+            shard = self._shards[s]
+            tokens = np.memmap(self.path / shard["bin"], dtype=self.dtype, mode="r", shape=(shard["num_tokens"],))
+            starts = np.load(self.path / shard["idx"], mmap_mode="r")
+            self._open[s] = (tokens, starts)
+            if len(self._open) > self._max_open:
+                self._open.popitem(last=False)
+            return tokens, starts
+
+    def _locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, token offset) of each sample index."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"sample indices {idx.min()}..{idx.max()} outside [0, {len(self)}) of {self.path}")
+        shard = np.searchsorted(self._cum, idx, side="right") - 1
+        return shard, (idx - self._cum[shard]) * self.seq_len
+
+    def samples(self, indices) -> torch.Tensor:
+        """[len(indices), seq_len + 1] int64."""
+        shards, offsets = self._locate(indices)
+        out = np.empty((len(shards), self.seq_len + 1), dtype=np.int64)
+        for row, (s, o) in enumerate(zip(shards.tolist(), offsets.tolist())):
+            out[row] = self._shard(s)[0][o: o + self.seq_len + 1]
+        return torch.from_numpy(out)
+
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.samples(indices)
+        return s[:, :-1], s[:, 1:]
+
+    def document_starts(self, indices) -> list[np.ndarray]:
+        """Per sample, the positions in [0, seq_len] (within its seq_len + 1 tokens) where a document begins."""
+        shards, offsets = self._locate(indices)
+        out = []
+        for s, o in zip(shards.tolist(), offsets.tolist()):
+            starts = self._shard(s)[1]
+            lo, hi = np.searchsorted(starts, [o, o + self.seq_len + 1], side="left")
+            out.append(np.asarray(starts[lo:hi], dtype=np.int64) - o)
+        return out
+
+
+def check_tokenizer(folder: Path, m: dict, tokenizer_path: str | Path) -> None:
+    """A ValueError naming both when `tokenizer_path` is not the tokenizer the folder was prepared with."""
+    p = Path(tokenizer_path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ValueError(f"tokenizer {p} does not exist; pass the tokenizer.json the data was prepared with "
+                         f"({m['tokenizer']['path']})")
+    have, want = sha256_file(p), m["tokenizer"]["sha256"]
+    if have != want:
+        raise ValueError(f"tokenizer {p} (sha256 {have[:16]}) is not the one {folder} was prepared with "
+                         f"({m['tokenizer']['path']}, sha256 {want[:16]}); pass that tokenizer, or prepare the "
+                         "data again with this one")
+
+
+class BlendedDataset:
+    """Prepared datasets mixed by weight (see the module docstring)."""
+
+    def __init__(self, parts: list[tuple[PreparedDataset, float]]):
+        if not parts:
+            raise ValueError("a blend needs at least one source: [{path = ..., weight = ...}, ...]")
+        first = parts[0][0]
+        for ds, weight in parts:
+            if not (np.isfinite(weight) and weight > 0):
+                raise ValueError(f"blend weight {weight} of {ds.path} must be a positive number")
+            if ds.seq_len != first.seq_len:
+                raise ValueError(f"blend sources {first.path} and {ds.path} are cut for seq_len {first.seq_len} "
+                                 f"and {ds.seq_len}; open them with the same seq_len")
+            if ds.manifest["tokenizer"]["sha256"] != first.manifest["tokenizer"]["sha256"]:
+                raise ValueError(f"blend sources {first.path} ({first.manifest['tokenizer']['path']}) and {ds.path} "
+                                 f"({ds.manifest['tokenizer']['path']}) were prepared with different tokenizers; "
+                                 "prepare them with the same tokenizer.json")
+            if len(ds) == 0:
+                raise ValueError(f"blend source {ds.path} has no sample of {ds.seq_len + 1} tokens; "
+                                 "leave it out or prepare more text")
+        self.sources = [ds for ds, _ in parts]
+        self.seq_len, self.vocab_size = first.seq_len, first.vocab_size
+        weights = np.array([w for _, w in parts], dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self._sizes = np.array([len(ds) for ds in self.sources], dtype=np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum(self._sizes)]).astype(np.int64)
+        self._pattern, self._rank, self._counts = _blend_pattern(self.weights, [str(ds.path) for ds in self.sources])
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def order(self, seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """Blend ids at `positions` of this epoch (see the module docstring)."""
+        g = epoch * len(self) + np.asarray(positions, dtype=np.int64)
+        phase = g % BLEND_PERIOD
+        source = self._pattern[phase]
+        k = (g // BLEND_PERIOD) * self._counts[source] + self._rank[phase]
+        passes, within = k // self._sizes[source], k % self._sizes[source]
+        ids = np.empty_like(g)
+        for s, p in set(zip(source.tolist(), passes.tolist())):
+            mask = (source == s) & (passes == p)
+            ids[mask] = self._offsets[s] + self.sources[s].order(derive_key(seed, s), p, within[mask])
+        return ids
+
+    def _split(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"blend ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
+        source = np.searchsorted(self._offsets, ids, side="right") - 1
+        return source, ids - self._offsets[source]
+
+    def samples(self, ids) -> torch.Tensor:
+        """[len(ids), seq_len + 1] int64."""
+        source, local = self._split(ids)
+        out = torch.empty((len(source), self.seq_len + 1), dtype=torch.int64)
+        for s in np.unique(source).tolist():
+            rows = np.flatnonzero(source == s)
+            out[torch.from_numpy(rows)] = self.sources[s].samples(local[rows])
+        return out
+
+    def batch(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.samples(ids)
+        return s[:, :-1], s[:, 1:]
+
+    def document_starts(self, ids) -> list[np.ndarray]:
+        source, local = self._split(ids)
+        return [self.sources[s].document_starts([i])[0] for s, i in zip(source.tolist(), local.tolist())]
+
+    def realised_weights(self) -> np.ndarray:
+        """The share of each source over one period of the pattern (the weights, up to 1/65536)."""
+        return self._counts / BLEND_PERIOD
+
+
+def _blend_pattern(weights: np.ndarray, names: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source of each phase, its rank among that source's phases, phases per source) over one period."""
+    u = ((np.arange(BLEND_PERIOD) + 0.5) * _GOLDEN) % 1.0
+    pattern = np.minimum(np.searchsorted(np.cumsum(weights), u, side="right"), len(weights) - 1)
+    counts = np.bincount(pattern, minlength=len(weights)).astype(np.int64)
+    if (counts == 0).any():
+        name = names[int(np.flatnonzero(counts == 0)[0])]
+        raise ValueError(f"blend weight of {name} is below 1/{BLEND_PERIOD} of the total; raise it or leave it out")
+    order = np.argsort(pattern, kind="stable")
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.empty(BLEND_PERIOD, dtype=np.int64)
+    rank[order] = np.arange(BLEND_PERIOD) - first[pattern[order]]
+    return pattern, rank, counts
+
+
+def open_dataset(spec, *, seq_len: int, split: str = "train", tokenizer_path: str | Path | None = None,
+                 checksums: bool = False) -> PreparedDataset | BlendedDataset:
+    """A prepared folder (a path), or a blend (a list of {"path": ..., "weight": ...})."""
+    if isinstance(spec, (str, Path)):
+        return PreparedDataset(spec, seq_len=seq_len, split=split, tokenizer_path=tokenizer_path, checksums=checksums)
+    parts = []
+    for entry in spec:
+        if not isinstance(entry, dict) or set(entry) != {"path", "weight"}:
+            raise ValueError(f"blend entry {entry!r} must be {{path = \"DIR\", weight = W}}")
+        parts.append((PreparedDataset(entry["path"], seq_len=seq_len, split=split, tokenizer_path=tokenizer_path,
+                                      checksums=checksums), float(entry["weight"])))
+    return BlendedDataset(parts)

@@ -1,0 +1,237 @@
+"""The text sources `meshlm data prepare` reads: which files, checked before any work starts, cut into units.
+
+Responsible for: turning the SOURCE arguments into an ordered list of files (a folder is walked recursively
+in sorted order of relative paths; names starting with "." or "_" are skipped, as Spark's and Hadoop's
+`_SUCCESS`/`.crc` files are); checking what can be checked without reading the data (the file exists and
+is not empty, the format is known, a parquet file has the text column, the optional packages are there);
+cutting every file into `Unit`s in file order -- a text file is one unit (one document), a `.jsonl`,
+`.jsonl.gz` or `.jsonl.zst` gives units of whole lines of about `block_bytes` (decompressed here, in the
+reading process), a `.parquet` one unit per row group; and `documents(unit, field)`, the texts of one unit,
+which the tokenizing worker processes call.
+Not responsible for: how units become shards, tokenizing or writing (prepare.py).
+
+Documents: a text file (any other suffix) is one document, decoded as UTF-8 with invalid bytes replaced;
+each non-blank `.jsonl` line is one document, the string under `field`; each non-null value of a parquet
+file's `field` column is one document (read one row group and 1024 rows at a time, never the whole file).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+PARQUET_BATCH_ROWS = 1024
+_COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd", ".bz2", ".xz")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of one file, the smallest thing a shard is made of.
+
+    `input_bytes`: its size as read (decompressed lines, a parquet column chunk uncompressed, a text file);
+    `disk_bytes`: its share of the file on disk (for progress); `first_line`/`data`: a `.jsonl` unit's
+    first line number and its whole lines; `row_groups`: a parquet unit's row group.
+    """
+
+    kind: str  # "text" | "jsonl" | "parquet"
+    path: str
+    input_bytes: int
+    disk_bytes: int
+    first_line: int = 0
+    data: bytes = b""
+    row_groups: tuple[int, ...] = ()
+
+
+def kind_of(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(_COMPRESSED_SUFFIXES):
+        raise ValueError(f"{path}: compressed inputs must be {', '.join(JSONL_SUFFIXES[1:])}; "
+                         "decompress it, or recompress it as JSON lines with a 'text' field")
+    return "text"
+
+
+def list_files(sources: list[str | Path], *, out: Path | None = None) -> list[Path]:
+    """Every input file, in the order of `sources` (folders: recursively, sorted by relative path)."""
+    if not sources:
+        raise ValueError("no SOURCE given; pass text files, folders, .jsonl(.gz/.zst) or .parquet files")
+    out = out.resolve() if out is not None else None
+    files: list[Path] = []
+    for source in sources:
+        path = Path(source)
+        if not path.exists():
+            raise ValueError(f"source {str(source)!r} does not exist; pass a text file, a folder, "
+                             "a .jsonl(.gz/.zst) or a .parquet file")
+        if path.is_dir():
+            if out is not None and (out == path.resolve() or path.resolve() in out.parents):
+                raise ValueError(f"--out {out} lies inside source folder {path}; a rerun would read its own "
+                                 "shards: pass an --out outside the sources")
+            found = sorted((p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))),
+                           key=lambda p: p.relative_to(path).as_posix())
+            if not found:
+                raise ValueError(f"source folder {path} holds no files; pass a folder with text, .jsonl(.gz/.zst) "
+                                 "or .parquet files")
+            files += found
+        else:
+            files.append(path)
+    for f in files:
+        if f.stat().st_size == 0:
+            raise ValueError(f"source file {f} is empty; remove it or leave it out of the sources")
+    return files
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith((".", "_")) for part in relative.parts)
+
+
+def check_files(files: list[Path], field: str) -> None:
+    """What can be checked without reading the data, for every file (so a bad input fails before any work)."""
+    kinds = {kind_of(f) for f in files}
+    needs = {"parquet": "pyarrow"} if "parquet" in kinds else {}
+    if any(f.name.lower().endswith(".zst") for f in files):
+        needs["zst"] = "zstandard"
+    for what, module in needs.items():
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"reading .{what} files needs the `{module}` package; pip install 'meshlm[data]'")
+    for f in files:
+        if kind_of(f) == "parquet":
+            _check_parquet(f, field)
+
+
+def _check_parquet(path: Path, field: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise ValueError(f"{path} is not a readable parquet file ({e}); replace or remove it") from None
+    schema = pf.schema_arrow
+    if schema.get_field_index(field) < 0:
+        raise ValueError(f"{path} has no column {field!r} (columns: {', '.join(schema.names)}); "
+                         "pass --field NAME for the column that holds the text")
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: column {field!r} holds {kind}, not strings; "
+                         "pass --field NAME for the column that holds the text")
+    if pf.metadata.num_rows == 0:
+        raise ValueError(f"source file {path} has no rows; remove it or leave it out of the sources")
+
+
+# --------------------------------------------------------------------------------------------
+# Units, in file order (the reading process)
+# --------------------------------------------------------------------------------------------
+
+
+def iter_units(files: list[Path], *, field: str, block_bytes: int) -> Iterator[Unit]:
+    for f in files:
+        kind = kind_of(f)
+        if kind == "text":
+            size = f.stat().st_size
+            yield Unit("text", str(f), input_bytes=size, disk_bytes=size)
+        elif kind == "jsonl":
+            yield from _jsonl_units(f, block_bytes)
+        else:
+            yield from _parquet_units(f, field)
+
+
+def _open_decompressed(path: Path, raw: BinaryIO) -> BinaryIO:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw)
+    if name.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    return raw
+
+
+def _jsonl_units(path: Path, block_bytes: int) -> Iterator[Unit]:
+    """Blocks of whole lines; a unit ends at the last newline of ~block_bytes read (a longer line stays whole)."""
+    size = path.stat().st_size
+    line, disk_done, carry, any_text = 1, 0, b"", False
+    with open(path, "rb") as raw:
+        stream = _open_decompressed(path, raw)
+        while True:
+            try:
+                block = stream.read(block_bytes)
+            except (OSError, EOFError, ValueError) as e:  # gzip/zstandard errors on damaged input
+                raise ValueError(f"{path}: cannot decompress ({e}); replace or remove the file") from None
+            data = carry + block
+            if block:
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:
+                    carry = data
+                    continue
+                data, carry = data[:cut], data[cut:]
+            if data:
+                any_text = any_text or bool(data.strip())
+                disk = (raw.tell() if block else size) - disk_done
+                yield Unit("jsonl", str(path), input_bytes=len(data), disk_bytes=disk, first_line=line, data=data)
+                line += data.count(b"\n")
+                disk_done += disk
+            if not block:
+                break
+    if not any_text:
+        raise ValueError(f"source file {path} holds no JSON lines; remove it or leave it out of the sources")
+
+
+def _parquet_units(path: Path, field: str) -> Iterator[Unit]:
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    size, disk_done = path.stat().st_size, 0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        columns = [group.column(c) for c in range(group.num_columns)]
+        text = [c for c in columns if c.path_in_schema == field]
+        disk = sum(c.total_compressed_size for c in columns)
+        if i == meta.num_row_groups - 1:
+            disk = size - disk_done  # the footer and headers go with the last group
+        disk_done += disk
+        yield Unit("parquet", str(path), input_bytes=sum(c.total_uncompressed_size for c in text),
+                   disk_bytes=disk, row_groups=(i,))
+
+
+# --------------------------------------------------------------------------------------------
+# Documents of a unit (the worker processes)
+# --------------------------------------------------------------------------------------------
+
+
+def documents(unit: Unit, field: str) -> Iterator[str]:
+    if unit.kind == "text":
+        yield Path(unit.path).read_bytes().decode("utf-8", errors="replace")
+    elif unit.kind == "jsonl":
+        yield from _jsonl_documents(unit, field)
+    else:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(unit.path)
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=list(unit.row_groups),
+                                     columns=[field]):
+            yield from (text for text in batch.column(0).to_pylist() if text is not None)
+
+
+def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
+    for offset, line in enumerate(unit.data.split(b"\n")):
+        if not line.strip():
+            continue
+        where = f"{unit.path}:{unit.first_line + offset}"
+        try:
+            row = json.loads(line)
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+            raise ValueError(f"{where} is not valid JSON ({e}); fix or delete that line") from None
+        if not isinstance(row, dict) or field not in row:
+            raise ValueError(f"{where} has no field {field!r}; pass --field NAME for the key that holds the text")
+        if not isinstance(row[field], str):
+            raise ValueError(f"{where}: field {field!r} is {type(row[field]).__name__}, not a string; "
+                             "pass --field NAME for the key that holds the text")
+        yield row[field]
