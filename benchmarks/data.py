@@ -8,7 +8,7 @@ corpus: --size-mb MB of generated English-like text (Zipf-distributed made-up wo
 of 3 to 60 sentences), written once as `corpus.jsonl.zst` and once as `corpus.parquet` (a row group per 2000
 documents) in a temp folder; a byte-level BPE of --vocab entries (with "<|endoftext|>") trained on its first
 documents. MB/s below counts the documents' UTF-8 text bytes, whatever the file format.
-prepare: `meshlm data prepare` (`meshlm.data.cli.main`, in a fresh `python -c` process each) on the .jsonl.zst with each
+prepare: `meshlm data prepare` (`meshlm.cli.main`, in a fresh `python -c` process each) on the .jsonl.zst with each
 --workers count and on the .parquet with the largest: wall seconds end to end (reading, decompressing,
 tokenizing, writing shards and manifest), text MB/s, tokens/s, CPU seconds, and the largest resident set of
 any one of its processes (the reading process or a worker).
@@ -132,7 +132,7 @@ def train_tokenizer(path: Path, docs: list[str], vocab: int) -> None:
 # the command imports (a script's main module would be imported again in every worker: this one imports torch).
 PREPARE = """
 import json, resource, sys, time
-from meshlm.data.cli import main
+from meshlm.cli import main
 start = time.perf_counter()
 code = main(sys.argv[1:])
 seconds = time.perf_counter() - start

@@ -1,9 +1,15 @@
 """What the trainer tests share: a small model, a small corpus, their configs, the weights a run ends
-with, and readers of metrics.jsonl."""
+with, readers of metrics.jsonl, and `meshlm train` runs on ranks started as torchrun would (`run_cli`)."""
 
 import contextlib
 import json
+import os
+import socket
+import time
 from pathlib import Path
+
+from dist import run_distributed
+from meshlm.cli import main as cli_main
 
 # 2 layers of width 32 with GQA (4 heads, 2 kv heads): 35k parameters, a step in milliseconds.
 SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -94,3 +100,64 @@ def randomize_weights(model, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE",
+              "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def cli_ranks(rank: int, world_size: int, runs: list[tuple[list[str], int]], store_path: str) -> list[float]:
+    """One process of a launch that runs `meshlm train` once per (argv, ranks) of `runs`, in turn, on
+    ranks 0..ranks-1 as torchrun would start them: each run makes (and tears down) its own process group
+    on a fresh port. The other ranks wait; every rank waits for the run to end before the next starts.
+    Returns how long each run took."""
+    import torch.distributed as dist
+
+    # init_distributed refuses to start a group while a default one exists: the harness's goes, and
+    # a file store takes over sharing the ports and waiting between runs.
+    dist.destroy_process_group()
+    store = dist.FileStore(store_path, world_size)
+    for name in LAUNCH_ENV:
+        os.environ.pop(name, None)
+    seconds = []
+    for i, (argv, ranks) in enumerate(runs):
+        t0 = time.perf_counter()
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                store.set(f"port{i}", str(s.getsockname()[1]))
+        if rank < ranks:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=store.get(f"port{i}").decode())
+            code = cli_main(argv)
+            assert code == 0, f"rank {rank}: `meshlm {' '.join(argv)}` exited {code}"
+        store.add(f"done{i}", 1)
+        while int(store.add(f"done{i}", 0)) < world_size:
+            time.sleep(0.01)
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def run_cli(runs: list[tuple[list[str], int]], tmp_path: Path) -> list[float]:
+    """`meshlm train ...` for each (argv, ranks) in turn; one-process runs in this process, consecutive
+    multi-rank runs on one launch of the harness. Every rank must exit 0. Returns each run's seconds."""
+    seconds = []
+    i = 0
+    while i < len(runs):
+        argv, ranks = runs[i]
+        if ranks == 1:
+            t0 = time.perf_counter()
+            assert cli_main(argv) == 0, argv
+            seconds.append(time.perf_counter() - t0)
+            i += 1
+            continue
+        j = i
+        while j < len(runs) and runs[j][1] > 1:
+            j += 1
+        launch = runs[i:j]
+        store = tmp_path / f"store{i}"
+        seconds += run_distributed(cli_ranks, max(r for _, r in launch), launch, str(store), timeout=120)[0]
+        i = j
+    return seconds

@@ -240,7 +240,7 @@ def test_publishing_a_step_again_keeps_the_old_copy_until_latest_names_the_new_o
     final = save(1)
     root = final.parent
     seen = []
-    write_atomic = ckpt_save._write_atomic
+    write_atomic = ckpt_save.write_atomic
 
     def crash_at_latest(path, text):
         seen.append((path.name, text, sorted(p.name for p in root.iterdir()),
@@ -248,14 +248,14 @@ def test_publishing_a_step_again_keeps_the_old_copy_until_latest_names_the_new_o
                      json.loads((final / "rank_00000.json").read_text())))
         raise OSError("killed")
 
-    monkeypatch.setattr(ckpt_save, "_write_atomic", crash_at_latest)
+    monkeypatch.setattr(ckpt_save, "write_atomic", crash_at_latest)
     with pytest.raises(OSError, match="killed"):
         save(2)
     # When latest was about to be replaced, the new copy was complete in place and the old one set aside.
     assert seen == [("latest", "step_000005", ["latest", "step_000005", "step_000005.old"],
                      {"version": 1}, {"version": 2})]
     assert (root / "step_000005.old" / "manifest.json").is_file()  # a crash there leaves the old copy on disk
-    monkeypatch.setattr(ckpt_save, "_write_atomic", write_atomic)
+    monkeypatch.setattr(ckpt_save, "write_atomic", write_atomic)
     save(3)  # the next save of that step completes: the old copy is removed only after latest is written
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000005"]
     assert json.loads((final / "rank_00000.json").read_text()) == {"version": 3}

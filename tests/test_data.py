@@ -8,7 +8,7 @@ import torch
 
 from meshlm.config import DataConfig
 from meshlm.tokenizer import ByteTokenizer, load_tokenizer
-from meshlm.train.data import (
+from meshlm.data.text import (
     BatchLoader,
     build_datasets,
     pack,

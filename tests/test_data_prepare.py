@@ -15,7 +15,7 @@ pytest.importorskip("zstandard")
 
 from prepared_data import encode, make_docs, make_tokenizer, read_split, write_all_formats, write_jsonl, write_parquet
 
-from meshlm.data.cli import main
+from meshlm.cli import main
 from meshlm.data.prepare import prepare
 
 
@@ -45,7 +45,7 @@ def test_shards_equal_direct_tokenization_of_every_format(tmp_path, tokenizer, w
 
 
 def test_validation_split_by_document_hash(tmp_path, tokenizer):
-    from meshlm.train.data import split_documents
+    from meshlm.data.text import split_documents
 
     docs = make_docs(80)
     write_jsonl(tmp_path / "a.jsonl", docs)

@@ -45,7 +45,7 @@ def test_eval_reports_loss_and_perplexity_of_the_validation_split(run, capsys):
 
     from meshlm.checkpoint import load_checkpoint_for_inference
     from meshlm.tokenizer import ByteTokenizer
-    from meshlm.train.data import pack, read_documents, split_documents
+    from meshlm.data.text import pack, read_documents, split_documents
 
     model, cfg, _ = load_checkpoint_for_inference(run_dir, dtype=torch.float64)
     _, docs = split_documents(read_documents(cfg.data), cfg.data.val_fraction)

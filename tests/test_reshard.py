@@ -17,16 +17,13 @@ stopping layout A at train.steps=2 must train exactly the first two steps of the
 """
 
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from dist import run_distributed
 from meshlm.cli import main as cli_main
 from parity import assert_close_seq
-from runs import SMALL_MODEL, rows, step_losses
+from runs import LAUNCH_ENV, SMALL_MODEL, rows, run_cli, step_losses
 
 REL = 1e-5
 STEPS, SAVE_AT = 4, 2
@@ -36,10 +33,6 @@ BASE = [*SMALL_MODEL, "train.seq_len=32", "train.global_batch_size=8", "train.mi
         "train.sample_tokens=0", "train.progress=false", "train.device=cpu", "data.val_fraction=0.1",
         "parallel.bucket_size_mb=0.02"]
 MOE = ["model.num_experts=4", "model.num_experts_per_token=2", "model.moe_intermediate_size=32"]
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE",
-              "TORCHELASTIC_USE_AGENT_STORE")
-
 # name: (ranks, overrides); dp is what is left of the world after tp x pp x cp.
 LAYOUTS = {
     "1proc": (1, []),
@@ -84,62 +77,6 @@ def _is_moe(layout: str) -> bool:
 def train_argv(run_dir: Path, text_file: Path, layout: str, *extra: str, resume: bool = False) -> list[str]:
     sets = [*BASE, f"data.path={text_file}", f"train.run_dir={run_dir}", *LAYOUTS[layout][1], *extra]
     return ["train", *(["--resume"] if resume else []), *[a for s in sets for a in ("--set", s)]]
-
-
-def _cli_ranks(rank: int, world_size: int, runs: list[tuple[list[str], int]], store_path: str) -> list[float]:
-    """One process of a launch that runs `meshlm train` once per (argv, ranks) of `runs`, in turn, on
-    ranks 0..ranks-1 as torchrun would start them: each run makes (and tears down) its own process group
-    on a fresh port. The other ranks wait; every rank waits for the run to end before the next starts.
-    Returns how long each run took."""
-    import torch.distributed as dist
-
-    # init_distributed refuses to start a group while a default one exists: the harness's goes, and
-    # a file store takes over sharing the ports and waiting between runs.
-    dist.destroy_process_group()
-    store = dist.FileStore(store_path, world_size)
-    for name in LAUNCH_ENV:
-        os.environ.pop(name, None)
-    seconds = []
-    for i, (argv, ranks) in enumerate(runs):
-        t0 = time.perf_counter()
-        if rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                store.set(f"port{i}", str(s.getsockname()[1]))
-        if rank < ranks:
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
-                              LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=store.get(f"port{i}").decode())
-            code = cli_main(argv)
-            assert code == 0, f"rank {rank}: `meshlm {' '.join(argv)}` exited {code}"
-        store.add(f"done{i}", 1)
-        while int(store.add(f"done{i}", 0)) < world_size:
-            time.sleep(0.01)
-        seconds.append(time.perf_counter() - t0)
-    return seconds
-
-
-def run_cli(runs: list[tuple[list[str], int]], tmp_path: Path) -> list[float]:
-    """`meshlm train ...` for each (argv, ranks) in turn; one-process runs in this process, consecutive
-    multi-rank runs on one launch of the harness. Every rank must exit 0. Returns each run's seconds."""
-    seconds = []
-    i = 0
-    while i < len(runs):
-        argv, ranks = runs[i]
-        if ranks == 1:
-            t0 = time.perf_counter()
-            assert cli_main(argv) == 0, argv
-            seconds.append(time.perf_counter() - t0)
-            i += 1
-            continue
-        j = i
-        while j < len(runs) and runs[j][1] > 1:
-            j += 1
-        launch = runs[i:j]
-        store = tmp_path / f"store{i}"
-        seconds += run_distributed(_cli_ranks, max(r for _, r in launch), launch, str(store), timeout=120)[0]
-        i = j
-    return seconds
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ Not responsible for: checking a layout against a world size (that needs the worl
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 import typing
@@ -324,10 +325,20 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # file, folder, or .jsonl; empty: the embedded default (Python stdlib sources)
-    tokenizer: str = ""  # a Hugging Face tokenizer.json; empty: bytes
-    val_fraction: float = 0.02  # share of the documents held out for validation
-    max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large)
+    # A text file, a folder of text files, a .jsonl, or a folder `meshlm data prepare` wrote (token shards,
+    # memory-mapped: nothing is read into memory); empty: the embedded default (Python stdlib sources)
+    path: str = ""
+    # Prepared folders mixed by weight, e.g. [{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]
+    # (instead of data.path); the mix is the same on any number of ranks
+    sources: list = field(default_factory=list)
+    tokenizer: str = ""  # a Hugging Face tokenizer.json; empty: bytes (prepared data: the one it was prepared with)
+    val_fraction: float = 0.02  # share of the documents held out for validation (prepared data: its 'val' split)
+    max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large; prepared data: no cap)
+
+    @property
+    def prepared(self) -> bool:
+        """Whether training reads token shards `meshlm data prepare` wrote (data.sources, or data.path)."""
+        return bool(self.sources) or is_prepared(self.path)
 
     def validate(self) -> None:
         _require(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in [0, 1)")
@@ -337,6 +348,26 @@ class DataConfig:
         if self.tokenizer:
             _require(Path(self.tokenizer).exists(), "data.tokenizer", self.tokenizer,
                      "must be an existing tokenizer.json (or empty for bytes)")
+        if self.sources:
+            _require(not self.path, "data.path", self.path, "must be empty when data.sources mixes prepared folders")
+            for i, entry in enumerate(self.sources):
+                ok = isinstance(entry, dict) and set(entry) == {"path", "weight"}
+                _require(ok, f"data.sources[{i}]", entry, 'must be {path = "DIR", weight = W}')
+                _require(is_prepared(entry["path"]), f"data.sources[{i}].path", entry["path"],
+                         "must be a folder `meshlm data prepare` wrote (it holds manifest.json)")
+                w = entry["weight"]
+                _require(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0,
+                         f"data.sources[{i}].weight", w, "must be a number > 0")
+        if self.prepared and not self.tokenizer:
+            first = self.sources[0]["path"] if self.sources else self.path
+            named = json.loads((Path(first) / "manifest.json").read_text()).get("tokenizer", {}).get("path", "?")
+            raise ConfigError(f"data.tokenizer is empty but {first} holds prepared tokens; set data.tokenizer to the "
+                              f"tokenizer.json it was prepared with ({named})")
+
+
+def is_prepared(path: str) -> bool:
+    """A folder `meshlm data prepare` wrote: it holds manifest.json."""
+    return bool(path) and (Path(path) / "manifest.json").is_file()
 
 
 @dataclass
@@ -473,6 +504,10 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     if base is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r} must be a string")
+        return value
+    if typing.get_origin(base) is list or base is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}={value!r} must be a list")
         return value
     if typing.get_origin(base) is dict or base is dict:
         if not isinstance(value, dict):

@@ -135,7 +135,7 @@ def _weights_loader(source: dict):
 
 def _eval_dataset(cfg: Config, tokenizer):
     """(dataset, its description): every document of data.path given with --data, else the validation split."""
-    from meshlm.train.data import pack, read_documents, split_documents
+    from meshlm.data.text import pack, read_documents, split_documents
 
     docs = read_documents(cfg.data)
     where = cfg.data.path or "the standard-library corpus"

@@ -1,10 +1,12 @@
-"""Small file helpers shared by the checkpoint and retrieval-index code: checksums of files on disk.
+"""Small file helpers shared by the checkpoint, prepared-data and retrieval-index code: checksums of files on
+disk, and writes that are atomic and durable (a reader sees the old file or the whole new one, never a part).
 
 Not responsible for: what a checksum guards (the manifest logic stays with its format)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 
@@ -15,3 +17,33 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Replace `path` with `data`: written to a temporary file, fsynced, renamed over it, the folder fsynced."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames inside `path` durable (a no-op where folders cannot be opened or synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -18,7 +18,7 @@ prompt the reply).
 A tokenizer a meshlm run trained with is `plain`: training packed documents without special tokens (an EOS
 between documents), so its text is encoded without them and decoded with them kept, as it was seen.
 Not responsible for: training tokenizers, detokenizing incrementally (infer/engine.py), the corpus
-(meshlm.train.data).
+(meshlm.data.text).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from meshlm.checkpoint.shards import (
     weight_pieces,
 )
 from meshlm.config import Config
+from meshlm.files import fsync_dir, fsync_file, write_atomic
 
 
 def rng_state() -> dict:
@@ -151,10 +152,10 @@ def finish_save(pending: PendingSave) -> Path:
     mine += sorted(p.tmp.glob(f"model_rank_{p.rank:05d}.safetensors"))
     mine += sorted(p.tmp.glob(f"__{p.rank}_*.distcp"))  # DCP's data files of this rank
     for f in mine:
-        _fsync_file(f)
+        fsync_file(f)
     part = p.tmp / f"manifest_{p.rank:05d}.part"
     part.write_text(json.dumps(describe_files(mine)))
-    _fsync_file(part)
+    fsync_file(part)
     if p.rank == 0:
         (p.tmp / META).write_text(json.dumps(p.meta, indent=1))
         for name, src in p.files.items():
@@ -177,12 +178,12 @@ def _publish(tmp: Path, final: Path, *, world_size: int, keep: int) -> None:
         part.unlink()
     rest = [p for p in sorted(tmp.iterdir()) if p.is_file() and p.name not in files]  # meta, .metadata, tokenizer
     for p in rest:
-        _fsync_file(p)
+        fsync_file(p)
     files.update(describe_files(rest))
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"format": FORMAT_VERSION, "world_size": world_size, "files": files}, indent=1))
-    _fsync_file(manifest)
-    _fsync_dir(tmp)
+    fsync_file(manifest)
+    fsync_dir(tmp)
     # Re-saving a step: set the old copy aside, and delete it only once `latest` names the new one. (A crash
     # between the two renames leaves the old copy in step_N.old, which --resume does not pick up; the trainer
     # re-saves a step only after resuming from an earlier one, so `latest` never names a complete old copy.)
@@ -191,8 +192,8 @@ def _publish(tmp: Path, final: Path, *, world_size: int, keep: int) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
     os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / "latest", final.name)
+    fsync_dir(root)
+    write_atomic(root / "latest", final.name)
     shutil.rmtree(aside, ignore_errors=True)  # also one a crash left behind
     _prune(root, keep=keep, protect=final)
 
@@ -264,34 +265,6 @@ def _write(state: dict, weights: dict, tmp: Path, rank: int, *, group=None, no_d
         where = {name: w for name, (_, w) in weights.items() if w is not None}
         save_file(tensors, str(tmp / f"model_rank_{rank:05d}.safetensors"),
                   metadata={PIECES: json.dumps(where)} if where else None)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic there
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _prune(root: Path, *, keep: int, protect: Path) -> None:

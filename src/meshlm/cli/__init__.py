@@ -1,4 +1,4 @@
-"""The `meshlm` command line: train, verify, generate, eval, plot, config, info, plan, serve, convert, rag, cluster.
+"""The `meshlm` command line: train, data, verify, generate, eval, plot, config, info, plan, serve, convert, rag, cluster.
 
 Every subcommand is a module of this package with `add_parser(subparsers)` and `run(args) -> int`; this file
 builds the parser from them and dispatches. Responsible for: argument parsing, turning user mistakes
@@ -15,8 +15,8 @@ import importlib
 import sys
 
 # In the order `meshlm --help` lists them.
-COMMANDS = ("train", "verify", "generate", "eval", "plot", "config", "info", "plan", "serve", "convert", "rag",
-            "cluster")
+COMMANDS = ("train", "data", "verify", "generate", "eval", "plot", "config", "info", "plan", "serve", "convert",
+            "rag", "cluster")
 
 
 EPILOG = """examples:

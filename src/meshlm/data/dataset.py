@@ -13,7 +13,7 @@ Not responsible for: which rank reads which sample, micro-batches, prefetching (
 
 Sample i of a `PreparedDataset` lies in the shard s with cum[s] <= i < cum[s+1], where cum counts the samples
 of the shards before, at token offset (i - cum[s]) * seq_len; inputs are its first seq_len tokens, targets
-the last seq_len, as in `meshlm.train.data.PackedDataset`. An epoch visits the samples in the order of a
+the last seq_len, as in `meshlm.data.text.PackedDataset`. An epoch visits the samples in the order of a
 `SeededPermutation` keyed by (seed, epoch): nothing of size proportional to the corpus is built.
 
 Blends: position g (counted over all epochs, g = epoch * len + position) goes to source pattern[g mod P], the

@@ -9,7 +9,7 @@ it, 0 when it was ready); saving and restoring the position.
 Not responsible for: what a sample is or where it lies on disk (dataset.py).
 
 The interface, the checks, the epoch rule (a partial batch at an epoch's end is dropped) and `state_dict`
-are `meshlm.train.data.BatchLoader`'s, so a trainer can take either. The state is five integers (epoch,
+are `meshlm.data.text.BatchLoader`'s, so a trainer can take either. The state is five integers (epoch,
 position, seed, num_samples, global_batch_size) and names no rank: a run resumed with another number of
 data-parallel ranks continues with exactly the samples the uninterrupted run would have seen. The order is
 not `BatchLoader`'s (`torch.randperm`) but a permutation computed per position (permutation.py), so memory
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from meshlm.data.dataset import BlendedDataset, PreparedDataset
-from meshlm.train.data import BatchLoader
+from meshlm.data.text import BatchLoader
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 

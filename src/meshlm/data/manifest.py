@@ -29,12 +29,11 @@ the end. The manifest:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from meshlm.files import sha256_file
+from meshlm.files import sha256_file, write_atomic
 
 FORMAT = "meshlm-prepared-tokens"
 VERSION = 1
@@ -56,30 +55,8 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable (a no-op where directories cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_json_atomic(path: Path, obj) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
-    fsync_dir(path.parent)
+    write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
 def build(settings: dict, records: list[dict]) -> dict:

@@ -5,10 +5,10 @@ shards deterministically (units of the inputs, in source order, are gathered unt
 of input: shard k is always the same stretch of input for the same settings); tokenizing each shard in a
 worker process (`--workers N` processes, each loading the tokenizer once and calling `encode_batch` with
 `add_special_tokens=False`; the EOS id follows every document when the tokenizer has one of "</s>",
-"<|endoftext|>", "<|end_of_text|>", "<eos>", the rule of `meshlm.train.data.HFTokenizer`); the split of
+"<|endoftext|>", "<|end_of_text|>", "<eos>", the rule of `meshlm.data.text.HFTokenizer`); the split of
 documents between "train" and "val" (a document goes to validation when the first 8 bytes of its UTF-8
 sha256, little-endian, over 2^64 fall below `val_fraction`: the per-document rule of
-`meshlm.train.data.split_documents`, without its few-document fallbacks); writing each shard (temp file,
+`meshlm.data.text.split_documents`, without its few-document fallbacks); writing each shard (temp file,
 fsync, rename) and then its record; resuming; the manifest, written last; the progress bar.
 Not responsible for: reading the input formats (sources.py), the file format (manifest.py), training-time
 reading (dataset.py).
@@ -43,7 +43,7 @@ from typing import Iterator
 import numpy as np
 
 from meshlm.data import manifest, sources
-from meshlm.files import sha256_file
+from meshlm.files import fsync_dir, sha256_file, write_atomic
 
 DEFAULT_SHARD_BYTES = 128 << 20
 EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
@@ -292,7 +292,7 @@ def _write_shard(task: _Task) -> dict:
     record = {"index": task.index, "input_bytes": sum(u.input_bytes for u in task.units),
               "disk_bytes": sum(u.disk_bytes for u in task.units), "text_bytes": text_bytes,
               **{s: w.finish() for s, w in writers.items()}}
-    manifest.fsync_dir(out)
+    fsync_dir(out)
     manifest.write_json_atomic(manifest.record_path(out, task.index), record)
     return record
 
@@ -334,7 +334,7 @@ class _ShardWriter:
         np.save(buffer, starts)
         idx = buffer.getvalue()
         bin_name, idx_name = f"{self.name}.bin", f"{self.name}.idx"
-        manifest.write_bytes_atomic(self.out / idx_name, idx)
+        write_atomic(self.out / idx_name, idx)
         os.replace(self.out / f"{bin_name}.tmp", self.out / bin_name)
         return {"bin": bin_name, "idx": idx_name, "num_tokens": self.num_tokens, "num_documents": len(starts),
                 "sha256": self._sha.hexdigest(), "idx_sha256": hashlib.sha256(idx).hexdigest()}

@@ -6,7 +6,7 @@ bucket asynchronously (through `meshlm.comm`, so the bytes are counted) as soon 
 produced all of its gradients, overlapping communication with the rest of backward; `no_sync()` for
 gradient accumulation; and the gradient-norm function for clipping.
 Not responsible for: sharding parameters, gradients or optimizer state (ZeRO, `parallel/zero.py`),
-sharding the data (`train.data.BatchLoader(..., dp_rank, dp_size)`), or the loss normalisation.
+sharding the data (`data.text.BatchLoader(..., dp_rank, dp_size)`), or the loss normalisation.
 
 The contract with the trainer -- gradients are SUMMED over ranks, not averaged:
   every micro-batch loss is sum(token losses) / tokens_in_the_GLOBAL_batch, so a rank's gradient is

@@ -36,16 +36,17 @@ def count_parameters(model: nn.Module, mesh: Mesh, *, pipeline: bool, device: to
 
 def step_row(*, step: int, loss: float, lr: float, grad_norm: float, num_tokens: int, step_time: float,
              flops_per_token: float, peak_tflops: float | None, world_size: int, device: torch.device,
-             activation_mib: float | None, comm_stats: dict) -> dict:
+             activation_mib: float | None, comm_stats: dict, data_wait: float = 0.0) -> dict:
     """The metrics row of one optimizer step. `comm_stats`: what the step itself moved, per mesh axis
-    (`CommStats.summary()`, taken before any reduction made only for logging)."""
+    (`CommStats.summary()`, taken before any reduction made only for logging); `data_wait`: seconds the
+    step waited for its data (`data_wait_s`; with prepared data, read a step ahead, near 0)."""
     tokens_per_s = num_tokens / step_time
     mfu = (tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world_size)
            if peak_tflops else None)  # None: no known peak (CPU without train.peak_tflops)
     return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s, "mfu": mfu, "memory_mib": peak_memory_mib(device),
             "activation_mib": activation_mib,
-            "step_time_s": step_time,
+            "step_time_s": step_time, "data_wait_s": data_wait,
             "comm_mb": {axis: v["mb"] for axis, v in comm_stats.items()},
             "comm_s": {axis: v["seconds"] for axis, v in comm_stats.items()}}
 

@@ -26,7 +26,7 @@ from meshlm.config import Config, TrainConfig
 from meshlm.dims import ParallelDims
 from meshlm.mesh import Mesh
 from meshlm.parallel.expert import router_biases, set_router_biases
-from meshlm.train.data import BatchLoader
+from meshlm.data.text import BatchLoader
 from meshlm.train.metrics import remove_tracker_files
 
 

@@ -2,7 +2,7 @@
 
 Responsible for: resolving `train.device` and `train.precision` to a torch device, an autocast dtype and
 the parameters' dtype; seeding every RNG a run draws from; loading the tokenizer and refusing one larger
-than the model's vocabulary; and building the model the way every layout starts -- on the meta device,
+than the model's vocabulary; the data and its loader (in memory, or prepared token shards); and building the model the way every layout starts -- on the meta device,
 split over the ranks by `meshlm.parallel.parallelize`, each rank then initialising only what it holds.
 Not responsible for: the mesh (`meshlm.mesh`), how a strategy splits the model (`meshlm.parallel`), or the
 optimizer (`meshlm.train.optim`).
@@ -23,6 +23,7 @@ from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.parallelize import ParallelModel, parallelize
 from meshlm.tokenizer import Tokenizer, load_tokenizer
+from meshlm.data.text import BatchLoader, build_datasets, pack
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,3 +76,31 @@ def build_parallel_model(cfg: Config, mesh: Mesh, *, device: torch.device, dtype
         weights(model)
     init = ShardInit(cfg.model, t.seed, mesh, device, dtype)
     return model, parallelize(model, mesh, cfg.parallel, seq_len=t.seq_len, init=init)
+
+
+def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_rank: int, dp_size: int):
+    """(training set, validation set, loader) of `cfg.data`: token shards `meshlm data prepare` wrote
+    (memory-mapped, one prepared folder or a weighted blend; read a step ahead in a thread), else a text
+    source read, tokenized and packed in memory. Either loader gives this data rank its slice of each global
+    batch, and the same samples whatever the number of ranks."""
+    t = cfg.train
+    if not cfg.data.prepared:
+        train, val = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=tokenizer)
+        loader = BatchLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
+                             seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size)
+        return train, val, loader
+    from meshlm.data.dataset import open_dataset
+    from meshlm.data.loader import PreparedLoader
+
+    spec = cfg.data.sources or cfg.data.path
+    train = open_dataset(spec, seq_len=t.seq_len, split="train", tokenizer_path=cfg.data.tokenizer)
+    if train.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"{spec} was prepared with a vocabulary of {train.vocab_size} tokens but model.vocab_size="
+                         f"{cfg.model.vocab_size}; set model.vocab_size >= {train.vocab_size}")
+    try:
+        val = open_dataset(spec, seq_len=t.seq_len, split="val", tokenizer_path=cfg.data.tokenizer)
+    except ValueError:  # prepared without --val-fraction: no validation
+        val = pack(np.zeros(0, dtype=np.int32), t.seq_len)
+    loader = PreparedLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
+                            seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size)
+    return train, val, loader

@@ -58,7 +58,7 @@ from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.tensor import vocab_parallel_cross_entropy
 from meshlm.schedules import build_schedule
 from meshlm.timeline import write_timeline
-from meshlm.train.data import BatchLoader, build_datasets, validation_batches
+from meshlm.data.text import validation_batches
 from meshlm.train.metrics import MetricsLogger, peak_tflops_guess
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from meshlm.train.report import count_parameters, expert_load, pipeline_idle_share, step_row
@@ -75,6 +75,7 @@ from meshlm.train.resume import (
 )
 from meshlm.train.sample import prompt_ids, whole_model
 from meshlm.train.setup import (
+    build_data,
     build_parallel_model,
     load_training_tokenizer,
     param_dtype,
@@ -106,10 +107,8 @@ class Trainer:
         self.setup_mesh(dims)
 
         self.tokenizer = load_training_tokenizer(cfg)
-        self.train_data, self.val_data = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=self.tokenizer)
-        self.loader = BatchLoader(self.train_data, global_batch_size=t.global_batch_size,
-                                  micro_batch_size=self.micro_batch_size, seq_len=t.seq_len, seed=t.seed,
-                                  dp_rank=self.dp_rank, dp_size=self.dp_size)
+        self.train_data, self.val_data, self.loader = build_data(
+            cfg, self.tokenizer, micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size)
 
         self.setup_model()
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
@@ -272,6 +271,7 @@ class Trainer:
         start = time.perf_counter()
         self.mesh.stats.reset()
         micro_batches = self.loader.next_batch()
+        data_wait = time.perf_counter() - start  # reading (or, prefetched, waiting for) this step's data
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
@@ -300,7 +300,7 @@ class Trainer:
         row = step_row(step=self.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm), num_tokens=num_tokens,
                        step_time=time.perf_counter() - start, flops_per_token=self.flops_per_token,
                        peak_tflops=self.peak_tflops, world_size=self.world_size, device=self.device,
-                       activation_mib=self.activation_mib, comm_stats=comm_stats)
+                       activation_mib=self.activation_mib, comm_stats=comm_stats, data_wait=data_wait)
         if self.moe:
             load = expert_load(self.base_model, self.mesh, axis=self.moe_token_axes)
             if load is not None:

@@ -1,8 +1,6 @@
 """`meshlm data prepare`: the command line of `meshlm.data.prepare`.
 
-Responsible for: `add_parser(subparsers)` (the `data` command and its `prepare` subcommand), `run(args)`,
-and, until `meshlm.cli` lists the `data` command, `main(argv)` for `python -m meshlm.data.cli data prepare ...`
-(user mistakes: one line on stderr, exit code 2).
+Responsible for: `add_parser(subparsers)` (the `data` command and its `prepare` subcommand) and `run(args)`.
 Not responsible for: any work of its own (prepare.py).
 """
 
@@ -69,19 +67,3 @@ def run(args) -> int:
     print(f"{summary['out']}: {splits}; {done}; {summary['text_mb_per_s']} MB/s of text, "
           f"{summary['tokens_per_s']:,} tokens/s")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m meshlm.data.cli data prepare ...`, until `meshlm` itself lists the `data` command."""
-    parser = argparse.ArgumentParser(prog="meshlm")
-    add_parser(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:  # user mistakes: one line, exit code 2, no traceback
-        print(f"meshlm {args.command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
