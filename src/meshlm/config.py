@@ -491,6 +491,9 @@ class DataConfig:
     tokenizer: str = ""  # a Hugging Face tokenizer.json; empty: bytes
     val_fraction: float = 0.02  # share of the documents held out for validation
     max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large)
+    # attention stops at document boundaries inside a packed sample (block-causal), and RoPE positions restart
+    # at 0 at each document's start; false: each token sees every earlier token of its sample
+    document_mask: bool = False
 
     def validate(self) -> None:
         _require(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in [0, 1)")
