@@ -10,8 +10,9 @@ and has no tags. So a communication order can pass every gloo test and hang on i
   the next action's receive posted ahead of it) deadlocks, as the checker must show;
 - real multi-rank training runs recorded op by op (`CommStats(keep_trace=True)`): every pipeline schedule at
   pp 2 and 4 (chunks 1-2), training and validation; ring and all-gather context parallelism, forward and
-  backward; ZeRO-3 with its two communicators (also under pp=2), tensor parallelism, expert all-to-all, a
-  checkpoint save (what goes through `meshlm.comm`; DCP's own collectives do not);
+  backward (the ring also with document masking: the same ops); ZeRO-3 with its two communicators (also
+  under pp=2), tensor parallelism, expert all-to-all, a checkpoint save (what goes through `meshlm.comm`;
+  DCP's own collectives do not);
 - tp, cp and tp x cp serving: prefill chunks, decodes, the cp ring and split-KV, the driver's broadcasts.
 """
 
@@ -164,6 +165,8 @@ LAYOUTS = {  # name -> (world size, overrides)
                             "model.num_layers=8"]),
     "pp4 zero_bubble": (4, ["parallel.pp=4", "parallel.pp_schedule=zero_bubble"]),
     "cp2 ring x dp2": (4, ["parallel.cp=2", "parallel.cp_method=ring"]),
+    # document masking: the documents travel with every rank's micro-batch, no collective of their own
+    "cp2 ring x dp2 document_mask": (4, ["parallel.cp=2", "parallel.cp_method=ring", "data.document_mask=true"]),
     "cp4 ring": (4, ["parallel.cp=4", "parallel.cp_method=ring"]),
     "cp2 allgather x tp2": (4, ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.tp=2"]),
     "cp2 ulysses x tp2": (4, ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.tp=2"]),
@@ -208,6 +211,7 @@ def test_real_runs_replay_under_nccls_rules(tmp_path, text_file):
     assert any(op.op == "p2p" and {k for k, *_ in op.p2p} == {"send", "recv"} and op.axis == "pp"
                for op in ops["pp2 1f1b x dp2"])
     assert any(op.op == "p2p" and op.axis == "cp" for op in ops["cp4 ring"])
+    assert [op.op for op in ops["cp2 ring x dp2 document_mask"]] == [op.op for op in ops["cp2 ring x dp2"]]
     assert any(op.op == "all_gather" and op.axis == "cp" for op in ops["cp2 allgather x tp2"])
     assert any(op.op == "all_to_all" and op.axis == "cp" for op in ops["cp2 ulysses x tp2"])
     assert {(op.op, op.axis) for op in ops["cp4 ring x ulysses2"]} >= {("all_to_all", "cp_ulysses"), ("p2p", "cp_ring")}

@@ -334,6 +334,9 @@ class DataConfig:
     tokenizer: str = ""  # a Hugging Face tokenizer.json; empty: bytes (prepared data: the one it was prepared with)
     val_fraction: float = 0.02  # share of the documents held out for validation (prepared data: its 'val' split)
     max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large; prepared data: no cap)
+    # attention stops at document boundaries inside a packed sample (block-causal), and RoPE positions restart
+    # at 0 at each document's start; false: each token sees every earlier token of its sample
+    document_mask: bool = False
 
     @property
     def prepared(self) -> bool:

@@ -135,14 +135,14 @@ def _weights_loader(source: dict):
 
 def _eval_dataset(cfg: Config, tokenizer):
     """(dataset, its description): every document of data.path given with --data, else the validation split."""
-    from meshlm.data.text import pack, read_documents, split_documents
+    from meshlm.data.text import pack_documents, read_documents, split_documents
 
     docs = read_documents(cfg.data)
     where = cfg.data.path or "the standard-library corpus"
     if cfg.data.val_fraction > 0:
         _, docs = split_documents(docs, cfg.data.val_fraction)
         where = f"the validation split of {where} (data.val_fraction={cfg.data.val_fraction:g})"
-    return pack(tokenizer.encode_documents(docs), cfg.train.seq_len), where
+    return pack_documents(docs, tokenizer, cfg.train.seq_len), where
 
 
 def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,

@@ -5,7 +5,8 @@ chat rendering); `ByteTokenizer` (UTF-8 bytes, vocabulary 256, nothing to downlo
 `tokenizer.json` through the `tokenizers` library, no transformers needed), read either alone (what a
 training run names in `data.tokenizer`) or from a Hugging Face model directory (its end-of-sequence ids from
 config.json / generation_config.json / tokenizer_config.json, its chat template); `load_tokenizer`, the one
-way a training run gets its tokenizer; and `encode_documents`, the token stream training packs.
+way a training run gets its tokenizer; and `encode_documents`, the token stream training packs
+(`encode_with_starts`: with where each document begins, for document masking).
 
 Chat messages are rendered with the model's chat template (jinja, sandboxed, as Hugging Face does) or, for a
 tokenizer without one, with this fallback template:
@@ -57,6 +58,11 @@ class Tokenizer:
 
     def encode_documents(self, texts: list[str]) -> np.ndarray:
         """One int32 token stream for many documents, each followed by EOS when there is one."""
+        return self.encode_with_starts(texts)[0]
+
+    def encode_with_starts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """`encode_documents`' stream and where each document begins in it (int64 offsets, one per document, in
+        order; a document's separator -- EOS, or the byte tokenizer's blank line -- is its own last token)."""
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict]) -> str:
@@ -87,10 +93,12 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: list[int], *, skip_special_tokens: bool | None = None) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
-    def encode_documents(self, texts: list[str]) -> np.ndarray:
+    def encode_with_starts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Documents joined by a blank line (vectorised: no Python loop per byte)."""
-        blob = "\n\n".join(texts).encode("utf-8")
-        return np.frombuffer(blob, dtype=np.uint8).astype(np.int32)
+        parts = [t.encode("utf-8") for t in texts]
+        blob = b"\n\n".join(parts)
+        lengths = np.asarray([len(p) + 2 for p in parts], dtype=np.int64)  # each with the blank line after it
+        return np.frombuffer(blob, dtype=np.uint8).astype(np.int32), np.cumsum(lengths) - lengths
 
 
 class HFTokenizer(Tokenizer):
@@ -152,12 +160,13 @@ class HFTokenizer(Tokenizer):
         skip = not self.plain if skip_special_tokens is None else skip_special_tokens
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip)
 
-    def encode_documents(self, texts: list[str]) -> np.ndarray:
+    def encode_with_starts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Documents encoded in one batch call (parallel in Rust), each followed by EOS when there is one."""
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         sep = [np.asarray([self.eos_token_id], dtype=np.int32)] if self.eos_token_id is not None else []
         parts = [p for enc in encodings for p in [np.asarray(enc.ids, dtype=np.int32), *sep]]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        lengths = np.asarray([len(enc.ids) + len(sep) for enc in encodings], dtype=np.int64)
+        return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), np.cumsum(lengths) - lengths
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

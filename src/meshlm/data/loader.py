@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from meshlm.data.dataset import BlendedDataset, PreparedDataset
-from meshlm.data.text import BatchLoader
+from meshlm.data.text import BatchLoader, micro_batch
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -33,14 +33,15 @@ Batch = list[tuple[torch.Tensor, torch.Tensor]]
 class PreparedLoader(BatchLoader):
     """One global batch per optimizer step from a `PreparedDataset` or `BlendedDataset` (see the module docstring).
 
-    `last_indices`: the sample ids of each micro-batch last returned by `next_batch` (for
-    `dataset.document_starts`). `prefetch=False` reads in the caller's thread. Call `close()` when done.
+    `last_indices`: the sample ids of each micro-batch last returned by `next_batch`. `documents`
+    (data.document_mask): micro-batches are (inputs, targets, document ids), as `BatchLoader`'s. `prefetch=False` reads in the caller's thread. Call `close()` when done.
     """
 
     def __init__(self, dataset: PreparedDataset | BlendedDataset, *, global_batch_size: int, micro_batch_size: int,
-                 seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1, prefetch: bool = True):
+                 seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1, prefetch: bool = True,
+                 documents: bool = False):
         super().__init__(dataset, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                         seq_len=seq_len, seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+                         seq_len=seq_len, seed=seed, dp_rank=dp_rank, dp_size=dp_size, documents=documents)
         self.last_wait_s = 0.0
         self.last_indices: list[torch.Tensor] = []
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="meshlm-data") if prefetch else None
@@ -67,7 +68,7 @@ class PreparedLoader(BatchLoader):
         local = self.global_batch_size // self.dp_size
         mine = self._global_indices(start)[self.dp_rank * local: (self.dp_rank + 1) * local]
         chunks = [torch.from_numpy(c) for c in np.split(mine, local // self.micro_batch_size)]
-        return [self.dataset.batch(c) for c in chunks], chunks
+        return [micro_batch(self.dataset, c, documents=self.documents) for c in chunks], chunks
 
     def next_batch(self) -> Batch:
         """This rank's micro-batches (inputs, targets) of the next global batch."""

@@ -3,9 +3,11 @@
 Responsible for: the byte tokenizer and Hugging Face `tokenizer.json` tokenizers; reading a text file,
 a folder of text files, a `.jsonl` with a `text` field, or the embedded default corpus (the `.py` files
 of the running interpreter's standard library); a deterministic train/validation split by document;
-packing the token stream into samples of `seq_len + 1` tokens; and `BatchLoader`, which walks a
-seeded shuffle of the samples one global batch per optimizer step, hands data-parallel rank r its
-contiguous slice, splits it into micro-batches, and can save and restore its position.
+packing the token stream into samples of `seq_len + 1` tokens, remembering where each document begins
+(`PackedDataset.document_starts`); and `BatchLoader`, which walks a seeded shuffle of the samples one global
+batch per optimizer step, hands data-parallel rank r its contiguous slice, splits it into micro-batches
+(`micro_batch`: inputs, targets and, under data.document_mask, the document ids of
+`meshlm.models.documents`), and can save and restore its position.
 Not responsible for: moving batches to a device, or sharding the sequence dimension (context
 parallelism slices the micro-batches it is given).
 """
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from meshlm.config import DataConfig
+from meshlm.models.documents import documents_from_starts
 from meshlm.tokenizer import Tokenizer
 
 # --------------------------------------------------------------------------------------------
@@ -138,6 +141,7 @@ class PackedDataset:
 
     tokens: torch.Tensor  # 1-D int32
     seq_len: int
+    starts: np.ndarray | None = None  # int64, sorted: where each document begins in `tokens` (None: not known)
 
     def __len__(self) -> int:
         return max(0, (self.tokens.numel() - 1) // self.seq_len)
@@ -151,18 +155,46 @@ class PackedDataset:
         s = self.samples(indices)
         return s[:, :-1], s[:, 1:]
 
+    def document_starts(self, indices) -> list[np.ndarray]:
+        """Per sample, the positions in [0, seq_len] (within its seq_len + 1 tokens) where a document begins."""
+        if self.starts is None:
+            raise ValueError("this dataset was packed without its document starts; pack it with "
+                             "pack_documents (or pack(..., starts=)) to use data.document_mask")
+        begins = torch.as_tensor(indices).long().numpy() * self.seq_len
+        lo = np.searchsorted(self.starts, begins, side="left")
+        hi = np.searchsorted(self.starts, begins + self.seq_len + 1, side="left")
+        return [self.starts[a:b] - o for a, b, o in zip(lo, hi, begins)]
 
-def pack(tokens: np.ndarray | torch.Tensor, seq_len: int) -> PackedDataset:
+
+def pack(tokens: np.ndarray | torch.Tensor, seq_len: int, *, starts: np.ndarray | None = None) -> PackedDataset:
+    """`tokens` cut into samples; `starts`: where each document begins in them (for data.document_mask)."""
     t = torch.as_tensor(np.asarray(tokens, dtype=np.int32)) if not isinstance(tokens, torch.Tensor) else tokens
-    return PackedDataset(tokens=t.to(torch.int32).contiguous(), seq_len=seq_len)
+    starts = None if starts is None else np.asarray(starts, dtype=np.int64)
+    return PackedDataset(tokens=t.to(torch.int32).contiguous(), seq_len=seq_len, starts=starts)
+
+
+def pack_documents(texts: list[str], tokenizer: Tokenizer, seq_len: int) -> PackedDataset:
+    """Tokenize and pack documents, remembering where each begins (`Tokenizer.encode_with_starts`)."""
+    tokens, starts = tokenizer.encode_with_starts(texts)
+    return pack(tokens, seq_len, starts=starts)
+
+
+def micro_batch(dataset, indices: torch.Tensor, *, documents: bool = False) -> tuple[torch.Tensor, ...]:
+    """(inputs, targets) of the samples `indices` of `dataset` (anything with `batch` and `document_starts`);
+    with `documents` (data.document_mask) also their document ids, int64 [len(indices), seq_len]
+    (`meshlm.models.documents`): (inputs, targets, documents)."""
+    inputs, targets = dataset.batch(indices)
+    if not documents:
+        return inputs, targets
+    return inputs, targets, documents_from_starts(dataset.document_starts(indices), inputs.shape[1])
 
 
 def build_datasets(data: DataConfig, *, seq_len: int,
                    tokenizer: Tokenizer) -> tuple[PackedDataset, PackedDataset]:
     """Read, split, tokenize and pack: (train, validation). Cached in memory only, by the caller."""
     train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
-    train = pack(tokenizer.encode_documents(train_docs), seq_len)
-    val = pack(tokenizer.encode_documents(val_docs), seq_len)
+    train = pack_documents(train_docs, tokenizer, seq_len)
+    val = pack_documents(val_docs, tokenizer, seq_len)
     where = data.path or "the standard-library corpus"
     if len(train) == 0:
         raise ValueError(f"{where} gives {train.tokens.numel()} training tokens, fewer than one sample of "
@@ -179,13 +211,14 @@ class BatchLoader:
     """One global batch per optimizer step, from a seeded shuffle reshuffled every epoch.
 
     Rank `dp_rank` of `dp_size` takes the contiguous slice `[r*B/dp, (r+1)*B/dp)` of each global
-    batch (B = global_batch_size) and gets it as a list of micro-batches `(inputs, targets)`.
+    batch (B = global_batch_size) and gets it as a list of micro-batches `(inputs, targets)`, or with
+    `documents` (data.document_mask) `(inputs, targets, documents)` (`micro_batch`).
     Concatenating every rank's slices gives the global batch, so any data-parallel layout sees
     exactly the samples of the single-process run. A partial batch at an epoch's end is dropped.
     """
 
     def __init__(self, dataset: PackedDataset, *, global_batch_size: int, micro_batch_size: int,
-                 seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+                 seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1, documents: bool = False):
         if dataset.seq_len != seq_len:
             raise ValueError(f"dataset is packed for seq_len={dataset.seq_len}, loader asked for {seq_len}")
         if not 0 <= dp_rank < dp_size:
@@ -203,6 +236,7 @@ class BatchLoader:
         self.dataset = dataset
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.documents = documents
         self.epoch, self.position = 0, 0
         self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
@@ -220,12 +254,13 @@ class BatchLoader:
         self.position += self.global_batch_size
         return idx
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batch(self) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro-batches of the next global batch."""
         idx = self.next_global_indices()
         local = self.global_batch_size // self.dp_size
         mine = idx[self.dp_rank * local: (self.dp_rank + 1) * local]
-        return [self.dataset.batch(chunk) for chunk in mine.split(self.micro_batch_size)]
+        return [micro_batch(self.dataset, chunk, documents=self.documents)
+                for chunk in mine.split(self.micro_batch_size)]
 
     def __iter__(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         while True:
@@ -245,10 +280,11 @@ class BatchLoader:
 
 
 def validation_batches(dataset: PackedDataset, *, num_batches: int, micro_batch_size: int,
-                       dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       dp_rank: int = 0, dp_size: int = 1, documents: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """A fixed set (the first samples, in order, wrapping if the split is small) for comparable val losses.
 
-    Rank r takes every dp_size-th micro-batch so data-parallel ranks split the work.
+    Rank r takes every dp_size-th micro-batch so data-parallel ranks split the work. `documents`: as
+    `BatchLoader`'s.
     """
     n = len(dataset)
     if n == 0 or num_batches == 0:
@@ -256,4 +292,4 @@ def validation_batches(dataset: PackedDataset, *, num_batches: int, micro_batch_
     total = num_batches * micro_batch_size
     idx = torch.arange(total) % n
     chunks = list(idx.split(micro_batch_size))
-    return [dataset.batch(c) for c in chunks[dp_rank::dp_size]]
+    return [micro_batch(dataset, c, documents=documents) for c in chunks[dp_rank::dp_size]]

@@ -1,7 +1,8 @@
 """The reference decoder: a Llama-style transformer in plain PyTorch, on one device.
 
 Responsible for: embedding, RMSNorm, RoPE (with Llama-3 frequency scaling), grouped-query attention
-through `scaled_dot_product_attention` (optional q/k norm, optional q/k/v bias), SwiGLU MLP or MoE per
+through `scaled_dot_product_attention` (optional q/k norm, optional q/k/v bias; block-causal over the
+documents of packed samples when given `documents`, `meshlm.models.documents`), SwiGLU MLP or MoE per
 layer, tied or untied output head, an optional contiguous KV cache for generation, and a deterministic
 initialisation that depends only on (seed, parameter name) -- never on how the model is sharded.
 Not responsible for: any parallelism (strategies are transforms in `meshlm.parallel`), loss
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.config import ModelConfig
+from meshlm.models.documents import attention_mask, document_positions
 from meshlm.models.moe import MoE
 
 
@@ -65,6 +67,18 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     sin = emb.sin()
     half = sin.shape[-1] // 2
     return emb.cos().to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
+
+
+def rope_positions(seq: int, *, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                   start: int = 0, device=None) -> torch.Tensor:
+    """The positions RoPE rotates `seq` tokens by: `positions` (their indices in the sequence) or start..start+seq-1;
+    with `documents` (the whole sequences' document ids) the position of those tokens within their document,
+    [batch, seq]."""
+    if documents is not None:
+        return document_positions(documents, positions)
+    if positions is not None:
+        return positions
+    return torch.arange(start, start + seq, device=device)
 
 
 def apply_rope(x_bhsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -119,7 +133,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0, documents: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # Head counts are read from the projection widths so that a tensor-parallel transform that
         # shards wq/wk/wv by heads needs no change here.
@@ -137,7 +151,7 @@ class Attention(nn.Module):
             out = cache.attend(layer, q_bhsd, k_bhsd, v_bhsd)
             return self.wo(out.transpose(1, 2).reshape(bsz, seq, heads * self.head_dim))
         if cache is None:
-            return self.wo(self.core(q_bhsd, k_bhsd, v_bhsd))
+            return self.wo(self.core(q_bhsd, k_bhsd, v_bhsd, documents))
         past = cache.length
         k_bhsd, v_bhsd = cache.update(layer, k_bhsd, v_bhsd)
         groups = q_bhsd.shape[1] // k_bhsd.shape[1]
@@ -155,16 +169,23 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, seq, -1)
         return self.wo(out)
 
-    def core(self, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
+    def core(self, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention over a whole sequence (no cache): [batch, heads, seq, head_dim] in,
-        [batch, seq, heads * head_dim] out. A method of its own, with no parameters, so that a
-        transform can replace it (selective activation recomputation, `meshlm.parallel.recompute`)."""
+        [batch, seq, heads * head_dim] out; with `documents` ([batch, seq], `meshlm.models.documents`)
+        block-causal: a query sees only the keys of its own document. A method of its own, with no
+        parameters, so that a transform can replace it (selective activation recomputation,
+        `meshlm.parallel.recompute`; context parallelism, `meshlm.parallel.context`)."""
         bsz, _, seq, _ = q_bhsd.shape
         groups = q_bhsd.shape[1] // k_bhsd.shape[1]
         if groups > 1:
             k_bhsd = k_bhsd.repeat_interleave(groups, dim=1)
             v_bhsd = v_bhsd.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, is_causal=seq > 1)
+        if documents is None:
+            out = F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, is_causal=seq > 1)
+        else:  # one boolean mask over the batch's sequences, shared by the heads
+            mask = attention_mask(documents)[:, None]
+            out = F.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, attn_mask=mask)
         return out.transpose(1, 2).reshape(bsz, seq, -1)
 
 
@@ -197,13 +218,18 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, self.layer)
+    def forward(self, x, cos, sin, cache: KVCache | None = None, documents: torch.Tensor | None = None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, self.layer, documents=documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
     """`forward(tokens [batch, seq]) -> logits [batch, seq, vocab]`.
+
+    `positions`: the indices in the sequence of the tokens given (context parallelism: a rank's chunks' true
+    positions); None: 0..seq-1 (after a KV cache's length). `documents` (data.document_mask): the whole
+    sequences' document ids [batch, seq] (`meshlm.models.documents`, whatever part of them `tokens` is):
+    attention stops at document boundaries and RoPE counts positions from each document's start.
 
     Layers live in a `ModuleDict` keyed by their global index ("0", "1", ...), so a pipeline stage
     that keeps a subset keeps the same parameter names as the full model (checkpoints stay portable).
@@ -224,15 +250,17 @@ class Transformer(nn.Module):
             self.inv_freq = rope_inv_freq(config)
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        if documents is not None and cache is not None:
+            raise ValueError("documents (block-causal attention of packed samples) are for training and "
+                             "evaluation; generation with a KV cache takes one document: pass documents=None")
         h = self.embed(tokens) if self.embed is not None else tokens
         seq = h.shape[1]
-        if positions is None:
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + seq, device=h.device)
+        positions = rope_positions(seq, positions=positions, documents=documents,
+                                   start=cache.length if cache is not None else 0, device=h.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
         for block in self.layers.values():
-            h = block(h, cos, sin, cache)
+            h = block(h, cos, sin, cache, documents=documents)
         if cache is not None:
             cache.length += seq
         if self.norm is not None:

@@ -72,6 +72,17 @@ the all-to-all back returns the output. Per rank and layer, with T, d, E, h as a
 tp, U) and R = cp / U: on "cp_ulysses" Ulysses' 4 T d E (h + g) (U in place of cp); on "cp_ring" the ring's
 volume for a block of K (or V) of T d E g bytes (the group's U T tokens at g / U heads): forward (R-1) x K+V,
 backward (R-1) x (K+V + dK+dV), each sent and received. U = cp is Ulysses over a ring of one.
+
+Document masking (data.document_mask): every variant takes `documents`, the whole sequences' document ids
+[b, seq] (`meshlm.models.documents`; not split: every rank has the whole micro-batch, so knowing the documents
+of the K/V chunks a rank meets costs no communication, and the collectives are exactly those without it).
+The ring and all-gather mask each (query chunk, key chunk) pair by chunk index as before and, within it, by
+document (`attention_mask` of the two chunks' slices of `documents`); a pair whose queries see none of its keys
+in any sequence is skipped like a later chunk. A query row may see no key of a pair (another document): its
+scores are filled with the dtype's lowest finite value, not -inf, so the pair's partial result is finite and its
+weight in the merge, exp(lse_pair - lse), is exactly 0 once a pair holding the query's own document (its own
+chunk, at least) is merged -- and the backward's probabilities there are exactly 0 too. Ulysses and the hybrid
+put the tokens back in sequence order, where the model's core takes `documents` as they are.
 """
 
 from __future__ import annotations
@@ -86,6 +97,7 @@ from torch import nn
 from meshlm import comm
 from meshlm.comm import P2P
 from meshlm.mesh import Mesh, create_groups, every_group, group_ranks
+from meshlm.models.documents import attention_mask
 from meshlm.rules import CP_METHODS, check_hybrid, check_seq_len, check_ulysses, ulysses_kv_heads  # noqa: F401
 
 AXIS = "cp"
@@ -146,8 +158,11 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     return out, lse
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float,
+            allowed: torch.Tensor | None = None) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if allowed is not None:  # documents: [b, queries, keys], the causal part included; finite (module docstring)
+        return s.masked_fill(~allowed[:, None], torch.finfo(s.dtype).min)
     if causal:  # a chunk against itself: query i sees keys 0..i
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -167,13 +182,21 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _pairs(q_ids, k_ids, c: int):
-    """(query slice, key slice, causal) for every (query chunk, key chunk) pair that is not fully masked,
-    for queries holding chunks `q_ids` (in that order, `c` tokens each) against a block holding `k_ids`."""
+def _pairs(q_ids, k_ids, c: int, documents: torch.Tensor | None = None):
+    """(query slice, key slice, causal, allowed) for every (query chunk, key chunk) pair that is not fully
+    masked, for queries holding chunks `q_ids` (in that order, `c` tokens each) against a block holding `k_ids`.
+    `allowed`: with `documents` (the whole sequences', [b, 2 cp c]) the pair's mask [b, c, c], else None."""
     for qi, qa in enumerate(q_ids):
         for ki, kb in enumerate(k_ids):
-            if kb <= qa:
-                yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kb == qa
+            if kb > qa:
+                continue
+            allowed = None
+            if documents is not None:
+                allowed = attention_mask(documents[:, qa * c:(qa + 1) * c], documents[:, kb * c:(kb + 1) * c],
+                                         causal=kb == qa)
+                if not allowed.any():  # other documents only
+                    continue
+            yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kb == qa, allowed
 
 
 def _no_autocast(device_type: str):
@@ -186,28 +209,29 @@ def _shape(q: torch.Tensor, k: torch.Tensor, q_ids) -> tuple[int, int, float]:
     return q.shape[1] // k.shape[1], q.shape[2] // len(q_ids), 1.0 / math.sqrt(q.shape[-1])
 
 
-def _block_forward(qc, block, *, q_ids, k_ids, out, lse) -> None:
+def _block_forward(qc, block, *, q_ids, k_ids, out, lse, documents=None) -> None:
     """Attend this rank's queries `qc` (chunks `q_ids`) to the K/V `block` [2, b, hkv, n c, d] holding chunks
     `k_ids`, merging each (query chunk, key chunk) pair's partial result into `out` / `lse` in place (the
-    online softmax)."""
+    online softmax). `documents`: the whole sequences' document ids (block-causal), or None."""
     groups, c, scale = _shape(qc, block[0], q_ids)
     kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
-    for qs, ks, causal in _pairs(q_ids, k_ids, c):
-        s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale)
+    for qs, ks, causal, allowed in _pairs(q_ids, k_ids, c, documents):
+        s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale, allowed=allowed)
         part_lse = torch.logsumexp(s, dim=-1)
         part = torch.matmul(torch.exp(s - part_lse[..., None]), vb[:, :, ks])
         # lse starts at -inf (no keys yet): merging with it keeps `part` exactly
         out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse)
 
 
-def _block_backward(qc, doc, block, *, q_ids, k_ids, lse, delta, dq) -> torch.Tensor:
+def _block_backward(qc, doc, block, *, q_ids, k_ids, lse, delta, dq, documents=None) -> torch.Tensor:
     """This rank's share of dK/dV of `block` (the K/V of chunks `k_ids`), [2, b, hkv, n c, d]; adds its part
     of dQ into `dq`. The FlashAttention backward: probabilities recomputed from the saved log-sum-exp."""
     groups, c, scale = _shape(qc, block[0], q_ids)
     kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
     dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-    for qs, ks, causal in _pairs(q_ids, k_ids, c):
-        p = torch.exp(_scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale) - lse[:, :, qs, None])
+    for qs, ks, causal, allowed in _pairs(q_ids, k_ids, c, documents):
+        p = torch.exp(_scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale, allowed=allowed)
+                      - lse[:, :, qs, None])
         dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), doc[:, :, qs])
         ds = p * (torch.matmul(doc[:, :, qs], vb[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
         dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
@@ -243,10 +267,11 @@ def ring_pass(block: torch.Tensor, mesh: Mesh, axis: str, visit, *, incoming=Non
 
 
 class _RingAttention(torch.autograd.Function):
-    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's chunks, `chunks_of(rank on axis)`) -> out [b, h, s, d]."""
+    """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's chunks, `chunks_of(rank on axis)`) -> out [b, h, s, d];
+    `documents`: the whole sequences' document ids, or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh: Mesh, axis: str, chunks_of):
+    def forward(ctx, q, k, v, mesh: Mesh, axis: str, chunks_of, documents=None):
         r = mesh.local_rank(axis)
         cdt = torch.promote_types(q.dtype, torch.float32)
         with _no_autocast(q.device.type):
@@ -256,10 +281,10 @@ class _RingAttention(torch.autograd.Function):
             # what travels: the kv heads only
             ring_pass(torch.stack([k, v]).contiguous(), mesh, axis,
                       lambda block, src: _block_forward(qc, block, q_ids=chunks_of(r), k_ids=chunks_of(src), out=out,
-                                                        lse=lse))
+                                                        lse=lse, documents=documents))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mesh, ctx.axis, ctx.chunks_of = mesh, axis, chunks_of
+        ctx.mesh, ctx.axis, ctx.chunks_of, ctx.documents = mesh, axis, chunks_of, documents
         return out
 
     @staticmethod
@@ -296,7 +321,7 @@ class _RingAttention(torch.autograd.Function):
                         own = own + partial_in
                     break
                 grads = _block_backward(qc, doc, block, q_ids=ctx.chunks_of(r), k_ids=ctx.chunks_of((r - step) % cp),
-                                        lse=lse, delta=delta, dq=dq)
+                                        lse=lse, delta=delta, dq=dq, documents=ctx.documents)
                 if handle is not None:
                     handle.wait()
                 if step == 0:
@@ -305,15 +330,16 @@ class _RingAttention(torch.autograd.Function):
                     outgoing = (grads + partial_in if partial_in is not None else grads).contiguous()
                 if incoming is not None:
                     block = incoming
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
 class _GatheredAttention(torch.autograd.Function):
     """q [b, h, s, d] (this rank's chunks), kv [2, b, hkv, cp * s, d] (every rank's, in rank order) ->
-    out [b, h, s, d]; no communication here (the gather's autograd reduce-scatters dK/dV)."""
+    out [b, h, s, d]; no communication here (the gather's autograd reduce-scatters dK/dV). `documents`: the
+    whole sequences' document ids, or None."""
 
     @staticmethod
-    def forward(ctx, q, kv, cp_rank: int, cp: int):
+    def forward(ctx, q, kv, cp_rank: int, cp: int, documents=None):
         cdt = torch.promote_types(q.dtype, torch.float32)
         s = q.shape[2]
         with _no_autocast(q.device.type):
@@ -322,10 +348,10 @@ class _GatheredAttention(torch.autograd.Function):
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
             for src in range(cp):
                 _block_forward(qc, kv[:, :, :, src * s:(src + 1) * s], q_ids=chunk_ids(cp_rank, cp),
-                               k_ids=chunk_ids(src, cp), out=out, lse=lse)
+                               k_ids=chunk_ids(src, cp), out=out, lse=lse, documents=documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.cp_rank, ctx.cp = cp_rank, cp
+        ctx.cp_rank, ctx.cp, ctx.documents = cp_rank, cp, documents
         return out
 
     @staticmethod
@@ -338,28 +364,30 @@ class _GatheredAttention(torch.autograd.Function):
             dq = torch.zeros_like(qc)
             dkv = torch.cat([_block_backward(qc, doc, kv[:, :, :, src * s:(src + 1) * s],
                                              q_ids=chunk_ids(ctx.cp_rank, ctx.cp), k_ids=chunk_ids(src, ctx.cp),
-                                             lse=lse, delta=delta, dq=dq)
+                                             lse=lse, delta=delta, dq=dq, documents=ctx.documents)
                              for src in range(ctx.cp)], dim=3)
-        return dq.to(q.dtype), dkv.to(kv.dtype), None, None
+        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *, axis: str = AXIS) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *, axis: str = AXIS,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole (cp-split) sequence, by a ring over `axis`.
 
     q [b, heads, s, d]; k, v [b, kv_heads, s, d] -- this rank's two chunks (`shard_sequence`), already
-    rotated by their true positions. Returns [b, heads, s, d]. Collective over `axis`."""
+    rotated by their true positions. `documents`: the whole sequences' document ids [b, cp s] (block-causal
+    attention; the same on every rank). Returns [b, heads, s, d]. Collective over `axis`."""
     cp = mesh.size(axis)
-    return _RingAttention.apply(q, k, v, mesh, axis, functools.partial(chunk_ids, cp=cp))
+    return _RingAttention.apply(q, k, v, mesh, axis, functools.partial(chunk_ids, cp=cp), documents)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
-                        axis: str = AXIS) -> torch.Tensor:
+                        axis: str = AXIS, documents: torch.Tensor | None = None) -> torch.Tensor:
     """`ring_attention`'s result with K/V gathered once (one all-gather forward, one reduce-scatter backward).
 
     The same per-chunk-pair attention as the ring (fully masked pairs skipped, no mask tensor), over the
     gathered blocks; it keeps the whole sequence's K/V (kv heads only) for backward."""
     kv = comm.gather_along_dim(torch.stack([k, v]).contiguous(), mesh, axis, dim=3, grad_op="reduce_scatter")
-    return _GatheredAttention.apply(q, kv, mesh.local_rank(axis), mesh.size(axis))
+    return _GatheredAttention.apply(q, kv, mesh.local_rank(axis), mesh.size(axis), documents)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,11 +395,12 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh:
 # --------------------------------------------------------------------------------------------
 
 
-def _causal_core(q_bhsd, k_bhsd, v_bhsd):
-    """`Attention.core` (the model's dense causal attention, GQA expanded): [b, h, s, d] -> [b, s, h * d]."""
+def _causal_core(q_bhsd, k_bhsd, v_bhsd, documents=None):
+    """`Attention.core` (the model's dense causal attention, GQA expanded; block-causal with `documents`):
+    [b, h, s, d] -> [b, s, h * d]."""
     from meshlm.models.transformer import Attention  # models never import parallel; the reverse is fine
 
-    return Attention.core(None, q_bhsd, k_bhsd, v_bhsd)  # core reads nothing of its module
+    return Attention.core(None, q_bhsd, k_bhsd, v_bhsd, documents)  # core reads nothing of its module
 
 
 def _to_sequence_order(x, cp: int, dim: int) -> torch.Tensor:
@@ -400,14 +429,14 @@ def _heads_exchange(q, k, v, mesh: Mesh, axis: str) -> list[torch.Tensor]:
     return got.split([h // n, g // n, g // n], dim=2)
 
 
-def _ulysses(q, k, v, mesh: Mesh, axis: str) -> torch.Tensor:
+def _ulysses(q, k, v, mesh: Mesh, axis: str, documents=None) -> torch.Tensor:
     """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's tokens) -> [b, s, h * d], attention over the whole
-    sequence by head groups (two all-to-alls over `axis`)."""
+    sequence by head groups (two all-to-alls over `axis`); `documents`: the whole sequences' (or None)."""
     cp = mesh.size(axis)
     b, h, s, d = q.shape
     # In token order, each of q, k, v a tensor of its own: attention keeps exactly what it would without cp.
     ql, kl, vl = (_to_sequence_order(part, cp, dim=2) for part in _heads_exchange(q, k, v, mesh, axis))
-    out = _causal_core(ql, kl, vl).view(b, cp * 2, s // 2, h // cp, d)  # [b, chunk, c, local heads, d]
+    out = _causal_core(ql, kl, vl, documents).view(b, cp * 2, s // 2, h // cp, d)  # [b, chunk, c, local heads, d]
     # back: every rank its own two chunks, of every head group
     back = torch.stack([torch.cat([out[:, j] for j in chunk_ids(r, cp)], dim=1) for r in range(cp)])
     got = comm.all_to_all(back, mesh, axis)  # [cp (head group), b, s, h / cp, d]
@@ -415,14 +444,15 @@ def _ulysses(q, k, v, mesh: Mesh, axis: str) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
-                      axis: str = AXIS) -> torch.Tensor:
+                      axis: str = AXIS, documents: torch.Tensor | None = None) -> torch.Tensor:
     """`ring_attention`'s result by Ulysses' head split: one all-to-all to the whole sequence of heads / cp,
     dense causal attention, one all-to-all back (and the inverse exchanges backward).
 
     q [b, heads, s, d]; k, v [b, kv_heads, s, d] -- this rank's two chunks. heads must divide by the
-    size of `axis` (`check_ulysses`). Returns [b, heads, s, d]. Collective over `axis`."""
+    size of `axis` (`check_ulysses`). `documents` as `ring_attention`'s. Returns [b, heads, s, d]. Collective
+    over `axis`."""
     b, h, s, d = q.shape
-    return _ulysses(q, k, v, mesh, axis).view(b, s, h, d).transpose(1, 2)
+    return _ulysses(q, k, v, mesh, axis, documents).view(b, s, h, d).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,7 +485,7 @@ def _hybrid_chunks(ring_rank: int, *, ulysses: int, cp: int) -> tuple[int, ...]:
     return tuple(j for u in range(ulysses) for j in chunk_ids(ring_rank * ulysses + u, cp))
 
 
-def _hybrid(q, k, v, mesh: Mesh) -> torch.Tensor:
+def _hybrid(q, k, v, mesh: Mesh, documents=None) -> torch.Tensor:
     """q [b, h, s, d], k/v [b, hkv, s, d] (this rank's tokens) -> [b, s, h * d]: an all-to-all over
     "cp_ulysses" to the group's tokens of heads / U, ring attention over "cp_ring", an all-to-all back."""
     U, cp = mesh.size(ULYSSES_AXIS), mesh.size(AXIS)
@@ -463,16 +493,17 @@ def _hybrid(q, k, v, mesh: Mesh) -> torch.Tensor:
     # the group's tokens in its ranks' order (the ring masks by chunk index, `_hybrid_chunks`)
     ql, kl, vl = (torch.cat(part.unbind(0), dim=2) for part in _heads_exchange(q, k, v, mesh, ULYSSES_AXIS))
     chunks_of = functools.partial(_hybrid_chunks, ulysses=U, cp=cp)
-    out = _RingAttention.apply(ql, kl, vl, mesh, RING_AXIS, chunks_of)  # [b, h / U, U s, d]
+    out = _RingAttention.apply(ql, kl, vl, mesh, RING_AXIS, chunks_of, documents)  # [b, h / U, U s, d]
     back = torch.stack(out.split(s, dim=2))  # [U (destination), b, h / U, s, d]
     got = comm.all_to_all(back, mesh, ULYSSES_AXIS)  # [U (head group), b, h / U, s, d]
     return got.permute(1, 3, 0, 2, 4).reshape(b, s, h * d)
 
 
-def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, *,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
     """`ring_attention`'s result by the hybrid; `mesh` from `hybrid_mesh`. Shapes as `ulysses_attention`."""
     b, h, s, d = q.shape
-    return _hybrid(q, k, v, mesh).view(b, s, h, d).transpose(1, 2)
+    return _hybrid(q, k, v, mesh, documents).view(b, s, h, d).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,14 +511,15 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Me
 # --------------------------------------------------------------------------------------------
 
 
-def _context_core(q_bhsd, k_bhsd, v_bhsd, *, mesh: Mesh, method: str):
-    """Replacement of `Attention.core`: [b, h, s, d] in, [b, s, h * d] out (s = this rank's tokens)."""
+def _context_core(q_bhsd, k_bhsd, v_bhsd, documents=None, *, mesh: Mesh, method: str):
+    """Replacement of `Attention.core`: [b, h, s, d] in, [b, s, h * d] out (s = this rank's tokens);
+    `documents`: the whole sequences' document ids (block-causal), or None."""
     if method == "ulysses":
-        return _ulysses(q_bhsd, k_bhsd, v_bhsd, mesh, AXIS)
+        return _ulysses(q_bhsd, k_bhsd, v_bhsd, mesh, AXIS, documents)
     if method == "hybrid":
-        return _hybrid(q_bhsd, k_bhsd, v_bhsd, mesh)
+        return _hybrid(q_bhsd, k_bhsd, v_bhsd, mesh, documents)
     attend = ring_attention if method == "ring" else allgather_attention
-    out = attend(q_bhsd, k_bhsd, v_bhsd, mesh)
+    out = attend(q_bhsd, k_bhsd, v_bhsd, mesh, documents=documents)
     bsz, _, seq, _ = q_bhsd.shape
     return out.transpose(1, 2).reshape(bsz, seq, -1)
 
@@ -522,7 +554,8 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, *, method: str = "ring"
     `ulysses` > 1 (parallel.cp_ulysses, with method "ring"): the hybrid, Ulysses within groups of that many
     consecutive cp ranks and the ring across the groups (collective: creates the groups, `hybrid_mesh`).
     The model then expects this rank's chunks of every sequence and their true positions
-    (`model(handle.shard(tokens), positions=handle.positions(seq_len))`); the KV-cache paths used for
+    (`model(handle.shard(tokens), positions=handle.positions(seq_len))`, and with document masking the whole
+    sequences' `documents=`, not split); the KV-cache paths used for
     generation are untouched (they do not call `core`)."""
     from meshlm.models.transformer import Attention  # models never import parallel; the reverse is fine
 

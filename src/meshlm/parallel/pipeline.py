@@ -49,6 +49,7 @@ same replay checks agree message for message.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from torch import nn
 from meshlm import comm
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
-from meshlm.models.transformer import Transformer, rope_cos_sin
+from meshlm.models.transformer import Transformer, rope_cos_sin, rope_positions
 from meshlm import schedules
 from meshlm.schedules import Schedule, balanced_split
 from meshlm.timeline import TimedAction
@@ -123,18 +124,19 @@ class PipelineStage:
         return self.stage(chunk) == self.num_stages - 1
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, *, seq_len: int | None = None,
-                      positions: torch.Tensor | None = None, aux_scale: float = 0.0) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, aux_scale: float = 0.0,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [b, s] (first stage) or hidden states [b, s, h] in; hidden states, or logits on the
         last stage, out. RoPE's cos/sin are recomputed from the positions, as Transformer.forward does:
         `positions` of the tokens this rank holds (context parallelism: its chunks' true positions), or
-        0..seq_len-1, `seq_len` the whole sequence's (under sequence parallelism the hidden states are a chunk)."""
+        0..seq_len-1, `seq_len` the whole sequence's (under sequence parallelism the hidden states are a chunk);
+        `documents`: the micro-batch's document ids (document masking, `Transformer.forward`), or None."""
         m = self.model
         h = m.embed(x) if self.is_first(chunk) else x
-        if positions is None:
-            positions = torch.arange(seq_len or h.shape[1], device=h.device)
+        positions = rope_positions(seq_len or h.shape[1], positions=positions, documents=documents, device=h.device)
         cos, sin = rope_cos_sin(m.inv_freq, positions, h.dtype)
         for name in self.chunk_layers[chunk]:
-            h = m.layers[name](h, cos, sin)
+            h = m.layers[name](h, cos, sin, documents=documents)
         if aux_scale and torch.is_grad_enabled():
             # The MoE load-balancing losses of this chunk's blocks join the backward here, on their own
             # stage: the loss is computed on the last stage only.
@@ -434,7 +436,8 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                       sequence_shards: int = 1, positions: torch.Tensor | None = None,
                       aux_scale: float = 0.0, axis: str = "pp") -> PipelineStepResult:
     """Run this rank's actions of `schedule` over `micro_batches` ((inputs, targets) pairs, tokens
-    [b, s]; every rank passes the same shapes, only the last stage reads targets); collective over `axis`.
+    [b, s]; every rank passes the same shapes, only the last stage reads targets; or (inputs, targets,
+    documents) with the document ids of document masking, which every stage reads); collective over `axis`.
 
     Gradients accumulate into the parameters' `.grad` (the caller zeroes them and reduces over data
     parallelism afterwards). `forward_only=True` runs only forwards, under no_grad, chunk by chunk
@@ -490,11 +493,11 @@ def run_pipeline_step(stage: PipelineStage, schedule: Schedule | None,
                     x = micro_batches[a.microbatch][0].to(device)
                 else:
                     x = received.requires_grad_(not forward_only)
-                if split is not None:
-                    y = split.forward(key, lambda: stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions,
-                                                                          aux_scale=aux_scale))
-                else:
-                    y = stage.forward_chunk(a.chunk, x, seq_len=seq, positions=positions, aux_scale=aux_scale)
+                mb = micro_batches[a.microbatch]
+                documents = mb[2].to(device) if len(mb) > 2 and mb[2] is not None else None
+                run = functools.partial(stage.forward_chunk, a.chunk, x, seq_len=seq, positions=positions,
+                                        aux_scale=aux_scale, documents=documents)
+                y = split.forward(key, run) if split is not None else run()
                 if s == S - 1:
                     y = loss_fn(y, micro_batches[a.microbatch][1].to(device)) / num_tokens
                     loss_total += y.detach().to(torch.float64)

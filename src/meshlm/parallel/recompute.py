@@ -7,7 +7,8 @@ and `saved_activation_bytes` / `SavedTensorMeter`, which measure what autograd k
   full       every transformer block (`model.layers`) keeps only its inputs and runs its forward
              again in backward (`torch.utils.checkpoint`, non-reentrant).
   selective  Korthikanti et al. 2022: the matmul outputs are kept; the attention core
-             (`Attention.core`: GQA expansion, scores, softmax, attention x V) and the SwiGLU activation
+             (`Attention.core`: GQA expansion, the block-causal mask of `documents` when given, scores,
+             softmax, attention x V) and the SwiGLU activation
              (`MLP.act`, `Experts.act`: silu(gate) * up) are recomputed in backward. Neither has
              parameters or collectives, so recomputing them costs no communication. Their outputs
              stay (wo and w_down keep them for their weight gradients); what goes is what is inside:
@@ -56,11 +57,14 @@ def _recomputed(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def _recomputed_block(forward, x, cos, sin, cache=None):
+def _recomputed_block(forward, x, cos, sin, cache=None, documents=None):
     """A block's forward under full recomputation; with a KV cache it runs plainly (a recomputed
-    cache update would write the cache again, at the wrong position)."""
+    cache update would write the cache again, at the wrong position). `documents`: the block-causal
+    mask's document ids (`Block.forward`), kept as an input like cos and sin."""
     if cache is not None:
         return forward(x, cos, sin, cache)
+    if documents is not None:
+        return _recomputed(forward, x, cos, sin, None, documents)
     return _recomputed(forward, x, cos, sin)
 
 

@@ -87,7 +87,8 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
     if not cfg.data.prepared:
         train, val = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=tokenizer)
         loader = BatchLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
-                             seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size)
+                             seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
+                             documents=cfg.data.document_mask)
         return train, val, loader
     from meshlm.data.dataset import open_dataset
     from meshlm.data.loader import PreparedLoader
@@ -102,5 +103,6 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
     except ValueError:  # prepared without --val-fraction: no validation
         val = pack(np.zeros(0, dtype=np.int32), t.seq_len)
     loader = PreparedLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
-                            seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size)
+                            seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
+                            documents=cfg.data.document_mask)
     return train, val, loader

@@ -29,6 +29,9 @@ Under context parallelism (parallel.cp > 1) every rank runs its two chunks of ev
 (`meshlm.parallel.context`): `local_batch` cuts inputs and targets and passes the tokens' true positions;
 losses and validation sums are reduced over "dp_cp" (data-parallel and cp ranks), and gradients too.
 
+Under document masking (data.document_mask) every micro-batch carries its document ids (`meshlm.models.documents`),
+whole sequences on every rank; the model masks attention by document and restarts RoPE's positions at each one.
+
 Loss normalisation: every micro-batch contributes `sum of token losses / tokens in the global batch`,
 so the gradients *summed* over micro-batches (and over data-parallel ranks) are those of the mean
 over the global batch. A data-parallel gradient reduction must therefore be a sum, not a mean.
@@ -280,10 +283,10 @@ class Trainer:
         if self.parallel.pipeline is not None:
             loss += self.pipeline_step(micro_batches, num_tokens=num_tokens)
             micro_batches = []  # the pipeline ran them all
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):  # (inputs, targets[, documents])
             final = i == len(micro_batches) - 1
             with contextlib.nullcontext() if final else self.parallel.no_sync():
-                loss += self.micro_step(inputs, targets, num_tokens=num_tokens,
+                loss += self.micro_step(*batch, num_tokens=num_tokens,
                                         num_micro_batches=len(micro_batches) * self.dp_size)
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
@@ -309,18 +312,18 @@ class Trainer:
             row["pp_bubble"] = pipeline_idle_share(self.pipeline_result)
         return row
 
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, num_tokens: int,
-                   num_micro_batches: int) -> torch.Tensor:
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None, *,
+                   num_tokens: int, num_micro_batches: int) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns its (detached) share of the global mean loss.
 
         `num_tokens` is the token count of the whole global batch (all micro-batches, all ranks);
         `num_micro_batches` likewise, for the MoE auxiliary loss, which is a mean over micro-batches.
         """
-        inputs, targets, positions = self.local_batch(inputs, targets)
+        inputs, targets, positions, documents = self.local_batch(inputs, targets, documents)
         meter = SavedTensorMeter(self.base_model) if self.activation_mib is None else contextlib.nullcontext()
         with meter:
             with self.autocast():
-                logits = self.model(inputs, positions=positions)
+                logits = self.model(inputs, positions=positions, documents=documents)
             loss = self.loss_sum(logits, targets) / num_tokens
             aux = self.base_model.aux_loss()
             total = loss + aux / num_micro_batches if torch.is_tensor(aux) else loss
@@ -337,9 +340,9 @@ class Trainer:
         the gradients are then reduced over data parallelism once."""
         p = self.cfg.parallel
         schedule = build_schedule(p.pp_schedule, pp=p.pp, num_microbatches=len(micro_batches), pp_chunks=p.pp_chunks)
-        batches = [self.local_batch(x, y) for x, y in micro_batches]
+        batches = [self.local_batch(*mb) for mb in micro_batches]
         positions = batches[0][2]
-        batches = [(x, y) for x, y, _ in batches]
+        batches = [(x, y, documents) for x, y, _, documents in batches]
         with self.parallel.no_sync(), self.autocast():
             # The MoE load-balancing loss, a mean over the global batch's micro-batches (as `micro_step`).
             aux_scale = self.cfg.model.router_aux_loss_coef / (len(batches) * self.dp_size) if self.moe else 0.0
@@ -372,27 +375,27 @@ class Trainer:
         micro_per_global = t.global_batch_size // self.micro_batch_size  # a multiple of dp (check_layout)
         batches = validation_batches(dataset, num_batches=num_global_batches * micro_per_global,
                                      micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
-                                     dp_size=self.dp_size)
+                                     dp_size=self.dp_size, documents=self.cfg.data.document_mask)
         self.model.eval()
         # [sum of token losses, tokens] summed over ranks: right even when ranks hold different
         # numbers of batches (or none), and every rank joins the reduction.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.parallel.pipeline is not None and batches:
             # Forward only through the stages; the stages of one pipeline hold the same batches.
-            batches = [self.local_batch(x, y) for x, y in batches]
+            batches = [self.local_batch(*mb) for mb in batches]
             positions = batches[0][2]
-            batches = [(x, y) for x, y, _ in batches]
+            batches = [(x, y, documents) for x, y, _, documents in batches]
             with self.autocast():
                 result = run_pipeline_step(self.parallel.pipeline, None, batches, mesh=self.mesh, num_tokens=1,
                                            activation_dtype=self.dtype, forward_only=True, loss_fn=self.loss_sum,
                                            sequence_shards=self.sequence_shards, positions=positions)
             totals[0] += result.loss
-            totals[1] += sum(targets.numel() for _, targets in batches)
+            totals[1] += sum(batch[1].numel() for batch in batches)
             batches = []
-        for inputs, targets in batches:
-            inputs, targets, positions = self.local_batch(inputs, targets)
+        for batch in batches:
+            inputs, targets, positions, documents = self.local_batch(*batch)
             with self.autocast():
-                logits = self.model(inputs, positions=positions)
+                logits = self.model(inputs, positions=positions, documents=documents)
             totals[0] += self.loss_sum(logits, targets)
             totals[1] += targets.numel()
         self.model.train()
@@ -483,15 +486,17 @@ class Trainer:
         """Sum a reported tensor over `token_axis` (the input itself on one rank)."""
         return comm.all_reduce(value.clone(), self.mesh, self.token_axis)
 
-    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """(inputs, targets, positions) of a micro-batch as this rank runs it, on the device: under
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None):
+        """(inputs, targets, positions, documents) of a micro-batch as this rank runs it, on the device: under
         context parallelism its two chunks of every sequence and their true positions (RoPE); else the
-        whole sequences and positions None (0..seq-1)."""
+        whole sequences and positions None (0..seq-1). `documents` (data.document_mask): the whole sequences'
+        document ids, never split (the model reads the positions' part of them); else None."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
+        documents = documents.to(self.device) if documents is not None else None
         if self.context is None:
-            return inputs, targets, None
+            return inputs, targets, None, documents
         positions = self.context.positions(inputs.shape[1], device=self.device)
-        return self.context.shard(inputs), self.context.shard(targets), positions
+        return self.context.shard(inputs), self.context.shard(targets), positions, documents
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Sum of the token losses of one micro-batch (under tp, from this rank's vocab slice; collective)."""
