@@ -101,3 +101,15 @@ def test_prepared_data_needs_the_tokenizer_it_was_prepared_with(tmp_path, corpus
     other = make_tokenizer(tmp_path / "other.json", eos=False)
     assert cli_main(argv(tmp_path / "r2", corpus, "train.steps=1", f"data.tokenizer={other}")) == 2
     assert "prepared with" in capsys.readouterr().err
+
+
+def test_document_mask_on_prepared_data_matches_one_process_under_cp2(tmp_path, corpus):
+    """The document starts the shards' index keeps mask attention as they do in memory: cp2 (ring) equals
+    one process, and masking changes the loss (the samples hold several documents)."""
+    mask = ["data.document_mask=true", "train.steps=2", "train.val_batches=0"]
+    assert cli_main(argv(tmp_path / "one", corpus, *mask)) == 0
+    run_cli([(argv(tmp_path / "cp2", corpus, *mask, "parallel.cp=2", "parallel.cp_method=ring"), 2)], tmp_path)
+    assert_close_seq(step_losses(tmp_path / "cp2"), step_losses(tmp_path / "one"), rtol=1e-9,
+                     what="document mask on prepared data, cp2 vs one process")
+    assert cli_main(argv(tmp_path / "unmasked", corpus, "train.steps=2", "train.val_batches=0")) == 0
+    assert abs(step_losses(tmp_path / "unmasked")[0] - step_losses(tmp_path / "one")[0]) > 1e-6
