@@ -156,12 +156,15 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #  * MI300X (AMD Instinct MI300X data sheet): 192 GB HBM3 at 5.3 TB/s, dense 1307 TFLOP/s bf16, 2615 fp8;
 #    7 Infinity Fabric links of 64 GB/s each way to the 7 peers of an 8-GPU platform (448 GB/s each way per
 #    GPU, all-to-all wired, no switch); 750 W. Server and network power taken as the H100 system's (assumed,
-#    no AMD system maximum published per GPU); efficiencies as Hopper's (assumed).
+#    no AMD system maximum published per GPU). matmul_efficiency 0.47: SemiAnalysis's public GEMM benchmark
+#    ("MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024) measured ~620 of 1307 TFLOP/s bf16 at
+#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed).
 #  * MI325X (AMD Instinct MI325X data sheet): MI300X compute with 256 GB HBM3E at 6 TB/s, 1000 W.
 #  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
 #    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
-               hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304, gpu_power_w=750.0)
+               hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304, gpu_power_w=750.0,
+               matmul_efficiency=0.47)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),

@@ -93,9 +93,10 @@ def check_serving_layout(sm: ServedModel, lo: ServingLayout) -> None:
         raise ValueError(f"pp={lo.pp} exceeds the model's {cfg.num_layers} layers")
     if lo.ep > 1 and not cfg.is_moe:
         raise ValueError(f"ep={lo.ep} needs a MoE model; {cfg.preset or 'this model'} is dense (use ep=1)")
-    if lo.ep > 1 and (lo.stage % lo.ep or cfg.num_experts % lo.ep):
-        raise ValueError(f"ep={lo.ep} must divide the stage's dp x tp x cp = {lo.stage} GPUs and the "
-                         f"{cfg.num_experts} experts")
+    # ep need not divide the experts: engines place redundant copies of busy experts (DeepSeek's EPLB: 288
+    # physical experts for 256 on EP72/EP144), so a rank holds num_experts / ep of them on average.
+    if lo.ep > 1 and lo.stage % lo.ep:
+        raise ValueError(f"ep={lo.ep} must divide the stage's dp x tp x cp = {lo.stage} GPUs")
 
 
 @dataclass(frozen=True)
@@ -186,13 +187,27 @@ def _comm(sv: Serving, *, d: float, p: float) -> dict:
         out[("cp", _tier(span))] = layers * collective_time("all_gather", partial, span, cl)
     if lo.ep > 1:
         span = group_span(1, lo.stage, cl.scaleup_size)
-        moe_layers = sv.sm.moe_layers() / lo.pp
-        per_token = cfg.num_experts_per_token * h * (min(2.0, WEIGHT_BYTES[sv.precision]) + 2.0)  # dispatch+combine
-        out[("ep", _tier(span))] = moe_layers * collective_time("all_to_all", tokens * per_token, span, cl)
+        per_token = h * (min(2.0, WEIGHT_BYTES[sv.precision]) + 2.0)  # dispatch (fp8) + combine (bf16)
+        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * _expert_all_to_all(sv, tokens * per_token, span)
     if lo.pp > 1:
         span = group_span(lo.stage, 2, cl.scaleup_size)
         out[("pp", _tier(span))] = collective_time("p2p", tokens * h * 2, span, cl)
     return out
+
+
+def _expert_all_to_all(sv: Serving, token_bytes: float, span: tuple[int, int]) -> float:
+    """Seconds of one MoE layer's dispatch + combine for tokens of `token_bytes` (summed over both), DeepEP-style
+    (deepseek-ai/DeepEP README; DeepSeek-V3 report Sec. 3.4): a token crosses to each remote node holding one of
+    its k experts once (forwarded inside the node over NVLink), to each local expert's GPU over NVLink; all
+    peers are written concurrently (RDMA), so a call pays one latency, not one per peer."""
+    cl, k, (n_in, n_out) = sv.cluster, sv.sm.cfg.num_experts_per_token, span
+    n = n_in * n_out
+    local = token_bytes * k * (n_in - 1) / n  # expected copies to other GPUs of this node
+    remote_nodes = (n_out - 1) * (1 - (1 - 1 / n_out) ** k) if n_out > 1 else 0.0
+    lat_up, bw_up = cl.collective_fit("all_to_all", "scale-up")
+    lat_out, bw_out = cl.collective_fit("all_to_all", "scale-out")
+    across = token_bytes * remote_nodes / bw_out
+    return max(local / bw_up, across) + 2 * (lat_out if n_out > 1 else lat_up)
 
 
 def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0,
