@@ -230,7 +230,7 @@ def test_cli_hf_config_and_infer(capsys, tmp_path):
                     "--seq-len", "2048", "--global-batch-size", "8", "--json"], capsys)
     assert rc == 0 and json.loads(out)["fits"]
     rc, out = _cli(["plan", "infer", "--model", "llama3-70b", "--cluster", "h100", "--tp", "8",
-                    "--context-len", "8192", "--json"], capsys)
+                    "--input-len", "8000", "--output-len", "192", "--json"], capsys)
     d = json.loads(out)
     assert d["kv_bytes_per_token"] == 2 * 80 * 1 * 128 * 2  # K and V, 80 layers, 1 kv head per GPU, bf16
     assert d["max_batch"] >= 1 and d["decode_tokens_per_s"] > 0
@@ -674,7 +674,7 @@ def test_does_not_fit_says_why_next_to_the_headroom():
 def test_infer_reports_no_decode_speed_when_nothing_fits(capsys):
     rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--tp", "1"], capsys)
     assert rc == 0 and "does not fit" in out and "0 tokens of KV cache" in out
-    assert "decode at batch" not in out
+    assert "output tokens/s" not in out
     rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--tp", "1", "--json"], capsys)
     d = json.loads(out)
     assert d["fits"] is False and "fewer than one sequence" in d["reason"]

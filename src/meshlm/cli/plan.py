@@ -5,13 +5,14 @@ Responsible for: the argument parser of the `plan` command (`add_parser`), turni
 the planner's inputs (`planner/inputs.py`: model preset or Hugging Face config.json, cluster, job sizes like
 4M), and printing tables or JSON (`run` hands each subcommand to its own `run_*` function). User mistakes
 raise ValueError; the top-level CLI prints them as one line with exit code 2.
-Not responsible for: any estimate (see `cost.py`, `search.py`, `inference.py`).
+Not responsible for: any estimate (see `cost.py`, `search.py`, `serving_modes.py`).
 
   meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 --global-batch-tokens 4M
   meshlm plan estimate --model llama3-70b --cluster h100 --gpus 64 --layout tp=8,pp=4,zero_stage=1 --json
   meshlm plan scale --model llama3-70b --cluster h100 --gpus 8:16384 --global-batch-tokens 2M --plot scale.png
   meshlm plan compare --model llama3-70b --gpus 1152 --cluster h100 --cluster gb200-nvl72 --global-batch-tokens 16M
-  meshlm plan infer --model llama3-70b --cluster h100 --tp 8 --context-len 8192
+  meshlm plan infer --model llama3-70b --cluster h100 --gpus 8 --layout tp=8 --input-len 8192 --output-len 256
+  meshlm plan infer --model deepseek-v3 --cluster h200 --gpus 8 --offline      # every layout ranked
   meshlm plan calibrate --out plan_calibration.json
   meshlm plan schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2 --plot pp.png
   meshlm plan schedule --from-run runs/pp --plot measured.png     # a pp run's measured timeline
@@ -109,15 +110,39 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                       "which communication bounds the step.")
     _add_common(cmpp, required=True, gpus="compare")
 
-    i = sub.add_parser("infer", help="serving estimate: KV cache, largest batch, decode tokens/s, prefill",
-                       description="Serving estimate for one tensor-parallel replica.")
+    i = sub.add_parser("infer", help="serving estimate: throughput, TTFT, TPOT, KV capacity, bound, power",
+                       description="Serve --model on --gpus GPUs of --cluster: one --layout, or (without) every "
+                                   "layout ranked. One of --batch (static), --concurrency (continuous batching), "
+                                   "--offline (the default: the best concurrency that fits) or --request-rate "
+                                   "(Poisson arrivals). The model: planner/serving.py and serving_modes.py.",
+                       epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
+                              "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
+                              "bound, power_w, joules_per_output_token, ... (see README).")
     i.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
     i.add_argument("--cluster", default="h100")
     i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
-    i.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the replica")
-    i.add_argument("--context-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
-    i.add_argument("--batch", type=int, default=0, help="concurrent sequences (default: the largest that fits)")
-    i.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="weight precision")
+    i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
+    i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
+                                                 "without it every layout of --gpus is ranked")
+    i.add_argument("--tp", type=int, default=None, help="shorthand for --layout tp=T (and --gpus T when not given)")
+    i.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
+    i.add_argument("--output-len", type=int, default=1024, help="generated tokens per request (default 1024)")
+    mode = i.add_mutually_exclusive_group()
+    mode.add_argument("--batch", type=int, default=None, help="static batch: prefill all, then decode all")
+    mode.add_argument("--concurrency", type=int, default=None, help="continuous batching with C requests in flight")
+    mode.add_argument("--offline", action="store_true", help="the throughput-maximising concurrency that fits "
+                                                             "(the default)")
+    mode.add_argument("--request-rate", type=float, default=None, metavar="R",
+                      help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
+    i.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
+    i.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
+    i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
+    i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
+    i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
+                   help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
+    i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
+    i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
     i.add_argument("--json", action="store_true")
 
     s = sub.add_parser("schedule", help="simulate a pipeline schedule: bubble, peak in-flight, timeline PNG",
@@ -355,27 +380,66 @@ def format_compare(rows: list[dict]) -> str:
 
 
 def run_infer(args) -> int:
-    """`meshlm plan infer`: one tensor-parallel serving replica's KV cache, batch, decode and prefill."""
-    from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.inference import estimate_inference
+    """`meshlm plan infer`: one serving deployment (or every layout of --gpus ranked)."""
+    from meshlm.planner.serving_modes import estimate_serving, search_serving
 
-    cfg = _model(args)
-    cluster = get_cluster(args.cluster, calibration=args.calibration)
-    est = estimate_inference(cfg, cluster, tp=args.tp, context_len=args.context_len, batch=args.batch,
-                             precision=args.precision)
-    if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+    sv, wl, gpus = _serving_inputs(args)
+    if args.layout is None and args.tp is None:
+        ranked = search_serving(sv, wl, gpus=gpus, top=args.top)
+        if args.json:
+            print(json.dumps(ranked, indent=2))
+        else:
+            print("\n".join(format_serving(r, args.model, sv.cluster.gpu) for r in ranked))
         return 0
-    print(f"{args.model} on {cluster.gpu} x{args.tp} (tp): weights {est.weights_gib:.1f} GiB/GPU, "
-          f"KV cache {est.kv_bytes_per_token / 1024:.1f} KiB/token/GPU, {est.max_tokens_in_cache:,} tokens "
-          f"fit -> max batch {est.max_batch} at {est.context_len} tokens")
-    if not est.fits:
-        print(f"does not fit: {est.reason}; no decode speed to report")
-        return 0
-    print(f"decode at batch {est.batch}: {est.decode_step_s * 1e3:.2f} ms/step, "
-          f"{est.decode_tokens_per_s:,.0f} tokens/s ({est.decode_bound}-bound); "
-          f"prefill of {est.context_len} tokens: {est.prefill_s * 1e3:.1f} ms")
+    est = estimate_serving(sv, wl)
+    print(json.dumps(est, indent=2) if args.json else format_serving(est, args.model, sv.cluster.gpu))
     return 0
+
+
+def _serving_inputs(args):
+    """(Serving, Workload, gpus) from `plan infer`'s flags."""
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.serving import Serving, ServingLayout, parse_serving_layout
+    from meshlm.planner.serving_model import served_model
+    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload
+
+    if args.context_len is not None:
+        raise ValueError("--context-len is gone: give --input-len (prompt tokens) and --output-len (generated "
+                         "tokens), e.g. --input-len 8192 --output-len 256")
+    if args.layout and args.tp:
+        raise ValueError("give --layout tp=T,... or --tp T, not both")
+    layout = args.layout or (f"tp={args.tp}" if args.tp else None)
+    gpus = args.gpus or (args.tp if args.tp and not args.layout else None)
+    lo = parse_serving_layout(layout, gpus=gpus) if layout else ServingLayout()
+    gpus = gpus or lo.world
+    if layout is None and args.gpus is None:
+        raise ValueError("give --gpus N (every layout ranked), or --layout / --tp")
+    disagg = None
+    if args.disaggregate:
+        a, _, b = args.disaggregate.partition(":")
+        if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
+            raise ValueError(f"--disaggregate {args.disaggregate!r}: expected PREFILL_GPUS:DECODE_GPUS, e.g. 8:24")
+        disagg = (int(a), int(b))
+    wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
+                  offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
+                  prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK, disaggregate=disagg)
+    cluster = get_cluster(args.cluster, calibration=args.calibration)
+    sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision)
+    return sv, wl, gpus
+
+
+def format_serving(r: dict, model: str, gpu: str) -> str:
+    head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
+            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU, "
+            f"{r['max_context_tokens']:,} tokens of KV cache fit -> max concurrency {r['max_concurrency']} "
+            f"at {r['input_len']}+{r['output_len']} tokens")
+    if not r["fits"]:
+        return f"{head}\n  does not fit: {r['reason']}"
+    rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
+    return (f"{head}\n  {r['mode']} at concurrency {r['concurrency']:.0f}: {r['output_tokens_per_s']:,.0f} output "
+            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
+            f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
+            f"{r['joules_per_output_token']:.3g} J/output token")
 
 
 def run_schedule(args) -> int:

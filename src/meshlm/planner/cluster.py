@@ -144,17 +144,42 @@ _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32":
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132,
              gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2)
-_B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
+_B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
              gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2)
+
+# Serving-side presets (the published serving rows need them), from the datasheets named:
+#  * H800 SXM (NVIDIA H800 datasheet; DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.1): an H100 SXM with NVLink cut
+#    to 400 GB/s bidirectional (200 GB/s each way), InfiniBand CX7 400 Gb/s per GPU.
+#  * MI300X (AMD Instinct MI300X data sheet): 192 GB HBM3 at 5.3 TB/s, dense 1307 TFLOP/s bf16, 2615 fp8;
+#    7 Infinity Fabric links of 64 GB/s each way to the 7 peers of an 8-GPU platform (448 GB/s each way per
+#    GPU, all-to-all wired, no switch); 750 W. Server and network power taken as the H100 system's (assumed,
+#    no AMD system maximum published per GPU). matmul_efficiency 0.47: SemiAnalysis's public GEMM benchmark
+#    ("MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024) measured ~620 of 1307 TFLOP/s bf16 at
+#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed).
+#  * MI325X (AMD Instinct MI325X data sheet): MI300X compute with 256 GB HBM3E at 6 TB/s, 1000 W.
+#  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
+#    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
+_MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
+               hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304, gpu_power_w=750.0,
+               matmul_efficiency=0.47)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
     "h100": Cluster(name="h100", **_H100),
     "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12}),
     "b200": Cluster(name="b200", **_B200),
+    "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
+    "mi300x": Cluster(name="mi300x", **_MI300X),
+    "mi325x": Cluster(name="mi325x", **{**_MI300X, "gpu": "MI325X", "hbm_bytes": 256 * GiB, "hbm_bw": 6.0e12,
+                                       "gpu_power_w": 1000.0}),
+    "rtx-pro-6000": Cluster(name="rtx-pro-6000", **{**_B200, "gpu": "RTX PRO 6000 Blackwell Server",
+                                                   "peak_flops": {"bf16": 500e12, "fp8": 1000e12, "fp4": 2000e12,
+                                                                  "fp32": 125e12},
+                                                   "hbm_bytes": 96 * GiB, "hbm_bw": 1.6e12, "scaleup_bw": 64e9,
+                                                   "comm_sm_fraction": 16 / 188, "gpu_power_w": 600.0}),
     "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
                                                  "gpu_power_w": 1200.0, "node_power_w": 470.0}),
 }

@@ -1,0 +1,205 @@
+"""The serving planner against published serving results: each row of benchmarks/data/serving_runs_dev.csv
+priced with its OWN deployment (GPU, layout, precisions, lengths, batching) and compared with its figures.
+
+Responsible for: turning a row into a `Serving` + `Workload` (`deployment_of`), predicting the row's published
+metrics (`predict_row`: output tokens/s -- whole system or per GPU as the row gives it --, input tokens/s for
+prefill-only rows, TTFT, TPOT), and the median |error| per group and overall (`summarize`; `score_rows`).
+Not responsible for: any estimate (`serving.py`, `serving_modes.py`) or the data (benchmarks/data/README.md).
+
+Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel benchmarks) and serving.py's
+(engine defaults). Choices the rows leave open, made the same way for every row, never from the figures:
+  * architectures from the models' published configs (`ARCHS`; the DeepSeek rows use the deepseek-v3 preset
+    with its latent attention); GPT-J's 4h GeLU MLP as SwiGLU of 2/3 the width (same parameters and FLOPs);
+  * KV precision when blank: fp8 for TensorRT-LLM with fp8/fp4 ModelOpt checkpoints (their quantization
+    configs set kv_cache_quant_algo FP8), the model's 16-bit dtype otherwise (vLLM's and SGLang's
+    kv_cache_dtype "auto"; DeepSeek's native FP8 checkpoint);
+  * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
+  * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
+    engine's running-request limit (the row's max_batch_size per rank where given, else vLLM's default
+    max_num_seqs 256, TensorRT-LLM's default max_batch_size 2048); rows with a client concurrency run it;
+  * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
+    tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
+    most that fit);
+  * not modelled, reported as skipped: speculative decoding (MTP rows), the production mixes without lengths.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import statistics
+from pathlib import Path
+
+from meshlm.config import ModelConfig
+from meshlm.planner.cluster import get_cluster
+from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+from meshlm.planner.serving_model import ServedModel, served_model
+from meshlm.planner.serving_modes import Workload, continuous, max_concurrency, offline, static_batch
+
+# Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
+_L2 = dict(vocab_size=32000, max_seq_len=4096, rope_theta=10000.0)
+ARCHS = {
+    "gpt-j-6b": dict(vocab_size=50400, hidden_size=4096, num_layers=28, num_heads=16, num_kv_heads=16,
+                     intermediate_size=10880, max_seq_len=2048),  # EleutherAI/gpt-j-6b; SwiGLU of 2/3 x 16384
+    "llama-2-7b": dict(_L2, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008),
+    "llama-2-13b": dict(_L2, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40, intermediate_size=13824),
+    "llama-2-70b": dict(_L2, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, intermediate_size=28672),
+    "qwen3-235b-a22b": dict(vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+                            head_dim=128, intermediate_size=12288, max_seq_len=40960, qk_norm=True, num_experts=128,
+                            num_experts_per_token=8, moe_intermediate_size=1536),  # Qwen/Qwen3-235B-A22B
+}
+PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.3-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
+           "deepseek-r1": "deepseek-v3", "deepseek-v3": "deepseek-v3"}
+CLUSTERS = (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h800", "h800"), ("h100", "h100"),
+            ("a100", "a100"), ("mi325x", "mi325x"), ("mi300x", "mi300x"), ("rtx-pro-6000", "rtx-pro-6000"))
+ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
+PREFILL_TOKENS_PER_DEVICE = 16384
+
+
+class Skip(Exception):
+    """A row the planner does not model; the message says why."""
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _int(text: str) -> int | None:
+    m = re.search(r"(\d[\d,]*)", text or "")
+    return int(m.group(1).replace(",", "")) if m else None
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def model_of(row: dict) -> ServedModel:
+    name = row["model"].strip().lower()
+    if name in PRESETS:
+        return served_model(PRESETS[name])
+    if name in ARCHS:
+        return ServedModel(ModelConfig(**ARCHS[name]))
+    raise Skip(f"no architecture for {row['model']!r}")
+
+
+def precisions_of(row: dict) -> tuple[str, str]:
+    w = row["weight_precision"].lower()
+    weights = "fp4" if "fp4" in w else "fp8" if "fp8" in w else "bf16"
+    kv = row["kv_precision"].lower()
+    if kv:
+        return weights, "fp8" if "fp8" in kv else "bf16"
+    trt_quantized = row["engine"].lower().startswith("tensorrt") and weights != "bf16" and "native" not in w
+    return weights, "fp8" if trt_quantized else "bf16"
+
+
+def layout_of(row: dict) -> ServingLayout:
+    n, tp, pp = int(row["n_gpus"]), _int(row["tp"]) or 1, _int(row["pp"]) or 1
+    dp, ep = _int(row["dp"]) or 1, _int(row["ep"]) or 1
+    if dp * tp * pp > n:  # TensorRT-LLM's attention DP inside the tp group
+        tp = n // (dp * pp)
+    return ServingLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+
+
+def deployment_of(row: dict) -> Serving:
+    weights, kv = precisions_of(row)
+    gpu = row["gpu"].lower()
+    cluster = next((get_cluster(c) for key, c in CLUSTERS if key in gpu), None)
+    if cluster is None:
+        raise Skip(f"no cluster preset for {row['gpu']!r}")
+    return Serving(model_of(row), cluster, layout_of(row), precision=weights, kv_precision=kv)
+
+
+def _max_batch(row: dict) -> int | None:
+    text = row["batch_or_concurrency"]
+    m = re.search(r"max_batch_size (\d+) per rank", text)
+    if m:
+        return int(m.group(1))
+    engine = row["engine"].lower()
+    return next((v for k, v in ENGINE_MAX_BATCH.items() if engine.startswith(k)), None)
+
+
+def predict_row(row: dict) -> dict:
+    """The row's published metrics beside the predicted ones (or {"skip": reason})."""
+    base = {"row_id": row["row_id"], "group": row["group"], "model": row["model"], "gpu": row["gpu"]}
+    try:
+        notes = row["notes"].lower()
+        if re.search(r"mtp[^.;]*\bon\b|simulated mtp", notes) and "not stated" not in notes:
+            raise Skip("speculative decoding (MTP) is not modelled")
+        sv = deployment_of(row)
+        pred = _predict(row, sv)
+    except Skip as e:
+        return {**base, "skip": str(e)}
+    out = dict(base, layout=sv.layout.label(), precision=sv.precision, kv_precision=sv.kv_precision, **pred)
+    n = int(row["n_gpus"])
+    published = {"throughput": _published_throughput(row, n), "ttft_ms": _float(row["ttft_ms"]),
+                 "tpot_ms": _float(row["tpot_ms"])}
+    for key, value in published.items():
+        if value and key in pred and pred[key] is not None:
+            out[f"published_{key}"] = value
+            out[f"error_{key}"] = pred[key] / value - 1
+    return out
+
+
+def _published_throughput(row: dict, n: int) -> float | None:
+    """Output tokens/s of the whole system (input tokens/s for prefill-only rows)."""
+    per_gpu = _float(row["tokens_per_s_per_gpu"])
+    if per_gpu:
+        return per_gpu * n
+    return _float(row["throughput_output_tok_s_total"]) or _float(row["throughput_total_tok_s_total"])
+
+
+def _predict(row: dict, sv: Serving) -> dict:
+    I, out_text, batch_text = _int(row["input_len"]), row["output_len"].lower(), row["batch_or_concurrency"].lower()
+    if I is None:
+        raise Skip("production mix without a prompt length")
+    if "prefill" in out_text:
+        tokens = _int(batch_text) if "tokens" in batch_text else PREFILL_TOKENS_PER_DEVICE
+        it = iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=tokens, prefill_ctx=I / 2)
+        return {"throughput": sv.layout.dp * tokens / it["total"], "bound": it["bound"]}
+    if "decode" in out_text:
+        kv = _int(out_text) or I
+        wl = Workload(I, kv - I + 1 if kv > I else 1)
+        seqs = _int(batch_text) if "per" in batch_text else max(1, max_concurrency(sv, Workload(kv, 1)) // sv.layout.dp)
+        it = iteration_time(sv, decodes=seqs, kv_len=kv)
+        return {"throughput": sv.layout.dp * seqs / it["total"], "tpot_ms": it["total"] * 1e3, "bound": it["bound"],
+                "input_len": wl.input_len}
+    O = _int(out_text)
+    first_token_only = O is None or "first-token" in out_text
+    wl = Workload(I, O if O and not first_token_only else 1, max_batch=_max_batch(row))
+    if row["scenario"] in ("fixed-batch", "latency"):
+        r = static_batch(sv, wl, _int(batch_text) or 1)
+    elif "concurrency" in batch_text:
+        r = continuous(sv, wl, min(_int(batch_text), max_concurrency(sv, wl)))
+    else:
+        r = offline(sv, wl)
+    pred = {"ttft_ms": r["ttft_s"] * 1e3, "concurrency": r["concurrency"], "bound": r["bound"]}
+    if not first_token_only:
+        pred.update(throughput=r["output_tokens_per_s"], tpot_ms=r["tpot_s"] * 1e3)
+    return pred
+
+
+def _median_abs(values: list[float]) -> float | None:
+    return statistics.median(abs(v) for v in values) if values else None
+
+
+def summarize(results: list[dict]) -> dict:
+    """Median |error| per group and overall, of throughput, TTFT and TPOT where published."""
+    scored = [r for r in results if "skip" not in r]
+    out = {"rows": len(results), "scored": len(scored), "skipped": {r["row_id"]: r["skip"] for r in results if "skip" in r}}
+    for metric in ("throughput", "ttft_ms", "tpot_ms"):
+        errors = [r for r in scored if f"error_{metric}" in r]
+        groups = sorted({r["group"] for r in errors})
+        out[metric] = {"n": len(errors), "median_abs_error": _median_abs([r[f"error_{metric}"] for r in errors]),
+                       "per_group": {g: {"n": sum(r["group"] == g for r in errors),
+                                         "median_abs_error": _median_abs([r[f"error_{metric}"] for r in errors
+                                                                          if r["group"] == g])} for g in groups}}
+    return out
+
+
+def score_rows(rows: list[dict]) -> tuple[list[dict], dict]:
+    results = [predict_row(r) for r in rows]
+    return results, summarize(results)

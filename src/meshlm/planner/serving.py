@@ -1,0 +1,245 @@
+"""Serving on a cluster, one iteration at a time: where the weights and the KV cache sit under a serving layout,
+how much KV fits, and how long one engine iteration (decodes + prefill tokens) takes on one GPU.
+
+Responsible for: `ServingLayout` (tp, pp, cp, ep, dp of a serving deployment) and its checks, `Serving` (model,
+cluster, layout, precisions: weights and KV bytes per GPU, KV capacity, the longest sequence that fits) and
+`iteration_time` (seconds of one iteration of one data-parallel rank, by component, with what bounds it).
+Not responsible for: batching policy, arrivals or disaggregation (`serving_modes.py`), the model's
+quantities (`serving_model.py`), or the runtime engine (`meshlm.infer`, which serves tp x cp).
+
+Layout. A deployment of `world = dp x pp x tp x cp` GPUs: pp stages (outermost); inside a stage dp attention
+ranks, each a tp x cp group that holds its own sequences (vLLM/TRT-LLM replicas, or DeepSeek-style attention
+data parallelism). Routed experts: with ep = 1 split by tp inside each dp rank; with ep > 1 spread over all the
+stage's dp x tp x cp ranks, ep-way by expert and the rest by width (TRT-LLM's moe_tp x moe_ep; DeepSeek's EP32 /
+EP144 with attention DP; SGLang's DP-attention + DeepEP), so the MoE layers of a stage run as one group.
+
+One iteration (every running sequence advances a token, plus prefill tokens mixed in: Sarathi-Serve, Agrawal
+et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline of LLM inference (Williams et
+al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
+  * GEMMs: 2 x params FLOPs per token at `peak x matmul_efficiency` (cluster.py), never faster than the weights
+    stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
+    an expert is idle with probability (1 - k/E)^tokens);
+  * attention: decode reads each sequence's KV once (bandwidth-bound), prefill runs the causal square
+    (compute-bound, FlashAttention's rate: `attention_efficiency`);
+  * tp: two all-reduces of the tokens' hidden states per layer (Megatron, Shoeybi et al. 2019), exposed;
+  * cp: decode -- each cp rank attends over its KV shard and the partial outputs + log-sum-exps are merged per
+    layer (flash-decoding's split-KV merge, Dao et al. 2023; meshlm's cp serving); prefill -- ring attention
+    passes KV blocks (Liu et al. 2023), overlapped with the attention it feeds;
+  * ep: per MoE layer a dispatch (fp8) and a combine (bf16) all-to-all (DeepSeek-V3 report, arXiv:2412.19437,
+    Sec. 3.4), overlapped with compute by two micro-batches (DeepSeek "Day 6" inference overview; SGLang TBO);
+  * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
+    the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.planner.cluster import Cluster
+from meshlm.planner.collectives import collective_time, group_span
+from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
+
+# Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
+# `free_gpu_memory_fraction` default 0.9 (of free memory after the weights); vLLM's `gpu_memory_utilization`
+# 0.9 is of the whole device -- the rest holds activations, CUDA graphs and the sampler (the workspace).
+KV_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class ServingLayout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp * self.cp
+
+    @property
+    def stage(self) -> int:
+        """GPUs of one pipeline stage (dp x tp x cp)."""
+        return self.dp * self.tp * self.cp
+
+    def label(self) -> str:
+        return ",".join(f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep", "dp"))
+
+
+def parse_serving_layout(text: str, *, gpus: int | None = None) -> ServingLayout:
+    """`tp=8,pp=1,cp=1,ep=1,dp=1`; dp (when not given) fills --gpus."""
+    kw = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in ServingLayout.__dataclass_fields__ or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--layout item {item!r}: expected tp|pp|cp|ep|dp=N with N >= 1, e.g. tp=8,dp=2")
+        kw[key] = int(value)
+    if "dp" not in kw and gpus:
+        rest = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
+        if gpus % rest:
+            raise ValueError(f"--layout {text!r}: tp x pp x cp = {rest} does not divide --gpus {gpus}")
+        kw["dp"] = gpus // rest
+    lo = ServingLayout(**kw)
+    if gpus and lo.world != gpus:
+        raise ValueError(f"--layout {text!r} uses {lo.world} GPUs (dp x pp x tp x cp), --gpus is {gpus}")
+    return lo
+
+
+def check_serving_layout(sm: ServedModel, lo: ServingLayout) -> None:
+    cfg = sm.cfg
+    if cfg.num_heads % lo.tp:
+        raise ValueError(f"tp={lo.tp} must divide num_heads={cfg.num_heads}")
+    if lo.pp > cfg.num_layers:
+        raise ValueError(f"pp={lo.pp} exceeds the model's {cfg.num_layers} layers")
+    if lo.ep > 1 and not cfg.is_moe:
+        raise ValueError(f"ep={lo.ep} needs a MoE model; {cfg.preset or 'this model'} is dense (use ep=1)")
+    # ep need not divide the experts: engines place redundant copies of busy experts (DeepSeek's EPLB: 288
+    # physical experts for 256 on EP72/EP144), so a rank holds num_experts / ep of them on average.
+    if lo.ep > 1 and lo.stage % lo.ep:
+        raise ValueError(f"ep={lo.ep} must divide the stage's dp x tp x cp = {lo.stage} GPUs")
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A model deployed on a cluster with a layout and precisions: its memory per GPU."""
+
+    sm: ServedModel
+    cluster: Cluster
+    layout: ServingLayout
+    precision: str = "bf16"  # weights and GEMMs
+    kv_precision: str = "bf16"
+    overlap_ep: bool = True  # two micro-batches hide the expert all-to-all (module docstring)
+
+    def __post_init__(self):
+        if self.precision not in WEIGHT_BYTES:
+            raise ValueError(f"--precision {self.precision!r}: choose one of {sorted(WEIGHT_BYTES)}")
+        if self.kv_precision not in KV_BYTES:
+            raise ValueError(f"--kv-precision {self.kv_precision!r}: choose one of {sorted(KV_BYTES)}")
+        self.cluster.peak(self.gemm_precision)  # refuses fp4 on a GPU without it, naming the choices
+        check_serving_layout(self.sm, self.layout)
+
+    @property
+    def gemm_precision(self) -> str:
+        return "bf16" if self.precision == "fp16" else self.precision
+
+    def weight_bytes_per_gpu(self) -> dict:
+        """{"dense": attention, MLPs, shared experts, embedding and head; "experts": routed experts}."""
+        p, lo, wb = self.sm.params(), self.layout, WEIGHT_BYTES[self.precision]
+        dense = (p["attention"] + p["mlp"] + p["other"]) / (lo.tp * lo.pp)
+        expert_split = lo.stage if lo.ep > 1 else lo.tp
+        return {"dense": dense * wb, "experts": p["experts"] / (lo.pp * expert_split) * wb}
+
+    def kv_bytes_per_token_per_gpu(self) -> float:
+        lo = self.layout
+        return self.sm.kv_bytes_per_token_per_gpu(KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp, cp=lo.cp)
+
+    def memory(self) -> dict:
+        """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache), KV capacity -- so
+        capacity = HBM - reserved - weights - workspace exactly."""
+        weights = sum(self.weight_bytes_per_gpu().values())
+        free = self.cluster.hbm_bytes - self.cluster.reserved_bytes - weights
+        workspace = (1 - KV_MEMORY_FRACTION) * max(free, 0.0)
+        return {"weights": weights, "workspace": workspace, "kv_capacity": max(free - workspace, 0.0),
+                "reserved": self.cluster.reserved_bytes, "hbm": self.cluster.hbm_bytes}
+
+    def max_tokens(self) -> int:
+        """KV tokens one dp rank holds (its tp x cp x pp GPUs together): the longest single sequence."""
+        return int(self.memory()["kv_capacity"] // self.kv_bytes_per_token_per_gpu())
+
+
+def _tier(span: tuple[int, int]) -> str:
+    return "scale-out link" if span[1] > 1 else "scale-up link"
+
+
+def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float) -> dict:
+    """FLOPs and HBM bytes per GPU of one micro-step: d decode tokens over kv_len cached tokens each, p prefill
+    tokens attending over p_ctx earlier tokens on average, through one stage's layers."""
+    sm, lo, cfg = sv.sm, sv.layout, sv.sm.cfg
+    f = 1.0 / lo.pp
+    gemm_tokens = d + p / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
+    fl = sm.matmul_flops_per_token()
+    if lo.ep > 1:
+        expert_flops = lo.dp * (d + p) * fl["experts"] * f / lo.stage
+        routed_tokens = lo.dp * (d + p)
+    else:
+        expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, d + p
+    w = sv.weight_bytes_per_gpu()
+    touched = 1.0 - (1.0 - cfg.num_experts_per_token / cfg.num_experts) ** routed_tokens if cfg.is_moe else 0.0
+    attn = (d * sm.attention_flops(kv_len, decode=True) + p * sm.attention_flops(p_ctx, decode=False)) * f
+    kv_tok = sv.kv_bytes_per_token_per_gpu()
+    return {"gemm_flops": gemm_tokens * fl["dense"] * f / lo.tp + expert_flops,
+            "weight_bytes": w["dense"] + w["experts"] * touched,
+            "attn_flops": attn / (lo.tp * lo.cp),
+            "kv_bytes": d * kv_len * kv_tok + (d + p / lo.cp) * kv_tok}  # read the cache, write the new tokens
+
+
+def _comm(sv: Serving, *, d: float, p: float) -> dict:
+    """Seconds of communication per micro-step, keyed (kind, tier)."""
+    lo, cl, cfg = sv.layout, sv.cluster, sv.sm.cfg
+    layers, h, out = sv.sm.layers / lo.pp, cfg.hidden_size, {}
+    tokens = d + p / lo.cp
+    if lo.tp > 1:
+        span = group_span(1, lo.tp, cl.scaleup_size)
+        out[("tp", _tier(span))] = 2 * layers * collective_time("all_reduce", tokens * h * 2, span, cl)
+    if lo.cp > 1 and d > 0:
+        span = group_span(lo.tp, lo.cp, cl.scaleup_size)
+        partial = d * (cfg.num_heads / lo.tp) * (cfg.head_dim + 1) * 4  # fp32 partial outputs + log-sum-exp
+        out[("cp", _tier(span))] = layers * collective_time("all_gather", partial, span, cl)
+    if lo.ep > 1:
+        span = group_span(1, lo.stage, cl.scaleup_size)
+        per_token = h * (min(2.0, WEIGHT_BYTES[sv.precision]) + 2.0)  # dispatch (fp8) + combine (bf16)
+        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * _expert_all_to_all(sv, tokens * per_token, span)
+    if lo.pp > 1:
+        span = group_span(lo.stage, 2, cl.scaleup_size)
+        out[("pp", _tier(span))] = collective_time("p2p", tokens * h * 2, span, cl)
+    return out
+
+
+def _expert_all_to_all(sv: Serving, token_bytes: float, span: tuple[int, int]) -> float:
+    """Seconds of one MoE layer's dispatch + combine for tokens of `token_bytes` (summed over both), DeepEP-style
+    (deepseek-ai/DeepEP README; DeepSeek-V3 report Sec. 3.4): a token crosses to each remote node holding one of
+    its k experts once (forwarded inside the node over NVLink), to each local expert's GPU over NVLink; all
+    peers are written concurrently (RDMA), so a call pays one latency, not one per peer."""
+    cl, k, (n_in, n_out) = sv.cluster, sv.sm.cfg.num_experts_per_token, span
+    n = n_in * n_out
+    local = token_bytes * k * (n_in - 1) / n  # expected copies to other GPUs of this node
+    remote_nodes = (n_out - 1) * (1 - (1 - 1 / n_out) ** k) if n_out > 1 else 0.0
+    lat_up, bw_up = cl.collective_fit("all_to_all", "scale-up")
+    lat_out, bw_out = cl.collective_fit("all_to_all", "scale-out")
+    across = token_bytes * remote_nodes / bw_out
+    return max(local / bw_up, across) + 2 * (lat_out if n_out > 1 else lat_up)
+
+
+def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0,
+                   prefill_ctx: float = 0.0) -> dict:
+    """One iteration of one dp rank: `decodes` sequences each advance a token over `kv_len` cached tokens, and
+    `prefill_tokens` prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along.
+    Returns seconds: "total" and by component, and "bound" (what the largest part is)."""
+    cl, lo = sv.cluster, sv.layout
+    n_micro = lo.pp  # each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle)
+    split = lambda x: x / lo.pp if decodes + prefill_tokens >= lo.pp else x  # noqa: E731
+    d, p = split(decodes), split(prefill_tokens)
+    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=prefill_ctx)
+    hbm = cl.hbm_bw * cl.hbm_efficiency
+    rate = cl.peak(sv.gemm_precision) * cl.matmul_efficiency
+    attn_rate = cl.peak("bf16") * cl.attention_efficiency
+    gemm_c, gemm_m = w["gemm_flops"] / rate, w["weight_bytes"] / hbm
+    attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
+    comm = _comm(sv, d=d, p=p)
+    ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
+    work = max(gemm_c, gemm_m) + max(attn_c, attn_m) + sum(t for (kind, _), t in comm.items() if kind != "ep")
+    micro = max(work, ep) if sv.overlap_ep and ep else work + ep
+    parts = {"compute": (gemm_c if gemm_c > gemm_m else 0.0) + (attn_c if attn_c > attn_m else 0.0),
+             "memory bandwidth": (gemm_m if gemm_m >= gemm_c else 0.0) + (attn_m if attn_m >= attn_c else 0.0)}
+    for (kind, tier), t in comm.items():
+        parts[tier] = parts.get(tier, 0.0) + t
+    bound = max(parts, key=parts.get)
+    return {"total": n_micro * micro, "bound": bound, **{k: n_micro * v for k, v in parts.items()},
+            "gemm_compute": n_micro * gemm_c, "gemm_memory": n_micro * gemm_m, "attention_compute": n_micro * attn_c,
+            "attention_memory": n_micro * attn_m, "ep_exposed": n_micro * (micro - work)}
+
+
+def kv_transfer_bytes(sm: ServedModel, *, prompt_tokens: int, kv_precision: str) -> float:
+    """Bytes a disaggregated deployment ships per request: the whole prompt's KV (2 x layers x kv_heads x
+    head_dim x tokens x bytes; MLA: layers x (kv_lora_rank + rope) x tokens x bytes)."""
+    return sm.kv_bytes_per_token(KV_BYTES[kv_precision]) * prompt_tokens

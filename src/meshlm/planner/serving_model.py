@@ -1,0 +1,157 @@
+"""What a served model is, in the quantities serving costs: weights by how they shard, KV-cache bytes per
+token, and matmul / attention FLOPs per token -- including DeepSeek's multi-head latent attention (MLA).
+
+Responsible for: `ServedModel` (a `ModelConfig` plus, for MLA models, the latent-attention dimensions), built
+from a preset or a Hugging Face config.json (`served_model`), its weights per GPU under a serving layout, its
+KV bytes per token (whole model, and per GPU), and its FLOPs per token. Torch-free.
+Not responsible for: any time (`serving.py`), or running the model (`meshlm.models`, which implements no MLA:
+`ModelConfig` models DeepSeek's attention as GQA of the same width, so training-side parameter counts stay as
+they were; only the planner's serving side prices the latent attention).
+
+MLA (DeepSeek-V2, Liu et al. 2024, arXiv:2405.04434, Sec. 2.1; DeepSeek-V3 config.json): per layer and token
+the cache holds one compressed latent c_KV of `kv_lora_rank` elements plus one decoupled RoPE key of
+`qk_rope_head_dim` elements, shared by all heads (so tensor parallelism over heads does not split it: every tp
+rank keeps the whole latent, which is why DeepSeek serves attention data-parallel). Its weights: W_DQ (h x
+q_lora), W_UQ (q_lora x heads (nope + rope)), W_DKV + W_KR (h x (kv_lora + rope)), W_UK and W_UV (kv_lora x
+heads (nope + v)), W_O (heads v x h). Prefill runs it as ordinary attention with head dims nope + rope (q, k)
+and v; decode absorbs W_UK into the query and W_UV into the output (DeepSeek-V2 Sec. 2.1.2; FlashMLA), so
+each head reads the latent: 2 (kv_lora + rope) + 2 kv_lora FLOPs per head and cached token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshlm.config import ModelConfig
+from meshlm.models import stats as model_stats
+
+# Bytes per weight / KV element. NVFP4: 4-bit values plus one fp8 (E4M3) scale per 16-element block
+# (NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference", 2025): 0.5 + 1/16 bytes.
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
+KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+
+
+@dataclass(frozen=True)
+class MLA:
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+
+# DeepSeek-V3 / R1's config.json (deepseek-ai/DeepSeek-V3): kv_lora_rank 512, qk_rope_head_dim 64,
+# q_lora_rank 1536, qk_nope_head_dim 128, v_head_dim 128.
+MLA_PRESETS = {"deepseek-v3": MLA(512, 64, 1536, 128, 128)}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    cfg: ModelConfig
+    mla: MLA | None = None
+
+    @property
+    def layers(self) -> int:
+        return self.cfg.num_layers
+
+    def attention_params_per_layer(self) -> float:
+        c, m = self.cfg, self.mla
+        if m is None:
+            return model_stats.layer_params(c, 0).attention
+        h, H = c.hidden_size, c.num_heads
+        q = (h * m.q_lora_rank + m.q_lora_rank * H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+             if m.q_lora_rank else h * H * (m.qk_nope_head_dim + m.qk_rope_head_dim))
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + H * m.v_head_dim * h
+
+    def params(self) -> dict:
+        """Parameters by how a serving layout shards them: attention (tp), mlp (dense MLPs and shared experts,
+        tp), experts (routed, ep), experts_active (top-k of one token), other (embedding, head, norms, router)."""
+        p = model_stats.count_params(self.cfg)
+        attention = self.attention_params_per_layer() * self.layers
+        active = sum(model_stats.layer_params(self.cfg, i).experts_active for i in range(self.layers))
+        other = p["embedding"] + p["lm_head"] + p["norms_router"]
+        return {"attention": attention, "mlp": p["mlp"], "experts": p["experts"], "experts_active": active,
+                "other": other, "total": attention + p["mlp"] + p["experts"] + other}
+
+    def kv_elems_per_token_layer(self) -> int:
+        """Cached elements per token and layer, all heads: K and V of each kv head, or MLA's latent + rope key."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.cfg.num_kv_heads * self.cfg.head_dim
+
+    def kv_bytes_per_token(self, kv_bytes: float) -> float:
+        """KV-cache bytes of one token of one sequence, whole model (what disaggregation ships)."""
+        return self.layers * self.kv_elems_per_token_layer() * kv_bytes
+
+    def kv_bytes_per_token_per_gpu(self, kv_bytes: float, *, tp: int, pp: int, cp: int) -> float:
+        """Per GPU: layers split by pp, the sequence by cp, kv heads by tp (replicated where tp exceeds them;
+        MLA's latent is shared by all heads, so every tp rank keeps it whole)."""
+        layers = math.ceil(self.layers / pp)
+        if self.mla is not None:
+            per_layer = self.kv_elems_per_token_layer()
+        else:
+            per_layer = 2 * max(1, self.cfg.num_kv_heads // tp) * self.cfg.head_dim
+        return layers * per_layer * kv_bytes / cp
+
+    def matmul_flops_per_token(self) -> dict:
+        """Forward matmul FLOPs of one token: `dense` (attention projections, dense MLPs, shared experts,
+        router, head) and `experts` (its top-k routed experts)."""
+        p = self.params()
+        router = self.cfg.hidden_size * self.cfg.num_experts * self.moe_layers()
+        head = self.cfg.vocab_size * self.cfg.hidden_size
+        return {"dense": 2.0 * (p["attention"] + p["mlp"] + router + head), "experts": 2.0 * p["experts_active"]}
+
+    def attention_flops(self, context: float, *, decode: bool) -> float:
+        """Attention-core FLOPs of one query token over `context` cached tokens, all layers (the FLOPs run)."""
+        c, m = self.cfg, self.mla
+        if m is None:
+            per_head = 2 * c.head_dim + 2 * c.head_dim
+        elif decode:  # absorbed: scores over latent + rope key, weighted sum of latents
+            per_head = 2 * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank
+        else:
+            per_head = 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim
+        return self.layers * c.num_heads * per_head * context
+
+    def moe_layers(self) -> int:
+        return sum(1 for i in range(self.layers) if self.cfg.is_moe_layer(i))
+
+
+def served_model(spec: str | ModelConfig) -> ServedModel:
+    """A preset name (MLA for the DeepSeek presets), a `ModelConfig`, or a Hugging Face config.json / directory
+    (DeepSeek-V2/V3's `kv_lora_rank` / `qk_rope_head_dim` read here, the rest as `ModelConfig.from_hf`)."""
+    if isinstance(spec, ModelConfig):
+        return ServedModel(spec, MLA_PRESETS.get(spec.preset or ""))
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.exists():
+        hf = json.loads(path.read_text())
+        if hf.get("kv_lora_rank"):
+            return _from_deepseek_hf(hf)
+    from meshlm.planner.inputs import resolve_model
+
+    cfg = resolve_model(spec)
+    return ServedModel(cfg, MLA_PRESETS.get(cfg.preset or ""))
+
+
+def _from_deepseek_hf(hf: dict) -> ServedModel:
+    """A DeepSeek-V2/V3 config.json: the MoE body as `ModelConfig` (attention as GQA of the same width, as the
+    deepseek-v3 preset), the latent attention as `MLA`."""
+    heads = hf["num_attention_heads"]
+    mla = MLA(int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"]), int(hf.get("q_lora_rank") or 0),
+              int(hf["qk_nope_head_dim"]), int(hf["v_head_dim"]))
+    cfg = ModelConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                      head_dim=mla.v_head_dim, intermediate_size=hf["intermediate_size"],
+                      max_seq_len=hf.get("max_position_embeddings", 4096),
+                      num_experts=hf.get("n_routed_experts") or 0, num_experts_per_token=hf.get("num_experts_per_tok", 2),
+                      moe_intermediate_size=hf.get("moe_intermediate_size"),
+                      num_shared_experts=hf.get("n_shared_experts") or 0,
+                      first_dense_layers=hf.get("first_k_dense_replace", 0),
+                      moe_layer_freq=hf.get("moe_layer_freq", 1))
+    cfg.validate()
+    return ServedModel(cfg, mla)

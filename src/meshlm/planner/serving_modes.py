@@ -1,0 +1,244 @@
+"""Serving workloads on one deployment: static batches, continuous batching, the offline optimum, Poisson
+arrivals and prefill/decode disaggregation -- throughput, first-token and per-token latency, power.
+
+Responsible for: `Workload` (prompt and output lengths, one batching mode), `estimate_serving` (the JSON fields
+of `meshlm plan infer`) and `search_serving` (every layout of --gpus ranked, as the training search does).
+Not responsible for: one iteration's time or memory (`serving.py`).
+
+Modes (I prompt tokens, O output tokens per request):
+  * static batch B (`--batch`; TensorRT-LLM's gptSessionBenchmark, FasterTransformer): the whole batch's
+    prompts prefilled in one pass (TTFT), then O - 1 decode steps with the KV growing from I to I + O
+    (priced at the mean, I + O / 2);
+  * continuous batching with C requests in flight (`--concurrency`; Orca, Yu et al. OSDI'22; vLLM, Kwon et al.
+    SOSP'23): in the steady state a request finishes every O / C iterations and its replacement's prompt is
+    prefilled in chunks that ride with the decodes (Sarathi-Serve, Agrawal et al. OSDI'24), so each iteration
+    carries C decodes over I + O / 2 cached tokens and C x I / O prefill tokens; TPOT = the iteration, TTFT =
+    ceil(I / chunk) iterations holding a chunk;
+  * offline (`--offline`): the concurrency that maximises throughput among those whose KV fits, each request
+    reserving I + O tokens (TensorRT-LLM's GUARANTEED_NO_EVICT scheduler; vLLM's reported max concurrency);
+  * Poisson arrivals of R requests/s (`--request-rate`): the in-flight count C solves Little's law
+    C = R x (TTFT + O x TPOT(C)) by fixed-point iteration; a request's prefill queues as in an M/D/1 queue
+    at the engine's utilisation rho = R / R_max (R_max: the offline throughput in requests/s), waiting
+    rho s / (2 (1 - rho)) for a prefill of s seconds (Pollaczek-Khinchine with deterministic service). It
+    keeps up when rho < 1 and C fits the KV cache. An approximation: batching makes service depend on load;
+  * disaggregated P:D (`--disaggregate`; DistServe, Zhong et al. OSDI'24; Splitwise, Patel et al. ISCA'24):
+    P GPUs only prefill (full chunks, compute-bound), D GPUs only decode, and each request's prompt KV crosses
+    from one to the other over the link they share (scale-up when both fit one domain, else each prefill GPU's
+    NIC); throughput is the least of the three rates.
+Power: every GPU at its board power plus its share of server and network, times PUE (cluster.py's datasheet
+figures, `operations.power`) -- an upper bound while decode leaves the tensor cores idle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from meshlm.planner.cluster import GiB
+from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving_model import KV_BYTES
+
+# Prompt tokens per iteration when chunking: TensorRT-LLM's default max_num_tokens (8192).
+DEFAULT_PREFILL_CHUNK = 8192
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int
+    output_len: int
+    batch: int | None = None  # static batch
+    concurrency: int | None = None  # continuous batching
+    offline: bool = False
+    request_rate: float | None = None  # Poisson, requests/s
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    max_batch: int | None = None  # the engine's cap on running sequences per dp rank (e.g. vLLM's max_num_seqs)
+    disaggregate: tuple[int, int] | None = None  # (prefill GPUs, decode GPUs)
+
+    def __post_init__(self):
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError(f"--input-len {self.input_len} and --output-len {self.output_len} must be >= 1")
+        modes = [self.batch is not None, self.concurrency is not None, self.offline, self.request_rate is not None]
+        if sum(modes) > 1:
+            raise ValueError("give one of --batch, --concurrency, --offline, --request-rate")
+        for name in ("batch", "concurrency", "request_rate", "prefill_chunk"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be > 0")
+
+    @property
+    def mode(self) -> str:
+        if self.batch is not None:
+            return "static"
+        if self.concurrency is not None:
+            return "concurrency"
+        return "request-rate" if self.request_rate is not None else "offline"
+
+
+def max_concurrency(sv: Serving, wl: Workload) -> int:
+    """Requests of I + O tokens whose KV fits the deployment (each dp rank its own), within --max-batch."""
+    per_rank = sv.max_tokens() // (wl.input_len + wl.output_len)
+    if wl.max_batch:
+        per_rank = min(per_rank, wl.max_batch)
+    return int(per_rank) * sv.layout.dp
+
+
+def static_batch(sv: Serving, wl: Workload, batch: int) -> dict:
+    I, O, b = wl.input_len, wl.output_len, batch / sv.layout.dp
+    pre = iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=b * I, prefill_ctx=I / 2)
+    dec = iteration_time(sv, decodes=b, kv_len=I + O / 2)
+    total = pre["total"] + (O - 1) * dec["total"]
+    main = dec if (O - 1) * dec["total"] >= pre["total"] else pre
+    return {"concurrency": batch, "ttft_s": pre["total"], "tpot_s": dec["total"], "output_tokens_per_s": batch * O / total,
+            "total_tokens_per_s": batch * (I + O) / total, "bound": main["bound"], "iteration": dec}
+
+
+def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
+    I, O, c = wl.input_len, wl.output_len, concurrency / sv.layout.dp
+    it = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
+    chunk = min(I, wl.prefill_chunk)
+    with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * I / O),
+                                prefill_ctx=I / 2)
+    return {"concurrency": concurrency, "ttft_s": math.ceil(I / chunk) * with_chunk["total"], "tpot_s": it["total"],
+            "output_tokens_per_s": concurrency / it["total"],
+            "total_tokens_per_s": concurrency * (I + O) / O / it["total"], "bound": it["bound"], "iteration": it}
+
+
+def offline(sv: Serving, wl: Workload) -> dict:
+    """The throughput-maximising concurrency that fits (powers of two up to the KV limit, and the limit)."""
+    cap = max_concurrency(sv, wl)
+    dp = sv.layout.dp
+    candidates = {cap} | {dp * 2**i for i in range(0, 20) if dp * 2**i < cap}
+    best = max((continuous(sv, wl, c) for c in candidates), key=lambda r: r["output_tokens_per_s"])
+    if best["concurrency"] == cap and best["bound"] == "memory bandwidth" and not wl.max_batch:
+        best["bound"] = "KV capacity"  # more sequences would share the weight reads, but no more KV fits
+    return best
+
+
+def poisson(sv: Serving, wl: Workload) -> dict:
+    """Latencies under Poisson arrivals (module docstring): Little's law fixed point + an M/D/1 prefill queue."""
+    R, I, O = wl.request_rate, wl.input_len, wl.output_len
+    best = offline(sv, wl)
+    rho = R * O / best["output_tokens_per_s"]
+    c = R * O * best["tpot_s"]
+    for _ in range(100):
+        r = continuous(sv, wl, max(c, 1e-9))
+        c = 0.5 * c + 0.5 * R * (r["ttft_s"] + O * r["tpot_s"])
+    keeps_up = rho < 1 and c <= max_concurrency(sv, wl)
+    wait = rho * r["ttft_s"] / (2 * (1 - rho)) if rho < 1 else math.inf
+    out = dict(r, concurrency=c, ttft_s=r["ttft_s"] + wait, keeps_up=keeps_up, utilization=rho,
+               output_tokens_per_s=R * O if keeps_up else best["output_tokens_per_s"],
+               total_tokens_per_s=R * (I + O) if keeps_up else best["total_tokens_per_s"])
+    if not keeps_up:
+        out["bound"] = best["bound"]
+    return out
+
+
+def _pool(sv: Serving, gpus: int) -> Serving:
+    """The layout's tp x pp x cp replica shape on a pool of `gpus` (experts over the pool's stage when ep > 1)."""
+    lo = sv.layout
+    rest = lo.tp * lo.pp * lo.cp
+    if gpus % rest:
+        raise ValueError(f"--disaggregate pool of {gpus} GPUs is not a multiple of tp x pp x cp = {rest}")
+    dp = gpus // rest
+    ep = 1 if lo.ep == 1 else math.gcd(dp * lo.tp * lo.cp, sv.sm.cfg.num_experts)
+    return replace(sv, layout=ServingLayout(tp=lo.tp, pp=lo.pp, cp=lo.cp, ep=ep, dp=dp))
+
+
+def disaggregated(sv: Serving, wl: Workload) -> dict:
+    P, D = wl.disaggregate
+    pre, dec = _pool(sv, P), _pool(sv, D)
+    I, O, cl = wl.input_len, wl.output_len, sv.cluster
+    chunk = max(wl.prefill_chunk, I)
+    full = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=chunk, prefill_ctx=I / 2)
+    prefill_rps = pre.layout.dp * chunk / I / full["total"]
+    dwl = replace(wl, disaggregate=None)
+    d = continuous(dec, dwl, wl.concurrency) if wl.concurrency else offline(dec, dwl)
+    d = d if O > 1 else dict(d, output_tokens_per_s=math.inf)
+    # decode-only pool: its iterations carry no prefill tokens
+    it = iteration_time(dec, decodes=d["concurrency"] / dec.layout.dp, kv_len=I + O / 2)
+    decode_rps = d["concurrency"] / it["total"] / O
+    nbytes = kv_transfer_bytes(sv.sm, prompt_tokens=I, kv_precision=sv.kv_precision)
+    same_domain = P + D <= cl.scaleup_size
+    link_bw = (cl.scaleup_bw if same_domain else cl.scaleout_bw) * cl.link_efficiency
+    replica = pre.layout.tp * pre.layout.pp * pre.layout.cp  # each GPU ships its own shard on its own link
+    transfer_s = nbytes / (replica * link_bw)
+    transfer_rps = P * link_bw / nbytes
+    rps = min(prefill_rps, decode_rps, transfer_rps)
+    bound = {prefill_rps: full["bound"], decode_rps: it["bound"],
+             transfer_rps: "scale-up link" if same_domain else "scale-out link"}[rps]
+    alone = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=I, prefill_ctx=I / 2)["total"]
+    return {"concurrency": d["concurrency"], "ttft_s": alone + transfer_s, "tpot_s": it["total"],
+            "output_tokens_per_s": rps * O, "total_tokens_per_s": rps * (I + O), "bound": bound, "iteration": it,
+            "kv_transfer_bytes_per_request": nbytes, "kv_transfer_s": transfer_s,
+            "prefill_requests_per_s": prefill_rps, "decode_requests_per_s": decode_rps,
+            "transfer_requests_per_s": transfer_rps}
+
+
+def _power_w(sv: Serving) -> float:
+    from meshlm.planner.operations import power
+
+    return power(sv.cluster, gpus=sv.layout.world, step_s=1.0, tokens_per_s=1.0)["watts_per_gpu"]
+
+
+def estimate_serving(sv: Serving, wl: Workload) -> dict:
+    """The JSON of `meshlm plan infer` for one deployment (README lists the keys)."""
+    lo, gpus = sv.layout, sv.layout.world
+    mem, cap = sv.memory(), max_concurrency(sv, wl)
+    out = {"layout": lo.label(), "gpus": gpus, "mode": wl.mode, "input_len": wl.input_len,
+           "output_len": wl.output_len, "precision": sv.precision, "kv_precision": sv.kv_precision,
+           "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
+           "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
+           "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]),
+           "max_context_tokens": sv.max_tokens(), "max_concurrency": cap, "max_batch": cap}
+    need = wl.batch or wl.concurrency or 1
+    if wl.disaggregate:
+        need = 1
+    reason = _misfit(sv, wl, cap, need, mem)
+    out.update(fits=not reason, reason=reason)
+    if reason:
+        return out
+    if wl.disaggregate:
+        r = disaggregated(sv, wl)
+        gpus = sum(wl.disaggregate)
+    else:
+        r = {"static": lambda: static_batch(sv, wl, wl.batch), "concurrency": lambda: continuous(sv, wl, wl.concurrency),
+             "offline": lambda: offline(sv, wl), "request-rate": lambda: poisson(sv, wl)}[wl.mode]()
+    watts = _power_w(sv) * gpus
+    it = r.pop("iteration")
+    out.update({k: v for k, v in r.items() if k not in ("ttft_s", "tpot_s")})
+    out.update(gpus=gpus, ttft_ms=r["ttft_s"] * 1e3, tpot_ms=r["tpot_s"] * 1e3,
+               output_tokens_per_s_per_gpu=r["output_tokens_per_s"] / gpus, decode_tokens_per_s=r["output_tokens_per_s"],
+               power_w=watts, joules_per_output_token=watts / r["output_tokens_per_s"],
+               iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound",)})
+    return out
+
+
+def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
+    seq = wl.input_len + wl.output_len
+    if cap < sv.layout.dp or cap < 1:
+        return (f"{mem['weights'] / GiB:.1f} GiB of weights per GPU leave room for {sv.max_tokens():,} tokens of KV "
+                f"cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp), shorten the sequence or "
+                f"use --precision fp8 / --kv-precision fp8")
+    if need > cap:
+        return (f"{need} requests of {seq} tokens need {need * seq:,} tokens of KV cache; "
+                f"{sv.max_tokens() * sv.layout.dp:,} fit (max concurrency {cap})")
+    return ""
+
+
+def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> list[dict]:
+    """Every layout of `gpus` (tp within a scale-up domain, pp, cp = 1, ep = 1 or the whole stage for MoE),
+    ranked by output tokens/s (then TPOT); those that do not fit last."""
+    cfg, results = sv.sm.cfg, []
+    for tp in (t for t in _divisors(gpus) if t <= sv.cluster.scaleup_size and cfg.num_heads % t == 0):
+        for pp in (p for p in _divisors(gpus // tp) if p <= min(16, cfg.num_layers)):
+            dp = gpus // (tp * pp)
+            eps = [1] + ([dp * tp] if cfg.is_moe and dp * tp > 1 and cfg.num_experts % (dp * tp) == 0 else [])
+            for ep in eps:
+                lo = ServingLayout(tp=tp, pp=pp, ep=ep, dp=dp)
+                results.append(estimate_serving(replace(sv, layout=lo), wl))
+    key = lambda r: (not r["fits"], -r.get("output_tokens_per_s", 0.0), r.get("tpot_ms", math.inf))  # noqa: E731
+    return sorted(results, key=key)[:top]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,139 @@
+"""The serving planner's structure (planner/serving*.py, `meshlm plan infer`): checks that can fail, torch-free.
+
+Decode at batch 1 is bounded below by the weights streaming through HBM; the KV capacity is exactly what the
+weights and the workspace leave; cp divides a sequence's KV per GPU; fp8 KV doubles the concurrency; a
+disaggregated deployment ships exactly the prompt's KV; MLA's compressed cache; every JSON field present.
+"""
+
+import argparse
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from meshlm.cli.plan import add_parser as add_plan_parser
+from meshlm.cli.plan import run as run_plan
+from meshlm.planner.cluster import get_cluster
+from meshlm.planner.serving import KV_MEMORY_FRACTION, Serving, ServingLayout, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving_model import served_model
+from meshlm.planner.serving_modes import Workload, estimate_serving, max_concurrency
+
+FIELDS = ("output_tokens_per_s", "output_tokens_per_s_per_gpu", "total_tokens_per_s", "ttft_ms", "tpot_ms",
+          "max_concurrency", "kv_bytes_per_token", "max_context_tokens", "bound", "power_w",
+          "joules_per_output_token")
+
+
+def _sv(model="llama3-70b", cluster="h100", kv="bf16", precision="bf16", **layout):
+    return Serving(served_model(model), get_cluster(cluster), ServingLayout(**layout), precision=precision,
+                   kv_precision=kv)
+
+
+def _cli(argv, capsys):
+    parser = argparse.ArgumentParser(prog="meshlm")
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    rc = run_plan(parser.parse_args(argv))
+    return rc, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model,tp", [("llama3-8b", 1), ("llama3-70b", 8), ("deepseek-v3", 8)])
+def test_decode_tpot_at_batch_one_is_at_least_weights_over_hbm_bandwidth(model, tp):
+    sv = _sv(model, "h200", precision="fp8", tp=tp)
+    r = estimate_serving(sv, Workload(128, 128, batch=1))
+    touched = sv.weight_bytes_per_gpu()["dense"]  # batch 1 touches top-k experts only; the dense part always
+    assert r["tpot_ms"] / 1e3 >= touched / sv.cluster.hbm_bw
+    if not sv.sm.cfg.is_moe:
+        assert r["tpot_ms"] / 1e3 >= r["weights_gib"] * 2**30 / sv.cluster.hbm_bw
+
+
+def test_kv_capacity_is_memory_left_after_weights_and_workspace_exactly():
+    sv = _sv("llama3-70b", tp=4)
+    m = sv.memory()
+    assert m["kv_capacity"] == m["hbm"] - m["reserved"] - m["weights"] - m["workspace"]
+    assert m["workspace"] == pytest.approx((1 - KV_MEMORY_FRACTION) * (m["hbm"] - m["reserved"] - m["weights"]))
+    assert sv.max_tokens() == int(m["kv_capacity"] // sv.kv_bytes_per_token_per_gpu())
+    # a model that does not fit has no KV room and says so
+    r = estimate_serving(_sv("llama3-405b", tp=1), Workload(1000, 1000, offline=True))
+    assert not r["fits"] and "fewer than one sequence" in r["reason"]
+
+
+def test_cp_split_divides_kv_per_gpu_by_cp():
+    one, four = _sv("llama3-8b", tp=2), _sv("llama3-8b", tp=2, cp=4)
+    assert four.kv_bytes_per_token_per_gpu() == one.kv_bytes_per_token_per_gpu() / 4
+    assert four.max_tokens() == pytest.approx(4 * one.max_tokens(), abs=4)
+    # and cp costs a per-layer merge on the link
+    it = iteration_time(four, decodes=8, kv_len=100_000)
+    assert it["scale-up link"] > iteration_time(_sv("llama3-8b", tp=2, cp=1), decodes=8, kv_len=100_000)["scale-up link"]
+
+
+def test_fp8_kv_doubles_max_concurrency_at_the_same_memory():
+    wl = Workload(2048, 2048, offline=True)
+    bf16, fp8 = _sv("llama3-8b", kv="bf16"), _sv("llama3-8b", kv="fp8")
+    assert bf16.memory() == fp8.memory()
+    assert max_concurrency(fp8, wl) in (2 * max_concurrency(bf16, wl), 2 * max_concurrency(bf16, wl) + 1)
+
+
+def test_disaggregation_ships_exactly_the_prompt_kv():
+    sv = _sv("llama3-70b", tp=4, dp=2)
+    cfg, prompt = sv.sm.cfg, 3000
+    expected = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * prompt * 2  # bf16
+    assert kv_transfer_bytes(sv.sm, prompt_tokens=prompt, kv_precision="bf16") == expected
+    r = estimate_serving(sv, Workload(prompt, 200, disaggregate=(4, 4)))
+    assert r["kv_transfer_bytes_per_request"] == expected and r["gpus"] == 8
+    assert r["ttft_ms"] > 0 and r["output_tokens_per_s"] > 0
+
+
+def test_mla_caches_the_compressed_latent():
+    sm = served_model("deepseek-v3")
+    assert sm.kv_bytes_per_token(2.0) == 61 * (512 + 64) * 2
+    assert 660e9 < sm.params()["total"] < 690e9  # 671B
+    # the latent is shared by the heads: tp does not split it
+    sv = _sv("deepseek-v3", precision="fp8", tp=8)
+    assert sv.kv_bytes_per_token_per_gpu() == 61 * 576 * 2
+
+
+def test_modes_are_consistent():
+    sv = _sv("llama3-8b", precision="fp8")
+    small = estimate_serving(sv, Workload(1000, 1000, concurrency=8))
+    best = estimate_serving(sv, Workload(1000, 1000, offline=True))
+    assert best["output_tokens_per_s"] > 4 * small["output_tokens_per_s"] and best["tpot_ms"] > small["tpot_ms"]
+    light = estimate_serving(sv, Workload(1000, 1000, request_rate=0.5))
+    heavy = estimate_serving(sv, Workload(1000, 1000, request_rate=1000.0))
+    assert light["keeps_up"] and not heavy["keeps_up"] and heavy["utilization"] > 1
+    assert light["output_tokens_per_s"] == pytest.approx(500.0)
+    static = estimate_serving(sv, Workload(128, 128, batch=64))
+    assert static["mode"] == "static" and static["concurrency"] == 64
+
+
+def test_plan_infer_json_has_every_field(capsys):
+    rc, out = _cli(["plan", "infer", "--model", "deepseek-v3", "--cluster", "h200", "--gpus", "8",
+                    "--layout", "tp=1,ep=8,dp=8", "--precision", "fp8", "--kv-precision", "fp8",
+                    "--input-len", "1024", "--output-len", "1024", "--offline", "--json"], capsys)
+    d = json.loads(out)
+    assert rc == 0 and d["fits"] and all(k in d for k in FIELDS), sorted(set(FIELDS) - set(d))
+    assert d["bound"] in ("compute", "memory bandwidth", "KV capacity", "scale-up link", "scale-out link", "host")
+    assert math.isclose(d["joules_per_output_token"], d["power_w"] / d["output_tokens_per_s"])
+
+
+def test_plan_infer_ranks_layouts_and_names_the_new_flags(capsys):
+    rc, out = _cli(["plan", "infer", "--model", "llama3-70b", "--cluster", "h100", "--gpus", "8",
+                    "--precision", "fp8", "--top", "3", "--json"], capsys)
+    ranked = json.loads(out)
+    assert rc == 0 and len(ranked) == 3 and all(r["gpus"] == 8 for r in ranked)
+    assert ranked[0]["output_tokens_per_s"] >= ranked[-1]["output_tokens_per_s"]
+    with pytest.raises(ValueError, match="--input-len"):
+        _cli(["plan", "infer", "--model", "llama3-70b", "--tp", "8", "--context-len", "8192"], capsys)
+    with pytest.raises(ValueError, match="fp4"):
+        replace(_sv("llama3-8b"), precision="fp4")
+
+
+def test_published_serving_rows_all_priced():
+    """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print)."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import read_rows, score_rows
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
+    results, summary = score_rows(rows)
+    assert summary["rows"] == len(rows) == 74 and summary["scored"] >= 65
+    assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
