@@ -18,15 +18,19 @@ et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline o
 al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
   * GEMMs: 2 x params FLOPs per token at `peak x matmul_efficiency` (cluster.py), never faster than the weights
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
-    an expert is idle with probability (1 - k/E)^tokens);
-  * attention: decode reads each sequence's KV once (bandwidth-bound), prefill runs the causal square
+    an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
+    (serving_engine.roofline, from DeepGEMM's kernel benchmarks);
+  * attention: decode reads each sequence's KV once (bandwidth-bound; once per query head where the engine's
+    kernel does not share a GQA group's loads, serving_engine.Engine), prefill runs the causal square
     (compute-bound, FlashAttention's rate: `attention_efficiency`);
   * tp: two all-reduces of the tokens' hidden states per layer (Megatron, Shoeybi et al. 2019), exposed;
   * cp: decode -- each cp rank attends over its KV shard and the partial outputs + log-sum-exps are merged per
     layer (flash-decoding's split-KV merge, Dao et al. 2023; meshlm's cp serving); prefill -- ring attention
     passes KV blocks (Liu et al. 2023), overlapped with the attention it feeds;
   * ep: per MoE layer a dispatch (fp8) and a combine (bf16) all-to-all (DeepSeek-V3 report, arXiv:2412.19437,
-    Sec. 3.4), overlapped with compute by two micro-batches (DeepSeek "Day 6" inference overview; SGLang TBO);
+    Sec. 3.4) -- DeepEP's low-latency kernels in decode iterations, its normal ones (holding SMs) with prefill
+    (serving_engine.expert_all_to_all) --, overlapped with compute by two micro-batches (DeepSeek "Day 6"
+    inference overview; SGLang TBO);
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
     the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
 """
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.collectives import collective_time, group_span
+from meshlm.planner.serving_engine import DEEPEP_NORMAL_SMS, ENGINES, Engine, expert_all_to_all, roofline
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
 # Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
@@ -109,6 +114,7 @@ class Serving:
     precision: str = "bf16"  # weights and GEMMs
     kv_precision: str = "bf16"
     overlap_ep: bool = True  # two micro-batches hide the expert all-to-all (module docstring)
+    engine: Engine = ENGINES["default"]  # the serving software's kernels and scheduling (serving_engine.py)
 
     def __post_init__(self):
         if self.precision not in WEIGHT_BYTES:
@@ -151,26 +157,38 @@ def _tier(span: tuple[int, int]) -> str:
     return "scale-out link" if span[1] > 1 else "scale-up link"
 
 
-def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float) -> dict:
+def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float) -> dict:
     """FLOPs and HBM bytes per GPU of one micro-step: d decode tokens over kv_len cached tokens each, p prefill
-    tokens attending over p_ctx earlier tokens on average, through one stage's layers."""
+    tokens (the mean over dp ranks; `p_rank` on this rank) attending over p_ctx earlier tokens on average, through
+    one stage's layers. Routed experts see every dp rank's tokens (the mean); the rest only this rank's."""
     sm, lo, cfg = sv.sm, sv.layout, sv.sm.cfg
     f = 1.0 / lo.pp
-    gemm_tokens = d + p / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
+    gemm_tokens = d + p_rank / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
     fl = sm.matmul_flops_per_token()
     if lo.ep > 1:
         expert_flops = lo.dp * (d + p) * fl["experts"] * f / lo.stage
         routed_tokens = lo.dp * (d + p)
     else:
-        expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, d + p
+        expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, d + p_rank
     w = sv.weight_bytes_per_gpu()
     touched = 1.0 - (1.0 - cfg.num_experts_per_token / cfg.num_experts) ** routed_tokens if cfg.is_moe else 0.0
-    attn = (d * sm.attention_flops(kv_len, decode=True) + p * sm.attention_flops(p_ctx, decode=False)) * f
+    attn = (d * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
     kv_tok = sv.kv_bytes_per_token_per_gpu()
     return {"gemm_flops": gemm_tokens * fl["dense"] * f / lo.tp + expert_flops,
             "weight_bytes": w["dense"] + w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
-            "kv_bytes": d * kv_len * kv_tok + (d + p / lo.cp) * kv_tok}  # read the cache, write the new tokens
+            # read the cache (once per query head where the kernel does not share a GQA group's loads), write
+            # the new tokens
+            "kv_bytes": d * kv_len * kv_tok * _kv_reads(sv) + (d + p_rank / lo.cp) * kv_tok}
+
+
+def _kv_reads(sv: Serving) -> float:
+    """Times the decode-attention kernel reads each cached KV head: 1, or the query heads sharing it where the
+    engine's kernel does not share their loads (`Engine.gqa_shared_kv`; MLA's latent is always read once)."""
+    cfg, tp = sv.sm.cfg, sv.layout.tp
+    if sv.engine.gqa_shared_kv or sv.sm.mla is not None:
+        return 1.0
+    return max(1.0, (cfg.num_heads / tp) / max(1, cfg.num_kv_heads // tp))
 
 
 def _comm(sv: Serving, *, d: float, p: float) -> dict:
@@ -188,38 +206,29 @@ def _comm(sv: Serving, *, d: float, p: float) -> dict:
     if lo.ep > 1:
         span = group_span(1, lo.stage, cl.scaleup_size)
         per_token = h * (min(2.0, WEIGHT_BYTES[sv.precision]) + 2.0)  # dispatch (fp8) + combine (bf16)
-        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * _expert_all_to_all(sv, tokens * per_token, span)
+        call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
+                                 up=cl.collective_fit("all_to_all", "scale-up"),
+                                 out=cl.collective_fit("all_to_all", "scale-out"),
+                                 low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
+        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call
     if lo.pp > 1:
         span = group_span(lo.stage, 2, cl.scaleup_size)
         out[("pp", _tier(span))] = collective_time("p2p", tokens * h * 2, span, cl)
     return out
 
 
-def _expert_all_to_all(sv: Serving, token_bytes: float, span: tuple[int, int]) -> float:
-    """Seconds of one MoE layer's dispatch + combine for tokens of `token_bytes` (summed over both), DeepEP-style
-    (deepseek-ai/DeepEP README; DeepSeek-V3 report Sec. 3.4): a token crosses to each remote node holding one of
-    its k experts once (forwarded inside the node over NVLink), to each local expert's GPU over NVLink; all
-    peers are written concurrently (RDMA), so a call pays one latency, not one per peer."""
-    cl, k, (n_in, n_out) = sv.cluster, sv.sm.cfg.num_experts_per_token, span
-    n = n_in * n_out
-    local = token_bytes * k * (n_in - 1) / n  # expected copies to other GPUs of this node
-    remote_nodes = (n_out - 1) * (1 - (1 - 1 / n_out) ** k) if n_out > 1 else 0.0
-    lat_up, bw_up = cl.collective_fit("all_to_all", "scale-up")
-    lat_out, bw_out = cl.collective_fit("all_to_all", "scale-out")
-    across = token_bytes * remote_nodes / bw_out
-    return max(local / bw_up, across) + 2 * (lat_out if n_out > 1 else lat_up)
-
-
 def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0,
-                   prefill_ctx: float = 0.0) -> dict:
+                   prefill_ctx: float = 0.0, rank_prefill: float | None = None) -> dict:
     """One iteration of one dp rank: `decodes` sequences each advance a token over `kv_len` cached tokens, and
-    `prefill_tokens` prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along.
+    `prefill_tokens` prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along --
+    `rank_prefill` of them on this rank where dp ranks differ (the routed experts see the mean).
     Returns seconds: "total" and by component, and "bound" (what the largest part is)."""
     cl, lo = sv.cluster, sv.layout
     n_micro = lo.pp  # each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle)
     split = lambda x: x / lo.pp if decodes + prefill_tokens >= lo.pp else x  # noqa: E731
     d, p = split(decodes), split(prefill_tokens)
-    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=prefill_ctx)
+    p_rank = p if rank_prefill is None else split(rank_prefill)
+    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=prefill_ctx, p_rank=p_rank)
     hbm = cl.hbm_bw * cl.hbm_efficiency
     rate = cl.peak(sv.gemm_precision) * cl.matmul_efficiency
     attn_rate = cl.peak("bf16") * cl.attention_efficiency
@@ -227,10 +236,13 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
-    work = max(gemm_c, gemm_m) + max(attn_c, attn_m) + sum(t for (kind, _), t in comm.items() if kind != "ep")
+    gemm, attn = roofline(gemm_c, gemm_m), roofline(attn_c, attn_m)
+    if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.overlap_ep:
+        gemm, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (gemm, attn))
+    work = gemm + attn + sum(t for (kind, _), t in comm.items() if kind != "ep")
     micro = max(work, ep) if sv.overlap_ep and ep else work + ep
-    parts = {"compute": (gemm_c if gemm_c > gemm_m else 0.0) + (attn_c if attn_c > attn_m else 0.0),
-             "memory bandwidth": (gemm_m if gemm_m >= gemm_c else 0.0) + (attn_m if attn_m >= attn_c else 0.0)}
+    parts = {"compute": (gemm if gemm_c > gemm_m else 0.0) + (attn if attn_c > attn_m else 0.0),
+             "memory bandwidth": (gemm if gemm_m >= gemm_c else 0.0) + (attn if attn_m >= attn_c else 0.0)}
     for (kind, tier), t in comm.items():
         parts[tier] = parts.get(tier, 0.0) + t
     bound = max(parts, key=parts.get)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import GiB
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving_engine import busiest_rank_prefill
 from meshlm.planner.serving_model import KV_BYTES
 
 # Prompt tokens per iteration when chunking: TensorRT-LLM's default max_num_tokens (8192).
@@ -94,13 +95,29 @@ def static_batch(sv: Serving, wl: Workload, batch: int) -> dict:
 
 def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
     I, O, c = wl.input_len, wl.output_len, concurrency / sv.layout.dp
-    it = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
+    it = steady_iteration(sv, wl, c)
     chunk = min(I, wl.prefill_chunk)
     with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * I / O),
                                 prefill_ctx=I / 2)
     return {"concurrency": concurrency, "ttft_s": math.ceil(I / chunk) * with_chunk["total"], "tpot_s": it["total"],
             "output_tokens_per_s": concurrency / it["total"],
             "total_tokens_per_s": concurrency * (I + O) / O / it["total"], "bound": it["bound"], "iteration": it}
+
+
+def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
+    """The mean iteration of continuous batching with c requests per dp rank: c decodes over I + O / 2 cached
+    tokens and c I / O prompt tokens. With attention data parallelism under expert parallelism (ep > 1, dp > 1)
+    the ranks meet at every MoE layer, so an iteration lasts as long as its busiest rank: a rank that starts a
+    prompt (in pieces of the chunk) holds the others up (serving_engine.busiest_rank_prefill), unless the engine
+    balances prefills across ranks."""
+    I, O, lo = wl.input_len, wl.output_len, sv.layout
+    kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
+    if lo.ep == 1 or lo.dp == 1 or sv.engine.adp_balanced:
+        return iteration_time(sv, **kw)
+    prob, piece = busiest_rank_prefill(c * I / O, min(I, wl.prefill_chunk), lo.dp)
+    busy, idle = iteration_time(sv, **kw, rank_prefill=piece), iteration_time(sv, **kw, rank_prefill=0.0)
+    out = {k: prob * v + (1 - prob) * idle[k] for k, v in busy.items() if k != "bound"}
+    return dict(out, bound=busy["bound"] if prob >= 0.5 else idle["bound"])
 
 
 def offline(sv: Serving, wl: Workload) -> dict:
