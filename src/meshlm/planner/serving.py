@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.collectives import collective_time, group_span
-from meshlm.planner.serving_engine import DEEPEP_NORMAL_SMS, ENGINES, Engine, expert_all_to_all, roofline
+from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
+                                           expert_all_to_all, layer_kernels, roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
 # Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
@@ -174,7 +175,9 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     touched = 1.0 - (1.0 - cfg.num_experts_per_token / cfg.num_experts) ** routed_tokens if cfg.is_moe else 0.0
     attn = (d * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
     kv_tok = sv.kv_bytes_per_token_per_gpu()
+    elems = sm.elementwise_elems_per_token(tp=lo.tp, expert_split=lo.stage if lo.ep > 1 else lo.tp)
     return {"gemm_flops": gemm_tokens * fl["dense"] * f / lo.tp + expert_flops,
+            "elementwise_bytes": 2.0 * gemm_tokens * elems * f,  # 16-bit activations
             "weight_bytes": w["dense"] + w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
             # read the cache (once per query head where the kernel does not share a GQA group's loads), write
@@ -239,16 +242,32 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
     gemm, attn = roofline(gemm_c, gemm_m), roofline(attn_c, attn_m)
     if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.overlap_ep:
         gemm, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (gemm, attn))
-    work = gemm + attn + sum(t for (kind, _), t in comm.items() if kind != "ep")
+    small, kernels = _kernels(sv)
+    elementwise = max(small * KERNEL_FLOOR_S, w["elementwise_bytes"] / hbm)
+    work = gemm + attn + elementwise + sum(t for (kind, _), t in comm.items() if kind != "ep")
     micro = max(work, ep) if sv.overlap_ep and ep else work + ep
+    host = 0.0 if sv.engine.cuda_graphs else kernels * HOST_LAUNCH_S
     parts = {"compute": (gemm if gemm_c > gemm_m else 0.0) + (attn if attn_c > attn_m else 0.0),
-             "memory bandwidth": (gemm if gemm_m >= gemm_c else 0.0) + (attn if attn_m >= attn_c else 0.0)}
+             "memory bandwidth": (gemm if gemm_m >= gemm_c else 0.0) + (attn if attn_m >= attn_c else 0.0)
+             + elementwise}
     for (kind, tier), t in comm.items():
         parts[tier] = parts.get(tier, 0.0) + t
-    bound = max(parts, key=parts.get)
+    bound = "host" if host > micro else max(parts, key=parts.get)
+    micro, work = max(micro, host), max(work, host)
     return {"total": n_micro * micro, "bound": bound, **{k: n_micro * v for k, v in parts.items()},
             "gemm_compute": n_micro * gemm_c, "gemm_memory": n_micro * gemm_m, "attention_compute": n_micro * attn_c,
-            "attention_memory": n_micro * attn_m, "ep_exposed": n_micro * (micro - work)}
+            "attention_memory": n_micro * attn_m, "elementwise": n_micro * elementwise, "host": n_micro * host,
+            "ep_exposed": n_micro * (micro - work)}
+
+
+def _kernels(sv: Serving) -> tuple[float, float]:
+    """(elementwise kernels, all kernels) one GPU runs per micro-step through its stage's layers."""
+    lo, sm = sv.layout, sv.sm
+    moe = sm.moe_layers() / lo.pp
+    dense = sm.layers / lo.pp - moe
+    a = layer_kernels(moe=False, tp=lo.tp, ep=lo.ep)
+    b = layer_kernels(moe=True, tp=lo.tp, ep=lo.ep)
+    return dense * a[0] + moe * b[0], dense * a[1] + moe * b[1]
 
 
 def kv_transfer_bytes(sm: ServedModel, *, prompt_tokens: int, kv_precision: str) -> float:

@@ -30,6 +30,20 @@ ROOFLINE_P = 2.0
 DEEPEP_NORMAL_SMS = 24
 
 
+# Kernel launches. A GPU runs a kernel no shorter than its launch: NVIDIA's "Getting Started with CUDA Graphs"
+# (developer.nvidia.com/blog/cuda-graphs, 2019) times a 2.9 us kernel at 3.8 us apiece launched back to back from
+# the host (the host's launch rate is the limit) and 3.4 us apiece replayed from a CUDA graph. The elementwise
+# kernels of a decoder layer around its GEMMs and attention do almost no work in decode, so each costs the floor:
+# vLLM's LlamaDecoderLayer runs five (two fused residual-add + RMSNorm, rotary embedding, reshape_and_cache,
+# SiluAndMul); a MoE layer adds routing and token permutation (TensorRT-LLM fuses DeepSeek's top-k routing from 18
+# ops into 2 kernels, "Optimizing DeepSeek R1 Throughput on NVIDIA Blackwell GPUs", tech blog 3; plus permute and
+# un-permute): four.
+KERNEL_FLOOR_S = 3.4e-6
+HOST_LAUNCH_S = 3.8e-6
+SMALL_KERNELS_PER_LAYER = 5
+SMALL_KERNELS_PER_MOE_LAYER = 4
+
+
 def roofline(compute_s: float, memory_s: float) -> float:
     """Seconds of a kernel whose FLOPs alone take `compute_s` and whose bytes alone take `memory_s` (ROOFLINE_P)."""
     hi, lo = max(compute_s, memory_s), min(compute_s, memory_s)
@@ -52,12 +66,15 @@ class Engine:
     `ep_all_to_all`: "deepep" -- decode iterations use DeepEP's low-latency kernels (every routed copy sent on
     its own, pure RDMA across nodes), prefill iterations its normal kernels (one copy per remote node, forwarded
     over NVLink inside it; SMs taken from compute) -- SGLang's and DeepSeek's large-EP serving.
+    `cuda_graphs`: without them the host launches every kernel of an iteration, which then takes at least
+    kernels x HOST_LAUNCH_S ("host" bound); TensorRT-LLM's gptSession ran without them before 0.7.
     `adp_balanced`: attention data-parallel ranks schedule prefills together (TensorRT-LLM's ADP balance
     strategy, or disaggregated prefill); otherwise each rank prefills when it has room and the iteration waits
     for the busiest (`busiest_rank_prefill`).
     """
 
     name: str
+    cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (else launched kernel by kernel)
     gqa_shared_kv: bool = True
     ep_all_to_all: str = "deepep"
     adp_balanced: bool = False
@@ -66,7 +83,7 @@ class Engine:
 ENGINES = {e.name: e for e in (
     Engine("default"),
     Engine("tensorrt-llm"),
-    Engine("tensorrt-llm<0.7", gqa_shared_kv=False),
+    Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False),
     Engine("vllm"),
     Engine("sglang"),
 )}
@@ -121,3 +138,13 @@ def busiest_rank_prefill(mean_tokens: float, request_tokens: float, ranks: int) 
         return 1.0, mean_tokens
     q = mean_tokens / request_tokens
     return 1.0 - (1.0 - q) ** ranks, request_tokens
+
+
+def layer_kernels(*, moe: bool, tp: int, ep: int) -> tuple[int, int]:
+    """(elementwise kernels, all kernels) of one decoder layer's forward: the elementwise ones (module constants),
+    four GEMMs (qkv, output, gate-up, down; a MoE layer: router, shared expert's two, the experts' two grouped
+    GEMMs), attention, two all-reduces under tp, a dispatch and a combine under ep."""
+    small = SMALL_KERNELS_PER_LAYER + (SMALL_KERNELS_PER_MOE_LAYER if moe else 0)
+    gemms = 2 + (5 if moe else 2)
+    comm = (2 if tp > 1 else 0) + (2 if moe and ep > 1 else 0)
+    return small, small + gemms + 1 + comm
