@@ -13,6 +13,7 @@ Not responsible for: any estimate (see `cost.py`, `search.py`, `serving_modes.py
   meshlm plan compare --model llama3-70b --gpus 1152 --cluster h100 --cluster gb200-nvl72 --global-batch-tokens 16M
   meshlm plan infer --model llama3-70b --cluster h100 --gpus 8 --layout tp=8 --input-len 8192 --output-len 256
   meshlm plan infer --model deepseek-v3 --cluster h200 --gpus 8 --offline      # every layout ranked
+  meshlm plan context --model llama3-405b --cluster gb200-nvl72 --context 1M --plot context.png
   meshlm plan calibrate --out plan_calibration.json
   meshlm plan schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2 --plot pp.png
   meshlm plan schedule --from-run runs/pp --plot measured.png     # a pp run's measured timeline
@@ -145,6 +146,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
     i.add_argument("--json", action="store_true")
 
+    x = sub.add_parser("context", help="one long context: the smallest deployment holding it, its TPOT, and "
+                                       "where more GPUs stop paying",
+                       description="The fewest GPUs (tp x pp x cp) of --cluster that hold the weights and one "
+                                   "sequence of --context tokens, its TPOT, the nodes its KV spans, and the best "
+                                   "TPOT as GPUs double (planner/serving_context.py; JSON keys: see README).")
+    x.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
+    x.add_argument("--cluster", default="h100")
+    x.add_argument("--context", required=True, help="prompt tokens of the one sequence, e.g. 1M (= 2^20), 128K")
+    x.add_argument("--output-len", type=int, default=1, help="tokens generated after it (default 1)")
+    x.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
+    x.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
+    x.add_argument("--max-gpus", type=int, default=4096, help="largest deployment to consider (default 4096)")
+    x.add_argument("--plot", metavar="FILE.png", help="weights + KV per GPU against context length and TPOT "
+                                                      "against GPUs, for scale-up domains of 8 and 72")
+    x.add_argument("--json", action="store_true")
+
     s = sub.add_parser("schedule", help="simulate a pipeline schedule: bubble, peak in-flight, timeline PNG",
                        description="Simulate one pipeline schedule in unit time (F=1, B=1, W=1 per microbatch "
                                    "and chunk; the full backward is B+W) and print its bubble and the "
@@ -181,7 +198,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     """`meshlm plan [SUBCOMMAND]`: each subcommand's function below; without one, the layout search."""
     commands = {None: run_search, "estimate": run_estimate, "scale": run_scale, "compare": run_compare,
-                "infer": run_infer, "schedule": run_schedule, "calibrate": run_calibrate}
+                "infer": run_infer, "context": run_context, "schedule": run_schedule, "calibrate": run_calibrate}
     return commands[getattr(args, "plan_command", None)](args)
 
 
@@ -381,7 +398,7 @@ def format_compare(rows: list[dict]) -> str:
 
 def run_infer(args) -> int:
     """`meshlm plan infer`: one serving deployment (or every layout of --gpus ranked)."""
-    from meshlm.planner.serving_modes import estimate_serving, search_serving
+    from meshlm.planner.serving_modes import estimate_serving, format_serving, search_serving
 
     sv, wl, gpus = _serving_inputs(args)
     if args.layout is None and args.tp is None:
@@ -393,6 +410,30 @@ def run_infer(args) -> int:
         return 0
     est = estimate_serving(sv, wl)
     print(json.dumps(est, indent=2) if args.json else format_serving(est, args.model, sv.cluster.gpu))
+    return 0
+
+
+def run_context(args) -> int:
+    """`meshlm plan context`: the smallest deployment that holds one long sequence, and its scaling."""
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving_context import context_answer, format_context, plot_variants
+    from meshlm.planner.serving_model import served_model
+
+    context = parse_size(args.context)
+    if context < 1 or args.output_len < 1 or args.max_gpus < 1:
+        raise ValueError("--context, --output-len and --max-gpus must be >= 1")
+    sv = Serving(served_model(args.model), get_cluster(args.cluster), ServingLayout(), precision=args.precision,
+                 kv_precision=args.kv_precision)
+    answer = context_answer(sv, context, args.output_len, max_gpus=args.max_gpus)
+    print(json.dumps(answer, indent=2) if args.json else format_context(answer, args.model))
+    if args.plot:
+        from meshlm.planner.plot import plot_context
+
+        variants = plot_variants(sv, context, args.output_len, max_gpus=args.max_gpus)
+        plot_context(variants, args.plot, title=f"{args.model} on {sv.cluster.gpu}: {context:,}-token context")
+        if not args.json:
+            print(f"wrote {args.plot}")
     return 0
 
 
@@ -426,20 +467,6 @@ def _serving_inputs(args):
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision)
     return sv, wl, gpus
-
-
-def format_serving(r: dict, model: str, gpu: str) -> str:
-    head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
-            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU, "
-            f"{r['max_context_tokens']:,} tokens of KV cache fit -> max concurrency {r['max_concurrency']} "
-            f"at {r['input_len']}+{r['output_len']} tokens")
-    if not r["fits"]:
-        return f"{head}\n  does not fit: {r['reason']}"
-    rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
-    return (f"{head}\n  {r['mode']} at concurrency {r['concurrency']:.0f}: {r['output_tokens_per_s']:,.0f} output "
-            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
-            f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
-            f"{r['joules_per_output_token']:.3g} J/output token")
 
 
 def run_schedule(args) -> int:

@@ -259,3 +259,17 @@ def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> li
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def format_serving(r: dict, model: str, gpu: str) -> str:
+    head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
+            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU, "
+            f"{r['max_context_tokens']:,} tokens of KV cache fit -> max concurrency {r['max_concurrency']} "
+            f"at {r['input_len']}+{r['output_len']} tokens")
+    if not r["fits"]:
+        return f"{head}\n  does not fit: {r['reason']}"
+    rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
+    return (f"{head}\n  {r['mode']} at concurrency {r['concurrency']:.0f}: {r['output_tokens_per_s']:,.0f} output "
+            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
+            f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
+            f"{r['joules_per_output_token']:.3g} J/output token")
