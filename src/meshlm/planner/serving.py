@@ -29,8 +29,8 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     passes KV blocks (Liu et al. 2023), overlapped with the attention it feeds;
   * ep: per MoE layer a dispatch (fp8) and a combine (bf16) all-to-all (DeepSeek-V3 report, arXiv:2412.19437,
     Sec. 3.4) -- DeepEP's low-latency kernels in decode iterations, its normal ones (holding SMs) with prefill
-    (serving_engine.expert_all_to_all) --, overlapped with compute by two micro-batches (DeepSeek "Day 6"
-    inference overview; SGLang TBO);
+    (serving_engine.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
+    that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed;
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
     the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
 """
@@ -114,7 +114,6 @@ class Serving:
     layout: ServingLayout
     precision: str = "bf16"  # weights and GEMMs
     kv_precision: str = "bf16"
-    overlap_ep: bool = True  # two micro-batches hide the expert all-to-all (module docstring)
     engine: Engine = ENGINES["default"]  # the serving software's kernels and scheduling (serving_engine.py)
 
     def __post_init__(self):
@@ -225,13 +224,32 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
     """One iteration of one dp rank: `decodes` sequences each advance a token over `kv_len` cached tokens, and
     `prefill_tokens` prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along --
     `rank_prefill` of them on this rank where dp ranks differ (the routed experts see the mean).
-    Returns seconds: "total" and by component, and "bound" (what the largest part is)."""
-    cl, lo = sv.cluster, sv.layout
-    n_micro = lo.pp  # each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle)
+    Returns seconds: "total" and by component, and "bound" (what the largest part is).
+
+    Each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle). Where the engine
+    hides the expert all-to-all behind two micro-batches (`Engine.two_batch_overlap`, ep > 1), each half of
+    the batch runs every layer -- reading the weights again -- while the other half's tokens travel."""
+    lo = sv.layout
     split = lambda x: x / lo.pp if decodes + prefill_tokens >= lo.pp else x  # noqa: E731
     d, p = split(decodes), split(prefill_tokens)
     p_rank = p if rank_prefill is None else split(rank_prefill)
-    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=prefill_ctx, p_rank=p_rank)
+    halves = 2 if lo.ep > 1 and sv.engine.two_batch_overlap else 1
+    m = _micro_step(sv, d=d / halves, kv_len=kv_len, p=p / halves, p_ctx=prefill_ctx, p_rank=p_rank / halves)
+    work, ep, host = m.pop("work"), m.pop("ep"), m.pop("host")
+    micro = max(work, ep) if halves == 2 else work + ep
+    bound = "host" if host > micro else max(m["parts"], key=m["parts"].get)
+    scale = lo.pp * halves
+    return {"total": scale * max(micro, host), "bound": bound, **{k: scale * v for k, v in m.pop("parts").items()},
+            **{k: scale * v for k, v in m.items()}, "host": scale * host,
+            "ep_exposed": scale * (max(micro, host) - max(work, host))}
+
+
+def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float) -> dict:
+    """Seconds of one micro-batch through one stage: "work" (GEMMs, attention, elementwise kernels, tp/cp/pp
+    communication, one after another), "ep" (the expert all-to-all), "host" (launching it without CUDA graphs),
+    "parts" (by what bounds each) and the roofline's components."""
+    cl = sv.cluster
+    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
     hbm = cl.hbm_bw * cl.hbm_efficiency
     rate = cl.peak(sv.gemm_precision) * cl.matmul_efficiency
     attn_rate = cl.peak("bf16") * cl.attention_efficiency
@@ -240,24 +258,19 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
     comm = _comm(sv, d=d, p=p)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
     gemm, attn = roofline(gemm_c, gemm_m), roofline(attn_c, attn_m)
-    if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.overlap_ep:
+    if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.engine.two_batch_overlap:
         gemm, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (gemm, attn))
     small, kernels = _kernels(sv)
     elementwise = max(small * KERNEL_FLOOR_S, w["elementwise_bytes"] / hbm)
-    work = gemm + attn + elementwise + sum(t for (kind, _), t in comm.items() if kind != "ep")
-    micro = max(work, ep) if sv.overlap_ep and ep else work + ep
-    host = 0.0 if sv.engine.cuda_graphs else kernels * HOST_LAUNCH_S
     parts = {"compute": (gemm if gemm_c > gemm_m else 0.0) + (attn if attn_c > attn_m else 0.0),
              "memory bandwidth": (gemm if gemm_m >= gemm_c else 0.0) + (attn if attn_m >= attn_c else 0.0)
              + elementwise}
     for (kind, tier), t in comm.items():
         parts[tier] = parts.get(tier, 0.0) + t
-    bound = "host" if host > micro else max(parts, key=parts.get)
-    micro, work = max(micro, host), max(work, host)
-    return {"total": n_micro * micro, "bound": bound, **{k: n_micro * v for k, v in parts.items()},
-            "gemm_compute": n_micro * gemm_c, "gemm_memory": n_micro * gemm_m, "attention_compute": n_micro * attn_c,
-            "attention_memory": n_micro * attn_m, "elementwise": n_micro * elementwise, "host": n_micro * host,
-            "ep_exposed": n_micro * (micro - work)}
+    return {"work": gemm + attn + elementwise + sum(t for (kind, _), t in comm.items() if kind != "ep"), "ep": ep,
+            "host": 0.0 if sv.engine.cuda_graphs else kernels * HOST_LAUNCH_S, "parts": parts,
+            "gemm_compute": gemm_c, "gemm_memory": gemm_m, "attention_compute": attn_c, "attention_memory": attn_m,
+            "elementwise": elementwise}
 
 
 def _kernels(sv: Serving) -> tuple[float, float]:

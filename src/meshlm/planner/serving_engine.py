@@ -68,6 +68,11 @@ class Engine:
     over NVLink inside it; SMs taken from compute) -- SGLang's and DeepSeek's large-EP serving.
     `cuda_graphs`: without them the host launches every kernel of an iteration, which then takes at least
     kernels x HOST_LAUNCH_S ("host" bound); TensorRT-LLM's gptSession ran without them before 0.7.
+    `two_batch_overlap`: DeepSeek's serving ("Day 6" inference system overview: dual micro-batch overlap in
+    prefill and decode) and SGLang's two-batch overlap (TBO) split the batch in two so one half's dispatch and
+    combine run under the other half's compute -- each half reading the weights. TensorRT-LLM's attention-DP
+    MoE of 2025 (all-gather and reduce-scatter of the tokens around the experts, "Optimizing DeepSeek R1
+    Throughput on NVIDIA Blackwell GPUs", tech blog 3) leaves it exposed.
     `adp_balanced`: attention data-parallel ranks schedule prefills together (TensorRT-LLM's ADP balance
     strategy, or disaggregated prefill); otherwise each rank prefills when it has room and the iteration waits
     for the busiest (`busiest_rank_prefill`).
@@ -75,6 +80,7 @@ class Engine:
 
     name: str
     cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (else launched kernel by kernel)
+    two_batch_overlap: bool = True  # with ep > 1, two micro-batches hide each other's expert all-to-all
     gqa_shared_kv: bool = True
     ep_all_to_all: str = "deepep"
     adp_balanced: bool = False
@@ -82,8 +88,8 @@ class Engine:
 
 ENGINES = {e.name: e for e in (
     Engine("default"),
-    Engine("tensorrt-llm"),
-    Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False),
+    Engine("tensorrt-llm", two_batch_overlap=False),
+    Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False, two_batch_overlap=False),
     Engine("vllm"),
     Engine("sglang"),
 )}
