@@ -140,6 +140,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
+    i.add_argument("--engine", default="default", help="serving software whose kernels and scheduling to price: "
+                   "default | tensorrt-llm | tensorrt-llm<0.7 | vllm | sglang (planner/serving_engine.py)")
     i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
                    help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
     i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
@@ -441,8 +443,9 @@ def _serving_inputs(args):
     """(Serving, Workload, gpus) from `plan infer`'s flags."""
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.serving import Serving, ServingLayout, parse_serving_layout
+    from meshlm.planner.serving_engine import engine
     from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload
+    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload, parse_disaggregate
 
     if args.context_len is not None:
         raise ValueError("--context-len is gone: give --input-len (prompt tokens) and --output-len (generated "
@@ -455,17 +458,13 @@ def _serving_inputs(args):
     gpus = gpus or lo.world
     if layout is None and args.gpus is None:
         raise ValueError("give --gpus N (every layout ranked), or --layout / --tp")
-    disagg = None
-    if args.disaggregate:
-        a, _, b = args.disaggregate.partition(":")
-        if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
-            raise ValueError(f"--disaggregate {args.disaggregate!r}: expected PREFILL_GPUS:DECODE_GPUS, e.g. 8:24")
-        disagg = (int(a), int(b))
+    disagg = parse_disaggregate(args.disaggregate) if args.disaggregate else None
     wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
                   offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
                   prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK, disaggregate=disagg)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
-    sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision)
+    sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision,
+                 engine=engine(args.engine))
     return sv, wl, gpus
 
 
