@@ -66,6 +66,14 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _add_served(p: argparse.ArgumentParser) -> None:
+    """The model, cluster and precisions of a serving question (`plan infer`, `plan context`)."""
+    p.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
+    p.add_argument("--cluster", default="h100")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
+    p.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="predict memory and step time of parallel layouts on a cluster and pick one",
@@ -119,8 +127,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
                               "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
                               "bound, power_w, joules_per_output_token, ... (see README).")
-    i.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
-    i.add_argument("--cluster", default="h100")
+    _add_served(i)
     i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
     i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
     i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
@@ -135,13 +142,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                              "(the default)")
     mode.add_argument("--request-rate", type=float, default=None, metavar="R",
                       help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
-    i.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
-    i.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
-    i.add_argument("--engine", default="default", help="serving software whose kernels and scheduling to price: "
-                   "default | tensorrt-llm | tensorrt-llm<0.7 | vllm | sglang (planner/serving_engine.py)")
+    i.add_argument("--engine", default="default", help="serving software priced (planner/serving_engine.py)")
     i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
                    help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
     i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
@@ -153,12 +157,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        description="The fewest GPUs (tp x pp x cp) of --cluster that hold the weights and one "
                                    "sequence of --context tokens, its TPOT, the nodes its KV spans, and the best "
                                    "TPOT as GPUs double (planner/serving_context.py; JSON keys: see README).")
-    x.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
-    x.add_argument("--cluster", default="h100")
+    _add_served(x)
     x.add_argument("--context", required=True, help="prompt tokens of the one sequence, e.g. 1M (= 2^20), 128K")
     x.add_argument("--output-len", type=int, default=1, help="tokens generated after it (default 1)")
-    x.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
-    x.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
     x.add_argument("--max-gpus", type=int, default=4096, help="largest deployment to consider (default 4096)")
     x.add_argument("--plot", metavar="FILE.png", help="weights + KV per GPU against context length and TPOT "
                                                       "against GPUs, for scale-up domains of 8 and 72")

@@ -27,6 +27,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path, *, title: str = "", dpi: int = 100) -> Path:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = "") -> Path:
     if not estimates:
         raise ValueError("nothing to plot: no layout fits; drop --plot or change the job")
@@ -59,12 +68,7 @@ def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = 
     ax_m.set_yticklabels(labels, fontsize=8)
     ax_m.set_title("memory per GPU by component")
     ax_t.set_title("step time by component")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title=title, dpi=110)
 
 
 def plot_scaling(curves: dict, path: str | Path, *, title: str = "", marks: dict | None = None) -> Path:
@@ -132,9 +136,4 @@ def plot_context(variants: dict, path: str | Path, *, title: str = "") -> Path:
     ax_t.set_xlabel("GPUs (labels: scale-up domains the KV spans)")
     ax_t.set_ylabel("TPOT ms")
     ax_t.set_title("per-token latency against GPUs")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title=title)
