@@ -25,8 +25,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from meshlm.planner.inputs import (job_operations, make_job, parse_size, resolve_model,
-                                   runtime_of)
+from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
 
 if TYPE_CHECKING:
     from meshlm.config import ModelConfig
@@ -74,6 +73,53 @@ def _add_served(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
 
 
+def _add_serving_parsers(sub) -> None:
+    """`plan infer` (one serving deployment) and `plan context` (one long sequence)."""
+    i = sub.add_parser("infer", help="serving estimate: throughput, TTFT, TPOT, KV capacity, bound, power",
+                       description="Serve --model on --gpus GPUs of --cluster: one --layout, or every layout ranked. "
+                                   "One of --batch (static), --concurrency (continuous), --offline (the default: the "
+                                   "best concurrency that fits) or --request-rate (Poisson); planner/serving*.py.",
+                       epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
+                              "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
+                              "bound, power_w, joules_per_output_token, ... (see README).")
+    _add_served(i)
+    i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
+    i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
+    i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
+                                                 "without it every layout of --gpus is ranked")
+    i.add_argument("--tp", type=int, default=None, help="shorthand for --layout tp=T (and --gpus T when not given)")
+    i.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
+    i.add_argument("--output-len", type=int, default=1024, help="generated tokens per request (default 1024)")
+    mode = i.add_mutually_exclusive_group()
+    mode.add_argument("--batch", type=int, default=None, help="static batch: prefill all, then decode all")
+    mode.add_argument("--concurrency", type=int, default=None, help="continuous batching with C requests in flight")
+    mode.add_argument("--offline", action="store_true", help="the throughput-maximising concurrency that fits "
+                                                             "(the default)")
+    mode.add_argument("--request-rate", type=float, default=None, metavar="R",
+                      help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
+    i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
+    i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
+    i.add_argument("--engine", default="default", help="serving software priced (planner/serving_engine.py)")
+    i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
+                   help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
+    i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
+    i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
+    i.add_argument("--json", action="store_true")
+
+    x = sub.add_parser("context", help="one long context: smallest deployment, TPOT, where more GPUs stop paying",
+                       description="The fewest GPUs (tp x pp x cp) of --cluster that hold the weights and one "
+                                   "sequence of --context tokens, its TPOT, the nodes its KV spans, and the best "
+                                   "TPOT as GPUs double (planner/serving_context.py; JSON keys: see README).")
+    _add_served(x)
+    x.add_argument("--context", required=True, help="prompt tokens of the one sequence, e.g. 1M (= 2^20), 128K")
+    x.add_argument("--output-len", type=int, default=1, help="tokens generated after it (default 1)")
+    x.add_argument("--max-gpus", type=int, default=4096, help="largest deployment to consider (default 4096)")
+    x.add_argument("--plot", metavar="FILE.png", help="weights + KV per GPU against context length and TPOT "
+                                                      "against GPUs, for scale-up domains of 8 and 72")
+    x.add_argument("--json", action="store_true")
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="predict memory and step time of parallel layouts on a cluster and pick one",
@@ -119,52 +165,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                       "which communication bounds the step.")
     _add_common(cmpp, required=True, gpus="compare")
 
-    i = sub.add_parser("infer", help="serving estimate: throughput, TTFT, TPOT, KV capacity, bound, power",
-                       description="Serve --model on --gpus GPUs of --cluster: one --layout, or (without) every "
-                                   "layout ranked. One of --batch (static), --concurrency (continuous batching), "
-                                   "--offline (the default: the best concurrency that fits) or --request-rate "
-                                   "(Poisson arrivals). The model: planner/serving.py and serving_modes.py.",
-                       epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
-                              "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
-                              "bound, power_w, joules_per_output_token, ... (see README).")
-    _add_served(i)
-    i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
-    i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
-    i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
-                                                 "without it every layout of --gpus is ranked")
-    i.add_argument("--tp", type=int, default=None, help="shorthand for --layout tp=T (and --gpus T when not given)")
-    i.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
-    i.add_argument("--output-len", type=int, default=1024, help="generated tokens per request (default 1024)")
-    mode = i.add_mutually_exclusive_group()
-    mode.add_argument("--batch", type=int, default=None, help="static batch: prefill all, then decode all")
-    mode.add_argument("--concurrency", type=int, default=None, help="continuous batching with C requests in flight")
-    mode.add_argument("--offline", action="store_true", help="the throughput-maximising concurrency that fits "
-                                                             "(the default)")
-    mode.add_argument("--request-rate", type=float, default=None, metavar="R",
-                      help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
-    i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                   help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
-    i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
-    i.add_argument("--engine", default="default", help="serving software priced (planner/serving_engine.py)")
-    i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
-                   help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
-    i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
-    i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
-    i.add_argument("--json", action="store_true")
-
-    x = sub.add_parser("context", help="one long context: the smallest deployment holding it, its TPOT, and "
-                                       "where more GPUs stop paying",
-                       description="The fewest GPUs (tp x pp x cp) of --cluster that hold the weights and one "
-                                   "sequence of --context tokens, its TPOT, the nodes its KV spans, and the best "
-                                   "TPOT as GPUs double (planner/serving_context.py; JSON keys: see README).")
-    _add_served(x)
-    x.add_argument("--context", required=True, help="prompt tokens of the one sequence, e.g. 1M (= 2^20), 128K")
-    x.add_argument("--output-len", type=int, default=1, help="tokens generated after it (default 1)")
-    x.add_argument("--max-gpus", type=int, default=4096, help="largest deployment to consider (default 4096)")
-    x.add_argument("--plot", metavar="FILE.png", help="weights + KV per GPU against context length and TPOT "
-                                                      "against GPUs, for scale-up domains of 8 and 72")
-    x.add_argument("--json", action="store_true")
-
+    _add_serving_parsers(sub)
     s = sub.add_parser("schedule", help="simulate a pipeline schedule: bubble, peak in-flight, timeline PNG",
                        description="Simulate one pipeline schedule in unit time (F=1, B=1, W=1 per microbatch "
                                    "and chunk; the full backward is B+W) and print its bubble and the "
@@ -419,6 +420,7 @@ def run_infer(args) -> int:
 def run_context(args) -> int:
     """`meshlm plan context`: the smallest deployment that holds one long sequence, and its scaling."""
     from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.plot import plot_context
     from meshlm.planner.serving import Serving, ServingLayout
     from meshlm.planner.serving_context import context_answer, format_context, plot_variants
     from meshlm.planner.serving_model import served_model
@@ -431,8 +433,6 @@ def run_context(args) -> int:
     answer = context_answer(sv, context, args.output_len, max_gpus=args.max_gpus)
     print(json.dumps(answer, indent=2) if args.json else format_context(answer, args.model))
     if args.plot:
-        from meshlm.planner.plot import plot_context
-
         variants = plot_variants(sv, context, args.output_len, max_gpus=args.max_gpus)
         plot_context(variants, args.plot, title=f"{args.model} on {sv.cluster.gpu}: {context:,}-token context")
         if not args.json:

@@ -145,14 +145,17 @@ def format_context(r: dict, model: str) -> str:
         return f"{head}\n  does not fit: {r['reason']}"
     lines = [head, f"  smallest deployment: {r['gpus']} GPUs ({r['layout']}), the KV spans {r['nodes']} "
                    f"node(s) / scale-up domain(s); per GPU {r['weights_gib_per_gpu']:.1f} GiB weights + "
-                   f"{r['kv_gib_per_gpu']:.1f} GiB KV", f"  TPOT {r['tpot_ms']:.1f} ms (bound: {r['bound']}), "
-                   f"TTFT {r['ttft_s']:.1f} s (the whole prompt)", "  GPUs   layout                     nodes   TPOT ms  bound"]
-    lines += [f"  {p['gpus']:>5}  {p['layout']:<26} {p['nodes']:>5} {p['tpot_ms']:>9.2f}  {p['bound']}" for p in r["curve"]]
+                   f"{r['kv_gib_per_gpu']:.1f} GiB KV",
+             f"  TPOT {r['tpot_ms']:.1f} ms (bound: {r['bound']}), TTFT {r['ttft_s']:.1f} s (the whole prompt)",
+             "  GPUs   layout                     nodes   TPOT ms  bound"]
+    lines += [f"  {p['gpus']:>5}  {p['layout']:<26} {p['nodes']:>5} {p['tpot_ms']:>9.2f}  {p['bound']}"
+              for p in r["curve"]]
     stop = r["stops_paying"]
-    if stop:
-        lines.append(f"  adding GPUs stops paying at {stop['gpus']} GPUs ({stop['tpot_ms']:.2f} ms): doubling from there "
-                     f"cuts the TPOT by less than {STOP_GAIN:.0%}" if stop is not r["curve"][-1] else
-                     f"  every doubling up to {stop['gpus']} GPUs still cuts the TPOT by {STOP_GAIN:.0%} or more")
+    if stop is r["curve"][-1]:
+        lines.append(f"  every doubling up to {stop['gpus']} GPUs still cuts the TPOT by {STOP_GAIN:.0%} or more")
+    elif stop:
+        lines.append(f"  adding GPUs stops paying at {stop['gpus']} GPUs ({stop['tpot_ms']:.2f} ms): doubling from "
+                     f"there cuts the TPOT by less than {STOP_GAIN:.0%}")
     return "\n".join(lines)
 
 
