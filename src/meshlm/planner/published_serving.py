@@ -13,6 +13,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * KV precision when blank: fp8 for TensorRT-LLM with fp8/fp4 ModelOpt checkpoints (their quantization
     configs set kv_cache_quant_algo FP8), the model's 16-bit dtype otherwise (vLLM's and SGLang's
     kv_cache_dtype "auto"; DeepSeek's native FP8 checkpoint);
+  * the engine from the row's engine and version (serving_engine.ENGINES): TensorRT-LLM before 0.7 without its
+    XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, SGLang and vLLM as the default;
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
     engine's running-request limit (the row's max_batch_size per rank where given, else vLLM's default
