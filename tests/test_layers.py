@@ -122,7 +122,8 @@ def test_the_layering_test_can_fail():
 
 
 @pytest.mark.parametrize("module", ["meshlm.planner", "meshlm.planner.search", "meshlm.planner.cost",
-                                    "meshlm.planner.inference", "meshlm.planner.scale", "meshlm.planner.explain",
+                                    "meshlm.planner.serving_modes", "meshlm.planner.published_serving",
+                                    "meshlm.planner.scale", "meshlm.planner.explain",
                                     "meshlm.planner.published",
                                     "meshlm.schedules", "meshlm.timeline", "meshlm.tokenizer", "meshlm.cli"])
 def test_torch_free(module):

@@ -20,7 +20,6 @@ from meshlm.cli.plan import run as run_plan
 from meshlm.planner.inputs import parse_size
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, pipeline_bubble
-from meshlm.planner.inference import estimate_inference
 from meshlm.models.stats import count_params, flops_per_token, train_flops_per_token
 from meshlm.planner.search import search
 
@@ -237,14 +236,19 @@ def test_cli_hf_config_and_infer(capsys, tmp_path):
 
 
 def test_inference_decode_bounds():
-    cfg = ModelConfig.from_preset("llama3-70b")
-    h100 = get_cluster("h100")
-    small = estimate_inference(cfg, h100, tp=8, context_len=2048, batch=1)
-    assert small.decode_bound in ("hbm", "tp-latency")
-    # batch 1 reads all weights once per token: ~ weights / HBM bandwidth
-    assert small.decode_step_s >= small.weights_gib * 2**30 / h100.hbm_bw
-    big = estimate_inference(cfg, h100, tp=8, context_len=2048, batch=small.max_batch)
-    assert big.decode_tokens_per_s > 10 * small.decode_tokens_per_s
+    """The serving model (planner/serving*.py; the old one-function estimate folded into it): a decode step at
+    batch 1 streams every weight once, and the largest batch that fits shares that read."""
+    from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+    from meshlm.planner.serving_model import served_model
+
+    sv = Serving(served_model("llama3-70b"), get_cluster("h100"), ServingLayout(tp=8))
+    small = iteration_time(sv, decodes=1, kv_len=2048)
+    assert small["bound"] in ("memory bandwidth", "scale-up link")
+    weights = sum(sv.weight_bytes_per_gpu().values())
+    assert small["total"] >= weights / sv.cluster.hbm_bw
+    batch = sv.max_tokens() // 2048
+    big = iteration_time(sv, decodes=batch, kv_len=2048)
+    assert batch / big["total"] > 10 / small["total"]
 
 
 def test_405b_on_16k_h100_is_sensible():

@@ -13,6 +13,7 @@ Not responsible for: any estimate (see `cost.py`, `search.py`, `serving_modes.py
   meshlm plan compare --model llama3-70b --gpus 1152 --cluster h100 --cluster gb200-nvl72 --global-batch-tokens 16M
   meshlm plan infer --model llama3-70b --cluster h100 --gpus 8 --layout tp=8 --input-len 8192 --output-len 256
   meshlm plan infer --model deepseek-v3 --cluster h200 --gpus 8 --offline      # every layout ranked
+  meshlm plan context --model llama3-405b --cluster gb200-nvl72 --context 1M --plot context.png
   meshlm plan calibrate --out plan_calibration.json
   meshlm plan schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2 --plot pp.png
   meshlm plan schedule --from-run runs/pp --plot measured.png     # a pp run's measured timeline
@@ -24,8 +25,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from meshlm.planner.inputs import (job_operations, make_job, parse_size, resolve_model,
-                                   runtime_of)
+from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
 
 if TYPE_CHECKING:
     from meshlm.config import ModelConfig
@@ -63,6 +63,61 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
                    help="checkpoint storage write bandwidth of the job, e.g. 500G (default 122 MB/s per GPU, "
                         "the Llama 3 paper's 2 TB/s for 16K GPUs)")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_served(p: argparse.ArgumentParser) -> None:
+    """The model, cluster and precisions of a serving question (`plan infer`, `plan context`)."""
+    p.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
+    p.add_argument("--cluster", default="h100")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
+    p.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
+
+
+def _add_serving_parsers(sub) -> None:
+    """`plan infer` (one serving deployment) and `plan context` (one long sequence)."""
+    i = sub.add_parser("infer", help="serving estimate: throughput, TTFT, TPOT, KV capacity, bound, power",
+                       description="Serve --model on --gpus GPUs of --cluster: one --layout, or every layout ranked. "
+                                   "One of --batch (static), --concurrency (continuous), --offline (the default: the "
+                                   "best concurrency that fits) or --request-rate (Poisson); planner/serving*.py.",
+                       epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
+                              "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
+                              "bound, power_w, joules_per_output_token, ... (see README).")
+    _add_served(i)
+    i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
+    i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
+    i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
+                                                 "without it every layout of --gpus is ranked")
+    i.add_argument("--tp", type=int, default=None, help="shorthand for --layout tp=T (and --gpus T when not given)")
+    i.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
+    i.add_argument("--output-len", type=int, default=1024, help="generated tokens per request (default 1024)")
+    mode = i.add_mutually_exclusive_group()
+    mode.add_argument("--batch", type=int, default=None, help="static batch: prefill all, then decode all")
+    mode.add_argument("--concurrency", type=int, default=None, help="continuous batching with C requests in flight")
+    mode.add_argument("--offline", action="store_true", help="the throughput-maximising concurrency that fits "
+                                                             "(the default)")
+    mode.add_argument("--request-rate", type=float, default=None, metavar="R",
+                      help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
+    i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
+    i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
+    i.add_argument("--engine", default="default", help="serving software priced (planner/serving_engine.py)")
+    i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
+                   help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
+    i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
+    i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
+    i.add_argument("--json", action="store_true")
+
+    x = sub.add_parser("context", help="one long context: smallest deployment, TPOT, where more GPUs stop paying",
+                       description="The fewest GPUs (tp x pp x cp) of --cluster that hold the weights and one "
+                                   "sequence of --context tokens, its TPOT, the nodes its KV spans, and the best "
+                                   "TPOT as GPUs double (planner/serving_context.py; JSON keys: see README).")
+    _add_served(x)
+    x.add_argument("--context", required=True, help="prompt tokens of the one sequence, e.g. 1M (= 2^20), 128K")
+    x.add_argument("--output-len", type=int, default=1, help="tokens generated after it (default 1)")
+    x.add_argument("--max-gpus", type=int, default=4096, help="largest deployment to consider (default 4096)")
+    x.add_argument("--plot", metavar="FILE.png", help="weights + KV per GPU against context length and TPOT "
+                                                      "against GPUs, for scale-up domains of 8 and 72")
+    x.add_argument("--json", action="store_true")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -110,41 +165,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                       "which communication bounds the step.")
     _add_common(cmpp, required=True, gpus="compare")
 
-    i = sub.add_parser("infer", help="serving estimate: throughput, TTFT, TPOT, KV capacity, bound, power",
-                       description="Serve --model on --gpus GPUs of --cluster: one --layout, or (without) every "
-                                   "layout ranked. One of --batch (static), --concurrency (continuous batching), "
-                                   "--offline (the default: the best concurrency that fits) or --request-rate "
-                                   "(Poisson arrivals). The model: planner/serving.py and serving_modes.py.",
-                       epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
-                              "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
-                              "bound, power_w, joules_per_output_token, ... (see README).")
-    i.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
-    i.add_argument("--cluster", default="h100")
-    i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
-    i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
-    i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
-                                                 "without it every layout of --gpus is ranked")
-    i.add_argument("--tp", type=int, default=None, help="shorthand for --layout tp=T (and --gpus T when not given)")
-    i.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
-    i.add_argument("--output-len", type=int, default=1024, help="generated tokens per request (default 1024)")
-    mode = i.add_mutually_exclusive_group()
-    mode.add_argument("--batch", type=int, default=None, help="static batch: prefill all, then decode all")
-    mode.add_argument("--concurrency", type=int, default=None, help="continuous batching with C requests in flight")
-    mode.add_argument("--offline", action="store_true", help="the throughput-maximising concurrency that fits "
-                                                             "(the default)")
-    mode.add_argument("--request-rate", type=float, default=None, metavar="R",
-                      help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
-    i.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
-    i.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
-    i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                   help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
-    i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
-    i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
-                   help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
-    i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
-    i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
-    i.add_argument("--json", action="store_true")
-
+    _add_serving_parsers(sub)
     s = sub.add_parser("schedule", help="simulate a pipeline schedule: bubble, peak in-flight, timeline PNG",
                        description="Simulate one pipeline schedule in unit time (F=1, B=1, W=1 per microbatch "
                                    "and chunk; the full backward is B+W) and print its bubble and the "
@@ -181,7 +202,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     """`meshlm plan [SUBCOMMAND]`: each subcommand's function below; without one, the layout search."""
     commands = {None: run_search, "estimate": run_estimate, "scale": run_scale, "compare": run_compare,
-                "infer": run_infer, "schedule": run_schedule, "calibrate": run_calibrate}
+                "infer": run_infer, "context": run_context, "schedule": run_schedule, "calibrate": run_calibrate}
     return commands[getattr(args, "plan_command", None)](args)
 
 
@@ -381,7 +402,7 @@ def format_compare(rows: list[dict]) -> str:
 
 def run_infer(args) -> int:
     """`meshlm plan infer`: one serving deployment (or every layout of --gpus ranked)."""
-    from meshlm.planner.serving_modes import estimate_serving, search_serving
+    from meshlm.planner.serving_modes import estimate_serving, format_serving, search_serving
 
     sv, wl, gpus = _serving_inputs(args)
     if args.layout is None and args.tp is None:
@@ -396,12 +417,36 @@ def run_infer(args) -> int:
     return 0
 
 
+def run_context(args) -> int:
+    """`meshlm plan context`: the smallest deployment that holds one long sequence, and its scaling."""
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.plot import plot_context
+    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving_context import context_answer, format_context, plot_variants
+    from meshlm.planner.serving_model import served_model
+
+    context = parse_size(args.context)
+    if context < 1 or args.output_len < 1 or args.max_gpus < 1:
+        raise ValueError("--context, --output-len and --max-gpus must be >= 1")
+    sv = Serving(served_model(args.model), get_cluster(args.cluster), ServingLayout(), precision=args.precision,
+                 kv_precision=args.kv_precision)
+    answer = context_answer(sv, context, args.output_len, max_gpus=args.max_gpus)
+    print(json.dumps(answer, indent=2) if args.json else format_context(answer, args.model))
+    if args.plot:
+        variants = plot_variants(sv, context, args.output_len, max_gpus=args.max_gpus)
+        plot_context(variants, args.plot, title=f"{args.model} on {sv.cluster.gpu}: {context:,}-token context")
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
 def _serving_inputs(args):
     """(Serving, Workload, gpus) from `plan infer`'s flags."""
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.serving import Serving, ServingLayout, parse_serving_layout
+    from meshlm.planner.serving_engine import engine
     from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload
+    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload, parse_disaggregate
 
     if args.context_len is not None:
         raise ValueError("--context-len is gone: give --input-len (prompt tokens) and --output-len (generated "
@@ -414,32 +459,14 @@ def _serving_inputs(args):
     gpus = gpus or lo.world
     if layout is None and args.gpus is None:
         raise ValueError("give --gpus N (every layout ranked), or --layout / --tp")
-    disagg = None
-    if args.disaggregate:
-        a, _, b = args.disaggregate.partition(":")
-        if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
-            raise ValueError(f"--disaggregate {args.disaggregate!r}: expected PREFILL_GPUS:DECODE_GPUS, e.g. 8:24")
-        disagg = (int(a), int(b))
+    disagg = parse_disaggregate(args.disaggregate) if args.disaggregate else None
     wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
                   offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
                   prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK, disaggregate=disagg)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
-    sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision)
+    sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision,
+                 engine=engine(args.engine))
     return sv, wl, gpus
-
-
-def format_serving(r: dict, model: str, gpu: str) -> str:
-    head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
-            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU, "
-            f"{r['max_context_tokens']:,} tokens of KV cache fit -> max concurrency {r['max_concurrency']} "
-            f"at {r['input_len']}+{r['output_len']} tokens")
-    if not r["fits"]:
-        return f"{head}\n  does not fit: {r['reason']}"
-    rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
-    return (f"{head}\n  {r['mode']} at concurrency {r['concurrency']:.0f}: {r['output_tokens_per_s']:,.0f} output "
-            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
-            f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
-            f"{r['joules_per_output_token']:.3g} J/output token")
 
 
 def run_schedule(args) -> int:

@@ -7,7 +7,7 @@ counts and matmul FLOPs of our model (and the FLOP convention) are `meshlm.model
   cost         Job, Layout, placement, collective and pipeline-bubble formulas, `Estimate`
   search       layout enumeration, pruning, ranking
   explain      why the winner wins and what bounds it
-  inference    serving: KV cache, largest batch, decode tokens/s, prefill time
+  serving*     serving: one deployment's memory, KV capacity, iterations, batching modes, engines
   plot         PNG of the top layouts' memory and time breakdowns
   calibrate    measure this machine (matmul FLOP/s, gloo collectives)
   inputs       sizes (4M), amounts (15T), a model spec, a Job, from what a user types

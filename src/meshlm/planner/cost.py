@@ -9,8 +9,8 @@ prediction: memory_gib and time_s by component, MFU, HFU, tokens/s, TFLOP/s per 
   kernels.py      GEMMs by shape, fp8 casts
   memory.py       bytes per GPU by component
   timing.py       microbatch compute and comm, pipeline bubble, exposed DP / ZeRO comm, optimizer
-Not responsible for: enumerating layouts (`search.py`), explaining them (`explain.py`), or inference
-(`inference.py`). The names of those modules that callers used from here are re-exported.
+Not responsible for: enumerating layouts (`search.py`), explaining them (`explain.py`), or serving
+(`serving_modes.py`). The names of those modules that callers used from here are re-exported.
 
 A layout fits only with MIN_HEADROOM of the GPU's memory left free beyond everything itemised.
 """

@@ -1,4 +1,5 @@
-"""A PNG of the top layouts: memory per GPU and step time, each as stacked components.
+"""PNGs: the top layouts' memory per GPU and step time as stacked components; scaling curves; one long context's
+memory per GPU against its length and TPOT against GPUs.
 
 Responsible for: drawing (matplotlib, imported only here and only when a plot is asked for).
 Not responsible for: any number.
@@ -15,9 +16,7 @@ TIME_PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_bubbl
               "optimizer")
 
 
-def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = "") -> Path:
-    if not estimates:
-        raise ValueError("nothing to plot: no layout fits; drop --plot or change the job")
+def _pyplot():
     try:
         import matplotlib
 
@@ -25,6 +24,22 @@ def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = 
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install 'meshlm[plot]')") from None
+    return plt
+
+
+def _save(plt, fig, path: Path, *, title: str = "", dpi: int = 100) -> Path:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = "") -> Path:
+    if not estimates:
+        raise ValueError("nothing to plot: no layout fits; drop --plot or change the job")
+    plt = _pyplot()
     path = Path(path)
     labels = [f"#{i + 1} {e.layout.short()}" for i, e in enumerate(estimates)]
     n = len(estimates)
@@ -53,25 +68,14 @@ def plot_estimates(estimates: list[Estimate], path: str | Path, *, title: str = 
     ax_m.set_yticklabels(labels, fontsize=8)
     ax_m.set_title("memory per GPU by component")
     ax_t.set_title("step time by component")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title=title, dpi=110)
 
 
 def plot_scaling(curves: dict, path: str | Path, *, title: str = "", marks: dict | None = None) -> Path:
     """tokens/s against GPUs (log-log) for each curve {"strong": [ScalePoint], "weak": [...]}, with the
     linear extrapolation of each curve's first fitting point, and `marks` {name: ScalePoint} (the
     diminishing-returns points) circled."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib (pip install 'meshlm[plot]')") from None
+    plt = _pyplot()
     path = Path(path)
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, points in curves.items():
@@ -97,3 +101,39 @@ def plot_scaling(curves: dict, path: str | Path, *, title: str = "", marks: dict
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_context(variants: dict, path: str | Path, *, title: str = "") -> Path:
+    """`variants` {label: (answer, memory points)} from serving_context (`context_answer`, `memory_curve`): left,
+    weights + KV per GPU of each variant's smallest deployment against context length, with its usable memory;
+    right, the best TPOT against GPUs, the KV's scale-up domains marked."""
+    plt = _pyplot()
+    path = Path(path)
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    for label, (answer, memory) in variants.items():
+        if not answer.get("fits"):
+            continue
+        xs = [m["context"] for m in memory]
+        line, = ax_m.plot(xs, [m["weights_gib"] + m["kv_gib"] for m in memory], marker=".",
+                          label=f"{label}: {answer['gpus']} GPUs ({answer['layout']}), weights + KV")
+        ax_m.plot(xs, [m["weights_gib"] for m in memory], linestyle=":", color=line.get_color(),
+                  label=f"{label}: weights")
+        ax_m.axhline(memory[0]["usable_gib"], linestyle="--", linewidth=1, color=line.get_color())
+        curve = answer["curve"]
+        ax_t.plot([p["gpus"] for p in curve], [p["tpot_ms"] for p in curve], marker="o", color=line.get_color(),
+                  label=label)
+        for p in curve:
+            ax_t.annotate(f"{p['nodes']}", (p["gpus"], p["tpot_ms"]), textcoords="offset points", xytext=(3, 4),
+                          fontsize=7, color=line.get_color())
+    ax_m.axvline(next(iter(variants.values()))[0]["context_tokens"], color="black", linewidth=0.8)
+    for ax in (ax_m, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax_m.set_xlabel("context tokens (one sequence)")
+    ax_m.set_ylabel("GiB per GPU (dashed: usable)")
+    ax_m.set_title("weights + KV per GPU, smallest deployment")
+    ax_t.set_xlabel("GPUs (labels: scale-up domains the KV spans)")
+    ax_t.set_ylabel("TPOT ms")
+    ax_t.set_title("per-token latency against GPUs")
+    return _save(plt, fig, path, title=title)

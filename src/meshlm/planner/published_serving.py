@@ -13,13 +13,15 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * KV precision when blank: fp8 for TensorRT-LLM with fp8/fp4 ModelOpt checkpoints (their quantization
     configs set kv_cache_quant_algo FP8), the model's 16-bit dtype otherwise (vLLM's and SGLang's
     kv_cache_dtype "auto"; DeepSeek's native FP8 checkpoint);
+  * the engine from the row's engine and version (serving_engine.ENGINES): TensorRT-LLM before 0.7 without its
+    XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, SGLang and vLLM as the default;
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
     engine's running-request limit (the row's max_batch_size per rank where given, else vLLM's default
     max_num_seqs 256, TensorRT-LLM's default max_batch_size 2048); rows with a client concurrency run it;
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
-    most that fit);
+    most that fit, at most the 256 DeepEP's low-latency kernels are sized for);
   * not modelled, reported as skipped: speculative decoding (MTP rows), the production mixes without lengths.
 """
 
@@ -33,6 +35,7 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import ServedModel, served_model
 from meshlm.planner.serving_modes import Workload, continuous, max_concurrency, offline, static_batch
 
@@ -54,6 +57,10 @@ CLUSTERS = (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h800
             ("a100", "a100"), ("mi325x", "mi325x"), ("mi300x", "mi300x"), ("rtx-pro-6000", "rtx-pro-6000"))
 ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
 PREFILL_TOKENS_PER_DEVICE = 16384
+# Decode tokens per GPU of an expert-parallel decode pool: DeepEP's low-latency buffers are sized for
+# `num_max_dispatch_tokens_per_rank`, "the actual batch size in the decoding engine", which its README recommends
+# to keep below 256 (deepseek-ai/DeepEP, V1 README, "Example use in inference decoding").
+DEEPEP_DECODE_TOKENS = 256
 
 
 class Skip(Exception):
@@ -110,7 +117,16 @@ def deployment_of(row: dict) -> Serving:
     cluster = next((get_cluster(c) for key, c in CLUSTERS if key in gpu), None)
     if cluster is None:
         raise Skip(f"no cluster preset for {row['gpu']!r}")
-    return Serving(model_of(row), cluster, layout_of(row), precision=weights, kv_precision=kv)
+    return Serving(model_of(row), cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row))
+
+
+def engine_of(row: dict) -> Engine:
+    """The row's engine: TensorRT-LLM before 0.7 decodes GQA without sharing a group's KV loads (no XQA kernel)."""
+    name, version = row["engine"].lower(), re.match(r"\s*(\d+)\.(\d+)", row["engine_version"])
+    if name.startswith("tensorrt"):
+        old = version is not None and (int(version.group(1)), int(version.group(2))) < (0, 7)
+        return ENGINES["tensorrt-llm<0.7" if old else "tensorrt-llm"]
+    return ENGINES["vllm" if name.startswith("vllm") else "sglang" if name.startswith("sglang") else "default"]
 
 
 def _max_batch(row: dict) -> int | None:
@@ -163,7 +179,8 @@ def _predict(row: dict, sv: Serving) -> dict:
     if "decode" in out_text:
         kv = _int(out_text) or I
         wl = Workload(I, kv - I + 1 if kv > I else 1)
-        seqs = _int(batch_text) if "per" in batch_text else max(1, max_concurrency(sv, Workload(kv, 1)) // sv.layout.dp)
+        fit = max(1, max_concurrency(sv, Workload(kv, 1)) // sv.layout.dp)
+        seqs = _int(batch_text) if "per" in batch_text else min(fit, DEEPEP_DECODE_TOKENS)
         it = iteration_time(sv, decodes=seqs, kv_len=kv)
         return {"throughput": sv.layout.dp * seqs / it["total"], "tpot_ms": it["total"] * 1e3, "bound": it["bound"],
                 "input_len": wl.input_len}

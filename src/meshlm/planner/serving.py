@@ -18,15 +18,19 @@ et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline o
 al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
   * GEMMs: 2 x params FLOPs per token at `peak x matmul_efficiency` (cluster.py), never faster than the weights
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
-    an expert is idle with probability (1 - k/E)^tokens);
-  * attention: decode reads each sequence's KV once (bandwidth-bound), prefill runs the causal square
+    an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
+    (serving_engine.roofline, from DeepGEMM's kernel benchmarks);
+  * attention: decode reads each sequence's KV once (bandwidth-bound; once per query head where the engine's
+    kernel does not share a GQA group's loads, serving_engine.Engine), prefill runs the causal square
     (compute-bound, FlashAttention's rate: `attention_efficiency`);
   * tp: two all-reduces of the tokens' hidden states per layer (Megatron, Shoeybi et al. 2019), exposed;
   * cp: decode -- each cp rank attends over its KV shard and the partial outputs + log-sum-exps are merged per
     layer (flash-decoding's split-KV merge, Dao et al. 2023; meshlm's cp serving); prefill -- ring attention
     passes KV blocks (Liu et al. 2023), overlapped with the attention it feeds;
   * ep: per MoE layer a dispatch (fp8) and a combine (bf16) all-to-all (DeepSeek-V3 report, arXiv:2412.19437,
-    Sec. 3.4), overlapped with compute by two micro-batches (DeepSeek "Day 6" inference overview; SGLang TBO);
+    Sec. 3.4) -- DeepEP's low-latency kernels in decode iterations, its normal ones (holding SMs) with prefill
+    (serving_engine.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
+    that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed;
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
     the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
 """
@@ -37,6 +41,8 @@ from dataclasses import dataclass
 
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.collectives import collective_time, group_span
+from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
+                                           expert_all_to_all, layer_kernels, roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
 # Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
@@ -108,7 +114,7 @@ class Serving:
     layout: ServingLayout
     precision: str = "bf16"  # weights and GEMMs
     kv_precision: str = "bf16"
-    overlap_ep: bool = True  # two micro-batches hide the expert all-to-all (module docstring)
+    engine: Engine = ENGINES["default"]  # the serving software's kernels and scheduling (serving_engine.py)
 
     def __post_init__(self):
         if self.precision not in WEIGHT_BYTES:
@@ -151,26 +157,40 @@ def _tier(span: tuple[int, int]) -> str:
     return "scale-out link" if span[1] > 1 else "scale-up link"
 
 
-def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float) -> dict:
+def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float) -> dict:
     """FLOPs and HBM bytes per GPU of one micro-step: d decode tokens over kv_len cached tokens each, p prefill
-    tokens attending over p_ctx earlier tokens on average, through one stage's layers."""
+    tokens (the mean over dp ranks; `p_rank` on this rank) attending over p_ctx earlier tokens on average, through
+    one stage's layers. Routed experts see every dp rank's tokens (the mean); the rest only this rank's."""
     sm, lo, cfg = sv.sm, sv.layout, sv.sm.cfg
     f = 1.0 / lo.pp
-    gemm_tokens = d + p / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
+    gemm_tokens = d + p_rank / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
     fl = sm.matmul_flops_per_token()
     if lo.ep > 1:
         expert_flops = lo.dp * (d + p) * fl["experts"] * f / lo.stage
         routed_tokens = lo.dp * (d + p)
     else:
-        expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, d + p
+        expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, d + p_rank
     w = sv.weight_bytes_per_gpu()
     touched = 1.0 - (1.0 - cfg.num_experts_per_token / cfg.num_experts) ** routed_tokens if cfg.is_moe else 0.0
-    attn = (d * sm.attention_flops(kv_len, decode=True) + p * sm.attention_flops(p_ctx, decode=False)) * f
+    attn = (d * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
     kv_tok = sv.kv_bytes_per_token_per_gpu()
+    elems = sm.elementwise_elems_per_token(tp=lo.tp, expert_split=lo.stage if lo.ep > 1 else lo.tp)
     return {"gemm_flops": gemm_tokens * fl["dense"] * f / lo.tp + expert_flops,
+            "elementwise_bytes": 2.0 * gemm_tokens * elems * f,  # 16-bit activations
             "weight_bytes": w["dense"] + w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
-            "kv_bytes": d * kv_len * kv_tok + (d + p / lo.cp) * kv_tok}  # read the cache, write the new tokens
+            # read the cache (once per query head where the kernel does not share a GQA group's loads), write
+            # the new tokens
+            "kv_bytes": d * kv_len * kv_tok * _kv_reads(sv) + (d + p_rank / lo.cp) * kv_tok}
+
+
+def _kv_reads(sv: Serving) -> float:
+    """Times the decode-attention kernel reads each cached KV head: 1, or the query heads sharing it where the
+    engine's kernel does not share their loads (`Engine.gqa_shared_kv`; MLA's latent is always read once)."""
+    cfg, tp = sv.sm.cfg, sv.layout.tp
+    if sv.engine.gqa_shared_kv or sv.sm.mla is not None:
+        return 1.0
+    return max(1.0, (cfg.num_heads / tp) / max(1, cfg.num_kv_heads // tp))
 
 
 def _comm(sv: Serving, *, d: float, p: float) -> dict:
@@ -188,38 +208,48 @@ def _comm(sv: Serving, *, d: float, p: float) -> dict:
     if lo.ep > 1:
         span = group_span(1, lo.stage, cl.scaleup_size)
         per_token = h * (min(2.0, WEIGHT_BYTES[sv.precision]) + 2.0)  # dispatch (fp8) + combine (bf16)
-        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * _expert_all_to_all(sv, tokens * per_token, span)
+        call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
+                                 up=cl.collective_fit("all_to_all", "scale-up"),
+                                 out=cl.collective_fit("all_to_all", "scale-out"),
+                                 low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
+        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call
     if lo.pp > 1:
         span = group_span(lo.stage, 2, cl.scaleup_size)
         out[("pp", _tier(span))] = collective_time("p2p", tokens * h * 2, span, cl)
     return out
 
 
-def _expert_all_to_all(sv: Serving, token_bytes: float, span: tuple[int, int]) -> float:
-    """Seconds of one MoE layer's dispatch + combine for tokens of `token_bytes` (summed over both), DeepEP-style
-    (deepseek-ai/DeepEP README; DeepSeek-V3 report Sec. 3.4): a token crosses to each remote node holding one of
-    its k experts once (forwarded inside the node over NVLink), to each local expert's GPU over NVLink; all
-    peers are written concurrently (RDMA), so a call pays one latency, not one per peer."""
-    cl, k, (n_in, n_out) = sv.cluster, sv.sm.cfg.num_experts_per_token, span
-    n = n_in * n_out
-    local = token_bytes * k * (n_in - 1) / n  # expected copies to other GPUs of this node
-    remote_nodes = (n_out - 1) * (1 - (1 - 1 / n_out) ** k) if n_out > 1 else 0.0
-    lat_up, bw_up = cl.collective_fit("all_to_all", "scale-up")
-    lat_out, bw_out = cl.collective_fit("all_to_all", "scale-out")
-    across = token_bytes * remote_nodes / bw_out
-    return max(local / bw_up, across) + 2 * (lat_out if n_out > 1 else lat_up)
-
-
 def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0,
-                   prefill_ctx: float = 0.0) -> dict:
+                   prefill_ctx: float = 0.0, rank_prefill: float | None = None) -> dict:
     """One iteration of one dp rank: `decodes` sequences each advance a token over `kv_len` cached tokens, and
-    `prefill_tokens` prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along.
-    Returns seconds: "total" and by component, and "bound" (what the largest part is)."""
-    cl, lo = sv.cluster, sv.layout
-    n_micro = lo.pp  # each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle)
+    `prefill_tokens` prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along --
+    `rank_prefill` of them on this rank where dp ranks differ (the routed experts see the mean).
+    Returns seconds: "total" and by component, and "bound" (what the largest part is).
+
+    Each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle). Where the engine
+    hides the expert all-to-all behind two micro-batches (`Engine.two_batch_overlap`, ep > 1), each half of
+    the batch runs every layer -- reading the weights again -- while the other half's tokens travel."""
+    lo = sv.layout
     split = lambda x: x / lo.pp if decodes + prefill_tokens >= lo.pp else x  # noqa: E731
     d, p = split(decodes), split(prefill_tokens)
-    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=prefill_ctx)
+    p_rank = p if rank_prefill is None else split(rank_prefill)
+    halves = 2 if lo.ep > 1 and sv.engine.two_batch_overlap else 1
+    m = _micro_step(sv, d=d / halves, kv_len=kv_len, p=p / halves, p_ctx=prefill_ctx, p_rank=p_rank / halves)
+    work, ep, host = m.pop("work"), m.pop("ep"), m.pop("host")
+    micro = max(work, ep) if halves == 2 else work + ep
+    bound = "host" if host > micro else max(m["parts"], key=m["parts"].get)
+    scale = lo.pp * halves
+    return {"total": scale * max(micro, host), "bound": bound, **{k: scale * v for k, v in m.pop("parts").items()},
+            **{k: scale * v for k, v in m.items()}, "host": scale * host,
+            "ep_exposed": scale * (max(micro, host) - max(work, host))}
+
+
+def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float) -> dict:
+    """Seconds of one micro-batch through one stage: "work" (GEMMs, attention, elementwise kernels, tp/cp/pp
+    communication, one after another), "ep" (the expert all-to-all), "host" (launching it without CUDA graphs),
+    "parts" (by what bounds each) and the roofline's components."""
+    cl = sv.cluster
+    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
     hbm = cl.hbm_bw * cl.hbm_efficiency
     rate = cl.peak(sv.gemm_precision) * cl.matmul_efficiency
     attn_rate = cl.peak("bf16") * cl.attention_efficiency
@@ -227,16 +257,30 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
-    work = max(gemm_c, gemm_m) + max(attn_c, attn_m) + sum(t for (kind, _), t in comm.items() if kind != "ep")
-    micro = max(work, ep) if sv.overlap_ep and ep else work + ep
-    parts = {"compute": (gemm_c if gemm_c > gemm_m else 0.0) + (attn_c if attn_c > attn_m else 0.0),
-             "memory bandwidth": (gemm_m if gemm_m >= gemm_c else 0.0) + (attn_m if attn_m >= attn_c else 0.0)}
+    gemm, attn = roofline(gemm_c, gemm_m), roofline(attn_c, attn_m)
+    if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.engine.two_batch_overlap:
+        gemm, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (gemm, attn))
+    small, kernels = _kernels(sv)
+    elementwise = max(small * KERNEL_FLOOR_S, w["elementwise_bytes"] / hbm)
+    parts = {"compute": (gemm if gemm_c > gemm_m else 0.0) + (attn if attn_c > attn_m else 0.0),
+             "memory bandwidth": (gemm if gemm_m >= gemm_c else 0.0) + (attn if attn_m >= attn_c else 0.0)
+             + elementwise}
     for (kind, tier), t in comm.items():
         parts[tier] = parts.get(tier, 0.0) + t
-    bound = max(parts, key=parts.get)
-    return {"total": n_micro * micro, "bound": bound, **{k: n_micro * v for k, v in parts.items()},
-            "gemm_compute": n_micro * gemm_c, "gemm_memory": n_micro * gemm_m, "attention_compute": n_micro * attn_c,
-            "attention_memory": n_micro * attn_m, "ep_exposed": n_micro * (micro - work)}
+    return {"work": gemm + attn + elementwise + sum(t for (kind, _), t in comm.items() if kind != "ep"), "ep": ep,
+            "host": 0.0 if sv.engine.cuda_graphs else kernels * HOST_LAUNCH_S, "parts": parts,
+            "gemm_compute": gemm_c, "gemm_memory": gemm_m, "attention_compute": attn_c, "attention_memory": attn_m,
+            "elementwise": elementwise}
+
+
+def _kernels(sv: Serving) -> tuple[float, float]:
+    """(elementwise kernels, all kernels) one GPU runs per micro-step through its stage's layers."""
+    lo, sm = sv.layout, sv.sm
+    moe = sm.moe_layers() / lo.pp
+    dense = sm.layers / lo.pp - moe
+    a = layer_kernels(moe=False, tp=lo.tp, ep=lo.ep)
+    b = layer_kernels(moe=True, tp=lo.tp, ep=lo.ep)
+    return dense * a[0] + moe * b[0], dense * a[1] + moe * b[1]
 
 
 def kv_transfer_bytes(sm: ServedModel, *, prompt_tokens: int, kv_precision: str) -> float:

@@ -116,6 +116,22 @@ class ServedModel:
             per_head = 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim
         return self.layers * c.num_heads * per_head * context
 
+    def elementwise_elems_per_token(self, *, tp: int, expert_split: int) -> float:
+        """Activation elements one token's elementwise kernels read + write on one GPU, all layers (vLLM's decoder
+        layer: two fused residual-add + RMSNorm read x and the residual and write both, 4 h each; rotary embedding
+        reads and writes q and k; SiluAndMul reads 2 x ffn and writes ffn; a MoE layer permutes each token's
+        hidden state to its k experts and sums them back, 3 k h, its k experts' activations spread over
+        `expert_split` GPUs)."""
+        c, h = self.cfg, self.cfg.hidden_size
+        qk = (c.num_heads + max(1, c.num_kv_heads // tp)) * c.head_dim
+        dense, moe = self.layers - self.moe_layers(), self.moe_layers()
+        total = self.layers * (8 * h + 2 * qk / tp) + dense * 3 * c.intermediate_size / tp
+        if moe:
+            k = c.num_experts_per_token
+            total += moe * ((3 * k * c.expert_intermediate_size + 3 * k * h) / expert_split
+                            + 3 * c.shared_intermediate_size / tp)
+        return total
+
     def moe_layers(self) -> int:
         return sum(1 for i in range(self.layers) if self.cfg.is_moe_layer(i))
 

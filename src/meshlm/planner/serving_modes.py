@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import GiB
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving_engine import busiest_rank_prefill
 from meshlm.planner.serving_model import KV_BYTES
 
 # Prompt tokens per iteration when chunking: TensorRT-LLM's default max_num_tokens (8192).
@@ -74,6 +75,14 @@ class Workload:
         return "request-rate" if self.request_rate is not None else "offline"
 
 
+def parse_disaggregate(text: str) -> tuple[int, int]:
+    """`--disaggregate P:D` -> (prefill GPUs, decode GPUs)."""
+    a, _, b = text.partition(":")
+    if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
+        raise ValueError(f"--disaggregate {text!r}: expected PREFILL_GPUS:DECODE_GPUS, e.g. 8:24")
+    return int(a), int(b)
+
+
 def max_concurrency(sv: Serving, wl: Workload) -> int:
     """Requests of I + O tokens whose KV fits the deployment (each dp rank its own), within --max-batch."""
     per_rank = sv.max_tokens() // (wl.input_len + wl.output_len)
@@ -94,13 +103,29 @@ def static_batch(sv: Serving, wl: Workload, batch: int) -> dict:
 
 def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
     I, O, c = wl.input_len, wl.output_len, concurrency / sv.layout.dp
-    it = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
+    it = steady_iteration(sv, wl, c)
     chunk = min(I, wl.prefill_chunk)
     with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * I / O),
                                 prefill_ctx=I / 2)
     return {"concurrency": concurrency, "ttft_s": math.ceil(I / chunk) * with_chunk["total"], "tpot_s": it["total"],
             "output_tokens_per_s": concurrency / it["total"],
             "total_tokens_per_s": concurrency * (I + O) / O / it["total"], "bound": it["bound"], "iteration": it}
+
+
+def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
+    """The mean iteration of continuous batching with c requests per dp rank: c decodes over I + O / 2 cached
+    tokens and c I / O prompt tokens. With attention data parallelism under expert parallelism (ep > 1, dp > 1)
+    the ranks meet at every MoE layer, so an iteration lasts as long as its busiest rank: a rank that starts a
+    prompt (in pieces of the chunk) holds the others up (serving_engine.busiest_rank_prefill), unless the engine
+    balances prefills across ranks."""
+    I, O, lo = wl.input_len, wl.output_len, sv.layout
+    kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
+    if lo.ep == 1 or lo.dp == 1 or sv.engine.adp_balanced:
+        return iteration_time(sv, **kw)
+    prob, piece = busiest_rank_prefill(c * I / O, min(I, wl.prefill_chunk), lo.dp)
+    busy, idle = iteration_time(sv, **kw, rank_prefill=piece), iteration_time(sv, **kw, rank_prefill=0.0)
+    out = {k: prob * v + (1 - prob) * idle[k] for k, v in busy.items() if k != "bound"}
+    return dict(out, bound=busy["bound"] if prob >= 0.5 else idle["bound"])
 
 
 def offline(sv: Serving, wl: Workload) -> dict:
@@ -242,3 +267,17 @@ def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> li
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def format_serving(r: dict, model: str, gpu: str) -> str:
+    head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
+            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU, "
+            f"{r['max_context_tokens']:,} tokens of KV cache fit -> max concurrency {r['max_concurrency']} "
+            f"at {r['input_len']}+{r['output_len']} tokens")
+    if not r["fits"]:
+        return f"{head}\n  does not fit: {r['reason']}"
+    rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
+    return (f"{head}\n  {r['mode']} at concurrency {r['concurrency']:.0f}: {r['output_tokens_per_s']:,.0f} output "
+            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
+            f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
+            f"{r['joules_per_output_token']:.3g} J/output token")

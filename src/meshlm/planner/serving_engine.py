@@ -1,0 +1,156 @@
+"""What the serving software adds to the roofline of one iteration: how its kernels meet the roofline's corner,
+whether its decode-attention kernel shares a KV head's loads among the query heads of a group, how its expert
+all-to-all moves tokens, and how attention data-parallel ranks wait for the slowest.
+
+Responsible for: `Engine` (the properties of a serving engine the time depends on) and its presets (`ENGINES`),
+`roofline` (a kernel's time from its compute and memory times), `expert_all_to_all` (one MoE layer's dispatch +
+combine, by phase) and `busiest_rank_prefill` (attention data parallelism's per-iteration imbalance).
+Not responsible for: which work an iteration carries (`serving.py`) or batching policy (`serving_modes.py`).
+Every constant here comes from a kernel benchmark or an engine's documentation, named where it is set -- none is
+fitted to a published end-to-end serving figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The roofline's corner. A kernel near the ridge point is slower than the larger of its compute and memory times:
+# it cannot stream its operands at full bandwidth while its tensor cores run at full rate. DeepGEMM's published
+# H800 benchmarks (deepseek-ai/DeepGEMM README, Feb 2025, tables "Normal GEMMs for dense models" and "Grouped
+# GEMMs for MoE models (masked layout)") show it: the masked grouped GEMMs of 4 x 256 tokens (N 4096, K 7168 and
+# N 7168, K 2048) sit where FLOPs / (0.62 x 1979 TFLOP/s) equals bytes / (0.8 x 3.35 TB/s), and take 1.31x that
+# time (64.5 us and 36.9 us); 2 x 512 tokens (compute time 1.8x the memory time) take 1.18x the compute time;
+# M = 64 dense GEMMs (memory time 3.6x the compute time) run at the memory time within 3%. An L_p norm of the two
+# times with p = 2 reproduces these within ~5% (1.41x at the corner, 1.15x at a 1.8 ratio, 1.04x at 3.6).
+ROOFLINE_P = 2.0
+
+# DeepEP's normal (prefill) kernels occupy SMs while they overlap compute: the library's example sets
+# `Buffer.set_num_sms(24)` (deepseek-ai/DeepEP, README of V1, "Example use in model training or inference
+# prefilling"); 24 of an H800's 132 SMs.
+DEEPEP_NORMAL_SMS = 24
+
+
+# Kernel launches. A GPU runs a kernel no shorter than its launch: NVIDIA's "Getting Started with CUDA Graphs"
+# (developer.nvidia.com/blog/cuda-graphs, 2019) times a 2.9 us kernel at 3.8 us apiece launched back to back from
+# the host (the host's launch rate is the limit) and 3.4 us apiece replayed from a CUDA graph. The elementwise
+# kernels of a decoder layer around its GEMMs and attention do almost no work in decode, so each costs the floor:
+# vLLM's LlamaDecoderLayer runs five (two fused residual-add + RMSNorm, rotary embedding, reshape_and_cache,
+# SiluAndMul); a MoE layer adds routing and token permutation (TensorRT-LLM fuses DeepSeek's top-k routing from 18
+# ops into 2 kernels, "Optimizing DeepSeek R1 Throughput on NVIDIA Blackwell GPUs", tech blog 3; plus permute and
+# un-permute): four.
+KERNEL_FLOOR_S = 3.4e-6
+HOST_LAUNCH_S = 3.8e-6
+SMALL_KERNELS_PER_LAYER = 5
+SMALL_KERNELS_PER_MOE_LAYER = 4
+
+
+def roofline(compute_s: float, memory_s: float) -> float:
+    """Seconds of a kernel whose FLOPs alone take `compute_s` and whose bytes alone take `memory_s` (ROOFLINE_P)."""
+    hi, lo = max(compute_s, memory_s), min(compute_s, memory_s)
+    if lo <= 0 or hi == float("inf"):
+        return hi
+    return hi * (1.0 + (lo / hi) ** ROOFLINE_P) ** (1.0 / ROOFLINE_P)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The serving software, as far as the time of an iteration depends on it.
+
+    `gqa_shared_kv`: the decode-attention kernel loads a KV head once for all the query heads that share it
+    (GQA/MQA). TensorRT-LLM before its XQA kernel (v0.7) ran decode attention with the masked multi-head
+    attention kernel, one query head per thread block, each loading its group's K/V: for GQA the cache is read
+    once per query head. The XQA kernel fixed it "reducing data loading" (TensorRT-LLM blog "New XQA-kernel
+    provides 2.4x more Llama-70B throughput within the same latency budget", docs/source/blogs/XQA-kernel.md; the
+    Falcon-180B/H200 blog: "improved its GQA kernels, in the generation phase, providing up to 2.4x improvement
+    on Llama-70B over TensorRT-LLM v0.5"). FlashAttention/FlashInfer/vLLM kernels pack the group (shared).
+    `ep_all_to_all`: "deepep" -- decode iterations use DeepEP's low-latency kernels (every routed copy sent on
+    its own, pure RDMA across nodes), prefill iterations its normal kernels (one copy per remote node, forwarded
+    over NVLink inside it; SMs taken from compute) -- SGLang's and DeepSeek's large-EP serving.
+    `cuda_graphs`: without them the host launches every kernel of an iteration, which then takes at least
+    kernels x HOST_LAUNCH_S ("host" bound); TensorRT-LLM's gptSession ran without them before 0.7.
+    `two_batch_overlap`: DeepSeek's serving ("Day 6" inference system overview: dual micro-batch overlap in
+    prefill and decode) and SGLang's two-batch overlap (TBO) split the batch in two so one half's dispatch and
+    combine run under the other half's compute -- each half reading the weights. TensorRT-LLM's attention-DP
+    MoE of 2025 (all-gather and reduce-scatter of the tokens around the experts, "Optimizing DeepSeek R1
+    Throughput on NVIDIA Blackwell GPUs", tech blog 3) leaves it exposed.
+    `adp_balanced`: attention data-parallel ranks schedule prefills together (TensorRT-LLM's ADP balance
+    strategy, or disaggregated prefill); otherwise each rank prefills when it has room and the iteration waits
+    for the busiest (`busiest_rank_prefill`).
+    """
+
+    name: str
+    cuda_graphs: bool = True  # decode iterations replayed from CUDA graphs (else launched kernel by kernel)
+    two_batch_overlap: bool = True  # with ep > 1, two micro-batches hide each other's expert all-to-all
+    gqa_shared_kv: bool = True
+    ep_all_to_all: str = "deepep"
+    adp_balanced: bool = False
+
+
+ENGINES = {e.name: e for e in (
+    Engine("default"),
+    Engine("tensorrt-llm", two_batch_overlap=False),
+    Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False, two_batch_overlap=False),
+    Engine("vllm"),
+    Engine("sglang"),
+)}
+
+
+def engine(name: str) -> Engine:
+    if name not in ENGINES:
+        raise ValueError(f"--engine {name!r}: choose one of {sorted(ENGINES)}")
+    return ENGINES[name]
+
+
+def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], up: tuple[float, float],
+                      out: tuple[float, float], low_latency: bool) -> float:
+    """Seconds of one MoE layer's dispatch + combine of the tokens one GPU holds (`token_bytes`: their hidden
+    states, dispatch + combine bytes summed) over an expert group of `span` (GPUs per scale-up domain, domains);
+    `up` / `out`: (latency, bandwidth) of the all-to-all on each tier.
+
+    Low-latency kernels (decode; DeepEP V1 README, "Low-latency kernels with pure RDMA"): each of a token's top-k
+    copies goes to its expert's GPU on its own -- those on other nodes over the NIC, the rest over NVLink, at
+    once. DeepEP's table (H800, CX7 400 Gb/s, 128 tokens, hidden 7168, top-8, FP8 dispatch + BF16 combine) fits
+    it: at EP32 (3/4 of the copies leave the node) dispatch 155 us / combine 273 us against 142 / 275 us here with
+    the NIC at 40 GB/s (0.8 x 50 GB/s); at EP128 192 / 369 us against 178 / 345 us. Normal kernels (prefill;
+    DeepEP's "Normal kernels with NVLink and RDMA forwarding", DeepSeek-V3 report Sec. 3.4): a token crosses to
+    each other node holding one of its experts once and is forwarded inside it over NVLink. Either way all peers
+    are written concurrently, so a call pays one latency per tier, not one per peer."""
+    n_in, n_out = span
+    n = n_in * n_out
+    if n <= 1:
+        return 0.0
+    (lat_up, bw_up), (lat_out, bw_out) = up, out
+    if low_latency:
+        local = token_bytes * top_k * (n_in - 1) / n
+        across = token_bytes * top_k * (n - n_in) / n
+    else:
+        local = token_bytes * top_k * (n_in - 1) / n
+        across = token_bytes * (n_out - 1) * (1 - (1 - 1 / n_out) ** top_k) if n_out > 1 else 0.0
+    latency = 2 * (lat_out if n_out > 1 else lat_up)
+    return max(local / bw_up, across / bw_out if n_out > 1 else 0.0) + latency
+
+
+def busiest_rank_prefill(mean_tokens: float, request_tokens: float, ranks: int) -> tuple[float, float]:
+    """Attention data parallelism without balancing: (probability, tokens) of the prefill the busiest of `ranks`
+    carries in one iteration, when each rank prefills `mean_tokens` per iteration on average in pieces of
+    `request_tokens` (a request's prompt, or the engine's chunk) that start whenever that rank has room.
+
+    The MoE layers join every rank each layer, so "the iteration time is dominated by the slowest rank"
+    (TensorRT-LLM, "ADP Balance Strategy", docs/source/blogs/tech_blog/blog10_ADP_Balance_Strategy.md: round-robin
+    baseline with 54% average balance ratio on DeepSeek-V3, 8 GB200). A rank carries a piece in an iteration with
+    probability q = mean / piece; some rank does with 1 - (1 - q)^ranks, and then the iteration lasts as long as
+    that rank's attention and dense layers over the piece."""
+    if ranks <= 1 or request_tokens <= 0 or mean_tokens >= request_tokens:
+        return 1.0, mean_tokens
+    q = mean_tokens / request_tokens
+    return 1.0 - (1.0 - q) ** ranks, request_tokens
+
+
+def layer_kernels(*, moe: bool, tp: int, ep: int) -> tuple[int, int]:
+    """(elementwise kernels, all kernels) of one decoder layer's forward: the elementwise ones (module constants),
+    four GEMMs (qkv, output, gate-up, down; a MoE layer: router, shared expert's two, the experts' two grouped
+    GEMMs), attention, two all-reduces under tp, a dispatch and a combine under ep."""
+    small = SMALL_KERNELS_PER_LAYER + (SMALL_KERNELS_PER_MOE_LAYER if moe else 0)
+    gemms = 2 + (5 if moe else 2)
+    comm = (2 if tp > 1 else 0) + (2 if moe and ep > 1 else 0)
+    return small, small + gemms + 1 + comm
