@@ -34,7 +34,7 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 # Names an end-of-sequence token goes by in tokenizer.json files that come without a model directory.
-_EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 
 
 class Tokenizer:
@@ -117,7 +117,7 @@ class HFTokenizer(Tokenizer):
     def from_file(cls, path: str | Path) -> "HFTokenizer":
         """A lone tokenizer.json, as a training run names it: plain, EOS found by its usual names."""
         tok = _read_tokenizer_json(Path(path))
-        eos = next((tok.token_to_id(t) for t in _EOS_NAMES if tok.token_to_id(t) is not None), None)
+        eos = eos_by_name(tok)
         return cls(tok, eos_token_ids=(eos,) if eos is not None else (), plain=True, path=str(path))
 
     @classmethod
@@ -182,6 +182,11 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         raise ValueError(f"tokenizer {str(path)!r} is not a tokenizer.json nor a folder holding one; pass one, "
                          "or leave data.tokenizer empty for bytes")
     return HFTokenizer.from_file(p)
+
+
+def eos_by_name(tok) -> int | None:
+    """The id of the first of `EOS_NAMES` a `tokenizers.Tokenizer` has (training packs documents with it)."""
+    return next((tok.token_to_id(t) for t in EOS_NAMES if tok.token_to_id(t) is not None), None)
 
 
 def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:

@@ -5,7 +5,7 @@ shards deterministically (units of the inputs, in source order, are gathered unt
 of input: shard k is always the same stretch of input for the same settings); tokenizing each shard in a
 worker process (`--workers N` processes, each loading the tokenizer once and calling `encode_batch` with
 `add_special_tokens=False`; the EOS id follows every document when the tokenizer has one of "</s>",
-"<|endoftext|>", "<|end_of_text|>", "<eos>", the rule of `meshlm.data.text.HFTokenizer`); the split of
+"<|endoftext|>", "<|end_of_text|>", "<eos>", `meshlm.tokenizer.eos_by_name`, as training packs); the split of
 documents between "train" and "val" (a document goes to validation when the first 8 bytes of its UTF-8
 sha256, little-endian, over 2^64 fall below `val_fraction`: the per-document rule of
 `meshlm.data.text.split_documents`, without its few-document fallbacks); writing each shard (temp file,
@@ -44,9 +44,9 @@ import numpy as np
 
 from meshlm.data import manifest, sources
 from meshlm.files import fsync_dir, sha256_file, write_atomic
+from meshlm.tokenizer import eos_by_name
 
 DEFAULT_SHARD_BYTES = 128 << 20
-EOS_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 ENCODE_BATCH_BYTES = 1 << 20  # text per encode_batch call: bounds the memory of the Encoding objects
 ENCODE_BATCH_DOCS = 1024
 JSONL_BLOCK_BYTES = 4 << 20
@@ -115,11 +115,7 @@ def tokenizer_info(path: str | Path) -> dict:
         raise ValueError(f"--tokenizer {p} is not a readable tokenizer.json ({e}); pass the model's "
                          "tokenizer.json") from None
     return {"path": str(p.resolve()), "sha256": sha256_file(p),
-            "vocab_size": tok.get_vocab_size(with_added_tokens=True), "eos_token_id": _eos_id(tok)}
-
-
-def _eos_id(tok) -> int | None:
-    return next((tok.token_to_id(t) for t in EOS_TOKENS if tok.token_to_id(t) is not None), None)
+            "vocab_size": tok.get_vocab_size(with_added_tokens=True), "eos_token_id": eos_by_name(tok)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Training data: tokenizers, text sources, packing into fixed-length samples, a resumable batch loader.
+"""Text corpora read, tokenized and packed in memory at start-up; the batch loader both kinds of data use.
 
-Responsible for: the byte tokenizer and Hugging Face `tokenizer.json` tokenizers; reading a text file,
+Responsible for: reading a text file,
 a folder of text files, a `.jsonl` with a `text` field, or the embedded default corpus (the `.py` files
 of the running interpreter's standard library); a deterministic train/validation split by document;
 packing the token stream into samples of `seq_len + 1` tokens, remembering where each document begins
@@ -8,8 +8,9 @@ packing the token stream into samples of `seq_len + 1` tokens, remembering where
 batch per optimizer step, hands data-parallel rank r its contiguous slice, splits it into micro-batches
 (`micro_batch`: inputs, targets and, under data.document_mask, the document ids of
 `meshlm.models.documents`), and can save and restore its position.
-Not responsible for: moving batches to a device, or sharding the sequence dimension (context
-parallelism slices the micro-batches it is given).
+Not responsible for: tokenizers (`meshlm.tokenizer`), prepared token shards (dataset.py, loader.py), moving
+batches to a device, or sharding the sequence dimension (context parallelism slices the micro-batches it is
+given).
 """
 
 from __future__ import annotations
