@@ -53,6 +53,7 @@ from meshlm.checkpoint.find import (  # noqa: F401 (the package's API)
     config_from_dict,
     has_complete_checkpoint,
     latest_checkpoint,
+    meshlm_entries,
     read_meta,
     resolve_checkpoint,
     resume_checkpoint,
