@@ -233,6 +233,12 @@ class ParallelConfig(ParallelDims):
     # A collective that has not completed after this long (a peer rank stopped, died or diverged) raises an
     # error naming the rank, the op and the mesh axis, and the job fails (or restarts, --max-restarts).
     collective_timeout_s: float = 600.0
+    # Stragglers: each rank notes how long it worked alone before each step's first collective (since its
+    # previous collective ended, when every rank was even); a rank that took this many times the median of
+    # the others of its pipeline stage (and 50 ms more) for straggler_steps steps in a row is named in a
+    # warning line. metrics.jsonl carries every step's arrival_spread_s and slowest_rank. 0: no warning
+    straggler_factor: float = 2.0
+    straggler_steps: int = 5
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks", "cp_ulysses"):
@@ -258,6 +264,10 @@ class ParallelConfig(ParallelDims):
                  f"must be one of {list(CP_METHODS)}")
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s", self.collective_timeout_s,
                  "must be > 0 seconds")
+        _require(self.straggler_factor == 0 or self.straggler_factor > 1, "parallel.straggler_factor",
+                 self.straggler_factor, "must be > 1 (times the median rank's time), or 0 for no warning")
+        _require(self.straggler_steps >= 1, "parallel.straggler_steps", self.straggler_steps,
+                 "must be >= 1 (consecutive steps before a rank is named)")
 
 
 @dataclass

@@ -51,7 +51,7 @@ from meshlm import comm
 from meshlm.checkpoint import load_checkpoint, resume_checkpoint, saved_layout
 from meshlm.config import Config
 from meshlm.host_memory import reuse_freed_host_memory
-from meshlm.liveness import Heartbeat
+from meshlm.liveness import Heartbeat, store_client
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models.stats import train_flops_per_token
 from meshlm.parallel.expert import update_router_biases
@@ -60,6 +60,7 @@ from meshlm.parallel.pipeline import run_pipeline_step
 from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.tensor import vocab_parallel_cross_entropy
 from meshlm.schedules import build_schedule
+from meshlm.stragglers import ArrivalRecord, StragglerWatch
 from meshlm.timeline import write_timeline
 from meshlm.data.text import validation_batches
 from meshlm.train.metrics import MetricsLogger, peak_tflops_guess
@@ -193,12 +194,16 @@ class Trainer:
         final_val = None
         times = []
         heartbeat = self.start_heartbeat()
+        self.start_arrivals()
         try:
             if has_val and self.first_val_loss is None:
                 self.first_val_loss = final_val = self.evaluate()
                 logger.log({"step": self.step, "val_loss": final_val})
             while self.step < stop:
+                if self.arrivals is not None:
+                    self.arrivals.step = self.step + 1  # its first collective notes this rank's arrival
                 last = self.train_step()
+                self.note_arrivals(last, logger)
                 if heartbeat is not None:
                     heartbeat.progress()
                 times.append(last["step_time_s"])
@@ -215,7 +220,8 @@ class Trainer:
         except comm.CollectiveError as e:
             if heartbeat is None:
                 raise
-            raise comm.CollectiveError(f"{e}; {heartbeat.explain()}") from e
+            never = self.arrivals.explain() if self.arrivals is not None else ""
+            raise comm.CollectiveError(f"{e}; {never + '; ' if never else ''}{heartbeat.explain()}") from e
         finally:
             logger.close()
             if heartbeat is not None:
@@ -266,6 +272,36 @@ class Trainer:
                              watchdog_s=2 * timeout if self.device.type == "cuda" else None)
         except (KeyError, RuntimeError, ValueError):  # no reachable store: train on, errors name fewer ranks
             return None
+
+    def start_arrivals(self) -> None:
+        """With several ranks: this rank's arrival at each step's first collective, noted in the launch's store,
+        and on rank 0 the watch that reads them (`meshlm.stragglers`); None where there is no store."""
+        self.arrivals, self.straggler_watch = None, None
+        if self.world_size == 1:
+            return
+        try:
+            store = store_client()
+        except (KeyError, RuntimeError, ValueError):  # no reachable store: train on without
+            return
+        self.arrivals = ArrivalRecord(store, rank=self.rank, world_size=self.world_size,
+                                      stage=self.mesh.local_rank("pp"))
+        self.mesh.stats.on_first = self.arrivals.arrive
+        if self.is_main:
+            p = self.cfg.parallel
+            self.straggler_watch = StragglerWatch(factor=p.straggler_factor, patience=p.straggler_steps)
+
+    def note_arrivals(self, row: dict, logger: MetricsLogger) -> None:
+        """After a step: rank 0 adds its arrival spread and slowest rank to the step's row, and names a rank
+        that has been holding the others up (a warning line)."""
+        if self.arrivals is None:
+            return
+        self.arrivals.step = None  # collectives between steps (validation, checkpoints) are no arrivals
+        records = self.arrivals.read(self.step) if self.straggler_watch is not None else None
+        if records is not None:
+            fields, warning = self.straggler_watch.observe(self.step, records)
+            row.update(fields)
+            if warning is not None:
+                logger.print(warning)
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self) -> dict:
