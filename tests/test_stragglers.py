@@ -89,3 +89,30 @@ def test_the_watch_compares_within_a_stage_and_ignores_noise():
     _, warning = watch.observe(3, records([0.05, 0.5]))
     assert warning is not None and "rank 1 (0.500 s" in warning
     assert StragglerWatch(factor=0, patience=1).observe(1, records([0.05, 0.5]))[1] is None  # 0: no warning
+
+
+def test_the_record_names_the_ranks_that_never_arrived_and_the_launcher_blames_them():
+    """Rank 1 never reached step 5's first collective (stopped before it): rank 0's error names it, and the
+    launcher's last line blames rank 1 rather than rank 0, which noticed."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from meshlm.launch import first_failure
+    from meshlm.liveness import blamed_ranks
+    from meshlm.stragglers import ArrivalRecord
+
+    store = dist.HashStore()
+    ranks = [ArrivalRecord(store, rank=r, world_size=3, stage=0) for r in range(3)]
+    for step in (4, 5):
+        for r, record in enumerate(ranks):
+            record.step = step
+            if step == 4 or r != 1:
+                record.arrive(0.01)
+    assert ranks[0].read(4) == {0: (0.01, 0), 1: (0.01, 0), 2: (0.01, 0)}
+    assert ranks[0].read(5) is None and ranks[0].missing(5) == [1]
+    clause = ranks[0].explain()
+    assert clause == "never reached step 5's first collective: rank 1" and blamed_ranks(clause) == [1]
+    error = f"CollectiveError: rank 0: all_reduce on mesh axis 'dp' failed after 4.0 s: ...; {clause}; not responding: rank 1"
+    failure = SimpleNamespace(exitcode=1, message={"message": error})
+    failed = SimpleNamespace(get_first_failure=lambda: (0, failure), failures={0: failure, 1: failure})
+    assert first_failure(failed).startswith("rank 1 stopped answering; rank 0 noticed first (exit code 1: ")
