@@ -299,6 +299,12 @@ class TrainConfig:
     # save (and the end of training) waits for it, then publishes it. The last one is written synchronously.
     async_checkpoint: bool = False
     keep_checkpoints: int = 2  # the newest ones kept on disk
+    # In-memory checkpoints: every this many steps each rank copies its pieces to host memory (files in
+    # memory_checkpoint_dir, a tmpfs: they outlive the ranks, not the machine) and to one peer's (on another
+    # node when there is one); after the launcher restarts the ranks (--max-restarts) they resume from the
+    # newest copy that survived when it is at least as new as the newest checkpoint on storage. 0: off
+    memory_checkpoint_interval: int = 0
+    memory_checkpoint_dir: str = "/dev/shm"
     log_interval: int = 1  # steps between metrics rows
     val_interval: int = 50  # steps between validation losses
     val_batches: int = 4  # global batches of the validation split per validation; 0: none
@@ -315,7 +321,7 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "seq_len", "global_batch_size", "log_interval", "val_interval", "keep_checkpoints"):
             _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
-        for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "val_batches",
+        for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "memory_checkpoint_interval", "val_batches",
                      "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
             _require(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "must be >= 0")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")

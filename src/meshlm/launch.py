@@ -49,7 +49,13 @@ def launch_ranks(args, cfg) -> int:
     else:
         launcher += ["--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
                      "--node-rank", str(args.node_rank)]
-    return run_torchrun(launcher, ["train", *train_args(args)])
+    try:
+        return run_torchrun(launcher, ["train", *train_args(args)])
+    finally:
+        if cfg.train.memory_checkpoint_interval:  # the job is over (restarts included): its in-memory copies go
+            from meshlm.checkpoint.memory import SnapshotFiles, memory_root
+
+            SnapshotFiles(memory_root(cfg.train.run_dir, cfg.train.memory_checkpoint_dir)).remove()
 
 
 def launch_emulated(args, cfg) -> int:
