@@ -129,6 +129,42 @@ def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file):
         assert torch.equal(got[name], want[name]), name
 
 
+def test_a_restart_resumes_from_in_memory_checkpoints(tmp_path, text_file):
+    """`--max-restarts 1` with in-memory checkpoints every 2 steps and storage ones every 6: a rank SIGKILLed
+    after step 8 is restarted with every rank, they resume from the newest in-memory checkpoint (at most 2 steps
+    lost), the run ends bit-identical to the uninterrupted one, and the launcher removes the in-memory copies."""
+    memory = tmp_path / "shm"
+    steps = ["train.steps=16", "train.checkpoint_interval=6", "train.memory_checkpoint_interval=2",
+             f"train.memory_checkpoint_dir={memory}"]
+    ref = start(tmp_path / "ref", text_file, extra=steps)
+    try:
+        assert ref.wait(timeout=240) == 0, ref.communicate()[1][-2000:]
+    finally:
+        kill_all(ref)
+    run = tmp_path / "faulty"
+    proc = start(run, text_file, "--max-restarts", "1", extra=steps)
+    killed = None
+    try:
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline and killed is None:
+            time.sleep(0.02)
+            ranks = children(proc.pid)
+            if len(ranks) == 2 and max([r["step"] for r in logged_steps(run) if "loss" in r] or [0]) >= 8:
+                killed = ranks[1]
+                os.kill(killed, signal.SIGKILL)
+        code = proc.wait(timeout=max(10, deadline - time.time()))
+        _, err = proc.communicate()
+    finally:
+        kill_all(proc)
+    assert killed is not None and code == 0, err[-3000:]
+    restarts = [r for r in logged_steps(run) if "restart" in r]
+    assert len(restarts) == 1 and restarts[0]["from"] == "memory", restarts
+    assert restarts[0]["lost_steps"] <= 2 and restarts[0]["step"] >= 6, restarts
+    got, want = final_weights(run), final_weights(tmp_path / "ref")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert not any(memory.rglob("*.st")), sorted(memory.rglob("*"))
+
+
 def test_a_stopped_rank_is_named_and_the_launcher_exits_within_the_timeout(tmp_path, text_file):
     """Rank 1 is SIGSTOPped mid-run (and left stopped): rank 0's collective gives up after the timeout with one
     line naming itself, the op and the mesh axis, and rank 1 as not responding (`meshlm.liveness`); the
