@@ -321,8 +321,8 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "seq_len", "global_batch_size", "log_interval", "val_interval", "keep_checkpoints"):
             _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
-        for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "memory_checkpoint_interval", "val_batches",
-                     "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
+        for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "memory_checkpoint_interval",
+                     "val_batches", "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
             _require(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "must be >= 0")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")

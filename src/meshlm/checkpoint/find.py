@@ -87,11 +87,11 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return path
     if not complete:
         return None
-    intact = next((p for p in reversed(complete) if _files_problem(p, checksums=True)[1] is None
-                   and _meta_problem(p) is None), None)  # a fix never names a damaged checkpoint
+    intact = newest_intact(complete)  # a fix never names a damaged checkpoint
     if intact is None:
-        raise CheckpointError(f"{problem}, and no checkpoint in {root} is intact ({', '.join(p.name for p in complete)} "
-                              "do not match their manifests): restore them from a copy, or train the run again")
+        raise CheckpointError(f"{problem}, and no checkpoint in {root} is intact ("
+                              f"{', '.join(p.name for p in complete)} do not match their manifests): restore them "
+                              "from a copy, or train the run again")
     raise CheckpointError(f"{problem}; the newest intact checkpoint is {intact.name}: pass {intact}, or "
                           f"write {intact.name} into {root / 'latest'}")
 
@@ -193,8 +193,7 @@ def other_checkpoint_hint(path: Path, *, resume: bool = False) -> str:
     fix `--resume` takes (write it into `latest`); else a reader's (generate, eval, convert): pass its path."""
     older = [p for p in complete_checkpoints(path.parent) if _step_of(p) < _step_of(path)] \
         if re.fullmatch(r"step_\d+", path.name) else []
-    intact = next((p for p in reversed(older) if _files_problem(p, checksums=True)[1] is None
-                   and _meta_problem(p) is None), None)
+    intact = newest_intact(older)
     if intact is not None and resume:
         return f"resume from {intact.name} instead (write {intact.name} into {path.parent / 'latest'})"
     if intact is not None:
@@ -202,6 +201,13 @@ def other_checkpoint_hint(path: Path, *, resume: bool = False) -> str:
     if resume:
         return "no intact earlier checkpoint is left: start afresh (--overwrite) or restore the file from a copy"
     return "no intact earlier checkpoint is left: restore the file from a copy (or train the run again)"
+
+
+def newest_intact(checkpoints: list[Path]) -> Path | None:
+    """The newest of `checkpoints` (oldest first) whose every file matches its manifest, checksums included,
+    and whose meta.json parses: the only kind a fix may name. Reads them: for error paths only."""
+    return next((p for p in reversed(checkpoints)
+                 if _files_problem(p, checksums=True)[1] is None and _meta_problem(p) is None), None)
 
 
 def describe_files(paths: list[Path]) -> dict[str, list]:
@@ -231,7 +237,8 @@ def _files_problem(path: Path, *, checksums: bool | tuple[int, int]) -> tuple[di
     """(the manifest, None) when every file of `path` matches it; else (None, what is wrong, naming the file)."""
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        return None, f"{manifest_file} is missing: the checkpoint was never completely published (a crash during its save?)"
+        return None, (f"{manifest_file} is missing: the checkpoint was never completely published (a crash during "
+                      "its save?)")
     try:
         manifest = json.loads(manifest_file.read_text())
         files, world_size = manifest["files"], int(manifest["world_size"])

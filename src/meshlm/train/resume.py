@@ -2,8 +2,8 @@
 
 Responsible for: checking the run directory on every rank before any work (each rank hashes its share of
 a resumed checkpoint, every rank raises the same refusal), creating it and clearing an earlier run's files
-from it for a fresh run (in checkpoints/ only what meshlm wrote); the per-rank extras a checkpoint carries beside model and optimizer (RNG, the
-loader's position, the first validation loss, MoE router biases) and restoring them; the config's
+from it for a fresh run (in checkpoints/ only what meshlm wrote); the per-rank extras a checkpoint carries
+beside model and optimizer (RNG, the loader's position, the first validation loss, MoE router biases) and restoring them; the config's
 optimizer settings over a checkpoint's; the notes a resume prints (another layout, changed optimizer
 settings) and how far a restarted run had got (`last_logged_step`); `CheckpointWriter`, which keeps at most
 one checkpoint being written in the background.
