@@ -306,8 +306,8 @@ def _meta_problem(path: Path) -> str | None:
     if meta.get("format") not in _READABLE_FORMATS or not {"config", "step", "world_size"} <= set(meta) \
             or not isinstance(meta["config"], dict):
         return (f"{meta_file} has format {meta.get('format')!r}; this meshlm reads formats "
-                f"{list(_READABLE_FORMATS)} (older checkpoints: resume them with the meshlm that wrote them, or "
-                "start afresh)")
+                f"{list(_READABLE_FORMATS)} (an older checkpoint: use the meshlm that wrote it, or train "
+                "afresh)")
     return None
 
 
