@@ -2,14 +2,15 @@
 
 Every damaged checkpoint is refused with exit code 2 and exactly one line on stderr that names the file
 and the fix, no traceback, and nothing on disk changes. A damaged `latest` pointer makes `--resume` fall
-back to the newest complete checkpoint (inference refuses it instead). No code in a checkpoint runs on
-inference; a crash during a save leaves the previous checkpoint loadable, and resuming from it ends
+back to the newest complete checkpoint (inference refuses it instead). No code in a checkpoint runs, on
+inference, on --resume or on a restart; a fix named points at an intact checkpoint only; a crash during a save leaves the previous checkpoint loadable, and resuming from it ends
 bit-identical to the uninterrupted run.
 
 Two tiny runs are trained once per module (one checkpoint; two checkpoints) and copied for each test.
 """
 
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -34,7 +35,7 @@ TINY = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_
         "data.val_fraction=0.1"]
 TWO = ["train.checkpoint_interval=1", "train.keep_checkpoints=2"]  # step_000001 and step_000002
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,8 @@ def test_the_fix_names_the_older_checkpoint_and_works(trained, text_file, tmp_pa
     before = snapshot(run)
     fix = "resume from step_000001 instead (write step_000001 into"
     refuses(capsys, train_argv(run, text_file, "--resume", extra=TWO), "__0_0.distcp", fix)
-    refuses(capsys, generate_argv(run), "__0_0.distcp", fix)
+    line = refuses(capsys, generate_argv(run), "__0_0.distcp", f"use the earlier checkpoint {root / 'step_000001'}")
+    assert "resume" not in line  # inference is no resume
     assert snapshot(run) == before
     shard = "step_000002/__0_0.distcp"
     shutil.copyfile(trained["two"] / "checkpoints" / shard, root / shard)  # mend it, then damage a rank file
@@ -177,6 +179,32 @@ def test_the_fix_names_the_older_checkpoint_and_works(trained, text_file, tmp_pa
     assert_same_weights(root / "step_000002", trained["two"] / "checkpoints" / "step_000002")
 
 
+def test_the_fix_never_names_a_damaged_checkpoint(trained, text_file, tmp_path, capsys):
+    """Both checkpoints damaged: no line points at the older one (it is checked, checksums included)."""
+    run = fresh(trained, "two", tmp_path)
+    root = run / "checkpoints"
+    truncate(root / "step_000002" / "__0_0.distcp")
+    garble(root / "step_000001" / "rank_00000.json")  # same size: only its checksum shows it
+    before = snapshot(run)
+    for argv, fix in ((train_argv(run, text_file, "--resume", extra=TWO), NO_OLDER),
+                      (generate_argv(run), "no intact earlier checkpoint is left: restore the file from a copy")):
+        line = refuses(capsys, argv, "step_000002/__0_0.distcp", fix)
+        assert "step_000001" not in line, line
+    assert "resume" not in line and "--overwrite" not in line  # what generate says
+    assert snapshot(run) == before
+
+
+def test_convert_errors_never_say_resume(trained, tmp_path, capsys):
+    """`meshlm convert` of a damaged checkpoint names a fix a converter can take (no --resume, no --overwrite)."""
+    run = fresh(trained, "two", tmp_path)
+    root = run / "checkpoints"
+    garble(root / "step_000002" / "model_rank_00000.safetensors")
+    code = cli_main(["convert", str(root / "step_000002"), "--to-hf", str(tmp_path / "out")])
+    line = one_line(capsys)
+    assert code == 2 and "model_rank_00000.safetensors" in line, line
+    assert f"use the earlier checkpoint {root / 'step_000001'}" in line and "resume" not in line, line
+
+
 @pytest.mark.parametrize("pointer", ["garbage", "missing", "incomplete"])
 def test_damaged_latest_resumes_from_the_newest_complete_checkpoint(trained, text_file, tmp_path, capsys, pointer):
     run = fresh(trained, "two", tmp_path)
@@ -189,7 +217,7 @@ def test_damaged_latest_resumes_from_the_newest_complete_checkpoint(trained, tex
         latest.write_text("step_000002.tmp")
     before = snapshot(run / "checkpoints")
     # Inference is strict: it names the pointer and the newest complete checkpoint.
-    refuses(capsys, generate_argv(run), str(latest), "newest complete checkpoint is step_000002")
+    refuses(capsys, generate_argv(run), str(latest), "newest intact checkpoint is step_000002")
     assert cli_main(train_argv(run, text_file, "--resume", extra=TWO)) == 0
     out = capsys.readouterr().out
     assert "resuming from the newest complete checkpoint, step_000002" in out and str(latest) in out, out
@@ -306,15 +334,61 @@ def test_a_pickle_planted_in_a_checkpoint_never_runs(trained, text_file, tmp_pat
     refuses(capsys, train_argv(run, text_file, "--resume"), "rank_00000.json is not the JSON meshlm writes")
     assert not marker.exists()
 
-    # (b) as DCP's .metadata (a pickle by design), resealed: inference reads safetensors + JSON only.
-    # `--resume` would unpickle it, since its checksum matches: the manifest guards against damage, not
-    # against a crafted checkpoint -- the documented limit (resume only runs you trust), not asserted here.
+    # (b) as DCP's .metadata (a pickle by design), resealed: inference reads safetensors + JSON only, and
+    # `--resume` unpickles it admitting only DCP's metadata classes: refused in one line, the payload never runs.
     run = fresh(trained, "one", tmp_path / "b")
     checkpoint = run / "checkpoints" / "step_000002"
     (checkpoint / ".metadata").write_bytes(payload)
     reseal(checkpoint)
     assert cli_main(generate_argv(run)) == 0
     assert cli_main(generate_argv(checkpoint)) == 0
+    capsys.readouterr()
+    before = snapshot(run)
+    refuses(capsys, train_argv(run, text_file, "--resume"), ".metadata is refused", "pathlib.Path.touch", NO_OLDER)
+    assert not marker.exists() and snapshot(run) == before
+
+
+def test_a_planted_pickle_never_runs_on_an_automatic_restart(trained, text_file, tmp_path, capsys, monkeypatch):
+    """The launcher restarted the ranks (TORCHELASTIC_RESTART_COUNT): they resume by themselves from the
+    newest checkpoint -- the same reading as --resume, so a planted .metadata is refused there too."""
+    import meshlm.distributed
+
+    marker = tmp_path / "pwned"
+    run = fresh(trained, "one", tmp_path)
+    checkpoint = run / "checkpoints" / "step_000002"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Plant(marker)))
+    reseal(checkpoint)
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a rank of a one-rank launch, restarted once
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr(meshlm.distributed, "exit_with_parent", lambda: None)  # not for the test process
+    refuses(capsys, train_argv(run, text_file), ".metadata is refused")
+    assert not marker.exists()
+
+
+def test_a_pickle_planted_in_dcp_values_never_runs(trained, text_file, tmp_path, capsys):
+    """DCP stores plain values (the optimizer's hyperparameters) with torch.save and its planner reads them
+    with the full unpickler: a genuine-looking .metadata (only DCP's classes) pointing one of them at a
+    planted pickle is refused when it is read (weights_only), and the payload never runs."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    marker = tmp_path / "pwned"
+    run = fresh(trained, "one", tmp_path)
+    checkpoint = run / "checkpoints" / "step_000002"
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # genuine: written by the run above
+    planted = io.BytesIO()
+    torch.save(Plant(marker), planted)
+    shard = checkpoint / "__0_0.distcp"
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(planted.getvalue())
+    index = next(i for i in metadata.storage_data if i.fqn.endswith("param_groups.0.lr"))
+    metadata.storage_data[index] = _StorageInfo(relative_path="__0_0.distcp", offset=offset,
+                                                length=len(planted.getvalue()))
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(checkpoint)
+    refuses(capsys, train_argv(run, text_file, "--resume"), "cannot be loaded", "param_groups.0.lr")
     assert not marker.exists()
 
 
@@ -359,6 +433,27 @@ def test_fresh_run_overwrite_and_resume_semantics(trained, text_file, tmp_path, 
     assert list(empty.iterdir()) == []
     refuses(capsys, train_argv(tmp_path / "nowhere", text_file, "--resume"), "holds no checkpoint")
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_overwrite_deletes_only_what_meshlm_wrote(trained, text_file, tmp_path, capsys):
+    """--overwrite removes step_N directories and `latest`; anything else in checkpoints/ is refused, by name,
+    before any work (and nothing is deleted); files beside checkpoints/ stay."""
+    run = fresh(trained, "two", tmp_path)
+    root = run / "checkpoints"
+    (root / "notes.txt").write_text("mine")
+    (root / "best").mkdir()
+    (root / "best" / "weights.bin").write_bytes(b"x")
+    (run / "README").write_text("mine too")
+    before = snapshot(run)
+    for flags in (("--overwrite",), ()):
+        refuses(capsys, train_argv(run, text_file, *flags), "meshlm did not write (best, notes.txt)", "move them")
+        assert snapshot(run) == before
+    shutil.rmtree(root / "best")
+    (root / "notes.txt").unlink()
+    (root / "step_000003.tmp").mkdir()  # a save cut short: meshlm's own, deleted too
+    assert cli_main(train_argv(run, text_file, "--overwrite", extra=["train.steps=1"])) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
+    assert (run / "README").read_text() == "mine too"
 
 
 # -- several ranks -----------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_unfinished_checkpoint_is_never_latest(tmp_path, text_file):
     # A pointer to something that is not a complete checkpoint: inference refuses it (naming the newest
     # complete one), --resume falls back to that one and says so.
     (root / "latest").write_text("step_000007.tmp")
-    with pytest.raises(ValueError, match="does not name a checkpoint.*newest complete checkpoint is step_000002"):
+    with pytest.raises(ValueError, match="does not name a checkpoint.*newest intact checkpoint is step_000002"):
         latest_checkpoint(run)
     resumed = Trainer(make_cfg(run, text_file, "train.steps=2", "train.val_batches=0"), resume=True)
     assert resumed.step == 2 and "newest complete checkpoint, step_000002" in resumed.fallback_note

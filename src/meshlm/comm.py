@@ -143,6 +143,7 @@ def _run(mesh: Mesh, axis: str, op: str, nbytes: int, call: Callable, async_op: 
     group = mesh.group(axis)
     traced = _traced(mesh, axis, group, "p2p" if peer is not None else op, nbytes,
                      ((op, peer, nbytes, 0),) if peer is not None else ())
+    mesh.stats.begin(collective=peer is None)  # a step's first collective: its arrival (meshlm.stragglers)
     start = time.perf_counter()
     try:
         works = call(group)

@@ -8,7 +8,9 @@ Not responsible for: communicating (`meshlm.comm`) or building groups (`meshlm.m
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshlm.nccl_order import TracedOp, TracedWait
@@ -51,9 +53,24 @@ class CommStats:
     trace: list[TracedOp | TracedWait] = field(default_factory=list)
     num_traced: int = field(default=0, repr=False)  # TracedOps in `trace`
     last: tuple[str, str] | None = field(default=None, repr=False)  # (op, axis) of the latest call, for errors
+    # Arrivals (`meshlm.stragglers`): when the first collective since `reset` (a step's) began, when the latest
+    # call completed (perf_counter), and who to tell, at that first one, how long this rank worked since then.
+    first_at: float | None = field(default=None, repr=False)
+    done_at: float | None = field(default=None, repr=False)
+    on_first: Callable[[float | None], None] | None = field(default=None, repr=False)
+
+    def begin(self, *, collective: bool) -> None:
+        """A call is about to be issued (`collective`: not a point-to-point send or receive); the first
+        collective since `reset` tells `on_first` the seconds since the latest call completed (None: none has)."""
+        if not collective or self.first_at is not None:
+            return
+        self.first_at = time.perf_counter()
+        if self.on_first is not None:
+            self.on_first(None if self.done_at is None else self.first_at - self.done_at)
 
     def record(self, op: str, axis: str, nbytes: int, seconds: float = 0.0) -> None:
         self.last = (op, axis)
+        self.done_at = time.perf_counter()  # a synchronous call completed (an asynchronous one: again at its wait)
         s = self.ops[(op, axis)]
         s.calls += 1
         s.bytes += nbytes
@@ -63,6 +80,7 @@ class CommStats:
 
     def add_seconds(self, op: str, axis: str, seconds: float) -> None:
         self.ops[(op, axis)].seconds += seconds
+        self.done_at = time.perf_counter()  # an asynchronous call's wait returned
 
     def trace_op(self, op: TracedOp) -> int | None:
         """Keep `op` (when keep_trace); returns its number, for `trace_wait`."""
@@ -77,6 +95,7 @@ class CommStats:
             self.trace.append(TracedWait(index))
 
     def reset(self) -> None:
+        self.first_at = None  # the next collective is the next step's first (done_at stays: its reference)
         self.ops.clear()
         self.events.clear()
         self.trace.clear()

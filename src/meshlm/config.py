@@ -233,6 +233,12 @@ class ParallelConfig(ParallelDims):
     # A collective that has not completed after this long (a peer rank stopped, died or diverged) raises an
     # error naming the rank, the op and the mesh axis, and the job fails (or restarts, --max-restarts).
     collective_timeout_s: float = 600.0
+    # Stragglers: each rank notes how long it worked alone before each step's first collective (since its
+    # previous collective ended, when every rank was even); a rank that took this many times the median of
+    # the others of its pipeline stage (and 50 ms more) for straggler_steps steps in a row is named in a
+    # warning line. metrics.jsonl carries every step's arrival_spread_s and slowest_rank. 0: no warning
+    straggler_factor: float = 2.0
+    straggler_steps: int = 5
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks", "cp_ulysses"):
@@ -258,6 +264,10 @@ class ParallelConfig(ParallelDims):
                  f"must be one of {list(CP_METHODS)}")
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s", self.collective_timeout_s,
                  "must be > 0 seconds")
+        _require(self.straggler_factor == 0 or self.straggler_factor > 1, "parallel.straggler_factor",
+                 self.straggler_factor, "must be > 1 (times the median rank's time), or 0 for no warning")
+        _require(self.straggler_steps >= 1, "parallel.straggler_steps", self.straggler_steps,
+                 "must be >= 1 (consecutive steps before a rank is named)")
 
 
 @dataclass
@@ -289,6 +299,12 @@ class TrainConfig:
     # save (and the end of training) waits for it, then publishes it. The last one is written synchronously.
     async_checkpoint: bool = False
     keep_checkpoints: int = 2  # the newest ones kept on disk
+    # In-memory checkpoints: every this many steps each rank copies its pieces to host memory (files in
+    # memory_checkpoint_dir, a tmpfs: they outlive the ranks, not the machine) and to one peer's (on another
+    # node when there is one); after the launcher restarts the ranks (--max-restarts) they resume from the
+    # newest copy that survived when it is at least as new as the newest checkpoint on storage. 0: off
+    memory_checkpoint_interval: int = 0
+    memory_checkpoint_dir: str = "/dev/shm"
     log_interval: int = 1  # steps between metrics rows
     val_interval: int = 50  # steps between validation losses
     val_batches: int = 4  # global batches of the validation split per validation; 0: none
@@ -305,8 +321,8 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "seq_len", "global_batch_size", "log_interval", "val_interval", "keep_checkpoints"):
             _require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
-        for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "val_batches",
-                     "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
+        for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "memory_checkpoint_interval",
+                     "val_batches", "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
             _require(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "must be >= 0")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")

@@ -49,7 +49,13 @@ def launch_ranks(args, cfg) -> int:
     else:
         launcher += ["--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
                      "--node-rank", str(args.node_rank)]
-    return run_torchrun(launcher, ["train", *train_args(args)])
+    try:
+        return run_torchrun(launcher, ["train", *train_args(args)])
+    finally:
+        if cfg.train.memory_checkpoint_interval:  # the job is over (restarts included): its in-memory copies go
+            from meshlm.checkpoint.memory import SnapshotFiles, memory_root
+
+            SnapshotFiles(memory_root(cfg.train.run_dir, cfg.train.memory_checkpoint_dir)).remove()
 
 
 def launch_emulated(args, cfg) -> int:
@@ -101,6 +107,7 @@ def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    cap_shutdown_grace()
     try:
         torchrun([*launcher, "--module", "meshlm.cli", *rank_args])
     except ChildFailedError as e:
@@ -111,9 +118,38 @@ def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
     return 0
 
 
+# What a rank gets between the launcher's SIGTERM and its SIGKILL when the launcher stops the ranks after one
+# failed. torch elastic waits up to 30 s; meshlm's ranks end at once on SIGTERM (they install no handler), so
+# that wait only ever waits for a rank that cannot run -- stopped (SIGSTOP, a debugger) or wedged -- and
+# delays the launcher's exit (or its restart) by as much.
+SHUTDOWN_GRACE_S = 3
+
+
+def cap_shutdown_grace() -> None:
+    """Cap torch elastic's SIGTERM grace at SHUTDOWN_GRACE_S in this (the launcher's) process. Its agent stops
+    the ranks through `PContext.close(death_sig, timeout=30)` and offers no setting for that path
+    (torchrun's --shutdown-timeout covers only a signal to the launcher itself)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+    if getattr(close, "meshlm_capped", False):
+        return
+
+    def capped(self, death_sig=None, timeout: float = 30):
+        return close(self, death_sig, min(timeout, SHUTDOWN_GRACE_S))
+
+    capped.meshlm_capped = True
+    api.PContext.close = capped
+
+
 def first_failure(error) -> str:
-    """One line on the rank that failed first (the others are mostly the launcher's teardown of them)."""
+    """One line on the rank that failed first (the others are mostly the launcher's teardown of them) -- or,
+    when its error blames other ranks (a peer that stopped answering or never reached the collective,
+    `meshlm.liveness`), on those ranks, with what the first rank saw."""
+    from meshlm.liveness import blamed_ranks
+
     rank, failure = error.get_first_failure()
+    blamed = []
     if failure.exitcode < 0:
         why = f"killed by {failure.signal_name()}"
     else:
@@ -122,7 +158,12 @@ def first_failure(error) -> str:
             message = message.get("message", "")
         lines = [line for line in str(message or "").strip().splitlines() if line.strip()]
         why = f"exit code {failure.exitcode}" + (f": {lines[-1][:600]}" if lines else "")
+        blamed = [r for r in blamed_ranks(lines[-1] if lines else "") if r != rank]
     others = len(error.failures) - 1
+    if blamed:
+        who = f"rank{'s' if len(blamed) > 1 else ''} {', '.join(map(str, blamed))}"
+        return (f"{who} stopped answering; rank {rank} noticed first ({why}); the launcher stopped every rank; "
+                "its error is printed above")
     return (f"rank {rank} failed first ({why})" + (f"; {others} other rank(s) stopped after it" if others else "")
             + "; its error is printed above")
 

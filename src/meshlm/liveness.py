@@ -9,6 +9,7 @@ the collectives' transport. On CUDA the same thread is the step watchdog: NCCL's
 out (its own watchdog aborts the process at the process group's timeout, which `init_distributed` sets past
 ours), so when no step has finished for `timeout_s` it prints the same one-line error, naming the stalled
 ranks and the last collective issued, and ends the process.
+`blamed_ranks` reads the ranks such an error blames back out of its text (the launcher's last line names them).
 Not responsible for: timeouts of gloo's collectives (gloo raises: `comm.CollectiveError`), restarting
 anything (the launcher), or serving (its ranks wait for work with a keepalive, `infer/parallel.py`).
 """
@@ -16,12 +17,29 @@ anything (the launcher), or serving (its ranks wait for work with a keepalive, `
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
 from datetime import timedelta
 
 _PREFIX = "meshlm/heartbeat/"
+# The clauses that name the ranks to blame in a failed collective's error (this heartbeat's, and the arrival
+# record's, `meshlm.stragglers`); the launcher's last line names those ranks rather than the one that noticed.
+_BLAME = re.compile(r"(?:not responding|never reached step \d+'s first collective): ranks? (\d+(?:, \d+)*)")
+
+
+def ranks_clause(ranks: list[int]) -> str:
+    """`rank 1` / `ranks 1, 3`: how the clauses above list ranks."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def blamed_ranks(text: str) -> list[int]:
+    """The ranks an error names as not responding or never arriving (in order of first mention)."""
+    found: list[int] = []
+    for match in _BLAME.finditer(text):
+        found += [int(r) for r in match.group(1).split(", ") if int(r) not in found]
+    return found
 
 
 class Heartbeat:
@@ -33,7 +51,7 @@ class Heartbeat:
     def __init__(self, rank: int, world_size: int, *, store=None, interval_s: float = 0.5,
                  watchdog_s: float | None = None, describe=lambda: ""):
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
-        self.store = store if store is not None else _own_client()
+        self.store = store if store is not None else store_client()
         self.watchdog_s, self.describe = watchdog_s, describe
         self._last_progress = time.monotonic()
         self._closing = threading.Event()
@@ -68,7 +86,7 @@ class Heartbeat:
             return f"the ranks' store does not answer ({type(e).__name__}): rank 0's process is gone"
         if not stalled:
             return "every rank's heartbeat still moves: a rank is waiting in another collective (diverged)"
-        return f"not responding: rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}"
+        return f"not responding: {ranks_clause(stalled)}"
 
     def close(self) -> None:
         self._closing.set()
@@ -86,7 +104,7 @@ class Heartbeat:
                 os._exit(1)
 
 
-def _own_client():
+def store_client():
     """A connection of this thread's own to the launch's store (a client is not shared between threads)."""
     import torch.distributed as dist
 

@@ -1,7 +1,8 @@
 """Checkpoints of a training run: atomic, verified, resumable bit-identically, loadable for inference.
 
-The package: `find.py` (names, the latest pointer, the manifest, meta.json), `save.py`, `load.py`, and
-`shards.py` (what each rank holds, as pieces of the full tensors). Both training and serving read it.
+The package: `find.py` (names, the latest pointer, the manifest, meta.json), `save.py`, `load.py`,
+`safe_read.py` (DCP's files read without running anything) and `shards.py` (what each rank holds, as
+pieces of the full tensors). Both training and serving read it.
 
 Responsible for: saving model + optimizer state with `torch.distributed.checkpoint` (DCP; it needs no
 process group on one process and reshards under another layout when there is one), the weights again
@@ -19,10 +20,11 @@ cost a read of the checkpoint per check; `checksums=False` where the caller has 
 Not responsible for: deciding when to save or whether a run_dir may be reused (the trainer), or Hugging
 Face formats (`models/hf.py`).
 
-Nothing in a checkpoint runs code on inference: `generate`, `serve` and `LLM` read meta.json, the
-manifest and the safetensors only. Resuming reads DCP's `.metadata`, which is a pickle, and only after
-its checksum matched: that guards against damage, not against a crafted checkpoint -- resume only runs
-you trust.
+Nothing in a checkpoint runs code: `generate`, `serve` and `LLM` read meta.json, the manifest and the
+safetensors only; resuming (and a restart) reads DCP's `.metadata`, a pickle, with an unpickler that
+admits only DCP's metadata classes, and DCP's stored values with torch's `weights_only` one (`safe_read.py`)
+-- the manifest's checksums guard against damage, this against a crafted checkpoint. A fix a refusal
+names (an earlier checkpoint) is one that verifies itself; `--overwrite` deletes only meshlm's own entries.
 
 The state is always stored in the per-parameter layout of one unsharded model and `torch.optim.AdamW`,
 and every rank writes only the pieces of it that it holds, each at its offsets in the full tensor
@@ -53,6 +55,7 @@ from meshlm.checkpoint.find import (  # noqa: F401 (the package's API)
     config_from_dict,
     has_complete_checkpoint,
     latest_checkpoint,
+    meshlm_entries,
     read_meta,
     resolve_checkpoint,
     resume_checkpoint,

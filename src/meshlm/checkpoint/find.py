@@ -87,9 +87,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return path
     if not complete:
         return None
-    newest = complete[-1].name
-    raise CheckpointError(f"{problem}; the newest complete checkpoint is {newest}: pass {root / newest}, or "
-                          f"write {newest} into {root / 'latest'}")
+    intact = newest_intact(complete)  # a fix never names a damaged checkpoint
+    if intact is None:
+        raise CheckpointError(f"{problem}, and no checkpoint in {root} is intact ("
+                              f"{', '.join(p.name for p in complete)} do not match their manifests): restore them "
+                              "from a copy, or train the run again")
+    raise CheckpointError(f"{problem}; the newest intact checkpoint is {intact.name}: pass {intact}, or "
+                          f"write {intact.name} into {root / 'latest'}")
 
 
 def resume_checkpoint(run_dir: str | Path) -> tuple[Path, str | None]:
@@ -130,23 +134,36 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, model: 
     root = checkpoints_root(run_dir)
     if resume:
         path = resume_checkpoint(run_dir)[0]
-        verify_checkpoint(path, checksums=checksums)
-        meta = read_meta(path)
+        verify_checkpoint(path, checksums=checksums, resume=True)
+        meta = read_meta(path, resume=True)
         if model is not None:
             check_model_config(meta["config"].get("model") or {}, model, where=f"{path} ({META})")
         for r in range(int(meta["world_size"])):  # every rank's file parses (small files), not just this one's
             read_rank_file(path / f"rank_{r:05d}.json")
         return
-    held = sorted(p.name for p in root.glob("*")) if root.is_dir() else []
-    if held and not overwrite:
+    own = [p.name for p in meshlm_entries(root)]
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in own) if root.is_dir() else []
+    if foreign:  # --overwrite deletes only what meshlm wrote: refused rather than left beside a new run
+        raise CheckpointError(f"{root} holds files meshlm did not write ({', '.join(foreign[:4])}"
+                              f"{' ...' if len(foreign) > 4 else ''}): move them out of it (meshlm deletes only its "
+                              "step_N directories and latest), or choose another train.run_dir")
+    if own and not overwrite:
         complete = complete_checkpoints(root)
         if complete:
             raise CheckpointError(f"train.run_dir={str(run_dir)!r} holds the checkpoints of an earlier run (newest: "
                                   f"{complete[-1].name}); pass --resume to continue it, --overwrite to replace it, "
                                   "or choose another train.run_dir")
         raise CheckpointError(f"train.run_dir={str(run_dir)!r} holds what an earlier run left in {root.name}/ (no "
-                              f"complete checkpoint: {', '.join(held[:3])}); pass --overwrite to replace it, or "
-                              "choose another train.run_dir")
+                              f"complete checkpoint: {', '.join(sorted(own)[:3])}); pass --overwrite to replace it, "
+                              "or choose another train.run_dir")
+
+
+def meshlm_entries(root: Path) -> list[Path]:
+    """What meshlm writes in a run's checkpoints/ folder (what --overwrite deletes, and nothing else): step_N
+    directories (also step_N.tmp of a save cut short and step_N.old of a re-save), the `latest` pointer and
+    its temporary file."""
+    own = re.compile(r"step_\d+(\.tmp|\.old)?|latest(\.tmp)?")
+    return sorted(p for p in root.iterdir() if own.fullmatch(p.name)) if root.is_dir() else []
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -170,13 +187,27 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"its checkpoints/ folder, or a step_N checkpoint directory (with {META})")
 
 
-def other_checkpoint_hint(path: Path) -> str:
-    """The fix for a damaged checkpoint: the newest complete one before it, if any."""
+def other_checkpoint_hint(path: Path, *, resume: bool = False) -> str:
+    """The fix for a damaged checkpoint: the newest earlier one that is intact (every file checked against
+    its manifest, checksums included: a hint never points at a damaged checkpoint), if any. `resume`: the
+    fix `--resume` takes (write it into `latest`); else a reader's (generate, eval, convert): pass its path."""
     older = [p for p in complete_checkpoints(path.parent) if _step_of(p) < _step_of(path)] \
         if re.fullmatch(r"step_\d+", path.name) else []
-    if older:
-        return f"resume from {older[-1].name} instead (write {older[-1].name} into {path.parent / 'latest'})"
-    return "no earlier checkpoint is left: start afresh (--overwrite) or restore the file from a copy"
+    intact = newest_intact(older)
+    if intact is not None and resume:
+        return f"resume from {intact.name} instead (write {intact.name} into {path.parent / 'latest'})"
+    if intact is not None:
+        return f"use the earlier checkpoint {intact} instead (intact)"
+    if resume:
+        return "no intact earlier checkpoint is left: start afresh (--overwrite) or restore the file from a copy"
+    return "no intact earlier checkpoint is left: restore the file from a copy (or train the run again)"
+
+
+def newest_intact(checkpoints: list[Path]) -> Path | None:
+    """The newest of `checkpoints` (oldest first) whose every file matches its manifest, checksums included,
+    and whose meta.json parses: the only kind a fix may name. Reads them: for error paths only."""
+    return next((p for p in reversed(checkpoints)
+                 if _files_problem(p, checksums=True)[1] is None and _meta_problem(p) is None), None)
 
 
 def describe_files(paths: list[Path]) -> dict[str, list]:
@@ -184,89 +215,100 @@ def describe_files(paths: list[Path]) -> dict[str, list]:
     return {p.name: [p.stat().st_size, sha256_file(p)] for p in paths}
 
 
-def verify_checkpoint(path: str | Path, *, checksums: bool | tuple[int, int] = True) -> dict:
+def verify_checkpoint(path: str | Path, *, checksums: bool | tuple[int, int] = True, resume: bool = False) -> dict:
     """Check every file of checkpoint `path` against its manifest (present, size, and with `checksums` its
     sha256) and that every rank's file is there; return the manifest. Raises CheckpointError naming the first
-    bad file and the fix. `checksums=False` is for a caller that verified them already (reading a large
-    checkpoint once per check costs what reading it costs): the trainer checks the run_dir first.
-    `checksums=(part, parts)` hashes only every parts-th file from the part-th (sorted by name): the ranks
-    of a job share the reading and combine their verdicts (`Trainer`).
+    bad file and the fix (`resume`: the fix for `--resume`, else for a reader). `checksums=False` is for a
+    caller that verified them already (reading a large checkpoint once per check costs what reading it
+    costs): the trainer checks the run_dir first. `checksums=(part, parts)` hashes only every parts-th file
+    from the part-th (sorted by name): the ranks of a job share the reading and combine their verdicts.
 
-    Run before anything of the checkpoint is parsed: DCP's `.metadata` is a pickle, read only once its
-    checksum matches what the saving run recorded (which protects against damage, not against a crafted
-    checkpoint: resume only runs you trust; inference reads safetensors and JSON only)."""
+    Run before anything of the checkpoint is parsed. Checksums protect against damage, not against a crafted
+    checkpoint: nothing read from one runs code (inference reads safetensors and JSON only; resuming reads
+    DCP's pickled `.metadata` with an unpickler that admits only DCP's metadata classes, `safe_read.py`)."""
     path = Path(path)
+    manifest, problem = _files_problem(path, checksums=checksums)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; {other_checkpoint_hint(path, resume=resume)}")
+    return manifest
+
+
+def _files_problem(path: Path, *, checksums: bool | tuple[int, int]) -> tuple[dict | None, str | None]:
+    """(the manifest, None) when every file of `path` matches it; else (None, what is wrong, naming the file)."""
     manifest_file = path / MANIFEST
-    hint = other_checkpoint_hint(path)
     if not manifest_file.is_file():
-        raise CheckpointError(f"{manifest_file} is missing: the checkpoint was never completely published "
-                              f"(a crash during its save?); {hint}")
+        return None, (f"{manifest_file} is missing: the checkpoint was never completely published (a crash during "
+                      "its save?)")
     try:
         manifest = json.loads(manifest_file.read_text())
         files, world_size = manifest["files"], int(manifest["world_size"])
         files = {str(name): (int(size), str(digest)) for name, (size, digest) in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{manifest_file} is corrupt (not the manifest JSON meshlm writes); {hint}") from None
+        return None, f"{manifest_file} is corrupt (not the manifest JSON meshlm writes)"
     for name in files:
         if Path(name).name != name or name in (".", ".."):  # a manifest names files of its own directory only
-            raise CheckpointError(f"{manifest_file} is corrupt (it names {name!r}, not a file of the checkpoint); "
-                                  f"{hint}")
+            return None, f"{manifest_file} is corrupt (it names {name!r}, not a file of the checkpoint)"
     for name in (META, *(f"rank_{r:05d}.json" for r in range(world_size))):
         if name not in files:
-            raise CheckpointError(f"{manifest_file} lists no {name} (it was saved by {world_size} ranks); {hint}")
+            return None, f"{manifest_file} lists no {name} (it was saved by {world_size} ranks)"
     for name, (size, digest) in sorted(files.items()):
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"{f} is missing; {hint}")
+            return None, f"{f} is missing"
         if f.stat().st_size != size:
-            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, the manifest {size} (truncated or "
-                                  f"overwritten); {hint}")
+            return None, f"{f} has {f.stat().st_size} bytes, the manifest {size} (truncated or overwritten)"
     names = sorted(files)
     if isinstance(checksums, tuple):
         part, parts = checksums
         names = names[part::parts]
     for name in names if checksums is not False else []:
-        digest = files[name][1]
-        f = path / name
-        if sha256_file(f) != digest:
-            raise CheckpointError(f"{f} does not match its checksum in {MANIFEST} (corrupt); {hint}")
-    return manifest
+        if sha256_file(path / name) != files[name][1]:
+            return None, f"{path / name} does not match its checksum in {MANIFEST} (corrupt)"
+    return manifest, None
 
 
 def saved_layout(path: str | Path, *, checksums: bool = True) -> ParallelDims:
     """The parallel degrees checkpoint `path` was saved under (its config, resolved against its ranks).
 
     The first thing a resume reads of a checkpoint: verified against its manifest first."""
-    verify_checkpoint(path, checksums=checksums)
-    meta = read_meta(path)
+    verify_checkpoint(path, checksums=checksums, resume=True)
+    meta = read_meta(path, resume=True)
     try:
         parallel = config_from_dict(meta["config"]).parallel
         return ParallelDims.from_config(parallel).resolve(int(meta["world_size"]))
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{Path(path) / META} holds a parallel layout this meshlm cannot read ({e}); "
-                              f"{other_checkpoint_hint(Path(path))}") from None
+                              f"{other_checkpoint_hint(Path(path), resume=True)}") from None
 
 
-def read_meta(path: str | Path) -> dict:
-    """meta.json of checkpoint `path` (format, step, world_size, config); CheckpointError if it is unusable.
-    Callers verify the checkpoint first (`verify_checkpoint`): this only parses."""
+def read_meta(path: str | Path, *, resume: bool = False) -> dict:
+    """meta.json of checkpoint `path` (format, step, world_size, config); CheckpointError if it is unusable
+    (`resume`: naming the fix for `--resume`). Callers verify the checkpoint first: this only parses."""
     path = Path(path)
+    if not (path / META).exists():
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint (no {META}); pass a step_N directory "
+                              "or a run directory")
+    problem = _meta_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; {other_checkpoint_hint(path, resume=resume)}")
+    return json.loads((path / META).read_text())
+
+
+def _meta_problem(path: Path) -> str | None:
+    """What is wrong with meta.json of checkpoint `path` (naming it and, for an old format, the fix); None if usable."""
     meta_file = path / META
     try:
         meta = json.loads(meta_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{str(path)!r} is not a checkpoint (no {META}); pass a step_N directory "
-                              "or a run directory") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CheckpointError(f"{meta_file} is corrupt ({one_line(e)}); {other_checkpoint_hint(path)}") from None
+        return f"{meta_file} is corrupt ({one_line(e)})"
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{meta_file} is corrupt (not a JSON object); {other_checkpoint_hint(path)}")
+        return f"{meta_file} is corrupt (not a JSON object)"
     if meta.get("format") not in _READABLE_FORMATS or not {"config", "step", "world_size"} <= set(meta) \
             or not isinstance(meta["config"], dict):
-        raise CheckpointError(f"{meta_file} has format {meta.get('format')!r}; this meshlm reads "
-                              f"formats {list(_READABLE_FORMATS)} (older checkpoints: resume them with the meshlm that wrote "
-                              "them, or start afresh)")
-    return meta
+        return (f"{meta_file} has format {meta.get('format')!r}; this meshlm reads formats "
+                f"{list(_READABLE_FORMATS)} (an older checkpoint: use the meshlm that wrote it, or train "
+                "afresh)")
+    return None
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
@@ -316,5 +358,5 @@ def read_rank_file(rank_file: Path) -> dict:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{rank_file} is not the JSON meshlm writes ({one_line(e, 80)}); "
-                              f"{other_checkpoint_hint(rank_file.parent)}") from None
+                              f"{other_checkpoint_hint(rank_file.parent, resume=True)}") from None
     return rank_extra

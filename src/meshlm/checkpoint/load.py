@@ -37,6 +37,7 @@ from meshlm.checkpoint.find import (
     resolve_checkpoint,
     verify_checkpoint,
 )
+from meshlm.checkpoint.safe_read import SafePlanner, SafeReader, UnsafeCheckpoint, read_metadata
 from meshlm.checkpoint.shards import (
     after_load,
     assemble,
@@ -60,18 +61,34 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(torch.tensor(cuda, dtype=torch.uint8))
 
 
-def _dcp_load(state: dict, path: Path) -> None:
+def _dcp_load(state: dict, path: Path, *, listed: set[str]) -> None:
+    """DCP reads this rank's pieces; nothing of the checkpoint runs (`safe_read`: its `.metadata` is a pickle)."""
+    try:
+        metadata = read_metadata(path, listed=listed)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(f"{path / '.metadata'} is refused: {e} (a crafted checkpoint? meshlm runs nothing "
+                              f"from one); {other_checkpoint_hint(path, resume=True)}") from None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafePlanner())
     # DCP wraps reader failures in CheckpointException, a BaseException subclass, so name it.
     except (Exception, CheckpointException) as e:
         if peer_failed(e):  # the files were verified: another rank stopped (and said why), not this checkpoint
             raise CheckpointError(f"loading checkpoint {str(path)!r} stopped because another rank did (see its "
                                   f"error; {one_line(e, 80)})") from e
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded ({one_line(e)}); "
-                              f"{other_checkpoint_hint(path)}") from e
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded ({one_line(_cause(e))}); "
+                              f"{other_checkpoint_hint(path, resume=True)}") from e
+
+
+def _cause(e: BaseException) -> BaseException:
+    """What failed inside DCP (its CheckpointException wraps each rank's exception with a traceback)."""
+    failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+    for failure in (failures or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return e
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -81,8 +98,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     Each rank reads only the parts of the saved pieces that overlap its own (any layout saved it); a
     sharded model needs `mesh`. `checksums=False`: the caller verified them (`verify_checkpoint`)."""
     path = Path(path)
-    verify_checkpoint(path, checksums=checksums)  # before any of it is parsed (DCP's .metadata is a pickle)
-    meta = read_meta(path)
+    listed = set(verify_checkpoint(path, checksums=checksums, resume=True)["files"])  # before any of it is parsed
+    meta = read_meta(path, resume=True)
     check_model_config(meta["config"].get("model") or {}, config.model, where=f"{path} ({META})")
     rank_file = path / f"rank_{rank:05d}.json"
     if rank >= int(meta["world_size"]):
@@ -90,7 +107,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
                               f"{rank_file.name} (this rank's RNG and data position are unknown)")
     rank_extra = read_rank_file(rank_file)  # before DCP reads anything
     state = checkpoint_state(model, optimizer, mesh)  # this rank's pieces: DCP reads only what overlaps them
-    _dcp_load(state, path)
+    _dcp_load(state, path, listed=listed)
     after_load(state, model=model, optimizer=optimizer)
     return {"step": int(meta["step"]), "config": meta["config"], "rank_extra": rank_extra}
 

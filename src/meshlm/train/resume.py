@@ -2,8 +2,8 @@
 
 Responsible for: checking the run directory on every rank before any work (each rank hashes its share of
 a resumed checkpoint, every rank raises the same refusal), creating it and clearing an earlier run's files
-from it for a fresh run; the per-rank extras a checkpoint carries beside model and optimizer (RNG, the
-loader's position, the first validation loss, MoE router biases) and restoring them; the config's
+from it for a fresh run (in checkpoints/ only what meshlm wrote); the per-rank extras a checkpoint carries
+beside model and optimizer (RNG, the loader's position, the first validation loss, MoE router biases) and restoring them; the config's
 optimizer settings over a checkpoint's; the notes a resume prints (another layout, changed optimizer
 settings) and how far a restarted run had got (`last_logged_step`); `CheckpointWriter`, which keeps at most
 one checkpoint being written in the background.
@@ -21,7 +21,16 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.checkpoint import CheckpointError, begin_save, check_run_dir, finish_save, rng_state, set_rng_state
+from meshlm.checkpoint import (
+    CheckpointError,
+    begin_save,
+    check_run_dir,
+    checkpoints_root,
+    finish_save,
+    meshlm_entries,
+    rng_state,
+    set_rng_state,
+)
 from meshlm.config import Config, TrainConfig
 from meshlm.dims import ParallelDims
 from meshlm.mesh import Mesh
@@ -59,11 +68,17 @@ def make_run_dir(run_dir: str) -> None:
 
 def clear_run_dir(run_dir: Path) -> None:
     """A fresh run owns its run_dir (with overwrite=True when an earlier run left checkpoints there): the
-    earlier run's checkpoints, metrics and tracker files go (rank 0)."""
-    if (run_dir / "checkpoints").is_dir():
+    earlier run's checkpoints, metrics and tracker files go (rank 0). Only what meshlm wrote in checkpoints/
+    (`meshlm_entries`): `check_run_dir` refused, naming them, if anything else is there."""
+    own = meshlm_entries(checkpoints_root(run_dir))
+    if own:
         print(f"meshlm: starting afresh in {run_dir}: deleting the checkpoints of an earlier run "
               "there (--overwrite)", flush=True)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    for entry in own:
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     remove_tracker_files(run_dir)
 

@@ -51,7 +51,7 @@ from meshlm import comm
 from meshlm.checkpoint import load_checkpoint, resume_checkpoint, saved_layout
 from meshlm.config import Config
 from meshlm.host_memory import reuse_freed_host_memory
-from meshlm.liveness import Heartbeat
+from meshlm.liveness import Heartbeat, store_client
 from meshlm.mesh import Mesh, build_mesh
 from meshlm.models.stats import train_flops_per_token
 from meshlm.parallel.expert import update_router_biases
@@ -60,8 +60,10 @@ from meshlm.parallel.pipeline import run_pipeline_step
 from meshlm.parallel.recompute import SavedTensorMeter
 from meshlm.parallel.tensor import vocab_parallel_cross_entropy
 from meshlm.schedules import build_schedule
+from meshlm.stragglers import ArrivalRecord, StragglerWatch
 from meshlm.timeline import write_timeline
 from meshlm.data.text import validation_batches
+from meshlm.train.memory import memory_checkpoints, storage_step
 from meshlm.train.metrics import MetricsLogger, peak_tflops_guess
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from meshlm.train.report import count_parameters, expert_load, pipeline_idle_share, step_row
@@ -106,7 +108,12 @@ class Trainer:
         t = cfg.train
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         dims = check_layout(cfg, world_size)  # user mistakes surface here, before any work
-        check_run_dir_on_every_rank(t.run_dir, resume=resume, overwrite=overwrite, world_size=world_size)
+        # After a restart, the newest in-memory checkpoint that survived, when one is as new as storage's.
+        self.memory = memory_checkpoints(cfg, world_size)
+        from_memory = self.memory.newest(at_least=storage_step(t.run_dir) if resume else 0) \
+            if self.memory is not None and restarts else None
+        if from_memory is None:  # storage is neither read nor changed when resuming from memory
+            check_run_dir_on_every_rank(t.run_dir, resume=resume, overwrite=overwrite, world_size=world_size)
         self.setup_mesh(dims)
 
         self.tokenizer = load_training_tokenizer(cfg)
@@ -138,14 +145,18 @@ class Trainer:
             make_run_dir(t.run_dir)
         # After the launcher restarted the ranks (--max-restarts): how far the run had got, to log what it lost.
         last_logged = last_logged_step(self.run_dir) if restarts and self.is_main else 0
-        if resume:  # never deletes anything; check_run_dir made sure there is a complete checkpoint
+        if from_memory is not None:
+            self.load_memory(from_memory)
+        elif resume:  # never deletes anything; check_run_dir made sure there is a complete checkpoint
             self.resumed_from, self.fallback_note = resume_checkpoint(self.run_dir)
             self.load(self.resumed_from, checksums=False)  # check_run_dir verified it
         elif self.is_main:
             clear_run_dir(self.run_dir)
+        if self.memory is not None and not restarts:
+            self.memory.files.remove()  # an earlier job's in-memory checkpoints: never this job's to resume from
         self.barrier()  # no rank goes on while rank 0 may still be clearing the run_dir
-        self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step)}
-                            if restarts else None)
+        self.restart_row = ({"step": self.step, "restart": restarts, "lost_steps": max(0, last_logged - self.step),
+                             "from": "memory" if from_memory is not None else "storage"} if restarts else None)
 
     def setup_mesh(self, dims) -> None:
         """Device, precision, mesh, this rank's place in it and the micro-batch size; seeds the RNGs.
@@ -193,12 +204,16 @@ class Trainer:
         final_val = None
         times = []
         heartbeat = self.start_heartbeat()
+        self.start_arrivals()
         try:
             if has_val and self.first_val_loss is None:
                 self.first_val_loss = final_val = self.evaluate()
                 logger.log({"step": self.step, "val_loss": final_val})
             while self.step < stop:
+                if self.arrivals is not None:
+                    self.arrivals.step = self.step + 1  # its first collective notes this rank's arrival
                 last = self.train_step()
+                self.note_arrivals(last, logger)
                 if heartbeat is not None:
                     heartbeat.progress()
                 times.append(last["step_time_s"])
@@ -209,13 +224,20 @@ class Trainer:
                     logger.log({"step": self.step, "val_loss": final_val})
                 if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != stop:
                     self.save(asynchronous=t.async_checkpoint)
+                if self.memory is not None and self.step % t.memory_checkpoint_interval == 0 and self.step != stop:
+                    self.memory.save(self.step, model=self.base_model, optimizer=self.optimizer, mesh=self.mesh,
+                                     extra=rank_extra(self.loader, self.base_model, first_val_loss=self.first_val_loss))
             if self.saved_step != self.step:
                 self.save()
             self.finish_checkpoint()
+            if self.memory is not None and self.step == t.steps:  # the run is done: its in-memory copies go
+                self.barrier()
+                self.memory.files.remove()
         except comm.CollectiveError as e:
             if heartbeat is None:
                 raise
-            raise comm.CollectiveError(f"{e}; {heartbeat.explain()}") from e
+            never = self.arrivals.explain() if self.arrivals is not None else ""
+            raise comm.CollectiveError(f"{e}; {never + '; ' if never else ''}{heartbeat.explain()}") from e
         finally:
             logger.close()
             if heartbeat is not None:
@@ -242,7 +264,8 @@ class Trainer:
         if self.restart_row is not None:
             logger.log(self.restart_row)
             logger.print(f"restart {self.restart_row['restart']}: a rank failed; continuing from step {self.step} "
-                         f"({self.restart_row['lost_steps']} step(s) lost since the last checkpoint)")
+                         f"({self.restart_row['lost_steps']} step(s) lost since the last checkpoint, from "
+                         f"{self.restart_row['from']})")
         for note in (self.fallback_note, self.optimizer_note):
             if note is not None:
                 logger.print(note)
@@ -266,6 +289,36 @@ class Trainer:
                              watchdog_s=2 * timeout if self.device.type == "cuda" else None)
         except (KeyError, RuntimeError, ValueError):  # no reachable store: train on, errors name fewer ranks
             return None
+
+    def start_arrivals(self) -> None:
+        """With several ranks: this rank's arrival at each step's first collective, noted in the launch's store,
+        and on rank 0 the watch that reads them (`meshlm.stragglers`); None where there is no store."""
+        self.arrivals, self.straggler_watch = None, None
+        if self.world_size == 1:
+            return
+        try:
+            store = store_client()
+        except (KeyError, RuntimeError, ValueError):  # no reachable store: train on without
+            return
+        self.arrivals = ArrivalRecord(store, rank=self.rank, world_size=self.world_size,
+                                      stage=self.mesh.local_rank("pp"))
+        self.mesh.stats.on_first = self.arrivals.arrive
+        if self.is_main:
+            p = self.cfg.parallel
+            self.straggler_watch = StragglerWatch(factor=p.straggler_factor, patience=p.straggler_steps)
+
+    def note_arrivals(self, row: dict, logger: MetricsLogger) -> None:
+        """After a step: rank 0 adds its arrival spread and slowest rank to the step's row, and names a rank
+        that has been holding the others up (a warning line)."""
+        if self.arrivals is None:
+            return
+        self.arrivals.step = None  # collectives between steps (validation, checkpoints) are no arrivals
+        records = self.arrivals.read(self.step) if self.straggler_watch is not None else None
+        if records is not None:
+            fields, warning = self.straggler_watch.observe(self.step, records)
+            row.update(fields)
+            if warning is not None:
+                logger.print(warning)
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -440,6 +493,13 @@ class Trainer:
             self.optimizer_note = note
         if not same_layout:
             self.resume_note = layout_change_note(saved, self.mesh.dims, self.world_size)
+
+    def load_memory(self, step: int) -> None:
+        """Restore model, optimizer, step, RNG and data position from the in-memory checkpoint of `step`
+        (`train/memory.py`; same layout, so the continuation is bit-identical)."""
+        extra = self.memory.restore(step, model=self.base_model, optimizer=self.optimizer, mesh=self.mesh)
+        self.step = step
+        self.first_val_loss = restore_rank_extra(extra, self.loader, self.base_model)
 
     # -- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
