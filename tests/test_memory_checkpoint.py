@@ -12,7 +12,6 @@ are gone the restart falls back to storage.
 
 import hashlib
 import shutil
-from functools import partial
 from pathlib import Path
 
 import pytest

@@ -90,7 +90,9 @@ def run(args) -> int:
         # complete checkpoint of this run, or, if it died before the first one, start it again.
         resume = has_complete_checkpoint(cfg.train.run_dir)
         overwrite = not resume
-    check_run_dir(cfg.train.run_dir, resume=resume, overwrite=overwrite, model=cfg.model)
+    # After a restart the ranks may resume from their in-memory copies: checksumming the storage checkpoint here
+    # would read all of it for nothing (the trainer verifies it before it ever loads from storage).
+    check_run_dir(cfg.train.run_dir, resume=resume, overwrite=overwrite, model=cfg.model, checksums=not restarts)
     return _train_this_rank(cfg, resume=resume, overwrite=overwrite, distributed=under_launcher, restarts=restarts)
 
 
