@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.dims import ParallelDims
-from meshlm.rules import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
+from meshlm.rules import CP_METHODS, FAULT_TOLERANCE, PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
 
 
 class ConfigError(ValueError):
@@ -233,6 +233,16 @@ class ParallelConfig(ParallelDims):
     # A collective that has not completed after this long (a peer rank stopped, died or diverged) raises an
     # error naming the rank, the op and the mesh axis, and the job fails (or restarts, --max-restarts).
     collective_timeout_s: float = 600.0
+    # none | replica: the data-parallel replicas are torchft replica groups (`meshlm.train.replica`), each its own
+    # launcher job (`meshlm train --replica-groups N` starts them all here): a group that fails drops out of the
+    # per-step quorum while the others step on, and rejoins by copying the model and optimizer from a live group.
+    # Inside a group: plain data parallelism (dp_shard, zero_stage 0) and tp; dp_replicate stays 1
+    fault_tolerance: str = "none"
+    replica_groups: int = 1  # N: each global batch is cut into N slices, one per group (an absent group's is skipped)
+    replica_group: int = 0  # this job's group, 0..N-1 (`--replica-groups` sets it); its run_dir is run_dir/replica_<i>
+    lighthouse: str = ""  # the torchft lighthouse, http://HOST:PORT (`--replica-groups` starts one and sets it)
+    min_replica_groups: int = 1  # a step commits only with at least this many groups in its quorum
+    replica_start_wait_s: float = 60.0  # a group's first quorum waits this long for all N groups to join it
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks", "cp_ulysses"):
@@ -258,6 +268,14 @@ class ParallelConfig(ParallelDims):
                  f"must be one of {list(CP_METHODS)}")
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s", self.collective_timeout_s,
                  "must be > 0 seconds")
+        _require(self.fault_tolerance in FAULT_TOLERANCE, "parallel.fault_tolerance", self.fault_tolerance,
+                 f"must be one of {list(FAULT_TOLERANCE)}")
+        for name in ("replica_groups", "min_replica_groups"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
+        _require(self.replica_start_wait_s >= 0, "parallel.replica_start_wait_s", self.replica_start_wait_s,
+                 "must be >= 0 seconds")
+        _require(0 <= self.replica_group < self.replica_groups, "parallel.replica_group", self.replica_group,
+                 f"must be in 0..parallel.replica_groups-1={self.replica_groups - 1}")
 
 
 @dataclass
