@@ -205,6 +205,66 @@ def test_a_group_of_another_layout_is_refused_and_the_running_group_trains_on(tm
         server.shutdown()
     assert code != 0
     refused = [line for line in err.splitlines() if "refused" in line]
-    assert refused and "replica group 1 refused" in refused[-1] and "dims=" in refused[-1], err[-3000:]
+    assert refused and "replica group 1 refused" in refused[-1] and "layout=" in refused[-1], err[-3000:]
     last = err.strip().splitlines()[-1]
     assert "refused" in last, last
+    print(f"\n{refused[-1]}\n{last}")
+
+
+@pytest.mark.parametrize("outer", ["average", "diloco"])
+def test_semi_synchronous_groups_match_their_replay(tmp_path, text_file, outer):
+    """parallel.replica_sync_every=3: each group steps alone on its slice, every 3rd step torchft's LocalSGD averages
+    the weights (DiLoCo: the moves since the last sync, through an outer Nesterov SGD); the reference is two
+    one-process trainers, one per slice, synchronised the same way."""
+    run, steps, every = tmp_path / "run", 9, 3
+    sync = [f"parallel.replica_sync_every={every}", f"parallel.replica_outer={outer}"]
+    proc = start(run, text_file, "--replica-groups", "2", "--nproc", "1", extra=[f"train.steps={steps}", *sync])
+    try:
+        code = proc.wait(timeout=240)
+        _, err = proc.communicate()
+    finally:
+        kill_all(proc)
+    assert code == 0, err[-3000:]
+    for g in range(2):
+        synced = [(r["step"], r["replicas"], r["synced"]) for r in rows(run, g) if "synced" in r]
+        assert synced == [(s, [0, 1], True) for s in range(every, steps + 1, every)], synced
+    want = semi_synchronous_replay(tmp_path, text_file, steps=steps, every=every, outer=outer)
+    for g in range(2):
+        got = final_weights(run / f"replica_{g}", want)
+        for name, value in want.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-9, msg=f"group {g}: {name}")
+
+
+def semi_synchronous_replay(tmp_path: Path, text_file: Path, *, steps: int, every: int, outer: str):
+    """Two one-process trainers (group g: slice g alone, gradients x 2) synchronised every `every` steps as torchft's
+    LocalSGD (the mean of the weights) or DiLoCo (the mean move since the last sync, as the gradient of an outer
+    Nesterov SGD from the last sync's weights) do; returns group 0's model."""
+    from meshlm.config import load_config
+    from meshlm.train.replica import MembershipReplay
+
+    trainers = []
+    for g in range(2):
+        cfg = load_config(overrides=[*SETTINGS, f"data.path={text_file}", f"train.run_dir={tmp_path / f'ref{g}'}",
+                                     f"train.steps={steps}"])
+        trainers.append(MembershipReplay(cfg, {s: [g] for s in range(1, steps + 1)}, replica_groups=2,
+                                         group_micro_batch_size=2))
+    params = [list(t.base_model.parameters()) for t in trainers]
+    start = [torch.nn.Parameter(q.detach().clone()) for q in params[0]]
+    sgd = torch.optim.SGD(start, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(1, steps + 1):
+        for t in trainers:
+            t.train_step()
+        if step % every:
+            continue
+        with torch.no_grad():
+            for i, q in enumerate(start):
+                if outer == "average":
+                    q.copy_((params[0][i] + params[1][i]) / 2)
+                else:
+                    q.grad = ((q - params[0][i]) + (q - params[1][i])) / 2
+            if outer == "diloco":
+                sgd.step()
+            for group in params:
+                for i, q in enumerate(group):
+                    q.copy_(start[i])
+    return trainers[0].base_model

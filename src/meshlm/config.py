@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.dims import ParallelDims
-from meshlm.rules import CP_METHODS, FAULT_TOLERANCE, PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
+from meshlm.rules import CP_METHODS, FAULT_TOLERANCE, PP_SCHEDULES, RECOMPUTE_MODES, REPLICA_OUTER, ZERO_STAGES
 
 
 class ConfigError(ValueError):
@@ -243,6 +243,14 @@ class ParallelConfig(ParallelDims):
     lighthouse: str = ""  # the torchft lighthouse, http://HOST:PORT (`--replica-groups` starts one and sets it)
     min_replica_groups: int = 1  # a step commits only with at least this many groups in its quorum
     replica_start_wait_s: float = 60.0  # a group's first quorum waits this long for all N groups to join it
+    # 1: gradients averaged over the live groups every step; H > 1: semi-synchronous (slow links between groups):
+    # each group steps on its own slice and every H steps the groups synchronise (a quorum, then replica_outer)
+    replica_sync_every: int = 1
+    # with replica_sync_every > 1: average (torchft's LocalSGD: the weights averaged) | diloco (torchft's DiLoCo: the
+    # moves since the last sync averaged, applied by an outer SGD with Nesterov momentum)
+    replica_outer: str = "average"
+    replica_outer_lr: float = 0.7  # DiLoCo's outer learning rate (the paper's 0.7)
+    replica_outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum (the paper's 0.9)
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks", "cp_ulysses"):
@@ -270,7 +278,12 @@ class ParallelConfig(ParallelDims):
                  "must be > 0 seconds")
         _require(self.fault_tolerance in FAULT_TOLERANCE, "parallel.fault_tolerance", self.fault_tolerance,
                  f"must be one of {list(FAULT_TOLERANCE)}")
-        for name in ("replica_groups", "min_replica_groups"):
+        _require(self.replica_outer in REPLICA_OUTER, "parallel.replica_outer", self.replica_outer,
+                 f"must be one of {list(REPLICA_OUTER)}")
+        _require(self.replica_outer_lr > 0, "parallel.replica_outer_lr", self.replica_outer_lr, "must be > 0")
+        _require(0 <= self.replica_outer_momentum < 1, "parallel.replica_outer_momentum", self.replica_outer_momentum,
+                 "must be in [0, 1)")
+        for name in ("replica_groups", "min_replica_groups", "replica_sync_every"):
             _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
         _require(self.replica_start_wait_s >= 0, "parallel.replica_start_wait_s", self.replica_start_wait_s,
                  "must be >= 0 seconds")

@@ -23,6 +23,9 @@ HEARTBEAT_TIMEOUT_MS = 3_000  # a group silent this long (dead) is left out of t
 
 def start_lighthouse(min_groups: int):
     """torchft's lighthouse on a free port of this machine; (server, its address)."""
+    from meshlm.train.replica import quiet_torchft
+
+    quiet_torchft()
     try:
         from torchft.coordination import LighthouseServer
     except ImportError as e:

@@ -27,6 +27,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # `meshlm.parallel.recompute`
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism (`meshlm.parallel.data`); 1-3: `meshlm.parallel.zero`
 # none | replica: torchft replica groups over the data-parallel replicas (`meshlm.train.replica`)
 FAULT_TOLERANCE = ("none", "replica")
+# what replica groups do every parallel.replica_sync_every > 1 steps: torchft's LocalSGD (average) or DiLoCo
+REPLICA_OUTER = ("average", "diloco")
 
 
 def _choices(n: int, start: int = 1) -> str:

@@ -19,6 +19,12 @@ memberships in one process (`MembershipReplay`) gives the same weights.
 
 A step whose cross-group reduction failed (a peer died mid-step) is not committed: the optimizer does not step,
 the data position goes back, and the step is retried with the next quorum (torchft's `max_retries` bounds it).
+Semi-synchronous (parallel.replica_sync_every = H > 1), for slow links between groups: torchft's LocalSGD
+(replica_outer=average: the weights averaged) or DiLoCo (diloco: the moves since the last sync averaged and applied
+by an outer Nesterov SGD), hooked on the optimizer. Every group then steps on its own slice alone (gradients x N:
+the mean over its own tokens), and every H-th step runs the quorum and the synchronisation; a failed one is simply
+not committed (LocalSGD keeps the local weights, DiLoCo goes back to the last sync's). Rows of sync steps carry
+`replicas` and `synced`.
 Recovery state travels over torchft's HTTP transport and is read with `weights_only=True`: tensors and plain data,
 nothing that runs code.
 """
@@ -26,7 +32,10 @@ nothing that runs code.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +45,7 @@ import torch
 
 from meshlm import comm
 from meshlm.config import Config
+from meshlm.mesh import AXES
 from meshlm.parallel.parallelize import micro_batch_size
 from meshlm.train.optim import clip_grad_norm, lr_at, set_lr
 from meshlm.train.trainer import Trainer
@@ -80,9 +90,11 @@ def check_lighthouse(address: str, *, timeout_s: float = 5.0) -> None:
 def fingerprint(cfg: Config, trainer: Trainer) -> dict:
     """What every group of one run must share: the model, the layout inside the group, the batch, the data."""
     p, t = cfg.parallel, cfg.train
-    return {"model": dataclasses.asdict(cfg.model), "dims": str(trainer.mesh.dims),
+    dims = trainer.mesh.dims
+    return {"model": dataclasses.asdict(cfg.model), "layout": " ".join(f"{a}={dims.degree(a)}" for a in AXES),
             "replica_groups": p.replica_groups, "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
-            "precision": t.precision, "samples": len(trainer.train_data)}
+            "precision": t.precision, "samples": len(trainer.train_data),
+            "sync": f"every {p.replica_sync_every} step(s), {p.replica_outer}"}
 
 
 def mismatch(mine: dict, theirs: dict) -> str:
@@ -97,20 +109,31 @@ def mismatch(mine: dict, theirs: dict) -> str:
     return ""
 
 
+def quiet_torchft() -> None:
+    """torchft logs every quorum (Rust, INFO) and every checkpoint request (HTTP access lines); meshlm says what
+    matters in its own lines (`ReplicaTrainer.attempt_step`). RUST_LOG, when set, still wins."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+
+
 def transport(timeout: timedelta):
     """torchft's HTTP checkpoint transport, reading what it receives with weights_only=True (no code runs)."""
-    from torch.distributed._serialization import _streaming_load
     import urllib.request
+    import warnings
 
+    from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing import HTTPTransport
 
     class PlainHTTPTransport(HTTPTransport):
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f, warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": the tensors are copied in
                 return _streaming_load(f, weights_only=True)
 
-    return PlainHTTPTransport(timeout=timeout, num_chunks=0)
+    server = PlainHTTPTransport(timeout=timeout, num_chunks=0)
+    server._server.RequestHandlerClass.log_message = lambda *args: None  # no access line per request
+    return server
 
 
 class ReplicaTrainer(Trainer):
@@ -124,7 +147,9 @@ class ReplicaTrainer(Trainer):
         self.fingerprint = fingerprint(self.cfg, self)
         self.healed_at: int | None = None
         self.joined = False  # this process has had its first quorum
+        self.in_step = False  # inside optimizer.step(), where the semi-synchronous sync runs (see replica_state)
         self.manager = self.start_manager()
+        self.outer = self.start_outer() if self.cfg.parallel.replica_sync_every > 1 else None
 
     def setup_mesh(self, dims) -> None:
         super().setup_mesh(dims)
@@ -136,12 +161,13 @@ class ReplicaTrainer(Trainer):
     def start_manager(self):
         """torchft's Manager for this rank: a store of this group's own (its address goes to the others in the
         quorum), a reconfigurable gloo group per group rank across the groups, the lighthouse at parallel.lighthouse."""
+        p = self.cfg.parallel
+        check_lighthouse(p.lighthouse)
+        quiet_torchft()
         from torch.distributed import TCPStore
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        p = self.cfg.parallel
-        check_lighthouse(p.lighthouse)
         timeout = timedelta(seconds=p.collective_timeout_s)
         host, store = socket.gethostname(), None
         if self.is_main:
@@ -156,8 +182,24 @@ class ReplicaTrainer(Trainer):
                           store_addr=host, store_port=port, lighthouse_addr=p.lighthouse,
                           replica_id=f"meshlm_{p.replica_group}", hostname=host, checkpoint_transport=transport(timeout),
                           init_sync=True, max_retries=MAX_RETRIES)
-        manager.load_state_dict({"step": self.step, "batches_committed": 0})  # a resumed group starts at its step
+        # torchft's step counts synchronisations: a resumed group starts at its own
+        manager.load_state_dict({"step": self.step // p.replica_sync_every, "batches_committed": 0})
         return manager
+
+    def start_outer(self):
+        """Semi-synchronous groups: torchft's LocalSGD or DiLoCo, hooked on the optimizer for the whole run
+        (every parallel.replica_sync_every-th optimizer step runs a quorum and the synchronisation)."""
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        p = self.cfg.parallel
+        if p.replica_outer == "average":
+            outer = LocalSGD(self.manager, self.base_model, self.optimizer, sync_every=p.replica_sync_every)
+        else:
+            sgd = torch.optim.SGD(self.base_model.parameters(), lr=p.replica_outer_lr,
+                                  momentum=p.replica_outer_momentum, nesterov=True)
+            outer = DiLoCo(self.manager, [self.base_model], self.optimizer, sgd, sync_every=p.replica_sync_every,
+                           pin_memory=False)
+        return outer.__enter__()
 
     def broadcast_setup(self, port: int | None) -> int:
         """Rank 0's store port on every rank of the group (inside a group: dp x tp ranks, pp = cp = 1)."""
@@ -166,9 +208,10 @@ class ReplicaTrainer(Trainer):
 
     # -- what a rejoining group copies from a live one -------------------------------------------------
     def replica_state(self) -> dict:
+        # "step": the steps taken, counting one in flight (a semi-synchronous sync runs inside optimizer.step())
         return {"model": self.base_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "loader": self.loader.state_dict(), "step": self.step, "first_val_loss": self.first_val_loss,
-                "fingerprint": self.fingerprint}
+                "loader": self.loader.state_dict(), "step": self.step + self.in_step,
+                "first_val_loss": self.first_val_loss, "fingerprint": self.fingerprint}
 
     def load_replica_state(self, state: dict) -> None:
         if state["fingerprint"] != self.fingerprint:
@@ -177,12 +220,14 @@ class ReplicaTrainer(Trainer):
         self.base_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.loader.load_state_dict(state["loader"])
-        self.step, self.first_val_loss, self.saved_step = int(state["step"]), state["first_val_loss"], None
-        self.healed_at = self.step
+        self.step = int(state["step"]) - self.in_step  # (this group's step in flight is the one it completes)
+        self.first_val_loss, self.saved_step, self.healed_at = state["first_val_loss"], None, self.step
 
     # -- one step ---------------------------------------------------------------------------------------
     def train_step(self) -> dict:
         """One committed step: attempts until one commits (a failed attempt changes nothing)."""
+        if self.outer is not None:
+            return self.local_step()
         retried = 0
         while True:
             row = self.attempt_step()
@@ -212,6 +257,7 @@ class ReplicaTrainer(Trainer):
         if not self.manager.should_commit() or members is None:  # should_commit first: every rank calls it
             self.loader.load_state_dict(position)
             self.optimizer.zero_grad(set_to_none=True)
+            self.say(f"step {self.step + 1} not committed ({self.why_not()}); retrying with a new quorum")
             return None
         self.optimizer.step()
         self.step += 1
@@ -223,15 +269,67 @@ class ReplicaTrainer(Trainer):
             row["healed_at"], self.healed_at = self.healed_at, None
         return row
 
-    def quorum(self) -> None:
+    def local_step(self) -> dict:
+        """A semi-synchronous step: this group's slice alone (its gradients x N: the mean over its own tokens);
+        every H-th step the optimizer's torchft hook synchronises the groups. Its row says which groups took part
+        (`replicas`) and whether the synchronisation committed (`synced`)."""
+        t, p = self.cfg.train, self.cfg.parallel
+        if not self.joined:  # the groups start (or one rejoins) with a synchronisation
+            self.quorum(sync=self.sync_now)
+        start = time.perf_counter()
+        self.mesh.stats.reset()
+        micro_batches = self.loader.next_batch()
+        data_wait = time.perf_counter() - start
+        lr = lr_at(self.step, t)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = t.global_batch_size * t.seq_len
+        loss = float(self.sum_over_dp(self.forward_backward(micro_batches, num_tokens=num_tokens)))
+        for q in self.base_model.parameters():
+            if q.grad is not None:
+                q.grad.mul_(p.replica_groups)
+        grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
+                                   norm_fn=self.parallel.grad_norm_fn)
+        syncs = self.manager.current_step()
+        self.in_step = True
+        try:
+            self.optimizer.step()  # every H-th: quorum (a group behind loads a live one's state) and sync
+        finally:
+            self.in_step = False
+        self.step += 1
+        row = self.metrics_row(loss * p.replica_groups, lr=lr, grad_norm=float(grad_norm), start=start,
+                               data_wait=data_wait, num_tokens=num_tokens // p.replica_groups,
+                               comm_stats=self.mesh.stats.summary())
+        row["replica_group"] = p.replica_group
+        if self.outer._local_step == 0:  # (torchft's counter: it synchronised in this step)
+            row.update(replicas=self.membership(0.0)[0], synced=self.manager.current_step() > syncs)
+            if not row["synced"]:
+                self.say(f"step {self.step}: synchronisation not committed ({self.why_not()})")
+        if self.healed_at is not None:
+            row["healed_at"], self.healed_at = self.healed_at, None
+        return row
+
+    def why_not(self) -> str:
+        error = self.manager.errored()
+        if error is None:
+            return "another rank of this group failed, or too few groups"
+        return str(getattr(error, "original_exception", error)).strip().splitlines()[0][:200] or type(error).__name__
+
+    def say(self, line: str) -> None:
+        if self.is_main:
+            print(f"meshlm: replica group {self.cfg.parallel.replica_group}: {line}", file=sys.stderr, flush=True)
+
+    def quorum(self, sync=None) -> None:
         """The quorum of this step; a group behind the others loads their state here (`load_replica_state`).
-        The first quorum of a process waits (parallel.replica_start_wait_s at most) for all N groups, so that groups started
-        together train together from their first step; every quorum waits for parallel.min_replica_groups."""
+        The first quorum of a process waits (parallel.replica_start_wait_s at most) for all N groups, so that groups
+        started together train together from their first step; every quorum waits for parallel.min_replica_groups.
+        `sync`: what to run instead of a bare quorum (semi-synchronous groups: a whole synchronisation, so that a
+        group joining the others' sync takes part in its collectives too)."""
         p, first = self.cfg.parallel, not self.joined
         need = p.replica_groups if first else p.min_replica_groups
         deadline = time.monotonic() + (p.replica_start_wait_s if first else p.collective_timeout_s)
         while True:
-            self.start_quorum()
+            (sync or self.start_quorum)()
             live = self.manager.num_participants()
             if live >= need:
                 break
@@ -242,7 +340,19 @@ class ReplicaTrainer(Trainer):
                                    f"parallel.min_replica_groups={p.min_replica_groups}; stopping")
             time.sleep(0.2)
         self.joined = True
-        assert self.manager.current_step() == self.step, (self.manager.current_step(), self.step)
+        if sync is None:
+            assert self.manager.current_step() == self.step, (self.manager.current_step(), self.step)
+
+    def sync_now(self) -> None:
+        """One synchronisation of the semi-synchronous groups, outside the optimizer's hook: torchft's LocalSGD's
+        `sync`; DiLoCo has no public one, so its hook runs as on the H-th step (its step counter set to H - 1)."""
+        from torchft.local_sgd import LocalSGD
+
+        if isinstance(self.outer, LocalSGD):
+            self.outer.sync()
+        else:
+            self.outer._local_step = self.outer._sync_every - 1
+            self.outer._step_post_hook(self.optimizer, (), {})
 
     def start_quorum(self) -> None:
         try:
@@ -306,6 +416,8 @@ class ReplicaTrainer(Trainer):
         try:
             return super().train(until_step=until_step)
         finally:
+            if self.outer is not None:
+                self.outer.__exit__(None, None, None)
             self.manager.shutdown(wait=False)
 
 
