@@ -13,25 +13,23 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 from meshlm.distributed import exit_with_parent
 from meshlm.launch import train_args
 
-JOIN_TIMEOUT_MS = 20_000  # a new quorum waits this long for groups still heartbeating to ask for it
-HEARTBEAT_TIMEOUT_MS = 3_000  # a group silent this long (dead) is left out of the next quorum
-
 
 def start_lighthouse(min_groups: int):
     """torchft's lighthouse on a free port of this machine; (server, its address)."""
-    from meshlm.train.replica import quiet_torchft
+    from meshlm.train.replica import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, quiet_torchft
 
     quiet_torchft()
     try:
         from torchft.coordination import LighthouseServer
     except ImportError as e:
         raise ValueError(f"--replica-groups needs torchft ({e}); pip install 'meshlm[ft]'") from None
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=JOIN_TIMEOUT_MS,
-                              quorum_tick_ms=100, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
+                              quorum_tick_ms=100, heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
     return server, server.address()
 
 
@@ -45,6 +43,7 @@ def group_command(args, group: int, lighthouse: str) -> list[str]:
 
 def launch_replica_groups(args, cfg) -> int:
     """Start the lighthouse and the N groups; wait for all; the exit code of the first that failed."""
+    from meshlm.checkpoint import check_run_dir
     from meshlm.parallel.parallelize import check_layout
 
     groups = args.replica_groups
@@ -52,12 +51,15 @@ def launch_replica_groups(args, cfg) -> int:
         raise ValueError(f"--replica-groups={groups} must be >= 1")
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None or args.emulate_nodes:
         raise ValueError("--replica-groups starts every group on this machine; for several nodes start one job "
-                         "per group with parallel.lighthouse set (README: fault tolerance)")
+                         "per group with parallel.lighthouse set (README: replica groups)")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
     p = cfg.parallel
     checked = dataclasses.replace(cfg, parallel=dataclasses.replace(p, fault_tolerance="replica", replica_groups=groups))
     check_layout(checked.validate(), args.nproc or 1)  # every group's layout, before anything starts
+    for g in range(groups):  # and every group's run_dir
+        check_run_dir(Path(cfg.train.run_dir) / f"replica_{g}", resume=args.resume, overwrite=args.overwrite,
+                      model=cfg.model)
     server, address = start_lighthouse(p.min_replica_groups)
     print(f"meshlm: torchft lighthouse at {address}; {groups} replica group(s) of {args.nproc or 1} rank(s)",
           flush=True)

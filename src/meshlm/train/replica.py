@@ -51,7 +51,10 @@ from meshlm.train.optim import clip_grad_norm, lr_at, set_lr
 from meshlm.train.trainer import Trainer
 
 MAX_RETRIES = 20  # consecutive uncommitted steps before a group gives up (torchft raises)
-JOIN_TIMEOUT_S = 20.0  # (the lighthouse's, `meshlm.replica_launch`) a quorum waits for heartbeating groups
+# The lighthouse `meshlm train --replica-groups` starts (`meshlm.replica_launch`): a new quorum waits this long for
+# groups still heartbeating to ask for it; a group silent this long (dead) is left out of the next one.
+JOIN_TIMEOUT_S = 20.0
+HEARTBEAT_TIMEOUT_S = 3.0
 
 
 class ReplicaRefused(ValueError):
