@@ -195,8 +195,9 @@ def test_a_group_of_another_layout_is_refused_and_the_running_group_trains_on(tm
         other = start(run, text_file, "--nproc", "2", extra=[*sets, "parallel.replica_group=1", *steps])  # dp2
         code = other.wait(timeout=180)
         _, err = other.communicate()
-        reached = last_step(run, 0)
-        time.sleep(1.0)
+        reached, until = last_step(run, 0), time.time() + 60  # (its next quorum waits out the refused group)
+        while good.poll() is None and time.time() < until and last_step(run, 0) <= reached:
+            time.sleep(0.2)
         assert good.poll() is None and last_step(run, 0) > reached, "the running group stopped"
     finally:
         kill_all(good)
@@ -268,3 +269,39 @@ def semi_synchronous_replay(tmp_path: Path, text_file: Path, *, steps: int, ever
                 for i, q in enumerate(group):
                     q.copy_(start[i])
     return trainers[0].base_model
+
+
+def test_a_dead_lighthouse_stops_the_group_with_a_line_naming_it_and_its_checkpoints_intact(tmp_path, text_file):
+    """The lighthouse (its own process here) is SIGKILLed mid-run: the group's next quorum fails, its launcher's
+    restart finds no lighthouse, and the run ends non-zero with a last line naming the address; the checkpoints
+    written before are complete."""
+    from meshlm.checkpoint import verify_checkpoint
+
+    serve = ("import sys, time\nfrom meshlm.replica_launch import start_lighthouse\n"
+             "server, address = start_lighthouse(1)\nprint(address, flush=True)\ntime.sleep(3600)\n")
+    lighthouse = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "RUST_LOG": "warn"}, start_new_session=True)
+    run = tmp_path / "run"
+    group = None
+    try:
+        address = lighthouse.stdout.readline().strip()
+        group = start(run, text_file, "--nproc", "1", "--max-restarts", "1",
+                      extra=["parallel.fault_tolerance=replica", f"parallel.lighthouse={address}", "train.steps=5000",
+                             "parallel.replica_start_wait_s=0", "train.checkpoint_interval=5"])
+        deadline = time.time() + 120
+        while group.poll() is None and time.time() < deadline and last_step(run, 0) < 12:
+            time.sleep(0.1)
+        assert last_step(run, 0) >= 12, "the group never reached step 12"
+        lighthouse.kill()
+        code = group.wait(timeout=180)
+        _, err = group.communicate()
+    finally:
+        kill_all(lighthouse)
+        if group is not None:
+            kill_all(group)
+    assert code != 0
+    last = err.strip().splitlines()[-1]
+    assert "lighthouse" in last and address in last, err[-3000:]
+    latest = run / "replica_0" / "checkpoints" / (run / "replica_0" / "checkpoints" / "latest").read_text().strip()
+    verify_checkpoint(latest)
+    print(f"\n{last}")

@@ -53,7 +53,7 @@ from meshlm.train.trainer import Trainer
 MAX_RETRIES = 20  # consecutive uncommitted steps before a group gives up (torchft raises)
 # The lighthouse `meshlm train --replica-groups` starts (`meshlm.replica_launch`): a new quorum waits this long for
 # groups still heartbeating to ask for it; a group silent this long (dead) is left out of the next one.
-JOIN_TIMEOUT_S = 20.0
+JOIN_TIMEOUT_S = 10.0
 HEARTBEAT_TIMEOUT_S = 3.0
 
 
