@@ -13,6 +13,8 @@
 Every process the test starts is a child of the test and is killed at the end whatever happens.
 """
 
+import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -28,7 +30,8 @@ import torch
 from dist import children, descendants
 from runs import SMALL_MODEL
 
-pytest.importorskip("torchft")
+# (not imported here: torchft's Rust logger reads RUST_LOG once, and `quiet_torchft` sets it before the first import)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft (extra ft)")
 
 SETTINGS = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4",
             "train.warmup_steps=1", "train.val_batches=0", "train.sample_tokens=0", "train.device=cpu",
@@ -49,13 +52,10 @@ def start(run_dir: Path, text_file: Path, *flags: str, extra=()) -> subprocess.P
 
 
 def kill_all(proc: subprocess.Popen) -> None:
-    for pid in reversed(descendants(proc.pid)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    """`proc`, its session and every process below it (a group's launcher, its ranks)."""
+    for pid in [*reversed(descendants(proc.pid)), -proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # (-pid: the session `start` gave it)
     proc.wait(timeout=30)
 
 

@@ -244,16 +244,9 @@ class ReplicaTrainer(Trainer):
         step if every rank of the group got through (else None, the data position put back)."""
         t, p = self.cfg.train, self.cfg.parallel
         start = time.perf_counter()
-        self.mesh.stats.reset()
         self.quorum()
         position = self.loader.state_dict()
-        micro_batches = self.loader.next_batch()
-        data_wait = time.perf_counter() - start
-        lr = lr_at(self.step, t)
-        set_lr(self.optimizer, lr)
-        self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = t.global_batch_size * t.seq_len
-        loss = float(self.sum_over_dp(self.forward_backward(micro_batches, num_tokens=num_tokens)))
+        data_wait, lr, num_tokens, loss = self.run_slice(start)
         members, loss = self.average_gradients(loss)
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
@@ -272,6 +265,20 @@ class ReplicaTrainer(Trainer):
             row["healed_at"], self.healed_at = self.healed_at, None
         return row
 
+    def run_slice(self, start: float) -> tuple[float, float, int, float]:
+        """This group's slice of the next global batch, forward and backward (losses over the whole batch's
+        tokens, reduced inside the group); (data wait, lr, the batch's tokens, this group's share of the loss)."""
+        t = self.cfg.train
+        self.mesh.stats.reset()
+        micro_batches = self.loader.next_batch()
+        data_wait = time.perf_counter() - start
+        lr = lr_at(self.step, t)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = t.global_batch_size * t.seq_len
+        return data_wait, lr, num_tokens, float(self.sum_over_dp(self.forward_backward(micro_batches,
+                                                                                    num_tokens=num_tokens)))
+
     def local_step(self) -> dict:
         """A semi-synchronous step: this group's slice alone (its gradients x N: the mean over its own tokens);
         every H-th step the optimizer's torchft hook synchronises the groups. Its row says which groups took part
@@ -280,14 +287,7 @@ class ReplicaTrainer(Trainer):
         if not self.joined:  # the groups start (or one rejoins) with a synchronisation
             self.quorum(sync=self.sync_now)
         start = time.perf_counter()
-        self.mesh.stats.reset()
-        micro_batches = self.loader.next_batch()
-        data_wait = time.perf_counter() - start
-        lr = lr_at(self.step, t)
-        set_lr(self.optimizer, lr)
-        self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = t.global_batch_size * t.seq_len
-        loss = float(self.sum_over_dp(self.forward_backward(micro_batches, num_tokens=num_tokens)))
+        data_wait, lr, num_tokens, loss = self.run_slice(start)
         for q in self.base_model.parameters():
             if q.grad is not None:
                 q.grad.mul_(p.replica_groups)
