@@ -305,3 +305,19 @@ def test_a_dead_lighthouse_stops_the_group_with_a_line_naming_it_and_its_checkpo
     latest = run / "replica_0" / "checkpoints" / (run / "replica_0" / "checkpoints" / "latest").read_text().strip()
     verify_checkpoint(latest)
     print(f"\n{last}")
+
+
+@pytest.mark.parametrize("layout, what", [(["parallel.pp=2"], "parallel.pp=2"), (["parallel.zero_stage=1"], "zero_stage=1"),
+                                          (["parallel.dp_replicate=2"], "dp_replicate=2"),
+                                          (["parallel.cp=2"], "parallel.cp=2")])
+def test_layouts_a_replica_group_does_not_run_are_refused_in_one_line(text_file, layout, what):
+    from meshlm.config import load_config
+    from meshlm.parallel.parallelize import check_layout
+
+    cfg = load_config(overrides=[*SETTINGS, f"data.path={text_file}", "parallel.fault_tolerance=replica",
+                                 "parallel.replica_groups=2", *layout])
+    with pytest.raises(ValueError, match="runs plain data parallelism and tp inside a replica group") as e:
+        check_layout(cfg, 2)
+    assert what in str(e.value) and "\n" not in str(e.value)
+    check_layout(load_config(overrides=[*SETTINGS, f"data.path={text_file}", "parallel.fault_tolerance=replica",
+                                        "parallel.replica_groups=2", "parallel.tp=2"]), 2)  # tp2: runs

@@ -405,6 +405,13 @@ class ReplicaTrainer(Trainer):
             offset += q.numel()
         return members, loss * scale
 
+    def announce(self, logger) -> None:
+        super().announce(logger)
+        p = self.cfg.parallel
+        how = "every step" if p.replica_sync_every == 1 else f"every {p.replica_sync_every} steps ({p.replica_outer})"
+        logger.print(f"meshlm: replica group {p.replica_group} of {p.replica_groups} (torchft, lighthouse "
+                     f"{p.lighthouse}), synchronised {how}")
+
     # -- validation over the whole validation set, inside the group -----------------------------------------
     def evaluate(self) -> float:
         outer = (self.dp_rank, self.dp_size, self.micro_batch_size)
