@@ -7,7 +7,7 @@
     checkpoint  the checkpoint format, which training and serving both read
     data        corpora read in memory or prepared into token shards, and the loaders over them
     train | infer   side by side: neither imports the other
-    tools       verify evaluate convert launch
+    tools       verify evaluate convert launch replica_launch
     planner     torch-free apart from `planner.calibrate`, which measures this machine
     cli         every command-line entry point
 
@@ -33,7 +33,7 @@ LAYERS = [
     ("checkpoint", {"checkpoint"}),
     ("data", {"data"}),
     ("train | infer", {"train", "infer"}),
-    ("tools", {"verify", "evaluate", "convert", "launch"}),
+    ("tools", {"verify", "evaluate", "convert", "launch", "replica_launch"}),
     ("planner", {"planner"}),
     ("cli", {"cli"}),
 ]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.dims import ParallelDims
-from meshlm.rules import CP_METHODS, PP_SCHEDULES, RECOMPUTE_MODES, ZERO_STAGES
+from meshlm.rules import CP_METHODS, FAULT_TOLERANCE, PP_SCHEDULES, RECOMPUTE_MODES, REPLICA_OUTER, ZERO_STAGES
 
 
 class ConfigError(ValueError):
@@ -239,6 +239,24 @@ class ParallelConfig(ParallelDims):
     # warning line. metrics.jsonl carries every step's arrival_spread_s and slowest_rank. 0: no warning
     straggler_factor: float = 2.0
     straggler_steps: int = 5
+    # none | replica: the data-parallel replicas are torchft replica groups (`meshlm.train.replica`), each its own
+    # launcher job (`meshlm train --replica-groups N` starts them all here): a group that fails drops out of the
+    # per-step quorum while the others step on, and rejoins by copying the model and optimizer from a live group.
+    # Inside a group: plain data parallelism (dp_shard, zero_stage 0) and tp; dp_replicate stays 1
+    fault_tolerance: str = "none"
+    replica_groups: int = 1  # N: each global batch is cut into N slices, one per group (an absent group's is skipped)
+    replica_group: int = 0  # this job's group, 0..N-1 (`--replica-groups` sets it); its run_dir is run_dir/replica_<i>
+    lighthouse: str = ""  # the torchft lighthouse, http://HOST:PORT (`--replica-groups` starts one and sets it)
+    min_replica_groups: int = 1  # a step commits only with at least this many groups in its quorum
+    replica_start_wait_s: float = 60.0  # a group's first quorum waits this long for all N groups to join it
+    # 1: gradients averaged over the live groups every step; H > 1: semi-synchronous (slow links between groups):
+    # each group steps on its own slice and every H steps the groups synchronise (a quorum, then replica_outer)
+    replica_sync_every: int = 1
+    # with replica_sync_every > 1: average (torchft's LocalSGD: the weights averaged) | diloco (torchft's DiLoCo: the
+    # moves since the last sync averaged, applied by an outer SGD with Nesterov momentum)
+    replica_outer: str = "average"
+    replica_outer_lr: float = 0.7  # DiLoCo's outer learning rate (the paper's 0.7)
+    replica_outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum (the paper's 0.9)
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_chunks", "cp_ulysses"):
@@ -268,6 +286,19 @@ class ParallelConfig(ParallelDims):
                  self.straggler_factor, "must be > 1 (times the median rank's time), or 0 for no warning")
         _require(self.straggler_steps >= 1, "parallel.straggler_steps", self.straggler_steps,
                  "must be >= 1 (consecutive steps before a rank is named)")
+        _require(self.fault_tolerance in FAULT_TOLERANCE, "parallel.fault_tolerance", self.fault_tolerance,
+                 f"must be one of {list(FAULT_TOLERANCE)}")
+        _require(self.replica_outer in REPLICA_OUTER, "parallel.replica_outer", self.replica_outer,
+                 f"must be one of {list(REPLICA_OUTER)}")
+        _require(self.replica_outer_lr > 0, "parallel.replica_outer_lr", self.replica_outer_lr, "must be > 0")
+        _require(0 <= self.replica_outer_momentum < 1, "parallel.replica_outer_momentum", self.replica_outer_momentum,
+                 "must be in [0, 1)")
+        for name in ("replica_groups", "min_replica_groups", "replica_sync_every"):
+            _require(getattr(self, name) >= 1, f"parallel.{name}", getattr(self, name), "must be >= 1")
+        _require(self.replica_start_wait_s >= 0, "parallel.replica_start_wait_s", self.replica_start_wait_s,
+                 "must be >= 0 seconds")
+        _require(0 <= self.replica_group < self.replica_groups, "parallel.replica_group", self.replica_group,
+                 f"must be in 0..parallel.replica_groups-1={self.replica_groups - 1}")
 
 
 @dataclass

@@ -25,6 +25,10 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 CP_METHODS = ("ring", "allgather", "ulysses")
 RECOMPUTE_MODES = ("none", "selective", "full")  # `meshlm.parallel.recompute`
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism (`meshlm.parallel.data`); 1-3: `meshlm.parallel.zero`
+# none | replica: torchft replica groups over the data-parallel replicas (`meshlm.train.replica`)
+FAULT_TOLERANCE = ("none", "replica")
+# what replica groups do every parallel.replica_sync_every > 1 steps: torchft's LocalSGD (average) or DiLoCo
+REPLICA_OUTER = ("average", "diloco")
 
 
 def _choices(n: int, start: int = 1) -> str:
@@ -219,3 +223,25 @@ def check_layout_numbers(model, *, dp_replicate: int, dp_shard: int, tp: int, pp
     elif pp_chunks > 1 and pp_schedule != "interleaved":
         raise ValueError(f"pp_chunks={pp_chunks} needs pp_schedule='interleaved' (or set pp_chunks=1)")
     return m
+
+
+def check_replica_groups(model, *, replica_groups: int, dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int,
+                         ep: int, zero_stage: int, global_batch_size: int, micro_batch_size: int) -> None:
+    """Raise ValueError (one line) for a layout inside a torchft replica group that `meshlm.train.replica` does
+    not run: it averages whole per-rank gradients over the groups, so a group may hold plain data parallelism
+    and tp, nothing that shards gradients or optimizer state over data ranks or splits the step into stages;
+    and the global batch must cut into the groups' slices."""
+    refused = [(dp_replicate > 1, f"parallel.dp_replicate={dp_replicate}: the replica groups are the replicas; "
+                                  "set dp_replicate=1 and the number of groups with --replica-groups N"),
+               (pp > 1, f"parallel.pp={pp}"), (cp > 1, f"parallel.cp={cp}"), (ep > 1, f"parallel.ep={ep}"),
+               (getattr(model, "is_moe", False), "a mixture-of-experts model"),
+               (zero_stage > 0, f"parallel.zero_stage={zero_stage}")]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"parallel.fault_tolerance=replica runs plain data parallelism and tp inside a replica "
+                             f"group, not {what}")
+    ranks = replica_groups * dp_shard
+    if global_batch_size % ranks or (global_batch_size // ranks) % micro_batch_size:
+        raise ValueError(f"train.global_batch_size={global_batch_size} must split into {replica_groups} replica "
+                         f"group(s) x {dp_shard} data rank(s) x micro-batches of {micro_batch_size}; "
+                         f"use a multiple of {ranks * micro_batch_size}")

@@ -35,6 +35,10 @@ def add_parser(sub) -> None:
     launch.add_argument("--max-restarts", type=int, default=0, metavar="R",
                         help="when a rank dies, restart all ranks up to R times; they resume from the newest "
                              "complete checkpoint of the run by themselves (default 0: the run fails)")
+    launch.add_argument("--replica-groups", type=int, default=0, metavar="N",
+                        help="fault tolerance on torchft: N replica groups of --nproc ranks, each its own launcher "
+                             "job (restarted alone, --max-restarts), and a lighthouse for their per-step quorum; a "
+                             "failed group drops out while the others step on, and rejoins from a live one")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="nodes taking part; each runs this command once (default 1)")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
@@ -66,6 +70,18 @@ def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_trackers(tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb)  # before any rank or work
     under_launcher = launched_ranks()  # torchrun, or one task of a multi-task srun step
+    if args.replica_groups:
+        if under_launcher:
+            raise ValueError("--replica-groups starts its own launchers; drop it under torchrun/srun")
+        from meshlm.replica_launch import launch_replica_groups
+
+        return launch_replica_groups(args, cfg)
+    if cfg.parallel.fault_tolerance != "none":  # one torchft replica group: its own run_dir, a lighthouse to reach
+        from meshlm.train.replica import check_lighthouse, replica_group_config
+
+        cfg = replica_group_config(cfg)
+        if not under_launcher:
+            check_lighthouse(cfg.parallel.lighthouse)
     emulating = args.emulate_nodes or args.inter_node_bw or args.inter_node_latency
     if emulating and args.nproc is None:
         raise ValueError("--emulate-nodes/--inter-node-bw/--inter-node-latency need --nproc N (ranks per node)")
@@ -114,6 +130,8 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
     from meshlm.train.setup import resolve_device
     from meshlm.train.trainer import Trainer
 
+    if cfg.parallel.fault_tolerance != "none":
+        from meshlm.train.replica import ReplicaTrainer as Trainer
     if distributed:
         exit_with_parent()  # a killed launcher takes its ranks with it (no orphans training on)
         init_distributed(resolve_device(cfg.train.device).type, timeout_s=cfg.parallel.collective_timeout_s)

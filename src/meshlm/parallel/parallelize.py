@@ -43,7 +43,7 @@ from meshlm.parallel.recompute import apply_recompute
 from meshlm.parallel.tied import TiedEmbedding, counted, tied_embedding_mesh
 from meshlm.parallel.tensor import apply_tensor_parallel, sum_moe_grads_over_tp, tensor_parallel_grad_norm
 from meshlm.parallel.zero import ZeroGroup, ZeroSharding, apply_zero
-from meshlm.rules import check_expert_parallel, check_layout_numbers, check_tensor_parallel
+from meshlm.rules import check_expert_parallel, check_layout_numbers, check_replica_groups, check_tensor_parallel
 
 # Set on a model by `parallelize`: a second application would stack hooks and reduce twice.
 _MARK = "_meshlm_parallelized"
@@ -66,6 +66,11 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
                          micro_batch_size=t.micro_batch_size, num_microbatches=p.num_microbatches)
     if dims.pp > 1:
         pp_layers(p, cfg.model, seq_len=t.seq_len)  # raises for counts that do not fit (a runtime-only setting)
+    if p.fault_tolerance != "none":  # torchft replica groups (`meshlm.train.replica`): the layouts inside one
+        check_replica_groups(cfg.model, replica_groups=p.replica_groups, dp_replicate=dims.dp_replicate,
+                             dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep,
+                             zero_stage=p.zero_stage, global_batch_size=t.global_batch_size,
+                             micro_batch_size=micro_batch_size(cfg, dims.dp * p.replica_groups))
     return dims
 
 

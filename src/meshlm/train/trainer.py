@@ -332,15 +332,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = t.global_batch_size * t.seq_len  # packing: no padding, every target counts
-        loss = torch.zeros((), dtype=self.dtype, device=self.device)
-        if self.parallel.pipeline is not None:
-            loss += self.pipeline_step(micro_batches, num_tokens=num_tokens)
-            micro_batches = []  # the pipeline ran them all
-        for i, batch in enumerate(micro_batches):  # (inputs, targets[, documents])
-            final = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if final else self.parallel.no_sync():
-                loss += self.micro_step(*batch, num_tokens=num_tokens,
-                                        num_micro_batches=len(micro_batches) * self.dp_size)
+        loss = self.forward_backward(micro_batches, num_tokens=num_tokens)
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
         self.optimizer.step()
@@ -352,8 +344,27 @@ class Trainer:
         comm_stats = self.mesh.stats.summary()
         # Each rank holds the sum over its slice of (token losses / global tokens): the sum over
         # ranks is the global mean.
-        loss_value = float(self.sum_over_dp(loss))
-        row = step_row(step=self.step, loss=loss_value, lr=lr, grad_norm=float(grad_norm), num_tokens=num_tokens,
+        return self.metrics_row(float(self.sum_over_dp(loss)), lr=lr, grad_norm=float(grad_norm),
+                                num_tokens=num_tokens, start=start, data_wait=data_wait, comm_stats=comm_stats)
+
+    def forward_backward(self, micro_batches, *, num_tokens: int) -> torch.Tensor:
+        """Forward + backward of this rank's micro-batches of a step (accumulated, reduced over data parallelism
+        once); returns this rank's share of the mean loss over `num_tokens`."""
+        loss = torch.zeros((), dtype=self.dtype, device=self.device)
+        if self.parallel.pipeline is not None:
+            loss += self.pipeline_step(micro_batches, num_tokens=num_tokens)
+            micro_batches = []  # the pipeline ran them all
+        for i, batch in enumerate(micro_batches):  # (inputs, targets[, documents])
+            final = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if final else self.parallel.no_sync():
+                loss += self.micro_step(*batch, num_tokens=num_tokens,
+                                        num_micro_batches=len(micro_batches) * self.dp_size)
+        return loss
+
+    def metrics_row(self, loss: float, *, lr: float, grad_norm: float, num_tokens: int, start: float,
+                    data_wait: float, comm_stats) -> dict:
+        """The metrics row of the step just taken (`loss`: the global mean, already reduced)."""
+        row = step_row(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, num_tokens=num_tokens,
                        step_time=time.perf_counter() - start, flops_per_token=self.flops_per_token,
                        peak_tflops=self.peak_tflops, world_size=self.world_size, device=self.device,
                        activation_mib=self.activation_mib, comm_stats=comm_stats, data_wait=data_wait)
