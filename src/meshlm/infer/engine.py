@@ -96,7 +96,7 @@ class Engine:
                                    enable_chunked_prefill=enable_chunked_prefill)
         self.sampler = Sampler(seed=seed)
         self.speculative = SpeculativeConfig.of(speculative)
-        self.proposer = self._proposer(draft_model, block_size=self.runner.block_size)
+        self.proposer = self._proposer(draft_model, seed=seed)
         self.spec_stats = SpecStats()
         self.requests: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
@@ -109,7 +109,7 @@ class Engine:
         self.seconds = {"schedule": 0.0, "model": 0.0, "sampling": 0.0}
         self.finish_reasons: Counter[str] = Counter()  # "stop" | "length" | "abort" | "error" -> requests
 
-    def _proposer(self, draft_model: Transformer | None, *, block_size: int):
+    def _proposer(self, draft_model: Transformer | None, *, seed: int):
         spec = self.speculative
         if spec is None:
             if draft_model is not None:
@@ -123,7 +123,10 @@ class Engine:
                              "draft_model= (LLM loads it from the config's path)")
         from meshlm.infer.draft import DraftProposer
 
-        return DraftProposer(draft_model, self.model, spec, block_size=block_size, max_model_len=self.max_model_len)
+        # as many blocks as the model's cache, and room for every running sequence's proposals
+        bm, k = self.block_manager, spec.num_speculative_tokens
+        return DraftProposer(draft_model, self.model, spec, block_size=bm.block_size, seed=seed,
+                             num_blocks=bm.num_blocks + self.scheduler.max_num_seqs * (bm.blocks_needed(k) + 1))
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -391,7 +394,7 @@ class Engine:
             "num_steps": self.num_steps, "finish_reasons": dict(self.finish_reasons),
             # speculative decoding (zeros without it; tokens_per_target_forward is 1.0 then, once tokens came)
             "speculative": self.speculative.method if self.speculative is not None else None,
-            **self.spec_stats.as_dict(),
+            **self.spec_stats.as_dict(getattr(self.proposer, "num_forwards", 0)),
             # several ranks: the blocks each cp rank holds (tp ranks hold the same blocks, each its heads),
             # and what every mesh axis moved (rank 0's view)
             "kv_blocks_used_per_rank": bm.used_blocks_per_group(),

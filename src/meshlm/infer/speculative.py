@@ -76,12 +76,12 @@ class SpecStats:
     accepted: int = 0  # of them, accepted
     emitted: int = 0  # tokens emitted by forwards that sampled (accepted proposals + one from the target each)
     forwards: int = 0  # (sequence, target forward) pairs that emitted tokens
-    draft_forwards: int = 0  # forwards of the draft model (method "draft")
 
-    def as_dict(self) -> dict:
+    def as_dict(self, draft_forwards: int = 0) -> dict:
+        """The engine's `stats()` entries; `draft_forwards`: batched forwards of the draft model (method "draft")."""
         return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted,
                 "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-                "spec_draft_forwards": self.draft_forwards,
+                "spec_draft_forwards": draft_forwards,
                 "tokens_per_target_forward": self.emitted / self.forwards if self.forwards else 0.0}
 
 
