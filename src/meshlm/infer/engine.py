@@ -401,4 +401,6 @@ class Engine:
             "kv_blocks_free_per_rank": [len(f) for f in bm.free_lists],
             "comm": {axis: {"calls": o.calls, "bytes": o.bytes, "seconds": o.seconds}
                      for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
+            "comm_calls_per_token": {axis: o.calls / max(self.num_generated_tokens, 1)
+                                     for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
         }

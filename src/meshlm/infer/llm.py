@@ -63,7 +63,8 @@ def load_draft_model(path: str | Path, target: Transformer, tokenizer: Tokenizer
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft model {str(path)!r} has a vocabulary of {draft.config.vocab_size} tokens, the "
                          f"model {target.config.vocab_size}; give a draft model with the model's tokenizer")
-    if tokenizer is not None and draft_tok is not None and tokenizer_identity(draft_tok) != tokenizer_identity(tokenizer):
+    same = tokenizer is None or draft_tok is None or tokenizer_identity(draft_tok) == tokenizer_identity(tokenizer)
+    if not same:
         raise ValueError(f"the draft model {str(path)!r} has another tokenizer than the model (the same ids are "
                          "other text); give a draft model trained with the model's tokenizer")
     return draft
