@@ -336,3 +336,23 @@ def test_server_metrics_and_per_request_400(tmp_path):
         assert value["meshlm_spec_tokens_per_target_forward"] >= 1
     finally:
         engine.stop()
+
+
+def test_a_stop_string_ends_the_tokens_where_plain_decoding_ends_them():
+    """Several tokens emitted in one step: those after the one completing a stop string are dropped."""
+    from test_engine import _LetterTokenizer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      max_seq_len=128, init_std=0.2)
+    model = build_model(cfg, seed=0)
+    prompt = [3, 4, 5, 6] * 3
+    full = Engine(model, _LetterTokenizer(), block_size=4).generate([prompt], SamplingParams(
+        temperature=0, max_tokens=40))[0]
+    engine = Engine(model, _LetterTokenizer(), block_size=4, speculative=dict(num_speculative_tokens=4))
+    for cut in (5, 17, 30):
+        params = SamplingParams(temperature=0, max_tokens=40, stop=[full.text[cut - 3:cut]], logprobs=1)
+        want = Engine(model, _LetterTokenizer(), block_size=4).generate([prompt], params)[0]
+        got = engine.generate([prompt], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
+        assert len(got.logprobs) == len(got.token_ids)
+    assert engine.stats()["spec_accepted_tokens"] > 0

@@ -327,21 +327,36 @@ class Engine:
 
     def _check_stop_strings(self, seq: Sequence) -> None:
         state = self._detok[seq.request_id]
-        before = len(state.text)
+        before, offsets = len(state.text), (state.prefix_offset, state.read_offset)
         self._advance_text(seq)
         stops = seq.params.stop
         if not stops or self.tokenizer is None or state.stopped or len(state.text) == before:
             return
         # Only the new piece, and the characters before it a stop string could start in, can hold a match.
         start = max(0, before - max(map(len, stops)) + 1)
-        hits = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((state.text.find(s, start), s) for s in stops) if i >= 0]
         if hits:
-            state.text = state.text[:min(hits)]
+            cut = min(hits)
+            self._drop_tokens_past(seq, state.text[:before], offsets, cut[1])
+            state.text = state.text[:cut[0]]
             state.stopped = True
             if seq.is_finished:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
+
+    def _drop_tokens_past(self, seq: Sequence, text: str, offsets: tuple[int, int], end: int) -> None:
+        """A step that emitted several tokens (speculative decoding) keeps only those up to the one that completes
+        the text's first `end` characters (a stop string), as decoding one token a step would have stopped."""
+        state = self._detok[seq.request_id]
+        ids = seq.output_token_ids
+        prefix_offset, read_offset = offsets
+        prefix = self.tokenizer.decode(ids[prefix_offset:read_offset])
+        for keep in range(state.num_tokens + 1, len(ids)):
+            if len(text) + len(self.tokenizer.decode(ids[prefix_offset:keep])) - len(prefix) >= end:
+                del ids[keep:]
+                del seq.output_logprobs[keep:]
+                return
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._detok[seq.request_id]
