@@ -132,6 +132,11 @@ def serve_here(args) -> int:
         server, engine = build_server(args, llm)
         print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
         print(kv_banner(llm.engine.stats(), block_size=args.block_size, tp=args.tp, cp=args.cp), flush=True)
+        spec = llm.engine.speculative
+        if spec is not None:
+            by = f"the draft model {spec.model}" if spec.method == "draft" else f"n-gram lookup (n from {spec.ngram[1]} down to {spec.ngram[0]})"
+            print(f"meshlm serve: speculative decoding: {spec.num_speculative_tokens} tokens a step proposed by {by}",
+                  flush=True)
         try:
             server.run()
         finally:

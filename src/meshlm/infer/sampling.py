@@ -78,14 +78,10 @@ class Sampler:
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
 
-    def __call__(self, logits_nv: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None] | Exception]:
-        """(token, logprobs or None) per row, or the exception sampling that row raised: one request's
-        failure is that request's alone (the engine aborts it), never the batch's."""
-        return [r if isinstance(r, Exception) else r[0] for r in self.emit(logits_nv, seqs, [[] for _ in seqs])]
-
     def emit(self, logits_nv: torch.Tensor, seqs: list[Sequence],
              proposals: list[list[int]], draft_probs: list | None = None) -> list[Emitted | Exception]:
-        """Each sequence's emitted tokens [(token, logprobs or None), ...], or the exception that raised. Sequence
+        """Each sequence's emitted tokens [(token, logprobs or None), ...], or the exception sampling it raised: one
+        request's failure is that request's alone (the engine aborts it), never the batch's. Sequence
         i has 1 + len(proposals[i]) consecutive rows of `logits_nv`: it keeps the proposals the target accepts
         and one token of the target's (`verify_proposals`; greedy: `accept_greedy`). `draft_probs[i]`: the
         proposer's distributions [k, vocab] of sequence i's proposals (None: point masses)."""

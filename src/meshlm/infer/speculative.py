@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 METHODS = ("ngram", "draft")
 
 
@@ -87,27 +85,46 @@ class SpecStats:
 
 class NgramProposer:
     """Prompt lookup: a sequence's last n tokens searched for in all its earlier tokens; the tokens that
-    followed their latest earlier occurrence are the proposal (nothing when no n in [min, max] matches)."""
+    followed their latest earlier occurrence are the proposal (nothing when no n in [min, max] matches).
+
+    Each sequence keeps an index of its n-grams (n in [min, max]) by where their latest occurrence ends,
+    extended by the tokens added since its last step: a lookup costs a few dictionary reads, not a scan of the
+    context. A sequence's tokens only ever grow (a preempted one is recomputed, not changed), so the index
+    stays valid until `release`."""
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.ngram
+        self.indexes: dict[int, tuple[int, dict[tuple[int, ...], int]]] = {}  # seq_id -> (indexed up to, index)
 
     def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
         """Up to ks[i] tokens to follow each sequence (`Sequence`s: their prompt and output tokens)."""
-        return [self.lookup(seq.token_ids, k) for seq, k in zip(seqs, ks)]
+        out = []
+        for seq, k in zip(seqs, ks):
+            tokens = seq.token_ids
+            done, index = self.indexes.get(seq.seq_id, (0, {}))
+            self.indexes[seq.seq_id] = self._extend(index, tokens, done)
+            out.append(self._continuation(index, tokens, k))
+        return out
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to `k` tokens to follow `token_ids`."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # windows that start at i and end before the last token: a continuation follows each
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
+        """Up to `k` tokens to follow `token_ids` (no index kept)."""
+        index: dict[tuple[int, ...], int] = {}
+        self._extend(index, list(token_ids), 0)
+        return self._continuation(index, list(token_ids), k)
+
+    def _extend(self, index: dict, tokens: list[int], done: int) -> tuple[int, dict]:
+        """Index the n-grams that end (exclusive) at done + 1 .. len - 1: every one a continuation follows."""
+        for end in range(done + 1, len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                index[tuple(tokens[end - n:end])] = end
+        return max(done, len(tokens) - 1), index
+
+    def _continuation(self, index: dict, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = index.get(tuple(tokens[len(tokens) - n:]))
+            if end is not None:
+                return tokens[end:end + k]
         return []
 
-    def release(self, seq) -> None:  # no state per sequence
-        pass
+    def release(self, seq) -> None:
+        self.indexes.pop(seq.seq_id, None)
