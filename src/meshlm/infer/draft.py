@@ -5,8 +5,8 @@ a shadow `Sequence` in a paged KV cache of its own (its own `ModelRunner` and `B
 for both), brings the shadow up to the target's tokens (its cache stays valid up to the first token that
 differs -- accepted proposals are not recomputed, rejected ones are overwritten), then runs k batched forwards
 of every proposing sequence at once, drawing each proposal from the draft's distribution under the request's
-own temperature / top-k / top-p (greedy requests: the argmax). Those distributions (`draft_probs`) are what
-verification's rejection rule divides by.
+own temperature / top-k / top-p (greedy requests: the argmax, verified greedily). Those distributions
+(`draft_probs`) are what verification's rejection rule divides by.
 Not responsible for: verifying (sampling.py), loading the draft or checking its tokenizer (llm.py), scheduling
 the target (scheduler.py).
 """
@@ -49,7 +49,8 @@ class DraftProposer:
         self.probs.pop(seq.seq_id, None)
         self.generators.pop(seq.seq_id, None)
 
-    def draft_probs(self, seq: Sequence) -> torch.Tensor:
+    def draft_probs(self, seq: Sequence) -> torch.Tensor | None:
+        """The distributions [k, vocab] the last proposals were drawn from (None for a greedy request)."""
         return self.probs[seq.seq_id]
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
@@ -62,16 +63,21 @@ class DraftProposer:
             batch = [seq for seq, k in live if k > r]
             shadows = [self.shadows[seq.seq_id] for seq in batch]
             out = SchedulerOutput([ScheduledSequence(s, s.num_tokens - s.num_computed_tokens) for s in shadows])
-            logits = self.runner.execute(StepInput.from_schedule(out, self.runner.block_size)).float().cpu()
+            logits = self.runner.execute(StepInput.from_schedule(out, self.runner.block_size))
             self.num_forwards += 1
+            greedy = logits.argmax(dim=-1).tolist()
+            logits = logits.float().cpu() if any(seq.params.temperature >= MIN_TEMPERATURE for seq in batch) else None
             for row, (seq, shadow) in enumerate(zip(batch, shadows)):
                 shadow.num_computed_tokens = shadow.num_tokens
-                token, p = self._draw(logits[row:row + 1], seq)
+                if seq.params.temperature < MIN_TEMPERATURE:  # verified greedily: no distribution needed
+                    token = greedy[row]
+                else:
+                    token, p = self._draw(logits[row:row + 1], seq)
+                    probs[seq.seq_id].append(p)
                 shadow.prompt_token_ids.append(token)
                 tokens[seq.seq_id].append(token)
-                probs[seq.seq_id].append(p)
         for seq_id, rows in probs.items():
-            self.probs[seq_id] = torch.cat(rows)
+            self.probs[seq_id] = torch.cat(rows) if rows else None
         return [tokens[seq.seq_id] for seq in seqs]
 
     def _sync(self, seq: Sequence, k: int) -> bool:
@@ -99,11 +105,8 @@ class DraftProposer:
         return True
 
     def _draw(self, logits_1v: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor]:
-        """A proposal and the distribution it was drawn from ([1, vocab]; one-hot for a greedy request)."""
+        """A proposal of a sampling request and the distribution it was drawn from, [1, vocab]."""
         p = seq.params
-        if p.temperature < MIN_TEMPERATURE:
-            token = int(logits_1v.argmax())
-            return token, torch.nn.functional.one_hot(torch.tensor([token]), logits_1v.shape[-1]).float()
         probs = sampling_probs(logits_1v, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
         gen = self.default_generator
         if p.seed is not None:

@@ -253,8 +253,9 @@ class Engine:
         seqs = [item.seq for item in rows]
         proposals = [seq.spec_token_ids for seq in seqs]
         drafts = getattr(self.proposer, "draft_probs", None)
-        drafts = [drafts(seq)[:len(seq.spec_token_ids)] if seq.spec_token_ids else None for seq in seqs] \
-            if drafts is not None else None
+        if drafts is not None:  # the draft's distributions of what it proposed (None: greedy, or no proposals)
+            drafts = [drafts(seq) if seq.spec_token_ids else None for seq in seqs]
+            drafts = [None if d is None else d[:len(seq.spec_token_ids)] for seq, d in zip(seqs, drafts)]
         sampled = {}
         for seq, props, result in zip(seqs, proposals, self.sampler.emit(logits, seqs, proposals, drafts)):
             if isinstance(result, Exception):
