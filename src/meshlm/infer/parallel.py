@@ -296,8 +296,16 @@ class ContextParallelAttention:
                                                  None if int(c[0]) == width else c[:, None].to(device)))
                 offsets[src] += len(k_pos)
 
-        # Decode queries: split-KV. A decode's query is all-gathered; every rank attends it over its own blocks
-        # of that sequence, up to the query's position.
+        self._plan_decodes(step, (rows, decode, lengths), owners, where, block_size=block_size,
+                           num_kv=num_kv, num_blocks=num_blocks, native=native)
+
+    def _plan_decodes(self, step: StepInput, decodes: tuple[list[int], list[int], list[int]], owners: list[int],
+                      where: dict[int, int], *, block_size: int, num_kv: int, num_blocks: int, native: bool) -> None:
+        """Decode queries (`StepInput.decode_rows`): split-KV. A decode's query is all-gathered; every rank attends
+        it over its own blocks of that sequence, up to the query's position. `owners`: each row's rank; `where`:
+        this rank's rows' local indices."""
+        rows, decode, lengths = decodes
+        cp, me, device = self.cp, self.me, self.k_caches[0].device
         self.num_decode = len(rows)
         self.decode_of = [[d for d, row in enumerate(rows) if owners[row] == r] for r in range(cp)]
         self.decode_mine = torch.tensor(self.decode_of[me], dtype=torch.long, device=device)
@@ -312,7 +320,7 @@ class ContextParallelAttention:
             counts.append([min(block_size, length - j * block_size) for j, _ in mine])
         self.decode_batch = DecodeBatch(torch.arange(len(rows), device=device), blocks, counts,
                                         block_size=block_size, num_kv=num_kv, num_blocks=num_blocks,
-                                        dtype=cdt, native=native) if rows else None
+                                        dtype=self.cdt, native=native) if rows else None
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
