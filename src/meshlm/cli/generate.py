@@ -25,6 +25,38 @@ def add_parser(sub) -> None:
     p.add_argument("--cp", type=int, default=1, metavar="M",
                    help="context-parallel ranks: every sequence's KV blocks spread over M ranks, so a context "
                         "M times one rank's cache is served (x --tp ranks in all; default 1)")
+    add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p) -> None:
+    """The speculative decoding flags of `meshlm generate` and `meshlm serve`."""
+    p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                   help="speculative decoding: 'ngram' proposes the tokens that followed the last n tokens' latest "
+                        "earlier occurrence (prompt lookup), 'draft' a smaller model (--speculative-model); one "
+                        "target forward verifies them, and the output is what the model alone gives")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="tokens proposed per sequence and step (default 4)")
+    p.add_argument("--ngram", type=int, nargs=2, default=(1, 4), metavar=("MIN", "MAX"),
+                   help="n-gram sizes looked up, the largest first (default 1 4)")
+    p.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help="the draft model of --speculative draft: a meshlm checkpoint or Hugging Face directory with "
+                        "the same tokenizer as the model")
+
+
+def speculative_config(args):
+    """The `SpeculativeConfig` of parsed arguments, or None (ValueError on a bad value, before any model loads)."""
+    from meshlm.infer.speculative import SpeculativeConfig
+
+    if args.speculative is None:
+        if args.speculative_model is not None:
+            raise ValueError("--speculative-model needs --speculative draft")
+        return None
+    if args.speculative == "draft" and args.speculative_model is None:
+        raise ValueError("--speculative draft needs --speculative-model DIR (a smaller model, same tokenizer)")
+    if args.num_speculative_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens={args.num_speculative_tokens} must be >= 1")
+    return SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                             ngram=tuple(args.ngram), model=args.speculative_model)
 
 
 def run(args) -> int:
@@ -33,6 +65,7 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    speculative_config(args)  # refused here, before any rank starts
     ranks = serving_ranks(args)
     if ranks > 1 and not launched_ranks():
         return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
@@ -49,7 +82,7 @@ def generate_here(args, params) -> int:
     """This rank's part: rank 0 generates and prints, the others run their part of each step."""
     from meshlm.infer.llm import LLM
 
-    llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp)
+    llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp, speculative=speculative_config(args))
     if llm.is_driver:
         try:
             _generate_and_print(llm, args, params)

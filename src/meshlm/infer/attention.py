@@ -86,16 +86,17 @@ class PagedAttention:
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
-        decode = [i for i, n in enumerate(step.query_lens) if n == 1]
+        # A sequence verifying k proposals is k + 1 decodes, each over the keys up to its position.
+        rows, decode, lengths = step.decode_rows()
         self.decode = DecodeBatch.of_sequences(
-            torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
-            [step.block_tables[i] for i in decode], [step.context_lens[i] for i in decode],
-            block_size=block_size, num_kv=num_kv, num_blocks=num_blocks, dtype=dtype, native=native) if decode else None
+            torch.tensor(rows, dtype=torch.long, device=device), [step.block_tables[i] for i in decode], lengths,
+            block_size=block_size, num_kv=num_kv, num_blocks=num_blocks, dtype=dtype, native=native) if rows else None
         # (first row, new tokens, context length, cache rows, additive causal mask: None for a chunk with
         # nothing cached before it)
         self.prefills = []
+        decoding = set(decode)
         for i, n in enumerate(step.query_lens):
-            if n == 1:
+            if i in decoding:
                 continue
             length = step.context_lens[i]
             # Query j sits at position (length - n) + j and sees the keys up to it.

@@ -169,6 +169,21 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.seq_id, None)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens' (the slots of rejected speculative tokens).
+
+        They hold no cached prefix (only blocks of computed tokens are registered, and those lie before
+        `num_tokens`), so they go to the front of their free list: reused before any block that does."""
+        assert num_tokens >= seq.num_computed_tokens
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            assert self.ref_counts[block] == 1 and block not in self.block_info
+            self.ref_counts[block] = 0
+            free = self.free_lists[block % self.num_groups]
+            free[block] = None
+            free.move_to_end(block, last=False)
+
     def unmatch(self, seq: Sequence) -> None:
         """Undo `match_prefix` for a sequence that could not be admitted after all (and its counters)."""
         self.num_queried_tokens -= seq.num_tokens

@@ -1,7 +1,8 @@
 """The inference engine: requests in, tokens and text out, one continuous-batching step at a time.
 
 Responsible for: validating requests against the context length and the cache, the step loop
-(schedule -> StepInput -> model -> sample -> update), incremental detokenization with stop strings,
+(propose -> schedule -> StepInput -> model -> sample/verify -> update; proposals only under speculative
+decoding, `infer/speculative.py`), incremental detokenization with stop strings,
 aborting requests, and the counters the server exports. A failure that belongs to one request (its
 sampling, or the model on its tokens alone) finishes that request with finish_reason "error" and the
 message in `RequestOutput.error`; the other requests of the step go on with the same tokens.
@@ -24,6 +25,7 @@ from meshlm.infer.parallel import build_runner
 from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingParams, Sequence
+from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
 from meshlm.tokenizer import Tokenizer
 from meshlm.models.transformer import Transformer
 
@@ -70,10 +72,13 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, runner=None,
-                 native_attention: bool = True):
+                 native_attention: bool = True, speculative=None, draft_model: Transformer | None = None):
         """`runner`: what runs each step on the model (default: `infer.parallel.build_runner`'s one-rank
         `ModelRunner` over `model` with the KV cache arguments and `native_attention`);
-        `infer.parallel.ParallelRunner` runs it on several ranks."""
+        `infer.parallel.ParallelRunner` runs it on several ranks. `speculative`: a
+        `infer.speculative.SpeculativeConfig` (or a dict of its fields) to decode speculatively; method "draft"
+        proposes with `draft_model` (loaded by the caller: `LLM` reads the config's path), on this process
+        with a paged cache of its own."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.config.max_seq_len
@@ -90,6 +95,9 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill)
         self.sampler = Sampler(seed=seed)
+        self.speculative = SpeculativeConfig.of(speculative)
+        self.proposer = self._proposer(draft_model, seed=seed)
+        self.spec_stats = SpecStats()
         self.requests: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
         self._next_id = 0
@@ -100,6 +108,25 @@ class Engine:
         # sampling. Detokenization and stop strings are what is left of a step.
         self.seconds = {"schedule": 0.0, "model": 0.0, "sampling": 0.0}
         self.finish_reasons: Counter[str] = Counter()  # "stop" | "length" | "abort" | "error" -> requests
+
+    def _proposer(self, draft_model: Transformer | None, *, seed: int):
+        spec = self.speculative
+        if spec is None:
+            if draft_model is not None:
+                raise ValueError("a draft model is given without speculative=SpeculativeConfig(method='draft', ...)")
+            return None
+        spec.check_context(self.max_model_len)
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        if draft_model is None:
+            raise ValueError(f"speculative method 'draft' needs the draft model {spec.model!r} loaded: pass "
+                             "draft_model= (LLM loads it from the config's path)")
+        from meshlm.infer.draft import DraftProposer
+
+        # as many blocks as the model's cache, and room for every running sequence's proposals
+        bm, k = self.block_manager, spec.num_speculative_tokens
+        return DraftProposer(draft_model, self.model, spec, block_size=bm.block_size, seed=seed,
+                             num_blocks=bm.num_blocks + self.scheduler.max_num_seqs * (bm.blocks_needed(k) + 1))
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -128,6 +155,11 @@ class Engine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+        k = params.num_speculative_tokens
+        if k is not None and (self.speculative is None or k > self.speculative.num_speculative_tokens):
+            most = "speculates on no token (start it with speculative=...)" if self.speculative is None else \
+                f"proposes at most {self.speculative.num_speculative_tokens} tokens a step"
+            raise ValueError(f"num_speculative_tokens={k} is more than this engine allows: it {most}")
         seq = Sequence(ids, params, request_id=request_id or "", eos_token_ids=self.eos_token_ids,
                        max_model_len=self.max_model_len)
         self.scheduler.check(seq)
@@ -154,6 +186,8 @@ class Engine:
         if seq is not None:
             self.scheduler.finish(seq, "abort")
             self.sampler.release(seq)
+            if self.proposer is not None:
+                self.proposer.release(seq)
             self._detok.pop(request_id, None)
             self.finish_reasons["abort"] += 1
 
@@ -165,6 +199,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that produced tokens or finished in it."""
         t0 = time.perf_counter()
+        self._propose()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -176,29 +211,65 @@ class Engine:
             logits = self.runner.execute(step)
             t0 = time.perf_counter()
             self.seconds["model"] += t0 - t1
-            rows = [item.seq for item in out.scheduled if item.samples]
+            rows = [item for item in out.scheduled if item.samples]
         except CollectiveError:  # a rank of a parallel runner is gone: no sequence of this step can run
             raise
         except Exception:  # noqa: BLE001 -- find whose tokens fail; the others must not pay for them
             logits, rows = self._execute_one_by_one(out, failed)
-        sampled: dict[int, tuple[int, dict | None]] = {}
-        sampling = []
         t0 = time.perf_counter()
-        results = self.sampler(logits, rows) if rows else []
+        sampled = self._sample(logits, rows, failed)
         t1 = time.perf_counter()
         self.seconds["sampling"] += t1 - t0
-        for seq, result in zip(rows, results):
-            if isinstance(result, Exception):
-                failed[seq] = result
-            else:
-                sampled[seq.seq_id] = result
-                sampling.append(seq)
         if failed:
             out.scheduled = [item for item in out.scheduled if item.seq not in failed]
+        sampling = [item.seq for item in rows if item.seq.seq_id in sampled]
+        before = sum(len(seq.output_token_ids) for seq in sampling)
         self.scheduler.update(out, sampled)
         self.seconds["schedule"] += time.perf_counter() - t1
         self.num_steps += 1
-        self.num_generated_tokens += len(sampling)
+        self.num_generated_tokens += sum(len(seq.output_token_ids) for seq in sampling) - before
+        return self._outputs(sampling, failed)
+
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for every running sequence that decodes (none for the others)."""
+        if self.proposer is None:
+            return
+        decoding, ks = [], []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            k = min(seq.params.num_speculative_tokens or self.speculative.num_speculative_tokens,
+                    seq.max_total_tokens - seq.num_tokens - 1)
+            if seq.num_computed_tokens == seq.num_tokens - 1 and k > 0:
+                decoding.append(seq)
+                ks.append(k)
+        if decoding:
+            for seq, tokens in zip(decoding, self.proposer.propose(decoding, ks)):
+                seq.spec_token_ids = list(tokens)
+
+    def _sample(self, logits, rows: list, failed: dict[Sequence, Exception]) -> dict[int, list]:
+        """Each sampling sequence's emitted tokens (`Sampler.emit`), by seq_id; failures go to `failed`."""
+        if not rows:
+            return {}
+        seqs = [item.seq for item in rows]
+        proposals = [seq.spec_token_ids for seq in seqs]
+        drafts = getattr(self.proposer, "draft_probs", None)
+        if drafts is not None:  # the draft's distributions of what it proposed (None: greedy, or no proposals)
+            drafts = [drafts(seq) if seq.spec_token_ids else None for seq in seqs]
+            drafts = [None if d is None else d[:len(seq.spec_token_ids)] for seq, d in zip(seqs, drafts)]
+        sampled = {}
+        for seq, props, result in zip(seqs, proposals, self.sampler.emit(logits, seqs, proposals, drafts)):
+            if isinstance(result, Exception):
+                failed[seq] = result
+                continue
+            sampled[seq.seq_id] = result
+            stats = self.spec_stats
+            stats.proposed += len(props)
+            stats.accepted += len(result) - 1
+            stats.emitted += len(result)
+            stats.forwards += 1
+        return sampled
+
+    def _outputs(self, sampling: list[Sequence], failed: dict[Sequence, Exception]) -> list[RequestOutput]:
         now = time.monotonic()
         results = []
         for seq in sampling:
@@ -224,6 +295,8 @@ class Engine:
         self.requests.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
         self.sampler.release(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def _execute_one_by_one(self, out: SchedulerOutput, failed: dict[Sequence, Exception]):
         """Re-run a failed step one sequence at a time; the sequences that fail alone go to `failed`.
@@ -238,7 +311,7 @@ class Engine:
                 failed[item.seq] = e
                 continue
             if item.samples:
-                rows.append(item.seq)
+                rows.append(item)
                 parts.append(logits)
         return (torch.cat(parts) if parts else None), rows
 
@@ -255,21 +328,36 @@ class Engine:
 
     def _check_stop_strings(self, seq: Sequence) -> None:
         state = self._detok[seq.request_id]
-        before = len(state.text)
+        before, offsets = len(state.text), (state.prefix_offset, state.read_offset)
         self._advance_text(seq)
         stops = seq.params.stop
         if not stops or self.tokenizer is None or state.stopped or len(state.text) == before:
             return
         # Only the new piece, and the characters before it a stop string could start in, can hold a match.
         start = max(0, before - max(map(len, stops)) + 1)
-        hits = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((state.text.find(s, start), s) for s in stops) if i >= 0]
         if hits:
-            state.text = state.text[:min(hits)]
+            cut = min(hits)
+            self._drop_tokens_past(seq, state.text[:before], offsets, cut[1])
+            state.text = state.text[:cut[0]]
             state.stopped = True
             if seq.is_finished:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
+
+    def _drop_tokens_past(self, seq: Sequence, text: str, offsets: tuple[int, int], end: int) -> None:
+        """A step that emitted several tokens (speculative decoding) keeps only those up to the one that completes
+        the text's first `end` characters (a stop string), as decoding one token a step would have stopped."""
+        state = self._detok[seq.request_id]
+        ids = seq.output_token_ids
+        prefix_offset, read_offset = offsets
+        prefix = self.tokenizer.decode(ids[prefix_offset:read_offset])
+        for keep in range(state.num_tokens + 1, len(ids)):
+            if len(text) + len(self.tokenizer.decode(ids[prefix_offset:keep])) - len(prefix) >= end:
+                del ids[keep:]
+                del seq.output_logprobs[keep:]
+                return
 
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self._detok[seq.request_id]
@@ -320,10 +408,15 @@ class Engine:
             "prefix_cache_queried_tokens": bm.num_queried_tokens, "prefix_cache_hit_tokens": bm.num_hit_tokens,
             "generated_tokens": self.num_generated_tokens, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps, "finish_reasons": dict(self.finish_reasons),
+            # speculative decoding (zeros without it; tokens_per_target_forward is 1.0 then, once tokens came)
+            "speculative": self.speculative.method if self.speculative is not None else None,
+            **self.spec_stats.as_dict(getattr(self.proposer, "num_forwards", 0)),
             # several ranks: the blocks each cp rank holds (tp ranks hold the same blocks, each its heads),
             # and what every mesh axis moved (rank 0's view)
             "kv_blocks_used_per_rank": bm.used_blocks_per_group(),
             "kv_blocks_free_per_rank": [len(f) for f in bm.free_lists],
             "comm": {axis: {"calls": o.calls, "bytes": o.bytes, "seconds": o.seconds}
                      for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
+            "comm_calls_per_token": {axis: o.calls / max(self.num_generated_tokens, 1)
+                                     for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
         }

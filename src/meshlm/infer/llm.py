@@ -18,6 +18,7 @@ from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.infer.parallel import RUNNER_ARGS, ParallelRunner, build_runner, run_worker
 from meshlm.host_memory import reuse_freed_host_memory
 from meshlm.infer.sequence import SamplingParams
+from meshlm.infer.speculative import SpeculativeConfig
 from meshlm.tokenizer import HFTokenizer, Tokenizer, read_eos_token_ids
 from meshlm.models.transformer import Transformer
 
@@ -54,13 +55,38 @@ def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1, stats=None
     return build_mesh(ParallelDims(tp=tp, cp=cp, dp_shard=1), device_type=torch.device(device).type, stats=stats)
 
 
+def load_draft_model(path: str | Path, target: Transformer, tokenizer: Tokenizer | None, *, dtype: torch.dtype,
+                     device: str | torch.device) -> Transformer:
+    """The draft model of speculative decoding: a meshlm checkpoint or Hugging Face directory whose vocabulary and
+    tokenizer are the target's (ValueError otherwise: its proposals would be other tokens)."""
+    draft, draft_tok = load_model_and_tokenizer(path, dtype=dtype, device=device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model {str(path)!r} has a vocabulary of {draft.config.vocab_size} tokens, the "
+                         f"model {target.config.vocab_size}; give a draft model with the model's tokenizer")
+    same = tokenizer is None or draft_tok is None or tokenizer_identity(draft_tok) == tokenizer_identity(tokenizer)
+    if not same:
+        raise ValueError(f"the draft model {str(path)!r} has another tokenizer than the model (the same ids are "
+                         "other text); give a draft model trained with the model's tokenizer")
+    return draft
+
+
+def tokenizer_identity(tok: Tokenizer):
+    """What must be equal for two tokenizers to give the same ids for the same text: the whole vocabulary."""
+    inner = getattr(tok, "tokenizer", None)
+    if inner is not None and hasattr(inner, "get_vocab"):
+        return sorted(inner.get_vocab(with_added_tokens=True).items())
+    return type(tok).__name__, getattr(tok, "vocab_size", None)
+
+
 class LLM:
     def __init__(self, model: str | Path | Transformer, *, tp: int = 1, cp: int = 1, tokenizer: Tokenizer | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device = "auto", reuse_host_memory: bool = True,
                  comm_stats=None, **engine_kwargs):
         """`engine_kwargs` go to `Engine`: block_size, num_blocks, kv_cache_memory_bytes, max_num_seqs,
         max_num_batched_tokens, max_model_len, enable_prefix_caching, enable_chunked_prefill, eos_token_ids, seed,
-        native_attention (decode attention by the compiled CPU kernel of `infer/native.py`; default True).
+        native_attention (decode attention by the compiled CPU kernel of `infer/native.py`; default True),
+        speculative (a `infer.speculative.SpeculativeConfig` or a dict of its fields: speculative decoding; with
+        method "draft" its `model` is loaded here, in `dtype` on `device`, and must share the tokenizer).
 
         `reuse_host_memory` (on a CPU device): raise glibc malloc's mmap and trim thresholds for this process,
         so that each step reuses the memory the previous one freed instead of faulting fresh pages in
@@ -89,6 +115,12 @@ class LLM:
                 engine_kwargs["eos_token_ids"] = read_eos_token_ids(model)
         self.model = net
         self.tokenizer = tok
+        # Checked on every rank before any of them waits for steps: a refusal on rank 0 alone would leave them waiting.
+        spec = engine_kwargs["speculative"] = SpeculativeConfig.of(engine_kwargs.get("speculative"))
+        if spec is not None:
+            spec.check_context(engine_kwargs.get("max_model_len") or net.config.max_seq_len)
+            if spec.method == "draft":
+                engine_kwargs["draft_model"] = load_draft_model(spec.model, net, tok, dtype=dtype, device=device)
         self.is_driver = True
         runner = build_runner(net, mesh, **{k: engine_kwargs.pop(k) for k in RUNNER_ARGS if k in engine_kwargs})
         if mesh is not None and mesh.rank != 0:

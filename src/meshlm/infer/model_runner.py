@@ -13,7 +13,7 @@ sampling (sampling.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,13 @@ class StepInput:
     context_lens: list[int]  # tokens per sequence after this step (cached + new)
     block_tables: list[list[int]]
     logits_indices: list[int]  # flat rows whose logits are wanted (each sampling sequence's last token)
+    # proposals per sequence (speculative decoding: the last of its new tokens; their rows' logits are wanted
+    # too); empty: none in the whole step
+    spec_lens: list[int] = field(default_factory=list)
 
     @classmethod
     def from_schedule(cls, out: SchedulerOutput, block_size: int) -> "StepInput":
-        step = cls([], [], [], [], [], [], [])
+        step = cls([], [], [], [], [], [], [], [])
         for item in out.scheduled:
             seq = item.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
@@ -50,9 +53,29 @@ class StepInput:
             step.query_lens.append(item.num_new_tokens)
             step.context_lens.append(end)
             step.block_tables.append(list(table))
+            step.spec_lens.append(item.num_spec_tokens)
             if item.samples:
-                step.logits_indices.append(len(step.token_ids) - 1)
+                last = len(step.token_ids)
+                step.logits_indices.extend(range(last - 1 - item.num_spec_tokens, last))
+        if not any(step.spec_lens):
+            step.spec_lens = []
         return step
+
+    def decode_rows(self) -> tuple[list[int], list[int], list[int]]:
+        """The queries attended as decodes: (flat row, sequence, keys it sees) of each new token of every
+        sequence that feeds one token and its proposals -- each a query of its own over the first position + 1
+        keys of its sequence (its own and its proposals' keys written first). Every other sequence is a
+        prefill chunk."""
+        rows, seqs, lengths = [], [], []
+        start = 0
+        for i, n in enumerate(self.query_lens):
+            if n - (self.spec_lens[i] if self.spec_lens else 0) == 1:
+                first = self.context_lens[i] - n + 1
+                rows.extend(range(start, start + n))
+                seqs.extend([i] * n)
+                lengths.extend(range(first, first + n))
+            start += n
+        return rows, seqs, lengths
 
 
 def local_kv_heads(model: Transformer) -> int:

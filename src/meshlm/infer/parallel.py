@@ -17,7 +17,7 @@ Responsible for:
     block's owner), so a prefill is split over the ranks block by block and a decode token runs on one
     rank (the weights are whole on every cp rank). Per layer each rank first writes the keys/values it
     computed into its own blocks; then
-      prefill chunks (more than one new token; all of a step's share one pass): a ring. Each rank's
+      prefill chunks (the other sequences; all of a step's share one pass): a ring. Each rank's
         keys/values of the prefilling sequences -- cached and new, only the kv heads, no padding -- go
         round the cp ranks (cp-1 hops, each posted before the compute so it overlaps it: the training's
         ring loop, `parallel.context.ring_pass`); the queries stay with their owner, which attends them to
@@ -26,10 +26,11 @@ Responsible for:
         (sequence, source rank) pair where no query sees a key, are skipped), and merges the partials with
         `parallel.context.merge_partials`. Per layer and rank: cp-1 sends of K+V of the blocks in hand
         (~2 * (cp-1)/cp * L * kv_heads * head_dim values for a prompt of L tokens), nothing all-gathered;
-      decode tokens (one new token): split-KV. The decode queries are all-gathered; every rank attends
-        them over its own blocks of their sequences (one `DecodeBatch`, as `PagedAttention` runs
-        decodes); one all-gather of (output, lse) lets each owner merge its
-        queries' partials exactly (`merge_partials`, its own partial first).
+      decode tokens (one new token -- or, under speculative decoding, a token and its k proposals: k + 1
+        queries, each over the keys up to its position, owned by whichever ranks hold their slots): split-KV.
+        The decode queries are all-gathered; every rank attends them over its own blocks of their sequences
+        (one `DecodeBatch`, as `PagedAttention` runs decodes); one all-gather of (output, lse) lets each
+        owner merge its queries' partials exactly (`merge_partials`, its own partial first).
     A step with both runs the ring, then the split-KV. The sampled rows' hidden states reach every rank by
     one all-reduce.
 The scheduler, block manager and sampler live on rank 0 alone (torch-free and unchanged apart from the
@@ -267,7 +268,10 @@ class ContextParallelAttention:
 
         # Prefill chunks (more than one new token): the ring. What travels from rank r: the keys/values of
         # every prefilling sequence that r holds (cached and new), packed one sequence after the other.
-        prefill = [i for i, n in enumerate(step.query_lens) if n > 1]
+        # Decode queries (a sequence's one new token, or its last token and proposals: a query each) and the
+        # prefill chunks (every other sequence).
+        rows, decode, lengths = step.decode_rows()
+        prefill = sorted(set(range(len(step.query_lens))) - set(decode))
         keys = [[held(i, r) for r in range(cp)] for i in prefill]
         self.ring_sizes = [sum(len(k[r][0]) for k in keys) for r in range(cp)]
         self.ring_slots = torch.cat([k[me][1] for k in keys] or [torch.zeros(0, dtype=torch.long)]).to(device)
@@ -292,25 +296,31 @@ class ContextParallelAttention:
                                                  None if int(c[0]) == width else c[:, None].to(device)))
                 offsets[src] += len(k_pos)
 
-        # Decode tokens (one new token): split-KV. A decode's query is
-        # all-gathered; every rank attends it over its own blocks of that sequence.
-        decode = [i for i, n in enumerate(step.query_lens) if n == 1]
-        self.num_decode = len(decode)
-        self.decode_of = [[d for d, i in enumerate(decode) if owners[starts[i]] == r] for r in range(cp)]
+        self._plan_decodes(step, (rows, decode, lengths), owners, where, block_size=block_size,
+                           num_kv=num_kv, num_blocks=num_blocks, native=native)
+
+    def _plan_decodes(self, step: StepInput, decodes: tuple[list[int], list[int], list[int]], owners: list[int],
+                      where: dict[int, int], *, block_size: int, num_kv: int, num_blocks: int, native: bool) -> None:
+        """Decode queries (`StepInput.decode_rows`): split-KV. A decode's query is all-gathered; every rank attends
+        it over its own blocks of that sequence, up to the query's position. `owners`: each row's rank; `where`:
+        this rank's rows' local indices."""
+        rows, decode, lengths = decodes
+        cp, me, device = self.cp, self.me, self.k_caches[0].device
+        self.num_decode = len(rows)
+        self.decode_of = [[d for d, row in enumerate(rows) if owners[row] == r] for r in range(cp)]
         self.decode_mine = torch.tensor(self.decode_of[me], dtype=torch.long, device=device)
-        self.decode_local = torch.tensor([where[starts[decode[d]]] for d in self.decode_of[me]], dtype=torch.long,
+        self.decode_local = torch.tensor([where[rows[d]] for d in self.decode_of[me]], dtype=torch.long,
                                          device=device)
-        # One DecodeBatch of every decode (its rows are decode indices): it attends this rank's blocks of each
-        # (a decode with none here keeps an empty partial).
+        # One DecodeBatch of every decode query (its rows are decode indices): it attends this rank's blocks of
+        # each (a query with none here keeps an empty partial).
         blocks, counts = [], []
-        for i in decode:
-            length = step.context_lens[i]
+        for i, length in zip(decode, lengths):
             mine = [(j, b) for j, b in enumerate(step.block_tables[i][:-(-length // block_size)]) if b % cp == me]
             blocks.append([b // cp for _, b in mine])
             counts.append([min(block_size, length - j * block_size) for j, _ in mine])
-        self.decode_batch = DecodeBatch(torch.arange(len(decode), device=device), blocks, counts,
+        self.decode_batch = DecodeBatch(torch.arange(len(rows), device=device), blocks, counts,
                                         block_size=block_size, num_kv=num_kv, num_blocks=num_blocks,
-                                        dtype=cdt, native=native) if decode else None
+                                        dtype=self.cdt, native=native) if rows else None
 
     def attend(self, layer: int, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]

@@ -133,7 +133,8 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
             top_k=number(body, "top_k", 0, int), max_tokens=number(body, max_key, 16, int),
             seed=number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
-            ignore_eos=boolean(body, "ignore_eos"))
+            ignore_eos=boolean(body, "ignore_eos"),
+            num_speculative_tokens=number(body, "num_speculative_tokens", None, int))
     except ValueError as e:
         raise APIError(400, str(e)) from e
 

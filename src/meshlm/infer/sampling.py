@@ -1,12 +1,14 @@
-"""Turning one step's logits into each request's next token.
+"""Turning one step's logits into each request's next token(s).
 
 Responsible for: greedy, temperature, top-k and top-p sampling per request; a private random
 generator per seeded request (its samples do not depend on the rest of the batch or on
 preemptions); log-probabilities of the sampled token and the top-n alternatives (of the model's
-distribution before temperature and filters, as OpenAI reports them).
-The temperature / top-k / top-p draw itself is `meshlm.models.generation.sample`, shared with the
-single-process generator.
-Not responsible for: stop conditions (sequence.py, engine.py) or running the model.
+distribution before temperature and filters, as OpenAI reports them); speculative decoding's verification
+(`Sampler.emit`, `verify_proposals`): a sequence with k proposals has k + 1 rows of logits, and keeps the
+proposals the target accepts and one token of the target's own.
+The temperature / top-k / top-p distribution itself is `meshlm.models.generation.sampling_probs` (drawn by
+`sample`), shared with the single-process generator.
+Not responsible for: stop conditions (sequence.py, engine.py), proposing tokens or running the model.
 """
 
 from __future__ import annotations
@@ -14,9 +16,50 @@ from __future__ import annotations
 import torch
 
 from meshlm.infer.sequence import SamplingParams, Sequence
-from meshlm.models.generation import sample
+from meshlm.models.generation import MIN_TEMPERATURE, sample, sampling_probs
 
-__all__ = ["SamplingParams", "Sampler", "sample"]
+__all__ = ["SamplingParams", "Sampler", "sample", "verify_proposals"]
+
+Emitted = list[tuple[int, "dict | None"]]
+
+
+def accept_greedy(targets: list[int], proposals: list[int]) -> list[int]:
+    """Greedy verification: the proposals up to the first that is not the target's argmax, then the target's
+    argmax at that position (`targets`: the argmax of each of the k + 1 rows). Exactly the target's tokens."""
+    out = []
+    for proposal, target in zip(proposals, targets):
+        if proposal != target:
+            break
+        out.append(proposal)
+    return out + [targets[len(out)]]
+
+
+def verify_proposals(probs_nv: torch.Tensor, proposals: list[int], generator: torch.Generator | None,
+                     draft_probs: torch.Tensor | None = None) -> list[int]:
+    """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023): the emitted tokens are distributed as the
+    target's own samples, whatever was proposed.
+
+    `probs_nv`: the target's distribution at each proposal's position and after the last, [k + 1, vocab];
+    `draft_probs`: the proposer's [k, vocab] (None: each proposal a point mass, as n-gram lookup's). Proposal x
+    is accepted with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw from
+    max(0, p - q) normalized (for a point mass: p without x); if all are accepted, one more is drawn from the
+    last row."""
+    out = []
+    for j, x in enumerate(proposals):
+        p = probs_nv[j]
+        px, qx = float(p[x]), 1.0 if draft_probs is None else float(draft_probs[j, x])
+        if float(torch.rand((), generator=generator)) * qx < px:
+            out.append(x)
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            residual = (p - draft_probs[j]).clamp_min_(0.0)
+        if not float(residual.sum()) > 0:  # only by rounding (p(x) >= q(x) everywhere): p itself is exact
+            residual = p
+        return out + [int(torch.multinomial(residual[None], 1, generator=generator)[0, 0])]
+    return out + [int(torch.multinomial(probs_nv[len(proposals)][None], 1, generator=generator)[0, 0])]
 
 
 class Sampler:
@@ -35,33 +78,55 @@ class Sampler:
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
 
-    def __call__(self, logits_nv: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict | None] | Exception]:
-        """(token, logprobs or None) per row, or the exception sampling that row raised: one request's
-        failure is that request's alone (the engine aborts it), never the batch's."""
-        assert logits_nv.shape[0] == len(seqs)
+    def emit(self, logits_nv: torch.Tensor, seqs: list[Sequence],
+             proposals: list[list[int]], draft_probs: list | None = None) -> list[Emitted | Exception]:
+        """Each sequence's emitted tokens [(token, logprobs or None), ...], or the exception sampling it raised: one
+        request's failure is that request's alone (the engine aborts it), never the batch's. Sequence
+        i has 1 + len(proposals[i]) consecutive rows of `logits_nv`: it keeps the proposals the target accepts
+        and one token of the target's (`verify_proposals`; greedy: `accept_greedy`). `draft_probs[i]`: the
+        proposer's distributions [k, vocab] of sequence i's proposals (None: point masses)."""
+        sizes = [1 + len(p) for p in proposals]
+        assert logits_nv.shape[0] == sum(sizes) and len(seqs) == len(proposals)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
         if all(seq.params.greedy and seq.params.logprobs is None for seq in seqs):
             # only the token ids leave the device, not [rows, vocab] logits (argmax: the same index in any dtype)
-            return [(token, None) for token in logits_nv.argmax(dim=-1).tolist()]
+            greedy = logits_nv.argmax(dim=-1).tolist()
+            return [[(t, None) for t in accept_greedy(greedy[s:s + n], p)] for s, n, p in zip(starts, sizes, proposals)]
         logits_nv = logits_nv.float().cpu()
         greedy = logits_nv.argmax(dim=-1).tolist()
-        results: list[tuple[int, dict | None] | Exception] = []
-        for row, seq in enumerate(seqs):
+        results: list[Emitted | Exception] = []
+        for i, seq in enumerate(seqs):
+            rows = slice(starts[i], starts[i] + sizes[i])
             try:
-                results.append(self._sample_row(logits_nv[row:row + 1], seq, greedy[row]))
+                if proposals[i]:
+                    drafts = draft_probs[i] if draft_probs is not None else None
+                    results.append(self._emit_rows(logits_nv[rows], seq, proposals[i], greedy[rows], drafts))
+                else:
+                    results.append([self._sample_row(logits_nv[rows], seq, greedy[starts[i]])])
             except Exception as e:  # noqa: BLE001 -- reported to the engine, which aborts this request only
                 results.append(e)
         return results
 
     def _sample_row(self, logits_1v: torch.Tensor, seq: Sequence, greedy_token: int) -> tuple[int, dict | None]:
+        """One row, no proposals: (token, logprobs or None)."""
+        return self._emit_rows(logits_1v, seq, [], [greedy_token], None)[0]
+
+    def _emit_rows(self, logits_nv: torch.Tensor, seq: Sequence, proposals: list[int], greedy: list[int],
+                   draft_probs: torch.Tensor | None) -> Emitted:
         p = seq.params
-        token = greedy_token
-        if not p.greedy:
-            token = int(sample(logits_1v, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                               generator=self._generator(seq))[0])
-        info = None
-        if p.logprobs is not None:
-            logprobs_v = torch.log_softmax(logits_1v[0], dim=-1)
-            top = torch.topk(logprobs_v, min(p.logprobs, logprobs_v.shape[-1])) if p.logprobs else None
-            info = {"token": token, "logprob": float(logprobs_v[token]),
-                    "top": dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}}
-        return token, info
+        if p.temperature < MIN_TEMPERATURE:  # `sample`'s argmax
+            tokens = accept_greedy(greedy, proposals)
+        else:
+            probs = sampling_probs(logits_nv, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+            tokens = verify_proposals(probs, proposals, self._generator(seq), draft_probs)
+        if p.logprobs is None:
+            return [(t, None) for t in tokens]
+        logprobs_nv = torch.log_softmax(logits_nv[:len(tokens)], dim=-1)
+        return [(t, _logprobs_info(logprobs_nv[j], t, p.logprobs)) for j, t in enumerate(tokens)]
+
+
+def _logprobs_info(logprobs_v: torch.Tensor, token: int, num_top: int) -> dict:
+    """A sampled token's log-probability and the `num_top` most likely tokens' (the model's distribution)."""
+    top = torch.topk(logprobs_v, min(num_top, logprobs_v.shape[-1])) if num_top else None
+    return {"token": token, "logprob": float(logprobs_v[token]),
+            "top": dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}}

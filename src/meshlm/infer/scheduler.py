@@ -4,8 +4,13 @@ Responsible for: first-come-first-served admission of waiting requests, chunked 
 per-step token budget mixed with the decodes of running requests, preemption by recompute (the
 newest running request gives its blocks back and is prefilled again later) when KV blocks run out,
 and the bookkeeping after a step (computed tokens, appended samples, finishing).
+Speculative decoding: a decoding sequence with proposals (`Sequence.spec_token_ids`, set by the engine) is
+fed its last token and k proposals in one step, k capped by the step's budget and the tokens the sequence may
+still emit; slots are reserved for all k + 1, or for none of the proposals when the cache lacks them
+(speculation never preempts anyone). After the step only the accepted tokens count as computed -- so only
+their blocks reach the prefix cache -- and the blocks past them are given back.
 Not responsible for: tensors or sampling (model_runner.py, sampling.py), stop strings (the engine
-detokenizes and calls `finish`). No torch import here.
+detokenizes and calls `finish`), proposing tokens (speculative.py, draft.py). No torch import here.
 
 Why no request starves: the waiting queue is served strictly in order (a request that does not fit
 blocks those behind it), preemption always picks the newest running request, and a request is only
@@ -24,12 +29,14 @@ from meshlm.infer.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
+    num_new_tokens: int  # tokens fed this step, from seq.num_computed_tokens on (proposals included)
+    num_spec_tokens: int = 0  # of them, proposals (the last ones: seq.spec_token_ids)
 
     @property
     def samples(self) -> bool:
-        """Whether this step computes the sequence's last token, so its logits give a new token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this step computes the sequence's last token, so its logits give a new token (and, with
+        proposals, the logits of each proposal's position: num_spec_tokens + 1 rows)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + self.num_spec_tokens
 
 
 @dataclass
@@ -99,6 +106,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_token_ids = []
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -117,6 +125,11 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert n > 0
+            k = self._num_proposals(seq, n, budget)
+            if k and not bm.ensure_slots(seq, seq.num_computed_tokens + n + k):
+                k = 0  # no room for the proposals: a plain decode (speculation preempts no one)
+            seq.spec_token_ids = seq.spec_token_ids[:k]
+            n += k
             while not bm.ensure_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the newest; possibly `seq` itself
                 self._preempt(victim)
@@ -124,7 +137,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, n))
+                out.scheduled.append(ScheduledSequence(seq, n, k))
                 budget -= n
                 i += 1
                 continue
@@ -146,23 +159,53 @@ class Scheduler:
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, tuple[int, dict | None]]) -> list[Sequence]:
-        """Account a finished step: `sampled[seq_id] = (token, logprobs or None)` for sampling rows.
+    @staticmethod
+    def _num_proposals(seq: Sequence, n: int, budget: int) -> int:
+        """How many of a decoding sequence's proposals fit this step: within the budget and never more tokens
+        than the sequence may still emit (k accepted + one from the target)."""
+        if n != 1 or not seq.spec_token_ids:
+            return 0
+        return max(0, min(len(seq.spec_token_ids), budget - 1, seq.max_total_tokens - seq.num_tokens - 1))
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, tuple[int, dict | None] | list]) -> list[Sequence]:
+        """Account a finished step: `sampled[seq_id] = (token, logprobs or None)` for sampling rows, or a list
+        of them for a sequence whose proposals were verified (the accepted proposals, then the target's token).
 
         Returns the sequences that finished by token or length (stop strings are the engine's).
         """
         finished = []
         for item in out.scheduled:
             seq = item.seq
-            samples = item.samples
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(seq)
-            if not samples:
+            if not item.samples:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.commit(seq)
                 continue
-            token, logprobs = sampled[seq.seq_id]
-            seq.append_token(token, logprobs)
-            reason = seq.check_stop_by_tokens()
+            emitted = sampled[seq.seq_id]
+            emitted = emitted if isinstance(emitted, list) else [emitted]
+            reason = self._append(item, emitted)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+            elif item.num_spec_tokens:
+                self.block_manager.trim(seq, seq.num_tokens)  # the rejected proposals' blocks
         return finished
+
+    def _append(self, item: ScheduledSequence, emitted: list[tuple[int, dict | None]]) -> str | None:
+        """Append a sampling sequence's emitted tokens up to the first stop; count as computed the fed tokens
+        that were not rejected proposals, and cache their full blocks. Returns the finish reason, if any."""
+        seq, k = item.seq, item.num_spec_tokens
+        accepted = len(emitted) - 1  # proposals accepted (they lead `emitted`)
+        assert 0 <= accepted <= k
+        start = seq.num_computed_tokens
+        reason, appended = None, 0
+        for token, logprobs in emitted:
+            seq.append_token(token, logprobs)
+            appended += 1
+            reason = seq.check_stop_by_tokens()
+            if reason is not None:
+                break
+        seq.spec_token_ids = []
+        # KV is valid for the fed tokens before the proposals and for the proposals kept in the output.
+        seq.num_computed_tokens = min(start + item.num_new_tokens - k + min(accepted, appended), seq.num_tokens - 1)
+        self.block_manager.commit(seq)
+        return reason

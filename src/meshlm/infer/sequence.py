@@ -23,7 +23,9 @@ class SamplingParams:
     request its own random generator, so its samples do not depend on what else is in the batch.
     `stop` strings end the text (the stop string itself is not returned); `stop_token_ids` end it
     with that token included in `token_ids`. `logprobs` = n returns the log-probability of each
-    sampled token and of the n most likely tokens at that step.
+    sampled token and of the n most likely tokens at that step. `num_speculative_tokens`: at most this many
+    tokens proposed per step for this request (an engine started with speculative decoding; None: the
+    engine's number).
     """
 
     temperature: float = 1.0
@@ -35,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"logprobs={self.logprobs!r} must be an integer between 0 and 20")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (or None: the engine's number)")
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +107,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Tokens proposed to follow this sequence (speculative decoding), set before each step and verified by it
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
@@ -123,8 +131,12 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_at(self, index: int) -> int:
+        """The token at position `index`; past the sequence's tokens, its proposals (`spec_token_ids`)."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+        if index < n:
+            return self.prompt_token_ids[index]
+        m = len(self.output_token_ids)
+        return self.output_token_ids[index - n] if index < n + m else self.spec_token_ids[index - n - m]
 
     @property
     def is_finished(self) -> bool:

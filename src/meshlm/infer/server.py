@@ -506,6 +506,13 @@ def metrics_text(engine: AsyncEngine) -> str:
         ("meshlm_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", "counter"),
         ("meshlm_generated_tokens_total", "generated_tokens", "tokens generated", "counter"),
         ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
+        ("meshlm_spec_proposed_tokens_total", "spec_proposed_tokens", "tokens proposed by speculative decoding and "
+         "verified by the model", "counter"),
+        ("meshlm_spec_accepted_tokens_total", "spec_accepted_tokens", "proposed tokens the model accepted", "counter"),
+        ("meshlm_spec_acceptance_rate", "spec_acceptance_rate", "accepted / proposed tokens", "gauge"),
+        ("meshlm_spec_tokens_per_target_forward", "tokens_per_target_forward", "tokens a sequence emits per forward "
+         "of the model that samples it (1 without speculative decoding)", "gauge"),
+        ("meshlm_spec_draft_forwards_total", "spec_draft_forwards", "batched forwards of the draft model", "counter"),
     ]:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
     lines += ["# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
@@ -534,6 +541,9 @@ def metrics_text(engine: AsyncEngine) -> str:
         lines += [f"# HELP meshlm_comm_{unit}_total {help_text} (rank 0), by mesh axis",
                   f"# TYPE meshlm_comm_{unit}_total counter"]
         lines += [f'meshlm_comm_{unit}_total{{axis="{a}"}} {c[key]}' for a, c in sorted(s["comm"].items())]
+    lines += ["# HELP meshlm_comm_calls_per_token collective calls per generated token (rank 0), by mesh axis",
+              "# TYPE meshlm_comm_calls_per_token gauge"]
+    lines += [f'meshlm_comm_calls_per_token{{axis="{a}"}} {c}' for a, c in sorted(s["comm_calls_per_token"].items())]
     lines += engine.ttft.render("meshlm_time_to_first_token_seconds", "time from request to first token")
     lines += engine.tpot.render("meshlm_time_per_output_token_seconds", "mean time between output tokens of a request")
     return "\n".join(lines) + "\n"

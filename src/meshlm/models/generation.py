@@ -3,7 +3,8 @@
 Responsible for: running a prompt (or a batch of equal-length prompts) through `Transformer` with its
 contiguous `KVCache`, picking each next token greedily or by temperature / top-k / top-p sampling
 (reproducible with `seed`), and stopping at `max_new_tokens` or a stop token; `sample`, the one draw
-of a next token, which the serving engine's sampler uses too.
+of a next token, and `sampling_probs`, the distribution it draws from, which the serving engine's sampler
+uses too.
 Not responsible for: tokenisation, paged KV caches, continuous batching or serving (`meshlm.infer`).
 """
 
@@ -28,6 +29,13 @@ def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p
     """
     if temperature < MIN_TEMPERATURE:
         return logits_bv.argmax(dim=-1)
+    probs_bv = sampling_probs(logits_bv, temperature=temperature, top_k=top_k, top_p=top_p)
+    return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]
+
+
+def sampling_probs(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution `sample` draws from (temperature >= MIN_TEMPERATURE): float32 [rows, vocab], each row
+    summing to 1; speculative decoding's verification accepts and resamples against it."""
     logits_bv = raw_bv = logits_bv.float()
     # Shifted so each row's largest logit is 0, then scaled by 1/temperature clamped to float32's range:
     # -inf logits stay -inf, finite ones stay finite (a huge temperature is a uniform draw, not inf/inf).
@@ -50,7 +58,7 @@ def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p
     if bool(bad.any()):
         probs_bv[bad] = torch.nn.functional.one_hot(torch.nan_to_num(raw_bv[bad], nan=float("-inf")).argmax(-1),
                                                     probs_bv.shape[-1]).float()
-    return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]
+    return probs_bv
 
 
 @torch.no_grad()
