@@ -234,7 +234,7 @@ class ContextParallelAttention:
         cp, me = mesh.size("cp"), mesh.local_rank("cp")
         self.cp, self.me = cp, me
         # Partials and their merge in at least fp32 (a log-sum-exp in bf16 is off by a few percent).
-        self.cdt = cdt = torch.promote_types(dtype, torch.float32)
+        self.cdt = torch.promote_types(dtype, torch.float32)
 
         def local_slot(slot: int) -> int:
             return (slot // block_size) // cp * block_size + slot % block_size
