@@ -146,12 +146,15 @@ def test_a_killed_group_drops_out_rejoins_and_the_run_matches_its_membership_rep
     assert [r["restart"] for r in g1 if "restart" in r] == [1], g1[-3:]
     after = g1[[i for i, r in enumerate(g1) if "restart" in r][0] + 1:]
     first = after[0]
-    assert first["replicas"] == [0, 1] and first["healed_at"] == first["step"] - 1 > killed_at, first
+    assert first["replicas"] == [0, 1] and first["healed_at"] == first["step"] - 1 >= killed_at, first
     members = memberships(run, 2)
+    # How many steps group 0 takes alone depends on how fast the launcher brings group 1 back: none when it is
+    # back before the lighthouse drops it from the quorum (an idle machine), dozens under load.
     alone = [s for s, m in sorted(members.items()) if m == [0]]
-    assert alone and all(m == [0, 1] for s, m in members.items() if s >= first["step"]), members
-    print(f"\nkilled at step {killed_at}; group 0 alone for steps {alone[0]}..{alone[-1]}; "
-          f"group 1 back at step {first['step']} (retried {first['retried']})")
+    assert all(m == [0, 1] for s, m in members.items() if s >= first["step"]), members
+    print(f"\nkilled at step {killed_at}; group 0 alone for {len(alone)} steps "
+          f"{f'({alone[0]}..{alone[-1]})' if alone else ''}; group 1 back at step {first['step']} "
+          f"(retried {first['retried']})")
     reference = replay(tmp_path, text_file, {s: members[s] for s in range(1, STEPS + 1)}, groups=2)
     want = reference.state_dict()
     for g in range(2):
