@@ -32,9 +32,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import queue
 import socket
 import statistics
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -146,7 +148,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn, args, out_queue, before_init=None,
+def _rank_main(rank: int, world_size: int, port: int, fn, args, out_queue, release, before_init=None,
                master_addr: str = "127.0.0.1") -> None:
     if before_init is not None:
         before_init(rank)
@@ -160,8 +162,19 @@ def _rank_main(rank: int, world_size: int, port: int, fn, args, out_queue, befor
         result = fn(rank, world_size, args)
         if rank == 0:
             out_queue.put(result)
+            out_queue.close()
+            out_queue.join_thread()  # the result is in the pipe before this process can end
+            # Rank 0 hosts the rendezvous store: it leaves only once every other rank has exited, so that no
+            # rank's process group sees its store vanish while it is still tearing down.
+            release.wait(timeout=120)
     finally:
         dist.destroy_process_group()
+    # A finished rank ends here without running C++ static destructors: in a network namespace a rank was seen
+    # to abort in them after its work was done ("terminate called without an active exception", no Python
+    # frame), failing a run whose results were already in.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int, args, *, before_init: Callable | None = None,
@@ -174,8 +187,10 @@ def run_ranks(fn: Callable, world_size: int, args, *, before_init: Callable | No
     """
     ctx = mp.get_context("spawn")
     out_queue = ctx.Queue()
+    release = ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, out_queue, before_init, master_addr))
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world_size, port, fn, args, out_queue, release, before_init, master_addr))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -188,8 +203,10 @@ def run_ranks(fn: Callable, world_size: int, args, *, before_init: Callable | No
                 for p in procs:
                     p.kill()
                 raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}") from None
-    for p in procs:
+    for p in procs[1:]:
         p.join()
+    release.set()
+    procs[0].join()
     if any(p.exitcode for p in procs):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     return result
