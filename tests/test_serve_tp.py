@@ -212,7 +212,7 @@ def test_tp_needs_its_ranks():
 
 def test_generate_tp2_from_the_cli(tmp_path, capfd):
     pytest.importorskip("tokenizers")
-    from test_server import make_model_dir
+    from tiny_hf import make_model_dir
 
     path = str(make_model_dir(tmp_path))
     argv = ["generate", "--hf", path, "--prompt", "hello world", "--max-new-tokens", "6"]
@@ -229,7 +229,7 @@ def test_a_lost_rank_makes_the_server_unhealthy_and_requests_503(tmp_path):
     every later one gets 503 (none hangs), /health says unhealthy; one process standing in for the ranks."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
-    from test_server import make_model_dir
+    from tiny_hf import make_model_dir
 
     from meshlm.comm import CollectiveError
     from meshlm.infer.server import AsyncEngine, create_app

@@ -270,7 +270,7 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
     import json
 
     pytest.importorskip("tokenizers")
-    from test_server import make_model_dir
+    from tiny_hf import make_model_dir
 
     target = make_model_dir(tmp_path)
     (tmp_path / "draft").mkdir()
@@ -308,7 +308,7 @@ def test_cli_refuses_bad_k_in_one_line(tmp_path, capfd):
 def test_server_metrics_and_per_request_400(tmp_path):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
-    from test_server import make_model_dir
+    from tiny_hf import make_model_dir
 
     from meshlm.infer.server import AsyncEngine, create_app
 

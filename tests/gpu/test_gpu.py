@@ -1,7 +1,9 @@
 """Checks only a machine with NVIDIA GPUs can make (skipped without CUDA); `tests/gpu/run.sh` runs them with the
 benchmarks on CUDA. What each shows:
 - one GPU: training in bf16 on CUDA follows the fp32 CPU run's losses closely; a model built sharded on the
-  GPU; the pipeline timeline measured by CUDA events; greedy serving on CUDA, pinned to its device;
+  GPU; the pipeline timeline measured by CUDA events; greedy serving on CUDA, pinned to its device; a resume
+  from an asynchronously staged checkpoint; MoE in bf16; `meshlm train --nproc 1` through the launcher (NCCL);
+  speculative decoding's greedy tokens;
 - two GPUs and more (NCCL): pp=2 under every schedule, cp=2 ring attention, ep=2, tp=2 x ZeRO-3 (4 GPUs),
   each through `meshlm train --nproc` with a short collective timeout; `meshlm serve --tp 2` answering after
   an idle period longer than its collective timeout. These are the orders `tests/test_nccl_order.py` proves
@@ -86,7 +88,7 @@ def test_the_pipeline_timeline_is_measured_on_the_gpu():
 
 
 def test_greedy_serving_on_cuda_equals_the_cpu(tmp_path):
-    from test_server import make_model_dir
+    from tiny_hf import make_model_dir
 
     from meshlm import LLM, SamplingParams
 
@@ -95,6 +97,72 @@ def test_greedy_serving_on_cuda_equals_the_cpu(tmp_path):
     cpu = LLM(str(model_dir), device="cpu", dtype=torch.float32).generate(["hello world"], greedy)[0].token_ids
     gpu = LLM(str(model_dir), device="cuda", dtype=torch.float32).generate(["hello world"], greedy)[0].token_ids
     assert gpu == cpu
+
+
+def test_resume_on_cuda_with_async_pinned_staging_continues_the_run(tmp_path):
+    """A checkpoint staged asynchronously (pinned host buffers, off the training thread), this device's RNG
+    only, the fused AdamW: the resumed run's losses are the uninterrupted run's."""
+    from meshlm.config import load_config
+    from meshlm.train.trainer import Trainer
+
+    corpus = _corpus(tmp_path)
+
+    def cfg(name):
+        return load_config(overrides=[*SMALL, f"data.path={corpus}", f"train.run_dir={tmp_path / name}",
+                                      "train.steps=6", "train.checkpoint_interval=3", "train.async_checkpoint=true",
+                                      "train.device=cuda"])
+
+    straight = Trainer(cfg("straight"))
+    assert all(g.get("fused") for g in straight.optimizer.param_groups)
+    straight.train()
+    Trainer(cfg("split")).train(until_step=3)
+    second = Trainer(cfg("split"), resume=True)
+    assert second.step == 3
+    second.train()
+    a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "split")
+    assert len(a) == len(b) == 6 and max(abs(x - y) / abs(x) for x, y in zip(a, b)) < 1e-4, (a, b)
+
+
+def test_moe_trains_on_cuda_in_bf16(tmp_path):
+    from meshlm.config import load_config
+    from meshlm.train.trainer import Trainer
+
+    run_dir = tmp_path / "moe"
+    Trainer(load_config(overrides=[*SMALL, f"data.path={_corpus(tmp_path)}", f"train.run_dir={run_dir}",
+                                   "train.steps=8", "train.device=cuda", "train.precision=bf16",
+                                   "model.num_experts=4", "model.num_experts_per_token=2",
+                                   "model.moe_intermediate_size=64"])).train()
+    losses = _losses(run_dir)
+    assert len(losses) == 8 and all(x == x for x in losses) and losses[-1] < losses[0], losses
+
+
+def test_meshlm_train_through_the_launcher_on_one_gpu(tmp_path):
+    """`meshlm train --nproc 1` on CUDA: torch elastic, NCCL (a world of one), the device picked by local rank;
+    the log carries tokens/s, MFU and memory."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "1",
+            *[a for o in [*SMALL, f"data.path={_corpus(tmp_path)}", f"train.run_dir={run_dir}", "train.steps=4",
+                          "train.device=cuda", "train.precision=bf16"] for a in ("--set", o)]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from runs import rows
+
+    steps = [r for r in rows(run_dir) if "loss" in r]
+    assert len(steps) == 4 and all(r.get("mfu") is not None and r.get("memory_mib") for r in steps), steps[-1]
+
+
+def test_speculative_greedy_on_cuda_equals_plain_greedy(tmp_path):
+    from tiny_hf import make_model_dir
+
+    from meshlm import LLM, SamplingParams
+
+    model_dir = make_model_dir(tmp_path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = ["hello world hello world hello", "the quick brown fox jumps over the lazy dog the quick"]
+    plain = LLM(str(model_dir), device="cuda", dtype=torch.float32).generate(prompts, greedy)
+    spec = LLM(str(model_dir), device="cuda", dtype=torch.float32,
+               speculative={"method": "ngram", "num_speculative_tokens": 3}).generate(prompts, greedy)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
 
 # -- several GPUs: NCCL ---------------------------------------------------------------------------------------
