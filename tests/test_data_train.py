@@ -103,6 +103,17 @@ def test_prepared_data_needs_the_tokenizer_it_was_prepared_with(tmp_path, corpus
     assert "prepared with" in capsys.readouterr().err
 
 
+def test_a_damaged_validation_shard_fails_the_run_instead_of_turning_validation_off(tmp_path, corpus, capsys):
+    import shutil
+
+    damaged = shutil.copytree(corpus["web"], tmp_path / "web")
+    shard = json.loads((damaged / "manifest.json").read_text())["splits"]["val"]["shards"][0]
+    with open(damaged / shard["bin"], "r+b") as f:
+        f.truncate(8)
+    assert cli_main(argv(tmp_path / "run", corpus, "train.steps=1", data=[f"data.path={damaged}"])) != 0
+    assert shard["bin"] in capsys.readouterr().err
+
+
 def test_document_mask_on_prepared_data_matches_one_process_under_cp2(tmp_path, corpus):
     """The document starts the shards' index keeps mask attention as they do in memory: cp2 (ring) equals
     one process, and masking changes the loss (the samples hold several documents)."""

@@ -225,6 +225,13 @@ def _blend_pattern(weights: np.ndarray, names: list[str]) -> tuple[np.ndarray, n
     return pattern, rank, counts
 
 
+def has_split(spec, split: str) -> bool:
+    """Whether every prepared folder of `spec` (a folder, or a blend's entries) holds `split` -- read from the
+    manifests, so that a damaged shard of a split that exists fails loudly when opened rather than looking absent."""
+    folders = [spec] if isinstance(spec, (str, Path)) else [entry["path"] for entry in spec]
+    return all(split in manifest.read(Path(folder))["splits"] for folder in folders)
+
+
 def open_dataset(spec, *, seq_len: int, split: str = "train", tokenizer_path: str | Path | None = None,
                  checksums: bool = False) -> PreparedDataset | BlendedDataset:
     """A prepared folder (a path), or a blend (a list of {"path": ..., "weight": ...})."""

@@ -90,7 +90,7 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
                              seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
                              documents=cfg.data.document_mask)
         return train, val, loader
-    from meshlm.data.dataset import open_dataset
+    from meshlm.data.dataset import has_split, open_dataset
     from meshlm.data.loader import PreparedLoader
 
     spec = cfg.data.sources or cfg.data.path
@@ -98,9 +98,9 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
     if train.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"{spec} was prepared with a vocabulary of {train.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {train.vocab_size}")
-    try:
+    if has_split(spec, "val"):
         val = open_dataset(spec, seq_len=t.seq_len, split="val", tokenizer_path=cfg.data.tokenizer)
-    except ValueError:  # prepared without --val-fraction: no validation
+    else:  # prepared without --val-fraction: no validation
         val = pack(np.zeros(0, dtype=np.int32), t.seq_len)
     loader = PreparedLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
                             seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
