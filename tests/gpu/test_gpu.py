@@ -3,7 +3,7 @@ benchmarks on CUDA. What each shows:
 - one GPU: training in bf16 on CUDA follows the fp32 CPU run's losses closely; a model built sharded on the
   GPU; the pipeline timeline measured by CUDA events; greedy serving on CUDA, pinned to its device; a resume
   from an asynchronously staged checkpoint; MoE in bf16; `meshlm train --nproc 1` through the launcher (NCCL);
-  speculative decoding's greedy tokens;
+  speculative decoding's greedy tokens; context parallelism's attention pairs on CUDA's flash kernel;
 - two GPUs and more (NCCL): pp=2 under every schedule, cp=2 ring attention, ep=2, tp=2 x ZeRO-3 (4 GPUs),
   each through `meshlm train --nproc` with a short collective timeout; `meshlm serve --tp 2` answering after
   an idle period longer than its collective timeout. These are the orders `tests/test_nccl_order.py` proves
@@ -163,6 +163,27 @@ def test_speculative_greedy_on_cuda_equals_plain_greedy(tmp_path):
     spec = LLM(str(model_dir), device="cuda", dtype=torch.float32,
                speculative={"method": "ngram", "num_speculative_tokens": 3}).generate(prompts, greedy)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_context_parallel_pairs_use_cudas_flash_kernel_in_bf16(monkeypatch, causal):
+    """Ring / all-gather attention's pairs on CUDA in bf16: the flash kernel (its output bf16, its log-sum-exp
+    fp32) agrees with the explicit fp32 computation, forward and backward."""
+    from meshlm.parallel import pair_attention as pa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = [torch.randn(2, 4, 128, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4)]
+    assert pa._kernel(q, None) == "cuda"
+    out, lse, aux = pa.pair_forward(q, k, v, causal=causal, scale=0.125)
+    grads = pa.pair_backward(dout, q, k, v, out, lse, causal=causal, scale=0.125, aux=aux)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    monkeypatch.setattr(pa, "_kernel", lambda q, allowed: None)
+    ref, ref_lse, _ = pa.pair_forward(q, k, v, causal=causal, scale=0.125)
+    ref_grads = pa.pair_backward(dout, q, k, v, out, lse, causal=causal, scale=0.125)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=3e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-2)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.float(), b, rtol=0, atol=1e-1)
 
 
 # -- several GPUs: NCCL ---------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ so the transfer overlaps it). That loop is `ring_pass`, which takes what to do w
 as a callable: context-parallel serving's prefill (`infer/parallel.py`) runs the same loop over its own
 blocks (the paged cache's keys, causal by position). Per (query chunk, key chunk) pair the causal mask
 is decided by chunk index: an earlier key chunk is attended in full, the same chunk causally, a later
-one not at all (the pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp;
+one not at all (the pair is skipped, no FLOPs). Each pair gives a partial output and its log-sum-exp
+(`parallel/pair_attention.py`: a fused kernel in the inputs' dtype where PyTorch has one, else explicit);
 `merge_partials` combines them exactly (online softmax). Saved for backward: this rank's q, k, v, the
 output and the log-sum-exp -- 1/cp of the sequence's, whatever cp is.
 
@@ -98,6 +99,7 @@ from meshlm import comm
 from meshlm.comm import P2P
 from meshlm.mesh import Mesh, create_groups, every_group, group_ranks
 from meshlm.models.documents import attention_mask
+from meshlm.parallel.pair_attention import compute_dtype, pair_backward, pair_forward
 from meshlm.rules import CP_METHODS, check_hybrid, check_seq_len, check_ulysses, ulysses_kv_heads  # noqa: F401
 
 AXIS = "cp"
@@ -158,17 +160,6 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     return out, lse
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float,
-            allowed: torch.Tensor | None = None) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if allowed is not None:  # documents: [b, queries, keys], the causal part included; finite (module docstring)
-        return s.masked_fill(~allowed[:, None], torch.finfo(s.dtype).min)
-    if causal:  # a chunk against itself: query i sees keys 0..i
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     """kv heads -> query heads (GQA): head h of the queries reads kv head h // groups."""
     return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
@@ -199,43 +190,41 @@ def _pairs(q_ids, k_ids, c: int, documents: torch.Tensor | None = None):
             yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kb == qa, allowed
 
 
-def _no_autocast(device_type: str):
-    return torch.autocast(device_type=device_type, enabled=False)
-
-
 def _shape(q: torch.Tensor, k: torch.Tensor, q_ids) -> tuple[int, int, float]:
     """(GQA group size, chunk length, softmax scale) of this rank's q [b, h, n c, d] (n = len(q_ids)
     chunks) and k [b, hkv, n c, d]."""
     return q.shape[1] // k.shape[1], q.shape[2] // len(q_ids), 1.0 / math.sqrt(q.shape[-1])
 
 
-def _block_forward(qc, block, *, q_ids, k_ids, out, lse, documents=None) -> None:
-    """Attend this rank's queries `qc` (chunks `q_ids`) to the K/V `block` [2, b, hkv, n c, d] holding chunks
-    `k_ids`, merging each (query chunk, key chunk) pair's partial result into `out` / `lse` in place (the
-    online softmax). `documents`: the whole sequences' document ids (block-causal), or None."""
-    groups, c, scale = _shape(qc, block[0], q_ids)
-    kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
+def _block_forward(q, block, *, q_ids, k_ids, out, lse, documents=None, aux: list | None = None) -> None:
+    """Attend this rank's queries `q` (chunks `q_ids`) to the K/V `block` [2, b, hkv, n c, d] holding chunks
+    `k_ids`, merging each (query chunk, key chunk) pair's partial result into `out` / `lse` (compute dtype) in
+    place (the online softmax). `documents`: the whole sequences' document ids (block-causal), or None. `aux`: a
+    list that receives the first pair's kernel aux (`pair_attention.CudaAux`) when it is empty."""
+    groups, c, scale = _shape(q, block[0], q_ids)
+    kb, vb = _expand(block[0].to(q.dtype), groups), _expand(block[1].to(q.dtype), groups)
     for qs, ks, causal, allowed in _pairs(q_ids, k_ids, c, documents):
-        s = _scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale, allowed=allowed)
-        part_lse = torch.logsumexp(s, dim=-1)
-        part = torch.matmul(torch.exp(s - part_lse[..., None]), vb[:, :, ks])
+        part, part_lse, pair_aux = pair_forward(q[:, :, qs], kb[:, :, ks], vb[:, :, ks], causal=causal,
+                                                scale=scale, allowed=allowed)
+        if aux is not None and pair_aux is not None and not aux:
+            aux.append(pair_aux)
         # lse starts at -inf (no keys yet): merging with it keeps `part` exactly
-        out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse)
+        out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part.to(out.dtype), part_lse)
 
 
-def _block_backward(qc, doc, block, *, q_ids, k_ids, lse, delta, dq, documents=None) -> torch.Tensor:
-    """This rank's share of dK/dV of `block` (the K/V of chunks `k_ids`), [2, b, hkv, n c, d]; adds its part
-    of dQ into `dq`. The FlashAttention backward: probabilities recomputed from the saved log-sum-exp."""
-    groups, c, scale = _shape(qc, block[0], q_ids)
-    kb, vb = _expand(block[0].to(qc.dtype), groups), _expand(block[1].to(qc.dtype), groups)
-    dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+def _block_backward(q, dout, block, *, q_ids, k_ids, out, lse, dq, documents=None, aux=None) -> torch.Tensor:
+    """This rank's share of dK/dV of `block` (the K/V of chunks `k_ids`), [2, b, hkv, n c, d] in dq's dtype;
+    adds its part of dQ into `dq`. `out`/`lse`: the whole attention's for this rank's queries (the
+    FlashAttention backward: probabilities recomputed from the saved log-sum-exp)."""
+    groups, c, scale = _shape(q, block[0], q_ids)
+    kb, vb = _expand(block[0].to(q.dtype), groups), _expand(block[1].to(q.dtype), groups)
+    dk, dv = kb.new_zeros(kb.shape, dtype=dq.dtype), vb.new_zeros(vb.shape, dtype=dq.dtype)
     for qs, ks, causal, allowed in _pairs(q_ids, k_ids, c, documents):
-        p = torch.exp(_scores(qc[:, :, qs], kb[:, :, ks], causal=causal, scale=scale, allowed=allowed)
-                      - lse[:, :, qs, None])
-        dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), doc[:, :, qs])
-        ds = p * (torch.matmul(doc[:, :, qs], vb[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
-        dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks]) * scale
-        dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qc[:, :, qs]) * scale
+        gq, gk, gv = pair_backward(dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
+                                   lse[:, :, qs], causal=causal, scale=scale, allowed=allowed, aux=aux)
+        dq[:, :, qs] += gq
+        dk[:, :, ks] += gk
+        dv[:, :, ks] += gv
     return torch.stack([_fold(dk, groups), _fold(dv, groups)])
 
 
@@ -273,18 +262,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mesh: Mesh, axis: str, chunks_of, documents=None):
         r = mesh.local_rank(axis)
-        cdt = torch.promote_types(q.dtype, torch.float32)
-        with _no_autocast(q.device.type):
-            qc = q.to(cdt)
-            out = torch.zeros_like(qc)
-            lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
-            # what travels: the kv heads only
-            ring_pass(torch.stack([k, v]).contiguous(), mesh, axis,
-                      lambda block, src: _block_forward(qc, block, q_ids=chunks_of(r), k_ids=chunks_of(src), out=out,
-                                                        lse=lse, documents=documents))
+        cdt = compute_dtype(q.dtype)
+        # in q's memory layout (zeros_like keeps strides), so the model's transpose back to tokens is a view
+        out = torch.zeros_like(q, dtype=cdt)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
+        aux = []
+        # what travels: the kv heads only
+        ring_pass(torch.stack([k, v]).contiguous(), mesh, axis,
+                  lambda block, src: _block_forward(q, block, q_ids=chunks_of(r), k_ids=chunks_of(src), out=out,
+                                                    lse=lse, documents=documents, aux=aux))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.axis, ctx.chunks_of, ctx.documents = mesh, axis, chunks_of, documents
+        ctx.aux = aux[0] if aux else None
         return out
 
     @staticmethod
@@ -294,42 +284,40 @@ class _RingAttention(torch.autograd.Function):
         cp, r = mesh.size(axis), mesh.local_rank(axis)
         cdt = lse.dtype
         nxt, prv = (r + 1) % cp, (r - 1) % cp
-        with _no_autocast(q.device.type):
-            qc, doc = q.to(cdt), dout.to(cdt)
-            delta = (doc * out.to(cdt)).sum(-1)  # rowsum(dO * O): the softmax backward's correction
-            dq = torch.zeros_like(qc)
-            block = torch.stack([k, v]).contiguous()
-            own = None  # this rank's share of its own block's dK/dV (it never leaves)
-            outgoing = None  # the partial dK/dV summed at the last step, passed on with this step's exchange
-            for step in range(cp + 1):
-                # One group per step, as NCCL needs (a send completes only once its receive runs, and each
-                # rank's groups run in order): the last step's partial sums go on to rank r+1 in the same
-                # group that brings this step's from rank r-1, and the K/V blocks move on beside them.
-                ops, incoming, partial_in = [], None, None
-                if outgoing is not None:
-                    ops.append(P2P("send", outgoing, nxt, tag=2 * (step - 1) + 1))
-                if step >= 2:  # the partial dK/dV of this step's block (at step cp: of this rank's own)
-                    partial_in = torch.empty((2, *k.shape), dtype=cdt, device=k.device)
-                    ops.append(P2P("recv", partial_in, prv, tag=2 * (step - 1) + 1))
-                if step < cp - 1:
-                    incoming = torch.empty_like(block)
-                    ops += [P2P("send", block, nxt, tag=2 * step), P2P("recv", incoming, prv, tag=2 * step)]
-                handle = comm.batch_isend_irecv(ops, mesh, axis) if ops else None
-                if step == cp:  # the other ranks' shares of this rank's block have come home
-                    if handle is not None:
-                        handle.wait()
-                        own = own + partial_in
-                    break
-                grads = _block_backward(qc, doc, block, q_ids=ctx.chunks_of(r), k_ids=ctx.chunks_of((r - step) % cp),
-                                        lse=lse, delta=delta, dq=dq, documents=ctx.documents)
+        dout = dout.to(q.dtype).contiguous()
+        dq = torch.zeros_like(q, dtype=cdt)
+        block = torch.stack([k, v]).contiguous()
+        own = None  # this rank's share of its own block's dK/dV (it never leaves)
+        outgoing = None  # the partial dK/dV summed at the last step, passed on with this step's exchange
+        for step in range(cp + 1):
+            # One group per step, as NCCL needs (a send completes only once its receive runs, and each
+            # rank's groups run in order): the last step's partial sums go on to rank r+1 in the same
+            # group that brings this step's from rank r-1, and the K/V blocks move on beside them.
+            ops, incoming, partial_in = [], None, None
+            if outgoing is not None:
+                ops.append(P2P("send", outgoing, nxt, tag=2 * (step - 1) + 1))
+            if step >= 2:  # the partial dK/dV of this step's block (at step cp: of this rank's own)
+                partial_in = torch.empty((2, *k.shape), dtype=cdt, device=k.device)
+                ops.append(P2P("recv", partial_in, prv, tag=2 * (step - 1) + 1))
+            if step < cp - 1:
+                incoming = torch.empty_like(block)
+                ops += [P2P("send", block, nxt, tag=2 * step), P2P("recv", incoming, prv, tag=2 * step)]
+            handle = comm.batch_isend_irecv(ops, mesh, axis) if ops else None
+            if step == cp:  # the other ranks' shares of this rank's block have come home
                 if handle is not None:
                     handle.wait()
-                if step == 0:
-                    own = grads
-                else:
-                    outgoing = (grads + partial_in if partial_in is not None else grads).contiguous()
-                if incoming is not None:
-                    block = incoming
+                    own = own + partial_in
+                break
+            grads = _block_backward(q, dout, block, q_ids=ctx.chunks_of(r), k_ids=ctx.chunks_of((r - step) % cp),
+                                    out=out, lse=lse, dq=dq, documents=ctx.documents, aux=ctx.aux)
+            if handle is not None:
+                handle.wait()
+            if step == 0:
+                own = grads
+            else:
+                outgoing = (grads + partial_in if partial_in is not None else grads).contiguous()
+            if incoming is not None:
+                block = incoming
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
@@ -340,32 +328,28 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, cp_rank: int, cp: int, documents=None):
-        cdt = torch.promote_types(q.dtype, torch.float32)
         s = q.shape[2]
-        with _no_autocast(q.device.type):
-            qc = q.to(cdt)
-            out = torch.zeros_like(qc)
-            lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
-            for src in range(cp):
-                _block_forward(qc, kv[:, :, :, src * s:(src + 1) * s], q_ids=chunk_ids(cp_rank, cp),
-                               k_ids=chunk_ids(src, cp), out=out, lse=lse, documents=documents)
+        out = torch.zeros_like(q, dtype=compute_dtype(q.dtype))
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=out.dtype, device=q.device)
+        aux = []
+        for src in range(cp):
+            _block_forward(q, kv[:, :, :, src * s:(src + 1) * s], q_ids=chunk_ids(cp_rank, cp),
+                           k_ids=chunk_ids(src, cp), out=out, lse=lse, documents=documents, aux=aux)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.cp_rank, ctx.cp, ctx.documents = cp_rank, cp, documents
+        ctx.cp_rank, ctx.cp, ctx.documents, ctx.aux = cp_rank, cp, documents, (aux[0] if aux else None)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        s, cdt = q.shape[2], lse.dtype
-        with _no_autocast(q.device.type):
-            qc, doc = q.to(cdt), dout.to(cdt)
-            delta = (doc * out.to(cdt)).sum(-1)
-            dq = torch.zeros_like(qc)
-            dkv = torch.cat([_block_backward(qc, doc, kv[:, :, :, src * s:(src + 1) * s],
-                                             q_ids=chunk_ids(ctx.cp_rank, ctx.cp), k_ids=chunk_ids(src, ctx.cp),
-                                             lse=lse, delta=delta, dq=dq, documents=ctx.documents)
-                             for src in range(ctx.cp)], dim=3)
+        s = q.shape[2]
+        dout = dout.to(q.dtype).contiguous()
+        dq = torch.zeros_like(q, dtype=lse.dtype)
+        dkv = torch.cat([_block_backward(q, dout, kv[:, :, :, src * s:(src + 1) * s],
+                                         q_ids=chunk_ids(ctx.cp_rank, ctx.cp), k_ids=chunk_ids(src, ctx.cp),
+                                         out=out, lse=lse, dq=dq, documents=ctx.documents, aux=ctx.aux)
+                         for src in range(ctx.cp)], dim=3)
         return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None
 
 
