@@ -84,6 +84,60 @@ def test_folder_of_documents_and_chunking(tmp_path):
         build_index(tmp_path / "docs", tmp_path / "ix", chunk_tokens=4, chunk_overlap=4)
 
 
+def test_a_long_line_without_breaks_is_cut_by_length(tmp_path):
+    """One line of 400k characters (a minified or encoded file) is many chunks of `--chunk-tokens` tokens, a
+    token being at most MAX_TOKEN_CHARS characters: not one chunk far past any prompt."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from meshlm.infer.rag import MAX_TOKEN_CHARS, chunk_document
+
+    rng = random.Random(0)
+    line = "".join(rng.choice("abcdef0123456789") for _ in range(400_000))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "blob.txt").write_text(line + "\n")
+    (tmp_path / "docs" / "prose.md").write_text("# Prose\n" + " ".join(f"w{i}" for i in range(100)))
+    assert main(["rag", "index", str(tmp_path / "docs"), "--out", str(tmp_path / "ix"), "--chunk-tokens", "64",
+                 "--chunk-overlap", "0"]) == 0
+    chunks = [json.loads(x) for x in (tmp_path / "ix" / "chunks.jsonl").read_text().splitlines()]
+    blob = [c["text"] for c in chunks if c["doc_id"] == "blob.txt"]
+    assert len(blob) == -(-len(line) // (64 * MAX_TOKEN_CHARS)) and "".join(blob) == line
+    assert max(len(c) for c in blob) == 64 * MAX_TOKEN_CHARS
+    prose = [c["text"].split() for c in chunks if c["doc_id"] == "prose.md"]  # words, as before
+    assert prose == [["#", "Prose"] + [f"w{i}" for i in range(62)], [f"w{i}" for i in range(62, 100)]]
+    # A tokenizer's one unknown token over a whole line is cut too: after a word where it has spaces.
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "x": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    pieces = chunk_document(line[:10_000], chunk_tokens=8, overlap=2, tokenizer=tok)
+    assert len(pieces) > 50 and max(map(len, pieces)) == 8 * MAX_TOKEN_CHARS
+    tok.pre_tokenizer = None
+    prose = "the quick brown fox jumps over the lazy dog " * 200
+    pieces = chunk_document(prose, chunk_tokens=4, overlap=1, tokenizer=tok)
+    assert len(pieces) > 50 and max(map(len, pieces)) <= 4 * MAX_TOKEN_CHARS
+    assert all(set(p.split()) <= set(prose.split()) for p in pieces), pieces[:3]
+
+
+def test_files_that_are_not_text_are_skipped_in_one_line(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "good.txt").write_text("the amber key hides in the mill")
+    (docs / "nul.txt").write_bytes(b"looks like text\0\0\x01\x02 but is not")
+    (docs / "latin1.md").write_bytes("# Caf\u00e9\nna\u00efve".encode("latin-1"))
+    (docs / "sub" / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    (docs / "utf8.md").write_text("# Caf\u00e9\nna\u00efve text", encoding="utf-8")
+    assert main(["rag", "index", str(docs), "--out", str(tmp_path / "ix")]) == 0
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1, err
+    assert "skipped 3 of the 5" in err and all(name in err for name in ("nul.txt", "latin1.md", "sub/image.txt"))
+    assert "from 2 documents" in out
+    chunks = [json.loads(x) for x in (tmp_path / "ix" / "chunks.jsonl").read_text().splitlines()]
+    assert sorted(c["doc_id"] for c in chunks) == ["good.txt", "utf8.md"] and chunks[1]["title"] == "Caf\u00e9"
+    for name in ("good.txt", "utf8.md"):
+        (docs / name).unlink()
+    assert main(["rag", "index", str(docs), "--out", str(tmp_path / "ix2")]) == 2  # nothing left to index
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no text document" in err[0] and "sub/image.txt" in err[0], err
+
+
 def test_corrupt_or_mismatched_index_is_refused(corpus_index, tmp_path, capsys):
     import shutil
 

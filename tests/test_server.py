@@ -327,3 +327,94 @@ def test_chat_template_errors_are_4xx():
             tok.chat_template, tok._template = "{{ messages[0].content | no_such_filter }}", None
         r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def _keyed_client(api_key=KEY):
+    """A TestClient of an app with `api_key` over an engine that no request here reaches."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from meshlm.infer.server import create_app
+
+    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=None, max_model_len=16), broken=None)
+    return TestClient(create_app(engine, model_name="tiny", api_key=api_key))
+
+
+def test_the_api_schema_needs_the_key_and_there_are_no_docs_pages():
+    client = _keyed_client()
+    r = client.get("/openapi.json")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    schema = client.get("/openapi.json", headers=HEADERS).json()
+    assert "/v1/completions" in schema["paths"] and "/openapi.json" not in schema["paths"]
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):  # not served, with the key or without
+        assert client.get(path).status_code == 404 and client.get(path, headers=HEADERS).status_code == 404, path
+    assert _keyed_client(None).get("/openapi.json").status_code == 200  # no key set: open, as before
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_malformed_headers_are_401(monkeypatch):
+    import hmac
+
+    compared = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    client = _keyed_client()
+    for auth in (f"Bearer {KEY}", f"bearer {KEY}", f"BEARER {KEY}", f"bEaReR   {KEY}"):
+        assert client.get("/v1/models", headers={"Authorization": auth}).status_code == 200, auth
+    assert compared and all(b == KEY.encode() for _, b in compared)  # constant time, never `!=`
+    for auth in ("", "Bearer", "Bearer ", f"Basic {KEY}", KEY, f"Bearer{KEY}", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}",
+                 f"Bearer {KEY} {KEY}", "Bearer wrong", f"Token {KEY}", "bearer\t" + KEY):
+        r = client.get("/v1/models", headers={"Authorization": auth})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (auth, r.text)
+    for raw in (b"Bearer \xff\xfe\x80", b"\xc3\xa9 " + KEY.encode(), b"Bearer " + b"\xff" * 5000):
+        r = client.post("/v1/completions", headers={"Authorization": raw}, json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401, (raw, r.text)
+    # A key outside ASCII: the client sends its UTF-8 bytes.
+    client = _keyed_client("cl\u00e9-\u00fc")
+    ok = client.get("/v1/models", headers={"Authorization": "Bearer cl\u00e9-\u00fc".encode()})
+    assert ok.status_code == 200, ok.text
+    assert client.get("/v1/models", headers={"Authorization": "Bearer cle-u"}).status_code == 401
+
+
+def test_api_key_file(tmp_path, capsys):
+    from meshlm.cli import main
+    from meshlm.cli.serve import build_llm, build_server
+
+    missing, empty, key_file = tmp_path / "missing.key", tmp_path / "empty.key", tmp_path / "api.key"
+    empty.write_text("\n  \nsecond\n")
+    key_file.write_text("  s3cret-from-a-file \nnot this line\n")
+    model = str(tmp_path)
+    for flags, expected in ((["--api-key-file", str(missing)], f"'{missing}': no such file"),
+                            (["--api-key-file", str(empty)], f"'{empty}': its first line is empty"),
+                            (["--api-key-file", str(key_file), "--api-key", "k"], "not both"),
+                            (["--api-key", " "], "--api-key is empty")):
+        assert main(["serve", "--model", model, *flags]) == 2  # refused before any model is read
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], (flags, err)
+    (tmp_path / "tiny").mkdir()
+    model_dir = make_model_dir(tmp_path / "tiny")
+    args = serve_args(model_dir, free_port(), "--api-key-file", str(key_file), "--host", "0.0.0.0")
+    llm = build_llm(args)
+    srv, engine = build_server(args, llm)
+    try:
+        from fastapi.testclient import TestClient
+
+        client = TestClient(srv.config.app)
+        assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret-from-a-file"}).status_code == 200
+        assert client.get("/v1/models").status_code == 401
+        assert srv.meshlm_warning is None  # a key: binding every address is fine
+    finally:
+        engine.stop()
+    srv, engine = build_server(serve_args(model_dir, free_port(), "--host", "0.0.0.0"), llm)
+    engine.stop()
+    assert srv.meshlm_warning.startswith("meshlm serve: warning: listening on 0.0.0.0") and "\n" not in srv.meshlm_warning
+
+
+def test_binding_beyond_loopback_without_a_key_warns():
+    from meshlm.infer.auth import exposure_warning
+
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"):
+        assert exposure_warning(host, None) is None, host
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.com", ""):
+        assert "without an API key" in exposure_warning(host, None), host
+        assert exposure_warning(host, "k") is None

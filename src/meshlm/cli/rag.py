@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from meshlm.cli.common import require_extra
 from meshlm.infer.rag import MODES, RagIndex, build_index
@@ -15,7 +16,8 @@ def add_parser(sub) -> None:
     rag_sub = p.add_subparsers(dest="rag_command", metavar="ACTION", required=True)
     ix = rag_sub.add_parser("index", help="chunk and index documents",
                             description="Index a folder of .txt/.md files or a JSONL file ({\"text\", \"id\"?, "
-                                        "\"title\"?} per line) into the folder --out.")
+                                        "\"title\"?} per line) into the folder --out. Files that are not text "
+                                        "(binary, or not UTF-8) are skipped, named in one line.")
     ix.add_argument("docs", metavar="DOCS", help="folder of .txt/.md files, or a .jsonl file")
     ix.add_argument("--out", required=True, metavar="INDEX", help="index folder to write")
     ix.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
@@ -36,7 +38,8 @@ def run(args) -> int:
     require_extra("rag", "bm25s")
     if args.rag_command == "index":
         meta = build_index(args.docs, args.out, chunk_tokens=args.chunk_tokens, chunk_overlap=args.chunk_overlap,
-                           tokenizer_dir=args.tokenizer, embed_model=args.embed_model, overwrite=args.overwrite)
+                           tokenizer_dir=args.tokenizer, embed_model=args.embed_model, overwrite=args.overwrite,
+                           log=lambda line: print(f"meshlm rag index: {line}", file=sys.stderr, flush=True))
         print(f"wrote {args.out}: {meta['num_chunks']} chunks of {meta['chunk_tokens']} tokens from "
               f"{meta['num_documents']} documents (bm25{' + dense' if meta['dense'] else ''})")
         return 0

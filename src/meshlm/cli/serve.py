@@ -7,6 +7,7 @@ from pathlib import Path
 
 from meshlm.cli.common import in_process_group, require_extra, serving_ranks
 from meshlm.cli.generate import add_speculative_arguments, speculative_config
+from meshlm.infer.auth import api_key_of, exposure_warning
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.launch import run_torchrun
 
@@ -20,7 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint except /health")
+                   help="require 'Authorization: Bearer KEY' on every endpoint except /health (`ps` shows it: "
+                        "prefer --api-key-file)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="as --api-key, the key being the first line of PATH")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="largest request body accepted, in MiB (default 16); larger ones get 413")
     p.add_argument("--quiet", action="store_true",
@@ -57,6 +61,7 @@ def run(args) -> int:
 
     ranks = serving_ranks(args)
     speculative_config(args)  # refused here, before any rank starts
+    api_key_of(args.api_key, args.api_key_file)  # likewise
     if ranks == 1:
         return serve_here(args)
     if not launched_ranks():
@@ -87,6 +92,7 @@ def build_server(args, llm=None):
 
     from meshlm.infer.server import AsyncEngine, create_app
 
+    api_key = api_key_of(args.api_key, args.api_key_file)
     llm = llm or build_llm(args)
     engine = AsyncEngine(llm.engine)
     name = args.served_model_name or Path(args.model).resolve().name
@@ -100,12 +106,13 @@ def build_server(args, llm=None):
 
         rag_index = RagIndex.load(args.rag)
     log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
-    app = create_app(engine, model_name=name, api_key=args.api_key,
+    app = create_app(engine, model_name=name, api_key=api_key,
                      max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log, rag_index=rag_index,
                      rag_top_k=args.rag_top_k)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     server.meshlm_model_name = name  # the id clients must send, for the banner
+    server.meshlm_warning = exposure_warning(args.host, api_key)  # for the banner: reachable without a key
     return server, engine
 
 
@@ -132,6 +139,8 @@ def serve_here(args) -> int:
         server, engine = build_server(args, llm)
         print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
         print(kv_banner(llm.engine.stats(), block_size=args.block_size, tp=args.tp, cp=args.cp), flush=True)
+        if server.meshlm_warning is not None:
+            print(server.meshlm_warning, flush=True)
         spec = llm.engine.speculative
         if spec is not None:
             by = f"the draft model {spec.model}" if spec.method == "draft" else f"n-gram lookup (n from {spec.ngram[1]} down to {spec.ngram[0]})"

@@ -1,9 +1,10 @@
 """Retrieval-augmented generation: build a passage index from documents, search it, and put the passages
 found before a prompt.
 
-Responsible for: reading documents (a folder of .txt/.md files, or a JSONL file of {"text", "id"?,
-"title"?}); cutting them into chunks of `chunk_tokens` tokens overlapping by `chunk_overlap` (tokens of a
-model's tokenizer.json when given, else whitespace-separated words); a lexical BM25 index (the `bm25s`
+Responsible for: reading documents (a folder of .txt/.md files, those that are not text skipped, or a JSONL
+file of {"text", "id"?, "title"?}); cutting them into chunks of `chunk_tokens` tokens overlapping by
+`chunk_overlap` (tokens of a model's tokenizer.json when given, else whitespace-separated words; a token longer
+than MAX_TOKEN_CHARS counts as pieces, so that a line without breaks is cut too); a lexical BM25 index (the `bm25s`
 package, extra `rag`) and optionally a dense one over embeddings from a local Hugging Face encoder folder
 (mean-pooled, L2-normalised; searched with `faiss-cpu` when installed, else numpy: the same exact inner
 product either way); saving and loading the index as plain files (JSON, JSONL, .npy; no pickle) with a
@@ -51,6 +52,11 @@ MODES = ("bm25", "dense", "hybrid")
 _STOPWORDS = frozenset("a an and are as at be by for from has have he her his i in is it its of on or that the "
                        "their them they this to was were what when where which who why will with you your".split())
 _WORD = re.compile(r"\w+", re.UNICODE)
+# The chunker's tokens are at most this many characters: a longer one is cut into pieces, each counted as a token,
+# so that a chunk of `chunk_tokens` tokens stays short whatever the text (one line of megabytes without spaces).
+MAX_TOKEN_CHARS = 16
+_UP_TO_LAST_WORD = re.compile(r".*\S(?=\s)", re.DOTALL)
+_SPACES = re.compile(r"\s*")
 
 
 class RagIndexError(ValueError):
@@ -98,19 +104,32 @@ def augment_messages(messages: list[dict], block: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_documents(path: str | Path) -> list[dict]:
-    """[{"id", "title", "text"}] from a folder of .txt/.md files (sorted, recursive) or a .jsonl file."""
+def read_documents(path: str | Path, *, log=None) -> list[dict]:
+    """[{"id", "title", "text"}] from a folder of .txt/.md files (sorted, recursive) or a .jsonl file.
+
+    Files of a folder that are not text (a NUL byte in their first 8 KiB, or not UTF-8) are skipped:
+    `log(line)`, when given, gets one line naming them."""
     path = Path(path)
     docs = []
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in (".txt", ".md") and p.is_file())
         if not files:
             raise ValueError(f"{path} holds no .txt or .md file; give a folder of documents or a .jsonl file")
+        skipped = []
         for f in files:
-            text = f.read_text(encoding="utf-8", errors="replace")
+            text = _text_of(f)
+            if text is None:
+                skipped.append(f.relative_to(path).as_posix())
+                continue
             heading = re.search(r"^#\s+(.+)$", text, re.MULTILINE) if f.suffix.lower() == ".md" else None
             docs.append({"id": f.relative_to(path).as_posix(), "title": heading.group(1).strip() if heading else f.stem,
                          "text": text})
+        note = (f"{len(skipped)} of the {len(files)} .txt/.md files, not text (binary or not UTF-8): "
+                f"{', '.join(skipped)}")
+        if not docs:
+            raise ValueError(f"{path} holds no text document: {note}")
+        if skipped and log is not None:
+            log(f"skipped {note}")
     elif path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
@@ -135,15 +154,46 @@ def read_documents(path: str | Path) -> list[dict]:
     return docs
 
 
+def _text_of(file: Path) -> str | None:
+    """A document file's text, or None when it is not text: a NUL byte in its first 8 KiB, or not UTF-8."""
+    data = file.read_bytes()
+    if b"\0" in data[:8192]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def _spans(text: str, tokenizer) -> list[tuple[int, int]]:
-    """Character span of each token: the tokenizer's (a `tokenizers.Tokenizer`), or whitespace words."""
+    """Character span of each token: the tokenizer's (a `tokenizers.Tokenizer`), or whitespace words; a
+    token longer than MAX_TOKEN_CHARS (a line without spaces, a tokenizer's unknown run) counts as pieces."""
     if tokenizer is None:
-        return [m.span() for m in re.finditer(r"\S+", text)]
-    return [span for span in tokenizer.encode(text, add_special_tokens=False).offsets if span[1] > span[0]]
+        spans = [m.span() for m in re.finditer(r"\S+", text)]
+    else:
+        spans = [span for span in tokenizer.encode(text, add_special_tokens=False).offsets if span[1] > span[0]]
+    if all(end - start <= MAX_TOKEN_CHARS for start, end in spans):
+        return spans
+    return [piece for start, end in spans for piece in _pieces(text, start, end)]
+
+
+def _pieces(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """text[start:end] as spans of at most MAX_TOKEN_CHARS characters, each cut after its last word where it
+    has whitespace, else at the limit."""
+    pieces = []
+    while end - start > MAX_TOKEN_CHARS:
+        words = _UP_TO_LAST_WORD.match(text, start, start + MAX_TOKEN_CHARS)
+        cut = words.end() if words else start + MAX_TOKEN_CHARS
+        pieces.append((start, cut))
+        start = _SPACES.match(text, cut, end).end()
+    if start < end:
+        pieces.append((start, end))
+    return pieces
 
 
 def chunk_document(text: str, *, chunk_tokens: int, overlap: int, tokenizer=None) -> list[str]:
-    """Consecutive windows of `chunk_tokens` tokens, each starting `chunk_tokens - overlap` after the last."""
+    """Consecutive windows of `chunk_tokens` tokens, each starting `chunk_tokens - overlap` after the last
+    (a token being at most MAX_TOKEN_CHARS characters)."""
     spans = _spans(text, tokenizer)
     chunks = []
     for start in range(0, max(len(spans), 1), chunk_tokens - overlap):
@@ -218,8 +268,9 @@ def _bm25(tokens: list[list[str]]):
 
 def build_index(docs_path: str | Path, out: str | Path, *, chunk_tokens: int = 256, chunk_overlap: int = 32,
                 tokenizer_dir: str | Path | None = None, embed_model: str | Path | None = None,
-                overwrite: bool = False) -> dict:
-    """Chunk the documents, index them, write the index folder; returns its meta.json content."""
+                overwrite: bool = False, log=None) -> dict:
+    """Chunk the documents, index them, write the index folder; returns its meta.json content. `log(line)`,
+    when given, hears of document files skipped as not text."""
     if chunk_tokens < 1:
         raise ValueError(f"--chunk-tokens={chunk_tokens} must be >= 1")
     if not 0 <= chunk_overlap < chunk_tokens:
@@ -235,7 +286,7 @@ def build_index(docs_path: str | Path, out: str | Path, *, chunk_tokens: int = 2
         if not tok_file.is_file():
             raise ValueError(f"--tokenizer {str(tokenizer_dir)!r} has no tokenizer.json; give a model folder")
         tokenizer, tokenizer_name = Tokenizer.from_file(str(tok_file)), f"tokenizer.json sha256:{sha256_file(tok_file)}"
-    docs = read_documents(docs_path)
+    docs = read_documents(docs_path, log=log)
     chunks = []
     for d in docs:
         for i, text in enumerate(chunk_document(d["text"], chunk_tokens=chunk_tokens, overlap=chunk_overlap,

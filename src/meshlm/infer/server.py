@@ -5,7 +5,8 @@ each, streamed as server-sent events (with logprobs per chunk) or not (the answe
 `infer/responses.py`'s); GET /v1/models, /health and /metrics (Prometheus text); answering bad input with a
 4xx and an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`, the checks in
 `infer/requests.py`) while the other requests go on; aborting the requests of a client that hangs up; an
-optional API key (`Authorization: Bearer KEY`, every endpoint but /health); one log line per request; retrieval-augmented requests (`"rag"`, with an
+optional API key (`Authorization: Bearer KEY`, `infer/auth.py`: every endpoint but /health, /openapi.json
+included; /docs and /redoc are not served); one log line per request; retrieval-augmented requests (`"rag"`, with an
 index from `meshlm.infer.rag`: retrieval runs in worker threads, the passages go before the prompt and
 the response lists them as `retrieved`); running the engine in one background thread that requests are
 queued to (`AsyncEngine`).
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from meshlm.comm import CollectiveError
+from meshlm.infer.auth import APIKey
 from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
@@ -230,7 +232,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-    app = FastAPI(title="meshlm", docs_url=None, redoc_url=None)
+    # No /docs or /redoc (they would load scripts from a CDN); /openapi.json is served below, behind the key.
+    app = FastAPI(title="meshlm", docs_url=None, redoc_url=None, openapi_url=None)
     if log is not None:
         app.add_middleware(_AccessLog, log=log)
     api = _Completions(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
@@ -265,6 +268,11 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                                             "owned_by": "meshlm",
                                             "max_model_len": engine.engine.max_model_len}]}
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request):
+        api.check_key(request)
+        return JSONResponse(app.openapi())
+
     @app.get("/health")
     async def health():
         if engine.broken is not None:
@@ -287,7 +295,7 @@ class _Completions:
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, api_key: str | None, max_body_bytes: int,
                  rag_index, rag_top_k: int):
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.engine, self.model_name, self.api_key = engine, model_name, APIKey(api_key)
         self.max_body_bytes = max_body_bytes
         self.tokenizer = engine.engine.tokenizer
         self.rag_index, self.rag_top_k = rag_index, rag_top_k
@@ -324,9 +332,7 @@ class _Completions:
     # ---- the request ---------------------------------------------------------------------------
 
     def check_key(self, request) -> None:
-        if self.api_key is not None and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", type_="authentication_error")
+        self.api_key.check(request)
 
     async def read_body(self, request) -> dict:
         self.check_key(request)
