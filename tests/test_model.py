@@ -44,6 +44,22 @@ def test_init_values_follow_the_rules():
     assert model.layers["1"].mlp.w_down.weight.std() < model.layers["1"].mlp.w_up.weight.std()
 
 
+def test_any_rows_of_an_initial_value_are_the_whole_values_rows(monkeypatch):
+    """Random initial values come in blocks of rows, each from its own stream: rows [a, b) drawn alone (what a
+    rank holding them draws) equal the whole value's, across block boundaries, for 1-, 2- and 3-d parameters."""
+    from meshlm.models import transformer
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_ELEMENTS", 100)  # blocks of 2 rows of 48, 4 of 24, ...
+    config = ModelConfig(**DENSE)
+    for name, shape in (("layers.0.mlp.w_down.weight", (32, 48)), ("embed.weight", (7, 24)),
+                        ("layers.0.moe.w_up", (4, 8, 12)), ("layers.0.attn.wq.weight", (3, 200))):
+        whole = init_param(name, shape, config, seed=3)
+        assert whole.shape == shape
+        for a, b in ((0, 1), (1, 2), (1, 6), (5, shape[0]), (0, shape[0]), (2, 2)):
+            a, b = min(a, shape[0]), min(b, shape[0])
+            assert torch.equal(init_param(name, shape, config, seed=3, rows=(a, b)), whole[a:b]), (name, a, b)
+
+
 def test_tied_embeddings_share_one_tensor():
     config = ModelConfig(**DENSE, tie_embeddings=True)
     model = build_model(config, seed=0, dtype=torch.bfloat16)

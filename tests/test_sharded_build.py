@@ -7,8 +7,8 @@ values only to what it holds, and those values are the single-device model's.
   run through the same construction and compare whole runs to one process in fp64.)
 - Memory: with each rank's address space limited to 3.3 GB -- less than the process plus the whole fp32 model
   of ~0.7B parameters (2.9 GB) -- building that model whole fails on every rank, and one training step of it
-  under ZeRO-3 on 8 ranks runs (~2.5 minutes on 2 cores: every rank draws every initial value, and the
-  blocks travel through gloo on loopback).
+  under ZeRO-3 on 8 ranks runs (each rank draws the initial values of its own shard only; the blocks travel
+  through gloo on loopback).
 """
 
 from __future__ import annotations

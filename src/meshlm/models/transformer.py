@@ -295,20 +295,43 @@ def param_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def init_param(name: str, shape: torch.Size | tuple[int, ...], config: ModelConfig, seed: int) -> torch.Tensor:
-    """The full initial value of parameter `name` (a rank slices its shard out of it)."""
+INIT_BLOCK_ELEMENTS = 1 << 20  # random initial values come in blocks of whole rows of about this many elements
+
+
+def init_rows_per_block(shape) -> int:
+    """Rows (along dim 0) in one block of a parameter's random initial values."""
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return max(1, INIT_BLOCK_ELEMENTS // max(row, 1))
+
+
+def init_param(name: str, shape: torch.Size | tuple[int, ...], config: ModelConfig, seed: int,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The initial value of parameter `name`: whole, or rows [start, stop) of it along dim 0 (`rows`).
+
+    Random values are drawn in blocks of whole rows (`init_rows_per_block`), block i from its own (seed, name, i)
+    stream, so a rank that holds some rows draws only their blocks -- a ZeRO-3 shard, a row-split TP slice, a
+    pipeline stage's layers -- and the values are the same whoever draws them."""
     if name == "lm_head.weight" and config.tie_embeddings:
         name = "embed.weight"  # one weight: a pipeline's last stage, which holds only the head, starts from it too
+    shape = tuple(shape)
+    start, stop = rows if rows is not None else (0, shape[0] if shape else 1)
+    part = (stop - start, *shape[1:]) if shape else ()
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(part)
     if leaf == "bias":
-        return torch.zeros(shape)
+        return torch.zeros(part)
     std = config.init_std
     # Output projections of residual branches are scaled down with depth (GPT-2 / Megatron style).
     if any(name.endswith(s) for s in ("wo.weight", "w_down.weight", "w_down")):
         std = std / math.sqrt(2 * config.num_layers)
-    return torch.randn(shape, generator=param_generator(seed, name)) * std
+    if not shape:
+        return torch.randn((), generator=param_generator(seed, name)) * std
+    per = init_rows_per_block(shape)
+    first, last = start // per, max(start, stop - 1) // per
+    blocks = [torch.randn((min(per, shape[0] - i * per), *shape[1:]), generator=param_generator(seed, f"{name}#{i}"))
+              for i in range(first, last + 1)]
+    return torch.cat(blocks)[start - first * per:stop - first * per] * std
 
 
 @torch.no_grad()

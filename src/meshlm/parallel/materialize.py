@@ -2,9 +2,10 @@
 
 Responsible for: where a rank's shard sits in a full tensor (`placement`: from the `_meshlm_shard = (axis, dim)`
 tag every strategy puts on what it splits; checkpoints place their pieces by the same rule), the value of
-a rank's shard of one parameter at initialisation (`ShardInit`: the full tensor from the model's (seed, name)
-stream, `models.transformer.init_param`, then the rank's rectangle of it -- the same numbers the
-single-device model has there), and `materialize`, which turns the meta-device parameters the transforms
+a rank's shard of one parameter at initialisation (`ShardInit`: the rows of the full value that hold the rank's
+rectangle, drawn alone from the model's per-(seed, name, block of rows) streams, `models.transformer.init_param`,
+then the rectangle -- the same numbers the single-device model has there; a ZeRO-3 flat shard asks for the
+element range it holds, `flat_range`), and `materialize`, which turns the meta-device parameters the transforms
 left into real ones on the rank's device: filled, or "hollow" (right shape, no storage) for ZeRO-3, which
 fills its flat shard unit by unit from the same `ShardInit` and never holds a whole parameter set.
 Not responsible for: the splits themselves (each strategy's file) or the initial values (models/).
@@ -12,11 +13,14 @@ Not responsible for: the splits themselves (each strategy's file) or the initial
 Why: the models that need ZeRO-3, tensor or pipeline parallelism are the ones that cannot be built whole on
 every rank. `build_model(..., materialize=False)` gives the model on the meta device (shapes, no memory);
 `parallelize(..., init=ShardInit(...))` applies the transforms to it and calls `materialize`, so a rank's
-peak is its shards plus one full parameter at a time (the one being cut).
+peak is its shards plus the rows of one parameter at a time, and the values it draws are about what it holds:
+rows for a ZeRO-3 shard, a row-split (dim 0) tensor-parallel slice or an expert slice; whole rows where tensor
+parallelism splits columns.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +53,24 @@ class ShardInit:
 
     @torch.no_grad()
     def __call__(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        return self.rows(name, param, 0, param.shape[0] if param.dim() else 1)
+
+    @torch.no_grad()
+    def rows(self, name: str, param: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) (along dim 0) of this rank's part of parameter `name`, drawing only those rows of
+        the full value (`init_param`'s blocks)."""
         full_shape, offsets = placement(param.shape, getattr(param, "_meshlm_shard", None), self.mesh)
-        full = init_param(name, full_shape, self.config, self.seed)
-        part = full[tuple(slice(o, o + n) for o, n in zip(offsets, param.shape))]
+        if not full_shape:
+            return init_param(name, full_shape, self.config, self.seed).to(device=self.device, dtype=self.dtype)
+        rows = init_param(name, full_shape, self.config, self.seed, rows=(offsets[0] + start, offsets[0] + stop))
+        part = rows[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], param.shape[1:])))]
         return part.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def flat_range(self, name: str, param: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of this rank's part of parameter `name`, flattened (a ZeRO-3 shard's piece)."""
+        row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
+        first, last = start // row, (end - 1) // row + 1
+        return self.rows(name, param, first, last).reshape(-1)[start - first * row:end - first * row]
 
 
 @torch.no_grad()

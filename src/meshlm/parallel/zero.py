@@ -181,21 +181,19 @@ class ZeroSharding(GradientBuckets):
         # `clip_grad_norm([param_shard], ...)` clips exactly what the optimizer steps on. A model built sharded
         # (`init`, ZeRO-3: parameters without storage) takes each unit's values from `init`, one unit at a time.
         self.param_shard = nn.Parameter(self.local_shard(
-            (lambda b, i, p: init(b.names[i], p)) if init is not None else (lambda b, i, p: p.detach())),
+            init.flat_range if init is not None else (lambda name, p, start, end: p.detach().reshape(-1)[start:end])),
             requires_grad=False)
         # Elements of TP-sharded parameters (None without tensor parallelism): the norm sums them over tp.
         self.tp_sharded = None
         if mesh.size("tp") > 1:
             self.tp_sharded = self.local_shard(  # padding: False (its gradient is zero)
-                lambda b, i, p: torch.full(p.shape, float(getattr(p, "_meshlm_shard", (None,))[0] == "tp"),
-                                           dtype=p.dtype, device=p.device)).bool()
+                lambda name, p, start, end: float(getattr(p, "_meshlm_shard", (None,))[0] == "tp")).bool()
         # Elements the gradient norm skips (None: none): a tied head's copy of the embedding under pp, counted
         # on the first stage (`tied.TiedEmbedding`).
         self.uncounted = None
         if any(getattr(p, "_meshlm_tied_copy", False) for b in buckets for p in b.params):
             self.uncounted = self.local_shard(
-                lambda b, i, p: torch.full(p.shape, float(getattr(p, "_meshlm_tied_copy", False)),
-                                           dtype=p.dtype, device=p.device)).bool()
+                lambda name, p, start, end: float(getattr(p, "_meshlm_tied_copy", False))).bool()
         if stage == 3:
             self.gather_mesh = mesh.duplicate(self.shard_axis)  # the parameter gathers' own groups (see the module doc)
             if pipeline_chunks is None:
@@ -432,10 +430,14 @@ class ZeroSharding(GradientBuckets):
 
     @torch.no_grad()
     def local_shard(self, value_of) -> torch.Tensor:
-        """This rank's flat shard of one full tensor per parameter, `value_of(bucket, i, param)` (None: zeros),
-        asked for one bucket at a time (a bucket's full tensors are dropped once its chunk is cut)."""
-        return torch.cat([self.my_chunk(b, b.flat(value_of(b, i, p) for i, p in enumerate(b.params))).clone()
-                          for b in self.buckets])
+        """This rank's flat shard, in the parameters' dtype: `value_of(name, param, start, end)` gives elements
+        [start, end) of a parameter, flattened, for each part the shard holds (`param_ranges`); the padding is
+        zeros. Only this rank's elements are asked for, so a model built sharded draws only what it holds."""
+        p0 = self.buckets[0].params[0]
+        shard = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
+        for name, p, start, end, at in self.param_ranges():
+            shard[at:at + end - start] = value_of(name, p, start, end)
+        return shard
 
     @torch.no_grad()
     def gather_full(self, flat_shard: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -456,7 +458,7 @@ class ZeroSharding(GradientBuckets):
             comm.broadcast(flat, self.mesh, self.data_axis, src=0)
             for i, p in enumerate(b.params):
                 p.copy_(b.unflat(flat, i))
-        self.param_shard.copy_(self.local_shard(lambda b, i, p: p.detach()))
+        self.param_shard.copy_(self.local_shard(lambda name, p, start, end: p.detach().reshape(-1)[start:end]))
 
     # -- the bucket engine: a reduce-scatter into this rank's gradient shard per bucket ----------
 
