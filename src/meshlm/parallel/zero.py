@@ -431,12 +431,15 @@ class ZeroSharding(GradientBuckets):
     @torch.no_grad()
     def local_shard(self, value_of) -> torch.Tensor:
         """This rank's flat shard, in the parameters' dtype: `value_of(name, param, start, end)` gives elements
-        [start, end) of a parameter, flattened, for each part the shard holds (`param_ranges`); the padding is
-        zeros. Only this rank's elements are asked for, so a model built sharded draws only what it holds."""
+        [start, end) of a parameter, flattened (None: zeros), for each part the shard holds (`param_ranges`); the
+        padding is zeros. Only this rank's elements are asked for, so a model built sharded draws only what it
+        holds."""
         p0 = self.buckets[0].params[0]
         shard = torch.zeros(self.shard_numel, dtype=p0.dtype, device=p0.device)
         for name, p, start, end, at in self.param_ranges():
-            shard[at:at + end - start] = value_of(name, p, start, end)
+            value = value_of(name, p, start, end)
+            if value is not None:
+                shard[at:at + end - start] = value
         return shard
 
     @torch.no_grad()
