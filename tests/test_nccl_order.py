@@ -11,12 +11,14 @@ and has no tags. So a communication order can pass every gloo test and hang on i
 - real multi-rank training runs recorded op by op (`CommStats(keep_trace=True)`): every pipeline schedule at
   pp 2 and 4 (chunks 1-2), training and validation; ring and all-gather context parallelism, forward and
   backward (the ring also with document masking: the same ops); ZeRO-3 with its two communicators (also
-  under pp=2), tensor parallelism, expert all-to-all, a checkpoint save (what goes through `meshlm.comm`;
-  DCP's own collectives do not);
+  under pp=2), tensor parallelism, expert all-to-all, a checkpoint saved and loaded back (with DCP's and the
+  checkpoint's own object collectives and barriers, which bypass `meshlm.comm`, recorded beside);
 - tp, cp and tp x cp serving: prefill chunks, decodes, the cp ring and split-KV, the driver's broadcasts.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from dist import run_distributed
 from meshlm.nccl_order import TracedOp, TracedWait, replay
@@ -177,8 +179,41 @@ LAYOUTS = {  # name -> (world size, overrides)
 }
 
 
+OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "barrier")
+
+
+@contextlib.contextmanager
+def _recording_object_collectives(stats):
+    """torch.distributed's object collectives and barriers -- the checkpoint's and DCP's own, which bypass
+    `meshlm.comm` -- recorded into `stats`' trace as blocking collectives on their process group (on NCCL each
+    is one or two collectives on that group's communicator; their sizes differ by rank, so none is recorded)."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
+
+    def recorded(name):
+        def call(*args, **kwargs):
+            group = kwargs.get("group") or kwargs.get("process_group") or dist.group.WORLD
+            ranks = tuple(dist.get_process_group_ranks(group))
+            index = stats.trace_op(TracedOp(f"{group.group_name}:{','.join(map(str, ranks))}", ranks, name,
+                                            axis="world" if group is dist.group.WORLD else ""))
+            result = originals[name](*args, **kwargs)
+            stats.trace_wait(index)
+            return result
+        return call
+
+    try:
+        for name in OBJECT_COLLECTIVES:
+            setattr(dist, name, recorded(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def _record(rank, world_size, corpus, root, layouts):
-    """Per layout: one training step, one validation pass and a checkpoint, every op recorded."""
+    """Per layout: one training step, one validation pass, a checkpoint saved and loaded back, every op recorded
+    (DCP's and the checkpoint's object collectives too)."""
     from meshlm.config import load_config
     from meshlm.train.trainer import Trainer
     from runs import SMALL_MODEL
@@ -191,9 +226,11 @@ def _record(rank, world_size, corpus, root, layouts):
         stats = trainer.mesh.stats
         stats.reset()
         stats.keep_trace = True
-        trainer.train_step()
-        trainer.evaluate()
-        trainer.save()
+        with _recording_object_collectives(stats):
+            trainer.train_step()
+            trainer.evaluate()
+            path = trainer.save()
+            trainer.load(path)
         out[name] = list(stats.trace)
         stats.keep_trace = False
     return out
@@ -218,6 +255,8 @@ def test_real_runs_replay_under_nccls_rules(tmp_path, text_file):
     zero3_groups = {op.group for op in ops["zero3 dp4"] if op.axis == "dp_shard"}
     assert len(zero3_groups) >= 2, zero3_groups
     assert any(op.op == "all_to_all" and op.axis == "ep" for op in ops["ep2 x dp2 moe"])
+    # the checkpoint's and DCP's own collectives were seen, in the same order on every rank
+    assert all({op.op for op in ops[name]} & set(OBJECT_COLLECTIVES) for name in LAYOUTS)
 
 
 SERVING = {2: {"tp2": (2, 1), "cp2": (1, 2)}, 4: {"tp2 x cp2": (2, 2)}}  # world size -> name -> (tp, cp)

@@ -60,6 +60,7 @@ PAIRS = [  # (save under, resume under)
     ("tp2", "dp2"),
     ("tp2_zero2_dp2", "pp2"),
     ("pp2", "tp2"),
+    ("pp2", "pp2"),  # the last stage's optimizer groups: the checkpoint's name the first stage's parameters
     ("cp2_ring", "dp2"),
     ("dp2", "cp2_dp2"),
     ("moe_ep2", "moe_1proc"),

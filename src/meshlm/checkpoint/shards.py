@@ -265,7 +265,21 @@ def after_load(state: dict, *, model: nn.Module, optimizer: torch.optim.Optimize
         set_model_state_dict(model, unwrap(state["model"]))
     else:
         set_state_dict(model, optimizer, model_state_dict=unwrap(state["model"]),
-                       optim_state_dict=unwrap(state["optim"]))
+                       optim_state_dict=_own_groups(unwrap(state["optim"]), model, optimizer))
+
+
+def _own_groups(optim: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The loaded optimizer state with each param group listing this rank's own parameters: a checkpoint keeps
+    one rank's param groups (DCP writes a non-tensor value once), whose parameters under pipeline parallelism
+    are another stage's, and torch then rebuilds groups without their hyperparameters. Groups match by index
+    (every optimizer here has the same groups: decayed, not decayed); the hyperparameters are the checkpoint's."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    loaded = optim.get("param_groups")
+    current = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    if not loaded or len(loaded) != len(current):
+        return optim
+    return {**optim, "param_groups": [{**old, "params": now["params"]} for old, now in zip(loaded, current)]}
 
 
 # --------------------------------------------------------------------------------------------
