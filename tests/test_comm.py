@@ -261,3 +261,41 @@ def test_one_process_mesh_needs_no_process_group():
     mesh = build_mesh(ParallelDims(), device_type="cpu")
     assert mesh.world_size == 1 and mesh.group("dp") is None and mesh.size("dp") == 1
     check_size_one_axis(mesh, "tp")
+
+
+class _Marker:
+    """A stand-in device clock (what a CUDA event is to `CommStats.device_clock`): each marker is one second after
+    the previous one."""
+
+    now = 0.0
+
+    def __init__(self):
+        _Marker.now += 1.0
+        self.t = _Marker.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, later) -> float:
+        return (later.t - self.t) * 1e3  # ms, as CUDA's
+
+
+def _device_clock_worker(rank, world_size):
+    from meshlm.comm_stats import CommStats
+    from meshlm.mesh import ParallelDims, build_mesh
+
+    stats = CommStats(device_clock=_Marker)
+    mesh = build_mesh(ParallelDims(), device_type="cpu", stats=stats)
+    t = torch.ones(4)
+    comm.all_reduce(t, mesh, "dp")  # markers 1 and 2: a second
+    comm.all_reduce(t, mesh, "dp", async_op=True).wait()  # markers 3 and 4: a second
+    peer = 1 - rank
+    comm.batch_isend_irecv([comm.P2P("send", t, peer), comm.P2P("recv", torch.empty(4), peer)], mesh, "dp").wait()
+    pending = len(stats.spans)
+    return pending, stats.total(op="all_reduce").seconds, stats.total(op="recv").seconds, stats.total(op="send").seconds
+
+
+def test_on_a_device_clock_collective_seconds_are_the_devices_spans_read_once_per_summary():
+    for pending, all_reduce, recv, send in run_distributed(_device_clock_worker, 2):
+        assert pending == 3  # nothing read in the hot loop
+        assert (all_reduce, recv, send) == (2.0, 1.0, 0.0)  # the markers' spans, no host time beside

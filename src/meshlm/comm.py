@@ -72,8 +72,9 @@ class CommHandle:
 
     def __init__(self, works: Sequence, stats: CommStats, op: str, axis: str, result=None,
                  finalize: Callable | None = None, where: tuple[int, list[int]] | None = None,
-                 traced: int | None = None):
+                 traced: int | None = None, issued=None):
         self._works = [w for w in works if w is not None]
+        self._issued = issued  # a device marker before the call was issued (`CommStats.device_clock`), or None
         self._stats, self._op, self._axis = stats, op, axis
         self._result, self._finalize = result, finalize
         self._where = where  # (this rank, the group's global ranks), for an error that names them
@@ -88,7 +89,10 @@ class CommHandle:
                     w.wait()
             except RuntimeError as e:  # torch's DistBackendError is one
                 raise _failed(e, self._where, self._op, self._axis, time.perf_counter() - start) from e
-            self._stats.add_seconds(self._op, self._axis, time.perf_counter() - start)
+            if self._issued is not None:  # a GPU: the device's span from the issue to the end of the wait
+                self._stats.add_span(self._op, self._axis, self._issued, self._stats.mark())
+            else:
+                self._stats.add_seconds(self._op, self._axis, time.perf_counter() - start)
             self._stats.trace_wait(self._traced)
             if self._finalize is not None:
                 self._result = self._finalize()
@@ -144,16 +148,19 @@ def _run(mesh: Mesh, axis: str, op: str, nbytes: int, call: Callable, async_op: 
     traced = _traced(mesh, axis, group, "p2p" if peer is not None else op, nbytes,
                      ((op, peer, nbytes, 0),) if peer is not None else ())
     mesh.stats.begin(collective=peer is None)  # a step's first collective: its arrival (meshlm.stragglers)
+    issued = mesh.stats.mark()
     start = time.perf_counter()
     try:
         works = call(group)
     except RuntimeError as e:  # torch's DistBackendError is one
         raise _failed(e, (mesh.rank, mesh.ranks(axis)), op, axis, time.perf_counter() - start) from e
-    mesh.stats.record(op, axis, nbytes, time.perf_counter() - start)
+    mesh.stats.record(op, axis, nbytes, time.perf_counter() - start if issued is None else 0.0)
     if async_op:
         works = works if isinstance(works, list) else [works]
         return CommHandle(works, mesh.stats, op, axis, result, finalize, where=(mesh.rank, mesh.ranks(axis)),
-                          traced=traced)
+                          traced=traced, issued=issued)
+    if issued is not None:  # the current stream waited for the collective: its span ends here
+        mesh.stats.add_span(op, axis, issued, mesh.stats.mark())
     mesh.stats.trace_wait(traced)
     return finalize() if finalize is not None else result
 
@@ -343,13 +350,15 @@ def batch_isend_irecv(ops: Sequence[P2P], mesh: Mesh, axis: str) -> CommHandle:
         return _done(None, True)
     traced = _traced(mesh, axis, group, "p2p", p2p=tuple((op.kind, _peer(mesh, axis, op.peer), _nbytes(op.tensor),
                                                           op.tag) for op in ops))
+    issued = mesh.stats.mark()
     start = time.perf_counter()
     works = dist.batch_isend_irecv(p2p_ops)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start if issued is None else 0.0
     for i, op in enumerate(ops):
         mesh.stats.record(op.kind, axis, _nbytes(op.tensor), seconds if i == 0 else 0.0)
     wait_op = "recv" if any(op.kind == "recv" for op in ops) else "send"
-    return CommHandle(works, mesh.stats, wait_op, axis, None, where=(mesh.rank, mesh.ranks(axis)), traced=traced)
+    return CommHandle(works, mesh.stats, wait_op, axis, None, where=(mesh.rank, mesh.ranks(axis)), traced=traced,
+                      issued=issued)
 
 
 # --------------------------------------------------------------------------------------------

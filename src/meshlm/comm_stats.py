@@ -59,6 +59,27 @@ class CommStats:
     done_at: float | None = field(default=None, repr=False)
     on_first: Callable[[float | None], None] | None = field(default=None, repr=False)
 
+    # On a GPU the host only queues a collective, so host time says nothing of its duration: there a
+    # `device_clock()` records a marker on the current stream and returns it (a CUDA event: `.synchronize()`,
+    # `.elapsed_time(later)` in ms), each call's seconds are the span between a marker before it is issued and one
+    # after its wait, and the spans are read when the counts are (once per step), not in the hot loop.
+    device_clock: Callable[[], object] | None = field(default=None, repr=False)
+    spans: list = field(default_factory=list, repr=False)
+
+    def mark(self):
+        """A device marker now (None without a device clock: host time is counted instead)."""
+        return self.device_clock() if self.device_clock is not None else None
+
+    def add_span(self, op: str, axis: str, start, end) -> None:
+        self.spans.append((op, axis, start, end))
+        self.done_at = time.perf_counter()
+
+    def _settle(self) -> None:
+        for op, axis, start, end in self.spans:
+            end.synchronize()
+            self.ops[(op, axis)].seconds += start.elapsed_time(end) / 1e3
+        self.spans.clear()
+
     def begin(self, *, collective: bool) -> None:
         """A call is about to be issued (`collective`: not a point-to-point send or receive); the first
         collective since `reset` tells `on_first` the seconds since the latest call completed (None: none has)."""
@@ -97,15 +118,18 @@ class CommStats:
     def reset(self) -> None:
         self.first_at = None  # the next collective is the next step's first (done_at stays: its reference)
         self.ops.clear()
+        self.spans.clear()
         self.events.clear()
         self.trace.clear()
         self.num_traced = 0
 
     def snapshot(self) -> dict[tuple[str, str], OpStats]:
         """A copy, safe to keep while counting goes on (e.g. to diff two steps)."""
+        self._settle()
         return {k: OpStats(v.calls, v.bytes, v.seconds) for k, v in self.ops.items()}
 
     def total(self, *, op: str | None = None, axis: str | None = None) -> OpStats:
+        self._settle()
         out = OpStats()
         for (o, a), s in self.ops.items():
             if (op is None or o == op) and (axis is None or a == axis):
@@ -113,6 +137,7 @@ class CommStats:
         return out
 
     def by_axis(self) -> dict[str, OpStats]:
+        self._settle()
         out: dict[str, OpStats] = defaultdict(OpStats)
         for (_, axis), s in self.ops.items():
             out[axis].add(s)

@@ -24,6 +24,7 @@ builds its groups from those ranks and attaches them with `Mesh.with_axes` (`mes
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from meshlm.comm_stats import CommStats
@@ -95,6 +96,13 @@ def create_groups(every: list[list[int]], rank: int):
     return mine
 
 
+def cuda_marker():
+    """A CUDA event recorded on the current stream now (`CommStats.device_clock`)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class Mesh:
     """Named process groups over the world, plus the `CommStats` of everything sent over them.
 
@@ -113,6 +121,8 @@ class Mesh:
         self.device_mesh = device_mesh  # torch DeviceMesh (for DTensor users); None for one process
         self._views = views or {}  # flattened axis name -> its 1-D DeviceMesh
         self.stats = stats if stats is not None else CommStats()
+        if device_type == "cuda" and self.stats.device_clock is None:
+            self.stats.device_clock = cuda_marker  # collectives' seconds are the GPU's, not the host's queueing
         self._groups = groups or {}  # axis -> ProcessGroup replacing the device mesh's (see `duplicate`)
         # axis -> (global ranks of this rank's group by coordinate, its ProcessGroup, the ranks of every
         # group of the axis or None); see `with_axes`
