@@ -3,13 +3,15 @@ a benchmark that breaks fails here instead of rotting unseen.
 
 A smoke run uses the benchmark's own code paths at the smallest sizes for a step or two; where this host lacks
 what it needs (a GPU, root for network namespaces, an optional extra, the published data) it prints a JSON
-saying what it skipped. Nothing here looks at times.
+saying what it skipped. Nothing here looks at times. The smoke runs go two at a time (most of each is
+starting Python and its ranks), each test waiting for its own.
 """
 
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,20 @@ def test_every_benchmark_is_listed():
     assert len(BENCHMARKS) >= 13 and "tp.py" in BENCHMARKS
 
 
-@pytest.mark.parametrize("script", BENCHMARKS)
-def test_benchmark_smoke_mode_prints_json(script):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], capture_output=True,
+def _smoke(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread a process
+
+
+@pytest.fixture(scope="module")
+def smoke_runs():
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {script: pool.submit(_smoke, script) for script in BENCHMARKS}
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_benchmark_smoke_mode_prints_json(smoke_runs, script):
+    done = smoke_runs[script].result()
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert isinstance(out, dict) and out, done.stdout[-2000:]

@@ -303,6 +303,7 @@ def _emulated_worker(rank, world_size, corpus, root):
     return tiers, times
 
 
+@pytest.mark.slow  # in the slow tier (pytest -m slow): a drill of half a minute and more
 @needs_root
 def test_planner_predicts_and_ranks_layouts_on_an_emulated_two_tier_cluster(tmp_path, netns_tag):
     from dist import run_distributed_with

@@ -181,6 +181,7 @@ def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path, text_file):
     assert len(lines) == 1 and address in lines[0] and "lighthouse" in lines[0], err[-2000:]
 
 
+@pytest.mark.slow  # in the slow tier (pytest -m slow): a drill of half a minute and more
 def test_a_group_of_another_layout_is_refused_and_the_running_group_trains_on(tmp_path, text_file):
     from meshlm.replica_launch import start_lighthouse
 
@@ -274,6 +275,7 @@ def semi_synchronous_replay(tmp_path: Path, text_file: Path, *, steps: int, ever
     return trainers[0].base_model
 
 
+@pytest.mark.slow  # in the slow tier (pytest -m slow): a drill of half a minute and more
 def test_a_dead_lighthouse_stops_the_group_with_a_line_naming_it_and_its_checkpoints_intact(tmp_path, text_file):
     """The lighthouse (its own process here) is SIGKILLed mid-run: the group's next quorum fails, its launcher's
     restart finds no lighthouse, and the run ends non-zero with a last line naming the address; the checkpoints

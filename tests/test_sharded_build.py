@@ -7,7 +7,8 @@ values only to what it holds, and those values are the single-device model's.
   run through the same construction and compare whole runs to one process in fp64.)
 - Memory: with each rank's address space limited to 3.3 GB -- less than the process plus the whole fp32 model
   of ~0.7B parameters (2.9 GB) -- building that model whole fails on every rank, and one training step of it
-  runs on 8 ranks under ZeRO-3 and then under tp2 x pp4 (each rank draws the initial values of what it holds).
+  runs on 8 ranks under ZeRO-3, and under tp2 x pp4 (each rank draws the initial values of what it holds).
+  These two are in the slow tier (`pytest -m slow`).
 """
 
 from __future__ import annotations
@@ -102,52 +103,47 @@ def _limit_address_space(rank):
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
 
-BIG_LAYOUTS = {  # name -> overrides, 8 ranks, one after the other in the same processes
+BIG_LAYOUTS = {  # name -> overrides, 8 ranks
     "zero3 dp8": ["parallel.zero_stage=3", "parallel.bucket_size_mb=64", "train.global_batch_size=8"],
     "tp2 x pp4": ["parallel.tp=2", "parallel.pp=4", "train.global_batch_size=4"],
 }
 
 
-def _big_steps(rank, world_size, corpus, root):
-    import gc
-
+def _big_step(rank, world_size, corpus, root, layout):
     from meshlm.config import load_config
     from meshlm.models.transformer import build_model
     from meshlm.train.trainer import Trainer
 
-    out = {}
-    for layout, overrides in BIG_LAYOUTS.items():
-        cfg = load_config(overrides=[*BIG, f"data.path={corpus}", f"train.run_dir={root}/{layout.replace(' ', '_')}",
-                                     "train.seq_len=16", "train.micro_batch_size=1", "train.steps=1",
-                                     "train.val_batches=0", "train.device=cpu", "train.progress=false", *overrides,
-                                     "train.reuse_host_memory=false"])  # malloc returns what is freed
-        try:  # what every rank did before: the whole model first
-            build_model(cfg.model, seed=cfg.train.seed)
-            whole = "built"
-        except (RuntimeError, MemoryError) as e:
-            whole = f"failed: {str(e).splitlines()[0][:80]}"
-        trainer = Trainer(cfg)
-        row = trainer.train_step()
-        params = sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"])
-        out[layout] = whole, row["loss"], params
-        del trainer
-        gc.collect()
-    return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cfg = load_config(overrides=[*BIG, f"data.path={corpus}", f"train.run_dir={root}/big", "train.seq_len=16",
+                                 "train.micro_batch_size=1", "train.steps=1", "train.val_batches=0",
+                                 "train.device=cpu", "train.progress=false", *BIG_LAYOUTS[layout],
+                                 "train.reuse_host_memory=false"])  # malloc returns what is freed
+    try:  # what every rank did before: the whole model first
+        build_model(cfg.model, seed=cfg.train.seed)
+        whole = "built"
+    except (RuntimeError, MemoryError) as e:
+        whole = f"failed: {str(e).splitlines()[0][:80]}"
+    trainer = Trainer(cfg)
+    row = trainer.train_step()
+    params = sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return whole, row["loss"], params, peak
 
 
+@pytest.mark.slow  # ~1.5-2.5 minutes each on 2 cores
 @pytest.mark.skipif(not hasattr(resource, "RLIMIT_AS"), reason="needs RLIMIT_AS (Linux)")
-def test_a_07b_model_trains_under_zero3_and_tp_x_pp_on_8_ranks_where_no_rank_can_hold_it_whole(tmp_path, text_file):
+@pytest.mark.parametrize("layout", list(BIG_LAYOUTS))
+def test_a_07b_model_on_8_ranks_trains_where_no_rank_can_hold_it_whole(tmp_path, text_file, layout):
     from meshlm.config import load_config
     from meshlm.models.stats import count_params
 
     total = count_params(load_config(overrides=[*BIG, "train.seq_len=16"]).model)["total"]
     assert 0.65e9 < total < 0.75e9 and total * 4 > ADDRESS_SPACE - 0.75e9
-    results = run_distributed_with(_big_steps, 8, (str(text_file), str(tmp_path)), before_init=_limit_address_space,
-                                   timeout=600)
-    for by_layout, peak in results:
+    results = run_distributed_with(_big_step, 8, (str(text_file), str(tmp_path), layout),
+                                   before_init=_limit_address_space, timeout=600)
+    for whole, loss, part, peak in results:
+        assert whole.startswith("failed"), whole  # the old construction cannot even start
+        assert 5.0 < loss < 6.0  # ln(256) = 5.55 at initialisation
+        # this rank's part: an eighth of the model (ZeRO-3's flat shard; a stage's layers split over tp)
+        assert abs(part - total / 8) < 0.01 * total, (layout, part, total)
         assert peak < ADDRESS_SPACE
-        for layout, (whole, loss, part) in by_layout.items():
-            assert whole.startswith("failed"), (layout, whole)  # the old construction cannot even start
-            assert 5.0 < loss < 6.0, (layout, loss)  # ln(256) = 5.55 at initialisation
-            # this rank's part: an eighth of the model (ZeRO-3's flat shard; a stage's layers split over tp)
-            assert abs(part - total / 8) < 0.01 * total, (layout, part, total)
