@@ -101,12 +101,13 @@ class ReplicaSet:
     or SIGTERM, which raises SystemExit while inside).
 
     `command(port)`: the argv of one replica listening on 127.0.0.1:`port`; `grace_s`: how long a replica may
-    take to stop after SIGTERM before it gets SIGKILL."""
+    take to stop after SIGTERM before it gets SIGKILL; `stdout`: where the replicas print (default: where this
+    process does)."""
 
-    def __init__(self, command: Callable[[int], list[str]], count: int, *, grace_s: float = 10.0):
+    def __init__(self, command: Callable[[int], list[str]], count: int, *, grace_s: float = 10.0, stdout=None):
         if count < 1:
             raise ValueError(f"--replicas={count} must be >= 1")
-        self.command, self.count, self.grace_s = command, count, grace_s
+        self.command, self.count, self.grace_s, self.stdout = command, count, grace_s, stdout
         self.replicas: list[Replica] = []
         self._previous_sigterm = None
 
@@ -114,7 +115,7 @@ class ReplicaSet:
         self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             for index, port in enumerate(free_ports(self.count)):
-                proc = subprocess.Popen(self.command(port), start_new_session=True,
+                proc = subprocess.Popen(self.command(port), start_new_session=True, stdout=self.stdout,
                                         preexec_fn=_terminate_with_parent)
                 self.replicas.append(Replica(index, port, proc))
         except BaseException:
