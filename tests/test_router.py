@@ -165,11 +165,10 @@ def metric(text: str, name: str) -> float:
                if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
-def engine_prefix_hit_tokens(url: str) -> float:
-    """The prefix-cache hit tokens of every replica's engine (their ports from the router's /health)."""
+def engine_metric(url: str, name: str) -> float:
+    """A metric of the replicas' engines, summed (their ports from the router's /health)."""
     ports = [r["port"] for r in httpx.get(url + "/health").json()["replicas"]]
-    return sum(metric(httpx.get(f"http://127.0.0.1:{p}/metrics", headers=HEADERS).text,
-                      "meshlm_prefix_cache_hit_tokens_total") for p in ports)
+    return sum(metric(httpx.get(f"http://127.0.0.1:{p}/metrics", headers=HEADERS).text, name) for p in ports)
 
 
 def run_trace(url: str) -> tuple[float, float]:
@@ -178,7 +177,7 @@ def run_trace(url: str) -> tuple[float, float]:
         complete(url, prompt, max_tokens=2)
     text = httpx.get(url + "/metrics", headers=HEADERS).text
     assert metric(text, "meshlm_router_requests_total") == len(TRACE)
-    return metric(text, "meshlm_router_prefix_hit_rate"), engine_prefix_hit_tokens(url)
+    return metric(text, "meshlm_router_prefix_hit_rate"), engine_metric(url, "meshlm_prefix_cache_hit_tokens_total")
 
 
 def replica_pids(router_pid: int) -> dict[int, int]:
@@ -198,15 +197,9 @@ def replica_pids(router_pid: int) -> dict[int, int]:
 
 
 def running_pids(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
+    from dist import alive
+
+    return [pid for pid in pids if alive(pid)]
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +243,15 @@ def test_cache_aware_router_serves_like_one_server_and_stops_its_replicas(model_
             whole["choices"][0]["message"]["content"]
         r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, headers=HEADERS)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        metrics = httpx.get(url + "/metrics", headers=HEADERS).text
-        assert metric(metrics, "meshlm_router_requests_in_flight") == 0
+        # A client that leaves mid-stream: the router closes its replica's stream, which aborts the request there.
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 400}, headers=HEADERS,
+                          timeout=60) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        deadline = time.monotonic() + 20
+        while metric(httpx.get(url + "/metrics", headers=HEADERS).text, "meshlm_router_requests_in_flight") or \
+                engine_metric(url, "meshlm_requests_running"):
+            assert time.monotonic() < deadline, "an abandoned request kept running"
+            time.sleep(0.05)
         # SIGTERM to the router: it stops, and so does every replica.
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)

@@ -148,6 +148,8 @@ def serve_replicas(args) -> int:
 
     if args.max_body_mb <= 0:
         raise ValueError(f"--max-body-mb={args.max_body_mb} must be > 0")
+    if args.replica_start_timeout <= 0:
+        raise ValueError(f"--replica-start-timeout={args.replica_start_timeout} must be > 0 seconds")
     api_key = api_key_of(args.api_key, args.api_key_file)
     policy = make_policy(args.router, args.replicas)
 

@@ -236,7 +236,7 @@ class _Router:
     async def proxy(self, request, path: str, *, chat: bool):
         """Route one completion to a replica and answer what it answers (a stream passed on event by event)."""
         import httpx
-        from fastapi.responses import Response, StreamingResponse
+        from fastapi.responses import Response
 
         self.key.check(request)
         body = await read_limited(request, self.max_body_bytes)
@@ -263,8 +263,7 @@ class _Router:
             media_type = upstream.headers.get("content-type", "application/json")
             if media_type.startswith("text/event-stream"):
                 streaming = True
-                return StreamingResponse(self._events(r, upstream, path, start), status_code=status,
-                                         media_type=media_type, headers=headers)
+                return self._stream(r, upstream, path, start, headers)
             try:
                 content = await _unless_client_leaves(request, upstream.aread())
             finally:
@@ -280,27 +279,42 @@ class _Router:
             if not streaming:
                 self._done(r, path, status, start)
 
-    async def _events(self, r: Replica, upstream, path: str, start: float):
-        """The replica's event stream, passed on whole events at a time; an error event if the replica fails."""
+    def _stream(self, r: Replica, upstream, path: str, start: float, headers: dict):
+        """The replica's event stream, passed on whole events at a time, then an error event if the replica
+        fails mid-way. The upstream is closed and the request counted done however the response ends: finished,
+        failed, or cut short by the client (maybe before its body started)."""
         import httpx
+        from fastapi.responses import StreamingResponse
 
-        pending, failed = b"", False
-        try:
-            async for chunk in upstream.aiter_raw():
-                pending += chunk
-                cut = pending.rfind(b"\n\n") + 2
-                if cut >= 2:
-                    yield pending[:cut]
-                    pending = pending[cut:]
-            if pending:
-                yield pending
-        except httpx.TransportError as e:
-            failed = True
-            r.failed += 1
-            yield b"data: " + json.dumps(_replica_error_body(r, e)).encode() + b"\n\n" + b"data: [DONE]\n\n"
-        finally:
-            await upstream.aclose()
-            self._done(r, path, 502 if failed else upstream.status_code, start)
+        outcome = {"status": upstream.status_code}
+        router = self
+
+        async def events():
+            pending = b""
+            try:
+                async for chunk in upstream.aiter_raw():
+                    pending += chunk
+                    cut = pending.rfind(b"\n\n") + 2
+                    if cut >= 2:
+                        yield pending[:cut]
+                        pending = pending[cut:]
+                if pending:
+                    yield pending
+            except httpx.TransportError as e:
+                outcome["status"] = 502
+                r.failed += 1
+                yield b"data: " + json.dumps(_replica_error_body(r, e)).encode() + b"\n\ndata: [DONE]\n\n"
+
+        class Relayed(StreamingResponse):
+            async def __call__(self, scope, receive, send):
+                try:
+                    await super().__call__(scope, receive, send)
+                finally:
+                    await upstream.aclose()
+                    router._done(r, path, outcome["status"], start)
+
+        return Relayed(events(), status_code=upstream.status_code, media_type=upstream.headers["content-type"],
+                       headers=headers)
 
     def _done(self, r: Replica, path: str, status: int, start: float) -> None:
         r.in_flight -= 1
