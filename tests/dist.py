@@ -204,6 +204,17 @@ def children(pid: int) -> list[int]:
     return sorted(found)
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (exists and is not a zombie)."""
+    from pathlib import Path
+
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, children first."""
     out, todo = [], [pid]

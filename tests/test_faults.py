@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dist import children
+from dist import alive, children
 from runs import SMALL_MODEL
 
 SETTINGS = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4",
@@ -43,14 +43,6 @@ def start(run_dir: Path, text_file: Path, *flags: str, extra=()) -> subprocess.P
             *[a for s in sets for a in ("--set", s)]]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def logged_steps(run_dir: Path) -> list[dict]:

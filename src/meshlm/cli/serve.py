@@ -1,14 +1,17 @@
-"""`meshlm serve`: the OpenAI-compatible server, on one rank or tp x cp ranks started through torchrun."""
+"""`meshlm serve`: the OpenAI-compatible server, on one rank or tp x cp ranks started through torchrun, or
+`--replicas R` such servers behind a router (`infer/replicas.py`, `infer/router.py`)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from meshlm.cli.common import in_process_group, require_extra, serving_ranks
 from meshlm.cli.generate import add_speculative_arguments, speculative_config
 from meshlm.infer.auth import api_key_of, exposure_warning
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
+from meshlm.infer.router import POLICIES
 from meshlm.launch import run_torchrun
 
 
@@ -48,6 +51,16 @@ def add_parser(sub) -> None:
                         "all, started through torch's launcher; --kv-cache-mb is per rank; default 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (default: cuda when present, in bf16; else cpu in fp32), cpu or cuda")
+    p.add_argument("--replicas", type=int, default=1, metavar="R",
+                   help="R servers (each its own --tp x --cp ranks, on a free port of 127.0.0.1) behind one router "
+                        "at --host/--port that sends each request to the replica most likely to hold its prefix in "
+                        "cache (default 1: no router)")
+    p.add_argument("--router", default="cache_aware", choices=POLICIES,
+                   help="with --replicas: cache_aware (default: the replica sent the longest prefix of the prompt "
+                        "while loads are balanced, else the least loaded) or round_robin")
+    p.add_argument("--replica-start-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="with --replicas: how long the replicas may take to load before the router gives up "
+                        "(default 900)")
     add_speculative_arguments(p)
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="with --tp/--cp: how long a rank waits in a step's collective for the others before the "
@@ -60,8 +73,12 @@ def run(args) -> int:
     from meshlm.distributed import launched_ranks
 
     ranks = serving_ranks(args)
+    if args.replicas < 1:
+        raise ValueError(f"--replicas={args.replicas} must be >= 1")
     speculative_config(args)  # refused here, before any rank starts
     api_key_of(args.api_key, args.api_key_file)  # likewise
+    if args.replicas > 1:
+        return serve_replicas(args)
     if ranks == 1:
         return serve_here(args)
     if not launched_ranks():
@@ -95,7 +112,7 @@ def build_server(args, llm=None):
     api_key = api_key_of(args.api_key, args.api_key_file)
     llm = llm or build_llm(args)
     engine = AsyncEngine(llm.engine)
-    name = args.served_model_name or Path(args.model).resolve().name
+    name = model_name_of(args)
     if not 1 <= args.rag_top_k <= 64:
         raise ValueError(f"--rag-top-k={args.rag_top_k} must be between 1 and 64")
     if args.max_body_mb <= 0:
@@ -114,6 +131,46 @@ def build_server(args, llm=None):
     server.meshlm_model_name = name  # the id clients must send, for the banner
     server.meshlm_warning = exposure_warning(args.host, api_key)  # for the banner: reachable without a key
     return server, engine
+
+
+def model_name_of(args) -> str:
+    """The model id clients send: --served-model-name, else the model directory's name."""
+    return args.served_model_name or Path(args.model).resolve().name
+
+
+def serve_replicas(args) -> int:
+    """`--replicas R`: this command line R times again as ordinary servers (each on a free port of 127.0.0.1,
+    quiet: the router logs each request), and the router at --host/--port in this process, which stops them."""
+    import uvicorn
+
+    from meshlm.infer.replicas import ReplicaSet, create_router_app
+    from meshlm.infer.router import make_policy
+
+    if args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb={args.max_body_mb} must be > 0")
+    if args.replica_start_timeout <= 0:
+        raise ValueError(f"--replica-start-timeout={args.replica_start_timeout} must be > 0 seconds")
+    api_key = api_key_of(args.api_key, args.api_key_file)
+    policy = make_policy(args.router, args.replicas)
+
+    def command(port: int) -> list[str]:  # the last of a repeated option wins
+        return [sys.executable, "-m", "meshlm.cli", *args.argv, "--replicas", "1", "--host", "127.0.0.1",
+                "--port", str(port), "--quiet"]
+
+    with ReplicaSet(command, args.replicas) as replicas:
+        replicas.wait_until_healthy(args.replica_start_timeout)
+        log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
+        app = create_router_app(replicas.replicas, policy, api_key=api_key,
+                                max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5)
+        print(serve_banner(args.host, args.port, args.model, model_name_of(args)), flush=True)
+        ports = ", ".join(f"{r.index}: 127.0.0.1:{r.port}" for r in replicas.replicas)
+        print(f"meshlm serve: router ({args.router}) over {args.replicas} replicas ({ports})", flush=True)
+        if (warning := exposure_warning(args.host, api_key)) is not None:
+            print(warning, flush=True)
+        uvicorn.Server(config).run()
+    return 0
 
 
 def serve_banner(host: str, port: int, model_path: str, model_name: str) -> str:

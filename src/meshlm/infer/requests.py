@@ -3,7 +3,7 @@ OpenAI-style error body naming the field), before anything reaches the engine.
 
 Responsible for: the body as JSON naming the served model (`json_body`), sampling parameters
 (`sampling_params_from`), the options of a completion (`RequestOptions.of`: n, stream, rag), chat messages,
-completion prompts, the `rag` option and the size limits of a request.
+completion prompts, the `rag` option and the size limits of a request (`read_limited`: a body over the limit is a 413).
 Not responsible for: HTTP, the engine, retrieval or the responses (server.py, engine.py, rag.py, responses.py).
 """
 
@@ -24,6 +24,20 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+async def read_limited(request, limit: int) -> bytes:
+    """A request's raw body (an ASGI request: headers, `stream()`); a 413 APIError once it is over `limit` bytes,
+    whether it declares its length or not."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the body has {declared} bytes; at most {limit} are accepted")
+    raw = bytearray()
+    async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
+        raw += chunk
+        if len(raw) > limit:
+            raise APIError(413, f"the body is over {limit} bytes, the most accepted")
+    return bytes(raw)
 
 
 def json_body(raw: bytes, *, model_name: str) -> dict:

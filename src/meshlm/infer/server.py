@@ -32,7 +32,8 @@ from meshlm.infer.auth import APIKey
 from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
-    MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, completion_prompts, json_body)
+    MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, completion_prompts, json_body,
+    read_limited)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 
@@ -336,16 +337,7 @@ class _Completions:
 
     async def read_body(self, request) -> dict:
         self.check_key(request)
-        limit = self.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the body has {declared} bytes; at most {limit} are accepted")
-        raw = bytearray()
-        async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
-            raw += chunk
-            if len(raw) > limit:
-                raise APIError(413, f"the body is over {limit} bytes, the most accepted")
-        return json_body(bytes(raw), model_name=self.model_name)
+        return json_body(await read_limited(request, self.max_body_bytes), model_name=self.model_name)
 
     async def prompts_of_chat(self, body: dict, rag) -> tuple[list, list[list[dict]] | None]:
         """The one prompt of a chat (its messages through the chat template), retrieved passages first."""
