@@ -188,7 +188,7 @@ def test_a_group_of_another_layout_is_refused_and_the_running_group_trains_on(tm
     server, address = start_lighthouse(1)
     run = tmp_path / "run"
     sets = ["parallel.fault_tolerance=replica", "parallel.replica_groups=2", f"parallel.lighthouse={address}"]
-    steps = ["train.steps=400"]
+    steps = ["train.steps=5000"]  # the running group must outlast the other's start and refusal, however slow
     good = start(run, text_file, "--nproc", "2", extra=[*sets, "parallel.replica_group=0", "parallel.tp=2", *steps,
                                                         "parallel.replica_start_wait_s=0"])
     other = None
