@@ -209,7 +209,7 @@ class ParallelRunner:
     def move_kv(self, moves: list[list]) -> list[int]:
         """KV tier moves on every rank, before a step; the indices of the loads that failed on any of them."""
         with self._lock:
-            _send({"kv_moves": moves}, self.mesh)
+            _send({"tier_moves": moves}, self.mesh)  # (a step's own moves travel as its "kv_moves")
             failed = _move_kv(self.runner, self.mesh, moves)
             self._last = time.monotonic()
         return failed
@@ -245,8 +245,8 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
             return steps
         if message == _KEEPALIVE:
             continue
-        if "kv_moves" in message:
-            _move_kv(runner, mesh, message["kv_moves"])
+        if "tier_moves" in message:
+            _move_kv(runner, mesh, message["tier_moves"])
             continue
         _run_step(runner, mesh, StepInput(**message))
         steps += 1
