@@ -172,7 +172,7 @@ class KVTiers:
 
     def evicted(self, group: int, key: int, parent: int | None, tokens: tuple[int, ...], block: int) -> None:
         """The device pool is about to reuse `block`, which holds the cached block `key`: keep it below."""
-        host, disk = self.host[group], self.disk[group]
+        host = self.host[group]
         if key in host:
             host.move_to_end(key)
             return
@@ -181,14 +181,8 @@ class KVTiers:
             self.moves.append(["d2h", block, slot])
             host[key] = (slot, parent, tokens)
             self.counts["host_saved_blocks"] += 1
-        elif key in disk:
-            disk.move_to_end(key)
-        elif self._disk_room(group):
-            self.moves.append(["d2f", block, key, parent, list(tokens)])
-            disk[key] = (parent, tokens)
-            self.counts["disk_saved_blocks"] += 1
         else:
-            self.counts["dropped_blocks"] += 1
+            self._to_disk(group, "d2f", block, key, parent, tokens)
 
     def _host_slot(self, group: int) -> int | None:
         """A host slot of `group` to write into: a free one, or the least recently used one's, spilled first."""
@@ -198,16 +192,21 @@ class KVTiers:
         if not host:
             return None  # the group's only slot is claimed by a load under way
         key, (slot, parent, tokens) = host.popitem(last=False)
+        self._to_disk(group, "h2f", slot, key, parent, tokens)
+        return slot
+
+    def _to_disk(self, group: int, op: str, src: int, key: int, parent: int | None, tokens: tuple[int, ...]) -> None:
+        """Keep block `key` on disk, written from `src` (a device block: "d2f", a host slot: "h2f") unless a file
+        has it already; dropped when the disk tier is off or has no room."""
         disk = self.disk[group]
         if key in disk:
             disk.move_to_end(key)
         elif self._disk_room(group):
-            self.moves.append(["h2f", slot, key, parent, list(tokens)])
+            self.moves.append([op, src, key, parent, list(tokens)])
             disk[key] = (parent, tokens)
             self.counts["disk_saved_blocks"] += 1
         else:
             self.counts["dropped_blocks"] += 1
-        return slot
 
     def _disk_room(self, group: int) -> bool:
         """Room for one more file in `group` (the least recently used one deleted if the tier is full)."""
