@@ -3,7 +3,8 @@ benchmarks on CUDA. What each shows:
 - one GPU: training in bf16 on CUDA follows the fp32 CPU run's losses closely; a model built sharded on the
   GPU; the pipeline timeline measured by CUDA events; greedy serving on CUDA, pinned to its device; a resume
   from an asynchronously staged checkpoint; MoE in bf16; `meshlm train --nproc 1` through the launcher (NCCL);
-  speculative decoding's greedy tokens; context parallelism's attention pairs on CUDA's flash kernel;
+  speculative decoding's greedy tokens; context parallelism's attention pairs on CUDA's flash kernel; KV cache
+  tiers (pinned host buffers, disk) giving the same greedy tokens;
 - two GPUs and more (NCCL): pp=2 under every schedule, cp=2 ring attention, ep=2, tp=2 x ZeRO-3 (4 GPUs),
   each through `meshlm train --nproc` with a short collective timeout; `meshlm serve --tp 2` answering after
   an idle period longer than its collective timeout. These are the orders `tests/test_nccl_order.py` proves
@@ -184,6 +185,29 @@ def test_context_parallel_pairs_use_cudas_flash_kernel_in_bf16(monkeypatch, caus
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-2)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a.float(), b, rtol=0, atol=1e-1)
+
+
+def test_kv_tiers_on_cuda_give_the_same_greedy_tokens(tmp_path):
+    """KV tiers under a GPU cache: host buffers pinned, copies device <-> host <-> disk; multi-turn prompts on a
+    small pool give the tokens of the run without tiers, with hits from both tiers, and after a restart."""
+    from test_kv_tiers import SMALL_POOL, conversations, run
+    from tiny_hf import make_model_dir
+
+    from meshlm import LLM
+
+    model_dir = str(make_model_dir(tmp_path))
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = {**SMALL_POOL, "dtype": dtype}
+        want = run(LLM(model_dir, device="cuda", **pool), conversations())
+        disk = dict(kv_disk_dir=str(tmp_path / str(dtype)), kv_disk_mb=1)
+        llm = LLM(model_dir, device="cuda", kv_host_mb=0.01, **disk, **pool)
+        assert llm.engine.runner.tier_store.host.is_pinned()
+        assert run(llm, conversations()) == want, dtype
+        s = llm.engine.stats()
+        assert s["kv_host_hit_tokens"] > 0 and s["kv_disk_hit_tokens"] > 0, s
+        again = LLM(model_dir, device="cuda", **disk, **pool)
+        assert run(again, conversations()) == want, dtype
+        assert again.engine.stats()["kv_disk_hit_tokens"] > s["kv_disk_hit_tokens"]
 
 
 # -- several GPUs: NCCL ---------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
                    help="context-parallel ranks: every sequence's KV blocks spread over M ranks, so a context "
                         "M times one rank's cache is served (x --tp ranks in all; default 1)")
     add_speculative_arguments(p)
+    add_kv_tier_arguments(p)
 
 
 def add_speculative_arguments(p) -> None:
@@ -41,6 +42,26 @@ def add_speculative_arguments(p) -> None:
     p.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="the draft model of --speculative draft: a meshlm checkpoint or Hugging Face directory with "
                         "the same tokenizer as the model")
+
+
+def add_kv_tier_arguments(p) -> None:
+    """The KV cache tier flags of `meshlm generate` and `meshlm serve`."""
+    p.add_argument("--kv-host-mb", type=float, default=0.0, metavar="MB",
+                   help="host memory per rank for prefix-cache blocks evicted from the KV cache: a later request "
+                        "with the same prefix copies them back instead of recomputing them (default 0: off)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="a directory for blocks evicted from host memory (or from the KV cache, without "
+                        "--kv-host-mb); checksummed, kept across restarts of the same model and layout")
+    p.add_argument("--kv-disk-mb", type=float, default=0.0, metavar="MB",
+                   help="disk per rank under --kv-disk-dir (required with it)")
+
+
+def kv_tier_kwargs(args) -> dict:
+    """The `LLM` arguments of the KV tier flags (ValueError on a bad value, before any model loads)."""
+    from meshlm.infer.kv_tiers import KVTierConfig
+
+    KVTierConfig.of(args.kv_host_mb, args.kv_disk_dir, args.kv_disk_mb)
+    return dict(kv_host_mb=args.kv_host_mb, kv_disk_dir=args.kv_disk_dir, kv_disk_mb=args.kv_disk_mb)
 
 
 def speculative_config(args):
@@ -66,6 +87,7 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     speculative_config(args)  # refused here, before any rank starts
+    kv_tier_kwargs(args)
     ranks = serving_ranks(args)
     if ranks > 1 and not launched_ranks():
         return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
@@ -82,7 +104,8 @@ def generate_here(args, params) -> int:
     """This rank's part: rank 0 generates and prints, the others run their part of each step."""
     from meshlm.infer.llm import LLM
 
-    llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp, speculative=speculative_config(args))
+    llm = LLM(args.checkpoint or args.hf, tp=args.tp, cp=args.cp, speculative=speculative_config(args),
+              **kv_tier_kwargs(args))
     if llm.is_driver:
         try:
             _generate_and_print(llm, args, params)

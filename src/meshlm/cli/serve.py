@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from meshlm.cli.common import in_process_group, require_extra, serving_ranks
-from meshlm.cli.generate import add_speculative_arguments, speculative_config
+from meshlm.cli.generate import add_kv_tier_arguments, add_speculative_arguments, kv_tier_kwargs, speculative_config
 from meshlm.infer.auth import api_key_of, exposure_warning
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.infer.router import POLICIES
@@ -62,6 +62,7 @@ def add_parser(sub) -> None:
                    help="with --replicas: how long the replicas may take to load before the router gives up "
                         "(default 900)")
     add_speculative_arguments(p)
+    add_kv_tier_arguments(p)
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="with --tp/--cp: how long a rank waits in a step's collective for the others before the "
                         "server reports the engine broken (default 600); an idle server keeps its ranks alive "
@@ -77,6 +78,7 @@ def run(args) -> int:
         raise ValueError(f"--replicas={args.replicas} must be >= 1")
     speculative_config(args)  # refused here, before any rank starts
     api_key_of(args.api_key, args.api_key_file)  # likewise
+    kv_tier_kwargs(args)  # likewise
     if args.replicas > 1:
         return serve_replicas(args)
     if ranks == 1:
@@ -100,7 +102,8 @@ def build_llm(args):
     return LLM(args.model, tp=args.tp, cp=args.cp, device=args.device, block_size=args.block_size,
                kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)), max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               enable_prefix_caching=not args.no_prefix_caching, speculative=speculative_config(args))
+               enable_prefix_caching=not args.no_prefix_caching, speculative=speculative_config(args),
+               **kv_tier_kwargs(args))
 
 
 def build_server(args, llm=None):
@@ -198,6 +201,11 @@ def serve_here(args) -> int:
         print(kv_banner(llm.engine.stats(), block_size=args.block_size, tp=args.tp, cp=args.cp), flush=True)
         if server.meshlm_warning is not None:
             print(server.meshlm_warning, flush=True)
+        tiers = llm.engine.tiers
+        if tiers is not None:
+            print(f"meshlm serve: KV tiers: host {tiers.host_slots * tiers.num_groups} blocks, disk "
+                  f"{tiers.disk_blocks * tiers.num_groups} blocks ({tiers.num_blocks('disk')} found from an earlier "
+                  "run)", flush=True)
         spec = llm.engine.speculative
         if spec is not None:
             by = f"the draft model {spec.model}" if spec.method == "draft" else f"n-gram lookup (n from {spec.ngram[1]} down to {spec.ngram[0]})"

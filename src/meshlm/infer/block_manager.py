@@ -8,6 +8,11 @@ is needed (least recently freed first); hit counters.
 Not responsible for: the tensors themselves (model_runner.py, attention.py) or deciding who gets blocks
 (scheduler.py). No torch import here.
 
+Tiers below the pool (`tiers`, a `kv_tiers.KVTiers`): a cached block whose space is reused is handed to the
+tiers (host memory, then disk) instead of forgotten, and `fetch` brings the blocks of waiting sequences' prefixes
+back from them into free blocks, registered as cached, before the scheduler matches prefixes; hits are counted
+per tier (a block brought back counts for its tier at its first hit).
+
 Groups (context-parallel serving, `num_groups` = cp ranks): block b lives on rank b % num_groups, and a
 sequence's j-th block is always taken from group j % num_groups, so every rank holds an equal share of
 every long sequence and the capacity is that of all the ranks together. One group: plain paging.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from meshlm.infer.kv_tiers import KVTiers
 from meshlm.infer.sequence import Sequence
 
 # The KV cache's memory per rank when none is given, in MiB: `ModelRunner` makes as many blocks as fit in it,
@@ -29,7 +35,8 @@ DEFAULT_KV_CACHE_MB = 256
 
 
 class BlockManager:
-    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_groups: int = 1):
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_groups: int = 1,
+                 tiers: KVTiers | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1 (give the KV cache more memory)")
         if block_size < 1:
@@ -54,6 +61,10 @@ class BlockManager:
         self.seq_hashes: dict[int, list[int]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.tiers = tiers if enable_prefix_caching else None
+        self.loaded_from: dict[int, str] = {}  # block brought back by `fetch`, not hit yet -> its tier
+        self.tier_hit_tokens = {"host": 0, "disk": 0}
+        self._seq_tier_hits: dict[int, list[tuple[int, str]]] = {}  # for `unmatch`
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -106,6 +117,10 @@ class BlockManager:
             seq.block_table.append(block)
             self.seq_hashes[seq.seq_id].append(h)
             parent_hash = h
+            tier = self.loaded_from.pop(block, None)
+            if tier is not None:
+                self.tier_hit_tokens[tier] += self.block_size
+                self._seq_tier_hits.setdefault(seq.seq_id, []).append((block, tier))
         num_cached = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
@@ -131,13 +146,69 @@ class BlockManager:
             # else: another sequence computed the same block concurrently (its copy stays the cached
             # one; this block is simply freed later), or this block was itself a cache hit.
 
+    # ---- tiers below the pool ----------------------------------------------------------------------
+
+    def fetch(self, seqs: list[Sequence]) -> int:
+        """Bring back from the tiers the blocks of the waiting `seqs`' prefixes that follow on from what the pool
+        holds, each into a free block of its group (possibly evicting an older cached block to the tiers), and
+        register them as cached; the copies are the tiers' pending moves. Returns the blocks brought back.
+
+        Every block of a prefix found is held while the next is brought in (so bringing one back never evicts
+        another of the same prefix), then freed again, the first blocks last: the most recently used."""
+        if self.tiers is None or self.tiers.is_empty():
+            return 0
+        loaded = 0
+        for seq in seqs:
+            assert not seq.block_table
+            held, parent = [], None
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                group = i % self.num_groups
+                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                h = self._chain_hash(parent, tokens)
+                block = self.cached.get(h)
+                if block is not None:
+                    if self.block_info[block][1:] != (parent, tokens):
+                        break  # a hash collision
+                    if self.ref_counts[block] == 0:
+                        del self.free_lists[group][block]
+                    self.ref_counts[block] += 1
+                elif not self.free_lists[group] or self.tiers.claim(group, h, parent, tokens) is None:
+                    break
+                else:
+                    block = self._take_free_block(group)
+                    self.loaded_from[block] = self.tiers.load(block)
+                    self.cached[h] = block
+                    self.block_info[block] = (h, parent, tokens)
+                    loaded += 1
+                held.append(block)
+                parent = h
+            for block in reversed(held):
+                self.ref_counts[block] -= 1
+                if self.ref_counts[block] == 0:
+                    self.free_lists[block % self.num_groups][block] = None
+        return loaded
+
+    def loads_failed(self, blocks: list[int]) -> None:
+        """Blocks `fetch` brought back whose copy failed (a disk file that did not check out): not cached after
+        all, first in line to be reused; their tier forgets them."""
+        for block in blocks:
+            h = self.block_info.pop(block)[0]
+            del self.cached[h]
+            self.loaded_from.pop(block, None)
+            group = block % self.num_groups
+            self.free_lists[group].move_to_end(block, last=False)
+            self.tiers.load_failed(group, h)
+
     # ---- allocation ------------------------------------------------------------------------------
 
     def _take_free_block(self, group: int) -> int:
         block, _ = self.free_lists[group].popitem(last=False)
         info = self.block_info.pop(block, None)
-        if info is not None:  # evict the cached prefix this block held
+        if info is not None:  # evict the cached prefix this block held (to the tiers below, if any)
             del self.cached[info[0]]
+            self.loaded_from.pop(block, None)
+            if self.tiers is not None:
+                self.tiers.evicted(group, *info, block)
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
         return block
@@ -168,6 +239,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.seq_id, None)
+        self._seq_tier_hits.pop(seq.seq_id, None)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks past the first `num_tokens` tokens' (the slots of rejected speculative tokens).
@@ -188,6 +260,9 @@ class BlockManager:
         """Undo `match_prefix` for a sequence that could not be admitted after all (and its counters)."""
         self.num_queried_tokens -= seq.num_tokens
         self.num_hit_tokens -= seq.num_cached_tokens
+        for block, tier in self._seq_tier_hits.pop(seq.seq_id, ()):
+            self.tier_hit_tokens[tier] -= self.block_size
+            self.loaded_from[block] = tier
         seq.num_cached_tokens = 0
         self.free(seq)
 

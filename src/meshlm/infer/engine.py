@@ -12,6 +12,7 @@ who runs (scheduler.py). Single-threaded: callers serialize access.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.infer.block_manager import BlockManager
+from meshlm.infer.kv_tiers import TIER_COUNTS, KVTiers
 from meshlm.comm import CollectiveError
 from meshlm.infer.model_runner import StepInput
 from meshlm.infer.parallel import build_runner
@@ -72,13 +74,15 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, runner=None,
-                 native_attention: bool = True, speculative=None, draft_model: Transformer | None = None):
+                 native_attention: bool = True, speculative=None, draft_model: Transformer | None = None,
+                 kv_host_mb: float | None = None, kv_disk_dir: str | None = None, kv_disk_mb: float | None = None):
         """`runner`: what runs each step on the model (default: `infer.parallel.build_runner`'s one-rank
         `ModelRunner` over `model` with the KV cache arguments and `native_attention`);
         `infer.parallel.ParallelRunner` runs it on several ranks. `speculative`: a
         `infer.speculative.SpeculativeConfig` (or a dict of its fields) to decode speculatively; method "draft"
         proposes with `draft_model` (loaded by the caller: `LLM` reads the config's path), on this process
-        with a paged cache of its own."""
+        with a paged cache of its own. `kv_host_mb`, `kv_disk_dir`, `kv_disk_mb`: KV tiers below the cache, per rank
+        (`infer/kv_tiers.py`; a given `runner` has its own, made by `build_runner`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.config.max_seq_len
@@ -87,10 +91,16 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.runner = runner or build_runner(model, block_size=block_size, num_blocks=num_blocks,
                                              kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                             native_attention=native_attention)
+                                             native_attention=native_attention, kv_host_mb=kv_host_mb,
+                                             kv_disk_dir=kv_disk_dir, kv_disk_mb=kv_disk_mb)
+        num_groups = getattr(self.runner, "num_groups", 1)
+        store = getattr(self.runner, "tier_store", None)
+        self.tiers = None if store is None or not enable_prefix_caching else KVTiers(
+            host_slots=store.host_slots, disk_blocks=store.disk_blocks, num_groups=num_groups,
+            disk_index=store.disk_index())
         self.block_manager = BlockManager(num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
-                                          num_groups=getattr(self.runner, "num_groups", 1),
-                                          enable_prefix_caching=enable_prefix_caching)
+                                          num_groups=num_groups, enable_prefix_caching=enable_prefix_caching,
+                                          tiers=self.tiers)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill)
@@ -105,8 +115,9 @@ class Engine:
         self.num_steps = 0
         # Where a step's time goes (seconds, summed over steps): scheduling + the step's plain input +
         # the scheduler's update ("schedule"), the model ("model"; of it, attention: runner.attention_seconds),
-        # sampling. Detokenization and stop strings are what is left of a step.
-        self.seconds = {"schedule": 0.0, "model": 0.0, "sampling": 0.0}
+        # sampling, and blocks brought back from the KV tiers before scheduling ("kv_tiers"). Detokenization and
+        # stop strings are what is left of a step.
+        self.seconds = {"schedule": 0.0, "model": 0.0, "sampling": 0.0, "kv_tiers": 0.0}
         self.finish_reasons: Counter[str] = Counter()  # "stop" | "length" | "abort" | "error" -> requests
 
     def _proposer(self, draft_model: Transformer | None, *, seed: int):
@@ -198,6 +209,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that produced tokens or finished in it."""
+        self._fetch_from_tiers()
         t0 = time.perf_counter()
         self._propose()
         out = self.scheduler.schedule()
@@ -205,7 +217,9 @@ class Engine:
             return []
         failed: dict[Sequence, Exception] = {}
         try:
-            step = StepInput.from_schedule(out, self.runner.block_size)
+            # the blocks the scheduler evicted are copied to the tiers before the step writes into them
+            moves = self.tiers.take_moves() if self.tiers is not None else []
+            step = StepInput.from_schedule(out, self.runner.block_size, kv_moves=moves)
             t1 = time.perf_counter()
             self.seconds["schedule"] += t1 - t0
             logits = self.runner.execute(step)
@@ -229,6 +243,24 @@ class Engine:
         self.num_steps += 1
         self.num_generated_tokens += sum(len(seq.output_token_ids) for seq in sampling) - before
         return self._outputs(sampling, failed)
+
+    def _fetch_from_tiers(self) -> None:
+        """Bring back from the KV tiers the prefix blocks of the waiting requests this step may admit, before the
+        scheduler matches prefixes; a load that failed on any rank (a disk file that did not check out) leaves
+        its tokens to be recomputed. A write that failed on this rank (a full disk) turns the disk tier off."""
+        if self.tiers is None:
+            return
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        room = max(sched.max_num_seqs - len(sched.running), 0)
+        self.block_manager.fetch(list(itertools.islice(sched.waiting, room)))
+        moves = self.tiers.take_moves()
+        if moves:
+            failed = self.runner.move_kv(moves)
+            self.block_manager.loads_failed([moves[i][2] for i in failed])
+        if self.tiers.has_disk and not self.runner.tier_store.disk_ok:
+            self.tiers.disable_disk()
+        self.seconds["kv_tiers"] += time.perf_counter() - t0
 
     def _propose(self) -> None:
         """Speculative decoding: proposals for every running sequence that decodes (none for the others)."""
@@ -415,8 +447,26 @@ class Engine:
             # and what every mesh axis moved (rank 0's view)
             "kv_blocks_used_per_rank": bm.used_blocks_per_group(),
             "kv_blocks_free_per_rank": [len(f) for f in bm.free_lists],
+            **self._tier_stats(),
             "comm": {axis: {"calls": o.calls, "bytes": o.bytes, "seconds": o.seconds}
                      for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
             "comm_calls_per_token": {axis: o.calls / max(self.num_generated_tokens, 1)
                                      for axis, o in (mesh.stats.by_axis().items() if mesh is not None else ())},
+        }
+
+    def _tier_stats(self) -> dict:
+        """The KV tiers' counters (zeros without tiers): prompt tokens found per tier (the device pool's are the
+        rest of `prefix_cache_hit_tokens`), prompt tokens computed (found in no tier), blocks held and moved."""
+        bm, tiers = self.block_manager, self.tiers
+        counts = tiers.counts if tiers is not None else {}
+        host_hits, disk_hits = bm.tier_hit_tokens["host"], bm.tier_hit_tokens["disk"]
+        return {
+            "kv_host_hit_tokens": host_hits, "kv_disk_hit_tokens": disk_hits,
+            "kv_device_hit_tokens": bm.num_hit_tokens - host_hits - disk_hits,
+            "kv_recomputed_tokens": bm.num_queried_tokens - bm.num_hit_tokens,
+            "kv_host_blocks": tiers.num_blocks("host") if tiers is not None else 0,
+            "kv_host_blocks_total": tiers.host_slots * tiers.num_groups if tiers is not None else 0,
+            "kv_disk_blocks": tiers.num_blocks("disk") if tiers is not None else 0,
+            "kv_disk_blocks_total": tiers.disk_blocks * tiers.num_groups if tiers is not None else 0,
+            **{f"kv_{k}": counts.get(k, 0) for k in TIER_COUNTS},
         }

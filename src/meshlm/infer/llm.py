@@ -86,7 +86,10 @@ class LLM:
         max_num_batched_tokens, max_model_len, enable_prefix_caching, enable_chunked_prefill, eos_token_ids, seed,
         native_attention (decode attention by the compiled CPU kernel of `infer/native.py`; default True),
         speculative (a `infer.speculative.SpeculativeConfig` or a dict of its fields: speculative decoding; with
-        method "draft" its `model` is loaded here, in `dtype` on `device`, and must share the tokenizer).
+        method "draft" its `model` is loaded here, in `dtype` on `device`, and must share the tokenizer),
+        kv_host_mb, kv_disk_dir, kv_disk_mb (KV cache tiers, per rank: prefix-cache blocks evicted from the cache
+        kept in host memory, then in checksummed files that a later `LLM` of the same model and layout reads back;
+        `infer/kv_tiers.py`).
 
         `reuse_host_memory` (on a CPU device): raise glibc malloc's mmap and trim thresholds for this process,
         so that each step reuses the memory the previous one freed instead of faulting fresh pages in

@@ -7,6 +7,8 @@ plain data, which rank 0 sends to its tensor-parallel ranks each step (`infer/pa
 reference model's own modules with a per-step attention context (`attention.PagedAttention` by default) that
 the model's `Attention` calls. MoE layers run dropless (the capacity rule of training, if the model has one,
 is turned off).
+Each step first carries out the KV tier moves it carries (`move_kv`: blocks evicted from the cache copied to
+host memory or disk, `infer/kv_tier_store.py`).
 Not responsible for: attention over the cache (attention.py), the model's other math, scheduling, or
 sampling (sampling.py).
 """
@@ -38,10 +40,13 @@ class StepInput:
     # proposals per sequence (speculative decoding: the last of its new tokens; their rows' logits are wanted
     # too); empty: none in the whole step
     spec_lens: list[int] = field(default_factory=list)
+    # KV tier moves to carry out before the step (`infer/kv_tiers.py`): blocks the scheduler evicted this step
+    # are copied out before the step's tokens overwrite them
+    kv_moves: list[list] = field(default_factory=list)
 
     @classmethod
-    def from_schedule(cls, out: SchedulerOutput, block_size: int) -> "StepInput":
-        step = cls([], [], [], [], [], [], [], [])
+    def from_schedule(cls, out: SchedulerOutput, block_size: int, *, kv_moves: list[list] | None = None) -> "StepInput":
+        step = cls([], [], [], [], [], [], [], [], kv_moves or [])
         for item in out.scheduled:
             seq = item.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
@@ -131,12 +136,18 @@ class ModelRunner:
         self.attention = attention or PagedAttention
         self.native_attention = native_attention
         self.attention_seconds = 0.0  # PagedAttention's time, summed over steps (not under other `attention`)
+        self.tier_store = None  # a `kv_tier_store.KVTierStore` when the cache has tiers below it (`build_runner`)
+
+    def move_kv(self, moves: list[list]) -> list[int]:
+        """Carry out this rank's share of KV tier moves; the indices of the loads from disk that failed here."""
+        return self.tier_store.apply(moves) if moves else []
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the step's tokens; return float32 logits [len(step.logits_indices), vocab] (under tensor
         parallelism this rank's vocab slice: the lm_head is split over the vocabulary)."""
         model = self.model
+        self.move_kv(step.kv_moves)
         tokens = torch.tensor(step.token_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         ctx = self.attention(self.k_caches, self.v_caches, step, self.block_size, dtype=self.dtype,

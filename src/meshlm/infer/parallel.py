@@ -52,6 +52,8 @@ import torch.nn.functional as F
 
 from meshlm import comm
 from meshlm.infer.attention import DecodeBatch, read_slots, write_kv
+from meshlm.infer.kv_tier_store import KVTierStore, kv_signature, model_fingerprint
+from meshlm.infer.kv_tiers import KVTierConfig
 from meshlm.infer.model_runner import ModelRunner, StepInput
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
@@ -63,18 +65,35 @@ _KEEPALIVE = {"keepalive": True}
 KEEPALIVE_S = 1.0  # an idle driver tells the other ranks it is alive this often (far below any collective timeout)
 
 
-# The `ModelRunner` arguments of `LLM`/`Engine` (the KV cache and its attention), as `build_runner` takes them.
-RUNNER_ARGS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "native_attention")
+# The `ModelRunner` arguments of `LLM`/`Engine` (the KV cache, its attention and the tiers below it), as
+# `build_runner` takes them.
+RUNNER_ARGS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "native_attention", "kv_host_mb", "kv_disk_dir",
+               "kv_disk_mb")
 
 
-def build_runner(model: Transformer, mesh: Mesh | None = None, **runner_kwargs) -> ModelRunner:
+def build_runner(model: Transformer, mesh: Mesh | None = None, *, kv_host_mb: float | None = None,
+                 kv_disk_dir: str | None = None, kv_disk_mb: float | None = None, **runner_kwargs) -> ModelRunner:
     """This rank's `ModelRunner` over `model` (the full weights): on one rank (`mesh` None) the model as it
     is; on tp x cp ranks split in place over "tp" (`shard_for_serving`) and, with cp > 1, attending over this
-    rank's blocks (`context_parallel_attention`). `runner_kwargs`: `ModelRunner`'s (`RUNNER_ARGS`)."""
+    rank's blocks (`context_parallel_attention`). `runner_kwargs`: `ModelRunner`'s (`RUNNER_ARGS`).
+    `kv_host_mb`, `kv_disk_dir`, `kv_disk_mb`: KV tiers below the cache (`infer/kv_tiers.py`), per rank: the
+    runner gets a `KVTierStore` for its share of every block."""
+    tiers = KVTierConfig.of(kv_host_mb, kv_disk_dir, kv_disk_mb)
+    fingerprint = model_fingerprint(model) if tiers is not None and tiers.disk_dir is not None else ""
     if mesh is None:
-        return ModelRunner(model, **runner_kwargs)
-    return ModelRunner(shard_for_serving(model, mesh), **runner_kwargs,
-                       attention=context_parallel_attention(mesh) if mesh.size("cp") > 1 else None)
+        runner = ModelRunner(model, **runner_kwargs)
+    else:
+        runner = ModelRunner(shard_for_serving(model, mesh), **runner_kwargs,
+                             attention=context_parallel_attention(mesh) if mesh.size("cp") > 1 else None)
+    if tiers is not None:
+        tp, cp = (mesh.size("tp"), mesh.size("cp")) if mesh is not None else (1, 1)
+        k = runner.k_caches[0]
+        signature = kv_signature(fingerprint, layers=len(runner.k_caches), kv_heads=k.shape[0], head_dim=k.shape[2],
+                                 dtype=runner.kv_dtype, block_size=runner.block_size, tp=tp, cp=cp)
+        ranks = dict(tp_rank=mesh.local_rank("tp"), cp_rank=mesh.local_rank("cp"), cp=cp) if mesh is not None else {}
+        runner.tier_store = KVTierStore(runner.k_caches, runner.v_caches, tiers, block_size=runner.block_size,
+                                        signature=signature, **ranks)
+    return runner
 
 
 def shard_for_serving(model: Transformer, mesh: Mesh) -> Transformer:
@@ -141,6 +160,15 @@ def _run_step(runner: ModelRunner, mesh: Mesh, step: StepInput) -> torch.Tensor:
     return comm.all_gather(runner.execute(step), mesh, "tp", dim=1)
 
 
+def _move_kv(runner: ModelRunner, mesh: Mesh, moves: list[list]) -> list[int]:
+    """This rank's share of KV tier moves; then the indices of the loads that failed on any rank (a flag per
+    move, summed over tp and cp)."""
+    flags = torch.zeros(len(moves), dtype=torch.int32, device=runner.device)
+    flags[runner.move_kv(moves)] = 1
+    comm.all_reduce(comm.all_reduce(flags, mesh, "tp"), mesh, "cp")
+    return torch.nonzero(flags).flatten().tolist()
+
+
 class ParallelRunner:
     """Rank 0's runner: the interface of `ModelRunner` (block_size, num_blocks, execute) over every rank;
     `num_blocks` counts the blocks of all cp ranks, `num_groups` tells the block manager where they are.
@@ -173,6 +201,19 @@ class ParallelRunner:
             self._last = time.monotonic()
         return out
 
+    @property
+    def tier_store(self):
+        """Rank 0's `KVTierStore` (each rank has its own, over its share of the blocks), or None."""
+        return self.runner.tier_store
+
+    def move_kv(self, moves: list[list]) -> list[int]:
+        """KV tier moves on every rank, before a step; the indices of the loads that failed on any of them."""
+        with self._lock:
+            _send({"tier_moves": moves}, self.mesh)  # (a step's own moves travel as its "kv_moves")
+            failed = _move_kv(self.runner, self.mesh, moves)
+            self._last = time.monotonic()
+        return failed
+
     def close(self) -> None:
         """Release the other ranks from `run_worker` (once; the engine is unusable afterwards)."""
         self._closing.set()
@@ -203,6 +244,9 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
         if message == _STOP:
             return steps
         if message == _KEEPALIVE:
+            continue
+        if "tier_moves" in message:
+            _move_kv(runner, mesh, message["tier_moves"])
             continue
         _run_step(runner, mesh, StepInput(**message))
         steps += 1

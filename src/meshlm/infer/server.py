@@ -502,6 +502,16 @@ def metrics_text(engine: AsyncEngine) -> str:
         ("meshlm_prefix_cache_hit_rate", "prefix_cache_hit_rate", "prompt tokens found in the prefix cache / queried", "gauge"),
         ("meshlm_prefix_cache_queried_tokens_total", "prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache", "counter"),
         ("meshlm_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", "counter"),
+        ("meshlm_kv_host_hit_tokens_total", "kv_host_hit_tokens", "prompt tokens whose KV blocks came back from the "
+         "host memory tier", "counter"),
+        ("meshlm_kv_disk_hit_tokens_total", "kv_disk_hit_tokens", "prompt tokens whose KV blocks came back from the "
+         "disk tier", "counter"),
+        ("meshlm_kv_recomputed_tokens_total", "kv_recomputed_tokens", "prompt tokens found in no KV tier (computed)",
+         "counter"),
+        ("meshlm_kv_host_blocks", "kv_host_blocks", "KV blocks held in the host memory tier", "gauge"),
+        ("meshlm_kv_disk_blocks", "kv_disk_blocks", "KV blocks held in the disk tier", "gauge"),
+        ("meshlm_kv_disk_failed_loads_total", "kv_disk_failed_loads", "disk tier files that did not check out "
+         "(truncated, corrupted, missing; their tokens recomputed)", "counter"),
         ("meshlm_generated_tokens_total", "generated_tokens", "tokens generated", "counter"),
         ("meshlm_preemptions_total", "num_preemptions", "requests preempted (recomputed later)", "counter"),
         ("meshlm_spec_proposed_tokens_total", "spec_proposed_tokens", "tokens proposed by speculative decoding and "
