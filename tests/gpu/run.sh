@@ -2,12 +2,14 @@
 # The GPU checks, in one run (under 10 minutes on one node): tests/gpu (NCCL layouts need 2-4 GPUs and are
 # skipped with fewer), then the benchmarks that take --device cuda, at small sizes, each beside its PyTorch peer.
 # On a machine with CUDA and the project installed (pip install --no-deps -e . where no package index is reachable):
-#   bash tests/gpu/run.sh            # JSON of each benchmark under gpu-results/
+#   bash tests/gpu/run.sh            # JSON of each benchmark under gpu-results/ (meshlm from src/ if not installed)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${GPU_RESULTS:-gpu-results}
 mkdir -p "$out"
 status=0
+# meshlm from this checkout when it is not installed (an image without a package index may lack pip's build deps)
+python -c "import meshlm" 2>/dev/null || export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 gpus=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 echo "visible GPUs: $gpus"
 if [ "$gpus" -lt 1 ]; then
