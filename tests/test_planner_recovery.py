@@ -108,7 +108,7 @@ def test_cli_estimate_json_reports_every_path_and_marks_the_configured_one(capsy
 
 
 def test_cli_estimate_text_names_each_path(capsys):
-    rc, out = _cli([*LLAMA, "--gpus", "64", "--layout", "tp=8,pp=4,zero_stage=0", "--recovery", "memory"], capsys)
+    _, out = _cli([*LLAMA, "--gpus", "64", "--layout", "tp=8,pp=4,zero_stage=0", "--recovery", "memory"], capsys)
     line = next(x for x in out.splitlines() if x.startswith("Recovery: "))
     assert "storage " in line and "memory (configured) " in line and "replica " in line and "lost per failure" in line
     rc, out = _cli([*LLAMA, "--gpus", "64", "--layout", "tp=8,pp=4,zero_stage=1"], capsys)

@@ -57,10 +57,11 @@ def _goodput(waste: float) -> float:
     return max(0.0, 1.0 - waste)
 
 
-def checkpoint_restart(*, mtbf_s: float, step_s: float, write_s: float, reload_s: float, restart_s: float) -> dict:
-    """A restart of every rank from a checkpoint written in `write_s` every Young/Daly interval and read back in
-    `reload_s` after the restart: the storage and memory paths."""
-    interval = young_daly_interval(write_s, mtbf_s, step_s)
+def checkpoint_restart(*, mtbf_s: float, step_s: float, write_s: float, reload_s: float, restart_s: float,
+                       interval_s: float | None = None) -> dict:
+    """A restart of every rank from a checkpoint written in `write_s` every `interval_s` (None: the Young/Daly
+    interval) and read back in `reload_s` after the restart: the storage and memory paths."""
+    interval = young_daly_interval(write_s, mtbf_s, step_s) if interval_s is None else interval_s
     lost = (interval + write_s) / 2 + restart_s + reload_s
     goodput = 1.0 if math.isinf(mtbf_s) else _goodput(write_s / interval + lost / mtbf_s)
     return {"checkpoint_write_s": write_s, "checkpoint_interval_s": interval,
