@@ -15,9 +15,11 @@ logged step `--kill-at`:
            copies the state from group 0, which steps on alone meanwhile.
 Measured, per path: `lost_steps` (storage, memory: the restart row's; replica: the steps group 0 took alone, each
 missing 1/2 of its work, plus the steps it retried, in whole-job steps), `recovery_s` (the kill to the first step the
-restarted rank logged), `wall_cost_s` (faulty wall - reference wall), `lost_s` (storage, memory: the wall cost;
-replica, where the job kept going: half of each lone step at the reference's step time, plus the wall time of the
-retried step, which every group waited out) and `step_s` (the reference's median step). The run is long enough
+restarted rank logged), `caught_up_s` (the kill to the first step past the one it was killed after), `wall_cost_s`
+(faulty wall - reference wall: on a shared machine the load of other work moves it by more than a restart),
+`lost_s` (storage, memory: caught_up_s less one step, the restart and the steps done again; replica, where the job
+kept going: each step of group 0 the failure touched -- taken alone, or retried -- its wall time less the work it
+did, a reference step x the groups in it / 2) and `step_s` (the reference's median step). The run is long enough
 (`--steps`) for group 0 to be still training when group 1 is back: a group that comes back to no live peer waits
 parallel.replica_start_wait_s for one, then trains alone from its own checkpoint.
 Predicted (`meshlm.planner.recovery`): each path's mean time lost per failure with this machine's measured figures:
@@ -110,7 +112,7 @@ def run_once(path: str, args, run_dir: Path, corpus: Path, *, kill_at: int | Non
         deadline = t0 + args.timeout
         while proc.poll() is None and time.perf_counter() < deadline:
             time.sleep(0.02)
-            if kill_at is None or "back" in seen:
+            if kill_at is None or "caught_up" in seen:
                 continue
             found = rows(metrics)
             if killed is None:
@@ -122,8 +124,10 @@ def run_once(path: str, args, run_dir: Path, corpus: Path, *, kill_at: int | Non
             restart = [i for i, r in enumerate(found) if "restart" in r]
             if restart and "restart" not in seen:
                 seen["restart"] = time.perf_counter()
-            if restart and any("loss" in r for r in found[restart[0] + 1:]):
+            if restart and "back" not in seen and any("loss" in r for r in found[restart[0] + 1:]):
                 seen["back"] = time.perf_counter()
+            if restart and any(r.get("step", 0) > killed[1] for r in found[restart[0] + 1:] if "loss" in r):
+                seen["caught_up"] = time.perf_counter()
         code = proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
     finally:
         kill_session(proc)  # (what is left of it: a rank the launcher did not reap)
@@ -133,7 +137,8 @@ def run_once(path: str, args, run_dir: Path, corpus: Path, *, kill_at: int | Non
     out = {"wall_s": wall}
     if killed is not None:
         out.update(killed_after_step=killed[1], restart_row_s=seen.get("restart", math.nan) - killed[0],
-                   recovery_s=seen.get("back", math.nan) - killed[0])
+                   recovery_s=seen.get("back", math.nan) - killed[0],
+                   caught_up_s=seen.get("caught_up", math.nan) - killed[0])
     return out
 
 
@@ -151,9 +156,10 @@ def lost_work(path: str, run_dir: Path) -> dict:
     g0 = rows(run_dir / "replica_0" / "metrics.jsonl")
     alone = [r["step"] for r in g0 if r.get("replicas") == [0]]
     retried = [r for r in g0 if r.get("retried")]
+    hit = [r for r in g0 if "loss" in r and (r.get("retried") or r.get("replicas") == [0])]
     return {"steps_group_0_alone": len(alone), "retried_steps": sum(r["retried"] for r in retried),
-            "retried_step_wall_s": sum(r["step_time_s"] for r in retried),
-            "lost_steps": len(alone) / GROUPS + sum(r["retried"] for r in retried)}
+            "lost_steps": len(alone) / GROUPS + sum(r["retried"] for r in retried),
+            "hit_steps": [(r["step_time_s"], len(r["replicas"])) for r in hit]}
 
 
 def measure(path: str, args, tmp: Path, corpus: Path) -> dict:
@@ -171,8 +177,10 @@ def measure(path: str, args, tmp: Path, corpus: Path) -> dict:
     if "reference_wall_s" in out:
         out["wall_cost_s"] = out["faulty_wall_s"] - out["reference_wall_s"]
         # replica: the job went on; half the work of each step group 0 took alone, and the wait of the retried step
-        out["lost_s"] = (out["steps_group_0_alone"] / GROUPS * out["step_s"] + out["retried_step_wall_s"]
-                         if path == "replica" else out["wall_cost_s"])
+    if path == "replica":  # each step the failure touched (alone or retried): its wall less the work it did
+        out["lost_s"] = sum(wall - out["step_s"] * n / GROUPS for wall, n in out.pop("hit_steps"))
+    else:
+        out["lost_s"] = out["caught_up_s"] - out["step_s"]
     return out
 
 
