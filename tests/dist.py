@@ -13,6 +13,7 @@ rank's traceback, the current stack of every rank still running (dumped by fault
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -223,3 +224,25 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def kill_session(proc) -> None:
+    """`proc` (a `subprocess.Popen` started with start_new_session=True), its session and every process below it
+    (a launcher, its ranks; replica groups' launchers and theirs)."""
+    for pid in [*reversed(descendants(proc.pid)), -proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # (-pid: its session)
+    proc.wait(timeout=30)
+
+
+def group_ranks(pid: int, group: int) -> list[int]:
+    """The ranks of replica group `group` under `meshlm train --replica-groups` (process `pid`): the children of the
+    group's launcher job, the child of `pid` whose command line sets parallel.replica_group={group}."""
+    for child in children(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"parallel.replica_group={group}".encode() in argv:
+            return children(child)
+    return []

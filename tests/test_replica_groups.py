@@ -13,7 +13,6 @@
 Every process the test starts is a child of the test and is killed at the end whatever happens.
 """
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist import children, descendants
+from dist import group_ranks, kill_session as kill_all
 from runs import SMALL_MODEL
 
 # (not imported here: torchft's Rust logger reads RUST_LOG once, and `quiet_torchft` sets it before the first import)
@@ -51,14 +50,6 @@ def start(run_dir: Path, text_file: Path, *flags: str, extra=()) -> subprocess.P
                             start_new_session=True)
 
 
-def kill_all(proc: subprocess.Popen) -> None:
-    """`proc`, its session and every process below it (a group's launcher, its ranks)."""
-    for pid in [*reversed(descendants(proc.pid)), -proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # (-pid: the session `start` gave it)
-    proc.wait(timeout=30)
-
-
 def rows(run_dir: Path, group: int) -> list[dict]:
     path = run_dir / f"replica_{group}" / "metrics.jsonl"
     found = []
@@ -72,18 +63,6 @@ def rows(run_dir: Path, group: int) -> list[dict]:
 
 def last_step(run_dir: Path, group: int) -> int:
     return max([r["step"] for r in rows(run_dir, group) if "loss" in r] or [0])
-
-
-def group_ranks(proc: subprocess.Popen, group: int) -> list[int]:
-    """The ranks of replica group `group`: the children of its launcher job (a child of `meshlm train`)."""
-    for pid in children(proc.pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"parallel.replica_group={group}".encode() in argv:
-            return children(pid)
-    return []
 
 
 def memberships(run_dir: Path, groups: int) -> dict[int, list[int]]:
@@ -128,7 +107,7 @@ def test_a_killed_group_drops_out_rejoins_and_the_run_matches_its_membership_rep
         deadline = time.time() + 240
         while proc.poll() is None and time.time() < deadline and killed_at is None:
             time.sleep(0.05)
-            ranks = group_ranks(proc, 1)
+            ranks = group_ranks(proc.pid, 1)
             if len(ranks) == 2 and last_step(run, 1) >= 3:
                 os.kill(ranks[1], signal.SIGKILL)
                 killed_at = last_step(run, 0)

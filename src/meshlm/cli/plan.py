@@ -62,6 +62,11 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     p.add_argument("--storage-bw", default=None, metavar="BYTES_PER_S",
                    help="checkpoint storage write bandwidth of the job, e.g. 500G (default 122 MB/s per GPU, "
                         "the Llama 3 paper's 2 TB/s for 16K GPUs)")
+    p.add_argument("--recovery", choices=["storage", "memory", "replica"], default="storage", help="the recovery path "
+                   "`goodput` is of (all are priced): restart from storage (default), from memory, or replica groups")
+    p.add_argument("--replica-groups", type=int, metavar="G", help="groups of the replica path (default: the layout's)")
+    p.add_argument("--restart-s", type=float, metavar="S", help="restart time before reloading (default 600)")
+    p.add_argument("--replica-sync-every", type=int, default=1, metavar="H", help="price semi-synchronous groups' sync")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
