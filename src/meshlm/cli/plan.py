@@ -26,6 +26,7 @@ import json
 from typing import TYPE_CHECKING
 
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
+from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
 if TYPE_CHECKING:
     from meshlm.config import ModelConfig
@@ -62,7 +63,7 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     p.add_argument("--storage-bw", default=None, metavar="BYTES_PER_S",
                    help="checkpoint storage write bandwidth of the job, e.g. 500G (default 122 MB/s per GPU, "
                         "the Llama 3 paper's 2 TB/s for 16K GPUs)")
-    p.add_argument("--recovery", choices=["storage", "memory", "replica"], default="storage", help="the recovery path "
+    p.add_argument("--recovery", choices=RECOVERY_PATHS, default="storage", help="the recovery path "
                    "`goodput` is of (all are priced): restart from storage (default), from memory, or replica groups")
     p.add_argument("--replica-groups", type=int, metavar="G", help="groups of the replica path (default: the layout's)")
     p.add_argument("--restart-s", type=float, metavar="S", help="restart time before reloading (default 600)")

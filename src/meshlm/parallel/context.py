@@ -196,6 +196,14 @@ def _shape(q: torch.Tensor, k: torch.Tensor, q_ids) -> tuple[int, int, float]:
     return q.shape[1] // k.shape[1], q.shape[2] // len(q_ids), 1.0 / math.sqrt(q.shape[-1])
 
 
+def _accumulators(q: torch.Tensor):
+    """(out, lse, aux) that `_block_forward` merges every pair into: the output in the compute dtype and q's memory
+    layout (zeros_like keeps strides, so the model's transpose back to tokens stays a view), the log-sum-exp at
+    -inf (no keys yet), and a list for the first pair's kernel aux."""
+    cdt = compute_dtype(q.dtype)
+    return torch.zeros_like(q, dtype=cdt), torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device), []
+
+
 def _block_forward(q, block, *, q_ids, k_ids, out, lse, documents=None, aux: list | None = None) -> None:
     """Attend this rank's queries `q` (chunks `q_ids`) to the K/V `block` [2, b, hkv, n c, d] holding chunks
     `k_ids`, merging each (query chunk, key chunk) pair's partial result into `out` / `lse` (compute dtype) in
@@ -262,11 +270,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mesh: Mesh, axis: str, chunks_of, documents=None):
         r = mesh.local_rank(axis)
-        cdt = compute_dtype(q.dtype)
-        # in q's memory layout (zeros_like keeps strides), so the model's transpose back to tokens is a view
-        out = torch.zeros_like(q, dtype=cdt)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
-        aux = []
+        out, lse, aux = _accumulators(q)
         # what travels: the kv heads only
         ring_pass(torch.stack([k, v]).contiguous(), mesh, axis,
                   lambda block, src: _block_forward(q, block, q_ids=chunks_of(r), k_ids=chunks_of(src), out=out,
@@ -329,9 +333,7 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, cp_rank: int, cp: int, documents=None):
         s = q.shape[2]
-        out = torch.zeros_like(q, dtype=compute_dtype(q.dtype))
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=out.dtype, device=q.device)
-        aux = []
+        out, lse, aux = _accumulators(q)
         for src in range(cp):
             _block_forward(q, kv[:, :, :, src * s:(src + 1) * s], q_ids=chunk_ids(cp_rank, cp),
                            k_ids=chunk_ids(src, cp), out=out, lse=lse, documents=documents, aux=aux)

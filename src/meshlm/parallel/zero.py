@@ -397,10 +397,6 @@ class ZeroSharding(GradientBuckets):
     def shard_of(self, bucket: _ShardedBucket, flat_shard: torch.Tensor) -> torch.Tensor:
         return flat_shard[bucket.shard_offset:bucket.shard_offset + bucket.chunk]
 
-    def my_chunk(self, bucket: _ShardedBucket, padded_flat: torch.Tensor) -> torch.Tensor:
-        start = self.shard_rank * bucket.chunk
-        return padded_flat[start:start + bucket.chunk]
-
     def shard_ranges(self, select) -> list[tuple[int, int]]:
         """[start, end) ranges of this rank's flat shard holding parameters `p` with `select(p)` true
         (adjacent ranges merged): the places a per-parameter rule applies, without a flat mask."""
