@@ -195,7 +195,7 @@ def test_a_group_of_another_layout_is_refused_and_the_running_group_trains_on(tm
     print(f"\n{refused[-1]}\n{last}")
 
 
-@pytest.mark.parametrize("outer", ["average", "diloco"])
+@pytest.mark.parametrize("outer", [pytest.param("average", marks=pytest.mark.slow), "diloco"])  # LocalSGD: slow tier
 def test_semi_synchronous_groups_match_their_replay(tmp_path, text_file, outer):
     """parallel.replica_sync_every=3: each group steps alone on its slice, every 3rd step torchft's LocalSGD averages
     the weights (DiLoCo: the moves since the last sync, through an outer Nesterov SGD); the reference is two
