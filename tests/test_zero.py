@@ -11,7 +11,9 @@ One launch per world size: each rank runs every configuration in turn. Steps are
 `Trainer.train_step()` so the communication of each step can be read from the mesh's CommStats.
 """
 
+import gc
 import shutil
+import weakref
 from functools import partial
 from pathlib import Path
 
@@ -87,6 +89,12 @@ def zero_worker(rank, world_size, root: Path, text_file: Path, configs: list[tup
                     "state_bytes": trainer.optimizer.state_bytes(),
                     "grads_kept": any(p.grad is not None for p in trainer.base_model.parameters()),
                     "params_freed": all(p.untyped_storage().nbytes() == 0 for p in trainer.base_model.parameters())}
+        # A deleted trainer takes its model along: the gradient hooks (held where the garbage collector cannot
+        # see them) must not keep the strategy, and through it the model and its shards, alive.
+        model = weakref.ref(trainer.base_model)
+        del trainer, zero
+        gc.collect()
+        out[key]["model_outlived_trainer"] = model() is not None
     if with_resume:
         # ZeRO-2, 2 accumulated micro-batches: 5 straight == 3 + save + resume + 2, bit for bit
         cfg = make_cfg(root / "split", text_file, "parallel.zero_stage=2", "train.micro_batch_size=2")
@@ -172,6 +180,7 @@ def check_parity(results, reference, configs):
             assert got["grads_kept"] == (stage == 1), key
             # ZeRO-3 frees the full parameters between uses
             assert got["params_freed"] == (stage == 3), key
+            assert not got["model_outlived_trainer"], key
 
 
 def test_zero_dp2_matches_single_process_and_checkpoints(tmp_path, text_file, reference):

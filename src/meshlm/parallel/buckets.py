@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -109,6 +110,25 @@ def group_by_size(model: nn.Module, bucket_size_mb: float, *,
     return groups
 
 
+def weak_hook(method):
+    """`method` as a parameter hook that does not keep its object alive.
+
+    A parameter's hooks are held where Python's garbage collector cannot follow them (the autograd graph
+    holds the parameter too), so a hook bound to the strategy would keep the strategy -- and through it the
+    model, its buckets and ZeRO's shards -- alive for the life of the process after its trainer is gone.
+    """
+    ref, owner = weakref.WeakMethod(method), type(method.__self__).__name__
+
+    def hook(*args):
+        target = ref()
+        if target is None:
+            raise RuntimeError(f"a gradient hook fired after its {owner} was garbage-collected: keep the object "
+                               "the apply_* call returned for as long as the model trains")
+        return target(*args)
+
+    return hook
+
+
 class GradientBuckets:
     """Hooks that launch one collective per bucket, in order, overlapped with backward; see the module doc.
 
@@ -128,7 +148,8 @@ class GradientBuckets:
         self._callback_queued = False
         self._next_launch = 0
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in buckets for p in b.params]
+        on_grad_ready = weak_hook(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad_ready) for b in buckets for p in b.params]
 
     # -- what a strategy provides ------------------------------------------------------------------
 
