@@ -4,7 +4,8 @@ Responsible for: `apply_data_parallel(model, mesh)`, which makes the replicas id
 (a broadcast from coordinate 0 of the axis), groups gradients into buckets, and all-reduces each
 bucket asynchronously (through `meshlm.comm`, so the bytes are counted) as soon as backward has
 produced all of its gradients, overlapping communication with the rest of backward; `no_sync()` for
-gradient accumulation; and the gradient-norm function for clipping.
+gradient accumulation; and the gradient-norm function for clipping. The hooks hold the returned object
+weakly (`buckets.weak_hook`): keep it while the model trains; dropping it with the model frees both.
 Not responsible for: sharding parameters, gradients or optimizer state (ZeRO, `parallel/zero.py`),
 sharding the data (`data.text.BatchLoader(..., dp_rank, dp_size)`), or the loss normalisation.
 

@@ -4,7 +4,8 @@ Responsible for: `apply_zero(model, mesh, stage=..., bucket_size_mb=...) -> Zero
 attaches gradient hooks that reduce-scatter bucketed gradients into this rank's flat gradient shard
 (launched asynchronously as backward produces them, like `parallel/data.py`'s all-reduce),
 `ZeroSharding.no_sync()` for accumulation, the global gradient-norm function (tensor-parallel aware),
-and ZeRO-3's gathering of parameters one unit ahead, whole model or pipeline stage.
+and ZeRO-3's gathering of parameters one unit ahead, whole model or pipeline stage. As with data parallelism,
+the gradient hooks hold the returned object weakly: keep it while the model trains.
 Not responsible for: the optimizer over the flat shard (`parallel/zero_adamw.py`, `ZeroAdamW`), the
 bucket hooks and their in-order launch (the shared engine of `parallel/buckets.py`), sharding the
 data, or the loss normalisation (the trainer; gradients are SUMMED over ranks exactly as in
