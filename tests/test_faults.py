@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -73,13 +74,24 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "checkpoints" / latest / "model_rank_00000.safetensors"))
 
 
-def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file):
-    steps = ["train.steps=18"]
-    ref = start(tmp_path / "ref", text_file, extra=steps)
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_file) -> dict:
+    """The uninterrupted run's final weights: both restart drills must end on them bit for bit (how often a run
+    checkpoints, to storage or memory, does not change its numbers)."""
+    run = tmp_path_factory.mktemp("faults") / "ref"
+    ref = start(run, text_file, extra=[f"train.steps={STEPS}"])
     try:
         assert ref.wait(timeout=240) == 0, ref.communicate()[1][-2000:]
     finally:
         kill_all(ref)
+    return final_weights(run)
+
+
+def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file, reference):
+    steps = [f"train.steps={STEPS}"]  # three kills, each 1 to 5 steps past its attempt's resume: by step 14
     rng = random.Random(7)
     run = tmp_path / "faulty"
     proc = start(run, text_file, "--max-restarts", "3", extra=steps)
@@ -115,24 +127,19 @@ def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file):
     assert [r["restart"] for r in restarts] == [1, 2, 3], restarts
     assert all(r["lost_steps"] >= 0 for r in restarts)
     print("\nkilled (step, pid):", kills, "restart rows:", restarts)
-    got, want = final_weights(run), final_weights(tmp_path / "ref")
+    got, want = final_weights(run), reference
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
 
-def test_a_restart_resumes_from_in_memory_checkpoints(tmp_path, text_file):
+def test_a_restart_resumes_from_in_memory_checkpoints(tmp_path, text_file, reference):
     """`--max-restarts 1` with in-memory checkpoints every 2 steps and storage ones every 6: a rank SIGKILLed
     after step 8 is restarted with every rank, they resume from the newest in-memory checkpoint (at most 2 steps
     lost), the run ends bit-identical to the uninterrupted one, and the launcher removes the in-memory copies."""
     memory = tmp_path / "shm"
-    steps = ["train.steps=16", "train.checkpoint_interval=6", "train.memory_checkpoint_interval=2",
+    steps = [f"train.steps={STEPS}", "train.checkpoint_interval=6", "train.memory_checkpoint_interval=2",
              f"train.memory_checkpoint_dir={memory}"]
-    ref = start(tmp_path / "ref", text_file, extra=steps)
-    try:
-        assert ref.wait(timeout=240) == 0, ref.communicate()[1][-2000:]
-    finally:
-        kill_all(ref)
     run = tmp_path / "faulty"
     proc = start(run, text_file, "--max-restarts", "1", extra=steps)
     killed = None
@@ -152,7 +159,7 @@ def test_a_restart_resumes_from_in_memory_checkpoints(tmp_path, text_file):
     restarts = [r for r in logged_steps(run) if "restart" in r]
     assert len(restarts) == 1 and restarts[0]["from"] == "memory", restarts
     assert restarts[0]["lost_steps"] <= 2 and restarts[0]["step"] >= 6, restarts
-    got, want = final_weights(run), final_weights(tmp_path / "ref")
+    got, want = final_weights(run), reference
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert not any(memory.rglob("*.st")), sorted(memory.rglob("*"))
 
