@@ -5,7 +5,8 @@ Responsible for: the argument parser of the `plan` command (`add_parser`), turni
 the planner's inputs (`planner/inputs.py`: model preset or Hugging Face config.json, cluster, job sizes like
 4M), and printing tables or JSON (`run` hands each subcommand to its own `run_*` function). User mistakes
 raise ValueError; the top-level CLI prints them as one line with exit code 2.
-Not responsible for: any estimate (see `cost.py`, `search.py`, `serving_modes.py`).
+Not responsible for: any estimate (see `cost.py`, `search.py`), or the serving subcommands' flags and
+output (`cli/plan_serving.py`: `infer`, `context`).
 
   meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 --global-batch-tokens 4M
   meshlm plan estimate --model llama3-70b --cluster h100 --gpus 64 --layout tp=8,pp=4,zero_stage=1 --json
@@ -25,6 +26,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from meshlm.cli.plan_serving import add_serving_parsers, run_context, run_infer
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
 from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
@@ -69,61 +71,6 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     p.add_argument("--restart-s", type=float, metavar="S", help="restart time before reloading (default 600)")
     p.add_argument("--replica-sync-every", type=int, default=1, metavar="H", help="price semi-synchronous groups' sync")
     p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _add_served(p: argparse.ArgumentParser) -> None:
-    """The model, cluster and precisions of a serving question (`plan infer`, `plan context`)."""
-    p.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
-    p.add_argument("--cluster", default="h100")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
-    p.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
-
-
-def _add_serving_parsers(sub) -> None:
-    """`plan infer` (one serving deployment) and `plan context` (one long sequence)."""
-    i = sub.add_parser("infer", help="serving estimate: throughput, TTFT, TPOT, KV capacity, bound, power",
-                       description="Serve --model on --gpus GPUs of --cluster: one --layout, or every layout ranked. "
-                                   "One of --batch (static), --concurrency (continuous), --offline (the default: the "
-                                   "best concurrency that fits) or --request-rate (Poisson); planner/serving*.py.",
-                       epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
-                              "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
-                              "bound, power_w, joules_per_output_token, ... (see README).")
-    _add_served(i)
-    i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
-    i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
-    i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
-                                                 "without it every layout of --gpus is ranked")
-    i.add_argument("--tp", type=int, default=None, help="shorthand for --layout tp=T (and --gpus T when not given)")
-    i.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default 1024)")
-    i.add_argument("--output-len", type=int, default=1024, help="generated tokens per request (default 1024)")
-    mode = i.add_mutually_exclusive_group()
-    mode.add_argument("--batch", type=int, default=None, help="static batch: prefill all, then decode all")
-    mode.add_argument("--concurrency", type=int, default=None, help="continuous batching with C requests in flight")
-    mode.add_argument("--offline", action="store_true", help="the throughput-maximising concurrency that fits "
-                                                             "(the default)")
-    mode.add_argument("--request-rate", type=float, default=None, metavar="R",
-                      help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
-    i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                   help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
-    i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
-    i.add_argument("--engine", default="default", help="serving software priced (planner/serving_engine.py)")
-    i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
-                   help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
-    i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
-    i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
-    i.add_argument("--json", action="store_true")
-
-    x = sub.add_parser("context", help="one long context: smallest deployment, TPOT, where more GPUs stop paying",
-                       description="The fewest GPUs (tp x pp x cp) of --cluster that hold the weights and one "
-                                   "sequence of --context tokens, its TPOT, the nodes its KV spans, and the best "
-                                   "TPOT as GPUs double (planner/serving_context.py; JSON keys: see README).")
-    _add_served(x)
-    x.add_argument("--context", required=True, help="prompt tokens of the one sequence, e.g. 1M (= 2^20), 128K")
-    x.add_argument("--output-len", type=int, default=1, help="tokens generated after it (default 1)")
-    x.add_argument("--max-gpus", type=int, default=4096, help="largest deployment to consider (default 4096)")
-    x.add_argument("--plot", metavar="FILE.png", help="weights + KV per GPU against context length and TPOT "
-                                                      "against GPUs, for scale-up domains of 8 and 72")
-    x.add_argument("--json", action="store_true")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -171,7 +118,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                       "which communication bounds the step.")
     _add_common(cmpp, required=True, gpus="compare")
 
-    _add_serving_parsers(sub)
+    add_serving_parsers(sub)
     s = sub.add_parser("schedule", help="simulate a pipeline schedule: bubble, peak in-flight, timeline PNG",
                        description="Simulate one pipeline schedule in unit time (F=1, B=1, W=1 per microbatch "
                                    "and chunk; the full backward is B+W) and print its bubble and the "
@@ -311,7 +258,12 @@ def _job_tokens(args) -> int:
 def run_scale(args) -> int:
     """`meshlm plan scale`: the best layout at each GPU count, strong and weak, and where returns diminish."""
     from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.scale import describe, diminishing_point, parse_gpu_counts, scale_curve
+    from meshlm.planner.scale import (
+        describe,
+        diminishing_point,
+        parse_gpu_counts,
+        scale_curve,
+    )
 
     cfg = _training_model(args)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
@@ -404,75 +356,6 @@ def format_compare(rows: list[dict]) -> str:
                            for r in fitting if r is not best)
         lines.append(f"Fastest: {best['cluster']}, {others}.")
     return "\n".join(lines)
-
-
-def run_infer(args) -> int:
-    """`meshlm plan infer`: one serving deployment (or every layout of --gpus ranked)."""
-    from meshlm.planner.serving_modes import estimate_serving, format_serving, search_serving
-
-    sv, wl, gpus = _serving_inputs(args)
-    if args.layout is None and args.tp is None:
-        ranked = search_serving(sv, wl, gpus=gpus, top=args.top)
-        if args.json:
-            print(json.dumps(ranked, indent=2))
-        else:
-            print("\n".join(format_serving(r, args.model, sv.cluster.gpu) for r in ranked))
-        return 0
-    est = estimate_serving(sv, wl)
-    print(json.dumps(est, indent=2) if args.json else format_serving(est, args.model, sv.cluster.gpu))
-    return 0
-
-
-def run_context(args) -> int:
-    """`meshlm plan context`: the smallest deployment that holds one long sequence, and its scaling."""
-    from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.plot import plot_context
-    from meshlm.planner.serving import Serving, ServingLayout
-    from meshlm.planner.serving_context import context_answer, format_context, plot_variants
-    from meshlm.planner.serving_model import served_model
-
-    context = parse_size(args.context)
-    if context < 1 or args.output_len < 1 or args.max_gpus < 1:
-        raise ValueError("--context, --output-len and --max-gpus must be >= 1")
-    sv = Serving(served_model(args.model), get_cluster(args.cluster), ServingLayout(), precision=args.precision,
-                 kv_precision=args.kv_precision)
-    answer = context_answer(sv, context, args.output_len, max_gpus=args.max_gpus)
-    print(json.dumps(answer, indent=2) if args.json else format_context(answer, args.model))
-    if args.plot:
-        variants = plot_variants(sv, context, args.output_len, max_gpus=args.max_gpus)
-        plot_context(variants, args.plot, title=f"{args.model} on {sv.cluster.gpu}: {context:,}-token context")
-        if not args.json:
-            print(f"wrote {args.plot}")
-    return 0
-
-
-def _serving_inputs(args):
-    """(Serving, Workload, gpus) from `plan infer`'s flags."""
-    from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving, ServingLayout, parse_serving_layout
-    from meshlm.planner.serving_engine import engine
-    from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload, parse_disaggregate
-
-    if args.context_len is not None:
-        raise ValueError("--context-len is gone: give --input-len (prompt tokens) and --output-len (generated "
-                         "tokens), e.g. --input-len 8192 --output-len 256")
-    if args.layout and args.tp:
-        raise ValueError("give --layout tp=T,... or --tp T, not both")
-    layout = args.layout or (f"tp={args.tp}" if args.tp else None)
-    gpus = args.gpus or (args.tp if args.tp and not args.layout else None)
-    lo = parse_serving_layout(layout, gpus=gpus) if layout else ServingLayout()
-    gpus = gpus or lo.world
-    if layout is None and args.gpus is None:
-        raise ValueError("give --gpus N (every layout ranked), or --layout / --tp")
-    disagg = parse_disaggregate(args.disaggregate) if args.disaggregate else None
-    wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
-                  offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
-                  prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK, disaggregate=disagg)
-    cluster = get_cluster(args.cluster, calibration=args.calibration)
-    sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision,
-                 engine=engine(args.engine))
-    return sv, wl, gpus
 
 
 def run_schedule(args) -> int:
