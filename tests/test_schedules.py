@@ -11,6 +11,7 @@ from meshlm.config import PP_SCHEDULES
 from meshlm.schedules import (SCHEDULES, Action, Schedule, balanced_split, build_schedule, plot_schedule,
                                        simulate, split_layers, stage_loads)
 from meshlm.planner import cost
+from meshlm.planner.placement import rank_split
 
 
 def test_names_match_config():
@@ -152,7 +153,7 @@ def test_plot(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Uneven layer split (the planner's _rank_split uses the runtime's split_layers)
+# Uneven layer split (the planner's placement.rank_split uses the runtime's split_layers)
 # --------------------------------------------------------------------------------------------
 
 
@@ -191,13 +192,13 @@ def test_planner_uneven_interleaved_split():
     """126 layers on 16 ranks x 7 chunks: 8 layers on the busiest rank, not 7 chunks x 2 = 14. The last
     rank's 7 chunks keep a layer each (the runtime runs no empty stage): 7 + the head's 1.5 = 8.5; a
     head-only last stage (min_blocks=0, not run by meshlm) would make it 8."""
-    per_rank, load = cost._rank_split(126, pp=16, chunks=7, head_units=1.5)
+    per_rank, load = rank_split(126, pp=16, chunks=7, head_units=1.5)
     assert sum(per_rank) == 126 and max(per_rank) == 8 and load == pytest.approx(8.5)
     counts = balanced_split(126, pp=16, pp_chunks=7, head_units=1.5, min_blocks=0)
     assert counts[-1] == 0 and stage_loads(counts, pp=16, pp_chunks=7, head_units=1.5)[1] == pytest.approx(8)
-    per_rank, load = cost._rank_split(32, pp=4, chunks=1, head_units=0.4)
+    per_rank, load = rank_split(32, pp=4, chunks=1, head_units=0.4)
     assert per_rank == [8, 8, 8, 8] and load == pytest.approx(8.4)
-    per_rank, load = cost._rank_split(30, pp=4, chunks=1, head_units=2.0)
+    per_rank, load = rank_split(30, pp=4, chunks=1, head_units=2.0)
     assert sum(per_rank) == 30 and per_rank[-1] < per_rank[0] and load == pytest.approx(8)
 
 

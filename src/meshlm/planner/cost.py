@@ -36,7 +36,6 @@ __all__ = ["CP_COMPUTE_BYTES", "CP_METHODS", "FRAGMENTATION", "MIN_HEADROOM", "M
            "collective_time", "estimate", "estimate_layout", "group_span", "inflight_microbatches",
            "layer_activation_bytes", "link_name", "parse_layout", "pipeline_bubble", "rank_split",
            "tp_collectives", "validate_layout"]
-_rank_split = rank_split  # the name tests/test_schedules.py and tests/test_train_pp.py use
 
 # A layout "fits" only with this fraction of the memory left free beyond everything itemised. The
 # itemised model state is exact (tests/test_planner_measured.py), but activations, fragmentation and
