@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from meshlm.cli.common import in_process_group, require_extra, serving_ranks
+from meshlm.cli.common import add_serving_node_arguments, in_process_group, launch_serving_ranks, require_extra, \
+    serving_ranks
 from meshlm.cli.generate import add_kv_tier_arguments, add_speculative_arguments, kv_tier_kwargs, speculative_config
 from meshlm.infer.auth import api_key_of, exposure_warning
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.infer.router import POLICIES
-from meshlm.launch import run_torchrun
 
 
 def add_parser(sub) -> None:
@@ -67,6 +67,7 @@ def add_parser(sub) -> None:
                    help="with --tp/--cp: how long a rank waits in a step's collective for the others before the "
                         "server reports the engine broken (default 600); an idle server keeps its ranks alive "
                         "with a small message a second, so idling longer than this is fine")
+    add_serving_node_arguments(p)
 
 
 def run(args) -> int:
@@ -80,11 +81,15 @@ def run(args) -> int:
     api_key_of(args.api_key, args.api_key_file)  # likewise
     kv_tier_kwargs(args)  # likewise
     if args.replicas > 1:
+        if args.nnodes != 1 or launched_ranks():
+            raise ValueError("--replicas starts its servers on this node; on several nodes (or under torchrun/srun) "
+                             "run one `meshlm serve` per replica, each over its nodes, and drop --replicas")
         return serve_replicas(args)
-    if ranks == 1:
+    code = launch_serving_ranks(args)  # the ranks (on --nnodes nodes) through torch's launcher
+    if code is not None:
+        return code
+    if ranks == 1 and not launched_ranks():
         return serve_here(args)
-    if not launched_ranks():
-        return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
     import torch
 
     if args.collective_timeout <= 0:
