@@ -2,9 +2,10 @@
 them: subprocesses.
 
 - Refusals, one line each, before any rank starts (in-process, no ranks).
-- Two launcher agents on this machine acting as two nodes (static rendezvous on 127.0.0.1, one rank each):
-  `meshlm serve --tp 2`, the tensor-parallel pair split over the nodes; a greedy completion equals one process's,
-  and only node 0 (a process below the agent of --node-rank 0) listens on the port.
+- Two agents on this machine acting as two nodes (static rendezvous on 127.0.0.1): `meshlm serve --tp 2 --replicas
+  2`, each replica's tensor-parallel pair split over the nodes (one rank of each replica per node); greedy
+  completions from both replicas equal one process's, and only node 0 (its `meshlm serve`, the router) listens
+  on the port.
 - `meshlm cluster emulate` (root and iproute2; skipped without): `meshlm generate --cp 2 --stats` with the two cp
   ranks on two emulated nodes: greedy tokens equal one process's, each rank holds the configured pool of KV blocks
   and the sequence's blocks j % 2, the cp axis moves exactly the bytes the config gives (the prefill's ring of
@@ -34,14 +35,15 @@ def clean_env() -> dict:
 
 def test_node_options_are_refused_in_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
     gen = ["generate", "--hf", str(tmp_path), "--prompt", "x"]
+    serve = ["serve", "--model", str(tmp_path), "--tp", "2", "--replicas", "2", "--nnodes", "2"]
     cases = [
         ([*gen, "--cp", "2", "--nnodes", "2"], "--nnodes=2 needs --rdzv-endpoint"),
         ([*gen, "--cp", "2", "--node-rank", "1"], "--node-rank needs --rdzv-endpoint"),
         ([*gen, "--cp", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "between 0 and"),
         ([*gen, "--tp", "3", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "3 rank(s) do not split evenly over"),
         ([*gen, "--nnodes", "2", "--rdzv-endpoint", "h:1"], "1 rank(s) do not split evenly"),
-        (["serve", "--model", str(tmp_path), "--replicas", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"],
-         "drop --replicas"),
+        ([*serve, "--rdzv-endpoint", "h:1"], "needs --node-rank"),
+        ([*serve, "--rdzv-endpoint", "h", "--node-rank", "0"], "must be HOST:PORT"),
         (["cluster", "emulate", "--nodes", "2", "--procs-per-node", "2", "--inter-node-bw", "1gbit", "--",
           "meshlm", *gen, "--cp", "2"], "--nodes 2 x --procs-per-node 2 = 4"),
         (["cluster", "emulate", "--nodes", "2", "--procs-per-node", "1", "--inter-node-bw", "1gbit", "--",
@@ -83,7 +85,7 @@ def _listeners(port: int) -> list[int]:
     return pids
 
 
-def test_serve_tp2_over_two_agents_answers_on_node_0_only(tmp_path):
+def test_serve_two_tp2_replicas_over_two_agents_answer_on_node_0_only(tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
     from dist import descendants
@@ -92,28 +94,46 @@ def test_serve_tp2_over_two_agents_answers_on_node_0_only(tmp_path):
     from meshlm import LLM, SamplingParams
 
     model_dir = make_model_dir(tmp_path)
-    port, rdzv = free_port(), free_port()
-    argv = serve_argv(model_dir, port, "--tp", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{rdzv}")
+    rdzv = free_port()
+    while not _port_free(rdzv + 1):  # two consecutive free ports: the replicas' rendezvous
+        rdzv = free_port()
+    port = free_port()
+    argv = serve_argv(model_dir, port, "--tp", "2", "--replicas", "2", "--router", "round_robin", "--nnodes", "2",
+                      "--rdzv-endpoint", f"127.0.0.1:{rdzv}")
     agents = [subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv, "--node-rank", str(k)], env=clean_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-              for k in (1, 0)]  # node 1 first: it waits for node 0's rendezvous
+              for k in (0, 1)]
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until_up(url, agents[1])
+        wait_until_up(url, agents[0])
         body = {"model": "tiny", "prompt": "hello world", "max_tokens": MAX_NEW, "temperature": 0}
-        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        got = [httpx.post(f"{url}/v1/completions", json=body, timeout=60) for _ in range(2)]
         listening = _listeners(port)
-        under = {k: set(descendants(a.pid)) for k, a in zip((1, 0), agents)}
+        under = [set(descendants(a.pid)) | {a.pid} for a in agents]
     finally:
         for agent in agents:
             stop_process_tree(agent)
     outputs = [a.stdout.read() for a in agents]
     want = LLM(str(model_dir), device="cpu", block_size=8).generate(
         ["hello world"], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))[0].text
-    assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, (got.text, outputs)
-    assert len(listening) == 1 and listening[0] in under[0] and not under[1] & set(listening), (listening, under)
-    assert "meshlm serve: http://127.0.0.1" in outputs[1] and "meshlm serve: http" not in outputs[0], outputs
-    assert "over 2 ranks (tp=2" in outputs[1], outputs[1]
+    for r in got:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (r.text, outputs)
+    assert sorted(r.headers["x-meshlm-replica"] for r in got) == ["0", "1"], [r.headers for r in got]
+    # the router listens on node 0 (the agent itself), nothing of node 1 on its port; node 0 alone says where
+    assert listening == [agents[0].pid] and not under[1] & set(listening), (listening, under)
+    assert "meshlm serve: http://127.0.0.1" in outputs[0] and "meshlm serve: http" not in outputs[1], outputs
+    assert "router (round_robin) over 2 replicas" in outputs[0], outputs[0]
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 needs_root = pytest.mark.skipif(

@@ -49,7 +49,7 @@ def launch_serving_ranks(args) -> int | None:
     launch's exit code; or None where this process serves itself: one rank alone, or one rank of a launch
     (torchrun, srun; refused unless the launch has --tp x --cp ranks). Every refusal comes before a rank starts."""
     from meshlm.distributed import launched_ranks, read_launch_env
-    from meshlm.launch import check_node_arguments, node_launcher_args, run_torchrun, without_node_flags
+    from meshlm.launch import node_launcher_args, run_torchrun, without_node_flags
 
     ranks = serving_ranks(args)
     if launched_ranks():
@@ -62,13 +62,39 @@ def launch_serving_ranks(args) -> int | None:
                              f"start {ranks} ranks in all (torchrun --nnodes N --nproc-per-node {ranks}/N, or srun "
                              f"--ntasks {ranks})")
         return None
-    check_node_arguments(args)
-    if args.nnodes == 1 and ranks == 1:
+    per_node = serving_ranks_per_node(args)
+    if ranks == 1:  # (one node: one rank does not split over several)
         return None
+    return run_torchrun(node_launcher_args(args, per_node), without_node_flags(args.argv))
+
+
+def serving_ranks_per_node(args) -> int:
+    """The ranks of `meshlm generate` / `serve` (one engine) on each of --nnodes nodes; ValueError on bad node
+    options or --tp x --cp ranks that do not split evenly over the nodes."""
+    from meshlm.launch import check_node_arguments
+
+    ranks = serving_ranks(args)
+    check_node_arguments(args)
     if ranks % args.nnodes:
         raise ValueError(f"--tp={args.tp} x --cp={args.cp} = {ranks} rank(s) do not split evenly over --nnodes="
                          f"{args.nnodes}; make tp x cp a multiple of the nodes")
-    return run_torchrun(node_launcher_args(args, ranks // args.nnodes), without_node_flags(args.argv))
+    return ranks // args.nnodes
+
+
+def replica_endpoints(args) -> list[str]:
+    """`meshlm serve --replicas R --nnodes N`: replica i's own rendezvous, at --rdzv-endpoint's port + i (every
+    replica is one engine over the N nodes, its rank 0 on node 0); ValueError where that cannot be set up."""
+    serving_ranks_per_node(args)
+    if args.nnodes == 1:
+        return []
+    if args.node_rank is None:
+        raise ValueError(f"--replicas={args.replicas} over --nnodes={args.nnodes} needs --node-rank (node 0 runs the "
+                         "router and every replica's front); give each node its rank")
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) + args.replicas - 1 < 65536:
+        raise ValueError(f"--rdzv-endpoint={args.rdzv_endpoint!r} must be HOST:PORT, with PORT .. PORT+"
+                         f"{args.replicas - 1} free on node 0 (one rendezvous per replica)")
+    return [f"{host}:{int(port) + i}" for i in range(args.replicas)]
 
 
 def in_process_group(work, device_type: str, **init_kwargs) -> int:
