@@ -56,14 +56,18 @@ def test_node_options_are_refused_in_one_line_before_any_rank(tmp_path, capsys, 
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (argv, err)
-    # one of a launch's ranks (torchrun, srun): the launch must have tp x cp ranks, and places them itself
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", "0")
-    for argv, message in [([*gen, "--cp", "2"], "serves on 2 ranks but this launch has 4"),
-                          ([*gen, "--cp", "4", "--nnodes", "2"], "drop --nnodes")]:
-        assert main(argv) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and message in err[0], (argv, err)
+    # one of a launch's ranks (torchrun; srun's tasks): the launch must have tp x cp ranks, and places them itself
+    for launch in ({"WORLD_SIZE": "4", "RANK": "0"}, {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}):
+        with monkeypatch.context() as m:
+            for k in LAUNCH_ENV:
+                m.delenv(k, raising=False)
+            for k, v in launch.items():
+                m.setenv(k, v)
+            for argv, message in [([*gen, "--cp", "2"], "serves on 2 ranks but this launch has 4"),
+                                  ([*gen, "--cp", "4", "--nnodes", "2"], "drop --nnodes")]:
+                assert main(argv) == 2
+                err = capsys.readouterr().err.strip().splitlines()
+                assert len(err) == 1 and message in err[0], (launch, argv, err)
 
 
 def _listeners(port: int) -> list[int]:

@@ -65,6 +65,11 @@ def launch_serving_ranks(args) -> int | None:
     per_node = serving_ranks_per_node(args)
     if ranks == 1:  # (one node: one rank does not split over several)
         return None
+    import torch
+
+    if getattr(args, "device", "auto") != "cpu" and torch.cuda.is_available() and per_node > torch.cuda.device_count():
+        raise ValueError(f"{per_node} ranks on this node (--tp x --cp / --nnodes) but it has {torch.cuda.device_count()} "
+                         "CUDA devices, one per rank; spread the ranks over more nodes (--nnodes) or use fewer")
     return run_torchrun(node_launcher_args(args, per_node), without_node_flags(args.argv))
 
 
