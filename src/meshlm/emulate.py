@@ -9,8 +9,8 @@ a NIC's segmentation offload hands the stack, and a queue deep enough that TCP i
 rates and durations users give (`parse_rate`, `parse_duration`), refusing where the host cannot do it
 (not root, `ip` or `tc` missing, no netem for a latency), entering a node from a process about to
 start a rank (`enter_node`), running one command per node (`run_on_nodes`), and the bytes each node's link
-carried (`link_bytes`). Everything created
-(namespaces, and with them their links and qdiscs) is removed on exit, on Ctrl-C, SIGTERM and on failure.
+carried (`link_bytes`). Everything created (namespaces, and with them their links and qdiscs) is removed on
+exit, on Ctrl-C, SIGTERM and on failure.
 Not responsible for: launching ranks (each node runs `meshlm train|generate|serve --nnodes ... --node-rank i`,
 i.e. torch's launcher) or measuring links (`planner/calibrate.py`).
 

@@ -3,8 +3,8 @@
 running the command -- `meshlm train`, `generate` or `serve` -- as that node).
 
 Responsible for: the launcher's arguments (rendezvous, node rank, restarts: `node_launcher_args`, shared by
-every command that takes --nnodes), checking the layout and the run directory before any rank starts, and turning a failed launch into one line on the rank that failed
-first and an exit code (`launch_exit_code`).
+every command that takes --nnodes), checking the layout and the run directory before any rank starts, and
+turning a failed launch into one line on the rank that failed first and an exit code (`launch_exit_code`).
 Not responsible for: what a rank does (cli.py runs it), or the namespaces and links (emulate.py).
 """
 

@@ -32,8 +32,8 @@ def add_serving_node_arguments(p) -> None:
     add_node_arguments(p.add_argument_group(
         "nodes", "Spread the --tp x --cp ranks evenly over several nodes, each running this same command "
         "(consecutive ranks on a node, tp innermost: a node of tp ranks or more holds whole tp groups, and the cp "
-        "ranks spread over the nodes); rank 0, on the first node, schedules, prints and answers HTTP, the other "
-        "nodes only host ranks. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out."))
+        "ranks spread over the nodes); rank 0, on the first node, schedules and prints (and, serving, answers HTTP), "
+        "the other nodes only host ranks. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out."))
 
 
 def serving_ranks(args) -> int:
@@ -67,9 +67,10 @@ def launch_serving_ranks(args) -> int | None:
         return None
     import torch
 
-    if getattr(args, "device", "auto") != "cpu" and torch.cuda.is_available() and per_node > torch.cuda.device_count():
-        raise ValueError(f"{per_node} ranks on this node (--tp x --cp / --nnodes) but it has {torch.cuda.device_count()} "
-                         "CUDA devices, one per rank; spread the ranks over more nodes (--nnodes) or use fewer")
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if getattr(args, "device", "auto") != "cpu" and devices and per_node > devices:
+        raise ValueError(f"{per_node} ranks on this node (--tp x --cp / --nnodes) but it has {devices} CUDA devices, "
+                         "one per rank; spread the ranks over more nodes (--nnodes) or use fewer")
     return run_torchrun(node_launcher_args(args, per_node), without_node_flags(args.argv))
 
 

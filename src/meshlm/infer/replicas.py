@@ -100,9 +100,9 @@ class ReplicaSet:
     """The replicas' processes, as a context manager: started on entry, stopped on exit (an exception, Ctrl-C,
     or SIGTERM, which raises SystemExit while inside).
 
-    `command(index, port)`: the argv of replica `index` listening on 127.0.0.1:`port`; `grace_s`: how long a replica may
-    take to stop after SIGTERM before it gets SIGKILL; `stdout`: where the replicas print (default: where this
-    process does)."""
+    `command(index, port)`: the argv of replica `index` listening on 127.0.0.1:`port`; `grace_s`: how long a
+    replica may take to stop after SIGTERM before it gets SIGKILL; `stdout`: where the replicas print (default:
+    where this process does)."""
 
     def __init__(self, command: Callable[[int, int], list[str]], count: int, *, grace_s: float = 10.0, stdout=None):
         if count < 1:
