@@ -129,7 +129,7 @@ def main() -> None:
         vocab = make_model(path, hidden=args.hidden, layers=args.layers, vocab=args.vocab, max_len=max_len)
         trace = make_trace(args, vocab, rng)
 
-        def command(port: int) -> list[str]:
+        def command(index: int, port: int) -> list[str]:
             return [sys.executable, "-m", "meshlm.cli", "serve", "--model", str(path), "--port", str(port),
                     "--device", "cpu", "--served-model-name", "bench", "--kv-cache-mb", "64", "--quiet"]
 

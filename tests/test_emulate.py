@@ -104,8 +104,8 @@ def test_train_emulation_mistakes_are_one_line(capsys):
     emulate = ["cluster", "emulate", "--nodes", "2", "--procs-per-node", "2", "--inter-node-bw", "1gbit"]
     assert main(emulate) == 2
     assert "after --" in capsys.readouterr().err
-    assert main([*emulate, "--", "meshlm", "serve"]) == 2
-    assert "runs `meshlm train" in capsys.readouterr().err
+    assert main([*emulate, "--", "meshlm", "eval"]) == 2
+    assert "runs `meshlm train|generate|serve" in capsys.readouterr().err
     assert main([*emulate, "--", "meshlm", "train", "--nproc", "2"]) == 2
     assert "drop --nproc" in capsys.readouterr().err
     assert main([*emulate[:3], "1", *emulate[4:], "--", "meshlm", "train"]) == 2

@@ -8,10 +8,11 @@ each node's link carries at most that rate in each direction, like one NIC per n
 a NIC's segmentation offload hands the stack, and a queue deep enough that TCP is never dropped). Also: parsing the
 rates and durations users give (`parse_rate`, `parse_duration`), refusing where the host cannot do it
 (not root, `ip` or `tc` missing, no netem for a latency), entering a node from a process about to
-start a rank (`enter_node`), and running one command per node (`run_on_nodes`). Everything created
-(namespaces, and with them their links and qdiscs) is removed on exit, on Ctrl-C, SIGTERM and on failure.
-Not responsible for: launching ranks (each node runs `meshlm train --nnodes ... --node-rank i`, i.e. torch's
-launcher) or measuring links (`planner/calibrate.py`).
+start a rank (`enter_node`), running one command per node (`run_on_nodes`), and the bytes each node's link
+carried (`link_bytes`). Everything created (namespaces, and with them their links and qdiscs) is removed on
+exit, on Ctrl-C, SIGTERM and on failure.
+Not responsible for: launching ranks (each node runs `meshlm train|generate|serve --nnodes ... --node-rank i`,
+i.e. torch's launcher) or measuring links (`planner/calibrate.py`).
 
 Addresses: 10.213.0.<node + 1>/24, only inside the namespaces created here (each has its own routing
 table), so nothing of the host's network is touched. Ranks bind gloo to the node's link interface
@@ -188,6 +189,20 @@ class EmulatedCluster:
     def rank_env(self) -> dict:
         """Environment for a rank on any node: gloo on the node's link interface (torch's setting)."""
         return {"GLOO_SOCKET_IFNAME": IFNAME}
+
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """(bytes sent, bytes received) so far on each node's link (its end of the veth pair: what crossed to
+        other nodes, headers included; a node's loopback traffic is not on it)."""
+        import json
+
+        counts = []
+        for ns in self.namespaces:
+            done = _run("ip", "-n", ns, "-s", "-j", "link", "show", "dev", IFNAME)
+            if done.returncode != 0:
+                raise RuntimeError(f"`ip -n {ns} -s -j link show dev {IFNAME}` failed: {done.stderr.strip()[:300]}")
+            stats = json.loads(done.stdout)[0]["stats64"]
+            counts.append((int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])))
+        return counts
 
     def run_on_nodes(self, argv_for_node: Callable[[int], Sequence[str]], *, env: dict | None = None) -> int:
         """Run `argv_for_node(i)` inside node i's namespace, all at once; wait for all. Exit code: 0, or

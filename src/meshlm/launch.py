@@ -1,10 +1,10 @@
 """Starting the ranks of a command: local and multi-node ranks through torch's launcher (torchrun's
-`main`, `run_torchrun`), and emulated nodes (`launch_emulated`: one network namespace per node, each
-running `meshlm train` as that node).
+`main`, `run_torchrun`), and emulated nodes (`run_emulated`: one network namespace per node, each
+running the command -- `meshlm train`, `generate` or `serve` -- as that node).
 
-Responsible for: the launcher's arguments (rendezvous, node rank, restarts), checking the layout and the
-run directory before any rank starts, and turning a failed launch into one line on the rank that failed
-first and an exit code (`launch_exit_code`).
+Responsible for: the launcher's arguments (rendezvous, node rank, restarts: `node_launcher_args`, shared by
+every command that takes --nnodes), checking the layout and the run directory before any rank starts, and
+turning a failed launch into one line on the rank that failed first and an exit code (`launch_exit_code`).
 Not responsible for: what a rank does (cli.py runs it), or the namespaces and links (emulate.py).
 """
 
@@ -19,18 +19,59 @@ def train_args(args) -> list[str]:
             *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
 
 
-def launch_ranks(args, cfg) -> int:
-    """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
-    from meshlm.parallel.parallelize import check_layout
-    from meshlm.checkpoint import check_run_dir
+# The options that place this command's ranks on nodes (cli/common.py's `add_node_arguments`: --nnodes,
+# --node-rank, --rdzv-endpoint, --rdzv-id), as their values follow them on a command line.
+NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
 
-    if args.nproc < 1 or args.nnodes < 1:
-        raise ValueError(f"--nproc={args.nproc} and --nnodes={args.nnodes} must be >= 1")
+
+def check_node_arguments(args) -> None:
+    """Refuse (ValueError, one line) node options that cannot start: --nnodes < 1, several nodes without a
+    rendezvous, a node rank without one or outside 0..nnodes-1."""
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes={args.nnodes} must be >= 1")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (an address of the first "
                          "node that every node can reach), the same on every node")
     if args.node_rank is not None and not args.rdzv_endpoint:
         raise ValueError("--node-rank needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank={args.node_rank} must be between 0 and --nnodes - 1 = {args.nnodes - 1}")
+
+
+def node_launcher_args(args, nproc: int) -> list[str]:
+    """torch.distributed.run's arguments for `nproc` ranks on this node of --nnodes: a private rendezvous on one
+    node, else c10d at --rdzv-endpoint (nodes ranked by the launcher) or, with --node-rank, a static one."""
+    launcher = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(nproc)]
+    if args.rdzv_endpoint is None:
+        return [*launcher, "--standalone"]  # one node: a private c10d rendezvous on a free local port
+    if args.node_rank is None:
+        return [*launcher, "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+    return [*launcher, "--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
+            "--node-rank", str(args.node_rank)]
+
+
+def without_node_flags(argv: list[str]) -> list[str]:
+    """`argv` less the node options (`NODE_FLAGS`, as `--flag VALUE` or `--flag=VALUE`): what the ranks run
+    again once the launcher has placed them."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in NODE_FLAGS:
+            skip = True
+        elif a.split("=", 1)[0] not in NODE_FLAGS:
+            out.append(a)
+    return out
+
+
+def launch_ranks(args, cfg) -> int:
+    """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
+    from meshlm.parallel.parallelize import check_layout
+    from meshlm.checkpoint import check_run_dir
+
+    if args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+    check_node_arguments(args)
     check_layout(cfg, args.nproc * args.nnodes)  # before any rank starts
     check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
     import torch
@@ -40,15 +81,7 @@ def launch_ranks(args, cfg) -> int:
                          f"per rank); use --nproc <= {torch.cuda.device_count()}, or train.device=cpu")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts={args.max_restarts} must be >= 0")
-    launcher = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc),
-                "--max-restarts", str(args.max_restarts)]
-    if args.rdzv_endpoint is None:
-        launcher += ["--standalone"]  # one node: a private c10d rendezvous on a free local port
-    elif args.node_rank is None:
-        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
-    else:
-        launcher += ["--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
-                     "--node-rank", str(args.node_rank)]
+    launcher = [*node_launcher_args(args, args.nproc), "--max-restarts", str(args.max_restarts)]
     try:
         return run_torchrun(launcher, ["train", *train_args(args)])
     finally:
@@ -59,12 +92,23 @@ def launch_ranks(args, cfg) -> int:
 
 
 def launch_emulated(args, cfg) -> int:
-    """`meshlm cluster emulate` and `meshlm train --emulate-nodes N`: N network namespaces, each running
-    `meshlm train --nproc P --nnodes N --node-rank i` (torch's launcher, static rendezvous on node 0's
-    address); the namespaces are removed however it ends."""
-    from meshlm.emulate import EmulatedCluster, check_host, parse_duration, parse_rate
+    """`meshlm train --emulate-nodes N` (and `meshlm cluster emulate -- meshlm train`): N network namespaces, each
+    running `meshlm train --nproc P --nnodes N --node-rank i` (`run_emulated`)."""
     from meshlm.parallel.parallelize import check_layout
     from meshlm.checkpoint import check_run_dir
+
+    rate, latency = check_emulation(args)
+    check_layout(cfg, args.nproc * args.emulate_nodes)  # before any namespace or rank
+    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
+    return run_emulated(args, "train", ["--nproc", str(args.nproc), *train_args(args)], rate_bps=rate,
+                        latency_s=latency)
+
+
+def check_emulation(args) -> tuple[float, float]:
+    """(rate in bit/s, one-way latency in s) of the emulation options --emulate-nodes, --nproc (ranks per node),
+    --inter-node-bw, --inter-node-latency; ValueError (one line) on a bad one, on node options (the emulation
+    sets them), and where this host cannot emulate nodes (`emulate.check_host`)."""
+    from meshlm.emulate import check_host, parse_duration, parse_rate
 
     if args.emulate_nodes < 2:
         raise ValueError(f"{args.emulate_nodes} emulated nodes: need >= 2 (--emulate-nodes / cluster emulate --nodes)")
@@ -72,27 +116,42 @@ def launch_emulated(args, cfg) -> int:
         raise ValueError("emulated nodes need --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
         raise ValueError("emulated nodes all run here; drop --nnodes/--rdzv-endpoint/--node-rank")
-    if args.max_restarts:
+    if getattr(args, "max_restarts", 0):
         raise ValueError("--max-restarts is not supported on emulated nodes; leave it out")
     if args.nproc < 1:
         raise ValueError(f"{args.nproc} ranks per node (--nproc / cluster emulate --procs-per-node) must be >= 1")
     rate = parse_rate(args.inter_node_bw)
     latency = parse_duration(args.inter_node_latency) if args.inter_node_latency else 0.0
     check_host()  # no ip/tc, not root: one line before anything else
-    nodes = args.emulate_nodes
-    check_layout(cfg, args.nproc * nodes)  # before any namespace or rank
-    check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
+    return rate, latency
+
+
+def run_emulated(args, command: str, command_args: list[str], *, rate_bps: float, latency_s: float) -> int:
+    """`meshlm COMMAND COMMAND_ARGS --nnodes N --node-rank i --rdzv-endpoint <node 0>` in each of N = --emulate-nodes
+    network namespaces (torch's launcher on every node, static rendezvous on node 0's address); says on stderr
+    which namespace each node is and, at the end, the bytes each node's link carried. The namespaces are removed
+    however it ends; the exit code is the first failed node's."""
     import os
 
+    from meshlm.emulate import EmulatedCluster
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as run_torchrun: one intra-op thread per rank
-    with EmulatedCluster(nodes=nodes, rate_bps=rate, latency_s=latency) as cluster:
+    nodes = args.emulate_nodes
+    with EmulatedCluster(nodes=nodes, rate_bps=rate_bps, latency_s=latency_s) as cluster:
         # A fresh namespace has no listener on any port: the rendezvous may take a fixed one.
         endpoint = f"{cluster.addresses[0]}:29500"
-        code = cluster.run_on_nodes(lambda i: [sys.executable, "-m", "meshlm.cli", "train", "--nproc", str(args.nproc),
+        where = ", ".join(f"node {i} = {ns} ({a})" for i, (ns, a) in enumerate(zip(cluster.namespaces,
+                                                                                    cluster.addresses)))
+        print(f"meshlm cluster emulate: {where} (enter one: ip netns exec NAMESPACE ...)", file=sys.stderr,
+              flush=True)
+        code = cluster.run_on_nodes(lambda i: [sys.executable, "-m", "meshlm.cli", command, *command_args,
                                                "--nnodes", str(nodes), "--node-rank", str(i),
-                                               "--rdzv-endpoint", endpoint, *train_args(args)])
+                                               "--rdzv-endpoint", endpoint])
+        carried = "; ".join(f"node {i} sent {sent} B, received {received} B"
+                            for i, (sent, received) in enumerate(cluster.link_bytes()))
+        print(f"meshlm cluster emulate: node links carried: {carried}", file=sys.stderr, flush=True)
     if code:
-        print(f"meshlm train: an emulated node failed (exit code {code}); its error is printed above",
+        print(f"meshlm {command}: an emulated node failed (exit code {code}); its error is printed above",
               file=sys.stderr)
     return code
 

@@ -1,13 +1,12 @@
-"""`meshlm cluster`: a meshlm command on an emulated multi-node cluster on this machine."""
+"""`meshlm cluster`: a meshlm command (train, generate, serve) on an emulated multi-node cluster on this machine."""
 
 from __future__ import annotations
 
 import argparse
 
-from meshlm.launch import launch_emulated
+from meshlm.launch import NODE_FLAGS, check_emulation, launch_emulated, run_emulated
 
-_NODE_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--emulate-nodes",
-               "--inter-node-bw", "--inter-node-latency")
+_NODE_FLAGS = ("--nproc", *NODE_FLAGS, "--emulate-nodes", "--inter-node-bw", "--inter-node-latency")
 
 
 def add_parser(sub) -> None:
@@ -21,12 +20,17 @@ def add_parser(sub) -> None:
                     "node rank i, static rendezvous on node 0's address), with gloo bound to the node's link, so "
                     "ranks of one node talk over its loopback and ranks of different nodes over the shaped "
                     "link. The namespaces (with their links and qdiscs) are removed when the command ends, "
-                    "fails or is interrupted. Needs Linux, root and iproute2 (ip, tc). The command is "
-                    "`meshlm train ...` (the command that takes a node rank); leave out its --nproc/--nnodes/"
-                    "--node-rank/--rdzv-endpoint, which are set per node.",
+                    "fails or is interrupted; the bytes each node's link carried are printed at the end. Needs "
+                    "Linux, root and iproute2 (ip, tc). The command is `meshlm train ...`, or `meshlm generate|serve "
+                    "...` whose --tp x --cp ranks equal --nodes x --procs-per-node (rank 0, the engine and the HTTP "
+                    "front, on node 0: reach a server with `ip netns exec NAMESPACE ...`, the namespaces being "
+                    "printed first); leave out its --nproc/--nnodes/--node-rank/--rdzv-endpoint, which are set per "
+                    "node.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  meshlm cluster emulate --nodes 2 --procs-per-node 2 --inter-node-bw 1gbit -- \\\n"
                "      meshlm train --set parallel.tp=2 --set train.steps=20\n"
+               "  meshlm cluster emulate --nodes 2 --procs-per-node 1 --inter-node-bw 1gbit -- \\\n"
+               "      meshlm generate --hf DIR --prompt \"def \" --cp 2\n"
                "calibrate the planner on the same emulation: meshlm plan calibrate --emulated --nodes 2 "
                "--nproc-per-node 2 --inter-node-bw 1gbit --out emu.json")
     e.add_argument("--nodes", type=int, required=True, metavar="N", help="emulated nodes (>= 2)")
@@ -36,13 +40,13 @@ def add_parser(sub) -> None:
     e.add_argument("--inter-node-latency", metavar="TIME",
                    help="one-way delay on each node's link (1ms); needs the kernel's netem qdisc, refused "
                         "where it is missing")
-    e.add_argument("node_command", nargs=argparse.REMAINDER, metavar="-- meshlm train ...",
+    e.add_argument("node_command", nargs=argparse.REMAINDER, metavar="-- meshlm train|generate|serve ...",
                    help="the command each node runs")
 
 
 def run(args) -> int:
-    """`meshlm cluster emulate ... -- meshlm train ...`: the train command, validated here, run by
-    `launch.launch_emulated` (the one implementation, also behind `meshlm train --emulate-nodes`)."""
+    """`meshlm cluster emulate ... -- meshlm train|generate|serve ...`: the node command, validated here, run by
+    `launch.run_emulated` (the one implementation, also behind `meshlm train --emulate-nodes`)."""
     if args.cluster_command != "emulate":
         raise ValueError("say what to do: meshlm cluster emulate --nodes N --procs-per-node P --inter-node-bw "
                          "RATE -- meshlm train ...")
@@ -53,20 +57,35 @@ def run(args) -> int:
         inner = inner[1:]
     if not inner:
         raise ValueError("give the command each node runs after --, e.g. -- meshlm train --set parallel.tp=2")
-    if inner[0] != "train":
-        raise ValueError(f"`meshlm {inner[0]}` takes no node rank; cluster emulate runs `meshlm train ...` "
-                         "(for the planner: meshlm plan calibrate --emulated)")
+    if inner[0] not in ("train", "generate", "serve"):
+        raise ValueError(f"`meshlm {inner[0]}` takes no node rank; cluster emulate runs `meshlm train|generate|serve "
+                         "...` (for the planner: meshlm plan calibrate --emulated)")
     given = [a.split("=", 1)[0] for a in inner if a.split("=", 1)[0] in _NODE_FLAGS]
     if given:
         raise ValueError(f"drop {', '.join(given)} from the node command: cluster emulate sets the ranks per node "
                          "(--procs-per-node), the node rank and the rendezvous of every node")
-    from meshlm.config import load_config
-
     from meshlm.cli import build_parser
 
-    train = build_parser().parse_args(inner)
-    train.argv = inner
-    train.nproc, train.emulate_nodes = args.procs_per_node, args.nodes
-    train.inter_node_bw, train.inter_node_latency = args.inter_node_bw, args.inter_node_latency
-    cfg = load_config(train.config, train.overrides)
-    return launch_emulated(train, cfg)
+    node = build_parser().parse_args(inner)
+    node.argv = inner
+    node.nproc, node.emulate_nodes = args.procs_per_node, args.nodes
+    node.inter_node_bw, node.inter_node_latency = args.inter_node_bw, args.inter_node_latency
+    if inner[0] == "train":
+        from meshlm.config import load_config
+
+        return launch_emulated(node, load_config(node.config, node.overrides))
+    return _emulate_serving(node, inner)
+
+
+def _emulate_serving(node, inner: list[str]) -> int:
+    """`meshlm generate|serve` on the emulated nodes: its --tp x --cp ranks, --procs-per-node on each node."""
+    from meshlm.cli.common import serving_ranks
+
+    ranks = serving_ranks(node)
+    if ranks != node.nproc * node.emulate_nodes:
+        raise ValueError(f"--tp={node.tp} x --cp={node.cp} = {ranks} ranks, but --nodes {node.emulate_nodes} x "
+                         f"--procs-per-node {node.nproc} = {node.nproc * node.emulate_nodes}; make them equal")
+    if getattr(node, "replicas", 1) != 1:
+        raise ValueError("--replicas starts its servers on one node; leave it out of an emulated serve")
+    rate, latency = check_emulation(node)
+    return run_emulated(node, inner[0], inner[1:], rate_bps=rate, latency_s=latency)

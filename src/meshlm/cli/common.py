@@ -13,11 +13,94 @@ def require_extra(extra: str, *modules: str) -> None:
                          f"pip install -e \".[{extra}]\" (or pip install meshlm[{extra}])")
 
 
+def add_node_arguments(group) -> None:
+    """--nnodes, --rdzv-endpoint, --rdzv-id, --node-rank: where a command's ranks start (`launch.node_launcher_args`);
+    the one definition, for `meshlm train`, `generate` and `serve`."""
+    group.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="nodes taking part; each runs this command once (default 1)")
+    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="c10d rendezvous on the first node (needed with --nnodes > 1)")
+    group.add_argument("--rdzv-id", default="meshlm", metavar="ID",
+                       help="job id shared by the nodes of one run (default meshlm)")
+    group.add_argument("--node-rank", type=int, default=None, metavar="R",
+                       help="fix this node's rank (static rendezvous at --rdzv-endpoint) instead of "
+                            "ranking nodes by arrival (c10d)")
+
+
+def add_serving_node_arguments(p) -> None:
+    """`add_node_arguments` for `meshlm generate` / `serve`, whose --tp x --cp ranks split evenly over the nodes."""
+    add_node_arguments(p.add_argument_group(
+        "nodes", "Spread the --tp x --cp ranks evenly over several nodes, each running this same command "
+        "(consecutive ranks on a node, tp innermost: a node of tp ranks or more holds whole tp groups, and the cp "
+        "ranks spread over the nodes); rank 0, on the first node, schedules and prints (and, serving, answers HTTP), "
+        "the other nodes only host ranks. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out."))
+
+
 def serving_ranks(args) -> int:
     """The ranks of `meshlm generate` / `meshlm serve`: --tp x --cp (ValueError unless both are >= 1)."""
     if args.tp < 1 or args.cp < 1:
         raise ValueError(f"--tp={args.tp} and --cp={args.cp} must be >= 1")
     return args.tp * args.cp
+
+
+def launch_serving_ranks(args) -> int | None:
+    """`meshlm generate` / `serve` over --tp x --cp ranks: started here through torch's launcher (this node's
+    share of --nnodes nodes, each rank running this command again without the node options), returning the
+    launch's exit code; or None where this process serves itself: one rank alone, or one rank of a launch
+    (torchrun, srun; refused unless the launch has --tp x --cp ranks). Every refusal comes before a rank starts."""
+    from meshlm.distributed import launched_ranks, read_launch_env
+    from meshlm.launch import node_launcher_args, run_torchrun, without_node_flags
+
+    ranks = serving_ranks(args)
+    if launched_ranks():
+        if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
+            raise ValueError(f"this process is already one of {read_launch_env()[1]} launched ranks; drop "
+                             "--nnodes/--rdzv-endpoint/--node-rank under torchrun/srun")
+        world = read_launch_env()[1]
+        if world != ranks:
+            raise ValueError(f"--tp={args.tp} x --cp={args.cp} serves on {ranks} ranks but this launch has {world}; "
+                             f"start {ranks} ranks in all (torchrun --nnodes N --nproc-per-node {ranks}/N, or srun "
+                             f"--ntasks {ranks})")
+        return None
+    per_node = serving_ranks_per_node(args)
+    if ranks == 1:  # (one node: one rank does not split over several)
+        return None
+    import torch
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if getattr(args, "device", "auto") != "cpu" and devices and per_node > devices:
+        raise ValueError(f"{per_node} ranks on this node (--tp x --cp / --nnodes) but it has {devices} CUDA devices, "
+                         "one per rank; spread the ranks over more nodes (--nnodes) or use fewer")
+    return run_torchrun(node_launcher_args(args, per_node), without_node_flags(args.argv))
+
+
+def serving_ranks_per_node(args) -> int:
+    """The ranks of `meshlm generate` / `serve` (one engine) on each of --nnodes nodes; ValueError on bad node
+    options or --tp x --cp ranks that do not split evenly over the nodes."""
+    from meshlm.launch import check_node_arguments
+
+    ranks = serving_ranks(args)
+    check_node_arguments(args)
+    if ranks % args.nnodes:
+        raise ValueError(f"--tp={args.tp} x --cp={args.cp} = {ranks} rank(s) do not split evenly over --nnodes="
+                         f"{args.nnodes}; make tp x cp a multiple of the nodes")
+    return ranks // args.nnodes
+
+
+def replica_endpoints(args) -> list[str]:
+    """`meshlm serve --replicas R --nnodes N`: replica i's own rendezvous, at --rdzv-endpoint's port + i (every
+    replica is one engine over the N nodes, its rank 0 on node 0); ValueError where that cannot be set up."""
+    serving_ranks_per_node(args)
+    if args.nnodes == 1:
+        return []
+    if args.node_rank is None:
+        raise ValueError(f"--replicas={args.replicas} over --nnodes={args.nnodes} needs --node-rank (node 0 runs the "
+                         "router and every replica's front); give each node its rank")
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) + args.replicas - 1 < 65536:
+        raise ValueError(f"--rdzv-endpoint={args.rdzv_endpoint!r} must be HOST:PORT, with PORT .. PORT+"
+                         f"{args.replicas - 1} free on node 0 (one rendezvous per replica)")
+    return [f"{host}:{int(port) + i}" for i in range(args.replicas)]
 
 
 def in_process_group(work, device_type: str, **init_kwargs) -> int:

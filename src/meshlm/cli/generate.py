@@ -1,9 +1,11 @@
-"""`meshlm generate`: text from a meshlm checkpoint or a Hugging Face model, on one rank or tp x cp ranks."""
+"""`meshlm generate`: text from a meshlm checkpoint or a Hugging Face model, on one rank or tp x cp ranks (on one
+node or several)."""
 
 from __future__ import annotations
 
-from meshlm.cli.common import in_process_group, serving_ranks
-from meshlm.launch import run_torchrun
+import json
+
+from meshlm.cli.common import add_serving_node_arguments, in_process_group, launch_serving_ranks
 
 
 def add_parser(sub) -> None:
@@ -20,13 +22,18 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks on this node (started through torch's launcher; each holds 1/N of "
-                        "the weights and of every KV block; default 1)")
+                   help="tensor-parallel ranks (started through torch's launcher, on this node or over --nnodes; each "
+                        "holds 1/N of the weights and of every KV block; default 1)")
     p.add_argument("--cp", type=int, default=1, metavar="M",
                    help="context-parallel ranks: every sequence's KV blocks spread over M ranks, so a context "
                         "M times one rank's cache is served (x --tp ranks in all; default 1)")
+    p.add_argument("--stats", action="store_true",
+                   help="after the text, print one JSON line of the engine's counters: the KV blocks of each cp rank "
+                        "(in all, and holding cached tokens at the end) and the bytes each mesh axis moved, by "
+                        "operation (rank 0's view)")
     add_speculative_arguments(p)
     add_kv_tier_arguments(p)
+    add_serving_node_arguments(p)
 
 
 def add_speculative_arguments(p) -> None:
@@ -88,12 +95,12 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     speculative_config(args)  # refused here, before any rank starts
     kv_tier_kwargs(args)
-    ranks = serving_ranks(args)
-    if ranks > 1 and not launched_ranks():
-        return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
+    code = launch_serving_ranks(args)  # the ranks (on --nnodes nodes) through torch's launcher
+    if code is not None:
+        return code
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_new_tokens, seed=args.seed)
-    if ranks == 1:
+    if not launched_ranks():
         return generate_here(args, params)
     import torch
 
@@ -126,3 +133,21 @@ def _generate_and_print(llm, args, params) -> None:
                          f"{max(llm.engine.max_model_len - num_prompt, 0)}")
     result = llm.generate([args.prompt], params)[0]
     print(args.prompt + result.text)
+    if args.stats:
+        print(json.dumps(generation_stats(llm.engine)), flush=True)
+
+
+def generation_stats(engine) -> dict:
+    """`--stats`: the KV blocks of each cp rank (`kv_blocks_per_rank`; `kv_cached_blocks_per_rank`: those still
+    holding a cached prefix), and what each mesh axis moved, {axis: {op: bytes}} (rank 0's counters)."""
+    bm = engine.block_manager
+    per_rank = bm.num_blocks // bm.num_groups
+    cached = [0] * bm.num_groups
+    for block in bm.cached.values():
+        cached[block % bm.num_groups] += 1
+    comm: dict = {}
+    mesh = getattr(engine.runner, "mesh", None)
+    for (op, axis), counted in (mesh.stats.snapshot().items() if mesh is not None else ()):
+        comm.setdefault(axis, {})[op] = counted.bytes
+    return {"kv_blocks_per_rank": [per_rank] * bm.num_groups, "kv_cached_blocks_per_rank": cached,
+            "comm_bytes": comm}

@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from meshlm.cli.common import in_process_group, require_extra, serving_ranks
+from meshlm.cli.common import add_serving_node_arguments, in_process_group, launch_serving_ranks, replica_endpoints, \
+    require_extra, serving_ranks
 from meshlm.cli.generate import add_kv_tier_arguments, add_speculative_arguments, kv_tier_kwargs, speculative_config
 from meshlm.infer.auth import api_key_of, exposure_warning
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.infer.router import POLICIES
-from meshlm.launch import run_torchrun
 
 
 def add_parser(sub) -> None:
@@ -54,7 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=1, metavar="R",
                    help="R servers (each its own --tp x --cp ranks, on a free port of 127.0.0.1) behind one router "
                         "at --host/--port that sends each request to the replica most likely to hold its prefix in "
-                        "cache (default 1: no router)")
+                        "cache (default 1: no router); with --nnodes, every replica spreads over the nodes, the "
+                        "router and the replicas' fronts on node 0 (--node-rank 0), replica i's rendezvous at "
+                        "--rdzv-endpoint's port + i")
     p.add_argument("--router", default="cache_aware", choices=POLICIES,
                    help="with --replicas: cache_aware (default: the replica sent the longest prefix of the prompt "
                         "while loads are balanced, else the least loaded) or round_robin")
@@ -67,6 +69,7 @@ def add_parser(sub) -> None:
                    help="with --tp/--cp: how long a rank waits in a step's collective for the others before the "
                         "server reports the engine broken (default 600); an idle server keeps its ranks alive "
                         "with a small message a second, so idling longer than this is fine")
+    add_serving_node_arguments(p)
 
 
 def run(args) -> int:
@@ -80,11 +83,14 @@ def run(args) -> int:
     api_key_of(args.api_key, args.api_key_file)  # likewise
     kv_tier_kwargs(args)  # likewise
     if args.replicas > 1:
+        if launched_ranks():
+            raise ValueError("--replicas starts its own launchers; drop it under torchrun/srun")
         return serve_replicas(args)
-    if ranks == 1:
+    code = launch_serving_ranks(args)  # the ranks (on --nnodes nodes) through torch's launcher
+    if code is not None:
+        return code
+    if ranks == 1 and not launched_ranks():
         return serve_here(args)
-    if not launched_ranks():
-        return run_torchrun(["--standalone", "--nproc-per-node", str(ranks)], args.argv)
     import torch
 
     if args.collective_timeout <= 0:
@@ -155,11 +161,15 @@ def serve_replicas(args) -> int:
         raise ValueError(f"--replica-start-timeout={args.replica_start_timeout} must be > 0 seconds")
     api_key = api_key_of(args.api_key, args.api_key_file)
     policy = make_policy(args.router, args.replicas)
+    endpoints = replica_endpoints(args)  # over --nnodes: each replica its own rendezvous
 
-    def command(port: int) -> list[str]:  # the last of a repeated option wins
+    def command(index: int, port: int) -> list[str]:  # the last of a repeated option wins
         return [sys.executable, "-m", "meshlm.cli", *args.argv, "--replicas", "1", "--host", "127.0.0.1",
-                "--port", str(port), "--quiet"]
+                "--port", str(port), "--quiet", *(["--rdzv-endpoint", endpoints[index]] if endpoints else [])]
 
+    if endpoints and args.node_rank != 0:  # this node hosts ranks of every replica; fronts and router: node 0
+        with ReplicaSet(command, args.replicas) as replicas:
+            return replicas.wait_for_exit()
     with ReplicaSet(command, args.replicas) as replicas:
         replicas.wait_until_healthy(args.replica_start_timeout)
         log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))

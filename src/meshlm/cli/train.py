@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from meshlm.cli.common import add_node_arguments
 from meshlm.launch import launch_emulated, launch_ranks
 
 
@@ -39,15 +40,7 @@ def add_parser(sub) -> None:
                         help="fault tolerance on torchft: N replica groups of --nproc ranks, each its own launcher "
                              "job (restarted alone, --max-restarts), and a lighthouse for their per-step quorum; a "
                              "failed group drops out while the others step on, and rejoins from a live one")
-    launch.add_argument("--nnodes", type=int, default=1, metavar="N",
-                        help="nodes taking part; each runs this command once (default 1)")
-    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                        help="c10d rendezvous on the first node (needed with --nnodes > 1)")
-    launch.add_argument("--rdzv-id", default="meshlm", metavar="ID",
-                        help="job id shared by the nodes of one run (default meshlm)")
-    launch.add_argument("--node-rank", type=int, default=None, metavar="R",
-                        help="fix this node's rank (static rendezvous at --rdzv-endpoint) instead of "
-                             "ranking nodes by arrival (c10d)")
+    add_node_arguments(launch)
     emulate = p.add_argument_group(
         "emulated nodes", "Rehearse a multi-node layout on this machine: each node a Linux network namespace "
         "(its --nproc ranks talk over its loopback), the nodes joined by links shaped with tc to "

@@ -100,11 +100,11 @@ class ReplicaSet:
     """The replicas' processes, as a context manager: started on entry, stopped on exit (an exception, Ctrl-C,
     or SIGTERM, which raises SystemExit while inside).
 
-    `command(port)`: the argv of one replica listening on 127.0.0.1:`port`; `grace_s`: how long a replica may
-    take to stop after SIGTERM before it gets SIGKILL; `stdout`: where the replicas print (default: where this
-    process does)."""
+    `command(index, port)`: the argv of replica `index` listening on 127.0.0.1:`port`; `grace_s`: how long a
+    replica may take to stop after SIGTERM before it gets SIGKILL; `stdout`: where the replicas print (default:
+    where this process does)."""
 
-    def __init__(self, command: Callable[[int], list[str]], count: int, *, grace_s: float = 10.0, stdout=None):
+    def __init__(self, command: Callable[[int, int], list[str]], count: int, *, grace_s: float = 10.0, stdout=None):
         if count < 1:
             raise ValueError(f"--replicas={count} must be >= 1")
         self.command, self.count, self.grace_s, self.stdout = command, count, grace_s, stdout
@@ -115,7 +115,7 @@ class ReplicaSet:
         self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             for index, port in enumerate(free_ports(self.count)):
-                proc = subprocess.Popen(self.command(port), start_new_session=True, stdout=self.stdout,
+                proc = subprocess.Popen(self.command(index, port), start_new_session=True, stdout=self.stdout,
                                         preexec_fn=_terminate_with_parent)
                 self.replicas.append(Replica(index, port, proc))
         except BaseException:
@@ -137,6 +137,14 @@ class ReplicaSet:
                 wait_until_healthy(r.url, timeout_s=max(deadline - time.monotonic(), 1.0), proc=r.proc, poll_s=0.2)
             except ServerNotReady as e:
                 raise ValueError(f"{r.name()} did not start: {e}") from None
+
+    def wait_for_exit(self, poll_s: float = 0.5) -> int:
+        """Block until a replica's process exits; its exit code (the others are stopped on leaving the set)."""
+        while True:
+            for r in self.replicas:
+                if r.exit_code is not None:
+                    return r.exit_code
+            time.sleep(poll_s)
 
     def stop(self) -> None:
         """SIGTERM to every replica's process group, SIGKILL to those still running after `grace_s`."""
