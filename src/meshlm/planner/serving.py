@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.collectives import collective_time, group_span
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
-                                           expert_all_to_all, layer_kernels, roofline)
+                                           expert_all_to_all, expert_imbalance, layer_kernels, roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
 # Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
@@ -115,10 +115,18 @@ class Serving:
     precision: str = "bf16"  # weights and GEMMs
     kv_precision: str = "bf16"
     engine: Engine = ENGINES["default"]  # the serving software's kernels and scheduling (serving_engine.py)
+    # Weights and GEMMs of everything but the routed experts (attention, dense MLPs, shared experts, head); None:
+    # `precision`. NVIDIA's NVFP4 DeepSeek-R1 checkpoint quantizes only the MoE layers to FP4 and keeps the rest in
+    # DeepSeek's FP8 ("Optimizing DeepSeek R1 Throughput on NVIDIA Blackwell GPUs", TensorRT-LLM tech blog 3,
+    # "Precision strategy"; nvidia/DeepSeek-R1-FP4 model card).
+    dense_precision: str | None = None
 
     def __post_init__(self):
-        if self.precision not in WEIGHT_BYTES:
-            raise ValueError(f"--precision {self.precision!r}: choose one of {sorted(WEIGHT_BYTES)}")
+        for flag, value in (("--precision", self.precision), ("dense precision", self.dense_precision)):
+            if value is not None and value not in WEIGHT_BYTES:
+                raise ValueError(f"{flag} {value!r}: choose one of {sorted(WEIGHT_BYTES)}")
+        if self.dense_precision is not None:
+            self.cluster.peak(_gemm(self.dense_precision))
         if self.kv_precision not in KV_BYTES:
             raise ValueError(f"--kv-precision {self.kv_precision!r}: choose one of {sorted(KV_BYTES)}")
         self.cluster.peak(self.gemm_precision)  # refuses fp4 on a GPU without it, naming the choices
@@ -126,14 +134,24 @@ class Serving:
 
     @property
     def gemm_precision(self) -> str:
-        return "bf16" if self.precision == "fp16" else self.precision
+        """The routed experts' GEMMs (and every GEMM unless `dense_precision` says otherwise)."""
+        return _gemm(self.precision)
+
+    @property
+    def dense_gemm_precision(self) -> str:
+        return _gemm(self.dense_precision or self.precision)
 
     def weight_bytes_per_gpu(self) -> dict:
         """{"dense": attention, MLPs, shared experts, embedding and head; "experts": routed experts}."""
-        p, lo, wb = self.sm.params(), self.layout, WEIGHT_BYTES[self.precision]
+        p, lo = self.sm.params(), self.layout
         dense = (p["attention"] + p["mlp"] + p["other"]) / (lo.tp * lo.pp)
         expert_split = lo.stage if lo.ep > 1 else lo.tp
-        return {"dense": dense * wb, "experts": p["experts"] / (lo.pp * expert_split) * wb}
+        return {"dense": dense * WEIGHT_BYTES[self.dense_precision or self.precision],
+                "experts": p["experts"] / (lo.pp * expert_split) * WEIGHT_BYTES[self.precision]}
+
+    def expert_imbalance(self) -> float:
+        """The busiest expert-parallel rank's routed load over the mean (1 without ep)."""
+        return expert_imbalance(self.sm.cfg.num_experts, self.layout.ep, self.engine.expert_balance)
 
     def kv_bytes_per_token_per_gpu(self) -> float:
         lo = self.layout
@@ -153,6 +171,10 @@ class Serving:
         return int(self.memory()["kv_capacity"] // self.kv_bytes_per_token_per_gpu())
 
 
+def _gemm(precision: str) -> str:
+    return "bf16" if precision == "fp16" else precision
+
+
 def _tier(span: tuple[int, int]) -> str:
     return "scale-out link" if span[1] > 1 else "scale-up link"
 
@@ -166,7 +188,7 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     gemm_tokens = d + p_rank / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
     fl = sm.matmul_flops_per_token()
     if lo.ep > 1:
-        expert_flops = lo.dp * (d + p) * fl["experts"] * f / lo.stage
+        expert_flops = lo.dp * (d + p) * fl["experts"] * f / lo.stage * sv.expert_imbalance()
         routed_tokens = lo.dp * (d + p)
     else:
         expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, d + p_rank
@@ -175,7 +197,8 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     attn = (d * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
     kv_tok = sv.kv_bytes_per_token_per_gpu()
     elems = sm.elementwise_elems_per_token(tp=lo.tp, expert_split=lo.stage if lo.ep > 1 else lo.tp)
-    return {"gemm_flops": gemm_tokens * fl["dense"] * f / lo.tp + expert_flops,
+    dense_flops = gemm_tokens * fl["dense"] * f / lo.tp
+    return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
             "elementwise_bytes": 2.0 * gemm_tokens * elems * f,  # 16-bit activations
             "weight_bytes": w["dense"] + w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
@@ -212,7 +235,8 @@ def _comm(sv: Serving, *, d: float, p: float) -> dict:
                                  up=cl.collective_fit("all_to_all", "scale-up"),
                                  out=cl.collective_fit("all_to_all", "scale-out"),
                                  low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
-        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call
+        # the busiest rank receives (and sends back) its experts' excess tokens (TensorRT-LLM tech blog 4)
+        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
     if lo.pp > 1:
         span = group_span(lo.stage, 2, cl.scaleup_size)
         out[("pp", _tier(span))] = collective_time("p2p", tokens * h * 2, span, cl)
@@ -252,8 +276,9 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
     hbm = cl.hbm_bw * cl.hbm_efficiency
     rate = cl.peak(sv.gemm_precision) * cl.matmul_efficiency
+    dense_rate = cl.peak(sv.dense_gemm_precision) * cl.matmul_efficiency
     attn_rate = cl.peak("bf16") * cl.attention_efficiency
-    gemm_c, gemm_m = w["gemm_flops"] / rate, w["weight_bytes"] / hbm
+    gemm_c, gemm_m = w["dense_gemm_flops"] / dense_rate + w["expert_gemm_flops"] / rate, w["weight_bytes"] / hbm
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
