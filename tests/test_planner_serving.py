@@ -274,3 +274,18 @@ def test_experts_only_fp4_keeps_the_dense_weights_in_fp8():
     assert deployment_of(rows["F113"]).engine.expert_balance == "perfect"
     assert deployment_of(rows["G119"]).engine.expert_balance == "eplb"
     assert deployment_of(rows["A029"]).engine.expert_balance == "none"
+
+
+def test_fp8_gemms_keep_the_measured_share_of_their_peak():
+    from meshlm.planner.cluster import with_overrides
+
+    h100 = get_cluster("h100")
+    assert h100.matmul_rate("bf16") == h100.peak("bf16") * h100.matmul_efficiency
+    assert h100.matmul_rate("fp8") == pytest.approx(1979e12 * 0.62 * 70.9 / 80.3)
+    assert get_cluster("mi300x").matmul_rate("fp8") == get_cluster("mi300x").peak("fp8") * 0.47  # none measured
+    # a compute-bound fp8 prefill takes exactly 1 / factor as long in its GEMMs as at the whole fp8 peak fraction
+    sv = _sv("llama3-70b", "h100", precision="fp8", tp=8)
+    flat = replace(sv, cluster=with_overrides(h100, matmul_precision_factor={}))
+    a, b = (iteration_time(x, decodes=0, kv_len=0, prefill_tokens=8192, prefill_ctx=4096) for x in (sv, flat))
+    assert a["gemm_compute"] == pytest.approx(b["gemm_compute"] * 80.3 / 70.9)
+    assert a["attention_compute"] == b["attention_compute"]

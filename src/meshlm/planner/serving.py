@@ -16,7 +16,8 @@ EP144 with attention DP; SGLang's DP-attention + DeepEP), so the MoE layers of a
 One iteration (every running sequence advances a token, plus prefill tokens mixed in: Sarathi-Serve, Agrawal
 et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline of LLM inference (Williams et
 al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
-  * GEMMs: 2 x params FLOPs per token at `peak x matmul_efficiency` (cluster.py), never faster than the weights
+  * GEMMs: 2 x params FLOPs per token at `Cluster.matmul_rate` (peak x matmul_efficiency, fp8 on Hopper at the
+    measured lower fraction of its peak: cluster.py), never faster than the weights
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
     (serving_engine.roofline, from DeepGEMM's kernel benchmarks);
@@ -275,8 +276,7 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     cl = sv.cluster
     w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
     hbm = cl.hbm_bw * cl.hbm_efficiency
-    rate = cl.peak(sv.gemm_precision) * cl.matmul_efficiency
-    dense_rate = cl.peak(sv.dense_gemm_precision) * cl.matmul_efficiency
+    rate, dense_rate = cl.matmul_rate(sv.gemm_precision), cl.matmul_rate(sv.dense_gemm_precision)
     attn_rate = cl.peak("bf16") * cl.attention_efficiency
     gemm_c, gemm_m = w["dense_gemm_flops"] / dense_rate + w["expert_gemm_flops"] / rate, w["weight_bytes"] / hbm
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
