@@ -282,7 +282,8 @@ def test_fp8_gemms_keep_the_measured_share_of_their_peak():
     h100 = get_cluster("h100")
     assert h100.matmul_rate("bf16") == h100.peak("bf16") * h100.matmul_efficiency
     assert h100.matmul_rate("fp8") == pytest.approx(1979e12 * 0.62 * 70.9 / 80.3)
-    assert get_cluster("mi300x").matmul_rate("fp8") == get_cluster("mi300x").peak("fp8") * 0.47  # none measured
+    assert get_cluster("mi300x").matmul_rate("fp8") == pytest.approx(2615e12 * 0.47 * (1159.5 / 2615) / (781.9 / 1300))
+    assert get_cluster("rtx-pro-6000").matmul_rate("fp8") == get_cluster("rtx-pro-6000").peak("fp8") * 0.62  # unmeasured
     # a compute-bound fp8 prefill takes exactly 1 / factor as long in its GEMMs as at the whole fp8 peak fraction
     sv = _sv("llama3-70b", "h100", precision="fp8", tp=8)
     flat = replace(sv, cluster=with_overrides(h100, matmul_precision_factor={}))

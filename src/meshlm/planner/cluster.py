@@ -173,13 +173,19 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #    GPU, all-to-all wired, no switch); 750 W. Server and network power taken as the H100 system's (assumed,
 #    no AMD system maximum published per GPU). matmul_efficiency 0.47: SemiAnalysis's public GEMM benchmark
 #    ("MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024) measured ~620 of 1307 TFLOP/s bf16 at
-#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed).
-#  * MI325X (AMD Instinct MI325X data sheet): MI300X compute with 256 GB HBM3E at 6 TB/s, 1000 W.
+#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed), except two measured on Azure's
+#    ND MI300X v5 (Azure/AI-benchmarking-guide, Azure_Results/ND_MI300X_v5_results.md; ROCm 6.2-era HIP): hipBLASLt
+#    FP8 GEMMs peak at 1159.5 TFLOP/s (44% of 2615) against 60.1% of the bf16 peak in the MAMF table (ROCm 6.2),
+#    so fp8 keeps (1159.5 / 2615) / (781.9 / 1300) of matmul_efficiency; RCCL all-reduce bus bandwidth levels
+#    off at 317 GB/s of the 448 (link_efficiency 0.71). Its BabelStream HBM figures (4.1-4.3 TB/s) confirm 0.8.
+#  * MI325X (AMD Instinct MI325X data sheet): MI300X compute with 256 GB HBM3E at 6 TB/s, 1000 W (efficiencies as
+#    MI300X, the same compute die: its bf16 MAMF, 60.4%, matches MI300X's on ROCm 6.2).
 #  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
 #    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
                hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304, gpu_power_w=750.0,
-               matmul_efficiency=0.47, matmul_precision_factor={})
+               matmul_efficiency=0.47, matmul_precision_factor={"fp8": (1159.5 / 2615) / (781.9 / 1300)},
+               link_efficiency=317 / 448)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
