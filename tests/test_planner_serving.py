@@ -6,7 +6,7 @@ disaggregated deployment ships exactly the prompt's KV; MLA's compressed cache; 
 engine's terms (serving_engine.py): the roofline's rounded corner, GQA KV read per query head without a sharing
 kernel, the host's launches without CUDA graphs, the expert all-to-all against DeepEP's own table, attention-DP
 ranks waiting for the busiest prefill, two micro-batches reading the weights twice, the busiest expert rank's
-measured load imbalance, FP4 experts beside FP8 dense weights.
+measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak.
 """
 
 import argparse
