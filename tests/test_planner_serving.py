@@ -290,3 +290,30 @@ def test_fp8_gemms_keep_the_measured_share_of_their_peak():
     a, b = (iteration_time(x, decodes=0, kv_len=0, prefill_tokens=8192, prefill_ctx=4096) for x in (sv, flat))
     assert a["gemm_compute"] == pytest.approx(b["gemm_compute"] * 80.3 / 70.9)
     assert a["attention_compute"] == b["attention_compute"]
+
+
+def test_mtp_verifies_drafts_over_one_kv_read_and_yields_the_accepted_chain():
+    from meshlm.planner.published_serving import Skip, mtp_of
+    from meshlm.planner.serving import MTP_ACCEPTANCE, _work
+
+    sv = _sv("deepseek-v3", "h200", precision="fp8", tp=8)
+    mtp = replace(sv, mtp_tokens=3)
+    p = MTP_ACCEPTANCE
+    assert mtp.mtp_tokens_per_step() == pytest.approx(1 + p + p**2 + p**3) and sv.mtp_tokens_per_step() == 1
+    kw = dict(d=8, kv_len=4096, p=0, p_ctx=0, p_rank=0)
+    w, w0 = _work(mtp, **kw), _work(sv, **kw)
+    assert w["gemm_flops"] == pytest.approx(4 * w0["gemm_flops"]) and w["attn_flops"] == pytest.approx(4 * w0["attn_flops"])
+    kv_tok = sv.kv_bytes_per_token_per_gpu()
+    assert w["kv_bytes"] - w0["kv_bytes"] == pytest.approx(3 * 8 * kv_tok)  # only the drafts' writes: one read
+    plain = iteration_time(sv, decodes=1, kv_len=2048)["total"]
+    per_token = [iteration_time(replace(mtp, mtp_acceptance=a), decodes=1, kv_len=2048)["total"] for a in (0.0, 0.5, 0.9)]
+    assert per_token[0] > plain > per_token[2] and per_token == sorted(per_token, reverse=True)
+    assert iteration_time(mtp, decodes=0, kv_len=0, prefill_tokens=512, prefill_ctx=256)["total"] == \
+        iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=512, prefill_ctx=256)["total"]  # prefill untouched
+    with pytest.raises(ValueError, match="acceptance"):
+        replace(sv, mtp_tokens=2, mtp_acceptance=1.0)
+    assert mtp_of({"notes": "MTP speculative decoding (num_nextn_predict_layers=3) ON"}) == 3
+    assert mtp_of({"notes": "MTP speculative decoding (3 layers) ON; per-user 158"}) == 3
+    assert mtp_of({"notes": "whether MTP/speculative decoding is on is not stated"}) == 0
+    with pytest.raises(Skip):
+        mtp_of({"notes": "SIMULATED MTP (doubled batch)"})

@@ -25,7 +25,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
     most that fit, at most the 256 DeepEP's low-latency kernels are sized for);
-  * not modelled, reported as skipped: speculative decoding (MTP rows), the production mixes without lengths.
+  * MTP rows: the draft tokens their notes give (Serving.mtp_tokens), DeepSeek-V3's measured acceptance; "~1K" is
+    1024 tokens;
+  * not modelled, reported as skipped: a simulated MTP run, the production mixes without lengths.
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def _int(text: str) -> int | None:
-    m = re.search(r"(\d[\d,]*)", text or "")
-    return int(m.group(1).replace(",", "")) if m else None
+    m = re.search(r"(\d[\d,]*)(\s*[kK]\b)?", text or "")
+    if not m:
+        return None
+    return int(m.group(1).replace(",", "")) * (1024 if m.group(2) else 1)  # "~1K (real dataset)": 1024
 
 
 def _float(text: str) -> float | None:
@@ -125,7 +129,20 @@ def deployment_of(row: dict) -> Serving:
     # NVIDIA's NVFP4 DeepSeek-R1 checkpoint: FP4 routed experts, the rest FP8 (Serving.dense_precision)
     dense = "fp8" if weights == "fp4" and sm.mla is not None else None
     return Serving(sm, cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row),
-                   dense_precision=dense)
+                   dense_precision=dense, mtp_tokens=mtp_of(row))
+
+
+def mtp_of(row: dict) -> int:
+    """MTP draft tokens per step the row's notes turn on (its num_nextn_predict_layers / "(N layers)"), else 0."""
+    notes = row["notes"].lower()
+    if "simulated mtp" in notes:
+        raise Skip("a simulated MTP run (dummy attention kernels, an assumed acceptance), not a measured one")
+    if not re.search(r"mtp[^.;]*\bon\b", notes) or "not stated" in notes:
+        return 0
+    m = re.search(r"num_nextn_predict_layers=(\d+)|\((\d+) layers\)", notes)
+    if m is None:
+        raise Skip("MTP on, with no number of draft tokens")
+    return int(m.group(1) or m.group(2))
 
 
 def engine_of(row: dict) -> Engine:
@@ -160,9 +177,6 @@ def predict_row(row: dict) -> dict:
     """The row's published metrics beside the predicted ones (or {"skip": reason})."""
     base = {"row_id": row["row_id"], "group": row["group"], "model": row["model"], "gpu": row["gpu"]}
     try:
-        notes = row["notes"].lower()
-        if re.search(r"mtp[^.;]*\bon\b|simulated mtp", notes) and "not stated" not in notes:
-            raise Skip("speculative decoding (MTP) is not modelled")
         sv = deployment_of(row)
         pred = _predict(row, sv)
     except Skip as e:
