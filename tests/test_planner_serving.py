@@ -5,7 +5,8 @@ weights and the workspace leave; cp divides a sequence's KV per GPU; fp8 KV doub
 disaggregated deployment ships exactly the prompt's KV; MLA's compressed cache; every JSON field present. The
 engine's terms (serving_engine.py): the roofline's rounded corner, GQA KV read per query head without a sharing
 kernel, the host's launches without CUDA graphs, the expert all-to-all against DeepEP's own table, attention-DP
-ranks waiting for the busiest prefill, two micro-batches reading the weights twice.
+ranks waiting for the busiest prefill, two micro-batches reading the weights twice, the busiest expert rank's
+measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak.
 """
 
 import argparse
@@ -211,3 +212,108 @@ def test_two_batch_overlap_reads_the_weights_twice():
     flat = replace(tbo, engine=ENGINES["tensorrt-llm"])
     a, b = (iteration_time(sv, decodes=128, kv_len=2048) for sv in (tbo, flat))
     assert a["gemm_memory"] > 1.5 * b["gemm_memory"]
+
+
+def test_expert_imbalance_is_the_measured_ratio_and_bounded():
+    from meshlm.planner.serving_engine import EP_IMBALANCE_EPLB, EP_IMBALANCE_NO_EPLB, expert_imbalance
+
+    assert expert_imbalance(256, 1, "none") == 1.0 and expert_imbalance(256, 32, "perfect") == 1.0
+    # the measurement itself: EP32, 8 experts per rank (TensorRT-LLM tech blog 4, Table 1)
+    assert expert_imbalance(256, 32, "none") == pytest.approx(1 + EP_IMBALANCE_NO_EPLB)
+    assert expert_imbalance(256, 32, "eplb") == pytest.approx(1 + EP_IMBALANCE_EPLB)
+    none = [expert_imbalance(256, ep, "none") for ep in (2, 4, 8, 16, 32, 64, 128, 256)]
+    eplb = [expert_imbalance(256, ep, "eplb") for ep in (2, 4, 8, 16, 32, 64, 128, 256)]
+    assert none == sorted(none) and eplb == sorted(eplb) and all(a < b for a, b in zip(eplb, none))
+    assert all(1.0 < x <= ep for x, ep in zip(none, (2, 4, 8, 16, 32, 64, 128, 256)))
+    assert expert_imbalance(256, 8, "none") > expert_imbalance(1024, 8, "none")  # more experts per rank average out
+
+
+def test_busiest_expert_rank_scales_the_expert_gemms_and_all_to_all_only():
+    from meshlm.planner.serving import _comm, _work
+    from meshlm.planner.serving_engine import ENGINES
+
+    sv = _sv("deepseek-v3", "h800", precision="fp8", ep=32, dp=32)
+    even = replace(sv, engine=replace(ENGINES["default"], expert_balance="perfect"))
+    imb = sv.expert_imbalance()
+    assert imb > 1.5 and even.expert_imbalance() == 1.0
+    kw = dict(d=64, kv_len=2048, p=0, p_ctx=0, p_rank=0)
+    w, w0 = _work(sv, **kw), _work(even, **kw)
+    assert w["expert_gemm_flops"] == pytest.approx(imb * w0["expert_gemm_flops"])
+    assert w["dense_gemm_flops"] == w0["dense_gemm_flops"] and w["kv_bytes"] == w0["kv_bytes"]
+    (key,) = [k for k in _comm(sv, d=64, p=0) if k[0] == "ep"]
+    assert _comm(sv, d=64, p=0)[key] == pytest.approx(imb * _comm(even, d=64, p=0)[key])
+    assert iteration_time(sv, decodes=64, kv_len=2048)["total"] > iteration_time(even, decodes=64, kv_len=2048)["total"]
+
+
+def test_experts_only_fp4_keeps_the_dense_weights_in_fp8():
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import deployment_of, read_rows
+    from meshlm.planner.serving_model import WEIGHT_BYTES
+
+    sv = _sv("deepseek-v3", "b200", precision="fp4", ep=8, dp=8)
+    mixed = replace(sv, dense_precision="fp8")
+    p = sv.sm.params()
+    dense = p["attention"] + p["mlp"] + p["other"]
+    assert mixed.weight_bytes_per_gpu()["dense"] == pytest.approx(dense * 1.0)
+    assert sv.weight_bytes_per_gpu()["dense"] == pytest.approx(dense * WEIGHT_BYTES["fp4"])
+    assert mixed.weight_bytes_per_gpu()["experts"] == sv.weight_bytes_per_gpu()["experts"]
+    # dense GEMMs at the fp8 rate take twice as long as at fp4; the experts' the same
+    a, b = (iteration_time(x, decodes=0, kv_len=0, prefill_tokens=8192, prefill_ctx=512) for x in (sv, mixed))
+    assert b["gemm_compute"] > a["gemm_compute"]
+    with pytest.raises(ValueError, match="dense precision"):
+        replace(sv, dense_precision="int3")
+    with pytest.raises(ValueError, match="fp4"):
+        replace(_sv("deepseek-v3", "h200", precision="fp8", ep=8, dp=8), dense_precision="fp4")
+    # the published rows' reading: NVFP4 DeepSeek -> fp8 dense; SGLang large EP and DeepSeek -> EPLB
+    rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+                                                / "serving_runs_dev.csv")}
+    assert deployment_of(rows["B046"]).dense_precision == "fp8"
+    assert deployment_of(rows["A020"]).dense_precision is None
+    assert deployment_of(rows["F112"]).engine.expert_balance == "eplb"
+    assert deployment_of(rows["F113"]).engine.expert_balance == "perfect"
+    assert deployment_of(rows["G119"]).engine.expert_balance == "eplb"
+    assert deployment_of(rows["A029"]).engine.expert_balance == "none"
+
+
+def test_fp8_gemms_keep_the_measured_share_of_their_peak():
+    from meshlm.planner.cluster import with_overrides
+
+    h100 = get_cluster("h100")
+    assert h100.matmul_rate("bf16") == h100.peak("bf16") * h100.matmul_efficiency
+    assert h100.matmul_rate("fp8") == pytest.approx(1979e12 * 0.62 * 70.9 / 80.3)
+    assert get_cluster("mi300x").matmul_rate("fp8") == pytest.approx(2615e12 * 0.47 * (1159.5 / 2615) / (781.9 / 1300))
+    assert get_cluster("rtx-pro-6000").matmul_rate("fp8") == get_cluster("rtx-pro-6000").peak("fp8") * 0.62  # unmeasured
+    # a compute-bound fp8 prefill takes exactly 1 / factor as long in its GEMMs as at the whole fp8 peak fraction
+    sv = _sv("llama3-70b", "h100", precision="fp8", tp=8)
+    flat = replace(sv, cluster=with_overrides(h100, matmul_precision_factor={}))
+    a, b = (iteration_time(x, decodes=0, kv_len=0, prefill_tokens=8192, prefill_ctx=4096) for x in (sv, flat))
+    assert a["gemm_compute"] == pytest.approx(b["gemm_compute"] * 80.3 / 70.9)
+    assert a["attention_compute"] == b["attention_compute"]
+
+
+def test_mtp_verifies_drafts_over_one_kv_read_and_yields_the_accepted_chain():
+    from meshlm.planner.published_serving import Skip, mtp_of
+    from meshlm.planner.serving import MTP_ACCEPTANCE, _work
+
+    sv = _sv("deepseek-v3", "h200", precision="fp8", tp=8)
+    mtp = replace(sv, mtp_tokens=3)
+    p = MTP_ACCEPTANCE
+    assert mtp.mtp_tokens_per_step() == pytest.approx(1 + p + p**2 + p**3) and sv.mtp_tokens_per_step() == 1
+    kw = dict(d=8, kv_len=4096, p=0, p_ctx=0, p_rank=0)
+    w, w0 = _work(mtp, **kw), _work(sv, **kw)
+    assert w["gemm_flops"] == pytest.approx(4 * w0["gemm_flops"]) and w["attn_flops"] == pytest.approx(4 * w0["attn_flops"])
+    kv_tok = sv.kv_bytes_per_token_per_gpu()
+    assert w["kv_bytes"] - w0["kv_bytes"] == pytest.approx(3 * 8 * kv_tok)  # only the drafts' writes: one read
+    plain = iteration_time(sv, decodes=1, kv_len=2048)["total"]
+    per_token = [iteration_time(replace(mtp, mtp_acceptance=a), decodes=1, kv_len=2048)["total"] for a in (0.0, 0.5, 0.9)]
+    assert per_token[0] > plain > per_token[2] and per_token == sorted(per_token, reverse=True)
+    assert iteration_time(mtp, decodes=0, kv_len=0, prefill_tokens=512, prefill_ctx=256)["total"] == \
+        iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=512, prefill_ctx=256)["total"]  # prefill untouched
+    with pytest.raises(ValueError, match="acceptance"):
+        replace(sv, mtp_tokens=2, mtp_acceptance=1.0)
+    assert mtp_of({"notes": "MTP speculative decoding (num_nextn_predict_layers=3) ON"}) == 3
+    assert mtp_of({"notes": "MTP speculative decoding (3 layers) ON; per-user 158"}) == 3
+    assert mtp_of({"notes": "whether MTP/speculative decoding is on is not stated"}) == 0
+    with pytest.raises(Skip):
+        mtp_of({"notes": "SIMULATED MTP (doubled batch)"})

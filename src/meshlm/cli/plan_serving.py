@@ -54,6 +54,10 @@ def add_serving_parsers(sub) -> None:
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
     i.add_argument("--engine", default="default", help="serving software priced (planner/serving_engine.py)")
+    i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding with the model's MTP module: K draft tokens per step (default 0)")
+    i.add_argument("--mtp-acceptance", type=float, default=None, metavar="P",
+                   help="chance each draft is accepted after the one before (default 0.875, DeepSeek-V3's)")
     i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
                    help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
     i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
@@ -138,5 +142,6 @@ def _serving_inputs(args):
                   prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK, disaggregate=disagg)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision,
-                 engine=engine(args.engine))
+                 engine=engine(args.engine), mtp_tokens=args.mtp_tokens,
+                 **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
     return sv, wl, gpus

@@ -75,6 +75,14 @@ class Cluster:
     # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
     # the fits `meshlm plan calibrate` measures for each collective.
     collective_fits: dict = field(default_factory=dict)
+    # Share of `matmul_efficiency` a precision's GEMMs keep, where it differs from bf16's ({"fp8": 0.88}): the
+    # ratio of the measured maximum achievable matmul FLOPS (fraction of each precision's peak) -- see PRESETS.
+    # Read by the serving model (serving.py); the training cost model prices every precision at matmul_efficiency.
+    matmul_precision_factor: dict = field(default_factory=dict)
+
+    def matmul_rate(self, precision: str) -> float:
+        """FLOP/s of a large transformer GEMM in `precision`: peak x matmul_efficiency x the precision's factor."""
+        return self.peak(precision) * self.matmul_efficiency * self.matmul_precision_factor.get(precision, 1.0)
 
     def collective_fit(self, kind: str, tier: str) -> tuple[float, float]:
         """(latency per hop, bandwidth) of one collective kind on "scale-up" or "scale-out"."""
@@ -123,6 +131,11 @@ def _gbit(x: float) -> float:
 #    SM per channel, and large collectives on NVSwitch/InfiniBand systems use ~16 channels, so
 #    compute overlapped with them runs on 16 of the SMs fewer (A100 108 SMs, H100 132, B200 148).
 #  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used.
+#  * matmul_precision_factor: fp8 GEMMs reach a smaller fraction of their (doubled) peak than bf16 ones on Hopper.
+#    Stas Bekman's "Maximum Achievable Matmul FLOPS" table (ml-engineering, compute/accelerator/README.md; torch
+#    matmul / _scaled_mm, best of a shape sweep): H100 SXM bf16 80.3%, fp8 70.9%; H200 fp8 73.4% (bf16 as
+#    H100); B200 bf16 77.6%, fp8 76.3%; GB200 bf16 72.9%, fp8 72.3%. The factor is fp8's fraction over bf16's
+#    (H800: H100's die). No fp4 or MI300X fp8 measurement there: 1.
 # Power (watts per GPU), from the datasheets:
 #  * A100 SXM 400 W; DGX A100 6.5 kW max for 8 GPUs -> (6500 - 8 x 400) / 8 = 412 W of server per GPU.
 #  * H100 SXM 700 W (H200 the same); DGX H100 10.2 kW max -> (10200 - 5600) / 8 = 575 W per GPU.
@@ -143,12 +156,14 @@ _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32":
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132,
-             gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2)
+             gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2,
+             matmul_precision_factor={"fp8": 70.9 / 80.3})
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
-             gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2)
+             gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2,
+             matmul_precision_factor={"fp8": 76.3 / 77.6})
 
 # Serving-side presets (the published serving rows need them), from the datasheets named:
 #  * H800 SXM (NVIDIA H800 datasheet; DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.1): an H100 SXM with NVLink cut
@@ -158,18 +173,25 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #    GPU, all-to-all wired, no switch); 750 W. Server and network power taken as the H100 system's (assumed,
 #    no AMD system maximum published per GPU). matmul_efficiency 0.47: SemiAnalysis's public GEMM benchmark
 #    ("MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024) measured ~620 of 1307 TFLOP/s bf16 at
-#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed).
-#  * MI325X (AMD Instinct MI325X data sheet): MI300X compute with 256 GB HBM3E at 6 TB/s, 1000 W.
+#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed), except two measured on Azure's
+#    ND MI300X v5 (Azure/AI-benchmarking-guide, Azure_Results/ND_MI300X_v5_results.md; ROCm 6.2-era HIP): hipBLASLt
+#    FP8 GEMMs peak at 1159.5 TFLOP/s (44% of 2615) against 60.1% of the bf16 peak in the MAMF table (ROCm 6.2),
+#    so fp8 keeps (1159.5 / 2615) / (781.9 / 1300) of matmul_efficiency; RCCL all-reduce bus bandwidth levels
+#    off at 317 GB/s of the 448 (link_efficiency 0.71). Its BabelStream HBM figures (4.1-4.3 TB/s) confirm 0.8.
+#  * MI325X (AMD Instinct MI325X data sheet): MI300X compute with 256 GB HBM3E at 6 TB/s, 1000 W (efficiencies as
+#    MI300X, the same compute die: its bf16 MAMF, 60.4%, matches MI300X's on ROCm 6.2).
 #  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
 #    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
                hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304, gpu_power_w=750.0,
-               matmul_efficiency=0.47)
+               matmul_efficiency=0.47, matmul_precision_factor={"fp8": (1159.5 / 2615) / (781.9 / 1300)},
+               link_efficiency=317 / 448)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
     "h100": Cluster(name="h100", **_H100),
-    "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12}),
+    "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12,
+                                     "matmul_precision_factor": {"fp8": 73.4 / 80.3}}),
     "b200": Cluster(name="b200", **_B200),
     "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
     "mi300x": Cluster(name="mi300x", **_MI300X),
@@ -179,9 +201,11 @@ PRESETS: dict[str, Cluster] = {
                                                    "peak_flops": {"bf16": 500e12, "fp8": 1000e12, "fp4": 2000e12,
                                                                   "fp32": 125e12},
                                                    "hbm_bytes": 96 * GiB, "hbm_bw": 1.6e12, "scaleup_bw": 64e9,
-                                                   "comm_sm_fraction": 16 / 188, "gpu_power_w": 600.0}),
+                                                   "comm_sm_fraction": 16 / 188, "gpu_power_w": 600.0,
+                                                   "matmul_precision_factor": {}}),
     "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
-                                                 "gpu_power_w": 1200.0, "node_power_w": 470.0}),
+                                                 "gpu_power_w": 1200.0, "node_power_w": 470.0,
+                                                 "matmul_precision_factor": {"fp8": 72.3 / 72.9}}),
 }
 
 

@@ -15,6 +15,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     kv_cache_dtype "auto"; DeepSeek's native FP8 checkpoint);
   * the engine from the row's engine and version (serving_engine.ENGINES): TensorRT-LLM before 0.7 without its
     XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, SGLang and vLLM as the default;
+  * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
+    (its balancer is opt-in), perfect where a row says it simulated that (serving_engine.expert_imbalance);
+  * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
     engine's running-request limit (the row's max_batch_size per rank where given, else vLLM's default
@@ -22,7 +25,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
     most that fit, at most the 256 DeepEP's low-latency kernels are sized for);
-  * not modelled, reported as skipped: speculative decoding (MTP rows), the production mixes without lengths.
+  * MTP rows: the draft tokens their notes give (Serving.mtp_tokens), DeepSeek-V3's measured acceptance; "~1K" is
+    1024 tokens;
+  * not modelled, reported as skipped: a simulated MTP run, the production mixes without lengths.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import csv
 import re
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from meshlm.config import ModelConfig
@@ -73,8 +79,10 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def _int(text: str) -> int | None:
-    m = re.search(r"(\d[\d,]*)", text or "")
-    return int(m.group(1).replace(",", "")) if m else None
+    m = re.search(r"(\d[\d,]*)(\s*[kK]\b)?", text or "")
+    if not m:
+        return None
+    return int(m.group(1).replace(",", "")) * (1024 if m.group(2) else 1)  # "~1K (real dataset)": 1024
 
 
 def _float(text: str) -> float | None:
@@ -117,16 +125,43 @@ def deployment_of(row: dict) -> Serving:
     cluster = next((get_cluster(c) for key, c in CLUSTERS if key in gpu), None)
     if cluster is None:
         raise Skip(f"no cluster preset for {row['gpu']!r}")
-    return Serving(model_of(row), cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row))
+    sm = model_of(row)
+    # NVIDIA's NVFP4 DeepSeek-R1 checkpoint: FP4 routed experts, the rest FP8 (Serving.dense_precision)
+    dense = "fp8" if weights == "fp4" and sm.mla is not None else None
+    return Serving(sm, cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row),
+                   dense_precision=dense, mtp_tokens=mtp_of(row))
+
+
+def mtp_of(row: dict) -> int:
+    """MTP draft tokens per step the row's notes turn on (its num_nextn_predict_layers / "(N layers)"), else 0."""
+    notes = row["notes"].lower()
+    if "simulated mtp" in notes:
+        raise Skip("a simulated MTP run (dummy attention kernels, an assumed acceptance), not a measured one")
+    if not re.search(r"mtp[^.;]*\bon\b", notes) or "not stated" in notes:
+        return 0
+    m = re.search(r"num_nextn_predict_layers=(\d+)|\((\d+) layers\)", notes)
+    if m is None:
+        raise Skip("MTP on, with no number of draft tokens")
+    return int(m.group(1) or m.group(2))
 
 
 def engine_of(row: dict) -> Engine:
-    """The row's engine: TensorRT-LLM before 0.7 decodes GQA without sharing a group's KV loads (no XQA kernel)."""
+    """The row's engine: TensorRT-LLM before 0.7 decodes GQA without sharing a group's KV loads (no XQA kernel);
+    DeepSeek's own serving and SGLang's large-EP deployment balance experts with EPLB, a row that simulates a
+    perfect balance has none; TensorRT-LLM's load balancer is opt-in (none of its rows turns it on)."""
     name, version = row["engine"].lower(), re.match(r"\s*(\d+)\.(\d+)", row["engine_version"])
     if name.startswith("tensorrt"):
         old = version is not None and (int(version.group(1)), int(version.group(2))) < (0, 7)
-        return ENGINES["tensorrt-llm<0.7" if old else "tensorrt-llm"]
-    return ENGINES["vllm" if name.startswith("vllm") else "sglang" if name.startswith("sglang") else "default"]
+        eng = ENGINES["tensorrt-llm<0.7" if old else "tensorrt-llm"]
+    elif name.startswith("deepseek"):
+        eng = ENGINES["deepseek"]
+    elif name.startswith("sglang"):
+        eng = replace(ENGINES["sglang"], expert_balance="eplb") if (_int(row["ep"]) or 1) > 1 else ENGINES["sglang"]
+    else:
+        eng = ENGINES["vllm" if name.startswith("vllm") else "default"]
+    if "perfect expert load balance" in row["notes"].lower():
+        eng = replace(eng, expert_balance="perfect")
+    return eng
 
 
 def _max_batch(row: dict) -> int | None:
@@ -142,9 +177,6 @@ def predict_row(row: dict) -> dict:
     """The row's published metrics beside the predicted ones (or {"skip": reason})."""
     base = {"row_id": row["row_id"], "group": row["group"], "model": row["model"], "gpu": row["gpu"]}
     try:
-        notes = row["notes"].lower()
-        if re.search(r"mtp[^.;]*\bon\b|simulated mtp", notes) and "not stated" not in notes:
-            raise Skip("speculative decoding (MTP) is not modelled")
         sv = deployment_of(row)
         pred = _predict(row, sv)
     except Skip as e:

@@ -16,7 +16,8 @@ EP144 with attention DP; SGLang's DP-attention + DeepEP), so the MoE layers of a
 One iteration (every running sequence advances a token, plus prefill tokens mixed in: Sarathi-Serve, Agrawal
 et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline of LLM inference (Williams et
 al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
-  * GEMMs: 2 x params FLOPs per token at `peak x matmul_efficiency` (cluster.py), never faster than the weights
+  * GEMMs: 2 x params FLOPs per token at `Cluster.matmul_rate` (peak x matmul_efficiency, fp8 on Hopper at the
+    measured lower fraction of its peak: cluster.py), never faster than the weights
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
     (serving_engine.roofline, from DeepGEMM's kernel benchmarks);
@@ -31,19 +32,26 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     Sec. 3.4) -- DeepEP's low-latency kernels in decode iterations, its normal ones (holding SMs) with prefill
     (serving_engine.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
     that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed;
+  * MTP speculative decoding: each decoding sequence carries its k drafts as extra query tokens (one KV read),
+    the MTP module drafts the next k, and a step yields 1 + p + ... + p^k tokens (DeepSeek-V3 report, Sec. 5.4.3);
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
     the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.collectives import collective_time, group_span
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
-                                           expert_all_to_all, layer_kernels, roofline)
+                                           expert_all_to_all, expert_imbalance, layer_kernels, roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
+
+# DeepSeek-V3 report (arXiv:2412.19437, Sec. 5.4.3): the second token predicted by its MTP module is accepted
+# 85-90% of the time "across various generation topics" (1.8x the tokens per second). Later drafts are taken to be
+# accepted at the same rate given the previous one was -- a chain, so a step yields sum_{i<=k} p^i tokens.
+MTP_ACCEPTANCE = 0.875
 
 # Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
 # `free_gpu_memory_fraction` default 0.9 (of free memory after the weights); vLLM's `gpu_memory_utilization`
@@ -115,10 +123,26 @@ class Serving:
     precision: str = "bf16"  # weights and GEMMs
     kv_precision: str = "bf16"
     engine: Engine = ENGINES["default"]  # the serving software's kernels and scheduling (serving_engine.py)
+    # Weights and GEMMs of everything but the routed experts (attention, dense MLPs, shared experts, head); None:
+    # `precision`. NVIDIA's NVFP4 DeepSeek-R1 checkpoint quantizes only the MoE layers to FP4 and keeps the rest in
+    # DeepSeek's FP8 ("Optimizing DeepSeek R1 Throughput on NVIDIA Blackwell GPUs", TensorRT-LLM tech blog 3,
+    # "Precision strategy"; nvidia/DeepSeek-R1-FP4 model card).
+    dense_precision: str | None = None
+    # Speculative decoding with the model's own multi-token-prediction module (DeepSeek-V3's MTP, reused for each
+    # draft as TensorRT-LLM's "MTP Eagle" and SGLang do): draft tokens per step, and the chance each draft token is
+    # accepted given the one before it was (MTP_ACCEPTANCE).
+    mtp_tokens: int = 0
+    mtp_acceptance: float = MTP_ACCEPTANCE
 
     def __post_init__(self):
-        if self.precision not in WEIGHT_BYTES:
-            raise ValueError(f"--precision {self.precision!r}: choose one of {sorted(WEIGHT_BYTES)}")
+        if self.mtp_tokens < 0 or not 0.0 <= self.mtp_acceptance < 1.0:
+            raise ValueError(f"MTP draft tokens {self.mtp_tokens} must be >= 0 and the acceptance "
+                             f"{self.mtp_acceptance} in [0, 1)")
+        for flag, value in (("--precision", self.precision), ("dense precision", self.dense_precision)):
+            if value is not None and value not in WEIGHT_BYTES:
+                raise ValueError(f"{flag} {value!r}: choose one of {sorted(WEIGHT_BYTES)}")
+        if self.dense_precision is not None:
+            self.cluster.peak(_gemm(self.dense_precision))
         if self.kv_precision not in KV_BYTES:
             raise ValueError(f"--kv-precision {self.kv_precision!r}: choose one of {sorted(KV_BYTES)}")
         self.cluster.peak(self.gemm_precision)  # refuses fp4 on a GPU without it, naming the choices
@@ -126,14 +150,28 @@ class Serving:
 
     @property
     def gemm_precision(self) -> str:
-        return "bf16" if self.precision == "fp16" else self.precision
+        """The routed experts' GEMMs (and every GEMM unless `dense_precision` says otherwise)."""
+        return _gemm(self.precision)
+
+    @property
+    def dense_gemm_precision(self) -> str:
+        return _gemm(self.dense_precision or self.precision)
 
     def weight_bytes_per_gpu(self) -> dict:
         """{"dense": attention, MLPs, shared experts, embedding and head; "experts": routed experts}."""
-        p, lo, wb = self.sm.params(), self.layout, WEIGHT_BYTES[self.precision]
+        p, lo = self.sm.params(), self.layout
         dense = (p["attention"] + p["mlp"] + p["other"]) / (lo.tp * lo.pp)
         expert_split = lo.stage if lo.ep > 1 else lo.tp
-        return {"dense": dense * wb, "experts": p["experts"] / (lo.pp * expert_split) * wb}
+        return {"dense": dense * WEIGHT_BYTES[self.dense_precision or self.precision],
+                "experts": p["experts"] / (lo.pp * expert_split) * WEIGHT_BYTES[self.precision]}
+
+    def mtp_tokens_per_step(self) -> float:
+        """Tokens a decoding sequence gains per step: 1 + p + ... + p^k (k draft tokens, acceptance p)."""
+        return sum(self.mtp_acceptance ** i for i in range(self.mtp_tokens + 1))
+
+    def expert_imbalance(self) -> float:
+        """The busiest expert-parallel rank's routed load over the mean (1 without ep)."""
+        return expert_imbalance(self.sm.cfg.num_experts, self.layout.ep, self.engine.expert_balance)
 
     def kv_bytes_per_token_per_gpu(self) -> float:
         lo = self.layout
@@ -153,6 +191,10 @@ class Serving:
         return int(self.memory()["kv_capacity"] // self.kv_bytes_per_token_per_gpu())
 
 
+def _gemm(precision: str) -> str:
+    return "bf16" if precision == "fp16" else precision
+
+
 def _tier(span: tuple[int, int]) -> str:
     return "scale-out link" if span[1] > 1 else "scale-up link"
 
@@ -163,25 +205,27 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     one stage's layers. Routed experts see every dp rank's tokens (the mean); the rest only this rank's."""
     sm, lo, cfg = sv.sm, sv.layout, sv.sm.cfg
     f = 1.0 / lo.pp
-    gemm_tokens = d + p_rank / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
+    q = d * (1 + sv.mtp_tokens)  # query tokens of the decoding sequences: each verifies its MTP drafts too
+    gemm_tokens = q + p_rank / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
     fl = sm.matmul_flops_per_token()
     if lo.ep > 1:
-        expert_flops = lo.dp * (d + p) * fl["experts"] * f / lo.stage
-        routed_tokens = lo.dp * (d + p)
+        expert_flops = lo.dp * (q + p) * fl["experts"] * f / lo.stage * sv.expert_imbalance()
+        routed_tokens = lo.dp * (q + p)
     else:
-        expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, d + p_rank
+        expert_flops, routed_tokens = gemm_tokens * fl["experts"] * f / lo.tp, q + p_rank
     w = sv.weight_bytes_per_gpu()
     touched = 1.0 - (1.0 - cfg.num_experts_per_token / cfg.num_experts) ** routed_tokens if cfg.is_moe else 0.0
-    attn = (d * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
+    attn = (q * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
     kv_tok = sv.kv_bytes_per_token_per_gpu()
     elems = sm.elementwise_elems_per_token(tp=lo.tp, expert_split=lo.stage if lo.ep > 1 else lo.tp)
-    return {"gemm_flops": gemm_tokens * fl["dense"] * f / lo.tp + expert_flops,
+    dense_flops = gemm_tokens * fl["dense"] * f / lo.tp
+    return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
             "elementwise_bytes": 2.0 * gemm_tokens * elems * f,  # 16-bit activations
             "weight_bytes": w["dense"] + w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
-            # read the cache (once per query head where the kernel does not share a GQA group's loads), write
-            # the new tokens
-            "kv_bytes": d * kv_len * kv_tok * _kv_reads(sv) + (d + p_rank / lo.cp) * kv_tok}
+            # read the cache (once per query head where the kernel does not share a GQA group's loads; once for
+            # a sequence's MTP query tokens together), write the new tokens
+            "kv_bytes": d * kv_len * kv_tok * _kv_reads(sv) + (q + p_rank / lo.cp) * kv_tok}
 
 
 def _kv_reads(sv: Serving) -> float:
@@ -197,13 +241,14 @@ def _comm(sv: Serving, *, d: float, p: float) -> dict:
     """Seconds of communication per micro-step, keyed (kind, tier)."""
     lo, cl, cfg = sv.layout, sv.cluster, sv.sm.cfg
     layers, h, out = sv.sm.layers / lo.pp, cfg.hidden_size, {}
-    tokens = d + p / lo.cp
+    q = d * (1 + sv.mtp_tokens)
+    tokens = q + p / lo.cp
     if lo.tp > 1:
         span = group_span(1, lo.tp, cl.scaleup_size)
         out[("tp", _tier(span))] = 2 * layers * collective_time("all_reduce", tokens * h * 2, span, cl)
     if lo.cp > 1 and d > 0:
         span = group_span(lo.tp, lo.cp, cl.scaleup_size)
-        partial = d * (cfg.num_heads / lo.tp) * (cfg.head_dim + 1) * 4  # fp32 partial outputs + log-sum-exp
+        partial = q * (cfg.num_heads / lo.tp) * (cfg.head_dim + 1) * 4  # fp32 partial outputs + log-sum-exp
         out[("cp", _tier(span))] = layers * collective_time("all_gather", partial, span, cl)
     if lo.ep > 1:
         span = group_span(1, lo.stage, cl.scaleup_size)
@@ -212,7 +257,8 @@ def _comm(sv: Serving, *, d: float, p: float) -> dict:
                                  up=cl.collective_fit("all_to_all", "scale-up"),
                                  out=cl.collective_fit("all_to_all", "scale-out"),
                                  low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
-        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call
+        # the busiest rank receives (and sends back) its experts' excess tokens (TensorRT-LLM tech blog 4)
+        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
     if lo.pp > 1:
         span = group_span(lo.stage, 2, cl.scaleup_size)
         out[("pp", _tier(span))] = collective_time("p2p", tokens * h * 2, span, cl)
@@ -228,7 +274,27 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
 
     Each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle). Where the engine
     hides the expert all-to-all behind two micro-batches (`Engine.two_batch_overlap`, ep > 1), each half of
-    the batch runs every layer -- reading the weights again -- while the other half's tokens travel."""
+    the batch runs every layer -- reading the weights again -- while the other half's tokens travel.
+
+    With MTP drafts (`Serving.mtp_tokens` = k > 0) one step verifies each sequence's k drafts with the main model
+    (k + 1 query tokens over one read of its KV; TensorRT-LLM tech blog 2, "Attention for MTP") and drafts the next
+    k with the MTP module, one decoder layer run k times (priced as 1 / layers of a plain step each); it yields
+    `Serving.mtp_tokens_per_step` tokens per sequence. The times returned are per generated token: the step over
+    that yield (and the prefill tokens given are per generated token too, so a step carries that many more)."""
+    if not (sv.mtp_tokens and decodes > 0):
+        return _step(sv, decodes=decodes, kv_len=kv_len, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx,
+                     rank_prefill=rank_prefill)
+    a = sv.mtp_tokens_per_step()
+    step = _step(sv, decodes=decodes, kv_len=kv_len, prefill_tokens=prefill_tokens * a, prefill_ctx=prefill_ctx,
+                 rank_prefill=None if rank_prefill is None else rank_prefill * a)
+    draft = sv.mtp_tokens * _step(replace(sv, mtp_tokens=0), decodes=decodes, kv_len=kv_len)["total"] / sv.sm.layers
+    out = {k: v / a for k, v in step.items() if k != "bound"}
+    return dict(out, total=(step["total"] + draft) / a, mtp_draft=draft / a, bound=step["bound"])
+
+
+def _step(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0, prefill_ctx: float = 0.0,
+          rank_prefill: float | None = None) -> dict:
+    """One engine step of one dp rank (iteration_time without the MTP accounting)."""
     lo = sv.layout
     split = lambda x: x / lo.pp if decodes + prefill_tokens >= lo.pp else x  # noqa: E731
     d, p = split(decodes), split(prefill_tokens)
@@ -251,9 +317,9 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     cl = sv.cluster
     w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
     hbm = cl.hbm_bw * cl.hbm_efficiency
-    rate = cl.peak(sv.gemm_precision) * cl.matmul_efficiency
+    rate, dense_rate = cl.matmul_rate(sv.gemm_precision), cl.matmul_rate(sv.dense_gemm_precision)
     attn_rate = cl.peak("bf16") * cl.attention_efficiency
-    gemm_c, gemm_m = w["gemm_flops"] / rate, w["weight_bytes"] / hbm
+    gemm_c, gemm_m = w["dense_gemm_flops"] / dense_rate + w["expert_gemm_flops"] / rate, w["weight_bytes"] / hbm
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")

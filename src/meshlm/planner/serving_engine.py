@@ -12,6 +12,7 @@ fitted to a published end-to-end serving figure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # The roofline's corner. A kernel near the ridge point is slower than the larger of its compute and memory times:
@@ -43,6 +44,21 @@ HOST_LAUNCH_S = 3.8e-6
 SMALL_KERNELS_PER_LAYER = 5
 SMALL_KERNELS_PER_MOE_LAYER = 4
 
+# Expert load imbalance under expert parallelism: the MoE layer waits for the rank whose experts received the most
+# routed tokens. TensorRT-LLM's "Scaling Expert Parallelism in TensorRT-LLM (Part 1)" (tech blog 4, Table 1:
+# DeepSeek-R1, EP32 on 32 GB200, local batch 256, a machine-translation dataset, mean over layers and iterations)
+# measures the busiest rank's excess over the mean ("imbalance ratio"): 1.564 with 8 experts per rank and no
+# balancer; 0.109 and 0.115 with DeepSeek's EPLB (redundant experts: 9 slots per rank at EP32, 8 at EP36). The same
+# table's per-expert spread (std 164.1 over a mean of 128 tokens) divided by sqrt(8) is its per-rank spread
+# (491.6 / 1024): expert loads add up like independent draws. `expert_imbalance` carries the measurement to other
+# degrees on that footing: the per-rank spread scales as 1 / sqrt(experts per rank) (without a balancer; EPLB
+# balances ranks directly), and the busiest of n ranks sits sqrt(2 ln n) spreads above the mean (the largest of n
+# normal draws), taken relative to the measured n = 32.
+EP_IMBALANCE_NO_EPLB = 1.564
+EP_IMBALANCE_EPLB = (0.109 + 0.115) / 2
+EP_IMBALANCE_MEASURED_AT = 32  # ranks
+EP_IMBALANCE_EXPERTS_PER_RANK = 8  # at that measurement, without EPLB
+
 
 def roofline(compute_s: float, memory_s: float) -> float:
     """Seconds of a kernel whose FLOPs alone take `compute_s` and whose bytes alone take `memory_s` (ROOFLINE_P)."""
@@ -73,6 +89,10 @@ class Engine:
     combine run under the other half's compute -- each half reading the weights. TensorRT-LLM's attention-DP
     MoE of 2025 (all-gather and reduce-scatter of the tokens around the experts, "Optimizing DeepSeek R1
     Throughput on NVIDIA Blackwell GPUs", tech blog 3) leaves it exposed.
+    `expert_balance`: how evenly the routed tokens load the expert-parallel ranks (`expert_imbalance`): "none"
+    (experts placed as numbered; TensorRT-LLM's load balancer is opt-in, `moe_config.load_balancer`), "eplb"
+    (DeepSeek's EPLB with redundant experts: DeepSeek's own serving, "Day 6" overview, 32 redundant experts; SGLang's
+    large-EP deployment) or "perfect" (a simulated perfect balance).
     `adp_balanced`: attention data-parallel ranks schedule prefills together (TensorRT-LLM's ADP balance
     strategy, or disaggregated prefill); otherwise each rank prefills when it has room and the iteration waits
     for the busiest (`busiest_rank_prefill`).
@@ -84,6 +104,11 @@ class Engine:
     gqa_shared_kv: bool = True
     ep_all_to_all: str = "deepep"
     adp_balanced: bool = False
+    expert_balance: str = "none"
+
+    def __post_init__(self):
+        if self.expert_balance not in ("none", "eplb", "perfect"):
+            raise ValueError(f"expert_balance={self.expert_balance!r}: choose none, eplb or perfect")
 
 
 ENGINES = {e.name: e for e in (
@@ -92,6 +117,7 @@ ENGINES = {e.name: e for e in (
     Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False, two_batch_overlap=False),
     Engine("vllm"),
     Engine("sglang"),
+    Engine("deepseek", expert_balance="eplb"),  # DeepSeek's own serving ("Day 6" overview): TBO, DeepEP, EPLB
 )}
 
 
@@ -128,6 +154,18 @@ def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], 
         across = token_bytes * (n_out - 1) * (1 - (1 - 1 / n_out) ** top_k) if n_out > 1 else 0.0
     latency = 2 * (lat_out if n_out > 1 else lat_up)
     return max(local / bw_up, across / bw_out if n_out > 1 else 0.0) + latency
+
+
+def expert_imbalance(num_experts: int, ep: int, balance: str) -> float:
+    """The busiest expert-parallel rank's routed tokens over the mean (>= 1, at most ep): measured at EP32 by
+    TensorRT-LLM (module constants), carried to `ep` ranks holding `num_experts / ep` experts each."""
+    if ep <= 1 or balance == "perfect":
+        return 1.0
+    spread = math.sqrt(math.log(ep) / math.log(EP_IMBALANCE_MEASURED_AT))
+    if balance == "eplb":
+        return min(float(ep), 1.0 + EP_IMBALANCE_EPLB * spread)
+    per_rank = max(1.0, num_experts / ep)
+    return min(float(ep), 1.0 + EP_IMBALANCE_NO_EPLB * spread * math.sqrt(EP_IMBALANCE_EXPERTS_PER_RANK / per_rank))
 
 
 def busiest_rank_prefill(mean_tokens: float, request_tokens: float, ranks: int) -> tuple[float, float]:
