@@ -57,7 +57,10 @@ Choices the rows leave open, made the same way for every row (never from the rep
     compiles (its `use_torch_compile` default) and reduces in bf16 (its bf16 mixed-precision policy);
   * the PyTorch-native stacks (torchtitan, llm-foundry, fms-fsdp) attend with FlashAttention-2 kernels
     (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer Engine's;
-  * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H): num_layers /
+  * GPT-NeoX (DeepSpeed's pipeline engine) reduces gradients after the flush, exposed; its TFLOP/s are its
+    own count of the time, 6 N + 60 s h l per token;
+  * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H) and
+    DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q): num_layers /
     stages blocks on every stage, the head and loss on top of the last (`Layout.pp_split = "uniform"`);
     Megatron-Bridge's recipes (group I) lighten the end stages where the layer count does not divide
     (`account_for_embedding_in_pipeline_split` / `..._loss_...`): the planner's balanced split.
@@ -261,7 +264,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
-    megatron_old = row["group"].startswith(("A_", "C_")) or megascale_baseline
+    # DeepSpeed's pipeline engine (GPT-NeoX) likewise reduces the gradients after the pipeline flush.
+    megatron_old = row["group"].startswith(("A_", "C_", "Q_gpt_neox")) or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op.
     eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry"))
@@ -310,7 +314,8 @@ def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:
     # Megatron-LM (the 2021 / 2022 papers, MegaScale, NeMo 24.07) gives every pipeline stage num_layers / stages
     # blocks, the output head and loss on top of the last (its num_layers % pipeline size == 0 rule; the options
     # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
-    split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_")) else "balanced"
+    # DeepSpeed's pipeline (GPT-NeoX, partition method "type:transformer") splits the blocks evenly too.
+    split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox")) else "balanced"
     # HSDP: shard within a node (its 8 GPUs), replicate across nodes.
     shard = min(dp, 8) if _hybrid_shard(row) else dp
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
@@ -338,6 +343,10 @@ def _compare(row: dict, job: Job, *, step: float, n: int) -> tuple[str, float, f
         return "tokens_per_s_per_gpu", tok_gpu, job.tokens / step / n
     if _float(row["step_time_s"]):
         return "1/step_time", 1 / _float(row["step_time_s"]), 1 / step
+    if "6 N + 60 s h l" in row["pct_peak_type"]:  # GPT-NeoX's own count of 2022 (N from the row's params_b)
+        B, s, l, h = (_int(row[k]) for k in ("gbs_seqs", "seq_len", "layers", "hidden"))  # noqa: E741
+        flops = B * s * (6 * _float(row["params_b"]) * 1e9 + 60 * s * h * l)
+        return "tflops_per_gpu(6N+60shl)", _float(row["tflops_per_gpu"]), flops / step / n / 1e12
     return "tflops_per_gpu(eq.3)", _float(row["tflops_per_gpu"]), eq3_flops_per_step(row) / step / n / 1e12
 
 
@@ -395,6 +404,7 @@ def summarize(results: list[dict]) -> dict:
     return {
         "rows_used": len(used),
         "rows_skipped": len(results) - len(used),
+        "per_group_rows": {g: sum(r["group"] == g for r in used) for g in groups},
         "per_group_median_abs_error": {g: _median_abs([r for r in used if r["group"] == g]) for g in groups},
         "per_group_median_error": {g: round(statistics.median(r["error"] for r in used if r["group"] == g), 4)
                                    for g in groups},
