@@ -161,7 +161,7 @@ class Layout(ParallelDims):
             parts.append(f"ep{self.ep}" + (f"etp{self.etp}" if self.etp != self.tp else ""))
         parts.append(f"mbs{self.micro_batch_size}")
         if self.pp > 1:
-            parts.append(self.pp_schedule)
+            parts.append(self.pp_schedule + (" uniform" if self.pp_split == "uniform" else ""))
         parts.append(f"rc:{self.recompute}")
         return " ".join(parts)
 
