@@ -40,6 +40,9 @@ class Cluster:
     # FlashAttention's published curves rise like that with L0 ~ 256 (~0.8 of the long-sequence
     # rate at 1K tokens, ~0.97 at 8K); `local` measures its own.
     attention_block_overhead: float = 256.0
+    # FlashAttention-2's fraction where it is below `attention_efficiency` (Job.flash_attention_2: stacks whose
+    # kernel is FA2, e.g. PyTorch SDPA's flash backend); 0: the same as attention_efficiency. See PRESETS.
+    fa2_attention_efficiency: float = 0.0
     # Fraction of the compute units a collective occupies while it overlaps compute (NCCL runs as
     # kernels on SMs), i.e. how much slower the overlapped compute runs. See PRESETS.
     comm_sm_fraction: float = 0.0
@@ -124,6 +127,9 @@ def _gbit(x: float) -> float:
 #    ~600-650 forward and ~500 backward at long sequences (Shah et al. 2024), ~0.55 combined with the
 #    1:2.5 weighting -> 0.55, the 2024-era kernel. B200: the Hopper fraction is assumed.
 #    (From kernel benchmarks, not from any end-to-end run.)
+#  * fa2_attention_efficiency: on Hopper FlashAttention-2 reaches "only 35% utilization" of the H100's peak
+#    (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Sec. 1) -> 0.35 on H100 / H200 / H800 (forward;
+#    its backward is no faster). On A100 FA2 is the kernel attention_efficiency already rates (0: the same).
 #  * link_efficiency: NCCL bus bandwidth over the nominal link rate for large messages, ~0.8 on NVLink
 #    and InfiniBand alike (e.g. ~360 of 450 GB/s on H100 NVLink; ~45 of 50 GB/s per 400G NIC is higher,
 #    the common figure is used for both so the constant stays one number per GPU type).
@@ -155,7 +161,7 @@ _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp3
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132, fa2_attention_efficiency=0.35,
              gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2,
              matmul_precision_factor={"fp8": 70.9 / 80.3})
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 80e12},
@@ -183,12 +189,15 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
 #    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
-               hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304, gpu_power_w=750.0,
+               hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304,
+               fa2_attention_efficiency=0.0, gpu_power_w=750.0,
                matmul_efficiency=0.47, matmul_precision_factor={"fp8": (1159.5 / 2615) / (781.9 / 1300)},
                link_efficiency=317 / 448)
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
+    # A100 SXM 40GB (NVIDIA A100 datasheet): 40 GB HBM2 at 1555 GB/s, otherwise the 80 GB part.
+    "a100-40gb": Cluster(name="a100-40gb", **{**_A100, "gpu": "A100-SXM-40G", "hbm_bytes": 40 * GiB, "hbm_bw": 1.555e12}),
     "h100": Cluster(name="h100", **_H100),
     "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12,
                                      "matmul_precision_factor": {"fp8": 73.4 / 80.3}}),

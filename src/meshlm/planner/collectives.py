@@ -8,7 +8,12 @@ Not responsible for: which collectives a layout issues, how many, or what overla
 
 Algorithms (NCCL's, as in its documentation and nccl-tests' "bus bandwidth" convention):
   * reduce-scatter / all-gather: a ring moving (n - 1) / n of the buffer per rank; all-reduce is one of
-    each. Latency: a ring pays a hop per step; past 16 ranks NCCL switches to trees (latency ~ log n).
+    each. Latency: a ring pays a hop per step; past 16 ranks NCCL switches all-reduce to trees (latency
+    ~ log n), but all-gather and reduce-scatter have no tree: one ring over all n ranks, n - 1 steps of
+    which n_out - 1 cross domains (NCCL's own cost model, src/graph/tuning.cc: nsteps = nRanks - 1,
+    nInterSteps = nNodes - 1 for both), so their latency grows linearly with the ranks -- what NCCL 2.23's
+    PAT algorithm was added to cut at one GPU per node (NVIDIA, "New Scaling Algorithm and Initialization
+    with NCCL 2.23", 2024). A many-node ZeRO-3 / FSDP gather per layer pays it every call.
   * a group spanning both tiers runs hierarchically: inside each scale-up domain on the whole buffer, then
     across domains on 1/n_in of it, each GPU on its own NIC (rail-optimised fabrics, one NIC per GPU).
   * all-to-all: every rank sends (n - 1) / n of its bytes; the part leaving the domain rides the NICs, the
@@ -105,8 +110,13 @@ def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: C
         phase = _ring(nbytes, n_in * n_out, (latency, bandwidth))
         return 2 * phase if kind == "all_reduce" else phase
     if kind in ("reduce_scatter", "all_gather"):
-        # inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU)
-        return _ring(nbytes, n_in, up(kind)) + _ring(nbytes / n_in, n_out, out(kind))
+        # Bytes: inside the domain on the full buffer, then across domains on 1/n_in of it (one NIC per GPU).
+        # Latency: one ring over all n_in x n_out ranks (no tree for these): n - n_out hops inside, n_out - 1 across.
+        (lat_up, bw_up), (lat_out, bw_out) = up(kind), out(kind)
+        t = _ring(nbytes, n_in, (0.0, bw_up)) + _ring(nbytes / n_in, n_out, (0.0, bw_out))
+        if n_out == 1:
+            return t + (n_in - 1) * lat_up
+        return t + (n_in * n_out - n_out) * lat_up + (n_out - 1) * lat_out
     if kind == "all_reduce":
         return 2 * _ring(nbytes, n_in, up(kind)) + 2 * _ring(nbytes / n_in, n_out, out(kind))
     if kind == "all_to_all":

@@ -95,7 +95,7 @@ class ModelSummary:
     moe_layer_fraction: float
     model_flops_per_token: float  # training, no recompute
     hw_flops_per_token: dict  # recompute -> training FLOPs per token
-    # (pp, pp_chunks) -> placement.rank_split of this model: a search asks for the same few splits
+    # (pp, pp_chunks, pp_split) -> placement's split of this model: a search asks for the same few splits
     # tens of thousands of times; kept with the summary (one per search), not in a global.
     splits: dict = field(default_factory=dict, compare=False, repr=False)
 

@@ -30,6 +30,8 @@ CP_METHOD_MARKS = {"ring": "", "allgather": "ag", "ulysses": "u"}
 # Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
 # passes its partial dK/dV: fp32 whatever the activation dtype (`parallel/context.py`, for accuracy).
 CP_COMPUTE_BYTES = 4
+# Layout.pp_split: how the blocks are spread over the pipeline stages.
+PP_SPLITS = ("balanced", "uniform")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class Job:
     precision: str = "bf16"  # bf16 | fp8 | fp32
     # Fused (flash) attention stores no s x s scores; False models 2021-era unfused softmax kernels.
     flash_attention: bool = True
+    # The fused kernel is FlashAttention-2 (PyTorch SDPA's flash backend, the flash-attn 2 package), which on
+    # Hopper runs well below the FA3 / cuDNN kernels the cluster's attention_efficiency rates
+    # (`Cluster.fa2_attention_efficiency`); the same on A100, where FA2 is the rated kernel.
+    flash_attention_2: bool = False
     # Norms, RoPE, SwiGLU and residual adds as fused kernels (Megatron/TE, torch.compile); False
     # models eager PyTorch, one memory pass per op (meshlm's model uncompiled, e.g. the CPU runs).
     fused_elementwise: bool = True
@@ -108,6 +114,10 @@ class Layout(ParallelDims):
     zero3_reshard_after_forward: bool | None = None
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1
+    # Blocks per pipeline stage: "balanced" (meshlm's default, `schedules.balanced_split`: the last stage, which
+    # also runs the output head and loss, lightened) or "uniform" (num_layers / stages on every stage, the head
+    # on top of the last: Megatron-LM's split, which runs as parallel.pp_layers with equal counts).
+    pp_split: str = "balanced"
     num_microbatches: int = 0  # 0: derived, global_batch / (dp * micro_batch_size)
     micro_batch_size: int = 1
     sequence_parallel: bool = True
@@ -151,7 +161,7 @@ class Layout(ParallelDims):
             parts.append(f"ep{self.ep}" + (f"etp{self.etp}" if self.etp != self.tp else ""))
         parts.append(f"mbs{self.micro_batch_size}")
         if self.pp > 1:
-            parts.append(self.pp_schedule)
+            parts.append(self.pp_schedule + (" uniform" if self.pp_split == "uniform" else ""))
         parts.append(f"rc:{self.recompute}")
         return " ".join(parts)
 
@@ -210,6 +220,8 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
         raise ValueError(f"layout dp_replicate*dp_shard*tp*pp*cp = {lo.world} must equal --gpus={gpus}")
     if lo.recompute not in RECOMPUTE:
         raise ValueError(f"layout recompute={lo.recompute!r} must be one of {list(RECOMPUTE)}")
+    if lo.pp_split not in PP_SPLITS:
+        raise ValueError(f"layout pp_split={lo.pp_split!r} must be one of {list(PP_SPLITS)}")
     if lo.ep > 1:
         if lo.expert_tp < 0 or (lo.expert_tp and lo.tp % lo.expert_tp):
             raise ValueError(f"layout expert_tp={lo.expert_tp} must divide tp={lo.tp} (or be 0: expert_tp = tp)")

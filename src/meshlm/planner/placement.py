@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshlm.schedules import balanced_split, stage_loads
+from meshlm.schedules import balanced_split, split_layers, stage_loads
 from meshlm.planner.cluster import Cluster, slowed_links
 from meshlm.planner.collectives import group_span, link_name
 from meshlm.planner.layout import Job, Layout
@@ -122,10 +122,14 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) ->
         "pp": group_span(tp * cp * lo.dp, pp, D),
     }
     links = {k: link_name(*spans[k]) for k in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}
-    split = summary.splits.get((pp, v))
+    split = summary.splits.get((pp, v, lo.pp_split))
     if split is None:
         head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
-        split = summary.splits[(pp, v)] = rank_split(cfg.num_layers, pp=pp, chunks=v, head_units=head_units)
+        if lo.pp_split == "uniform":  # Megatron-LM: num_layers / stages each, the head on top of the last
+            split = stage_loads(split_layers(cfg.num_layers, pp * v), pp=pp, pp_chunks=v, head_units=head_units)
+        else:
+            split = rank_split(cfg.num_layers, pp=pp, chunks=v, head_units=head_units)
+        summary.splits[(pp, v, lo.pp_split)] = split
     rank_layers, rank_units = split
     return RankSetup(
         cluster=cluster, by=by, tp=tp, pp=pp, cp=cp, ep=ep, v=v, sp=lo.sequence_parallel and tp > 1,

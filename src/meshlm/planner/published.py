@@ -47,7 +47,23 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * recompute blank: none (the NeMo/Megatron-Bridge performance recipes), except the MegaScale rows,
     which run Megatron's selective recomputation with sequence parallelism (MegaScale Sec. 3.2);
   * torchtitan's "selective layer" / "selective op" checkpointing re-runs about half of the forward
-    (`HALF_RECOMPUTE`): the mean of the no-recompute and full-recompute estimates.
+    (`HALF_RECOMPUTE`): the mean of the no-recompute and full-recompute estimates; fms-fsdp's "selective AC"
+    (a fraction of the blocks checkpointed, the fraction not published) the same;
+  * PyTorch FSDP's HYBRID_SHARD ("HSDP"): ZeRO-3 over the 8 GPUs of a node, replicated across nodes;
+  * the row's scale-out bandwidth per GPU where it names one (`cluster_for`); A100 40GB rows the
+    `a100-40gb` preset;
+  * llm-foundry's tables ran eager PyTorch (Composer FSDP, before torch.compile: the README's "update with
+    torch 2.0" note) and reduce gradients in bf16 with mixed_precision PURE (fp32 with DEFAULT); fms-fsdp
+    compiles (its `use_torch_compile` default) and reduces in bf16 (its bf16 mixed-precision policy);
+  * the PyTorch-native stacks (torchtitan, llm-foundry, fms-fsdp) attend with FlashAttention-2 kernels
+    (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer Engine's;
+  * GPT-NeoX (DeepSpeed's pipeline engine) reduces gradients after the flush, exposed; its TFLOP/s are its
+    own count of the time, 6 N + 60 s h l per token;
+  * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H) and
+    DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q): num_layers /
+    stages blocks on every stage, the head and loss on top of the last (`Layout.pp_split = "uniform"`);
+    Megatron-Bridge's recipes (group I) lighten the end stages where the layer count does not divide
+    (`account_for_embedding_in_pipeline_split` / `..._loss_...`): the planner's balanced split.
 """
 
 from __future__ import annotations
@@ -59,7 +75,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshlm.config import ModelConfig
-from meshlm.planner.cluster import GiB, get_cluster
+from meshlm.planner.cluster import Cluster, GiB, get_cluster, with_overrides
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
@@ -89,6 +105,8 @@ ARCHS = {
     # Qwen3 technical report (2025) Table 2 / config.json.
     "qwen3_30b_a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936,
                           experts=128, top_k=8, moe_ffn=768, qk_norm=True),
+    # MosaicML MPT (llm-foundry's yamls/pretrain/mpt-*.yaml; the CSV rows carry the sizes): GeLU 4h MLP.
+    "mpt-": dict(**_GPT),
     "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
                             experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
 }
@@ -125,11 +143,23 @@ def _float(text: str) -> float | None:
 
 def cluster_of(gpu: str) -> str:
     g = gpu.lower()
+    if "a100" in g and "40" in g:
+        return "a100-40gb"
     for key, name in (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
                       ("a100", "a100"), ("ampere", "a100")):
         if key in g:
             return name
     raise ValueError(f"unknown GPU {gpu!r} in the CSV")
+
+
+def cluster_for(row: dict) -> Cluster:
+    """The row's cluster: the GPU's preset, with the row's own scale-out bandwidth per GPU where it gives one
+    ("N Gb/s ...") and it differs from the preset's (e.g. fms-fsdp's 800 Gbps per 8-GPU node)."""
+    cluster = get_cluster(cluster_of(row["gpu"]))
+    gbit = _float(row.get("internode_bw_per_gpu", ""))
+    if gbit and abs(gbit * 1e9 / 8 - cluster.scaleout_bw) > 1e6:
+        cluster = with_overrides(cluster, scaleout_bw=gbit * 1e9 / 8)
+    return cluster
 
 
 def model_of(row: dict) -> ModelConfig:
@@ -158,7 +188,7 @@ def recompute_of(row: dict) -> str:
     t = (row["recompute"] or "").lower()
     if t.startswith("yes") or "full" in t:
         return "full"
-    if row["group"].startswith("K_torchtitan") and ("selective layer" in t or "selective op" in t):
+    if _pytorch_fsdp(row) and ("selective layer" in t or "selective op" in t):
         return HALF_RECOMPUTE
     if "selective" in t:
         return "selective"
@@ -167,9 +197,20 @@ def recompute_of(row: dict) -> str:
     return "none"
 
 
+def _pytorch_fsdp(row: dict) -> bool:
+    """PyTorch-native FSDP stacks (torchtitan, IBM's fms-fsdp): their "selective" checkpointing re-runs about
+    half the forward (`HALF_RECOMPUTE`)."""
+    return row["group"].startswith(("K_torchtitan", "P_fms"))
+
+
+def _hybrid_shard(row: dict) -> bool:
+    """PyTorch FSDP's HYBRID_SHARD ("HSDP"): parameters sharded over the GPUs of a node, replicated across nodes."""
+    return "hsdp" in row["zero_fsdp"].lower()
+
+
 def zero_of(row: dict) -> int:
     t = row["zero_fsdp"].strip().lower()
-    if "fsdp" in t and "fsdp=0" not in t:
+    if ("fsdp" in t and "fsdp=0" not in t) or _hybrid_shard(row):
         return 3
     if "zero-2" in t:
         return 2
@@ -223,20 +264,27 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
-    megatron_old = row["group"].startswith(("A_", "C_")) or megascale_baseline
+    # DeepSpeed's pipeline engine (GPT-NeoX) likewise reduces the gradients after the pipeline flush.
+    megatron_old = row["group"].startswith(("A_", "C_", "Q_gpt_neox")) or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op.
-    eager = row["group"].startswith("K_torchtitan")
+    eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry"))
     flash = year >= 2023 and not megascale_baseline
+    # Gradients reduced in bf16: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16).
+    bf16_reduce = "pure" in row["precision"].lower() or row["group"].startswith("P_fms")
     ep = _int(row["ep"], 1)
     # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)
     # wherever Megatron-Core allows it: ep > 1, no full recomputation, and an interleaved pipeline when pp > 1
     # (their H100 MoE configs with a virtual pipeline set it; the one without, GPT-OSS pp=4, does not).
     ep_overlap = (nvidia and cfg.is_moe and ep > 1 and recompute_of(row) != "full"
                   and (pp == 1 or _interleaved(row)))
+    # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
+    # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
+    fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms"))
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
+               flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-               grad_reduce_in_fp32=not nvidia, ep_comm_overlap=ep_overlap)
+               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap)
 
 
 def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:
@@ -263,9 +311,16 @@ def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:
     # NVIDIA's MoE recipes: experts not tensor-parallel (expert_tensor_parallel_size = 1 in every
     # Megatron-Bridge MoE performance config).
     nvidia_moe = _nvidia(row) and cfg.is_moe
-    return [Layout(dp_shard=dp, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
+    # Megatron-LM (the 2021 / 2022 papers, MegaScale, NeMo 24.07) gives every pipeline stage num_layers / stages
+    # blocks, the output head and loss on top of the last (its num_layers % pipeline size == 0 rule; the options
+    # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
+    # DeepSpeed's pipeline (GPT-NeoX, partition method "type:transformer") splits the blocks evenly too.
+    split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox")) else "balanced"
+    # HSDP: shard within a node (its 8 GPUs), replicate across nodes.
+    shard = min(dp, 8) if _hybrid_shard(row) else dp
+    return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
                    pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
-                   micro_batch_size=mbs, sequence_parallel=sp, expert_tp=1 if nvidia_moe else 0,
+                   micro_batch_size=mbs, sequence_parallel=sp, pp_split=split, expert_tp=1 if nvidia_moe else 0,
                    recompute="none" if rc == HALF_RECOMPUTE else rc)
             for mbs in mbs_list for sched, v in schedules]
 
@@ -288,6 +343,10 @@ def _compare(row: dict, job: Job, *, step: float, n: int) -> tuple[str, float, f
         return "tokens_per_s_per_gpu", tok_gpu, job.tokens / step / n
     if _float(row["step_time_s"]):
         return "1/step_time", 1 / _float(row["step_time_s"]), 1 / step
+    if "6 N + 60 s h l" in row["pct_peak_type"]:  # GPT-NeoX's own count of 2022 (N from the row's params_b)
+        B, s, l, h = (_int(row[k]) for k in ("gbs_seqs", "seq_len", "layers", "hidden"))  # noqa: E741
+        flops = B * s * (6 * _float(row["params_b"]) * 1e9 + 60 * s * h * l)
+        return "tflops_per_gpu(6N+60shl)", _float(row["tflops_per_gpu"]), flops / step / n / 1e12
     return "tflops_per_gpu(eq.3)", _float(row["tflops_per_gpu"]), eq3_flops_per_step(row) / step / n / 1e12
 
 
@@ -302,7 +361,7 @@ def predict_row(row: dict) -> dict:
         cfg = model_of(row)
     except LookupError as e:
         return {**base, "skip": str(e)}
-    cluster = get_cluster(cluster_of(row["gpu"]))
+    cluster = cluster_for(row)
     job = job_of(row, cfg)
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
     half = recompute_of(row) == HALF_RECOMPUTE
@@ -345,6 +404,7 @@ def summarize(results: list[dict]) -> dict:
     return {
         "rows_used": len(used),
         "rows_skipped": len(results) - len(used),
+        "per_group_rows": {g: sum(r["group"] == g for r in used) for g in groups},
         "per_group_median_abs_error": {g: _median_abs([r for r in used if r["group"] == g]) for g in groups},
         "per_group_median_error": {g: round(statistics.median(r["error"] for r in used if r["group"] == g), 4)
                                    for g in groups},

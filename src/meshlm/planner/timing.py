@@ -17,7 +17,8 @@ pipelined under the layer's GEMMs); the CP ring overlaps each step with the atte
 hand, the CP all-gather is exposed; EP all-to-all is exposed unless `Job.ep_comm_overlap` (then under
 another microbatch's compute of the layer); DP / ZeRO-1/2 overlap the last
 microbatch's backward (and forward for the parameter gather) unless `Job.dp_comm_overlap` is False;
-ZeRO-3 prefetches over all microbatches. What overlaps still costs the SMs the collective holds
+ZeRO-3 prefetches over all microbatches; FSDP-style ZeRO-3 with resharding (the Megatron / PyTorch runtimes)
+is priced unit by unit and pass by pass (`fsdp_comm_time`). What overlaps still costs the SMs the collective holds
 (`Cluster.comm_sm_fraction`), and the last gradient bucket never overlaps.
 
 Context parallelism (cp > 1, `parallel/context.py`): every rank holds seq/cp tokens of each sequence;
@@ -262,7 +263,10 @@ def attention_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) ->
         # Ulysses attends over the whole sequence (heads / cp of them): one call, block s.
         block = s / (2 * r.cp) if r.cp > 1 and lo.cp_method != "ulysses" else s
         block_eff = block / (block + cluster.attention_block_overhead)
-        t_attn = attn_f * 0.5 / (r.peak_attn * cluster.attention_efficiency * block_eff)
+        eff = cluster.attention_efficiency
+        if job.flash_attention_2 and cluster.fa2_attention_efficiency:
+            eff = min(eff, cluster.fa2_attention_efficiency)
+        t_attn = attn_f * 0.5 / (r.peak_attn * eff * block_eff)
         return t_attn, 2.5 * t_attn
     # The unfused kernels of 2021: per head two batched GEMMs over the whole square, scores = q k^T
     # (s x s, inner dim head_dim) and out = p v (s x head_dim, inner dim s), priced by shape like every
@@ -522,14 +526,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                     + collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster))
             window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
         elif lo.zero3_reshards:
-            # FSDP: gather weights for forward and again for backward, reduce-scatter gradients, every
-            # microbatch; then one all-reduce of the shard across replicas per step.
-            per_mb = (2 * collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
-                      + collective_time("reduce_scatter", g_dense, span_dps, cluster)
-                      + 2 * collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster)
-                      + collective_time("reduce_scatter", g_exp, span_exp, cluster))
-            comm = m * per_mb + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
-            window = m * t_mb
+            return fsdp_comm_time(summary, lo, r, p, mb, num_microbatches=m)
         else:
             # FSDP without resharding (torchtitan under pp): weights gathered once per step and kept,
             # gradients reduce-scattered once, after the step's last backward.
@@ -548,6 +545,51 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
         t_dp += cluster.comm_sm_fraction * max(0.0, comm - t_dp) + sync
 
     return t_dp
+
+
+def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
+                   num_microbatches: int) -> float:
+    """FSDP / ZeRO-3 with resharding (PyTorch FSDP, DeepSpeed stage 3, Megatron-FSDP): what its collectives leave
+    exposed in one step, unit by unit.
+
+    The units are the blocks, plus the root (embedding, final norm, head: what the blocks leave of the rank's
+    parameters). Every micro-step gathers each block before its forward and again before its backward (the
+    recomputation of a checkpointed block uses the backward's gather) and reduce-scatters its gradient after
+    its backward (HSDP, dp_replicate > 1: then all-reduces its shard across the replicas): one collective per
+    unit and pass, each paying its ring's latency (`collectives`: linear in the ranks for these two). Each
+    gather is prefetched one unit ahead, so unit i+1's collectives run under unit i's compute (Zhao et al.
+    2023, "PyTorch FSDP", VLDB, Sec. 4.2 backward / forward prefetching): per pass, what the pass's collectives
+    take beyond its compute is exposed, layer by layer (uniform layers: the pass's totals). The root is gathered
+    once per micro-step, before the first forward, with no compute to hide it; the step's last reduce-scatters
+    (the first block's and the root's) have nothing after them. What is hidden still costs the SMs the
+    collectives hold (`Cluster.comm_sm_fraction`); a CPU host with every core busy overlaps nothing."""
+    cluster, by, ep, m = r.cluster, r.by, r.ep, num_microbatches
+    span_dps, span_dpr, span_exp = r.spans["dp_shard"], r.spans["dp_replicate"], r.spans["dp_experts"]
+    block = summary.layer_tp / r.tp + summary.layer_rep  # one block's parameters on this rank, before sharding
+    block_exp = summary.layer_experts / (r.expert_tp * ep)
+    root = max(0.0, p.local - p.layers * (block + block_exp))
+
+    def unit(params: float, experts: float) -> tuple[float, float]:
+        """(gather, gradient reduction) seconds of one unit."""
+        gather = collective_time("all_gather", params * by["param"], span_dps, cluster)
+        reduce = (collective_time("reduce_scatter", params * by["reduce"], span_dps, cluster)
+                  + collective_time("all_reduce", params * by["reduce"] / p.shard, span_dpr, cluster))
+        if experts:  # the routed experts' own collectives, over their own group
+            gather += collective_time("all_gather", experts * by["param"], span_exp, cluster)
+            reduce += collective_time("reduce_scatter", experts * by["reduce"], span_exp, cluster)
+        return gather, reduce
+
+    ag_block, red_block = unit(block, block_exp)
+    ag_root, red_root = unit(root, 0.0)
+    fwd_comm = p.layers * ag_block
+    bwd_comm = p.layers * (ag_block + red_block)
+    total = m * (fwd_comm + bwd_comm + ag_root + red_root)
+    if r.cores_saturated:
+        return total
+    exposed = (m * (max(0.0, fwd_comm - mb.fwd) + max(0.0, bwd_comm - mb.bwd) + ag_root)
+               + red_block + red_root)
+    exposed = min(total, exposed)
+    return exposed + cluster.comm_sm_fraction * (total - exposed)
 
 
 def optimizer_time(r: RankSetup, p: RankParams) -> float:

@@ -1,0 +1,117 @@
+"""The training planner's terms for the three kinds of run issue 25 found predicted too fast: ZeRO-3 / FSDP
+over many nodes (one collective per unit and pass, each paying a ring latency that grows with the ranks),
+Megatron's uniform pipeline split (the head and loss on top of the last stage) and FlashAttention-2 on
+Hopper; and how a published row's own description (HSDP, its network) becomes a layout and a cluster.
+Arithmetic only: no ranks are started."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshlm.config import ModelConfig
+from meshlm.planner.cluster import get_cluster, with_overrides
+from meshlm.planner.collectives import collective_time
+from meshlm.planner.cost import Job, Layout, ModelSummary, estimate
+from meshlm.planner.placement import rank_setup
+from meshlm.planner.timing import attention_time
+
+
+def _gpt(layers: int = 24, hidden: int = 2048, vocab: int = 51200) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=16, num_kv_heads=16,
+                       intermediate_size=4 * hidden, max_seq_len=2048)
+
+
+def test_all_gather_and_reduce_scatter_latency_is_one_ring_over_every_rank():
+    """NCCL has no tree for all-gather / reduce-scatter: n - 1 ring steps, n_out - 1 of them across domains
+    (its tuning.cc cost model); all-reduce keeps the tree's log n across domains."""
+    h100 = get_cluster("h100")
+    up, out = h100.scaleup_latency, h100.scaleout_latency
+    for kind in ("all_gather", "reduce_scatter"):
+        assert collective_time(kind, 0.0, (8, 128), h100) == pytest.approx((8 * 128 - 128) * up + 127 * out)
+        assert collective_time(kind, 0.0, (8, 1), h100) == pytest.approx(7 * up)
+        assert collective_time(kind, 0.0, (1, 64), h100) == pytest.approx(63 * out)
+    # all-reduce over 128 domains: 2 x (7 hops inside + 2 log2(128) = 14 tree hops across)
+    assert collective_time("all_reduce", 0.0, (8, 128), h100) == pytest.approx(2 * 7 * up + 2 * 14 * out)
+
+
+def test_fsdp_pays_a_latency_per_unit_and_pass():
+    """FSDP gathers every block before its forward and before its backward and reduce-scatters its gradient: with
+    a scale-out hop latency that dwarfs everything, a micro-step costs at least 3 x blocks such collectives'
+    extra latency ((n_out - 1) hops each), and at most that plus the root's two."""
+    cfg = _gpt(layers=12)
+    job = Job(seq_len=2048, global_batch_size=64)
+    lo = Layout(dp_shard=32, zero_stage=3, micro_batch_size=1, recompute="none")  # 4 nodes of 8, m = 2
+    base = get_cluster("h100")
+    slow = with_overrides(base, scaleout_latency=base.scaleout_latency + 1.0)  # + 1 s per crossing hop
+    dp_base = estimate(cfg, base, job, lo, gpus=32).time_s["dp_comm"]
+    est = estimate(cfg, slow, job, lo, gpus=32)
+    extra, m, hops = est.time_s["dp_comm"] - dp_base, est.num_microbatches, 4 - 1
+    assert m == 2
+    assert 3 * 12 * m * hops * 1.0 <= extra <= (3 * 12 + 2) * m * hops * 1.0 + 1.0
+
+
+def test_fsdp_exposes_the_root_gather_and_the_last_reductions_even_with_compute_to_spare():
+    """Long sequences leave the gathers far under the compute, yet the root's gather opens each micro-step
+    and the last reduce-scatter closes the step: dp_comm stays above those, and grows with the micro-steps."""
+    cfg = _gpt(layers=8, hidden=1024)
+    h100 = get_cluster("h100")
+    lo = Layout(dp_shard=16, zero_stage=3, micro_batch_size=1, recompute="none")
+    one = estimate(cfg, h100, Job(seq_len=2048, global_batch_size=16), lo, gpus=16)
+    four = estimate(cfg, h100, Job(seq_len=2048, global_batch_size=64), lo, gpus=16)
+    root_bytes = 2 * cfg.vocab_size * cfg.hidden_size * 2  # embedding + untied head, bf16
+    span = rank_setup(ModelSummary.build(cfg, 2048), h100, Job(seq_len=2048, global_batch_size=16), lo).spans["dp_shard"]
+    root_gather = collective_time("all_gather", root_bytes, span, h100)
+    assert one.time_s["dp_comm"] >= root_gather
+    assert four.time_s["dp_comm"] >= one.time_s["dp_comm"] + 3 * root_gather * (1 - h100.comm_sm_fraction)
+
+
+def test_uniform_pipeline_split_puts_the_head_on_top_of_an_even_last_stage():
+    """Megatron's split: num_layers / stages blocks each, the head and loss on the last rank as well; the
+    planner's balanced split lightens that rank, so the uniform one is never faster."""
+    cfg = _gpt(layers=24, hidden=1536)
+    job = Job(seq_len=1024, global_batch_size=32)
+    a100 = get_cluster("a100")
+    summary = ModelSummary.build(cfg, 1024)
+    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+    uni = Layout(pp=8, dp_shard=1, micro_batch_size=1, pp_split="uniform")
+    r = rank_setup(summary, a100, job, uni)
+    assert r.rank_layers == [3] * 8 and r.rank_units == pytest.approx(3 + head_units)
+    bal = rank_setup(summary, a100, job, replace(uni, pp_split="balanced"))
+    assert bal.rank_units < r.rank_units and sum(bal.rank_layers) == 24
+    assert estimate(cfg, a100, job, uni, gpus=8).time_s["step"] > estimate(cfg, a100, job, replace(
+        uni, pp_split="balanced"), gpus=8).time_s["step"]
+    with pytest.raises(ValueError, match="pp_split"):
+        estimate(cfg, a100, job, replace(uni, pp_split="even"), gpus=8)
+
+
+def test_flash_attention_2_runs_at_its_own_rate_on_hopper_only():
+    cfg = _gpt()
+    lo = Layout(dp_shard=8, micro_batch_size=1)
+    for name, ratio in (("h100", 0.55 / 0.35), ("a100", 1.0)):
+        cluster = get_cluster(name)
+        times = []
+        for fa2 in (False, True):
+            job = Job(seq_len=2048, global_batch_size=8, flash_attention_2=fa2)
+            summary = ModelSummary.build(cfg, 2048)
+            times.append(attention_time(summary, job, lo, rank_setup(summary, cluster, job, lo)))
+        assert times[1][0] / times[0][0] == pytest.approx(ratio)
+        assert times[1][1] / times[0][1] == pytest.approx(ratio)
+
+
+def test_published_row_hsdp_and_its_own_network():
+    """A row saying HSDP shards over a node's 8 GPUs and replicates across nodes; a row naming its scale-out
+    bandwidth per GPU gets it (the preset's when it names none)."""
+    from meshlm.planner.published import cluster_for, layouts_of, model_of, zero_of
+
+    row = {"row_id": "X", "group": "P_fms_fsdp", "model": "Llama2-7b", "layers": "32", "hidden": "4096",
+           "heads": "32", "kv_heads": "32", "ffn": "11008", "vocab": "32000", "seq_len": "4096", "n_gpus": "96",
+           "tp": "1", "pp": "1", "cp": "1", "ep": "", "dp": "96", "vpp": "", "mbs": "2", "sp": "no",
+           "recompute": "none", "zero_fsdp": "HSDP (shard within node, replicate across)", "gpu": "H100 80GB",
+           "internode_bw_per_gpu": "100 Gb/s (800 Gbps per node)"}
+    assert zero_of(row) == 3
+    (lo,) = layouts_of(row, model_of(row))
+    assert (lo.dp_shard, lo.dp_replicate, lo.zero_stage) == (8, 12, 3)
+    assert cluster_for(row).scaleout_bw == pytest.approx(100e9 / 8)
+    assert cluster_for({**row, "internode_bw_per_gpu": ""}).scaleout_bw == get_cluster("h100").scaleout_bw
