@@ -137,6 +137,29 @@ def test_a_rank_takes_its_own_gpu_or_the_one_slurm_binds_to_its_task():
         cuda_device_index(9, 8)
 
 
+def test_one_srun_task_per_node_with_nproc_is_an_agent_not_a_rank(capsys, monkeypatch):
+    """examples/slurm.sbatch: `srun --ntasks-per-node=1 meshlm train --nnodes 2 --nproc 8 ...` on 2 nodes. Each task
+    starts its node's ranks through torchrun; SLURM_NTASKS=2 must not make it one of 2 ranks (which refused --nproc)."""
+    from meshlm.distributed import srun_agent
+
+    agents = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NNODES": "2"}
+    assert srun_agent(agents) and srun_agent({**agents, "SLURM_NNODES": "", "SLURM_JOB_NUM_NODES": "2"})
+    assert not srun_agent({**agents, "SLURM_NTASKS": "16"})  # 8 tasks a node: ranks
+    assert not srun_agent({**agents, "RANK": "1", "WORLD_SIZE": "16"})  # a rank torchrun started
+    assert not srun_agent({})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for k, v in agents.items():
+        monkeypatch.setenv(k, v)
+    # taken as an agent, it reaches the launch's own check (here: no rendezvous endpoint), not "already one of 2"
+    assert main(["train", "--nproc", "1", "--nnodes", "2", "--set", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--rdzv-endpoint" in err and "already one of" not in err, err
+    # the same task without --nproc is one rank of 2 (one task per node, one GPU each)
+    assert main(["train", "--set", "train.steps=1"]) == 2
+    assert "MASTER_ADDR" in capsys.readouterr().err
+
+
 def test_the_sbatch_example_resumes_only_when_there_is_a_checkpoint(tmp_path):
     """examples/slurm.sbatch run with stand-ins for srun and scontrol: the first submission starts fresh (no
     --resume, which would refuse an empty run directory), a later one resumes."""

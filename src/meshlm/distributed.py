@@ -73,6 +73,22 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
     return local_rank % visible
 
 
+def srun_agent(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process may be the one task per node of a multi-node `srun` step (examples/slurm.sbatch:
+    `--ntasks-per-node=1`, each task a torchrun agent that starts its node's ranks) rather than a rank: as many
+    SLURM tasks as nodes, and none of torchrun's variables. The command's node options (`--nproc`, `--nnodes`)
+    say which it is; `read_launch_env` alone would count each such task as one rank."""
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return False
+    try:
+        tasks = int(environ.get("SLURM_NTASKS", "1") or 1)
+        nodes = int(environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES") or 0)
+    except ValueError:
+        return False
+    return tasks > 1 and tasks == nodes
+
+
 def launched_ranks(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a launcher (torchrun, srun with several tasks) started this process as one of many ranks."""
     return read_launch_env(environ)[1] > 1 or "WORLD_SIZE" in (os.environ if environ is None else environ)

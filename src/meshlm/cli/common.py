@@ -48,12 +48,13 @@ def launch_serving_ranks(args) -> int | None:
     share of --nnodes nodes, each rank running this command again without the node options), returning the
     launch's exit code; or None where this process serves itself: one rank alone, or one rank of a launch
     (torchrun, srun; refused unless the launch has --tp x --cp ranks). Every refusal comes before a rank starts."""
-    from meshlm.distributed import launched_ranks, read_launch_env
+    from meshlm.distributed import launched_ranks, read_launch_env, srun_agent
     from meshlm.launch import node_launcher_args, run_torchrun, without_node_flags
 
     ranks = serving_ranks(args)
-    if launched_ranks():
-        if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
+    node_options = args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None
+    if launched_ranks() and not (node_options and srun_agent()):  # (the one srun task of its node: an agent)
+        if node_options:
             raise ValueError(f"this process is already one of {read_launch_env()[1]} launched ranks; drop "
                              "--nnodes/--rdzv-endpoint/--node-rank under torchrun/srun")
         world = read_launch_env()[1]

@@ -57,12 +57,14 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from meshlm.config import load_config
     from meshlm.checkpoint import check_run_dir
-    from meshlm.distributed import launched_ranks, read_launch_env
+    from meshlm.distributed import launched_ranks, read_launch_env, srun_agent
     from meshlm.train.metrics import check_trackers
 
     cfg = load_config(args.config, args.overrides)
     check_trackers(tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb)  # before any rank or work
-    under_launcher = launched_ranks()  # torchrun, or one task of a multi-task srun step
+    # torchrun, or one task of a multi-task srun step -- unless it is the one srun task of its node, there to
+    # start the node's --nproc ranks itself (examples/slurm.sbatch)
+    under_launcher = launched_ranks() and not (args.nproc is not None and srun_agent())
     if args.replica_groups:
         if under_launcher:
             raise ValueError("--replica-groups starts its own launchers; drop it under torchrun/srun")
