@@ -24,7 +24,7 @@ def add_node_arguments(group) -> None:
                        help="job id shared by the nodes of one run (default meshlm)")
     group.add_argument("--node-rank", type=int, default=None, metavar="R",
                        help="fix this node's rank (static rendezvous at --rdzv-endpoint) instead of "
-                            "c10d's order of host names)")
+                            "c10d's order by host name")
 
 
 def add_serving_node_arguments(p) -> None:
