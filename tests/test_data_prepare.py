@@ -108,6 +108,8 @@ def _bad_inputs(tmp_path, tokenizer):
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "hidden_only").mkdir()
     (tmp_path / "hidden_only" / ".x").write_text("x")
+    (tmp_path / "empty_only").mkdir()
+    (tmp_path / "empty_only" / "a.txt").write_text("")
     write_parquet(tmp_path / "no_field.parquet", ["a", "b"], field="content")
     write_jsonl(tmp_path / "no_field.jsonl", ["a", "b"], field="body")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n\n{"text": 3}\n')
@@ -122,6 +124,7 @@ def _bad_inputs(tmp_path, tokenizer):
         "empty file": ([tmp_path / "empty.txt"], {}, r"source file .*empty\.txt is empty"),
         "empty folder": ([tmp_path / "empty_dir"], {}, r"source folder .*empty_dir holds no files"),
         "only hidden files": ([tmp_path / "hidden_only"], {}, r"hidden_only holds no files"),
+        "only empty files": ([tmp_path / "empty_only"], {}, r"empty_only holds only empty files \(1\)"),
         "parquet without the field": ([tmp_path / "no_field.parquet"], {},
                                       r"no_field\.parquet has no column 'text' \(columns: content, n\); pass --field"),
         "jsonl without the field": ([tmp_path / "no_field.jsonl"], {}, r"no_field\.jsonl:1 has no field 'text'"),
@@ -137,6 +140,16 @@ def _bad_inputs(tmp_path, tokenizer):
         "bad val fraction": ([good], {"val_fraction": 1.0}, r"--val-fraction=1\.0 must be in \[0, 1\)"),
         "no workers": ([good], {"workers": 0}, r"--workers=0 must be >= 1"),
     }
+
+
+def test_a_folder_leaves_out_its_hidden_and_empty_files(tmp_path):
+    """A code corpus has empty files (an empty __init__.py, a placeholder): in a folder they are left out, not fatal."""
+    from meshlm.data.sources import list_files
+
+    for name, text in (("b.txt", "bee"), ("a/empty.txt", ""), ("a/x.txt", "ex"), (".git/c.txt", "hidden")):
+        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / name).write_text(text)
+    assert [f.relative_to(tmp_path / "src").as_posix() for f in list_files([tmp_path / "src"])] == ["a/x.txt", "b.txt"]
 
 
 def test_each_bad_input_fails_with_one_line_naming_it(tmp_path, tokenizer):

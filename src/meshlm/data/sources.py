@@ -60,7 +60,8 @@ def kind_of(path: Path) -> str:
 
 
 def list_files(sources: list[str | Path], *, out: Path | None = None) -> list[Path]:
-    """Every input file, in the order of `sources` (folders: recursively, sorted by relative path)."""
+    """Every input file, in the order of `sources` (folders: recursively, sorted by relative path, leaving out
+    hidden files and empty ones -- an empty file named as a source is refused)."""
     if not sources:
         raise ValueError("no SOURCE given; pass text files, folders, .jsonl(.gz/.zst) or .parquet files")
     out = out.resolve() if out is not None else None
@@ -76,15 +77,15 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> list[Pa
                                  "shards: pass an --out outside the sources")
             found = sorted((p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))),
                            key=lambda p: p.relative_to(path).as_posix())
-            if not found:
-                raise ValueError(f"source folder {path} holds no files; pass a folder with text, .jsonl(.gz/.zst) "
-                                 "or .parquet files")
-            files += found
+            empty = sum(1 for p in found if p.stat().st_size == 0)  # in a folder, nothing to tokenize: skipped
+            if len(found) == empty:
+                raise ValueError(f"source folder {path} holds " + (f"only empty files ({empty})" if empty else "no files")
+                                 + "; pass a folder with text, .jsonl(.gz/.zst) or .parquet files")
+            files += [p for p in found if p.stat().st_size > 0]
+        elif path.stat().st_size == 0:
+            raise ValueError(f"source file {path} is empty; remove it or leave it out of the sources")
         else:
             files.append(path)
-    for f in files:
-        if f.stat().st_size == 0:
-            raise ValueError(f"source file {f} is empty; remove it or leave it out of the sources")
     return files
 
 
