@@ -141,7 +141,7 @@ def main() -> None:
     if missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx"):
         print_smoke_skip("serve_disagg", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
         return
-    from meshlm.infer.disaggregated import disaggregate_label, parse_instance
+    from meshlm.infer.instances import disaggregate_label, parse_instance
     from serve import make_model, meshlm_server
 
     prefill, decode = parse_instance(args.prefill, role="prefill"), parse_instance(args.decode, role="decode")

@@ -57,7 +57,8 @@ def _kv_bytes(stats: CommStats) -> dict:
 
 
 def _engine(kind, prefill, decode, stats, **decode_options):
-    from meshlm.infer.disaggregated import InstanceLayout, disaggregated_engine
+    from meshlm.infer.disaggregated import disaggregated_engine
+    from meshlm.infer.instances import InstanceLayout
 
     return disaggregated_engine(_model(kind), InstanceLayout(*prefill), InstanceLayout(*decode), device="cpu",
                                 dtype=torch.float64, comm_stats=stats, block_size=BLOCK, prefill_options=PREFILL,

@@ -252,7 +252,7 @@ def add_disaggregation_arguments(p) -> None:
 def disaggregated_layouts(args):
     """(prefill, decode) `InstanceLayout`s of --prefill/--decode, checked against the model's config where it can
     be read without loading weights (a Hugging Face directory); ValueError before any rank starts."""
-    from meshlm.infer.disaggregated import check_instances, parse_instance
+    from meshlm.infer.instances import check_instances, parse_instance
 
     if args.prefill is None or args.decode is None:
         raise ValueError("--prefill and --decode go together: give both, e.g. --prefill tp=2 --decode tp=1,cp=2")
@@ -274,7 +274,7 @@ def serve_disaggregated(args) -> int:
     """`--prefill/--decode`: the front (the router of `--replicas`, over one server) here, the ranks in a child
     launch (`--no-front`); on the ranks, `serve_disaggregated_here`."""
     from meshlm.distributed import launched_ranks
-    from meshlm.infer.disaggregated import disaggregate_label
+    from meshlm.infer.instances import disaggregate_label
 
     prefill, decode = disaggregated_layouts(args)
     if launched_ranks():
@@ -297,7 +297,8 @@ def serve_disaggregated(args) -> int:
 
 def serve_disaggregated_here(args, prefill, decode) -> int:
     """This rank's part: rank 0 runs HTTP and both engines' scheduling, every rank its instance's part."""
-    from meshlm.infer.disaggregated import disaggregate_label, disaggregated_engine
+    from meshlm.infer.disaggregated import disaggregated_engine
+    from meshlm.infer.instances import disaggregate_label
 
     engine = disaggregated_engine(args.model, prefill, decode, device=args.device, **build_llm_kwargs(args))
     if engine is None:

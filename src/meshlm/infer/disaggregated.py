@@ -1,9 +1,7 @@
 """Disaggregated prefill and decode: one launch, two engines, each its own tp x cp layout, KV moved between them.
 
 Responsible for:
-  - the layouts (`parse_instance`, `check_instances`): "tp=2" or "tp=1,cp=2" per instance, the keys of the
-    serving planner's `--layout` (`meshlm plan infer --disaggregate PREFILL_GPUS:DECODE_GPUS` prices the same
-    split); refused before any rank starts, naming the value and the fix;
+  - (the layouts, "tp=2" or "tp=1,cp=2" per instance, are `infer/instances.py`'s, torch-free)
   - the ranks (`disaggregated_engine`): global ranks 0 .. P-1 are the prefill instance, P .. P+D-1 the decode
     instance, each a mesh of its own (`mesh.build_sub_meshes`) running the ordinary tp x cp serving ranks
     (`infer/parallel.py`); a "kv" axis over all ranks carries the KV blocks, a "pd" axis (rank 0 and rank P)
@@ -32,7 +30,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -40,65 +37,12 @@ from meshlm import comm
 from meshlm.comm import CollectiveError
 from meshlm.infer.attention import read_slots, write_kv
 from meshlm.infer.engine import Engine, RequestOutput, run_to_completion
+from meshlm.infer.instances import InstanceLayout, check_instances
 from meshlm.infer.parallel import RUNNER_ARGS, ParallelRunner, build_runner, run_worker
 from meshlm.infer.sequence import SamplingParams, Sequence
 from meshlm.mesh import Mesh, ParallelDims, build_sub_meshes, create_groups
-from meshlm.rules import check_tensor_parallel
 
-INSTANCE_KEYS = ("tp", "cp")  # what an instance's layout may say (the planner's --layout adds pp, ep, dp)
 TRANSFER = "kv_transfer"  # the message key of a KV transfer in the engines' message streams
-
-
-@dataclass(frozen=True)
-class InstanceLayout:
-    """One instance's layout: tp x cp ranks."""
-
-    tp: int = 1
-    cp: int = 1
-
-    @property
-    def ranks(self) -> int:
-        return self.tp * self.cp
-
-    def label(self) -> str:
-        return f"tp={self.tp},cp={self.cp}"
-
-
-def parse_instance(text: str, *, role: str) -> InstanceLayout:
-    """`tp=2`, `cp=2` or `tp=1,cp=2` (any order) -> InstanceLayout; ValueError naming the item and the fix.
-    `role`: "prefill" or "decode" (the option named in errors)."""
-    kw: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if key not in INSTANCE_KEYS:
-            also = " (pp, ep and dp are the planner's; the server runs tp and cp)" if key in ("pp", "ep", "dp") else ""
-            raise ValueError(f"--{role} {text!r}: unknown key {key!r}{also}; give tp=N and/or cp=M, e.g. --{role} "
-                             "tp=1,cp=2")
-        if not sep or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"--{role} {text!r}: {item!r} needs a whole number >= 1, e.g. {key}=2")
-        if key in kw:
-            raise ValueError(f"--{role} {text!r}: {key} is given twice; give it once")
-        kw[key] = int(value)
-    return InstanceLayout(**kw)
-
-
-def check_instances(model_cfg, prefill: InstanceLayout, decode: InstanceLayout) -> None:
-    """ValueError for a layout that cannot serve `model_cfg` (a `config.ModelConfig`): tp must divide the
-    heads, kv heads, vocabulary and MLP width (`rules.check_tensor_parallel`) and, for a MoE, the experts."""
-    for role, lo in (("prefill", prefill), ("decode", decode)):
-        try:
-            check_tensor_parallel(model_cfg, lo.tp)
-            if model_cfg.is_moe and model_cfg.num_experts % lo.tp:
-                raise ValueError(f"model.num_experts={model_cfg.num_experts} is not divisible by tp={lo.tp} "
-                                 "(serving splits the experts over the tp ranks)")
-        except ValueError as e:
-            raise ValueError(f"--{role} {lo.label()}: {e}") from None
-
-
-def disaggregate_label(prefill: InstanceLayout, decode: InstanceLayout) -> str:
-    """The split in the serving planner's words: `--disaggregate P:D` (ranks of each instance)."""
-    return f"{prefill.ranks}:{decode.ranks}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,11 +282,12 @@ class DisaggregatedEngine:
                     self._cv.notify_all()
                 self._handoffs.extend(leaving)
                 self._move()
-            except CollectiveError as e:
+            except Exception as e:  # noqa: BLE001 -- this thread ends: every request fails, the server says why
                 where = "the KV transfer between the instances" if self._moving else \
                     f"the prefill instance ({self.names[0]})"
+                why = str(e) if isinstance(e, CollectiveError) else f"{type(e).__name__}: {e}"
                 with self._cv:
-                    self.failed = InstanceFailed(f"{where} failed: {e}")
+                    self.failed = InstanceFailed(f"{where} failed: {why}")
                     self._cv.notify_all()
                 return
 
