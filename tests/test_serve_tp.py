@@ -267,13 +267,12 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
     /metrics has the KV blocks of each cp rank and the bytes the cp axis moved, the banner the capacity.
     Then rank 1 is SIGKILLed: the next request gets 503 at once (rank 0's collective fails on the closed
     connection), /health says unhealthy, and the launcher stops the server and names the rank that died."""
-    import glob
     import os
     import signal
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from test_server import free_port, make_model_dir, serve_argv, server_process
+    from test_server import free_port, make_model_dir, rank_pid, serve_argv, server_process
 
     model_dir = make_model_dir(tmp_path)
     want = LLM(str(model_dir), device="cpu", block_size=8).generate(
@@ -281,17 +280,6 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
     port = free_port()
     argv = [a for a in serve_argv(model_dir, port, "--cp", "2") if a != "--quiet"]
     with server_process(argv, port) as (proc, url):
-
-        def descends(pid: int) -> bool:  # from the server's launcher
-            while pid > 1:
-                if pid == proc.pid:
-                    return True
-                try:
-                    pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    return False
-            return False
-
         body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "temperature": 0}
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, got.text
@@ -302,16 +290,7 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
         assert per_rank == [value["meshlm_kv_blocks_used"] / 2 + value["meshlm_kv_blocks_free"] / 2] * 2, per_rank
         comm = [line for line in metrics.splitlines() if line.startswith('meshlm_comm_bytes_total{axis="cp"}')]
         assert comm and float(comm[0].split()[-1]) > 0
-        workers = []
-        for environ in glob.glob("/proc/[0-9]*/environ"):
-            pid = int(environ.split("/")[2])
-            try:
-                if b"LOCAL_RANK=1" in open(environ, "rb").read().split(b"\0") and descends(pid):
-                    workers.append(pid)
-            except OSError:
-                continue
-        assert len(workers) == 1, workers
-        os.kill(workers[0], signal.SIGKILL)
+        os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
         try:
             r = httpx.post(url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 503, r.text

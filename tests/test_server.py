@@ -86,6 +86,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_pid(root: int, local_rank: int) -> int:
+    """The pid of the process with LOCAL_RANK=`local_rank` among the descendants of `root`."""
+    import glob
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            try:
+                pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                return False
+        return False
+
+    found = []
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        pid = int(environ.split("/")[2])
+        try:
+            if f"LOCAL_RANK={local_rank}".encode() in open(environ, "rb").read().split(b"\0") and descends(pid):
+                found.append(pid)
+        except OSError:
+            continue
+    assert len(found) == 1, found
+    return found[0]
+
+
 def serve_argv(model_dir, port: int, *flags: str) -> list[str]:
     """The command line of a tiny CPU `meshlm serve`."""
     return ["serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu", "--served-model-name", "tiny",

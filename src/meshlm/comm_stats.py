@@ -8,6 +8,7 @@ Not responsible for: communicating (`meshlm.comm`) or building groups (`meshlm.m
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -65,6 +66,8 @@ class CommStats:
     # after its wait, and the spans are read when the counts are (once per step), not in the hot loop.
     device_clock: Callable[[], object] | None = field(default=None, repr=False)
     spans: list = field(default_factory=list, repr=False)
+    # Several threads of one rank may count at once (disaggregated serving's prefill and decode on rank 0).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def mark(self):
         """A device marker now (None without a device clock: host time is counted instead)."""
@@ -92,12 +95,13 @@ class CommStats:
     def record(self, op: str, axis: str, nbytes: int, seconds: float = 0.0) -> None:
         self.last = (op, axis)
         self.done_at = time.perf_counter()  # a synchronous call completed (an asynchronous one: again at its wait)
-        s = self.ops[(op, axis)]
-        s.calls += 1
-        s.bytes += nbytes
-        s.seconds += seconds
-        if self.keep_events:
-            self.events.append(CommEvent(op, axis, nbytes))
+        with self._lock:
+            s = self.ops[(op, axis)]
+            s.calls += 1
+            s.bytes += nbytes
+            s.seconds += seconds
+            if self.keep_events:
+                self.events.append(CommEvent(op, axis, nbytes))
 
     def add_seconds(self, op: str, axis: str, seconds: float) -> None:
         self.ops[(op, axis)].seconds += seconds
@@ -107,9 +111,10 @@ class CommStats:
         """Keep `op` (when keep_trace); returns its number, for `trace_wait`."""
         if not self.keep_trace:
             return None
-        self.trace.append(op)
-        self.num_traced += 1
-        return self.num_traced - 1
+        with self._lock:
+            self.trace.append(op)
+            self.num_traced += 1
+            return self.num_traced - 1
 
     def trace_wait(self, index: int | None) -> None:
         if self.keep_trace and index is not None:

@@ -112,11 +112,14 @@ class Mesh:
 
     def __init__(self, dims: ParallelDims, *, device_type: str, rank: int, device_mesh=None,
                  views: dict | None = None, stats: CommStats | None = None, groups: dict | None = None,
-                 extra_axes: dict | None = None):
+                 extra_axes: dict | None = None, first_rank: int = 0):
+        """`first_rank`: the mesh covers global ranks first_rank .. first_rank + dims.world_size - 1 of a larger
+        world (`build_sub_mesh`); `rank` is this process's global rank."""
         assert dims.is_resolved
         self.dims = dims
         self.device_type = device_type
         self.rank = rank
+        self.first_rank = first_rank
         self.world_size = dims.world_size
         self.device_mesh = device_mesh  # torch DeviceMesh (for DTensor users); None for one process
         self._views = views or {}  # flattened axis name -> its 1-D DeviceMesh
@@ -127,7 +130,12 @@ class Mesh:
         # axis -> (global ranks of this rank's group by coordinate, its ProcessGroup, the ranks of every
         # group of the axis or None); see `with_axes`
         self._extra_axes = extra_axes or {}
-        self.coords = rank_coords(dims, rank)
+        self.coords = rank_coords(dims, rank - first_rank)
+
+    @property
+    def is_first(self) -> bool:
+        """This process is the mesh's first rank (the one that drives a serving engine)."""
+        return self.rank == self.first_rank
 
     def size(self, axis: str) -> int:
         if axis in self._extra_axes:
@@ -145,7 +153,7 @@ class Mesh:
         """Global ranks of this rank's group along `axis`, by coordinate."""
         if axis in self._extra_axes:
             return list(self._extra_axes[axis][0])
-        return group_ranks(self.dims, self.rank, axis)
+        return [self.first_rank + r for r in group_ranks(self.dims, self.rank - self.first_rank, axis)]
 
     def global_rank(self, axis: str, coord: int) -> int:
         """Global rank of the member with coordinate `coord` in this rank's `axis` group."""
@@ -156,10 +164,10 @@ class Mesh:
         if axis in self._extra_axes:
             return self._extra_axes[axis][1]
         self.dims.degree(axis)
-        if self.device_mesh is None:
-            return None
         if axis in self._groups:
             return self._groups[axis]
+        if self.device_mesh is None:
+            return None
         if axis in self._views:
             return self._views[axis].get_group()
         return self.device_mesh.get_group(axis)
@@ -206,7 +214,8 @@ class Mesh:
                 raise ValueError(f"axis {axis!r}: rank {self.rank} is not in its own group {list(ranks)}")
         return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
                     views=self._views, stats=self.stats, groups=self._groups,
-                    extra_axes={**self._extra_axes, **{a: (list(r), g, every.get(a)) for a, (r, g) in axes.items()}})
+                    extra_axes={**self._extra_axes, **{a: (list(r), g, every.get(a)) for a, (r, g) in axes.items()}},
+                    first_rank=self.first_rank)
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.size(a)}" for a in AXES)
@@ -232,3 +241,28 @@ def build_mesh(dims: ParallelDims, *, device_type: str, stats: CommStats | None 
     for axis in ALL_AXES:  # the torch groups must agree with our pure rank arithmetic
         assert dist.get_process_group_ranks(mesh.group(axis)) == mesh.ranks(axis), axis
     return mesh
+
+
+def build_sub_meshes(parts: list[ParallelDims], *, device_type: str, stats: CommStats | None = None) -> Mesh:
+    """One mesh per entry of `parts`, over consecutive global ranks of the world (the first part's ranks
+    first), each with the process groups of its own axes; returns the mesh of the part holding this rank.
+    Collective over the world: every rank creates every group, in the same order. For engines that run side by
+    side in one launch, each its own layout (disaggregated serving's prefill and decode instances)."""
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    total = sum(d.world_size for d in parts)
+    if total != world_size:
+        raise ValueError(f"the parts' layouts use {total} ranks but this launch has {world_size}; start {total} ranks")
+    rank = dist.get_rank() if world_size > 1 else 0
+    mine, first = None, 0
+    for dims in parts:
+        groups = {}
+        for axis in ALL_AXES:
+            if dims.degree(axis) == 1:
+                continue
+            every = [[first + r for r in ranks]
+                     for ranks in every_group(dims.world_size, lambda r: group_ranks(dims, r, axis))]  # noqa: B023
+            groups[axis] = create_groups(every, rank)
+        if first <= rank < first + dims.world_size:
+            mine = Mesh(dims, device_type=device_type, rank=rank, stats=stats, groups=groups, first_rank=first)
+        first += dims.world_size
+    return mine

@@ -65,6 +65,7 @@ def add_parser(sub) -> None:
                         "(default 900)")
     add_speculative_arguments(p)
     add_kv_tier_arguments(p)
+    add_disaggregation_arguments(p)
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="with --tp/--cp: how long a rank waits in a step's collective for the others before the "
                         "server reports the engine broken (default 600); an idle server keeps its ranks alive "
@@ -82,6 +83,8 @@ def run(args) -> int:
     speculative_config(args)  # refused here, before any rank starts
     api_key_of(args.api_key, args.api_key_file)  # likewise
     kv_tier_kwargs(args)  # likewise
+    if args.prefill is not None or args.decode is not None:
+        return serve_disaggregated(args)
     if args.replicas > 1:
         if launched_ranks():
             raise ValueError("--replicas starts its own launchers; drop it under torchrun/srun")
@@ -105,22 +108,27 @@ def build_llm(args):
     this returns only when rank 0 closes it)."""
     from meshlm.infer.llm import LLM
 
-    return LLM(args.model, tp=args.tp, cp=args.cp, device=args.device, block_size=args.block_size,
-               kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)), max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               enable_prefix_caching=not args.no_prefix_caching, speculative=speculative_config(args),
-               **kv_tier_kwargs(args))
+    return LLM(args.model, tp=args.tp, cp=args.cp, device=args.device, **build_llm_kwargs(args))
+
+
+def build_llm_kwargs(args) -> dict:
+    """The engine and KV cache arguments of parsed `meshlm serve` arguments."""
+    return dict(block_size=args.block_size, kv_cache_memory_bytes=int(args.kv_cache_mb * (1 << 20)),
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                speculative=speculative_config(args), **kv_tier_kwargs(args))
 
 
 def build_server(args, llm=None):
-    """(uvicorn.Server, AsyncEngine) for parsed `meshlm serve` arguments; the caller runs the server."""
+    """(uvicorn.Server, AsyncEngine) for parsed `meshlm serve` arguments; the caller runs the server. `llm`: an
+    `LLM` (default: `build_llm`'s), or an engine with `Engine`'s interface (`DisaggregatedEngine`)."""
     import uvicorn
 
     from meshlm.infer.server import AsyncEngine, create_app
 
     api_key = api_key_of(args.api_key, args.api_key_file)
     llm = llm or build_llm(args)
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(getattr(llm, "engine", llm))
     name = model_name_of(args)
     if not 1 <= args.rag_top_k <= 64:
         raise ValueError(f"--rag-top-k={args.rag_top_k} must be between 1 and 64")
@@ -147,9 +155,10 @@ def model_name_of(args) -> str:
     return args.served_model_name or Path(args.model).resolve().name
 
 
-def serve_replicas(args) -> int:
+def serve_replicas(args, *, extra_argv: tuple[str, ...] = (), label: str | None = None) -> int:
     """`--replicas R`: this command line R times again as ordinary servers (each on a free port of 127.0.0.1,
-    quiet: the router logs each request), and the router at --host/--port in this process, which stops them."""
+    quiet: the router logs each request), and the router at --host/--port in this process, which stops them.
+    `extra_argv`: added to each replica's command line; `label`: how errors name a replica (default "replica I")."""
     import uvicorn
 
     from meshlm.infer.replicas import ReplicaSet, create_router_app
@@ -165,12 +174,13 @@ def serve_replicas(args) -> int:
 
     def command(index: int, port: int) -> list[str]:  # the last of a repeated option wins
         return [sys.executable, "-m", "meshlm.cli", *args.argv, "--replicas", "1", "--host", "127.0.0.1",
-                "--port", str(port), "--quiet", *(["--rdzv-endpoint", endpoints[index]] if endpoints else [])]
+                "--port", str(port), "--quiet", *extra_argv,
+                *(["--rdzv-endpoint", endpoints[index]] if endpoints else [])]
 
     if endpoints and args.node_rank != 0:  # this node hosts ranks of every replica; fronts and router: node 0
-        with ReplicaSet(command, args.replicas) as replicas:
+        with ReplicaSet(command, args.replicas, label=label) as replicas:
             return replicas.wait_for_exit()
-    with ReplicaSet(command, args.replicas) as replicas:
+    with ReplicaSet(command, args.replicas, label=label) as replicas:
         replicas.wait_until_healthy(args.replica_start_timeout)
         log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
         app = create_router_app(replicas.replicas, policy, api_key=api_key,
@@ -179,7 +189,8 @@ def serve_replicas(args) -> int:
                                 timeout_graceful_shutdown=5)
         print(serve_banner(args.host, args.port, args.model, model_name_of(args)), flush=True)
         ports = ", ".join(f"{r.index}: 127.0.0.1:{r.port}" for r in replicas.replicas)
-        print(f"meshlm serve: router ({args.router}) over {args.replicas} replicas ({ports})", flush=True)
+        print(f"meshlm serve: front before {replicas.replicas[0].name()}" if label is not None else
+              f"meshlm serve: router ({args.router}) over {args.replicas} replicas ({ports})", flush=True)
         if (warning := exposure_warning(args.host, api_key)) is not None:
             print(warning, flush=True)
         uvicorn.Server(config).run()
@@ -227,4 +238,95 @@ def serve_here(args) -> int:
             engine.stop()
     finally:
         llm.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# --prefill / --decode: disaggregated prefill and decode (infer/disaggregated.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def add_disaggregation_arguments(p) -> None:
+    g = p.add_argument_group("disaggregated prefill and decode")
+    g.add_argument("--prefill", default=None, metavar="LAYOUT",
+                   help="with --decode: a prefill instance of this layout (tp=N and/or cp=M, e.g. tp=2) computes each "
+                        "prompt's KV and first token and sends the KV to the decode instance, which continues the "
+                        "sequence; both through torch's launcher in one command, P+D ranks in all (the planner's "
+                        "`plan infer --disaggregate P:D`); instead of --tp/--cp")
+    g.add_argument("--decode", default=None, metavar="LAYOUT",
+                   help="with --prefill: the decode instance's layout, e.g. tp=1,cp=2")
+    g.add_argument("--no-front", action="store_true",
+                   help="with --prefill/--decode: serve from the first rank itself, without the front process that "
+                        "keeps answering (503, /health unhealthy) if an instance dies")
+
+
+def disaggregated_layouts(args):
+    """(prefill, decode) `InstanceLayout`s of --prefill/--decode, checked against the model's config where it can
+    be read without loading weights (a Hugging Face directory); ValueError before any rank starts."""
+    from meshlm.infer.instances import check_instances, parse_instance
+
+    if args.prefill is None or args.decode is None:
+        raise ValueError("--prefill and --decode go together: give both, e.g. --prefill tp=2 --decode tp=1,cp=2")
+    if args.tp != 1 or args.cp != 1 or args.replicas != 1:
+        raise ValueError("--prefill/--decode give each instance its layout: drop --tp/--cp/--replicas")
+    if speculative_config(args) is not None or any(kv_tier_kwargs(args).values()):
+        raise ValueError("speculative decoding and KV tiers are not combined with --prefill/--decode yet; leave "
+                         "them out")
+    prefill, decode = parse_instance(args.prefill, role="prefill"), parse_instance(args.decode, role="decode")
+    config = Path(args.model, "config.json")
+    if config.is_file():
+        from meshlm.hf_config import read_hf_config
+
+        check_instances(read_hf_config(args.model), prefill, decode)
+    return prefill, decode
+
+
+def serve_disaggregated(args) -> int:
+    """`--prefill/--decode`: the front (the router of `--replicas`, over one server) here, the ranks in a child
+    launch (`--no-front`); on the ranks, `serve_disaggregated_here`."""
+    from meshlm.distributed import launched_ranks
+    from meshlm.infer.instances import disaggregate_label
+
+    prefill, decode = disaggregated_layouts(args)
+    if launched_ranks():
+        import torch
+
+        if args.collective_timeout <= 0:
+            raise ValueError(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
+        return in_process_group(lambda: serve_disaggregated_here(args, prefill, decode),
+                                "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
+                                timeout_s=args.collective_timeout)
+    if args.no_front:
+        # --monitor-interval 1: when a rank dies, the launcher stops the others up to a second later, time enough
+        # for rank 0 to end the requests in flight with an error naming the instance that failed
+        return run_torchrun(["--standalone", "--nproc-per-node", str(prefill.ranks + decode.ranks),
+                             "--monitor-interval", "1"], args.argv)
+    label = (f"the disaggregated server (prefill {prefill.label()}, decode {decode.label()}: "
+             f"--disaggregate {disaggregate_label(prefill, decode)})")
+    return serve_replicas(args, extra_argv=("--no-front",), label=label)
+
+
+def serve_disaggregated_here(args, prefill, decode) -> int:
+    """This rank's part: rank 0 runs HTTP and both engines' scheduling, every rank its instance's part."""
+    from meshlm.infer.disaggregated import disaggregated_engine
+    from meshlm.infer.instances import disaggregate_label
+
+    engine = disaggregated_engine(args.model, prefill, decode, device=args.device, **build_llm_kwargs(args))
+    if engine is None:
+        return 0
+    try:
+        server, async_engine = build_server(args, engine)
+        print(serve_banner(args.host, args.port, args.model, server.meshlm_model_name), flush=True)
+        print(f"meshlm serve: disaggregated --disaggregate {disaggregate_label(prefill, decode)}: prefill instance "
+              f"{prefill.label()} (ranks 0-{prefill.ranks - 1}, {engine.prefill.stats()['kv_blocks_total']} KV "
+              f"blocks), decode instance {decode.label()} (ranks {prefill.ranks}-{prefill.ranks + decode.ranks - 1}, "
+              f"{engine.decode.stats()['kv_blocks_total']} KV blocks of {args.block_size} tokens)", flush=True)
+        if server.meshlm_warning is not None:
+            print(server.meshlm_warning, flush=True)
+        try:
+            server.run()
+        finally:
+            async_engine.stop()
+    finally:
+        engine.close()
     return 0

@@ -12,6 +12,7 @@ who runs (scheduler.py). Single-threaded: callers serialize access.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -26,7 +27,7 @@ from meshlm.infer.model_runner import StepInput
 from meshlm.infer.parallel import build_runner
 from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
-from meshlm.infer.sequence import SamplingParams, Sequence
+from meshlm.infer.sequence import SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
 from meshlm.tokenizer import Tokenizer
 from meshlm.models.transformer import Transformer
@@ -204,6 +205,36 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- requests moving between engines (disaggregated prefill and decode, infer/disaggregated.py) ---------
+
+    def hand_off(self, request_id: str) -> tuple[Sequence, Sequence, tuple]:
+        """Take a running request out of this engine to continue in another: (its sequence here, which still
+        holds its blocks until `block_manager.free` -- their KV is to be copied first; a copy of it without
+        blocks for the other engine; its text and random state, for the other engine's `take_over`)."""
+        seq = self.requests.pop(request_id)
+        self.scheduler.detach(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+        moved = dataclasses.replace(seq, block_table=[], num_computed_tokens=0, status=SequenceStatus.WAITING,
+                                    output_token_ids=list(seq.output_token_ids),
+                                    output_logprobs=list(seq.output_logprobs))
+        return seq, moved, (self._detok.pop(request_id), self.sampler.generators.pop(seq.seq_id, None))
+
+    def take_over(self, seq: Sequence, state: tuple, num_computed: int) -> int | None:
+        """Continue a request another engine `hand_off`ed, its first `num_computed` tokens' KV computed there
+        (`Scheduler.adopt`): how many of them this engine's prefix cache holds (the others' KV must be written
+        into `seq.block_table` before the next step), or None when there is no room yet (nothing changed)."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        cached = self.scheduler.adopt(seq, num_computed)
+        if cached is None:
+            return None
+        self.requests[seq.request_id] = seq
+        self._detok[seq.request_id], generator = state
+        if generator is not None:
+            self.sampler.generators[seq.seq_id] = generator
+        return cached
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -412,23 +443,7 @@ class Engine:
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Run `prompts` to completion through continuous batching; results in prompt order."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
-        ids: list[str] = []
-        try:
-            for prompt, sp in zip(prompts, params_list):
-                ids.append(self.add_request(prompt, sp).request_id)
-        except ValueError:
-            for request_id in ids:  # all or nothing
-                self.abort(request_id)
-            raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for result in self.step():
-                if result.finished:
-                    final[result.request_id] = result
-        return [final[i] for i in ids]
+        return run_to_completion(self, prompts, params)
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -470,3 +485,25 @@ class Engine:
             "kv_disk_blocks_total": tiers.disk_blocks * tiers.num_groups if tiers is not None else 0,
             **{f"kv_{k}": counts.get(k, 0) for k in TIER_COUNTS},
         }
+
+
+def run_to_completion(engine, prompts: list[str | list[int]],
+                      params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+    """`Engine.generate` on anything with its add_request, abort and step (`infer/disaggregated.py`'s engine too)."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+    ids: list[str] = []
+    try:
+        for prompt, sp in zip(prompts, params_list):
+            ids.append(engine.add_request(prompt, sp).request_id)
+    except ValueError:
+        for request_id in ids:  # all or nothing
+            engine.abort(request_id)
+        raise
+    final: dict[str, RequestOutput] = {}
+    while len(final) < len(ids):
+        for result in engine.step():
+            if result.finished:
+                final[result.request_id] = result
+    return [final[i] for i in ids]

@@ -40,6 +40,29 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
     return net, tok
 
 
+def serving_device(device: str | torch.device, dtype: torch.dtype | None) -> tuple[str | torch.device, torch.dtype]:
+    """(device, dtype) of a served model: "auto" is the GPU when there is one, as training does; the dtype
+    defaults to bf16 on a GPU, fp32 on a CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return device, dtype
+
+
+def model_for_serving(model: str | Path | Transformer, tokenizer: Tokenizer | None, *, dtype: torch.dtype,
+                      device: str | torch.device, engine_kwargs: dict) -> tuple[Transformer, Tokenizer | None]:
+    """(model, tokenizer) of `LLM`'s `model` argument: a `Transformer` as it is, or loaded from a path; a Hugging
+    Face directory without a tokenizer gives `engine_kwargs` its config's end-of-sequence ids (unless set)."""
+    if isinstance(model, Transformer):
+        return model.eval(), tokenizer
+    net, tok = load_model_and_tokenizer(model, dtype=dtype, device=device)
+    tok = tokenizer or tok
+    if tok is None and "eos_token_ids" not in engine_kwargs and Path(model, "config.json").is_file():
+        engine_kwargs["eos_token_ids"] = read_eos_token_ids(model)
+    return net, tok
+
+
 def serving_mesh(tp: int, device: str | torch.device, *, cp: int = 1, stats=None):
     """The mesh of a parallel `LLM`: the ranks of the launch as cp x tp (the process group must exist);
     `stats`: the `comm_stats.CommStats` it counts into (default: a new one)."""
@@ -100,22 +123,13 @@ class LLM:
         cache arguments are per rank. On rank 0 it returns a usable LLM (`is_driver`); on the others it
         runs their part of every step and returns once rank 0 calls `close()`. `comm_stats`: a `comm_stats.CommStats`
         the ranks' communication is counted (or traced) into."""
-        if device == "auto":  # the GPU when there is one, as training does
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype is None:
-            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        device, dtype = serving_device(device, dtype)
         if tp < 1 or cp < 1:
             raise ValueError(f"tp={tp} and cp={cp} must be >= 1")
         if reuse_host_memory and torch.device(device).type == "cpu":
             reuse_freed_host_memory()
         mesh = serving_mesh(tp, device, cp=cp, stats=comm_stats) if tp * cp > 1 else None
-        if isinstance(model, Transformer):
-            net, tok = model.eval(), tokenizer
-        else:
-            net, tok = load_model_and_tokenizer(model, dtype=dtype, device=device)
-            tok = tokenizer or tok
-            if tok is None and "eos_token_ids" not in engine_kwargs and Path(model, "config.json").is_file():
-                engine_kwargs["eos_token_ids"] = read_eos_token_ids(model)
+        net, tok = model_for_serving(model, tokenizer, dtype=dtype, device=device, engine_kwargs=engine_kwargs)
         self.model = net
         self.tokenizer = tok
         # Checked on every rank before any of them waits for steps: a refusal on rank 0 alone would leave them waiting.
@@ -126,7 +140,7 @@ class LLM:
                 engine_kwargs["draft_model"] = load_draft_model(spec.model, net, tok, dtype=dtype, device=device)
         self.is_driver = True
         runner = build_runner(net, mesh, **{k: engine_kwargs.pop(k) for k in RUNNER_ARGS if k in engine_kwargs})
-        if mesh is not None and mesh.rank != 0:
+        if mesh is not None and not mesh.is_first:
             self.is_driver, self.engine = False, None
             run_worker(runner, mesh)
             return

@@ -179,25 +179,44 @@ class ParallelRunner:
     the steps in one order on rank 0, as the other ranks receive them."""
 
     def __init__(self, runner: ModelRunner, mesh: Mesh, *, keepalive_s: float = KEEPALIVE_S):
-        assert mesh.rank == 0, "rank 0 drives; the others run `run_worker`"
+        assert mesh.is_first, "the mesh's first rank drives; the others run `run_worker`"
         self.runner, self.mesh = runner, mesh
-        self.block_size = runner.block_size
-        self.num_groups = mesh.size("cp")
-        self.num_blocks = runner.num_blocks * self.num_groups
+        self._start(block_size=runner.block_size, num_groups=mesh.size("cp"),
+                    num_blocks=runner.num_blocks * mesh.size("cp"), keepalive_s=keepalive_s)
+
+    def _start(self, *, block_size: int, num_groups: int, num_blocks: int, keepalive_s: float) -> None:
+        self.block_size, self.num_groups, self.num_blocks = block_size, num_groups, num_blocks
         self.closed = False
         self.keepalive_s = keepalive_s
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._closing = threading.Event()
         # a CUDA device is per thread: the keepalive's collectives run on the driver's device
-        self._cuda = torch.cuda.current_device() if mesh.device_type == "cuda" else None
+        self._cuda = torch.cuda.current_device() if self.mesh.device_type == "cuda" else None
         self._keepalive = threading.Thread(target=self._keep_alive, name="meshlm-keepalive", daemon=True)
         self._keepalive.start()
 
+    def _post(self, message) -> None:
+        """`message` to every other rank (each is waiting in `run_worker`)."""
+        _send(message, self.mesh)
+
+    def _compute(self, step: StepInput) -> torch.Tensor:
+        """This rank's part of a posted step; the full logits."""
+        return _run_step(self.runner, self.mesh, step)
+
     def execute(self, step: StepInput) -> torch.Tensor:
         with self._lock:
-            _send(dataclasses.asdict(step), self.mesh)
-            out = _run_step(self.runner, self.mesh, step)
+            self._post(dataclasses.asdict(step))
+            out = self._compute(step)
+            self._last = time.monotonic()
+        return out
+
+    def run_exclusive(self, message: dict, work):
+        """Post `message` (one `run_worker` hands to its `handlers`), then `work()` here, with no step or keepalive
+        in between; returns what `work` returns."""
+        with self._lock:
+            self._post(message)
+            out = work()
             self._last = time.monotonic()
         return out
 
@@ -209,7 +228,7 @@ class ParallelRunner:
     def move_kv(self, moves: list[list]) -> list[int]:
         """KV tier moves on every rank, before a step; the indices of the loads that failed on any of them."""
         with self._lock:
-            _send({"tier_moves": moves}, self.mesh)  # (a step's own moves travel as its "kv_moves")
+            self._post({"tier_moves": moves})  # (a step's own moves travel as its "kv_moves")
             failed = _move_kv(self.runner, self.mesh, moves)
             self._last = time.monotonic()
         return failed
@@ -219,7 +238,7 @@ class ParallelRunner:
         self._closing.set()
         with self._lock:
             if not self.closed:
-                _send(_STOP, self.mesh)
+                self._post(_STOP)
                 self.closed = True
 
     def _keep_alive(self) -> None:
@@ -230,17 +249,23 @@ class ParallelRunner:
                 if self.closed or time.monotonic() - self._last < self.keepalive_s:
                     continue
                 try:
-                    _send(_KEEPALIVE, self.mesh)
+                    self._post(_KEEPALIVE)
                 except comm.CollectiveError:
                     return  # a rank is gone: the next step raises it to the engine, which reports it
                 self._last = time.monotonic()
 
 
-def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
-    """A rank other than 0: run the steps rank 0 sends until it closes; return how many ran."""
+def run_worker(runner: ModelRunner, mesh: Mesh, *, handlers: dict | None = None, upstream=None) -> int:
+    """A rank other than the mesh's first: run the steps it sends until it closes; return how many ran.
+
+    `handlers`: message key -> `handler(runner, mesh, value)` for messages other than steps (disaggregated
+    serving's KV transfers). `upstream`: on the first rank of an engine driven from elsewhere
+    (`infer/disaggregated.py`), `(receive, reply)`: `receive()` gives the driver's next message, which this rank
+    passes on to its mesh, and `reply(logits)` returns a step's logits."""
     steps = 0
+    handlers = handlers or {}
     while True:
-        message = _send(None, mesh)
+        message = _send(upstream[0]() if upstream is not None else None, mesh)
         if message == _STOP:
             return steps
         if message == _KEEPALIVE:
@@ -248,7 +273,13 @@ def run_worker(runner: ModelRunner, mesh: Mesh) -> int:
         if "tier_moves" in message:
             _move_kv(runner, mesh, message["tier_moves"])
             continue
-        _run_step(runner, mesh, StepInput(**message))
+        key = next((k for k in handlers if k in message), None)
+        if key is not None:
+            handlers[key](runner, mesh, message[key])
+            continue
+        logits = _run_step(runner, mesh, StepInput(**message))
+        if upstream is not None:
+            upstream[1](logits)
         steps += 1
 
 

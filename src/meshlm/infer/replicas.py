@@ -47,8 +47,9 @@ FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 class Replica:
     """One child `meshlm serve`: its index, port and process, and the router's counters of it."""
 
-    def __init__(self, index: int, port: int, proc: subprocess.Popen):
+    def __init__(self, index: int, port: int, proc: subprocess.Popen, *, label: str | None = None):
         self.index, self.port, self.proc = index, port, proc
+        self.label = label
         self.url = f"http://127.0.0.1:{port}"
         self.in_flight = 0
         self.routed = 0
@@ -64,7 +65,7 @@ class Replica:
         return self.exit_code is None and self.unhealthy is None
 
     def name(self) -> str:
-        return f"replica {self.index} (127.0.0.1:{self.port})"
+        return f"{self.label or f'replica {self.index}'} (127.0.0.1:{self.port})"
 
     def state(self) -> dict:
         code = self.exit_code
@@ -102,12 +103,14 @@ class ReplicaSet:
 
     `command(index, port)`: the argv of replica `index` listening on 127.0.0.1:`port`; `grace_s`: how long a
     replica may take to stop after SIGTERM before it gets SIGKILL; `stdout`: where the replicas print (default:
-    where this process does)."""
+    where this process does); `label`: how messages name a replica (default "replica INDEX")."""
 
-    def __init__(self, command: Callable[[int, int], list[str]], count: int, *, grace_s: float = 10.0, stdout=None):
+    def __init__(self, command: Callable[[int, int], list[str]], count: int, *, grace_s: float = 10.0, stdout=None,
+                 label: str | None = None):
         if count < 1:
             raise ValueError(f"--replicas={count} must be >= 1")
         self.command, self.count, self.grace_s, self.stdout = command, count, grace_s, stdout
+        self.label = label
         self.replicas: list[Replica] = []
         self._previous_sigterm = None
 
@@ -117,7 +120,7 @@ class ReplicaSet:
             for index, port in enumerate(free_ports(self.count)):
                 proc = subprocess.Popen(self.command(index, port), start_new_session=True, stdout=self.stdout,
                                         preexec_fn=_terminate_with_parent)
-                self.replicas.append(Replica(index, port, proc))
+                self.replicas.append(Replica(index, port, proc, label=self.label))
         except BaseException:
             self.__exit__(None, None, None)
             raise

@@ -103,6 +103,33 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    # ---- sequences moving between engines (disaggregated prefill and decode) -----------------------
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of this scheduler, its blocks still held (their KV is about to be copied
+        to another engine); `block_manager.free(seq)` gives them back afterwards."""
+        self.running.remove(seq)
+        seq.spec_token_ids = []
+
+    def adopt(self, seq: Sequence, num_computed: int) -> int | None:
+        """Admit a sequence whose first `num_computed` tokens' KV another engine computed: it runs from the next
+        step on, as if this engine had prefilled it. Returns how many of those tokens the prefix cache already
+        holds -- the KV of the others must be written into its blocks (`seq.block_table`) before the next
+        step -- or None (nothing changed) when there is no room: no free slot or too few free blocks."""
+        bm = self.block_manager
+        if len(self.running) >= self.max_num_seqs:
+            return None
+        assert not seq.block_table and 0 < num_computed < seq.num_tokens
+        cached = min(bm.match_prefix(seq), num_computed)
+        if not bm.ensure_slots(seq, num_computed):
+            bm.unmatch(seq)
+            return None
+        seq.num_computed_tokens = num_computed
+        bm.commit(seq)  # its full blocks join the prefix cache (their KV lands before any step reads it)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return cached
+
     # ---- one step -----------------------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
