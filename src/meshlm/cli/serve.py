@@ -287,7 +287,14 @@ def serve_disaggregated(args) -> int:
     from meshlm.distributed import launched_ranks
     from meshlm.infer.instances import disaggregate_label
 
+    from meshlm.launch import check_node_arguments, node_launcher_args, run_torchrun, without_node_flags
+
     prefill, decode = disaggregated_layouts(args)
+    ranks = prefill.ranks + decode.ranks  # prefill's first, then decode's: over --nnodes, prefill on the first
+    check_node_arguments(args)
+    if ranks % args.nnodes:
+        raise ValueError(f"--prefill {prefill.label()} and --decode {decode.label()} are {ranks} ranks, which do not "
+                         f"split evenly over --nnodes={args.nnodes}; make their sum a multiple of the nodes")
     if launched_ranks():
         import torch
 
@@ -299,8 +306,8 @@ def serve_disaggregated(args) -> int:
     if args.no_front:
         # --monitor-interval 1: when a rank dies, the launcher stops the others up to a second later, time enough
         # for rank 0 to end the requests in flight with an error naming the instance that failed
-        return run_torchrun(["--standalone", "--nproc-per-node", str(prefill.ranks + decode.ranks),
-                             "--monitor-interval", "1"], args.argv)
+        return run_torchrun([*node_launcher_args(args, ranks // args.nnodes), "--monitor-interval", "1"],
+                            without_node_flags(args.argv))
     label = (f"the disaggregated server (prefill {prefill.label()}, decode {decode.label()}: "
              f"--disaggregate {disaggregate_label(prefill, decode)})")
     return serve_replicas(args, extra_argv=("--no-front",), label=label)
