@@ -255,6 +255,14 @@ def test_published_vllm_rows_before_v08_run_the_v0_engine():
     assert engine_of(dict(row, engine_version="not stated", source="a blog (2025)")).name == "vllm"
 
 
+def test_published_lengths_are_counts_never_shares():
+    from meshlm.planner.published_serving import _int
+
+    assert _int("production mix (56.3% of input tokens hit on-disk KV cache)") is None
+    assert _int("~1K (real dataset)") == 1024 and _int("16,384 tokens/device") == 16384
+    assert _int("decode-only (KV length 2,000)") == 2000 and _int("batch 64 (largest)") == 64
+
+
 def test_expert_imbalance_is_the_measured_ratio_and_bounded():
     from meshlm.planner.serving_engine import EP_IMBALANCE_EPLB, EP_IMBALANCE_NO_EPLB, expert_imbalance
 

@@ -81,7 +81,8 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def _int(text: str) -> int | None:
-    m = re.search(r"(\d[\d,]*)(\s*[kK]\b)?", text or "")
+    """The first count in a field ("~1K": 1024), never a share ("56.3% of input tokens ...": no count)."""
+    m = re.search(r"(?<![\d.])(\d[\d,]*)(?![\d.,]*%)(\s*[kK]\b)?", text or "")
     if not m:
         return None
     return int(m.group(1).replace(",", "")) * (1024 if m.group(2) else 1)  # "~1K (real dataset)": 1024
