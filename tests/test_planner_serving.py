@@ -5,7 +5,8 @@ weights and the workspace leave; cp divides a sequence's KV per GPU; fp8 KV doub
 disaggregated deployment ships exactly the prompt's KV; MLA's compressed cache; every JSON field present. The
 engine's terms (serving_engine.py): the roofline's rounded corner, GQA KV read per query head without a sharing
 kernel, the host's launches without CUDA graphs, the expert all-to-all against DeepEP's own table, attention-DP
-ranks waiting for the busiest prefill, two micro-batches reading the weights twice, the busiest expert rank's
+ranks waiting for the busiest prefill, two micro-batches reading the weights twice (only where the batch splits),
+vLLM V0's per-sequence scheduler time, the busiest expert rank's
 measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak.
 """
 
@@ -212,6 +213,54 @@ def test_two_batch_overlap_reads_the_weights_twice():
     flat = replace(tbo, engine=ENGINES["tensorrt-llm"])
     a, b = (iteration_time(sv, decodes=128, kv_len=2048) for sv in (tbo, flat))
     assert a["gemm_memory"] > 1.5 * b["gemm_memory"]
+
+
+def test_two_batch_overlap_needs_two_sequences_to_split():
+    """One decoding sequence cannot be split into two micro-batches: the weights are read once, as without TBO."""
+    from meshlm.planner.serving_engine import ENGINES
+
+    tbo = _sv("deepseek-v3", "h200", precision="fp8", ep=8, dp=8)
+    flat = replace(tbo, engine=ENGINES["tensorrt-llm"])
+    one = [iteration_time(sv, decodes=1, kv_len=2048) for sv in (tbo, flat)]
+    assert one[0]["gemm_memory"] == pytest.approx(one[1]["gemm_memory"])
+    # two sequences split: two halves of one sequence each, each reading what one sequence reads
+    assert iteration_time(tbo, decodes=2, kv_len=2048)["gemm_memory"] == pytest.approx(2 * one[1]["gemm_memory"])
+    # a prefill-only step splits its tokens, a lone token does not
+    pre = [iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=4096, prefill_ctx=2048) for sv in (tbo, flat)]
+    assert pre[0]["gemm_memory"] > 1.5 * pre[1]["gemm_memory"]
+
+
+def test_vllm_v0_scheduler_adds_its_per_sequence_cpu_time():
+    """vLLM's V0 engine: the GPU waits host_per_seq_s per running sequence every iteration; V1 overlaps it."""
+    from meshlm.planner.serving_engine import ENGINES, VLLM_V0_HOST_PER_SEQ_S
+
+    v1 = replace(_sv("llama3-70b", "h100", tp=4), engine=ENGINES["vllm"])
+    v0 = replace(v1, engine=ENGINES["vllm-v0"])
+    for seqs in (1, 64, 256):
+        a, b = (iteration_time(sv, decodes=seqs, kv_len=1024) for sv in (v1, v0))
+        assert b["total"] - a["total"] == pytest.approx(seqs * VLLM_V0_HOST_PER_SEQ_S)
+        assert b["scheduler"] == pytest.approx(seqs * VLLM_V0_HOST_PER_SEQ_S) and a["scheduler"] == 0.0
+    tiny = replace(Serving(served_model("tiny"), get_cluster("h100"), ServingLayout()), engine=ENGINES["vllm-v0"])
+    assert iteration_time(tiny, decodes=256, kv_len=128)["bound"] == "host"
+    assert VLLM_V0_HOST_PER_SEQ_S * 256 == pytest.approx(13e-3)  # the RFC's upper bubble at max_num_seqs 256
+
+
+def test_published_vllm_rows_before_v08_run_the_v0_engine():
+    from meshlm.planner.published_serving import engine_of
+
+    row = dict(engine="vLLM", engine_version="0.6.1", source="", notes="", ep="")
+    assert engine_of(row).name == "vllm-v0"
+    assert engine_of(dict(row, engine_version="0.8.4")).name == "vllm"
+    assert engine_of(dict(row, engine_version="not stated", source="a blog (Oct 10 2024)")).name == "vllm-v0"
+    assert engine_of(dict(row, engine_version="not stated", source="a blog (2025)")).name == "vllm"
+
+
+def test_published_lengths_are_counts_never_shares():
+    from meshlm.planner.published_serving import _int
+
+    assert _int("production mix (56.3% of input tokens hit on-disk KV cache)") is None
+    assert _int("~1K (real dataset)") == 1024 and _int("16,384 tokens/device") == 16384
+    assert _int("decode-only (KV length 2,000)") == 2000 and _int("batch 64 (largest)") == 64
 
 
 def test_expert_imbalance_is_the_measured_ratio_and_bounded():

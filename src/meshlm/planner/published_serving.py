@@ -14,7 +14,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     configs set kv_cache_quant_algo FP8), the model's 16-bit dtype otherwise (vLLM's and SGLang's
     kv_cache_dtype "auto"; DeepSeek's native FP8 checkpoint);
   * the engine from the row's engine and version (serving_engine.ENGINES): TensorRT-LLM before 0.7 without its
-    XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, SGLang and vLLM as the default;
+    XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, vLLM before 0.8 (or unversioned in a
+    2024 source) as its V0 engine with single-step scheduling (the default then) whose CPU work the GPU waits for,
+    SGLang and later vLLM as the default;
   * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
     (its balancer is opt-in), perfect where a row says it simulated that (serving_engine.expert_imbalance);
   * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
@@ -79,7 +81,8 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def _int(text: str) -> int | None:
-    m = re.search(r"(\d[\d,]*)(\s*[kK]\b)?", text or "")
+    """The first count in a field ("~1K": 1024), never a share ("56.3% of input tokens ...": no count)."""
+    m = re.search(r"(?<![\d.])(\d[\d,]*)(?![\d.,]*%)(\s*[kK]\b)?", text or "")
     if not m:
         return None
     return int(m.group(1).replace(",", "")) * (1024 if m.group(2) else 1)  # "~1K (real dataset)": 1024
@@ -157,11 +160,21 @@ def engine_of(row: dict) -> Engine:
         eng = ENGINES["deepseek"]
     elif name.startswith("sglang"):
         eng = replace(ENGINES["sglang"], expert_balance="eplb") if (_int(row["ep"]) or 1) > 1 else ENGINES["sglang"]
+    elif name.startswith("vllm"):
+        eng = ENGINES["vllm-v0" if _vllm_v0(row, version) else "vllm"]
     else:
-        eng = ENGINES["vllm" if name.startswith("vllm") else "default"]
+        eng = ENGINES["default"]
     if "perfect expert load balance" in row["notes"].lower():
         eng = replace(eng, expert_balance="perfect")
     return eng
+
+
+def _vllm_v0(row: dict, version: re.Match | None) -> bool:
+    """vLLM's V0 engine: a version below 0.8 (V1 became the default in v0.8.0, March 2025), or no version and a
+    source dated 2024."""
+    if version is not None:
+        return (int(version.group(1)), int(version.group(2))) < (0, 8)
+    return "2024" in row["engine_version"] + row["source"]
 
 
 def _max_batch(row: dict) -> int | None:

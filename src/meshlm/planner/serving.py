@@ -299,15 +299,26 @@ def _step(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float =
     split = lambda x: x / lo.pp if decodes + prefill_tokens >= lo.pp else x  # noqa: E731
     d, p = split(decodes), split(prefill_tokens)
     p_rank = p if rank_prefill is None else split(rank_prefill)
-    halves = 2 if lo.ep > 1 and sv.engine.two_batch_overlap else 1
+    halves = 2 if lo.ep > 1 and sv.engine.two_batch_overlap and _splits_in_two(d, p) else 1
     m = _micro_step(sv, d=d / halves, kv_len=kv_len, p=p / halves, p_ctx=prefill_ctx, p_rank=p_rank / halves)
     work, ep, host = m.pop("work"), m.pop("ep"), m.pop("host")
     micro = max(work, ep) if halves == 2 else work + ep
-    bound = "host" if host > micro else max(m["parts"], key=m["parts"].get)
     scale = lo.pp * halves
-    return {"total": scale * max(micro, host), "bound": bound, **{k: scale * v for k, v in m.pop("parts").items()},
-            **{k: scale * v for k, v in m.items()}, "host": scale * host,
+    # the engine's per-step CPU work that the GPU waits for (Engine.host_per_seq_s), once per iteration
+    sched = sv.engine.host_per_seq_s * decodes
+    gpu = scale * max(micro, host)
+    bound = "host" if host > micro or sched > gpu else max(m["parts"], key=m["parts"].get)
+    return {"total": gpu + sched, "bound": bound, **{k: scale * v for k, v in m.pop("parts").items()},
+            **{k: scale * v for k, v in m.items()}, "host": scale * host + sched, "scheduler": sched,
             "ep_exposed": scale * (max(micro, host) - max(work, host))}
+
+
+def _splits_in_two(d: float, p: float) -> bool:
+    """Whether a micro-step holds two micro-batches' worth of work for two-batch overlap: at least two decoding
+    sequences (SGLang's TBO and DeepSeek's dual micro-batch split a decode batch by sequences), or a prefill-only
+    step of at least two tokens (its tokens split in two halves of equal work). One sequence cannot be split:
+    overlapping it would only read the weights twice."""
+    return d >= 2 or (d == 0 and p >= 2)
 
 
 def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float) -> dict:

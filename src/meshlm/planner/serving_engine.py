@@ -60,6 +60,20 @@ EP_IMBALANCE_MEASURED_AT = 32  # ranks
 EP_IMBALANCE_EXPERTS_PER_RANK = 8  # at that measurement, without EPLB
 
 
+# vLLM's V0 engine (through v0.7) runs its scheduler, the input preparation of the next step and the processing of
+# the last step's outputs in Python between GPU steps, one sequence at a time, while the GPU waits: "the GPU is often
+# idle, waiting for CPU operations (5-13ms of GPU bubble)" per decode step (vLLM RFC #6854, "Multi-Step
+# Scheduling", July 2024); vLLM's v0.6.0 post ("vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
+# Reduction", Sept 2024) profiles Llama 3 8B on one H100 at 29% of the time in scheduling and input preparation
+# against 38% on the GPU, and finds output processing "with the overhead increasing as batch sizes grew". The work is
+# per sequence (block tables, positions and slot mappings built, one sampled token pythonized and detokenized per
+# sequence), so the bubble is priced per running sequence: the RFC's upper 13 ms at vLLM's default max_num_seqs of
+# 256 running sequences. Multi-step scheduling (--num-scheduler-steps, off by default in v0.6) and the V1 engine
+# (default from v0.8, scheduling overlapped with the GPU) remove it; TensorRT-LLM's C++ batch manager and SGLang's
+# overlap scheduler (v0.4, "zero-overhead batch scheduler") hide it.
+VLLM_V0_HOST_PER_SEQ_S = 13e-3 / 256
+
+
 def roofline(compute_s: float, memory_s: float) -> float:
     """Seconds of a kernel whose FLOPs alone take `compute_s` and whose bytes alone take `memory_s` (ROOFLINE_P)."""
     hi, lo = max(compute_s, memory_s), min(compute_s, memory_s)
@@ -96,6 +110,9 @@ class Engine:
     `adp_balanced`: attention data-parallel ranks schedule prefills together (TensorRT-LLM's ADP balance
     strategy, or disaggregated prefill); otherwise each rank prefills when it has room and the iteration waits
     for the busiest (`busiest_rank_prefill`).
+    `host_per_seq_s`: CPU seconds per running sequence per iteration that the GPU waits for (scheduling, input
+    preparation and output processing done between steps: vLLM's V0 engine, VLLM_V0_HOST_PER_SEQ_S); 0 where the
+    engine overlaps them with the GPU.
     """
 
     name: str
@@ -105,17 +122,21 @@ class Engine:
     ep_all_to_all: str = "deepep"
     adp_balanced: bool = False
     expert_balance: str = "none"
+    host_per_seq_s: float = 0.0
 
     def __post_init__(self):
         if self.expert_balance not in ("none", "eplb", "perfect"):
             raise ValueError(f"expert_balance={self.expert_balance!r}: choose none, eplb or perfect")
+        if self.host_per_seq_s < 0:
+            raise ValueError(f"host_per_seq_s={self.host_per_seq_s} must be >= 0")
 
 
 ENGINES = {e.name: e for e in (
     Engine("default"),
     Engine("tensorrt-llm", two_batch_overlap=False),
     Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False, two_batch_overlap=False),
-    Engine("vllm"),
+    Engine("vllm"),  # the V1 engine (default from v0.8): scheduling overlapped with the GPU
+    Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S),  # v0.7 and before, single-step scheduling
     Engine("sglang"),
     Engine("deepseek", expert_balance="eplb"),  # DeepSeek's own serving ("Day 6" overview): TBO, DeepEP, EPLB
 )}
