@@ -2,7 +2,7 @@
 
 Responsible for: carrying out the moves rank 0's `kv_tiers.KVTiers` decided (`apply`) on this rank's own share
 of each block (its kv heads under tp, its blocks under cp): copies between the device cache, the host buffer
-(pinned when the cache is on a GPU, so the copies are DMA) and files; checking a file before its bytes reach the
+(pinned when the cache is on a GPU, so the copies are DMA, on a side stream beside the compute) and files; checking a file before its bytes reach the
 cache (size, checksum, header), so a truncated or corrupted file is reported and its tokens recomputed, never
 served; surviving a full disk (a failed write turns this rank's disk tier off with a warning); and the
 directory's signature -- model weights, KV layout, dtype, block size, tp x cp -- so that a server reads back only
@@ -76,6 +76,9 @@ class KVTierStore:
         # touched only as slots fill.
         self.host = torch.empty((self.host_slots, len(k_caches), 2, self.numel), dtype=self.dtype,
                                 pin_memory=self.device.type == "cuda") if self.host_slots else None
+        # On a GPU, copies between the cache and the host buffer run on a side stream, beside the compute (see
+        # `_copy_run`); None elsewhere (CPU copies are plain memory copies, in order).
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.disk_blocks, self.disk_ok, self.root, self.dir = 0, False, None, None
         if cfg.disk_dir is not None:
             self._open_disk(cfg, signature, tp_rank)
@@ -159,16 +162,43 @@ class KVTierStore:
         return failed
 
     def _copy_run(self, op: str, moves: list[list]) -> None:
+        """Copies between the cache's blocks and host slots. On a GPU they run on `copy_stream` with the host never
+        waiting: an eviction (d2h) gathers its blocks on the compute stream (so later writes to those blocks come
+        after it) and copies them out beside the compute that follows; a load (h2d) copies in beside what is still
+        running, and only the scatter into the cache waits for it. Host slots are written and read by this one
+        stream, in order; the host itself reads a slot only after `_host_ready` (a disk write)."""
         if not moves:
             return
         cp = self.cp
+        side = self.copy_stream
         if op == "d2h":
             data = self._gather([m[1] // cp for m in moves])
-            for row, m in zip(data, moves):
-                self.host[m[2] // cp].copy_(row)
-        else:
+            if side is None:
+                for row, m in zip(data, moves):
+                    self.host[m[2] // cp].copy_(row)
+                return
+            side.wait_stream(torch.cuda.current_stream(self.device))  # the gather is done
+            with torch.cuda.stream(side):
+                for row, m in zip(data, moves):
+                    self.host[m[2] // cp].copy_(row, non_blocking=True)
+            data.record_stream(side)  # not reused by the compute stream before these copies end
+        elif side is None:
             slots = torch.tensor([m[1] // cp for m in moves], dtype=torch.long)
             self._scatter([m[2] // cp for m in moves], self.host.index_select(0, slots))
+        else:
+            with torch.cuda.stream(side):
+                data = torch.empty((len(moves), *self.host.shape[1:]), dtype=self.dtype, device=self.device)
+                for row, m in zip(data, moves):
+                    row.copy_(self.host[m[1] // cp], non_blocking=True)  # pinned: a DMA, the host goes on
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(side)
+            data.record_stream(compute)
+            self._scatter([m[2] // cp for m in moves], data)
+
+    def _host_ready(self) -> None:
+        """Before the host reads a slot: the side stream's copies into it are done."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
 
     def _file_move(self, move: list) -> bool:
         """A move that touches a file; False only for a load that failed."""
@@ -178,6 +208,8 @@ class KVTierStore:
                 (self.dir / file_name(move[1])).unlink(missing_ok=True)
         elif op in ("h2f", "d2f"):
             _, src, key, parent, tokens = move
+            if op == "h2f":
+                self._host_ready()
             data = self.host[src // cp] if op == "h2f" else self._gather([src // cp])[0]
             self._write(key, parent, tokens, data)
         elif op == "f2d":
