@@ -188,7 +188,7 @@ def test_context_parallel_pairs_use_cudas_flash_kernel_in_bf16(monkeypatch, caus
 
 
 def test_kv_tiers_on_cuda_give_the_same_greedy_tokens(tmp_path):
-    """KV tiers under a GPU cache: host buffers pinned, copies device <-> host <-> disk; multi-turn prompts on a
+    """KV tiers under a GPU cache: host buffers pinned, copies device <-> host on a side stream, to and from disk; multi-turn prompts on a
     small pool give the tokens of the run without tiers, with hits from both tiers, and after a restart."""
     from test_kv_tiers import SMALL_POOL, conversations, run
     from tiny_hf import make_model_dir
@@ -201,7 +201,8 @@ def test_kv_tiers_on_cuda_give_the_same_greedy_tokens(tmp_path):
         want = run(LLM(model_dir, device="cuda", **pool), conversations())
         disk = dict(kv_disk_dir=str(tmp_path / str(dtype)), kv_disk_mb=1)
         llm = LLM(model_dir, device="cuda", kv_host_mb=0.01, **disk, **pool)
-        assert llm.engine.runner.tier_store.host.is_pinned()
+        store = llm.engine.runner.tier_store
+        assert store.host.is_pinned() and store.copy_stream is not None  # DMA copies on a side stream
         assert run(llm, conversations()) == want, dtype
         s = llm.engine.stats()
         assert s["kv_host_hit_tokens"] > 0 and s["kv_disk_hit_tokens"] > 0, s
