@@ -188,8 +188,9 @@ def test_context_parallel_pairs_use_cudas_flash_kernel_in_bf16(monkeypatch, caus
 
 
 def test_kv_tiers_on_cuda_give_the_same_greedy_tokens(tmp_path):
-    """KV tiers under a GPU cache: host buffers pinned, copies device <-> host on a side stream, to and from disk; multi-turn prompts on a
-    small pool give the tokens of the run without tiers, with hits from both tiers, and after a restart."""
+    """KV tiers under a GPU cache: host buffers pinned, copies device <-> host on a side stream, to and from disk;
+    multi-turn prompts on a small pool give the tokens of the run without tiers, with hits from both tiers, and
+    after a restart."""
     from test_kv_tiers import SMALL_POOL, conversations, run
     from tiny_hf import make_model_dir
 
