@@ -48,6 +48,10 @@ class Job:
     # Norms, RoPE, SwiGLU and residual adds as fused kernels (Megatron/TE, torch.compile); False
     # models eager PyTorch, one memory pass per op (meshlm's model uncompiled, e.g. the CPU runs).
     fused_elementwise: bool = True
+    # Eager only: the norms run in fp32 (meshlm's RMSNorm upcasts, as Hugging Face's Llama, torchtitan's and IBM
+    # fms' do: seven passes, 36 bytes per element); False: one fused norm kernel in the activations' dtype
+    # (llm-foundry MPT's default `low_precision_layernorm`: F.layer_norm on bf16, read + write).
+    fp32_norms: bool = True
     # Tensor-parallel collectives pipelined under the GEMMs (Megatron-Core / Transformer Engine
     # `tp_comm_overlap`, MegaScale Sec. 3.3); meshlm's own TP does not overlap them (False).
     tp_comm_overlap: bool = False

@@ -54,7 +54,11 @@ Choices the rows leave open, made the same way for every row (never from the rep
     `a100-40gb` preset;
   * llm-foundry's tables ran eager PyTorch (Composer FSDP, before torch.compile: the README's "update with
     torch 2.0" note) and reduce gradients in bf16 with mixed_precision PURE (fp32 with DEFAULT); fms-fsdp
-    compiles (its `use_torch_compile` default) and reduces in bf16 (its bf16 mixed-precision policy);
+    reduces in bf16 (its bf16 mixed-precision policy) and ran eager for the README's tables of Feb-Mar 2024
+    (`--use_torch_compile=False` in its scripts/train.sh then), compiled for the table of 2024-05-09 ("numbers
+    are updated with torch.compile": rows whose `source` names torch.compile);
+  * eager norms in fp32 (torchtitan's and fms' RMSNorm upcast, as meshlm's does), except MPT's, whose
+    low-precision LayerNorm is one bf16 kernel (`Job.fp32_norms`);
   * the PyTorch-native stacks (torchtitan, llm-foundry, fms-fsdp) attend with FlashAttention-2 kernels
     (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer Engine's;
   * GPT-NeoX (DeepSpeed's pipeline engine) reduces gradients after the flush, exposed; its TFLOP/s are its
@@ -267,8 +271,11 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # DeepSpeed's pipeline engine (GPT-NeoX) likewise reduces the gradients after the pipeline flush.
     megatron_old = row["group"].startswith(("A_", "C_", "Q_gpt_neox")) or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
-    # memory pass per elementwise op.
-    eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry"))
+    # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
+    # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
+    # this stage"); that revision's table ("numbers are updated with torch.compile") compiled.
+    fms_eager = row["group"].startswith("P_fms") and "torch.compile" not in row["source"]
+    eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry")) or fms_eager
     flash = year >= 2023 and not megascale_baseline
     # Gradients reduced in bf16: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16).
     bf16_reduce = "pure" in row["precision"].lower() or row["group"].startswith("P_fms")
@@ -281,10 +288,14 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
     fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms"))
+    # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
+    # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
+    mpt_norm = row["group"].startswith("O_llm_foundry")
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap)
+               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
+               fp32_norms=not mpt_norm)
 
 
 def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:

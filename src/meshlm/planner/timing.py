@@ -296,11 +296,16 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
         elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
     else:
         # Eager PyTorch, meshlm's model as written: every op is its own pass over memory. Per token,
-        # elements read + written: each RMSNorm 7h (pow, mean, scale, weight), residual adds 3h each,
+        # elements (of the activations' dtype) read + written: each RMSNorm 7h in fp32 (pow, mean, scale,
+        # weight); with 2-byte activations 18h, the norm running in fp32 (models/transformer.py's RMSNorm
+        # upcasts, as Hugging Face's Llama, torchtitan's and IBM fms' do): upcast 2 + 4 bytes, x^2 4 + 4, its
+        # mean 4, the scaling 4 + 4, the cast back 4 + 2, the weight 2 + 2 = 36 bytes; 2h where the stack
+        # norms in one bf16 kernel (`Job.fp32_norms` False: MPT's low-precision LayerNorm); residual adds 3h each,
         # RoPE 10 per rotated element (neg, cat, two products, add) on q and k, the GQA
         # repeat_interleave of k and v, the attention output's transpose copy, SwiGLU 5 per
         # intermediate (silu, product).
-        elems_seq = 20 * h + moe_elems
+        norm = (18 if r.by["act"] == 2 else 7) if job.fp32_norms else 2
+        elems_seq = 2 * norm * h + 2 * 3 * h + moe_elems
         elems_tp = 10 * (q_dim + kv_dim) + 2 * (q_dim + kv_dim) + 2 * q_dim + 5 * inter
     if not job.flash_attention:
         # unfused scale+mask+softmax (+dropout) over s scores per head: ~4 passes forward
