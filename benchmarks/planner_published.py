@@ -29,11 +29,12 @@ fms-fsdp) and Q (GPT-NeoX-20B, pipeline-parallel on A100), read every row of the
 the one new constant (FlashAttention-2's fraction of the H100's peak) is the kernel paper's. A second round (the
 last two `CHANGES`) read the software the O, P and K rows ran: fms-fsdp's Feb-Mar 2024 figures ran eager (its
 scripts/train.sh then: --use_torch_compile=False), and eager Llama stacks run their RMSNorm in fp32 (MPT's
-LayerNorm is one bf16 kernel); it added 27 rows (llm-foundry's H100 table at 128-512 GPUs, MPT-1B to 70B; its
-A100 70B at 32 GPUs; fms-fsdp's compiled table of 2024-05-09, A100 and H100). Still too fast: fms-fsdp's eager
-7B / 13B on H100 (18% / 12%), MPT-70B on 64 A100 40GB with one micro-batch of two sequences per GPU (41%; its
-128-GPU twin within 8%), GPT-NeoX-20B's pipeline (17%); and the weak-scaling decline of llm-foundry's H100 table
-(4-10% less per GPU at 512 GPUs than at 128) is predicted flat (within 1%).
+LayerNorm is one bf16 kernel); it added 28 rows (llm-foundry's H100 table at 128-512 GPUs, MPT-1B to 70B; its
+A100 70B at 32 GPUs; fms-fsdp's compiled table of 2024-05-09, A100 and H100; BLOOM-176B's pipeline on 384 A100s,
+group R). Still too fast: fms-fsdp's eager 7B / 13B on H100 (18% / 12%), MPT-70B on 64 A100 40GB with one
+micro-batch of two sequences per GPU (41%; its 128-GPU twin within 8%), the two DeepSpeed pipeline runs on A100
+(GPT-NeoX-20B 17%, BLOOM-176B 13%); and the weak-scaling decline of llm-foundry's H100 table (4-10% less per GPU
+at 512 GPUs than at 128) is predicted flat (within 1%).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ CHANGES = (
     ("fms-fsdp's README tables before 2024-05-09 ran eager (torch.compile off), the table of that date compiled",
      ("P_fms_fsdp",), "fms-fsdp git history: scripts/train.sh --use_torch_compile=False and docs/configurations.md "
      "('recommended to NOT use compile at this stage') until the README's 'numbers are updated with torch.compile'"),
+    ("row descriptions: BLOOM-176B (GeLU MLP; DeepSpeed's pipeline engine: gradients reduced after the flush)",
+     ("R_bloom_176b",), "bigscience-workshop/bigscience train/tr11-176B-ml README and slurm script"),
     ("eager RMSNorm in fp32 with bf16 activations (36 bytes per element, not 14); MPT's low-precision LayerNorm one "
      "bf16 kernel (Job.fp32_norms)", ("K_torchtitan_a100_fsdp", "O_llm_foundry_fsdp", "P_fms_fsdp"),
      "meshlm models/transformer.py RMSNorm; fms modules/layernorm.py (use_high_precision_pow); torchtitan's "

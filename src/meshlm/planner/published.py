@@ -61,8 +61,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     low-precision LayerNorm is one bf16 kernel (`Job.fp32_norms`);
   * the PyTorch-native stacks (torchtitan, llm-foundry, fms-fsdp) attend with FlashAttention-2 kernels
     (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer Engine's;
-  * GPT-NeoX (DeepSpeed's pipeline engine) reduces gradients after the flush, exposed; its TFLOP/s are its
-    own count of the time, 6 N + 60 s h l per token;
+  * GPT-NeoX and BLOOM (DeepSpeed's pipeline engine) reduce gradients after the flush, exposed; GPT-NeoX's
+    TFLOP/s are its own count of the time, 6 N + 60 s h l per token (BLOOM's row gives its step time); BLOOM's
+    partition counts the embedding as a block ('type:transformer|embedding'): the planner's balanced split;
   * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H) and
     DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q): num_layers /
     stages blocks on every stage, the head and loss on top of the last (`Layout.pp_split = "uniform"`);
@@ -111,6 +112,8 @@ ARCHS = {
                           experts=128, top_k=8, moe_ffn=768, qk_norm=True),
     # MosaicML MPT (llm-foundry's yamls/pretrain/mpt-*.yaml; the CSV rows carry the sizes): GeLU 4h MLP.
     "mpt-": dict(**_GPT),
+    # BigScience BLOOM (tr11-176B-ml README, the CSV row carries the sizes): GeLU 4h MLP.
+    "bloom": dict(**_GPT),
     "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
                             experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
 }
@@ -268,8 +271,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
-    # DeepSpeed's pipeline engine (GPT-NeoX) likewise reduces the gradients after the pipeline flush.
-    megatron_old = row["group"].startswith(("A_", "C_", "Q_gpt_neox")) or megascale_baseline
+    # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
+    megatron_old = row["group"].startswith(("A_", "C_", "Q_gpt_neox", "R_bloom")) or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
     # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
