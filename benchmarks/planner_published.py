@@ -32,8 +32,8 @@ scripts/train.sh then: --use_torch_compile=False), and eager Llama stacks run th
 LayerNorm is one bf16 kernel); it added 28 rows (llm-foundry's H100 table at 128-512 GPUs, MPT-1B to 70B; its
 A100 70B at 32 GPUs; fms-fsdp's compiled table of 2024-05-09, A100 and H100; BLOOM-176B's pipeline on 384 A100s,
 group R). Still too fast: fms-fsdp's eager 7B / 13B on H100 (18% / 12%), MPT-70B on 64 A100 40GB with one
-micro-batch of two sequences per GPU (41%; its 128-GPU twin within 8%), the two DeepSpeed pipeline runs on A100
-(GPT-NeoX-20B 17%, BLOOM-176B 13%); and the weak-scaling decline of llm-foundry's H100 table (4-10% less per GPU
+micro-batch of two sequences per GPU (41%; its 128-GPU twin within 8%), GPT-NeoX-20B's pipeline (17%; BLOOM-176B's,
+13% with Megatron's paired transfers, is within 7% once DeepSpeed's blocking ones are priced); and the weak-scaling decline of llm-foundry's H100 table (4-10% less per GPU
 at 512 GPUs than at 128) is predicted flat (within 1%).
 """
 
@@ -103,6 +103,10 @@ CHANGES = (
      "('recommended to NOT use compile at this stage') until the README's 'numbers are updated with torch.compile'"),
     ("row descriptions: BLOOM-176B (GeLU MLP; DeepSpeed's pipeline engine: gradients reduced after the flush)",
      ("R_bloom_176b",), "bigscience-workshop/bigscience train/tr11-176B-ml README and slurm script"),
+    ("DeepSpeed's pipeline engine: every send and receive a blocking transfer of its own, four per micro-batch on "
+     "an interior stage (Job.pp_p2p_serial); the pipeline runs at the slowest stage's cycle",
+     ("Q_gpt_neox_20b", "R_bloom_176b"), "DeepSpeed runtime/pipe/p2p.py (send / recv: async_op must be False) "
+     "and runtime/pipe/schedule.py (Send/RecvActivation, Send/RecvGrad instructions) (timing.pp_p2p_time)"),
     ("eager RMSNorm in fp32 with bf16 activations (36 bytes per element, not 14); MPT's low-precision LayerNorm one "
      "bf16 kernel (Job.fp32_norms)", ("K_torchtitan_a100_fsdp", "O_llm_foundry_fsdp", "P_fms_fsdp"),
      "meshlm models/transformer.py RMSNorm; fms modules/layernorm.py (use_high_precision_pow); torchtitan's "

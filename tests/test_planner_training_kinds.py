@@ -1,7 +1,8 @@
 """The training planner's terms for the three kinds of run issue 25 found predicted too fast: ZeRO-3 / FSDP
 over many nodes (one collective per unit and pass, each paying a ring latency that grows with the ranks),
 Megatron's uniform pipeline split (the head and loss on top of the last stage) and FlashAttention-2 on
-Hopper; and how a published row's own description (HSDP, its network) becomes a layout and a cluster.
+Hopper; eager RMSNorm in fp32, DeepSpeed's blocking pipeline transfers; and how a published row's own
+description (HSDP, its network, compiled or not) becomes a layout, a job and a cluster.
 Arithmetic only: no ranks are started."""
 
 from __future__ import annotations
@@ -160,3 +161,26 @@ def test_fms_rows_run_eager_unless_their_source_is_the_compiled_table():
     assert job_of(compiled, cfg).fused_elementwise
     assert job_of({**row, "group": "O_llm_foundry_fsdp"}, cfg).fp32_norms is False
     assert job_of(row, cfg).fp32_norms is True
+
+
+def test_serial_pipeline_transfers_cost_an_interior_stage_two_more_per_micro_batch():
+    """DeepSpeed's engine (`Job.pp_p2p_serial`): each send and receive blocks on its own, so an interior stage
+    waits for four transfers per micro-batch where Megatron's paired ones cost two; with 1 s per message across
+    nodes (one pipeline stage per node) and a tiny model, the pipeline's p2p time grows by between m x (pair - 1 s)
+    and m x pair, pair being the two-message cost the paired schedule charges per micro-batch. With two stages
+    there is no interior stage: nothing changes."""
+    cfg = _gpt(layers=8, hidden=512)
+    base = get_cluster("a100")
+    slow = with_overrides(base, scaleout_latency=base.scaleout_latency + 1.0)
+    lo = Layout(tp=8, pp=4, dp_shard=1, micro_batch_size=1, pp_split="uniform", recompute="none")
+    est = {x: estimate(cfg, slow, Job(seq_len=512, global_batch_size=16, pp_p2p_serial=x), lo, gpus=32)
+           for x in (False, True)}
+    m = est[False].num_microbatches
+    assert m == 16
+    pair = 2 * collective_time("p2p", 512 * 512 * 2, (1, 2), slow)  # one activation message each way
+    diff = est[True].time_s["pp_p2p"] - est[False].time_s["pp_p2p"]
+    assert m * (pair - 1.0) <= diff <= m * pair + 1e-9
+    two = Layout(tp=8, pp=2, dp_shard=1, micro_batch_size=1, pp_split="uniform", recompute="none")
+    t2 = [estimate(cfg, slow, Job(seq_len=512, global_batch_size=16, pp_p2p_serial=x), two, gpus=16).time_s["pp_p2p"]
+          for x in (False, True)]
+    assert t2[0] == t2[1]

@@ -59,6 +59,11 @@ class Job:
     # (meshlm's DP and ZeRO, PyTorch DDP/FSDP, Megatron-Core's overlap_grad_reduce / overlap_param_gather).
     # False: issued after the backward, exposed (Megatron-LM before 2023); ZeRO-3 always prefetches.
     dp_comm_overlap: bool = True
+    # Every pipeline send and receive its own blocking transfer, in schedule order (DeepSpeed's pipeline engine:
+    # runtime/pipe/p2p.py's send / recv are synchronous, one per SendActivation / RecvActivation / SendGrad /
+    # RecvGrad instruction): an interior stage waits for four transfers per micro-batch, an end stage for two.
+    # False: Megatron's / meshlm's schedules, a send and a receive issued together (two per micro-batch).
+    pp_p2p_serial: bool = False
     runtime: str = "megatron"  # one of RUNTIMES: whose memory and communication accounting applies
     # Megatron-Core's gradient buffer (main_grad) and its reduce-scatter / all-reduce in fp32 (its
     # `grad_reduce_in_fp32`, the planner's default) or, False, in the bf16 parameter dtype: what NVIDIA's

@@ -62,7 +62,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * the PyTorch-native stacks (torchtitan, llm-foundry, fms-fsdp) attend with FlashAttention-2 kernels
     (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer Engine's;
   * GPT-NeoX and BLOOM (DeepSpeed's pipeline engine) reduce gradients after the flush, exposed; GPT-NeoX's
-    TFLOP/s are its own count of the time, 6 N + 60 s h l per token (BLOOM's row gives its step time); BLOOM's
+    TFLOP/s are its own count of the time, 6 N + 60 s h l per token (BLOOM's row gives its step time); each
+    pipeline send and receive is a blocking transfer of its own (`Job.pp_p2p_serial`); BLOOM's
     partition counts the embedding as a block ('type:transformer|embedding'): the planner's balanced split;
   * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H) and
     DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q): num_layers /
@@ -272,7 +273,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
     # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
-    megatron_old = row["group"].startswith(("A_", "C_", "Q_gpt_neox", "R_bloom")) or megascale_baseline
+    deepspeed_pipe = row["group"].startswith(("Q_gpt_neox", "R_bloom"))
+    megatron_old = row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
     # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
@@ -298,7 +300,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
-               fp32_norms=not mpt_norm)
+               fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe)
 
 
 def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:
