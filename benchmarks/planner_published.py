@@ -26,10 +26,15 @@ Qwen3-30B layout ran at twice the throughput in one container (25.09, token-drop
 (25.11, dropless), a spread no layout-level model can follow.
 The issue-25 changes (the last five `CHANGES`) added groups O (MosaicML llm-foundry's FSDP tables), P (IBM's
 fms-fsdp) and Q (GPT-NeoX-20B, pipeline-parallel on A100), read every row of them, K and H while choosing mechanisms and row descriptions, and fitted no constant;
-the one new constant (FlashAttention-2's fraction of the H100's peak) is the kernel paper's. Still too fast: small
-models under PyTorch FSDP (fms-fsdp's 7B and 13B by 12-40%, worst on H100), and MPT-70B on 64 A100 40GB
-with one micro-batch of two sequences per GPU (39%; its 128-GPU twin is within 6%), and GPT-NeoX-20B's pipeline
-(17%, the kind the held-out pipeline runs show).
+the one new constant (FlashAttention-2's fraction of the H100's peak) is the kernel paper's. A second round (the
+last two `CHANGES`) read the software the O, P and K rows ran: fms-fsdp's Feb-Mar 2024 figures ran eager (its
+scripts/train.sh then: --use_torch_compile=False), and eager Llama stacks run their RMSNorm in fp32 (MPT's
+LayerNorm is one bf16 kernel); it added 28 rows (llm-foundry's H100 table at 128-512 GPUs, MPT-1B to 70B; its
+A100 70B at 32 GPUs; fms-fsdp's compiled table of 2024-05-09, A100 and H100; BLOOM-176B's pipeline on 384 A100s,
+group R). Still too fast: fms-fsdp's eager 7B / 13B on H100 (18% / 12%), MPT-70B on 64 A100 40GB with one
+micro-batch of two sequences per GPU (41%; its 128-GPU twin within 8%), GPT-NeoX-20B's pipeline (17%; BLOOM-176B's,
+13% with Megatron's paired transfers, is within 7% once DeepSpeed's blocking ones are priced); and the weak-scaling decline of llm-foundry's H100 table (4-10% less per GPU
+at 512 GPUs than at 128) is predicted flat (within 1%).
 """
 
 from __future__ import annotations
@@ -93,6 +98,19 @@ CHANGES = (
      "bf16 gradient reduction under PURE and in fms-fsdp; GPT-NeoX's gradients reduced after the flush and its "
      "own FLOP count", ("O_llm_foundry_fsdp", "P_fms_fsdp", "Q_gpt_neox_20b"),
      "llm-foundry benchmarking README and yamls; fms-fsdp README and config; gpt-neox configs/20B.yml, logging"),
+    ("fms-fsdp's README tables before 2024-05-09 ran eager (torch.compile off), the table of that date compiled",
+     ("P_fms_fsdp",), "fms-fsdp git history: scripts/train.sh --use_torch_compile=False and docs/configurations.md "
+     "('recommended to NOT use compile at this stage') until the README's 'numbers are updated with torch.compile'"),
+    ("row descriptions: BLOOM-176B (GeLU MLP; DeepSpeed's pipeline engine: gradients reduced after the flush)",
+     ("R_bloom_176b",), "bigscience-workshop/bigscience train/tr11-176B-ml README and slurm script"),
+    ("DeepSpeed's pipeline engine: every send and receive a blocking transfer of its own, four per micro-batch on "
+     "an interior stage (Job.pp_p2p_serial); the pipeline runs at the slowest stage's cycle",
+     ("Q_gpt_neox_20b", "R_bloom_176b"), "DeepSpeed runtime/pipe/p2p.py (send / recv: async_op must be False) "
+     "and runtime/pipe/schedule.py (Send/RecvActivation, Send/RecvGrad instructions) (timing.pp_p2p_time)"),
+    ("eager RMSNorm in fp32 with bf16 activations (36 bytes per element, not 14); MPT's low-precision LayerNorm one "
+     "bf16 kernel (Job.fp32_norms)", ("K_torchtitan_a100_fsdp", "O_llm_foundry_fsdp", "P_fms_fsdp"),
+     "meshlm models/transformer.py RMSNorm; fms modules/layernorm.py (use_high_precision_pow); torchtitan's "
+     "RMSNorm; llm-foundry models/layers/norm.py LPLayerNorm (timing.elementwise_time)"),
 )
 
 

@@ -1,7 +1,8 @@
 """The training planner's terms for the three kinds of run issue 25 found predicted too fast: ZeRO-3 / FSDP
 over many nodes (one collective per unit and pass, each paying a ring latency that grows with the ranks),
 Megatron's uniform pipeline split (the head and loss on top of the last stage) and FlashAttention-2 on
-Hopper; and how a published row's own description (HSDP, its network) becomes a layout and a cluster.
+Hopper; eager RMSNorm in fp32, DeepSpeed's blocking pipeline transfers; and how a published row's own
+description (HSDP, its network, compiled or not) becomes a layout, a job and a cluster.
 Arithmetic only: no ranks are started."""
 
 from __future__ import annotations
@@ -115,3 +116,71 @@ def test_published_row_hsdp_and_its_own_network():
     assert (lo.dp_shard, lo.dp_replicate, lo.zero_stage) == (8, 12, 3)
     assert cluster_for(row).scaleout_bw == pytest.approx(100e9 / 8)
     assert cluster_for({**row, "internode_bw_per_gpu": ""}).scaleout_bw == get_cluster("h100").scaleout_bw
+
+
+def test_eager_norms_in_fp32_cost_their_bytes_exactly():
+    """Eager bf16: each of a layer's two norms runs in fp32 (36 bytes per element, 18 two-byte elements; meshlm's,
+    HF's, torchtitan's and fms' RMSNorm upcast) or, `fp32_norms=False`, as one bf16 kernel (2 elements, MPT's
+    low-precision LayerNorm): the forward differs by exactly 2 x 16 x hidden x tokens x 2 bytes at HBM rate, the
+    backward by twice that; fp32 activations keep 7 elements per norm whatever the flag; fused kernels ignore it."""
+    from meshlm.planner.timing import elementwise_time
+
+    cfg = _gpt(layers=4, hidden=1024)
+    lo = Layout(dp_shard=8, micro_batch_size=2)
+    cluster = get_cluster("h100")
+
+    def elem(**kw):
+        job = Job(seq_len=2048, global_batch_size=16, **kw)
+        summary = ModelSummary.build(cfg, 2048, eager=not job.fused_elementwise)
+        r = rank_setup(summary, cluster, job, lo)
+        return elementwise_time(summary, job, r, gemms=[], imbalance=1.0), r
+
+    (f32, b32), r = elem(fused_elementwise=False)
+    (f16, b16), _ = elem(fused_elementwise=False, fp32_norms=False)
+    expected = 2 * (18 - 2) * cfg.hidden_size * r.tokens_mb * 2 / r.hbm_bw
+    assert f32 - f16 == pytest.approx(expected)
+    assert b32 - b16 == pytest.approx(2 * expected)
+    assert elem(fused_elementwise=True)[0] == elem(fused_elementwise=True, fp32_norms=False)[0]
+    fp32 = [elem(fused_elementwise=False, precision="fp32", runtime="meshlm", fp32_norms=x)[0][0] for x in (True, False)]
+    assert fp32[0] - fp32[1] == pytest.approx(2 * (7 - 2) * cfg.hidden_size * r.tokens_mb * 4 / r.hbm_bw)
+
+
+def test_fms_rows_run_eager_unless_their_source_is_the_compiled_table():
+    """fms-fsdp's README tables of Feb-Mar 2024 ran with --use_torch_compile=False; the table of 2024-05-09 says
+    its numbers are with torch.compile: the row's source decides Job.fused_elementwise."""
+    from meshlm.planner.published import job_of, model_of
+
+    row = {"row_id": "X", "group": "P_fms_fsdp", "model": "Llama2-7b", "layers": "32", "hidden": "4096",
+           "heads": "32", "kv_heads": "32", "ffn": "11008", "vocab": "32000", "seq_len": "4096", "n_gpus": "96",
+           "tp": "1", "pp": "1", "cp": "1", "ep": "", "dp": "96", "vpp": "", "mbs": "2", "sp": "no", "gbs_seqs": "192",
+           "recompute": "none", "zero_fsdp": "FSDP", "gpu": "H100 80GB", "precision": "bf16",
+           "source": "IBM / PyTorch, fms-fsdp README.md (2024)"}
+    cfg = model_of(row)
+    assert not job_of(row, cfg).fused_elementwise
+    compiled = {**row, "source": "fms-fsdp README.md (revision of 2024-05-09, 'numbers are updated with torch.compile')"}
+    assert job_of(compiled, cfg).fused_elementwise
+    assert job_of({**row, "group": "O_llm_foundry_fsdp"}, cfg).fp32_norms is False
+    assert job_of(row, cfg).fp32_norms is True
+
+
+def test_serial_pipeline_transfers_cost_an_interior_stage_two_more_per_micro_batch():
+    """DeepSpeed's engine (`Job.pp_p2p_serial`): each send and receive blocks on its own, so an interior stage
+    waits for four transfers per micro-batch where Megatron's paired ones cost two; with 1 s per message across
+    nodes (one pipeline stage per node) and a tiny model, the pipeline's p2p time grows by between m x (pair - 1 s)
+    and m x pair, pair being the two-message cost the paired schedule charges per micro-batch. With two stages
+    there is no interior stage: nothing changes."""
+    cfg = _gpt(layers=8, hidden=512)
+    base = get_cluster("a100")
+    slow = with_overrides(base, scaleout_latency=base.scaleout_latency + 1.0)
+    lo = Layout(tp=8, pp=4, dp_shard=1, micro_batch_size=1, pp_split="uniform", recompute="none")
+    est = {x: estimate(cfg, slow, Job(seq_len=512, global_batch_size=16, pp_p2p_serial=x), lo, gpus=32)
+           for x in (False, True)}
+    m = est[False].num_microbatches
+    assert m == 16
+    pair = 2 * collective_time("p2p", 512 * 512 * 2, (1, 2), slow)  # one activation message each way
+    diff = est[True].time_s["pp_p2p"] - est[False].time_s["pp_p2p"]
+    assert m * (pair - 1.0) <= diff <= m * pair + 1e-9
+    two = Layout(tp=8, pp=2, dp_shard=1, micro_batch_size=1, pp_split="uniform", recompute="none")
+    t2 = [estimate(cfg, slow, Job(seq_len=512, global_batch_size=16, pp_p2p_serial=x), two, gpus=16).time_s["pp_p2p"]
+          for x in (False, True)]
+    assert t2[0] == t2[1]

@@ -146,7 +146,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         "ep_comm": m * mb.ep_comm,
         "pp_bubble": pipeline_bubble(lo.pp_schedule, pp=r.pp, num_microbatches=m, pp_chunks=r.v,
                                      t_fwd=mb.fwd, t_bwd_input=mb.bwd / 2, t_bwd_weight=mb.bwd / 2),
-        "pp_p2p": pp_p2p_time(lo, r, num_microbatches=m),
+        "pp_p2p": pp_p2p_time(lo, r, num_microbatches=m, job=job, t_microbatch=mb.total),
         "dp_comm": dp_comm_time(summary, job, lo, r, p, mb, num_microbatches=m),
         "optimizer": optimizer_time(r, p) + cluster.step_overhead,  # with the step's fixed framework work
     }

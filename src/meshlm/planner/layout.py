@@ -48,6 +48,10 @@ class Job:
     # Norms, RoPE, SwiGLU and residual adds as fused kernels (Megatron/TE, torch.compile); False
     # models eager PyTorch, one memory pass per op (meshlm's model uncompiled, e.g. the CPU runs).
     fused_elementwise: bool = True
+    # Eager only: the norms run in fp32 (meshlm's RMSNorm upcasts, as Hugging Face's Llama, torchtitan's and IBM
+    # fms' do: seven passes, 36 bytes per element); False: one fused norm kernel in the activations' dtype
+    # (llm-foundry MPT's default `low_precision_layernorm`: F.layer_norm on bf16, read + write).
+    fp32_norms: bool = True
     # Tensor-parallel collectives pipelined under the GEMMs (Megatron-Core / Transformer Engine
     # `tp_comm_overlap`, MegaScale Sec. 3.3); meshlm's own TP does not overlap them (False).
     tp_comm_overlap: bool = False
@@ -55,6 +59,11 @@ class Job:
     # (meshlm's DP and ZeRO, PyTorch DDP/FSDP, Megatron-Core's overlap_grad_reduce / overlap_param_gather).
     # False: issued after the backward, exposed (Megatron-LM before 2023); ZeRO-3 always prefetches.
     dp_comm_overlap: bool = True
+    # Every pipeline send and receive its own blocking transfer, in schedule order (DeepSpeed's pipeline engine:
+    # runtime/pipe/p2p.py's send / recv are synchronous, one per SendActivation / RecvActivation / SendGrad /
+    # RecvGrad instruction): an interior stage waits for four transfers per micro-batch, an end stage for two.
+    # False: Megatron's / meshlm's schedules, a send and a receive issued together (two per micro-batch).
+    pp_p2p_serial: bool = False
     runtime: str = "megatron"  # one of RUNTIMES: whose memory and communication accounting applies
     # Megatron-Core's gradient buffer (main_grad) and its reduce-scatter / all-reduce in fp32 (its
     # `grad_reduce_in_fp32`, the planner's default) or, False, in the bf16 parameter dtype: what NVIDIA's

@@ -54,11 +54,17 @@ Choices the rows leave open, made the same way for every row (never from the rep
     `a100-40gb` preset;
   * llm-foundry's tables ran eager PyTorch (Composer FSDP, before torch.compile: the README's "update with
     torch 2.0" note) and reduce gradients in bf16 with mixed_precision PURE (fp32 with DEFAULT); fms-fsdp
-    compiles (its `use_torch_compile` default) and reduces in bf16 (its bf16 mixed-precision policy);
+    reduces in bf16 (its bf16 mixed-precision policy) and ran eager for the README's tables of Feb-Mar 2024
+    (`--use_torch_compile=False` in its scripts/train.sh then), compiled for the table of 2024-05-09 ("numbers
+    are updated with torch.compile": rows whose `source` names torch.compile);
+  * eager norms in fp32 (torchtitan's and fms' RMSNorm upcast, as meshlm's does), except MPT's, whose
+    low-precision LayerNorm is one bf16 kernel (`Job.fp32_norms`);
   * the PyTorch-native stacks (torchtitan, llm-foundry, fms-fsdp) attend with FlashAttention-2 kernels
     (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer Engine's;
-  * GPT-NeoX (DeepSpeed's pipeline engine) reduces gradients after the flush, exposed; its TFLOP/s are its
-    own count of the time, 6 N + 60 s h l per token;
+  * GPT-NeoX and BLOOM (DeepSpeed's pipeline engine) reduce gradients after the flush, exposed; GPT-NeoX's
+    TFLOP/s are its own count of the time, 6 N + 60 s h l per token (BLOOM's row gives its step time); each
+    pipeline send and receive is a blocking transfer of its own (`Job.pp_p2p_serial`); BLOOM's
+    partition counts the embedding as a block ('type:transformer|embedding'): the planner's balanced split;
   * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H) and
     DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q): num_layers /
     stages blocks on every stage, the head and loss on top of the last (`Layout.pp_split = "uniform"`);
@@ -107,6 +113,8 @@ ARCHS = {
                           experts=128, top_k=8, moe_ffn=768, qk_norm=True),
     # MosaicML MPT (llm-foundry's yamls/pretrain/mpt-*.yaml; the CSV rows carry the sizes): GeLU 4h MLP.
     "mpt-": dict(**_GPT),
+    # BigScience BLOOM (tr11-176B-ml README, the CSV row carries the sizes): GeLU 4h MLP.
+    "bloom": dict(**_GPT),
     "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
                             experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
 }
@@ -264,11 +272,15 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
-    # DeepSpeed's pipeline engine (GPT-NeoX) likewise reduces the gradients after the pipeline flush.
-    megatron_old = row["group"].startswith(("A_", "C_", "Q_gpt_neox")) or megascale_baseline
+    # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
+    deepspeed_pipe = row["group"].startswith(("Q_gpt_neox", "R_bloom"))
+    megatron_old = row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
-    # memory pass per elementwise op.
-    eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry"))
+    # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
+    # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
+    # this stage"); that revision's table ("numbers are updated with torch.compile") compiled.
+    fms_eager = row["group"].startswith("P_fms") and "torch.compile" not in row["source"]
+    eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry")) or fms_eager
     flash = year >= 2023 and not megascale_baseline
     # Gradients reduced in bf16: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16).
     bf16_reduce = "pure" in row["precision"].lower() or row["group"].startswith("P_fms")
@@ -281,10 +293,14 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
     fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms"))
+    # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
+    # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
+    mpt_norm = row["group"].startswith("O_llm_foundry")
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap)
+               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
+               fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe)
 
 
 def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:

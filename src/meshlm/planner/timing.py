@@ -296,11 +296,16 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
         elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
     else:
         # Eager PyTorch, meshlm's model as written: every op is its own pass over memory. Per token,
-        # elements read + written: each RMSNorm 7h (pow, mean, scale, weight), residual adds 3h each,
+        # elements (of the activations' dtype) read + written: each RMSNorm 7h in fp32 (pow, mean, scale,
+        # weight); with 2-byte activations 18h, the norm running in fp32 (models/transformer.py's RMSNorm
+        # upcasts, as Hugging Face's Llama, torchtitan's and IBM fms' do): upcast 2 + 4 bytes, x^2 4 + 4, its
+        # mean 4, the scaling 4 + 4, the cast back 4 + 2, the weight 2 + 2 = 36 bytes; 2h where the stack
+        # norms in one bf16 kernel (`Job.fp32_norms` False: MPT's low-precision LayerNorm); residual adds 3h each,
         # RoPE 10 per rotated element (neg, cat, two products, add) on q and k, the GQA
         # repeat_interleave of k and v, the attention output's transpose copy, SwiGLU 5 per
         # intermediate (silu, product).
-        elems_seq = 20 * h + moe_elems
+        norm = (18 if r.by["act"] == 2 else 7) if job.fp32_norms else 2
+        elems_seq = 2 * norm * h + 2 * 3 * h + moe_elems
         elems_tp = 10 * (q_dim + kv_dim) + 2 * (q_dim + kv_dim) + 2 * q_dim + 5 * inter
     if not job.flash_attention:
         # unfused scale+mask+softmax (+dropout) over s scores per head: ~4 passes forward
@@ -458,11 +463,19 @@ def loss_time(cfg: ModelConfig, r: RankSetup) -> float:
     return r.tokens_mb * cfg.vocab_size / r.tp * 4 * 5 / r.hbm_bw
 
 
-def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int) -> float:
+def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int, job: Job | None = None,
+                t_microbatch: float = 0.0) -> float:
     """Activation sends between pipeline stages, exposed: 2 per microbatch and chunk (one to the next
     stage, one back to the previous), plus the fill. With several pipeline ranks per scale-up domain a
     rank has at most one neighbour in another domain: one of its two sends rides the scale-out link, the
-    other the scale-up link; with one rank per domain both cross."""
+    other the scale-up link; with one rank per domain both cross.
+
+    `Job.pp_p2p_serial` (DeepSpeed's engine: each send and receive a blocking transfer of its own): a stage's
+    cycle per micro-batch is its compute plus its transfers, four on an interior stage (receive and send, each
+    way), two on an end stage; the pipeline runs at the slowest stage's cycle. The busiest rank's compute
+    (`r.rank_units` layer units, `t_microbatch` seconds) is already charged with two: what the busiest
+    interior stage's cycle (its blocks at the same time per block, and four transfers) exceeds that by is
+    added per micro-batch."""
     if r.pp == 1:
         return 0.0
     n_in, n_out = r.spans["pp"]
@@ -470,7 +483,12 @@ def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int) -> float:
     inside = collective_time("p2p", msg, (2, 1), r.cluster)
     across = collective_time("p2p", msg, (1, 2), r.cluster)
     pair = 2 * inside if n_out == 1 else (2 * across if n_in == 1 else inside + across)
-    return r.v * (num_microbatches + r.pp - 1) * pair
+    t = r.v * (num_microbatches + r.pp - 1) * pair
+    if job is not None and job.pp_p2p_serial and r.pp > 2 and r.v == 1:
+        per_unit = t_microbatch / r.rank_units
+        interior = max(r.rank_layers[1:-1]) * per_unit + 2 * pair
+        t += num_microbatches * max(0.0, interior - (t_microbatch + pair))
+    return t
 
 
 def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
