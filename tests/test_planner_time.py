@@ -1,0 +1,212 @@
+"""Planner tests of the time model: GEMM shapes and rates, collectives per kind and tier, overlap per strategy,
+fp8 and bf16 accounting, and the layouts the planner refuses as the runtime does (`tests/test_planner.py`: the
+counts, memory, search and CLI)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from meshlm.config import ModelConfig
+from meshlm.planner.cluster import get_cluster
+from meshlm.planner.cost import Job
+
+from test_planner import TINY, VARIANTS  # the model variants the counts are checked on
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+# ---- time model: GEMM shapes, collectives per kind, overlap per strategy ---------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_layer_gemms_carry_exactly_the_dense_flops(name):
+    from meshlm.planner.cost import ModelSummary
+    from meshlm.planner.kernels import layer_gemms
+
+    cfg = ModelConfig(**{**TINY, **VARIANTS[name]})
+    s = ModelSummary.build(cfg, 64)
+    gemms = layer_gemms(cfg, tokens=1, tp=1, ep=1, moe_fraction=s.moe_layer_fraction)
+    assert sum(2 * m * n * k * c for m, n, k, c in gemms) == pytest.approx(s.flops_dense)
+    if cfg.is_moe:  # the same FLOPs whatever ep, only split over fewer local experts with more rows each
+        split = layer_gemms(cfg, tokens=1, tp=1, ep=2, moe_fraction=s.moe_layer_fraction)
+        assert sum(2 * m * n * k * c for m, n, k, c in split) == pytest.approx(s.flops_dense)
+
+
+def test_thin_gemms_run_below_the_large_gemm_rate():
+    from meshlm.planner.kernels import gemm_time
+
+    kw = dict(rate=600e12, hbm_bw=3e12, in_bytes=2, k_overhead=256)
+    big = gemm_time(8192, 8192, 8192, **kw)
+    thin = gemm_time(8192, 8192, 512, **kw)  # a tp=16 shard of the same row-parallel layer
+    rate_big, rate_thin = 2 * 8192**3 / big, 2 * 8192 * 8192 * 512 / thin
+    assert rate_thin < 0.7 * rate_big and rate_big == pytest.approx(600e12 * 8192 / (8192 + 256))
+    decode = gemm_time(1, 8192, 8192, **kw)  # one token: bound by streaming the weights
+    assert decode == pytest.approx(2 * 8192 * 8192 / 3e12, rel=1e-3)
+    # fp8: a stage holds the same bytes of K, twice the elements: the same fixed time at twice the rate
+    fp8 = gemm_time(8192, 8192, 8192, **{**kw, "rate": 1200e12, "in_bytes": 1})
+    assert 2 * 8192**3 / fp8 == pytest.approx(1200e12 * 8192 / (8192 + 512))
+
+
+def test_collective_fits_are_per_kind_and_tier():
+    from meshlm.planner.cluster import with_overrides
+    from meshlm.planner.collectives import collective_time
+
+    h100 = get_cluster("h100")
+    slow_a2a = with_overrides(h100, collective_fits={"scale-out": {"all_to_all": (20e-6, 10e9)}})
+    span = (8, 4)
+    assert collective_time("all_reduce", 1e9, span, slow_a2a) == collective_time("all_reduce", 1e9, span, h100)
+    assert collective_time("all_to_all", 1e9, span, slow_a2a) > 2 * collective_time("all_to_all", 1e9, span, h100)
+    assert collective_time("all_to_all", 1e9, (8, 1), slow_a2a) == collective_time("all_to_all", 1e9, (8, 1), h100)
+
+
+def test_local_cluster_uses_each_calibrated_collective(tmp_path):
+    from meshlm.planner.cluster import local_cluster
+
+    data = {"matmul_flops": 1e11, "world_size": 4, "link": {"bandwidth": 1e9, "latency": 1e-4},
+            "collectives": {"all_reduce": {"latency": 6e-4, "bandwidth": 2e9},
+                            "p2p": {"latency": 5e-5, "bandwidth": 4e9}}}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    clu = local_cluster(path)
+    assert clu.collective_fit("all_reduce", "scale-up") == (pytest.approx(6e-4 / 6), 2e9)  # 2 (n - 1) hops
+    assert clu.collective_fit("p2p", "scale-out") == (5e-5, 4e9)
+    assert clu.collective_fit("all_gather", "scale-up") == (1e-4, 1e9)  # not measured: the link's fit
+
+
+def test_comm_overlap_flags_change_only_their_component():
+    cfg = ModelConfig.from_preset("llama3-70b")
+    h100 = get_cluster("h100")
+    from meshlm.planner import cost
+
+    layout = cost.Layout(tp=8, pp=2, dp_shard=4, zero_stage=1)
+
+    def run(**kw):
+        return cost.estimate(cfg, h100, Job(seq_len=4096, global_batch_size=64, **kw), layout)
+
+    base, tp_ov, dp_ex = run(), run(tp_comm_overlap=True), run(dp_comm_overlap=False)
+    assert tp_ov.time_s["tp_comm"] < 0.5 * base.time_s["tp_comm"]
+    assert dp_ex.time_s["dp_comm"] > base.time_s["dp_comm"]
+    for key in ("compute", "optimizer"):
+        assert tp_ov.time_s[key] == dp_ex.time_s[key] == base.time_s[key]
+    assert dp_ex.time_s["pp_bubble"] == base.time_s["pp_bubble"]  # the bubble scales with per-microbatch time,
+    assert tp_ov.time_s["pp_bubble"] < base.time_s["pp_bubble"]  # which hidden TP communication shortens
+
+
+def test_fp8_is_faster_than_bf16_but_not_twice():
+    cfg = ModelConfig.from_preset("llama3-8b")
+    h100 = get_cluster("h100")
+    from meshlm.planner import cost
+
+    lo = cost.Layout(dp_shard=8, zero_stage=1)
+    bf16 = cost.estimate(cfg, h100, Job(seq_len=8192, global_batch_size=64), lo)
+    fp8 = cost.estimate(cfg, h100, Job(seq_len=8192, global_batch_size=64, precision="fp8"), lo)
+    # GEMMs at twice the rate, but attention, elementwise work and the fp8 casts stay at bf16 / HBM speed
+    assert 1.2 < bf16.time_s["step"] / fp8.time_s["step"] < 1.9
+
+
+def test_fp8_output_head_runs_in_bf16():
+    """fp8 covers the blocks' linear layers only: the head's GEMM costs what it costs under bf16, so a
+    large-vocabulary model gains less from fp8 than the same model with a small vocabulary."""
+    from meshlm.planner import cost
+
+    h100 = get_cluster("h100")
+    lo = cost.Layout(dp_shard=8, zero_stage=1)
+    gains = {}
+    for vocab in (32000, 256000):
+        cfg = dataclasses.replace(ModelConfig.from_preset("llama3-8b"), vocab_size=vocab)
+        t = {p: cost.estimate(cfg, h100, Job(seq_len=4096, global_batch_size=64, precision=p), lo).time_s["compute"]
+             for p in ("bf16", "fp8")}
+        gains[vocab] = t["bf16"] / t["fp8"]
+    assert gains[256000] < gains[32000] - 0.05  # (a head at the fp8 rate: 1.59 vs 1.61)
+
+
+def test_pipeline_sends_cross_domains_only_where_the_neighbour_is_across():
+    """pp ranks two to a node: each rank's one neighbour across nodes rides the NIC, the other NVLink."""
+    from meshlm.planner import cost
+    from meshlm.planner.collectives import collective_time
+
+    cfg = ModelConfig.from_preset("llama3-8b")
+    h100 = get_cluster("h100")
+    job = Job(seq_len=4096, global_batch_size=8)
+    est = cost.estimate(cfg, h100, job, cost.Layout(tp=4, pp=4, sequence_parallel=False), gpus=16)
+    assert est.links["pp"] == "hierarchical"
+    msg = 4096 * cfg.hidden_size * 2
+    pair = collective_time("p2p", msg, (2, 1), h100) + collective_time("p2p", msg, (1, 2), h100)
+    assert est.time_s["pp_p2p"] == pytest.approx((8 + 4 - 1) * pair)
+
+
+def test_bf16_gradients_halve_gradient_memory_and_dp_traffic():
+    """Job.grad_reduce_in_fp32=False (NeMo / Megatron-Bridge performance recipes): 2-byte gradients."""
+    from meshlm.planner import cost
+
+    cfg = ModelConfig.from_preset("llama3-8b")
+    h100 = get_cluster("h100")
+    lo = cost.Layout(dp_shard=64, zero_stage=1)
+    run = lambda **kw: cost.estimate(cfg, h100, Job(seq_len=4096, global_batch_size=64, dp_comm_overlap=False,  # noqa: E731
+                                                    **kw), lo)
+    fp32, bf16 = run(), run(grad_reduce_in_fp32=False)
+    assert bf16.memory_gib["gradients"] == pytest.approx(fp32.memory_gib["gradients"] / 2)
+    assert bf16.time_s["dp_comm"] < 0.8 * fp32.time_s["dp_comm"]
+    for key in ("weights", "optimizer", "activations"):
+        assert bf16.memory_gib[key] == fp32.memory_gib[key]
+    # fp32 training has no bf16 gradients to keep
+    f32 = cost.estimate(cfg, h100, Job(seq_len=4096, global_batch_size=64, precision="fp32",
+                                       grad_reduce_in_fp32=False), lo)
+    assert f32.memory_gib["gradients"] == cost.estimate(
+        cfg, h100, Job(seq_len=4096, global_batch_size=64, precision="fp32"), lo).memory_gib["gradients"]
+
+
+def test_fp8_keeps_gemm_inputs_in_fp8():
+    """Under fp8 the two norm outputs and the SwiGLU product are kept as 1-byte copies, the attention output
+    once more (its fp8 copy for wo): the difference from bf16 is exactly that, per token and layer."""
+    from meshlm.planner import cost
+    from meshlm.planner.memory import layer_activation_bytes
+
+    cfg = ModelConfig.from_preset("llama3-70b")
+    summary = cost.ModelSummary.build(cfg, 4096)
+    lo = cost.Layout(tp=4, dp_shard=2, sequence_parallel=True)
+    act = {p: layer_activation_bytes(summary, Job(seq_len=4096, global_batch_size=8, precision=p), lo)
+           for p in ("bf16", "fp8")}
+    q_dim = cfg.num_heads * cfg.head_dim
+    expected = 4096 * ((q_dim - cfg.intermediate_size) / 4 - 2 * cfg.hidden_size / 4)
+    assert act["fp8"] - act["bf16"] == pytest.approx(expected)
+    full = {p: layer_activation_bytes(summary, Job(seq_len=4096, global_batch_size=8, precision=p), lo,
+                                      recompute="full") for p in ("bf16", "fp8")}
+    assert full["fp8"] == full["bf16"]  # full recompute keeps the layer input only, in bf16
+
+
+def test_runtime_accounting_is_an_explicit_field():
+    from meshlm.planner import cost
+
+    cfg = ModelConfig(**TINY)
+    lo = cost.Layout(dp_shard=4, zero_stage=1)
+    mine = cost.estimate(cfg, get_cluster("a100"), Job(seq_len=16, global_batch_size=4, precision="fp32",
+                                                       runtime="meshlm"), lo)
+    megatron = cost.estimate(cfg, get_cluster("a100"), Job(seq_len=16, global_batch_size=4, precision="fp32"), lo)
+    # meshlm's ZeRO-1 keeps full fp32 weights + a flat master shard; Megatron's accounting shards the 8
+    # bytes of fp32 moments only (fp32 weights are the master copy)
+    assert mine.memory_gib["optimizer"] > megatron.memory_gib["optimizer"]
+    with pytest.raises(ValueError, match="runtime='meshlm' trains in fp32"):
+        Job(seq_len=16, global_batch_size=4, precision="bf16", runtime="meshlm").validate()
+    with pytest.raises(ValueError, match="runtime='torch' must be one of"):
+        Job(seq_len=16, global_batch_size=4, runtime="torch").validate()
+
+
+def test_validate_layout_refuses_what_the_runtime_refuses():
+    from meshlm.planner import cost
+
+    job = Job(seq_len=64, global_batch_size=4)
+    odd_vocab = ModelConfig(**{**TINY, "vocab_size": 65})
+    with pytest.raises(ValueError, match="model.vocab_size=65 is not divisible by tp=2"):
+        cost.validate_layout(odd_vocab, job, cost.Layout(tp=2), gpus=2)
+    odd_mlp = ModelConfig(**{**TINY, "num_kv_heads": 4, "intermediate_size": 50})
+    with pytest.raises(ValueError, match="model.intermediate_size=50 is not divisible by tp=4"):
+        cost.validate_layout(odd_mlp, job, cost.Layout(tp=4), gpus=4)
+    assert cost.validate_layout(odd_mlp, job, cost.Layout(tp=2), gpus=2) == 4
