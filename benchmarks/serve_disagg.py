@@ -8,7 +8,7 @@ The load: --short requests of --short-len random tokens generating --short-out t
 and, among them, --long requests of --long-len tokens generating --long-out (the long prompts that stall every
 decode of a colocated engine while they prefill), shuffled and streamed at Poisson arrivals of --rate requests/s
 (`serve.online_run`'s client: TTFT = request sent -> first streamed text, TPOT = (last chunk - first chunk) /
-(tokens - 1)). Both deployments use --ranks ranks (one intra-op thread each) of a tiny random Llama on CPU behind
+(tokens - 1)). The parts colocated and disaggregated (the default --parts) use --ranks ranks (one intra-op thread each) of a tiny random Llama on CPU behind
 one HTTP endpoint:
   colocated       `meshlm serve --replicas R --router round_robin`: R engines, each prefilling and decoding;
   disaggregated   `meshlm serve --prefill tp=1 --decode tp=1` (with --ranks 2; more ranks: --prefill/--decode):
