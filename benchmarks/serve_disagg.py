@@ -2,12 +2,13 @@
 
     python benchmarks/serve_disagg.py                        # 2 ranks, CPU, a few minutes
     python benchmarks/serve_disagg.py --long-len 1024 --long 6 --short 16 --rate 6
+    python benchmarks/serve_disagg.py --parts emulated --inter-node-bw 100mbit  # 2 emulated nodes; root
 
 The load: --short requests of --short-len random tokens generating --short-out tokens each (the running decodes)
 and, among them, --long requests of --long-len tokens generating --long-out (the long prompts that stall every
 decode of a colocated engine while they prefill), shuffled and streamed at Poisson arrivals of --rate requests/s
 (`serve.online_run`'s client: TTFT = request sent -> first streamed text, TPOT = (last chunk - first chunk) /
-(tokens - 1)). Both deployments use --ranks ranks (one intra-op thread each) of a tiny random Llama on CPU behind
+(tokens - 1)). The parts colocated and disaggregated (the default --parts) use --ranks ranks (one intra-op thread each) of a tiny random Llama on CPU behind
 one HTTP endpoint:
   colocated       `meshlm serve --replicas R --router round_robin`: R engines, each prefilling and decoding;
   disaggregated   `meshlm serve --prefill tp=1 --decode tp=1` (with --ranks 2; more ranks: --prefill/--decode):
@@ -19,17 +20,28 @@ Beside them, the serving planner's prediction for the same deployments (`meshlm 
 lengths) when --calibration names a `meshlm plan calibrate` file (default plan_calibration.json, when present) and
 both instances have the same layout L (the planner's pools share one); the planner prices bf16 weights and KV,
 the run is fp32, so its figures are for a model of half the bytes.
-Not here: prefill and decode on different emulated nodes (`meshlm cluster emulate`): `meshlm serve` does not
-start ranks across nodes yet.
+
+The part `emulated` (--parts ...,emulated; root and iproute2): the disaggregated deployment again, on `meshlm cluster
+emulate --nodes 2 --procs-per-node P --inter-node-bw RATE` (P = each instance's ranks, which must be equal): the
+prefill instance on emulated node 0, the decode instance on node 1, every KV transfer over the shaped link. The
+load runs inside node 0 (where the front answers). Printed: TTFT/TPOT/throughput as above, the KV transfers (the
+server's /metrics: transfers, tokens sent and skipped, bytes, seconds), the bytes each node's link carried, and the
+planner's prediction for the same deployment on that emulated cluster (`meshlm plan infer --cluster local
+--calibration FILE --disaggregate P:P`, the transfer priced on the scale-out link) from --emulated-calibration
+(a `meshlm plan calibrate --emulated` file for the same nodes, ranks and rate; measured first when absent, about
+a minute). --smoke runs it where this host can emulate nodes, without measuring a calibration; elsewhere it
+prints a skipped entry.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -92,28 +104,161 @@ def planner(path: Path, calibration: str | None, trace, measured: dict, *, prefi
     if calibration is None or not Path(calibration).exists():
         return {"skipped": "no calibration file: run `meshlm plan calibrate --out plan_calibration.json` and pass "
                            "--calibration plan_calibration.json"}
-    ins = round(statistics.mean(len(p) for p, _, _ in trace))
-    outs = round(statistics.mean(o for _, o, _ in trace))
-    out = {"input_len": ins, "output_len": outs, "precision": "bf16 (the planner's; the run is fp32)"}
+    out = {"precision": "bf16 (the planner's; the run is fp32)"}
     for name, extra in (("colocated", ["--gpus", str(prefill.ranks + decode.ranks)]),
                         ("disaggregated", ["--disaggregate", f"{prefill.ranks}:{decode.ranks}"])):
-        concurrency = max(1, round(measured[name]["mean_concurrency"]))
-        argv = [sys.executable, "-m", "meshlm.cli", "plan", "infer", "--model", str(path), "--cluster", "local",
-                "--calibration", calibration, "--layout", f"tp={prefill.tp},cp={prefill.cp}", "--input-len", str(ins), "--output-len", str(outs),
-                "--concurrency", str(concurrency), "--json", *extra]
-        done = subprocess.run(argv, capture_output=True, text=True)
-        if done.returncode:
-            out[name] = {"error": done.stderr.strip()[-500:]}
-            continue
-        r = json.loads(done.stdout)
-        r = r[0] if isinstance(r, list) else r
-        out[name] = {"concurrency": concurrency, **{k: round(r[k], 3) for k in
-                                                    ("ttft_ms", "tpot_ms", "output_tokens_per_s") if k in r}}
-        for k in ("ttft_ms", "tpot_ms", "output_tokens_per_s"):
-            key = {"ttft_ms": "ttft_p50_ms", "tpot_ms": "tpot_p50_ms"}.get(k, k)
-            if k in r and measured[name].get(key):
-                out[name][f"measured_over_predicted_{k.removesuffix('_ms')}"] = float(f"{measured[name][key] / r[k]:.3g}")
+        out[name] = predict(path, calibration, trace, measured[name], layout=prefill, extra=extra)
     return out
+
+
+def predict(path: Path, calibration: str, trace, measured: dict, *, layout, extra: list[str]) -> dict:
+    """`meshlm plan infer --cluster local --calibration CALIBRATION --layout LAYOUT EXTRA` at the measured mean
+    concurrency and the trace's mean input and output lengths, beside the measured figures."""
+    ins = round(statistics.mean(len(p) for p, _, _ in trace))
+    outs = round(statistics.mean(o for _, o, _ in trace))
+    concurrency = max(1, round(measured["mean_concurrency"]))
+    argv = [sys.executable, "-m", "meshlm.cli", "plan", "infer", "--model", str(path), "--cluster", "local",
+            "--calibration", calibration, "--layout", f"tp={layout.tp},cp={layout.cp}", "--input-len", str(ins),
+            "--output-len", str(outs), "--concurrency", str(concurrency), "--json", *extra]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        return {"error": done.stderr.strip()[-500:]}
+    r = json.loads(done.stdout)
+    r = r[0] if isinstance(r, list) else r
+    out = {"input_len": ins, "output_len": outs, "concurrency": concurrency,
+           **{k: round(r[k], 3) for k in ("ttft_ms", "tpot_ms", "output_tokens_per_s", "kv_transfer_s") if k in r}}
+    if "kv_transfer_bytes_per_request" in r:
+        out["kv_transfer_bytes_per_request"] = round(r["kv_transfer_bytes_per_request"])
+        out["bound"] = r.get("bound")
+    for k in ("ttft_ms", "tpot_ms", "output_tokens_per_s"):
+        key = {"ttft_ms": "ttft_p50_ms", "tpot_ms": "tpot_p50_ms"}.get(k, k)
+        if k in r and measured.get(key):
+            out[f"measured_over_predicted_{k.removesuffix('_ms')}"] = float(f"{measured[key] / r[k]:.3g}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The part `emulated`: prefill and decode on two emulated nodes
+# ---------------------------------------------------------------------------------------------
+
+NODE_PORT = 8000  # the front's port inside node 0's namespace (a fresh namespace: every port is free)
+
+
+@contextlib.contextmanager
+def emulated_server(serve_args: list[str], *, procs_per_node: int, rate: str, timeout_s: float, info: dict):
+    """`meshlm cluster emulate --nodes 2 ... -- meshlm serve SERVE_ARGS` in a session of its own; yields node 0's
+    namespace once it exists (the server may still be loading); on exit stops it (its namespaces go with it) and
+    puts in `info` how that went and the bytes each node's link carried."""
+    from serve import stop_process_tree
+
+    argv = [sys.executable, "-m", "meshlm.cli", "cluster", "emulate", "--nodes", "2", "--procs-per-node",
+            str(procs_per_node), "--inter-node-bw", rate, "--", "meshlm", "serve", *serve_args, "--port",
+            str(NODE_PORT), "--quiet"]
+    errors = tempfile.TemporaryFile(mode="w+")  # not a pipe: nobody reads it while the server runs
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    namespace = f"meshlm{proc.pid}-n0"  # run_emulated's name for node 0
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not Path("/run/netns", namespace).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                errors.seek(0)
+                raise RuntimeError(f"meshlm cluster emulate did not start: {errors.read()[-2000:]}")
+            time.sleep(0.05)
+        yield namespace
+    finally:
+        info["server_stopped"] = stop_process_tree(proc)
+        errors.seek(0)
+        text = errors.read()
+        errors.close()
+        links = [[int(a), int(b)] for a, b in re.findall(r"node \d+ sent (\d+) B, received (\d+) B", text)]
+        info["node_links_sent_received_bytes"] = links or text[-2000:]
+
+
+def load_in_node(namespace: str, trace, rate: float, seed: int, timeout_s: float) -> tuple[dict, str]:
+    """In a process of its own, inside `namespace` (node 0): wait for the server, run the load, read /metrics."""
+    import httpx
+
+    from meshlm.emulate import enter_node
+    from meshlm.infer.client import wait_until_healthy
+
+    enter_node(namespace)
+    url = f"http://127.0.0.1:{NODE_PORT}"
+    wait_until_healthy(url, timeout_s=timeout_s, poll_s=0.2)
+    result = run_load(url, trace, rate, seed)
+    return result, httpx.get(url + "/metrics", timeout=30).text
+
+
+def kv_counters(metrics: str) -> dict:
+    """The KV transfers' counters of a disaggregated server's /metrics (behind its front: replica="0")."""
+    out = {}
+    for line in metrics.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith("meshlm_kv_transfer"):
+            out[name.removeprefix("meshlm_").removesuffix("_total")] = float(line.rsplit(" ", 1)[1])
+        elif name == "meshlm_comm_bytes_total" and 'axis="kv"' in line:
+            out["rank0_comm_bytes_on_kv"] = float(line.rsplit(" ", 1)[1])
+    return {k: round(v, 4) if k.endswith("seconds") else int(v) for k, v in out.items()}
+
+
+def emulated_calibration(path: str, *, procs_per_node: int, rate: str, smoke: bool) -> tuple[str | None, str]:
+    """(the `plan calibrate --emulated` file for 2 nodes x `procs_per_node` ranks at `rate`, how it came) --
+    `path` when it describes that cluster, else measured into it when absent (not in a smoke run: None)."""
+    from meshlm.emulate import parse_rate
+
+    rate_bps = parse_rate(rate)
+    if Path(path).exists():
+        emu = json.loads(Path(path).read_text()).get("emulated") or {}
+        want = {"nodes": 2, "procs_per_node": procs_per_node, "inter_node_bw_bps": rate_bps}
+        if {k: emu.get(k) for k in want} != want:
+            raise SystemExit(f"--emulated-calibration {path} calibrates another cluster ({emu or 'not an emulated one'}"
+                             f"), not {want}; delete it (it is measured again) or name another file")
+        return path, "read"
+    if smoke:
+        return None, (f"no {path}, and a smoke run measures none (about a minute): meshlm plan calibrate --emulated "
+                      f"--nodes 2 --nproc-per-node {procs_per_node} --inter-node-bw {rate} --out {path}")
+    from meshlm.planner.calibrate import calibrate_emulated
+
+    calibrate_emulated(path, nodes=2, procs_per_node=procs_per_node, rate_bps=rate_bps)
+    return path, "measured"
+
+
+def run_emulated(args, path: Path, trace, prefill, decode, serve_flags: list[str]) -> dict:
+    """The part `emulated` (the module docstring)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from meshlm.emulate import check_host, parse_rate
+
+    try:
+        check_host()
+    except ValueError as e:
+        if args.smoke:
+            return {"skipped": str(e)}
+        raise SystemExit(f"the part emulated: {e}") from None
+    if prefill.ranks != decode.ranks:
+        raise SystemExit(f"the part emulated puts each instance on a node of its own: --prefill {prefill.label()} and "
+                         f"--decode {decode.label()} must have as many ranks")
+    rate_bps = parse_rate(args.inter_node_bw)
+    calibration, how = emulated_calibration(args.emulated_calibration, procs_per_node=prefill.ranks,
+                                            rate=args.inter_node_bw, smoke=args.smoke)
+    out = {"nodes": 2, "procs_per_node": prefill.ranks, "inter_node_bw_bps": rate_bps,
+           "placement": f"prefill {prefill.label()} on node 0, decode {decode.label()} on node 1, the front on node 0"}
+    with emulated_server(serve_flags, procs_per_node=prefill.ranks, rate=args.inter_node_bw, timeout_s=600,
+                         info=out) as namespace, \
+            ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        measured, metrics = pool.submit(load_in_node, namespace, trace, args.rate, args.seed, 600).result()
+    out.update(measured=measured, kv=kv_counters(metrics))
+    if calibration is None:
+        out["planner"] = {"skipped": how}
+    else:
+        out["planner"] = {"calibration": f"{calibration} ({how})", "precision": "bf16 (the planner's; the run is fp32)",
+                          **predict(path, calibration, trace, measured, layout=prefill,
+                                    extra=["--disaggregate", f"{prefill.ranks}:{decode.ranks}"])}
+    return out
+
+
+PARTS = ("colocated", "disaggregated", "emulated")
 
 
 def main() -> None:
@@ -136,8 +281,18 @@ def main() -> None:
     ap.add_argument("--calibration", default="plan_calibration.json",
                     help="a `meshlm plan calibrate` file for the planner's prediction (skipped when absent)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default="colocated,disaggregated",
+                    help=f"what to run, of {','.join(PARTS)} (default %(default)s; --smoke: all)")
+    ap.add_argument("--inter-node-bw", default="1gbit",
+                    help="the part emulated: each emulated node's link, each way (default %(default)s)")
+    ap.add_argument("--emulated-calibration", default="plan_calibration_emulated.json", metavar="FILE",
+                    help="the part emulated: a `meshlm plan calibrate --emulated` file of the same cluster for the "
+                         "planner's prediction (measured into FILE when absent; default %(default)s)")
     args = parse_args_smoke(ap, dict(short=3, short_len=8, short_out=4, long=1, long_len=48, long_out=2, rate=50.0,
-                                     hidden=32, layers=1, vocab=256, max_num_batched_tokens=32))
+                                     hidden=32, layers=1, vocab=256, max_num_batched_tokens=32, parts=",".join(PARTS)))
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or set(parts) - set(PARTS):
+        ap.error(f"--parts {args.parts!r}: give some of {', '.join(PARTS)}")
     if missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx"):
         print_smoke_skip("serve_disagg", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
         return
@@ -167,15 +322,21 @@ def main() -> None:
                           "long": [args.long, args.long_len, args.long_out], "rate_per_s": args.rate,
                           "max_num_batched_tokens": args.max_num_batched_tokens}
         budget = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        common = ["--model", str(path), "--served-model-name", "bench", "--device", "cpu", "--kv-cache-mb", "64"]
         deployments = {"colocated": ["--replicas", str(args.ranks), "--router", "round_robin", *budget],
                        "disaggregated": ["--prefill", args.prefill, "--decode", args.decode, *budget]}
-        for name, flags in deployments.items():
+        for name in ("colocated", "disaggregated"):
+            if name not in parts:
+                continue
             stopped = {}
-            with meshlm_server(["--model", str(path), "--served-model-name", "bench", "--device", "cpu",
-                                "--kv-cache-mb", "64", *flags], threads=1, timeout_s=600, stopped=stopped) as url:
+            with meshlm_server([*common, *deployments[name]], threads=1, timeout_s=600, stopped=stopped) as url:
                 result[name] = run_load(url, trace, args.rate, args.seed)
             result[name]["server_stopped"] = stopped
-        result["planner"] = planner(path, args.calibration, trace, result, prefill=prefill, decode=decode)
+        if "colocated" in parts and "disaggregated" in parts:
+            result["planner"] = planner(path, args.calibration, trace, result, prefill=prefill, decode=decode)
+        if "emulated" in parts:
+            result["emulated"] = run_emulated(args, path, trace, prefill, decode,
+                                              [*common, *deployments["disaggregated"]])
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     if args.smoke:
         result["smoke"] = True

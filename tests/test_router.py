@@ -177,7 +177,12 @@ def run_trace(url: str) -> tuple[float, float]:
         complete(url, prompt, max_tokens=2)
     text = httpx.get(url + "/metrics", headers=HEADERS).text
     assert metric(text, "meshlm_router_requests_total") == len(TRACE)
-    return metric(text, "meshlm_router_prefix_hit_rate"), engine_metric(url, "meshlm_prefix_cache_hit_tokens_total")
+    hits = engine_metric(url, "meshlm_prefix_cache_hit_tokens_total")
+    # the router's /metrics carries the replicas' own, each labelled with its replica
+    assert metric(text, "meshlm_prefix_cache_hit_tokens_total") == hits
+    assert {line.split("}")[0] for line in text.splitlines() if line.startswith("meshlm_requests_total{")} == \
+        {'meshlm_requests_total{replica="0"', 'meshlm_requests_total{replica="1"'}, text
+    return metric(text, "meshlm_router_prefix_hit_rate"), hits
 
 
 def replica_pids(router_pid: int) -> dict[int, int]:

@@ -111,6 +111,7 @@ def _check(results, cases, world_size):
             sent = sum(results[r][name, kind, "bytes"]["send"] for r in range(prefill[0] * prefill[1]))
             received = sum(results[r][name, kind, "bytes"]["recv"] for r in range(prefill[0] * prefill[1], world_size))
             assert sent == received == KV_BYTES_PER_TOKEN * stats["kv_transferred_tokens"] > 0, (name, kind)
+            assert stats["kv_transferred_bytes"] == sent  # what /metrics reports: every prefill rank's, from rank 0
             # never more sent than handed off (tokens the decode side's prefix cache held stay home)
             assert stats["kv_handed_off_tokens"] >= stats["kv_transferred_tokens"]
         for name in cases:

@@ -10,6 +10,9 @@ them: subprocesses.
   ranks on two emulated nodes: greedy tokens equal one process's, each rank holds the configured pool of KV blocks
   and the sequence's blocks j % 2, the cp axis moves exactly the bytes the config gives (the prefill's ring of
   keys/values and the decodes' two all-gathers per layer), and at least those bytes crossed the shaped link.
+- `meshlm cluster emulate` with `meshlm serve --prefill tp=1 --decode tp=1` (root): the prefill instance on one
+  emulated node, the decode instance on the other, the front on node 0; greedy tokens equal one engine's, the bytes
+  on "kv" equal the config's count for the tokens sent (the front's /metrics), and at least those crossed the link.
 """
 
 import json
@@ -18,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,6 +52,12 @@ def test_node_options_are_refused_in_one_line_before_any_rank(tmp_path, capsys, 
           "meshlm", *gen, "--cp", "2"], "--nodes 2 x --procs-per-node 2 = 4"),
         (["cluster", "emulate", "--nodes", "2", "--procs-per-node", "1", "--inter-node-bw", "1gbit", "--",
           "meshlm", *gen, "--cp", "2", "--node-rank", "0"], "drop --node-rank"),
+        # a disaggregated pair: both instances' ranks, the prefill instance's first
+        (["serve", "--model", str(tmp_path), "--prefill", "tp=1", "--decode", "tp=2", "--nnodes", "2",
+          "--rdzv-endpoint", "h:1"], "--prefill tp=1,cp=1 + --decode tp=2,cp=1 = 3 ranks do not split evenly"),
+        (["cluster", "emulate", "--nodes", "2", "--procs-per-node", "2", "--inter-node-bw", "1gbit", "--",
+          "meshlm", "serve", "--model", str(tmp_path), "--prefill", "tp=1", "--decode", "tp=1"],
+         "--decode tp=1,cp=1 = 2 ranks, but --nodes 2 x --procs-per-node 2 = 4"),
     ]
     for argv, message in cases:
         if argv[0] == "serve":
@@ -194,3 +204,100 @@ def test_generate_cp2_on_two_emulated_nodes(tmp_path, capfd):
     sent, received = map(int, re.search(r"node 0 sent (\d+) B, received (\d+) B", line).groups())
     assert sent >= cp["send"] + cp["all_gather"] // 2 and received >= cp["recv"] + cp["all_gather"] // 2, (line, cp)
     assert "node 1 sent" in line
+
+
+# A client run inside emulated node 0 (`ip netns exec`): waits for the server's /health, sends each request of
+# argv[2] (a JSON list of bodies) in turn, then reads /metrics; prints {"answers": [...], "metrics": text}.
+NODE_CLIENT = """
+import json, sys, time, urllib.request
+url, bodies = sys.argv[1], json.loads(sys.argv[2])
+deadline = time.monotonic() + 120
+while True:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            if r.status == 200:
+                break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.2)
+answers = []
+for body in bodies:
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        answers.append(json.loads(r.read()))
+with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    print(json.dumps({"answers": answers, "metrics": r.read().decode()}))
+"""
+
+
+@needs_root
+def test_serve_disaggregated_prefill_and_decode_on_two_emulated_nodes(tmp_path):
+    """`meshlm serve --prefill tp=1 --decode tp=1` under `meshlm cluster emulate` (2 nodes x 1 rank): the prefill
+    instance is rank 0 on node 0, the decode instance rank 1 on node 1, the front on node 0. Two requests in turn,
+    the second sharing the first's first 4 blocks: greedy tokens equal one engine's; the front's /metrics (the
+    server's, labelled replica="0") counts the tokens sent and skipped (the decode side's prefix cache held the
+    4 blocks), and rank 0's bytes on "kv" (all the prefill instance's) equal 2 x layers x kv heads x head_dim x
+    sent tokens x 4 (fp32), from the config; at least those bytes crossed node 0's link out and node 1's in."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("uvicorn")
+    from dist import alive, descendants
+    from test_server import serve_argv
+    from tiny_hf import make_model_dir
+
+    from meshlm import LLM, SamplingParams
+    from meshlm.emulate import delete_namespace
+
+    model_dir = make_model_dir(tmp_path)
+    block = 8  # serve_argv's --block-size
+    a = [(7 * i) % 250 + 3 for i in range(37)]  # 37 tokens: 4 full blocks and 5 tokens
+    b = a[:4 * block] + [11, 13, 17]  # its first 4 blocks are a's
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": MAX_NEW, "temperature": 0} for p in (a, b)]
+    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "cluster", "emulate", "--nodes", "2",
+                             "--procs-per-node", "1", "--inter-node-bw", "1gbit", "--", "meshlm",
+                             *serve_argv(model_dir, 8000, "--prefill", "tp=1", "--decode", "tp=1")],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    tag = f"meshlm{proc.pid}"  # run_emulated's namespaces: TAG-n0, TAG-n1, TAG-sw
+    try:
+        while not os.path.exists(f"/run/netns/{tag}-n0"):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        client = subprocess.run(["ip", "netns", "exec", f"{tag}-n0", sys.executable, "-c", NODE_CLIENT,
+                                 "http://127.0.0.1:8000", json.dumps(bodies)], capture_output=True, text=True,
+                                timeout=180)
+        tree = descendants(proc.pid)
+    finally:
+        proc.terminate()  # SIGTERM: the nodes' commands are stopped, the namespaces removed
+        out, err = proc.communicate(timeout=60)
+        for ns in (f"{tag}-n0", f"{tag}-n1", f"{tag}-sw"):
+            delete_namespace(ns)  # (only if the run above failed to)
+    assert client.returncode == 0, client.stderr + err[-3000:]
+    got = json.loads(client.stdout)
+    one = LLM(str(model_dir), device="cpu", block_size=block)
+    want = one.generate([a, b], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert [r["choices"][0]["text"] for r in got["answers"]] == [w.text for w in want], (got["answers"], err[-3000:])
+
+    def metric(name: str) -> int:
+        line = next(x for x in got["metrics"].splitlines() if x.startswith(name + "{"))
+        return int(float(line.rsplit(" ", 1)[1]))
+
+    sent = len(a) + len(b) - 4 * block  # b's first 4 blocks were on the decode side already
+    assert metric("meshlm_kv_transferred_tokens_total") == sent, got["metrics"]
+    assert metric("meshlm_kv_transfer_skipped_tokens_total") == 4 * block
+    assert metric("meshlm_kv_transfers_total") == 2
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * sent * 4
+    assert 'meshlm_comm_bytes_total{replica="0",axis="kv"} ' + str(kv_bytes) in got["metrics"], got["metrics"]
+    assert metric("meshlm_kv_transferred_bytes_total") == kv_bytes
+    line = next(x for x in err.splitlines() if "node links carried" in x)
+    (out0, _), (_, in1) = [tuple(map(int, m)) for m in re.findall(r"sent (\d+) B, received (\d+) B", line)]
+    assert out0 >= kv_bytes and in1 >= kv_bytes, (line, kv_bytes)
+    # everything created is gone: the namespaces, and every process the run started
+    assert not [ns for ns in os.listdir("/run/netns") if ns.startswith(tag)]
+    deadline = time.monotonic() + 10  # (a rank ends on its launcher's signal, a moment later)
+    while [pid for pid in tree if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in tree if alive(pid)], tree

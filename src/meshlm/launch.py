@@ -129,8 +129,8 @@ def check_emulation(args) -> tuple[float, float]:
 def run_emulated(args, command: str, command_args: list[str], *, rate_bps: float, latency_s: float) -> int:
     """`meshlm COMMAND COMMAND_ARGS --nnodes N --node-rank i --rdzv-endpoint <node 0>` in each of N = --emulate-nodes
     network namespaces (torch's launcher on every node, static rendezvous on node 0's address); says on stderr
-    which namespace each node is and, at the end, the bytes each node's link carried. The namespaces are removed
-    however it ends; the exit code is the first failed node's."""
+    which namespace each node is and, at the end (also when interrupted), the bytes each node's link carried. The
+    namespaces are removed however it ends; the exit code is the first failed node's."""
     import os
 
     from meshlm.emulate import EmulatedCluster
@@ -144,12 +144,14 @@ def run_emulated(args, command: str, command_args: list[str], *, rate_bps: float
                                                                                     cluster.addresses)))
         print(f"meshlm cluster emulate: {where} (enter one: ip netns exec NAMESPACE ...)", file=sys.stderr,
               flush=True)
-        code = cluster.run_on_nodes(lambda i: [sys.executable, "-m", "meshlm.cli", command, *command_args,
-                                               "--nnodes", str(nodes), "--node-rank", str(i),
-                                               "--rdzv-endpoint", endpoint])
-        carried = "; ".join(f"node {i} sent {sent} B, received {received} B"
-                            for i, (sent, received) in enumerate(cluster.link_bytes()))
-        print(f"meshlm cluster emulate: node links carried: {carried}", file=sys.stderr, flush=True)
+        try:
+            code = cluster.run_on_nodes(lambda i: [sys.executable, "-m", "meshlm.cli", command, *command_args,
+                                                   "--nnodes", str(nodes), "--node-rank", str(i),
+                                                   "--rdzv-endpoint", endpoint])
+        finally:  # also after Ctrl-C or SIGTERM (how a server is stopped): what the links carried until then
+            carried = "; ".join(f"node {i} sent {sent} B, received {received} B"
+                                for i, (sent, received) in enumerate(cluster.link_bytes()))
+            print(f"meshlm cluster emulate: node links carried: {carried}", file=sys.stderr, flush=True)
     if code:
         print(f"meshlm {command}: an emulated node failed (exit code {code}); its error is printed above",
               file=sys.stderr)

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
                     "link. The namespaces (with their links and qdiscs) are removed when the command ends, "
                     "fails or is interrupted; the bytes each node's link carried are printed at the end. Needs "
                     "Linux, root and iproute2 (ip, tc). The command is `meshlm train ...`, or `meshlm generate|serve "
-                    "...` whose --tp x --cp ranks equal --nodes x --procs-per-node (rank 0, the engine and the HTTP "
+                    "...` whose --tp x --cp ranks (with serve --prefill/--decode: both instances' ranks, the prefill "
+                    "instance's on the first nodes) equal --nodes x --procs-per-node (rank 0, the engine and the HTTP "
                     "front, on node 0: reach a server with `ip netns exec NAMESPACE ...`, the namespaces being "
                     "printed first); leave out its --nproc/--nnodes/--node-rank/--rdzv-endpoint, which are set per "
                     "node.",
@@ -31,6 +32,8 @@ def add_parser(sub) -> None:
                "      meshlm train --set parallel.tp=2 --set train.steps=20\n"
                "  meshlm cluster emulate --nodes 2 --procs-per-node 1 --inter-node-bw 1gbit -- \\\n"
                "      meshlm generate --hf DIR --prompt \"def \" --cp 2\n"
+               "  meshlm cluster emulate --nodes 2 --procs-per-node 1 --inter-node-bw 1gbit -- \\\n"
+               "      meshlm serve --model DIR --prefill tp=1 --decode tp=1   # prefill on node 0, decode on node 1\n"
                "calibrate the planner on the same emulation: meshlm plan calibrate --emulated --nodes 2 "
                "--nproc-per-node 2 --inter-node-bw 1gbit --out emu.json")
     e.add_argument("--nodes", type=int, required=True, metavar="N", help="emulated nodes (>= 2)")
@@ -79,12 +82,12 @@ def run(args) -> int:
 
 def _emulate_serving(node, inner: list[str]) -> int:
     """`meshlm generate|serve` on the emulated nodes: its --tp x --cp ranks, --procs-per-node on each node."""
-    from meshlm.cli.common import serving_ranks
+    from meshlm.cli.common import server_ranks
 
-    ranks = serving_ranks(node)
+    ranks, what = server_ranks(node)
     if ranks != node.nproc * node.emulate_nodes:
-        raise ValueError(f"--tp={node.tp} x --cp={node.cp} = {ranks} ranks, but --nodes {node.emulate_nodes} x "
-                         f"--procs-per-node {node.nproc} = {node.nproc * node.emulate_nodes}; make them equal")
+        raise ValueError(f"{what}, but --nodes {node.emulate_nodes} x --procs-per-node {node.nproc} = "
+                         f"{node.nproc * node.emulate_nodes}; make them equal")
     if getattr(node, "replicas", 1) != 1:
         raise ValueError("--replicas starts its servers on one node; leave it out of an emulated serve")
     rate, latency = check_emulation(node)

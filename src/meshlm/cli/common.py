@@ -75,16 +75,29 @@ def launch_serving_ranks(args) -> int | None:
     return run_torchrun(node_launcher_args(args, per_node), without_node_flags(args.argv))
 
 
+def server_ranks(args) -> tuple[int, str]:
+    """(ranks, how a message names them) of one server of `meshlm generate` / `serve`: --tp x --cp, or with
+    `serve --prefill/--decode` both instances' ranks (the prefill instance's first); ValueError on a bad layout."""
+    if getattr(args, "prefill", None) is not None and getattr(args, "decode", None) is not None:
+        from meshlm.infer.instances import parse_instance
+
+        prefill, decode = parse_instance(args.prefill, role="prefill"), parse_instance(args.decode, role="decode")
+        ranks = prefill.ranks + decode.ranks
+        return ranks, f"--prefill {prefill.label()} + --decode {decode.label()} = {ranks} ranks"
+    ranks = serving_ranks(args)
+    return ranks, f"--tp={args.tp} x --cp={args.cp} = {ranks} rank(s)"
+
+
 def serving_ranks_per_node(args) -> int:
-    """The ranks of `meshlm generate` / `serve` (one engine) on each of --nnodes nodes; ValueError on bad node
-    options or --tp x --cp ranks that do not split evenly over the nodes."""
+    """The ranks of `meshlm generate` / `serve` (one server: `server_ranks`) on each of --nnodes nodes; ValueError
+    on bad node options or ranks that do not split evenly over the nodes."""
     from meshlm.launch import check_node_arguments
 
-    ranks = serving_ranks(args)
+    ranks, what = server_ranks(args)
     check_node_arguments(args)
     if ranks % args.nnodes:
-        raise ValueError(f"--tp={args.tp} x --cp={args.cp} = {ranks} rank(s) do not split evenly over --nnodes="
-                         f"{args.nnodes}; make tp x cp a multiple of the nodes")
+        raise ValueError(f"{what} do not split evenly over --nnodes={args.nnodes}; make them a multiple of the "
+                         "nodes")
     return ranks // args.nnodes
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from meshlm.cli.common import add_serving_node_arguments, in_process_group, launch_serving_ranks, replica_endpoints, \
-    require_extra, serving_ranks
+    require_extra, serving_ranks, serving_ranks_per_node
 from meshlm.cli.generate import add_kv_tier_arguments, add_speculative_arguments, kv_tier_kwargs, speculative_config
 from meshlm.infer.auth import api_key_of, exposure_warning
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
@@ -252,7 +252,8 @@ def add_disaggregation_arguments(p) -> None:
                    help="with --decode: a prefill instance of this layout (tp=N and/or cp=M, e.g. tp=2) computes each "
                         "prompt's KV and first token and sends the KV to the decode instance, which continues the "
                         "sequence; both through torch's launcher in one command, P+D ranks in all (the planner's "
-                        "`plan infer --disaggregate P:D`); instead of --tp/--cp")
+                        "`plan infer --disaggregate P:D`; over --nnodes, the prefill instance's ranks on the first "
+                        "nodes, the front on node 0); instead of --tp/--cp")
     g.add_argument("--decode", default=None, metavar="LAYOUT",
                    help="with --prefill: the decode instance's layout, e.g. tp=1,cp=2")
     g.add_argument("--no-front", action="store_true",
@@ -287,14 +288,10 @@ def serve_disaggregated(args) -> int:
     from meshlm.distributed import launched_ranks
     from meshlm.infer.instances import disaggregate_label
 
-    from meshlm.launch import check_node_arguments, node_launcher_args, run_torchrun, without_node_flags
+    from meshlm.launch import node_launcher_args, run_torchrun, without_node_flags
 
     prefill, decode = disaggregated_layouts(args)
-    ranks = prefill.ranks + decode.ranks  # prefill's first, then decode's: over --nnodes, prefill on the first
-    check_node_arguments(args)
-    if ranks % args.nnodes:
-        raise ValueError(f"--prefill {prefill.label()} and --decode {decode.label()} are {ranks} ranks, which do not "
-                         f"split evenly over --nnodes={args.nnodes}; make their sum a multiple of the nodes")
+    per_node = serving_ranks_per_node(args)  # prefill's ranks first, then decode's: over --nnodes, prefill first
     if launched_ranks():
         import torch
 
@@ -306,7 +303,7 @@ def serve_disaggregated(args) -> int:
     if args.no_front:
         # --monitor-interval 1: when a rank dies, the launcher stops the others up to a second later, time enough
         # for rank 0 to end the requests in flight with an error naming the instance that failed
-        return run_torchrun([*node_launcher_args(args, ranks // args.nnodes), "--monitor-interval", "1"],
+        return run_torchrun([*node_launcher_args(args, per_node), "--monitor-interval", "1"],
                             without_node_flags(args.argv))
     label = (f"the disaggregated server (prefill {prefill.label()}, decode {decode.label()}: "
              f"--disaggregate {disaggregate_label(prefill, decode)})")

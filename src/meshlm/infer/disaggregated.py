@@ -21,8 +21,8 @@ Responsible for:
     (`comm.batch_isend_irecv`: grouped under NCCL, matched by peer on gloo), and every rank learns of a transfer
     from its engine's message stream, in the order rank 0 issued it.
 Not responsible for: HTTP (server.py; `meshlm serve --prefill/--decode` puts a front process before rank 0,
-cli/serve.py), scheduling policy (scheduler.py), KV tiers or speculative decoding (refused here), or ranks
-across nodes.
+cli/serve.py), scheduling policy (scheduler.py), KV tiers or speculative decoding (refused here), or where the
+ranks run (the launcher's: over --nnodes, the prefill instance's ranks on the first nodes).
 """
 
 from __future__ import annotations
@@ -85,6 +85,11 @@ class KVTransfer:
                 if lo < hi:
                     out[c * p.tp + t, self.first_decode + c2 * d.tp + t2] = (src, dst, (lo, hi))
         return out
+
+    def num_bytes(self, plan: list, *, num_layers: int, head_dim: int, element_size: int) -> int:
+        """Bytes `plan` moves from all the prefill ranks to the decode ranks: the tensors of every pair."""
+        return sum(num_layers * 2 * (hi - lo) * len(src) * head_dim * element_size
+                   for src, _, (lo, hi) in self.pairs(plan).values())
 
     def run(self, runner, mesh: Mesh, plan: list) -> None:
         """This rank's sends (a prefill rank) or receives and writes (a decode rank) of `plan`, as one batch over
@@ -167,6 +172,7 @@ class DisaggregatedEngine:
         self._next_id = 0
         self.num_transfers = 0
         self.transferred_tokens = 0  # tokens whose KV went to the decode instance
+        self.transferred_bytes = 0  # their keys and values, sent by all the prefill ranks
         self.handed_off_tokens = 0  # tokens whose KV the decode instance needed (transferred or found cached)
         self.transfer_seconds = 0.0
         self._thread = threading.Thread(target=self._prefill_loop, name="meshlm-prefill", daemon=True)
@@ -239,11 +245,14 @@ class DisaggregatedEngine:
 
     def stats(self) -> dict:
         """The decode engine's counters (what the server exports), each instance's own under "prefill" and
-        "decode", and the KV transfers'."""
+        "decode", and the KV transfers' (tokens handed off = transferred + skipped, the decode instance's prefix
+        cache holding the skipped ones)."""
         d, p = self.decode.stats(), self.prefill.stats()
         return {**d, "generated_tokens": d["generated_tokens"] + p["generated_tokens"], "prefill": p, "decode": d,
                 "kv_transfers": self.num_transfers, "kv_transferred_tokens": self.transferred_tokens,
-                "kv_handed_off_tokens": self.handed_off_tokens, "kv_transfer_seconds": self.transfer_seconds}
+                "kv_transferred_bytes": self.transferred_bytes, "kv_handed_off_tokens": self.handed_off_tokens,
+                "kv_transfer_skipped_tokens": self.handed_off_tokens - self.transferred_tokens,
+                "kv_transfer_seconds": self.transfer_seconds}
 
     def close(self) -> None:
         with self._cv:
@@ -345,6 +354,10 @@ class DisaggregatedEngine:
                 self._moving = False
                 self.num_transfers += 1
                 self.transfer_seconds += time.perf_counter() - t0
+                v = self.prefill_local.v_caches[0]
+                self.transferred_bytes += self.transfer.num_bytes(
+                    plan, num_layers=len(self.prefill_local.v_caches), head_dim=v.shape[-1],
+                    element_size=v.element_size())
         for seq in moved:
             self.prefill.block_manager.free(seq)
         with self._cv:

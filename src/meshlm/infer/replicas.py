@@ -11,7 +11,8 @@ Responsible for:
   (`infer/router.py`), the response carrying `x-meshlm-replica: INDEX`; GET /v1/models from a live replica;
   GET /health: 200 `{"status": "ok" | "degraded", "replicas": [...]}` while at least one replica lives, 503
   when none does; GET /metrics: per replica its state, requests in flight, routed and failed, and the router's
-  prefix hit rate; the same API key as the replicas (`infer/auth.py`), checked before anything is routed.
+  prefix hit rate, then every live replica's own /metrics, each sample labelled replica="INDEX" (e.g. a
+  disaggregated server's KV transfers behind its front); the same API key as the replicas (`infer/auth.py`), checked before anything is routed.
 
 A replica that dies (its process exits, or its /health answers 503): the requests it was running end with an
 error naming it -- HTTP 502 with a JSON error body (`code` "replica_failed", the replica's index and port), or,
@@ -231,7 +232,9 @@ def create_router_app(replicas: list[Replica], policy: Policy, *, api_key: str |
     @app.get("/metrics")
     async def metrics(request: Request):
         router.key.check(request)
-        return PlainTextResponse(router_metrics_text(replicas, policy), media_type="text/plain; version=0.0.4")
+        texts = await router.replica_metrics(request)
+        return PlainTextResponse(router_metrics_text(replicas, policy) + labelled_metrics(texts),
+                                 media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -327,6 +330,21 @@ class _Router:
         return Relayed(events(), status_code=upstream.status_code, media_type=upstream.headers["content-type"],
                        headers=headers)
 
+    async def replica_metrics(self, request) -> dict[int, str]:
+        """Each live replica's /metrics text (those that answer within a few seconds), by index."""
+        import httpx
+
+        async def one(r: Replica):
+            try:
+                answer = await self.client.get(r.url + "/metrics", headers=_forwarded(request), timeout=5.0)
+            except httpx.HTTPError:
+                return None
+            return answer.text if answer.status_code == 200 else None
+
+        live = [r for r in self.replicas if r.live]
+        texts = await asyncio.gather(*(one(r) for r in live))
+        return {r.index: text for r, text in zip(live, texts) if text is not None}
+
     def _done(self, r: Replica, path: str, status: int, start: float) -> None:
         r.in_flight -= 1
         if self.log is not None:
@@ -392,6 +410,31 @@ def _replica_error(r: Replica, error: Exception):
 
     r.failed += 1
     return JSONResponse(_replica_error_body(r, error), status_code=502)
+
+
+def labelled_metrics(texts: dict[int, str]) -> str:
+    """The replicas' /metrics (Prometheus text, by replica index) as one text: every sample labelled
+    replica="INDEX", each family's HELP and TYPE lines once, its samples from every replica after them."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # family -> (HELP/TYPE lines, samples)
+    for index, text in texts.items():
+        family = None
+        for line in text.splitlines():
+            if line.startswith("#"):
+                words = line.split(maxsplit=3)
+                if len(words) >= 3 and words[1] in ("HELP", "TYPE"):
+                    family = words[2]
+                    head = families.setdefault(family, ([], []))[0]
+                    if line not in head:
+                        head.append(line)
+                continue
+            if not line.strip() or family is None:
+                continue
+            name, brace, rest = line.partition("{")
+            if not brace:
+                name, _, rest = line.partition(" ")
+                rest = "} " + rest
+            families[family][1].append(f'{name}{{replica="{index}"{"," if brace else ""}{rest}')
+    return "".join(line + "\n" for head, samples in families.values() for line in (*head, *samples))
 
 
 def router_metrics_text(replicas: list[Replica], policy: Policy) -> str:
