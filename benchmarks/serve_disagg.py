@@ -17,8 +17,8 @@ output tokens/s and the mean number of requests in flight.
 Beside them, the serving planner's prediction for the same deployments (`meshlm plan infer --cluster local
 --calibration FILE --layout L [--disaggregate P:D]` at the measured mean concurrency, the mean input and output
 lengths) when --calibration names a `meshlm plan calibrate` file (default plan_calibration.json, when present) and
-both instances have the same layout L (the planner's pools share one); the planner prices bf16 weights and KV,
-the run is fp32, so its figures are for a model of half the bytes.
+both instances have the same layout L (the planner's pools share one); on `local` the planner prices fp32 weights
+and KV and meshlm's engine (its host time per step from the calibration, where the file has it), as the run is.
 Not here: prefill and decode on different emulated nodes (`meshlm cluster emulate`): `meshlm serve` does not
 start ranks across nodes yet.
 """
@@ -94,7 +94,7 @@ def planner(path: Path, calibration: str | None, trace, measured: dict, *, prefi
                            "--calibration plan_calibration.json"}
     ins = round(statistics.mean(len(p) for p, _, _ in trace))
     outs = round(statistics.mean(o for _, o, _ in trace))
-    out = {"input_len": ins, "output_len": outs, "precision": "bf16 (the planner's; the run is fp32)"}
+    out = {"input_len": ins, "output_len": outs, "precision": "fp32 (plan infer's default on --cluster local)"}
     for name, extra in (("colocated", ["--gpus", str(prefill.ranks + decode.ranks)]),
                         ("disaggregated", ["--disaggregate", f"{prefill.ranks}:{decode.ranks}"])):
         concurrency = max(1, round(measured[name]["mean_concurrency"]))
