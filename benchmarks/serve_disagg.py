@@ -18,8 +18,8 @@ output tokens/s and the mean number of requests in flight.
 Beside them, the serving planner's prediction for the same deployments (`meshlm plan infer --cluster local
 --calibration FILE --layout L [--disaggregate P:D]` at the measured mean concurrency, the mean input and output
 lengths) when --calibration names a `meshlm plan calibrate` file (default plan_calibration.json, when present) and
-both instances have the same layout L (the planner's pools share one); the planner prices bf16 weights and KV,
-the run is fp32, so its figures are for a model of half the bytes.
+both instances have the same layout L (the planner's pools share one); on `local` the planner prices fp32 weights
+and KV and meshlm's engine (its host time per step from the calibration, where the file has it), as the run is.
 
 The part `emulated` (--parts ...,emulated; root and iproute2): the disaggregated deployment again, on `meshlm cluster
 emulate --nodes 2 --procs-per-node P --inter-node-bw RATE` (P = each instance's ranks, which must be equal): the
@@ -105,7 +105,7 @@ def planner(path: Path, calibration: str | None, trace, measured: dict, *, prefi
     if calibration is None or not Path(calibration).exists():
         return {"skipped": "no calibration file: run `meshlm plan calibrate --out plan_calibration.json` and pass "
                            "--calibration plan_calibration.json"}
-    out = {"precision": "bf16 (the planner's; the run is fp32)"}
+    out = {"precision": "fp32 (plan infer's default on --cluster local)"}
     for name, extra in (("colocated", ["--gpus", str(prefill.ranks + decode.ranks)]),
                         ("disaggregated", ["--disaggregate", f"{prefill.ranks}:{decode.ranks}"])):
         out[name] = predict(path, calibration, trace, measured[name], layout=prefill, extra=extra)
@@ -253,7 +253,7 @@ def run_emulated(args, path: Path, trace, prefill, decode, serve_flags: list[str
     if calibration is None:
         out["planner"] = {"skipped": how}
     else:
-        out["planner"] = {"calibration": f"{calibration} ({how})", "precision": "bf16 (the planner's; the run is fp32)",
+        out["planner"] = {"calibration": f"{calibration} ({how})", "precision": "fp32 (plan infer's default on --cluster local)",
                           **predict(path, calibration, trace, measured, layout=prefill,
                                     extra=["--disaggregate", f"{prefill.ranks}:{decode.ranks}"])}
     return out

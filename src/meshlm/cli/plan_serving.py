@@ -22,8 +22,10 @@ def _add_served(p: argparse.ArgumentParser) -> None:
     """The model, cluster and precisions of a serving question (`plan infer`, `plan context`)."""
     p.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
     p.add_argument("--cluster", default="h100")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and GEMMs")
-    p.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp8"], help="KV cache")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp4", "fp32"],
+                   help="weights and GEMMs (default bf16; fp32 on --cluster local, as meshlm serves on CPUs)")
+    p.add_argument("--kv-precision", default=None, choices=["bf16", "fp8", "fp32"],
+                   help="KV cache (default bf16; fp32 on --cluster local)")
 
 
 def add_serving_parsers(sub) -> None:
@@ -53,7 +55,9 @@ def add_serving_parsers(sub) -> None:
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
-    i.add_argument("--engine", default="default", help="serving software priced (planner/serving_engine.py)")
+    i.add_argument("--engine", default=None,
+                   help="serving software priced (planner/serving_engine.py; default: meshlm on --cluster local "
+                        "when its calibration measured meshlm's engine, else default)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding with the model's MTP module: K draft tokens per step (default 0)")
     i.add_argument("--mtp-acceptance", type=float, default=None, metavar="P",
@@ -105,8 +109,8 @@ def run_context(args) -> int:
     context = parse_size(args.context)
     if context < 1 or args.output_len < 1 or args.max_gpus < 1:
         raise ValueError("--context, --output-len and --max-gpus must be >= 1")
-    sv = Serving(served_model(args.model), get_cluster(args.cluster), ServingLayout(), precision=args.precision,
-                 kv_precision=args.kv_precision)
+    cluster = get_cluster(args.cluster)
+    sv = Serving(served_model(args.model), cluster, ServingLayout(), **_precisions(args))
     answer = context_answer(sv, context, args.output_len, max_gpus=args.max_gpus)
     print(json.dumps(answer, indent=2) if args.json else format_context(answer, args.model))
     if args.plot:
@@ -141,7 +145,14 @@ def _serving_inputs(args):
                   offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
                   prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK, disaggregate=disagg)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
-    sv = Serving(served_model(args.model), cluster, lo, precision=args.precision, kv_precision=args.kv_precision,
-                 engine=engine(args.engine), mtp_tokens=args.mtp_tokens,
+    name = args.engine or ("meshlm" if cluster.serving_host else "default")
+    sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=engine(name, cluster),
+                 mtp_tokens=args.mtp_tokens,
                  **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
     return sv, wl, gpus
+
+
+def _precisions(args) -> dict:
+    """--precision and --kv-precision, fp32 by default on --cluster local (meshlm serves in fp32 on CPUs)."""
+    default = "fp32" if args.cluster == "local" else "bf16"
+    return {"precision": args.precision or default, "kv_precision": args.kv_precision or default}

@@ -16,6 +16,8 @@ the cost model reads, and "flat", one ring over all the ranks (gloo's ring acros
 a slice of compute on every rank (a call's wait for busy peers: `call_overhead`); the slowdown of compute
 when every rank computes (`measure_contention`); and the fixed framework cost of a step
 (`measure_step_overhead`). `emulated_calibration` writes them in the cost model's per-core terms.
+The fixed host work of meshlm's serving engine per step, per decoder layer and per sequence
+(`measure_serving_host`: engine steps of tiny models), which the serving planner's `meshlm` engine prices.
 Not responsible for: the cost model (the fit is expressed in the same terms `cost.collective_time`
 uses: a ring moves (n-1)/n of the buffer per rank and per phase) or creating namespaces (`meshlm.emulate`).
 """
@@ -130,6 +132,66 @@ def measure_step_overhead(*, repeats: int = 9) -> float:
         if i >= 2:
             times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+SERVING_LAYERS = (1, 3)  # decoder layers of the tiny models whose engine steps `measure_serving_host` times
+SERVING_SEQS = (1, 16)  # decoding sequences per step
+
+
+def measure_serving_host(*, steps: int = 20) -> dict:
+    """The fixed host work of meshlm's serving engine per step, which the FLOP and byte counts of the serving
+    model do not see: `Engine.step` (schedule, the step's plain input, the model, sampling, the scheduler's
+    update, detokenization with the byte tokenizer) timed on tiny models (hidden 64, vocab 256: their FLOPs are
+    a few microseconds of one core) with `SERVING_LAYERS` decoder layers and `SERVING_SEQS` decoding sequences,
+    the fastest of `steps` decode steps each (after a prefill and two untimed steps; a step takes milliseconds,
+    so on a shared host the fastest is the one other work did not interrupt), one thread. The fit
+    step seconds = step_s + layers x layer_s + sequences x (seq_s + layers x layer_seq_s) through the four
+    points (per sequence: its input, sampling and output in the engine; its attention and KV writes in every
+    layer): {"step_s", "layer_s", "seq_s", "layer_seq_s", "points": [[layers, sequences, seconds]]}."""
+    import torch
+
+    from meshlm.config import ModelConfig
+    from meshlm.infer.engine import Engine
+    from meshlm.infer.sequence import SamplingParams
+    from meshlm.models.transformer import build_model
+    from meshlm.tokenizer import ByteTokenizer
+
+    torch.set_num_threads(1)
+    points = []
+    for layers in SERVING_LAYERS:
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=2, num_kv_heads=1,
+                          intermediate_size=192, max_seq_len=256)
+        model = build_model(cfg, seed=0).eval()
+        for seqs in SERVING_SEQS:
+            engine = Engine(model, ByteTokenizer(), block_size=16, num_blocks=seqs * 4 + 4, eos_token_ids=())
+            params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+            for i in range(seqs):
+                engine.add_request([2 + (i + j) % 200 for j in range(8)], params)
+            times = []
+            with torch.no_grad():
+                for i in range(steps + 3):  # the prefill, two untimed decode steps, then `steps` timed
+                    t = time.perf_counter()
+                    engine.step()
+                    if i >= 3:
+                        times.append(time.perf_counter() - t)
+            points.append([layers, seqs, min(times)])
+    fit = _least_squares([[1.0, lay, n, lay * n] for lay, n, _ in points], [t for *_, t in points])
+    return {**{k: max(0.0, v) for k, v in zip(("step_s", "layer_s", "seq_s", "layer_seq_s"), fit)}, "points": points}
+
+
+def _least_squares(rows: list, ys: list) -> list:
+    """x minimising |rows x - ys| (normal equations, Gauss-Jordan; a few unknowns)."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(a[r][c]))
+        a[c], a[pivot] = a[pivot], a[c]
+        for r in range(n):
+            if r != c and a[c][c]:
+                f = a[r][c] / a[c][c]
+                a[r] = [x - f * y for x, y in zip(a[r], a[c])]
+    return [a[i][n] / a[i][i] if a[i][i] else 0.0 for i in range(n)]
 
 
 def emulated_machine() -> dict:
@@ -353,7 +415,8 @@ def _machine() -> dict:
     """What one core of this host computes and streams (the ranks run one thread each)."""
     attention = fit_attention()
     data: dict = {"device": "cpu", "matmul_flops": measure_matmul(), **attention,
-                  "memory_bandwidth": measure_memory_bandwidth(), "cpu_cores": _cpu_cores()}
+                  "memory_bandwidth": measure_memory_bandwidth(), "cpu_cores": _cpu_cores(),
+                  "serving_host": measure_serving_host()}
     try:
         data["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -73,6 +73,10 @@ class Cluster:
     network_power_w: float = 0.0
     # Data-centre overhead (cooling, power conversion): facility power / IT power.
     pue: float = 1.0
+    # meshlm's serving engine's host work (`calibrate.measure_serving_host`): {"step_s", "layer_s", "seq_s",
+    # "layer_seq_s"} seconds; empty where not measured (presets, older calibration files). The serving planner's
+    # `meshlm` engine reads it (serving_engine.meshlm_engine).
+    serving_host: dict = field(default_factory=dict)
     # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
     # per hop in s, achieved bandwidth in bytes/s[, seconds per call])}}, kind one of collectives.KINDS. The default for a
     # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
@@ -273,7 +277,18 @@ def local_cluster(path: str | Path) -> Cluster:
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
                    hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)),
                    step_overhead=float(data.get("step_overhead_s", 0.0)) if emulated else 0.0,
-                   gemm_k_overhead=0.0)
+                   gemm_k_overhead=0.0, serving_host=_serving_host(data, path))
+
+
+def _serving_host(data: dict, path: Path) -> dict:
+    """The serving engine's measured host seconds ({} in a file from before `measure_serving_host`)."""
+    host = data.get("serving_host")
+    if not host:
+        return {}
+    try:
+        return {k: float(host[k]) for k in ("step_s", "layer_s", "seq_s", "layer_seq_s")}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"calibration file {str(path)!r}: serving_host lacks {e}; rerun `meshlm plan calibrate`") from None
 
 
 def _tier_fits(data: dict) -> dict:

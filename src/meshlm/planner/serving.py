@@ -36,13 +36,20 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     the MTP module drafts the next k, and a step yields 1 + p + ... + p^k tokens (DeepSeek-V3 report, Sec. 5.4.3);
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
     the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
+  * the engine's host work that nothing overlaps (`serving_engine.Engine.host_per_*`): vLLM V0's per-sequence
+    scheduling; meshlm's own engine (`--cluster local`: fp32 weights, activations and KV) measured by
+    `meshlm plan calibrate` per step, sequence, decoder layer and (layer, sequence), plus its driver rank's
+    messages (the step's input broadcast, the tp logits gathered, the cp sampled rows summed).
+  * a CPU host (`Cluster.compute_slots`): ranks beyond its cores time-share them -- compute, memory and the
+    collectives' copies -- as the training side prices it (placement.rank_setup).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from meshlm.planner.cluster import Cluster
+from meshlm.planner.cluster import Cluster, slowed_links
 from meshlm.planner.collectives import collective_time, group_span
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
                                            expert_all_to_all, expert_imbalance, layer_kernels, roofline)
@@ -195,6 +202,11 @@ def _gemm(precision: str) -> str:
     return "bf16" if precision == "fp16" else precision
 
 
+def _act_bytes(sv: Serving) -> float:
+    """Bytes of an activation element: 16-bit, or 4 where the model is served in fp32."""
+    return 4.0 if sv.precision == "fp32" else 2.0
+
+
 def _tier(span: tuple[int, int]) -> str:
     return "scale-out link" if span[1] > 1 else "scale-up link"
 
@@ -206,7 +218,9 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     sm, lo, cfg = sv.sm, sv.layout, sv.sm.cfg
     f = 1.0 / lo.pp
     q = d * (1 + sv.mtp_tokens)  # query tokens of the decoding sequences: each verifies its MTP drafts too
-    gemm_tokens = q + p_rank / lo.cp  # decode tokens run the projections on every cp rank; prefill is split
+    # decode tokens run the projections on every cp rank (or only on the one holding their KV slot:
+    # Engine.cp_decode_on_owner); prefill is split
+    gemm_tokens = (q / lo.cp if sv.engine.cp_decode_on_owner else q) + p_rank / lo.cp
     fl = sm.matmul_flops_per_token()
     if lo.ep > 1:
         expert_flops = lo.dp * (q + p) * fl["experts"] * f / lo.stage * sv.expert_imbalance()
@@ -220,7 +234,7 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     elems = sm.elementwise_elems_per_token(tp=lo.tp, expert_split=lo.stage if lo.ep > 1 else lo.tp)
     dense_flops = gemm_tokens * fl["dense"] * f / lo.tp
     return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
-            "elementwise_bytes": 2.0 * gemm_tokens * elems * f,  # 16-bit activations
+            "elementwise_bytes": _act_bytes(sv) * gemm_tokens * elems * f,
             "weight_bytes": w["dense"] + w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
             # read the cache (once per query head where the kernel does not share a GQA group's loads; once for
@@ -237,19 +251,26 @@ def _kv_reads(sv: Serving) -> float:
     return max(1.0, (cfg.num_heads / tp) / max(1, cfg.num_kv_heads // tp))
 
 
-def _comm(sv: Serving, *, d: float, p: float) -> dict:
-    """Seconds of communication per micro-step, keyed (kind, tier)."""
-    lo, cl, cfg = sv.layout, sv.cluster, sv.sm.cfg
+def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict:
+    """Seconds of communication per micro-step, keyed (kind, tier); `cl`: the cluster as one rank sees it
+    (`_host_shared`; default `sv.cluster`)."""
+    lo, cl, cfg = sv.layout, cl or sv.cluster, sv.sm.cfg
     layers, h, out = sv.sm.layers / lo.pp, cfg.hidden_size, {}
     q = d * (1 + sv.mtp_tokens)
     tokens = q + p / lo.cp
     if lo.tp > 1:
         span = group_span(1, lo.tp, cl.scaleup_size)
-        out[("tp", _tier(span))] = 2 * layers * collective_time("all_reduce", tokens * h * 2, span, cl)
+        # two per layer (Megatron), and the vocab-parallel embedding's sum (on the stage holding it)
+        out[("tp", _tier(span))] = (2 * layers + 1) * collective_time("all_reduce", tokens * h * _act_bytes(sv), span,
+                                                                      cl)
     if lo.cp > 1 and d > 0:
         span = group_span(lo.tp, lo.cp, cl.scaleup_size)
         partial = q * (cfg.num_heads / lo.tp) * (cfg.head_dim + 1) * 4  # fp32 partial outputs + log-sum-exp
-        out[("cp", _tier(span))] = layers * collective_time("all_gather", partial, span, cl)
+        per_layer = collective_time("all_gather", partial, span, cl)
+        if sv.engine.cp_decode_on_owner:  # the owners' decode queries, gathered for every rank's KV shard
+            per_layer += collective_time("all_gather", q * (cfg.num_heads / lo.tp) * cfg.head_dim * _act_bytes(sv),
+                                         span, cl)
+        out[("cp", _tier(span))] = layers * per_layer
     if lo.ep > 1:
         span = group_span(1, lo.stage, cl.scaleup_size)
         per_token = h * (min(2.0, WEIGHT_BYTES[sv.precision]) + 2.0)  # dispatch (fp8) + combine (bf16)
@@ -261,8 +282,39 @@ def _comm(sv: Serving, *, d: float, p: float) -> dict:
         out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
     if lo.pp > 1:
         span = group_span(lo.stage, 2, cl.scaleup_size)
-        out[("pp", _tier(span))] = collective_time("p2p", tokens * h * 2, span, cl)
+        out[("pp", _tier(span))] = collective_time("p2p", tokens * h * _act_bytes(sv), span, cl)
     return out
+
+
+def _driver_comm(sv: Serving, cl: Cluster, *, sampled: float) -> float:
+    """Seconds per step of a driver-rank engine's own messages (`Engine.driver_broadcast`): the step's input
+    sent over cp, then tp (two broadcasts each; a small message, so its latency: a tree of log2 n p2p hops);
+    the tp ranks' vocabulary slices of the `sampled` rows' logits all-gathered; under cp those rows' hidden
+    states all-reduced."""
+    lo, cfg = sv.layout, sv.sm.cfg
+    out = 0.0
+    for size, stride in ((lo.cp, lo.tp), (lo.tp, 1)):
+        if size > 1:
+            span = group_span(stride, size, cl.scaleup_size)
+            out += 2 * math.ceil(math.log2(size)) * collective_time("p2p", 0.0, span, cl)
+    if lo.tp > 1:
+        out += collective_time("all_gather", sampled * cfg.vocab_size * 4, group_span(1, lo.tp, cl.scaleup_size), cl)
+    if lo.cp > 1:
+        out += collective_time("all_reduce", sampled * cfg.hidden_size * _act_bytes(sv),
+                               group_span(lo.tp, lo.cp, cl.scaleup_size), cl)
+    return out
+
+
+def _host_shared(sv: Serving) -> tuple[Cluster, float]:
+    """The cluster as one rank sees it, and by how much its ranks time-share compute: on a CPU host
+    (`Cluster.compute_slots`) ranks beyond the core count split the cores' rates and their memory copies (the
+    links), as the training side's placement.rank_setup does; GPUs never share (1)."""
+    cl, lo = sv.cluster, sv.layout
+    if not cl.compute_slots:
+        return cl, 1.0
+    ranks = lo.world if cl.host_shared_by_domains else min(lo.world, cl.scaleup_size)
+    share = max(1.0, ranks / cl.compute_slots)
+    return (slowed_links(cl, share) if share > 1 else cl), share
 
 
 def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0,
@@ -304,13 +356,31 @@ def _step(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float =
     work, ep, host = m.pop("work"), m.pop("ep"), m.pop("host")
     micro = max(work, ep) if halves == 2 else work + ep
     scale = lo.pp * halves
-    # the engine's per-step CPU work that the GPU waits for (Engine.host_per_seq_s), once per iteration
-    sched = sv.engine.host_per_seq_s * decodes
+    # the engine's per-step CPU work that the GPU waits for (Engine.host_per_seq_s ...), once per iteration
+    sched = _engine_host(sv, decodes=decodes, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx)
     gpu = scale * max(micro, host)
     bound = "host" if host > micro or sched > gpu else max(m["parts"], key=m["parts"].get)
     return {"total": gpu + sched, "bound": bound, **{k: scale * v for k, v in m.pop("parts").items()},
             **{k: scale * v for k, v in m.items()}, "host": scale * host + sched, "scheduler": sched,
             "ep_exposed": scale * (max(micro, host) - max(work, host))}
+
+
+def _engine_host(sv: Serving, *, decodes: float, prefill_tokens: float, prefill_ctx: float) -> float:
+    """Seconds of one iteration's host work that nothing overlaps (`Engine.host_per_*`): per step, per running
+    sequence, and per decoder layer and (layer, sequence) of a stage -- these on every rank at once, so
+    time-shared cores stretch them (`_host_shared`) -- plus a driver rank's own messages. The sequences are the
+    decoding ones and those prefilling: `prefill_tokens` over their prompts (2 x `prefill_ctx`, the callers'
+    mean context of a prompt token being half its prompt), one where no context is given."""
+    e, lo = sv.engine, sv.layout
+    prefill_seqs = (prefill_tokens / (2 * prefill_ctx) if prefill_ctx > 0 else 1.0) if prefill_tokens > 0 else 0.0
+    seqs = decodes + prefill_seqs
+    cl, share = _host_shared(sv)
+    layers = sv.sm.layers / lo.pp
+    out = e.host_per_step_s + e.host_per_seq_s * seqs + share * layers * (e.host_per_layer_s
+                                                                         + e.host_per_layer_seq_s * seqs)
+    if e.driver_broadcast and lo.world > 1:
+        out += _driver_comm(sv, cl, sampled=seqs)
+    return out
 
 
 def _splits_in_two(d: float, p: float) -> bool:
@@ -325,20 +395,22 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     """Seconds of one micro-batch through one stage: "work" (GEMMs, attention, elementwise kernels, tp/cp/pp
     communication, one after another), "ep" (the expert all-to-all), "host" (launching it without CUDA graphs),
     "parts" (by what bounds each) and the roofline's components."""
-    cl = sv.cluster
+    cl, share = _host_shared(sv)
     w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
-    hbm = cl.hbm_bw * cl.hbm_efficiency
-    rate, dense_rate = cl.matmul_rate(sv.gemm_precision), cl.matmul_rate(sv.dense_gemm_precision)
-    attn_rate = cl.peak("bf16") * cl.attention_efficiency
+    hbm = cl.hbm_bw * cl.hbm_efficiency / share
+    rate, dense_rate = (cl.matmul_rate(x) / share for x in (sv.gemm_precision, sv.dense_gemm_precision))
+    # attention in the model's 16-bit type (bf16 under fp8 / fp4 weights), or fp32 where it is served so
+    attn_rate = cl.peak("fp32" if sv.precision == "fp32" else "bf16") * cl.attention_efficiency / share
     gemm_c, gemm_m = w["dense_gemm_flops"] / dense_rate + w["expert_gemm_flops"] / rate, w["weight_bytes"] / hbm
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
-    comm = _comm(sv, d=d, p=p)
+    comm = _comm(sv, d=d, p=p, cl=cl)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
     gemm, attn = roofline(gemm_c, gemm_m), roofline(attn_c, attn_m)
     if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.engine.two_batch_overlap:
         gemm, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (gemm, attn))
     small, kernels = _kernels(sv)
-    elementwise = max(small * KERNEL_FLOOR_S, w["elementwise_bytes"] / hbm)
+    # an eager engine's measured per-layer host work already holds these kernels' dispatch (_engine_host)
+    elementwise = max(0.0 if sv.engine.eager_host else small * KERNEL_FLOOR_S, w["elementwise_bytes"] / hbm)
     parts = {"compute": (gemm if gemm_c > gemm_m else 0.0) + (attn if attn_c > attn_m else 0.0),
              "memory bandwidth": (gemm if gemm_m >= gemm_c else 0.0) + (attn if attn_m >= attn_c else 0.0)
              + elementwise}

@@ -113,6 +113,16 @@ class Engine:
     `host_per_seq_s`: CPU seconds per running sequence per iteration that the GPU waits for (scheduling, input
     preparation and output processing done between steps: vLLM's V0 engine, VLLM_V0_HOST_PER_SEQ_S); 0 where the
     engine overlaps them with the GPU.
+    `host_per_step_s`, `host_per_layer_s`, `host_per_layer_seq_s`: the rest of an engine's host work that nothing
+    overlaps, per step, per decoder layer of a stage and per (layer, sequence): an eager engine's operator
+    dispatch (meshlm's, measured by `meshlm plan calibrate`: `meshlm_engine`). Where given, it replaces the
+    kernel-launch floor of the elementwise kernels (it already holds their dispatch).
+    `driver_broadcast`: one driver rank schedules and samples (meshlm's serving ranks): each step it sends the
+    step's input to the other ranks (two broadcasts per axis, the length then the JSON) and gathers the tp
+    ranks' vocabulary slices of the logits; under cp the sampled rows' hidden states are all-reduced.
+    `cp_decode_on_owner`: under cp a decode token's projections run only on the cp rank that holds its KV slot
+    (meshlm's cp serving), not on every cp rank, and its query is all-gathered per layer for the split-KV
+    attention.
     """
 
     name: str
@@ -123,12 +133,23 @@ class Engine:
     adp_balanced: bool = False
     expert_balance: str = "none"
     host_per_seq_s: float = 0.0
+    host_per_step_s: float = 0.0
+    host_per_layer_s: float = 0.0
+    host_per_layer_seq_s: float = 0.0
+    driver_broadcast: bool = False
+    cp_decode_on_owner: bool = False
 
     def __post_init__(self):
         if self.expert_balance not in ("none", "eplb", "perfect"):
             raise ValueError(f"expert_balance={self.expert_balance!r}: choose none, eplb or perfect")
-        if self.host_per_seq_s < 0:
-            raise ValueError(f"host_per_seq_s={self.host_per_seq_s} must be >= 0")
+        for name in ("host_per_seq_s", "host_per_step_s", "host_per_layer_s", "host_per_layer_seq_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def eager_host(self) -> bool:
+        """Whether the engine's measured per-layer host work replaces the kernel-launch floor."""
+        return self.host_per_layer_s > 0 or self.host_per_layer_seq_s > 0
 
 
 ENGINES = {e.name: e for e in (
@@ -142,9 +163,27 @@ ENGINES = {e.name: e for e in (
 )}
 
 
-def engine(name: str) -> Engine:
+def meshlm_engine(serving_host: dict, *, cluster: str = "local") -> Engine:
+    """meshlm's own engine (`meshlm.infer`) on a cluster whose calibration measured its host work
+    (`Cluster.serving_host`, from `calibrate.measure_serving_host`: seconds per step, per decoder layer, per
+    sequence and per (layer, sequence) of `Engine.step` on tiny models). Rank 0 schedules, samples and
+    detokenizes in Python between steps, and every rank dispatches its PyTorch operators one by one: nothing
+    of it overlaps the compute."""
+    if not serving_host:
+        raise ValueError(f"--engine meshlm needs the engine's host time per step, which `meshlm plan calibrate` "
+                         f"measures (serving_host in the calibration file); cluster {cluster!r} has none: rerun "
+                         f"`meshlm plan calibrate` or pick another --engine")
+    return Engine("meshlm", host_per_step_s=serving_host["step_s"], host_per_seq_s=serving_host["seq_s"],
+                  host_per_layer_s=serving_host["layer_s"], host_per_layer_seq_s=serving_host["layer_seq_s"],
+                  driver_broadcast=True, cp_decode_on_owner=True, two_batch_overlap=False)
+
+
+def engine(name: str, cluster=None) -> Engine:
+    """A preset of `ENGINES`, or "meshlm" priced from `cluster`'s calibration (`meshlm_engine`)."""
+    if name == "meshlm":
+        return meshlm_engine(getattr(cluster, "serving_host", {}), cluster=getattr(cluster, "name", "?"))
     if name not in ENGINES:
-        raise ValueError(f"--engine {name!r}: choose one of {sorted(ENGINES)}")
+        raise ValueError(f"--engine {name!r}: choose one of {sorted(ENGINES) + ['meshlm']}")
     return ENGINES[name]
 
 

@@ -30,8 +30,9 @@ from meshlm.models import stats as model_stats
 
 # Bytes per weight / KV element. NVFP4: 4-bit values plus one fp8 (E4M3) scale per 16-element block
 # (NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference", 2025): 0.5 + 1/16 bytes.
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
-KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+# fp32: meshlm serves in float32 on CPUs (weights, activations and KV cache).
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
+KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
 
 
 @dataclass(frozen=True)
