@@ -204,7 +204,7 @@ def test_balanced_default_split_trains_like_one_process(tmp_path, text_file):
     """parallel.pp_layers empty: the runtime takes the planner's cost-balanced split (uneven here) and
     still reproduces one process in fp64."""
     from meshlm.parallel.parallelize import pp_layers
-    from meshlm.planner import cost
+    from meshlm.planner.placement import rank_split
     from meshlm.models.stats import pipeline_units
 
     cfg = make_cfg(tmp_path / "pp", text_file, *BALANCED, "parallel.pp=2")
@@ -215,7 +215,7 @@ def test_balanced_default_split_trains_like_one_process(tmp_path, text_file):
     want = [3, 1]
     assert head_units == pytest.approx(1.4545, abs=1e-3)
     assert pp_layers(cfg.parallel, cfg.model, seq_len=cfg.train.seq_len) == want
-    assert cost._rank_split(4, pp=2, chunks=1, head_units=head_units) == ([3, 1], 3.0)
+    assert rank_split(4, pp=2, chunks=1, head_units=head_units) == ([3, 1], 3.0)
     ref_dir = tmp_path / "ref"
     ref = Trainer(make_cfg(ref_dir, text_file, *BALANCED))
     ref.train()
