@@ -8,6 +8,7 @@ divide, written out here independently of the runtime's checks: a refusal for an
 combination "not implemented") fails the test.
 """
 
+import copy
 import io
 
 import pytest
@@ -140,9 +141,13 @@ def test_the_planner_search_proposes_only_layouts_the_runtime_runs():
         long = [*PRESETS[preset], "model.max_seq_len=8192", "train.seq_len=4096", "train.global_batch_size=8"]
         base = load_config(None, long)
         job = Job(seq_len=4096, global_batch_size=8, runtime="meshlm", precision="fp32")
+        loaded = {}  # micro-batch size -> its config, loaded (and validated) once: thousands of candidates
         for gpus in (2, 4, 8):
             for lo, _ in candidate_layouts(base.model, get_cluster("h100"), job, gpus):
-                cfg = load_config(None, [*long, f"train.micro_batch_size={lo.micro_batch_size}"])
+                m = lo.micro_batch_size
+                if m not in loaded:
+                    loaded[m] = load_config(None, [*long, f"train.micro_batch_size={m}"])
+                cfg = copy.deepcopy(loaded[m])
                 for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "cp_method", "cp_ulysses", "ep",
                             "zero_stage", "pp_schedule", "pp_chunks", "sequence_parallel",
                             "zero3_reshard_after_forward"):
