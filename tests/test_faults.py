@@ -1,6 +1,6 @@
 """Fault drills through `meshlm train --nproc 2`, as a user meets failures.
 
-- `--max-restarts 3` with a rank SIGKILLed three times at random steps: the launcher restarts the ranks,
+- `--max-restarts 3` with a rank SIGKILLed three times at random steps (slow tier): the launcher restarts the ranks,
   they resume from the newest complete checkpoint by themselves, the run finishes, and its final weights
   equal the uninterrupted run's bit for bit (same layout); metrics.jsonl records each restart and the
   steps it lost.
@@ -90,6 +90,7 @@ def reference(tmp_path_factory, text_file) -> dict:
     return final_weights(run)
 
 
+@pytest.mark.slow  # in the slow tier (pytest -m slow); the in-memory drill below restarts after a kill too
 def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file, reference):
     steps = [f"train.steps={STEPS}"]  # three kills, each 1 to 5 steps past its attempt's resume: by step 14
     rng = random.Random(7)
