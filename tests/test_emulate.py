@@ -150,8 +150,11 @@ def test_ctrl_c_stops_the_nodes_and_removes_the_namespaces(netns_tag):
               "    print('up', flush=True)\n"
               f"    sys.exit(c.run_on_nodes(lambda i: ['sleep', '{nap}']))\n")
     before = _netns()
+    # Ctrl-C as a terminal delivers it, whatever this test run inherited (a shell's background job ignores SIGINT,
+    # and a process started ignoring it never sees it)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "up"
         assert {f"{netns_tag}-{n}" for n in ("n0", "n1", "sw")} <= _netns()
