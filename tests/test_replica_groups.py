@@ -1,6 +1,6 @@
 """Replica groups on torchft (`meshlm train --replica-groups N`, `meshlm.train.replica`), as a user meets failures.
 
-- The drill: 2 replica groups x 2 ranks (tp2 inside each), float64; one rank of group 1 is SIGKILLed mid-run.
+- The drill (slow tier): 2 replica groups x 2 ranks (tp2 inside each), float64; one rank of group 1 is SIGKILLed mid-run.
   Group 0 keeps stepping (its metrics.jsonl has every step once, no restart); group 1's launcher restarts it and it
   rejoins at its first quorum, copying the state from group 0; the run finishes; both groups' final weights equal
   (float64, 1e-9) those of the reference: one process that replays the quorum memberships the groups recorded
@@ -98,6 +98,7 @@ def final_weights(run_dir: Path, like) -> dict:
     return model.state_dict()
 
 
+@pytest.mark.slow  # in the slow tier (pytest -m slow): half a minute; DiLoCo's replay below runs groups by default
 def test_a_killed_group_drops_out_rejoins_and_the_run_matches_its_membership_replay(tmp_path, text_file):
     run = tmp_path / "run"
     proc = start(run, text_file, "--replica-groups", "2", "--nproc", "2", "--max-restarts", "2",
