@@ -94,12 +94,17 @@ def run(args) -> int:
         return code
     if ranks == 1 and not launched_ranks():
         return serve_here(args)
+    return serve_on_ranks(args, lambda: serve_here(args))
+
+
+def serve_on_ranks(args, work) -> int:
+    """`work()` on this rank of a launch, inside the process group (GPUs unless --device cpu) whose collectives
+    give up after --collective-timeout."""
     import torch
 
     if args.collective_timeout <= 0:
         raise ValueError(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
-    return in_process_group(lambda: serve_here(args),
-                            "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
+    return in_process_group(work, "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
                             timeout_s=args.collective_timeout)
 
 
@@ -287,19 +292,12 @@ def serve_disaggregated(args) -> int:
     launch (`--no-front`); on the ranks, `serve_disaggregated_here`."""
     from meshlm.distributed import launched_ranks
     from meshlm.infer.instances import disaggregate_label
-
     from meshlm.launch import node_launcher_args, run_torchrun, without_node_flags
 
     prefill, decode = disaggregated_layouts(args)
     per_node = serving_ranks_per_node(args)  # prefill's ranks first, then decode's: over --nnodes, prefill first
     if launched_ranks():
-        import torch
-
-        if args.collective_timeout <= 0:
-            raise ValueError(f"--collective-timeout={args.collective_timeout} must be > 0 seconds")
-        return in_process_group(lambda: serve_disaggregated_here(args, prefill, decode),
-                                "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu",
-                                timeout_s=args.collective_timeout)
+        return serve_on_ranks(args, lambda: serve_disaggregated_here(args, prefill, decode))
     if args.no_front:
         # --monitor-interval 1: when a rank dies, the launcher stops the others up to a second later, time enough
         # for rank 0 to end the requests in flight with an error naming the instance that failed
