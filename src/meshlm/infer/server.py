@@ -494,7 +494,7 @@ def metrics_text(engine: AsyncEngine) -> str:
     """GET /metrics: the engine's counters and the server's histograms in Prometheus' text format."""
     s = engine.stats()
     lines = []
-    for name, key, help_text, kind in [
+    rows = [
         ("meshlm_requests_running", "num_running", "requests being processed", "gauge"),
         ("meshlm_requests_waiting", "num_waiting", "requests waiting for admission", "gauge"),
         ("meshlm_kv_blocks_used", "kv_blocks_used", "KV cache blocks in use", "gauge"),
@@ -521,20 +521,21 @@ def metrics_text(engine: AsyncEngine) -> str:
         ("meshlm_spec_tokens_per_target_forward", "tokens_per_target_forward", "tokens a sequence emits per forward "
          "of the model that samples it (1 without speculative decoding)", "gauge"),
         ("meshlm_spec_draft_forwards_total", "spec_draft_forwards", "batched forwards of the draft model", "counter"),
-    ]:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
+    ]
     if "kv_transfers" in s:  # disaggregated prefill and decode (infer/disaggregated.py)
-        for name, key, help_text in [
-            ("meshlm_kv_transfers_total", "kv_transfers", "KV transfers from the prefill to the decode instance"),
+        rows += [
+            ("meshlm_kv_transfers_total", "kv_transfers", "KV transfers from the prefill to the decode instance",
+             "counter"),
             ("meshlm_kv_transferred_tokens_total", "kv_transferred_tokens", "tokens whose KV the prefill instance "
-             "sent to the decode instance"),
+             "sent to the decode instance", "counter"),
             ("meshlm_kv_transferred_bytes_total", "kv_transferred_bytes", "bytes of keys and values the prefill "
-             "instance's ranks sent to the decode instance's"),
+             "instance's ranks sent to the decode instance's", "counter"),
             ("meshlm_kv_transfer_skipped_tokens_total", "kv_transfer_skipped_tokens", "tokens handed to the decode "
-             "instance whose KV its prefix cache held (not sent)"),
-            ("meshlm_kv_transfer_seconds_total", "kv_transfer_seconds", "seconds spent in KV transfers"),
-        ]:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {s[key]}"]
+             "instance whose KV its prefix cache held (not sent)", "counter"),
+            ("meshlm_kv_transfer_seconds_total", "kv_transfer_seconds", "seconds spent in KV transfers", "counter"),
+        ]
+    for name, key, help_text, kind in rows:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {s[key]}"]
     lines += ["# HELP meshlm_requests_total requests accepted", "# TYPE meshlm_requests_total counter",
               f"meshlm_requests_total {engine.num_requests}"]
     lines += ["# HELP meshlm_requests_finished_total sequences finished, by reason (abort: the client left "
