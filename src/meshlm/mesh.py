@@ -114,7 +114,7 @@ class Mesh:
                  views: dict | None = None, stats: CommStats | None = None, groups: dict | None = None,
                  extra_axes: dict | None = None, first_rank: int = 0):
         """`first_rank`: the mesh covers global ranks first_rank .. first_rank + dims.world_size - 1 of a larger
-        world (`build_sub_mesh`); `rank` is this process's global rank."""
+        world (`build_sub_meshes`); `rank` is this process's global rank."""
         assert dims.is_resolved
         self.dims = dims
         self.device_type = device_type
