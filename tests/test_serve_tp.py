@@ -262,11 +262,16 @@ def test_a_lost_rank_makes_the_server_unhealthy_and_requests_503(tmp_path):
         engine.stop()
 
 
-def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_hang(tmp_path):
-    """`meshlm serve --cp 2` (ranks through torch's launcher): a greedy completion equals one process's,
-    /metrics has the KV blocks of each cp rank and the bytes the cp axis moved, the banner the capacity.
-    Then rank 1 is SIGKILLed: the next request gets 503 at once (rank 0's collective fails on the closed
-    connection), /health says unhealthy, and the launcher stops the server and names the rank that died."""
+IDLE_TIMEOUT_S, IDLE_S = 10, 20  # the collective timeout, and an idle time twice it (as issue 30 asks)
+
+
+def test_serve_cp2_idle_past_its_timeout_answers_reports_per_rank_and_a_killed_rank_gives_503(tmp_path):
+    """`meshlm serve --cp 2 --collective-timeout 10` (ranks through torch's launcher, gloo): a greedy completion
+    equals one process's, /metrics has the KV blocks of each cp rank and the bytes the cp axis moved, the banner
+    the capacity. Idle for 20 s, it still answers the same (the worker rank waits for rank 0's next step inside a
+    collective, which the keepalive renews while idle). Then rank 1 is SIGKILLed: the next request gets 503 at
+    once (rank 0's collective fails on the closed connection), /health says unhealthy, and the launcher stops the
+    server and names the rank that died."""
     import os
     import signal
 
@@ -278,7 +283,8 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
     want = LLM(str(model_dir), device="cpu", block_size=8).generate(
         ["hello world"], SamplingParams(temperature=0.0, max_tokens=6))[0].text
     port = free_port()
-    argv = [a for a in serve_argv(model_dir, port, "--cp", "2") if a != "--quiet"]
+    argv = [a for a in serve_argv(model_dir, port, "--cp", "2", "--collective-timeout", str(IDLE_TIMEOUT_S))
+            if a != "--quiet"]
     with server_process(argv, port) as (proc, url):
         body = {"model": "tiny", "prompt": "hello world", "max_tokens": 6, "temperature": 0}
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -290,6 +296,11 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
         assert per_rank == [value["meshlm_kv_blocks_used"] / 2 + value["meshlm_kv_blocks_free"] / 2] * 2, per_rank
         comm = [line for line in metrics.splitlines() if line.startswith('meshlm_comm_bytes_total{axis="cp"}')]
         assert comm and float(comm[0].split()[-1]) > 0
+        time.sleep(IDLE_S)
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == want, again.text
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
         os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
         try:
             r = httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -301,28 +312,3 @@ def test_serve_cp2_answers_reports_per_rank_and_a_killed_rank_gives_503_not_a_ha
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode != 0 and "rank 1 failed first (killed by SIGKILL)" in out, out[-2000:]
         assert "KV cache of" in out and "over 2 ranks" in out, out[-2000:]
-
-
-IDLE_TIMEOUT_S, IDLE_S = 10, 20  # the collective timeout, and an idle time twice it (as issue 30 asks)
-
-
-def test_a_tp2_server_idle_past_its_collective_timeout_still_answers(tmp_path):
-    """`meshlm serve --tp 2 --collective-timeout 10` on gloo, idle for 20 s, then asked: it answers (the worker
-    rank waits for rank 0's next step inside a collective, which the keepalive renews while idle)."""
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("uvicorn")
-    from test_server import free_port, make_model_dir, serve_argv, server_process
-
-    model_dir = make_model_dir(tmp_path)
-    port = free_port()
-    with server_process(serve_argv(model_dir, port, "--tp", "2", "--collective-timeout", str(IDLE_TIMEOUT_S)),
-                        port) as (proc, url):
-        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature": 0}
-        first = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert first.status_code == 200, first.text
-        time.sleep(IDLE_S)
-        assert proc.poll() is None, proc.communicate()[0][-2000:]
-        again = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert again.status_code == 200, again.text
-        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
