@@ -370,14 +370,16 @@ def test_experts_only_fp4_keeps_the_dense_weights_in_fp8():
         replace(sv, dense_precision="int3")
     with pytest.raises(ValueError, match="fp4"):
         replace(_sv("deepseek-v3", "h200", precision="fp8", ep=8, dp=8), dense_precision="fp4")
-    # the published rows' reading: NVFP4 DeepSeek -> fp8 dense; SGLang large EP and DeepSeek -> EPLB
+    # the published rows' reading: NVFP4 DeepSeek -> fp8 dense; SGLang large EP and DeepSeek -> EPLB, but
+    # DeepSeek's profiles simulated a perfectly balanced routing (deepseek-ai/profile-data README)
     rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
                                                 / "serving_runs_dev.csv")}
     assert deployment_of(rows["B046"]).dense_precision == "fp8"
     assert deployment_of(rows["A020"]).dense_precision is None
     assert deployment_of(rows["F112"]).engine.expert_balance == "eplb"
     assert deployment_of(rows["F113"]).engine.expert_balance == "perfect"
-    assert deployment_of(rows["G119"]).engine.expert_balance == "eplb"
+    assert deployment_of(rows["G119"]).engine.expert_balance == "perfect"
+    assert deployment_of(rows["G117"]).engine.expert_balance == "eplb"  # DeepSeek's production service
     assert deployment_of(rows["A029"]).engine.expert_balance == "none"
 
 
