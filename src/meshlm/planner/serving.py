@@ -437,9 +437,10 @@ def _stages(sv: Serving, *, dense: float, experts: float, attn: float, elementwi
     """One micro-batch's seconds through its stage as the pieces a two-batch-overlap schedule pairs up, summed
     over the MoE layers: "attn_in" (attention projections before the core and the elementwise kernels), "attn_out"
     (core attention, output projection, routing gate), "shared" (shared experts), "experts" (routed experts'
-    GEMMs), "dispatch" and "combine" (the all-to-all, split by their bytes: fp8 out, bf16 back), and "rest" (the
-    dense layers, the head, tp/cp/pp messages) that no all-to-all runs beside. The dense GEMM time is shared out by
-    parameters (the same tokens pass every dense projection, so FLOPs and bytes both go as parameters)."""
+    GEMMs), "dispatch" and "combine" (the all-to-all split by bytes: out in fp8 or the weights' 16 bits, back in
+    bf16), and "rest" (the dense layers, the head, tp/cp/pp messages) that no all-to-all runs beside. The dense
+    GEMM time is shared out by parameters (the same tokens pass every dense projection, so FLOPs and bytes both go
+    as parameters)."""
     sm, cfg = sv.sm, sv.sm.cfg
     moe, layers, h = sm.moe_layers(), sm.layers, cfg.hidden_size
     attn_layer = sm.attention_params_per_layer()
