@@ -5,7 +5,8 @@ weights and the workspace leave; cp divides a sequence's KV per GPU; fp8 KV doub
 disaggregated deployment ships exactly the prompt's KV; MLA's compressed cache; every JSON field present. The
 engine's terms (serving_engine.py): the roofline's rounded corner, GQA KV read per query head without a sharing
 kernel, the host's launches without CUDA graphs, the expert all-to-all against DeepEP's own table, attention-DP
-ranks waiting for the busiest prefill, two micro-batches reading the weights twice (only where the batch splits),
+ranks waiting for the busiest prefill, two micro-batches reading the weights twice (only where the batch splits)
+and hiding the all-to-all only under the compute DeepSeek's schedules pair with it (within SGLang's TBO ablation),
 vLLM V0's per-sequence scheduler time, the busiest expert rank's
 measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak.
 """
@@ -230,6 +231,61 @@ def test_two_batch_overlap_needs_two_sequences_to_split():
     assert pre[0]["gemm_memory"] > 1.5 * pre[1]["gemm_memory"]
 
 
+def _sglang_ep72():
+    """SGLang's large-EP decode pool of its 96-H100 post: DeepSeek-V3 fp8, attention DP 72 x EP72 over 9 nodes."""
+    from meshlm.planner.serving_engine import ENGINES
+
+    sv = _sv("deepseek-v3", "h100", precision="fp8", ep=72, dp=72)
+    return replace(sv, engine=replace(ENGINES["sglang"], expert_balance="eplb"))
+
+
+def test_two_batch_overlap_speedup_stays_within_sglang_ablation():
+    """SGLang's TBO ablation (LMSYS large-scale-EP post, "Ablation Study: Two-batch Overlap"): decode at 256
+    tokens/device 1.255x over no TBO, 1.35x the most any decode case gained (simulated MTP), -27% at 32 tokens;
+    prefill 1.27-1.35x at equal tokens. Perfect overlap (max(work, all-to-all)) gave 1.65x decode, 1.63x prefill."""
+    tbo = _sglang_ep72()
+    flat = replace(tbo, engine=replace(tbo.engine, two_batch_overlap=False))
+
+    def speedup(**kw):
+        return iteration_time(flat, **kw)["total"] / iteration_time(tbo, **kw)["total"]
+
+    assert 1.0 < speedup(decodes=256, kv_len=2000) <= 1.35
+    assert speedup(decodes=32, kv_len=2000) < 1.0  # two halves of 16 read the weights twice and hide little
+    # prefill: TBO helps, less than perfect overlap; the model still gives more than the measured 1.35 (a known miss)
+    assert 1.0 < speedup(decodes=0, kv_len=0, prefill_tokens=8192, prefill_ctx=2048) < 1.6
+
+
+def test_two_batch_overlap_hides_an_all_to_all_only_under_the_compute_paired_with_it():
+    """DeepSeek's published schedules (SGLang's "deepseek_blog" TBO strategies): in decode the routed experts run
+    between their own dispatch and combine, so nothing hides them; a step is never shorter than its work or its
+    all-to-all, and in decode never shorter than the all-to-all plus the routed experts."""
+    from meshlm.planner.serving import _micro_step, _overlapped
+
+    sv = _sglang_ep72()
+    for d, p in ((128, 0), (0, 4096)):
+        m = _micro_step(sv, d=d, kv_len=2000, p=p, p_ctx=1024, p_rank=p)
+        st, both = m["stages"], _overlapped(m["stages"], decode=p == 0)
+        assert sum(st.values()) == pytest.approx(m["work"] + m["ep"])
+        assert both >= max(m["work"], m["ep"]) - 1e-12
+        assert both < m["work"] + m["ep"]
+        if p == 0:
+            assert both >= st["rest"] + st["experts"] + st["dispatch"] + st["combine"] - 1e-12
+    # a step whose all-to-all dwarfs its compute is the all-to-all plus what cannot hide under it
+    st = {"attn_in": 1.0, "attn_out": 1.0, "shared": 1.0, "experts": 2.0, "dispatch": 10.0, "combine": 20.0,
+          "rest": 0.5}
+    assert _overlapped(st, decode=True) == pytest.approx(0.5 + 10 + 2 + 20)
+    assert _overlapped(st, decode=False) == pytest.approx(0.5 + (20 + 10 + 10 + 20) / 2)
+
+
+def test_expert_balance_orders_the_step_none_eplb_perfect():
+    """SGLang measured default-EPLB prefill 18% slower than simulated perfect balance (59,337 vs 50,302 tokens/s
+    per node); without a balancer the busiest rank is slower still (TensorRT-LLM tech blog 4)."""
+    base = _sglang_ep72()
+    steps = {b: iteration_time(replace(base, engine=replace(base.engine, expert_balance=b)), decodes=0, kv_len=0,
+                               prefill_tokens=16384, prefill_ctx=2048)["total"] for b in ("none", "eplb", "perfect")}
+    assert steps["none"] > steps["eplb"] > steps["perfect"]
+
+
 def test_vllm_v0_scheduler_adds_its_per_sequence_cpu_time():
     """vLLM's V0 engine: the GPU waits host_per_seq_s per running sequence every iteration; V1 overlaps it."""
     from meshlm.planner.serving_engine import ENGINES, VLLM_V0_HOST_PER_SEQ_S
@@ -314,14 +370,16 @@ def test_experts_only_fp4_keeps_the_dense_weights_in_fp8():
         replace(sv, dense_precision="int3")
     with pytest.raises(ValueError, match="fp4"):
         replace(_sv("deepseek-v3", "h200", precision="fp8", ep=8, dp=8), dense_precision="fp4")
-    # the published rows' reading: NVFP4 DeepSeek -> fp8 dense; SGLang large EP and DeepSeek -> EPLB
+    # the published rows' reading: NVFP4 DeepSeek -> fp8 dense; SGLang large EP and DeepSeek -> EPLB, but
+    # DeepSeek's profiles simulated a perfectly balanced routing (deepseek-ai/profile-data README)
     rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
                                                 / "serving_runs_dev.csv")}
     assert deployment_of(rows["B046"]).dense_precision == "fp8"
     assert deployment_of(rows["A020"]).dense_precision is None
     assert deployment_of(rows["F112"]).engine.expert_balance == "eplb"
     assert deployment_of(rows["F113"]).engine.expert_balance == "perfect"
-    assert deployment_of(rows["G119"]).engine.expert_balance == "eplb"
+    assert deployment_of(rows["G119"]).engine.expert_balance == "perfect"
+    assert deployment_of(rows["G117"]).engine.expert_balance == "eplb"  # DeepSeek's production service
     assert deployment_of(rows["A029"]).engine.expert_balance == "none"
 
 

@@ -18,7 +18,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     2024 source) as its V0 engine with single-step scheduling (the default then) whose CPU work the GPU waits for,
     SGLang and later vLLM as the default;
   * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
-    (its balancer is opt-in), perfect where a row says it simulated that (serving_engine.expert_imbalance);
+    (its balancer is opt-in), perfect where a row says it simulated that -- in its notes, or in its source as
+    DeepSeek's profile rows do ("we simulate an absolutely balanced MoE routing", deepseek-ai/profile-data) --
+    (serving_engine.expert_imbalance);
   * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
@@ -164,7 +166,8 @@ def engine_of(row: dict) -> Engine:
         eng = ENGINES["vllm-v0" if _vllm_v0(row, version) else "vllm"]
     else:
         eng = ENGINES["default"]
-    if "perfect expert load balance" in row["notes"].lower():
+    simulated = "perfect expert load balance" in row["notes"].lower()
+    if simulated or "perfectly balanced routing" in row["source"].lower():  # DeepSeek's profiles
         eng = replace(eng, expert_balance="perfect")
     return eng
 

@@ -31,7 +31,9 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
   * ep: per MoE layer a dispatch (fp8) and a combine (bf16) all-to-all (DeepSeek-V3 report, arXiv:2412.19437,
     Sec. 3.4) -- DeepEP's low-latency kernels in decode iterations, its normal ones (holding SMs) with prefill
     (serving_engine.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
-    that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed;
+    that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed; overlapped, each
+    dispatch and combine hides only under the compute DeepSeek's published schedules run beside it (`_overlapped`:
+    in decode nothing hides the routed experts, which wait for their dispatch and feed their combine);
   * MTP speculative decoding: each decoding sequence carries its k drafts as extra query tokens (one KV read),
     the MTP module drafts the next k, and a step yields 1 + p + ... + p^k tokens (DeepSeek-V3 report, Sec. 5.4.3);
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
@@ -235,7 +237,8 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     dense_flops = gemm_tokens * fl["dense"] * f / lo.tp
     return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
             "elementwise_bytes": _act_bytes(sv) * gemm_tokens * elems * f,
-            "weight_bytes": w["dense"] + w["experts"] * touched,
+            "weight_bytes": w["dense"] + w["experts"] * touched, "dense_weight_bytes": w["dense"],
+            "expert_weight_bytes": w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
             # read the cache (once per query head where the kernel does not share a GQA group's loads; once for
             # a sequence's MTP query tokens together), write the new tokens
@@ -326,7 +329,8 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
 
     Each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle). Where the engine
     hides the expert all-to-all behind two micro-batches (`Engine.two_batch_overlap`, ep > 1), each half of
-    the batch runs every layer -- reading the weights again -- while the other half's tokens travel.
+    the batch runs every layer -- reading the weights again -- while the other half's tokens travel, each
+    dispatch and combine under the piece of compute the schedule pairs it with (`_overlapped`).
 
     With MTP drafts (`Serving.mtp_tokens` = k > 0) one step verifies each sequence's k drafts with the main model
     (k + 1 query tokens over one read of its KV; TensorRT-LLM tech blog 2, "Attention for MTP") and drafts the next
@@ -353,8 +357,8 @@ def _step(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float =
     p_rank = p if rank_prefill is None else split(rank_prefill)
     halves = 2 if lo.ep > 1 and sv.engine.two_batch_overlap and _splits_in_two(d, p) else 1
     m = _micro_step(sv, d=d / halves, kv_len=kv_len, p=p / halves, p_ctx=prefill_ctx, p_rank=p_rank / halves)
-    work, ep, host = m.pop("work"), m.pop("ep"), m.pop("host")
-    micro = max(work, ep) if halves == 2 else work + ep
+    work, ep, host, stages = m.pop("work"), m.pop("ep"), m.pop("host"), m.pop("stages")
+    micro = _overlapped(stages, decode=p == 0) if halves == 2 else work + ep
     scale = lo.pp * halves
     # the engine's per-step CPU work that the GPU waits for (Engine.host_per_seq_s ...), once per iteration
     sched = _engine_host(sv, decodes=decodes, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx)
@@ -401,25 +405,78 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     rate, dense_rate = (cl.matmul_rate(x) / share for x in (sv.gemm_precision, sv.dense_gemm_precision))
     # attention in the model's 16-bit type (bf16 under fp8 / fp4 weights), or fp32 where it is served so
     attn_rate = cl.peak("fp32" if sv.precision == "fp32" else "bf16") * cl.attention_efficiency / share
-    gemm_c, gemm_m = w["dense_gemm_flops"] / dense_rate + w["expert_gemm_flops"] / rate, w["weight_bytes"] / hbm
+    dense_c, dense_m = w["dense_gemm_flops"] / dense_rate, w["dense_weight_bytes"] / hbm
+    expert_c, expert_m = w["expert_gemm_flops"] / rate, w["expert_weight_bytes"] / hbm
+    gemm_c, gemm_m = dense_c + expert_c, dense_m + expert_m
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p, cl=cl)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
-    gemm, attn = roofline(gemm_c, gemm_m), roofline(attn_c, attn_m)
+    # the dense GEMMs and the routed experts' grouped GEMMs are separate kernels, each at its own corner
+    dense, experts, attn = roofline(dense_c, dense_m), roofline(expert_c, expert_m), roofline(attn_c, attn_m)
     if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.engine.two_batch_overlap:
-        gemm, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (gemm, attn))
+        dense, experts, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (dense, experts, attn))
+    gemm = dense + experts
     small, kernels = _kernels(sv)
     # an eager engine's measured per-layer host work already holds these kernels' dispatch (_engine_host)
     elementwise = max(0.0 if sv.engine.eager_host else small * KERNEL_FLOOR_S, w["elementwise_bytes"] / hbm)
+    other_comm = sum(t for (kind, _), t in comm.items() if kind != "ep")
+    stages = _stages(sv, dense=dense, experts=experts, attn=attn, elementwise=elementwise, ep=ep, other=other_comm)
     parts = {"compute": (gemm if gemm_c > gemm_m else 0.0) + (attn if attn_c > attn_m else 0.0),
              "memory bandwidth": (gemm if gemm_m >= gemm_c else 0.0) + (attn if attn_m >= attn_c else 0.0)
              + elementwise}
     for (kind, tier), t in comm.items():
         parts[tier] = parts.get(tier, 0.0) + t
-    return {"work": gemm + attn + elementwise + sum(t for (kind, _), t in comm.items() if kind != "ep"), "ep": ep,
+    return {"work": gemm + attn + elementwise + other_comm, "ep": ep, "stages": stages,
             "host": 0.0 if sv.engine.cuda_graphs else kernels * HOST_LAUNCH_S, "parts": parts,
             "gemm_compute": gemm_c, "gemm_memory": gemm_m, "attention_compute": attn_c, "attention_memory": attn_m,
             "elementwise": elementwise}
+
+
+def _stages(sv: Serving, *, dense: float, experts: float, attn: float, elementwise: float, ep: float,
+            other: float) -> dict:
+    """One micro-batch's seconds through its stage as the pieces a two-batch-overlap schedule pairs up, summed
+    over the MoE layers: "attn_in" (attention projections before the core and the elementwise kernels), "attn_out"
+    (core attention, output projection, routing gate), "shared" (shared experts), "experts" (routed experts'
+    GEMMs), "dispatch" and "combine" (the all-to-all split by bytes: out in fp8 or the weights' 16 bits, back in
+    bf16), and "rest" (the dense layers, the head, tp/cp/pp messages) that no all-to-all runs beside. The dense
+    GEMM time is shared out by parameters (the same tokens pass every dense projection, so FLOPs and bytes both go
+    as parameters)."""
+    sm, cfg = sv.sm, sv.sm.cfg
+    moe, layers, h = sm.moe_layers(), sm.layers, cfg.hidden_size
+    attn_layer = sm.attention_params_per_layer()
+    out_proj = cfg.num_heads * (sm.mla.v_head_dim if sm.mla is not None else cfg.head_dim) * h
+    dense_params = sm.matmul_flops_per_token()["dense"] / 2
+    share = lambda params: dense * params / dense_params if dense_params else 0.0  # noqa: E731
+    at_moe = moe / layers  # the MoE layers' share of what every layer runs
+    shared = share(moe * 3 * h * cfg.shared_intermediate_size)
+    attn_in = share(moe * (attn_layer - out_proj)) + elementwise * at_moe
+    attn_out = attn * at_moe + share(moe * (out_proj + h * cfg.num_experts))
+    dispatch_bytes = min(2.0, WEIGHT_BYTES[sv.precision])
+    dispatch = ep * dispatch_bytes / (dispatch_bytes + 2.0)
+    rest = dense + attn + elementwise + other - shared - attn_in - attn_out
+    return {"attn_in": attn_in, "attn_out": attn_out, "shared": shared, "experts": experts, "dispatch": dispatch,
+            "combine": ep - dispatch, "rest": rest}
+
+
+def _overlapped(st: dict, *, decode: bool) -> float:
+    """Seconds of one micro-batch's half of a two-batch-overlapped step (the pair's time / 2), on the schedules
+    DeepSeek published with its inference profiles (deepseek-ai/profile-data, README's prefill and decode figures),
+    which SGLang's TBO runs as written (sglang operations_strategy.py, `_compute_moe_deepseek_blog_prefill` /
+    `_decode`). An all-to-all hides only under the compute the schedule runs beside it:
+      * decode (low-latency kernels, no SMs held): per micro-batch and layer, its dispatch runs under its shared
+        experts and the other's attention projections, its routed experts run alone (they need the dispatch and
+        feed the combine), its combine runs under the other's core attention, output projection and gate --
+        max(shared + attn_in, dispatch) + experts + max(attn_out, combine);
+      * prefill (normal kernels on 24 SMs): the pair's layer is four slots, max(attn + shared, combine) +
+        max(attn, dispatch) + max(experts, dispatch) + max(experts + shared, combine), with attn the whole
+        attention (projections, core, gate) of one micro-batch.
+    Each term summed over the MoE layers (they are alike, so the sum of maxima is the maxima of the sums)."""
+    a_in, a_out, s, m = st["attn_in"], st["attn_out"], st["shared"], st["experts"]
+    d, c = st["dispatch"], st["combine"]
+    if decode:
+        return st["rest"] + max(s + a_in, d) + m + max(a_out, c)
+    a = a_in + a_out
+    return st["rest"] + (max(a + s, c) + max(a, d) + max(m, d) + max(m + s, c)) / 2
 
 
 def _kernels(sv: Serving) -> tuple[float, float]:

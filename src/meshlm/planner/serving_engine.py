@@ -100,7 +100,8 @@ class Engine:
     kernels x HOST_LAUNCH_S ("host" bound); TensorRT-LLM's gptSession ran without them before 0.7.
     `two_batch_overlap`: DeepSeek's serving ("Day 6" inference system overview: dual micro-batch overlap in
     prefill and decode) and SGLang's two-batch overlap (TBO) split the batch in two so one half's dispatch and
-    combine run under the other half's compute -- each half reading the weights. TensorRT-LLM's attention-DP
+    combine run under the other half's compute -- each half reading the weights, each transfer hidden only under
+    the compute paired with it (serving._overlapped, DeepSeek's published schedules). TensorRT-LLM's attention-DP
     MoE of 2025 (all-gather and reduce-scatter of the tokens around the experts, "Optimizing DeepSeek R1
     Throughput on NVIDIA Blackwell GPUs", tech blog 3) leaves it exposed.
     `expert_balance`: how evenly the routed tokens load the expert-parallel ranks (`expert_imbalance`): "none"
