@@ -26,6 +26,7 @@ def test_help_is_instant_and_lists_every_command():
     ("train.nope=1", "unknown key train.nope; valid keys in [train]:"),
     ("model.num_kv_heads=3", "model.num_kv_heads=3 must divide model.num_heads=4"),
     ("train.seq_len=100000", "train.seq_len=100000 must be <= model.max_seq_len=256"),
+    ("parallel.collective_wait=block", "parallel.collective_wait='block' must be \"stream\""),
 ])
 def test_bad_config_prints_one_line_and_exits_2(capsys, override, expected):
     assert main(["train", "--set", override]) == 2

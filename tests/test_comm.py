@@ -299,3 +299,49 @@ def test_on_a_device_clock_collective_seconds_are_the_devices_spans_read_once_pe
     for pending, all_reduce, recv, send in run_distributed(_device_clock_worker, 2):
         assert pending == 3  # nothing read in the hot loop
         assert (all_reduce, recv, send) == (2.0, 1.0, 0.0)  # the markers' spans, no host time beside
+
+
+class _StuckMarker(_Marker):
+    """A device marker the device never passes once `stuck` is set (a collective a peer never joined, on NCCL)."""
+
+    stuck = False
+
+    def query(self) -> bool:
+        return not _StuckMarker.stuck
+
+
+def _blocking_wait_worker(rank, world_size):
+    import time
+
+    from meshlm.comm_stats import CommStats
+    from meshlm.mesh import ParallelDims, build_mesh
+
+    t = torch.ones(4)
+    runs_ahead = build_mesh(ParallelDims(), device_type="cpu", stats=CommStats(device_clock=_StuckMarker))
+    blocking = build_mesh(ParallelDims(), device_type="cpu", stats=CommStats(device_clock=_StuckMarker),
+                          wait_timeout_s=0.5)
+    comm.all_reduce(t, blocking, "dp")  # the device passes the marker: no wait, no error
+    comm.all_reduce(t, blocking, "dp", async_op=True).wait()
+    _StuckMarker.stuck = True
+    comm.all_reduce(t, runs_ahead, "dp")  # "stream": the host does not wait for the device
+    errors = []
+    for call in (lambda: comm.all_reduce(t, blocking, "dp"),
+                 lambda: comm.all_reduce(t, blocking.duplicate("dp"), "dp", async_op=True).wait(),
+                 lambda: comm.batch_isend_irecv([comm.P2P("send", t, 1 - rank), comm.P2P("recv", torch.empty(4), 1 - rank)],
+                                                blocking, "dp").wait()):
+        start = time.monotonic()
+        with pytest.raises(comm.CollectiveError) as info:
+            call()
+        errors.append((str(info.value), time.monotonic() - start))
+    return errors
+
+
+def test_blocking_collective_wait_raises_at_the_collective_the_device_never_finishes():
+    """parallel.collective_wait = "blocking" on a GPU (here a stand-in device clock): the host waits for each
+    collective's marker on the device stream and raises CollectiveError, naming the op and mesh axis, once
+    collective_timeout_s has passed -- sync, async and point-to-point alike; "stream" does not wait."""
+    for rank, errors in enumerate(run_distributed(_blocking_wait_worker, 2)):
+        for (text, waited), op in zip(errors, ("all_reduce", "all_reduce", "recv")):
+            assert text.startswith(f"rank {rank}: {op} on mesh axis 'dp' (global ranks [0, 1])"), text
+            assert "not complete on the device after 0.5 s (parallel.collective_wait=blocking)" in text, text
+            assert waited >= 0.5, waited  # never before the timeout

@@ -72,8 +72,9 @@ class CommHandle:
 
     def __init__(self, works: Sequence, stats: CommStats, op: str, axis: str, result=None,
                  finalize: Callable | None = None, where: tuple[int, list[int]] | None = None,
-                 traced: int | None = None, issued=None):
+                 traced: int | None = None, issued=None, wait_timeout_s: float | None = None):
         self._works = [w for w in works if w is not None]
+        self._wait_timeout_s = wait_timeout_s  # `Mesh.wait_timeout_s`: the blocking wait on a GPU
         self._issued = issued  # a device marker before the call was issued (`CommStats.device_clock`), or None
         self._stats, self._op, self._axis = stats, op, axis
         self._result, self._finalize = result, finalize
@@ -90,7 +91,9 @@ class CommHandle:
             except RuntimeError as e:  # torch's DistBackendError is one
                 raise _failed(e, self._where, self._op, self._axis, time.perf_counter() - start) from e
             if self._issued is not None:  # a GPU: the device's span from the issue to the end of the wait
-                self._stats.add_span(self._op, self._axis, self._issued, self._stats.mark())
+                end = self._stats.mark()
+                self._stats.add_span(self._op, self._axis, self._issued, end)
+                _await_device(end, self._wait_timeout_s, self._where, self._op, self._axis)
             else:
                 self._stats.add_seconds(self._op, self._axis, time.perf_counter() - start)
             self._stats.trace_wait(self._traced)
@@ -101,6 +104,23 @@ class CommHandle:
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
+
+
+def _await_device(marker, timeout_s: float | None, where: tuple[int, list[int]] | None, op: str,
+                  axis: str) -> None:
+    """`parallel.collective_wait = "blocking"` on a GPU (`Mesh.wait_timeout_s`): the host waits until the device
+    has passed `marker` (recorded on the current stream after the collective, which the stream was made to wait
+    for), up to `timeout_s`, and raises CollectiveError past it -- at the collective that did not complete, as
+    gloo raises, instead of NCCL's watchdog aborting the process later. It costs the host's run-ahead."""
+    if timeout_s is None or marker is None:
+        return
+    start = time.monotonic()
+    while not marker.query():
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise _failed(TimeoutError(f"not complete on the device after {timeout_s:g} s "
+                                       "(parallel.collective_wait=blocking)"), where, op, axis, waited)
+        time.sleep(1e-4)
 
 
 def _done(result, async_op: bool):
@@ -158,9 +178,11 @@ def _run(mesh: Mesh, axis: str, op: str, nbytes: int, call: Callable, async_op: 
     if async_op:
         works = works if isinstance(works, list) else [works]
         return CommHandle(works, mesh.stats, op, axis, result, finalize, where=(mesh.rank, mesh.ranks(axis)),
-                          traced=traced, issued=issued)
+                          traced=traced, issued=issued, wait_timeout_s=mesh.wait_timeout_s)
     if issued is not None:  # the current stream waited for the collective: its span ends here
-        mesh.stats.add_span(op, axis, issued, mesh.stats.mark())
+        end = mesh.stats.mark()
+        mesh.stats.add_span(op, axis, issued, end)
+        _await_device(end, mesh.wait_timeout_s, (mesh.rank, mesh.ranks(axis)), op, axis)
     mesh.stats.trace_wait(traced)
     return finalize() if finalize is not None else result
 
@@ -358,7 +380,7 @@ def batch_isend_irecv(ops: Sequence[P2P], mesh: Mesh, axis: str) -> CommHandle:
         mesh.stats.record(op.kind, axis, _nbytes(op.tensor), seconds if i == 0 else 0.0)
     wait_op = "recv" if any(op.kind == "recv" for op in ops) else "send"
     return CommHandle(works, mesh.stats, wait_op, axis, None, where=(mesh.rank, mesh.ranks(axis)), traced=traced,
-                      issued=issued)
+                      issued=issued, wait_timeout_s=mesh.wait_timeout_s)
 
 
 # --------------------------------------------------------------------------------------------

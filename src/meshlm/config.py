@@ -233,6 +233,12 @@ class ParallelConfig(ParallelDims):
     # A collective that has not completed after this long (a peer rank stopped, died or diverged) raises an
     # error naming the rank, the op and the mesh axis, and the job fails (or restarts, --max-restarts).
     collective_timeout_s: float = 600.0
+    # On GPUs (NCCL): "stream" queues each collective on the device and the host runs ahead; one that never
+    # completes is caught by the step watchdog (2 x collective_timeout_s), which names the silent rank. "blocking":
+    # the host waits for every collective, up to collective_timeout_s, and the first one that does not complete
+    # raises the error (rank, op, mesh axis, silent rank) at once -- slower (no run-ahead), for finding a hang.
+    # Gloo always waits (both settings act the same on CPU).
+    collective_wait: str = "stream"
     # Stragglers: each rank notes how long it worked alone before each step's first collective (since its
     # previous collective ended, when every rank was even); a rank that took this many times the median of
     # the others of its pipeline stage (and 50 ms more) for straggler_steps steps in a row is named in a
@@ -282,6 +288,8 @@ class ParallelConfig(ParallelDims):
                  f"must be one of {list(CP_METHODS)}")
         _require(self.collective_timeout_s > 0, "parallel.collective_timeout_s", self.collective_timeout_s,
                  "must be > 0 seconds")
+        _require(self.collective_wait in ("stream", "blocking"), "parallel.collective_wait", self.collective_wait,
+                 'must be "stream" (the host runs ahead) or "blocking" (every collective waited for, to find a hang)')
         _require(self.straggler_factor == 0 or self.straggler_factor > 1, "parallel.straggler_factor",
                  self.straggler_factor, "must be > 1 (times the median rank's time), or 0 for no warning")
         _require(self.straggler_steps >= 1, "parallel.straggler_steps", self.straggler_steps,

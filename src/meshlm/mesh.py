@@ -112,7 +112,7 @@ class Mesh:
 
     def __init__(self, dims: ParallelDims, *, device_type: str, rank: int, device_mesh=None,
                  views: dict | None = None, stats: CommStats | None = None, groups: dict | None = None,
-                 extra_axes: dict | None = None, first_rank: int = 0):
+                 extra_axes: dict | None = None, first_rank: int = 0, wait_timeout_s: float | None = None):
         """`first_rank`: the mesh covers global ranks first_rank .. first_rank + dims.world_size - 1 of a larger
         world (`build_sub_meshes`); `rank` is this process's global rank."""
         assert dims.is_resolved
@@ -126,6 +126,9 @@ class Mesh:
         self.stats = stats if stats is not None else CommStats()
         if device_type == "cuda" and self.stats.device_clock is None:
             self.stats.device_clock = cuda_marker  # collectives' seconds are the GPU's, not the host's queueing
+        # parallel.collective_wait = "blocking" on a GPU: seconds the host waits for each collective to complete
+        # on the device before it raises CollectiveError (`comm._await_device`); None: the host runs ahead
+        self.wait_timeout_s = wait_timeout_s
         self._groups = groups or {}  # axis -> ProcessGroup replacing the device mesh's (see `duplicate`)
         # axis -> (global ranks of this rank's group by coordinate, its ProcessGroup, the ranks of every
         # group of the axis or None); see `with_axes`
@@ -197,7 +200,8 @@ class Mesh:
                 every = every_group(self.world_size, lambda r: group_ranks(self.dims, r, axis))  # noqa: B023
                 groups[axis] = create_groups(every, self.rank)
         return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
-                    views=self._views, stats=self.stats, groups=groups, extra_axes=extra_axes)
+                    views=self._views, stats=self.stats, groups=groups, extra_axes=extra_axes,
+                    wait_timeout_s=self.wait_timeout_s)
 
     def with_axes(self, axes: dict, *, every: dict | None = None) -> "Mesh":
         """This mesh (same groups, same CommStats) plus axes it does not derive from `dims`: `axes`
@@ -215,29 +219,32 @@ class Mesh:
         return Mesh(self.dims, device_type=self.device_type, rank=self.rank, device_mesh=self.device_mesh,
                     views=self._views, stats=self.stats, groups=self._groups,
                     extra_axes={**self._extra_axes, **{a: (list(r), g, every.get(a)) for a, (r, g) in axes.items()}},
-                    first_rank=self.first_rank)
+                    first_rank=self.first_rank, wait_timeout_s=self.wait_timeout_s)
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.size(a)}" for a in AXES)
         return f"Mesh({degrees}, ep={self.dims.ep}, rank={self.rank}, device_type={self.device_type!r})"
 
 
-def build_mesh(dims: ParallelDims, *, device_type: str, stats: CommStats | None = None) -> Mesh:
+def build_mesh(dims: ParallelDims, *, device_type: str, stats: CommStats | None = None,
+               wait_timeout_s: float | None = None) -> Mesh:
     """Resolve `dims` against the world and create every axis group (collective over all ranks).
+    `wait_timeout_s`: `Mesh.wait_timeout_s` (a GPU's blocking collective waits).
 
     Needs the default process group when the world has more than one rank (`init_distributed`).
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dims = dims.resolve(world_size)
     if world_size == 1 and not (dist.is_available() and dist.is_initialized()):
-        return Mesh(dims, device_type=device_type, rank=0, stats=stats)
+        return Mesh(dims, device_type=device_type, rank=0, stats=stats, wait_timeout_s=wait_timeout_s)
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(device_type, tuple(dims.degree(a) for a in AXES), mesh_dim_names=AXES)
     # Flattened views are kept here rather than sliced from the root mesh later (torch deprecates that).
     views = {flat: device_mesh[parts]._flatten(flat) for flat, parts in FLAT_AXES.items()}
     rank = dist.get_rank()
-    mesh = Mesh(dims, device_type=device_type, rank=rank, device_mesh=device_mesh, views=views, stats=stats)
+    mesh = Mesh(dims, device_type=device_type, rank=rank, device_mesh=device_mesh, views=views, stats=stats,
+                wait_timeout_s=wait_timeout_s)
     for axis in ALL_AXES:  # the torch groups must agree with our pure rank arithmetic
         assert dist.get_process_group_ranks(mesh.group(axis)) == mesh.ranks(axis), axis
     return mesh

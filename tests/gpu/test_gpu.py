@@ -4,10 +4,11 @@ benchmarks on CUDA. What each shows:
   GPU; the pipeline timeline measured by CUDA events; greedy serving on CUDA, pinned to its device; a resume
   from an asynchronously staged checkpoint; MoE in bf16; `meshlm train --nproc 1` through the launcher (NCCL);
   speculative decoding's greedy tokens; context parallelism's attention pairs on CUDA's flash kernel; KV cache
-  tiers (pinned host buffers, disk) giving the same greedy tokens;
+  tiers (pinned host buffers, disk) giving the same greedy tokens; a blocking collective wait raising past its
+  timeout on a stream the device has not passed;
 - two GPUs and more (NCCL): pp=2 under every schedule, cp=2 ring attention, ep=2, tp=2 x ZeRO-3 (4 GPUs),
   each through `meshlm train --nproc` with a short collective timeout; `meshlm serve --tp 2` answering after
-  an idle period longer than its collective timeout. These are the orders `tests/test_nccl_order.py` proves
+  an idle period longer than its collective timeout; a stopped rank failing a run under blocking waits. These are the orders `tests/test_nccl_order.py` proves
   deadlock-free on CPU; here NCCL itself runs them.
 """
 
@@ -43,6 +44,14 @@ def _losses(run_dir: Path) -> list[float]:
     from runs import step_losses
 
     return step_losses(run_dir)
+
+
+def _steps_logged(run_dir: Path) -> int:
+    """Steps a running job has logged so far (0 before its log exists or while a line is half written)."""
+    try:
+        return len(_losses(run_dir))
+    except (OSError, ValueError):
+        return 0
 
 
 def test_bf16_on_cuda_follows_the_fp32_cpu_run(tmp_path):
@@ -212,6 +221,24 @@ def test_kv_tiers_on_cuda_give_the_same_greedy_tokens(tmp_path):
         assert again.engine.stats()["kv_disk_hit_tokens"] > s["kv_disk_hit_tokens"]
 
 
+def test_a_blocking_wait_raises_at_a_collective_the_device_never_finishes():
+    """parallel.collective_wait = "blocking": the host polls the CUDA event recorded after a collective and raises
+    CollectiveError past the timeout (here the stream is held by a long sleep kernel, as by a collective a peer
+    never joined); once the device passes the event the wait returns."""
+    from meshlm import comm
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e9))  # several seconds of GPU cycles on the current stream
+    held = torch.cuda.Event()
+    held.record()
+    start = time.monotonic()
+    with pytest.raises(comm.CollectiveError, match=r"rank 0: all_reduce on mesh axis 'dp'.*collective_wait=blocking"):
+        comm._await_device(held, 0.3, (0, [0, 1]), "all_reduce", "dp")
+    assert time.monotonic() - start >= 0.3
+    torch.cuda.synchronize()
+    comm._await_device(held, 0.3, (0, [0, 1]), "all_reduce", "dp")  # passed: returns
+
+
 # -- several GPUs: NCCL ---------------------------------------------------------------------------------------
 
 LAYOUTS = {  # name -> (GPUs, overrides)
@@ -255,3 +282,45 @@ def test_a_tp2_server_on_gpus_idle_past_its_timeout_answers(tmp_path):
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         time.sleep(20)
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_stopped_rank_under_blocking_waits_fails_the_run_at_its_collective(tmp_path):
+    """`parallel.collective_wait=blocking` on NCCL: rank 1 is SIGSTOPped mid-run; rank 0 raises at the collective
+    that does not complete, naming the op, the mesh axis and rank 1 as not responding, within the timeout plus a
+    few seconds (NCCL itself would wait for its watchdog)."""
+    import os
+    import signal
+
+    from dist import alive, children
+
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, {GPUS} visible")
+    run_dir, timeout = tmp_path / "run", 10
+    small = [o for o in SMALL if not o.startswith("parallel.collective_timeout_s")]
+    argv = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2",
+            *[a for o in [*small, f"data.path={_corpus(tmp_path)}", f"train.run_dir={run_dir}", "train.steps=2000",
+                          "train.device=cuda", "train.checkpoint_interval=0", f"parallel.collective_timeout_s={timeout}",
+                          "parallel.collective_wait=blocking"] for a in ("--set", o)]]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        deadline = time.time() + 180
+        while proc.poll() is None and time.time() < deadline and stopped is None:
+            time.sleep(0.05)
+            ranks = children(proc.pid)
+            if len(ranks) == 2 and _steps_logged(run_dir) >= 2:
+                stopped, stopped_at = ranks[1], time.time()
+                os.kill(stopped, signal.SIGSTOP)
+        assert stopped is not None, "the run never reached step 2"
+        proc.wait(timeout=120)
+        elapsed = time.time() - stopped_at
+        _, err = proc.communicate()
+    finally:
+        if stopped is not None and alive(stopped):
+            os.kill(stopped, signal.SIGCONT)
+        for pid in children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode != 0
+    assert "collective_wait=blocking" in err and "rank 1" in err, err[-3000:]
+    assert elapsed < timeout + 15, (elapsed, err[-3000:])

@@ -169,7 +169,10 @@ class Trainer:
         self.autocast_dtype = resolve_precision(t.precision, self.device)
         if t.reuse_host_memory and self.device.type == "cpu":
             reuse_freed_host_memory()
-        self.mesh: Mesh = build_mesh(dims, device_type=self.device.type)
+        p = self.cfg.parallel
+        blocking = self.device.type == "cuda" and p.collective_wait == "blocking"
+        self.mesh: Mesh = build_mesh(dims, device_type=self.device.type,
+                                     wait_timeout_s=p.collective_timeout_s if blocking else None)
         self.rank, self.world_size = self.mesh.rank, self.mesh.world_size
         self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.micro_batch_size = micro_batch_size(self.cfg, self.dp_size)
