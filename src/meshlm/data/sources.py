@@ -3,8 +3,9 @@
 Responsible for: turning the SOURCE arguments into an ordered list of files (a folder is walked recursively
 in sorted order of relative paths, leaving out -- and counting, `Listing.note` -- what is not data: hidden
 files and folders (a name starting with "."), the markers data jobs write beside their output (`JOB_MARKERS`),
-and empty files; every other file is read, `_utils.py` and `__init__.py` included); checking what can be checked without reading the data (the file exists and
-is not empty, the format is known, a parquet file has the text column, the optional packages are there);
+and empty files; every other file is read, a code corpus's `_utils.py` too); checking what can be checked
+without reading the data (the file exists and is not empty, the format is known, a parquet file has the text
+column, the optional packages are there);
 cutting every file into `Unit`s in file order -- a text file is one unit (one document), a `.jsonl`,
 `.jsonl.gz` or `.jsonl.zst` gives units of whole lines of about `block_bytes` (decompressed here, in the
 reading process), a `.parquet` one unit per row group; and `documents(unit, field)`, the texts of one unit,
@@ -133,8 +134,9 @@ def _left_out_reason(relative: Path) -> str | None:
     if any(part.startswith(".") for part in relative.parts):
         return "hidden"
     name = relative.name
-    if (name in JOB_MARKERS["names"] or name.startswith(JOB_MARKERS["prefixes"]) or name.endswith(JOB_MARKERS["suffixes"])
-            or any(part in JOB_MARKERS["folders"] for part in relative.parts[:-1])):
+    in_job_folder = any(part in JOB_MARKERS["folders"] for part in relative.parts[:-1])
+    if (in_job_folder or name in JOB_MARKERS["names"] or name.startswith(JOB_MARKERS["prefixes"])
+            or name.endswith(JOB_MARKERS["suffixes"])):
         return "job markers"
     return None
 
