@@ -308,7 +308,11 @@ IDLE_TIMEOUT_S, IDLE_S = 10, 20  # the collective timeout, and an idle time twic
 
 def test_a_tp2_server_idle_past_its_collective_timeout_still_answers(tmp_path):
     """`meshlm serve --tp 2 --collective-timeout 10` on gloo, idle for 20 s, then asked: it answers (the worker
-    rank waits for rank 0's next step inside a collective, which the keepalive renews while idle)."""
+    rank waits for rank 0's next step inside a collective, which the keepalive renews while idle). Then SIGTERM
+    stops it with one line and exit code 143."""
+    import os
+    import signal
+
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
     from test_server import free_port, make_model_dir, serve_argv, server_process
@@ -326,3 +330,9 @@ def test_a_tp2_server_idle_past_its_collective_timeout_still_answers(tmp_path):
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         assert httpx.get(url + "/health", timeout=10).status_code == 200
+        # stopped as a server is stopped (and as a front stops its `--no-front` launch): SIGTERM to the launcher,
+        # which stops its ranks and says so in one line -- no traceback, none of torch's lines -- and exits 128 + 15
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143 and "Traceback" not in out and "closing signal" not in out, out[-3000:]
+        assert out.rstrip().splitlines()[-1] == "meshlm serve: stopped by SIGTERM; the launcher stopped every rank"
