@@ -123,7 +123,7 @@ def _bad_inputs(tmp_path, tokenizer):
         "missing source": ([tmp_path / "nope.jsonl"], {}, r"source '.*nope\.jsonl' does not exist"),
         "empty file": ([tmp_path / "empty.txt"], {}, r"source file .*empty\.txt is empty"),
         "empty folder": ([tmp_path / "empty_dir"], {}, r"source folder .*empty_dir holds no files"),
-        "only hidden files": ([tmp_path / "hidden_only"], {}, r"hidden_only holds no files"),
+        "only hidden files": ([tmp_path / "hidden_only"], {}, r"hidden_only holds no data files \(only 1 hidden"),
         "only empty files": ([tmp_path / "empty_only"], {}, r"empty_only holds only empty files \(1\)"),
         "parquet without the field": ([tmp_path / "no_field.parquet"], {},
                                       r"no_field\.parquet has no column 'text' \(columns: content, n\); pass --field"),
@@ -142,14 +142,33 @@ def _bad_inputs(tmp_path, tokenizer):
     }
 
 
-def test_a_folder_leaves_out_its_hidden_and_empty_files(tmp_path):
-    """A code corpus has empty files (an empty __init__.py, a placeholder): in a folder they are left out, not fatal."""
+def test_a_folder_leaves_out_hidden_files_job_markers_and_empty_files_and_says_so(tmp_path):
+    """A code corpus has `_private.py` files (read) and empty files (an empty __init__.py: left out, not fatal);
+    a Spark / Hadoop / parquet output folder has markers beside its part files (left out); all counted in one line."""
     from meshlm.data.sources import list_files
 
-    for name, text in (("b.txt", "bee"), ("a/empty.txt", ""), ("a/x.txt", "ex"), (".git/c.txt", "hidden")):
-        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "src" / name).write_text(text)
-    assert [f.relative_to(tmp_path / "src").as_posix() for f in list_files([tmp_path / "src"])] == ["a/x.txt", "b.txt"]
+    src = tmp_path / "src"
+    files = {"b.txt": "bee", "a/empty.txt": "", "a/x.txt": "ex", ".git/c.txt": "hidden", "a/.DS_Store": "x",
+             "_utils.py": "u", "pkg/__init__.py": "", "pkg/_private/mod.py": "m", "__main__.py": "x",
+             "_SUCCESS": "", "_committed_123": "{}", "_started_123": "", "part-0.parquet.crc": "c",
+             ".part-0.parquet.crc": "c", "_metadata": "m", "_common_metadata": "m", "_temporary/0/part-0.txt": "t",
+             "t/_delta_log/000.json": "{}", "metadata.txt": "kept", "_SUCCESS.txt": "kept"}
+    for name, text in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(text)
+    listing = list_files([src])
+    assert [f.relative_to(src).as_posix() for f in listing.files] == [
+        "_SUCCESS.txt", "__main__.py", "_utils.py", "a/x.txt", "b.txt", "metadata.txt", "pkg/_private/mod.py"]
+    rel = {reason: [p.relative_to(src).as_posix() for p in paths] for reason, paths in listing.left_out.items()}
+    assert rel == {"hidden": [".git/c.txt", ".part-0.parquet.crc", "a/.DS_Store"],
+                   "job markers": ["_SUCCESS", "_committed_123", "_common_metadata", "_metadata", "_started_123",
+                                   "_temporary/0/part-0.txt", "part-0.parquet.crc", "t/_delta_log/000.json"],
+                   "empty": ["a/empty.txt", "pkg/__init__.py"]}
+    note = listing.note().replace(src.as_posix() + "/", "")
+    assert note == ("left out 13 of the 20 files in the source folders: 3 hidden (.git/c.txt, .part-0.parquet.crc, "
+                    "a/.DS_Store); 8 job markers (_SUCCESS, _committed_123, _common_metadata, ...); "
+                    "2 empty (a/empty.txt, pkg/__init__.py)")
+    assert list_files([src / "b.txt"]).note() == ""
 
 
 def test_each_bad_input_fails_with_one_line_naming_it(tmp_path, tokenizer):
@@ -163,14 +182,22 @@ def test_each_bad_input_fails_with_one_line_naming_it(tmp_path, tokenizer):
 
 
 def test_cli(tmp_path, tokenizer, capsys):
-    write_parquet(tmp_path / "a.parquet", make_docs(30), field="content")
-    argv = ["data", "prepare", str(tmp_path / "a.parquet"), "--tokenizer", str(tokenizer), "--out",
+    (tmp_path / "src").mkdir()
+    write_parquet(tmp_path / "src" / "a.parquet", make_docs(30), field="content")
+    (tmp_path / "src" / "_SUCCESS").write_text("")
+    argv = ["data", "prepare", str(tmp_path / "src"), "--tokenizer", str(tokenizer), "--out",
             str(tmp_path / "out"), "--no-progress", "--val-fraction", "0.1"]
     assert main(argv + ["--field", "content", "--workers", "2"]) == 0
-    assert "train" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "train" in out
+    note = f"meshlm data prepare: left out 1 of the 2 files in the source folders: 1 job marker " \
+           f"({(tmp_path / 'src' / '_SUCCESS').as_posix()})\n"
+    assert err == note
     assert os.path.exists(tmp_path / "out" / "manifest.json")
     assert main(argv + ["--field", "content", "--val-fraction", "0.2"]) == 2  # other settings, same folder
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err
+    assert err.startswith(note)  # said before any check of the output folder
+    err = err[len(note):].strip()
     assert err.startswith("meshlm data: error: --out") and "val_fraction" in err and "\n" not in err
     assert main(argv) == 2  # the parquet file has no column 'text'
     assert "pass --field NAME" in capsys.readouterr().err

@@ -267,6 +267,39 @@ def test_405b_on_16k_h100_is_sensible():
     assert best.memory_gib["total"] <= 80
 
 
+def test_search_computes_each_shared_answer_once_and_each_estimate_as_alone(monkeypatch):
+    """A search remembers collective times and one microbatch's time (layouts that differ only in data
+    parallelism share it): each is computed once per distinct question, and every estimate it returns is
+    exactly what that layout estimated alone (nothing shared between layouts) gives."""
+    from collections import Counter
+
+    from meshlm.planner import collectives, cost
+
+    cfg, cluster = ModelConfig.from_preset("tiny-moe"), get_cluster("h100")
+    job = Job(seq_len=2048, global_batch_size=32)
+    colls, mbs = Counter(), []
+    real_coll, real_mb = collectives._collective_time, cost.microbatch_time
+
+    def coll(kind, nbytes, span, cl):
+        colls[(kind, nbytes, span)] += 1
+        return real_coll(kind, nbytes, span, cl)
+
+    def mb(summary, job_, lo, r):
+        mbs.append(lo)
+        return real_mb(summary, job_, lo, r)
+
+    monkeypatch.setattr(collectives, "_collective_time", coll)
+    monkeypatch.setattr(cost, "microbatch_time", mb)
+    found = search(cfg, cluster, job, gpus=16, top=0)
+    assert found.evaluated > 1000 and len(found.ranked) > 500
+    assert max(colls.values()) == 1
+    assert 5 * len(mbs) < len(found.ranked)  # shared: far fewer microbatches priced than layouts
+    summary = cost.ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
+    for e in found.ranked[::4] + list(found.best_by_class.values()):
+        alone = cost.estimate_layout(summary, cluster, job, e.layout, num_microbatches=e.num_microbatches)
+        assert alone.to_dict() == e.to_dict()
+
+
 def test_python_api_plan_small():
     result = plan("tiny", "a100", gpus=4, seq_len=256, global_batch_size=16, top=5)
     assert result.ranked and all(e.fits for e in result.ranked)

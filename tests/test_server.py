@@ -145,22 +145,33 @@ def running(srv, engine):
 @contextlib.contextmanager
 def launched(model_dir, port: int, *flags: str):
     """`meshlm serve` in a subprocess of its own session (it starts its own ranks with --tp/--cp); its URL
-    once /health answers; the whole process group stopped on exit."""
+    once /health answers. On exit it is stopped as a server is stopped (and as a front stops its `--no-front`
+    launch): SIGTERM to the launcher, which stops its ranks and says so in one line -- no traceback, none of
+    torch's lines -- and exits 128 + 15; then the whole process group, whatever is left."""
     import os
+    import signal
     import subprocess
     import sys
+    import tempfile
 
     argv = serve_argv(model_dir, port, *flags)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url, proc)
-        yield url
-    finally:
-        stop_process_tree(proc)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv], env=env, stdout=subprocess.DEVNULL,
+                                stderr=log, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_up(url, proc)
+            yield url
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            log.seek(0)
+            err = log.read()
+            assert proc.returncode == 143 and "Traceback" not in err and "closing signal" not in err, err[-3000:]
+            assert err.rstrip().splitlines()[-1] == "meshlm serve: stopped by SIGTERM; the launcher stopped every rank"
+        finally:
+            stop_process_tree(proc)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])

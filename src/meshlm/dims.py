@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass
 
 from meshlm.rules import check_ep_groups
@@ -25,6 +26,7 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
              "dp_shard_cp": ("dp_shard", "cp")}
 ALL_AXES = AXES + tuple(FLAT_AXES)
+_axis_degrees = operator.attrgetter(*AXES)  # the degree of each of AXES (the planner asks for world_size often)
 
 
 def _divisors(n: int) -> list[int]:
@@ -60,7 +62,7 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         self._require_resolved()
-        return math.prod(self.degree(a) for a in AXES)
+        return math.prod(_axis_degrees(self))
 
     @property
     def dp(self) -> int:

@@ -4,12 +4,14 @@ running the command -- `meshlm train`, `generate` or `serve` -- as that node).
 
 Responsible for: the launcher's arguments (rendezvous, node rank, restarts: `node_launcher_args`, shared by
 every command that takes --nnodes), checking the layout and the run directory before any rank starts, and
-turning a failed launch into one line on the rank that failed first and an exit code (`launch_exit_code`).
+turning a failed launch into one line on the rank that failed first and an exit code (`launch_exit_code`), and
+a launcher stopped by a signal (SIGTERM: how a server is stopped) into one line and 128 + the signal's number.
 Not responsible for: what a rank does (cli.py runs it), or the namespaces and links (emulate.py).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 
@@ -165,10 +167,12 @@ def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
     # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
     # launcher from printing its warning about choosing that default for us.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     cap_shutdown_grace()
+    quiet_rank_stops()
     try:
         torchrun([*launcher, "--module", "meshlm.cli", *rank_args])
     except ChildFailedError as e:
@@ -176,6 +180,9 @@ def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
         codes = sorted({f.exitcode for _, f in failed})
         print(f"meshlm {rank_args[0]}: {first_failure(e)}", file=sys.stderr)
         return launch_exit_code(codes)
+    except SignalException as e:  # SIGTERM (how a server is stopped), SIGINT, SIGHUP or SIGQUIT to the launcher
+        print(f"meshlm {rank_args[0]}: stopped by {e.sigval.name}; the launcher stopped every rank", file=sys.stderr)
+        return 128 + int(e.sigval)  # the shell's convention for a process ended by a signal: 143 for SIGTERM
     return 0
 
 
@@ -201,6 +208,31 @@ def cap_shutdown_grace() -> None:
 
     capped.meshlm_capped = True
     api.PContext.close = capped
+
+
+# torch elastic's own lines about stopping the ranks (as its logging.Logger format strings): the launcher's
+# "Received SIGTERM death signal, shutting down workers" and one "Sending process PID closing signal SIGTERM" per
+# rank. meshlm says the same in one line of its own (`run_torchrun`: stopped by a signal, or which rank failed
+# first and how many others stopped after it).
+TORCH_STOP_MESSAGES = {"torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
+                       "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal %s"}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message
+
+
+def quiet_rank_stops() -> None:
+    """Leave out `TORCH_STOP_MESSAGES` in this (the launcher's) process; every other line of torch's is kept."""
+    for name, message in TORCH_STOP_MESSAGES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(message))
 
 
 def first_failure(error) -> str:

@@ -33,12 +33,13 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -52,18 +53,28 @@ ENCODE_BATCH_DOCS = 1024
 JSONL_BLOCK_BYTES = 4 << 20
 
 
+def _to_stderr(line: str) -> None:
+    print(f"meshlm data prepare: {line}", file=sys.stderr, flush=True)
+
+
 def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: str | Path, workers: int = 1,
             field: str = "text", val_fraction: float = 0.0, shard_bytes: int = DEFAULT_SHARD_BYTES,
-            progress: bool = True) -> dict:
+            progress: bool = True, log: Callable[[str], None] | None = _to_stderr) -> dict:
     """Tokenize `source_paths` into `out` (see the module docstring); returns a summary of the run.
 
     The summary: out, num_shards, shards_written and shards_skipped (this run), num_documents and num_tokens
-    per split, input_bytes, text_bytes, seconds, and text_mb_per_s and tokens_per_s of the shards written.
+    per split, input_bytes, text_bytes, seconds, text_mb_per_s and tokens_per_s of the shards written, and
+    left_out: how many files of the source folders were not read, by reason (hidden, job markers, empty), which
+    `log` hears of in one line before any work (default: on stderr; None: not at all).
     """
     _check_knobs(workers=workers, field=field, val_fraction=val_fraction, shard_bytes=shard_bytes)
     out = Path(out)
     tokenizer = tokenizer_info(tokenizer_path)
-    files = sources.list_files(list(source_paths), out=out)
+    listing = sources.list_files(list(source_paths), out=out)
+    files = listing.files
+    if listing.left_out and log is not None:
+        log(listing.note())
+    left_out = {reason: len(paths) for reason, paths in listing.left_out.items()}
     sources.check_files(files, field)
     settings = {"dtype": manifest.dtype_for(tokenizer["vocab_size"]), "tokenizer": tokenizer,
                 "settings": {"field": field, "val_fraction": float(val_fraction), "shard_bytes": int(shard_bytes)},
@@ -72,7 +83,8 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
     done = _start_or_resume(out, settings)
     if done is None:  # already complete with these settings
         m = manifest.read(out)
-        return _summary(out, m, written=[], skipped=manifest.num_shards(m), seconds=time.perf_counter() - start)
+        return _summary(out, m, written=[], skipped=manifest.num_shards(m), seconds=time.perf_counter() - start,
+                        left_out=left_out)
     units = sources.iter_units(files, field=field, block_bytes=min(shard_bytes, JSONL_BLOCK_BYTES))
     task = _Task(index=-1, units=[], out=str(out), tokenizer_path=tokenizer["path"], dtype=settings["dtype"],
                  eos_token_id=tokenizer["eos_token_id"], field=field, val_fraction=float(val_fraction))
@@ -84,7 +96,7 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
     for tmp in out.glob("*.tmp"):  # left by a killed run, for a shard finished since
         tmp.unlink()
     return _summary(out, manifest.read(out), written=written, skipped=len(records) - len(written),
-                    seconds=time.perf_counter() - start)
+                    seconds=time.perf_counter() - start, left_out=left_out)
 
 
 def _check_knobs(*, workers: int, field: str, val_fraction: float, shard_bytes: int) -> None:
@@ -369,7 +381,7 @@ class _Progress:
         self._bar.update(self._task, advance=record["disk_bytes"], rates=rates)
 
 
-def _summary(out: Path, m: dict, *, written: list[dict], skipped: int, seconds: float) -> dict:
+def _summary(out: Path, m: dict, *, written: list[dict], skipped: int, seconds: float, left_out: dict) -> dict:
     tokens = sum(r[s]["num_tokens"] for r in written for s in manifest.SPLITS if r.get(s))
     text = sum(r["text_bytes"] for r in written)
     return {"out": str(out), "num_shards": len(written) + skipped, "shards_written": len(written),
@@ -378,4 +390,4 @@ def _summary(out: Path, m: dict, *, written: list[dict], skipped: int, seconds: 
             "num_tokens": {s: v["num_tokens"] for s, v in m["splits"].items()},
             "input_bytes": m["input_bytes"], "text_bytes": m["text_bytes"], "seconds": round(seconds, 3),
             "text_mb_per_s": round(text / seconds / 1e6, 3) if written else 0.0,
-            "tokens_per_s": round(tokens / seconds) if written else 0}
+            "tokens_per_s": round(tokens / seconds) if written else 0, "left_out": left_out}

@@ -1,9 +1,11 @@
 """The text sources `meshlm data prepare` reads: which files, checked before any work starts, cut into units.
 
 Responsible for: turning the SOURCE arguments into an ordered list of files (a folder is walked recursively
-in sorted order of relative paths; names starting with "." or "_" are skipped, as Spark's and Hadoop's
-`_SUCCESS`/`.crc` files are); checking what can be checked without reading the data (the file exists and
-is not empty, the format is known, a parquet file has the text column, the optional packages are there);
+in sorted order of relative paths, leaving out -- and counting, `Listing.note` -- what is not data: hidden
+files and folders (a name starting with "."), the markers data jobs write beside their output (`JOB_MARKERS`),
+and empty files; every other file is read, a code corpus's `_utils.py` too); checking what can be checked
+without reading the data (the file exists and is not empty, the format is known, a parquet file has the text
+column, the optional packages are there);
 cutting every file into `Unit`s in file order -- a text file is one unit (one document), a `.jsonl`,
 `.jsonl.gz` or `.jsonl.zst` gives units of whole lines of about `block_bytes` (decompressed here, in the
 reading process), a `.parquet` one unit per row group; and `documents(unit, field)`, the texts of one unit,
@@ -27,6 +29,12 @@ from typing import BinaryIO, Iterator
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_BATCH_ROWS = 1024
 _COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd", ".bz2", ".xz")
+# What Spark, Hadoop, Databricks and parquet writers leave beside a job's part files: file names matched exactly
+# or by prefix ("_committed_<id>", "_started_<id>") or suffix (".crc" checksums), and folders whose files are
+# none of the output's (a failed job's attempt copies under "_temporary", Delta Lake's JSON commit log).
+JOB_MARKERS = {"names": ("_SUCCESS", "_metadata", "_common_metadata"), "prefixes": ("_committed_", "_started_"),
+               "suffixes": (".crc",), "folders": ("_temporary", "_delta_log")}
+NOTE_NAMES = 3  # names quoted per reason in `Listing.note`
 
 
 @dataclass(frozen=True)
@@ -59,13 +67,37 @@ def kind_of(path: Path) -> str:
     return "text"
 
 
-def list_files(sources: list[str | Path], *, out: Path | None = None) -> list[Path]:
+@dataclass(frozen=True)
+class Listing:
+    """The files to read, in order, and the files of source folders left out: reason -> paths (as found, in
+    order) for the reasons "hidden", "job markers" and "empty"; `found` counts the folders' files."""
+
+    files: list[Path]
+    left_out: dict[str, list[Path]]
+    found: int
+
+    def note(self) -> str:
+        """One line saying how many files were left out and why, with a few names; "" when none were."""
+        total = sum(len(paths) for paths in self.left_out.values())
+        if not total:
+            return ""
+        parts = []
+        for reason, paths in self.left_out.items():
+            names = ", ".join(p.as_posix() for p in paths[:NOTE_NAMES]) + (", ..." if len(paths) > NOTE_NAMES else "")
+            label = reason[:-1] if len(paths) == 1 and reason.endswith("s") else reason  # "1 job marker"
+            parts.append(f"{len(paths)} {label} ({names})")
+        return f"left out {total} of the {self.found} files in the source folders: {'; '.join(parts)}"
+
+
+def list_files(sources: list[str | Path], *, out: Path | None = None) -> Listing:
     """Every input file, in the order of `sources` (folders: recursively, sorted by relative path, leaving out
-    hidden files and empty ones -- an empty file named as a source is refused)."""
+    hidden files, job markers and empty files -- an empty file named as a source is refused)."""
     if not sources:
         raise ValueError("no SOURCE given; pass text files, folders, .jsonl(.gz/.zst) or .parquet files")
     out = out.resolve() if out is not None else None
     files: list[Path] = []
+    left_out: dict[str, list[Path]] = {"hidden": [], "job markers": [], "empty": []}
+    found = 0
     for source in sources:
         path = Path(source)
         if not path.exists():
@@ -75,22 +107,38 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> list[Pa
             if out is not None and (out == path.resolve() or path.resolve() in out.parents):
                 raise ValueError(f"--out {out} lies inside source folder {path}; a rerun would read its own "
                                  "shards: pass an --out outside the sources")
-            found = sorted((p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path))),
-                           key=lambda p: p.relative_to(path).as_posix())
-            empty = sum(1 for p in found if p.stat().st_size == 0)  # in a folder, nothing to tokenize: skipped
-            if len(found) == empty:
-                raise ValueError(f"source folder {path} holds " + (f"only empty files ({empty})" if empty else "no files")
-                                 + "; pass a folder with text, .jsonl(.gz/.zst) or .parquet files")
-            files += [p for p in found if p.stat().st_size > 0]
+            listed = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
+            reasons = [_left_out_reason(p.relative_to(path)) or ("empty" if p.stat().st_size == 0 else None)
+                       for p in listed]
+            kept = [p for p, reason in zip(listed, reasons) if reason is None]
+            if not kept:
+                empty = reasons.count("empty")
+                holds = ("no files" if not listed else f"only empty files ({empty})" if empty == len(listed)
+                         else f"no data files (only {len(listed)} hidden, job-marker or empty ones)")
+                raise ValueError(f"source folder {path} holds {holds}; "
+                                 "pass a folder with text, .jsonl(.gz/.zst) or .parquet files")
+            for p, reason in zip(listed, reasons):
+                if reason is not None:
+                    left_out[reason].append(p)
+            found += len(listed)
+            files += kept
         elif path.stat().st_size == 0:
             raise ValueError(f"source file {path} is empty; remove it or leave it out of the sources")
         else:
             files.append(path)
-    return files
+    return Listing(files, {reason: paths for reason, paths in left_out.items() if paths}, found)
 
 
-def _hidden(relative: Path) -> bool:
-    return any(part.startswith((".", "_")) for part in relative.parts)
+def _left_out_reason(relative: Path) -> str | None:
+    """"hidden", "job markers" or None (data) for a file at `relative` inside a source folder."""
+    if any(part.startswith(".") for part in relative.parts):
+        return "hidden"
+    name = relative.name
+    in_job_folder = any(part in JOB_MARKERS["folders"] for part in relative.parts[:-1])
+    if (in_job_folder or name in JOB_MARKERS["names"] or name.startswith(JOB_MARKERS["prefixes"])
+            or name.endswith(JOB_MARKERS["suffixes"])):
+        return "job markers"
+    return None
 
 
 def check_files(files: list[Path], field: str) -> None:

@@ -1,8 +1,8 @@
 """The cost model's entry point: memory per GPU and step time of one training layout, by component.
 
 Responsible for: `ModelSummary` (a model's per-layer averages, computed once per search), `Estimate` (the
-prediction: memory_gib and time_s by component, MFU, HFU, tokens/s, TFLOP/s per GPU), and
-`estimate_layout` / `estimate`, which put the pieces together:
+prediction: memory_gib and time_s by component, MFU, HFU, tokens/s, TFLOP/s per GPU), `layout_memory` (the
+memory half alone: whether a layout fits), and `estimate_layout` / `estimate`, which put the pieces together:
   layout.py       Job, Layout, parse_layout, validate_layout (the inputs and what the runtime refuses)
   placement.py    where each group sits (links), the pipeline split, per-rank rates
   collectives.py  the time of one collective on a link tier
@@ -17,7 +17,8 @@ A layout fits only with MIN_HEADROOM of the GPU's memory left free beyond everyt
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from operator import attrgetter
 
 from meshlm.config import ModelConfig
 from meshlm.models import stats as model_stats
@@ -25,17 +26,17 @@ from meshlm.planner.cluster import GiB, Cluster
 from meshlm.planner.collectives import collective_time, group_span, link_name
 from meshlm.planner.layout import (CP_COMPUTE_BYTES, CP_METHODS, PRECISIONS, RECOMPUTE, RUNTIMES,
                                    Job, Layout, parse_layout, resolve_layout, validate_layout)
-from meshlm.planner.memory import (FRAGMENTATION, MiB, ZERO3_PREFETCH_LAYERS,
+from meshlm.planner.memory import (FRAGMENTATION, MiB, ZERO3_PREFETCH_LAYERS, RankParams,
                                    inflight_microbatches, layer_activation_bytes, memory_bytes, rank_params)
-from meshlm.planner.placement import bytes_per, rank_setup, rank_split
+from meshlm.planner.placement import RankSetup, WorldSetup, bytes_per, rank_setup, rank_split, world_setup
 from meshlm.planner.timing import (dp_comm_time, microbatch_time, optimizer_time,
                                    pipeline_bubble, pp_p2p_time, tp_collectives)
 
 __all__ = ["CP_COMPUTE_BYTES", "CP_METHODS", "FRAGMENTATION", "MIN_HEADROOM", "MiB", "PRECISIONS", "RECOMPUTE",
-           "RUNTIMES", "ZERO3_PREFETCH_LAYERS", "Estimate", "Job", "Layout", "ModelSummary", "bytes_per",
-           "collective_time", "estimate", "estimate_layout", "group_span", "inflight_microbatches",
-           "layer_activation_bytes", "link_name", "parse_layout", "pipeline_bubble", "rank_split",
-           "tp_collectives", "validate_layout"]
+           "RUNTIMES", "ZERO3_PREFETCH_LAYERS", "Estimate", "Job", "Layout", "LayoutMemory", "ModelSummary",
+           "WorldSetup", "bytes_per", "collective_time", "estimate", "estimate_layout", "group_span",
+           "inflight_microbatches", "layer_activation_bytes", "layout_memory", "link_name", "parse_layout",
+           "pipeline_bubble", "rank_split", "tp_collectives", "validate_layout", "world_setup"]
 
 # A layout "fits" only with this fraction of the memory left free beyond everything itemised. The
 # itemised model state is exact (tests/test_planner_measured.py), but activations, fragmentation and
@@ -129,15 +130,55 @@ class ModelSummary:
         )
 
 
+# The Layout fields `microbatch_time` reads neither itself nor through the RankSetup fields it uses (it prices
+# one microbatch's layers, head, loss and tp / cp / ep communication; data parallelism and the schedule come
+# after): a search remembers one microbatch's time per value of all the other fields. A new Layout field is
+# part of the key unless it is named here.
+MICROBATCH_FREE = ("dp_replicate", "dp_shard", "zero_stage", "zero3_reshard_after_forward", "pp_schedule",
+                   "num_microbatches", "bucket_size_mb")
+_microbatch_key = attrgetter(*(f.name for f in fields(Layout) if f.name not in MICROBATCH_FREE))
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """The memory half of an estimate (`layout_memory`): enough to know whether a layout fits, without its time."""
+
+    layout: Layout
+    r: RankSetup
+    p: RankParams
+    components: dict  # bytes per GPU by component (memory.memory_bytes)
+    total: float
+    fits: bool
+
+
+def layout_memory(summary: ModelSummary, cluster: Cluster, job: Job, layout: Layout, *, num_microbatches: int,
+                  world: WorldSetup | None = None) -> LayoutMemory:
+    """Bytes per GPU of `layout` (validated), and whether it fits with MIN_HEADROOM left free."""
+    r = rank_setup(summary, cluster, job, layout, world=world)
+    p = rank_params(summary, job, layout, r)
+    mem = memory_bytes(summary, cluster.reserved_bytes, job, layout, r, p, num_microbatches=num_microbatches)
+    total = sum(mem.values())
+    return LayoutMemory(layout, r, p, mem, total, total <= cluster.hbm_bytes * (1 - MIN_HEADROOM))
+
+
 def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: Layout, *,
-                    num_microbatches: int) -> Estimate:
-    """Memory and time of `layout` (already validated; see `validate_layout`)."""
+                    num_microbatches: int, world: WorldSetup | None = None,
+                    memory: LayoutMemory | None = None) -> Estimate:
+    """Memory and time of `layout` (already validated; see `validate_layout`). `world`: what every layout of
+    this world size on `cluster` shares (`world_setup`), made once by a caller estimating many; `memory`: this
+    layout's `layout_memory`, where the caller has it already."""
     lo, m = layout, num_microbatches
-    r = rank_setup(summary, cluster, job, lo)
-    p = rank_params(summary, job, lo, r)
-    mem = memory_bytes(summary, cluster.reserved_bytes, job, lo, r, p, num_microbatches=m)
-    total_bytes = sum(mem.values())
-    mb = microbatch_time(summary, job, lo, r)
+    if world is None:
+        world = world_setup(summary, cluster, job, lo.world)
+    if memory is None:
+        memory = layout_memory(summary, cluster, job, lo, num_microbatches=m, world=world)
+    elif memory.layout is not lo:
+        raise ValueError(f"memory= was priced for layout {memory.layout.short()}, not {lo.short()}")
+    r, p, mem, total_bytes = memory.r, memory.p, memory.components, memory.total
+    key = _microbatch_key(lo)  # layouts that differ only in their data parallelism share one microbatch's time
+    mb = world.microbatches.get(key)
+    if mb is None:
+        mb = world.microbatches[key] = microbatch_time(summary, job, lo, r)
     time = {
         "compute": m * mb.compute,
         "recompute": m * mb.recompute,
@@ -158,7 +199,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     peak_all = gpus * r.peak
     return Estimate(
         layout=layout,
-        fits=total_bytes <= cluster.hbm_bytes * (1 - MIN_HEADROOM),
+        fits=memory.fits,
         memory_gib={**{k: v / GiB for k, v in mem.items()}, "total": total_bytes / GiB},
         time_s=time,
         mfu=model_flops / (step * peak_all),

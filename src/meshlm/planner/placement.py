@@ -1,6 +1,8 @@
 """Where one layout's ranks sit and what the busiest rank does: the shared setup of memory and time.
 
-Responsible for: `RankSetup` (`rank_setup`): each parallel group's span over the scale-up / scale-out
+Responsible for: `WorldSetup` (`world_setup`): what every layout of one world size on one cluster shares --
+the rates after CPU-core sharing and the collective times, remembered (`collectives.CollectiveTimes`) --,
+made once per search; `RankSetup` (`rank_setup`): each parallel group's span over the scale-up / scale-out
 tiers and the link it rides, the pipeline split (layers per rank, the bottleneck rank's load with the
 head), the tokens one rank processes per microbatch, and the compute rates after CPU-core sharing.
 Not responsible for: memory (`memory.py`), time (`timing.py`) or the collective formulas
@@ -18,12 +20,12 @@ memory copies of their collectives), and collectives get no overlap once every c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshlm.schedules import balanced_split, split_layers, stage_loads
 from meshlm.planner.cluster import Cluster, slowed_links
-from meshlm.planner.collectives import group_span, link_name
+from meshlm.planner.collectives import CollectiveTimes, group_span, link_name
 from meshlm.planner.layout import Job, Layout
 
 if TYPE_CHECKING:
@@ -41,8 +43,50 @@ def bytes_per(precision: str, *, grad_reduce_in_fp32: bool = True) -> dict:
 
 
 @dataclass(frozen=True)
+class WorldSetup:
+    """What every layout of one search shares -- one model (`summary`), `job` and `gpus` ranks of `source` --
+    made once per search (`world_setup`): the rates after core sharing, and answers the search asks again and
+    again, remembered for it alone (a few thousand distinct ones for 180k layouts)."""
+
+    summary: ModelSummary
+    source: Cluster  # the cluster asked for
+    job: Job
+    gpus: int
+    cluster: Cluster  # links slowed by CPU-core sharing where ranks time-share cores
+    times: CollectiveTimes  # collective_time on `cluster`, remembered
+    by: dict  # bytes_per(precision)
+    share: float  # ranks per compute unit (>= 1)
+    cores_saturated: bool
+    peak: float
+    peak_attn: float
+    hbm_bw: float
+    placements: dict = field(default_factory=dict)  # degrees -> (spans, links) (`rank_setup`)
+    microbatches: dict = field(default_factory=dict)  # layout key -> MicrobatchTime (`cost.estimate_layout`)
+
+
+def world_setup(summary: ModelSummary, cluster: Cluster, job: Job, gpus: int) -> WorldSetup:
+    """Rates and links of `gpus` ranks on `cluster`: what `rank_setup` needs beyond the layout's degrees."""
+    # Ranks that time-share compute units (a CPU host running more ranks than it has cores) each
+    # compute and stream memory at slots / ranks of the single-unit rate. GPUs never share (slots 0).
+    # (On an emulated cluster every domain is on the one host: all the ranks share its cores.)
+    ranks_per_domain = gpus if cluster.host_shared_by_domains else min(gpus, cluster.scaleup_size)
+    share = max(1.0, ranks_per_domain / cluster.compute_slots) if cluster.compute_slots else 1.0
+    # On such a host a collective is memory copies and reductions done by those same cores (the
+    # "link" is the loopback), so it time-shares them too, and it has no idle core to overlap on.
+    cores_saturated = bool(cluster.compute_slots) and ranks_per_domain >= cluster.compute_slots
+    slowed = slowed_links(cluster, share) if share > 1 else cluster
+    return WorldSetup(
+        summary=summary, source=cluster, job=job, gpus=gpus, cluster=slowed, times=CollectiveTimes(slowed),
+        by=bytes_per(job.precision, grad_reduce_in_fp32=job.grad_reduce_in_fp32), share=share,
+        cores_saturated=cores_saturated, peak=slowed.peak(job.precision) / share,
+        peak_attn=(slowed.peak("bf16") if job.precision == "fp8" else slowed.peak(job.precision)) / share,
+        hbm_bw=slowed.hbm_bw * slowed.hbm_efficiency / share)
+
+
+@dataclass(frozen=True)
 class RankSetup:
     cluster: Cluster  # links slowed by CPU-core sharing where ranks time-share cores
+    times: CollectiveTimes  # collective_time on `cluster` (`r.times(kind, nbytes, span)`)
     by: dict  # bytes_per(precision)
     tp: int
     pp: int
@@ -94,34 +138,22 @@ def rank_split(num_layers: int, *, pp: int, chunks: int, head_units: float) -> t
     return stage_loads(counts, pp=pp, pp_chunks=chunks, head_units=head_units)
 
 
-def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) -> RankSetup:
+def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout, *,
+               world: WorldSetup | None = None) -> RankSetup:
+    """`world`: `world_setup(summary, cluster, job, lo.world)`, made once by a caller setting up many layouts."""
     cfg = summary.cfg
-    by = bytes_per(job.precision, grad_reduce_in_fp32=job.grad_reduce_in_fp32)
     tp, pp, cp, ep, v, etp = lo.tp, lo.pp, lo.cp, lo.ep, lo.pp_chunks, lo.etp
-    gpus = lo.world
+    if world is None:
+        world = world_setup(summary, cluster, job, lo.world)
+    elif world.summary is not summary or world.source is not cluster or world.job is not job or world.gpus != lo.world:
+        raise ValueError(f"world_setup was made for {world.gpus} GPUs of another model, cluster or job than layout "
+                         f"{lo.short()}'s {lo.world}; make one per (summary, cluster, job, gpus)")
     tokens_mb = lo.micro_batch_size * job.seq_len / cp
-    # Ranks that time-share compute units (a CPU host running more ranks than it has cores) each
-    # compute and stream memory at slots / ranks of the single-unit rate. GPUs never share (slots 0).
-    # (On an emulated cluster every domain is on the one host: all the ranks share its cores.)
-    ranks_per_domain = gpus if cluster.host_shared_by_domains else min(gpus, cluster.scaleup_size)
-    share = max(1.0, ranks_per_domain / cluster.compute_slots) if cluster.compute_slots else 1.0
-    # On such a host a collective is memory copies and reductions done by those same cores (the
-    # "link" is the loopback), so it time-shares them too, and it has no idle core to overlap on.
-    cores_saturated = bool(cluster.compute_slots) and ranks_per_domain >= cluster.compute_slots
-    if share > 1:
-        cluster = slowed_links(cluster, share)
-    D = cluster.scaleup_size
-    spans = {
-        "tp": group_span(1, tp, D),
-        "cp": group_span(tp, cp, D),
-        "ep": group_span(etp, ep, D),
-        "dp_shard": group_span(tp, cp * lo.dp_shard, D),  # ZeRO / FSDP shards over dp_shard x cp
-        "dp_replicate": group_span(tp * cp * lo.dp_shard, lo.dp_replicate, D),
-        "dp_all": group_span(tp, cp * lo.dp, D),  # plain all-reduce over every data-parallel rank
-        "dp_experts": group_span(etp * ep, max(1, lo.dp * cp * tp // (etp * ep)), D),  # expert gradients' replicas
-        "pp": group_span(tp * cp * lo.dp, pp, D),
-    }
-    links = {k: link_name(*spans[k]) for k in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}
+    degrees = (tp, cp, etp, ep, lo.dp_shard, lo.dp_replicate, pp)
+    placed = world.placements.get(degrees)
+    if placed is None:
+        placed = world.placements[degrees] = _place(*degrees, world.cluster.scaleup_size)
+    spans, links = placed
     split = summary.splits.get((pp, v, lo.pp_split))
     if split is None:
         head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
@@ -131,13 +163,29 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout) ->
             split = rank_split(cfg.num_layers, pp=pp, chunks=v, head_units=head_units)
         summary.splits[(pp, v, lo.pp_split)] = split
     rank_layers, rank_units = split
+    by = world.by
     return RankSetup(
-        cluster=cluster, by=by, tp=tp, pp=pp, cp=cp, ep=ep, v=v, sp=lo.sequence_parallel and tp > 1,
-        rc=lo.recompute, tokens_mb=tokens_mb, act_msg=tokens_mb * cfg.hidden_size * by["act"],
-        peak=cluster.peak(job.precision) / share,
-        peak_attn=(cluster.peak("bf16") if job.precision == "fp8" else cluster.peak(job.precision)) / share,
-        hbm_bw=cluster.hbm_bw * cluster.hbm_efficiency / share, cores_saturated=cores_saturated,
-        spans=spans, links=links, rank_layers=rank_layers, rank_units=rank_units,
+        cluster=world.cluster, times=world.times, by=by, tp=tp, pp=pp, cp=cp, ep=ep, v=v,
+        sp=lo.sequence_parallel and tp > 1, rc=lo.recompute, tokens_mb=tokens_mb,
+        act_msg=tokens_mb * cfg.hidden_size * by["act"], peak=world.peak, peak_attn=world.peak_attn,
+        hbm_bw=world.hbm_bw, cores_saturated=world.cores_saturated,
+        spans=dict(spans), links=dict(links), rank_layers=rank_layers, rank_units=rank_units,
         # meshlm keeps every routed expert whole on each tp rank (replicated over tp, the ep group at stride tp:
         # `spans` above); Megatron-Core splits it over expert_tp ranks
         etp=1 if job.runtime == "meshlm" else etp)
+
+
+def _place(tp: int, cp: int, etp: int, ep: int, dp_shard: int, dp_replicate: int, pp: int, D: int) -> tuple[dict, dict]:
+    """Each group's (members per domain, domains) and the link it rides, on domains of D ranks."""
+    dp = dp_replicate * dp_shard
+    spans = {
+        "tp": group_span(1, tp, D),
+        "cp": group_span(tp, cp, D),
+        "ep": group_span(etp, ep, D),
+        "dp_shard": group_span(tp, cp * dp_shard, D),  # ZeRO / FSDP shards over dp_shard x cp
+        "dp_replicate": group_span(tp * cp * dp_shard, dp_replicate, D),
+        "dp_all": group_span(tp, cp * dp, D),  # plain all-reduce over every data-parallel rank
+        "dp_experts": group_span(etp * ep, max(1, dp * cp * tp // (etp * ep)), D),  # expert gradients' replicas
+        "pp": group_span(tp * cp * dp, pp, D),
+    }
+    return spans, {k: link_name(*spans[k]) for k in ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")}

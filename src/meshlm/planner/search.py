@@ -11,7 +11,12 @@ Pruning (each rule only drops layouts the cost model can never rank higher):
   * sequence parallelism is always on with tp > 1 (same bytes as plain all-reduces, less memory);
   * GPipe is skipped: 1F1B has the same bubble with fewer microbatches in flight;
   * recomputation: for each layout the cheapest policy that fits is kept (none < selective < full
-    in time, the reverse in memory); if none fits, `full` is kept as the closest miss;
+    in time, the reverse in memory); if none fits, `full` is kept as the closest miss. Only the memory of
+    the others is priced (`cost.layout_memory`), the time of the one kept.
+
+Speed: what every layout shares is set up once (`placement.world_setup`), and it remembers the answers
+layouts ask again and again: collective times, group placements, and one microbatch's time, which layouts
+that differ only in their data parallelism share (`cost.MICROBATCH_FREE`).
   * context parallelism only while each rank keeps >= 1024 tokens of the sequence; every method
     (ring, all-gather, and Ulysses where cp divides a tp rank's heads) is tried for each cp > 1;
   * hybrid sharding (dp_replicate > 1) only with ZeRO-3, with power-of-two shard groups.
@@ -23,7 +28,8 @@ from dataclasses import dataclass, field, replace
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster
-from meshlm.planner.cost import CP_METHODS, Estimate, Job, Layout, ModelSummary, estimate_layout
+from meshlm.planner.cost import (CP_METHODS, Estimate, Job, Layout, ModelSummary, estimate_layout, layout_memory,
+                                 world_setup)
 from meshlm.planner.layout import validate_layout
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -113,20 +119,19 @@ def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int 
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1")
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
+    world = world_setup(summary, cluster, job, gpus)  # rates and remembered answers, shared by every layout
     fitting: list[Estimate] = []
     closest: Estimate | None = None
     best_by_class: dict = {}
     evaluated = 0
     for base, m in candidate_layouts(cfg, cluster, job, gpus):
-        chosen = None
-        for rc in ("none", "selective", "full"):
-            lo = replace(base, recompute=rc)
-            est = estimate_layout(summary, cluster, job, lo, num_microbatches=m)
+        for rc in ("none", "selective", "full"):  # the first that fits; the time is priced for that one only
+            lo = base if rc == base.recompute else replace(base, recompute=rc)
+            memory = layout_memory(summary, cluster, job, lo, num_microbatches=m, world=world)
             evaluated += 1
-            chosen = est
-            if est.fits:
+            if memory.fits:
                 break
-        assert chosen is not None
+        chosen = estimate_layout(summary, cluster, job, lo, num_microbatches=m, world=world, memory=memory)
         if chosen.fits:
             fitting.append(chosen)
         elif closest is None or chosen.memory_gib["total"] < closest.memory_gib["total"]:

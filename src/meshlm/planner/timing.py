@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.config import ModelConfig
 from meshlm.rules import PP_SCHEDULES
-from meshlm.planner.collectives import collective_time, group_span
+from meshlm.planner.collectives import group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
 from meshlm.planner.memory import MiB, RankParams
@@ -326,16 +326,16 @@ def tp_comm_time(cfg: ModelConfig, job: Job, r: RankSetup, *, layer: LayerComput
     when the forward is recomputed in full; around the layers the embedding, lm_head input and loss.
     Not overlapped (Megatron default, and meshlm's TP) unless `Job.tp_comm_overlap`.
     Returns (seconds per layer, seconds around the layers, and the two collective lists)."""
-    span_tp, cluster = r.spans["tp"], r.cluster
+    span_tp = r.spans["tp"]
     layer_colls, edge_colls = tp_collectives(cfg, tp=r.tp, sequence_parallel=r.sp, tokens=r.tokens_mb,
                                              act_bytes=r.by["act"], recompute=r.rc,
                                              norm_grads_in_graph=job.runtime == "meshlm")
-    t_layer = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in layer_colls)
+    t_layer = sum(n * r.times(kind, nbytes, span_tp) for kind, nbytes, n in layer_colls)
     if job.tp_comm_overlap:
         # Megatron/TE userbuffers: each all-gather is split and pipelined under the GEMM that consumes it,
         # each reduce-scatter under the GEMM that produces it; what the GEMMs cannot cover is exposed.
         t_layer = overlapped(t_layer, layer.dense + layer.dense_bwd, r)
-    t_edge = sum(n * collective_time(kind, nbytes, span_tp, cluster) for kind, nbytes, n in edge_colls)
+    t_edge = sum(n * r.times(kind, nbytes, span_tp) for kind, nbytes, n in edge_colls)
     return t_layer, t_edge, layer_colls, edge_colls
 
 
@@ -372,8 +372,8 @@ def ulysses_comm_time(cfg: ModelConfig, job: Job, lo: Layout, r: RankSetup, *, n
     h_tp = cfg.num_heads // tp
     qkv, o = head * (h_tp + 2 * kv_heads), head * h_tp
     n_qkv, n_o = 2 + (rc != "none"), 2 + (rc == "full")
-    t = (n_qkv * collective_time("all_to_all", qkv, span_u, cluster)
-         + n_o * collective_time("all_to_all", o, span_u, cluster))
+    t = (n_qkv * r.times("all_to_all", qkv, span_u)
+         + n_o * r.times("all_to_all", o, span_u))
     return t, n_qkv * qkv + n_o * o
 
 
@@ -395,15 +395,15 @@ def kv_exchange_time(cfg: ModelConfig, job: Job, lo: Layout, r: RankSetup, *, la
         # All-gather (Llama 3 style): one all-gather of every rank's K+V forward (its output: cp blocks
         # of K+V) and one reduce-scatter of dK+dV backward (in K/V's dtype: the gradient of the
         # gathered tensor), on the cp group; the attention needs all of it, so neither overlaps.
-        t = ((1 + rc_again) * collective_time("all_gather", cp * kv_pair, span_cp, cluster)
-             + collective_time("reduce_scatter", cp * kv_pair, span_cp, cluster))
+        t = ((1 + rc_again) * r.times("all_gather", cp * kv_pair, span_cp)
+             + r.times("reduce_scatter", cp * kv_pair, span_cp))
         return t, 0.0, (2 + rc_again) * cp * kv_pair
     # ring - 1 steps each way, each overlapped with the attention of the block in hand (forward
     # attn / ring; backward attn_bwd / ring): K+V forward; K+V and the partial dK+dV (sent together to
     # the next rank) backward.
     ring_span = span_r if span_r[1] == 1 else (1, 2)
-    t_send_fwd = collective_time("p2p", kv_pair, ring_span, cluster)
-    t_send_bwd = collective_time("p2p", kv_pair + grad_pair, ring_span, cluster)
+    t_send_fwd = r.times("p2p", kv_pair, ring_span)
+    t_send_bwd = r.times("p2p", kv_pair + grad_pair, ring_span)
     t = (ring - 1) * ((1 + rc_again) * overlapped(t_send_fwd, layer.attn / ring, r)
                       + overlapped(t_send_bwd, layer.attn_bwd / ring, r))
     # Online-softmax merge after each extra ring step: read the step's partial output and the running one,
@@ -425,7 +425,7 @@ def ep_comm_time(summary: ModelSummary, job: Job, r: RankSetup, *, imbalance: fl
     # the busiest rank receives `imbalance` x the mean: the all-to-all ends when it has
     a2a = r.tokens_mb / (r.tp if r.sp else 1) * cfg.num_experts_per_token * cfg.hidden_size * r.by["act"] * imbalance
     n_a2a = 4 + (2 if r.rc == "full" else 0)
-    t_ep_layer = summary.moe_layer_fraction * n_a2a * collective_time("all_to_all", a2a, r.spans["ep"], r.cluster)
+    t_ep_layer = summary.moe_layer_fraction * n_a2a * r.times("all_to_all", a2a, r.spans["ep"])
     if job.ep_comm_overlap:
         # Megatron-Core's overlap_moe_expert_parallel_comm: the forward of one microbatch and the backward
         # of another run layer by layer on two streams, each one's dispatch / combine under the other's
@@ -480,8 +480,8 @@ def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int, job: Job | N
         return 0.0
     n_in, n_out = r.spans["pp"]
     msg = r.act_msg / (r.tp if r.sp else 1)
-    inside = collective_time("p2p", msg, (2, 1), r.cluster)
-    across = collective_time("p2p", msg, (1, 2), r.cluster)
+    inside = r.times("p2p", msg, (2, 1))
+    across = r.times("p2p", msg, (1, 2))
     pair = 2 * inside if n_out == 1 else (2 * across if n_in == 1 else inside + across)
     t = r.v * (num_microbatches + r.pp - 1) * pair
     if job is not None and job.pp_p2p_serial and r.pp > 2 and r.v == 1:
@@ -515,44 +515,43 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
             # backward in every micro-step, and the root unit (embedding, norm, head) once: each gather
             # is prefetched one unit ahead, so all but the root's (which starts the forward) overlap
             # the compute of the micro-steps.
-            comm = (collective_time("reduce_scatter", g_dense + g_exp, span_dps, cluster)
-                    + collective_time("all_reduce", (g_dense + g_exp) / shard, span_dpr, cluster))
+            comm = (r.times("reduce_scatter", g_dense + g_exp, span_dps)
+                    + r.times("all_reduce", (g_dense + g_exp) / shard, span_dpr))
             window = t_mb_bwd
             if z == 3:
                 root = n_local - layers_mem * (summary.layer_tp / tp + summary.layer_rep
                                                + summary.layer_experts / (r.expert_tp * ep))
                 window = m * t_mb
                 if not lo.zero3_reshards:  # every unit once per step; the first gather starts the step
-                    comm += collective_time("all_gather", (n_local - root) * by["param"], span_dps, cluster)
-                    sync = collective_time("all_gather", root * by["param"], span_dps, cluster)
+                    comm += r.times("all_gather", (n_local - root) * by["param"], span_dps)
+                    sync = r.times("all_gather", root * by["param"], span_dps)
                 else:  # pp > 1: the root is freed after forward and gathered again for backward
                     again = root if r.pp > 1 else 0.0
-                    comm += m * collective_time("all_gather", (2 * n_local - 2 * root + again) * by["param"],
-                                                span_dps, cluster)
-                    sync = m * collective_time("all_gather", root * by["param"], span_dps, cluster)
+                    comm += m * r.times("all_gather", (2 * n_local - 2 * root + again) * by["param"], span_dps)
+                    sync = m * r.times("all_gather", root * by["param"], span_dps)
             else:
-                sync = collective_time("all_gather", n_local * by["param"], span_dps, cluster)
+                sync = r.times("all_gather", n_local * by["param"], span_dps)
         elif z == 0:
-            comm = (collective_time("all_reduce", g_dense, span_dp_all, cluster)
-                    + collective_time("all_reduce", g_exp, span_exp, cluster))
+            comm = (r.times("all_reduce", g_dense, span_dp_all)
+                    + r.times("all_reduce", g_exp, span_exp))
             window = t_mb_bwd
         elif z in (1, 2):
-            comm = (collective_time("reduce_scatter", g_dense, span_dps, cluster)
-                    + collective_time("all_reduce", g_dense / shard, span_dpr, cluster)
-                    + collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
-                    + collective_time("reduce_scatter", g_exp, span_exp, cluster)
-                    + collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster))
+            comm = (r.times("reduce_scatter", g_dense, span_dps)
+                    + r.times("all_reduce", g_dense / shard, span_dpr)
+                    + r.times("all_gather", n_dense_local * by["param"], span_dps)
+                    + r.times("reduce_scatter", g_exp, span_exp)
+                    + r.times("all_gather", n_exp_local * by["param"], span_exp))
             window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
         elif lo.zero3_reshards:
             return fsdp_comm_time(summary, lo, r, p, mb, num_microbatches=m)
         else:
             # FSDP without resharding (torchtitan under pp): weights gathered once per step and kept,
             # gradients reduce-scattered once, after the step's last backward.
-            comm = (collective_time("all_gather", n_dense_local * by["param"], span_dps, cluster)
-                    + collective_time("reduce_scatter", g_dense, span_dps, cluster)
-                    + collective_time("all_gather", n_exp_local * by["param"], span_exp, cluster)
-                    + collective_time("reduce_scatter", g_exp, span_exp, cluster)
-                    + collective_time("all_reduce", g_dense / shard, span_dpr, cluster))
+            comm = (r.times("all_gather", n_dense_local * by["param"], span_dps)
+                    + r.times("reduce_scatter", g_dense, span_dps)
+                    + r.times("all_gather", n_exp_local * by["param"], span_exp)
+                    + r.times("reduce_scatter", g_exp, span_exp)
+                    + r.times("all_reduce", g_dense / shard, span_dpr))
             window = m * t_mb
         if cores_saturated or (not job.dp_comm_overlap and z < 3):
             window = 0.0
@@ -589,12 +588,12 @@ def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParam
 
     def unit(params: float, experts: float) -> tuple[float, float]:
         """(gather, gradient reduction) seconds of one unit."""
-        gather = collective_time("all_gather", params * by["param"], span_dps, cluster)
-        reduce = (collective_time("reduce_scatter", params * by["reduce"], span_dps, cluster)
-                  + collective_time("all_reduce", params * by["reduce"] / p.shard, span_dpr, cluster))
+        gather = r.times("all_gather", params * by["param"], span_dps)
+        reduce = (r.times("reduce_scatter", params * by["reduce"], span_dps)
+                  + r.times("all_reduce", params * by["reduce"] / p.shard, span_dpr))
         if experts:  # the routed experts' own collectives, over their own group
-            gather += collective_time("all_gather", experts * by["param"], span_exp, cluster)
-            reduce += collective_time("reduce_scatter", experts * by["reduce"], span_exp, cluster)
+            gather += r.times("all_gather", experts * by["param"], span_exp)
+            reduce += r.times("reduce_scatter", experts * by["reduce"], span_exp)
         return gather, reduce
 
     ag_block, red_block = unit(block, block_exp)
