@@ -14,12 +14,13 @@ Pruning (each rule only drops layouts the cost model can never rank higher):
     in time, the reverse in memory); if none fits, `full` is kept as the closest miss. Only the memory of
     the others is priced (`cost.layout_memory`), the time of the one kept.
 
-Speed: what every layout shares is set up once (`placement.world_setup`), and it remembers the answers
-layouts ask again and again: collective times, group placements, and one microbatch's time, which layouts
-that differ only in their data parallelism share (`cost.MICROBATCH_FREE`).
   * context parallelism only while each rank keeps >= 1024 tokens of the sequence; every method
     (ring, all-gather, and Ulysses where cp divides a tp rank's heads) is tried for each cp > 1;
   * hybrid sharding (dp_replicate > 1) only with ZeRO-3, with power-of-two shard groups.
+
+Speed: what every layout shares is set up once (`placement.world_setup`), and it remembers the answers
+layouts ask again and again: collective times, group placements, and one microbatch's time, which layouts
+that differ only in their data parallelism share (`cost.MICROBATCH_FREE`).
 """
 
 from __future__ import annotations
