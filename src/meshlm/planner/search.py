@@ -12,8 +12,7 @@ Pruning (each rule only drops layouts the cost model can never rank higher):
   * GPipe is skipped: 1F1B has the same bubble with fewer microbatches in flight;
   * recomputation: for each layout the cheapest policy that fits is kept (none < selective < full
     in time, the reverse in memory); if none fits, `full` is kept as the closest miss. Only the memory of
-    the others is priced (`cost.layout_memory`), the time of the one kept.
-
+    the others is priced (`cost.layout_memory`), the time of the one kept;
   * context parallelism only while each rank keeps >= 1024 tokens of the sequence; every method
     (ring, all-gather, and Ulysses where cp divides a tp rank's heads) is tried for each cp > 1;
   * hybrid sharding (dp_replicate > 1) only with ZeRO-3, with power-of-two shard groups.
