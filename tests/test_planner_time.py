@@ -80,6 +80,20 @@ def test_local_cluster_uses_each_calibrated_collective(tmp_path):
     assert clu.collective_fit("all_gather", "scale-up") == (1e-4, 1e9)  # not measured: the link's fit
 
 
+def test_calibrated_collective_fit_holds_small_and_large_messages_to_the_same_fraction():
+    """`calibrate._fit` is least squares in relative error: an exact line comes back exactly, and one slow large
+    message (a 4 MiB call that another process interrupted) does not lift the latency the small messages show."""
+    from meshlm.planner.calibrate import _fit
+
+    sizes = (2**12, 2**16, 2**20, 2**22)
+    line = [[b, 3e-4 + b / 1e9] for b in sizes]
+    assert _fit(line, 1.0) == (pytest.approx(3e-4, rel=1e-9), pytest.approx(1e9, rel=1e-9))
+    slow = line[:2] + [[2**20, 3 * line[2][1]], line[3]]  # the 1 MiB call took 3x: noise
+    latency, bandwidth = _fit(slow, 1.0)
+    assert latency < 1.5 * min(t for _, t in slow)  # plain least squares: 1.06 ms here, 3.5x the 4 KiB call
+    assert 0.5e9 < bandwidth < 2e9
+
+
 def test_comm_overlap_flags_change_only_their_component():
     cfg = ModelConfig.from_preset("llama3-70b")
     h100 = get_cluster("h100")
