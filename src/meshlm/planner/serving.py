@@ -20,7 +20,8 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     measured lower fraction of its peak: cluster.py), never faster than the weights
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
-    (serving_engine.roofline, from DeepGEMM's kernel benchmarks);
+    (serving_engine.roofline, from DeepGEMM's kernel benchmarks) -- on a CPU (`Cluster.gemm_weight_bw`) they
+    add: its BLAS packs the weights at the measured rate, then multiplies;
   * attention: decode reads each sequence's KV once (bandwidth-bound; once per query head where the engine's
     kernel does not share a GQA group's loads, serving_engine.Engine), prefill runs the causal square
     (compute-bound, FlashAttention's rate: `attention_efficiency`);
@@ -405,7 +406,12 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p, cl=cl)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
-    gemm, attn = roofline(gemm_c, gemm_m), roofline(attn_c, attn_m)
+    if cl.gemm_weight_bw:  # a CPU BLAS: the weights' packing pass, then the FLOPs (Cluster.gemm_weight_bw)
+        gemm_m = w["weight_bytes"] / (cl.gemm_weight_bw / share) + share * _gemm_calls(sv) * cl.gemm_call_s
+        gemm = gemm_c + gemm_m
+    else:
+        gemm = roofline(gemm_c, gemm_m)
+    attn = roofline(attn_c, attn_m)
     if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.engine.two_batch_overlap:
         gemm, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (gemm, attn))
     small, kernels = _kernels(sv)
@@ -420,6 +426,13 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
             "host": 0.0 if sv.engine.cuda_graphs else kernels * HOST_LAUNCH_S, "parts": parts,
             "gemm_compute": gemm_c, "gemm_memory": gemm_m, "attention_compute": attn_c, "attention_memory": attn_m,
             "elementwise": elementwise}
+
+
+def _gemm_calls(sv: Serving) -> float:
+    """Weight matrices one rank multiplies per micro-step through its stage: meshlm's decoder layer runs seven
+    (q, k, v, o, gate, up, down; a MoE layer's experts are counted as one such set), the head one (its stage's
+    share of it)."""
+    return (7 * sv.sm.layers + 1) / sv.layout.pp
 
 
 def _kernels(sv: Serving) -> tuple[float, float]:
