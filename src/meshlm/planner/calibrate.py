@@ -439,20 +439,14 @@ def measure_tiers(rank: int, world: int, *, procs_per_node: int, repeats: int = 
 
 
 def _fit(points: list, factor: float) -> tuple[float, float]:
-    """`t = latency + factor * bytes / bandwidth` over (bytes, t) points, least squares in relative error
-    (each point weighted 1 / t^2): the sizes span three orders of magnitude, and a plain least-squares fit
-    follows the largest messages' milliseconds, which can leave the latency several times what the smallest
-    messages take (0.97 ms where a 4 KiB all-reduce took 0.3 ms); relative error holds every size to the
-    same fraction, so both the small-message latency and the large-message bandwidth come out."""
-    w = [1.0 / t**2 if t > 0 else 0.0 for _, t in points]
-    sw = sum(w)
-    if sw <= 0:
-        return 0.0, float("inf")
-    mx = sum(wi * factor * b for wi, (b, _) in zip(w, points)) / sw
-    my = sum(wi * t for wi, (_, t) in zip(w, points)) / sw
-    var = sum(wi * (factor * b - mx) ** 2 for wi, (b, _) in zip(w, points))
-    cov = sum(wi * (factor * b - mx) * (t - my) for wi, (b, t) in zip(w, points))
-    slope = max(cov / var if var > 0 else 0.0, 1e-15)
+    """Least-squares `t = latency + factor * bytes / bandwidth` over (bytes, t) points."""
+    xs = [factor * b for b, _ in points]
+    ys = [t for _, t in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    slope = max(slope, 1e-15)
     latency = max(0.0, my - slope * mx)
     return latency, 1.0 / slope
 
@@ -487,8 +481,10 @@ def _marginal_fit(points: list, factor: float) -> tuple[float, float]:
 
 
 def _fits(raw: dict, n: int, *, busy: dict | None = None) -> dict:
-    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n (with `busy`: the
-    marginal fits of `_marginal_fit`). `busy`: the same
+    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n (`_marginal_fit`: over
+    sizes three orders of magnitude apart a least-squares fit follows the largest messages' milliseconds and
+    put a 4 KiB all-reduce's latency at 0.97 ms where it took 0.3 ms; a fit in relative error got the latency
+    but halved the 4 MiB bandwidth, which the training side's buckets ride). `busy`: the same
     collectives timed after a slice of compute on every rank ({kind: [[bytes, s]]}); what they took beyond
     the fit, the median over kinds, is written to every fit as "call_overhead" (seconds per call: the wait
     for busy peers, paid once per collective whatever its hops)."""
@@ -499,7 +495,7 @@ def _fits(raw: dict, n: int, *, busy: dict | None = None) -> dict:
     fits = {}
     for name, pts in raw.items():
         if name in factors and len(pts) >= 2:
-            lat, bw = (_marginal_fit if busy is not None else _fit)(pts, factors[name])
+            lat, bw = _marginal_fit(pts, factors[name])
             fits[name] = {"latency": lat, "bandwidth": bw, "points": pts}
     extra = [t - (fits[k]["latency"] + factors[k] * b / fits[k]["bandwidth"])
              for k, pts in (busy or {}).items() if k in fits for b, t in pts]
