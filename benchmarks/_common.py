@@ -7,7 +7,8 @@ per implementation that measures its peak memory and the bytes its collectives m
 JSON they print.
 Also: every benchmark's `--smoke` (`parse_args_smoke`: the smallest sizes for one or two steps, the same code
 paths) and the JSON a smoke run prints instead where this host lacks what a benchmark needs (`missing_extras`,
-`print_smoke_skip`).
+`print_smoke_skip`), and how a benchmark sets the planner's prediction beside its measurement
+(`predicted_vs_measured`: one direction, predicted / measured, for every benchmark).
 Not responsible for: building the implementations or their training steps (each benchmark does).
 
 How memory is counted. `torch.distributed._tools.mem_tracker.MemTracker` (a TorchDispatchMode that
@@ -30,11 +31,14 @@ all-reduce and broadcast the tensor. Barriers are not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import queue
+import signal
 import socket
+import subprocess
 import statistics
 import sys
 import time
@@ -66,6 +70,14 @@ def parse_args_smoke(ap: argparse.ArgumentParser, smoke: dict, argv=None) -> arg
         ap.set_defaults(**smoke)
         args = ap.parse_args(argv)
     return args
+
+
+def predicted_vs_measured(pairs: dict[str, tuple]) -> dict:
+    """{name: {"predicted", "measured", "ratio"}} for each `name: (predicted, measured)` of `pairs` whose figures
+    are both there and nonzero; ratio = predicted / measured (above 1: the planner is slower than the run, below
+    1: faster), the one direction every benchmark prints."""
+    return {name: {"predicted": float(f"{p:.4g}"), "measured": m, "ratio": round(p / m, 3)}
+            for name, (p, m) in pairs.items() if p and m}
 
 
 def missing_extras(*modules: str) -> list[str]:
@@ -142,7 +154,7 @@ def synchronize(device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -188,7 +200,7 @@ def run_ranks(fn: Callable, world_size: int, args, *, before_init: Callable | No
     ctx = mp.get_context("spawn")
     out_queue = ctx.Queue()
     release = ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main,
                          args=(r, world_size, port, fn, args, out_queue, release, before_init, master_addr))
              for r in range(world_size)]
@@ -210,6 +222,120 @@ def run_ranks(fn: Callable, world_size: int, args, *, before_init: Callable | No
     if any(p.exitcode for p in procs):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# Processes a benchmark started (servers and their ranks), and the host's cores
+# --------------------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """The ids of every process below `pid` (Linux /proc; torch's launcher puts each rank in a session
+    of its own, so killing the launcher's process group alone would not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 30) -> dict:
+    """SIGTERM to `proc`'s process group (it was started in a session of its own) and so to the launcher,
+    which stops its ranks; SIGKILL to whatever of them is still there after `timeout_s`. Says how many
+    child processes `proc` had (the ranks), how many needed SIGKILL and how many are left (0)."""
+    below = descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = still_running(below)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    time.sleep(0.2 if alive else 0)
+    return {"child_processes": len(below), "killed_after_timeout": len(alive),
+            "left_running": len(still_running(below))}
+
+
+def still_running(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (not zombies)."""
+    alive = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(p)
+        except OSError:
+            pass
+    return alive
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes `pids` have used so far (Linux /proc; those gone count 0)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def host_busy_seconds() -> float:
+    """CPU seconds every core of the host has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherWork:
+    """The cores other work on the host took while a block ran: the host's busy CPU seconds less those of
+    `ours` (this process and the ones below `root`: a benchmark's ranks), over the block's wall seconds.
+    `cores` (after the block): None where /proc is missing or the block was shorter than `min_s` (/proc/stat
+    counts clock ticks, 10 ms each). On a host whose cores the run shares, the cores left to it are its cores
+    less these."""
+
+    def __init__(self, root: int, *, min_s: float = 0.25):
+        self.root, self.min_s, self.cores = root, min_s, None
+
+    def _ours(self) -> float:
+        return cpu_seconds([self.root, *descendants(self.root)])
+
+    def __enter__(self):
+        try:
+            self._start = (time.perf_counter(), host_busy_seconds(), self._ours())
+        except (OSError, ValueError):
+            self._start = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._start is not None:
+            wall, busy, ours = self._start
+            elapsed = time.perf_counter() - wall
+            if elapsed >= self.min_s:
+                self.cores = max(0.0, (host_busy_seconds() - busy - (self._ours() - ours)) / elapsed)
+        return False
 
 
 # --------------------------------------------------------------------------------------------

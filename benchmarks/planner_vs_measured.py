@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import queue
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from _common import SMOKE_HELP  # benchmarks/ is on sys.path when run as a script
+from _common import SMOKE_HELP, free_port  # benchmarks/ is on sys.path when run as a script
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, Layout, estimate
@@ -91,12 +90,6 @@ LAYOUTS = [
 
 def _kind(spec: tuple) -> str:
     return "tp" if spec[6] > 1 else "zero" if spec[4] else "dp"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_state_bytes(model, opt, dp, zero) -> dict:
@@ -202,7 +195,7 @@ def measure(spec: tuple, *, steps: int, model_kw: dict = MODEL, seq_len: int = S
     world = spec[0]
     ctx = mp.get_context("spawn")
     out_queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, spec, steps, out_queue, model_kw, seq_len))
              for r in range(world)]
     for p in procs:

@@ -18,17 +18,18 @@ Several ranks (each a process with one intra-op thread, gloo on 127.0.0.1), smal
                     TTFT/TPOT as above; every process of the server is stopped afterwards.
   planner           `meshlm plan infer --cluster local`'s prediction of the two parts above (fp32, meshlm's engine
                     priced from --calibration, a `meshlm plan calibrate` file; skipped when absent): throughput,
-                    TTFT and TPOT predicted / measured per layout (parallel_offline's TTFT/TPOT timed per step).
+                    TTFT and TPOT predicted / measured per layout (parallel_offline's TTFT/TPOT timed per step),
+                    on the recorded cores and, as `on_cores_left`, on those less the cores other work on the
+                    host took during the run (`other_work_cores` of each part: the host shares its cores).
   longest_context   a fixed per-rank KV budget (--kv-blocks-per-rank blocks of 16 tokens) at cp 1/2/4:
                     the longest prompt + generation the block arithmetic allows (blocks per rank x cp x
                     block size), served at that length (tokens compared with one process with a large
                     budget) and refused one token longer; one rank alone refuses the cp=4 length.
 On a CPU the ranks share its cores: multi-rank tok/s measures correctness and overhead, not speedup.
 
-    python benchmarks/serve.py --par-prompts 32 --par-output-len 64 --kv-blocks-per-rank 32  # bigger
     python benchmarks/serve.py --parts parallel_offline,longest_context --layouts 1x1,2x1,1x2,2x2
-The default run takes about 4 minutes on 2 CPU cores (most of it the one-process offline part and
-transformers' continuous batching).
+The default run takes about 4 minutes on 2 CPU cores (most of it the offline part and transformers' continuous
+batching).
 """
 
 from __future__ import annotations
@@ -41,18 +42,18 @@ import multiprocessing
 import os
 import random
 import resource
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from _common import missing_extras, parse_args_smoke, print_smoke_skip, run_ranks
+from _common import (OtherWork, free_port, missing_extras, parse_args_smoke, predicted_vs_measured,
+                     print_smoke_skip, run_ranks, stop_process_tree)
 
 BLOCK_SIZE = 16  # tokens per KV block in the longest-context part
 
@@ -225,72 +226,6 @@ def offline(path: Path, prompts: list[list[int]], output_len: int, repeats: int,
             "engine_steps": steps}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """The ids of every process below `pid` (Linux /proc; torch's launcher puts each rank in a session
-    of its own, so killing the launcher's process group alone would not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 30) -> dict:
-    """SIGTERM to `proc`'s process group (it was started in a session of its own) and so to the launcher,
-    which stops its ranks; SIGKILL to whatever of them is still there after `timeout_s`. Says how many
-    child processes `proc` had (the ranks), how many needed SIGKILL and how many are left (0)."""
-    below = descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = still_running(below)
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for p in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-    time.sleep(0.2 if alive else 0)
-    return {"child_processes": len(below), "killed_after_timeout": len(alive),
-            "left_running": len(still_running(below))}
-
-
-def still_running(pids: list[int]) -> list[int]:
-    """Those of `pids` still running (not zombies)."""
-    alive = []
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(p)
-        except OSError:
-            pass
-    return alive
-
-
 @contextlib.contextmanager
 def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180, stopped: dict | None = None):
     """`meshlm serve SERVE_ARGS` on a free port in a subprocess (in a session of its own) with `threads`
@@ -356,7 +291,7 @@ def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, s
            extra_args: tuple[str, ...] = ()) -> dict:
     stopped = {}
     with meshlm_server(["--model", str(path), "--served-model-name", "bench", *extra_args], threads=threads,
-                       stopped=stopped) as url:
+                       stopped=stopped) as url, OtherWork(os.getpid()) as other:  # the server is below this process
         t = time.perf_counter()
         results = asyncio.run(online_run(url, prompts, output_len, rate, seed))
         wall = time.perf_counter() - t
@@ -370,7 +305,8 @@ def online(path: Path, prompts: list[list[int]], output_len: int, rate: float, s
     return {"num_requests": len(results), "rate_per_s": rate, "output_len": output_len,
             "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 1), "ttft_p99_ms": round(1e3 * p99(ttft), 1),
             "tpot_mean_ms": round(1e3 * statistics.mean(tpot), 2), "tpot_p99_ms": round(1e3 * p99(tpot), 2),
-            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1), "server_stopped": stopped}
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1), "server_stopped": stopped,
+            "other_work_cores": other.cores and round(other.cores, 2)}
 
 
 def layout_name(tp: int, cp: int) -> str:
@@ -392,7 +328,7 @@ def generate_on_ranks(rank: int, world_size: int, job: argparse.Namespace) -> di
         # machine the slow runs measure the neighbours)
         vocab = llm.engine.model.config.vocab_size
         runs = [stepped_generate(llm.engine, shifted(job.prompts, r, vocab), job.output_len) for r in range(job.repeats)]
-        seconds, ttft, tpot, _, core_share = min(runs, key=lambda run: run[0])
+        seconds, ttft, tpot, _, core_share, other = min(runs, key=lambda run: run[0])
         token_ids = runs[0][3]
         scheduler = llm.engine.scheduler
     finally:
@@ -400,6 +336,7 @@ def generate_on_ranks(rank: int, world_size: int, job: argparse.Namespace) -> di
     total = len(job.prompts) * job.output_len
     return {"tokens_per_s": round(total / seconds, 1), "seconds": round(seconds, 3), "output_tokens": total,
             "every_run_s": [round(run[0], 3) for run in runs], "rank0_core_share": round(core_share, 2),
+            "other_work_cores": other and round(other, 2),
             "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 2), "tpot_mean_ms": round(1e3 * statistics.mean(tpot), 2),
             "max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "token_ids": token_ids}
@@ -409,25 +346,28 @@ def stepped_generate(engine, prompts: list[list[int]], output_len: int):
     """`LLM.generate`'s loop (every prompt submitted at once, steps until all finish), timing each request's first
     token (TTFT: from the submission) and the mean time between its later tokens (TPOT). Returns (seconds, TTFTs,
     TPOTs, token ids in prompt order, this process's CPU seconds over the wall seconds: the share of a core it got,
-    below 1 where other work on the host took the rest, or where it waited for other ranks)."""
+    below 1 where other work on the host took the rest, or where it waited for other ranks; the cores other work
+    took meanwhile, `OtherWork` over every rank, all spawned by the benchmark's process)."""
     from meshlm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    cpu, start = time.process_time(), time.perf_counter()
-    ids = [engine.add_request(p, params).request_id for p in prompts]
-    first, final = {}, {}
-    while len(final) < len(ids):
-        outs = engine.step()
-        now = time.perf_counter()
-        for out in outs:
-            if out.new_token_ids:
-                first.setdefault(out.request_id, now)
-            if out.finished:
-                final[out.request_id] = (now, out.token_ids)
-    seconds = time.perf_counter() - start
+    with OtherWork(os.getppid()) as other:  # the ranks: spawned by the benchmark's process
+        cpu, start = time.process_time(), time.perf_counter()
+        ids = [engine.add_request(p, params).request_id for p in prompts]
+        first, final = {}, {}
+        while len(final) < len(ids):
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                if out.new_token_ids:
+                    first.setdefault(out.request_id, now)
+                if out.finished:
+                    final[out.request_id] = (now, out.token_ids)
+        seconds = time.perf_counter() - start
+        share = (time.process_time() - cpu) / seconds
     ttft = [first[i] - start for i in ids]
     tpot = [(final[i][0] - first[i]) / max(1, len(final[i][1]) - 1) for i in ids]
-    return seconds, ttft, tpot, [final[i][1] for i in ids], (time.process_time() - cpu) / seconds
+    return seconds, ttft, tpot, [final[i][1] for i in ids], share, other.cores
 
 
 def parallel_offline(path: Path, prompts: list[list[int]], output_len: int, layouts: list[tuple[int, int]], *,
@@ -515,7 +455,8 @@ def planner(path: Path, calibration: str, result: dict, *, par_prompts: list[lis
     engine with the host time `meshlm plan calibrate` measured, the ranks time-sharing the recorded cores) at their
     own workload -- prompts of the measured mean length, `output_len` new tokens: parallel_offline as a static batch
     of its prompts (all prefilled in the first step, then decoded together), parallel_online as Poisson arrivals at
-    its rate -- beside what was measured, with ratio = predicted / measured."""
+    its rate -- beside what was measured, with ratio = predicted / measured (`predicted_vs_measured`), and again
+    (`on_cores_left`) with the recorded cores less those other work on the host took during the run."""
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.serving import Serving, ServingLayout
     from meshlm.planner.serving_engine import engine
@@ -528,7 +469,7 @@ def planner(path: Path, calibration: str, result: dict, *, par_prompts: list[lis
     if not cluster.serving_host:
         return {"skipped": f"{calibration!r} predates the engine's host timing (serving_host): rerun "
                            "`meshlm plan calibrate`"}
-    sm = served_model(str(path))
+    sm, eng = served_model(str(path)), engine("meshlm", cluster)
     offline, online = result.get("parallel_offline", {}).get("layouts", {}), result.get("parallel_online", {})
     mean_in = round(statistics.mean(map(len, par_prompts)))
     out = {"cluster": {"matmul_flops": cluster.peak("fp32"), "memory_bandwidth": cluster.hbm_bw,
@@ -536,33 +477,32 @@ def planner(path: Path, calibration: str, result: dict, *, par_prompts: list[lis
            "input_len": mean_in, "output_len": output_len, "precision": "fp32", "engine": "meshlm", "layouts": {}}
     for name in sorted(set(offline) | set(online)):
         tp, cp = (int(x) for x in name.removeprefix("tp").split("_cp"))
-        sv = Serving(sm, cluster, ServingLayout(tp=tp, cp=cp), precision="fp32", kv_precision="fp32",
-                     engine=engine("meshlm", cluster))
-        row = {}
-        if name in offline:
-            m = offline[name]
-            wl = Workload(mean_in, output_len, batch=len(par_prompts), max_batch=m["max_num_seqs"],
-                          prefill_chunk=m["max_num_batched_tokens"])
-            row["offline_static_batch"] = _versus(estimate_serving(sv, wl), m["tokens_per_s"], m["ttft_mean_ms"],
-                                                  m["tpot_mean_ms"])
-        if name in online:
-            m = online[name]
-            wl = Workload(mean_in, output_len, request_rate=rate, prefill_chunk=2048, max_batch=64)  # serve's defaults
-            row["online_poisson"] = _versus(estimate_serving(sv, wl), None, m["ttft_mean_ms"], m["tpot_mean_ms"])
-        out["layouts"][name] = row
+        row = out["layouts"][name] = {}
+        for part, m in (("offline_static_batch", offline.get(name)), ("online_poisson", online.get(name))):
+            if m is None:
+                continue
+            wl = (Workload(mean_in, output_len, batch=len(par_prompts), max_batch=m["max_num_seqs"],
+                           prefill_chunk=m["max_num_batched_tokens"]) if part.startswith("offline")
+                  else Workload(mean_in, output_len, request_rate=rate, prefill_chunk=2048, max_batch=64))  # serve's
+            # on the recorded cores, and on those that other work left the run (the cores less `other_work_cores`)
+            left = (max(0.1, cluster.compute_slots - m["other_work_cores"])
+                    if m.get("other_work_cores") is not None and cluster.compute_slots else None)
+            for key, cores in (("", cluster.compute_slots), ("on_cores_left", left))[:2 if left else 1]:
+                est = estimate_serving(Serving(sm, replace(cluster, compute_slots=cores), ServingLayout(tp=tp, cp=cp),
+                                               precision="fp32", kv_precision="fp32", engine=eng), wl)
+                if not est["fits"]:
+                    row[part] = {"predicted": est["reason"]}
+                    break
+                # offline: its tok/s; online: arrivals set the rate
+                vs = predicted_vs_measured({"output_tokens_per_s": (est["output_tokens_per_s"], m.get("tokens_per_s")),
+                                            "ttft_ms": (est["ttft_ms"], m["ttft_mean_ms"]),
+                                            "tpot_ms": (est["tpot_ms"], m["tpot_mean_ms"])})
+                if key:
+                    row[part][key] = {"cores": round(cores, 2), **vs}
+                else:
+                    row[part] = {"bound": est["bound"], **vs, "predicted_iteration_ms": {
+                        k: round(v, 3) for k, v in est["iteration_ms"].items() if isinstance(v, float) and v > 0}}
     return out
-
-
-def _versus(est: dict, tokens_per_s: float | None, ttft_ms: float, tpot_ms: float) -> dict:
-    """Predicted vs measured output tokens/s (where the run's rate was not set by its arrivals), TTFT, TPOT."""
-    if not est["fits"]:
-        return {"predicted": est["reason"]}
-    pairs = {"output_tokens_per_s": (est["output_tokens_per_s"], tokens_per_s), "ttft_ms": (est["ttft_ms"], ttft_ms),
-             "tpot_ms": (est["tpot_ms"], tpot_ms)}
-    return {"bound": est["bound"], "predicted_iteration_ms": {k: round(v, 3) for k, v in est["iteration_ms"].items()
-                                                             if isinstance(v, float) and v > 0},
-            **{k: {"predicted": round(p, 2), "measured": m, "ratio": round(p / m, 3)}
-               for k, (p, m) in pairs.items() if m}}
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
@@ -572,15 +512,10 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--min-len", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
+    for flag, default in (("--hidden", 256), ("--layers", 4), ("--vocab", 1024), ("--num-prompts", 64),
+                          ("--min-len", 16), ("--max-len", 256), ("--output-len", 64), ("--online-requests", 32)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--rate", type=float, default=4.0, help="online arrivals per second (Poisson)")
-    ap.add_argument("--online-requests", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3,
                     help="offline runs of each engine (other token ids each time); the fastest counts (default 3)")
     ap.add_argument("--threads", type=int, default=1,
@@ -603,8 +538,7 @@ def main() -> None:
     ap.add_argument("--calibration", default="plan_calibration.json",
                     help="a `meshlm plan calibrate` file for the planner part (skipped when absent)")
     # --smoke: a 1-layer model of hidden 128 (4 heads, 2 kv heads); 4 prompts of up to 16 tokens, 2 new tokens each,
-    # offline (without transformers' continuous batching) and online (2 requests), parallel_offline at 1x1 and
-    # 2x1; the rest listed as skipped
+    # offline (no transformers' continuous batching), online (2 requests), parallel_offline at 1x1, 2x1; no others
     args = parse_args_smoke(ap, dict(hidden=128, layers=1, vocab=256, num_prompts=4, min_len=4, max_len=16,
                                      output_len=2, online_requests=2, rate=50.0, repeats=1, par_prompts=2,
                                      par_max_len=16, par_output_len=2, layouts=parse_layouts("1x1,2x1"),

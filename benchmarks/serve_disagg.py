@@ -19,7 +19,8 @@ Beside them, the serving planner's prediction for the same deployments (`meshlm 
 --calibration FILE --layout L [--disaggregate P:D]` at the measured mean concurrency, the mean input and output
 lengths) when --calibration names a `meshlm plan calibrate` file (default plan_calibration.json, when present) and
 both instances have the same layout L (the planner's pools share one); on `local` the planner prices fp32 weights
-and KV and meshlm's engine (its host time per step from the calibration, where the file has it), as the run is.
+and KV and meshlm's engine (its host time per step from the calibration, where the file has it), as the run is;
+each figure as predicted, measured and ratio = predicted / measured (TTFT and TPOT: the measured medians).
 
 The part `emulated` (--parts ...,emulated; root and iproute2): the disaggregated deployment again, on `meshlm cluster
 emulate --nodes 2 --procs-per-node P --inter-node-bw RATE` (P = each instance's ranks, which must be equal): the
@@ -50,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import missing_extras, parse_args_smoke, print_smoke_skip
+from _common import missing_extras, parse_args_smoke, predicted_vs_measured, print_smoke_skip
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -126,15 +127,14 @@ def predict(path: Path, calibration: str, trace, measured: dict, *, layout, extr
         return {"error": done.stderr.strip()[-500:]}
     r = json.loads(done.stdout)
     r = r[0] if isinstance(r, list) else r
-    out = {"input_len": ins, "output_len": outs, "concurrency": concurrency,
-           **{k: round(r[k], 3) for k in ("ttft_ms", "tpot_ms", "output_tokens_per_s", "kv_transfer_s") if k in r}}
+    out = {"input_len": ins, "output_len": outs, "concurrency": concurrency, "bound": r.get("bound"),
+           **{k: round(r[k], 3) for k in ("kv_transfer_s",) if k in r},
+           # the measured TTFT and TPOT are medians (p50)
+           **predicted_vs_measured({k: (r.get(k), measured.get({"ttft_ms": "ttft_p50_ms", "tpot_ms": "tpot_p50_ms"}
+                                                                .get(k, k)))
+                                    for k in ("output_tokens_per_s", "ttft_ms", "tpot_ms")})}
     if "kv_transfer_bytes_per_request" in r:
         out["kv_transfer_bytes_per_request"] = round(r["kv_transfer_bytes_per_request"])
-        out["bound"] = r.get("bound")
-    for k in ("ttft_ms", "tpot_ms", "output_tokens_per_s"):
-        key = {"ttft_ms": "ttft_p50_ms", "tpot_ms": "tpot_p50_ms"}.get(k, k)
-        if k in r and measured.get(key):
-            out[f"measured_over_predicted_{k.removesuffix('_ms')}"] = float(f"{measured[key] / r[k]:.3g}")
     return out
 
 
@@ -150,7 +150,7 @@ def emulated_server(serve_args: list[str], *, procs_per_node: int, rate: str, ti
     """`meshlm cluster emulate --nodes 2 ... -- meshlm serve SERVE_ARGS` in a session of its own; yields node 0's
     namespace once it exists (the server may still be loading); on exit stops it (its namespaces go with it) and
     puts in `info` how that went and the bytes each node's link carried."""
-    from serve import stop_process_tree
+    from _common import stop_process_tree
 
     argv = [sys.executable, "-m", "meshlm.cli", "cluster", "emulate", "--nodes", "2", "--procs-per-node",
             str(procs_per_node), "--inter-node-bw", rate, "--", "meshlm", "serve", *serve_args, "--port",

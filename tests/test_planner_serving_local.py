@@ -14,7 +14,7 @@ import pytest
 
 from meshlm.cli.plan import add_parser as add_plan_parser
 from meshlm.cli.plan import run as run_plan
-from meshlm.planner.calibrate import _least_squares
+from meshlm.planner.calibrate import SERVING_LAYERS, SERVING_SEQS, _least_squares
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, engine, meshlm_engine
@@ -106,6 +106,22 @@ def test_cp_decode_tokens_run_their_projections_on_their_owner_only(tmp_path):
 
 def test_calibration_fit_of_the_engine_host_time_recovers_its_terms():
     a, b, c, d = 3e-4, 2e-4, 1e-5, 5e-6
-    rows = [[1.0, lay, n, lay * n] for lay in (1, 3) for n in (1, 16)]
+    rows = [[1.0, lay, n, lay * n] for lay in SERVING_LAYERS for n in SERVING_SEQS]
     fit = _least_squares(rows, [a + b * lay + c * n + d * lay * n for _, lay, n, _ in rows])
     assert fit == pytest.approx([a, b, c, d], rel=1e-9)
+
+
+def test_a_cpu_gemm_passes_its_weights_then_multiplies(tmp_path):
+    """With the calibration's `gemm_weight_bandwidth` a GEMM takes its weights' pass at that rate, `gemm_call_s` per
+    weight matrix, plus its FLOPs at the matmul rate (a CPU BLAS packs, then multiplies); without them, the
+    roofline's corner (less than the sum)."""
+    cluster, _ = _local(tmp_path, serving_host=HOST, gemm_weight_bandwidth=5e9, gemm_call_s=2e-5)
+    plain, _ = _local(tmp_path, name="plain", serving_host=HOST)
+    kw = dict(decodes=8, kv_len=64)
+    cpu, gpu = iteration_time(_sv(cluster), **kw), iteration_time(_sv(plain), **kw)
+    sv = _sv(cluster)
+    weights, matrices = sum(sv.weight_bytes_per_gpu().values()), 7 * sv.sm.cfg.num_layers + 1  # q k v o gate up down
+    assert cpu["gemm_memory"] == pytest.approx(weights / 5e9 + matrices * 2e-5, rel=1e-12)
+    assert cpu["gemm_compute"] == gpu["gemm_compute"]
+    assert cpu["total"] - gpu["total"] == pytest.approx(
+        cpu["gemm_compute"] + cpu["gemm_memory"] - (gpu["gemm_compute"] ** 2 + gpu["gemm_memory"] ** 2) ** 0.5, rel=1e-9)

@@ -80,6 +80,22 @@ def test_local_cluster_uses_each_calibrated_collective(tmp_path):
     assert clu.collective_fit("all_gather", "scale-up") == (1e-4, 1e9)  # not measured: the link's fit
 
 
+def test_calibrated_collective_fit_keeps_the_small_message_latency_and_the_large_message_bandwidth():
+    """`calibrate._fits`: an exact line comes back exactly, and one slow mid-size message (a 1 MiB call that
+    another process interrupted) moves neither the latency the small messages show nor the bandwidth of the
+    largest, where a least-squares fit over the same points puts the latency at 3.5x the 4 KiB call."""
+    from meshlm.planner.calibrate import _fit, _fits
+
+    sizes = (2**12, 2**16, 2**20, 2**22)
+    line = [[b, 3e-4 + b / 1e9] for b in sizes]
+    fit = _fits({"p2p": line}, 2)["p2p"]
+    assert (fit["latency"], fit["bandwidth"]) == (pytest.approx(3e-4, rel=1e-9), pytest.approx(1e9, rel=1e-9))
+    slow = line[:2] + [[2**20, 3 * line[2][1]], line[3]]
+    fit = _fits({"p2p": slow}, 2)["p2p"]
+    assert (fit["latency"], fit["bandwidth"]) == (pytest.approx(3e-4, rel=1e-9), pytest.approx(1e9, rel=1e-9))
+    assert _fit(slow, 1.0)[0] > 3 * slow[0][1]
+
+
 def test_comm_overlap_flags_change_only_their_component():
     cfg = ModelConfig.from_preset("llama3-70b")
     h100 = get_cluster("h100")

@@ -1,4 +1,5 @@
-"""Measure this machine for the `local` cluster: matmul FLOP/s and collective latency/bandwidth.
+"""Measure this machine for the `local` cluster: matmul FLOP/s, a GEMM's weight pass (`measure_gemm_weight_pass`)
+and collective latency/bandwidth.
 
 Responsible for: timing fp32 matmuls of a few sizes and causal attention (forward + backward) in this
 process (one thread: one core's rate),
@@ -54,6 +55,44 @@ def measure_matmul(*, sizes=(256, 512, 1024), repeats: int = 5) -> float:
             rates.append(2 * n**3 / (time.perf_counter() - t))
         best = max(best, statistics.median(rates))
     return best
+
+
+def measure_gemm_weight_pass(*, nbytes: int = 32 * 2**20, sizes: tuple = (256, 2048), rows: tuple = (1, 64),
+                             repeats: int = 7) -> dict:
+    """What a GEMM costs on one thread apart from its FLOPs: `x @ W.T` through `nbytes` of fp32 size x size weights
+    (beyond the caches, as a model's layers are) for each of `sizes`, at `rows` rows of x, timed in thread CPU
+    seconds (the fastest of `repeats`); t = rows x FLOPs / r + calls x gemm_call_s + weight bytes /
+    gemm_weight_bandwidth, fitted from the two row counts (the FLOPs) and the two sizes (as many bytes in 128
+    calls as in 2). A CPU BLAS packs the weights before it multiplies, so this adds to the FLOPs' time rather
+    than overlapping it (the serving benchmark's model: its 29 GEMMs of a decode step take 1.3 ms + rows x
+    0.07 ms, not the larger of 0.34 ms of copy bandwidth and their FLOPs), and a call's fixed part grows with
+    its weights (20 us at 256 x 256, beyond the dispatch a tiny model's step holds: `measure_serving_host`).
+    {"gemm_weight_bandwidth": bytes/s, "gemm_call_s": seconds}."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    passes = []
+    for size in sizes:
+        ws = [torch.randn(size, size) for _ in range(max(1, nbytes // (4 * size * size)))]
+        times = []
+        for m in rows:
+            x = torch.randn(m, size)
+            best = float("inf")
+            for i in range(repeats + 1):
+                t = time.thread_time()
+                for w in ws:
+                    F.linear(x, w)
+                if i:  # the first pass pays one-time setup
+                    best = min(best, time.thread_time() - t)
+            times.append(best)
+        (m1, m2), (t1, t2) = rows, times
+        passes.append((len(ws), len(ws) * size * size * 4, t1 - m1 * (t2 - t1) / (m2 - m1)))
+    (n1, b1, t1), (n2, b2, t2) = passes
+    # t = n c + b / R at both sizes, as many bytes in each (b1 = b2): the calls make the difference
+    call = max(0.0, (t1 - t2) / (n1 - n2)) if n1 != n2 else 0.0
+    weights_s = t2 - n2 * call
+    return {"gemm_weight_bandwidth": b2 / weights_s if weights_s > 0 else 0.0, "gemm_call_s": call}
 
 
 def measure_attention(*, batch: int = 4, heads: int = 4, seq_len: int = 256, head_dim: int = 64,
@@ -134,8 +173,8 @@ def measure_step_overhead(*, repeats: int = 9) -> float:
     return statistics.median(times)
 
 
-SERVING_LAYERS = (1, 3)  # decoder layers of the tiny models whose engine steps `measure_serving_host` times
-SERVING_SEQS = (1, 16)  # decoding sequences per step
+SERVING_LAYERS = (1, 2, 3)  # decoder layers of the tiny models whose engine steps `measure_serving_host` times
+SERVING_SEQS = (1, 4, 16)  # decoding sequences per step
 
 
 def measure_serving_host(*, steps: int = 20) -> dict:
@@ -143,11 +182,12 @@ def measure_serving_host(*, steps: int = 20) -> dict:
     model do not see: `Engine.step` (schedule, the step's plain input, the model, sampling, the scheduler's
     update, detokenization with the byte tokenizer) timed on tiny models (hidden 64, vocab 256: their FLOPs are
     a few microseconds of one core) with `SERVING_LAYERS` decoder layers and `SERVING_SEQS` decoding sequences,
-    the fastest of `steps` decode steps each (after a prefill and two untimed steps; a step takes milliseconds,
-    so on a shared host the fastest is the one other work did not interrupt), one thread. The fit
-    step seconds = step_s + layers x layer_s + sequences x (seq_s + layers x layer_seq_s) through the four
-    points (per sequence: its input, sampling and output in the engine; its attention and KV writes in every
-    layer): {"step_s", "layer_s", "seq_s", "layer_seq_s", "points": [[layers, sequences, seconds]]}."""
+    the fastest of `steps` decode steps each in thread CPU seconds (after a prefill and four untimed steps; on a
+    shared host a step's wall time also holds the time other work ran instead, its CPU time does not), one
+    thread. The fit step seconds = step_s + layers x layer_s + sequences x (seq_s + layers x layer_seq_s),
+    least squares over the nine points (four would pin it to each point's noise: fits minutes apart differed 2x
+    per layer), per sequence: its input, sampling and output in the engine; its attention and KV writes in every
+    layer: {"step_s", "layer_s", "seq_s", "layer_seq_s", "points": [[layers, sequences, seconds]]}."""
     import torch
 
     from meshlm.config import ModelConfig
@@ -164,16 +204,16 @@ def measure_serving_host(*, steps: int = 20) -> dict:
         model = build_model(cfg, seed=0).eval()
         for seqs in SERVING_SEQS:
             engine = Engine(model, ByteTokenizer(), block_size=16, num_blocks=seqs * 4 + 4, eos_token_ids=())
-            params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=steps + 5, ignore_eos=True)
             for i in range(seqs):
                 engine.add_request([2 + (i + j) % 200 for j in range(8)], params)
             times = []
             with torch.no_grad():
-                for i in range(steps + 3):  # the prefill, two untimed decode steps, then `steps` timed
-                    t = time.perf_counter()
+                for i in range(steps + 5):  # the prefill, four untimed decode steps, then `steps` timed
+                    t = time.thread_time()
                     engine.step()
-                    if i >= 3:
-                        times.append(time.perf_counter() - t)
+                    if i >= 5:
+                        times.append(time.thread_time() - t)
             points.append([layers, seqs, min(times)])
     fit = _least_squares([[1.0, lay, n, lay * n] for lay, n, _ in points], [t for *_, t in points])
     return {**{k: max(0.0, v) for k, v in zip(("step_s", "layer_s", "seq_s", "layer_seq_s"), fit)}, "points": points}
@@ -415,6 +455,7 @@ def _machine() -> dict:
     """What one core of this host computes and streams (the ranks run one thread each)."""
     attention = fit_attention()
     data: dict = {"device": "cpu", "matmul_flops": measure_matmul(), **attention,
+                  **measure_gemm_weight_pass(),
                   "memory_bandwidth": measure_memory_bandwidth(), "cpu_cores": _cpu_cores(),
                   "serving_host": measure_serving_host()}
     try:
@@ -440,8 +481,10 @@ def _marginal_fit(points: list, factor: float) -> tuple[float, float]:
 
 
 def _fits(raw: dict, n: int, *, busy: dict | None = None) -> dict:
-    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n (with `busy`: the
-    marginal fits of `_marginal_fit`). `busy`: the same
+    """Per-collective `latency + factor * bytes / bandwidth` fits of one group size n (`_marginal_fit`: over
+    sizes three orders of magnitude apart a least-squares fit follows the largest messages' milliseconds and
+    put a 4 KiB all-reduce's latency at 0.97 ms where it took 0.3 ms; a fit in relative error got the latency
+    but halved the 4 MiB bandwidth, which the training side's buckets ride). `busy`: the same
     collectives timed after a slice of compute on every rank ({kind: [[bytes, s]]}); what they took beyond
     the fit, the median over kinds, is written to every fit as "call_overhead" (seconds per call: the wait
     for busy peers, paid once per collective whatever its hops)."""
@@ -452,7 +495,7 @@ def _fits(raw: dict, n: int, *, busy: dict | None = None) -> dict:
     fits = {}
     for name, pts in raw.items():
         if name in factors and len(pts) >= 2:
-            lat, bw = (_marginal_fit if busy is not None else _fit)(pts, factors[name])
+            lat, bw = _marginal_fit(pts, factors[name])
             fits[name] = {"latency": lat, "bandwidth": bw, "points": pts}
     extra = [t - (fits[k]["latency"] + factors[k] * b / fits[k]["bandwidth"])
              for k, pts in (busy or {}).items() if k in fits for b, t in pts]

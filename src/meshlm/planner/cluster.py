@@ -77,6 +77,13 @@ class Cluster:
     # "layer_seq_s"} seconds; empty where not measured (presets, older calibration files). The serving planner's
     # `meshlm` engine reads it (serving_engine.meshlm_engine).
     serving_host: dict = field(default_factory=dict)
+    # Bytes/s at which a GEMM passes its weights apart from its FLOPs, where that pass adds to the FLOPs' time
+    # instead of meeting it at the roofline's corner: a CPU BLAS packs the weights before it multiplies
+    # (`calibrate.measure_gemm_weight_pass`); 0: the roofline (GPUs stream the weights while they compute).
+    # Read by the serving model, whose decode GEMMs have few rows (the training side's are large); with it, the
+    # seconds each GEMM call adds to its weights' pass (`gemm_call_s`, the same measurement).
+    gemm_weight_bw: float = 0.0
+    gemm_call_s: float = 0.0
     # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
     # per hop in s, achieved bandwidth in bytes/s[, seconds per call])}}, kind one of collectives.KINDS. The default for a
     # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
@@ -277,7 +284,9 @@ def local_cluster(path: str | Path) -> Cluster:
                    attention_block_overhead=float(data.get("attention_block_overhead", 0.0)), link_efficiency=1.0,
                    hbm_efficiency=1.0, reserved_bytes=0.0, compute_slots=int(data.get("cpu_cores", 0)),
                    step_overhead=float(data.get("step_overhead_s", 0.0)) if emulated else 0.0,
-                   gemm_k_overhead=0.0, serving_host=_serving_host(data, path))
+                   gemm_k_overhead=0.0, serving_host=_serving_host(data, path),
+                   gemm_weight_bw=float(data.get("gemm_weight_bandwidth", 0.0)),
+                   gemm_call_s=float(data.get("gemm_call_s", 0.0)))
 
 
 def _serving_host(data: dict, path: Path) -> dict:

@@ -20,7 +20,8 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     measured lower fraction of its peak: cluster.py), never faster than the weights
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
-    (serving_engine.roofline, from DeepGEMM's kernel benchmarks);
+    (serving_engine.roofline, from DeepGEMM's kernel benchmarks) -- on a CPU (`Cluster.gemm_weight_bw`) they
+    add: its BLAS packs the weights at the measured rate, then multiplies;
   * attention: decode reads each sequence's KV once (bandwidth-bound; once per query head where the engine's
     kernel does not share a GQA group's loads, serving_engine.Engine), prefill runs the causal square
     (compute-bound, FlashAttention's rate: `attention_efficiency`);
@@ -411,8 +412,14 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p, cl=cl)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
-    # the dense GEMMs and the routed experts' grouped GEMMs are separate kernels, each at its own corner
-    dense, experts, attn = roofline(dense_c, dense_m), roofline(expert_c, expert_m), roofline(attn_c, attn_m)
+    if cl.gemm_weight_bw:  # a CPU BLAS: the weights' packing pass, then the FLOPs (Cluster.gemm_weight_bw)
+        pack, calls = cl.gemm_weight_bw / share, share * _gemm_calls(sv) * cl.gemm_call_s
+        dense = dense_c + w["dense_weight_bytes"] / pack + calls
+        experts = expert_c + w["expert_weight_bytes"] / pack
+        gemm_m = (w["dense_weight_bytes"] + w["expert_weight_bytes"]) / pack + calls
+    else:  # the dense GEMMs and the routed experts' grouped GEMMs are separate kernels, each at its own corner
+        dense, experts = roofline(dense_c, dense_m), roofline(expert_c, expert_m)
+    attn = roofline(attn_c, attn_m)
     if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.engine.two_batch_overlap:
         dense, experts, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (dense, experts, attn))
     gemm = dense + experts
@@ -477,6 +484,13 @@ def _overlapped(st: dict, *, decode: bool) -> float:
         return st["rest"] + max(s + a_in, d) + m + max(a_out, c)
     a = a_in + a_out
     return st["rest"] + (max(a + s, c) + max(a, d) + max(m, d) + max(m + s, c)) / 2
+
+
+def _gemm_calls(sv: Serving) -> float:
+    """Weight matrices one rank multiplies per micro-step through its stage: meshlm's decoder layer runs seven
+    (q, k, v, o, gate, up, down; a MoE layer's experts are counted as one such set), the head one (its stage's
+    share of it)."""
+    return (7 * sv.sm.layers + 1) / sv.layout.pp
 
 
 def _kernels(sv: Serving) -> tuple[float, float]:
