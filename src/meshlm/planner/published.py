@@ -50,8 +50,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     (`HALF_RECOMPUTE`): the mean of the no-recompute and full-recompute estimates; fms-fsdp's "selective AC"
     (a fraction of the blocks checkpointed, the fraction not published) the same;
   * PyTorch FSDP's HYBRID_SHARD ("HSDP"): ZeRO-3 over the 8 GPUs of a node, replicated across nodes;
-  * the row's scale-out bandwidth per GPU where it names one (`cluster_for`); A100 40GB rows the
-    `a100-40gb` preset;
+  * the row's scale-out bandwidth per GPU where it names one (`cluster_for`), a measured figure over the link
+    efficiency where one was published (Jean Zay's Omni-Path: 135 Gbps per node measured, groups R and S);
+    A100 40GB rows the `a100-40gb` preset;
   * llm-foundry's tables ran eager PyTorch (Composer FSDP, before torch.compile: the README's "update with
     torch 2.0" note) and reduce gradients in bf16 with mixed_precision PURE (fp32 with DEFAULT); fms-fsdp
     reduces in bf16 (its bf16 mixed-precision policy) and ran eager for the README's tables of Feb-Mar 2024
