@@ -35,6 +35,17 @@ group R). Still too fast: fms-fsdp's eager 7B / 13B on H100 (18% / 12%), MPT-70B
 micro-batch of two sequences per GPU (41%; its 128-GPU twin within 8%), GPT-NeoX-20B's pipeline (17%; BLOOM-176B's,
 13% with Megatron's paired transfers, is within 7% once DeepSpeed's blocking ones are priced); and the weak-scaling decline of llm-foundry's H100 table (4-10% less per GPU
 at 512 GPUs than at 128) is predicted flat (within 1%).
+A third round (the last three `CHANGES`) added group S (BigScience's 2022-02-25 topology benchmark of a 181B GPT on 48
+A100 nodes under Megatron-DeepSpeed's pipeline: 22 layouts, pp 2 to 48, step times) and group T (the bf16 columns of
+IBM / Meta's float8 / FSDP2 blog: Llama 3 8B, 70B on 128-512 H100s and 405B at tp 4 on 512) and changed row
+descriptions only, no constant and no timing mechanism: DeepSpeed's fp16 ZeRO-1 reduces fp16 gradients; a
+recomputation the row does not state is chosen as a micro-batch size is; and Jean Zay's Omni-Path network (groups R
+and S) carries what was measured on it, 135 Gbps per node, not its nominal 4 x 100 Gbps. With the nominal figure
+group S was 11% too fast, its error growing as pp fell and dp grew (pp 2 with dp 24: 43-52%); with the measured one
+it is 8% (median -2%): pp 2 with dp 24 still 24-32% too fast, tp 8 with pp 12 (pipeline transfers across every
+node) 19% too slow, and BLOOM-176B's own run 12% too slow. The source's figures are one step's snapshot each and
+disagree (its GBS 1568 and 2048 runs of one layout took the same time). Group T's 8B is 7% too fast, its 70B rows
+11-12% too slow (full recomputation being the fastest choice that fits in the planner's memory model).
 """
 
 from __future__ import annotations
@@ -111,6 +122,18 @@ CHANGES = (
      "bf16 kernel (Job.fp32_norms)", ("K_torchtitan_a100_fsdp", "O_llm_foundry_fsdp", "P_fms_fsdp"),
      "meshlm models/transformer.py RMSNorm; fms modules/layernorm.py (use_high_precision_pow); torchtitan's "
      "RMSNorm; llm-foundry models/layers/norm.py LPLayerNorm (timing.elementwise_time)"),
+    # Issue 25, third round: groups S and T added (read row by row while making these); descriptions only.
+    ("DeepSpeed's fp16 ZeRO-1 optimizer reduces the fp16 gradients in fp16 (GPT-NeoX, BigScience's fp16 benchmark)",
+     ("Q_gpt_neox_20b", "S_bloom_prequel_a100_pipeline"), "DeepSpeed runtime/zero/stage_1_and_2.py: "
+     "communication_data_type defaults to the gradients' dtype; BLOOM-176B's BF16_Optimizer reduces fp32 ones"),
+    ("a recomputation the row does not state: none, half or full, the fastest that fits (as a micro-batch size not "
+     "given)", ("T_float8_fsdp2_blog_h100",), "the float8 / FSDP2 blog: 'the best batch size and activation "
+     "checkpointing schemes' explored, not printed (published.recompute_choices)"),
+    ("Jean Zay's Omni-Path network at its measured 135 Gbps per node (16.9 Gb/s per GPU achieved; the row's figure is "
+     "that over the planner's link efficiency), not the nominal 4 x 100 Gbps", ("R_bloom_176b",
+                                                                            "S_bloom_prequel_a100_pipeline"),
+     "Bekman, ml-engineering network/README.md, Omni-Path: 'I used this technology at JeanZay HPC in France in 2022. "
+     "It was only 135Gbps'"),
 )
 
 

@@ -184,3 +184,29 @@ def test_serial_pipeline_transfers_cost_an_interior_stage_two_more_per_micro_bat
     t2 = [estimate(cfg, slow, Job(seq_len=512, global_batch_size=16, pp_p2p_serial=x), two, gpus=16).time_s["pp_p2p"]
           for x in (False, True)]
     assert t2[0] == t2[1]
+
+
+def test_published_row_recompute_not_stated_takes_the_fastest_that_fits_and_deepspeed_fp16_reduces_in_fp16():
+    """A row whose recomputation is "not stated" is priced with none, half and full and keeps the fastest layout that
+    fits, exactly the one the row would get with that recomputation written in; DeepSpeed's fp16 ZeRO-1 rows (groups
+    Q, S) reduce 16-bit gradients, BLOOM-176B's BF16_Optimizer (group R) fp32 ones."""
+    from meshlm.planner.published import job_of, model_of, predict_row, recompute_choices
+
+    row = {"row_id": "X", "group": "T_float8_fsdp2_blog_h100", "model": "Llama 3 70B (torchtitan)", "layers": "80",
+           "hidden": "8192", "heads": "64", "kv_heads": "8", "ffn": "28672", "vocab": "128256", "seq_len": "8192",
+           "n_gpus": "512", "tp": "1", "pp": "1", "cp": "1", "ep": "1", "dp": "512", "vpp": "", "mbs": "",
+           "sp": "no", "gbs_seqs": "", "recompute": "not stated", "zero_fsdp": "FSDP2", "gpu": "H100 80GB",
+           "precision": "bf16", "source": "float8 / FSDP2 blog, 2024", "internode_bw_per_gpu": "",
+           "tokens_per_s_per_gpu": "960", "step_time_s": "", "pct_peak_type": ""}
+    assert recompute_choices(row) == ["none", "half", "full"]
+    got = predict_row(row)
+    spelled = [predict_row({**row, "recompute": rc}) for rc in ("none", "selective op", "full")]
+    fitting = [p for p in spelled if p["fits"]]
+    assert fitting and got["fits"]
+    assert got["predicted"] == max(p["predicted"] for p in fitting)
+    assert got["layout"] in {p["layout"] for p in fitting}
+    neox = {**row, "group": "Q_gpt_neox_20b", "model": "GPT-NeoX-20B", "precision": "fp16", "recompute": "full"}
+    cfg = model_of(neox)
+    assert not job_of(neox, cfg).grad_reduce_in_fp32
+    assert not job_of({**neox, "group": "S_bloom_prequel_a100_pipeline"}, cfg).grad_reduce_in_fp32
+    assert job_of({**neox, "group": "R_bloom_176b", "precision": "bf16"}, cfg).grad_reduce_in_fp32

@@ -50,8 +50,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     (`HALF_RECOMPUTE`): the mean of the no-recompute and full-recompute estimates; fms-fsdp's "selective AC"
     (a fraction of the blocks checkpointed, the fraction not published) the same;
   * PyTorch FSDP's HYBRID_SHARD ("HSDP"): ZeRO-3 over the 8 GPUs of a node, replicated across nodes;
-  * the row's scale-out bandwidth per GPU where it names one (`cluster_for`); A100 40GB rows the
-    `a100-40gb` preset;
+  * the row's scale-out bandwidth per GPU where it names one (`cluster_for`), a measured figure over the link
+    efficiency where one was published (Jean Zay's Omni-Path: 135 Gbps per node measured, groups R and S);
+    A100 40GB rows the `a100-40gb` preset;
   * llm-foundry's tables ran eager PyTorch (Composer FSDP, before torch.compile: the README's "update with
     torch 2.0" note) and reduce gradients in bf16 with mixed_precision PURE (fp32 with DEFAULT); fms-fsdp
     reduces in bf16 (its bf16 mixed-precision policy) and ran eager for the README's tables of Feb-Mar 2024
@@ -59,14 +60,20 @@ Choices the rows leave open, made the same way for every row (never from the rep
     are updated with torch.compile": rows whose `source` names torch.compile);
   * eager norms in fp32 (torchtitan's and fms' RMSNorm upcast, as meshlm's does), except MPT's, whose
     low-precision LayerNorm is one bf16 kernel (`Job.fp32_norms`);
-  * the PyTorch-native stacks (torchtitan, llm-foundry, fms-fsdp) attend with FlashAttention-2 kernels
-    (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer Engine's;
+  * the PyTorch-native stacks (torchtitan, also in the float8 / FSDP2 blog; llm-foundry, fms-fsdp) attend with
+    FlashAttention-2 kernels (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer
+    Engine's;
+  * recompute "not stated" (the float8 / FSDP2 blog, group T): none, half and full each tried, the fastest that
+    fits kept (`recompute_choices`), as for a micro-batch size not given;
+  * DeepSpeed's fp16 ZeRO-1 (GPT-NeoX; BigScience's fp16 topology benchmark, group S) reduces the fp16
+    gradients as they are (its communication data type defaults to the gradients'); BLOOM-176B's BF16_Optimizer
+    accumulates and reduces them in fp32;
   * GPT-NeoX and BLOOM (DeepSpeed's pipeline engine) reduce gradients after the flush, exposed; GPT-NeoX's
     TFLOP/s are its own count of the time, 6 N + 60 s h l per token (BLOOM's row gives its step time); each
     pipeline send and receive is a blocking transfer of its own (`Job.pp_p2p_serial`); BLOOM's
     partition counts the embedding as a block ('type:transformer|embedding'): the planner's balanced split;
   * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H) and
-    DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q): num_layers /
+    DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q; BigScience's 02-25 benchmark, group S): num_layers /
     stages blocks on every stage, the head and loss on top of the last (`Layout.pp_split = "uniform"`);
     Megatron-Bridge's recipes (group I) lighten the end stages where the layer count does not divide
     (`account_for_embedding_in_pipeline_split` / `..._loss_...`): the planner's balanced split.
@@ -192,6 +199,15 @@ def model_of(row: dict) -> ModelConfig:
     return ModelConfig(**kw)
 
 
+def recompute_choices(row: dict) -> list[str]:
+    """The recomputation the row ran, or each one it may have run where it says "not stated" (the float8 / FSDP2
+    blog: "the best ... activation checkpointing schemes" explored): none, half (the PyTorch stacks' selective
+    checkpointing) and full, the planner keeping the fastest that fits, as for a micro-batch size not given."""
+    if "not stated" in (row["recompute"] or "").lower():
+        return ["none", HALF_RECOMPUTE, "full"] if _pytorch_fsdp(row) else ["none", "selective", "full"]
+    return [recompute_of(row)]
+
+
 def recompute_of(row: dict) -> str:
     t = (row["recompute"] or "").lower()
     if t.startswith("yes") or "full" in t:
@@ -206,9 +222,9 @@ def recompute_of(row: dict) -> str:
 
 
 def _pytorch_fsdp(row: dict) -> bool:
-    """PyTorch-native FSDP stacks (torchtitan, IBM's fms-fsdp): their "selective" checkpointing re-runs about
-    half the forward (`HALF_RECOMPUTE`)."""
-    return row["group"].startswith(("K_torchtitan", "P_fms"))
+    """PyTorch-native FSDP stacks (torchtitan, IBM's fms-fsdp, the float8 / FSDP2 blog's torchtitan runs): their
+    "selective" checkpointing re-runs about half the forward (`HALF_RECOMPUTE`)."""
+    return row["group"].startswith(("K_torchtitan", "P_fms", "T_float8"))
 
 
 def _hybrid_shard(row: dict) -> bool:
@@ -273,7 +289,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
     # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
-    deepspeed_pipe = row["group"].startswith(("Q_gpt_neox", "R_bloom"))
+    # (S: BigScience's topology benchmark of 2022-02, the same engine and Megatron-DeepSpeed.)
+    deepspeed_pipe = row["group"].startswith(("Q_gpt_neox", "R_bloom", "S_bloom"))
     megatron_old = row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
@@ -282,8 +299,10 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     fms_eager = row["group"].startswith("P_fms") and "torch.compile" not in row["source"]
     eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry")) or fms_eager
     flash = year >= 2023 and not megascale_baseline
-    # Gradients reduced in bf16: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16).
-    bf16_reduce = "pure" in row["precision"].lower() or row["group"].startswith("P_fms")
+    # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
+    # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
+    # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
+    bf16_reduce = "pure" in row["precision"].lower() or row["group"].startswith(("P_fms", "S_bloom", "Q_gpt"))
     ep = _int(row["ep"], 1)
     # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)
     # wherever Megatron-Core allows it: ep > 1, no full recomputation, and an interleaved pipeline when pp > 1
@@ -292,7 +311,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                   and (pp == 1 or _interleaved(row)))
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
-    fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms"))
+    fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms", "T_float8"))
     # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
     # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
     mpt_norm = row["group"].startswith("O_llm_foundry")
@@ -303,15 +322,16 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe)
 
 
-def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:
+def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:
     """The layouts the row describes: its own degrees, with each micro-batch size and interleaving depth it
-    leaves open (recompute "half" is priced as the mean of "none" and "full": `predict_row`)."""
+    leaves open, recomputing as `rc` (default: as the row says; "half" is priced as the mean of "none" and
+    "full": `predict_row`)."""
     n = _int(row["n_gpus"])
     tp, pp = _int(row["tp"]), _int(row["pp"])
     cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
     dp = _int(row["dp"]) or n // (tp * pp * cp)
     vpp_text = row["vpp"].strip().lower()
-    rc = recompute_of(row)
+    rc = rc or recompute_of(row)
     if vpp_text.startswith("interleaved"):
         schedules = [("interleaved", c) for c in range(2, 9) if pp * c <= cfg.num_layers]
     elif _int(vpp_text, 1) > 1:
@@ -331,7 +351,7 @@ def layouts_of(row: dict, cfg: ModelConfig) -> list[Layout]:
     # blocks, the output head and loss on top of the last (its num_layers % pipeline size == 0 rule; the options
     # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
     # DeepSpeed's pipeline (GPT-NeoX, partition method "type:transformer") splits the blocks evenly too.
-    split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox")) else "balanced"
+    split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox", "S_bloom")) else "balanced"
     # HSDP: shard within a node (its 8 GPUs), replicate across nodes.
     shard = min(dp, 8) if _hybrid_shard(row) else dp
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
@@ -380,9 +400,9 @@ def predict_row(row: dict) -> dict:
     cluster = cluster_for(row)
     job = job_of(row, cfg)
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
-    half = recompute_of(row) == HALF_RECOMPUTE
     candidates, reasons = [], []
-    for lo in layouts_of(row, cfg):
+    for rc, lo in ((rc, lo) for rc in recompute_choices(row) for lo in layouts_of(row, cfg, rc)):
+        half = rc == HALF_RECOMPUTE
         try:
             m = validate_layout(cfg, job, lo, gpus=n)
         except ValueError as e:
