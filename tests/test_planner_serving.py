@@ -311,6 +311,31 @@ def test_published_vllm_rows_before_v08_run_the_v0_engine():
     assert engine_of(dict(row, engine_version="not stated", source="a blog (2025)")).name == "vllm"
 
 
+def test_trtllm_bench_caps_running_requests_by_its_own_kv_estimate():
+    """trtllm-bench (TensorRT-LLM's perf-overview runs) sets max_batch_size from its own KV estimate
+    (tensorrt_llm/bench/build/tuning.py). DeepSeek-R1 fp8 on 8 H200, 1024/1024: 2 x 61 layers x 128 heads x 56
+    bytes a token (its config.json names no head_dim: 7168 / 128) in 0.9 x (8 x 141 GiB - 685e9 checkpoint bytes)
+    is 264 requests of 2048 tokens, rounded up to 384 -- below the ~630 per rank whose MLA latent fits; at 1024/8192
+    61.9, rounded up to the floor of 64. A dense GQA model's cap is what its KV allows, rounded up: its KV binds."""
+    from meshlm.planner.published_serving import _max_batch, trtllm_bench_max_batch
+
+    ds = _sv("deepseek-v3", "h200", kv="fp8", precision="fp8", ep=8, dp=8)
+    assert trtllm_bench_max_batch(ds, 1024, 1024) == 384 and trtllm_bench_max_batch(ds, 1024, 8192) == 64
+    assert max_concurrency(ds, Workload(1024, 1024)) // 8 > 384
+    for sv in (_sv("llama3-70b", "h100", kv="fp8", precision="fp8", tp=2), _sv("llama3-8b", "h200", kv="fp8")):
+        assert max_concurrency(sv, Workload(1000, 1000)) <= trtllm_bench_max_batch(sv, 1000, 1000)
+    # the tool divides its estimate by pp (a cap per micro-batch); pp micro-batches are in flight: 8 GPUs as pp=8
+    # run as many requests as the same 8 as tp=8, within the rounding (up to 128 per micro-batch)
+    tp8, pp8 = (trtllm_bench_max_batch(_sv("llama3-70b", "rtx-pro-6000", kv="fp8", precision="fp4", **lo), 1000, 1000)
+                for lo in (dict(tp=8), dict(pp=8)))
+    assert pp8 % 8 == 0 and abs(pp8 - tp8) <= 8 * 128
+    # a perf-overview row takes the tool's cap; a row that states its own keeps it; others the engine default
+    row = dict(batch_or_concurrency="all 3000 requests queued", source="TensorRT-LLM perf-overview", engine="TensorRT-LLM")
+    assert _max_batch(row, ds, 1024, 1024) == 384
+    assert _max_batch(dict(row, batch_or_concurrency="max_batch_size 128 per rank"), ds, 1024, 1024) == 128
+    assert _max_batch(dict(row, source="a blog"), ds, 1024, 1024) == 2048
+
+
 def test_published_lengths_are_counts_never_shares():
     from meshlm.planner.published_serving import _int
 
