@@ -24,7 +24,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
-    engine's running-request limit (the row's max_batch_size per rank where given, else vLLM's default
+    engine's running-request limit (the row's max_batch_size per rank where given, else for TensorRT-LLM's
+    perf-overview rows the one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default
     max_num_seqs 256, TensorRT-LLM's default max_batch_size 2048); rows with a client concurrency run it;
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
