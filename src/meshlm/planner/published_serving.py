@@ -77,7 +77,8 @@ ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; Ten
 # ISL + OSL, at most 4096 / pp, rounded up: below 256 to a multiple of 32 (at least 64), below 1024 to 128, else
 # to 256. DeepSeek's config.json names 128 KV heads and no head_dim: the tool prices its latent cache as 128 heads
 # of 7168 / 128 = 56, ~25x the 576 values per token and layer MLA caches, so its cap binds far below the KV.
-TRTLLM_BENCH_KV_FRACTION = 0.90
+TRTLLM_BENCH_KV_FRACTION = 0.90  # the perf-overview sets 0.95 "in many cases": the same DeepSeek caps, and the
+# dense rows' caps stay above what their KV holds either way
 TRTLLM_BENCH_MAX_REQUESTS = 4096
 TRTLLM_BENCH_ELEMENT_BYTES = {"fp8": 1.0, "fp4": 0.5}
 # DeepSeek-V3/R1 checkpoints hold the MTP module beside the main model: "685B, which includes 671B of the Main
