@@ -8,7 +8,9 @@ kernel, the host's launches without CUDA graphs, the expert all-to-all against D
 ranks waiting for the busiest prefill, two micro-batches reading the weights twice (only where the batch splits)
 and hiding the all-to-all only under the compute DeepSeek's schedules pair with it (within SGLang's TBO ablation),
 vLLM V0's per-sequence scheduler time, the busiest expert rank's
-measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak.
+measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak,
+prefill two-batch overlap as SGLang's three stages per layer on one compute stream, and the running-request cap
+trtllm-bench derives itself for TensorRT-LLM's perf-overview rows.
 """
 
 import argparse
