@@ -24,7 +24,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
-    engine's running-request limit (the row's max_batch_size per rank where given, else vLLM's default
+    engine's running-request limit (the row's max_batch_size per rank where given, else for TensorRT-LLM's
+    perf-overview rows the one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default
     max_num_seqs 256, TensorRT-LLM's default max_batch_size 2048); rows with a client concurrency run it;
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
@@ -37,6 +38,7 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
 from __future__ import annotations
 
 import csv
+import math
 import re
 import statistics
 from dataclasses import replace
@@ -66,6 +68,22 @@ PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.3-70b": "llama3-70b", "llama-3.
 CLUSTERS = (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h800", "h800"), ("h100", "h100"),
             ("a100", "a100"), ("mi325x", "mi325x"), ("mi300x", "mi300x"), ("rtx-pro-6000", "rtx-pro-6000"))
 ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
+# trtllm-bench, with which TensorRT-LLM's perf-overview measures ("trtllm-bench ... throughput --dataset ...
+# --extra_llm_api_options ...", no --max_batch_size / --max_num_tokens), sets the engine's running-request cap
+# from its own memory estimate (tensorrt_llm/bench/build/tuning.py: calc_engine_setting and finetune_setting;
+# bench/benchmark/utils/general.py: get_settings): KV of 2 x layers x max(tp, num_key_value_heads) x head_size
+# bytes per token (config.json's head_dim, else hidden / heads) in --kv_cache_free_gpu_mem_fraction (default 0.90)
+# of the GPUs' memory less the checkpoint's stored elements x bytes per element (fp8 1, NVFP4 0.5), requests of
+# ISL + OSL, at most 4096 / pp, rounded up: below 256 to a multiple of 32 (at least 64), below 1024 to 128, else
+# to 256. DeepSeek's config.json names 128 KV heads and no head_dim: the tool prices its latent cache as 128 heads
+# of 7168 / 128 = 56, ~25x the 576 values per token and layer MLA caches, so its cap binds far below the KV.
+TRTLLM_BENCH_KV_FRACTION = 0.90  # the perf-overview sets 0.95 "in many cases": the same DeepSeek caps, and the
+# dense rows' caps stay above what their KV holds either way
+TRTLLM_BENCH_MAX_REQUESTS = 4096
+TRTLLM_BENCH_ELEMENT_BYTES = {"fp8": 1.0, "fp4": 0.5}
+# DeepSeek-V3/R1 checkpoints hold the MTP module beside the main model: "685B, which includes 671B of the Main
+# Model weights and 14B of the Multi-Token Prediction (MTP) Module weights" (deepseek-ai/DeepSeek-V3 README).
+DEEPSEEK_CHECKPOINT_SHARE = 685 / 671
 PREFILL_TOKENS_PER_DEVICE = 16384
 # Decode tokens per GPU of an expert-parallel decode pool: DeepEP's low-latency buffers are sized for
 # `num_max_dispatch_tokens_per_rank`, "the actual batch size in the decoding engine", which its README recommends
@@ -180,13 +198,47 @@ def _vllm_v0(row: dict, version: re.Match | None) -> bool:
     return "2024" in row["engine_version"] + row["source"]
 
 
-def _max_batch(row: dict) -> int | None:
+def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:
+    """The running-request cap per rank: the row's max_batch_size where it gives one, trtllm-bench's own where a
+    perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's default."""
     text = row["batch_or_concurrency"]
     m = re.search(r"max_batch_size (\d+) per rank", text)
     if m:
         return int(m.group(1))
+    if "perf-overview" in row["source"].lower():
+        return trtllm_bench_max_batch(sv, input_len, output_len)
     engine = row["engine"].lower()
     return next((v for k, v in ENGINE_MAX_BATCH.items() if engine.startswith(k)), None)
+
+
+def trtllm_bench_max_batch(sv: Serving, input_len: int, output_len: int) -> int:
+    """trtllm-bench's max_batch_size for a deployment and its dataset's lengths (module constants): the tool's
+    estimate of requests whose KV fits, capped and rounded up as it does, times pp (the tool divides by pp: a cap per
+    micro-batch, pp of them in flight). Every GPU of the deployment counts (its --tp spans the attention-DP ranks
+    of a DEP run), and the cap applies to each rank's scheduler."""
+    cfg, lo, cl = sv.sm.cfg, sv.layout, sv.cluster
+    head = cfg.hidden_size // cfg.num_heads if sv.sm.mla is not None else cfg.head_dim
+    kv_bytes = 1.0 if sv.kv_precision == "fp8" else 2.0
+    token = 2 * cfg.num_layers * max(lo.stage, cfg.num_kv_heads) * head * kv_bytes
+    element = TRTLLM_BENCH_ELEMENT_BYTES.get(sv.precision, 2.0)
+    free = lo.world * cl.hbm_bytes - _checkpoint_elements(sv) * element
+    raw = min(TRTLLM_BENCH_KV_FRACTION * free / (token * (input_len + output_len)), TRTLLM_BENCH_MAX_REQUESTS) / lo.pp
+    step = 32 if raw < 256 else 128 if raw < 1024 else 256
+    per_micro_batch = max(64 if raw < 256 else 0, step * math.ceil(raw / step))
+    return per_micro_batch * lo.pp  # each of the pp micro-batches in flight holds up to max_batch_size
+
+
+def _checkpoint_elements(sv: Serving) -> float:
+    """Elements the checkpoint's safetensors hold (what trtllm-bench counts as its parameters): NVFP4 stores two
+    weights per byte with an fp8 scale per 16 (the routed experts where `Serving.dense_precision` keeps the rest in
+    fp8, else every projection); DeepSeek's checkpoints add the MTP module (DEEPSEEK_CHECKPOINT_SHARE)."""
+    p = sv.sm.params()
+    if sv.precision == "fp4":
+        packed = p["experts"] if sv.dense_precision else p["experts"] + p["attention"] + p["mlp"]
+        total = p["total"] - packed * (1 - 0.5 - 1 / 16)
+    else:
+        total = p["total"]
+    return total * (DEEPSEEK_CHECKPOINT_SHARE if sv.sm.mla is not None else 1.0)
 
 
 def predict_row(row: dict) -> dict:
@@ -234,7 +286,8 @@ def _predict(row: dict, sv: Serving) -> dict:
                 "input_len": wl.input_len}
     O = _int(out_text)
     first_token_only = O is None or "first-token" in out_text
-    wl = Workload(I, O if O and not first_token_only else 1, max_batch=_max_batch(row))
+    O = O if O and not first_token_only else 1
+    wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O))
     if row["scenario"] in ("fixed-batch", "latency"):
         r = static_batch(sv, wl, _int(batch_text) or 1)
     elif "concurrency" in batch_text:

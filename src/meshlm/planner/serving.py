@@ -34,7 +34,8 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     (serving_engine.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
     that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed; overlapped, each
     dispatch and combine hides only under the compute DeepSeek's published schedules run beside it (`_overlapped`:
-    in decode nothing hides the routed experts, which wait for their dispatch and feed their combine);
+    in decode nothing hides the routed experts, which wait for their dispatch and feed their combine; in prefill
+    SGLang's three stages per layer share one compute stream, whose waits hold back what is queued after them);
   * MTP speculative decoding: each decoding sequence carries its k drafts as extra query tokens (one KV read),
     the MTP module drafts the next k, and a step yields 1 + p + ... + p^k tokens (DeepSeek-V3 report, Sec. 5.4.3);
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
@@ -474,16 +475,36 @@ def _overlapped(st: dict, *, decode: bool) -> float:
         experts and the other's attention projections, its routed experts run alone (they need the dispatch and
         feed the combine), its combine runs under the other's core attention, output projection and gate --
         max(shared + attn_in, dispatch) + experts + max(attn_out, combine);
-      * prefill (normal kernels on 24 SMs): the pair's layer is four slots, max(attn + shared, combine) +
-        max(attn, dispatch) + max(experts, dispatch) + max(experts + shared, combine), with attn the whole
-        attention (projections, core, gate) of one micro-batch.
+      * prefill (normal kernels on 24 SMs): `_prefill_pair`, the three stages a layer of each micro-batch runs
+        in turn on one compute stream while the dispatches and combines run on one communication stream.
     Each term summed over the MoE layers (they are alike, so the sum of maxima is the maxima of the sums)."""
     a_in, a_out, s, m = st["attn_in"], st["attn_out"], st["shared"], st["experts"]
     d, c = st["dispatch"], st["combine"]
     if decode:
         return st["rest"] + max(s + a_in, d) + m + max(a_out, c)
-    a = a_in + a_out
-    return st["rest"] + (max(a + s, c) + max(a, d) + max(m, d) + max(m + s, c)) / 2
+    return st["rest"] + _prefill_pair(a=a_in + a_out, s=s, m=m, d=d, c=c) / 2
+
+
+def _prefill_pair(*, a: float, s: float, m: float, d: float, c: float) -> float:
+    """Seconds of both micro-batches through a MoE layer under SGLang's prefill TBO (`_compute_moe_deepseek_blog_
+    prefill`, tbo_delta_stages 0): each micro-batch's layer is three stages -- (1) attention and gate, its dispatch
+    launched; (2) wait for that dispatch, routed experts, its combine launched; (3) shared experts, wait for that
+    combine -- run A1 B1 A2 B2 A3 B3 on one compute stream, whose waits hold back every kernel queued after them,
+    while DeepEP's buffer runs the dispatches and combines one after another on its communication stream, each
+    from when the compute it follows is done. So A's combine hides under B's routed experts, B's only under the
+    shared experts, and the next layer's attention queues behind B's wait. `a`, `s`, `m`: one micro-batch's
+    attention (with the gate), shared and routed experts; `d`, `c`: its dispatch and combine. The schedule repeats
+    each layer from the same state (its communication stream idle when B3 ends), so totals over layers go in."""
+    a_done = a  # A1
+    a_sent = a_done + d
+    b_done = a_done + a  # B1
+    b_sent = max(a_sent, b_done) + d
+    a_experts = max(b_done, a_sent) + m  # A2
+    a_back = max(b_sent, a_experts) + c
+    b_experts = max(a_experts, b_sent) + m  # B2
+    b_back = max(a_back, b_experts) + c
+    a_end = max(b_experts + s, a_back)  # A3
+    return max(a_end + s, b_back)  # B3
 
 
 def _gemm_calls(sv: Serving) -> float:
