@@ -470,3 +470,17 @@ def test_mtp_verifies_drafts_over_one_kv_read_and_yields_the_accepted_chain():
     assert mtp_of({"notes": "whether MTP/speculative decoding is on is not stated"}) == 0
     with pytest.raises(Skip):
         mtp_of({"notes": "SIMULATED MTP (doubled batch)"})
+
+
+def test_prefill_runs_the_output_head_once_per_prompt_and_decode_once_per_token():
+    """Engines compute logits only for the rows they sample: a prompt's last token, every decode token. A step
+    prefilling 4 prompts of 1024 tokens and decoding 16 sequences multiplies by the head for 4 + 16 rows, not for
+    4096 + 16 (the head: vocab x hidden, 2 FLOPs per multiply-add, over tp)."""
+    from meshlm.planner.serving import _work
+
+    sv = _sv("llama3-8b", tp=2)
+    cfg, head = sv.sm.cfg, 2.0 * sv.sm.cfg.vocab_size * sv.sm.cfg.hidden_size
+    body = sv.sm.matmul_flops_per_token()["dense"] - head
+    w = _work(sv, d=16, kv_len=2048, p=4096, p_ctx=512, p_rank=4096)
+    assert w["dense_gemm_flops"] == pytest.approx(((16 + 4096) * body + (16 + 4) * head) / 2, rel=1e-12)
+    assert cfg.vocab_size * cfg.hidden_size > 0.05 * body / 2  # the head is not negligible: the test can fail

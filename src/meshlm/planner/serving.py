@@ -236,7 +236,12 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     attn = (q * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
     kv_tok = sv.kv_bytes_per_token_per_gpu()
     elems = sm.elementwise_elems_per_token(tp=lo.tp, expert_split=lo.stage if lo.ep > 1 else lo.tp)
-    dense_flops = gemm_tokens * fl["dense"] * f / lo.tp
+    # the output head runs only for the rows an engine samples (vLLM's logits indices, TensorRT-LLM without
+    # gather_context_logits, SGLang, meshlm's engine): each decode query token, and one per prompt -- a prompt of
+    # 2 x p_ctx tokens on average, so p_rank / (2 p_ctx) of them per prompt token passing
+    head = 2.0 * cfg.vocab_size * cfg.hidden_size
+    sampled = (q / lo.cp if sv.engine.cp_decode_on_owner else q) + (p_rank / (2 * p_ctx) if p_ctx > 0 else p_rank)
+    dense_flops = (gemm_tokens * (fl["dense"] - head) + sampled * head) * f / lo.tp
     return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
             "elementwise_bytes": _act_bytes(sv) * gemm_tokens * elems * f,
             "weight_bytes": w["dense"] + w["experts"] * touched, "dense_weight_bytes": w["dense"],
