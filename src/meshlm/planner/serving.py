@@ -16,8 +16,9 @@ EP144 with attention DP; SGLang's DP-attention + DeepEP), so the MoE layers of a
 One iteration (every running sequence advances a token, plus prefill tokens mixed in: Sarathi-Serve, Agrawal
 et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline of LLM inference (Williams et
 al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
-  * GEMMs: 2 x params FLOPs per token (the output head's only for the rows sampled) at `Cluster.matmul_rate` (peak x matmul_efficiency, fp8 on Hopper at the
-    measured lower fraction of its peak: cluster.py), never faster than the weights
+  * GEMMs: 2 x params FLOPs per token (the output head's only for the rows sampled) at `Cluster.matmul_rate`
+    (peak x matmul_efficiency, fp8 on Hopper at the measured lower fraction of its peak: cluster.py), never
+    faster than the weights
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
     (serving_engine.roofline, from DeepGEMM's kernel benchmarks) -- on a CPU (`Cluster.gemm_weight_bw`) they
