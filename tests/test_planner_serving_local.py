@@ -14,7 +14,7 @@ import pytest
 
 from meshlm.cli.plan import add_parser as add_plan_parser
 from meshlm.cli.plan import run as run_plan
-from meshlm.planner.calibrate import SERVING_LAYERS, SERVING_SEQS, _least_squares
+from meshlm.planner.calibrate_serving import SERVING_LAYERS, SERVING_SEQS, _least_squares
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, engine, meshlm_engine

@@ -1,5 +1,5 @@
-"""Measure this machine for the `local` cluster: matmul FLOP/s, a GEMM's weight pass (`measure_gemm_weight_pass`)
-and collective latency/bandwidth.
+"""Measure this machine for the `local` cluster: matmul FLOP/s, collective latency/bandwidth, and (from
+`calibrate_serving`) a GEMM's weight pass and meshlm's serving engine's host work.
 
 Responsible for: timing fp32 matmuls of a few sizes and causal attention (forward + backward) in this
 process (one thread: one core's rate),
@@ -17,8 +17,8 @@ the cost model reads, and "flat", one ring over all the ranks (gloo's ring acros
 a slice of compute on every rank (a call's wait for busy peers: `call_overhead`); the slowdown of compute
 when every rank computes (`measure_contention`); and the fixed framework cost of a step
 (`measure_step_overhead`). `emulated_calibration` writes them in the cost model's per-core terms.
-The fixed host work of meshlm's serving engine per step, per decoder layer and per sequence
-(`measure_serving_host`: engine steps of tiny models), which the serving planner's `meshlm` engine prices.
+The serving model's own measurements (`calibrate_serving`: the engine's host work per step, layer and sequence;
+a GEMM's weight pass) are written to the same file.
 Not responsible for: the cost model (the fit is expressed in the same terms `cost.collective_time`
 uses: a ring moves (n-1)/n of the buffer per rank and per phase) or creating namespaces (`meshlm.emulate`).
 """
@@ -31,6 +31,8 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+
+from meshlm.planner.calibrate_serving import measure_gemm_weight_pass, measure_serving_host
 
 SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes per message (fp32 elements x 4)
 RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -55,44 +57,6 @@ def measure_matmul(*, sizes=(256, 512, 1024), repeats: int = 5) -> float:
             rates.append(2 * n**3 / (time.perf_counter() - t))
         best = max(best, statistics.median(rates))
     return best
-
-
-def measure_gemm_weight_pass(*, nbytes: int = 32 * 2**20, sizes: tuple = (256, 2048), rows: tuple = (1, 64),
-                             repeats: int = 7) -> dict:
-    """What a GEMM costs on one thread apart from its FLOPs: `x @ W.T` through `nbytes` of fp32 size x size weights
-    (beyond the caches, as a model's layers are) for each of `sizes`, at `rows` rows of x, timed in thread CPU
-    seconds (the fastest of `repeats`); t = rows x FLOPs / r + calls x gemm_call_s + weight bytes /
-    gemm_weight_bandwidth, fitted from the two row counts (the FLOPs) and the two sizes (as many bytes in 128
-    calls as in 2). A CPU BLAS packs the weights before it multiplies, so this adds to the FLOPs' time rather
-    than overlapping it (the serving benchmark's model: its 29 GEMMs of a decode step take 1.3 ms + rows x
-    0.07 ms, not the larger of 0.34 ms of copy bandwidth and their FLOPs), and a call's fixed part grows with
-    its weights (20 us at 256 x 256, beyond the dispatch a tiny model's step holds: `measure_serving_host`).
-    {"gemm_weight_bandwidth": bytes/s, "gemm_call_s": seconds}."""
-    import torch
-    import torch.nn.functional as F
-
-    torch.set_num_threads(1)
-    passes = []
-    for size in sizes:
-        ws = [torch.randn(size, size) for _ in range(max(1, nbytes // (4 * size * size)))]
-        times = []
-        for m in rows:
-            x = torch.randn(m, size)
-            best = float("inf")
-            for i in range(repeats + 1):
-                t = time.thread_time()
-                for w in ws:
-                    F.linear(x, w)
-                if i:  # the first pass pays one-time setup
-                    best = min(best, time.thread_time() - t)
-            times.append(best)
-        (m1, m2), (t1, t2) = rows, times
-        passes.append((len(ws), len(ws) * size * size * 4, t1 - m1 * (t2 - t1) / (m2 - m1)))
-    (n1, b1, t1), (n2, b2, t2) = passes
-    # t = n c + b / R at both sizes, as many bytes in each (b1 = b2): the calls make the difference
-    call = max(0.0, (t1 - t2) / (n1 - n2)) if n1 != n2 else 0.0
-    weights_s = t2 - n2 * call
-    return {"gemm_weight_bandwidth": b2 / weights_s if weights_s > 0 else 0.0, "gemm_call_s": call}
 
 
 def measure_attention(*, batch: int = 4, heads: int = 4, seq_len: int = 256, head_dim: int = 64,
@@ -171,67 +135,6 @@ def measure_step_overhead(*, repeats: int = 9) -> float:
         if i >= 2:
             times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-SERVING_LAYERS = (1, 2, 3)  # decoder layers of the tiny models whose engine steps `measure_serving_host` times
-SERVING_SEQS = (1, 4, 16)  # decoding sequences per step
-
-
-def measure_serving_host(*, steps: int = 20) -> dict:
-    """The fixed host work of meshlm's serving engine per step, which the FLOP and byte counts of the serving
-    model do not see: `Engine.step` (schedule, the step's plain input, the model, sampling, the scheduler's
-    update, detokenization with the byte tokenizer) timed on tiny models (hidden 64, vocab 256: their FLOPs are
-    a few microseconds of one core) with `SERVING_LAYERS` decoder layers and `SERVING_SEQS` decoding sequences,
-    the fastest of `steps` decode steps each in thread CPU seconds (after a prefill and four untimed steps; on a
-    shared host a step's wall time also holds the time other work ran instead, its CPU time does not), one
-    thread. The fit step seconds = step_s + layers x layer_s + sequences x (seq_s + layers x layer_seq_s),
-    least squares over the nine points (four would pin it to each point's noise: fits minutes apart differed 2x
-    per layer), per sequence: its input, sampling and output in the engine; its attention and KV writes in every
-    layer: {"step_s", "layer_s", "seq_s", "layer_seq_s", "points": [[layers, sequences, seconds]]}."""
-    import torch
-
-    from meshlm.config import ModelConfig
-    from meshlm.infer.engine import Engine
-    from meshlm.infer.sequence import SamplingParams
-    from meshlm.models.transformer import build_model
-    from meshlm.tokenizer import ByteTokenizer
-
-    torch.set_num_threads(1)
-    points = []
-    for layers in SERVING_LAYERS:
-        cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=layers, num_heads=2, num_kv_heads=1,
-                          intermediate_size=192, max_seq_len=256)
-        model = build_model(cfg, seed=0).eval()
-        for seqs in SERVING_SEQS:
-            engine = Engine(model, ByteTokenizer(), block_size=16, num_blocks=seqs * 4 + 4, eos_token_ids=())
-            params = SamplingParams(temperature=0, max_tokens=steps + 5, ignore_eos=True)
-            for i in range(seqs):
-                engine.add_request([2 + (i + j) % 200 for j in range(8)], params)
-            times = []
-            with torch.no_grad():
-                for i in range(steps + 5):  # the prefill, four untimed decode steps, then `steps` timed
-                    t = time.thread_time()
-                    engine.step()
-                    if i >= 5:
-                        times.append(time.thread_time() - t)
-            points.append([layers, seqs, min(times)])
-    fit = _least_squares([[1.0, lay, n, lay * n] for lay, n, _ in points], [t for *_, t in points])
-    return {**{k: max(0.0, v) for k, v in zip(("step_s", "layer_s", "seq_s", "layer_seq_s"), fit)}, "points": points}
-
-
-def _least_squares(rows: list, ys: list) -> list:
-    """x minimising |rows x - ys| (normal equations, Gauss-Jordan; a few unknowns)."""
-    n = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
-         for i in range(n)]
-    for c in range(n):
-        pivot = max(range(c, n), key=lambda r: abs(a[r][c]))
-        a[c], a[pivot] = a[pivot], a[c]
-        for r in range(n):
-            if r != c and a[c][c]:
-                f = a[r][c] / a[c][c]
-                a[r] = [x - f * y for x, y in zip(a[r], a[c])]
-    return [a[i][n] / a[i][i] if a[i][i] else 0.0 for i in range(n)]
 
 
 def emulated_machine() -> dict:

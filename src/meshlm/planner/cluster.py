@@ -73,13 +73,13 @@ class Cluster:
     network_power_w: float = 0.0
     # Data-centre overhead (cooling, power conversion): facility power / IT power.
     pue: float = 1.0
-    # meshlm's serving engine's host work (`calibrate.measure_serving_host`): {"step_s", "layer_s", "seq_s",
+    # meshlm's serving engine's host work (`calibrate_serving.measure_serving_host`): {"step_s", "layer_s", "seq_s",
     # "layer_seq_s"} seconds; empty where not measured (presets, older calibration files). The serving planner's
     # `meshlm` engine reads it (serving_engine.meshlm_engine).
     serving_host: dict = field(default_factory=dict)
     # Bytes/s at which a GEMM passes its weights apart from its FLOPs, where that pass adds to the FLOPs' time
     # instead of meeting it at the roofline's corner: a CPU BLAS packs the weights before it multiplies
-    # (`calibrate.measure_gemm_weight_pass`); 0: the roofline (GPUs stream the weights while they compute).
+    # (`calibrate_serving.measure_gemm_weight_pass`); 0: the roofline (GPUs stream the weights while they compute).
     # Read by the serving model, whose decode GEMMs have few rows (the training side's are large); with it, the
     # seconds each GEMM call adds to its weights' pass (`gemm_call_s`, the same measurement).
     gemm_weight_bw: float = 0.0

@@ -166,7 +166,7 @@ ENGINES = {e.name: e for e in (
 
 def meshlm_engine(serving_host: dict, *, cluster: str = "local") -> Engine:
     """meshlm's own engine (`meshlm.infer`) on a cluster whose calibration measured its host work
-    (`Cluster.serving_host`, from `calibrate.measure_serving_host`: seconds per step, per decoder layer, per
+    (`Cluster.serving_host`, from `calibrate_serving.measure_serving_host`: seconds per step, per decoder layer, per
     sequence and per (layer, sequence) of `Engine.step` on tiny models). Rank 0 schedules, samples and
     detokenizes in Python between steps, and every rank dispatches its PyTorch operators one by one: nothing
     of it overlaps the compute."""
