@@ -30,9 +30,12 @@ def _smoke(script: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def smoke_runs():
+def smoke_runs(request):
+    """The smoke runs of the benchmarks this session selected (all of them, or those `-k` picks), started at once."""
+    selected = [item.callspec.params["script"] for item in request.session.items
+                if item.module is request.module and "script" in getattr(getattr(item, "callspec", None), "params", {})]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {script: pool.submit(_smoke, script) for script in BENCHMARKS}
+        yield {script: pool.submit(_smoke, script) for script in selected}
 
 
 @pytest.mark.parametrize("script", BENCHMARKS)
