@@ -97,7 +97,7 @@ CHANGES = (
      "reduce-scatter (HSDP: + the replicas' all-reduce) after it, each with its ring latency; per pass what the "
      "collectives take beyond the compute is exposed; the root's gather opens each micro-step, the last "
      "reductions close the step", ("K_torchtitan_a100_fsdp", "O_llm_foundry_fsdp", "P_fms_fsdp"),
-     "Zhao et al. 2023, PyTorch FSDP (VLDB), Sec. 4.2 prefetching (timing.fsdp_comm_time)"),
+     "Zhao et al. 2023, PyTorch FSDP (VLDB), Sec. 4.2 prefetching (timing_dp.fsdp_comm_time)"),
     ("all-gather / reduce-scatter latency: one ring over all ranks (n - 1 steps, n_nodes - 1 across), no tree",
      ("O_llm_foundry_fsdp", "P_fms_fsdp"), "NCCL src/graph/tuning.cc; NCCL 2.23 PAT blog (collectives.py)"),
     ("FlashAttention-2 on Hopper at its own rate for the PyTorch-native stacks",

@@ -29,8 +29,8 @@ from meshlm.planner.layout import (CP_COMPUTE_BYTES, CP_METHODS, PRECISIONS, REC
 from meshlm.planner.memory import (FRAGMENTATION, MiB, ZERO3_PREFETCH_LAYERS, RankParams,
                                    inflight_microbatches, layer_activation_bytes, memory_bytes, rank_params)
 from meshlm.planner.placement import RankSetup, WorldSetup, bytes_per, rank_setup, rank_split, world_setup
-from meshlm.planner.timing import (dp_comm_time, microbatch_time, optimizer_time,
-                                   pipeline_bubble, pp_p2p_time, tp_collectives)
+from meshlm.planner.timing import microbatch_time, optimizer_time, pipeline_bubble, pp_p2p_time, tp_collectives
+from meshlm.planner.timing_dp import dp_comm_time
 
 __all__ = ["CP_COMPUTE_BYTES", "CP_METHODS", "FRAGMENTATION", "MIN_HEADROOM", "MiB", "PRECISIONS", "RECOMPUTE",
            "RUNTIMES", "ZERO3_PREFETCH_LAYERS", "Estimate", "Job", "Layout", "LayoutMemory", "ModelSummary",

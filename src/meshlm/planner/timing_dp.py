@@ -1,0 +1,138 @@
+"""The data-parallel / ZeRO communication of one step left on the critical path after what overlaps.
+
+Responsible for: `dp_comm_time` (DDP's bucketed all-reduce, ZeRO-1/2's reduce-scatter + all-gather, meshlm's
+ZeRO, FSDP without resharding) and `fsdp_comm_time` (FSDP-style ZeRO-3 with resharding, unit by unit and pass
+by pass). The overlap rules are `timing.py`'s module docstring's ("Exposed vs overlapped communication").
+Not responsible for: one micro-batch's time (`timing.microbatch_time`, which these take as given), collective
+formulas (`collectives.py`) or placement (`placement.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshlm.planner.layout import Job, Layout
+from meshlm.planner.memory import MiB, RankParams
+from meshlm.planner.placement import RankSetup
+from meshlm.planner.timing import MicrobatchTime
+
+if TYPE_CHECKING:
+    from meshlm.planner.cost import ModelSummary
+
+
+def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
+                 num_microbatches: int) -> float:
+    """Data-parallel / ZeRO communication left on the critical path of one step."""
+    cluster, by, tp, cp, ep, m, z = r.cluster, r.by, r.tp, r.cp, r.ep, num_microbatches, p.zero_stage
+    span_dps, span_dpr, span_dp_all = r.spans["dp_shard"], r.spans["dp_replicate"], r.spans["dp_all"]
+    span_exp, cores_saturated = r.spans["dp_experts"], r.cores_saturated
+    n_local, layers_mem, shard = p.local, p.layers, p.shard
+    t_mb, t_mb_fwd, t_mb_bwd = mb.total, mb.fwd, mb.bwd
+    n_dense_local = p.dense  # parameters one rank owns before ZeRO sharding
+    n_exp_local = p.experts
+    t_dp = 0.0
+    bucket_time = 0.0
+    if lo.dp * cp > 1:
+        g_dense = n_dense_local * by["reduce"]
+        g_exp = n_exp_local * by["reduce"]
+        sync = 0.0  # collectives the runtime issues synchronously (nothing to overlap with)
+        if p.meshlm_zero:
+            # meshlm's ZeRO: one reduce-scatter of all (padded) gradients per step, launched per
+            # bucket during the last micro-step's backward (async), then the shard's all-reduce over
+            # dp_replicate; stages 1/2 all-gather every updated parameter inside the optimizer step
+            # (synchronous). Stage 3 all-gathers every block before its forward and again before its
+            # backward in every micro-step, and the root unit (embedding, norm, head) once: each gather
+            # is prefetched one unit ahead, so all but the root's (which starts the forward) overlap
+            # the compute of the micro-steps.
+            comm = (r.times("reduce_scatter", g_dense + g_exp, span_dps)
+                    + r.times("all_reduce", (g_dense + g_exp) / shard, span_dpr))
+            window = t_mb_bwd
+            if z == 3:
+                root = n_local - layers_mem * (summary.layer_tp / tp + summary.layer_rep
+                                               + summary.layer_experts / (r.expert_tp * ep))
+                window = m * t_mb
+                if not lo.zero3_reshards:  # every unit once per step; the first gather starts the step
+                    comm += r.times("all_gather", (n_local - root) * by["param"], span_dps)
+                    sync = r.times("all_gather", root * by["param"], span_dps)
+                else:  # pp > 1: the root is freed after forward and gathered again for backward
+                    again = root if r.pp > 1 else 0.0
+                    comm += m * r.times("all_gather", (2 * n_local - 2 * root + again) * by["param"], span_dps)
+                    sync = m * r.times("all_gather", root * by["param"], span_dps)
+            else:
+                sync = r.times("all_gather", n_local * by["param"], span_dps)
+        elif z == 0:
+            comm = (r.times("all_reduce", g_dense, span_dp_all)
+                    + r.times("all_reduce", g_exp, span_exp))
+            window = t_mb_bwd
+        elif z in (1, 2):
+            comm = (r.times("reduce_scatter", g_dense, span_dps)
+                    + r.times("all_reduce", g_dense / shard, span_dpr)
+                    + r.times("all_gather", n_dense_local * by["param"], span_dps)
+                    + r.times("reduce_scatter", g_exp, span_exp)
+                    + r.times("all_gather", n_exp_local * by["param"], span_exp))
+            window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
+        elif lo.zero3_reshards:
+            return fsdp_comm_time(summary, lo, r, p, mb, num_microbatches=m)
+        else:
+            # FSDP without resharding (torchtitan under pp): weights gathered once per step and kept,
+            # gradients reduce-scattered once, after the step's last backward.
+            comm = (r.times("all_gather", n_dense_local * by["param"], span_dps)
+                    + r.times("reduce_scatter", g_dense, span_dps)
+                    + r.times("all_gather", n_exp_local * by["param"], span_exp)
+                    + r.times("reduce_scatter", g_exp, span_exp)
+                    + r.times("all_reduce", g_dense / shard, span_dpr))
+            window = m * t_mb
+        if cores_saturated or (not job.dp_comm_overlap and z < 3):
+            window = 0.0
+        bucket = lo.bucket_size_mb * MiB
+        bucket_time = comm * min(1.0, bucket / max(1.0, g_dense + g_exp))  # the last bucket never overlaps
+        t_dp = max(comm - window, bucket_time)
+        # What is hidden still costs: the collective's kernels occupy SMs the overlapped compute loses.
+        t_dp += cluster.comm_sm_fraction * max(0.0, comm - t_dp) + sync
+
+    return t_dp
+
+
+def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
+                   num_microbatches: int) -> float:
+    """FSDP / ZeRO-3 with resharding (PyTorch FSDP, DeepSpeed stage 3, Megatron-FSDP): what its collectives leave
+    exposed in one step, unit by unit.
+
+    The units are the blocks, plus the root (embedding, final norm, head: what the blocks leave of the rank's
+    parameters). Every micro-step gathers each block before its forward and again before its backward (the
+    recomputation of a checkpointed block uses the backward's gather) and reduce-scatters its gradient after
+    its backward (HSDP, dp_replicate > 1: then all-reduces its shard across the replicas): one collective per
+    unit and pass, each paying its ring's latency (`collectives`: linear in the ranks for these two). Each
+    gather is prefetched one unit ahead, so unit i+1's collectives run under unit i's compute (Zhao et al.
+    2023, "PyTorch FSDP", VLDB, Sec. 4.2 backward / forward prefetching): per pass, what the pass's collectives
+    take beyond its compute is exposed, layer by layer (uniform layers: the pass's totals). The root is gathered
+    once per micro-step, before the first forward, with no compute to hide it; the step's last reduce-scatters
+    (the first block's and the root's) have nothing after them. What is hidden still costs the SMs the
+    collectives hold (`Cluster.comm_sm_fraction`); a CPU host with every core busy overlaps nothing."""
+    cluster, by, ep, m = r.cluster, r.by, r.ep, num_microbatches
+    span_dps, span_dpr, span_exp = r.spans["dp_shard"], r.spans["dp_replicate"], r.spans["dp_experts"]
+    block = summary.layer_tp / r.tp + summary.layer_rep  # one block's parameters on this rank, before sharding
+    block_exp = summary.layer_experts / (r.expert_tp * ep)
+    root = max(0.0, p.local - p.layers * (block + block_exp))
+
+    def unit(params: float, experts: float) -> tuple[float, float]:
+        """(gather, gradient reduction) seconds of one unit."""
+        gather = r.times("all_gather", params * by["param"], span_dps)
+        reduce = (r.times("reduce_scatter", params * by["reduce"], span_dps)
+                  + r.times("all_reduce", params * by["reduce"] / p.shard, span_dpr))
+        if experts:  # the routed experts' own collectives, over their own group
+            gather += r.times("all_gather", experts * by["param"], span_exp)
+            reduce += r.times("reduce_scatter", experts * by["reduce"], span_exp)
+        return gather, reduce
+
+    ag_block, red_block = unit(block, block_exp)
+    ag_root, red_root = unit(root, 0.0)
+    fwd_comm = p.layers * ag_block
+    bwd_comm = p.layers * (ag_block + red_block)
+    total = m * (fwd_comm + bwd_comm + ag_root + red_root)
+    if r.cores_saturated:
+        return total
+    exposed = (m * (max(0.0, fwd_comm - mb.fwd) + max(0.0, bwd_comm - mb.bwd) + ag_root)
+               + red_block + red_root)
+    exposed = min(total, exposed)
+    return exposed + cluster.comm_sm_fraction * (total - exposed)
