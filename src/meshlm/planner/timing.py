@@ -58,7 +58,7 @@ from meshlm.rules import PP_SCHEDULES
 from meshlm.planner.collectives import group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
-from meshlm.planner.memory import MiB, RankParams
+from meshlm.planner.memory import RankParams
 from meshlm.planner.placement import RankSetup
 
 if TYPE_CHECKING:
