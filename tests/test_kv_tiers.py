@@ -173,7 +173,8 @@ def test_a_full_disk_turns_the_tier_off_and_serving_goes_on(model_dir, baseline,
 
 def test_metrics_show_the_tiers(model_dir):
     pytest.importorskip("fastapi")
-    from meshlm.infer.server import AsyncEngine, metrics_text
+    from meshlm.infer.metrics import metrics_text
+    from meshlm.infer.server import AsyncEngine
 
     llm = LLM(model_dir, device="cpu", kv_host_mb=0.05, **SMALL_POOL)
     run(llm, conversations(turns=2))
