@@ -326,3 +326,19 @@ def slowed_links(cluster: Cluster, factor: float) -> Cluster:
     out_factor = factor if "scale-out" in tiers else 1.0
     return replace(cluster, scaleup_bw=cluster.scaleup_bw / factor, scaleout_bw=cluster.scaleout_bw / out_factor,
                    collective_fits=fits)
+
+
+def ranks_per_host(cluster: Cluster, ranks: int) -> int:
+    """How many of `ranks` share one host's compute units: a scale-up domain's, or all of them on an emulated
+    cluster, whose domains are the one host."""
+    return ranks if cluster.host_shared_by_domains else min(ranks, cluster.scaleup_size)
+
+
+def time_shared(cluster: Cluster, ranks: int) -> tuple[Cluster, float]:
+    """`cluster` as one of `ranks` ranks sees it, and how many ranks share each compute unit (>= 1): on a CPU
+    host (`Cluster.compute_slots`) ranks beyond its cores each compute and stream memory at slots / ranks of
+    one core's rate, and so copy the collectives' bytes (`slowed_links`); GPUs never share (1)."""
+    if not cluster.compute_slots:
+        return cluster, 1.0
+    share = max(1.0, ranks_per_host(cluster, ranks) / cluster.compute_slots)
+    return (slowed_links(cluster, share) if share > 1 else cluster), share

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshlm.schedules import balanced_split, split_layers, stage_loads
-from meshlm.planner.cluster import Cluster, slowed_links
+from meshlm.planner.cluster import Cluster, ranks_per_host, time_shared
 from meshlm.planner.collectives import CollectiveTimes, group_span, link_name
 from meshlm.planner.layout import Job, Layout
 
@@ -66,15 +66,11 @@ class WorldSetup:
 
 def world_setup(summary: ModelSummary, cluster: Cluster, job: Job, gpus: int) -> WorldSetup:
     """Rates and links of `gpus` ranks on `cluster`: what `rank_setup` needs beyond the layout's degrees."""
-    # Ranks that time-share compute units (a CPU host running more ranks than it has cores) each
-    # compute and stream memory at slots / ranks of the single-unit rate. GPUs never share (slots 0).
-    # (On an emulated cluster every domain is on the one host: all the ranks share its cores.)
-    ranks_per_domain = gpus if cluster.host_shared_by_domains else min(gpus, cluster.scaleup_size)
-    share = max(1.0, ranks_per_domain / cluster.compute_slots) if cluster.compute_slots else 1.0
+    # Ranks that time-share compute units (a CPU host running more ranks than it has cores): `time_shared`.
     # On such a host a collective is memory copies and reductions done by those same cores (the
     # "link" is the loopback), so it time-shares them too, and it has no idle core to overlap on.
-    cores_saturated = bool(cluster.compute_slots) and ranks_per_domain >= cluster.compute_slots
-    slowed = slowed_links(cluster, share) if share > 1 else cluster
+    slowed, share = time_shared(cluster, gpus)
+    cores_saturated = bool(cluster.compute_slots) and ranks_per_host(cluster, gpus) >= cluster.compute_slots
     return WorldSetup(
         summary=summary, source=cluster, job=job, gpus=gpus, cluster=slowed, times=CollectiveTimes(slowed),
         by=bytes_per(job.precision, grad_reduce_in_fp32=job.grad_reduce_in_fp32), share=share,

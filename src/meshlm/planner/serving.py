@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from meshlm.planner.cluster import Cluster, slowed_links
+from meshlm.planner.cluster import Cluster, time_shared
 from meshlm.planner.collectives import collective_time, group_span
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
                                            expert_all_to_all, expert_imbalance, layer_kernels, roofline)
@@ -212,6 +212,12 @@ def _act_bytes(sv: Serving) -> float:
     return 4.0 if sv.precision == "fp32" else 2.0
 
 
+def _dispatch_bytes(sv: Serving) -> float:
+    """Bytes per hidden element an expert dispatch sends: the weights' bytes, at most 16 bits (the combine
+    returns bf16)."""
+    return min(2.0, WEIGHT_BYTES[sv.precision])
+
+
 def _tier(span: tuple[int, int]) -> str:
     return "scale-out link" if span[1] > 1 else "scale-up link"
 
@@ -225,7 +231,8 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     q = d * (1 + sv.mtp_tokens)  # query tokens of the decoding sequences: each verifies its MTP drafts too
     # decode tokens run the projections on every cp rank (or only on the one holding their KV slot:
     # Engine.cp_decode_on_owner); prefill is split
-    gemm_tokens = (q / lo.cp if sv.engine.cp_decode_on_owner else q) + p_rank / lo.cp
+    q_here = q / lo.cp if sv.engine.cp_decode_on_owner else q
+    gemm_tokens = q_here + p_rank / lo.cp
     fl = sm.matmul_flops_per_token()
     if lo.ep > 1:
         expert_flops = lo.dp * (q + p) * fl["experts"] * f / lo.stage * sv.expert_imbalance()
@@ -241,7 +248,7 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     # gather_context_logits, SGLang, meshlm's engine): each decode query token, and one per prompt -- a prompt of
     # 2 x p_ctx tokens on average, so p_rank / (2 p_ctx) of them per prompt token passing
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
-    sampled = (q / lo.cp if sv.engine.cp_decode_on_owner else q) + (p_rank / (2 * p_ctx) if p_ctx > 0 else p_rank)
+    sampled = q_here + (p_rank / (2 * p_ctx) if p_ctx > 0 else p_rank)
     dense_flops = (gemm_tokens * (fl["dense"] - head) + sampled * head) * f / lo.tp
     return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
             "elementwise_bytes": _act_bytes(sv) * gemm_tokens * elems * f,
@@ -284,7 +291,7 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
         out[("cp", _tier(span))] = layers * per_layer
     if lo.ep > 1:
         span = group_span(1, lo.stage, cl.scaleup_size)
-        per_token = h * (min(2.0, WEIGHT_BYTES[sv.precision]) + 2.0)  # dispatch (fp8) + combine (bf16)
+        per_token = h * (_dispatch_bytes(sv) + 2.0)  # dispatch + combine (bf16)
         call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
                                  up=cl.collective_fit("all_to_all", "scale-up"),
                                  out=cl.collective_fit("all_to_all", "scale-out"),
@@ -317,15 +324,9 @@ def _driver_comm(sv: Serving, cl: Cluster, *, sampled: float) -> float:
 
 
 def _host_shared(sv: Serving) -> tuple[Cluster, float]:
-    """The cluster as one rank sees it, and by how much its ranks time-share compute: on a CPU host
-    (`Cluster.compute_slots`) ranks beyond the core count split the cores' rates and their memory copies (the
-    links), as the training side's placement.rank_setup does; GPUs never share (1)."""
-    cl, lo = sv.cluster, sv.layout
-    if not cl.compute_slots:
-        return cl, 1.0
-    ranks = lo.world if cl.host_shared_by_domains else min(lo.world, cl.scaleup_size)
-    share = max(1.0, ranks / cl.compute_slots)
-    return (slowed_links(cl, share) if share > 1 else cl), share
+    """The cluster as one rank sees it, and by how much its ranks time-share compute (`cluster.time_shared`, as
+    the training side's placement.world_setup prices it): 1 on GPUs."""
+    return time_shared(sv.cluster, sv.layout.world)
 
 
 def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0,
@@ -465,8 +466,7 @@ def _stages(sv: Serving, *, dense: float, experts: float, attn: float, elementwi
     shared = share(moe * 3 * h * cfg.shared_intermediate_size)
     attn_in = share(moe * (attn_layer - out_proj)) + elementwise * at_moe
     attn_out = attn * at_moe + share(moe * (out_proj + h * cfg.num_experts))
-    dispatch_bytes = min(2.0, WEIGHT_BYTES[sv.precision])
-    dispatch = ep * dispatch_bytes / (dispatch_bytes + 2.0)
+    dispatch = ep * _dispatch_bytes(sv) / (_dispatch_bytes(sv) + 2.0)
     rest = dense + attn + elementwise + other - shared - attn_in - attn_out
     return {"attn_in": attn_in, "attn_out": attn_out, "shared": shared, "experts": experts, "dispatch": dispatch,
             "combine": ep - dispatch, "rest": rest}
