@@ -6,6 +6,10 @@
 Prints tokens/s, step time (median of the timed steps), peak memory, and MFU against the device's
 peak dense bf16 FLOP/s (on a GPU; on CPU the MFU is against --peak-tflops when given). The model is
 meshlm's reference model, no parallelism: this is the single-device baseline every layout is compared to.
+Beside it, "planner": what `meshlm plan` predicts for the same step on the cluster preset of this GPU
+(--cluster, default by the device's name: H100 / H200 / H800 / A100 / B200 / MI300X / MI325X), as
+predicted / measured: the model's eager PyTorch step (one memory pass per elementwise op, SDPA's flash
+kernel, fp32 norms), one device, no parallelism.
 
     python benchmarks/train_step.py --smoke      # preset tiny, 1 sequence of 16 tokens, one step (CI)
 
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import parse_args_smoke, print_smoke_skip  # benchmarks/ is on sys.path when run as a script
+from _common import predicted_vs_measured
 from meshlm.config import ModelConfig, _coerce
 from meshlm.models import build_model
 from meshlm.models.stats import flops_per_token
@@ -42,6 +47,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: by GPU name)")
+    ap.add_argument("--cluster", default="auto",
+                    help="planner cluster preset to predict the step on (default: by GPU name; none on CPU; 'none': skip)")
     args = parse_args_smoke(ap, dict(preset="tiny", batch=1, seq_len=16, steps=1, warmup=0))
     if args.smoke and args.device == "cuda" and not torch.cuda.is_available():
         print_smoke_skip("train_step", {"run": "--device cuda: this machine has no GPU"})
@@ -91,11 +98,43 @@ def main() -> None:
         "mfu": (train_flops / step_s / (peak * 1e12)) if peak else None,
         "peak_memory_mib": (torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else None,
     }
+    cluster = cluster_of(args.cluster, result["device_name"])
+    if cluster and bf16:
+        predicted = planner_step_s(cfg, cluster, batch=args.batch, seq_len=args.seq_len)
+        result["planner"] = {"cluster": cluster, **predicted_vs_measured(
+            {"step_time_s": (predicted, step_s), "tokens_per_s": (tokens_per_step / predicted, tokens_per_step / step_s)})}
     if device == "cpu":
         import resource
 
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(result, indent=2))
+
+
+# torch.cuda.get_device_name's words -> the planner's cluster preset (the SXM parts the presets describe)
+_PRESET_BY_NAME = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("B200", "b200"), ("MI325X", "mi325x"),
+                   ("MI300X", "mi300x"), ("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100"))
+
+
+def cluster_of(choice: str, device_name: str) -> str | None:
+    """The planner preset to predict on: `choice` unless "auto"; by `device_name` for a known SXM GPU; else None."""
+    if choice != "auto":
+        return None if choice == "none" else choice
+    if "PCIe" in device_name or "NVL" in device_name:
+        return None  # other clocks and memory than the SXM presets
+    return next((preset for key, preset in _PRESET_BY_NAME if key in device_name), None)
+
+
+def planner_step_s(cfg: ModelConfig, cluster: str, *, batch: int, seq_len: int) -> float:
+    """The planner's seconds for this benchmark's step: one device, bf16 autocast, eager elementwise work."""
+    from meshlm.planner import get_cluster
+    from meshlm.planner.cost import Job, Layout, ModelSummary, estimate_layout
+
+    job = Job(seq_len=seq_len, global_batch_size=batch, precision="bf16", flash_attention=True,
+              flash_attention_2=True, fused_elementwise=False)
+    summary = ModelSummary.build(cfg, seq_len, eager=True)
+    est = estimate_layout(summary, get_cluster(cluster), job, Layout(dp_shard=1, micro_batch_size=batch),
+                          num_microbatches=1)
+    return est.time_s["step"]
 
 
 if __name__ == "__main__":

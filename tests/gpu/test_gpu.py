@@ -5,7 +5,8 @@ benchmarks on CUDA. What each shows:
   from an asynchronously staged checkpoint; MoE in bf16; `meshlm train --nproc 1` through the launcher (NCCL);
   speculative decoding's greedy tokens; context parallelism's attention pairs on CUDA's flash kernel; KV cache
   tiers (pinned host buffers, disk) giving the same greedy tokens; a blocking collective wait raising past its
-  timeout on a stream the device has not passed;
+  timeout on a stream the device has not passed; the planner's time for one device's training step of Llama 3 8B
+  layers within 25% of the measured one (on a GPU the planner has a preset for);
 - two GPUs and more (NCCL): pp=2 under every schedule, cp=2 ring attention, ep=2, tp=2 x ZeRO-3 (4 GPUs),
   each through `meshlm train --nproc` with a short collective timeout; `meshlm serve --tp 2` answering after
   an idle period longer than its collective timeout; a stopped rank failing a run under blocking waits. These are the orders `tests/test_nccl_order.py` proves
@@ -14,6 +15,7 @@ benchmarks on CUDA. What each shows:
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -251,6 +253,21 @@ LAYOUTS = {  # name -> (GPUs, overrides)
                 "model.moe_intermediate_size=64"]),
     "tp2 x zero3": (4, ["parallel.tp=2", "parallel.zero_stage=3"]),
 }
+
+
+def test_the_planner_predicts_a_training_step_of_llama3_8b_layers_on_this_gpu():
+    """benchmarks/train_step.py times 4 of Llama 3 8B's layers with its 128k vocabulary (2 x 4096 tokens, bf16,
+    eager) and prints the planner's step time for the same job on this GPU's preset beside it."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--preset", "llama3-8b",
+                          "--set", "num_layers=4", "--device", "cuda", "--batch", "2", "--seq-len", "4096",
+                          "--steps", "3", "--warmup", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    if "planner" not in result:
+        pytest.skip(f"no planner preset for {result['device_name']}")
+    ratio = result["planner"]["step_time_s"]["ratio"]
+    print(json.dumps(result["planner"]))
+    assert 0.75 <= ratio <= 1.33, result["planner"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
