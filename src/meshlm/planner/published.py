@@ -77,21 +77,23 @@ Choices the rows leave open, made the same way for every row (never from the rep
     stages blocks on every stage, the head and loss on top of the last (`Layout.pp_split = "uniform"`);
     Megatron-Bridge's recipes (group I) lighten the end stages where the layer count does not divide
     (`account_for_embedding_in_pipeline_split` / `..._loss_...`): the planner's balanced split;
-  * the JAX / XLA stacks of NVIDIA's DGX Cloud recipes (MaxText, groups U and V; Paxml, group W),
-    from each recipe's own configure.sh: elementwise work fused (XLA compiles the step, its fusion passes),
-    attention in cuDNN's fused kernel (MaxText `attention=cudnn_flash_te`; Paxml `ENABLE_TE=1`,
-    `NVTE_FUSED_ATTN=1`), the FSDP all-gathers and gradient reduce-scatters overlapped with compute (XLA flags
-    `--xla_gpu_enable_latency_hiding_scheduler=true`, `--xla_gpu_enable_pipelined_all_gather=true`,
-    `..._pipelined_reduce_scatter=true`), gradients of the fp32 parameters reduced in fp32 (MaxText's default
-    `weight_dtype: float32`; Paxml's fp32 parameters, bf16 `FPROP_DTYPE`): the planner's defaults for all four;
+  * the JAX / XLA stacks of NVIDIA's DGX Cloud recipes (MaxText, groups U and V; Paxml, group W) and of its
+    JAX-Toolbox READMEs (Paxml, group X; MaxText, group Y), from each recipe's own configure.sh / run script:
+    elementwise work fused (XLA compiles the step, its fusion passes), attention in cuDNN's fused kernel
+    (MaxText `attention=cudnn_flash_te`; Paxml `ENABLE_TE=1`, `NVTE_FUSED_ATTN=1`), the FSDP all-gathers and
+    gradient reduce-scatters overlapped with compute (XLA flags `--xla_gpu_enable_latency_hiding_scheduler=true`,
+    `--xla_gpu_enable_pipelined_all_gather=true`, `..._pipelined_reduce_scatter=true`), gradients of the fp32
+    parameters reduced in fp32 (MaxText's default `weight_dtype: float32`; Paxml's fp32 parameters, bf16
+    `FPROP_DTYPE`): the planner's defaults for all four;
   * "FSDP=<n> x DP=<k>" (the JAX recipes' fsdp and data mesh axes): parameters sharded over n GPUs, replicated
     k times (`_fsdp_degree`), as HSDP with a shard group of n;
   * recompute "partial" (a remat policy that keeps some projections and re-runs the rest: MaxText's
     `save_dot_except_mlpwi`, about 57% of the forward; Paxml's `SAVE_QKV_OUT_PROJ`, about 67%) priced as
     `HALF_RECOMPUTE`; policies that re-run more than four fifths of the forward (MaxText's `save_dot_except_mlp`,
-    `save_qkv_proj`) as full recomputation; Paxml's `SAVE_DOT_ONLY` (every matmul output kept, the fused attention
-    and the elementwise ops re-run) as Megatron's selective recomputation. The CSV's recompute column names the
-    policy and its share.
+    `save_qkv_proj`) as full recomputation, as Paxml's `SAVE_NOTHING`; Paxml's `SAVE_DOT_ONLY` and
+    `SAVE_DOT_WITH_NO_BATCH_DIM` (every projection output kept, the fused attention and the elementwise ops
+    re-run) as Megatron's selective recomputation; MaxText's `minimal_flash` (the attention output kept too) as
+    none. The CSV's recompute column names the policy and its share.
 """
 
 from __future__ import annotations
@@ -336,9 +338,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
     fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms", "T_float8"))
-    # The JAX / XLA recipes (MaxText, groups U and V; Paxml, group W) take the defaults: XLA fuses the elementwise
-    # work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding scheduler,
-    # fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
+    # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
+    # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
+    # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
     # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
     # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
     mpt_norm = row["group"].startswith("O_llm_foundry")
