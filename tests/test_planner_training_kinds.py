@@ -102,9 +102,11 @@ def test_flash_attention_2_runs_at_its_own_rate_on_hopper_only():
 
 
 def test_published_row_hsdp_and_its_own_network():
-    """A row saying HSDP shards over a node's 8 GPUs and replicates across nodes; a row naming its scale-out
-    bandwidth per GPU gets it (the preset's when it names none)."""
-    from meshlm.planner.published import cluster_for, layouts_of, model_of, zero_of
+    """A row saying HSDP shards over a node's 8 GPUs and replicates across nodes; a JAX recipe's "FSDP=128 x DP=4"
+    shards over 128 and replicates 4 times (and a degree that does not divide dp is refused); a row naming its
+    scale-out bandwidth per GPU gets it (the preset's when it names none); recompute "partial" (a remat policy
+    re-running about half the forward) is priced as half, "full (...)" as full."""
+    from meshlm.planner.published import HALF_RECOMPUTE, cluster_for, layouts_of, model_of, recompute_of, zero_of
 
     row = {"row_id": "X", "group": "P_fms_fsdp", "model": "Llama2-7b", "layers": "32", "hidden": "4096",
            "heads": "32", "kv_heads": "32", "ffn": "11008", "vocab": "32000", "seq_len": "4096", "n_gpus": "96",
@@ -116,6 +118,14 @@ def test_published_row_hsdp_and_its_own_network():
     assert (lo.dp_shard, lo.dp_replicate, lo.zero_stage) == (8, 12, 3)
     assert cluster_for(row).scaleout_bw == pytest.approx(100e9 / 8)
     assert cluster_for({**row, "internode_bw_per_gpu": ""}).scaleout_bw == get_cluster("h100").scaleout_bw
+    jax = {**row, "group": "U_maxtext_llama2_70b_h100_fsdp", "n_gpus": "512", "dp": "512",
+           "zero_fsdp": "FSDP=128 x DP=4 (MaxText fsdp and data mesh axes)", "recompute": "partial (remat policy)"}
+    assert zero_of(jax) == 3 and recompute_of(jax) == HALF_RECOMPUTE
+    assert recompute_of({**jax, "recompute": "full (remat_policy=save_qkv_proj)"}) == "full"
+    (lo,) = layouts_of(jax, model_of(jax))
+    assert (lo.dp_shard, lo.dp_replicate, lo.zero_stage) == (128, 4, 3)
+    with pytest.raises(ValueError, match="FSDP degree 96"):
+        layouts_of({**jax, "zero_fsdp": "FSDP=96 x DP=5"}, model_of(jax))
 
 
 def test_eager_norms_in_fp32_cost_their_bytes_exactly():

@@ -76,7 +76,24 @@ Choices the rows leave open, made the same way for every row (never from the rep
     DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q; BigScience's 02-25 benchmark, group S): num_layers /
     stages blocks on every stage, the head and loss on top of the last (`Layout.pp_split = "uniform"`);
     Megatron-Bridge's recipes (group I) lighten the end stages where the layer count does not divide
-    (`account_for_embedding_in_pipeline_split` / `..._loss_...`): the planner's balanced split.
+    (`account_for_embedding_in_pipeline_split` / `..._loss_...`): the planner's balanced split;
+  * the JAX / XLA stacks of NVIDIA's DGX Cloud recipes (MaxText, groups U and V; Paxml, group W) and of its
+    JAX-Toolbox READMEs (Paxml, group X; MaxText, group Y), from each recipe's own configure.sh / run script:
+    elementwise work fused (XLA compiles the step, its fusion passes), attention in cuDNN's fused kernel
+    (MaxText `attention=cudnn_flash_te`; Paxml `ENABLE_TE=1`, `NVTE_FUSED_ATTN=1`), the FSDP all-gathers and
+    gradient reduce-scatters overlapped with compute (XLA flags `--xla_gpu_enable_latency_hiding_scheduler=true`,
+    `--xla_gpu_enable_pipelined_all_gather=true`, `..._pipelined_reduce_scatter=true`), gradients of the fp32
+    parameters reduced in fp32 (MaxText's default `weight_dtype: float32`; Paxml's fp32 parameters, bf16
+    `FPROP_DTYPE`): the planner's defaults for all four;
+  * "FSDP=<n> x DP=<k>" (the JAX recipes' fsdp and data mesh axes): parameters sharded over n GPUs, replicated
+    k times (`_fsdp_degree`), as HSDP with a shard group of n;
+  * recompute "partial" (a remat policy that keeps some projections and re-runs the rest: MaxText's
+    `save_dot_except_mlpwi`, about 57% of the forward; Paxml's `SAVE_QKV_OUT_PROJ`, about 67%) priced as
+    `HALF_RECOMPUTE`; policies that re-run more than four fifths of the forward (MaxText's `save_dot_except_mlp`,
+    `save_qkv_proj`) as full recomputation, as Paxml's `SAVE_NOTHING`; Paxml's `SAVE_DOT_ONLY` and
+    `SAVE_DOT_WITH_NO_BATCH_DIM` (every projection output kept, the fused attention and the elementwise ops
+    re-run) as Megatron's selective recomputation; MaxText's `minimal_flash` (the attention output kept too) as
+    none. The CSV's recompute column names the policy and its share.
 """
 
 from __future__ import annotations
@@ -210,6 +227,8 @@ def recompute_choices(row: dict) -> list[str]:
 
 def recompute_of(row: dict) -> str:
     t = (row["recompute"] or "").lower()
+    if t.startswith("partial"):  # a remat policy re-running about half the forward (module docstring)
+        return HALF_RECOMPUTE
     if t.startswith("yes") or "full" in t:
         return "full"
     if _pytorch_fsdp(row) and ("selective layer" in t or "selective op" in t):
@@ -225,6 +244,13 @@ def _pytorch_fsdp(row: dict) -> bool:
     """PyTorch-native FSDP stacks (torchtitan, IBM's fms-fsdp, the float8 / FSDP2 blog's torchtitan runs): their
     "selective" checkpointing re-runs about half the forward (`HALF_RECOMPUTE`)."""
     return row["group"].startswith(("K_torchtitan", "P_fms", "T_float8"))
+
+
+def _fsdp_degree(row: dict) -> int | None:
+    """The parameter-sharding degree a row names as "FSDP=<n>" (the JAX recipes' fsdp mesh axes: ICI x DCN), the
+    rest of its data parallelism replicating; None where it names none ("FSDP=0" is NeMo's "no FSDP")."""
+    m = re.search(r"fsdp\s*=\s*(\d+)", row["zero_fsdp"], re.IGNORECASE)
+    return int(m.group(1)) if m and int(m.group(1)) > 0 else None
 
 
 def _hybrid_shard(row: dict) -> bool:
@@ -312,6 +338,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
     fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms", "T_float8"))
+    # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
+    # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
+    # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
     # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
     # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
     mpt_norm = row["group"].startswith("O_llm_foundry")
@@ -352,8 +381,10 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
     # DeepSpeed's pipeline (GPT-NeoX, partition method "type:transformer") splits the blocks evenly too.
     split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox", "S_bloom")) else "balanced"
-    # HSDP: shard within a node (its 8 GPUs), replicate across nodes.
-    shard = min(dp, 8) if _hybrid_shard(row) else dp
+    # HSDP: shard within a node (its 8 GPUs), replicate across nodes; the JAX recipes' "FSDP=<n> x DP=<k>": over n.
+    shard = _fsdp_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
+    if dp % shard:
+        raise ValueError(f"row {row['row_id']}: FSDP degree {shard} does not divide the data parallelism {dp}")
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
                    pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
                    micro_batch_size=mbs, sequence_parallel=sp, pp_split=split, expert_tp=1 if nvidia_moe else 0,
