@@ -25,7 +25,10 @@ NOTES_TERM = ("import signal, time\n"
               "signal.signal(signal.SIGTERM, lambda *_: print('TERM', flush=True))\n"
               "print('ready', flush=True)\n"
               "time.sleep(60)\n")
-IGNORES_TERM = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+IGNORES_TERM = ("import signal, time\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(60)\n")
 
 
 def start(code: str) -> subprocess.Popen:

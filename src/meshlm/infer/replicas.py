@@ -4,8 +4,9 @@ Responsible for:
 - the replicas' processes (`ReplicaSet`): R `meshlm serve` commands, each on a free port of 127.0.0.1 and in a
   session of its own (its tp x cp ranks are its own business); waiting until each answers /health; stopping
   them all when the router stops, however it stops: SIGTERM to each replica's process group, SIGKILL to it and to
-  what still runs below the replica (its ranks) after a grace period; SIGTERM to the router itself is turned into an exception so that this cleanup runs, and the
-  kernel sends a replica SIGTERM if the router dies without it (Linux);
+  what still runs below the replica (its ranks) after a grace period; SIGTERM to the router itself is turned into
+  an exception so that this cleanup runs, and the kernel sends a replica SIGTERM if the router dies without it
+  (Linux);
 - the router's HTTP app (`create_router_app`, FastAPI + httpx): POST /v1/completions and /v1/chat/completions
   proxied unchanged -- status, body, server-sent events as they come -- to the replica the policy picks
   (`infer/router.py`), the response carrying `x-meshlm-replica: INDEX`; GET /v1/models from a live replica;
