@@ -31,14 +31,10 @@ all-reduce and broadcast the tensor. Barriers are not counted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import queue
-import signal
-import socket
-import subprocess
 import statistics
 import sys
 import time
@@ -53,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from meshlm.config import ModelConfig
+from meshlm.processes import cpu_seconds, descendants, free_port
 
 
 SMOKE_HELP = ("smoke test: the same code paths at the smallest sizes, one or two steps, still printing the JSON; "
@@ -154,12 +151,6 @@ def synchronize(device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world_size: int, port: int, fn, args, out_queue, release, before_init=None,
                master_addr: str = "127.0.0.1") -> None:
     if before_init is not None:
@@ -225,81 +216,8 @@ def run_ranks(fn: Callable, world_size: int, args, *, before_init: Callable | No
 
 
 # --------------------------------------------------------------------------------------------
-# Processes a benchmark started (servers and their ranks), and the host's cores
+# The host's cores (stopping the servers a benchmark started: meshlm.processes.stop_tree)
 # --------------------------------------------------------------------------------------------
-
-
-def descendants(pid: int) -> list[int]:
-    """The ids of every process below `pid` (Linux /proc; torch's launcher puts each rank in a session
-    of its own, so killing the launcher's process group alone would not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def stop_process_tree(proc: subprocess.Popen, timeout_s: float = 30) -> dict:
-    """SIGTERM to `proc`'s process group (it was started in a session of its own) and so to the launcher,
-    which stops its ranks; SIGKILL to whatever of them is still there after `timeout_s`. Says how many
-    child processes `proc` had (the ranks), how many needed SIGKILL and how many are left (0)."""
-    below = descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = still_running(below)
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for p in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-    time.sleep(0.2 if alive else 0)
-    return {"child_processes": len(below), "killed_after_timeout": len(alive),
-            "left_running": len(still_running(below))}
-
-
-def still_running(pids: list[int]) -> list[int]:
-    """Those of `pids` still running (not zombies)."""
-    alive = []
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(p)
-        except OSError:
-            pass
-    return alive
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes `pids` have used so far (Linux /proc; those gone count 0)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 def host_busy_seconds() -> float:

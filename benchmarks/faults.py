@@ -48,10 +48,11 @@ import time
 from pathlib import Path
 
 from _common import missing_extras, parse_args_smoke  # benchmarks/ is on sys.path when run as a script
+from meshlm.processes import children, stop_tree
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the fault tests' helpers: processes from /proc, the small model
-from dist import children, group_ranks, kill_session  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # the fault tests' helpers: a replica group's ranks, the small model
+from dist import group_ranks  # noqa: E402
 from runs import SMALL_MODEL, write_corpus  # noqa: E402
 
 SETTINGS = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4",
@@ -130,7 +131,7 @@ def run_once(path: str, args, run_dir: Path, corpus: Path, *, kill_at: int | Non
                 seen["caught_up"] = time.perf_counter()
         code = proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
     finally:
-        kill_session(proc)  # (what is left of it: a rank the launcher did not reap)
+        stop_tree(proc, 0)  # SIGKILL to what is left of it: a rank the launcher did not reap
     wall = time.perf_counter() - t0
     if code != 0:
         raise RuntimeError(f"{path} run exited {code}: {log.read_text()[-3000:]}")

@@ -51,10 +51,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from _common import SMOKE_HELP, free_port  # benchmarks/ is on sys.path when run as a script
+from _common import SMOKE_HELP  # benchmarks/ is on sys.path when run as a script
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, Layout, estimate
+from meshlm.processes import free_port
 from meshlm.models.stats import count_params
 
 # A tiny Llama (3.3M parameters, 13 MB of fp32 gradients): a step is ~0.1-0.5 s on one core, so the

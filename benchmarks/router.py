@@ -61,12 +61,13 @@ def run_policy(name: str, replicas, trace: list[list[int]], args) -> dict:
     """One policy's router over the running replicas, the trace streamed through it; its figures."""
     import uvicorn
 
-    from meshlm.infer.replicas import create_router_app, free_ports
+    from meshlm.infer.replicas import create_router_app
     from meshlm.infer.router import make_policy
+    from meshlm.processes import free_port
     from serve import online_run
 
     policy = make_policy(name, len(replicas))
-    port = free_ports(1)[0]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_router_app(replicas, policy), host="127.0.0.1", port=port,
                                            log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)

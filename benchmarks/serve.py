@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
-from _common import (OtherWork, free_port, missing_extras, parse_args_smoke, predicted_vs_measured,
-                     print_smoke_skip, run_ranks, stop_process_tree)
+from _common import OtherWork, missing_extras, parse_args_smoke, predicted_vs_measured, print_smoke_skip, run_ranks
+from meshlm.processes import free_port, stop_tree
 
 BLOCK_SIZE = 16  # tokens per KV block in the longest-context part
 
@@ -249,7 +249,7 @@ def meshlm_server(serve_args: list[str], *, threads: int, timeout_s: float = 180
             raise RuntimeError(f"meshlm serve did not start: {errors.read().decode()[-2000:]}") from e
         yield url
     finally:
-        (stopped if stopped is not None else {}).update(stop_process_tree(proc))
+        (stopped if stopped is not None else {}).update(stop_tree(proc, 30))
         errors.close()
 
 

@@ -150,7 +150,7 @@ def emulated_server(serve_args: list[str], *, procs_per_node: int, rate: str, ti
     """`meshlm cluster emulate --nodes 2 ... -- meshlm serve SERVE_ARGS` in a session of its own; yields node 0's
     namespace once it exists (the server may still be loading); on exit stops it (its namespaces go with it) and
     puts in `info` how that went and the bytes each node's link carried."""
-    from _common import stop_process_tree
+    from meshlm.processes import stop_tree
 
     argv = [sys.executable, "-m", "meshlm.cli", "cluster", "emulate", "--nodes", "2", "--procs-per-node",
             str(procs_per_node), "--inter-node-bw", rate, "--", "meshlm", "serve", *serve_args, "--port",
@@ -168,7 +168,7 @@ def emulated_server(serve_args: list[str], *, procs_per_node: int, rate: str, ti
             time.sleep(0.05)
         yield namespace
     finally:
-        info["server_stopped"] = stop_process_tree(proc)
+        info["server_stopped"] = stop_tree(proc, 30)
         errors.seek(0)
         text = errors.read()
         errors.close()

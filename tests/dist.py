@@ -13,18 +13,18 @@ rank's traceback, the current stack of every rank still running (dumped by fault
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
-import socket
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from meshlm.processes import children, free_port
 
 _PORT_TRIES = 4
 _GRACE_AFTER_ERROR_S = 5.0  # after one rank fails, the others get this long to report before the kill
@@ -32,12 +32,6 @@ _GRACE_AFTER_ERROR_S = 5.0  # after one rank fails, the others get this long to 
 
 class DistributedTestError(AssertionError):
     """A multi-rank run failed: the message holds each rank's traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_port_collision(text: str) -> bool:
@@ -88,7 +82,7 @@ def run_distributed_with(fn, world_size: int, args: tuple = (), kwargs: dict | N
                          timeout: float = 60.0, before_init=None, master_addr: str = "127.0.0.1") -> list:
     """`run_distributed` with `before_init(rank)` run in each rank first, and the rendezvous at `master_addr`."""
     for attempt in range(_PORT_TRIES):
-        outcome = _launch(fn, world_size, args, kwargs or {}, timeout, _free_port(), before_init, master_addr)
+        outcome = _launch(fn, world_size, args, kwargs or {}, timeout, free_port(), before_init, master_addr)
         if outcome != "port_collision":
             return outcome
     raise DistributedTestError(f"could not find a free port in {_PORT_TRIES} tries")
@@ -189,50 +183,6 @@ def _dump_stacks(procs, running, stack_dir) -> dict[int, str]:
         path = Path(stack_dir) / f"rank{r}.txt"
         stacks[r] = path.read_text() if path.exists() else ""
     return stacks
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc; a launcher's ranks)."""
-    from pathlib import Path
-
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return sorted(found)
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (exists and is not a zombie)."""
-    from pathlib import Path
-
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, children first."""
-    out, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop(0))
-        out += kids
-        todo += kids
-    return out
-
-
-def kill_session(proc) -> None:
-    """`proc` (a `subprocess.Popen` started with start_new_session=True), its session and every process below it
-    (a launcher, its ranks; replica groups' launchers and theirs)."""
-    for pid in [*reversed(descendants(proc.pid)), -proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # (-pid: its session)
-    proc.wait(timeout=30)
 
 
 def group_ranks(pid: int, group: int) -> list[int]:

@@ -4,12 +4,12 @@ with, readers of metrics.jsonl, and `meshlm train` runs on ranks started as torc
 import contextlib
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 from dist import run_distributed
 from meshlm.cli import main as cli_main
+from meshlm.processes import free_port
 
 # 2 layers of width 32 with GQA (4 heads, 2 kv heads): 35k parameters, a step in milliseconds.
 SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -124,9 +124,7 @@ def cli_ranks(rank: int, world_size: int, runs: list[tuple[list[str], int]], sto
     for i, (argv, ranks) in enumerate(runs):
         t0 = time.perf_counter()
         if rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                store.set(f"port{i}", str(s.getsockname()[1]))
+            store.set(f"port{i}", str(free_port()))
         if rank < ranks:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
                               LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist import alive, children
+from meshlm.processes import alive, children, stop_tree
 from runs import SMALL_MODEL
 
 SETTINGS = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4",
@@ -58,17 +58,6 @@ def logged_steps(run_dir: Path) -> list[dict]:
     return rows
 
 
-def kill_all(proc: subprocess.Popen) -> None:
-    for pid in children(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 def final_weights(run_dir: Path) -> dict:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     return load_file(str(run_dir / "checkpoints" / latest / "model_rank_00000.safetensors"))
@@ -86,7 +75,7 @@ def reference(tmp_path_factory, text_file) -> dict:
     try:
         assert ref.wait(timeout=240) == 0, ref.communicate()[1][-2000:]
     finally:
-        kill_all(ref)
+        stop_tree(ref, 0)
     return final_weights(run)
 
 
@@ -121,7 +110,7 @@ def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file, re
         code = proc.wait(timeout=max(10, deadline - time.time()))
         out, err = proc.communicate()
     finally:
-        kill_all(proc)
+        stop_tree(proc, 0)
     assert len(kills) == 3, (kills, err[-3000:])
     assert code == 0, err[-3000:]
     restarts = [r for r in logged_steps(run) if "restart" in r]
@@ -155,7 +144,7 @@ def test_a_restart_resumes_from_in_memory_checkpoints(tmp_path, text_file, refer
         code = proc.wait(timeout=max(10, deadline - time.time()))
         _, err = proc.communicate()
     finally:
-        kill_all(proc)
+        stop_tree(proc, 0)
     assert killed is not None and code == 0, err[-3000:]
     restarts = [r for r in logged_steps(run) if "restart" in r]
     assert len(restarts) == 1 and restarts[0]["from"] == "memory", restarts
@@ -193,7 +182,7 @@ def test_a_stopped_rank_is_named_and_the_launcher_exits_within_the_timeout(tmp_p
     finally:
         if stopped is not None and alive(stopped):
             os.kill(stopped, signal.SIGCONT)
-        kill_all(proc)
+        stop_tree(proc, 0)
     assert code != 0
     assert not alive(stopped)  # the launcher ended it
     print(f"\nstopped -> launcher exit: {elapsed:.1f} s (timeout {timeout} s); last line: {err.strip().splitlines()[-1]}")
@@ -228,4 +217,4 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path, text_file):
         for pid in ranks:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        kill_all(proc)
+        stop_tree(proc, 0)

@@ -6,12 +6,13 @@ the file keeps to four launches: 2 ranks, 4 ranks, two agents acting as two node
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from meshlm.processes import free_port
 
 # train.micro_batch_size is left at its default (the whole per-rank batch), as `meshlm train --nproc N`
 # in the README does: the same settings must run on 2 and on 4 ranks.
@@ -38,12 +39,6 @@ def train_command(run_dir, text_file, *flags, overrides=()) -> list[str]:
 def clean_env() -> dict:
     """This test process may itself run under a launcher; the command must not think it is a rank."""
     return {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_one_run(run_dir: Path, world_size: int, output: str) -> None:

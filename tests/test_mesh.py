@@ -130,12 +130,9 @@ def init_worker(rank, world_size, port):
 
 
 def test_init_distributed_on_two_ranks():
-    import socket
+    from meshlm.processes import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert run_distributed(init_worker, 2, port, timeout=60) == [(0, "gloo", 1, 2.0), (1, "gloo", 1, 2.0)]
+    assert run_distributed(init_worker, 2, free_port(), timeout=60) == [(0, "gloo", 1, 2.0), (1, "gloo", 1, 2.0)]
 
 
 def test_a_layout_wider_than_one_process_says_how_many_ranks_to_start():

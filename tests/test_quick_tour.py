@@ -13,7 +13,6 @@ import io
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.cli import main
+from meshlm.processes import free_port
 from runs import SMALL_MODEL, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,12 +131,6 @@ def test_tour_command(tour, command, monkeypatch):
         assert argv(command)[argv(command).index("--model") + 1] in out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_answers_the_tours_request(tour):
     command = next(c for c in COMMANDS if argv(c)[0] == "serve")
     _skip_without_extra(command)
@@ -144,7 +138,7 @@ def test_serve_answers_the_tours_request(tour):
     curl = shlex.split(next(line for line in bash_lines(tour_section()) if line.startswith("curl ")), comments=True)
     body = json.loads(curl[curl.index("-d") + 1])
     path = urllib.parse.urlsplit(next(a for a in curl if a.startswith("http://"))).path
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv(command), "--port", str(port)], cwd=root,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -209,7 +209,9 @@ def test_dense_index_with_a_local_encoder(tmp_path):
 
 @pytest.fixture(scope="module")
 def rag_server(corpus_index, tmp_path_factory):
-    from test_server import free_port, make_model_dir, running, serve_args
+    from test_server import make_model_dir, running, serve_args
+
+    from meshlm.processes import free_port
 
     from meshlm.cli.serve import build_server
 

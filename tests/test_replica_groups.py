@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist import group_ranks, kill_session as kill_all
+from dist import group_ranks
+from meshlm.processes import free_port, stop_tree
 from runs import SMALL_MODEL
 
 # (not imported here: torchft's Rust logger reads RUST_LOG once, and `quiet_torchft` sets it before the first import)
@@ -115,7 +115,7 @@ def test_a_killed_group_drops_out_rejoins_and_the_run_matches_its_membership_rep
         code = proc.wait(timeout=max(10, deadline - time.time()))
         out, err = proc.communicate()
     finally:
-        kill_all(proc)
+        stop_tree(proc, 0)
     assert killed_at is not None, "group 1 never reached step 3"
     assert code == 0, err[-3000:]
     g0, g1 = rows(run, 0), rows(run, 1)
@@ -145,17 +145,14 @@ def test_a_killed_group_drops_out_rejoins_and_the_run_matches_its_membership_rep
 
 
 def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path, text_file):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"http://127.0.0.1:{port}"
+    address = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     proc = start(tmp_path / "run", text_file, "--nproc", "2",
                  extra=["parallel.fault_tolerance=replica", f"parallel.lighthouse={address}", "parallel.tp=2"])
     try:
         code = proc.wait(timeout=120)
         _, err = proc.communicate()
     finally:
-        kill_all(proc)
+        stop_tree(proc, 0)
     assert code == 2, err[-2000:]
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and address in lines[0] and "lighthouse" in lines[0], err[-2000:]
@@ -184,9 +181,9 @@ def test_a_group_of_another_layout_is_refused_and_the_running_group_trains_on(tm
             time.sleep(0.2)
         assert good.poll() is None and last_step(run, 0) > reached, "the running group stopped"
     finally:
-        kill_all(good)
+        stop_tree(good, 0)
         if other is not None:
-            kill_all(other)
+            stop_tree(other, 0)
         server.shutdown()
     assert code != 0
     refused = [line for line in err.splitlines() if "refused" in line]
@@ -208,7 +205,7 @@ def test_semi_synchronous_groups_match_their_replay(tmp_path, text_file, outer):
         code = proc.wait(timeout=240)
         _, err = proc.communicate()
     finally:
-        kill_all(proc)
+        stop_tree(proc, 0)
     assert code == 0, err[-3000:]
     for g in range(2):
         synced = [(r["step"], r["replicas"], r["synced"]) for r in rows(run, g) if "synced" in r]
@@ -281,9 +278,9 @@ def test_a_dead_lighthouse_stops_the_group_with_a_line_naming_it_and_its_checkpo
         code = group.wait(timeout=180)
         _, err = group.communicate()
     finally:
-        kill_all(lighthouse)
+        stop_tree(lighthouse, 0)
         if group is not None:
-            kill_all(group)
+            stop_tree(group, 0)
     assert code != 0
     last = err.strip().splitlines()[-1]
     assert "lighthouse" in last and address in last, err[-3000:]

@@ -124,8 +124,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("transformers")
 
-from test_server import HEADERS, KEY, free_port, make_model_dir, running, serve_args, serve_argv, \
-    server_process, sse_events  # noqa: E402
+from test_server import HEADERS, KEY, make_model_dir, running, serve_args, serve_argv, server_process, \
+    sse_events  # noqa: E402
+
+from meshlm.processes import alive, descendants, free_port  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "hello world, this is", "def add(a, b):", "continuous batching with"]
 # Three documents, each asked about three times, interleaved: an odd number of groups, so round robin sends a
@@ -187,8 +189,6 @@ def run_trace(url: str) -> tuple[float, float]:
 
 def replica_pids(router_pid: int) -> dict[int, int]:
     """{port: pid} of the replicas below the router process (from /proc)."""
-    from dist import descendants
-
     found = {}
     for pid in descendants(router_pid):
         try:
@@ -202,8 +202,6 @@ def replica_pids(router_pid: int) -> dict[int, int]:
 
 
 def running_pids(pids) -> list[int]:
-    from dist import alive
-
     return [pid for pid in pids if alive(pid)]
 
 

@@ -169,7 +169,9 @@ def test_a_bad_layout_is_refused_before_any_rank_starts(tmp_path, capfd, spec, m
 def test_sigkill_of_the_decode_instance_mid_stream_ends_the_request_naming_it_and_the_front_answers(tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from test_server import free_port, make_model_dir, rank_pid, serve_argv, server_process
+    from test_server import make_model_dir, rank_pid, serve_argv, server_process
+
+    from meshlm.processes import free_port
 
     port = free_port()
     argv = serve_argv(make_model_dir(tmp_path), port, "--prefill", "tp=1", "--decode", "tp=1")

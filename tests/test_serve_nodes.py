@@ -102,10 +102,10 @@ def _listeners(port: int) -> list[int]:
 def test_serve_two_tp2_replicas_over_two_agents_answer_on_node_0_only(tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from dist import descendants
-    from test_server import free_port, make_model_dir, serve_argv, stop_process_tree, wait_until_up
+    from test_server import make_model_dir, serve_argv, wait_until_up
 
     from meshlm import LLM, SamplingParams
+    from meshlm.processes import descendants, free_port, stop_tree
 
     model_dir = make_model_dir(tmp_path)
     rdzv = free_port()
@@ -126,7 +126,7 @@ def test_serve_two_tp2_replicas_over_two_agents_answer_on_node_0_only(tmp_path):
         under = [set(descendants(a.pid)) | {a.pid} for a in agents]
     finally:
         for agent in agents:
-            stop_process_tree(agent)
+            stop_tree(agent, 10)
     outputs = [a.stdout.read() for a in agents]
     want = LLM(str(model_dir), device="cpu", block_size=8).generate(
         ["hello world"], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))[0].text
@@ -242,11 +242,11 @@ def test_serve_disaggregated_prefill_and_decode_on_two_emulated_nodes(tmp_path):
     sent tokens x 4 (fp32), from the config; at least those bytes crossed node 0's link out and node 1's in."""
     pytest.importorskip("tokenizers")
     pytest.importorskip("uvicorn")
-    from dist import alive, descendants
     from test_server import serve_argv
     from tiny_hf import make_model_dir
 
     from meshlm import LLM, SamplingParams
+    from meshlm.processes import alive, descendants
     from meshlm.emulate import delete_namespace
 
     model_dir = make_model_dir(tmp_path)

@@ -13,7 +13,9 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from test_server import free_port, make_model_dir, running  # noqa: E402 -- after the importorskips
+from test_server import make_model_dir, running  # noqa: E402 -- after the importorskips
+
+from meshlm.processes import free_port  # noqa: E402
 
 KEY = "k"
 HEADERS = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}

@@ -277,7 +277,9 @@ def test_serve_cp2_idle_past_its_timeout_answers_reports_per_rank_and_a_killed_r
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from test_server import free_port, make_model_dir, rank_pid, serve_argv, server_process
+    from test_server import make_model_dir, rank_pid, serve_argv, server_process
+
+    from meshlm.processes import free_port
 
     model_dir = make_model_dir(tmp_path)
     want = LLM(str(model_dir), device="cpu", block_size=8).generate(

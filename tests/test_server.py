@@ -4,11 +4,13 @@ concurrency, metrics, and every kind of bad input answered with a 4xx while a go
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
+
+from meshlm.processes import descendants, free_port, stop_tree
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -37,7 +39,7 @@ def server_process(argv: list[str], port: int):
         wait_until_up(url, proc)
         yield proc, url
     finally:
-        stop_process_tree(proc)
+        stop_tree(proc, 10)
 
 
 def wait_until_up(url: str, proc) -> None:
@@ -51,60 +53,12 @@ def wait_until_up(url: str, proc) -> None:
         pytest.fail(f"the server did not come up: {e}")
 
 
-def stop_process_tree(proc) -> None:
-    """SIGTERM to `proc`'s process group (the launcher stops its ranks), SIGKILL after 10 s, then SIGKILL to
-    whatever of its descendants is left: no server or rank outlives its test."""
-    import os
-    import signal
-    import subprocess
-
-    from dist import descendants
-
-    # torch's launcher starts each rank in a session of its own: the launcher's process group does not hold them
-    tree = descendants(proc.pid) if proc.poll() is None else []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=10)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    proc.wait()
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_pid(root: int, local_rank: int) -> int:
     """The pid of the process with LOCAL_RANK=`local_rank` among the descendants of `root`."""
-    import glob
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            try:
-                pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                return False
-        return False
-
     found = []
-    for environ in glob.glob("/proc/[0-9]*/environ"):
-        pid = int(environ.split("/")[2])
+    for pid in descendants(root):
         try:
-            if f"LOCAL_RANK={local_rank}".encode() in open(environ, "rb").read().split(b"\0") and descends(pid):
+            if f"LOCAL_RANK={local_rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 found.append(pid)
         except OSError:
             continue
@@ -171,7 +125,7 @@ def launched(model_dir, port: int, *flags: str):
             assert proc.returncode == 143 and "Traceback" not in err and "closing signal" not in err, err[-3000:]
             assert err.rstrip().splitlines()[-1] == "meshlm serve: stopped by SIGTERM; the launcher stopped every rank"
         finally:
-            stop_process_tree(proc)
+            stop_tree(proc, 10)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])

@@ -29,9 +29,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from meshlm.processes import stop_tree
 
 IFNAME = "eth0"  # the link interface inside each node's namespace
 SUBNET = "10.213.0"
@@ -41,6 +42,9 @@ _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}  # tc's spelling: "bps" = bytes/s
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 _CMD_TIMEOUT_S = 30  # one `ip`/`tc` call; they return in milliseconds
+# Stopping the nodes' commands: SIGTERM, then SIGKILL to what is left after one grace period shared by all
+# (`processes.stop_tree`; not one per node: Ctrl-C of many nodes must not take nodes x grace)
+_STOP_GRACE_S = 5.0
 
 
 def parse_rate(text: str) -> float:
@@ -227,34 +231,11 @@ class EmulatedCluster:
                     pending.remove(p)
                     if rc != 0 and code == 0:
                         code = rc if rc > 0 else 1
-                        _stop(pending)  # one node failed: the others would wait for it until their timeout
+                        # one node failed: the others would wait for it until their timeout
+                        stop_tree(pending, _STOP_GRACE_S)
             return code
         finally:
-            _stop([p for p in procs if p.poll() is None])
-
-
-def _stop(procs: list, grace_s: float = 5.0) -> None:
-    """SIGTERM the process groups we started, then SIGKILL every group still there after one shared grace
-    period (not one per process: Ctrl-C of many nodes must not take nodes x grace)."""
-    for p in procs:
-        _kill_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        _kill_group(p, signal.SIGKILL)  # also what a node's command started and left behind
-        if p.poll() is None:
-            p.wait()
-
-
-def _kill_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+            stop_tree([p for p in procs if p.poll() is None], _STOP_GRACE_S)
 
 
 class _signals_deferred:

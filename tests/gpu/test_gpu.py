@@ -289,7 +289,9 @@ def test_a_tp2_server_on_gpus_idle_past_its_timeout_answers(tmp_path):
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, {GPUS} visible")
     httpx = pytest.importorskip("httpx")
-    from test_server import free_port, make_model_dir, serve_argv, server_process
+    from test_server import make_model_dir, serve_argv, server_process
+
+    from meshlm.processes import free_port
 
     model_dir = make_model_dir(tmp_path)
     port = free_port()
@@ -308,7 +310,7 @@ def test_a_stopped_rank_under_blocking_waits_fails_the_run_at_its_collective(tmp
     import os
     import signal
 
-    from dist import alive, children
+    from meshlm.processes import alive, children
 
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, {GPUS} visible")

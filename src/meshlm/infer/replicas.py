@@ -3,9 +3,10 @@
 Responsible for:
 - the replicas' processes (`ReplicaSet`): R `meshlm serve` commands, each on a free port of 127.0.0.1 and in a
   session of its own (its tp x cp ranks are its own business); waiting until each answers /health; stopping
-  them all when the router stops, however it stops: SIGTERM to each replica's process group, SIGKILL after a
-  grace period; SIGTERM to the router itself is turned into an exception so that this cleanup runs, and the
-  kernel sends a replica SIGTERM if the router dies without it (Linux);
+  them all when the router stops, however it stops: SIGTERM to each replica's process group, SIGKILL to it and to
+  what still runs below the replica (its ranks) after a grace period; SIGTERM to the router itself is turned into
+  an exception so that this cleanup runs, and the kernel sends a replica SIGTERM if the router dies without it
+  (Linux);
 - the router's HTTP app (`create_router_app`, FastAPI + httpx): POST /v1/completions and /v1/chat/completions
   proxied unchanged -- status, body, server-sent events as they come -- to the replica the policy picks
   (`infer/router.py`), the response carrying `x-meshlm-replica: INDEX`; GET /v1/models from a live replica;
@@ -28,9 +29,7 @@ Not responsible for: restarting replicas, what a replica answers (it checks ever
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from meshlm.infer.auth import APIKey
 from meshlm.infer.client import ServerNotReady, wait_until_healthy
 from meshlm.infer.requests import MAX_BODY_BYTES, APIError, read_limited
 from meshlm.infer.router import NoReplica, Policy, routing_key
+from meshlm.processes import free_ports, stop_tree
 
 HEALTH_EVERY_S = 1.0  # how often the router asks each live replica's /health
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
@@ -77,15 +77,6 @@ class Replica:
         if self.unhealthy is not None and code is None:
             out["error"] = self.unhealthy
         return out
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports of 127.0.0.1 that were free a moment ago (held together, so no two are equal)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def _terminate_with_parent() -> None:
@@ -151,18 +142,9 @@ class ReplicaSet:
             time.sleep(poll_s)
 
     def stop(self) -> None:
-        """SIGTERM to every replica's process group, SIGKILL to those still running after `grace_s`."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for r in self.replicas:
-                if r.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(r.proc.pid, sig)
-            deadline = time.monotonic() + self.grace_s
-            for r in self.replicas:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    r.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            if all(r.proc.poll() is not None for r in self.replicas):
-                return
+        """SIGTERM to every replica's process group; SIGKILL to the groups, and to whatever still runs below a replica
+        (its ranks), after one shared grace period of `grace_s` (`processes.stop_tree`)."""
+        stop_tree([r.proc for r in self.replicas], self.grace_s)
 
 
 def _exit_on_sigterm(signum, frame):

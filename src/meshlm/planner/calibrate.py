@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 from meshlm.planner.calibrate_serving import measure_gemm_weight_pass, measure_serving_host
+from meshlm.processes import free_port
 
 SIZES = (2**12, 2**16, 2**20, 2**22)  # bytes per message (fp32 elements x 4)
 RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -150,12 +150,6 @@ def _cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _time_collectives(rank: int, group, members: list[int], repeats: int, sizes=SIZES, *,
@@ -430,7 +424,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, repeats: int = 5) -> dict
     data = _machine()
     data["world_size"] = world_size
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_main, args=(world_size, _free_port(), tmp, repeats), nprocs=world_size,
+        mp.start_processes(_rank_main, args=(world_size, free_port(), tmp, repeats), nprocs=world_size,
                            join=True, start_method="spawn")
         raw = json.loads(Path(tmp, "rank0.json").read_text())
     fits = _fits(raw, world_size)
