@@ -1,7 +1,8 @@
 """The training planner's terms for the three kinds of run issue 25 found predicted too fast: ZeRO-3 / FSDP
 over many nodes (one collective per unit and pass, each paying a ring latency that grows with the ranks),
 Megatron's uniform pipeline split (the head and loss on top of the last stage) and FlashAttention-2 on
-Hopper; eager RMSNorm in fp32, DeepSpeed's blocking pipeline transfers; and how a published row's own
+Hopper; eager RMSNorm in fp32, DeepSpeed's blocking pipeline transfers, Paxml's one-hot embedding, block-input
+dropout and dots-only remat; and how a published row's own
 description (HSDP, its network, compiled or not) becomes a layout, a job and a cluster.
 Arithmetic only: no ranks are started."""
 
@@ -220,3 +221,61 @@ def test_published_row_recompute_not_stated_takes_the_fastest_that_fits_and_deep
     assert not job_of(neox, cfg).grad_reduce_in_fp32
     assert not job_of({**neox, "group": "S_bloom_prequel_a100_pipeline"}, cfg).grad_reduce_in_fp32
     assert job_of({**neox, "group": "R_bloom_176b", "precision": "bf16"}, cfg).grad_reduce_in_fp32
+
+
+def test_one_hot_embedding_gemm_and_unfused_dropout_cost_their_flops_and_bytes():
+    """Paxml's GPT configs look the tied embedding up as a one-hot matmul (`Job.embedding_gemm`): per micro-batch
+    a forward GEMM and the table's gradient, 4 x tokens x vocab x hidden FLOPs at the bf16 rate (also under fp8:
+    no input gradient, so not the 6 x of a layer GEMM) plus the one-hot written once; the 5B drops each block's
+    input as a pass of its own (`Job.unfused_dropouts`): 2 x hidden elements per token forward, twice that
+    backward; a remat policy keeping only dot outputs (`Job.remat_saves_dots`) re-runs the whole elementwise forward.
+    The published rows set them from their configs (the 175B drops nothing; MaxText gathers)."""
+    from meshlm.planner.published import job_of, model_of
+    from meshlm.planner.timing import elementwise_time
+
+    cfg = _gpt(layers=4, hidden=1024, vocab=51200)
+    cluster = get_cluster("h100")
+    lo = Layout(dp_shard=8, micro_batch_size=2, recompute="none")
+    tokens, (v, h) = 2 * 2048, (cfg.vocab_size, cfg.hidden_size)
+
+    def compute(**kw):
+        est = estimate(cfg, cluster, Job(seq_len=2048, global_batch_size=32, **kw), lo, gpus=8)
+        return est.time_s["compute"] / est.num_microbatches
+
+    rate = cluster.peak("bf16") * cluster.matmul_efficiency
+    hbm = rank_setup(ModelSummary.build(cfg, 2048), cluster, Job(seq_len=2048, global_batch_size=32), lo).hbm_bw
+    floor = 4 * tokens * v * h / rate + tokens * v * 2 / hbm
+    for precision in ("bf16", "fp8"):
+        added = compute(precision=precision, embedding_gemm=True) - compute(precision=precision)
+        assert floor <= added <= 1.05 * floor  # a K-tile's fixed cost at most; no third (input-gradient) GEMM
+
+    def elem(n):
+        job = Job(seq_len=2048, global_batch_size=32, unfused_dropouts=n)
+        summary = ModelSummary.build(cfg, 2048)
+        return elementwise_time(summary, job, rank_setup(summary, cluster, job, lo), gemms=[], imbalance=1.0)
+
+    (f0, b0), (f1, b1) = elem(0), elem(1)
+    assert f1 - f0 == pytest.approx(2 * h * tokens * 2 / hbm)
+    assert b1 - b0 == pytest.approx(2 * (f1 - f0))
+    with pytest.raises(ValueError, match="unfused_dropouts"):
+        Job(seq_len=2048, global_batch_size=32, unfused_dropouts=-1).validate()
+    # A remat policy keeping only the dot outputs re-runs all of a layer's elementwise forward, not half of it.
+    sel = replace(lo, recompute="selective")
+    rc = [estimate(cfg, cluster, Job(seq_len=2048, global_batch_size=32, remat_saves_dots=x), sel, gpus=8)
+          for x in (False, True)]
+    assert rc[1].time_s["recompute"] - rc[0].time_s["recompute"] == pytest.approx(
+        0.5 * f0 * cfg.num_layers * rc[0].num_microbatches)
+    assert rc[1].time_s["compute"] == rc[0].time_s["compute"]
+
+    row = {"row_id": "X", "group": "W_paxml_gpt_h100_fsdp", "model": "GPT-3 5B (Paxml)", "layers": "24",
+           "hidden": "4096", "heads": "32", "kv_heads": "32", "ffn": "16384", "vocab": "50304", "seq_len": "2048",
+           "n_gpus": "16", "tp": "1", "pp": "1", "cp": "1", "ep": "", "dp": "16", "vpp": "", "mbs": "4", "sp": "no",
+           "gbs_seqs": "64", "recompute": "selective", "zero_fsdp": "FSDP=8 x DP=2", "gpu": "H100 80GB",
+           "precision": "BF16", "source": "dgxc-benchmarking (2025)"}
+    paxml_5b = job_of(row, model_of(row))
+    assert paxml_5b.embedding_gemm and paxml_5b.unfused_dropouts == 1
+    big = {**row, "group": "X_jaxtoolbox_paxml_gpt_fsdp256", "model": "GPT-3 175B (Paxml)"}
+    assert job_of(big, model_of(big)).embedding_gemm and job_of(big, model_of(big)).unfused_dropouts == 0
+    maxtext = {**row, "group": "Y_jaxtoolbox_maxtext_llama2_7b_h100", "model": "Llama 2 7B (MaxText)"}
+    job = job_of(maxtext, model_of(maxtext))
+    assert not job.embedding_gemm and job.unfused_dropouts == 0

@@ -81,6 +81,21 @@ class Job:
     # the pace. 1.0: balanced, what NVIDIA's published MoE benchmarks force (Megatron-Core's
     # moe_router_force_load_balancing); a real router's imbalance is the user's figure (none is assumed).
     expert_imbalance: float = 1.0
+    # The input embedding as a GEMM: a one-hot [tokens, vocab] matrix times the table (praxis' embedding
+    # `lookup_style="matmul"`, what Paxml's LM configs set), forward and its weight gradient, each tokens x vocab
+    # x hidden, plus writing the one-hot. False: a row gather (Megatron, PyTorch, MaxText), not priced.
+    embedding_gemm: bool = False
+    # Dropouts per layer over the hidden states (tokens x hidden) that run as a memory pass of their own, read +
+    # write, not fused into a neighbouring kernel: Paxml's GPT-3 5B drops the input of every repeated block
+    # (praxis StackedTransformer `input_dropout_prob`). Megatron's hidden dropout is fused into its
+    # bias-dropout-add kernel, and 2021's attention dropout is counted with the unfused softmax: 0 for those.
+    unfused_dropouts: int = 0
+    # Selective recomputation as a JAX remat policy that saves only the GEMM outputs (praxis' SAVE_DOT_ONLY /
+    # SAVE_DOT_WITH_NO_BATCH_DIM: jax.checkpoint_policies.checkpoint_dots / ..._with_no_batch_dims): the backward
+    # re-runs the attention core (a custom call, not a dot) and every elementwise op of the layer -- norms,
+    # activation, residual adds, dropout, fp8 casts --, where Megatron's re-runs the core and about half the
+    # elementwise work around it (False).
+    remat_saves_dots: bool = False
 
     def validate(self) -> None:
         if self.seq_len < 1:
@@ -93,6 +108,8 @@ class Job:
         if not self.expert_imbalance >= 1.0:
             raise ValueError(f"expert_imbalance={self.expert_imbalance} must be >= 1 (the busiest expert rank's "
                              "routed tokens over the mean; 1.0 = balanced)")
+        if self.unfused_dropouts < 0:
+            raise ValueError(f"unfused_dropouts={self.unfused_dropouts} must be >= 0 (dropouts per layer)")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r} must be one of {list(RUNTIMES)}")
         if self.runtime == "meshlm" and self.precision != "fp32":

@@ -92,8 +92,14 @@ Choices the rows leave open, made the same way for every row (never from the rep
     `HALF_RECOMPUTE`; policies that re-run more than four fifths of the forward (MaxText's `save_dot_except_mlp`,
     `save_qkv_proj`) as full recomputation, as Paxml's `SAVE_NOTHING`; Paxml's `SAVE_DOT_ONLY` and
     `SAVE_DOT_WITH_NO_BATCH_DIM` (every projection output kept, the fused attention and the elementwise ops
-    re-run) as Megatron's selective recomputation; MaxText's `minimal_flash` (the attention output kept too) as
-    none. The CSV's recompute column names the policy and its share.
+    re-run) as selective recomputation that re-runs all the elementwise work (`Job.remat_saves_dots`; Megatron's
+    re-runs about half); MaxText's `minimal_flash` (the attention output kept too) as
+    none. The CSV's recompute column names the policy and its share;
+  * what Paxml's GPT configs run beyond the blocks (google/paxml scripts_gpu/configs.py and tasks/lm/params/c4.py,
+    praxis layers/embedding_softmax.py and transformers.py, as `job_of` cites): the tied embedding looked up as a
+    one-hot matmul (`Job.embedding_gemm`: a GEMM of tokens x vocab x hidden forward and one for the table's
+    gradient), and for the 5B a dropout (p 0.1) of each repeated block's input (`Job.unfused_dropouts` = 1:
+    its own pass, the next kernel being Transformer Engine's LayerNorm); no other dropout (DROPOUT_PROB 0).
 """
 
 from __future__ import annotations
@@ -344,11 +350,25 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
     # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
     mpt_norm = row["group"].startswith("O_llm_foundry")
+    # Paxml's GPT configs (groups W, X): the tied embedding looked up as a one-hot matmul (paxml
+    # tasks/lm/params/c4.py TransformerLmSpmdAdam: EMBEDDING_LOOKUP_STYLE = 'matmul', SEPARATE_EMBEDDING False;
+    # scripts_gpu/configs.py configure_gpt3_task sets it on the shared softmax; praxis
+    # SharedEmbeddingSoftmax.emb_lookup: jax.nn.one_hot(ids, num_classes) @ emb_var); the 5B drops the input of
+    # each of its 24 repeated one-layer blocks (configs.py GPT5BBase.task: input_dropout_prob = 0.1, applied by
+    # praxis' StackedTransformer before its layer; DROPOUT_PROB 0.0 leaves attention / residual dropout off,
+    # also inside Transformer Engine's layer: praxis te_helper). MaxText looks rows up (nn.Embed).
+    paxml = row["group"].startswith(("W_paxml", "X_jaxtoolbox_paxml"))
+    paxml_5b = paxml and row["model"].lower().startswith("gpt-3 5b")
+    # Their "selective" rows run praxis' SAVE_DOT_ONLY (W: the recipe's paxml_mod_configs.py) or
+    # SAVE_DOT_WITH_NO_BATCH_DIM (X: configs.py GPT5BBase): only dot outputs kept (praxis
+    # layers/checkpoint_policy.py custom_policy), every other op re-run.
+    dots_saved = paxml and recompute_of(row) == "selective"
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
-               fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe)
+               fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
+               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved)
 
 
 def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:

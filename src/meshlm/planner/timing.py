@@ -6,7 +6,7 @@ elementwise work at HBM bandwidth, the output head as its own GEMM (bf16 under f
 blocks' linear layers only) and the loss at HBM bandwidth) and its tensor / context / expert-parallel
 communication (`microbatch_time`, which sums its sections: `layer_compute` -- `attention_time`,
 `elementwise_time` --, `tp_comm_time`, `cp_comm_time` -- `ulysses_comm_time`, `kv_exchange_time` --,
-`ep_comm_time`, `head_time`, `loss_time`), the pipeline bubble of each schedule (`pipeline_bubble`) and
+`ep_comm_time`, `head_time`, `embedding_time`, `loss_time`), the pipeline bubble of each schedule (`pipeline_bubble`) and
 p2p, and the optimizer step (`optimizer_time`). The data-parallel / ZeRO communication left exposed after
 what overlaps is `timing_dp.py`'s (`dp_comm_time`, `fsdp_comm_time`). Which collectives tensor parallelism issues: `tp_collectives`.
 Not responsible for: memory (`memory.py`), collective formulas (`collectives.py`) or placement
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from meshlm.config import ModelConfig
 from meshlm.rules import PP_SCHEDULES
 from meshlm.planner.collectives import group_span
-from meshlm.planner.kernels import fp8_cast_bytes, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
+from meshlm.planner.kernels import fp8_cast_bytes, gemm_time, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
 from meshlm.planner.memory import RankParams
 from meshlm.planner.placement import RankSetup
@@ -184,10 +184,11 @@ class LayerCompute:
     def bwd(self) -> float:
         return self.dense_bwd + self.elem_bwd + self.attn_bwd
 
-    def recompute(self, rc: str) -> float:
+    def recompute(self, rc: str, *, dots_saved: bool = False) -> float:
         """What recomputation runs again in the backward: selective the attention core (and about half the
-        elementwise work around it), full the whole forward."""
-        return {"none": 0.0, "selective": self.attn + 0.5 * self.elem, "full": self.fwd}[rc]
+        elementwise work around it; `dots_saved`, a remat policy keeping only the GEMM outputs: all of it),
+        full the whole forward."""
+        return {"none": 0.0, "selective": self.attn + (1.0 if dots_saved else 0.5) * self.elem, "full": self.fwd}[rc]
 
 
 def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> MicrobatchTime:
@@ -198,21 +199,23 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     imbalance = job.expert_imbalance if r.ep > 1 else 1.0
     layer = layer_compute(summary, job, lo, r, imbalance=imbalance)
     t_fwd_layer, t_bwd_layer = layer.fwd, layer.bwd
-    t_rc_layer = layer.recompute(r.rc)
+    t_rc_layer = layer.recompute(r.rc, dots_saved=job.remat_saves_dots)
     t_tp_layer, t_tp_edge, tp_layer_colls, tp_edge_colls = tp_comm_time(summary.cfg, job, r, layer=layer)
     t_cp_layer, cp_layer_bytes = cp_comm_time(summary.cfg, job, lo, r, layer=layer)
     t_ep_layer = ep_comm_time(summary, job, r, imbalance=imbalance, window=t_fwd_layer + t_bwd_layer)
     head_on_busy, t_head_fwd, t_head_bwd = head_time(summary, job, r)
+    t_emb_fwd, t_emb_bwd = embedding_time(summary.cfg, job, r)
     t_loss = loss_time(summary.cfg, r)
 
     layer_units = r.rank_units - head_on_busy
-    comp_mb = layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_loss
+    comp_mb = (layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_emb_fwd + t_emb_bwd
+               + t_loss)
     layers_busy = r.layers_busy
     rc_mb = layers_busy * t_rc_layer
     tp_mb = layers_busy * t_tp_layer + t_tp_edge  # pp > 1: both ends charged to the busiest rank
     cp_mb = layers_busy * t_cp_layer
     ep_mb = layers_busy * t_ep_layer
-    t_mb_fwd = layer_units * t_fwd_layer + t_head_fwd + (tp_mb + cp_mb + ep_mb) / 3
+    t_mb_fwd = layer_units * t_fwd_layer + t_head_fwd + t_emb_fwd + (tp_mb + cp_mb + ep_mb) / 3
 
     return MicrobatchTime(
         compute=comp_mb, recompute=rc_mb, tp_comm=tp_mb, cp_comm=cp_mb, ep_comm=ep_mb, fwd=t_mb_fwd,
@@ -307,6 +310,9 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
         norm = (18 if r.by["act"] == 2 else 7) if job.fp32_norms else 2
         elems_seq = 2 * norm * h + 2 * 3 * h + moe_elems
         elems_tp = 10 * (q_dim + kv_dim) + 2 * (q_dim + kv_dim) + 2 * q_dim + 5 * inter
+    # A dropout of the hidden states that is its own pass (`Job.unfused_dropouts`): read h, write h per token;
+    # the mask is drawn inside the pass (no bytes of its own).
+    elems_seq += 2 * h * job.unfused_dropouts
     if not job.flash_attention:
         # unfused scale+mask+softmax (+dropout) over s scores per head: ~4 passes forward
         elems_tp += 4 * cfg.num_heads * job.seq_len
@@ -453,6 +459,22 @@ def head_time(summary: ModelSummary, job: Job, r: RankSetup) -> tuple[float, flo
                                                rate=head_rate, hbm_bw=r.hbm_bw, in_bytes=r.by["act"],
                                                k_overhead=cluster.gemm_k_overhead)
     return head_on_busy, t_head_fwd, t_head_bwd
+
+
+def embedding_time(cfg: ModelConfig, job: Job, r: RankSetup) -> tuple[float, float]:
+    """The input embedding as a GEMM (`Job.embedding_gemm`: praxis' one-hot lookup) on the first pipeline stage,
+    charged when that stage is the busiest rank: (forward, backward). Forward the one-hot [tokens, vocab / tp]
+    is written (2 bytes an element) and multiplied by the table, tokens x hidden x vocab / tp; backward only the
+    table's gradient, vocab / tp x hidden over the tokens (the one-hot is no function of the parameters: no input
+    gradient). In the activations' dtype: fp8 covers the blocks' linear layers only, as for the head. Zero for
+    a row gather."""
+    if not job.embedding_gemm or (r.pp > 1 and r.rank_layers[0] < r.rank_units - 1e-9):
+        return 0.0, 0.0
+    rate = (r.peak_attn if job.precision == "fp8" else r.peak) * r.cluster.matmul_efficiency
+    kw = dict(rate=rate, hbm_bw=r.hbm_bw, in_bytes=r.by["act"], k_overhead=r.cluster.gemm_k_overhead)
+    vocab, h, t = cfg.vocab_size / r.tp, cfg.hidden_size, r.tokens_mb
+    fwd = t * vocab * r.by["act"] / r.hbm_bw + gemm_time(t, h, vocab, **kw)
+    return fwd, gemm_time(vocab, h, t, **kw)
 
 
 def loss_time(cfg: ModelConfig, r: RankSetup) -> float:
