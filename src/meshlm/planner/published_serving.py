@@ -8,8 +8,10 @@ Not responsible for: any estimate (`serving.py`, `serving_modes.py`) or the data
 
 Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel benchmarks) and serving.py's
 (engine defaults). Choices the rows leave open, made the same way for every row, never from the figures:
-  * architectures from the models' published configs (`ARCHS`; the DeepSeek rows use the deepseek-v3 preset
-    with its latent attention); GPT-J's 4h GeLU MLP as SwiGLU of 2/3 the width (same parameters and FLOPs);
+  * architectures from the models' published configs (`ARCHS`, or a preset of the same config, `PRESETS`: Llama 3.1
+    70B is Llama 3 / 3.3 70B's; Mixtral 8x7B's experts split over the TP group as the rows state no EP; the DeepSeek
+    rows use the deepseek-v3 preset with its latent attention); GPT-J's 4h GeLU MLP as SwiGLU of 2/3 the width (same
+    parameters and FLOPs);
   * KV precision when blank: fp8 for TensorRT-LLM with fp8/fp4 ModelOpt checkpoints (their quantization
     configs set kv_cache_quant_algo FP8), the model's 16-bit dtype otherwise (vLLM's and SGLang's
     kv_cache_dtype "auto"; DeepSeek's native FP8 checkpoint);
@@ -22,10 +24,12 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     DeepSeek's profile rows do ("we simulate an absolutely balanced MoE routing", deepseek-ai/profile-data) --
     (serving_engine.expert_imbalance);
   * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
+    gpt-oss's MXFP4 checkpoint: FP4 routed experts, BF16 everything else (`dense_precision_of`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
     engine's running-request limit (the row's max_batch_size per rank where given, else for TensorRT-LLM's
-    perf-overview rows the one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default
+    perf-overview rows (v0.17's `trtllm-bench build --dataset` and v1.0's throughput run alike) the one trtllm-bench
+    derives itself, `trtllm_bench_max_batch`, else vLLM's default
     max_num_seqs 256, TensorRT-LLM's default max_batch_size 2048); rows with a client concurrency run it;
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
@@ -62,9 +66,14 @@ ARCHS = {
     "qwen3-235b-a22b": dict(vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
                             head_dim=128, intermediate_size=12288, max_seq_len=40960, qk_norm=True, num_experts=128,
                             num_experts_per_token=8, moe_intermediate_size=1536),  # Qwen/Qwen3-235B-A22B
+    # openai/gpt-oss-120b; every other layer attends a 128-token sliding window, not modelled: full attention priced
+    "gpt-oss-120b": dict(vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64,
+                         intermediate_size=2880, max_seq_len=131072, attention_bias=True, num_experts=128,
+                         num_experts_per_token=4, moe_intermediate_size=2880),
 }
-PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.3-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
-           "deepseek-r1": "deepseek-v3", "deepseek-v3": "deepseek-v3"}
+PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.3-70b": "llama3-70b",
+           "llama-3.1-405b": "llama3-405b", "mixtral-8x7b": "mixtral-8x7b", "deepseek-r1": "deepseek-v3",
+           "deepseek-v3": "deepseek-v3"}
 CLUSTERS = (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h800", "h800"), ("h100", "h100"),
             ("a100", "a100"), ("mi325x", "mi325x"), ("mi300x", "mi300x"), ("rtx-pro-6000", "rtx-pro-6000"))
 ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
@@ -149,10 +158,20 @@ def deployment_of(row: dict) -> Serving:
     if cluster is None:
         raise Skip(f"no cluster preset for {row['gpu']!r}")
     sm = model_of(row)
-    # NVIDIA's NVFP4 DeepSeek-R1 checkpoint: FP4 routed experts, the rest FP8 (Serving.dense_precision)
-    dense = "fp8" if weights == "fp4" and sm.mla is not None else None
     return Serving(sm, cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row),
-                   dense_precision=dense, mtp_tokens=mtp_of(row))
+                   dense_precision=dense_precision_of(row, weights, sm), mtp_tokens=mtp_of(row))
+
+
+def dense_precision_of(row: dict, weights: str, sm: ServedModel) -> str | None:
+    """Everything but the routed experts of an FP4 checkpoint (Serving.dense_precision): BF16 where the row names it
+    ("MXFP4 (routed experts) + BF16 (rest)": gpt-oss's checkpoint leaves attention, router, embeddings and head
+    unquantized, its quantization_config's modules_to_not_convert), else FP8 for NVIDIA's NVFP4 DeepSeek-R1
+    checkpoints; None (the weights' precision) otherwise."""
+    if weights != "fp4":
+        return None
+    if re.search(r"\+\s*bf16", row["weight_precision"].lower()):
+        return "bf16"
+    return "fp8" if sm.mla is not None else None
 
 
 def mtp_of(row: dict) -> int:
