@@ -18,7 +18,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * the engine from the row's engine and version (serving_engine.ENGINES): TensorRT-LLM before 0.7 without its
     XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, vLLM before 0.8 (or unversioned in a
     2024 source) as its V0 engine with single-step scheduling (the default then) whose CPU work the GPU waits for,
-    SGLang and later vLLM as the default;
+    SGLang and later vLLM as the default; NVIDIA NIM as the engine under it (`engine_name`: TensorRT-LLM for its
+    optimized profiles);
   * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
     (its balancer is opt-in), perfect where a row says it simulated that -- in its notes, or in its source as
     DeepSeek's profile rows do ("we simulate an absolutely balanced MoE routing", deepseek-ai/profile-data) --
@@ -139,7 +140,7 @@ def precisions_of(row: dict) -> tuple[str, str]:
     kv = row["kv_precision"].lower()
     if kv:
         return weights, "fp8" if "fp8" in kv else "bf16"
-    trt_quantized = row["engine"].lower().startswith("tensorrt") and weights != "bf16" and "native" not in w
+    trt_quantized = engine_name(row).startswith("tensorrt") and weights != "bf16" and "native" not in w
     return weights, "fp8" if trt_quantized else "bf16"
 
 
@@ -187,11 +188,22 @@ def mtp_of(row: dict) -> int:
     return int(m.group(1) or m.group(2))
 
 
+def engine_name(row: dict) -> str:
+    """The engine that runs the row's model, lower case. NVIDIA NIM for LLMs is a serving stack over other engines: it
+    runs the prebuilt TensorRT-LLM engines of its optimized profiles (model, GPU, precision, TP) and falls back to a
+    generic vLLM backend where none exists (NIM for LLMs docs, "Optimization" and "Support Matrix"): TensorRT-LLM
+    unless the row's engine_version names vLLM."""
+    name = row["engine"].strip().lower()
+    if name.startswith("nvidia nim"):
+        return "vllm" if "vllm" in row["engine_version"].lower() else "tensorrt-llm"
+    return name
+
+
 def engine_of(row: dict) -> Engine:
     """The row's engine: TensorRT-LLM before 0.7 decodes GQA without sharing a group's KV loads (no XQA kernel);
     DeepSeek's own serving and SGLang's large-EP deployment balance experts with EPLB, a row that simulates a
     perfect balance has none; TensorRT-LLM's load balancer is opt-in (none of its rows turns it on)."""
-    name, version = row["engine"].lower(), re.match(r"\s*(\d+)\.(\d+)", row["engine_version"])
+    name, version = engine_name(row), re.match(r"\s*(\d+)\.(\d+)", row["engine_version"])
     if name.startswith("tensorrt"):
         old = version is not None and (int(version.group(1)), int(version.group(2))) < (0, 7)
         eng = ENGINES["tensorrt-llm<0.7" if old else "tensorrt-llm"]
@@ -226,7 +238,7 @@ def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int |
         return int(m.group(1))
     if "perf-overview" in row["source"].lower():
         return trtllm_bench_max_batch(sv, input_len, output_len)
-    engine = row["engine"].lower()
+    engine = engine_name(row)
     return next((v for k, v in ENGINE_MAX_BATCH.items() if engine.startswith(k)), None)
 
 
