@@ -28,10 +28,10 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     gpt-oss's MXFP4 checkpoint: FP4 routed experts, BF16 everything else (`dense_precision_of`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
-    engine's running-request limit (the row's max_batch_size per rank where given, else for TensorRT-LLM's
-    perf-overview rows (v0.17's `trtllm-bench build --dataset` and v1.0's throughput run alike) the one trtllm-bench
-    derives itself, `trtllm_bench_max_batch`, else vLLM's default
-    max_num_seqs 256, TensorRT-LLM's default max_batch_size 2048); rows with a client concurrency run it;
+    engine's running-request limit (the row's max_batch_size / max_num_seqs per rank where given, else for
+    TensorRT-LLM's perf-overview rows (v0.17's `trtllm-bench build --dataset` and v1.0's throughput run alike) the
+    one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default max_num_seqs 256, TensorRT-LLM's
+    default max_batch_size 2048); rows with a client concurrency run it;
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
     most that fit, at most the 256 DeepEP's low-latency kernels are sized for);
@@ -230,10 +230,11 @@ def _vllm_v0(row: dict, version: re.Match | None) -> bool:
 
 
 def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:
-    """The running-request cap per rank: the row's max_batch_size where it gives one, trtllm-bench's own where a
-    perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's default."""
+    """The running-request cap per rank: the row's max_batch_size (vLLM: max_num_seqs) where it gives one,
+    trtllm-bench's own where a perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's
+    default."""
     text = row["batch_or_concurrency"]
-    m = re.search(r"max_batch_size (\d+) per rank", text)
+    m = re.search(r"(?:max_batch_size|max_num_seqs) (\d+) per rank", text)
     if m:
         return int(m.group(1))
     if "perf-overview" in row["source"].lower():
