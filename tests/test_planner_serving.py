@@ -136,14 +136,15 @@ def test_plan_infer_ranks_layouts_and_names_the_new_flags(capsys):
 
 
 def test_published_serving_rows_all_priced():
-    """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print)."""
+    """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print): the shared file's
+    74 rows and the 51 of groups H-L added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
     from pathlib import Path
 
     from meshlm.planner.published_serving import read_rows, score_rows
 
     rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
     results, summary = score_rows(rows)
-    assert summary["rows"] == len(rows) == 74 and summary["scored"] >= 65
+    assert summary["rows"] == len(rows) == 125 and summary["scored"] >= 116
     assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
 
 
@@ -427,6 +428,26 @@ def test_experts_only_fp4_keeps_the_dense_weights_in_fp8():
     assert deployment_of(rows["G119"]).engine.expert_balance == "perfect"
     assert deployment_of(rows["G117"]).engine.expert_balance == "eplb"  # DeepSeek's production service
     assert deployment_of(rows["A029"]).engine.expert_balance == "none"
+
+
+def test_issue25_rows_read_presets_precisions_and_stacks():
+    """The rows added for issue 25 (groups H-L) as published_serving reads them."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import _max_batch, deployment_of, engine_name, read_rows
+
+    rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+                                                / "serving_runs_dev.csv")}
+    # presets of the same config: Llama 3.1 70B is Llama 3 70B's; Mixtral's experts split over the TP group
+    assert deployment_of(rows["H133"]).sm.cfg.num_layers == 80 and deployment_of(rows["H133"]).layout.tp == 2
+    assert deployment_of(rows["H145"]).sm.cfg.num_experts == 8 and deployment_of(rows["H145"]).layout.ep == 1
+    # gpt-oss's MXFP4 checkpoint keeps all but the routed experts in BF16
+    assert deployment_of(rows["J153"]).precision == "fp4" and deployment_of(rows["J153"]).dense_precision == "bf16"
+    # NVIDIA NIM runs its optimized profiles on TensorRT-LLM: that engine, and its fp8-checkpoint KV reading
+    assert engine_name(rows["K155"]) == "tensorrt-llm" and deployment_of(rows["K155"]).kv_precision == "fp8"
+    assert engine_name(dict(rows["K155"], engine_version="generic vLLM backend")) == "vllm"
+    # vLLM's max_num_seqs caps the running requests like TensorRT-LLM's max_batch_size
+    assert _max_batch(rows["L164"], deployment_of(rows["L164"]), 128, 2048) == 3200
 
 
 def test_fp8_gemms_keep_the_measured_share_of_their_peak():

@@ -8,25 +8,30 @@ Not responsible for: any estimate (`serving.py`, `serving_modes.py`) or the data
 
 Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel benchmarks) and serving.py's
 (engine defaults). Choices the rows leave open, made the same way for every row, never from the figures:
-  * architectures from the models' published configs (`ARCHS`; the DeepSeek rows use the deepseek-v3 preset
-    with its latent attention); GPT-J's 4h GeLU MLP as SwiGLU of 2/3 the width (same parameters and FLOPs);
+  * architectures from the models' published configs (`ARCHS`, or a preset of the same config, `PRESETS`: Llama 3.1
+    70B is Llama 3 / 3.3 70B's; Mixtral 8x7B's experts split over the TP group as the rows state no EP; the DeepSeek
+    rows use the deepseek-v3 preset with its latent attention); GPT-J's 4h GeLU MLP as SwiGLU of 2/3 the width (same
+    parameters and FLOPs);
   * KV precision when blank: fp8 for TensorRT-LLM with fp8/fp4 ModelOpt checkpoints (their quantization
     configs set kv_cache_quant_algo FP8), the model's 16-bit dtype otherwise (vLLM's and SGLang's
     kv_cache_dtype "auto"; DeepSeek's native FP8 checkpoint);
   * the engine from the row's engine and version (serving_engine.ENGINES): TensorRT-LLM before 0.7 without its
     XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, vLLM before 0.8 (or unversioned in a
     2024 source) as its V0 engine with single-step scheduling (the default then) whose CPU work the GPU waits for,
-    SGLang and later vLLM as the default;
+    SGLang and later vLLM as the default; NVIDIA NIM as the engine under it (`engine_name`: TensorRT-LLM for its
+    optimized profiles);
   * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
     (its balancer is opt-in), perfect where a row says it simulated that -- in its notes, or in its source as
     DeepSeek's profile rows do ("we simulate an absolutely balanced MoE routing", deepseek-ai/profile-data) --
     (serving_engine.expert_imbalance);
   * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
+    gpt-oss's MXFP4 checkpoint: FP4 routed experts, BF16 everything else (`dense_precision_of`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
-    engine's running-request limit (the row's max_batch_size per rank where given, else for TensorRT-LLM's
-    perf-overview rows the one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default
-    max_num_seqs 256, TensorRT-LLM's default max_batch_size 2048); rows with a client concurrency run it;
+    engine's running-request limit (the row's max_batch_size / max_num_seqs per rank where given, else for
+    TensorRT-LLM's perf-overview rows (v0.17's `trtllm-bench build --dataset` and v1.0's throughput run alike) the
+    one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default max_num_seqs 256, TensorRT-LLM's
+    default max_batch_size 2048); rows with a client concurrency run it;
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
     most that fit, at most the 256 DeepEP's low-latency kernels are sized for);
@@ -62,9 +67,14 @@ ARCHS = {
     "qwen3-235b-a22b": dict(vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
                             head_dim=128, intermediate_size=12288, max_seq_len=40960, qk_norm=True, num_experts=128,
                             num_experts_per_token=8, moe_intermediate_size=1536),  # Qwen/Qwen3-235B-A22B
+    # openai/gpt-oss-120b; every other layer attends a 128-token sliding window, not modelled: full attention priced
+    "gpt-oss-120b": dict(vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64,
+                         intermediate_size=2880, max_seq_len=131072, attention_bias=True, num_experts=128,
+                         num_experts_per_token=4, moe_intermediate_size=2880),
 }
-PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.3-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
-           "deepseek-r1": "deepseek-v3", "deepseek-v3": "deepseek-v3"}
+PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.3-70b": "llama3-70b",
+           "llama-3.1-405b": "llama3-405b", "mixtral-8x7b": "mixtral-8x7b", "deepseek-r1": "deepseek-v3",
+           "deepseek-v3": "deepseek-v3"}
 CLUSTERS = (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h800", "h800"), ("h100", "h100"),
             ("a100", "a100"), ("mi325x", "mi325x"), ("mi300x", "mi300x"), ("rtx-pro-6000", "rtx-pro-6000"))
 ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
@@ -130,7 +140,7 @@ def precisions_of(row: dict) -> tuple[str, str]:
     kv = row["kv_precision"].lower()
     if kv:
         return weights, "fp8" if "fp8" in kv else "bf16"
-    trt_quantized = row["engine"].lower().startswith("tensorrt") and weights != "bf16" and "native" not in w
+    trt_quantized = engine_name(row).startswith("tensorrt") and weights != "bf16" and "native" not in w
     return weights, "fp8" if trt_quantized else "bf16"
 
 
@@ -149,10 +159,20 @@ def deployment_of(row: dict) -> Serving:
     if cluster is None:
         raise Skip(f"no cluster preset for {row['gpu']!r}")
     sm = model_of(row)
-    # NVIDIA's NVFP4 DeepSeek-R1 checkpoint: FP4 routed experts, the rest FP8 (Serving.dense_precision)
-    dense = "fp8" if weights == "fp4" and sm.mla is not None else None
     return Serving(sm, cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row),
-                   dense_precision=dense, mtp_tokens=mtp_of(row))
+                   dense_precision=dense_precision_of(row, weights, sm), mtp_tokens=mtp_of(row))
+
+
+def dense_precision_of(row: dict, weights: str, sm: ServedModel) -> str | None:
+    """Everything but the routed experts of an FP4 checkpoint (Serving.dense_precision): BF16 where the row names it
+    ("MXFP4 (routed experts) + BF16 (rest)": gpt-oss's checkpoint leaves attention, router, embeddings and head
+    unquantized, its quantization_config's modules_to_not_convert), else FP8 for NVIDIA's NVFP4 DeepSeek-R1
+    checkpoints; None (the weights' precision) otherwise."""
+    if weights != "fp4":
+        return None
+    if re.search(r"\+\s*bf16", row["weight_precision"].lower()):
+        return "bf16"
+    return "fp8" if sm.mla is not None else None
 
 
 def mtp_of(row: dict) -> int:
@@ -168,11 +188,22 @@ def mtp_of(row: dict) -> int:
     return int(m.group(1) or m.group(2))
 
 
+def engine_name(row: dict) -> str:
+    """The engine that runs the row's model, lower case. NVIDIA NIM for LLMs is a serving stack over other engines: it
+    runs the prebuilt TensorRT-LLM engines of its optimized profiles (model, GPU, precision, TP) and falls back to a
+    generic vLLM backend where none exists (NIM for LLMs docs, "Optimization" and "Support Matrix"): TensorRT-LLM
+    unless the row's engine_version names vLLM."""
+    name = row["engine"].strip().lower()
+    if name.startswith("nvidia nim"):
+        return "vllm" if "vllm" in row["engine_version"].lower() else "tensorrt-llm"
+    return name
+
+
 def engine_of(row: dict) -> Engine:
     """The row's engine: TensorRT-LLM before 0.7 decodes GQA without sharing a group's KV loads (no XQA kernel);
     DeepSeek's own serving and SGLang's large-EP deployment balance experts with EPLB, a row that simulates a
     perfect balance has none; TensorRT-LLM's load balancer is opt-in (none of its rows turns it on)."""
-    name, version = row["engine"].lower(), re.match(r"\s*(\d+)\.(\d+)", row["engine_version"])
+    name, version = engine_name(row), re.match(r"\s*(\d+)\.(\d+)", row["engine_version"])
     if name.startswith("tensorrt"):
         old = version is not None and (int(version.group(1)), int(version.group(2))) < (0, 7)
         eng = ENGINES["tensorrt-llm<0.7" if old else "tensorrt-llm"]
@@ -199,15 +230,16 @@ def _vllm_v0(row: dict, version: re.Match | None) -> bool:
 
 
 def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:
-    """The running-request cap per rank: the row's max_batch_size where it gives one, trtllm-bench's own where a
-    perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's default."""
+    """The running-request cap per rank: the row's max_batch_size (vLLM: max_num_seqs) where it gives one,
+    trtllm-bench's own where a perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's
+    default."""
     text = row["batch_or_concurrency"]
-    m = re.search(r"max_batch_size (\d+) per rank", text)
+    m = re.search(r"(?:max_batch_size|max_num_seqs) (\d+) per rank", text)
     if m:
         return int(m.group(1))
     if "perf-overview" in row["source"].lower():
         return trtllm_bench_max_batch(sv, input_len, output_len)
-    engine = row["engine"].lower()
+    engine = engine_name(row)
     return next((v for k, v in ENGINE_MAX_BATCH.items() if engine.startswith(k)), None)
 
 
