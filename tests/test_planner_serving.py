@@ -308,16 +308,19 @@ def test_expert_balance_orders_the_step_none_eplb_perfect():
     assert steps["none"] > steps["eplb"] > steps["perfect"]
 
 
-def test_vllm_v0_scheduler_adds_its_per_sequence_cpu_time():
-    """vLLM's V0 engine: the GPU waits host_per_seq_s per running sequence every iteration; V1 overlaps it."""
-    from meshlm.planner.serving_engine import ENGINES, VLLM_V0_HOST_PER_SEQ_S
+def test_vllm_v0_and_sync_v1_schedulers_add_their_per_sequence_cpu_time():
+    """vLLM's V0 engine and its V1 engine before async scheduling: the GPU waits host_per_seq_s per running
+    sequence every iteration; V1 with async scheduling (v0.14+) overlaps it."""
+    from meshlm.planner.serving_engine import ENGINES, VLLM_V0_HOST_PER_SEQ_S, VLLM_V1_UPDATE_PER_SEQ_S
 
-    v1 = replace(_sv("llama3-70b", "h100", tp=4), engine=ENGINES["vllm"])
-    v0 = replace(v1, engine=ENGINES["vllm-v0"])
+    overlapped = replace(_sv("llama3-70b", "h100", tp=4), engine=ENGINES["vllm-async"])
+    v0, v1 = (replace(overlapped, engine=ENGINES[name]) for name in ("vllm-v0", "vllm"))
     for seqs in (1, 64, 256):
-        a, b = (iteration_time(sv, decodes=seqs, kv_len=1024) for sv in (v1, v0))
+        a, b, c = (iteration_time(sv, decodes=seqs, kv_len=1024) for sv in (overlapped, v0, v1))
         assert b["total"] - a["total"] == pytest.approx(seqs * VLLM_V0_HOST_PER_SEQ_S)
+        assert c["total"] - a["total"] == pytest.approx(seqs * VLLM_V1_UPDATE_PER_SEQ_S)
         assert b["scheduler"] == pytest.approx(seqs * VLLM_V0_HOST_PER_SEQ_S) and a["scheduler"] == 0.0
+    assert VLLM_V1_UPDATE_PER_SEQ_S * 256 == pytest.approx(0.287e-3)  # PR #46112's update_from_output at batch 256
     tiny = replace(Serving(served_model("tiny"), get_cluster("h100"), ServingLayout()), engine=ENGINES["vllm-v0"])
     assert iteration_time(tiny, decodes=256, kv_len=128)["bound"] == "host"
     assert VLLM_V0_HOST_PER_SEQ_S * 256 == pytest.approx(13e-3)  # the RFC's upper bubble at max_num_seqs 256
@@ -329,6 +332,8 @@ def test_published_vllm_rows_before_v08_run_the_v0_engine():
     row = dict(engine="vLLM", engine_version="0.6.1", source="", notes="", ep="")
     assert engine_of(row).name == "vllm-v0"
     assert engine_of(dict(row, engine_version="0.8.4")).name == "vllm"
+    assert engine_of(dict(row, engine_version="0.11.1 (ROCm 7.0.0 Docker)")).name == "vllm"
+    assert engine_of(dict(row, engine_version="0.14.0")).name == "vllm-async"
     assert engine_of(dict(row, engine_version="not stated", source="a blog (Oct 10 2024)")).name == "vllm-v0"
     assert engine_of(dict(row, engine_version="not stated", source="a blog (2025)")).name == "vllm"
 

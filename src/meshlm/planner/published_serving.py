@@ -18,7 +18,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * the engine from the row's engine and version (serving_engine.ENGINES): TensorRT-LLM before 0.7 without its
     XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, vLLM before 0.8 (or unversioned in a
     2024 source) as its V0 engine with single-step scheduling (the default then) whose CPU work the GPU waits for,
-    SGLang and later vLLM as the default; NVIDIA NIM as the engine under it (`engine_name`: TensorRT-LLM for its
+    vLLM 0.8-0.13 as its V1 engine with synchronous scheduling (the GPU waits for its engine core's host work, a
+    measured lower bound), vLLM from 0.14 with async scheduling (its default then), SGLang as the default; NVIDIA NIM as the engine under it (`engine_name`: TensorRT-LLM for its
     optimized profiles);
   * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
     (its balancer is opt-in), perfect where a row says it simulated that -- in its notes, or in its source as
@@ -212,7 +213,7 @@ def engine_of(row: dict) -> Engine:
     elif name.startswith("sglang"):
         eng = replace(ENGINES["sglang"], expert_balance="eplb") if (_int(row["ep"]) or 1) > 1 else ENGINES["sglang"]
     elif name.startswith("vllm"):
-        eng = ENGINES["vllm-v0" if _vllm_v0(row, version) else "vllm"]
+        eng = ENGINES[_vllm_preset(row, version)]
     else:
         eng = ENGINES["default"]
     simulated = "perfect expert load balance" in row["notes"].lower()
@@ -221,12 +222,14 @@ def engine_of(row: dict) -> Engine:
     return eng
 
 
-def _vllm_v0(row: dict, version: re.Match | None) -> bool:
-    """vLLM's V0 engine: a version below 0.8 (V1 became the default in v0.8.0, March 2025), or no version and a
-    source dated 2024."""
-    if version is not None:
-        return (int(version.group(1)), int(version.group(2))) < (0, 8)
-    return "2024" in row["engine_version"] + row["source"]
+def _vllm_preset(row: dict, version: re.Match | None) -> str:
+    """vLLM's engine by version: V0 below 0.8 (V1 became the default in v0.8.0, March 2025) or with no version and a
+    source dated 2024; V1 with synchronous scheduling through 0.13; V1 with async scheduling, its default from
+    v0.14.0 (serving_engine.VLLM_V1_UPDATE_PER_SEQ_S), from 0.14."""
+    if version is None:
+        return "vllm-v0" if "2024" in row["engine_version"] + row["source"] else "vllm"
+    v = (int(version.group(1)), int(version.group(2)))
+    return "vllm-v0" if v < (0, 8) else "vllm" if v < (0, 14) else "vllm-async"
 
 
 def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:

@@ -42,7 +42,7 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
     the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
   * the engine's host work that nothing overlaps (`serving_engine.Engine.host_per_*`): vLLM V0's per-sequence
-    scheduling; meshlm's own engine (`--cluster local`: fp32 weights, activations and KV) measured by
+    scheduling, V1's (before async scheduling) per-sequence output update; meshlm's own engine (`--cluster local`: fp32 weights, activations and KV) measured by
     `meshlm plan calibrate` per step, sequence, decoder layer and (layer, sequence), plus its driver rank's
     messages (the step's input broadcast, the tp logits gathered, the cp sampled rows summed).
   * a CPU host (`Cluster.compute_slots`): ranks beyond its cores time-share them -- compute, memory and the

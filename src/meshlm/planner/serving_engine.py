@@ -73,6 +73,23 @@ EP_IMBALANCE_EXPERTS_PER_RANK = 8  # at that measurement, without EPLB
 # overlap scheduler (v0.4, "zero-overhead batch scheduler") hide it.
 VLLM_V0_HOST_PER_SEQ_S = 13e-3 / 256
 
+# vLLM's V1 engine (default from v0.8) moved tokenization, detokenization and streaming into a front-end process
+# that runs beside the engine core ("vLLM V1: A Major Upgrade to vLLM's Core Architecture", blog, Jan 2025): that
+# output processing is hidden. Its engine core loop is still serial: "schedule -> execute_model ->
+# update_from_output ... doesn't allow us to utilize CPU cycles while the GPU is running the model" (RFC #23233,
+# Aug 2025). Async scheduling (PR #19970, experimental `--async-scheduling`, June 2025; with PR #23569, "Fully
+# overlap model execution", input preparation too) schedules one step ahead; it became the default in v0.14.0
+# (PR #27614, "Enable async scheduling by default", released Jan 2026). Between v0.8 and v0.13 the GPU waits for
+# the engine core's host work every step. Of that work only `Scheduler.update_from_output` has a published cost
+# per running request: 0.287 ms for a decode batch of 256 on vLLM main of June 2026 (PR #46112's baseline, vLLM's
+# own benchmarks/overheads/benchmark_scheduler_update_from_output.py; 0.142 ms at 128: linear in the batch) --
+# priced here per running sequence, a LOWER BOUND on V1's synchronous host time. Not priced, for want of a
+# per-request figure at a stated batch (a known missing term): `schedule()` itself, the model runner's
+# `_update_states` / `_prepare_inputs` CPU work, the outputs' serialization to the front-end and, under tp, the
+# scheduler output's broadcast to the workers (PR #42131 reports schedule() at 0.2 ms and _update_states at
+# ~0.18 ms a decode step on B200, without the batch).
+VLLM_V1_UPDATE_PER_SEQ_S = 0.287e-3 / 256
+
 
 def roofline(compute_s: float, memory_s: float) -> float:
     """Seconds of a kernel whose FLOPs alone take `compute_s` and whose bytes alone take `memory_s` (ROOFLINE_P)."""
@@ -112,7 +129,8 @@ class Engine:
     strategy, or disaggregated prefill); otherwise each rank prefills when it has room and the iteration waits
     for the busiest (`busiest_rank_prefill`).
     `host_per_seq_s`: CPU seconds per running sequence per iteration that the GPU waits for (scheduling, input
-    preparation and output processing done between steps: vLLM's V0 engine, VLLM_V0_HOST_PER_SEQ_S); 0 where the
+    preparation and output processing done between steps: vLLM's V0 engine, VLLM_V0_HOST_PER_SEQ_S; vLLM's V1
+    engine before async scheduling became its default, VLLM_V1_UPDATE_PER_SEQ_S, a lower bound); 0 where the
     engine overlaps them with the GPU.
     `host_per_step_s`, `host_per_layer_s`, `host_per_layer_seq_s`: the rest of an engine's host work that nothing
     overlaps, per step, per decoder layer of a stage and per (layer, sequence): an eager engine's operator
@@ -157,7 +175,8 @@ ENGINES = {e.name: e for e in (
     Engine("default"),
     Engine("tensorrt-llm", two_batch_overlap=False),
     Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False, two_batch_overlap=False),
-    Engine("vllm"),  # the V1 engine (default from v0.8): scheduling overlapped with the GPU
+    Engine("vllm", host_per_seq_s=VLLM_V1_UPDATE_PER_SEQ_S),  # V1 engine, v0.8-v0.13: synchronous scheduling
+    Engine("vllm-async"),  # V1 engine from v0.14: async scheduling (the default) overlaps its host work
     Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S),  # v0.7 and before, single-step scheduling
     Engine("sglang"),
     Engine("deepseek", expert_balance="eplb"),  # DeepSeek's own serving ("Day 6" overview): TBO, DeepEP, EPLB
