@@ -113,6 +113,27 @@ def test_modes_are_consistent():
     assert static["mode"] == "static" and static["concurrency"] == 64
 
 
+def test_clients_beyond_what_fits_wait_in_the_queue_by_littles_law():
+    """C closed-loop clients: up to `max_concurrency` run as continuous batching; beyond it the engine runs N and
+    C - N wait, each for (C - N) x O / (output tokens/s) before its prefill, the throughput staying N's."""
+    from meshlm.planner.serving_modes import clients, continuous
+
+    sv, wl = _sv("llama3-70b", precision="fp8", tp=2), Workload(2000, 1000)
+    cap = max_concurrency(sv, wl)
+    within = clients(sv, wl, cap)
+    assert within["queued"] == 0 and within["ttft_s"] == continuous(sv, wl, cap)["ttft_s"]
+    over = clients(sv, wl, cap + 40)
+    assert (over["running"], over["queued"], over["concurrency"]) == (cap, 40, cap + 40)
+    assert over["output_tokens_per_s"] == within["output_tokens_per_s"] and over["bound"] == "KV capacity"
+    assert over["ttft_s"] == pytest.approx(within["ttft_s"] + 40 * 1000 / within["output_tokens_per_s"], rel=1e-12)
+    capped = clients(sv, replace(wl, max_batch=8), 20)  # the engine's running-request cap, not the KV, stops it
+    assert capped["running"] == 8 and capped["bound"] != "KV capacity"
+    # `plan infer --concurrency` above the cap answers (the queue), where a static batch that large cannot fit
+    est = estimate_serving(sv, Workload(2000, 1000, concurrency=cap + 40))
+    assert est["fits"] and est["queued"] == 40 and est["ttft_ms"] == pytest.approx(over["ttft_s"] * 1e3)
+    assert not estimate_serving(sv, Workload(2000, 1000, batch=cap + 40))["fits"]
+
+
 def test_plan_infer_json_has_every_field(capsys):
     rc, out = _cli(["plan", "infer", "--model", "deepseek-v3", "--cluster", "h200", "--gpus", "8",
                     "--layout", "tp=1,ep=8,dp=8", "--precision", "fp8", "--kv-precision", "fp8",

@@ -55,7 +55,7 @@ from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import ServedModel, served_model
-from meshlm.planner.serving_modes import Workload, continuous, max_concurrency, offline, static_batch
+from meshlm.planner.serving_modes import Workload, clients, max_concurrency, offline, static_batch
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
 _L2 = dict(vocab_size=32000, max_seq_len=4096, rope_theta=10000.0)
@@ -326,7 +326,7 @@ def _predict(row: dict, sv: Serving) -> dict:
     if row["scenario"] in ("fixed-batch", "latency"):
         r = static_batch(sv, wl, _int(batch_text) or 1)
     elif "concurrency" in batch_text:
-        r = continuous(sv, wl, min(_int(batch_text), max_concurrency(sv, wl)))
+        r = clients(sv, wl, _int(batch_text))
     else:
         r = offline(sv, wl)
     pred = {"ttft_ms": r["ttft_s"] * 1e3, "concurrency": r["concurrency"], "bound": r["bound"]}

@@ -13,7 +13,11 @@ Modes (I prompt tokens, O output tokens per request):
     SOSP'23): in the steady state a request finishes every O / C iterations and its replacement's prompt is
     prefilled in chunks that ride with the decodes (Sarathi-Serve, Agrawal et al. OSDI'24), so each iteration
     carries C decodes over I + O / 2 cached tokens and C x I / O prefill tokens; TPOT = the iteration, TTFT =
-    ceil(I / chunk) iterations holding a chunk;
+    ceil(I / chunk) iterations holding a chunk. C is a count of clients, each sending its next request when its
+    last one ends (vLLM's `bench serve --max-concurrency`, NIM's genai-perf `--concurrency`): beyond what the
+    engine can run (`max_concurrency`: its KV, or its running-request cap) the rest wait in its queue
+    (`clients`), C - N of them always; Little's law on the queue, W = (C - N) / X at X requests/s, adds the wait to
+    the TTFT and leaves the throughput N's;
   * offline (`--offline`): the concurrency that maximises throughput among those whose KV fits, each request
     reserving I + O tokens (TensorRT-LLM's GUARANTEED_NO_EVICT scheduler; vLLM's reported max concurrency);
   * Poisson arrivals of R requests/s (`--request-rate`): the in-flight count C solves Little's law
@@ -110,6 +114,22 @@ def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
     return {"concurrency": concurrency, "ttft_s": math.ceil(I / chunk) * with_chunk["total"], "tpot_s": it["total"],
             "output_tokens_per_s": concurrency / it["total"],
             "total_tokens_per_s": concurrency * (I + O) / O / it["total"], "bound": it["bound"], "iteration": it}
+
+
+def clients(sv: Serving, wl: Workload, concurrency: int) -> dict:
+    """`concurrency` closed-loop clients (module docstring): `continuous` where the engine runs them all; else it
+    runs N = `max_concurrency` and the other C - N wait, each for W = (C - N) x O / (output tokens/s) before its
+    prefill (Little's law on a queue that is never empty: C - N waiting, X = tokens/s / O requests/s leaving it).
+    "running" and "queued" say which; the bound is then the KV capacity unless the engine's cap (--max-batch)
+    stopped it first."""
+    cap = max_concurrency(sv, wl)
+    if concurrency <= cap:
+        return dict(continuous(sv, wl, concurrency), running=concurrency, queued=0)
+    r = continuous(sv, wl, cap)
+    wait = (concurrency - cap) * wl.output_len / r["output_tokens_per_s"]
+    kv_bound = not wl.max_batch or sv.max_tokens() // (wl.input_len + wl.output_len) < wl.max_batch
+    return dict(r, concurrency=concurrency, running=cap, queued=concurrency - cap, ttft_s=r["ttft_s"] + wait,
+                bound="KV capacity" if kv_bound else r["bound"])
 
 
 def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
@@ -215,9 +235,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
            "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
            "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]),
            "max_context_tokens": sv.max_tokens(), "max_concurrency": cap, "max_batch": cap}
-    need = wl.batch or wl.concurrency or 1
-    if wl.disaggregate:
-        need = 1
+    need = 1 if wl.disaggregate else wl.batch or 1  # clients beyond what fits wait in the queue (`clients`)
     reason = _misfit(sv, wl, cap, need, mem)
     out.update(fits=not reason, reason=reason)
     if reason:
@@ -226,7 +244,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
         r = disaggregated(sv, wl)
         gpus = sum(wl.disaggregate)
     else:
-        r = {"static": lambda: static_batch(sv, wl, wl.batch), "concurrency": lambda: continuous(sv, wl, wl.concurrency),
+        r = {"static": lambda: static_batch(sv, wl, wl.batch), "concurrency": lambda: clients(sv, wl, wl.concurrency),
              "offline": lambda: offline(sv, wl), "request-rate": lambda: poisson(sv, wl)}[wl.mode]()
     watts = _power_w(sv) * gpus
     it = r.pop("iteration")
@@ -277,7 +295,9 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
     if not r["fits"]:
         return f"{head}\n  does not fit: {r['reason']}"
     rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
-    return (f"{head}\n  {r['mode']} at concurrency {r['concurrency']:.0f}: {r['output_tokens_per_s']:,.0f} output "
+    queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
+    mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
+    return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
             f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
             f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
             f"{r['joules_per_output_token']:.3g} J/output token")
