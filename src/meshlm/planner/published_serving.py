@@ -10,7 +10,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
 (engine defaults). Choices the rows leave open, made the same way for every row, never from the figures:
   * architectures from the models' published configs (`ARCHS`, or a preset of the same config, `PRESETS`: Llama 3.1
     70B is Llama 3 / 3.3 70B's; Mixtral 8x7B's experts split over the TP group as the rows state no EP; the DeepSeek
-    rows use the deepseek-v3 preset with its latent attention); GPT-J's 4h GeLU MLP as SwiGLU of 2/3 the width (same
+    rows use the deepseek-v3 preset with its latent attention; gpt-oss's sliding-window layers as its config.json
+    lays them out); GPT-J's 4h GeLU MLP as SwiGLU of 2/3 the width (same
     parameters and FLOPs);
   * KV precision when blank: fp8 for TensorRT-LLM with fp8/fp4 ModelOpt checkpoints (their quantization
     configs set kv_cache_quant_algo FP8), the model's 16-bit dtype otherwise (vLLM's and SGLang's
@@ -54,7 +55,7 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
-from meshlm.planner.serving_model import ServedModel, served_model
+from meshlm.planner.serving_model import ServedModel, layer_windows, served_model
 from meshlm.planner.serving_modes import Workload, clients, max_concurrency, offline, static_batch
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
@@ -68,11 +69,13 @@ ARCHS = {
     "qwen3-235b-a22b": dict(vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
                             head_dim=128, intermediate_size=12288, max_seq_len=40960, qk_norm=True, num_experts=128,
                             num_experts_per_token=8, moe_intermediate_size=1536),  # Qwen/Qwen3-235B-A22B
-    # openai/gpt-oss-120b; every other layer attends a 128-token sliding window, not modelled: full attention priced
+    # openai/gpt-oss-120b: layer_types alternate sliding (128-token window) and full attention, sliding first
     "gpt-oss-120b": dict(vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64,
                          intermediate_size=2880, max_seq_len=131072, attention_bias=True, num_experts=128,
-                         num_experts_per_token=4, moe_intermediate_size=2880),
+                         num_experts_per_token=4, moe_intermediate_size=2880, sliding_window=128,
+                         layer_types=("sliding_attention", "full_attention") * 18),
 }
+WINDOW_KEYS = ("sliding_window", "layer_types")  # config.json's sliding-window keys in an ARCHS entry
 PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.3-70b": "llama3-70b",
            "llama-3.1-405b": "llama3-405b", "mixtral-8x7b": "mixtral-8x7b", "deepseek-r1": "deepseek-v3",
            "deepseek-v3": "deepseek-v3"}
@@ -131,7 +134,9 @@ def model_of(row: dict) -> ServedModel:
     if name in PRESETS:
         return served_model(PRESETS[name])
     if name in ARCHS:
-        return ServedModel(ModelConfig(**ARCHS[name]))
+        arch = {k: v for k, v in ARCHS[name].items() if k not in WINDOW_KEYS}
+        hf = {k: v for k, v in ARCHS[name].items() if k in WINDOW_KEYS}
+        return ServedModel(ModelConfig(**arch), windows=layer_windows(dict(hf, num_hidden_layers=arch["num_layers"])))
     raise Skip(f"no architecture for {row['model']!r}")
 
 

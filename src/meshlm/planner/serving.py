@@ -25,7 +25,8 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     add: its BLAS packs the weights at the measured rate, then multiplies;
   * attention: decode reads each sequence's KV once (bandwidth-bound; once per query head where the engine's
     kernel does not share a GQA group's loads, serving_engine.Engine), prefill runs the causal square
-    (compute-bound, FlashAttention's rate: `attention_efficiency`);
+    (compute-bound, FlashAttention's rate: `attention_efficiency`); sliding-window layers hold, read and attend
+    at most their window (serving_model.py);
   * tp: two all-reduces of the tokens' hidden states per layer (Megatron, Shoeybi et al. 2019), exposed;
   * cp: decode -- each cp rank attends over its KV shard and the partial outputs + log-sum-exps are merged per
     layer (flash-decoding's split-KV merge, Dao et al. 2023; meshlm's cp serving); prefill -- ring attention
@@ -186,8 +187,18 @@ class Serving:
         return expert_imbalance(self.sm.cfg.num_experts, self.layout.ep, self.engine.expert_balance)
 
     def kv_bytes_per_token_per_gpu(self) -> float:
+        """What one new token of a sequence writes to the KV cache of one GPU (every layer caches it)."""
         lo = self.layout
         return self.sm.kv_bytes_per_token_per_gpu(KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp, cp=lo.cp)
+
+    def kv_bytes_per_gpu(self, tokens: float) -> float:
+        """KV bytes one sequence of `tokens` holds on a GPU (sliding-window layers at most their window)."""
+        lo = self.layout
+        return self.sm.kv_bytes_per_gpu(tokens, KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp, cp=lo.cp)
+
+    def max_sequences(self, tokens: int) -> int:
+        """Sequences of `tokens` whose KV one dp rank holds."""
+        return int(self.memory()["kv_capacity"] // self.kv_bytes_per_gpu(tokens))
 
     def memory(self) -> dict:
         """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache), KV capacity -- so
@@ -199,8 +210,12 @@ class Serving:
                 "reserved": self.cluster.reserved_bytes, "hbm": self.cluster.hbm_bytes}
 
     def max_tokens(self) -> int:
-        """KV tokens one dp rank holds (its tp x cp x pp GPUs together): the longest single sequence."""
-        return int(self.memory()["kv_capacity"] // self.kv_bytes_per_token_per_gpu())
+        """The longest single sequence whose KV one dp rank holds (its tp x cp x pp GPUs together); where the KV
+        stops growing (every layer of a stage windowed, Mistral 7B v0.1) the model's own position limit."""
+        lo = self.layout
+        n = self.sm.max_cached_tokens(self.memory()["kv_capacity"], KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp,
+                                      cp=lo.cp)
+        return self.sm.cfg.max_seq_len if n is None else n
 
 
 def _gemm(precision: str) -> str:
@@ -256,8 +271,8 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
             "expert_weight_bytes": w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
             # read the cache (once per query head where the kernel does not share a GQA group's loads; once for
-            # a sequence's MTP query tokens together), write the new tokens
-            "kv_bytes": d * kv_len * kv_tok * _kv_reads(sv) + (q + p_rank / lo.cp) * kv_tok}
+            # a sequence's MTP query tokens together; a windowed layer its window), write the new tokens
+            "kv_bytes": d * sv.kv_bytes_per_gpu(kv_len) * _kv_reads(sv) + (q + p_rank / lo.cp) * kv_tok}
 
 
 def _kv_reads(sv: Serving) -> float:
@@ -531,6 +546,6 @@ def _kernels(sv: Serving) -> tuple[float, float]:
 
 
 def kv_transfer_bytes(sm: ServedModel, *, prompt_tokens: int, kv_precision: str) -> float:
-    """Bytes a disaggregated deployment ships per request: the whole prompt's KV (2 x layers x kv_heads x
-    head_dim x tokens x bytes; MLA: layers x (kv_lora_rank + rope) x tokens x bytes)."""
-    return sm.kv_bytes_per_token(KV_BYTES[kv_precision]) * prompt_tokens
+    """Bytes a disaggregated deployment ships per request: the prompt's KV (2 x kv_heads x head_dim x bytes per
+    token and layer; MLA: kv_lora_rank + rope), of each windowed layer only the window it keeps."""
+    return sm.kv_bytes(prompt_tokens, KV_BYTES[kv_precision])

@@ -41,7 +41,7 @@ def _layouts(sm: ServedModel, cluster: Cluster, gpus: int):
 def _point(sv: Serving, context: int, output_len: int) -> dict:
     it = iteration_time(sv, decodes=1, kv_len=context + output_len / 2)
     mem = sv.memory()
-    kv = sv.kv_bytes_per_token_per_gpu() * (context + output_len)
+    kv = sv.kv_bytes_per_gpu(context + output_len)
     world = sv.layout.world
     return {"gpus": world, "layout": sv.layout.label(), "tpot_ms": it["total"] * 1e3, "bound": it["bound"],
             "nodes": group_span(1, world, sv.cluster.scaleup_size)[1], "weights_gib_per_gpu": mem["weights"] / GiB,
@@ -65,7 +65,7 @@ def _lower_bound(sv: Serving, context: int, output_len: int) -> int:
     """No fewer GPUs can hold the weights and the sequence's KV (capacity before the workspace)."""
     usable = sv.cluster.hbm_bytes - sv.cluster.reserved_bytes
     need = sv.sm.params()["total"] * sv.memory()["weights"] / max(1.0, sum(sv.weight_bytes_per_gpu().values()))
-    need += sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]) * (context + output_len)
+    need += sv.sm.kv_bytes(context + output_len, KV_BYTES[sv.kv_precision])
     return max(1, int(need // usable))
 
 
@@ -113,9 +113,10 @@ def context_answer(sv: Serving, context: int, output_len: int, *, max_gpus: int 
 
 def memory_curve(sv: Serving, contexts: list[int]) -> list[dict]:
     """Weights and KV (one sequence) per GPU of `sv`'s layout at each context length, GiB."""
-    weights, per_token = sum(sv.weight_bytes_per_gpu().values()), sv.kv_bytes_per_token_per_gpu()
+    weights = sum(sv.weight_bytes_per_gpu().values())
     usable = sv.memory()["kv_capacity"] + weights
-    return [{"context": n, "weights_gib": weights / GiB, "kv_gib": per_token * n / GiB, "usable_gib": usable / GiB}
+    return [{"context": n, "weights_gib": weights / GiB, "kv_gib": sv.kv_bytes_per_gpu(n) / GiB,
+             "usable_gib": usable / GiB}
             for n in contexts]
 
 

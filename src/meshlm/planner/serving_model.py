@@ -1,9 +1,10 @@
 """What a served model is, in the quantities serving costs: weights by how they shard, KV-cache bytes per
 token, and matmul / attention FLOPs per token -- including DeepSeek's multi-head latent attention (MLA).
 
-Responsible for: `ServedModel` (a `ModelConfig` plus, for MLA models, the latent-attention dimensions), built
-from a preset or a Hugging Face config.json (`served_model`), its weights per GPU under a serving layout, its
-KV bytes per token (whole model, and per GPU), and its FLOPs per token. Torch-free.
+Responsible for: `ServedModel` (a `ModelConfig` plus, for MLA models, the latent-attention dimensions, and each
+layer's sliding window), built from a preset or a Hugging Face config.json (`served_model`, `layer_windows`), its
+weights per GPU under a serving layout, its KV bytes per token and per sequence (whole model, and per GPU), and its
+FLOPs per token. Torch-free.
 Not responsible for: any time (`serving.py`), or running the model (`meshlm.models`, which implements no MLA:
 `ModelConfig` models DeepSeek's attention as GQA of the same width, so training-side parameter counts stay as
 they were; only the planner's serving side prices the latent attention).
@@ -16,6 +17,16 @@ q_lora), W_UQ (q_lora x heads (nope + rope)), W_DKV + W_KR (h x (kv_lora + rope)
 heads (nope + v)), W_O (heads v x h). Prefill runs it as ordinary attention with head dims nope + rope (q, k)
 and v; decode absorbs W_UK into the query and W_UV into the output (DeepSeek-V2 Sec. 2.1.2; FlashMLA), so
 each head reads the latent: 2 (kv_lora + rope) + 2 kv_lora FLOPs per head and cached token.
+
+Sliding-window layers (`ServedModel.windows`, read from config.json by `layer_windows`: gpt-oss's `layer_types`
+with a 128-token `sliding_window`, Gemma 2/3's interleaved local layers, Mistral 7B v0.1's window on every layer,
+Qwen2's `use_sliding_window` above `max_window_layers`): a token attends at most the `window` tokens before it,
+so such a layer caches at most min(tokens, window) tokens of a sequence -- the convention of vLLM's hybrid KV
+cache manager, which frees a request's blocks once they fall out of the window (vllm/v1/core/
+single_type_kv_cache_manager.py, SlidingWindowManager: get_num_skipped_tokens = computed - window + 1, whole
+blocks handed back by remove_skipped_blocks) into the one pool all layers share; the partial block at the window's
+edge is ignored, as block rounding is for full layers. A decode step reads min(context, window) cached tokens
+there, and a prompt of s tokens attends s^2 / 2 pairs up to s = window, s window - window^2 / 2 beyond.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm.config import ModelConfig
+from meshlm.hf_config import model_config_from_hf
 from meshlm.models import stats as model_stats
 
 # Bytes per weight / KV element. NVFP4: 4-bit values plus one fp8 (E4M3) scale per 16-element block
@@ -53,10 +65,47 @@ MLA_PRESETS = {"deepseek-v3": MLA(512, 64, 1536, 128, 128)}
 class ServedModel:
     cfg: ModelConfig
     mla: MLA | None = None
+    # each layer's sliding window in tokens, 0 where it attends the whole sequence; () when no layer is windowed
+    windows: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.windows and (len(self.windows) != self.layers or min(self.windows) < 0):
+            raise ValueError(f"windows {self.windows}: expected one window >= 0 (0: full attention) per layer, "
+                             f"{self.layers} layers")
 
     @property
     def layers(self) -> int:
         return self.cfg.num_layers
+
+    def layer_window(self, layer: int) -> int:
+        """Tokens layer `layer` attends back (0: every earlier token)."""
+        return self.windows[layer] if self.windows else 0
+
+    def cached_tokens(self, tokens: float, layers: range | None = None) -> float:
+        """Tokens of KV one sequence of `tokens` holds, summed over `layers` (default all): `tokens` in a full
+        layer, min(tokens, window) in a windowed one."""
+        out = 0.0
+        for i in layers if layers is not None else range(self.layers):
+            w = self.layer_window(i)
+            out += min(tokens, w) if w else tokens
+        return out
+
+    def attended_tokens(self, context: float, *, decode: bool) -> float:
+        """Earlier tokens one query token attends, summed over the layers: `context` cached tokens in decode; in
+        prefill `context` is the mean over a prompt of s = 2 context tokens (s / 2 each in full causal attention),
+        and a windowed layer's mean is s / 2 up to s = window, window - window^2 / (2 s) beyond (its s window -
+        window^2 / 2 pairs over s tokens)."""
+        out = 0.0
+        for i in range(self.layers):
+            w = self.layer_window(i)
+            if not w:
+                out += context
+            elif decode:
+                out += min(context, w)
+            else:
+                s = 2 * context
+                out += context if s <= w else w - w * w / (2 * s)
+        return out
 
     def attention_params_per_layer(self) -> float:
         c, m = self.cfg, self.mla
@@ -85,18 +134,56 @@ class ServedModel:
         return 2 * self.cfg.num_kv_heads * self.cfg.head_dim
 
     def kv_bytes_per_token(self, kv_bytes: float) -> float:
-        """KV-cache bytes of one token of one sequence, whole model (what disaggregation ships)."""
+        """KV-cache bytes one new token of one sequence writes, whole model (every layer caches it)."""
         return self.layers * self.kv_elems_per_token_layer() * kv_bytes
 
+    def kv_bytes(self, tokens: float, kv_bytes: float) -> float:
+        """KV-cache bytes one sequence of `tokens` holds, whole model (what disaggregation ships of a prompt)."""
+        return self.cached_tokens(tokens) * self.kv_elems_per_token_layer() * kv_bytes
+
     def kv_bytes_per_token_per_gpu(self, kv_bytes: float, *, tp: int, pp: int, cp: int) -> float:
-        """Per GPU: layers split by pp, the sequence by cp, kv heads by tp (replicated where tp exceeds them;
-        MLA's latent is shared by all heads, so every tp rank keeps it whole)."""
-        layers = math.ceil(self.layers / pp)
+        """Per GPU, what one new token writes: layers split by pp, the sequence by cp, kv heads by tp (replicated
+        where tp exceeds them; MLA's latent is shared by all heads, so every tp rank keeps it whole)."""
+        return math.ceil(self.layers / pp) * self._kv_layer_bytes(kv_bytes, tp=tp) / cp
+
+    def kv_bytes_per_gpu(self, tokens: float, kv_bytes: float, *, tp: int, pp: int, cp: int) -> float:
+        """KV bytes one sequence of `tokens` holds on the GPU that holds most of it: the stage (ceil(layers / pp)
+        consecutive layers) caching the most tokens, the sequence split by cp, kv heads by tp."""
+        return max(self.cached_tokens(tokens, stage) for stage in self._stages(pp)) \
+            * self._kv_layer_bytes(kv_bytes, tp=tp) / cp
+
+    def max_cached_tokens(self, budget: float, kv_bytes: float, *, tp: int, pp: int, cp: int) -> int | None:
+        """The longest sequence whose KV (`kv_bytes_per_gpu`) fits `budget` bytes per GPU, or None where its KV
+        stops growing within the budget (every layer of some stage windowed: any length fits)."""
+        unit = self._kv_layer_bytes(kv_bytes, tp=tp) / cp  # one layer's bytes per token on one GPU
+        longest = None
+        for stage in self._stages(pp):
+            full = sum(1 for i in stage if not self.layer_window(i))
+            windows = sorted(self.layer_window(i) for i in stage if self.layer_window(i))
+            # between the k-th and (k+1)-th smallest window the stage holds (the k windows) + (full + windows
+            # left) x tokens; the first segment whose longest fitting length stays below its end holds the answer
+            fits, saturated = None, 0.0
+            for k in range(len(windows) + 1):
+                slope = full + len(windows) - k
+                if slope == 0:
+                    break  # every window filled within the budget: the stage's KV no longer grows
+                n = int((budget - saturated * unit) // (slope * unit))
+                if n < (windows[k] if k < len(windows) else math.inf):
+                    fits = max(n, 0)
+                    break
+                saturated += windows[k]
+            if fits is not None:
+                longest = fits if longest is None else min(longest, fits)
+        return longest
+
+    def _kv_layer_bytes(self, kv_bytes: float, *, tp: int) -> float:
         if self.mla is not None:
-            per_layer = self.kv_elems_per_token_layer()
-        else:
-            per_layer = 2 * max(1, self.cfg.num_kv_heads // tp) * self.cfg.head_dim
-        return layers * per_layer * kv_bytes / cp
+            return self.kv_elems_per_token_layer() * kv_bytes
+        return 2 * max(1, self.cfg.num_kv_heads // tp) * self.cfg.head_dim * kv_bytes
+
+    def _stages(self, pp: int) -> list[range]:
+        per = math.ceil(self.layers / pp)
+        return [range(s, min(s + per, self.layers)) for s in range(0, self.layers, per)]
 
     def matmul_flops_per_token(self) -> dict:
         """Forward matmul FLOPs of one token: `dense` (attention projections, dense MLPs, shared experts,
@@ -107,7 +194,8 @@ class ServedModel:
         return {"dense": 2.0 * (p["attention"] + p["mlp"] + router + head), "experts": 2.0 * p["experts_active"]}
 
     def attention_flops(self, context: float, *, decode: bool) -> float:
-        """Attention-core FLOPs of one query token over `context` cached tokens, all layers (the FLOPs run)."""
+        """Attention-core FLOPs of one query token over `context` cached tokens (prefill: the prompt's mean), all
+        layers (the FLOPs run; windowed layers over what they attend, `attended_tokens`)."""
         c, m = self.cfg, self.mla
         if m is None:
             per_head = 2 * c.head_dim + 2 * c.head_dim
@@ -115,7 +203,7 @@ class ServedModel:
             per_head = 2 * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank
         else:
             per_head = 2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim
-        return self.layers * c.num_heads * per_head * context
+        return c.num_heads * per_head * self.attended_tokens(context, decode=decode)
 
     def elementwise_elems_per_token(self, *, tp: int, expert_split: int) -> float:
         """Activation elements one token's elementwise kernels read + write on one GPU, all layers (vLLM's decoder
@@ -137,9 +225,42 @@ class ServedModel:
         return sum(1 for i in range(self.layers) if self.cfg.is_moe_layer(i))
 
 
+# transformers' defaults where a Gemma config.json names no layer_types: one full layer in every `pattern`
+# (Gemma2Config: every other layer; Gemma3TextConfig: sliding_window_pattern 6)
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
+def layer_windows(hf: dict) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention) a Hugging Face config.json describes, as transformers reads
+    it: `layer_types` ("sliding_attention" / "full_attention") where given; else Qwen2's `use_sliding_window`
+    (false: no window, whatever `sliding_window` says; true: the layers from `max_window_layers` on); else Gemma's
+    `sliding_window_pattern` (every pattern-th layer full); else, with a `sliding_window`, every layer (Mistral)."""
+    window, layers = hf.get("sliding_window") or 0, hf["num_hidden_layers"]
+    if not window or hf.get("use_sliding_window") is False:
+        return ()
+    window = int(window)
+    if hf.get("layer_types"):
+        types = list(hf["layer_types"])
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != layers:
+            raise ValueError(f"layer_types {unknown or types}: the serving planner reads one 'sliding_attention' or "
+                             f"'full_attention' per layer ({layers} layers)")
+        out = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif hf.get("use_sliding_window"):
+        out = tuple(window if i >= hf.get("max_window_layers", layers) else 0 for i in range(layers))
+    elif hf.get("sliding_window_pattern") or hf.get("model_type") in _WINDOW_PATTERN:
+        pattern = int(hf.get("sliding_window_pattern") or _WINDOW_PATTERN[hf["model_type"]])
+        out = tuple(window if (i + 1) % pattern else 0 for i in range(layers))
+    else:
+        out = (window,) * layers
+    return out if any(out) else ()
+
+
 def served_model(spec: str | ModelConfig) -> ServedModel:
     """A preset name (MLA for the DeepSeek presets), a `ModelConfig`, or a Hugging Face config.json / directory
-    (DeepSeek-V2/V3's `kv_lora_rank` / `qk_rope_head_dim` read here, the rest as `ModelConfig.from_hf`)."""
+    (DeepSeek-V2/V3's `kv_lora_rank` / `qk_rope_head_dim` and the sliding windows, `layer_windows`, read here; the
+    rest as `ModelConfig.from_hf`, which builds trainable models and so refuses windows: its copy is read without
+    them, keeping the config's own `max_position_embeddings`)."""
     if isinstance(spec, ModelConfig):
         return ServedModel(spec, MLA_PRESETS.get(spec.preset or ""))
     path = Path(spec)
@@ -149,6 +270,10 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
         hf = json.loads(path.read_text())
         if hf.get("kv_lora_rank"):
             return _from_deepseek_hf(hf)
+        windows = layer_windows(hf)
+        if windows:
+            full = {k: v for k, v in hf.items() if k not in ("sliding_window", "use_sliding_window", "layer_types")}
+            return ServedModel(model_config_from_hf(full), windows=windows)
     from meshlm.planner.inputs import resolve_model
 
     cfg = resolve_model(spec)

@@ -89,7 +89,7 @@ def parse_disaggregate(text: str) -> tuple[int, int]:
 
 def max_concurrency(sv: Serving, wl: Workload) -> int:
     """Requests of I + O tokens whose KV fits the deployment (each dp rank its own), within --max-batch."""
-    per_rank = sv.max_tokens() // (wl.input_len + wl.output_len)
+    per_rank = sv.max_sequences(wl.input_len + wl.output_len)
     if wl.max_batch:
         per_rank = min(per_rank, wl.max_batch)
     return int(per_rank) * sv.layout.dp
@@ -127,7 +127,7 @@ def clients(sv: Serving, wl: Workload, concurrency: int) -> dict:
         return dict(continuous(sv, wl, concurrency), running=concurrency, queued=0)
     r = continuous(sv, wl, cap)
     wait = (concurrency - cap) * wl.output_len / r["output_tokens_per_s"]
-    kv_bound = not wl.max_batch or sv.max_tokens() // (wl.input_len + wl.output_len) < wl.max_batch
+    kv_bound = not wl.max_batch or sv.max_sequences(wl.input_len + wl.output_len) < wl.max_batch
     return dict(r, concurrency=concurrency, running=cap, queued=concurrency - cap, ttft_s=r["ttft_s"] + wait,
                 bound="KV capacity" if kv_bound else r["bound"])
 
@@ -234,7 +234,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
            "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
            "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
            "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]),
-           "max_context_tokens": sv.max_tokens(), "max_concurrency": cap, "max_batch": cap}
+           "kv_bytes_per_request": sv.kv_bytes_per_gpu(wl.input_len + wl.output_len), "max_context_tokens": sv.max_tokens(), "max_concurrency": cap, "max_batch": cap}
     need = 1 if wl.disaggregate else wl.batch or 1  # clients beyond what fits wait in the queue (`clients`)
     reason = _misfit(sv, wl, cap, need, mem)
     out.update(fits=not reason, reason=reason)
@@ -263,8 +263,8 @@ def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
                 f"cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp), shorten the sequence or "
                 f"use --precision fp8 / --kv-precision fp8")
     if need > cap:
-        return (f"{need} requests of {seq} tokens need {need * seq:,} tokens of KV cache; "
-                f"{sv.max_tokens() * sv.layout.dp:,} fit (max concurrency {cap})")
+        return (f"{need} requests of {seq} tokens do not fit: {sv.kv_bytes_per_gpu(seq) / 2**20:,.1f} MiB of KV cache "
+                f"each per GPU, {mem['kv_capacity'] / GiB:,.1f} GiB per GPU hold {cap} (max concurrency)")
     return ""
 
 
@@ -289,8 +289,9 @@ def _divisors(n: int) -> list[int]:
 
 def format_serving(r: dict, model: str, gpu: str) -> str:
     head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
-            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU, "
-            f"{r['max_context_tokens']:,} tokens of KV cache fit -> max concurrency {r['max_concurrency']} "
+            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU "
+            f"({r['kv_bytes_per_request'] / 2**20:,.1f} MiB/request/GPU), one sequence of up to "
+            f"{r['max_context_tokens']:,} tokens fits -> max concurrency {r['max_concurrency']} "
             f"at {r['input_len']}+{r['output_len']} tokens")
     if not r["fits"]:
         return f"{head}\n  does not fit: {r['reason']}"
