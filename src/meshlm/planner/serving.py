@@ -5,7 +5,7 @@ Responsible for: `ServingLayout` (tp, pp, cp, ep, dp of a serving deployment) an
 cluster, layout, precisions: weights and KV bytes per GPU, KV capacity, the longest sequence that fits) and
 `iteration_time` (seconds of one iteration of one data-parallel rank, by component, with what bounds it).
 Not responsible for: batching policy, arrivals or disaggregation (`serving_modes.py`), the model's
-quantities (`serving_model.py`), or the runtime engine (`meshlm.infer`, which serves tp x cp).
+quantities (`serving_model.py`: what a sequence caches, sliding-window layers at most their window), or the runtime engine (`meshlm.infer`, which serves tp x cp).
 
 Layout. A deployment of `world = dp x pp x tp x cp` GPUs: pp stages (outermost); inside a stage dp attention
 ranks, each a tp x cp group that holds its own sequences (vLLM/TRT-LLM replicas, or DeepSeek-style attention
@@ -25,8 +25,7 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     add: its BLAS packs the weights at the measured rate, then multiplies;
   * attention: decode reads each sequence's KV once (bandwidth-bound; once per query head where the engine's
     kernel does not share a GQA group's loads, serving_engine.Engine), prefill runs the causal square
-    (compute-bound, FlashAttention's rate: `attention_efficiency`); sliding-window layers hold, read and attend
-    at most their window (serving_model.py);
+    (compute-bound, FlashAttention's rate: `attention_efficiency`);
   * tp: two all-reduces of the tokens' hidden states per layer (Megatron, Shoeybi et al. 2019), exposed;
   * cp: decode -- each cp rank attends over its KV shard and the partial outputs + log-sum-exps are merged per
     layer (flash-decoding's split-KV merge, Dao et al. 2023; meshlm's cp serving); prefill -- ring attention
