@@ -5,7 +5,8 @@ Responsible for: `ServingLayout` (tp, pp, cp, ep, dp of a serving deployment) an
 cluster, layout, precisions: weights and KV bytes per GPU, KV capacity, the longest sequence that fits) and
 `iteration_time` (seconds of one iteration of one data-parallel rank, by component, with what bounds it).
 Not responsible for: batching policy, arrivals or disaggregation (`serving_modes.py`), the model's
-quantities (`serving_model.py`: what a sequence caches, sliding-window layers at most their window), or the runtime engine (`meshlm.infer`, which serves tp x cp).
+quantities (`serving_model.py`: what a sequence caches, sliding-window layers at most their window), or the
+runtime engine (`meshlm.infer`, which serves tp x cp).
 
 Layout. A deployment of `world = dp x pp x tp x cp` GPUs: pp stages (outermost); inside a stage dp attention
 ranks, each a tp x cp group that holds its own sequences (vLLM/TRT-LLM replicas, or DeepSeek-style attention
