@@ -61,7 +61,10 @@ def test_attention_flops_over_the_window():
 
 def test_decode_kv_read_of_a_windowed_layer_stops_growing_past_the_window():
     cl = get_cluster("h100")
-    mem = lambda sm, n: iteration_time(Serving(sm, cl, ServingLayout()), decodes=8, kv_len=n)["attention_memory"]  # noqa: E731
+
+    def mem(sm, n):
+        return iteration_time(Serving(sm, cl, ServingLayout()), decodes=8, kv_len=n)["attention_memory"]
+
     full = ServedModel(TINY)
     windowed = ServedModel(TINY, windows=(128,) * 4)
     assert mem(windowed, 200) == mem(windowed, 5000)

@@ -234,7 +234,8 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
            "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
            "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
            "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]),
-           "kv_bytes_per_request": sv.kv_bytes_per_gpu(wl.input_len + wl.output_len), "max_context_tokens": sv.max_tokens(), "max_concurrency": cap, "max_batch": cap}
+           "kv_bytes_per_request": sv.kv_bytes_per_gpu(wl.input_len + wl.output_len),
+           "max_context_tokens": sv.max_tokens(), "max_concurrency": cap, "max_batch": cap}
     need = 1 if wl.disaggregate else wl.batch or 1  # clients beyond what fits wait in the queue (`clients`)
     reason = _misfit(sv, wl, cap, need, mem)
     out.update(fits=not reason, reason=reason)
