@@ -99,6 +99,10 @@ Choices the rows leave open, made the same way for every row (never from the rep
     ranks (one node) and replicated across the groups (`_zero1_degree`; zero1=-1: over all of them), its gradient and
     parameter syncs overlapped (`overlap_sync_grad` / `overlap_sync_param` in its configs/7B_sft.py), FlashAttention,
     fused kernels: the planner's defaults; its packed samples of micro_bsz x 2048 tokens read as micro_bsz sequences;
+  * Alibaba's Megatron-LLaMA (group AB, LLaMA-13B at tp 2 with sequence parallelism and selective recomputation):
+    its OverlappedDistributedOptimizer overlaps the gradient reduce-scatter with the backward and the parameter
+    all-gather with the forward (the planner's ZeRO-1 default); Megatron-LM's DistributedOptimizer rows of its README
+    leave both exposed (its README: Megatron-LM's "does not fully overlap GPU computation with communication");
   * OLMo-core's training scripts (group AA, Ai2's README of 2024-11): FSDP2 over a node's 8 GPUs (HSDP across
     nodes: its `init_hybrid_shard_mesh` when there is more than one), torch.compile, attention through PyTorch's SDPA
     (compile turns flash-attn off: `llama_like`'s `use_flash`), so FlashAttention-2 kernels; QK-norm for the
@@ -341,7 +345,11 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
     # (S: BigScience's topology benchmark of 2022-02, the same engine and Megatron-DeepSpeed.)
     deepspeed_pipe = row["group"].startswith(("Q_gpt_neox", "R_bloom", "S_bloom"))
-    megatron_old = row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
+    # Megatron-LLaMA's rows with Megatron-LM's own DistributedOptimizer (group AB): its README, "the solution provided
+    # by Megatron-LM does not fully overlap GPU computation with communication" (its OverlappedDistributedOptimizer does).
+    megatron_llama_plain = row["group"].startswith("AB_megatron_llama") and "overlapped" not in row["zero_fsdp"].lower()
+    megatron_old = (row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
+                    or megatron_llama_plain)
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
     # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
