@@ -192,6 +192,17 @@ CHANGES = (
      "USE_REPEATED_LAYER); google/praxis layers/embedding_softmax.py SharedEmbeddingSoftmax.emb_lookup, "
      "layers/transformers.py StackedTransformer, layers/checkpoint_policy.py custom_policy; NVIDIA/JAX-Toolbox "
      ".github/container/patches/paxml/PR-46.patch (PACKED_INPUT False under TE)"),
+    ("row descriptions for InternLM's Hybrid ZeRO ('zero1=<n>': ZeRO-1 with the optimizer states sharded over n "
+     "data-parallel ranks, replicated across the groups: published._zero1_degree), for OLMo-core's scripts "
+     "(FSDP2 in a node, torch.compile, attention through SDPA's FlashAttention-2, QK-norm) and for Megatron-LLaMA "
+     "(Megatron-LM's DistributedOptimizer rows with the data-parallel collectives exposed, its own overlapped "
+     "optimizer's rows overlapped); otherwise the planner's defaults; no constant changed",
+     ("Z_internlm_7b_a100_zero1", "AA_olmo_core_h100_fsdp", "AB_megatron_llama_13b_a100"),
+     "InternLM/InternLM doc/en/train_performance.md and configs/7B_sft.py (zero1, overlap_sync_grad / "
+     "overlap_sync_param, use_flash_attn); allenai/OLMo-core src/scripts/train/*.py, nn/transformer/config.py "
+     "(llama_like: use_flash off under compile, qk_norm) and internal/experiment.py (init_hybrid_shard_mesh); "
+     "alibaba/Megatron-LLaMA README.md ('does not fully overlap GPU computation with communication') and "
+     "examples/LLaMA/LLaMA_13_slurm.sh"),
 )
 
 

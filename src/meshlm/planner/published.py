@@ -95,6 +95,18 @@ Choices the rows leave open, made the same way for every row (never from the rep
     re-run) as selective recomputation that re-runs all the elementwise work (`Job.remat_saves_dots`; Megatron's
     re-runs about half); MaxText's `minimal_flash` (the attention output kept too) as
     none. The CSV's recompute column names the policy and its share;
+  * InternLM's Hybrid ZeRO (group Z) "zero1=<n>": ZeRO-1 with the optimizer states sharded over n data-parallel
+    ranks (one node) and replicated across the groups (`_zero1_degree`; zero1=-1: over all of them), its gradient and
+    parameter syncs overlapped (`overlap_sync_grad` / `overlap_sync_param` in its configs/7B_sft.py), FlashAttention,
+    fused kernels: the planner's defaults; its packed samples of micro_bsz x 2048 tokens read as micro_bsz sequences;
+  * Alibaba's Megatron-LLaMA (group AB, LLaMA-13B at tp 2 with sequence parallelism and selective recomputation):
+    its OverlappedDistributedOptimizer overlaps the gradient reduce-scatter with the backward and the parameter
+    all-gather with the forward (the planner's ZeRO-1 default); Megatron-LM's DistributedOptimizer rows of its README
+    leave both exposed (its README: Megatron-LM's "does not fully overlap GPU computation with communication");
+  * OLMo-core's training scripts (group AA, Ai2's README of 2024-11): FSDP2 over a node's 8 GPUs (HSDP across
+    nodes: its `init_hybrid_shard_mesh` when there is more than one), torch.compile, attention through PyTorch's SDPA
+    (compile turns flash-attn off: `llama_like`'s `use_flash`), so FlashAttention-2 kernels; QK-norm for the
+    OLMo-1124 shapes (`ARCHS`); gradients reduced in fp32 (`reduce_dtype`), the planner's default;
   * what Paxml's GPT configs run beyond the blocks (google/paxml scripts_gpu/configs.py and tasks/lm/params/c4.py,
     praxis layers/embedding_softmax.py and transformers.py, as `job_of` cites): the tied embedding looked up as a
     one-hot matmul (`Job.embedding_gemm`: a GEMM of tokens x vocab x hidden forward and one for the table's
@@ -145,6 +157,9 @@ ARCHS = {
     "mpt-": dict(**_GPT),
     # BigScience BLOOM (tr11-176B-ml README, the CSV row carries the sizes): GeLU 4h MLP.
     "bloom": dict(**_GPT),
+    # Ai2 OLMo-core (OLMo-1124 shapes: olmo_core/nn/transformer/config.py olmo_1B / olmo_7B / olmo_13B, qk_norm=True;
+    # the CSV rows carry the sizes).
+    "olmo-1124": dict(qk_norm=True),
     "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
                             experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
 }
@@ -259,6 +274,13 @@ def _fsdp_degree(row: dict) -> int | None:
     return int(m.group(1)) if m and int(m.group(1)) > 0 else None
 
 
+def _zero1_degree(row: dict) -> int | None:
+    """The optimizer-sharding group a row names as InternLM's "zero1=<n>" (n > 1: sharded over n data-parallel ranks,
+    replicated across the groups; -1: over all of them, as DeepSpeed's ZeRO-1); None where it names none."""
+    m = re.search(r"zero1\s*=\s*(-?\d+)", row["zero_fsdp"], re.IGNORECASE)
+    return int(m.group(1)) if m and int(m.group(1)) > 1 else None
+
+
 def _hybrid_shard(row: dict) -> bool:
     """PyTorch FSDP's HYBRID_SHARD ("HSDP"): parameters sharded over the GPUs of a node, replicated across nodes."""
     return "hsdp" in row["zero_fsdp"].lower()
@@ -323,7 +345,11 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
     # (S: BigScience's topology benchmark of 2022-02, the same engine and Megatron-DeepSpeed.)
     deepspeed_pipe = row["group"].startswith(("Q_gpt_neox", "R_bloom", "S_bloom"))
-    megatron_old = row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
+    # Megatron-LLaMA's rows with Megatron-LM's own DistributedOptimizer (group AB): its README, "the solution provided
+    # by Megatron-LM does not fully overlap GPU computation with communication" (its OverlappedDistributedOptimizer does).
+    megatron_llama_plain = row["group"].startswith("AB_megatron_llama") and "overlapped" not in row["zero_fsdp"].lower()
+    megatron_old = (row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
+                    or megatron_llama_plain)
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
     # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
@@ -343,7 +369,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                   and (pp == 1 or _interleaved(row)))
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
-    fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms", "T_float8"))
+    # OLMo-core's scripts (group AA) compile the model, which turns flash-attn off: attention through SDPA's FA2 kernel.
+    fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms", "T_float8", "AA_olmo_core"))
     # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
     # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
     # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
@@ -401,8 +428,9 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
     # DeepSpeed's pipeline (GPT-NeoX, partition method "type:transformer") splits the blocks evenly too.
     split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox", "S_bloom")) else "balanced"
-    # HSDP: shard within a node (its 8 GPUs), replicate across nodes; the JAX recipes' "FSDP=<n> x DP=<k>": over n.
-    shard = _fsdp_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
+    # HSDP: shard within a node (its 8 GPUs), replicate across nodes; the JAX recipes' "FSDP=<n> x DP=<k>": over n;
+    # InternLM's "zero1=<n>": the optimizer states over n.
+    shard = _fsdp_degree(row) or _zero1_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
     if dp % shard:
         raise ValueError(f"row {row['row_id']}: FSDP degree {shard} does not divide the data parallelism {dp}")
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
