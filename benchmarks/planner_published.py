@@ -203,6 +203,15 @@ CHANGES = (
      "(llama_like: use_flash off under compile, qk_norm) and internal/experiment.py (init_hybrid_shard_mesh); "
      "alibaba/Megatron-LLaMA README.md ('does not fully overlap GPU computation with communication') and "
      "examples/LLaMA/LLaMA_13_slurm.sh"),
+    # Issue 25, after the fifth round: what InternLM's optimizer issues, read in its source after group Z's rows
+    ("InternLM's HybridZeroOptimizer all-reduces every gradient bucket over all data-parallel ranks and broadcasts "
+     "each rank's updated shard (Job.zero1_grad_all_reduce: an all-reduce where ZeRO-1 prices a reduce-scatter; the "
+     "broadcasts as the all-gather they add up to); group Z 21% -> 9.5%, the fall from 8 to 1024 GPUs at a fixed "
+     "batch predicted 29% (published 44%, 14% before); no other group moves",
+     ("Z_internlm_7b_a100_zero1",),
+     "InternLM/InternLM internlm/solver/optimizer/hybrid_zero_optim.py (_reduce_and_copy: reduce_tensor with "
+     "dst_rank None; broadcast_params) and utils.py reduce_tensor ('If dst_rank is None, all-reduce will be used'); "
+     "NVIDIA/nccl src/graph/tuning.cc (a ring broadcast's latency: one hop with the same channels)"),
 )
 
 

@@ -539,10 +539,9 @@ def test_published_runs_median_error_within_ten_percent():
     DGX Cloud (17%: its GPT-3 5B under FSDP on H100 17-31% too fast, issue 25's kind (2)) and JAX-Toolbox's
     Paxml GPT (15%: the same 5B model 15-39% too fast under FSDP over 256 GPUs; its 175B rows within 4%). Two
     held-out groups of the fifth round likewise, not fitted: OLMo-core's FSDP2 on 8 H100s (16%, bounded at 20%: its
-    bf16 1B-8B rows within 3-10%, the 13B 26% and the torchao float8 rows 10-58% too fast, issue 25's kind (2)) and
-    InternLM's 7B under Hybrid ZeRO on A100 (21%, bounded at 25%: 23% too fast on one node already, and with the
-    optimizer sharded over all data-parallel ranks the published throughput falls 44% from 8 to 1024 GPUs where the
-    prediction falls 14%: the steep fall of issue 25's kind (1), with ZeRO-1). One more, beyond the 25% of the
+    bf16 1B-8B rows within 3-10%, the 13B 26% and the torchao float8 rows 10-58% too fast, issue 25's kind (2)).
+    InternLM's 7B under Hybrid ZeRO on A100 (21% when added) is within the 10% of the others once its optimizer's
+    gradient all-reduce over every data-parallel rank is priced (`Job.zero1_grad_all_reduce`, 9.5%). One more, beyond the 25% of the
     others and bounded apart at 40%, not fitted: Megatron-LLaMA's 13B on 256 and 512 A100s (37% too fast in every
     row, while the fall from 256 to 512 GPUs at its fixed global batch, 2% with its overlapped optimizer and 12% with
     Megatron-LM's exposed one, is predicted within a point: the missing time is per GPU, not in the scaling)."""
@@ -560,7 +559,7 @@ def test_published_runs_median_error_within_ten_percent():
     sizes = summary["per_group_rows"]
     groups = summary["per_group_median_abs_error"]
     apart = {"V_maxtext_llama3_70b_h100_fsdp": 0.20, "W_paxml_gpt_h100_fsdp": 0.20, "X_jaxtoolbox_paxml_gpt_fsdp256": 0.20,
-             "AA_olmo_core_h100_fsdp": 0.20, "Z_internlm_7b_a100_zero1": 0.25, "AB_megatron_llama_13b_a100": 0.40}
+             "AA_olmo_core_h100_fsdp": 0.20, "AB_megatron_llama_13b_a100": 0.40}
     assert max(err for g, err in groups.items() if sizes[g] > 1 and g not in apart) <= 0.10, summary
     assert all(groups[g] <= bound for g, bound in apart.items()), summary
     assert max(err for g, err in groups.items() if g not in apart) <= 0.25, summary

@@ -279,3 +279,25 @@ def test_one_hot_embedding_gemm_and_unfused_dropout_cost_their_flops_and_bytes()
     maxtext = {**row, "group": "Y_jaxtoolbox_maxtext_llama2_7b_h100", "model": "Llama 2 7B (MaxText)"}
     job = job_of(maxtext, model_of(maxtext))
     assert not job.embedding_gemm and job.unfused_dropouts == 0
+
+
+def test_zero1_gradients_all_reduced_over_every_rank_cost_an_all_reduce_not_a_reduce_scatter():
+    """`Job.zero1_grad_all_reduce` (InternLM's HybridZeroOptimizer): under ZeRO-1 over all 32 data-parallel ranks,
+    with nothing overlapped, the step's data-parallel time grows by exactly an all-reduce less a reduce-scatter of
+    the gradients; the parameters' gather is unchanged."""
+    from dataclasses import replace
+
+    from meshlm.config import ModelConfig
+    from meshlm.planner.cluster import GiB
+    from meshlm.planner.collectives import collective_time, group_span
+    from meshlm.planner.cost import Job, Layout, ModelSummary, estimate_layout
+
+    cfg, cluster = ModelConfig.from_preset("llama3-8b"), get_cluster("a100")
+    job, summary = Job(seq_len=2048, global_batch_size=64, dp_comm_overlap=False), ModelSummary.build(cfg, 2048)
+    lo = Layout(dp_shard=32, zero_stage=1, micro_batch_size=2)
+    base = estimate_layout(summary, cluster, job, lo, num_microbatches=1)
+    internlm = estimate_layout(summary, cluster, replace(job, zero1_grad_all_reduce=True), lo, num_microbatches=1)
+    grads, span = base.memory_gib["gradients"] * GiB, group_span(1, 32, cluster.scaleup_size)
+    extra = collective_time("all_reduce", grads, span, cluster) - collective_time("reduce_scatter", grads, span, cluster)
+    assert extra > 0.1
+    assert internlm.time_s["dp_comm"] - base.time_s["dp_comm"] == pytest.approx(extra, rel=1e-3)

@@ -96,6 +96,13 @@ class Job:
     # activation, residual adds, dropout, fp8 casts --, where Megatron's re-runs the core and about half the
     # elementwise work around it (False).
     remat_saves_dots: bool = False
+    # ZeRO-1/2 gradients all-reduced over every data-parallel rank, each rank then keeping its shard's part, where
+    # Megatron's distributed optimizer and DeepSpeed reduce-scatter them over the sharding group (False): InternLM's
+    # HybridZeroOptimizer (internlm/solver/optimizer/hybrid_zero_optim.py: `reduce_tensor(..., dst_rank=None)`,
+    # an all-reduce in its utils.py). Its updated shards go out as one broadcast per rank of the sharding group,
+    # priced as the all-gather they add up to (NCCL's ring cost model, src/graph/tuning.cc: a broadcast's
+    # latency is one hop's when its channels are the same, its bytes those every rank receives).
+    zero1_grad_all_reduce: bool = False
 
     def validate(self) -> None:
         if self.seq_len < 1:

@@ -390,12 +390,16 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # SAVE_DOT_WITH_NO_BATCH_DIM (X: configs.py GPT5BBase): only dot outputs kept (praxis
     # layers/checkpoint_policy.py custom_policy), every other op re-run.
     dots_saved = paxml and recompute_of(row) == "selective"
+    # InternLM's HybridZeroOptimizer (group Z) all-reduces every gradient bucket over the whole data-parallel group
+    # (hybrid_zero_optim.py `_reduce_and_copy`: reduce_tensor with dst_rank None, an all-reduce) and broadcasts each
+    # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`.
+    internlm = row["group"].startswith("Z_internlm")
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
-               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved)
+               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm)
 
 
 def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:

@@ -65,10 +65,12 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                     + r.times("all_reduce", g_exp, span_exp))
             window = t_mb_bwd
         elif z in (1, 2):
-            comm = (r.times("reduce_scatter", g_dense, span_dps)
-                    + r.times("all_reduce", g_dense / shard, span_dpr)
-                    + r.times("all_gather", n_dense_local * by["param"], span_dps)
-                    + r.times("reduce_scatter", g_exp, span_exp)
+            if job.zero1_grad_all_reduce:  # every gradient all-reduced over all data-parallel ranks (Job field)
+                grads = r.times("all_reduce", g_dense, span_dp_all) + r.times("all_reduce", g_exp, span_exp)
+            else:
+                grads = (r.times("reduce_scatter", g_dense, span_dps) + r.times("all_reduce", g_dense / shard, span_dpr)
+                         + r.times("reduce_scatter", g_exp, span_exp))
+            comm = (grads + r.times("all_gather", n_dense_local * by["param"], span_dps)
                     + r.times("all_gather", n_exp_local * by["param"], span_exp))
             window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
         elif lo.zero3_reshards:
