@@ -124,3 +124,28 @@ def test_model_without_windows_is_priced_as_before():
     assert sv.max_tokens() == 1452687
     it = iteration_time(sv, decodes=16, kv_len=3000, prefill_tokens=512, prefill_ctx=700)
     assert it["total"] == pytest.approx(0.028822922517466938, rel=1e-12)
+
+
+def test_gpt_oss_and_gemma_config_json_read_for_planning_only(tmp_path):
+    """config.json model types meshlm's model does not implement (gpt-oss, Gemma 2 / 3) are read by the serving
+    planner: their shapes, experts and windows; Gemma 3's multimodal config nests the language model."""
+    gpt_oss = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,
+               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+               "max_position_embeddings": 131072, "num_local_experts": 128, "num_experts_per_tok": 4,
+               "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
+               "tie_word_embeddings": False}
+    (tmp_path / "oss.json").write_text(json.dumps(gpt_oss))
+    sm = served_model(str(tmp_path / "oss.json"))
+    c = sm.cfg
+    assert (c.num_experts, c.num_experts_per_token, c.expert_intermediate_size, c.head_dim) == (128, 4, 2880, 64)
+    assert c.attention_bias and not c.tie_embeddings and all(c.is_moe_layer(i) for i in range(36))
+    assert sm.windows == (128, 0) * 18
+    gemma3 = {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 5376, "num_hidden_layers": 62,
+        "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "intermediate_size": 21504,
+        "max_position_embeddings": 131072, "sliding_window": 1024}}
+    (tmp_path / "gemma.json").write_text(json.dumps(gemma3))
+    sm = served_model(str(tmp_path / "gemma.json"))
+    assert (sm.cfg.hidden_size, sm.cfg.num_layers, sm.cfg.num_kv_heads) == (5376, 62, 16) and sm.cfg.tie_embeddings
+    assert sm.windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(62))  # every 6th layer full
+    assert sm.cached_tokens(8192) == 10 * 8192 + 52 * 1024

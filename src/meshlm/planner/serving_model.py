@@ -268,8 +268,11 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
         path = path / "config.json"
     if path.suffix == ".json" and path.exists():
         hf = json.loads(path.read_text())
+        hf = hf.get("text_config") or hf  # Gemma 3's multimodal config.json nests the language model
         if hf.get("kv_lora_rank"):
             return _from_deepseek_hf(hf)
+        if hf.get("model_type") in PLANNER_ONLY_TYPES:
+            return _from_planner_only_hf(hf)
         windows = layer_windows(hf)
         if windows:
             full = {k: v for k, v in hf.items() if k not in ("sliding_window", "use_sliding_window", "layer_types")}
@@ -278,6 +281,32 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
 
     cfg = resolve_model(spec)
     return ServedModel(cfg, MLA_PRESETS.get(cfg.preset or ""))
+
+
+# config.json model types the serving planner reads though meshlm's model does not implement them (their weights
+# could not be loaded into it): only the quantities serving costs -- shapes, experts, windows -- are taken.
+PLANNER_ONLY_TYPES = ("gpt_oss", "gemma2", "gemma3", "gemma3_text")
+
+
+def _from_planner_only_hf(hf: dict) -> ServedModel:
+    """gpt-oss (every layer MoE: `num_local_experts` of `intermediate_size`, `num_experts_per_tok`, q/k/v/o biases)
+    and Gemma 2 / 3 (dense, a gated GELU MLP of the same three matrices as SwiGLU, tied embeddings) as the planner
+    prices them, with their sliding windows (`layer_windows`). What the planner does not price: gpt-oss's attention
+    sinks and Gemma's extra norms (elementwise work of a few h per layer) and logit soft-capping."""
+    heads = hf["num_attention_heads"]
+    kw = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+              num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+              head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
+              max_seq_len=hf.get("max_position_embeddings", 8192))
+    if hf["model_type"] == "gpt_oss":
+        kw.update(num_experts=hf["num_local_experts"], num_experts_per_token=hf.get("num_experts_per_tok", 4),
+                  moe_intermediate_size=hf["intermediate_size"], attention_bias=bool(hf.get("attention_bias", True)),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    else:
+        kw.update(tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    cfg = ModelConfig(**kw)
+    cfg.validate()
+    return ServedModel(cfg, windows=layer_windows(hf))
 
 
 def _from_deepseek_hf(hf: dict) -> ServedModel:
