@@ -98,7 +98,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * InternLM's Hybrid ZeRO (group Z) "zero1=<n>": ZeRO-1 with the optimizer states sharded over n data-parallel
     ranks (one node) and replicated across the groups (`_zero1_degree`; zero1=-1: over all of them), its gradient and
     parameter syncs overlapped (`overlap_sync_grad` / `overlap_sync_param` in its configs/7B_sft.py), FlashAttention,
-    fused kernels: the planner's defaults; its packed samples of micro_bsz x 2048 tokens read as micro_bsz sequences;
+    fused kernels: the planner's defaults; its gradients all-reduced over every data-parallel rank and its updated
+    shards broadcast, rank by rank (`Job.zero1_grad_all_reduce`, `job_of` cites its optimizer); its packed samples of
+    micro_bsz x 2048 tokens read as micro_bsz sequences;
   * Alibaba's Megatron-LLaMA (group AB, LLaMA-13B at tp 2 with sequence parallelism and selective recomputation):
     its OverlappedDistributedOptimizer overlaps the gradient reduce-scatter with the backward and the parameter
     all-gather with the forward (the planner's ZeRO-1 default); Megatron-LM's DistributedOptimizer rows of its README
