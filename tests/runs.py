@@ -1,5 +1,6 @@
 """What the trainer tests share: a small model, a small corpus, their configs, the weights a run ends
-with, readers of metrics.jsonl, and `meshlm train` runs on ranks started as torchrun would (`run_cli`)."""
+with, readers of metrics.jsonl, `meshlm train` runs on ranks started as torchrun would (`run_cli`), and the
+moment a launched run's ranks are where a fault drill strikes (`ranks_when`)."""
 
 import contextlib
 import json
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from dist import run_distributed
 from meshlm.cli import main as cli_main
-from meshlm.processes import free_port
+from meshlm.processes import children, free_port
 
 # 2 layers of width 32 with GQA (4 heads, 2 kv heads): 35k parameters, a step in milliseconds.
 SMALL_MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -159,3 +160,16 @@ def run_cli(runs: list[tuple[list[str], int]], tmp_path: Path) -> list[float]:
         seconds += run_distributed(cli_ranks, max(r for _, r in launch), launch, str(store), timeout=120)[0]
         i = j
     return seconds
+
+
+def ranks_when(proc, ready, *, timeout_s: float, count: int = 2, every_s: float = 0.05) -> list[int]:
+    """The process ids of launcher `proc`'s `count` ranks at the first poll (every `every_s`) where they all run and
+    `ready()` holds -- the moment a fault drill stops or kills one; [] if the launcher exits or `timeout_s`
+    passes first."""
+    deadline = time.time() + timeout_s
+    while proc.poll() is None and time.time() < deadline:
+        time.sleep(every_s)
+        ranks = children(proc.pid)
+        if len(ranks) == count and ready():
+            return ranks
+    return []

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from meshlm.processes import alive, children, stop_tree
-from runs import SMALL_MODEL
+from runs import SMALL_MODEL, ranks_when
 
 SETTINGS = [*SMALL_MODEL, "train.progress=false", "train.seq_len=16", "train.global_batch_size=4",
             "train.warmup_steps=1", "train.val_batches=0", "train.sample_tokens=0", "train.device=cpu",
@@ -56,6 +56,11 @@ def logged_steps(run_dir: Path) -> list[dict]:
             except ValueError:
                 pass
     return rows
+
+
+def last_step(run_dir: Path) -> int:
+    """The last training step the run has logged (0 before any)."""
+    return max([r["step"] for r in logged_steps(run_dir) if "loss" in r] or [0])
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -97,9 +102,8 @@ def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, text_file, re
                 continue
             if ranks != attempt_ranks:  # a new attempt: count its steps from where it resumed
                 attempt_ranks = ranks
-                rows = logged_steps(run)
-                resume_step = max([r["step"] for r in rows if "loss" in r] or [0])
-            done = max([r["step"] for r in logged_steps(run) if "loss" in r] or [0])
+                resume_step = last_step(run)
+            done = last_step(run)
             if done >= resume_step + trigger:
                 victim = rng.choice(ranks)
                 os.kill(victim, signal.SIGKILL)
@@ -135,12 +139,10 @@ def test_a_restart_resumes_from_in_memory_checkpoints(tmp_path, text_file, refer
     killed = None
     try:
         deadline = time.time() + 300
-        while proc.poll() is None and time.time() < deadline and killed is None:
-            time.sleep(0.02)
-            ranks = children(proc.pid)
-            if len(ranks) == 2 and max([r["step"] for r in logged_steps(run) if "loss" in r] or [0]) >= 8:
-                killed = ranks[1]
-                os.kill(killed, signal.SIGKILL)
+        ranks = ranks_when(proc, lambda: last_step(run) >= 8, timeout_s=300, every_s=0.02)
+        if ranks:
+            killed = ranks[1]
+            os.kill(killed, signal.SIGKILL)
         code = proc.wait(timeout=max(10, deadline - time.time()))
         _, err = proc.communicate()
     finally:
@@ -166,15 +168,11 @@ def test_a_stopped_rank_is_named_and_the_launcher_exits_within_the_timeout(tmp_p
                                         "train.checkpoint_interval=0"])
     stopped = None
     try:
-        deadline = time.time() + 120
-        while proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-            ranks = children(proc.pid)
-            if len(ranks) == 2 and max([r["step"] for r in logged_steps(run) if "loss" in r] or [0]) >= 2:
-                stopped = ranks[1]
-                os.kill(stopped, signal.SIGSTOP)
-                stopped_at = time.time()
-                break
+        ranks = ranks_when(proc, lambda: last_step(run) >= 2, timeout_s=120)
+        if ranks:
+            stopped = ranks[1]
+            os.kill(stopped, signal.SIGSTOP)
+            stopped_at = time.time()
         assert stopped is not None, "the run never reached step 2"
         code = proc.wait(timeout=120)
         elapsed = time.time() - stopped_at
@@ -200,12 +198,7 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path, text_file):
     proc = start(run, text_file, extra=["train.steps=400"])
     ranks = []
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-            ranks = children(proc.pid)
-            if len(ranks) == 2 and logged_steps(run):
-                break
+        ranks = ranks_when(proc, lambda: bool(logged_steps(run)), timeout_s=120)
         assert len(ranks) == 2, "the ranks never started"
         proc.send_signal(signal.SIGKILL)  # the launcher alone
         proc.wait(timeout=30)

@@ -311,6 +311,7 @@ def test_a_stopped_rank_under_blocking_waits_fails_the_run_at_its_collective(tmp
     import signal
 
     from meshlm.processes import alive, children
+    from runs import ranks_when
 
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, {GPUS} visible")
@@ -323,13 +324,10 @@ def test_a_stopped_rank_under_blocking_waits_fails_the_run_at_its_collective(tmp
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stopped = None
     try:
-        deadline = time.time() + 180
-        while proc.poll() is None and time.time() < deadline and stopped is None:
-            time.sleep(0.05)
-            ranks = children(proc.pid)
-            if len(ranks) == 2 and _steps_logged(run_dir) >= 2:
-                stopped, stopped_at = ranks[1], time.time()
-                os.kill(stopped, signal.SIGSTOP)
+        ranks = ranks_when(proc, lambda: _steps_logged(run_dir) >= 2, timeout_s=180)
+        if ranks:
+            stopped, stopped_at = ranks[1], time.time()
+            os.kill(stopped, signal.SIGSTOP)
         assert stopped is not None, "the run never reached step 2"
         proc.wait(timeout=120)
         elapsed = time.time() - stopped_at
