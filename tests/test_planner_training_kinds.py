@@ -3,7 +3,8 @@ over many nodes (one collective per unit and pass, each paying a ring latency th
 Megatron's uniform pipeline split (the head and loss on top of the last stage) and FlashAttention-2 on
 Hopper; eager RMSNorm in fp32, DeepSpeed's blocking pipeline transfers, Paxml's one-hot embedding, block-input
 dropout and dots-only remat; and how a published row's own
-description (HSDP, its network, compiled or not) becomes a layout, a job and a cluster.
+description (HSDP, its network, compiled or not) becomes a layout, a job and a cluster; and the planner's
+accuracy over all of benchmarks/data's published runs.
 Arithmetic only: no ranks are started."""
 
 from __future__ import annotations
@@ -301,3 +302,40 @@ def test_zero1_gradients_all_reduced_over_every_rank_cost_an_all_reduce_not_a_re
     extra = collective_time("all_reduce", grads, span, cluster) - collective_time("reduce_scatter", grads, span, cluster)
     assert extra > 0.1
     assert internlm.time_s["dp_comm"] - base.time_s["dp_comm"] == pytest.approx(extra, rel=1e-3)
+
+
+def test_published_runs_median_error_within_ten_percent():
+    """The planner on the published runs of benchmarks/data/ (each run with its own layout, `planner.published`,
+    as benchmarks/planner_published.py prints it): the median |error| of the predicted throughput stays <= 10%
+    overall, on the groups the constants were chosen with and on the others; <= 8% over the dense-model rows;
+    <= 10% in every group of several rows, <= 25% in a group of one (its median is that one row's error:
+    GPT-NeoX-20B's pipeline, added for issue 25 and still 17% too fast). Three held-out groups added in issue 25's
+    fourth round exceed the 10% when added and are bounded apart at 20%, not fitted: MaxText's Llama 3 70B (13%
+    too slow: its save_qkv_proj policy re-runs 90% of the forward, priced as full recomputation), Paxml's GPT on
+    DGX Cloud (17%: its GPT-3 5B under FSDP on H100 17-31% too fast, issue 25's kind (2)) and JAX-Toolbox's
+    Paxml GPT (15%: the same 5B model 15-39% too fast under FSDP over 256 GPUs; its 175B rows within 4%). Two
+    held-out groups of the fifth round likewise, not fitted: OLMo-core's FSDP2 on 8 H100s (16%, bounded at 20%: its
+    bf16 1B-8B rows within 3-10%, the 13B 26% and the torchao float8 rows 10-58% too fast, issue 25's kind (2)).
+    InternLM's 7B under Hybrid ZeRO on A100 (21% when added) is within the 10% of the others once its optimizer's
+    gradient all-reduce over every data-parallel rank is priced (`Job.zero1_grad_all_reduce`, 9.5%). One more, beyond the 25% of the
+    others and bounded apart at 40%, not fitted: Megatron-LLaMA's 13B on 256 and 512 A100s (37% too fast in every
+    row, while the fall from 256 to 512 GPUs at its fixed global batch, 2% with its overlapped optimizer and 12% with
+    Megatron-LM's exposed one, is predicted within a point: the missing time is per GPU, not in the scaling)."""
+    from pathlib import Path
+
+    from meshlm.planner.published import read_runs, score_runs
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv"
+    _, summary = score_runs(read_runs(path))
+    assert summary["rows_used"] >= 60
+    assert summary["median_abs_error"] <= 0.10, summary
+    assert summary["fit_groups_median_abs_error"] <= 0.10, summary
+    assert summary["held_out_median_abs_error"] <= 0.10, summary
+    assert summary["median_abs_error_dense"] <= 0.08, summary
+    sizes = summary["per_group_rows"]
+    groups = summary["per_group_median_abs_error"]
+    apart = {"V_maxtext_llama3_70b_h100_fsdp": 0.20, "W_paxml_gpt_h100_fsdp": 0.20, "X_jaxtoolbox_paxml_gpt_fsdp256": 0.20,
+             "AA_olmo_core_h100_fsdp": 0.20, "AB_megatron_llama_13b_a100": 0.40}
+    assert max(err for g, err in groups.items() if sizes[g] > 1 and g not in apart) <= 0.10, summary
+    assert all(groups[g] <= bound for g, bound in apart.items()), summary
+    assert max(err for g, err in groups.items() if g not in apart) <= 0.25, summary
