@@ -173,7 +173,7 @@ CHANGES = (
      "It was only 135Gbps'"),
     # Issue 25, fourth round: groups U to Y added (read row by row while making this); descriptions only.
     ("row descriptions for NVIDIA's JAX / XLA recipes: the FSDP degree of a row's 'FSDP=<n> x DP=<k>' mesh "
-     "(published._fsdp_degree: sharded over n, replicated k times); a remat policy re-running about half the forward "
+     "(published._shard_degree: sharded over n, replicated k times); a remat policy re-running about half the forward "
      "('partial': MaxText save_dot_except_mlpwi, Paxml SAVE_QKV_OUT_PROJ) priced as half, MaxText's save_dot_except_mlp "
      "and save_qkv_proj (83% and 90%) as full, Paxml's SAVE_DOT_ONLY and SAVE_DOT_WITH_NO_BATCH_DIM as selective, "
      "SAVE_NOTHING as full, MaxText's minimal_flash as none; otherwise the planner's defaults",
@@ -193,7 +193,7 @@ CHANGES = (
      "layers/transformers.py StackedTransformer, layers/checkpoint_policy.py custom_policy; NVIDIA/JAX-Toolbox "
      ".github/container/patches/paxml/PR-46.patch (PACKED_INPUT False under TE)"),
     ("row descriptions for InternLM's Hybrid ZeRO ('zero1=<n>': ZeRO-1 with the optimizer states sharded over n "
-     "data-parallel ranks, replicated across the groups: published._zero1_degree), for OLMo-core's scripts "
+     "data-parallel ranks, replicated across the groups: published._shard_degree), for OLMo-core's scripts "
      "(FSDP2 in a node, torch.compile, attention through SDPA's FlashAttention-2, QK-norm) and for Megatron-LLaMA "
      "(Megatron-LM's DistributedOptimizer rows with the data-parallel collectives exposed, its own overlapped "
      "optimizer's rows overlapped); otherwise the planner's defaults; no constant changed",

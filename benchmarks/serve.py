@@ -53,6 +53,11 @@ from pathlib import Path
 import torch
 
 from _common import OtherWork, missing_extras, parse_args_smoke, predicted_vs_measured, print_smoke_skip, run_ranks
+from meshlm.planner.cluster import get_cluster
+from meshlm.planner.serving import Serving, ServingLayout
+from meshlm.planner.serving_engine import engine as engine_preset
+from meshlm.planner.serving_model import served_model
+from meshlm.planner.serving_modes import Workload, estimate_serving
 from meshlm.processes import free_port, stop_tree
 
 BLOCK_SIZE = 16  # tokens per KV block in the longest-context part
@@ -457,19 +462,13 @@ def planner(path: Path, calibration: str, result: dict, *, par_prompts: list[lis
     of its prompts (all prefilled in the first step, then decoded together), parallel_online as Poisson arrivals at
     its rate -- beside what was measured, with ratio = predicted / measured (`predicted_vs_measured`), and again
     (`on_cores_left`) with the recorded cores less those other work on the host took during the run."""
-    from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving, ServingLayout
-    from meshlm.planner.serving_engine import engine
-    from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import Workload, estimate_serving
-
     if not Path(calibration).exists():
         return {"skipped": f"no calibration file {calibration!r}: run `meshlm plan calibrate --out {calibration}`"}
     cluster = get_cluster("local", calibration=calibration)
     if not cluster.serving_host:
         return {"skipped": f"{calibration!r} predates the engine's host timing (serving_host): rerun "
                            "`meshlm plan calibrate`"}
-    sm, eng = served_model(str(path)), engine("meshlm", cluster)
+    sm, eng = served_model(str(path)), engine_preset("meshlm", cluster)
     offline, online = result.get("parallel_offline", {}).get("layouts", {}), result.get("parallel_online", {})
     mean_in = round(statistics.mean(map(len, par_prompts)))
     out = {"cluster": {"matmul_flops": cluster.peak("fp32"), "memory_bandwidth": cluster.hbm_bw,
@@ -487,22 +486,24 @@ def planner(path: Path, calibration: str, result: dict, *, par_prompts: list[lis
             # on the recorded cores, and on those that other work left the run (the cores less `other_work_cores`)
             left = (max(0.1, cluster.compute_slots - m["other_work_cores"])
                     if m.get("other_work_cores") is not None and cluster.compute_slots else None)
-            for key, cores in (("", cluster.compute_slots), ("on_cores_left", left))[:2 if left else 1]:
-                est = estimate_serving(Serving(sm, replace(cluster, compute_slots=cores), ServingLayout(tp=tp, cp=cp),
-                                               precision="fp32", kv_precision="fp32", engine=eng), wl)
-                if not est["fits"]:
-                    row[part] = {"predicted": est["reason"]}
-                    break
-                # offline: its tok/s; online: arrivals set the rate
-                vs = predicted_vs_measured({"output_tokens_per_s": (est["output_tokens_per_s"], m.get("tokens_per_s")),
-                                            "ttft_ms": (est["ttft_ms"], m["ttft_mean_ms"]),
-                                            "tpot_ms": (est["tpot_ms"], m["tpot_mean_ms"])})
-                if key:
-                    row[part][key] = {"cores": round(cores, 2), **vs}
-                else:
-                    row[part] = {"bound": est["bound"], **vs, "predicted_iteration_ms": {
-                        k: round(v, 3) for k, v in est["iteration_ms"].items() if isinstance(v, float) and v > 0}}
+            sv = Serving(sm, cluster, ServingLayout(tp=tp, cp=cp), precision="fp32", kv_precision="fp32", engine=eng)
+            row[part] = _versus(sv, wl, m, detail=True)
+            if left and "bound" in row[part]:
+                fewer = replace(sv, cluster=replace(cluster, compute_slots=left))
+                row[part]["on_cores_left"] = {"cores": round(left, 2), **_versus(fewer, wl, m)}
     return out
+
+
+def _versus(sv, wl, m: dict, *, detail: bool = False) -> dict:
+    """Serving `sv` under Workload `wl` against measured run `m`, predicted / measured: output tokens/s (online the
+    arrivals set it), TTFT, TPOT; `detail` adds the bound and the predicted iteration by component."""
+    est = estimate_serving(sv, wl)
+    if not est["fits"]:
+        return {"predicted": est["reason"]}
+    vs = predicted_vs_measured({"output_tokens_per_s": (est["output_tokens_per_s"], m.get("tokens_per_s")),
+                                "ttft_ms": (est["ttft_ms"], m["ttft_mean_ms"]), "tpot_ms": (est["tpot_ms"], m["tpot_mean_ms"])})
+    return {"bound": est["bound"], **vs, "predicted_iteration_ms": {k: round(v, 3) for k, v in est["iteration_ms"].items()
+                                                                    if isinstance(v, float) and v > 0}} if detail else vs
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:

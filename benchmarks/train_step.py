@@ -127,15 +127,11 @@ def cluster_of(choice: str, device_name: str) -> str | None:
 def planner_step_s(cfg: ModelConfig, cluster: str, *, batch: int, seq_len: int) -> float:
     """The planner's seconds for this benchmark's step: one device, bf16 autocast, eager elementwise work."""
     from meshlm.planner import get_cluster
-    from meshlm.planner.cost import Job, Layout, ModelSummary, estimate_layout
+    from meshlm.planner.cost import Job, Layout, estimate
 
     job = Job(seq_len=seq_len, global_batch_size=batch, precision="bf16", flash_attention=True,
               flash_attention_2=True, fused_elementwise=False)
-    summary = ModelSummary.build(cfg, seq_len, eager=True)
-    est = estimate_layout(summary, get_cluster(cluster), job, Layout(dp_shard=1, micro_batch_size=batch),
-                          num_microbatches=1)
-    return est.time_s["step"]
-
+    return estimate(cfg, get_cluster(cluster), job, Layout(dp_shard=1, micro_batch_size=batch), gpus=1).time_s["step"]
 
 if __name__ == "__main__":
     main()

@@ -91,9 +91,7 @@ class CommHandle:
             except RuntimeError as e:  # torch's DistBackendError is one
                 raise _failed(e, self._where, self._op, self._axis, time.perf_counter() - start) from e
             if self._issued is not None:  # a GPU: the device's span from the issue to the end of the wait
-                end = self._stats.mark()
-                self._stats.add_span(self._op, self._axis, self._issued, end)
-                _await_device(end, self._wait_timeout_s, self._where, self._op, self._axis)
+                _end_span(self._stats, self._op, self._axis, self._issued, self._wait_timeout_s, self._where)
             else:
                 self._stats.add_seconds(self._op, self._axis, time.perf_counter() - start)
             self._stats.trace_wait(self._traced)
@@ -104,6 +102,14 @@ class CommHandle:
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
+
+
+def _end_span(stats, op: str, axis: str, issued, timeout_s: float | None, where) -> None:
+    """On a GPU, where a collective's work stands on the current stream: its span from `issued` to an event marked
+    now, counted in `stats`, and (collective_wait=blocking) the host's wait for that event (`_await_device`)."""
+    end = stats.mark()
+    stats.add_span(op, axis, issued, end)
+    _await_device(end, timeout_s, where, op, axis)
 
 
 def _await_device(marker, timeout_s: float | None, where: tuple[int, list[int]] | None, op: str,
@@ -180,9 +186,7 @@ def _run(mesh: Mesh, axis: str, op: str, nbytes: int, call: Callable, async_op: 
         return CommHandle(works, mesh.stats, op, axis, result, finalize, where=(mesh.rank, mesh.ranks(axis)),
                           traced=traced, issued=issued, wait_timeout_s=mesh.wait_timeout_s)
     if issued is not None:  # the current stream waited for the collective: its span ends here
-        end = mesh.stats.mark()
-        mesh.stats.add_span(op, axis, issued, end)
-        _await_device(end, mesh.wait_timeout_s, (mesh.rank, mesh.ranks(axis)), op, axis)
+        _end_span(mesh.stats, op, axis, issued, mesh.wait_timeout_s, (mesh.rank, mesh.ranks(axis)))
     mesh.stats.trace_wait(traced)
     return finalize() if finalize is not None else result
 

@@ -86,7 +86,7 @@ Choices the rows leave open, made the same way for every row (never from the rep
     parameters reduced in fp32 (MaxText's default `weight_dtype: float32`; Paxml's fp32 parameters, bf16
     `FPROP_DTYPE`): the planner's defaults for all four;
   * "FSDP=<n> x DP=<k>" (the JAX recipes' fsdp and data mesh axes): parameters sharded over n GPUs, replicated
-    k times (`_fsdp_degree`), as HSDP with a shard group of n;
+    k times (`_shard_degree`), as HSDP with a shard group of n;
   * recompute "partial" (a remat policy that keeps some projections and re-runs the rest: MaxText's
     `save_dot_except_mlpwi`, about 57% of the forward; Paxml's `SAVE_QKV_OUT_PROJ`, about 67%) priced as
     `HALF_RECOMPUTE`; policies that re-run more than four fifths of the forward (MaxText's `save_dot_except_mlp`,
@@ -96,7 +96,7 @@ Choices the rows leave open, made the same way for every row (never from the rep
     re-runs about half); MaxText's `minimal_flash` (the attention output kept too) as
     none. The CSV's recompute column names the policy and its share;
   * InternLM's Hybrid ZeRO (group Z) "zero1=<n>": ZeRO-1 with the optimizer states sharded over n data-parallel
-    ranks (one node) and replicated across the groups (`_zero1_degree`; zero1=-1: over all of them), its gradient and
+    ranks (one node) and replicated across the groups (`_shard_degree`; zero1=-1: over all of them), its gradient and
     parameter syncs overlapped (`overlap_sync_grad` / `overlap_sync_param` in its configs/7B_sft.py), FlashAttention,
     fused kernels: the planner's defaults; its gradients all-reduced over every data-parallel rank and its updated
     shards broadcast, rank by rank (`Job.zero1_grad_all_reduce`, `job_of` cites its optimizer); its packed samples of
@@ -269,18 +269,16 @@ def _pytorch_fsdp(row: dict) -> bool:
     return row["group"].startswith(("K_torchtitan", "P_fms", "T_float8"))
 
 
-def _fsdp_degree(row: dict) -> int | None:
-    """The parameter-sharding degree a row names as "FSDP=<n>" (the JAX recipes' fsdp mesh axes: ICI x DCN), the
-    rest of its data parallelism replicating; None where it names none ("FSDP=0" is NeMo's "no FSDP")."""
-    m = re.search(r"fsdp\s*=\s*(\d+)", row["zero_fsdp"], re.IGNORECASE)
-    return int(m.group(1)) if m and int(m.group(1)) > 0 else None
-
-
-def _zero1_degree(row: dict) -> int | None:
-    """The optimizer-sharding group a row names as InternLM's "zero1=<n>" (n > 1: sharded over n data-parallel ranks,
-    replicated across the groups; -1: over all of them, as DeepSpeed's ZeRO-1); None where it names none."""
-    m = re.search(r"zero1\s*=\s*(-?\d+)", row["zero_fsdp"], re.IGNORECASE)
-    return int(m.group(1)) if m and int(m.group(1)) > 1 else None
+def _shard_degree(row: dict) -> int | None:
+    """The sharding group a row names: "FSDP=<n>" (the JAX recipes' fsdp mesh axes, ICI x DCN: parameters sharded
+    over n, the rest of the data parallelism replicating; "FSDP=0" is NeMo's "no FSDP") or InternLM's "zero1=<n>"
+    (optimizer states sharded over n > 1 data-parallel ranks, replicated across the groups; -1: over all of them,
+    as DeepSpeed's ZeRO-1); None where it names neither."""
+    for key, least in (("fsdp", 1), ("zero1", 2)):
+        m = re.search(rf"{key}\s*=\s*(-?\d+)", row["zero_fsdp"], re.IGNORECASE)
+        if m and int(m.group(1)) >= least:
+            return int(m.group(1))
+    return None
 
 
 def _hybrid_shard(row: dict) -> bool:
@@ -436,7 +434,7 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox", "S_bloom")) else "balanced"
     # HSDP: shard within a node (its 8 GPUs), replicate across nodes; the JAX recipes' "FSDP=<n> x DP=<k>": over n;
     # InternLM's "zero1=<n>": the optimizer states over n.
-    shard = _fsdp_degree(row) or _zero1_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
+    shard = _shard_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
     if dp % shard:
         raise ValueError(f"row {row['row_id']}: FSDP degree {shard} does not divide the data parallelism {dp}")
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),

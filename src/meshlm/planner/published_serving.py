@@ -55,7 +55,7 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
-from meshlm.planner.serving_model import ServedModel, layer_windows, served_model
+from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
 from meshlm.planner.serving_modes import Workload, clients, max_concurrency, offline, static_batch
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
@@ -72,10 +72,11 @@ ARCHS = {
     # openai/gpt-oss-120b: layer_types alternate sliding (128-token window) and full attention, sliding first
     "gpt-oss-120b": dict(vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64,
                          intermediate_size=2880, max_seq_len=131072, attention_bias=True, num_experts=128,
-                         num_experts_per_token=4, moe_intermediate_size=2880, sliding_window=128,
-                         layer_types=("sliding_attention", "full_attention") * 18),
+                         num_experts_per_token=4, moe_intermediate_size=2880),
 }
-WINDOW_KEYS = ("sliding_window", "layer_types")  # config.json's sliding-window keys in an ARCHS entry
+# Sliding windows per layer (0: full attention) of an ARCHS model, from its config.json (`layer_windows`):
+# gpt-oss-120b's layer_types alternate sliding_attention (128 tokens) and full_attention, sliding first.
+WINDOWS = {"gpt-oss-120b": (128, 0) * 18}
 PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.3-70b": "llama3-70b",
            "llama-3.1-405b": "llama3-405b", "mixtral-8x7b": "mixtral-8x7b", "deepseek-r1": "deepseek-v3",
            "deepseek-v3": "deepseek-v3"}
@@ -134,9 +135,7 @@ def model_of(row: dict) -> ServedModel:
     if name in PRESETS:
         return served_model(PRESETS[name])
     if name in ARCHS:
-        arch = {k: v for k, v in ARCHS[name].items() if k not in WINDOW_KEYS}
-        hf = {k: v for k, v in ARCHS[name].items() if k in WINDOW_KEYS}
-        return ServedModel(ModelConfig(**arch), windows=layer_windows(dict(hf, num_hidden_layers=arch["num_layers"])))
+        return ServedModel(ModelConfig(**ARCHS[name]), windows=WINDOWS.get(name, ()))
     raise Skip(f"no architecture for {row['model']!r}")
 
 
@@ -275,7 +274,7 @@ def _checkpoint_elements(sv: Serving) -> float:
     p = sv.sm.params()
     if sv.precision == "fp4":
         packed = p["experts"] if sv.dense_precision else p["experts"] + p["attention"] + p["mlp"]
-        total = p["total"] - packed * (1 - 0.5 - 1 / 16)
+        total = p["total"] - packed * (1 - WEIGHT_BYTES["fp4"])
     else:
         total = p["total"]
     return total * (DEEPSEEK_CHECKPOINT_SHARE if sv.sm.mla is not None else 1.0)

@@ -95,16 +95,12 @@ class ServedModel:
         prefill `context` is the mean over a prompt of s = 2 context tokens (s / 2 each in full causal attention),
         and a windowed layer's mean is s / 2 up to s = window, window - window^2 / (2 s) beyond (its s window -
         window^2 / 2 pairs over s tokens)."""
+        if decode:
+            return self.cached_tokens(context)
         out = 0.0
         for i in range(self.layers):
-            w = self.layer_window(i)
-            if not w:
-                out += context
-            elif decode:
-                out += min(context, w)
-            else:
-                s = 2 * context
-                out += context if s <= w else w - w * w / (2 * s)
+            w, s = self.layer_window(i), 2 * context
+            out += context if not w or s <= w else w - w * w / (2 * s)
         return out
 
     def attention_params_per_layer(self) -> float:
@@ -293,11 +289,8 @@ def _from_planner_only_hf(hf: dict) -> ServedModel:
     and Gemma 2 / 3 (dense, a gated GELU MLP of the same three matrices as SwiGLU, tied embeddings) as the planner
     prices them, with their sliding windows (`layer_windows`). What the planner does not price: gpt-oss's attention
     sinks and Gemma's extra norms (elementwise work of a few h per layer) and logit soft-capping."""
-    heads = hf["num_attention_heads"]
-    kw = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-              num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-              head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
-              max_seq_len=hf.get("max_position_embeddings", 8192))
+    kw = _hf_shapes(hf, head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                    max_seq_len=8192)
     if hf["model_type"] == "gpt_oss":
         kw.update(num_experts=hf["num_local_experts"], num_experts_per_token=hf.get("num_experts_per_tok", 4),
                   moe_intermediate_size=hf["intermediate_size"], attention_bias=bool(hf.get("attention_bias", True)),
@@ -309,16 +302,21 @@ def _from_planner_only_hf(hf: dict) -> ServedModel:
     return ServedModel(cfg, windows=layer_windows(hf))
 
 
+def _hf_shapes(hf: dict, *, head_dim: int, max_seq_len: int) -> dict:
+    """The `ModelConfig` sizes every config.json the planner reads itself names alike (`max_seq_len`: where it gives
+    no max_position_embeddings)."""
+    heads = hf["num_attention_heads"]
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+                intermediate_size=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", max_seq_len))
+
+
 def _from_deepseek_hf(hf: dict) -> ServedModel:
     """A DeepSeek-V2/V3 config.json: the MoE body as `ModelConfig` (attention as GQA of the same width, as the
     deepseek-v3 preset), the latent attention as `MLA`."""
-    heads = hf["num_attention_heads"]
     mla = MLA(int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"]), int(hf.get("q_lora_rank") or 0),
               int(hf["qk_nope_head_dim"]), int(hf["v_head_dim"]))
-    cfg = ModelConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-                      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-                      head_dim=mla.v_head_dim, intermediate_size=hf["intermediate_size"],
-                      max_seq_len=hf.get("max_position_embeddings", 4096),
+    cfg = ModelConfig(**_hf_shapes(hf, head_dim=mla.v_head_dim, max_seq_len=4096),
                       num_experts=hf.get("n_routed_experts") or 0, num_experts_per_token=hf.get("num_experts_per_tok", 2),
                       moe_intermediate_size=hf.get("moe_intermediate_size"),
                       num_shared_experts=hf.get("n_shared_experts") or 0,

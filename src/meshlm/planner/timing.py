@@ -454,9 +454,9 @@ def head_time(summary: ModelSummary, job: Job, r: RankSetup) -> tuple[float, flo
     head_on_busy = head_units if r.rank_layers[-1] + head_units >= r.rank_units - 1e-9 else 0.0
     t_head_fwd = t_head_bwd = 0.0
     if head_on_busy:
-        head_rate = (r.peak_attn if job.precision == "fp8" else r.peak) * cluster.matmul_efficiency
+        # `peak_attn`: the precision's peak, bf16's under fp8 (which covers the blocks' linear layers only)
         t_head_fwd, t_head_bwd = gemms_fwd_bwd([(r.tokens_mb, cfg.vocab_size / r.tp, cfg.hidden_size, 1.0)],
-                                               rate=head_rate, hbm_bw=r.hbm_bw, in_bytes=r.by["act"],
+                                               rate=r.peak_attn * cluster.matmul_efficiency, hbm_bw=r.hbm_bw, in_bytes=r.by["act"],
                                                k_overhead=cluster.gemm_k_overhead)
     return head_on_busy, t_head_fwd, t_head_bwd
 
@@ -464,14 +464,13 @@ def head_time(summary: ModelSummary, job: Job, r: RankSetup) -> tuple[float, flo
 def embedding_time(cfg: ModelConfig, job: Job, r: RankSetup) -> tuple[float, float]:
     """The input embedding as a GEMM (`Job.embedding_gemm`: praxis' one-hot lookup) on the first pipeline stage,
     charged when that stage is the busiest rank: (forward, backward). Forward the one-hot [tokens, vocab / tp]
-    is written (2 bytes an element) and multiplied by the table, tokens x hidden x vocab / tp; backward only the
+    is written (in the activations' bytes) and multiplied by the table, tokens x hidden x vocab / tp; backward only the
     table's gradient, vocab / tp x hidden over the tokens (the one-hot is no function of the parameters: no input
     gradient). In the activations' dtype: fp8 covers the blocks' linear layers only, as for the head. Zero for
     a row gather."""
     if not job.embedding_gemm or (r.pp > 1 and r.rank_layers[0] < r.rank_units - 1e-9):
         return 0.0, 0.0
-    rate = (r.peak_attn if job.precision == "fp8" else r.peak) * r.cluster.matmul_efficiency
-    kw = dict(rate=rate, hbm_bw=r.hbm_bw, in_bytes=r.by["act"], k_overhead=r.cluster.gemm_k_overhead)
+    kw = dict(rate=r.peak_attn * r.cluster.matmul_efficiency, hbm_bw=r.hbm_bw, in_bytes=r.by["act"], k_overhead=r.cluster.gemm_k_overhead)
     vocab, h, t = cfg.vocab_size / r.tp, cfg.hidden_size, r.tokens_mb
     fwd = t * vocab * r.by["act"] / r.hbm_bw + gemm_time(t, h, vocab, **kw)
     return fwd, gemm_time(vocab, h, t, **kw)

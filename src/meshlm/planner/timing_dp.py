@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from meshlm.planner.layout import Job, Layout
 from meshlm.planner.memory import MiB, RankParams
 from meshlm.planner.placement import RankSetup
-from meshlm.planner.timing import MicrobatchTime
 
 if TYPE_CHECKING:
     from meshlm.planner.cost import ModelSummary
+    from meshlm.planner.timing import MicrobatchTime
 
 
 def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
@@ -31,7 +31,6 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
     n_dense_local = p.dense  # parameters one rank owns before ZeRO sharding
     n_exp_local = p.experts
     t_dp = 0.0
-    bucket_time = 0.0
     if lo.dp * cp > 1:
         g_dense = n_dense_local * by["reduce"]
         g_exp = n_exp_local * by["reduce"]
