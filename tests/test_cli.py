@@ -75,6 +75,9 @@ def test_plan_estimate_json_keys(capsys):
     for key in ("fits", "memory_gib", "time_s", "mfu", "tokens_per_s", "tflops_per_gpu"):
         assert key in est
     assert "total" in est["memory_gib"] and "step" in est["time_s"]
+    for sub in (["estimate", "--layout", "tp=1"], []):  # once "layout dp_shard=0 must be >= 1"
+        assert main(["plan", *sub, "--model", "llama3-8b", "--gpus", "0", "--global-batch-tokens", "1M"]) == 2
+        assert capsys.readouterr().err.strip() == "meshlm plan: error: --gpus 0 must be >= 1"
 
 
 def test_train_then_generate_from_the_checkpoint(tmp_path, capsys):

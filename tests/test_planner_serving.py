@@ -156,6 +156,18 @@ def test_plan_infer_ranks_layouts_and_names_the_new_flags(capsys):
         replace(_sv("llama3-8b"), precision="fp4")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus", "0"], "--gpus 0 must be >= 1"), (["--gpus", "-2"], "--gpus -2 must be >= 1"),
+    (["--tp", "0"], "--tp 0 must be >= 1"), (["--tp", "1", "--prefill-chunk", "0"], "--prefill-chunk 0 must be > 0"),
+    (["--tp", "1", "--max-batch", "0"], "--max-batch 0 must be > 0")])
+def test_plan_infer_refuses_counts_below_one_by_name(capsys, flags, message):
+    # Each was once taken silently: --gpus 0 as one GPU, --gpus -2 as dp=-2, --prefill-chunk 0 as the default,
+    # --max-batch 0 as no cap.
+    with pytest.raises(ValueError) as err:
+        _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", *flags], capsys)
+    assert str(err.value) == message
+
+
 def test_published_serving_rows_all_priced():
     """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print): the shared file's
     74 rows and the 51 of groups H-L added for issue 25 (benchmarks/data/serving_runs_dev.md)."""

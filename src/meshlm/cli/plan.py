@@ -174,13 +174,19 @@ def _training_model(args) -> ModelConfig:
     return cfg
 
 
+def _require_gpus(args) -> None:
+    if args.gpus is None:
+        raise ValueError("--gpus is required")
+    if args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus} must be >= 1")
+
+
 def _cluster_and_job(args):
     """The --cluster and the training job of --gpus, --seq-len and the batch flags."""
     from meshlm.planner.cluster import get_cluster
 
     cluster = get_cluster(args.cluster, calibration=args.calibration)
-    if args.gpus is None:
-        raise ValueError("--gpus is required")
+    _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision,
                    runtime=runtime_of(args))
@@ -311,8 +317,7 @@ def run_compare(args) -> int:
     if len(args.cluster) < 2:
         raise ValueError(f"plan compare needs two or more --cluster (got {args.cluster}); "
                          "e.g. --cluster h100 --cluster gb200-nvl72")
-    if args.gpus is None:
-        raise ValueError("--gpus is required")
+    _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron")
     rows = []

@@ -59,7 +59,8 @@ def add_serving_parsers(sub) -> None:
                    help="serving software priced (planner/serving_engine.py; default: meshlm on --cluster local "
                         "when its calibration measured meshlm's engine, else default)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
-                   help="speculative decoding with the model's MTP module: K draft tokens per step (default 0)")
+                   help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
+                        "MTP module, as DeepSeek-V3's; priced as one decoder layer) (default 0)")
     i.add_argument("--mtp-acceptance", type=float, default=None, metavar="P",
                    help="chance each draft is accepted after the one before (default 0.875, DeepSeek-V3's)")
     i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
@@ -134,6 +135,9 @@ def _serving_inputs(args):
                          "tokens), e.g. --input-len 8192 --output-len 256")
     if args.layout and args.tp:
         raise ValueError("give --layout tp=T,... or --tp T, not both")
+    for flag, value in (("--gpus", args.gpus), ("--tp", args.tp)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
     layout = args.layout or (f"tp={args.tp}" if args.tp else None)
     gpus = args.gpus or (args.tp if args.tp and not args.layout else None)
     lo = parse_serving_layout(layout, gpus=gpus) if layout else ServingLayout()
@@ -143,7 +147,8 @@ def _serving_inputs(args):
     disagg = parse_disaggregate(args.disaggregate) if args.disaggregate else None
     wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
                   offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
-                  prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK, disaggregate=disagg)
+                  prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
+                  disaggregate=disagg)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     name = args.engine or ("meshlm" if cluster.serving_host else "default")
     sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=engine(name, cluster),

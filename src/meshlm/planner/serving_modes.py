@@ -65,7 +65,7 @@ class Workload:
         modes = [self.batch is not None, self.concurrency is not None, self.offline, self.request_rate is not None]
         if sum(modes) > 1:
             raise ValueError("give one of --batch, --concurrency, --offline, --request-rate")
-        for name in ("batch", "concurrency", "request_rate", "prefill_chunk"):
+        for name in ("batch", "concurrency", "request_rate", "prefill_chunk", "max_batch"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} {value} must be > 0")
