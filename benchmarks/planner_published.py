@@ -83,6 +83,17 @@ measured 21% slower than with it (its attention is praxis' own, softmax in fp32,
 matched it; priced unfused the row would be +3%, but no configuration says so: unchanged). Not priced, about 1%
 each: the biases' gradients as separate reductions, and Transformer Engine casting each gathered weight to fp8 every
 step (`kernels.fp8_cast_bytes` counts weight casts as cached across micro-batches; these rows run one).
+A sixth round (the last `CHANGES` entry) changed no mechanism and no row's prediction: it makes a held-out table read
+as the development rows are. Until then the stack-specific choices (FlashAttention-2 kernels, eager PyTorch, the
+PyTorch stacks' "selective" checkpointing as half, Megatron-LM's uniform split, NVIDIA's recipes' bf16 gradients and
+TP overlap, DeepSpeed's serial pipeline transfers, ...) keyed on this CSV's group ids, so a torchtitan table under
+another id was priced with cuDNN attention, fused kernels and Megatron's selective recomputation; they now key on
+the stack the row's source and model name (`published.stack_of`; every dev row predicts the same under an unseen
+group id, tests/test_planner_training_kinds.py). "ZeRO-3" (without "FSDP") was read as stage 1, so a ZeRO-3 run was
+priced without its parameter all-gathers; every ZeRO wording is now read by its number. A row giving only TFLOP/s
+was priced by Megatron 2021's eq. 3, which counts a fourth (recomputation) pass and GPT's 4h MLP: now only that
+paper's rows (or a row naming eq. 3) are; the others compare model TFLOP/s in the planner's own convention
+(models/stats.py), or MFU when that is all.
 """
 
 from __future__ import annotations
@@ -212,6 +223,15 @@ CHANGES = (
      "InternLM/InternLM internlm/solver/optimizer/hybrid_zero_optim.py (_reduce_and_copy: reduce_tensor with "
      "dst_rank None; broadcast_params) and utils.py reduce_tensor ('If dst_rank is None, all-reduce will be used'); "
      "NVIDIA/nccl src/graph/tuning.cc (a ring broadcast's latency: one hop with the same channels)"),
+    # Issue 25, sixth round: what a held-out table's rows get. No mechanism, no constant; no dev row moves.
+    ("Each row's software stack read from its own source and model columns (published.stack_of), not from the group "
+     "id the CSV gives it; ZeRO stages read from any wording ('ZeRO-3', 'ZeRO stage 3', 'zero3': once read as "
+     "Megatron's distributed optimizer, stage 1); fp8 from 'float8'; a row giving only TFLOP/s or MFU compared in "
+     "model FLOPs unless it is Megatron 2021's (eq. 3); a GPU without a preset, or a row with nothing to compare, "
+     "skipped with the reason instead of stopping the table; Llama 3 / 3.1 shapes for rows that leave them blank",
+     (),
+     "Dubey et al. 2024 (Llama 3) Table 3; PaLM (Chowdhery et al. 2022) Appendix B's model FLOPs; "
+     "models/stats.py's FLOP convention"),
 )
 
 

@@ -8,9 +8,12 @@ and comparing the planner's step time with the row's figure (`predict_row`), and
 (`summarize`; `score_runs` does both). It compares:
   * tokens/s per GPU where the row gives it (MegaScale, NeMo, Megatron-Bridge, torchtitan): no FLOP
     convention can differ;
-  * else the step time (Korthikanti 2022 gives it);
-  * else TFLOP/s per GPU with the row's own FLOP formula (Megatron 2021 Table 1: eq. 3).
-Rows the planner cannot express come back with a "skip" and the reason.
+  * else the step time (Korthikanti 2022 gives it), else the whole run's tokens/s over its GPUs;
+  * else TFLOP/s per GPU with the row's own FLOP formula (Megatron 2021: eq. 3, for that paper's rows or a row
+    saying so; GPT-NeoX's 6 N + 60 s h l), else model TFLOP/s per GPU in the planner's convention (models/stats.py:
+    PaLM's and Megatron's 6 N + 12 l h s, the head in, no recomputation), else MFU.
+Rows the planner cannot express (no layout, no architecture, a GPU without a preset, no figure to compare) come
+back with a "skip" and the reason; no row stops the table.
 Not responsible for: any estimate (`cost.py`), the data itself (benchmarks/data/README.md says where each
 row comes from), or reporting (benchmarks/planner_published.py prints the JSON; tests/test_planner.py
 checks the medians).
@@ -18,6 +21,9 @@ checks the medians).
 Nothing is fitted to any row: the constants are those of `meshlm.planner.cluster` (each cited there). The
 groups looked at while choosing them are `FIT_GROUPS`; the others are reported apart ("held_out").
 Choices the rows leave open, made the same way for every row (never from the reported throughput):
+  * the software stack a row ran is read from its own source and model columns (`stack_of`, `STACKS`), never from
+    the group id the CSV gives it, so that a held-out table of a stack gets what that stack's development rows
+    get (the groups named below are where each choice was first needed);
   * micro-batch size when not given, and interleaving depth when "v not stated": the fastest predicted
     choice that fits (fastest overall if none fits);
   * missing architectures from the published model cards / papers (`ARCHS`, each cited);
@@ -133,7 +139,7 @@ from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummar
 FIT_GROUPS = ("A_megatron2021_weak_scaling", "E_megascale_175b_strong_scaling", "I_megatron_bridge_h100")
 
 _GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs
-# Architectures the CSV leaves blank, from the papers / model cards (keys: lower-case name prefixes).
+# Architectures the CSV leaves blank, from the papers / model cards (keys: name prefixes, compared by `_name_key`).
 ARCHS = {
     # NeMo GPT-3 configs (Brown et al. 2020 Table 2.1 sizes); vocab padded as Megatron does.
     "gpt3-5b": dict(layers=24, hidden=4096, heads=32, ffn=16384, vocab=51200, **_GPT),
@@ -164,7 +170,17 @@ ARCHS = {
     "olmo-1124": dict(qk_norm=True),
     "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
                             experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
+    # Llama 3 / 3.1 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3: its vocabulary of 128,000 tokens).
+    **{f"llama {v} {size}": arch for v in ("3", "3.1") for size, arch in (
+        ("8b", dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128000)),
+        ("70b", dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128000)),
+        ("405b", dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128000)))},
 }
+
+
+def _name_key(name: str) -> str:
+    """A model name without case, spaces or punctuation: "Llama 3.1 8B", "LLAMA3.1_8B" and "llama-3.1-8b" agree."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 # torchtitan's "selective" activation checkpointing is not Megatron's (attention core only): "selective
 # layer" checkpoints every second transformer block in full (its `selective_ac_option = "2"`), "selective
@@ -196,15 +212,64 @@ def _float(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+# The software stack a row ran, read from what the row says it is (its source and model columns), never from the
+# group id the CSV gives it: a held-out table of the same stack is priced as its development rows are. The first
+# name found wins (Megatron-LLaMA is a Megatron-LM fork; MegaScale's source names Megatron-LM as its baseline).
+STACKS = (
+    ("megatron-llama", ("megatron-llama",)),
+    ("megascale", ("megascale",)),
+    ("torchtitan", ("torchtitan",)),
+    ("fms-fsdp", ("fms-fsdp", "foundation-model-stack")),
+    ("llm-foundry", ("llm-foundry", "mosaicml", "composer")),
+    ("olmo-core", ("olmo-core",)),
+    ("internlm", ("internlm",)),
+    ("paxml", ("paxml",)),
+    ("maxtext", ("maxtext",)),
+    ("gpt-neox", ("gpt-neox",)),  # DeepSpeed's pipeline engine
+    ("megatron-deepspeed", ("megatron-deepspeed", "bigscience")),  # DeepSpeed's pipeline engine
+    ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
+    ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
+)
+PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
+DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
+# Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
+FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core")
+# Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
+# published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
+# Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
+EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry")
+
+
+def stack_of(row: dict) -> str:
+    """The software stack the row names in its source or model columns (`STACKS`), "" when none."""
+    text = f"{row.get('source', '')} {row.get('model', '')}".lower()
+    return next((name for name, keys in STACKS if any(k in text for k in keys)), "")
+
+
+def _text(row: dict) -> str:
+    return " ".join(str(row.get(k) or "") for k in ("source", "source_loc", "model", "notes", "other_metric")).lower()
+
+
+def compiled(row: dict) -> bool | None:
+    """Whether the row says torch.compile was on (True), off (False), or neither (None)."""
+    t = _text(row)
+    if re.search(r"torch\.compile off|compile\s*=\s*false|compile: n\b|without torch\.compile|not use compile", t):
+        return False
+    if re.search(r"torch\.compile|compile\s*=\s*true|compile: y\b", t):
+        return True
+    return None
+
+
 def cluster_of(gpu: str) -> str:
     g = gpu.lower()
     if "a100" in g and "40" in g:
         return "a100-40gb"
     for key, name in (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
-                      ("a100", "a100"), ("ampere", "a100")):
+                      ("h800", "h800"), ("a100", "a100"), ("ampere", "a100"), ("mi325x", "mi325x"),
+                      ("mi300x", "mi300x")):
         if key in g:
             return name
-    raise ValueError(f"unknown GPU {gpu!r} in the CSV")
+    raise ValueError(f"GPU {gpu!r} has no cluster preset (planner/cluster.py PRESETS)")
 
 
 def cluster_for(row: dict) -> Cluster:
@@ -221,7 +286,7 @@ def model_of(row: dict) -> ModelConfig:
     name = row["model"].strip().lower()
     if name.startswith("deepseekv3"):
         return ModelConfig.from_preset("deepseek-v3")
-    arch = next((a for k, a in ARCHS.items() if name.startswith(k)), {})
+    arch = next((a for k, a in ARCHS.items() if _name_key(name).startswith(_name_key(k))), {})
     get = lambda key, col: _int(row[col]) if _int(row[col]) else arch.get(key)  # noqa: E731
     hidden, heads, layers = get("hidden", "hidden"), get("heads", "heads"), get("layers", "layers")
     if None in (hidden, heads, layers):
@@ -249,24 +314,28 @@ def recompute_choices(row: dict) -> list[str]:
 
 
 def recompute_of(row: dict) -> str:
-    t = (row["recompute"] or "").lower()
+    t = (row["recompute"] or "").strip().lower()
+    if re.match(r"(none|no|off|false|not stated)\b", t):
+        return "none"
     if t.startswith("partial"):  # a remat policy re-running about half the forward (module docstring)
         return HALF_RECOMPUTE
-    if t.startswith("yes") or "full" in t:
+    if re.match(r"(yes|on|true)\b", t) or "full" in t:
         return "full"
     if _pytorch_fsdp(row) and ("selective layer" in t or "selective op" in t):
         return HALF_RECOMPUTE
     if "selective" in t:
         return "selective"
-    if not t and row["group"].startswith("E_megascale"):
+    if not t and stack_of(row) == "megascale":
         return "selective"
+    if "checkpoint" in t or "recomput" in t:  # "activation checkpointing", "recomputation": every block
+        return "full"
     return "none"
 
 
 def _pytorch_fsdp(row: dict) -> bool:
     """PyTorch-native FSDP stacks (torchtitan, IBM's fms-fsdp, the float8 / FSDP2 blog's torchtitan runs): their
     "selective" checkpointing re-runs about half the forward (`HALF_RECOMPUTE`)."""
-    return row["group"].startswith(("K_torchtitan", "P_fms", "T_float8"))
+    return stack_of(row) in PYTORCH_FSDP_STACKS
 
 
 def _shard_degree(row: dict) -> int | None:
@@ -287,21 +356,32 @@ def _hybrid_shard(row: dict) -> bool:
 
 
 def zero_of(row: dict) -> int:
+    """The ZeRO stage the row names: "ZeRO-3", "ZeRO stage 2", "zero1=8", "ZeRO-2-style"; FSDP / HSDP (not "FSDP=0")
+    and ZeRO-Infinity / ZeRO++ are 3, Composer's SHARD_GRAD_OP 2; "none" 0; else Megatron's distributed optimizer
+    (the NeMo / Megatron-Bridge default), 1."""
     t = row["zero_fsdp"].strip().lower()
-    if ("fsdp" in t and "fsdp=0" not in t) or _hybrid_shard(row):
+    m = re.search(r"zero[\s_-]*(?:stage[\s_-]*)?([0-3])(?!\d)|\bstage[\s_-]*([0-3])\b", t)
+    if m:
+        return int(m.group(1) or m.group(2))
+    if ("fsdp" in t and "fsdp=0" not in t) or _hybrid_shard(row) or "full_shard" in t or "fully shard" in t:
         return 3
-    if "zero-2" in t:
+    if "zero-infinity" in t or "zero++" in t:
+        return 3
+    if "shard_grad_op" in t:
         return 2
-    if t in ("none",):
+    if t in ("none", "no", "ddp", "off"):
         return 0
     return 1  # Megatron's distributed optimizer (NeMo / Megatron-Bridge default)
 
 
 def precision_of(row: dict) -> str:
+    """fp8 where the row names fp8 / float8 (FP8-CS, "fp8 (torchao float8 linear layers ...)", "bf16 + float8"): its
+    GEMMs, the rest staying 16-bit; else bf16 (bf16, fp16, "mixed precision (16-bit)": the same tensor-core rate).
+    NVIDIA's recipe tables that leave it open are their FP8 tables."""
     t = row["precision"].lower()
-    if "bf16" in t or "16-bit" in t:
-        return "bf16"
-    if "fp8" in t or row["group"].startswith("I_megatron_bridge"):
+    if re.search(r"fp8|float8", t) and not re.search(r"\b(no|without|not)\s+(fp8|float8)", t):
+        return "fp8"
+    if stack_of(row) == "nemo" and (not t.strip() or "not stated" in t):
         return "fp8"
     return "bf16"
 
@@ -321,7 +401,7 @@ def eq3_flops_per_step(row: dict) -> float:
 
 def _nvidia(row: dict) -> bool:
     """NVIDIA's NeMo / Megatron-Bridge performance recipes."""
-    return row["group"].startswith(("H_nemo", "I_megatron_bridge"))
+    return stack_of(row) == "nemo"
 
 
 def _interleaved(row: dict) -> bool:
@@ -344,23 +424,26 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
     # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
     # (S: BigScience's topology benchmark of 2022-02, the same engine and Megatron-DeepSpeed.)
-    deepspeed_pipe = row["group"].startswith(("Q_gpt_neox", "R_bloom", "S_bloom"))
+    stack = stack_of(row)
+    deepspeed_pipe = stack in DEEPSPEED_PIPE_STACKS
     # Megatron-LLaMA's rows with Megatron-LM's own DistributedOptimizer (group AB): its README, "the solution provided
     # by Megatron-LM does not fully overlap GPU computation with communication" (its OverlappedDistributedOptimizer does).
-    megatron_llama_plain = row["group"].startswith("AB_megatron_llama") and "overlapped" not in row["zero_fsdp"].lower()
-    megatron_old = (row["group"].startswith(("A_", "C_")) or deepspeed_pipe or megascale_baseline
+    megatron_llama_plain = stack == "megatron-llama" and "overlapped" not in row["zero_fsdp"].lower()
+    megatron_old = ((stack == "megatron-lm" and year < 2023) or deepspeed_pipe or megascale_baseline
                     or megatron_llama_plain)
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
     # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
     # this stage"); that revision's table ("numbers are updated with torch.compile") compiled.
-    fms_eager = row["group"].startswith("P_fms") and "torch.compile" not in row["source"]
-    eager = row["group"].startswith(("K_torchtitan", "O_llm_foundry")) or fms_eager
+    # (`compiled`: what the row says; `EAGER_STACKS`: those stacks' defaults then.)
+    says = compiled(row)
+    eager = says is False or (says is None and stack in EAGER_STACKS)
     flash = year >= 2023 and not megascale_baseline
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
     # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
     # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
-    bf16_reduce = "pure" in row["precision"].lower() or row["group"].startswith(("P_fms", "S_bloom", "Q_gpt"))
+    bf16_reduce = ("pure" in row["precision"].lower() or stack == "fms-fsdp"
+                   or (deepspeed_pipe and "fp16" in row["precision"].lower()))
     ep = _int(row["ep"], 1)
     # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)
     # wherever Megatron-Core allows it: ep > 1, no full recomputation, and an interleaved pipeline when pp > 1
@@ -370,13 +453,13 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
     # OLMo-core's scripts (group AA) compile the model, which turns flash-attn off: attention through SDPA's FA2 kernel.
-    fa2 = row["group"].startswith(("K_torchtitan", "O_llm_foundry", "P_fms", "T_float8", "AA_olmo_core"))
+    fa2 = stack in FA2_STACKS
     # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
     # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
     # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
     # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
     # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
-    mpt_norm = row["group"].startswith("O_llm_foundry")
+    mpt_norm = stack == "llm-foundry"
     # Paxml's GPT configs (groups W, X): the tied embedding looked up as a one-hot matmul (paxml
     # tasks/lm/params/c4.py TransformerLmSpmdAdam: EMBEDDING_LOOKUP_STYLE = 'matmul', SEPARATE_EMBEDDING False;
     # scripts_gpu/configs.py configure_gpt3_task sets it on the shared softmax; praxis
@@ -384,7 +467,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # each of its 24 repeated one-layer blocks (configs.py GPT5BBase.task: input_dropout_prob = 0.1, applied by
     # praxis' StackedTransformer before its layer; DROPOUT_PROB 0.0 leaves attention / residual dropout off,
     # also inside Transformer Engine's layer: praxis te_helper). MaxText looks rows up (nn.Embed).
-    paxml = row["group"].startswith(("W_paxml", "X_jaxtoolbox_paxml"))
+    paxml = stack == "paxml"
     paxml_5b = paxml and row["model"].lower().startswith("gpt-3 5b")
     # Their "selective" rows run praxis' SAVE_DOT_ONLY (W: the recipe's paxml_mod_configs.py) or
     # SAVE_DOT_WITH_NO_BATCH_DIM (X: configs.py GPT5BBase): only dot outputs kept (praxis
@@ -393,7 +476,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # InternLM's HybridZeroOptimizer (group Z) all-reduces every gradient bucket over the whole data-parallel group
     # (hybrid_zero_optim.py `_reduce_and_copy`: reduce_tensor with dst_rank None, an all-reduce) and broadcasts each
     # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`.
-    internlm = row["group"].startswith("Z_internlm")
+    internlm = stack == "internlm"
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
@@ -431,7 +514,10 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     # blocks, the output head and loss on top of the last (its num_layers % pipeline size == 0 rule; the options
     # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
     # DeepSpeed's pipeline (GPT-NeoX, partition method "type:transformer") splits the blocks evenly too.
-    split = "uniform" if row["group"].startswith(("A_", "C_", "E_", "H_", "Q_gpt_neox", "S_bloom")) else "balanced"
+    stack = stack_of(row)
+    uniform = (stack in ("megatron-lm", "megascale") or (stack == "nemo" and "megatron-bridge" not in row["source"].lower())
+               or (stack in DEEPSPEED_PIPE_STACKS and cfg.num_layers % pp == 0))
+    split = "uniform" if uniform else "balanced"
     # HSDP: shard within a node (its 8 GPUs), replicate across nodes; the JAX recipes' "FSDP=<n> x DP=<k>": over n;
     # InternLM's "zero1=<n>": the optimizer states over n.
     shard = _shard_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
@@ -454,19 +540,40 @@ def _mean_estimate(pair: list, cluster) -> Estimate:
     return replace(a, layout=replace(a.layout, recompute=HALF_RECOMPUTE), time_s=time_s, memory_gib=mem, fits=fits)
 
 
-def _compare(row: dict, job: Job, *, step: float, n: int) -> tuple[str, float, float]:
-    """(metric, measured, predicted) of a row with the planner's step time: tokens/s per GPU, else 1 / step
-    time, else TFLOP/s per GPU by eq. 3."""
+def _eq3_row(row: dict) -> bool:
+    """TFLOP/s counted by Megatron-LM's eq. 3 (Narayanan et al. 2021): the row says so, or it is that paper's."""
+    kind = row["pct_peak_type"].lower()
+    return "eq.3" in kind or "eq. 3" in kind or "2104.04473" in row["source"] or "narayanan et al. 2021" in row["source"].lower()
+
+
+def _compare(row: dict, job: Job, *, step: float, n: int, model_flops_per_token: float,
+             peak: float) -> tuple[str, float, float] | None:
+    """(metric, measured, predicted) of a row with the planner's step time: tokens/s per GPU, else 1 / step time, else
+    the whole run's tokens/s over its GPUs, else TFLOP/s per GPU by the row's own FLOP formula (Megatron 2021's eq. 3,
+    GPT-NeoX's 6 N + 60 s h l), else model TFLOP/s per GPU (the planner's convention, `models/stats.py`: PaLM's and
+    Megatron's 6 N + 12 l h s, the head included, no recomputation), else MFU; None when the row gives none."""
     tok_gpu = _float(row["tokens_per_s_per_gpu"])
     if tok_gpu:
         return "tokens_per_s_per_gpu", tok_gpu, job.tokens / step / n
     if _float(row["step_time_s"]):
         return "1/step_time", 1 / _float(row["step_time_s"]), 1 / step
-    if "6 N + 60 s h l" in row["pct_peak_type"]:  # GPT-NeoX's own count of 2022 (N from the row's params_b)
+    tok_total = _float(row.get("tokens_per_s_total", ""))
+    if tok_total:
+        return "tokens_per_s_per_gpu(total)", tok_total / n, job.tokens / step / n
+    tflops, kind = _float(row["tflops_per_gpu"]), row["pct_peak_type"]
+    if tflops and "6 N + 60 s h l" in kind:  # GPT-NeoX's own count of 2022 (N from the row's params_b)
         B, s, l, h = (_int(row[k]) for k in ("gbs_seqs", "seq_len", "layers", "hidden"))  # noqa: E741
         flops = B * s * (6 * _float(row["params_b"]) * 1e9 + 60 * s * h * l)
-        return "tflops_per_gpu(6N+60shl)", _float(row["tflops_per_gpu"]), flops / step / n / 1e12
-    return "tflops_per_gpu(eq.3)", _float(row["tflops_per_gpu"]), eq3_flops_per_step(row) / step / n / 1e12
+        return "tflops_per_gpu(6N+60shl)", tflops, flops / step / n / 1e12
+    if tflops and _eq3_row(row):
+        return "tflops_per_gpu(eq.3)", tflops, eq3_flops_per_step(row) / step / n / 1e12
+    model_tflops = model_flops_per_token * job.tokens / step / n / 1e12
+    if tflops:
+        return "tflops_per_gpu(model FLOPs)", tflops, model_tflops
+    mfu = _float(row["pct_peak"])
+    if mfu and "mfu" in kind.lower():
+        return "mfu", mfu / 100, model_tflops * 1e12 / peak
+    return None
 
 
 def predict_row(row: dict) -> dict:
@@ -480,11 +587,15 @@ def predict_row(row: dict) -> dict:
         cfg = model_of(row)
     except LookupError as e:
         return {**base, "skip": str(e)}
-    cluster = cluster_for(row)
-    job = job_of(row, cfg)
+    try:
+        cluster = cluster_for(row)
+        job = job_of(row, cfg)
+        layouts = [(rc, lo) for rc in recompute_choices(row) for lo in layouts_of(row, cfg, rc)]
+    except ValueError as e:
+        return {**base, "skip": str(e)}
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
     candidates, reasons = [], []
-    for rc, lo in ((rc, lo) for rc in recompute_choices(row) for lo in layouts_of(row, cfg, rc)):
+    for rc, lo in layouts:
         half = rc == HALF_RECOMPUTE
         try:
             m = validate_layout(cfg, job, lo, gpus=n)
@@ -502,7 +613,11 @@ def predict_row(row: dict) -> dict:
     fitting = [e for e in candidates if e.fits]
     best = min(fitting or candidates, key=lambda e: e.time_s["step"])
     step = best.time_s["step"]
-    metric, measured, predicted = _compare(row, job, step=step, n=n)
+    compared = _compare(row, job, step=step, n=n, model_flops_per_token=summary.model_flops_per_token,
+                        peak=cluster.peak(job.precision))
+    if compared is None:
+        return {**base, "skip": "the row gives no throughput, step time, TFLOP/s or MFU to compare"}
+    metric, measured, predicted = compared
     return {**base, "gpus": n, "cluster": cluster.name, "precision": job.precision, "moe": cfg.is_moe,
             "layout": best.layout.short(), "fits": best.fits, "memory_gib": round(best.memory_gib["total"], 1),
             "metric": metric, "measured": measured, "predicted": round(predicted, 3),
