@@ -93,7 +93,9 @@ group id, tests/test_planner_training_kinds.py). "ZeRO-3" (without "FSDP") was r
 priced without its parameter all-gathers; every ZeRO wording is now read by its number. A row giving only TFLOP/s
 was priced by Megatron 2021's eq. 3, which counts a fourth (recomputation) pass and GPT's 4h MLP: now only that
 paper's rows (or a row naming eq. 3) are; the others compare model TFLOP/s in the planner's own convention
-(models/stats.py), or MFU when that is all.
+(models/stats.py), or MFU when that is all. A schedule a row's own cells name (GPipe; Qi et al.'s ZB-1p / ZB-H1, and
+ZB-2p / ZB-V priced as ZB-H1's third of the 1F1B bubble, an upper bound; 1F1B-I) is priced as named; a source's title
+is not read for it (the zero-bubble paper's title names its method on its 1F1B baseline rows too).
 """
 
 from __future__ import annotations
@@ -228,7 +230,8 @@ CHANGES = (
      "id the CSV gives it; ZeRO stages read from any wording ('ZeRO-3', 'ZeRO stage 3', 'zero3': once read as "
      "Megatron's distributed optimizer, stage 1); fp8 from 'float8'; a row giving only TFLOP/s or MFU compared in "
      "model FLOPs unless it is Megatron 2021's (eq. 3); a GPU without a preset, or a row with nothing to compare, "
-     "skipped with the reason instead of stopping the table; Llama 3 / 3.1 shapes for rows that leave them blank",
+     "skipped with the reason instead of stopping the table; Llama 3 / 3.1 shapes for rows that leave them blank; a "
+     "pipeline schedule named in the row's own cells (GPipe, ZB-1p / ZB-H1, 1F1B-I) priced as such",
      (),
      "Dubey et al. 2024 (Llama 3) Table 3; PaLM (Chowdhery et al. 2022) Appendix B's model FLOPs; "
      "models/stats.py's FLOP convention"),

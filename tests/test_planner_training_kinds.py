@@ -426,3 +426,23 @@ def test_a_row_is_compared_by_the_figure_it_gives_or_skipped_with_the_reason():
     assert mfu["metric"] == "mfu" and mfu["predicted"] == pytest.approx(model["predicted"] * 1e12 / 312e12, rel=1e-3)
     assert "no throughput" in predict_row({**row, "tflops_per_gpu": "", "pct_peak": ""})["skip"]
     assert "no cluster preset" in predict_row({**row, "gpu": "V100 32GB"})["skip"]
+
+
+def test_pipeline_schedule_read_from_the_rows_own_cells():
+    """A row whose cells name its schedule ("ZB-1p", "GPipe", "1F1B-I") is priced with it; the source's title
+    ("Zero Bubble Pipeline Parallelism") names the paper's method for its 1F1B baseline rows too, so it does not."""
+    from meshlm.planner.published import layouts_of, model_of
+
+    row = {"row_id": "X", "group": "ZZ", "model": "GPT 6.2B", "layers": "32", "hidden": "4096", "heads": "32",
+           "kv_heads": "32", "ffn": "16384", "vocab": "51200", "seq_len": "1024", "n_gpus": "8", "tp": "1", "pp": "8",
+           "cp": "1", "ep": "", "dp": "1", "vpp": "", "mbs": "1", "sp": "no", "gbs_seqs": "32", "recompute": "none",
+           "zero_fsdp": "none", "gpu": "A100 80GB", "precision": "bf16",
+           "source": "Qi et al. 2023, 'Zero Bubble Pipeline Parallelism'", "source_loc": "Table 4, row '1F1B'",
+           "notes": ""}
+    cfg = model_of(row)
+    schedules = lambda r: {(lo.pp_schedule, lo.pp_chunks) for lo in layouts_of(r, cfg)}  # noqa: E731
+    assert schedules(row) == {("1f1b", 1)}
+    assert schedules({**row, "source_loc": "Table 4, row 'ZB-1p'"}) == {("zero_bubble", 1)}
+    assert schedules({**row, "source_loc": "Table 4", "notes": "GPipe schedule"}) == {("gpipe", 1)}
+    assert schedules({**row, "source_loc": "row '1F1B-I'"}) == {("interleaved", v) for v in (2, 3, 4)}
+    assert schedules({**row, "source_loc": "row '1F1B-I'", "vpp": "2"}) == {("interleaved", 2)}

@@ -404,9 +404,28 @@ def _nvidia(row: dict) -> bool:
     return stack_of(row) == "nemo"
 
 
+# Pipeline schedules as tables name them (Qi et al.'s "ZB-H1" / "ZB-1p" keep a third of 1F1B's bubble: the planner's
+# zero_bubble; its "ZB-2p" / "ZB-V" come closer to none, priced as that third, an upper bound), read from the row's
+# own cells (vpp, source_loc, notes, other_metric), not its source: a paper's title names its method for its
+# baseline rows too.
+_SCHEDULE_NAMES = (("gpipe", "gpipe"), ("zb-", "zero_bubble"), ("zero bubble", "zero_bubble"),
+                   ("zero-bubble", "zero_bubble"), ("1f1b-i", "interleaved"), ("interleaved", "interleaved"),
+                   ("1f1b", "1f1b"))
+
+
+def schedule_named(row: dict) -> str | None:
+    """The pipeline schedule the row's own cells name first (`_SCHEDULE_NAMES`), None when they name none."""
+    for col in ("vpp", "source_loc", "notes", "other_metric"):
+        t = (row.get(col) or "").lower()
+        hits = [(t.find(key), -len(key), name) for key, name in _SCHEDULE_NAMES if key in t]
+        if hits:
+            return min(hits)[2]  # the first named, the longest name where two start together ("1F1B-I")
+    return None
+
+
 def _interleaved(row: dict) -> bool:
     vpp_text = row["vpp"].strip().lower()
-    return vpp_text.startswith("interleaved") or _int(vpp_text, 1) > 1
+    return vpp_text.startswith("interleaved") or _int(vpp_text, 1) > 1 or schedule_named(row) == "interleaved"
 
 
 def job_of(row: dict, cfg: ModelConfig) -> Job:
@@ -495,10 +514,13 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     dp = _int(row["dp"]) or n // (tp * pp * cp)
     vpp_text = row["vpp"].strip().lower()
     rc = rc or recompute_of(row)
-    if vpp_text.startswith("interleaved"):
-        schedules = [("interleaved", c) for c in range(2, 9) if pp * c <= cfg.num_layers]
-    elif _int(vpp_text, 1) > 1:
+    named = schedule_named(row)
+    if _int(vpp_text, 1) > 1:
         schedules = [("interleaved", _int(vpp_text))]
+    elif vpp_text.startswith("interleaved") or named == "interleaved":  # v not stated: each depth tried
+        schedules = [("interleaved", c) for c in range(2, 9) if pp * c <= cfg.num_layers]
+    elif named in ("gpipe", "zero_bubble"):
+        schedules = [(named, 1)]
     else:
         schedules = [("1f1b", 1)]
     mbs_given = _int(row["mbs"])
