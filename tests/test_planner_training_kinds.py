@@ -120,6 +120,8 @@ def test_published_row_hsdp_and_its_own_network():
     assert (lo.dp_shard, lo.dp_replicate, lo.zero_stage) == (8, 12, 3)
     assert cluster_for(row).scaleout_bw == pytest.approx(100e9 / 8)
     assert cluster_for({**row, "internode_bw_per_gpu": ""}).scaleout_bw == get_cluster("h100").scaleout_bw
+    # The figure with a unit, not the count of links before it (once read as 8 Gb/s).
+    assert cluster_for({**row, "internode_bw_per_gpu": "8 x 200 Gb/s HDR"}).scaleout_bw == pytest.approx(200e9 / 8)
     jax = {**row, "group": "U_maxtext_llama2_70b_h100_fsdp", "n_gpus": "512", "dp": "512",
            "zero_fsdp": "FSDP=128 x DP=4 (MaxText fsdp and data mesh axes)", "recompute": "partial (remat policy)"}
     assert zero_of(jax) == 3 and recompute_of(jax) == HALF_RECOMPUTE

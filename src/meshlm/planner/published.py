@@ -276,10 +276,17 @@ def cluster_for(row: dict) -> Cluster:
     """The row's cluster: the GPU's preset, with the row's own scale-out bandwidth per GPU where it gives one
     ("N Gb/s ...") and it differs from the preset's (e.g. fms-fsdp's 800 Gbps per 8-GPU node)."""
     cluster = get_cluster(cluster_of(row["gpu"]))
-    gbit = _float(row.get("internode_bw_per_gpu", ""))
+    gbit = _gbit_per_s(row.get("internode_bw_per_gpu", ""))
     if gbit and abs(gbit * 1e9 / 8 - cluster.scaleout_bw) > 1e6:
         cluster = with_overrides(cluster, scaleout_bw=gbit * 1e9 / 8)
     return cluster
+
+
+def _gbit_per_s(text: str) -> float | None:
+    """The first figure with a bit-rate unit ("200 Gb/s", "400 Gbps", "3.2 Tbps"), in Gb/s: in "8 x 200 Gb/s" the
+    200, not the count of links before it."""
+    m = re.search(r"(\d+(?:\.\d+)?)\s*([gt])(?:b/s|bps|bit|b\b)", text or "", re.IGNORECASE)
+    return float(m.group(1)) * (1000 if m.group(2).lower() == "t" else 1) if m else None
 
 
 def model_of(row: dict) -> ModelConfig:
