@@ -396,6 +396,14 @@ def test_precision_recompute_and_architecture_read_from_common_wordings():
     cfg = model_of(blank)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.intermediate_size) == (126, 16384, 8, 53248)
     assert model_of({**blank, "model": "LLAMA3_70B"}).num_layers == 80
+    # A global batch given in tokens only ("16M") is that many tokens, not one micro-batch per GPU.
+    from meshlm.planner.published import job_of
+
+    run = {**plain, **blank, "gbs_seqs": "", "mbs": "1", "n_gpus": "8192", "tp": "8", "pp": "16", "cp": "1", "ep": "",
+           "vpp": "", "precision": "BF16", "recompute": "", "zero_fsdp": ""}
+    for tokens in ("16M", "16,777,216", "16777216"):
+        assert job_of({**run, "gbs_tokens": tokens}, cfg).global_batch_size == 2048
+    assert job_of({**run, "gbs_tokens": ""}, cfg).global_batch_size == 8192
 
 
 def test_a_row_is_compared_by_the_figure_it_gives_or_skipped_with_the_reason():

@@ -282,6 +282,14 @@ def cluster_for(row: dict) -> Cluster:
     return cluster
 
 
+def _tokens(text: str) -> int | None:
+    """A token count as tables write it: 16777216, "16,777,216", "16M" (2^20: token batches are powers of two)."""
+    m = re.match(r"\s*([\d,]+(?:\.\d+)?)\s*([kmg]?)", text or "", re.IGNORECASE)
+    if not m or not m.group(1).replace(",", ""):
+        return None
+    return int(float(m.group(1).replace(",", "")) * 2 ** {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()])
+
+
 def _gbit_per_s(text: str) -> float | None:
     """The first figure with a bit-rate unit ("200 Gb/s", "400 Gbps", "3.2 Tbps"), in Gb/s: in "8 x 200 Gb/s" the
     200, not the count of links before it."""
@@ -439,7 +447,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     """The row's job: its sequence, batch and precision, and what its software stack overlaps and fuses."""
     n, pp = _int(row["n_gpus"]), _int(row["pp"])
     year = max((int(y) for y in re.findall(r"\b(20\d\d)\b", row["source"])), default=2024)
-    gbs = _int(row["gbs_seqs"]) or (_int(row["mbs"]) or 1) * n
+    # The global batch in sequences, or its tokens over the sequence length ("16M tokens"), else a micro-batch per GPU.
+    gbs_tokens = _tokens(row.get("gbs_tokens", ""))
+    gbs = _int(row["gbs_seqs"]) or (gbs_tokens // seq_len_of(row) if gbs_tokens else 0) or (_int(row["mbs"]) or 1) * n
     # TP communication overlapped with the GEMMs: MegaScale's own runs (its Sec. 3.3), and NVIDIA's NeMo /
     # Megatron-Bridge recipes (`tp_comm_overlap` on in their performance configs); not Megatron 2021/2022
     # nor MegaScale's Megatron-LM baseline.
