@@ -543,3 +543,35 @@ def test_prefill_runs_the_output_head_once_per_prompt_and_decode_once_per_token(
     w = _work(sv, d=16, kv_len=2048, p=4096, p_ctx=512, p_rank=4096)
     assert w["dense_gemm_flops"] == pytest.approx(((16 + 4096) * body + (16 + 4) * head) / 2, rel=1e-12)
     assert cfg.vocab_size * cfg.hidden_size > 0.05 * body / 2  # the head is not negligible: the test can fail
+
+
+def test_offline_within_latency_targets_is_the_best_concurrency_that_meets_them():
+    """`--max-tpot-ms` / `--max-ttft-ms` (a serving SLO): the offline optimum among the concurrencies whose steady-state
+    TPOT and TTFT meet the targets -- the next step up the grid misses one -- never above the unconstrained optimum;
+    where none meets them, the fewest requests with meets_slo false. Published rows that state a target are priced
+    within it (`latency_targets`); a figure without a comparison is a result, not a target."""
+    from meshlm.planner.published_serving import latency_targets
+    from meshlm.planner.serving_modes import Workload, continuous, offline
+
+    sv = _sv("llama3-70b", "h100", tp=8)
+    free = offline(sv, Workload(2048, 512))
+    target = 0.5 * free["tpot_s"]
+    best = offline(sv, Workload(2048, 512, max_tpot_s=target))
+    assert best["meets_slo"] and best["tpot_s"] <= target < free["tpot_s"]
+    assert best["output_tokens_per_s"] < free["output_tokens_per_s"]
+    above = continuous(sv, Workload(2048, 512), best["concurrency"] * 2 ** 0.25 + 1)
+    assert above["tpot_s"] > target
+    ttft = continuous(sv, Workload(2048, 512), best["concurrency"] / 4)["ttft_s"]
+    assert ttft < best["ttft_s"]
+    both = offline(sv, Workload(2048, 512, max_tpot_s=target, max_ttft_s=ttft))
+    assert both["meets_slo"] and both["ttft_s"] <= ttft and both["concurrency"] < best["concurrency"]
+    none = offline(sv, Workload(2048, 512, max_tpot_s=1e-6))
+    assert not none["meets_slo"] and none["concurrency"] == sv.layout.dp
+    with pytest.raises(ValueError, match="offline concurrency"):
+        Workload(2048, 512, concurrency=8, max_tpot_s=0.1)
+    with pytest.raises(ValueError, match="--max-tpot-ms 0 must be > 0"):
+        Workload(2048, 512, max_tpot_s=0.0)
+    cell = lambda text: latency_targets({"batch_or_concurrency": text, "notes": ""})  # noqa: E731
+    assert cell("server: TTFT p99 <= 2 s, TPOT p99 <= 200 ms") == (2.0, 0.2)
+    assert cell("TTFT (p99) < 450 ms; TPOT < 40 ms") == (0.45, 0.04)
+    assert cell("TTFT 120 ms, TPOT 30 ms measured") == (None, None)

@@ -52,6 +52,11 @@ def add_serving_parsers(sub) -> None:
                                                              "(the default)")
     mode.add_argument("--request-rate", type=float, default=None, metavar="R",
                       help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
+    i.add_argument("--max-ttft-ms", type=float, default=None, metavar="MS",
+                   help="with --offline: the best concurrency whose time to first token stays within MS "
+                        "(steady state, no queueing); JSON meets_slo says whether any does")
+    i.add_argument("--max-tpot-ms", type=float, default=None, metavar="MS",
+                   help="with --offline: ... whose time per output token stays within MS")
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
@@ -148,13 +153,17 @@ def _serving_inputs(args):
     wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
                   offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
                   prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
-                  disaggregate=disagg)
+                  disaggregate=disagg, max_ttft_s=_seconds(args.max_ttft_ms), max_tpot_s=_seconds(args.max_tpot_ms))
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     name = args.engine or ("meshlm" if cluster.serving_host else "default")
     sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=engine(name, cluster),
                  mtp_tokens=args.mtp_tokens,
                  **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
     return sv, wl, gpus
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
 
 
 def _precisions(args) -> dict:

@@ -130,8 +130,17 @@ def _float(text: str) -> float | None:
         return None
 
 
+def _name_key(name: str) -> str:
+    """A model name without case, spaces or punctuation: "Llama-2-70B", "llama2-70b-99.9" and "Llama 2 70B" agree."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
 def model_of(row: dict) -> ServedModel:
-    name = row["model"].strip().lower()
+    """The row's model: a preset or an `ARCHS` config whose name starts the row's (compared by `_name_key`, the longest
+    name first: "llama2-70b-99.9" is Llama-2-70B, "DeepSeek-R1-0528" DeepSeek-R1)."""
+    key = _name_key(row["model"])
+    names = sorted([*PRESETS, *ARCHS], key=len, reverse=True)
+    name = next((n for n in names if key.startswith(_name_key(n))), None)
     if name in PRESETS:
         return served_model(PRESETS[name])
     if name in ARCHS:
@@ -326,7 +335,10 @@ def _predict(row: dict, sv: Serving) -> dict:
     O = _int(out_text)
     first_token_only = O is None or "first-token" in out_text
     O = O if O and not first_token_only else 1
-    wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O))
+    ttft, tpot = latency_targets(row) if row["scenario"] not in ("fixed-batch", "latency") else (None, None)
+    if "concurrency" in batch_text:
+        ttft = tpot = None  # a client count sets the load; targets apply to the offline optimum only
+    wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot)
     if row["scenario"] in ("fixed-batch", "latency"):
         r = static_batch(sv, wl, _int(batch_text) or 1)
     elif "concurrency" in batch_text:
@@ -337,6 +349,23 @@ def _predict(row: dict, sv: Serving) -> dict:
     if not first_token_only:
         pred.update(throughput=r["output_tokens_per_s"], tpot_ms=r["tpot_s"] * 1e3)
     return pred
+
+
+_TARGET = re.compile(r"(ttft|tpot|time to first token|time per output token)\s*(?:\(?p\d+(?:\.\d+)?\)?\s*)?"
+                     r"(?:<=|≤|=<|<|at most|under|within|target|constraint|slo|limit)\s*(?:of\s*)?:?\s*"
+                     r"(\d+(?:\.\d+)?)\s*(ms|s)\b")
+
+
+def latency_targets(row: dict) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) limits in seconds a row says its throughput was measured within ("TTFT p99 <= 2 s", "TPOT < 40
+    ms", "TPOT target 200 ms": a serving SLO, as MLPerf's server scenarios set one), from its batching and notes
+    cells; a figure without a comparison ("TTFT 120 ms") is a result, not a target. (None, None) when it names none."""
+    text = f"{row.get('batch_or_concurrency', '')} {row.get('notes', '')}".lower()
+    out = {}
+    for m in _TARGET.finditer(text):
+        kind = "ttft" if m.group(1) in ("ttft", "time to first token") else "tpot"
+        out.setdefault(kind, float(m.group(2)) * (1e-3 if m.group(3) == "ms" else 1.0))
+    return out.get("ttft"), out.get("tpot")
 
 
 def _median_abs(values: list[float]) -> float | None:

@@ -20,6 +20,10 @@ Modes (I prompt tokens, O output tokens per request):
     the TTFT and leaves the throughput N's;
   * offline (`--offline`): the concurrency that maximises throughput among those whose KV fits, each request
     reserving I + O tokens (TensorRT-LLM's GUARANTEED_NO_EVICT scheduler; vLLM's reported max concurrency);
+    with latency targets (`--max-ttft-ms`, `--max-tpot-ms`: a serving SLO, goodput in DistServe's sense) the one
+    that maximises it among those whose steady-state TTFT and TPOT meet them (`meets_slo` false, and the
+    fewest requests, where none does); the steady state's TTFT holds no queueing, so a target on a tail (p99)
+    under bursty arrivals is met more easily here than in the measurement;
   * Poisson arrivals of R requests/s (`--request-rate`): the in-flight count C solves Little's law
     C = R x (TTFT + O x TPOT(C)) by fixed-point iteration; a request's prefill queues as in an M/D/1 queue
     at the engine's utilisation rho = R / R_max (R_max: the offline throughput in requests/s), waiting
@@ -58,6 +62,8 @@ class Workload:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_batch: int | None = None  # the engine's cap on running sequences per dp rank (e.g. vLLM's max_num_seqs)
     disaggregate: tuple[int, int] | None = None  # (prefill GPUs, decode GPUs)
+    max_ttft_s: float | None = None  # latency targets of the offline optimum (a serving SLO)
+    max_tpot_s: float | None = None
 
     def __post_init__(self):
         if self.input_len < 1 or self.output_len < 1:
@@ -69,6 +75,12 @@ class Workload:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} {value} must be > 0")
+        for name, value in (("--max-ttft-ms", self.max_ttft_s), ("--max-tpot-ms", self.max_tpot_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} {value * 1e3:g} must be > 0")
+        if (self.max_ttft_s or self.max_tpot_s) and self.mode != "offline":
+            raise ValueError("--max-ttft-ms / --max-tpot-ms choose the offline concurrency; with --batch, "
+                             "--concurrency or --request-rate the TTFT and TPOT are the answer, not a target")
 
     @property
     def mode(self) -> str:
@@ -149,11 +161,21 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
 
 
 def offline(sv: Serving, wl: Workload) -> dict:
-    """The throughput-maximising concurrency that fits (powers of two up to the KV limit, and the limit)."""
+    """The throughput-maximising concurrency that fits (powers of two up to the KV limit, and the limit); with latency
+    targets, among those meeting them (a finer grid: quarter powers of two), else the fewest requests (module
+    docstring)."""
     cap = max_concurrency(sv, wl)
     dp = sv.layout.dp
-    candidates = {cap} | {dp * 2**i for i in range(0, 20) if dp * 2**i < cap}
-    best = max((continuous(sv, wl, c) for c in candidates), key=lambda r: r["output_tokens_per_s"])
+    slo = wl.max_ttft_s is not None or wl.max_tpot_s is not None
+    steps = [2 ** (i / 4) for i in range(80)] if slo else [2**i for i in range(20)]
+    candidates = {cap} | {dp * max(1, round(x)) for x in steps if dp * x < cap}
+    results = [continuous(sv, wl, c) for c in sorted(candidates)]
+    if slo:
+        meets = [r for r in results if r["ttft_s"] <= (wl.max_ttft_s or math.inf)
+                 and r["tpot_s"] <= (wl.max_tpot_s or math.inf)]
+        best = max(meets, key=lambda r: r["output_tokens_per_s"]) if meets else results[0]
+        return dict(best, meets_slo=bool(meets))
+    best = max(results, key=lambda r: r["output_tokens_per_s"])
     if best["concurrency"] == cap and best["bound"] == "memory bandwidth" and not wl.max_batch:
         best["bound"] = "KV capacity"  # more sequences would share the weight reads, but no more KV fits
     return best
@@ -299,6 +321,8 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
     rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
     queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
     mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
+    if "meets_slo" in r:
+        mode += " within the latency targets" if r["meets_slo"] else " (NO concurrency meets the latency targets)"
     return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
             f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
             f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
