@@ -575,3 +575,13 @@ def test_offline_within_latency_targets_is_the_best_concurrency_that_meets_them(
     assert cell("server: TTFT p99 <= 2 s, TPOT p99 <= 200 ms") == (2.0, 0.2)
     assert cell("TTFT (p99) < 450 ms; TPOT < 40 ms") == (0.45, 0.04)
     assert cell("TTFT 120 ms, TPOT 30 ms measured") == (None, None)
+
+
+def test_published_serving_model_names_are_read_without_case_or_punctuation():
+    from meshlm.planner.published_serving import Skip, model_of
+
+    for name, layers in (("llama2-70b-99.9", 80), ("Llama 2 70B", 80), ("DeepSeek-R1-0528", 61),
+                         ("Llama-3.1-405B-Instruct-FP8", 126), ("Llama-2-7B", 32), ("Mixtral-8x7B-Instruct-v0.1", 32)):
+        assert model_of({"model": name}).cfg.num_layers == layers, name
+    with pytest.raises(Skip, match="no architecture"):
+        model_of({"model": "gpt-j"})  # a prefix of GPT-J-6B's name is not GPT-J-6B

@@ -8,6 +8,9 @@ Not responsible for: any estimate (`serving.py`, `serving_modes.py`) or the data
 
 Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel benchmarks) and serving.py's
 (engine defaults). Choices the rows leave open, made the same way for every row, never from the figures:
+  * a row's model by its name without case or punctuation, the longest known name it starts with ("llama2-70b-99.9" is
+    Llama-2-70B); a throughput measured within latency targets the row states ("TTFT p99 <= 2 s, TPOT p99 <= 200 ms",
+    as MLPerf's server scenarios set) priced as the best concurrency meeting them (`latency_targets`);
   * architectures from the models' published configs (`ARCHS`, or a preset of the same config, `PRESETS`: Llama 3.1
     70B is Llama 3 / 3.3 70B's; Mixtral 8x7B's experts split over the TP group as the rows state no EP; the DeepSeek
     rows use the deepseek-v3 preset with its latent attention; gpt-oss's sliding-window layers as its config.json
