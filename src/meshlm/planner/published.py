@@ -620,17 +620,16 @@ def predict_row(row: dict) -> dict:
     measured - 1), or a "skip" with the reason the planner cannot express the row."""
     base = {"row_id": row["row_id"], "group": row["group"], "model": row["model"]}
     n = _int(row["n_gpus"])
+    if not n:
+        return {**base, "skip": "the row gives no GPU count"}
     if _int(row["tp"]) is None or _int(row["pp"]) is None:
         return {**base, "skip": "the row gives no parallel layout"}
     try:
         cfg = model_of(row)
-    except LookupError as e:
-        return {**base, "skip": str(e)}
-    try:
         cluster = cluster_for(row)
         job = job_of(row, cfg)
         layouts = [(rc, lo) for rc in recompute_choices(row) for lo in layouts_of(row, cfg, rc)]
-    except ValueError as e:
+    except (LookupError, ValueError) as e:  # no architecture, no preset, a layout the row's numbers contradict
         return {**base, "skip": str(e)}
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
     candidates, reasons = [], []
