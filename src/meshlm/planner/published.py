@@ -316,7 +316,9 @@ def model_of(row: dict) -> ModelConfig:
     if arch.get("experts"):
         kw.update(num_experts=arch["experts"], num_experts_per_token=arch["top_k"],
                   moe_intermediate_size=arch["moe_ffn"])
-    return ModelConfig(**kw)
+    cfg = ModelConfig(**kw)
+    cfg.validate()  # ConfigError (a ValueError) names the size the row gets wrong
+    return cfg
 
 
 def recompute_choices(row: dict) -> list[str]:
@@ -409,8 +411,10 @@ def seq_len_of(row: dict) -> int:
     return 8192 if "llama 3" in row["model"].lower() else 4096
 
 
-def eq3_flops_per_step(row: dict) -> float:
-    B, s, l, h, V = (_int(row[k]) for k in ("gbs_seqs", "seq_len", "layers", "hidden", "vocab"))  # noqa: E741
+def eq3_flops_per_step(cfg: ModelConfig, job: Job) -> float:
+    """Megatron-LM's eq. 3 (Narayanan et al. 2021): 96 B s l h^2 (1 + s / 6h + V / 16 l h) FLOPs a step, for the row's
+    global batch B of sequences of s tokens through l layers of width h and a vocabulary of V."""
+    B, s, l, h, V = job.global_batch_size, job.seq_len, cfg.num_layers, cfg.hidden_size, cfg.vocab_size  # noqa: E741
     return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
 
 
@@ -527,8 +531,10 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     "full": `predict_row`)."""
     n = _int(row["n_gpus"])
     tp, pp = _int(row["tp"]), _int(row["pp"])
-    cp, ep = _int(row["cp"], 1), _int(row["ep"], 1)
+    cp, ep = _int(row["cp"]) or 1, _int(row["ep"]) or 1
     dp = _int(row["dp"]) or n // (tp * pp * cp)
+    if dp < 1:
+        raise ValueError(f"row {row['row_id']}: tp x pp x cp = {tp * pp * cp} exceeds its {n} GPUs")
     vpp_text = row["vpp"].strip().lower()
     rc = rc or recompute_of(row)
     named = schedule_named(row)
@@ -585,7 +591,7 @@ def _eq3_row(row: dict) -> bool:
     return "eq.3" in kind or "eq. 3" in kind or "2104.04473" in row["source"] or "narayanan et al. 2021" in row["source"].lower()
 
 
-def _compare(row: dict, job: Job, *, step: float, n: int, model_flops_per_token: float,
+def _compare(row: dict, cfg: ModelConfig, job: Job, *, step: float, n: int, model_flops_per_token: float,
              peak: float) -> tuple[str, float, float] | None:
     """(metric, measured, predicted) of a row with the planner's step time: tokens/s per GPU, else 1 / step time, else
     the whole run's tokens/s over its GPUs, else TFLOP/s per GPU by the row's own FLOP formula (Megatron 2021's eq. 3,
@@ -600,12 +606,12 @@ def _compare(row: dict, job: Job, *, step: float, n: int, model_flops_per_token:
     if tok_total:
         return "tokens_per_s_per_gpu(total)", tok_total / n, job.tokens / step / n
     tflops, kind = _float(row["tflops_per_gpu"]), row["pct_peak_type"]
-    if tflops and "6 N + 60 s h l" in kind:  # GPT-NeoX's own count of 2022 (N from the row's params_b)
-        B, s, l, h = (_int(row[k]) for k in ("gbs_seqs", "seq_len", "layers", "hidden"))  # noqa: E741
+    if tflops and "6 N + 60 s h l" in kind and _float(row["params_b"]):  # GPT-NeoX's own count (N: its params_b)
+        B, s, l, h = job.global_batch_size, job.seq_len, cfg.num_layers, cfg.hidden_size  # noqa: E741
         flops = B * s * (6 * _float(row["params_b"]) * 1e9 + 60 * s * h * l)
         return "tflops_per_gpu(6N+60shl)", tflops, flops / step / n / 1e12
     if tflops and _eq3_row(row):
-        return "tflops_per_gpu(eq.3)", tflops, eq3_flops_per_step(row) / step / n / 1e12
+        return "tflops_per_gpu(eq.3)", tflops, eq3_flops_per_step(cfg, job) / step / n / 1e12
     model_tflops = model_flops_per_token * job.tokens / step / n / 1e12
     if tflops:
         return "tflops_per_gpu(model FLOPs)", tflops, model_tflops
@@ -622,7 +628,7 @@ def predict_row(row: dict) -> dict:
     n = _int(row["n_gpus"])
     if not n:
         return {**base, "skip": "the row gives no GPU count"}
-    if _int(row["tp"]) is None or _int(row["pp"]) is None:
+    if not _int(row["tp"]) or not _int(row["pp"]):
         return {**base, "skip": "the row gives no parallel layout"}
     try:
         cfg = model_of(row)
@@ -647,11 +653,11 @@ def predict_row(row: dict) -> dict:
         else:
             candidates.append(estimate_layout(summary, cluster, job, lo, num_microbatches=m))
     if not candidates:
-        return {**base, "skip": f"layout not expressible: {reasons[0]}"}
+        return {**base, "skip": f"layout not expressible: {reasons[0] if reasons else 'no schedule fits its layers'}"}
     fitting = [e for e in candidates if e.fits]
     best = min(fitting or candidates, key=lambda e: e.time_s["step"])
     step = best.time_s["step"]
-    compared = _compare(row, job, step=step, n=n, model_flops_per_token=summary.model_flops_per_token,
+    compared = _compare(row, cfg, job, step=step, n=n, model_flops_per_token=summary.model_flops_per_token,
                         peak=cluster.peak(job.precision))
     if compared is None:
         return {**base, "skip": "the row gives no throughput, step time, TFLOP/s or MFU to compare"}
