@@ -585,3 +585,19 @@ def test_published_serving_model_names_are_read_without_case_or_punctuation():
         assert model_of({"model": name}).cfg.num_layers == layers, name
     with pytest.raises(Skip, match="no architecture"):
         model_of({"model": "gpt-j"})  # a prefix of GPT-J-6B's name is not GPT-J-6B
+
+
+def test_no_wording_of_a_serving_cell_stops_the_table():
+    """Every cell of one serving row in forty worded otherwise in turn ("0" for a number, "n/a" for a text): each row
+    comes back priced or skipped with its reason (a layout the planner refuses, a deployment whose weights leave no
+    room for one request), never an exception that stops the table."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import predict_row, read_rows
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")[::40]
+    for row in rows:
+        for cell in (c for c in row if c not in ("row_id", "group")):
+            text = "0" if row[cell][:1].isdigit() else "n/a"
+            out = predict_row({**row, cell: text})
+            assert "skip" in out or "layout" in out, (row["row_id"], cell, text)

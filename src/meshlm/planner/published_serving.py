@@ -162,8 +162,12 @@ def precisions_of(row: dict) -> tuple[str, str]:
 
 
 def layout_of(row: dict) -> ServingLayout:
-    n, tp, pp = int(row["n_gpus"]), _int(row["tp"]) or 1, _int(row["pp"]) or 1
+    n, tp, pp = _int(row["n_gpus"]), _int(row["tp"]) or 1, _int(row["pp"]) or 1
+    if not n:
+        raise Skip("the row gives no GPU count")
     dp, ep = _int(row["dp"]) or 1, _int(row["ep"]) or 1
+    if dp * pp > n:
+        raise Skip(f"dp x pp = {dp * pp} exceeds the row's {n} GPUs")
     if dp * tp * pp > n:  # TensorRT-LLM's attention DP inside the tp group
         tp = n // (dp * pp)
     return ServingLayout(tp=tp, pp=pp, dp=dp, ep=ep)
@@ -298,10 +302,10 @@ def predict_row(row: dict) -> dict:
     try:
         sv = deployment_of(row)
         pred = _predict(row, sv)
-    except Skip as e:
+    except (Skip, ValueError) as e:  # ValueError: a layout or lengths the planner refuses, its message says why
         return {**base, "skip": str(e)}
     out = dict(base, layout=sv.layout.label(), precision=sv.precision, kv_precision=sv.kv_precision, **pred)
-    n = int(row["n_gpus"])
+    n = _int(row["n_gpus"])
     published = {"throughput": _published_throughput(row, n), "ttft_ms": _float(row["ttft_ms"]),
                  "tpot_ms": _float(row["tpot_ms"])}
     for key, value in published.items():
@@ -342,6 +346,8 @@ def _predict(row: dict, sv: Serving) -> dict:
     if "concurrency" in batch_text:
         ttft = tpot = None  # a client count sets the load; targets apply to the offline optimum only
     wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot)
+    if max_concurrency(sv, wl) < sv.layout.dp:
+        raise Skip(f"one request of {I}+{O} tokens does not fit each dp rank in the planner's memory model")
     if row["scenario"] in ("fixed-batch", "latency"):
         r = static_batch(sv, wl, _int(batch_text) or 1)
     elif "concurrency" in batch_text:
