@@ -439,7 +439,7 @@ def test_a_row_is_compared_by_the_figure_it_gives_or_skipped_with_the_reason():
     assert "no throughput" in predict_row({**row, "tflops_per_gpu": "", "pct_peak": ""})["skip"]
     assert "no cluster preset" in predict_row({**row, "gpu": "V100 32GB"})["skip"]
     assert "no GPU count" in predict_row({**row, "n_gpus": ""})["skip"]
-    assert "not divisible" in predict_row({**row, "heads": "31"})["skip"]  # a shape its layout cannot split
+    assert "must divide" in predict_row({**row, "heads": "31"})["skip"]  # a shape the model config refuses
 
 
 def test_pipeline_schedule_read_from_the_rows_own_cells():
