@@ -444,7 +444,8 @@ def test_a_row_is_compared_by_the_figure_it_gives_or_skipped_with_the_reason():
 
 def test_pipeline_schedule_read_from_the_rows_own_cells():
     """A row whose cells name its schedule ("ZB-1p", "GPipe", "1F1B-I") is priced with it; the source's title
-    ("Zero Bubble Pipeline Parallelism") names the paper's method for its 1F1B baseline rows too, so it does not."""
+    ("Zero Bubble Pipeline Parallelism") names the paper's method for its 1F1B baseline rows too, so it does not.
+    Context parallelism runs as the row's stack runs it."""
     from meshlm.planner.published import layouts_of, model_of
 
     row = {"row_id": "X", "group": "ZZ", "model": "GPT 6.2B", "layers": "32", "hidden": "4096", "heads": "32",
@@ -460,6 +461,13 @@ def test_pipeline_schedule_read_from_the_rows_own_cells():
     assert schedules({**row, "source_loc": "Table 4", "notes": "GPipe schedule"}) == {("gpipe", 1)}
     assert schedules({**row, "source_loc": "row '1F1B-I'"}) == {("interleaved", v) for v in (2, 3, 4)}
     assert schedules({**row, "source_loc": "row '1F1B-I'", "vpp": "2"}) == {("interleaved", 2)}
+    # Context parallelism as the stack runs it: torchtitan's (PyTorch's) all-gathers K and V, a row naming Ulysses
+    # its all-to-alls, the others Megatron / TE's ring.
+    cp = {**row, "pp": "1", "cp": "4", "dp": "2", "seq_len": "65536", "gbs_seqs": "2"}
+    methods = lambda r: {lo.cp_method for lo in layouts_of(r, cfg)}  # noqa: E731
+    assert methods({**cp, "source": "pytorch/torchtitan docs/performance.md"}) == {"allgather"}
+    assert methods({**cp, "notes": "DeepSpeed-Ulysses sequence parallelism"}) == {"ulysses"}
+    assert methods(cp) == {"ring"}
 
 
 def test_no_wording_of_a_cell_stops_the_table():

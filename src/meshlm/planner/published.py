@@ -568,7 +568,12 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     shard = _shard_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
     if dp % shard:
         raise ValueError(f"row {row['row_id']}: FSDP degree {shard} does not divide the data parallelism {dp}")
+    # Context parallelism as the stack runs it: DeepSpeed-Ulysses' all-to-alls where the row names them; PyTorch's
+    # context_parallel (torchtitan) all-gathers the keys and values (torch.distributed.tensor.experimental._attention:
+    # `_ContextParallelOptions.rotate_method` defaults to ALL_GATHER); else Megatron / Transformer Engine's p2p ring.
+    cp_method = ("ulysses" if "ulysses" in _text(row) else "allgather" if stack == "torchtitan" else "ring")
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
+                   cp_method=cp_method if cp > 1 else "ring",
                    pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
                    micro_batch_size=mbs, sequence_parallel=sp, pp_split=split, expert_tp=1 if nvidia_moe else 0,
                    recompute="none" if rc == HALF_RECOMPUTE else rc)
