@@ -457,6 +457,11 @@ def test_pipeline_schedule_read_from_the_rows_own_cells():
     cfg = model_of(row)
     schedules = lambda r: {(lo.pp_schedule, lo.pp_chunks) for lo in layouts_of(r, cfg)}  # noqa: E731
     assert schedules(row) == {("1f1b", 1)}
+    # Megatron-LM's even split where the layers divide into the stages, else the balanced one (not a refused row).
+    megatron = {**row, "source": "Megatron-LM (2023)"}
+    assert {lo.pp_split for lo in layouts_of(megatron, cfg)} == {"uniform"}
+    odd = {**megatron, "layers": "30"}
+    assert {lo.pp_split for lo in layouts_of(odd, model_of(odd))} == {"balanced"}
     assert schedules({**row, "source_loc": "Table 4, row 'ZB-1p'"}) == {("zero_bubble", 1)}
     assert schedules({**row, "source_loc": "Table 4", "notes": "GPipe schedule"}) == {("gpipe", 1)}
     assert schedules({**row, "source_loc": "row '1F1B-I'"}) == {("interleaved", v) for v in (2, 3, 4)}

@@ -560,9 +560,11 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
     # DeepSpeed's pipeline (GPT-NeoX, partition method "type:transformer") splits the blocks evenly too.
     stack = stack_of(row)
-    uniform = (stack in ("megatron-lm", "megascale") or (stack == "nemo" and "megatron-bridge" not in row["source"].lower())
-               or (stack in DEEPSPEED_PIPE_STACKS and cfg.num_layers % pp == 0))
-    split = "uniform" if uniform else "balanced"
+    # Where the layers do not divide into the stages, those splits cannot be even: the balanced one (DeepSpeed's
+    # partitioner then, BLOOM's 70 layers over 12 stages; Megatron-LM refuses such a layout).
+    uniform = (stack in ("megatron-lm", "megascale", *DEEPSPEED_PIPE_STACKS)
+               or (stack == "nemo" and "megatron-bridge" not in row["source"].lower()))
+    split = "uniform" if uniform and cfg.num_layers % pp == 0 else "balanced"
     # HSDP: shard within a node (its 8 GPUs), replicate across nodes; the JAX recipes' "FSDP=<n> x DP=<k>": over n;
     # InternLM's "zero1=<n>": the optimizer states over n.
     shard = _shard_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
