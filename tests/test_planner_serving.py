@@ -565,6 +565,10 @@ def test_offline_within_latency_targets_is_the_best_concurrency_that_meets_them(
     assert ttft < best["ttft_s"]
     both = offline(sv, Workload(2048, 512, max_tpot_s=target, max_ttft_s=ttft))
     assert both["meets_slo"] and both["ttft_s"] <= ttft and both["concurrency"] < best["concurrency"]
+    from meshlm.planner.serving_modes import disaggregated
+
+    split = disaggregated(_sv("llama3-70b", "h100", tp=8), Workload(2048, 512, disaggregate=(8, 8), max_tpot_s=target))
+    assert split["meets_slo"] and split["tpot_s"] <= target  # the decode pool's concurrency meets it
     none = offline(sv, Workload(2048, 512, max_tpot_s=1e-6))
     assert not none["meets_slo"] and none["concurrency"] == sv.layout.dp
     with pytest.raises(ValueError, match="offline concurrency"):

@@ -234,7 +234,8 @@ def disaggregated(sv: Serving, wl: Workload) -> dict:
     bound = {prefill_rps: full["bound"], decode_rps: it["bound"],
              transfer_rps: "scale-up link" if same_domain else "scale-out link"}[rps]
     alone = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=I, prefill_ctx=I / 2)["total"]
-    return {"concurrency": d["concurrency"], "ttft_s": alone + transfer_s, "tpot_s": it["total"],
+    slo = {"meets_slo": d["meets_slo"]} if "meets_slo" in d else {}  # latency targets: the decode pool's choice
+    return {**slo, "concurrency": d["concurrency"], "ttft_s": alone + transfer_s, "tpot_s": it["total"],
             "output_tokens_per_s": rps * O, "total_tokens_per_s": rps * (I + O), "bound": bound, "iteration": it,
             "kv_transfer_bytes_per_request": nbytes, "kv_transfer_s": transfer_s,
             "prefill_requests_per_s": prefill_rps, "decode_requests_per_s": decode_rps,
