@@ -175,6 +175,10 @@ def test_fms_rows_run_eager_unless_their_source_is_the_compiled_table():
     assert job_of(compiled, cfg).fused_elementwise
     assert job_of({**row, "source": "MosaicML llm-foundry benchmarking README (Composer FSDP)"}, cfg).fp32_norms is False
     assert job_of(row, cfg).fp32_norms is True
+    # TP communication overlapped where the row names it (torchtitan's async TP, Megatron's --tp-comm-overlap).
+    assert not job_of(row, cfg).tp_comm_overlap
+    assert job_of({**row, "notes": "FSDP + TP with async TP"}, cfg).tp_comm_overlap
+    assert job_of({**row, "notes": "--tp-comm-overlap"}, cfg).tp_comm_overlap
 
 
 def test_serial_pipeline_transfers_cost_an_interior_stage_two_more_per_micro_batch():

@@ -458,7 +458,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # Megatron-Bridge recipes (`tp_comm_overlap` on in their performance configs); not Megatron 2021/2022
     # nor MegaScale's Megatron-LM baseline.
     nvidia = _nvidia(row)
-    overlap = "(megascale)" in row["model"].lower() or nvidia
+    # A row that names it ("async TP": torchtitan's enable_async_tensor_parallel; Megatron's --tp-comm-overlap) too.
+    named_overlap = re.search(r"(?<!no )(async(hronous)? (tp|tensor[ -]parallel)|tp[-_]comm[-_]overlap)", _text(row))
+    overlap = "(megascale)" in row["model"].lower() or nvidia or bool(named_overlap)
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
