@@ -365,6 +365,8 @@ def test_published_rows_are_read_from_what_they_say_not_from_their_group():
         stacks.setdefault(row["group"], set()).add(stack_of(row))
     assert all(len(s) == 1 and "" not in s for s in stacks.values()), stacks
     assert stacks["K_torchtitan_a100_fsdp"] == stacks["T_float8_fsdp2_blog_h100"] == {"torchtitan"}
+    assert stack_of({"source": "NVIDIA NeMo docs", "model": "Nemotron-8B"}) == "nemo"
+    assert stack_of({"source": "Nemotron-4 technical report", "model": "Nemotron-4 340B"}) == ""  # a word, not a part
 
 
 @pytest.mark.parametrize("text, stage", [

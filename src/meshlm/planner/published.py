@@ -241,9 +241,11 @@ EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry")
 
 
 def stack_of(row: dict) -> str:
-    """The software stack the row names in its source or model columns (`STACKS`), "" when none."""
+    """The software stack the row names in its source or model columns (`STACKS`, each name a whole word: "NeMo" is
+    not in "Nemotron"), "" when none."""
     text = f"{row.get('source', '')} {row.get('model', '')}".lower()
-    return next((name for name, keys in STACKS if any(k in text for k in keys)), "")
+    named = lambda key: re.search(rf"(?<![a-z]){re.escape(key)}(?![a-z])", text)  # noqa: E731
+    return next((name for name, keys in STACKS if any(named(k) for k in keys)), "")
 
 
 def _text(row: dict) -> str:
