@@ -470,6 +470,8 @@ def test_pipeline_schedule_read_from_the_rows_own_cells():
     assert {lo.pp_split for lo in layouts_of(odd, model_of(odd))} == {"balanced"}
     assert schedules({**row, "source_loc": "Table 4, row 'ZB-1p'"}) == {("zero_bubble", 1)}
     assert schedules({**row, "source_loc": "Table 4", "notes": "GPipe schedule"}) == {("gpipe", 1)}
+    assert schedules({**row, "source_loc": "Table 4", "notes": "pipeline_parallel_schedule ZBVZeroBubble"}) == {
+        ("zero_bubble", 1)}
     assert schedules({**row, "source_loc": "row '1F1B-I'"}) == {("interleaved", v) for v in (2, 3, 4)}
     assert schedules({**row, "source_loc": "row '1F1B-I'", "vpp": "2"}) == {("interleaved", 2)}
     # Context parallelism as the stack runs it: torchtitan's (PyTorch's) all-gathers K and V, a row naming Ulysses

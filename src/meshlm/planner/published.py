@@ -429,9 +429,9 @@ def _nvidia(row: dict) -> bool:
 # zero_bubble; its "ZB-2p" / "ZB-V" come closer to none, priced as that third, an upper bound), read from the row's
 # own cells (vpp, source_loc, notes, other_metric), not its source: a paper's title names its method for its
 # baseline rows too.
-_SCHEDULE_NAMES = (("gpipe", "gpipe"), ("zb-", "zero_bubble"), ("zero bubble", "zero_bubble"),
-                   ("zero-bubble", "zero_bubble"), ("1f1b-i", "interleaved"), ("interleaved", "interleaved"),
-                   ("1f1b", "1f1b"))
+_SCHEDULE_NAMES = (("gpipe", "gpipe"), ("zb-", "zero_bubble"), ("zbv", "zero_bubble"), ("zero bubble", "zero_bubble"),
+                   ("zero-bubble", "zero_bubble"), ("zerobubble", "zero_bubble"), ("1f1b-i", "interleaved"),
+                   ("interleaved", "interleaved"), ("1f1b", "1f1b"))  # torchtitan's names too: ZBVZeroBubble, ...
 
 
 def schedule_named(row: dict) -> str | None:
