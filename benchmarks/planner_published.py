@@ -88,7 +88,7 @@ as the development rows are. Until then the stack-specific choices (FlashAttenti
 PyTorch stacks' "selective" checkpointing as half, Megatron-LM's uniform split, NVIDIA's recipes' bf16 gradients and
 TP overlap, DeepSpeed's serial pipeline transfers, ...) keyed on this CSV's group ids, so a torchtitan table under
 another id was priced with cuDNN attention, fused kernels and Megatron's selective recomputation; they now key on
-the stack the row's source and model name (`published.stack_of`; every dev row predicts the same under an unseen
+the stack the row's source and model name (`published_rows.stack_of`; every dev row predicts the same under an unseen
 group id, tests/test_planner_training_kinds.py). "ZeRO-3" (without "FSDP") was read as stage 1, so a ZeRO-3 run was
 priced without its parameter all-gathers; every ZeRO wording is now read by its number. A row giving only TFLOP/s
 was priced by Megatron 2021's eq. 3, which counts a fourth (recomputation) pass and GPT's 4h MLP: now only that
@@ -178,7 +178,7 @@ CHANGES = (
      "communication_data_type defaults to the gradients' dtype; BLOOM-176B's BF16_Optimizer reduces fp32 ones"),
     ("a recomputation the row does not state: none, half or full, the fastest that fits (as a micro-batch size not "
      "given)", ("T_float8_fsdp2_blog_h100",), "the float8 / FSDP2 blog: 'the best batch size and activation "
-     "checkpointing schemes' explored, not printed (published.recompute_choices)"),
+     "checkpointing schemes' explored, not printed (published_rows.recompute_choices)"),
     ("Jean Zay's Omni-Path network at its measured 135 Gbps per node (16.9 Gb/s per GPU achieved; the row's figure is "
      "that over the planner's link efficiency), not the nominal 4 x 100 Gbps", ("R_bloom_176b",
                                                                             "S_bloom_prequel_a100_pipeline"),
@@ -186,7 +186,7 @@ CHANGES = (
      "It was only 135Gbps'"),
     # Issue 25, fourth round: groups U to Y added (read row by row while making this); descriptions only.
     ("row descriptions for NVIDIA's JAX / XLA recipes: the FSDP degree of a row's 'FSDP=<n> x DP=<k>' mesh "
-     "(published._shard_degree: sharded over n, replicated k times); a remat policy re-running about half the forward "
+     "(published_rows.shard_degree: sharded over n, replicated k times); a remat policy re-running about half the forward "
      "('partial': MaxText save_dot_except_mlpwi, Paxml SAVE_QKV_OUT_PROJ) priced as half, MaxText's save_dot_except_mlp "
      "and save_qkv_proj (83% and 90%) as full, Paxml's SAVE_DOT_ONLY and SAVE_DOT_WITH_NO_BATCH_DIM as selective, "
      "SAVE_NOTHING as full, MaxText's minimal_flash as none; otherwise the planner's defaults",
@@ -206,7 +206,7 @@ CHANGES = (
      "layers/transformers.py StackedTransformer, layers/checkpoint_policy.py custom_policy; NVIDIA/JAX-Toolbox "
      ".github/container/patches/paxml/PR-46.patch (PACKED_INPUT False under TE)"),
     ("row descriptions for InternLM's Hybrid ZeRO ('zero1=<n>': ZeRO-1 with the optimizer states sharded over n "
-     "data-parallel ranks, replicated across the groups: published._shard_degree), for OLMo-core's scripts "
+     "data-parallel ranks, replicated across the groups: published_rows.shard_degree), for OLMo-core's scripts "
      "(FSDP2 in a node, torch.compile, attention through SDPA's FlashAttention-2, QK-norm) and for Megatron-LLaMA "
      "(Megatron-LM's DistributedOptimizer rows with the data-parallel collectives exposed, its own overlapped "
      "optimizer's rows overlapped); otherwise the planner's defaults; no constant changed",
@@ -226,7 +226,7 @@ CHANGES = (
      "dst_rank None; broadcast_params) and utils.py reduce_tensor ('If dst_rank is None, all-reduce will be used'); "
      "NVIDIA/nccl src/graph/tuning.cc (a ring broadcast's latency: one hop with the same channels)"),
     # Issue 25, sixth round: what a held-out table's rows get. No mechanism, no constant; no dev row moves.
-    ("Each row's software stack read from its own source and model columns (published.stack_of), not from the group "
+    ("Each row's software stack read from its own source and model columns (published_rows.stack_of), not from the group "
      "id the CSV gives it; ZeRO stages read from any wording ('ZeRO-3', 'ZeRO stage 3', 'zero3': once read as "
      "Megatron's distributed optimizer, stage 1); fp8 from 'float8'; a row giving only TFLOP/s or MFU compared in "
      "model FLOPs unless it is Megatron 2021's (eq. 3); a GPU without a preset, or a row with nothing to compare, "

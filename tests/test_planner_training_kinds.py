@@ -108,7 +108,8 @@ def test_published_row_hsdp_and_its_own_network():
     shards over 128 and replicates 4 times (and a degree that does not divide dp is refused); a row naming its
     scale-out bandwidth per GPU gets it (the preset's when it names none); recompute "partial" (a remat policy
     re-running about half the forward) is priced as half, "full (...)" as full."""
-    from meshlm.planner.published import HALF_RECOMPUTE, cluster_for, layouts_of, model_of, recompute_of, zero_of
+    from meshlm.planner.published import layouts_of
+    from meshlm.planner.published_rows import HALF_RECOMPUTE, cluster_for, model_of, recompute_of, zero_of
 
     row = {"row_id": "X", "group": "P_fms_fsdp", "model": "Llama2-7b", "layers": "32", "hidden": "4096",
            "heads": "32", "kv_heads": "32", "ffn": "11008", "vocab": "32000", "seq_len": "4096", "n_gpus": "96",
@@ -162,7 +163,8 @@ def test_eager_norms_in_fp32_cost_their_bytes_exactly():
 def test_fms_rows_run_eager_unless_their_source_is_the_compiled_table():
     """fms-fsdp's README tables of Feb-Mar 2024 ran with --use_torch_compile=False; the table of 2024-05-09 says
     its numbers are with torch.compile: the row's source decides Job.fused_elementwise."""
-    from meshlm.planner.published import job_of, model_of
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import model_of
 
     row = {"row_id": "X", "group": "P_fms_fsdp", "model": "Llama2-7b", "layers": "32", "hidden": "4096",
            "heads": "32", "kv_heads": "32", "ffn": "11008", "vocab": "32000", "seq_len": "4096", "n_gpus": "96",
@@ -208,7 +210,8 @@ def test_published_row_recompute_not_stated_takes_the_fastest_that_fits_and_deep
     """A row whose recomputation is "not stated" is priced with none, half and full and keeps the fastest layout that
     fits, exactly the one the row would get with that recomputation written in; DeepSpeed's fp16 ZeRO-1 rows (GPT-NeoX,
     BigScience's fp16 benchmark) reduce 16-bit gradients, BLOOM-176B's BF16_Optimizer fp32 ones."""
-    from meshlm.planner.published import job_of, model_of, predict_row, recompute_choices
+    from meshlm.planner.published import job_of, predict_row
+    from meshlm.planner.published_rows import model_of, recompute_choices
 
     row = {"row_id": "X", "group": "T_float8_fsdp2_blog_h100", "model": "Llama 3 70B (torchtitan)", "layers": "80",
            "hidden": "8192", "heads": "64", "kv_heads": "8", "ffn": "28672", "vocab": "128256", "seq_len": "8192",
@@ -238,7 +241,8 @@ def test_one_hot_embedding_gemm_and_unfused_dropout_cost_their_flops_and_bytes()
     input as a pass of its own (`Job.unfused_dropouts`): 2 x hidden elements per token forward, twice that
     backward; a remat policy keeping only dot outputs (`Job.remat_saves_dots`) re-runs the whole elementwise forward.
     The published rows set them from their configs (the 175B drops nothing; MaxText gathers)."""
-    from meshlm.planner.published import job_of, model_of
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import model_of
     from meshlm.planner.timing import elementwise_time
 
     cfg = _gpt(layers=4, hidden=1024, vocab=51200)
@@ -351,10 +355,11 @@ def test_published_runs_median_error_within_ten_percent():
 def test_published_rows_are_read_from_what_they_say_not_from_their_group():
     """A held-out table is priced with what its stack does, as the development rows of that stack are: every row of
     benchmarks/data/ given a group id no row has predicts exactly what it predicts under its own (the stack comes
-    from the row's source and model columns, `published.stack_of`), and each group's rows name one stack."""
+    from the row's source and model columns, `published_rows.stack_of`), and each group's rows name one stack."""
     from pathlib import Path
 
-    from meshlm.planner.published import predict_row, read_runs, stack_of
+    from meshlm.planner.published import predict_row, read_runs
+    from meshlm.planner.published_rows import stack_of
 
     rows = read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     for row in rows:
@@ -377,13 +382,13 @@ def test_published_rows_are_read_from_what_they_say_not_from_their_group():
     ("DDP (FSDP=0)", 1), ("", 1), ("none", 0)])
 def test_zero_stage_read_from_the_wordings_tables_use(text, stage):
     # "ZeRO-3" was once read as Megatron's distributed optimizer (stage 1): no parameter gathers at all.
-    from meshlm.planner.published import zero_of
+    from meshlm.planner.published_rows import zero_of
 
     assert zero_of({"zero_fsdp": text}) == stage
 
 
 def test_precision_recompute_and_architecture_read_from_common_wordings():
-    from meshlm.planner.published import model_of, precision_of, recompute_of
+    from meshlm.planner.published_rows import model_of, precision_of, recompute_of
 
     plain = {"source": "", "model": "", "group": "ZZ"}
     for text, want in (("bf16 + float8 linear layers", "fp8"), ("Float8", "fp8"), ("FP8-CS", "fp8"),
@@ -418,7 +423,8 @@ def test_a_row_is_compared_by_the_figure_it_gives_or_skipped_with_the_reason():
     recomputation); MFU when that is all; a row with none of them, or on a GPU without a preset, is skipped with
     the reason, never an exception that stops the table."""
     from meshlm.models.stats import train_flops_per_token
-    from meshlm.planner.published import eq3_flops_per_step, job_of, model_of, predict_row
+    from meshlm.planner.published import eq3_flops_per_step, job_of, predict_row
+    from meshlm.planner.published_rows import model_of
 
     row = {"row_id": "X", "group": "ZZ", "model": "GPT 7.5B", "layers": "36", "hidden": "4096", "heads": "32",
            "kv_heads": "32", "ffn": "16384", "vocab": "51200", "seq_len": "2048", "n_gpus": "128", "tp": "4", "pp": "1",
@@ -452,7 +458,8 @@ def test_pipeline_schedule_read_from_the_rows_own_cells():
     """A row whose cells name its schedule ("ZB-1p", "GPipe", "1F1B-I") is priced with it; the source's title
     ("Zero Bubble Pipeline Parallelism") names the paper's method for its 1F1B baseline rows too, so it does not.
     Context parallelism runs as the row's stack runs it."""
-    from meshlm.planner.published import layouts_of, model_of
+    from meshlm.planner.published import layouts_of
+    from meshlm.planner.published_rows import model_of
 
     row = {"row_id": "X", "group": "ZZ", "model": "GPT 6.2B", "layers": "32", "hidden": "4096", "heads": "32",
            "kv_heads": "32", "ffn": "16384", "vocab": "51200", "seq_len": "1024", "n_gpus": "8", "tp": "1", "pp": "8",

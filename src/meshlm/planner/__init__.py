@@ -12,6 +12,7 @@ counts and matmul FLOPs of our model (and the FLOP convention) are `meshlm.model
   calibrate    measure this machine (matmul FLOP/s, gloo collectives)
   inputs       sizes (4M), amounts (15T), a model spec, a Job, from what a user types
   published    the planner against published training runs (benchmarks/data/), each with its own layout
+  published_rows  what a published row's cells say (model, cluster, stack, ZeRO stage, precision, schedule)
 
 Python API: `estimate(...)` (one layout) and `plan(...)` (search) below.
 """

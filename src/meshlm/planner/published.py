@@ -2,8 +2,9 @@
 the predicted throughput compared with the reported one.
 
 Responsible for: reading a table of published runs (`read_runs`: the CSV of benchmarks/data/, one dict per
-row), turning a row into the model, cluster, job and layout it describes -- the row's OWN layout (tp, pp,
-interleaving, dp, cp, ep, ZeRO/FSDP, micro-batch, recompute, precision), never the planner's favourite --
+row), turning a row -- its cells as `published_rows` reads them: model, cluster, stack, ZeRO stage, precision,
+recomputation, schedule -- into the job and layout it describes, the row's OWN layout (tp, pp, interleaving, dp,
+cp, ep, ZeRO/FSDP, micro-batch, recompute, precision), never the planner's favourite --
 and comparing the planner's step time with the row's figure (`predict_row`), and the medians of the errors
 (`summarize`; `score_runs` does both). It compares:
   * tokens/s per GPU where the row gives it (MegaScale, NeMo, Megatron-Bridge, torchtitan): no FLOP
@@ -21,12 +22,12 @@ checks the medians).
 Nothing is fitted to any row: the constants are those of `meshlm.planner.cluster` (each cited there). The
 groups looked at while choosing them are `FIT_GROUPS`; the others are reported apart ("held_out").
 Choices the rows leave open, made the same way for every row (never from the reported throughput):
-  * the software stack a row ran is read from its own source and model columns (`stack_of`, `STACKS`), never from
+  * the software stack a row ran is read from its own source and model columns (`published_rows.stack_of`), never from
     the group id the CSV gives it, so that a held-out table of a stack gets what that stack's development rows
     get (the groups named below are where each choice was first needed);
   * micro-batch size when not given, and interleaving depth when "v not stated": the fastest predicted
     choice that fits (fastest overall if none fits);
-  * missing architectures from the published model cards / papers (`ARCHS`, each cited);
+  * missing architectures from the published model cards / papers (`published_rows.ARCHS`, each cited);
   * GPT-style models (4h GeLU MLP, squared-ReLU for Nemotron) are mapped to SwiGLU with intermediate =
     2/3 * ffn rounded to a multiple of 128 (so tp divides it; the same parameters and FLOPs per token up to
     that rounding); Llama-family ffn sizes are SwiGLU sizes already;
@@ -92,7 +93,7 @@ Choices the rows leave open, made the same way for every row (never from the rep
     parameters reduced in fp32 (MaxText's default `weight_dtype: float32`; Paxml's fp32 parameters, bf16
     `FPROP_DTYPE`): the planner's defaults for all four;
   * "FSDP=<n> x DP=<k>" (the JAX recipes' fsdp and data mesh axes): parameters sharded over n GPUs, replicated
-    k times (`_shard_degree`), as HSDP with a shard group of n;
+    k times (`shard_degree`), as HSDP with a shard group of n;
   * recompute "partial" (a remat policy that keeps some projections and re-runs the rest: MaxText's
     `save_dot_except_mlpwi`, about 57% of the forward; Paxml's `SAVE_QKV_OUT_PROJ`, about 67%) priced as
     `HALF_RECOMPUTE`; policies that re-run more than four fifths of the forward (MaxText's `save_dot_except_mlp`,
@@ -102,7 +103,7 @@ Choices the rows leave open, made the same way for every row (never from the rep
     re-runs about half); MaxText's `minimal_flash` (the attention output kept too) as
     none. The CSV's recompute column names the policy and its share;
   * InternLM's Hybrid ZeRO (group Z) "zero1=<n>": ZeRO-1 with the optimizer states sharded over n data-parallel
-    ranks (one node) and replicated across the groups (`_shard_degree`; zero1=-1: over all of them), its gradient and
+    ranks (one node) and replicated across the groups (`shard_degree`; zero1=-1: over all of them), its gradient and
     parameter syncs overlapped (`overlap_sync_grad` / `overlap_sync_param` in its configs/7B_sft.py), FlashAttention,
     fused kernels: the planner's defaults; its gradients all-reduced over every data-parallel rank and its updated
     shards broadcast, rank by rank (`Job.zero1_grad_all_reduce`, `job_of` cites its optimizer); its packed samples of
@@ -131,63 +132,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshlm.config import ModelConfig
-from meshlm.planner.cluster import Cluster, GiB, get_cluster, with_overrides
+from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
+from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, HALF_RECOMPUTE, cell_float,
+                                           cell_int, cluster_for, compiled, hybrid_shard, interleaved, model_of,
+                                           nvidia_recipe, precision_of, recompute_choices, recompute_of, row_text,
+                                           schedule_named, seq_len_of, shard_degree, stack_of, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
 FIT_GROUPS = ("A_megatron2021_weak_scaling", "E_megascale_175b_strong_scaling", "I_megatron_bridge_h100")
-
-_GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs
-# Architectures the CSV leaves blank, from the papers / model cards (keys: name prefixes, compared by `_name_key`).
-ARCHS = {
-    # NeMo GPT-3 configs (Brown et al. 2020 Table 2.1 sizes); vocab padded as Megatron does.
-    "gpt3-5b": dict(layers=24, hidden=4096, heads=32, ffn=16384, vocab=51200, **_GPT),
-    "gpt3-20b": dict(layers=44, hidden=6144, heads=48, ffn=24576, vocab=51200, **_GPT),
-    "gpt3-175b": dict(layers=96, hidden=12288, heads=96, ffn=49152, vocab=51200, **_GPT),
-    # Touvron et al. 2023 (Llama 2) Table 1 / model cards.
-    "llama2-7b": dict(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000),
-    "llama2-13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000),
-    "llama2-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-    "llama 2 13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000),
-    "llama 2 70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
-    # Nemotron-3 8B / Nemotron-4 (Parmar et al. 2024 Table 1; NVIDIA 2024 Nemotron-4 340B report): squared ReLU MLP.
-    "nemotron-8b": dict(layers=32, hidden=4096, heads=32, ffn=16384, vocab=256000, **_GPT),
-    "nemotron-22b": dict(layers=40, hidden=6144, heads=48, kv_heads=8, ffn=24576, vocab=256000, **_GPT),
-    "nemotron-340b": dict(layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728, vocab=256000, **_GPT),
-    # OpenAI gpt-oss model card (2025): 36 layers, 128 experts top-4, head_dim 64.
-    "gpt oss 120b": dict(layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880, vocab=201088,
-                         experts=128, top_k=4, moe_ffn=2880),
-    # Qwen3 technical report (2025) Table 2 / config.json.
-    "qwen3_30b_a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936,
-                          experts=128, top_k=8, moe_ffn=768, qk_norm=True),
-    # MosaicML MPT (llm-foundry's yamls/pretrain/mpt-*.yaml; the CSV rows carry the sizes): GeLU 4h MLP.
-    "mpt-": dict(**_GPT),
-    # BigScience BLOOM (tr11-176B-ml README, the CSV row carries the sizes): GeLU 4h MLP.
-    "bloom": dict(**_GPT),
-    # Ai2 OLMo-core (OLMo-1124 shapes: olmo_core/nn/transformer/config.py olmo_1B / olmo_7B / olmo_13B, qk_norm=True;
-    # the CSV rows carry the sizes).
-    "olmo-1124": dict(qk_norm=True),
-    "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
-                            experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
-    # Llama 3 / 3.1 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3: its vocabulary of 128,000 tokens).
-    **{f"llama {v} {size}": arch for v in ("3", "3.1") for size, arch in (
-        ("8b", dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128000)),
-        ("70b", dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128000)),
-        ("405b", dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128000)))},
-}
-
-
-def _name_key(name: str) -> str:
-    """A model name without case, spaces or punctuation: "Llama 3.1 8B", "LLAMA3.1_8B" and "llama-3.1-8b" agree."""
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-# torchtitan's "selective" activation checkpointing is not Megatron's (attention core only): "selective
-# layer" checkpoints every second transformer block in full (its `selective_ac_option = "2"`), "selective
-# op" saves the matmul outputs but recomputes every second matmul and the ops between (its `_save_list`
-# policy). Both re-run about half of the forward: priced as the mean of the no-recompute and the
-# full-recompute estimates (time and memory), the planner having no per-layer recompute choice.
-HALF_RECOMPUTE = "half"
 
 
 def read_runs(path: str | Path) -> list[dict]:
@@ -202,217 +156,6 @@ def score_runs(rows: list[dict]) -> tuple[list[dict], dict]:
     return results, summarize(results)
 
 
-def _int(text: str, default: int | None = None) -> int | None:
-    m = re.match(r"\s*(\d+)", text or "")
-    return int(m.group(1)) if m else default
-
-
-def _float(text: str) -> float | None:
-    m = re.match(r"\s*([\d.]+)", text or "")
-    return float(m.group(1)) if m else None
-
-
-# The software stack a row ran, read from what the row says it is (its source and model columns), never from the
-# group id the CSV gives it: a held-out table of the same stack is priced as its development rows are. The first
-# name found wins (Megatron-LLaMA is a Megatron-LM fork; MegaScale's source names Megatron-LM as its baseline).
-STACKS = (
-    ("megatron-llama", ("megatron-llama",)),
-    ("megascale", ("megascale",)),
-    ("torchtitan", ("torchtitan",)),
-    ("fms-fsdp", ("fms-fsdp", "foundation-model-stack")),
-    ("llm-foundry", ("llm-foundry", "mosaicml", "composer")),
-    ("olmo-core", ("olmo-core",)),
-    ("internlm", ("internlm",)),
-    ("paxml", ("paxml",)),
-    ("maxtext", ("maxtext",)),
-    ("gpt-neox", ("gpt-neox",)),  # DeepSpeed's pipeline engine
-    ("megatron-deepspeed", ("megatron-deepspeed", "bigscience")),  # DeepSpeed's pipeline engine
-    ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
-    ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
-)
-PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
-DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
-# Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
-FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core")
-# Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
-# published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
-# Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
-EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry")
-
-
-def stack_of(row: dict) -> str:
-    """The software stack the row names in its source or model columns (`STACKS`, each name a whole word: "NeMo" is
-    not in "Nemotron"), "" when none."""
-    text = f"{row.get('source', '')} {row.get('model', '')}".lower()
-    named = lambda key: re.search(rf"(?<![a-z]){re.escape(key)}(?![a-z])", text)  # noqa: E731
-    return next((name for name, keys in STACKS if any(named(k) for k in keys)), "")
-
-
-def _text(row: dict) -> str:
-    return " ".join(str(row.get(k) or "") for k in ("source", "source_loc", "model", "notes", "other_metric")).lower()
-
-
-def compiled(row: dict) -> bool | None:
-    """Whether the row says torch.compile was on (True), off (False), or neither (None)."""
-    t = _text(row)
-    if re.search(r"torch\.compile off|compile\s*=\s*false|compile: n\b|without torch\.compile|not use compile", t):
-        return False
-    if re.search(r"torch\.compile|compile\s*=\s*true|compile: y\b", t):
-        return True
-    return None
-
-
-def cluster_of(gpu: str) -> str:
-    g = gpu.lower()
-    if "a100" in g and "40" in g:
-        return "a100-40gb"
-    for key, name in (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
-                      ("h800", "h800"), ("a100", "a100"), ("ampere", "a100"), ("mi325x", "mi325x"),
-                      ("mi300x", "mi300x")):
-        if key in g:
-            return name
-    raise ValueError(f"GPU {gpu!r} has no cluster preset (planner/cluster.py PRESETS)")
-
-
-def cluster_for(row: dict) -> Cluster:
-    """The row's cluster: the GPU's preset, with the row's own scale-out bandwidth per GPU where it gives one
-    ("N Gb/s ...") and it differs from the preset's (e.g. fms-fsdp's 800 Gbps per 8-GPU node)."""
-    cluster = get_cluster(cluster_of(row["gpu"]))
-    gbit = _gbit_per_s(row.get("internode_bw_per_gpu", ""))
-    if gbit and abs(gbit * 1e9 / 8 - cluster.scaleout_bw) > 1e6:
-        cluster = with_overrides(cluster, scaleout_bw=gbit * 1e9 / 8)
-    return cluster
-
-
-def _tokens(text: str) -> int | None:
-    """A token count as tables write it: 16777216, "16,777,216", "16M" (2^20: token batches are powers of two)."""
-    m = re.match(r"\s*([\d,]+(?:\.\d+)?)\s*([kmg]?)", text or "", re.IGNORECASE)
-    if not m or not m.group(1).replace(",", ""):
-        return None
-    return int(float(m.group(1).replace(",", "")) * 2 ** {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()])
-
-
-def _gbit_per_s(text: str) -> float | None:
-    """The first figure with a bit-rate unit ("200 Gb/s", "400 Gbps", "3.2 Tbps"), in Gb/s: in "8 x 200 Gb/s" the
-    200, not the count of links before it."""
-    m = re.search(r"(\d+(?:\.\d+)?)\s*([gt])(?:b/s|bps|bit|b\b)", text or "", re.IGNORECASE)
-    return float(m.group(1)) * (1000 if m.group(2).lower() == "t" else 1) if m else None
-
-
-def model_of(row: dict) -> ModelConfig:
-    name = row["model"].strip().lower()
-    if name.startswith("deepseekv3"):
-        return ModelConfig.from_preset("deepseek-v3")
-    arch = next((a for k, a in ARCHS.items() if _name_key(name).startswith(_name_key(k))), {})
-    get = lambda key, col: _int(row[col]) if _int(row[col]) else arch.get(key)  # noqa: E731
-    hidden, heads, layers = get("hidden", "hidden"), get("heads", "heads"), get("layers", "layers")
-    if None in (hidden, heads, layers):
-        raise LookupError(f"architecture of {row['model']!r} is neither in the CSV nor in ARCHS")
-    ffn = get("ffn", "ffn") or 4 * hidden
-    gpt = arch.get("mlp") == "gelu" or "gpt" in name and "oss" not in name
-    kw = dict(vocab_size=get("vocab", "vocab") or 51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
-              num_kv_heads=get("kv_heads", "kv_heads") or heads, max_seq_len=_int(row["seq_len"]) or 8192,
-              intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
-    if arch.get("head_dim"):
-        kw["head_dim"] = arch["head_dim"]
-    if arch.get("experts"):
-        kw.update(num_experts=arch["experts"], num_experts_per_token=arch["top_k"],
-                  moe_intermediate_size=arch["moe_ffn"])
-    cfg = ModelConfig(**kw)
-    cfg.validate()  # ConfigError (a ValueError) names the size the row gets wrong
-    return cfg
-
-
-def recompute_choices(row: dict) -> list[str]:
-    """The recomputation the row ran, or each one it may have run where it says "not stated" (the float8 / FSDP2
-    blog: "the best ... activation checkpointing schemes" explored): none, half (the PyTorch stacks' selective
-    checkpointing) and full, the planner keeping the fastest that fits, as for a micro-batch size not given."""
-    if "not stated" in (row["recompute"] or "").lower():
-        return ["none", HALF_RECOMPUTE, "full"] if _pytorch_fsdp(row) else ["none", "selective", "full"]
-    return [recompute_of(row)]
-
-
-def recompute_of(row: dict) -> str:
-    t = (row["recompute"] or "").strip().lower()
-    if re.match(r"(none|no|off|false|not stated)\b", t):
-        return "none"
-    if t.startswith("partial"):  # a remat policy re-running about half the forward (module docstring)
-        return HALF_RECOMPUTE
-    if re.match(r"(yes|on|true)\b", t) or "full" in t:
-        return "full"
-    if _pytorch_fsdp(row) and ("selective layer" in t or "selective op" in t):
-        return HALF_RECOMPUTE
-    if "selective" in t:
-        return "selective"
-    if not t and stack_of(row) == "megascale":
-        return "selective"
-    if "checkpoint" in t or "recomput" in t:  # "activation checkpointing", "recomputation": every block
-        return "full"
-    return "none"
-
-
-def _pytorch_fsdp(row: dict) -> bool:
-    """PyTorch-native FSDP stacks (torchtitan, IBM's fms-fsdp, the float8 / FSDP2 blog's torchtitan runs): their
-    "selective" checkpointing re-runs about half the forward (`HALF_RECOMPUTE`)."""
-    return stack_of(row) in PYTORCH_FSDP_STACKS
-
-
-def _shard_degree(row: dict) -> int | None:
-    """The sharding group a row names: "FSDP=<n>" (the JAX recipes' fsdp mesh axes, ICI x DCN: parameters sharded
-    over n, the rest of the data parallelism replicating; "FSDP=0" is NeMo's "no FSDP") or InternLM's "zero1=<n>"
-    (optimizer states sharded over n > 1 data-parallel ranks, replicated across the groups; -1: over all of them,
-    as DeepSpeed's ZeRO-1); None where it names neither."""
-    for key, least in (("fsdp", 1), ("zero1", 2)):
-        m = re.search(rf"{key}\s*=\s*(-?\d+)", row["zero_fsdp"], re.IGNORECASE)
-        if m and int(m.group(1)) >= least:
-            return int(m.group(1))
-    return None
-
-
-def _hybrid_shard(row: dict) -> bool:
-    """PyTorch FSDP's HYBRID_SHARD ("HSDP"): parameters sharded over the GPUs of a node, replicated across nodes."""
-    return "hsdp" in row["zero_fsdp"].lower()
-
-
-def zero_of(row: dict) -> int:
-    """The ZeRO stage the row names: "ZeRO-3", "ZeRO stage 2", "zero1=8", "ZeRO-2-style"; FSDP / HSDP (not "FSDP=0")
-    and ZeRO-Infinity / ZeRO++ are 3, Composer's SHARD_GRAD_OP 2; "none" 0; else Megatron's distributed optimizer
-    (the NeMo / Megatron-Bridge default), 1."""
-    t = row["zero_fsdp"].strip().lower()
-    m = re.search(r"zero[\s_-]*(?:stage[\s_-]*)?([0-3])(?!\d)|\bstage[\s_-]*([0-3])\b", t)
-    if m:
-        return int(m.group(1) or m.group(2))
-    if ("fsdp" in t and "fsdp=0" not in t) or _hybrid_shard(row) or "full_shard" in t or "fully shard" in t:
-        return 3
-    if "zero-infinity" in t or "zero++" in t:
-        return 3
-    if "shard_grad_op" in t:
-        return 2
-    if t in ("none", "no", "ddp", "off"):
-        return 0
-    return 1  # Megatron's distributed optimizer (NeMo / Megatron-Bridge default)
-
-
-def precision_of(row: dict) -> str:
-    """fp8 where the row names fp8 / float8 (FP8-CS, "fp8 (torchao float8 linear layers ...)", "bf16 + float8"): its
-    GEMMs, the rest staying 16-bit; else bf16 (bf16, fp16, "mixed precision (16-bit)": the same tensor-core rate).
-    NVIDIA's recipe tables that leave it open are their FP8 tables."""
-    t = row["precision"].lower()
-    if re.search(r"fp8|float8", t) and not re.search(r"\b(no|without|not)\s+(fp8|float8)", t):
-        return "fp8"
-    if stack_of(row) == "nemo" and (not t.strip() or "not stated" in t):
-        return "fp8"
-    return "bf16"
-
-
-def seq_len_of(row: dict) -> int:
-    s = _int(row["seq_len"])
-    if s:
-        return s
-    # torchtitan's performance.md: Llama 3 runs at 8192, Llama 2 at 4096 (its note on the table)
-    return 8192 if "llama 3" in row["model"].lower() else 4096
-
-
 def eq3_flops_per_step(cfg: ModelConfig, job: Job) -> float:
     """Megatron-LM's eq. 3 (Narayanan et al. 2021): 96 B s l h^2 (1 + s / 6h + V / 16 l h) FLOPs a step, for the row's
     global batch B of sequences of s tokens through l layers of width h and a vocabulary of V."""
@@ -420,48 +163,20 @@ def eq3_flops_per_step(cfg: ModelConfig, job: Job) -> float:
     return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def _nvidia(row: dict) -> bool:
-    """NVIDIA's NeMo / Megatron-Bridge performance recipes."""
-    return stack_of(row) == "nemo"
-
-
-# Pipeline schedules as tables name them (Qi et al.'s "ZB-H1" / "ZB-1p" keep a third of 1F1B's bubble: the planner's
-# zero_bubble; its "ZB-2p" / "ZB-V" come closer to none, priced as that third, an upper bound), read from the row's
-# own cells (vpp, source_loc, notes, other_metric), not its source: a paper's title names its method for its
-# baseline rows too.
-_SCHEDULE_NAMES = (("gpipe", "gpipe"), ("zb-", "zero_bubble"), ("zbv", "zero_bubble"), ("zero bubble", "zero_bubble"),
-                   ("zero-bubble", "zero_bubble"), ("zerobubble", "zero_bubble"), ("1f1b-i", "interleaved"),
-                   ("interleaved", "interleaved"), ("1f1b", "1f1b"))  # torchtitan's names too: ZBVZeroBubble, ...
-
-
-def schedule_named(row: dict) -> str | None:
-    """The pipeline schedule the row's own cells name first (`_SCHEDULE_NAMES`), None when they name none."""
-    for col in ("vpp", "source_loc", "notes", "other_metric"):
-        t = (row.get(col) or "").lower()
-        hits = [(t.find(key), -len(key), name) for key, name in _SCHEDULE_NAMES if key in t]
-        if hits:
-            return min(hits)[2]  # the first named, the longest name where two start together ("1F1B-I")
-    return None
-
-
-def _interleaved(row: dict) -> bool:
-    vpp_text = row["vpp"].strip().lower()
-    return vpp_text.startswith("interleaved") or _int(vpp_text, 1) > 1 or schedule_named(row) == "interleaved"
-
-
 def job_of(row: dict, cfg: ModelConfig) -> Job:
     """The row's job: its sequence, batch and precision, and what its software stack overlaps and fuses."""
-    n, pp = _int(row["n_gpus"]), _int(row["pp"])
+    n, pp = cell_int(row["n_gpus"]), cell_int(row["pp"])
     year = max((int(y) for y in re.findall(r"\b(20\d\d)\b", row["source"])), default=2024)
     # The global batch in sequences, or its tokens over the sequence length ("16M tokens"), else a micro-batch per GPU.
-    gbs_tokens = _tokens(row.get("gbs_tokens", ""))
-    gbs = _int(row["gbs_seqs"]) or (gbs_tokens // seq_len_of(row) if gbs_tokens else 0) or (_int(row["mbs"]) or 1) * n
+    gbs_tokens = token_count(row.get("gbs_tokens", ""))
+    gbs = (cell_int(row["gbs_seqs"]) or (gbs_tokens // seq_len_of(row) if gbs_tokens else 0)
+           or (cell_int(row["mbs"]) or 1) * n)
     # TP communication overlapped with the GEMMs: MegaScale's own runs (its Sec. 3.3), and NVIDIA's NeMo /
     # Megatron-Bridge recipes (`tp_comm_overlap` on in their performance configs); not Megatron 2021/2022
     # nor MegaScale's Megatron-LM baseline.
-    nvidia = _nvidia(row)
+    nvidia = nvidia_recipe(row)
     # A row that names it ("async TP": torchtitan's enable_async_tensor_parallel; Megatron's --tp-comm-overlap) too.
-    named_overlap = re.search(r"(?<!no )(async(hronous)? (tp|tensor[ -]parallel)|tp[-_]comm[-_]overlap)", _text(row))
+    named_overlap = re.search(r"(?<!no )(async(hronous)? (tp|tensor[ -]parallel)|tp[-_]comm[-_]overlap)", row_text(row))
     overlap = "(megascale)" in row["model"].lower() or nvidia or bool(named_overlap)
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
@@ -488,12 +203,12 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
     bf16_reduce = ("pure" in row["precision"].lower() or stack == "fms-fsdp"
                    or (deepspeed_pipe and "fp16" in row["precision"].lower()))
-    ep = _int(row["ep"], 1)
+    ep = cell_int(row["ep"], 1)
     # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)
     # wherever Megatron-Core allows it: ep > 1, no full recomputation, and an interleaved pipeline when pp > 1
     # (their H100 MoE configs with a virtual pipeline set it; the one without, GPT-OSS pp=4, does not).
     ep_overlap = (nvidia and cfg.is_moe and ep > 1 and recompute_of(row) != "full"
-                  and (pp == 1 or _interleaved(row)))
+                  and (pp == 1 or interleaved(row)))
     # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
     # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
     # OLMo-core's scripts (group AA) compile the model, which turns flash-attn off: attention through SDPA's FA2 kernel.
@@ -533,24 +248,24 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     """The layouts the row describes: its own degrees, with each micro-batch size and interleaving depth it
     leaves open, recomputing as `rc` (default: as the row says; "half" is priced as the mean of "none" and
     "full": `predict_row`)."""
-    n = _int(row["n_gpus"])
-    tp, pp = _int(row["tp"]), _int(row["pp"])
-    cp, ep = _int(row["cp"]) or 1, _int(row["ep"]) or 1
-    dp = _int(row["dp"]) or n // (tp * pp * cp)
+    n = cell_int(row["n_gpus"])
+    tp, pp = cell_int(row["tp"]), cell_int(row["pp"])
+    cp, ep = cell_int(row["cp"]) or 1, cell_int(row["ep"]) or 1
+    dp = cell_int(row["dp"]) or n // (tp * pp * cp)
     if dp < 1:
         raise ValueError(f"row {row['row_id']}: tp x pp x cp = {tp * pp * cp} exceeds its {n} GPUs")
     vpp_text = row["vpp"].strip().lower()
     rc = rc or recompute_of(row)
     named = schedule_named(row)
-    if _int(vpp_text, 1) > 1:
-        schedules = [("interleaved", _int(vpp_text))]
-    elif vpp_text.startswith("interleaved") or named == "interleaved":  # v not stated: each depth tried
+    if cell_int(vpp_text, 1) > 1:
+        schedules = [("interleaved", cell_int(vpp_text))]
+    elif interleaved(row):  # v not stated: each depth tried
         schedules = [("interleaved", c) for c in range(2, 9) if pp * c <= cfg.num_layers]
     elif named in ("gpipe", "zero_bubble"):
         schedules = [(named, 1)]
     else:
         schedules = [("1f1b", 1)]
-    mbs_given = _int(row["mbs"])
+    mbs_given = cell_int(row["mbs"])
     mbs_list = [mbs_given] if mbs_given else [1, 2, 4, 8]
     # Sequence parallelism: as the row says; NVIDIA's recipes turn it on with tp > 1 for dense models.
     sp_text = row["sp"].strip().lower()
@@ -558,7 +273,7 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     sp = sp_text.startswith("yes") or (not sp_text and tp > 1)
     # NVIDIA's MoE recipes: experts not tensor-parallel (expert_tensor_parallel_size = 1 in every
     # Megatron-Bridge MoE performance config).
-    nvidia_moe = _nvidia(row) and cfg.is_moe
+    nvidia_moe = nvidia_recipe(row) and cfg.is_moe
     # Megatron-LM (the 2021 / 2022 papers, MegaScale, NeMo 24.07) gives every pipeline stage num_layers / stages
     # blocks, the output head and loss on top of the last (its num_layers % pipeline size == 0 rule; the options
     # that lighten the end stages came to Megatron-Core later and are set by newer recipes, e.g. Megatron-Bridge's).
@@ -571,13 +286,13 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     split = "uniform" if uniform and cfg.num_layers % pp == 0 else "balanced"
     # HSDP: shard within a node (its 8 GPUs), replicate across nodes; the JAX recipes' "FSDP=<n> x DP=<k>": over n;
     # InternLM's "zero1=<n>": the optimizer states over n.
-    shard = _shard_degree(row) or (min(dp, 8) if _hybrid_shard(row) else dp)
+    shard = shard_degree(row) or (min(dp, 8) if hybrid_shard(row) else dp)
     if dp % shard:
         raise ValueError(f"row {row['row_id']}: FSDP degree {shard} does not divide the data parallelism {dp}")
     # Context parallelism as the stack runs it: DeepSpeed-Ulysses' all-to-alls where the row names them; PyTorch's
     # context_parallel (torchtitan) all-gathers the keys and values (torch.distributed.tensor.experimental._attention:
     # `_ContextParallelOptions.rotate_method` defaults to ALL_GATHER); else Megatron / Transformer Engine's p2p ring.
-    cp_method = ("ulysses" if "ulysses" in _text(row) else "allgather" if stack == "torchtitan" else "ring")
+    cp_method = ("ulysses" if "ulysses" in row_text(row) else "allgather" if stack == "torchtitan" else "ring")
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
                    cp_method=cp_method if cp > 1 else "ring",
                    pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
@@ -608,25 +323,25 @@ def _compare(row: dict, cfg: ModelConfig, job: Job, *, step: float, n: int, mode
     the whole run's tokens/s over its GPUs, else TFLOP/s per GPU by the row's own FLOP formula (Megatron 2021's eq. 3,
     GPT-NeoX's 6 N + 60 s h l), else model TFLOP/s per GPU (the planner's convention, `models/stats.py`: PaLM's and
     Megatron's 6 N + 12 l h s, the head included, no recomputation), else MFU; None when the row gives none."""
-    tok_gpu = _float(row["tokens_per_s_per_gpu"])
+    tok_gpu = cell_float(row["tokens_per_s_per_gpu"])
     if tok_gpu:
         return "tokens_per_s_per_gpu", tok_gpu, job.tokens / step / n
-    if _float(row["step_time_s"]):
-        return "1/step_time", 1 / _float(row["step_time_s"]), 1 / step
-    tok_total = _float(row.get("tokens_per_s_total", ""))
+    if cell_float(row["step_time_s"]):
+        return "1/step_time", 1 / cell_float(row["step_time_s"]), 1 / step
+    tok_total = cell_float(row.get("tokens_per_s_total", ""))
     if tok_total:
         return "tokens_per_s_per_gpu(total)", tok_total / n, job.tokens / step / n
-    tflops, kind = _float(row["tflops_per_gpu"]), row["pct_peak_type"]
-    if tflops and "6 N + 60 s h l" in kind and _float(row["params_b"]):  # GPT-NeoX's own count (N: its params_b)
+    tflops, kind = cell_float(row["tflops_per_gpu"]), row["pct_peak_type"]
+    if tflops and "6 N + 60 s h l" in kind and cell_float(row["params_b"]):  # GPT-NeoX's own count (N: its params_b)
         B, s, l, h = job.global_batch_size, job.seq_len, cfg.num_layers, cfg.hidden_size  # noqa: E741
-        flops = B * s * (6 * _float(row["params_b"]) * 1e9 + 60 * s * h * l)
+        flops = B * s * (6 * cell_float(row["params_b"]) * 1e9 + 60 * s * h * l)
         return "tflops_per_gpu(6N+60shl)", tflops, flops / step / n / 1e12
     if tflops and _eq3_row(row):
         return "tflops_per_gpu(eq.3)", tflops, eq3_flops_per_step(cfg, job) / step / n / 1e12
     model_tflops = model_flops_per_token * job.tokens / step / n / 1e12
     if tflops:
         return "tflops_per_gpu(model FLOPs)", tflops, model_tflops
-    mfu = _float(row["pct_peak"])
+    mfu = cell_float(row["pct_peak"])
     if mfu and "mfu" in kind.lower():
         return "mfu", mfu / 100, model_tflops * 1e12 / peak
     return None
@@ -636,10 +351,10 @@ def predict_row(row: dict) -> dict:
     """One row with its own layout: the planner's prediction of the row's metric and its error (predicted /
     measured - 1), or a "skip" with the reason the planner cannot express the row."""
     base = {"row_id": row["row_id"], "group": row["group"], "model": row["model"]}
-    n = _int(row["n_gpus"])
+    n = cell_int(row["n_gpus"])
     if not n:
         return {**base, "skip": "the row gives no GPU count"}
-    if not _int(row["tp"]) or not _int(row["pp"]):
+    if not cell_int(row["tp"]) or not cell_int(row["pp"]):
         return {**base, "skip": "the row gives no parallel layout"}
     try:
         cfg = model_of(row)

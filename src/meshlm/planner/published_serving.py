@@ -56,6 +56,7 @@ from pathlib import Path
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
+from meshlm.planner.published_rows import name_key
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
@@ -133,17 +134,13 @@ def _float(text: str) -> float | None:
         return None
 
 
-def _name_key(name: str) -> str:
-    """A model name without case, spaces or punctuation: "Llama-2-70B", "llama2-70b-99.9" and "Llama 2 70B" agree."""
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
 def model_of(row: dict) -> ServedModel:
-    """The row's model: a preset or an `ARCHS` config whose name starts the row's (compared by `_name_key`, the longest
-    name first: "llama2-70b-99.9" is Llama-2-70B, "DeepSeek-R1-0528" DeepSeek-R1)."""
-    key = _name_key(row["model"])
+    """The row's model: a preset or an `ARCHS` config whose name starts the row's (compared by
+    `published_rows.name_key`, the longest name first: "llama2-70b-99.9" is Llama-2-70B, "DeepSeek-R1-0528"
+    DeepSeek-R1)."""
+    key = name_key(row["model"])
     names = sorted([*PRESETS, *ARCHS], key=len, reverse=True)
-    name = next((n for n in names if key.startswith(_name_key(n))), None)
+    name = next((n for n in names if key.startswith(name_key(n))), None)
     if name in PRESETS:
         return served_model(PRESETS[name])
     if name in ARCHS:

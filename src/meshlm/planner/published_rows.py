@@ -1,0 +1,310 @@
+"""What a row of a published table says, read from its cells as the tables word them: the model it trained (`model_of`,
+`ARCHS` for shapes a row leaves blank), the cluster it ran on (`cluster_for`), its software stack (`stack_of`), its
+ZeRO stage, precision, recomputation, sequence, pipeline schedule and sharding group.
+
+Responsible for: turning one cell, or a row's text, into the planner's word for it, the same way for every table:
+a row is read by what it says, never by the group id the CSV gives it, so that another table in these columns (a
+held-out one) is read as benchmarks/data/'s rows are; a cell no reader can make sense of raises ValueError /
+LookupError, which `published.predict_row` turns into a skip with the reason.
+Not responsible for: the job and layouts those readings make, or pricing them (`published.py`, whose module docstring
+lists the choices and their sources), or the serving tables (`published_serving.py`, which shares `name_key`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from meshlm.config import ModelConfig
+from meshlm.planner.cluster import Cluster, get_cluster, with_overrides
+
+_GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs
+# Architectures the CSV leaves blank, from the papers / model cards (keys: name prefixes, compared by `name_key`).
+ARCHS = {
+    # NeMo GPT-3 configs (Brown et al. 2020 Table 2.1 sizes); vocab padded as Megatron does.
+    "gpt3-5b": dict(layers=24, hidden=4096, heads=32, ffn=16384, vocab=51200, **_GPT),
+    "gpt3-20b": dict(layers=44, hidden=6144, heads=48, ffn=24576, vocab=51200, **_GPT),
+    "gpt3-175b": dict(layers=96, hidden=12288, heads=96, ffn=49152, vocab=51200, **_GPT),
+    # Touvron et al. 2023 (Llama 2) Table 1 / model cards.
+    "llama2-7b": dict(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000),
+    "llama2-13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000),
+    "llama2-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+    "llama 2 13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000),
+    "llama 2 70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
+    # Nemotron-3 8B / Nemotron-4 (Parmar et al. 2024 Table 1; NVIDIA 2024 Nemotron-4 340B report): squared ReLU MLP.
+    "nemotron-8b": dict(layers=32, hidden=4096, heads=32, ffn=16384, vocab=256000, **_GPT),
+    "nemotron-22b": dict(layers=40, hidden=6144, heads=48, kv_heads=8, ffn=24576, vocab=256000, **_GPT),
+    "nemotron-340b": dict(layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728, vocab=256000, **_GPT),
+    # OpenAI gpt-oss model card (2025): 36 layers, 128 experts top-4, head_dim 64.
+    "gpt oss 120b": dict(layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880, vocab=201088,
+                         experts=128, top_k=4, moe_ffn=2880),
+    # Qwen3 technical report (2025) Table 2 / config.json.
+    "qwen3_30b_a3b": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936,
+                          experts=128, top_k=8, moe_ffn=768, qk_norm=True),
+    # MosaicML MPT (llm-foundry's yamls/pretrain/mpt-*.yaml; the CSV rows carry the sizes): GeLU 4h MLP.
+    "mpt-": dict(**_GPT),
+    # BigScience BLOOM (tr11-176B-ml README, the CSV row carries the sizes): GeLU 4h MLP.
+    "bloom": dict(**_GPT),
+    # Ai2 OLMo-core (OLMo-1124 shapes: olmo_core/nn/transformer/config.py olmo_1B / olmo_7B / olmo_13B, qk_norm=True;
+    # the CSV rows carry the sizes).
+    "olmo-1124": dict(qk_norm=True),
+    "qwen3_235b_a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=12288, vocab=151936,
+                            experts=128, top_k=8, moe_ffn=1536, qk_norm=True),
+    # Llama 3 / 3.1 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3: its vocabulary of 128,000 tokens).
+    **{f"llama {v} {size}": arch for v in ("3", "3.1") for size, arch in (
+        ("8b", dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128000)),
+        ("70b", dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128000)),
+        ("405b", dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128000)))},
+}
+
+
+def name_key(name: str) -> str:
+    """A model name without case, spaces or punctuation: "Llama 3.1 8B", "LLAMA3.1_8B" and "llama-3.1-8b" agree."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+# torchtitan's "selective" activation checkpointing is not Megatron's (attention core only): "selective
+# layer" checkpoints every second transformer block in full (its `selective_ac_option = "2"`), "selective
+# op" saves the matmul outputs but recomputes every second matmul and the ops between (its `_save_list`
+# policy). Both re-run about half of the forward: priced as the mean of the no-recompute and the
+# full-recompute estimates (time and memory), the planner having no per-layer recompute choice.
+HALF_RECOMPUTE = "half"
+
+
+def cell_int(text: str, default: int | None = None) -> int | None:
+    m = re.match(r"\s*(\d+)", text or "")
+    return int(m.group(1)) if m else default
+
+
+def cell_float(text: str) -> float | None:
+    m = re.match(r"\s*([\d.]+)", text or "")
+    return float(m.group(1)) if m else None
+
+
+# The software stack a row ran, read from what the row says it is (its source and model columns), never from the
+# group id the CSV gives it: a held-out table of the same stack is priced as its development rows are. The first
+# name found wins (Megatron-LLaMA is a Megatron-LM fork; MegaScale's source names Megatron-LM as its baseline).
+STACKS = (
+    ("megatron-llama", ("megatron-llama",)),
+    ("megascale", ("megascale",)),
+    ("torchtitan", ("torchtitan",)),
+    ("fms-fsdp", ("fms-fsdp", "foundation-model-stack")),
+    ("llm-foundry", ("llm-foundry", "mosaicml", "composer")),
+    ("olmo-core", ("olmo-core",)),
+    ("internlm", ("internlm",)),
+    ("paxml", ("paxml",)),
+    ("maxtext", ("maxtext",)),
+    ("gpt-neox", ("gpt-neox",)),  # DeepSpeed's pipeline engine
+    ("megatron-deepspeed", ("megatron-deepspeed", "bigscience")),  # DeepSpeed's pipeline engine
+    ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
+    ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
+)
+PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
+DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
+# Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
+FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core")
+# Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
+# published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
+# Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
+EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry")
+
+
+def stack_of(row: dict) -> str:
+    """The software stack the row names in its source or model columns (`STACKS`, each name a whole word: "NeMo" is
+    not in "Nemotron"), "" when none."""
+    text = f"{row.get('source', '')} {row.get('model', '')}".lower()
+    named = lambda key: re.search(rf"(?<![a-z]){re.escape(key)}(?![a-z])", text)  # noqa: E731
+    return next((name for name, keys in STACKS if any(named(k) for k in keys)), "")
+
+
+def row_text(row: dict) -> str:
+    return " ".join(str(row.get(k) or "") for k in ("source", "source_loc", "model", "notes", "other_metric")).lower()
+
+
+def compiled(row: dict) -> bool | None:
+    """Whether the row says torch.compile was on (True), off (False), or neither (None)."""
+    t = row_text(row)
+    if re.search(r"torch\.compile off|compile\s*=\s*false|compile: n\b|without torch\.compile|not use compile", t):
+        return False
+    if re.search(r"torch\.compile|compile\s*=\s*true|compile: y\b", t):
+        return True
+    return None
+
+
+def cluster_of(gpu: str) -> str:
+    g = gpu.lower()
+    if "a100" in g and "40" in g:
+        return "a100-40gb"
+    for key, name in (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
+                      ("h800", "h800"), ("a100", "a100"), ("ampere", "a100"), ("mi325x", "mi325x"),
+                      ("mi300x", "mi300x")):
+        if key in g:
+            return name
+    raise ValueError(f"GPU {gpu!r} has no cluster preset (planner/cluster.py PRESETS)")
+
+
+def cluster_for(row: dict) -> Cluster:
+    """The row's cluster: the GPU's preset, with the row's own scale-out bandwidth per GPU where it gives one
+    ("N Gb/s ...") and it differs from the preset's (e.g. fms-fsdp's 800 Gbps per 8-GPU node)."""
+    cluster = get_cluster(cluster_of(row["gpu"]))
+    gbit = _gbit_per_s(row.get("internode_bw_per_gpu", ""))
+    if gbit and abs(gbit * 1e9 / 8 - cluster.scaleout_bw) > 1e6:
+        cluster = with_overrides(cluster, scaleout_bw=gbit * 1e9 / 8)
+    return cluster
+
+
+def token_count(text: str) -> int | None:
+    """A token count as tables write it: 16777216, "16,777,216", "16M" (2^20: token batches are powers of two)."""
+    m = re.match(r"\s*([\d,]+(?:\.\d+)?)\s*([kmg]?)", text or "", re.IGNORECASE)
+    if not m or not m.group(1).replace(",", ""):
+        return None
+    return int(float(m.group(1).replace(",", "")) * 2 ** {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()])
+
+
+def _gbit_per_s(text: str) -> float | None:
+    """The first figure with a bit-rate unit ("200 Gb/s", "400 Gbps", "3.2 Tbps"), in Gb/s: in "8 x 200 Gb/s" the
+    200, not the count of links before it."""
+    m = re.search(r"(\d+(?:\.\d+)?)\s*([gt])(?:b/s|bps|bit|b\b)", text or "", re.IGNORECASE)
+    return float(m.group(1)) * (1000 if m.group(2).lower() == "t" else 1) if m else None
+
+
+def model_of(row: dict) -> ModelConfig:
+    name = row["model"].strip().lower()
+    if name.startswith("deepseekv3"):
+        return ModelConfig.from_preset("deepseek-v3")
+    arch = next((a for k, a in ARCHS.items() if name_key(name).startswith(name_key(k))), {})
+    get = lambda key, col: cell_int(row[col]) if cell_int(row[col]) else arch.get(key)  # noqa: E731
+    hidden, heads, layers = get("hidden", "hidden"), get("heads", "heads"), get("layers", "layers")
+    if None in (hidden, heads, layers):
+        raise LookupError(f"architecture of {row['model']!r} is neither in the CSV nor in ARCHS")
+    ffn = get("ffn", "ffn") or 4 * hidden
+    gpt = arch.get("mlp") == "gelu" or "gpt" in name and "oss" not in name
+    kw = dict(vocab_size=get("vocab", "vocab") or 51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
+              num_kv_heads=get("kv_heads", "kv_heads") or heads, max_seq_len=cell_int(row["seq_len"]) or 8192,
+              intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
+    if arch.get("head_dim"):
+        kw["head_dim"] = arch["head_dim"]
+    if arch.get("experts"):
+        kw.update(num_experts=arch["experts"], num_experts_per_token=arch["top_k"],
+                  moe_intermediate_size=arch["moe_ffn"])
+    cfg = ModelConfig(**kw)
+    cfg.validate()  # ConfigError (a ValueError) names the size the row gets wrong
+    return cfg
+
+
+def recompute_choices(row: dict) -> list[str]:
+    """The recomputation the row ran, or each one it may have run where it says "not stated" (the float8 / FSDP2
+    blog: "the best ... activation checkpointing schemes" explored): none, half (the PyTorch stacks' selective
+    checkpointing) and full, the planner keeping the fastest that fits, as for a micro-batch size not given."""
+    if "not stated" in (row["recompute"] or "").lower():
+        return ["none", HALF_RECOMPUTE, "full"] if _pytorch_fsdp(row) else ["none", "selective", "full"]
+    return [recompute_of(row)]
+
+
+def recompute_of(row: dict) -> str:
+    t = (row["recompute"] or "").strip().lower()
+    if re.match(r"(none|no|off|false|not stated)\b", t):
+        return "none"
+    if t.startswith("partial"):  # a remat policy re-running about half the forward (module docstring)
+        return HALF_RECOMPUTE
+    if re.match(r"(yes|on|true)\b", t) or "full" in t:
+        return "full"
+    if _pytorch_fsdp(row) and ("selective layer" in t or "selective op" in t):
+        return HALF_RECOMPUTE
+    if "selective" in t:
+        return "selective"
+    if not t and stack_of(row) == "megascale":
+        return "selective"
+    if "checkpoint" in t or "recomput" in t:  # "activation checkpointing", "recomputation": every block
+        return "full"
+    return "none"
+
+
+def _pytorch_fsdp(row: dict) -> bool:
+    """PyTorch-native FSDP stacks (torchtitan, IBM's fms-fsdp, the float8 / FSDP2 blog's torchtitan runs): their
+    "selective" checkpointing re-runs about half the forward (`HALF_RECOMPUTE`)."""
+    return stack_of(row) in PYTORCH_FSDP_STACKS
+
+
+def shard_degree(row: dict) -> int | None:
+    """The sharding group a row names: "FSDP=<n>" (the JAX recipes' fsdp mesh axes, ICI x DCN: parameters sharded
+    over n, the rest of the data parallelism replicating; "FSDP=0" is NeMo's "no FSDP") or InternLM's "zero1=<n>"
+    (optimizer states sharded over n > 1 data-parallel ranks, replicated across the groups; -1: over all of them,
+    as DeepSpeed's ZeRO-1); None where it names neither."""
+    for key, least in (("fsdp", 1), ("zero1", 2)):
+        m = re.search(rf"{key}\s*=\s*(-?\d+)", row["zero_fsdp"], re.IGNORECASE)
+        if m and int(m.group(1)) >= least:
+            return int(m.group(1))
+    return None
+
+
+def hybrid_shard(row: dict) -> bool:
+    """PyTorch FSDP's HYBRID_SHARD ("HSDP"): parameters sharded over the GPUs of a node, replicated across nodes."""
+    return "hsdp" in row["zero_fsdp"].lower()
+
+
+def zero_of(row: dict) -> int:
+    """The ZeRO stage the row names: "ZeRO-3", "ZeRO stage 2", "zero1=8", "ZeRO-2-style"; FSDP / HSDP (not "FSDP=0")
+    and ZeRO-Infinity / ZeRO++ are 3, Composer's SHARD_GRAD_OP 2; "none" 0; else Megatron's distributed optimizer
+    (the NeMo / Megatron-Bridge default), 1."""
+    t = row["zero_fsdp"].strip().lower()
+    m = re.search(r"zero[\s_-]*(?:stage[\s_-]*)?([0-3])(?!\d)|\bstage[\s_-]*([0-3])\b", t)
+    if m:
+        return int(m.group(1) or m.group(2))
+    if ("fsdp" in t and "fsdp=0" not in t) or hybrid_shard(row) or "full_shard" in t or "fully shard" in t:
+        return 3
+    if "zero-infinity" in t or "zero++" in t:
+        return 3
+    if "shard_grad_op" in t:
+        return 2
+    if t in ("none", "no", "ddp", "off"):
+        return 0
+    return 1  # Megatron's distributed optimizer (NeMo / Megatron-Bridge default)
+
+
+def precision_of(row: dict) -> str:
+    """fp8 where the row names fp8 / float8 (FP8-CS, "fp8 (torchao float8 linear layers ...)", "bf16 + float8"): its
+    GEMMs, the rest staying 16-bit; else bf16 (bf16, fp16, "mixed precision (16-bit)": the same tensor-core rate).
+    NVIDIA's recipe tables that leave it open are their FP8 tables."""
+    t = row["precision"].lower()
+    if re.search(r"fp8|float8", t) and not re.search(r"\b(no|without|not)\s+(fp8|float8)", t):
+        return "fp8"
+    if stack_of(row) == "nemo" and (not t.strip() or "not stated" in t):
+        return "fp8"
+    return "bf16"
+
+
+def seq_len_of(row: dict) -> int:
+    s = cell_int(row["seq_len"])
+    if s:
+        return s
+    # torchtitan's performance.md: Llama 3 runs at 8192, Llama 2 at 4096 (its note on the table)
+    return 8192 if "llama 3" in row["model"].lower() else 4096
+
+
+
+def nvidia_recipe(row: dict) -> bool:
+    """NVIDIA's NeMo / Megatron-Bridge performance recipes."""
+    return stack_of(row) == "nemo"
+
+
+# Pipeline schedules as tables name them (Qi et al.'s "ZB-H1" / "ZB-1p" keep a third of 1F1B's bubble: the planner's
+# zero_bubble; its "ZB-2p" / "ZB-V" come closer to none, priced as that third, an upper bound), read from the row's
+# own cells (vpp, source_loc, notes, other_metric), not its source: a paper's title names its method for its
+# baseline rows too.
+_SCHEDULE_NAMES = (("gpipe", "gpipe"), ("zb-", "zero_bubble"), ("zbv", "zero_bubble"), ("zero bubble", "zero_bubble"),
+                   ("zero-bubble", "zero_bubble"), ("zerobubble", "zero_bubble"), ("1f1b-i", "interleaved"),
+                   ("interleaved", "interleaved"), ("1f1b", "1f1b"))  # torchtitan's names too: ZBVZeroBubble, ...
+
+
+def schedule_named(row: dict) -> str | None:
+    """The pipeline schedule the row's own cells name first (`_SCHEDULE_NAMES`), None when they name none."""
+    for col in ("vpp", "source_loc", "notes", "other_metric"):
+        t = (row.get(col) or "").lower()
+        hits = [(t.find(key), -len(key), name) for key, name in _SCHEDULE_NAMES if key in t]
+        if hits:
+            return min(hits)[2]  # the first named, the longest name where two start together ("1F1B-I")
+    return None
+
+
+def interleaved(row: dict) -> bool:
+    vpp_text = row["vpp"].strip().lower()
+    return vpp_text.startswith("interleaved") or cell_int(vpp_text, 1) > 1 or schedule_named(row) == "interleaved"
