@@ -1,0 +1,86 @@
+"""The serving planner against published serving tables (planner/published_serving.py): how a row's cells are read --
+its engine and version, lengths, model name --, that every development row is priced or skipped with its reason, and
+that no wording of a cell stops the table. Torch-free; the model's structure is tests/test_planner_serving.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_published_serving_rows_all_priced():
+    """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print): the shared file's
+    74 rows and the 51 of groups H-L added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import read_rows, score_rows
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
+    results, summary = score_rows(rows)
+    assert summary["rows"] == len(rows) == 125 and summary["scored"] >= 116
+    assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
+
+
+def test_published_vllm_rows_before_v08_run_the_v0_engine():
+    from meshlm.planner.published_serving import engine_of
+
+    row = dict(engine="vLLM", engine_version="0.6.1", source="", notes="", ep="")
+    assert engine_of(row).name == "vllm-v0"
+    assert engine_of(dict(row, engine_version="0.8.4")).name == "vllm"
+    assert engine_of(dict(row, engine_version="0.11.1 (ROCm 7.0.0 Docker)")).name == "vllm"
+    assert engine_of(dict(row, engine_version="0.14.0")).name == "vllm-async"
+    assert engine_of(dict(row, engine_version="not stated", source="a blog (Oct 10 2024)")).name == "vllm-v0"
+    assert engine_of(dict(row, engine_version="not stated", source="a blog (2025)")).name == "vllm"
+
+
+def test_published_lengths_are_counts_never_shares():
+    from meshlm.planner.published_serving import _int
+
+    assert _int("production mix (56.3% of input tokens hit on-disk KV cache)") is None
+    assert _int("~1K (real dataset)") == 1024 and _int("16,384 tokens/device") == 16384
+    assert _int("decode-only (KV length 2,000)") == 2000 and _int("batch 64 (largest)") == 64
+
+
+def test_issue25_rows_read_presets_precisions_and_stacks():
+    """The rows added for issue 25 (groups H-L) as published_serving reads them."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import _max_batch, deployment_of, engine_name, read_rows
+
+    rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+                                                / "serving_runs_dev.csv")}
+    # presets of the same config: Llama 3.1 70B is Llama 3 70B's; Mixtral's experts split over the TP group
+    assert deployment_of(rows["H133"]).sm.cfg.num_layers == 80 and deployment_of(rows["H133"]).layout.tp == 2
+    assert deployment_of(rows["H145"]).sm.cfg.num_experts == 8 and deployment_of(rows["H145"]).layout.ep == 1
+    # gpt-oss's MXFP4 checkpoint keeps all but the routed experts in BF16
+    assert deployment_of(rows["J153"]).precision == "fp4" and deployment_of(rows["J153"]).dense_precision == "bf16"
+    # NVIDIA NIM runs its optimized profiles on TensorRT-LLM: that engine, and its fp8-checkpoint KV reading
+    assert engine_name(rows["K155"]) == "tensorrt-llm" and deployment_of(rows["K155"]).kv_precision == "fp8"
+    assert engine_name(dict(rows["K155"], engine_version="generic vLLM backend")) == "vllm"
+    # vLLM's max_num_seqs caps the running requests like TensorRT-LLM's max_batch_size
+    assert _max_batch(rows["L164"], deployment_of(rows["L164"]), 128, 2048) == 3200
+
+
+def test_published_serving_model_names_are_read_without_case_or_punctuation():
+    from meshlm.planner.published_serving import Skip, model_of
+
+    for name, layers in (("llama2-70b-99.9", 80), ("Llama 2 70B", 80), ("DeepSeek-R1-0528", 61),
+                         ("Llama-3.1-405B-Instruct-FP8", 126), ("Llama-2-7B", 32), ("Mixtral-8x7B-Instruct-v0.1", 32)):
+        assert model_of({"model": name}).cfg.num_layers == layers, name
+    with pytest.raises(Skip, match="no architecture"):
+        model_of({"model": "gpt-j"})  # a prefix of GPT-J-6B's name is not GPT-J-6B
+
+
+def test_no_wording_of_a_serving_cell_stops_the_table():
+    """Every cell of one serving row in forty worded otherwise in turn ("0" for a number, "n/a" for a text): each row
+    comes back priced or skipped with its reason (a layout the planner refuses, a deployment whose weights leave no
+    room for one request), never an exception that stops the table."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import predict_row, read_rows
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")[::40]
+    for row in rows:
+        for cell in (c for c in row if c not in ("row_id", "group")):
+            text = "0" if row[cell][:1].isdigit() else "n/a"
+            out = predict_row({**row, cell: text})
+            assert "skip" in out or "layout" in out, (row["row_id"], cell, text)
