@@ -16,7 +16,7 @@ and comparing the planner's step time with the row's figure (`predict_row`), and
 Rows the planner cannot express (no layout, no architecture, a GPU without a preset, no figure to compare) come
 back with a "skip" and the reason; no row stops the table.
 Not responsible for: any estimate (`cost.py`), the data itself (benchmarks/data/README.md says where each
-row comes from), or reporting (benchmarks/planner_published.py prints the JSON; tests/test_planner.py
+row comes from), or reporting (benchmarks/planner_published.py prints the JSON; tests/test_planner_training_kinds.py
 checks the medians).
 
 Nothing is fitted to any row: the constants are those of `meshlm.planner.cluster` (each cited there). The

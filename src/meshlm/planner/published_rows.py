@@ -249,9 +249,8 @@ def zero_of(row: dict) -> int:
     m = re.search(r"zero[\s_-]*(?:stage[\s_-]*)?([0-3])(?!\d)|\bstage[\s_-]*([0-3])\b", t)
     if m:
         return int(m.group(1) or m.group(2))
-    if ("fsdp" in t and "fsdp=0" not in t) or hybrid_shard(row) or "full_shard" in t or "fully shard" in t:
-        return 3
-    if "zero-infinity" in t or "zero++" in t:
+    if (("fsdp" in t and "fsdp=0" not in t) or hybrid_shard(row)
+            or any(k in t for k in ("full_shard", "fully shard", "zero-infinity", "zero++"))):
         return 3
     if "shard_grad_op" in t:
         return 2

@@ -339,15 +339,16 @@ def _predict(row: dict, sv: Serving) -> dict:
     O = _int(out_text)
     first_token_only = O is None or "first-token" in out_text
     O = O if O and not first_token_only else 1
-    ttft, tpot = latency_targets(row) if row["scenario"] not in ("fixed-batch", "latency") else (None, None)
-    if "concurrency" in batch_text:
-        ttft = tpot = None  # a client count sets the load; targets apply to the offline optimum only
+    static = row["scenario"] in ("fixed-batch", "latency")
+    closed_loop = not static and "concurrency" in batch_text  # a client count sets the load
+    # Latency targets choose the offline concurrency; a static batch or a client count is the load itself.
+    ttft, tpot = (None, None) if static or closed_loop else latency_targets(row)
     wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot)
     if max_concurrency(sv, wl) < sv.layout.dp:
         raise Skip(f"one request of {I}+{O} tokens does not fit each dp rank in the planner's memory model")
-    if row["scenario"] in ("fixed-batch", "latency"):
+    if static:
         r = static_batch(sv, wl, _int(batch_text) or 1)
-    elif "concurrency" in batch_text:
+    elif closed_loop:
         r = clients(sv, wl, _int(batch_text))
     else:
         r = offline(sv, wl)
