@@ -235,6 +235,14 @@ CHANGES = (
      (),
      "Dubey et al. 2024 (Llama 3) Table 3; PaLM (Chowdhery et al. 2022) Appendix B's model FLOPs; "
      "models/stats.py's FLOP convention"),
+    # Issue 25, seventh round: what a 2023 Megatron-LM fork ran on A100 (group AB, +37% -> +20-24%; no other row moves).
+    ("the first FlashAttention at FA1_RATE_OF_FA2 of FlashAttention-2's rate (Job.flash_attention_1); ops a fusing "
+     "stack still runs op by op (Job.eager_ops: RoPE, SwiGLU, the copies into and out of the attention kernel's "
+     "layout); the weight gradients' own accumulation pass without gradient-accumulation fusion",
+     ("AB_megatron_llama_13b_a100",),
+     "Dao 2023, FlashAttention-2 (arXiv:2307.08691), abstract: 25-40% vs 50-73% of peak on A100; alibaba/Megatron-LLaMA "
+     "at e3d671a: megatron/model/transformer.py (flash_attn_unpadded_func, rearrange(...).contiguous(), F.silu(x[0]) "
+     "* x[1]), rotary_pos_embedding.py, examples/LLaMA/LLaMA_13_slurm.sh (--no-gradient-accumulation-fusion)"),
 )
 
 

@@ -160,6 +160,69 @@ def test_eager_norms_in_fp32_cost_their_bytes_exactly():
     assert fp32[0] - fp32[1] == pytest.approx(2 * (7 - 2) * cfg.hidden_size * r.tokens_mb * 4 / r.hbm_bw)
 
 
+def test_ops_left_eager_first_flash_attention_and_unfused_wgrad_cost_exactly_their_terms():
+    """A fusing stack's ops still run op by op (`Job.eager_ops`) cost their extra passes exactly: RoPE 8 more elements
+    per rotated element of q and k, SwiGLU 2 more per intermediate, the attention layout copies 2 x (2 q + 2 kv); the
+    backward twice the forward. The first FlashAttention runs at FA1_RATE_OF_FA2 of FlashAttention-2's rate;
+    --no-gradient-accumulation-fusion adds one pass over each layer's weight gradients (bf16 read, fp32 main_grad
+    read and written) to the backward. An op name the planner does not know is refused."""
+    from meshlm.planner.layout import FA1_RATE_OF_FA2
+    from meshlm.planner.timing import elementwise_time, layer_compute
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4,
+                      intermediate_size=2816, max_seq_len=2048)
+    lo = Layout(dp_shard=8, micro_batch_size=2)
+    a100 = get_cluster("a100")
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+
+    def setup(**kw):
+        job = Job(seq_len=2048, global_batch_size=16, **kw)
+        summary = ModelSummary.build(cfg, 2048)
+        return summary, job, rank_setup(summary, a100, job, lo)
+
+    summary, job, r = setup()
+    base = elementwise_time(summary, job, r, gemms=[], imbalance=1.0)
+    for op, elems in (("rope", 8 * (q + kv)), ("swiglu", 2 * inter), ("attention_layout", 2 * (2 * q + 2 * kv))):
+        s, j, r = setup(eager_ops=frozenset({op}))
+        fwd, bwd = elementwise_time(s, j, r, gemms=[], imbalance=1.0)
+        extra = elems * r.tokens_mb * 2 / r.hbm_bw
+        assert fwd - base[0] == pytest.approx(extra) and bwd - base[1] == pytest.approx(2 * extra)
+    with pytest.raises(ValueError, match="eager_ops"):
+        Job(seq_len=2048, global_batch_size=16, eager_ops=frozenset({"layernorm"})).validate()
+    fa2, fa1 = (attention_time(*setup(flash_attention_1=x)[:2], lo, setup()[2]) for x in (False, True))
+    assert fa1[0] * FA1_RATE_OF_FA2 == pytest.approx(fa2[0]) and fa1[1] * FA1_RATE_OF_FA2 == pytest.approx(fa2[1])
+    fused = layer_compute(summary, job, lo, r, imbalance=1.0)
+    s, j, r = setup(gradient_accumulation_fusion=False)
+    unfused = layer_compute(s, j, lo, r, imbalance=1.0)
+    params = summary.layer_tp + summary.layer_rep
+    assert unfused.elem_bwd - fused.elem_bwd == pytest.approx(params * (2 + 4 + 4) / r.hbm_bw)
+    assert unfused.elem == fused.elem and unfused.dense_bwd == fused.dense_bwd
+
+
+def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
+    """Megatron-LLaMA's code (group AB) runs flash-attn 1.x, RoPE / SwiGLU / the attention layout copies as torch ops
+    and --no-gradient-accumulation-fusion; another Megatron row is read so only when it names them."""
+    from meshlm.planner.layout import EAGER_OPS
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import model_of
+
+    row = {"row_id": "X", "group": "ZZ_held_out", "model": "LLaMA-13B (Megatron-LLaMA)", "layers": "40",
+           "hidden": "5120", "heads": "40", "kv_heads": "40", "ffn": "13824", "vocab": "32000", "seq_len": "2048",
+           "n_gpus": "256", "tp": "2", "pp": "1", "cp": "1", "ep": "", "dp": "128", "vpp": "", "mbs": "4", "sp": "yes",
+           "gbs_seqs": "2048", "recompute": "selective", "zero_fsdp": "DistributedOptimizer", "gpu": "A100 80GB",
+           "precision": "bf16", "source": "Alibaba, alibaba/Megatron-LLaMA README.md (2023)"}
+    job = job_of(row, model_of(row))
+    assert job.flash_attention_1 and job.eager_ops == frozenset(EAGER_OPS) and not job.gradient_accumulation_fusion
+    plain = {**row, "model": "LLaMA-13B", "source": "NVIDIA Megatron-LM (2023)"}
+    job = job_of(plain, model_of(plain))
+    assert not job.flash_attention_1 and not job.eager_ops and job.gradient_accumulation_fusion
+    for words, fa1 in (("flash-attn 1.0.4", True), ("FlashAttention v1", True), ("FlashAttention-2", False),
+                       ("flash-attn 2.3.3", False), ("flash-attn 12", False)):
+        named = {**plain, "notes": f"{words}; --no-gradient-accumulation-fusion"}
+        job = job_of(named, model_of(named))
+        assert job.flash_attention_1 is fa1 and not job.gradient_accumulation_fusion, words
+
+
 def test_fms_rows_run_eager_unless_their_source_is_the_compiled_table():
     """fms-fsdp's README tables of Feb-Mar 2024 ran with --use_torch_compile=False; the table of 2024-05-09 says
     its numbers are with torch.compile: the row's source decides Job.fused_elementwise."""
@@ -328,10 +391,11 @@ def test_published_runs_median_error_within_ten_percent():
     held-out groups of the fifth round likewise, not fitted: OLMo-core's FSDP2 on 8 H100s (16%, bounded at 20%: its
     bf16 1B-8B rows within 3-10%, the 13B 26% and the torchao float8 rows 10-58% too fast, issue 25's kind (2)).
     InternLM's 7B under Hybrid ZeRO on A100 (21% when added) is within the 10% of the others once its optimizer's
-    gradient all-reduce over every data-parallel rank is priced (`Job.zero1_grad_all_reduce`, 9.5%). One more, beyond the 25% of the
-    others and bounded apart at 40%, not fitted: Megatron-LLaMA's 13B on 256 and 512 A100s (37% too fast in every
-    row, while the fall from 256 to 512 GPUs at its fixed global batch, 2% with its overlapped optimizer and 12% with
-    Megatron-LM's exposed one, is predicted within a point: the missing time is per GPU, not in the scaling)."""
+    gradient all-reduce over every data-parallel rank is priced (`Job.zero1_grad_all_reduce`, 9.5%). One more, bounded
+    apart at 25%, not fitted: Megatron-LLaMA's 13B on 256 and 512 A100s (37% too fast in every row when added; 20-24%
+    once its first FlashAttention, its RoPE / SwiGLU / attention-layout copies as torch ops and its unfused gradient
+    accumulation are priced; the fall from 256 to 512 GPUs at its fixed global batch, 2% with its overlapped
+    optimizer and 12% with Megatron-LM's exposed one, is predicted within a point: the missing time is per GPU)."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs
@@ -346,7 +410,7 @@ def test_published_runs_median_error_within_ten_percent():
     sizes = summary["per_group_rows"]
     groups = summary["per_group_median_abs_error"]
     apart = {"V_maxtext_llama3_70b_h100_fsdp": 0.20, "W_paxml_gpt_h100_fsdp": 0.20, "X_jaxtoolbox_paxml_gpt_fsdp256": 0.20,
-             "AA_olmo_core_h100_fsdp": 0.20, "AB_megatron_llama_13b_a100": 0.40}
+             "AA_olmo_core_h100_fsdp": 0.20, "AB_megatron_llama_13b_a100": 0.25}
     assert max(err for g, err in groups.items() if sizes[g] > 1 and g not in apart) <= 0.10, summary
     assert all(groups[g] <= bound for g, bound in apart.items()), summary
     assert max(err for g, err in groups.items() if g not in apart) <= 0.25, summary

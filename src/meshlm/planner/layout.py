@@ -25,8 +25,16 @@ PRECISIONS = ("bf16", "fp8", "fp32")
 # parallel/data.py + parallel/zero.py, fp32, exactly as they allocate and communicate; what `--cluster
 # local` runs and tests/test_planner_measured.py counts).
 RUNTIMES = ("megatron", "meshlm")
+# Elementwise work a fused stack may still run op by op (`Job.eager_ops`): "rope" (the rotary embedding as torch
+# ops: slices, a negation, a concatenation, two products and a sum), "swiglu" (F.silu(x1) * x2: two kernels),
+# "attention_layout" (q, k and v copied into the attention kernel's [batch, seq] layout and its output copied back:
+# Megatron-LM's legacy `ParallelAttention` does `rearrange(...).contiguous()` around its flash-attn call).
+EAGER_OPS = ("rope", "swiglu", "attention_layout")
 # How Layout.short() marks each method after "cp<n>" (ring, the default, unmarked).
 CP_METHOD_MARKS = {"ring": "", "allgather": "ag", "ulysses": "u"}
+# FlashAttention-1's rate over FlashAttention-2's: the midpoints of the two utilisation ranges Dao 2023 gives on A100
+# (25-40% and 50-73%; `Job.flash_attention_1`).
+FA1_RATE_OF_FA2 = (25 + 40) / (50 + 73)
 # Bytes of the compute dtype in which context-parallel attention keeps its log-sum-exp and the ring
 # passes its partial dK/dV: fp32 whatever the activation dtype (`parallel/context.py`, for accuracy).
 CP_COMPUTE_BYTES = 4
@@ -45,6 +53,11 @@ class Job:
     # Hopper runs well below the FA3 / cuDNN kernels the cluster's attention_efficiency rates
     # (`Cluster.fa2_attention_efficiency`); the same on A100, where FA2 is the rated kernel.
     flash_attention_2: bool = False
+    # The fused kernel is the first FlashAttention (the flash-attn 1.x package, whose entry point was
+    # `flash_attn_unpadded_func`): FlashAttention-2 is "around 2x" faster, "reaching 50-73% of the theoretical maximum
+    # FLOPs/s on A100" where the first reached "25-40%" (Dao 2023, "FlashAttention-2", arXiv:2307.08691, abstract and
+    # Sec. 1), so it runs at `FA1_RATE_OF_FA2` of FlashAttention-2's rate.
+    flash_attention_1: bool = False
     # Norms, RoPE, SwiGLU and residual adds as fused kernels (Megatron/TE, torch.compile); False
     # models eager PyTorch, one memory pass per op (meshlm's model uncompiled, e.g. the CPU runs).
     fused_elementwise: bool = True
@@ -52,6 +65,13 @@ class Job:
     # fms' do: seven passes, 36 bytes per element); False: one fused norm kernel in the activations' dtype
     # (llm-foundry MPT's default `low_precision_layernorm`: F.layer_norm on bf16, read + write).
     fp32_norms: bool = True
+    # Ops of `EAGER_OPS` a stack that otherwise fuses its elementwise work still runs op by op, each one memory pass
+    # per op as under `fused_elementwise=False` (with that False, every op already is).
+    eager_ops: frozenset = frozenset()
+    # Megatron's gradient-accumulation fusion (the default): the weight-gradient GEMM accumulates straight into the
+    # fp32 main_grad. False (`--no-gradient-accumulation-fusion`): every micro-batch's weight gradient is written in
+    # the activation dtype and added into main_grad by a pass of its own (read it, read and write main_grad).
+    gradient_accumulation_fusion: bool = True
     # Tensor-parallel collectives pipelined under the GEMMs (Megatron-Core / Transformer Engine
     # `tp_comm_overlap`, MegaScale Sec. 3.3); meshlm's own TP does not overlap them (False).
     tp_comm_overlap: bool = False
@@ -117,6 +137,8 @@ class Job:
                              "routed tokens over the mean; 1.0 = balanced)")
         if self.unfused_dropouts < 0:
             raise ValueError(f"unfused_dropouts={self.unfused_dropouts} must be >= 0 (dropouts per layer)")
+        if not set(self.eager_ops) <= set(EAGER_OPS):
+            raise ValueError(f"eager_ops={sorted(self.eager_ops)} must be among {list(EAGER_OPS)}")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r} must be one of {list(RUNTIMES)}")
         if self.runtime == "meshlm" and self.precision != "fp32":

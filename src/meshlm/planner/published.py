@@ -112,6 +112,10 @@ Choices the rows leave open, made the same way for every row (never from the rep
     its OverlappedDistributedOptimizer overlaps the gradient reduce-scatter with the backward and the parameter
     all-gather with the forward (the planner's ZeRO-1 default); Megatron-LM's DistributedOptimizer rows of its README
     leave both exposed (its README: Megatron-LM's "does not fully overlap GPU computation with communication");
+    its code (e3d671a) attends with flash-attn 1.x (`Job.flash_attention_1`), runs RoPE, SwiGLU and the copies of
+    q, k, v into the kernel's layout and back as torch ops (`Job.eager_ops`; its RMSNorm is apex's fused kernel),
+    and its LLaMA-13B script turns gradient-accumulation fusion off (`Job.gradient_accumulation_fusion`); a row of
+    another stack naming the first FlashAttention or `--no-gradient-accumulation-fusion` is read the same way;
   * OLMo-core's training scripts (group AA, Ai2's README of 2024-11): FSDP2 over a node's 8 GPUs (HSDP across
     nodes: its `init_hybrid_shard_mesh` when there is more than one), torch.compile, attention through PyTorch's SDPA
     (compile turns flash-attn off: `llama_like`'s `use_flash`), so FlashAttention-2 kernels; QK-norm for the
@@ -134,6 +138,7 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
+from meshlm.planner.layout import EAGER_OPS
 from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, HALF_RECOMPUTE, cell_float,
                                            cell_int, cluster_for, compiled, hybrid_shard, interleaved, model_of,
                                            nvidia_recipe, precision_of, recompute_choices, recompute_of, row_text,
@@ -236,12 +241,23 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # (hybrid_zero_optim.py `_reduce_and_copy`: reduce_tensor with dst_rank None, an all-reduce) and broadcasts each
     # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`.
     internlm = stack == "internlm"
+    # Megatron-LLaMA (group AB; its megatron/model/transformer.py, rotary_pos_embedding.py and
+    # examples/LLaMA/LLaMA_13_slurm.sh at e3d671a): flash-attn 1.x (`flash_attn_unpadded_func`; its README promises
+    # FlashAttention-2 "in the future"), q, k, v made contiguous in the kernel's layout and the output back, the rotary
+    # embedding and SwiGLU as torch ops (RMSNorm is apex's fused kernel), and --no-gradient-accumulation-fusion.
+    # A row naming the first FlashAttention or that flag is read the same way.
+    text = row_text(row)
+    megatron_llama = stack == "megatron-llama"
+    fa1 = megatron_llama or bool(re.search(r"flash-?att(entio)?n[ -]?(v|version ?)?1(\.\d+)*(?![\d.])", text))
+    eager_ops = frozenset(EAGER_OPS) if megatron_llama else frozenset()
+    wgrad_fusion = not (megatron_llama or "no-gradient-accumulation-fusion" in text)
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
-               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm)
+               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
+               flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion)
 
 
 def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:

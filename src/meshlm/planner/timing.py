@@ -57,7 +57,7 @@ from meshlm.config import ModelConfig
 from meshlm.rules import PP_SCHEDULES
 from meshlm.planner.collectives import group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemm_time, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
-from meshlm.planner.layout import CP_COMPUTE_BYTES, Job, Layout
+from meshlm.planner.layout import CP_COMPUTE_BYTES, FA1_RATE_OF_FA2, Job, Layout
 from meshlm.planner.memory import RankParams
 from meshlm.planner.placement import RankSetup
 
@@ -244,6 +244,10 @@ def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, 
                                          in_bytes=gemm_in_bytes, k_overhead=cluster.gemm_k_overhead)
     t_attn, t_attn_bwd = attention_time(summary, job, lo, r)
     t_elem_fwd, t_elem_bwd = elementwise_time(summary, job, r, gemms=gemms, imbalance=imbalance)
+    if not job.gradient_accumulation_fusion and r.by["act"] < r.by["grad"]:
+        # Each weight gradient written in the activation dtype, then added into the main_grad by its own pass.
+        params = summary.layer_tp / r.tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * r.ep)
+        t_elem_bwd += params * (r.by["act"] + 2 * r.by["grad"]) / r.hbm_bw
     return LayerCompute(dense=t_dense, dense_bwd=t_dense_bwd, attn=t_attn, attn_bwd=t_attn_bwd,
                         elem=t_elem_fwd, elem_bwd=t_elem_bwd)
 
@@ -267,8 +271,10 @@ def attention_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) ->
         block = s / (2 * r.cp) if r.cp > 1 and lo.cp_method != "ulysses" else s
         block_eff = block / (block + cluster.attention_block_overhead)
         eff = cluster.attention_efficiency
-        if job.flash_attention_2 and cluster.fa2_attention_efficiency:
+        if (job.flash_attention_2 or job.flash_attention_1) and cluster.fa2_attention_efficiency:
             eff = min(eff, cluster.fa2_attention_efficiency)
+        if job.flash_attention_1:  # the first FlashAttention: a fraction of FlashAttention-2's rate
+            eff *= FA1_RATE_OF_FA2
         t_attn = attn_f * 0.5 / (r.peak_attn * eff * block_eff)
         return t_attn, 2.5 * t_attn
     # The unfused kernels of 2021: per head two batched GEMMs over the whole square, scores = q k^T
@@ -295,8 +301,13 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
              + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
     moe_elems = summary.moe_layer_fraction * moe_dispatch_elements(cfg, ep=r.ep)
     if job.fused_elementwise:
+        # Fused: RoPE reads and writes q and k once, SwiGLU reads two intermediates and writes one; an op the stack
+        # still runs eagerly (`Job.eager_ops`) costs its eager count, below; "attention_layout" copies q, k, v into
+        # the kernel's layout and its output back (read + write each).
+        eager = job.eager_ops
         elems_seq = 10 * h + moe_elems
-        elems_tp = 2 * (q_dim + kv_dim) + 3 * inter
+        elems_tp = ((10 if "rope" in eager else 2) * (q_dim + kv_dim) + (5 if "swiglu" in eager else 3) * inter
+                    + (2 * (2 * q_dim + 2 * kv_dim) if "attention_layout" in eager else 0))
     else:
         # Eager PyTorch, meshlm's model as written: every op is its own pass over memory. Per token,
         # elements (of the activations' dtype) read + written: each RMSNorm 7h in fp32 (pow, mean, scale,
