@@ -243,6 +243,12 @@ CHANGES = (
      "Dao 2023, FlashAttention-2 (arXiv:2307.08691), abstract: 25-40% vs 50-73% of peak on A100; alibaba/Megatron-LLaMA "
      "at e3d671a: megatron/model/transformer.py (flash_attn_unpadded_func, rearrange(...).contiguous(), F.silu(x[0]) "
      "* x[1]), rotary_pos_embedding.py, examples/LLaMA/LLaMA_13_slurm.sh (--no-gradient-accumulation-fusion)"),
+    ("PyTorch FSDP2's all-gather copy-out (split_with_sizes_copy into each parameter's tensor) on the compute stream: "
+     "every gather reads and writes its unit's parameters once more, exposed (Job.fsdp_copy_out; torchtitan, "
+     "OLMo-core, rows naming FSDP2 / fully_shard)",
+     ("AA_olmo_core_h100_fsdp", "K_torchtitan_a100_fsdp", "T_float8_fsdp2_blog_h100"),
+     "PyTorch torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_all_gather_copy_out (waits for the "
+     "all-gather on the current stream, then split_with_sizes_copy) and _fsdp_param_group.py wait_for_unshard"),
 )
 
 

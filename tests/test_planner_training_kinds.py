@@ -160,45 +160,6 @@ def test_eager_norms_in_fp32_cost_their_bytes_exactly():
     assert fp32[0] - fp32[1] == pytest.approx(2 * (7 - 2) * cfg.hidden_size * r.tokens_mb * 4 / r.hbm_bw)
 
 
-def test_ops_left_eager_first_flash_attention_and_unfused_wgrad_cost_exactly_their_terms():
-    """A fusing stack's ops still run op by op (`Job.eager_ops`) cost their extra passes exactly: RoPE 8 more elements
-    per rotated element of q and k, SwiGLU 2 more per intermediate, the attention layout copies 2 x (2 q + 2 kv); the
-    backward twice the forward. The first FlashAttention runs at FA1_RATE_OF_FA2 of FlashAttention-2's rate;
-    --no-gradient-accumulation-fusion adds one pass over each layer's weight gradients (bf16 read, fp32 main_grad
-    read and written) to the backward. An op name the planner does not know is refused."""
-    from meshlm.planner.layout import FA1_RATE_OF_FA2
-    from meshlm.planner.timing import elementwise_time, layer_compute
-
-    cfg = ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4,
-                      intermediate_size=2816, max_seq_len=2048)
-    lo = Layout(dp_shard=8, micro_batch_size=2)
-    a100 = get_cluster("a100")
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-
-    def setup(**kw):
-        job = Job(seq_len=2048, global_batch_size=16, **kw)
-        summary = ModelSummary.build(cfg, 2048)
-        return summary, job, rank_setup(summary, a100, job, lo)
-
-    summary, job, r = setup()
-    base = elementwise_time(summary, job, r, gemms=[], imbalance=1.0)
-    for op, elems in (("rope", 8 * (q + kv)), ("swiglu", 2 * inter), ("attention_layout", 2 * (2 * q + 2 * kv))):
-        s, j, r = setup(eager_ops=frozenset({op}))
-        fwd, bwd = elementwise_time(s, j, r, gemms=[], imbalance=1.0)
-        extra = elems * r.tokens_mb * 2 / r.hbm_bw
-        assert fwd - base[0] == pytest.approx(extra) and bwd - base[1] == pytest.approx(2 * extra)
-    with pytest.raises(ValueError, match="eager_ops"):
-        Job(seq_len=2048, global_batch_size=16, eager_ops=frozenset({"layernorm"})).validate()
-    fa2, fa1 = (attention_time(*setup(flash_attention_1=x)[:2], lo, setup()[2]) for x in (False, True))
-    assert fa1[0] * FA1_RATE_OF_FA2 == pytest.approx(fa2[0]) and fa1[1] * FA1_RATE_OF_FA2 == pytest.approx(fa2[1])
-    fused = layer_compute(summary, job, lo, r, imbalance=1.0)
-    s, j, r = setup(gradient_accumulation_fusion=False)
-    unfused = layer_compute(s, j, lo, r, imbalance=1.0)
-    params = summary.layer_tp + summary.layer_rep
-    assert unfused.elem_bwd - fused.elem_bwd == pytest.approx(params * (2 + 4 + 4) / r.hbm_bw)
-    assert unfused.elem == fused.elem and unfused.dense_bwd == fused.dense_bwd
-
-
 def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     """Megatron-LLaMA's code (group AB) runs flash-attn 1.x, RoPE / SwiGLU / the attention layout copies as torch ops
     and --no-gradient-accumulation-fusion; another Megatron row is read so only when it names them."""

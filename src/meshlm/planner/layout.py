@@ -68,6 +68,11 @@ class Job:
     # Ops of `EAGER_OPS` a stack that otherwise fuses its elementwise work still runs op by op, each one memory pass
     # per op as under `fused_elementwise=False` (with that False, every op already is).
     eager_ops: frozenset = frozenset()
+    # PyTorch FSDP2 (`fully_shard`): after each all-gather, its copy-out (torch/distributed/fsdp/_fully_shard/
+    # _fsdp_collectives.py `foreach_all_gather_copy_out`: `split_with_sizes_copy` from the all-gather buffer into each
+    # parameter's own tensor) runs on the compute stream, which waits for it: every gather reads and writes the
+    # unit's whole parameters once more, exposed. FSDP1's flat parameters are views of its all-gather output (False).
+    fsdp_copy_out: bool = False
     # Megatron's gradient-accumulation fusion (the default): the weight-gradient GEMM accumulates straight into the
     # fp32 main_grad. False (`--no-gradient-accumulation-fusion`): every micro-batch's weight gradient is written in
     # the activation dtype and added into main_grad by a pass of its own (read it, read and write main_grad).

@@ -120,6 +120,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     nodes: its `init_hybrid_shard_mesh` when there is more than one), torch.compile, attention through PyTorch's SDPA
     (compile turns flash-attn off: `llama_like`'s `use_flash`), so FlashAttention-2 kernels; QK-norm for the
     OLMo-1124 shapes (`ARCHS`); gradients reduced in fp32 (`reduce_dtype`), the planner's default;
+  * PyTorch FSDP2 (torchtitan, OLMo-core, and rows naming FSDP2 or fully_shard: groups K, T, AA) copies each
+    all-gather's output into the parameters' own tensors on the compute stream (`Job.fsdp_copy_out`); FSDP1's flat
+    parameters (llm-foundry, fms-fsdp) are views of it;
   * what Paxml's GPT configs run beyond the blocks (google/paxml scripts_gpu/configs.py and tasks/lm/params/c4.py,
     praxis layers/embedding_softmax.py and transformers.py, as `job_of` cites): the tied embedding looked up as a
     one-hot matmul (`Job.embedding_gemm`: a GEMM of tokens x vocab x hidden forward and one for the table's
@@ -139,7 +142,8 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.layout import EAGER_OPS
-from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, HALF_RECOMPUTE, cell_float,
+from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
+                                           HALF_RECOMPUTE, cell_float,
                                            cell_int, cluster_for, compiled, hybrid_shard, interleaved, model_of,
                                            nvidia_recipe, precision_of, recompute_choices, recompute_of, row_text,
                                            schedule_named, seq_len_of, shard_degree, stack_of, token_count, zero_of)
@@ -251,13 +255,17 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     fa1 = megatron_llama or bool(re.search(r"flash-?att(entio)?n[ -]?(v|version ?)?1(\.\d+)*(?![\d.])", text))
     eager_ops = frozenset(EAGER_OPS) if megatron_llama else frozenset()
     wgrad_fusion = not (megatron_llama or "no-gradient-accumulation-fusion" in text)
+    # PyTorch FSDP2's all-gather copy-out on the compute stream (`Job.fsdp_copy_out`): torchtitan, OLMo-core (groups K,
+    # T, AA), or a row naming FSDP2 / fully_shard.
+    fsdp2 = stack in FSDP2_STACKS or bool(re.search(r"\bfsdp-?2\b|fully_shard", text))
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
-               flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion)
+               flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion,
+               fsdp_copy_out=fsdp2)
 
 
 def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:

@@ -99,6 +99,9 @@ STACKS = (
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
+# Stacks sharding with PyTorch FSDP2 (`fully_shard`, per-parameter DTensor shards: torchtitan since its 2024 releases,
+# OLMo-core's `apply_fsdp`); a row naming FSDP2 or fully_shard is read so too.
+FSDP2_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
 FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were

@@ -73,7 +73,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                     + r.times("all_gather", n_exp_local * by["param"], span_exp))
             window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
         elif lo.zero3_reshards:
-            return fsdp_comm_time(summary, lo, r, p, mb, num_microbatches=m)
+            return fsdp_comm_time(summary, lo, r, p, mb, num_microbatches=m, copy_out=job.fsdp_copy_out)
         else:
             # FSDP without resharding (torchtitan under pp): weights gathered once per step and kept,
             # gradients reduce-scattered once, after the step's last backward.
@@ -95,7 +95,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
 
 
 def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
-                   num_microbatches: int) -> float:
+                   num_microbatches: int, copy_out: bool = False) -> float:
     """FSDP / ZeRO-3 with resharding (PyTorch FSDP, DeepSpeed stage 3, Megatron-FSDP): what its collectives leave
     exposed in one step, unit by unit.
 
@@ -109,7 +109,9 @@ def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParam
     take beyond its compute is exposed, layer by layer (uniform layers: the pass's totals). The root is gathered
     once per micro-step, before the first forward, with no compute to hide it; the step's last reduce-scatters
     (the first block's and the root's) have nothing after them. What is hidden still costs the SMs the
-    collectives hold (`Cluster.comm_sm_fraction`); a CPU host with every core busy overlaps nothing."""
+    collectives hold (`Cluster.comm_sm_fraction`); a CPU host with every core busy overlaps nothing.
+    `copy_out` (`Job.fsdp_copy_out`, FSDP2): each gather's copy out of the all-gather buffer, a read and a write of
+    the unit's parameters on the compute stream, is exposed whatever overlaps the collectives."""
     cluster, by, ep, m = r.cluster, r.by, r.ep, num_microbatches
     span_dps, span_dpr, span_exp = r.spans["dp_shard"], r.spans["dp_replicate"], r.spans["dp_experts"]
     block = summary.layer_tp / r.tp + summary.layer_rep  # one block's parameters on this rank, before sharding
@@ -136,4 +138,6 @@ def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParam
     exposed = (m * (max(0.0, fwd_comm - mb.fwd) + max(0.0, bwd_comm - mb.bwd) + ag_root)
                + red_block + red_root)
     exposed = min(total, exposed)
-    return exposed + cluster.comm_sm_fraction * (total - exposed)
+    # Gathers per step: each block before its forward and its backward, the root once per micro-step.
+    copies = (m * (2 * p.layers * (block + block_exp) + root) * 2 * by["param"] / r.hbm_bw) if copy_out else 0.0
+    return exposed + cluster.comm_sm_fraction * (total - exposed) + copies
