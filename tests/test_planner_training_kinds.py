@@ -21,6 +21,15 @@ from meshlm.planner.placement import rank_setup
 from meshlm.planner.timing import attention_time
 
 
+def _row(**cells: str) -> dict:
+    """A published-run row (benchmarks/data's columns) with `cells` over one A100 of pure data parallelism."""
+    base = {"row_id": "X", "group": "ZZ_held_out", "source": "", "model": "", "layers": "", "hidden": "", "heads": "",
+            "kv_heads": "", "ffn": "", "vocab": "", "seq_len": "2048", "n_gpus": "1", "tp": "1", "pp": "1", "cp": "1",
+            "ep": "", "dp": "", "vpp": "", "mbs": "1", "sp": "no", "gbs_seqs": "", "recompute": "none", "zero_fsdp": "",
+            "gpu": "A100 80GB", "precision": "bf16"}
+    return {**base, **cells}
+
+
 def _gpt(layers: int = 24, hidden: int = 2048, vocab: int = 51200) -> ModelConfig:
     return ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=16, num_kv_heads=16,
                        intermediate_size=4 * hidden, max_seq_len=2048)
@@ -167,11 +176,9 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     from meshlm.planner.published import job_of
     from meshlm.planner.published_rows import model_of
 
-    row = {"row_id": "X", "group": "ZZ_held_out", "model": "LLaMA-13B (Megatron-LLaMA)", "layers": "40",
-           "hidden": "5120", "heads": "40", "kv_heads": "40", "ffn": "13824", "vocab": "32000", "seq_len": "2048",
-           "n_gpus": "256", "tp": "2", "pp": "1", "cp": "1", "ep": "", "dp": "128", "vpp": "", "mbs": "4", "sp": "yes",
-           "gbs_seqs": "2048", "recompute": "selective", "zero_fsdp": "DistributedOptimizer", "gpu": "A100 80GB",
-           "precision": "bf16", "source": "Alibaba, alibaba/Megatron-LLaMA README.md (2023)"}
+    row = _row(model="LLaMA-13B (Megatron-LLaMA)", layers="40", hidden="5120", heads="40", kv_heads="40", ffn="13824",
+               vocab="32000", n_gpus="256", tp="2", dp="128", mbs="4", sp="yes", gbs_seqs="2048", recompute="selective",
+               zero_fsdp="DistributedOptimizer", source="Alibaba, alibaba/Megatron-LLaMA README.md (2023)")
     job = job_of(row, model_of(row))
     assert job.flash_attention_1 and job.eager_ops == frozenset(EAGER_OPS) and not job.gradient_accumulation_fusion
     plain = {**row, "model": "LLaMA-13B", "source": "NVIDIA Megatron-LM (2023)"}
@@ -303,11 +310,10 @@ def test_one_hot_embedding_gemm_and_unfused_dropout_cost_their_flops_and_bytes()
         0.5 * f0 * cfg.num_layers * rc[0].num_microbatches)
     assert rc[1].time_s["compute"] == rc[0].time_s["compute"]
 
-    row = {"row_id": "X", "group": "W_paxml_gpt_h100_fsdp", "model": "GPT-3 5B (Paxml)", "layers": "24",
-           "hidden": "4096", "heads": "32", "kv_heads": "32", "ffn": "16384", "vocab": "50304", "seq_len": "2048",
-           "n_gpus": "16", "tp": "1", "pp": "1", "cp": "1", "ep": "", "dp": "16", "vpp": "", "mbs": "4", "sp": "no",
-           "gbs_seqs": "64", "recompute": "selective", "zero_fsdp": "FSDP=8 x DP=2", "gpu": "H100 80GB",
-           "precision": "BF16", "source": "dgxc-benchmarking (2025)"}
+    row = _row(group="W_paxml_gpt_h100_fsdp", model="GPT-3 5B (Paxml)", layers="24", hidden="4096", heads="32",
+               kv_heads="32", ffn="16384", vocab="50304", n_gpus="16", dp="16", mbs="4", gbs_seqs="64",
+               recompute="selective", zero_fsdp="FSDP=8 x DP=2", gpu="H100 80GB", precision="BF16",
+               source="dgxc-benchmarking (2025)")
     paxml_5b = job_of(row, model_of(row))
     assert paxml_5b.embedding_gemm and paxml_5b.unfused_dropouts == 1
     big = {**row, "group": "X_jaxtoolbox_paxml_gpt_fsdp256", "model": "GPT-3 175B (Paxml)"}
