@@ -241,7 +241,8 @@ def test_ops_left_eager_first_flash_attention_and_unfused_wgrad_cost_exactly_the
 
 def test_fsdp2_copy_out_costs_each_gather_a_read_and_a_write_of_its_unit():
     """FSDP2 copies every all-gather's output into the parameters' own tensors on the compute stream
-    (`Job.fsdp_copy_out`): dp_comm grows by exactly m x (2 x blocks + root) gathers' parameters read and written."""
+    (`Job.fsdp_copy_out`): dp_comm grows by exactly m x (2 x blocks + root) gathers' parameters read and written;
+    without resharding after the forward, by one copy of every parameter per step."""
     from meshlm.planner.cost import Layout, ModelSummary, estimate
     from meshlm.planner.placement import rank_setup
 
@@ -260,6 +261,11 @@ def test_fsdp2_copy_out_costs_each_gather_a_read_and_a_write_of_its_unit():
     expected = m * (2 * cfg.num_layers * block + root) * 2 * 2 / r.hbm_bw
     assert est[1].time_s["dp_comm"] - est[0].time_s["dp_comm"] == pytest.approx(expected, rel=1e-6)
     assert est[1].time_s["compute"] == est[0].time_s["compute"]
+    # Without resharding the weights are gathered once per step, and copied out once.
+    kept = dataclasses.replace(lo, zero3_reshard_after_forward=False)
+    est = [estimate(cfg, h100, dataclasses.replace(job, fsdp_copy_out=x), kept, gpus=16) for x in (False, True)]
+    once = (cfg.num_layers * block + root) * 2 * 2 / r.hbm_bw
+    assert est[1].time_s["dp_comm"] - est[0].time_s["dp_comm"] == pytest.approx(once, rel=1e-6)
 
 
 def test_runtime_accounting_is_an_explicit_field():

@@ -143,10 +143,10 @@ from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.layout import EAGER_OPS
 from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
-                                           HALF_RECOMPUTE, cell_float,
-                                           cell_int, cluster_for, compiled, hybrid_shard, interleaved, model_of,
-                                           nvidia_recipe, precision_of, recompute_choices, recompute_of, row_text,
-                                           schedule_named, seq_len_of, shard_degree, stack_of, token_count, zero_of)
+                                           HALF_RECOMPUTE, cell_float, cell_int, cluster_for, compiled, hybrid_shard,
+                                           interleaved, model_of, nvidia_recipe, precision_of, recompute_choices,
+                                           recompute_of, row_text, schedule_named, seq_len_of, shard_degree, stack_of,
+                                           token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).

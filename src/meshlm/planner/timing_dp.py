@@ -83,6 +83,8 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                     + r.times("reduce_scatter", g_exp, span_exp)
                     + r.times("all_reduce", g_dense / shard, span_dpr))
             window = m * t_mb
+            if job.fsdp_copy_out:  # FSDP2's copy out of the one gather, on the compute stream
+                sync = (n_dense_local + n_exp_local) * by["param"] * 2 / r.hbm_bw
         if cores_saturated or (not job.dp_comm_overlap and z < 3):
             window = 0.0
         bucket = lo.bucket_size_mb * MiB
