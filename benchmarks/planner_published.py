@@ -249,6 +249,15 @@ CHANGES = (
      ("AA_olmo_core_h100_fsdp", "K_torchtitan_a100_fsdp", "T_float8_fsdp2_blog_h100"),
      "PyTorch torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_all_gather_copy_out (waits for the "
      "all-gather on the current stream, then split_with_sizes_copy) and _fsdp_param_group.py wait_for_unshard"),
+    ("fp8 weights as the stack casts them (Job.fp8_weights): Transformer Engine once per step; torchao's dynamic "
+     "scaling in every forward (6 bytes per weight element); under FSDP's float8 all-gather each rank its shard, the "
+     "blocks gathered and copied out in one byte, the backward's transposed copy 2 bytes (AA's float8 rows 1-4 points "
+     "faster: the gather's bytes halve)",
+     ("AA_olmo_core_h100_fsdp",),
+     "pytorch/ao torchao/float8/roofline_utils.py (get_tensor_memory_traffic_bytes, get_float8_mem_sympy) and "
+     "config.py (enable_fsdp_float8_all_gather) of 2024-11; allenai/OLMo-core src/olmo_core/float8.py at e27ba7455 "
+     "(Float8Config: enable_fsdp_float8_all_gather=True); pytorch/torchtitan config_manager.py of 2024 "
+     "(--float8.enable_fsdp_float8_all_gather, default False)"),
 )
 
 

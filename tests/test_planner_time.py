@@ -268,6 +268,40 @@ def test_fsdp2_copy_out_costs_each_gather_a_read_and_a_write_of_its_unit():
     assert est[1].time_s["dp_comm"] - est[0].time_s["dp_comm"] == pytest.approx(once, rel=1e-6)
 
 
+def test_fp8_weights_cost_what_their_cast_moves():
+    """`Job.fp8_weights`: Transformer Engine's cached weights cost nothing per micro-batch; torchao's dynamic scaling
+    casts every weight in every forward (6 bytes per element: a max-abs read, a read and two fp8 writes); with FSDP's
+    float8 all-gather each rank casts its shard (3 bytes per shard element) and the backward copies the gathered
+    weight into its transposed layout (2 bytes per element), and the blocks are gathered -- and copied out -- in one
+    byte per parameter instead of two. An unknown mode is refused."""
+    from meshlm.planner.cost import Layout, ModelSummary, estimate
+    from meshlm.planner.kernels import fp8_cast_bytes
+    from meshlm.planner.placement import rank_setup
+
+    gemms = [(4096, 3072, 1024, 1.0), (4096, 1024, 2816, 2.0)]
+    weights = 3072 * 1024 + 2 * 1024 * 2816
+    cached = fp8_cast_bytes(gemms)
+    dynamic = fp8_cast_bytes(gemms, weights="dynamic", shard=8)
+    gathered = fp8_cast_bytes(gemms, weights="fsdp_all_gather", shard=8)
+    assert dynamic[0] - cached[0] == 6 * weights and dynamic[1] == cached[1]
+    assert gathered[0] - cached[0] == pytest.approx(3 * weights / 8) and gathered[1] - cached[1] == 2 * weights
+    with pytest.raises(ValueError, match="fp8_weights"):
+        Job(seq_len=2048, global_batch_size=8, fp8_weights="delayed").validate()
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=6, num_heads=16, num_kv_heads=16,
+                      intermediate_size=2816, max_seq_len=2048)
+    h100 = get_cluster("h100")
+    lo = Layout(dp_shard=16, zero_stage=3, micro_batch_size=1, recompute="none")
+    job = Job(seq_len=2048, global_batch_size=32, precision="fp8", fp8_weights="fsdp_all_gather")
+    est = [estimate(cfg, h100, dataclasses.replace(job, fsdp_copy_out=x), lo, gpus=16) for x in (False, True)]
+    summary = ModelSummary.build(cfg, 2048)
+    r = rank_setup(summary, h100, job, lo)
+    block = summary.layer_tp + summary.layer_rep
+    root = 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    copied = est[0].num_microbatches * (2 * cfg.num_layers * block * 1 + root * 2)
+    assert est[1].time_s["dp_comm"] - est[0].time_s["dp_comm"] == pytest.approx(2 * copied / r.hbm_bw, rel=1e-6)
+
+
 def test_runtime_accounting_is_an_explicit_field():
     from meshlm.planner import cost
 

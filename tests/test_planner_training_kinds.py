@@ -191,6 +191,23 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
         assert job.flash_attention_1 is fa1 and not job.gradient_accumulation_fusion, words
 
 
+def test_fp8_rows_get_their_stacks_weight_casts():
+    """torchtitan's float8 (torchao, dynamic scaling, float8 all-gather off by default) casts the weights in every
+    forward; OLMo-core's (Float8Config: enable_fsdp_float8_all_gather=True) casts shards before FSDP gathers them in
+    fp8, as does a torchtitan row naming the float8 all-gather; Transformer Engine stacks cache them."""
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import model_of
+
+    row = _row(model="Llama 3 8B (torchtitan)", n_gpus="8", dp="8", zero_fsdp="FSDP2", gpu="H100 80GB",
+               precision="fp8 (float8 linear layers)", gbs_seqs="8", source="PyTorch, pytorch/torchtitan (2024)")
+    cfg = model_of(row)
+    assert job_of(row, cfg).fp8_weights == "dynamic"
+    assert job_of({**row, "notes": "enable_fsdp_float8_all_gather"}, cfg).fp8_weights == "fsdp_all_gather"
+    olmo = {**row, "model": "Llama 3 8B shape", "source": "Ai2, allenai/OLMo-core (2024)"}
+    assert job_of(olmo, cfg).fp8_weights == "fsdp_all_gather"
+    assert job_of({**olmo, "source": "NVIDIA Megatron-Bridge (2025)"}, cfg).fp8_weights == "cached"
+
+
 def test_fms_rows_run_eager_unless_their_source_is_the_compiled_table():
     """fms-fsdp's README tables of Feb-Mar 2024 ran with --use_torch_compile=False; the table of 2024-05-09 says
     its numbers are with torch.compile: the row's source decides Job.fused_elementwise."""

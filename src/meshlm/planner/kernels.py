@@ -103,12 +103,27 @@ def gemms_fwd_bwd(gemms: list[tuple], *, rate: float, hbm_bw: float, in_bytes: f
     return fwd, bwd
 
 
-def fp8_cast_bytes(gemms: list[tuple]) -> tuple[float, float]:
-    """(forward, backward) HBM bytes of casting GEMM inputs to fp8 (Transformer Engine's delayed /
-    current scaling): forward each activation input m x k is read in bf16 and written in fp8 twice
-    (row-wise, and transposed for the weight gradient): 2 + 2 x 1 bytes per element; backward the
-    output gradient m x n the same. Weights are cast once per step and cached across microbatches
-    (not counted)."""
+def fp8_cast_bytes(gemms: list[tuple], *, weights: str = "cached", shard: int = 1) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of casting GEMM inputs to fp8 in one micro-batch: forward each activation
+    input m x k is read in bf16 and written in fp8 twice (row-wise, and transposed for the weight gradient):
+    2 + 2 x 1 bytes per element; backward the output gradient m x n the same (Transformer Engine; torchao's
+    roofline model counts the same for activations and gradients whose scale is fused with the op before).
+    The weights (k x n each), by `weights` (`Job.fp8_weights`):
+      cached           cast once per step and reused by every micro-batch (Transformer Engine): not counted;
+      dynamic          cast in every forward with a dynamic scale (torchao): a max-abs pass reading bf16, then
+                       the cast reading bf16 and writing fp8 row- and column-major: 2 + 2 + 2 x 1 = 6 bytes per
+                       element (torchao/float8/roofline_utils.py, `get_tensor_memory_traffic_bytes`, "dynamic",
+                       not fused with a previous op), kept for the backward;
+      fsdp_all_gather  each rank casts its 1 / `shard` of the weight before FSDP's all-gather (read bf16, write
+                       fp8: 3 bytes per element; the scales come from one max-abs per step), and the backward,
+                       which gathers the weight again, copies it into the transposed layout its input-gradient
+                       GEMM reads (read + write fp8: 2 bytes)."""
     fwd = sum(count * 4.0 * m * k for m, n, k, count in gemms)
     bwd = sum(count * 4.0 * m * n for m, n, k, count in gemms)
+    w = sum(count * k * n for m, n, k, count in gemms)
+    if weights == "dynamic":
+        fwd += 6.0 * w
+    elif weights == "fsdp_all_gather":
+        fwd += 3.0 * w / shard
+        bwd += 2.0 * w
     return fwd, bwd

@@ -30,6 +30,11 @@ RUNTIMES = ("megatron", "meshlm")
 # "attention_layout" (q, k and v copied into the attention kernel's [batch, seq] layout and its output copied back:
 # Megatron-LM's legacy `ParallelAttention` does `rearrange(...).contiguous()` around its flash-attn call).
 EAGER_OPS = ("rope", "swiglu", "attention_layout")
+# How fp8 training gets its weights into fp8 (`Job.fp8_weights`): "cached" (Transformer Engine: cast once per step,
+# reused by every micro-batch), "dynamic" (torchao's dynamic tensorwise scaling: every forward casts every weight),
+# "fsdp_all_gather" (torchao's `enable_fsdp_float8_all_gather` under FSDP2: each rank casts its shard before the
+# all-gather, which then moves one byte per weight).
+FP8_WEIGHTS = ("cached", "dynamic", "fsdp_all_gather")
 # How Layout.short() marks each method after "cp<n>" (ring, the default, unmarked).
 CP_METHOD_MARKS = {"ring": "", "allgather": "ag", "ulysses": "u"}
 # FlashAttention-1's rate over FlashAttention-2's: the midpoints of the two utilisation ranges Dao 2023 gives on A100
@@ -73,6 +78,9 @@ class Job:
     # parameter's own tensor) runs on the compute stream, which waits for it: every gather reads and writes the
     # unit's whole parameters once more, exposed. FSDP1's flat parameters are views of its all-gather output (False).
     fsdp_copy_out: bool = False
+    # fp8 only: how the GEMMs' weights reach fp8 (`FP8_WEIGHTS`; HBM bytes per weight element in kernels.py's
+    # `fp8_cast_bytes`, after torchao's own roofline model, torchao/float8/roofline_utils.py).
+    fp8_weights: str = "cached"
     # Megatron's gradient-accumulation fusion (the default): the weight-gradient GEMM accumulates straight into the
     # fp32 main_grad. False (`--no-gradient-accumulation-fusion`): every micro-batch's weight gradient is written in
     # the activation dtype and added into main_grad by a pass of its own (read it, read and write main_grad).
@@ -142,6 +150,8 @@ class Job:
                              "routed tokens over the mean; 1.0 = balanced)")
         if self.unfused_dropouts < 0:
             raise ValueError(f"unfused_dropouts={self.unfused_dropouts} must be >= 0 (dropouts per layer)")
+        if self.fp8_weights not in FP8_WEIGHTS:
+            raise ValueError(f"fp8_weights={self.fp8_weights!r} must be one of {list(FP8_WEIGHTS)}")
         if not set(self.eager_ops) <= set(EAGER_OPS):
             raise ValueError(f"eager_ops={sorted(self.eager_ops)} must be among {list(EAGER_OPS)}")
         if self.runtime not in RUNTIMES:

@@ -123,6 +123,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * PyTorch FSDP2 (torchtitan, OLMo-core, and rows naming FSDP2 or fully_shard: groups K, T, AA) copies each
     all-gather's output into the parameters' own tensors on the compute stream (`Job.fsdp_copy_out`); FSDP1's flat
     parameters (llm-foundry, fms-fsdp) are views of it;
+  * fp8 through torchao's float8 linear layers (torchtitan, OLMo-core) casts the weights with a dynamic scale in every
+    forward, or, with FSDP's float8 all-gather (OLMo-core's default), each rank its shard before the gather
+    (`Job.fp8_weights`); Transformer Engine (NVIDIA's recipes) casts them once per step;
   * what Paxml's GPT configs run beyond the blocks (google/paxml scripts_gpu/configs.py and tasks/lm/params/c4.py,
     praxis layers/embedding_softmax.py and transformers.py, as `job_of` cites): the tied embedding looked up as a
     one-hot matmul (`Job.embedding_gemm`: a GEMM of tokens x vocab x hidden forward and one for the table's
@@ -146,7 +149,7 @@ from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, 
                                            HALF_RECOMPUTE, cell_float, cell_int, cluster_for, compiled, hybrid_shard,
                                            interleaved, model_of, nvidia_recipe, precision_of, recompute_choices,
                                            recompute_of, row_text, schedule_named, seq_len_of, shard_degree, stack_of,
-                                           token_count, zero_of)
+                                           TORCHAO_FP8_STACKS, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -258,6 +261,13 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # PyTorch FSDP2's all-gather copy-out on the compute stream (`Job.fsdp_copy_out`): torchtitan, OLMo-core (groups K,
     # T, AA), or a row naming FSDP2 / fully_shard.
     fsdp2 = stack in FSDP2_STACKS or bool(re.search(r"\bfsdp-?2\b|fully_shard", text))
+    # fp8 through torchao (torchtitan, OLMo-core, a row naming torchao; `Job.fp8_weights`): every forward casts the
+    # weights (torchtitan's --float8.enable_fsdp_float8_all_gather is off by default, its config_manager.py of 2024),
+    # or each rank its shard before FSDP gathers them in fp8 (OLMo-core's Float8Config at e27ba7455:
+    # enable_fsdp_float8_all_gather=True; a row naming the float8 all-gather). Transformer Engine caches them.
+    torchao = stack in TORCHAO_FP8_STACKS or "torchao" in text
+    fp8_gathered = stack == "olmo-core" or bool(re.search(r"(float8|fp8)[ _-]all[ _-]?gather", text))
+    fp8_weights = ("fsdp_all_gather" if fp8_gathered else "dynamic") if torchao else "cached"
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
@@ -265,7 +275,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
                flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion,
-               fsdp_copy_out=fsdp2)
+               fsdp_copy_out=fsdp2, fp8_weights=fp8_weights)
 
 
 def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:

@@ -102,6 +102,8 @@ DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
 # Stacks sharding with PyTorch FSDP2 (`fully_shard`, per-parameter DTensor shards: torchtitan since its 2024 releases,
 # OLMo-core's `apply_fsdp`); a row naming FSDP2 or fully_shard is read so too.
 FSDP2_STACKS = ("torchtitan", "olmo-core")
+# Stacks training in fp8 through torchao's float8 linear layers (dynamic tensorwise scaling), not Transformer Engine.
+TORCHAO_FP8_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
 FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were

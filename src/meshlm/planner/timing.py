@@ -331,7 +331,8 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
     t_elem_fwd = elem_bytes_fwd / r.hbm_bw
     t_elem_bwd = 2 * t_elem_fwd
     if job.precision == "fp8":
-        cast_fwd, cast_bwd = fp8_cast_bytes(gemms)
+        shard = r.spans["dp_shard"][0] * r.spans["dp_shard"][1]
+        cast_fwd, cast_bwd = fp8_cast_bytes(gemms, weights=job.fp8_weights, shard=shard)
         t_elem_fwd += cast_fwd / r.hbm_bw
         t_elem_bwd += cast_bwd / r.hbm_bw
     return t_elem_fwd, t_elem_bwd

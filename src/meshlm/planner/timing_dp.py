@@ -73,7 +73,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                     + r.times("all_gather", n_exp_local * by["param"], span_exp))
             window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
         elif lo.zero3_reshards:
-            return fsdp_comm_time(summary, lo, r, p, mb, num_microbatches=m, copy_out=job.fsdp_copy_out)
+            return fsdp_comm_time(summary, job, lo, r, p, mb, num_microbatches=m)
         else:
             # FSDP without resharding (torchtitan under pp): weights gathered once per step and kept,
             # gradients reduce-scattered once, after the step's last backward.
@@ -96,8 +96,8 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
     return t_dp
 
 
-def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
-                   num_microbatches: int, copy_out: bool = False) -> float:
+def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
+                   num_microbatches: int) -> float:
     """FSDP / ZeRO-3 with resharding (PyTorch FSDP, DeepSpeed stage 3, Megatron-FSDP): what its collectives leave
     exposed in one step, unit by unit.
 
@@ -112,26 +112,31 @@ def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParam
     once per micro-step, before the first forward, with no compute to hide it; the step's last reduce-scatters
     (the first block's and the root's) have nothing after them. What is hidden still costs the SMs the
     collectives hold (`Cluster.comm_sm_fraction`); a CPU host with every core busy overlaps nothing.
-    `copy_out` (`Job.fsdp_copy_out`, FSDP2): each gather's copy out of the all-gather buffer, a read and a write of
-    the unit's parameters on the compute stream, is exposed whatever overlaps the collectives."""
+    `Job.fsdp_copy_out` (FSDP2): each gather's copy out of the all-gather buffer, a read and a write of the unit's
+    parameters on the compute stream, is exposed whatever overlaps the collectives. Under fp8 with
+    `Job.fp8_weights` "fsdp_all_gather" the blocks' weights are gathered (and copied out) in one byte each."""
     cluster, by, ep, m = r.cluster, r.by, r.ep, num_microbatches
     span_dps, span_dpr, span_exp = r.spans["dp_shard"], r.spans["dp_replicate"], r.spans["dp_experts"]
     block = summary.layer_tp / r.tp + summary.layer_rep  # one block's parameters on this rank, before sharding
     block_exp = summary.layer_experts / (r.expert_tp * ep)
     root = max(0.0, p.local - p.layers * (block + block_exp))
 
-    def unit(params: float, experts: float) -> tuple[float, float]:
+    # Bytes per gathered block parameter: fp8 where the weights are cast before the all-gather (the norms' few
+    # parameters are counted with them).
+    block_bytes = 1 if job.precision == "fp8" and job.fp8_weights == "fsdp_all_gather" else by["param"]
+
+    def unit(params: float, experts: float, gather_bytes: float) -> tuple[float, float]:
         """(gather, gradient reduction) seconds of one unit."""
-        gather = r.times("all_gather", params * by["param"], span_dps)
+        gather = r.times("all_gather", params * gather_bytes, span_dps)
         reduce = (r.times("reduce_scatter", params * by["reduce"], span_dps)
                   + r.times("all_reduce", params * by["reduce"] / p.shard, span_dpr))
         if experts:  # the routed experts' own collectives, over their own group
-            gather += r.times("all_gather", experts * by["param"], span_exp)
+            gather += r.times("all_gather", experts * gather_bytes, span_exp)
             reduce += r.times("reduce_scatter", experts * by["reduce"], span_exp)
         return gather, reduce
 
-    ag_block, red_block = unit(block, block_exp)
-    ag_root, red_root = unit(root, 0.0)
+    ag_block, red_block = unit(block, block_exp, block_bytes)
+    ag_root, red_root = unit(root, 0.0, by["param"])
     fwd_comm = p.layers * ag_block
     bwd_comm = p.layers * (ag_block + red_block)
     total = m * (fwd_comm + bwd_comm + ag_root + red_root)
@@ -141,5 +146,6 @@ def fsdp_comm_time(summary: ModelSummary, lo: Layout, r: RankSetup, p: RankParam
                + red_block + red_root)
     exposed = min(total, exposed)
     # Gathers per step: each block before its forward and its backward, the root once per micro-step.
-    copies = (m * (2 * p.layers * (block + block_exp) + root) * 2 * by["param"] / r.hbm_bw) if copy_out else 0.0
+    copied = m * (2 * p.layers * (block + block_exp) * block_bytes + root * by["param"])
+    copies = 2 * copied / r.hbm_bw if job.fsdp_copy_out else 0.0
     return exposed + cluster.comm_sm_fraction * (total - exposed) + copies
