@@ -258,6 +258,9 @@ CHANGES = (
      "config.py (enable_fsdp_float8_all_gather) of 2024-11; allenai/OLMo-core src/olmo_core/float8.py at e27ba7455 "
      "(Float8Config: enable_fsdp_float8_all_gather=True); pytorch/torchtitan config_manager.py of 2024 "
      "(--float8.enable_fsdp_float8_all_gather, default False)"),
+    ("a Megatron-LM row of 2023 attends with flash attention only where it names it (no dev row moves)", (),
+     "NVIDIA/Megatron-LM d693034e (2022-12-08: --use-flash-attn, store_true) and e7b74a4b (2024-04-02: "
+     "--transformer-impl defaults to transformer_engine)"),
 )
 
 

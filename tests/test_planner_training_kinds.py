@@ -171,7 +171,8 @@ def test_eager_norms_in_fp32_cost_their_bytes_exactly():
 
 def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     """Megatron-LLaMA's code (group AB) runs flash-attn 1.x, RoPE / SwiGLU / the attention layout copies as torch ops
-    and --no-gradient-accumulation-fusion; another Megatron row is read so only when it names them."""
+    and --no-gradient-accumulation-fusion; another Megatron row is read so only when it names them. A Megatron-LM row
+    of 2023 attends with flash attention only where it says so."""
     from meshlm.planner.layout import EAGER_OPS
     from meshlm.planner.published import job_of
     from meshlm.planner.published_rows import model_of
@@ -184,6 +185,10 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     plain = {**row, "model": "LLaMA-13B", "source": "NVIDIA Megatron-LM (2023)"}
     job = job_of(plain, model_of(plain))
     assert not job.flash_attention_1 and not job.eager_ops and job.gradient_accumulation_fusion
+    # Megatron-LM's --use-flash-attn was opt-in until Transformer Engine's attention became its default (2024).
+    assert not job.flash_attention
+    assert job_of({**plain, "source": "NVIDIA Megatron-LM (2024)"}, model_of(plain)).flash_attention
+    assert job_of({**plain, "notes": "--use-flash-attn"}, model_of(plain)).flash_attention
     for words, fa1 in (("flash-attn 1.0.4", True), ("FlashAttention v1", True), ("FlashAttention-2", False),
                        ("flash-attn 2.3.3", False), ("flash-attn 12", False)):
         named = {**plain, "notes": f"{words}; --no-gradient-accumulation-fusion"}

@@ -32,7 +32,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     2/3 * ffn rounded to a multiple of 128 (so tp divides it; the same parameters and FLOPs per token up to
     that rounding); Llama-family ffn sizes are SwiGLU sizes already;
   * runs of Megatron-LM before it took up FlashAttention (2023: the `--use-flash-attn` flag) use its
-    unfused attention (`flash_attention=False`): the 2021 paper, and Korthikanti et al. 2022, whose
+    unfused attention (`flash_attention=False`), and so do its 2023 runs unless the row names a fused attention
+    (the flag was opt-in until Transformer Engine became the default implementation in 2024): the 2021 paper, and
+    Korthikanti et al. 2022, whose
     selective recomputation exists to drop the unfused kernel's s x s scores; and
     MegaScale's Megatron-LM baseline, Megatron-LM's default core attention (`--use-flash-attn` is opt-in;
     MegaScale's "efficient operators" (its Sec. 3) list FlashAttention-2 among its changes over that baseline);
@@ -209,7 +211,13 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # (`compiled`: what the row says; `EAGER_STACKS`: those stacks' defaults then.)
     says = compiled(row)
     eager = says is False or (says is None and stack in EAGER_STACKS)
-    flash = year >= 2023 and not megascale_baseline
+    # FlashAttention from 2023 on; Megatron-LM's own runs only where the row names it until its Transformer Engine
+    # default (`--use-flash-attn` was opt-in from 2022-12-08, commit d693034e; `--transformer-impl` defaults to
+    # transformer_engine, whose attention is fused, from 2024-04-02, commit e7b74a4b): a 2023 Megatron-LM row that
+    # does not say otherwise ran Megatron's own softmax kernel.
+    names_flash = bool(re.search(r"flash|fused attention|cudnn attention|transformer engine", row_text(row)))
+    flash = (year >= 2023 and not megascale_baseline
+             and (stack != "megatron-lm" or year >= 2024 or names_flash))
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
     # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
     # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
