@@ -261,6 +261,12 @@ CHANGES = (
     ("a Megatron-LM row of 2023 attends with flash attention only where it names it (no dev row moves)", (),
      "NVIDIA/Megatron-LM d693034e (2022-12-08: --use-flash-attn, store_true) and e7b74a4b (2024-04-02: "
      "--transformer-impl defaults to transformer_engine)"),
+    ("DeepSpeed's ZeRO-3 before v0.6 (a ZeRO-3 row of 2021 or before, not FSDP): every parameter tensor gathered by "
+     "its own synchronous collective, none hidden under compute (Job.zero3_serial_gathers; issue 25's kind (1); no dev "
+     "row moves: no such row in the development set)", (),
+     "microsoft/DeepSpeed partition_parameters.py _allgather_param (torch.cuda.synchronize() before each all_gather) "
+     "and stage3.py _synchronize_communication as of 2021-06; PR #1188 (2021-10-31): 'the async version is not async "
+     "at all'; PR #1453 (v0.6.0, 2022-01): coalesced all-gathers with prefetching"),
 )
 
 

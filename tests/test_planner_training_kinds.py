@@ -64,6 +64,45 @@ def test_fsdp_pays_a_latency_per_unit_and_pass():
     assert 3 * 12 * m * hops * 1.0 <= extra <= (3 * 12 + 2) * m * hops * 1.0 + 1.0
 
 
+def test_deepspeed_zero3_before_v06_gathers_each_tensor_on_the_critical_path():
+    """`Job.zero3_serial_gathers`: every parameter tensor its own all-gather, none hidden under compute: a micro-step
+    pays 2 x blocks x `block_tensors` ring latencies at least (one more second per crossing hop costs at least that
+    many seconds per hop), and with compute to spare all the gathers stay exposed, where prefetched ones hide. Rows
+    of DeepSpeed's ZeRO-3 of 2021 (or naming a release before 0.6) get it."""
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import model_of
+    from meshlm.planner.timing_dp import block_tensors
+
+    cfg = _gpt(layers=12)
+    assert block_tensors(cfg) == 9 and block_tensors(replace(cfg, attention_bias=True, qk_norm=True)) == 14
+    lo = Layout(dp_shard=32, zero_stage=3, micro_batch_size=1, recompute="none")  # 4 nodes of 8, m = 2
+    base = get_cluster("h100")
+    slow = with_overrides(base, scaleout_latency=base.scaleout_latency + 1.0)
+    serial = Job(seq_len=2048, global_batch_size=64, zero3_serial_gathers=True)
+    extra = (estimate(cfg, slow, serial, lo, gpus=32).time_s["dp_comm"]
+             - estimate(cfg, base, serial, lo, gpus=32).time_s["dp_comm"])
+    assert extra >= 2 * 2 * 12 * block_tensors(cfg) * 3 * 1.0
+    long_job = Job(seq_len=8192, global_batch_size=64)
+    summary = ModelSummary.build(cfg, 8192)
+    span = rank_setup(summary, base, long_job, lo).spans["dp_shard"]
+    tensors = block_tensors(cfg)
+    gathers = 2 * 2 * 12 * tensors * collective_time("all_gather", (summary.layer_tp + summary.layer_rep) * 2 / tensors,
+                                                     span, base)
+    hidden, serial = (estimate(cfg, base, replace(long_job, zero3_serial_gathers=x), lo, gpus=32).time_s["dp_comm"]
+                      for x in (False, True))
+    assert serial >= gathers > hidden
+
+    row = _row(model="GPT-3 175B", layers="96", hidden="12288", heads="96", kv_heads="96", ffn="49152",
+               vocab="51200", n_gpus="384", dp="384", mbs="4", gbs_seqs="1536", zero_fsdp="ZeRO-3",
+               recompute="full", precision="fp16", source="a study of 2021")
+    cfg = model_of(row)
+    assert job_of(row, cfg).zero3_serial_gathers
+    assert not job_of({**row, "zero_fsdp": "FSDP (FairScale)"}, cfg).zero3_serial_gathers
+    assert not job_of({**row, "source": "a study of 2023"}, cfg).zero3_serial_gathers
+    assert job_of({**row, "source": "a study of 2023", "notes": "DeepSpeed 0.5.4"}, cfg).zero3_serial_gathers
+    assert not job_of({**row, "zero_fsdp": "ZeRO-1"}, cfg).zero3_serial_gathers
+
+
 def test_fsdp_exposes_the_root_gather_and_the_last_reductions_even_with_compute_to_spare():
     """Long sequences leave the gathers far under the compute, yet the root's gather opens each micro-step
     and the last reduce-scatter closes the step: dp_comm stays above those, and grows with the micro-steps."""

@@ -78,6 +78,12 @@ class Job:
     # parameter's own tensor) runs on the compute stream, which waits for it: every gather reads and writes the
     # unit's whole parameters once more, exposed. FSDP1's flat parameters are views of its all-gather output (False).
     fsdp_copy_out: bool = False
+    # ZeRO-3 as DeepSpeed ran it before v0.6 (2022-01): every parameter tensor all-gathered by its own collective,
+    # synchronously -- `_allgather_param` called torch.cuda.synchronize() before each all_gather, and the fetch of a
+    # sub-module synchronized the device after its gathers ("the async version is not async at all, because each
+    # all_gather calls torch.cuda.synchronize()", DeepSpeed PR #1188, 2021-10; prefetching overlapped with compute came
+    # with its coalesced all-gathers, #1453, v0.6.0): no gather hides under compute, each pays its ring's latency.
+    zero3_serial_gathers: bool = False
     # fp8 only: how the GEMMs' weights reach fp8 (`FP8_WEIGHTS`; HBM bytes per weight element in kernels.py's
     # `fp8_cast_bytes`, after torchao's own roofline model, torchao/float8/roofline_utils.py).
     fp8_weights: str = "cached"

@@ -125,6 +125,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * PyTorch FSDP2 (torchtitan, OLMo-core, and rows naming FSDP2 or fully_shard: groups K, T, AA) copies each
     all-gather's output into the parameters' own tensors on the compute stream (`Job.fsdp_copy_out`); FSDP1's flat
     parameters (llm-foundry, fms-fsdp) are views of it;
+  * ZeRO-3 as DeepSpeed ran it before v0.6 (a ZeRO-3 row of 2021 or before that is not FSDP, or one naming such a
+    release): every parameter tensor gathered by its own collective, synchronously (`Job.zero3_serial_gathers`);
   * fp8 through torchao's float8 linear layers (torchtitan, OLMo-core) casts the weights with a dynamic scale in every
     forward, or, with FSDP's float8 all-gather (OLMo-core's default), each rank its shard before the gather
     (`Job.fp8_weights`); Transformer Engine (NVIDIA's recipes) casts them once per step;
@@ -276,6 +278,12 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     torchao = stack in TORCHAO_FP8_STACKS or "torchao" in text
     fp8_gathered = stack == "olmo-core" or bool(re.search(r"(float8|fp8)[ _-]all[ _-]?gather", text))
     fp8_weights = ("fsdp_all_gather" if fp8_gathered else "dynamic") if torchao else "cached"
+    # ZeRO-3 in 2021 or before, not FSDP (FairScale's / PyTorch's), is DeepSpeed's before v0.6 -- as is a row naming a
+    # DeepSpeed 0.x release before 0.6: its gathers one per tensor and synchronous (`Job.zero3_serial_gathers`).
+    sharding = row.get("zero_fsdp", "").lower()
+    old_deepspeed = bool(re.search(r"deepspeed v?0\.[0-5](\.\d+)?\b", text))
+    serial_z3 = (zero_of(row) == 3 and not re.search(r"fsdp|fully.?shard", sharding)
+                 and (year <= 2021 or old_deepspeed))
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
@@ -283,7 +291,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
                flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion,
-               fsdp_copy_out=fsdp2, fp8_weights=fp8_weights)
+               fsdp_copy_out=fsdp2, fp8_weights=fp8_weights, zero3_serial_gathers=serial_z3)
 
 
 def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:

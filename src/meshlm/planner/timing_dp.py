@@ -96,6 +96,13 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
     return t_dp
 
 
+def block_tensors(cfg) -> int:
+    """Parameter tensors of one decoder block as meshlm's model holds them: two norms, q, k, v and o, the MLP's gate,
+    up and down; q, k and v biases (`ModelConfig.attention_bias`) and q / k norms (`qk_norm`) where the model has
+    them."""
+    return 9 + 3 * int(cfg.attention_bias) + 2 * int(cfg.qk_norm)
+
+
 def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
                    num_microbatches: int) -> float:
     """FSDP / ZeRO-3 with resharding (PyTorch FSDP, DeepSpeed stage 3, Megatron-FSDP): what its collectives leave
@@ -112,6 +119,9 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     once per micro-step, before the first forward, with no compute to hide it; the step's last reduce-scatters
     (the first block's and the root's) have nothing after them. What is hidden still costs the SMs the
     collectives hold (`Cluster.comm_sm_fraction`); a CPU host with every core busy overlaps nothing.
+    `Job.zero3_serial_gathers` (DeepSpeed's ZeRO-3 before v0.6): every parameter tensor is gathered by a collective
+    of its own, the device synchronized around it, so no gather overlaps compute and each pays its ring's latency
+    (`block_tensors` per block); the gradients' reduce-scatters overlap as above.
     `Job.fsdp_copy_out` (FSDP2): each gather's copy out of the all-gather buffer, a read and a write of the unit's
     parameters on the compute stream, is exposed whatever overlaps the collectives. Under fp8 with
     `Job.fp8_weights` "fsdp_all_gather" the blocks' weights are gathered (and copied out) in one byte each."""
@@ -137,13 +147,23 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
 
     ag_block, red_block = unit(block, block_exp, block_bytes)
     ag_root, red_root = unit(root, 0.0, by["param"])
+    if job.zero3_serial_gathers:  # one collective per tensor: the block's bytes, its tensors' latencies
+        tensors = block_tensors(summary.cfg)
+        ag_block = tensors * r.times("all_gather", block * block_bytes / tensors, span_dps)
+        if block_exp:  # each local expert's three matrices
+            local = 3 * summary.cfg.num_experts / ep
+            ag_block += local * r.times("all_gather", block_exp * block_bytes / local, span_exp)
     fwd_comm = p.layers * ag_block
     bwd_comm = p.layers * (ag_block + red_block)
     total = m * (fwd_comm + bwd_comm + ag_root + red_root)
     if r.cores_saturated:
         return total
-    exposed = (m * (max(0.0, fwd_comm - mb.fwd) + max(0.0, bwd_comm - mb.bwd) + ag_root)
-               + red_block + red_root)
+    if job.zero3_serial_gathers:  # every gather on the critical path; the reductions overlap the backward
+        exposed = (m * (2 * p.layers * ag_block + ag_root + max(0.0, p.layers * red_block - mb.bwd))
+                   + red_block + red_root)
+    else:
+        exposed = (m * (max(0.0, fwd_comm - mb.fwd) + max(0.0, bwd_comm - mb.bwd) + ag_root)
+                   + red_block + red_root)
     exposed = min(total, exposed)
     # Gathers per step: each block before its forward and its backward, the root once per micro-step.
     copied = m * (2 * p.layers * (block + block_exp) * block_bytes + root * by["param"])
