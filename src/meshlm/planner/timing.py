@@ -244,7 +244,7 @@ def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, 
                                          in_bytes=gemm_in_bytes, k_overhead=cluster.gemm_k_overhead)
     t_attn, t_attn_bwd = attention_time(summary, job, lo, r)
     t_elem_fwd, t_elem_bwd = elementwise_time(summary, job, r, gemms=gemms, imbalance=imbalance)
-    if not job.gradient_accumulation_fusion and r.by["act"] < r.by["grad"]:
+    if not job.gradient_accumulation_fusion:
         # Each weight gradient written in the activation dtype, then added into the main_grad by its own pass.
         params = summary.layer_tp / r.tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * r.ep)
         t_elem_bwd += params * (r.by["act"] + 2 * r.by["grad"]) / r.hbm_bw
