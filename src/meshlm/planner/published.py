@@ -117,7 +117,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     its code (e3d671a) attends with flash-attn 1.x (`Job.flash_attention_1`), runs RoPE, SwiGLU and the copies of
     q, k, v into the kernel's layout and back as torch ops (`Job.eager_ops`; its RMSNorm is apex's fused kernel),
     and its LLaMA-13B script turns gradient-accumulation fusion off (`Job.gradient_accumulation_fusion`); a row of
-    another stack naming the first FlashAttention or `--no-gradient-accumulation-fusion` is read the same way;
+    another stack naming the first FlashAttention or `--no-gradient-accumulation-fusion` is read the same way. The
+    RoPE / SwiGLU / layout copies are Megatron-LM's legacy model code (its own runs before 2024 too, `legacy_megatron`),
+    whose "selective" recomputation with flash-attn recomputes nothing (`recompute_as_run`);
   * OLMo-core's training scripts (group AA, Ai2's README of 2024-11): FSDP2 over a node's 8 GPUs (HSDP across
     nodes: its `init_hybrid_shard_mesh` when there is more than one), torch.compile, attention through PyTorch's SDPA
     (compile turns flash-attn off: `llama_like`'s `use_flash`), so FlashAttention-2 kernels; QK-norm for the
@@ -148,12 +150,11 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
-from meshlm.planner.layout import EAGER_OPS
 from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
-                                           HALF_RECOMPUTE, cell_float, cell_int, cluster_for, compiled, hybrid_shard,
-                                           interleaved, model_of, nvidia_recipe, precision_of, recompute_choices,
-                                           recompute_of, row_text, schedule_named, seq_len_of, shard_degree, stack_of,
-                                           TORCHAO_FP8_STACKS, token_count, zero_of)
+                                           HALF_RECOMPUTE, TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for,
+                                           compiled, gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
+                                           precision_of, recompute_choices, recompute_of, row_text, schedule_named,
+                                           seq_len_of, shard_degree, source_year, stack_of, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -182,7 +183,7 @@ def eq3_flops_per_step(cfg: ModelConfig, job: Job) -> float:
 def job_of(row: dict, cfg: ModelConfig) -> Job:
     """The row's job: its sequence, batch and precision, and what its software stack overlaps and fuses."""
     n, pp = cell_int(row["n_gpus"]), cell_int(row["pp"])
-    year = max((int(y) for y in re.findall(r"\b(20\d\d)\b", row["source"])), default=2024)
+    year = source_year(row)
     # The global batch in sequences, or its tokens over the sequence length ("16M tokens"), else a micro-batch per GPU.
     gbs_tokens = token_count(row.get("gbs_tokens", ""))
     gbs = (cell_int(row["gbs_seqs"]) or (gbs_tokens // seq_len_of(row) if gbs_tokens else 0)
@@ -260,13 +261,16 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     internlm = stack == "internlm"
     # Megatron-LLaMA (group AB; its megatron/model/transformer.py, rotary_pos_embedding.py and
     # examples/LLaMA/LLaMA_13_slurm.sh at e3d671a): flash-attn 1.x (`flash_attn_unpadded_func`; its README promises
-    # FlashAttention-2 "in the future"), q, k, v made contiguous in the kernel's layout and the output back, the rotary
-    # embedding and SwiGLU as torch ops (RMSNorm is apex's fused kernel), and --no-gradient-accumulation-fusion.
-    # A row naming the first FlashAttention or that flag is read the same way.
+    # FlashAttention-2 "in the future") and --no-gradient-accumulation-fusion. Like Megatron-LM's own legacy model until
+    # 2024 (megatron/model/transformer.py, e.g. at cfbf55d7, 2023-08), it copies q, k, v into flash-attn's layout and
+    # the output back, and runs the rotary embedding and SwiGLU as torch ops (its norms are apex's fused kernels; a
+    # GPT-style model has neither). A row naming the first FlashAttention or that flag is read the same way.
     text = row_text(row)
     megatron_llama = stack == "megatron-llama"
     fa1 = megatron_llama or bool(re.search(r"flash-?att(entio)?n[ -]?(v|version ?)?1(\.\d+)*(?![\d.])", text))
-    eager_ops = frozenset(EAGER_OPS) if megatron_llama else frozenset()
+    eager_ops = frozenset()
+    if legacy_megatron(row):  # the layout copies on its flash path only; RoPE and SwiGLU where the model has them
+        eager_ops = frozenset(({"attention_layout"} if flash else set()) | (set() if gpt_style(row) else {"rope", "swiglu"}))
     wgrad_fusion = not (megatron_llama or "no-gradient-accumulation-fusion" in text)
     # PyTorch FSDP2's all-gather copy-out on the compute stream (`Job.fsdp_copy_out`): torchtitan, OLMo-core (groups K,
     # T, AA), or a row naming FSDP2 / fully_shard.
@@ -292,6 +296,20 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
                flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion,
                fsdp_copy_out=fsdp2, fp8_weights=fp8_weights, zero3_serial_gathers=serial_z3)
+
+
+def legacy_megatron(row: dict) -> bool:
+    """Megatron-LM's legacy model code: Megatron-LM's own runs before Transformer Engine became its default
+    implementation (2024), and Megatron-LLaMA's fork of it."""
+    stack = stack_of(row)
+    return stack == "megatron-llama" or (stack == "megatron-lm" and source_year(row) < 2024)
+
+
+def recompute_as_run(rc: str, row: dict, job: Job) -> str:
+    """The recomputation a row's code runs for the one it names: Megatron-LM's legacy attention checkpoints its core
+    only on its non-flash path (`checkpoint_core_attention` is not consulted when `use_flash_attn`), so with flash
+    attention its "selective" recomputes nothing."""
+    return "none" if rc == "selective" and job.flash_attention and legacy_megatron(row) else rc
 
 
 def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layout]:
@@ -410,7 +428,8 @@ def predict_row(row: dict) -> dict:
         cfg = model_of(row)
         cluster = cluster_for(row)
         job = job_of(row, cfg)
-        layouts = [(rc, lo) for rc in recompute_choices(row) for lo in layouts_of(row, cfg, rc)]
+        rcs = dict.fromkeys(recompute_as_run(rc, row, job) for rc in recompute_choices(row))
+        layouts = [(rc, lo) for rc in rcs for lo in layouts_of(row, cfg, rc)]
     except (LookupError, ValueError) as e:  # no architecture, no preset, a layout the row's numbers contradict
         return {**base, "skip": str(e)}
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)

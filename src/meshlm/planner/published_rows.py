@@ -171,6 +171,13 @@ def _gbit_per_s(text: str) -> float | None:
     return float(m.group(1)) * (1000 if m.group(2).lower() == "t" else 1) if m else None
 
 
+def gpt_style(row: dict) -> bool:
+    """A GPT-style model (a 4h GeLU MLP, learned positions) rather than a Llama-style one."""
+    name = row["model"].strip().lower()
+    arch = next((a for k, a in ARCHS.items() if name_key(name).startswith(name_key(k))), {})
+    return arch.get("mlp") == "gelu" or ("gpt" in name and "oss" not in name)
+
+
 def model_of(row: dict) -> ModelConfig:
     name = row["model"].strip().lower()
     if name.startswith("deepseekv3"):
@@ -181,7 +188,7 @@ def model_of(row: dict) -> ModelConfig:
     if None in (hidden, heads, layers):
         raise LookupError(f"architecture of {row['model']!r} is neither in the CSV nor in ARCHS")
     ffn = get("ffn", "ffn") or 4 * hidden
-    gpt = arch.get("mlp") == "gelu" or "gpt" in name and "oss" not in name
+    gpt = gpt_style(row)
     kw = dict(vocab_size=get("vocab", "vocab") or 51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
               num_kv_heads=get("kv_heads", "kv_heads") or heads, max_seq_len=cell_int(row["seq_len"]) or 8192,
               intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
@@ -274,6 +281,11 @@ def precision_of(row: dict) -> str:
     if stack_of(row) == "nemo" and (not t.strip() or "not stated" in t):
         return "fp8"
     return "bf16"
+
+
+def source_year(row: dict) -> int:
+    """The latest year the row's source names (2024 when it names none): which release of its stack it ran."""
+    return max((int(y) for y in re.findall(r"\b(20\d\d)\b", row.get("source", ""))), default=2024)
 
 
 def seq_len_of(row: dict) -> int:
