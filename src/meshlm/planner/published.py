@@ -218,7 +218,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # default (`--use-flash-attn` was opt-in from 2022-12-08, commit d693034e; `--transformer-impl` defaults to
     # transformer_engine, whose attention is fused, from 2024-04-02, commit e7b74a4b): a 2023 Megatron-LM row that
     # does not say otherwise ran Megatron's own softmax kernel.
-    names_flash = bool(re.search(r"flash|fused attention|cudnn attention|transformer engine", row_text(row)))
+    text = row_text(row)
+    names_flash = bool(re.search(r"flash|fused attention|cudnn attention|transformer engine", text))
     flash = (year >= 2023 and not megascale_baseline
              and (stack != "megatron-lm" or year >= 2024 or names_flash))
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
@@ -265,12 +266,12 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # 2024 (megatron/model/transformer.py, e.g. at cfbf55d7, 2023-08), it copies q, k, v into flash-attn's layout and
     # the output back, and runs the rotary embedding and SwiGLU as torch ops (its norms are apex's fused kernels; a
     # GPT-style model has neither). A row naming the first FlashAttention or that flag is read the same way.
-    text = row_text(row)
     megatron_llama = stack == "megatron-llama"
     fa1 = megatron_llama or bool(re.search(r"flash-?att(entio)?n[ -]?(v|version ?)?1(\.\d+)*(?![\d.])", text))
     eager_ops = frozenset()
     if legacy_megatron(row):  # the layout copies on its flash path only; RoPE and SwiGLU where the model has them
-        eager_ops = frozenset(({"attention_layout"} if flash else set()) | (set() if gpt_style(row) else {"rope", "swiglu"}))
+        eager_ops = frozenset(({"attention_layout"} if flash else set())
+                              | (set() if gpt_style(row) else {"rope", "swiglu"}))
     wgrad_fusion = not (megatron_llama or "no-gradient-accumulation-fusion" in text)
     # PyTorch FSDP2's all-gather copy-out on the compute stream (`Job.fsdp_copy_out`): torchtitan, OLMo-core (groups K,
     # T, AA), or a row naming FSDP2 / fully_shard.
