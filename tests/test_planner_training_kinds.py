@@ -231,6 +231,7 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     assert te.flash_attention and not te.eager_ops
     flash = job_of({**plain, "notes": "--use-flash-attn"}, model_of(plain))
     assert flash.flash_attention and flash.eager_ops == frozenset(EAGER_OPS)
+    assert not job_of({**plain, "notes": "without FlashAttention"}, model_of(plain)).flash_attention
     gpt = {**plain, "model": "GPT 22B", "notes": "--use-flash-attn"}
     assert job_of(gpt, model_of(gpt)).eager_ops == {"attention_layout"}
     # ... and checkpoints its core attention only on the non-flash path: "selective" with flash recomputes nothing.

@@ -219,7 +219,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # transformer_engine, whose attention is fused, from 2024-04-02, commit e7b74a4b): a 2023 Megatron-LM row that
     # does not say otherwise ran Megatron's own softmax kernel.
     text = row_text(row)
-    names_flash = bool(re.search(r"flash|fused attention|cudnn attention|transformer engine", text))
+    fused_attention = r"(flash|fused attention|cudnn attention|transformer engine)"
+    names_flash = bool(re.search(r"(?<!no )(?<!without )(?<!w/o )" + fused_attention, text))
     flash = (year >= 2023 and not megascale_baseline
              and (stack != "megatron-lm" or year >= 2024 or names_flash))
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
