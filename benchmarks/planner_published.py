@@ -96,6 +96,12 @@ paper's rows (or a row naming eq. 3) are; the others compare model TFLOP/s in th
 (models/stats.py), or MFU when that is all. A schedule a row's own cells name (GPipe; Qi et al.'s ZB-1p / ZB-H1, and
 ZB-2p / ZB-V priced as ZB-H1's third of the 1F1B bubble, an upper bound; 1F1B-I) is priced as named; a source's title
 is not read for it (the zero-bubble paper's title names its method on its 1F1B baseline rows too).
+A seventh round (the last six `CHANGES` entries) priced what four stacks' code runs beyond the layout, each from that
+code, no constant fitted: Megatron-LM's legacy model (and Megatron-LLaMA's fork: the first FlashAttention, RoPE /
+SwiGLU / the copies around flash-attn as torch ops, no gradient-accumulation fusion, "selective" recomputing nothing
+under flash-attn; group AB 37% -> 26%), PyTorch FSDP2's all-gather copy-out (K 4.8% -> 3.2%, AA 16% -> 14% with the
+next), torchao's fp8 weight casts and fp8 all-gather, and DeepSpeed's ZeRO-3 before v0.6, whose gathers are one per
+tensor and synchronous (issue 25's kind (1); no dev row runs it). Overall 7.85% -> 7.70%, held-out 8.2% -> 8.0%.
 """
 
 from __future__ import annotations
