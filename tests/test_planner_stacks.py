@@ -1,0 +1,69 @@
+"""How a published run's software stack becomes the planner's `Job`: what Megatron-LM's legacy model and its
+Megatron-LLaMA fork run (the first FlashAttention, ops left eager, unfused gradient accumulation, what "selective"
+recomputes), and how each stack gets its fp8 weights (`planner/published.py`'s `job_of`). Arithmetic only."""
+
+from __future__ import annotations
+
+
+def _row(**cells: str) -> dict:
+    """A published-run row (benchmarks/data's columns) with `cells` over one A100 of pure data parallelism."""
+    base = {"row_id": "X", "group": "ZZ_held_out", "source": "", "model": "", "layers": "", "hidden": "", "heads": "",
+            "kv_heads": "", "ffn": "", "vocab": "", "seq_len": "2048", "n_gpus": "1", "tp": "1", "pp": "1", "cp": "1",
+            "ep": "", "dp": "", "vpp": "", "mbs": "1", "sp": "no", "gbs_seqs": "", "recompute": "none", "zero_fsdp": "",
+            "gpu": "A100 80GB", "precision": "bf16"}
+    return {**base, **cells}
+
+
+def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
+    """Megatron-LLaMA's code (group AB) runs flash-attn 1.x, RoPE / SwiGLU / the attention layout copies as torch ops
+    and --no-gradient-accumulation-fusion; another Megatron row is read so only when it names them. A Megatron-LM row
+    of 2023 attends with flash attention only where it says so."""
+    from meshlm.planner.layout import EAGER_OPS
+    from meshlm.planner.published import job_of, recompute_as_run
+    from meshlm.planner.published_rows import model_of
+
+    row = _row(model="LLaMA-13B (Megatron-LLaMA)", layers="40", hidden="5120", heads="40", kv_heads="40", ffn="13824",
+               vocab="32000", n_gpus="256", tp="2", dp="128", mbs="4", sp="yes", gbs_seqs="2048", recompute="selective",
+               zero_fsdp="DistributedOptimizer", source="Alibaba, alibaba/Megatron-LLaMA README.md (2023)")
+    job = job_of(row, model_of(row))
+    assert job.flash_attention_1 and job.eager_ops == frozenset(EAGER_OPS) and not job.gradient_accumulation_fusion
+    plain = {**row, "model": "LLaMA-13B", "source": "NVIDIA Megatron-LM (2023)"}
+    job = job_of(plain, model_of(plain))
+    assert not job.flash_attention_1 and job.gradient_accumulation_fusion
+    # Megatron-LM's --use-flash-attn was opt-in until Transformer Engine's attention became its default (2024); its
+    # legacy model runs RoPE and SwiGLU as torch ops, and copies q, k, v around flash-attn when it has it.
+    assert not job.flash_attention and job.eager_ops == {"rope", "swiglu"}
+    te = job_of({**plain, "source": "NVIDIA Megatron-LM (2024)"}, model_of(plain))
+    assert te.flash_attention and not te.eager_ops
+    flash = job_of({**plain, "notes": "--use-flash-attn"}, model_of(plain))
+    assert flash.flash_attention and flash.eager_ops == frozenset(EAGER_OPS)
+    assert not job_of({**plain, "notes": "without FlashAttention"}, model_of(plain)).flash_attention
+    gpt = {**plain, "model": "GPT 22B", "notes": "--use-flash-attn"}
+    assert job_of(gpt, model_of(gpt)).eager_ops == {"attention_layout"}
+    # ... and checkpoints its core attention only on the non-flash path: "selective" with flash recomputes nothing.
+    assert recompute_as_run("selective", plain, flash) == "none"
+    assert recompute_as_run("selective", plain, job) == "selective"
+    assert recompute_as_run("selective", {**plain, "source": "NVIDIA Megatron-LM (2024)"}, te) == "selective"
+    assert recompute_as_run("full", plain, flash) == "full"
+    for words, fa1 in (("flash-attn 1.0.4", True), ("FlashAttention v1", True), ("FlashAttention-2", False),
+                       ("flash-attn 2.3.3", False), ("flash-attn 12", False)):
+        named = {**plain, "notes": f"{words}; --no-gradient-accumulation-fusion"}
+        job = job_of(named, model_of(named))
+        assert job.flash_attention_1 is fa1 and not job.gradient_accumulation_fusion, words
+
+
+def test_fp8_rows_get_their_stacks_weight_casts():
+    """torchtitan's float8 (torchao, dynamic scaling, float8 all-gather off by default) casts the weights in every
+    forward; OLMo-core's (Float8Config: enable_fsdp_float8_all_gather=True) casts shards before FSDP gathers them in
+    fp8, as does a torchtitan row naming the float8 all-gather; Transformer Engine stacks cache them."""
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import model_of
+
+    row = _row(model="Llama 3 8B (torchtitan)", n_gpus="8", dp="8", zero_fsdp="FSDP2", gpu="H100 80GB",
+               precision="fp8 (float8 linear layers)", gbs_seqs="8", source="PyTorch, pytorch/torchtitan (2024)")
+    cfg = model_of(row)
+    assert job_of(row, cfg).fp8_weights == "dynamic"
+    assert job_of({**row, "notes": "enable_fsdp_float8_all_gather"}, cfg).fp8_weights == "fsdp_all_gather"
+    olmo = {**row, "model": "Llama 3 8B shape", "source": "Ai2, allenai/OLMo-core (2024)"}
+    assert job_of(olmo, cfg).fp8_weights == "fsdp_all_gather"
+    assert job_of({**olmo, "source": "NVIDIA Megatron-Bridge (2025)"}, cfg).fp8_weights == "cached"
