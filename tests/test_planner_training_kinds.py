@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pathlib import Path
+
 import pytest
 
 from meshlm.config import ModelConfig
@@ -546,3 +548,34 @@ def test_no_wording_of_a_cell_stops_the_table():
             for text in ("n/a", "0"):
                 out = predict_row({**row, cell: text})
                 assert "error" in out or out["skip"], (row["row_id"], cell, text)
+
+
+def test_a_table_without_some_columns_or_with_short_lines_is_read(tmp_path, monkeypatch):
+    """A held-out table may lack columns this CSV has, or end a line early: those cells read as blank and every row
+    comes back predicted or skipped; a row the planner fails on is reported as skipped with the error."""
+    import csv
+
+    from meshlm.planner import published, published_serving
+
+    for module, reader, name in ((published, published.read_runs, "published_runs_dev.csv"),
+                                 (published_serving, published_serving.read_rows, "serving_runs_dev.csv")):
+        src = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / name
+        with src.open(newline="") as f:
+            lines = list(csv.reader(f))
+        header = [c for c in lines[0] if c not in ("notes", "inferred_fields", "other_metric", "source_loc")]
+        keep = [lines[0].index(c) for c in header]
+        out = tmp_path / name
+        with out.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            for line in lines[1:12]:
+                w.writerow([line[i] for i in keep])
+            w.writerow([lines[1][i] for i in keep][:8])  # a short line
+        rows = reader(out)
+        assert len(rows) == 12 and rows[-1][header[-1]] == "" and rows[0]["notes"] == ""
+        results, _ = (published.score_runs if module is published else published_serving.score_rows)(rows)
+        assert len(results) == 12 and all("skip" in r or any(k.startswith("error") for k in r) for r in results)
+    monkeypatch.setattr(published, "predict_row", lambda row: 1 / 0)
+    results, _ = published.score_runs(published.read_runs(out.parent / "published_runs_dev.csv"))
+    assert all(r["skip"].startswith("planner error: ZeroDivisionError") for r in results)
+

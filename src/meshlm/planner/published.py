@@ -141,7 +141,6 @@ Choices the rows leave open, made the same way for every row (never from the rep
 
 from __future__ import annotations
 
-import csv
 import re
 import statistics
 from dataclasses import replace
@@ -154,7 +153,8 @@ from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, 
                                            HALF_RECOMPUTE, TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for,
                                            compiled, gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
                                            precision_of, recompute_choices, recompute_of, row_text, schedule_named,
-                                           seq_len_of, shard_degree, source_year, stack_of, token_count, zero_of)
+                                           read_table, seq_len_of, shard_degree, source_year, stack_of, token_count,
+                                           zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -162,14 +162,21 @@ FIT_GROUPS = ("A_megatron2021_weak_scaling", "E_megascale_175b_strong_scaling", 
 
 
 def read_runs(path: str | Path) -> list[dict]:
-    """The rows of a published-runs CSV (benchmarks/data/published_runs_dev.csv's columns), as dicts."""
-    with Path(path).open(newline="") as f:
-        return list(csv.DictReader(f))
+    """The rows of a published-runs CSV (benchmarks/data/published_runs_dev.csv's columns; a column it lacks reads
+    as blank: `published_rows.read_table`)."""
+    return read_table(path)
 
 
 def score_runs(rows: list[dict]) -> tuple[list[dict], dict]:
-    """Every row predicted (`predict_row`) and the medians of their errors (`summarize`)."""
-    results = [predict_row(r) for r in rows]
+    """Every row predicted (`predict_row`) and the medians of their errors (`summarize`). A row the planner fails on
+    is reported as skipped with the error, not left to stop the table."""
+    results = []
+    for row in rows:
+        try:
+            results.append(predict_row(row))
+        except Exception as e:  # noqa: BLE001 -- reported per row (tests call predict_row and see it raise)
+            results.append({"row_id": row.get("row_id", ""), "group": row.get("group", ""),
+                            "model": row.get("model", ""), "skip": f"planner error: {type(e).__name__}: {e}"})
     return results, summarize(results)
 
 
@@ -286,7 +293,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     fp8_weights = ("fsdp_all_gather" if fp8_gathered else "dynamic") if torchao else "cached"
     # ZeRO-3 in 2021 or before, not FSDP (FairScale's / PyTorch's), is DeepSpeed's before v0.6 -- as is a row naming a
     # DeepSpeed 0.x release before 0.6: its gathers one per tensor and synchronous (`Job.zero3_serial_gathers`).
-    sharding = row.get("zero_fsdp", "").lower()
+    sharding = (row.get("zero_fsdp") or "").lower()
     old_deepspeed = bool(re.search(r"deepspeed v?0\.[0-5](\.\d+)?\b", text))
     serial_z3 = (zero_of(row) == 3 and not re.search(r"fsdp|fully.?shard", sharding)
                  and (year <= 2021 or old_deepspeed))

@@ -7,12 +7,15 @@ a row is read by what it says, never by the group id the CSV gives it, so that a
 held-out one) is read as benchmarks/data/'s rows are; a cell no reader can make sense of raises ValueError /
 LookupError, which `published.predict_row` turns into a skip with the reason.
 Not responsible for: the job and layouts those readings make, or pricing them (`published.py`, whose module docstring
-lists the choices and their sources), or the serving tables (`published_serving.py`, which shares `name_key`).
+lists the choices and their sources), or the serving tables (`published_serving.py`, which shares `name_key` and
+`read_table`: a column a table lacks, or a cell a short line leaves out, reads as blank).
 """
 
 from __future__ import annotations
 
+import csv
 import re
+from pathlib import Path
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster, get_cluster, with_overrides
@@ -77,6 +80,20 @@ def cell_int(text: str, default: int | None = None) -> int | None:
 def cell_float(text: str) -> float | None:
     m = re.match(r"\s*([\d.]+)", text or "")
     return float(m.group(1)) if m else None
+
+
+class Row(dict):
+    """One row of a published table: a column the table does not have reads as blank, as does a cell a short line
+    leaves out, so that a table worded or laid out its own way is read, not refused."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def read_table(path: str | Path) -> list[Row]:
+    """The rows of a published table (CSV with a header line), blank cells as "" and cells beyond the header dropped."""
+    with Path(path).open(newline="") as f:
+        return [Row((k, v or "") for k, v in r.items() if k is not None) for r in csv.DictReader(f)]
 
 
 # The software stack a row ran, read from what the row says it is (its source and model columns), never from the
@@ -285,7 +302,7 @@ def precision_of(row: dict) -> str:
 
 def source_year(row: dict) -> int:
     """The latest year the row's source names (2024 when it names none): which release of its stack it ran."""
-    return max((int(y) for y in re.findall(r"\b(20\d\d)\b", row.get("source", ""))), default=2024)
+    return max((int(y) for y in re.findall(r"\b(20\d\d)\b", row.get("source") or "")), default=2024)
 
 
 def seq_len_of(row: dict) -> int:

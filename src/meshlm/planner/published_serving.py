@@ -47,7 +47,6 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 import statistics
@@ -56,7 +55,7 @@ from pathlib import Path
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.published_rows import name_key
+from meshlm.planner.published_rows import name_key, read_table
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
@@ -115,8 +114,8 @@ class Skip(Exception):
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    with Path(path).open(newline="") as f:
-        return list(csv.DictReader(f))
+    """The rows of a published serving table (a column it lacks reads as blank: `published_rows.read_table`)."""
+    return read_table(path)
 
 
 def _int(text: str) -> int | None:
@@ -394,5 +393,13 @@ def summarize(results: list[dict]) -> dict:
 
 
 def score_rows(rows: list[dict]) -> tuple[list[dict], dict]:
-    results = [predict_row(r) for r in rows]
+    """Every row predicted and the medians of the errors; a row the planner fails on is reported as skipped with the
+    error, not left to stop the table."""
+    results = []
+    for row in rows:
+        try:
+            results.append(predict_row(row))
+        except Exception as e:  # noqa: BLE001 -- reported per row (tests call predict_row and see it raise)
+            results.append({"row_id": row.get("row_id", ""), "group": row.get("group", ""), "model": row.get("model", ""),
+                            "gpu": row.get("gpu", ""), "skip": f"planner error: {type(e).__name__}: {e}"})
     return results, summarize(results)
