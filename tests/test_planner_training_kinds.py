@@ -557,8 +557,8 @@ def test_a_table_without_some_columns_or_with_short_lines_is_read(tmp_path, monk
 
     from meshlm.planner import published, published_serving
 
-    for module, reader, name in ((published, published.read_runs, "published_runs_dev.csv"),
-                                 (published_serving, published_serving.read_rows, "serving_runs_dev.csv")):
+    for reader, score, name in ((published.read_runs, published.score_runs, "published_runs_dev.csv"),
+                                (published_serving.read_rows, published_serving.score_rows, "serving_runs_dev.csv")):
         src = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / name
         with src.open(newline="") as f:
             lines = list(csv.reader(f))
@@ -573,7 +573,7 @@ def test_a_table_without_some_columns_or_with_short_lines_is_read(tmp_path, monk
             w.writerow([lines[1][i] for i in keep][:8])  # a short line
         rows = reader(out)
         assert len(rows) == 12 and rows[-1][header[-1]] == "" and rows[0]["notes"] == ""
-        results, _ = (published.score_runs if module is published else published_serving.score_rows)(rows)
+        results, _ = score(rows)
         assert len(results) == 12 and all("skip" in r or any(k.startswith("error") for k in r) for r in results)
     monkeypatch.setattr(published, "predict_row", lambda row: 1 / 0)
     results, _ = published.score_runs(published.read_runs(out.parent / "published_runs_dev.csv"))

@@ -152,9 +152,9 @@ from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummar
 from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
                                            HALF_RECOMPUTE, TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for,
                                            compiled, gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
-                                           precision_of, recompute_choices, recompute_of, row_text, schedule_named,
-                                           read_table, seq_len_of, shard_degree, source_year, stack_of, token_count,
-                                           zero_of)
+                                           precision_of, predict_each, recompute_choices, recompute_of, read_table,
+                                           row_text, schedule_named, seq_len_of, shard_degree, source_year, stack_of,
+                                           token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -170,13 +170,7 @@ def read_runs(path: str | Path) -> list[dict]:
 def score_runs(rows: list[dict]) -> tuple[list[dict], dict]:
     """Every row predicted (`predict_row`) and the medians of their errors (`summarize`). A row the planner fails on
     is reported as skipped with the error, not left to stop the table."""
-    results = []
-    for row in rows:
-        try:
-            results.append(predict_row(row))
-        except Exception as e:  # noqa: BLE001 -- reported per row (tests call predict_row and see it raise)
-            results.append({"row_id": row.get("row_id", ""), "group": row.get("group", ""),
-                            "model": row.get("model", ""), "skip": f"planner error: {type(e).__name__}: {e}"})
+    results = predict_each(rows, predict_row, ("row_id", "group", "model"))
     return results, summarize(results)
 
 

@@ -96,6 +96,18 @@ def read_table(path: str | Path) -> list[Row]:
         return [Row((k, v or "") for k, v in r.items() if k is not None) for r in csv.DictReader(f)]
 
 
+def predict_each(rows: list[dict], predict, keys: tuple[str, ...]) -> list[dict]:
+    """`predict` on every row; a row it fails on comes back as skipped with the error (and the row's `keys`), so that
+    no row stops a table (tests call the predictors themselves and see them raise)."""
+    out = []
+    for row in rows:
+        try:
+            out.append(predict(row))
+        except Exception as e:  # noqa: BLE001 -- reported per row
+            out.append({**{k: row.get(k, "") for k in keys}, "skip": f"planner error: {type(e).__name__}: {e}"})
+    return out
+
+
 # The software stack a row ran, read from what the row says it is (its source and model columns), never from the
 # group id the CSV gives it: a held-out table of the same stack is priced as its development rows are. The first
 # name found wins (Megatron-LLaMA is a Megatron-LM fork; MegaScale's source names Megatron-LM as its baseline).

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.published_rows import name_key, read_table
+from meshlm.planner.published_rows import name_key, predict_each, read_table
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
@@ -395,11 +395,5 @@ def summarize(results: list[dict]) -> dict:
 def score_rows(rows: list[dict]) -> tuple[list[dict], dict]:
     """Every row predicted and the medians of the errors; a row the planner fails on is reported as skipped with the
     error, not left to stop the table."""
-    results = []
-    for row in rows:
-        try:
-            results.append(predict_row(row))
-        except Exception as e:  # noqa: BLE001 -- reported per row (tests call predict_row and see it raise)
-            results.append({"row_id": row.get("row_id", ""), "group": row.get("group", ""), "model": row.get("model", ""),
-                            "gpu": row.get("gpu", ""), "skip": f"planner error: {type(e).__name__}: {e}"})
+    results = predict_each(rows, predict_row, ("row_id", "group", "model", "gpu"))
     return results, summarize(results)

@@ -135,30 +135,29 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     # parameters are counted with them).
     block_bytes = 1 if job.precision == "fp8" and job.fp8_weights == "fsdp_all_gather" else by["param"]
 
-    def unit(params: float, experts: float, gather_bytes: float) -> tuple[float, float]:
-        """(gather, gradient reduction) seconds of one unit."""
-        gather = r.times("all_gather", params * gather_bytes, span_dps)
+    def unit(params: float, experts: float, gather_bytes: float, pieces: float = 1,
+             expert_pieces: float = 1) -> tuple[float, float]:
+        """(gather, gradient reduction) seconds of one unit, its parameters gathered in `pieces` collectives (its
+        experts' in `expert_pieces`)."""
+        gather = pieces * r.times("all_gather", params * gather_bytes / pieces, span_dps)
         reduce = (r.times("reduce_scatter", params * by["reduce"], span_dps)
                   + r.times("all_reduce", params * by["reduce"] / p.shard, span_dpr))
         if experts:  # the routed experts' own collectives, over their own group
-            gather += r.times("all_gather", experts * gather_bytes, span_exp)
+            gather += expert_pieces * r.times("all_gather", experts * gather_bytes / expert_pieces, span_exp)
             reduce += r.times("reduce_scatter", experts * by["reduce"], span_exp)
         return gather, reduce
 
-    ag_block, red_block = unit(block, block_exp, block_bytes)
+    # DeepSpeed's serial gathers: one collective per tensor (each local expert's three matrices apart)
+    serial = job.zero3_serial_gathers
+    pieces = dict(pieces=block_tensors(summary.cfg), expert_pieces=3 * summary.cfg.num_experts / ep) if serial else {}
+    ag_block, red_block = unit(block, block_exp, block_bytes, **pieces)
     ag_root, red_root = unit(root, 0.0, by["param"])
-    if job.zero3_serial_gathers:  # one collective per tensor: the block's bytes, its tensors' latencies
-        tensors = block_tensors(summary.cfg)
-        ag_block = tensors * r.times("all_gather", block * block_bytes / tensors, span_dps)
-        if block_exp:  # each local expert's three matrices
-            local = 3 * summary.cfg.num_experts / ep
-            ag_block += local * r.times("all_gather", block_exp * block_bytes / local, span_exp)
     fwd_comm = p.layers * ag_block
     bwd_comm = p.layers * (ag_block + red_block)
     total = m * (fwd_comm + bwd_comm + ag_root + red_root)
     if r.cores_saturated:
         return total
-    if job.zero3_serial_gathers:  # every gather on the critical path; the reductions overlap the backward
+    if serial:  # every gather on the critical path; the reductions overlap the backward
         exposed = (m * (2 * p.layers * ag_block + ag_root + max(0.0, p.layers * red_block - mb.bwd))
                    + red_block + red_root)
     else:
