@@ -1,8 +1,11 @@
 """How a published run's software stack becomes the planner's `Job`: what Megatron-LM's legacy model and its
 Megatron-LLaMA fork run (the first FlashAttention, ops left eager, unfused gradient accumulation, what "selective"
-recomputes), and how each stack gets its fp8 weights (`planner/published.py`'s `job_of`). Arithmetic only."""
+recomputes), how each stack gets its fp8 weights (`planner/published.py`'s `job_of`), and which part a GPU cell names.
+Arithmetic only."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def _row(**cells: str) -> dict:
@@ -67,3 +70,53 @@ def test_fp8_rows_get_their_stacks_weight_casts():
     olmo = {**row, "model": "Llama 3 8B shape", "source": "Ai2, allenai/OLMo-core (2024)"}
     assert job_of(olmo, cfg).fp8_weights == "fsdp_all_gather"
     assert job_of({**olmo, "source": "NVIDIA Megatron-Bridge (2025)"}, cfg).fp8_weights == "cached"
+
+
+def test_gpu_cells_name_their_part_for_training_and_serving_tables():
+    """An H100 cell naming HBM2e or 2.4 TB/s is the HBM2e part (its memory-bound work 3.35 / 2.41 slower than the
+    HBM3 part's, its GEMMs as fast); the serving tables read GPU cells with the same reader."""
+    import pytest
+
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.cost import Job, Layout, ModelSummary
+    from meshlm.planner.placement import rank_setup
+    from meshlm.planner.published_rows import cluster_for, cluster_of, model_of
+    from meshlm.planner.published_serving import Skip, deployment_of, read_rows
+    from meshlm.planner.timing import elementwise_time
+
+    assert cluster_of("H100 (Meta's variant: 2.4 TB/s HBM)") == "h100-hbm2e" == cluster_of("H100 96GB HBM2e")
+    assert cluster_of("H100 80GB") == "h100" and cluster_of("MI300X-192GB") == "mi300x"
+    row = _row(model="Llama 3 8B", n_gpus="8", dp="8", gpu="H100 HBM2e")
+    fast, slow = get_cluster("h100"), cluster_for(row)
+    assert (slow.hbm_bw, slow.peak("bf16")) == (2.41e12, fast.peak("bf16"))
+    cfg, job, lo = model_of(row), Job(seq_len=2048, global_batch_size=8), Layout(dp_shard=8, micro_batch_size=1)
+    summary = ModelSummary.build(cfg, 2048)
+    times = [elementwise_time(summary, job, rank_setup(summary, c, job, lo), gemms=[], imbalance=1.0) for c in (fast, slow)]
+    assert times[1][0] / times[0][0] == pytest.approx(3.35 / 2.41)
+    served = read_rows(Path(__file__).resolve().parents[1] / "benchmarks/data/serving_runs_dev.csv")[0]
+    assert deployment_of({**served, "gpu": "H100-SXM5 HBM2e"}).cluster.name == "h100-hbm2e"
+    with pytest.raises(Skip, match="no cluster preset for 'TPU v5p'"):
+        deployment_of({**served, "gpu": "TPU v5p"})
+
+
+def test_mi300x_attention_at_rocm_flash_attentions_measured_rate():
+    """MI300X attends at the rate ROCm's FlashAttention-2 measured (229 TFLOP/s forward + backward at head dim 128,
+    16K tokens), whatever the stack's kernel -- not at Hopper's fraction of its larger peak."""
+    import pytest
+
+    from meshlm.config import ModelConfig
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.cost import Job, Layout, ModelSummary
+    from meshlm.planner.placement import rank_setup
+    from meshlm.planner.timing import attention_time
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336, max_seq_len=16384)
+    mi300x, lo = get_cluster("mi300x"), Layout(dp_shard=8, micro_batch_size=1)
+    summary = ModelSummary.build(cfg, 16384)
+    for fa2 in (False, True):
+        job = Job(seq_len=16384, global_batch_size=8, flash_attention_2=fa2)
+        fwd, bwd = attention_time(summary, job, lo, rank_setup(summary, mi300x, job, lo))
+        block = 16384 / (16384 + mi300x.attention_block_overhead)
+        ran = summary.flops_attn * 16384 * 0.5 * 3.5  # the unmasked half, backward 2.5x the forward
+        assert ran / (fwd + bwd) == pytest.approx(229e12 * block)

@@ -375,7 +375,10 @@ def test_published_runs_median_error_within_ten_percent():
     once its first FlashAttention, its RoPE / SwiGLU / attention-layout copies as torch ops and its unfused gradient
     accumulation are priced, 24-28% once its "selective" recomputation is priced as what its flash path runs: none;
     the fall from 256 to 512 GPUs at its fixed global batch, 2% with its overlapped
-    optimizer and 12% with Megatron-LM's exposed one, is predicted within a point: the missing time is per GPU)."""
+    optimizer and 12% with Megatron-LM's exposed one, is predicted within a point: the missing time is per GPU).
+    And torchao's float8 README runs of torchtitan's Llama 3 8B on 8 H100s and 8 MI300Xs (issue 25's kind (2)),
+    bounded apart at 40%, not fitted: bf16 20% / 35% too fast, float8 30% / 61% (66% / 119% on MI300X before its
+    attention was priced at ROCm FlashAttention-2's measured rate)."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs
@@ -390,7 +393,8 @@ def test_published_runs_median_error_within_ten_percent():
     sizes = summary["per_group_rows"]
     groups = summary["per_group_median_abs_error"]
     apart = {"V_maxtext_llama3_70b_h100_fsdp": 0.20, "W_paxml_gpt_h100_fsdp": 0.20, "X_jaxtoolbox_paxml_gpt_fsdp256": 0.20,
-             "AA_olmo_core_h100_fsdp": 0.20, "AB_megatron_llama_13b_a100": 0.30}
+             "AA_olmo_core_h100_fsdp": 0.20, "AB_megatron_llama_13b_a100": 0.30,
+             "AC_torchao_float8_torchtitan_8b": 0.40}
     assert max(err for g, err in groups.items() if sizes[g] > 1 and g not in apart) <= 0.10, summary
     assert all(groups[g] <= bound for g, bound in apart.items()), summary
     assert max(err for g, err in groups.items() if g not in apart) <= 0.25, summary

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.published_rows import name_key, predict_each, read_table
+from meshlm.planner.published_rows import cluster_of, name_key, predict_each, read_table
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
@@ -83,8 +83,6 @@ WINDOWS = {"gpt-oss-120b": (128, 0) * 18}
 PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.3-70b": "llama3-70b",
            "llama-3.1-405b": "llama3-405b", "mixtral-8x7b": "mixtral-8x7b", "deepseek-r1": "deepseek-v3",
            "deepseek-v3": "deepseek-v3"}
-CLUSTERS = (("gb200", "gb200-nvl72"), ("b200", "b200"), ("h200", "h200"), ("h800", "h800"), ("h100", "h100"),
-            ("a100", "a100"), ("mi325x", "mi325x"), ("mi300x", "mi300x"), ("rtx-pro-6000", "rtx-pro-6000"))
 ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
 # trtllm-bench, with which TensorRT-LLM's perf-overview measures ("trtllm-bench ... throughput --dataset ...
 # --extra_llm_api_options ...", no --max_batch_size / --max_num_tokens), sets the engine's running-request cap
@@ -171,10 +169,10 @@ def layout_of(row: dict) -> ServingLayout:
 
 def deployment_of(row: dict) -> Serving:
     weights, kv = precisions_of(row)
-    gpu = row["gpu"].lower()
-    cluster = next((get_cluster(c) for key, c in CLUSTERS if key in gpu), None)
-    if cluster is None:
-        raise Skip(f"no cluster preset for {row['gpu']!r}")
+    try:
+        cluster = get_cluster(cluster_of(row["gpu"]))
+    except ValueError:
+        raise Skip(f"no cluster preset for {row['gpu']!r}") from None
     sm = model_of(row)
     return Serving(sm, cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row),
                    dense_precision=dense_precision_of(row, weights, sm), mtp_tokens=mtp_of(row))
