@@ -102,6 +102,11 @@ SwiGLU / the copies around flash-attn as torch ops, no gradient-accumulation fus
 under flash-attn; group AB 37% -> 26%), PyTorch FSDP2's all-gather copy-out (K 4.8% -> 3.2%, AA 16% -> 14% with the
 next), torchao's fp8 weight casts and fp8 all-gather, and DeepSpeed's ZeRO-3 before v0.6, whose gathers are one per
 tensor and synchronous (issue 25's kind (1); no dev row runs it). Overall 7.85% -> 7.70%, held-out 8.2% -> 8.0%.
+An eighth round (the last two `CHANGES` entries) added group AC, torchao's float8 README runs of torchtitan's Llama 3
+8B on 8 H100s and 8 MI300Xs (issue 25's kind (2): 24% / 66% too fast in bf16 when added), and priced two parts as
+measured, not assumed: MI300X's attention at ROCm FlashAttention-2's measured rate (AC's MI300X rows 66% -> 35% and
+119% -> 61%; serving groups D and L 0.2-2 points nearer), and the H100 with 2.41 TB/s HBM2e that AC's H100 rows ran on
+(24% -> 20%, 38% -> 30%). No other training row moves; overall 7.70% -> 7.85% with AC's four rows.
 """
 
 from __future__ import annotations
@@ -278,6 +283,17 @@ CHANGES = (
      "not closer)", ("AB_megatron_llama_13b_a100",),
      "NVIDIA/Megatron-LM megatron/model/transformer.py at cfbf55d7 (2023-08): ParallelAttention.forward consults "
      "checkpoint_core_attention only when not use_flash_attn; rearrange(...).contiguous() around the flash call"),
+    # Issue 25, eighth round: group AC added (read row by row); two parts priced as measured (no constant fitted).
+    ("MI300X attends at ROCm FlashAttention-2's measured forward + backward rate, 229 of 1307 TFLOP/s, for every "
+     "stack (it was Hopper's fraction, 0.55, assumed): AC's MI300X rows 66% -> 35% (bf16), 119% -> 61% (float8)",
+     ("AC_torchao_float8_torchtitan_8b",),
+     "ROCm/flash-attention issue #142 (2025-05-18): its benchmarks/benchmark_flash_attention.py on MI300X, ROCm 6.3.2, "
+     "head dim 128, 16K tokens, batch 1-8: fwd + bwd 223-232 TFLOP/s"),
+    ("the H100 with HBM2e, 94 GiB at 2.41 TB/s (preset h100-hbm2e), read from a GPU cell naming HBM2e or 2.4 TB/s: "
+     "AC's H100 rows, whose repository models its authors' H100 at 2.4 TB/s, 24% -> 20% (bf16), 38% -> 30% (float8)",
+     ("AC_torchao_float8_torchtitan_8b",),
+     "arXiv:2604.11391 (H100 HBM2e 94 GiB, 2.41 TB/s); pytorch/ao torchao/testing/training/roofline_utils.py "
+     "('2.4 TB per second, custom to Meta's H100 variant')"),
 )
 
 
