@@ -26,7 +26,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from meshlm.cli.plan_serving import add_serving_parsers, run_context, run_infer
+from meshlm.cli.plan_serving import CLUSTER_CHOICES, add_serving_parsers, run_context, run_infer
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
 from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
@@ -42,7 +42,7 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
                        help="a cluster to compare; give it twice or more (e.g. --cluster h100 --cluster gb200-nvl72)")
     else:
         p.add_argument("--cluster", default="h100",
-                       help="a100 | h100 | h200 | b200 | gb200-nvl72 | local (default h100)")
+                       help=f"{CLUSTER_CHOICES} (default h100)")
     p.add_argument("--calibration", default="plan_calibration.json", metavar="FILE",
                    help="calibration file for --cluster local (default plan_calibration.json)")
     if gpus == "range":

@@ -15,13 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from meshlm.planner.cluster import PRESETS
 from meshlm.planner.inputs import parse_size
+
+# The --cluster names: planner/cluster.py's presets, or this machine after `meshlm plan calibrate`.
+CLUSTER_CHOICES = " | ".join([*PRESETS, "local"])
 
 
 def _add_served(p: argparse.ArgumentParser) -> None:
     """The model, cluster and precisions of a serving question (`plan infer`, `plan context`)."""
     p.add_argument("--model", required=True, metavar="PRESET|CONFIG.json")
-    p.add_argument("--cluster", default="h100")
+    p.add_argument("--cluster", default="h100", help=f"{CLUSTER_CHOICES} (default h100)")
     p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp4", "fp32"],
                    help="weights and GEMMs (default bf16; fp32 on --cluster local, as meshlm serves on CPUs)")
     p.add_argument("--kv-precision", default=None, choices=["bf16", "fp8", "fp32"],

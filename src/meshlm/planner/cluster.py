@@ -218,11 +218,11 @@ PRESETS: dict[str, Cluster] = {
     # A100 SXM 40GB (NVIDIA A100 datasheet): 40 GB HBM2 at 1555 GB/s, otherwise the 80 GB part.
     "a100-40gb": Cluster(name="a100-40gb", **{**_A100, "gpu": "A100-SXM-40G", "hbm_bytes": 40 * GiB, "hbm_bw": 1.555e12}),
     "h100": Cluster(name="h100", **_H100),
+    "h100-hbm2e": Cluster(name="h100-hbm2e", **{**_H100, "gpu": "H100-SXM (HBM2e)", "hbm_bytes": 94 * GiB,
+                                                 "hbm_bw": 2.41e12}),
     "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12,
                                      "matmul_precision_factor": {"fp8": 73.4 / 80.3}}),
     "b200": Cluster(name="b200", **_B200),
-    "h100-hbm2e": Cluster(name="h100-hbm2e", **{**_H100, "gpu": "H100-SXM (HBM2e)", "hbm_bytes": 94 * GiB,
-                                                 "hbm_bw": 2.41e12}),
     "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
     "mi300x": Cluster(name="mi300x", **_MI300X),
     "mi325x": Cluster(name="mi325x", **{**_MI300X, "gpu": "MI325X", "hbm_bytes": 256 * GiB, "hbm_bw": 6.0e12,
