@@ -106,7 +106,10 @@ An eighth round (the last two `CHANGES` entries) added group AC, torchao's float
 8B on 8 H100s and 8 MI300Xs (issue 25's kind (2): 24% / 66% too fast in bf16 when added), and priced two parts as
 measured, not assumed: MI300X's attention at ROCm FlashAttention-2's measured rate (AC's MI300X rows 66% -> 35% and
 119% -> 61%; serving groups D and L 0.2-2 points nearer), and the H100 with 2.41 TB/s HBM2e that AC's H100 rows ran on
-(24% -> 20%, 38% -> 30%). No other training row moves; overall 7.70% -> 7.85% with AC's four rows.
+(24% -> 20%, 38% -> 30%). No other training row moves; overall 7.70% -> 7.85% with AC's four rows. Group AD then added
+NVIDIA's long-context NeMo table (Llama 2 7B on H100, Llama 3 8B on B200, 4K-1M tokens, context parallelism up to 32):
+13-17% too fast at 4K-8K, 45-50% from 64K on H100, 25% on B200 -- attention at long sequences, priced at kernel
+benchmarks' rates, runs slower in these runs; not fitted (overall 8.2%, held-out 9.0%).
 """
 
 from __future__ import annotations
