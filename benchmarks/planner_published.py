@@ -108,8 +108,9 @@ measured, not assumed: MI300X's attention at ROCm FlashAttention-2's measured ra
 119% -> 61%; serving groups D and L 0.2-2 points nearer), and the H100 with 2.41 TB/s HBM2e that AC's H100 rows ran on
 (24% -> 20%, 38% -> 30%). No other training row moves; overall 7.70% -> 7.85% with AC's four rows. Group AD then added
 NVIDIA's long-context NeMo table (Llama 2 7B on H100, Llama 3 8B on B200, 4K-1M tokens, context parallelism up to 32):
-13-17% too fast at 4K-8K, 45-50% from 64K on H100, 25% on B200 -- attention at long sequences, priced at kernel
-benchmarks' rates, runs slower in these runs; not fitted (overall 8.2%, held-out 9.0%).
+13-17% too fast at 4K-8K, 45-50% from 64K on H100 -- attention at long sequences, priced at kernel benchmarks' rates,
+runs slower in these runs; not fitted (overall 8.2%, held-out 9.0%). B200's attention, until then Hopper's fraction
+assumed, was then priced at NVIDIA's cuDNN measurement (AD's B200 rows 17-27% -> 14-19%, flat with the sequence).
 """
 
 from __future__ import annotations
@@ -297,6 +298,11 @@ CHANGES = (
      ("AC_torchao_float8_torchtitan_8b",),
      "arXiv:2604.11391 (H100 HBM2e 94 GiB, 2.41 TB/s); pytorch/ao torchao/testing/training/roofline_utils.py "
      "('2.4 TB per second, custom to Meta's H100 variant')"),
+    ("B200 attends at cuDNN 9.10's measured forward + backward rate, 1150 of 2250 TFLOP/s (Hopper's fraction, 0.55, "
+     "was assumed), FlashAttention-2 stacks at FA2's, 360: AD's B200 rows 17-27% -> 14-19%; serving rows on B200 / "
+     "GB200 0.1-5 points nearer (overall 13.7% -> 13.6%)", ("AD_nemo_long_sequence_cp",),
+     "NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_bf16_training at f937055 (2025-06-12): "
+     "sdpa_benchmark_results_NVIDIA_B200.csv, causal, 128 query / 8 KV heads, head dim 128, batch 1, 16K-128K tokens"),
 )
 
 

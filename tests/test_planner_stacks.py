@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 
 def _row(**cells: str) -> dict:
     """A published-run row (benchmarks/data's columns) with `cells` over one A100 of pure data parallelism."""
@@ -75,8 +77,6 @@ def test_fp8_rows_get_their_stacks_weight_casts():
 def test_gpu_cells_name_their_part_for_training_and_serving_tables():
     """An H100 cell naming HBM2e or 2.4 TB/s is the HBM2e part (its memory-bound work 3.35 / 2.41 slower than the
     HBM3 part's, its GEMMs as fast); the serving tables read GPU cells with the same reader."""
-    import pytest
-
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.cost import Job, Layout, ModelSummary
     from meshlm.planner.placement import rank_setup
@@ -99,11 +99,11 @@ def test_gpu_cells_name_their_part_for_training_and_serving_tables():
         deployment_of({**served, "gpu": "TPU v5p"})
 
 
-def test_mi300x_attention_at_rocm_flash_attentions_measured_rate():
+@pytest.mark.parametrize("name, fused, fa2", [("mi300x", 229e12, 229e12), ("b200", 1150e12, 360e12)])
+def test_attention_at_the_measured_kernel_rates(name, fused, fa2):
     """MI300X attends at the rate ROCm's FlashAttention-2 measured (229 TFLOP/s forward + backward at head dim 128,
-    16K tokens), whatever the stack's kernel -- not at Hopper's fraction of its larger peak."""
-    import pytest
-
+    16K tokens), whatever the stack's kernel; B200 at cuDNN's measured 1150 and FlashAttention-2's 360 -- neither at
+    Hopper's fraction of its larger peak."""
     from meshlm.config import ModelConfig
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.cost import Job, Layout, ModelSummary
@@ -112,11 +112,11 @@ def test_mi300x_attention_at_rocm_flash_attentions_measured_rate():
 
     cfg = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
                       intermediate_size=14336, max_seq_len=16384)
-    mi300x, lo = get_cluster("mi300x"), Layout(dp_shard=8, micro_batch_size=1)
+    cluster, lo = get_cluster(name), Layout(dp_shard=8, micro_batch_size=1)
     summary = ModelSummary.build(cfg, 16384)
-    for fa2 in (False, True):
-        job = Job(seq_len=16384, global_batch_size=8, flash_attention_2=fa2)
-        fwd, bwd = attention_time(summary, job, lo, rank_setup(summary, mi300x, job, lo))
-        block = 16384 / (16384 + mi300x.attention_block_overhead)
+    for flash_attention_2, rate in ((False, fused), (True, fa2)):
+        job = Job(seq_len=16384, global_batch_size=8, flash_attention_2=flash_attention_2)
+        fwd, bwd = attention_time(summary, job, lo, rank_setup(summary, cluster, job, lo))
+        block = 16384 / (16384 + cluster.attention_block_overhead)
         ran = summary.flops_attn * 16384 * 0.5 * 3.5  # the unmasked half, backward 2.5x the forward
-        assert ran / (fwd + bwd) == pytest.approx(229e12 * block)
+        assert ran / (fwd + bwd) == pytest.approx(rate * block)

@@ -136,11 +136,16 @@ def _gbit(x: float) -> float:
 #    ~190-200 of 312 TFLOP/s fwd+bwd causal at head dim 128 and 8-16K tokens (Dao 2023) -> 0.65.
 #    H100: FlashAttention-2 reaches only ~1/3 of peak; FlashAttention-3 / cuDNN fused attention
 #    ~600-650 forward and ~500 backward at long sequences (Shah et al. 2024), ~0.55 combined with the
-#    1:2.5 weighting -> 0.55, the 2024-era kernel. B200: the Hopper fraction is assumed.
+#    1:2.5 weighting -> 0.55, the 2024-era kernel. B200: cuDNN 9.10.2's fused attention, measured by NVIDIA
+#    (NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_bf16_training, f937055, 2025-06: Llama-3.1-405B heads, causal,
+#    head dim 128, batch 1, PyTorch 2.8's SDPA): 1143-1205 TFLOP/s forward + backward at 16K-128K tokens, median
+#    1150 of 2250 -> 0.51.
 #    (From kernel benchmarks, not from any end-to-end run.)
 #  * fa2_attention_efficiency: on Hopper FlashAttention-2 reaches "only 35% utilization" of the H100's peak
 #    (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Sec. 1) -> 0.35 on H100 / H200 / H800 (forward;
-#    its backward is no faster). On A100 FA2 is the kernel attention_efficiency already rates (0: the same).
+#    its backward is no faster). On A100 FA2 is the kernel attention_efficiency already rates (0: the same). On B200
+#    FlashAttention-2 (PyTorch SDPA's flash backend; flash-attn 2.7.3 within 7% of it) reaches 348-364 TFLOP/s forward
+#    + backward at 16K-128K tokens in the same NVIDIA benchmark, median 360 of 2250 -> 0.16.
 #  * link_efficiency: NCCL bus bandwidth over the nominal link rate for large messages, ~0.8 on NVLink
 #    and InfiniBand alike (e.g. ~360 of 450 GB/s on H100 NVLink; ~45 of 50 GB/s per 400G NIC is higher,
 #    the common figure is used for both so the constant stays one number per GPU type).
@@ -177,7 +182,8 @@ _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32":
              matmul_precision_factor={"fp8": 70.9 / 80.3})
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=1150 / 2250,
+             fa2_attention_efficiency=360 / 2250, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
              gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2,
              matmul_precision_factor={"fp8": 76.3 / 77.6})
@@ -232,6 +238,9 @@ PRESETS: dict[str, Cluster] = {
                                                                   "fp32": 125e12},
                                                    "hbm_bytes": 96 * GiB, "hbm_bw": 1.6e12, "scaleup_bw": 64e9,
                                                    "comm_sm_fraction": 16 / 188, "gpu_power_w": 600.0,
+                                                   # its own die (sm120): no attention measured here, Hopper's
+                                                   # fraction assumed, not B200's kernels'
+                                                   "attention_efficiency": 0.55, "fa2_attention_efficiency": 0.0,
                                                    "matmul_precision_factor": {}}),
     "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
                                                  "gpu_power_w": 1200.0, "node_power_w": 470.0,
