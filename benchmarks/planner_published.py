@@ -111,6 +111,8 @@ NVIDIA's long-context NeMo table (Llama 2 7B on H100, Llama 3 8B on B200, 4K-1M 
 13-17% too fast at 4K-8K, 45-50% from 64K on H100 -- attention at long sequences, priced at kernel benchmarks' rates,
 runs slower in these runs; not fitted (overall 8.2%, held-out 9.0%). B200's attention, until then Hopper's fraction
 assumed, was then priced at NVIDIA's cuDNN measurement (AD's B200 rows 17-27% -> 14-19%, flat with the sequence).
+Group AE, the Blackwell rows of group I's tables (Megatron-Bridge, B200 / GB200, dense fp8), came in at 8.5%, every row
+too fast (2-19%).
 """
 
 from __future__ import annotations
