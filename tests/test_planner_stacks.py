@@ -91,7 +91,8 @@ def test_gpu_cells_name_their_part_for_training_and_serving_tables():
     assert (slow.hbm_bw, slow.peak("bf16")) == (2.41e12, fast.peak("bf16"))
     cfg, job, lo = model_of(row), Job(seq_len=2048, global_batch_size=8), Layout(dp_shard=8, micro_batch_size=1)
     summary = ModelSummary.build(cfg, 2048)
-    times = [elementwise_time(summary, job, rank_setup(summary, c, job, lo), gemms=[], imbalance=1.0) for c in (fast, slow)]
+    times = [elementwise_time(summary, job, rank_setup(summary, c, job, lo), gemms=[], imbalance=1.0)
+             for c in (fast, slow)]
     assert times[1][0] / times[0][0] == pytest.approx(3.35 / 2.41)
     served = read_rows(Path(__file__).resolve().parents[1] / "benchmarks/data/serving_runs_dev.csv")[0]
     assert deployment_of({**served, "gpu": "H100-SXM5 HBM2e"}).cluster.name == "h100-hbm2e"

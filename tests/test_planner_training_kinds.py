@@ -361,7 +361,7 @@ def test_published_runs_median_error_within_ten_percent():
     """The planner on the published runs of benchmarks/data/ (each run with its own layout, `planner.published`,
     as benchmarks/planner_published.py prints it): the median |error| of the predicted throughput stays <= 10%
     overall, on the groups the constants were chosen with and on the others; <= 9% over the dense-model rows (8%
-    until group AD's long-context rows were added, 8.1% with them);
+    until groups AD and AE were added, 8.2% with them);
     <= 10% in every group of several rows, <= 25% in a group of one (its median is that one row's error:
     GPT-NeoX-20B's pipeline, added for issue 25 and still 17% too fast). Three held-out groups added in issue 25's
     fourth round exceed the 10% when added and are bounded apart at 20%, not fitted: MaxText's Llama 3 70B (13%

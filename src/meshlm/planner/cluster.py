@@ -196,16 +196,17 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #    GPU, all-to-all wired, no switch); 750 W. Server and network power taken as the H100 system's (assumed,
 #    no AMD system maximum published per GPU). matmul_efficiency 0.47: SemiAnalysis's public GEMM benchmark
 #    ("MI300X vs H100 vs H200 Benchmark Part 1: Training", Dec 2024) measured ~620 of 1307 TFLOP/s bf16 at
-#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed), except attention (below) and two measured on Azure's
-#    ND MI300X v5 (Azure/AI-benchmarking-guide, Azure_Results/ND_MI300X_v5_results.md; ROCm 6.2-era HIP): hipBLASLt
+#    transformer shapes on ROCm 6.x; the other efficiencies as Hopper's (assumed), except attention (below) and two
+#    measured on Azure's ND MI300X v5 (Azure/AI-benchmarking-guide, Azure_Results/ND_MI300X_v5_results.md; ROCm
+#    6.2-era HIP): hipBLASLt
 #    FP8 GEMMs peak at 1159.5 TFLOP/s (44% of 2615) against 60.1% of the bf16 peak in the MAMF table (ROCm 6.2),
 #    so fp8 keeps (1159.5 / 2615) / (781.9 / 1300) of matmul_efficiency; RCCL all-reduce bus bandwidth levels
 #    off at 317 GB/s of the 448 (link_efficiency 0.71). Its BabelStream HBM figures (4.1-4.3 TB/s) confirm 0.8.
-#    Attention measured, not assumed: ROCm's FlashAttention-2 (ROCm/flash-attention, its Composable Kernel backend, the
-#    fused attention ROCm's stacks run) at head dim 128 and 16K tokens on MI300X, ROCm 6.3.2, its own
-#    benchmarks/benchmark_flash_attention.py: 223-232 TFLOP/s forward + backward, batch 1-8 (353 forward, 194
-#    backward; ROCm/flash-attention issue #142, 2025-05-18) -> 229 of 1307 for attention_efficiency, and the same
-#    for PyTorch SDPA's flash backend (AOTriton on ROCm: assumed, not measured here).
+#    Attention measured, not assumed: ROCm's port of FlashAttention-2 (ROCm/flash-attention, Composable Kernel
+#    backend) at head dim 128 and 16K tokens on MI300X, ROCm 6.3.2, its own benchmarks/benchmark_flash_attention.py:
+#    223-232 TFLOP/s forward + backward, batch 1-8 (353 forward, 194 backward; ROCm/flash-attention issue #142,
+#    2025-05-18) -> 229 of 1307 for attention_efficiency, taken for every stack's kernel (PyTorch SDPA's AOTriton,
+#    vLLM's Triton / AITER kernels: assumed no faster, none measured here).
 #  * MI325X (AMD Instinct MI325X data sheet): MI300X compute with 256 GB HBM3E at 6 TB/s, 1000 W (efficiencies as
 #    MI300X, the same compute die: its bf16 MAMF, 60.4%, matches MI300X's on ROCm 6.2).
 #  * H100 SXM with HBM2e (NHR@FAU's Helma nodes: 94 GiB at 2.41 TB/s, arXiv:2604.11391's testbed; torchao's roofline
