@@ -112,7 +112,8 @@ NVIDIA's long-context NeMo table (Llama 2 7B on H100, Llama 3 8B on B200, 4K-1M 
 runs slower in these runs; not fitted (overall 8.2%, held-out 9.0%). B200's attention, until then Hopper's fraction
 assumed, was then priced at NVIDIA's cuDNN measurement (AD's B200 rows 17-27% -> 14-19%, flat with the sequence).
 Group AE, the Blackwell rows of group I's tables (Megatron-Bridge, B200 / GB200, dense fp8), came in at 8.5%, every row
-too fast (2-19%).
+too fast (2-19%); 8.3% once GB200 had its own datasheet peaks and both parts' GEMMs H100's fraction carried by their
+achievable-matmul ratio.
 """
 
 from __future__ import annotations
@@ -305,6 +306,13 @@ CHANGES = (
      "GB200 0.1-5 points nearer (overall 13.7% -> 13.6%)", ("AD_nemo_long_sequence_cp",),
      "NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_bf16_training at f937055 (2025-06-12): "
      "sdpa_benchmark_results_NVIDIA_B200.csv, causal, 128 query / 8 KV heads, head dim 128, batch 1, 16K-128K tokens"),
+    ("GB200 at its own datasheet peaks (2.5 / 5 / 10 PFLOP/s bf16 / fp8 / fp4; it was priced as a B200, 2.25 / 4.5 / 9) "
+     "and Blackwell's GEMMs at H100's transformer-shape fraction carried by each part's MAMF fraction (B200 0.62 x 77.6 / "
+     "80.3, GB200 0.62 x 72.9 / 80.3; assumed 0.62 before): AE 8.5% -> 8.3%, the 8B's GB200 / B200 ratio 1.04 as "
+     "measured; AD's B200 rows 1-2 points nearer; serving B200 rows 1-3 points nearer, GB200 ones 1-3 further",
+     ("AE_megatron_bridge_blackwell",),
+     "NVIDIA GB200 NVL72 datasheet (per-GPU specifications); stas00/ml-engineering compute/accelerator/README.md, "
+     "'Maximum Achievable Matmul FLOPS comparison table' (H100 SXM 794.5 / 989, B200 1745 / 2250, GB200 1822 / 2500)"),
 )
 
 

@@ -100,11 +100,12 @@ def test_gpu_cells_name_their_part_for_training_and_serving_tables():
         deployment_of({**served, "gpu": "TPU v5p"})
 
 
-@pytest.mark.parametrize("name, fused, fa2", [("mi300x", 229e12, 229e12), ("b200", 1150e12, 360e12)])
+@pytest.mark.parametrize("name, fused, fa2", [("mi300x", 229e12, 229e12), ("b200", 1150e12, 360e12),
+                                              ("gb200-nvl72", 1150e12 * 1822 / 1745, 360e12 * 1822 / 1745)])
 def test_attention_at_the_measured_kernel_rates(name, fused, fa2):
     """MI300X attends at the rate ROCm's FlashAttention-2 measured (229 TFLOP/s forward + backward at head dim 128,
-    16K tokens), whatever the stack's kernel; B200 at cuDNN's measured 1150 and FlashAttention-2's 360 -- neither at
-    Hopper's fraction of its larger peak."""
+    16K tokens), whatever the stack's kernel; B200 at cuDNN's measured 1150 and FlashAttention-2's 360, GB200 at those
+    times the two parts' achievable-matmul ratio -- none at Hopper's fraction of its larger peak."""
     from meshlm.config import ModelConfig
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.cost import Job, Layout, ModelSummary

@@ -383,7 +383,7 @@ def test_published_runs_median_error_within_ten_percent():
     4-1024 H100s and Llama 3 8B on 2-256 B200s, fp8, 4K-1M-token sequences with context parallelism up to 32), bounded
     apart at 30%, not fitted: 13% / 17% too fast at 4K / 8K like group H's NeMo rows, rising with the sequence to 45-50%
     on H100 -- attention, nearly all of the FLOPs at 1M tokens, runs at about 60% of the fused-attention rate the model
-    takes from kernel benchmarks, for a reason not yet found; on B200 14-19% at every length (17-27% before B200's
+    takes from kernel benchmarks, for a reason not yet found; on B200 12-19% at every length (17-27% before B200's
     attention was priced at cuDNN's measured rate instead of Hopper's fraction)."""
     from pathlib import Path
 

@@ -126,8 +126,11 @@ def _gbit(x: float) -> float:
 #    reach in public cuBLAS/Megatron measurements. A100: ~250 of 312 TFLOP/s (0.80). Hopper and
 #    Blackwell peaks assume boost clocks that a 700 W+ part does not hold under sustained GEMM load,
 #    and their higher peaks are harder to feed; public H100 SXM bf16 GEMM measurements at transformer
-#    shapes sustain ~600-650 of 989 TFLOP/s (0.62); the same fraction is assumed for B200 and for fp8
-#    (of the fp8 peak). This is the rate of a large GEMM; kernels.py lowers it for small K
+#    shapes sustain ~600-650 of 989 TFLOP/s (0.62), and fp8 the same fraction of the fp8 peak (corrected by
+#    `matmul_precision_factor`). Blackwell carries H100's 0.62 by the ratio of its Maximum Achievable Matmul FLOPS
+#    fraction to H100's (Stas Bekman's MAMF table, ml-engineering compute/accelerator/README.md, best of a shape sweep:
+#    H100 SXM 794.5 of 989 = 80.3%, B200 1745 of 2250 = 77.6%, GB200 1822 of 2500 = 72.9%): B200 0.62 x 77.6 / 80.3,
+#    GB200 0.62 x 72.9 / 80.3 of its own, higher peak. This is the rate of a large GEMM; kernels.py lowers it for small K
 #    (`gemm_k_overhead`, in 2-byte elements: fp8 pays twice as many) and bounds it by HBM for thin shapes. Attention has its own constant below.
 #    (Set from these GEMM figures, not from any end-to-end training run.)
 #  * attention_efficiency: fused causal attention (FlashAttention-class), forward + backward, counted
@@ -164,6 +167,8 @@ def _gbit(x: float) -> float:
 #  * B200 1000 W; DGX B200 14.3 kW max -> (14300 - 8000) / 8 = 787 W per GPU.
 #  * GB200 NVL72: 1200 W per Blackwell GPU (GB200 superchip configuration); the rack's ~120 kW (NVIDIA
 #    GB200 NVL72 spec) less 72 x 1200 W leaves ~470 W per GPU for Grace CPUs, NVLink switch trays and fans.
+#    Its GPU is rated above HGX B200's (NVIDIA GB200 NVL72 datasheet, per GPU, dense: bf16 2.5, fp8 5, fp4 10
+#    PFLOP/s; 186 GB HBM3E at 8 TB/s; up to 1,200 W against HGX B200's 2.25 / 4.5 / 9 at up to 1,000 W).
 #  * network: a two/three-tier InfiniBand NDR fat tree has ~3 switch ports and 2 transceivers per GPU
 #    (QM9700: 64 ports, ~1.7 kW with its optics -> ~27 W per port; NDR OSFP transceivers ~15-17 W each):
 #    ~3 x 27 + 2 x 16 = ~110 W per GPU (A100 HDR: the same topology, 100 W).
@@ -182,8 +187,8 @@ _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32":
              matmul_precision_factor={"fp8": 70.9 / 80.3})
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=1150 / 2250,
-             fa2_attention_efficiency=360 / 2250, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62 * 77.6 / 80.3,
+             attention_efficiency=1150 / 2250, fa2_attention_efficiency=360 / 2250, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
              gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2,
              matmul_precision_factor={"fp8": 76.3 / 77.6})
@@ -239,11 +244,18 @@ PRESETS: dict[str, Cluster] = {
                                                                   "fp32": 125e12},
                                                    "hbm_bytes": 96 * GiB, "hbm_bw": 1.6e12, "scaleup_bw": 64e9,
                                                    "comm_sm_fraction": 16 / 188, "gpu_power_w": 600.0,
-                                                   # its own die (sm120): no attention measured here, Hopper's
-                                                   # fraction assumed, not B200's kernels'
-                                                   "attention_efficiency": 0.55, "fa2_attention_efficiency": 0.0,
+                                                   # its own die (sm120): no GEMM or attention measured here,
+                                                   # Hopper's fractions assumed, not B200's
+                                                   "matmul_efficiency": 0.62, "attention_efficiency": 0.55,
+                                                   "fa2_attention_efficiency": 0.0,
                                                    "matmul_precision_factor": {}}),
+    # GB200's attention: B200's measured rates (no GB200 one here) times the two parts' MAMF ratio, 1822 / 1745.
     "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
+                                                 "peak_flops": {"bf16": 2500e12, "fp8": 5000e12, "fp4": 10000e12,
+                                                                "fp32": 80e12},
+                                                 "hbm_bytes": 186 * GiB, "matmul_efficiency": 0.62 * 72.9 / 80.3,
+                                                 "attention_efficiency": 1150 / 2500 * 1822 / 1745,
+                                                 "fa2_attention_efficiency": 360 / 2500 * 1822 / 1745,
                                                  "gpu_power_w": 1200.0, "node_power_w": 470.0,
                                                  "matmul_precision_factor": {"fp8": 72.3 / 72.9}}),
 }
