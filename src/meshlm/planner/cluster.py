@@ -174,6 +174,12 @@ def _gbit(x: float) -> float:
 #    ~3 x 27 + 2 x 16 = ~110 W per GPU (A100 HDR: the same topology, 100 W).
 #  * PUE 1.2: a modern GPU data centre (hyperscalers report 1.1; the Uptime Institute's 2023 survey
 #    average is 1.58); override with --pue.
+# The measured figures several presets derive from (sources in the notes above): Bekman's MAMF fractions, %, of each
+# part's own peak (bf16, fp8); H100's transformer-shape GEMM fraction; NVIDIA's B200 SDPA benchmark, TFLOP/s.
+_MAMF_BF16 = {"H100": 80.3, "B200": 77.6, "GB200": 72.9}
+_MAMF_FP8 = {"H100": 70.9, "H200": 73.4, "B200": 76.3, "GB200": 72.3}
+_H100_MATMUL = 0.62
+_B200_ATTENTION = {"cudnn": 1150, "fa2": 360}
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
@@ -181,17 +187,21 @@ _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp3
              gpu_power_w=400.0, node_power_w=412.0, network_power_w=100.0, pue=1.2)
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62, attention_efficiency=0.55, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=_H100_MATMUL, attention_efficiency=0.55,
+             link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132, fa2_attention_efficiency=0.35,
              gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2,
-             matmul_precision_factor={"fp8": 70.9 / 80.3})
+             matmul_precision_factor={"fp8": _MAMF_FP8["H100"] / _MAMF_BF16["H100"]})
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
-             scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=0.62 * 77.6 / 80.3,
-             attention_efficiency=1150 / 2250, fa2_attention_efficiency=360 / 2250, link_efficiency=0.8,
+             scaleup_latency=4e-6, scaleout_latency=8e-6,
+             matmul_efficiency=_H100_MATMUL * _MAMF_BF16["B200"] / _MAMF_BF16["H100"],
+             attention_efficiency=_B200_ATTENTION["cudnn"] / 2250,
+             fa2_attention_efficiency=_B200_ATTENTION["fa2"] / 2250,
+             link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
              gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2,
-             matmul_precision_factor={"fp8": 76.3 / 77.6})
+             matmul_precision_factor={"fp8": _MAMF_FP8["B200"] / _MAMF_BF16["B200"]})
 
 # Serving-side presets (the published serving rows need them), from the datasheets named:
 #  * H800 SXM (NVIDIA H800 datasheet; DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.1): an H100 SXM with NVLink cut
@@ -233,7 +243,7 @@ PRESETS: dict[str, Cluster] = {
     "h100-hbm2e": Cluster(name="h100-hbm2e", **{**_H100, "gpu": "H100-SXM (HBM2e)", "hbm_bytes": 94 * GiB,
                                                  "hbm_bw": 2.41e12}),
     "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12,
-                                     "matmul_precision_factor": {"fp8": 73.4 / 80.3}}),
+                                     "matmul_precision_factor": {"fp8": _MAMF_FP8["H200"] / _MAMF_BF16["H100"]}}),
     "b200": Cluster(name="b200", **_B200),
     "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
     "mi300x": Cluster(name="mi300x", **_MI300X),
@@ -246,18 +256,23 @@ PRESETS: dict[str, Cluster] = {
                                                    "comm_sm_fraction": 16 / 188, "gpu_power_w": 600.0,
                                                    # its own die (sm120): no GEMM or attention measured here,
                                                    # Hopper's fractions assumed, not B200's
-                                                   "matmul_efficiency": 0.62, "attention_efficiency": 0.55,
+                                                   "matmul_efficiency": _H100_MATMUL, "attention_efficiency": 0.55,
                                                    "fa2_attention_efficiency": 0.0,
                                                    "matmul_precision_factor": {}}),
     # GB200's attention: B200's measured rates (no GB200 one here) times the two parts' MAMF ratio, 1822 / 1745.
     "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
                                                  "peak_flops": {"bf16": 2500e12, "fp8": 5000e12, "fp4": 10000e12,
                                                                 "fp32": 80e12},
-                                                 "hbm_bytes": 186 * GiB, "matmul_efficiency": 0.62 * 72.9 / 80.3,
-                                                 "attention_efficiency": 1150 / 2500 * 1822 / 1745,
-                                                 "fa2_attention_efficiency": 360 / 2500 * 1822 / 1745,
+                                                 "hbm_bytes": 186 * GiB,
+                                                 "matmul_efficiency": _H100_MATMUL * _MAMF_BF16["GB200"]
+                                                 / _MAMF_BF16["H100"],
+                                                 "attention_efficiency":
+                                                     _B200_ATTENTION["cudnn"] / 2500 * 1822 / 1745,
+                                                 "fa2_attention_efficiency":
+                                                     _B200_ATTENTION["fa2"] / 2500 * 1822 / 1745,
                                                  "gpu_power_w": 1200.0, "node_power_w": 470.0,
-                                                 "matmul_precision_factor": {"fp8": 72.3 / 72.9}}),
+                                                 "matmul_precision_factor":
+                                                     {"fp8": _MAMF_FP8["GB200"] / _MAMF_BF16["GB200"]}}),
 }
 
 
