@@ -160,7 +160,12 @@ def _gbit(x: float) -> float:
 #    Stas Bekman's "Maximum Achievable Matmul FLOPS" table (ml-engineering, compute/accelerator/README.md; torch
 #    matmul / _scaled_mm, best of a shape sweep): H100 SXM bf16 80.3%, fp8 70.9%; H200 fp8 73.4% (bf16 as
 #    H100); B200 bf16 77.6%, fp8 76.3%; GB200 bf16 72.9%, fp8 72.3%. The factor is fp8's fraction over bf16's
-#    (H800: H100's die). No fp4 or MI300X fp8 measurement there: 1.
+#    (H800: H100's die). No fp4 or MI300X fp8 measurement there. Blackwell's NVFP4 GEMMs, measured against bf16 ones
+#    in one harness on one B200 (vLLM's benchmarks/kernels/bench_nvfp4_gemm.py, vllm-project/vllm PR #20578, 2025-07:
+#    Llama-3.1-8B's N=6144 K=4096 at 8,192 and 16,384 tokens; CUTLASS NVFP4 without the activation-quantization
+#    kernel, which engines fuse into the kernel before): 3779 / 3904 TFLOP/s against torch bf16's 1421 / 1360, i.e.
+#    2.77x bf16's speed where the peaks say 4x -> fp4's factor 2.77 / 4 = 0.69 on B200 and, its tensor cores the same,
+#    GB200. (The same harness's bf16 figures, 0.60-0.63 of 2250, bear out B200's matmul_efficiency.)
 # Power (watts per GPU), from the datasheets:
 #  * A100 SXM 400 W; DGX A100 6.5 kW max for 8 GPUs -> (6500 - 8 x 400) / 8 = 412 W of server per GPU.
 #  * H100 SXM 700 W (H200 the same); DGX H100 10.2 kW max -> (10200 - 5600) / 8 = 575 W per GPU.
@@ -180,6 +185,10 @@ _MAMF_BF16 = {"H100": 80.3, "B200": 77.6, "GB200": 72.9}
 _MAMF_FP8 = {"H100": 70.9, "H200": 73.4, "B200": 76.3, "GB200": 72.3}
 _H100_MATMUL = 0.62
 _B200_ATTENTION = {"cudnn": 1150, "fa2": 360}
+# vLLM's bench_nvfp4_gemm.py on B200 (PR #20578), N=6144 K=4096 at 8,192 and 16,384 tokens, TFLOP/s: NVFP4 (no
+# activation quantization) and torch bf16; Blackwell's fp4 peak is 4x its bf16 peak (B200 9 / 2.25, GB200 10 / 2.5).
+_B200_NVFP4_GEMM = {"nvfp4": (3778.8, 3904.3), "bf16": (1421.0, 1360.1)}
+_FP4_FACTOR = sum(f / b for f, b in zip(*_B200_NVFP4_GEMM.values())) / len(_B200_NVFP4_GEMM["bf16"]) / 4
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
@@ -201,7 +210,7 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
              link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
              gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2,
-             matmul_precision_factor={"fp8": _MAMF_FP8["B200"] / _MAMF_BF16["B200"]})
+             matmul_precision_factor={"fp8": _MAMF_FP8["B200"] / _MAMF_BF16["B200"], "fp4": _FP4_FACTOR})
 
 # Serving-side presets (the published serving rows need them), from the datasheets named:
 #  * H800 SXM (NVIDIA H800 datasheet; DeepSeek-V3 report, arXiv:2412.19437, Sec. 3.1): an H100 SXM with NVLink cut
@@ -272,7 +281,8 @@ PRESETS: dict[str, Cluster] = {
                                                      _B200_ATTENTION["fa2"] / 2500 * 1822 / 1745,
                                                  "gpu_power_w": 1200.0, "node_power_w": 470.0,
                                                  "matmul_precision_factor":
-                                                     {"fp8": _MAMF_FP8["GB200"] / _MAMF_BF16["GB200"]}}),
+                                                     {"fp8": _MAMF_FP8["GB200"] / _MAMF_BF16["GB200"],
+                                                      "fp4": _FP4_FACTOR}}),
 }
 
 
