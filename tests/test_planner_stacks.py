@@ -124,19 +124,46 @@ def test_attention_at_the_measured_kernel_rates(name, fused, fa2):
         assert ran / (fwd + bwd) == pytest.approx(rate * block)
 
 
+def _square_model_serving(cluster, precision, tp=1):
+    """A model whose every GEMM has K = 4096 at tp = 1 (hidden, attention width and MLP width 4096): the shape vLLM's
+    NVFP4 benchmark measured."""
+    from meshlm.config import ModelConfig
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving_model import ServedModel
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                      intermediate_size=4096, max_seq_len=16384)
+    return Serving(ServedModel(cfg), get_cluster(cluster), ServingLayout(tp=tp), precision=precision, kv_precision="bf16")
+
+
 @pytest.mark.parametrize("name", ["b200", "gb200-nvl72"])
 def test_blackwell_fp4_gemms_at_their_measured_speed_over_bf16(name):
-    """A prefill's GEMMs in NVFP4 run 2.77x as fast as in bf16 on Blackwell, as vLLM's NVFP4 GEMM benchmark measured
-    on B200 (3779 / 3904 against 1421 / 1360 TFLOP/s at 8K / 16K tokens), not the 4x of the datasheet peaks."""
-    from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving, ServingLayout, iteration_time
-    from meshlm.planner.serving_model import served_model
+    """GEMMs of K = 4096 in NVFP4 run 2.77x as fast as in bf16 on Blackwell, as vLLM's NVFP4 GEMM benchmark measured on
+    B200 at that K (3779 / 3904 against 1421 / 1360 TFLOP/s at 8K / 16K tokens), not the 4x of the datasheet peaks."""
+    from meshlm.planner.serving import iteration_time
 
     def gemm_seconds(precision):
-        sv = Serving(served_model("llama3-70b"), get_cluster(name), ServingLayout(), precision=precision,
-                     kv_precision="bf16")
+        sv = _square_model_serving(name, precision)
         return iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=16384, prefill_ctx=8192)["gemm_compute"]
 
     measured = (3778.8 / 1421.0 + 3904.3 / 1360.1) / 2
     assert gemm_seconds("bf16") / gemm_seconds("fp4") == pytest.approx(measured, rel=1e-3)
     assert gemm_seconds("bf16") / gemm_seconds("fp4") < 3.0
+
+
+def test_serving_gemms_pay_their_tiles_fixed_k_like_training():
+    """Serving prices a GEMM's tiles as the training side does (kernels.gemm_time: 256 bf16 elements of K of fixed
+    cost per tile): split four ways, the row-parallel GEMMs (attention output, MLP down) keep K = 1024 of 4096 and run
+    at 1024 / (1024 + 256) of the rate, the column-parallel ones (qkv, gate + up, head) at 4096 / (4096 + 256)."""
+    from meshlm.planner.serving import iteration_time
+
+    def gemm_seconds(tp):
+        sv = _square_model_serving("h100", "bf16", tp=tp)
+        return iteration_time(sv, decodes=256, kv_len=1024)["gemm_compute"]
+
+    h, layers, vocab = 4096, 2, 32000
+    column = layers * (h * (h + 2 * 1024) + 2 * h * h) + vocab * h  # qkv, gate + up: K = h; the head
+    row = layers * 2 * h * h  # attention output, MLP down: K = 4096 / tp
+    expected = (column * (4096 + 256) / 4096 + row * (1024 + 256) / 1024) / ((column + row) * (4096 + 256) / 4096)
+    assert 4 * gemm_seconds(4) / gemm_seconds(1) == pytest.approx(expected, rel=1e-9)

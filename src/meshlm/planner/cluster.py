@@ -15,6 +15,11 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from meshlm.planner.kernels import k_scale
+
+# Elements of K of fixed cost per output tile of a tensor-core GEMM (kernels.py), the GPU presets' `gemm_k_overhead`.
+GEMM_K_OVERHEAD = 256.0
+
 GiB = 2**30
 
 
@@ -64,7 +69,7 @@ class Cluster:
     step_overhead: float = 0.0
     # Elements of K of fixed cost per output tile of a GEMM (kernels.py: pipeline fill + epilogue of a
     # tiled tensor-core GEMM); 0 on `local`, whose measured matmul rate already is what its sizes get.
-    gemm_k_overhead: float = 256.0
+    gemm_k_overhead: float = GEMM_K_OVERHEAD
     # Power under training load, watts per GPU (see PRESETS): the GPU's board power (datasheet TDP; a
     # training job holds it near TDP), the rest of its server (CPUs, memory, NICs, fans, PSU losses: the
     # system's datasheet maximum less its GPUs, per GPU), and its share of the network (switches + optics).
@@ -164,8 +169,9 @@ def _gbit(x: float) -> float:
 #    in one harness on one B200 (vLLM's benchmarks/kernels/bench_nvfp4_gemm.py, vllm-project/vllm PR #20578, 2025-07:
 #    Llama-3.1-8B's N=6144 K=4096 at 8,192 and 16,384 tokens; CUTLASS NVFP4 without the activation-quantization
 #    kernel, which engines fuse into the kernel before): 3779 / 3904 TFLOP/s against torch bf16's 1421 / 1360, i.e.
-#    2.77x bf16's speed where the peaks say 4x -> fp4's factor 2.77 / 4 = 0.69 on B200 and, its tensor cores the same,
-#    GB200. (The same harness's bf16 figures, 0.60-0.63 of 2250, bear out B200's matmul_efficiency.)
+#    2.77x bf16's speed where the peaks say 4x; at that K (4096) the tiles' fixed cost takes 1.25x the time of fp4's
+#    FLOPs and 1.06x bf16's (kernels.k_scale), so the large GEMMs run 3.25x bf16's -> fp4's factor 3.25 / 4 = 0.81 on
+#    B200 and, its tensor cores the same, GB200. (The same harness's bf16 figures, 0.60-0.63 of 2250, bear out B200's matmul_efficiency.)
 # Power (watts per GPU), from the datasheets:
 #  * A100 SXM 400 W; DGX A100 6.5 kW max for 8 GPUs -> (6500 - 8 x 400) / 8 = 412 W of server per GPU.
 #  * H100 SXM 700 W (H200 the same); DGX H100 10.2 kW max -> (10200 - 5600) / 8 = 575 W per GPU.
@@ -187,8 +193,12 @@ _H100_MATMUL = 0.62
 _B200_ATTENTION = {"cudnn": 1150, "fa2": 360}
 # vLLM's bench_nvfp4_gemm.py on B200 (PR #20578), N=6144 K=4096 at 8,192 and 16,384 tokens, TFLOP/s: NVFP4 (no
 # activation quantization) and torch bf16; Blackwell's fp4 peak is 4x its bf16 peak (B200 9 / 2.25, GB200 10 / 2.5).
-_B200_NVFP4_GEMM = {"nvfp4": (3778.8, 3904.3), "bf16": (1421.0, 1360.1)}
-_FP4_FACTOR = sum(f / b for f, b in zip(*_B200_NVFP4_GEMM.values())) / len(_B200_NVFP4_GEMM["bf16"]) / 4
+# At that K the tiles' fixed cost (kernels.k_scale: 256 bf16 elements of K, four times as many fp4 ones) slows fp4
+# more than bf16; taken out, the factor is of the large-GEMM rate, as matmul_efficiency is.
+_B200_NVFP4_GEMM = {"nvfp4": (3778.8, 3904.3), "bf16": (1421.0, 1360.1), "k": 4096}
+_FP4_FACTOR = (sum(f / b for f, b in zip(_B200_NVFP4_GEMM["nvfp4"], _B200_NVFP4_GEMM["bf16"])) / 2
+               * k_scale([(1.0, _B200_NVFP4_GEMM["k"])], k_overhead=GEMM_K_OVERHEAD, in_bytes=0.5)
+               / k_scale([(1.0, _B200_NVFP4_GEMM["k"])], k_overhead=GEMM_K_OVERHEAD, in_bytes=2.0) / 4)
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,

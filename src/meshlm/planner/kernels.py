@@ -29,14 +29,32 @@ from meshlm.config import ModelConfig
 
 
 
+def k_fixed(k_overhead: float, in_bytes: float) -> float:
+    """Elements of K of fixed cost per output tile for inputs of `in_bytes` bytes: `k_overhead` 2-byte ones, twice
+    as many 1-byte (fp8) ones, four times as many half-byte (fp4) ones -- a stage holds a fixed number of bytes of K
+    (module docstring)."""
+    return k_overhead * max(1.0, 2.0 / in_bytes)
+
+
+def k_scale(pieces, *, k_overhead: float, in_bytes: float) -> float:
+    """How much longer than at the large-GEMM rate a set of GEMMs takes, their tiles' fixed K cost included:
+    the FLOP-weighted mean of (K + k_fixed) / K over `pieces`, (FLOPs or any weight proportional to them, K) pairs
+    (1.0 for none, or without a K overhead)."""
+    pieces = [(f, k) for f, k in pieces if f > 0 and k > 0]
+    total = sum(f for f, _ in pieces)
+    if not total or not k_overhead:
+        return 1.0
+    fixed = k_fixed(k_overhead, in_bytes)
+    return sum(f * (k + fixed) / k for f, k in pieces) / total
+
+
 def gemm_time(m: float, n: float, k: float, *, rate: float, hbm_bw: float, in_bytes: float,
               out_bytes: float = 2.0, k_overhead: float = 0.0) -> float:
     """Seconds for C[m, n] = A[m, k] @ B[k, n] at `rate` FLOP/s for large shapes, `k_overhead` 2-byte
-    elements of K of fixed cost per output tile (`Cluster.gemm_k_overhead`; twice as many 1-byte ones)."""
+    elements of K of fixed cost per output tile (`Cluster.gemm_k_overhead`; `k_fixed`)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    k_fixed = k_overhead * max(1.0, 2.0 / in_bytes)  # fp8: twice the elements per stage (module docstring)
-    compute = 2.0 * m * n * k * (k + k_fixed) / (rate * k)
+    compute = 2.0 * m * n * k * k_scale([(1.0, k)], k_overhead=k_overhead, in_bytes=in_bytes) / rate
     memory = (in_bytes * (m * k + k * n) + out_bytes * m * n) / hbm_bw
     return max(compute, memory)
 

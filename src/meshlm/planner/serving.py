@@ -18,9 +18,10 @@ One iteration (every running sequence advances a token, plus prefill tokens mixe
 et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline of LLM inference (Williams et
 al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
   * GEMMs: 2 x params FLOPs per token (the output head's only for the rows sampled) at `Cluster.matmul_rate`
-    (peak x matmul_efficiency, fp8 on Hopper at the measured lower fraction of its peak: cluster.py), never
-    faster than the weights
-    stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
+    (peak x matmul_efficiency, fp8 on Hopper and fp4 on Blackwell at their measured lower fractions of their
+    peaks: cluster.py), each GEMM's tiles paying their fixed K cost as the training side prices them
+    (`kernels.k_scale`: thin tp shards of K run below the rate), never faster than the weights stream through HBM
+    once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
     (serving_engine.roofline, from DeepGEMM's kernel benchmarks) -- on a CPU (`Cluster.gemm_weight_bw`) they
     add: its BLAS packs the weights at the measured rate, then multiplies;
@@ -57,6 +58,7 @@ from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import Cluster, time_shared
 from meshlm.planner.collectives import collective_time, group_span
+from meshlm.planner.kernels import k_scale
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
                                            expert_all_to_all, expert_imbalance, layer_kernels, roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
@@ -218,6 +220,10 @@ class Serving:
         return self.sm.cfg.max_seq_len if n is None else n
 
 
+# Bytes of one GEMM operand element by the precision it runs in (fp4: 4 bits, its block scales aside).
+ELEMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5}
+
+
 def _gemm(precision: str) -> str:
     return "bf16" if precision == "fp16" else precision
 
@@ -264,8 +270,17 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     # 2 x p_ctx tokens on average, so p_rank / (2 p_ctx) of them per prompt token passing
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
     sampled = q_here + (p_rank / (2 * p_ctx) if p_ctx > 0 else p_rank)
-    dense_flops = (gemm_tokens * (fl["dense"] - head) + sampled * head) * f / lo.tp
+    body_flops, head_flops = gemm_tokens * (fl["dense"] - head) * f / lo.tp, sampled * head * f / lo.tp
+    dense_flops = body_flops + head_flops
+    # what they cost at the large-GEMM rate, each GEMM's tiles paying their fixed K (kernels.k_scale: thin tp shards
+    # of K -- attention output, MLP down -- run below the rate, as the training side prices them)
+    pieces = sm.gemm_pieces(tp=lo.tp, expert_tp=1 if lo.ep > 1 else lo.tp)
+    tile = lambda name, precision: k_scale(pieces[name], k_overhead=sv.cluster.gemm_k_overhead,  # noqa: E731
+                                           in_bytes=ELEMENT_BYTES[precision])
+    dense_p = sv.dense_gemm_precision
     return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
+            "dense_gemm_tile_flops": body_flops * tile("body", dense_p) + head_flops * tile("head", dense_p),
+            "expert_gemm_tile_flops": expert_flops * tile("experts", sv.gemm_precision),
             "elementwise_bytes": _act_bytes(sv) * gemm_tokens * elems * f,
             "weight_bytes": w["dense"] + w["experts"] * touched, "dense_weight_bytes": w["dense"],
             "expert_weight_bytes": w["experts"] * touched,
@@ -429,8 +444,8 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     rate, dense_rate = (cl.matmul_rate(x) / share for x in (sv.gemm_precision, sv.dense_gemm_precision))
     # attention in the model's 16-bit type (bf16 under fp8 / fp4 weights), or fp32 where it is served so
     attn_rate = cl.peak("fp32" if sv.precision == "fp32" else "bf16") * cl.attention_efficiency / share
-    dense_c, dense_m = w["dense_gemm_flops"] / dense_rate, w["dense_weight_bytes"] / hbm
-    expert_c, expert_m = w["expert_gemm_flops"] / rate, w["expert_weight_bytes"] / hbm
+    dense_c, dense_m = w["dense_gemm_tile_flops"] / dense_rate, w["dense_weight_bytes"] / hbm
+    expert_c, expert_m = w["expert_gemm_tile_flops"] / rate, w["expert_weight_bytes"] / hbm
     gemm_c, gemm_m = dense_c + expert_c, dense_m + expert_m
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
     comm = _comm(sv, d=d, p=p, cl=cl)

@@ -189,6 +189,36 @@ class ServedModel:
         head = self.cfg.vocab_size * self.cfg.hidden_size
         return {"dense": 2.0 * (p["attention"] + p["mlp"] + router + head), "experts": 2.0 * p["experts_active"]}
 
+    def gemm_pieces(self, *, tp: int, expert_tp: int) -> dict:
+        """The GEMMs of one token's forward as (parameters, K) pairs -- their FLOPs are twice the parameters -- by
+        `matmul_flops_per_token`'s parts: "body" (attention projections, dense MLPs, shared experts, router), "head"
+        and "experts" (one routed expert's pair; every routed expert has the same shapes). Column-parallel
+        projections keep K whole, row-parallel ones (attention output, MLP down) split it by tp; a routed expert's
+        down projection by `expert_tp` (tp where the experts are tensor-parallel, 1 under expert parallelism).
+        Used for the tiles' fixed K cost (`kernels.k_scale`)."""
+        c, m, h = self.cfg, self.mla, self.cfg.hidden_size
+        H, moe = c.num_heads, self.moe_layers()
+        dense = self.layers - moe
+        if m is None:
+            q, kv = H * c.head_dim, c.num_kv_heads * c.head_dim
+            attn = [(h * (q + 2 * kv), h), (q * h, q / tp)]
+        else:  # DeepSeek's latent attention: down-projections from h, up-projections from the latent ranks
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            q = ([(h * m.q_lora_rank, h), (m.q_lora_rank * H * qk, m.q_lora_rank)] if m.q_lora_rank
+                 else [(h * H * qk, h)])
+            attn = q + [(h * (m.kv_lora_rank + m.qk_rope_head_dim), h),
+                        (m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                        (H * m.v_head_dim * h, H * m.v_head_dim / tp)]
+        body = [(p * self.layers, k) for p, k in attn]
+        if dense:
+            body += [(2 * h * c.intermediate_size * dense, h), (c.intermediate_size * h * dense, c.intermediate_size / tp)]
+        if moe:
+            s = c.shared_intermediate_size
+            body += [(h * c.num_experts * moe, h)] + ([(2 * h * s * moe, h), (s * h * moe, s / tp)] if s else [])
+        e = c.expert_intermediate_size if c.is_moe else 0
+        experts = [(2 * h * e, h), (e * h, e / expert_tp)] if e else []
+        return {"body": body, "head": [(c.vocab_size * h, h)], "experts": experts}
+
     def attention_flops(self, context: float, *, decode: bool) -> float:
         """Attention-core FLOPs of one query token over `context` cached tokens (prefill: the prompt's mean), all
         layers (the FLOPs run; windowed layers over what they attend, `attended_tokens`)."""
