@@ -274,7 +274,7 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     dense_flops = body_flops + head_flops
     # what they cost at the large-GEMM rate, each GEMM's tiles paying their fixed K (kernels.k_scale: thin tp shards
     # of K -- attention output, MLP down -- run below the rate, as the training side prices them)
-    pieces = sm.gemm_pieces(tp=lo.tp, expert_tp=1 if lo.ep > 1 else lo.tp)
+    pieces = sm.gemm_pieces(tp=lo.tp, expert_tp=lo.stage // lo.ep if lo.ep > 1 else lo.tp)  # the width split
     tile = lambda name, precision: k_scale(pieces[name], k_overhead=sv.cluster.gemm_k_overhead,  # noqa: E731
                                            in_bytes=ELEMENT_BYTES[precision])
     dense_p = sv.dense_gemm_precision

@@ -194,7 +194,8 @@ class ServedModel:
         `matmul_flops_per_token`'s parts: "body" (attention projections, dense MLPs, shared experts, router), "head"
         and "experts" (one routed expert's pair; every routed expert has the same shapes). Column-parallel
         projections keep K whole, row-parallel ones (attention output, MLP down) split it by tp; a routed expert's
-        down projection by `expert_tp` (tp where the experts are tensor-parallel, 1 under expert parallelism).
+        down projection by `expert_tp` (how many ways each expert's width is split: tp without expert parallelism,
+        the stage's GPUs over ep with it).
         Used for the tiles' fixed K cost (`kernels.k_scale`)."""
         c, m, h = self.cfg, self.mla, self.cfg.hidden_size
         H, moe = c.num_heads, self.moe_layers()
