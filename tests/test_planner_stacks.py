@@ -134,7 +134,8 @@ def _square_model_serving(cluster, precision, tp=1):
 
     cfg = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
                       intermediate_size=4096, max_seq_len=16384)
-    return Serving(ServedModel(cfg), get_cluster(cluster), ServingLayout(tp=tp), precision=precision, kv_precision="bf16")
+    return Serving(ServedModel(cfg), get_cluster(cluster), ServingLayout(tp=tp), precision=precision,
+                   kv_precision="bf16")
 
 
 @pytest.mark.parametrize("name", ["b200", "gb200-nvl72"])

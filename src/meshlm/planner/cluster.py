@@ -171,7 +171,8 @@ def _gbit(x: float) -> float:
 #    kernel, which engines fuse into the kernel before): 3779 / 3904 TFLOP/s against torch bf16's 1421 / 1360, i.e.
 #    2.77x bf16's speed where the peaks say 4x; at that K (4096) the tiles' fixed cost takes 1.25x the time of fp4's
 #    FLOPs and 1.06x bf16's (kernels.k_scale), so the large GEMMs run 3.25x bf16's -> fp4's factor 3.25 / 4 = 0.81 on
-#    B200 and, its tensor cores the same, GB200. (The same harness's bf16 figures, 0.60-0.63 of 2250, bear out B200's matmul_efficiency.)
+#    B200 and, its tensor cores the same, GB200. (The same harness's bf16 figures, 0.60-0.63 of 2250, bear out
+#    B200's matmul_efficiency.)
 # Power (watts per GPU), from the datasheets:
 #  * A100 SXM 400 W; DGX A100 6.5 kW max for 8 GPUs -> (6500 - 8 x 400) / 8 = 412 W of server per GPU.
 #  * H100 SXM 700 W (H200 the same); DGX H100 10.2 kW max -> (10200 - 5600) / 8 = 575 W per GPU.

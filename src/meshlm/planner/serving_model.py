@@ -212,7 +212,8 @@ class ServedModel:
                         (H * m.v_head_dim * h, H * m.v_head_dim / tp)]
         body = [(p * self.layers, k) for p, k in attn]
         if dense:
-            body += [(2 * h * c.intermediate_size * dense, h), (c.intermediate_size * h * dense, c.intermediate_size / tp)]
+            f = c.intermediate_size
+            body += [(2 * h * f * dense, h), (f * h * dense, f / tp)]
         if moe:
             s = c.shared_intermediate_size
             body += [(h * c.num_experts * moe, h)] + ([(2 * h * s * moe, h), (s * h * moe, s / tp)] if s else [])
