@@ -160,7 +160,10 @@ def _gbit(x: float) -> float:
 #  * comm_sm_fraction: an overlapped collective is not free -- NCCL runs it as kernels holding one
 #    SM per channel, and large collectives on NVSwitch/InfiniBand systems use ~16 channels, so
 #    compute overlapped with them runs on 16 of the SMs fewer (A100 108 SMs, H100 132, B200 148).
-#  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used.
+#  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used. NVIDIA's own
+#    memory-bound kernel benchmark agrees on Hopper and Blackwell: cuDNN's RMSNorm forward over transformer-sized
+#    activations (NVIDIA/cudnn-frontend benchmark/norms/results, 2026-02, cuDNN 9.19) moves 3.71-3.85 TB/s on H200
+#    (0.77-0.80 of 4.8) and 6.0-6.4 TB/s on GB200 (0.75-0.80 of 8.0).
 #  * matmul_precision_factor: fp8 GEMMs reach a smaller fraction of their (doubled) peak than bf16 ones on Hopper.
 #    Stas Bekman's "Maximum Achievable Matmul FLOPS" table (ml-engineering, compute/accelerator/README.md; torch
 #    matmul / _scaled_mm, best of a shape sweep): H100 SXM bf16 80.3%, fp8 70.9%; H200 fp8 73.4% (bf16 as
