@@ -144,6 +144,25 @@ def test_plan_infer_json_has_every_field(capsys):
     assert math.isclose(d["joules_per_output_token"], d["power_w"] / d["output_tokens_per_s"])
 
 
+def test_plan_infer_expert_gemms_wider_than_their_weights(capsys):
+    """--expert-gemm-precision fp8 keeps fp4 experts' bytes (the same KV room) but multiplies them at the fp8 rate:
+    a compute-heavy prefill slows, the capacity does not move."""
+    base = ["plan", "infer", "--model", "deepseek-v3", "--cluster", "b200", "--gpus", "8", "--layout",
+            "tp=1,ep=8,dp=8", "--precision", "fp4", "--input-len", "8192", "--output-len", "16", "--batch", "64",
+            "--json"]
+    runs = []
+    for extra in ([], ["--expert-gemm-precision", "fp8"]):
+        rc, out = _cli(base + extra, capsys)
+        assert rc == 0
+        runs.append(json.loads(out))
+    fp4, mixed = runs
+    assert mixed["max_concurrency"] == fp4["max_concurrency"] and mixed["weights_gib"] == fp4["weights_gib"]
+    assert mixed["ttft_ms"] > fp4["ttft_ms"]
+    with pytest.raises(ValueError, match="narrower than the 'bf16' weights"):
+        Serving(served_model("deepseek-v3"), get_cluster("b200"), ServingLayout(ep=8, dp=8), precision="bf16",
+                expert_gemm_precision="fp8")
+
+
 def test_plan_infer_ranks_layouts_and_names_the_new_flags(capsys):
     rc, out = _cli(["plan", "infer", "--model", "llama3-70b", "--cluster", "h100", "--gpus", "8",
                     "--precision", "fp8", "--top", "3", "--json"], capsys)

@@ -168,3 +168,26 @@ def test_serving_gemms_pay_their_tiles_fixed_k_like_training():
     row = layers * 2 * h * h  # attention output, MLP down: K = 4096 / tp
     expected = (column * (4096 + 256) / 4096 + row * (1024 + 256) / 1024) / ((column + row) * (4096 + 256) / 4096)
     assert 4 * gemm_seconds(4) / gemm_seconds(1) == pytest.approx(expected, rel=1e-9)
+
+
+def test_trtllm_mxfp4_experts_multiply_at_the_activations_precision():
+    """TensorRT-LLM's gpt-oss rows keep the MXFP4 experts' bytes but multiply them with MXFP8 activations on Blackwell
+    (the fp8 rate, not fp4's) and BF16 ones on Hopper; an NVFP4 checkpoint's experts stay at the fp4 rate."""
+    from dataclasses import replace
+
+    from meshlm.planner.published_serving import deployment_of, read_rows
+    from meshlm.planner.serving import iteration_time
+
+    rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1]
+                                              / "benchmarks/data/serving_runs_dev.csv")}
+    sv = deployment_of(rows["J153"])
+    assert (sv.precision, sv.expert_gemm_precision, sv.gemm_precision) == ("fp4", "fp8", "fp8")
+    fp4 = replace(sv, expert_gemm_precision=None)
+    assert sv.weight_bytes_per_gpu() == fp4.weight_bytes_per_gpu()  # the same MXFP4 bytes
+    work = dict(decodes=0, kv_len=0, prefill_tokens=8192, prefill_ctx=512)
+    cl = sv.cluster
+    assert iteration_time(sv, **work)["gemm_compute"] > iteration_time(fp4, **work)["gemm_compute"]
+    assert cl.matmul_rate("fp8") < cl.matmul_rate("fp4")
+    hopper = deployment_of({**rows["J153"], "gpu": "H200-SXM-141GB"})
+    assert (hopper.precision, hopper.gemm_precision) == ("fp4", "bf16")
+    assert deployment_of(rows["A028"]).expert_gemm_precision is None  # NVFP4 DeepSeek-R1: FP4 activations too

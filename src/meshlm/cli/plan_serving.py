@@ -30,6 +30,10 @@ def _add_served(p: argparse.ArgumentParser) -> None:
                    help="weights and GEMMs (default bf16; fp32 on --cluster local, as meshlm serves on CPUs)")
     p.add_argument("--kv-precision", default=None, choices=["bf16", "fp8", "fp32"],
                    help="KV cache (default bf16; fp32 on --cluster local)")
+    p.add_argument("--expert-gemm-precision", default=None, choices=["bf16", "fp8"],
+                   help="the routed experts' GEMMs where they run wider than their --precision weights (mixed input: "
+                        "fp8 for MXFP4 weights with MXFP8 activations, TensorRT-LLM's gpt-oss on Blackwell; bf16 "
+                        "for weight-only W4A16); default: the weights' precision")
 
 
 def add_serving_parsers(sub) -> None:
@@ -171,6 +175,8 @@ def _seconds(ms: float | None) -> float | None:
 
 
 def _precisions(args) -> dict:
-    """--precision and --kv-precision, fp32 by default on --cluster local (meshlm serves in fp32 on CPUs)."""
+    """--precision and --kv-precision, fp32 by default on --cluster local (meshlm serves in fp32 on CPUs), and
+    --expert-gemm-precision."""
     default = "fp32" if args.cluster == "local" else "bf16"
-    return {"precision": args.precision or default, "kv_precision": args.kv_precision or default}
+    return {"precision": args.precision or default, "kv_precision": args.kv_precision or default,
+            "expert_gemm_precision": args.expert_gemm_precision}

@@ -30,7 +30,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     DeepSeek's profile rows do ("we simulate an absolutely balanced MoE routing", deepseek-ai/profile-data) --
     (serving_engine.expert_imbalance);
   * NVFP4 DeepSeek-R1: FP4 routed experts, FP8 everything else (the checkpoint's recipe, `Serving.dense_precision`);
-    gpt-oss's MXFP4 checkpoint: FP4 routed experts, BF16 everything else (`dense_precision_of`);
+    gpt-oss's MXFP4 checkpoint: FP4 routed experts, BF16 everything else (`dense_precision_of`); TensorRT-LLM
+    multiplies those experts with MXFP8 activations on Blackwell, BF16 on Hopper (`expert_gemm_precision_of`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
     engine's running-request limit (the row's max_batch_size / max_num_seqs per rank where given, else for
@@ -175,7 +176,17 @@ def deployment_of(row: dict) -> Serving:
         raise Skip(f"no cluster preset for {row['gpu']!r}") from None
     sm = model_of(row)
     return Serving(sm, cluster, layout_of(row), precision=weights, kv_precision=kv, engine=engine_of(row),
-                   dense_precision=dense_precision_of(row, weights, sm), mtp_tokens=mtp_of(row))
+                   dense_precision=dense_precision_of(row, weights, sm), mtp_tokens=mtp_of(row),
+                   expert_gemm_precision=expert_gemm_precision_of(row, cluster))
+
+
+def expert_gemm_precision_of(row: dict, cluster) -> str | None:
+    """The routed experts' GEMMs where they run wider than their weights (`Serving.expert_gemm_precision`):
+    TensorRT-LLM's MXFP4 experts (gpt-oss) take MXFP8 activations on a GPU with FP4 tensor cores (Blackwell) and BF16
+    ones without (Hopper: W4A16); None otherwise (NVFP4 checkpoints quantize activations to FP4 too)."""
+    if "mxfp4" not in row["weight_precision"].lower() or not engine_name(row).startswith("tensorrt"):
+        return None
+    return "fp8" if "fp4" in cluster.peak_flops else "bf16"
 
 
 def dense_precision_of(row: dict, weights: str, sm: ServedModel) -> str | None:

@@ -143,6 +143,12 @@ class Serving:
     # DeepSeek's FP8 ("Optimizing DeepSeek R1 Throughput on NVIDIA Blackwell GPUs", TensorRT-LLM tech blog 3,
     # "Precision strategy"; nvidia/DeepSeek-R1-FP4 model card).
     dense_precision: str | None = None
+    # The routed experts' GEMMs where they run wider than their weights (mixed-input quantization; None: the weights'
+    # precision). TensorRT-LLM runs gpt-oss's MXFP4 experts with MXFP8 activations on Blackwell and BF16 ones on
+    # Hopper (its gpt-oss README's "MoE Support Matrix", PR #6908, 2025-08; ModelConfig.get_mxfp4_quant_algo:
+    # W4A8_MXFP4_MXFP8 on SM100, W4A16_MXFP4 before): an MXFP4 x MXFP8 product is the tensor cores' f8f6f4 kind, rated
+    # with FP8 / FP6 (B200 datasheet: FP6 and FP8 4.5 PFLOP/s dense, FP4 9), so those GEMMs run at the fp8 rate.
+    expert_gemm_precision: str | None = None
     # Speculative decoding with the model's own multi-token-prediction module (DeepSeek-V3's MTP, reused for each
     # draft as TensorRT-LLM's "MTP Eagle" and SGLang do): draft tokens per step, and the chance each draft token is
     # accepted given the one before it was (MTP_ACCEPTANCE).
@@ -153,11 +159,16 @@ class Serving:
         if self.mtp_tokens < 0 or not 0.0 <= self.mtp_acceptance < 1.0:
             raise ValueError(f"MTP draft tokens {self.mtp_tokens} must be >= 0 and the acceptance "
                              f"{self.mtp_acceptance} in [0, 1)")
-        for flag, value in (("--precision", self.precision), ("dense precision", self.dense_precision)):
+        for flag, value in (("--precision", self.precision), ("dense precision", self.dense_precision),
+                            ("expert GEMM precision", self.expert_gemm_precision)):
             if value is not None and value not in WEIGHT_BYTES:
                 raise ValueError(f"{flag} {value!r}: choose one of {sorted(WEIGHT_BYTES)}")
         if self.dense_precision is not None:
             self.cluster.peak(_gemm(self.dense_precision))
+        if self.expert_gemm_precision is not None and \
+                WEIGHT_BYTES[self.expert_gemm_precision] < WEIGHT_BYTES[self.precision]:
+            raise ValueError(f"expert GEMM precision {self.expert_gemm_precision!r} is narrower than the "
+                             f"{self.precision!r} weights it multiplies: give one at least as wide, or none")
         if self.kv_precision not in KV_BYTES:
             raise ValueError(f"--kv-precision {self.kv_precision!r}: choose one of {sorted(KV_BYTES)}")
         self.cluster.peak(self.gemm_precision)  # refuses fp4 on a GPU without it, naming the choices
@@ -165,8 +176,9 @@ class Serving:
 
     @property
     def gemm_precision(self) -> str:
-        """The routed experts' GEMMs (and every GEMM unless `dense_precision` says otherwise)."""
-        return _gemm(self.precision)
+        """The routed experts' GEMMs: `expert_gemm_precision` where set, else the weights' (and every other GEMM's
+        unless `dense_precision` says otherwise: `dense_gemm_precision`)."""
+        return _gemm(self.expert_gemm_precision or self.precision)
 
     @property
     def dense_gemm_precision(self) -> str:
