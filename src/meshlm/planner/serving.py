@@ -146,8 +146,9 @@ class Serving:
     # The routed experts' GEMMs where they run wider than their weights (mixed-input quantization; None: the weights'
     # precision). TensorRT-LLM runs gpt-oss's MXFP4 experts with MXFP8 activations on Blackwell and BF16 ones on
     # Hopper (its gpt-oss README's "MoE Support Matrix", PR #6908, 2025-08; ModelConfig.get_mxfp4_quant_algo:
-    # W4A8_MXFP4_MXFP8 on SM100, W4A16_MXFP4 before): an MXFP4 x MXFP8 product is the tensor cores' f8f6f4 kind, rated
-    # with FP8 / FP6 (B200 datasheet: FP6 and FP8 4.5 PFLOP/s dense, FP4 9), so those GEMMs run at the fp8 rate.
+    # W4A8_MXFP4_MXFP8 on SM100, W4A16_MXFP4 before). An MXFP4 x MXFP8 product is Blackwell's mixed f8f6f4 MMA kind,
+    # priced at the FP8 rate: the B200 datasheet rates FP8 and FP6 alike (4.5 PFLOP/s dense) and only FP4 x FP4 at 9
+    # (read from the instruction kind, not from a kernel benchmark of the mixed GEMM).
     expert_gemm_precision: str | None = None
     # Speculative decoding with the model's own multi-token-prediction module (DeepSeek-V3's MTP, reused for each
     # draft as TensorRT-LLM's "MTP Eagle" and SGLang do): draft tokens per step, and the chance each draft token is
