@@ -200,9 +200,16 @@ _B200_ATTENTION = {"cudnn": 1150, "fa2": 360}
 # At that K the tiles' fixed cost (kernels.k_scale: 256 bf16 elements of K, four times as many fp4 ones) slows fp4
 # more than bf16; taken out, the factor is of the large-GEMM rate, as matmul_efficiency is.
 _B200_NVFP4_GEMM = {"nvfp4": (3778.8, 3904.3), "bf16": (1421.0, 1360.1), "k": 4096}
-_FP4_FACTOR = (sum(f / b for f, b in zip(_B200_NVFP4_GEMM["nvfp4"], _B200_NVFP4_GEMM["bf16"])) / 2
-               * k_scale([(1.0, _B200_NVFP4_GEMM["k"])], k_overhead=GEMM_K_OVERHEAD, in_bytes=0.5)
-               / k_scale([(1.0, _B200_NVFP4_GEMM["k"])], k_overhead=GEMM_K_OVERHEAD, in_bytes=2.0) / 4)
+
+
+def _tiles_at(k: float, in_bytes: float) -> float:
+    """The tiles' fixed-K slowdown of one GEMM of depth `k` (kernels.k_scale) at the presets' overhead."""
+    return k_scale([(1.0, k)], k_overhead=GEMM_K_OVERHEAD, in_bytes=in_bytes)
+
+
+_NVFP4_OVER_BF16 = sum(f / b for f, b in zip(_B200_NVFP4_GEMM["nvfp4"], _B200_NVFP4_GEMM["bf16"])) / 2  # 2.77x
+_FP4_FACTOR = (_NVFP4_OVER_BF16 * _tiles_at(_B200_NVFP4_GEMM["k"], 0.5) / _tiles_at(_B200_NVFP4_GEMM["k"], 2.0)
+               / 4)  # of the large-GEMM rate; the peaks' ratio is 4
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
