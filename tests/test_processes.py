@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from meshlm.processes import alive, children, cpu_seconds, descendants, free_ports, stop_tree
+from meshlm.processes import (LOWEST_PICKED_PORT, alive, children, cpu_seconds, descendants, ephemeral_ports, free_ports,
+                              stop_tree)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads Linux /proc")
 
@@ -47,6 +48,17 @@ def test_free_ports_are_distinct_and_bindable():
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[0]))
+
+
+def test_free_ports_lie_below_the_kernels_own_so_no_socket_bound_to_port_0_takes_one():
+    first, last = ephemeral_ports()
+    assert 0 < first <= last < 65536
+    ports = free_ports(20)
+    assert all(LOWEST_PICKED_PORT <= p < first for p in ports), (ports, first)
+    # what gloo's pairs and a store's clients do meanwhile: bind to port 0 -- never one of ours
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert first <= s.getsockname()[1] <= last
 
 
 def test_the_tree_from_proc_and_a_zombie():

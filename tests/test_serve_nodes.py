@@ -127,7 +127,8 @@ def test_serve_two_tp2_replicas_over_two_agents_answer_on_node_0_only(tmp_path):
     finally:
         for agent in agents:
             stop_tree(agent, 10)
-    outputs = [a.stdout.read() for a in agents]
+        outputs = [a.stdout.read() for a in agents]
+        print("node 0:", outputs[0], "node 1:", outputs[1], sep="\n")  # pytest shows it where the test fails
     want = LLM(str(model_dir), device="cpu", block_size=8).generate(
         ["hello world"], SamplingParams(temperature=0.0, max_tokens=MAX_NEW))[0].text
     for r in got:

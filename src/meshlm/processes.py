@@ -1,9 +1,10 @@
 """Processes on this machine: free ports, the tree of processes below one, and stopping such a tree.
 
-Responsible for: ports of 127.0.0.1 that were free a moment ago (`free_ports`, `free_port`); the process tree
-as Linux's /proc shows it (`children`, `descendants`, `alive`, `cpu_seconds`); and `stop_tree`, which stops
-processes started in sessions of their own together with everything below them -- the router's replicas, the
-emulated cluster's node commands, and the servers and launchers the tests and benchmarks start.
+Responsible for: ports of 127.0.0.1 that were free a moment ago, below the kernel's own range (`free_ports`,
+`free_port`); the process tree as Linux's /proc shows it (`children`, `descendants`, `alive`, `cpu_seconds`); and
+`stop_tree`, which stops processes started in sessions of their own together with everything below them -- the
+router's replicas, the emulated cluster's node commands, and the servers and launchers the tests and benchmarks
+start.
 Not responsible for: starting processes or ranks (torch's launcher, `launch.py`).
 
 Why the tree and not only the process group: torch's launcher starts each rank in a session of its own, so a
@@ -25,14 +26,45 @@ from pathlib import Path
 KILL_WAIT_S = 30.0  # after SIGKILL, how long `stop_tree` waits for each process it started to be reaped
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The ports the kernel hands out itself (to a bind to port 0 and to a connect's own end), first and last:
+    /proc/sys/net/ipv4/ip_local_port_range, else Linux's default."""
+    try:
+        first, last = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return first, last
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+LOWEST_PICKED_PORT = 10000  # `free_ports` picks at or above this, below the kernel's own ports
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports of 127.0.0.1 that were free a moment ago: bound together (to port 0, the kernel
-    choosing), so no two are equal, then released -- another process may still take one before the caller binds it."""
+    """`count` distinct TCP ports of 127.0.0.1 that were free a moment ago: bound together, so no two are equal, then
+    released. They are drawn at random below the ports the kernel hands out itself (`ephemeral_ports`): a port is
+    chosen now and bound later (a replica's HTTP port, a rendezvous), and in between every process starting ranks
+    binds and connects sockets of its own (gloo's pairs, stores' clients); from the kernel's range one of those
+    could take it. Another process picking ports the same way could still take one before the caller binds it.
+    Where that range leaves no room below it, the kernel chooses (bind to port 0)."""
+    import random
+
+    first = ephemeral_ports()[0]
+    draw = random.SystemRandom()  # not the seeded global generator: two processes must not draw alike
+    tries = 50 * count if first - LOWEST_PICKED_PORT >= 100 * count else 0  # bounded: bound ports are passed over
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
+        ports: list[int] = []
+        while len(ports) < count and tries:
+            tries -= 1
+            port = draw.randrange(LOWEST_PICKED_PORT, first)
+            s = stack.enter_context(socket.socket())
+            with contextlib.suppress(OSError):  # in use (our own picks included: they stay bound until the end)
+                s.bind(("127.0.0.1", port))
+                ports.append(port)
+        while len(ports) < count:
+            s = stack.enter_context(socket.socket())
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 def free_port() -> int:
