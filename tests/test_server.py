@@ -44,13 +44,18 @@ def server_process(argv: list[str], port: int):
 
 def wait_until_up(url: str, proc) -> None:
     """Wait until the server `proc` started answers GET /health with 200 (the test fails after 120 s, or at
-    once if it exits)."""
+    once if it exits, with the end of what it printed where its output is a pipe: it and its ranks are stopped
+    first, so that the pipe ends)."""
     from meshlm.infer.client import ServerNotReady, wait_until_healthy
 
     try:
         wait_until_healthy(url, timeout_s=120, proc=proc)
     except ServerNotReady as e:
-        pytest.fail(f"the server did not come up: {e}")
+        said = ""
+        if proc.stdout is not None:
+            stop_tree(proc, 10)
+            said = "; it printed:\n" + proc.stdout.read()[-4000:]
+        pytest.fail(f"the server did not come up: {e}{said}")
 
 
 def rank_pid(root: int, local_rank: int) -> int:
