@@ -59,6 +59,9 @@ def test_free_ports_lie_below_the_kernels_own_so_no_socket_bound_to_port_0_takes
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         assert first <= s.getsockname()[1] <= last
+    # ports a process about to start binds itself are passed over; with none left below, the kernel chooses
+    taken = range(LOWEST_PICKED_PORT, first)
+    assert all(first <= p <= last for p in free_ports(3, avoid=taken))
 
 
 def test_the_tree_from_proc_and_a_zombie():

@@ -105,13 +105,13 @@ def test_serve_two_tp2_replicas_over_two_agents_answer_on_node_0_only(tmp_path):
     from test_server import make_model_dir, serve_argv, wait_until_up
 
     from meshlm import LLM, SamplingParams
-    from meshlm.processes import descendants, free_port, stop_tree
+    from meshlm.processes import descendants, free_port, free_ports, stop_tree
 
     model_dir = make_model_dir(tmp_path)
     rdzv = free_port()
     while not _port_free(rdzv + 1):  # two consecutive free ports: the replicas' rendezvous
         rdzv = free_port()
-    port = free_port()
+    port = free_ports(1, avoid=(rdzv, rdzv + 1))[0]
     argv = serve_argv(model_dir, port, "--tp", "2", "--replicas", "2", "--router", "round_robin", "--nnodes", "2",
                       "--rdzv-endpoint", f"127.0.0.1:{rdzv}")
     agents = [subprocess.Popen([sys.executable, "-m", "meshlm.cli", *argv, "--node-rank", str(k)], env=clean_env(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,15 +40,15 @@ def ephemeral_ports() -> tuple[int, int]:
 LOWEST_PICKED_PORT = 10000  # `free_ports` picks at or above this, below the kernel's own ports
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports of 127.0.0.1 that were free a moment ago: bound together, so no two are equal, then
-    released. They are drawn at random below the ports the kernel hands out itself (`ephemeral_ports`): a port is
-    chosen now and bound later (a replica's HTTP port, a rendezvous), and in between every process starting ranks
-    binds and connects sockets of its own (gloo's pairs, stores' clients); from the kernel's range one of those
-    could take it. Another process picking ports the same way could still take one before the caller binds it.
-    Where that range leaves no room below it, the kernel chooses (bind to port 0)."""
-    import random
-
+def free_ports(count: int, *, avoid: Iterable[int] = ()) -> list[int]:
+    """`count` distinct TCP ports of 127.0.0.1 that were free a moment ago, none in `avoid` (ports a process about
+    to start will bind itself): bound together, so no two are equal, then released. They are drawn at random below
+    the ports the kernel hands out itself (`ephemeral_ports`): a port is chosen now and bound later (a replica's
+    HTTP port, a rendezvous), and in between every process starting ranks binds and connects sockets of its own
+    (gloo's pairs, stores' clients); from the kernel's range one of those could take it. Another process picking
+    ports the same way could still take one before the caller binds it. Where that range leaves no room below it,
+    the kernel chooses (bind to port 0)."""
+    avoid = frozenset(avoid)
     first = ephemeral_ports()[0]
     draw = random.SystemRandom()  # not the seeded global generator: two processes must not draw alike
     tries = 50 * count if first - LOWEST_PICKED_PORT >= 100 * count else 0  # bounded: bound ports are passed over
@@ -56,6 +57,8 @@ def free_ports(count: int) -> list[int]:
         while len(ports) < count and tries:
             tries -= 1
             port = draw.randrange(LOWEST_PICKED_PORT, first)
+            if port in avoid:
+                continue
             s = stack.enter_context(socket.socket())
             with contextlib.suppress(OSError):  # in use (our own picks included: they stay bound until the end)
                 s.bind(("127.0.0.1", port))
@@ -63,7 +66,8 @@ def free_ports(count: int) -> list[int]:
         while len(ports) < count:
             s = stack.enter_context(socket.socket())
             s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+            if s.getsockname()[1] not in avoid:  # one in `avoid` stays bound, so the next bind gets another
+                ports.append(s.getsockname()[1])
         return ports
 
 

@@ -182,10 +182,11 @@ def serve_replicas(args, *, extra_argv: tuple[str, ...] = (), label: str | None 
                 "--port", str(port), "--quiet", *extra_argv,
                 *(["--rdzv-endpoint", endpoints[index]] if endpoints else [])]
 
+    rendezvous = tuple(int(e.rpartition(":")[2]) for e in endpoints)  # bound on node 0 by the replicas' launchers
     if endpoints and args.node_rank != 0:  # this node hosts ranks of every replica; fronts and router: node 0
-        with ReplicaSet(command, args.replicas, label=label) as replicas:
+        with ReplicaSet(command, args.replicas, label=label, avoid_ports=rendezvous) as replicas:
             return replicas.wait_for_exit()
-    with ReplicaSet(command, args.replicas, label=label) as replicas:
+    with ReplicaSet(command, args.replicas, label=label, avoid_ports=rendezvous) as replicas:
         replicas.wait_until_healthy(args.replica_start_timeout)
         log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
         app = create_router_app(replicas.replicas, policy, api_key=api_key,

@@ -95,21 +95,22 @@ class ReplicaSet:
 
     `command(index, port)`: the argv of replica `index` listening on 127.0.0.1:`port`; `grace_s`: how long a
     replica may take to stop after SIGTERM before it gets SIGKILL; `stdout`: where the replicas print (default:
-    where this process does); `label`: how messages name a replica (default "replica INDEX")."""
+    where this process does); `label`: how messages name a replica (default "replica INDEX"); `avoid_ports`: ports
+    the replicas' ports must not be (their rendezvous, which their launchers bind later)."""
 
     def __init__(self, command: Callable[[int, int], list[str]], count: int, *, grace_s: float = 10.0, stdout=None,
-                 label: str | None = None):
+                 label: str | None = None, avoid_ports: tuple[int, ...] = ()):
         if count < 1:
             raise ValueError(f"--replicas={count} must be >= 1")
         self.command, self.count, self.grace_s, self.stdout = command, count, grace_s, stdout
-        self.label = label
+        self.label, self.avoid_ports = label, avoid_ports
         self.replicas: list[Replica] = []
         self._previous_sigterm = None
 
     def __enter__(self) -> "ReplicaSet":
         self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
-            for index, port in enumerate(free_ports(self.count)):
+            for index, port in enumerate(free_ports(self.count, avoid=self.avoid_ports)):
                 proc = subprocess.Popen(self.command(index, port), start_new_session=True, stdout=self.stdout,
                                         preexec_fn=_terminate_with_parent)
                 self.replicas.append(Replica(index, port, proc, label=self.label))
