@@ -100,12 +100,23 @@ def test_gpu_cells_name_their_part_for_training_and_serving_tables():
         deployment_of({**served, "gpu": "TPU v5p"})
 
 
+# MI355X's GEMMs over MI300X's, as fractions of their peaks: 1565 TFLOP/s of 2516.6 carried from H100 (0.62 of peak at
+# 80.3% MAMF), against MI300X's measured 0.47
+_MI355X_OVER_MI300X = 0.62 * (1565 / 2516.6) / 0.803 / 0.47
+
+
 @pytest.mark.parametrize("name, fused, fa2", [("mi300x", 229e12, 229e12), ("b200", 1150e12, 360e12),
-                                              ("gb200-nvl72", 1150e12 * 1822 / 1745, 360e12 * 1822 / 1745)])
+                                              ("gb200-nvl72", 1150e12 * 1822 / 1745, 360e12 * 1822 / 1745),
+                                              ("gb300-nvl72", 1150e12 * 1822 / 1745, 360e12 * 1822 / 1745),
+                                              ("b300", 1150e12 * 78.6 / 77.6, 360e12 * 78.6 / 77.6),
+                                              ("mi355x", 229e12 / 1307 * _MI355X_OVER_MI300X * 2516.6,
+                                               229e12 / 1307 * _MI355X_OVER_MI300X * 2516.6)])
 def test_attention_at_the_measured_kernel_rates(name, fused, fa2):
     """MI300X attends at the rate ROCm's FlashAttention-2 measured (229 TFLOP/s forward + backward at head dim 128,
     16K tokens), whatever the stack's kernel; B200 at cuDNN's measured 1150 and FlashAttention-2's 360, GB200 at those
-    times the two parts' achievable-matmul ratio -- none at Hopper's fraction of its larger peak."""
+    times the two parts' achievable-matmul ratio -- none at Hopper's fraction of its larger peak. The parts without an
+    attention measurement carry one: GB300 GB200's, B300 B200's by their MAMF ratio, MI355X MI300X's fraction of peak
+    scaled as its GEMMs' fraction is."""
     from meshlm.config import ModelConfig
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.cost import Job, Layout, ModelSummary
@@ -121,8 +132,48 @@ def test_attention_at_the_measured_kernel_rates(name, fused, fa2):
         fwd, bwd = attention_time(summary, job, lo, rank_setup(summary, cluster, job, lo))
         block = 16384 / (16384 + cluster.attention_block_overhead)
         ran = summary.flops_attn * 16384 * 0.5 * 3.5  # the unmasked half, backward 2.5x the forward
-        assert ran / (fwd + bwd) == pytest.approx(rate * block)
+        assert ran / (fwd + bwd) == pytest.approx(rate * block, rel=2e-3)  # percentages rounded in tables
 
+
+
+def test_blackwell_ultra_and_cdna4_parts_at_their_datasheets_and_measured_gemms():
+    """B300 / GB300 NVL72 (NVIDIA's data sheets) and MI355X / MI350X (AMD's): per GPU dense peaks, 288 GB at 8 TB/s,
+    their links; GEMMs at Bekman's measured maximum (B300 bf16 1769 and fp8 3353 TFLOP/s, MI355X bf16 1565) carried from
+    H100's transformer-shape fraction (0.62 at 794.5 of 989) as Blackwell's are; GB300 multiplies as GB200 does but fp4
+    1.5x faster. Published tables' GPU cells name them, and a 405B model's 1M-token context fits on fewer of them."""
+    from meshlm.planner.cluster import GiB, get_cluster
+    from meshlm.planner.published_rows import cluster_of
+    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving_context import smallest_deployment
+    from meshlm.planner.serving_model import served_model
+
+    h100_fraction = 0.62 / (794.5 / 989)
+    b300, gb300, gb200 = get_cluster("b300"), get_cluster("gb300-nvl72"), get_cluster("gb200-nvl72")
+    mi355x, mi350x, mi300x = get_cluster("mi355x"), get_cluster("mi350x"), get_cluster("mi300x")
+    assert [b300.peak(p) for p in ("bf16", "fp8", "fp4")] == [2250e12, 4500e12, 108e15 / 8]
+    assert [gb300.peak(p) for p in ("bf16", "fp8", "fp4")] == [2500e12, 5000e12, 1080e15 / 72]
+    assert [mi355x.peak(p) for p in ("bf16", "fp8", "fp4")] == [2516.6e12, 5033e12, 10066e12]
+    for part in (b300, gb300, mi355x, mi350x):
+        assert (part.hbm_bytes, part.hbm_bw) == (288 * GiB, 8e12)
+    assert (b300.scaleup_size, gb300.scaleup_size, mi355x.scaleup_size) == (8, 72, 8)
+    assert (b300.scaleup_bw, mi355x.scaleup_bw, b300.scaleout_bw, gb300.scaleout_bw) == (900e9, 7 * 76.8e9, 100e9, 100e9)
+    assert b300.matmul_rate("bf16") == pytest.approx(1769e12 * h100_fraction, rel=2e-3)
+    assert b300.matmul_rate("fp8") == pytest.approx(3353.3e12 * h100_fraction, rel=2e-3)
+    assert mi355x.matmul_rate("bf16") == pytest.approx(1565e12 * h100_fraction, rel=1e-3)
+    assert mi355x.matmul_rate("bf16") / mi300x.matmul_rate("bf16") == pytest.approx(1.97, abs=0.01)
+    assert mi350x.peak("bf16") / mi355x.peak("bf16") == pytest.approx(2.2 / 2.4, rel=0.01)
+    assert gb300.matmul_rate("fp8") == gb200.matmul_rate("fp8")
+    assert gb300.matmul_rate("fp4") == pytest.approx(1.5 * gb200.matmul_rate("fp4"))
+    cells = {"GB300 NVL72": "gb300-nvl72", "B300-SXM-288GB": "b300", "GB200": "gb200-nvl72", "B200-SXM-180GB": "b200",
+             "MI355X": "mi355x", "AMD Instinct MI350X 288GB HBM3e": "mi350x", "MI325X": "mi325x"}
+    assert {cell: cluster_of(cell) for cell in cells} == cells
+
+    def gpus(cluster):
+        sv = Serving(served_model("llama3-405b"), get_cluster(cluster), ServingLayout(), precision="bf16",
+                     kv_precision="bf16")
+        return smallest_deployment(sv, 2**20, 1, max_gpus=64)["gpus"]
+
+    assert gpus("gb300-nvl72") == gpus("mi355x") < gpus("mi300x") < gpus("gb200-nvl72")
 
 def _square_model_serving(cluster, precision, tp=1):
     """A model whose every GEMM has K = 4096 at tp = 1 (hidden, attention width and MLP width 4096): the shape vLLM's

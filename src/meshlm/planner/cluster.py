@@ -191,8 +191,11 @@ def _gbit(x: float) -> float:
 #    average is 1.58); override with --pue.
 # The measured figures several presets derive from (sources in the notes above): Bekman's MAMF fractions, %, of each
 # part's own peak (bf16, fp8); H100's transformer-shape GEMM fraction; NVIDIA's B200 SDPA benchmark, TFLOP/s.
-_MAMF_BF16 = {"H100": 80.3, "B200": 77.6, "GB200": 72.9}
-_MAMF_FP8 = {"H100": 70.9, "H200": 73.4, "B200": 76.3, "GB200": 72.3}
+_MAMF_BF16 = {"H100": 80.3, "B200": 77.6, "GB200": 72.9, "B300": 78.6}
+_MAMF_FP8 = {"H100": 70.9, "H200": 73.4, "B200": 76.3, "GB200": 72.3, "B300": 74.5}
+# MI355X's bf16 MAMF in TFLOP/s (the table's later edition, torch 2.8 on ROCm 7.0.2: 1565, best of its sweep), taken
+# against each CDNA4 part's own peak (the table divides by 2300; AMD's MI355X data sheet says 2.5 PFLOP/s).
+_MI355X_MAMF_BF16_TFLOPS = 1565.0
 _H100_MATMUL = 0.62
 _B200_ATTENTION = {"cudnn": 1150, "fa2": 360}
 # vLLM's bench_nvfp4_gemm.py on B200 (PR #20578), N=6144 K=4096 at 8,192 and 16,384 tokens, TFLOP/s: NVFP4 (no
@@ -257,6 +260,23 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #  * H100 SXM with HBM2e (NHR@FAU's Helma nodes: 94 GiB at 2.41 TB/s, arXiv:2604.11391's testbed; torchao's roofline
 #    model, torchao/testing/training/roofline_utils.py: "2.4 TB per second, custom to Meta's H100 variant"): the H100
 #    SXM's compute and links with that memory (power as the 700 W part: no cap published with either source).
+#  * B300 (NVIDIA HGX B300 / DGX B300 data sheets; Blackwell Ultra, 8 GPUs on NVLink 5): per GPU dense bf16 2.25, fp8 4.5,
+#    fp4 13.5 PFLOP/s (the HGX table's 108 PFLOP/s dense fp4 over 8 GPUs; bf16 / fp8 as printed with sparsity, halved),
+#    288 GB HBM3e at 8 TB/s, NVLink 1.8 TB/s (900 GB/s each way), one ConnectX-8 800 Gb/s NIC per GPU, 1,100 W; 160 SMs.
+#    Its GEMMs measured (Bekman's MAMF table, later edition: bf16 1769 of 2250 = 78.6%, fp8 3353 of 4500 = 74.5%), carried
+#    from H100 as B200's are. Attention, fp4 and the server: B200's measured rates and figures (assumed: none measured here).
+#  * GB300 NVL72 (NVIDIA GB300 NVL72 data sheet): 72 Blackwell Ultra GPUs on one NVLink domain, per GPU dense bf16 2.5,
+#    fp8 5, fp4 15 PFLOP/s (1,080 PFLOP/s dense fp4 over 72), 288 GB HBM3e at 8 TB/s (576 TB/s over 72), 1.8 TB/s NVLink,
+#    ConnectX-8 800 Gb/s per GPU, 1,400 W. No GB300 GEMM or attention measured: GB200's (same peaks but fp4) assumed, and
+#    GB200 NVL72's rack share per GPU.
+#  * MI355X (AMD Instinct MI355X data sheet; CDNA4, 8 GPUs per platform): 288 GB HBM3E at 8 TB/s; dense bf16 2.5, fp8 5.0,
+#    MXFP6 / MXFP4 10.1 PFLOP/s (2516.6 / 5033 / 10066 TFLOP/s); 7 Infinity Fabric links of 153.6 GB/s (76.8 GB/s each way)
+#    to the 7 peers; 1,400 W; 256 CUs. Its GEMMs measured (Bekman's MAMF table: bf16 1565 TFLOP/s, 62.2% of 2516.6),
+#    carried from H100 as Blackwell's are (rather than MI300X's SemiAnalysis figure: MI355X has no such measurement).
+#    Everything else as MI300X's (assumed, none measured here): fp8's factor (fp4 keeps it too), RCCL's link fraction,
+#    ROCm FlashAttention's rate scaled by the two parts' GEMM rates, the server's power.
+#  * MI350X (AMD Instinct MI350X data sheet): the MI355X's silicon at 2.2 GHz against 2.4 and 1,000 W -- dense bf16 2.3,
+#    fp8 4.6, fp4 9.2 PFLOP/s (2307 / 4614 / 9228 TFLOP/s), the same memory and links; MI355X's fractions (assumed).
 #  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
 #    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
@@ -264,6 +284,30 @@ _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12,
                attention_efficiency=229 / 1307, fa2_attention_efficiency=0.0, gpu_power_w=750.0,
                matmul_efficiency=0.47, matmul_precision_factor={"fp8": (1159.5 / 2615) / (781.9 / 1300)},
                link_efficiency=317 / 448)
+
+_B300 = dict(_B200, gpu="B300", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 13500e12, "fp32": 80e12},
+             hbm_bytes=288 * GiB, scaleout_bw=_gbit(800), comm_sm_fraction=16 / 160, gpu_power_w=1100.0,
+             matmul_efficiency=_H100_MATMUL * _MAMF_BF16["B300"] / _MAMF_BF16["H100"],
+             attention_efficiency=_B200_ATTENTION["cudnn"] / 2250 * _MAMF_BF16["B300"] / _MAMF_BF16["B200"],
+             fa2_attention_efficiency=_B200_ATTENTION["fa2"] / 2250 * _MAMF_BF16["B300"] / _MAMF_BF16["B200"],
+             matmul_precision_factor={"fp8": _MAMF_FP8["B300"] / _MAMF_BF16["B300"], "fp4": _FP4_FACTOR})
+_MI355X_PEAK = {"bf16": 2516.6e12, "fp8": 5033e12, "fp4": 10066e12, "fp32": 157.3e12}
+_MI355X_MATMUL = _H100_MATMUL * (_MI355X_MAMF_BF16_TFLOPS * 1e12 / _MI355X_PEAK["bf16"]) / (_MAMF_BF16["H100"] / 100)
+_MI355X = dict(_MI300X, gpu="MI355X", peak_flops=_MI355X_PEAK, hbm_bytes=288 * GiB, hbm_bw=8.0e12, scaleup_bw=7 * 76.8e9,
+               comm_sm_fraction=16 / 256, gpu_power_w=1400.0, matmul_efficiency=_MI355X_MATMUL,
+               # MI300X's measured fraction of peak, scaled as the two parts' GEMM fractions are
+               attention_efficiency=_MI300X["attention_efficiency"] * _MI355X_MATMUL / _MI300X["matmul_efficiency"],
+               matmul_precision_factor={"fp8": _MI300X["matmul_precision_factor"]["fp8"],
+                                        "fp4": _MI300X["matmul_precision_factor"]["fp8"]})
+
+# GB200's attention: B200's measured rates (no GB200 one here) times the two parts' MAMF ratio, 1822 / 1745.
+_GB200 = dict(_B200, gpu="GB200 (NVL72)", scaleup_size=72,
+              peak_flops={"bf16": 2500e12, "fp8": 5000e12, "fp4": 10000e12, "fp32": 80e12}, hbm_bytes=186 * GiB,
+              matmul_efficiency=_H100_MATMUL * _MAMF_BF16["GB200"] / _MAMF_BF16["H100"],
+              attention_efficiency=_B200_ATTENTION["cudnn"] / 2500 * 1822 / 1745,
+              fa2_attention_efficiency=_B200_ATTENTION["fa2"] / 2500 * 1822 / 1745,
+              gpu_power_w=1200.0, node_power_w=470.0,
+              matmul_precision_factor={"fp8": _MAMF_FP8["GB200"] / _MAMF_BF16["GB200"], "fp4": _FP4_FACTOR})
 
 PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
@@ -289,21 +333,16 @@ PRESETS: dict[str, Cluster] = {
                                                    "matmul_efficiency": _H100_MATMUL, "attention_efficiency": 0.55,
                                                    "fa2_attention_efficiency": 0.0,
                                                    "matmul_precision_factor": {}}),
-    # GB200's attention: B200's measured rates (no GB200 one here) times the two parts' MAMF ratio, 1822 / 1745.
-    "gb200-nvl72": Cluster(name="gb200-nvl72", **{**_B200, "gpu": "GB200 (NVL72)", "scaleup_size": 72,
-                                                 "peak_flops": {"bf16": 2500e12, "fp8": 5000e12, "fp4": 10000e12,
-                                                                "fp32": 80e12},
-                                                 "hbm_bytes": 186 * GiB,
-                                                 "matmul_efficiency": _H100_MATMUL * _MAMF_BF16["GB200"]
-                                                 / _MAMF_BF16["H100"],
-                                                 "attention_efficiency":
-                                                     _B200_ATTENTION["cudnn"] / 2500 * 1822 / 1745,
-                                                 "fa2_attention_efficiency":
-                                                     _B200_ATTENTION["fa2"] / 2500 * 1822 / 1745,
-                                                 "gpu_power_w": 1200.0, "node_power_w": 470.0,
-                                                 "matmul_precision_factor":
-                                                     {"fp8": _MAMF_FP8["GB200"] / _MAMF_BF16["GB200"],
-                                                      "fp4": _FP4_FACTOR}}),
+    "gb200-nvl72": Cluster(name="gb200-nvl72", **_GB200),
+    "b300": Cluster(name="b300", **_B300),
+    "gb300-nvl72": Cluster(name="gb300-nvl72", **{**_GB200, "gpu": "GB300 (NVL72)",
+                                                 "peak_flops": {**_GB200["peak_flops"], "fp4": 15000e12},
+                                                 "hbm_bytes": 288 * GiB, "scaleout_bw": _gbit(800),
+                                                 "comm_sm_fraction": 16 / 160, "gpu_power_w": 1400.0}),
+    "mi355x": Cluster(name="mi355x", **_MI355X),
+    "mi350x": Cluster(name="mi350x", **{**_MI355X, "gpu": "MI350X", "gpu_power_w": 1000.0,
+                                       "peak_flops": {"bf16": 2307e12, "fp8": 4614e12, "fp4": 9228e12,
+                                                      "fp32": 144.2e12}}),
 }
 
 
