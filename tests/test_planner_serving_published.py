@@ -84,3 +84,29 @@ def test_no_wording_of_a_serving_cell_stops_the_table():
             text = "0" if row[cell][:1].isdigit() else "n/a"
             out = predict_row({**row, cell: text})
             assert "skip" in out or "layout" in out, (row["row_id"], cell, text)
+
+
+def test_a_row_naming_no_layout_is_priced_on_the_best_layout_of_its_gpus():
+    """A row naming none of tp, pp, dp (MLPerf's results, for one) is priced on the layout of its GPUs with the highest
+    predicted throughput among those `plan infer` ranks, as if the row had named it; with tp but no dp, replicas fill
+    the row's GPUs: "tp 2" on 8 GPUs is four replicas, four times one's throughput -- not one replica on 2 of the 8."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import deployment_of, predict_row, read_rows
+    from meshlm.planner.serving_modes import serving_layouts
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
+    row = next(r for r in rows if r["row_id"] == "H134")  # Llama 3.1 70B FP8, 1000 + 1000 tokens, H100, tp 2
+    bare = {**row, "n_gpus": "8", "tp": "", "pp": "", "dp": "", "ep": ""}
+    named = {}
+    for lo in serving_layouts(deployment_of(bare), 8):
+        out = predict_row({**bare, "tp": str(lo.tp), "pp": str(lo.pp), "dp": str(lo.dp)})
+        if "throughput" in out:
+            named[out["layout"]] = out["throughput"]
+    chosen = predict_row(bare)
+    assert len(named) > 2 and chosen["throughput"] == max(named.values())
+    assert chosen["layout"] == max(named, key=named.get)
+    one, four = predict_row({**bare, "tp": "2", "n_gpus": "2"}), predict_row({**bare, "tp": "2"})
+    assert (one["layout"], four["layout"]) == ("tp=2,pp=1,cp=1,ep=1,dp=1", "tp=2,pp=1,cp=1,ep=1,dp=4")
+    assert four["throughput"] == pytest.approx(4 * one["throughput"], rel=1e-9)
+    assert "does not divide" in predict_row({**bare, "tp": "3"})["skip"]

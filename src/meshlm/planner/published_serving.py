@@ -33,6 +33,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     gpt-oss's MXFP4 checkpoint: FP4 routed experts, BF16 everything else (`dense_precision_of`); TensorRT-LLM
     multiplies those experts with MXFP8 activations on Blackwell, BF16 on Hopper (`expert_gemm_precision_of`);
   * "tp 8, dp 8" on 8 GPUs is TensorRT-LLM's attention data parallelism: attention dp 8 x tp 1, experts over all 8;
+    with no dp, replicas of tp x pp fill the row's GPUs; a row naming none of tp, pp, dp (MLPerf's results do not)
+    on the layout of its GPUs the planner ranks first, as `plan infer` without --layout does (`_best_layout`);
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
     engine's running-request limit (the row's max_batch_size / max_num_seqs per rank where given, else for
     TensorRT-LLM's perf-overview rows (v0.17's `trtllm-bench build --dataset` and v1.0's throughput run alike) the
@@ -60,7 +62,7 @@ from meshlm.planner.published_rows import cluster_of, name_key, predict_each, re
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
-from meshlm.planner.serving_modes import Workload, clients, max_concurrency, offline, static_batch
+from meshlm.planner.serving_modes import Workload, clients, max_concurrency, offline, serving_layouts, static_batch
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
 _L2 = dict(vocab_size=32000, max_seq_len=4096, rope_theta=10000.0)
@@ -156,11 +158,19 @@ def precisions_of(row: dict) -> tuple[str, str]:
     return weights, "fp8" if trt_quantized else "bf16"
 
 
+def layout_stated(row: dict) -> bool:
+    """Whether the row names any of tp, pp, dp (MLPerf's results, for one, name none: `predict_row` searches)."""
+    return any(_int(row[k]) for k in ("tp", "pp", "dp"))
+
+
 def layout_of(row: dict) -> ServingLayout:
+    """The row's layout; where it gives no dp, replicas of tp x pp fill its GPUs ("tp 2" on 8 GPUs is 4 replicas)."""
     n, tp, pp = _int(row["n_gpus"]), _int(row["tp"]) or 1, _int(row["pp"]) or 1
     if not n:
         raise Skip("the row gives no GPU count")
-    dp, ep = _int(row["dp"]) or 1, _int(row["ep"]) or 1
+    if not _int(row["dp"]) and n % (tp * pp):
+        raise Skip(f"tp x pp = {tp * pp} does not divide the row's {n} GPUs and no dp says how they are used")
+    dp, ep = _int(row["dp"]) or n // (tp * pp), _int(row["ep"]) or 1
     if dp * pp > n:
         raise Skip(f"dp x pp = {dp * pp} exceeds the row's {n} GPUs")
     if dp * tp * pp > n:  # TensorRT-LLM's attention DP inside the tp group
@@ -306,7 +316,7 @@ def predict_row(row: dict) -> dict:
     base = {"row_id": row["row_id"], "group": row["group"], "model": row["model"], "gpu": row["gpu"]}
     try:
         sv = deployment_of(row)
-        pred = _predict(row, sv)
+        sv, pred = (sv, _predict(row, sv)) if layout_stated(row) else _best_layout(row, sv)
     except (Skip, ValueError) as e:  # ValueError: a layout or lengths the planner refuses, its message says why
         return {**base, "skip": str(e)}
     out = dict(base, layout=sv.layout.label(), precision=sv.precision, kv_precision=sv.kv_precision, **pred)
@@ -318,6 +328,25 @@ def predict_row(row: dict) -> dict:
             out[f"published_{key}"] = value
             out[f"error_{key}"] = pred[key] / value - 1
     return out
+
+
+def _best_layout(row: dict, sv: Serving) -> tuple[Serving, dict]:
+    """A row that names no layout, priced on the layout of its GPUs the planner ranks first (`plan infer` without
+    --layout: serving_modes.serving_layouts): the highest output tokens/s (the lowest TTFT for first-token rows) among
+    those that hold the row's requests."""
+    best = None
+    for lo in serving_layouts(sv, sv.layout.world):
+        candidate = replace(sv, layout=lo)
+        try:
+            pred = _predict(row, candidate)
+        except (Skip, ValueError):  # does not fit, or a split the planner refuses
+            continue
+        key = (pred.get("throughput", 0.0), -pred["ttft_ms"] if "ttft_ms" in pred else 0.0)
+        if best is None or key > best[0]:
+            best = (key, candidate, pred)
+    if best is None:
+        raise Skip(f"no layout of the row's {sv.layout.world} GPUs holds one request")
+    return best[1], best[2]
 
 
 def _published_throughput(row: dict, n: int) -> float | None:

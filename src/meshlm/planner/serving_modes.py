@@ -292,17 +292,21 @@ def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
     return ""
 
 
-def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> list[dict]:
-    """Every layout of `gpus` (tp within a scale-up domain, pp, cp = 1, ep = 1 or the whole stage for MoE),
-    ranked by output tokens/s (then TPOT); those that do not fit last."""
-    cfg, results = sv.sm.cfg, []
+def serving_layouts(sv: Serving, gpus: int) -> list[ServingLayout]:
+    """Every layout of `gpus` the search considers: tp within a scale-up domain, pp, cp = 1, the rest replicas (dp),
+    ep = 1 or, for MoE, every rank of a stage's replicas (ep = dp x tp)."""
+    cfg, layouts = sv.sm.cfg, []
     for tp in (t for t in _divisors(gpus) if t <= sv.cluster.scaleup_size and cfg.num_heads % t == 0):
         for pp in (p for p in _divisors(gpus // tp) if p <= min(16, cfg.num_layers)):
             dp = gpus // (tp * pp)
             eps = [1] + ([dp * tp] if cfg.is_moe and dp * tp > 1 and cfg.num_experts % (dp * tp) == 0 else [])
-            for ep in eps:
-                lo = ServingLayout(tp=tp, pp=pp, ep=ep, dp=dp)
-                results.append(estimate_serving(replace(sv, layout=lo), wl))
+            layouts += [ServingLayout(tp=tp, pp=pp, ep=ep, dp=dp) for ep in eps]
+    return layouts
+
+
+def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> list[dict]:
+    """Every layout of `gpus` (`serving_layouts`) ranked by output tokens/s (then TPOT); those that do not fit last."""
+    results = [estimate_serving(replace(sv, layout=lo), wl) for lo in serving_layouts(sv, gpus)]
     key = lambda r: (not r["fits"], -r.get("output_tokens_per_s", 0.0), r.get("tpot_ms", math.inf))  # noqa: E731
     return sorted(results, key=key)[:top]
 
