@@ -589,3 +589,22 @@ def test_a_table_without_some_columns_or_with_short_lines_is_read(tmp_path, monk
     results, _ = published.score_runs(published.read_runs(out.parent / "published_runs_dev.csv"))
     assert all(r["skip"].startswith("planner error: ZeroDivisionError") for r in results)
 
+
+
+def test_a_row_leaving_model_parallelism_blank_runs_as_its_other_cells_say():
+    """tp or pp left blank beside the other is 1 (no tensor / no pipeline parallelism); both blank, a row naming its
+    data parallelism's sharding (FSDP, ZeRO-3, DDP) runs it over every GPU (tp 1, pp 1) -- exactly the prediction
+    of the same row with tp 1, pp 1 written in; a row saying nothing of its layout is skipped, not guessed."""
+    from meshlm.planner.published import predict_row
+
+    row = _row(model="Llama 2 7B", layers="32", hidden="4096", heads="32", kv_heads="32", ffn="11008", vocab="32000",
+               seq_len="4096", n_gpus="64", gpu="H100 80GB", mbs="2", gbs_seqs="128", zero_fsdp="FSDP",
+               tokens_per_s_per_gpu="3000", dp="")
+    written = predict_row(row)
+    assert written["layout"].startswith("tp1 pp1 dp64/z3")
+    for blanks in ({"tp": "", "pp": ""}, {"tp": ""}, {"pp": ""}):
+        out = predict_row({**row, **blanks})
+        assert (out["layout"], out["predicted"]) == (written["layout"], written["predicted"]), blanks
+    tp2 = predict_row({**row, "tp": "2", "pp": "", "mbs": "4"})
+    assert tp2["layout"].startswith("tp2") and " pp1 " in tp2["layout"]
+    assert "no parallel layout" in predict_row({**row, "tp": "", "pp": "", "zero_fsdp": ""})["skip"]

@@ -25,6 +25,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * the software stack a row ran is read from its own source and model columns (`published_rows.stack_of`), never from
     the group id the CSV gives it, so that a held-out table of a stack gets what that stack's development rows
     get (the groups named below are where each choice was first needed);
+  * tp / pp left blank: 1 beside the other named, and both 1 where the row names its data parallelism's sharding
+    (`model_parallel_as_run`); a row with no layout at all is skipped, not guessed;
   * micro-batch size when not given, and interleaving depth when "v not stated": the fastest predicted
     choice that fits (fastest overall if none fits);
   * missing architectures from the published model cards / papers (`published_rows.ARCHS`, each cited);
@@ -418,6 +420,19 @@ def _compare(row: dict, cfg: ModelConfig, job: Job, *, step: float, n: int, mode
     return None
 
 
+def model_parallel_as_run(row: dict) -> dict:
+    """tp and pp where a row leaves one or both blank: the other named, the blank one is 1 (no tensor / no pipeline
+    parallelism); both blank, 1 and 1 where the row names its data parallelism's sharding (FSDP, ZeRO-n, "DDP":
+    such runs shard or replicate the whole model unless they name a model-parallel degree); otherwise left blank --
+    a Megatron run whose layout the source does not print is not guessed."""
+    tp, pp = cell_int(row["tp"]), cell_int(row["pp"])
+    if tp or pp:
+        return {**row, "tp": str(tp or 1), "pp": str(pp or 1)}
+    if row["zero_fsdp"].strip():
+        return {**row, "tp": "1", "pp": "1"}
+    return row
+
+
 def predict_row(row: dict) -> dict:
     """One row with its own layout: the planner's prediction of the row's metric and its error (predicted /
     measured - 1), or a "skip" with the reason the planner cannot express the row."""
@@ -425,6 +440,7 @@ def predict_row(row: dict) -> dict:
     n = cell_int(row["n_gpus"])
     if not n:
         return {**base, "skip": "the row gives no GPU count"}
+    row = model_parallel_as_run(row)
     if not cell_int(row["tp"]) or not cell_int(row["pp"]):
         return {**base, "skip": "the row gives no parallel layout"}
     try:
