@@ -166,7 +166,7 @@ def compiled(row: dict) -> bool | None:
 def cluster_of(gpu: str) -> str:
     """The cluster preset a published table's GPU cell names (training and serving tables alike)."""
     g = gpu.lower()
-    if "a100" in g and "40" in g:
+    if "a100" in g and re.search(r"(?<![\d.])40\s*gi?b?\b", g):  # "A100 40GB", "A100-SXM4-40GB"; not "400 W"
         return "a100-40gb"
     if "h100" in g and re.search(r"hbm2e|2\.4 ?tb/s", g):  # the HBM2e part (cluster.py PRESETS)
         return "h100-hbm2e"
