@@ -8,7 +8,7 @@ peak dense bf16 FLOP/s (on a GPU; on CPU the MFU is against --peak-tflops when g
 meshlm's reference model, no parallelism: this is the single-device baseline every layout is compared to.
 Beside it, "planner": what `meshlm plan` predicts for the same step on the cluster preset of this GPU
 (--cluster, default by the device's name: H100 / H200 / H800 / A100 / B200 / GB200 / B300 / GB300 / MI300X /
-MI325X / MI350X / MI355X), as predicted / measured: the model's eager PyTorch step (one memory pass per elementwise op, SDPA's flash
+MI325X / MI350X / MI355X, and the H100 PCIe / NVL and H200 NVL cards), as predicted / measured: the model's eager PyTorch step (one memory pass per elementwise op, SDPA's flash
 kernel, fp32 norms), one device, no parallelism.
 
     python benchmarks/train_step.py --smoke      # preset tiny, 1 sequence of 16 tokens, one step (CI)
@@ -111,7 +111,8 @@ def main() -> None:
 
 
 # torch.cuda.get_device_name's words -> the planner's cluster preset (the SXM parts the presets describe)
-_PRESET_BY_NAME = (("H200", "h200"), ("H100", "h100"), ("H800", "h800"), ("GB300", "gb300-nvl72"), ("B300", "b300"),
+_PRESET_BY_NAME = (("H200 NVL", "h200-nvl"), ("H100 NVL", "h100-nvl"), ("H100 PCIe", "h100-pcie"), ("H200", "h200"),
+                   ("H100", "h100"), ("H800", "h800"), ("GB300", "gb300-nvl72"), ("B300", "b300"),
                    ("GB200", "gb200-nvl72"), ("B200", "b200"), ("MI355X", "mi355x"), ("MI350X", "mi350x"),
                    ("MI325X", "mi325x"), ("MI300X", "mi300x"), ("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100"))
 
@@ -120,9 +121,10 @@ def cluster_of(choice: str, device_name: str) -> str | None:
     """The planner preset to predict on: `choice` unless "auto"; by `device_name` for a known SXM GPU; else None."""
     if choice != "auto":
         return None if choice == "none" else choice
-    if "PCIe" in device_name or "NVL" in device_name:
-        return None  # other clocks and memory than the SXM presets
-    return next((preset for key, preset in _PRESET_BY_NAME if key in device_name), None)
+    preset = next((preset for key, preset in _PRESET_BY_NAME if key in device_name), None)
+    if preset in ("h200", "h100", "a100", "a100-40gb") and ("PCIe" in device_name or "NVL" in device_name):
+        return None  # a card with other clocks and memory than the SXM presets, and no preset of its own
+    return preset
 
 
 def planner_step_s(cfg: ModelConfig, cluster: str, *, batch: int, seq_len: int) -> float:

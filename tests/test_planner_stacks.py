@@ -271,3 +271,30 @@ def test_trtllm_mxfp4_experts_multiply_at_the_activations_precision():
     hopper = deployment_of({**rows["J153"], "gpu": "H200-SXM-141GB"})
     assert (hopper.precision, hopper.gemm_precision) == ("fp4", "bf16")
     assert deployment_of(rows["A028"]).expert_gemm_precision is None  # NVFP4 DeepSeek-R1: FP4 activations too
+
+
+def test_pcie_and_nvl_cards_are_their_own_parts(monkeypatch):
+    """H100 PCIe / NVL and H200 NVL cards (NVIDIA's data sheets, dense): the Hopper die at card power and clocks, its
+    memory, NVLink bridges of 2 or 4 cards; a table's GPU cell and a device's name pick them, not the SXM presets
+    (benchmarks/train_step.py predicts no card it has no preset for)."""
+    import importlib.util
+
+    from meshlm.planner.cluster import GiB, get_cluster
+    from meshlm.planner.published_rows import cluster_of
+
+    pcie, nvl, h200_nvl, sxm = (get_cluster(n) for n in ("h100-pcie", "h100-nvl", "h200-nvl", "h100"))
+    assert [c.peak("bf16") for c in (pcie, nvl, h200_nvl)] == [756e12, 835e12, 835e12] and sxm.peak("bf16") == 989e12
+    assert [(c.hbm_bytes / GiB, c.hbm_bw) for c in (pcie, nvl, h200_nvl)] == [(80, 2.0e12), (94, 3.9e12), (141, 4.8e12)]
+    assert [(c.scaleup_size, c.scaleup_bw) for c in (pcie, nvl, h200_nvl)] == [(2, 300e9), (2, 300e9), (4, 450e9)]
+    assert pcie.matmul_rate("bf16") / sxm.matmul_rate("bf16") == pytest.approx(756 / 989)
+    cells = {"H100 PCIe 80GB": "h100-pcie", "NVIDIA H100-NVL-94GB": "h100-nvl", "H200 NVL": "h200-nvl",
+             "GH200 NVL2": "h200", "GB200-186GB (NVL72)": "gb200-nvl72", "H100 (DGX-H100)": "h100"}
+    assert {cell: cluster_of(cell) for cell in cells} == cells
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # its _common
+    spec = importlib.util.spec_from_file_location("train_step", benchmarks / "train_step.py")
+    train_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_step)
+    names = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200 NVL": "h200-nvl",
+             "NVIDIA GB200": "gb200-nvl72", "AMD Instinct MI355X": "mi355x", "NVIDIA A100 80GB PCIe": None}
+    assert {n: train_step.cluster_of("auto", n) for n in names} == names

@@ -277,6 +277,13 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #    ROCm FlashAttention's rate scaled by the two parts' GEMM rates, the server's power.
 #  * MI350X (AMD Instinct MI350X data sheet): the MI355X's silicon at 2.2 GHz against 2.4 and 1,000 W -- dense bf16 2.3,
 #    fp8 4.6, fp4 9.2 PFLOP/s (2307 / 4614 / 9228 TFLOP/s), the same memory and links; MI355X's fractions (assumed).
+#  * H100 PCIe, H100 NVL, H200 NVL (NVIDIA H100 / H200 data sheets; dense, the sheets' sparse figures halved): the
+#    Hopper die at PCIe-card power -- H100 PCIe 756 bf16 / 1513 fp8 TFLOP/s, 80 GB HBM2e at 2.0 TB/s, 350 W; H100 NVL
+#    835 / 1671, 94 GB HBM3 at 3.9 TB/s, 400 W; H200 NVL 835 / 1671, 141 GB HBM3e at 4.8 TB/s, 600 W. No NVSwitch:
+#    NVLink bridges join 2 cards (H100: 600 GB/s, 300 each way) or 4 (H200 NVL: 900 GB/s, 450 each way); the rest
+#    of a server and the network beyond them as H100's scale-out (a 400 Gb/s NIC per GPU; PCIe Gen5's 64 GB/s each
+#    way inside the server is no slower). Efficiencies as the SXM part's (assumed: the same die; no measurement of
+#    these cards here).
 #  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
 #    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
@@ -318,6 +325,20 @@ PRESETS: dict[str, Cluster] = {
                                                  "hbm_bw": 2.41e12}),
     "h200": Cluster(name="h200", **{**_H100, "gpu": "H200", "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12,
                                      "matmul_precision_factor": {"fp8": _MAMF_FP8["H200"] / _MAMF_BF16["H100"]}}),
+    "h100-pcie": Cluster(name="h100-pcie", **{**_H100, "gpu": "H100 PCIe", "peak_flops": {"bf16": 756e12,
+                                                                                          "fp8": 1513e12,
+                                                                                          "fp32": 51e12},
+                                               "hbm_bw": 2.0e12, "scaleup_size": 2, "scaleup_bw": 300e9,
+                                               "comm_sm_fraction": 16 / 114, "gpu_power_w": 350.0}),
+    "h100-nvl": Cluster(name="h100-nvl", **{**_H100, "gpu": "H100 NVL", "peak_flops": {"bf16": 835e12, "fp8": 1671e12,
+                                                                                      "fp32": 60e12},
+                                             "hbm_bytes": 94 * GiB, "hbm_bw": 3.9e12, "scaleup_size": 2,
+                                             "scaleup_bw": 300e9, "gpu_power_w": 400.0}),
+    "h200-nvl": Cluster(name="h200-nvl", **{**_H100, "gpu": "H200 NVL", "peak_flops": {"bf16": 835e12, "fp8": 1671e12,
+                                                                                      "fp32": 60e12},
+                                             "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12, "scaleup_size": 4,
+                                             "scaleup_bw": 450e9, "gpu_power_w": 600.0,
+                                             "matmul_precision_factor": {"fp8": _MAMF_FP8["H200"] / _MAMF_BF16["H100"]}}),
     "b200": Cluster(name="b200", **_B200),
     "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
     "mi300x": Cluster(name="mi300x", **_MI300X),

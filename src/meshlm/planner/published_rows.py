@@ -171,6 +171,9 @@ def cluster_of(gpu: str) -> str:
     if "h100" in g and re.search(r"hbm2e|2\.4 ?tb/s", g):  # the HBM2e part (cluster.py PRESETS)
         return "h100-hbm2e"
     squeezed = re.sub(r"[\s_-]", "", g)  # "RTX PRO 6000", "rtx_pro_6000", "MI-300X" name their part too
+    for card in ("h200", "h100"):  # the PCIe-card parts (not Grace Hopper's GH200, an SXM-class module)
+        if card in squeezed and "gh200" not in squeezed and ("nvl" in squeezed or "pcie" in squeezed):
+            return f"{card}-nvl" if "nvl" in squeezed or card == "h200" else f"{card}-pcie"
     for key, name in (("gb300", "gb300-nvl72"), ("b300", "b300"), ("gb200", "gb200-nvl72"), ("b200", "b200"),
                       ("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("a100", "a100"), ("ampere", "a100"),
                       ("mi355x", "mi355x"), ("mi350x", "mi350x"), ("mi325x", "mi325x"), ("mi300x", "mi300x"),
