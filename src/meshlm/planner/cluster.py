@@ -264,7 +264,8 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #    fp4 13.5 PFLOP/s (the HGX table's 108 PFLOP/s dense fp4 over 8 GPUs; bf16 / fp8 as printed with sparsity, halved),
 #    288 GB HBM3e at 8 TB/s, NVLink 1.8 TB/s (900 GB/s each way), one ConnectX-8 800 Gb/s NIC per GPU, 1,100 W; 160 SMs.
 #    Its GEMMs measured (Bekman's MAMF table, later edition: bf16 1769 of 2250 = 78.6%, fp8 3353 of 4500 = 74.5%), carried
-#    from H100 as B200's are. Attention, fp4 and the server: B200's measured rates and figures (assumed: none measured here).
+#    from H100 as B200's are; attention at B200's measured rates times the two parts' MAMF ratio (as GB200's); fp4's
+#    factor and the server's power B200's (assumed: none measured here).
 #  * GB300 NVL72 (NVIDIA GB300 NVL72 data sheet): 72 Blackwell Ultra GPUs on one NVLink domain, per GPU dense bf16 2.5,
 #    fp8 5, fp4 15 PFLOP/s (1,080 PFLOP/s dense fp4 over 72), 288 GB HBM3e at 8 TB/s (576 TB/s over 72), 1.8 TB/s NVLink,
 #    ConnectX-8 800 Gb/s per GPU, 1,400 W. No GB300 GEMM or attention measured: GB200's (same peaks but fp4) assumed, and
