@@ -9,14 +9,14 @@ import pytest
 
 def test_published_serving_rows_all_priced():
     """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print): the shared file's
-    74 rows and the 51 of groups H-L added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
+    74 rows and the 54 of groups H-M added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
     from pathlib import Path
 
     from meshlm.planner.published_serving import read_rows, score_rows
 
     rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
     results, summary = score_rows(rows)
-    assert summary["rows"] == len(rows) == 125 and summary["scored"] >= 116
+    assert summary["rows"] == len(rows) == 128 and summary["scored"] >= 119
     assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
 
 
@@ -41,7 +41,7 @@ def test_published_lengths_are_counts_never_shares():
 
 
 def test_issue25_rows_read_presets_precisions_and_stacks():
-    """The rows added for issue 25 (groups H-L) as published_serving reads them."""
+    """The rows added for issue 25 (groups H-M) as published_serving reads them."""
     from pathlib import Path
 
     from meshlm.planner.published_serving import _max_batch, deployment_of, engine_name, read_rows
@@ -58,6 +58,9 @@ def test_issue25_rows_read_presets_precisions_and_stacks():
     assert engine_name(dict(rows["K155"], engine_version="generic vLLM backend")) == "vllm"
     # vLLM's max_num_seqs caps the running requests like TensorRT-LLM's max_batch_size
     assert _max_batch(rows["L164"], deployment_of(rows["L164"]), 128, 2048) == 3200
+    # AMD's latency table: a static batch on vLLM 0.10.2's V1 engine, its output tokens/s batch x 2048 / latency
+    assert deployment_of(rows["M172"]).engine.name == "vllm" and rows["M174"]["batch_or_concurrency"] == "batch 4"
+    assert float(rows["M174"]["throughput_output_tok_s_total"]) == pytest.approx(4 * 2048 / 18.487, abs=0.05)
 
 
 def test_published_serving_model_names_are_read_without_case_or_punctuation():
