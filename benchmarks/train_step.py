@@ -7,9 +7,9 @@ Prints tokens/s, step time (median of the timed steps), peak memory, and MFU aga
 peak dense bf16 FLOP/s (on a GPU; on CPU the MFU is against --peak-tflops when given). The model is
 meshlm's reference model, no parallelism: this is the single-device baseline every layout is compared to.
 Beside it, "planner": what `meshlm plan` predicts for the same step on the cluster preset of this GPU
-(--cluster, default by the device's name: H100 / H200 / H800 / A100 / B200 / GB200 / B300 / GB300 / MI300X /
-MI325X / MI350X / MI355X, and the H100 PCIe / NVL and H200 NVL cards), as predicted / measured: the model's eager PyTorch step (one memory pass per elementwise op, SDPA's flash
-kernel, fp32 norms), one device, no parallelism.
+(--cluster, default by the device's name, as the planner reads a published table's GPU cell: every preset's
+part, the H100 PCIe / NVL and H200 NVL cards included), as predicted / measured: the model's eager PyTorch step
+(one memory pass per elementwise op, SDPA's flash kernel, fp32 norms), one device, no parallelism.
 
     python benchmarks/train_step.py --smoke      # preset tiny, 1 sequence of 16 tokens, one step (CI)
 
@@ -32,6 +32,7 @@ from _common import predicted_vs_measured
 from meshlm.config import ModelConfig, _coerce
 from meshlm.models import build_model
 from meshlm.models.stats import flops_per_token
+from meshlm.planner import published_rows
 from meshlm.train.metrics import peak_tflops_guess
 
 
@@ -110,21 +111,17 @@ def main() -> None:
     print(json.dumps(result, indent=2))
 
 
-# torch.cuda.get_device_name's words -> the planner's cluster preset (the SXM parts the presets describe)
-_PRESET_BY_NAME = (("H200 NVL", "h200-nvl"), ("H100 NVL", "h100-nvl"), ("H100 PCIe", "h100-pcie"), ("H200", "h200"),
-                   ("H100", "h100"), ("H800", "h800"), ("GB300", "gb300-nvl72"), ("B300", "b300"),
-                   ("GB200", "gb200-nvl72"), ("B200", "b200"), ("MI355X", "mi355x"), ("MI350X", "mi350x"),
-                   ("MI325X", "mi325x"), ("MI300X", "mi300x"), ("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100"))
-
-
 def cluster_of(choice: str, device_name: str) -> str | None:
-    """The planner preset to predict on: `choice` unless "auto"; by `device_name` for a known SXM GPU; else None."""
+    """The planner preset to predict on: `choice` unless "auto"; else the preset `device_name` names, read as the
+    planner reads a published table's GPU cell (published_rows.cluster_of); None for a GPU without one (an A100 PCIe
+    card: other clocks and memory than the SXM part)."""
     if choice != "auto":
         return None if choice == "none" else choice
-    preset = next((preset for key, preset in _PRESET_BY_NAME if key in device_name), None)
-    if preset in ("h200", "h100", "a100", "a100-40gb") and ("PCIe" in device_name or "NVL" in device_name):
-        return None  # a card with other clocks and memory than the SXM presets, and no preset of its own
-    return preset
+    try:
+        preset = published_rows.cluster_of(device_name)
+    except ValueError:
+        return None
+    return None if preset.startswith("a100") and "pcie" in device_name.lower() else preset
 
 
 def planner_step_s(cfg: ModelConfig, cluster: str, *, batch: int, seq_len: int) -> float:
