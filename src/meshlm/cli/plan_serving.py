@@ -41,7 +41,8 @@ def add_serving_parsers(sub) -> None:
     i = sub.add_parser("infer", help="serving estimate: throughput, TTFT, TPOT, KV capacity, bound, power",
                        description="Serve --model on --gpus GPUs of --cluster: one --layout, or every layout ranked. "
                                    "One of --batch (static), --concurrency (continuous), --offline (the default: the "
-                                   "best concurrency that fits) or --request-rate (Poisson); planner/serving*.py.",
+                                   "best concurrency that fits) or --request-rate (Poisson arrivals; 'max': the "
+                                   "highest rate meeting latency targets); planner/serving*.py.",
                        epilog="JSON keys: output_tokens_per_s, output_tokens_per_s_per_gpu, total_tokens_per_s, "
                               "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
                               "bound, power_w, joules_per_output_token, ... (see README).")
@@ -58,13 +59,19 @@ def add_serving_parsers(sub) -> None:
     mode.add_argument("--concurrency", type=int, default=None, help="continuous batching with C requests in flight")
     mode.add_argument("--offline", action="store_true", help="the throughput-maximising concurrency that fits "
                                                              "(the default)")
-    mode.add_argument("--request-rate", type=float, default=None, metavar="R",
-                      help="Poisson arrivals of R requests/s: latencies at that load, and whether it keeps up")
+    mode.add_argument("--request-rate", type=_rate, default=None, metavar="R|max",
+                      help="Poisson arrivals of R requests/s: latencies (means and --percentile tails) at that load, "
+                           "and whether it keeps up; 'max': the highest rate whose tails meet --max-ttft-ms / "
+                           "--max-tpot-ms (MLPerf's server scenario)")
+    i.add_argument("--percentile", type=float, default=99.0, metavar="P",
+                   help="the tail of Poisson arrivals' TTFT and TPOT reported, and that --request-rate max holds "
+                        "to the targets (default 99)")
     i.add_argument("--max-ttft-ms", type=float, default=None, metavar="MS",
                    help="with --offline: the best concurrency whose time to first token stays within MS "
-                        "(steady state, no queueing); JSON meets_slo says whether any does")
+                        "(steady state, no queueing); with --request-rate max: the highest rate whose --percentile "
+                        "TTFT does; JSON meets_slo says whether any does")
     i.add_argument("--max-tpot-ms", type=float, default=None, metavar="MS",
-                   help="with --offline: ... whose time per output token stays within MS")
+                   help="as --max-ttft-ms, for the time per output token")
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
@@ -159,7 +166,8 @@ def _serving_inputs(args):
         raise ValueError("give --gpus N (every layout ranked), or --layout / --tp")
     disagg = parse_disaggregate(args.disaggregate) if args.disaggregate else None
     wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
-                  offline=args.offline, request_rate=args.request_rate, max_batch=args.max_batch,
+                  offline=args.offline, request_rate=None if args.request_rate == "max" else args.request_rate,
+                  max_rate=args.request_rate == "max", percentile=args.percentile, max_batch=args.max_batch,
                   prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
                   disaggregate=disagg, max_ttft_s=_seconds(args.max_ttft_ms), max_tpot_s=_seconds(args.max_tpot_ms))
     cluster = get_cluster(args.cluster, calibration=args.calibration)
@@ -168,6 +176,16 @@ def _serving_inputs(args):
                  mtp_tokens=args.mtp_tokens,
                  **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
     return sv, wl, gpus
+
+
+def _rate(text: str) -> float | str:
+    """--request-rate: requests/s, or 'max'."""
+    if text.strip().lower() == "max":
+        return "max"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected requests/s (e.g. 2.5) or 'max'") from None
 
 
 def _seconds(ms: float | None) -> float | None:

@@ -10,7 +10,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
 (engine defaults). Choices the rows leave open, made the same way for every row, never from the figures:
   * a row's model by its name without case or punctuation, the longest known name it starts with ("llama2-70b-99.9" is
     Llama-2-70B); a throughput measured within latency targets the row states ("TTFT p99 <= 2 s, TPOT p99 <= 200 ms",
-    as MLPerf's server scenarios set) priced as the best concurrency meeting them (`latency_targets`);
+    as MLPerf's server scenarios set) priced as the best concurrency meeting them (`latency_targets`) -- in a server
+    scenario (requests arriving) as the highest Poisson rate whose tails at the percentile the row names meet them
+    (`serving_modes.max_rate`, `target_percentile`; the means where it names none);
   * architectures from the models' published configs (`ARCHS`, or a preset of the same config, `PRESETS`: Llama 3.1
     70B is Llama 3 / 3.3 70B's; Mixtral 8x7B's experts split over the TP group as the rows state no EP; the DeepSeek
     rows use the deepseek-v3 preset with its latent attention; gpt-oss's sliding-window layers as its config.json
@@ -62,7 +64,8 @@ from meshlm.planner.published_rows import cluster_of, name_key, predict_each, re
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
-from meshlm.planner.serving_modes import Workload, clients, max_concurrency, offline, serving_layouts, static_batch
+from meshlm.planner.serving_modes import (Workload, clients, max_concurrency, max_rate, offline, serving_layouts,
+                                         static_batch)
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
 _L2 = dict(vocab_size=32000, max_seq_len=4096, rope_theta=10000.0)
@@ -378,15 +381,20 @@ def _predict(row: dict, sv: Serving) -> dict:
     O = O if O and not first_token_only else 1
     static = row["scenario"] in ("fixed-batch", "latency")
     closed_loop = not static and "concurrency" in batch_text  # a client count sets the load
-    # Latency targets choose the offline concurrency; a static batch or a client count is the load itself.
+    # Latency targets choose the offline concurrency, or under an arrival process (a server scenario) the highest
+    # Poisson rate whose tails meet them; a static batch or a client count is the load itself.
     ttft, tpot = (None, None) if static or closed_loop else latency_targets(row)
-    wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot)
+    arrivals = row["scenario"] == "server" and (ttft is not None or tpot is not None)
+    wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot, max_rate=arrivals,
+                  percentile=target_percentile(row))
     if max_concurrency(sv, wl) < sv.layout.dp:
         raise Skip(f"one request of {I}+{O} tokens does not fit each dp rank in the planner's memory model")
     if static:
         r = static_batch(sv, wl, _int(batch_text) or 1)
     elif closed_loop:
         r = clients(sv, wl, _int(batch_text))
+    elif arrivals:
+        r = max_rate(sv, wl)
     else:
         r = offline(sv, wl)
     pred = {"ttft_ms": r["ttft_s"] * 1e3, "concurrency": r["concurrency"], "bound": r["bound"]}
@@ -410,6 +418,17 @@ def latency_targets(row: dict) -> tuple[float | None, float | None]:
         kind = "ttft" if m.group(1) in ("ttft", "time to first token") else "tpot"
         out.setdefault(kind, float(m.group(2)) * (1e-3 if m.group(3) == "ms" else 1.0))
     return out.get("ttft"), out.get("tpot")
+
+
+_PERCENTILE = re.compile(r"\bp(\d+(?:\.\d+)?)\b|\b(\d+(?:\.\d+)?)(?:st|nd|rd|th)?[ -]percentile")
+
+
+def target_percentile(row: dict) -> float | None:
+    """The percentile a row's latency targets hold at ("TTFT p99 <= 2 s", "99th percentile TPOT < 40 ms": 99), from
+    the same cells as `latency_targets`; None where it names none (the targets are then read as on the means)."""
+    text = f"{row.get('batch_or_concurrency', '')} {row.get('notes', '')}".lower()
+    found = [float(m.group(1) or m.group(2)) for m in _PERCENTILE.finditer(text)]
+    return next((p for p in found if 0 < p < 100), None)
 
 
 def _median_abs(values: list[float]) -> float | None:

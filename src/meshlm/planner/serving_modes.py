@@ -28,7 +28,14 @@ Modes (I prompt tokens, O output tokens per request):
     C = R x (TTFT + O x TPOT(C)) by fixed-point iteration; a request's prefill queues as in an M/D/1 queue
     at the engine's utilisation rho = R / R_max (R_max: the offline throughput in requests/s), waiting
     rho s / (2 (1 - rho)) for a prefill of s seconds (Pollaczek-Khinchine with deterministic service). It
-    keeps up when rho < 1 and C fits the KV cache. An approximation: batching makes service depend on load;
+    keeps up when rho < 1 and C fits the KV cache. An approximation: batching makes service depend on load.
+    Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the wait's from the M/D/1 queue's
+    distribution (`wait_quantile`); the TPOT's at the in-flight count a request sees over its life: every
+    request in flight is served at once, so the count is that of an infinite-server queue, Poisson with mean C
+    (the M/G/infinity result), and its mean over a life of fixed length has variance 2C/3 (`tail_concurrency`);
+  * the highest Poisson rate whose tails meet `--max-ttft-ms` / `--max-tpot-ms` (`--request-rate max`: MLPerf's
+    server scenario, p99 TTFT and TPOT within its limits): a bisection over the in-flight count C, the rate being
+    Little's C / (TTFT + O x TPOT(C)) (`max_rate`);
   * disaggregated P:D (`--disaggregate`; DistServe, Zhong et al. OSDI'24; Splitwise, Patel et al. ISCA'24):
     P GPUs only prefill (full chunks, compute-bound), D GPUs only decode, and each request's prompt KV crosses
     from one to the other over the link they share (scale-up when both fit one domain, else each prefill GPU's
@@ -40,6 +47,7 @@ figures, `operations.power`) -- an upper bound while decode leaves the tensor co
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import GiB
@@ -62,15 +70,20 @@ class Workload:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_batch: int | None = None  # the engine's cap on running sequences per dp rank (e.g. vLLM's max_num_seqs)
     disaggregate: tuple[int, int] | None = None  # (prefill GPUs, decode GPUs)
-    max_ttft_s: float | None = None  # latency targets of the offline optimum (a serving SLO)
+    max_ttft_s: float | None = None  # latency targets of the offline optimum or of max_rate (a serving SLO)
     max_tpot_s: float | None = None
+    max_rate: bool = False  # the highest Poisson rate whose tails meet the targets (`--request-rate max`)
+    percentile: float | None = 99.0  # the tail of Poisson arrivals' latencies (None: their means)
 
     def __post_init__(self):
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError(f"--input-len {self.input_len} and --output-len {self.output_len} must be >= 1")
-        modes = [self.batch is not None, self.concurrency is not None, self.offline, self.request_rate is not None]
+        modes = [self.batch is not None, self.concurrency is not None, self.offline, self.request_rate is not None,
+                 self.max_rate]
         if sum(modes) > 1:
             raise ValueError("give one of --batch, --concurrency, --offline, --request-rate")
+        if self.percentile is not None and not 0 < self.percentile < 100:
+            raise ValueError(f"--percentile {self.percentile:g} must be between 0 and 100, e.g. 99")
         for name in ("batch", "concurrency", "request_rate", "prefill_chunk", "max_batch"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -78,9 +91,16 @@ class Workload:
         for name, value in (("--max-ttft-ms", self.max_ttft_s), ("--max-tpot-ms", self.max_tpot_s)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} {value * 1e3:g} must be > 0")
-        if (self.max_ttft_s or self.max_tpot_s) and self.mode != "offline":
-            raise ValueError("--max-ttft-ms / --max-tpot-ms choose the offline concurrency; with --batch, "
-                             "--concurrency or --request-rate the TTFT and TPOT are the answer, not a target")
+        if (self.max_ttft_s or self.max_tpot_s) and self.mode not in ("offline", "max-rate"):
+            raise ValueError("--max-ttft-ms / --max-tpot-ms choose the offline concurrency or the highest rate "
+                             "(--request-rate max); with --batch, --concurrency or --request-rate R the TTFT and "
+                             "TPOT are the answer, not a target")
+        if self.disaggregate and self.mode in ("request-rate", "max-rate"):
+            raise ValueError("--disaggregate prices the pools at --offline or --concurrency; Poisson arrivals "
+                             "(--request-rate) are modelled on one pool only")
+        if self.max_rate and not (self.max_ttft_s or self.max_tpot_s):
+            raise ValueError("--request-rate max needs a target: --max-ttft-ms and/or --max-tpot-ms (without one "
+                             "the highest rate is the offline throughput, --offline)")
 
     @property
     def mode(self) -> str:
@@ -88,6 +108,8 @@ class Workload:
             return "static"
         if self.concurrency is not None:
             return "concurrency"
+        if self.max_rate:
+            return "max-rate"
         return "request-rate" if self.request_rate is not None else "offline"
 
 
@@ -183,21 +205,118 @@ def offline(sv: Serving, wl: Workload) -> dict:
 
 def poisson(sv: Serving, wl: Workload) -> dict:
     """Latencies under Poisson arrivals (module docstring): Little's law fixed point + an M/D/1 prefill queue."""
-    R, I, O = wl.request_rate, wl.input_len, wl.output_len
+    R, O = wl.request_rate, wl.output_len
     best = offline(sv, wl)
-    rho = R * O / best["output_tokens_per_s"]
     c = R * O * best["tpot_s"]
-    for _ in range(100):
+    for _ in range(200):
         r = continuous(sv, wl, max(c, 1e-9))
-        c = 0.5 * c + 0.5 * R * (r["ttft_s"] + O * r["tpot_s"])
-    keeps_up = rho < 1 and c <= max_concurrency(sv, wl)
-    wait = rho * r["ttft_s"] / (2 * (1 - rho)) if rho < 1 else math.inf
-    out = dict(r, concurrency=c, ttft_s=r["ttft_s"] + wait, keeps_up=keeps_up, utilization=rho,
+        c, last = 0.5 * c + 0.5 * R * (r["ttft_s"] + O * r["tpot_s"]), c
+        if abs(c - last) <= 1e-9 * max(c, 1e-9):
+            break
+    return _at_rate(sv, wl, R, continuous(sv, wl, max(c, 1e-9)), best)
+
+
+def max_rate(sv: Serving, wl: Workload) -> dict:
+    """The highest Poisson rate whose TTFT and TPOT tails meet the workload's targets (module docstring): the
+    in-flight count C bisected between none and what fits, the rate at each being Little's C / (TTFT + O x TPOT(C));
+    where not even a trickle of requests meets them, a trickle's latencies with meets_slo false."""
+    O, cap = wl.output_len, max_concurrency(sv, wl)
+    best = offline(sv, replace(wl, max_rate=False, max_ttft_s=None, max_tpot_s=None))
+
+    def at(c: float) -> dict:
+        r = continuous(sv, wl, c)
+        return _at_rate(sv, wl, c / (r["ttft_s"] + O * r["tpot_s"]), r, best)
+
+    def meets(x: dict) -> bool:
+        return (x["keeps_up"] and x["ttft_tail_s"] <= (wl.max_ttft_s or math.inf)
+                and x["tpot_tail_s"] <= (wl.max_tpot_s or math.inf))
+
+    lo, hi = 1e-3 * min(1.0, cap), float(cap)
+    if not meets(at(lo)):
+        return dict(at(lo), meets_slo=False)
+    if meets(at(hi)):
+        return dict(at(hi), meets_slo=True)
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)  # the count spans orders of magnitude: bisect its logarithm
+        lo, hi = (mid, hi) if meets(at(mid)) else (lo, mid)
+    return dict(at(lo), meets_slo=True)
+
+
+def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
+    """Poisson arrivals of R requests/s with `r` the continuous batching of the in-flight count they make and `best`
+    the offline optimum: the M/D/1 prefill wait added to the TTFT, whether it keeps up, and the tails at
+    `wl.percentile` ("ttft_tail_s", "tpot_tail_s"; the means where it is None)."""
+    I, O, c, s = wl.input_len, wl.output_len, r["concurrency"], r["ttft_s"]
+    cap = max_concurrency(sv, wl)
+    rho = R * O / best["output_tokens_per_s"]
+    keeps_up = rho < 1 and c <= cap
+    wait = rho * s / (2 * (1 - rho)) if rho < 1 else math.inf
+    out = dict(r, request_rate=R, ttft_s=s + wait, keeps_up=keeps_up, utilization=rho,
                output_tokens_per_s=R * O if keeps_up else best["output_tokens_per_s"],
                total_tokens_per_s=R * (I + O) if keeps_up else best["total_tokens_per_s"])
+    if wl.percentile is None:
+        out.update(ttft_tail_s=out["ttft_s"], tpot_tail_s=out["tpot_s"])
+    else:
+        q = wl.percentile / 100
+        busy = min(float(cap), tail_concurrency(c, sv.layout.dp, q))
+        out.update(ttft_tail_s=s + wait_quantile(rho, s, q),
+                   tpot_tail_s=continuous(sv, wl, busy)["tpot_s"] if busy > c else r["tpot_s"])
     if not keeps_up:
         out["bound"] = best["bound"]
     return out
+
+
+def wait_quantile(rho: float, s: float, q: float) -> float:
+    """The q-quantile of the wait in an M/D/1 queue of service s at utilisation rho. Erlang's distribution of it,
+    P(W <= u s) = (1 - rho) sum_{k=0}^{floor(u)} (rho (k - u))^k / k! exp(rho (u - k)) (the M/D/1 waiting time; e.g.
+    Franx, "A simple solution for the M/D/c waiting time distribution", Oper. Res. Letters 29, 2001), where its
+    alternating sum holds its digits; beyond, the Cramer-Lundberg tail of the M/G/1 wait, P(W > t) ~ C exp(-x t / s),
+    x > 0 solving rho (e^x - 1) = x, C = (1 - rho) / (rho e^x - 1) (Asmussen, "Applied Probability and Queues",
+    XIII.5), within 2% there (rho >= 0.85 at q = 0.99)."""
+    if rho <= 0 or s <= 0 or q <= 1 - rho:
+        return 0.0  # P(W = 0) = 1 - rho
+    if rho >= 1:
+        return math.inf
+
+    def below(u: float) -> bool | None:  # P(W <= u s) >= q; None where the sum's terms outgrow double precision
+        terms = [(rho * (k - u)) ** k / math.factorial(k) * math.exp(rho * (u - k)) for k in range(int(u) + 1)]
+        return None if max(map(abs, terms)) > 1e11 else (1 - rho) * math.fsum(terms) >= q
+
+    a, b = 0.0, 1.0
+    while (ok := below(b)) is False:
+        a, b = b, 2 * b
+    if ok is None:
+        return s * _wait_tail(rho, q)
+    for _ in range(60):
+        m = 0.5 * (a + b)
+        ok = below(m)
+        if ok is None:
+            return s * _wait_tail(rho, q)
+        a, b = (a, m) if ok else (m, b)
+    return s * b
+
+
+def _wait_tail(rho: float, q: float) -> float:
+    """`wait_quantile`'s Cramer-Lundberg asymptote, in units of the service time."""
+    f = lambda x: rho * math.expm1(x) - x  # noqa: E731  f(0) = 0, f'(0) < 0, convex: one positive root
+    a, b = 1e-12, 1.0
+    while f(b) < 0:
+        a, b = b, 2 * b
+    for _ in range(200):
+        m = 0.5 * (a + b)
+        a, b = (m, b) if f(m) < 0 else (a, m)
+    x = 0.5 * (a + b)
+    C = min(rho, (1 - rho) / (rho * math.exp(x) - 1))
+    return max(0.0, math.log(C / (1 - q)) / x)
+
+
+def tail_concurrency(c: float, dp: int, q: float) -> float:
+    """The q-quantile of the mean in-flight count a request sees over its life under Poisson arrivals with c in flight
+    on average over `dp` ranks (module docstring): each rank's count Poisson with mean c / dp, its mean over a life of
+    fixed length T of variance (2/3) c / dp (the count's autocovariance (c / dp)(1 - u / T) averaged over the
+    life), normal at the quantile; as a total over the ranks."""
+    z = statistics.NormalDist().inv_cdf(q)
+    return max(0.0, c + dp * z * math.sqrt(2 * c / dp / 3))
 
 
 def _pool(sv: Serving, gpus: int) -> Serving:
@@ -269,9 +388,15 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
         gpus = sum(wl.disaggregate)
     else:
         r = {"static": lambda: static_batch(sv, wl, wl.batch), "concurrency": lambda: clients(sv, wl, wl.concurrency),
-             "offline": lambda: offline(sv, wl), "request-rate": lambda: poisson(sv, wl)}[wl.mode]()
+             "offline": lambda: offline(sv, wl), "request-rate": lambda: poisson(sv, wl),
+             "max-rate": lambda: max_rate(sv, wl)}[wl.mode]()
     watts = _power_w(sv) * gpus
     it = r.pop("iteration")
+    tails = {k: r.pop(k) for k in ("ttft_tail_s", "tpot_tail_s") if k in r}
+    if tails and wl.percentile is not None:  # Poisson arrivals: the latencies' tails beside their means
+        p = f"p{wl.percentile:g}".replace(".", "_")
+        out.update({"percentile": wl.percentile, f"ttft_{p}_ms": tails["ttft_tail_s"] * 1e3,
+                    f"tpot_{p}_ms": tails["tpot_tail_s"] * 1e3})
     out.update({k: v for k, v in r.items() if k not in ("ttft_s", "tpot_s")})
     out.update(gpus=gpus, ttft_ms=r["ttft_s"] * 1e3, tpot_ms=r["tpot_s"] * 1e3,
                output_tokens_per_s_per_gpu=r["output_tokens_per_s"] / gpus, decode_tokens_per_s=r["output_tokens_per_s"],
@@ -324,10 +449,15 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
     if not r["fits"]:
         return f"{head}\n  does not fit: {r['reason']}"
     rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
+    if "percentile" in r:
+        p = f"p{r['percentile']:g}".replace(".", "_")
+        rate = (f" at {r['request_rate']:.3g} requests/s{rate}; TTFT {p} {r[f'ttft_{p}_ms']:.1f} ms, TPOT {p} "
+                f"{r[f'tpot_{p}_ms']:.2f} ms")
     queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
     mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
     if "meets_slo" in r:
-        mode += " within the latency targets" if r["meets_slo"] else " (NO concurrency meets the latency targets)"
+        what = "rate" if r["mode"] == "max-rate" else "concurrency"
+        mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"
     return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
             f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
             f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
