@@ -113,15 +113,13 @@ def main() -> None:
 
 def cluster_of(choice: str, device_name: str) -> str | None:
     """The planner preset to predict on: `choice` unless "auto"; else the preset `device_name` names, read as the
-    planner reads a published table's GPU cell (published_rows.cluster_of); None for a GPU without one (an A100 PCIe
-    card: other clocks and memory than the SXM part)."""
+    planner reads a published table's GPU cell (published_rows.cluster_of); None for a GPU without one."""
     if choice != "auto":
         return None if choice == "none" else choice
     try:
-        preset = published_rows.cluster_of(device_name)
+        return published_rows.cluster_of(device_name)
     except ValueError:
         return None
-    return None if preset.startswith("a100") and "pcie" in device_name.lower() else preset
 
 
 def planner_step_s(cfg: ModelConfig, cluster: str, *, batch: int, seq_len: int) -> float:

@@ -296,5 +296,36 @@ def test_pcie_and_nvl_cards_are_their_own_parts(monkeypatch):
     train_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_step)
     names = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200 NVL": "h200-nvl",
-             "NVIDIA GB200": "gb200-nvl72", "AMD Instinct MI355X": "mi355x", "NVIDIA A100 80GB PCIe": None}
+             "NVIDIA GB200": "gb200-nvl72", "AMD Instinct MI355X": "mi355x", "NVIDIA A100 80GB PCIe": "a100-pcie",
+             "NVIDIA A100-PCIE-40GB": "a100-pcie-40gb", "NVIDIA L40S": "l40s", "NVIDIA GeForce RTX 4090": None}
     assert {n: train_step.cluster_of("auto", n) for n in names} == names
+
+
+def test_a100_pcie_and_ada_cards_are_their_own_parts():
+    """A100 PCIe (its GEMMs at Bekman's measured 252.9 against the SXM part's 271.2 TFLOP/s), L40S and L4 (NVIDIA's data
+    sheets, dense; PCIe cards of 8 per server at 32 GB/s each way): a table's GPU cell names them -- "L4" is not the L40S
+    -- and a 70B model's weights in fp8 fit 2 L40S but not 2 L4 with room for a request."""
+    from meshlm.planner.cluster import GiB, get_cluster
+    from meshlm.planner.published_rows import cluster_of
+    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving_model import served_model
+
+    sxm, pcie, pcie40 = get_cluster("a100"), get_cluster("a100-pcie"), get_cluster("a100-pcie-40gb")
+    assert pcie.matmul_rate("bf16") / sxm.matmul_rate("bf16") == pytest.approx(252.9 / 271.2, rel=2e-3)
+    assert (pcie.hbm_bw, pcie40.hbm_bw, pcie40.hbm_bytes, pcie.scaleup_size) == (1.935e12, 1.555e12, 40 * GiB, 2)
+    l40s, l4 = get_cluster("l40s"), get_cluster("l4")
+    assert [l40s.peak(p) for p in ("bf16", "fp8")] == [362e12, 733e12] and (l40s.hbm_bytes, l40s.hbm_bw) == (48 * GiB, 864e9)
+    assert [l4.peak(p) for p in ("bf16", "fp8")] == [121e12, 242.5e12] and (l4.hbm_bytes, l4.hbm_bw) == (24 * GiB, 300e9)
+    assert (l40s.scaleup_size, l40s.scaleup_bw, l4.gpu_power_w, l40s.gpu_power_w) == (8, 32e9, 72.0, 350.0)
+    cells = {"NVIDIA L40S": "l40s", "L40S-48GB": "l40s", "NVIDIA L4": "l4", "L4 24GB": "l4", "l4": "l4",
+             "A100-PCIe-80GB": "a100-pcie", "NVIDIA A100 PCIe 40GB": "a100-pcie-40gb", "A100-SXM4-80GB": "a100"}
+    assert {cell: cluster_of(cell) for cell in cells} == cells
+    with pytest.raises(ValueError, match="no cluster preset"):
+        cluster_of("NVIDIA L40")
+
+    def fits(cluster, tp):
+        sv = Serving(served_model("llama3-70b"), get_cluster(cluster), ServingLayout(tp=tp), precision="fp8",
+                     kv_precision="fp8")
+        return sv.max_sequences(2048) >= 1
+
+    assert fits("l40s", 2) and not fits("l4", 2) and fits("l4", 4)

@@ -287,11 +287,30 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #    these cards here).
 #  * RTX PRO 6000 Blackwell Server Edition (NVIDIA data sheet): 96 GB GDDR7 at 1.6 TB/s; 4 PFLOP/s fp4 with
 #    sparsity (2 dense), fp8 1 dense, bf16 0.5 dense; no NVLink: PCIe Gen5 x16, 64 GB/s each way; 600 W.
+#  * A100 PCIe (NVIDIA A100 data sheet): the SXM part's peaks at 300 W (80 GB HBM2e at 1,935 GB/s; 40 GB: 1,555 GB/s,
+#    250 W); an NVLink bridge joins 2 cards (600 GB/s, 300 each way). Its GEMMs measured: Bekman's MAMF table, bf16
+#    252.9 of 312 (81.1%) against the SXM part's 271.2 (86.9%) -> the SXM part's 0.80 times that ratio.
+#  * L40S and L4 (NVIDIA L40S / L4 data sheets; Ada Lovelace, PCIe Gen4 x16 cards without NVLink: 32 GB/s each way,
+#    peer traffic through the PCIe switches of a server of 8): L40S 48 GB GDDR6 at 864 GB/s, dense bf16 362, fp8 733,
+#    fp32 91.6 TFLOP/s (the sheet's sparse figures halved; Bekman's table lists the same), 350 W, 142 SMs; L4 24 GB
+#    GDDR6 at 300 GB/s, dense bf16 121, fp8 242.5, fp32 30.3 TFLOP/s, 72 W, 58 SMs. No GEMM, attention or NCCL
+#    measurement of either here: the A100's fractions (the same generation of tensor-core instructions, mma.sync
+#    without Hopper's wgmma / TMA) and fp8 at bf16's share, marked assumed; NCCL rings over PCIe at 4 channels.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
                hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304,
                attention_efficiency=229 / 1307, fa2_attention_efficiency=0.0, gpu_power_w=750.0,
                matmul_efficiency=0.47, matmul_precision_factor={"fp8": (1159.5 / 2615) / (781.9 / 1300)},
                link_efficiency=317 / 448)
+
+# Bekman's MAMF table, bf16 (the A100 PCIe and SXM parts' measured fractions of the same 312 TFLOP/s peak).
+_A100_PCIE_MATMUL = _A100["matmul_efficiency"] * 81.1 / 86.9
+_A100_PCIE = dict(_A100, gpu="A100-PCIe-80G", hbm_bw=1.935e12, scaleup_size=2, gpu_power_w=300.0,
+                  matmul_efficiency=_A100_PCIE_MATMUL)
+_ADA = dict(_A100, scaleup_size=8, scaleup_bw=32e9)  # efficiencies assumed (above)
+_L40S = dict(_ADA, gpu="L40S", peak_flops={"bf16": 362e12, "fp8": 733e12, "fp32": 91.6e12}, hbm_bytes=48 * GiB,
+             hbm_bw=864e9, comm_sm_fraction=4 / 142, gpu_power_w=350.0)
+_L4 = dict(_ADA, gpu="L4", peak_flops={"bf16": 121e12, "fp8": 242.5e12, "fp32": 30.3e12}, hbm_bytes=24 * GiB,
+           hbm_bw=300e9, comm_sm_fraction=4 / 58, gpu_power_w=72.0)
 
 _B300 = dict(_B200, gpu="B300", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 13500e12, "fp32": 80e12},
              hbm_bytes=288 * GiB, scaleout_bw=_gbit(800), comm_sm_fraction=16 / 160, gpu_power_w=1100.0,
@@ -340,6 +359,11 @@ PRESETS: dict[str, Cluster] = {
                                              "hbm_bytes": 141 * GiB, "hbm_bw": 4.8e12, "scaleup_size": 4,
                                              "scaleup_bw": 450e9, "gpu_power_w": 600.0,
                                              "matmul_precision_factor": {"fp8": _MAMF_FP8["H200"] / _MAMF_BF16["H100"]}}),
+    "a100-pcie": Cluster(name="a100-pcie", **_A100_PCIE),
+    "a100-pcie-40gb": Cluster(name="a100-pcie-40gb", **{**_A100_PCIE, "gpu": "A100-PCIe-40G", "hbm_bytes": 40 * GiB,
+                                                         "hbm_bw": 1.555e12, "gpu_power_w": 250.0}),
+    "l40s": Cluster(name="l40s", **_L40S),
+    "l4": Cluster(name="l4", **_L4),
     "b200": Cluster(name="b200", **_B200),
     "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
     "mi300x": Cluster(name="mi300x", **_MI300X),

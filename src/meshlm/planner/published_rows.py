@@ -166,8 +166,15 @@ def compiled(row: dict) -> bool | None:
 def cluster_of(gpu: str) -> str:
     """The cluster preset a published table's GPU cell names (training and serving tables alike)."""
     g = gpu.lower()
+    pcie = "pcie" in re.sub(r"[\s_-]", "", g)
     if "a100" in g and re.search(r"(?<![\d.])40\s*gi?b?\b", g):  # "A100 40GB", "A100-SXM4-40GB"; not "400 W"
-        return "a100-40gb"
+        return "a100-pcie-40gb" if pcie else "a100-40gb"
+    if "a100" in g and pcie:
+        return "a100-pcie"
+    if "l40s" in g:
+        return "l40s"
+    if re.search(r"(?<![a-z0-9])l4(?![0-9a-z])", g):  # "NVIDIA L4", "L4 24GB"; not L40 / L40S
+        return "l4"
     if "h100" in g and re.search(r"hbm2e|2\.4 ?tb/s", g):  # the HBM2e part (cluster.py PRESETS)
         return "h100-hbm2e"
     squeezed = re.sub(r"[\s_-]", "", g)  # "RTX PRO 6000", "rtx_pro_6000", "MI-300X" name their part too
