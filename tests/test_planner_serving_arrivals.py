@@ -155,6 +155,8 @@ def test_published_server_row_with_targets_is_priced_at_the_highest_rate_meeting
     server = predict_row(row)
     expected = max_rate(sv, Workload(1024, 512, max_rate=True, max_ttft_s=1.0, max_tpot_s=0.030, percentile=99))
     assert server["throughput"] == pytest.approx(expected["output_tokens_per_s"], rel=1e-9)
+    for scenario in ("interactive", "Server"):  # MLPerf's tighter server scenario; its capitalisation
+        assert predict_row(dict(row, scenario=scenario))["throughput"] == server["throughput"]
     steady = predict_row(dict(row, scenario="offline"))
     assert steady["throughput"] >= server["throughput"]
     cell = lambda notes: target_percentile({"batch_or_concurrency": "", "notes": notes})  # noqa: E731

@@ -379,12 +379,13 @@ def _predict(row: dict, sv: Serving) -> dict:
     O = _int(out_text)
     first_token_only = O is None or "first-token" in out_text
     O = O if O and not first_token_only else 1
-    static = row["scenario"] in ("fixed-batch", "latency")
+    scenario = row["scenario"].strip().lower()
+    static = scenario in ("fixed-batch", "latency")
     closed_loop = not static and "concurrency" in batch_text  # a client count sets the load
     # Latency targets choose the offline concurrency, or under an arrival process (a server scenario) the highest
     # Poisson rate whose tails meet them; a static batch or a client count is the load itself.
     ttft, tpot = (None, None) if static or closed_loop else latency_targets(row)
-    arrivals = row["scenario"] == "server" and (ttft is not None or tpot is not None)
+    arrivals = scenario in ("server", "interactive") and (ttft is not None or tpot is not None)
     wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot, max_rate=arrivals,
                   percentile=target_percentile(row))
     if max_concurrency(sv, wl) < sv.layout.dp:
