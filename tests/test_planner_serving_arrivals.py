@@ -162,3 +162,16 @@ def test_published_server_row_with_targets_is_priced_at_the_highest_rate_meeting
     cell = lambda notes: target_percentile({"batch_or_concurrency": "", "notes": notes})  # noqa: E731
     assert cell("TTFT p99 <= 2 s") == 99 and cell("99th percentile TPOT < 40 ms") == 99
     assert cell("TTFT (P90) < 450 ms") == 90 and cell("TTFT <= 2 s") is None and cell("tp8 pp1") is None
+
+
+def test_search_ranks_layouts_that_miss_the_targets_last():
+    """`plan infer --gpus N --request-rate max` ranks every layout: those whose tails meet the targets first (by the
+    rate they sustain), those that meet them at no rate after them, whatever a trickle of requests would yield."""
+    from meshlm.planner.serving_modes import search_serving
+
+    sv = _sv(tp=1)
+    ranked = search_serving(sv, Workload(1024, 512, max_rate=True, max_tpot_s=0.015), gpus=8, top=30)
+    meets = [r["meets_slo"] for r in ranked if r["fits"]]
+    assert any(meets) and not all(meets) and meets == sorted(meets, reverse=True)
+    ok = [r["output_tokens_per_s"] for r in ranked if r["fits"] and r["meets_slo"]]
+    assert ok == sorted(ok, reverse=True)
