@@ -132,7 +132,7 @@ def test_plan_infer_request_rate_max(capsys):
     assert out["output_tokens_per_s"] == pytest.approx(out["request_rate"] * 512)
     run(p.parse_args(base + ["--request-rate", "2", "--percentile", "90"]))
     text = capsys.readouterr().out
-    assert "at 2 requests/s" in text and "TTFT p90" in text and "TPOT p90" in text
+    assert "; 2 requests/s, keeps up: yes" in text and "TTFT p90" in text and "TPOT p90" in text
     with pytest.raises(SystemExit):
         p.parse_args(base + ["--request-rate", "fast"])
     assert "expected requests/s" in capsys.readouterr().err

@@ -394,7 +394,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     it = r.pop("iteration")
     tails = {k: r.pop(k) for k in ("ttft_tail_s", "tpot_tail_s") if k in r}
     if tails and wl.percentile is not None:  # Poisson arrivals: the latencies' tails beside their means
-        p = f"p{wl.percentile:g}".replace(".", "_")
+        p = percentile_label(wl.percentile)
         out.update({"percentile": wl.percentile, f"ttft_{p}_ms": tails["ttft_tail_s"] * 1e3,
                     f"tpot_{p}_ms": tails["tpot_tail_s"] * 1e3})
     out.update({k: v for k, v in r.items() if k not in ("ttft_s", "tpot_s")})
@@ -403,6 +403,11 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
                power_w=watts, joules_per_output_token=watts / r["output_tokens_per_s"],
                iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound",)})
     return out
+
+
+def percentile_label(p: float) -> str:
+    """The JSON keys' name of a percentile: 99 -> "p99", 99.9 -> "p99_9"."""
+    return f"p{p:g}".replace(".", "_")
 
 
 def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
@@ -452,8 +457,8 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
         return f"{head}\n  does not fit: {r['reason']}"
     rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
     if "percentile" in r:
-        p = f"p{r['percentile']:g}".replace(".", "_")
-        rate = (f" at {r['request_rate']:.3g} requests/s{rate}; TTFT {p} {r[f'ttft_{p}_ms']:.1f} ms, TPOT {p} "
+        p = percentile_label(r["percentile"])
+        rate = (f"; {r['request_rate']:.3g} requests/s{rate}, TTFT {p} {r[f'ttft_{p}_ms']:.1f} ms, TPOT {p} "
                 f"{r[f'tpot_{p}_ms']:.2f} ms")
     queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
     mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
