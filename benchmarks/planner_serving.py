@@ -4,7 +4,9 @@ Reads benchmarks/data/serving_runs_dev.csv (its .md and benchmarks/data/README.m
 --csv to override; where the file is missing, a JSON saying it was skipped, exit 0). --smoke: the first 3 rows
 only, a check that the script runs. Each row is priced with its OWN deployment by `meshlm.planner.published_serving`
 (`score_rows`; its docstring lists the choices the rows leave open), the planner's serving model
-(`planner/serving.py`, `serving_modes.py`). Prints JSON: per-row predictions and errors (predicted / published - 1),
+(`planner/serving.py`, `serving_modes.py`). Prints JSON: per-row predictions and errors (predicted / published - 1)
+with the rest of `meshlm plan infer`'s fields for the deployment priced (per-GPU throughput, KV bytes per token,
+longest context, requests that fit, power, joules per output token: `published_serving.plan_fields`),
 and per group and overall the median |error| of throughput (output tokens/s; input tokens/s for prefill-only
 rows), TTFT and TPOT where published. Rows the planner does not model are listed under "skipped" with the reason.
 

@@ -18,6 +18,14 @@ def test_published_serving_rows_all_priced():
     results, summary = score_rows(rows)
     assert summary["rows"] == len(rows) == 131 and summary["scored"] >= 122
     assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
+    # each priced row carries the rest of `plan infer`'s JSON for its deployment (plan_fields)
+    scored = [r for r in results if "skip" not in r]
+    assert all({"kv_bytes_per_token", "max_context_tokens", "power_w", "bound"} <= set(r) for r in scored)
+    output = [r for r in scored if "joules_per_output_token" in r]
+    assert len(output) >= 110
+    for r in output:
+        assert r["output_tokens_per_s_per_gpu"] * r["gpus"] == pytest.approx(r["throughput"])
+        assert r["joules_per_output_token"] == pytest.approx(r["power_w"] / r["throughput"])
 
 
 def test_published_vllm_rows_before_v08_run_the_v0_engine():

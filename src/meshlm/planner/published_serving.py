@@ -64,8 +64,8 @@ from meshlm.planner.published_rows import cluster_of, name_key, predict_each, re
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
-from meshlm.planner.serving_modes import (Workload, clients, max_concurrency, max_rate, offline, serving_layouts,
-                                         static_batch)
+from meshlm.planner.serving_modes import (Workload, clients, max_concurrency, max_rate, offline, power_w,
+                                         serving_layouts, static_batch)
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
 _L2 = dict(vocab_size=32000, max_seq_len=4096, rope_theta=10000.0)
@@ -322,7 +322,8 @@ def predict_row(row: dict) -> dict:
         sv, pred = (sv, _predict(row, sv)) if layout_stated(row) else _best_layout(row, sv)
     except (Skip, ValueError) as e:  # ValueError: a layout or lengths the planner refuses, its message says why
         return {**base, "skip": str(e)}
-    out = dict(base, layout=sv.layout.label(), precision=sv.precision, kv_precision=sv.kv_precision, **pred)
+    out = dict(base, layout=sv.layout.label(), precision=sv.precision, kv_precision=sv.kv_precision, **pred,
+               **plan_fields(sv, row, pred))
     n = _int(row["n_gpus"])
     published = {"throughput": _published_throughput(row, n), "ttft_ms": _float(row["ttft_ms"]),
                  "tpot_ms": _float(row["tpot_ms"])}
@@ -330,6 +331,22 @@ def predict_row(row: dict) -> dict:
         if value and key in pred and pred[key] is not None:
             out[f"published_{key}"] = value
             out[f"error_{key}"] = pred[key] / value - 1
+    return out
+
+
+def plan_fields(sv: Serving, row: dict, pred: dict) -> dict:
+    """The rest of `meshlm plan infer`'s JSON for a priced row's deployment (README's key table): per-GPU KV bytes of a
+    token, the longest sequence it holds, power and energy per output token; with the row's lengths, the requests that
+    fit and the total tokens/s. None of them is published, so none is scored: they say what the deployment priced is."""
+    gpus, watts = sv.layout.world, power_w(sv) * sv.layout.world
+    out = {"gpus": gpus, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(), "max_context_tokens": sv.max_tokens(),
+           "power_w": watts}
+    I, O, phase = _int(row["input_len"]), _int(row["output_len"]), row["output_len"].lower()
+    if "throughput" in pred and "prefill" not in phase:  # output tokens/s (a prefill-only row's are input tokens)
+        tput = pred["throughput"]
+        out.update(output_tokens_per_s_per_gpu=tput / gpus, joules_per_output_token=watts / tput)
+        if I and O and "decode" not in phase:  # a decode-only row's "length" is its KV's
+            out.update(total_tokens_per_s=tput * (I + O) / O, max_concurrency=max_concurrency(sv, Workload(I, O)))
     return out
 
 

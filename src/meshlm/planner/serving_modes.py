@@ -361,7 +361,8 @@ def disaggregated(sv: Serving, wl: Workload) -> dict:
             "transfer_requests_per_s": transfer_rps}
 
 
-def _power_w(sv: Serving) -> float:
+def power_w(sv: Serving) -> float:
+    """Watts per GPU of the deployment (module docstring: board, server and network shares, PUE)."""
     from meshlm.planner.operations import power
 
     return power(sv.cluster, gpus=sv.layout.world, step_s=1.0, tokens_per_s=1.0)["watts_per_gpu"]
@@ -390,7 +391,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
         r = {"static": lambda: static_batch(sv, wl, wl.batch), "concurrency": lambda: clients(sv, wl, wl.concurrency),
              "offline": lambda: offline(sv, wl), "request-rate": lambda: poisson(sv, wl),
              "max-rate": lambda: max_rate(sv, wl)}[wl.mode]()
-    watts = _power_w(sv) * gpus
+    watts = power_w(sv) * gpus
     it = r.pop("iteration")
     tails = {k: r.pop(k) for k in ("ttft_tail_s", "tpot_tail_s") if k in r}
     if tails and wl.percentile is not None:  # Poisson arrivals: the latencies' tails beside their means
