@@ -75,10 +75,11 @@ def test_published_serving_model_names_are_read_without_case_or_punctuation():
     from meshlm.planner.published_serving import Skip, model_of
 
     for name, layers in (("llama2-70b-99.9", 80), ("Llama 2 70B", 80), ("DeepSeek-R1-0528", 61),
-                         ("Llama-3.1-405B-Instruct-FP8", 126), ("Llama-2-7B", 32), ("Mixtral-8x7B-Instruct-v0.1", 32)):
+                         ("Llama-3.1-405B-Instruct-FP8", 126), ("Llama-2-7B", 32), ("Mixtral-8x7B-Instruct-v0.1", 32),
+                         ("gptj-99", 28), ("GPT-J", 28)):  # MLPerf's GPT-J names: ALIASES
         assert model_of({"model": name}).cfg.num_layers == layers, name
     with pytest.raises(Skip, match="no architecture"):
-        model_of({"model": "gpt-j"})  # a prefix of GPT-J-6B's name is not GPT-J-6B
+        model_of({"model": "llama-2"})  # a prefix of Llama-2-7B's name is not Llama-2-7B
 
 
 def test_no_wording_of_a_serving_cell_stops_the_table():

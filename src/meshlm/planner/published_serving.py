@@ -89,6 +89,8 @@ WINDOWS = {"gpt-oss-120b": (128, 0) * 18}
 PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.3-70b": "llama3-70b",
            "llama-3.1-405b": "llama3-405b", "mixtral-8x7b": "mixtral-8x7b", "deepseek-r1": "deepseek-v3",
            "deepseek-v3": "deepseek-v3"}
+# Other names tables give those models: MLPerf Inference calls GPT-J 6B "gptj-99" / "gptj-99.9" (its accuracy targets).
+ALIASES = {"gpt-j": "gpt-j-6b"}
 ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
 # trtllm-bench, with which TensorRT-LLM's perf-overview measures ("trtllm-bench ... throughput --dataset ...
 # --extra_llm_api_options ...", no --max_batch_size / --max_num_tokens), sets the engine's running-request cap
@@ -140,10 +142,11 @@ def _float(text: str) -> float | None:
 def model_of(row: dict) -> ServedModel:
     """The row's model: a preset or an `ARCHS` config whose name starts the row's (compared by
     `published_rows.name_key`, the longest name first: "llama2-70b-99.9" is Llama-2-70B, "DeepSeek-R1-0528"
-    DeepSeek-R1)."""
+    DeepSeek-R1; `ALIASES`: "gptj-99" is GPT-J 6B)."""
     key = name_key(row["model"])
-    names = sorted([*PRESETS, *ARCHS], key=len, reverse=True)
+    names = sorted([*PRESETS, *ARCHS, *ALIASES], key=len, reverse=True)
     name = next((n for n in names if key.startswith(name_key(n))), None)
+    name = ALIASES.get(name, name)
     if name in PRESETS:
         return served_model(PRESETS[name])
     if name in ARCHS:
