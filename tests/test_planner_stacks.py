@@ -288,7 +288,7 @@ def test_pcie_and_nvl_cards_are_their_own_parts(monkeypatch):
     assert [(c.scaleup_size, c.scaleup_bw) for c in (pcie, nvl, h200_nvl)] == [(2, 300e9), (2, 300e9), (4, 450e9)]
     assert pcie.matmul_rate("bf16") / sxm.matmul_rate("bf16") == pytest.approx(756 / 989)
     cells = {"H100 PCIe 80GB": "h100-pcie", "NVIDIA H100-NVL-94GB": "h100-nvl", "H200 NVL": "h200-nvl",
-             "GH200 NVL2": "h200", "GB200-186GB (NVL72)": "gb200-nvl72", "H100 (DGX-H100)": "h100"}
+             "GH200 NVL2": "gh200", "GB200-186GB (NVL72)": "gb200-nvl72", "H100 (DGX-H100)": "h100"}
     assert {cell: cluster_of(cell) for cell in cells} == cells
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))  # its _common
@@ -301,10 +301,12 @@ def test_pcie_and_nvl_cards_are_their_own_parts(monkeypatch):
     assert {n: train_step.cluster_of("auto", n) for n in names} == names
 
 
-def test_a100_pcie_and_ada_cards_are_their_own_parts():
-    """A100 PCIe (its GEMMs at Bekman's measured 252.9 against the SXM part's 271.2 TFLOP/s), L40S and L4 (NVIDIA's data
-    sheets, dense; PCIe cards of 8 per server at 32 GB/s each way): a table's GPU cell names them -- "L4" is not the L40S
-    -- and a 70B model's weights in fp8 fit 2 L40S but not 2 L4 with room for a request."""
+def test_a100_pcie_grace_hopper_and_ada_parts_are_their_own():
+    """A100 PCIe (its GEMMs at Bekman's measured 252.9 against the SXM part's 271.2 TFLOP/s), GH200 (144 GB HBM3e, or the
+    first version's 96 GB HBM3; its GEMMs at Bekman's 828.6 / 1535 TFLOP/s bf16 / fp8 carried from H100's fraction),
+    L40S and L4 (NVIDIA's data sheets, dense; PCIe cards of 8 per server at 32 GB/s each way): a table's GPU cell names
+    them -- "L4" is not the L40S, a GH200 not the H200 -- and a 70B model's weights in fp8 fit 2 L40S but not 2 L4 with
+    room for a request."""
     from meshlm.planner.cluster import GiB, get_cluster
     from meshlm.planner.published_rows import cluster_of
     from meshlm.planner.serving import Serving, ServingLayout
@@ -313,12 +315,19 @@ def test_a100_pcie_and_ada_cards_are_their_own_parts():
     sxm, pcie, pcie40 = get_cluster("a100"), get_cluster("a100-pcie"), get_cluster("a100-pcie-40gb")
     assert pcie.matmul_rate("bf16") / sxm.matmul_rate("bf16") == pytest.approx(252.9 / 271.2, rel=2e-3)
     assert (pcie.hbm_bw, pcie40.hbm_bw, pcie40.hbm_bytes, pcie.scaleup_size) == (1.935e12, 1.555e12, 40 * GiB, 2)
+    h100_fraction = 0.62 / (794.5 / 989)
+    gh, gh96 = get_cluster("gh200"), get_cluster("gh200-96gb")
+    assert gh.matmul_rate("bf16") == pytest.approx(828.6e12 * h100_fraction, rel=2e-3)
+    assert gh.matmul_rate("fp8") == pytest.approx(1535e12 * h100_fraction, rel=2e-3)
+    assert (gh.hbm_bytes, gh.hbm_bw, gh96.hbm_bytes, gh96.hbm_bw) == (144 * GiB, 4.9e12, 96 * GiB, 4.0e12)
     l40s, l4 = get_cluster("l40s"), get_cluster("l4")
     assert [l40s.peak(p) for p in ("bf16", "fp8")] == [362e12, 733e12] and (l40s.hbm_bytes, l40s.hbm_bw) == (48 * GiB, 864e9)
     assert [l4.peak(p) for p in ("bf16", "fp8")] == [121e12, 242.5e12] and (l4.hbm_bytes, l4.hbm_bw) == (24 * GiB, 300e9)
     assert (l40s.scaleup_size, l40s.scaleup_bw, l4.gpu_power_w, l40s.gpu_power_w) == (8, 32e9, 72.0, 350.0)
     cells = {"NVIDIA L40S": "l40s", "L40S-48GB": "l40s", "NVIDIA L4": "l4", "L4 24GB": "l4", "l4": "l4",
-             "A100-PCIe-80GB": "a100-pcie", "NVIDIA A100 PCIe 40GB": "a100-pcie-40gb", "A100-SXM4-80GB": "a100"}
+             "A100-PCIe-80GB": "a100-pcie", "NVIDIA A100 PCIe 40GB": "a100-pcie-40gb", "A100-SXM4-80GB": "a100",
+             "NVIDIA GH200-GraceHopper-Superchip_GH200-96GB_aarch64x1": "gh200-96gb",
+             "NVIDIA GH200 Grace Hopper 144GB HBM3e": "gh200", "H200-SXM-141GB": "h200"}
     assert {cell: cluster_of(cell) for cell in cells} == cells
     with pytest.raises(ValueError, match="no cluster preset"):
         cluster_of("NVIDIA L40")

@@ -191,8 +191,8 @@ def _gbit(x: float) -> float:
 #    average is 1.58); override with --pue.
 # The measured figures several presets derive from (sources in the notes above): Bekman's MAMF fractions, %, of each
 # part's own peak (bf16, fp8); H100's transformer-shape GEMM fraction; NVIDIA's B200 SDPA benchmark, TFLOP/s.
-_MAMF_BF16 = {"H100": 80.3, "B200": 77.6, "GB200": 72.9, "B300": 78.6}
-_MAMF_FP8 = {"H100": 70.9, "H200": 73.4, "B200": 76.3, "GB200": 72.3, "B300": 74.5}
+_MAMF_BF16 = {"H100": 80.3, "B200": 77.6, "GB200": 72.9, "B300": 78.6, "GH200": 83.8}
+_MAMF_FP8 = {"H100": 70.9, "H200": 73.4, "B200": 76.3, "GB200": 72.3, "B300": 74.5, "GH200": 77.6}
 # MI355X's bf16 MAMF in TFLOP/s (the table's later edition, torch 2.8 on ROCm 7.0.2: 1565, best of its sweep), taken
 # against each CDNA4 part's own peak (the table divides by 2300; AMD's MI355X data sheet says 2.5 PFLOP/s).
 _MI355X_MAMF_BF16_TFLOPS = 1565.0
@@ -290,6 +290,11 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #  * A100 PCIe (NVIDIA A100 data sheet): the SXM part's peaks at 300 W (80 GB HBM2e at 1,935 GB/s; 40 GB: 1,555 GB/s,
 #    250 W); an NVLink bridge joins 2 cards (600 GB/s, 300 each way). Its GEMMs measured: Bekman's MAMF table, bf16
 #    252.9 of 312 (81.1%) against the SXM part's 271.2 (86.9%) -> the SXM part's 0.80 times that ratio.
+#  * GH200 (Grace Hopper superchip): the H100's compute with 144 GB HBM3e at 4.9 TB/s (NVIDIA GH200 data sheet) or, the
+#    first version, 96 GB HBM3 at 4.0 TB/s (Bekman's memory table lists both); its GEMMs measured (Bekman's MAMF table:
+#    bf16 828.6 of 989 = 83.8%, fp8 1535 of 1979 = 77.6%, "900W 141GiB HBM3e version") and carried from H100's 0.62 as
+#    Blackwell's are, the 96 GB version at the same (the same die and module power: assumed); 900 W (that
+#    measurement's module); NVLink 4 between the two superchips of an NVL2 pair (450 GB/s each way), beyond as H100's.
 #  * L40S and L4 (NVIDIA L40S / L4 data sheets; Ada Lovelace, PCIe Gen4 x16 cards without NVLink: 32 GB/s each way,
 #    peer traffic through the PCIe switches of a server of 8): L40S 48 GB GDDR6 at 864 GB/s, dense bf16 362, fp8 733,
 #    fp32 91.6 TFLOP/s (the sheet's sparse figures halved; Bekman's table lists the same), 350 W, 142 SMs; L4 24 GB
@@ -306,6 +311,9 @@ _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12,
 _A100_PCIE_MATMUL = _A100["matmul_efficiency"] * 81.1 / 86.9
 _A100_PCIE = dict(_A100, gpu="A100-PCIe-80G", hbm_bw=1.935e12, scaleup_size=2, gpu_power_w=300.0,
                   matmul_efficiency=_A100_PCIE_MATMUL)
+_GH200 = dict(_H100, gpu="GH200", hbm_bytes=144 * GiB, hbm_bw=4.9e12, scaleup_size=2, gpu_power_w=900.0,
+              matmul_efficiency=_H100_MATMUL * _MAMF_BF16["GH200"] / _MAMF_BF16["H100"],
+              matmul_precision_factor={"fp8": _MAMF_FP8["GH200"] / _MAMF_BF16["GH200"]})
 _ADA = dict(_A100, scaleup_size=8, scaleup_bw=32e9)  # efficiencies assumed (above)
 _L40S = dict(_ADA, gpu="L40S", peak_flops={"bf16": 362e12, "fp8": 733e12, "fp32": 91.6e12}, hbm_bytes=48 * GiB,
              hbm_bw=864e9, comm_sm_fraction=4 / 142, gpu_power_w=350.0)
@@ -364,6 +372,9 @@ PRESETS: dict[str, Cluster] = {
                                                          "hbm_bw": 1.555e12, "gpu_power_w": 250.0}),
     "l40s": Cluster(name="l40s", **_L40S),
     "l4": Cluster(name="l4", **_L4),
+    "gh200": Cluster(name="gh200", **_GH200),
+    "gh200-96gb": Cluster(name="gh200-96gb", **{**_GH200, "gpu": "GH200 (96 GB)", "hbm_bytes": 96 * GiB,
+                                                 "hbm_bw": 4.0e12}),
     "b200": Cluster(name="b200", **_B200),
     "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
     "mi300x": Cluster(name="mi300x", **_MI300X),
