@@ -327,7 +327,8 @@ def test_a100_pcie_grace_hopper_and_ada_parts_are_their_own():
     cells = {"NVIDIA L40S": "l40s", "L40S-48GB": "l40s", "NVIDIA L4": "l4", "L4 24GB": "l4", "l4": "l4",
              "A100-PCIe-80GB": "a100-pcie", "NVIDIA A100 PCIe 40GB": "a100-pcie-40gb", "A100-SXM4-80GB": "a100",
              "NVIDIA GH200-GraceHopper-Superchip_GH200-96GB_aarch64x1": "gh200-96gb",
-             "NVIDIA GH200 Grace Hopper 144GB HBM3e": "gh200", "H200-SXM-141GB": "h200"}
+             "NVIDIA GH200 Grace Hopper 144GB HBM3e": "gh200", "NVIDIA GH200 480GB": "gh200-96gb",
+             "NVIDIA GH200 144G HBM3e": "gh200", "H200-SXM-141GB": "h200"}
     assert {cell: cluster_of(cell) for cell in cells} == cells
     with pytest.raises(ValueError, match="no cluster preset"):
         cluster_of("NVIDIA L40")

@@ -178,8 +178,9 @@ def cluster_of(gpu: str) -> str:
     if "h100" in g and re.search(r"hbm2e|2\.4 ?tb/s", g):  # the HBM2e part (cluster.py PRESETS)
         return "h100-hbm2e"
     squeezed = re.sub(r"[\s_-]", "", g)  # "RTX PRO 6000", "rtx_pro_6000", "MI-300X" name their part too
-    if "gh200" in squeezed:  # Grace Hopper: 144 GB HBM3e, or the first version's 96 GB HBM3
-        return "gh200-96gb" if re.search(r"(?<![\d.])96\s*gi?b", g) else "gh200"
+    if "gh200" in squeezed:  # Grace Hopper: 144 GB HBM3e, or the first version's 96 GB HBM3 (whose device name,
+        # "NVIDIA GH200 480GB", counts its LPDDR5X)
+        return "gh200-96gb" if re.search(r"(?<![\d.])(96|480)\s*gi?b", g) and "144" not in g else "gh200"
     for card in ("h200", "h100"):  # the PCIe-card parts (not Grace Hopper's GH200, an SXM-class module)
         if card in squeezed and "gh200" not in squeezed and ("nvl" in squeezed or "pcie" in squeezed):
             return f"{card}-nvl" if "nvl" in squeezed or card == "h200" else f"{card}-pcie"
