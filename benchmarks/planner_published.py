@@ -114,6 +114,12 @@ assumed, was then priced at NVIDIA's cuDNN measurement (AD's B200 rows 17-27% ->
 Group AE, the Blackwell rows of group I's tables (Megatron-Bridge, B200 / GB200, dense fp8), came in at 8.5%, every row
 too fast (2-19%); 8.3% once GB200 had its own datasheet peaks and both parts' GEMMs H100's fraction carried by their
 achievable-matmul ratio.
+A ninth round (the last `CHANGES` entry) changed one mechanism and no constant: the training GEMMs in fp8 now run at
+the fp8 peak times its measured share (`Cluster.matmul_precision_factor`, which serving already applied), not bf16's
+share of the doubled peak. Prompted by the pattern across groups: every group with bf16 and fp8 twins had its fp8 rows
+the more too fast (OLMo-core 6-19% / 10-50%, torchao's 20% / 30% on H100 and 35% / 61% on MI300X). Overall 8.2% ->
+7.9%, held-out 9.0% -> 8.65%; groups AA 14% -> 8.5%, H 8.1% -> 5.9%, X 11% -> 6.5%, I, W, AC, AE nearer; MaxText's
+fp8 rows, too slow already, further (U 7.6% -> 10.0%, V 13% -> 17%).
 """
 
 from __future__ import annotations
@@ -313,6 +319,12 @@ CHANGES = (
      ("AE_megatron_bridge_blackwell",),
      "NVIDIA GB200 NVL72 datasheet (per-GPU specifications); stas00/ml-engineering compute/accelerator/README.md, "
      "'Maximum Achievable Matmul FLOPS comparison table' (H100 SXM 794.5 / 989, B200 1745 / 2250, GB200 1822 / 2500)"),
+    ("training fp8 GEMMs at the fp8 peak times its measured share (Cluster.matmul_precision_factor: H100 70.9 / 80.3, "
+     "B200 76.3 / 77.6, MI300X's hipBLASLt fp8 over bf16), as serving prices them (one GEMM model): overall 8.2% -> 7.9%, "
+     "AA 14% -> 8.5%, H 8.1% -> 5.9%, X 11% -> 6.5%; MaxText's fp8 rows further (U 7.6% -> 10.0%, V 13% -> 17%)",
+     ("AA_olmo_core_h100_fsdp", "AC_torchao_float8_torchtitan_8b", "H_nemo_2407_h100_fp8"),
+     "stas00/ml-engineering compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison table', FP8 and "
+     "BF16 (H100 SXM 70.9% / 80.3%, B200 76.3% / 77.6%); Azure/AI-benchmarking-guide ND MI300X v5 results (hipBLASLt FP8)"),
 )
 
 

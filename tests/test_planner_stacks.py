@@ -218,6 +218,32 @@ def test_a_torchao_float8_linear_at_the_speed_torchaos_own_benchmark_measured():
     assert speedup(1024, 2048, 1024) < 1 and speedup(1024, 2048, 1024) == pytest.approx(0.80, rel=0.10)
 
 
+@pytest.mark.parametrize("name", ["h100", "mi300x", "b200"])
+def test_training_gemms_run_at_their_precisions_measured_rate_as_serving_ones_do(name):
+    """One GEMM model for training and serving: a training layer's fp8 GEMMs run at the fp8 peak times the measured fp8
+    share of it (`Cluster.matmul_rate("fp8")`: Bekman's MAMF fp8 / bf16 fractions on H100 and B200, hipBLASLt's on
+    MI300X), not at bf16's share of the doubled peak; bf16 at bf16's."""
+    from meshlm.config import ModelConfig
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.cost import Job, Layout, ModelSummary
+    from meshlm.planner.kernels import gemms_fwd_bwd, layer_gemms
+    from meshlm.planner.placement import rank_setup
+    from meshlm.planner.timing import layer_compute
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336, max_seq_len=4096)
+    c, lo, summary = get_cluster(name), Layout(dp_shard=1, micro_batch_size=1), ModelSummary.build(cfg, 4096)
+    for precision, in_bytes in (("fp8", 1), ("bf16", 2)):
+        job = Job(seq_len=4096, global_batch_size=1, precision=precision)
+        r = rank_setup(summary, c, job, lo)
+        gemms = layer_gemms(cfg, tokens=r.tokens_mb, tp=1, ep=1, moe_fraction=0.0)
+        want = gemms_fwd_bwd(gemms, rate=c.matmul_rate(precision), hbm_bw=r.hbm_bw, in_bytes=in_bytes,
+                             k_overhead=c.gemm_k_overhead)
+        layer = layer_compute(summary, job, lo, r, imbalance=1.0)
+        assert (layer.dense, layer.dense_bwd) == pytest.approx(want, rel=1e-12)
+    assert c.matmul_rate("fp8") < 2 * c.matmul_rate("bf16")  # the factor is below 1: the test can fail without it
+
+
 @pytest.mark.parametrize("name", ["b200", "gb200-nvl72"])
 def test_blackwell_fp4_gemms_at_their_measured_speed_over_bf16(name):
     """GEMMs of K = 4096 in NVFP4 run 2.77x as fast as in bf16 on Blackwell, as vLLM's NVFP4 GEMM benchmark measured on

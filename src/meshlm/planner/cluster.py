@@ -96,7 +96,7 @@ class Cluster:
     collective_fits: dict = field(default_factory=dict)
     # Share of `matmul_efficiency` a precision's GEMMs keep, where it differs from bf16's ({"fp8": 0.88}): the
     # ratio of the measured maximum achievable matmul FLOPS (fraction of each precision's peak) -- see PRESETS.
-    # Read by the serving model (serving.py); the training cost model prices every precision at matmul_efficiency.
+    # Read by the serving model (serving.py) and the training cost model (timing.layer_compute) alike.
     matmul_precision_factor: dict = field(default_factory=dict)
 
     def matmul_rate(self, precision: str) -> float:

@@ -236,11 +236,13 @@ def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, 
     """One average layer's GEMMs, attention core and elementwise work for one microbatch."""
     cluster = r.cluster
     # Each GEMM of the layer by its shape (kernels.py): thin tp shards and small experts run below the
-    # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate, everything else in bf16.
+    # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate -- the fp8 peak at its own measured share
+    # (`Cluster.matmul_precision_factor`, as serving prices it: one GEMM model) --, everything else in bf16.
     gemms = layer_gemms(summary.cfg, tokens=r.tokens_mb, tp=r.tp, ep=r.ep, moe_fraction=summary.moe_layer_fraction,
                         etp=r.expert_tp, imbalance=imbalance)
     gemm_in_bytes = 1 if job.precision == "fp8" else r.by["act"]
-    t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=r.peak * cluster.matmul_efficiency, hbm_bw=r.hbm_bw,
+    rate = r.peak * cluster.matmul_efficiency * cluster.matmul_precision_factor.get(job.precision, 1.0)
+    t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=rate, hbm_bw=r.hbm_bw,
                                          in_bytes=gemm_in_bytes, k_overhead=cluster.gemm_k_overhead)
     t_attn, t_attn_bwd = attention_time(summary, job, lo, r)
     t_elem_fwd, t_elem_bwd = elementwise_time(summary, job, r, gemms=gemms, imbalance=imbalance)
