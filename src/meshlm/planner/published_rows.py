@@ -166,10 +166,10 @@ def compiled(row: dict) -> bool | None:
 def cluster_of(gpu: str) -> str:
     """The cluster preset a published table's GPU cell names (training and serving tables alike)."""
     g = gpu.lower()
-    pcie = "pcie" in re.sub(r"[\s_-]", "", g)
+    squeezed = re.sub(r"[\s_-]", "", g)  # "RTX PRO 6000", "rtx_pro_6000", "MI-300X" name their part too
     if "a100" in g and re.search(r"(?<![\d.])40\s*gi?b?\b", g):  # "A100 40GB", "A100-SXM4-40GB"; not "400 W"
-        return "a100-pcie-40gb" if pcie else "a100-40gb"
-    if "a100" in g and pcie:
+        return "a100-pcie-40gb" if "pcie" in squeezed else "a100-40gb"
+    if "a100" in g and "pcie" in squeezed:
         return "a100-pcie"
     if "l40s" in g:
         return "l40s"
@@ -177,7 +177,6 @@ def cluster_of(gpu: str) -> str:
         return "l4"
     if "h100" in g and re.search(r"hbm2e|2\.4 ?tb/s", g):  # the HBM2e part (cluster.py PRESETS)
         return "h100-hbm2e"
-    squeezed = re.sub(r"[\s_-]", "", g)  # "RTX PRO 6000", "rtx_pro_6000", "MI-300X" name their part too
     if "gh200" in squeezed:  # Grace Hopper: 144 GB HBM3e, or the first version's 96 GB HBM3 (whose device name,
         # "NVIDIA GH200 480GB", counts its LPDDR5X)
         return "gh200-96gb" if re.search(r"(?<![\d.])(96|480)\s*gi?b", g) and "144" not in g else "gh200"
