@@ -69,6 +69,12 @@ def test_issue25_rows_read_presets_precisions_and_stacks():
     # AMD's latency table: a static batch on vLLM 0.10.2's V1 engine, its output tokens/s batch x 2048 / latency
     assert deployment_of(rows["M172"]).engine.name == "vllm" and rows["M174"]["batch_or_concurrency"] == "batch 4"
     assert float(rows["M174"]["throughput_output_tok_s_total"]) == pytest.approx(4 * 2048 / 18.487, abs=0.05)
+    # a vLLM row that states no cap runs the engine's default: V1's by the device (1024 on an H100 / MI300X-class GPU,
+    # 256 on an A100 or a smaller one), V0's 256
+    bare = dict(rows["L164"], batch_or_concurrency="all prompts queued")
+    cap = lambda **kw: _max_batch(dict(bare, **kw), deployment_of(dict(bare, **kw)), 128, 2048)  # noqa: E731
+    assert cap() == 1024 and cap(gpu="H100-SXM5-80GB") == 1024 and cap(gpu="NVIDIA L40S") == 256
+    assert cap(gpu="A100-SXM4-80GB") == 256 and cap(engine_version="0.6.3") == 256
 
 
 def test_published_serving_model_names_are_read_without_case_or_punctuation():

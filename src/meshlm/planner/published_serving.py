@@ -40,8 +40,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
   * fixed-batch and latency rows: a static batch; offline rows: the best concurrency that fits, capped by the
     engine's running-request limit (the row's max_batch_size / max_num_seqs per rank where given, else for
     TensorRT-LLM's perf-overview rows (v0.17's `trtllm-bench build --dataset` and v1.0's throughput run alike) the
-    one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default max_num_seqs 256, TensorRT-LLM's
-    default max_batch_size 2048); rows with a client concurrency run it;
+    one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default max_num_seqs -- V1's 1024 on a GPU
+    of 70 GiB or more but an A100, 256 otherwise and on V0 --, TensorRT-LLM's default max_batch_size 2048); rows
+    with a client concurrency run it;
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
     most that fit, at most the 256 DeepEP's low-latency kernels are sized for);
@@ -92,6 +93,12 @@ PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.
 # Other names tables give those models: MLPerf Inference calls GPT-J 6B "gptj-99" / "gptj-99.9" (its accuracy targets).
 ALIASES = {"gpt-j": "gpt-j-6b"}
 ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
+# vLLM's V1 engine sets its defaults by the device (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py): a GPU of
+# at least 70 GiB that is not an A100 ("For GPUs like H100 and MI300x, use larger default values"; the A100 kept the
+# small ones after PR #17885 measured a loss there) runs up to 1024 sequences, for the LLM class and the API server
+# alike; others, and the V0 engine, 256.
+VLLM_V1_LARGE_GPU_MAX_NUM_SEQS = 1024
+VLLM_V1_LARGE_GPU_BYTES = 70 * 2**30
 # trtllm-bench, with which TensorRT-LLM's perf-overview measures ("trtllm-bench ... throughput --dataset ...
 # --extra_llm_api_options ...", no --max_batch_size / --max_num_tokens), sets the engine's running-request cap
 # from its own memory estimate (tensorrt_llm/bench/build/tuning.py: calc_engine_setting and finetune_setting;
@@ -276,13 +283,16 @@ def _vllm_preset(row: dict, version: re.Match | None) -> str:
 def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:
     """The running-request cap per rank: the row's max_batch_size (vLLM: max_num_seqs) where it gives one,
     trtllm-bench's own where a perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's
-    default."""
+    default (vLLM V1's by the device: `VLLM_V1_LARGE_GPU_MAX_NUM_SEQS`)."""
     text = row["batch_or_concurrency"]
     m = re.search(r"(?:max_batch_size|max_num_seqs) (\d+) per rank", text)
     if m:
         return int(m.group(1))
     if "perf-overview" in row["source"].lower():
         return trtllm_bench_max_batch(sv, input_len, output_len)
+    if sv.engine.name in ("vllm", "vllm-async") and sv.cluster.hbm_bytes >= VLLM_V1_LARGE_GPU_BYTES \
+            and "a100" not in sv.cluster.name:
+        return VLLM_V1_LARGE_GPU_MAX_NUM_SEQS
     engine = engine_name(row)
     return next((v for k, v in ENGINE_MAX_BATCH.items() if engine.startswith(k)), None)
 
