@@ -387,7 +387,10 @@ def test_trtllm_bench_caps_running_requests_by_its_own_kv_estimate():
     row = dict(batch_or_concurrency="all 3000 requests queued", source="TensorRT-LLM perf-overview", engine="TensorRT-LLM")
     assert _max_batch(row, ds, 1024, 1024) == 384
     assert _max_batch(dict(row, batch_or_concurrency="max_batch_size 128 per rank"), ds, 1024, 1024) == 128
-    assert _max_batch(dict(row, source="a blog"), ds, 1024, 1024) == 2048
+    from meshlm.planner.serving_engine import ENGINES
+
+    trtllm = replace(ds, engine=ENGINES["tensorrt-llm"])  # the row's engine, as deployment_of reads it
+    assert _max_batch(dict(row, source="a blog"), trtllm, 1024, 1024) == 2048
 
 
 def test_expert_imbalance_is_the_measured_ratio_and_bounded():
@@ -545,3 +548,21 @@ def test_offline_within_latency_targets_is_the_best_concurrency_that_meets_them(
     assert cell("server: TTFT p99 <= 2 s, TPOT p99 <= 200 ms") == (2.0, 0.2)
     assert cell("TTFT (p99) < 450 ms; TPOT < 40 ms") == (0.45, 0.04)
     assert cell("TTFT 120 ms, TPOT 30 ms measured") == (None, None)
+
+
+def test_plan_infer_runs_the_named_engines_default_request_cap(capsys):
+    """`--engine vllm` without `--max-batch` runs vLLM's default max_num_seqs (V1: 1024 on an H100, 256 on an A100;
+    V0: 256), `--engine tensorrt-llm` its 2048, the default engine none; `--max-batch` overrides."""
+    base = ["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--input-len", "128", "--output-len", "128",
+            "--precision", "fp8", "--kv-precision", "fp8", "--json"]
+
+    def cap(*extra, cluster="h100"):
+        rc, out = _cli(base + ["--cluster", cluster, *extra], capsys)
+        assert rc == 0
+        return json.loads(out)["max_concurrency"]
+
+    free = cap()
+    assert free > 2048  # what the KV holds: the caps below bind
+    assert cap("--engine", "vllm") == 1024 and cap("--engine", "vllm-v0") == 256
+    assert cap("--engine", "vllm", cluster="a100") == 256 and cap("--engine", "tensorrt-llm") == 2048
+    assert cap("--engine", "vllm", "--max-batch", "64") == 64

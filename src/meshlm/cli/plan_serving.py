@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from meshlm.planner.cluster import PRESETS
 from meshlm.planner.inputs import parse_size
@@ -74,7 +75,10 @@ def add_serving_parsers(sub) -> None:
                    help="as --max-ttft-ms, for the time per output token")
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
-    i.add_argument("--max-batch", type=int, default=None, help="the engine's cap on running requests per dp rank")
+    i.add_argument("--max-batch", type=int, default=None,
+                   help="the engine's cap on running requests per dp rank (default: the --engine's own -- vLLM's "
+                        "max_num_seqs, 1024 on a GPU of 70 GiB or more but an A100, else 256; TensorRT-LLM's 2048 -- "
+                        "none for the others)")
     i.add_argument("--engine", default=None,
                    help="serving software priced (planner/serving_engine.py; default: meshlm on --cluster local "
                         "when its calibration measured meshlm's engine, else default)")
@@ -146,7 +150,7 @@ def _serving_inputs(args):
     """(Serving, Workload, gpus) from `plan infer`'s flags."""
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.serving import Serving, ServingLayout, parse_serving_layout
-    from meshlm.planner.serving_engine import engine
+    from meshlm.planner.serving_engine import default_max_batch, engine
     from meshlm.planner.serving_model import served_model
     from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload, parse_disaggregate
 
@@ -175,6 +179,8 @@ def _serving_inputs(args):
     sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=engine(name, cluster),
                  mtp_tokens=args.mtp_tokens,
                  **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
+    if args.max_batch is None:  # the named engine's own default cap (vLLM's max_num_seqs, TensorRT-LLM's batch size)
+        wl = replace(wl, max_batch=default_max_batch(sv.engine, cluster))
     return sv, wl, gpus
 
 

@@ -63,7 +63,7 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.published_rows import cluster_of, name_key, predict_each, read_table
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
-from meshlm.planner.serving_engine import ENGINES, Engine
+from meshlm.planner.serving_engine import ENGINES, Engine, default_max_batch
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
 from meshlm.planner.serving_modes import (Workload, clients, max_concurrency, max_rate, offline, power_w,
                                          serving_layouts, static_batch)
@@ -92,13 +92,6 @@ PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.
            "deepseek-v3": "deepseek-v3"}
 # Other names tables give those models: MLPerf Inference calls GPT-J 6B "gptj-99" / "gptj-99.9" (its accuracy targets).
 ALIASES = {"gpt-j": "gpt-j-6b"}
-ENGINE_MAX_BATCH = {"vllm": 256, "tensorrt-llm": 2048}  # vLLM max_num_seqs; TensorRT-LLM BuildConfig max_batch_size
-# vLLM's V1 engine sets its defaults by the device (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py): a GPU of
-# at least 70 GiB that is not an A100 ("For GPUs like H100 and MI300x, use larger default values"; the A100 kept the
-# small ones after PR #17885 measured a loss there) runs up to 1024 sequences, for the LLM class and the API server
-# alike; others, and the V0 engine, 256.
-VLLM_V1_LARGE_GPU_MAX_NUM_SEQS = 1024
-VLLM_V1_LARGE_GPU_BYTES = 70 * 2**30
 # trtllm-bench, with which TensorRT-LLM's perf-overview measures ("trtllm-bench ... throughput --dataset ...
 # --extra_llm_api_options ...", no --max_batch_size / --max_num_tokens), sets the engine's running-request cap
 # from its own memory estimate (tensorrt_llm/bench/build/tuning.py: calc_engine_setting and finetune_setting;
@@ -283,18 +276,14 @@ def _vllm_preset(row: dict, version: re.Match | None) -> str:
 def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:
     """The running-request cap per rank: the row's max_batch_size (vLLM: max_num_seqs) where it gives one,
     trtllm-bench's own where a perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's
-    default (vLLM V1's by the device: `VLLM_V1_LARGE_GPU_MAX_NUM_SEQS`)."""
+    default (`serving_engine.default_max_batch`: vLLM V1's by the device)."""
     text = row["batch_or_concurrency"]
     m = re.search(r"(?:max_batch_size|max_num_seqs) (\d+) per rank", text)
     if m:
         return int(m.group(1))
     if "perf-overview" in row["source"].lower():
         return trtllm_bench_max_batch(sv, input_len, output_len)
-    if sv.engine.name in ("vllm", "vllm-async") and sv.cluster.hbm_bytes >= VLLM_V1_LARGE_GPU_BYTES \
-            and "a100" not in sv.cluster.name:
-        return VLLM_V1_LARGE_GPU_MAX_NUM_SEQS
-    engine = engine_name(row)
-    return next((v for k, v in ENGINE_MAX_BATCH.items() if engine.startswith(k)), None)
+    return default_max_batch(sv.engine, sv.cluster)
 
 
 def trtllm_bench_max_batch(sv: Serving, input_len: int, output_len: int) -> int:

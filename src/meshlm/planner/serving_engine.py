@@ -198,6 +198,27 @@ def meshlm_engine(serving_host: dict, *, cluster: str = "local") -> Engine:
                   driver_broadcast=True, cp_decode_on_owner=True, two_batch_overlap=False)
 
 
+# The engines' default caps on the requests one rank runs at once, where a deployment sets none: TensorRT-LLM's
+# BuildConfig max_batch_size (2048); vLLM's max_num_seqs, which its V1 engine sets by the device
+# (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py: "For GPUs like H100 and MI300x, use larger default values",
+# 1024 on a GPU of at least 70 GiB that is not an A100 -- PR #17885 measured a loss there -- for the LLM class and the
+# API server alike; 256 on the others, and on the V0 engine). SGLang sizes its cap from the memory it has (none here).
+TRTLLM_MAX_BATCH = 2048
+VLLM_MAX_NUM_SEQS = 256
+VLLM_V1_LARGE_GPU_MAX_NUM_SEQS = 1024
+VLLM_V1_LARGE_GPU_BYTES = 70 * 2**30
+
+
+def default_max_batch(eng: Engine, cluster) -> int | None:
+    """The running-request cap per rank `eng` applies by default on `cluster`'s GPUs (module constants); None: none."""
+    if eng.name.startswith("tensorrt-llm"):
+        return TRTLLM_MAX_BATCH
+    if eng.name in ("vllm", "vllm-async") and cluster.hbm_bytes >= VLLM_V1_LARGE_GPU_BYTES \
+            and "a100" not in cluster.name:
+        return VLLM_V1_LARGE_GPU_MAX_NUM_SEQS
+    return VLLM_MAX_NUM_SEQS if eng.name.startswith("vllm") else None
+
+
 def engine(name: str, cluster=None) -> Engine:
     """A preset of `ENGINES`, or "meshlm" priced from `cluster`'s calibration (`meshlm_engine`)."""
     if name == "meshlm":
