@@ -428,11 +428,16 @@ _TARGET = re.compile(r"(ttft|tpot|time to first token|time per output token)\s*(
                      r"(\d+(?:\.\d+)?)\s*(ms|s)\b")
 
 
+def _target_cells(row: dict) -> str:
+    """The cells a row states its latency targets in (its batching and notes), lower case."""
+    return f"{row.get('batch_or_concurrency', '')} {row.get('notes', '')}".lower()
+
+
 def latency_targets(row: dict) -> tuple[float | None, float | None]:
     """(TTFT, TPOT) limits in seconds a row says its throughput was measured within ("TTFT p99 <= 2 s", "TPOT < 40
     ms", "TPOT target 200 ms": a serving SLO, as MLPerf's server scenarios set one), from its batching and notes
     cells; a figure without a comparison ("TTFT 120 ms") is a result, not a target. (None, None) when it names none."""
-    text = f"{row.get('batch_or_concurrency', '')} {row.get('notes', '')}".lower()
+    text = _target_cells(row)
     out = {}
     for m in _TARGET.finditer(text):
         kind = "ttft" if m.group(1) in ("ttft", "time to first token") else "tpot"
@@ -446,7 +451,7 @@ _PERCENTILE = re.compile(r"\bp(\d+(?:\.\d+)?)\b|\b(\d+(?:\.\d+)?)(?:st|nd|rd|th)
 def target_percentile(row: dict) -> float | None:
     """The percentile a row's latency targets hold at ("TTFT p99 <= 2 s", "99th percentile TPOT < 40 ms": 99), from
     the same cells as `latency_targets`; None where it names none (the targets are then read as on the means)."""
-    text = f"{row.get('batch_or_concurrency', '')} {row.get('notes', '')}".lower()
+    text = _target_cells(row)
     found = [float(m.group(1) or m.group(2)) for m in _PERCENTILE.finditer(text)]
     return next((p for p in found if 0 < p < 100), None)
 
