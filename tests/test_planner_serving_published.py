@@ -128,3 +128,32 @@ def test_a_row_naming_no_layout_is_priced_on_the_best_layout_of_its_gpus():
     assert (one["layout"], four["layout"]) == ("tp=2,pp=1,cp=1,ep=1,dp=1", "tp=2,pp=1,cp=1,ep=1,dp=4")
     assert four["throughput"] == pytest.approx(4 * one["throughput"], rel=1e-9)
     assert "does not divide" in predict_row({**bare, "tp": "3"})["skip"]
+
+
+def test_a_row_naming_no_layout_and_a_latency_target_is_priced_on_a_layout_meeting_it():
+    """As `plan infer` ranks layouts (serving_modes.search_serving), a row with a latency target and no layout is priced
+    on the best layout meeting the target -- not on one that misses it but whose trickle of requests (one per replica,
+    every layout's fallback) yields more tokens/s than the few a meeting layout can run."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import deployment_of, predict_row, read_rows
+    from meshlm.planner.serving_modes import serving_layouts
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
+    row = next(r for r in rows if r["row_id"] == "H134")  # Llama 3.1 70B FP8, 1000 + 1000 tokens, H100
+    bare = {**row, "n_gpus": "8", "tp": "", "pp": "", "dp": "", "ep": ""}
+    layouts = serving_layouts(deployment_of(bare), 8)
+
+    def each(notes: str) -> dict:
+        named = ({**bare, "notes": notes, "tp": str(lo.tp), "pp": str(lo.pp), "dp": str(lo.dp)} for lo in layouts)
+        return {out["layout"]: out for out in map(predict_row, named) if "throughput" in out}
+
+    # a target only the fastest layout's fewest requests meet: every layout's trickle is its TPOT at one per replica
+    trickle = each("TPOT < 0.001 ms")
+    target = min(r["tpot_ms"] for r in trickle.values()) * 1.001
+    ranked = each(f"TPOT < {target} ms")
+    meeting = {k: r for k, r in ranked.items() if r["meets_slo"]}
+    assert meeting and max(r["throughput"] for r in ranked.values()) > max(r["throughput"] for r in meeting.values())
+    chosen = predict_row({**bare, "notes": f"TPOT < {target} ms"})
+    assert chosen["meets_slo"] and chosen["tpot_ms"] <= target
+    assert chosen["layout"] == max(meeting, key=lambda k: meeting[k]["throughput"])

@@ -353,9 +353,9 @@ def plan_fields(sv: Serving, row: dict, pred: dict) -> dict:
 
 
 def _best_layout(row: dict, sv: Serving) -> tuple[Serving, dict]:
-    """A row that names no layout, priced on the layout of its GPUs the planner ranks first (`plan infer` without
-    --layout: serving_modes.serving_layouts): the highest output tokens/s (the lowest TTFT for first-token rows) among
-    those that hold the row's requests."""
+    """A row that names no layout, priced on the layout of its GPUs the planner ranks first, as `plan infer` without
+    --layout ranks them (serving_modes.search_serving): among the layouts that hold the row's requests, those meeting
+    its latency targets first, then the highest output tokens/s (the lowest TTFT for first-token rows)."""
     best = None
     for lo in serving_layouts(sv, sv.layout.world):
         candidate = replace(sv, layout=lo)
@@ -363,7 +363,7 @@ def _best_layout(row: dict, sv: Serving) -> tuple[Serving, dict]:
             pred = _predict(row, candidate)
         except (Skip, ValueError):  # does not fit, or a split the planner refuses
             continue
-        key = (pred.get("throughput", 0.0), -pred["ttft_ms"] if "ttft_ms" in pred else 0.0)
+        key = (pred.get("meets_slo", True), pred.get("throughput", 0.0), -pred["ttft_ms"] if "ttft_ms" in pred else 0.0)
         if best is None or key > best[0]:
             best = (key, candidate, pred)
     if best is None:
@@ -417,7 +417,8 @@ def _predict(row: dict, sv: Serving) -> dict:
         r = max_rate(sv, wl)
     else:
         r = offline(sv, wl)
-    pred = {"ttft_ms": r["ttft_s"] * 1e3, "concurrency": r["concurrency"], "bound": r["bound"]}
+    pred = {"ttft_ms": r["ttft_s"] * 1e3, "concurrency": r["concurrency"], "bound": r["bound"],
+            **({"meets_slo": r["meets_slo"]} if "meets_slo" in r else {})}
     if not first_token_only:
         pred.update(throughput=r["output_tokens_per_s"], tpot_ms=r["tpot_s"] * 1e3)
     return pred
