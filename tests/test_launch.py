@@ -57,14 +57,16 @@ def check_one_run(run_dir: Path, world_size: int, output: str) -> None:
     (4, ("parallel.dp_replicate=2", "parallel.zero_stage=3", "train.sample_tokens=8")),
 ])
 def test_nproc_launches_local_ranks(tmp_path, text_file, nproc, overrides):
-    run_dir = tmp_path / "run"
+    run_dir, temp = tmp_path / "run", tmp_path / "tmp"
+    temp.mkdir()  # the launch's temporary directory: the launcher's logs go there, and are gone after it
     proc = subprocess.run(train_command(run_dir, text_file, "--nproc", str(nproc), overrides=overrides),
-                          capture_output=True, text=True, timeout=240, env=clean_env())
+                          capture_output=True, text=True, timeout=240, env={**clean_env(), "TMPDIR": str(temp)})
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert f"meshlm: {nproc} ranks" in proc.stdout
     assert ("--- sample ---" in proc.stdout) == bool(overrides)
     check_one_run(run_dir, nproc, output)
+    assert not [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "meshlm-launch-"))]
 
 
 def test_two_agents_act_as_two_nodes(tmp_path, text_file):

@@ -161,8 +161,14 @@ def run_emulated(args, command: str, command_args: list[str], *, rate_bps: float
 
 
 def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
-    """`torchrun LAUNCHER -m meshlm.cli RANK_ARGS`; its exit code, with one line on the first failed rank."""
+    """`torchrun LAUNCHER -m meshlm.cli RANK_ARGS`; its exit code, with one line on the first failed rank.
+
+    The launcher's log directory is a temporary one removed when it returns: torch's default (DefaultLogsSpecs) is a
+    fresh `torchelastic_*` directory in the system's temporary directory that nothing removes, one per launch. Nothing
+    is lost: the ranks' output is not redirected there (it goes to this process's stdout and stderr), and a failed
+    rank's error file is read (`first_failure`) before the directory goes."""
     import os
+    import tempfile
 
     # Each rank uses one intra-op thread (init_distributed sets it); saying so here also keeps the
     # launcher from printing its warning about choosing that default for us.
@@ -173,16 +179,18 @@ def run_torchrun(launcher: list[str], rank_args: list[str]) -> int:
 
     cap_shutdown_grace()
     quiet_rank_stops()
-    try:
-        torchrun([*launcher, "--module", "meshlm.cli", *rank_args])
-    except ChildFailedError as e:
-        failed = sorted(e.failures.items())
-        codes = sorted({f.exitcode for _, f in failed})
-        print(f"meshlm {rank_args[0]}: {first_failure(e)}", file=sys.stderr)
-        return launch_exit_code(codes)
-    except SignalException as e:  # SIGTERM (how a server is stopped), SIGINT, SIGHUP or SIGQUIT to the launcher
-        print(f"meshlm {rank_args[0]}: stopped by {e.sigval.name}; the launcher stopped every rank", file=sys.stderr)
-        return 128 + int(e.sigval)  # the shell's convention for a process ended by a signal: 143 for SIGTERM
+    with tempfile.TemporaryDirectory(prefix="meshlm-launch-") as logs:
+        try:
+            torchrun([*launcher, "--log-dir", logs, "--module", "meshlm.cli", *rank_args])
+        except ChildFailedError as e:
+            failed = sorted(e.failures.items())
+            codes = sorted({f.exitcode for _, f in failed})
+            print(f"meshlm {rank_args[0]}: {first_failure(e)}", file=sys.stderr)
+            return launch_exit_code(codes)
+        except SignalException as e:  # SIGTERM (how a server is stopped), SIGINT, SIGHUP or SIGQUIT to the launcher
+            print(f"meshlm {rank_args[0]}: stopped by {e.sigval.name}; the launcher stopped every rank",
+                  file=sys.stderr)
+            return 128 + int(e.sigval)  # the shell's convention for a process ended by a signal: 143 for SIGTERM
     return 0
 
 
