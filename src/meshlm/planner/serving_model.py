@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from meshlm.config import ModelConfig
@@ -115,7 +116,12 @@ class ServedModel:
 
     def params(self) -> dict:
         """Parameters by how a serving layout shards them: attention (tp), mlp (dense MLPs and shared experts,
-        tp), experts (routed, ep), experts_active (top-k of one token), other (embedding, head, norms, router)."""
+        tp), experts (routed, ep), experts_active (top-k of one token), other (embedding, head, norms, router).
+        Counted once per model (every iteration's pricing asks): a copy of `_params`."""
+        return dict(self._params)
+
+    @cached_property
+    def _params(self) -> dict:
         p = model_stats.count_params(self.cfg)
         attention = self.attention_params_per_layer() * self.layers
         active = sum(model_stats.layer_params(self.cfg, i).experts_active for i in range(self.layers))
@@ -184,7 +190,7 @@ class ServedModel:
     def matmul_flops_per_token(self) -> dict:
         """Forward matmul FLOPs of one token: `dense` (attention projections, dense MLPs, shared experts,
         router, head) and `experts` (its top-k routed experts)."""
-        p = self.params()
+        p = self._params
         router = self.cfg.hidden_size * self.cfg.num_experts * self.moe_layers()
         head = self.cfg.vocab_size * self.cfg.hidden_size
         return {"dense": 2.0 * (p["attention"] + p["mlp"] + router + head), "experts": 2.0 * p["experts_active"]}
@@ -250,6 +256,10 @@ class ServedModel:
         return total
 
     def moe_layers(self) -> int:
+        return self._moe_layers
+
+    @cached_property
+    def _moe_layers(self) -> int:
         return sum(1 for i in range(self.layers) if self.cfg.is_moe_layer(i))
 
 
