@@ -114,14 +114,18 @@ def test_modes_are_consistent():
 
 
 def test_clients_beyond_what_fits_wait_in_the_queue_by_littles_law():
-    """C closed-loop clients: up to `max_concurrency` run as continuous batching; beyond it the engine runs N and
+    """C closed-loop clients: up to `max_concurrency` run as continuous batching, their prompts queueing for the token
+    budget at the rate Little's law gives them (a lone client finds the engine idle); beyond it the engine runs N and
     C - N wait, each for (C - N) x O / (output tokens/s) before its prefill, the throughput staying N's."""
-    from meshlm.planner.serving_modes import clients, continuous
+    from meshlm.planner.serving_modes import clients, continuous, prefill_queue
 
     sv, wl = _sv("llama3-70b", precision="fp8", tp=2), Workload(2000, 1000)
     cap = max_concurrency(sv, wl)
-    within = clients(sv, wl, cap)
-    assert within["queued"] == 0 and within["ttft_s"] == continuous(sv, wl, cap)["ttft_s"]
+    within, alone = clients(sv, wl, cap), continuous(sv, wl, cap)
+    rate = cap / (within["ttft_s"] + 1000 * within["tpot_s"])  # Little's law at the fixed point
+    assert within["queued"] == 0 and within["ttft_s"] > alone["ttft_s"]
+    assert within["ttft_s"] == pytest.approx(alone["ttft_s"] + prefill_queue(sv, wl, alone, rate, busy=1.0), rel=1e-9)
+    assert clients(sv, wl, 1)["ttft_s"] == continuous(sv, wl, 1)["ttft_s"]
     over = clients(sv, wl, cap + 40)
     assert (over["running"], over["queued"], over["concurrency"]) == (cap, 40, cap + 40)
     assert over["output_tokens_per_s"] == within["output_tokens_per_s"] and over["bound"] == "KV capacity"

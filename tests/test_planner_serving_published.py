@@ -9,14 +9,14 @@ import pytest
 
 def test_published_serving_rows_all_priced():
     """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print): the shared file's
-    74 rows and the 57 of groups H-N added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
+    74 rows and the 117 of groups H-O added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
     from pathlib import Path
 
     from meshlm.planner.published_serving import read_rows, score_rows
 
     rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
     results, summary = score_rows(rows)
-    assert summary["rows"] == len(rows) == 131 and summary["scored"] >= 122
+    assert summary["rows"] == len(rows) == 191 and summary["scored"] >= 182
     assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
     # each priced row carries the rest of `plan infer`'s JSON for its deployment (plan_fields)
     scored = [r for r in results if "skip" not in r]
@@ -157,3 +157,32 @@ def test_a_row_naming_no_layout_and_a_latency_target_is_priced_on_a_layout_meeti
     chosen = predict_row({**bare, "notes": f"TPOT < {target} ms"})
     assert chosen["meets_slo"] and chosen["tpot_ms"] <= target
     assert chosen["layout"] == max(meeting, key=lambda k: meeting[k]["throughput"])
+
+
+def test_a_row_measured_at_a_fixed_request_rate_is_priced_at_that_rate():
+    """A server row measured at a fixed rate of Poisson arrivals (group O: a benchmark client's --request-rate) is
+    priced at that rate (serving_modes.poisson, the means): its TTFT and TPOT where the deployment keeps up -- the
+    throughput of such a run is the rate offered, less its ramp and drain, so none is priced --; where it does not,
+    its throughput (the offline optimum) and no latencies (a queue growing for the run's length)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import _max_batch, deployment_of, predict_row, read_rows, request_rate
+    from meshlm.planner.serving_modes import Workload, offline, poisson
+
+    assert request_rate({"batch_or_concurrency": "Poisson arrivals at QPS 2 (2 requests/s); 500 requests"}) == 2.0
+    assert request_rate({"batch_or_concurrency": "0.5 req/s"}) == 0.5
+    assert request_rate({"batch_or_concurrency": "concurrency 8"}) is None
+    rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+                                              / "serving_runs_dev.csv")}
+    light, heavy = rows["O178"], rows["O182"]  # Llama 3.1 70B, 4 H100, 467 + 256 tokens, 2 and 32 requests/s
+    sv = deployment_of(light)
+    wl = Workload(467, 256, max_batch=_max_batch(light, sv, 467, 256), request_rate=2.0, percentile=None)
+    at = poisson(sv, wl)
+    out = predict_row(light)
+    assert at["keeps_up"] and "throughput" not in out and out["request_rate"] == 2.0
+    assert (out["ttft_ms"], out["tpot_ms"]) == (at["ttft_s"] * 1e3, at["tpot_s"] * 1e3)
+    assert "error_ttft_ms" in out and "error_tpot_ms" in out
+    over = predict_row(heavy)
+    assert not poisson(sv, replace(wl, request_rate=32.0))["keeps_up"] and "ttft_ms" not in over
+    assert over["throughput"] == offline(sv, replace(wl, request_rate=None, offline=True))["output_tokens_per_s"]

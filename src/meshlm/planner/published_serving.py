@@ -65,7 +65,7 @@ from meshlm.planner.published_rows import cluster_of, name_key, predict_each, re
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_engine import ENGINES, Engine, default_max_batch
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
-from meshlm.planner.serving_modes import (Workload, clients, max_concurrency, max_rate, offline, power_w,
+from meshlm.planner.serving_modes import (Workload, clients, max_concurrency, max_rate, offline, poisson, power_w,
                                          serving_layouts, static_batch)
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
@@ -405,6 +405,10 @@ def _predict(row: dict, sv: Serving) -> dict:
     # Poisson rate whose tails meet them; a static batch or a client count is the load itself.
     ttft, tpot = (None, None) if static or closed_loop else latency_targets(row)
     arrivals = scenario in ("server", "interactive") and (ttft is not None or tpot is not None)
+    rate = request_rate(row) if scenario in ("server", "interactive") and not (static or closed_loop) else None
+    if rate is not None and not arrivals:
+        return _fixed_rate(row, sv, Workload(I, O, max_batch=_max_batch(row, sv, I, O), request_rate=rate,
+                                             percentile=None))
     wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot, max_rate=arrivals,
                   percentile=target_percentile(row))
     if max_concurrency(sv, wl) < sv.layout.dp:
@@ -422,6 +426,33 @@ def _predict(row: dict, sv: Serving) -> dict:
     if not first_token_only:
         pred.update(throughput=r["output_tokens_per_s"], tpot_ms=r["tpot_s"] * 1e3)
     return pred
+
+
+def _fixed_rate(row: dict, sv: Serving, wl: Workload) -> dict:
+    """A row measured at a fixed rate of Poisson arrivals (a benchmark client's --request-rate): the mean TTFT and
+    TPOT at that rate (`serving_modes.poisson`) where the deployment keeps up with it; where it does not, its
+    throughput (the most it serves: the offline optimum) and no latencies -- the queue then grows for as long as the
+    run lasts, a transient the steady state does not price. A run that keeps up yields the rate it is offered, less
+    its ramp and drain (the clients' last requests finish after the arrivals stop): nothing of the deployment's to
+    score, so no throughput is priced there."""
+    if max_concurrency(sv, wl) < sv.layout.dp:
+        raise Skip(f"one request of {wl.input_len}+{wl.output_len} tokens does not fit each dp rank in the planner's "
+                   "memory model")
+    r = poisson(sv, wl)
+    pred = {"concurrency": r["concurrency"], "bound": r["bound"], "request_rate": wl.request_rate}
+    if r["keeps_up"]:
+        return dict(pred, ttft_ms=r["ttft_s"] * 1e3, tpot_ms=r["tpot_s"] * 1e3)
+    return dict(pred, throughput=r["output_tokens_per_s"])
+
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:requests|req)\s*/\s*s\b")
+
+
+def request_rate(row: dict) -> float | None:
+    """The Poisson arrival rate, requests/s, a row was measured at ("QPS 2 (2 requests/s)"), from its batching cell;
+    None where it states none."""
+    m = _RATE.search(row.get("batch_or_concurrency", "").lower())
+    return float(m.group(1)) if m else None
 
 
 _TARGET = re.compile(r"(ttft|tpot|time to first token|time per output token)\s*(?:\(?p\d+(?:\.\d+)?\)?\s*)?"

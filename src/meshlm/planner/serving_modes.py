@@ -11,13 +11,17 @@ Modes (I prompt tokens, O output tokens per request):
     (priced at the mean, I + O / 2);
   * continuous batching with C requests in flight (`--concurrency`; Orca, Yu et al. OSDI'22; vLLM, Kwon et al.
     SOSP'23): in the steady state a request finishes every O / C iterations and its replacement's prompt is
-    prefilled in chunks that ride with the decodes (Sarathi-Serve, Agrawal et al. OSDI'24), so each iteration
-    carries C decodes over I + O / 2 cached tokens and C x I / O prefill tokens; TPOT = the iteration, TTFT =
+    prefilled in chunks that ride with the decodes (Sarathi-Serve, Agrawal et al. OSDI'24): each iteration carries
+    C decodes over I + O / 2 cached tokens and C x I / O prompt tokens on average, in whole pieces (a chunk, or a
+    prompt shorter than one) -- Poisson many per iteration, and an iteration carrying a piece lasts longer than one
+    carrying its average share (`_prompt_mixture`: decode iterations are bound by the weights, prompt ones by the
+    FLOPs); throughput = C / the mean iteration, TPOT = the mean iteration a decoding request sees, TTFT =
     ceil(I / chunk) iterations holding a chunk. C is a count of clients, each sending its next request when its
-    last one ends (vLLM's `bench serve --max-concurrency`, NIM's genai-perf `--concurrency`): beyond what the
-    engine can run (`max_concurrency`: its KV, or its running-request cap) the rest wait in its queue
-    (`clients`), C - N of them always; Little's law on the queue, W = (C - N) / X at X requests/s, adds the wait to
-    the TTFT and leaves the throughput N's;
+    last one ends (vLLM's `bench serve --max-concurrency`, NIM's genai-perf `--concurrency`): their prompts queue
+    for the engine's token budget (`prefill_queue`, at the rate of Little's law); beyond what the engine can run
+    (`max_concurrency`: its KV, or its running-request cap) the rest wait in its queue (`clients`), C - N of them
+    always; Little's law on the queue, W = (C - N) / X at X requests/s, adds the wait to the TTFT and leaves the
+    throughput N's;
   * offline (`--offline`): the concurrency that maximises throughput among those whose KV fits, each request
     reserving I + O tokens (TensorRT-LLM's GUARANTEED_NO_EVICT scheduler; vLLM's reported max concurrency);
     with latency targets (`--max-ttft-ms`, `--max-tpot-ms`: a serving SLO, goodput in DistServe's sense) the one
@@ -25,12 +29,15 @@ Modes (I prompt tokens, O output tokens per request):
     fewest requests, where none does); the steady state's TTFT holds no queueing, so a target on a tail (p99)
     under bursty arrivals is met more easily here than in the measurement;
   * Poisson arrivals of R requests/s (`--request-rate`): the in-flight count C solves Little's law
-    C = R x (TTFT + O x TPOT(C)) by fixed-point iteration; a request's prefill queues as in an M/D/1 queue
-    at the engine's utilisation rho = R / R_max (R_max: the offline throughput in requests/s), waiting
-    rho s / (2 (1 - rho)) for a prefill of s seconds (Pollaczek-Khinchine with deterministic service). It
-    keeps up when rho < 1 and C fits the KV cache. An approximation: batching makes service depend on load.
-    Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the wait's from the M/D/1 queue's
-    distribution (`wait_quantile`); the TPOT's at the in-flight count a request sees over its life: every
+    C = R x (TTFT + O x TPOT(C)) by fixed-point iteration. The engine admits a request at its next iteration (the
+    one in flight, T / 2 on average, when anything runs) and its prompt queues for the token budget each iteration
+    has: an M/D/1 queue of jobs of I tokens on a server of a chunk per iteration (`prefill_queue`; Pollaczek-Khinchine
+    with deterministic service). The engine absorbs load by batching more -- the TPOT grows with C, the TTFT does not
+    until the budget or the KV runs out (TensorRT-LLM's online table: at 16 requests/s, the rate its offline run
+    peaks at, the mean TTFT 175 ms against 62 ms at 2/s). It keeps up while R x O stays below the offline
+    throughput and C fits the KV cache. Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the
+    wait's from the M/D/1 queue's distribution (`wait_quantile`) plus the iteration in flight's; the TPOT's at the
+    in-flight count a request sees over its life: every
     request in flight is served at once, so the count is that of an infinite-server queue, Poisson with mean C
     (the M/G/infinity result), and its mean over a life of fixed length has variance 2C/3 (`tail_concurrency`);
   * the highest Poisson rate whose tails meet `--max-ttft-ms` / `--max-tpot-ms` (`--request-rate max`: MLPerf's
@@ -145,21 +152,32 @@ def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
     chunk = min(I, wl.prefill_chunk)
     with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * I / O),
                                 prefill_ctx=I / 2)
-    return {"concurrency": concurrency, "ttft_s": math.ceil(I / chunk) * with_chunk["total"], "tpot_s": it["total"],
+    return {"concurrency": concurrency, "ttft_s": math.ceil(I / chunk) * with_chunk["total"],
+            "tpot_s": it.get("itl", it["total"]),
             "output_tokens_per_s": concurrency / it["total"],
             "total_tokens_per_s": concurrency * (I + O) / O / it["total"], "bound": it["bound"], "iteration": it}
 
 
 def clients(sv: Serving, wl: Workload, concurrency: int) -> dict:
-    """`concurrency` closed-loop clients (module docstring): `continuous` where the engine runs them all; else it
-    runs N = `max_concurrency` and the other C - N wait, each for W = (C - N) x O / (output tokens/s) before its
-    prefill (Little's law on a queue that is never empty: C - N waiting, X = tokens/s / O requests/s leaving it).
-    "running" and "queued" say which; the bound is then the KV capacity unless the engine's cap (--max-batch)
-    stopped it first."""
+    """`concurrency` closed-loop clients (module docstring): `continuous` for the N = min(C, `max_concurrency`) the
+    engine runs, their prompts queueing for its token budget (`prefill_queue`, at the rate Little's law gives:
+    N / (TTFT + O x TPOT), the TTFT solved as a fixed point; a lone client finds the engine idle); the other C - N
+    wait, each for W = (C - N) x O / (output tokens/s) before that (Little's law on a queue that is never empty:
+    C - N waiting, X = tokens/s / O requests/s leaving it). "running" and "queued" say which; the bound is then the
+    KV capacity unless the engine's cap (--max-batch) stopped it first."""
     cap = max_concurrency(sv, wl)
+    n = min(concurrency, cap)
+    r = continuous(sv, wl, n)
+    if n > sv.layout.dp:  # others' requests are in flight: the engine is always busy
+        prefill, ttft = r["ttft_s"], r["ttft_s"]
+        for _ in range(100):
+            rate = n / (ttft + wl.output_len * r["tpot_s"])
+            ttft, last = prefill + prefill_queue(sv, wl, r, rate, busy=1.0), ttft
+            if not ttft < math.inf or abs(ttft - last) <= 1e-12 * ttft:
+                break
+        r = dict(r, ttft_s=ttft)
     if concurrency <= cap:
-        return dict(continuous(sv, wl, concurrency), running=concurrency, queued=0)
-    r = continuous(sv, wl, cap)
+        return dict(r, running=concurrency, queued=0)
     wait = (concurrency - cap) * wl.output_len / r["output_tokens_per_s"]
     kv_bound = not wl.max_batch or sv.max_sequences(wl.input_len + wl.output_len) < wl.max_batch
     return dict(r, concurrency=concurrency, running=cap, queued=concurrency - cap, ttft_s=r["ttft_s"] + wait,
@@ -175,11 +193,44 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
     I, O, lo = wl.input_len, wl.output_len, sv.layout
     kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
     if lo.ep == 1 or lo.dp == 1 or sv.engine.adp_balanced:
-        return iteration_time(sv, **kw)
+        return _prompt_mixture(sv, c, I, O, min(I, wl.prefill_chunk))
     prob, piece = busiest_rank_prefill(c * I / O, min(I, wl.prefill_chunk), lo.dp)
     busy, idle = iteration_time(sv, **kw, rank_prefill=piece), iteration_time(sv, **kw, rank_prefill=0.0)
     out = {k: prob * v + (1 - prob) * idle[k] for k, v in busy.items() if k != "bound"}
     return dict(out, bound=busy["bound"] if prob >= 0.5 else idle["bound"])
+
+
+# Beyond this many prompt pieces per iteration on average the mixture is the mean iteration (`_prompt_mixture`).
+MIXTURE_MAX_PIECES = 16.0
+
+
+def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
+    """Continuous batching's iterations as they run: the prompts do not spread evenly over them. A prompt of I tokens
+    joins in pieces of `piece` (the chunk, or the whole prompt); the pieces one iteration carries are Poisson with
+    mean m = c I / (O piece) (c requests per rank, each bringing I prompt tokens per O generated), and an iteration
+    carrying k of them lasts t(c decodes + k pieces). Decode iterations are bound by the weights' reads and
+    prefill-carrying ones by the prompt's FLOPs, so the mean iteration E[t] exceeds the iteration of the mean work
+    (t is convex in the prompt tokens): E[t] sets the throughput ("total"), the decode-weighted mean
+    sum P(k) (c - k) t_k / sum P(k) (c - k) the time between a request's tokens ("itl": a prompting request does not
+    decode in its prompt's iteration). Past MIXTURE_MAX_PIECES pieces an iteration holds nearly the mean work
+    (relative spread 1 / sqrt(m)): the mean iteration alone."""
+    m = c * I / O / piece if piece > 0 else 0.0
+    kw = dict(decodes=c, kv_len=I + O / 2, prefill_ctx=I / 2)
+    if m <= 0 or m > MIXTURE_MAX_PIECES:
+        it = iteration_time(sv, **kw, prefill_tokens=c * I / O)
+        return dict(it, itl=it["total"])
+    weights, its, k, p, mass = [], [], 0, math.exp(-m), 0.0
+    while mass < 1 - 1e-6 and k <= 4 * MIXTURE_MAX_PIECES:
+        weights.append(p)
+        its.append(iteration_time(sv, **kw, prefill_tokens=k * piece))
+        mass += p
+        k += 1
+        p *= m / k
+    out = {key: sum(w * it[key] for w, it in zip(weights, its)) / mass for key in its[0] if key != "bound"}
+    decoding = [w * max(0.0, c - i) for i, w in enumerate(weights)]
+    itl = sum(d * it["total"] for d, it in zip(decoding, its)) / sum(decoding) if sum(decoding) > 0 else out["total"]
+    bound = max(zip(weights, its), key=lambda x: x[0] * x[1]["total"])[1]["bound"]
+    return dict(out, bound=bound, itl=itl)
 
 
 def offline(sv: Serving, wl: Workload) -> dict:
@@ -204,9 +255,11 @@ def offline(sv: Serving, wl: Workload) -> dict:
 
 
 def poisson(sv: Serving, wl: Workload) -> dict:
-    """Latencies under Poisson arrivals (module docstring): Little's law fixed point + an M/D/1 prefill queue."""
+    """Latencies under Poisson arrivals (module docstring): Little's law fixed point + the prefill queue."""
     R, O = wl.request_rate, wl.output_len
     best = offline(sv, wl)
+    if R * O >= best["output_tokens_per_s"]:  # more than it can serve: the queue grows without bound
+        return _at_rate(sv, wl, R, best, best)
     c = R * O * best["tpot_s"]
     for _ in range(200):
         r = continuous(sv, wl, max(c, 1e-9))
@@ -242,15 +295,51 @@ def max_rate(sv: Serving, wl: Workload) -> dict:
     return dict(at(lo), meets_slo=True)
 
 
+def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, q: float | None = None) -> float:
+    """Seconds a request of continuous batching `r` (requests arriving at R per second, Poisson) waits before its
+    prompt's iterations, on average (q None) or at quantile q (`budget_wait` on this deployment: its iteration `r`'s
+    TPOT, and the iteration of its decodes and a full chunk, per dp rank)."""
+    I, O, dp = wl.input_len, wl.output_len, sv.layout.dp
+    full = iteration_time(sv, decodes=r["concurrency"] / dp, kv_len=I + O / 2, prefill_tokens=wl.prefill_chunk,
+                          prefill_ctx=I / 2)
+    return budget_wait(R / dp, I, wl.prefill_chunk, full["total"], r["tpot_s"], busy=busy, q=q)
+
+
+def budget_wait(rate: float, prompt: int, budget: int, t_budget: float, t_iter: float, *, busy: float,
+                q: float | None = None) -> float:
+    """The wait of a prompt of `prompt` tokens for an engine's iterations, prompts arriving at `rate` per second
+    (Poisson), on average (q None) or at quantile q (the sum of the two parts' quantiles, an upper bound). Two parts:
+      * the iteration in flight: the engine admits new work at iteration boundaries, so an arrival that finds it
+        running (probability `busy`) waits out the rest of the iteration, t_iter / 2 on average for iterations of
+        near-constant length;
+      * other prompts ahead: every iteration carries at most `budget` prompt tokens (the engine's token budget:
+        TensorRT-LLM's max_num_tokens, vLLM's max_num_batched_tokens) in `t_budget` seconds, so prompts queue for it
+        as jobs in an M/D/1 queue -- service S = prompt x t_budget / budget, utilisation rho = rate x S
+        (Pollaczek-Khinchine's mean rho S / (2 (1 - rho)), `wait_quantile`'s quantile).
+    Checked against a simulation of such an engine (tests/test_planner_serving_arrivals.py). Infinite where the
+    prompts outrun the budget (rho >= 1)."""
+    S = prompt * t_budget / budget
+    rho = rate * S
+    if rho >= 1:
+        return math.inf
+    if q is None:
+        return busy * t_iter / 2 + rho * S / (2 * (1 - rho))
+    residual = 0.0 if q <= 1 - busy else t_iter * (q - (1 - busy)) / busy
+    return residual + wait_quantile(rho, S, q)
+
+
 def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
     """Poisson arrivals of R requests/s with `r` the continuous batching of the in-flight count they make and `best`
-    the offline optimum: the M/D/1 prefill wait added to the TTFT, whether it keeps up, and the tails at
-    `wl.percentile` ("ttft_tail_s", "tpot_tail_s"; the means where it is None)."""
+    the offline optimum: the prefill queue (`prefill_queue`) added to the TTFT, whether it keeps up (the offered
+    output tokens/s within the offline optimum's, the in-flight count within what fits), and the tails at
+    `wl.percentile` ("ttft_tail_s", "tpot_tail_s"; the means where it is None). The in-flight count seen by an
+    arrival is Poisson with mean c (the M/G/infinity result): the engine is busy with probability 1 - e^-c/dp."""
     I, O, c, s = wl.input_len, wl.output_len, r["concurrency"], r["ttft_s"]
     cap = max_concurrency(sv, wl)
     rho = R * O / best["output_tokens_per_s"]
     keeps_up = rho < 1 and c <= cap
-    wait = rho * s / (2 * (1 - rho)) if rho < 1 else math.inf
+    busy = -math.expm1(-c / sv.layout.dp)
+    wait = prefill_queue(sv, wl, r, R, busy=busy) if keeps_up else math.inf
     out = dict(r, request_rate=R, ttft_s=s + wait, keeps_up=keeps_up, utilization=rho,
                output_tokens_per_s=R * O if keeps_up else best["output_tokens_per_s"],
                total_tokens_per_s=R * (I + O) if keeps_up else best["total_tokens_per_s"])
@@ -258,9 +347,9 @@ def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
         out.update(ttft_tail_s=out["ttft_s"], tpot_tail_s=out["tpot_s"])
     else:
         q = wl.percentile / 100
-        busy = min(float(cap), tail_concurrency(c, sv.layout.dp, q))
-        out.update(ttft_tail_s=s + wait_quantile(rho, s, q),
-                   tpot_tail_s=continuous(sv, wl, busy)["tpot_s"] if busy > c else r["tpot_s"])
+        many = min(float(cap), tail_concurrency(c, sv.layout.dp, q))
+        out.update(ttft_tail_s=s + (prefill_queue(sv, wl, r, R, busy=busy, q=q) if keeps_up else math.inf),
+                   tpot_tail_s=continuous(sv, wl, many)["tpot_s"] if many > c else r["tpot_s"])
     if not keeps_up:
         out["bound"] = best["bound"]
     return out
@@ -396,14 +485,19 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     tails = {k: r.pop(k) for k in ("ttft_tail_s", "tpot_tail_s") if k in r}
     if tails and wl.percentile is not None:  # Poisson arrivals: the latencies' tails beside their means
         p = percentile_label(wl.percentile)
-        out.update({"percentile": wl.percentile, f"ttft_{p}_ms": tails["ttft_tail_s"] * 1e3,
-                    f"tpot_{p}_ms": tails["tpot_tail_s"] * 1e3})
+        out.update({"percentile": wl.percentile, f"ttft_{p}_ms": _ms(tails["ttft_tail_s"]),
+                    f"tpot_{p}_ms": _ms(tails["tpot_tail_s"])})
     out.update({k: v for k, v in r.items() if k not in ("ttft_s", "tpot_s")})
-    out.update(gpus=gpus, ttft_ms=r["ttft_s"] * 1e3, tpot_ms=r["tpot_s"] * 1e3,
+    out.update(gpus=gpus, ttft_ms=_ms(r["ttft_s"]), tpot_ms=_ms(r["tpot_s"]),
                output_tokens_per_s_per_gpu=r["output_tokens_per_s"] / gpus, decode_tokens_per_s=r["output_tokens_per_s"],
                power_w=watts, joules_per_output_token=watts / r["output_tokens_per_s"],
                iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound",)})
     return out
+
+
+def _ms(seconds: float) -> float | None:
+    """Milliseconds, or None (JSON null) for a latency without bound: arrivals the deployment does not keep up with."""
+    return seconds * 1e3 if math.isfinite(seconds) else None
 
 
 def percentile_label(p: float) -> str:
@@ -459,14 +553,18 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
     rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
     if "percentile" in r:
         p = percentile_label(r["percentile"])
-        rate = (f"; {r['request_rate']:.3g} requests/s{rate}, TTFT {p} {r[f'ttft_{p}_ms']:.1f} ms, TPOT {p} "
-                f"{r[f'tpot_{p}_ms']:.2f} ms")
+        rate = (f"; {r['request_rate']:.3g} requests/s{rate}, TTFT {p} {_text_ms(r[f'ttft_{p}_ms'], 1)}, TPOT {p} "
+                f"{_text_ms(r[f'tpot_{p}_ms'], 2)}")
     queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
     mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
     if "meets_slo" in r:
         what = "rate" if r["mode"] == "max-rate" else "concurrency"
         mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"
     return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
-            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {r['ttft_ms']:.1f} ms, TPOT "
-            f"{r['tpot_ms']:.2f} ms, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
+            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {_text_ms(r['ttft_ms'], 1)}, TPOT "
+            f"{_text_ms(r['tpot_ms'], 2)}, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
             f"{r['joules_per_output_token']:.3g} J/output token")
+
+
+def _text_ms(ms: float | None, digits: int) -> str:
+    return "without bound (the queue grows)" if ms is None else f"{ms:.{digits}f} ms"
