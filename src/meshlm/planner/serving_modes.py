@@ -37,7 +37,8 @@ Modes (I prompt tokens, O output tokens per request):
     peaks at, the mean TTFT 175 ms against 62 ms at 2/s). It keeps up while R x O stays below the offline
     throughput and C fits the KV cache. Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the
     wait's from the M/D/1 queue's distribution (`wait_quantile`) plus the iteration in flight's; the TPOT's at the
-    in-flight count a request sees over its life: every
+    in-flight count a request sees over its life, plus the spread of its mean gap (its O - 1 gaps, each an iteration
+    carrying Poisson many prompts: normal by the central limit); the count: every
     request in flight is served at once, so the count is that of an infinite-server queue, Poisson with mean C
     (the M/G/infinity result), and its mean over a life of fixed length has variance 2C/3 (`tail_concurrency`);
   * the highest Poisson rate whose tails meet `--max-ttft-ms` / `--max-tpot-ms` (`--request-rate max`: MLPerf's
@@ -213,12 +214,13 @@ def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
     (t is convex in the prompt tokens): E[t] sets the throughput ("total"), the decode-weighted mean
     sum P(k) (c - k) t_k / sum P(k) (c - k) the time between a request's tokens ("itl": a prompting request does not
     decode in its prompt's iteration). Past MIXTURE_MAX_PIECES pieces an iteration holds nearly the mean work
-    (relative spread 1 / sqrt(m)): the mean iteration alone."""
+    (relative spread 1 / sqrt(m)): the mean iteration alone. "itl_var": the variance of the gaps (decode-weighted),
+    whose mean over a request's O - 1 gaps sets the spread of its TPOT (`_at_rate`'s tail)."""
     m = c * I / O / piece if piece > 0 else 0.0
     kw = dict(decodes=c, kv_len=I + O / 2, prefill_ctx=I / 2)
     if m <= 0 or m > MIXTURE_MAX_PIECES:
         it = iteration_time(sv, **kw, prefill_tokens=c * I / O)
-        return dict(it, itl=it["total"])
+        return dict(it, itl=it["total"], itl_var=0.0)
     weights, its, k, p, mass = [], [], 0, math.exp(-m), 0.0
     while mass < 1 - 1e-6 and k <= 4 * MIXTURE_MAX_PIECES:
         weights.append(p)
@@ -228,9 +230,11 @@ def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
         p *= m / k
     out = {key: sum(w * it[key] for w, it in zip(weights, its)) / mass for key in its[0] if key != "bound"}
     decoding = [w * max(0.0, c - i) for i, w in enumerate(weights)]
-    itl = sum(d * it["total"] for d, it in zip(decoding, its)) / sum(decoding) if sum(decoding) > 0 else out["total"]
+    gaps = sum(decoding)
+    itl = sum(d * it["total"] for d, it in zip(decoding, its)) / gaps if gaps > 0 else out["total"]
+    var = sum(d * (it["total"] - itl) ** 2 for d, it in zip(decoding, its)) / gaps if gaps > 0 else 0.0
     bound = max(zip(weights, its), key=lambda x: x[0] * x[1]["total"])[1]["bound"]
-    return dict(out, bound=bound, itl=itl)
+    return dict(out, bound=bound, itl=itl, itl_var=var)
 
 
 def offline(sv: Serving, wl: Workload) -> dict:
@@ -348,8 +352,12 @@ def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
     else:
         q = wl.percentile / 100
         many = min(float(cap), tail_concurrency(c, sv.layout.dp, q))
+        crowded = continuous(sv, wl, many) if many > c else r
+        # a request's TPOT is the mean of its O - 1 gaps, each an iteration that may carry prompts (Poisson many):
+        # normal at the quantile (central limit), on top of the in-flight count's tail
+        spread = math.sqrt(crowded["iteration"].get("itl_var", 0.0) / max(1, O - 1))
         out.update(ttft_tail_s=s + (prefill_queue(sv, wl, r, R, busy=busy, q=q) if keeps_up else math.inf),
-                   tpot_tail_s=continuous(sv, wl, many)["tpot_s"] if many > c else r["tpot_s"])
+                   tpot_tail_s=crowded["tpot_s"] + statistics.NormalDist().inv_cdf(q) * spread)
     if not keeps_up:
         out["bound"] = best["bound"]
     return out
