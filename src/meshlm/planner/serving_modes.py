@@ -499,7 +499,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     out.update(gpus=gpus, ttft_ms=_ms(r["ttft_s"]), tpot_ms=_ms(r["tpot_s"]),
                output_tokens_per_s_per_gpu=r["output_tokens_per_s"] / gpus, decode_tokens_per_s=r["output_tokens_per_s"],
                power_w=watts, joules_per_output_token=watts / r["output_tokens_per_s"],
-               iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound",)})
+               iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound", "itl_var")})
     return out
 
 
