@@ -42,7 +42,9 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     TensorRT-LLM's perf-overview rows (v0.17's `trtllm-bench build --dataset` and v1.0's throughput run alike) the
     one trtllm-bench derives itself, `trtllm_bench_max_batch`, else vLLM's default max_num_seqs -- V1's 1024 on a GPU
     of 70 GiB or more but an A100, 256 otherwise and on V0 --, TensorRT-LLM's default max_batch_size 2048); rows
-    with a client concurrency run it;
+    with a client concurrency run it; server rows measured at a stated request rate ("2 requests/s", a benchmark
+    client's --request-rate: `request_rate`) as Poisson arrivals at it, their mean TTFT and TPOT where the deployment
+    keeps up, their throughput where it does not (`_fixed_rate`);
   * prefill-only rows (disaggregated prefill nodes): the pool's input tokens/s at full chunks of the row's
     tokens per device (else 16,384); decode-only rows: the row's sequences per GPU at its KV length (else the
     most that fit, at most the 256 DeepEP's low-latency kernels are sized for);
@@ -405,14 +407,14 @@ def _predict(row: dict, sv: Serving) -> dict:
     # Poisson rate whose tails meet them; a static batch or a client count is the load itself.
     ttft, tpot = (None, None) if static or closed_loop else latency_targets(row)
     arrivals = scenario in ("server", "interactive") and (ttft is not None or tpot is not None)
+    max_batch = _max_batch(row, sv, I, O)
+    if max_concurrency(sv, Workload(I, O, max_batch=max_batch)) < sv.layout.dp:
+        raise Skip(f"one request of {I}+{O} tokens does not fit each dp rank in the planner's memory model")
     rate = request_rate(row) if scenario in ("server", "interactive") and not (static or closed_loop) else None
     if rate is not None and not arrivals:
-        return _fixed_rate(row, sv, Workload(I, O, max_batch=_max_batch(row, sv, I, O), request_rate=rate,
-                                             percentile=None))
-    wl = Workload(I, O, max_batch=_max_batch(row, sv, I, O), max_ttft_s=ttft, max_tpot_s=tpot, max_rate=arrivals,
+        return _fixed_rate(sv, Workload(I, O, max_batch=max_batch, request_rate=rate, percentile=None))
+    wl = Workload(I, O, max_batch=max_batch, max_ttft_s=ttft, max_tpot_s=tpot, max_rate=arrivals,
                   percentile=target_percentile(row))
-    if max_concurrency(sv, wl) < sv.layout.dp:
-        raise Skip(f"one request of {I}+{O} tokens does not fit each dp rank in the planner's memory model")
     if static:
         r = static_batch(sv, wl, _int(batch_text) or 1)
     elif closed_loop:
@@ -428,16 +430,13 @@ def _predict(row: dict, sv: Serving) -> dict:
     return pred
 
 
-def _fixed_rate(row: dict, sv: Serving, wl: Workload) -> dict:
+def _fixed_rate(sv: Serving, wl: Workload) -> dict:
     """A row measured at a fixed rate of Poisson arrivals (a benchmark client's --request-rate): the mean TTFT and
     TPOT at that rate (`serving_modes.poisson`) where the deployment keeps up with it; where it does not, its
     throughput (the most it serves: the offline optimum) and no latencies -- the queue then grows for as long as the
     run lasts, a transient the steady state does not price. A run that keeps up yields the rate it is offered, less
     its ramp and drain (the clients' last requests finish after the arrivals stop): nothing of the deployment's to
     score, so no throughput is priced there."""
-    if max_concurrency(sv, wl) < sv.layout.dp:
-        raise Skip(f"one request of {wl.input_len}+{wl.output_len} tokens does not fit each dp rank in the planner's "
-                   "memory model")
     r = poisson(sv, wl)
     pred = {"concurrency": r["concurrency"], "bound": r["bound"], "request_rate": wl.request_rate}
     if r["keeps_up"]:
