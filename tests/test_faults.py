@@ -39,7 +39,8 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 def start(run_dir: Path, text_file: Path, *flags: str, extra=()) -> subprocess.Popen:
     sets = [*SETTINGS, f"data.path={text_file}", f"train.run_dir={run_dir}", *extra]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env["OMP_NUM_THREADS"] = "1"
+    # the launch's temporary files under the test's own directory: a launcher these tests SIGKILL cannot remove its own
+    env.update(OMP_NUM_THREADS="1", TMPDIR=str(run_dir.parent))
     argv = [sys.executable, "-m", "meshlm.cli", "train", "--nproc", "2", *flags,
             *[a for s in sets for a in ("--set", s)]]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

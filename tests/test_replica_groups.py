@@ -44,7 +44,8 @@ STEPS = 200  # group 0 alone for ~80 steps while group 1 restarts (2 loaded core
 def start(run_dir: Path, text_file: Path, *flags: str, extra=()) -> subprocess.Popen:
     sets = [*SETTINGS, f"data.path={text_file}", f"train.run_dir={run_dir}", *extra]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(OMP_NUM_THREADS="1", RUST_LOG="warn")
+    # the launch's temporary files under the test's own directory: a group these tests kill cannot remove its own
+    env.update(OMP_NUM_THREADS="1", RUST_LOG="warn", TMPDIR=str(run_dir.parent))
     argv = [sys.executable, "-m", "meshlm.cli", "train", *flags, *[a for s in sets for a in ("--set", s)]]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
