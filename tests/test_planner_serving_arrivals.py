@@ -1,6 +1,7 @@
-"""Poisson arrivals in the serving planner (planner/serving_modes.py): the tails of the TTFT and TPOT, and the highest
-rate whose tails meet latency targets (`meshlm plan infer --request-rate max`, MLPerf's server scenario). The queueing
-formulas are checked against simulations of the queues they describe; torch-free."""
+"""Poisson arrivals in the serving planner (planner/serving_modes.py; its queueing formulas in planner/queues.py): the
+tails of the TTFT and TPOT, and the highest rate whose tails meet latency targets (`meshlm plan infer --request-rate
+max`, MLPerf's server scenario). The queueing formulas are checked against simulations of the queues they describe;
+torch-free."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import numpy as np
 import pytest
 
 from meshlm.planner.cluster import get_cluster
+from meshlm.planner.queues import tail_concurrency, wait_quantile
 from meshlm.planner.serving import Serving, ServingLayout
 from meshlm.planner.serving_model import served_model
-from meshlm.planner.serving_modes import Workload, max_rate, offline, poisson, tail_concurrency, wait_quantile
+from meshlm.planner.serving_modes import Workload, max_rate, offline, poisson
 
 
 def _sv(model="llama3-70b", tp=4, **kw):
@@ -37,7 +39,7 @@ def test_wait_quantile_is_the_md1_queues(rho):
     """The p90 / p99 wait of a prefill queue (M/D/1) against a simulated queue: within 3% (Erlang's distribution),
     well above the mean's rho / (2 (1 - rho)) service times; where that sum loses its digits (rho 0.9 and up at
     p99) the asymptotic tail takes over, which at 0.85 is already within 2% of the exact quantile."""
-    from meshlm.planner.serving_modes import _wait_tail
+    from meshlm.planner.queues import _wait_tail
 
     waits = _md1_waits(rho)
     for q in (0.9, 0.99):
@@ -205,7 +207,7 @@ def test_budget_wait_is_the_simulated_engines(prompt, budget, rho):
     of prompts for the token budget -- with its own ceil(I / budget) iterations, the mean TTFT of a simulated engine
     within 12% over prompts of 1/16 to 2.4 budgets and utilisations 0.6-0.85 (the budget is a batch server, the
     M/D/1 its one-job approximation). Without either part it is 30% or more off somewhere."""
-    from meshlm.planner.serving_modes import budget_wait
+    from meshlm.planner.queues import budget_wait
 
     t = 0.02
     rate = rho / (prompt * t / budget)
@@ -292,7 +294,7 @@ def test_slot_wait_is_the_md_k_queues(k, util):
     wait for holding times that vary little -- against a simulated M/D/k queue: the chance to wait within 10%, the
     mean and p99 wait within 12%; without the halving the mean is ~2x off. Beyond the slots it never keeps up;
     far below them nothing waits."""
-    from meshlm.planner.serving_modes import erlang_c, slot_wait
+    from meshlm.planner.queues import erlang_c, slot_wait
 
     waits = _slot_waits(k, util * k)
     assert erlang_c(k, util * k) == pytest.approx(float(np.mean(waits > 0)), rel=0.10)
@@ -306,7 +308,8 @@ def test_poisson_arrivals_wait_for_a_running_slot_near_the_cap():
     """Under Poisson arrivals the TTFT holds the wait for a running-request slot (`slot_wait` on the engine's cap per
     dp rank): at a load near an 8-request cap it is what separates the TTFT from the same deployment's without the
     cap; past the cap's load it does not keep up."""
-    from meshlm.planner.serving_modes import continuous, slot_wait
+    from meshlm.planner.queues import slot_wait
+    from meshlm.planner.serving_modes import continuous
 
     sv = _sv("llama3-8b", tp=1)
     capped, free = Workload(1000, 200, max_batch=8, percentile=None), Workload(1000, 200, percentile=None)

@@ -3,7 +3,8 @@ arrivals and prefill/decode disaggregation -- throughput, first-token and per-to
 
 Responsible for: `Workload` (prompt and output lengths, one batching mode), `estimate_serving` (the JSON fields
 of `meshlm plan infer`) and `search_serving` (every layout of --gpus ranked, as the training search does).
-Not responsible for: one iteration's time or memory (`serving.py`).
+Not responsible for: one iteration's time or memory (`serving.py`); the queueing formulas the modes put those times
+into (`queues.py`: `slot_wait`, `budget_wait`, `wait_quantile`, `tail_concurrency`).
 
 Modes (I prompt tokens, O output tokens per request):
   * static batch B (`--batch`; TensorRT-LLM's gptSessionBenchmark, FasterTransformer): the whole batch's
@@ -61,6 +62,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import GiB
+from meshlm.planner.queues import budget_wait, slot_wait, tail_concurrency
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
 from meshlm.planner.serving_engine import busiest_rank_prefill
 from meshlm.planner.serving_model import KV_BYTES
@@ -311,29 +313,6 @@ def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, 
     return budget_wait(R / dp, I, wl.prefill_chunk, full["total"], r["tpot_s"], busy=busy, q=q)
 
 
-def budget_wait(rate: float, prompt: int, budget: int, t_budget: float, t_iter: float, *, busy: float,
-                q: float | None = None) -> float:
-    """The wait of a prompt of `prompt` tokens for an engine's iterations, prompts arriving at `rate` per second
-    (Poisson), on average (q None) or at quantile q (the sum of the two parts' quantiles, an upper bound). Two parts:
-      * the iteration in flight: the engine admits new work at iteration boundaries, so an arrival that finds it
-        running (probability `busy`) waits out the rest of the iteration, t_iter / 2 on average for iterations of
-        near-constant length;
-      * other prompts ahead: every iteration carries at most `budget` prompt tokens (the engine's token budget:
-        TensorRT-LLM's max_num_tokens, vLLM's max_num_batched_tokens) in `t_budget` seconds, so prompts queue for it
-        as jobs in an M/D/1 queue -- service S = prompt x t_budget / budget, utilisation rho = rate x S
-        (Pollaczek-Khinchine's mean rho S / (2 (1 - rho)), `wait_quantile`'s quantile).
-    Checked against a simulation of such an engine (tests/test_planner_serving_arrivals.py). Infinite where the
-    prompts outrun the budget (rho >= 1)."""
-    S = prompt * t_budget / budget
-    rho = rate * S
-    if rho >= 1:
-        return math.inf
-    if q is None:
-        return busy * t_iter / 2 + rho * S / (2 * (1 - rho))
-    residual = 0.0 if q <= 1 - busy else t_iter * (q - (1 - busy)) / busy
-    return residual + wait_quantile(rho, S, q)
-
-
 def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
     """Poisson arrivals of R requests/s with `r` the continuous batching of the in-flight count they make and `best`
     the offline optimum: the waits for a running-request slot (`slot_wait`) and for the token budget
@@ -356,7 +335,7 @@ def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
         out.update(ttft_tail_s=out["ttft_s"], tpot_tail_s=out["tpot_s"])
     else:
         q = wl.percentile / 100
-        many = min(float(cap), tail_concurrency(c, sv.layout.dp, q))
+        many = min(float(cap), tail_concurrency(c, dp, q))
         crowded = continuous(sv, wl, many) if many > c else r
         # a request's TPOT is the mean of its O - 1 gaps, each an iteration that may carry prompts (Poisson many):
         # normal at the quantile (central limit), on top of the in-flight count's tail
@@ -367,86 +346,6 @@ def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
     if not keeps_up:
         out["bound"] = best["bound"]
     return out
-
-
-def slot_wait(load: float, slots: int, hold: float, q: float | None = None) -> float:
-    """The wait for one of `slots` running-request slots (the engine's cap -- its KV or its max batch -- on one dp
-    rank), requests arriving as Poisson at an offered load `load` = rate x `hold`, each holding its slot `hold`
-    seconds; on average (q None) or at quantile q. Erlang's C formula gives the chance to wait (M/M/k, `erlang_c`);
-    holding times that vary little halve M/M/k's waits (Allen-Cunneen's (1 + cs^2) / 2, cs = 0), exponential given a
-    wait: mean C hold / (2 (k - a)), P(W > t) = C exp(-2 (k - a) t / hold) -- within 10% of a simulated M/D/k queue
-    where the wait matters (tests/test_planner_serving_arrivals.py). Infinite at load >= slots."""
-    if load >= slots:
-        return math.inf
-    C = erlang_c(slots, load)
-    scale = hold / (2 * (slots - load))
-    if q is None:
-        return C * scale
-    return scale * math.log(C / (1 - q)) if C > 1 - q else 0.0
-
-
-def erlang_c(k: int, a: float) -> float:
-    """Erlang's C: the chance an arrival waits in an M/M/k queue at offered load a (< k), from Erlang B's recursion
-    B(n) = a B(n-1) / (n + a B(n-1)); 0 below a = k - 10 sqrt(k), where it is below 1e-20 (Halfin-Whitt)."""
-    if a <= 0 or a < k - 10 * math.sqrt(k):
-        return 0.0
-    b = 1.0
-    for n in range(1, k + 1):
-        b = a * b / (n + a * b)
-    return k * b / (k - a * (1 - b))
-
-
-def wait_quantile(rho: float, s: float, q: float) -> float:
-    """The q-quantile of the wait in an M/D/1 queue of service s at utilisation rho. Erlang's distribution of it,
-    P(W <= u s) = (1 - rho) sum_{k=0}^{floor(u)} (rho (k - u))^k / k! exp(rho (u - k)) (the M/D/1 waiting time; e.g.
-    Franx, "A simple solution for the M/D/c waiting time distribution", Oper. Res. Letters 29, 2001), where its
-    alternating sum holds its digits; beyond, the Cramer-Lundberg tail of the M/G/1 wait, P(W > t) ~ C exp(-x t / s),
-    x > 0 solving rho (e^x - 1) = x, C = (1 - rho) / (rho e^x - 1) (Asmussen, "Applied Probability and Queues",
-    XIII.5), within 2% there (rho >= 0.85 at q = 0.99)."""
-    if rho <= 0 or s <= 0 or q <= 1 - rho:
-        return 0.0  # P(W = 0) = 1 - rho
-    if rho >= 1:
-        return math.inf
-
-    def below(u: float) -> bool | None:  # P(W <= u s) >= q; None where the sum's terms outgrow double precision
-        terms = [(rho * (k - u)) ** k / math.factorial(k) * math.exp(rho * (u - k)) for k in range(int(u) + 1)]
-        return None if max(map(abs, terms)) > 1e11 else (1 - rho) * math.fsum(terms) >= q
-
-    a, b = 0.0, 1.0
-    while (ok := below(b)) is False:
-        a, b = b, 2 * b
-    if ok is None:
-        return s * _wait_tail(rho, q)
-    for _ in range(60):
-        m = 0.5 * (a + b)
-        ok = below(m)
-        if ok is None:
-            return s * _wait_tail(rho, q)
-        a, b = (a, m) if ok else (m, b)
-    return s * b
-
-
-def _wait_tail(rho: float, q: float) -> float:
-    """`wait_quantile`'s Cramer-Lundberg asymptote, in units of the service time."""
-    f = lambda x: rho * math.expm1(x) - x  # noqa: E731  f(0) = 0, f'(0) < 0, convex: one positive root
-    a, b = 1e-12, 1.0
-    while f(b) < 0:
-        a, b = b, 2 * b
-    for _ in range(200):
-        m = 0.5 * (a + b)
-        a, b = (m, b) if f(m) < 0 else (a, m)
-    x = 0.5 * (a + b)
-    C = min(rho, (1 - rho) / (rho * math.exp(x) - 1))
-    return max(0.0, math.log(C / (1 - q)) / x)
-
-
-def tail_concurrency(c: float, dp: int, q: float) -> float:
-    """The q-quantile of the mean in-flight count a request sees over its life under Poisson arrivals with c in flight
-    on average over `dp` ranks (module docstring): each rank's count Poisson with mean c / dp, its mean over a life of
-    fixed length T of variance (2/3) c / dp (the count's autocovariance (c / dp)(1 - u / T) averaged over the
-    life), normal at the quantile; as a total over the ranks."""
-    z = statistics.NormalDist().inv_cdf(q)
-    return max(0.0, c + dp * z * math.sqrt(2 * c / dp / 3))
 
 
 def _pool(sv: Serving, gpus: int) -> Serving:
