@@ -241,7 +241,7 @@ def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, 
     gemms = layer_gemms(summary.cfg, tokens=r.tokens_mb, tp=r.tp, ep=r.ep, moe_fraction=summary.moe_layer_fraction,
                         etp=r.expert_tp, imbalance=imbalance)
     gemm_in_bytes = 1 if job.precision == "fp8" else r.by["act"]
-    rate = r.peak * cluster.matmul_efficiency * cluster.matmul_precision_factor.get(job.precision, 1.0)
+    rate = r.peak * cluster.matmul_rate(job.precision) / cluster.peak(job.precision)  # r.peak: per rank, after sharing
     t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=rate, hbm_bw=r.hbm_bw,
                                          in_bytes=gemm_in_bytes, k_overhead=cluster.gemm_k_overhead)
     t_attn, t_attn_bwd = attention_time(summary, job, lo, r)
