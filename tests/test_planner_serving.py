@@ -570,3 +570,24 @@ def test_plan_infer_runs_the_named_engines_default_request_cap(capsys):
     assert cap("--engine", "vllm") == 1024 and cap("--engine", "vllm-v0") == 256
     assert cap("--engine", "vllm", cluster="a100") == 256 and cap("--engine", "tensorrt-llm") == 2048
     assert cap("--engine", "vllm", "--max-batch", "64") == 64
+
+
+def test_disaggregated_decode_pool_chosen_on_its_own_iterations():
+    """A decode pool's iterations carry no prompts: under a TPOT target it runs the most requests whose decode-only
+    iteration meets it -- more than a pool that also prefills (whose prompt-carrying iterations are longer) -- and a
+    TTFT target is judged on the prefill pool's TTFT (a prompt alone plus its KV's transfer)."""
+    from meshlm.planner.serving_modes import disaggregated, offline
+
+    sv = _sv("llama3-70b", "h100", tp=8)
+    wl = Workload(2048, 512, disaggregate=(8, 8))
+    target = iteration_time(sv, decodes=128, kv_len=2048 + 256)["total"] * 1.001
+    split = disaggregated(sv, replace(wl, max_tpot_s=target))
+    assert split["meets_slo"] and split["tpot_s"] <= target
+    assert split["concurrency"] >= 128
+    assert iteration_time(sv, decodes=split["concurrency"] * 2 ** 0.25 + 1, kv_len=2048 + 256)["total"] > target
+    assert offline(sv, Workload(2048, 512, max_tpot_s=target))["concurrency"] < split["concurrency"]
+    ttft = split["ttft_s"]
+    assert ttft == pytest.approx(iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=2048, prefill_ctx=1024)["total"]
+                                 + split["kv_transfer_s"])
+    assert not disaggregated(sv, replace(wl, max_ttft_s=0.5 * ttft))["meets_slo"]
+    assert disaggregated(sv, replace(wl, max_ttft_s=2 * ttft))["meets_slo"]

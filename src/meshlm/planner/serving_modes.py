@@ -48,9 +48,10 @@ Modes (I prompt tokens, O output tokens per request):
     server scenario, p99 TTFT and TPOT within its limits): a bisection over the in-flight count C, the rate being
     Little's C / (TTFT + O x TPOT(C)) (`max_rate`);
   * disaggregated P:D (`--disaggregate`; DistServe, Zhong et al. OSDI'24; Splitwise, Patel et al. ISCA'24):
-    P GPUs only prefill (full chunks, compute-bound), D GPUs only decode, and each request's prompt KV crosses
-    from one to the other over the link they share (scale-up when both fit one domain, else each prefill GPU's
-    NIC); throughput is the least of the three rates.
+    P GPUs only prefill (full chunks, compute-bound), D GPUs only decode (iterations of decodes alone: the
+    offline optimum and a TPOT target are taken on those), and each request's prompt KV crosses from one to the
+    other over the link they share (scale-up when both fit one domain, else each prefill GPU's NIC); throughput is
+    the least of the three rates, the TTFT the prefill pool's.
 Power: every GPU at its board power plus its share of server and network, times PUE (cluster.py's datasheet
 figures, `operations.power`) -- an upper bound while decode leaves the tensor cores idle.
 """
@@ -86,6 +87,9 @@ class Workload:
     max_tpot_s: float | None = None
     max_rate: bool = False  # the highest Poisson rate whose tails meet the targets (`--request-rate max`)
     percentile: float | None = 99.0  # the tail of Poisson arrivals' latencies (None: their means)
+    # a disaggregated deployment's decode pool (`disaggregated`): its prompts were prefilled, and their first tokens
+    # made, on the prefill pool -- its iterations carry decodes only and add nothing to the TTFT
+    prefilled_elsewhere: bool = False
 
     def __post_init__(self):
         if self.input_len < 1 or self.output_len < 1:
@@ -157,7 +161,8 @@ def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
     chunk = min(I, wl.prefill_chunk)
     with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * I / O),
                                 prefill_ctx=I / 2)
-    return {"concurrency": concurrency, "ttft_s": math.ceil(I / chunk) * with_chunk["total"],
+    ttft = 0.0 if wl.prefilled_elsewhere else math.ceil(I / chunk) * with_chunk["total"]
+    return {"concurrency": concurrency, "ttft_s": ttft,
             "tpot_s": it.get("itl", it["total"]),
             "output_tokens_per_s": concurrency / it["total"],
             "total_tokens_per_s": concurrency * (I + O) / O / it["total"], "bound": it["bound"], "iteration": it}
@@ -196,6 +201,9 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
     prompt (in pieces of the chunk) holds the others up (serving_engine.busiest_rank_prefill), unless the engine
     balances prefills across ranks."""
     I, O, lo = wl.input_len, wl.output_len, sv.layout
+    if wl.prefilled_elsewhere:  # a decode pool: decodes only, every iteration alike
+        it = iteration_time(sv, decodes=c, kv_len=I + O / 2)
+        return dict(it, itl=it["total"], itl_var=0.0)
     kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
     if lo.ep == 1 or lo.dp == 1 or sv.engine.adp_balanced:
         return _prompt_mixture(sv, c, I, O, min(I, wl.prefill_chunk))
@@ -360,18 +368,20 @@ def _pool(sv: Serving, gpus: int) -> Serving:
 
 
 def disaggregated(sv: Serving, wl: Workload) -> dict:
+    """P:D disaggregation (module docstring): the prefill pool at full chunks, the decode pool at --concurrency or at
+    its offline optimum -- chosen on its own iterations, which carry decodes only, and with a TPOT target on them --
+    and the prompts' KV between them. The TTFT is the prefill pool's (a prompt alone, then its KV shipped), so a TTFT
+    target is met or not there, whatever the decode pool runs."""
     P, D = wl.disaggregate
     pre, dec = _pool(sv, P), _pool(sv, D)
     I, O, cl = wl.input_len, wl.output_len, sv.cluster
     chunk = max(wl.prefill_chunk, I)
     full = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=chunk, prefill_ctx=I / 2)
     prefill_rps = pre.layout.dp * chunk / I / full["total"]
-    dwl = replace(wl, disaggregate=None)
+    dwl = replace(wl, disaggregate=None, prefilled_elsewhere=True, max_ttft_s=None)
     d = continuous(dec, dwl, wl.concurrency) if wl.concurrency else offline(dec, dwl)
-    d = d if O > 1 else dict(d, output_tokens_per_s=math.inf)
-    # decode-only pool: its iterations carry no prefill tokens
-    it = iteration_time(dec, decodes=d["concurrency"] / dec.layout.dp, kv_len=I + O / 2)
-    decode_rps = d["concurrency"] / it["total"] / O
+    it = d["iteration"]
+    decode_rps = d["output_tokens_per_s"] / O if O > 1 else math.inf  # one token: the prefill pool's alone
     nbytes = kv_transfer_bytes(sv.sm, prompt_tokens=I, kv_precision=sv.kv_precision)
     same_domain = P + D <= cl.scaleup_size
     link_bw = (cl.scaleup_bw if same_domain else cl.scaleout_bw) * cl.link_efficiency
@@ -382,8 +392,11 @@ def disaggregated(sv: Serving, wl: Workload) -> dict:
     bound = {prefill_rps: full["bound"], decode_rps: it["bound"],
              transfer_rps: "scale-up link" if same_domain else "scale-out link"}[rps]
     alone = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=I, prefill_ctx=I / 2)["total"]
-    slo = {"meets_slo": d["meets_slo"]} if "meets_slo" in d else {}  # latency targets: the decode pool's choice
-    return {**slo, "concurrency": d["concurrency"], "ttft_s": alone + transfer_s, "tpot_s": it["total"],
+    ttft = alone + transfer_s
+    slo = {}
+    if wl.max_ttft_s is not None or wl.max_tpot_s is not None:  # the TPOT's met by the decode pool's choice
+        slo["meets_slo"] = d.get("meets_slo", True) and ttft <= (wl.max_ttft_s or math.inf)
+    return {**slo, "concurrency": d["concurrency"], "ttft_s": ttft, "tpot_s": it["total"],
             "output_tokens_per_s": rps * O, "total_tokens_per_s": rps * (I + O), "bound": bound, "iteration": it,
             "kv_transfer_bytes_per_request": nbytes, "kv_transfer_s": transfer_s,
             "prefill_requests_per_s": prefill_rps, "decode_requests_per_s": decode_rps,
