@@ -591,3 +591,18 @@ def test_disaggregated_decode_pool_chosen_on_its_own_iterations():
                                  + split["kv_transfer_s"])
     assert not disaggregated(sv, replace(wl, max_ttft_s=0.5 * ttft))["meets_slo"]
     assert disaggregated(sv, replace(wl, max_ttft_s=2 * ttft))["meets_slo"]
+
+
+def test_search_where_nothing_fits_says_so_and_leads_with_the_nearest(capsys):
+    """405B in bf16 fits no layout of 8 H100s: the search says so first and ranks the layouts with the fewest weights
+    per GPU first (the whole model over all 8), not the replicated ones."""
+    rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--gpus", "8", "--input-len",
+                    "1024", "--output-len", "256", "--offline", "--json"], capsys)
+    ranked = json.loads(out)
+    assert rc == 0 and not any(r["fits"] for r in ranked)
+    assert [r["weights_gib"] for r in ranked] == sorted(r["weights_gib"] for r in ranked)
+    assert ranked[0]["weights_gib"] < 100  # 405B x 2 bytes / 8 GPUs
+    rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--gpus", "8", "--input-len",
+                    "1024", "--output-len", "256", "--offline"], capsys)
+    assert out.startswith("no layout of 8 x H100-SXM fits llama3-405b at 1024+256 tokens")
+    assert "does not fit" in out

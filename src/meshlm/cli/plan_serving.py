@@ -116,6 +116,9 @@ def run_infer(args) -> int:
         if args.json:
             print(json.dumps(ranked, indent=2))
         else:
+            if not ranked[0]["fits"]:
+                print(f"no layout of {gpus} x {sv.cluster.gpu} fits {args.model} at {wl.input_len}+{wl.output_len} "
+                      f"tokens; the nearest (fewest weights per GPU) first:")
             print("\n".join(format_serving(r, args.model, sv.cluster.gpu) for r in ranked))
         return 0
     est = estimate_serving(sv, wl)

@@ -484,10 +484,11 @@ def serving_layouts(sv: Serving, gpus: int) -> list[ServingLayout]:
 
 def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> list[dict]:
     """Every layout of `gpus` (`serving_layouts`) ranked by output tokens/s (then TPOT); those that miss the latency
-    targets after those that meet them, those that do not fit last."""
+    targets after those that meet them, those that do not fit last, the nearest to fitting (the fewest weights per
+    GPU) first."""
     results = [estimate_serving(replace(sv, layout=lo), wl) for lo in serving_layouts(sv, gpus)]
     key = lambda r: (not r["fits"], not r.get("meets_slo", True), -r.get("output_tokens_per_s", 0.0),  # noqa: E731
-                     r.get("tpot_ms", math.inf))
+                     r.get("tpot_ms", math.inf), r["weights_gib"])
     return sorted(results, key=key)[:top]
 
 
