@@ -1,6 +1,6 @@
 """Queueing formulas of the serving planner, free of any model or cluster: what a request waits for under Poisson
 arrivals -- a running-request slot (`slot_wait`, Erlang's C), the engine's per-iteration token budget and the
-iteration in flight (`budget_wait`, over the M/D/1 queue's mean and `wait_quantile`) -- and the in-flight count a
+iteration in flight (`budget_wait`, over the M/D/1 queue's mean and `wait_quantile`, and `residual_life`) -- and the in-flight count a
 request sees over its life (`tail_concurrency`). Each is checked against a simulation of the queue it describes
 (tests/test_planner_serving_arrivals.py). Responsible for: these formulas. Not responsible for: which deployment's
 times go into them (`serving_modes`: `prefill_queue`, `_at_rate`, `clients`).
@@ -12,13 +12,15 @@ import math
 import statistics
 
 
-def budget_wait(rate: float, prompt: int, budget: int, t_budget: float, t_iter: float, *, busy: float,
-                q: float | None = None) -> float:
+def budget_wait(rate: float, prompt: int, budget: int, t_budget: float, in_flight: list[tuple[float, float]], *,
+                busy: float, q: float | None = None, at_boundary: bool = False) -> float:
     """The wait of a prompt of `prompt` tokens for an engine's iterations, prompts arriving at `rate` per second
     (Poisson), on average (q None) or at quantile q (the sum of the two parts' quantiles, an upper bound). Two parts:
       * the iteration in flight: the engine admits new work at iteration boundaries, so an arrival that finds it
-        running (probability `busy`) waits out the rest of the iteration, t_iter / 2 on average for iterations of
-        near-constant length;
+        running (probability `busy`) waits out the rest of the iteration (`residual_life` of the iterations'
+        lengths `in_flight`, (probability, seconds) pairs: t / 2 for iterations of one length t) -- or, arriving
+        `at_boundary` (a closed-loop client's next request, sent as its last one's final iteration ends), the whole
+        next iteration, the mean length by count;
       * other prompts ahead: every iteration carries at most `budget` prompt tokens (the engine's token budget:
         TensorRT-LLM's max_num_tokens, vLLM's max_num_batched_tokens) in `t_budget` seconds, so prompts queue for it
         as jobs in an M/D/1 queue -- service S = prompt x t_budget / budget, utilisation rho = rate x S
@@ -30,9 +32,29 @@ def budget_wait(rate: float, prompt: int, budget: int, t_budget: float, t_iter: 
     if rho >= 1:
         return math.inf
     if q is None:
-        return busy * t_iter / 2 + rho * S / (2 * (1 - rho))
-    residual = 0.0 if q <= 1 - busy else t_iter * (q - (1 - busy)) / busy
+        rest = sum(p * t for p, t in in_flight) if at_boundary else residual_life(in_flight)
+        return busy * rest + rho * S / (2 * (1 - rho))
+    residual = 0.0 if q <= 1 - busy else residual_life(in_flight, (q - (1 - busy)) / busy)
     return residual + wait_quantile(rho, S, q)
+
+
+def residual_life(lengths: list[tuple[float, float]], q: float | None = None) -> float:
+    """What is left of the iteration in flight at a random instant (a Poisson arrival's, PASTA), iterations of the
+    lengths t with the frequencies p of `lengths` ((p, t) pairs, by count): on average E[t^2] / (2 E[t]) -- a random
+    instant falls in a long iteration more often than in a short one (the inspection paradox of renewal theory),
+    t / 2 for one length t -- or at quantile q, from P(rest > x) = sum p (t - x)+ / sum p t (piecewise linear in x,
+    inverted between the lengths)."""
+    mean = sum(p * t for p, t in lengths)
+    if mean <= 0:
+        return 0.0
+    if q is None:
+        return sum(p * t * t for p, t in lengths) / (2 * mean)
+    above = lambda x: sum(p * (t - x) for p, t in lengths if t > x) / mean  # noqa: E731  P(rest > x)
+    ts = sorted({t for _, t in lengths} | {0.0})
+    for a, b in zip(ts, ts[1:]):  # P(rest > x) falls linearly between neighbouring lengths
+        if above(b) <= 1 - q:
+            return a + (above(a) - (1 - q)) / (above(a) - above(b)) * (b - a)
+    return ts[-1]
 
 
 def slot_wait(load: float, slots: int, hold: float, q: float | None = None) -> float:

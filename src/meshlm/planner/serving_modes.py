@@ -18,8 +18,9 @@ Modes (I prompt tokens, O output tokens per request):
     carrying its average share (`_prompt_mixture`: decode iterations are bound by the weights, prompt ones by the
     FLOPs); throughput = C / the mean iteration, TPOT = the mean iteration a decoding request sees, TTFT =
     ceil(I / chunk) iterations holding a chunk. C is a count of clients, each sending its next request when its
-    last one ends (vLLM's `bench serve --max-concurrency`, NIM's genai-perf `--concurrency`): their prompts queue
-    for the engine's token budget (`prefill_queue`, at the rate of Little's law); beyond what the engine can run
+    last one ends (vLLM's `bench serve --max-concurrency`, NIM's genai-perf `--concurrency`): a request arrives as
+    an iteration ends and waits for the whole next one, and its prompt queues for the engine's token budget
+    (`prefill_queue`, at the rate of Little's law); beyond what the engine can run
     (`max_concurrency`: its KV, or its running-request cap) the rest wait in its queue (`clients`), C - N of them
     always; Little's law on the queue, W = (C - N) / X at X requests/s, adds the wait to the TTFT and leaves the
     throughput N's;
@@ -30,10 +31,11 @@ Modes (I prompt tokens, O output tokens per request):
     fewest requests, where none does); the steady state's TTFT holds no queueing, so a target on a tail (p99)
     under bursty arrivals is met more easily here than in the measurement;
   * Poisson arrivals of R requests/s (`--request-rate`): the in-flight count C solves Little's law
-    C = R x (TTFT + O x TPOT(C)) by fixed-point iteration. The engine admits a request at its next iteration (the
-    one in flight, T / 2 on average, when anything runs) and its prompt queues for the token budget each iteration
-    has: an M/D/1 queue of jobs of I tokens on a server of a chunk per iteration (`prefill_queue`; Pollaczek-Khinchine
-    with deterministic service). The engine absorbs load by batching more -- the TPOT grows with C, the TTFT does not
+    C = R x (TTFT + O x TPOT(C)) by fixed-point iteration. The engine admits a request at its next iteration (it
+    waits out the one in flight when anything runs: E[T^2] / (2 E[T]) on average over the iterations' lengths T, as
+    a random instant falls in the long, prompt-carrying ones more often -- `queues.residual_life`) and its prompt
+    queues for the token budget each iteration has: an M/D/1 queue of jobs of I tokens on a server of a chunk per
+    iteration (`prefill_queue`; Pollaczek-Khinchine with deterministic service). The engine absorbs load by batching more -- the TPOT grows with C, the TTFT does not
     until the budget or the KV runs out (TensorRT-LLM's online table: at 16 requests/s, the rate its offline run
     peaks at, the mean TTFT 175 ms against 62 ms at 2/s). A request also waits for a running-request slot (the KV or
     the engine's cap) when the Poisson in-flight count fills them, as in an M/D/k queue (`slot_wait`, Erlang's C). It
@@ -182,7 +184,7 @@ def clients(sv: Serving, wl: Workload, concurrency: int) -> dict:
         prefill, ttft = r["ttft_s"], r["ttft_s"]
         for _ in range(100):
             rate = n / (ttft + wl.output_len * r["tpot_s"])
-            ttft, last = prefill + prefill_queue(sv, wl, r, rate, busy=1.0), ttft
+            ttft, last = prefill + prefill_queue(sv, wl, r, rate, busy=1.0, at_boundary=True), ttft
             if not ttft < math.inf or abs(ttft - last) <= 1e-12 * ttft:
                 break
         r = dict(r, ttft_s=ttft)
@@ -203,14 +205,15 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
     I, O, lo = wl.input_len, wl.output_len, sv.layout
     if wl.prefilled_elsewhere:  # a decode pool: decodes only, every iteration alike
         it = iteration_time(sv, decodes=c, kv_len=I + O / 2)
-        return dict(it, itl=it["total"], itl_var=0.0)
+        return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
     kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
     if lo.ep == 1 or lo.dp == 1 or sv.engine.adp_balanced:
         return _prompt_mixture(sv, c, I, O, min(I, wl.prefill_chunk))
     prob, piece = busiest_rank_prefill(c * I / O, min(I, wl.prefill_chunk), lo.dp)
     busy, idle = iteration_time(sv, **kw, rank_prefill=piece), iteration_time(sv, **kw, rank_prefill=0.0)
     out = {k: prob * v + (1 - prob) * idle[k] for k, v in busy.items() if k != "bound"}
-    return dict(out, bound=busy["bound"] if prob >= 0.5 else idle["bound"])
+    return dict(out, bound=busy["bound"] if prob >= 0.5 else idle["bound"],
+                lengths=[(prob, busy["total"]), (1 - prob, idle["total"])])
 
 
 # Beyond this many prompt pieces per iteration on average the mixture is the mean iteration (`_prompt_mixture`).
@@ -227,12 +230,13 @@ def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
     sum P(k) (c - k) t_k / sum P(k) (c - k) the time between a request's tokens ("itl": a prompting request does not
     decode in its prompt's iteration). Past MIXTURE_MAX_PIECES pieces an iteration holds nearly the mean work
     (relative spread 1 / sqrt(m)): the mean iteration alone. "itl_var": the variance of the gaps (decode-weighted),
-    whose mean over a request's O - 1 gaps sets the spread of its TPOT (`_at_rate`'s tail)."""
+    whose mean over a request's O - 1 gaps sets the spread of its TPOT (`_at_rate`'s tail); "lengths": the
+    iterations' (probability, seconds), whose rest an arrival waits out (`queues.residual_life`)."""
     m = c * I / O / piece if piece > 0 else 0.0
     kw = dict(decodes=c, kv_len=I + O / 2, prefill_ctx=I / 2)
     if m <= 0 or m > MIXTURE_MAX_PIECES:
         it = iteration_time(sv, **kw, prefill_tokens=c * I / O)
-        return dict(it, itl=it["total"], itl_var=0.0)
+        return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
     weights, its, k, p, mass = [], [], 0, math.exp(-m), 0.0
     while mass < 1 - 1e-6 and k <= 4 * MIXTURE_MAX_PIECES:
         weights.append(p)
@@ -246,7 +250,7 @@ def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
     itl = sum(d * it["total"] for d, it in zip(decoding, its)) / gaps if gaps > 0 else out["total"]
     var = sum(d * (it["total"] - itl) ** 2 for d, it in zip(decoding, its)) / gaps if gaps > 0 else 0.0
     bound = max(zip(weights, its), key=lambda x: x[0] * x[1]["total"])[1]["bound"]
-    return dict(out, bound=bound, itl=itl, itl_var=var)
+    return dict(out, bound=bound, itl=itl, itl_var=var, lengths=[(w / mass, it["total"]) for w, it in zip(weights, its)])
 
 
 def offline(sv: Serving, wl: Workload) -> dict:
@@ -311,14 +315,16 @@ def max_rate(sv: Serving, wl: Workload) -> dict:
     return dict(at(lo), meets_slo=True)
 
 
-def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, q: float | None = None) -> float:
+def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, q: float | None = None,
+                  at_boundary: bool = False) -> float:
     """Seconds a request of continuous batching `r` (requests arriving at R per second, Poisson) waits before its
-    prompt's iterations, on average (q None) or at quantile q (`budget_wait` on this deployment: its iteration `r`'s
-    TPOT, and the iteration of its decodes and a full chunk, per dp rank)."""
+    prompt's iterations, on average (q None) or at quantile q (`budget_wait` on this deployment: the lengths of `r`'s
+    iterations, and the iteration of its decodes and a full chunk, per dp rank)."""
     I, O, dp = wl.input_len, wl.output_len, sv.layout.dp
     full = iteration_time(sv, decodes=r["concurrency"] / dp, kv_len=I + O / 2, prefill_tokens=wl.prefill_chunk,
                           prefill_ctx=I / 2)
-    return budget_wait(R / dp, I, wl.prefill_chunk, full["total"], r["tpot_s"], busy=busy, q=q)
+    return budget_wait(R / dp, I, wl.prefill_chunk, full["total"], r["iteration"]["lengths"], busy=busy, q=q,
+                       at_boundary=at_boundary)
 
 
 def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
@@ -444,7 +450,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     out.update(gpus=gpus, ttft_ms=_ms(r["ttft_s"]), tpot_ms=_ms(r["tpot_s"]),
                output_tokens_per_s_per_gpu=r["output_tokens_per_s"] / gpus, decode_tokens_per_s=r["output_tokens_per_s"],
                power_w=watts, joules_per_output_token=watts / r["output_tokens_per_s"],
-               iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound", "itl_var")})
+               iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound", "itl_var", "lengths")})
     return out
 
 
