@@ -607,3 +607,29 @@ def test_search_where_nothing_fits_says_so_and_leads_with_the_nearest(capsys):
                     "1024", "--output-len", "256", "--offline"], capsys)
     assert out.startswith("no layout of 8 x H100-SXM fits llama3-405b at 1024+256 tokens")
     assert "does not fit" in out
+
+
+def test_frontier_trades_interactivity_for_throughput_and_plot_draws_it(tmp_path, capsys):
+    """`frontier`: requests in flight doubling up to what fits: per-GPU throughput rises, each request's tokens/s
+    falls, the last point is the KV's limit; its throughput and TPOT are `continuous`'s at that count. `plan infer
+    --plot` writes the PNG (one curve per layout shown); with --disaggregate it refuses."""
+    from meshlm.planner.serving_modes import continuous, frontier
+
+    sv, wl = _sv("llama3-8b", tp=1), Workload(1024, 512)
+    points = frontier(sv, wl)
+    counts = [p["concurrency"] for p in points]
+    assert counts[:3] == [1, 2, 4] and counts[-1] == max_concurrency(sv, wl) and counts == sorted(counts)
+    per_gpu = [p["output_tokens_per_s_per_gpu"] for p in points]
+    user = [p["tokens_per_s_per_user"] for p in points]
+    assert per_gpu == sorted(per_gpu) and user == sorted(user, reverse=True)
+    at = continuous(sv, wl, counts[3])
+    assert points[3]["output_tokens_per_s_per_gpu"] == pytest.approx(at["output_tokens_per_s"])
+    assert points[3]["tpot_ms"] == pytest.approx(at["tpot_s"] * 1e3)
+    assert frontier(_sv("llama3-405b", tp=1), wl) == []  # nothing fits one GPU
+    png = tmp_path / "frontier.png"
+    rc, out = _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "2", "--input-len", "1024",
+                    "--output-len", "512", "--top", "2", "--plot", str(png)], capsys)
+    assert rc == 0 and f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="--disaggregate"):
+        _cli(["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--disaggregate", "1:1", "--plot", str(png)],
+             capsys)

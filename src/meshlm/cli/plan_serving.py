@@ -90,6 +90,9 @@ def add_serving_parsers(sub) -> None:
     i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
                    help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
     i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
+    i.add_argument("--plot", metavar="FILE.png",
+                   help="throughput per GPU against tokens/s per request (and TTFT against throughput) as requests "
+                        "in flight double, for the layout or each layout shown; the answer starred")
     i.add_argument("--context-len", type=int, default=None, help=argparse.SUPPRESS)
     i.add_argument("--json", action="store_true")
 
@@ -111,6 +114,8 @@ def run_infer(args) -> int:
     from meshlm.planner.serving_modes import estimate_serving, format_serving, search_serving
 
     sv, wl, gpus = _serving_inputs(args)
+    if args.plot and wl.disaggregate:
+        raise ValueError("--plot draws one pool's continuous batching; leave out --disaggregate")
     if args.layout is None and args.tp is None:
         ranked = search_serving(sv, wl, gpus=gpus, top=args.top)
         if args.json:
@@ -120,10 +125,32 @@ def run_infer(args) -> int:
                 print(f"no layout of {gpus} x {sv.cluster.gpu} fits {args.model} at {wl.input_len}+{wl.output_len} "
                       f"tokens; the nearest (fewest weights per GPU) first:")
             print("\n".join(format_serving(r, args.model, sv.cluster.gpu) for r in ranked))
-        return 0
-    est = estimate_serving(sv, wl)
-    print(json.dumps(est, indent=2) if args.json else format_serving(est, args.model, sv.cluster.gpu))
+    else:
+        ranked = [estimate_serving(sv, wl)]
+        print(json.dumps(ranked[0], indent=2) if args.json else format_serving(ranked[0], args.model, sv.cluster.gpu))
+    if args.plot:
+        _plot_frontier(args, sv, wl, ranked)
     return 0
+
+
+def _plot_frontier(args, sv, wl, answers: list[dict]) -> None:
+    """`plan infer --plot`: each fitting answer's layout swept over requests in flight (`frontier`), its answer
+    starred."""
+    from meshlm.planner.plot import plot_frontier
+    from meshlm.planner.serving import parse_serving_layout
+    from meshlm.planner.serving_modes import frontier
+
+    curves, marks = {}, {}
+    for r in (a for a in answers if a["fits"]):
+        lo = parse_serving_layout(r["layout"])
+        curves[r["layout"]] = frontier(replace(sv, layout=lo), wl)
+        marks[r["layout"]] = (1e3 / r["tpot_ms"], r["output_tokens_per_s_per_gpu"])
+    if not curves:
+        raise ValueError("--plot: no layout fits, nothing to draw")
+    plot_frontier(curves, args.plot, marks=marks, title=f"{args.model} on {sv.cluster.gpu}, "
+                                                        f"{wl.input_len}+{wl.output_len} tokens per request")
+    if not args.json:
+        print(f"wrote {args.plot}")
 
 
 def run_context(args) -> int:

@@ -1,5 +1,5 @@
 """PNGs: the top layouts' memory per GPU and step time as stacked components; scaling curves; one long context's
-memory per GPU against its length and TPOT against GPUs.
+memory per GPU against its length and TPOT against GPUs; serving deployments' throughput against interactivity.
 
 Responsible for: drawing (matplotlib, imported only here and only when a plot is asked for).
 Not responsible for: any number.
@@ -136,4 +136,36 @@ def plot_context(variants: dict, path: str | Path, *, title: str = "") -> Path:
     ax_t.set_xlabel("GPUs (labels: scale-up domains the KV spans)")
     ax_t.set_ylabel("TPOT ms")
     ax_t.set_title("per-token latency against GPUs")
+    return _save(plt, fig, path, title=title)
+
+
+def plot_frontier(curves: dict, path: str | Path, *, title: str = "", marks: dict | None = None) -> Path:
+    """`curves` {layout label: serving_modes.frontier points}: left, output tokens/s per GPU against each request's
+    tokens/s (1 / TPOT), the points labelled with the requests in flight; right, the TTFT against the same
+    throughput (C closed-loop clients' first-token latency, their prompts queueing for the token budget). `marks`
+    {label: (tokens/s per user, tokens/s per GPU)}: the answer of `plan infer`, a star on the left."""
+    plt = _pyplot()
+    path = Path(path)
+    fig, (ax_f, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    for label, points in curves.items():
+        if not points:
+            continue
+        per_gpu = [p["output_tokens_per_s_per_gpu"] for p in points]
+        line, = ax_f.plot([p["tokens_per_s_per_user"] for p in points], per_gpu, marker="o", label=label)
+        for p in points:
+            ax_f.annotate(f"{p['concurrency']}", (p["tokens_per_s_per_user"], p["output_tokens_per_s_per_gpu"]),
+                          textcoords="offset points", xytext=(3, 4), fontsize=7, color=line.get_color())
+        ax_t.plot(per_gpu, [p["ttft_ms"] for p in points], marker="o", color=line.get_color(), label=label)
+        if marks and label in marks:
+            ax_f.plot(*marks[label], marker="*", markersize=14, color=line.get_color())
+    for ax in (ax_f, ax_t):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax_f.set_xlabel("tokens/s per request (1 / TPOT)")
+    ax_f.set_ylabel("output tokens/s per GPU")
+    ax_f.set_title("throughput against interactivity (labels: requests in flight)")
+    ax_t.set_xlabel("output tokens/s per GPU")
+    ax_t.set_ylabel("TTFT ms")
+    ax_t.set_yscale("log")
+    ax_t.set_title("first-token latency against throughput (closed-loop clients)")
     return _save(plt, fig, path, title=title)

@@ -476,6 +476,24 @@ def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
     return ""
 
 
+def frontier(sv: Serving, wl: Workload) -> list[dict]:
+    """The throughput-interactivity curve of one deployment (`plan infer --plot`): continuous batching (`clients`) at
+    dp x 1, 2, 4, ... requests in flight up to what fits (`max_concurrency`, and that count itself): output tokens/s
+    per GPU against each request's tokens/s (1 / TPOT), with the TTFT -- more requests share each iteration's weight
+    reads until the compute, the KV or the engine's cap stops them. Empty where no request fits."""
+    cap, dp = max_concurrency(sv, wl), sv.layout.dp
+    if cap < dp or _misfit(sv, wl, cap, 1, sv.memory()):
+        return []
+    counts = sorted({dp * 2**i for i in range(40) if dp * 2**i < cap} | {cap})
+    points = []
+    for c in counts:
+        r = clients(sv, wl, c)
+        points.append({"concurrency": c, "output_tokens_per_s_per_gpu": r["output_tokens_per_s"] / sv.layout.world,
+                       "tokens_per_s_per_user": 1.0 / r["tpot_s"], "ttft_ms": r["ttft_s"] * 1e3,
+                       "tpot_ms": r["tpot_s"] * 1e3, "bound": r["bound"]})
+    return points
+
+
 def serving_layouts(sv: Serving, gpus: int) -> list[ServingLayout]:
     """Every layout of `gpus` the search considers: tp within a scale-up domain, pp, cp = 1, the rest replicas (dp),
     ep = 1 or, for MoE, every rank of a stage's replicas (ep = dp x tp)."""
