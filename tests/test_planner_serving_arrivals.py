@@ -390,3 +390,23 @@ def test_closed_loop_requests_arrive_at_iteration_boundaries():
     assert own + wait == pytest.approx(ttft, rel=0.05)
     poisson = budget_wait(1.0, 1, 10**9, 1e-9, lengths, busy=1.0)
     assert abs(own + poisson - ttft) > 0.2 * ttft
+
+
+def test_prompts_beyond_the_token_budget_do_not_keep_up_and_rank_after_those_that_do():
+    """Prompts can outrun the engine's per-iteration token budget before the output outruns the offline optimum (whose
+    iterations carry any prompt tokens; a budget caps them): DeepSeek-V3 in fp4 at 100 requests/s of 4096 + 1024 tokens
+    on tp 4 x pp 9 x dp 2 of an NVL72 offers 84% of the optimum's output but 109% of the budget. It does not keep up
+    (before: "keeps up: yes" beside a TTFT without bound), its utilisation is the budget's, it serves at most the
+    offered tokens/s, and the search ranks the layouts that keep up first."""
+    from meshlm.planner.serving_modes import estimate_serving, search_serving
+
+    sv = Serving(served_model("deepseek-v3"), get_cluster("gb200-nvl72"), ServingLayout(tp=4, pp=9, dp=2),
+                 precision="fp4")
+    wl = Workload(4096, 1024, request_rate=100)
+    r, best = estimate_serving(sv, wl), offline(sv, Workload(4096, 1024))
+    assert 100 * 1024 < 0.9 * best["output_tokens_per_s"]
+    assert not r["keeps_up"] and r["utilization"] > 1 and r["ttft_ms"] is None
+    assert r["output_tokens_per_s"] == pytest.approx(100 * 1024)
+    ranked = search_serving(replace(sv, layout=ServingLayout()), wl, gpus=72, top=100)
+    flags = [x["keeps_up"] for x in ranked if x["fits"]]
+    assert flags[0] and not flags[-1] and flags == sorted(flags, reverse=True)

@@ -39,7 +39,8 @@ Modes (I prompt tokens, O output tokens per request):
     until the budget or the KV runs out (TensorRT-LLM's online table: at 16 requests/s, the rate its offline run
     peaks at, the mean TTFT 175 ms against 62 ms at 2/s). A request also waits for a running-request slot (the KV or
     the engine's cap) when the Poisson in-flight count fills them, as in an M/D/k queue (`slot_wait`, Erlang's C). It
-    keeps up while R x O stays below the offline throughput and the offered load below the slots. Tails at
+    keeps up while R x O stays below the offline throughput, the offered load below the slots and the prompts' tokens
+    below the token budget (`utilization`, the busiest of the three). Tails at
     `--percentile` P (default 99, MLPerf's server scenarios' p99): the waits' from the slot queue's and the M/D/1
     queue's distributions (`slot_wait`, `wait_quantile`) plus the iteration in flight's; the TPOT's at the in-flight
     count a request sees over its life, plus the spread of its mean gap (its O - 1 gaps, each an iteration carrying
@@ -320,31 +321,41 @@ def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, 
     """Seconds a request of continuous batching `r` (requests arriving at R per second, Poisson) waits before its
     prompt's iterations, on average (q None) or at quantile q (`budget_wait` on this deployment: the lengths of `r`'s
     iterations, and the iteration of its decodes and a full chunk, per dp rank)."""
-    I, O, dp = wl.input_len, wl.output_len, sv.layout.dp
-    full = iteration_time(sv, decodes=r["concurrency"] / dp, kv_len=I + O / 2, prefill_tokens=wl.prefill_chunk,
-                          prefill_ctx=I / 2)
-    return budget_wait(R / dp, I, wl.prefill_chunk, full["total"], r["iteration"]["lengths"], busy=busy, q=q,
-                       at_boundary=at_boundary)
+    return budget_wait(R / sv.layout.dp, wl.input_len, wl.prefill_chunk, _budget_iteration(sv, wl, r),
+                       r["iteration"]["lengths"], busy=busy, q=q, at_boundary=at_boundary)
+
+
+def _budget_iteration(sv: Serving, wl: Workload, r: dict) -> float:
+    """Seconds of an iteration carrying `r`'s decodes and a full chunk of prompt tokens (the token budget), per dp rank."""
+    I, O = wl.input_len, wl.output_len
+    return iteration_time(sv, decodes=r["concurrency"] / sv.layout.dp, kv_len=I + O / 2,
+                          prefill_tokens=wl.prefill_chunk, prefill_ctx=I / 2)["total"]
 
 
 def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
     """Poisson arrivals of R requests/s with `r` the continuous batching of the in-flight count they make and `best`
     the offline optimum: the waits for a running-request slot (`slot_wait`) and for the token budget
-    (`prefill_queue`) added to the TTFT, whether it keeps up (the offered output tokens/s within the offline
-    optimum's, the offered load within the slots), and the tails at `wl.percentile` ("ttft_tail_s", "tpot_tail_s"; the
-    means where it is None). The in-flight count seen by an arrival is Poisson with mean c (the M/G/infinity
-    result): the engine is busy with probability 1 - e^-c/dp."""
+    (`prefill_queue`) added to the TTFT; the utilisation, the busiest of three limits -- the offered output tokens/s
+    against the offline optimum's, the offered load (rate x a request's slot time) against the slots, the prompts'
+    tokens against the token budget (rate x I x the budget iteration / the chunk) --, and whether it keeps up (each
+    below 1; where one is not, the queue grows, and the output tokens/s are the offered ones, at most the offline
+    optimum's: the offline optimum carries whatever prompt tokens its iterations hold, where an engine's budget may
+    cap them -- TensorRT-LLM's 467 + 16 rows at 32 requests/s serve what that optimum says, not what a budget of
+    8192 tokens with the model's iteration times would allow, 24% less); the tails at
+    `wl.percentile` ("ttft_tail_s", "tpot_tail_s"; the means where it is None). The in-flight count seen by an
+    arrival is Poisson with mean c (the M/G/infinity result): the engine is busy with probability 1 - e^-c/dp."""
     I, O, c, s = wl.input_len, wl.output_len, r["concurrency"], r["ttft_s"]
     cap, dp = max_concurrency(sv, wl), sv.layout.dp
-    rho = R * O / best["output_tokens_per_s"]
     hold = s + O * r["tpot_s"]  # a running request's slot, from its prompt's iterations to its last token
     slots, load = cap // dp, R / dp * hold
-    keeps_up = rho < 1 and load < slots
+    utilization = max(R * O / best["output_tokens_per_s"], load / slots,
+                      R / dp * I * _budget_iteration(sv, wl, r) / wl.prefill_chunk)
+    keeps_up = utilization < 1
     busy = -math.expm1(-c / dp)
     wait = prefill_queue(sv, wl, r, R, busy=busy) + slot_wait(load, slots, hold) if keeps_up else math.inf
-    out = dict(r, request_rate=R, ttft_s=s + wait, keeps_up=keeps_up, utilization=rho,
-               output_tokens_per_s=R * O if keeps_up else best["output_tokens_per_s"],
-               total_tokens_per_s=R * (I + O) if keeps_up else best["total_tokens_per_s"])
+    served = min(R, best["output_tokens_per_s"] / O)
+    out = dict(r, request_rate=R, ttft_s=s + wait, keeps_up=keeps_up, utilization=utilization,
+               output_tokens_per_s=served * O, total_tokens_per_s=served * (I + O))
     if wl.percentile is None:
         out.update(ttft_tail_s=out["ttft_s"], tpot_tail_s=out["tpot_s"])
     else:
@@ -508,11 +519,12 @@ def serving_layouts(sv: Serving, gpus: int) -> list[ServingLayout]:
 
 def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> list[dict]:
     """Every layout of `gpus` (`serving_layouts`) ranked by output tokens/s (then TPOT); those that miss the latency
-    targets after those that meet them, those that do not fit last, the nearest to fitting (the fewest weights per
+    targets after those that meet them, those that fall behind Poisson arrivals after those that keep up, those that
+    do not fit last, the nearest to fitting (the fewest weights per
     GPU) first."""
     results = [estimate_serving(replace(sv, layout=lo), wl) for lo in serving_layouts(sv, gpus)]
-    key = lambda r: (not r["fits"], not r.get("meets_slo", True), -r.get("output_tokens_per_s", 0.0),  # noqa: E731
-                     r.get("tpot_ms", math.inf), r["weights_gib"])
+    key = lambda r: (not r["fits"], not r.get("meets_slo", True), not r.get("keeps_up", True),  # noqa: E731
+                     -r.get("output_tokens_per_s", 0.0), r.get("tpot_ms", math.inf), r["weights_gib"])
     return sorted(results, key=key)[:top]
 
 
