@@ -349,7 +349,8 @@ def test_residual_life_is_the_rest_a_random_instant_finds():
     assert residual_life(lengths) == pytest.approx(sum(rests) / len(rests), rel=0.03)
     assert residual_life(lengths) > 3 * (0.9 * 0.015 + 0.1 * 0.2) / 2
     assert residual_life(lengths, 0.99) == pytest.approx(rests[int(0.99 * len(rests))], rel=0.03)
-    assert residual_life([(1.0, 0.02)]) == pytest.approx(0.01) and residual_life([(1.0, 0.02)], 0.9) == pytest.approx(0.018)
+    assert residual_life([(1.0, 0.02)]) == pytest.approx(0.01)
+    assert residual_life([(1.0, 0.02)], 0.9) == pytest.approx(0.018)
 
 
 def _closed_loop_engine(clients: int, output: int, t_decode: float, t_prompt: float, n: int = 40_000):

@@ -1,9 +1,9 @@
 """Queueing formulas of the serving planner, free of any model or cluster: what a request waits for under Poisson
 arrivals -- a running-request slot (`slot_wait`, Erlang's C), the engine's per-iteration token budget and the
-iteration in flight (`budget_wait`, over the M/D/1 queue's mean and `wait_quantile`, and `residual_life`) -- and the in-flight count a
-request sees over its life (`tail_concurrency`). Each is checked against a simulation of the queue it describes
-(tests/test_planner_serving_arrivals.py). Responsible for: these formulas. Not responsible for: which deployment's
-times go into them (`serving_modes`: `prefill_queue`, `_at_rate`, `clients`).
+iteration in flight (`budget_wait`, over the M/D/1 queue's mean and `wait_quantile`, and `residual_life`) -- and the
+in-flight count a request sees over its life (`tail_concurrency`). Each is checked against a simulation of the
+queue it describes (tests/test_planner_serving_arrivals.py). Responsible for: these formulas. Not responsible for:
+which deployment's times go into them (`serving_modes`: `prefill_queue`, `_at_rate`, `clients`).
 """
 
 from __future__ import annotations

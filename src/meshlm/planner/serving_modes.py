@@ -35,13 +35,13 @@ Modes (I prompt tokens, O output tokens per request):
     waits out the one in flight when anything runs: E[T^2] / (2 E[T]) on average over the iterations' lengths T, as
     a random instant falls in the long, prompt-carrying ones more often -- `queues.residual_life`) and its prompt
     queues for the token budget each iteration has: an M/D/1 queue of jobs of I tokens on a server of a chunk per
-    iteration (`prefill_queue`; Pollaczek-Khinchine with deterministic service). The engine absorbs load by batching more -- the TPOT grows with C, the TTFT does not
-    until the budget or the KV runs out (TensorRT-LLM's online table: at 16 requests/s, the rate its offline run
-    peaks at, the mean TTFT 175 ms against 62 ms at 2/s). A request also waits for a running-request slot (the KV or
-    the engine's cap) when the Poisson in-flight count fills them, as in an M/D/k queue (`slot_wait`, Erlang's C). It
-    keeps up while R x O stays below the offline throughput, the offered load below the slots and the prompts' tokens
-    below the token budget (`utilization`, the busiest of the three). Tails at
-    `--percentile` P (default 99, MLPerf's server scenarios' p99): the waits' from the slot queue's and the M/D/1
+    iteration (`prefill_queue`; Pollaczek-Khinchine with deterministic service). The engine absorbs load by batching
+    more -- the TPOT grows with C, the TTFT does not until the budget or the KV runs out (TensorRT-LLM's online table:
+    at 16 requests/s, the rate its offline run peaks at, the mean TTFT 175 ms against 62 ms at 2/s). A request also
+    waits for a running-request slot (the KV or the engine's cap) when the Poisson in-flight count fills them, as in
+    an M/D/k queue (`slot_wait`, Erlang's C). It keeps up while R x O stays below the offline throughput, the offered
+    load below the slots and the prompts' tokens below the token budget (`utilization`, the busiest of the three).
+    Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the waits' from the slot queue's and the M/D/1
     queue's distributions (`slot_wait`, `wait_quantile`) plus the iteration in flight's; the TPOT's at the in-flight
     count a request sees over its life, plus the spread of its mean gap (its O - 1 gaps, each an iteration carrying
     Poisson many prompts: normal by the central limit); the count: every request in flight is served at once, so the
@@ -251,7 +251,8 @@ def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
     itl = sum(d * it["total"] for d, it in zip(decoding, its)) / gaps if gaps > 0 else out["total"]
     var = sum(d * (it["total"] - itl) ** 2 for d, it in zip(decoding, its)) / gaps if gaps > 0 else 0.0
     bound = max(zip(weights, its), key=lambda x: x[0] * x[1]["total"])[1]["bound"]
-    return dict(out, bound=bound, itl=itl, itl_var=var, lengths=[(w / mass, it["total"]) for w, it in zip(weights, its)])
+    lengths = [(w / mass, it["total"]) for w, it in zip(weights, its)]
+    return dict(out, bound=bound, itl=itl, itl_var=var, lengths=lengths)
 
 
 def offline(sv: Serving, wl: Workload) -> dict:
@@ -326,7 +327,8 @@ def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, 
 
 
 def _budget_iteration(sv: Serving, wl: Workload, r: dict) -> float:
-    """Seconds of an iteration carrying `r`'s decodes and a full chunk of prompt tokens (the token budget), per dp rank."""
+    """Seconds of an iteration carrying `r`'s decodes and a full chunk of prompt tokens (the token budget), per dp
+    rank."""
     I, O = wl.input_len, wl.output_len
     return iteration_time(sv, decodes=r["concurrency"] / sv.layout.dp, kv_len=I + O / 2,
                           prefill_tokens=wl.prefill_chunk, prefill_ctx=I / 2)["total"]
@@ -338,10 +340,9 @@ def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
     (`prefill_queue`) added to the TTFT; the utilisation, the busiest of three limits -- the offered output tokens/s
     against the offline optimum's, the offered load (rate x a request's slot time) against the slots, the prompts'
     tokens against the token budget (rate x I x the budget iteration / the chunk) --, and whether it keeps up (each
-    below 1; where one is not, the queue grows, and the output tokens/s are the offered ones, at most the offline
-    optimum's: the offline optimum carries whatever prompt tokens its iterations hold, where an engine's budget may
-    cap them -- TensorRT-LLM's 467 + 16 rows at 32 requests/s serve what that optimum says, not what a budget of
-    8192 tokens with the model's iteration times would allow, 24% less); the tails at
+    below 1; where one is not, the queue grows and the output tokens/s are the offered ones, at most the offline
+    optimum's -- whose iterations carry whatever prompt tokens they hold: TensorRT-LLM's 467 + 16 rows at 32
+    requests/s serve what it says, 24% more than the budget with the model's iteration times allows); the tails at
     `wl.percentile` ("ttft_tail_s", "tpot_tail_s"; the means where it is None). The in-flight count seen by an
     arrival is Poisson with mean c (the M/G/infinity result): the engine is busy with probability 1 - e^-c/dp."""
     I, O, c, s = wl.input_len, wl.output_len, r["concurrency"], r["ttft_s"]
