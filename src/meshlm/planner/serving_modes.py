@@ -41,10 +41,10 @@ Modes (I prompt tokens, O output tokens per request):
     waits for a running-request slot (the KV or the engine's cap) when the Poisson in-flight count fills them, as in
     an M/D/k queue (`slot_wait`, Erlang's C). It keeps up while R x O stays below the offline throughput, the offered
     load below the slots and the prompts' tokens below the token budget (`utilization`, the busiest of the three).
-    Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the waits' from the slot queue's and the M/D/1
-    queue's distributions (`slot_wait`, `wait_quantile`) plus the iteration in flight's; the TPOT's at the in-flight
-    count a request sees over its life, plus the spread of its mean gap (its O - 1 gaps, each an iteration carrying
-    Poisson many prompts: normal by the central limit); the count: every request in flight is served at once, so the
+    Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the waits' from the slot queue's and the
+    M/D/1 queue's distributions (`slot_wait`, `wait_quantile`) plus the iteration in flight's; the TPOT's at the
+    in-flight count a request sees over its life, plus the spread of its mean gap (its O - 1 gaps, each an iteration
+    carrying Poisson many prompts: normal by the central limit); the count: every request in flight is served at once, so the
     count is that of an infinite-server queue, Poisson with mean C (the M/G/infinity result), and its mean over a
     life of fixed length has variance 2C/3 (`tail_concurrency`);
   * the highest Poisson rate whose tails meet `--max-ttft-ms` / `--max-tpot-ms` (`--request-rate max`: MLPerf's
