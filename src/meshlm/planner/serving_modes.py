@@ -44,9 +44,9 @@ Modes (I prompt tokens, O output tokens per request):
     Tails at `--percentile` P (default 99, MLPerf's server scenarios' p99): the waits' from the slot queue's and the
     M/D/1 queue's distributions (`slot_wait`, `wait_quantile`) plus the iteration in flight's; the TPOT's at the
     in-flight count a request sees over its life, plus the spread of its mean gap (its O - 1 gaps, each an iteration
-    carrying Poisson many prompts: normal by the central limit); the count: every request in flight is served at once, so the
-    count is that of an infinite-server queue, Poisson with mean C (the M/G/infinity result), and its mean over a
-    life of fixed length has variance 2C/3 (`tail_concurrency`);
+    carrying Poisson many prompts: normal by the central limit); the count: every request in flight is served at
+    once, so the count is that of an infinite-server queue, Poisson with mean C (the M/G/infinity result), and its
+    mean over a life of fixed length has variance 2C/3 (`tail_concurrency`);
   * the highest Poisson rate whose tails meet `--max-ttft-ms` / `--max-tpot-ms` (`--request-rate max`: MLPerf's
     server scenario, p99 TTFT and TPOT within its limits): a bisection over the in-flight count C, the rate being
     Little's C / (TTFT + O x TPOT(C)) (`max_rate`);
