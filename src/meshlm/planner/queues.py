@@ -13,29 +13,52 @@ import statistics
 
 
 def budget_wait(rate: float, prompt: int, budget: int, t_budget: float, in_flight: list[tuple[float, float]], *,
-                busy: float, q: float | None = None, at_boundary: bool = False) -> float:
-    """The wait of a prompt of `prompt` tokens for an engine's iterations, prompts arriving at `rate` per second
-    (Poisson), on average (q None) or at quantile q (the sum of the two parts' quantiles, an upper bound). Two parts:
+                busy: float, q: float | None = None, at_boundary: bool = False, t_token: float = 0.0) -> float:
+    """The wait of a prompt of `prompt` tokens for an engine's iterations (and what the other prompts add to its own),
+    prompts arriving at `rate` per second (Poisson), on average (q None) or at quantile q. Two parts:
       * the iteration in flight: the engine admits new work at iteration boundaries, so an arrival that finds it
         running (probability `busy`) waits out the rest of the iteration (`residual_life` of the iterations'
         lengths `in_flight`, (probability, seconds) pairs: t / 2 for iterations of one length t) -- or, arriving
         `at_boundary` (a closed-loop client's next request, sent as its last one's final iteration ends), the whole
         next iteration, the mean length by count;
-      * other prompts ahead: every iteration carries at most `budget` prompt tokens (the engine's token budget:
-        TensorRT-LLM's max_num_tokens, vLLM's max_num_batched_tokens) in `t_budget` seconds, so prompts queue for it
-        as jobs in an M/D/1 queue -- service S = prompt x t_budget / budget, utilisation rho = rate x S
-        (Pollaczek-Khinchine's mean rho S / (2 (1 - rho)), `wait_quantile`'s quantile).
-    Checked against a simulation of such an engine (tests/test_planner_serving_arrivals.py). Infinite where the
-    prompts outrun the budget (rho >= 1)."""
+      * the other prompts, in one of two regimes -- the wait the longer of the two:
+        - the budget binds: every iteration carries at most `budget` prompt tokens (the engine's token budget:
+          TensorRT-LLM's max_num_tokens, vLLM's max_num_batched_tokens) in `t_budget` seconds, and prompts queue for
+          it as jobs in an M/D/1 queue -- service S = prompt x t_budget / budget, utilisation rho = rate x S
+          (Pollaczek-Khinchine's mean rho S / (2 (1 - rho)), `wait_quantile`'s quantile);
+        - it does not: the prompts that arrived during the iteration in flight all ride the next one (bulk
+          service), which lasts `t_token` seconds longer for each of their tokens -- those before this prompt and
+          those after, Poisson with mean 2 x rate x the rest (an instant's age and rest in a renewal process share
+          one mean), their tokens capped by what the budget leaves this one (`_co_riders`; Poisson arrivals only).
+    Against a simulated engine whose iterations last t_decode + t_token a prompt token: within 6% over prompts of
+    1/40 to 0.6 of the budget at budget utilisations 0.1-0.85; each regime alone is 20-50% off where the other holds
+    (tests/test_planner_serving_arrivals.py). Infinite where the prompts outrun the budget (rho >= 1)."""
     S = prompt * t_budget / budget
     rho = rate * S
     if rho >= 1:
         return math.inf
     if q is None:
         rest = sum(p * t for p, t in in_flight) if at_boundary else residual_life(in_flight)
-        return busy * rest + rho * S / (2 * (1 - rho))
+        riders = 0.0 if at_boundary else t_token * _co_riders(2 * rate * rest, prompt, budget)
+        return busy * rest + max(rho * S / (2 * (1 - rho)), busy * riders)
     residual = 0.0 if q <= 1 - busy else residual_life(in_flight, (q - (1 - busy)) / busy)
-    return residual + wait_quantile(rho, S, q)
+    riders = t_token * _co_riders(2 * rate * residual_life(in_flight), prompt, budget)
+    return residual + max(wait_quantile(rho, S, q), busy * riders)
+
+
+def _co_riders(m: float, prompt: int, budget: int) -> float:
+    """E[min(N x prompt, budget - prompt)] for N ~ Poisson(m): the other prompts' tokens one iteration carries beside a
+    prompt, within what the budget leaves it (none for a prompt of a whole budget or more: it is chunked)."""
+    room = budget - prompt
+    if room <= 0 or m <= 0:
+        return 0.0
+    full = math.ceil(room / prompt)  # N at and beyond which the room is full
+    p, below, mean = math.exp(-m), 0.0, 0.0
+    for k in range(full):
+        mean += p * k * prompt
+        below += p
+        p *= m / (k + 1)
+    return mean + (1 - below) * room
 
 
 def residual_life(lengths: list[tuple[float, float]], q: float | None = None) -> float:

@@ -33,9 +33,11 @@ Modes (I prompt tokens, O output tokens per request):
   * Poisson arrivals of R requests/s (`--request-rate`): the in-flight count C solves Little's law
     C = R x (TTFT + O x TPOT(C)) by fixed-point iteration. The engine admits a request at its next iteration (it
     waits out the one in flight when anything runs: E[T^2] / (2 E[T]) on average over the iterations' lengths T, as
-    a random instant falls in the long, prompt-carrying ones more often -- `queues.residual_life`) and its prompt
-    queues for the token budget each iteration has: an M/D/1 queue of jobs of I tokens on a server of a chunk per
-    iteration (`prefill_queue`; Pollaczek-Khinchine with deterministic service). The engine absorbs load by batching
+    a random instant falls in the long, prompt-carrying ones more often -- `queues.residual_life`); then it rides
+    the next iteration with every prompt that arrived during that one, which lengthen it, until the token budget
+    binds and prompts queue for it: an M/D/1 queue of jobs of I tokens on a server of a chunk per iteration
+    (`prefill_queue`, `queues.budget_wait`: the longer of the two waits; Pollaczek-Khinchine with deterministic
+    service). The engine absorbs load by batching
     more -- the TPOT grows with C, the TTFT does not until the budget or the KV runs out (TensorRT-LLM's online table:
     at 16 requests/s, the rate its offline run peaks at, the mean TTFT 175 ms against 62 ms at 2/s). A request also
     waits for a running-request slot (the KV or the engine's cap) when the Poisson in-flight count fills them, as in
@@ -321,17 +323,20 @@ def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, 
                   at_boundary: bool = False) -> float:
     """Seconds a request of continuous batching `r` (requests arriving at R per second, Poisson) waits before its
     prompt's iterations, on average (q None) or at quantile q (`budget_wait` on this deployment: the lengths of `r`'s
-    iterations, and the iteration of its decodes and a full chunk, per dp rank)."""
-    return budget_wait(R / sv.layout.dp, wl.input_len, wl.prefill_chunk, _budget_iteration(sv, wl, r),
-                       r["iteration"]["lengths"], busy=busy, q=q, at_boundary=at_boundary)
+    iterations, the iteration of its decodes and a full chunk, and what a prompt token adds to one, per dp rank)."""
+    full = _budget_iteration(sv, wl, r)
+    t_token = (full - _budget_iteration(sv, wl, r, prompt_tokens=0)) / wl.prefill_chunk
+    return budget_wait(R / sv.layout.dp, wl.input_len, wl.prefill_chunk, full, r["iteration"]["lengths"], busy=busy,
+                       q=q, at_boundary=at_boundary, t_token=t_token)
 
 
-def _budget_iteration(sv: Serving, wl: Workload, r: dict) -> float:
-    """Seconds of an iteration carrying `r`'s decodes and a full chunk of prompt tokens (the token budget), per dp
-    rank."""
+def _budget_iteration(sv: Serving, wl: Workload, r: dict, prompt_tokens: int | None = None) -> float:
+    """Seconds of an iteration carrying `r`'s decodes and a full chunk of prompt tokens (the token budget; or
+    `prompt_tokens`), per dp rank."""
     I, O = wl.input_len, wl.output_len
     return iteration_time(sv, decodes=r["concurrency"] / sv.layout.dp, kv_len=I + O / 2,
-                          prefill_tokens=wl.prefill_chunk, prefill_ctx=I / 2)["total"]
+                          prefill_tokens=wl.prefill_chunk if prompt_tokens is None else prompt_tokens,
+                          prefill_ctx=I / 2)["total"]
 
 
 def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
