@@ -39,10 +39,10 @@ def budget_wait(rate: float, prompt: int, budget: int, t_budget: float, in_fligh
         return math.inf
     if q is None:
         rest = sum(p * t for p, t in in_flight) if at_boundary else residual_life(in_flight)
-        riders = 0.0 if at_boundary else t_token * _co_riders(2 * rate * rest, prompt, budget)
+        riders = 0.0 if at_boundary or not t_token else t_token * _co_riders(2 * rate * rest, prompt, budget)
         return busy * rest + max(rho * S / (2 * (1 - rho)), busy * riders)
     residual = 0.0 if q <= 1 - busy else residual_life(in_flight, (q - (1 - busy)) / busy)
-    riders = t_token * _co_riders(2 * rate * residual_life(in_flight), prompt, budget)
+    riders = t_token * _co_riders(2 * rate * residual_life(in_flight), prompt, budget) if t_token else 0.0
     return residual + max(wait_quantile(rho, S, q), busy * riders)
 
 
@@ -52,7 +52,8 @@ def _co_riders(m: float, prompt: int, budget: int) -> float:
     room = budget - prompt
     if room <= 0 or m <= 0:
         return 0.0
-    full = math.ceil(room / prompt)  # N at and beyond which the room is full
+    # N at and beyond which the room is full, or past which Poisson(m) has no mass left (the room stands for the rest)
+    full = min(math.ceil(room / prompt), int(m + 12 * math.sqrt(m)) + 30)
     p, below, mean = math.exp(-m), 0.0, 0.0
     for k in range(full):
         mean += p * k * prompt
