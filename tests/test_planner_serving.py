@@ -2,7 +2,7 @@
 
 Decode at batch 1 is bounded below by the weights streaming through HBM; the KV capacity is exactly what the
 weights and the workspace leave; cp divides a sequence's KV per GPU; fp8 KV doubles the concurrency; a
-disaggregated deployment ships exactly the prompt's KV; MLA's compressed cache; every JSON field present. The
+disaggregated deployment ships exactly the prompt's KV; MLA's compressed cache. The
 engine's terms (serving_engine.py): the roofline's rounded corner, GQA KV read per query head without a sharing
 kernel, the host's launches without CUDA graphs, the expert all-to-all against DeepEP's own table, attention-DP
 ranks waiting for the busiest prefill, two micro-batches reading the weights twice (only where the batch splits)
@@ -14,8 +14,6 @@ trtllm-bench derives itself for TensorRT-LLM's perf-overview rows.
 """
 
 import argparse
-import json
-import math
 from dataclasses import replace
 
 import pytest
@@ -26,10 +24,6 @@ from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import KV_MEMORY_FRACTION, Serving, ServingLayout, iteration_time, kv_transfer_bytes
 from meshlm.planner.serving_model import served_model
 from meshlm.planner.serving_modes import Workload, estimate_serving, max_concurrency
-
-FIELDS = ("output_tokens_per_s", "output_tokens_per_s_per_gpu", "total_tokens_per_s", "ttft_ms", "tpot_ms",
-          "max_concurrency", "kv_bytes_per_token", "max_context_tokens", "bound", "power_w",
-          "joules_per_output_token")
 
 
 def _sv(model="llama3-70b", cluster="h100", kv="bf16", precision="bf16", **layout):
@@ -98,98 +92,6 @@ def test_mla_caches_the_compressed_latent():
     # the latent is shared by the heads: tp does not split it
     sv = _sv("deepseek-v3", precision="fp8", tp=8)
     assert sv.kv_bytes_per_token_per_gpu() == 61 * 576 * 2
-
-
-def test_modes_are_consistent():
-    sv = _sv("llama3-8b", precision="fp8")
-    small = estimate_serving(sv, Workload(1000, 1000, concurrency=8))
-    best = estimate_serving(sv, Workload(1000, 1000, offline=True))
-    assert best["output_tokens_per_s"] > 4 * small["output_tokens_per_s"] and best["tpot_ms"] > small["tpot_ms"]
-    light = estimate_serving(sv, Workload(1000, 1000, request_rate=0.5))
-    heavy = estimate_serving(sv, Workload(1000, 1000, request_rate=1000.0))
-    assert light["keeps_up"] and not heavy["keeps_up"] and heavy["utilization"] > 1
-    assert light["output_tokens_per_s"] == pytest.approx(500.0)
-    static = estimate_serving(sv, Workload(128, 128, batch=64))
-    assert static["mode"] == "static" and static["concurrency"] == 64
-
-
-def test_clients_beyond_what_fits_wait_in_the_queue_by_littles_law():
-    """C closed-loop clients: up to `max_concurrency` run as continuous batching, their prompts queueing for the token
-    budget at the rate Little's law gives them (a lone client finds the engine idle); beyond it the engine runs N and
-    C - N wait, each for (C - N) x O / (output tokens/s) before its prefill, the throughput staying N's."""
-    from meshlm.planner.serving_modes import clients, continuous, prefill_queue
-
-    sv, wl = _sv("llama3-70b", precision="fp8", tp=2), Workload(2000, 1000)
-    cap = max_concurrency(sv, wl)
-    within, alone = clients(sv, wl, cap), continuous(sv, wl, cap)
-    rate = cap / (within["ttft_s"] + 1000 * within["tpot_s"])  # Little's law at the fixed point
-    assert within["queued"] == 0 and within["ttft_s"] > alone["ttft_s"]
-    queue = prefill_queue(sv, wl, alone, rate, busy=1.0, at_boundary=True)  # a client's request follows a last token
-    assert within["ttft_s"] == pytest.approx(alone["ttft_s"] + queue, rel=1e-9)
-    assert clients(sv, wl, 1)["ttft_s"] == continuous(sv, wl, 1)["ttft_s"]
-    over = clients(sv, wl, cap + 40)
-    assert (over["running"], over["queued"], over["concurrency"]) == (cap, 40, cap + 40)
-    assert over["output_tokens_per_s"] == within["output_tokens_per_s"] and over["bound"] == "KV capacity"
-    assert over["ttft_s"] == pytest.approx(within["ttft_s"] + 40 * 1000 / within["output_tokens_per_s"], rel=1e-12)
-    capped = clients(sv, replace(wl, max_batch=8), 20)  # the engine's running-request cap, not the KV, stops it
-    assert capped["running"] == 8 and capped["bound"] != "KV capacity"
-    # `plan infer --concurrency` above the cap answers (the queue), where a static batch that large cannot fit
-    est = estimate_serving(sv, Workload(2000, 1000, concurrency=cap + 40))
-    assert est["fits"] and est["queued"] == 40 and est["ttft_ms"] == pytest.approx(over["ttft_s"] * 1e3)
-    assert not estimate_serving(sv, Workload(2000, 1000, batch=cap + 40))["fits"]
-
-
-def test_plan_infer_json_has_every_field(capsys):
-    rc, out = _cli(["plan", "infer", "--model", "deepseek-v3", "--cluster", "h200", "--gpus", "8",
-                    "--layout", "tp=1,ep=8,dp=8", "--precision", "fp8", "--kv-precision", "fp8",
-                    "--input-len", "1024", "--output-len", "1024", "--offline", "--json"], capsys)
-    d = json.loads(out)
-    assert rc == 0 and d["fits"] and all(k in d for k in FIELDS), sorted(set(FIELDS) - set(d))
-    assert d["bound"] in ("compute", "memory bandwidth", "KV capacity", "scale-up link", "scale-out link", "host")
-    assert math.isclose(d["joules_per_output_token"], d["power_w"] / d["output_tokens_per_s"])
-
-
-def test_plan_infer_expert_gemms_wider_than_their_weights(capsys):
-    """--expert-gemm-precision fp8 keeps fp4 experts' bytes (the same KV room) but multiplies them at the fp8 rate:
-    a compute-heavy prefill slows, the capacity does not move."""
-    base = ["plan", "infer", "--model", "deepseek-v3", "--cluster", "b200", "--gpus", "8", "--layout",
-            "tp=1,ep=8,dp=8", "--precision", "fp4", "--input-len", "8192", "--output-len", "16", "--batch", "64",
-            "--json"]
-    runs = []
-    for extra in ([], ["--expert-gemm-precision", "fp8"]):
-        rc, out = _cli(base + extra, capsys)
-        assert rc == 0
-        runs.append(json.loads(out))
-    fp4, mixed = runs
-    assert mixed["max_concurrency"] == fp4["max_concurrency"] and mixed["weights_gib"] == fp4["weights_gib"]
-    assert mixed["ttft_ms"] > fp4["ttft_ms"]
-    with pytest.raises(ValueError, match="narrower than the 'bf16' weights"):
-        Serving(served_model("deepseek-v3"), get_cluster("b200"), ServingLayout(ep=8, dp=8), precision="bf16",
-                expert_gemm_precision="fp8")
-
-
-def test_plan_infer_ranks_layouts_and_names_the_new_flags(capsys):
-    rc, out = _cli(["plan", "infer", "--model", "llama3-70b", "--cluster", "h100", "--gpus", "8",
-                    "--precision", "fp8", "--top", "3", "--json"], capsys)
-    ranked = json.loads(out)
-    assert rc == 0 and len(ranked) == 3 and all(r["gpus"] == 8 for r in ranked)
-    assert ranked[0]["output_tokens_per_s"] >= ranked[-1]["output_tokens_per_s"]
-    with pytest.raises(ValueError, match="--input-len"):
-        _cli(["plan", "infer", "--model", "llama3-70b", "--tp", "8", "--context-len", "8192"], capsys)
-    with pytest.raises(ValueError, match="fp4"):
-        replace(_sv("llama3-8b"), precision="fp4")
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--gpus", "0"], "--gpus 0 must be >= 1"), (["--gpus", "-2"], "--gpus -2 must be >= 1"),
-    (["--tp", "0"], "--tp 0 must be >= 1"), (["--tp", "1", "--prefill-chunk", "0"], "--prefill-chunk 0 must be > 0"),
-    (["--tp", "1", "--max-batch", "0"], "--max-batch 0 must be > 0")])
-def test_plan_infer_refuses_counts_below_one_by_name(capsys, flags, message):
-    # Each was once taken silently: --gpus 0 as one GPU, --gpus -2 as dp=-2, --prefill-chunk 0 as the default,
-    # --max-batch 0 as no cap.
-    with pytest.raises(ValueError) as err:
-        _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", *flags], capsys)
-    assert str(err.value) == message
 
 
 def test_roofline_corner_is_rounded_but_bounded():
@@ -517,119 +419,3 @@ def test_prefill_runs_the_output_head_once_per_prompt_and_decode_once_per_token(
     w = _work(sv, d=16, kv_len=2048, p=4096, p_ctx=512, p_rank=4096)
     assert w["dense_gemm_flops"] == pytest.approx(((16 + 4096) * body + (16 + 4) * head) / 2, rel=1e-12)
     assert cfg.vocab_size * cfg.hidden_size > 0.05 * body / 2  # the head is not negligible: the test can fail
-
-
-def test_offline_within_latency_targets_is_the_best_concurrency_that_meets_them():
-    """`--max-tpot-ms` / `--max-ttft-ms` (a serving SLO): the offline optimum among the concurrencies whose steady-state
-    TPOT and TTFT meet the targets -- the next step up the grid misses one -- never above the unconstrained optimum;
-    where none meets them, the fewest requests with meets_slo false. Published rows that state a target are priced
-    within it (`latency_targets`); a figure without a comparison is a result, not a target."""
-    from meshlm.planner.published_serving import latency_targets
-    from meshlm.planner.serving_modes import Workload, continuous, offline
-
-    sv = _sv("llama3-70b", "h100", tp=8)
-    free = offline(sv, Workload(2048, 512))
-    target = 0.5 * free["tpot_s"]
-    best = offline(sv, Workload(2048, 512, max_tpot_s=target))
-    assert best["meets_slo"] and best["tpot_s"] <= target < free["tpot_s"]
-    assert best["output_tokens_per_s"] < free["output_tokens_per_s"]
-    above = continuous(sv, Workload(2048, 512), best["concurrency"] * 2 ** 0.25 + 1)
-    assert above["tpot_s"] > target
-    ttft = continuous(sv, Workload(2048, 512), best["concurrency"] / 4)["ttft_s"]
-    assert ttft < best["ttft_s"]
-    both = offline(sv, Workload(2048, 512, max_tpot_s=target, max_ttft_s=ttft))
-    assert both["meets_slo"] and both["ttft_s"] <= ttft and both["concurrency"] < best["concurrency"]
-    from meshlm.planner.serving_modes import disaggregated
-
-    split = disaggregated(_sv("llama3-70b", "h100", tp=8), Workload(2048, 512, disaggregate=(8, 8), max_tpot_s=target))
-    assert split["meets_slo"] and split["tpot_s"] <= target  # the decode pool's concurrency meets it
-    none = offline(sv, Workload(2048, 512, max_tpot_s=1e-6))
-    assert not none["meets_slo"] and none["concurrency"] == sv.layout.dp
-    with pytest.raises(ValueError, match="offline concurrency"):
-        Workload(2048, 512, concurrency=8, max_tpot_s=0.1)
-    with pytest.raises(ValueError, match="--max-tpot-ms 0 must be > 0"):
-        Workload(2048, 512, max_tpot_s=0.0)
-    cell = lambda text: latency_targets({"batch_or_concurrency": text, "notes": ""})  # noqa: E731
-    assert cell("server: TTFT p99 <= 2 s, TPOT p99 <= 200 ms") == (2.0, 0.2)
-    assert cell("TTFT (p99) < 450 ms; TPOT < 40 ms") == (0.45, 0.04)
-    assert cell("TTFT 120 ms, TPOT 30 ms measured") == (None, None)
-
-
-def test_plan_infer_runs_the_named_engines_default_request_cap(capsys):
-    """`--engine vllm` without `--max-batch` runs vLLM's default max_num_seqs (V1: 1024 on an H100, 256 on an A100;
-    V0: 256), `--engine tensorrt-llm` its 2048, the default engine none; `--max-batch` overrides."""
-    base = ["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--input-len", "128", "--output-len", "128",
-            "--precision", "fp8", "--kv-precision", "fp8", "--json"]
-
-    def cap(*extra, cluster="h100"):
-        rc, out = _cli(base + ["--cluster", cluster, *extra], capsys)
-        assert rc == 0
-        return json.loads(out)["max_concurrency"]
-
-    free = cap()
-    assert free > 2048  # what the KV holds: the caps below bind
-    assert cap("--engine", "vllm") == 1024 and cap("--engine", "vllm-v0") == 256
-    assert cap("--engine", "vllm", cluster="a100") == 256 and cap("--engine", "tensorrt-llm") == 2048
-    assert cap("--engine", "vllm", "--max-batch", "64") == 64
-
-
-def test_disaggregated_decode_pool_chosen_on_its_own_iterations():
-    """A decode pool's iterations carry no prompts: under a TPOT target it runs the most requests whose decode-only
-    iteration meets it -- more than a pool that also prefills (whose prompt-carrying iterations are longer) -- and a
-    TTFT target is judged on the prefill pool's TTFT (a prompt alone plus its KV's transfer)."""
-    from meshlm.planner.serving_modes import disaggregated, offline
-
-    sv = _sv("llama3-70b", "h100", tp=8)
-    wl = Workload(2048, 512, disaggregate=(8, 8))
-    target = iteration_time(sv, decodes=128, kv_len=2048 + 256)["total"] * 1.001
-    split = disaggregated(sv, replace(wl, max_tpot_s=target))
-    assert split["meets_slo"] and split["tpot_s"] <= target
-    assert split["concurrency"] >= 128
-    assert iteration_time(sv, decodes=split["concurrency"] * 2 ** 0.25 + 1, kv_len=2048 + 256)["total"] > target
-    assert offline(sv, Workload(2048, 512, max_tpot_s=target))["concurrency"] < split["concurrency"]
-    ttft = split["ttft_s"]
-    assert ttft == pytest.approx(iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=2048, prefill_ctx=1024)["total"]
-                                 + split["kv_transfer_s"])
-    assert not disaggregated(sv, replace(wl, max_ttft_s=0.5 * ttft))["meets_slo"]
-    assert disaggregated(sv, replace(wl, max_ttft_s=2 * ttft))["meets_slo"]
-
-
-def test_search_where_nothing_fits_says_so_and_leads_with_the_nearest(capsys):
-    """405B in bf16 fits no layout of 8 H100s: the search says so first and ranks the layouts with the fewest weights
-    per GPU first (the whole model over all 8), not the replicated ones."""
-    rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--gpus", "8", "--input-len",
-                    "1024", "--output-len", "256", "--offline", "--json"], capsys)
-    ranked = json.loads(out)
-    assert rc == 0 and not any(r["fits"] for r in ranked)
-    assert [r["weights_gib"] for r in ranked] == sorted(r["weights_gib"] for r in ranked)
-    assert ranked[0]["weights_gib"] < 100  # 405B x 2 bytes / 8 GPUs
-    rc, out = _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--gpus", "8", "--input-len",
-                    "1024", "--output-len", "256", "--offline"], capsys)
-    assert out.startswith("no layout of 8 x H100-SXM fits llama3-405b at 1024+256 tokens")
-    assert "does not fit" in out
-
-
-def test_frontier_trades_interactivity_for_throughput_and_plot_draws_it(tmp_path, capsys):
-    """`frontier`: requests in flight doubling up to what fits: per-GPU throughput rises, each request's tokens/s
-    falls, the last point is the KV's limit; its throughput and TPOT are `continuous`'s at that count. `plan infer
-    --plot` writes the PNG (one curve per layout shown); with --disaggregate it refuses."""
-    from meshlm.planner.serving_modes import continuous, frontier
-
-    sv, wl = _sv("llama3-8b", tp=1), Workload(1024, 512)
-    points = frontier(sv, wl)
-    counts = [p["concurrency"] for p in points]
-    assert counts[:3] == [1, 2, 4] and counts[-1] == max_concurrency(sv, wl) and counts == sorted(counts)
-    per_gpu = [p["output_tokens_per_s_per_gpu"] for p in points]
-    user = [p["tokens_per_s_per_user"] for p in points]
-    assert per_gpu == sorted(per_gpu) and user == sorted(user, reverse=True)
-    at = continuous(sv, wl, counts[3])
-    assert points[3]["output_tokens_per_s_per_gpu"] == pytest.approx(at["output_tokens_per_s"])
-    assert points[3]["tpot_ms"] == pytest.approx(at["tpot_s"] * 1e3)
-    assert frontier(_sv("llama3-405b", tp=1), wl) == []  # nothing fits one GPU
-    png = tmp_path / "frontier.png"
-    rc, out = _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "2", "--input-len", "1024",
-                    "--output-len", "512", "--top", "2", "--plot", str(png)], capsys)
-    assert rc == 0 and f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="--disaggregate"):
-        _cli(["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--disaggregate", "1:1", "--plot", str(png)],
-             capsys)
