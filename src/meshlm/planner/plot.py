@@ -27,6 +27,15 @@ def _pyplot():
     return plt
 
 
+def _labels(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """A panel's grid, legend, axis labels and title."""
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+
+
 def _save(plt, fig, path: Path, *, title: str = "", dpi: int = 100) -> Path:
     if title:
         fig.suptitle(title)
@@ -128,14 +137,9 @@ def plot_context(variants: dict, path: str | Path, *, title: str = "") -> Path:
     ax_m.axvline(next(iter(variants.values()))[0]["context_tokens"], color="black", linewidth=0.8)
     for ax in (ax_m, ax_t):
         ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    ax_m.set_xlabel("context tokens (one sequence)")
-    ax_m.set_ylabel("GiB per GPU (dashed: usable)")
-    ax_m.set_title("weights + KV per GPU, smallest deployment")
-    ax_t.set_xlabel("GPUs (labels: scale-up domains the KV spans)")
-    ax_t.set_ylabel("TPOT ms")
-    ax_t.set_title("per-token latency against GPUs")
+    _labels(ax_m, "context tokens (one sequence)", "GiB per GPU (dashed: usable)",
+            "weights + KV per GPU, smallest deployment")
+    _labels(ax_t, "GPUs (labels: scale-up domains the KV spans)", "TPOT ms", "per-token latency against GPUs")
     return _save(plt, fig, path, title=title)
 
 
@@ -158,14 +162,8 @@ def plot_frontier(curves: dict, path: str | Path, *, title: str = "", marks: dic
         ax_t.plot(per_gpu, [p["ttft_ms"] for p in points], marker="o", color=line.get_color(), label=label)
         if marks and label in marks:
             ax_f.plot(*marks[label], marker="*", markersize=14, color=line.get_color())
-    for ax in (ax_f, ax_t):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    ax_f.set_xlabel("tokens/s per request (1 / TPOT)")
-    ax_f.set_ylabel("output tokens/s per GPU")
-    ax_f.set_title("throughput against interactivity (labels: requests in flight)")
-    ax_t.set_xlabel("output tokens/s per GPU")
-    ax_t.set_ylabel("TTFT ms")
+    _labels(ax_f, "tokens/s per request (1 / TPOT)", "output tokens/s per GPU",
+            "throughput against interactivity (labels: requests in flight)")
+    _labels(ax_t, "output tokens/s per GPU", "TTFT ms", "first-token latency against throughput (closed-loop clients)")
     ax_t.set_yscale("log")
-    ax_t.set_title("first-token latency against throughput (closed-loop clients)")
     return _save(plt, fig, path, title=title)
