@@ -325,7 +325,8 @@ def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, 
     prompt's iterations, on average (q None) or at quantile q (`budget_wait` on this deployment: the lengths of `r`'s
     iterations, the iteration of its decodes and a full chunk, and what a prompt token adds to one, per dp rank)."""
     full = _budget_iteration(sv, wl, r)
-    t_token = (full - _budget_iteration(sv, wl, r, prompt_tokens=0)) / wl.prefill_chunk
+    # closed-loop arrivals have no co-riders (`budget_wait`): no per-token cost to price for them
+    t_token = 0.0 if at_boundary else (full - _budget_iteration(sv, wl, r, prompt_tokens=0)) / wl.prefill_chunk
     return budget_wait(R / sv.layout.dp, wl.input_len, wl.prefill_chunk, full, r["iteration"]["lengths"], busy=busy,
                        q=q, at_boundary=at_boundary, t_token=t_token)
 
@@ -499,7 +500,7 @@ def frontier(sv: Serving, wl: Workload) -> list[dict]:
     per GPU against each request's tokens/s (1 / TPOT), with the TTFT -- more requests share each iteration's weight
     reads until the compute, the KV or the engine's cap stops them. Empty where no request fits."""
     cap, dp = max_concurrency(sv, wl), sv.layout.dp
-    if cap < dp or _misfit(sv, wl, cap, 1, sv.memory()):
+    if _misfit(sv, wl, cap, 1, sv.memory()):  # not one request per dp rank
         return []
     counts = sorted({dp * 2**i for i in range(40) if dp * 2**i < cap} | {cap})
     points = []
