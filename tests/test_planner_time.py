@@ -64,6 +64,9 @@ def test_collective_fits_are_per_kind_and_tier():
     assert collective_time("all_reduce", 1e9, span, slow_a2a) == collective_time("all_reduce", 1e9, span, h100)
     assert collective_time("all_to_all", 1e9, span, slow_a2a) > 2 * collective_time("all_to_all", 1e9, span, h100)
     assert collective_time("all_to_all", 1e9, (8, 1), slow_a2a) == collective_time("all_to_all", 1e9, (8, 1), h100)
+    # Nothing to move, nothing issued: no latency either (a dense model's expert gradients).
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        assert collective_time(kind, 0.0, span, h100) == 0.0 < collective_time(kind, 1.0, span, h100)
 
 
 def test_local_cluster_uses_each_calibrated_collective(tmp_path):
@@ -266,6 +269,47 @@ def test_fsdp2_copy_out_costs_each_gather_a_read_and_a_write_of_its_unit():
     est = [estimate(cfg, h100, dataclasses.replace(job, fsdp_copy_out=x), kept, gpus=16) for x in (False, True)]
     once = (cfg.num_layers * block + root) * 2 * 2 / r.hbm_bw
     assert est[1].time_s["dp_comm"] - est[0].time_s["dp_comm"] == pytest.approx(once, rel=1e-6)
+
+
+def test_fsdp_shard_grad_op_pays_a_collective_per_unit_and_pass():
+    """ZeRO-2 as FSDP's SHARD_GRAD_OP (`Job.zero2_unit_collectives`): every micro-step gathers each block and the root
+    before its forward and reduce-scatters each after its backward, one collective apiece, so a second more per
+    node-crossing hop costs 2 x m x (blocks + 1) seconds at least (where Megatron's bucketed ZeRO-2 pays for two
+    collectives a step), and m x blocks fewer than FULL_SHARD, which gathers each block again for its backward.
+    llm-foundry's SHARD_GRAD_OP rows get it, a DeepSpeed ZeRO-2 row does not."""
+    from meshlm.planner.cluster import with_overrides
+    from meshlm.planner.cost import Layout, estimate
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import model_of
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=6, num_heads=16, num_kv_heads=16,
+                      intermediate_size=2816, max_seq_len=2048)
+    base = get_cluster("h100")
+    slow = with_overrides(base, scaleout_latency=base.scaleout_latency + 1.0)  # dp 16: two nodes, one crossing hop
+    z2 = Layout(dp_shard=16, zero_stage=2, micro_batch_size=1, recompute="none")
+    job = Job(seq_len=2048, global_batch_size=32)
+
+    def extra(lo, **kw):
+        j = dataclasses.replace(job, **kw)
+        est = [estimate(cfg, c, j, lo, gpus=16) for c in (base, slow)]
+        assert est[0].num_microbatches == 2
+        return est[1].time_s["dp_comm"] - est[0].time_s["dp_comm"]
+
+    m, units = 2, cfg.num_layers + 1
+    per_unit = extra(z2, zero2_unit_collectives=True)
+    assert 2 * m * units - 0.1 <= per_unit <= 2 * m * units + 0.1
+    assert 2 - 0.1 <= extra(z2) <= 2 + 0.1  # one gradient reduce-scatter, one parameter all-gather
+    full_shard = extra(dataclasses.replace(z2, zero_stage=3))
+    assert full_shard - per_unit == pytest.approx(m * cfg.num_layers, abs=0.1)
+
+    row = {"model": "MPT-1B", "params_b": "1.3", "layers": "24", "hidden": "2048", "heads": "16", "kv_heads": "16",
+           "ffn": "8192", "vocab": "50368", "moe": "dense", "seq_len": "2048", "gbs_seqs": "1536", "gbs_tokens": "",
+           "mbs": "12", "gpu": "H100 80GB", "n_gpus": "128", "tp": "1", "pp": "1", "vpp": "", "dp": "128",
+           "zero_fsdp": "SHARD_GRAD_OP (ZeRO-2, Composer)", "cp": "1", "ep": "", "sp": "no", "recompute": "none",
+           "precision": "bf16", "source": "MosaicML llm-foundry (2024)", "source_loc": "", "notes": "",
+           "inferred_fields": "", "other_metric": "", "group": "O", "row_id": "X1"}
+    assert job_of(row, model_of(row)).zero2_unit_collectives
+    assert not job_of({**row, "zero_fsdp": "ZeRO-2 (DeepSpeed)"}, model_of(row)).zero2_unit_collectives
 
 
 def test_fp8_weights_cost_what_their_cast_moves():

@@ -36,11 +36,11 @@ def test_all_gather_and_reduce_scatter_latency_is_one_ring_over_every_rank():
     h100 = get_cluster("h100")
     up, out = h100.scaleup_latency, h100.scaleout_latency
     for kind in ("all_gather", "reduce_scatter"):
-        assert collective_time(kind, 0.0, (8, 128), h100) == pytest.approx((8 * 128 - 128) * up + 127 * out)
-        assert collective_time(kind, 0.0, (8, 1), h100) == pytest.approx(7 * up)
-        assert collective_time(kind, 0.0, (1, 64), h100) == pytest.approx(63 * out)
+        assert collective_time(kind, 1.0, (8, 128), h100) == pytest.approx((8 * 128 - 128) * up + 127 * out)
+        assert collective_time(kind, 1.0, (8, 1), h100) == pytest.approx(7 * up)
+        assert collective_time(kind, 1.0, (1, 64), h100) == pytest.approx(63 * out)
     # all-reduce over 128 domains: 2 x (7 hops inside + 2 log2(128) = 14 tree hops across)
-    assert collective_time("all_reduce", 0.0, (8, 128), h100) == pytest.approx(2 * 7 * up + 2 * 14 * out)
+    assert collective_time("all_reduce", 1.0, (8, 128), h100) == pytest.approx(2 * 7 * up + 2 * 14 * out)
 
 
 def test_fsdp_pays_a_latency_per_unit_and_pass():

@@ -82,6 +82,8 @@ def call_overhead(cluster: Cluster, kind: str, tier: str) -> float:
 def collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: Cluster) -> float:
     """Seconds for one collective; `nbytes` is the full (unsharded) buffer, or for all_to_all the
     bytes each rank sends in total, or for p2p the message."""
+    if nbytes <= 0:  # nothing to move: no collective is issued (a dense model's expert gradients)
+        return 0.0
     n_in, n_out = span
     base = _collective_time(kind, nbytes, span, cluster)
     if n_in * n_out <= 1 and kind != "p2p":

@@ -84,6 +84,13 @@ class Job:
     # all_gather calls torch.cuda.synchronize()", DeepSpeed PR #1188, 2021-10; prefetching overlapped with compute came
     # with its coalesced all-gathers, #1453, v0.6.0): no gather hides under compute, each pays its ring's latency.
     zero3_serial_gathers: bool = False
+    # ZeRO-2 as PyTorch FSDP's SHARD_GRAD_OP (llm-foundry's / Composer's ZeRO-2): the parameters gathered unit by unit
+    # (each wrapped block, then the root) before every micro-step's forward and kept for its backward, the gradients
+    # reduce-scattered unit by unit after it -- one collective per unit and pass, each paying its ring's latency,
+    # prefetched as FULL_SHARD's are (`timing_dp.fsdp_comm_time` without the backward's gathers). False: Megatron's
+    # distributed optimizer and DeepSpeed's ZeRO-2, which reduce-scatter the gradients in large buckets and gather
+    # the updated parameters once per step.
+    zero2_unit_collectives: bool = False
     # fp8 only: how the GEMMs' weights reach fp8 (`FP8_WEIGHTS`; HBM bytes per weight element in kernels.py's
     # `fp8_cast_bytes`, after torchao's own roofline model, torchao/float8/roofline_utils.py).
     fp8_weights: str = "cached"

@@ -129,6 +129,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * PyTorch FSDP2 (torchtitan, OLMo-core, and rows naming FSDP2 or fully_shard: groups K, T, AA) copies each
     all-gather's output into the parameters' own tensors on the compute stream (`Job.fsdp_copy_out`); FSDP1's flat
     parameters (llm-foundry, fms-fsdp) are views of it;
+  * ZeRO-2 as PyTorch FSDP's SHARD_GRAD_OP (llm-foundry's large-scale rows, group O) gathers and reduce-scatters
+    unit by unit, as FULL_SHARD does but without the backward's gathers (`Job.zero2_unit_collectives`); Megatron's
+    distributed optimizer and DeepSpeed's ZeRO-2 reduce in buckets and gather once per step;
   * ZeRO-3 as DeepSpeed ran it before v0.6 (a ZeRO-3 row of 2021 or before that is not FSDP, or one naming such a
     release): every parameter tensor gathered by its own collective, synchronously (`Job.zero3_serial_gathers`);
   * fp8 through torchao's float8 linear layers (torchtitan, OLMo-core) casts the weights with a dynamic scale in every
@@ -293,6 +296,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     old_deepspeed = bool(re.search(r"deepspeed v?0\.[0-5](\.\d+)?\b", text))
     serial_z3 = (zero_of(row) == 3 and not re.search(r"fsdp|fully.?shard", sharding)
                  and (year <= 2021 or old_deepspeed))
+    # ZeRO-2 as PyTorch FSDP's SHARD_GRAD_OP (llm-foundry's Composer rows): collectives unit by unit
+    # (`Job.zero2_unit_collectives`).
+    fsdp_z2 = zero_of(row) == 2 and "shard_grad_op" in sharding
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
                flash_attention_2=fa2,
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
@@ -300,7 +306,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
                flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion,
-               fsdp_copy_out=fsdp2, fp8_weights=fp8_weights, zero3_serial_gathers=serial_z3)
+               fsdp_copy_out=fsdp2, fp8_weights=fp8_weights, zero3_serial_gathers=serial_z3,
+               zero2_unit_collectives=fsdp_z2)
 
 
 def legacy_megatron(row: dict) -> bool:

@@ -349,7 +349,8 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
 
 def _driver_comm(sv: Serving, cl: Cluster, *, sampled: float) -> float:
     """Seconds per step of a driver-rank engine's own messages (`Engine.driver_broadcast`): the step's input
-    sent over cp, then tp (two broadcasts each; a small message, so its latency: a tree of log2 n p2p hops);
+    sent over cp, then tp (two broadcasts each of a small message, its `sampled` int64 token ids: a tree of log2 n
+    p2p hops);
     the tp ranks' vocabulary slices of the `sampled` rows' logits all-gathered; under cp those rows' hidden
     states all-reduced."""
     lo, cfg = sv.layout, sv.sm.cfg
@@ -357,7 +358,7 @@ def _driver_comm(sv: Serving, cl: Cluster, *, sampled: float) -> float:
     for size, stride in ((lo.cp, lo.tp), (lo.tp, 1)):
         if size > 1:
             span = group_span(stride, size, cl.scaleup_size)
-            out += 2 * math.ceil(math.log2(size)) * collective_time("p2p", 0.0, span, cl)
+            out += 2 * math.ceil(math.log2(size)) * collective_time("p2p", sampled * 8, span, cl)
     if lo.tp > 1:
         out += collective_time("all_gather", sampled * cfg.vocab_size * 4, group_span(1, lo.tp, cl.scaleup_size), cl)
     if lo.cp > 1:

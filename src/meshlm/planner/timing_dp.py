@@ -1,8 +1,8 @@
 """The data-parallel / ZeRO communication of one step left on the critical path after what overlaps.
 
 Responsible for: `dp_comm_time` (DDP's bucketed all-reduce, ZeRO-1/2's reduce-scatter + all-gather, meshlm's
-ZeRO, FSDP without resharding) and `fsdp_comm_time` (FSDP-style ZeRO-3 with resharding, unit by unit and pass
-by pass). The overlap rules are `timing.py`'s module docstring's ("Exposed vs overlapped communication").
+ZeRO, FSDP without resharding) and `fsdp_comm_time` (FSDP-style ZeRO-3 with resharding, and FSDP's ZeRO-2, unit by
+unit and pass by pass). The overlap rules are `timing.py`'s module docstring's ("Exposed vs overlapped communication").
 Not responsible for: one micro-batch's time (`timing.microbatch_time`, which these take as given), collective
 formulas (`collectives.py`) or placement (`placement.py`).
 """
@@ -63,6 +63,8 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
             comm = (r.times("all_reduce", g_dense, span_dp_all)
                     + r.times("all_reduce", g_exp, span_exp))
             window = t_mb_bwd
+        elif z == 2 and job.zero2_unit_collectives:  # FSDP's SHARD_GRAD_OP: FULL_SHARD's units, no backward gathers
+            return fsdp_comm_time(summary, job, lo, r, p, mb, num_microbatches=m, backward_gathers=False)
         elif z in (1, 2):
             if job.zero1_grad_all_reduce:  # every gradient all-reduced over all data-parallel ranks (Job field)
                 grads = r.times("all_reduce", g_dense, span_dp_all) + r.times("all_reduce", g_exp, span_exp)
@@ -104,7 +106,7 @@ def block_tensors(cfg) -> int:
 
 
 def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
-                   num_microbatches: int) -> float:
+                   num_microbatches: int, backward_gathers: bool = True) -> float:
     """FSDP / ZeRO-3 with resharding (PyTorch FSDP, DeepSpeed stage 3, Megatron-FSDP): what its collectives leave
     exposed in one step, unit by unit.
 
@@ -122,6 +124,8 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     `Job.zero3_serial_gathers` (DeepSpeed's ZeRO-3 before v0.6): every parameter tensor is gathered by a collective
     of its own, the device synchronized around it, so no gather overlaps compute and each pays its ring's latency
     (`block_tensors` per block); the gradients' reduce-scatters overlap as above.
+    `backward_gathers=False` (ZeRO-2 as FSDP's SHARD_GRAD_OP, `Job.zero2_unit_collectives`): the forward's gathers are
+    kept for the backward, which only reduce-scatters.
     `Job.fsdp_copy_out` (FSDP2): each gather's copy out of the all-gather buffer, a read and a write of the unit's
     parameters on the compute stream, is exposed whatever overlaps the collectives. Under fp8 with
     `Job.fp8_weights` "fsdp_all_gather" the blocks' weights are gathered (and copied out) in one byte each."""
@@ -152,19 +156,20 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     pieces = dict(pieces=block_tensors(summary.cfg), expert_pieces=3 * summary.cfg.num_experts / ep) if serial else {}
     ag_block, red_block = unit(block, block_exp, block_bytes, **pieces)
     ag_root, red_root = unit(root, 0.0, by["param"])
+    passes = 2 if backward_gathers else 1  # block gathers per micro-step
     fwd_comm = p.layers * ag_block
-    bwd_comm = p.layers * (ag_block + red_block)
+    bwd_comm = p.layers * ((passes - 1) * ag_block + red_block)
     total = m * (fwd_comm + bwd_comm + ag_root + red_root)
     if r.cores_saturated:
         return total
     if serial:  # every gather on the critical path; the reductions overlap the backward
-        exposed = (m * (2 * p.layers * ag_block + ag_root + max(0.0, p.layers * red_block - mb.bwd))
+        exposed = (m * (passes * p.layers * ag_block + ag_root + max(0.0, p.layers * red_block - mb.bwd))
                    + red_block + red_root)
     else:
         exposed = (m * (max(0.0, fwd_comm - mb.fwd) + max(0.0, bwd_comm - mb.bwd) + ag_root)
                    + red_block + red_root)
     exposed = min(total, exposed)
-    # Gathers per step: each block before its forward and its backward, the root once per micro-step.
-    copied = m * (2 * p.layers * (block + block_exp) * block_bytes + root * by["param"])
+    # Gathers per step: each block before its forward (and its backward), the root once per micro-step.
+    copied = m * (passes * p.layers * (block + block_exp) * block_bytes + root * by["param"])
     copies = 2 * copied / r.hbm_bw if job.fsdp_copy_out else 0.0
     return exposed + cluster.comm_sm_fraction * (total - exposed) + copies
