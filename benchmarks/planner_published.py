@@ -127,6 +127,17 @@ ranks for these two), where it was priced as Megatron's bucketed ZeRO-2, two col
 (`Job.zero2_unit_collectives`); and a collective of no bytes is not issued (dense models paid two ring latencies a step
 for expert gradients they do not have). MPT-1B / 3B at 512 GPUs 14% / 12% -> 9% / 7% too fast, their decline from 128
 GPUs predicted 3% (measured 10% / 8%; 0.1-1% before); overall 7.91% -> 7.88%, held-out 8.65% -> 8.59%, O 5.8% -> 5.7%.
+An eleventh round (the last `CHANGES` entry) added group AF, issue 25's kind (3)-like: Hagemann et al.'s sweep of
+parallel layouts for LLaMA 13B, 30B and 65B (2K and 8K tokens) on 32-256 A100 80GB under Aleph Alpha's AA-Scaling
+(arXiv:2311.05610; its repository's run sheets, every run's step time), the best layout of each sheet's kernel /
+checkpointing / micro-batch / sequence-parallel setting, 87 rows chosen before pricing; and changed row
+descriptions only: a row saying its attention is unfused, or its RMSNorm ran as torch ops (`Job.eager_ops`
+"rmsnorm": 18 elements per hidden element in fp32 where a fused kernel moves 2), is read so. Every AF row comes
+out too fast, 4-54% (median 17%), more so with tp and pp. Two things the sheets show that the planner does not price:
+at tp 2-8, halving the micro-batch at the same batch costs 1.2-2.4 ms more per layer and micro-batch without
+recomputation (2-7 ms with full recomputation, the most at tp 8 x pp 8): a fixed cost per layer pass; at tp 1-2 with
+pp, doubling it costs more than 1F1B's bubble adds. Overall 7.88% -> 10.8% with AF's rows (the others' unchanged),
+held-out 11.6%.
 """
 
 from __future__ import annotations
@@ -339,6 +350,13 @@ CHANGES = (
      ("O_llm_foundry_fsdp",),
      "Zhao et al. 2023, 'PyTorch FSDP' (VLDB), Sec. 3.2-4.2 (units, SHARD_GRAD_OP, prefetching); mosaicml/llm-foundry "
      "scripts/train/benchmarking (sharding_strategy per row, blocks wrapped as FSDP units)"),
+    # Issue 25, eleventh round: group AF added (chosen by a rule before pricing); row descriptions only.
+    ("row descriptions: a row saying its attention is unfused, or its RMSNorm ran as torch ops (Job.eager_ops "
+     "'rmsnorm', fp32 as Llama's reference code), is read so whatever its stack (group AF's kernels)",
+     ("AF_hagemann_layouts_a100",),
+     "Hagemann et al. 2023 (arXiv:2311.05610) and Aleph-Alpha/NeurIPS-WANT-submission-efficient-parallelization-"
+     "layouts at e13c2cb, data/*.xlsx (kernel column: flash_attention2, + RMS kernel, flash_attentionv1.0.8, fused, "
+     "torch)"),
 )
 
 

@@ -22,7 +22,8 @@ def _row(**cells: str) -> dict:
 def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     """Megatron-LLaMA's code (group AB) runs flash-attn 1.x, RoPE / SwiGLU / the attention layout copies as torch ops
     and --no-gradient-accumulation-fusion; another Megatron row is read so only when it names them. A Megatron-LM row
-    of 2023 attends with flash attention only where it says so."""
+    of 2023 attends with flash attention only where it says so; any row saying its attention is unfused, or that its
+    RMSNorm ran as torch ops, is read so."""
     from meshlm.planner.layout import EAGER_OPS
     from meshlm.planner.published import job_of, recompute_as_run
     from meshlm.planner.published_rows import model_of
@@ -31,7 +32,8 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
                vocab="32000", n_gpus="256", tp="2", dp="128", mbs="4", sp="yes", gbs_seqs="2048", recompute="selective",
                zero_fsdp="DistributedOptimizer", source="Alibaba, alibaba/Megatron-LLaMA README.md (2023)")
     job = job_of(row, model_of(row))
-    assert job.flash_attention_1 and job.eager_ops == frozenset(EAGER_OPS) and not job.gradient_accumulation_fusion
+    legacy = frozenset(EAGER_OPS) - {"rmsnorm"}  # its RMSNorm is apex's fused kernel
+    assert job.flash_attention_1 and job.eager_ops == legacy and not job.gradient_accumulation_fusion
     plain = {**row, "model": "LLaMA-13B", "source": "NVIDIA Megatron-LM (2023)"}
     job = job_of(plain, model_of(plain))
     assert not job.flash_attention_1 and job.gradient_accumulation_fusion
@@ -41,7 +43,7 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     te = job_of({**plain, "source": "NVIDIA Megatron-LM (2024)"}, model_of(plain))
     assert te.flash_attention and not te.eager_ops
     flash = job_of({**plain, "notes": "--use-flash-attn"}, model_of(plain))
-    assert flash.flash_attention and flash.eager_ops == frozenset(EAGER_OPS)
+    assert flash.flash_attention and flash.eager_ops == legacy
     assert not job_of({**plain, "notes": "without FlashAttention"}, model_of(plain)).flash_attention
     gpt = {**plain, "model": "GPT 22B", "notes": "--use-flash-attn"}
     assert job_of(gpt, model_of(gpt)).eager_ops == {"attention_layout"}
@@ -50,7 +52,14 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     assert recompute_as_run("selective", plain, job) == "selective"
     assert recompute_as_run("selective", {**plain, "source": "NVIDIA Megatron-LM (2024)"}, te) == "selective"
     assert recompute_as_run("full", plain, flash) == "full"
-    for words, fa1 in (("flash-attn 1.0.4", True), ("FlashAttention v1", True), ("FlashAttention-2", False),
+    # A row saying its attention is unfused, or its RMSNorm ran as torch ops, is read so whatever its stack.
+    sweep = {**row, "model": "LLaMA 13B (AA-Scaling)", "source": "Hagemann et al. 2023, AA-Scaling's run sheets"}
+    assert job_of(sweep, model_of(sweep)).flash_attention and not job_of(sweep, model_of(sweep)).eager_ops
+    unfused = {**sweep, "notes": "unfused attention: the softmax as torch ops; RMSNorm as torch ops"}
+    job = job_of(unfused, model_of(unfused))
+    assert not job.flash_attention and job.eager_ops == {"rmsnorm"}
+    for words, fa1 in (("flash-attn 1.0.4", True), ("FlashAttention v1", True), ("FlashAttention v1.0.8", True),
+                       ("FlashAttention-2", False),
                        ("flash-attn 2.3.3", False), ("flash-attn 12", False)):
         named = {**plain, "notes": f"{words}; --no-gradient-accumulation-fusion"}
         job = job_of(named, model_of(named))

@@ -203,7 +203,8 @@ def test_fp8_keeps_gemm_inputs_in_fp8():
 
 def test_ops_left_eager_first_flash_attention_and_unfused_wgrad_cost_exactly_their_terms():
     """A fusing stack's ops still run op by op (`Job.eager_ops`) cost their extra passes exactly: RoPE 8 more elements
-    per rotated element of q and k, SwiGLU 2 more per intermediate, the attention layout copies 2 x (2 q + 2 kv); the
+    per rotated element of q and k, SwiGLU 2 more per intermediate, the attention layout copies 2 x (2 q + 2 kv), each
+    of the two RMSNorms 16 more per hidden element (in fp32 as torch ops, 18 against a fused kernel's 2); the
     backward twice the forward. The first FlashAttention runs at FA1_RATE_OF_FA2 of FlashAttention-2's rate;
     --no-gradient-accumulation-fusion adds one pass over each layer's weight gradients (bf16 read, fp32 main_grad
     read and written) to the backward. An op name the planner does not know is refused."""
@@ -225,7 +226,8 @@ def test_ops_left_eager_first_flash_attention_and_unfused_wgrad_cost_exactly_the
 
     summary, job, r = setup()
     base = elementwise_time(summary, job, r, gemms=[], imbalance=1.0)
-    for op, elems in (("rope", 8 * (q + kv)), ("swiglu", 2 * inter), ("attention_layout", 2 * (2 * q + 2 * kv))):
+    for op, elems in (("rope", 8 * (q + kv)), ("swiglu", 2 * inter), ("attention_layout", 2 * (2 * q + 2 * kv)),
+                      ("rmsnorm", 2 * (18 - 2) * cfg.hidden_size)):
         s, j, r = setup(eager_ops=frozenset({op}))
         fwd, bwd = elementwise_time(s, j, r, gemms=[], imbalance=1.0)
         extra = elems * r.tokens_mb * 2 / r.hbm_bw

@@ -28,8 +28,10 @@ RUNTIMES = ("megatron", "meshlm")
 # Elementwise work a fused stack may still run op by op (`Job.eager_ops`): "rope" (the rotary embedding as torch
 # ops: slices, a negation, a concatenation, two products and a sum), "swiglu" (F.silu(x1) * x2: two kernels),
 # "attention_layout" (q, k and v copied into the attention kernel's [batch, seq] layout and its output copied back:
-# Megatron-LM's legacy `ParallelAttention` does `rearrange(...).contiguous()` around its flash-attn call).
-EAGER_OPS = ("rope", "swiglu", "attention_layout")
+# Megatron-LM's legacy `ParallelAttention` does `rearrange(...).contiguous()` around its flash-attn call), "rmsnorm"
+# (each RMSNorm as torch ops in fp32, as Llama's reference code writes it, where a fused kernel would read and write
+# once).
+EAGER_OPS = ("rope", "swiglu", "attention_layout", "rmsnorm")
 # How fp8 training gets its weights into fp8 (`Job.fp8_weights`): "cached" (Transformer Engine: cast once per step,
 # reused by every micro-batch), "dynamic" (torchao's dynamic tensorwise scaling: every forward casts every weight),
 # "fsdp_all_gather" (torchao's `enable_fsdp_float8_all_gather` under FSDP2: each rank casts its shard before the

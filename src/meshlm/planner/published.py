@@ -141,7 +141,12 @@ Choices the rows leave open, made the same way for every row (never from the rep
     praxis layers/embedding_softmax.py and transformers.py, as `job_of` cites): the tied embedding looked up as a
     one-hot matmul (`Job.embedding_gemm`: a GEMM of tokens x vocab x hidden forward and one for the table's
     gradient), and for the 5B a dropout (p 0.1) of each repeated block's input (`Job.unfused_dropouts` = 1:
-    its own pass, the next kernel being Transformer Engine's LayerNorm); no other dropout (DROPOUT_PROB 0).
+    its own pass, the next kernel being Transformer Engine's LayerNorm); no other dropout (DROPOUT_PROB 0);
+  * Hagemann et al.'s layout sweep (group AF, AA-Scaling, Aleph Alpha's codebase, whose settings beyond the sweep's
+    are not published): the planner's defaults -- elementwise work fused, the balanced pipeline split, ZeRO-1 -- and
+    what each row says: FlashAttention-2 or v1.0.8, or unfused attention (Megatron's fused softmax kernel, or torch
+    ops), and whether its RMSNorm ran as flash-attn's fused kernel or as torch ops in fp32 (`Job.eager_ops`
+    "rmsnorm"); a row of any stack saying either is read so.
 """
 
 from __future__ import annotations
@@ -227,7 +232,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     text = row_text(row)
     fused_attention = r"(flash|fused attention|cudnn attention|transformer engine)"
     names_flash = bool(re.search(r"(?<!no )(?<!without )(?<!w/o )" + fused_attention, text))
-    flash = (year >= 2023 and not megascale_baseline
+    names_unfused = bool(re.search(r"unfused attention|attention unfused", text))  # a softmax over the scores
+    flash = (year >= 2023 and not megascale_baseline and not names_unfused
              and (stack != "megatron-lm" or year >= 2024 or names_flash))
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
     # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
@@ -279,6 +285,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     if legacy_megatron(row):  # the layout copies on its flash path only; RoPE and SwiGLU where the model has them
         eager_ops = frozenset(({"attention_layout"} if flash else set())
                               | (set() if gpt_style(row) else {"rope", "swiglu"}))
+    # A row whose RMSNorm ran as torch ops (in fp32, as Llama's reference code writes it) though the rest is fused.
+    if re.search(r"rms ?norm as torch ops", text):
+        eager_ops = eager_ops | {"rmsnorm"}
     wgrad_fusion = not (megatron_llama or "no-gradient-accumulation-fusion" in text)
     # PyTorch FSDP2's all-gather copy-out on the compute stream (`Job.fsdp_copy_out`): torchtitan, OLMo-core (groups K,
     # T, AA), or a row naming FSDP2 / fully_shard.

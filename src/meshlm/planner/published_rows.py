@@ -125,6 +125,7 @@ STACKS = (
     ("megatron-deepspeed", ("megatron-deepspeed", "bigscience")),  # DeepSpeed's pipeline engine
     ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
     ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
+    ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's codebase (Hagemann et al. 2023): no setting of its own is known
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")

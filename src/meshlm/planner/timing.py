@@ -303,11 +303,12 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
              + (1 - summary.moe_layer_fraction) * cfg.intermediate_size)
     moe_elems = summary.moe_layer_fraction * moe_dispatch_elements(cfg, ep=r.ep)
     if job.fused_elementwise:
-        # Fused: RoPE reads and writes q and k once, SwiGLU reads two intermediates and writes one; an op the stack
-        # still runs eagerly (`Job.eager_ops`) costs its eager count, below; "attention_layout" copies q, k, v into
-        # the kernel's layout and its output back (read + write each).
+        # Fused: RoPE reads and writes q and k once, SwiGLU reads two intermediates and writes one, each norm reads
+        # and writes h; an op the stack still runs eagerly (`Job.eager_ops`) costs its eager count, below;
+        # "attention_layout" copies q, k, v into the kernel's layout and its output back (read + write each).
         eager = job.eager_ops
-        elems_seq = 10 * h + moe_elems
+        norm = ((18 if r.by["act"] == 2 else 7) if job.fp32_norms else 2) if "rmsnorm" in eager else 2
+        elems_seq = 2 * norm * h + 2 * 3 * h + moe_elems
         elems_tp = ((10 if "rope" in eager else 2) * (q_dim + kv_dim) + (5 if "swiglu" in eager else 3) * inter
                     + (2 * (2 * q_dim + 2 * kv_dim) if "attention_layout" in eager else 0))
     else:
