@@ -350,9 +350,8 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
 def _driver_comm(sv: Serving, cl: Cluster, *, sampled: float) -> float:
     """Seconds per step of a driver-rank engine's own messages (`Engine.driver_broadcast`): the step's input
     sent over cp, then tp (two broadcasts each of a small message, its `sampled` int64 token ids: a tree of log2 n
-    p2p hops);
-    the tp ranks' vocabulary slices of the `sampled` rows' logits all-gathered; under cp those rows' hidden
-    states all-reduced."""
+    p2p hops); the tp ranks' vocabulary slices of the `sampled` rows' logits all-gathered; under cp those rows'
+    hidden states all-reduced."""
     lo, cfg = sv.layout, sv.sm.cfg
     out = 0.0
     for size, stride in ((lo.cp, lo.tp), (lo.tp, 1)):

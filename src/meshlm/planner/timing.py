@@ -307,7 +307,7 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
         # and writes h; an op the stack still runs eagerly (`Job.eager_ops`) costs its eager count, below;
         # "attention_layout" copies q, k, v into the kernel's layout and its output back (read + write each).
         eager = job.eager_ops
-        norm = ((18 if r.by["act"] == 2 else 7) if job.fp32_norms else 2) if "rmsnorm" in eager else 2
+        norm = _eager_norm_elements(job, r) if "rmsnorm" in eager else 2
         elems_seq = 2 * norm * h + 2 * 3 * h + moe_elems
         elems_tp = ((10 if "rope" in eager else 2) * (q_dim + kv_dim) + (5 if "swiglu" in eager else 3) * inter
                     + (2 * (2 * q_dim + 2 * kv_dim) if "attention_layout" in eager else 0))
@@ -321,7 +321,7 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
         # RoPE 10 per rotated element (neg, cat, two products, add) on q and k, the GQA
         # repeat_interleave of k and v, the attention output's transpose copy, SwiGLU 5 per
         # intermediate (silu, product).
-        norm = (18 if r.by["act"] == 2 else 7) if job.fp32_norms else 2
+        norm = _eager_norm_elements(job, r)
         elems_seq = 2 * norm * h + 2 * 3 * h + moe_elems
         elems_tp = 10 * (q_dim + kv_dim) + 2 * (q_dim + kv_dim) + 2 * q_dim + 5 * inter
     # A dropout of the hidden states that is its own pass (`Job.unfused_dropouts`): read h, write h per token;
@@ -339,6 +339,13 @@ def elementwise_time(summary: ModelSummary, job: Job, r: RankSetup, *, gemms: li
         t_elem_fwd += cast_fwd / r.hbm_bw
         t_elem_bwd += cast_bwd / r.hbm_bw
     return t_elem_fwd, t_elem_bwd
+
+
+def _eager_norm_elements(job: Job, r: RankSetup) -> int:
+    """Elements (of the activations' dtype) one RMSNorm run as torch ops reads and writes per hidden element:
+    `elementwise_time`'s eager count, 18 with 2-byte activations normed in fp32, 7 in fp32 training, 2 where the
+    stack norms in one kernel of the activations' dtype (`Job.fp32_norms` False)."""
+    return (18 if r.by["act"] == 2 else 7) if job.fp32_norms else 2
 
 
 def tp_comm_time(cfg: ModelConfig, job: Job, r: RankSetup, *, layer: LayerCompute) -> tuple[float, float, list, list]:
