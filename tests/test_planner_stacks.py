@@ -374,3 +374,24 @@ def test_a100_pcie_grace_hopper_and_ada_parts_are_their_own():
         return sv.max_sequences(2048) >= 1
 
     assert fits("l40s", 2) and not fits("l4", 2) and fits("l4", 4)
+
+
+def test_layout_sweep_rows_inferred_batch_agrees_with_every_rows_mfu():
+    """Group AF's sheets print MFU (PaLM's 6N + 12LHQT per token of 312 TFLOP/s), step time and world size, not the
+    batch or vocabulary: the inferred 4,194,304 tokens a step and vocabulary of 128000 (inferred_fields) give every
+    row's MFU back within 1% (half within 0.1%) -- and LLaMA's own 32000 none."""
+    from meshlm.planner.published import read_runs
+
+    rows = [r for r in read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+            if r["group"] == "AF_hagemann_layouts_a100"]
+    assert len(rows) == 87
+
+    def mfu(row, vocab):
+        n_layers, h, ffn, seq = (int(row[k]) for k in ("layers", "hidden", "ffn", "seq_len"))
+        params = n_layers * (4 * h * h + 3 * h * ffn + 2 * h) + 2 * vocab * h + h
+        per_token = 6 * params + 12 * n_layers * h * seq
+        return int(row["gbs_tokens"]) * per_token / (float(row["step_time_s"]) * int(row["n_gpus"]) * 312e12)
+
+    off = sorted(abs(mfu(r, int(r["vocab"])) / (float(r["pct_peak"]) / 100) - 1) for r in rows)
+    assert off[-1] < 1e-2 and off[len(off) // 2] < 1e-3
+    assert all(abs(mfu(r, 32000) / (float(r["pct_peak"]) / 100) - 1) > 1e-2 for r in rows)
