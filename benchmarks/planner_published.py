@@ -120,10 +120,10 @@ share of the doubled peak. Prompted by the pattern across groups: every group wi
 the more too fast (OLMo-core 6-19% / 10-50%, torchao's 20% / 30% on H100 and 35% / 61% on MI300X). Overall 8.2% ->
 7.9%, held-out 9.0% -> 8.65%; groups AA 14% -> 8.5%, H 8.1% -> 5.9%, X 11% -> 6.5%, I, W, AC, AE nearer; MaxText's
 fp8 rows, too slow already, further (U 7.6% -> 10.0%, V 13% -> 17%).
-A tenth round (the last `CHANGES` entry) changed two mechanisms and no constant, prompted by llm-foundry's weak scaling
-(group O at 128-512 H100s, issue 25's kind (1)): ZeRO-2 as FSDP's SHARD_GRAD_OP issues one gather per unit before every
-micro-step's forward and one reduce-scatter per unit after its backward, each paying its ring's latency (linear in the
-ranks for these two), where it was priced as Megatron's bucketed ZeRO-2, two collectives a step
+A tenth round (the `CHANGES` entry before the last) changed two mechanisms and no constant, prompted by llm-foundry's
+weak scaling (group O at 128-512 H100s, issue 25's kind (1)): ZeRO-2 as FSDP's SHARD_GRAD_OP issues one gather per unit
+before every micro-step's forward and one reduce-scatter per unit after its backward, each paying its ring's latency
+(linear in the ranks for these two), where it was priced as Megatron's bucketed ZeRO-2, two collectives a step
 (`Job.zero2_unit_collectives`); and a collective of no bytes is not issued (dense models paid two ring latencies a step
 for expert gradients they do not have). MPT-1B / 3B at 512 GPUs 14% / 12% -> 9% / 7% too fast, their decline from 128
 GPUs predicted 3% (measured 10% / 8%; 0.1-1% before); overall 7.91% -> 7.88%, held-out 8.65% -> 8.59%, O 5.8% -> 5.7%.
