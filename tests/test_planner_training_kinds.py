@@ -397,14 +397,13 @@ def test_published_runs_median_error_within_ten_percent():
     overall median is 10.8% (bounded at 11.5%); the bounds above hold for the other groups' rows."""
     from pathlib import Path
 
-    from meshlm.planner.published import read_runs, score_runs
+    from meshlm.planner.published import read_runs, score_runs, summarize
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv"
-    rows = read_runs(path)
-    _, everything = score_runs(rows)
+    results, everything = score_runs(read_runs(path))
     assert everything["median_abs_error"] <= 0.115, everything
     assert everything["per_group_median_abs_error"][LAYOUT_SWEEP] <= 0.25, everything
-    _, summary = score_runs([row for row in rows if row["group"] != LAYOUT_SWEEP])
+    summary = summarize([r for r in results if r["group"] != LAYOUT_SWEEP])
     assert summary["rows_used"] >= 60
     assert summary["median_abs_error"] <= 0.10, summary
     assert summary["fit_groups_median_abs_error"] <= 0.10, summary

@@ -225,16 +225,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # (`compiled`: what the row says; `EAGER_STACKS`: those stacks' defaults then.)
     says = compiled(row)
     eager = says is False or (says is None and stack in EAGER_STACKS)
-    # FlashAttention from 2023 on; Megatron-LM's own runs only where the row names it until its Transformer Engine
-    # default (`--use-flash-attn` was opt-in from 2022-12-08, commit d693034e; `--transformer-impl` defaults to
-    # transformer_engine, whose attention is fused, from 2024-04-02, commit e7b74a4b): a 2023 Megatron-LM row that
-    # does not say otherwise ran Megatron's own softmax kernel.
     text = row_text(row)
-    fused_attention = r"(flash|fused attention|cudnn attention|transformer engine)"
-    names_flash = bool(re.search(r"(?<!no )(?<!without )(?<!w/o )" + fused_attention, text))
-    names_unfused = bool(re.search(r"unfused attention|attention unfused", text))  # a softmax over the scores
-    flash = (year >= 2023 and not megascale_baseline and not names_unfused
-             and (stack != "megatron-lm" or year >= 2024 or names_flash))
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
     # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
     # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
@@ -246,10 +237,6 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # (their H100 MoE configs with a virtual pipeline set it; the one without, GPT-OSS pp=4, does not).
     ep_overlap = (nvidia and cfg.is_moe and ep > 1 and recompute_of(row) != "full"
                   and (pp == 1 or interleaved(row)))
-    # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
-    # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
-    # OLMo-core's scripts (group AA) compile the model, which turns flash-attn off: attention through SDPA's FA2 kernel.
-    fa2 = stack in FA2_STACKS
     # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
     # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
     # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
@@ -273,6 +260,30 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # (hybrid_zero_optim.py `_reduce_and_copy`: reduce_tensor with dst_rank None, an all-reduce) and broadcasts each
     # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`.
     internlm = stack == "internlm"
+    return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
+               tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
+               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
+               fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
+               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
+               **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
+               **_sharding_and_fp8(row, stack, year, text))
+
+
+def _attention_and_ops(row: dict, stack: str, year: int, text: str, *, megascale_baseline: bool) -> dict:
+    """`job_of`'s attention kernel and the ops a fusing stack still runs one by one: Job fields."""
+    # FlashAttention from 2023 on; Megatron-LM's own runs only where the row names it until its Transformer Engine
+    # default (`--use-flash-attn` was opt-in from 2022-12-08, commit d693034e; `--transformer-impl` defaults to
+    # transformer_engine, whose attention is fused, from 2024-04-02, commit e7b74a4b): a 2023 Megatron-LM row that
+    # does not say otherwise ran Megatron's own softmax kernel.
+    fused_attention = r"(flash|fused attention|cudnn attention|transformer engine)"
+    names_flash = bool(re.search(r"(?<!no )(?<!without )(?<!w/o )" + fused_attention, text))
+    names_unfused = bool(re.search(r"unfused attention|attention unfused", text))  # a softmax over the scores
+    flash = (year >= 2023 and not megascale_baseline and not names_unfused
+             and (stack != "megatron-lm" or year >= 2024 or names_flash))
+    # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
+    # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
+    # OLMo-core's scripts (group AA) compile the model, which turns flash-attn off: attention through SDPA's FA2 kernel.
+    fa2 = stack in FA2_STACKS
     # Megatron-LLaMA (group AB; its megatron/model/transformer.py, rotary_pos_embedding.py and
     # examples/LLaMA/LLaMA_13_slurm.sh at e3d671a): flash-attn 1.x (`flash_attn_unpadded_func`; its README promises
     # FlashAttention-2 "in the future") and --no-gradient-accumulation-fusion. Like Megatron-LM's own legacy model until
@@ -289,6 +300,12 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     if re.search(r"rms ?norm as torch ops", text):
         eager_ops = eager_ops | {"rmsnorm"}
     wgrad_fusion = not (megatron_llama or "no-gradient-accumulation-fusion" in text)
+    return dict(flash_attention=flash, flash_attention_2=fa2, flash_attention_1=flash and fa1, eager_ops=eager_ops,
+                gradient_accumulation_fusion=wgrad_fusion)
+
+
+def _sharding_and_fp8(row: dict, stack: str, year: int, text: str) -> dict:
+    """`job_of`'s data-parallel sharding as the stack runs it, and how it gets fp8 weights: Job fields."""
     # PyTorch FSDP2's all-gather copy-out on the compute stream (`Job.fsdp_copy_out`): torchtitan, OLMo-core (groups K,
     # T, AA), or a row naming FSDP2 / fully_shard.
     fsdp2 = stack in FSDP2_STACKS or bool(re.search(r"\bfsdp-?2\b|fully_shard", text))
@@ -308,15 +325,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # ZeRO-2 as PyTorch FSDP's SHARD_GRAD_OP (llm-foundry's Composer rows): collectives unit by unit
     # (`Job.zero2_unit_collectives`).
     fsdp_z2 = zero_of(row) == 2 and "shard_grad_op" in sharding
-    return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row), flash_attention=flash,
-               flash_attention_2=fa2,
-               tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
-               fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
-               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
-               flash_attention_1=flash and fa1, eager_ops=eager_ops, gradient_accumulation_fusion=wgrad_fusion,
-               fsdp_copy_out=fsdp2, fp8_weights=fp8_weights, zero3_serial_gathers=serial_z3,
-               zero2_unit_collectives=fsdp_z2)
+    return dict(fsdp_copy_out=fsdp2, fp8_weights=fp8_weights, zero3_serial_gathers=serial_z3,
+                zero2_unit_collectives=fsdp_z2)
 
 
 def legacy_megatron(row: dict) -> bool:
