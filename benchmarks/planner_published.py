@@ -89,7 +89,7 @@ PyTorch stacks' "selective" checkpointing as half, Megatron-LM's uniform split, 
 TP overlap, DeepSpeed's serial pipeline transfers, ...) keyed on this CSV's group ids, so a torchtitan table under
 another id was priced with cuDNN attention, fused kernels and Megatron's selective recomputation; they now key on
 the stack the row's source and model name (`published_rows.stack_of`; every dev row predicts the same under an unseen
-group id, tests/test_planner_training_kinds.py). "ZeRO-3" (without "FSDP") was read as stage 1, so a ZeRO-3 run was
+group id, tests/test_planner_published_rows.py). "ZeRO-3" (without "FSDP") was read as stage 1, so a ZeRO-3 run was
 priced without its parameter all-gathers; every ZeRO wording is now read by its number. A row giving only TFLOP/s
 was priced by Megatron 2021's eq. 3, which counts a fourth (recomputation) pass and GPT's 4h MLP: now only that
 paper's rows (or a row naming eq. 3) are; the others compare model TFLOP/s in the planner's own convention

@@ -1,0 +1,216 @@
+"""How a published table's cells become the planner's inputs (`planner/published.py`, `published_rows.py`): a row
+read from what it says, never from its group id; the wordings tables use for ZeRO stages, precision, recomputation,
+architecture and pipeline schedules; the figure a row is compared by, or the reason it is skipped; and tables with
+odd cells, missing columns or short lines read without stopping. Arithmetic only: no ranks are started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_planner_stacks import _row  # a published-run row with every column
+
+
+def test_published_rows_are_read_from_what_they_say_not_from_their_group():
+    """A held-out table is priced with what its stack does, as the development rows of that stack are: every row of
+    benchmarks/data/ given a group id no row has predicts exactly what it predicts under its own (the stack comes
+    from the row's source and model columns, `published_rows.stack_of`), and each group's rows name one stack."""
+    from pathlib import Path
+
+    from meshlm.planner.published import predict_row, read_runs
+    from meshlm.planner.published_rows import stack_of
+
+    rows = read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    for row in rows:
+        own, renamed = predict_row(row), predict_row({**row, "group": "ZZ_held_out"})
+        assert {**renamed, "group": row["group"]} == own, row["row_id"]
+    stacks = {}
+    for row in rows:
+        stacks.setdefault(row["group"], set()).add(stack_of(row))
+    assert all(len(s) == 1 and "" not in s for s in stacks.values()), stacks
+    assert stacks["K_torchtitan_a100_fsdp"] == stacks["T_float8_fsdp2_blog_h100"] == {"torchtitan"}
+    assert stack_of({"source": "NVIDIA NeMo docs", "model": "Nemotron-8B"}) == "nemo"
+    assert stack_of({"source": "Nemotron-4 technical report", "model": "Nemotron-4 340B"}) == ""  # a word, not a part
+
+
+@pytest.mark.parametrize("text, stage", [
+    ("ZeRO-3", 3), ("ZeRO-3 (DeepSpeed, no model parallelism)", 3), ("DeepSpeed ZeRO stage 3", 3), ("zero3", 3),
+    ("stage 2 (DeepSpeed)", 2), ("ZeRO-2-style DP (all-gather/reduce-scatter)", 2), ("SHARD_GRAD_OP (Composer)", 2),
+    ("ZeRO-1/2-style: gradients reduce-scattered by bucket", 1), ("ZeRO-1 over 8 ranks (InternLM zero1=8)", 1),
+    ("FSDP FULL_SHARD", 3), ("FSDP2 (64-way)", 3), ("HSDP (shard within node)", 3), ("ZeRO-Infinity", 3),
+    ("DDP (FSDP=0)", 1), ("", 1), ("none", 0)])
+def test_zero_stage_read_from_the_wordings_tables_use(text, stage):
+    # "ZeRO-3" was once read as Megatron's distributed optimizer (stage 1): no parameter gathers at all.
+    from meshlm.planner.published_rows import zero_of
+
+    assert zero_of({"zero_fsdp": text}) == stage
+
+
+def test_precision_recompute_and_architecture_read_from_common_wordings():
+    from meshlm.planner.published_rows import model_of, precision_of, recompute_of
+
+    plain = {"source": "", "model": "", "group": "ZZ"}
+    for text, want in (("bf16 + float8 linear layers", "fp8"), ("Float8", "fp8"), ("FP8-CS", "fp8"),
+                       ("fp16", "bf16"), ("mixed precision (16-bit)", "bf16"), ("bf16 (no fp8)", "bf16"), ("", "bf16")):
+        assert precision_of({**plain, "precision": text}) == want, text
+    nemo = {**plain, "source": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md"}
+    assert precision_of({**nemo, "precision": ""}) == "fp8" and precision_of({**nemo, "precision": "BF16"}) == "bf16"
+    for text, want in (("no", "none"), ("none (checkpoint=False)", "none"), ("activation checkpointing", "full"),
+                       ("full (checkpoint-activations)", "full"), ("yes", "full"), ("selective", "selective"),
+                       ("", "none")):
+        assert recompute_of({**plain, "recompute": text}) == want, text
+    torchtitan = {**plain, "source": "pytorch/torchtitan docs/performance.md", "recompute": "selective op"}
+    assert recompute_of(torchtitan) == "half" and recompute_of({**torchtitan, "source": ""}) == "selective"
+    blank = {"model": "Llama 3.1 405B", "layers": "", "hidden": "", "heads": "", "kv_heads": "", "ffn": "", "vocab": "",
+             "seq_len": "8192"}
+    cfg = model_of(blank)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.intermediate_size) == (126, 16384, 8, 53248)
+    assert model_of({**blank, "model": "LLAMA3_70B"}).num_layers == 80
+    # A global batch given in tokens only ("16M") is that many tokens, not one micro-batch per GPU.
+    from meshlm.planner.published import job_of
+
+    run = {**plain, **blank, "gbs_seqs": "", "mbs": "1", "n_gpus": "8192", "tp": "8", "pp": "16", "cp": "1", "ep": "",
+           "vpp": "", "precision": "BF16", "recompute": "", "zero_fsdp": ""}
+    for tokens in ("16M", "16,777,216", "16777216"):
+        assert job_of({**run, "gbs_tokens": tokens}, cfg).global_batch_size == 2048
+    assert job_of({**run, "gbs_tokens": ""}, cfg).global_batch_size == 8192
+
+
+def test_a_row_is_compared_by_the_figure_it_gives_or_skipped_with_the_reason():
+    """Tokens/s per GPU first; the whole run's tokens/s over its GPUs; TFLOP/s by Megatron 2021's eq. 3 only for that
+    paper's rows (or a row saying eq. 3), else model TFLOP/s in the planner's convention (6 N + 12 l h s, no
+    recomputation); MFU when that is all; a row with none of them, or on a GPU without a preset, is skipped with
+    the reason, never an exception that stops the table."""
+    from meshlm.models.stats import train_flops_per_token
+    from meshlm.planner.published import eq3_flops_per_step, job_of, predict_row
+    from meshlm.planner.published_rows import model_of
+
+    row = {"row_id": "X", "group": "ZZ", "model": "GPT 7.5B", "layers": "36", "hidden": "4096", "heads": "32",
+           "kv_heads": "32", "ffn": "16384", "vocab": "51200", "seq_len": "2048", "n_gpus": "128", "tp": "4", "pp": "1",
+           "cp": "1", "ep": "", "dp": "32", "vpp": "", "mbs": "1", "sp": "no", "gbs_seqs": "512", "recompute": "full",
+           "zero_fsdp": "none", "gpu": "A100 80GB", "precision": "fp16", "source": "a 2023 report",
+           "internode_bw_per_gpu": "", "tokens_per_s_per_gpu": "", "tokens_per_s_total": "", "step_time_s": "",
+           "tflops_per_gpu": "140", "pct_peak": "45", "pct_peak_type": "MFU", "notes": ""}
+    by_tokens = predict_row({**row, "tokens_per_s_per_gpu": "3000"})
+    per_gpu = by_tokens["predicted"]
+    total = predict_row({**row, "tokens_per_s_total": str(3000 * 128)})
+    assert total["metric"] == "tokens_per_s_per_gpu(total)" and total["predicted"] == pytest.approx(per_gpu)
+    model = predict_row(row)
+    cfg_flops = train_flops_per_token(model_of(row), 2048)
+    assert model["metric"] == "tflops_per_gpu(model FLOPs)"
+    assert model["predicted"] == pytest.approx(per_gpu * cfg_flops / 1e12, rel=1e-3)
+    megatron = {**row, "source": "Narayanan et al. 2021 (SC'21, arXiv:2104.04473)"}
+    eq3, its_tokens = predict_row(megatron), predict_row({**megatron, "tokens_per_s_per_gpu": "3000"})["predicted"]
+    assert eq3["metric"] == "tflops_per_gpu(eq.3)"
+    flops = 96 * 512 * 2048 * 36 * 4096**2 * (1 + 2048 / (6 * 4096) + 51200 / (16 * 36 * 4096))  # eq. 3 by hand
+    assert eq3_flops_per_step(model_of(row), job_of(row, model_of(row))) == pytest.approx(flops)
+    assert eq3["predicted"] == pytest.approx(flops / (512 * 2048) * its_tokens / 1e12, rel=1e-3)
+    mfu = predict_row({**row, "tflops_per_gpu": ""})
+    assert mfu["metric"] == "mfu" and mfu["predicted"] == pytest.approx(model["predicted"] * 1e12 / 312e12, rel=1e-3)
+    assert "no throughput" in predict_row({**row, "tflops_per_gpu": "", "pct_peak": ""})["skip"]
+    assert "no cluster preset" in predict_row({**row, "gpu": "V100 32GB"})["skip"]
+    assert "no GPU count" in predict_row({**row, "n_gpus": ""})["skip"]
+    assert "must divide" in predict_row({**row, "heads": "31"})["skip"]  # a shape the model config refuses
+
+
+def test_pipeline_schedule_read_from_the_rows_own_cells():
+    """A row whose cells name its schedule ("ZB-1p", "GPipe", "1F1B-I") is priced with it; the source's title
+    ("Zero Bubble Pipeline Parallelism") names the paper's method for its 1F1B baseline rows too, so it does not.
+    Context parallelism runs as the row's stack runs it."""
+    from meshlm.planner.published import layouts_of
+    from meshlm.planner.published_rows import model_of
+
+    row = {"row_id": "X", "group": "ZZ", "model": "GPT 6.2B", "layers": "32", "hidden": "4096", "heads": "32",
+           "kv_heads": "32", "ffn": "16384", "vocab": "51200", "seq_len": "1024", "n_gpus": "8", "tp": "1", "pp": "8",
+           "cp": "1", "ep": "", "dp": "1", "vpp": "", "mbs": "1", "sp": "no", "gbs_seqs": "32", "recompute": "none",
+           "zero_fsdp": "none", "gpu": "A100 80GB", "precision": "bf16",
+           "source": "Qi et al. 2023, 'Zero Bubble Pipeline Parallelism'", "source_loc": "Table 4, row '1F1B'",
+           "notes": ""}
+    cfg = model_of(row)
+    schedules = lambda r: {(lo.pp_schedule, lo.pp_chunks) for lo in layouts_of(r, cfg)}  # noqa: E731
+    assert schedules(row) == {("1f1b", 1)}
+    # Megatron-LM's even split where the layers divide into the stages, else the balanced one (not a refused row).
+    megatron = {**row, "source": "Megatron-LM (2023)"}
+    assert {lo.pp_split for lo in layouts_of(megatron, cfg)} == {"uniform"}
+    odd = {**megatron, "layers": "30"}
+    assert {lo.pp_split for lo in layouts_of(odd, model_of(odd))} == {"balanced"}
+    assert schedules({**row, "source_loc": "Table 4, row 'ZB-1p'"}) == {("zero_bubble", 1)}
+    assert schedules({**row, "source_loc": "Table 4", "notes": "GPipe schedule"}) == {("gpipe", 1)}
+    assert schedules({**row, "source_loc": "Table 4", "notes": "pipeline_parallel_schedule ZBVZeroBubble"}) == {
+        ("zero_bubble", 1)}
+    assert schedules({**row, "source_loc": "row '1F1B-I'"}) == {("interleaved", v) for v in (2, 3, 4)}
+    assert schedules({**row, "source_loc": "row '1F1B-I'", "vpp": "2"}) == {("interleaved", 2)}
+    # Context parallelism as the stack runs it: torchtitan's (PyTorch's) all-gathers K and V, a row naming Ulysses
+    # its all-to-alls, the others Megatron / TE's ring.
+    cp = {**row, "pp": "1", "cp": "4", "dp": "2", "seq_len": "65536", "gbs_seqs": "2"}
+    methods = lambda r: {lo.cp_method for lo in layouts_of(r, cfg)}  # noqa: E731
+    assert methods({**cp, "source": "pytorch/torchtitan docs/performance.md"}) == {"allgather"}
+    assert methods({**cp, "notes": "DeepSpeed-Ulysses sequence parallelism"}) == {"ulysses"}
+    assert methods(cp) == {"ring"}
+
+
+def test_no_wording_of_a_cell_stops_the_table():
+    """Every cell a table may leave blank or word its own way ("n/a", "0"), in one development row of twenty, one at a
+    time: each row comes back predicted or skipped with its reason, never an exception."""
+    from pathlib import Path
+
+    from meshlm.planner.published import predict_row, read_runs
+
+    rows = read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")[::20]
+    cells = [c for c in rows[0] if c not in ("row_id", "group", "source")]
+    for row in rows:
+        for cell in cells:
+            for text in ("n/a", "0"):
+                out = predict_row({**row, cell: text})
+                assert "error" in out or out["skip"], (row["row_id"], cell, text)
+
+
+def test_a_table_without_some_columns_or_with_short_lines_is_read(tmp_path, monkeypatch):
+    """A held-out table may lack columns this CSV has, or end a line early: those cells read as blank and every row
+    comes back predicted or skipped; a row the planner fails on is reported as skipped with the error."""
+    import csv
+
+    from meshlm.planner import published, published_serving
+
+    for reader, score, name in ((published.read_runs, published.score_runs, "published_runs_dev.csv"),
+                                (published_serving.read_rows, published_serving.score_rows, "serving_runs_dev.csv")):
+        src = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / name
+        with src.open(newline="") as f:
+            lines = list(csv.reader(f))
+        header = [c for c in lines[0] if c not in ("notes", "inferred_fields", "other_metric", "source_loc")]
+        keep = [lines[0].index(c) for c in header]
+        out = tmp_path / name
+        with out.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            for line in lines[1:12]:
+                w.writerow([line[i] for i in keep])
+            w.writerow([lines[1][i] for i in keep][:8])  # a short line
+        rows = reader(out)
+        assert len(rows) == 12 and rows[-1][header[-1]] == "" and rows[0]["notes"] == ""
+        results, _ = score(rows)
+        assert len(results) == 12 and all("skip" in r or any(k.startswith("error") for k in r) for r in results)
+    monkeypatch.setattr(published, "predict_row", lambda row: 1 / 0)
+    results, _ = published.score_runs(published.read_runs(out.parent / "published_runs_dev.csv"))
+    assert all(r["skip"].startswith("planner error: ZeroDivisionError") for r in results)
+
+
+
+def test_a_row_leaving_model_parallelism_blank_runs_as_its_other_cells_say():
+    """tp or pp left blank beside the other is 1 (no tensor / no pipeline parallelism); both blank, a row naming its
+    data parallelism's sharding (FSDP, ZeRO-3, DDP) runs it over every GPU (tp 1, pp 1) -- exactly the prediction
+    of the same row with tp 1, pp 1 written in; a row saying nothing of its layout is skipped, not guessed."""
+    from meshlm.planner.published import predict_row
+
+    row = _row(model="Llama 2 7B", layers="32", hidden="4096", heads="32", kv_heads="32", ffn="11008", vocab="32000",
+               seq_len="4096", n_gpus="64", gpu="H100 80GB", mbs="2", gbs_seqs="128", zero_fsdp="FSDP",
+               tokens_per_s_per_gpu="3000", dp="")
+    written = predict_row(row)
+    assert written["layout"].startswith("tp1 pp1 dp64/z3")
+    for blanks in ({"tp": "", "pp": ""}, {"tp": ""}, {"pp": ""}):
+        out = predict_row({**row, **blanks})
+        assert (out["layout"], out["predicted"]) == (written["layout"], written["predicted"]), blanks
+    tp2 = predict_row({**row, "tp": "2", "pp": "", "mbs": "4"})
+    assert tp2["layout"].startswith("tp2") and " pp1 " in tp2["layout"]
+    assert "no parallel layout" in predict_row({**row, "tp": "", "pp": "", "zero_fsdp": ""})["skip"]
