@@ -138,6 +138,14 @@ at tp 2-8, halving the micro-batch at the same batch costs 1.2-2.4 ms more per l
 recomputation (2-7 ms with full recomputation, the most at tp 8 x pp 8): a fixed cost per layer pass; at tp 1-2 with
 pp, doubling it costs more than 1F1B's bubble adds. Overall 7.88% -> 10.8% with AF's rows (the others' unchanged),
 held-out 11.6%.
+A twelfth round (the last `CHANGES` entry) added group AG, issue 25's kind (1) at 64-256 GPUs: YaFSDP's README table of
+PyTorch FSDP's FULL_SHARD iteration times (Llama 2 / 3, 7B-70B, one sequence of 2K-8K tokens per A100, all 16 rows),
+run through Hugging Face transformers and accelerate as the repository's patches pin; and changed row descriptions
+only: that stack ("hf-transformers": eager, FlashAttention-2) and whole blocks checkpointed in k of L layers (the
+no- and full-recompute estimates weighted by the share, `recompute_fraction`). Every AG row is too fast: 43-56% at 2K
+tokens, 13-27% at 4K, 9-10% at 8K (median 33%); the growth with the GPU count is predicted, the level is not: about
+0.04 s per billion parameters at 2K is missing, half the step's collective time, as if FSDP1 hid far less than each
+pass's compute allows. Overall 10.8% -> 11.05% with AG's rows (the others' unchanged), held-out 11.8%.
 """
 
 from __future__ import annotations
@@ -357,6 +365,13 @@ CHANGES = (
      "Hagemann et al. 2023 (arXiv:2311.05610) and Aleph-Alpha/NeurIPS-WANT-submission-efficient-parallelization-"
      "layouts at e13c2cb, data/*.xlsx (kernel column: flash_attention2, + RMS kernel, flash_attentionv1.0.8, fused, "
      "torch)"),
+    # Issue 25, twelfth round: group AG added (all 16 FSDP rows of its table); row descriptions only.
+    ("row descriptions: Hugging Face transformers with accelerate's FSDP1 is eager with FlashAttention-2 (stack "
+     "'hf-transformers'); whole blocks checkpointed in k of L layers weigh the no- and full-recompute estimates k / L",
+     ("AG_yafsdp_fsdp_a100",),
+     "yandex/YaFSDP at a61a4a6: README.md 'Benchmarks', docker/Dockerfile (transformers v4.39, accelerate v0.27), "
+     "patches/transformers.diff (run_clm.py: flash_attention_2, MixedPrecision, wrap and checkpoint policies, "
+     "IterTimeCallback), examples/fsdp_config.yaml (FULL_SHARD, forward prefetch, BACKWARD_PRE)"),
 )
 
 

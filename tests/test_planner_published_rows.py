@@ -214,3 +214,60 @@ def test_a_row_leaving_model_parallelism_blank_runs_as_its_other_cells_say():
     tp2 = predict_row({**row, "tp": "2", "pp": "", "mbs": "4"})
     assert tp2["layout"].startswith("tp2") and " pp1 " in tp2["layout"]
     assert "no parallel layout" in predict_row({**row, "tp": "", "pp": "", "zero_fsdp": ""})["skip"]
+
+
+def test_some_layers_checkpointed_weigh_no_and_full_recomputation_by_their_share():
+    """A row checkpointing whole blocks in k of its L layers ("full, first 10 of 80 layers": YaFSDP's table, group AG)
+    is priced as the no-recompute and full-recompute estimates of its layout weighted k / L and (L - k) / L, time and
+    memory, as "half" (torchtitan's selective) weighs them equally; "k of L" with k = 0 or k = L is not a mix."""
+    from dataclasses import replace
+
+    from meshlm.planner import published
+    from meshlm.planner.cost import ModelSummary, estimate_layout, validate_layout
+    from meshlm.planner.published_rows import HALF_RECOMPUTE, cluster_for, recompute_fraction, recompute_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    row = next(r for r in rows if r["row_id"] == "R548")  # Llama 2 70B on 256 A100s, 10 of its 80 layers
+    assert recompute_of(row) == "10 of 80 layers" and recompute_fraction("10 of 80 layers") == 0.125
+    assert recompute_fraction(HALF_RECOMPUTE) == 0.5 and recompute_fraction("full") is None
+    assert recompute_of({**row, "recompute": "full, first 80 of 80 layers"}) == "full"
+    assert recompute_of({**row, "recompute": "0 of 80 layers"}) == "none"
+    cfg = published.model_of(row)
+    job, cluster = published.job_of(row, cfg), cluster_for(row)
+    (lo,) = published.layouts_of(row, cfg, "10 of 80 layers")
+    m = validate_layout(cfg, job, lo, gpus=256)
+    summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
+    none, full = (estimate_layout(summary, cluster, job, replace(lo, recompute=x), num_microbatches=m)
+                  for x in ("none", "full"))
+    mixed = published._mean_estimate([none, full], cluster, "10 of 80 layers")
+    for part in ("step", "compute", "recompute", "dp_comm"):
+        assert mixed.time_s[part] == pytest.approx((70 * none.time_s[part] + 10 * full.time_s[part]) / 80, rel=1e-12)
+    assert full.time_s["recompute"] > 0.1 * full.time_s["step"] and none.time_s["recompute"] == 0
+    assert mixed.memory_gib["total"] == pytest.approx((70 * none.memory_gib["total"] + 10 * full.memory_gib["total"])
+                                                      / 80, rel=1e-12)
+    assert mixed.fits and not none.fits  # the ten checkpointed layers are what makes it fit, as the table ran it
+    got = published.predict_row(row)
+    assert got["layout"].endswith("rc:10 of 80 layers")
+    assert got["predicted"] == pytest.approx(1 / mixed.time_s["step"], abs=5e-4)
+
+
+def test_hugging_face_transformers_rows_run_eager_with_flash_attention_2_under_fsdp1():
+    """YaFSDP's table (group AG) ran PyTorch FSDP1 through Hugging Face transformers 4.39 and accelerate (the
+    repository's example and patches): read as the eager PyTorch stack it is -- elementwise ops one by one, RMSNorm in
+    fp32, FlashAttention-2 (attn_implementation flash_attention_2) -- FULL_SHARD unit by unit, gradients reduced in fp32
+    (MixedPrecision reduce_dtype float32), one sequence per GPU and no accumulation: 16 rows, every GPU count a step."""
+    from meshlm.planner import published
+    from meshlm.planner.published_rows import stack_of, zero_of
+
+    rows = [r for r in published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+                                            / "published_runs_dev.csv") if r["group"] == "AG_yafsdp_fsdp_a100"]
+    assert len(rows) == 16
+    for row in rows:
+        cfg = published.model_of(row)
+        job = published.job_of(row, cfg)
+        assert stack_of(row) == "hf-transformers" and zero_of(row) == 3
+        assert not job.fused_elementwise and job.flash_attention and job.flash_attention_2
+        assert job.grad_reduce_in_fp32 and job.global_batch_size == int(row["n_gpus"])
+        assert job.tokens == int(row["n_gpus"]) * int(row["seq_len"])
+        bare = published.job_of({**row, "notes": "", "inferred_fields": ""}, cfg)  # the stack's own defaults
+        assert not bare.fused_elementwise and bare.flash_attention_2

@@ -356,6 +356,7 @@ def test_zero1_gradients_all_reduced_over_every_rank_cost_an_all_reduce_not_a_re
 
 
 LAYOUT_SWEEP = "AF_hagemann_layouts_a100"  # issue 25's eleventh round: 87 rows of one sweep, apart
+FSDP_ONE_SEQUENCE = "AG_yafsdp_fsdp_a100"  # issue 25's twelfth round: FULL_SHARD, one sequence per GPU, apart
 
 
 def test_published_runs_median_error_within_ten_percent():
@@ -391,8 +392,11 @@ def test_published_runs_median_error_within_ten_percent():
     too slow, its bf16 ones 7-8%, as V's are: a MaxText term the model lacks, not fitted).
     Hagemann et al.'s layout sweep (group AF, 87 rows: LLaMA 13B-65B on 32-256 A100s, tp 1-8 x pp 1-16, the best
     layout of each kernel / checkpointing / micro-batch / sequence-parallel setting; issue 25's kind (3)-like) came in
-    17% too fast (every row, 4-54%), more so with tp and pp; not fitted, bounded at 25%. With its 87 rows the
-    overall median is 10.8% (bounded at 11.5%); the bounds above hold for the other groups' rows."""
+    17% too fast (every row, 4-54%), more so with tp and pp; not fitted, bounded at 25%. YaFSDP's table of PyTorch
+    FSDP's FULL_SHARD (group AG, 16 rows: Llama 2 / 3 7B-70B on 64-256 A100s, one sequence of 2K-8K tokens per GPU;
+    issue 25's kind (1)) came in 33% too fast (every row, 9-56%; 43-56% at 2K tokens, 13-27% at 4K, 9-10% at 8K);
+    not fitted, bounded at 40%. With the 103 rows of both the overall median is 11.05% (bounded at 11.5%); the bounds
+    above hold for the other groups' rows."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs, summarize
@@ -401,7 +405,8 @@ def test_published_runs_median_error_within_ten_percent():
     results, everything = score_runs(read_runs(path))
     assert everything["median_abs_error"] <= 0.115, everything
     assert everything["per_group_median_abs_error"][LAYOUT_SWEEP] <= 0.25, everything
-    summary = summarize([r for r in results if r["group"] != LAYOUT_SWEEP])
+    assert everything["per_group_median_abs_error"][FSDP_ONE_SEQUENCE] <= 0.40, everything
+    summary = summarize([r for r in results if r["group"] not in (LAYOUT_SWEEP, FSDP_ONE_SEQUENCE)])
     assert summary["rows_used"] >= 60
     assert summary["median_abs_error"] <= 0.10, summary
     assert summary["fit_groups_median_abs_error"] <= 0.10, summary

@@ -146,7 +146,13 @@ Choices the rows leave open, made the same way for every row (never from the rep
     are not published): the planner's defaults -- elementwise work fused, the balanced pipeline split, ZeRO-1 -- and
     what each row says: FlashAttention-2 or v1.0.8, or unfused attention (Megatron's fused softmax kernel, or torch
     ops), and whether its RMSNorm ran as flash-attn's fused kernel or as torch ops in fp32 (`Job.eager_ops`
-    "rmsnorm"); a row of any stack saying either is read so.
+    "rmsnorm"); a row of any stack saying either is read so;
+  * Hugging Face transformers with accelerate's FSDP1 (stack "hf-transformers": YaFSDP's table, group AG, as its
+    repository's patched run_clm.py runs it): eager PyTorch (the Trainer compiles nothing by default), RMSNorm in
+    fp32, FlashAttention-2 (`attn_implementation="flash_attention_2"`), FULL_SHARD unit by unit with fp32 reduction;
+  * whole blocks checkpointed in k of L layers ("full, first 10 of 80 layers": YaFSDP's `num-ckpt-layers`): the
+    no-recompute and full-recompute estimates of the layout weighted (L - k) / L and k / L (time and memory: each
+    layer re-runs its forward or not, keeps its inputs or all its activations), as "half" weighs them equally.
 """
 
 from __future__ import annotations
@@ -160,11 +166,11 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
-                                           HALF_RECOMPUTE, TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for,
-                                           compiled, gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
-                                           precision_of, predict_each, recompute_choices, recompute_of, read_table,
-                                           row_text, schedule_named, seq_len_of, shard_degree, source_year, stack_of,
-                                           token_count, zero_of)
+                                           TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for, compiled,
+                                           gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
+                                           precision_of, predict_each, recompute_choices, recompute_fraction,
+                                           recompute_of, read_table, row_text, schedule_named, seq_len_of,
+                                           shard_degree, source_year, stack_of, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -396,18 +402,19 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
                    cp_method=cp_method if cp > 1 else "ring",
                    pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,
                    micro_batch_size=mbs, sequence_parallel=sp, pp_split=split, expert_tp=1 if nvidia_moe else 0,
-                   recompute="none" if rc == HALF_RECOMPUTE else rc)
+                   recompute="none" if recompute_fraction(rc) is not None else rc)
             for mbs in mbs_list for sched, v in schedules]
 
 
-def _mean_estimate(pair: list, cluster) -> Estimate:
-    """The mean of two estimates of one layout (time and memory by component), fitting as the planner
-    decides (`cost.MIN_HEADROOM`); labelled recompute="half"."""
-    a, b = pair
-    time_s = {k: (a.time_s[k] + b.time_s[k]) / 2 for k in a.time_s}
-    mem = {k: (a.memory_gib[k] + b.memory_gib[k]) / 2 for k in a.memory_gib}
+def _mean_estimate(pair: list, cluster, rc: str) -> Estimate:
+    """The no-recompute and full-recompute estimates of one layout (`pair`, time and memory by component) weighted
+    by the share of the forward `rc` re-runs (`recompute_fraction`), fitting as the planner decides
+    (`cost.MIN_HEADROOM`); labelled with `rc`."""
+    (a, b), w = pair, recompute_fraction(rc)
+    time_s = {k: (1 - w) * a.time_s[k] + w * b.time_s[k] for k in a.time_s}
+    mem = {k: (1 - w) * a.memory_gib[k] + w * b.memory_gib[k] for k in a.memory_gib}
     fits = mem["total"] * GiB <= cluster.hbm_bytes * (1 - MIN_HEADROOM)
-    return replace(a, layout=replace(a.layout, recompute=HALF_RECOMPUTE), time_s=time_s, memory_gib=mem, fits=fits)
+    return replace(a, layout=replace(a.layout, recompute=rc), time_s=time_s, memory_gib=mem, fits=fits)
 
 
 def _eq3_row(row: dict) -> bool:
@@ -480,16 +487,16 @@ def predict_row(row: dict) -> dict:
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
     candidates, reasons = [], []
     for rc, lo in layouts:
-        half = rc == HALF_RECOMPUTE
+        mixed = recompute_fraction(rc) is not None
         try:
             m = validate_layout(cfg, job, lo, gpus=n)
         except ValueError as e:
             reasons.append(str(e))
             continue
-        if half:
+        if mixed:
             pair = [estimate_layout(summary, cluster, job, replace(lo, recompute=x), num_microbatches=m)
                     for x in ("none", "full")]
-            candidates.append(_mean_estimate(pair, cluster))
+            candidates.append(_mean_estimate(pair, cluster, rc))
         else:
             candidates.append(estimate_layout(summary, cluster, job, lo, num_microbatches=m))
     if not candidates:

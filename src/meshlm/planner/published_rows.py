@@ -70,6 +70,19 @@ def name_key(name: str) -> str:
 # policy). Both re-run about half of the forward: priced as the mean of the no-recompute and the
 # full-recompute estimates (time and memory), the planner having no per-layer recompute choice.
 HALF_RECOMPUTE = "half"
+# Whole blocks checkpointed in some of the layers (a row's "full, first 10 of 80 layers": YaFSDP's
+# `num_layers_to_checkpoint`, Megatron's --recompute-num-layers): the no-recompute and full-recompute estimates
+# weighted by the share of the layers, what each layer's forward, re-run or not, and its kept activations add up to.
+_PARTIAL = re.compile(r"(\d+) of (\d+) layers")
+
+
+def recompute_fraction(rc: str) -> float | None:
+    """The share of the forward a recompute reading re-runs where it is not one of the planner's modes: 0.5 for
+    `HALF_RECOMPUTE`, k / L for "k of L layers" (`recompute_of`); None for a mode the planner prices itself."""
+    if rc == HALF_RECOMPUTE:
+        return 0.5
+    m = _PARTIAL.fullmatch(rc)
+    return int(m.group(1)) / int(m.group(2)) if m else None
 
 
 def cell_int(text: str, default: int | None = None) -> int | None:
@@ -126,6 +139,7 @@ STACKS = (
     ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
     ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
     ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's codebase (Hagemann et al. 2023): no setting of its own is known
+    ("hf-transformers", ("hugging face transformers",)),
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
@@ -135,11 +149,11 @@ FSDP2_STACKS = ("torchtitan", "olmo-core")
 # Stacks training in fp8 through torchao's float8 linear layers (dynamic tensorwise scaling), not Transformer Engine.
 TORCHAO_FP8_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
-FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core")
+FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
 # published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
 # Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
-EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry")
+EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry", "hf-transformers")
 
 
 def stack_of(row: dict) -> str:
@@ -264,6 +278,9 @@ def recompute_of(row: dict) -> str:
         return "none"
     if t.startswith("partial"):  # a remat policy re-running about half the forward (module docstring)
         return HALF_RECOMPUTE
+    m = _PARTIAL.search(t)
+    if m and 0 < int(m.group(1)) < int(m.group(2)):  # whole blocks in some of the layers
+        return f"{int(m.group(1))} of {int(m.group(2))} layers"
     if re.match(r"(yes|on|true)\b", t) or "full" in t:
         return "full"
     if _pytorch_fsdp(row) and ("selective layer" in t or "selective op" in t):
