@@ -271,3 +271,25 @@ def test_hugging_face_transformers_rows_run_eager_with_flash_attention_2_under_f
         assert job.tokens == int(row["n_gpus"]) * int(row["seq_len"])
         bare = published.job_of({**row, "notes": "", "inferred_fields": ""}, cfg)  # the stack's own defaults
         assert not bare.fused_elementwise and bare.flash_attention_2
+
+
+def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
+    """A row's node cell leading with its GPUs per scale-up domain ("4 (nodes of 4 H200 on NVLink)": KempnerForge's
+    report, group AH) sets the cluster's domain where it differs from the preset's 8; the same row on 8-GPU nodes puts
+    its FSDP=8 group on NVLink alone and prices less data-parallel time. Rows whose cell says 8, 72 or nothing keep
+    their preset. KempnerForge itself is read as the FSDP2 / SDPA stack it is (FlashAttention-2, fully_shard's
+    copy-out), compiled where its row says so."""
+    from meshlm.planner import published
+    from meshlm.planner.published_rows import cluster_for, stack_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    row = next(r for r in rows if r["row_id"] == "R560")  # 13B, FSDP=8 on 2 nodes of 4 H200s, without torch.compile
+    assert cluster_for(row).scaleup_size == 4 and cluster_for({**row, "node_nvlink": "8"}).scaleup_size == 8
+    assert {cluster_for(r).scaleup_size for r in rows if r["group"] != "AH_kempnerforge_h200"} == {8, 72}
+    four, eight = published.predict_row(row), published.predict_row({**row, "node_nvlink": ""})
+    assert four["time_breakdown"]["dp_comm"] > 1.5 * eight["time_breakdown"]["dp_comm"]
+    assert four["predicted"] < eight["predicted"]
+    cfg = published.model_of(row)
+    eager, compiled = (published.job_of(r, cfg) for r in (row, next(r for r in rows if r["row_id"] == "R554")))
+    assert stack_of(row) == "kempnerforge" and eager.flash_attention_2 and eager.fsdp_copy_out
+    assert not eager.fused_elementwise and compiled.fused_elementwise

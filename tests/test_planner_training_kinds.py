@@ -357,6 +357,7 @@ def test_zero1_gradients_all_reduced_over_every_rank_cost_an_all_reduce_not_a_re
 
 LAYOUT_SWEEP = "AF_hagemann_layouts_a100"  # issue 25's eleventh round: 87 rows of one sweep, apart
 FSDP_ONE_SEQUENCE = "AG_yafsdp_fsdp_a100"  # issue 25's twelfth round: FULL_SHARD, one sequence per GPU, apart
+SMALL_FSDP_TP = "AH_kempnerforge_h200"  # issue 25's thirteenth round: FSDP2 / DTensor TP on 1-32 H200s, apart
 
 
 def test_published_runs_median_error_within_ten_percent():
@@ -395,8 +396,11 @@ def test_published_runs_median_error_within_ten_percent():
     17% too fast (every row, 4-54%), more so with tp and pp; not fitted, bounded at 25%. YaFSDP's table of PyTorch
     FSDP's FULL_SHARD (group AG, 16 rows: Llama 2 / 3 7B-70B on 64-256 A100s, one sequence of 2K-8K tokens per GPU;
     issue 25's kind (1)) came in 33% too fast (every row, 9-56%; 43-56% at 2K tokens, 13-27% at 4K, 9-10% at 8K);
-    not fitted, bounded at 40%. With the 103 rows of both the overall median is 11.05% (bounded at 11.5%); the bounds
-    above hold for the other groups' rows."""
+    not fitted, bounded at 40%. KempnerForge's MFU report (group AH, 14 rows: Llama-3-shaped 7B / 13B / 70B on 1-32
+    H200s, FSDP2 and DTensor tp 2-4 with sequence parallelism, full recomputation; issue 25's kind (2)-like) came in at
+    14%: its FSDP2 rows 10-23% too slow, its tensor-parallel ones 4-24% too fast; not fitted, bounded at 20%. With the
+    117 rows of the three the overall median is 11.15% (bounded at 11.5%); the bounds above hold for the other
+    groups' rows."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs, summarize
@@ -406,7 +410,8 @@ def test_published_runs_median_error_within_ten_percent():
     assert everything["median_abs_error"] <= 0.115, everything
     assert everything["per_group_median_abs_error"][LAYOUT_SWEEP] <= 0.25, everything
     assert everything["per_group_median_abs_error"][FSDP_ONE_SEQUENCE] <= 0.40, everything
-    summary = summarize([r for r in results if r["group"] not in (LAYOUT_SWEEP, FSDP_ONE_SEQUENCE)])
+    assert everything["per_group_median_abs_error"][SMALL_FSDP_TP] <= 0.20, everything
+    summary = summarize([r for r in results if r["group"] not in (LAYOUT_SWEEP, FSDP_ONE_SEQUENCE, SMALL_FSDP_TP)])
     assert summary["rows_used"] >= 60
     assert summary["median_abs_error"] <= 0.10, summary
     assert summary["fit_groups_median_abs_error"] <= 0.10, summary

@@ -152,7 +152,11 @@ Choices the rows leave open, made the same way for every row (never from the rep
     fp32, FlashAttention-2 (`attn_implementation="flash_attention_2"`), FULL_SHARD unit by unit with fp32 reduction;
   * whole blocks checkpointed in k of L layers ("full, first 10 of 80 layers": YaFSDP's `num-ckpt-layers`): the
     no-recompute and full-recompute estimates of the layout weighted (L - k) / L and k / L (time and memory: each
-    layer re-runs its forward or not, keeps its inputs or all its activations), as "half" weighs them equally.
+    layer re-runs its forward or not, keeps its inputs or all its activations), as "half" weighs them equally;
+  * KempnerForge (group AH, its MFU report of 2026-04): FSDP2 (`Job.fsdp_copy_out`), DTensor tensor parallelism with
+    sequence parallelism (no async TP), attention through PyTorch SDPA (FlashAttention-2), compiled unless the row
+    says not; its nodes of 4 GPUs from the row's node cell (`cluster_for`). Its bf16 parameters (the trainer casts
+    the model) are not modelled: memory is priced with fp32 master weights.
 """
 
 from __future__ import annotations

@@ -140,16 +140,17 @@ STACKS = (
     ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
     ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's codebase (Hagemann et al. 2023): no setting of its own is known
     ("hf-transformers", ("hugging face transformers",)),
+    ("kempnerforge", ("kempnerforge",)),  # the Kempner Institute's FSDP2 / DTensor trainer
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
 # Stacks sharding with PyTorch FSDP2 (`fully_shard`, per-parameter DTensor shards: torchtitan since its 2024 releases,
 # OLMo-core's `apply_fsdp`); a row naming FSDP2 or fully_shard is read so too.
-FSDP2_STACKS = ("torchtitan", "olmo-core")
+FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge")
 # Stacks training in fp8 through torchao's float8 linear layers (dynamic tensorwise scaling), not Transformer Engine.
 TORCHAO_FP8_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
-FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers")
+FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers", "kempnerforge")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
 # published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
 # Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
@@ -209,11 +210,15 @@ def cluster_of(gpu: str) -> str:
 
 def cluster_for(row: dict) -> Cluster:
     """The row's cluster: the GPU's preset, with the row's own scale-out bandwidth per GPU where it gives one
-    ("N Gb/s ...") and it differs from the preset's (e.g. fms-fsdp's 800 Gbps per 8-GPU node)."""
+    ("N Gb/s ...") and it differs from the preset's (e.g. fms-fsdp's 800 Gbps per 8-GPU node), and its own number of
+    GPUs per scale-up domain where its node cell leads with one that differs ("4 (nodes of 4 H200 on NVLink)")."""
     cluster = get_cluster(cluster_of(row["gpu"]))
     gbit = _gbit_per_s(row.get("internode_bw_per_gpu", ""))
     if gbit and abs(gbit * 1e9 / 8 - cluster.scaleout_bw) > 1e6:
         cluster = with_overrides(cluster, scaleout_bw=gbit * 1e9 / 8)
+    node = cell_int(row.get("node_nvlink", ""))
+    if node and node != cluster.scaleup_size:
+        cluster = with_overrides(cluster, scaleup_size=node)
     return cluster
 
 
