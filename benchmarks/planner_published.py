@@ -160,6 +160,7 @@ import json
 import sys
 from pathlib import Path
 
+from meshlm.planner.plot import plot_published_errors
 from meshlm.planner.published import FIT_GROUPS, read_runs, score_runs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", action="store_true", help="print only the medians (no per-row detail)")
     ap.add_argument("--smoke", action="store_true", help="the first 3 rows of the CSV only (a check that it runs); "
                     "without the CSV, a JSON saying it was skipped")
+    ap.add_argument("--plot", metavar="PNG", help="also draw each group's rows' errors (predicted / measured - 1) "
+                    "with their median, beside the +-10%% and +-25%% bands")
     args = ap.parse_args(argv)
     path = Path(args.csv)
     if not path.exists():
@@ -410,6 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summary:
         out["rows"] = [r for r in results if "error" in r]
         out["skipped"] = [r for r in results if "skip" in r]
+    if args.plot:
+        groups: dict[str, list[float]] = {}
+        for r in results:
+            if "error" in r:
+                groups.setdefault(r["group"], []).append(r["error"])
+        out["plot"] = str(plot_published_errors({"training throughput": groups}, args.plot,
+                                                title=f"planner vs published training runs ({path.name})"))
     print(json.dumps(out, indent=2))
     return 0
 

@@ -20,6 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
+from meshlm.planner.plot import plot_published_errors
 from meshlm.planner.published_serving import read_rows, score_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", default=str(DEFAULT_CSV), help="published serving results CSV")
     ap.add_argument("--summary", action="store_true", help="print only the medians (no per-row detail)")
     ap.add_argument("--smoke", action="store_true", help="the first 3 rows only (a check that it runs)")
+    ap.add_argument("--plot", metavar="PNG", help="also draw each group's rows' errors (predicted / measured - 1) of "
+                    "throughput, TTFT and TPOT with their medians, beside the +-10%% and +-25%% bands")
     args = ap.parse_args(argv)
     path = Path(args.csv)
     if not path.exists():
@@ -43,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     out = {"smoke": args.smoke, "csv": str(path), "summary": summary}
     if not args.summary:
         out["rows"] = results
+    if args.plot:
+        panels: dict[str, dict[str, list[float]]] = {}
+        for r in results:
+            for metric in ("throughput", "ttft_ms", "tpot_ms"):
+                if r.get(f"error_{metric}") is not None:
+                    panels.setdefault(metric, {}).setdefault(r["group"], []).append(r[f"error_{metric}"])
+        out["plot"] = str(plot_published_errors(panels, args.plot,
+                                                title=f"planner vs published serving results ({path.name})"))
     print(json.dumps(out, indent=1))
     return 0
 

@@ -293,3 +293,24 @@ def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
     eager, compiled = (published.job_of(r, cfg) for r in (row, next(r for r in rows if r["row_id"] == "R554")))
     assert stack_of(row) == "kempnerforge" and eager.flash_attention_2 and eager.fsdp_copy_out
     assert not eager.fused_elementwise and compiled.fused_elementwise
+
+
+def test_the_published_error_plots_are_written(tmp_path):
+    """benchmarks/planner_published.py and planner_serving.py --plot draw each group's errors (a PNG, its path in the
+    JSON); nothing scored is refused with the reason."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("matplotlib")
+    from meshlm.planner.plot import plot_published_errors
+
+    root = Path(__file__).resolve().parents[1]
+    for script in ("planner_published.py", "planner_serving.py"):
+        png = tmp_path / f"{script}.png"
+        done = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--smoke", "--summary", "--plot",
+                               str(png)], capture_output=True, text=True, timeout=300, check=True)
+        assert json.loads(done.stdout)["plot"] == str(png)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_published_errors({"throughput": {"A": []}}, tmp_path / "none.png")

@@ -1,5 +1,6 @@
 """PNGs: the top layouts' memory per GPU and step time as stacked components; scaling curves; one long context's
-memory per GPU against its length and TPOT against GPUs; serving deployments' throughput against interactivity.
+memory per GPU against its length and TPOT against GPUs; serving deployments' throughput against interactivity; the
+planner's error on published runs, group by group.
 
 Responsible for: drawing (matplotlib, imported only here and only when a plot is asked for).
 Not responsible for: any number.
@@ -7,6 +8,8 @@ Not responsible for: any number.
 
 from __future__ import annotations
 
+import re
+import statistics
 from pathlib import Path
 
 from meshlm.planner.cost import Estimate
@@ -166,4 +169,39 @@ def plot_frontier(curves: dict, path: str | Path, *, title: str = "", marks: dic
             "throughput against interactivity (labels: requests in flight)")
     _labels(ax_t, "output tokens/s per GPU", "TTFT ms", "first-token latency against throughput (closed-loop clients)")
     ax_t.set_yscale("log")
+    return _save(plt, fig, path, title=title)
+
+
+def plot_published_errors(panels: dict, path: str | Path, *, title: str = "") -> Path:
+    """`panels` {metric: {group: [predicted / measured - 1 of each row]}}: one panel per metric, one line per group
+    (its rows as dots, its median as a bar, labelled with its row count and median |error|), the ideal at 0 and
+    bands at +-10% and +-25%; errors beyond +-100% drawn at the edge."""
+    panels = {metric: {g: errs for g, errs in groups.items() if errs} for metric, groups in panels.items()}
+    panels = {metric: groups for metric, groups in panels.items() if groups}
+    if not panels:
+        raise ValueError("nothing to plot: no row was scored")
+    plt = _pyplot()
+    path = Path(path)
+    height = 1.5 + 0.32 * max(len(groups) for groups in panels.values())
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), height), squeeze=False)
+
+    def edge(e: float) -> float:
+        return min(1.0, max(-1.0, e))
+
+    for ax, (metric, groups) in zip(axes[0], panels.items()):
+        # A, B, ..., Z, AA, AB, ... from the top: the groups' letters as the data README lists them
+        names = sorted(groups, key=lambda g: (len(re.split(r"[_-]", g)[0]), g))[::-1]
+        for y, name in enumerate(names):
+            errs = groups[name]
+            ax.scatter([edge(e) for e in errs], [y] * len(errs), s=12, alpha=0.6)
+            ax.plot([edge(statistics.median(errs))] * 2, [y - 0.3, y + 0.3], color="black", linewidth=2)
+        labels = [f"{g} ({len(groups[g])}, {100 * statistics.median(abs(e) for e in groups[g]):.0f}%)" for g in names]
+        for x, style in ((0.0, "-"), (-0.1, ":"), (0.1, ":"), (-0.25, "--"), (0.25, "--")):
+            ax.axvline(x, color="grey", linestyle=style, linewidth=0.8)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.set_xlim(-1.05, 1.05)
+        ax.grid(alpha=0.3, axis="x")
+        ax.set_xlabel("predicted / measured - 1 (bar: the median)")
+        ax.set_title(f"{metric}: group (rows, median |error|)")
     return _save(plt, fig, path, title=title)
