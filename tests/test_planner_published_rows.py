@@ -239,7 +239,7 @@ def test_some_layers_checkpointed_weigh_no_and_full_recomputation_by_their_share
     summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
     none, full = (estimate_layout(summary, cluster, job, replace(lo, recompute=x), num_microbatches=m)
                   for x in ("none", "full"))
-    mixed = published._mean_estimate([none, full], cluster, "10 of 80 layers")
+    mixed = published._mixed_recompute_estimate([none, full], cluster, "10 of 80 layers")
     for part in ("step", "compute", "recompute", "dp_comm"):
         assert mixed.time_s[part] == pytest.approx((70 * none.time_s[part] + 10 * full.time_s[part]) / 80, rel=1e-12)
     assert full.time_s["recompute"] > 0.1 * full.time_s["step"] and none.time_s["recompute"] == 0

@@ -410,7 +410,7 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
             for mbs in mbs_list for sched, v in schedules]
 
 
-def _mean_estimate(pair: list, cluster, rc: str) -> Estimate:
+def _mixed_recompute_estimate(pair: list, cluster, rc: str) -> Estimate:
     """The no-recompute and full-recompute estimates of one layout (`pair`, time and memory by component) weighted
     by the share of the forward `rc` re-runs (`recompute_fraction`), fitting as the planner decides
     (`cost.MIN_HEADROOM`); labelled with `rc`."""
@@ -500,7 +500,7 @@ def predict_row(row: dict) -> dict:
         if mixed:
             pair = [estimate_layout(summary, cluster, job, replace(lo, recompute=x), num_microbatches=m)
                     for x in ("none", "full")]
-            candidates.append(_mean_estimate(pair, cluster, rc))
+            candidates.append(_mixed_recompute_estimate(pair, cluster, rc))
         else:
             candidates.append(estimate_layout(summary, cluster, job, lo, num_microbatches=m))
     if not candidates:

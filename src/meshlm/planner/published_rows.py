@@ -139,7 +139,7 @@ STACKS = (
     ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
     ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
     ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's codebase (Hagemann et al. 2023): no setting of its own is known
-    ("hf-transformers", ("hugging face transformers",)),
+    ("hf-transformers", ("hugging face transformers",)),  # transformers + accelerate (YaFSDP's example)
     ("kempnerforge", ("kempnerforge",)),  # the Kempner Institute's FSDP2 / DTensor trainer
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
