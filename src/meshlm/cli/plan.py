@@ -244,11 +244,13 @@ def run_estimate(args) -> int:
     if args.json:
         print(json.dumps({**est.to_dict(), **ops}, indent=2))
         return 0
-    from meshlm.planner.explain import bound_of
+    from meshlm.planner.explain import bound_of, overlap_caution
     from meshlm.planner.operations import describe
 
     print(format_table([est]))
     print(bound_of(est))
+    if (caution := overlap_caution(est)) is not None:
+        print(caution)
     print(describe(ops))
     return 0
 

@@ -69,6 +69,9 @@ class Estimate:
     # The same over the "cp" axis: what the ring sends (CommStats' "send"; the receives mirror them), or
     # the all-gathers' outputs and reduce-scatters' inputs.
     cp_comm_bytes: float = 0.0
+    # The step's data-parallel / ZeRO collectives with nothing overlapping them, seconds (`time_s["dp_comm"]` is
+    # what they leave exposed): against compute, how much the step leans on overlap (`explain.overlap_caution`).
+    dp_comm_alone_s: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -179,6 +182,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
     mb = world.microbatches.get(key)
     if mb is None:
         mb = world.microbatches[key] = microbatch_time(summary, job, lo, r)
+    dp_exposed, dp_alone = dp_comm_time(summary, job, lo, r, p, mb, num_microbatches=m)
     time = {
         "compute": m * mb.compute,
         "recompute": m * mb.recompute,
@@ -188,7 +192,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         "pp_bubble": pipeline_bubble(lo.pp_schedule, pp=r.pp, num_microbatches=m, pp_chunks=r.v,
                                      t_fwd=mb.fwd, t_bwd_input=mb.bwd / 2, t_bwd_weight=mb.bwd / 2),
         "pp_p2p": pp_p2p_time(lo, r, num_microbatches=m, job=job, t_microbatch=mb.total),
-        "dp_comm": dp_comm_time(summary, job, lo, r, p, mb, num_microbatches=m),
+        "dp_comm": dp_exposed,
         "optimizer": optimizer_time(r, p) + cluster.step_overhead,  # with the step's fixed framework work
     }
     step = sum(time.values())
@@ -212,6 +216,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         hbm_gib=cluster.hbm_bytes / GiB,
         tp_comm_bytes=m * mb.tp_bytes + (4 if r.tp > 1 else 0),  # + the grad-norm all-reduce, once per step
         cp_comm_bytes=m * mb.cp_bytes,
+        dp_comm_alone_s=dp_alone,
     )
 
 

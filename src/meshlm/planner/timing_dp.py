@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
-                 num_microbatches: int) -> float:
-    """Data-parallel / ZeRO communication left on the critical path of one step."""
+                 num_microbatches: int) -> tuple[float, float]:
+    """Data-parallel / ZeRO communication of one step: (what is left on the critical path, what the collectives
+    take with nothing overlapping them)."""
     cluster, by, tp, cp, ep, m, z = r.cluster, r.by, r.tp, r.cp, r.ep, num_microbatches, p.zero_stage
     span_dps, span_dpr, span_dp_all = r.spans["dp_shard"], r.spans["dp_replicate"], r.spans["dp_all"]
     span_exp, cores_saturated = r.spans["dp_experts"], r.cores_saturated
@@ -30,7 +31,7 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
     t_mb, t_mb_fwd, t_mb_bwd = mb.total, mb.fwd, mb.bwd
     n_dense_local = p.dense  # parameters one rank owns before ZeRO sharding
     n_exp_local = p.experts
-    t_dp = 0.0
+    t_dp = alone = 0.0
     if lo.dp * cp > 1:
         g_dense = n_dense_local * by["reduce"]
         g_exp = n_exp_local * by["reduce"]
@@ -94,8 +95,9 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
         t_dp = max(comm - window, bucket_time)
         # What is hidden still costs: the collective's kernels occupy SMs the overlapped compute loses.
         t_dp += cluster.comm_sm_fraction * max(0.0, comm - t_dp) + sync
+        alone = comm + sync
 
-    return t_dp
+    return t_dp, alone
 
 
 def block_tensors(cfg) -> int:
@@ -106,9 +108,9 @@ def block_tensors(cfg) -> int:
 
 
 def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: RankParams, mb: MicrobatchTime, *,
-                   num_microbatches: int, backward_gathers: bool = True) -> float:
+                   num_microbatches: int, backward_gathers: bool = True) -> tuple[float, float]:
     """FSDP / ZeRO-3 with resharding (PyTorch FSDP, DeepSpeed stage 3, Megatron-FSDP): what its collectives leave
-    exposed in one step, unit by unit.
+    exposed in one step, unit by unit, and what they take with nothing overlapping them.
 
     The units are the blocks, plus the root (embedding, final norm, head: what the blocks leave of the rank's
     parameters). Every micro-step gathers each block before its forward and again before its backward (the
@@ -161,7 +163,7 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     bwd_comm = p.layers * ((passes - 1) * ag_block + red_block)
     total = m * (fwd_comm + bwd_comm + ag_root + red_root)
     if r.cores_saturated:
-        return total
+        return total, total
     if serial:  # every gather on the critical path; the reductions overlap the backward
         exposed = (m * (passes * p.layers * ag_block + ag_root + max(0.0, p.layers * red_block - mb.bwd))
                    + red_block + red_root)
@@ -172,4 +174,4 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     # Gathers per step: each block before its forward (and its backward), the root once per micro-step.
     copied = m * (passes * p.layers * (block + block_exp) * block_bytes + root * by["param"])
     copies = 2 * copied / r.hbm_bw if job.fsdp_copy_out else 0.0
-    return exposed + cluster.comm_sm_fraction * (total - exposed) + copies
+    return exposed + cluster.comm_sm_fraction * (total - exposed) + copies, total
