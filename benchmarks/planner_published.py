@@ -146,11 +146,11 @@ no- and full-recompute estimates weighted by the share, `recompute_fraction`). E
 tokens, 13-27% at 4K, 9-10% at 8K (median 33%); the growth with the GPU count is predicted, the level is not: about
 0.04 s per billion parameters at 2K is missing, half the step's collective time, as if FSDP1 hid far less than each
 pass's compute allows. Overall 10.8% -> 11.05% with AG's rows (the others' unchanged), held-out 11.8%.
-A thirteenth round (the last `CHANGES` entry) added group AH, kind (2)-like on Hopper: KempnerForge's MFU report (all 14
-rows: Llama-3-shaped 7B-70B on 1-32 H200s in nodes of 4, FSDP2, DTensor tp 2-4, both), and changed row descriptions
-only: a node cell's GPUs per scale-up domain, and that stack. Its FSDP2 rows are 10-23% too slow (compiled, 16K tokens
-per micro-step: 58% MFU on one H200 with full recomputation), its tensor-parallel rows 4-24% too fast; median 14%.
-Overall 11.05% -> 11.15% (the others' unchanged), held-out 11.8%.
+A thirteenth round (the last `CHANGES` entry) added group AH, kind (2)-like on Hopper: KempnerForge's MFU report (all
+14 rows: Llama-3-shaped 7B-70B on 1-32 H200s in nodes of 4, FSDP2, DTensor tp 2-4, both), and changed row descriptions
+only: a node cell's GPUs per scale-up domain, and that stack. Its rows without tensor parallelism are 10-23% too slow
+(16K tokens per micro-step: 58% MFU on one H200 with full recomputation), its tensor-parallel rows 4-24% too fast;
+median 14%. Overall 11.05% -> 11.15% (the others' unchanged), held-out 11.8%.
 """
 
 from __future__ import annotations

@@ -397,10 +397,10 @@ def test_published_runs_median_error_within_ten_percent():
     FSDP's FULL_SHARD (group AG, 16 rows: Llama 2 / 3 7B-70B on 64-256 A100s, one sequence of 2K-8K tokens per GPU;
     issue 25's kind (1)) came in 33% too fast (every row, 9-56%; 43-56% at 2K tokens, 13-27% at 4K, 9-10% at 8K);
     not fitted, bounded at 40%. KempnerForge's MFU report (group AH, 14 rows: Llama-3-shaped 7B / 13B / 70B on 1-32
-    H200s, FSDP2 and DTensor tp 2-4 with sequence parallelism, full recomputation; issue 25's kind (2)-like) came in at
-    14%: its FSDP2 rows 10-23% too slow, its tensor-parallel ones 4-24% too fast; not fitted, bounded at 20%. With the
-    117 rows of the three the overall median is 11.15% (bounded at 11.5%); the bounds above hold for the other
-    groups' rows."""
+    H200s, FSDP2 and DTensor tp 2-4 with sequence parallelism, full recomputation; issue 25's kind (2)-like) came in
+    at 14%: its rows without tensor parallelism 10-23% too slow, its tensor-parallel ones 4-24% too fast; bounded at
+    20%. With the 117 rows of the three the overall median is 11.15% (bounded at 11.5%); the bounds above hold for the
+    other groups' rows."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs, summarize
