@@ -93,6 +93,12 @@ class Job:
     # distributed optimizer and DeepSpeed's ZeRO-2, which reduce-scatter the gradients in large buckets and gather
     # the updated parameters once per step.
     zero2_unit_collectives: bool = False
+    # Tensor parallelism with the output head's logits gathered for a loss every tp rank computes over the whole
+    # vocabulary (DTensor's ColwiseParallel head with a Replicate output and no loss_parallel: KempnerForge's
+    # distributed/tensor_parallel.py): one all-gather of tokens x vocab activations per micro-batch, and the loss and
+    # logit memory of the whole vocabulary on every rank. False: Megatron's vocab-parallel cross entropy (and meshlm's,
+    # torchtitan's loss_parallel), three all-reduces of 4 bytes per token and a vocabulary shard per rank.
+    tp_loss_replicated: bool = False
     # fp8 only: how the GEMMs' weights reach fp8 (`FP8_WEIGHTS`; HBM bytes per weight element in kernels.py's
     # `fp8_cast_bytes`, after torchao's own roofline model, torchao/float8/roofline_utils.py).
     fp8_weights: str = "cached"

@@ -228,7 +228,8 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
     # also holds its full activations again.
     layer_full_act = layer_activation_bytes(summary, job, lo, recompute="none")
     act_first += layer_full_act * (2 if rc == "full" else 1)
-    logits = tokens_mb * cfg.vocab_size / tp * 4 * 2  # fp32 logits and their gradient
+    # fp32 logits and their gradient, of the vocabulary shard (of all of it where gathered for the loss)
+    logits = tokens_mb * cfg.vocab_size / (1 if job.tp_loss_replicated else tp) * 4 * 2
     act_last = (layers_last * per_layer_mb + logits) if pp > 1 else 0.0
     mem["activations"] = max(act_first + (logits if pp == 1 else 0.0), act_last)
     buffers = 0.0

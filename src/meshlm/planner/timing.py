@@ -101,7 +101,8 @@ def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks:
 
 
 def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: float, act_bytes: int,
-                   recompute: str = "none", norm_grads_in_graph: bool = True) -> tuple[list, list]:
+                   recompute: str = "none", norm_grads_in_graph: bool = True,
+                   loss_replicated: bool = False) -> tuple[list, list]:
     """The tensor-parallel collectives of one microbatch (forward + backward) on one rank, as
     `(per_layer, around_layers)` lists of (kind, bytes, count); bytes in CommStats' convention.
 
@@ -120,7 +121,8 @@ def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens
     The grad-norm all-reduce (4 bytes once per step) is added by the caller.
     `norm_grads_in_graph=False` leaves out the norm-gradient all-reduces: Megatron coalesces them
     into one all-reduce per step after backward (negligible), where meshlm issues them per layer in
-    the graph (latency-bound, visible on a CPU host).
+    the graph (latency-bound, visible on a CPU host). `loss_replicated` (`Job.tp_loss_replicated`): the loss's
+    three all-reduces become one all-gather of the logits, tokens x vocab x act_bytes.
     """
     if tp <= 1:
         return [], []
@@ -137,7 +139,10 @@ def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens
         edge = [("all_reduce", x, 2)]
     if cfg.qk_norm and norm_grads_in_graph:
         layer.append(("all_reduce", 4 * cfg.head_dim, 2))
-    edge.append(("all_reduce", 4 * tokens, 3))
+    if loss_replicated:
+        edge.append(("all_gather", tokens * cfg.vocab_size * act_bytes, 1))
+    else:
+        edge.append(("all_reduce", 4 * tokens, 3))
     return layer, edge
 
 
@@ -205,7 +210,7 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     t_ep_layer = ep_comm_time(summary, job, r, imbalance=imbalance, window=t_fwd_layer + t_bwd_layer)
     head_on_busy, t_head_fwd, t_head_bwd = head_time(summary, job, r)
     t_emb_fwd, t_emb_bwd = embedding_time(summary.cfg, job, r)
-    t_loss = loss_time(summary.cfg, r)
+    t_loss = loss_time(summary.cfg, r, replicated=job.tp_loss_replicated)
 
     layer_units = r.rank_units - head_on_busy
     comp_mb = (layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_emb_fwd + t_emb_bwd
@@ -357,7 +362,8 @@ def tp_comm_time(cfg: ModelConfig, job: Job, r: RankSetup, *, layer: LayerComput
     span_tp = r.spans["tp"]
     layer_colls, edge_colls = tp_collectives(cfg, tp=r.tp, sequence_parallel=r.sp, tokens=r.tokens_mb,
                                              act_bytes=r.by["act"], recompute=r.rc,
-                                             norm_grads_in_graph=job.runtime == "meshlm")
+                                             norm_grads_in_graph=job.runtime == "meshlm",
+                                             loss_replicated=job.tp_loss_replicated)
     t_layer = sum(n * r.times(kind, nbytes, span_tp) for kind, nbytes, n in layer_colls)
     if job.tp_comm_overlap:
         # Megatron/TE userbuffers: each all-gather is split and pipelined under the GEMM that consumes it,
@@ -498,12 +504,13 @@ def embedding_time(cfg: ModelConfig, job: Job, r: RankSetup) -> tuple[float, flo
     return fwd, gemm_time(vocab, h, t, **kw)
 
 
-def loss_time(cfg: ModelConfig, r: RankSetup) -> float:
+def loss_time(cfg: ModelConfig, r: RankSetup, *, replicated: bool = False) -> float:
     """The loss over the vocabulary (the last stage, charged to the bottleneck rank like the head): fp32
     logits written from the head GEMM's output, read for the max and the sum of exponentials, and the
     gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per logit of
-    this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise)."""
-    return r.tokens_mb * cfg.vocab_size / r.tp * 4 * 5 / r.hbm_bw
+    this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise), of the whole
+    vocabulary where the logits are gathered for the loss (`Job.tp_loss_replicated`)."""
+    return r.tokens_mb * cfg.vocab_size / (1 if replicated else r.tp) * 4 * 5 / r.hbm_bw
 
 
 def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int, job: Job | None = None,
