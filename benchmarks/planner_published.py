@@ -148,11 +148,11 @@ tokens, 13-27% at 4K, 9-10% at 8K (median 33%); the growth with the GPU count is
 pass's compute allows. Overall 10.8% -> 11.05% with AG's rows (the others' unchanged), held-out 11.8%.
 A thirteenth round (the last `CHANGES` entry) added group AH, kind (2)-like on Hopper: KempnerForge's MFU report (all
 14 rows: Llama-3-shaped 7B-70B on 1-32 H200s in nodes of 4, FSDP2, DTensor tp 2-4, both), and changed row descriptions
-and one mechanism: a node cell's GPUs per scale-up domain, that stack, and its head's logits gathered for the loss
-over the whole vocabulary on every tp rank (`Job.tp_loss_replicated`, from its code). Its rows without tensor
-parallelism are 10-23% too slow (16K tokens per micro-step: 58% MFU on one H200 with full recomputation), its
-tensor-parallel rows 2-21% too fast (4-24% without the gathered logits); median 12%. Overall 11.05% with it (the
-others' unchanged), held-out 11.8%.
+and two mechanisms: a node cell's GPUs per scale-up domain, that stack, its head's logits gathered for the loss over
+the whole vocabulary on every tp rank (`Job.tp_loss_replicated`) and its model states in bf16 (`Job.bf16_states`),
+both from its code. Its rows without tensor parallelism are 10-22% too slow (16K tokens per micro-step: 58% MFU on one
+H200 with full recomputation), its tensor-parallel rows 2-21% too fast (4-24% without the gathered logits); median
+12%. Overall 11.05% with it (the others' unchanged), held-out 11.8%.
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ CHANGES = (
     ("row descriptions: a node cell's GPUs per scale-up domain where it differs from the preset's (nodes of 4 H200s); "
      "KempnerForge is FSDP2 with SDPA's FlashAttention-2 kernels, compiled unless the row says not; and a mechanism: "
      "a tensor-parallel head whose logits are gathered for the loss (Job.tp_loss_replicated): AH's tp rows 1-3 points "
-     "nearer, their memory as measured",
+     "nearer, their memory as measured; and model states cast to bf16 (Job.bf16_states: 8 bytes per parameter)",
      ("AH_kempnerforge_h200",),
      "KempnerInstitute/KempnerForge at 01b461a: benchmarks/mfu_scaling/mfu_scaling_2026-04-05.md (hardware, configs), "
      "kempnerforge/distributed/parallel.py (fully_shard, fp32 reduction), distributed/tensor_parallel.py (sequence "

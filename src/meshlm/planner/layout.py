@@ -99,6 +99,10 @@ class Job:
     # logit memory of the whole vocabulary on every rank. False: Megatron's vocab-parallel cross entropy (and meshlm's,
     # torchtitan's loss_parallel), three all-reduces of 4 bytes per token and a vocabulary shard per rank.
     tp_loss_replicated: bool = False
+    # The model cast to bf16 before training (KempnerForge's scripts/train.py: `model.to(dtype=param_dtype)`):
+    # parameters, their gradients and the Adam moments 2 bytes each, no fp32 master copy -- 8 bytes of state per
+    # parameter where mixed precision keeps 18 (`placement.bytes_per`); the optimizer step streams as many fewer.
+    bf16_states: bool = False
     # fp8 only: how the GEMMs' weights reach fp8 (`FP8_WEIGHTS`; HBM bytes per weight element in kernels.py's
     # `fp8_cast_bytes`, after torchao's own roofline model, torchao/float8/roofline_utils.py).
     fp8_weights: str = "cached"

@@ -156,8 +156,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * KempnerForge (group AH, its MFU report of 2026-04): FSDP2 (`Job.fsdp_copy_out`), DTensor tensor parallelism with
     sequence parallelism (no async TP), attention through PyTorch SDPA (FlashAttention-2), compiled unless the row
     says not, its tensor-parallel head's logits gathered for a loss over the whole vocabulary on every rank
-    (`Job.tp_loss_replicated`); its nodes of 4 GPUs from the row's node cell (`cluster_for`). Its bf16 parameters (the
-    trainer casts the model) are not modelled: memory is priced with fp32 master weights.
+    (`Job.tp_loss_replicated`), its model states bf16 (the trainer casts the model: `Job.bf16_states`); its nodes of 4
+    GPUs from the row's node cell (`cluster_for`).
 """
 
 from __future__ import annotations
@@ -273,13 +273,13 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     internlm = stack == "internlm"
     # KempnerForge's tensor parallelism gathers the head's logits for a loss over the whole vocabulary on every rank
     # (its distributed/tensor_parallel.py: "Output head: ColwiseParallel (split vocab, gather to Replicate for loss)").
-    loss_replicated = stack == "kempnerforge"
+    loss_replicated = stack == "kempnerforge"  # and it casts the model to bf16 (scripts/train.py): `bf16_states`
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
-               tp_loss_replicated=loss_replicated,
+               tp_loss_replicated=loss_replicated, bf16_states=loss_replicated,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
 
