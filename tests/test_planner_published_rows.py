@@ -314,3 +314,31 @@ def test_the_published_error_plots_are_written(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_published_errors({"throughput": {"A": []}}, tmp_path / "none.png")
+
+
+def test_zero3_rows_are_summarised_by_how_much_their_step_leans_on_overlap():
+    """Each priced row carries its data-parallel / ZeRO collectives (nothing overlapping them) over its compute and
+    recomputation (`Estimate.dp_comm_alone_s`); the summary bins the ZeRO-3 rows by it (`OVERLAP_BINS`), every such
+    row in exactly one bin, with the bin's median error -- where the dev set shows issue 25's kind (1)."""
+    import statistics
+
+    from meshlm.planner import published
+    from meshlm.planner.cost import ModelSummary, estimate_layout, validate_layout
+    from meshlm.planner.published_rows import cluster_for
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    row = next(r for r in rows if r["row_id"] == "R537")  # Llama 2 7B, FULL_SHARD over 64 A100s, 2K tokens
+    got = published.predict_row(row)
+    cfg = published.model_of(row)
+    job = published.job_of(row, cfg)
+    (lo,) = published.layouts_of(row, cfg, "none")
+    est = estimate_layout(ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise), cluster_for(row),
+                          job, lo, num_microbatches=validate_layout(cfg, job, lo, gpus=64))
+    ratio = est.dp_comm_alone_s / (est.time_s["compute"] + est.time_s["recompute"])
+    assert got["collectives_over_compute"] == pytest.approx(ratio, abs=1e-3) and ratio > 1
+    results, summary = published.score_runs(rows)
+    bins = summary["zero3_median_error_by_collectives_over_compute"]
+    sharded = [r for r in results if "error" in r and "/z3" in r["layout"]]
+    assert sum(b["rows"] for b in bins.values()) == len(sharded) > 100
+    top = [r["error"] for r in sharded if r["collectives_over_compute"] >= published.OVERLAP_BINS[-1]]
+    assert bins["1-inf"] == {"rows": len(top), "median_error": round(statistics.median(top), 4)}

@@ -522,6 +522,9 @@ def predict_row(row: dict) -> dict:
             "layout": best.layout.short(), "fits": best.fits, "memory_gib": round(best.memory_gib["total"], 1),
             "metric": metric, "measured": measured, "predicted": round(predicted, 3),
             "error": round(predicted / measured - 1, 4),
+            # the step's data-parallel / ZeRO collectives, nothing overlapping them, over its compute (`summarize`)
+            "collectives_over_compute": round(best.dp_comm_alone_s / max(1e-12, best.time_s["compute"]
+                                                                         + best.time_s["recompute"]), 3),
             "time_breakdown": {k: round(v / step, 3) for k, v in best.time_s.items() if k != "step" and v > 0}}
 
 
@@ -530,9 +533,25 @@ def _median_abs(rows: list[dict]) -> float | None:
     return round(statistics.median(errs), 4) if errs else None
 
 
+# Bins of a ZeRO-3 / FSDP row's collectives over its compute (`predict_row`'s "collectives_over_compute"): how much
+# its step leans on overlap, where the model hides every collective that each pass's compute covers.
+OVERLAP_BINS = (0.0, 0.2, 0.5, 1.0)
+
+
+def _by_overlap(used: list[dict]) -> dict:
+    """The median error (signed) and row count of the ZeRO-3 rows in each `OVERLAP_BINS` bin."""
+    sharded = [r for r in used if "/z3" in r["layout"]]
+    out = {}
+    for lo, hi in zip(OVERLAP_BINS, (*OVERLAP_BINS[1:], float("inf"))):
+        rows = [r for r in sharded if lo <= r["collectives_over_compute"] < hi]
+        median = round(statistics.median(r["error"] for r in rows), 4) if rows else None
+        out[f"{lo:g}-{hi:g}"] = {"rows": len(rows), "median_error": median}
+    return out
+
+
 def summarize(results: list[dict]) -> dict:
     """Rows used and skipped, and the median |error| per group, over `FIT_GROUPS` and the others, over dense
-    and MoE models, and overall."""
+    and MoE models, and overall; and the ZeRO-3 rows' median error by how much their step leans on overlap."""
     used = [r for r in results if "error" in r]
     groups = sorted({r["group"] for r in used})
     return {
@@ -548,4 +567,5 @@ def summarize(results: list[dict]) -> dict:
         "median_abs_error_moe": _median_abs([r for r in used if r["moe"]]),
         "median_abs_error": _median_abs(used),
         "median_error": round(statistics.median(r["error"] for r in used), 4) if used else None,
+        "zero3_median_error_by_collectives_over_compute": _by_overlap(used),
     }
