@@ -454,10 +454,10 @@ def test_a_step_leaning_on_overlap_says_so_and_counts_its_collectives_whole(caps
     assert short.dp_comm_alone_s == pytest.approx(whole, rel=1e-6)
     assert short.dp_comm_alone_s > short.time_s["compute"] > short.time_s["dp_comm"] > 0
     assert "Caution" in overlap_caution(short) and overlap_caution(long) is None
-    ddp = estimate_layout(ModelSummary.build(cfg, 2048), cluster, Job(seq_len=2048, global_batch_size=64,
-                                                                       dp_comm_overlap=False),
-                          Layout(dp_shard=64, zero_stage=1, micro_batch_size=1), num_microbatches=1)
-    assert ddp.dp_comm_alone_s == pytest.approx(ddp.time_s["dp_comm"], rel=1e-12)
+    no_overlap = Job(seq_len=2048, global_batch_size=64, dp_comm_overlap=False)
+    exposed = estimate_layout(ModelSummary.build(cfg, 2048), cluster, no_overlap,
+                              Layout(dp_shard=64, zero_stage=1, micro_batch_size=1), num_microbatches=1)
+    assert exposed.dp_comm_alone_s == pytest.approx(exposed.time_s["dp_comm"], rel=1e-12)
     rc, out = _cli(["plan", "estimate", "--model", "llama3-8b", "--cluster", "a100", "--gpus", "64", "--seq-len",
                     "2048", "--global-batch-size", "64", "--layout", "dp_shard=64,zero_stage=3,micro_batch_size=1"],
                    capsys)

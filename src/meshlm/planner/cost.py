@@ -73,6 +73,12 @@ class Estimate:
     # what they leave exposed): against compute, how much the step leans on overlap (`explain.overlap_caution`).
     dp_comm_alone_s: float = 0.0
 
+    @property
+    def collectives_over_compute(self) -> float:
+        """`dp_comm_alone_s` over the step's compute and recomputation: how much the step leans on overlap."""
+        compute = self.time_s["compute"] + self.time_s["recompute"]
+        return self.dp_comm_alone_s / compute if compute > 0 else 0.0
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layout_str"] = self.layout.short()

@@ -45,10 +45,10 @@ def overlap_caution(est: Estimate) -> str | None:
     came out from within 1% (torchtitan's 405B, FSDP2 at tp 4 on 512 H100s) to 40-56% slower than predicted (group AG:
     PyTorch FSDP1 at one sequence per GPU on 64-256 A100s, collectives 1.2-1.4x the compute), where those with
     collectives under a fifth of the compute came within a few percent."""
-    compute = est.time_s["compute"] + est.time_s["recompute"]
-    if est.layout.zero_stage < 3 or compute <= 0 or est.dp_comm_alone_s <= compute:
+    ratio = est.collectives_over_compute
+    if est.layout.zero_stage < 3 or ratio <= 1:
         return None
-    return (f"Caution: its ZeRO-3 gathers and reduce-scatters alone take {est.dp_comm_alone_s / compute:.1f}x its "
+    return (f"Caution: its ZeRO-3 gathers and reduce-scatters alone take {ratio:.1f}x its "
             "compute, and the planner hides all that each pass's compute covers; published FSDP runs in this regime "
             "ran from as predicted to 40-56% slower (PyTorch FSDP1, benchmarks/data/ group AG): read the step time as "
             "a lower bound.")

@@ -272,14 +272,15 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`.
     internlm = stack == "internlm"
     # KempnerForge's tensor parallelism gathers the head's logits for a loss over the whole vocabulary on every rank
-    # (its distributed/tensor_parallel.py: "Output head: ColwiseParallel (split vocab, gather to Replicate for loss)").
-    loss_replicated = stack == "kempnerforge"  # and it casts the model to bf16 (scripts/train.py): `bf16_states`
+    # (its distributed/tensor_parallel.py: "Output head: ColwiseParallel (split vocab, gather to Replicate for loss)"),
+    # and it casts the model to bf16 before training (scripts/train.py): `tp_loss_replicated`, `bf16_states`.
+    kempnerforge = stack == "kempnerforge"
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
-               tp_loss_replicated=loss_replicated, bf16_states=loss_replicated,
+               tp_loss_replicated=kempnerforge, bf16_states=kempnerforge,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
 
@@ -522,9 +523,7 @@ def predict_row(row: dict) -> dict:
             "layout": best.layout.short(), "fits": best.fits, "memory_gib": round(best.memory_gib["total"], 1),
             "metric": metric, "measured": measured, "predicted": round(predicted, 3),
             "error": round(predicted / measured - 1, 4),
-            # the step's data-parallel / ZeRO collectives, nothing overlapping them, over its compute (`summarize`)
-            "collectives_over_compute": round(best.dp_comm_alone_s / max(1e-12, best.time_s["compute"]
-                                                                         + best.time_s["recompute"]), 3),
+            "collectives_over_compute": round(best.collectives_over_compute, 3),  # its lean on overlap (`summarize`)
             "time_breakdown": {k: round(v / step, 3) for k, v in best.time_s.items() if k != "step" and v > 0}}
 
 
