@@ -153,6 +153,15 @@ the whole vocabulary on every tp rank (`Job.tp_loss_replicated`) and its model s
 both from its code. Its rows without tensor parallelism are 10-22% too slow (16K tokens per micro-step: 58% MFU on one
 H200 with full recomputation), its tensor-parallel rows 2-21% too fast (4-24% without the gathered logits); median
 12%. Overall 11.05% with it (the others' unchanged), held-out 11.8%.
+A fourteenth round (the last `CHANGES` entry) added two groups of issue 25's kinds (2) and (3)-like, every row of
+their tables chosen before pricing: lightning-thunder's benchmark of PyTorch FSDP (group AI: its rows run by PyTorch's
+own compiler or eagerly, Llama 2 7B / Llama 3 8B on 8 H100s, ZeRO-2, bf16 model states, bf16 or torchao float8) and
+FlagPerf's Llama 3 8B on Megatron-Core 0.6 (group AJ: a tp x pp sweep on one A800 node, tp 2 on 8-440 H100s; its
+printed-OOM layout unpriced, its memory checked); and changed row descriptions, one preset and no constant: that stack
+(bf16 states and reduction, FlashAttention-2), a Megatron-LM row run without --overlap-grad-reduce exposes its
+distributed optimizer's collectives, and the A800 (A100's die, NVLink 400 GB/s). AI comes in 12-34% too fast (median
+16%), AJ 6-28% (14%; the A800 sweep 6-17%, the H100 rows 18-28%). Overall 11.05% -> 11.3% with their rows (the
+others' unchanged), held-out 11.9%.
 """
 
 from __future__ import annotations
@@ -390,6 +399,16 @@ CHANGES = (
      "kempnerforge/distributed/parallel.py (fully_shard, fp32 reduction), distributed/tensor_parallel.py (sequence "
      "parallelism, the head gathered to Replicate for the loss), model/attention.py (F.scaled_dot_product_attention), "
      "scripts/train.py (bf16 model)"),
+    # Issue 25, fourteenth round: groups AI and AJ added (every row of their tables); row descriptions and a preset.
+    ("row descriptions: lightning-thunder's benchmark_litgpt.py keeps bf16 model states and reduces in bf16, attends "
+     "through SDPA's FlashAttention-2; a Megatron-LM row run without --overlap-grad-reduce exposes its distributed "
+     "optimizer's collectives; the A800 preset (A100's die, NVLink 400 GB/s)",
+     ("AI_thunder_litgpt_h100_fsdp", "AJ_flagperf_megatron_llama3_8b"),
+     "Lightning-AI/lightning-thunder pull requests #940 (d425fe4) and #1528 (77c6a74): thunder/benchmarks/"
+     "benchmark_litgpt.py (init_model's bf16 cast, fully_shard with reshard_after_forward=False and bf16 "
+     "MixedPrecisionPolicy, FSDP1 SHARD_GRAD_OP, torchao Float8LinearConfig); FlagOpen/FlagPerf at 1b5a030: "
+     "training/nvidia/llama3_8B-megatron/README.md and config/, training/benchmarks/llama3_8B/megatron/"
+     "pretrain_llama3.sh and run_pretraining.py; NVIDIA's A800 datasheet"),
 )
 
 

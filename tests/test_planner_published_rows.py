@@ -295,6 +295,66 @@ def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
     assert not eager.fused_elementwise and compiled.fused_elementwise
 
 
+def test_lightning_thunders_benchmark_is_read_as_the_bf16_fsdp_zero2_it_ran():
+    """lightning-thunder's benchmark_litgpt.py (group AI: Llama 2 7B / Llama 3 8B on 8 H100s) casts the model to bf16
+    (`Job.bf16_states`) and reduces its gradients in bf16; its --shard_mode zero2 is ZeRO-2 unit by unit
+    (`Job.zero2_unit_collectives`: FSDP2 without resharding after the forward, or FSDP1's SHARD_GRAD_OP), FSDP2's
+    copy-out only on its FSDP2 rows; attention through SDPA (FlashAttention-2); compiled or eager as each row says; its
+    torchao float8 rows gather the weights in fp8. Only AH's and AI's stacks keep bf16 states."""
+    from meshlm.planner import published
+    from meshlm.planner.published_rows import stack_of, zero_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    group = {r["row_id"]: r for r in rows if r["group"] == "AI_thunder_litgpt_h100_fsdp"}
+    assert sorted(group) == ["R567", "R568", "R569", "R570", "R571"]
+    jobs = {k: published.job_of(r, published.model_of(r)) for k, r in group.items()}
+    for k, job in jobs.items():
+        assert stack_of(group[k]) == "lightning-thunder" and zero_of(group[k]) == 2, k
+        assert job.bf16_states and not job.grad_reduce_in_fp32 and job.zero2_unit_collectives, k
+        assert job.flash_attention_2 and job.fused_elementwise == (k != "R569"), k
+    assert [k for k, job in jobs.items() if not job.fsdp_copy_out] == ["R568"]  # the FSDP1 row
+    assert {k for k, job in jobs.items() if job.fp8_weights == "fsdp_all_gather"} == {"R570", "R571"}
+    kept = {r["group"] for r in rows if published.job_of(r, published.model_of(r)).bf16_states}
+    assert kept == {"AH_kempnerforge_h200", "AI_thunder_litgpt_h100_fsdp"}
+
+
+def test_flagperfs_megatron_core_runs_expose_their_distributed_optimizer_and_fit_as_printed():
+    """FlagPerf's Llama 3 8B on Megatron-Core 0.6 (group AJ): its script passes neither --overlap-grad-reduce nor
+    --overlap-param-gather, so the distributed optimizer's collectives run after the backward, exposed -- read from the
+    row's notes (without them, the overlapped default); no TP communication overlap; Transformer Engine's attention, not
+    Megatron's legacy model. Its single-node rows ran on A800s (the A100's die, NVLink 400 GB/s: the `a800` preset).
+    The planner's memory agrees with the table's choices: micro-batch 1 of 8192 tokens without recomputation does not
+    fit PP1 x DP8 (printed OOM) and fits every layout the table ran but its baseline, predicted at 76.5 GiB where it
+    used 76 of its 80."""
+    from meshlm.planner import published
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.cost import ModelSummary, estimate_layout, validate_layout
+    from meshlm.planner.published_rows import cluster_for, stack_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    group = [r for r in rows if r["group"] == "AJ_flagperf_megatron_llama3_8b"]
+    assert len(group) == 13
+    for row in group:
+        cfg = published.model_of(row)
+        job, bare = published.job_of(row, cfg), published.job_of({**row, "notes": ""}, cfg)
+        assert stack_of(row) == "megatron-lm" and not published.legacy_megatron(row)
+        assert not job.dp_comm_overlap and bare.dp_comm_overlap and not job.tp_comm_overlap
+        assert job.flash_attention and not job.flash_attention_2 and job.grad_reduce_in_fp32
+    a800 = get_cluster("a800")
+    assert a800.scaleup_bw == 200e9 and a800.peak_flops == get_cluster("a100").peak_flops
+    assert {cluster_for(r).name for r in group} == {"a800", "h100"}
+    fits = {}
+    for row in (r for r in group if cluster_for(r).name == "a800"):
+        cfg, job = published.model_of(row), published.job_of(row, published.model_of(row))
+        (lo,) = published.layouts_of(row, cfg)
+        est = estimate_layout(ModelSummary.build(cfg, job.seq_len), cluster_for(row), job, lo,
+                              num_microbatches=validate_layout(cfg, job, lo, gpus=8))
+        fits[row["row_id"]] = (est.fits, est.memory_gib["total"])
+    assert not fits["R579"][0] and fits["R579"][1] > 80  # PP1 x DP8: "OOM"
+    assert fits["R572"][1] == pytest.approx(76, abs=1.5)  # PP2 x DP4: "76/80"
+    assert all(ok for k, (ok, _) in fits.items() if k not in ("R572", "R579"))
+
+
 def test_the_published_error_plots_are_written(tmp_path):
     """benchmarks/planner_published.py and planner_serving.py --plot draw each group's errors (a PNG, its path in the
     JSON); nothing scored is refused with the reason."""

@@ -377,6 +377,9 @@ PRESETS: dict[str, Cluster] = {
                                                  "hbm_bw": 4.0e12}),
     "b200": Cluster(name="b200", **_B200),
     "h800": Cluster(name="h800", **{**_H100, "gpu": "H800-SXM", "scaleup_bw": 200e9}),
+    # A800 SXM4 80GB (NVIDIA A800 datasheet): the A100 SXM's die and memory with NVLink cut to 400 GB/s
+    # bidirectional (200 GB/s each way), as H800 is to H100.
+    "a800": Cluster(name="a800", **{**_A100, "gpu": "A800-SXM-80G", "scaleup_bw": 200e9}),
     "mi300x": Cluster(name="mi300x", **_MI300X),
     "mi325x": Cluster(name="mi325x", **{**_MI300X, "gpu": "MI325X", "hbm_bytes": 256 * GiB, "hbm_bw": 6.0e12,
                                        "gpu_power_w": 1000.0}),

@@ -157,7 +157,13 @@ Choices the rows leave open, made the same way for every row (never from the rep
     sequence parallelism (no async TP), attention through PyTorch SDPA (FlashAttention-2), compiled unless the row
     says not, its tensor-parallel head's logits gathered for a loss over the whole vocabulary on every rank
     (`Job.tp_loss_replicated`), its model states bf16 (the trainer casts the model: `Job.bf16_states`); its nodes of 4
-    GPUs from the row's node cell (`cluster_for`).
+    GPUs from the row's node cell (`cluster_for`);
+  * lightning-thunder's benchmark_litgpt.py (group AI): the model cast to bf16 (`Job.bf16_states`, its gradients
+    reduced in bf16), attention through SDPA (FlashAttention-2), its --shard_mode zero2 as FSDP's ZeRO-2 unit by unit
+    (FSDP2 without resharding after the forward, FSDP1's SHARD_GRAD_OP: what the row's sharding cell says);
+  * a Megatron-LM row run without --overlap-grad-reduce (FlagPerf's Megatron-Core 0.6 script, group AJ, passes
+    neither overlap flag) exposes its distributed optimizer's reduce-scatter and all-gather; an A800 row takes the
+    `a800` preset (A100's die, NVLink 400 GB/s).
 """
 
 from __future__ import annotations
@@ -170,9 +176,9 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
-from meshlm.planner.published_rows import (DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
-                                           TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for, compiled,
-                                           gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
+from meshlm.planner.published_rows import (BF16_STATE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS,
+                                           FSDP2_STACKS, TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for,
+                                           compiled, gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
                                            precision_of, predict_each, recompute_choices, recompute_fraction,
                                            recompute_of, read_table, row_text, schedule_named, seq_len_of,
                                            shard_degree, source_year, stack_of, token_count, zero_of)
@@ -227,8 +233,11 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # Megatron-LLaMA's rows with Megatron-LM's own DistributedOptimizer (group AB): its README, "the solution provided
     # by Megatron-LM does not fully overlap GPU computation with communication" (its OverlappedDistributedOptimizer does).
     megatron_llama_plain = stack == "megatron-llama" and "overlapped" not in row["zero_fsdp"].lower()
+    # A Megatron-LM row whose script passes neither --overlap-grad-reduce nor --overlap-param-gather (Megatron-Core's
+    # defaults were off: FlagPerf's Llama 3 8B, group AJ) says so: its distributed optimizer's collectives run exposed.
+    no_overlap_flags = bool(re.search(r"without --overlap-grad-reduce", row_text(row)))
     megatron_old = ((stack == "megatron-lm" and year < 2023) or deepspeed_pipe or megascale_baseline
-                    or megatron_llama_plain)
+                    or megatron_llama_plain or no_overlap_flags)
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
     # (scripts/train.sh: --use_torch_compile=False; its configuration doc then: "recommended to NOT use compile at
@@ -240,7 +249,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
     # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
     # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
-    bf16_reduce = ("pure" in row["precision"].lower() or stack == "fms-fsdp"
+    # lightning-thunder's benchmark_litgpt.py reduces its bf16 model's gradients as they are: FSDP2's
+    # MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy.
+    bf16_reduce = ("pure" in row["precision"].lower() or stack in ("fms-fsdp", "lightning-thunder")
                    or (deepspeed_pipe and "fp16" in row["precision"].lower()))
     ep = cell_int(row["ep"], 1)
     # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)
@@ -272,15 +283,16 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`.
     internlm = stack == "internlm"
     # KempnerForge's tensor parallelism gathers the head's logits for a loss over the whole vocabulary on every rank
-    # (its distributed/tensor_parallel.py: "Output head: ColwiseParallel (split vocab, gather to Replicate for loss)"),
-    # and it casts the model to bf16 before training (scripts/train.py): `tp_loss_replicated`, `bf16_states`.
+    # (its distributed/tensor_parallel.py: "Output head: ColwiseParallel (split vocab, gather to Replicate for loss)"):
+    # `tp_loss_replicated`. It casts the model to bf16 before training (scripts/train.py), as lightning-thunder's
+    # benchmark_litgpt.py does (`init_model`: model.to(dtype=torch.bfloat16)): `bf16_states` (`BF16_STATE_STACKS`).
     kempnerforge = stack == "kempnerforge"
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
-               tp_loss_replicated=kempnerforge, bf16_states=kempnerforge,
+               tp_loss_replicated=kempnerforge, bf16_states=stack in BF16_STATE_STACKS,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
 

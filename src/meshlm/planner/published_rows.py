@@ -141,6 +141,7 @@ STACKS = (
     ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's codebase (Hagemann et al. 2023): no setting of its own is known
     ("hf-transformers", ("hugging face transformers",)),  # transformers + accelerate (YaFSDP's example)
     ("kempnerforge", ("kempnerforge",)),  # the Kempner Institute's FSDP2 / DTensor trainer
+    ("lightning-thunder", ("lightning-thunder",)),  # its benchmark_litgpt.py: litgpt's models under PyTorch FSDP
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
@@ -150,7 +151,11 @@ FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge")
 # Stacks training in fp8 through torchao's float8 linear layers (dynamic tensorwise scaling), not Transformer Engine.
 TORCHAO_FP8_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
-FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers", "kempnerforge")
+FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers", "kempnerforge",
+              "lightning-thunder")
+# Stacks that cast the model to bf16 before training: parameters, gradients and optimizer states all 16-bit, no fp32
+# master (`Job.bf16_states`).
+BF16_STATE_STACKS = ("kempnerforge", "lightning-thunder")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
 # published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
 # Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
@@ -200,7 +205,8 @@ def cluster_of(gpu: str) -> str:
         if card in squeezed and "gh200" not in squeezed and ("nvl" in squeezed or "pcie" in squeezed):
             return f"{card}-nvl" if "nvl" in squeezed or card == "h200" else f"{card}-pcie"
     for key, name in (("gb300", "gb300-nvl72"), ("b300", "b300"), ("gb200", "gb200-nvl72"), ("b200", "b200"),
-                      ("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("a100", "a100"), ("ampere", "a100"),
+                      ("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("a800", "a800"), ("a100", "a100"),
+                      ("ampere", "a100"),
                       ("mi355x", "mi355x"), ("mi350x", "mi350x"), ("mi325x", "mi325x"), ("mi300x", "mi300x"),
                       ("rtxpro6000", "rtx-pro-6000")):
         if key in squeezed:
