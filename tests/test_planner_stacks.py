@@ -177,7 +177,8 @@ def test_blackwell_ultra_and_cdna4_parts_at_their_datasheets_and_measured_gemms(
              "MI355X": "mi355x", "AMD Instinct MI350X 288GB HBM3e": "mi350x", "MI325X": "mi325x",
              "NVIDIA RTX PRO 6000 Blackwell Server Edition": "rtx-pro-6000", "rtx_pro_6000": "rtx-pro-6000",
              "AMD MI-300X": "mi300x", "H100 SXM5 80GB": "h100", "A100-SXM4-40GB": "a100-40gb",
-             "A100 40 GB": "a100-40gb", "A100 80GB (400 W)": "a100"}
+             "A100 40 GB": "a100-40gb", "A100 80GB (400 W)": "a100", "A800 SXM4 80GB": "a800",
+             "NVIDIA_A800-SXM4-80GB": "a800"}
     assert {cell: cluster_of(cell) for cell in cells} == cells
 
     def gpus(cluster):
