@@ -211,7 +211,7 @@ def eq3_flops_per_step(cfg: ModelConfig, job: Job) -> float:
 def job_of(row: dict, cfg: ModelConfig) -> Job:
     """The row's job: its sequence, batch and precision, and what its software stack overlaps and fuses."""
     n, pp = cell_int(row["n_gpus"]), cell_int(row["pp"])
-    year = source_year(row)
+    year, text = source_year(row), row_text(row)
     # The global batch in sequences, or its tokens over the sequence length ("16M tokens"), else a micro-batch per GPU.
     gbs_tokens = token_count(row.get("gbs_tokens", ""))
     gbs = (cell_int(row["gbs_seqs"]) or (gbs_tokens // seq_len_of(row) if gbs_tokens else 0)
@@ -221,7 +221,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # nor MegaScale's Megatron-LM baseline.
     nvidia = nvidia_recipe(row)
     # A row that names it ("async TP": torchtitan's enable_async_tensor_parallel; Megatron's --tp-comm-overlap) too.
-    named_overlap = re.search(r"(?<!no )(async(hronous)? (tp|tensor[ -]parallel)|tp[-_]comm[-_]overlap)", row_text(row))
+    named_overlap = re.search(r"(?<!no )(async(hronous)? (tp|tensor[ -]parallel)|tp[-_]comm[-_]overlap)", text)
     overlap = "(megascale)" in row["model"].lower() or nvidia or bool(named_overlap)
     # Gradient all-reduce after the backward, exposed: Megatron-LM before `--overlap-grad-reduce` (2023),
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
@@ -235,7 +235,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     megatron_llama_plain = stack == "megatron-llama" and "overlapped" not in row["zero_fsdp"].lower()
     # A Megatron-LM row whose script passes neither --overlap-grad-reduce nor --overlap-param-gather (Megatron-Core's
     # defaults were off: FlagPerf's Llama 3 8B, group AJ) says so: its distributed optimizer's collectives run exposed.
-    no_overlap_flags = bool(re.search(r"without --overlap-grad-reduce", row_text(row)))
+    no_overlap_flags = bool(re.search(r"without --overlap-grad-reduce", text))
     megatron_old = ((stack == "megatron-lm" and year < 2023) or deepspeed_pipe or megascale_baseline
                     or megatron_llama_plain or no_overlap_flags)
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
@@ -245,7 +245,6 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # (`compiled`: what the row says; `EAGER_STACKS`: those stacks' defaults then.)
     says = compiled(row)
     eager = says is False or (says is None and stack in EAGER_STACKS)
-    text = row_text(row)
     # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
     # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
     # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
