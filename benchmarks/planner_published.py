@@ -162,6 +162,11 @@ printed-OOM layout unpriced, its memory checked); and changed row descriptions, 
 distributed optimizer's collectives, and the A800 (A100's die, NVLink 400 GB/s). AI comes in 12-34% too fast (median
 16%), AJ 6-28% (14%; the A800 sweep 6-17%, the H100 rows 18-28%). Overall 11.05% -> 11.3% with their rows (the
 others' unchanged), held-out 11.9%.
+A fifteenth round (the last `CHANGES` entry) added group AK, the Swallow team's Megatron-LM logs on ABCI's A100 40GB
+(Llama 2 7B / 13B / 70B at tp 2-8 x pp 2-8 on 16-256 GPUs; one row per configuration whose longest log has 1,000
+iterations or more, chosen before pricing; its out-of-memory layout unpriced), and changed one row description, no
+constant: a Megatron-LM row naming --transformer-impl local ran the legacy model code. AK comes in 7-15% too fast
+(median 12%). Overall 11.3% -> 11.6% with its rows (the others' unchanged), held-out 12.0%.
 """
 
 from __future__ import annotations
@@ -409,6 +414,13 @@ CHANGES = (
      "MixedPrecisionPolicy, FSDP1 SHARD_GRAD_OP, torchao Float8LinearConfig); FlagOpen/FlagPerf at 1b5a030: "
      "training/nvidia/llama3_8B-megatron/README.md and config/, training/benchmarks/llama3_8B/megatron/"
      "pretrain_llama3.sh and run_pretraining.py; NVIDIA's A800 datasheet"),
+    # Issue 25, fifteenth round: group AK added (one row per logged configuration); one row description.
+    ("row descriptions: a Megatron-LM row naming --transformer-impl local runs the legacy model code (torch-op RoPE, "
+     "SwiGLU and layout copies; its \"selective\" recomputes nothing on the flash path) whatever its year",
+     ("AK_swallow_megatron_abci_a100",),
+     "okoge-kaz/Megatron-LM-ABCI at 54209cd (branch feature/llama-2): outputs/ (the training logs' argument dumps and "
+     "per-iteration times), megatron/model/transformer.py and rms_norm.py, installed_packages.txt; aistabci/abci-docs "
+     "en/docs/system-overview.md (Compute Node (A))"),
 )
 
 

@@ -355,6 +355,35 @@ def test_flagperfs_megatron_core_runs_expose_their_distributed_optimizer_and_fit
     assert all(ok for k, (ok, _) in fits.items() if k not in ("R572", "R579"))
 
 
+def test_swallows_megatron_logs_run_the_legacy_model_with_its_optimizer_exposed_on_abcis_a100_40gb():
+    """The Swallow team's Megatron-LM logs (group AK): a fork of Megatron-LM of late 2023 run with `--transformer-impl
+    local`, i.e. its legacy model code though its source is of 2024 -- flash-attn's layout copies, RoPE and SwiGLU as
+    torch ops, its RMSNorm as torch ops in fp32 (the fork's megatron/model/rms_norm.py), and "selective" recomputation
+    that its flash path never runs; no --overlap-grad-reduce (the distributed optimizer's collectives exposed); ABCI's
+    Compute Node (A): A100 40GB, 8 per node, 4 x HDR 200 Gb/s per node (100 Gb/s per GPU). The OOM layout is kept
+    unpriced."""
+    from meshlm.planner import published
+    from meshlm.planner.published_rows import cluster_for, stack_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    group = {r["row_id"]: r for r in rows if r["group"] == "AK_swallow_megatron_abci_a100"}
+    assert sorted(group) == [f"R{i}" for i in range(585, 597)]
+    for k, row in group.items():
+        cfg = published.model_of(row)
+        plain = {**row, "notes": "", "source": row["source"].replace("--transformer-impl local", "")}
+        job, bare = published.job_of(row, cfg), published.job_of(plain, cfg)
+        assert stack_of(row) == "megatron-lm" and published.source_year(row) == 2024, k
+        assert published.legacy_megatron(row) and not published.legacy_megatron(plain), k
+        assert job.eager_ops == {"attention_layout", "rope", "swiglu", "rmsnorm"} and not bare.eager_ops, k
+        assert published.recompute_as_run(published.recompute_of(row), row, job) == "none", k
+        assert not job.dp_comm_overlap and bare.dp_comm_overlap and not job.tp_comm_overlap, k
+        assert job.flash_attention and not job.flash_attention_1 and job.grad_reduce_in_fp32, k
+        cluster = cluster_for(row)
+        assert cluster.name == "a100-40gb" and cluster.scaleout_bw == 100e9 / 8 and cluster.scaleup_size == 8, k
+    scored = {r["row_id"]: r for r in (published.predict_row(row) for row in group.values())}
+    assert "skip" in scored["R596"] and all("skip" not in r for k, r in scored.items() if k != "R596")
+
+
 def test_the_published_error_plots_are_written(tmp_path):
     """benchmarks/planner_published.py and planner_serving.py --plot draw each group's errors (a PNG, its path in the
     JSON); nothing scored is refused with the reason."""

@@ -163,7 +163,10 @@ Choices the rows leave open, made the same way for every row (never from the rep
     (FSDP2 without resharding after the forward, FSDP1's SHARD_GRAD_OP: what the row's sharding cell says);
   * a Megatron-LM row run without --overlap-grad-reduce (FlagPerf's Megatron-Core 0.6 script, group AJ, passes
     neither overlap flag) exposes its distributed optimizer's reduce-scatter and all-gather; an A800 row takes the
-    `a800` preset (A100's die, NVLink 400 GB/s).
+    `a800` preset (A100's die, NVLink 400 GB/s);
+  * a Megatron-LM row naming `--transformer-impl local` ran its legacy model code whatever its year (the Swallow
+    team's fork of late 2023, logs of 2023-11 to 2024-01, group AK; `legacy_megatron`): the layout copies, RoPE and
+    SwiGLU as torch ops, and a "selective" recomputation its flash path never runs.
 """
 
 from __future__ import annotations
@@ -358,9 +361,11 @@ def _sharding_and_fp8(row: dict, stack: str, year: int, text: str) -> dict:
 
 def legacy_megatron(row: dict) -> bool:
     """Megatron-LM's legacy model code: Megatron-LM's own runs before Transformer Engine became its default
-    implementation (2024), and Megatron-LLaMA's fork of it."""
+    implementation (2024) or that name its local implementation (`--transformer-impl local`, the Swallow logs of
+    group AK), and Megatron-LLaMA's fork of it."""
     stack = stack_of(row)
-    return stack == "megatron-llama" or (stack == "megatron-lm" and source_year(row) < 2024)
+    local = re.search(r"transformer[-_]impl(ementation)?[ =]+local", row_text(row))
+    return stack == "megatron-llama" or (stack == "megatron-lm" and (source_year(row) < 2024 or bool(local)))
 
 
 def recompute_as_run(rc: str, row: dict, job: Job) -> str:
