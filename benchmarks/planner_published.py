@@ -166,7 +166,12 @@ A fifteenth round (the last `CHANGES` entry) added group AK, the Swallow team's 
 (Llama 2 7B / 13B / 70B at tp 2-8 x pp 2-8 on 16-256 GPUs; one row per configuration whose longest log has 1,000
 iterations or more, chosen before pricing; its out-of-memory layout unpriced), and changed one row description, no
 constant: a Megatron-LM row naming --transformer-impl local ran the legacy model code. AK comes in 7-15% too fast
-(median 12%). Overall 11.3% -> 11.6% with its rows (the others' unchanged), held-out 12.0%.
+(median 12%). Overall 11.3% -> 11.6% with its rows (the others' unchanged), held-out 12.0%. The same round then
+priced the loss as the code runs it (the last `CHANGES` entry), prompted by AJ's A800 pipelines, whose step exceeded
+the prediction by about the same time per micro-batch on the last stage whatever its layers: Megatron's
+vocab-parallel cross entropy op by op, 52 bytes per logit with bf16 logits (it had been taken as 20 for every stack),
+NVIDIA's recipes with Megatron-Core's fused one, 28; a mechanism counted from the code, no constant. Overall 11.6% ->
+10.9%, fitted groups 4.76% -> 4.86%, held-out 12.0% -> 11.4%, MoE rows 38% -> 35%; AJ's A800 pipelines 6-10% -> 1-7%.
 """
 
 from __future__ import annotations
@@ -421,6 +426,12 @@ CHANGES = (
      "okoge-kaz/Megatron-LM-ABCI at 54209cd (branch feature/llama-2): outputs/ (the training logs' argument dumps and "
      "per-iteration times), megatron/model/transformer.py and rms_norm.py, installed_packages.txt; aistabci/abci-docs "
      "en/docs/system-overview.md (Compute Node (A))"),
+    ("mechanism: the loss as the code runs it, Megatron's vocab-parallel cross entropy op by op (52 bytes per logit "
+     "with bf16 logits, where 20 had been assumed for every stack), Megatron-Core's fused one for NVIDIA's recipes (28)",
+     ("AJ_flagperf_megatron_llama3_8b", "AK_swallow_megatron_abci_a100"),
+     "NVIDIA/Megatron-LM core_v0.6.0 and core_v0.9.0: megatron/core/tensor_parallel/cross_entropy.py, "
+     "megatron/core/fusions/fused_cross_entropy.py, megatron/core/models/common/language_module/language_module.py; "
+     "NeMo-Framework-Launcher's llama3 base configs and NeMo 2.0's GPTConfig (cross_entropy_loss_fusion)"),
 )
 
 

@@ -409,15 +409,16 @@ def test_published_runs_median_error_within_ten_percent():
     Megatron-Core 0.6 (group AJ, 12 rows: a tp x pp sweep on one A800 node 6-17% too fast, tp 2 on 8-440 H100s
     18-28%) came in at 14%; bounded at 20%. The Swallow team's Megatron-LM logs (group AK, 11 rows: Llama 2 7B / 13B /
     70B on 16-256 A100 40GB, tp 2-8 x pp 2-8 with Megatron's legacy model, issue 25's kind (3)-like) came in 7-15% too
-    fast (12%); bounded at 20%. With the 145 rows of the six the overall median is 11.6% (bounded at 12%); the bounds
-    above hold for the other groups' rows."""
+    fast (12%); bounded at 20%. With the 145 rows of the six the overall median was 11.6%, 10.9% once the loss was
+    priced as Megatron's cross entropy runs it (52 bytes per logit where 20 had been assumed; AJ 13%, AK 12%; bounded
+    at 11.5%); the bounds above hold for the other groups' rows."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs, summarize
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv"
     results, everything = score_runs(read_runs(path))
-    assert everything["median_abs_error"] <= 0.12, everything
+    assert everything["median_abs_error"] <= 0.115, everything
     assert everything["per_group_median_abs_error"][LAYOUT_SWEEP] <= 0.25, everything
     assert everything["per_group_median_abs_error"][FSDP_ONE_SEQUENCE] <= 0.40, everything
     assert everything["per_group_median_abs_error"][SMALL_FSDP_TP] <= 0.20, everything
@@ -477,6 +478,42 @@ def test_a_step_leaning_on_overlap_says_so_and_counts_its_collectives_whole(caps
     assert rc == 0 and "Caution: its ZeRO-3 gathers and reduce-scatters alone take" in out
 
 
+# Megatron's vocab-parallel cross entropy over 2-byte logits cast to fp32, bytes per logit: the cast (2 + 4), the max
+# (4), the shifted copy (4 + 4), exp in place (4 + 4), the sum (4), the softmax divided in place (4 + 4); backward the
+# product with the loss's gradient in place (4 + 4) and the cast back (4 + 2).
+LOSS_BYTES_BF16 = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + (4 + 4) + (4 + 2)
+
+
+def test_the_loss_costs_megatrons_cross_entropy_passes_per_logit():
+    """The loss at HBM bandwidth as Megatron's vocab-parallel cross entropy runs it op by op (the logits cast to
+    fp32, max, shift, exp, sum, the softmax kept, its product with the loss's gradient, the cast back): 52 bytes per
+    logit of the rank's vocabulary shard with bf16 logits, 40 with fp32 ones (no casts); Megatron-Core's fused one
+    (`Job.cross_entropy_fusion`) 28 either way; over tp ranks each its shard. Of the published rows, NVIDIA's recipes
+    (NeMo / Megatron-Bridge, whose configs set cross_entropy_loss_fusion) and only they run the fused one."""
+    from pathlib import Path
+
+    from meshlm.planner import published
+    from meshlm.planner.timing import loss_time
+
+    cfg, cluster = ModelConfig.from_preset("llama3-8b"), get_cluster("h100")
+    # Megatron-Core's fused one: the cast with the max (2 + 4), shift, exp and sum in one kernel (4 + 4), the
+    # division (4 + 4), the backward in one (4 + 2); with fp32 logits the max reads them (4) and the backward writes 4.
+    fused_bf16, fused_fp32 = (2 + 4) + (4 + 4) + (4 + 4) + (4 + 2), 4 + (4 + 4) + (4 + 4) + (4 + 4)
+    cases = (("bf16", False, LOSS_BYTES_BF16), ("fp32", False, LOSS_BYTES_BF16 - (2 + 4) - (4 + 2)),
+             ("bf16", True, fused_bf16), ("fp32", True, fused_fp32))
+    for precision, fused, per_logit in cases:
+        job = Job(seq_len=4096, global_batch_size=8, precision=precision)
+        for tp in (1, 4):
+            lo = Layout(dp_shard=8 // tp, tp=tp, micro_batch_size=2)
+            r = rank_setup(ModelSummary.build(cfg, 4096), cluster, job, lo)
+            expected = 2 * 4096 * cfg.vocab_size / tp * per_logit / r.hbm_bw
+            assert loss_time(cfg, r, fused=fused) == pytest.approx(expected, rel=1e-12), (precision, fused, tp)
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    fused_groups = {r["group"] for r in rows if published.job_of(r, published.model_of(r)).cross_entropy_fusion}
+    assert fused_groups == {"H_nemo_2407_h100_fp8", "I_megatron_bridge_h100", "AD_nemo_long_sequence_cp",
+                            "AE_megatron_bridge_blackwell"}
+
+
 def test_a_loss_over_gathered_logits_costs_an_all_gather_and_the_whole_vocabulary_per_rank():
     """`Job.tp_loss_replicated` (DTensor's head with a Replicate output and no loss_parallel: KempnerForge's rows,
     group AH): the loss's three 4-byte all-reduces per token become one all-gather of the logits (tokens x vocab x
@@ -498,7 +535,7 @@ def test_a_loss_over_gathered_logits_costs_an_all_gather_and_the_whole_vocabular
     comm = (r.times("all_gather", tokens * cfg.vocab_size * 2, span) - 3 * r.times("all_reduce", 4 * tokens, span))
     assert whole.time_s["tp_comm"] - shard.time_s["tp_comm"] == pytest.approx(comm, rel=1e-9)
     loss = loss_time(cfg, r, replicated=True) - loss_time(cfg, r)
-    assert loss == pytest.approx(tokens * cfg.vocab_size * 4 * 5 * (1 - 1 / tp) / r.hbm_bw, rel=1e-12)
+    assert loss == pytest.approx(tokens * cfg.vocab_size * LOSS_BYTES_BF16 * (1 - 1 / tp) / r.hbm_bw, rel=1e-12)
     assert whole.time_s["compute"] - shard.time_s["compute"] == pytest.approx(loss, rel=1e-9)
     logits = tokens * cfg.vocab_size * 4 * 2 * (1 - 1 / tp) / GiB
     assert whole.memory_gib["activations"] - shard.memory_gib["activations"] == pytest.approx(logits, rel=1e-9)

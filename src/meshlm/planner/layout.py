@@ -103,6 +103,10 @@ class Job:
     # parameters, their gradients and the Adam moments 2 bytes each, no fp32 master copy -- 8 bytes of state per
     # parameter where mixed precision keeps 18 (`placement.bytes_per`); the optimizer step streams as many fewer.
     bf16_states: bool = False
+    # Megatron-Core's fused cross entropy (`cross_entropy_loss_fusion`, from core_v0.8; NeMo's and Megatron-Bridge's
+    # GPT configs default it on): its jit-fused kernels move fewer bytes per logit than the op-by-op loss
+    # (`timing.loss_time`).
+    cross_entropy_fusion: bool = False
     # fp8 only: how the GEMMs' weights reach fp8 (`FP8_WEIGHTS`; HBM bytes per weight element in kernels.py's
     # `fp8_cast_bytes`, after torchao's own roofline model, torchao/float8/roofline_utils.py).
     fp8_weights: str = "cached"

@@ -74,6 +74,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * the PyTorch-native stacks (torchtitan, also in the float8 / FSDP2 blog; llm-foundry, fms-fsdp) attend with
     FlashAttention-2 kernels (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer
     Engine's;
+  * the loss as Megatron's vocab-parallel cross entropy runs it op by op, 52 bytes per logit with bf16 logits
+    (`timing.loss_time`); NVIDIA's recipes with Megatron-Core's fused one (`Job.cross_entropy_fusion`: their
+    configs set cross_entropy_loss_fusion), 28;
   * recompute "not stated" (the float8 / FSDP2 blog, group T): none, half and full each tried, the fastest that
     fits kept (`recompute_choices`), as for a micro-batch size not given;
   * DeepSpeed's fp16 ZeRO-1 (GPT-NeoX; BigScience's fp16 topology benchmark, group S) reduces the fp16
@@ -289,12 +292,16 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # `tp_loss_replicated`. It casts the model to bf16 before training (scripts/train.py), as lightning-thunder's
     # benchmark_litgpt.py does (`init_model`: model.to(dtype=torch.bfloat16)): `bf16_states` (`BF16_STATE_STACKS`).
     kempnerforge = stack == "kempnerforge"
+    # NVIDIA's recipes run Megatron-Core's fused cross entropy (`Job.cross_entropy_fusion`): NeMo-Framework-Launcher's
+    # base configs (e.g. auto_configurator/base_configs/llama3_8b.yaml) and NeMo 2.0's GPTConfig set
+    # cross_entropy_loss_fusion, Megatron-Bridge's GPT provider defaults it on. The others are priced op by op (XLA's
+    # fusion of MaxText's and Paxml's loss is not counted apart: priced fused, their rows move under a point).
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
                fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
-               tp_loss_replicated=kempnerforge, bf16_states=stack in BF16_STATE_STACKS,
+               tp_loss_replicated=kempnerforge, bf16_states=stack in BF16_STATE_STACKS, cross_entropy_fusion=nvidia,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
 

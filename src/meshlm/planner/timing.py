@@ -210,7 +210,7 @@ def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -
     t_ep_layer = ep_comm_time(summary, job, r, imbalance=imbalance, window=t_fwd_layer + t_bwd_layer)
     head_on_busy, t_head_fwd, t_head_bwd = head_time(summary, job, r)
     t_emb_fwd, t_emb_bwd = embedding_time(summary.cfg, job, r)
-    t_loss = loss_time(summary.cfg, r, replicated=job.tp_loss_replicated)
+    t_loss = loss_time(summary.cfg, r, replicated=job.tp_loss_replicated, fused=job.cross_entropy_fusion)
 
     layer_units = r.rank_units - head_on_busy
     comp_mb = (layer_units * (t_fwd_layer + t_bwd_layer) + t_head_fwd + t_head_bwd + t_emb_fwd + t_emb_bwd
@@ -504,13 +504,23 @@ def embedding_time(cfg: ModelConfig, job: Job, r: RankSetup) -> tuple[float, flo
     return fwd, gemm_time(vocab, h, t, **kw)
 
 
-def loss_time(cfg: ModelConfig, r: RankSetup, *, replicated: bool = False) -> float:
-    """The loss over the vocabulary (the last stage, charged to the bottleneck rank like the head): fp32
-    logits written from the head GEMM's output, read for the max and the sum of exponentials, and the
-    gradient (softmax - one-hot) written and read by the head's backward: ~5 passes of 4 bytes per logit of
-    this rank's vocabulary shard (Megatron's vocab-parallel cross entropy; meshlm's likewise), of the whole
-    vocabulary where the logits are gathered for the loss (`Job.tp_loss_replicated`)."""
-    return r.tokens_mb * cfg.vocab_size / (1 if replicated else r.tp) * 4 * 5 / r.hbm_bw
+def loss_time(cfg: ModelConfig, r: RankSetup, *, replicated: bool = False, fused: bool = False) -> float:
+    """The loss over the vocabulary (the last stage, charged to the bottleneck rank like the head), at HBM
+    bandwidth, per logit of this rank's vocabulary shard (of the whole vocabulary where the logits are gathered for
+    the loss, `Job.tp_loss_replicated`), with logits of a bytes. As Megatron's vocab-parallel cross entropy runs it op
+    by op (megatron/core/tensor_parallel/cross_entropy.py, its callers casting the logits to fp32 first: the legacy
+    model's and Megatron-Core's `compute_language_model_loss`) and meshlm's (`parallel/tensor.py`) alike: the cast
+    to fp32 (read a, write 4), the max (read 4), the shifted copy (read 4, write 4), its exp in place (read 4, write
+    4), the sum (read 4), the softmax divided in place and kept for the backward (read 4, write 4); backward the
+    softmax times the loss's gradient in place (read 4, write 4) and the cast back (read 4, write a): 40 bytes of
+    fp32 passes and 2 (a + 4) of casts, 52 with 2-byte logits, 40 with fp32 ones (no cast). `fused`
+    (`Job.cross_entropy_fusion`, Megatron-Core's megatron/core/fusions/fused_cross_entropy.py): the cast with the
+    max (read a, write 4), the shift, exp and sum in one kernel (read 4, write 4), the division (read 4, write 4),
+    the backward in one (read 4, write a): 28 bytes with 2-byte logits."""
+    a = r.by["act"]
+    cast = a + 4 if a < 4 else 0
+    per_logit = ((cast or 4) + 8 + 8 + 4 + a) if fused else 40 + 2 * cast
+    return r.tokens_mb * cfg.vocab_size / (1 if replicated else r.tp) * per_logit / r.hbm_bw
 
 
 def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int, job: Job | None = None,
