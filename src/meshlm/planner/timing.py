@@ -518,8 +518,11 @@ def loss_time(cfg: ModelConfig, r: RankSetup, *, replicated: bool = False, fused
     max (read a, write 4), the shift, exp and sum in one kernel (read 4, write 4), the division (read 4, write 4),
     the backward in one (read 4, write a): 28 bytes with 2-byte logits."""
     a = r.by["act"]
-    cast = a + 4 if a < 4 else 0
-    per_logit = ((cast or 4) + 8 + 8 + 4 + a) if fused else 40 + 2 * cast
+    up, down = (a + 4, 4 + a) if a < 4 else (0, 0)  # the casts to fp32 and back (none for fp32 logits)
+    if fused:  # cast with max (or the max alone), shift-exp-sum, division; the backward with its cast
+        per_logit = (up or 4) + 8 + 8 + (4 + a)
+    else:  # cast, max, shifted copy, exp, sum, division; backward product, cast
+        per_logit = up + 4 + 8 + 8 + 4 + 8 + 8 + down
     return r.tokens_mb * cfg.vocab_size / (1 if replicated else r.tp) * per_logit / r.hbm_bw
 
 
