@@ -294,8 +294,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     kempnerforge = stack == "kempnerforge"
     # NVIDIA's recipes run Megatron-Core's fused cross entropy (`Job.cross_entropy_fusion`): NeMo-Framework-Launcher's
     # base configs (e.g. auto_configurator/base_configs/llama3_8b.yaml) and NeMo 2.0's GPTConfig set
-    # cross_entropy_loss_fusion, Megatron-Bridge's GPT provider defaults it on. The others are priced op by op (XLA's
-    # fusion of MaxText's and Paxml's loss is not counted apart: priced fused, their rows move under a point).
+    # cross_entropy_loss_fusion, Megatron-Bridge's GPT provider defaults it on. The others are priced op by op; XLA
+    # fuses MaxText's and Paxml's loss too, not counted apart (priced as fused, their rows would move under a point).
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
