@@ -172,6 +172,12 @@ the prediction by about the same time per micro-batch on the last stage whatever
 vocab-parallel cross entropy op by op, 52 bytes per logit with bf16 logits (it had been taken as 20 for every stack),
 NVIDIA's recipes with Megatron-Core's fused one, 28; a mechanism counted from the code, no constant. Overall 11.6% ->
 10.9%, fitted groups 4.76% -> 4.86%, held-out 12.0% -> 11.4%, MoE rows 38% -> 35%; AJ's A800 pipelines 6-10% -> 1-7%.
+A sixteenth round (the last `CHANGES` entry) read group AF's stack, AA-Scaling, from Aleph Alpha's Scaling library as
+its public releases run it (its configuration names are the sweep's sheets'), where the planner's defaults had
+stood in: RoPE and SwiGLU as torch ops, DeepSpeed's pipeline schedule with blocking sends and receives, the gradients
+all-reduced in fp32 after the flush and the ZeRO-1 shards gathered back; row descriptions only, no constant. AF 16.6%
+-> 10.4% (its pp 1 rows 8.6% -> 2.0%, its pipelines 17% -> 11%); overall 10.9% -> 9.1%, held-out 11.4% -> 9.7%, fitted
+groups unchanged (no other row moved).
 """
 
 from __future__ import annotations
@@ -432,6 +438,15 @@ CHANGES = (
      "NVIDIA/Megatron-LM core_v0.6.0 and core_v0.9.0: megatron/core/tensor_parallel/cross_entropy.py, "
      "megatron/core/fusions/fused_cross_entropy.py, megatron/core/models/common/language_module/language_module.py; "
      "NeMo-Framework-Launcher's llama3 base configs and NeMo 2.0's GPTConfig (cross_entropy_loss_fusion)"),
+    # Issue 25, sixteenth round: group AF's stack read from its public release; row descriptions only.
+    ("row descriptions: Aleph Alpha's Scaling (AA-Scaling) runs RoPE and SwiGLU as torch ops, DeepSpeed's pipeline "
+     "schedule with blocking sends and receives, and all-reduces its gradients in fp32 after the flush (ZeRO-1 shards "
+     "gathered back), exposed",
+     ("AF_hagemann_layouts_a100",),
+     "Aleph-Alpha/scaling 0.1.0 / 0.2.0 (2024-08 / 2024-10; at 78489292 and 01b9d21): src/scaling/core/nn/rotary.py, "
+     "mlp.py, "
+     "pipeline_schedule/train.py, parallel_module/communicator.py and pipeline_partitioning.py, "
+     "core/optimizer/optimizer.py, allreduce.py and parameter_group.py, core/topology/topology_config.py"),
 )
 
 

@@ -384,6 +384,45 @@ def test_swallows_megatron_logs_run_the_legacy_model_with_its_optimizer_exposed_
     assert "skip" in scored["R596"] and all("skip" not in r for k, r in scored.items() if k != "R596")
 
 
+def test_hagemanns_sweep_runs_as_aleph_alphas_scaling_library_runs_it():
+    """Hagemann et al.'s sweep (group AF) ran AA-Scaling, Aleph Alpha's Scaling library, read as its public release
+    runs it (`published_rows.BLOCKING_PIPE_STACKS`): RoPE and SwiGLU as torch ops, RMSNorm too where the row says so;
+    DeepSpeed's pipeline schedule with each send and receive blocking; the gradients all-reduced in fp32 after the
+    flush and the ZeRO-1 shards gathered back, exposed. A row not naming the stack reads none of it. Scaling's pipeline
+    split -- uniform over its layer items, the embedding, the blocks, the final norm and the head -- puts on every
+    stage of every AF layout the blocks the planner's balanced split puts there."""
+    from meshlm.planner import published
+    from meshlm.planner.cost import ModelSummary
+    from meshlm.planner.placement import rank_split
+    from meshlm.planner.published_rows import stack_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    group = [r for r in rows if r["group"] == "AF_hagemann_layouts_a100"]
+    assert len(group) == 87
+    for row in group:
+        cfg = published.model_of(row)
+        job = published.job_of(row, cfg)
+        plain = {**row, **{k: row[k].replace("AA-Scaling", "its codebase") for k in ("source", "model")}}
+        bare = published.job_of(plain, cfg)
+        torch_norm = "rmsnorm as torch ops" in row["notes"].lower()
+        assert stack_of(row) == "aa-scaling" and stack_of(plain) == "", row["row_id"]
+        assert job.eager_ops == ({"rope", "swiglu", "rmsnorm"} if torch_norm else {"rope", "swiglu"}), row["row_id"]
+        assert job.pp_p2p_serial and not job.dp_comm_overlap and job.zero1_grad_all_reduce, row["row_id"]
+        assert job.grad_reduce_in_fp32 and job.fused_elementwise, row["row_id"]
+        assert bare.eager_ops == ({"rmsnorm"} if torch_norm else set()), row["row_id"]
+        assert not bare.pp_p2p_serial and bare.dp_comm_overlap and not bare.zero1_grad_all_reduce, row["row_id"]
+        pp, layers = int(row["pp"]), cfg.num_layers
+        items, per = layers + 3, (layers + 3) // pp  # embedding, blocks, final norm, head
+        bounds = [0]
+        for i in range(pp):
+            bounds.append(bounds[-1] + per + (1 if i < items - per * pp else 0))
+        scaling = [sum(1 for k in range(a, b) if 1 <= k <= layers) for a, b in zip(bounds, bounds[1:])]
+        summary = ModelSummary.build(cfg, job.seq_len)
+        head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+        planner, _ = rank_split(layers, pp=pp, chunks=1, head_units=head_units)
+        assert max(scaling) == max(planner), (row["row_id"], scaling, planner)
+
+
 def test_the_published_error_plots_are_written(tmp_path):
     """benchmarks/planner_published.py and planner_serving.py --plot draw each group's errors (a PNG, its path in the
     JSON); nothing scored is refused with the reason."""

@@ -123,7 +123,8 @@ class Job:
     dp_comm_overlap: bool = True
     # Every pipeline send and receive its own blocking transfer, in schedule order (DeepSpeed's pipeline engine:
     # runtime/pipe/p2p.py's send / recv are synchronous, one per SendActivation / RecvActivation / SendGrad /
-    # RecvGrad instruction): an interior stage waits for four transfers per micro-batch, an end stage for two.
+    # RecvGrad instruction; Aleph Alpha's Scaling runs the same schedule over blocking torch.distributed.send / recv):
+    # an interior stage waits for four transfers per micro-batch, an end stage for two.
     # False: Megatron's / meshlm's schedules, a send and a receive issued together (two per micro-batch).
     pp_p2p_serial: bool = False
     runtime: str = "megatron"  # one of RUNTIMES: whose memory and communication accounting applies
@@ -161,9 +162,10 @@ class Job:
     # ZeRO-1/2 gradients all-reduced over every data-parallel rank, each rank then keeping its shard's part, where
     # Megatron's distributed optimizer and DeepSpeed reduce-scatter them over the sharding group (False): InternLM's
     # HybridZeroOptimizer (internlm/solver/optimizer/hybrid_zero_optim.py: `reduce_tensor(..., dst_rank=None)`,
-    # an all-reduce in its utils.py). Its updated shards go out as one broadcast per rank of the sharding group,
-    # priced as the all-gather they add up to (NCCL's ring cost model, src/graph/tuning.cc: a broadcast's
-    # latency is one hop's when its channels are the same, its bytes those every rank receives).
+    # an all-reduce in its utils.py; Aleph Alpha's Scaling likewise, in fp32). The updated shards go back out as one
+    # broadcast per rank of the sharding group (InternLM) or an all-gather (Scaling), priced as the all-gather they
+    # add up to (NCCL's ring cost model, src/graph/tuning.cc: a broadcast's latency is one hop's when its channels
+    # are the same, its bytes those every rank receives).
     zero1_grad_all_reduce: bool = False
 
     def validate(self) -> None:

@@ -145,9 +145,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     one-hot matmul (`Job.embedding_gemm`: a GEMM of tokens x vocab x hidden forward and one for the table's
     gradient), and for the 5B a dropout (p 0.1) of each repeated block's input (`Job.unfused_dropouts` = 1:
     its own pass, the next kernel being Transformer Engine's LayerNorm); no other dropout (DROPOUT_PROB 0);
-  * Hagemann et al.'s layout sweep (group AF, AA-Scaling, Aleph Alpha's codebase, whose settings beyond the sweep's
-    are not published): the planner's defaults -- elementwise work fused, the balanced pipeline split, ZeRO-1 -- and
-    what each row says: FlashAttention-2 or v1.0.8, or unfused attention (Megatron's fused softmax kernel, or torch
+  * Hagemann et al.'s sweep (group AF) as Aleph Alpha's Scaling library runs it (`published_rows.BLOCKING_PIPE_STACKS`):
+    RoPE and SwiGLU as torch ops, blocking pipeline sends and receives, gradients all-reduced in fp32 after the flush;
+    and what each row says: FlashAttention-2 or v1.0.8, or unfused attention (Megatron's fused softmax kernel, or torch
     ops), and whether its RMSNorm ran as flash-attn's fused kernel or as torch ops in fp32 (`Job.eager_ops`
     "rmsnorm"); a row of any stack saying either is read so;
   * Hugging Face transformers with accelerate's FSDP1 (stack "hf-transformers": YaFSDP's table, group AG, as its
@@ -182,12 +182,13 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
-from meshlm.planner.published_rows import (BF16_STATE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_STACKS, FA2_STACKS,
-                                           FSDP2_STACKS, TORCHAO_FP8_STACKS, cell_float, cell_int, cluster_for,
-                                           compiled, gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe,
-                                           precision_of, predict_each, recompute_choices, recompute_fraction,
-                                           recompute_of, read_table, row_text, schedule_named, seq_len_of,
-                                           shard_degree, source_year, stack_of, token_count, zero_of)
+from meshlm.planner.published_rows import (BF16_STATE_STACKS, BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS,
+                                           EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
+                                           TORCHAO_FP8_STACKS, ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int,
+                                           cluster_for, compiled, gpt_style, hybrid_shard, interleaved, model_of,
+                                           nvidia_recipe, precision_of, predict_each, recompute_choices,
+                                           recompute_fraction, recompute_of, read_table, row_text, schedule_named,
+                                           seq_len_of, shard_degree, source_year, stack_of, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -233,16 +234,18 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # i.e. the 2021 / 2022 papers and MegaScale's Megatron-LM baseline (overlapping it is MegaScale's Sec. 3.3).
     megascale_baseline = "(megatron-lm)" in row["model"].lower()
     # DeepSpeed's pipeline engine (GPT-NeoX, BLOOM) likewise reduces the gradients after the pipeline flush.
-    # (S: BigScience's topology benchmark of 2022-02, the same engine and Megatron-DeepSpeed.)
+    # (S: BigScience's topology benchmark of 2022-02, the same engine and Megatron-DeepSpeed.) So does Aleph Alpha's
+    # Scaling (group AF), whose pipeline runs DeepSpeed's schedule (`BLOCKING_PIPE_STACKS`).
     stack = stack_of(row)
     deepspeed_pipe = stack in DEEPSPEED_PIPE_STACKS
+    blocking_pipe = stack in BLOCKING_PIPE_STACKS
     # Megatron-LLaMA's rows with Megatron-LM's own DistributedOptimizer (group AB): its README, "the solution provided
     # by Megatron-LM does not fully overlap GPU computation with communication" (its OverlappedDistributedOptimizer does).
     megatron_llama_plain = stack == "megatron-llama" and "overlapped" not in row["zero_fsdp"].lower()
     # A Megatron-LM row whose script passes neither --overlap-grad-reduce nor --overlap-param-gather (Megatron-Core's
     # defaults were off: FlagPerf's Llama 3 8B, group AJ) says so: its distributed optimizer's collectives run exposed.
     no_overlap_flags = bool(re.search(r"without --overlap-grad-reduce", text))
-    megatron_old = ((stack == "megatron-lm" and year < 2023) or deepspeed_pipe or megascale_baseline
+    megatron_old = ((stack == "megatron-lm" and year < 2023) or blocking_pipe or megascale_baseline
                     or megatron_llama_plain or no_overlap_flags)
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
     # memory pass per elementwise op. fms-fsdp's README figures before its revision of 2024-05-09 ran eager too
@@ -285,8 +288,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     dots_saved = paxml and recompute_of(row) == "selective"
     # InternLM's HybridZeroOptimizer (group Z) all-reduces every gradient bucket over the whole data-parallel group
     # (hybrid_zero_optim.py `_reduce_and_copy`: reduce_tensor with dst_rank None, an all-reduce) and broadcasts each
-    # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`.
-    internlm = stack == "internlm"
+    # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`; Scaling's optimizer likewise
+    # (`ZERO1_ALL_REDUCE_STACKS`).
     # KempnerForge's tensor parallelism gathers the head's logits for a loss over the whole vocabulary on every rank
     # (its distributed/tensor_parallel.py: "Output head: ColwiseParallel (split vocab, gather to Replicate for loss)"):
     # `tp_loss_replicated`. It casts the model to bf16 before training (scripts/train.py), as lightning-thunder's
@@ -299,8 +302,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
-               fp32_norms=not mpt_norm, pp_p2p_serial=deepspeed_pipe, embedding_gemm=paxml,
-               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved, zero1_grad_all_reduce=internlm,
+               fp32_norms=not mpt_norm, pp_p2p_serial=blocking_pipe, embedding_gemm=paxml,
+               unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved,
+               zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,
                tp_loss_replicated=kempnerforge, bf16_states=stack in BF16_STATE_STACKS, cross_entropy_fusion=nvidia,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
@@ -333,6 +337,9 @@ def _attention_and_ops(row: dict, stack: str, year: int, text: str, *, megascale
     if legacy_megatron(row):  # the layout copies on its flash path only; RoPE and SwiGLU where the model has them
         eager_ops = frozenset(({"attention_layout"} if flash else set())
                               | (set() if gpt_style(row) else {"rope", "swiglu"}))
+    # Aleph Alpha's Scaling: RoPE and SwiGLU as torch ops (`EAGER_ROPE_SWIGLU_STACKS`).
+    if stack in EAGER_ROPE_SWIGLU_STACKS:
+        eager_ops = eager_ops | {"rope", "swiglu"}
     # A row whose RMSNorm ran as torch ops (in fp32, as Llama's reference code writes it) though the rest is fused.
     if re.search(r"rms ?norm as torch ops", text):
         eager_ops = eager_ops | {"rmsnorm"}

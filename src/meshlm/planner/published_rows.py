@@ -138,13 +138,38 @@ STACKS = (
     ("megatron-deepspeed", ("megatron-deepspeed", "bigscience")),  # DeepSpeed's pipeline engine
     ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
     ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
-    ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's codebase (Hagemann et al. 2023): no setting of its own is known
+    ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's Scaling library (Hagemann et al. 2023): `BLOCKING_PIPE_STACKS`
     ("hf-transformers", ("hugging face transformers",)),  # transformers + accelerate (YaFSDP's example)
     ("kempnerforge", ("kempnerforge",)),  # the Kempner Institute's FSDP2 / DTensor trainer
     ("lightning-thunder", ("lightning-thunder",)),  # its benchmark_litgpt.py: litgpt's models under PyTorch FSDP
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
+# Aleph Alpha's Scaling library, the codebase of Hagemann et al.'s sweep (group AF, "AA-Scaling"), read as its public
+# releases run it (Aleph-Alpha/scaling 0.1.0 of 2024-08 and 0.2.0 of 2024-10, read at commits 78489292 and 01b9d21),
+# whose configuration names are the sweep's sheets' (model_parallel_size, pipe_parallel_size,
+# activation_checkpointing_type 'every_layer' / 'disabled', the softmax kernel 'torch'):
+#   * its pipeline engine is DeepSpeed's instruction schedule (core/nn/pipeline_schedule/train.py), each
+#     SendActivation / RecvActivation / SendGrad / RecvGrad a blocking torch.distributed.send / recv of its own
+#     (core/nn/parallel_module/communicator.py `PipeCommunicator`), and its optimizer step all-reduces the
+#     data-parallel gradients after the pipeline's flush (core/optimizer/optimizer.py `Optimizer.step`):
+#     `BLOCKING_PIPE_STACKS`;
+#   * those gradients are all-reduced whole in fp32 (allreduce.py `allreduce_tensor_in_float32`), with ZeRO-1 each rank
+#     then gathering the others' updated shards (parameter_group.py `step_sequel`): `ZERO1_ALL_REDUCE_STACKS`;
+#   * RoPE and SwiGLU run as torch ops (core/nn/rotary.py `apply_rotary_pos_emb`: q * cos + rotate_half(q) * sin;
+#     core/nn/mlp.py `ParallelSwiGLUMLP`: silu(x) * gate): `EAGER_ROPE_SWIGLU_STACKS`.
+# Its pipeline split (uniform over the embedding, the blocks, the final norm and the head as items) gives every AF
+# layout the stages the planner's balanced split gives it. The sweep's two kernels the release no longer has
+# (Megatron's fused softmax, flash-attn's fused RMSNorm) are read from each row.
+# Stacks whose pipeline sends and receives each block (`Job.pp_p2p_serial`) and whose gradients are reduced after the
+# pipeline's flush, exposed: DeepSpeed's pipeline engine and Scaling's copy of its schedule.
+BLOCKING_PIPE_STACKS = (*DEEPSPEED_PIPE_STACKS, "aa-scaling")
+# Stacks whose ZeRO-1 all-reduces every gradient over all data-parallel ranks and then spreads the updated shards
+# (`Job.zero1_grad_all_reduce`): InternLM's HybridZeroOptimizer, Scaling's optimizer.
+ZERO1_ALL_REDUCE_STACKS = ("internlm", "aa-scaling")
+# Stacks that fuse their elementwise work but run RoPE and SwiGLU as torch ops (`Job.eager_ops`; Megatron-LM's legacy
+# model is read apart: `published.legacy_megatron`).
+EAGER_ROPE_SWIGLU_STACKS = ("aa-scaling",)
 # Stacks sharding with PyTorch FSDP2 (`fully_shard`, per-parameter DTensor shards: torchtitan since its 2024 releases,
 # OLMo-core's `apply_fsdp`); a row naming FSDP2 or fully_shard is read so too.
 FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge")
