@@ -175,9 +175,10 @@ NVIDIA's recipes with Megatron-Core's fused one, 28; a mechanism counted from th
 A sixteenth round (the last `CHANGES` entry) read group AF's stack, AA-Scaling, from Aleph Alpha's Scaling library as
 its public releases run it (its configuration names are the sweep's sheets'), where the planner's defaults had
 stood in: RoPE and SwiGLU as torch ops, DeepSpeed's pipeline schedule with blocking sends and receives, the gradients
-all-reduced in fp32 after the flush and the ZeRO-1 shards gathered back; row descriptions only, no constant. AF 16.6%
--> 10.4% (its pp 1 rows 8.6% -> 2.0%, its pipelines 17% -> 11%); overall 10.9% -> 9.1%, held-out 11.4% -> 9.7%, fitted
-groups unchanged (no other row moved).
+all-reduced in fp32 after the flush and the ZeRO-1 shards gathered back, the head's logits gathered for a loss over the
+whole vocabulary on every tp rank; row descriptions only, no constant. AF 16.6% -> 7.6% (its pp 1 rows 8.6% -> 2.0%,
+its pipelines 17% -> 8.9%); overall 10.9% -> 8.4%, held-out 11.4% -> 8.9%, fitted groups unchanged (no other row
+moved).
 """
 
 from __future__ import annotations
@@ -440,13 +441,14 @@ CHANGES = (
      "NeMo-Framework-Launcher's llama3 base configs and NeMo 2.0's GPTConfig (cross_entropy_loss_fusion)"),
     # Issue 25, sixteenth round: group AF's stack read from its public release; row descriptions only.
     ("row descriptions: Aleph Alpha's Scaling (AA-Scaling) runs RoPE and SwiGLU as torch ops, DeepSpeed's pipeline "
-     "schedule with blocking sends and receives, and all-reduces its gradients in fp32 after the flush (ZeRO-1 shards "
-     "gathered back), exposed",
+     "schedule with blocking sends and receives, all-reduces its gradients in fp32 after the flush (ZeRO-1 shards "
+     "gathered back), exposed, and gathers the head's logits for a whole-vocabulary loss on every tp rank",
      ("AF_hagemann_layouts_a100",),
      "Aleph-Alpha/scaling 0.1.0 / 0.2.0 (2024-08 / 2024-10; at 78489292 and 01b9d21): src/scaling/core/nn/rotary.py, "
      "mlp.py, "
      "pipeline_schedule/train.py, parallel_module/communicator.py and pipeline_partitioning.py, "
-     "core/optimizer/optimizer.py, allreduce.py and parameter_group.py, core/topology/topology_config.py"),
+     "core/optimizer/optimizer.py, allreduce.py and parameter_group.py, core/topology/topology_config.py, "
+     "core/nn/linear/column_parallel_linear.py, transformer/model/layers/lm_head.py and losses/cross_entropy.py"),
 )
 
 

@@ -388,7 +388,8 @@ def test_hagemanns_sweep_runs_as_aleph_alphas_scaling_library_runs_it():
     """Hagemann et al.'s sweep (group AF) ran AA-Scaling, Aleph Alpha's Scaling library, read as its public release
     runs it (`published_rows.BLOCKING_PIPE_STACKS`): RoPE and SwiGLU as torch ops, RMSNorm too where the row says so;
     DeepSpeed's pipeline schedule with each send and receive blocking; the gradients all-reduced in fp32 after the
-    flush and the ZeRO-1 shards gathered back, exposed. A row not naming the stack reads none of it. Scaling's pipeline
+    flush and the ZeRO-1 shards gathered back, exposed; the head's logits gathered for a loss over the whole
+    vocabulary on every tp rank. A row not naming the stack reads none of it. Scaling's pipeline
     split -- uniform over its layer items, the embedding, the blocks, the final norm and the head -- puts on every
     stage of every AF layout the blocks the planner's balanced split puts there."""
     from meshlm.planner import published
@@ -408,9 +409,10 @@ def test_hagemanns_sweep_runs_as_aleph_alphas_scaling_library_runs_it():
         assert stack_of(row) == "aa-scaling" and stack_of(plain) == "", row["row_id"]
         assert job.eager_ops == ({"rope", "swiglu", "rmsnorm"} if torch_norm else {"rope", "swiglu"}), row["row_id"]
         assert job.pp_p2p_serial and not job.dp_comm_overlap and job.zero1_grad_all_reduce, row["row_id"]
-        assert job.grad_reduce_in_fp32 and job.fused_elementwise, row["row_id"]
+        assert job.grad_reduce_in_fp32 and job.fused_elementwise and job.tp_loss_replicated, row["row_id"]
         assert bare.eager_ops == ({"rmsnorm"} if torch_norm else set()), row["row_id"]
         assert not bare.pp_p2p_serial and bare.dp_comm_overlap and not bare.zero1_grad_all_reduce, row["row_id"]
+        assert not bare.tp_loss_replicated, row["row_id"]
         pp, layers = int(row["pp"]), cfg.num_layers
         items, per = layers + 3, (layers + 3) // pp  # embedding, blocks, final norm, head
         bounds = [0]

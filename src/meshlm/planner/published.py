@@ -184,11 +184,12 @@ from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.published_rows import (BF16_STATE_STACKS, BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS,
                                            EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
-                                           TORCHAO_FP8_STACKS, ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int,
-                                           cluster_for, compiled, gpt_style, hybrid_shard, interleaved, model_of,
-                                           nvidia_recipe, precision_of, predict_each, recompute_choices,
-                                           recompute_fraction, recompute_of, read_table, row_text, schedule_named,
-                                           seq_len_of, shard_degree, source_year, stack_of, token_count, zero_of)
+                                           TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS,
+                                           cell_float, cell_int, cluster_for, compiled, gpt_style, hybrid_shard,
+                                           interleaved, model_of, nvidia_recipe, precision_of, predict_each,
+                                           recompute_choices, recompute_fraction, recompute_of, read_table, row_text,
+                                           schedule_named, seq_len_of, shard_degree, source_year, stack_of, token_count,
+                                           zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -288,13 +289,12 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     dots_saved = paxml and recompute_of(row) == "selective"
     # InternLM's HybridZeroOptimizer (group Z) all-reduces every gradient bucket over the whole data-parallel group
     # (hybrid_zero_optim.py `_reduce_and_copy`: reduce_tensor with dst_rank None, an all-reduce) and broadcasts each
-    # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce`; Scaling's optimizer likewise
-    # (`ZERO1_ALL_REDUCE_STACKS`).
+    # rank's updated shard (`broadcast_params`): `Job.zero1_grad_all_reduce` (Scaling's too: `ZERO1_ALL_REDUCE_STACKS`).
     # KempnerForge's tensor parallelism gathers the head's logits for a loss over the whole vocabulary on every rank
     # (its distributed/tensor_parallel.py: "Output head: ColwiseParallel (split vocab, gather to Replicate for loss)"):
-    # `tp_loss_replicated`. It casts the model to bf16 before training (scripts/train.py), as lightning-thunder's
-    # benchmark_litgpt.py does (`init_model`: model.to(dtype=torch.bfloat16)): `bf16_states` (`BF16_STATE_STACKS`).
-    kempnerforge = stack == "kempnerforge"
+    # `tp_loss_replicated` (so does Scaling's head: `TP_LOSS_REPLICATED_STACKS`). It casts the model to bf16 before
+    # training (scripts/train.py), as lightning-thunder's benchmark_litgpt.py does (`init_model`:
+    # model.to(dtype=torch.bfloat16)): `bf16_states` (`BF16_STATE_STACKS`).
     # NVIDIA's recipes run Megatron-Core's fused cross entropy (`Job.cross_entropy_fusion`): NeMo-Framework-Launcher's
     # base configs (e.g. auto_configurator/base_configs/llama3_8b.yaml) and NeMo 2.0's GPTConfig set
     # cross_entropy_loss_fusion, Megatron-Bridge's GPT provider defaults it on. The others are priced op by op; XLA
@@ -305,7 +305,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                fp32_norms=not mpt_norm, pp_p2p_serial=blocking_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved,
                zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,
-               tp_loss_replicated=kempnerforge, bf16_states=stack in BF16_STATE_STACKS, cross_entropy_fusion=nvidia,
+               tp_loss_replicated=stack in TP_LOSS_REPLICATED_STACKS, bf16_states=stack in BF16_STATE_STACKS,
+               cross_entropy_fusion=nvidia,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
 
@@ -337,8 +338,7 @@ def _attention_and_ops(row: dict, stack: str, year: int, text: str, *, megascale
     if legacy_megatron(row):  # the layout copies on its flash path only; RoPE and SwiGLU where the model has them
         eager_ops = frozenset(({"attention_layout"} if flash else set())
                               | (set() if gpt_style(row) else {"rope", "swiglu"}))
-    # Aleph Alpha's Scaling: RoPE and SwiGLU as torch ops (`EAGER_ROPE_SWIGLU_STACKS`).
-    if stack in EAGER_ROPE_SWIGLU_STACKS:
+    if stack in EAGER_ROPE_SWIGLU_STACKS:  # Aleph Alpha's Scaling: RoPE and SwiGLU as torch ops
         eager_ops = eager_ops | {"rope", "swiglu"}
     # A row whose RMSNorm ran as torch ops (in fp32, as Llama's reference code writes it) though the rest is fused.
     if re.search(r"rms ?norm as torch ops", text):

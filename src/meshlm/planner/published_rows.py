@@ -157,7 +157,11 @@ DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
 #   * those gradients are all-reduced whole in fp32 (allreduce.py `allreduce_tensor_in_float32`), with ZeRO-1 each rank
 #     then gathering the others' updated shards (parameter_group.py `step_sequel`): `ZERO1_ALL_REDUCE_STACKS`;
 #   * RoPE and SwiGLU run as torch ops (core/nn/rotary.py `apply_rotary_pos_emb`: q * cos + rotate_half(q) * sin;
-#     core/nn/mlp.py `ParallelSwiGLUMLP`: silu(x) * gate): `EAGER_ROPE_SWIGLU_STACKS`.
+#     core/nn/mlp.py `ParallelSwiGLUMLP`: silu(x) * gate): `EAGER_ROPE_SWIGLU_STACKS`;
+#   * its output head is a ColumnParallelLinear left at `parallel_output=False` (transformer/model/layers/lm_head.py),
+#     which all-gathers the logits over the tp ranks (core/nn/linear/column_parallel_linear.py, `all_concat`), and
+#     every rank takes the cross entropy of the whole vocabulary (transformer/model/losses/cross_entropy.py):
+#     `TP_LOSS_REPLICATED_STACKS`.
 # Its pipeline split (uniform over the embedding, the blocks, the final norm and the head as items) gives every AF
 # layout the stages the planner's balanced split gives it. The sweep's two kernels the release no longer has
 # (Megatron's fused softmax, flash-attn's fused RMSNorm) are read from each row.
@@ -170,6 +174,9 @@ ZERO1_ALL_REDUCE_STACKS = ("internlm", "aa-scaling")
 # Stacks that fuse their elementwise work but run RoPE and SwiGLU as torch ops (`Job.eager_ops`; Megatron-LM's legacy
 # model is read apart: `published.legacy_megatron`).
 EAGER_ROPE_SWIGLU_STACKS = ("aa-scaling",)
+# Stacks whose tensor parallelism gathers the head's logits for a loss over the whole vocabulary on every rank
+# (`Job.tp_loss_replicated`): KempnerForge's DTensor head (Replicate output), Scaling's head.
+TP_LOSS_REPLICATED_STACKS = ("kempnerforge", "aa-scaling")
 # Stacks sharding with PyTorch FSDP2 (`fully_shard`, per-parameter DTensor shards: torchtitan since its 2024 releases,
 # OLMo-core's `apply_fsdp`); a row naming FSDP2 or fully_shard is read so too.
 FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge")
