@@ -162,8 +162,8 @@ DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
 #     which all-gathers the logits over the tp ranks (core/nn/linear/column_parallel_linear.py, `all_concat`), and
 #     every rank takes the cross entropy of the whole vocabulary (transformer/model/losses/cross_entropy.py):
 #     `TP_LOSS_REPLICATED_STACKS`.
-# Its pipeline split (uniform over the embedding, the blocks, the final norm and the head as items) gives every AF
-# layout the stages the planner's balanced split gives it. The sweep's two kernels the release no longer has
+# Its pipeline split (uniform over the embedding, the blocks, the final norm and the head as items) loads the busiest
+# stage of every AF layout as the planner's balanced split does. The sweep's two kernels the release no longer has
 # (Megatron's fused softmax, flash-attn's fused RMSNorm) are read from each row.
 # Stacks whose pipeline sends and receives each block (`Job.pp_p2p_serial`) and whose gradients are reduced after the
 # pipeline's flush, exposed: DeepSpeed's pipeline engine and Scaling's copy of its schedule.
