@@ -55,8 +55,8 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     # A row saying its attention is unfused, or its RMSNorm ran as torch ops, is read so whatever its stack (AA-Scaling
     # runs RoPE and SwiGLU as torch ops of its own: `published_rows.EAGER_ROPE_SWIGLU_STACKS`).
     sweep = {**row, "model": "LLaMA 13B (AA-Scaling)", "source": "Hagemann et al. 2023, AA-Scaling's run sheets"}
-    assert job_of(sweep, model_of(sweep)).flash_attention and job_of(sweep, model_of(sweep)).eager_ops == {"rope",
-                                                                                                            "swiglu"}
+    swept = job_of(sweep, model_of(sweep))
+    assert swept.flash_attention and swept.eager_ops == {"rope", "swiglu"}
     unfused = {**sweep, "notes": "unfused attention: the softmax as torch ops; RMSNorm as torch ops"}
     job = job_of(unfused, model_of(unfused))
     assert not job.flash_attention and job.eager_ops == {"rope", "swiglu", "rmsnorm"}

@@ -238,9 +238,8 @@ def cluster_of(gpu: str) -> str:
             return f"{card}-nvl" if "nvl" in squeezed or card == "h200" else f"{card}-pcie"
     for key, name in (("gb300", "gb300-nvl72"), ("b300", "b300"), ("gb200", "gb200-nvl72"), ("b200", "b200"),
                       ("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("a800", "a800"), ("a100", "a100"),
-                      ("ampere", "a100"),
-                      ("mi355x", "mi355x"), ("mi350x", "mi350x"), ("mi325x", "mi325x"), ("mi300x", "mi300x"),
-                      ("rtxpro6000", "rtx-pro-6000")):
+                      ("ampere", "a100"), ("mi355x", "mi355x"), ("mi350x", "mi350x"), ("mi325x", "mi325x"),
+                      ("mi300x", "mi300x"), ("rtxpro6000", "rtx-pro-6000")):
         if key in squeezed:
             return name
     raise ValueError(f"GPU {gpu!r} has no cluster preset (planner/cluster.py PRESETS)")
