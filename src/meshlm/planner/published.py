@@ -182,14 +182,14 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
-from meshlm.planner.published_rows import (BF16_STATE_STACKS, BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS,
-                                           EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS, FA2_STACKS, FSDP2_STACKS,
-                                           TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS,
-                                           cell_float, cell_int, cluster_for, compiled, gpt_style, hybrid_shard,
-                                           interleaved, model_of, nvidia_recipe, precision_of, predict_each,
-                                           recompute_choices, recompute_fraction, recompute_of, read_table, row_text,
-                                           schedule_named, seq_len_of, shard_degree, source_year, stack_of, token_count,
-                                           zero_of)
+from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS, BLOCKING_PIPE_STACKS,
+                                           DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS, FA2_STACKS,
+                                           FSDP2_STACKS, TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS,
+                                           ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int, cluster_for, compiled,
+                                           gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe, precision_of,
+                                           predict_each, recompute_choices, recompute_fraction, recompute_of,
+                                           read_table, row_text, schedule_named, seq_len_of, shard_degree, source_year,
+                                           stack_of, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -255,12 +255,10 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # (`compiled`: what the row says; `EAGER_STACKS`: those stacks' defaults then.)
     says = compiled(row)
     eager = says is False or (says is None and stack in EAGER_STACKS)
-    # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, fms-fsdp's bf16 policy (all dtypes bf16),
-    # DeepSpeed's fp16 ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their
-    # own dtype, DeepSpeed's communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
-    # lightning-thunder's benchmark_litgpt.py reduces its bf16 model's gradients as they are: FSDP2's
-    # MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy.
-    bf16_reduce = ("pure" in row["precision"].lower() or stack in ("fms-fsdp", "lightning-thunder")
+    # Gradients reduced in 16 bits: llm-foundry's FSDP mixed_precision PURE, `BF16_REDUCE_STACKS`, DeepSpeed's fp16
+    # ZeRO-1 optimizer (GPT-NeoX, BigScience's fp16 benchmark: fp16 gradients, reduced in their own dtype, DeepSpeed's
+    # communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
+    bf16_reduce = ("pure" in row["precision"].lower() or stack in BF16_REDUCE_STACKS
                    or (deepspeed_pipe and "fp16" in row["precision"].lower()))
     ep = cell_int(row["ep"], 1)
     # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)

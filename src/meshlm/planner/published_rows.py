@@ -188,6 +188,10 @@ FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transfor
 # Stacks that cast the model to bf16 before training: parameters, gradients and optimizer states all 16-bit, no fp32
 # master (`Job.bf16_states`).
 BF16_STATE_STACKS = ("kempnerforge", "lightning-thunder")
+# Stacks reducing their gradients in bf16 whatever the row says (`Job.grad_reduce_in_fp32` False): fms-fsdp's bf16
+# policy (every dtype bf16); lightning-thunder's benchmark_litgpt.py, whose bf16 model's gradients are reduced as they
+# are (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy).
+BF16_REDUCE_STACKS = ("fms-fsdp", "lightning-thunder")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
 # published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
 # Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
