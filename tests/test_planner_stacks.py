@@ -398,3 +398,35 @@ def test_layout_sweep_rows_inferred_batch_agrees_with_every_rows_mfu():
     off = sorted(abs(mfu(r, int(r["vocab"])) / (float(r["pct_peak"]) / 100) - 1) for r in rows)
     assert off[-1] < 1e-2 and off[len(off) // 2] < 1e-3
     assert all(abs(mfu(r, 32000) / (float(r["pct_peak"]) / 100) - 1) > 1e-2 for r in rows)
+
+
+# RCCL's all-reduce on 8 MI300X of one node as Azure measured it (Azure/AI-benchmarking-guide,
+# Azure_Results/ND_MI300X_v5_results.md, RCCL 2.22.3): message bytes and bus bandwidth in GB/s.
+_RCCL_MI300X_ALL_REDUCE = {2**10: 0.04, 2**11: 0.07, 2**12: 0.15, 2**13: 0.29, 2**14: 0.59, 2**15: 1.13, 2**16: 2.22,
+                           2**17: 4.18, 2**18: 7.50, 2**19: 13.01, 2**20: 22.41, 2**21: 43.41, 2**22: 82.53,
+                           2**23: 131.57, 2**24: 171.46, 2**25: 230.35, 2**26: 266.34, 2**27: 290.81, 2**28: 302.80,
+                           2**29: 308.89, 2**30: 313.92, 2**31: 315.06, 2**32: 314.85, 2**33: 316.82}
+
+
+def test_mi300x_scale_up_all_reduce_follows_rccls_measured_curve():
+    """The MI300X preset's ring all-reduce over its 8 GPUs against RCCL's measured times from 1 KB to 8 GB (bus
+    bandwidth b of n = 8 ranks: t = 2 (n - 1) / n x bytes / b): within 26% at every size (the two-parameter ring
+    cannot follow the protocol switch around 1 MB), and the ring that fits the curve best (least squares of the
+    relative error, latency and bandwidth free) has the preset's hop latency and bandwidth within 10%."""
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.collectives import collective_time
+
+    c, n = get_cluster("mi300x"), 8
+    factor = 2 * (n - 1) / n
+    measured = {s: factor * s / (b * 1e9) for s, b in _RCCL_MI300X_ALL_REDUCE.items()}
+    errors = [collective_time("all_reduce", s, (n, 1), c) / t - 1 for s, t in measured.items()]
+    assert max(abs(e) for e in errors) < 0.26
+    # t = 2 (n - 1) x latency + factor x bytes / bandwidth, fitted as x / t + y x bytes / t = 1 (normal equations)
+    rows = [(1 / t, s / t) for s, t in measured.items()]
+    aa, ab, bb = (sum(p * q for p, q in ((r[i], r[j]) for r in rows)) for i, j in ((0, 0), (0, 1), (1, 1)))
+    a1, b1 = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    det = aa * bb - ab * ab
+    x, y = (a1 * bb - b1 * ab) / det, (aa * b1 - ab * a1) / det
+    _, bw = c.collective_fit("all_reduce", "scale-up")
+    assert x / (2 * (n - 1)) == pytest.approx(c.scaleup_latency, rel=0.10)
+    assert factor / y == pytest.approx(bw, rel=0.10)

@@ -157,6 +157,15 @@ def _gbit(x: float) -> float:
 #  * link_efficiency: NCCL bus bandwidth over the nominal link rate for large messages, ~0.8 on NVLink
 #    and InfiniBand alike (e.g. ~360 of 450 GB/s on H100 NVLink; ~45 of 50 GB/s per 400G NIC is higher,
 #    the common figure is used for both so the constant stays one number per GPU type).
+#  * scaleup_latency: the time per hop of the ring the collectives are priced as (collectives.py: 2 (n - 1) hops for an
+#    all-reduce), 5 us on A100, 4 us on Hopper and Blackwell. Not NCCL's bare latency: Azure's nccl-tests all-reduce on
+#    8 GPUs of one node (Azure/AI-benchmarking-guide, Azure_Results: ND A100 v4 with NCCL 2.18.5, ND H200 v5 with
+#    2.20.5; bus bandwidth from 1 KB to 8 GB) takes 42-45 us on A100 and 30-31 us on H200 up to 256 KB, i.e. 3.0 and 2.2
+#    us per hop. Priced at those, both dev sets predict worse (training: fitted groups 4.9% -> 5.1%, held-out 8.9% ->
+#    9.1%, AG 33% -> 34%; serving: TPOT 17.5% -> 21%, TTFT 24% -> 25%, throughput 11.6% -> 12.0%): the presets' values
+#    carry what the stacks' collectives cost beyond nccl-tests' loop, so they stay. On MI300X the same harness's RCCL
+#    curve (ND MI300X v5, RCCL 2.22.3: 45-51 us up to 64 KB, 82 us at 1 MB) is fitted best at 3.8-4.1 us per hop and
+#    280-308 GB/s: its preset (Hopper's 4 us, RCCL's 317 GB/s) is that curve's (tests/test_planner_stacks.py).
 #  * comm_sm_fraction: an overlapped collective is not free -- NCCL runs it as kernels holding one
 #    SM per channel, and large collectives on NVSwitch/InfiniBand systems use ~16 channels, so
 #    compute overlapped with them runs on 16 of the SMs fewer (A100 108 SMs, H100 132, B200 148).
