@@ -419,3 +419,21 @@ def test_prefill_runs_the_output_head_once_per_prompt_and_decode_once_per_token(
     w = _work(sv, d=16, kv_len=2048, p=4096, p_ctx=512, p_rank=4096)
     assert w["dense_gemm_flops"] == pytest.approx(((16 + 4096) * body + (16 + 4) * head) / 2, rel=1e-12)
     assert cfg.vocab_size * cfg.hidden_size > 0.05 * body / 2  # the head is not negligible: the test can fail
+
+
+def test_plan_infer_carries_the_caution_of_its_regime():
+    """`caution` in the JSON and the text where the published runs of the deployment's regime came out far from the
+    prediction (`explain.serving_caution`; its spreads are checked against the dev rows in
+    tests/test_planner_serving_published.py): a batch-1 decode over tp 8 waits on small all-reduces, one over tp 1 on
+    none; vLLM on MI300X with a thousand requests running is the other regime, the same on H100 is not."""
+    from meshlm.planner.serving_engine import engine
+    from meshlm.planner.serving_modes import format_serving
+
+    small = estimate_serving(_sv(tp=8), Workload(128, 2048, batch=1))
+    assert small["bound"] == "scale-up link" and "one-shot" in small["caution"]
+    assert small["caution"] in format_serving(small, "llama3-70b", "H100")
+    assert estimate_serving(_sv("llama3-8b", tp=1), Workload(128, 2048, batch=1))["caution"] is None
+    for cluster, cautioned in (("mi300x", True), ("h100", False)):
+        sv = replace(_sv(cluster=cluster, precision="fp8", kv="fp8", tp=8), engine=engine("vllm"))
+        r = estimate_serving(sv, Workload(128, 2048, concurrency=1000))
+        assert ("MI300X" in (r["caution"] or "")) is cautioned

@@ -186,3 +186,29 @@ def test_a_row_measured_at_a_fixed_request_rate_is_priced_at_that_rate():
     over = predict_row(heavy)
     assert not poisson(sv, replace(wl, request_rate=32.0))["keeps_up"] and "ttft_ms" not in over
     assert over["throughput"] == offline(sv, replace(wl, request_rate=None, offline=True))["output_tokens_per_s"]
+
+
+def test_the_serving_cautions_state_what_the_dev_rows_show():
+    """`explain.serving_caution`'s spreads are the published over predicted throughputs of the dev rows of each regime,
+    recomputed here from the rows (a change of the model or of the data that moves them fails until the caution says
+    so): 8 rows of small decode all-reduces (groups B, D, J, M), 15 of vLLM on MI300X with 256 or more requests
+    running (D, L), the 94 other rows of a decode count without one."""
+    from pathlib import Path
+
+    from meshlm.planner.explain import MI300X_VLLM_SPREAD, SMALL_ALL_REDUCE_SPREAD
+    from meshlm.planner.published_serving import deployment_of, read_rows, score_rows
+    from meshlm.planner.serving_modes import caution
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
+    by_id = {r["row_id"]: r for r in rows}
+    results, _ = score_rows(rows)
+    ratios: dict = {"all-reduces": [], "MI300X": [], None: []}
+    for res in results:
+        if "skip" in res or "error_throughput" not in res or "concurrency" not in res:
+            continue  # prefill-only rows price no in-flight count
+        said = caution(deployment_of(by_id[res["row_id"]]), bound=res["bound"], concurrency=res["concurrency"])
+        regime = next((k for k in ("all-reduces", "MI300X") if said and k in said), None)
+        ratios[regime].append(1 / (1 + res["error_throughput"]))
+    assert len(ratios["all-reduces"]) == 8 and len(ratios["MI300X"]) == 15 and len(ratios[None]) == 94
+    assert (min(ratios["all-reduces"]), max(ratios["all-reduces"])) == pytest.approx(SMALL_ALL_REDUCE_SPREAD, abs=0.005)
+    assert (min(ratios["MI300X"]), max(ratios["MI300X"])) == pytest.approx(MI300X_VLLM_SPREAD, abs=0.005)

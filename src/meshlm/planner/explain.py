@@ -3,8 +3,10 @@
 Responsible for: turning a `SearchResult` (or one `Estimate`) into a short paragraph naming the
 largest time component after compute and the link it runs on, the largest memory component and the
 headroom, and how the winner compares with the runner-up and with the best layout of other
-(tp, pp) classes.
-Not responsible for: any number (they all come from `cost.py`).
+(tp, pp) classes; the cautions where the published runs of a plan's regime came out far from the prediction
+(`overlap_caution` for training, `serving_caution` for a serving deployment).
+Not responsible for: any number (they come from `cost.py` and `serving_modes.py`; the cautions' spreads from the dev
+rows, rechecked by the tests).
 """
 
 from __future__ import annotations
@@ -52,6 +54,41 @@ def overlap_caution(est: Estimate) -> str | None:
             "compute, and the planner hides all that each pass's compute covers; published FSDP runs in this regime "
             "ran from as predicted to 40-56% slower (PyTorch FSDP1, benchmarks/data/ group AG): read the step time as "
             "a lower bound.")
+
+
+# A decode iteration's tensor-parallel all-reduce is "small" up to this many bytes: the range where the engines run
+# one-shot all-reduce kernels of their own rather than NCCL's / RCCL's rings (vLLM's custom all-reduce: one stage up to
+# 256-512 KB by the group's size; TensorRT-LLM's ONESHOT strategy) -- which the planner prices as rings.
+SMALL_ALL_REDUCE_BYTES = 512 * 1024
+# The parts and engines of the published runs the second caution rests on (groups D and L: vLLM on MI300X).
+MI300X_PARTS = ("MI300X", "MI325X")  # one compute die
+VLLM_ENGINES = ("vllm", "vllm-async", "vllm-v0")
+# What the published runs of each regime came out at, published over predicted throughput (least, most), as the
+# dev rows in benchmarks/data/serving_runs_dev.csv stand (tests/test_planner_serving_published.py recomputes them).
+SMALL_ALL_REDUCE_SPREAD = (0.63, 2.23)  # groups B (MTP drafts), D, J, M: batch 1 to 16
+MI300X_VLLM_SPREAD = (0.66, 0.92)  # groups D and L: 256 to 3,200 requests running
+
+
+def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: float, engine: str,
+                    gpu: str) -> str | None:
+    """A warning where the published serving runs of a deployment's regime came out far from the prediction
+    (benchmarks/data/serving_runs_dev.md, caveats 15 and 16) -- never a correction:
+      * a decode bound by small tensor-parallel all-reduces (`bound` "scale-up link", `all_reduce_bytes` up to
+        SMALL_ALL_REDUCE_BYTES): priced as rings, run by the engines' one-shot kernels (SMALL_ALL_REDUCE_SPREAD);
+      * vLLM on MI300X with at least 256 requests `running` per engine, every such dev row bound by compute here
+        (MI300X_VLLM_SPREAD)."""
+    if bound == "scale-up link" and tp > 1 and all_reduce_bytes <= SMALL_ALL_REDUCE_BYTES:
+        lo, hi = SMALL_ALL_REDUCE_SPREAD
+        return ("Caution: its decode waits on small tensor-parallel all-reduces, priced as NCCL/RCCL rings, which "
+                f"serving engines replace with one-shot kernels of their own; published runs in this regime came out "
+                f"from {1 - lo:.0%} below to {hi:.1f}x the predicted throughput (benchmarks/data/serving_runs_dev.md, "
+                "groups B, D, J, M): read its TPOT as uncertain.")
+    if running >= 256 and gpu.startswith(MI300X_PARTS) and engine in VLLM_ENGINES:
+        lo, hi = MI300X_VLLM_SPREAD
+        return (f"Caution: published vLLM runs on MI300X with 256-3,200 requests running came out "
+                f"{100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}% below the predicted throughput "
+                "(benchmarks/data/serving_runs_dev.md, groups D and L): read the throughput as an upper bound.")
+    return None
 
 
 def memory_verdict(est: Estimate) -> str:

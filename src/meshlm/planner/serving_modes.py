@@ -68,6 +68,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import GiB
+from meshlm.planner.explain import serving_caution
 from meshlm.planner.queues import budget_wait, slot_wait, tail_concurrency
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
 from meshlm.planner.serving_engine import busiest_rank_prefill
@@ -465,11 +466,21 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
         out.update({"percentile": wl.percentile, f"ttft_{p}_ms": _ms(tails["ttft_tail_s"]),
                     f"tpot_{p}_ms": _ms(tails["tpot_tail_s"])})
     out.update({k: v for k, v in r.items() if k not in ("ttft_s", "tpot_s")})
+    out["caution"] = caution(sv, bound=r["bound"], concurrency=r["concurrency"])
     out.update(gpus=gpus, ttft_ms=_ms(r["ttft_s"]), tpot_ms=_ms(r["tpot_s"]),
                output_tokens_per_s_per_gpu=r["output_tokens_per_s"] / gpus, decode_tokens_per_s=r["output_tokens_per_s"],
                power_w=watts, joules_per_output_token=watts / r["output_tokens_per_s"],
                iteration_ms={k: v * 1e3 for k, v in it.items() if k not in ("bound", "itl_var", "lengths")})
     return out
+
+
+def caution(sv: Serving, *, bound: str, concurrency: float) -> str | None:
+    """`explain.serving_caution` for the deployment at `concurrency` requests in flight and its `bound`: each engine
+    decodes concurrency / dp of them, and each iteration all-reduces their query tokens' (MTP drafts too) bf16 hidden
+    states."""
+    running = concurrency / sv.layout.dp
+    return serving_caution(bound=bound, tp=sv.layout.tp, running=running, engine=sv.engine.name, gpu=sv.cluster.gpu,
+                           all_reduce_bytes=running * (1 + sv.mtp_tokens) * sv.sm.cfg.hidden_size * 2)
 
 
 def _ms(seconds: float) -> float | None:
@@ -557,10 +568,11 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
     if "meets_slo" in r:
         what = "rate" if r["mode"] == "max-rate" else "concurrency"
         mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"
+    caution = f"\n  {r['caution']}" if r.get("caution") else ""
     return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
             f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {_text_ms(r['ttft_ms'], 1)}, TPOT "
             f"{_text_ms(r['tpot_ms'], 2)}, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
-            f"{r['joules_per_output_token']:.3g} J/output token")
+            f"{r['joules_per_output_token']:.3g} J/output token{caution}")
 
 
 def _text_ms(ms: float | None, digits: int) -> str:
