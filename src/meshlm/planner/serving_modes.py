@@ -568,11 +568,11 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
     if "meets_slo" in r:
         what = "rate" if r["mode"] == "max-rate" else "concurrency"
         mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"
-    caution = f"\n  {r['caution']}" if r.get("caution") else ""
+    warning = f"\n  {r['caution']}" if r.get("caution") else ""
     return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
             f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {_text_ms(r['ttft_ms'], 1)}, TPOT "
             f"{_text_ms(r['tpot_ms'], 2)}, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
-            f"{r['joules_per_output_token']:.3g} J/output token{caution}")
+            f"{r['joules_per_output_token']:.3g} J/output token{warning}")
 
 
 def _text_ms(ms: float | None, digits: int) -> str:
