@@ -423,8 +423,8 @@ def test_mi300x_scale_up_all_reduce_follows_rccls_measured_curve():
     assert max(abs(e) for e in errors) < 0.26
     # t = 2 (n - 1) x latency + factor x bytes / bandwidth, fitted as x / t + y x bytes / t = 1 (normal equations)
     rows = [(1 / t, s / t) for s, t in measured.items()]
-    aa, ab, bb = (sum(p * q for p, q in ((r[i], r[j]) for r in rows)) for i, j in ((0, 0), (0, 1), (1, 1)))
-    a1, b1 = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    aa, ab, bb = sum(p * p for p, _ in rows), sum(p * q for p, q in rows), sum(q * q for _, q in rows)
+    a1, b1 = sum(p for p, _ in rows), sum(q for _, q in rows)
     det = aa * bb - ab * ab
     x, y = (a1 * bb - b1 * ab) / det, (aa * b1 - ab * a1) / det
     _, bw = c.collective_fit("all_reduce", "scale-up")

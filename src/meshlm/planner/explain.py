@@ -71,6 +71,7 @@ SMALL_ALL_REDUCE_BYTES = 512 * 1024
 # The parts and engines of the published runs the second caution rests on (groups D and L: vLLM on MI300X).
 MI300X_PARTS = ("MI300X", "MI325X")  # one compute die
 VLLM_ENGINES = ("vllm", "vllm-async", "vllm-v0")
+MI300X_VLLM_RUNNING = 256  # requests running per engine from which the second caution applies (D's least, 256)
 # What the published runs of each regime came out at, published over predicted throughput (least, most), as the
 # dev rows in benchmarks/data/serving_runs_dev.csv stand (tests/test_planner_serving_published.py recomputes them).
 SMALL_ALL_REDUCE_SPREAD = (0.63, 2.23)  # groups B (MTP drafts), D, J, M: batch 1 to 16
@@ -83,7 +84,8 @@ def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: fl
     (benchmarks/data/serving_runs_dev.md, caveats 15 and 16) -- never a correction:
       * a decode bound by small tensor-parallel all-reduces (`bound` "scale-up link", `all_reduce_bytes` up to
         SMALL_ALL_REDUCE_BYTES): priced as rings, run by the engines' one-shot kernels (SMALL_ALL_REDUCE_SPREAD);
-      * vLLM on MI300X with at least 256 requests `running` per engine, every such dev row bound by compute here
+      * vLLM on MI300X with at least MI300X_VLLM_RUNNING requests `running` per engine, every such dev row bound by
+        compute here
         (MI300X_VLLM_SPREAD)."""
     if bound == "scale-up link" and tp > 1 and all_reduce_bytes <= SMALL_ALL_REDUCE_BYTES:
         lo, hi = SMALL_ALL_REDUCE_SPREAD
@@ -91,9 +93,9 @@ def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: fl
                 f"serving engines replace with one-shot kernels of their own; published runs in this regime came out "
                 f"from {1 - lo:.0%} below to {hi:.1f}x the predicted throughput (benchmarks/data/serving_runs_dev.md, "
                 "groups B, D, J, M): read its TPOT as uncertain.")
-    if running >= 256 and gpu.startswith(MI300X_PARTS) and engine in VLLM_ENGINES:
+    if running >= MI300X_VLLM_RUNNING and gpu.startswith(MI300X_PARTS) and engine in VLLM_ENGINES:
         lo, hi = MI300X_VLLM_SPREAD
-        return (f"Caution: published vLLM runs on MI300X with 256-3,200 requests running came out "
+        return (f"Caution: published vLLM runs on MI300X with {MI300X_VLLM_RUNNING}-3,200 requests running came out "
                 f"{100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}% below the predicted throughput "
                 "(benchmarks/data/serving_runs_dev.md, groups D and L): read the throughput as an upper bound.")
     return None
