@@ -9,14 +9,14 @@ import pytest
 
 def test_published_serving_rows_all_priced():
     """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print): the shared file's
-    74 rows and the 117 of groups H-O added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
+    74 rows and the 153 of groups H-Q added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
     from pathlib import Path
 
     from meshlm.planner.published_serving import read_rows, score_rows
 
     rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
     results, summary = score_rows(rows)
-    assert summary["rows"] == len(rows) == 191 and summary["scored"] >= 182
+    assert summary["rows"] == len(rows) == 227 and summary["scored"] >= 218
     assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
     # each priced row carries the rest of `plan infer`'s JSON for its deployment (plan_fields)
     scored = [r for r in results if "skip" not in r]
@@ -75,6 +75,32 @@ def test_issue25_rows_read_presets_precisions_and_stacks():
     cap = lambda **kw: _max_batch(dict(bare, **kw), deployment_of(dict(bare, **kw)), 128, 2048)  # noqa: E731
     assert cap() == 1024 and cap(gpu="H100-SXM5-80GB") == 1024 and cap(gpu="NVIDIA L40S") == 256
     assert cap(gpu="A100-SXM4-80GB") == 256 and cap(engine_version="0.6.3") == 256
+
+
+def test_vllm_rows_on_nvidia_read_their_bursts_flags_and_mxfp4_kernels():
+    """Groups P and Q (vLLM on H100 / A100): a burst of N prompts runs at most N per rank, under vLLM's default cap;
+    --async-scheduling turns the V1 engine's async scheduler on before v0.14 made it the default; MXFP4 experts on a
+    GPU without FP4 tensor cores run BF16 GEMMs (W4A16), on Blackwell TensorRT-LLM's take MXFP8 activations."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import _max_batch, deployment_of, read_rows
+
+    rows = {r["row_id"]: r for r in read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+                                                / "serving_runs_dev.csv")}
+    burst = rows["P238"]  # Qwen3-14B on one H100: 100 prompts of 32,000 tokens sent at once
+    assert burst["batch_or_concurrency"].startswith("all 100 prompts at once")
+    assert _max_batch(burst, deployment_of(burst), 32000, 99) == 100
+    assert _max_batch(rows["P239"], deployment_of(rows["P239"]), 3996, 200) == 500
+    wide = dict(burst, batch_or_concurrency="all 5000 prompts at once")
+    assert _max_batch(wide, deployment_of(wide), 32000, 99) == 1024  # vLLM V1's cap on an H100
+    assert deployment_of(burst).engine.name == "vllm"
+    assert deployment_of(rows["P256"]).engine.name == "vllm-async"  # 0.11.0 with --async-scheduling
+    assert deployment_of(rows["Q270"]).engine.name == "vllm-async"  # 0.19.1: the default
+    oss = deployment_of(rows["P254"])  # gpt-oss-20b on an H100
+    assert oss.precision == "fp4" and oss.gemm_precision == "bf16" and oss.dense_gemm_precision == "bf16"
+    assert deployment_of(rows["J153"]).gemm_precision == "fp8"  # TensorRT-LLM on B200
+    assert deployment_of(rows["P238"]).sm.cfg.num_layers == 40 and deployment_of(rows["P244"]).sm.cfg.num_layers == 64
+    assert len(deployment_of(rows["P254"]).sm.windows) == 24
 
 
 def test_published_serving_model_names_are_read_without_case_or_punctuation():
@@ -192,7 +218,7 @@ def test_the_serving_cautions_state_what_the_dev_rows_show():
     """`explain.serving_caution`'s spreads are the published over predicted throughputs of the dev rows of each regime,
     recomputed here from the rows (a change of the model or of the data that moves them fails until the caution says
     so): 8 rows of small decode all-reduces (groups B, D, J, M), 15 of vLLM on MI300X with 256 or more requests
-    running (D, L), the 94 other rows of a decode count without one."""
+    running (D, L), the 130 other rows of a decode count without one."""
     from pathlib import Path
 
     from meshlm.planner.explain import MI300X_VLLM_SPREAD, SMALL_ALL_REDUCE_SPREAD
@@ -209,6 +235,6 @@ def test_the_serving_cautions_state_what_the_dev_rows_show():
         said = caution(deployment_of(by_id[res["row_id"]]), bound=res["bound"], concurrency=res["concurrency"])
         regime = next((k for k in ("all-reduces", "MI300X") if said and k in said), None)
         ratios[regime].append(1 / (1 + res["error_throughput"]))
-    assert len(ratios["all-reduces"]) == 8 and len(ratios["MI300X"]) == 15 and len(ratios[None]) == 94
+    assert len(ratios["all-reduces"]) == 8 and len(ratios["MI300X"]) == 15 and len(ratios[None]) == 130
     assert (min(ratios["all-reduces"]), max(ratios["all-reduces"])) == pytest.approx(SMALL_ALL_REDUCE_SPREAD, abs=0.005)
     assert (min(ratios["MI300X"]), max(ratios["MI300X"])) == pytest.approx(MI300X_VLLM_SPREAD, abs=0.005)

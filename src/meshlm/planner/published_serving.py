@@ -81,14 +81,21 @@ ARCHS = {
     "qwen3-235b-a22b": dict(vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
                             head_dim=128, intermediate_size=12288, max_seq_len=40960, qk_norm=True, num_experts=128,
                             num_experts_per_token=8, moe_intermediate_size=1536),  # Qwen/Qwen3-235B-A22B
-    # openai/gpt-oss-120b: layer_types alternate sliding (128-token window) and full attention, sliding first
+    "qwen3-14b": dict(vocab_size=151936, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=8, head_dim=128,
+                      intermediate_size=17408, max_seq_len=40960, qk_norm=True),  # Qwen/Qwen3-14B
+    "qwen3-32b": dict(vocab_size=151936, hidden_size=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
+                      intermediate_size=25600, max_seq_len=40960, qk_norm=True),  # Qwen/Qwen3-32B
+    # openai/gpt-oss-20b and -120b: layer_types alternate sliding (128-token window) and full attention, sliding first
+    "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64,
+                        intermediate_size=2880, max_seq_len=131072, attention_bias=True, num_experts=32,
+                        num_experts_per_token=4, moe_intermediate_size=2880),
     "gpt-oss-120b": dict(vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64,
                          intermediate_size=2880, max_seq_len=131072, attention_bias=True, num_experts=128,
                          num_experts_per_token=4, moe_intermediate_size=2880),
 }
 # Sliding windows per layer (0: full attention) of an ARCHS model, from its config.json (`layer_windows`):
-# gpt-oss-120b's layer_types alternate sliding_attention (128 tokens) and full_attention, sliding first.
-WINDOWS = {"gpt-oss-120b": (128, 0) * 18}
+# gpt-oss's layer_types alternate sliding_attention (128 tokens) and full_attention, sliding first.
+WINDOWS = {"gpt-oss-20b": (128, 0) * 12, "gpt-oss-120b": (128, 0) * 18}
 PRESETS = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.3-70b": "llama3-70b",
            "llama-3.1-405b": "llama3-405b", "mixtral-8x7b": "mixtral-8x7b", "deepseek-r1": "deepseek-v3",
            "deepseek-v3": "deepseek-v3"}
@@ -199,12 +206,15 @@ def deployment_of(row: dict) -> Serving:
 
 
 def expert_gemm_precision_of(row: dict, cluster) -> str | None:
-    """The routed experts' GEMMs where they run wider than their weights (`Serving.expert_gemm_precision`):
-    TensorRT-LLM's MXFP4 experts (gpt-oss) take MXFP8 activations on a GPU with FP4 tensor cores (Blackwell) and BF16
-    ones without (Hopper: W4A16); None otherwise (NVFP4 checkpoints quantize activations to FP4 too)."""
-    if "mxfp4" not in row["weight_precision"].lower() or not engine_name(row).startswith("tensorrt"):
+    """The routed experts' GEMMs where they run wider than their weights (`Serving.expert_gemm_precision`): MXFP4
+    experts (gpt-oss) on a GPU without FP4 tensor cores multiply BF16 activations by weights dequantized in the kernel
+    (W4A16: TensorRT-LLM on Hopper, vLLM's Marlin and Triton MoE kernels on Ampere and Hopper); on Blackwell
+    TensorRT-LLM gives them MXFP8 activations. None otherwise (NVFP4 checkpoints quantize activations to FP4 too)."""
+    if "mxfp4" not in row["weight_precision"].lower():
         return None
-    return "fp8" if "fp4" in cluster.peak_flops else "bf16"
+    if "fp4" not in cluster.peak_flops:
+        return "bf16"
+    return "fp8" if engine_name(row).startswith("tensorrt") else None
 
 
 def dense_precision_of(row: dict, weights: str, sm: ServedModel) -> str | None:
@@ -272,20 +282,28 @@ def _vllm_preset(row: dict, version: re.Match | None) -> str:
     if version is None:
         return "vllm-v0" if "2024" in row["engine_version"] + row["source"] else "vllm"
     v = (int(version.group(1)), int(version.group(2)))
+    if v >= (0, 8) and "--async-scheduling" in row["engine_version"]:  # turned on before it became the default
+        return "vllm-async"
     return "vllm-v0" if v < (0, 8) else "vllm" if v < (0, 14) else "vllm-async"
 
 
 def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:
     """The running-request cap per rank: the row's max_batch_size (vLLM: max_num_seqs) where it gives one,
     trtllm-bench's own where a perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's
-    default (`serving_engine.default_max_batch`: vLLM V1's by the device)."""
+    default (`serving_engine.default_max_batch`: vLLM V1's by the device); a burst of N prompts sent at once ("all N
+    prompts at once") runs at most its share of them on each rank."""
     text = row["batch_or_concurrency"]
     m = re.search(r"(?:max_batch_size|max_num_seqs) (\d+) per rank", text)
     if m:
         return int(m.group(1))
     if "perf-overview" in row["source"].lower():
         return trtllm_bench_max_batch(sv, input_len, output_len)
-    return default_max_batch(sv.engine, sv.cluster)
+    cap = default_max_batch(sv.engine, sv.cluster)
+    burst = re.search(r"all (\d+) prompts at once", text)
+    if burst:
+        share = math.ceil(int(burst.group(1)) / sv.layout.dp)
+        return share if cap is None else min(cap, share)
+    return cap
 
 
 def trtllm_bench_max_batch(sv: Serving, input_len: int, output_len: int) -> int:
