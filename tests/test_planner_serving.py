@@ -59,6 +59,26 @@ def test_kv_capacity_is_memory_left_after_weights_and_workspace_exactly():
     assert not r["fits"] and "fewer than one sequence" in r["reason"]
 
 
+def test_vllm_budgets_its_kv_cache_from_the_whole_device():
+    """vLLM's gpu_memory_utilization (0.9) is of the whole GPU, weights included; TensorRT-LLM's free_gpu_memory_fraction
+    of what the weights leave: the same deployment holds 0.1 x (weights + reserve) less KV under vLLM, exactly."""
+    from dataclasses import replace
+
+    from meshlm.planner.serving_engine import ENGINES, VLLM_GPU_MEMORY_UTILIZATION
+
+    trt = _sv("llama3-70b", tp=4)
+    for name in ("vllm", "vllm-async", "vllm-v0"):
+        m = replace(trt, engine=ENGINES[name]).memory()
+        assert m["kv_capacity"] == pytest.approx(VLLM_GPU_MEMORY_UTILIZATION * m["hbm"] - m["reserved"] - m["weights"])
+        assert m["kv_capacity"] == m["hbm"] - m["reserved"] - m["weights"] - m["workspace"]
+        t = trt.memory()
+        assert t["kv_capacity"] - m["kv_capacity"] == pytest.approx(0.1 * (t["weights"] + t["reserved"]))
+    # 70B in BF16 over two 80 GB GPUs: vLLM's share leaves ~40% of the KV TensorRT-LLM's rule does
+    tight = _sv("llama3-70b", tp=2)
+    ratio = replace(tight, engine=ENGINES["vllm"]).memory()["kv_capacity"] / tight.memory()["kv_capacity"]
+    assert 0.3 < ratio < 0.5
+
+
 def test_cp_split_divides_kv_per_gpu_by_cp():
     one, four = _sv("llama3-8b", tp=2), _sv("llama3-8b", tp=2, cp=4)
     assert four.kv_bytes_per_token_per_gpu() == one.kv_bytes_per_token_per_gpu() / 4

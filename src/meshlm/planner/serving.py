@@ -69,8 +69,9 @@ from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 MTP_ACCEPTANCE = 0.875
 
 # Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
-# `free_gpu_memory_fraction` default 0.9 (of free memory after the weights); vLLM's `gpu_memory_utilization`
-# 0.9 is of the whole device -- the rest holds activations, CUDA graphs and the sampler (the workspace).
+# `free_gpu_memory_fraction` default 0.9 (of free memory after the weights; the rest holds activations, CUDA graphs
+# and the sampler: the workspace). vLLM's `gpu_memory_utilization` is of the whole device
+# (`Engine.device_memory_fraction`).
 KV_MEMORY_FRACTION = 0.9
 
 
@@ -217,12 +218,15 @@ class Serving:
 
     def memory(self) -> dict:
         """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache), KV capacity -- so
-        capacity = HBM - reserved - weights - workspace exactly."""
+        capacity = HBM - reserved - weights - workspace exactly. The KV cache gets KV_MEMORY_FRACTION of what the
+        weights leave, or, for an engine that budgets a share of the whole device (`Engine.device_memory_fraction`,
+        vLLM), that share less the weights and the reserve."""
+        hbm, reserved = self.cluster.hbm_bytes, self.cluster.reserved_bytes
         weights = sum(self.weight_bytes_per_gpu().values())
-        free = self.cluster.hbm_bytes - self.cluster.reserved_bytes - weights
-        workspace = (1 - KV_MEMORY_FRACTION) * max(free, 0.0)
-        return {"weights": weights, "workspace": workspace, "kv_capacity": max(free - workspace, 0.0),
-                "reserved": self.cluster.reserved_bytes, "hbm": self.cluster.hbm_bytes}
+        free = max(hbm - reserved - weights, 0.0)
+        share = self.engine.device_memory_fraction
+        kv = KV_MEMORY_FRACTION * free if share is None else min(max(share * hbm - reserved - weights, 0.0), free)
+        return {"weights": weights, "workspace": free - kv, "kv_capacity": kv, "reserved": reserved, "hbm": hbm}
 
     def max_tokens(self) -> int:
         """The longest single sequence whose KV one dp rank holds (its tp x cp x pp GPUs together); where the KV

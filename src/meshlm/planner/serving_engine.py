@@ -99,6 +99,12 @@ def roofline(compute_s: float, memory_s: float) -> float:
     return hi * (1.0 + (lo / hi) ** ROOFLINE_P) ** (1.0 / ROOFLINE_P)
 
 
+# vLLM's default `gpu_memory_utilization` (EngineArgs, vllm/engine/arg_utils.py; the same in V0 and V1): "The fraction
+# of GPU memory to be used for the model executor", the whole device's -- weights, activations and the KV cache
+# together -- where TensorRT-LLM's `free_gpu_memory_fraction` is of what the weights leave.
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+
+
 @dataclass(frozen=True)
 class Engine:
     """The serving software, as far as the time of an iteration depends on it.
@@ -139,6 +145,10 @@ class Engine:
     `driver_broadcast`: one driver rank schedules and samples (meshlm's serving ranks): each step it sends the
     step's input to the other ranks (two broadcasts per axis, the length then the JSON) and gathers the tp
     ranks' vocabulary slices of the logits; under cp the sampled rows' hidden states are all-reduced.
+    `device_memory_fraction`: the share of the whole GPU the engine may fill, its weights and own buffers inside it
+    (vLLM's `gpu_memory_utilization`, 0.9 by default: the KV cache gets what is left of it, VLLM_GPU_MEMORY_UTILIZATION);
+    None: the KV cache takes `serving.KV_MEMORY_FRACTION` of what the weights leave (TensorRT-LLM's
+    `free_gpu_memory_fraction`).
     `cp_decode_on_owner`: under cp a decode token's projections run only on the cp rank that holds its KV slot
     (meshlm's cp serving), not on every cp rank, and its query is all-gathered per layer for the split-KV
     attention.
@@ -157,6 +167,7 @@ class Engine:
     host_per_layer_seq_s: float = 0.0
     driver_broadcast: bool = False
     cp_decode_on_owner: bool = False
+    device_memory_fraction: float | None = None
 
     def __post_init__(self):
         if self.expert_balance not in ("none", "eplb", "perfect"):
@@ -164,6 +175,8 @@ class Engine:
         for name in ("host_per_seq_s", "host_per_step_s", "host_per_layer_s", "host_per_layer_seq_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.device_memory_fraction is not None and not 0 < self.device_memory_fraction <= 1:
+            raise ValueError(f"device_memory_fraction={self.device_memory_fraction} must be in (0, 1]")
 
     @property
     def eager_host(self) -> bool:
@@ -175,9 +188,12 @@ ENGINES = {e.name: e for e in (
     Engine("default"),
     Engine("tensorrt-llm", two_batch_overlap=False),
     Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False, two_batch_overlap=False),
-    Engine("vllm", host_per_seq_s=VLLM_V1_UPDATE_PER_SEQ_S),  # V1 engine, v0.8-v0.13: synchronous scheduling
-    Engine("vllm-async"),  # V1 engine from v0.14: async scheduling (the default) overlaps its host work
-    Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S),  # v0.7 and before, single-step scheduling
+    # V1 engine, v0.8-v0.13: synchronous scheduling
+    Engine("vllm", host_per_seq_s=VLLM_V1_UPDATE_PER_SEQ_S, device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION),
+    # V1 engine from v0.14: async scheduling (the default) overlaps its host work
+    Engine("vllm-async", device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION),
+    # v0.7 and before, single-step scheduling
+    Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S, device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION),
     Engine("sglang"),
     Engine("deepseek", expert_balance="eplb"),  # DeepSeek's own serving ("Day 6" overview): TBO, DeepEP, EPLB
 )}
