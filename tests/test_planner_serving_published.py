@@ -9,14 +9,14 @@ import pytest
 
 def test_published_serving_rows_all_priced():
     """Every dev row is priced or skipped with a reason (the medians are the benchmark's to print): the shared file's
-    74 rows and the 153 of groups H-Q added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
+    74 rows and the 163 of groups H-R added for issue 25 (benchmarks/data/serving_runs_dev.md)."""
     from pathlib import Path
 
     from meshlm.planner.published_serving import read_rows, score_rows
 
     rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
     results, summary = score_rows(rows)
-    assert summary["rows"] == len(rows) == 227 and summary["scored"] >= 218
+    assert summary["rows"] == len(rows) == 237 and summary["scored"] >= 228
     assert all("error_throughput" in r or "error_ttft_ms" in r for r in results if "skip" not in r)
     # each priced row carries the rest of `plan infer`'s JSON for its deployment (plan_fields)
     scored = [r for r in results if "skip" not in r]
@@ -218,7 +218,7 @@ def test_the_serving_cautions_state_what_the_dev_rows_show():
     """`explain.serving_caution`'s spreads are the published over predicted throughputs of the dev rows of each regime,
     recomputed here from the rows (a change of the model or of the data that moves them fails until the caution says
     so): 8 rows of small decode all-reduces (groups B, D, J, M), 15 of vLLM on MI300X with 256 or more requests
-    running (D, L), the 130 other rows of a decode count without one."""
+    running (D, L), the 140 other rows of a decode count without one."""
     from pathlib import Path
 
     from meshlm.planner.explain import MI300X_VLLM_SPREAD, SMALL_ALL_REDUCE_SPREAD
@@ -235,6 +235,6 @@ def test_the_serving_cautions_state_what_the_dev_rows_show():
         said = caution(deployment_of(by_id[res["row_id"]]), bound=res["bound"], concurrency=res["concurrency"])
         regime = next((k for k in ("all-reduces", "MI300X") if said and k in said), None)
         ratios[regime].append(1 / (1 + res["error_throughput"]))
-    assert len(ratios["all-reduces"]) == 8 and len(ratios["MI300X"]) == 15 and len(ratios[None]) == 130
+    assert len(ratios["all-reduces"]) == 8 and len(ratios["MI300X"]) == 15 and len(ratios[None]) == 140
     assert (min(ratios["all-reduces"]), max(ratios["all-reduces"])) == pytest.approx(SMALL_ALL_REDUCE_SPREAD, abs=0.005)
     assert (min(ratios["MI300X"]), max(ratios["MI300X"])) == pytest.approx(MI300X_VLLM_SPREAD, abs=0.005)
