@@ -17,6 +17,7 @@ import json
 from dataclasses import replace
 
 from meshlm.planner.cluster import PRESETS
+from meshlm.planner.serving_engine import ENGINES
 from meshlm.planner.inputs import parse_size
 
 # The --cluster names: planner/cluster.py's presets, or this machine after `meshlm plan calibrate`.
@@ -80,8 +81,10 @@ def add_serving_parsers(sub) -> None:
                         "max_num_seqs, 1024 on a GPU of 70 GiB or more but an A100, else 256; TensorRT-LLM's 2048 -- "
                         "none for the others)")
     i.add_argument("--engine", default=None,
-                   help="serving software priced (planner/serving_engine.py; default: meshlm on --cluster local "
-                        "when its calibration measured meshlm's engine, else default)")
+                   help="serving software priced (planner/serving_engine.py): " + ", ".join([*ENGINES, "meshlm"])
+                        + "; vllm* give the KV cache 0.9 of the whole GPU less the weights (gpu_memory_utilization), "
+                        "the others 0.9 of what the weights leave (default: meshlm on --cluster local when its "
+                        "calibration measured meshlm's engine, else default)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
                         "MTP module, as DeepSeek-V3's; priced as one decoder layer) (default 0)")
