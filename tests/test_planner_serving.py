@@ -62,8 +62,6 @@ def test_kv_capacity_is_memory_left_after_weights_and_workspace_exactly():
 def test_vllm_budgets_its_kv_cache_from_the_whole_device():
     """vLLM's gpu_memory_utilization (0.9) is of the whole GPU, weights included; TensorRT-LLM's free_gpu_memory_fraction
     of what the weights leave: the same deployment holds 0.1 x (weights + reserve) less KV under vLLM, exactly."""
-    from dataclasses import replace
-
     from meshlm.planner.serving_engine import ENGINES, VLLM_GPU_MEMORY_UTILIZATION
 
     trt = _sv("llama3-70b", tp=4)
@@ -77,6 +75,37 @@ def test_vllm_budgets_its_kv_cache_from_the_whole_device():
     tight = _sv("llama3-70b", tp=2)
     ratio = replace(tight, engine=ENGINES["vllm"]).memory()["kv_capacity"] / tight.memory()["kv_capacity"]
     assert 0.3 < ratio < 0.5
+
+
+def test_vllm_expert_parallelism_gathers_the_tokens_without_overlap_by_default():
+    """vLLM's default expert-parallel MoE all-gathers every dp rank's tokens and reduce-scatters the outputs
+    (AgRsAll2AllManager) with no dual-batch overlap (`--enable-dbo` is opt-in): exactly those two collectives per MoE
+    layer, exposed; one dp rank needs neither (the tp all-reduce sums the experts). A row naming DeepEP, DBO and EPLB
+    gets them."""
+    from meshlm.planner.collectives import collective_time, group_span
+    from meshlm.planner.published_serving import engine_of
+    from meshlm.planner.serving import _comm
+    from meshlm.planner.serving_engine import ENGINES
+
+    sv = replace(_sv("deepseek-v3", cluster="h200", precision="fp8", dp=8, ep=8), engine=ENGINES["vllm"])
+    comm = _comm(sv, d=64, p=0)
+    h, layers = sv.sm.cfg.hidden_size, sv.sm.moe_layers()
+    span = group_span(1, 8, sv.cluster.scaleup_size)
+    expected = layers * (collective_time("all_gather", 8 * 64 * h * 1.0, span, sv.cluster)
+                         + collective_time("reduce_scatter", 8 * 64 * h * 2.0, span, sv.cluster))
+    assert comm[("ep", "scale-up link")] == pytest.approx(expected)
+    it = iteration_time(sv, decodes=64, kv_len=2000)
+    assert it["ep_exposed"] == pytest.approx(it["scale-up link"])  # nothing hides it
+    tbo = iteration_time(replace(sv, engine=replace(ENGINES["vllm"], two_batch_overlap=True)), decodes=64,
+                         kv_len=2000)
+    assert tbo["ep_exposed"] < it["ep_exposed"]
+    assert ("ep", "scale-up link") not in _comm(replace(sv, layout=ServingLayout(tp=8, ep=8)), d=64, p=0)
+    row = dict(engine="vLLM", engine_version="0.11.0", source="", ep="8", batch_or_concurrency="",
+               notes="DP8 EP8, --enable-dbo, --all2all-backend deepep_low_latency, --enable-eplb")
+    eng = engine_of(row)
+    assert (eng.two_batch_overlap, eng.ep_all_to_all, eng.expert_balance) == (True, "deepep", "eplb")
+    plain = engine_of(dict(row, notes="DP8 EP8"))
+    assert (plain.two_batch_overlap, plain.ep_all_to_all, plain.expert_balance) == (False, "allgather", "none")
 
 
 def test_cp_split_divides_kv_per_gpu_by_cp():

@@ -266,12 +266,25 @@ def engine_of(row: dict) -> Engine:
     elif name.startswith("sglang"):
         eng = replace(ENGINES["sglang"], expert_balance="eplb") if (_int(row["ep"]) or 1) > 1 else ENGINES["sglang"]
     elif name.startswith("vllm"):
-        eng = ENGINES[_vllm_preset(row, version)]
+        eng = _vllm_options(row, ENGINES[_vllm_preset(row, version)])
     else:
         eng = ENGINES["default"]
     simulated = "perfect expert load balance" in row["notes"].lower()
     if simulated or "perfectly balanced routing" in row["source"].lower():  # DeepSeek's profiles
         eng = replace(eng, expert_balance="perfect")
+    return eng
+
+
+def _vllm_options(row: dict, eng: Engine) -> Engine:
+    """vLLM's opt-in expert-parallel features where the row names them (its notes, layout or batch cells): DeepEP
+    kernels (`--all2all-backend deepep_*`), dual-batch overlap (`--enable-dbo`), EPLB (`--enable-eplb`)."""
+    text = " ".join(row.get(k, "") for k in ("notes", "batch_or_concurrency", "engine_version")).lower()
+    if "deepep" in text:
+        eng = replace(eng, ep_all_to_all="deepep")
+    if "enable-dbo" in text or "dual-batch overlap" in text or "dual batch overlap" in text:
+        eng = replace(eng, two_batch_overlap=True)
+    if "eplb" in text:
+        eng = replace(eng, expert_balance="eplb")
     return eng
 
 

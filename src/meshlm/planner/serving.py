@@ -338,13 +338,24 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
         out[("cp", _tier(span))] = layers * per_layer
     if lo.ep > 1:
         span = group_span(1, lo.stage, cl.scaleup_size)
-        per_token = h * (_dispatch_bytes(sv) + 2.0)  # dispatch + combine (bf16)
-        call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
-                                 up=cl.collective_fit("all_to_all", "scale-up"),
-                                 out=cl.collective_fit("all_to_all", "scale-out"),
-                                 low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
-        # the busiest rank receives (and sends back) its experts' excess tokens (TensorRT-LLM tech blog 4)
-        out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
+        if sv.engine.ep_all_to_all == "allgather":
+            # every dp rank's tokens gathered to every rank, the experts' outputs reduce-scattered back (vLLM's
+            # AgRsAll2AllManager, over the dp group): the same bytes whatever the routing, so no rank waits on an
+            # excess; with one dp rank every rank holds the tokens and the tp all-reduce sums the experts' outputs
+            if lo.dp > 1:
+                span = group_span(lo.tp * lo.cp, lo.dp, cl.scaleup_size)
+                everyone = lo.dp * tokens * h
+                call = (collective_time("all_gather", everyone * _dispatch_bytes(sv), span, cl)
+                        + collective_time("reduce_scatter", everyone * 2.0, span, cl))
+                out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call
+        else:
+            per_token = h * (_dispatch_bytes(sv) + 2.0)  # dispatch + combine (bf16)
+            call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
+                                     up=cl.collective_fit("all_to_all", "scale-up"),
+                                     out=cl.collective_fit("all_to_all", "scale-out"),
+                                     low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
+            # the busiest rank receives (and sends back) its experts' excess tokens (TensorRT-LLM tech blog 4)
+            out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
     if lo.pp > 1:
         span = group_span(lo.stage, 2, cl.scaleup_size)
         out[("pp", _tier(span))] = collective_time("p2p", tokens * h * _act_bytes(sv), span, cl)

@@ -118,7 +118,10 @@ class Engine:
     on Llama-70B over TensorRT-LLM v0.5"). FlashAttention/FlashInfer/vLLM kernels pack the group (shared).
     `ep_all_to_all`: "deepep" -- decode iterations use DeepEP's low-latency kernels (every routed copy sent on
     its own, pure RDMA across nodes), prefill iterations its normal kernels (one copy per remote node, forwarded
-    over NVLink inside it; SMs taken from compute) -- SGLang's and DeepSeek's large-EP serving.
+    over NVLink inside it; SMs taken from compute) -- SGLang's and DeepSeek's large-EP serving; "allgather" -- every
+    rank's tokens all-gathered to the expert group and the outputs reduce-scattered back (vLLM's default backend,
+    AgRsAll2AllManager; DeepEP is its opt-in `--all2all-backend`); anything else: the routed copies alone, node by
+    node (`expert_all_to_all`'s normal kernels).
     `cuda_graphs`: without them the host launches every kernel of an iteration, which then takes at least
     kernels x HOST_LAUNCH_S ("host" bound); TensorRT-LLM's gptSession ran without them before 0.7.
     `two_batch_overlap`: DeepSeek's serving ("Day 6" inference system overview: dual micro-batch overlap in
@@ -175,6 +178,8 @@ class Engine:
         for name in ("host_per_seq_s", "host_per_step_s", "host_per_layer_s", "host_per_layer_seq_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.ep_all_to_all not in ("deepep", "allgather", "all_to_all"):
+            raise ValueError(f"ep_all_to_all={self.ep_all_to_all!r}: choose deepep, allgather or all_to_all")
         if self.device_memory_fraction is not None and not 0 < self.device_memory_fraction <= 1:
             raise ValueError(f"device_memory_fraction={self.device_memory_fraction} must be in (0, 1]")
 
@@ -184,16 +189,19 @@ class Engine:
         return self.host_per_layer_s > 0 or self.host_per_layer_seq_s > 0
 
 
+_VLLM = dict(device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION, ep_all_to_all="allgather", two_batch_overlap=False)
 ENGINES = {e.name: e for e in (
     Engine("default"),
     Engine("tensorrt-llm", two_batch_overlap=False),
     Engine("tensorrt-llm<0.7", cuda_graphs=False, gqa_shared_kv=False, two_batch_overlap=False),
+    # vLLM's defaults under expert parallelism: all-gather / reduce-scatter around the experts, no dual-batch overlap
+    # (`--enable-dbo`, opt-in, DP + EP only: docs "Dual Batch Overlap"); a row naming them turns them on (engine_of)
     # V1 engine, v0.8-v0.13: synchronous scheduling
-    Engine("vllm", host_per_seq_s=VLLM_V1_UPDATE_PER_SEQ_S, device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION),
+    Engine("vllm", host_per_seq_s=VLLM_V1_UPDATE_PER_SEQ_S, **_VLLM),
     # V1 engine from v0.14: async scheduling (the default) overlaps its host work
-    Engine("vllm-async", device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION),
+    Engine("vllm-async", **_VLLM),
     # v0.7 and before, single-step scheduling
-    Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S, device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION),
+    Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S, **_VLLM),
     Engine("sglang"),
     Engine("deepseek", expert_balance="eplb"),  # DeepSeek's own serving ("Day 6" overview): TBO, DeepEP, EPLB
 )}
