@@ -104,7 +104,7 @@ def test_vllm_expert_parallelism_gathers_the_tokens_without_overlap_by_default()
                notes="DP8 EP8, --enable-dbo, --all2all-backend deepep_low_latency, --enable-eplb")
     eng = engine_of(row)
     assert (eng.two_batch_overlap, eng.ep_all_to_all, eng.expert_balance) == (True, "deepep", "eplb")
-    plain = engine_of(dict(row, notes="DP8 EP8"))
+    plain = engine_of(dict(row, notes="DP8 EP8, without DeepEP, no EPLB"))
     assert (plain.two_batch_overlap, plain.ep_all_to_all, plain.expert_balance) == (False, "allgather", "none")
 
 

@@ -17,8 +17,8 @@ import json
 from dataclasses import replace
 
 from meshlm.planner.cluster import PRESETS
-from meshlm.planner.serving_engine import ENGINES
 from meshlm.planner.inputs import parse_size
+from meshlm.planner.serving_engine import ENGINES
 
 # The --cluster names: planner/cluster.py's presets, or this machine after `meshlm plan calibrate`.
 CLUSTER_CHOICES = " | ".join([*PRESETS, "local"])

@@ -279,11 +279,12 @@ def _vllm_options(row: dict, eng: Engine) -> Engine:
     """vLLM's opt-in expert-parallel features where the row names them (its notes, layout or batch cells): DeepEP
     kernels (`--all2all-backend deepep_*`), dual-batch overlap (`--enable-dbo`), EPLB (`--enable-eplb`)."""
     text = " ".join(row.get(k, "") for k in ("notes", "batch_or_concurrency", "engine_version")).lower()
-    if "deepep" in text:
+    named = lambda pattern: re.search(r"(?<!no )(?<!not )(?<!without )(?:" + pattern + ")", text)  # noqa: E731
+    if named("deepep"):
         eng = replace(eng, ep_all_to_all="deepep")
-    if "enable-dbo" in text or "dual-batch overlap" in text or "dual batch overlap" in text:
+    if named(r"--enable-dbo|dual[- ]batch overlap"):
         eng = replace(eng, two_batch_overlap=True)
-    if "eplb" in text:
+    if named(r"(?:--enable-)?eplb"):
         eng = replace(eng, expert_balance="eplb")
     return eng
 
