@@ -14,6 +14,7 @@ trtllm-bench derives itself for TensorRT-LLM's perf-overview rows.
 """
 
 import argparse
+import json
 from dataclasses import replace
 
 import pytest
@@ -106,6 +107,29 @@ def test_vllm_expert_parallelism_gathers_the_tokens_without_overlap_by_default()
     assert (eng.two_batch_overlap, eng.ep_all_to_all, eng.expert_balance) == (True, "deepep", "eplb")
     plain = engine_of(dict(row, notes="DP8 EP8, without DeepEP, no EPLB"))
     assert (plain.two_batch_overlap, plain.ep_all_to_all, plain.expert_balance) == (False, "allgather", "none")
+
+
+def test_fp4_experts_on_a_gpu_without_fp4_name_the_w4a16_choice(capsys):
+    with pytest.raises(ValueError, match="--expert-gemm-precision bf16"):
+        _sv("mixtral-8x7b", precision="fp4", tp=2)
+    with pytest.raises(ValueError, match="choose one of"):  # a dense model: no expert GEMMs to widen
+        _sv("llama3-8b", precision="fp4")
+    w4a16 = Serving(served_model("mixtral-8x7b"), get_cluster("h100"), ServingLayout(tp=2), precision="fp4",
+                    expert_gemm_precision="bf16")
+    assert w4a16.gemm_precision == w4a16.dense_gemm_precision == "bf16"  # every 4-bit matrix dequantized in-kernel
+    bf16 = replace(w4a16, precision="bf16", expert_gemm_precision=None)
+    from meshlm.planner.serving_model import WEIGHT_BYTES
+
+    assert sum(w4a16.weight_bytes_per_gpu().values()) == pytest.approx(
+        sum(bf16.weight_bytes_per_gpu().values()) * WEIGHT_BYTES["fp4"] / WEIGHT_BYTES["bf16"])
+    it, ref = iteration_time(w4a16, decodes=1, kv_len=1000), iteration_time(bf16, decodes=1, kv_len=1000)
+    assert it["total"] < ref["total"]  # batch 1 streams ~a quarter of the bytes
+    # on Blackwell the same flag keeps the dense GEMMs at the weights' own FP4
+    b200 = replace(w4a16, cluster=get_cluster("b200"), expert_gemm_precision="fp8")
+    assert (b200.gemm_precision, b200.dense_gemm_precision) == ("fp8", "fp4")
+    rc, out = _cli(["plan", "infer", "--model", "mixtral-8x7b", "--cluster", "h100", "--precision", "fp4",
+                    "--expert-gemm-precision", "bf16", "--tp", "2", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["output_tokens_per_s"] > 0
 
 
 def test_cp_split_divides_kv_per_gpu_by_cp():

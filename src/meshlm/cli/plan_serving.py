@@ -35,7 +35,8 @@ def _add_served(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-gemm-precision", default=None, choices=["bf16", "fp8"],
                    help="the routed experts' GEMMs where they run wider than their --precision weights (mixed input: "
                         "fp8 for MXFP4 weights with MXFP8 activations, TensorRT-LLM's gpt-oss on Blackwell; bf16 "
-                        "for weight-only W4A16); default: the weights' precision")
+                        "for weight-only W4A16 -- on a GPU without FP4 tensor cores, as vLLM runs gpt-oss on Hopper "
+                        "and Ampere, every GEMM of fp4 weights); default: the weights' precision")
 
 
 def add_serving_parsers(sub) -> None:

@@ -173,6 +173,12 @@ class Serving:
                              f"{self.precision!r} weights it multiplies: give one at least as wide, or none")
         if self.kv_precision not in KV_BYTES:
             raise ValueError(f"--kv-precision {self.kv_precision!r}: choose one of {sorted(KV_BYTES)}")
+        if self.gemm_precision not in self.cluster.peak_flops and self.sm.cfg.is_moe \
+                and self.expert_gemm_precision is None:
+            raise ValueError(f"{self.cluster.name} has no {self.gemm_precision} tensor cores: {self.precision} weights "
+                             "run there with 16-bit activations (W4A16 -- gpt-oss's MXFP4 on Hopper or Ampere): give "
+                             "--expert-gemm-precision bf16, or a --precision it has "
+                             f"({', '.join(sorted(self.cluster.peak_flops))})")
         self.cluster.peak(self.gemm_precision)  # refuses fp4 on a GPU without it, naming the choices
         check_serving_layout(self.sm, self.layout)
 
@@ -184,6 +190,12 @@ class Serving:
 
     @property
     def dense_gemm_precision(self) -> str:
+        """Every GEMM but the routed experts': `dense_precision`'s, else the weights' -- or, where the GPU has no
+        tensor cores of the weights' precision, the experts' wider one (`expert_gemm_precision`: a weight-only
+        checkpoint dequantizes every matrix in its kernel, W4A16)."""
+        if self.dense_precision is None and self.expert_gemm_precision is not None \
+                and _gemm(self.precision) not in self.cluster.peak_flops:
+            return _gemm(self.expert_gemm_precision)
         return _gemm(self.dense_precision or self.precision)
 
     def weight_bytes_per_gpu(self) -> dict:
