@@ -498,7 +498,8 @@ def test_plan_infer_carries_the_caution_of_its_regime():
     """`caution` in the JSON and the text where the published runs of the deployment's regime came out far from the
     prediction (`explain.serving_caution`; its spreads are checked against the dev rows in
     tests/test_planner_serving_published.py): a batch-1 decode over tp 8 waits on small all-reduces, one over tp 1 on
-    none; vLLM on MI300X with a thousand requests running is the other regime, the same on H100 is not."""
+    none; vLLM on MI300X with a thousand requests running is another regime, the same on H100 is not; W4A16 experts
+    the third."""
     from meshlm.planner.serving_engine import engine
     from meshlm.planner.serving_modes import format_serving
 
@@ -510,3 +511,9 @@ def test_plan_infer_carries_the_caution_of_its_regime():
         sv = replace(_sv(cluster=cluster, precision="fp8", kv="fp8", tp=8), engine=engine("vllm"))
         r = estimate_serving(sv, Workload(128, 2048, concurrency=1000))
         assert ("MI300X" in (r["caution"] or "")) is cautioned
+    # FP4 experts multiplied in BF16 (W4A16, on a GPU without FP4) are the third; in FP8 on Blackwell they are not
+    for cluster, gemm, cautioned in (("h100", "bf16", True), ("b200", "fp8", False)):
+        sv = Serving(served_model("mixtral-8x7b"), get_cluster(cluster), ServingLayout(tp=2), precision="fp4",
+                     expert_gemm_precision=gemm)
+        r = estimate_serving(sv, Workload(2000, 200, offline=True))
+        assert ("W4A16" in (r["caution"] or "")) is cautioned

@@ -477,10 +477,11 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
 def caution(sv: Serving, *, bound: str, concurrency: float) -> str | None:
     """`explain.serving_caution` for the deployment at `concurrency` requests in flight and its `bound`: each engine
     decodes concurrency / dp of them, and each iteration all-reduces their query tokens' (MTP drafts too) bf16 hidden
-    states."""
+    states; FP4 experts with BF16 GEMMs are weight-only (W4A16)."""
     running = concurrency / sv.layout.dp
     return serving_caution(bound=bound, tp=sv.layout.tp, running=running, engine=sv.engine.name, gpu=sv.cluster.gpu,
-                           all_reduce_bytes=running * (1 + sv.mtp_tokens) * sv.sm.cfg.hidden_size * 2)
+                           all_reduce_bytes=running * (1 + sv.mtp_tokens) * sv.sm.cfg.hidden_size * 2,
+                           weight_only=sv.sm.cfg.is_moe and sv.precision == "fp4" and sv.gemm_precision == "bf16")
 
 
 def _ms(seconds: float) -> float | None:
