@@ -132,6 +132,24 @@ def test_fp4_experts_on_a_gpu_without_fp4_name_the_w4a16_choice(capsys):
     assert rc == 0 and json.loads(out)["output_tokens_per_s"] > 0
 
 
+def test_memory_fraction_sets_the_knob_the_engine_has(capsys):
+    """`plan infer --memory-fraction F`: vLLM's gpu_memory_utilization (the whole GPU), or the share of what the
+    weights leave (TensorRT-LLM's free_gpu_memory_fraction); out of (0, 1] it is refused, naming the flag."""
+    base = ["plan", "infer", "--model", "llama3-70b", "--cluster", "h100", "--tp", "4", "--json"]
+    runs = {}
+    for engine, fraction in (("vllm", "0.95"), ("tensorrt-llm", "0.5")):
+        rc, out = _cli(base + ["--engine", engine, "--memory-fraction", fraction], capsys)
+        assert rc == 0
+        runs[engine] = json.loads(out)
+    gib, sv = 2**30, _sv("llama3-70b", tp=4)
+    m = sv.memory()
+    assert runs["vllm"]["kv_capacity_gib"] * gib == pytest.approx(0.95 * m["hbm"] - m["reserved"] - m["weights"])
+    assert runs["tensorrt-llm"]["kv_capacity_gib"] * gib == pytest.approx(0.5 * (m["hbm"] - m["reserved"]
+                                                                               - m["weights"]))
+    with pytest.raises(ValueError, match=r"--memory-fraction 1.5 must be in \(0, 1\]"):
+        _cli(base + ["--memory-fraction", "1.5"], capsys)
+
+
 def test_cp_split_divides_kv_per_gpu_by_cp():
     one, four = _sv("llama3-8b", tp=2), _sv("llama3-8b", tp=2, cp=4)
     assert four.kv_bytes_per_token_per_gpu() == one.kv_bytes_per_token_per_gpu() / 4

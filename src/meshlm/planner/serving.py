@@ -230,14 +230,17 @@ class Serving:
 
     def memory(self) -> dict:
         """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache), KV capacity -- so
-        capacity = HBM - reserved - weights - workspace exactly. The KV cache gets KV_MEMORY_FRACTION of what the
-        weights leave, or, for an engine that budgets a share of the whole device (`Engine.device_memory_fraction`,
-        vLLM), that share less the weights and the reserve."""
+        capacity = HBM - reserved - weights - workspace exactly. The KV cache gets a share of what the weights leave
+        (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an engine that budgets a share of the whole
+        device (`Engine.device_memory_fraction`, vLLM), that share less the weights and the reserve."""
         hbm, reserved = self.cluster.hbm_bytes, self.cluster.reserved_bytes
         weights = sum(self.weight_bytes_per_gpu().values())
         free = max(hbm - reserved - weights, 0.0)
         share = self.engine.device_memory_fraction
-        kv = KV_MEMORY_FRACTION * free if share is None else min(max(share * hbm - reserved - weights, 0.0), free)
+        if share is None:
+            kv = (self.engine.free_memory_fraction or KV_MEMORY_FRACTION) * free
+        else:
+            kv = min(max(share * hbm - reserved - weights, 0.0), free)
         return {"weights": weights, "workspace": free - kv, "kv_capacity": kv, "reserved": reserved, "hbm": hbm}
 
     def max_tokens(self) -> int:

@@ -150,8 +150,8 @@ class Engine:
     ranks' vocabulary slices of the logits; under cp the sampled rows' hidden states are all-reduced.
     `device_memory_fraction`: the share of the whole GPU the engine may fill, its weights and own buffers inside it
     (vLLM's `gpu_memory_utilization`, 0.9 by default: the KV cache gets what is left of it, VLLM_GPU_MEMORY_UTILIZATION);
-    None: the KV cache takes `serving.KV_MEMORY_FRACTION` of what the weights leave (TensorRT-LLM's
-    `free_gpu_memory_fraction`).
+    None: the KV cache takes `free_memory_fraction` of what the weights leave (TensorRT-LLM's
+    `free_gpu_memory_fraction`; None: `serving.KV_MEMORY_FRACTION`, its default).
     `cp_decode_on_owner`: under cp a decode token's projections run only on the cp rank that holds its KV slot
     (meshlm's cp serving), not on every cp rank, and its query is all-gathered per layer for the split-KV
     attention.
@@ -171,6 +171,7 @@ class Engine:
     driver_broadcast: bool = False
     cp_decode_on_owner: bool = False
     device_memory_fraction: float | None = None
+    free_memory_fraction: float | None = None
 
     def __post_init__(self):
         if self.expert_balance not in ("none", "eplb", "perfect"):
@@ -180,8 +181,10 @@ class Engine:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.ep_all_to_all not in ("deepep", "allgather", "all_to_all"):
             raise ValueError(f"ep_all_to_all={self.ep_all_to_all!r}: choose deepep, allgather or all_to_all")
-        if self.device_memory_fraction is not None and not 0 < self.device_memory_fraction <= 1:
-            raise ValueError(f"device_memory_fraction={self.device_memory_fraction} must be in (0, 1]")
+        for name in ("device_memory_fraction", "free_memory_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name}={value} must be in (0, 1]")
 
     @property
     def eager_host(self) -> bool:
