@@ -61,8 +61,9 @@ def test_kv_capacity_is_memory_left_after_weights_and_workspace_exactly():
 
 
 def test_vllm_budgets_its_kv_cache_from_the_whole_device():
-    """vLLM's gpu_memory_utilization (0.9) is of the whole GPU, weights included; TensorRT-LLM's free_gpu_memory_fraction
-    of what the weights leave: the same deployment holds 0.1 x (weights + reserve) less KV under vLLM, exactly."""
+    """vLLM's gpu_memory_utilization (0.9) is of the whole GPU, weights included; TensorRT-LLM's
+    free_gpu_memory_fraction of what the weights leave: the same deployment holds 0.1 x (weights + reserve) less KV
+    under vLLM, exactly."""
     from meshlm.planner.serving_engine import ENGINES, VLLM_GPU_MEMORY_UTILIZATION
 
     trt = _sv("llama3-70b", tp=4)
@@ -301,7 +302,8 @@ def test_two_batch_overlap_hides_an_all_to_all_only_under_the_compute_paired_wit
     """DeepSeek's published schedules (SGLang's "deepseek_blog" TBO strategies): in decode the routed experts run
     between their own dispatch and combine, so nothing hides them; a step is never shorter than its work or its
     all-to-all, and in decode never shorter than the all-to-all plus the routed experts."""
-    from meshlm.planner.serving import _micro_step, _overlapped
+    from meshlm.planner.serving import _micro_step
+    from meshlm.planner.serving_engine import overlapped_half as _overlapped
 
     sv = _sglang_ep72()
     for d, p in ((128, 0), (0, 4096)):
@@ -325,7 +327,7 @@ def test_prefill_two_batch_overlap_runs_sglangs_three_stages_on_one_stream():
     experts + combine; shared experts, wait) with the all-to-alls one after another on DeepEP's stream. Compute-bound,
     the pair costs its compute; communication-bound, the first attention plus every all-to-all; in between, B's
     combine hides only under the shared experts (the next layer's attention queues behind B's wait)."""
-    from meshlm.planner.serving import _prefill_pair
+    from meshlm.planner.serving_engine import prefill_pair as _prefill_pair
 
     assert _prefill_pair(a=10, s=1, m=10, d=1, c=1) == pytest.approx(2 * (10 + 10 + 1))
     assert _prefill_pair(a=2, s=1, m=2, d=10, c=20) == pytest.approx(2 + 2 * (10 + 20))

@@ -36,9 +36,10 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     Sec. 3.4) -- DeepEP's low-latency kernels in decode iterations, its normal ones (holding SMs) with prefill
     (serving_engine.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
     that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed; overlapped, each
-    dispatch and combine hides only under the compute DeepSeek's published schedules run beside it (`_overlapped`:
-    in decode nothing hides the routed experts, which wait for their dispatch and feed their combine; in prefill
-    SGLang's three stages per layer share one compute stream, whose waits hold back what is queued after them);
+    dispatch and combine hides only under the compute DeepSeek's published schedules run beside it
+    (`serving_engine.overlapped_half`: in decode nothing hides the routed experts, which wait for their dispatch and
+    feed their combine; in prefill SGLang's three stages per layer share one compute stream, whose waits hold back
+    what is queued after them);
   * MTP speculative decoding: each decoding sequence carries its k drafts as extra query tokens (one KV read),
     the MTP module drafts the next k, and a step yields 1 + p + ... + p^k tokens (DeepSeek-V3 report, Sec. 5.4.3);
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
@@ -60,7 +61,8 @@ from meshlm.planner.cluster import Cluster, time_shared
 from meshlm.planner.collectives import collective_time, group_span
 from meshlm.planner.kernels import k_scale
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
-                                           expert_all_to_all, expert_imbalance, layer_kernels, roofline)
+                                           expert_all_to_all, expert_imbalance, layer_kernels, overlapped_half,
+                                           roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
 # DeepSeek-V3 report (arXiv:2412.19437, Sec. 5.4.3): the second token predicted by its MTP module is accepted
@@ -412,7 +414,7 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
     Each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle). Where the engine
     hides the expert all-to-all behind two micro-batches (`Engine.two_batch_overlap`, ep > 1), each half of
     the batch runs every layer -- reading the weights again -- while the other half's tokens travel, each
-    dispatch and combine under the piece of compute the schedule pairs it with (`_overlapped`).
+    dispatch and combine under the piece of compute the schedule pairs it with (`serving_engine.overlapped_half`).
 
     With MTP drafts (`Serving.mtp_tokens` = k > 0) one step verifies each sequence's k drafts with the main model
     (k + 1 query tokens over one read of its KV; TensorRT-LLM tech blog 2, "Attention for MTP") and drafts the next
@@ -440,7 +442,7 @@ def _step(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float =
     halves = 2 if lo.ep > 1 and sv.engine.two_batch_overlap and _splits_in_two(d, p) else 1
     m = _micro_step(sv, d=d / halves, kv_len=kv_len, p=p / halves, p_ctx=prefill_ctx, p_rank=p_rank / halves)
     work, ep, host, stages = m.pop("work"), m.pop("ep"), m.pop("host"), m.pop("stages")
-    micro = _overlapped(stages, decode=p == 0) if halves == 2 else work + ep
+    micro = overlapped_half(stages, decode=p == 0) if halves == 2 else work + ep
     scale = lo.pp * halves
     # the engine's per-step CPU work that the GPU waits for (Engine.host_per_seq_s ...), once per iteration
     sched = _engine_host(sv, decodes=decodes, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx)
@@ -543,47 +545,6 @@ def _stages(sv: Serving, *, dense: float, experts: float, attn: float, elementwi
     rest = dense + attn + elementwise + other - shared - attn_in - attn_out
     return {"attn_in": attn_in, "attn_out": attn_out, "shared": shared, "experts": experts, "dispatch": dispatch,
             "combine": ep - dispatch, "rest": rest}
-
-
-def _overlapped(st: dict, *, decode: bool) -> float:
-    """Seconds of one micro-batch's half of a two-batch-overlapped step (the pair's time / 2), on the schedules
-    DeepSeek published with its inference profiles (deepseek-ai/profile-data, README's prefill and decode figures),
-    which SGLang's TBO runs as written (sglang operations_strategy.py, `_compute_moe_deepseek_blog_prefill` /
-    `_decode`). An all-to-all hides only under the compute the schedule runs beside it:
-      * decode (low-latency kernels, no SMs held): per micro-batch and layer, its dispatch runs under its shared
-        experts and the other's attention projections, its routed experts run alone (they need the dispatch and
-        feed the combine), its combine runs under the other's core attention, output projection and gate --
-        max(shared + attn_in, dispatch) + experts + max(attn_out, combine);
-      * prefill (normal kernels on 24 SMs): `_prefill_pair`, the three stages a layer of each micro-batch runs
-        in turn on one compute stream while the dispatches and combines run on one communication stream.
-    Each term summed over the MoE layers (they are alike, so the sum of maxima is the maxima of the sums)."""
-    a_in, a_out, s, m = st["attn_in"], st["attn_out"], st["shared"], st["experts"]
-    d, c = st["dispatch"], st["combine"]
-    if decode:
-        return st["rest"] + max(s + a_in, d) + m + max(a_out, c)
-    return st["rest"] + _prefill_pair(a=a_in + a_out, s=s, m=m, d=d, c=c) / 2
-
-
-def _prefill_pair(*, a: float, s: float, m: float, d: float, c: float) -> float:
-    """Seconds of both micro-batches through a MoE layer under SGLang's prefill TBO (`_compute_moe_deepseek_blog_
-    prefill`, tbo_delta_stages 0): each micro-batch's layer is three stages -- (1) attention and gate, its dispatch
-    launched; (2) wait for that dispatch, routed experts, its combine launched; (3) shared experts, wait for that
-    combine -- run A1 B1 A2 B2 A3 B3 on one compute stream, whose waits hold back every kernel queued after them,
-    while DeepEP's buffer runs the dispatches and combines one after another on its communication stream, each
-    from when the compute it follows is done. So A's combine hides under B's routed experts, B's only under the
-    shared experts, and the next layer's attention queues behind B's wait. `a`, `s`, `m`: one micro-batch's
-    attention (with the gate), shared and routed experts; `d`, `c`: its dispatch and combine. The schedule repeats
-    each layer from the same state (its communication stream idle when B3 ends), so totals over layers go in."""
-    a_done = a  # A1
-    a_sent = a_done + d
-    b_done = a_done + a  # B1
-    b_sent = max(a_sent, b_done) + d
-    a_experts = max(b_done, a_sent) + m  # A2
-    a_back = max(b_sent, a_experts) + c
-    b_experts = max(a_experts, b_sent) + m  # B2
-    b_back = max(a_back, b_experts) + c
-    a_end = max(b_experts + s, a_back)  # A3
-    return max(a_end + s, b_back)  # B3
 
 
 def _gemm_calls(sv: Serving) -> float:

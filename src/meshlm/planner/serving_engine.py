@@ -127,7 +127,7 @@ class Engine:
     `two_batch_overlap`: DeepSeek's serving ("Day 6" inference system overview: dual micro-batch overlap in
     prefill and decode) and SGLang's two-batch overlap (TBO) split the batch in two so one half's dispatch and
     combine run under the other half's compute -- each half reading the weights, each transfer hidden only under
-    the compute paired with it (serving._overlapped, DeepSeek's published schedules). TensorRT-LLM's attention-DP
+    the compute paired with it (overlapped_half, DeepSeek's published schedules). TensorRT-LLM's attention-DP
     MoE of 2025 (all-gather and reduce-scatter of the tokens around the experts, "Optimizing DeepSeek R1
     Throughput on NVIDIA Blackwell GPUs", tech blog 3) leaves it exposed.
     `expert_balance`: how evenly the routed tokens load the expert-parallel ranks (`expert_imbalance`): "none"
@@ -149,7 +149,7 @@ class Engine:
     step's input to the other ranks (two broadcasts per axis, the length then the JSON) and gathers the tp
     ranks' vocabulary slices of the logits; under cp the sampled rows' hidden states are all-reduced.
     `device_memory_fraction`: the share of the whole GPU the engine may fill, its weights and own buffers inside it
-    (vLLM's `gpu_memory_utilization`, 0.9 by default: the KV cache gets what is left of it, VLLM_GPU_MEMORY_UTILIZATION);
+    (vLLM's `gpu_memory_utilization`, VLLM_GPU_MEMORY_UTILIZATION by default: the KV cache gets what is left of it);
     None: the KV cache takes `free_memory_fraction` of what the weights leave (TensorRT-LLM's
     `free_gpu_memory_fraction`; None: `serving.KV_MEMORY_FRACTION`, its default).
     `cp_decode_on_owner`: under cp a decode token's projections run only on the cp rank that holds its KV slot
@@ -253,6 +253,47 @@ def engine(name: str, cluster=None) -> Engine:
     if name not in ENGINES:
         raise ValueError(f"--engine {name!r}: choose one of {sorted(ENGINES) + ['meshlm']}")
     return ENGINES[name]
+
+
+def overlapped_half(st: dict, *, decode: bool) -> float:
+    """Seconds of one micro-batch's half of a two-batch-overlapped step (the pair's time / 2), on the schedules
+    DeepSeek published with its inference profiles (deepseek-ai/profile-data, README's prefill and decode figures),
+    which SGLang's TBO runs as written (sglang operations_strategy.py, `_compute_moe_deepseek_blog_prefill` /
+    `_decode`). An all-to-all hides only under the compute the schedule runs beside it:
+      * decode (low-latency kernels, no SMs held): per micro-batch and layer, its dispatch runs under its shared
+        experts and the other's attention projections, its routed experts run alone (they need the dispatch and
+        feed the combine), its combine runs under the other's core attention, output projection and gate --
+        max(shared + attn_in, dispatch) + experts + max(attn_out, combine);
+      * prefill (normal kernels on 24 SMs): `prefill_pair`, the three stages a layer of each micro-batch runs
+        in turn on one compute stream while the dispatches and combines run on one communication stream.
+    Each term summed over the MoE layers (they are alike, so the sum of maxima is the maxima of the sums)."""
+    a_in, a_out, s, m = st["attn_in"], st["attn_out"], st["shared"], st["experts"]
+    d, c = st["dispatch"], st["combine"]
+    if decode:
+        return st["rest"] + max(s + a_in, d) + m + max(a_out, c)
+    return st["rest"] + prefill_pair(a=a_in + a_out, s=s, m=m, d=d, c=c) / 2
+
+
+def prefill_pair(*, a: float, s: float, m: float, d: float, c: float) -> float:
+    """Seconds of both micro-batches through a MoE layer under SGLang's prefill TBO (`_compute_moe_deepseek_blog_
+    prefill`, tbo_delta_stages 0): each micro-batch's layer is three stages -- (1) attention and gate, its dispatch
+    launched; (2) wait for that dispatch, routed experts, its combine launched; (3) shared experts, wait for that
+    combine -- run A1 B1 A2 B2 A3 B3 on one compute stream, whose waits hold back every kernel queued after them,
+    while DeepEP's buffer runs the dispatches and combines one after another on its communication stream, each
+    from when the compute it follows is done. So A's combine hides under B's routed experts, B's only under the
+    shared experts, and the next layer's attention queues behind B's wait. `a`, `s`, `m`: one micro-batch's
+    attention (with the gate), shared and routed experts; `d`, `c`: its dispatch and combine. The schedule repeats
+    each layer from the same state (its communication stream idle when B3 ends), so totals over layers go in."""
+    a_done = a  # A1
+    a_sent = a_done + d
+    b_done = a_done + a  # B1
+    b_sent = max(a_sent, b_done) + d
+    a_experts = max(b_done, a_sent) + m  # A2
+    a_back = max(b_sent, a_experts) + c
+    b_experts = max(a_experts, b_sent) + m  # B2
+    b_back = max(a_back, b_experts) + c
+    a_end = max(b_experts + s, a_back)  # A3
+    return max(a_end + s, b_back)  # B3
 
 
 def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], up: tuple[float, float],
