@@ -133,6 +133,29 @@ def test_fp4_experts_on_a_gpu_without_fp4_name_the_w4a16_choice(capsys):
     assert rc == 0 and json.loads(out)["output_tokens_per_s"] > 0
 
 
+def test_sglang_budgets_its_kv_cache_from_the_whole_device_by_its_own_defaults():
+    """SGLang's mem_fraction_static is of the whole GPU too: from 0.4.8 the GPU less a reserve by its memory class
+    (9.5 + tp x pp / 2 GiB on an 80 GB part, 32 GiB on B200, +4 with attention DP), before it by the tp size (0.88 at tp
+    1 ... 0.79 from 16); rows name their version."""
+    from meshlm.planner.published_serving import engine_of
+    from meshlm.planner.serving_engine import ENGINES, sglang_static_fraction
+
+    gib = 2**30
+    assert sglang_static_fraction(80 * gib, parallel=1, dp_attention=False, draft=False) == pytest.approx(70 / 80)
+    assert sglang_static_fraction(80 * gib, parallel=8, dp_attention=True, draft=True) == pytest.approx(
+        round((80 - 9.5 - 4 - 4 - 2) / 80, 3))
+    assert sglang_static_fraction(180 * gib, parallel=4, dp_attention=False, draft=False) == round(148 / 180, 3)
+    sv = replace(_sv("llama3-70b", tp=4), engine=ENGINES["sglang"])
+    m = sv.memory()
+    share = sglang_static_fraction(m["hbm"], parallel=4, dp_attention=False, draft=False)
+    assert m["kv_capacity"] == pytest.approx(share * m["hbm"] - m["reserved"] - m["weights"])
+    assert m["kv_capacity"] == m["hbm"] - m["reserved"] - m["weights"] - m["workspace"]
+    row = dict(engine="SGLang", engine_version="main (~v0.4.6, May 2025)", source="", notes="", ep="")
+    old = engine_of(row)
+    assert old.sglang_memory == "tp" and old.device_share(80 * gib, parallel=4, dp_attention=False, draft=False) == 0.85
+    assert engine_of(dict(row, engine_version="0.5.5.post1")).sglang_memory == "reserve"
+
+
 def test_memory_fraction_sets_the_knob_the_engine_has(capsys):
     """`plan infer --memory-fraction F`: vLLM's gpu_memory_utilization (the whole GPU), or the share of what the
     weights leave (TensorRT-LLM's free_gpu_memory_fraction); out of (0, 1] it is refused, naming the flag."""

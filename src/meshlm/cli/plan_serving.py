@@ -83,13 +83,16 @@ def add_serving_parsers(sub) -> None:
                         "none for the others)")
     i.add_argument("--engine", default=None,
                    help="serving software priced (planner/serving_engine.py): " + ", ".join([*ENGINES, "meshlm"])
-                        + "; vllm* give the KV cache 0.9 of the whole GPU less the weights (gpu_memory_utilization), "
-                        "the others 0.9 of what the weights leave (default: meshlm on --cluster local when its "
-                        "calibration measured meshlm's engine, else default)")
+                        + "; vllm* and sglang give the KV cache a share of the whole GPU less the weights "
+                        "(gpu_memory_utilization, mem_fraction_static), the others 0.9 of what the weights leave "
+                        "(default: meshlm on --cluster local when its calibration measured meshlm's engine, else "
+                        "default)")
     i.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="the --engine's memory knob, in (0, 1]: for vllm* its --gpu-memory-utilization (the share of "
-                        "the whole GPU for weights, activations and KV cache), for the others the share of what the "
-                        "weights leave that the KV cache gets (TensorRT-LLM's free_gpu_memory_fraction); default 0.9")
+                        "the whole GPU for weights, activations and KV cache; default 0.9), for sglang its "
+                        "--mem-fraction-static (the whole GPU's share for weights and KV; default by the GPU's memory), "
+                        "for the others the share of what the weights leave that the KV cache gets (TensorRT-LLM's "
+                        "free_gpu_memory_fraction; default 0.9)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
                         "MTP module, as DeepSeek-V3's; priced as one decoder layer) (default 0)")
@@ -218,7 +221,8 @@ def _serving_inputs(args):
     if args.memory_fraction is not None:  # the knob the engine has: of the whole GPU (vLLM), or of what is free
         if not 0 < args.memory_fraction <= 1:
             raise ValueError(f"--memory-fraction {args.memory_fraction:g} must be in (0, 1], e.g. 0.9")
-        knob = "device_memory_fraction" if eng.device_memory_fraction is not None else "free_memory_fraction"
+        whole = eng.device_memory_fraction is not None or eng.sglang_memory is not None
+        knob = "device_memory_fraction" if whole else "free_memory_fraction"
         eng = replace(eng, **{knob: args.memory_fraction})
     sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=eng,
                  mtp_tokens=args.mtp_tokens,

@@ -265,6 +265,9 @@ def engine_of(row: dict) -> Engine:
         eng = ENGINES["deepseek"]
     elif name.startswith("sglang"):
         eng = replace(ENGINES["sglang"], expert_balance="eplb") if (_int(row["ep"]) or 1) > 1 else ENGINES["sglang"]
+        release = re.search(r"(\d+)\.(\d+)\.(\d+)", row["engine_version"])
+        if release and tuple(int(x) for x in release.groups()) < (0, 4, 8):  # before its memory heuristics (PR #10975)
+            eng = replace(eng, sglang_memory="tp")
     elif name.startswith("vllm"):
         eng = _vllm_options(row, ENGINES[_vllm_preset(row, version)])
     else:

@@ -72,8 +72,8 @@ MTP_ACCEPTANCE = 0.875
 
 # Share of the memory left after weights that the engine gives the KV cache: TensorRT-LLM's
 # `free_gpu_memory_fraction` default 0.9 (of free memory after the weights; the rest holds activations, CUDA graphs
-# and the sampler: the workspace). vLLM's `gpu_memory_utilization` is of the whole device
-# (`Engine.device_memory_fraction`).
+# and the sampler: the workspace). vLLM's `gpu_memory_utilization` and SGLang's `mem_fraction_static` are of the
+# whole device (`Engine.device_share`).
 KV_MEMORY_FRACTION = 0.9
 
 
@@ -234,11 +234,13 @@ class Serving:
         """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache), KV capacity -- so
         capacity = HBM - reserved - weights - workspace exactly. The KV cache gets a share of what the weights leave
         (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an engine that budgets a share of the whole
-        device (`Engine.device_memory_fraction`, vLLM), that share less the weights and the reserve."""
+        device (`Engine.device_share`: vLLM, SGLang), that share less the weights and the reserve."""
         hbm, reserved = self.cluster.hbm_bytes, self.cluster.reserved_bytes
         weights = sum(self.weight_bytes_per_gpu().values())
         free = max(hbm - reserved - weights, 0.0)
-        share = self.engine.device_memory_fraction
+        lo = self.layout
+        share = self.engine.device_share(hbm, parallel=lo.tp * lo.pp, dp_attention=lo.dp > 1 and lo.ep > 1,
+                                         draft=self.mtp_tokens > 0)
         if share is None:
             kv = (self.engine.free_memory_fraction or KV_MEMORY_FRACTION) * free
         else:

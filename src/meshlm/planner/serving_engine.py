@@ -99,6 +99,30 @@ def roofline(compute_s: float, memory_s: float) -> float:
     return hi * (1.0 + (lo / hi) ** ROOFLINE_P) ** (1.0 / ROOFLINE_P)
 
 
+# SGLang's default `mem_fraction_static` (the whole GPU's share for weights and KV pool) before 0.4.8, by tp size
+# (python/sglang/srt/server_args.py, 0.3-0.4.7): (at least this tp, share), the first that holds.
+SGLANG_TP_FRACTIONS = ((16, 0.79), (8, 0.81), (4, 0.85), (2, 0.87), (1, 0.88))
+
+
+def sglang_static_fraction(hbm_bytes: float, *, parallel: int, dp_attention: bool, draft: bool) -> float:
+    """SGLang's default `mem_fraction_static` from 0.4.8 (server_args.py, `_handle_mem_fraction_static`, PR #10975):
+    the GPU less a reserve for activations and CUDA graphs by its memory class -- 2.8 + tp x pp / 10 GiB under 35
+    GiB (chunks of 2K), 9.5 + tp x pp / 2 under 90 (A100, H100: 8K chunks, graphs to batch 160), 12 + tp x pp / 2
+    under 160 (H20, H200), 32 above (B200, MI300: 16K chunks, graphs to 512) -- plus 2 GiB with a draft model and 4
+    with attention data parallelism, over the GPU, rounded to 3 places as it rounds."""
+    gib = hbm_bytes / 2**30
+    if gib < 35:
+        reserve = 2.8 + parallel / 10
+    elif gib < 90:
+        reserve = 9.5 + parallel / 2
+    elif gib < 160:
+        reserve = 12 + parallel / 2
+    else:
+        reserve = 32.0
+    reserve += 2.0 * draft + 4.0 * dp_attention
+    return round((gib - reserve) / gib, 3)
+
+
 # vLLM's default `gpu_memory_utilization` (EngineArgs, vllm/engine/arg_utils.py; the same in V0 and V1): "The fraction
 # of GPU memory to be used for the model executor", the whole device's -- weights, activations and the KV cache
 # together -- where TensorRT-LLM's `free_gpu_memory_fraction` is of what the weights leave.
@@ -150,8 +174,10 @@ class Engine:
     ranks' vocabulary slices of the logits; under cp the sampled rows' hidden states are all-reduced.
     `device_memory_fraction`: the share of the whole GPU the engine may fill, its weights and own buffers inside it
     (vLLM's `gpu_memory_utilization`, VLLM_GPU_MEMORY_UTILIZATION by default: the KV cache gets what is left of it);
-    None: the KV cache takes `free_memory_fraction` of what the weights leave (TensorRT-LLM's
-    `free_gpu_memory_fraction`; None: `serving.KV_MEMORY_FRACTION`, its default).
+    `sglang_memory`: SGLang's default share of that kind (`mem_fraction_static`), "reserve" (0.4.8 on: the GPU less
+    a reserve by its memory class, `sglang_static_fraction`) or "tp" (before: by the tp size, SGLANG_TP_FRACTIONS);
+    neither: the KV cache takes `free_memory_fraction` of what the weights leave (TensorRT-LLM's
+    `free_gpu_memory_fraction`; None: `serving.KV_MEMORY_FRACTION`, its default). `device_share` says which.
     `cp_decode_on_owner`: under cp a decode token's projections run only on the cp rank that holds its KV slot
     (meshlm's cp serving), not on every cp rank, and its query is all-gathered per layer for the split-KV
     attention.
@@ -172,6 +198,7 @@ class Engine:
     cp_decode_on_owner: bool = False
     device_memory_fraction: float | None = None
     free_memory_fraction: float | None = None
+    sglang_memory: str | None = None
 
     def __post_init__(self):
         if self.expert_balance not in ("none", "eplb", "perfect"):
@@ -181,10 +208,24 @@ class Engine:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.ep_all_to_all not in ("deepep", "allgather", "all_to_all"):
             raise ValueError(f"ep_all_to_all={self.ep_all_to_all!r}: choose deepep, allgather or all_to_all")
+        if self.sglang_memory not in (None, "reserve", "tp"):
+            raise ValueError(f"sglang_memory={self.sglang_memory!r}: choose reserve, tp or None")
         for name in ("device_memory_fraction", "free_memory_fraction"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name}={value} must be in (0, 1]")
+
+    def device_share(self, hbm_bytes: float, *, parallel: int, dp_attention: bool, draft: bool) -> float | None:
+        """The share of the whole GPU the engine budgets for weights and KV cache (`device_memory_fraction`, or
+        SGLang's default by `sglang_memory`), or None where the KV cache takes a share of what the weights leave.
+        `parallel`: tp x pp; `dp_attention`: attention data parallelism; `draft`: a speculative draft model."""
+        if self.device_memory_fraction is not None:
+            return self.device_memory_fraction
+        if self.sglang_memory == "reserve":
+            return sglang_static_fraction(hbm_bytes, parallel=parallel, dp_attention=dp_attention, draft=draft)
+        if self.sglang_memory == "tp":
+            return next(f for tp, f in SGLANG_TP_FRACTIONS if parallel >= tp)
+        return None
 
     @property
     def eager_host(self) -> bool:
@@ -205,7 +246,7 @@ ENGINES = {e.name: e for e in (
     Engine("vllm-async", **_VLLM),
     # v0.7 and before, single-step scheduling
     Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S, **_VLLM),
-    Engine("sglang"),
+    Engine("sglang", sglang_memory="reserve"),  # 0.4.8 on; published_serving.engine_of reads older versions
     Engine("deepseek", expert_balance="eplb"),  # DeepSeek's own serving ("Day 6" overview): TBO, DeepEP, EPLB
 )}
 
