@@ -90,9 +90,9 @@ def add_serving_parsers(sub) -> None:
     i.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="the --engine's memory knob, in (0, 1]: for vllm* its --gpu-memory-utilization (the share of "
                         "the whole GPU for weights, activations and KV cache; default 0.9), for sglang its "
-                        "--mem-fraction-static (the whole GPU's share for weights and KV; default by the GPU's memory), "
-                        "for the others the share of what the weights leave that the KV cache gets (TensorRT-LLM's "
-                        "free_gpu_memory_fraction; default 0.9)")
+                        "--mem-fraction-static (the whole GPU's share for weights and KV; default by the GPU's "
+                        "memory), for the others the share of what the weights leave that the KV cache gets "
+                        "(TensorRT-LLM's free_gpu_memory_fraction; default 0.9)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
                         "MTP module, as DeepSeek-V3's; priced as one decoder layer) (default 0)")
