@@ -154,6 +154,12 @@ def test_sglang_budgets_its_kv_cache_from_the_whole_device_by_its_own_defaults()
     old = engine_of(row)
     assert old.sglang_memory == "tp" and old.device_share(80 * gib, parallel=4, dp_attention=False, draft=False) == 0.85
     assert engine_of(dict(row, engine_version="0.5.5.post1")).sglang_memory == "reserve"
+    # a share the row sets is the engine's: SGLang's --mem-fraction-static, vLLM's --gpu-memory-utilization
+    set_ = engine_of(dict(row, notes="launched with --mem-fraction-static 0.8"))
+    assert set_.device_share(80 * gib, parallel=4, dp_attention=False, draft=False) == 0.8
+    vllm = dict(row, engine="vLLM", engine_version="0.11.0")
+    assert engine_of(dict(vllm, notes="--gpu-memory-utilization=0.95")).device_memory_fraction == 0.95
+    assert engine_of(dict(vllm, notes="gpu_memory_utilization not printed")).device_memory_fraction == 0.9
 
 
 def test_memory_fraction_sets_the_knob_the_engine_has(capsys):

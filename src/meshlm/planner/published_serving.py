@@ -268,8 +268,10 @@ def engine_of(row: dict) -> Engine:
         release = re.search(r"(\d+)\.(\d+)\.(\d+)", row["engine_version"])
         if release and tuple(int(x) for x in release.groups()) < (0, 4, 8):  # before its memory heuristics (PR #10975)
             eng = replace(eng, sglang_memory="tp")
+        eng = _memory_share(row, eng, r"mem[-_]fraction[-_]static")
     elif name.startswith("vllm"):
         eng = _vllm_options(row, ENGINES[_vllm_preset(row, version)])
+        eng = _memory_share(row, eng, r"gpu[-_]memory[-_]utilization")
     else:
         eng = ENGINES["default"]
     simulated = "perfect expert load balance" in row["notes"].lower()
@@ -290,6 +292,14 @@ def _vllm_options(row: dict, eng: Engine) -> Engine:
     if named(r"(?:--enable-)?eplb"):
         eng = replace(eng, expert_balance="eplb")
     return eng
+
+
+def _memory_share(row: dict, eng: Engine, flag: str) -> Engine:
+    """The share of the whole GPU a row sets for the engine (vLLM's --gpu-memory-utilization, SGLang's
+    --mem-fraction-static: `flag`, a value after it in its notes or batch cell), else the engine's default."""
+    text = " ".join(row.get(k, "") for k in ("notes", "batch_or_concurrency")).lower()
+    m = re.search(r"(?:--)?" + flag + r"[\s=:]+(0?\.\d+|1\.0*)\b", text)
+    return replace(eng, device_memory_fraction=float(m.group(1))) if m else eng
 
 
 def _vllm_preset(row: dict, version: re.Match | None) -> str:
