@@ -221,8 +221,7 @@ def _serving_inputs(args):
     if args.memory_fraction is not None:  # the knob the engine has: of the whole GPU (vLLM), or of what is free
         if not 0 < args.memory_fraction <= 1:
             raise ValueError(f"--memory-fraction {args.memory_fraction:g} must be in (0, 1], e.g. 0.9")
-        whole = eng.device_memory_fraction is not None or eng.sglang_memory is not None
-        knob = "device_memory_fraction" if whole else "free_memory_fraction"
+        knob = "device_memory_fraction" if eng.whole_device else "free_memory_fraction"
         eng = replace(eng, **{knob: args.memory_fraction})
     sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=eng,
                  mtp_tokens=args.mtp_tokens,

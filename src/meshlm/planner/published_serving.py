@@ -280,10 +280,15 @@ def engine_of(row: dict) -> Engine:
     return eng
 
 
+def _settings_text(row: dict) -> str:
+    """The cells where a row states an engine's settings (its notes, batch and version cells), lower case."""
+    return " ".join(row.get(k, "") for k in ("notes", "batch_or_concurrency", "engine_version")).lower()
+
+
 def _vllm_options(row: dict, eng: Engine) -> Engine:
     """vLLM's opt-in expert-parallel features where the row names them (its notes, layout or batch cells): DeepEP
     kernels (`--all2all-backend deepep_*`), dual-batch overlap (`--enable-dbo`), EPLB (`--enable-eplb`)."""
-    text = " ".join(row.get(k, "") for k in ("notes", "batch_or_concurrency", "engine_version")).lower()
+    text = _settings_text(row)
     named = lambda pattern: re.search(r"(?<!no )(?<!not )(?<!without )(?:" + pattern + ")", text)  # noqa: E731
     if named("deepep"):
         eng = replace(eng, ep_all_to_all="deepep")
@@ -296,9 +301,8 @@ def _vllm_options(row: dict, eng: Engine) -> Engine:
 
 def _memory_share(row: dict, eng: Engine, flag: str) -> Engine:
     """The share of the whole GPU a row sets for the engine (vLLM's --gpu-memory-utilization, SGLang's
-    --mem-fraction-static: `flag`, a value after it in its notes or batch cell), else the engine's default."""
-    text = " ".join(row.get(k, "") for k in ("notes", "batch_or_concurrency")).lower()
-    m = re.search(r"(?:--)?" + flag + r"[\s=:]+(0?\.\d+|1\.0*)\b", text)
+    --mem-fraction-static: `flag`, a value after it in `_settings_text`), else the engine's default."""
+    m = re.search(r"(?:--)?" + flag + r"[\s=:]+(0?\.\d+|1\.0*)\b", _settings_text(row))
     return replace(eng, device_memory_fraction=float(m.group(1))) if m else eng
 
 

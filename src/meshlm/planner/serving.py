@@ -356,7 +356,6 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
                                          span, cl)
         out[("cp", _tier(span))] = layers * per_layer
     if lo.ep > 1:
-        span = group_span(1, lo.stage, cl.scaleup_size)
         if sv.engine.ep_all_to_all == "allgather":
             # every dp rank's tokens gathered to every rank, the experts' outputs reduce-scattered back (vLLM's
             # AgRsAll2AllManager, over the dp group): the same bytes whatever the routing, so no rank waits on an
@@ -368,6 +367,7 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
                         + collective_time("reduce_scatter", everyone * 2.0, span, cl))
                 out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call
         else:
+            span = group_span(1, lo.stage, cl.scaleup_size)
             per_token = h * (_dispatch_bytes(sv) + 2.0)  # dispatch + combine (bf16)
             call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
                                      up=cl.collective_fit("all_to_all", "scale-up"),

@@ -215,6 +215,11 @@ class Engine:
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name}={value} must be in (0, 1]")
 
+    @property
+    def whole_device(self) -> bool:
+        """Whether the engine budgets a share of the whole GPU (vLLM, SGLang) rather than of what the weights leave."""
+        return self.device_memory_fraction is not None or self.sglang_memory is not None
+
     def device_share(self, hbm_bytes: float, *, parallel: int, dp_attention: bool, draft: bool) -> float | None:
         """The share of the whole GPU the engine budgets for weights and KV cache (`device_memory_fraction`, or
         SGLang's default by `sglang_memory`), or None where the KV cache takes a share of what the weights leave.
