@@ -309,7 +309,7 @@ def _memory_share(row: dict, eng: Engine, flag: str) -> Engine:
 def _vllm_preset(row: dict, version: re.Match | None) -> str:
     """vLLM's engine by version: V0 below 0.8 (V1 became the default in v0.8.0, March 2025) or with no version and a
     source dated 2024; V1 with synchronous scheduling through 0.13; V1 with async scheduling, its default from
-    v0.14.0 (serving_engine.VLLM_V1_UPDATE_PER_SEQ_S), from 0.14."""
+    v0.14.0 (serving_engine.VLLM_V1_HOST_PER_SEQ_S), from 0.14."""
     if version is None:
         return "vllm-v0" if "2024" in row["engine_version"] + row["source"] else "vllm"
     v = (int(version.group(1)), int(version.group(2)))

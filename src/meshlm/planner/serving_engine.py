@@ -80,15 +80,21 @@ VLLM_V0_HOST_PER_SEQ_S = 13e-3 / 256
 # Aug 2025). Async scheduling (PR #19970, experimental `--async-scheduling`, June 2025; with PR #23569, "Fully
 # overlap model execution", input preparation too) schedules one step ahead; it became the default in v0.14.0
 # (PR #27614, "Enable async scheduling by default", released Jan 2026). Between v0.8 and v0.13 the GPU waits for
-# the engine core's host work every step. Of that work only `Scheduler.update_from_output` has a published cost
-# per running request: 0.287 ms for a decode batch of 256 on vLLM main of June 2026 (PR #46112's baseline, vLLM's
-# own benchmarks/overheads/benchmark_scheduler_update_from_output.py; 0.142 ms at 128: linear in the batch) --
-# priced here per running sequence, a LOWER BOUND on V1's synchronous host time. Not priced, for want of a
-# per-request figure at a stated batch (a known missing term): `schedule()` itself, the model runner's
-# `_update_states` / `_prepare_inputs` CPU work, the outputs' serialization to the front-end and, under tp, the
-# scheduler output's broadcast to the workers (PR #42131 reports schedule() at 0.2 ms and _update_states at
-# ~0.18 ms a decode step on B200, without the batch).
-VLLM_V1_UPDATE_PER_SEQ_S = 0.287e-3 / 256
+# the engine core's host work every step. What async scheduling takes off each step is measured at stated batches
+# in PR #23914 ("implement async_scheduling in single process mode", Aug 2025, vLLM main of v0.10): one A100 pair
+# at TP=2, `gbs` requests queued at once, each generating 512 tokens (max_tokens=512, ignore_eos=True), so `gbs`
+# run every step; its table's tokens/s sync -> async below. A step of `gbs` sequences takes gbs / tps seconds, so
+# the step time async hides is gbs / sync - gbs / async: 0.34, 0.78, 1.70 and 3.26 ms at 32, 64, 128 and 256
+# running requests -- linear in them, 10.6-13.3 us each; the least-squares slope is priced per running sequence
+# (VLLM_V1_HOST_PER_SEQ_S, ~12.8 us). A LOWER BOUND on V1's synchronous host time: the tokens/s are read as output
+# tokens (counting the prompts would make every step longer by the same factor), and what the async path does not
+# overlap is not in the difference. Of it, `Scheduler.update_from_output` alone is 0.287 ms at a decode batch of 256
+# (PR #46112's baseline, benchmarks/overheads/benchmark_scheduler_update_from_output.py, June 2026): 1.1 us a
+# request; the rest is schedule(), the model runner's `_update_states` / `_prepare_inputs` and the sampled tokens'
+# copy to the host (PR #42131 reports schedule() at 0.2 ms and _update_states at ~0.18 ms a decode step on B200).
+VLLM_V1_ASYNC_GAIN = ((32, 1014, 1025), (64, 1853, 1896), (128, 3048, 3177), (256, 4039, 4258))  # (gbs, sync, async)
+VLLM_V1_HOST_PER_SEQ_S = (sum(b * (b / sync - b / fast) for b, sync, fast in VLLM_V1_ASYNC_GAIN)
+                          / sum(b * b for b, _, _ in VLLM_V1_ASYNC_GAIN))
 
 
 def roofline(compute_s: float, memory_s: float) -> float:
@@ -163,7 +169,7 @@ class Engine:
     for the busiest (`busiest_rank_prefill`).
     `host_per_seq_s`: CPU seconds per running sequence per iteration that the GPU waits for (scheduling, input
     preparation and output processing done between steps: vLLM's V0 engine, VLLM_V0_HOST_PER_SEQ_S; vLLM's V1
-    engine before async scheduling became its default, VLLM_V1_UPDATE_PER_SEQ_S, a lower bound); 0 where the
+    engine before async scheduling became its default, VLLM_V1_HOST_PER_SEQ_S, a lower bound); 0 where the
     engine overlaps them with the GPU.
     `host_per_step_s`, `host_per_layer_s`, `host_per_layer_seq_s`: the rest of an engine's host work that nothing
     overlaps, per step, per decoder layer of a stage and per (layer, sequence): an eager engine's operator
@@ -246,7 +252,7 @@ ENGINES = {e.name: e for e in (
     # vLLM's defaults under expert parallelism: all-gather / reduce-scatter around the experts, no dual-batch overlap
     # (`--enable-dbo`, opt-in, DP + EP only: docs "Dual Batch Overlap"); a row naming them turns them on (engine_of)
     # V1 engine, v0.8-v0.13: synchronous scheduling
-    Engine("vllm", host_per_seq_s=VLLM_V1_UPDATE_PER_SEQ_S, **_VLLM),
+    Engine("vllm", host_per_seq_s=VLLM_V1_HOST_PER_SEQ_S, **_VLLM),
     # V1 engine from v0.14: async scheduling (the default) overlaps its host work
     Engine("vllm-async", **_VLLM),
     # v0.7 and before, single-step scheduling
