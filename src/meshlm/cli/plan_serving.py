@@ -83,7 +83,9 @@ def add_serving_parsers(sub) -> None:
                         "none for the others)")
     i.add_argument("--engine", default=None,
                    help="serving software priced (planner/serving_engine.py): " + ", ".join([*ENGINES, "meshlm"])
-                        + "; vllm* and sglang give the KV cache a share of the whole GPU less the weights "
+                        + "; vllm is vLLM 0.8-0.13 (its V1 engine's host work between steps, per running request, "
+                        "on every step), vllm-async 0.14 on (async scheduling hides it), vllm-v0 0.7 and before"
+                        "; vllm* and sglang give the KV cache a share of the whole GPU less the weights "
                         "(gpu_memory_utilization, mem_fraction_static), the others 0.9 of what the weights leave "
                         "(default: meshlm on --cluster local when its calibration measured meshlm's engine, else "
                         "default)")
