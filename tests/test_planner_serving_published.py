@@ -40,6 +40,19 @@ def test_published_vllm_rows_before_v08_run_the_v0_engine():
     assert engine_of(dict(row, engine_version="not stated", source="a blog (2025)")).name == "vllm"
 
 
+def test_an_engine_cell_is_read_however_a_table_spells_the_engine():
+    from meshlm.planner.published_serving import engine_name, engine_of
+
+    row = dict(engine_version="", source="", notes="", ep="", batch_or_concurrency="")
+    for cell, name in (("TRT-LLM", "tensorrt-llm"), ("trtllm", "tensorrt-llm"), ("NVIDIA TensorRT 10.8", "tensorrt-llm"),
+                       ("Triton + TensorRT-LLM", "tensorrt-llm"), ("ROCm vLLM", "vllm"), ("vLLM (ROCm fork)", "vllm"),
+                       ("SGLang (DeepEP)", "sglang"), ("DeepSeek in-house", "deepseek"), ("llama.cpp", "llama.cpp")):
+        assert engine_name(dict(row, engine=cell)) == name, cell
+    assert engine_of(dict(row, engine="TRT-LLM")).name == "tensorrt-llm"
+    assert engine_of(dict(row, engine="ROCm vLLM", engine_version="0.9.2")).name == "vllm"
+    assert engine_of(dict(row, engine="llama.cpp")).name == "default"
+
+
 def test_published_lengths_are_counts_never_shares():
     from meshlm.planner.published_serving import _int
 

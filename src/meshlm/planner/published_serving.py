@@ -242,15 +242,21 @@ def mtp_of(row: dict) -> int:
     return int(m.group(1) or m.group(2))
 
 
+# The engines a row's engine cell names, however a table spells them ("TRT-LLM", "NVIDIA TensorRT-LLM", "ROCm vLLM",
+# "SGLang (DeepEP)"): (pattern, name) in order, the first that matches.
+ENGINE_NAMES = ((r"\bvllm", "vllm"), (r"\bsglang", "sglang"), (r"\b(tensorrt|trt)(?!\w)|\btrt-?llm", "tensorrt-llm"),
+                (r"\bdeepseek", "deepseek"))
+
+
 def engine_name(row: dict) -> str:
-    """The engine that runs the row's model, lower case. NVIDIA NIM for LLMs is a serving stack over other engines: it
-    runs the prebuilt TensorRT-LLM engines of its optimized profiles (model, GPU, precision, TP) and falls back to a
-    generic vLLM backend where none exists (NIM for LLMs docs, "Optimization" and "Support Matrix"): TensorRT-LLM
-    unless the row's engine_version names vLLM."""
+    """The engine that runs the row's model, lower case (`ENGINE_NAMES`; else the cell as written). NVIDIA NIM for
+    LLMs is a serving stack over other engines: it runs the prebuilt TensorRT-LLM engines of its optimized profiles
+    (model, GPU, precision, TP) and falls back to a generic vLLM backend where none exists (NIM for LLMs docs,
+    "Optimization" and "Support Matrix"): TensorRT-LLM unless the row's engine_version names vLLM."""
     name = row["engine"].strip().lower()
     if name.startswith("nvidia nim"):
         return "vllm" if "vllm" in row["engine_version"].lower() else "tensorrt-llm"
-    return name
+    return next((engine for pattern, engine in ENGINE_NAMES if re.search(pattern, name)), name)
 
 
 def engine_of(row: dict) -> Engine:
