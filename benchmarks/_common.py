@@ -229,16 +229,18 @@ def host_busy_seconds() -> float:
 
 class OtherWork:
     """The cores other work on the host took while a block ran: the host's busy CPU seconds less those of
-    `ours` (this process and the ones below `root`: a benchmark's ranks), over the block's wall seconds.
+    `ours` (the process `root` and the ones below it: a benchmark's ranks), over the block's wall seconds.
+    `root_is_other`: `root` itself counts as other work, only the processes below it as ours (a benchmark whose own
+    process is the client of a server it started: the client's CPU is taken from the server's cores).
     `cores` (after the block): None where /proc is missing or the block was shorter than `min_s` (/proc/stat
     counts clock ticks, 10 ms each). On a host whose cores the run shares, the cores left to it are its cores
     less these."""
 
-    def __init__(self, root: int, *, min_s: float = 0.25):
-        self.root, self.min_s, self.cores = root, min_s, None
+    def __init__(self, root: int, *, min_s: float = 0.25, root_is_other: bool = False):
+        self.root, self.min_s, self.cores, self.root_is_other = root, min_s, None, root_is_other
 
     def _ours(self) -> float:
-        return cpu_seconds([self.root, *descendants(self.root)])
+        return cpu_seconds([*([] if self.root_is_other else [self.root]), *descendants(self.root)])
 
     def __enter__(self):
         try:
