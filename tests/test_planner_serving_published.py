@@ -44,7 +44,7 @@ def test_an_engine_cell_is_read_however_a_table_spells_the_engine():
     from meshlm.planner.published_serving import engine_name, engine_of
 
     row = dict(engine_version="", source="", notes="", ep="", batch_or_concurrency="")
-    for cell, name in (("TRT-LLM", "tensorrt-llm"), ("trtllm", "tensorrt-llm"),
+    for cell, name in (("TRT-LLM", "tensorrt-llm"), ("trtllm", "tensorrt-llm"), ("trt_llm", "tensorrt-llm"),
                        ("NVIDIA TensorRT 10.8", "tensorrt-llm"), ("Triton + TensorRT-LLM", "tensorrt-llm"),
                        ("ROCm vLLM", "vllm"), ("vLLM (ROCm fork)", "vllm"), ("SGLang (DeepEP)", "sglang"),
                        ("DeepSeek in-house", "deepseek"), ("llama.cpp", "llama.cpp")):

@@ -244,7 +244,7 @@ def mtp_of(row: dict) -> int:
 
 # The engines a row's engine cell names, however a table spells them ("TRT-LLM", "NVIDIA TensorRT-LLM", "ROCm vLLM",
 # "SGLang (DeepEP)"): (pattern, name) in order, the first that matches.
-ENGINE_NAMES = ((r"\bvllm", "vllm"), (r"\bsglang", "sglang"), (r"\b(tensorrt|trt)(?!\w)|\btrt-?llm", "tensorrt-llm"),
+ENGINE_NAMES = ((r"\bvllm", "vllm"), (r"\bsglang", "sglang"), (r"\b(tensorrt|trt)(?!\w)|\btrt[-_]?llm", "tensorrt-llm"),
                 (r"\bdeepseek", "deepseek"))
 
 
