@@ -54,6 +54,16 @@ def test_an_engine_cell_is_read_however_a_table_spells_the_engine():
     assert engine_of(dict(row, engine="llama.cpp")).name == "default"
 
 
+def test_the_summary_counts_each_groups_rows_within_the_goal():
+    from meshlm.planner.published_serving import GROUP_GOAL_ABS_ERROR, summarize
+
+    results = [dict(row_id=f"X{i}", group=g, error_throughput=e) for i, (g, e) in
+               enumerate((("A", 0.1), ("A", -0.3), ("A", GROUP_GOAL_ABS_ERROR), ("B", -0.26), ("B", 0.0)))]
+    out = summarize([*results, dict(row_id="X9", group="B", skip="no prompt length")])["throughput"]
+    assert (out["n"], out["within_goal"]) == (5, 3)
+    assert out["per_group"]["A"]["within_goal"] == 2 and out["per_group"]["B"]["within_goal"] == 1
+
+
 def test_published_lengths_are_counts_never_shares():
     from meshlm.planner.published_serving import _int
 

@@ -547,17 +547,27 @@ def _median_abs(values: list[float]) -> float | None:
     return statistics.median(abs(v) for v in values) if values else None
 
 
+# Issue 25's per-group goal for the median |error|; the summary also counts the rows within it.
+GROUP_GOAL_ABS_ERROR = 0.25
+
+
 def summarize(results: list[dict]) -> dict:
-    """Median |error| per group and overall, of throughput, TTFT and TPOT where published."""
+    """Median |error| per group and overall, of throughput, TTFT and TPOT where published, and how many rows are within
+    GROUP_GOAL_ABS_ERROR ("within_goal")."""
     scored = [r for r in results if "skip" not in r]
-    out = {"rows": len(results), "scored": len(scored), "skipped": {r["row_id"]: r["skip"] for r in results if "skip" in r}}
+    out = {"rows": len(results), "scored": len(scored),
+           "skipped": {r["row_id"]: r["skip"] for r in results if "skip" in r}}
+
+    def stats(errors: list[float]) -> dict:
+        return {"n": len(errors), "median_abs_error": _median_abs(errors),
+                "within_goal": sum(abs(e) <= GROUP_GOAL_ABS_ERROR for e in errors)}
+
     for metric in ("throughput", "ttft_ms", "tpot_ms"):
         errors = [r for r in scored if f"error_{metric}" in r]
         groups = sorted({r["group"] for r in errors})
-        out[metric] = {"n": len(errors), "median_abs_error": _median_abs([r[f"error_{metric}"] for r in errors]),
-                       "per_group": {g: {"n": sum(r["group"] == g for r in errors),
-                                         "median_abs_error": _median_abs([r[f"error_{metric}"] for r in errors
-                                                                          if r["group"] == g])} for g in groups}}
+        out[metric] = {**stats([r[f"error_{metric}"] for r in errors]),
+                       "per_group": {g: stats([r[f"error_{metric}"] for r in errors if r["group"] == g])
+                                     for g in groups}}
     return out
 
 
