@@ -77,19 +77,23 @@ MI300X_VLLM_RUNNING = 256  # requests running per engine from which the second c
 SMALL_ALL_REDUCE_SPREAD = (0.63, 2.23)  # groups B (MTP drafts), D, J, M: batch 1 to 16
 MI300X_VLLM_SPREAD = (0.70, 0.92)  # groups D and L: 256 to 3,200 requests running
 WEIGHT_ONLY_SPREAD = (0.32, 0.78)  # groups P and Q: vLLM's gpt-oss (MXFP4 experts, W4A16) on H100 and A100
+TRTLLM_ENGINES = ("tensorrt-llm", "tensorrt-llm<0.7")
+LATENT_ADP_SPREAD = (0.68, 1.03)  # groups A and B: TensorRT-LLM's DeepSeek-R1, attention DP + EP on one node
 
 
 def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: float, engine: str,
-                    gpu: str, weight_only: bool = False) -> str | None:
+                    gpu: str, weight_only: bool = False, latent_adp: bool = False) -> str | None:
     """A warning where the published serving runs of a deployment's regime came out far from the prediction
-    (benchmarks/data/serving_runs_dev.md, caveats 15-17) -- never a correction:
+    (benchmarks/data/serving_runs_dev.md, caveats 15-20) -- never a correction:
       * a decode bound by small tensor-parallel all-reduces (`bound` "scale-up link", `all_reduce_bytes` up to
         SMALL_ALL_REDUCE_BYTES): priced as rings, run by the engines' one-shot kernels (SMALL_ALL_REDUCE_SPREAD);
       * vLLM on MI300X with at least MI300X_VLLM_RUNNING requests `running` per engine, every such dev row bound by
         compute here
         (MI300X_VLLM_SPREAD);
       * routed experts of 4-bit weights multiplied by 16-bit activations (`weight_only`, W4A16: the weights
-        dequantized in the kernel, priced at the bf16 GEMM rate), every such dev row too fast (WEIGHT_ONLY_SPREAD)."""
+        dequantized in the kernel, priced at the bf16 GEMM rate), every such dev row too fast (WEIGHT_ONLY_SPREAD);
+      * TensorRT-LLM serving a latent-attention MoE (DeepSeek's) with attention data parallelism and expert
+        parallelism (`latent_adp`), all such dev rows but one too fast (LATENT_ADP_SPREAD)."""
     if bound == "scale-up link" and tp > 1 and all_reduce_bytes <= SMALL_ALL_REDUCE_BYTES:
         lo, hi = SMALL_ALL_REDUCE_SPREAD
         return ("Caution: its decode waits on small tensor-parallel all-reduces, priced as NCCL/RCCL rings, which "
@@ -107,6 +111,12 @@ def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: fl
                 f"bf16 GEMM rate; published runs of this kind (vLLM's gpt-oss on H100 and A100) came out "
                 f"{100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}% below the predicted throughput "
                 "(benchmarks/data/serving_runs_dev.md, groups P and Q): read the throughput as an upper bound.")
+    if latent_adp and engine in TRTLLM_ENGINES:
+        lo, hi = LATENT_ADP_SPREAD
+        return ("Caution: TensorRT-LLM's published runs of a latent-attention MoE (DeepSeek-R1) with attention data "
+                f"parallelism and expert parallelism came out from {100 * (hi - 1):.0f}% above to "
+                f"{100 * (1 - lo):.0f}% below the predicted throughput, all but one below (benchmarks/data/"
+                "serving_runs_dev.md, groups A and B): read the throughput as optimistic.")
     return None
 
 

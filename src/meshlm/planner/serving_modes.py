@@ -477,11 +477,13 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
 def caution(sv: Serving, *, bound: str, concurrency: float) -> str | None:
     """`explain.serving_caution` for the deployment at `concurrency` requests in flight and its `bound`: each engine
     decodes concurrency / dp of them, and each iteration all-reduces their query tokens' (MTP drafts too) bf16 hidden
-    states; FP4 experts with BF16 GEMMs are weight-only (W4A16)."""
-    running = concurrency / sv.layout.dp
-    return serving_caution(bound=bound, tp=sv.layout.tp, running=running, engine=sv.engine.name, gpu=sv.cluster.gpu,
+    states; FP4 experts with BF16 GEMMs are weight-only (W4A16); latent attention (MLA) with dp and ep ranks is
+    DeepSeek's attention-DP layout."""
+    lo, running = sv.layout, concurrency / sv.layout.dp
+    return serving_caution(bound=bound, tp=lo.tp, running=running, engine=sv.engine.name, gpu=sv.cluster.gpu,
                            all_reduce_bytes=running * (1 + sv.mtp_tokens) * sv.sm.cfg.hidden_size * 2,
-                           weight_only=sv.sm.cfg.is_moe and sv.precision == "fp4" and sv.gemm_precision == "bf16")
+                           weight_only=sv.sm.cfg.is_moe and sv.precision == "fp4" and sv.gemm_precision == "bf16",
+                           latent_adp=sv.sm.mla is not None and lo.dp > 1 and lo.ep > 1)
 
 
 def _ms(seconds: float) -> float | None:
