@@ -88,8 +88,7 @@ def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: fl
       * a decode bound by small tensor-parallel all-reduces (`bound` "scale-up link", `all_reduce_bytes` up to
         SMALL_ALL_REDUCE_BYTES): priced as rings, run by the engines' one-shot kernels (SMALL_ALL_REDUCE_SPREAD);
       * vLLM on MI300X with at least MI300X_VLLM_RUNNING requests `running` per engine, every such dev row bound by
-        compute here
-        (MI300X_VLLM_SPREAD);
+        compute here (MI300X_VLLM_SPREAD);
       * routed experts of 4-bit weights multiplied by 16-bit activations (`weight_only`, W4A16: the weights
         dequantized in the kernel, priced at the bf16 GEMM rate), every such dev row too fast (WEIGHT_ONLY_SPREAD);
       * TensorRT-LLM serving a latent-attention MoE (DeepSeek's) with attention data parallelism and expert

@@ -45,8 +45,9 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
   * pp: each stage runs pp micro-batches per iteration (the batch split pp ways, a hand-off per boundary), so
     the weights stream pp times per iteration; a batch smaller than pp leaves stages idle (the serving bubble).
   * the engine's host work that nothing overlaps (`serving_engine.Engine.host_per_*`): vLLM V0's per-sequence
-    scheduling, V1's (before async scheduling) per-sequence output update; meshlm's own engine (`--cluster local`: fp32 weights, activations and KV) measured by
-    `meshlm plan calibrate` per step, sequence, decoder layer and (layer, sequence), plus its driver rank's
+    scheduling, V1's (before async scheduling) per-sequence host work between steps, what async scheduling was
+    measured to take off a step; meshlm's own engine (`--cluster local`: fp32 weights, activations and KV) measured
+    by `meshlm plan calibrate` per step, sequence, decoder layer and (layer, sequence), plus its driver rank's
     messages (the step's input broadcast, the tp logits gathered, the cp sampled rows summed).
   * a CPU host (`Cluster.compute_slots`): ranks beyond its cores time-share them -- compute, memory and the
     collectives' copies -- as the training side prices it (placement.rank_setup).
@@ -93,6 +94,11 @@ class ServingLayout:
     def stage(self) -> int:
         """GPUs of one pipeline stage (dp x tp x cp)."""
         return self.dp * self.tp * self.cp
+
+    @property
+    def attention_dp(self) -> bool:
+        """Attention data parallelism: dp ranks that attend apart and meet at every MoE layer's expert ranks."""
+        return self.dp > 1 and self.ep > 1
 
     def label(self) -> str:
         return ",".join(f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep", "dp"))
@@ -239,7 +245,7 @@ class Serving:
         weights = sum(self.weight_bytes_per_gpu().values())
         free = max(hbm - reserved - weights, 0.0)
         lo = self.layout
-        share = self.engine.device_share(hbm, parallel=lo.tp * lo.pp, dp_attention=lo.dp > 1 and lo.ep > 1,
+        share = self.engine.device_share(hbm, parallel=lo.tp * lo.pp, dp_attention=lo.attention_dp,
                                          draft=self.mtp_tokens > 0)
         if share is None:
             kv = (self.engine.free_memory_fraction or KV_MEMORY_FRACTION) * free

@@ -150,7 +150,7 @@ class Engine:
     its own, pure RDMA across nodes), prefill iterations its normal kernels (one copy per remote node, forwarded
     over NVLink inside it; SMs taken from compute) -- SGLang's and DeepSeek's large-EP serving; "allgather" -- every
     rank's tokens all-gathered to the expert group and the outputs reduce-scattered back (vLLM's default backend,
-    AgRsAll2AllManager; DeepEP is its opt-in `--all2all-backend`); anything else: the routed copies alone, node by
+    AgRsAll2AllManager; DeepEP is its opt-in `--all2all-backend`); "all_to_all" -- the routed copies alone, node by
     node (`expert_all_to_all`'s normal kernels).
     `cuda_graphs`: without them the host launches every kernel of an iteration, which then takes at least
     kernels x HOST_LAUNCH_S ("host" bound); TensorRT-LLM's gptSession ran without them before 0.7.

@@ -211,7 +211,7 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
         it = iteration_time(sv, decodes=c, kv_len=I + O / 2)
         return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
     kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
-    if lo.ep == 1 or lo.dp == 1 or sv.engine.adp_balanced:
+    if not lo.attention_dp or sv.engine.adp_balanced:
         return _prompt_mixture(sv, c, I, O, min(I, wl.prefill_chunk))
     prob, piece = busiest_rank_prefill(c * I / O, min(I, wl.prefill_chunk), lo.dp)
     busy, idle = iteration_time(sv, **kw, rank_prefill=piece), iteration_time(sv, **kw, rank_prefill=0.0)
@@ -483,7 +483,7 @@ def caution(sv: Serving, *, bound: str, concurrency: float) -> str | None:
     return serving_caution(bound=bound, tp=lo.tp, running=running, engine=sv.engine.name, gpu=sv.cluster.gpu,
                            all_reduce_bytes=running * (1 + sv.mtp_tokens) * sv.sm.cfg.hidden_size * 2,
                            weight_only=sv.sm.cfg.is_moe and sv.precision == "fp4" and sv.gemm_precision == "bf16",
-                           latent_adp=sv.sm.mla is not None and lo.dp > 1 and lo.ep > 1)
+                           latent_adp=sv.sm.mla is not None and lo.attention_dp)
 
 
 def _ms(seconds: float) -> float | None:
