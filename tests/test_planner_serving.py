@@ -332,12 +332,12 @@ def test_two_batch_overlap_hides_an_all_to_all_only_under_the_compute_paired_wit
     between their own dispatch and combine, so nothing hides them; a step is never shorter than its work or its
     all-to-all, and in decode never shorter than the all-to-all plus the routed experts."""
     from meshlm.planner.serving import _micro_step
-    from meshlm.planner.serving_engine import overlapped_half as _overlapped
+    from meshlm.planner.serving_engine import overlapped_half
 
     sv = _sglang_ep72()
     for d, p in ((128, 0), (0, 4096)):
         m = _micro_step(sv, d=d, kv_len=2000, p=p, p_ctx=1024, p_rank=p)
-        st, both = m["stages"], _overlapped(m["stages"], decode=p == 0)
+        st, both = m["stages"], overlapped_half(m["stages"], decode=p == 0)
         assert sum(st.values()) == pytest.approx(m["work"] + m["ep"])
         assert both >= max(m["work"], m["ep"]) - 1e-12
         assert both < m["work"] + m["ep"]
@@ -346,9 +346,9 @@ def test_two_batch_overlap_hides_an_all_to_all_only_under_the_compute_paired_wit
     # a step whose all-to-all dwarfs its compute is the all-to-all plus what cannot hide under it
     st = {"attn_in": 1.0, "attn_out": 1.0, "shared": 1.0, "experts": 2.0, "dispatch": 10.0, "combine": 20.0,
           "rest": 0.5}
-    assert _overlapped(st, decode=True) == pytest.approx(0.5 + 10 + 2 + 20)
+    assert overlapped_half(st, decode=True) == pytest.approx(0.5 + 10 + 2 + 20)
     # prefill: the first attention, then both micro-batches' dispatches and combines back to back
-    assert _overlapped(st, decode=False) == pytest.approx(0.5 + (2 + 2 * (10 + 20)) / 2)
+    assert overlapped_half(st, decode=False) == pytest.approx(0.5 + (2 + 2 * (10 + 20)) / 2)
 
 
 def test_prefill_two_batch_overlap_runs_sglangs_three_stages_on_one_stream():
@@ -356,15 +356,15 @@ def test_prefill_two_batch_overlap_runs_sglangs_three_stages_on_one_stream():
     experts + combine; shared experts, wait) with the all-to-alls one after another on DeepEP's stream. Compute-bound,
     the pair costs its compute; communication-bound, the first attention plus every all-to-all; in between, B's
     combine hides only under the shared experts (the next layer's attention queues behind B's wait)."""
-    from meshlm.planner.serving_engine import prefill_pair as _prefill_pair
+    from meshlm.planner.serving_engine import prefill_pair
 
-    assert _prefill_pair(a=10, s=1, m=10, d=1, c=1) == pytest.approx(2 * (10 + 10 + 1))
-    assert _prefill_pair(a=2, s=1, m=2, d=10, c=20) == pytest.approx(2 + 2 * (10 + 20))
+    assert prefill_pair(a=10, s=1, m=10, d=1, c=1) == pytest.approx(2 * (10 + 10 + 1))
+    assert prefill_pair(a=2, s=1, m=2, d=10, c=20) == pytest.approx(2 + 2 * (10 + 20))
     # A's combine hides under B's routed experts, B's only under the two shared experts
     a, s_, m, d, c = 4.0, 1.0, 5.0, 1.0, 4.0
-    assert _prefill_pair(a=a, s=s_, m=m, d=d, c=c) == pytest.approx(2 * a + 2 * m + c)
+    assert prefill_pair(a=a, s=s_, m=m, d=d, c=c) == pytest.approx(2 * a + 2 * m + c)
     # homogeneous: totals over layers price as the layers do
-    assert _prefill_pair(a=3 * a, s=3 * s_, m=3 * m, d=3 * d, c=3 * c) == pytest.approx(3 * (2 * a + 2 * m + c))
+    assert prefill_pair(a=3 * a, s=3 * s_, m=3 * m, d=3 * d, c=3 * c) == pytest.approx(3 * (2 * a + 2 * m + c))
 
 
 def test_expert_balance_orders_the_step_none_eplb_perfect():
