@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshlm.planner.cluster import get_cluster
+from meshlm.planner.cluster import PRESETS, get_cluster
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time
 from meshlm.planner.serving_model import served_model
 from meshlm.planner.serving_modes import Workload, estimate_serving, max_concurrency
@@ -203,6 +203,29 @@ def test_search_where_nothing_fits_says_so_and_leads_with_the_nearest(capsys):
                     "1024", "--output-len", "256", "--offline"], capsys)
     assert out.startswith("no layout of 8 x H100-SXM fits llama3-405b at 1024+256 tokens")
     assert "does not fit" in out
+
+
+@pytest.mark.parametrize("cluster", sorted(PRESETS))
+def test_plan_infer_prices_every_preset_or_names_what_it_lacks(cluster, capsys):
+    """Every cluster preset, a dense and an MoE model, each weight precision, the default search on 8 GPUs: the best
+    deployment comes back with every JSON field finite and positive, or the planner refuses before pricing with an
+    error naming the precision and what the GPU offers -- never an exception of its own, a NaN or a zero throughput."""
+    for model in ("llama3-8b", "mixtral-8x7b"):
+        for precision in ("bf16", "fp8", "fp4"):
+            argv = ["plan", "infer", "--model", model, "--cluster", cluster, "--precision", precision, "--gpus", "8",
+                    "--input-len", "2048", "--output-len", "512", "--json", "--top", "1"]
+            if precision not in PRESETS[cluster].peak_flops:
+                with pytest.raises(ValueError) as refused:
+                    _cli(argv, capsys)
+                message = str(refused.value)
+                assert precision in message and f"{cluster} " in message.replace("'", " ") and "fp8" in message
+                continue
+            rc, out = _cli(argv, capsys)
+            best = json.loads(out)[0]
+            assert rc == 0 and best["fits"], (model, precision, best.get("reason"))
+            for key in FIELDS:
+                if key != "bound":
+                    assert math.isfinite(best[key]) and best[key] > 0, (model, precision, key, best[key])
 
 
 def test_frontier_trades_interactivity_for_throughput_and_plot_draws_it(tmp_path, capsys):
