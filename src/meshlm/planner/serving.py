@@ -181,13 +181,13 @@ class Serving:
                              f"{self.precision!r} weights it multiplies: give one at least as wide, or none")
         if self.kv_precision not in KV_BYTES:
             raise ValueError(f"--kv-precision {self.kv_precision!r}: choose one of {sorted(KV_BYTES)}")
-        if self.gemm_precision not in self.cluster.peak_flops and self.sm.cfg.is_moe \
-                and self.expert_gemm_precision is None:
+        if self.gemm_precision not in self.cluster.peak_flops and self.expert_gemm_precision is None:
             raise ValueError(f"{self.cluster.name} has no {self.gemm_precision} tensor cores: {self.precision} weights "
-                             "run there with 16-bit activations (W4A16 -- gpt-oss's MXFP4 on Hopper or Ampere): give "
-                             "--expert-gemm-precision bf16, or a --precision it has "
+                             "run there with 16-bit activations (W4A16 -- gpt-oss's MXFP4 on Hopper or Ampere; 4-bit "
+                             "AWQ / GPTQ checkpoints alike): give --expert-gemm-precision bf16 (every GEMM of a dense "
+                             "model, the routed experts' of an MoE one), or a --precision it has "
                              f"({', '.join(sorted(self.cluster.peak_flops))})")
-        self.cluster.peak(self.gemm_precision)  # refuses fp4 on a GPU without it, naming the choices
+        self.cluster.peak(self.gemm_precision)  # any other GEMM precision the GPU lacks, naming the choices
         check_serving_layout(self.sm, self.layout)
 
     @property
