@@ -110,11 +110,14 @@ def test_vllm_expert_parallelism_gathers_the_tokens_without_overlap_by_default()
     assert (plain.two_batch_overlap, plain.ep_all_to_all, plain.expert_balance) == (False, "allgather", "none")
 
 
-def test_fp4_experts_on_a_gpu_without_fp4_name_the_w4a16_choice(capsys):
+def test_fp4_weights_on_a_gpu_without_fp4_name_the_w4a16_choice(capsys):
     with pytest.raises(ValueError, match="--expert-gemm-precision bf16"):
         _sv("mixtral-8x7b", precision="fp4", tp=2)
-    with pytest.raises(ValueError, match="choose one of"):  # a dense model: no expert GEMMs to widen
-        _sv("llama3-8b", precision="fp4")
+    with pytest.raises(ValueError, match=r"--expert-gemm-precision bf16 \(every GEMM of a dense model"):
+        _sv("llama3-8b", precision="fp4")  # a dense model's 4-bit weights run as W4A16 too (AWQ / GPTQ)
+    dense = Serving(served_model("llama3-8b"), get_cluster("h100"), ServingLayout(), precision="fp4",
+                    expert_gemm_precision="bf16")
+    assert dense.dense_gemm_precision == "bf16"
     w4a16 = Serving(served_model("mixtral-8x7b"), get_cluster("h100"), ServingLayout(tp=2), precision="fp4",
                     expert_gemm_precision="bf16")
     assert w4a16.gemm_precision == w4a16.dense_gemm_precision == "bf16"  # every 4-bit matrix dequantized in-kernel
