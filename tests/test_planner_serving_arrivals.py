@@ -166,6 +166,37 @@ def test_published_server_row_with_targets_is_priced_at_the_highest_rate_meeting
     assert cell("TTFT (P90) < 450 ms") == 90 and cell("TTFT <= 2 s") is None and cell("tp8 pp1") is None
 
 
+def test_an_mlperf_server_row_stating_no_targets_is_held_to_its_benchmarks_rules():
+    """A server or interactive row of an MLPerf round that states no limits of its own is held to its benchmark's
+    (MLCommons' loadgen/mlperf.conf: llama2-70b 2 s / 200 ms, its interactive variant 450 ms / 40 ms, at the 99th
+    percentile) -- priced exactly as the row stating them; a row's own statement, an offline row, a row of another
+    source and a benchmark without an interactive variant are left as they say."""
+    from meshlm.planner.published_serving import latency_targets, mlperf_targets, predict_row, target_percentile
+
+    row = dict(row_id="X2", group="X", source="MLCommons, MLPerf Inference v4.1 (datacenter, closed)",
+               source_loc="", engine="TensorRT-LLM", engine_version="0.12", model="Llama2-70B", params_b="69",
+               layers="80", hidden="8192", heads="64", kv_heads="8", ffn="28672", vocab="32000", moe="dense",
+               weight_precision="FP8", kv_precision="FP8", gpu="H100-SXM5-80GB", n_gpus="8", tp="2", pp="1", dp="4",
+               ep="", scenario="Server", input_len="1024", output_len="256", batch_or_concurrency="",
+               throughput_output_tok_s_total="20000", throughput_total_tok_s_total="", tokens_per_s_per_gpu="",
+               ttft_ms="", tpot_ms="", notes="", inferred_fields="")
+    assert latency_targets(row) == (2.0, 0.2) and target_percentile(row) == 99
+    stated = dict(row, notes="TTFT p99 <= 2000 ms, TPOT p99 <= 200 ms")
+    assert predict_row(row)["throughput"] == predict_row(stated)["throughput"]
+    fast = dict(row, scenario="interactive")
+    assert latency_targets(fast) == (0.45, 0.04) and latency_targets(dict(row, model="Llama2-70B-Interactive")) == \
+        (0.45, 0.04)
+    assert predict_row(fast)["throughput"] < predict_row(row)["throughput"]
+    assert latency_targets(dict(row, notes="TTFT p99 <= 1 s")) == (1.0, None)  # the row's own statement rules
+    assert mlperf_targets(dict(row, scenario="offline")) is None
+    assert mlperf_targets(dict(row, source="a vendor blog")) is None
+    assert latency_targets(dict(row, source="a vendor blog")) == (None, None)
+    assert mlperf_targets(dict(row, model="Llama-3.3-70B")) is None  # no MLPerf benchmark of that model
+    assert mlperf_targets(dict(row, model="Mixtral-8x7B", scenario="interactive")) is None
+    assert mlperf_targets(dict(row, model="Llama 3.1 405B")) == (6.0, 0.175)
+    assert mlperf_targets(dict(row, model="DeepSeek-R1", notes="interactive scenario")) == (1.5, 0.015)
+
+
 def test_search_ranks_layouts_that_miss_the_targets_last():
     """`plan infer --gpus N --request-rate max` ranks every layout: those whose tails meet the targets first (by the
     rate they sustain), those that meet them at no rate after them, whatever a trickle of requests would yield."""
