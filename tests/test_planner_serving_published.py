@@ -38,6 +38,13 @@ def test_published_vllm_rows_before_v08_run_the_v0_engine():
     assert engine_of(dict(row, engine_version="0.14.0")).name == "vllm-async"
     assert engine_of(dict(row, engine_version="not stated", source="a blog (Oct 10 2024)")).name == "vllm-v0"
     assert engine_of(dict(row, engine_version="not stated", source="a blog (2025)")).name == "vllm"
+    # the flag where a row states its server command (notes), turned on before 0.14 or off after; negations turn nothing
+    served = dict(row, engine_version="0.11.0", notes="server command 'vllm serve m --async-scheduling -tp 2'")
+    assert engine_of(served).name == "vllm-async"
+    assert engine_of(dict(served, notes="run without --async-scheduling")).name == "vllm"
+    assert engine_of(dict(served, notes="no async scheduling")).name == "vllm"
+    assert engine_of(dict(row, engine_version="0.15.1", notes="vllm serve m --no-async-scheduling")).name == "vllm"
+    assert engine_of(dict(served, engine_version="0.6.3")).name == "vllm-v0"  # V0 has no async scheduler
 
 
 def test_an_engine_cell_is_read_however_a_table_spells_the_engine():

@@ -26,7 +26,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     XQA kernel or CUDA graphs, later TensorRT-LLM without two-batch overlap, vLLM before 0.8 (or unversioned in a
     2024 source) as its V0 engine with single-step scheduling (the default then) whose CPU work the GPU waits for,
     vLLM 0.8-0.13 as its V1 engine with synchronous scheduling (the GPU waits for its engine core's host work, a
-    measured lower bound), vLLM from 0.14 with async scheduling (its default then), SGLang as the default; NVIDIA NIM
+    measured lower bound), vLLM from 0.14 with async scheduling (its default then; before, where the row's settings
+    name `--async-scheduling`, and after, not where they name `--no-async-scheduling`), SGLang as the default; NVIDIA NIM
     as the engine under it (`engine_name`: TensorRT-LLM for its optimized profiles); the engine cell matched however
     a table spells the engine (`ENGINE_NAMES`: "TRT-LLM", "ROCm vLLM");
   * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
@@ -317,13 +318,20 @@ def _memory_share(row: dict, eng: Engine, flag: str) -> Engine:
 def _vllm_preset(row: dict, version: re.Match | None) -> str:
     """vLLM's engine by version: V0 below 0.8 (V1 became the default in v0.8.0, March 2025) or with no version and a
     source dated 2024; V1 with synchronous scheduling through 0.13; V1 with async scheduling, its default from
-    v0.14.0 (serving_engine.VLLM_V1_HOST_PER_SEQ_S), from 0.14."""
+    v0.14.0 (serving_engine.VLLM_V1_HOST_PER_SEQ_S), from 0.14. A V1 row whose settings (version, notes or batch cells:
+    its server command) name `--async-scheduling` ran it before it became the default, one naming
+    `--no-async-scheduling` ran without it after; a negated mention turns nothing on."""
     if version is None:
         return "vllm-v0" if "2024" in row["engine_version"] + row["source"] else "vllm"
     v = (int(version.group(1)), int(version.group(2)))
-    if v >= (0, 8) and "--async-scheduling" in row["engine_version"]:  # turned on before it became the default
+    if v < (0, 8):
+        return "vllm-v0"
+    text = _settings_text(row)
+    if "--no-async-scheduling" in text:
+        return "vllm"
+    if re.search(r"(?<!no )(?<!not )(?<!without )(?:--async-scheduling|async(?:hronous)? scheduling)", text):
         return "vllm-async"
-    return "vllm-v0" if v < (0, 8) else "vllm" if v < (0, 14) else "vllm-async"
+    return "vllm" if v < (0, 14) else "vllm-async"
 
 
 def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int | None:
