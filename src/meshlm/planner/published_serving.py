@@ -27,8 +27,8 @@ Nothing is fitted to any row: the constants are cluster.py's (datasheets, kernel
     2024 source) as its V0 engine with single-step scheduling (the default then) whose CPU work the GPU waits for,
     vLLM 0.8-0.13 as its V1 engine with synchronous scheduling (the GPU waits for its engine core's host work, a
     measured lower bound), vLLM from 0.14 with async scheduling (its default then; before, where the row's settings
-    name `--async-scheduling`, and after, not where they name `--no-async-scheduling`), SGLang as the default; NVIDIA NIM
-    as the engine under it (`engine_name`: TensorRT-LLM for its optimized profiles); the engine cell matched however
+    name `--async-scheduling`, and after, not where they name `--no-async-scheduling`), SGLang as the default; NVIDIA
+    NIM as the engine under it (`engine_name`: TensorRT-LLM for its optimized profiles); the engine cell matched however
     a table spells the engine (`ENGINE_NAMES`: "TRT-LLM", "ROCm vLLM");
   * experts' load balance: EPLB for DeepSeek's own serving and SGLang's large-EP deployment, none for TensorRT-LLM
     (its balancer is opt-in), perfect where a row says it simulated that -- in its notes, or in its source as
