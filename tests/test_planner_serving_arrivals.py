@@ -144,7 +144,8 @@ def test_published_server_row_with_targets_is_priced_at_the_highest_rate_meeting
     """A published row measured under arrivals within stated tails ("server", "TTFT p99 <= 2 s, TPOT p99 <= 200 ms",
     MLPerf's wording) is priced by `max_rate` at that percentile; the same targets on an offline row choose the
     steady-state concurrency (no queue), which is never lower. Percentiles read as written."""
-    from meshlm.planner.published_serving import deployment_of, predict_row, target_percentile
+    from meshlm.planner.published_load import target_percentile
+    from meshlm.planner.published_serving import deployment_of, predict_row
 
     row = dict(row_id="X1", group="X", source="", source_loc="", engine="TensorRT-LLM", engine_version="0.17",
                model="Llama-3.1-70B", params_b="70.6", layers="80", hidden="8192", heads="64", kv_heads="8",
@@ -171,7 +172,8 @@ def test_an_mlperf_server_row_stating_no_targets_is_held_to_its_benchmarks_rules
     (MLCommons' loadgen/mlperf.conf: llama2-70b 2 s / 200 ms, its interactive variant 450 ms / 40 ms, at the 99th
     percentile) -- priced exactly as the row stating them; a row's own statement, an offline row, a row of another
     source and a benchmark without an interactive variant are left as they say."""
-    from meshlm.planner.published_serving import latency_targets, mlperf_targets, predict_row, target_percentile
+    from meshlm.planner.published_load import latency_targets, mlperf_targets, target_percentile
+    from meshlm.planner.published_serving import predict_row
 
     row = dict(row_id="X2", group="X", source="MLCommons, MLPerf Inference v4.1 (datacenter, closed)",
                source_loc="", engine="TensorRT-LLM", engine_version="0.12", model="Llama2-70B", params_b="69",

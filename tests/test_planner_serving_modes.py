@@ -136,7 +136,7 @@ def test_offline_within_latency_targets_is_the_best_concurrency_that_meets_them(
     TPOT and TTFT meet the targets -- the next step up the grid misses one -- never above the unconstrained optimum;
     where none meets them, the fewest requests with meets_slo false. Published rows that state a target are priced
     within it (`latency_targets`); a figure without a comparison is a result, not a target."""
-    from meshlm.planner.published_serving import latency_targets
+    from meshlm.planner.published_load import latency_targets
     from meshlm.planner.serving_modes import Workload, continuous, offline
 
     sv = _sv("llama3-70b", "h100", tp=8)
