@@ -196,6 +196,8 @@ def test_an_mlperf_server_row_stating_no_targets_is_held_to_its_benchmarks_rules
     assert mlperf_targets(dict(row, model="Llama-3.3-70B")) is None  # no MLPerf benchmark of that model
     assert mlperf_targets(dict(row, model="Mixtral-8x7B", scenario="interactive")) is None
     assert mlperf_targets(dict(row, model="Llama 3.1 405B")) == (6.0, 0.175)
+    assert mlperf_targets(dict(row, model="llama3_1-405b")) == (6.0, 0.175)  # loadgen's own spelling
+    assert mlperf_targets(dict(row, model="Meta-Llama-3.1-8B-Instruct")) == (2.0, 0.1)
     assert mlperf_targets(dict(row, model="DeepSeek-R1", notes="interactive scenario")) == (1.5, 0.015)
 
 
