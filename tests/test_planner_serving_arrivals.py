@@ -192,6 +192,7 @@ def test_an_mlperf_server_row_stating_no_targets_is_held_to_its_benchmarks_rules
     assert latency_targets(dict(row, notes="TTFT p99 <= 1 s")) == (1.0, None)  # the row's own statement rules
     assert mlperf_targets(dict(row, scenario="offline")) is None
     assert mlperf_targets(dict(row, source="a vendor blog")) is None
+    assert mlperf_targets(dict(row, source="MLCommons Inference v5.0 results, datacenter")) == (2.0, 0.2)
     assert latency_targets(dict(row, source="a vendor blog")) == (None, None)
     assert mlperf_targets(dict(row, model="Llama-3.3-70B")) is None  # no MLPerf benchmark of that model
     assert mlperf_targets(dict(row, model="Mixtral-8x7B", scenario="interactive")) is None

@@ -51,11 +51,12 @@ MLPERF_TARGET_PERCENTILE = 99.0
 
 def mlperf_targets(row: dict) -> tuple[float, float] | None:
     """(TTFT, TPOT) in seconds that MLPerf's rules hold a server or interactive row of one of its rounds to (its
-    source or notes name MLPerf), by the benchmark its model cell names (`MLPERF_SERVER_TARGETS_MS`; interactive where
-    the scenario or the row's own cells say so -- model, source location, notes, batching); None for any other row."""
+    source or notes name MLPerf or MLCommons, who run it), by the benchmark its model cell names
+    (`MLPERF_SERVER_TARGETS_MS`; interactive where the scenario or the row's own cells say so -- model, source
+    location, notes, batching); None for any other row."""
     scenario = row.get("scenario", "").strip().lower()
-    if "mlperf" not in " ".join(row.get(k, "") for k in ("source", "source_loc", "notes")).lower() \
-            or scenario not in ("server", "interactive"):
+    named = " ".join(row.get(k, "") for k in ("source", "source_loc", "notes")).lower()
+    if not re.search(r"mlperf|mlcommons", named) or scenario not in ("server", "interactive"):
         return None
     model = re.sub(r"[^a-z0-9]", "", row.get("model", "").lower())
     # the row's own cells, not the source's title (a round's "offline, server and interactive" would name it for all)
