@@ -69,20 +69,25 @@ def mlperf_targets(row: dict) -> tuple[float, float] | None:
     return None
 
 
+def _stated_targets(row: dict) -> dict:
+    """{"ttft" / "tpot": seconds} for the limits the row's batching and notes cells state (the first of each)."""
+    out = {}
+    for m in _TARGET.finditer(_target_cells(row)):
+        kind = "ttft" if m.group(1) in ("ttft", "time to first token") else "tpot"
+        out.setdefault(kind, float(m.group(2)) * (1e-3 if m.group(3) == "ms" else 1.0))
+    return out
+
+
 def latency_targets(row: dict) -> tuple[float | None, float | None]:
     """(TTFT, TPOT) limits in seconds a row says its throughput was measured within ("TTFT p99 <= 2 s", "TPOT < 40
     ms", "TPOT target 200 ms": a serving SLO, as MLPerf's server scenarios set one), from its batching and notes
     cells; a figure without a comparison ("TTFT 120 ms") is a result, not a target. A row stating none from an MLPerf
     round's server or interactive scenario is held to that benchmark's rules (`mlperf_targets`). (None, None) when
     neither names any."""
-    text = _target_cells(row)
-    out = {}
-    for m in _TARGET.finditer(text):
-        kind = "ttft" if m.group(1) in ("ttft", "time to first token") else "tpot"
-        out.setdefault(kind, float(m.group(2)) * (1e-3 if m.group(3) == "ms" else 1.0))
-    if not out and (rules := mlperf_targets(row)) is not None:
+    stated = _stated_targets(row)
+    if not stated and (rules := mlperf_targets(row)) is not None:
         return rules
-    return out.get("ttft"), out.get("tpot")
+    return stated.get("ttft"), stated.get("tpot")
 
 
 _PERCENTILE = re.compile(r"\bp(\d+(?:\.\d+)?)\b|\b(\d+(?:\.\d+)?)(?:st|nd|rd|th)?[ -]percentile")
@@ -95,6 +100,6 @@ def target_percentile(row: dict) -> float | None:
     text = _target_cells(row)
     found = [float(m.group(1) or m.group(2)) for m in _PERCENTILE.finditer(text)]
     stated = next((p for p in found if 0 < p < 100), None)
-    if stated is None and not any(m for m in _TARGET.finditer(text)) and mlperf_targets(row) is not None:
+    if stated is None and not _stated_targets(row) and mlperf_targets(row) is not None:
         return MLPERF_TARGET_PERCENTILE
     return stated

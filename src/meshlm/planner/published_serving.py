@@ -297,16 +297,20 @@ def _settings_text(row: dict) -> str:
     return " ".join(row.get(k, "") for k in ("notes", "batch_or_concurrency", "engine_version")).lower()
 
 
+def _names(text: str, pattern: str) -> bool:
+    """Whether `text` names `pattern` other than negated ("no ...", "not ...", "without ..." before it)."""
+    return re.search(r"(?<!no )(?<!not )(?<!without )(?:" + pattern + ")", text) is not None
+
+
 def _vllm_options(row: dict, eng: Engine) -> Engine:
     """vLLM's opt-in expert-parallel features where the row names them (its notes, layout or batch cells): DeepEP
     kernels (`--all2all-backend deepep_*`), dual-batch overlap (`--enable-dbo`), EPLB (`--enable-eplb`)."""
     text = _settings_text(row)
-    named = lambda pattern: re.search(r"(?<!no )(?<!not )(?<!without )(?:" + pattern + ")", text)  # noqa: E731
-    if named("deepep"):
+    if _names(text, "deepep"):
         eng = replace(eng, ep_all_to_all="deepep")
-    if named(r"--enable-dbo|dual[- ]batch overlap"):
+    if _names(text, r"--enable-dbo|dual[- ]batch overlap"):
         eng = replace(eng, two_batch_overlap=True)
-    if named(r"(?:--enable-)?eplb"):
+    if _names(text, r"(?:--enable-)?eplb"):
         eng = replace(eng, expert_balance="eplb")
     return eng
 
@@ -332,7 +336,7 @@ def _vllm_preset(row: dict, version: re.Match | None) -> str:
     text = _settings_text(row)
     if "--no-async-scheduling" in text:
         return "vllm"
-    if re.search(r"(?<!no )(?<!not )(?<!without )(?:--async-scheduling|async(?:hronous)? scheduling)", text):
+    if _names(text, r"--async-scheduling|async(?:hronous)? scheduling"):
         return "vllm-async"
     return "vllm" if v < (0, 14) else "vllm-async"
 
