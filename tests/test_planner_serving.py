@@ -7,7 +7,7 @@ engine's terms (serving_engine.py): the roofline's rounded corner, GQA KV read p
 kernel, the host's launches without CUDA graphs, the expert all-to-all against DeepEP's own table, attention-DP
 ranks waiting for the busiest prefill, two micro-batches reading the weights twice (only where the batch splits)
 and hiding the all-to-all only under the compute DeepSeek's schedules pair with it (within SGLang's TBO ablation),
-vLLM V0's per-sequence scheduler time, the busiest expert rank's
+vLLM V0's per-sequence scheduler time, vLLM's KV cache less its profile run's sampler, the busiest expert rank's
 measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak,
 prefill two-batch overlap as SGLang's three stages per layer on one compute stream, and the running-request cap
 trtllm-bench derives itself for TensorRT-LLM's perf-overview rows.
@@ -61,22 +61,99 @@ def test_kv_capacity_is_memory_left_after_weights_and_workspace_exactly():
 
 
 def test_vllm_budgets_its_kv_cache_from_the_whole_device():
-    """vLLM's gpu_memory_utilization (0.9) is of the whole GPU, weights included; TensorRT-LLM's
-    free_gpu_memory_fraction of what the weights leave: the same deployment holds 0.1 x (weights + reserve) less KV
-    under vLLM, exactly."""
-    from meshlm.planner.serving_engine import ENGINES, VLLM_GPU_MEMORY_UTILIZATION
+    """vLLM's gpu_memory_utilization (0.9) is of the whole GPU, weights included, less its profile run's sampler (one
+    row of logits per request it may run: V1's 1024 on an H100, V0's 256); TensorRT-LLM's free_gpu_memory_fraction of
+    what the weights leave: the same deployment holds 0.1 x (weights + reserve) + the profile less KV under vLLM,
+    exactly."""
+    from meshlm.planner.serving_engine import ENGINES, VLLM_GPU_MEMORY_UTILIZATION, VLLM_PROFILE_BYTES_PER_LOGIT
 
     trt = _sv("llama3-70b", tp=4)
-    for name in ("vllm", "vllm-async", "vllm-v0"):
+    for name, rows in (("vllm", 1024), ("vllm-async", 1024), ("vllm-v0", 256)):
         m = replace(trt, engine=ENGINES[name]).memory()
-        assert m["kv_capacity"] == pytest.approx(VLLM_GPU_MEMORY_UTILIZATION * m["hbm"] - m["reserved"] - m["weights"])
+        profile = rows * trt.sm.cfg.vocab_size * VLLM_PROFILE_BYTES_PER_LOGIT["native"]
+        assert m["kv_capacity"] == pytest.approx(VLLM_GPU_MEMORY_UTILIZATION * m["hbm"] - m["reserved"] - m["weights"]
+                                                 - profile)
         assert m["kv_capacity"] == m["hbm"] - m["reserved"] - m["weights"] - m["workspace"]
         t = trt.memory()
-        assert t["kv_capacity"] - m["kv_capacity"] == pytest.approx(0.1 * (t["weights"] + t["reserved"]))
-    # 70B in BF16 over two 80 GB GPUs: vLLM's share leaves ~40% of the KV TensorRT-LLM's rule does
+        assert t["kv_capacity"] - m["kv_capacity"] == pytest.approx(0.1 * (t["weights"] + t["reserved"]) + profile)
+    # 70B in BF16 over two 80 GB GPUs: at vLLM's defaults the sampler its profile runs over 1024 rows leaves no KV
+    # cache; at max_num_seqs 64, ~40% of the KV TensorRT-LLM's rule does
     tight = _sv("llama3-70b", tp=2)
-    ratio = replace(tight, engine=ENGINES["vllm"]).memory()["kv_capacity"] / tight.memory()["kv_capacity"]
+    assert replace(tight, engine=ENGINES["vllm"]).memory()["kv_capacity"] == 0
+    ratio = replace(tight, engine=replace(ENGINES["vllm"], max_running=64)).memory()["kv_capacity"] \
+        / tight.memory()["kv_capacity"]
     assert 0.3 < ratio < 0.5
+
+
+def test_vllms_profile_run_sampler_is_what_its_logs_measured():
+    """vLLM's KV cache is what gpu_memory_utilization leaves after the weights and its profile run, whose peak is
+    the sampler's over one row of logits per request it may run (serving_engine.VLLM_PROFILE_BYTES_PER_LOGIT, set
+    from PR #21429's log); held here to three other published logs: PR #21489 (gemma-3-4b-it on a B200, 1024 rows of
+    262,208: "9.96 GiB for peak activation"), PR #10511 (V0, Llama 3 8B on an H100, 256 rows of 128,256: "PyTorch
+    activation peak memory 1.26GiB", the forward's share of the peak beside it) and issue #23278 (gpt-oss-120b, 1024
+    rows of 201,088, on one H100 of 79.22 GiB at 0.9: "Model loading took 65.9651 GiB", "Available KV cache memory:
+    -2.14 GiB")."""
+    from meshlm.planner.serving_engine import VLLM_PROFILE_BYTES_PER_LOGIT
+
+    gib, native = 2**30, VLLM_PROFILE_BYTES_PER_LOGIT["native"]
+    assert 1024 * 262_208 * native / gib == pytest.approx(9.96, rel=0.05)
+    assert 0.85 * 1.26 < 256 * 128_256 * native / gib < 1.26
+    assert 1024 * 201_088 * native / gib == pytest.approx(0.9 * 79.22 - 65.9651 + 2.14, rel=0.03)
+    # FlashInfer's sampler (vLLM 0.9.0-0.11.0 on CUDA where installed) sorts nothing: less than half the peak
+    assert VLLM_PROFILE_BYTES_PER_LOGIT["flashinfer"] < native / 2
+
+
+def test_vllms_kv_cache_shrinks_by_its_sampler_over_the_requests_it_may_run(capsys):
+    """The profile's peak scales with the rows the engine may run: V1's max_num_seqs default, 1024 on an H100 and 256
+    on an A100 (same memory), or `--max-batch` (vLLM's --max-num-seqs); other engines' KV does not depend on it."""
+    from meshlm.planner.serving_engine import ENGINES, VLLM_PROFILE_BYTES_PER_LOGIT
+
+    per_row = 128_256 * VLLM_PROFILE_BYTES_PER_LOGIT["native"]  # Llama 3's vocabulary
+    h100, a100 = (replace(_sv("llama3-8b", cluster=c), engine=ENGINES["vllm"]) for c in ("h100", "a100"))
+    assert h100.memory()["hbm"] == a100.memory()["hbm"]
+    assert a100.memory()["kv_capacity"] - h100.memory()["kv_capacity"] == pytest.approx((1024 - 256) * per_row)
+    base = ["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--tp", "1", "--json"]
+    kv = {}
+    for engine, cap in (("vllm", None), ("vllm", "64"), ("tensorrt-llm", None), ("tensorrt-llm", "64")):
+        rc, out = _cli(base + ["--engine", engine] + (["--max-batch", cap] if cap else []), capsys)
+        assert rc == 0
+        kv[engine, cap] = json.loads(out)["kv_capacity_gib"] * 2**30
+    assert kv["vllm", "64"] - kv["vllm", None] == pytest.approx((1024 - 64) * per_row)
+    assert kv["tensorrt-llm", "64"] == kv["tensorrt-llm", None]
+
+
+def test_published_vllm_rows_sample_as_their_version_did():
+    """A vLLM row's profile sampler: FlashInfer's on an NVIDIA GPU from v0.9.0 through v0.11.0 (its default where
+    installed, as vLLM's Docker image has it), PyTorch's before, after, on ROCm and with no version; a cap the row
+    states ("max_num_seqs N per rank") is the one the engine samples. gpt-oss-120b on one H100: the engine of v0.11.0
+    holds a KV cache, that of v0.14.1 none (vLLM issue #33155: "OOM on one H100 after upgrading from v0.11.2 to
+    v0.14.1")."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import deployment_of, engine_of, predict_row, read_rows
+    from meshlm.planner.serving_engine import VLLM_PROFILE_BYTES_PER_LOGIT
+
+    row = dict(engine="vLLM", engine_version="0.11.0", gpu="H100-SXM5-80GB", notes="", source="", ep="",
+               batch_or_concurrency="")
+    sampler = {v: engine_of(dict(row, engine_version=v)).profile_sampler
+               for v in ("0.8.5", "0.9.0", "0.10.2", "0.11.0", "0.11.1", "0.14.0", "not stated")}
+    assert sampler == {"0.8.5": "native", "0.9.0": "flashinfer", "0.10.2": "flashinfer", "0.11.0": "flashinfer",
+                       "0.11.1": "native", "0.14.0": "native", "not stated": "native"}
+    assert engine_of(dict(row, gpu="MI300X-192GB")).profile_sampler == "native"
+    assert engine_of(row).max_running is None
+    assert engine_of(dict(row, batch_or_concurrency="max_num_seqs 512 per rank")).max_running == 512
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
+    gpt_oss = next(r for r in rows if r["row_id"] == "P263")  # gpt-oss-120b, one H100, vLLM 0.11.0
+    sv = deployment_of(gpt_oss)
+    m = sv.memory()
+    profile = 1024 * sv.sm.cfg.vocab_size * VLLM_PROFILE_BYTES_PER_LOGIT["flashinfer"]
+    assert m["kv_capacity"] == pytest.approx(0.9 * m["hbm"] - m["reserved"] - m["weights"] - profile)
+    assert m["kv_capacity"] > 0
+    assert predict_row(gpt_oss)["throughput"] > 0
+    later = dict(gpt_oss, engine_version="0.14.1")
+    assert deployment_of(later).memory()["kv_capacity"] == 0
+    assert "does not fit" in predict_row(later)["skip"]
 
 
 def test_vllm_expert_parallelism_gathers_the_tokens_without_overlap_by_default():
@@ -168,6 +245,8 @@ def test_sglang_budgets_its_kv_cache_from_the_whole_device_by_its_own_defaults()
 def test_memory_fraction_sets_the_knob_the_engine_has(capsys):
     """`plan infer --memory-fraction F`: vLLM's gpu_memory_utilization (the whole GPU), or the share of what the
     weights leave (TensorRT-LLM's free_gpu_memory_fraction); out of (0, 1] it is refused, naming the flag."""
+    from meshlm.planner.serving_engine import VLLM_PROFILE_BYTES_PER_LOGIT
+
     base = ["plan", "infer", "--model", "llama3-70b", "--cluster", "h100", "--tp", "4", "--json"]
     runs = {}
     for engine, fraction in (("vllm", "0.95"), ("tensorrt-llm", "0.5")):
@@ -176,7 +255,9 @@ def test_memory_fraction_sets_the_knob_the_engine_has(capsys):
         runs[engine] = json.loads(out)
     gib, sv = 2**30, _sv("llama3-70b", tp=4)
     m = sv.memory()
-    assert runs["vllm"]["kv_capacity_gib"] * gib == pytest.approx(0.95 * m["hbm"] - m["reserved"] - m["weights"])
+    profile = 1024 * sv.sm.cfg.vocab_size * VLLM_PROFILE_BYTES_PER_LOGIT["native"]  # its sampler over max_num_seqs rows
+    assert runs["vllm"]["kv_capacity_gib"] * gib == pytest.approx(0.95 * m["hbm"] - m["reserved"] - m["weights"]
+                                                                  - profile)
     assert runs["tensorrt-llm"]["kv_capacity_gib"] * gib == pytest.approx(0.5 * (m["hbm"] - m["reserved"]
                                                                                - m["weights"]))
     with pytest.raises(ValueError, match=r"--memory-fraction 1.5 must be in \(0, 1\]"):

@@ -225,11 +225,13 @@ def _serving_inputs(args):
             raise ValueError(f"--memory-fraction {args.memory_fraction:g} must be in (0, 1], e.g. 0.9")
         knob = "device_memory_fraction" if eng.whole_device else "free_memory_fraction"
         eng = replace(eng, **{knob: args.memory_fraction})
+    if args.max_batch is not None:  # the cap the engine is configured with (vLLM's profile run samples that many rows)
+        eng = replace(eng, max_running=args.max_batch)
     sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=eng,
                  mtp_tokens=args.mtp_tokens,
                  **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
-    if args.max_batch is None:  # the named engine's own default cap (vLLM's max_num_seqs, TensorRT-LLM's batch size)
-        wl = replace(wl, max_batch=default_max_batch(sv.engine, cluster))
+    # the engine's cap: --max-batch, else its own default (vLLM's max_num_seqs, TensorRT-LLM's batch size)
+    wl = replace(wl, max_batch=default_max_batch(sv.engine, cluster))
     return sv, wl, gpus
 
 

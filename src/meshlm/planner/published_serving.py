@@ -284,6 +284,7 @@ def engine_of(row: dict) -> Engine:
     elif name.startswith("vllm"):
         eng = _vllm_options(row, ENGINES[_vllm_preset(row, version)])
         eng = _memory_share(row, eng, r"gpu[-_]memory[-_]utilization")
+        eng = replace(eng, max_running=_stated_cap(row), profile_sampler=_vllm_sampler(row))
     else:
         eng = ENGINES["default"]
     simulated = "perfect expert load balance" in row["notes"].lower()
@@ -322,6 +323,23 @@ def _memory_share(row: dict, eng: Engine, flag: str) -> Engine:
     return replace(eng, device_memory_fraction=float(m.group(1))) if m else eng
 
 
+def _vllm_sampler(row: dict) -> str:
+    """The sampler a vLLM row's profile run sampled with (`serving_engine.VLLM_PROFILE_BYTES_PER_LOGIT`): FlashInfer's
+    on an NVIDIA GPU from v0.9.0 through v0.11.0 (read as installed, as vLLM's Docker image has it), PyTorch's
+    otherwise (ROCm, earlier and later versions, no version)."""
+    release = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", row["engine_version"])
+    if release is None or row.get("gpu", "").strip().upper().startswith("MI"):
+        return "native"
+    v = tuple(int(x or 0) for x in release.groups())
+    return "flashinfer" if (0, 9, 0) <= v <= (0, 11, 0) else "native"
+
+
+def _stated_cap(row: dict) -> int | None:
+    """The running-request cap per rank a row states (its max_batch_size, vLLM's max_num_seqs), else None."""
+    m = re.search(r"(?:max_batch_size|max_num_seqs) (\d+) per rank", row.get("batch_or_concurrency", ""))
+    return int(m.group(1)) if m else None
+
+
 def _vllm_preset(row: dict, version: re.Match | None) -> str:
     """vLLM's engine by version: V0 below 0.8 (V1 became the default in v0.8.0, March 2025) or with no version and a
     source dated 2024; V1 with synchronous scheduling through 0.13; V1 with async scheduling, its default from
@@ -346,14 +364,13 @@ def _max_batch(row: dict, sv: Serving, input_len: int, output_len: int) -> int |
     trtllm-bench's own where a perf-overview row leaves it to the tool (`trtllm_bench_max_batch`), else the engine's
     default (`serving_engine.default_max_batch`: vLLM V1's by the device); a burst of N prompts sent at once ("all N
     prompts at once") runs at most its share of them on each rank."""
-    text = row["batch_or_concurrency"]
-    m = re.search(r"(?:max_batch_size|max_num_seqs) (\d+) per rank", text)
-    if m:
-        return int(m.group(1))
+    stated = _stated_cap(row)
+    if stated is not None:
+        return stated
     if "perf-overview" in row["source"].lower():
         return trtllm_bench_max_batch(sv, input_len, output_len)
     cap = default_max_batch(sv.engine, sv.cluster)
-    burst = re.search(r"all (\d+) prompts at once", text)
+    burst = re.search(r"all (\d+) prompts at once", row["batch_or_concurrency"])
     if burst:
         share = math.ceil(int(burst.group(1)) / sv.layout.dp)
         return share if cap is None else min(cap, share)

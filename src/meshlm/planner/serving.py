@@ -240,7 +240,8 @@ class Serving:
         """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache), KV capacity -- so
         capacity = HBM - reserved - weights - workspace exactly. The KV cache gets a share of what the weights leave
         (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an engine that budgets a share of the whole
-        device (`Engine.device_share`: vLLM, SGLang), that share less the weights and the reserve."""
+        device (`Engine.device_share`: vLLM, SGLang), that share less the weights, the reserve and the peak of the
+        engine's profile run (`Engine.profile_peak_bytes`: vLLM's sampler)."""
         hbm, reserved = self.cluster.hbm_bytes, self.cluster.reserved_bytes
         weights = sum(self.weight_bytes_per_gpu().values())
         free = max(hbm - reserved - weights, 0.0)
@@ -250,7 +251,8 @@ class Serving:
         if share is None:
             kv = (self.engine.free_memory_fraction or KV_MEMORY_FRACTION) * free
         else:
-            kv = min(max(share * hbm - reserved - weights, 0.0), free)
+            profile = self.engine.profile_peak_bytes(self.sm.cfg.vocab_size, self.cluster)
+            kv = min(max(share * hbm - reserved - weights - profile, 0.0), free)
         return {"weights": weights, "workspace": free - kv, "kv_capacity": kv, "reserved": reserved, "hbm": hbm}
 
     def max_tokens(self) -> int:

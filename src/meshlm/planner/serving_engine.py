@@ -134,6 +134,33 @@ def sglang_static_fraction(hbm_bytes: float, *, parallel: int, dp_attention: boo
 # together -- where TensorRT-LLM's `free_gpu_memory_fraction` is of what the weights leave.
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
+# What vLLM's profile run takes out of that share before the KV cache gets the rest. Its worker sizes the cache as
+# gpu_memory_utilization x the GPU's memory less the weights, less the peak of torch's allocations during a profile run,
+# less what other allocations grew by (vllm/v1/worker/gpu_worker.py `determine_available_memory`, PR #19312, June 2025;
+# V0 and earlier V1 counted the same peak). The profile run ends with a dummy sampling pass over one row of logits for
+# every request the engine may run (max_num_seqs; V1's `_dummy_sampler_run`, PR #13594; V0 profiled with as many
+# sequences), with top-k (the vocabulary less one) and top-p set -- the peak per row of the vocabulary, by sampler:
+#   * "native", PyTorch's top-k / top-p (vLLM's default on CUDA without FlashInfer, and from v0.11.1, PR #26859, until
+#     its Triton top-k / top-p, PR #33538, Feb 2026 -- later versions are priced so too, unmeasured; on ROCm): it sorts
+#     the whole vocabulary of every row -- the float32 logits, the sorted values, their int64 indices and the sort's
+#     scratch live at once. Measured: "torch peak memory increase: 5.62GiB" for Qwen3-235B-A22B-FP8 at TP4 on H200
+#     with max_num_seqs at its default 1024 and a vocabulary of 151,936 (the log in vllm-project/vllm PR #21429, July
+#     2025): 38.8 bytes a logit. Three other logs agree: gemma-3-4b-it on a B200, vocabulary 262,208, 1024 rows,
+#     "9.96 GiB for peak activation" (PR #21489; 39.8 bytes); V0's Llama 3 8B on H100, vocabulary 128,256, 256 rows,
+#     "PyTorch activation peak memory 1.26GiB" (PR #10511; 41 bytes, the rest of the peak the forward's); gpt-oss-120b
+#     on one H100 (issue #23278, v0.10.1): "Model loading took 65.9651 GiB", "Available KV cache memory: -2.14 GiB" --
+#     71.3 GiB (0.9 x 79.22) less both leaves 7.47 GiB to the profile, 1024 x 201,088 x 38.8 bytes = 7.44 GiB of it;
+#   * "flashinfer", FlashInfer's rejection sampling (vLLM's default on CUDA where FlashInfer is installed -- its Docker
+#     image, and its CUDA wheels once "flashinfer-python is a default dep", PR #26859's words -- from PR #15777, May
+#     2025, to PR #26859, Oct 2025: v0.9-v0.11.0): no sort; the caller's bf16 logits, the sampler's float32 copy,
+#     FlashInfer's top-k-masked copy and its softmax live at once, 2 + 4 + 4 + 4 = 14 bytes
+#     (vllm/v1/sample/ops/topk_topp_sampler.py `flashinfer_sample` -> `top_k_top_p_sampling_from_logits`; counted from
+#     the code, not measured).
+# The forward pass's own transients at the token budget are smaller at the engine's defaults (Qwen3-32B's MLP at 8,192
+# tokens: ~1.3 GB against its native sampler's 6.0 GB); they, the other allocations (NCCL's buffers) and the GPU memory
+# the driver keeps are left to `Cluster.reserved_bytes`.
+VLLM_PROFILE_BYTES_PER_LOGIT = {"native": 5.62 * 2**30 / (1024 * 151_936), "flashinfer": 2 + 4 + 4 + 4}
+
 
 @dataclass(frozen=True)
 class Engine:
@@ -187,6 +214,11 @@ class Engine:
     `cp_decode_on_owner`: under cp a decode token's projections run only on the cp rank that holds its KV slot
     (meshlm's cp serving), not on every cp rank, and its query is all-gathered per layer for the split-KV
     attention.
+    `max_running`: the cap on the requests one rank runs at once the engine is configured with (vLLM's max_num_seqs,
+    TensorRT-LLM's max_batch_size); None: its default on the GPU (`default_max_batch`).
+    `profile_sampler`: the KV cache gets what is left after a profile run that samples one row of logits per request
+    the engine may run, with this sampler (vLLM: "native" or "flashinfer", VLLM_PROFILE_BYTES_PER_LOGIT,
+    `profile_peak_bytes`); None: no such run.
     """
 
     name: str
@@ -205,6 +237,8 @@ class Engine:
     device_memory_fraction: float | None = None
     free_memory_fraction: float | None = None
     sglang_memory: str | None = None
+    max_running: int | None = None
+    profile_sampler: str | None = None
 
     def __post_init__(self):
         if self.expert_balance not in ("none", "eplb", "perfect"):
@@ -214,6 +248,11 @@ class Engine:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.ep_all_to_all not in ("deepep", "allgather", "all_to_all"):
             raise ValueError(f"ep_all_to_all={self.ep_all_to_all!r}: choose deepep, allgather or all_to_all")
+        if self.profile_sampler not in (None, *VLLM_PROFILE_BYTES_PER_LOGIT):
+            raise ValueError(f"profile_sampler={self.profile_sampler!r}: choose one of "
+                             f"{sorted(VLLM_PROFILE_BYTES_PER_LOGIT)} or None")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running={self.max_running} must be >= 1")
         if self.sglang_memory not in (None, "reserve", "tp"):
             raise ValueError(f"sglang_memory={self.sglang_memory!r}: choose reserve, tp or None")
         for name in ("device_memory_fraction", "free_memory_fraction"):
@@ -238,13 +277,21 @@ class Engine:
             return next(f for tp, f in SGLANG_TP_FRACTIONS if parallel >= tp)
         return None
 
+    def profile_peak_bytes(self, vocab_size: int, cluster) -> float:
+        """Bytes per GPU the engine's profile run peaks at beside the weights, which its KV cache cannot have
+        (`profile_sampler`: its sampler over one row of logits per request it may run on `cluster`)."""
+        if self.profile_sampler is None:
+            return 0.0
+        return default_max_batch(self, cluster) * vocab_size * VLLM_PROFILE_BYTES_PER_LOGIT[self.profile_sampler]
+
     @property
     def eager_host(self) -> bool:
         """Whether the engine's measured per-layer host work replaces the kernel-launch floor."""
         return self.host_per_layer_s > 0 or self.host_per_layer_seq_s > 0
 
 
-_VLLM = dict(device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION, ep_all_to_all="allgather", two_batch_overlap=False)
+_VLLM = dict(device_memory_fraction=VLLM_GPU_MEMORY_UTILIZATION, ep_all_to_all="allgather", two_batch_overlap=False,
+             profile_sampler="native")
 ENGINES = {e.name: e for e in (
     Engine("default"),
     Engine("tensorrt-llm", two_batch_overlap=False),
@@ -289,7 +336,10 @@ VLLM_V1_LARGE_GPU_BYTES = 70 * 2**30
 
 
 def default_max_batch(eng: Engine, cluster) -> int | None:
-    """The running-request cap per rank `eng` applies by default on `cluster`'s GPUs (module constants); None: none."""
+    """The running-request cap per rank `eng` applies on `cluster`'s GPUs: the one it is configured with
+    (`Engine.max_running`), else its default there (module constants); None: none."""
+    if eng.max_running is not None:
+        return eng.max_running
     if eng.name.startswith("tensorrt-llm"):
         return TRTLLM_MAX_BATCH
     if eng.name in ("vllm", "vllm-async") and cluster.hbm_bytes >= VLLM_V1_LARGE_GPU_BYTES \
