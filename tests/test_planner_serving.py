@@ -117,7 +117,10 @@ def test_vllms_kv_cache_shrinks_by_its_sampler_over_the_requests_it_may_run(caps
     for engine, cap in (("vllm", None), ("vllm", "64"), ("tensorrt-llm", None), ("tensorrt-llm", "64")):
         rc, out = _cli(base + ["--engine", engine] + (["--max-batch", cap] if cap else []), capsys)
         assert rc == 0
-        kv[engine, cap] = json.loads(out)["kv_capacity_gib"] * 2**30
+        r = json.loads(out)
+        kv[engine, cap] = r["kv_capacity_gib"] * 2**30
+        rows = 0 if engine == "tensorrt-llm" else int(cap or 1024)
+        assert r["profile_gib"] * 2**30 == pytest.approx(rows * per_row)  # the JSON's part of the workspace
     assert kv["vllm", "64"] - kv["vllm", None] == pytest.approx((1024 - 64) * per_row)
     assert kv["tensorrt-llm", "64"] == kv["tensorrt-llm", None]
 

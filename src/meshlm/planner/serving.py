@@ -237,8 +237,8 @@ class Serving:
         return int(self.memory()["kv_capacity"] // self.kv_bytes_per_gpu(tokens))
 
     def memory(self) -> dict:
-        """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache), KV capacity -- so
-        capacity = HBM - reserved - weights - workspace exactly. The KV cache gets a share of what the weights leave
+        """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache, its profile run's peak
+        `profile` among it), KV capacity -- so capacity = HBM - reserved - weights - workspace exactly. The KV cache gets a share of what the weights leave
         (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an engine that budgets a share of the whole
         device (`Engine.device_share`: vLLM, SGLang), that share less the weights, the reserve and the peak of the
         engine's profile run (`Engine.profile_peak_bytes`: vLLM's sampler)."""
@@ -248,12 +248,13 @@ class Serving:
         lo = self.layout
         share = self.engine.device_share(hbm, parallel=lo.tp * lo.pp, dp_attention=lo.attention_dp,
                                          draft=self.mtp_tokens > 0)
+        profile = self.engine.profile_peak_bytes(self.sm.cfg.vocab_size, self.cluster)
         if share is None:
             kv = (self.engine.free_memory_fraction or KV_MEMORY_FRACTION) * free
         else:
-            profile = self.engine.profile_peak_bytes(self.sm.cfg.vocab_size, self.cluster)
             kv = min(max(share * hbm - reserved - weights - profile, 0.0), free)
-        return {"weights": weights, "workspace": free - kv, "kv_capacity": kv, "reserved": reserved, "hbm": hbm}
+        return {"weights": weights, "workspace": free - kv, "kv_capacity": kv, "reserved": reserved, "hbm": hbm,
+                "profile": profile}
 
     def max_tokens(self) -> int:
         """The longest single sequence whose KV one dp rank holds (its tp x cp x pp GPUs together); where the KV

@@ -442,6 +442,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     out = {"layout": lo.label(), "gpus": gpus, "mode": wl.mode, "input_len": wl.input_len,
            "output_len": wl.output_len, "precision": sv.precision, "kv_precision": sv.kv_precision,
            "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
+           "profile_gib": mem["profile"] / GiB,
            "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
            "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]),
            "kv_bytes_per_request": sv.kv_bytes_per_gpu(wl.input_len + wl.output_len),
@@ -555,7 +556,10 @@ def _divisors(n: int) -> list[int]:
 
 def format_serving(r: dict, model: str, gpu: str) -> str:
     head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
-            f"weights {r['weights_gib']:.1f} GiB/GPU, KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU "
+            f"weights {r['weights_gib']:.1f} GiB/GPU, "
+            + (f"the engine's profile run {r['profile_gib']:.1f} GiB/GPU (its sampler over --max-batch rows), "
+               if r.get("profile_gib") else "")
+            + f"KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU "
             f"({r['kv_bytes_per_request'] / 2**20:,.1f} MiB/request/GPU), one sequence of up to "
             f"{r['max_context_tokens']:,} tokens fits -> max concurrency {r['max_concurrency']} "
             f"at {r['input_len']}+{r['output_len']} tokens")
