@@ -125,6 +125,37 @@ def test_vllms_kv_cache_shrinks_by_its_sampler_over_the_requests_it_may_run(caps
     assert kv["tensorrt-llm", "64"] == kv["tensorrt-llm", None]
 
 
+def test_dense_precision_keeps_what_sits_beside_the_experts_wider(capsys, tmp_path):
+    """`--dense-precision`: gpt-oss's checkpoints are MXFP4 routed experts beside BF16 attention, router, embeddings
+    and head -- 64.0 GiB on one GPU, as vLLM loads it (64.38 GiB in vLLM issue #33155's log), where all-fp4 prices
+    61.2 --; a dense model has nothing beside experts and is refused naming --precision. Under vLLM's defaults on one
+    H100 the model then leaves no KV cache, and the refusal names its profile run and --max-batch."""
+    gpt_oss = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,
+               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+               "max_position_embeddings": 131072, "num_local_experts": 128, "num_experts_per_tok": 4,
+               "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
+               "tie_word_embeddings": False}
+    path = tmp_path / "gpt-oss-120b.json"
+    path.write_text(json.dumps(gpt_oss))
+    base = ["plan", "infer", "--model", str(path), "--cluster", "h100", "--tp", "1", "--precision", "fp4",
+            "--expert-gemm-precision", "bf16", "--json"]
+    runs = {}
+    for dense in (None, "bf16"):
+        rc, out = _cli(base + (["--dense-precision", dense] if dense else []), capsys)
+        assert rc == 0
+        runs[dense] = json.loads(out)
+    p = served_model(str(path)).params()
+    beside = p["attention"] + p["mlp"] + p["other"]
+    assert (runs["bf16"]["weights_gib"] - runs[None]["weights_gib"]) * 2**30 == pytest.approx(beside * (2 - 0.5625))
+    assert round(runs["bf16"]["weights_gib"], 1) == 64.0 and round(runs[None]["weights_gib"], 1) == 61.2
+    rc, out = _cli(base + ["--dense-precision", "bf16", "--engine", "vllm-async"], capsys)
+    r = json.loads(out)
+    assert not r["fits"] and "profile run 7.4 GiB (its sampler over 1024 rows)" in r["reason"]
+    assert "--max-batch" in r["reason"]
+    with pytest.raises(ValueError, match="llama3-8b has none: give its weights' precision as --precision"):
+        _cli(["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--dense-precision", "fp8"], capsys)
+
+
 def test_published_vllm_rows_sample_as_their_version_did():
     """A vLLM row's profile sampler: FlashInfer's on an NVIDIA GPU from v0.9.0 through v0.11.0 (its default where
     installed, as vLLM's Docker image has it), PyTorch's before, after, on ROCm and with no version; a cap the row

@@ -37,6 +37,11 @@ def _add_served(p: argparse.ArgumentParser) -> None:
                         "fp8 for MXFP4 weights with MXFP8 activations, TensorRT-LLM's gpt-oss on Blackwell; bf16 "
                         "for weight-only W4A16 -- on a GPU without FP4 tensor cores, as vLLM runs gpt-oss on Hopper "
                         "and Ampere, every GEMM of fp4 weights); default: the weights' precision")
+    p.add_argument("--dense-precision", default=None, choices=["bf16", "fp8", "fp4"],
+                   help="weights and GEMMs of everything beside an MoE model's routed experts (attention, dense MLPs, "
+                        "shared experts, embeddings, head) where the checkpoint keeps them wider than --precision: "
+                        "bf16 for gpt-oss's MXFP4 checkpoints, fp8 for NVIDIA's NVFP4 DeepSeek-R1; default: "
+                        "--precision")
 
 
 def add_serving_parsers(sub) -> None:
@@ -178,7 +183,8 @@ def run_context(args) -> int:
     if context < 1 or args.output_len < 1 or args.max_gpus < 1:
         raise ValueError("--context, --output-len and --max-gpus must be >= 1")
     cluster = get_cluster(args.cluster)
-    sv = Serving(served_model(args.model), cluster, ServingLayout(), **_precisions(args))
+    sm = served_model(args.model)
+    sv = Serving(sm, cluster, ServingLayout(), **_precisions(args, sm))
     answer = context_answer(sv, context, args.output_len, max_gpus=args.max_gpus)
     print(json.dumps(answer, indent=2) if args.json else format_context(answer, args.model))
     if args.plot:
@@ -227,7 +233,8 @@ def _serving_inputs(args):
         eng = replace(eng, **{knob: args.memory_fraction})
     if args.max_batch is not None:  # the cap the engine is configured with (vLLM's profile run samples that many rows)
         eng = replace(eng, max_running=args.max_batch)
-    sv = Serving(served_model(args.model), cluster, lo, **_precisions(args), engine=eng,
+    sm = served_model(args.model)
+    sv = Serving(sm, cluster, lo, **_precisions(args, sm), engine=eng,
                  mtp_tokens=args.mtp_tokens,
                  **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
     # the engine's cap: --max-batch, else its own default (vLLM's max_num_seqs, TensorRT-LLM's batch size)
@@ -249,9 +256,12 @@ def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1e3
 
 
-def _precisions(args) -> dict:
-    """--precision and --kv-precision, fp32 by default on --cluster local (meshlm serves in fp32 on CPUs), and
-    --expert-gemm-precision."""
+def _precisions(args, sm) -> dict:
+    """--precision and --kv-precision, fp32 by default on --cluster local (meshlm serves in fp32 on CPUs),
+    --expert-gemm-precision and --dense-precision (an MoE model's alone: a dense model is all --precision)."""
+    if args.dense_precision is not None and not sm.cfg.is_moe:
+        raise ValueError(f"--dense-precision {args.dense_precision} sets the weights beside an MoE model's routed "
+                         f"experts; {args.model} has none: give its weights' precision as --precision")
     default = "fp32" if args.cluster == "local" else "bf16"
     return {"precision": args.precision or default, "kv_precision": args.kv_precision or default,
-            "expert_gemm_precision": args.expert_gemm_precision}
+            "expert_gemm_precision": args.expert_gemm_precision, "dense_precision": args.dense_precision}

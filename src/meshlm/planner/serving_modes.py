@@ -71,7 +71,7 @@ from meshlm.planner.cluster import GiB
 from meshlm.planner.explain import serving_caution
 from meshlm.planner.queues import budget_wait, slot_wait, tail_concurrency
 from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
-from meshlm.planner.serving_engine import busiest_rank_prefill
+from meshlm.planner.serving_engine import busiest_rank_prefill, default_max_batch
 from meshlm.planner.serving_model import KV_BYTES
 
 # Prompt tokens per iteration when chunking: TensorRT-LLM's default max_num_tokens (8192).
@@ -500,9 +500,12 @@ def percentile_label(p: float) -> str:
 def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
     seq = wl.input_len + wl.output_len
     if cap < sv.layout.dp or cap < 1:
-        return (f"{mem['weights'] / GiB:.1f} GiB of weights per GPU leave room for {sv.max_tokens():,} tokens of KV "
-                f"cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp), shorten the sequence or "
-                f"use --precision fp8 / --kv-precision fp8")
+        profile = (f" and the engine's profile run {mem['profile'] / GiB:.1f} GiB (its sampler over "
+                   f"{default_max_batch(sv.engine, sv.cluster)} rows)" if mem["profile"] else "")
+        fewer = ", a smaller --max-batch" if mem["profile"] else ""
+        return (f"{mem['weights'] / GiB:.1f} GiB of weights per GPU{profile} leave room for {sv.max_tokens():,} "
+                f"tokens of KV cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp), shorten the "
+                f"sequence{fewer} or use --precision fp8 / --kv-precision fp8")
     if need > cap:
         return (f"{need} requests of {seq} tokens do not fit: {sv.kv_bytes_per_gpu(seq) / 2**20:,.1f} MiB of KV cache "
                 f"each per GPU, {mem['kv_capacity'] / GiB:,.1f} GiB per GPU hold {cap} (max concurrency)")
