@@ -125,6 +125,26 @@ def test_vllms_kv_cache_shrinks_by_its_sampler_over_the_requests_it_may_run(caps
     assert kv["tensorrt-llm", "64"] == kv["tensorrt-llm", None]
 
 
+def test_vllms_kv_cache_is_within_a_quarter_of_what_its_logs_printed():
+    """Qwen3-235B-A22B-FP8 at TP4 under vLLM's defaults and PyTorch's sampler (the reader's model of it, groups P):
+    on four H100s vLLM logged "Available KV cache memory: 8.11 GiB" and "GPU KV cache size: 178,880 tokens" (issue
+    #21348, July 2025), on four H200s at gpu_memory_utilization 0.5 "Available KV cache memory: 7.07 GiB" (PR
+    #21429). The planner's capacity comes within 25% of both; without the profile run's sampler it was ~1.9x them."""
+    from pathlib import Path
+
+    from meshlm.planner.published_serving import deployment_of, read_rows
+
+    rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
+    sv = deployment_of(next(r for r in rows if r["row_id"] == "P250"))  # Qwen3-235B-A22B FP8, TP4, H100, vLLM
+    assert (sv.layout.tp, sv.precision, sv.engine.name) == (4, "fp8", "vllm")
+    h100 = replace(sv, engine=replace(sv.engine, profile_sampler="native"))
+    h200 = replace(h100, cluster=get_cluster("h200"), engine=replace(h100.engine, device_memory_fraction=0.5))
+    gib = 2**30
+    assert h100.memory()["kv_capacity"] / gib == pytest.approx(8.11, rel=0.25)
+    assert h100.memory()["kv_capacity"] / h100.kv_bytes_per_token_per_gpu() == pytest.approx(178_880, rel=0.25)
+    assert h200.memory()["kv_capacity"] / gib == pytest.approx(7.07, rel=0.25)
+
+
 def test_dense_precision_keeps_what_sits_beside_the_experts_wider(capsys, tmp_path):
     """`--dense-precision`: gpt-oss's checkpoints are MXFP4 routed experts beside BF16 attention, router, embeddings
     and head -- 64.0 GiB on one GPU, as vLLM loads it (64.38 GiB in vLLM issue #33155's log), where all-fp4 prices
