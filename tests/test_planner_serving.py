@@ -129,7 +129,10 @@ def test_vllms_kv_cache_is_within_a_quarter_of_what_its_logs_printed():
     """Qwen3-235B-A22B-FP8 at TP4 under vLLM's defaults and PyTorch's sampler (the reader's model of it, groups P):
     on four H100s vLLM logged "Available KV cache memory: 8.11 GiB" and "GPU KV cache size: 178,880 tokens" (issue
     #21348, July 2025), on four H200s at gpu_memory_utilization 0.5 "Available KV cache memory: 7.07 GiB" (PR
-    #21429). The planner's capacity comes within 25% of both; without the profile run's sampler it was ~1.9x them."""
+    #21429). The planner's capacity comes within 25% of both; without the profile run's sampler it was ~1.9x them.
+    SGLang on the same four H100s at --mem-fraction-static 0.93 logged "#tokens: 367404, K size: 8.23 GB, V size:
+    8.23 GB" (the same issue): within 10%."""
+    from meshlm.planner.serving_engine import ENGINES
     from pathlib import Path
 
     from meshlm.planner.published_serving import deployment_of, read_rows
@@ -143,6 +146,8 @@ def test_vllms_kv_cache_is_within_a_quarter_of_what_its_logs_printed():
     assert h100.memory()["kv_capacity"] / gib == pytest.approx(8.11, rel=0.25)
     assert h100.memory()["kv_capacity"] / h100.kv_bytes_per_token_per_gpu() == pytest.approx(178_880, rel=0.25)
     assert h200.memory()["kv_capacity"] / gib == pytest.approx(7.07, rel=0.25)
+    sglang = replace(sv, engine=replace(ENGINES["sglang"], device_memory_fraction=0.93))
+    assert sglang.memory()["kv_capacity"] / sglang.kv_bytes_per_token_per_gpu() == pytest.approx(367_404, rel=0.1)
 
 
 def test_dense_precision_keeps_what_sits_beside_the_experts_wider(capsys, tmp_path):
