@@ -132,10 +132,10 @@ def test_vllms_kv_cache_is_within_a_quarter_of_what_its_logs_printed():
     #21429). The planner's capacity comes within 25% of both; without the profile run's sampler it was ~1.9x them.
     SGLang on the same four H100s at --mem-fraction-static 0.93 logged "#tokens: 367404, K size: 8.23 GB, V size:
     8.23 GB" (the same issue): within 10%."""
-    from meshlm.planner.serving_engine import ENGINES
     from pathlib import Path
 
     from meshlm.planner.published_serving import deployment_of, read_rows
+    from meshlm.planner.serving_engine import ENGINES
 
     rows = read_rows(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "serving_runs_dev.csv")
     sv = deployment_of(next(r for r in rows if r["row_id"] == "P250"))  # Qwen3-235B-A22B FP8, TP4, H100, vLLM
