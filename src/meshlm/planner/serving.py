@@ -238,20 +238,21 @@ class Serving:
 
     def memory(self) -> dict:
         """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache, its profile run's peak
-        `profile` among it), KV capacity -- so capacity = HBM - reserved - weights - workspace exactly. The KV cache gets a share of what the weights leave
-        (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an engine that budgets a share of the whole
-        device (`Engine.device_share`: vLLM, SGLang), that share less the weights, the reserve and the peak of the
-        engine's profile run (`Engine.profile_peak_bytes`: vLLM's sampler)."""
+        `profile` among it), KV capacity -- so capacity = HBM - reserved - weights - workspace exactly. The KV cache
+        gets a share of what the weights leave (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an
+        engine that budgets a share of the whole device (`Engine.device_share`: vLLM, SGLang), that share less the
+        weights, the reserve and the peak of the engine's profile run (`Engine.profile_peak_bytes`: vLLM's sampler)."""
         hbm, reserved = self.cluster.hbm_bytes, self.cluster.reserved_bytes
         weights = sum(self.weight_bytes_per_gpu().values())
         free = max(hbm - reserved - weights, 0.0)
         lo = self.layout
         share = self.engine.device_share(hbm, parallel=lo.tp * lo.pp, dp_attention=lo.attention_dp,
                                          draft=self.mtp_tokens > 0)
-        profile = self.engine.profile_peak_bytes(self.sm.cfg.vocab_size, self.cluster)
         if share is None:
+            profile = 0.0
             kv = (self.engine.free_memory_fraction or KV_MEMORY_FRACTION) * free
         else:
+            profile = self.engine.profile_peak_bytes(self.sm.cfg.vocab_size, self.cluster)
             kv = min(max(share * hbm - reserved - weights - profile, 0.0), free)
         return {"weights": weights, "workspace": free - kv, "kv_capacity": kv, "reserved": reserved, "hbm": hbm,
                 "profile": profile}
