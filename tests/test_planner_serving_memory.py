@@ -220,3 +220,20 @@ def test_memory_fraction_sets_the_knob_the_engine_has(capsys):
                                                                                - m["weights"]))
     with pytest.raises(ValueError, match=r"--memory-fraction 1.5 must be in \(0, 1\]"):
         _cli(base + ["--memory-fraction", "1.5"], capsys)
+
+
+def test_sampler_picks_the_profile_vllm_sized_its_kv_cache_after(capsys):
+    """`--sampler flashinfer` (vLLM 0.9-0.11.0 where FlashInfer is installed) prices the profile run at FlashInfer's
+    bytes per logit, `native` (the default) at PyTorch's sort; an engine without such a profile refuses the flag."""
+    from meshlm.planner.serving_engine import VLLM_PROFILE_BYTES_PER_LOGIT
+
+    base = ["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--tp", "1", "--json"]
+    profile = {}
+    for sampler in (None, "native", "flashinfer"):
+        rc, out = _cli(base + ["--engine", "vllm"] + (["--sampler", sampler] if sampler else []), capsys)
+        assert rc == 0
+        profile[sampler] = json.loads(out)["profile_gib"] * 2**30
+    assert profile[None] == profile["native"] == pytest.approx(1024 * 128_256 * VLLM_PROFILE_BYTES_PER_LOGIT["native"])
+    assert profile["flashinfer"] == pytest.approx(1024 * 128_256 * VLLM_PROFILE_BYTES_PER_LOGIT["flashinfer"])
+    with pytest.raises(ValueError, match="--engine tensorrt-llm sizes its own otherwise"):
+        _cli(base + ["--engine", "tensorrt-llm", "--sampler", "native"], capsys)

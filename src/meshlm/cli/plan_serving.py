@@ -91,7 +91,8 @@ def add_serving_parsers(sub) -> None:
                         + "; vllm is vLLM 0.8-0.13 (its V1 engine's host work between steps, per running request, "
                         "on every step), vllm-async 0.14 on (async scheduling hides it), vllm-v0 0.7 and before"
                         "; vllm* and sglang give the KV cache a share of the whole GPU less the weights "
-                        "(gpu_memory_utilization, mem_fraction_static), the others 0.9 of what the weights leave "
+                        "(gpu_memory_utilization, mem_fraction_static; vllm* less its profile run's sampler too, "
+                        "--sampler), the others 0.9 of what the weights leave "
                         "(default: meshlm on --cluster local when its calibration measured meshlm's engine, else "
                         "default)")
     i.add_argument("--memory-fraction", type=float, default=None, metavar="F",
@@ -100,6 +101,11 @@ def add_serving_parsers(sub) -> None:
                         "--mem-fraction-static (the whole GPU's share for weights and KV; default by the GPU's "
                         "memory), for the others the share of what the weights leave that the KV cache gets "
                         "(TensorRT-LLM's free_gpu_memory_fraction; default 0.9)")
+    i.add_argument("--sampler", default=None, choices=["native", "flashinfer"],
+                   help="vllm* only: the sampler whose profile run over --max-batch rows of logits the KV cache is "
+                        "sized after -- native (PyTorch's sort, 38.8 bytes a logit: vLLM without FlashInfer, and its "
+                        "default from 0.11.1; the default here) or flashinfer (14: the default of vLLM 0.9-0.11.0 "
+                        "where FlashInfer is installed, as in vLLM's Docker image)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
                         "MTP module, as DeepSeek-V3's; priced as one decoder layer) (default 0)")
@@ -233,6 +239,11 @@ def _serving_inputs(args):
         eng = replace(eng, **{knob: args.memory_fraction})
     if args.max_batch is not None:  # the cap the engine is configured with (vLLM's profile run samples that many rows)
         eng = replace(eng, max_running=args.max_batch)
+    if args.sampler is not None:
+        if eng.profile_sampler is None:
+            raise ValueError(f"--sampler {args.sampler} sizes vLLM's KV cache; --engine {eng.name} sizes its own "
+                             "otherwise: give --engine vllm, vllm-async or vllm-v0, or leave --sampler out")
+        eng = replace(eng, profile_sampler=args.sampler)
     sm = served_model(args.model)
     sv = Serving(sm, cluster, lo, **_precisions(args, sm), engine=eng,
                  mtp_tokens=args.mtp_tokens,
