@@ -14,6 +14,7 @@ import pytest
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving_model import served_model
 from test_planner_serving import _cli, _sv
+from test_planner_serving_window import GPT_OSS_120B
 
 
 def test_vllm_budgets_its_kv_cache_from_the_whole_device():
@@ -111,13 +112,8 @@ def test_dense_precision_keeps_what_sits_beside_the_experts_wider(capsys, tmp_pa
     and head -- 64.0 GiB on one GPU, as vLLM loads it (64.38 GiB in vLLM issue #33155's log), where all-fp4 prices
     61.2 --; a dense model has nothing beside experts and is refused naming --precision. Under vLLM's defaults on one
     H100 the model then leaves no KV cache, and the refusal names its profile run and --max-batch."""
-    gpt_oss = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,
-               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
-               "max_position_embeddings": 131072, "num_local_experts": 128, "num_experts_per_tok": 4,
-               "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
-               "tie_word_embeddings": False}
     path = tmp_path / "gpt-oss-120b.json"
-    path.write_text(json.dumps(gpt_oss))
+    path.write_text(json.dumps(GPT_OSS_120B))
     base = ["plan", "infer", "--model", str(path), "--cluster", "h100", "--tp", "1", "--precision", "fp4",
             "--expert-gemm-precision", "bf16", "--json"]
     runs = {}

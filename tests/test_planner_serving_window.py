@@ -13,6 +13,13 @@ from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_tr
 from meshlm.planner.serving_model import ServedModel, layer_windows, served_model
 from meshlm.planner.serving_modes import Workload, estimate_serving
 
+# openai/gpt-oss-120b's config.json, as far as the serving planner reads it (shapes, experts, alternate windows).
+GPT_OSS_120B = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+                "max_position_embeddings": 131072, "num_local_experts": 128, "num_experts_per_tok": 4,
+                "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
+                "tie_word_embeddings": False}
+
 # 4 layers, 4 query heads, 2 kv heads of dim 8: a layer caches 2 x 2 x 8 = 32 elements per token (64 bytes bf16)
 TINY = ModelConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
                    intermediate_size=64, max_seq_len=4096)
@@ -130,11 +137,7 @@ def test_model_without_windows_is_priced_as_before():
 def test_gpt_oss_and_gemma_config_json_read_for_planning_only(tmp_path):
     """config.json model types meshlm's model does not implement (gpt-oss, Gemma 2 / 3) are read by the serving
     planner: their shapes, experts and windows; Gemma 3's multimodal config nests the language model."""
-    gpt_oss = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,
-               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
-               "max_position_embeddings": 131072, "num_local_experts": 128, "num_experts_per_tok": 4,
-               "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
-               "tie_word_embeddings": False}
+    gpt_oss = GPT_OSS_120B
     (tmp_path / "oss.json").write_text(json.dumps(gpt_oss))
     sm = served_model(str(tmp_path / "oss.json"))
     c = sm.cfg

@@ -269,7 +269,7 @@ def engine_of(row: dict) -> Engine:
     """The row's engine: TensorRT-LLM before 0.7 decodes GQA without sharing a group's KV loads (no XQA kernel);
     DeepSeek's own serving and SGLang's large-EP deployment balance experts with EPLB, a row that simulates a
     perfect balance has none; TensorRT-LLM's load balancer is opt-in (none of its rows turns it on)."""
-    name, version = engine_name(row), re.match(r"\s*(\d+)\.(\d+)", row["engine_version"])
+    name, version = engine_name(row), re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", row["engine_version"])
     if name.startswith("tensorrt"):
         old = version is not None and (int(version.group(1)), int(version.group(2))) < (0, 7)
         eng = ENGINES["tensorrt-llm<0.7" if old else "tensorrt-llm"]
@@ -284,7 +284,7 @@ def engine_of(row: dict) -> Engine:
     elif name.startswith("vllm"):
         eng = _vllm_options(row, ENGINES[_vllm_preset(row, version)])
         eng = _memory_share(row, eng, r"gpu[-_]memory[-_]utilization")
-        eng = replace(eng, max_running=_stated_cap(row), profile_sampler=_vllm_sampler(row))
+        eng = replace(eng, max_running=_stated_cap(row), profile_sampler=_vllm_sampler(row, version))
     else:
         eng = ENGINES["default"]
     simulated = "perfect expert load balance" in row["notes"].lower()
@@ -323,14 +323,13 @@ def _memory_share(row: dict, eng: Engine, flag: str) -> Engine:
     return replace(eng, device_memory_fraction=float(m.group(1))) if m else eng
 
 
-def _vllm_sampler(row: dict) -> str:
+def _vllm_sampler(row: dict, version: re.Match | None) -> str:
     """The sampler a vLLM row's profile run sampled with (`serving_engine.VLLM_PROFILE_BYTES_PER_LOGIT`): FlashInfer's
     on an NVIDIA GPU from v0.9.0 through v0.11.0 (read as installed, as vLLM's Docker image has it), PyTorch's
     otherwise (ROCm, earlier and later versions, no version)."""
-    release = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", row["engine_version"])
-    if release is None or row.get("gpu", "").strip().upper().startswith("MI"):
+    if version is None or row.get("gpu", "").strip().upper().startswith("MI"):
         return "native"
-    v = tuple(int(x or 0) for x in release.groups())
+    v = tuple(int(x or 0) for x in version.groups())
     return "flashinfer" if (0, 9, 0) <= v <= (0, 11, 0) else "native"
 
 
