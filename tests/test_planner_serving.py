@@ -8,7 +8,8 @@ kernel, the host's launches without CUDA graphs, the expert all-to-all against D
 ranks waiting for the busiest prefill, two micro-batches reading the weights twice (only where the batch splits)
 and hiding the all-to-all only under the compute DeepSeek's schedules pair with it (within SGLang's TBO ablation),
 vLLM V0's per-sequence scheduler time, the busiest expert rank's
-measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak,
+measured load imbalance, FP4 experts beside FP8 dense weights, fp8 GEMMs at their measured share of the peak, W4A16
+GEMMs at the rates Marlin was measured at,
 prefill two-batch overlap as SGLang's three stages per layer on one compute stream, and the running-request cap
 trtllm-bench derives itself for TensorRT-LLM's perf-overview rows. The engines' memory rules:
 test_planner_serving_memory.py.
@@ -116,6 +117,29 @@ def test_fp4_weights_on_a_gpu_without_fp4_name_the_w4a16_choice(capsys):
     rc, out = _cli(["plan", "infer", "--model", "mixtral-8x7b", "--cluster", "h100", "--precision", "fp4",
                     "--expert-gemm-precision", "bf16", "--tp", "2", "--json"], capsys)
     assert rc == 0 and json.loads(out)["output_tokens_per_s"] > 0
+
+
+def test_w4a16_gemms_run_at_the_rates_marlin_was_measured_at():
+    """4-bit weights multiplied in 16 bits, as measured: Marlin against torch's FP16 GEMM of the same shape in one
+    harness (Marlin's bench.py in vLLM PR #2497: "speedup" 0.60 at 2,048 rows, 0.61 at 4,000), and vLLM's Marlin MoE
+    kernel on H100 (FlagGems PR #4350's baseline: Mixtral's experts, 4096 x 14336 top 2, 16,384 tokens in 38.999 ms
+    a layer). A decode at batch 1 keeps W4A16's quarter of the bytes (the test above)."""
+    def gemms(sv, tokens):
+        it = iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=tokens, prefill_ctx=tokens / 2)
+        assert it["gemm_compute"] > it["gemm_memory"]  # a prefill this size is compute-bound either way
+        return it["gemm_compute"]
+
+    w4a16 = Serving(served_model("llama3-8b"), get_cluster("a100"), ServingLayout(), precision="fp4",
+                    expert_gemm_precision="bf16")
+    bf16 = replace(w4a16, precision="bf16", expert_gemm_precision=None)
+    for tokens in (2048, 4000):
+        assert 0.60 - 0.005 <= gemms(bf16, tokens) / gemms(w4a16, tokens) <= 0.61 + 0.005
+    h100 = get_cluster("h100")
+    flops = 16384 * 2 * 2 * 3 * 4096 * 14336  # 16,384 tokens through two of a layer's experts each
+    assert flops / (h100.matmul_rate("bf16") * h100.weight_only_gemm_factor) == pytest.approx(38.999e-3, rel=0.02)
+    # the H100 rate is the Hopper presets', not the other parts'
+    assert get_cluster("h200").weight_only_gemm_factor == h100.weight_only_gemm_factor
+    assert get_cluster("mi300x").weight_only_gemm_factor == get_cluster("a100").weight_only_gemm_factor
 
 
 def test_cp_split_divides_kv_per_gpu_by_cp():

@@ -36,7 +36,8 @@ def _add_served(p: argparse.ArgumentParser) -> None:
                    help="the routed experts' GEMMs where they run wider than their --precision weights (mixed input: "
                         "fp8 for MXFP4 weights with MXFP8 activations, TensorRT-LLM's gpt-oss on Blackwell; bf16 "
                         "for weight-only W4A16 -- on a GPU without FP4 tensor cores, as vLLM runs gpt-oss on Hopper "
-                        "and Ampere, every GEMM of fp4 weights); default: the weights' precision")
+                        "and Ampere, every GEMM of fp4 weights, at the rate its Marlin kernel was measured at); "
+                        "default: the weights' precision")
     p.add_argument("--dense-precision", default=None, choices=["bf16", "fp8", "fp4"],
                    help="weights and GEMMs of everything beside an MoE model's routed experts (attention, dense MLPs, "
                         "shared experts, embeddings, head) where the checkpoint keeps them wider than --precision: "

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from meshlm.planner.kernels import k_scale
+from meshlm.planner.kernels import WEIGHT_ONLY_GEMM_FACTOR, k_scale
 
 # Elements of K of fixed cost per output tile of a tensor-core GEMM (kernels.py), the GPU presets' `gemm_k_overhead`.
 GEMM_K_OVERHEAD = 256.0
@@ -98,6 +98,10 @@ class Cluster:
     # ratio of the measured maximum achievable matmul FLOPS (fraction of each precision's peak) -- see PRESETS.
     # Read by the serving model (serving.py) and the training cost model (timing.layer_compute) alike.
     matmul_precision_factor: dict = field(default_factory=dict)
+    # Share of the 16-bit large-GEMM rate that GEMMs of 4-bit weights and 16-bit activations (W4A16: the weights
+    # dequantized in the kernel) reach: kernels.WEIGHT_ONLY_GEMM_FACTOR by default, Hopper's own (see PRESETS).
+    # Read by the serving model.
+    weight_only_gemm_factor: float = WEIGHT_ONLY_GEMM_FACTOR
 
     def matmul_rate(self, precision: str) -> float:
         """FLOP/s of a large transformer GEMM in `precision`: peak x matmul_efficiency x the precision's factor."""
@@ -185,6 +189,16 @@ def _gbit(x: float) -> float:
 #    FLOPs and 1.06x bf16's (kernels.k_scale), so the large GEMMs run 3.25x bf16's -> fp4's factor 3.25 / 4 = 0.81 on
 #    B200 and, its tensor cores the same, GB200. (The same harness's bf16 figures, 0.60-0.63 of 2250, bear out
 #    B200's matmul_efficiency.)
+#  * weight_only_gemm_factor: GEMMs of 4-bit weights with 16-bit activations (W4A16) at large row counts, as a share of
+#    the bf16 large-GEMM rate (kernels.WEIGHT_ONLY_GEMM_FACTOR, 0.61, Marlin against torch's FP16 GEMM in one harness,
+#    where no GPU of the part's own was measured). Hopper (H100, H200, H800, GH200) its own: vLLM's CUDA Marlin MoE
+#    kernel, the baseline column of FlagGems PR #4350 (flagos-ai/FlagGems, 2026-06; its H100 table -- the PR tunes "H100
+#    / full Hopper" and "H20 / reduced Hopper" apart, and these rates exceed an H20's 148 TFLOP/s peak): Mixtral's
+#    experts (8 x 4096 x 14336, top 2; 7.05e8 FLOPs a token) at 4,096, 16,384 and 32,768 tokens in 9.91, 39.0 and 78.8
+#    ms, i.e. 291-296 TFLOP/s, 0.48 of H100's bf16 rate here (989 x 0.62): Marlin issues Ampere's mma, not Hopper's
+#    wgmma, "at best ~75% of peak" (vLLM PR #7174), and dequantizes in the same loop. Where vLLM later runs
+#    triton_kernels' MXFP4 matmul on Hopper instead (its default since PR #28788), it measured that path slower
+#    still end to end (PR #27523: gpt-oss-120b 1.58 s against Marlin's 1.17): the rate is an upper bound there.
 # Power (watts per GPU), from the datasheets:
 #  * A100 SXM 400 W; DGX A100 6.5 kW max for 8 GPUs -> (6500 - 8 x 400) / 8 = 412 W of server per GPU.
 #  * H100 SXM 700 W (H200 the same); DGX H100 10.2 kW max -> (10200 - 5600) / 8 = 575 W per GPU.
@@ -212,6 +226,10 @@ _B200_ATTENTION = {"cudnn": 1150, "fa2": 360}
 # At that K the tiles' fixed cost (kernels.k_scale: 256 bf16 elements of K, four times as many fp4 ones) slows fp4
 # more than bf16; taken out, the factor is of the large-GEMM rate, as matmul_efficiency is.
 _B200_NVFP4_GEMM = {"nvfp4": (3778.8, 3904.3), "bf16": (1421.0, 1360.1), "k": 4096}
+# vLLM's Marlin MoE on H100 (FlagGems PR #4350's baseline): Mixtral's experts, (tokens, milliseconds) at its three
+# largest token counts, and the FLOPs of one token through them (top 2 of gate, up and down, 4096 x 14336 each).
+_MARLIN_MOE_H100 = {"runs": ((4096, 9.909706), (16384, 38.999008), (32768, 78.78656)),
+                    "flops_per_token": 2 * 2 * 3 * 4096 * 14336}
 
 
 def _tiles_at(k: float, in_bytes: float) -> float:
@@ -222,6 +240,9 @@ def _tiles_at(k: float, in_bytes: float) -> float:
 _NVFP4_OVER_BF16 = sum(f / b for f, b in zip(_B200_NVFP4_GEMM["nvfp4"], _B200_NVFP4_GEMM["bf16"])) / 2  # 2.77x
 _FP4_FACTOR = (_NVFP4_OVER_BF16 * _tiles_at(_B200_NVFP4_GEMM["k"], 0.5) / _tiles_at(_B200_NVFP4_GEMM["k"], 2.0)
                / 4)  # of the large-GEMM rate; the peaks' ratio is 4
+_MARLIN_MOE_H100_TFLOPS = sum(n * _MARLIN_MOE_H100["flops_per_token"] / (ms * 1e-3)
+                              for n, ms in _MARLIN_MOE_H100["runs"]) / len(_MARLIN_MOE_H100["runs"]) / 1e12  # 293
+_HOPPER_WEIGHT_ONLY = _MARLIN_MOE_H100_TFLOPS * 1e12 / (989e12 * _H100_MATMUL)  # 0.48
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
@@ -233,7 +254,8 @@ _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32":
              link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132, fa2_attention_efficiency=0.35,
              gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2,
-             matmul_precision_factor={"fp8": _MAMF_FP8["H100"] / _MAMF_BF16["H100"]})
+             matmul_precision_factor={"fp8": _MAMF_FP8["H100"] / _MAMF_BF16["H100"]},
+             weight_only_gemm_factor=_HOPPER_WEIGHT_ONLY)
 _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "fp32": 80e12},
              hbm_bytes=180 * GiB, hbm_bw=8.0e12, scaleup_size=8, scaleup_bw=900e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6,
@@ -314,7 +336,7 @@ _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12,
                hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304,
                attention_efficiency=229 / 1307, fa2_attention_efficiency=0.0, gpu_power_w=750.0,
                matmul_efficiency=0.47, matmul_precision_factor={"fp8": (1159.5 / 2615) / (781.9 / 1300)},
-               link_efficiency=317 / 448)
+               link_efficiency=317 / 448, weight_only_gemm_factor=WEIGHT_ONLY_GEMM_FACTOR)
 
 # Bekman's MAMF table, bf16 (the A100 PCIe and SXM parts' measured fractions of the same 312 TFLOP/s peak).
 _A100_PCIE_MATMUL = _A100["matmul_efficiency"] * 81.1 / 86.9

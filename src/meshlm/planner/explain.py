@@ -76,7 +76,7 @@ MI300X_VLLM_RUNNING = 256  # requests running per engine from which the second c
 # dev rows in benchmarks/data/serving_runs_dev.csv stand (tests/test_planner_serving_published.py recomputes them).
 SMALL_ALL_REDUCE_SPREAD = (0.63, 2.23)  # groups B (MTP drafts), D, J, M: batch 1 to 16
 MI300X_VLLM_SPREAD = (0.70, 0.92)  # groups D and L: 256 to 3,200 requests running
-WEIGHT_ONLY_SPREAD = (0.33, 0.78)  # groups P and Q: vLLM's gpt-oss (MXFP4 experts, W4A16) on H100 and A100
+WEIGHT_ONLY_SPREAD = (0.41, 0.86)  # groups P and Q: vLLM's gpt-oss (MXFP4 experts, W4A16) on H100 and A100
 TRTLLM_ENGINES = ("tensorrt-llm", "tensorrt-llm<0.7")
 LATENT_ADP_SPREAD = (0.68, 1.03)  # groups A and B: TensorRT-LLM's DeepSeek-R1, attention DP + EP on one node
 
@@ -90,7 +90,8 @@ def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: fl
       * vLLM on MI300X with at least MI300X_VLLM_RUNNING requests `running` per engine, every such dev row bound by
         compute here (MI300X_VLLM_SPREAD);
       * routed experts of 4-bit weights multiplied by 16-bit activations (`weight_only`, W4A16: the weights
-        dequantized in the kernel, priced at the bf16 GEMM rate), every such dev row too fast (WEIGHT_ONLY_SPREAD);
+        dequantized in the kernel, priced at Marlin's measured share of the bf16 GEMM rate), every such dev row
+        too fast (WEIGHT_ONLY_SPREAD);
       * TensorRT-LLM serving a latent-attention MoE (DeepSeek's) with attention data parallelism and expert
         parallelism (`latent_adp`), all such dev rows but one too fast (LATENT_ADP_SPREAD)."""
     if bound == "scale-up link" and tp > 1 and all_reduce_bytes <= SMALL_ALL_REDUCE_BYTES:
@@ -106,8 +107,9 @@ def serving_caution(*, bound: str, tp: int, running: float, all_reduce_bytes: fl
                 "(benchmarks/data/serving_runs_dev.md, groups D and L): read the throughput as an upper bound.")
     if weight_only:
         lo, hi = WEIGHT_ONLY_SPREAD
-        return ("Caution: its routed experts' 4-bit weights are dequantized into 16-bit GEMMs (W4A16), priced at the "
-                f"bf16 GEMM rate; published runs of this kind (vLLM's gpt-oss on H100 and A100) came out "
+        return ("Caution: its routed experts' 4-bit weights are dequantized into 16-bit GEMMs (W4A16), priced at "
+                "the rate Marlin, vLLM's kernel for them, was measured at; published runs of this kind "
+                "(vLLM's gpt-oss on H100 and A100) came out "
                 f"{100 * (1 - hi):.0f}-{100 * (1 - lo):.0f}% below the predicted throughput "
                 "(benchmarks/data/serving_runs_dev.md, groups P and Q): read the throughput as an upper bound.")
     if latent_adp and engine in TRTLLM_ENGINES:

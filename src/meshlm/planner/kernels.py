@@ -29,6 +29,20 @@ from meshlm.config import ModelConfig
 
 
 
+# Weight-only 4-bit GEMMs (W4A16: 4-bit weights dequantized inside the kernel, 16-bit activations -- gpt-oss's MXFP4
+# experts on Ampere and Hopper, AWQ / GPTQ checkpoints) run, once compute-bound, at a share of the 16-bit large-GEMM
+# rate (`Cluster.weight_only_gemm_factor`; this is the default, the Hopper presets' own is cited in cluster.py).
+# Marlin, the W4A16 kernel vLLM runs there (vLLM's gpt-oss recipe for 0.10-0.11: "Marlin MXFP4 MoE" on Ampere and
+# Hopper; quantization/mxfp4.py picks it below SM90 and wherever triton_kernels is not installed), dequantizes in its
+# main loop on Ampere's mma instructions and past 64 rows runs its 64-row kernel again for each further 64 (its
+# author, IST-DASLab/marlin issue #2), so it stops gaining from about 128 rows where the 16-bit GEMM keeps gaining.
+# Measured in one harness (Marlin's bench.py: its kernel against torch.matmul in FP16 on the same shape, group size
+# 128; vllm-project/vllm PR #2497, a comment whose GPU is not named): 141 TFLOP/s from 128 to 4,000 rows, "speedup"
+# 1.01 at 128, 0.66 at 1,024, 0.60 at 2,048 and 0.61 at 4,000 rows -- the last, the large-GEMM regime the rate
+# stands for, taken. Where a 16-bit GEMM is bound by its weights' bytes the roofline keeps W4A16's quarter of them.
+WEIGHT_ONLY_GEMM_FACTOR = 0.61
+
+
 def k_fixed(k_overhead: float, in_bytes: float) -> float:
     """Elements of K of fixed cost per output tile for inputs of `in_bytes` bytes: `k_overhead` 2-byte ones, twice
     as many 1-byte (fp8) ones, four times as many half-byte (fp4) ones -- a stage holds a fixed number of bytes of K

@@ -19,9 +19,10 @@ et al. OSDI'24; Orca, Yu et al. OSDI'22), per GPU, each term from the roofline o
 al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
   * GEMMs: 2 x params FLOPs per token (the output head's only for the rows sampled) at `Cluster.matmul_rate`
     (peak x matmul_efficiency, fp8 on Hopper and fp4 on Blackwell at their measured lower fractions of their
-    peaks: cluster.py), each GEMM's tiles paying their fixed K cost as the training side prices them
-    (`kernels.k_scale`: thin tp shards of K run below the rate), never faster than the weights stream through HBM
-    once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
+    peaks: cluster.py; 4-bit weights multiplied in 16 bits, W4A16, at the dequantizing kernel's measured share of
+    the 16-bit rate: `Cluster.weight_only_gemm_factor`), each GEMM's tiles paying their fixed K cost as the training
+    side prices them (`kernels.k_scale`: thin tp shards of K run below the rate), never faster than the weights
+    stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
     (serving_engine.roofline, from DeepGEMM's kernel benchmarks) -- on a CPU (`Cluster.gemm_weight_bw`) they
     add: its BLAS packs the weights at the measured rate, then multiplies;
@@ -274,6 +275,13 @@ def _gemm(precision: str) -> str:
     return "bf16" if precision == "fp16" else precision
 
 
+def _weight_only(cl: Cluster, weights: str, gemm: str) -> float:
+    """The share of the `gemm`-precision GEMM rate GEMMs of `weights`-precision weights reach: the GPU's measured
+    `weight_only_gemm_factor` for 4-bit weights multiplied in 16 bits (W4A16), 1 for weights and activations of one
+    precision."""
+    return cl.weight_only_gemm_factor if weights == "fp4" and gemm == "bf16" else 1.0
+
+
 def _act_bytes(sv: Serving) -> float:
     """Bytes of an activation element: 16-bit, or 4 where the model is served in fp32."""
     return 4.0 if sv.precision == "fp32" else 2.0
@@ -498,7 +506,9 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     cl, share = _host_shared(sv)
     w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
     hbm = cl.hbm_bw * cl.hbm_efficiency / share
-    rate, dense_rate = (cl.matmul_rate(x) / share for x in (sv.gemm_precision, sv.dense_gemm_precision))
+    rate = cl.matmul_rate(sv.gemm_precision) / share * _weight_only(cl, sv.precision, sv.gemm_precision)
+    dense_rate = (cl.matmul_rate(sv.dense_gemm_precision) / share
+                  * _weight_only(cl, sv.dense_precision or sv.precision, sv.dense_gemm_precision))
     # attention in the model's 16-bit type (bf16 under fp8 / fp4 weights), or fp32 where it is served so
     attn_rate = cl.peak("fp32" if sv.precision == "fp32" else "bf16") * cl.attention_efficiency / share
     dense_c, dense_m = w["dense_gemm_tile_flops"] / dense_rate, w["dense_weight_bytes"] / hbm
