@@ -1,8 +1,9 @@
 """Kernel times on one GPU: the GEMMs of a layer by shape, and the memory-bound work around them.
 
 Responsible for: the matrix shapes one rank multiplies in an (average) decoder layer and the head under a
-given tp / ep (`layer_gemms`), the time of one GEMM from its shape (`gemm_time`), and the HBM traffic of
-fp8 casting (`fp8_cast_bytes`) and of a MoE layer's token permutations (`moe_dispatch_elements`).
+given tp / ep (`layer_gemms`), the time of one GEMM from its shape (`gemm_time`), the share of the 16-bit rate
+weight-only 4-bit GEMMs were measured at (`WEIGHT_ONLY_GEMM_FACTOR`, the default of `Cluster.weight_only_gemm_factor`),
+and the HBM traffic of fp8 casting (`fp8_cast_bytes`) and of a MoE layer's token permutations (`moe_dispatch_elements`).
 Not responsible for: attention (priced in `cost.py` as its own fused kernel), communication
 (`collectives.py`), or deciding what runs when (`cost.py`).
 
