@@ -220,6 +220,7 @@ _MAMF_FP8 = {"H100": 70.9, "H200": 73.4, "B200": 76.3, "GB200": 72.3, "B300": 74
 # against each CDNA4 part's own peak (the table divides by 2300; AMD's MI355X data sheet says 2.5 PFLOP/s).
 _MI355X_MAMF_BF16_TFLOPS = 1565.0
 _H100_MATMUL = 0.62
+_H100_BF16 = 989e12  # dense bf16 FLOP/s (H100 SXM datasheet)
 _B200_ATTENTION = {"cudnn": 1150, "fa2": 360}
 # vLLM's bench_nvfp4_gemm.py on B200 (PR #20578), N=6144 K=4096 at 8,192 and 16,384 tokens, TFLOP/s: NVFP4 (no
 # activation quantization) and torch bf16; Blackwell's fp4 peak is 4x its bf16 peak (B200 9 / 2.25, GB200 10 / 2.5).
@@ -242,13 +243,13 @@ _FP4_FACTOR = (_NVFP4_OVER_BF16 * _tiles_at(_B200_NVFP4_GEMM["k"], 0.5) / _tiles
                / 4)  # of the large-GEMM rate; the peaks' ratio is 4
 _MARLIN_MOE_H100_TFLOPS = sum(n * _MARLIN_MOE_H100["flops_per_token"] / (ms * 1e-3)
                               for n, ms in _MARLIN_MOE_H100["runs"]) / len(_MARLIN_MOE_H100["runs"]) / 1e12  # 293
-_HOPPER_WEIGHT_ONLY = _MARLIN_MOE_H100_TFLOPS * 1e12 / (989e12 * _H100_MATMUL)  # 0.48
+_HOPPER_WEIGHT_ONLY = _MARLIN_MOE_H100_TFLOPS * 1e12 / (_H100_BF16 * _H100_MATMUL)  # 0.48
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
              hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108,
              gpu_power_w=400.0, node_power_w=412.0, network_power_w=100.0, pue=1.2)
-_H100 = dict(gpu="H100-SXM", peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
+_H100 = dict(gpu="H100-SXM", peak_flops={"bf16": _H100_BF16, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=_H100_MATMUL, attention_efficiency=0.55,
              link_efficiency=0.8,

@@ -275,11 +275,16 @@ def _gemm(precision: str) -> str:
     return "bf16" if precision == "fp16" else precision
 
 
+def weight_only(weights: str, gemm: str) -> bool:
+    """Whether GEMMs of `weights`-precision weights in `gemm` precision are weight-only: 4-bit weights dequantized
+    into 16-bit GEMMs (W4A16)."""
+    return weights == "fp4" and gemm == "bf16"
+
+
 def _weight_only(cl: Cluster, weights: str, gemm: str) -> float:
     """The share of the `gemm`-precision GEMM rate GEMMs of `weights`-precision weights reach: the GPU's measured
-    `weight_only_gemm_factor` for 4-bit weights multiplied in 16 bits (W4A16), 1 for weights and activations of one
-    precision."""
-    return cl.weight_only_gemm_factor if weights == "fp4" and gemm == "bf16" else 1.0
+    `weight_only_gemm_factor` where they are W4A16 (`weight_only`), 1 for weights and activations of one precision."""
+    return cl.weight_only_gemm_factor if weight_only(weights, gemm) else 1.0
 
 
 def _act_bytes(sv: Serving) -> float:

@@ -70,7 +70,7 @@ from dataclasses import dataclass, replace
 from meshlm.planner.cluster import GiB
 from meshlm.planner.explain import serving_caution
 from meshlm.planner.queues import budget_wait, slot_wait, tail_concurrency
-from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes, weight_only
 from meshlm.planner.serving_engine import busiest_rank_prefill, default_max_batch
 from meshlm.planner.serving_model import KV_BYTES
 
@@ -483,7 +483,7 @@ def caution(sv: Serving, *, bound: str, concurrency: float) -> str | None:
     lo, running = sv.layout, concurrency / sv.layout.dp
     return serving_caution(bound=bound, tp=lo.tp, running=running, engine=sv.engine.name, gpu=sv.cluster.gpu,
                            all_reduce_bytes=running * (1 + sv.mtp_tokens) * sv.sm.cfg.hidden_size * 2,
-                           weight_only=sv.sm.cfg.is_moe and sv.precision == "fp4" and sv.gemm_precision == "bf16",
+                           weight_only=sv.sm.cfg.is_moe and weight_only(sv.precision, sv.gemm_precision),
                            latent_adp=sv.sm.mla is not None and lo.attention_dp)
 
 
