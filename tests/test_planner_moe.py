@@ -151,3 +151,34 @@ def test_meshlm_keeps_each_expert_whole_on_the_tp_ranks():
             assert p.expert_shard == 8 // 8
     assert per_rank["meshlm"] == MOE.num_layers * summary.layer_experts / 8
     assert per_rank["megatron"] == per_rank["meshlm"] / 2
+
+
+def test_flex_dispatcher_sends_a_token_across_once_per_node_holding_its_experts():
+    """Megatron-Core's flex dispatcher (DeepEP / HybridEP): a token crosses to the other node once, whichever of its
+    top-8 experts live there, and is forwarded inside it over NVLink; NCCL's all-to-all sends every routed copy.
+    Over two 8-GPU nodes (ep 16, expert_tp 1) the bytes each GPU sends across fall from 8 x 8/16 = 4 copies a
+    token to 1 - 2^-8 of one, so the exposed expert time falls by nearly that where the NIC bounds it."""
+    from meshlm.planner.collectives import expert_all_to_all
+
+    cluster = get_cluster("h100")
+    lo = _layout(expert_tp=1)
+    nccl = estimate(MOE, cluster, JOB, lo, gpus=16)
+    flex = estimate(MOE, cluster, Job(seq_len=4096, global_batch_size=64, ep_dispatcher="flex"), lo, gpus=16)
+    # every microbatch's layers: forward dispatch + combine and backward, each call one token's 2 x hidden x 2 bytes
+    # (bf16 out and back); tokens of a microbatch on a rank: 4096 / tp (sequence parallel)
+    up, out = cluster.collective_fit("all_to_all", "scale-up"), cluster.collective_fit("all_to_all", "scale-out")
+    call = expert_all_to_all(2 * 4096 / 2 * MOE.hidden_size * 2, top_k=8, span=(8, 2), up=up, out=out,
+                             low_latency=False)
+    microbatches = 64 // 8
+    assert flex.time_s["ep_comm"] == pytest.approx(microbatches * MOE.num_layers * 2 * call, rel=1e-9)
+    across = 4096 / 2 * MOE.hidden_size * 2 * 2 * (1 - 0.5 ** 8) / out[1]
+    assert call == pytest.approx(across + 2 * out[0], rel=1e-9)  # the NIC, not NVLink, bounds it
+    # NCCL: 4 calls a layer (dispatch, combine; forward, backward) of 8 x 8/16 copies across, 15 hops' latency each;
+    # flex: 2 calls of (1 - 2^-8) x (dispatch + combine): a quarter of the bytes, 2 latencies a call
+    assert nccl.time_s["ep_comm"] / flex.time_s["ep_comm"] > 4 / (1 - 0.5 ** 8)
+    assert flex.time_s["compute"] == pytest.approx(nccl.time_s["compute"])
+    # meshlm's own expert parallelism runs NCCL's all-to-all; an unknown dispatcher is refused by name
+    with pytest.raises(ValueError, match="runtime='megatron'"):
+        Job(seq_len=4096, global_batch_size=64, ep_dispatcher="flex", runtime="meshlm", precision="fp32").validate()
+    with pytest.raises(ValueError, match="ep_dispatcher='deepep'"):
+        Job(seq_len=4096, global_batch_size=64, ep_dispatcher="deepep").validate()

@@ -215,7 +215,7 @@ def test_host_launches_bound_a_small_model_without_cuda_graphs():
 def test_expert_all_to_all_matches_deepep_low_latency_table():
     """DeepEP's low-latency kernels (H800, CX7 400 Gb/s): 128 tokens, hidden 7168, top-8, fp8 dispatch + bf16
     combine take 155 + 273 us at EP32 and 192 + 369 us at EP128; the normal kernels send one copy per node."""
-    from meshlm.planner.serving_engine import expert_all_to_all
+    from meshlm.planner.collectives import expert_all_to_all
 
     h800 = get_cluster("h800")
     up, out = h800.collective_fit("all_to_all", "scale-up"), h800.collective_fit("all_to_all", "scale-out")

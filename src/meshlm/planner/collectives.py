@@ -3,7 +3,9 @@
 Responsible for: placing a group of ranks on the two link tiers (`group_span`, `link_name`) and the
 time of one all-reduce, all-gather, reduce-scatter, all-to-all or point-to-point message
 (`collective_time`), from the cluster's per-collective, per-tier fits (`Cluster.collective_fit`:
-latency per hop + achieved bandwidth); `CollectiveTimes`, the same answers remembered for one cluster
+latency per hop + achieved bandwidth); one MoE layer's expert dispatch + combine by DeepEP-style kernels, which send
+a token to each other node once (`expert_all_to_all`: serving's large-EP engines, training's flex dispatcher);
+`CollectiveTimes`, the same answers remembered for one cluster
 (a layout search asks a few thousand distinct questions millions of times).
 Not responsible for: which collectives a layout issues, how many, or what overlaps them (`cost.py`).
 
@@ -154,3 +156,32 @@ def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: C
         across = nbytes * (n - n_in) / n / bw_out if n_out > 1 else 0.0
         return max(inside, across) + (n - 1) * (lat_out if n_out > 1 else lat_up)
     raise AssertionError(f"unknown collective {kind}")
+
+
+def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], up: tuple[float, float],
+                      out: tuple[float, float], low_latency: bool) -> float:
+    """Seconds of one MoE layer's dispatch + combine of the tokens one GPU holds (`token_bytes`: their hidden
+    states, dispatch + combine bytes summed) over an expert group of `span` (GPUs per scale-up domain, domains);
+    `up` / `out`: (latency, bandwidth) of the all-to-all on each tier.
+
+    Low-latency kernels (decode; DeepEP V1 README, "Low-latency kernels with pure RDMA"): each of a token's top-k
+    copies goes to its expert's GPU on its own -- those on other nodes over the NIC, the rest over NVLink, at
+    once. DeepEP's table (H800, CX7 400 Gb/s, 128 tokens, hidden 7168, top-8, FP8 dispatch + BF16 combine) fits
+    it: at EP32 (3/4 of the copies leave the node) dispatch 155 us / combine 273 us against 142 / 275 us here with
+    the NIC at 40 GB/s (0.8 x 50 GB/s); at EP128 192 / 369 us against 178 / 345 us. Normal kernels (prefill;
+    DeepEP's "Normal kernels with NVLink and RDMA forwarding", DeepSeek-V3 report Sec. 3.4): a token crosses to
+    each other node holding one of its experts once and is forwarded inside it over NVLink. Either way all peers
+    are written concurrently, so a call pays one latency per tier, not one per peer."""
+    n_in, n_out = span
+    n = n_in * n_out
+    if n <= 1:
+        return 0.0
+    (lat_up, bw_up), (lat_out, bw_out) = up, out
+    if low_latency:
+        local = token_bytes * top_k * (n_in - 1) / n
+        across = token_bytes * top_k * (n - n_in) / n
+    else:
+        local = token_bytes * top_k * (n_in - 1) / n
+        across = token_bytes * (n_out - 1) * (1 - (1 - 1 / n_out) ** top_k) if n_out > 1 else 0.0
+    latency = 2 * (lat_out if n_out > 1 else lat_up)
+    return max(local / bw_up, across / bw_out if n_out > 1 else 0.0) + latency

@@ -37,6 +37,10 @@ EAGER_OPS = ("rope", "swiglu", "attention_layout", "rmsnorm")
 # "fsdp_all_gather" (torchao's `enable_fsdp_float8_all_gather` under FSDP2: each rank casts its shard before the
 # all-gather, which then moves one byte per weight).
 FP8_WEIGHTS = ("cached", "dynamic", "fsdp_all_gather")
+# How the expert all-to-all moves the routed tokens (`Job.ep_dispatcher`): "alltoall" (NCCL's all-to-all of every
+# routed copy: Megatron-Core's alltoall token dispatcher, meshlm's parallel/expert.py) or "flex" (Megatron-Core's flex
+# dispatcher with its DeepEP or HybridEP backend: a token sent once to each other node holding one of its experts).
+EP_DISPATCHERS = ("alltoall", "flex")
 # How Layout.short() marks each method after "cp<n>" (ring, the default, unmarked).
 CP_METHOD_MARKS = {"ring": "", "allgather": "ag", "ulysses": "u"}
 # FlashAttention-1's rate over FlashAttention-2's: the midpoints of the two utilisation ranges Dao 2023 gives on A100
@@ -144,6 +148,11 @@ class Job:
     # the pace. 1.0: balanced, what NVIDIA's published MoE benchmarks force (Megatron-Core's
     # moe_router_force_load_balancing); a real router's imbalance is the user's figure (none is assumed).
     expert_imbalance: float = 1.0
+    # The expert all-to-all's kernels (`EP_DISPATCHERS`). "flex": DeepEP's normal kernels and HybridEP send each token
+    # across to each other node holding one of its experts once and forward it inside that node over NVLink, all
+    # peers at once (`collectives.expert_all_to_all`, as serving prices DeepEP's prefill kernels), where NCCL's
+    # all-to-all sends every routed copy to its expert's GPU. Megatron-Core only (meshlm's expert.py is "alltoall").
+    ep_dispatcher: str = "alltoall"
     # The input embedding as a GEMM: a one-hot [tokens, vocab] matrix times the table (praxis' embedding
     # `lookup_style="matmul"`, what Paxml's LM configs set), forward and its weight gradient, each tokens x vocab
     # x hidden, plus writing the one-hot. False: a row gather (Megatron, PyTorch, MaxText), not priced.
@@ -187,6 +196,12 @@ class Job:
             raise ValueError(f"eager_ops={sorted(self.eager_ops)} must be among {list(EAGER_OPS)}")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime={self.runtime!r} must be one of {list(RUNTIMES)}")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise ValueError(f"ep_dispatcher={self.ep_dispatcher!r} must be one of {list(EP_DISPATCHERS)}")
+        if self.ep_dispatcher == "flex" and self.runtime != "megatron":
+            raise ValueError("ep_dispatcher='flex' is Megatron-Core's flex token dispatcher (DeepEP / HybridEP); "
+                             "meshlm's expert parallelism runs NCCL's all-to-all: set ep_dispatcher='alltoall' or "
+                             "runtime='megatron'")
         if self.runtime == "meshlm" and self.precision != "fp32":
             raise ValueError(f"runtime='meshlm' trains in fp32 (precision={self.precision!r} given); use "
                              "precision='fp32', or runtime='megatron' for mixed precision")

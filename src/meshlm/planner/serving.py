@@ -35,7 +35,7 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     passes KV blocks (Liu et al. 2023), overlapped with the attention it feeds;
   * ep: per MoE layer a dispatch (fp8) and a combine (bf16) all-to-all (DeepSeek-V3 report, arXiv:2412.19437,
     Sec. 3.4) -- DeepEP's low-latency kernels in decode iterations, its normal ones (holding SMs) with prefill
-    (serving_engine.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
+    (collectives.expert_all_to_all) --, where the engine does so overlapped with compute by two micro-batches
     that each read the weights (DeepSeek "Day 6" inference overview; SGLang TBO), else exposed; overlapped, each
     dispatch and combine hides only under the compute DeepSeek's published schedules run beside it
     (`serving_engine.overlapped_half`: in decode nothing hides the routed experts, which wait for their dispatch and
@@ -60,11 +60,10 @@ import math
 from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import Cluster, time_shared
-from meshlm.planner.collectives import collective_time, group_span
+from meshlm.planner.collectives import collective_time, expert_all_to_all, group_span
 from meshlm.planner.kernels import k_scale
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
-                                           expert_all_to_all, expert_imbalance, layer_kernels, overlapped_half,
-                                           roofline)
+                                           expert_imbalance, layer_kernels, overlapped_half, roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
 # DeepSeek-V3 report (arXiv:2412.19437, Sec. 5.4.3): the second token predicted by its MTP module is accepted

@@ -3,9 +3,10 @@ whether its decode-attention kernel shares a KV head's loads among the query hea
 all-to-all moves tokens, and how attention data-parallel ranks wait for the slowest.
 
 Responsible for: `Engine` (the properties of a serving engine the time depends on) and its presets (`ENGINES`),
-`roofline` (a kernel's time from its compute and memory times), `expert_all_to_all` (one MoE layer's dispatch +
-combine, by phase) and `busiest_rank_prefill` (attention data parallelism's per-iteration imbalance).
-Not responsible for: which work an iteration carries (`serving.py`) or batching policy (`serving_modes.py`).
+`roofline` (a kernel's time from its compute and memory times) and `busiest_rank_prefill` (attention data
+parallelism's per-iteration imbalance).
+Not responsible for: which work an iteration carries (`serving.py`), batching policy (`serving_modes.py`) or the
+expert all-to-all's time (`collectives.expert_all_to_all`, which training's flex dispatcher shares).
 Every constant here comes from a kernel benchmark or an engine's documentation, named where it is set -- none is
 fitted to a published end-to-end serving figure.
 """
@@ -178,7 +179,7 @@ class Engine:
     over NVLink inside it; SMs taken from compute) -- SGLang's and DeepSeek's large-EP serving; "allgather" -- every
     rank's tokens all-gathered to the expert group and the outputs reduce-scattered back (vLLM's default backend,
     AgRsAll2AllManager; DeepEP is its opt-in `--all2all-backend`); "all_to_all" -- the routed copies alone, node by
-    node (`expert_all_to_all`'s normal kernels).
+    node (`collectives.expert_all_to_all`'s normal kernels).
     `cuda_graphs`: without them the host launches every kernel of an iteration, which then takes at least
     kernels x HOST_LAUNCH_S ("host" bound); TensorRT-LLM's gptSession ran without them before 0.7.
     `two_batch_overlap`: DeepSeek's serving ("Day 6" inference system overview: dual micro-batch overlap in
@@ -396,35 +397,6 @@ def prefill_pair(*, a: float, s: float, m: float, d: float, c: float) -> float:
     b_back = max(a_back, b_experts) + c
     a_end = max(b_experts + s, a_back)  # A3
     return max(a_end + s, b_back)  # B3
-
-
-def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], up: tuple[float, float],
-                      out: tuple[float, float], low_latency: bool) -> float:
-    """Seconds of one MoE layer's dispatch + combine of the tokens one GPU holds (`token_bytes`: their hidden
-    states, dispatch + combine bytes summed) over an expert group of `span` (GPUs per scale-up domain, domains);
-    `up` / `out`: (latency, bandwidth) of the all-to-all on each tier.
-
-    Low-latency kernels (decode; DeepEP V1 README, "Low-latency kernels with pure RDMA"): each of a token's top-k
-    copies goes to its expert's GPU on its own -- those on other nodes over the NIC, the rest over NVLink, at
-    once. DeepEP's table (H800, CX7 400 Gb/s, 128 tokens, hidden 7168, top-8, FP8 dispatch + BF16 combine) fits
-    it: at EP32 (3/4 of the copies leave the node) dispatch 155 us / combine 273 us against 142 / 275 us here with
-    the NIC at 40 GB/s (0.8 x 50 GB/s); at EP128 192 / 369 us against 178 / 345 us. Normal kernels (prefill;
-    DeepEP's "Normal kernels with NVLink and RDMA forwarding", DeepSeek-V3 report Sec. 3.4): a token crosses to
-    each other node holding one of its experts once and is forwarded inside it over NVLink. Either way all peers
-    are written concurrently, so a call pays one latency per tier, not one per peer."""
-    n_in, n_out = span
-    n = n_in * n_out
-    if n <= 1:
-        return 0.0
-    (lat_up, bw_up), (lat_out, bw_out) = up, out
-    if low_latency:
-        local = token_bytes * top_k * (n_in - 1) / n
-        across = token_bytes * top_k * (n - n_in) / n
-    else:
-        local = token_bytes * top_k * (n_in - 1) / n
-        across = token_bytes * (n_out - 1) * (1 - (1 - 1 / n_out) ** top_k) if n_out > 1 else 0.0
-    latency = 2 * (lat_out if n_out > 1 else lat_up)
-    return max(local / bw_up, across / bw_out if n_out > 1 else 0.0) + latency
 
 
 def expert_imbalance(num_experts: int, ep: int, balance: str) -> float:

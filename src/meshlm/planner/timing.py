@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.config import ModelConfig
 from meshlm.rules import PP_SCHEDULES
-from meshlm.planner.collectives import group_span
+from meshlm.planner.collectives import expert_all_to_all, group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemm_time, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, FA1_RATE_OF_FA2, Job, Layout
 from meshlm.planner.memory import RankParams
@@ -451,15 +451,26 @@ def kv_exchange_time(cfg: ModelConfig, job: Job, lo: Layout, r: RankSetup, *, la
 
 def ep_comm_time(summary: ModelSummary, job: Job, r: RankSetup, *, imbalance: float, window: float) -> float:
     """Expert all-to-all of one (average) layer and microbatch: dispatch + combine forward and backward (and
-    again if recomputed), exposed unless `Job.ep_comm_overlap` (then under `window`, the layer's forward +
-    backward compute of another microbatch)."""
+    again if recomputed) by the job's dispatcher (`Job.ep_dispatcher`), exposed unless `Job.ep_comm_overlap` (then
+    under `window`, the layer's forward + backward compute of another microbatch)."""
     cfg, ep = summary.cfg, r.ep
     if not (ep > 1 and cfg.is_moe):
         return 0.0
-    # the busiest rank receives `imbalance` x the mean: the all-to-all ends when it has
-    a2a = r.tokens_mb / (r.tp if r.sp else 1) * cfg.num_experts_per_token * cfg.hidden_size * r.by["act"] * imbalance
-    n_a2a = 4 + (2 if r.rc == "full" else 0)
-    t_ep_layer = summary.moe_layer_fraction * n_a2a * r.times("all_to_all", a2a, r.spans["ep"])
+    tokens = r.tokens_mb / (r.tp if r.sp else 1)
+    if job.ep_dispatcher == "flex":
+        # DeepEP / HybridEP: a dispatch and a combine per pass (forward, backward, a recomputed forward), each token
+        # crossing once to each other node holding one of its experts; the busiest rank's excess as a longer call
+        cl = r.cluster
+        call = expert_all_to_all(2 * tokens * cfg.hidden_size * r.by["act"], top_k=cfg.num_experts_per_token,
+                                 span=r.spans["ep"], up=cl.collective_fit("all_to_all", "scale-up"),
+                                 out=cl.collective_fit("all_to_all", "scale-out"), low_latency=False)
+        t_ep_layer = summary.moe_layer_fraction * (2 + (1 if r.rc == "full" else 0)) * call * imbalance
+    else:
+        # NCCL's all-to-all of every routed copy; the busiest rank receives `imbalance` x the mean: the all-to-all
+        # ends when it has
+        a2a = tokens * cfg.num_experts_per_token * cfg.hidden_size * r.by["act"] * imbalance
+        n_a2a = 4 + (2 if r.rc == "full" else 0)
+        t_ep_layer = summary.moe_layer_fraction * n_a2a * r.times("all_to_all", a2a, r.spans["ep"])
     if job.ep_comm_overlap:
         # Megatron-Core's overlap_moe_expert_parallel_comm: the forward of one microbatch and the backward
         # of another run layer by layer on two streams, each one's dispatch / combine under the other's
