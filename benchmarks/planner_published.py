@@ -449,6 +449,18 @@ CHANGES = (
      "pipeline_schedule/train.py, parallel_module/communicator.py and pipeline_partitioning.py, "
      "core/optimizer/optimizer.py, allreduce.py and parameter_group.py, core/topology/topology_config.py, "
      "core/nn/linear/column_parallel_linear.py, transformer/model/layers/lm_head.py and losses/cross_entropy.py"),
+    # Issue 25, seventeenth round: group AL added (all 14 runs of four model cards); a mechanism and row descriptions.
+    ("mechanism: Megatron-Core's flex token dispatcher (DeepEP / HybridEP backends) sends a token across once to each "
+     "other node holding one of its experts and forwards it there over NVLink (Job.ep_dispatcher 'flex', "
+     "collectives.expert_all_to_all, the model serving's DeepEP prefill kernels use), where NCCL's all-to-all sends "
+     "every routed copy; row descriptions: recompute_modules without the attention core priced as none, a recipe's "
+     "overlap_grad_reduce False exposes the distributed optimizer's collectives, a row saying no EP overlap has none",
+     ("AL_megatron_bridge_cards_moe",),
+     "NVIDIA-NeMo/Megatron-Bridge at 067f987: examples/model_verification_cards/{qwen3-30b-a3b, qwen3-235b-a22b, "
+     "gpt-oss-120b, deepseek-v3}/card.yaml and each run's recipe at its commit (src/megatron/bridge/perf_recipes/, "
+     "recipes/); NVIDIA/Megatron-LM at d98e8a6 megatron/core/transformer/moe/README.md (DeepEP: 'Removes redundant "
+     "tokens during cross-node communication'); deepseek-ai/DeepEP branch hybrid-ep at 94a9f8f "
+     "docs/Hybrid-EP_Implementation.md (IB to each node's peer GPU, then distributed inside the node)"),
 )
 
 

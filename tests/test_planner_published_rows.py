@@ -384,6 +384,35 @@ def test_swallows_megatron_logs_run_the_legacy_model_with_its_optimizer_exposed_
     assert "skip" in scored["R596"] and all("skip" not in r for k, r in scored.items() if k != "R596")
 
 
+def test_megatron_bridge_cards_read_each_recipes_dispatcher_overlap_and_recomputation():
+    """Megatron-Bridge's model verification cards (group AL: the pretrain runs of Qwen3-30B-A3B, Qwen3-235B-A22B,
+    gpt-oss-120b and DeepSeek-V3 on H100, GB200 and GB300, each layout read from its recipe at the run's commit): a
+    row naming HybridEP runs the flex dispatcher (a token sent once to each other node holding one of its experts),
+    the gpt-oss GB200 recipe NCCL's all-to-all; EP overlap wherever Megatron-Core allows it but on DeepSeek-V3's H100
+    recipe, which also leaves its gradient reduce-scatter unoverlapped; recompute_modules without the attention core
+    (layernorm, moe_act; mla_up_proj, mlp) priced as none; the NVL72 racks one scale-up domain of 72."""
+    from meshlm.planner import published
+    from meshlm.planner.published_rows import cluster_for, stack_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    group = {r["row_id"]: r for r in rows if r["group"] == "AL_megatron_bridge_cards_moe"}
+    assert sorted(group) == [f"R{i}" for i in range(597, 611)]
+    for k, row in group.items():
+        job = published.job_of(row, published.model_of(row))
+        assert stack_of(row) == "nemo" and published.model_of(row).is_moe and not job.grad_reduce_in_fp32, k
+        assert job.ep_dispatcher == ("alltoall" if k == "R606" else "flex"), k
+        assert job.ep_comm_overlap == (k != "R608") and job.dp_comm_overlap == (k != "R608"), k
+        assert published.recompute_of(row) == "none", k
+        assert cluster_for(row).scaleup_size == (8 if row["gpu"].startswith("H100") else 72), k
+        assert job.precision == ("bf16" if row["precision"] == "BF16" else "fp8"), k
+    plain = {**group["R597"], "notes": group["R597"]["notes"].replace("HybridEP", "its")}
+    assert published.job_of(plain, published.model_of(plain)).ep_dispatcher == "alltoall"
+    selective = {**group["R608"], "recompute": "selective, recompute_modules core_attn, mla_up_proj"}
+    assert published.recompute_of(selective) == "selective"
+    scored = [published.predict_row(row) for row in group.values()]
+    assert all("skip" not in r for r in scored)
+
+
 def test_hagemanns_sweep_runs_as_aleph_alphas_scaling_library_runs_it():
     """Hagemann et al.'s sweep (group AF) ran AA-Scaling, Aleph Alpha's Scaling library, read as its public releases
     run it (`published_rows.BLOCKING_PIPE_STACKS`): RoPE and SwiGLU as torch ops, RMSNorm too where the row says so;

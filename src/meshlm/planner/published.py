@@ -244,8 +244,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # by Megatron-LM does not fully overlap GPU computation with communication" (its OverlappedDistributedOptimizer does).
     megatron_llama_plain = stack == "megatron-llama" and "overlapped" not in row["zero_fsdp"].lower()
     # A Megatron-LM row whose script passes neither --overlap-grad-reduce nor --overlap-param-gather (Megatron-Core's
-    # defaults were off: FlagPerf's Llama 3 8B, group AJ) says so: its distributed optimizer's collectives run exposed.
-    no_overlap_flags = bool(re.search(r"without --overlap-grad-reduce", text))
+    # defaults were off: FlagPerf's Llama 3 8B, group AJ), or a Megatron-Bridge recipe setting overlap_grad_reduce False
+    # (group AL's DeepSeek-V3 on H100), says so: its distributed optimizer's collectives run exposed.
+    no_overlap_flags = bool(re.search(r"without --overlap-grad-reduce|overlap_grad_reduce false", text))
     megatron_old = ((stack == "megatron-lm" and year < 2023) or blocking_pipe or megascale_baseline
                     or megatron_llama_plain or no_overlap_flags)
     # torchtitan's published A100 figures ran eager PyTorch (torch.compile off, its default then): one
@@ -263,9 +264,13 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     ep = cell_int(row["ep"], 1)
     # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)
     # wherever Megatron-Core allows it: ep > 1, no full recomputation, and an interleaved pipeline when pp > 1
-    # (their H100 MoE configs with a virtual pipeline set it; the one without, GPT-OSS pp=4, does not).
+    # (their H100 MoE configs with a virtual pipeline set it; the one without, GPT-OSS pp=4, does not), unless the row
+    # says it was off (group AL's DeepSeek-V3 on H100).
     ep_overlap = (nvidia and cfg.is_moe and ep > 1 and recompute_of(row) != "full"
-                  and (pp == 1 or interleaved(row)))
+                  and (pp == 1 or interleaved(row)) and not re.search(r"no (ep|expert[- ]parallel) overlap", text))
+    # Megatron-Core's flex token dispatcher where the row names its backend (DeepEP, HybridEP): a token sent once to
+    # each other node holding one of its experts (`Job.ep_dispatcher`); otherwise NCCL's all-to-all, its default.
+    flex = bool(re.search(r"(?<![a-z])(deepep|hybridep|flex dispatcher)(?![a-z])", text))
     # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
     # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
     # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
@@ -300,6 +305,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
+               ep_dispatcher="flex" if flex else "alltoall",
                fp32_norms=not mpt_norm, pp_p2p_serial=blocking_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved,
                zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,

@@ -331,6 +331,11 @@ def recompute_of(row: dict) -> str:
         return "full"
     if _pytorch_fsdp(row) and ("selective layer" in t or "selective op" in t):
         return HALF_RECOMPUTE
+    if "recompute_modules" in t and "core_attn" not in t:
+        # Megatron-Core's selective recomputation of named modules other than the attention core: layernorm and
+        # moe_act re-run elementwise work only, mla_up_proj and mlp a few GEMMs (MLA's up-projections, the dense
+        # layers' MLP: a few % of a DeepSeek-V3 step) -- priced as none, that re-run left out.
+        return "none"
     if "selective" in t:
         return "selective"
     if not t and stack_of(row) == "megascale":
