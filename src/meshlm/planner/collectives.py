@@ -177,11 +177,10 @@ def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], 
     if n <= 1:
         return 0.0
     (lat_up, bw_up), (lat_out, bw_out) = up, out
+    local = token_bytes * top_k * (n_in - 1) / n
     if low_latency:
-        local = token_bytes * top_k * (n_in - 1) / n
         across = token_bytes * top_k * (n - n_in) / n
     else:
-        local = token_bytes * top_k * (n_in - 1) / n
         across = token_bytes * (n_out - 1) * (1 - (1 - 1 / n_out) ** top_k) if n_out > 1 else 0.0
     latency = 2 * (lat_out if n_out > 1 else lat_up)
     return max(local / bw_up, across / bw_out if n_out > 1 else 0.0) + latency
