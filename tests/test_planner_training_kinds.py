@@ -418,7 +418,7 @@ def test_published_runs_median_error_within_ten_percent():
     priced as Megatron's cross entropy runs it (52 bytes per logit where 20 had been assumed; AJ 13%, AK 12%; bounded
     at 11.5%), 8.4% once AF's stack was read (bounded at 9%); the bounds above hold for the other groups' rows.
     Megatron-Bridge's model cards (group AL, 14 MoE rows on H100 / GB200 / GB300) came in at 8.9% (-22..+18%, and
-    gpt-oss-120b's BF16 GB200 recipe +82%); bounded at 15%."""
+    gpt-oss-120b's BF16 GB200 recipe +81%); bounded at 15%."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs, summarize
