@@ -454,7 +454,8 @@ CHANGES = (
      "other node holding one of its experts and forwards it there over NVLink (Job.ep_dispatcher 'flex', "
      "collectives.expert_all_to_all, the model serving's DeepEP prefill kernels use), where NCCL's all-to-all sends "
      "every routed copy; row descriptions: recompute_modules without the attention core priced as none, a recipe's "
-     "overlap_grad_reduce False exposes the distributed optimizer's collectives, a row saying no EP overlap has none",
+     "overlap_grad_reduce False exposes the distributed optimizer's collectives, a row saying no EP overlap has none, "
+     "bf16 Adam moments beside the fp32 master where a recipe keeps them (Job.bf16_moments: 8 bytes of state, not 12)",
      ("AL_megatron_bridge_cards_moe",),
      "NVIDIA-NeMo/Megatron-Bridge at 067f987: examples/model_verification_cards/{qwen3-30b-a3b, qwen3-235b-a22b, "
      "gpt-oss-120b, deepseek-v3}/card.yaml and each run's recipe at its commit (src/megatron/bridge/perf_recipes/, "

@@ -390,7 +390,8 @@ def test_megatron_bridge_cards_read_each_recipes_dispatcher_overlap_and_recomput
     row naming HybridEP runs the flex dispatcher (a token sent once to each other node holding one of its experts),
     the gpt-oss GB200 recipe NCCL's all-to-all; EP overlap wherever Megatron-Core allows it but on DeepSeek-V3's H100
     recipe, which also leaves its gradient reduce-scatter unoverlapped; recompute_modules without the attention core
-    (layernorm, moe_act; mla_up_proj, mlp) priced as none; the NVL72 racks one scale-up domain of 72."""
+    (layernorm, moe_act; mla_up_proj, mlp) priced as none; bf16 Adam moments where the recipe keeps them
+    (DeepSeek-V3's and the MXFP8 ones); the NVL72 racks one scale-up domain of 72."""
     from meshlm.planner import published
     from meshlm.planner.published_rows import cluster_for, stack_of
 
@@ -405,6 +406,7 @@ def test_megatron_bridge_cards_read_each_recipes_dispatcher_overlap_and_recomput
         assert published.recompute_of(row) == "none", k
         assert cluster_for(row).scaleup_size == (8 if row["gpu"].startswith("H100") else 72), k
         assert job.precision == ("bf16" if row["precision"] == "BF16" else "fp8"), k
+        assert job.bf16_moments == (job.precision == "fp8" or row["model"] == "DeepSeekV3"), k
     plain = {**group["R597"], "notes": group["R597"]["notes"].replace("HybridEP", "its")}
     assert published.job_of(plain, published.model_of(plain)).ep_dispatcher == "alltoall"
     selective = {**group["R608"], "recompute": "selective, recompute_modules core_attn, mla_up_proj"}

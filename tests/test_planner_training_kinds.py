@@ -568,6 +568,13 @@ def test_a_model_cast_to_bf16_keeps_eight_bytes_of_state_per_parameter():
     assert states(cast) / states(mixed) == pytest.approx(8 / 18, rel=1e-9)
     assert cast.time_s["optimizer"] < mixed.time_s["optimizer"]
     assert cast.memory_gib["activations"] == mixed.memory_gib["activations"]
+    # Megatron-Core's precision-aware optimizer with bf16 moments (`Job.bf16_moments`, group AL's recipes) keeps the
+    # fp32 master beside them: 4 + 2 + 2 bytes of optimizer state where 12; with a bf16 cast there is no master
+    assert bytes_per("bf16", bf16_moments=True) == dict(param=2, grad=4, optim=8, act=2, reduce=4)
+    moments = estimate(cfg, cluster, replace(job, bf16_moments=True), lo, gpus=4)
+    assert moments.memory_gib["optimizer"] / mixed.memory_gib["optimizer"] == pytest.approx(8 / 12, rel=1e-9)
+    with pytest.raises(ValueError, match="bf16_moments"):
+        replace(job, bf16_moments=True, bf16_states=True).validate()
 
 
 def test_the_overlap_caution_states_what_the_dev_rows_show():

@@ -107,6 +107,11 @@ class Job:
     # parameters, their gradients and the Adam moments 2 bytes each, no fp32 master copy -- 8 bytes of state per
     # parameter where mixed precision keeps 18 (`placement.bytes_per`); the optimizer step streams as many fewer.
     bf16_states: bool = False
+    # Megatron-Core's precision-aware optimizer with bf16 Adam moments (`use_precision_aware_optimizer`,
+    # `exp_avg_dtype` / `exp_avg_sq_dtype` torch.bfloat16: Megatron-Bridge's DeepSeek-V3 and MXFP8 MoE recipes,
+    # group AL) beside the fp32 master copy: 8 bytes of optimizer state per parameter where 12
+    # (`placement.bytes_per`); the optimizer step streams as many fewer. Mixed precision only.
+    bf16_moments: bool = False
     # Megatron-Core's fused cross entropy (`cross_entropy_loss_fusion`, from core_v0.8; NeMo's and Megatron-Bridge's
     # GPT configs default it on): its jit-fused kernels move fewer bytes per logit than the op-by-op loss
     # (`timing.loss_time`).
@@ -202,6 +207,10 @@ class Job:
             raise ValueError("ep_dispatcher='flex' is Megatron-Core's flex token dispatcher (DeepEP / HybridEP); "
                              "meshlm's expert parallelism runs NCCL's all-to-all: set ep_dispatcher='alltoall' or "
                              "runtime='megatron'")
+        if self.bf16_moments and (self.precision == "fp32" or self.bf16_states):
+            raise ValueError("bf16_moments is mixed precision's optimizer (an fp32 master copy beside bf16 Adam "
+                             f"moments); precision={self.precision!r}, bf16_states={self.bf16_states} keep no master: "
+                             "set bf16_moments=False")
         if self.runtime == "meshlm" and self.precision != "fp32":
             raise ValueError(f"runtime='meshlm' trains in fp32 (precision={self.precision!r} given); use "
                              "precision='fp32', or runtime='megatron' for mixed precision")

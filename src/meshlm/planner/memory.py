@@ -8,7 +8,8 @@ Not responsible for: time (`timing.py`), or whether a total fits (`cost.py`: MIN
 Model-state bytes per parameter (bf16 / fp8 training, Megatron's distributed-optimizer convention):
 2 (bf16 weights) + 4 (fp32 gradients: accumulated and reduced in fp32) + 12 (fp32 master, Adam m and
 v); the gradients are 2 bytes where `Job.grad_reduce_in_fp32` is False; a model cast to bf16 (`Job.bf16_states`)
-keeps 2 + 2 + 4 (bf16 moments, no master). Under fp8 the GEMM inputs kept
+keeps 2 + 2 + 4 (bf16 moments, no master), Megatron-Core's precision-aware optimizer with bf16 moments
+(`Job.bf16_moments`) 8 in place of the 12. Under fp8 the GEMM inputs kept
 for backward are fp8 copies (`fp8_saved_input_delta`). ZeRO-1 shards the 12, ZeRO-2 also the gradients,
 ZeRO-3 also the weights, each over dp_shard x cp (communication: Megatron / FSDP-style, overlapped,
 ZeRO-3 prefetching the next layer).

@@ -32,17 +32,19 @@ if TYPE_CHECKING:
     from meshlm.planner.cost import ModelSummary
 
 
-def bytes_per(precision: str, *, grad_reduce_in_fp32: bool = True, bf16_states: bool = False) -> dict:
+def bytes_per(precision: str, *, grad_reduce_in_fp32: bool = True, bf16_states: bool = False,
+              bf16_moments: bool = False) -> dict:
     """Bytes per element of each model-state kind and of activations / gradient reductions;
     `grad_reduce_in_fp32=False` (`Job.grad_reduce_in_fp32`): mixed-precision gradients kept and reduced
     in bf16; `bf16_states` (`Job.bf16_states`): a model cast to bf16, its gradients and Adam moments bf16 too and no
-    fp32 master copy (reduced in fp32 or not as the flag before says)."""
+    fp32 master copy (reduced in fp32 or not as the flag before says); `bf16_moments` (`Job.bf16_moments`): the
+    fp32 master copy beside bf16 Adam moments."""
     if precision == "fp32":
         return dict(param=4, grad=4, optim=8, act=4, reduce=4)
     reduce = 4 if grad_reduce_in_fp32 else 2
     if bf16_states:
         return dict(param=2, grad=2, optim=4, act=2, reduce=reduce)
-    return dict(param=2, grad=reduce, optim=12, act=2, reduce=reduce)
+    return dict(param=2, grad=reduce, optim=4 + 2 + 2 if bf16_moments else 12, act=2, reduce=reduce)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ def world_setup(summary: ModelSummary, cluster: Cluster, job: Job, gpus: int) ->
     cores_saturated = bool(cluster.compute_slots) and ranks_per_host(cluster, gpus) >= cluster.compute_slots
     return WorldSetup(
         summary=summary, source=cluster, job=job, gpus=gpus, cluster=slowed, times=CollectiveTimes(slowed),
-        by=bytes_per(job.precision, grad_reduce_in_fp32=job.grad_reduce_in_fp32, bf16_states=job.bf16_states),
+        by=bytes_per(job.precision, grad_reduce_in_fp32=job.grad_reduce_in_fp32, bf16_states=job.bf16_states,
+                     bf16_moments=job.bf16_moments),
         share=share,
         cores_saturated=cores_saturated, peak=slowed.peak(job.precision) / share,
         peak_attn=(slowed.peak("bf16") if job.precision == "fp8" else slowed.peak(job.precision)) / share,

@@ -298,6 +298,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # `tp_loss_replicated` (so does Scaling's head: `TP_LOSS_REPLICATED_STACKS`). It casts the model to bf16 before
     # training (scripts/train.py), as lightning-thunder's benchmark_litgpt.py does (`init_model`:
     # model.to(dtype=torch.bfloat16)): `bf16_states` (`BF16_STATE_STACKS`).
+    # A Megatron-Bridge recipe keeping its Adam moments in bf16 (precision-aware optimizer) says so: `bf16_moments`.
     # NVIDIA's recipes run Megatron-Core's fused cross entropy (`Job.cross_entropy_fusion`): NeMo-Framework-Launcher's
     # base configs (e.g. auto_configurator/base_configs/llama3_8b.yaml) and NeMo 2.0's GPTConfig set
     # cross_entropy_loss_fusion, Megatron-Bridge's GPT provider defaults it on. The others are priced op by op; XLA
@@ -310,6 +311,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved,
                zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,
                tp_loss_replicated=stack in TP_LOSS_REPLICATED_STACKS, bf16_states=stack in BF16_STATE_STACKS,
+               bf16_moments=bool(re.search(r"bf16 (main gradients and )?adam moments", text)),
                cross_entropy_fusion=nvidia,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
