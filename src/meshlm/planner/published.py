@@ -186,10 +186,10 @@ from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS
                                            DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS, FA2_STACKS,
                                            FSDP2_STACKS, TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS,
                                            ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int, cluster_for, compiled,
-                                           gpt_style, hybrid_shard, interleaved, model_of, nvidia_recipe, precision_of,
-                                           predict_each, recompute_choices, recompute_fraction, recompute_of,
-                                           read_table, row_text, schedule_named, seq_len_of, shard_degree, source_year,
-                                           stack_of, token_count, zero_of)
+                                           gpt_style, hybrid_shard, interleaved, moe_comm_as_run, model_of, nvidia_recipe,
+                                           precision_of, predict_each, recompute_choices, recompute_fraction,
+                                           recompute_of, read_table, row_text, schedule_named, seq_len_of,
+                                           shard_degree, source_year, stack_of, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -218,7 +218,7 @@ def eq3_flops_per_step(cfg: ModelConfig, job: Job) -> float:
 
 def job_of(row: dict, cfg: ModelConfig) -> Job:
     """The row's job: its sequence, batch and precision, and what its software stack overlaps and fuses."""
-    n, pp = cell_int(row["n_gpus"]), cell_int(row["pp"])
+    n = cell_int(row["n_gpus"])
     year, text = source_year(row), row_text(row)
     # The global batch in sequences, or its tokens over the sequence length ("16M tokens"), else a micro-batch per GPU.
     gbs_tokens = token_count(row.get("gbs_tokens", ""))
@@ -261,16 +261,6 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # communication_data_type default); BLOOM-176B's BF16_Optimizer reduces fp32 ones.
     bf16_reduce = ("pure" in row["precision"].lower() or stack in BF16_REDUCE_STACKS
                    or (deepspeed_pipe and "fp16" in row["precision"].lower()))
-    ep = cell_int(row["ep"], 1)
-    # NVIDIA's MoE recipes: the expert-parallel all-to-all overlapped with another microbatch (moe_a2a_overlap)
-    # wherever Megatron-Core allows it: ep > 1, no full recomputation, and an interleaved pipeline when pp > 1
-    # (their H100 MoE configs with a virtual pipeline set it; the one without, GPT-OSS pp=4, does not), unless the row
-    # says it was off (group AL's DeepSeek-V3 on H100).
-    ep_overlap = (nvidia and cfg.is_moe and ep > 1 and recompute_of(row) != "full"
-                  and (pp == 1 or interleaved(row)) and not re.search(r"no (ep|expert[- ]parallel) overlap", text))
-    # Megatron-Core's flex token dispatcher where the row names its backend (DeepEP, HybridEP): a token sent once to
-    # each other node holding one of its experts (`Job.ep_dispatcher`); otherwise NCCL's all-to-all, its default.
-    flex = bool(re.search(r"(?<![a-z])(deepep|hybridep|flex dispatcher)(?![a-z])", text))
     # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
     # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
     # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
@@ -305,8 +295,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # fuses MaxText's and Paxml's loss too, not counted apart (priced as fused, their rows would move under a point).
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
-               grad_reduce_in_fp32=not (nvidia or bf16_reduce), ep_comm_overlap=ep_overlap,
-               ep_dispatcher="flex" if flex else "alltoall",
+               grad_reduce_in_fp32=not (nvidia or bf16_reduce), **moe_comm_as_run(row, cfg, nvidia=nvidia),
                fp32_norms=not mpt_norm, pp_p2p_serial=blocking_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved,
                zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,

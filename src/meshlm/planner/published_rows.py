@@ -439,3 +439,17 @@ def schedule_named(row: dict) -> str | None:
 def interleaved(row: dict) -> bool:
     vpp_text = row["vpp"].strip().lower()
     return vpp_text.startswith("interleaved") or cell_int(vpp_text, 1) > 1 or schedule_named(row) == "interleaved"
+
+
+def moe_comm_as_run(row: dict, cfg: ModelConfig, *, nvidia: bool) -> dict:
+    """The expert all-to-all's `Job` fields as the row ran it. `ep_comm_overlap`: NVIDIA's MoE recipes overlap it with
+    another microbatch (moe_a2a_overlap) wherever Megatron-Core allows it -- ep > 1, no full recomputation, and an
+    interleaved pipeline when pp > 1 (their H100 MoE configs with a virtual pipeline set it; the one without, GPT-OSS
+    pp=4, does not) -- unless the row says it was off (group AL's DeepSeek-V3 on H100). `ep_dispatcher`: "flex" where
+    the row names the flex dispatcher's backend (DeepEP, HybridEP: a token sent once to each other node holding one
+    of its experts), otherwise NCCL's all-to-all, Megatron-Core's default."""
+    text, pp = row_text(row), cell_int(row["pp"])
+    overlap = (nvidia and cfg.is_moe and cell_int(row["ep"], 1) > 1 and recompute_of(row) != "full"
+               and (pp == 1 or interleaved(row)) and not re.search(r"no (ep|expert[- ]parallel) overlap", text))
+    flex = re.search(r"(?<![a-z])(deepep|hybridep|flex dispatcher)(?![a-z])", text)
+    return {"ep_comm_overlap": overlap, "ep_dispatcher": "flex" if flex else "alltoall"}
