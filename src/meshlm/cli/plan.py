@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.cli.plan_serving import CLUSTER_CHOICES, add_serving_parsers, run_context, run_infer
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
+from meshlm.planner.layout import EP_DISPATCHERS
 from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     p.add_argument("--runtime", choices=["megatron", "meshlm"], default=None,
                    help="whose memory/communication accounting: megatron (mixed precision, the default for the "
                         "presets) or meshlm (its own fp32 runtime, the default for --cluster local)")
+    p.add_argument("--ep-dispatcher", choices=EP_DISPATCHERS, default="alltoall",
+                   help="how a MoE model's expert all-to-all moves tokens: alltoall (NCCL's all-to-all of every "
+                        "routed copy: Megatron-Core's default, meshlm's runtime) or flex (Megatron-Core's flex "
+                        "dispatcher with DeepEP or HybridEP: a token sent once to each other node holding one of its "
+                        "experts, forwarded there over NVLink)")
     p.add_argument("--train-tokens", default=None, metavar="N",
                    help="tokens of the whole run (e.g. 15T) for its days and energy")
     p.add_argument("--failure-rate", type=float, default=None, metavar="PER_GPU_HOUR",
@@ -189,7 +195,7 @@ def _cluster_and_job(args):
     _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision,
-                   runtime=runtime_of(args))
+                   runtime=runtime_of(args), ep_dispatcher=args.ep_dispatcher)
     return cluster, job
 
 
@@ -289,7 +295,7 @@ def run_scale(args) -> int:
                   flush=True)
         curves[mode] = scale_curve(cfg, cluster, counts=counts, seq_len=args.seq_len, precision=args.precision,
                                    runtime=runtime_of(args), mode=mode, global_batch_tokens=tokens,
-                                   tokens_per_gpu=per_gpu)
+                                   tokens_per_gpu=per_gpu, ep_dispatcher=args.ep_dispatcher)
         if not args.json:
             print(describe(curves[mode], mode=mode))
             print()
@@ -321,7 +327,8 @@ def run_compare(args) -> int:
                          "e.g. --cluster h100 --cluster gb200-nvl72")
     _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
-                   global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron")
+                   global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron",
+                   ep_dispatcher=args.ep_dispatcher)
     rows = []
     for name in args.cluster:
         cluster = get_cluster(name, calibration=args.calibration)

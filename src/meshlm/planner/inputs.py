@@ -86,7 +86,8 @@ def resolve_model(spec: str):
 
 
 def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
-             precision: str = "bf16", flash_attention: bool = True, runtime: str = "megatron"):
+             precision: str = "bf16", flash_attention: bool = True, runtime: str = "megatron",
+             ep_dispatcher: str = "alltoall"):
     from meshlm.planner.cost import Job
 
     if seq_len is None or int(seq_len) < 1:
@@ -102,6 +103,6 @@ def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch
     else:
         raise ValueError("give --global-batch-size (sequences) or --global-batch-tokens (e.g. 4M)")
     job = Job(seq_len=int(seq_len), global_batch_size=gbs, precision=precision, flash_attention=flash_attention,
-              runtime=runtime)
+              runtime=runtime, ep_dispatcher=ep_dispatcher)
     job.validate()
     return job
