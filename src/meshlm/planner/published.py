@@ -186,10 +186,10 @@ from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS
                                            DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS, FA2_STACKS,
                                            FSDP2_STACKS, TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS,
                                            ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int, cluster_for, compiled,
-                                           gpt_style, hybrid_shard, interleaved, moe_comm_as_run, model_of, nvidia_recipe,
-                                           precision_of, predict_each, recompute_choices, recompute_fraction,
-                                           recompute_of, read_table, row_text, schedule_named, seq_len_of,
-                                           shard_degree, source_year, stack_of, token_count, zero_of)
+                                           gpt_style, hybrid_shard, interleaved, model_of, moe_comm_as_run,
+                                           nvidia_recipe, precision_of, predict_each, recompute_choices,
+                                           recompute_fraction, recompute_of, read_table, row_text, schedule_named,
+                                           seq_len_of, shard_degree, source_year, stack_of, token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
