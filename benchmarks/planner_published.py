@@ -179,6 +179,11 @@ all-reduced in fp32 after the flush and the ZeRO-1 shards gathered back, the hea
 whole vocabulary on every tp rank; row descriptions only, no constant. AF 16.6% -> 7.6% (its pp 1 rows 8.6% -> 2.0%,
 its pipelines 17% -> 8.9%); overall 10.9% -> 8.4%, held-out 11.4% -> 8.9%, fitted groups unchanged (no other row
 moved).
+A seventeenth round (the last two `CHANGES` entries) added group AL (Megatron-Bridge's model verification cards: MoE
+training on its current recipes) with the flex token dispatcher, then priced DeepSeek-V3's multi-head latent
+attention, where GQA of the same width had stood in (2.5x its attention's parameters): its four rows -19% -> -6%
+(1,024 H100s), -5% -> +11% and -22% -> -9% (256 GB200s / GB300s), group I's -1.5% -> -2.9% (less compute hides less
+of its overlapped all-to-all); MoE rows 13.9% -> 9.3%, every other row unchanged.
 """
 
 from __future__ import annotations
@@ -462,6 +467,15 @@ CHANGES = (
      "recipes/); NVIDIA/Megatron-LM at d98e8a6 megatron/core/transformer/moe/README.md (DeepEP: 'Removes redundant "
      "tokens during cross-node communication'); deepseek-ai/DeepEP branch hybrid-ep at 94a9f8f "
      "docs/Hybrid-EP_Implementation.md (IB to each node's peer GPU, then distributed inside the node)"),
+    ("mechanism: DeepSeek-V3 trains with its multi-head latent attention (planner/mla.py, the shapes serving "
+     "already priced), not grouped-query attention of the same width: down-projections whole on every tp rank over "
+     "its share of the tokens, up- and output projections split by heads, the core on 192-dim q / k and 128-dim v; "
+     "671.0B parameters, 37.6B active (GQA of its width: 688B / 54.8B)",
+     ("AL_megatron_bridge_cards_moe", "I_megatron_bridge_h100"),
+     "DeepSeek-V3 technical report (arXiv:2412.19437: 671B parameters, 37B activated) and config.json "
+     "(deepseek-ai/DeepSeek-V3: kv_lora_rank 512, q_lora_rank 1536, qk_nope / qk_rope / v head dims 128 / 64 / "
+     "128); NVIDIA/Megatron-LM at d98e8a6 megatron/core/transformer/multi_latent_attention.py and "
+     "models/gpt/gpt_layer_specs.py (the down-projections TELinear 'duplicated', the up-projections column-parallel)"),
 )
 
 

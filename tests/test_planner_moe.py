@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 
 from meshlm.config import ModelConfig
-from meshlm.planner.cost import estimate
+from meshlm.planner.cost import estimate, estimate_layout
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.cost import Job, ModelSummary
 from meshlm.planner.kernels import gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import Layout
 from meshlm.planner.memory import rank_params
+from meshlm.planner.mla import MLA, matmul_params
 from meshlm.planner.placement import rank_setup
 
 # A small fine-grained MoE (Qwen3-MoE-like shape, 8 layers): 64 experts, top-8.
@@ -202,3 +203,51 @@ def test_plan_takes_the_flex_dispatcher_from_its_flag(capsys):
     assert got["flex"]["ep_comm"] < 0.7 * got["alltoall"]["ep_comm"] and got["flex"]["step"] < got["alltoall"]["step"]
     with pytest.raises(SystemExit):
         _cli(argv + ["--ep-dispatcher", "deepep"], capsys)
+
+
+def test_deepseek_v3_trains_with_its_latent_attention_not_gqa_of_its_width():
+    # The deepseek-v3 preset is meshlm's model of it: grouped-query attention of the same width (128 heads of 128).
+    # A Megatron-Core job prices DeepSeek's latent attention (mla.py); meshlm's runtime the model it builds.
+    cfg = ModelConfig.from_preset("deepseek-v3")
+    megatron = ModelSummary.for_job(cfg, Job(seq_len=4096, global_batch_size=1024))
+    own = ModelSummary.for_job(cfg, Job(seq_len=4096, global_batch_size=1024, runtime="meshlm", precision="fp32"))
+    assert megatron.mla == MLA(512, 64, 1536, 128, 128) and own.mla is None
+
+    def billions(s: ModelSummary) -> tuple[float, float]:
+        L, h = cfg.num_layers, cfg.hidden_size
+        dense = L * (s.layer_tp + s.layer_rep) + s.embed + s.head + h  # the final norm
+        routed_active = (L - 3) * 8 * 3 * h * 2048  # 8 of 256 routed experts in the 58 MoE layers
+        return (dense + L * s.layer_experts) / 1e9, (dense + routed_active) / 1e9
+
+    # The DeepSeek-V3 report (arXiv:2412.19437): 671B parameters, 37B activated per token; GQA of its width: 688B / 55B
+    total, active = billions(megatron)
+    assert total == pytest.approx(671.03, abs=0.01) and active == pytest.approx(37.55, abs=0.01)
+    assert billions(own) == pytest.approx((688.27, 54.79), abs=0.01)
+    # Per layer: down-projections h x 1536 and h x (512 + 64), whole on every tp rank (Megatron-Core's TELinear
+    # 'duplicated') with the latents' norms; up-projections 1536 x 128 x 192, 512 x 128 x 256 and the output 16384 x h
+    # split by heads.
+    h = cfg.hidden_size
+    assert megatron.layer_rep - own.layer_rep == pytest.approx(h * 1536 + h * 576 + 1536 + 512, abs=1e-6)
+    assert megatron.layer_tp - own.layer_tp == pytest.approx(
+        1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * h - 4 * h * 128 * 128, abs=1e-6)
+    # The core: q k^T on 192 dims and p v on 128 per head, over the full square (models/stats.py's convention)
+    assert megatron.flops_attn == 2 * 4096 * 128 * (192 + 128) and own.flops_attn == 4 * 4096 * 128 * 128
+    assert megatron.model_flops_per_token == pytest.approx(281.15e9, rel=1e-4)
+    # On a rank at tp 2: the up- and output projections on every token over half the heads, the down-projections on
+    # its half of the tokens under sequence parallelism, all of them without.
+    m, tokens = megatron.mla, 4096
+    attention_flops = lambda gemms: sum(2 * a * b * c * n for a, b, c, n in gemms[:5])  # noqa: E731
+    sp = layer_gemms(cfg, tokens=tokens, tp=2, ep=1, moe_fraction=0.0, mla=m)
+    no_sp = layer_gemms(cfg, tokens=tokens, tp=2, ep=1, moe_fraction=0.0, mla=m, sequence_parallel=False)
+    sharded, replicated = matmul_params(cfg, m)
+    assert attention_flops(sp) == 2 * tokens * (sharded + replicated) / 2
+    assert attention_flops(no_sp) == 2 * tokens * (sharded / 2 + replicated)
+    # The whole estimate: less compute a step, and every rank holds fewer parameters (at tp 2, 8 stages).
+    lo = Layout(dp_shard=64, tp=2, pp=8, ep=64, expert_tp=1, micro_batch_size=1, zero_stage=1)
+    job = Job(seq_len=4096, global_batch_size=1024)
+    cluster = get_cluster("h100")
+    with_mla = estimate(cfg, cluster, job, lo, gpus=1024)
+    as_gqa = estimate_layout(ModelSummary.build(cfg, 4096), cluster, job, with_mla.layout,
+                             num_microbatches=with_mla.num_microbatches)
+    assert with_mla.time_s["compute"] < 0.8 * as_gqa.time_s["compute"]
+    assert with_mla.memory_gib["weights"] < as_gqa.memory_gib["weights"]

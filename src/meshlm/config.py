@@ -181,9 +181,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                          intermediate_size=14336, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-5,
                          num_experts=8, num_experts_per_token=2, router_aux_loss_coef=0.02),
-    # DeepSeek-V3 dimensions (671B total, ~37B active). Its multi-head latent attention is modelled
-    # as grouped-query attention of the same width; routing as softmax top-k. 3 leading dense layers,
-    # 256 routed experts (8 active) + 1 shared expert.
+    # DeepSeek-V3 dimensions (671B total, ~37B active). meshlm's model of its multi-head latent attention is
+    # grouped-query attention of the same width (688B, ~55B active; the planner prices the latent attention itself,
+    # planner/mla.py); routing as softmax top-k. 3 leading dense layers, 256 routed experts (8 active) + 1 shared.
     "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, num_kv_heads=128,
                         head_dim=128, intermediate_size=18432, max_seq_len=163840, rope_theta=10000.0,
                         norm_eps=1e-6, num_experts=256, num_experts_per_token=8, moe_intermediate_size=2048,

@@ -26,6 +26,8 @@ from meshlm.planner.cluster import GiB, Cluster
 from meshlm.planner.collectives import collective_time, group_span, link_name
 from meshlm.planner.layout import (CP_COMPUTE_BYTES, CP_METHODS, PRECISIONS, RECOMPUTE, RUNTIMES,
                                    Job, Layout, parse_layout, resolve_layout, validate_layout)
+from meshlm.planner import mla as latent
+from meshlm.planner.mla import MLA, latent_attention
 from meshlm.planner.memory import (FRAGMENTATION, MiB, ZERO3_PREFETCH_LAYERS, RankParams,
                                    inflight_microbatches, layer_activation_bytes, memory_bytes, rank_params)
 from meshlm.planner.placement import RankSetup, WorldSetup, bytes_per, rank_setup, rank_split, world_setup
@@ -108,10 +110,19 @@ class ModelSummary:
     # (pp, pp_chunks, pp_split) -> placement's split of this model: a search asks for the same few splits
     # tens of thousands of times; kept with the summary (one per search), not in a global.
     splits: dict = field(default_factory=dict, compare=False, repr=False)
+    mla: MLA | None = None  # DeepSeek's latent attention in place of cfg's grouped-query attention (mla.py)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, seq_len: int, *, eager: bool = False) -> "ModelSummary":
-        """`eager`: activations as meshlm's model keeps them run op by op (Job.fused_elementwise=False)."""
+    def for_job(cls, cfg: ModelConfig, job: Job) -> "ModelSummary":
+        """The summary a job's estimate uses: activations as its stack keeps them (`Job.fused_elementwise`), and
+        the latent attention its model runs (`mla.latent_attention`: the preset's, but on meshlm's runtime)."""
+        return cls.build(cfg, job.seq_len, eager=not job.fused_elementwise, mla=latent_attention(cfg, job.runtime))
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, seq_len: int, *, eager: bool = False, mla: MLA | None = None) -> "ModelSummary":
+        """`eager`: activations as meshlm's model keeps them run op by op (Job.fused_elementwise=False). `mla`: the
+        layers' attention is that latent attention (`mla.py`: its parameters, GEMM FLOPs, core FLOPs and kept
+        activations replace those of the grouped-query attention `cfg` describes)."""
         L = cfg.num_layers
         lp = [model_stats.layer_params(cfg, i) for i in range(L)]
         lf = [model_stats.layer_flops(cfg, i, seq_len) for i in range(L)]
@@ -119,24 +130,46 @@ class ModelSummary:
                for rc in RECOMPUTE}
         n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
         expert_flops = 2 * 3 * cfg.hidden_size * cfg.expert_intermediate_size * cfg.num_experts_per_token
-        return cls(
-            cfg=cfg, seq_len=seq_len,
+        out = dict(
             layer_tp=sum(p.attention + p.mlp for p in lp) / L,
             layer_experts=sum(p.experts for p in lp) / L,
             layer_rep=sum(p.replicated for p in lp) / L,
-            embed=cfg.vocab_size * cfg.hidden_size,
-            head=cfg.vocab_size * cfg.hidden_size,
             flops_dense=sum(f.dense for f in lf) / L,
-            flops_dense_moe_experts=expert_flops * n_moe / L,
             flops_attn=sum(f.attention_core for f in lf) / L,
-            flops_head=2 * cfg.hidden_size * cfg.vocab_size,
             act_tp={rc: sum(a[0] for a in v) / L for rc, v in act.items()},
             act_seq={rc: sum(a[1] for a in v) / L for rc, v in act.items()},
-            moe_layer_fraction=n_moe / L,
             model_flops_per_token=model_stats.train_flops_per_token(cfg, seq_len),
             hw_flops_per_token={rc: model_stats.train_flops_per_token(cfg, seq_len, recompute=rc)
                                 for rc in RECOMPUTE},
         )
+        if mla is not None:
+            out.update(_latent_attention_terms(cfg, seq_len, mla, out, attention=lp[0].attention))
+        return cls(cfg=cfg, seq_len=seq_len, embed=cfg.vocab_size * cfg.hidden_size,
+                   head=cfg.vocab_size * cfg.hidden_size, flops_dense_moe_experts=expert_flops * n_moe / L,
+                   flops_head=2 * cfg.hidden_size * cfg.vocab_size, moe_layer_fraction=n_moe / L, mla=mla, **out)
+
+
+def _latent_attention_terms(cfg: ModelConfig, seq_len: int, mla: MLA, gqa: dict, *, attention: int) -> dict:
+    """`ModelSummary.build`'s per-layer terms (`gqa`, as `cfg`'s grouped-query attention gives them) with every
+    layer's attention (`attention` parameters, the same in each layer) replaced by the latent attention `mla`."""
+    h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sharded, replicated = latent.matmul_params(cfg, mla)
+    gqa_matmul = 2 * h * q_dim + 2 * h * kv_dim  # wq, wk, wv, wo (the biases are no matmul)
+    dense = gqa["flops_dense"] + 2 * (sharded + replicated - gqa_matmul)
+    core = latent.core_flops_per_token(cfg, mla, seq_len)
+    kept_tp, kept_seq = latent.activation_elems(cfg, mla)
+    gqa_kept = 2 * q_dim + 2 * kv_dim  # q, k, v and the attention output (models/stats.py)
+    L, head = cfg.num_layers, 2 * h * cfg.vocab_size
+    forward = L * (dense + core) + head
+    return dict(
+        layer_tp=gqa["layer_tp"] - attention + sharded,
+        layer_rep=gqa["layer_rep"] + replicated + latent.norm_params(mla),
+        flops_dense=dense, flops_attn=core,
+        act_tp={rc: v + (kept_tp - gqa_kept if rc != "full" else 0) for rc, v in gqa["act_tp"].items()},
+        act_seq={rc: v + (kept_seq if rc != "full" else 0) for rc, v in gqa["act_seq"].items()},
+        model_flops_per_token=3 * forward,
+        hw_flops_per_token={"none": 3 * forward, "selective": 3 * forward + L * core,
+                            "full": 3 * forward + L * (dense + core)})
 
 
 # The Layout fields `microbatch_time` reads neither itself nor through the RankSetup fields it uses (it prices
@@ -233,5 +266,4 @@ def estimate(cfg: ModelConfig, cluster: Cluster, job: Job, layout: Layout, *, gp
         gpus = layout.world if layout.is_resolved else layout.dp_replicate * layout.tp * layout.pp * layout.cp
     layout = resolve_layout(layout, gpus=gpus)
     m = validate_layout(cfg, job, layout, gpus=gpus)
-    return estimate_layout(ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise), cluster, job,
-                           layout, num_microbatches=m)
+    return estimate_layout(ModelSummary.for_job(cfg, job), cluster, job, layout, num_microbatches=m)

@@ -27,6 +27,7 @@ fixed number of bytes of K (128 B per row), so 1-byte fp8 inputs take twice as m
 from __future__ import annotations
 
 from meshlm.config import ModelConfig
+from meshlm.planner.mla import MLA, forward_gemms
 
 
 
@@ -75,7 +76,8 @@ def gemm_time(m: float, n: float, k: float, *, rate: float, hbm_bw: float, in_by
 
 
 def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fraction: float,
-                etp: int = 0, imbalance: float = 1.0) -> list[tuple]:
+                etp: int = 0, imbalance: float = 1.0, mla: MLA | None = None,
+                sequence_parallel: bool = True) -> list[tuple]:
     """Forward GEMMs of one average layer on one rank, as (m, n, k, count) for a microbatch of `tokens`.
 
     Column-parallel layers split N by tp, row-parallel ones K; a MoE layer's routed experts are split
@@ -85,10 +87,15 @@ def layer_gemms(cfg: ModelConfig, *, tokens: float, tp: int, ep: int, moe_fracti
     ranks instead: under sequence parallelism each rank dispatches its tokens / tp, so an expert sees
     tokens * (etp / tp) * top_k * ep / E rows of a width e_inter / etp (the same FLOPs per rank).
     `imbalance` (`Job.expert_imbalance`, with ep > 1) scales the routed experts' rows: the busiest rank's.
+    `mla`: the attention is DeepSeek's latent attention (`mla.forward_gemms`; its down-projections over the rank's
+    share of the tokens under `sequence_parallel`), not q, k, v and o of `cfg`'s heads.
     """
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    out = [(tokens, (q + 2 * kv) / tp, h, 1.0), (tokens, h, q / tp, 1.0)]
+    if mla is not None:
+        out = forward_gemms(cfg, mla, tokens=tokens, tp=tp, sequence_parallel=sequence_parallel)
+    else:
+        out = [(tokens, (q + 2 * kv) / tp, h, 1.0), (tokens, h, q / tp, 1.0)]
     dense = 1.0 - moe_fraction
     if dense > 0:
         out += [(tokens, 2 * cfg.intermediate_size / tp, h, dense), (tokens, h, cfg.intermediate_size / tp, dense)]

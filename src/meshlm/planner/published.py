@@ -519,7 +519,7 @@ def predict_row(row: dict) -> dict:
         layouts = [(rc, lo) for rc in rcs for lo in layouts_of(row, cfg, rc)]
     except (LookupError, ValueError) as e:  # no architecture, no preset, a layout the row's numbers contradict
         return {**base, "skip": str(e)}
-    summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
+    summary = ModelSummary.for_job(cfg, job)
     candidates, reasons = [], []
     for rc, lo in layouts:
         mixed = recompute_fraction(rc) is not None

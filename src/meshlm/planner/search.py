@@ -118,7 +118,7 @@ def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int 
     cfg.validate()
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1")
-    summary = ModelSummary.build(cfg, job.seq_len, eager=not job.fused_elementwise)
+    summary = ModelSummary.for_job(cfg, job)
     world = world_setup(summary, cluster, job, gpus)  # rates and remembered answers, shared by every layout
     fitting: list[Estimate] = []
     closest: Estimate | None = None

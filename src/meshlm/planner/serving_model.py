@@ -5,9 +5,9 @@ Responsible for: `ServedModel` (a `ModelConfig` plus, for MLA models, the latent
 layer's sliding window), built from a preset or a Hugging Face config.json (`served_model`, `layer_windows`), its
 weights per GPU under a serving layout, its KV bytes per token and per sequence (whole model, and per GPU), and its
 FLOPs per token. Torch-free.
-Not responsible for: any time (`serving.py`), or running the model (`meshlm.models`, which implements no MLA:
-`ModelConfig` models DeepSeek's attention as GQA of the same width, so training-side parameter counts stay as
-they were; only the planner's serving side prices the latent attention).
+Not responsible for: any time (`serving.py`), the latent attention's own shapes (`mla.py`, which the training
+side prices too), or running the model (`meshlm.models`, which implements no MLA: `ModelConfig` models DeepSeek's
+attention as GQA of the same width).
 
 MLA (DeepSeek-V2, Liu et al. 2024, arXiv:2405.04434, Sec. 2.1; DeepSeek-V3 config.json): per layer and token
 the cache holds one compressed latent c_KV of `kv_lora_rank` elements plus one decoupled RoPE key of
@@ -40,26 +40,13 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.hf_config import model_config_from_hf
 from meshlm.models import stats as model_stats
+from meshlm.planner.mla import MLA, MLA_PRESETS, matmul_params
 
 # Bytes per weight / KV element. NVFP4: 4-bit values plus one fp8 (E4M3) scale per 16-element block
 # (NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference", 2025): 0.5 + 1/16 bytes.
 # fp32: meshlm serves in float32 on CPUs (weights, activations and KV cache).
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
 KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
-
-
-@dataclass(frozen=True)
-class MLA:
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    q_lora_rank: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-
-
-# DeepSeek-V3 / R1's config.json (deepseek-ai/DeepSeek-V3): kv_lora_rank 512, qk_rope_head_dim 64,
-# q_lora_rank 1536, qk_nope_head_dim 128, v_head_dim 128.
-MLA_PRESETS = {"deepseek-v3": MLA(512, 64, 1536, 128, 128)}
 
 
 @dataclass(frozen=True)
@@ -105,14 +92,9 @@ class ServedModel:
         return out
 
     def attention_params_per_layer(self) -> float:
-        c, m = self.cfg, self.mla
-        if m is None:
-            return model_stats.layer_params(c, 0).attention
-        h, H = c.hidden_size, c.num_heads
-        q = (h * m.q_lora_rank + m.q_lora_rank * H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-             if m.q_lora_rank else h * H * (m.qk_nope_head_dim + m.qk_rope_head_dim))
-        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
-        return q + kv + H * m.v_head_dim * h
+        if self.mla is None:
+            return model_stats.layer_params(self.cfg, 0).attention
+        return sum(matmul_params(self.cfg, self.mla))
 
     def params(self) -> dict:
         """Parameters by how a serving layout shards them: attention (tp), mlp (dense MLPs and shared experts,

@@ -244,7 +244,7 @@ def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, 
     # large-GEMM rate; fp8 runs the GEMMs on fp8 inputs at the fp8 rate -- the fp8 peak at its own measured share
     # (`Cluster.matmul_precision_factor`, as serving prices it: one GEMM model) --, everything else in bf16.
     gemms = layer_gemms(summary.cfg, tokens=r.tokens_mb, tp=r.tp, ep=r.ep, moe_fraction=summary.moe_layer_fraction,
-                        etp=r.expert_tp, imbalance=imbalance)
+                        etp=r.expert_tp, imbalance=imbalance, mla=summary.mla, sequence_parallel=r.sp)
     gemm_in_bytes = 1 if job.precision == "fp8" else r.by["act"]
     rate = r.peak * cluster.matmul_rate(job.precision) / cluster.peak(job.precision)  # r.peak: per rank, after sharing
     t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=rate, hbm_bw=r.hbm_bw,

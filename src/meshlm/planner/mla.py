@@ -1,0 +1,97 @@
+"""DeepSeek's multi-head latent attention (MLA) in the quantities the planner costs, for serving and training alike.
+
+Responsible for: the `MLA` dimensions (read from a config.json's kv_lora_rank, qk_rope_head_dim, q_lora_rank,
+qk_nope_head_dim, v_head_dim; `MLA_PRESETS` for the deepseek-v3 preset), the latent attention's parameters by how
+tensor parallelism shards them, its forward GEMMs on one rank, its attention core's FLOPs and the activations it
+keeps for the backward. Torch-free.
+Not responsible for: running it -- `meshlm.models` implements no MLA: `ModelConfig` models DeepSeek's attention as
+grouped-query attention of the same width, which is what meshlm's own runtime trains (`latent_attention`).
+
+MLA (DeepSeek-V2, Liu et al. 2024, arXiv:2405.04434, Sec. 2.1; DeepSeek-V3 config.json), per layer: the query is
+compressed to `q_lora_rank` and expanded per head to nope + rope dims (W_DQ h x q_lora, W_UQ q_lora x heads (nope +
+rope); a single W_Q h x heads (nope + rope) where q_lora_rank is 0); keys and values share one compressed latent of
+`kv_lora_rank` plus a decoupled RoPE key of `qk_rope_head_dim` shared by all heads (W_DKV + W_KR h x (kv_lora +
+rope)), expanded per head (W_UK and W_UV kv_lora x heads (nope + v)); the output projection is heads v x h. An
+RMSNorm on each latent (q_lora and kv_lora elements).
+
+How Megatron-Core shards it under tensor parallelism (megatron/core/transformer/multi_latent_attention.py and the
+Transformer Engine layer spec, gpt_layer_specs.py, at NVIDIA/Megatron-LM d98e8a6): the down-projections are
+`TELinear` with parallel_mode 'duplicated' -- whole on every tp rank, each rank projecting its own 1 / tp of the
+tokens under sequence parallelism (Megatron-Core requires it beside tensor parallelism for MoE models) --, the
+up-projections column-parallel and the output projection row-parallel, split by heads. The attention core runs
+per head with q and k of nope + rope dims and v of v dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MLA:
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+# DeepSeek-V3 / R1's config.json (deepseek-ai/DeepSeek-V3): kv_lora_rank 512, qk_rope_head_dim 64,
+# q_lora_rank 1536, qk_nope_head_dim 128, v_head_dim 128.
+MLA_PRESETS = {"deepseek-v3": MLA(512, 64, 1536, 128, 128)}
+
+
+def latent_attention(cfg: ModelConfig, runtime: str) -> MLA | None:
+    """The MLA a training estimate prices for `cfg`: its preset's, unless the job runs on meshlm's own runtime
+    (`Job.runtime` "meshlm"), whose model of the preset is grouped-query attention of the same width."""
+    return None if runtime == "meshlm" else MLA_PRESETS.get(cfg.preset or "")
+
+
+def matmul_params(cfg: ModelConfig, m: MLA) -> tuple[int, int]:
+    """(tp-sharded, replicated) weight-matrix parameters of one layer's latent attention: the up-projections and
+    the output projection split by heads; the down-projections whole on every tp rank."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    q_up = m.q_lora_rank * heads * m.qk_head_dim if m.q_lora_rank else h * heads * m.qk_head_dim
+    sharded = q_up + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h
+    replicated = h * m.q_lora_rank + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+    return sharded, replicated
+
+
+def norm_params(m: MLA) -> int:
+    """The latents' RMSNorm weights (replicated)."""
+    return m.q_lora_rank + m.kv_lora_rank
+
+
+def forward_gemms(cfg: ModelConfig, m: MLA, *, tokens: float, tp: int, sequence_parallel: bool) -> list[tuple]:
+    """One layer's latent-attention GEMMs on one rank for a microbatch of `tokens`, as kernels.layer_gemms' (m, n, k,
+    count): the down-projections over the rank's 1 / tp of the tokens under sequence parallelism (all of them
+    without), the up- and output projections over every token on 1 / tp of the heads."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    own = tokens / tp if sequence_parallel and tp > 1 else tokens
+    out = [(own, m.kv_lora_rank + m.qk_rope_head_dim, h, 1.0),
+           (tokens, heads * (m.qk_nope_head_dim + m.v_head_dim) / tp, m.kv_lora_rank, 1.0),
+           (tokens, h, heads * m.v_head_dim / tp, 1.0)]
+    if m.q_lora_rank:
+        return [(own, m.q_lora_rank, h, 1.0), (tokens, heads * m.qk_head_dim / tp, m.q_lora_rank, 1.0), *out]
+    return [(tokens, heads * m.qk_head_dim / tp, h, 1.0), *out]
+
+
+def core_flops_per_token(cfg: ModelConfig, m: MLA, seq_len: int) -> float:
+    """The attention core's forward FLOPs per token and layer, over the full s x s square as `models/stats.py`
+    counts grouped-query attention's: q k^T on nope + rope dims, p v on v dims, per head."""
+    return 2.0 * seq_len * cfg.num_heads * (m.qk_head_dim + m.v_head_dim)
+
+
+def activation_elems(cfg: ModelConfig, m: MLA) -> tuple[float, float]:
+    """Elements one token keeps for the backward in one layer's latent attention when the layer is not recomputed,
+    as (tp-sharded, sequence-only) -- models/stats.py's split: q and k (nope + rope per head), v and the attention
+    output (v per head), by heads; the two latents' norm inputs and outputs (the up-projections' inputs), whole per
+    token, split by tp only under sequence parallelism."""
+    heads = cfg.num_heads
+    return float(heads * (2 * m.qk_head_dim + 2 * m.v_head_dim)), 2.0 * (m.q_lora_rank + m.kv_lora_rank)
