@@ -175,6 +175,16 @@ def test_mla_caches_the_compressed_latent():
     # the latent is shared by the heads: tp does not split it
     sv = _sv("deepseek-v3", precision="fp8", tp=8)
     assert sv.kv_bytes_per_token_per_gpu() == 61 * 576 * 2
+    # so are its down-projections (h x 1536 and h x 576 a layer): every tp rank holds and runs them whole
+    whole = 61 * 7168 * (1536 + 576)
+    assert sm.params()["attention_replicated"] == whole
+    one = _sv("deepseek-v3", precision="fp8", tp=1)
+    assert sv.weight_bytes_per_gpu()["dense"] == pytest.approx((one.weight_bytes_per_gpu()["dense"] - whole) / 8
+                                                               + whole, rel=1e-12)
+    from meshlm.planner.serving import _work
+
+    body = lambda s: _work(s, d=64, kv_len=1024, p=0, p_ctx=0, p_rank=0)["dense_gemm_flops"]  # noqa: E731
+    assert body(sv) == pytest.approx((body(one) - 64 * 2 * whole) / 8 + 64 * 2 * whole, rel=1e-12)
 
 
 def test_roofline_corner_is_rounded_but_bounded():

@@ -209,7 +209,8 @@ class Serving:
     def weight_bytes_per_gpu(self) -> dict:
         """{"dense": attention, MLPs, shared experts, embedding and head; "experts": routed experts}."""
         p, lo = self.sm.params(), self.layout
-        dense = (p["attention"] + p["mlp"] + p["other"]) / (lo.tp * lo.pp)
+        whole = p["attention_replicated"]  # MLA's down-projections: on every tp rank
+        dense = (p["attention"] - whole + p["mlp"] + p["other"]) / (lo.tp * lo.pp) + whole / lo.pp
         expert_split = lo.stage if lo.ep > 1 else lo.tp
         return {"dense": dense * WEIGHT_BYTES[self.dense_precision or self.precision],
                 "experts": p["experts"] / (lo.pp * expert_split) * WEIGHT_BYTES[self.precision]}
@@ -328,7 +329,8 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     # 2 x p_ctx tokens on average, so p_rank / (2 p_ctx) of them per prompt token passing
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
     sampled = q_here + (p_rank / (2 * p_ctx) if p_ctx > 0 else p_rank)
-    body_flops, head_flops = gemm_tokens * (fl["dense"] - head) * f / lo.tp, sampled * head * f / lo.tp
+    whole = 2.0 * sm.params()["attention_replicated"]  # MLA's down-projections: every tp rank runs them whole
+    body_flops, head_flops = gemm_tokens * ((fl["dense"] - head - whole) / lo.tp + whole) * f, sampled * head * f / lo.tp
     dense_flops = body_flops + head_flops
     # what they cost at the large-GEMM rate, each GEMM's tiles paying their fixed K (kernels.k_scale: thin tp shards
     # of K -- attention output, MLP down -- run below the rate, as the training side prices them)

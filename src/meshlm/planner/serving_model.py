@@ -97,8 +97,10 @@ class ServedModel:
         return sum(matmul_params(self.cfg, self.mla))
 
     def params(self) -> dict:
-        """Parameters by how a serving layout shards them: attention (tp), mlp (dense MLPs and shared experts,
-        tp), experts (routed, ep), experts_active (top-k of one token), other (embedding, head, norms, router).
+        """Parameters by how a serving layout shards them: attention (tp; of it attention_replicated, MLA's
+        down-projections, whole on every tp rank as vLLM runs them -- v0.11's deepseek_v2.py: fused_qkv_a_proj
+        with disable_tp, else ReplicatedLinear), mlp (dense MLPs and shared experts, tp), experts
+        (routed, ep), experts_active (top-k of one token), other (embedding, head, norms, router).
         Counted once per model (every iteration's pricing asks): a copy of `_params`."""
         return dict(self._params)
 
@@ -108,8 +110,9 @@ class ServedModel:
         attention = self.attention_params_per_layer() * self.layers
         active = sum(model_stats.layer_params(self.cfg, i).experts_active for i in range(self.layers))
         other = p["embedding"] + p["lm_head"] + p["norms_router"]
-        return {"attention": attention, "mlp": p["mlp"], "experts": p["experts"], "experts_active": active,
-                "other": other, "total": attention + p["mlp"] + p["experts"] + other}
+        replicated = matmul_params(self.cfg, self.mla)[1] * self.layers if self.mla is not None else 0
+        return {"attention": attention, "attention_replicated": replicated, "mlp": p["mlp"], "experts": p["experts"],
+                "experts_active": active, "other": other, "total": attention + p["mlp"] + p["experts"] + other}
 
     def kv_elems_per_token_layer(self) -> int:
         """Cached elements per token and layer, all heads: K and V of each kv head, or MLA's latent + rope key."""
