@@ -26,10 +26,10 @@ from meshlm.planner.cluster import GiB, Cluster
 from meshlm.planner.collectives import collective_time, group_span, link_name
 from meshlm.planner.layout import (CP_COMPUTE_BYTES, CP_METHODS, PRECISIONS, RECOMPUTE, RUNTIMES,
                                    Job, Layout, parse_layout, resolve_layout, validate_layout)
-from meshlm.planner import mla as latent
-from meshlm.planner.mla import MLA, latent_attention
 from meshlm.planner.memory import (FRAGMENTATION, MiB, ZERO3_PREFETCH_LAYERS, RankParams,
                                    inflight_microbatches, layer_activation_bytes, memory_bytes, rank_params)
+from meshlm.planner import mla as latent
+from meshlm.planner.mla import MLA, latent_attention
 from meshlm.planner.placement import RankSetup, WorldSetup, bytes_per, rank_setup, rank_split, world_setup
 from meshlm.planner.timing import microbatch_time, optimizer_time, pipeline_bubble, pp_p2p_time, tp_collectives
 from meshlm.planner.timing_dp import dp_comm_time

@@ -20,6 +20,12 @@ Transformer Engine layer spec, gpt_layer_specs.py, at NVIDIA/Megatron-LM d98e8a6
 tokens under sequence parallelism (Megatron-Core requires it beside tensor parallelism for MoE models) --, the
 up-projections column-parallel and the output projection row-parallel, split by heads. The attention core runs
 per head with q and k of nope + rope dims and v of v dims.
+
+The training side (`cost.ModelSummary`, `kernels.layer_gemms`) takes from here the parameters, GEMMs, core FLOPs
+and kept activations; what it still prices as the grouped-query attention of the same width: the elementwise
+work around the attention (RoPE over every q / k dim where MLA rotates 64 a head), the tensor-parallel collectives
+(the hidden state gathered under sequence parallelism, where Megatron-Core gathers the smaller latents) and the
+K / V blocks a context-parallel ring passes.
 """
 
 from __future__ import annotations
