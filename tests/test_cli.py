@@ -65,6 +65,11 @@ def test_info_json_counts_parameters(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["params"]["total"] == 8_030_261_248  # Llama-3-8B, as published
     assert info["train_flops_per_token"] == 3 * info["forward_flops_per_token"]
+    assert "params_with_latent_attention" not in info
+    # meshlm's deepseek-v3 is GQA of its width (688B); with its latent attention, as the planner prices it, 671B
+    assert main(["info", "--model", "deepseek-v3", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["params"]["total"], info["params_with_latent_attention"]) == (688_268_342_272, 671_026_404_352)
 
 
 def test_plan_estimate_json_keys(capsys):

@@ -12,7 +12,7 @@ from meshlm.planner.cost import Job, ModelSummary
 from meshlm.planner.kernels import gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import Layout
 from meshlm.planner.memory import rank_params
-from meshlm.planner.mla import MLA, matmul_params
+from meshlm.planner.mla import MLA, matmul_params, total_params
 from meshlm.planner.placement import rank_setup
 
 # A small fine-grained MoE (Qwen3-MoE-like shape, 8 layers): 64 experts, top-8.
@@ -223,6 +223,9 @@ def test_deepseek_v3_trains_with_its_latent_attention_not_gqa_of_its_width():
     total, active = billions(megatron)
     assert total == pytest.approx(671.03, abs=0.01) and active == pytest.approx(37.55, abs=0.01)
     assert billions(own) == pytest.approx((688.27, 54.79), abs=0.01)
+    # what its checkpoint holds, as the failure model and `plan scale` size it
+    assert total_params(cfg, "megatron") == pytest.approx(total * 1e9, rel=1e-12)
+    assert total_params(cfg, "meshlm") == pytest.approx(billions(own)[0] * 1e9, rel=1e-12)
     # Per layer: down-projections h x 1536 and h x (512 + 64), whole on every tp rank (Megatron-Core's TELinear
     # 'duplicated') with the latents' norms; up-projections 1536 x 128 x 192, 512 x 128 x 256 and the output 16384 x h
     # split by heads.

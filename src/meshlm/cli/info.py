@@ -22,6 +22,7 @@ def run(args) -> int:
 
     from meshlm.config import ModelConfig
     from meshlm.models.stats import count_params, flops_per_token
+    from meshlm.planner.mla import total_params
 
     cfg = ModelConfig.from_hf(args.hf) if args.hf else ModelConfig.from_preset(args.model)
     seq_len = args.seq_len or min(4096, cfg.max_seq_len)
@@ -30,6 +31,9 @@ def run(args) -> int:
     info = {"model": args.hf or args.model, "seq_len": seq_len, "params": params,
             "train_flops_per_token": 3 * flops, "forward_flops_per_token": flops,
             "weights_gib": {"fp32": params["total"] * 4 / 2**30, "bf16": params["total"] * 2 / 2**30}}
+    latent = total_params(cfg, "megatron")  # the deepseek-v3 preset: its latent attention, as `meshlm plan` prices it
+    if latent != params["total"]:
+        info["params_with_latent_attention"] = latent
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -38,6 +42,9 @@ def run(args) -> int:
           + (f", {cfg.num_experts} experts top-{cfg.num_experts_per_token}" if cfg.is_moe else "") + ")")
     for key, value in params.items():
         print(f"params.{key:<11} {value:>20,}  ({value / 1e9:.3f} B)")
+    if "params_with_latent_attention" in info:
+        print(f"params.{'latent':<11} {latent:>20,}  ({latent / 1e9:.3f} B) with its latent attention, as "
+              "`meshlm plan` prices it (meshlm's model: GQA of its width)")
     print(f"FLOPs/token      {3 * flops:>20.4g}  training (fwd+bwd) at seq_len {seq_len}; forward {flops:.4g}")
     print(f"weights          {info['weights_gib']['bf16']:>20.2f}  GiB in bf16 "
           f"({info['weights_gib']['fp32']:.2f} GiB fp32)")

@@ -59,12 +59,12 @@ def runtime_of(args) -> str:
 
 def job_operations(est, cfg, cluster, args) -> dict:
     """Failures / checkpoint / goodput (every recovery path) and power of one estimate, with the command's flags."""
-    from meshlm.models import stats as model_stats
+    from meshlm.planner.mla import total_params
     from meshlm.planner.operations import FAILURE_RATE_PER_GPU_HOUR, RESTART_S, operations
 
     rate = FAILURE_RATE_PER_GPU_HOUR if getattr(args, "failure_rate", None) is None else args.failure_rate
     restart = RESTART_S if getattr(args, "restart_s", None) is None else args.restart_s
-    return operations(est, cluster, total_params=model_stats.count_params(cfg)["total"], precision=args.precision,
+    return operations(est, cluster, total_params=total_params(cfg, runtime_of(args)), precision=args.precision,
                       failure_rate_per_gpu_hour=rate,
                       storage_bw=parse_amount(getattr(args, "storage_bw", None), flag="--storage-bw"),
                       train_tokens=parse_amount(getattr(args, "train_tokens", None), flag="--train-tokens"),

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlm.config import ModelConfig
+from meshlm.models import stats as model_stats
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,17 @@ def latent_attention(cfg: ModelConfig, runtime: str) -> MLA | None:
     """The MLA a training estimate prices for `cfg`: its preset's, unless the job runs on meshlm's own runtime
     (`Job.runtime` "meshlm"), whose model of the preset is grouped-query attention of the same width."""
     return None if runtime == "meshlm" else MLA_PRESETS.get(cfg.preset or "")
+
+
+def total_params(cfg: ModelConfig, runtime: str) -> int:
+    """The model's parameters as a training estimate prices them (what its checkpoint holds): models/stats.py's
+    count, with the latent attention's in place of the grouped-query attention's where `latent_attention` applies."""
+    total = model_stats.count_params(cfg)["total"]
+    m = latent_attention(cfg, runtime)
+    if m is None:
+        return total
+    return total + cfg.num_layers * (sum(matmul_params(cfg, m)) + norm_params(m)
+                                     - model_stats.layer_params(cfg, 0).attention)
 
 
 def matmul_params(cfg: ModelConfig, m: MLA) -> tuple[int, int]:

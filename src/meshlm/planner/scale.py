@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshlm.config import ModelConfig
-from meshlm.models import stats as model_stats
 from meshlm.planner.cluster import Cluster
 from meshlm.planner.cost import Estimate, Job
+from meshlm.planner import mla as latent
 from meshlm.planner.operations import operations
 from meshlm.planner.search import search
 
@@ -88,7 +88,7 @@ def scale_curve(cfg: ModelConfig, cluster: Cluster, *, counts: list[int], seq_le
     each count is done."""
     if mode not in ("strong", "weak"):
         raise ValueError(f"scaling mode {mode!r} must be strong or weak")
-    total_params = model_stats.count_params(cfg)["total"]
+    total_params = latent.total_params(cfg, runtime)
     points = []
     for n in counts:
         tokens = global_batch_tokens if mode == "strong" else tokens_per_gpu * n
