@@ -330,7 +330,8 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
     sampled = q_here + (p_rank / (2 * p_ctx) if p_ctx > 0 else p_rank)
     whole = 2.0 * sm.params()["attention_replicated"]  # MLA's down-projections: every tp rank runs them whole
-    body_flops, head_flops = gemm_tokens * ((fl["dense"] - head - whole) / lo.tp + whole) * f, sampled * head * f / lo.tp
+    body_flops = gemm_tokens * ((fl["dense"] - head - whole) / lo.tp + whole) * f
+    head_flops = sampled * head * f / lo.tp
     dense_flops = body_flops + head_flops
     # what they cost at the large-GEMM rate, each GEMM's tiles paying their fixed K (kernels.k_scale: thin tp shards
     # of K -- attention output, MLP down -- run below the rate, as the training side prices them)
