@@ -254,3 +254,42 @@ def test_deepseek_v3_trains_with_its_latent_attention_not_gqa_of_its_width():
                              num_microbatches=with_mla.num_microbatches)
     assert with_mla.time_s["compute"] < 0.8 * as_gqa.time_s["compute"]
     assert with_mla.memory_gib["weights"] < as_gqa.memory_gib["weights"]
+
+
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3), the keys the planner reads.
+DEEPSEEK_V3_JSON = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 61,
+                    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
+                    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                    "max_position_embeddings": 163840}
+
+
+def test_a_deepseek_config_json_is_planned_with_its_latent_attention(tmp_path, capsys):
+    import json
+
+    from test_planner import _cli
+
+    from meshlm.planner.inputs import resolve_model
+    from meshlm.planner.mla import LatentConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3_JSON))
+    cfg = resolve_model(str(path))  # meshlm's model builds no deepseek_v3: the planner reads it as serving does
+    assert isinstance(cfg, LatentConfig) and cfg.mla == MLA(512, 64, 1536, 128, 128) and cfg.preset is None
+    assert resolve_model(str(tmp_path)).mla == cfg.mla  # the directory holding it
+    argv = ["plan", "estimate", "--cluster", "h100", "--gpus", "1024", "--seq-len", "4096", "--global-batch-size",
+            "1024", "--layout", "tp=2,pp=8,ep=64,expert_tp=1,zero_stage=1", "--json"]
+    rc, from_json = _cli(argv + ["--model", str(path)], capsys)
+    assert rc == 0
+    _, from_preset = _cli(argv + ["--model", "deepseek-v3"], capsys)
+    assert json.loads(from_json) == json.loads(from_preset)  # the same model, priced the same
+    from test_planner_serving_window import GPT_OSS_120B
+
+    (tmp_path / "oss.json").write_text(json.dumps(GPT_OSS_120B))  # read by its shapes too, without a latent attention
+    oss = resolve_model(str(tmp_path / "oss.json"))
+    assert not isinstance(oss, LatentConfig) and (oss.num_experts, oss.head_dim, oss.attention_bias) == (128, 64, True)
+    with pytest.raises(ValueError, match="--runtime megatron"):  # meshlm's runtime cannot build it
+        _cli(["plan", "estimate", "--model", str(path), "--cluster", "h100", "--gpus", "1024", "--seq-len", "4096",
+              "--global-batch-size", "1024", "--layout", "tp=2,pp=8,ep=64,zero_stage=1", "--runtime", "meshlm",
+              "--precision", "fp32"], capsys)

@@ -7,6 +7,7 @@ Not responsible for: the command line itself (`meshlm.cli.plan`) or any estimate
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
@@ -74,12 +75,29 @@ def job_operations(est, cfg, cluster, args) -> dict:
 
 
 def resolve_model(spec: str):
-    """A preset name, or a Hugging Face config.json (or the directory holding one)."""
+    """A preset name, or a Hugging Face config.json (or the directory holding one): the model types meshlm builds as
+    `ModelConfig.from_hf` reads them; a DeepSeek-style one (`kv_lora_rank`) as `mla.LatentConfig`, its latent
+    attention beside the body the serving planner reads (`serving_model.served_model`); gpt-oss and Gemma 2 / 3 as
+    the serving planner reads their shapes (their sliding windows left out: the training side prices full
+    attention)."""
     from meshlm.config import MODEL_PRESETS, ModelConfig
 
     if spec in MODEL_PRESETS:
         return ModelConfig.from_preset(spec)
     if spec.endswith(".json") or Path(spec).is_dir():
+        from dataclasses import fields
+
+        from meshlm.planner.mla import LatentConfig
+        from meshlm.planner.serving_model import PLANNER_ONLY_TYPES, served_model
+
+        path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+        hf = json.loads(path.read_text()) if path.exists() else {}
+        hf = hf.get("text_config") or hf
+        if hf.get("kv_lora_rank") or hf.get("model_type") in PLANNER_ONLY_TYPES:
+            sm = served_model(str(path))
+            if sm.mla is None:
+                return sm.cfg
+            return LatentConfig(**{f.name: getattr(sm.cfg, f.name) for f in fields(ModelConfig)}, mla=sm.mla)
         return ModelConfig.from_hf(spec)
     raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(MODEL_PRESETS))}) "
                      "nor a Hugging Face config.json / model directory")

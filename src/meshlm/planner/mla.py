@@ -54,10 +54,27 @@ class MLA:
 MLA_PRESETS = {"deepseek-v3": MLA(512, 64, 1536, 128, 128)}
 
 
+@dataclass
+class LatentConfig(ModelConfig):
+    """A model read from a DeepSeek-style config.json (`kv_lora_rank`: DeepSeek-V2 / V3, Kimi K2, ...) for the
+    planner: its body as `ModelConfig` (the attention as grouped-query attention of the same width) and its latent
+    attention, `mla`. meshlm's runtime builds no latent attention, so only the planner takes one
+    (`inputs.resolve_model`)."""
+
+    mla: MLA | None = None
+
+
 def latent_attention(cfg: ModelConfig, runtime: str) -> MLA | None:
-    """The MLA a training estimate prices for `cfg`: its preset's, unless the job runs on meshlm's own runtime
-    (`Job.runtime` "meshlm"), whose model of the preset is grouped-query attention of the same width."""
-    return None if runtime == "meshlm" else MLA_PRESETS.get(cfg.preset or "")
+    """The MLA a training estimate prices for `cfg`: a config.json's (`LatentConfig`) or its preset's -- unless the
+    job runs on meshlm's own runtime (`Job.runtime` "meshlm"), whose model of the preset is grouped-query attention of
+    the same width and which cannot build a config.json's latent attention (refused, naming the fix)."""
+    own = cfg.mla if isinstance(cfg, LatentConfig) else None
+    if runtime == "meshlm":
+        if own is not None:
+            raise ValueError("meshlm's own runtime implements no multi-head latent attention (this config.json's "
+                             "kv_lora_rank): plan it with --runtime megatron")
+        return None
+    return own or MLA_PRESETS.get(cfg.preset or "")
 
 
 def total_params(cfg: ModelConfig, runtime: str) -> int:
