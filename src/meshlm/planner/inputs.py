@@ -7,7 +7,6 @@ Not responsible for: the command line itself (`meshlm.cli.plan`) or any estimate
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
@@ -85,20 +84,11 @@ def resolve_model(spec: str):
     if spec in MODEL_PRESETS:
         return ModelConfig.from_preset(spec)
     if spec.endswith(".json") or Path(spec).is_dir():
-        from dataclasses import fields
+        from meshlm.planner.serving_model import config_json, planner_only
 
-        from meshlm.planner.mla import LatentConfig
-        from meshlm.planner.serving_model import PLANNER_ONLY_TYPES, served_model
-
-        path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
-        hf = json.loads(path.read_text()) if path.exists() else {}
-        hf = hf.get("text_config") or hf
-        if hf.get("kv_lora_rank") or hf.get("model_type") in PLANNER_ONLY_TYPES:
-            sm = served_model(str(path))
-            if sm.mla is None:
-                return sm.cfg
-            return LatentConfig(**{f.name: getattr(sm.cfg, f.name) for f in fields(ModelConfig)}, mla=sm.mla)
-        return ModelConfig.from_hf(spec)
+        hf = config_json(spec)
+        read = planner_only(hf) if hf is not None else None
+        return read.cfg if read is not None else ModelConfig.from_hf(spec)
     raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(MODEL_PRESETS))}) "
                      "nor a Hugging Face config.json / model directory")
 

@@ -64,17 +64,21 @@ class LatentConfig(ModelConfig):
     mla: MLA | None = None
 
 
+def model_latent_attention(cfg: ModelConfig) -> MLA | None:
+    """`cfg`'s own latent attention: a config.json's (`LatentConfig`) or its preset's; None for any other model."""
+    return cfg.mla if isinstance(cfg, LatentConfig) else MLA_PRESETS.get(cfg.preset or "")
+
+
 def latent_attention(cfg: ModelConfig, runtime: str) -> MLA | None:
-    """The MLA a training estimate prices for `cfg`: a config.json's (`LatentConfig`) or its preset's -- unless the
-    job runs on meshlm's own runtime (`Job.runtime` "meshlm"), whose model of the preset is grouped-query attention of
-    the same width and which cannot build a config.json's latent attention (refused, naming the fix)."""
-    own = cfg.mla if isinstance(cfg, LatentConfig) else None
+    """The MLA a training estimate prices for `cfg` (`model_latent_attention`) -- unless the job runs on meshlm's own
+    runtime (`Job.runtime` "meshlm"), whose model of the preset is grouped-query attention of the same width and which
+    cannot build a config.json's latent attention (refused, naming the fix)."""
     if runtime == "meshlm":
-        if own is not None:
+        if isinstance(cfg, LatentConfig) and cfg.mla is not None:
             raise ValueError("meshlm's own runtime implements no multi-head latent attention (this config.json's "
                              "kv_lora_rank): plan it with --runtime megatron")
         return None
-    return own or MLA_PRESETS.get(cfg.preset or "")
+    return model_latent_attention(cfg)
 
 
 def total_params(cfg: ModelConfig, runtime: str) -> int:
@@ -88,14 +92,22 @@ def total_params(cfg: ModelConfig, runtime: str) -> int:
                                      - model_stats.layer_params(cfg, 0).attention)
 
 
-def matmul_params(cfg: ModelConfig, m: MLA) -> tuple[int, int]:
-    """(tp-sharded, replicated) weight-matrix parameters of one layer's latent attention: the up-projections and
-    the output projection split by heads; the down-projections whole on every tp rank."""
+def matrices(cfg: ModelConfig, m: MLA) -> list[tuple[int, int, str]]:
+    """One layer's latent-attention weight matrices as (N, K, split), in the order they run: how tensor parallelism
+    splits each -- "none" (the down-projections, whole on every tp rank), "n" (the column-parallel up-projections, by
+    heads), "k" (the row-parallel output projection, by heads)."""
     h, heads = cfg.hidden_size, cfg.num_heads
-    q_up = m.q_lora_rank * heads * m.qk_head_dim if m.q_lora_rank else h * heads * m.qk_head_dim
-    sharded = q_up + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h
-    replicated = h * m.q_lora_rank + h * (m.kv_lora_rank + m.qk_rope_head_dim)
-    return sharded, replicated
+    q = ([(m.q_lora_rank, h, "none"), (heads * m.qk_head_dim, m.q_lora_rank, "n")] if m.q_lora_rank
+         else [(heads * m.qk_head_dim, h, "n")])
+    return [*q, (m.kv_lora_rank + m.qk_rope_head_dim, h, "none"),
+            (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "n"), (h, heads * m.v_head_dim, "k")]
+
+
+def matmul_params(cfg: ModelConfig, m: MLA) -> tuple[int, int]:
+    """(tp-sharded, replicated) weight-matrix parameters of one layer's latent attention (`matrices`)."""
+    shapes = matrices(cfg, m)
+    return (sum(n * k for n, k, split in shapes if split != "none"),
+            sum(n * k for n, k, split in shapes if split == "none"))
 
 
 def norm_params(m: MLA) -> int:
@@ -107,14 +119,9 @@ def forward_gemms(cfg: ModelConfig, m: MLA, *, tokens: float, tp: int, sequence_
     """One layer's latent-attention GEMMs on one rank for a microbatch of `tokens`, as kernels.layer_gemms' (m, n, k,
     count): the down-projections over the rank's 1 / tp of the tokens under sequence parallelism (all of them
     without), the up- and output projections over every token on 1 / tp of the heads."""
-    h, heads = cfg.hidden_size, cfg.num_heads
     own = tokens / tp if sequence_parallel and tp > 1 else tokens
-    out = [(own, m.kv_lora_rank + m.qk_rope_head_dim, h, 1.0),
-           (tokens, heads * (m.qk_nope_head_dim + m.v_head_dim) / tp, m.kv_lora_rank, 1.0),
-           (tokens, h, heads * m.v_head_dim / tp, 1.0)]
-    if m.q_lora_rank:
-        return [(own, m.q_lora_rank, h, 1.0), (tokens, heads * m.qk_head_dim / tp, m.q_lora_rank, 1.0), *out]
-    return [(tokens, heads * m.qk_head_dim / tp, h, 1.0), *out]
+    return [(own if split == "none" else tokens, n / tp if split == "n" else n, k / tp if split == "k" else k, 1.0)
+            for n, k, split in matrices(cfg, m)]
 
 
 def core_flops_per_token(cfg: ModelConfig, m: MLA, seq_len: int) -> float:

@@ -40,7 +40,8 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.hf_config import model_config_from_hf
 from meshlm.models import stats as model_stats
-from meshlm.planner.mla import MLA, MLA_PRESETS, matmul_params
+from meshlm.planner.mla import MLA, LatentConfig, matmul_params, model_latent_attention
+from meshlm.planner.mla import matrices as mla_matrices
 
 # Bytes per weight / KV element. NVFP4: 4-bit values plus one fp8 (E4M3) scale per 16-element block
 # (NVIDIA, "Introducing NVFP4 for Efficient and Accurate Low-Precision Inference", 2025): 0.5 + 1/16 bytes.
@@ -194,13 +195,8 @@ class ServedModel:
         if m is None:
             q, kv = H * c.head_dim, c.num_kv_heads * c.head_dim
             attn = [(h * (q + 2 * kv), h), (q * h, q / tp)]
-        else:  # DeepSeek's latent attention: down-projections from h, up-projections from the latent ranks
-            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-            q = ([(h * m.q_lora_rank, h), (m.q_lora_rank * H * qk, m.q_lora_rank)] if m.q_lora_rank
-                 else [(h * H * qk, h)])
-            attn = q + [(h * (m.kv_lora_rank + m.qk_rope_head_dim), h),
-                        (m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-                        (H * m.v_head_dim * h, H * m.v_head_dim / tp)]
+        else:  # DeepSeek's latent attention (mla.py): the output projection's K split by tp, the rest's whole
+            attn = [(n * k, k / tp if split == "k" else k) for n, k, split in mla_matrices(c, m)]
         body = [(p * self.layers, k) for p, k in attn]
         if dense:
             f = c.intermediate_size
@@ -285,17 +281,12 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
     rest as `ModelConfig.from_hf`, which builds trainable models and so refuses windows: its copy is read without
     them, keeping the config's own `max_position_embeddings`)."""
     if isinstance(spec, ModelConfig):
-        return ServedModel(spec, MLA_PRESETS.get(spec.preset or ""))
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json" and path.exists():
-        hf = json.loads(path.read_text())
-        hf = hf.get("text_config") or hf  # Gemma 3's multimodal config.json nests the language model
-        if hf.get("kv_lora_rank"):
-            return _from_deepseek_hf(hf)
-        if hf.get("model_type") in PLANNER_ONLY_TYPES:
-            return _from_planner_only_hf(hf)
+        return ServedModel(spec, model_latent_attention(spec))
+    hf = config_json(spec)
+    if hf is not None:
+        read = planner_only(hf)
+        if read is not None:
+            return read
         windows = layer_windows(hf)
         if windows:
             full = {k: v for k, v in hf.items() if k not in ("sliding_window", "use_sliding_window", "layer_types")}
@@ -303,7 +294,29 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
     from meshlm.planner.inputs import resolve_model
 
     cfg = resolve_model(spec)
-    return ServedModel(cfg, MLA_PRESETS.get(cfg.preset or ""))
+    return ServedModel(cfg, model_latent_attention(cfg))
+
+
+def config_json(spec: str) -> dict | None:
+    """The language model's part of the config.json `spec` names (or of the directory holding one), None where it
+    names none. Gemma 3's multimodal config.json nests it as `text_config`."""
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix != ".json" or not path.exists():
+        return None
+    hf = json.loads(path.read_text())
+    return hf.get("text_config") or hf
+
+
+def planner_only(hf: dict) -> ServedModel | None:
+    """A config.json (`config_json`) of a model meshlm's runtime does not build, as the planner reads it: a
+    DeepSeek-style one (`kv_lora_rank`) or one of `PLANNER_ONLY_TYPES`; None for the rest."""
+    if hf.get("kv_lora_rank"):
+        return _from_deepseek_hf(hf)
+    if hf.get("model_type") in PLANNER_ONLY_TYPES:
+        return _from_planner_only_hf(hf)
+    return None
 
 
 # config.json model types the serving planner reads though meshlm's model does not implement them (their weights
@@ -339,15 +352,16 @@ def _hf_shapes(hf: dict, *, head_dim: int, max_seq_len: int) -> dict:
 
 
 def _from_deepseek_hf(hf: dict) -> ServedModel:
-    """A DeepSeek-V2/V3 config.json: the MoE body as `ModelConfig` (attention as GQA of the same width, as the
-    deepseek-v3 preset), the latent attention as `MLA`."""
+    """A DeepSeek-V2/V3 config.json: the MoE body (attention as GQA of the same width, as the deepseek-v3 preset) and
+    the latent attention `MLA`, one `LatentConfig`."""
     mla = MLA(int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"]), int(hf.get("q_lora_rank") or 0),
               int(hf["qk_nope_head_dim"]), int(hf["v_head_dim"]))
-    cfg = ModelConfig(**_hf_shapes(hf, head_dim=mla.v_head_dim, max_seq_len=4096),
-                      num_experts=hf.get("n_routed_experts") or 0, num_experts_per_token=hf.get("num_experts_per_tok", 2),
-                      moe_intermediate_size=hf.get("moe_intermediate_size"),
-                      num_shared_experts=hf.get("n_shared_experts") or 0,
-                      first_dense_layers=hf.get("first_k_dense_replace", 0),
-                      moe_layer_freq=hf.get("moe_layer_freq", 1))
+    cfg = LatentConfig(**_hf_shapes(hf, head_dim=mla.v_head_dim, max_seq_len=4096), mla=mla,
+                       num_experts=hf.get("n_routed_experts") or 0,
+                       num_experts_per_token=hf.get("num_experts_per_tok", 2),
+                       moe_intermediate_size=hf.get("moe_intermediate_size"),
+                       num_shared_experts=hf.get("n_shared_experts") or 0,
+                       first_dense_layers=hf.get("first_k_dense_replace", 0),
+                       moe_layer_freq=hf.get("moe_layer_freq", 1))
     cfg.validate()
     return ServedModel(cfg, mla)
