@@ -184,6 +184,11 @@ training on its current recipes) with the flex token dispatcher, then priced Dee
 attention, where GQA of the same width had stood in (2.5x its attention's parameters): its four rows -19% -> -6%
 (1,024 H100s), -5% -> +11% and -22% -> -9% (256 GB200s / GB300s), group I's -1.5% -> -2.9% (less compute hides less
 of its overlapped all-to-all); MoE rows 13.9% -> 9.3%, every other row unchanged.
+
+An eighteenth round (the last `CHANGES` entry) priced Megatron-Core's recompute of MLA's up-projections, which NVIDIA's
+DeepSeek-V3 recipes run on H100 and GB200 and the planner had priced as no recomputation: their memory 93 -> 72 GiB
+(H100) and 193 -> 152 GiB (GB200), now within the GPUs' as run; R608 -6.2% -> -7.5%, R609 +11.3% -> +9.0%, R078
+-2.9% -> -4.1%; MoE rows 9.3% -> 9.0%, every other row unchanged.
 """
 
 from __future__ import annotations
@@ -476,6 +481,17 @@ CHANGES = (
      "(deepseek-ai/DeepSeek-V3: kv_lora_rank 512, q_lora_rank 1536, qk_nope / qk_rope / v head dims 128 / 64 / "
      "128); NVIDIA/Megatron-LM at d98e8a6 megatron/core/transformer/multi_latent_attention.py and "
      "models/gpt/gpt_layer_specs.py (the down-projections TELinear 'duplicated', the up-projections column-parallel)"),
+    # Issue 25, eighteenth round: a mechanism and a row description, no rows added.
+    ("mechanism: Megatron-Core's recompute_modules 'mla_up_proj' (Job.recompute_mla_up_proj): a latent-attention "
+     "layer keeps its latents and the core's output, not the heads' q, k and v, and its backward runs the "
+     "up-projections again; row descriptions: a recompute cell naming it, or an NVIDIA recipe of a latent-attention "
+     "model on H100 / GB200 whose cell is blank, runs it",
+     ("AL_megatron_bridge_cards_moe", "I_megatron_bridge_h100"),
+     "NVIDIA/Megatron-LM at d98e8a6 megatron/core/transformer/transformer_config.py (recompute_modules: 'mla_up_proj': "
+     "recompute the MLA up projection and RoPE applying parts, output-discarding checkpointing) and "
+     "multi_latent_attention.py (CheckpointWithoutOutput, discard_output_and_register_recompute); "
+     "NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py at f37f883a8 ('dsv3 2509': mla_up_proj and mlp "
+     "on H100, moe_act too on GB200) and the AL cards' recipes"),
 )
 
 

@@ -3,6 +3,9 @@ expert all-to-all, and the token dispatcher's permutation traffic. Torch-free: t
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from meshlm.config import ModelConfig
@@ -293,3 +296,63 @@ def test_a_deepseek_config_json_is_planned_with_its_latent_attention(tmp_path, c
         _cli(["plan", "estimate", "--model", str(path), "--cluster", "h100", "--gpus", "1024", "--seq-len", "4096",
               "--global-batch-size", "1024", "--layout", "tp=2,pp=8,ep=64,zero_stage=1", "--runtime", "meshlm",
               "--precision", "fp32"], capsys)
+
+
+def test_recomputing_mla_up_projections_keeps_the_latents_not_the_heads(capsys):
+    """Megatron-Core's recompute_modules mla_up_proj (`Job.recompute_mla_up_proj`): DeepSeek-V3's layers keep the
+    attention output of their 128 heads but not q (192 per head), k (192) or v (128), and the backward runs the two
+    up-projections again (1536 -> 128 x 192 and 512 -> 128 x 256)."""
+    import json
+
+    from test_planner import _cli
+
+    from meshlm.planner.kernels import gemm_time
+    from meshlm.planner.memory import layer_activation_bytes
+    from meshlm.planner.published import job_of
+    from meshlm.planner.timing import layer_compute
+
+    cfg, cluster = ModelConfig.from_preset("deepseek-v3"), get_cluster("h100")
+    lo = Layout(dp_shard=64, tp=2, pp=8, ep=64, expert_tp=1, micro_batch_size=1, zero_stage=1)
+    kept, rebuilt = Job(seq_len=4096, global_batch_size=1024), Job(seq_len=4096, global_batch_size=1024,
+                                                                    recompute_mla_up_proj=True)
+    s_kept, s_rebuilt = ModelSummary.for_job(cfg, kept), ModelSummary.for_job(cfg, rebuilt)
+    heads_elems = 128 * (192 + 192 + 128)  # q, k, v of every head, per token and layer
+    for rc in ("none", "selective"):
+        assert s_kept.act_tp[rc] - s_rebuilt.act_tp[rc] == heads_elems
+        assert s_kept.act_seq[rc] == s_rebuilt.act_seq[rc]  # the latents, the up-projections' inputs, stay
+        # a microbatch of 4096 tokens at tp 2 (the heads split), 2 bytes each
+        assert (layer_activation_bytes(s_kept, kept, replace(lo, recompute=rc))
+                - layer_activation_bytes(s_rebuilt, rebuilt, replace(lo, recompute=rc))) == 4096 * heads_elems / 2 * 2
+    assert s_kept.act_tp["full"] == s_rebuilt.act_tp["full"]  # a layer recomputed whole keeps its input only
+    assert s_rebuilt.hw_flops_per_token["none"] - s_kept.hw_flops_per_token["none"] == pytest.approx(
+        61 * 2 * (1536 * 128 * 192 + 512 * 128 * 256), rel=1e-12)
+    # The re-run: the two GEMMs over the microbatch's 4096 tokens on half the heads, at the rank's bf16 GEMM rate
+    r = rank_setup(s_rebuilt, cluster, rebuilt, lo)
+    layer = layer_compute(s_rebuilt, rebuilt, lo, r, imbalance=1.0)
+    kw = dict(rate=r.peak * cluster.matmul_rate("bf16") / cluster.peak("bf16"), hbm_bw=r.hbm_bw, in_bytes=2,
+              k_overhead=cluster.gemm_k_overhead)
+    assert layer.up_proj == pytest.approx(gemm_time(4096, 64 * 192, 1536, **kw) + gemm_time(4096, 64 * 256, 512, **kw),
+                                          rel=1e-12)
+    assert layer.recompute("none") == layer.up_proj and layer.recompute("full") == layer.fwd
+    assert layer_compute(s_kept, kept, lo, r, imbalance=1.0).recompute("none") == 0.0
+    with_kept = estimate(cfg, cluster, kept, lo, gpus=1024)
+    with_rebuilt = estimate(cfg, cluster, rebuilt, lo, gpus=1024)
+    assert with_rebuilt.memory_gib["activations"] < with_kept.memory_gib["activations"]
+    assert with_rebuilt.time_s["recompute"] > with_kept.time_s["recompute"] == 0.0
+    # NVIDIA's DeepSeek-V3 recipes that set it now fit their GPUs (group AL's card on 1,024 H100s; the 25.09 run)
+    from meshlm.planner.published import predict_row, read_runs
+
+    csv = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv"
+    rows = {r["row_id"]: r for r in read_runs(csv)}
+    assert job_of(rows["R608"], cfg).recompute_mla_up_proj and job_of(rows["R078"], cfg).recompute_mla_up_proj
+    assert not job_of(rows["R610"], cfg).recompute_mla_up_proj  # its recompute_modules list is empty
+    assert all(predict_row(rows[i])["fits"] for i in ("R078", "R608", "R609"))
+    with pytest.raises(ValueError, match="runtime='megatron'"):
+        Job(seq_len=4096, global_batch_size=8, runtime="meshlm", precision="fp32", recompute_mla_up_proj=True).validate()
+    argv = ["plan", "estimate", "--cluster", "h100", "--gpus", "1024", "--seq-len", "4096", "--global-batch-size",
+            "1024", "--layout", "tp=2,pp=8,ep=64,expert_tp=1,zero_stage=1,micro_batch_size=1", "--json"]
+    _, plain = _cli(argv + ["--model", "deepseek-v3"], capsys)
+    _, flagged = _cli(argv + ["--model", "deepseek-v3", "--recompute-mla-up-proj"], capsys)
+    assert json.loads(flagged)["memory_gib"]["activations"] < json.loads(plain)["memory_gib"]["activations"]
+    with pytest.raises(ValueError, match="grouped-query attention"):
+        _cli(argv + ["--model", "llama3-8b", "--recompute-mla-up-proj"], capsys)

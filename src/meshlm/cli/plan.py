@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from meshlm.cli.plan_serving import CLUSTER_CHOICES, add_serving_parsers, run_context, run_infer
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
 from meshlm.planner.layout import EP_DISPATCHERS
+from meshlm.planner.mla import latent_attention
 from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
 if TYPE_CHECKING:
@@ -64,6 +65,10 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
                         "routed copy: Megatron-Core's default, meshlm's runtime) or flex (Megatron-Core's flex "
                         "dispatcher with DeepEP or HybridEP: a token sent once to each other node holding one of its "
                         "experts, forwarded there over NVLink)")
+    p.add_argument("--recompute-mla-up-proj", action="store_true",
+                   help="a model with latent attention (DeepSeek-V3, Kimi K2): keep the compressed latents, not "
+                        "the per-head q, k and v, and run the up-projections again in the backward (Megatron-Core's "
+                        "recompute_modules mla_up_proj, which NVIDIA's DeepSeek-V3 recipes set on H100 and GB200)")
     p.add_argument("--train-tokens", default=None, metavar="N",
                    help="tokens of the whole run (e.g. 15T) for its days and energy")
     p.add_argument("--failure-rate", type=float, default=None, metavar="PER_GPU_HOUR",
@@ -177,6 +182,9 @@ def _training_model(args) -> ModelConfig:
     cfg = _model(args)
     if args.precision is None:
         args.precision = "fp32" if args.cluster == "local" else "bf16"
+    if args.recompute_mla_up_proj and latent_attention(cfg, "megatron") is None:
+        raise ValueError(f"--recompute-mla-up-proj re-runs the up-projections of latent attention; --model "
+                         f"{args.model} has grouped-query attention: leave the flag out")
     return cfg
 
 
@@ -195,7 +203,8 @@ def _cluster_and_job(args):
     _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision,
-                   runtime=runtime_of(args), ep_dispatcher=args.ep_dispatcher)
+                   runtime=runtime_of(args), ep_dispatcher=args.ep_dispatcher,
+                   recompute_mla_up_proj=args.recompute_mla_up_proj)
     return cluster, job
 
 
@@ -295,7 +304,8 @@ def run_scale(args) -> int:
                   flush=True)
         curves[mode] = scale_curve(cfg, cluster, counts=counts, seq_len=args.seq_len, precision=args.precision,
                                    runtime=runtime_of(args), mode=mode, global_batch_tokens=tokens,
-                                   tokens_per_gpu=per_gpu, ep_dispatcher=args.ep_dispatcher)
+                                   tokens_per_gpu=per_gpu, ep_dispatcher=args.ep_dispatcher,
+                                   recompute_mla_up_proj=args.recompute_mla_up_proj)
         if not args.json:
             print(describe(curves[mode], mode=mode))
             print()
@@ -328,7 +338,7 @@ def run_compare(args) -> int:
     _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron",
-                   ep_dispatcher=args.ep_dispatcher)
+                   ep_dispatcher=args.ep_dispatcher, recompute_mla_up_proj=args.recompute_mla_up_proj)
     rows = []
     for name in args.cluster:
         cluster = get_cluster(name, calibration=args.calibration)

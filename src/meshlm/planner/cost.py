@@ -115,14 +115,18 @@ class ModelSummary:
     @classmethod
     def for_job(cls, cfg: ModelConfig, job: Job) -> "ModelSummary":
         """The summary a job's estimate uses: activations as its stack keeps them (`Job.fused_elementwise`), and
-        the latent attention its model runs (`mla.latent_attention`: the preset's, but on meshlm's runtime)."""
-        return cls.build(cfg, job.seq_len, eager=not job.fused_elementwise, mla=latent_attention(cfg, job.runtime))
+        the latent attention its model runs (`mla.latent_attention`: the preset's, but on meshlm's runtime), its
+        up-projections' outputs rebuilt in the backward where the job says so (`Job.recompute_mla_up_proj`)."""
+        return cls.build(cfg, job.seq_len, eager=not job.fused_elementwise, mla=latent_attention(cfg, job.runtime),
+                         mla_up_proj_recomputed=job.recompute_mla_up_proj)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, seq_len: int, *, eager: bool = False, mla: MLA | None = None) -> "ModelSummary":
+    def build(cls, cfg: ModelConfig, seq_len: int, *, eager: bool = False, mla: MLA | None = None,
+              mla_up_proj_recomputed: bool = False) -> "ModelSummary":
         """`eager`: activations as meshlm's model keeps them run op by op (Job.fused_elementwise=False). `mla`: the
         layers' attention is that latent attention (`mla.py`: its parameters, GEMM FLOPs, core FLOPs and kept
-        activations replace those of the grouped-query attention `cfg` describes)."""
+        activations replace those of the grouped-query attention `cfg` describes); `mla_up_proj_recomputed`: its q,
+        k and v not kept but rebuilt (`Job.recompute_mla_up_proj`)."""
         L = cfg.num_layers
         lp = [model_stats.layer_params(cfg, i) for i in range(L)]
         lf = [model_stats.layer_flops(cfg, i, seq_len) for i in range(L)]
@@ -143,21 +147,28 @@ class ModelSummary:
                                 for rc in RECOMPUTE},
         )
         if mla is not None:
-            out.update(_latent_attention_terms(cfg, seq_len, mla, out, attention=lp[0].attention))
+            out.update(_latent_attention_terms(cfg, seq_len, mla, out, attention=lp[0].attention,
+                                               up_proj_recomputed=mla_up_proj_recomputed))
         return cls(cfg=cfg, seq_len=seq_len, embed=cfg.vocab_size * cfg.hidden_size,
                    head=cfg.vocab_size * cfg.hidden_size, flops_dense_moe_experts=expert_flops * n_moe / L,
                    flops_head=2 * cfg.hidden_size * cfg.vocab_size, moe_layer_fraction=n_moe / L, mla=mla, **out)
 
 
-def _latent_attention_terms(cfg: ModelConfig, seq_len: int, mla: MLA, gqa: dict, *, attention: int) -> dict:
+def _latent_attention_terms(cfg: ModelConfig, seq_len: int, mla: MLA, gqa: dict, *, attention: int,
+                            up_proj_recomputed: bool = False) -> dict:
     """`ModelSummary.build`'s per-layer terms (`gqa`, as `cfg`'s grouped-query attention gives them) with every
-    layer's attention (`attention` parameters, the same in each layer) replaced by the latent attention `mla`."""
+    layer's attention (`attention` parameters, the same in each layer) replaced by the latent attention `mla`;
+    `up_proj_recomputed`: its q, k and v rebuilt in the backward (`Job.recompute_mla_up_proj`), not kept, their
+    GEMMs run once more where the layer is not recomputed whole."""
     h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sharded, replicated = latent.matmul_params(cfg, mla)
     gqa_matmul = 2 * h * q_dim + 2 * h * kv_dim  # wq, wk, wv, wo (the biases are no matmul)
     dense = gqa["flops_dense"] + 2 * (sharded + replicated - gqa_matmul)
     core = latent.core_flops_per_token(cfg, mla, seq_len)
-    kept_tp, kept_seq = latent.activation_elems(cfg, mla)
+    kept_tp, kept_seq = latent.activation_elems(cfg, mla, up_proj_recomputed=up_proj_recomputed)
+    # The up-projections' forward FLOPs per token, run once more in the backward where they are rebuilt.
+    rebuilt = (2 * sum(n * k for _, n, k, _ in latent.up_projection_gemms(cfg, mla, tokens=1, tp=1))
+               if up_proj_recomputed else 0)
     gqa_kept = 2 * q_dim + 2 * kv_dim  # q, k, v and the attention output (models/stats.py)
     L, head = cfg.num_layers, 2 * h * cfg.vocab_size
     forward = L * (dense + core) + head
@@ -168,7 +179,7 @@ def _latent_attention_terms(cfg: ModelConfig, seq_len: int, mla: MLA, gqa: dict,
         act_tp={rc: v + (kept_tp - gqa_kept if rc != "full" else 0) for rc, v in gqa["act_tp"].items()},
         act_seq={rc: v + (kept_seq if rc != "full" else 0) for rc, v in gqa["act_seq"].items()},
         model_flops_per_token=3 * forward,
-        hw_flops_per_token={"none": 3 * forward, "selective": 3 * forward + L * core,
+        hw_flops_per_token={"none": 3 * forward + L * rebuilt, "selective": 3 * forward + L * (core + rebuilt),
                             "full": 3 * forward + L * (dense + core)})
 
 

@@ -112,6 +112,13 @@ class Job:
     # group AL) beside the fp32 master copy: 8 bytes of optimizer state per parameter where 12
     # (`placement.bytes_per`); the optimizer step streams as many fewer. Mixed precision only.
     bf16_moments: bool = False
+    # Megatron-Core's recompute_modules "mla_up_proj" (transformer_config.py: "recompute the MLA up projection and
+    # RoPE applying parts", an output-discarding checkpoint: multi_latent_attention.py frees q, k and v once the
+    # attention core has run and rebuilds them in the same storage before the core's backward): a layer of latent
+    # attention keeps of it the compressed latents and the core's output only, and its backward runs the
+    # up-projection GEMMs once more (`mla.up_projection_gemms`). A model with latent attention on Megatron's runtime
+    # (Megatron-Bridge's DeepSeek-V3 H100 and GB200 recipes); a model without it has nothing to re-run.
+    recompute_mla_up_proj: bool = False
     # Megatron-Core's fused cross entropy (`cross_entropy_loss_fusion`, from core_v0.8; NeMo's and Megatron-Bridge's
     # GPT configs default it on): its jit-fused kernels move fewer bytes per logit than the op-by-op loss
     # (`timing.loss_time`).
@@ -211,6 +218,9 @@ class Job:
             raise ValueError("bf16_moments is mixed precision's optimizer (an fp32 master copy beside bf16 Adam "
                              f"moments); precision={self.precision!r}, bf16_states={self.bf16_states} keep no master: "
                              "set bf16_moments=False")
+        if self.recompute_mla_up_proj and self.runtime != "megatron":
+            raise ValueError("recompute_mla_up_proj is Megatron-Core's recompute_modules 'mla_up_proj'; meshlm "
+                             "implements no multi-head latent attention: set runtime='megatron'")
         if self.runtime == "meshlm" and self.precision != "fp32":
             raise ValueError(f"runtime='meshlm' trains in fp32 (precision={self.precision!r} given); use "
                              "precision='fp32', or runtime='megatron' for mixed precision")

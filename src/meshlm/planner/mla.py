@@ -130,10 +130,19 @@ def core_flops_per_token(cfg: ModelConfig, m: MLA, seq_len: int) -> float:
     return 2.0 * seq_len * cfg.num_heads * (m.qk_head_dim + m.v_head_dim)
 
 
-def activation_elems(cfg: ModelConfig, m: MLA) -> tuple[float, float]:
+def activation_elems(cfg: ModelConfig, m: MLA, *, up_proj_recomputed: bool = False) -> tuple[float, float]:
     """Elements one token keeps for the backward in one layer's latent attention when the layer is not recomputed,
     as (tp-sharded, sequence-only) -- models/stats.py's split: q and k (nope + rope per head), v and the attention
     output (v per head), by heads; the two latents' norm inputs and outputs (the up-projections' inputs), whole per
-    token, split by tp only under sequence parallelism."""
+    token, split by tp only under sequence parallelism. `up_proj_recomputed` (`Job.recompute_mla_up_proj`): of the
+    heads' tensors the attention output only, q, k and v rebuilt from the latents in the backward."""
     heads = cfg.num_heads
-    return float(heads * (2 * m.qk_head_dim + 2 * m.v_head_dim)), 2.0 * (m.q_lora_rank + m.kv_lora_rank)
+    by_heads = m.v_head_dim if up_proj_recomputed else 2 * m.qk_head_dim + 2 * m.v_head_dim
+    return float(heads * by_heads), 2.0 * (m.q_lora_rank + m.kv_lora_rank)
+
+
+def up_projection_gemms(cfg: ModelConfig, m: MLA, *, tokens: float, tp: int) -> list[tuple]:
+    """The GEMMs `Job.recompute_mla_up_proj` runs again in the backward, as kernels.layer_gemms' (m, n, k, count): the
+    column-parallel up-projections of `matrices` (q's from its latent -- from the hidden state without one -- and k /
+    v's from theirs) over every token on 1 / tp of the heads, the forward's shapes (`forward_gemms`)."""
+    return [(tokens, n / tp, k, 1.0) for n, k, split in matrices(cfg, m) if split == "n"]

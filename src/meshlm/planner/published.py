@@ -188,8 +188,9 @@ from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS
                                            ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int, cluster_for, compiled,
                                            gpt_style, hybrid_shard, interleaved, model_of, moe_comm_as_run,
                                            nvidia_recipe, precision_of, predict_each, recompute_choices,
-                                           recompute_fraction, recompute_of, read_table, row_text, schedule_named,
-                                           seq_len_of, shard_degree, source_year, stack_of, token_count, zero_of)
+                                           recompute_fraction, recompute_of, recomputes_mla_up_proj, read_table,
+                                           row_text, schedule_named, seq_len_of, shard_degree, source_year, stack_of,
+                                           token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -302,6 +303,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                tp_loss_replicated=stack in TP_LOSS_REPLICATED_STACKS, bf16_states=stack in BF16_STATE_STACKS,
                bf16_moments=bool(re.search(r"bf16 (main gradients and )?adam moments", text)),
                cross_entropy_fusion=nvidia,
+               recompute_mla_up_proj=recomputes_mla_up_proj(row, cfg),
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
 

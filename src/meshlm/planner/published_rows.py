@@ -19,6 +19,7 @@ from pathlib import Path
 
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import Cluster, get_cluster, with_overrides
+from meshlm.planner.mla import latent_attention
 
 _GPT = dict(mlp="gelu")  # 4h MLP, mapped to SwiGLU of the same FLOPs
 # Architectures the CSV leaves blank, from the papers / model cards (keys: name prefixes, compared by `name_key`).
@@ -333,8 +334,9 @@ def recompute_of(row: dict) -> str:
         return HALF_RECOMPUTE
     if "recompute_modules" in t and "core_attn" not in t:
         # Megatron-Core's selective recomputation of named modules other than the attention core: layernorm and
-        # moe_act re-run elementwise work only, mla_up_proj and mlp a few GEMMs (MLA's up-projections, the dense
-        # layers' MLP: a few % of a DeepSeek-V3 step) -- priced as none, that re-run left out.
+        # moe_act re-run elementwise work only, mlp the dense layers' MLP (DeepSeek-V3's first three layers) -- priced
+        # as none, that re-run and what it frees left out; mla_up_proj is priced on its own
+        # (`Job.recompute_mla_up_proj`: MLA's q, k, v not kept, its up-projections run again).
         return "none"
     if "selective" in t:
         return "selective"
@@ -343,6 +345,19 @@ def recompute_of(row: dict) -> str:
     if "checkpoint" in t or "recomput" in t:  # "activation checkpointing", "recomputation": every block
         return "full"
     return "none"
+
+
+def recomputes_mla_up_proj(row: dict, cfg: ModelConfig) -> bool:
+    """Megatron-Core's recompute_modules "mla_up_proj" (`Job.recompute_mla_up_proj`): where the row's recompute cell
+    names it (group AL's cards), or, the cell blank, an NVIDIA recipe of a model with latent attention on H100 or
+    GB200 -- Megatron-Bridge's performance script sets DeepSeek-V3's per GPU (scripts/performance/run_script.py at
+    f37f883a8, 2025-09-24, "dsv3 2509": ["mla_up_proj", "mlp"] on H100, "moe_act" too on GB200)."""
+    cell = (row["recompute"] or "").strip().lower()
+    if cell:
+        return "mla_up_proj" in cell
+    gpu = row.get("gpu", "").lower()
+    return (nvidia_recipe(row) and latent_attention(cfg, "megatron") is not None
+            and ("h100" in gpu or "gb200" in gpu))
 
 
 def _pytorch_fsdp(row: dict) -> bool:

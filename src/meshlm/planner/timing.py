@@ -58,6 +58,7 @@ from meshlm.rules import PP_SCHEDULES
 from meshlm.planner.collectives import expert_all_to_all, group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemm_time, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, FA1_RATE_OF_FA2, Job, Layout
+from meshlm.planner.mla import up_projection_gemms
 from meshlm.planner.memory import RankParams
 from meshlm.planner.placement import RankSetup
 
@@ -180,6 +181,9 @@ class LayerCompute:
     attn_bwd: float
     elem: float  # elementwise work (and fp8 casts), forward
     elem_bwd: float
+    # The latent attention's up-projection GEMMs, forward, where the backward runs them again to rebuild q, k and v
+    # (`Job.recompute_mla_up_proj`); 0 otherwise.
+    up_proj: float = 0.0
 
     @property
     def fwd(self) -> float:
@@ -192,8 +196,10 @@ class LayerCompute:
     def recompute(self, rc: str, *, dots_saved: bool = False) -> float:
         """What recomputation runs again in the backward: selective the attention core (and about half the
         elementwise work around it; `dots_saved`, a remat policy keeping only the GEMM outputs: all of it),
-        full the whole forward."""
-        return {"none": 0.0, "selective": self.attn + (1.0 if dots_saved else 0.5) * self.elem, "full": self.fwd}[rc]
+        full the whole forward; and, but under full, the up-projections whose outputs were not kept (`up_proj`)."""
+        if rc == "full":
+            return self.fwd
+        return self.up_proj + (self.attn + (1.0 if dots_saved else 0.5) * self.elem if rc == "selective" else 0.0)
 
 
 def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> MicrobatchTime:
@@ -249,6 +255,11 @@ def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, 
     rate = r.peak * cluster.matmul_rate(job.precision) / cluster.peak(job.precision)  # r.peak: per rank, after sharing
     t_dense, t_dense_bwd = gemms_fwd_bwd(gemms, rate=rate, hbm_bw=r.hbm_bw,
                                          in_bytes=gemm_in_bytes, k_overhead=cluster.gemm_k_overhead)
+    t_up_proj = 0.0
+    if job.recompute_mla_up_proj and summary.mla is not None:
+        t_up_proj, _ = gemms_fwd_bwd(up_projection_gemms(summary.cfg, summary.mla, tokens=r.tokens_mb, tp=r.tp),
+                                     rate=rate, hbm_bw=r.hbm_bw, in_bytes=gemm_in_bytes,
+                                     k_overhead=cluster.gemm_k_overhead)
     t_attn, t_attn_bwd = attention_time(summary, job, lo, r)
     t_elem_fwd, t_elem_bwd = elementwise_time(summary, job, r, gemms=gemms, imbalance=imbalance)
     if not job.gradient_accumulation_fusion:
@@ -256,7 +267,7 @@ def layer_compute(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, *, 
         params = summary.layer_tp / r.tp + summary.layer_rep + summary.layer_experts / (r.expert_tp * r.ep)
         t_elem_bwd += params * (r.by["act"] + 2 * r.by["grad"]) / r.hbm_bw
     return LayerCompute(dense=t_dense, dense_bwd=t_dense_bwd, attn=t_attn, attn_bwd=t_attn_bwd,
-                        elem=t_elem_fwd, elem_bwd=t_elem_bwd)
+                        elem=t_elem_fwd, elem_bwd=t_elem_bwd, up_proj=t_up_proj)
 
 
 def attention_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> tuple[float, float]:
