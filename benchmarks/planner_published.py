@@ -185,10 +185,13 @@ attention, where GQA of the same width had stood in (2.5x its attention's parame
 (1,024 H100s), -5% -> +11% and -22% -> -9% (256 GB200s / GB300s), group I's -1.5% -> -2.9% (less compute hides less
 of its overlapped all-to-all); MoE rows 13.9% -> 9.3%, every other row unchanged.
 
-An eighteenth round (the last `CHANGES` entry) priced Megatron-Core's recompute of MLA's up-projections, which NVIDIA's
-DeepSeek-V3 recipes run on H100 and GB200 and the planner had priced as no recomputation: their memory 93 -> 72 GiB
-(H100) and 193 -> 152 GiB (GB200), now within the GPUs' as run; R608 -6.2% -> -7.5%, R609 +11.3% -> +9.0%, R078
--2.9% -> -4.1%; MoE rows 9.3% -> 9.0%, every other row unchanged.
+An eighteenth round (the last two `CHANGES` entries) priced Megatron-Core's recompute of MLA's up-projections, which
+NVIDIA's DeepSeek-V3 recipes run on H100 and GB200 and the planner had priced as no recomputation: their memory 93 ->
+72 GiB (H100) and 193 -> 152 GiB (GB200), now within the GPUs' as run; R608 -6.2% -> -7.5%, R609 +11.3% -> +9.0%, R078
+-2.9% -> -4.1%; MoE rows 9.3% -> 9.0%, every other row unchanged. It added groups AM (FlagPerf's Aquila2-7B on
+FlagScale, 4 layouts on one A800 node: 7.8% as added) and AN (Trainy's torchtitan fp8 FSDP2 on 32 / 64 H200s: 12% too
+slow), then ran a pipeline's fill and drain at the lighter ranks' pace, as meshlm's own simulator does: AM 3.9% (its
+pp 8 row -12% -> +2%), S 8.2% -> 7.3%, AF 7.6% -> 7.8%; overall 8.50% -> 8.59%.
 """
 
 from __future__ import annotations
@@ -481,7 +484,7 @@ CHANGES = (
      "(deepseek-ai/DeepSeek-V3: kv_lora_rank 512, q_lora_rank 1536, qk_nope / qk_rope / v head dims 128 / 64 / "
      "128); NVIDIA/Megatron-LM at d98e8a6 megatron/core/transformer/multi_latent_attention.py and "
      "models/gpt/gpt_layer_specs.py (the down-projections TELinear 'duplicated', the up-projections column-parallel)"),
-    # Issue 25, eighteenth round: a mechanism and a row description, no rows added.
+    # Issue 25, eighteenth round: two mechanisms and a row description; groups AM and AN added (every row of each).
     ("mechanism: Megatron-Core's recompute_modules 'mla_up_proj' (Job.recompute_mla_up_proj): a latent-attention "
      "layer keeps its latents and the core's output, not the heads' q, k and v, and its backward runs the "
      "up-projections again; row descriptions: a recompute cell naming it, or an NVIDIA recipe of a latent-attention "
@@ -492,6 +495,12 @@ CHANGES = (
      "multi_latent_attention.py (CheckpointWithoutOutput, discard_output_and_register_recompute); "
      "NVIDIA-NeMo/Megatron-Bridge scripts/performance/run_script.py at f37f883a8 ('dsv3 2509': mla_up_proj and mlp "
      "on H100, moe_act too on GB200) and the AL cards' recipes"),
+    ("mechanism: the pipeline's fill and drain run at the other ranks' pace (timing.pipeline_bubble others=: their "
+     "mean load over the busiest rank's), where (p - 1) x the busiest rank's time was charged; exact against "
+     "meshlm.schedules.simulate with per-rank times when the busiest rank is the last (the head's)",
+     ("AM_flagperf_flagscale_aquila2_7b", "S_bloom_prequel_a100_pipeline", "AF_hagemann_layouts_a100"),
+     "meshlm's own schedule simulator (meshlm/schedules.py simulate, durations per rank and action); "
+     "FlagOpen/FlagPerf at 1b5a030 training/nvidia/aquila2_7b-flagscale/README.md (group AM's pp 8 row)"),
 )
 
 

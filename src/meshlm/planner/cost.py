@@ -239,8 +239,10 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
         "tp_comm": m * mb.tp_comm,
         "cp_comm": m * mb.cp_comm,
         "ep_comm": m * mb.ep_comm,
+        # the fill and drain run at the other ranks' pace (their layers' share of the busiest rank's)
         "pp_bubble": pipeline_bubble(lo.pp_schedule, pp=r.pp, num_microbatches=m, pp_chunks=r.v,
-                                     t_fwd=mb.fwd, t_bwd_input=mb.bwd / 2, t_bwd_weight=mb.bwd / 2),
+                                     t_fwd=mb.fwd, t_bwd_input=mb.bwd / 2, t_bwd_weight=mb.bwd / 2,
+                                     others=r.others_units / r.rank_units),
         "pp_p2p": pp_p2p_time(lo, r, num_microbatches=m, job=job, t_microbatch=mb.total),
         "dp_comm": dp_exposed,
         "optimizer": optimizer_time(r, p) + cluster.step_overhead,  # with the step's fixed framework work

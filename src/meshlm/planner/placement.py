@@ -108,6 +108,7 @@ class RankSetup:
     links: dict  # axis -> scale-up | scale-out | hierarchical | none
     rank_layers: list  # layers on each pipeline rank
     rank_units: float  # the bottleneck rank's load in layer-compute units (head included)
+    others_units: float  # the other pipeline ranks' mean load in the same units (rank_units when pp = 1)
     etp: int = 0  # ranks one routed expert is split over (Layout.etp; 1 under meshlm's runtime); 0: tp
 
     @property
@@ -157,15 +158,17 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout, *,
     if placed is None:
         placed = world.placements[degrees] = _place(*degrees, world.cluster.scaleup_size)
     spans, links = placed
+    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
     split = summary.splits.get((pp, v, lo.pp_split))
     if split is None:
-        head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
         if lo.pp_split == "uniform":  # Megatron-LM: num_layers / stages each, the head on top of the last
             split = stage_loads(split_layers(cfg.num_layers, pp * v), pp=pp, pp_chunks=v, head_units=head_units)
         else:
             split = rank_split(cfg.num_layers, pp=pp, chunks=v, head_units=head_units)
         summary.splits[(pp, v, lo.pp_split)] = split
     rank_layers, rank_units = split
+    loads = sum(rank_layers) + head_units
+    others_units = (loads - rank_units) / (pp - 1) if pp > 1 else rank_units
     by = world.by
     return RankSetup(
         cluster=world.cluster, times=world.times, by=by, tp=tp, pp=pp, cp=cp, ep=ep, v=v,
@@ -173,6 +176,7 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout, *,
         act_msg=tokens_mb * cfg.hidden_size * by["act"], peak=world.peak, peak_attn=world.peak_attn,
         hbm_bw=world.hbm_bw, cores_saturated=world.cores_saturated,
         spans=dict(spans), links=dict(links), rank_layers=rank_layers, rank_units=rank_units,
+        others_units=others_units,
         # meshlm keeps every routed expert whole on each tp rank (replicated over tp, the ep group at stride tp:
         # `spans` above); Megatron-Core splits it over expert_tp ranks
         etp=1 if job.runtime == "meshlm" else etp)

@@ -67,7 +67,8 @@ if TYPE_CHECKING:
 
 
 def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks: int = 1,
-                    t_fwd: float = 1.0, t_bwd_input: float = 1.0, t_bwd_weight: float = 1.0) -> float:
+                    t_fwd: float = 1.0, t_bwd_input: float = 1.0, t_bwd_weight: float = 1.0,
+                    others: float = 1.0) -> float:
     """Idle time of the busiest rank in one step, in the units of the per-microbatch times.
 
     `t_fwd`, `t_bwd_input`, `t_bwd_weight` are one rank's times for one microbatch over all its
@@ -86,6 +87,11 @@ def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks:
     The fraction of the ideal time is bubble / (m * T), e.g. (p - 1) / m for 1F1B. These are exact for
     the schedules `meshlm.schedules` generates (interleaved: m divisible by p; zero_bubble:
     m >= p); tests/test_schedules.py checks them against its simulator over a grid.
+
+    `others`: the other ranks' mean time per microbatch over the busiest rank's (1.0: balanced stages). The
+    busiest rank idles while the fill and the drain pass through the others, at their pace, not its own: each
+    formula times `others` -- exact in the simulator when the busiest rank is the last (the head's, as in
+    Megatron-LM's uniform split), an upper bound when it is another (tests/test_schedules.py).
     """
     if schedule not in PP_SCHEDULES:
         raise ValueError(f"pp_schedule={schedule!r} must be one of {list(PP_SCHEDULES)}")
@@ -95,10 +101,10 @@ def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks:
         return 0.0
     total = t_fwd + t_bwd_input + t_bwd_weight
     if schedule in ("gpipe", "1f1b"):
-        return (pp - 1) * total
+        return (pp - 1) * total * others
     if schedule == "interleaved":
-        return (pp - 1) * total / pp_chunks
-    return (pp - 1) * max(t_fwd, t_bwd_input, t_fwd + t_bwd_input - t_bwd_weight)
+        return (pp - 1) * total / pp_chunks * others
+    return (pp - 1) * max(t_fwd, t_bwd_input, t_fwd + t_bwd_input - t_bwd_weight) * others
 
 
 def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: float, act_bytes: int,
