@@ -185,13 +185,14 @@ attention, where GQA of the same width had stood in (2.5x its attention's parame
 (1,024 H100s), -5% -> +11% and -22% -> -9% (256 GB200s / GB300s), group I's -1.5% -> -2.9% (less compute hides less
 of its overlapped all-to-all); MoE rows 13.9% -> 9.3%, every other row unchanged.
 
-An eighteenth round (the last two `CHANGES` entries) priced Megatron-Core's recompute of MLA's up-projections, which
+An eighteenth round (the last four `CHANGES` entries) priced Megatron-Core's recompute of MLA's up-projections, which
 NVIDIA's DeepSeek-V3 recipes run on H100 and GB200 and the planner had priced as no recomputation: their memory 93 ->
 72 GiB (H100) and 193 -> 152 GiB (GB200), now within the GPUs' as run; R608 -6.2% -> -7.5%, R609 +11.3% -> +9.0%, R078
 -2.9% -> -4.1%; MoE rows 9.3% -> 9.0%, every other row unchanged. It added groups AM (FlagPerf's Aquila2-7B on
 FlagScale, 4 layouts on one A800 node: 7.8% as added) and AN (Trainy's torchtitan fp8 FSDP2 on 32 / 64 H200s: 12% too
 slow), then ran a pipeline's fill and drain at the lighter ranks' pace, as meshlm's own simulator does: AM 3.9% (its
-pp 8 row -12% -> +2%), S 8.2% -> 7.3%, AF 7.6% -> 7.8%; overall 8.50% -> 8.59%.
+pp 8 row -12% -> +2%), S 8.2% -> 7.3%, AF 7.6% -> 7.8%; overall 8.50% -> 8.59%. Last, DeepSeek-V3's group-limited
+routing sends a token across to at most the nodes of its 4 chosen groups: R608 (ep 64 over 8 nodes) -7.5% -> +2.2%.
 """
 
 from __future__ import annotations
@@ -501,6 +502,15 @@ CHANGES = (
      ("AM_flagperf_flagscale_aquila2_7b", "S_bloom_prequel_a100_pipeline", "AF_hagemann_layouts_a100"),
      "meshlm's own schedule simulator (meshlm/schedules.py simulate, durations per rank and action); "
      "FlagOpen/FlagPerf at 1b5a030 training/nvidia/aquila2_7b-flagscale/README.md (group AM's pp 8 row)"),
+    ("mechanism: DeepSeek's group-limited routing (n_group 8, topk_group 4: mla.router_groups) bounds the nodes a "
+     "token's experts lie on, so the flex dispatcher sends it across to fewer (collectives.other_nodes_reached, "
+     "within 5% of a Monte Carlo of the router with forced balancing's random logits)",
+     ("AL_megatron_bridge_cards_moe",),
+     "DeepSeek-V3 technical report (arXiv:2412.19437, Sec. 2.1.2, node-limited routing, M = 4) and config.json "
+     "(n_group 8, topk_group 4); NVIDIA/Megatron-LM at d98e8a6 megatron/core/transformer/moe/router.py "
+     "(moe_router_num_groups / moe_router_group_topk, kept under moe_router_force_load_balancing); "
+     "NVIDIA-NeMo/Megatron-Bridge at 067f987 (the recipe's provider from the HF config.json, n_group -> "
+     "moe_router_num_groups)"),
 )
 
 

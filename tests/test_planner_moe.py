@@ -265,7 +265,7 @@ DEEPSEEK_V3_JSON = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_s
                     "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
                     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
                     "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-                    "max_position_embeddings": 163840}
+                    "max_position_embeddings": 163840, "n_group": 8, "topk_group": 4}
 
 
 def test_a_deepseek_config_json_is_planned_with_its_latent_attention(tmp_path, capsys):
@@ -356,3 +356,47 @@ def test_recomputing_mla_up_projections_keeps_the_latents_not_the_heads(capsys):
     assert json.loads(flagged)["memory_gib"]["activations"] < json.loads(plain)["memory_gib"]["activations"]
     with pytest.raises(ValueError, match="grouped-query attention"):
         _cli(argv + ["--model", "llama3-8b", "--recompute-mla-up-proj"], capsys)
+
+
+def test_group_limited_routing_sends_a_token_to_fewer_nodes(tmp_path):
+    """DeepSeek-V3's router takes a token's 8 experts from the best 4 of 8 groups of 32 (config.json n_group 8,
+    topk_group 4): over expert-parallel ranks holding the experts in order, its copies reach at most the nodes those
+    groups lie on, which the flex dispatcher's cross-node sends (`collectives.expert_all_to_all`, normal kernels)
+    count once each."""
+    import json
+    import random
+
+    from meshlm.planner.collectives import expert_all_to_all, other_nodes_reached
+    from meshlm.planner.inputs import resolve_model
+    from meshlm.planner.mla import router_groups
+
+    for n in (2, 4, 8, 16):  # uniform routing: each of the other n - 1 nodes holds one of the 8 with 1 - (1 - 1/n)^8
+        assert other_nodes_reached(n, 8) == pytest.approx((n - 1) * (1 - (1 - 1 / n) ** 8), rel=1e-12)
+    assert other_nodes_reached(8, 8, (8, 4)) == pytest.approx(4 * 7 / 8)  # a group a node: the 4 chosen, less its own
+
+    def simulated(n_out: int, trials: int = 3000) -> float:
+        """DeepSeek-V3's group-limited top-k on random scores (forced balancing's random logits): each group scored
+        by the sum of its top two, the best four kept, the top eight experts among them; 256 experts in order on
+        n_out nodes, the token's own node drawn uniformly."""
+        rng, per_node, hits = random.Random(7), 256 // n_out, 0
+        for _ in range(trials):
+            s = [rng.random() for _ in range(256)]
+            best = sorted(range(8), key=lambda g: -sum(sorted(s[32 * g:32 * g + 32])[-2:]))[:4]
+            top = sorted((e for g in best for e in range(32 * g, 32 * g + 32)), key=lambda e: -s[e])[:8]
+            hits += len({e // per_node for e in top} - {rng.randrange(n_out)})
+        return hits / trials
+
+    for n in (2, 4, 8, 16):
+        assert other_nodes_reached(n, 8, (8, 4)) == pytest.approx(simulated(n), rel=0.06)
+    deepseek = ModelConfig.from_preset("deepseek-v3")
+    assert router_groups(deepseek) == (8, 4) and router_groups(ModelConfig.from_preset("llama3-8b")) == (1, 1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3_JSON))
+    assert router_groups(resolve_model(str(path))) == (8, 4)
+    # One MoE layer's dispatch + combine over 64 GPUs on 8 nodes: the node-crossing part shrinks by 3.5 / 4.6
+    fits = dict(top_k=8, span=(8, 8), up=(2e-6, 300e9), out=(5e-6, 40e9), low_latency=False)
+    unlimited, limited = expert_all_to_all(1e9, **fits), expert_all_to_all(1e9, **fits, groups=(8, 4))
+    assert limited - 2 * 5e-6 == pytest.approx((unlimited - 2 * 5e-6) * 3.5 / other_nodes_reached(8, 8), rel=1e-12)
+    # a low-latency kernel sends every copy on its own: as many leave the node either way
+    assert (expert_all_to_all(1e9, **{**fits, "low_latency": True}, groups=(8, 4))
+            == expert_all_to_all(1e9, **{**fits, "low_latency": True}))

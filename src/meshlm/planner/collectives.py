@@ -158,8 +158,32 @@ def _collective_time(kind: str, nbytes: float, span: tuple[int, int], cluster: C
     raise AssertionError(f"unknown collective {kind}")
 
 
+def other_nodes_reached(n_out: int, top_k: int, groups: tuple[int, int] = (1, 1)) -> float:
+    """Expected nodes other than its own that one token's `top_k` expert copies land on, over an expert group of
+    `n_out` nodes holding the experts in order (expert-parallel rank e the e-th block of them: Megatron-Core, DeepEP).
+    Routing uniform over the experts, or group-limited (`groups` = (n_group, topk_group): the experts in n_group
+    contiguous groups, a token's top_k taken from the topk_group groups its router picks -- DeepSeek-V3's node-limited
+    routing, "each token will be sent to at most M nodes", M = 4 (arXiv:2412.19437, Sec. 2.1.2; its config.json
+    n_group 8, topk_group 4; Megatron-Core's moe_router_num_groups / moe_router_group_topk, which Megatron-Bridge
+    reads from it). The router ranks the groups by their best experts' scores (DeepSeek-V3: the sum of the top two),
+    so each chosen group receives some of the copies, top_k / topk_group of them on average, spread over the nodes
+    it lies on; the groups drawn uniformly (forced load balancing's random logits). A Monte Carlo of that router
+    agrees within 5% (tests/test_planner_moe.py). Where the groups do not fall on whole nodes (n_group and n_out
+    dividing neither way) routing is taken as unlimited."""
+    n_group, topk_group = groups
+    if 1 <= topk_group < n_group and n_out % n_group == 0:  # each group on g whole nodes
+        g = n_out // n_group
+        hit = topk_group * g * (1 - (1 - 1 / g) ** (top_k / topk_group))
+    elif 1 <= topk_group < n_group and n_group % n_out == 0:  # several groups a node: each node a chosen one lies on
+        per_node = n_group // n_out
+        hit = n_out * (1 - math.comb(n_group - per_node, topk_group) / math.comb(n_group, topk_group))
+    else:
+        hit = n_out * (1 - (1 - 1 / n_out) ** top_k)  # nodes receiving at least one copy
+    return hit * (n_out - 1) / n_out  # less its own (one of the n_out, alike in every node)
+
+
 def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], up: tuple[float, float],
-                      out: tuple[float, float], low_latency: bool) -> float:
+                      out: tuple[float, float], low_latency: bool, groups: tuple[int, int] = (1, 1)) -> float:
     """Seconds of one MoE layer's dispatch + combine of the tokens one GPU holds (`token_bytes`: their hidden
     states, dispatch + combine bytes summed) over an expert group of `span` (GPUs per scale-up domain, domains);
     `up` / `out`: (latency, bandwidth) of the all-to-all on each tier.
@@ -171,7 +195,10 @@ def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], 
     the NIC at 40 GB/s (0.8 x 50 GB/s); at EP128 192 / 369 us against 178 / 345 us. Normal kernels (prefill;
     DeepEP's "Normal kernels with NVLink and RDMA forwarding", DeepSeek-V3 report Sec. 3.4): a token crosses to
     each other node holding one of its experts once and is forwarded inside it over NVLink. Either way all peers
-    are written concurrently, so a call pays one latency per tier, not one per peer."""
+    are written concurrently, so a call pays one latency per tier, not one per peer. `groups`: the router's
+    (n_group, topk_group) where it limits a token's nodes (`other_nodes_reached`): fewer crossings for the normal
+    kernels; a low-latency kernel's copies leave the node as often either way (its own node is chosen as often as
+    any)."""
     n_in, n_out = span
     n = n_in * n_out
     if n <= 1:
@@ -181,6 +208,6 @@ def expert_all_to_all(token_bytes: float, *, top_k: int, span: tuple[int, int], 
     if low_latency:
         across = token_bytes * top_k * (n - n_in) / n
     else:
-        across = token_bytes * (n_out - 1) * (1 - (1 - 1 / n_out) ** top_k) if n_out > 1 else 0.0
+        across = token_bytes * other_nodes_reached(n_out, top_k, groups) if n_out > 1 else 0.0
     latency = 2 * (lat_out if n_out > 1 else lat_up)
     return max(local / bw_up, across / bw_out if n_out > 1 else 0.0) + latency

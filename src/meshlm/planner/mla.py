@@ -26,6 +26,9 @@ and kept activations; what it still prices as the grouped-query attention of the
 work around the attention (RoPE over every q / k dim where MLA rotates 64 a head), the tensor-parallel collectives
 (the hidden state gathered under sequence parallelism, where Megatron-Core gathers the smaller latents) and the
 K / V blocks a context-parallel ring passes.
+
+DeepSeek's models also limit the nodes a token's experts lie on (group-limited routing: `router_groups`, priced by
+`collectives.other_nodes_reached`); read from the same config.json (n_group, topk_group), kept here beside the MLA.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class MLA:
 # DeepSeek-V3 / R1's config.json (deepseek-ai/DeepSeek-V3): kv_lora_rank 512, qk_rope_head_dim 64,
 # q_lora_rank 1536, qk_nope_head_dim 128, v_head_dim 128.
 MLA_PRESETS = {"deepseek-v3": MLA(512, 64, 1536, 128, 128)}
+# Its router's groups (the same config.json): n_group 8, topk_group 4 -- a token's 8 experts from 4 of 8 groups of 32.
+ROUTER_GROUPS = {"deepseek-v3": (8, 4)}
 
 
 @dataclass
@@ -62,6 +67,13 @@ class LatentConfig(ModelConfig):
     (`inputs.resolve_model`)."""
 
     mla: MLA | None = None
+    router_groups: tuple[int, int] = (1, 1)  # config.json's (n_group, topk_group): `router_groups`
+
+
+def router_groups(cfg: ModelConfig) -> tuple[int, int]:
+    """`cfg`'s router groups (n_group, topk_group): a token's experts come from topk_group of n_group contiguous
+    groups -- a DeepSeek config.json's (`LatentConfig`) or its preset's; (1, 1), unlimited, for any other model."""
+    return cfg.router_groups if isinstance(cfg, LatentConfig) else ROUTER_GROUPS.get(cfg.preset or "", (1, 1))
 
 
 def model_latent_attention(cfg: ModelConfig) -> MLA | None:

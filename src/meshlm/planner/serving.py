@@ -62,6 +62,7 @@ from dataclasses import dataclass, replace
 from meshlm.planner.cluster import Cluster, time_shared
 from meshlm.planner.collectives import collective_time, expert_all_to_all, group_span
 from meshlm.planner.kernels import k_scale
+from meshlm.planner.mla import router_groups
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
                                            expert_imbalance, layer_kernels, overlapped_half, roofline)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
@@ -397,7 +398,8 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
             call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
                                      up=cl.collective_fit("all_to_all", "scale-up"),
                                      out=cl.collective_fit("all_to_all", "scale-out"),
-                                     low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
+                                     low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep",
+                                     groups=router_groups(cfg))
             # the busiest rank receives (and sends back) its experts' excess tokens (TensorRT-LLM tech blog 4)
             out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
     if lo.pp > 1:

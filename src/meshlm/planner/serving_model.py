@@ -352,11 +352,12 @@ def _hf_shapes(hf: dict, *, head_dim: int, max_seq_len: int) -> dict:
 
 
 def _from_deepseek_hf(hf: dict) -> ServedModel:
-    """A DeepSeek-V2/V3 config.json: the MoE body (attention as GQA of the same width, as the deepseek-v3 preset) and
-    the latent attention `MLA`, one `LatentConfig`."""
+    """A DeepSeek-V2/V3 config.json: the MoE body (attention as GQA of the same width, as the deepseek-v3 preset), the
+    latent attention `MLA` and the router's groups (n_group, topk_group), one `LatentConfig`."""
     mla = MLA(int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"]), int(hf.get("q_lora_rank") or 0),
               int(hf["qk_nope_head_dim"]), int(hf["v_head_dim"]))
     cfg = LatentConfig(**_hf_shapes(hf, head_dim=mla.v_head_dim, max_seq_len=4096), mla=mla,
+                       router_groups=(int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)),
                        num_experts=hf.get("n_routed_experts") or 0,
                        num_experts_per_token=hf.get("num_experts_per_tok", 2),
                        moe_intermediate_size=hf.get("moe_intermediate_size"),

@@ -58,7 +58,7 @@ from meshlm.rules import PP_SCHEDULES
 from meshlm.planner.collectives import expert_all_to_all, group_span
 from meshlm.planner.kernels import fp8_cast_bytes, gemm_time, gemms_fwd_bwd, layer_gemms, moe_dispatch_elements
 from meshlm.planner.layout import CP_COMPUTE_BYTES, FA1_RATE_OF_FA2, Job, Layout
-from meshlm.planner.mla import up_projection_gemms
+from meshlm.planner.mla import router_groups, up_projection_gemms
 from meshlm.planner.memory import RankParams
 from meshlm.planner.placement import RankSetup
 
@@ -476,11 +476,13 @@ def ep_comm_time(summary: ModelSummary, job: Job, r: RankSetup, *, imbalance: fl
     tokens = r.tokens_mb / (r.tp if r.sp else 1)
     if job.ep_dispatcher == "flex":
         # DeepEP / HybridEP: a dispatch and a combine per pass (forward, backward, a recomputed forward), each token
-        # crossing once to each other node holding one of its experts; the busiest rank's excess as a longer call
+        # crossing once to each other node holding one of its experts (as few as the router's groups allow); the
+        # busiest rank's excess as a longer call
         cl = r.cluster
         call = expert_all_to_all(2 * tokens * cfg.hidden_size * r.by["act"], top_k=cfg.num_experts_per_token,
                                  span=r.spans["ep"], up=cl.collective_fit("all_to_all", "scale-up"),
-                                 out=cl.collective_fit("all_to_all", "scale-out"), low_latency=False)
+                                 out=cl.collective_fit("all_to_all", "scale-out"), low_latency=False,
+                                 groups=router_groups(cfg))
         t_ep_layer = summary.moe_layer_fraction * (2 + (1 if r.rc == "full" else 0)) * call * imbalance
     else:
         # NCCL's all-to-all of every routed copy; the busiest rank receives `imbalance` x the mean: the all-to-all
