@@ -203,9 +203,8 @@ class LayerCompute:
         """What recomputation runs again in the backward: selective the attention core (and about half the
         elementwise work around it; `dots_saved`, a remat policy keeping only the GEMM outputs: all of it),
         full the whole forward; and, but under full, the up-projections whose outputs were not kept (`up_proj`)."""
-        if rc == "full":
-            return self.fwd
-        return self.up_proj + (self.attn + (1.0 if dots_saved else 0.5) * self.elem if rc == "selective" else 0.0)
+        selective = self.attn + (1.0 if dots_saved else 0.5) * self.elem
+        return {"none": self.up_proj, "selective": self.up_proj + selective, "full": self.fwd}[rc]
 
 
 def microbatch_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup) -> MicrobatchTime:
