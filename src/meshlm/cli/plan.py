@@ -188,6 +188,11 @@ def _training_model(args) -> ModelConfig:
     return cfg
 
 
+def _job_options(args) -> dict:
+    """The job fields the training subcommands take from their flags beside its sizes."""
+    return dict(ep_dispatcher=args.ep_dispatcher, recompute_mla_up_proj=args.recompute_mla_up_proj)
+
+
 def _require_gpus(args) -> None:
     if args.gpus is None:
         raise ValueError("--gpus is required")
@@ -203,8 +208,7 @@ def _cluster_and_job(args):
     _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision,
-                   runtime=runtime_of(args), ep_dispatcher=args.ep_dispatcher,
-                   recompute_mla_up_proj=args.recompute_mla_up_proj)
+                   runtime=runtime_of(args), **_job_options(args))
     return cluster, job
 
 
@@ -304,8 +308,7 @@ def run_scale(args) -> int:
                   flush=True)
         curves[mode] = scale_curve(cfg, cluster, counts=counts, seq_len=args.seq_len, precision=args.precision,
                                    runtime=runtime_of(args), mode=mode, global_batch_tokens=tokens,
-                                   tokens_per_gpu=per_gpu, ep_dispatcher=args.ep_dispatcher,
-                                   recompute_mla_up_proj=args.recompute_mla_up_proj)
+                                   tokens_per_gpu=per_gpu, **_job_options(args))
         if not args.json:
             print(describe(curves[mode], mode=mode))
             print()
@@ -338,7 +341,7 @@ def run_compare(args) -> int:
     _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron",
-                   ep_dispatcher=args.ep_dispatcher, recompute_mla_up_proj=args.recompute_mla_up_proj)
+                   **_job_options(args))
     rows = []
     for name in args.cluster:
         cluster = get_cluster(name, calibration=args.calibration)

@@ -94,8 +94,8 @@ def resolve_model(spec: str):
 
 
 def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
-             precision: str = "bf16", flash_attention: bool = True, runtime: str = "megatron",
-             ep_dispatcher: str = "alltoall", recompute_mla_up_proj: bool = False):
+             precision: str = "bf16", flash_attention: bool = True, runtime: str = "megatron", **options):
+    """The training `Job` of these sizes; `options`: its other fields as given (e.g. ep_dispatcher)."""
     from meshlm.planner.cost import Job
 
     if seq_len is None or int(seq_len) < 1:
@@ -111,6 +111,6 @@ def make_job(*, seq_len: int, global_batch_size: int | None = None, global_batch
     else:
         raise ValueError("give --global-batch-size (sequences) or --global-batch-tokens (e.g. 4M)")
     job = Job(seq_len=int(seq_len), global_batch_size=gbs, precision=precision, flash_attention=flash_attention,
-              runtime=runtime, ep_dispatcher=ep_dispatcher, recompute_mla_up_proj=recompute_mla_up_proj)
+              runtime=runtime, **options)
     job.validate()
     return job

@@ -82,11 +82,10 @@ def _point(gpus: int, tokens: int, est: Estimate | None, ops: dict | None) -> Sc
 
 def scale_curve(cfg: ModelConfig, cluster: Cluster, *, counts: list[int], seq_len: int, precision: str,
                 mode: str, runtime: str = "megatron", global_batch_tokens: int = 0, tokens_per_gpu: int = 0,
-                progress=None, ep_dispatcher: str = "alltoall",
-                recompute_mla_up_proj: bool = False) -> list[ScalePoint]:
+                progress=None, **options) -> list[ScalePoint]:
     """The best fitting layout at each count. mode="strong": `global_batch_tokens` at every count;
     "weak": `tokens_per_gpu` x gpus (rounded down to whole sequences). `progress(point)` is called as
-    each count is done."""
+    each count is done. `options`: the job's other fields (e.g. ep_dispatcher)."""
     if mode not in ("strong", "weak"):
         raise ValueError(f"scaling mode {mode!r} must be strong or weak")
     total_params = latent.total_params(cfg, runtime)
@@ -97,8 +96,7 @@ def scale_curve(cfg: ModelConfig, cluster: Cluster, *, counts: list[int], seq_le
         if seqs < 1:
             raise ValueError(f"{tokens} tokens per step at {n} GPUs is less than one sequence of --seq-len "
                              f"{seq_len}; raise --global-batch-tokens / --tokens-per-gpu")
-        job = Job(seq_len=seq_len, global_batch_size=seqs, precision=precision, runtime=runtime,
-                  ep_dispatcher=ep_dispatcher, recompute_mla_up_proj=recompute_mla_up_proj)
+        job = Job(seq_len=seq_len, global_batch_size=seqs, precision=precision, runtime=runtime, **options)
         result = search(cfg, cluster, job, gpus=n, top=1)
         best = result.ranked[0] if result.ranked else None
         ops = None if best is None else operations(best, cluster, total_params=total_params, precision=precision)
