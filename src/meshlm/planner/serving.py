@@ -396,10 +396,9 @@ def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict
             span = group_span(1, lo.stage, cl.scaleup_size)
             per_token = h * (_dispatch_bytes(sv) + 2.0)  # dispatch + combine (bf16)
             call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
-                                     up=cl.collective_fit("all_to_all", "scale-up"),
+                                     up=cl.collective_fit("all_to_all", "scale-up"), groups=router_groups(cfg),
                                      out=cl.collective_fit("all_to_all", "scale-out"),
-                                     low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep",
-                                     groups=router_groups(cfg))
+                                     low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
             # the busiest rank receives (and sends back) its experts' excess tokens (TensorRT-LLM tech blog 4)
             out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
     if lo.pp > 1:
