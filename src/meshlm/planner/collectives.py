@@ -171,10 +171,11 @@ def other_nodes_reached(n_out: int, top_k: int, groups: tuple[int, int] = (1, 1)
     agrees within 5% (tests/test_planner_moe.py). Where the groups do not fall on whole nodes (n_group and n_out
     dividing neither way) routing is taken as unlimited."""
     n_group, topk_group = groups
-    if 1 <= topk_group < n_group and n_out % n_group == 0:  # each group on g whole nodes
+    limited = 1 <= topk_group < n_group
+    if limited and n_out % n_group == 0:  # each group on g whole nodes
         g = n_out // n_group
         hit = topk_group * g * (1 - (1 - 1 / g) ** (top_k / topk_group))
-    elif 1 <= topk_group < n_group and n_group % n_out == 0:  # several groups a node: each node a chosen one lies on
+    elif limited and n_group % n_out == 0:  # several groups a node: each node a chosen one lies on
         per_node = n_group // n_out
         hit = n_out * (1 - math.comb(n_group - per_node, topk_group) / math.comb(n_group, topk_group))
     else:

@@ -112,6 +112,12 @@ class ModelSummary:
     splits: dict = field(default_factory=dict, compare=False, repr=False)
     mla: MLA | None = None  # DeepSeek's latent attention in place of cfg's grouped-query attention (mla.py)
 
+    @property
+    def head_units(self) -> float:
+        """The output head's forward FLOPs per token in units of one average layer's: what the last pipeline stage
+        runs beside its layers (placement's split, the bubble's other ranks, timing's head)."""
+        return self.flops_head / (self.flops_dense + self.flops_attn)
+
     @classmethod
     def for_job(cls, cfg: ModelConfig, job: Job) -> "ModelSummary":
         """The summary a job's estimate uses: activations as its stack keeps them (`Job.fused_elementwise`), and

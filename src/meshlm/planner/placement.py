@@ -158,7 +158,7 @@ def rank_setup(summary: ModelSummary, cluster: Cluster, job: Job, lo: Layout, *,
     if placed is None:
         placed = world.placements[degrees] = _place(*degrees, world.cluster.scaleup_size)
     spans, links = placed
-    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+    head_units = summary.head_units
     split = summary.splits.get((pp, v, lo.pp_split))
     if split is None:
         if lo.pp_split == "uniform":  # Megatron-LM: num_layers / stages each, the head on top of the last

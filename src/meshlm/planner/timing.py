@@ -507,7 +507,7 @@ def head_time(summary: ModelSummary, job: Job, r: RankSetup) -> tuple[float, flo
     layer is a plain ColumnParallelLinear -- Megatron-Bridge's performance guide: "FP8 computation
     exclusively to the linear layers within the Transformer block")."""
     cfg, cluster = summary.cfg, r.cluster
-    head_units = summary.flops_head / (summary.flops_dense + summary.flops_attn)
+    head_units = summary.head_units
     head_on_busy = head_units if r.rank_layers[-1] + head_units >= r.rank_units - 1e-9 else 0.0
     t_head_fwd = t_head_bwd = 0.0
     if head_on_busy:
