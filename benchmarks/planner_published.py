@@ -193,6 +193,13 @@ FlagScale, 4 layouts on one A800 node: 7.8% as added) and AN (Trainy's torchtita
 slow), then ran a pipeline's fill and drain at the lighter ranks' pace, as meshlm's own simulator does: AM 3.9% (its
 pp 8 row -12% -> +2%), S 8.2% -> 7.3%, AF 7.6% -> 7.8%; overall 8.50% -> 8.59%. Last, DeepSeek-V3's group-limited
 routing sends a token across to at most the nodes of its 4 chosen groups: R608 (ep 64 over 8 nodes) -7.5% -> +2.2%.
+
+A nineteenth round (the last `CHANGES` entry) added groups AO and AP, every full-training row of one table: Ant Group's
+ATorch examples (dlrover's atorch/examples/llama2) training Llama 2 7B on 8-64 A100s (800 Gb/s a node), under PyTorch
+FSDP1 at four sequences of 4096 per GPU (AO: 14-18% too fast, as eager Hugging Face Llama layers on A100 are in AG's
+compute-bound rows) and at tp x pp under DeepSpeed's pipeline engine (AP: 5-14% too fast, issue 25's kind (3)-like);
+their TFLOP/s are ATorch's hardware count (recomputation included), turned into tokens/s by its own formula. Overall
+8.59% -> 8.85%; every other row unchanged.
 """
 
 from __future__ import annotations
@@ -511,6 +518,16 @@ CHANGES = (
      "(moe_router_num_groups / moe_router_group_topk, kept under moe_router_force_load_balancing); "
      "NVIDIA-NeMo/Megatron-Bridge at 067f987 (the recipe's provider from the HF config.json, n_group -> "
      "moe_router_num_groups)"),
+    # Issue 25, nineteenth round: groups AO and AP added (every full-training row of their table); row descriptions.
+    ("row descriptions: ATorch's examples as their scripts run them -- FSDP1 FULL_SHARD per decoder layer with its "
+     "amp_native bf16 made MixedPrecision(bf16, bf16, bf16), eager Hugging Face Llama layers with flash-attention "
+     "(module_replace); DS 3D as DeepSpeed's pipeline engine (partition by decoder layer, blocking sends, gradients "
+     "reduced after the flush, fp16 ZeRO-1), ATorch's tensor parallelism without sequence parallelism",
+     ("AO_atorch_fsdp_llama2_7b_a100", "AP_atorch_ds3d_llama2_7b_a100"),
+     "intelligent-machine-learning/dlrover at 3a442b728b7d atorch/examples/llama2/{fsdp_llama2.py, "
+     "fsdp_llama2_entry.sh, ds_3d_llama2.py, ds_3d_llama2_entry.sh, example_utils.py}, atorch/auto/model_context.py "
+     "(fsdp with amp_native: MixedPrecision) and atorch/utils/ds_pipe_utils.py (partition_method 'type:' the layer "
+     "class, tie_first)"),
 )
 
 

@@ -355,17 +355,21 @@ def test_zero1_gradients_all_reduced_over_every_rank_cost_an_all_reduce_not_a_re
     assert internlm.time_s["dp_comm"] - base.time_s["dp_comm"] == pytest.approx(extra, rel=1e-3)
 
 
-LAYOUT_SWEEP = "AF_hagemann_layouts_a100"  # issue 25's eleventh round: 87 rows of one sweep, apart
-FSDP_ONE_SEQUENCE = "AG_yafsdp_fsdp_a100"  # issue 25's twelfth round: FULL_SHARD, one sequence per GPU, apart
-SMALL_FSDP_TP = "AH_kempnerforge_h200"  # issue 25's thirteenth round: FSDP2 / DTensor TP on 1-32 H200s, apart
-SMALL_FSDP_H100 = "AI_thunder_litgpt_h100_fsdp"  # issue 25's fourteenth round: 7-8B, FSDP ZeRO-2 on 8 H100s, apart
-MEGATRON_8B = "AJ_flagperf_megatron_llama3_8b"  # the same round: Megatron-Core's 8B, a pp x tp sweep on 8 A800s, apart
-SWALLOW_PIPELINE = "AK_swallow_megatron_abci_a100"  # the fifteenth: Llama 2 7B-70B, tp x pp on 16-256 A100 40GB, apart
-BRIDGE_CARDS_MOE = "AL_megatron_bridge_cards_moe"  # the seventeenth: MoE recipes on H100 / GB200 / GB300, apart
-FLAGSCALE_7B = "AM_flagperf_flagscale_aquila2_7b"  # the eighteenth: Aquila2-7B, tp x pp on one A800 node, apart
-TRAINY_H200 = "AN_trainy_torchtitan_h200_fsdp"  # the eighteenth: torchtitan's fp8 FSDP2 on 32 / 64 H200s, apart
-APART = (LAYOUT_SWEEP, FSDP_ONE_SEQUENCE, SMALL_FSDP_TP, SMALL_FSDP_H100, MEGATRON_8B, SWALLOW_PIPELINE,
-         BRIDGE_CARDS_MOE, FLAGSCALE_7B, TRAINY_H200)
+# Groups added for issue 25 from its eleventh round on, each bounded apart (never fitted): group -> the bound of its
+# median |error| (the test's docstring says what each came in at).
+APART = {
+    "AF_hagemann_layouts_a100": 0.10,  # the eleventh round: 87 rows of one tp x pp sweep
+    "AG_yafsdp_fsdp_a100": 0.40,  # the twelfth: FULL_SHARD, one sequence per GPU
+    "AH_kempnerforge_h200": 0.20,  # the thirteenth: FSDP2 / DTensor TP on 1-32 H200s
+    "AI_thunder_litgpt_h100_fsdp": 0.25,  # the fourteenth: 7-8B, FSDP ZeRO-2 on 8 H100s
+    "AJ_flagperf_megatron_llama3_8b": 0.20,  # the same round: Megatron-Core's 8B, a pp x tp sweep on 8 A800s
+    "AK_swallow_megatron_abci_a100": 0.20,  # the fifteenth: Llama 2 7B-70B, tp x pp on 16-256 A100 40GB
+    "AL_megatron_bridge_cards_moe": 0.15,  # the seventeenth: MoE recipes on H100 / GB200 / GB300
+    "AM_flagperf_flagscale_aquila2_7b": 0.10,  # the eighteenth: Aquila2-7B, tp x pp on one A800 node
+    "AN_trainy_torchtitan_h200_fsdp": 0.20,  # the eighteenth: torchtitan's fp8 FSDP2 on 32 / 64 H200s
+    "AO_atorch_fsdp_llama2_7b_a100": 0.20,  # the nineteenth: ATorch's FSDP1 Llama 2 7B on 8-64 A100s
+    "AP_atorch_ds3d_llama2_7b_a100": 0.20,  # the same: ATorch's tp x pp of it under DeepSpeed's pipeline engine
+}
 
 
 def test_published_runs_median_error_within_ten_percent():
@@ -422,7 +426,9 @@ def test_published_runs_median_error_within_ten_percent():
     Megatron-Bridge's model cards (group AL, 14 MoE rows on H100 / GB200 / GB300) came in at 8.9% (-22..+18%, and
     gpt-oss-120b's BF16 GB200 recipe +81%); bounded at 15%. FlagPerf's Aquila2-7B on FlagScale (group AM, 4 rows, one
     A800 node) came in at 4% once the pipeline's fill ran at the lighter stages' pace (its pp 8 row -12% -> +2%);
-    bounded at 10%. Trainy's torchtitan run on 32 / 64 H200s (group AN, fp8 FSDP2) 12% too slow; bounded at 20%."""
+    bounded at 10%. Trainy's torchtitan run on 32 / 64 H200s (group AN, fp8 FSDP2) 12% too slow; bounded at 20%.
+    ATorch's Llama 2 7B on 8-64 A100s (groups AO, FSDP1, 14-18% too fast; AP, tp x pp under DeepSpeed's pipeline
+    engine, 5-14%): each bounded at 20%."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs, summarize
@@ -430,15 +436,9 @@ def test_published_runs_median_error_within_ten_percent():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv"
     results, everything = score_runs(read_runs(path))
     assert everything["median_abs_error"] <= 0.09, everything
-    assert everything["per_group_median_abs_error"][LAYOUT_SWEEP] <= 0.10, everything
-    assert everything["per_group_median_abs_error"][FSDP_ONE_SEQUENCE] <= 0.40, everything
-    assert everything["per_group_median_abs_error"][SMALL_FSDP_TP] <= 0.20, everything
-    assert everything["per_group_median_abs_error"][SMALL_FSDP_H100] <= 0.25, everything
-    assert everything["per_group_median_abs_error"][MEGATRON_8B] <= 0.20, everything
-    assert everything["per_group_median_abs_error"][SWALLOW_PIPELINE] <= 0.20, everything
-    assert everything["per_group_median_abs_error"][BRIDGE_CARDS_MOE] <= 0.15, everything
-    assert everything["per_group_median_abs_error"][FLAGSCALE_7B] <= 0.10, everything
-    assert everything["per_group_median_abs_error"][TRAINY_H200] <= 0.20, everything
+    over = {g: everything["per_group_median_abs_error"][g] for g, bound in APART.items()
+            if everything["per_group_median_abs_error"][g] > bound}
+    assert not over, (over, everything)
     summary = summarize([r for r in results if r["group"] not in APART])
     assert summary["rows_used"] >= 60
     assert summary["median_abs_error"] <= 0.10, summary

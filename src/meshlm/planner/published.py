@@ -153,6 +153,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * Hugging Face transformers with accelerate's FSDP1 (stack "hf-transformers": YaFSDP's table, group AG, as its
     repository's patched run_clm.py runs it): eager PyTorch (the Trainer compiles nothing by default), RMSNorm in
     fp32, FlashAttention-2 (`attn_implementation="flash_attention_2"`), FULL_SHARD unit by unit with fp32 reduction;
+    ATorch's examples (groups AO, AP) alike but reducing in bf16, or its "DS 3D" under DeepSpeed's pipeline engine
+    (`published_rows.STACKS`: "atorch-fsdp", "atorch-ds3d");
   * whole blocks checkpointed in k of L layers ("full, first 10 of 80 layers": YaFSDP's `num-ckpt-layers`): the
     no-recompute and full-recompute estimates of the layout weighted (L - k) / L and k / L (time and memory: each
     layer re-runs its forward or not, keeps its inputs or all its activations), as "half" weighs them equally;

@@ -140,12 +140,16 @@ STACKS = (
     ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
     ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
     ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's Scaling library (Hagemann et al. 2023): `BLOCKING_PIPE_STACKS`
+    # Ant Group's ATorch examples (dlrover's atorch/examples/llama2): Hugging Face Llama layers under PyTorch FSDP1, or
+    # under DeepSpeed's pipeline engine with ATorch's tensor parallelism ("DS 3D")
+    ("atorch-fsdp", ("atorch fsdp",)),
+    ("atorch-ds3d", ("atorch ds 3d",)),
     ("hf-transformers", ("hugging face transformers",)),  # transformers + accelerate (YaFSDP's example)
     ("kempnerforge", ("kempnerforge",)),  # the Kempner Institute's FSDP2 / DTensor trainer
     ("lightning-thunder", ("lightning-thunder",)),  # its benchmark_litgpt.py: litgpt's models under PyTorch FSDP
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
-DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed")
+DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed", "atorch-ds3d")
 # Aleph Alpha's Scaling library, the codebase of Hagemann et al.'s sweep (group AF, "AA-Scaling"), read as its public
 # releases run it (Aleph-Alpha/scaling 0.1.0 of 2024-08 and 0.2.0 of 2024-10, read at commits 78489292 and 01b9d21),
 # whose configuration names are the sweep's sheets' (model_parallel_size, pipe_parallel_size,
@@ -185,18 +189,20 @@ FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge")
 TORCHAO_FP8_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
 FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers", "kempnerforge",
-              "lightning-thunder")
+              "lightning-thunder", "atorch-fsdp", "atorch-ds3d")
 # Stacks that cast the model to bf16 before training: parameters, gradients and optimizer states all 16-bit, no fp32
 # master (`Job.bf16_states`).
 BF16_STATE_STACKS = ("kempnerforge", "lightning-thunder")
 # Stacks reducing their gradients in bf16 whatever the row says (`Job.grad_reduce_in_fp32` False): fms-fsdp's bf16
 # policy (every dtype bf16); lightning-thunder's benchmark_litgpt.py, whose bf16 model's gradients are reduced as they
-# are (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy).
-BF16_REDUCE_STACKS = ("fms-fsdp", "lightning-thunder")
+# are (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy); ATorch's FSDP
+# example, whose amp_native bf16 under FSDP becomes MixedPrecision(bf16, bf16, bf16) (atorch/auto/model_context.py).
+BF16_REDUCE_STACKS = ("fms-fsdp", "lightning-thunder", "atorch-fsdp")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
 # published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
-# Composer FSDP before torch 2.0); the others fuse their elementwise work (TE / apex kernels, XLA, torch.compile).
-EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry", "hf-transformers")
+# Composer FSDP before torch 2.0; ATorch's examples, whose strategy lists compile nothing); the others fuse their
+# elementwise work (TE / apex kernels, XLA, torch.compile).
+EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry", "hf-transformers", "atorch-fsdp", "atorch-ds3d")
 
 
 def stack_of(row: dict) -> str:
