@@ -199,7 +199,11 @@ ATorch examples (dlrover's atorch/examples/llama2) training Llama 2 7B on 8-64 A
 FSDP1 at four sequences of 4096 per GPU (AO: 14-18% too fast, as eager Hugging Face Llama layers on A100 are in AG's
 compute-bound rows) and at tp x pp under DeepSpeed's pipeline engine (AP: 5-14% too fast, issue 25's kind (3)-like);
 their TFLOP/s are ATorch's hardware count (recomputation included), turned into tokens/s by its own formula. Overall
-8.59% -> 8.85%; every other row unchanged.
+8.59% -> 8.85%; every other row unchanged. Then a full recomputation re-runs a layer's last tensor-parallel collective
+where the stack's checkpoint re-runs the whole forward (Megatron's and DeepSpeed's CheckpointFunction, Scaling's copy
+of torch's older non-reentrant one), not where torch's non-reentrant checkpoint stops early (meshlm, torchtitan,
+KempnerForge: `Job.recompute_early_stop`): fitted groups 4.97% -> 4.72%, AP 11.8% -> 11.1%, S 7.3% -> 7.7%; overall
+unchanged.
 """
 
 from __future__ import annotations
@@ -528,6 +532,17 @@ CHANGES = (
      "fsdp_llama2_entry.sh, ds_3d_llama2.py, ds_3d_llama2_entry.sh, example_utils.py}, atorch/auto/model_context.py "
      "(fsdp with amp_native: MixedPrecision) and atorch/utils/ds_pipe_utils.py (partition_method 'type:' the layer "
      "class, tie_first)"),
+    ("mechanism: a full recomputation that re-runs the whole forward of a layer repeats its last tensor-parallel "
+     "collective too (one all-reduce, or reduce-scatter under SP, a layer and micro-batch), where torch's "
+     "non-reentrant checkpoint stops once the saved tensors are rebuilt (Job.recompute_early_stop: meshlm, "
+     "torchtitan, KempnerForge, ATorch's FSDP example)",
+     ("A_megatron2021_weak_scaling", "S_bloom_prequel_a100_pipeline", "AF_hagemann_layouts_a100",
+      "AP_atorch_ds3d_llama2_7b_a100"),
+     "NVIDIA/Megatron-LM at d98e8a6 megatron/core/tensor_parallel/random.py (CheckpointFunction.backward re-runs "
+     "run_function); deepspeed/runtime/activation_checkpointing/checkpointing.py (the same); torch.utils.checkpoint "
+     "(non-reentrant early stop, PyTorch 2.1); Aleph-Alpha/scaling activation_checkpointing.py at 01b9d21 (its "
+     "_checkpoint_without_reentrant re-runs the function whole); KempnerForge distributed/parallel.py at 01b461a "
+     "(CheckpointImpl.NO_REENTRANT); meshlm parallel/recompute.py (use_reentrant=False)"),
 )
 
 

@@ -119,6 +119,13 @@ class Job:
     # up-projection GEMMs once more (`mla.up_projection_gemms`). A model with latent attention on Megatron's runtime
     # (Megatron-Bridge's DeepSeek-V3 H100 and GB200 recipes); a model without it has nothing to re-run.
     recompute_mla_up_proj: bool = False
+    # A full recomputation that stops once the tensors the backward needs are rebuilt: torch.utils.checkpoint
+    # without reentrancy (PyTorch >= 2.1 stops early by default) -- meshlm's runtime (parallel/recompute.py),
+    # torchtitan's and KempnerForge's checkpoint wrappers -- so a layer's last tensor-parallel collective, whose
+    # output no saved tensor needs, is not run again (`timing.tp_collectives`). False: the whole forward of the layer
+    # runs again, its last collective included (Megatron's and DeepSpeed's CheckpointFunction, torch's reentrant
+    # checkpoint, Aleph Alpha's Scaling's copy of the older non-reentrant one). The meshlm runtime is always True.
+    recompute_early_stop: bool = False
     # Megatron-Core's fused cross entropy (`cross_entropy_loss_fusion`, from core_v0.8; NeMo's and Megatron-Bridge's
     # GPT configs default it on): its jit-fused kernels move fewer bytes per logit than the op-by-op loss
     # (`timing.loss_time`).

@@ -185,12 +185,12 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS, BLOCKING_PIPE_STACKS,
-                                           DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS, FA2_STACKS,
-                                           FSDP2_STACKS, TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS,
-                                           ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int, cluster_for, compiled,
-                                           gpt_style, hybrid_shard, interleaved, model_of, moe_comm_as_run,
-                                           nvidia_recipe, precision_of, predict_each, recompute_choices,
-                                           recompute_fraction, recompute_of, recomputes_mla_up_proj, read_table,
+                                           DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS,
+                                           EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, TORCHAO_FP8_STACKS,
+                                           TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int,
+                                           cluster_for, compiled, gpt_style, hybrid_shard, interleaved, model_of,
+                                           moe_comm_as_run, nvidia_recipe, precision_of, predict_each, read_table,
+                                           recompute_choices, recompute_fraction, recompute_of, recomputes_mla_up_proj,
                                            row_text, schedule_named, seq_len_of, shard_degree, source_year, stack_of,
                                            token_count, zero_of)
 
@@ -304,7 +304,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,
                tp_loss_replicated=stack in TP_LOSS_REPLICATED_STACKS, bf16_states=stack in BF16_STATE_STACKS,
                bf16_moments=bool(re.search(r"bf16 (main gradients and )?adam moments", text)),
-               cross_entropy_fusion=nvidia,
+               cross_entropy_fusion=nvidia, recompute_early_stop=stack in EARLY_STOP_STACKS,
                recompute_mla_up_proj=recomputes_mla_up_proj(row, cfg),
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))

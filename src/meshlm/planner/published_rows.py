@@ -149,6 +149,10 @@ STACKS = (
     ("lightning-thunder", ("lightning-thunder",)),  # its benchmark_litgpt.py: litgpt's models under PyTorch FSDP
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
+# Stacks recomputing through torch.utils.checkpoint without reentrancy, which stops once the tensors the backward
+# needs are rebuilt (`Job.recompute_early_stop`): torchtitan's and KempnerForge's checkpoint_wrapper (NO_REENTRANT),
+# ATorch's checkpoint strategy with no_reentrant; the others' recompute re-runs the whole forward of a layer.
+EARLY_STOP_STACKS = ("torchtitan", "kempnerforge", "atorch-fsdp")
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed", "atorch-ds3d")
 # Aleph Alpha's Scaling library, the codebase of Hagemann et al.'s sweep (group AF, "AA-Scaling"), read as its public
 # releases run it (Aleph-Alpha/scaling 0.1.0 of 2024-08 and 0.2.0 of 2024-10, read at commits 78489292 and 01b9d21),

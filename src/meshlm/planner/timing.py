@@ -109,7 +109,7 @@ def pipeline_bubble(schedule: str, *, pp: int, num_microbatches: int, pp_chunks:
 
 def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens: float, act_bytes: int,
                    recompute: str = "none", norm_grads_in_graph: bool = True,
-                   loss_replicated: bool = False) -> tuple[list, list]:
+                   loss_replicated: bool = False, early_stop: bool = True) -> tuple[list, list]:
     """The tensor-parallel collectives of one microbatch (forward + backward) on one rank, as
     `(per_layer, around_layers)` lists of (kind, bytes, count); bytes in CommStats' convention.
 
@@ -120,8 +120,10 @@ def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens
                   all-reduce of the attn_norm and mlp_norm gradients (2 of 4 * hidden bytes);
                   qk_norm: 2 all-reduces of 4 * head_dim (q_norm, k_norm gradients, both modes);
                   full recompute repeats the forward's collectives up to w_down's input, the last
-                  tensor backward needs (torch's checkpoint stops there): no SP 1 AR (attention's
-                  output); SP 2 AG (attention and MLP inputs) + 1 RS (attention's output).
+                  tensor backward needs, where the checkpoint stops there (`early_stop`: torch's without
+                  reentrancy, meshlm's): no SP 1 AR (attention's output); SP 2 AG (attention and MLP
+                  inputs) + 1 RS (attention's output); else (`Job.recompute_early_stop` False) all of the
+                  forward's: 2 AR, or 2 AG + 2 RS.
       around      embedding: AR of x (no SP) / RS + AG backward (SP); lm_head input: AR backward
                   (no SP) / AG + RS (SP); SP final norm gradient: AR of 4 * hidden; loss: 3
                   all-reduces of 4 bytes per token (max, sum of exponentials, target logit).
@@ -135,14 +137,15 @@ def tp_collectives(cfg: ModelConfig, *, tp: int, sequence_parallel: bool, tokens
         return [], []
     x = tokens * cfg.hidden_size * act_bytes
     full = recompute == "full"
+    last = 0 if early_stop else 1  # the layer's last collective, run again where the checkpoint does not stop early
     if sequence_parallel:
-        layer = [("all_gather", x, 4 + (2 if full else 0)), ("reduce_scatter", x, 4 + (1 if full else 0))]
+        layer = [("all_gather", x, 4 + (2 if full else 0)), ("reduce_scatter", x, 4 + (1 + last if full else 0))]
         edge = [("reduce_scatter", x, 2), ("all_gather", x, 2)]
         if norm_grads_in_graph:
             layer.append(("all_reduce", 4 * cfg.hidden_size, 2))
             edge.append(("all_reduce", 4 * cfg.hidden_size, 1))
     else:
-        layer = [("all_reduce", x, 4 + (1 if full else 0))]
+        layer = [("all_reduce", x, 4 + (1 + last if full else 0))]
         edge = [("all_reduce", x, 2)]
     if cfg.qk_norm and norm_grads_in_graph:
         layer.append(("all_reduce", 4 * cfg.head_dim, 2))
@@ -371,15 +374,17 @@ def _eager_norm_elements(job: Job, r: RankSetup) -> int:
 
 def tp_comm_time(cfg: ModelConfig, job: Job, r: RankSetup, *, layer: LayerCompute) -> tuple[float, float, list, list]:
     """Tensor-parallel communication per microbatch, the collectives of `tp_collectives` (meshlm's TP, which
-    matches Megatron's): per layer 2 all-reduces (or AG + RS pairs under SP) forward, 2 backward, 2 more
-    when the forward is recomputed in full; around the layers the embedding, lm_head input and loss.
+    matches Megatron's): per layer 2 all-reduces (or AG + RS pairs under SP) forward, 2 backward, and when the
+    forward is recomputed in full its collectives again (but the last where the checkpoint stops early,
+    `Job.recompute_early_stop`); around the layers the embedding, lm_head input and loss.
     Not overlapped (Megatron default, and meshlm's TP) unless `Job.tp_comm_overlap`.
     Returns (seconds per layer, seconds around the layers, and the two collective lists)."""
     span_tp = r.spans["tp"]
     layer_colls, edge_colls = tp_collectives(cfg, tp=r.tp, sequence_parallel=r.sp, tokens=r.tokens_mb,
                                              act_bytes=r.by["act"], recompute=r.rc,
                                              norm_grads_in_graph=job.runtime == "meshlm",
-                                             loss_replicated=job.tp_loss_replicated)
+                                             loss_replicated=job.tp_loss_replicated,
+                                             early_stop=job.recompute_early_stop or job.runtime == "meshlm")
     t_layer = sum(n * r.times(kind, nbytes, span_tp) for kind, nbytes, n in layer_colls)
     if job.tp_comm_overlap:
         # Megatron/TE userbuffers: each all-gather is split and pipelined under the GEMM that consumes it,
