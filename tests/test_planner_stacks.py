@@ -5,6 +5,7 @@ Arithmetic only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -430,3 +431,49 @@ def test_mi300x_scale_up_all_reduce_follows_rccls_measured_curve():
     _, bw = c.collective_fit("all_reduce", "scale-up")
     assert x / (2 * (n - 1)) == pytest.approx(c.scaleup_latency, rel=0.10)
     assert factor / y == pytest.approx(bw, rel=0.10)
+
+
+def test_fsdp_accumulating_unsynchronized_holds_unsharded_gradients_and_reduces_once(capsys):
+    """`Job.fsdp_no_sync` (KempnerForge's maybe_no_sync: FSDP2's set_requires_gradient_sync(False) on every micro-step
+    but the last): the rank's whole gradients unsharded, at the reduce dtype's width, in place of their shard -- as
+    many bytes as plain data parallelism keeps, exactly --, and each unit's gradient reduced once a step where every
+    micro-step reduced it; nothing changes at one micro-step. Published rows by their stack; `meshlm plan
+    --fsdp-no-sync`, refused on meshlm's runtime (whose ZeRO reduces once a step already)."""
+    import json
+
+    from test_planner import _cli
+
+    from meshlm.config import ModelConfig
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.collectives import collective_time, group_span
+    from meshlm.planner.cost import Job, Layout, ModelSummary, estimate
+    from meshlm.planner.published import job_of
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=16,
+                      intermediate_size=4096, max_seq_len=2048)
+    cluster, m = get_cluster("h100"), 4
+    job = Job(seq_len=2048, global_batch_size=8 * m)
+    fsdp, ddp = Layout(dp_shard=8, zero_stage=3), Layout(dp_shard=8)
+    est = {(k, sync): estimate(cfg, cluster, replace(job, global_batch_size=8 * k, fsdp_no_sync=not sync), fsdp,
+                               gpus=8) for k in (1, m) for sync in (True, False)}
+    plain = estimate(cfg, cluster, job, ddp, gpus=8).memory_gib["gradients"]
+    assert est[m, False].memory_gib["gradients"] == pytest.approx(plain, rel=1e-12)
+    assert est[m, True].memory_gib["gradients"] < plain / 7  # the shard alone
+    assert est[1, False].memory_gib == est[1, True].memory_gib and est[1, False].time_s == est[1, True].time_s
+    # The reductions per micro-step: a reduce-scatter of each block's fp32 gradients and of the root's.
+    summary = ModelSummary.for_job(cfg, job)
+    block, root = summary.layer_tp + summary.layer_rep, summary.embed + summary.head + cfg.hidden_size
+    span = group_span(1, 8, cluster.scaleup_size)
+    reduce = (cfg.num_layers * collective_time("reduce_scatter", block * 4, span, cluster)
+              + collective_time("reduce_scatter", root * 4, span, cluster))
+    assert est[m, True].dp_comm_alone_s == pytest.approx(m * est[1, True].dp_comm_alone_s, rel=1e-12)
+    assert est[m, True].dp_comm_alone_s - est[m, False].dp_comm_alone_s == pytest.approx((m - 1) * reduce, rel=1e-9)
+    row = {**_row(), "n_gpus": "8", "dp": "8", "gbs_seqs": "32", "zero_fsdp": "FSDP2 (fully_shard)"}
+    assert not job_of(row, cfg).fsdp_no_sync
+    assert job_of({**row, "source": "KempnerForge's MFU report"}, cfg).fsdp_no_sync
+    argv = ["plan", "estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "64", "--seq-len", "8192",
+            "--global-batch-size", "256", "--layout", "dp_shard=64,zero_stage=3,recompute=full", "--json"]
+    grads = [json.loads(_cli(argv + flag, capsys)[1])["memory_gib"]["gradients"] for flag in ([], ["--fsdp-no-sync"])]
+    assert grads[1] > 60 * grads[0]  # every gradient where a 64th was
+    with pytest.raises(ValueError, match="leave out --fsdp-no-sync"):
+        _cli(argv + ["--runtime", "meshlm", "--precision", "fp32", "--fsdp-no-sync"], capsys)

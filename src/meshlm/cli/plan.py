@@ -69,6 +69,11 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
                    help="a model with latent attention (DeepSeek-V3, Kimi K2): keep the compressed latents, not "
                         "the per-head q, k and v, and run the up-projections again in the backward (Megatron-Core's "
                         "recompute_modules mla_up_proj, which NVIDIA's DeepSeek-V3 recipes set on H100 and GB200)")
+    p.add_argument("--fsdp-no-sync", action="store_true",
+                   help="ZeRO-3 / FSDP layouts accumulate gradients without synchronizing until the last micro-step "
+                        "(FSDP2's set_requires_gradient_sync(False), FSDP1's no_sync()): the rank's whole unsharded "
+                        "gradients in memory at the reduce width, and one reduction a step instead of one a "
+                        "micro-step (default: every micro-step reduces, FSDP's default)")
     p.add_argument("--train-tokens", default=None, metavar="N",
                    help="tokens of the whole run (e.g. 15T) for its days and energy")
     p.add_argument("--failure-rate", type=float, default=None, metavar="PER_GPU_HOUR",
@@ -190,7 +195,8 @@ def _training_model(args) -> ModelConfig:
 
 def _job_options(args) -> dict:
     """The job fields the training subcommands take from their flags beside its sizes."""
-    return dict(ep_dispatcher=args.ep_dispatcher, recompute_mla_up_proj=args.recompute_mla_up_proj)
+    return dict(ep_dispatcher=args.ep_dispatcher, recompute_mla_up_proj=args.recompute_mla_up_proj,
+                fsdp_no_sync=args.fsdp_no_sync)
 
 
 def _require_gpus(args) -> None:

@@ -43,8 +43,9 @@ def bound_of(est: Estimate) -> str:
 
 # The published step over the predicted one of the dev rows the overlap caution rests on (ZeRO-3 / FSDP rows whose
 # collectives alone outlast their compute), least and most, as benchmarks/data/published_runs_dev.csv stands
-# (tests/test_planner_training_kinds.py recomputes them): 14 rows -- Paxml's GPT-3 175B under XLA's FSDP on 128-2048
-# H100s (group W) 0.88-0.93x, KempnerForge's 70B (AH) 1.10x, PyTorch FSDP1 at one sequence per GPU (AG) 1.40-1.56x.
+# (tests/test_planner_training_kinds.py recomputes them): 13 rows -- Paxml's GPT-3 175B under XLA's FSDP on 128-2048
+# H100s (group W) 0.88-0.93x, PyTorch FSDP1 at one sequence per GPU (AG) 1.40-1.56x (KempnerForge's 70B, AH, left the
+# regime once its gradients were reduced once a step: `Job.fsdp_no_sync`).
 OVERLAP_SPREAD = (0.88, 1.56)
 
 
@@ -59,7 +60,7 @@ def overlap_caution(est: Estimate) -> str | None:
     lo, hi = OVERLAP_SPREAD
     return (f"Caution: its ZeRO-3 gathers and reduce-scatters alone take {ratio:.1f}x its "
             "compute, and the planner hides all that each pass's compute covers; published FSDP runs in this regime "
-            f"took {lo:.2f}-{hi:.2f}x the predicted step (benchmarks/data/ groups W, AH, AG: XLA's FSDP the least, "
+            f"took {lo:.2f}-{hi:.2f}x the predicted step (benchmarks/data/ groups W, AG: XLA's FSDP the least, "
             "PyTorch FSDP1 at one sequence per GPU the most): read the step time as uncertain, for PyTorch FSDP a "
             "lower bound.")
 

@@ -97,6 +97,14 @@ class Job:
     # distributed optimizer and DeepSpeed's ZeRO-2, which reduce-scatter the gradients in large buckets and gather
     # the updated parameters once per step.
     zero2_unit_collectives: bool = False
+    # FSDP's gradient accumulation without synchronization (FSDP2's `set_requires_gradient_sync(False)`, FSDP1's
+    # `no_sync()`) on every micro-step but the last: each unit's unsharded gradient is kept -- FSDP2 upcasts it to its
+    # reduce dtype to accumulate (`FSDPParam.to_accumulated_grad_if_needed`) -- and reduce-scattered once, in the last
+    # micro-step's backward: one reduction per step, and the rank's whole unsharded gradients in memory at the
+    # reduce dtype's width (KempnerForge's training/grad.py `maybe_no_sync`). False: every micro-step's backward
+    # reduce-scatters its units (PyTorch FSDP's default, Composer's and OLMo-core's trainers). FSDP (ZeRO-2 / 3 under
+    # runtime megatron) only; meshlm's ZeRO accumulates without synchronizing already (`memory.py`).
+    fsdp_no_sync: bool = False
     # Tensor parallelism with the output head's logits gathered for a loss every tp rank computes over the whole
     # vocabulary (DTensor's ColwiseParallel head with a Replicate output and no loss_parallel: KempnerForge's
     # distributed/tensor_parallel.py): one all-gather of tokens x vocab activations per micro-batch, and the loss and
@@ -228,6 +236,10 @@ class Job:
         if self.recompute_mla_up_proj and self.runtime != "megatron":
             raise ValueError("recompute_mla_up_proj is Megatron-Core's recompute_modules 'mla_up_proj'; meshlm "
                              "implements no multi-head latent attention: set runtime='megatron'")
+        if self.fsdp_no_sync and self.runtime != "megatron":
+            raise ValueError("fsdp_no_sync is PyTorch FSDP's unsynchronized gradient accumulation; meshlm's ZeRO "
+                             "already reduces once a step (its accounting prices that): leave out --fsdp-no-sync "
+                             "(fsdp_no_sync=False)")
         if self.runtime == "meshlm" and self.precision != "fp32":
             raise ValueError(f"runtime='meshlm' trains in fp32 (precision={self.precision!r} given); use "
                              "precision='fp32', or runtime='megatron' for mixed precision")

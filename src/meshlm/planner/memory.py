@@ -12,7 +12,8 @@ keeps 2 + 2 + 4 (bf16 moments, no master), Megatron-Core's precision-aware optim
 (`Job.bf16_moments`) 8 in place of the 12. Under fp8 the GEMM inputs kept
 for backward are fp8 copies (`fp8_saved_input_delta`). ZeRO-1 shards the 12, ZeRO-2 also the gradients,
 ZeRO-3 also the weights, each over dp_shard x cp (communication: Megatron / FSDP-style, overlapped,
-ZeRO-3 prefetching the next layer).
+ZeRO-3 prefetching the next layer); FSDP accumulating without synchronization (`Job.fsdp_no_sync`) holds the
+rank's gradients whole, in the reduce dtype, until the last micro-step reduces them.
 `Job.runtime = "meshlm"` (fp32; what `cluster=local` and benchmarks/planner_vs_measured.py run) follows
 meshlm's own runtime, as `parallel/data.py` and `parallel/zero.py` really allocate and communicate:
   plain DP   4 + 4 + 8, plus one flat copy of all gradients in the all-reduce buckets;
@@ -217,6 +218,10 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
             "gradients": p.sharded(2) * by["grad"],
             "optimizer": p.sharded(1) * by["optim"],
         }
+        if job.fsdp_no_sync and m > 1 and z >= 2 and (lo.dp > 1 or cp > 1):
+            # FSDP accumulating without synchronization (`Job.fsdp_no_sync`): every unit's unsharded gradient, in
+            # the reduce dtype, until the last micro-step's reduce-scatter replaces it by its shard
+            mem["gradients"] = n_local * by["reduce"]
     # Activations of the first rank (most microbatches in flight) or the last (logits).
     per_layer_mb = layer_activation_bytes(summary, job, lo)
     if not job.flash_attention and rc == "none":

@@ -158,11 +158,11 @@ Choices the rows leave open, made the same way for every row (never from the rep
   * whole blocks checkpointed in k of L layers ("full, first 10 of 80 layers": YaFSDP's `num-ckpt-layers`): the
     no-recompute and full-recompute estimates of the layout weighted (L - k) / L and k / L (time and memory: each
     layer re-runs its forward or not, keeps its inputs or all its activations), as "half" weighs them equally;
-  * KempnerForge (group AH, its MFU report of 2026-04): FSDP2 (`Job.fsdp_copy_out`), DTensor tensor parallelism with
-    sequence parallelism (no async TP), attention through PyTorch SDPA (FlashAttention-2), compiled unless the row
-    says not, its tensor-parallel head's logits gathered for a loss over the whole vocabulary on every rank
-    (`Job.tp_loss_replicated`), its model states bf16 (the trainer casts the model: `Job.bf16_states`); its nodes of 4
-    GPUs from the row's node cell (`cluster_for`);
+  * KempnerForge (group AH, its MFU report of 2026-04): FSDP2 (`Job.fsdp_copy_out`) accumulating gradients without
+    synchronizing (`Job.fsdp_no_sync`), DTensor tensor parallelism with sequence parallelism, SDPA attention (FA2),
+    compiled unless the row says not, its tensor-parallel head's logits gathered for a loss over the whole vocabulary
+    on every rank (`Job.tp_loss_replicated`), its model states bf16 (the trainer casts the model: `Job.bf16_states`);
+    its nodes of 4 GPUs from the row's node cell (`cluster_for`);
   * lightning-thunder's benchmark_litgpt.py (group AI): the model cast to bf16 (`Job.bf16_states`, its gradients
     reduced in bf16), attention through SDPA (FlashAttention-2), its --shard_mode zero2 as FSDP's ZeRO-2 unit by unit
     (FSDP2 without resharding after the forward, FSDP1's SHARD_GRAD_OP: what the row's sharding cell says);
@@ -186,7 +186,8 @@ from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS, BLOCKING_PIPE_STACKS,
                                            DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS,
-                                           EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, TORCHAO_FP8_STACKS,
+                                           EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, NO_SYNC_STACKS,
+                                           TORCHAO_FP8_STACKS,
                                            TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int,
                                            cluster_for, compiled, gpt_style, hybrid_shard, interleaved, model_of,
                                            moe_comm_as_run, nvidia_recipe, precision_of, predict_each, read_table,
@@ -305,7 +306,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
                tp_loss_replicated=stack in TP_LOSS_REPLICATED_STACKS, bf16_states=stack in BF16_STATE_STACKS,
                bf16_moments=bool(re.search(r"bf16 (main gradients and )?adam moments", text)),
                cross_entropy_fusion=nvidia, recompute_early_stop=stack in EARLY_STOP_STACKS,
-               recompute_mla_up_proj=recomputes_mla_up_proj(row, cfg),
+               recompute_mla_up_proj=recomputes_mla_up_proj(row, cfg), fsdp_no_sync=stack in NO_SYNC_STACKS,
                **_attention_and_ops(row, stack, year, text, megascale_baseline=megascale_baseline),
                **_sharding_and_fp8(row, stack, year, text))
 

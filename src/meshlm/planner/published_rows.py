@@ -197,6 +197,9 @@ FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transfor
 # Stacks that cast the model to bf16 before training: parameters, gradients and optimizer states all 16-bit, no fp32
 # master (`Job.bf16_states`).
 BF16_STATE_STACKS = ("kempnerforge", "lightning-thunder")
+# Stacks accumulating FSDP gradients without synchronizing until the last micro-step (`Job.fsdp_no_sync`):
+# KempnerForge's training/grad.py `maybe_no_sync` (FSDP2's set_requires_gradient_sync(False) on the others).
+NO_SYNC_STACKS = ("kempnerforge",)
 # Stacks reducing their gradients in bf16 whatever the row says (`Job.grad_reduce_in_fp32` False): fms-fsdp's bf16
 # policy (every dtype bf16); lightning-thunder's benchmark_litgpt.py, whose bf16 model's gradients are reduced as they
 # are (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy); ATorch's FSDP

@@ -127,7 +127,8 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     of its own, the device synchronized around it, so no gather overlaps compute and each pays its ring's latency
     (`block_tensors` per block); the gradients' reduce-scatters overlap as above.
     `backward_gathers=False` (ZeRO-2 as FSDP's SHARD_GRAD_OP, `Job.zero2_unit_collectives`): the forward's gathers are
-    kept for the backward, which only reduce-scatters.
+    kept for the backward, which only reduce-scatters. `Job.fsdp_no_sync`: only the step's last micro-step reduces;
+    the others' backwards gather alone.
     `Job.fsdp_copy_out` (FSDP2): each gather's copy out of the all-gather buffer, a read and a write of the unit's
     parameters on the compute stream, is exposed whatever overlaps the collectives. Under fp8 with
     `Job.fp8_weights` "fsdp_all_gather" the blocks' weights are gathered (and copied out) in one byte each."""
@@ -159,17 +160,19 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
     ag_block, red_block = unit(block, block_exp, block_bytes, **pieces)
     ag_root, red_root = unit(root, 0.0, by["param"])
     passes = 2 if backward_gathers else 1  # block gathers per micro-step
+    # Micro-steps that reduce their gradients: each, or the last alone where accumulation skips synchronization.
+    reducing = 1 if job.fsdp_no_sync else m
     fwd_comm = p.layers * ag_block
-    bwd_comm = p.layers * ((passes - 1) * ag_block + red_block)
-    total = m * (fwd_comm + bwd_comm + ag_root + red_root)
+    bwd_gathers, bwd_reduce = p.layers * (passes - 1) * ag_block, p.layers * red_block
+    total = m * (fwd_comm + bwd_gathers + ag_root) + reducing * (bwd_reduce + red_root)
     if r.cores_saturated:
         return total, total
     if serial:  # every gather on the critical path; the reductions overlap the backward
-        exposed = (m * (passes * p.layers * ag_block + ag_root + max(0.0, p.layers * red_block - mb.bwd))
+        exposed = (m * (passes * p.layers * ag_block + ag_root) + reducing * max(0.0, bwd_reduce - mb.bwd)
                    + red_block + red_root)
     else:
-        exposed = (m * (max(0.0, fwd_comm - mb.fwd) + max(0.0, bwd_comm - mb.bwd) + ag_root)
-                   + red_block + red_root)
+        exposed = (m * (max(0.0, fwd_comm - mb.fwd) + ag_root) + (m - reducing) * max(0.0, bwd_gathers - mb.bwd)
+                   + reducing * max(0.0, bwd_gathers + bwd_reduce - mb.bwd) + red_block + red_root)
     exposed = min(total, exposed)
     # Gathers per step: each block before its forward (and its backward), the root once per micro-step.
     copied = m * (passes * p.layers * (block + block_exp) * block_bytes + root * by["param"])
