@@ -211,7 +211,9 @@ unsharded gradients in fp32 (FSDP2 upcasts them to the reduce dtype to accumulat
 report's peak allocated memory, which the predicted allocation (the total less the reserved pool and fragmentation
 margin) fell 12-69% short of on every FSDP row, is now within -4..+10% on 10 of its 11 (+24% at FSDP 2); step times
 move +0.2..+1.7 points, R566 (70B over 8 nodes, an InfiniBand rate the report does not give) +9.8% -> +26.6%: AH
-11.5% -> 12.9%, every other row unchanged.
+11.5% -> 12.9%, every other row unchanged. And a row whose model name holds "litgpt" (the trainer, group AI) had been
+read as GPT-style, its Llama's SwiGLU shrunk to a 4h MLP's parameters: read as the Llama its row gives, AI 15.8% ->
+6.4%, overall 8.86% -> 8.65%.
 """
 
 from __future__ import annotations
@@ -559,6 +561,10 @@ CHANGES = (
      "KempnerInstitute/KempnerForge at 01b461a kempnerforge/training/grad.py (maybe_no_sync) and scripts/train.py "
      "(its accumulation loop), kempnerforge/distributed/parallel.py (reduce_dtype float32); PyTorch "
      "torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDPParam.to_accumulated_grad_if_needed)"),
+    ("row reading: a model is GPT-style where its name has GPT as a word, not inside the trainer's name litgpt (a "
+     "Llama 2 7B's SwiGLU of 11008 had been read as a 4h MLP of the same parameters: 7296)",
+     ("AI_thunder_litgpt_h100_fsdp",),
+     "the rows' own shape columns (Llama-2-7b-hf, Llama-3-8B: ffn 11008 / 14336, as litgpt's configs give them)"),
 )
 
 

@@ -300,14 +300,17 @@ def test_lightning_thunders_benchmark_is_read_as_the_bf16_fsdp_zero2_it_ran():
     (`Job.bf16_states`) and reduces its gradients in bf16; its --shard_mode zero2 is ZeRO-2 unit by unit
     (`Job.zero2_unit_collectives`: FSDP2 without resharding after the forward, or FSDP1's SHARD_GRAD_OP), FSDP2's
     copy-out only on its FSDP2 rows; attention through SDPA (FlashAttention-2); compiled or eager as each row says; its
-    torchao float8 rows gather the weights in fp8. Only AH's and AI's stacks keep bf16 states."""
+    torchao float8 rows gather the weights in fp8. Only AH's and AI's stacks keep bf16 states. Its models are the
+    Llama shapes their rows give (SwiGLU of 11008 / 14336), not GPT's 4h MLP: "litgpt" is the trainer's name."""
     from meshlm.planner import published
-    from meshlm.planner.published_rows import stack_of, zero_of
+    from meshlm.planner.published_rows import gpt_style, stack_of, zero_of
 
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     group = {r["row_id"]: r for r in rows if r["group"] == "AI_thunder_litgpt_h100_fsdp"}
     assert sorted(group) == ["R567", "R568", "R569", "R570", "R571"]
     jobs = {k: published.job_of(r, published.model_of(r)) for k, r in group.items()}
+    assert {published.model_of(r).intermediate_size for r in group.values()} == {11008, 14336}
+    assert not any(gpt_style(r) for r in group.values()) and gpt_style({**group["R567"], "model": "GPT 7.5B"})
     for k, job in jobs.items():
         assert stack_of(group[k]) == "lightning-thunder" and zero_of(group[k]) == 2, k
         assert job.bf16_states and not job.grad_reduce_in_fp32 and job.zero2_unit_collectives, k

@@ -293,10 +293,11 @@ def _gbit_per_s(text: str) -> float | None:
 
 
 def gpt_style(row: dict) -> bool:
-    """A GPT-style model (a 4h GeLU MLP, learned positions) rather than a Llama-style one."""
+    """A GPT-style model (a 4h GeLU MLP, learned positions) rather than a Llama-style one: its architecture says so, or
+    its name has the word GPT (not gpt-oss, nor the trainer litgpt running Llama)."""
     name = row["model"].strip().lower()
     arch = next((a for k, a in ARCHS.items() if name_key(name).startswith(name_key(k))), {})
-    return arch.get("mlp") == "gelu" or ("gpt" in name and "oss" not in name)
+    return arch.get("mlp") == "gelu" or (re.search(r"\bgpt", name) is not None and "oss" not in name)
 
 
 def model_of(row: dict) -> ModelConfig:
