@@ -229,7 +229,7 @@ def compiled(row: dict) -> bool | None:
     t = row_text(row)
     if re.search(r"torch\.compile off|compile\s*=\s*false|compile: n\b|without torch\.compile|not use compile", t):
         return False
-    if re.search(r"torch\.compile|compile\s*=\s*true|compile: y\b", t):
+    if re.search(r"torch\.compile|compile\s*=\s*true|compile: y\b|--training\.compile\b", t):  # torchtitan's flag
         return True
     return None
 
