@@ -219,6 +219,7 @@ def test_fms_rows_run_eager_unless_their_source_is_the_compiled_table():
     titan = {**row, "source": "pytorch/torchtitan benchmarks (Trainy)"}  # eager unless the row says compiled
     assert not job_of(titan, cfg).fused_elementwise  # its own flag says so too (group AN):
     assert job_of({**titan, "notes": "--training.compile --model.converters float8"}, cfg).fused_elementwise
+    assert not job_of({**titan, "notes": "eager PyTorch, no torch.compile"}, cfg).fused_elementwise  # (group AO)
     assert job_of({**row, "source": "MosaicML llm-foundry benchmarking README (Composer FSDP)"}, cfg).fp32_norms is False
     assert job_of(row, cfg).fp32_norms is True
     # TP communication overlapped where the row names it (torchtitan's async TP, Megatron's --tp-comm-overlap).

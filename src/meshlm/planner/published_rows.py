@@ -227,7 +227,7 @@ def row_text(row: dict) -> str:
 def compiled(row: dict) -> bool | None:
     """Whether the row says torch.compile was on (True), off (False), or neither (None)."""
     t = row_text(row)
-    if re.search(r"torch\.compile off|compile\s*=\s*false|compile: n\b|without torch\.compile|not use compile", t):
+    if re.search(r"torch\.compile off|compile\s*=\s*false|compile: n\b|(without|no) torch\.compile|not use compile", t):
         return False
     if re.search(r"torch\.compile|compile\s*=\s*true|compile: y\b|--training\.compile\b", t):  # torchtitan's flag
         return True
