@@ -35,9 +35,9 @@ ARCHS = {
     "llama 2 13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000),
     "llama 2 70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000),
     # Nemotron-3 8B / Nemotron-4 (Parmar et al. 2024 Table 1; NVIDIA 2024 Nemotron-4 340B report): squared ReLU MLP.
-    "nemotron-8b": dict(layers=32, hidden=4096, heads=32, ffn=16384, vocab=256000, **_GPT),
-    "nemotron-22b": dict(layers=40, hidden=6144, heads=48, kv_heads=8, ffn=24576, vocab=256000, **_GPT),
-    "nemotron-340b": dict(layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728, vocab=256000, **_GPT),
+    "nemotron-8b": dict(layers=32, hidden=4096, heads=32, ffn=16384, vocab=256000, untied=True, **_GPT),
+    "nemotron-22b": dict(layers=40, hidden=6144, heads=48, kv_heads=8, ffn=24576, vocab=256000, untied=True, **_GPT),
+    "nemotron-340b": dict(layers=96, hidden=18432, heads=96, kv_heads=8, ffn=73728, vocab=256000, untied=True, **_GPT),
     # OpenAI gpt-oss model card (2025): 36 layers, 128 experts top-4, head_dim 64.
     "gpt oss 120b": dict(layers=36, hidden=2880, heads=64, kv_heads=8, head_dim=64, ffn=2880, vocab=201088,
                          experts=128, top_k=4, moe_ffn=2880),
@@ -311,9 +311,12 @@ def model_of(row: dict) -> ModelConfig:
         raise LookupError(f"architecture of {row['model']!r} is neither in the CSV nor in ARCHS")
     ffn = get("ffn", "ffn") or 4 * hidden
     gpt = gpt_style(row)
+    # GPT-style models tie their embedding and output head (Megatron-LM's and NeMo's defaults, Paxml's shared softmax,
+    # MPT, BLOOM) but GPT-NeoX-20B (configs/20B.yml: no_weight_tying) and Nemotron (`ARCHS`: untied).
     kw = dict(vocab_size=get("vocab", "vocab") or 51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
               num_kv_heads=get("kv_heads", "kv_heads") or heads, max_seq_len=cell_int(row["seq_len"]) or 8192,
-              intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False))
+              intermediate_size=128 * round(2 * ffn / 3 / 128) if gpt else ffn, qk_norm=arch.get("qk_norm", False),
+              tie_embeddings=gpt and not arch.get("untied", "neox" in name))
     if arch.get("head_dim"):
         kw["head_dim"] = arch["head_dim"]
     if arch.get("experts"):
