@@ -419,7 +419,7 @@ def test_published_runs_median_error_within_ten_percent():
     40%), those of its eleventh round on in `APART` (each with its round). benchmarks/data/README.md tells each group's
     story -- what it came in at, what was then priced, what is left (e.g. AG, FULL_SHARD at one sequence per GPU,
     issue 25's kind (1): 33% too fast, 43-56% at 2K tokens; AD: attention at about 60% of the kernels' measured rate;
-    AO / AP, ATorch's Llama 2 7B on A100: 17% / 12% too fast) -- and benchmarks/planner_published.py each round's
+    AP, ATorch's tp x pp of Llama 2 7B on A100: 11% too fast) -- and benchmarks/planner_published.py each round's
     change to the model."""
     from pathlib import Path
 
