@@ -205,18 +205,9 @@ of torch's older non-reentrant one), not where torch's non-reentrant checkpoint 
 KempnerForge: `Job.recompute_early_stop`): fitted groups 4.97% -> 4.72%, AP 11.8% -> 11.1%, S 7.3% -> 7.7%; overall
 unchanged.
 
-A twentieth round (the last `CHANGES` entry) read what KempnerForge's gradient accumulation does (group AH): FSDP2 with
-gradient synchronization off on every micro-step but the last (`Job.fsdp_no_sync`), so each rank holds its whole
-unsharded gradients in fp32 (FSDP2 upcasts them to the reduce dtype to accumulate) and reduces once a step. Its
-report's peak allocated memory, which the predicted allocation (the total less the reserved pool and fragmentation
-margin) fell 12-69% short of on every FSDP row, is now within -4..+10% on 10 of its 11 (+24% at FSDP 2); step times
-move +0.2..+1.7 points, R566 (70B over 8 nodes, an InfiniBand rate the report does not give) +9.8% -> +26.6%: AH
-11.5% -> 12.9%, every other row unchanged. And a row whose model name holds "litgpt" (the trainer, group AI) had been
-read as GPT-style, its Llama's SwiGLU shrunk to a 4h MLP's parameters: read as the Llama its row gives, AI 15.8% ->
-6.4%, overall 8.86% -> 8.65%; group AN's `--training.compile` (torchtitan's flag) now reads as compiled: AN 12.2% ->
-0.7%, overall 8.59%; and AO's "no torch.compile" reads as eager (it had read as compiled): AO 17.4% -> 2.4%, overall
-8.39%. GPT-style models tie their embedding and head (not GPT-NeoX-20B, nor Nemotron): every row stating its parameters
-reads within 4% of them; W 11.0% -> 11.4%, overall unchanged.
+A twentieth round (the last four `CHANGES`) priced KempnerForge's unsynchronized FSDP accumulation (AH 11.5% -> 12.9%,
+its memory now within 10%) and fixed four row readings: litgpt read as GPT (AI 15.8% -> 6.4%), `--training.compile`
+(AN 12.2% -> 0.7%), "no torch.compile" (AO 17.4% -> 2.4%), GPT-style models untied (W 11.4%). Overall 8.85% -> 8.39%.
 """
 
 from __future__ import annotations
@@ -557,27 +548,15 @@ CHANGES = (
      "_checkpoint_without_reentrant re-runs the function whole); KempnerForge distributed/parallel.py at 01b461a "
      "(CheckpointImpl.NO_REENTRANT); meshlm parallel/recompute.py (use_reentrant=False)"),
     # Issue 25, twentieth round.
-    ("mechanism: FSDP accumulating gradients without synchronization (Job.fsdp_no_sync: FSDP2's "
-     "set_requires_gradient_sync(False) on every micro-step but the last) holds the rank's whole unsharded gradients "
-     "in the reduce dtype and reduce-scatters once a step",
-     ("AH_kempnerforge_h200",),
-     "KempnerInstitute/KempnerForge at 01b461a kempnerforge/training/grad.py (maybe_no_sync) and scripts/train.py "
-     "(its accumulation loop), kempnerforge/distributed/parallel.py (reduce_dtype float32); PyTorch "
-     "torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDPParam.to_accumulated_grad_if_needed)"),
-    ("row reading: a model is GPT-style where its name has GPT as a word, not inside the trainer's name litgpt (a "
-     "Llama 2 7B's SwiGLU of 11008 had been read as a 4h MLP of the same parameters: 7296)",
-     ("AI_thunder_litgpt_h100_fsdp",),
-     "the rows' own shape columns (Llama-2-7b-hf, Llama-3-8B: ffn 11008 / 14336, as litgpt's configs give them)"),
-    ("row reading: torchtitan's --training.compile in a row's command line says torch.compile was on; \"no "
-     "torch.compile\" says it was off",
-     ("AN_trainy_torchtitan_h200_fsdp", "AO_atorch_fsdp_llama2_7b_a100"),
-     "pytorch/torchtitan at b5bcd76 benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (the runs' command lines); "
-     "dlrover's atorch/examples/llama2 at 3a442b728b7d (its FSDP example compiles nothing)"),
-    ("row reading: GPT-style models tie their embedding and output head (Megatron-LM's and NeMo's GPT defaults, "
-     "Paxml's SharedEmbeddingSoftmax, MPT's and BLOOM's), but GPT-NeoX-20B and Nemotron",
-     ("O_llm_foundry_fsdp", "W_paxml_gpt_h100_fsdp"),
-     "the rows' params_b cells (MPT-1B 1.3B, Paxml's GPT-3 5B 5.0B); EleutherAI/gpt-neox configs/20B.yml "
-     "(no_weight_tying true); NeMo's Nemotron configs (share_embeddings_and_output_weights false)"),
+    ("mechanism: FSDP accumulating gradients unsynchronized until the last micro-step (Job.fsdp_no_sync) holds the "
+     "rank's whole unsharded gradients in the reduce dtype and reduce-scatters once a step", ("AH_kempnerforge_h200",),
+     "KempnerForge at 01b461a training/grad.py (maybe_no_sync); torch FSDPParam.to_accumulated_grad_if_needed"),
+    ("row reading: GPT is a word in a model's name (not inside the trainer litgpt: a Llama 2 7B's SwiGLU had been "
+     "read as a 4h MLP)", ("AI_thunder_litgpt_h100_fsdp",), "the rows' shape columns (ffn 11008 / 14336)"),
+    ("row reading: torchtitan's --training.compile says torch.compile was on, \"no torch.compile\" that it was off",
+     ("AN_trainy_torchtitan_h200_fsdp", "AO_atorch_fsdp_llama2_7b_a100"), "the rows' command lines and notes"),
+    ("row reading: GPT-style models tie embedding and head, but GPT-NeoX-20B and Nemotron",
+     ("O_llm_foundry_fsdp", "W_paxml_gpt_h100_fsdp"), "the rows' params_b; gpt-neox configs/20B.yml (no_weight_tying)"),
 )
 
 
