@@ -347,16 +347,20 @@ params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 prompts = [[2 + (7 * i + j) % 60 for j in range(100 + 10 * i)] for i in range(16)]
 llm.generate(prompts, params)
 llm.generate(prompts, params)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-llm.generate(prompts, params)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+faults = []  # the fewest of three repeats: one-off faults elsewhere in the process (a lazy import) are not the steps'
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    llm.generate(prompts, params)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(faults))
 """
 
 
 def test_llm_reuses_the_host_memory_steps_free():
     """`LLM(reuse_host_memory=True)` (the default on a CPU) raises malloc's thresholds: a generate that
     repeats the work of the ones before faults in a fraction of the fresh pages it faults in with malloc's
-    defaults."""
+    defaults (each side's fewest over three such generates: a CI run once saw 770 faults in one of them, against
+    1-4 otherwise)."""
     import subprocess
     import sys
 
