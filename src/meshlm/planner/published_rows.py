@@ -9,6 +9,66 @@ LookupError, which `published.predict_row` turns into a skip with the reason.
 Not responsible for: the job and layouts those readings make, or pricing them (`published.py`, whose module docstring
 lists the choices and their sources), or the serving tables (`published_serving.py`, which shares `name_key` and
 `read_table`: a column a table lacks, or a cell a short line leaves out, reads as blank).
+
+What each stack runs, as `published.job_of` and `layouts_of` price it (the stacks named since the groups A-Z; the
+choices made for every row are `published`'s module docstring):
+  * Alibaba's Megatron-LLaMA (group AB, LLaMA-13B at tp 2 with sequence parallelism and selective recomputation):
+    its OverlappedDistributedOptimizer overlaps the gradient reduce-scatter with the backward and the parameter
+    all-gather with the forward (the planner's ZeRO-1 default); Megatron-LM's DistributedOptimizer rows of its README
+    leave both exposed (its README: Megatron-LM's "does not fully overlap GPU computation with communication");
+    its code (e3d671a) attends with flash-attn 1.x (`Job.flash_attention_1`), runs RoPE, SwiGLU and the copies of
+    q, k, v into the kernel's layout and back as torch ops (`Job.eager_ops`; its RMSNorm is apex's fused kernel),
+    and its LLaMA-13B script turns gradient-accumulation fusion off (`Job.gradient_accumulation_fusion`); a row of
+    another stack naming the first FlashAttention or `--no-gradient-accumulation-fusion` is read the same way. The
+    RoPE / SwiGLU / layout copies are Megatron-LM's legacy model code (its own runs before 2024 too, `legacy_megatron`),
+    whose "selective" recomputation with flash-attn recomputes nothing (`recompute_as_run`);
+  * OLMo-core's training scripts (group AA, Ai2's README of 2024-11): FSDP2 over a node's 8 GPUs (HSDP across
+    nodes: its `init_hybrid_shard_mesh` when there is more than one), torch.compile, attention through PyTorch's SDPA
+    (compile turns flash-attn off: `llama_like`'s `use_flash`), so FlashAttention-2 kernels; QK-norm for the
+    OLMo-1124 shapes (`ARCHS`); gradients reduced in fp32 (`reduce_dtype`), the planner's default;
+  * PyTorch FSDP2 (torchtitan, OLMo-core, and rows naming FSDP2 or fully_shard: groups K, T, AA) copies each
+    all-gather's output into the parameters' own tensors on the compute stream (`Job.fsdp_copy_out`); FSDP1's flat
+    parameters (llm-foundry, fms-fsdp) are views of it;
+  * ZeRO-2 as PyTorch FSDP's SHARD_GRAD_OP (llm-foundry's large-scale rows, group O) gathers and reduce-scatters
+    unit by unit, as FULL_SHARD does but without the backward's gathers (`Job.zero2_unit_collectives`); Megatron's
+    distributed optimizer and DeepSpeed's ZeRO-2 reduce in buckets and gather once per step;
+  * ZeRO-3 as DeepSpeed ran it before v0.6 (a ZeRO-3 row of 2021 or before that is not FSDP, or one naming such a
+    release): every parameter tensor gathered by its own collective, synchronously (`Job.zero3_serial_gathers`);
+  * fp8 through torchao's float8 linear layers (torchtitan, OLMo-core) casts the weights with a dynamic scale in every
+    forward, or, with FSDP's float8 all-gather (OLMo-core's default), each rank its shard before the gather
+    (`Job.fp8_weights`); Transformer Engine (NVIDIA's recipes) casts them once per step;
+  * what Paxml's GPT configs run beyond the blocks (google/paxml scripts_gpu/configs.py and tasks/lm/params/c4.py,
+    praxis layers/embedding_softmax.py and transformers.py, as `job_of` cites): the tied embedding looked up as a
+    one-hot matmul (`Job.embedding_gemm`: a GEMM of tokens x vocab x hidden forward and one for the table's
+    gradient), and for the 5B a dropout (p 0.1) of each repeated block's input (`Job.unfused_dropouts` = 1:
+    its own pass, the next kernel being Transformer Engine's LayerNorm); no other dropout (DROPOUT_PROB 0);
+  * Hagemann et al.'s sweep (group AF) as Aleph Alpha's Scaling library runs it (`published_rows.BLOCKING_PIPE_STACKS`):
+    RoPE and SwiGLU as torch ops, blocking pipeline sends and receives, gradients all-reduced in fp32 after the flush;
+    and what each row says: FlashAttention-2 or v1.0.8, or unfused attention (Megatron's fused softmax kernel, or torch
+    ops), and whether its RMSNorm ran as flash-attn's fused kernel or as torch ops in fp32 (`Job.eager_ops`
+    "rmsnorm"); a row of any stack saying either is read so;
+  * Hugging Face transformers with accelerate's FSDP1 (stack "hf-transformers": YaFSDP's table, group AG, as its
+    repository's patched run_clm.py runs it): eager PyTorch (the Trainer compiles nothing by default), RMSNorm in
+    fp32, FlashAttention-2 (`attn_implementation="flash_attention_2"`), FULL_SHARD unit by unit with fp32 reduction;
+    ATorch's examples (groups AO, AP) alike but reducing in bf16, or its "DS 3D" under DeepSpeed's pipeline engine
+    (`published_rows.STACKS`: "atorch-fsdp", "atorch-ds3d");
+  * whole blocks checkpointed in k of L layers ("full, first 10 of 80 layers": YaFSDP's `num-ckpt-layers`): the
+    no-recompute and full-recompute estimates of the layout weighted (L - k) / L and k / L (time and memory: each
+    layer re-runs its forward or not, keeps its inputs or all its activations), as "half" weighs them equally;
+  * KempnerForge (group AH, its MFU report of 2026-04): FSDP2 (`Job.fsdp_copy_out`) accumulating gradients without
+    synchronizing (`Job.fsdp_no_sync`), DTensor tensor parallelism with sequence parallelism, SDPA attention (FA2),
+    compiled unless the row says not, its tensor-parallel head's logits gathered for a loss over the whole vocabulary
+    on every rank (`Job.tp_loss_replicated`), its model states bf16 (the trainer casts the model: `Job.bf16_states`);
+    its nodes of 4 GPUs from the row's node cell (`cluster_for`);
+  * lightning-thunder's benchmark_litgpt.py (group AI): the model cast to bf16 (`Job.bf16_states`, its gradients
+    reduced in bf16), attention through SDPA (FlashAttention-2), its --shard_mode zero2 as FSDP's ZeRO-2 unit by unit
+    (FSDP2 without resharding after the forward, FSDP1's SHARD_GRAD_OP: what the row's sharding cell says);
+  * a Megatron-LM row run without --overlap-grad-reduce (FlagPerf's Megatron-Core 0.6 script, group AJ, passes
+    neither overlap flag) exposes its distributed optimizer's reduce-scatter and all-gather; an A800 row takes the
+    `a800` preset (A100's die, NVLink 400 GB/s);
+  * a Megatron-LM row naming `--transformer-impl local` ran its legacy model code whatever its year (the Swallow
+    team's fork of late 2023, logs of 2023-11 to 2024-01, group AK; `legacy_megatron`): the layout copies, RoPE and
+    SwiGLU as torch ops, and a "selective" recomputation its flash path never runs.
 """
 
 from __future__ import annotations
