@@ -459,6 +459,9 @@ def test_fsdp_accumulating_unsynchronized_holds_unsharded_gradients_and_reduces_
     plain = estimate(cfg, cluster, job, ddp, gpus=8).memory_gib["gradients"]
     assert est[m, False].memory_gib["gradients"] == pytest.approx(plain, rel=1e-12)
     assert est[m, True].memory_gib["gradients"] < plain / 7  # the shard alone
+    bucketed = Layout(dp_shard=8, zero_stage=2)  # Megatron's / DeepSpeed's ZeRO-2: not FSDP, the flag changes nothing
+    assert (estimate(cfg, cluster, replace(job, fsdp_no_sync=True), bucketed, gpus=8).memory_gib
+            == estimate(cfg, cluster, job, bucketed, gpus=8).memory_gib)
     assert est[1, False].memory_gib == est[1, True].memory_gib and est[1, False].time_s == est[1, True].time_s
     # The reductions per micro-step: a reduce-scatter of each block's fp32 gradients and of the root's.
     summary = ModelSummary.for_job(cfg, job)

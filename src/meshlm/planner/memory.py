@@ -218,7 +218,8 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
             "gradients": p.sharded(2) * by["grad"],
             "optimizer": p.sharded(1) * by["optim"],
         }
-        if job.fsdp_no_sync and m > 1 and z >= 2 and (lo.dp > 1 or cp > 1):
+        fsdp_units = (z == 3 and lo.zero3_reshards) or (z == 2 and job.zero2_unit_collectives)  # timing_dp's FSDP
+        if job.fsdp_no_sync and m > 1 and fsdp_units and (lo.dp > 1 or cp > 1):
             # FSDP accumulating without synchronization (`Job.fsdp_no_sync`): every unit's unsharded gradient, in
             # the reduce dtype, until the last micro-step's reduce-scatter replaces it by its shard
             mem["gradients"] = n_local * by["reduce"]
