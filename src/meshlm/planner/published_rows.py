@@ -11,7 +11,8 @@ lists the choices and their sources), or the serving tables (`published_serving.
 `read_table`: a column a table lacks, or a cell a short line leaves out, reads as blank).
 
 What each stack runs, as `published.job_of` and `layouts_of` price it (the stacks named since the groups A-Z; the
-choices made for every row are `published`'s module docstring):
+choices made for every row are `published`'s module docstring; a function named below and not defined here is
+`published`'s: `job_of`, `legacy_megatron`, `recompute_as_run`):
   * Alibaba's Megatron-LLaMA (group AB, LLaMA-13B at tp 2 with sequence parallelism and selective recomputation):
     its OverlappedDistributedOptimizer overlaps the gradient reduce-scatter with the backward and the parameter
     all-gather with the forward (the planner's ZeRO-1 default); Megatron-LM's DistributedOptimizer rows of its README
