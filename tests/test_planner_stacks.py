@@ -72,7 +72,8 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
 def test_fp8_rows_get_their_stacks_weight_casts():
     """torchtitan's float8 (torchao, dynamic scaling, float8 all-gather off by default) casts the weights in every
     forward; OLMo-core's (Float8Config: enable_fsdp_float8_all_gather=True) casts shards before FSDP gathers them in
-    fp8, as does a torchtitan row naming the float8 all-gather; Transformer Engine stacks cache them."""
+    fp8, as does a torchtitan row naming the float8 all-gather; Transformer Engine stacks cache them, except NVIDIA's
+    recipes, which hold them as fp8 parameters (fp8_param_gather)."""
     from meshlm.planner.published import job_of
     from meshlm.planner.published_rows import model_of
 
@@ -83,7 +84,8 @@ def test_fp8_rows_get_their_stacks_weight_casts():
     assert job_of({**row, "notes": "enable_fsdp_float8_all_gather"}, cfg).fp8_weights == "fsdp_all_gather"
     olmo = {**row, "model": "Llama 3 8B shape", "source": "Ai2, allenai/OLMo-core (2024)"}
     assert job_of(olmo, cfg).fp8_weights == "fsdp_all_gather"
-    assert job_of({**olmo, "source": "NVIDIA Megatron-Bridge (2025)"}, cfg).fp8_weights == "cached"
+    assert job_of({**olmo, "source": "NVIDIA Megatron-Bridge (2025)"}, cfg).fp8_weights == "params"
+    assert job_of({**olmo, "source": "BAAI FlagPerf, Megatron-LM with Transformer Engine"}, cfg).fp8_weights == "cached"
 
 
 def test_gpu_cells_name_their_part_for_training_and_serving_tables():

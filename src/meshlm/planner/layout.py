@@ -33,10 +33,13 @@ RUNTIMES = ("megatron", "meshlm")
 # once).
 EAGER_OPS = ("rope", "swiglu", "attention_layout", "rmsnorm")
 # How fp8 training gets its weights into fp8 (`Job.fp8_weights`): "cached" (Transformer Engine: cast once per step,
-# reused by every micro-batch), "dynamic" (torchao's dynamic tensorwise scaling: every forward casts every weight),
-# "fsdp_all_gather" (torchao's `enable_fsdp_float8_all_gather` under FSDP2: each rank casts its shard before the
-# all-gather, which then moves one byte per weight).
-FP8_WEIGHTS = ("cached", "dynamic", "fsdp_all_gather")
+# reused by every micro-batch, the fp8 copies kept beside the bf16 weights), "params" (Megatron's fp8 parameters,
+# `--fp8-param-gather`, which NVIDIA's NeMo / Megatron-Bridge fp8 recipes set: the weights themselves held in fp8,
+# cast from the fp32 master by the optimizer step, no bf16 copy; the distributed optimizer gathers them in one byte),
+# "dynamic" (torchao's dynamic tensorwise scaling: every forward casts every weight), "fsdp_all_gather" (torchao's
+# `enable_fsdp_float8_all_gather` under FSDP2: each rank casts its shard before the all-gather, which then moves one
+# byte per weight).
+FP8_WEIGHTS = ("cached", "params", "dynamic", "fsdp_all_gather")
 # How the expert all-to-all moves the routed tokens (`Job.ep_dispatcher`): "alltoall" (NCCL's all-to-all of every
 # routed copy: Megatron-Core's alltoall token dispatcher, meshlm's parallel/expert.py) or "flex" (Megatron-Core's flex
 # dispatcher with its DeepEP or HybridEP backend: a token sent once to each other node holding one of its experts).

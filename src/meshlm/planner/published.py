@@ -136,8 +136,8 @@ from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS
                                            EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, NO_SYNC_STACKS,
                                            TORCHAO_FP8_STACKS,
                                            TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int,
-                                           cluster_for, compiled, gpt_style, hybrid_shard, interleaved, model_of,
-                                           moe_comm_as_run, nvidia_recipe, precision_of, predict_each, read_table,
+                                           cluster_for, compiled, gpt_style, hybrid_shard, interleaved, memory_of,
+                                           model_of, moe_comm_as_run, nvidia_recipe, precision_of, predict_each, read_table,
                                            recompute_choices, recompute_fraction, recompute_of, recomputes_mla_up_proj,
                                            row_text, schedule_named, seq_len_of, shard_degree, source_year, stack_of,
                                            token_count, zero_of)
@@ -303,10 +303,13 @@ def _sharding_and_fp8(row: dict, stack: str, year: int, text: str) -> dict:
     # fp8 through torchao (torchtitan, OLMo-core, a row naming torchao; `Job.fp8_weights`): every forward casts the
     # weights (torchtitan's --float8.enable_fsdp_float8_all_gather is off by default, its config_manager.py of 2024),
     # or each rank its shard before FSDP gathers them in fp8 (OLMo-core's Float8Config at e27ba7455:
-    # enable_fsdp_float8_all_gather=True; a row naming the float8 all-gather). Transformer Engine caches them.
+    # enable_fsdp_float8_all_gather=True; a row naming the float8 all-gather). Transformer Engine caches them, except
+    # under NVIDIA's recipes, whose fp8 precision configs (NeMo's and Megatron-Bridge's mixed_precision.py:
+    # bf16_with_fp8_mixed and its current-scaling / MXFP8 kin) set fp8_param_gather = True: fp8 parameters.
     torchao = stack in TORCHAO_FP8_STACKS or "torchao" in text
     fp8_gathered = stack == "olmo-core" or bool(re.search(r"(float8|fp8)[ _-]all[ _-]?gather", text))
-    fp8_weights = ("fsdp_all_gather" if fp8_gathered else "dynamic") if torchao else "cached"
+    fp8_weights = (("fsdp_all_gather" if fp8_gathered else "dynamic") if torchao
+                   else "params" if nvidia_recipe(row) else "cached")
     # ZeRO-3 in 2021 or before, not FSDP (FairScale's / PyTorch's), is DeepSpeed's before v0.6 -- as is a row naming a
     # DeepSpeed 0.x release before 0.6: its gathers one per tensor and synchronous (`Job.zero3_serial_gathers`).
     sharding = (row.get("zero_fsdp") or "").lower()
@@ -496,12 +499,29 @@ def predict_row(row: dict) -> dict:
     if compared is None:
         return {**base, "skip": "the row gives no throughput, step time, TFLOP/s or MFU to compare"}
     metric, measured, predicted = compared
+    memory = _memory_compared(row, best.memory_gib)
     return {**base, "gpus": n, "cluster": cluster.name, "precision": job.precision, "moe": cfg.is_moe,
             "layout": best.layout.short(), "fits": best.fits, "memory_gib": round(best.memory_gib["total"], 1),
             "metric": metric, "measured": measured, "predicted": round(predicted, 3),
             "error": round(predicted / measured - 1, 4),
             "collectives_over_compute": round(best.collectives_over_compute, 3),  # its lean on overlap (`summarize`)
-            "time_breakdown": {k: round(v / step, 3) for k, v in best.time_s.items() if k != "step" and v > 0}}
+            "time_breakdown": {k: round(v / step, 3) for k, v in best.time_s.items() if k != "step" and v > 0},
+            **({"memory": memory} if memory else {})}
+
+
+def _memory_compared(row: dict, gib: dict) -> dict | None:
+    """The row's memory figure against the planner's memory of its layout (`Estimate.memory_gib`) in the measure the
+    row names (`published_rows.memory_of`): "allocated" the live tensors (weights, gradients, optimizer states,
+    activations, communication buffers), "reserved" those with the allocator's fragmentation, "device" all of it with
+    the CUDA context and communication library (the cluster's `reserved`); None where the row gives no such figure."""
+    read = memory_of(row)
+    if read is None:
+        return None
+    measure, measured = read
+    allocated = gib["total"] - gib["fragmentation"] - gib["reserved"]
+    predicted = {"allocated": allocated, "reserved": allocated + gib["fragmentation"], "device": gib["total"]}[measure]
+    return {"measure": measure, "measured_gib": round(measured, 2), "predicted_gib": round(predicted, 2),
+            "error": round(predicted / measured - 1, 4)}
 
 
 def _median_abs(rows: list[dict]) -> float | None:
@@ -544,4 +564,19 @@ def summarize(results: list[dict]) -> dict:
         "median_abs_error": _median_abs(used),
         "median_error": round(statistics.median(r["error"] for r in used), 4) if used else None,
         "zero3_median_error_by_collectives_over_compute": _by_overlap(used),
+        "memory": _memory_summary(used),
     }
+
+
+def _memory_summary(used: list[dict]) -> dict:
+    """The rows whose memory figure was compared (`_memory_compared`): their median |error|, overall and per group
+    (with the measure each group's rows name), and the median signed error."""
+    rows = [r for r in used if "memory" in r]
+    errs = lambda rs: [r["memory"]["error"] for r in rs]  # noqa: E731
+    by_group = {g: [r for r in rows if r["group"] == g] for g in sorted({r["group"] for r in rows})}
+    return {"rows": len(rows),
+            "median_abs_error": round(statistics.median(map(abs, errs(rows))), 4) if rows else None,
+            "median_error": round(statistics.median(errs(rows)), 4) if rows else None,
+            "per_group": {g: {"rows": len(rs), "measure": "/".join(sorted({r["memory"]["measure"] for r in rs})),
+                              "median_abs_error": round(statistics.median(map(abs, errs(rs))), 4),
+                              "median_error": round(statistics.median(errs(rs)), 4)} for g, rs in by_group.items()}}

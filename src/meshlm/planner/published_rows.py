@@ -491,6 +491,29 @@ def precision_of(row: dict) -> str:
     return "bf16"
 
 
+# What a row's memory cell (`mem_gb_per_gpu`) measured, as the row words it, first match wins: PyTorch's caching
+# allocator's peak of live tensors (torch.cuda.max_memory_allocated), its peak pool (max_memory_reserved: what
+# torchtitan's log line prints as "memory: ... GiB"), or the device's used memory as nvidia-smi / NVML show it
+# (the pool with the CUDA context and the communication library's buffers beside it).
+MEMORY_MEASURES = (("allocated", r"max_memory_allocated|peak allocated"),
+                   ("reserved", r"max_memory_reserved|peak reserved"),
+                   ("device", r"nvidia-smi|\bnvml\b"))
+
+
+def memory_of(row: dict) -> tuple[str, float] | None:
+    """(measure, GiB) of the row's memory cell: the measure the row names (`MEMORY_MEASURES`) and the cell's figure
+    in GiB -- GB of 10^9 bytes where the row says its figure was divided by 1e9 (Lightning Thunder's benchmark),
+    GiB otherwise (torchtitan's and PyTorch's memory reports, nvidia-smi's MiB / 1024). None where the cell is blank
+    or the row does not say what it measured (BigScience's "Mem", "max memory used" by an unnamed tool)."""
+    figure = cell_float(row.get("mem_gb_per_gpu") or "")
+    text = row_text(row) + " " + (row.get("inferred_fields") or "").lower()
+    measure = next((name for name, pattern in MEMORY_MEASURES if re.search(pattern, text)), None)
+    if not figure or measure is None:
+        return None
+    gb = re.search(r"/\s*1e9\b", text) is not None
+    return measure, figure * (1e9 / 2**30 if gb else 1.0)
+
+
 def source_year(row: dict) -> int:
     """The latest year the row's source names (2024 when it names none): which release of its stack it ran."""
     return max((int(y) for y in re.findall(r"\b(20\d\d)\b", row.get("source") or "")), default=2024)
