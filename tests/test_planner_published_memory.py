@@ -69,13 +69,17 @@ def test_every_memory_figure_of_the_dev_rows_is_compared_or_unread_for_want_of_a
     assert {g["measure"] for g in memory["per_group"].values()} == {"allocated", "reserved", "device"}
 
 
-def test_fp8_weights_held_beside_the_bf16_ones_or_in_their_place_and_gathered_in_one_byte():
+def test_fp8_weights_held_beside_the_bf16_ones_or_in_their_place_and_gathered_in_one_byte(capsys):
     """Transformer Engine's cached fp8 weights (`Job.fp8_weights` "cached") keep a row-wise and a column-wise fp8 copy
     of every layer GEMM weight beside the bf16 weights: exactly 2 bytes per such weight more than bf16 training holds;
     Megatron's fp8 parameters ("params", NVIDIA's recipes) are those copies in place of the bf16 weights (memory as
     bf16's), and the distributed optimizer gathers them in one byte: the parameters' all-gather shrinks by exactly a
     byte per layer GEMM weight. A FlagPerf fp8 row (Megatron-Core without --fp8-param-gather) reads as cached, an
-    NVIDIA recipe's as parameters."""
+    NVIDIA recipe's as parameters; `meshlm plan --fp8-weights` chooses, with --precision fp8 only."""
+    import json
+
+    from test_planner import _cli
+
     from dataclasses import replace
 
     from meshlm.config import ModelConfig
@@ -104,3 +108,11 @@ def test_fp8_weights_held_beside_the_bf16_ones_or_in_their_place_and_gathered_in
     rows = {r["row_id"]: r for r in read_runs(DEV)}
     for row_id, weights in (("R581", "cached"), ("R066", "params")):
         assert job_of(rows[row_id], model_of(rows[row_id])).fp8_weights == weights
+    argv = ["plan", "estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "16", "--seq-len", "4096",
+            "--global-batch-size", "32", "--layout", "dp_shard=8,tp=2,zero_stage=1", "--precision", "fp8", "--json"]
+    weights = {w: json.loads(_cli(argv + ["--fp8-weights", w], capsys)[1])["memory_gib"]["weights"]
+               for w in ("cached", "params")}
+    assert json.loads(_cli(argv, capsys)[1])["memory_gib"]["weights"] == weights["cached"]  # the default
+    assert (weights["cached"] - weights["params"]) * GiB == pytest.approx(2 * gemm, rel=1e-3)
+    with pytest.raises(ValueError, match="give --precision fp8 or leave --fp8-weights out"):
+        _cli(argv[:-3] + ["--json", "--fp8-weights", "params"], capsys)

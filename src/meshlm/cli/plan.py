@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.cli.plan_serving import CLUSTER_CHOICES, add_serving_parsers, run_context, run_infer
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
-from meshlm.planner.layout import EP_DISPATCHERS
+from meshlm.planner.layout import EP_DISPATCHERS, FP8_WEIGHTS
 from meshlm.planner.mla import latent_attention
 from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
@@ -57,6 +57,12 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     batch.add_argument("--global-batch-tokens", default=None, help="tokens per optimizer step, e.g. 4M")
     p.add_argument("--precision", default=None, choices=["bf16", "fp8", "fp32"],
                    help="training precision (default bf16; fp32 on --cluster local, as meshlm trains on CPUs)")
+    p.add_argument("--fp8-weights", choices=FP8_WEIGHTS, default=None,
+                   help="with --precision fp8, how the weights get into fp8: cached (Transformer Engine: cast once a "
+                        "step, kept row- and column-wise beside the bf16 weights; the default), params (Megatron's "
+                        "--fp8-param-gather, NVIDIA's NeMo / Megatron-Bridge fp8 recipes: the weights held in fp8, "
+                        "gathered by the distributed optimizer in one byte), dynamic (torchao: cast in every "
+                        "forward) or fsdp_all_gather (torchao under FSDP2: shards cast, gathered in fp8)")
     p.add_argument("--runtime", choices=["megatron", "meshlm"], default=None,
                    help="whose memory/communication accounting: megatron (mixed precision, the default for the "
                         "presets) or meshlm (its own fp32 runtime, the default for --cluster local)")
@@ -187,6 +193,9 @@ def _training_model(args) -> ModelConfig:
     cfg = _model(args)
     if args.precision is None:
         args.precision = "fp32" if args.cluster == "local" else "bf16"
+    if args.fp8_weights is not None and args.precision != "fp8":
+        raise ValueError(f"--fp8-weights {args.fp8_weights} says how fp8 training casts its weights; --precision is "
+                         f"{args.precision}: give --precision fp8 or leave --fp8-weights out")
     if args.recompute_mla_up_proj and latent_attention(cfg, "megatron") is None:
         raise ValueError(f"--recompute-mla-up-proj re-runs the up-projections of latent attention; --model "
                          f"{args.model} has grouped-query attention: leave the flag out")
@@ -196,7 +205,7 @@ def _training_model(args) -> ModelConfig:
 def _job_options(args) -> dict:
     """The job fields the training subcommands take from their flags beside its sizes."""
     return dict(ep_dispatcher=args.ep_dispatcher, recompute_mla_up_proj=args.recompute_mla_up_proj,
-                fsdp_no_sync=args.fsdp_no_sync)
+                fsdp_no_sync=args.fsdp_no_sync, fp8_weights=args.fp8_weights or "cached")
 
 
 def _require_gpus(args) -> None:
