@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the first 3 rows of the CSV only (a check that it runs); "
                     "without the CSV, a JSON saying it was skipped")
     ap.add_argument("--plot", metavar="PNG", help="also draw each group's rows' errors (predicted / measured - 1) "
-                    "with their median, beside the +-10%% and +-25%% bands")
+                    "with their median, beside the +-10%% and +-25%% bands: throughput, and memory where rows print it")
     args = ap.parse_args(argv)
     path = Path(args.csv)
     if not path.exists():
@@ -261,10 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         out["skipped"] = [r for r in results if "skip" in r]
     if args.plot:
         groups: dict[str, list[float]] = {}
+        memory: dict[str, list[float]] = {}
         for r in results:
             if "error" in r:
                 groups.setdefault(r["group"], []).append(r["error"])
-        out["plot"] = str(plot_published_errors({"training throughput": groups}, args.plot,
+            if "memory" in r:
+                memory.setdefault(r["group"], []).append(r["memory"]["error"])
+        out["plot"] = str(plot_published_errors({"training throughput": groups, "memory per GPU": memory}, args.plot,
                                                 title=f"planner vs published training runs ({path.name})"))
     print(json.dumps(out, indent=2))
     return 0
