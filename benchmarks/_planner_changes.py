@@ -352,4 +352,11 @@ CHANGES = (
      "TransformerEngine pytorch/module/linear.py (weight quantizer row- and column-wise usage while training, "
      "get_weight_workspace cache); NeMo and Megatron-Bridge mixed_precision.py (bf16_with_fp8_mixed and the "
      "current-scaling recipe: fp8_param_gather = True)"),
+    ("row reading: NeMo Automodel (stack \"nemo-automodel\", named before NeMo's recipes): PyTorch FSDP2 with its "
+     "copy-out, SDPA's FlashAttention-2 kernels, PyTorch's all-gather context parallelism, torch's non-reentrant "
+     "checkpoint, bf16 gradient reduction, eager unless torch.compile is named",
+     ("AQ_nemo_automodel_fsdp2_h100",),
+     "NVIDIA-NeMo/Automodel at 2013a4dd6: custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml, "
+     "components/distributed/parallelizer.py (checkpoint_wrapper NO_REENTRANT under compile), config.py "
+     "(MixedPrecisionPolicy reduce_dtype bf16), cp_utils.py (torch context_parallel), models/llama/model.py"),
 )

@@ -211,7 +211,8 @@ A twentieth round (the last four `CHANGES`) priced KempnerForge's unsynchronized
 its memory now within 10%) and fixed four row readings: litgpt read as GPT (AI 15.8% -> 6.4%), `--training.compile`
 (AN 12.2% -> 0.7%), "no torch.compile" (AO 17.4% -> 2.4%), GPT-style models untied (W 11.4%). Overall 8.85% -> 8.39%.
 
-A twenty-first round (the last two `CHANGES`) scores memory too: each row printing its memory per GPU is compared in
+A twenty-first round (the last three `CHANGES`) added group AQ (NeMo Automodel's Llama 3.1 70B under FSDP2 x cp 2 on
+64 H100s, one row, 8.7% too slow as added: stack "nemo-automodel") and scores memory too: each row printing its memory per GPU is compared in
 the measure it names ("memory": peak allocated, peak reserved or nvidia-smi's used; 41 rows of six groups, BigScience's
 unnamed "Mem" not) -- 9.5% median as first scored. Transformer Engine's cached fp8 weights then held beside the bf16
 ones (FlagPerf's fp8 rows -20% / -17% -> -11% / -6%; memory 8.5%), NVIDIA's recipes' fp8 parameters in their place and

@@ -482,3 +482,25 @@ def test_fsdp_accumulating_unsynchronized_holds_unsharded_gradients_and_reduces_
     assert grads[1] > 60 * grads[0]  # every gradient where a 64th was
     with pytest.raises(ValueError, match="leave out --fsdp-no-sync"):
         _cli(argv + ["--runtime", "meshlm", "--precision", "fp32", "--fsdp-no-sync"], capsys)
+
+
+def test_nemo_automodel_rows_run_pytorch_fsdp2_not_nvidias_megatron_recipes():
+    """A row naming NeMo Automodel is read as that trainer runs (stack "nemo-automodel", ahead of NeMo's Megatron
+    recipes, whose fp8 parameters, bf16 gradients and TP overlap it does not share): FSDP2's copy-out, SDPA's FA2
+    kernels, PyTorch's all-gather context parallelism, torch's non-reentrant checkpoint, bf16 reduction, compiled where
+    it says torch.compile; the same row under "NeMo" alone is NVIDIA's recipe."""
+    from meshlm.planner.published import job_of, layouts_of
+    from meshlm.planner.published_rows import model_of, stack_of
+
+    row = _row(model="Llama 3 8B", n_gpus="16", dp="8", cp="2", zero_fsdp="FSDP2 (fully_shard)", gpu="H100 80GB",
+               seq_len="8192", gbs_seqs="16", recompute="full", notes="torch.compile",
+               source="NVIDIA, NVIDIA-NeMo/Automodel docs/performance-summary.md (2026)")
+    cfg = model_of(row)
+    assert stack_of(row) == "nemo-automodel"
+    job = job_of(row, cfg)
+    assert job.fsdp_copy_out and job.flash_attention_2 and job.recompute_early_stop and job.fused_elementwise
+    assert not job.grad_reduce_in_fp32 and not job.tp_comm_overlap and not job.cross_entropy_fusion
+    assert {lo.cp_method for lo in layouts_of(row, cfg, "full")} == {"allgather"}
+    recipe = {**row, "source": "NVIDIA NeMo performance docs (2026)"}
+    assert stack_of(recipe) == "nemo" and job_of(recipe, cfg).cross_entropy_fusion
+    assert not job_of({**row, "notes": ""}, cfg).fused_elementwise  # eager unless it names torch.compile

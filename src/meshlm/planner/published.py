@@ -131,15 +131,15 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
-from meshlm.planner.published_rows import (BF16_REDUCE_STACKS, BF16_STATE_STACKS, BLOCKING_PIPE_STACKS,
-                                           DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS, EAGER_STACKS,
-                                           EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, NO_SYNC_STACKS,
-                                           TORCHAO_FP8_STACKS,
-                                           TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS, cell_float, cell_int,
-                                           cluster_for, compiled, gpt_style, hybrid_shard, interleaved, memory_of,
-                                           model_of, moe_comm_as_run, nvidia_recipe, precision_of, predict_each, read_table,
-                                           recompute_choices, recompute_fraction, recompute_of, recomputes_mla_up_proj,
-                                           row_text, schedule_named, seq_len_of, shard_degree, source_year, stack_of,
+from meshlm.planner.published_rows import (ALLGATHER_CP_STACKS, BF16_REDUCE_STACKS, BF16_STATE_STACKS,
+                                           BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS,
+                                           EAGER_STACKS, EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, NO_SYNC_STACKS,
+                                           TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS,
+                                           cell_float, cell_int, cluster_for, compiled, gpt_style, hybrid_shard,
+                                           interleaved, memory_of, model_of, moe_comm_as_run, nvidia_recipe,
+                                           precision_of, predict_each, read_table, recompute_choices,
+                                           recompute_fraction, recompute_of, recomputes_mla_up_proj, row_text,
+                                           schedule_named, seq_len_of, shard_degree, source_year, stack_of,
                                            token_count, zero_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
@@ -385,9 +385,8 @@ def layouts_of(row: dict, cfg: ModelConfig, rc: str | None = None) -> list[Layou
     if dp % shard:
         raise ValueError(f"row {row['row_id']}: FSDP degree {shard} does not divide the data parallelism {dp}")
     # Context parallelism as the stack runs it: DeepSpeed-Ulysses' all-to-alls where the row names them; PyTorch's
-    # context_parallel (torchtitan) all-gathers the keys and values (torch.distributed.tensor.experimental._attention:
-    # `_ContextParallelOptions.rotate_method` defaults to ALL_GATHER); else Megatron / Transformer Engine's p2p ring.
-    cp_method = ("ulysses" if "ulysses" in row_text(row) else "allgather" if stack == "torchtitan" else "ring")
+    # context_parallel all-gathers the keys and values (`ALLGATHER_CP_STACKS`); else Megatron / TE's p2p ring.
+    cp_method = ("ulysses" if "ulysses" in row_text(row) else "allgather" if stack in ALLGATHER_CP_STACKS else "ring")
     return [Layout(dp_shard=shard, dp_replicate=dp // shard, tp=tp, pp=pp if pp > 1 else 1, cp=cp, ep=ep, zero_stage=zero_of(row),
                    cp_method=cp_method if cp > 1 else "ring",
                    pp_schedule=sched if pp > 1 else "1f1b", pp_chunks=v if pp > 1 else 1,

@@ -69,7 +69,11 @@ choices made for every row are `published`'s module docstring; a function named 
     `a800` preset (A100's die, NVLink 400 GB/s);
   * a Megatron-LM row naming `--transformer-impl local` ran its legacy model code whatever its year (the Swallow
     team's fork of late 2023, logs of 2023-11 to 2024-01, group AK; `legacy_megatron`): the layout copies, RoPE and
-    SwiGLU as torch ops, and a "selective" recomputation its flash path never runs.
+    SwiGLU as torch ops, and a "selective" recomputation its flash path never runs;
+  * NeMo Automodel (group AQ, its performance summary of 2026-04): Hugging Face-shaped models under PyTorch FSDP2
+    (`Job.fsdp_copy_out`) reducing in bf16, attention through SDPA (FlashAttention-2), context parallelism as
+    PyTorch's `context_parallel` (`ALLGATHER_CP_STACKS`), each layer's attention and MLP checkpointed by torch's
+    non-reentrant checkpoint (`Job.recompute_early_stop`); eager unless the row names torch.compile.
 """
 
 from __future__ import annotations
@@ -198,6 +202,8 @@ STACKS = (
     ("maxtext", ("maxtext",)),
     ("gpt-neox", ("gpt-neox",)),  # DeepSpeed's pipeline engine
     ("megatron-deepspeed", ("megatron-deepspeed", "bigscience")),  # DeepSpeed's pipeline engine
+    # NVIDIA's NeMo Automodel: Hugging Face models under PyTorch FSDP2, not Megatron-Core (ahead of "nemo")
+    ("nemo-automodel", ("automodel",)),
     ("nemo", ("megatron-bridge", "nemo")),  # NVIDIA's NeMo / Megatron-Bridge performance recipes
     ("megatron-lm", ("megatron", "korthikanti")),  # Megatron-LM itself (Korthikanti et al. 2022: its authors' runs)
     ("aa-scaling", ("aa-scaling",)),  # Aleph Alpha's Scaling library (Hagemann et al. 2023): `BLOCKING_PIPE_STACKS`
@@ -212,8 +218,9 @@ STACKS = (
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 # Stacks recomputing through torch.utils.checkpoint without reentrancy, which stops once the tensors the backward
 # needs are rebuilt (`Job.recompute_early_stop`): torchtitan's and KempnerForge's checkpoint_wrapper (NO_REENTRANT),
-# ATorch's checkpoint strategy with no_reentrant; the others' recompute re-runs the whole forward of a layer.
-EARLY_STOP_STACKS = ("torchtitan", "kempnerforge", "atorch-fsdp")
+# ATorch's checkpoint strategy with no_reentrant, NeMo Automodel's (NO_REENTRANT around each layer's attention and MLP
+# under torch.compile); the others' recompute re-runs the whole forward of a layer.
+EARLY_STOP_STACKS = ("torchtitan", "kempnerforge", "atorch-fsdp", "nemo-automodel")
 DEEPSPEED_PIPE_STACKS = ("gpt-neox", "megatron-deepspeed", "atorch-ds3d")
 # Aleph Alpha's Scaling library, the codebase of Hagemann et al.'s sweep (group AF, "AA-Scaling"), read as its public
 # releases run it (Aleph-Alpha/scaling 0.1.0 of 2024-08 and 0.2.0 of 2024-10, read at commits 78489292 and 01b9d21),
@@ -249,12 +256,12 @@ EAGER_ROPE_SWIGLU_STACKS = ("aa-scaling",)
 TP_LOSS_REPLICATED_STACKS = ("kempnerforge", "aa-scaling")
 # Stacks sharding with PyTorch FSDP2 (`fully_shard`, per-parameter DTensor shards: torchtitan since its 2024 releases,
 # OLMo-core's `apply_fsdp`); a row naming FSDP2 or fully_shard is read so too.
-FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge")
+FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge", "nemo-automodel")
 # Stacks training in fp8 through torchao's float8 linear layers (dynamic tensorwise scaling), not Transformer Engine.
 TORCHAO_FP8_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
 FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers", "kempnerforge",
-              "lightning-thunder", "atorch-fsdp", "atorch-ds3d")
+              "lightning-thunder", "atorch-fsdp", "atorch-ds3d", "nemo-automodel")
 # Stacks that cast the model to bf16 before training: parameters, gradients and optimizer states all 16-bit, no fp32
 # master (`Job.bf16_states`).
 BF16_STATE_STACKS = ("kempnerforge", "lightning-thunder")
@@ -264,13 +271,20 @@ NO_SYNC_STACKS = ("kempnerforge",)
 # Stacks reducing their gradients in bf16 whatever the row says (`Job.grad_reduce_in_fp32` False): fms-fsdp's bf16
 # policy (every dtype bf16); lightning-thunder's benchmark_litgpt.py, whose bf16 model's gradients are reduced as they
 # are (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy); ATorch's FSDP
-# example, whose amp_native bf16 under FSDP becomes MixedPrecision(bf16, bf16, bf16) (atorch/auto/model_context.py).
-BF16_REDUCE_STACKS = ("fms-fsdp", "lightning-thunder", "atorch-fsdp")
+# example, whose amp_native bf16 under FSDP becomes MixedPrecision(bf16, bf16, bf16) (atorch/auto/model_context.py);
+# NeMo Automodel's FSDP2 default MixedPrecisionPolicy (reduce_dtype bf16: components/distributed/config.py).
+BF16_REDUCE_STACKS = ("fms-fsdp", "lightning-thunder", "atorch-fsdp", "nemo-automodel")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
 # published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
 # Composer FSDP before torch 2.0; ATorch's examples, whose strategy lists compile nothing); the others fuse their
 # elementwise work (TE / apex kernels, XLA, torch.compile).
-EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry", "hf-transformers", "atorch-fsdp", "atorch-ds3d")
+EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry", "hf-transformers", "atorch-fsdp", "atorch-ds3d",
+                "nemo-automodel")
+# Stacks whose context parallelism is PyTorch's `context_parallel` (SDPA under DTensor), which all-gathers the keys and
+# values (torch.distributed.tensor.experimental._attention: `_ContextParallelOptions.rotate_method` ALLGATHER by
+# default): torchtitan, NeMo Automodel (its cp_utils.create_context_parallel_ctx; cp > 1 needs attn_implementation
+# sdpa). The others run Megatron / Transformer Engine's p2p ring.
+ALLGATHER_CP_STACKS = ("torchtitan", "nemo-automodel")
 
 
 def stack_of(row: dict) -> str:
