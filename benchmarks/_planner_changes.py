@@ -359,4 +359,8 @@ CHANGES = (
      "NVIDIA-NeMo/Automodel at 2013a4dd6: custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml, "
      "components/distributed/parallelizer.py (checkpoint_wrapper NO_REENTRANT under compile), config.py "
      "(MixedPrecisionPolicy reduce_dtype bf16), cp_utils.py (torch context_parallel), models/llama/model.py"),
+    ("row reading: a remat policy whose recompute cell states the share of the forward it re-runs (\"about 90% of "
+     "the forward FLOPs\") weighs the no- and full-recompute estimates by that share, not half or full",
+     ("U_maxtext_llama2_70b_h100_fsdp", "V_maxtext_llama3_70b_h100_fsdp", "W_paxml_gpt_h100_fsdp"),
+     "the rows' recompute cells (MaxText's remat policies, Paxml's checkpoint policies, as the CSV reads them)"),
 )

@@ -211,12 +211,16 @@ A twentieth round (the last four `CHANGES`) priced KempnerForge's unsynchronized
 its memory now within 10%) and fixed four row readings: litgpt read as GPT (AI 15.8% -> 6.4%), `--training.compile`
 (AN 12.2% -> 0.7%), "no torch.compile" (AO 17.4% -> 2.4%), GPT-style models untied (W 11.4%). Overall 8.85% -> 8.39%.
 
-A twenty-first round (the last three `CHANGES`) added group AQ (NeMo Automodel's Llama 3.1 70B under FSDP2 x cp 2 on
+A twenty-first round (the last four `CHANGES`) added group AQ (NeMo Automodel's Llama 3.1 70B under FSDP2 x cp 2 on
 64 H100s, one row, 8.7% too slow as added: stack "nemo-automodel") and scores memory too: each row printing its memory per GPU is compared in
 the measure it names ("memory": peak allocated, peak reserved or nvidia-smi's used; 41 rows of six groups, BigScience's
 unnamed "Mem" not) -- 9.5% median as first scored. Transformer Engine's cached fp8 weights then held beside the bf16
 ones (FlagPerf's fp8 rows -20% / -17% -> -11% / -6%; memory 8.5%), NVIDIA's recipes' fp8 parameters in their place and
-gathered in one byte (H 5.9% -> 5.3%, I / AD / AE / AL within a tenth); throughput overall unchanged (8.39%).
+gathered in one byte (H 5.9% -> 5.3%, I / AD / AE / AL within a tenth); throughput overall unchanged (8.39%). Last, a
+remat policy whose recompute cell states the share of the forward it re-runs is weighted by that share, not rounded to
+half or full (MaxText's save_qkv_proj 90%, save_dot_except_mlp 83%, save_dot_except_mlpwi 57%; Paxml's
+SAVE_QKV_OUT_PROJ 67%): V 17.0% -> 15.0%, U 10.1% -> 9.5% (its FP8 rows 3-4 points closer, its BF16 rows 1.7 points
+further: all too slow), W 11.4% -> 11.6%; 263 rows within 10% (261), the median 8.39% -> 8.63% (U's BF16 rows cross it).
 """
 
 from __future__ import annotations

@@ -148,9 +148,11 @@ def test_published_row_hsdp_and_its_own_network():
     """A row saying HSDP shards over a node's 8 GPUs and replicates across nodes; a JAX recipe's "FSDP=128 x DP=4"
     shards over 128 and replicates 4 times (and a degree that does not divide dp is refused); a row naming its
     scale-out bandwidth per GPU gets it (the preset's when it names none); recompute "partial" (a remat policy
-    re-running about half the forward) is priced as half, "full (...)" as full."""
+    re-running about half the forward) is priced as half, "full (...)" as full, and a policy stating the share of the
+    forward it re-runs ("about 90% of the forward FLOPs") weighs the no- and full-recompute estimates by it."""
     from meshlm.planner.published import layouts_of
-    from meshlm.planner.published_rows import HALF_RECOMPUTE, cluster_for, model_of, recompute_of, zero_of
+    from meshlm.planner.published_rows import (HALF_RECOMPUTE, cluster_for, model_of, recompute_fraction,
+                                               recompute_of, zero_of)
 
     row = {"row_id": "X", "group": "P_fms_fsdp", "model": "Llama2-7b", "layers": "32", "hidden": "4096",
            "heads": "32", "kv_heads": "32", "ffn": "11008", "vocab": "32000", "seq_len": "4096", "n_gpus": "96",
@@ -168,6 +170,8 @@ def test_published_row_hsdp_and_its_own_network():
            "zero_fsdp": "FSDP=128 x DP=4 (MaxText fsdp and data mesh axes)", "recompute": "partial (remat policy)"}
     assert zero_of(jax) == 3 and recompute_of(jax) == HALF_RECOMPUTE
     assert recompute_of({**jax, "recompute": "full (remat_policy=save_qkv_proj)"}) == "full"
+    stated = recompute_of({**jax, "recompute": "full (save_qkv_proj: about 90% of the forward FLOPs)"})
+    assert recompute_fraction(stated) == pytest.approx(0.9)
     (lo,) = layouts_of(jax, model_of(jax))
     assert (lo.dp_shard, lo.dp_replicate, lo.zero_stage) == (128, 4, 3)
     with pytest.raises(ValueError, match="FSDP degree 96"):

@@ -101,10 +101,11 @@ Choices the rows leave open, made the same way for every row (never from the rep
     `FPROP_DTYPE`): the planner's defaults for all four;
   * "FSDP=<n> x DP=<k>" (the JAX recipes' fsdp and data mesh axes): parameters sharded over n GPUs, replicated
     k times (`shard_degree`), as HSDP with a shard group of n;
-  * recompute "partial" (a remat policy that keeps some projections and re-runs the rest: MaxText's
-    `save_dot_except_mlpwi`, about 57% of the forward; Paxml's `SAVE_QKV_OUT_PROJ`, about 67%) priced as
-    `HALF_RECOMPUTE`; policies that re-run more than four fifths of the forward (MaxText's `save_dot_except_mlp`,
-    `save_qkv_proj`) as full recomputation, as Paxml's `SAVE_NOTHING`; Paxml's `SAVE_DOT_ONLY` and
+  * a remat policy that keeps some projections and re-runs the rest, its recompute cell stating the share of the
+    forward it re-runs (MaxText's `save_dot_except_mlpwi`, about 57%; Paxml's `SAVE_QKV_OUT_PROJ`, about 67%;
+    MaxText's `save_dot_except_mlp`, about 83%, and `save_qkv_proj`, about 90%): the no-recompute and full-recompute
+    estimates weighted by that share (`recompute_fraction`, as for some layers checkpointed); "partial" without a
+    share as `HALF_RECOMPUTE`; Paxml's `SAVE_NOTHING` as full recomputation; Paxml's `SAVE_DOT_ONLY` and
     `SAVE_DOT_WITH_NO_BATCH_DIM` (every projection output kept, the fused attention and the elementwise ops
     re-run) as selective recomputation that re-runs all the elementwise work (`Job.remat_saves_dots`; Megatron's
     re-runs about half); MaxText's `minimal_flash` (the attention output kept too) as

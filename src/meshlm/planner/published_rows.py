@@ -144,9 +144,13 @@ _PARTIAL = re.compile(r"(\d+) of (\d+) layers")
 
 def recompute_fraction(rc: str) -> float | None:
     """The share of the forward a recompute reading re-runs where it is not one of the planner's modes: 0.5 for
-    `HALF_RECOMPUTE`, k / L for "k of L layers" (`recompute_of`); None for a mode the planner prices itself."""
+    `HALF_RECOMPUTE`, k / L for "k of L layers", N / 100 for "N% of the forward" (a remat policy whose cell states
+    the share it re-runs: `recompute_of`); None for a mode the planner prices itself."""
     if rc == HALF_RECOMPUTE:
         return 0.5
+    share = re.fullmatch(r"(\d+)% of the forward", rc)
+    if share:
+        return int(share.group(1)) / 100
     m = _PARTIAL.fullmatch(rc)
     return int(m.group(1)) / int(m.group(2)) if m else None
 
@@ -415,6 +419,9 @@ def recompute_of(row: dict) -> str:
     t = (row["recompute"] or "").strip().lower()
     if re.match(r"(none|no|off|false|not stated)\b", t):
         return "none"
+    share = re.search(r"about (\d+)% of the forward", t)
+    if share and 0 < int(share.group(1)) < 100:  # a remat policy re-running the stated share of the forward
+        return f"{int(share.group(1))}% of the forward"
     if t.startswith("partial"):  # a remat policy re-running about half the forward (module docstring)
         return HALF_RECOMPUTE
     m = _PARTIAL.search(t)
