@@ -12,7 +12,9 @@ and comparing the planner's step time with the row's figure (`predict_row`), and
   * else the step time (Korthikanti 2022 gives it), else the whole run's tokens/s over its GPUs;
   * else TFLOP/s per GPU with the row's own FLOP formula (Megatron 2021: eq. 3, for that paper's rows or a row
     saying so; GPT-NeoX's 6 N + 60 s h l), else model TFLOP/s per GPU in the planner's convention (models/stats.py:
-    PaLM's and Megatron's 6 N + 12 l h s, the head in, no recomputation), else MFU.
+    PaLM's and Megatron's 6 N + 12 l h s, the head in, no recomputation), else MFU;
+  * and, where the row prints its memory per GPU, the planner's memory of its layout in the measure the row names
+    (`_memory_compared`: peak allocated, peak reserved or the device's used memory).
 Rows the planner cannot express (no layout, no architecture, a GPU without a preset, no figure to compare) come
 back with a "skip" and the reason; no row stops the table.
 Not responsible for: any estimate (`cost.py`), the data itself (benchmarks/data/README.md says where each
