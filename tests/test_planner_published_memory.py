@@ -116,3 +116,25 @@ def test_fp8_weights_held_beside_the_bf16_ones_or_in_their_place_and_gathered_in
     assert (weights["cached"] - weights["params"]) * GiB == pytest.approx(2 * gemm, rel=1e-3)
     with pytest.raises(ValueError, match="give --precision fp8 or leave --fp8-weights out"):
         _cli(argv[:-3] + ["--json", "--fp8-weights", "params"], capsys)
+
+
+def test_plan_estimate_gives_the_memory_as_the_tools_report_it(capsys):
+    """`meshlm plan estimate` states the layout's memory in the three measures published runs are scored in (JSON
+    `memory_measured_as_gib`; the text's "As measured" sentence): the live tensors, those with the fragmentation
+    margin, and all of it with the cluster's reserved bytes -- the device figure is the total that decides the fit."""
+    import json
+
+    from test_planner import _cli
+
+    from meshlm.planner.cluster import GiB, get_cluster
+    from meshlm.planner.memory import FRAGMENTATION
+
+    argv = ["plan", "estimate", "--model", "llama3-8b", "--cluster", "h100", "--gpus", "8", "--seq-len", "4096",
+            "--global-batch-size", "16", "--layout", "dp_shard=8,zero_stage=3,recompute=full"]
+    out = json.loads(_cli(argv + ["--json"], capsys)[1])
+    m = out["memory_measured_as_gib"]
+    assert m["device"] == pytest.approx(out["memory_gib"]["total"])
+    assert m["reserved"] == pytest.approx(m["allocated"] * (1 + FRAGMENTATION))
+    assert m["device"] - m["reserved"] == pytest.approx(get_cluster("h100").reserved_bytes / GiB)
+    text = _cli(argv, capsys)[1]
+    assert f"max_memory_allocated ~{m['allocated']:.1f} GiB" in text and f"nvidia-smi ~{m['device']:.1f} GiB" in text

@@ -27,7 +27,8 @@ from meshlm.planner.collectives import collective_time, group_span, link_name
 from meshlm.planner.layout import (CP_COMPUTE_BYTES, CP_METHODS, PRECISIONS, RECOMPUTE, RUNTIMES,
                                    Job, Layout, parse_layout, resolve_layout, validate_layout)
 from meshlm.planner.memory import (FRAGMENTATION, MiB, ZERO3_PREFETCH_LAYERS, RankParams,
-                                   inflight_microbatches, layer_activation_bytes, memory_bytes, rank_params)
+                                   inflight_microbatches, layer_activation_bytes, memory_bytes, memory_measures,
+                                   rank_params)
 from meshlm.planner import mla as latent
 from meshlm.planner.mla import MLA, latent_attention
 from meshlm.planner.placement import RankSetup, WorldSetup, bytes_per, rank_setup, rank_split, world_setup
@@ -84,6 +85,7 @@ class Estimate:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["layout_str"] = self.layout.short()
+        d["memory_measured_as_gib"] = memory_measures(self.memory_gib)
         return d
 
 

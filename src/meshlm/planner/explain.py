@@ -12,6 +12,7 @@ rows, rechecked by the tests).
 from __future__ import annotations
 
 from meshlm.planner.cost import MIN_HEADROOM, Estimate
+from meshlm.planner.memory import memory_measures
 from meshlm.planner.search import SearchResult
 
 # Which mesh axis (and so which link) each communication time component rides on.
@@ -38,7 +39,14 @@ def bound_of(est: Estimate) -> str:
     return (f"compute is {est.time_s['compute'] / step:.0%} of the step; the largest overhead is the "
             f"{_COMPONENT_WORDS[worst]} ({overheads[worst]:.3g} s, {overheads[worst] / step:.0%}){link}. "
             f"Memory: {est.memory_gib['total']:.1f} of {est.hbm_gib:.0f} GiB, largest part {big_mem} "
-            f"({mem[big_mem]:.1f} GiB); " + memory_verdict(est))
+            f"({mem[big_mem]:.1f} GiB); " + memory_verdict(est) + " " + measured_as(est))
+
+
+def measured_as(est: Estimate) -> str:
+    """The layout's memory as the tools a user checks it with would report it (`memory.memory_measures`)."""
+    m = memory_measures(est.memory_gib)
+    return (f"As measured: torch.cuda.max_memory_allocated ~{m['allocated']:.1f} GiB, max_memory_reserved "
+            f"~{m['reserved']:.1f} GiB, nvidia-smi ~{m['device']:.1f} GiB.")
 
 
 # The published step over the predicted one of the dev rows the overlap caution rests on (ZeRO-3 / FSDP rows whose

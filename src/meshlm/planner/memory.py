@@ -294,3 +294,13 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
     mem["fragmentation"] = FRAGMENTATION * allocated
     mem["reserved"] = cluster_reserved
     return mem
+
+
+def memory_measures(gib: dict) -> dict:
+    """`memory_bytes`' total (by component, any unit) as the tools that measure a GPU's memory report it:
+    "allocated" (torch.cuda.max_memory_allocated: the live tensors), "reserved" (max_memory_reserved: those with
+    the caching allocator's fragmentation), "device" (nvidia-smi / NVML's used memory: all of it, with the CUDA
+    context and the communication library's buffers, the cluster's reserved bytes). Published runs print one of
+    these (`published_rows.memory_of`): each is compared with its own."""
+    allocated = gib["total"] - gib["fragmentation"] - gib["reserved"]
+    return {"allocated": allocated, "reserved": allocated + gib["fragmentation"], "device": gib["total"]}

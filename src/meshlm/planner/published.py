@@ -134,6 +134,7 @@ from pathlib import Path
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
+from meshlm.planner.memory import memory_measures
 from meshlm.planner.published_rows import (ALLGATHER_CP_STACKS, BF16_REDUCE_STACKS, BF16_STATE_STACKS,
                                            BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS,
                                            EAGER_STACKS, EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, NO_SYNC_STACKS,
@@ -513,15 +514,13 @@ def predict_row(row: dict) -> dict:
 
 def _memory_compared(row: dict, gib: dict) -> dict | None:
     """The row's memory figure against the planner's memory of its layout (`Estimate.memory_gib`) in the measure the
-    row names (`published_rows.memory_of`): "allocated" the live tensors (weights, gradients, optimizer states,
-    activations, communication buffers), "reserved" those with the allocator's fragmentation, "device" all of it with
-    the CUDA context and communication library (the cluster's `reserved`); None where the row gives no such figure."""
+    row names (`published_rows.memory_of`), each with its own part of the memory model (`memory.memory_measures`);
+    None where the row gives no such figure."""
     read = memory_of(row)
     if read is None:
         return None
     measure, measured = read
-    allocated = gib["total"] - gib["fragmentation"] - gib["reserved"]
-    predicted = {"allocated": allocated, "reserved": allocated + gib["fragmentation"], "device": gib["total"]}[measure]
+    predicted = memory_measures(gib)[measure]
     return {"measure": measure, "measured_gib": round(measured, 2), "predicted_gib": round(predicted, 2),
             "error": round(predicted / measured - 1, 4)}
 
