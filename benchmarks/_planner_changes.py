@@ -119,7 +119,7 @@ CHANGES = (
      "dst_rank None; broadcast_params) and utils.py reduce_tensor ('If dst_rank is None, all-reduce will be used'); "
      "NVIDIA/nccl src/graph/tuning.cc (a ring broadcast's latency: one hop with the same channels)"),
     # Issue 25, sixth round: what a held-out table's rows get. No mechanism, no constant; no dev row moves.
-    ("Each row's software stack read from its own source and model columns (published_rows.stack_of), not from the group "
+    ("Each row's software stack read from its own source and model columns (published_stacks.stack_of), not from the group "
      "id the CSV gives it; ZeRO stages read from any wording ('ZeRO-3', 'ZeRO stage 3', 'zero3': once read as "
      "Megatron's distributed optimizer, stage 1); fp8 from 'float8'; a row giving only TFLOP/s or MFU compared in "
      "model FLOPs unless it is Megatron 2021's (eq. 3); a GPU without a preset, or a row with nothing to compare, "

@@ -90,7 +90,7 @@ as the development rows are. Until then the stack-specific choices (FlashAttenti
 PyTorch stacks' "selective" checkpointing as half, Megatron-LM's uniform split, NVIDIA's recipes' bf16 gradients and
 TP overlap, DeepSpeed's serial pipeline transfers, ...) keyed on this CSV's group ids, so a torchtitan table under
 another id was priced with cuDNN attention, fused kernels and Megatron's selective recomputation; they now key on
-the stack the row's source and model name (`published_rows.stack_of`; every dev row predicts the same under an unseen
+the stack the row's source and model name (`published_stacks.stack_of`; every dev row predicts the same under an unseen
 group id, tests/test_planner_published_rows.py). "ZeRO-3" (without "FSDP") was read as stage 1, so a ZeRO-3 run was
 priced without its parameter all-gathers; every ZeRO wording is now read by its number. A row giving only TFLOP/s
 was priced by Megatron 2021's eq. 3, which counts a fourth (recomputation) pass and GPT's 4h MLP: now only that

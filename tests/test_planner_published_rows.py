@@ -15,11 +15,11 @@ from test_planner_stacks import _row  # a published-run row with every column
 def test_published_rows_are_read_from_what_they_say_not_from_their_group():
     """A held-out table is priced with what its stack does, as the development rows of that stack are: every row of
     benchmarks/data/ given a group id no row has predicts exactly what it predicts under its own (the stack comes
-    from the row's source and model columns, `published_rows.stack_of`), and each group's rows name one stack."""
+    from the row's source and model columns, `published_stacks.stack_of`), and each group's rows name one stack."""
     from pathlib import Path
 
     from meshlm.planner.published import predict_row, read_runs
-    from meshlm.planner.published_rows import stack_of
+    from meshlm.planner.published_stacks import stack_of
 
     rows = read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     for row in rows:
@@ -257,7 +257,8 @@ def test_hugging_face_transformers_rows_run_eager_with_flash_attention_2_under_f
     fp32, FlashAttention-2 (attn_implementation flash_attention_2) -- FULL_SHARD unit by unit, gradients reduced in fp32
     (MixedPrecision reduce_dtype float32), one sequence per GPU and no accumulation: 16 rows, every GPU count a step."""
     from meshlm.planner import published
-    from meshlm.planner.published_rows import stack_of, zero_of
+    from meshlm.planner.published_rows import zero_of
+    from meshlm.planner.published_stacks import stack_of
 
     rows = [r for r in published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data"
                                             / "published_runs_dev.csv") if r["group"] == "AG_yafsdp_fsdp_a100"]
@@ -280,7 +281,8 @@ def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
     their preset. KempnerForge itself is read as the FSDP2 / SDPA stack it is (FlashAttention-2, fully_shard's
     copy-out), compiled where its row says so."""
     from meshlm.planner import published
-    from meshlm.planner.published_rows import cluster_for, stack_of
+    from meshlm.planner.published_rows import cluster_for
+    from meshlm.planner.published_stacks import stack_of
 
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     row = next(r for r in rows if r["row_id"] == "R560")  # 13B, FSDP=8 on 2 nodes of 4 H200s, without torch.compile
@@ -303,7 +305,8 @@ def test_lightning_thunders_benchmark_is_read_as_the_bf16_fsdp_zero2_it_ran():
     torchao float8 rows gather the weights in fp8. Only AH's and AI's stacks keep bf16 states. Its models are the
     Llama shapes their rows give (SwiGLU of 11008 / 14336), not GPT's 4h MLP: "litgpt" is the trainer's name."""
     from meshlm.planner import published
-    from meshlm.planner.published_rows import gpt_style, stack_of, zero_of
+    from meshlm.planner.published_rows import gpt_style, zero_of
+    from meshlm.planner.published_stacks import stack_of
 
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     group = {r["row_id"]: r for r in rows if r["group"] == "AI_thunder_litgpt_h100_fsdp"}
@@ -332,7 +335,8 @@ def test_flagperfs_megatron_core_runs_expose_their_distributed_optimizer_and_fit
     from meshlm.planner import published
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.cost import ModelSummary, estimate_layout, validate_layout
-    from meshlm.planner.published_rows import cluster_for, stack_of
+    from meshlm.planner.published_rows import cluster_for
+    from meshlm.planner.published_stacks import stack_of
 
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     group = [r for r in rows if r["group"] == "AJ_flagperf_megatron_llama3_8b"]
@@ -366,7 +370,8 @@ def test_swallows_megatron_logs_run_the_legacy_model_with_its_optimizer_exposed_
     Compute Node (A): A100 40GB, 8 per node, 4 x HDR 200 Gb/s per node (100 Gb/s per GPU). The OOM layout is kept
     unpriced."""
     from meshlm.planner import published
-    from meshlm.planner.published_rows import cluster_for, stack_of
+    from meshlm.planner.published_rows import cluster_for
+    from meshlm.planner.published_stacks import stack_of
 
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     group = {r["row_id"]: r for r in rows if r["group"] == "AK_swallow_megatron_abci_a100"}
@@ -396,7 +401,8 @@ def test_megatron_bridge_cards_read_each_recipes_dispatcher_overlap_and_recomput
     (layernorm, moe_act; mla_up_proj, mlp) priced as none; bf16 Adam moments where the recipe keeps them
     (DeepSeek-V3's and the MXFP8 ones); the NVL72 racks one scale-up domain of 72."""
     from meshlm.planner import published
-    from meshlm.planner.published_rows import cluster_for, stack_of
+    from meshlm.planner.published_rows import cluster_for
+    from meshlm.planner.published_stacks import stack_of
 
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     group = {r["row_id"]: r for r in rows if r["group"] == "AL_megatron_bridge_cards_moe"}
@@ -420,7 +426,7 @@ def test_megatron_bridge_cards_read_each_recipes_dispatcher_overlap_and_recomput
 
 def test_hagemanns_sweep_runs_as_aleph_alphas_scaling_library_runs_it():
     """Hagemann et al.'s sweep (group AF) ran AA-Scaling, Aleph Alpha's Scaling library, read as its public releases
-    run it (`published_rows.BLOCKING_PIPE_STACKS`): RoPE and SwiGLU as torch ops, RMSNorm too where the row says so;
+    run it (`published_stacks.BLOCKING_PIPE_STACKS`): RoPE and SwiGLU as torch ops, RMSNorm too where the row says so;
     DeepSpeed's pipeline schedule with each send and receive blocking; the gradients all-reduced in fp32 after the
     flush and the ZeRO-1 shards gathered back, exposed; the head's logits gathered for a loss over the whole
     vocabulary on every tp rank. A row not naming the stack reads none of it. Scaling's pipeline split -- uniform over
@@ -429,7 +435,7 @@ def test_hagemanns_sweep_runs_as_aleph_alphas_scaling_library_runs_it():
     from meshlm.planner import published
     from meshlm.planner.cost import ModelSummary
     from meshlm.planner.placement import rank_split
-    from meshlm.planner.published_rows import stack_of
+    from meshlm.planner.published_stacks import stack_of
 
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     group = [r for r in rows if r["group"] == "AF_hagemann_layouts_a100"]

@@ -54,7 +54,7 @@ def test_megatron_llama_rows_and_rows_naming_the_first_flash_attention():
     assert recompute_as_run("selective", {**plain, "source": "NVIDIA Megatron-LM (2024)"}, te) == "selective"
     assert recompute_as_run("full", plain, flash) == "full"
     # A row saying its attention is unfused, or its RMSNorm ran as torch ops, is read so whatever its stack (AA-Scaling
-    # runs RoPE and SwiGLU as torch ops of its own: `published_rows.EAGER_ROPE_SWIGLU_STACKS`).
+    # runs RoPE and SwiGLU as torch ops of its own: `published_stacks.EAGER_ROPE_SWIGLU_STACKS`).
     sweep = {**row, "model": "LLaMA 13B (AA-Scaling)", "source": "Hagemann et al. 2023, AA-Scaling's run sheets"}
     swept = job_of(sweep, model_of(sweep))
     assert swept.flash_attention and swept.eager_ops == {"rope", "swiglu"}
@@ -490,7 +490,8 @@ def test_nemo_automodel_rows_run_pytorch_fsdp2_not_nvidias_megatron_recipes():
     kernels, PyTorch's all-gather context parallelism, torch's non-reentrant checkpoint, bf16 reduction, compiled where
     it says torch.compile; the same row under "NeMo" alone is NVIDIA's recipe."""
     from meshlm.planner.published import job_of, layouts_of
-    from meshlm.planner.published_rows import model_of, stack_of
+    from meshlm.planner.published_rows import model_of
+    from meshlm.planner.published_stacks import stack_of
 
     row = _row(model="Llama 3 8B", n_gpus="16", dp="8", cp="2", zero_fsdp="FSDP2 (fully_shard)", gpu="H100 80GB",
                seq_len="8192", gbs_seqs="16", recompute="full", notes="torch.compile",

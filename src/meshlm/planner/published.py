@@ -24,7 +24,7 @@ checks the medians).
 Nothing is fitted to any row: the constants are those of `meshlm.planner.cluster` (each cited there). The
 groups looked at while choosing them are `FIT_GROUPS`; the others are reported apart ("held_out").
 Choices the rows leave open, made the same way for every row (never from the reported throughput):
-  * the software stack a row ran is read from its own source and model columns (`published_rows.stack_of`), never from
+  * the software stack a row ran is read from its own source and model columns (`published_stacks.stack_of`), never from
     the group id the CSV gives it, so that a held-out table of a stack gets what that stack's development rows
     get (the groups named below are where each choice was first needed);
   * tp / pp left blank: 1 beside the other named, and both 1 where the row names its data parallelism's sharding
@@ -135,16 +135,17 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.memory import memory_measures
-from meshlm.planner.published_rows import (ALLGATHER_CP_STACKS, BF16_REDUCE_STACKS, BF16_STATE_STACKS,
-                                           BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS,
-                                           EAGER_STACKS, EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS, NO_SYNC_STACKS,
-                                           TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS,
-                                           cell_float, cell_int, cluster_for, compiled, gpt_style, hybrid_shard,
+from meshlm.planner.published_rows import (cell_float, cell_int, cluster_for, compiled, gpt_style, hybrid_shard,
                                            interleaved, memory_of, model_of, moe_comm_as_run, nvidia_recipe,
                                            precision_of, predict_each, read_table, recompute_choices,
                                            recompute_fraction, recompute_of, recomputes_mla_up_proj, row_text,
-                                           schedule_named, seq_len_of, shard_degree, source_year, stack_of,
-                                           token_count, zero_of)
+                                           schedule_named, seq_len_of, shard_degree, source_year, token_count,
+                                           zero_of)
+from meshlm.planner.published_stacks import (ALLGATHER_CP_STACKS, BF16_REDUCE_STACKS, BF16_STATE_STACKS,
+                                             BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS,
+                                             EAGER_STACKS, EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS,
+                                             NO_SYNC_STACKS, TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS,
+                                             ZERO1_ALL_REDUCE_STACKS, stack_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
