@@ -251,6 +251,10 @@ class Job:
     def tokens(self) -> int:
         return self.seq_len * self.global_batch_size
 
+    def fp8_weights_are(self, how: str) -> bool:
+        """Whether the job trains in fp8 with its weights got into fp8 `how` (`FP8_WEIGHTS`)."""
+        return self.precision == "fp8" and self.fp8_weights == how
+
 
 @dataclass(unsafe_hash=True)
 class Layout(ParallelDims):

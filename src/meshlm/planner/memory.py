@@ -218,13 +218,13 @@ def memory_bytes(summary: ModelSummary, cluster_reserved: float, job: Job, lo: L
             "gradients": p.sharded(2) * by["grad"],
             "optimizer": p.sharded(1) * by["optim"],
         }
-        if job.precision == "fp8" and job.fp8_weights == "cached" and z < 3:
+        if job.fp8_weights_are("cached") and z < 3:
             # Transformer Engine's fp8 weights (`Job.fp8_weights` "cached"): each linear layer's weight cast once and
             # kept in its module's workspace for every micro-batch, row-wise for the forward GEMM and column-wise for
             # the input gradient's (its weight quantizer asks for both usages while training): 2 bytes per element of
             # the rank's layer GEMM weights beside the bf16 ones (the embedding and head stay bf16). Held as fp8
             # parameters ("params") the same two copies replace the bf16 weights: 2 bytes, as counted.
-            mem["weights"] += 2.0 * layers_mem * (summary.layer_tp / tp + summary.layer_experts / (r.expert_tp * ep))
+            mem["weights"] += 2.0 * (layers_mem * summary.layer_tp / tp + expert_params)
         fsdp_units = (z == 3 and lo.zero3_reshards) or (z == 2 and job.zero2_unit_collectives)  # timing_dp's FSDP
         if job.fsdp_no_sync and m > 1 and fsdp_units and (lo.dp > 1 or cp > 1):
             # FSDP accumulating without synchronization (`Job.fsdp_no_sync`): every unit's unsharded gradient, in

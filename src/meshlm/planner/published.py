@@ -120,8 +120,8 @@ Choices the rows leave open, made the same way for every row (never from the rep
     micro_bsz x 2048 tokens read as micro_bsz sequences;
   * what each software stack named since runs -- Megatron-LLaMA, OLMo-core, PyTorch FSDP2 and SHARD_GRAD_OP,
     DeepSpeed's ZeRO-3 before v0.6, torchao's float8, Paxml, Aleph Alpha's Scaling, Hugging Face with accelerate,
-    ATorch, KempnerForge, lightning-thunder, FlagPerf's Megatron-Core, the Swallow team's Megatron-LM -- is listed
-    stack by stack in `published_rows`' module docstring, beside the stack names it reads.
+    ATorch, KempnerForge, lightning-thunder, FlagPerf's Megatron-Core, the Swallow team's Megatron-LM, NeMo
+    Automodel -- is listed stack by stack in `published_stacks`' module docstring, beside the stack names it reads.
 """
 
 from __future__ import annotations

@@ -73,10 +73,11 @@ def dp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p: R
                 grads = (r.times("reduce_scatter", g_dense, span_dps) + r.times("all_reduce", g_dense / shard, span_dpr)
                          + r.times("reduce_scatter", g_exp, span_exp))
             # fp8 parameters (`Job.fp8_weights` "params") are gathered in fp8: a byte per layer GEMM weight
-            fp8 = job.precision == "fp8" and job.fp8_weights == "params"
-            dense_gemm = layers_mem * summary.layer_tp / tp if fp8 else 0.0
-            comm = (grads + r.times("all_gather", n_dense_local * by["param"] - dense_gemm * (by["param"] - 1), span_dps)
-                    + r.times("all_gather", n_exp_local * (1 if fp8 else by["param"]), span_exp))
+            gemm_bytes = 1 if job.fp8_weights_are("params") else by["param"]
+            dense_gemm = layers_mem * summary.layer_tp / tp
+            comm = (grads + r.times("all_gather", (n_dense_local - dense_gemm) * by["param"] + dense_gemm * gemm_bytes,
+                                    span_dps)
+                    + r.times("all_gather", n_exp_local * gemm_bytes, span_exp))
             window = t_mb_bwd + t_mb_fwd  # grads overlap the last backward, params the first forward
         elif lo.zero3_reshards:
             return fsdp_comm_time(summary, job, lo, r, p, mb, num_microbatches=m)
@@ -143,7 +144,7 @@ def fsdp_comm_time(summary: ModelSummary, job: Job, lo: Layout, r: RankSetup, p:
 
     # Bytes per gathered block parameter: fp8 where the weights are cast before the all-gather (the norms' few
     # parameters are counted with them).
-    block_bytes = 1 if job.precision == "fp8" and job.fp8_weights == "fsdp_all_gather" else by["param"]
+    block_bytes = 1 if job.fp8_weights_are("fsdp_all_gather") else by["param"]
 
     def unit(params: float, experts: float, gather_bytes: float, pieces: float = 1,
              expert_pieces: float = 1) -> tuple[float, float]:
