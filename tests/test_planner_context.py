@@ -85,3 +85,20 @@ def test_plot_is_written(tmp_path, capsys):
     rc, text = _cli(["plan", "context", "--model", "llama3-70b", "--cluster", "gb200-nvl72", "--context", "1M",
                      "--max-gpus", "256", "--plot", str(out)], capsys)
     assert rc == 0 and out.exists() and out.stat().st_size > 10_000 and "wrote" in text
+
+
+def test_a_context_beyond_the_models_window_is_priced_and_said(capsys):
+    """Llama 3.1 405B's window is 131,072 tokens (max_position_embeddings): 1M is priced, with the note saying so;
+    a context within the window carries none."""
+    d = context_answer(_sv(), MILLION, 1, max_gpus=256)
+    assert d["fits"] and d["model_context_tokens"] == 131072
+    assert "131,072" in d["context_note"] and "1,048,577" in d["context_note"]
+    assert context_answer(_sv(), 131071, 1, max_gpus=256)["context_note"] is None
+    rc, text = _cli(["plan", "context", "--model", "llama3-405b", "--cluster", "h100", "--context", "1M"], capsys)
+    assert rc == 0 and "beyond the model's context window of 131,072" in text
+    rc, out = _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--tp", "1", "--input-len", "131000",
+                    "--output-len", "72", "--concurrency", "1", "--json"], capsys)
+    assert json.loads(out)["context_note"] is None  # 131,072 tokens: the window exactly
+    rc, text = _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--tp", "1", "--input-len",
+                     "131000", "--output-len", "73", "--concurrency", "1"], capsys)
+    assert rc == 0 and "131,073 tokens is beyond the model's context window" in text

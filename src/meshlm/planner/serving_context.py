@@ -100,7 +100,8 @@ def context_answer(sv: Serving, context: int, output_len: int, *, max_gpus: int 
     """The JSON of `meshlm plan context` (README lists the keys)."""
     out = {"context_tokens": context, "output_len": output_len, "cluster": sv.cluster.name,
            "precision": sv.precision, "kv_precision": sv.kv_precision,
-           "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision])}
+           "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]),
+           "model_context_tokens": sv.sm.cfg.max_seq_len, "context_note": sv.sm.context_note(context + output_len)}
     small = smallest_deployment(sv, context, output_len, max_gpus=max_gpus)
     if small is None:
         return dict(out, fits=False, reason=f"no tp x pp x cp layout of up to {max_gpus} GPUs holds {context:,} + "
@@ -142,6 +143,8 @@ def format_context(r: dict, model: str) -> str:
     head = (f"{model}, one sequence of {r['context_tokens']:,} + {r['output_len']} tokens on {r['cluster']} "
             f"({r['precision']} weights, {r['kv_precision']} KV: {r['kv_bytes_per_token_model'] / 1024:.0f} KiB "
             f"of KV per token)")
+    if r["context_note"]:
+        head += f"\n  {r['context_note']}"
     if not r["fits"]:
         return f"{head}\n  does not fit: {r['reason']}"
     lines = [head, f"  smallest deployment: {r['gpus']} GPUs ({r['layout']}), the KV spans {r['nodes']} "

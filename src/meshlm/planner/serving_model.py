@@ -66,6 +66,17 @@ class ServedModel:
     def layers(self) -> int:
         return self.cfg.num_layers
 
+    def context_note(self, tokens: int) -> str | None:
+        """Words for a sequence of `tokens` longer than the model's own context window (`max_seq_len`: the
+        config's max_position_embeddings), None within it: the planner prices memory and time at any length, but
+        the model was not trained for more, and the engines refuse it unless told to."""
+        window = self.cfg.max_seq_len
+        if tokens <= window:
+            return None
+        return (f"{tokens:,} tokens is beyond the model's context window of {window:,} (its max_position_embeddings): "
+                f"memory and time are priced as asked, but the model was not trained that long, and engines refuse "
+                f"longer requests unless told to (vLLM's --max-model-len, SGLang's --context-length)")
+
     def layer_window(self, layer: int) -> int:
         """Tokens layer `layer` attends back (0: every earlier token)."""
         return self.windows[layer] if self.windows else 0

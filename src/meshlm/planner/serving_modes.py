@@ -446,7 +446,8 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
            "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
            "kv_bytes_per_token_model": sv.sm.kv_bytes_per_token(KV_BYTES[sv.kv_precision]),
            "kv_bytes_per_request": sv.kv_bytes_per_gpu(wl.input_len + wl.output_len),
-           "max_context_tokens": sv.max_tokens(), "max_concurrency": cap, "max_batch": cap}
+           "max_context_tokens": sv.max_tokens(), "model_context_tokens": sv.sm.cfg.max_seq_len,
+           "context_note": sv.sm.context_note(wl.input_len + wl.output_len), "max_concurrency": cap, "max_batch": cap}
     need = 1 if wl.disaggregate else wl.batch or 1  # clients beyond what fits wait in the queue (`clients`)
     reason = _misfit(sv, wl, cap, need, mem)
     out.update(fits=not reason, reason=reason)
@@ -578,7 +579,7 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
     if "meets_slo" in r:
         what = "rate" if r["mode"] == "max-rate" else "concurrency"
         mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"
-    warning = f"\n  {r['caution']}" if r.get("caution") else ""
+    warning = "".join(f"\n  {r[k]}" for k in ("context_note", "caution") if r.get(k))
     return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
             f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {_text_ms(r['ttft_ms'], 1)}, TPOT "
             f"{_text_ms(r['tpot_ms'], 2)}, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
