@@ -20,6 +20,16 @@ def test_help_is_instant_and_lists_every_command():
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`meshlm plan context ... | head -1`: the pipe closed before the command writes is one quiet exit 1, no
+    traceback (the read end is closed before the child starts writing, so the write always fails)."""
+    child = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "plan", "context", "--model", "llama3-8b",
+                              "--cluster", "h100", "--context", "64K"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=60) == 1 and err == "", err
+
+
 @pytest.mark.parametrize("override, expected", [
     ("model.num_heads=7", "model.num_heads=7 must divide model.hidden_size=256"),
     ("train.lr=-1", "train.lr=-1.0 must be > 0"),

@@ -2,7 +2,8 @@
 
 Every subcommand is a module of this package with `add_parser(subparsers)` and `run(args) -> int`; this file
 builds the parser from them and dispatches. Responsible for: argument parsing, turning user mistakes
-(ValueError and subclasses) into one clear line on stderr with exit code 2, and dispatching to the library.
+(ValueError and subclasses) into one clear line on stderr with exit code 2, a closed pipe into a quiet exit 1, and
+dispatching to the library.
 Heavy imports (torch) happen inside `run`, so `meshlm --help` is instant. `python -m meshlm.cli` is the same
 command (what torchrun starts on every rank).
 Not responsible for: any logic of its own beyond wiring; starting ranks (launch.py).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # In the order `meshlm --help` lists them.
@@ -66,3 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshlm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`meshlm plan ... | head`): stop quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush has nowhere to fail
+        return 1
