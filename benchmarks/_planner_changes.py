@@ -363,4 +363,18 @@ CHANGES = (
      "the forward FLOPs\") weighs the no- and full-recompute estimates by that share, not half or full",
      ("U_maxtext_llama2_70b_h100_fsdp", "V_maxtext_llama3_70b_h100_fsdp", "W_paxml_gpt_h100_fsdp"),
      "the rows' recompute cells (MaxText's remat policies, Paxml's checkpoint policies, as the CSV reads them)"),
+    # Issue 25, twenty-second round.
+    ("row reading: Megatron-LM's legacy model runs a GPT-style row's rotary positions as torch ops where the row names "
+     "them (--position-embedding-type rope); a node cell's pair bandwidth (\"100 GB/s each way\": a 4-GPU A100 "
+     "board without NVSwitch, each pair on 4 of the GPU's 12 NVLink3 links) is the row's scale-up bandwidth",
+     ("AR_jubench_megatron_gpt13b_a100",),
+     "FZJ-JSC/jubench-megatron-lm nlp_benchmark.yaml; Megatron-LM f7727433 megatron/model/transformer.py and "
+     "megatron/core/models/common/rotary_pos_embedding.py; JSC's JUWELS Booster overview (NVLink3, 4 x HDR200)"),
+    ("row reading: Modalities (stack \"modalities\"): PyTorch FSDP2 with its copy-out, bf16 reduce-scatters, eager, "
+     "SDPA's FlashAttention-2 kernels, torch's LayerNorm on bf16 weights as one kernel (with llm-foundry's MPT: "
+     "ONE_KERNEL_NORM_STACKS); Leonardo's custom A100 64GB as the a100-64gb preset",
+     ("AS_modalities_fsdp2_leonardo_a100",),
+     "Modalities/modalities at 3710ce53: configs/sweep_8B_fsdp2.yaml, models/model_factory.py (fully_shard, "
+     "MixedPrecisionPolicy bf16 / bf16), models/gpt2/gpt2_model.py (nn.LayerNorm, repeat_kv_heads before SDPA); "
+     "CINECA's Leonardo system page (4 x custom A100 64 GB HBM2, 2 x dual-port HDR, 400 Gbps a node)"),
 )

@@ -221,6 +221,13 @@ remat policy whose recompute cell states the share of the forward it re-runs is 
 half or full (MaxText's save_qkv_proj 90%, save_dot_except_mlp 83%, save_dot_except_mlpwi 57%; Paxml's
 SAVE_QKV_OUT_PROJ 67%): V 17.0% -> 15.0%, U 10.1% -> 9.5% (its FP8 rows 3-4 points closer, its BF16 rows 1.7 points
 further: all too slow), W 11.4% -> 11.6%; 263 rows within 10% (261), the median 8.39% -> 8.63% (U's BF16 rows cross it).
+
+A twenty-second round (the last two `CHANGES`) added group AR (the JUPITER suite's Megatron-LM GPT 13B at tp 2 x pp 4 on
+32 A100 40GB, issue 25's kind (3): +21.8% as the reading stood, +10.2% with its rotary positions as torch ops and its
+boards' 100 GB/s NVLink pairs) and group AS (Modalities' FSDP2 sweep of a 6B model on 4-128 of Leonardo's A100 64GB,
+33 rows, kind (1)-like: 17% too slow as an unknown stack, 9.5% as Modalities runs, its LayerNorm one bf16 kernel).
+Overall 8.63% -> 8.78% (482 rows, 280 within 10%); ZeRO-3 rows whose collectives outlast their compute -10% (24 rows,
++43% over the 13 before: AS's are too slow).
 """
 
 from __future__ import annotations

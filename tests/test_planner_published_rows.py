@@ -278,7 +278,8 @@ def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
     """A row's node cell leading with its GPUs per scale-up domain ("4 (nodes of 4 H200 on NVLink)": KempnerForge's
     report, group AH) sets the cluster's domain where it differs from the preset's 8; the same row on 8-GPU nodes puts
     its FSDP=8 group on NVLink alone and prices less data-parallel time. Rows whose cell says 8, 72 or nothing keep
-    their preset. KempnerForge itself is read as the FSDP2 / SDPA stack it is (FlashAttention-2, fully_shard's
+    their preset (nodes of 4 are KempnerForge's, JUWELS Booster's, group AR, and Leonardo Booster's, AS). KempnerForge
+    itself is read as the FSDP2 / SDPA stack it is (FlashAttention-2, fully_shard's
     copy-out), compiled where its row says so."""
     from meshlm.planner import published
     from meshlm.planner.published_rows import cluster_for
@@ -287,7 +288,9 @@ def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
     rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
     row = next(r for r in rows if r["row_id"] == "R560")  # 13B, FSDP=8 on 2 nodes of 4 H200s, without torch.compile
     assert cluster_for(row).scaleup_size == 4 and cluster_for({**row, "node_nvlink": "8"}).scaleup_size == 8
-    assert {cluster_for(r).scaleup_size for r in rows if r["group"] != "AH_kempnerforge_h200"} == {8, 72}
+    fours = {"AH_kempnerforge_h200", "AR_jubench_megatron_gpt13b_a100", "AS_modalities_fsdp2_leonardo_a100"}
+    assert {cluster_for(r).scaleup_size for r in rows if r["group"] not in fours} == {8, 72}
+    assert {cluster_for(r).scaleup_size for r in rows if r["group"] in fours} == {4}
     four, eight = published.predict_row(row), published.predict_row({**row, "node_nvlink": ""})
     assert four["time_breakdown"]["dp_comm"] > 1.5 * eight["time_breakdown"]["dp_comm"]
     assert four["predicted"] <= eight["predicted"]  # its reductions once a step (`Job.fsdp_no_sync`): mostly hidden

@@ -505,3 +505,66 @@ def test_nemo_automodel_rows_run_pytorch_fsdp2_not_nvidias_megatron_recipes():
     recipe = {**row, "source": "NVIDIA NeMo performance docs (2026)"}
     assert stack_of(recipe) == "nemo" and job_of(recipe, cfg).cross_entropy_fusion
     assert not job_of({**row, "notes": ""}, cfg).fused_elementwise  # eager unless it names torch.compile
+
+
+def test_a_legacy_megatron_gpt_with_rotary_positions_on_a_board_without_nvswitch():
+    """The JUPITER suite's GPT 13B (group AR): Megatron-LM's legacy model runs its rotary embedding as torch ops (a
+    GPT-style row gets them only where it names rotary positions), no SwiGLU, "selective" recomputing nothing on the
+    flash path, the distributed optimizer exposed; its node cell's pair bandwidth ("100 GB/s each way": a 4-GPU A100
+    board without NVSwitch) is the cluster's scale-up bandwidth, its 4 GPUs the scale-up domain, 200 Gb/s per GPU out."""
+    from meshlm.planner.cost import estimate
+    from meshlm.planner.published import job_of, layouts_of, recompute_as_run
+    from meshlm.planner.published_rows import cluster_for, model_of
+    from meshlm.planner.published_stacks import stack_of
+
+    row = _row(model="GPT 13B (JUBE Megatron-LM benchmark)", layers="40", hidden="5120", heads="32", ffn="20480",
+               vocab="50432", n_gpus="32", tp="2", pp="4", dp="4", sp="yes", gbs_seqs="1024", recompute="selective",
+               zero_fsdp="Megatron-LM distributed optimizer", gpu="A100 SXM4 40GB (JUWELS Booster)",
+               precision="fp16 (dynamic loss scaling)",
+               node_nvlink="4 (JUWELS Booster: 4 A100 on NVLink3, each pair joined by 4 links, 100 GB/s each way)",
+               internode_bw_per_gpu="200 Gb/s (4 x InfiniBand HDR200 per node of 4 GPUs)",
+               source="FZJ-JSC/jubench-megatron-lm (2024): NVIDIA Megatron-LM f7727433 (2023), --transformer-impl local",
+               notes="--use-flash-attn, --use-distributed-optimizer without --overlap-grad-reduce, "
+                     "--position-embedding-type rope")
+    cfg, cluster = model_of(row), cluster_for(row)
+    assert stack_of(row) == "megatron-lm" and cfg.tie_embeddings and cfg.intermediate_size == 13696
+    job = job_of(row, cfg)
+    assert job.flash_attention and job.eager_ops == {"attention_layout", "rope"} and not job.dp_comm_overlap
+    assert job_of({**row, "notes": "--use-flash-attn"}, cfg).eager_ops == {"attention_layout"}  # learned positions
+    assert recompute_as_run("selective", row, job) == "none"
+    assert (cluster.name, cluster.scaleup_size, cluster.scaleup_bw, cluster.scaleout_bw) == ("a100-40gb", 4, 100e9,
+                                                                                             25e9)
+    assert cluster_for({**row, "node_nvlink": "4 (nodes of 4 A100 on NVLink3)"}).scaleup_bw == 300e9
+    # the pair's third of the GPU's links: the tp all-gathers and reduce-scatters take 2-3 times as long
+    lo = next(iter(layouts_of(row, cfg, "none")))
+    slow = estimate(cfg, cluster, job, lo).time_s["tp_comm"]
+    fast = estimate(cfg, cluster_for({**row, "node_nvlink": "4"}), job, lo).time_s["tp_comm"]
+    assert 2 < slow / fast < 3
+
+
+def test_modalities_rows_run_fsdp2_eager_with_one_kernel_layernorms_on_leonardos_a100s():
+    """Modalities' sweep on CINECA's Leonardo (group AS) is read as that trainer runs it: FSDP2's copy-out, SDPA's FA2
+    kernels, eager (no torch.compile), bf16 reduce-scatters, and torch's LayerNorm as one bf16 kernel (fp32 norms cost
+    MPT's rows and these nothing extra); its model name has no GPT in it (the trainer's "gpt2" variant is Llama-like:
+    SwiGLU 11008, untied); the GPU cell names Leonardo's custom 64 GB A100 (the HBM2 part's bandwidth, its 64 GB) on
+    nodes of 4 with 100 Gb/s a GPU."""
+    from meshlm.planner.cluster import GiB
+    from meshlm.planner.published import job_of
+    from meshlm.planner.published_rows import cluster_for, cluster_of, model_of
+    from meshlm.planner.published_stacks import stack_of
+
+    row = _row(model="Modalities 6.1B Llama-like (the sweep's '8B' config)", layers="32", hidden="4096", heads="32",
+               kv_heads="8", ffn="11008", vocab="50304", n_gpus="32", dp="32", zero_fsdp="FSDP2 (fully_shard)",
+               gpu="A100 SXM4 64GB (Leonardo Booster)", node_nvlink="4 (Leonardo Booster: 4 A100 SXM4 64GB)",
+               internode_bw_per_gpu="100 Gb/s (2 x dual-port HDR, 400 Gb/s per node of 4 GPUs)",
+               source="Modalities/modalities throughput_analysis.ipynb (2025)", notes="no torch.compile")
+    cfg, cluster = model_of(row), cluster_for(row)
+    assert stack_of(row) == "modalities" and cfg.intermediate_size == 11008 and not cfg.tie_embeddings
+    job = job_of(row, cfg)
+    assert job.fsdp_copy_out and job.flash_attention_2 and not job.fused_elementwise
+    assert not job.grad_reduce_in_fp32 and not job.fp32_norms
+    other = {**row, "source": "a trainer of its own", "model": "Llama-like 6B"}
+    assert stack_of(other) == "" and job_of(other, cfg).fp32_norms  # the Llama stacks' RMSNorm upcasts
+    assert (cluster.name, cluster.hbm_bytes, cluster.hbm_bw) == ("a100-64gb", 64 * GiB, 1.555e12)
+    assert (cluster.scaleup_size, cluster.scaleout_bw) == (4, 12.5e9)
+    assert cluster_of("A100-SXM-64GB") == "a100-64gb" and cluster_of("A100 80GB") == "a100"

@@ -51,26 +51,28 @@ def measured_as(est: Estimate) -> str:
 
 # The published step over the predicted one of the dev rows the overlap caution rests on (ZeRO-3 / FSDP rows whose
 # collectives alone outlast their compute), least and most, as benchmarks/data/published_runs_dev.csv stands
-# (tests/test_planner_training_kinds.py recomputes them): 13 rows -- Paxml's GPT-3 175B under XLA's FSDP on 128-2048
-# H100s (group W) 0.88-0.93x, PyTorch FSDP1 at one sequence per GPU (AG) 1.40-1.56x (KempnerForge's 70B, AH, left the
-# regime once its gradients were reduced once a step: `Job.fsdp_no_sync`).
-OVERLAP_SPREAD = (0.88, 1.56)
+# (tests/test_planner_training_kinds.py recomputes them): 24 rows -- Modalities' FSDP2 of a 6B model on 8-128 of
+# Leonardo's A100s at one or two sequences per GPU (group AS) 0.73-1.08x, Paxml's GPT-3 175B under XLA's FSDP on
+# 128-2048 H100s (W) 0.88-0.93x, PyTorch FSDP1 at one sequence per GPU (AG) 1.40-1.56x (KempnerForge's 70B, AH, left
+# the regime once its gradients were reduced once a step: `Job.fsdp_no_sync`).
+OVERLAP_SPREAD = (0.73, 1.56)
 
 
 def overlap_caution(est: Estimate) -> str | None:
     """A warning where the step leans on overlap: its ZeRO-3 / FSDP collectives alone take longer than its compute.
     The planner hides all of them that each pass's compute covers; the published runs of that regime took
-    OVERLAP_SPREAD of the predicted step (XLA's FSDP the least, PyTorch FSDP1 at one sequence per GPU the most), where
-    those with collectives under a fifth of the compute came within a few percent. A warning, never a correction."""
+    OVERLAP_SPREAD of the predicted step (Modalities' FSDP2 the least, PyTorch FSDP1 at one sequence per GPU the most),
+    where those with collectives under a fifth of the compute came within a few percent. A warning, never a
+    correction."""
     ratio = est.collectives_over_compute
     if est.layout.zero_stage < 3 or ratio <= 1:
         return None
     lo, hi = OVERLAP_SPREAD
     return (f"Caution: its ZeRO-3 gathers and reduce-scatters alone take {ratio:.1f}x its "
             "compute, and the planner hides all that each pass's compute covers; published FSDP runs in this regime "
-            f"took {lo:.2f}-{hi:.2f}x the predicted step (benchmarks/data/ groups W, AG: XLA's FSDP the least, "
-            "PyTorch FSDP1 at one sequence per GPU the most): read the step time as uncertain, for PyTorch FSDP a "
-            "lower bound.")
+            f"took {lo:.2f}-{hi:.2f}x the predicted step (benchmarks/data/ groups AS, W, AG: Modalities' FSDP2 on "
+            "Leonardo's A100s the least, PyTorch FSDP1 at one sequence per GPU the most): read the step time as "
+            "uncertain either way.")
 
 
 # A decode iteration's tensor-parallel all-reduce is "small" up to this many bytes: the range where the engines run

@@ -144,8 +144,8 @@ from meshlm.planner.published_rows import (cell_float, cell_int, cluster_for, co
 from meshlm.planner.published_stacks import (ALLGATHER_CP_STACKS, BF16_REDUCE_STACKS, BF16_STATE_STACKS,
                                              BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS,
                                              EAGER_STACKS, EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS,
-                                             NO_SYNC_STACKS, TORCHAO_FP8_STACKS, TP_LOSS_REPLICATED_STACKS,
-                                             ZERO1_ALL_REDUCE_STACKS, stack_of)
+                                             NO_SYNC_STACKS, ONE_KERNEL_NORM_STACKS, TORCHAO_FP8_STACKS,
+                                             TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS, stack_of)
 
 # The groups looked at while choosing the planner's constants; the others are held out (reported
 # separately, never looked at row by row while adjusting the model).
@@ -220,9 +220,9 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     # The JAX / XLA recipes (MaxText, groups U, V and Y; Paxml, groups W and X) take the defaults: XLA fuses the
     # elementwise work, cuDNN's fused attention (not FA2), the FSDP collectives overlapped by XLA's latency-hiding
     # scheduler, fp32 gradients (fp32 parameters); the module docstring cites each recipe's setting.
-    # MPT's norms: llm-foundry's default `low_precision_layernorm`, one F.layer_norm kernel in bf16 (its
-    # llmfoundry/models/layers/norm.py LPLayerNorm); the Llama stacks' RMSNorm upcasts to fp32.
-    mpt_norm = stack == "llm-foundry"
+    # LayerNorm as one kernel in bf16 (`ONE_KERNEL_NORM_STACKS`: MPT's low_precision_layernorm, Modalities'
+    # nn.LayerNorm on FSDP2's bf16 parameters); the Llama stacks' RMSNorm upcasts to fp32.
+    one_kernel_norm = stack in ONE_KERNEL_NORM_STACKS
     # Paxml's GPT configs (groups W, X): the tied embedding looked up as a one-hot matmul (paxml
     # tasks/lm/params/c4.py TransformerLmSpmdAdam: EMBEDDING_LOOKUP_STYLE = 'matmul', SEPARATE_EMBEDDING False;
     # scripts_gpu/configs.py configure_gpt3_task sets it on the shared softmax; praxis
@@ -252,7 +252,7 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), **moe_comm_as_run(row, cfg, nvidia=nvidia),
-               fp32_norms=not mpt_norm, pp_p2p_serial=blocking_pipe, embedding_gemm=paxml,
+               fp32_norms=not one_kernel_norm, pp_p2p_serial=blocking_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved,
                zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,
                tp_loss_replicated=stack in TP_LOSS_REPLICATED_STACKS, bf16_states=stack in BF16_STATE_STACKS,
@@ -283,13 +283,15 @@ def _attention_and_ops(row: dict, stack: str, year: int, text: str, *, megascale
     # FlashAttention-2 "in the future") and --no-gradient-accumulation-fusion. Like Megatron-LM's own legacy model until
     # 2024 (megatron/model/transformer.py, e.g. at cfbf55d7, 2023-08), it copies q, k, v into flash-attn's layout and
     # the output back, and runs the rotary embedding and SwiGLU as torch ops (its norms are apex's fused kernels; a
-    # GPT-style model has neither). A row naming the first FlashAttention or that flag is read the same way.
+    # GPT-style model has no SwiGLU, and rotary positions only where the row names them: the JUPITER suite's GPT 13B). A row naming the first FlashAttention or that flag is read the same way.
     megatron_llama = stack == "megatron-llama"
     fa1 = megatron_llama or bool(re.search(r"flash-?att(entio)?n[ -]?(v|version ?)?1(\.\d+)*(?![\d.])", text))
     eager_ops = frozenset()
     if legacy_megatron(row):  # the layout copies on its flash path only; RoPE and SwiGLU where the model has them
-        eager_ops = frozenset(({"attention_layout"} if flash else set())
-                              | (set() if gpt_style(row) else {"rope", "swiglu"}))
+        gpt = gpt_style(row)  # learned positions unless the row names rotary ones (--position-embedding-type rope)
+        rope = not gpt or bool(re.search(r"position-embedding-type rope|rotary", text))
+        eager_ops = frozenset(({"attention_layout"} if flash else set()) | ({"rope"} if rope else set())
+                              | (set() if gpt else {"swiglu"}))
     if stack in EAGER_ROPE_SWIGLU_STACKS:  # Aleph Alpha's Scaling: RoPE and SwiGLU as torch ops
         eager_ops = eager_ops | {"rope", "swiglu"}
     # A row whose RMSNorm ran as torch ops (in fp32, as Llama's reference code writes it) though the rest is fused.

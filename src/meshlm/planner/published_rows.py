@@ -148,6 +148,8 @@ def cluster_of(gpu: str) -> str:
     squeezed = re.sub(r"[\s_-]", "", g)  # "RTX PRO 6000", "rtx_pro_6000", "MI-300X" name their part too
     if "a100" in g and re.search(r"(?<![\d.])40\s*gi?b?\b", g):  # "A100 40GB", "A100-SXM4-40GB"; not "400 W"
         return "a100-pcie-40gb" if "pcie" in squeezed else "a100-40gb"
+    if "a100" in g and re.search(r"(?<![\d.])64\s*gi?b?\b", g):  # Leonardo's custom part
+        return "a100-64gb"
     if "a100" in g and "pcie" in squeezed:
         return "a100-pcie"
     if "l40s" in g:
@@ -174,7 +176,8 @@ def cluster_of(gpu: str) -> str:
 def cluster_for(row: dict) -> Cluster:
     """The row's cluster: the GPU's preset, with the row's own scale-out bandwidth per GPU where it gives one
     ("N Gb/s ...") and it differs from the preset's (e.g. fms-fsdp's 800 Gbps per 8-GPU node), and its own number of
-    GPUs per scale-up domain where its node cell leads with one that differs ("4 (nodes of 4 H200 on NVLink)")."""
+    GPUs per scale-up domain where its node cell leads with one that differs ("4 (nodes of 4 H200 on NVLink)"), and
+    its own scale-up bandwidth where the node cell gives one per direction ("100 GB/s each way")."""
     cluster = get_cluster(cluster_of(row["gpu"]))
     gbit = _gbit_per_s(row.get("internode_bw_per_gpu", ""))
     if gbit and abs(gbit * 1e9 / 8 - cluster.scaleout_bw) > 1e6:
@@ -182,6 +185,11 @@ def cluster_for(row: dict) -> Cluster:
     node = cell_int(row.get("node_nvlink", ""))
     if node and node != cluster.scaleup_size:
         cluster = with_overrides(cluster, scaleup_size=node)
+    # A node without NVSwitch, its GPUs joined pair by pair ("each pair joined by 4 links, 100 GB/s each way": the
+    # 4-GPU A100 board): what one pair of GPUs moves each way, the most a group of two gets.
+    pair = re.search(r"(\d+(?:\.\d+)?)\s*GB/s each way", row.get("node_nvlink", ""))
+    if pair:
+        cluster = with_overrides(cluster, scaleup_bw=float(pair.group(1)) * 1e9)
     return cluster
 
 

@@ -63,12 +63,17 @@ choices made for every row are `published`'s module docstring; a function named 
     neither overlap flag) exposes its distributed optimizer's reduce-scatter and all-gather; an A800 row takes the
     `a800` preset (A100's die, NVLink 400 GB/s);
   * a Megatron-LM row naming `--transformer-impl local` ran its legacy model code whatever its year (the Swallow
-    team's fork of late 2023, logs of 2023-11 to 2024-01, group AK; `legacy_megatron`): the layout copies, RoPE and
-    SwiGLU as torch ops, and a "selective" recomputation its flash path never runs;
+    team's fork of late 2023, logs of 2023-11 to 2024-01, group AK; the JUPITER suite's GPT 13B, group AR;
+    `legacy_megatron`): the layout copies, RoPE and SwiGLU as torch ops (a GPT's rotary positions where the row names
+    them), and a "selective" recomputation its flash path never runs;
   * NeMo Automodel (group AQ, its performance summary of 2026-04): Hugging Face-shaped models under PyTorch FSDP2
     (`Job.fsdp_copy_out`) reducing in bf16, attention through SDPA (FlashAttention-2), context parallelism as
     PyTorch's `context_parallel` (`ALLGATHER_CP_STACKS`), each layer's attention and MLP checkpointed by torch's
-    non-reentrant checkpoint (`Job.recompute_early_stop`); eager unless the row names torch.compile.
+    non-reentrant checkpoint (`Job.recompute_early_stop`); eager unless the row names torch.compile;
+  * Modalities (group AS, the scaling sweep of its throughput notebook, 2025-09): its own models under PyTorch FSDP2
+    (`Job.fsdp_copy_out`; MixedPrecisionPolicy with bf16 parameters and reduction), eager unless the row names
+    torch.compile, attention through SDPA (FlashAttention-2) after repeating the key / value heads, and torch's
+    LayerNorm on bf16 weights: one kernel, not an fp32 upcast (`ONE_KERNEL_NORM_STACKS`, with llm-foundry's MPT).
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ STACKS = (
     ("hf-transformers", ("hugging face transformers",)),  # transformers + accelerate (YaFSDP's example)
     ("kempnerforge", ("kempnerforge",)),  # the Kempner Institute's FSDP2 / DTensor trainer
     ("lightning-thunder", ("lightning-thunder",)),  # its benchmark_litgpt.py: litgpt's models under PyTorch FSDP
+    ("modalities", ("modalities",)),  # Fraunhofer IAIS' Modalities: FSDP2 of its own models, eager unless compiled
 )
 PYTORCH_FSDP_STACKS = ("torchtitan", "fms-fsdp")  # their "selective" checkpointing re-runs about half the forward
 # Stacks recomputing through torch.utils.checkpoint without reentrancy, which stops once the tensors the backward
@@ -144,12 +150,12 @@ EAGER_ROPE_SWIGLU_STACKS = ("aa-scaling",)
 TP_LOSS_REPLICATED_STACKS = ("kempnerforge", "aa-scaling")
 # Stacks sharding with PyTorch FSDP2 (`fully_shard`, per-parameter DTensor shards: torchtitan since its 2024 releases,
 # OLMo-core's `apply_fsdp`); a row naming FSDP2 or fully_shard is read so too.
-FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge", "nemo-automodel")
+FSDP2_STACKS = ("torchtitan", "olmo-core", "kempnerforge", "nemo-automodel", "modalities")
 # Stacks training in fp8 through torchao's float8 linear layers (dynamic tensorwise scaling), not Transformer Engine.
 TORCHAO_FP8_STACKS = ("torchtitan", "olmo-core")
 # Stacks attending with FlashAttention-2 kernels (flash-attn or PyTorch SDPA's flash backend), not cuDNN / TE's.
 FA2_STACKS = ("torchtitan", "llm-foundry", "fms-fsdp", "olmo-core", "hf-transformers", "kempnerforge",
-              "lightning-thunder", "atorch-fsdp", "atorch-ds3d", "nemo-automodel")
+              "lightning-thunder", "atorch-fsdp", "atorch-ds3d", "nemo-automodel", "modalities")
 # Stacks that cast the model to bf16 before training: parameters, gradients and optimizer states all 16-bit, no fp32
 # master (`Job.bf16_states`).
 BF16_STATE_STACKS = ("kempnerforge", "lightning-thunder")
@@ -161,13 +167,17 @@ NO_SYNC_STACKS = ("kempnerforge",)
 # are (FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), FSDP1 with no mixed-precision policy); ATorch's FSDP
 # example, whose amp_native bf16 under FSDP becomes MixedPrecision(bf16, bf16, bf16) (atorch/auto/model_context.py);
 # NeMo Automodel's FSDP2 default MixedPrecisionPolicy (reduce_dtype bf16: components/distributed/config.py).
-BF16_REDUCE_STACKS = ("fms-fsdp", "lightning-thunder", "atorch-fsdp", "nemo-automodel")
+BF16_REDUCE_STACKS = ("fms-fsdp", "lightning-thunder", "atorch-fsdp", "nemo-automodel", "modalities")
 # Stacks that ran eager PyTorch unless the row says torch.compile was on (their defaults when the figures were
 # published: torchtitan's `compile = false`, fms-fsdp's `--use_torch_compile=False` of Feb-Mar 2024, llm-foundry's
 # Composer FSDP before torch 2.0; ATorch's examples, whose strategy lists compile nothing); the others fuse their
 # elementwise work (TE / apex kernels, XLA, torch.compile).
 EAGER_STACKS = ("torchtitan", "fms-fsdp", "llm-foundry", "hf-transformers", "atorch-fsdp", "atorch-ds3d",
-                "nemo-automodel")
+                "nemo-automodel", "modalities")
+# Stacks whose LayerNorm runs as one kernel in the activations' 16 bits (`Job.fp32_norms` False): llm-foundry's MPT
+# (its default low_precision_layernorm, llmfoundry/models/layers/norm.py LPLayerNorm), Modalities (torch.nn.LayerNorm,
+# its weights cast to bf16 by FSDP2's MixedPrecisionPolicy: models/gpt2/gpt2_model.py LayerNorms, model_factory.py).
+ONE_KERNEL_NORM_STACKS = ("llm-foundry", "modalities")
 # Stacks whose context parallelism is PyTorch's `context_parallel` (SDPA under DTensor), which all-gathers the keys and
 # values (torch.distributed.tensor.experimental._attention: `_ContextParallelOptions.rotate_method` ALLGATHER by
 # default): torchtitan, NeMo Automodel (its cp_utils.create_context_parallel_ctx; cp > 1 needs attn_implementation
