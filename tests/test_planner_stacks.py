@@ -548,7 +548,7 @@ def test_modalities_rows_run_fsdp2_eager_with_one_kernel_layernorms_on_leonardos
     MPT's rows and these nothing extra); its model name has no GPT in it (the trainer's "gpt2" variant is Llama-like:
     SwiGLU 11008, untied); the GPU cell names Leonardo's custom 64 GB A100 (the HBM2 part's bandwidth, its 64 GB) on
     nodes of 4 with 100 Gb/s a GPU."""
-    from meshlm.planner.cluster import GiB
+    from meshlm.planner.cluster import GiB, get_cluster
     from meshlm.planner.published import job_of
     from meshlm.planner.published_rows import cluster_for, cluster_of, model_of
     from meshlm.planner.published_stacks import stack_of
@@ -568,3 +568,5 @@ def test_modalities_rows_run_fsdp2_eager_with_one_kernel_layernorms_on_leonardos
     assert (cluster.name, cluster.hbm_bytes, cluster.hbm_bw) == ("a100-64gb", 64 * GiB, 1.555e12)
     assert (cluster.scaleup_size, cluster.scaleout_bw) == (4, 12.5e9)
     assert cluster_of("A100-SXM-64GB") == "a100-64gb" and cluster_of("A100 80GB") == "a100"
+    leonardo = get_cluster("a100-64gb")  # the preset is Leonardo's node too: what `meshlm plan` gets without a row
+    assert (leonardo.scaleup_size, leonardo.scaleout_bw) == (cluster.scaleup_size, cluster.scaleout_bw)

@@ -380,9 +380,11 @@ PRESETS: dict[str, Cluster] = {
     "a100": Cluster(name="a100", **_A100),
     # A100 SXM 40GB (NVIDIA A100 datasheet): 40 GB HBM2 at 1555 GB/s, otherwise the 80 GB part.
     "a100-40gb": Cluster(name="a100-40gb", **{**_A100, "gpu": "A100-SXM-40G", "hbm_bytes": 40 * GiB, "hbm_bw": 1.555e12}),
-    # NVIDIA's custom A100 64GB of CINECA's Leonardo Booster (CINECA's system page: "custom Ampere A100 GPU 64 GB HBM2",
-    # four a node): its bandwidth is not published, the HBM2 part's (the 40 GB one's) taken; otherwise the 80 GB part.
-    "a100-64gb": Cluster(name="a100-64gb", **{**_A100, "gpu": "A100-SXM-64G", "hbm_bytes": 64 * GiB, "hbm_bw": 1.555e12}),
+    # NVIDIA's custom A100 64GB, as CINECA's Leonardo Booster has it (its system page: "4x NVIDIA custom Ampere A100 GPU
+    # 64 GB HBM2" and "2x dual-port HDR network interface (400 Gbps aggregated)" a node): nodes of 4 at 100 Gb/s a GPU;
+    # the HBM bandwidth is not published, the HBM2 part's (the 40 GB one's) taken; otherwise the 80 GB part.
+    "a100-64gb": Cluster(name="a100-64gb", **{**_A100, "gpu": "A100-SXM-64G", "hbm_bytes": 64 * GiB, "hbm_bw": 1.555e12,
+                                               "scaleup_size": 4, "scaleout_bw": _gbit(100)}),
     "h100": Cluster(name="h100", **_H100),
     "h100-hbm2e": Cluster(name="h100-hbm2e", **{**_H100, "gpu": "H100-SXM (HBM2e)", "hbm_bytes": 94 * GiB,
                                                  "hbm_bw": 2.41e12}),
