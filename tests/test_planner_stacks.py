@@ -511,7 +511,7 @@ def test_a_legacy_megatron_gpt_with_rotary_positions_on_a_board_without_nvswitch
     """The JUPITER suite's GPT 13B (group AR): Megatron-LM's legacy model runs its rotary embedding as torch ops (a
     GPT-style row gets them only where it names rotary positions), no SwiGLU, "selective" recomputing nothing on the
     flash path, the distributed optimizer exposed; its node cell's pair bandwidth ("100 GB/s each way": a 4-GPU A100
-    board without NVSwitch) is the cluster's scale-up bandwidth, its 4 GPUs the scale-up domain, 200 Gb/s per GPU out."""
+    board without NVSwitch) is the cluster's scale-up bandwidth, its 4 GPUs the scale-up domain, 200 Gb/s a GPU out."""
     from meshlm.planner.cost import estimate
     from meshlm.planner.published import job_of, layouts_of, recompute_as_run
     from meshlm.planner.published_rows import cluster_for, model_of
@@ -523,7 +523,7 @@ def test_a_legacy_megatron_gpt_with_rotary_positions_on_a_board_without_nvswitch
                precision="fp16 (dynamic loss scaling)",
                node_nvlink="4 (JUWELS Booster: 4 A100 on NVLink3, each pair joined by 4 links, 100 GB/s each way)",
                internode_bw_per_gpu="200 Gb/s (4 x InfiniBand HDR200 per node of 4 GPUs)",
-               source="FZJ-JSC/jubench-megatron-lm (2024): NVIDIA Megatron-LM f7727433 (2023), --transformer-impl local",
+               source="FZJ-JSC/jubench-megatron-lm (2024): Megatron-LM f7727433 (2023), --transformer-impl local",
                notes="--use-flash-attn, --use-distributed-optimizer without --overlap-grad-reduce, "
                      "--position-embedding-type rope")
     cfg, cluster = model_of(row), cluster_for(row)

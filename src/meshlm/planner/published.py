@@ -283,7 +283,8 @@ def _attention_and_ops(row: dict, stack: str, year: int, text: str, *, megascale
     # FlashAttention-2 "in the future") and --no-gradient-accumulation-fusion. Like Megatron-LM's own legacy model until
     # 2024 (megatron/model/transformer.py, e.g. at cfbf55d7, 2023-08), it copies q, k, v into flash-attn's layout and
     # the output back, and runs the rotary embedding and SwiGLU as torch ops (its norms are apex's fused kernels; a
-    # GPT-style model has no SwiGLU, and rotary positions only where the row names them: the JUPITER suite's GPT 13B). A row naming the first FlashAttention or that flag is read the same way.
+    # GPT-style model has no SwiGLU, and rotary positions only where the row names them: the JUPITER suite's GPT 13B).
+    # A row naming the first FlashAttention or that flag is read the same way.
     megatron_llama = stack == "megatron-llama"
     fa1 = megatron_llama or bool(re.search(r"flash-?att(entio)?n[ -]?(v|version ?)?1(\.\d+)*(?![\d.])", text))
     eager_ops = frozenset()
