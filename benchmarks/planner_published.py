@@ -227,7 +227,9 @@ A twenty-second round (the last two `CHANGES`) added group AR (the JUPITER suite
 boards' 100 GB/s NVLink pairs) and group AS (Modalities' FSDP2 sweep of a 6B model on 4-128 of Leonardo's A100 64GB,
 33 rows, kind (1)-like: 17% too slow as an unknown stack, 9.5% as Modalities runs, its LayerNorm one bf16 kernel).
 Overall 8.63% -> 8.78% (482 rows, 280 within 10%); ZeRO-3 rows whose collectives outlast their compute -10% (24 rows,
-+43% over the 13 before: AS's are too slow).
++43% over the 13 before: AS's are too slow). Then group AT (vTrain's validation set: 81 Megatron-DeepSpeed GPT runs at
+pp >= 2 on 64-512 A100s, kind (3), no reading changed): 8.6%, signed -4.8%, its 13 rows of 3.6B and 18.4B 3.2%;
+overall 8.77% over 563 rows.
 """
 
 from __future__ import annotations
