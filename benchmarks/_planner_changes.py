@@ -377,4 +377,10 @@ CHANGES = (
      "Modalities/modalities at 3710ce53: configs/sweep_8B_fsdp2.yaml, models/model_factory.py (fully_shard, "
      "MixedPrecisionPolicy bf16 / bf16), models/gpt2/gpt2_model.py (nn.LayerNorm, repeat_kv_heads before SDPA); "
      "CINECA's Leonardo system page (4 x custom A100 64 GB HBM2, 2 x dual-port HDR, 400 Gbps a node)"),
+    ("mechanism: DeepSpeed's pipeline engine under tensor parallelism sends each tp rank's 1/tp slice of the "
+     "activation and of its gradient, and the receiving stage all-gathers it over the tp ranks "
+     "(Job.pp_partitioned_sends)",
+     ("AT_vtrain_megatron_deepspeed_a100", "R_bloom_176b", "S_bloom_prequel_a100_pipeline"),
+     "DeepSpeed runtime/pipe/engine.py: is_pipe_partitioned / is_grad_partitioned with model parallelism, "
+     "PartitionedTensor(...).to_meta() / .data() sent, PartitionedTensor.from_meta(...).full() on receipt"),
 )

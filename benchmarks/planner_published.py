@@ -229,7 +229,11 @@ boards' 100 GB/s NVLink pairs) and group AS (Modalities' FSDP2 sweep of a 6B mod
 Overall 8.63% -> 8.78% (482 rows, 280 within 10%); ZeRO-3 rows whose collectives outlast their compute -10% (24 rows,
 +43% over the 13 before: AS's are too slow). Then group AT (vTrain's validation set: 81 Megatron-DeepSpeed GPT runs at
 pp >= 2 on 64-512 A100s, kind (3), no reading changed): 8.6%, signed -4.8%, its 13 rows of 3.6B and 18.4B 3.2%;
-overall 8.77% over 563 rows.
+overall 8.77% over 563 rows. Last, DeepSpeed's pipeline engine's partitioned sends under tensor parallelism (each tp
+rank's slice sent, the whole gathered over the tp ranks on receipt): AT 8.6% -> 3.3% (signed -4.8% -> 0.0%), BLOOM-176B
+-12.7% -> +7.1%, BigScience's topology benchmark (S) 7.7% -> 12.1% (all too fast now: its slow links had been carrying
+whole activations), GPT-NeoX-20B 16.3% -> 17.4%, ATorch's DS 3D (AP) 11.1% -> 12.0%; overall 8.77% -> 8.23%, 339 rows
+within 10% (325).
 """
 
 from __future__ import annotations

@@ -161,6 +161,12 @@ class Job:
     # an interior stage waits for four transfers per micro-batch, an end stage for two.
     # False: Megatron's / meshlm's schedules, a send and a receive issued together (two per micro-batch).
     pp_p2p_serial: bool = False
+    # Pipeline sends split over the tensor-parallel ranks (DeepSpeed's pipeline engine with tp > 1, its
+    # `pipe_partitioned` / `grad_partitioned`, on by default: runtime/pipe/engine.py sends each tp rank's 1/tp slice of
+    # the activation and of its gradient as a PartitionedTensor, and the receiving stage all-gathers it over the tp
+    # group, `PartitionedTensor.full`). False: each tp rank sends the whole tensor (Megatron without sequence
+    # parallelism), or its sequence-parallel slice.
+    pp_partitioned_sends: bool = False
     runtime: str = "megatron"  # one of RUNTIMES: whose memory and communication accounting applies
     # Megatron-Core's gradient buffer (main_grad) and its reduce-scatter / all-reduce in fp32 (its
     # `grad_reduce_in_fp32`, the planner's default) or, False, in the bf16 parameter dtype: what NVIDIA's

@@ -86,7 +86,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     accumulates and reduces them in fp32;
   * GPT-NeoX and BLOOM (DeepSpeed's pipeline engine) reduce gradients after the flush, exposed; GPT-NeoX's
     TFLOP/s are its own count of the time, 6 N + 60 s h l per token (BLOOM's row gives its step time); each
-    pipeline send and receive is a blocking transfer of its own (`Job.pp_p2p_serial`); BLOOM's
+    pipeline send and receive is a blocking transfer of its own (`Job.pp_p2p_serial`), and under tensor parallelism
+    moves the tp rank's slice of the activation, gathered over the tp ranks on receipt (`Job.pp_partitioned_sends`:
+    the engine's pipe_partitioned / grad_partitioned); BLOOM's
     partition counts the embedding as a block ('type:transformer|embedding'): the planner's balanced split;
   * Megatron-LM's own pipeline split for the Megatron-LM / NeMo 24.07 rows (groups A, C, E, H) and
     DeepSpeed's "type:transformer" partition (GPT-NeoX, group Q; BigScience's 02-25 benchmark, group S): num_layers /
@@ -252,7 +254,8 @@ def job_of(row: dict, cfg: ModelConfig) -> Job:
     return Job(seq_len=seq_len_of(row), global_batch_size=gbs, precision=precision_of(row),
                tp_comm_overlap=overlap, dp_comm_overlap=not megatron_old, fused_elementwise=not eager,
                grad_reduce_in_fp32=not (nvidia or bf16_reduce), **moe_comm_as_run(row, cfg, nvidia=nvidia),
-               fp32_norms=not one_kernel_norm, pp_p2p_serial=blocking_pipe, embedding_gemm=paxml,
+               fp32_norms=not one_kernel_norm, pp_p2p_serial=blocking_pipe,
+               pp_partitioned_sends=deepspeed_pipe, embedding_gemm=paxml,
                unfused_dropouts=1 if paxml_5b else 0, remat_saves_dots=dots_saved,
                zero1_grad_all_reduce=stack in ZERO1_ALL_REDUCE_STACKS,
                tp_loss_replicated=stack in TP_LOSS_REPLICATED_STACKS, bf16_states=stack in BF16_STATE_STACKS,

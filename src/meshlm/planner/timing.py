@@ -572,14 +572,19 @@ def pp_p2p_time(lo: Layout, r: RankSetup, *, num_microbatches: int, job: Job | N
     way), two on an end stage; the pipeline runs at the slowest stage's cycle. The busiest rank's compute
     (`r.rank_units` layer units, `t_microbatch` seconds) is already charged with two: what the busiest
     interior stage's cycle (its blocks at the same time per block, and four transfers) exceeds that by is
-    added per micro-batch."""
+    added per micro-batch.
+    `Job.pp_partitioned_sends` (DeepSpeed's engine under tp): each send moves the rank's 1/tp slice, and each receive
+    all-gathers the whole tensor over the tp group."""
     if r.pp == 1:
         return 0.0
     n_in, n_out = r.spans["pp"]
-    msg = r.act_msg / (r.tp if r.sp else 1)
+    partitioned = job is not None and job.pp_partitioned_sends and r.tp > 1 and not r.sp
+    msg = r.act_msg / (r.tp if r.sp or partitioned else 1)
     inside = r.times("p2p", msg, (2, 1))
     across = r.times("p2p", msg, (1, 2))
     pair = 2 * inside if n_out == 1 else (2 * across if n_in == 1 else inside + across)
+    if partitioned:  # each received slice (the activation forward, its gradient backward) gathered over the tp ranks
+        pair += 2 * r.times("all_gather", r.act_msg, r.spans["tp"])
     t = r.v * (num_microbatches + r.pp - 1) * pair
     if job is not None and job.pp_p2p_serial and r.pp > 2 and r.v == 1:
         per_unit = t_microbatch / r.rank_units
