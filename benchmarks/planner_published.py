@@ -233,7 +233,8 @@ overall 8.77% over 563 rows. Last, DeepSpeed's pipeline engine's partitioned sen
 rank's slice sent, the whole gathered over the tp ranks on receipt): AT 8.6% -> 3.3% (signed -4.8% -> 0.0%), BLOOM-176B
 -12.7% -> +7.1%, BigScience's topology benchmark (S) 7.7% -> 12.1% (all too fast now: its slow links had been carrying
 whole activations), GPT-NeoX-20B 16.3% -> 17.4%, ATorch's DS 3D (AP) 11.1% -> 12.0%; overall 8.77% -> 8.23%, 339 rows
-within 10% (325).
+within 10% (325). Then group AU (AWS's torchtitan Llama 3 8B on 32 H100s, kind (2), eager): 4.2% too slow; its memory
+36% short (the allocator without expandable segments); overall 8.21% over 564 rows.
 """
 
 from __future__ import annotations
