@@ -575,3 +575,26 @@ def test_the_overlap_caution_states_what_the_dev_rows_show():
     assert sorted({r["group"][:2] for r in leaning}) == ["AG", "AS", "W_"] and len(leaning) == 24
     steps = [1 + r["error"] for r in leaning]  # every metric is a rate: predicted over measured is the steps' ratio
     assert (min(steps), max(steps)) == pytest.approx(OVERLAP_SPREAD, abs=0.005)
+
+
+def test_each_dev_row_is_read_as_of_one_of_the_issues_three_kinds_or_none():
+    """`published_rows.issue_kind` by the issue's words: ZeRO-3 on >= 128 GPUs at <= 2 sequences a GPU (1), a 6-10B
+    dense model under ZeRO-3 on H100 (2), a pipelined GPT of 1.5-30B on A100 (3); the summary's per-kind medians."""
+    from meshlm.planner.published_rows import cluster_for, issue_kind, model_of
+
+    fsdp = _row(model="Llama 2 7B", layers="32", hidden="4096", heads="32", ffn="11008", vocab="32000", n_gpus="128",
+                dp="128", gbs_seqs="256", zero_fsdp="FSDP (FULL_SHARD)", gpu="H100 80GB")
+    kind = lambda r: issue_kind(r, model_of(r), cluster_for(r))  # noqa: E731
+    assert kind(fsdp) == 1 and kind({**fsdp, "gbs_seqs": "512"}) == 2  # 4 sequences a GPU: an 8B on H100 still
+    assert kind({**fsdp, "gbs_seqs": "512", "gpu": "A100 80GB"}) is None
+    assert kind({**fsdp, "n_gpus": "64", "dp": "64", "gbs_seqs": "128"}) == 2
+    gpt = _row(model="GPT 13B", layers="40", hidden="5120", heads="32", ffn="20480", vocab="50432", n_gpus="32",
+               tp="2", pp="4", dp="4", gbs_seqs="1024", gpu="A100 40GB")
+    assert kind(gpt) == 3 and kind({**gpt, "pp": "1", "dp": "16"}) is None
+    assert kind({**gpt, "model": "LLaMA 13B", "ffn": "13824"}) is None  # the issue's kind (3) is GPT's
+    assert kind({**gpt, "gpu": "H100 80GB"}) is None
+    from meshlm.planner.published import summarize
+    rows = [{"group": g, "error": e, "moe": False, "issue_kind": k, "collectives_over_compute": 0.1, "layout": "x"}
+            for g, e, k in (("A", 0.1, 3), ("B", 0.3, 3), ("C", -0.2, 1), ("D", 0.0, None))]
+    assert summarize(rows)["median_error_by_issue_kind"] == {1: {"rows": 1, "median_error": -0.2, "groups": ["C"]},
+                                                             3: {"rows": 2, "median_error": 0.2, "groups": ["A", "B"]}}

@@ -138,7 +138,7 @@ from meshlm.planner.cluster import GiB
 from meshlm.planner.cost import MIN_HEADROOM, Estimate, Job, Layout, ModelSummary, estimate_layout, validate_layout
 from meshlm.planner.memory import memory_measures
 from meshlm.planner.published_rows import (cell_float, cell_int, cluster_for, compiled, gpt_style, hybrid_shard,
-                                           interleaved, memory_of, model_of, moe_comm_as_run, nvidia_recipe,
+                                           interleaved, issue_kind, memory_of, model_of, moe_comm_as_run, nvidia_recipe,
                                            precision_of, predict_each, read_table, recompute_choices,
                                            recompute_fraction, recompute_of, recomputes_mla_up_proj, row_text,
                                            schedule_named, seq_len_of, shard_degree, source_year, token_count,
@@ -515,6 +515,7 @@ def predict_row(row: dict) -> dict:
             "metric": metric, "measured": measured, "predicted": round(predicted, 3),
             "error": round(predicted / measured - 1, 4),
             "collectives_over_compute": round(best.collectives_over_compute, 3),  # its lean on overlap (`summarize`)
+            "issue_kind": issue_kind(row, cfg, cluster),
             "time_breakdown": {k: round(v / step, 3) for k, v in best.time_s.items() if k != "step" and v > 0},
             **({"memory": memory} if memory else {})}
 
@@ -555,7 +556,8 @@ def _by_overlap(used: list[dict]) -> dict:
 
 def summarize(results: list[dict]) -> dict:
     """Rows used and skipped, and the median |error| per group, over `FIT_GROUPS` and the others, over dense
-    and MoE models, and overall; and the ZeRO-3 rows' median error by how much their step leans on overlap."""
+    and MoE models, and overall; the ZeRO-3 rows' median error by how much their step leans on overlap; and the
+    median error of the rows of each of issue 25's three kinds (`published_rows.issue_kind`)."""
     used = [r for r in results if "error" in r]
     groups = sorted({r["group"] for r in used})
     return {
@@ -572,8 +574,16 @@ def summarize(results: list[dict]) -> dict:
         "median_abs_error": _median_abs(used),
         "median_error": round(statistics.median(r["error"] for r in used), 4) if used else None,
         "zero3_median_error_by_collectives_over_compute": _by_overlap(used),
+        "median_error_by_issue_kind": _by_kind(used),
         "memory": _memory_summary(used),
     }
+
+
+def _by_kind(used: list[dict]) -> dict:
+    """Per issue-25 kind (`published_rows.issue_kind`): its rows, their median signed error, the groups they are of."""
+    kinds = {k: [r for r in used if r.get("issue_kind") == k] for k in (1, 2, 3)}
+    return {k: {"rows": len(rs), "median_error": round(statistics.median(r["error"] for r in rs), 4),
+                "groups": sorted({r["group"] for r in rs})} for k, rs in kinds.items() if rs}
 
 
 def _memory_summary(used: list[dict]) -> dict:

@@ -427,3 +427,24 @@ def moe_comm_as_run(row: dict, cfg: ModelConfig, *, nvidia: bool) -> dict:
                and (pp == 1 or interleaved(row)) and not re.search(r"no (ep|expert[- ]parallel) overlap", text))
     flex = re.search(r"(?<![a-z])(deepep|hybridep|flex dispatcher)(?![a-z])", text)
     return {"ep_comm_overlap": overlap, "ep_dispatcher": "flex" if flex else "alltoall"}
+
+
+def issue_kind(row: dict, cfg: ModelConfig, cluster: Cluster) -> int | None:
+    """Which of the three kinds of run issue 25's held-out yardstick found predicted too fast the row is, read from its
+    own cells by the issue's words; None for the others:
+      1. ZeRO-3 / FSDP on hundreds to thousands of GPUs (>= 128) with one or two sequences per GPU a step;
+      2. a small dense model (6-10B parameters) under ZeRO-3 / FSDP on H100;
+      3. a pipeline-parallel (pp >= 2) GPT-style model of 1.5-30B on A100.
+    `summarize` gives the dev rows' errors per kind: the nearest the development set comes to the held-out goals."""
+    from meshlm.models.stats import count_params
+
+    n, tp, pp = cell_int(row["n_gpus"]), cell_int(row["tp"], 1), cell_int(row["pp"], 1)
+    gbs, cp = cell_int(row["gbs_seqs"]), cell_int(row["cp"], 1)
+    billions = count_params(cfg)["total"] / 1e9
+    if zero_of(row) == 3 and n >= 128 and gbs and gbs * tp * pp * cp / n <= 2:
+        return 1
+    if zero_of(row) == 3 and not cfg.is_moe and 6 <= billions <= 10 and cluster.name.startswith("h100"):
+        return 2
+    if pp >= 2 and gpt_style(row) and 1.5 <= billions <= 30 and cluster.name.startswith("a100"):
+        return 3
+    return None
