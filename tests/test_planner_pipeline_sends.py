@@ -50,7 +50,6 @@ def test_partitioned_sends_move_a_tp_slice_and_gather_it_on_the_receiving_stage(
     cfg, a100 = _gpt(layers=8, hidden=512), get_cluster("a100")
     lo = Layout(tp=8, pp=4, dp_shard=1, micro_batch_size=2, pp_split="uniform", recompute="none",
                 sequence_parallel=False)
-    job = Job(seq_len=512, global_batch_size=16)
     est = {x: estimate(cfg, a100, Job(seq_len=512, global_batch_size=16, pp_partitioned_sends=x), lo, gpus=32)
            for x in (False, True)}
     m, act = est[True].num_microbatches, 2 * 512 * 512 * 2  # micro-batch x seq x hidden x bf16
@@ -64,7 +63,7 @@ def test_partitioned_sends_move_a_tp_slice_and_gather_it_on_the_receiving_stage(
         same = [estimate(cfg, a100, Job(seq_len=512, global_batch_size=16, pp_partitioned_sends=x), other,
                          gpus=32).time_s["pp_p2p"] for x in (False, True)]
         assert same[0] == same[1]
-    assert job.pp_partitioned_sends is False  # meshlm's and Megatron's schedules send the whole tensor
+    assert Job(seq_len=512, global_batch_size=16).pp_partitioned_sends is False  # meshlm's, Megatron's: whole tensors
     neox = _row(model="GPT-NeoX-20B", layers="44", hidden="6144", heads="64", ffn="24576", vocab="50432",
                 n_gpus="96", tp="2", pp="4", dp="12", gbs_seqs="1536", mbs="4", recompute="full", precision="fp16",
                 source="Black et al. 2022, GPT-NeoX-20B (gpt-neox, DeepSpeed's pipeline engine)")

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from meshlm.config import ModelConfig
+from meshlm.models import stats as model_stats
 from meshlm.planner.cluster import Cluster, get_cluster, with_overrides
 from meshlm.planner.mla import latent_attention
 from meshlm.planner.published_stacks import PYTORCH_FSDP_STACKS, stack_of
@@ -436,14 +437,12 @@ def issue_kind(row: dict, cfg: ModelConfig, cluster: Cluster) -> int | None:
       2. a small dense model (6-10B parameters) under ZeRO-3 / FSDP on H100;
       3. a pipeline-parallel (pp >= 2) GPT-style model of 1.5-30B on A100.
     `summarize` gives the dev rows' errors per kind: the nearest the development set comes to the held-out goals."""
-    from meshlm.models.stats import count_params
-
     n, tp, pp = cell_int(row["n_gpus"]), cell_int(row["tp"], 1), cell_int(row["pp"], 1)
     gbs, cp = cell_int(row["gbs_seqs"]), cell_int(row["cp"], 1)
-    billions = count_params(cfg)["total"] / 1e9
-    if zero_of(row) == 3 and n >= 128 and gbs and gbs * tp * pp * cp / n <= 2:
+    billions, sharded = model_stats.count_params(cfg)["total"] / 1e9, zero_of(row) == 3
+    if sharded and n >= 128 and gbs and gbs * tp * pp * cp / n <= 2:
         return 1
-    if zero_of(row) == 3 and not cfg.is_moe and 6 <= billions <= 10 and cluster.name.startswith("h100"):
+    if sharded and not cfg.is_moe and 6 <= billions <= 10 and cluster.name.startswith("h100"):
         return 2
     if pp >= 2 and gpt_style(row) and 1.5 <= billions <= 30 and cluster.name.startswith("a100"):
         return 3
