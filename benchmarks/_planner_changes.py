@@ -383,4 +383,11 @@ CHANGES = (
      ("AT_vtrain_megatron_deepspeed_a100", "R_bloom_176b", "S_bloom_prequel_a100_pipeline"),
      "DeepSpeed runtime/pipe/engine.py: is_pipe_partitioned / is_grad_partitioned with model parallelism, "
      "PartitionedTensor(...).to_meta() / .data() sent, PartitionedTensor.from_meta(...).full() on receipt"),
+    # Issue 25, twenty-fifth round.
+    ("row reading: NeMo in a container whose launcher turned Transformer Engine's cuDNN attention off (24.01-24.07) "
+     "attends with flash-attn 2 (Job.flash_attention_2: FlashAttention-2's Hopper rate)",
+     ("H_nemo_2407_h100_fp8", "AD_nemo_long_sequence_cp"),
+     "NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/config.yaml at tags 24.01-24.07 (NVTE_FUSED_ATTN: 0, "
+     "562dcb45 to 04b8d098) and examples/training/<model>/h100/*.sh; TransformerEngine v1.4 "
+     "transformer_engine/pytorch/attention.py (the FusedAttention / FlashAttention choice)"),
 )

@@ -239,6 +239,11 @@ issue 25's three kinds by the issue's words (`median_error_by_issue_kind`): kind
 (19), kind (3) +5.9% (15), where the held-out runs of those kinds came out too fast. Then group AV (Lambda's GPT-NeoX
 ~9B at tp 2 x pp 4 on 8 A100 40GB, kind (3), unfused attention): 10.0% too slow; kind (3) +4.5% (16); overall 8.23%
 over 565 rows.
+
+A twenty-fifth round (the last `CHANGES` entry) read the attention NeMo's launcher ran: its releases 24.01-24.07 turned
+Transformer Engine's cuDNN attention off, so the rows of NeMo 24.03.01 (AD's H100 rows) and 24.07 (H) attend with
+flash-attn 2, at FlashAttention-2's Hopper rate: AD 17.9% -> 6.0% (its H100 rows +3.5..+49% -> -3.6..+6.0%), H 5.3% ->
+4.8% (signed +0.9% -> -4.3%); overall 8.23% -> 7.87%, 348 rows within 10% (341), dense 8.09% -> 7.71%.
 """
 
 from __future__ import annotations

@@ -274,6 +274,25 @@ def test_hugging_face_transformers_rows_run_eager_with_flash_attention_2_under_f
         assert not bare.fused_elementwise and bare.flash_attention_2
 
 
+def test_nemo_rows_attend_with_flash_attention_2_where_their_launcher_turned_cudnn_attention_off():
+    """NeMo-Framework-Launcher's 24.01-24.07 releases set NVTE_FUSED_ATTN=0 (`published_stacks.NEMO_LAUNCHER_FA2`), so
+    Transformer Engine attended with flash-attn 2: the NeMo rows naming those containers (group H's NeMo 24.07, AD's
+    H100 rows of NeMo 24.03.01) attend with FlashAttention-2, and on H100 their attention is priced at its rate; AD's
+    B200 rows (NeMo 25.04), NVIDIA's Megatron-Bridge rows and the same row in a later container attend with cuDNN's."""
+    from meshlm.planner import published
+    from meshlm.planner.published_stacks import stack_of
+
+    rows = published.read_runs(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs_dev.csv")
+    nvidia = [r for r in rows if stack_of(r) == "nemo"]  # NeMo and Megatron-Bridge recipes
+    fa2 = {r["row_id"] for r in nvidia if published.job_of(r, published.model_of(r)).flash_attention_2}
+    assert fa2 == {f"R{i:03d}" for i in (*range(52, 64), *range(413, 422))}
+    assert len(nvidia) > len(fa2) + 40  # AD's B200 rows, I, AE and AL attend with cuDNN's kernels
+    row = next(r for r in rows if r["row_id"] == "R421")  # Llama 2 7B, 1M tokens, tp 8 x cp 32: mostly attention
+    later = {**row, "source": row["source"].replace("NeMo24.03.01", "NeMo24.09")}
+    assert not published.job_of(later, published.model_of(later)).flash_attention_2
+    assert published.predict_row(later)["predicted"] > 1.4 * published.predict_row(row)["predicted"]
+
+
 def test_a_node_of_four_gpus_puts_an_eight_way_fsdp_group_across_two_nodes():
     """A row's node cell leading with its GPUs per scale-up domain ("4 (nodes of 4 H200 on NVLink)": KempnerForge's
     report, group AH) sets the cluster's domain where it differs from the preset's 8; the same row on 8-GPU nodes puts

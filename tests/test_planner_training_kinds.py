@@ -393,18 +393,18 @@ def test_published_runs_median_error_within_ten_percent():
     """The planner on the published runs of benchmarks/data/ (each run with its own layout, `planner.published`,
     as benchmarks/planner_published.py prints it): the median |error| of the predicted throughput stays <= 9% over
     every row, and over the rows of the groups not bounded apart <= 10% (on the groups the constants were chosen with
-    and on the others), <= 9% on their dense-model rows, <= 10% in every group of several rows and <= 25% in a group
+    and on the others), <= 8% on their dense-model rows, <= 10% in every group of several rows and <= 25% in a group
     of one (its median is that row's error: GPT-NeoX-20B's pipeline, 17% too fast).
     A group that came in above 10% when added is bounded apart, never fitted: those of issue 25's fourth to eighth
     rounds in `apart` below (MaxText's and Paxml's JAX / XLA runs U-X and OLMo-core's FSDP2, AA, at 20%;
-    Megatron-LLaMA's 13B, AB, and NeMo's long-context table, AD, at 30%; torchao's float8 runs of torchtitan, AC, at
-    40%), those of its eleventh round on in `APART` (each with its round); BigScience's topology benchmark, S, at 15%
-    since DeepSpeed's partitioned pipeline sends were priced (its slow Omni-Path links had carried whole activations:
-    7.7% -> 12%). benchmarks/data/README.md tells each group's
+    Megatron-LLaMA's 13B, AB, at 30%; torchao's float8 runs of torchtitan, AC, at 40%), those of its eleventh round on
+    in `APART` (each with its round); BigScience's topology benchmark, S, at 15% since DeepSpeed's partitioned pipeline
+    sends were priced (its slow Omni-Path links had carried whole activations: 7.7% -> 12%). NeMo's long-context table,
+    AD, bounded at 30% until its H100 rows' attention was read as the FlashAttention-2 its launcher ran (18% -> 6%), is
+    held to 10% like the rest, and the dense rows' 9% back to 8%. benchmarks/data/README.md tells each group's
     story -- what it came in at, what was then priced, what is left (e.g. AG, FULL_SHARD at one sequence per GPU,
-    issue 25's kind (1): 33% too fast, 43-56% at 2K tokens; AD: attention at about 60% of the kernels' measured rate;
-    AP, ATorch's tp x pp of Llama 2 7B on A100: 11% too fast) -- and benchmarks/planner_published.py each round's
-    change to the model."""
+    issue 25's kind (1): 33% too fast, 43-56% at 2K tokens; AP, ATorch's tp x pp of Llama 2 7B on A100: 11% too
+    fast) -- and benchmarks/planner_published.py each round's change to the model."""
     from pathlib import Path
 
     from meshlm.planner.published import read_runs, score_runs, summarize
@@ -420,13 +420,13 @@ def test_published_runs_median_error_within_ten_percent():
     assert summary["median_abs_error"] <= 0.10, summary
     assert summary["fit_groups_median_abs_error"] <= 0.10, summary
     assert summary["held_out_median_abs_error"] <= 0.10, summary
-    assert summary["median_abs_error_dense"] <= 0.09, summary
+    assert summary["median_abs_error_dense"] <= 0.08, summary
     sizes = summary["per_group_rows"]
     groups = summary["per_group_median_abs_error"]
     apart = {"U_maxtext_llama2_70b_h100_fsdp": 0.20, "V_maxtext_llama3_70b_h100_fsdp": 0.20,
              "W_paxml_gpt_h100_fsdp": 0.20, "X_jaxtoolbox_paxml_gpt_fsdp256": 0.20,
              "AA_olmo_core_h100_fsdp": 0.20, "AB_megatron_llama_13b_a100": 0.30,
-             "AC_torchao_float8_torchtitan_8b": 0.40, "AD_nemo_long_sequence_cp": 0.30,
+             "AC_torchao_float8_torchtitan_8b": 0.40,
              "S_bloom_prequel_a100_pipeline": 0.15}  # 7.7% until DeepSpeed's partitioned sends were priced
     assert max(err for g, err in groups.items() if sizes[g] > 1 and g not in apart) <= 0.10, summary
     assert all(groups[g] <= bound for g, bound in apart.items()), summary

@@ -73,9 +73,9 @@ Choices the rows leave open, made the same way for every row (never from the rep
     are updated with torch.compile": rows whose `source` names torch.compile);
   * eager norms in fp32 (torchtitan's and fms' RMSNorm upcast, as meshlm's does), except MPT's, whose
     low-precision LayerNorm is one bf16 kernel (`Job.fp32_norms`);
-  * the PyTorch-native stacks (torchtitan, also in the float8 / FSDP2 blog; llm-foundry, fms-fsdp) attend with
-    FlashAttention-2 kernels (`Job.flash_attention_2`: slower on Hopper), NVIDIA's recipes with cuDNN / Transformer
-    Engine's;
+  * the PyTorch-native stacks (torchtitan, also in the float8 / FSDP2 blog; llm-foundry, fms-fsdp), and NeMo in the
+    containers whose launcher turned cuDNN attention off, attend with FlashAttention-2 kernels (`Job.flash_attention_2`:
+    slower on Hopper), NVIDIA's other recipes with cuDNN / Transformer Engine's;
   * the loss as Megatron's vocab-parallel cross entropy runs it op by op, 52 bytes per logit with bf16 logits
     (`timing.loss_time`); NVIDIA's recipes with Megatron-Core's fused one (`Job.cross_entropy_fusion`: their
     configs set cross_entropy_loss_fusion), 28;
@@ -145,7 +145,7 @@ from meshlm.planner.published_rows import (cell_float, cell_int, cluster_for, co
                                            zero_of)
 from meshlm.planner.published_stacks import (ALLGATHER_CP_STACKS, BF16_REDUCE_STACKS, BF16_STATE_STACKS,
                                              BLOCKING_PIPE_STACKS, DEEPSPEED_PIPE_STACKS, EAGER_ROPE_SWIGLU_STACKS,
-                                             EAGER_STACKS, EARLY_STOP_STACKS, FA2_STACKS, FSDP2_STACKS,
+                                             EAGER_STACKS, EARLY_STOP_STACKS, FSDP2_STACKS, attends_with_fa2,
                                              NO_SYNC_STACKS, ONE_KERNEL_NORM_STACKS, TORCHAO_FP8_STACKS,
                                              TP_LOSS_REPLICATED_STACKS, ZERO1_ALL_REDUCE_STACKS, stack_of)
 
@@ -277,10 +277,10 @@ def _attention_and_ops(row: dict, stack: str, year: int, text: str, *, megascale
     names_unfused = bool(re.search(r"unfused attention|attention unfused", text))  # a softmax over the scores
     flash = (year >= 2023 and not megascale_baseline and not names_unfused
              and (stack != "megatron-lm" or year >= 2024 or names_flash))
-    # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend,
-    # llm-foundry's flash-attn 2 / triton kernels); NVIDIA's recipes run cuDNN / Transformer Engine attention.
-    # OLMo-core's scripts (group AA) compile the model, which turns flash-attn off: attention through SDPA's FA2 kernel.
-    fa2 = stack in FA2_STACKS
+    # FlashAttention-2 kernels: the PyTorch-native stacks (torchtitan's and fms-fsdp's SDPA flash backend, llm-foundry's
+    # flash-attn 2 / triton kernels; OLMo-core's compiled model, group AA, through SDPA's FA2 kernel), and NeMo where
+    # its launcher turned cuDNN attention off (2024-02 to 2024-08); NVIDIA's other recipes run cuDNN / TE attention.
+    fa2 = attends_with_fa2(stack, text)
     # Megatron-LLaMA (group AB; its megatron/model/transformer.py, rotary_pos_embedding.py and
     # examples/LLaMA/LLaMA_13_slurm.sh at e3d671a): flash-attn 1.x (`flash_attn_unpadded_func`; its README promises
     # FlashAttention-2 "in the future") and --no-gradient-accumulation-fusion. Like Megatron-LM's own legacy model until

@@ -183,6 +183,21 @@ ONE_KERNEL_NORM_STACKS = ("llm-foundry", "modalities")
 # default): torchtitan, NeMo Automodel (its cp_utils.create_context_parallel_ctx; cp > 1 needs attn_implementation
 # sdpa). The others run Megatron / Transformer Engine's p2p ring.
 ALLGATHER_CP_STACKS = ("torchtitan", "nemo-automodel")
+# NeMo in the containers whose launcher turned Transformer Engine's cuDNN attention off: NVIDIA's
+# NeMo-Framework-Launcher from its 24.01 release to its 24.07 (launcher_scripts/conf/config.yaml, `NVTE_FUSED_ATTN: 0
+# # Disable cudnn FA until we've tested it more`, from 562dcb45 of 2024-02-13 until 04b8d098 "enable fused attention"
+# of 2024-08-29), whose examples/training/<model>/h100/*.sh are the runs of NeMo's performance tables of those
+# containers. Transformer Engine then attends with flash-attn 2 (the containers' `pip install flash-attn`; flash-attn 3
+# came to it in 2024-08, 901e5d2b3). A row naming one of those containers (group H, AD's H100 rows) attends with
+# FlashAttention-2.
+NEMO_LAUNCHER_FA2 = re.compile(r"nemo ?24\.0[1-7](?!\d)")
+
+
+def attends_with_fa2(stack: str, text: str) -> bool:
+    """Whether the row's attention runs FlashAttention-2's kernels (`Job.flash_attention_2`): a stack of FA2_STACKS,
+    or NeMo in a container whose launcher turned cuDNN attention off (NEMO_LAUNCHER_FA2); `text` is the row's
+    (`published_rows.row_text`)."""
+    return stack in FA2_STACKS or (stack == "nemo" and bool(NEMO_LAUNCHER_FA2.search(text)))
 
 
 def stack_of(row: dict) -> str:
