@@ -376,3 +376,31 @@ def test_validate_layout_refuses_what_the_runtime_refuses():
     with pytest.raises(ValueError, match="model.intermediate_size=50 is not divisible by tp=4"):
         cost.validate_layout(odd_mlp, job, cost.Layout(tp=4), gpus=4)
     assert cost.validate_layout(odd_mlp, job, cost.Layout(tp=2), gpus=2) == 4
+
+
+def test_plan_attention_names_the_kernel_the_stack_runs(capsys):
+    """`meshlm plan --attention`: fa2 (torchtitan's and most FSDP stacks' FlashAttention-2) adds exactly the step's
+    attention kernels at FlashAttention-2's rate over the fused one's on H100 and nothing on A100, where FA2 is the rated
+    kernel; unfused writes the scores out (gigabytes at 16K tokens) and runs them as GEMMs; fused is the default."""
+    from test_planner import _cli
+
+    from meshlm.planner.cost import Layout, ModelSummary
+    from meshlm.planner.placement import rank_setup
+    from meshlm.planner.timing import attention_time
+
+    argv = ["plan", "estimate", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "16384", "--global-batch-size",
+            "8", "--layout", "dp_shard=8,zero_stage=3,micro_batch_size=1", "--json"]
+    run = lambda *flags: json.loads(_cli(argv + list(flags), capsys)[1])  # noqa: E731
+    cfg, lo = ModelConfig.from_preset("llama3-8b"), Layout(dp_shard=8, zero_stage=3, micro_batch_size=1)
+    summary = ModelSummary.build(cfg, 16384)
+    for name, slower in (("a100", False), ("h100", True)):  # H100's last: its fused and fa2 runs are kept
+        fused, fa2 = run("--cluster", name), run("--cluster", name, "--attention", "fa2")
+        assert run("--cluster", name, "--attention", "fused") == fused
+        jobs = [Job(seq_len=16384, global_batch_size=8, flash_attention_2=f) for f in (False, True)]
+        kernels = [sum(attention_time(summary, j, lo, rank_setup(summary, get_cluster(name), j, lo))) for j in jobs]
+        added = fa2["time_s"]["compute"] - fused["time_s"]["compute"]
+        assert added == pytest.approx(cfg.num_layers * (kernels[1] - kernels[0]), rel=1e-9, abs=1e-12)
+        assert (added > 0.1 * fused["time_s"]["compute"]) == slower, name
+    unfused = run("--cluster", "h100", "--attention", "unfused")
+    assert unfused["memory_gib"]["total"] > fused["memory_gib"]["total"] + 100
+    assert unfused["time_s"]["compute"] > fa2["time_s"]["compute"]

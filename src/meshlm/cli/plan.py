@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.cli.plan_serving import CLUSTER_CHOICES, add_serving_parsers, run_context, run_infer
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
-from meshlm.planner.layout import EP_DISPATCHERS, FP8_WEIGHTS
+from meshlm.planner.layout import ATTENTION_KERNELS, EP_DISPATCHERS, FP8_WEIGHTS
 from meshlm.planner.mla import latent_attention
 from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
@@ -63,6 +63,12 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
                         "--fp8-param-gather, NVIDIA's NeMo / Megatron-Bridge fp8 recipes: the weights held in fp8, "
                         "gathered by the distributed optimizer in one byte), dynamic (torchao: cast in every "
                         "forward) or fsdp_all_gather (torchao under FSDP2: shards cast, gathered in fp8)")
+    p.add_argument("--attention", choices=ATTENTION_KERNELS, default="fused",
+                   help="the attention kernel the training stack runs: fused (FlashAttention-3 / cuDNN class, the "
+                        "cluster's attention rate: NVIDIA's recipes, Transformer Engine; the default), fa2 "
+                        "(FlashAttention-2: PyTorch SDPA's flash backend or the flash-attn 2 package, as torchtitan "
+                        "and most FSDP stacks run; slower on Hopper and Blackwell, the same on A100) or unfused (the "
+                        "scores written out and the softmax run over them: Megatron-LM's kernels of 2021)")
     p.add_argument("--runtime", choices=["megatron", "meshlm"], default=None,
                    help="whose memory/communication accounting: megatron (mixed precision, the default for the "
                         "presets) or meshlm (its own fp32 runtime, the default for --cluster local)")
@@ -205,7 +211,8 @@ def _training_model(args) -> ModelConfig:
 def _job_options(args) -> dict:
     """The job fields the training subcommands take from their flags beside its sizes."""
     return dict(ep_dispatcher=args.ep_dispatcher, recompute_mla_up_proj=args.recompute_mla_up_proj,
-                fsdp_no_sync=args.fsdp_no_sync, fp8_weights=args.fp8_weights or "cached")
+                fsdp_no_sync=args.fsdp_no_sync, fp8_weights=args.fp8_weights or "cached",
+                flash_attention=args.attention != "unfused", flash_attention_2=args.attention == "fa2")
 
 
 def _require_gpus(args) -> None:

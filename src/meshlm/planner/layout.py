@@ -44,6 +44,9 @@ FP8_WEIGHTS = ("cached", "params", "dynamic", "fsdp_all_gather")
 # routed copy: Megatron-Core's alltoall token dispatcher, meshlm's parallel/expert.py) or "flex" (Megatron-Core's flex
 # dispatcher with its DeepEP or HybridEP backend: a token sent once to each other node holding one of its experts).
 EP_DISPATCHERS = ("alltoall", "flex")
+# The attention kernels `meshlm plan --attention` names, as Job fields: "fused" (FlashAttention-3 / cuDNN class, the
+# cluster's attention_efficiency), "fa2" (`Job.flash_attention_2`), "unfused" (`Job.flash_attention` False).
+ATTENTION_KERNELS = ("fused", "fa2", "unfused")
 # How Layout.short() marks each method after "cp<n>" (ring, the default, unmarked).
 CP_METHOD_MARKS = {"ring": "", "allgather": "ag", "ulysses": "u"}
 # FlashAttention-1's rate over FlashAttention-2's: the midpoints of the two utilisation ranges Dao 2023 gives on A100
