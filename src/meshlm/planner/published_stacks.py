@@ -186,10 +186,10 @@ ALLGATHER_CP_STACKS = ("torchtitan", "nemo-automodel")
 # NeMo in the containers whose launcher turned Transformer Engine's cuDNN attention off: NVIDIA's
 # NeMo-Framework-Launcher from its 24.01 release to its 24.07 (launcher_scripts/conf/config.yaml, `NVTE_FUSED_ATTN: 0
 # # Disable cudnn FA until we've tested it more`, from 562dcb45 of 2024-02-13 until 04b8d098 "enable fused attention"
-# of 2024-08-29), whose examples/training/<model>/h100/*.sh are the runs of NeMo's performance tables of those
-# containers. Transformer Engine then attends with flash-attn 2 (the containers' `pip install flash-attn`; flash-attn 3
-# came to it in 2024-08, 901e5d2b3). A row naming one of those containers (group H, AD's H100 rows) attends with
-# FlashAttention-2.
+# of 2024-08-29; its examples/training/<model>/h100/*.sh carry the layouts of NeMo's 24.07 performance table, and the
+# long-context table, which names only its container, is read as run the same way). Transformer Engine then attends
+# with flash-attn 2 (the containers' `pip install flash-attn`; flash-attn 3 came to it in 2024-08, 901e5d2b3). A row
+# naming one of those containers (group H, AD's H100 rows) attends with FlashAttention-2.
 NEMO_LAUNCHER_FA2 = re.compile(r"nemo ?24\.0[1-7](?!\d)")
 
 
