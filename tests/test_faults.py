@@ -77,7 +77,7 @@ def reference(tmp_path_factory, text_file) -> dict:
     """The uninterrupted run's final weights: both restart drills must end on them bit for bit (how often a run
     checkpoints, to storage or memory, does not change its numbers)."""
     run = tmp_path_factory.mktemp("faults") / "ref"
-    ref = start(run, text_file, extra=[f"train.steps={STEPS}"])
+    ref = start(run, text_file, extra=[f"train.steps={STEPS}", f"train.checkpoint_interval={STEPS}"])  # its last step
     try:
         assert ref.wait(timeout=240) == 0, ref.communicate()[1][-2000:]
     finally:

@@ -1,7 +1,7 @@
 """`meshlm train --nproc N` through PyTorch's elastic launcher, as a user runs it: subprocesses.
 
 Each launch imports torch in the launcher and in every rank (seconds each on a shared machine), so
-the file keeps to four launches: 2 ranks, 4 ranks, two agents acting as two nodes, a bad layout.
+the file keeps to three launches: 4 ranks, two agents of one rank each acting as two nodes, a bad layout.
 """
 
 import json
@@ -15,7 +15,7 @@ import pytest
 from meshlm.processes import free_port
 
 # train.micro_batch_size is left at its default (the whole per-rank batch), as `meshlm train --nproc N`
-# in the README does: the same settings must run on 2 and on 4 ranks.
+# in the README does: the same settings must run on 2 (two agents) and on 4 ranks.
 TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.intermediate_size=64", "model.max_seq_len=64", "train.progress=false", "train.seq_len=32",
         "train.global_batch_size=8", "train.steps=3", "train.val_batches=1",
@@ -51,21 +51,19 @@ def check_one_run(run_dir: Path, world_size: int, output: str) -> None:
     assert sorted(p.name for p in checkpoint.glob("rank_*.json")) == [f"rank_{r:05d}.json" for r in range(world_size)]
 
 
-@pytest.mark.parametrize("nproc, overrides", [
-    (2, ()),
-    # hybrid ZeRO-3 (2 replicas x 2 shards), ending with the sample every rank must take part in
-    (4, ("parallel.dp_replicate=2", "parallel.zero_stage=3", "train.sample_tokens=8")),
-])
-def test_nproc_launches_local_ranks(tmp_path, text_file, nproc, overrides):
+def test_nproc_launches_local_ranks(tmp_path, text_file):
+    """`--nproc 4`: hybrid ZeRO-3 (2 replicas x 2 shards), ending with the sample every rank must take part in.
+    (Two ranks of plain data parallelism go through the same launcher in `test_two_agents_act_as_two_nodes`.)"""
     run_dir, temp = tmp_path / "run", tmp_path / "tmp"
     temp.mkdir()  # the launch's temporary directory: the launcher's logs go there, and are gone after it
-    proc = subprocess.run(train_command(run_dir, text_file, "--nproc", str(nproc), overrides=overrides),
+    overrides = ("parallel.dp_replicate=2", "parallel.zero_stage=3", "train.sample_tokens=8")
+    proc = subprocess.run(train_command(run_dir, text_file, "--nproc", "4", overrides=overrides),
                           capture_output=True, text=True, timeout=240, env={**clean_env(), "TMPDIR": str(temp)})
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
-    assert f"meshlm: {nproc} ranks" in proc.stdout
-    assert ("--- sample ---" in proc.stdout) == bool(overrides)
-    check_one_run(run_dir, nproc, output)
+    assert "meshlm: 4 ranks" in proc.stdout
+    assert "--- sample ---" in proc.stdout
+    check_one_run(run_dir, 4, output)
     assert not [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "meshlm-launch-"))]
 
 

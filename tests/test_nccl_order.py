@@ -146,7 +146,7 @@ def test_every_schedules_exchange_plan_runs_under_nccls_rules_and_the_old_order_
 
 # -- real runs, recorded ----------------------------------------------------------------------------------
 
-TRAIN = ["train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=1", "train.steps=1",
+TRAIN = ["train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1", "train.steps=1",
          "train.val_batches=1", "data.val_fraction=0.1", "train.device=cpu", "train.progress=false",
          "parallel.bucket_size_mb=0.02"]
 MOE = ["model.num_experts=4", "model.num_experts_per_token=2", "model.moe_intermediate_size=32"]
