@@ -222,6 +222,19 @@ def test_host_launches_bound_a_small_model_without_cuda_graphs():
     assert graphed["elementwise"] >= tiny.sm.layers * 5 * KERNEL_FLOOR_S and HOST_LAUNCH_S > KERNEL_FLOOR_S
 
 
+def test_every_kernel_of_a_thin_decode_step_lasts_its_launch():
+    """One sequence decoding on a model far too small to fill an H100, under CUDA graphs: each layer's four GEMMs
+    (qkv, output, gate-up, down), its attention and its five elementwise kernels, and the head, each last the
+    launch floor, whatever their bytes (a 256-wide layer's weights take 0.1 us to read)."""
+    from meshlm.planner.serving_engine import KERNEL_FLOOR_S
+
+    tiny = Serving(served_model("tiny"), get_cluster("h100"), ServingLayout())
+    assert tiny.sm.cfg.hidden_size == 256 and not tiny.sm.cfg.is_moe
+    it = iteration_time(tiny, decodes=1, kv_len=128)
+    kernels = tiny.sm.layers * (4 + 1 + 5) + 1
+    assert it["total"] == pytest.approx(kernels * KERNEL_FLOOR_S, rel=1e-9)
+
+
 def test_expert_all_to_all_matches_deepep_low_latency_table():
     """DeepEP's low-latency kernels (H800, CX7 400 Gb/s): 128 tokens, hidden 7168, top-8, fp8 dispatch + bf16
     combine take 155 + 273 us at EP32 and 192 + 369 us at EP128; the normal kernels send one copy per node."""

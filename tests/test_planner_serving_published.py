@@ -249,9 +249,9 @@ def test_a_row_measured_at_a_fixed_request_rate_is_priced_at_that_rate():
 def test_the_serving_cautions_state_what_the_dev_rows_show():
     """`explain.serving_caution`'s spreads are the published over predicted throughputs of the dev rows of each regime,
     recomputed here from the rows (a change of the model or of the data that moves them fails until the caution says
-    so): 8 rows of small decode all-reduces (groups B, D, J, M), 15 of vLLM on MI300X with 256 or more requests
+    so): 7 rows of small decode all-reduces (groups B, D, J, M), 15 of vLLM on MI300X with 256 or more requests
     running (D, L), 18 of W4A16 experts (gpt-oss on H100 / A100, P and Q), 6 of TensorRT-LLM's DeepSeek-R1 with
-    attention DP + EP (A, B; all but one too fast), the 116 other rows of a decode count without one."""
+    attention DP + EP (A, B; all but one too fast), the 117 other rows of a decode count without one."""
     from pathlib import Path
 
     from meshlm.planner.explain import (LATENT_ADP_SPREAD, MI300X_VLLM_SPREAD, SMALL_ALL_REDUCE_SPREAD,
@@ -269,8 +269,8 @@ def test_the_serving_cautions_state_what_the_dev_rows_show():
         said = caution(deployment_of(by_id[res["row_id"]]), bound=res["bound"], concurrency=res["concurrency"])
         regime = next((k for k in ("all-reduces", "MI300X", "W4A16", "latent-attention") if said and k in said), None)
         ratios[regime].append(1 / (1 + res["error_throughput"]))
-    assert len(ratios["all-reduces"]) == 8 and len(ratios["MI300X"]) == 15 and len(ratios["W4A16"]) == 18
-    assert len(ratios["latent-attention"]) == 6 and len(ratios[None]) == 116
+    assert len(ratios["all-reduces"]) == 7 and len(ratios["MI300X"]) == 15 and len(ratios["W4A16"]) == 18
+    assert len(ratios["latent-attention"]) == 6 and len(ratios[None]) == 117
     assert (min(ratios["all-reduces"]), max(ratios["all-reduces"])) == pytest.approx(SMALL_ALL_REDUCE_SPREAD, abs=0.005)
     assert (min(ratios["MI300X"]), max(ratios["MI300X"])) == pytest.approx(MI300X_VLLM_SPREAD, abs=0.005)
     assert (min(ratios["W4A16"]), max(ratios["W4A16"])) == pytest.approx(WEIGHT_ONLY_SPREAD, abs=0.005)

@@ -64,7 +64,7 @@ from meshlm.planner.collectives import collective_time, expert_all_to_all, group
 from meshlm.planner.kernels import k_scale
 from meshlm.planner.mla import router_groups
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
-                                           expert_imbalance, layer_kernels, overlapped_half, roofline)
+                                           expert_imbalance, kernel_floored, overlapped_half, roofline, stage_kernels)
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
 # DeepSeek-V3 report (arXiv:2412.19437, Sec. 5.4.3): the second token predicted by its MTP module is accepted
@@ -533,10 +533,14 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     else:  # the dense GEMMs and the routed experts' grouped GEMMs are separate kernels, each at its own corner
         dense, experts = roofline(dense_c, dense_m), roofline(expert_c, expert_m)
     attn = roofline(attn_c, attn_m)
+    if not cl.gemm_weight_bw and not sv.engine.eager_host:  # each kernel lasts at least its launch
+        dense, experts, attn = kernel_floored(sv.sm.gemm_kernels(), layers=sv.sm.layers, pp=sv.layout.pp,
+                                              dense=dense, experts=experts, attn=attn)
     if ep and p > 0 and sv.engine.ep_all_to_all == "deepep" and sv.engine.two_batch_overlap:
         dense, experts, attn = (x / (1 - DEEPEP_NORMAL_SMS * cl.comm_sm_fraction / 16) for x in (dense, experts, attn))
     gemm = dense + experts
-    small, kernels = _kernels(sv)
+    small, kernels = stage_kernels(layers=sv.sm.layers / sv.layout.pp, moe=sv.sm.moe_layers() / sv.layout.pp,
+                                   tp=sv.layout.tp, ep=sv.layout.ep)
     # an eager engine's measured per-layer host work already holds these kernels' dispatch (_engine_host)
     elementwise = max(0.0 if sv.engine.eager_host else small * KERNEL_FLOOR_S, w["elementwise_bytes"] / hbm)
     other_comm = sum(t for (kind, _), t in comm.items() if kind != "ep")
@@ -582,16 +586,6 @@ def _gemm_calls(sv: Serving) -> float:
     (q, k, v, o, gate, up, down; a MoE layer's experts are counted as one such set), the head one (its stage's
     share of it)."""
     return (7 * sv.sm.layers + 1) / sv.layout.pp
-
-
-def _kernels(sv: Serving) -> tuple[float, float]:
-    """(elementwise kernels, all kernels) one GPU runs per micro-step through its stage's layers."""
-    lo, sm = sv.layout, sv.sm
-    moe = sm.moe_layers() / lo.pp
-    dense = sm.layers / lo.pp - moe
-    a = layer_kernels(moe=False, tp=lo.tp, ep=lo.ep)
-    b = layer_kernels(moe=True, tp=lo.tp, ep=lo.ep)
-    return dense * a[0] + moe * b[0], dense * a[1] + moe * b[1]
 
 
 def kv_transfer_bytes(sm: ServedModel, *, prompt_tokens: int, kv_precision: str) -> float:

@@ -39,7 +39,8 @@ DEEPEP_NORMAL_SMS = 24
 # vLLM's LlamaDecoderLayer runs five (two fused residual-add + RMSNorm, rotary embedding, reshape_and_cache,
 # SiluAndMul); a MoE layer adds routing and token permutation (TensorRT-LLM fuses DeepSeek's top-k routing from 18
 # ops into 2 kernels, "Optimizing DeepSeek R1 Throughput on NVIDIA Blackwell GPUs", tech blog 3; plus permute and
-# un-permute): four.
+# un-permute): four. The GEMMs and attention kernels last at least the floor too (`kernel_floored`): a thin decode
+# GEMM -- a 70B model's attention projections over 8 GPUs read 1-2 us of weights -- costs the floor, not its bytes.
 KERNEL_FLOOR_S = 3.4e-6
 HOST_LAUNCH_S = 3.8e-6
 SMALL_KERNELS_PER_LAYER = 5
@@ -435,3 +436,28 @@ def layer_kernels(*, moe: bool, tp: int, ep: int) -> tuple[int, int]:
     gemms = 2 + (5 if moe else 2)
     comm = (2 if tp > 1 else 0) + (2 if moe and ep > 1 else 0)
     return small, small + gemms + 1 + comm
+
+
+def stage_kernels(*, layers: float, moe: float, tp: int, ep: int) -> tuple[float, float]:
+    """(elementwise kernels, all kernels) one GPU runs per micro-step through a stage of `layers` decoder layers, `moe`
+    of them MoE layers."""
+    a, b = layer_kernels(moe=False, tp=tp, ep=ep), layer_kernels(moe=True, tp=tp, ep=ep)
+    return (layers - moe) * a[0] + moe * b[0], (layers - moe) * a[1] + moe * b[1]
+
+
+def kernel_floored(kernels: dict, *, layers: int, pp: int, dense: float, experts: float,
+                   attn: float) -> tuple[float, float, float]:
+    """The dense GEMMs', routed experts' and attention's seconds of a micro-step through one of `pp` stages with each
+    kernel lasting at least its launch (KERNEL_FLOOR_S, as the elementwise kernels do). `kernels`:
+    `ServedModel.gemm_kernels()`, (parameters of one kernel, kernels per forward) by "body", "head" and "experts". A
+    time is shared out over its kernels by their parameters (the same tokens pass each, so FLOPs and bytes both go as
+    parameters; attention evenly over the `layers`), and each share raised to the floor."""
+
+    def floored(seconds: float, pieces: list[tuple[float, float]]) -> float:
+        total = sum(p * n for p, n in pieces) / pp
+        if seconds <= 0 or not total:
+            return seconds
+        return sum(n / pp * max(seconds * p / total, KERNEL_FLOOR_S) for p, n in pieces)
+
+    return (floored(dense, kernels["body"] + kernels["head"]), floored(experts, kernels["experts"]),
+            floored(attn, [(1.0, layers)]))

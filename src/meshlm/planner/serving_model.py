@@ -195,11 +195,21 @@ class ServedModel:
     def gemm_pieces(self, *, tp: int, expert_tp: int) -> dict:
         """The GEMMs of one token's forward as (parameters, K) pairs -- their FLOPs are twice the parameters -- by
         `matmul_flops_per_token`'s parts: "body" (attention projections, dense MLPs, shared experts, router), "head"
-        and "experts" (one routed expert's pair; every routed expert has the same shapes). Column-parallel
-        projections keep K whole, row-parallel ones (attention output, MLP down) split it by tp; a routed expert's
-        down projection by `expert_tp` (how many ways each expert's width is split: tp without expert parallelism,
-        the stage's GPUs over ep with it).
+        and "experts" (one routed expert's pair in each MoE layer; every routed expert has the same shapes).
+        Column-parallel projections keep K whole, row-parallel ones (attention output, MLP down) split it by tp; a
+        routed expert's down projection by `expert_tp` (how many ways each expert's width is split: tp without
+        expert parallelism, the stage's GPUs over ep with it).
         Used for the tiles' fixed K cost (`kernels.k_scale`)."""
+        return {name: [(p, k) for p, k, _ in pieces] for name, pieces in self._gemms(tp, expert_tp).items()}
+
+    def gemm_kernels(self) -> dict:
+        """The same GEMMs as (parameters of one kernel, kernels per forward) pairs: a piece of "body" runs once in
+        each layer that has it (attention in every layer, a dense MLP in the dense ones, router and shared expert in
+        the MoE ones), the head once, a routed expert's pair once per MoE layer (as one grouped GEMM each)."""
+        return {name: [(p / n, n) for p, _, n in pieces] for name, pieces in self._gemms(1, 1).items()}
+
+    def _gemms(self, tp: int, expert_tp: int) -> dict:
+        """`gemm_pieces` with each piece's kernels per forward: (parameters over the model, K, kernels)."""
         c, m, h = self.cfg, self.mla, self.cfg.hidden_size
         H, moe = c.num_heads, self.moe_layers()
         dense = self.layers - moe
@@ -208,16 +218,17 @@ class ServedModel:
             attn = [(h * (q + 2 * kv), h), (q * h, q / tp)]
         else:  # DeepSeek's latent attention (mla.py): the output projection's K split by tp, the rest's whole
             attn = [(n * k, k / tp if split == "k" else k) for n, k, split in mla_matrices(c, m)]
-        body = [(p * self.layers, k) for p, k in attn]
+        body = [(p * self.layers, k, self.layers) for p, k in attn]
         if dense:
             f = c.intermediate_size
-            body += [(2 * h * f * dense, h), (f * h * dense, f / tp)]
+            body += [(2 * h * f * dense, h, dense), (f * h * dense, f / tp, dense)]
         if moe:
             s = c.shared_intermediate_size
-            body += [(h * c.num_experts * moe, h)] + ([(2 * h * s * moe, h), (s * h * moe, s / tp)] if s else [])
+            body += [(h * c.num_experts * moe, h, moe)]
+            body += [(2 * h * s * moe, h, moe), (s * h * moe, s / tp, moe)] if s else []
         e = c.expert_intermediate_size if c.is_moe else 0
-        experts = [(2 * h * e, h), (e * h, e / expert_tp)] if e else []
-        return {"body": body, "head": [(c.vocab_size * h, h)], "experts": experts}
+        experts = [(2 * h * e * moe, h, moe), (e * h * moe, e / expert_tp, moe)] if e else []
+        return {"body": body, "head": [(c.vocab_size * h, h, 1)], "experts": experts}
 
     def attention_flops(self, context: float, *, decode: bool) -> float:
         """Attention-core FLOPs of one query token over `context` cached tokens (prefill: the prompt's mean), all
