@@ -233,6 +233,13 @@ def test_every_kernel_of_a_thin_decode_step_lasts_its_launch():
     it = iteration_time(tiny, decodes=1, kv_len=128)
     kernels = tiny.sm.layers * (4 + 1 + 5) + 1
     assert it["total"] == pytest.approx(kernels * KERNEL_FLOOR_S, rel=1e-9)
+    # a MoE layer: router, the shared expert's two GEMMs and the routed experts' two grouped GEMMs in place of the
+    # MLP's two, and four more small kernels (routing, permutations); tiny-moe's first layer is dense
+    moe = Serving(served_model("tiny-moe"), get_cluster("h100"), ServingLayout())
+    layers, moe_layers = moe.sm.layers, moe.sm.moe_layers()
+    assert (layers, moe_layers) == (4, 3) and moe.sm.cfg.shared_intermediate_size
+    kernels = (layers - moe_layers) * (4 + 1 + 5) + moe_layers * (2 + 1 + 2 + 2 + 1 + 5 + 4) + 1
+    assert iteration_time(moe, decodes=1, kv_len=128)["total"] == pytest.approx(kernels * KERNEL_FLOOR_S, rel=1e-9)
 
 
 def test_expert_all_to_all_matches_deepep_low_latency_table():
