@@ -146,9 +146,10 @@ def test_published_serving_model_names_are_read_without_case_or_punctuation():
 
 
 def test_no_wording_of_a_serving_cell_stops_the_table():
-    """Every cell of one serving row in forty worded otherwise in turn ("0" for a number, "n/a" for a text): each row
-    comes back priced or skipped with its reason (a layout the planner refuses, a deployment whose weights leave no
-    room for one request), never an exception that stops the table."""
+    """Every cell of one serving row in forty worded otherwise in turn ("0" for a number, "n/a" for a text; the load
+    cell also as a load of none: no batch, no clients, no arrivals): each row comes back priced or skipped with its
+    reason (a layout the planner refuses, a deployment whose weights leave no room for one request, a load that runs
+    no request), never an exception that stops the table."""
     from pathlib import Path
 
     from meshlm.planner.published_serving import predict_row, read_rows
@@ -159,6 +160,12 @@ def test_no_wording_of_a_serving_cell_stops_the_table():
             text = "0" if row[cell][:1].isdigit() else "n/a"
             out = predict_row({**row, cell: text})
             assert "skip" in out or "layout" in out, (row["row_id"], cell, text)
+        for load in ("batch 0", "concurrency 0", "Poisson arrivals at QPS 0 (0 requests/s)"):
+            out = predict_row({**row, "batch_or_concurrency": load})
+            assert "skip" in out or "layout" in out, (row["row_id"], load)
+            assert "runs no request" in out.get("skip", "") or "sends no request" in out.get("skip", "") or (
+                load.startswith("batch") and row["scenario"] not in ("fixed-batch", "latency")) or (
+                load.startswith("Poisson") and row["scenario"] not in ("server", "interactive")), (row["row_id"], load)
 
 
 def test_a_row_naming_no_layout_is_priced_on_the_best_layout_of_its_gpus():

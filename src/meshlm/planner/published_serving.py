@@ -491,6 +491,8 @@ def _predict(row: dict, sv: Serving) -> dict:
     scenario = row["scenario"].strip().lower()
     static = scenario in ("fixed-batch", "latency")
     closed_loop = not static and "concurrency" in batch_text  # a client count sets the load
+    if (static or closed_loop) and _int(batch_text) == 0:
+        raise Skip(f"the row's load {row['batch_or_concurrency']!r} runs no request")
     # Latency targets choose the offline concurrency, or under an arrival process (a server scenario) the highest
     # Poisson rate whose tails meet them; a static batch or a client count is the load itself.
     ttft, tpot = (None, None) if static or closed_loop else latency_targets(row)
@@ -499,6 +501,8 @@ def _predict(row: dict, sv: Serving) -> dict:
     if max_concurrency(sv, Workload(I, O, max_batch=max_batch)) < sv.layout.dp:
         raise Skip(f"one request of {I}+{O} tokens does not fit each dp rank in the planner's memory model")
     rate = request_rate(row) if scenario in ("server", "interactive") and not (static or closed_loop) else None
+    if rate == 0:
+        raise Skip(f"the row's load {row['batch_or_concurrency']!r} sends no request")
     if rate is not None and not arrivals:
         return _fixed_rate(sv, Workload(I, O, max_batch=max_batch, request_rate=rate, percentile=None))
     wl = Workload(I, O, max_batch=max_batch, max_ttft_s=ttft, max_tpot_s=tpot, max_rate=arrivals,
