@@ -547,7 +547,7 @@ def test_plan_infer_carries_the_caution_of_its_regime():
     none; vLLM on MI300X with a thousand requests running is another regime, the same on H100 is not; W4A16 experts
     the third."""
     from meshlm.planner.serving_engine import engine
-    from meshlm.planner.serving_modes import format_serving
+    from meshlm.cli.plan_serving import format_serving
 
     small = estimate_serving(_sv(tp=8), Workload(128, 2048, batch=1))
     assert small["bound"] == "scale-up link" and "one-shot" in small["caution"]

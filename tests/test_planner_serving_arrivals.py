@@ -264,10 +264,10 @@ def test_iterations_carry_whole_prompts_poisson_many_at_a_time():
     import math
 
     from meshlm.planner.serving import iteration_time
-    from meshlm.planner.serving_modes import MIXTURE_MAX_PIECES, _prompt_mixture
+    from meshlm.planner.serving_modes import MIXTURE_MAX_PIECES, Workload, _prompt_mixture
 
     sv, c, I, O = _sv("llama3-8b", tp=1), 8.0, 4000, 1000
-    mix = _prompt_mixture(sv, c, I, O, I)
+    mix = _prompt_mixture(sv, c, Workload(I, O), I)
     m = c * I / O / I
     t = [iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=k * I, prefill_ctx=I / 2)["total"]
          for k in range(40)]
@@ -275,11 +275,11 @@ def test_iterations_carry_whole_prompts_poisson_many_at_a_time():
     assert mix["total"] == pytest.approx(sum(a * b for a, b in zip(p, t)), rel=1e-5)  # its sum stops at 1 - 1e-6
     mean_share = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
     assert mix["total"] > 1.08 * mean_share["total"]  # 1.11x here: 1% of the iterations take ~20x the others
-    lone = _prompt_mixture(sv, 1.0, I, O, I)
+    lone = _prompt_mixture(sv, 1.0, Workload(I, O), I)
     alone = iteration_time(sv, decodes=1.0, kv_len=I + O / 2, prefill_tokens=0, prefill_ctx=I / 2)
     assert lone["itl"] == pytest.approx(alone["total"], rel=1e-9) and lone["total"] > lone["itl"]
     c = 2 * MIXTURE_MAX_PIECES * 32  # 2 x MIXTURE_MAX_PIECES prompts of 128 tokens per iteration at O = 32
-    many = _prompt_mixture(sv, c, 128, 32, 128)
+    many = _prompt_mixture(sv, c, Workload(128, 32), 128)
     flat = iteration_time(sv, decodes=c, kv_len=144, prefill_tokens=c * 128 / 32, prefill_ctx=64)
     assert many["total"] == flat["total"] and many["itl"] == flat["total"]
 
@@ -293,10 +293,10 @@ def test_a_requests_tpot_tail_spreads_with_the_prompts_its_gaps_carry():
     import statistics
 
     from meshlm.planner.serving import iteration_time
-    from meshlm.planner.serving_modes import _prompt_mixture
+    from meshlm.planner.serving_modes import Workload, _prompt_mixture
 
     sv, c, I, O = _sv("llama3-8b", tp=1), 8.0, 4000, 1000
-    mix = _prompt_mixture(sv, c, I, O, I)
+    mix = _prompt_mixture(sv, c, Workload(I, O), I)
     m = c * I / O / I
     t = np.array([iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=k * I, prefill_ctx=I / 2)["total"]
                   for k in range(12)])

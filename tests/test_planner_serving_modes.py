@@ -269,3 +269,55 @@ def test_frontier_trades_interactivity_for_throughput_and_plot_draws_it(tmp_path
     with pytest.raises(ValueError, match="--disaggregate"):
         _cli(["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--disaggregate", "1:1", "--plot", str(png)],
              capsys)
+
+
+def test_a_cached_prefix_is_attended_over_but_not_prefilled():
+    """`--prefix-hit H`: a request prefills only the prompt's tokens past its cached prefix, each attending over the
+    whole prefix before it; its KV is counted whole. One request of 8,192 + 2 tokens with three quarters cached
+    prefills the last 2,048 tokens, which sit at positions 6,144-8,191 and so attend over 7,168 tokens on average."""
+    sv = _sv("llama3-8b", tp=1)
+    cold = estimate_serving(sv, Workload(8192, 2, batch=1))
+    warm = estimate_serving(sv, Workload(8192, 2, batch=1, prefix_hit=0.75))
+    expected = iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=2048, prefill_ctx=7168)["total"]
+    assert warm["ttft_ms"] == pytest.approx(expected * 1e3, rel=1e-12)
+    assert warm["prefill_tokens_per_request"] == 2048 and warm["prefix_hit"] == 0.75
+    # attending over the prefix costs: more than the same 2,048 tokens as a prompt of their own, less than all 8,192
+    alone = estimate_serving(sv, Workload(2048, 2, batch=1))["ttft_ms"]
+    assert alone * 1.02 < warm["ttft_ms"] < cold["ttft_ms"] / 2
+    for key in ("max_concurrency", "kv_bytes_per_request", "max_context_tokens"):
+        assert warm[key] == cold[key], key
+    # the decode steps read the same KV: the TPOT of a static batch does not move
+    assert warm["tpot_ms"] == pytest.approx(cold["tpot_ms"], rel=1e-12)
+
+
+def test_a_prefix_hit_pays_where_prompts_dominate_the_work():
+    """Continuous batching and the offline optimum with most of each long prompt cached: less prefill work per
+    output token, so more throughput, a shorter TTFT and a shorter TPOT (fewer prompt tokens ride each iteration),
+    at the same requests in flight -- and the most requests that fit are the same."""
+    sv = _sv("llama3-8b", tp=1)
+    for mode in (dict(concurrency=16), dict(offline=True), dict(request_rate=0.5)):
+        cold = estimate_serving(sv, Workload(8192, 64, **mode))
+        warm = estimate_serving(sv, Workload(8192, 64, prefix_hit=0.9, **mode))
+        assert warm["ttft_ms"] < 0.5 * cold["ttft_ms"], mode
+        assert warm["tpot_ms"] < cold["tpot_ms"], mode
+        assert warm["max_concurrency"] == cold["max_concurrency"], mode
+        if "request_rate" not in mode:  # a rate it keeps up with is served as offered, cached or not
+            assert warm["output_tokens_per_s"] > 2 * cold["output_tokens_per_s"], mode
+    # disaggregated: the prefill pool does a tenth of the work; the whole prompt's KV still crosses to the decode pool
+    cold = estimate_serving(sv, Workload(8192, 64, offline=True, disaggregate=(1, 1)))
+    warm = estimate_serving(sv, Workload(8192, 64, offline=True, disaggregate=(1, 1), prefix_hit=0.9))
+    assert warm["kv_transfer_bytes_per_request"] == cold["kv_transfer_bytes_per_request"]
+    assert warm["prefill_requests_per_s"] > 5 * cold["prefill_requests_per_s"]
+
+
+@pytest.mark.parametrize("hit", [1.0, -0.1, 1.5])
+def test_plan_infer_refuses_a_prefix_hit_outside_its_range(capsys, hit):
+    with pytest.raises(ValueError, match=f"--prefix-hit {hit:g} must be at least 0 and below 1"):
+        _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--tp", "1", "--prefix-hit", str(hit)],
+             capsys)
+
+
+def test_every_request_prefills_at_least_its_last_prompt_token():
+    assert Workload(10, 1, prefix_hit=0.99).prefill_len == 1
+    assert Workload(1, 1, prefix_hit=0.5).prefill_len == 1
+    assert Workload(1000, 1, prefix_hit=0.5).prefill_len == 500

@@ -81,6 +81,10 @@ def add_serving_parsers(sub) -> None:
                         "TTFT does; JSON meets_slo says whether any does")
     i.add_argument("--max-tpot-ms", type=float, default=None, metavar="MS",
                    help="as --max-ttft-ms, for the time per output token")
+    i.add_argument("--prefix-hit", type=float, default=0.0, metavar="H",
+                   help="the share of each prompt's tokens the engine finds in its prefix cache (a shared system "
+                        "prompt, earlier turns of a chat, a RAG template), in [0, 1): only the rest are prefilled, "
+                        "attending over the whole prompt; the KV is still counted whole per request (default 0)")
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None,
@@ -136,7 +140,7 @@ def add_serving_parsers(sub) -> None:
 
 def run_infer(args) -> int:
     """`meshlm plan infer`: one serving deployment (or every layout of --gpus ranked)."""
-    from meshlm.planner.serving_modes import estimate_serving, format_serving, search_serving
+    from meshlm.planner.serving_modes import estimate_serving, search_serving
 
     sv, wl, gpus = _serving_inputs(args)
     if args.plot and wl.disaggregate:
@@ -229,7 +233,8 @@ def _serving_inputs(args):
                   offline=args.offline, request_rate=None if args.request_rate == "max" else args.request_rate,
                   max_rate=args.request_rate == "max", percentile=args.percentile, max_batch=args.max_batch,
                   prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
-                  disaggregate=disagg, max_ttft_s=_seconds(args.max_ttft_ms), max_tpot_s=_seconds(args.max_tpot_ms))
+                  disaggregate=disagg, max_ttft_s=_seconds(args.max_ttft_ms), max_tpot_s=_seconds(args.max_tpot_ms),
+                  prefix_hit=args.prefix_hit)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     name = args.engine or ("meshlm" if cluster.serving_host else "default")
     eng = engine(name, cluster)
@@ -277,3 +282,41 @@ def _precisions(args, sm) -> dict:
     default = "fp32" if args.cluster == "local" else "bf16"
     return {"precision": args.precision or default, "kv_precision": args.kv_precision or default,
             "expert_gemm_precision": args.expert_gemm_precision, "dense_precision": args.dense_precision}
+
+
+def format_serving(r: dict, model: str, gpu: str) -> str:
+    """One answer of `plan infer` (`serving_modes.estimate_serving`'s JSON) as the lines the terminal shows."""
+    head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
+            f"weights {r['weights_gib']:.1f} GiB/GPU, "
+            + (f"the engine's profile run {r['profile_gib']:.1f} GiB/GPU (its sampler over --max-batch rows), "
+               if r.get("profile_gib") else "")
+            + f"KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU "
+            f"({r['kv_bytes_per_request'] / 2**20:,.1f} MiB/request/GPU), one sequence of up to "
+            f"{r['max_context_tokens']:,} tokens fits -> max concurrency {r['max_concurrency']} "
+            f"at {r['input_len']}+{r['output_len']} tokens"
+            + (f" ({r['prefix_hit']:.0%} of each prompt cached: {r['prefill_tokens_per_request']:,} tokens prefilled)"
+               if r.get("prefix_hit") else ""))
+    if not r["fits"]:
+        return f"{head}\n  does not fit: {r['reason']}"
+    rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
+    if "percentile" in r:
+        from meshlm.planner.serving_modes import percentile_label
+
+        p = percentile_label(r["percentile"])
+        rate = (f"; {r['request_rate']:.3g} requests/s{rate}, TTFT {p} {_text_ms(r[f'ttft_{p}_ms'], 1)}, TPOT {p} "
+                f"{_text_ms(r[f'tpot_{p}_ms'], 2)}")
+    queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
+    mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
+    if "meets_slo" in r:
+        what = "rate" if r["mode"] == "max-rate" else "concurrency"
+        mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"
+    warning = "".join(f"\n  {r[k]}" for k in ("context_note", "caution") if r.get(k))
+    return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
+            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {_text_ms(r['ttft_ms'], 1)}, TPOT "
+            f"{_text_ms(r['tpot_ms'], 2)}, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
+            f"{r['joules_per_output_token']:.3g} J/output token{warning}")
+
+
+def _text_ms(ms: float | None, digits: int) -> str:
+    """A latency in ms, or what a latency without bound means."""
+    return "without bound (the queue grows)" if ms is None else f"{ms:.{digits}f} ms"

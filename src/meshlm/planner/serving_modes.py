@@ -57,6 +57,12 @@ Modes (I prompt tokens, O output tokens per request):
     offline optimum and a TPOT target are taken on those), and each request's prompt KV crosses from one to the
     other over the link they share (scale-up when both fit one domain, else each prefill GPU's NIC); throughput is
     the least of the three rates, the TTFT the prefill pool's.
+Prefix caching (`--prefix-hit H`; vLLM's automatic prefix caching, SGLang's RadixAttention, TensorRT-LLM's KV cache
+reuse): a share H of each prompt's tokens is found in the cache, so in every mode a request prefills only the rest
+(`Workload.prefill_len`, at least its last token), each of them attending over the cached prefix and the rest before
+it (`Workload.prefill_ctx`). The KV is counted whole for every request (blocks that running requests share are not
+subtracted, so the memory and the max concurrency are an upper bound of what they take), and a disaggregated
+deployment ships the whole prompt's KV to the decode pool.
 Power: every GPU at its board power plus its share of server and network, times PUE (cluster.py's datasheet
 figures, `operations.power`) -- an upper bound while decode leaves the tensor cores idle.
 """
@@ -96,6 +102,8 @@ class Workload:
     # a disaggregated deployment's decode pool (`disaggregated`): its prompts were prefilled, and their first tokens
     # made, on the prefill pool -- its iterations carry decodes only and add nothing to the TTFT
     prefilled_elsewhere: bool = False
+    # the share of each prompt's tokens the engine finds in its prefix cache (`--prefix-hit`; module docstring)
+    prefix_hit: float = 0.0
 
     def __post_init__(self):
         if self.input_len < 1 or self.output_len < 1:
@@ -104,6 +112,9 @@ class Workload:
                  self.max_rate]
         if sum(modes) > 1:
             raise ValueError("give one of --batch, --concurrency, --offline, --request-rate")
+        if not 0 <= self.prefix_hit < 1:
+            raise ValueError(f"--prefix-hit {self.prefix_hit:g} must be at least 0 and below 1: the share of each "
+                             f"prompt's tokens found in the prefix cache (e.g. 0.5)")
         if self.percentile is not None and not 0 < self.percentile < 100:
             raise ValueError(f"--percentile {self.percentile:g} must be between 0 and 100, e.g. 99")
         for name in ("batch", "concurrency", "request_rate", "prefill_chunk", "max_batch"):
@@ -123,6 +134,17 @@ class Workload:
         if self.max_rate and not (self.max_ttft_s or self.max_tpot_s):
             raise ValueError("--request-rate max needs a target: --max-ttft-ms and/or --max-tpot-ms (without one "
                              "the highest rate is the offline throughput, --offline)")
+
+    @property
+    def prefill_len(self) -> int:
+        """Prompt tokens a request prefills: those past its cached prefix (`prefix_hit`), at least the last one,
+        whose logits make the first token."""
+        return max(1, self.input_len - math.floor(self.prefix_hit * self.input_len))
+
+    @property
+    def prefill_ctx(self) -> float:
+        """The mean context a prefilled prompt token attends over: the cached prefix, then half the rest."""
+        return self.input_len - self.prefill_len / 2
 
     @property
     def mode(self) -> str:
@@ -153,7 +175,7 @@ def max_concurrency(sv: Serving, wl: Workload) -> int:
 
 def static_batch(sv: Serving, wl: Workload, batch: int) -> dict:
     I, O, b = wl.input_len, wl.output_len, batch / sv.layout.dp
-    pre = iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=b * I, prefill_ctx=I / 2)
+    pre = iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=b * wl.prefill_len, prefill_ctx=wl.prefill_ctx)
     dec = iteration_time(sv, decodes=b, kv_len=I + O / 2)
     total = pre["total"] + (O - 1) * dec["total"]
     main = dec if (O - 1) * dec["total"] >= pre["total"] else pre
@@ -164,10 +186,11 @@ def static_batch(sv: Serving, wl: Workload, batch: int) -> dict:
 def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
     I, O, c = wl.input_len, wl.output_len, concurrency / sv.layout.dp
     it = steady_iteration(sv, wl, c)
-    chunk = min(I, wl.prefill_chunk)
-    with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * I / O),
-                                prefill_ctx=I / 2)
-    ttft = 0.0 if wl.prefilled_elsewhere else math.ceil(I / chunk) * with_chunk["total"]
+    P = wl.prefill_len
+    chunk = min(P, wl.prefill_chunk)
+    with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * P / O),
+                                prefill_ctx=wl.prefill_ctx)
+    ttft = 0.0 if wl.prefilled_elsewhere else math.ceil(P / chunk) * with_chunk["total"]
     return {"concurrency": concurrency, "ttft_s": ttft,
             "tpot_s": it.get("itl", it["total"]),
             "output_tokens_per_s": concurrency / it["total"],
@@ -210,10 +233,11 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
     if wl.prefilled_elsewhere:  # a decode pool: decodes only, every iteration alike
         it = iteration_time(sv, decodes=c, kv_len=I + O / 2)
         return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
-    kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * I / O, prefill_ctx=I / 2)
+    P = wl.prefill_len
+    kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * P / O, prefill_ctx=wl.prefill_ctx)
     if not lo.attention_dp or sv.engine.adp_balanced:
-        return _prompt_mixture(sv, c, I, O, min(I, wl.prefill_chunk))
-    prob, piece = busiest_rank_prefill(c * I / O, min(I, wl.prefill_chunk), lo.dp)
+        return _prompt_mixture(sv, c, wl, min(P, wl.prefill_chunk))
+    prob, piece = busiest_rank_prefill(c * P / O, min(P, wl.prefill_chunk), lo.dp)
     busy, idle = iteration_time(sv, **kw, rank_prefill=piece), iteration_time(sv, **kw, rank_prefill=0.0)
     out = {k: prob * v + (1 - prob) * idle[k] for k, v in busy.items() if k != "bound"}
     return dict(out, bound=busy["bound"] if prob >= 0.5 else idle["bound"],
@@ -224,10 +248,11 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
 MIXTURE_MAX_PIECES = 16.0
 
 
-def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
-    """Continuous batching's iterations as they run: the prompts do not spread evenly over them. A prompt of I tokens
-    joins in pieces of `piece` (the chunk, or the whole prompt); the pieces one iteration carries are Poisson with
-    mean m = c I / (O piece) (c requests per rank, each bringing I prompt tokens per O generated), and an iteration
+def _prompt_mixture(sv: Serving, c: float, wl: Workload, piece: int) -> dict:
+    """Continuous batching's iterations as they run: the prompts do not spread evenly over them. A prompt's P tokens
+    to prefill (`Workload.prefill_len`: I, less a cached prefix) join in pieces of `piece` (the chunk, or the whole
+    of them); the pieces one iteration carries are Poisson with mean m = c P / (O piece) (c requests per rank, each
+    bringing P prompt tokens per O generated), and an iteration
     carrying k of them lasts t(c decodes + k pieces). Decode iterations are bound by the weights' reads and
     prefill-carrying ones by the prompt's FLOPs, so the mean iteration E[t] exceeds the iteration of the mean work
     (t is convex in the prompt tokens): E[t] sets the throughput ("total"), the decode-weighted mean
@@ -236,10 +261,11 @@ def _prompt_mixture(sv: Serving, c: float, I: int, O: int, piece: int) -> dict:
     (relative spread 1 / sqrt(m)): the mean iteration alone. "itl_var": the variance of the gaps (decode-weighted),
     whose mean over a request's O - 1 gaps sets the spread of its TPOT (`_at_rate`'s tail); "lengths": the
     iterations' (probability, seconds), whose rest an arrival waits out (`queues.residual_life`)."""
-    m = c * I / O / piece if piece > 0 else 0.0
-    kw = dict(decodes=c, kv_len=I + O / 2, prefill_ctx=I / 2)
+    I, O, P = wl.input_len, wl.output_len, wl.prefill_len
+    m = c * P / O / piece if piece > 0 else 0.0
+    kw = dict(decodes=c, kv_len=I + O / 2, prefill_ctx=wl.prefill_ctx)
     if m <= 0 or m > MIXTURE_MAX_PIECES:
-        it = iteration_time(sv, **kw, prefill_tokens=c * I / O)
+        it = iteration_time(sv, **kw, prefill_tokens=c * P / O)
         return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
     weights, its, k, p, mass = [], [], 0, math.exp(-m), 0.0
     while mass < 1 - 1e-6 and k <= 4 * MIXTURE_MAX_PIECES:
@@ -328,7 +354,7 @@ def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, 
     full = _budget_iteration(sv, wl, r)
     # closed-loop arrivals have no co-riders (`budget_wait`): no per-token cost to price for them
     t_token = 0.0 if at_boundary else (full - _budget_iteration(sv, wl, r, prompt_tokens=0)) / wl.prefill_chunk
-    return budget_wait(R / sv.layout.dp, wl.input_len, wl.prefill_chunk, full, r["iteration"]["lengths"], busy=busy,
+    return budget_wait(R / sv.layout.dp, wl.prefill_len, wl.prefill_chunk, full, r["iteration"]["lengths"], busy=busy,
                        q=q, at_boundary=at_boundary, t_token=t_token)
 
 
@@ -338,7 +364,7 @@ def _budget_iteration(sv: Serving, wl: Workload, r: dict, prompt_tokens: int | N
     I, O = wl.input_len, wl.output_len
     return iteration_time(sv, decodes=r["concurrency"] / sv.layout.dp, kv_len=I + O / 2,
                           prefill_tokens=wl.prefill_chunk if prompt_tokens is None else prompt_tokens,
-                          prefill_ctx=I / 2)["total"]
+                          prefill_ctx=wl.prefill_ctx)["total"]
 
 
 def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
@@ -357,7 +383,7 @@ def _at_rate(sv: Serving, wl: Workload, R: float, r: dict, best: dict) -> dict:
     hold = s + O * r["tpot_s"]  # a running request's slot, from its prompt's iterations to its last token
     slots, load = cap // dp, R / dp * hold
     utilization = max(R * O / best["output_tokens_per_s"], load / slots,
-                      R / dp * I * _budget_iteration(sv, wl, r) / wl.prefill_chunk)
+                      R / dp * wl.prefill_len * _budget_iteration(sv, wl, r) / wl.prefill_chunk)
     keeps_up = utilization < 1
     busy = -math.expm1(-c / dp)
     wait = prefill_queue(sv, wl, r, R, busy=busy) + slot_wait(load, slots, hold) if keeps_up else math.inf
@@ -399,10 +425,10 @@ def disaggregated(sv: Serving, wl: Workload) -> dict:
     target is met or not there, whatever the decode pool runs."""
     P, D = wl.disaggregate
     pre, dec = _pool(sv, P), _pool(sv, D)
-    I, O, cl = wl.input_len, wl.output_len, sv.cluster
-    chunk = max(wl.prefill_chunk, I)
-    full = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=chunk, prefill_ctx=I / 2)
-    prefill_rps = pre.layout.dp * chunk / I / full["total"]
+    I, O, cl, todo = wl.input_len, wl.output_len, sv.cluster, wl.prefill_len
+    chunk = max(wl.prefill_chunk, todo)
+    full = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=chunk, prefill_ctx=wl.prefill_ctx)
+    prefill_rps = pre.layout.dp * chunk / todo / full["total"]
     dwl = replace(wl, disaggregate=None, prefilled_elsewhere=True, max_ttft_s=None)
     d = continuous(dec, dwl, wl.concurrency) if wl.concurrency else offline(dec, dwl)
     it = d["iteration"]
@@ -416,7 +442,7 @@ def disaggregated(sv: Serving, wl: Workload) -> dict:
     rps = min(prefill_rps, decode_rps, transfer_rps)
     bound = {prefill_rps: full["bound"], decode_rps: it["bound"],
              transfer_rps: "scale-up link" if same_domain else "scale-out link"}[rps]
-    alone = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=I, prefill_ctx=I / 2)["total"]
+    alone = iteration_time(pre, decodes=0, kv_len=0, prefill_tokens=todo, prefill_ctx=wl.prefill_ctx)["total"]
     ttft = alone + transfer_s
     slo = {}
     if wl.max_ttft_s is not None or wl.max_tpot_s is not None:  # the TPOT's met by the decode pool's choice
@@ -440,7 +466,7 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     lo, gpus = sv.layout, sv.layout.world
     mem, cap = sv.memory(), max_concurrency(sv, wl)
     out = {"layout": lo.label(), "gpus": gpus, "mode": wl.mode, "input_len": wl.input_len,
-           "output_len": wl.output_len, "precision": sv.precision, "kv_precision": sv.kv_precision,
+           "prefix_hit": wl.prefix_hit, "prefill_tokens_per_request": wl.prefill_len, "output_len": wl.output_len, "precision": sv.precision, "kv_precision": sv.kv_precision,
            "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
            "profile_gib": mem["profile"] / GiB,
            "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
@@ -556,35 +582,3 @@ def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> li
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def format_serving(r: dict, model: str, gpu: str) -> str:
-    head = (f"{model} on {r['gpus']} x {gpu} ({r['layout']}), {r['precision']} weights, {r['kv_precision']} KV: "
-            f"weights {r['weights_gib']:.1f} GiB/GPU, "
-            + (f"the engine's profile run {r['profile_gib']:.1f} GiB/GPU (its sampler over --max-batch rows), "
-               if r.get("profile_gib") else "")
-            + f"KV {r['kv_bytes_per_token'] / 1024:.1f} KiB/token/GPU "
-            f"({r['kv_bytes_per_request'] / 2**20:,.1f} MiB/request/GPU), one sequence of up to "
-            f"{r['max_context_tokens']:,} tokens fits -> max concurrency {r['max_concurrency']} "
-            f"at {r['input_len']}+{r['output_len']} tokens")
-    if not r["fits"]:
-        return f"{head}\n  does not fit: {r['reason']}"
-    rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
-    if "percentile" in r:
-        p = percentile_label(r["percentile"])
-        rate = (f"; {r['request_rate']:.3g} requests/s{rate}, TTFT {p} {_text_ms(r[f'ttft_{p}_ms'], 1)}, TPOT {p} "
-                f"{_text_ms(r[f'tpot_{p}_ms'], 2)}")
-    queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
-    mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
-    if "meets_slo" in r:
-        what = "rate" if r["mode"] == "max-rate" else "concurrency"
-        mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"
-    warning = "".join(f"\n  {r[k]}" for k in ("context_note", "caution") if r.get(k))
-    return (f"{head}\n  {mode} at concurrency {r['concurrency']:.0f}{queue}: {r['output_tokens_per_s']:,.0f} output "
-            f"tokens/s ({r['output_tokens_per_s_per_gpu']:,.0f}/GPU), TTFT {_text_ms(r['ttft_ms'], 1)}, TPOT "
-            f"{_text_ms(r['tpot_ms'], 2)}, bound: {r['bound']}{rate}; {r['power_w'] / 1e3:.3g} kW, "
-            f"{r['joules_per_output_token']:.3g} J/output token{warning}")
-
-
-def _text_ms(ms: float | None, digits: int) -> str:
-    return "without bound (the queue grows)" if ms is None else f"{ms:.{digits}f} ms"
