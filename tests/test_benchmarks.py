@@ -53,3 +53,25 @@ def test_benchmark_smoke_mode_prints_json(smoke_runs, script):
     out = json.loads(done.stdout)
     assert isinstance(out, dict) and out, done.stdout[-2000:]
     assert out.get("smoke") is True or "skipped" in out, sorted(out)
+
+
+def test_prefix_cache_smoke_prices_each_run_with_a_calibration(tmp_path):
+    """The planner part of prefix_cache.py, which its smoke run skips without a calibration file: given one (written
+    here, its figures made up -- only the part's shape is checked), every measured run gets its predictions."""
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({
+        "matmul_flops": 5e10, "attention_flops": 2e10, "memory_bandwidth": 2e10, "cpu_cores": 2,
+        "link": {"bandwidth": 1e9, "latency": 1e-4},
+        "serving_host": {"step_s": 1e-3, "layer_s": 2e-4, "seq_s": 3e-5, "layer_seq_s": 4e-6}}))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefix_cache.py"), "--smoke", "--calibration",
+                           str(calibration)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    runs, priced = out["runs"], out["planner"]["runs"]
+    assert [r["hit_measured"] for r in runs] == [0.0, 0.5]  # whole blocks of the 64-token prompts: as asked
+    assert [p["hit"] for p in priced] == [0.0, 0.5]
+    for p in priced:
+        assert {"ttft_ms", "tpot_ms"} <= set(p["single"]) and "output_tokens_per_s" in p["batch"]
+    # half the prompt cached: the priced TTFT falls (its host time per step stays)
+    assert priced[1]["single_ttft_over_cold"]["predicted"] < 1.0

@@ -62,7 +62,8 @@ reuse): a share H of each prompt's tokens is found in the cache, so in every mod
 (`Workload.prefill_len`, at least its last token), each of them attending over the cached prefix and the rest before
 it (`Workload.prefill_ctx`). The KV is counted whole for every request (blocks that running requests share are not
 subtracted, so the memory and the max concurrency are an upper bound of what they take), and a disaggregated
-deployment ships the whole prompt's KV to the decode pool.
+deployment is priced shipping the whole prompt's KV to the decode pool (meshlm's own decode instance skips the blocks
+its cache holds). benchmarks/prefix_cache.py measures meshlm's engine against it.
 Power: every GPU at its board power plus its share of server and network, times PUE (cluster.py's datasheet
 figures, `operations.power`) -- an upper bound while decode leaves the tensor cores idle.
 """
@@ -466,7 +467,8 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     lo, gpus = sv.layout, sv.layout.world
     mem, cap = sv.memory(), max_concurrency(sv, wl)
     out = {"layout": lo.label(), "gpus": gpus, "mode": wl.mode, "input_len": wl.input_len,
-           "prefix_hit": wl.prefix_hit, "prefill_tokens_per_request": wl.prefill_len, "output_len": wl.output_len, "precision": sv.precision, "kv_precision": sv.kv_precision,
+           "prefix_hit": wl.prefix_hit, "prefill_tokens_per_request": wl.prefill_len, "output_len": wl.output_len,
+           "precision": sv.precision, "kv_precision": sv.kv_precision,
            "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
            "profile_gib": mem["profile"] / GiB,
            "kv_capacity_gib": mem["kv_capacity"] / GiB, "kv_bytes_per_token": sv.kv_bytes_per_token_per_gpu(),
