@@ -253,8 +253,7 @@ def _prompt_mixture(sv: Serving, c: float, wl: Workload, piece: int) -> dict:
     """Continuous batching's iterations as they run: the prompts do not spread evenly over them. A prompt's P tokens
     to prefill (`Workload.prefill_len`: I, less a cached prefix) join in pieces of `piece` (the chunk, or the whole
     of them); the pieces one iteration carries are Poisson with mean m = c P / (O piece) (c requests per rank, each
-    bringing P prompt tokens per O generated), and an iteration
-    carrying k of them lasts t(c decodes + k pieces). Decode iterations are bound by the weights' reads and
+    bringing P prompt tokens per O generated), and an iteration carrying k of them lasts t(c decodes + k pieces). Decode iterations are bound by the weights' reads and
     prefill-carrying ones by the prompt's FLOPs, so the mean iteration E[t] exceeds the iteration of the mean work
     (t is convex in the prompt tokens): E[t] sets the throughput ("total"), the decode-weighted mean
     sum P(k) (c - k) t_k / sum P(k) (c - k) the time between a request's tokens ("itl": a prompting request does not
