@@ -321,3 +321,46 @@ def test_every_request_prefills_at_least_its_last_prompt_token():
     assert Workload(10, 1, prefix_hit=0.99).prefill_len == 1
     assert Workload(1, 1, prefix_hit=0.5).prefill_len == 1
     assert Workload(1000, 1, prefix_hit=0.5).prefill_len == 500
+
+
+def test_a_prefix_every_request_shares_is_held_once():
+    """`--prefix-shared`: the cached prefix is one prompt prefix every request shares (a system prompt), its KV held
+    once per dp rank, so each request's own KV is its tokens past it: on llama3-8b (32 layers, 8 kv heads of 128, bf16:
+    131,072 bytes a token) with 3,840 of 4,096 prompt tokens shared and 256 generated, a request holds 512 tokens of
+    its own beside the one copy of the prefix."""
+    sv = _sv("llama3-8b", tp=1)
+    cap = sv.memory()["kv_capacity"]
+    per_token = 32 * 2 * 8 * 128 * 2
+    own = estimate_serving(sv, Workload(4096, 256, offline=True, prefix_hit=0.9375))
+    shared = estimate_serving(sv, Workload(4096, 256, offline=True, prefix_hit=0.9375, prefix_shared=True))
+    assert own["max_concurrency"] == int(cap // (4352 * per_token))
+    assert shared["max_concurrency"] == int((cap - 3840 * per_token) // (512 * per_token))
+    assert shared["shared_prefix_tokens"] == 3840 and own["shared_prefix_tokens"] == 0
+    # pp 2: each stage holds its 16 layers' share of both
+    two = replace(sv, layout=ServingLayout(pp=2))
+    cap2 = two.memory()["kv_capacity"]
+    assert max_concurrency(two, Workload(4096, 256, prefix_hit=0.9375, prefix_shared=True)) == \
+        int((cap2 - 3840 * per_token / 2) // (512 * per_token / 2))
+
+
+def test_a_windowed_layer_keeps_no_shared_prefix():
+    """A sliding-window layer keeps each request's own last window, not the shared prefix: only the full-attention
+    layers hold it once. Two layers, one full and one of a 128-token window, 4,096 + 256 tokens, 3,840 shared: a
+    request holds 512 tokens of its own in the full layer and its 128-token window in the other."""
+    from meshlm.config import ModelConfig
+    from meshlm.planner.serving_model import ServedModel
+
+    cfg = ModelConfig(vocab_size=1000, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=4,
+                      intermediate_size=1024, max_seq_len=8192)
+    sm = ServedModel(cfg, windows=(0, 128))
+    layer_token = 2 * 4 * 64 * 2  # K and V of 4 kv heads of 64, bf16
+    budget = 1e9
+    assert sm.sequences_sharing_a_prefix(budget, 4352, 3840, 2.0, tp=1, pp=1, cp=1) == \
+        int((budget - 3840 * layer_token) // ((512 + 128) * layer_token))
+    # without sharing, each request holds its whole 4,352 tokens in the full layer (and its window in the other)
+    assert sm.kv_bytes_per_gpu(4352, 2.0, tp=1, pp=1, cp=1) == (4352 + 128) * layer_token
+
+
+def test_prefix_shared_needs_a_prefix_hit(capsys):
+    with pytest.raises(ValueError, match="--prefix-shared .* --prefix-hit"):
+        _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--tp", "1", "--prefix-shared"], capsys)

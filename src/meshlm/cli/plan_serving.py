@@ -85,6 +85,9 @@ def add_serving_parsers(sub) -> None:
                    help="the share of each prompt's tokens the engine finds in its prefix cache (a shared system "
                         "prompt, earlier turns of a chat, a RAG template), in [0, 1): only the rest are prefilled, "
                         "attending over the whole prompt; the KV is still counted whole per request (default 0)")
+    i.add_argument("--prefix-shared", action="store_true",
+                   help="the cached prefix of --prefix-hit is one prefix every request shares (a system prompt, a "
+                        "RAG template): the running requests hold its KV once, so more of them fit")
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None,
@@ -234,7 +237,7 @@ def _serving_inputs(args):
                   max_rate=args.request_rate == "max", percentile=args.percentile, max_batch=args.max_batch,
                   prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
                   disaggregate=disagg, max_ttft_s=_seconds(args.max_ttft_ms), max_tpot_s=_seconds(args.max_tpot_ms),
-                  prefix_hit=args.prefix_hit)
+                  prefix_hit=args.prefix_hit, prefix_shared=args.prefix_shared)
     cluster = get_cluster(args.cluster, calibration=args.calibration)
     name = args.engine or ("meshlm" if cluster.serving_host else "default")
     eng = engine(name, cluster)
@@ -294,8 +297,9 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
             f"({r['kv_bytes_per_request'] / 2**20:,.1f} MiB/request/GPU), one sequence of up to "
             f"{r['max_context_tokens']:,} tokens fits -> max concurrency {r['max_concurrency']} "
             f"at {r['input_len']}+{r['output_len']} tokens"
-            + (f" ({r['prefix_hit']:.0%} of each prompt cached: {r['prefill_tokens_per_request']:,} tokens prefilled)"
-               if r.get("prefix_hit") else ""))
+            + (f" ({r['prefix_hit']:.0%} of each prompt cached: {r['prefill_tokens_per_request']:,} tokens prefilled"
+               + (f", the {r['shared_prefix_tokens']:,}-token prefix shared" if r.get("shared_prefix_tokens") else "")
+               + ")" if r.get("prefix_hit") else ""))
     if not r["fits"]:
         return f"{head}\n  does not fit: {r['reason']}"
     rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""

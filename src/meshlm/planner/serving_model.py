@@ -151,6 +151,22 @@ class ServedModel:
         return max(self.cached_tokens(tokens, stage) for stage in self._stages(pp)) \
             * self._kv_layer_bytes(kv_bytes, tp=tp) / cp
 
+    def sequences_sharing_a_prefix(self, budget: float, tokens: float, prefix: float, kv_bytes: float, *, tp: int,
+                                   pp: int, cp: int) -> int:
+        """Sequences of `tokens` that fit `budget` bytes of KV per GPU when their first `prefix` tokens are one prefix
+        they all share, held once (the prefix caches of vLLM, SGLang and meshlm share its blocks among the running
+        requests): on every stage the prefix once in its full-attention layers, and each sequence its own tokens
+        past it there; a windowed layer is counted per sequence as without sharing (what it keeps of the prefix
+        is gone once the sequence has moved a window past it). The least over the stages."""
+        unit = self._kv_layer_bytes(kv_bytes, tp=tp) / cp  # one layer's bytes per token on one GPU
+        fits = []
+        for stage in self._stages(pp):
+            full = sum(1 for i in stage if not self.layer_window(i))
+            shared = full * prefix * unit
+            own = (self.cached_tokens(tokens, stage) - full * prefix) * unit
+            fits.append(max(0, int((budget - shared) // own)) if own > 0 else 0)
+        return min(fits)
+
     def max_cached_tokens(self, budget: float, kv_bytes: float, *, tp: int, pp: int, cp: int) -> int | None:
         """The longest sequence whose KV (`kv_bytes_per_gpu`) fits `budget` bytes per GPU, or None where its KV
         stops growing within the budget (every layer of some stage windowed: any length fits)."""

@@ -60,8 +60,9 @@ Modes (I prompt tokens, O output tokens per request):
 Prefix caching (`--prefix-hit H`; vLLM's automatic prefix caching, SGLang's RadixAttention, TensorRT-LLM's KV cache
 reuse): a share H of each prompt's tokens is found in the cache, so in every mode a request prefills only the rest
 (`Workload.prefill_len`, at least its last token), each of them attending over the cached prefix and the rest before
-it (`Workload.prefill_ctx`). The KV is counted whole for every request (blocks that running requests share are not
-subtracted, so the memory and the max concurrency are an upper bound of what they take), and a disaggregated
+it (`Workload.prefill_ctx`). The KV is counted whole for every request -- its own earlier turns, say -- unless the
+prefix is one that every request shares (`--prefix-shared`: a system prompt, a RAG template), whose blocks the running
+requests then hold once (`ServedModel.sequences_sharing_a_prefix`: in the full-attention layers); a disaggregated
 deployment is priced shipping the whole prompt's KV to the decode pool (meshlm's own decode instance skips the blocks
 its cache holds). benchmarks/prefix_cache.py measures meshlm's engine against it.
 Power: every GPU at its board power plus its share of server and network, times PUE (cluster.py's datasheet
@@ -103,8 +104,10 @@ class Workload:
     # a disaggregated deployment's decode pool (`disaggregated`): its prompts were prefilled, and their first tokens
     # made, on the prefill pool -- its iterations carry decodes only and add nothing to the TTFT
     prefilled_elsewhere: bool = False
-    # the share of each prompt's tokens the engine finds in its prefix cache (`--prefix-hit`; module docstring)
+    # the share of each prompt's tokens the engine finds in its prefix cache (`--prefix-hit`; module docstring), and
+    # whether that prefix is one that every request shares, its KV held once (`--prefix-shared`)
     prefix_hit: float = 0.0
+    prefix_shared: bool = False
 
     def __post_init__(self):
         if self.input_len < 1 or self.output_len < 1:
@@ -116,6 +119,9 @@ class Workload:
         if not 0 <= self.prefix_hit < 1:
             raise ValueError(f"--prefix-hit {self.prefix_hit:g} must be at least 0 and below 1: the share of each "
                              f"prompt's tokens found in the prefix cache (e.g. 0.5)")
+        if self.prefix_shared and not self.prefix_hit:
+            raise ValueError("--prefix-shared says the cached prefix is one every request shares: give its share of "
+                             "the prompt with --prefix-hit (e.g. --prefix-hit 0.75)")
         if self.percentile is not None and not 0 < self.percentile < 100:
             raise ValueError(f"--percentile {self.percentile:g} must be between 0 and 100, e.g. 99")
         for name in ("batch", "concurrency", "request_rate", "prefill_chunk", "max_batch"):
@@ -148,6 +154,12 @@ class Workload:
         return self.input_len - self.prefill_len / 2
 
     @property
+    def shared_prefix_len(self) -> int:
+        """Prompt tokens every running request shares, their KV held once: the cached prefix where it is one
+        (`prefix_shared`), else none."""
+        return self.input_len - self.prefill_len if self.prefix_shared else 0
+
+    @property
     def mode(self) -> str:
         if self.batch is not None:
             return "static"
@@ -167,11 +179,17 @@ def parse_disaggregate(text: str) -> tuple[int, int]:
 
 
 def max_concurrency(sv: Serving, wl: Workload) -> int:
-    """Requests of I + O tokens whose KV fits the deployment (each dp rank its own), within --max-batch."""
-    per_rank = sv.max_sequences(wl.input_len + wl.output_len)
+    """Requests of I + O tokens whose KV fits the deployment (each dp rank its own; a prefix they share held once
+    on each), within --max-batch."""
+    per_rank = _kv_fits(sv, wl)
     if wl.max_batch:
         per_rank = min(per_rank, wl.max_batch)
     return int(per_rank) * sv.layout.dp
+
+
+def _kv_fits(sv: Serving, wl: Workload) -> int:
+    """Requests of I + O tokens whose KV one dp rank holds (`Serving.max_sequences`)."""
+    return sv.max_sequences(wl.input_len + wl.output_len, shared_prefix=wl.shared_prefix_len)
 
 
 def static_batch(sv: Serving, wl: Workload, batch: int) -> dict:
@@ -219,7 +237,7 @@ def clients(sv: Serving, wl: Workload, concurrency: int) -> dict:
     if concurrency <= cap:
         return dict(r, running=concurrency, queued=0)
     wait = (concurrency - cap) * wl.output_len / r["output_tokens_per_s"]
-    kv_bound = not wl.max_batch or sv.max_sequences(wl.input_len + wl.output_len) < wl.max_batch
+    kv_bound = not wl.max_batch or _kv_fits(sv, wl) < wl.max_batch
     return dict(r, concurrency=concurrency, running=cap, queued=concurrency - cap, ttft_s=r["ttft_s"] + wait,
                 bound="KV capacity" if kv_bound else r["bound"])
 
@@ -466,7 +484,8 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     lo, gpus = sv.layout, sv.layout.world
     mem, cap = sv.memory(), max_concurrency(sv, wl)
     out = {"layout": lo.label(), "gpus": gpus, "mode": wl.mode, "input_len": wl.input_len,
-           "prefix_hit": wl.prefix_hit, "prefill_tokens_per_request": wl.prefill_len, "output_len": wl.output_len,
+           "prefix_hit": wl.prefix_hit, "prefill_tokens_per_request": wl.prefill_len,
+           "shared_prefix_tokens": wl.shared_prefix_len, "output_len": wl.output_len,
            "precision": sv.precision, "kv_precision": sv.kv_precision,
            "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
            "profile_gib": mem["profile"] / GiB,
@@ -535,8 +554,10 @@ def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
                 f"tokens of KV cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp), shorten the "
                 f"sequence{fewer} or use --precision fp8 / --kv-precision fp8")
     if need > cap:
-        return (f"{need} requests of {seq} tokens do not fit: {sv.kv_bytes_per_gpu(seq) / 2**20:,.1f} MiB of KV cache "
-                f"each per GPU, {mem['kv_capacity'] / GiB:,.1f} GiB per GPU hold {cap} (max concurrency)")
+        shared = f" (their shared {wl.shared_prefix_len}-token prefix held once)" if wl.shared_prefix_len else ""
+        return (f"{need} requests of {seq} tokens{shared} do not fit: {sv.kv_bytes_per_gpu(seq) / 2**20:,.1f} MiB of "
+                f"KV cache each per GPU alone, {mem['kv_capacity'] / GiB:,.1f} GiB per GPU hold {cap} (max "
+                f"concurrency)")
     return ""
 
 
