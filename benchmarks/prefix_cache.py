@@ -8,7 +8,7 @@ For each share H in --hits, requests of --input-len prompt tokens whose first H 
 an earlier request prefilled, so that the engine's prefix cache holds them, then --output-len new tokens each:
   single   one request at a time (--repeats of them, each with a prompt of its own past the shared prefix; the fastest
            counts, timeit's rule): time to first token from its submission, and the mean time between its later
-           tokens, by engine step;
+           tokens, by engine step (serve.py's `stepped_generate`);
   batch    --batch such requests submitted at once, the engine's token budget large enough to prefill them in one
            step (a static batch): output tokens/s, mean TTFT and TPOT.
 `hit_measured` is the engine's own count (prompt tokens found in its cache over those looked up) in those runs: the
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from _common import parse_args_smoke, predicted_vs_measured
+from serve import stepped_generate  # benchmarks/ is on sys.path when run as a script
 
 
 def model_config(args):
@@ -40,38 +41,17 @@ def model_config(args):
                        intermediate_size=3 * args.hidden, max_seq_len=args.input_len + args.output_len + 16)
 
 
-def stepped(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list[float], list[float]]:
-    """Every prompt submitted at once, steps until all finish: (seconds, each request's TTFT from the submission, each
-    one's mean time between its later tokens)."""
-    from meshlm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params).request_id for p in prompts]
-    first, final = {}, {}
-    while len(final) < len(ids):
-        outs = engine.step()
-        now = time.perf_counter()
-        for out in outs:
-            if out.new_token_ids:
-                first.setdefault(out.request_id, now)
-            if out.finished:
-                final[out.request_id] = (now, len(out.token_ids))
-    seconds = time.perf_counter() - start
-    return (seconds, [first[i] - start for i in ids],
-            [(final[i][0] - first[i]) / max(1, final[i][1] - 1) for i in ids])
-
-
 def at_hit(engine, rng: random.Random, args, hit: float) -> dict:
     """The single and batch runs at one hit share (module docstring)."""
     block, vocab = engine.block_manager.block_size, args.vocab
     cached = int(hit * args.input_len) // block * block
     prefix = [rng.randrange(2, vocab) for _ in range(cached)]
     fresh = lambda: prefix + [rng.randrange(2, vocab) for _ in range(args.input_len - cached)]  # noqa: E731
-    stepped(engine, [fresh()], 1)  # an earlier request: the prefix's blocks enter the cache
+    stepped_generate(engine, [fresh()], 1)  # an earlier request: the prefix's blocks enter the cache
     before = engine.stats()
-    single = min((stepped(engine, [fresh()], args.output_len) for _ in range(args.repeats)), key=lambda r: r[0])
-    batch = stepped(engine, [fresh() for _ in range(args.batch)], args.output_len)
+    single = min((stepped_generate(engine, [fresh()], args.output_len) for _ in range(args.repeats)),
+                 key=lambda r: r[0])
+    batch = stepped_generate(engine, [fresh() for _ in range(args.batch)], args.output_len)
     after = engine.stats()
     queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
     found = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
@@ -143,7 +123,7 @@ def main() -> None:
               max_num_batched_tokens=args.batch * args.input_len)
     engine = llm.engine
     started = time.perf_counter()
-    stepped(engine, [[rng.randrange(2, args.vocab) for _ in range(args.input_len)]], args.output_len)  # warm-up
+    stepped_generate(engine, [[rng.randrange(2, args.vocab) for _ in range(args.input_len)]], args.output_len)  # warm
     runs = [at_hit(engine, rng, args, float(h)) for h in args.hits.split(",")]
     result = {"model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "device": "cpu",
                         "torch_threads": torch.get_num_threads(), "block_size": engine.block_manager.block_size},
