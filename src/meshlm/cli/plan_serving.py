@@ -215,7 +215,7 @@ def _serving_inputs(args):
     from meshlm.planner.serving import Serving, ServingLayout, parse_serving_layout
     from meshlm.planner.serving_engine import default_max_batch, engine
     from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload, parse_disaggregate
+    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload
 
     if args.context_len is not None:
         raise ValueError("--context-len is gone: give --input-len (prompt tokens) and --output-len (generated "
@@ -274,6 +274,14 @@ def _rate(text: str) -> float | str:
 
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1e3
+
+
+def parse_disaggregate(text: str) -> tuple[int, int]:
+    """`--disaggregate P:D` -> (prefill GPUs, decode GPUs)."""
+    a, _, b = text.partition(":")
+    if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
+        raise ValueError(f"--disaggregate {text!r}: expected PREFILL_GPUS:DECODE_GPUS, e.g. 8:24")
+    return int(a), int(b)
 
 
 def _precisions(args, sm) -> dict:

@@ -170,14 +170,6 @@ class Workload:
         return "request-rate" if self.request_rate is not None else "offline"
 
 
-def parse_disaggregate(text: str) -> tuple[int, int]:
-    """`--disaggregate P:D` -> (prefill GPUs, decode GPUs)."""
-    a, _, b = text.partition(":")
-    if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
-        raise ValueError(f"--disaggregate {text!r}: expected PREFILL_GPUS:DECODE_GPUS, e.g. 8:24")
-    return int(a), int(b)
-
-
 def max_concurrency(sv: Serving, wl: Workload) -> int:
     """Requests of I + O tokens whose KV fits the deployment (each dp rank its own; a prefix they share held once
     on each), within --max-batch."""
