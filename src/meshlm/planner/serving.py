@@ -237,11 +237,9 @@ class Serving:
     def max_sequences(self, tokens: int, *, shared_prefix: int = 0) -> int:
         """Sequences of `tokens` whose KV one dp rank holds; with `shared_prefix`, their first tokens one prefix they
         all share, held once (`ServedModel.sequences_sharing_a_prefix`)."""
-        if shared_prefix:
-            lo = self.layout
-            return self.sm.sequences_sharing_a_prefix(self.memory()["kv_capacity"], tokens, shared_prefix,
-                                                      KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp, cp=lo.cp)
-        return int(self.memory()["kv_capacity"] // self.kv_bytes_per_gpu(tokens))
+        lo = self.layout
+        return self.sm.sequences_sharing_a_prefix(self.memory()["kv_capacity"], tokens, shared_prefix,
+                                                  KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp, cp=lo.cp)
 
     def memory(self) -> dict:
         """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache, its profile run's peak

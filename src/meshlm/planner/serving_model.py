@@ -153,18 +153,16 @@ class ServedModel:
 
     def sequences_sharing_a_prefix(self, budget: float, tokens: float, prefix: float, kv_bytes: float, *, tp: int,
                                    pp: int, cp: int) -> int:
-        """Sequences of `tokens` that fit `budget` bytes of KV per GPU when their first `prefix` tokens are one prefix
-        they all share, held once (the prefix caches of vLLM, SGLang and meshlm share its blocks among the running
-        requests): on every stage the prefix once in its full-attention layers, and each sequence its own tokens
-        past it there; a windowed layer is counted per sequence as without sharing (what it keeps of the prefix
-        is gone once the sequence has moved a window past it). The least over the stages."""
+        """Sequences of `tokens` that fit `budget` bytes of KV per GPU (`kv_bytes_per_gpu` each), or, where their first
+        `prefix` tokens are one prefix they all share, held once (the prefix caches of vLLM, SGLang and meshlm share
+        its blocks among the running requests): on every stage the prefix once in its full-attention layers, and each
+        sequence its own tokens past it there; a windowed layer is counted per sequence as without sharing (what it
+        keeps of the prefix is gone once the sequence has moved a window past it). The least over the stages."""
         unit = self._kv_layer_bytes(kv_bytes, tp=tp) / cp  # one layer's bytes per token on one GPU
         fits = []
         for stage in self._stages(pp):
-            full = sum(1 for i in stage if not self.layer_window(i))
-            shared = full * prefix * unit
-            own = (self.cached_tokens(tokens, stage) - full * prefix) * unit
-            fits.append(max(0, int((budget - shared) // own)) if own > 0 else 0)
+            shared = sum(1 for i in stage if not self.layer_window(i)) * prefix  # layer-tokens held once
+            fits.append(max(0, int((budget - shared * unit) // ((self.cached_tokens(tokens, stage) - shared) * unit))))
         return min(fits)
 
     def max_cached_tokens(self, budget: float, kv_bytes: float, *, tp: int, pp: int, cp: int) -> int | None:
