@@ -68,10 +68,12 @@ def planner(cfg, calibration: str | None, runs: list[dict], args, engine) -> dic
         return {"skipped": f"no calibration file {calibration!r}: run `meshlm plan calibrate --out FILE` and pass "
                            "--calibration FILE"}
     from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_layout import ServingLayout
     from meshlm.planner.serving_engine import engine as engine_preset
     from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import Workload, estimate_serving
+    from meshlm.planner.serving_modes import estimate_serving
+    from meshlm.planner.serving_workload import Workload
 
     cluster = get_cluster("local", calibration=calibration)
     if not cluster.serving_host:

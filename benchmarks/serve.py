@@ -55,10 +55,12 @@ import torch
 
 from _common import OtherWork, missing_extras, parse_args_smoke, predicted_vs_measured, print_smoke_skip, run_ranks
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.serving import Serving, ServingLayout
+from meshlm.planner.serving import Serving
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_engine import engine as engine_preset
 from meshlm.planner.serving_model import served_model
-from meshlm.planner.serving_modes import Workload, estimate_serving
+from meshlm.planner.serving_modes import estimate_serving
+from meshlm.planner.serving_workload import Workload
 from meshlm.processes import free_port, stop_tree
 
 BLOCK_SIZE = 16  # tokens per KV block in the longest-context part

@@ -239,7 +239,8 @@ def test_cli_hf_config_and_infer(capsys, tmp_path):
 def test_inference_decode_bounds():
     """The serving model (planner/serving*.py; the old one-function estimate folded into it): a decode step at
     batch 1 streams every weight once, and the largest batch that fits shares that read."""
-    from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+    from meshlm.planner.serving import Serving, iteration_time
+    from meshlm.planner.serving_layout import ServingLayout
     from meshlm.planner.serving_model import served_model
 
     sv = Serving(served_model("llama3-70b"), get_cluster("h100"), ServingLayout(tp=8))

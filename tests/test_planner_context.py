@@ -10,7 +10,8 @@ import pytest
 from meshlm.cli.plan import add_parser as add_plan_parser
 from meshlm.cli.plan import run as run_plan
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.serving import Serving, ServingLayout
+from meshlm.planner.serving import Serving
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_context import (STOP_GAIN, best_layout, context_answer, smallest_deployment,
                                             stops_paying)
 from meshlm.planner.serving_model import served_model

@@ -24,9 +24,11 @@ import pytest
 from meshlm.cli.plan import add_parser as add_plan_parser
 from meshlm.cli.plan import run as run_plan
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.serving import KV_MEMORY_FRACTION, Serving, ServingLayout, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving import KV_MEMORY_FRACTION, Serving, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_model import served_model
-from meshlm.planner.serving_modes import Workload, estimate_serving, max_concurrency
+from meshlm.planner.serving_modes import estimate_serving, max_concurrency
+from meshlm.planner.serving_workload import Workload
 
 
 def _sv(model="llama3-70b", cluster="h100", kv="bf16", precision="bf16", **layout):

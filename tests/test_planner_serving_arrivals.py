@@ -15,9 +15,11 @@ import pytest
 
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.queues import tail_concurrency, wait_quantile
-from meshlm.planner.serving import Serving, ServingLayout
+from meshlm.planner.serving import Serving
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_model import served_model
-from meshlm.planner.serving_modes import Workload, max_rate, offline, poisson
+from meshlm.planner.serving_modes import max_rate, offline, poisson
+from meshlm.planner.serving_workload import Workload
 
 
 def _sv(model="llama3-70b", tp=4, **kw):
@@ -264,7 +266,8 @@ def test_iterations_carry_whole_prompts_poisson_many_at_a_time():
     import math
 
     from meshlm.planner.serving import iteration_time
-    from meshlm.planner.serving_modes import MIXTURE_MAX_PIECES, Workload, _prompt_mixture
+    from meshlm.planner.serving_modes import MIXTURE_MAX_PIECES, _prompt_mixture
+    from meshlm.planner.serving_workload import Workload
 
     sv, c, I, O = _sv("llama3-8b", tp=1), 8.0, 4000, 1000
     mix = _prompt_mixture(sv, c, Workload(I, O), I)
@@ -293,7 +296,8 @@ def test_a_requests_tpot_tail_spreads_with_the_prompts_its_gaps_carry():
     import statistics
 
     from meshlm.planner.serving import iteration_time
-    from meshlm.planner.serving_modes import Workload, _prompt_mixture
+    from meshlm.planner.serving_modes import _prompt_mixture
+    from meshlm.planner.serving_workload import Workload
 
     sv, c, I, O = _sv("llama3-8b", tp=1), 8.0, 4000, 1000
     mix = _prompt_mixture(sv, c, Workload(I, O), I)

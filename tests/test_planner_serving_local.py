@@ -16,7 +16,8 @@ from meshlm.cli.plan import add_parser as add_plan_parser
 from meshlm.cli.plan import run as run_plan
 from meshlm.planner.calibrate_serving import SERVING_LAYERS, SERVING_SEQS, _least_squares
 from meshlm.planner.cluster import get_cluster
-from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+from meshlm.planner.serving import Serving, iteration_time
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_engine import ENGINES, engine, meshlm_engine
 from meshlm.planner.serving_model import served_model
 

@@ -13,9 +13,11 @@ from dataclasses import replace
 import pytest
 
 from meshlm.planner.cluster import PRESETS, get_cluster
-from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+from meshlm.planner.serving import Serving, iteration_time
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_model import served_model
-from meshlm.planner.serving_modes import Workload, estimate_serving, max_concurrency
+from meshlm.planner.serving_modes import estimate_serving, max_concurrency
+from meshlm.planner.serving_workload import Workload
 from test_planner_serving import _cli, _sv
 
 FIELDS = ("output_tokens_per_s", "output_tokens_per_s_per_gpu", "total_tokens_per_s", "ttft_ms", "tpot_ms",
@@ -137,7 +139,8 @@ def test_offline_within_latency_targets_is_the_best_concurrency_that_meets_them(
     where none meets them, the fewest requests with meets_slo false. Published rows that state a target are priced
     within it (`latency_targets`); a figure without a comparison is a result, not a target."""
     from meshlm.planner.published_load import latency_targets
-    from meshlm.planner.serving_modes import Workload, continuous, offline
+    from meshlm.planner.serving_modes import continuous, offline
+    from meshlm.planner.serving_workload import Workload
 
     sv = _sv("llama3-70b", "h100", tp=8)
     free = offline(sv, Workload(2048, 512))

@@ -236,7 +236,8 @@ def test_a_row_measured_at_a_fixed_request_rate_is_priced_at_that_rate():
 
     from meshlm.planner.published_load import request_rate
     from meshlm.planner.published_serving import _max_batch, deployment_of, predict_row, read_rows
-    from meshlm.planner.serving_modes import Workload, offline, poisson
+    from meshlm.planner.serving_modes import offline, poisson
+    from meshlm.planner.serving_workload import Workload
 
     assert request_rate({"batch_or_concurrency": "Poisson arrivals at QPS 2 (2 requests/s); 500 requests"}) == 2.0
     assert request_rate({"batch_or_concurrency": "0.5 req/s"}) == 0.5

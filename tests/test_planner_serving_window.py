@@ -9,9 +9,11 @@ import pytest
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.published_serving import model_of
-from meshlm.planner.serving import Serving, ServingLayout, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving import Serving, iteration_time, kv_transfer_bytes
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_model import ServedModel, layer_windows, served_model
-from meshlm.planner.serving_modes import Workload, estimate_serving
+from meshlm.planner.serving_modes import estimate_serving
+from meshlm.planner.serving_workload import Workload
 
 # openai/gpt-oss-120b's config.json, as far as the serving planner reads it (shapes, experts, alternate windows).
 GPT_OSS_120B = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,

@@ -157,7 +157,8 @@ def test_blackwell_ultra_and_cdna4_parts_at_their_datasheets_and_measured_gemms(
     1.5x faster. Published tables' GPU cells name them, and a 405B model's 1M-token context fits on fewer of them."""
     from meshlm.planner.cluster import GiB, get_cluster
     from meshlm.planner.published_rows import cluster_of
-    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_layout import ServingLayout
     from meshlm.planner.serving_context import smallest_deployment
     from meshlm.planner.serving_model import served_model
 
@@ -198,7 +199,8 @@ def _square_model_serving(cluster, precision, tp=1):
     NVFP4 benchmark measured."""
     from meshlm.config import ModelConfig
     from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_layout import ServingLayout
     from meshlm.planner.serving_model import ServedModel
 
     cfg = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
@@ -350,7 +352,8 @@ def test_a100_pcie_grace_hopper_and_ada_parts_are_their_own():
     room for a request."""
     from meshlm.planner.cluster import GiB, get_cluster
     from meshlm.planner.published_rows import cluster_of
-    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_layout import ServingLayout
     from meshlm.planner.serving_model import served_model
 
     sxm, pcie, pcie40 = get_cluster("a100"), get_cluster("a100-pcie"), get_cluster("a100-pcie-40gb")

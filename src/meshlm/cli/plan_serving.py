@@ -169,7 +169,7 @@ def _plot_frontier(args, sv, wl, answers: list[dict]) -> None:
     """`plan infer --plot`: each fitting answer's layout swept over requests in flight (`frontier`), its answer
     starred."""
     from meshlm.planner.plot import plot_frontier
-    from meshlm.planner.serving import parse_serving_layout
+    from meshlm.planner.serving_layout import parse_serving_layout
     from meshlm.planner.serving_modes import frontier
 
     curves, marks = {}, {}
@@ -189,7 +189,8 @@ def run_context(args) -> int:
     """`meshlm plan context`: the smallest deployment that holds one long sequence, and its scaling."""
     from meshlm.planner.cluster import get_cluster
     from meshlm.planner.plot import plot_context
-    from meshlm.planner.serving import Serving, ServingLayout
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_layout import ServingLayout
     from meshlm.planner.serving_context import context_answer, format_context, plot_variants
     from meshlm.planner.serving_model import served_model
 
@@ -212,10 +213,11 @@ def run_context(args) -> int:
 def _serving_inputs(args):
     """(Serving, Workload, gpus) from `plan infer`'s flags."""
     from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving, ServingLayout, parse_serving_layout
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_layout import ServingLayout, parse_serving_layout
     from meshlm.planner.serving_engine import default_max_batch, engine
     from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import DEFAULT_PREFILL_CHUNK, Workload
+    from meshlm.planner.serving_workload import DEFAULT_PREFILL_CHUNK, Workload
 
     if args.context_len is not None:
         raise ValueError("--context-len is gone: give --input-len (prompt tokens) and --output-len (generated "

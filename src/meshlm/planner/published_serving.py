@@ -70,11 +70,13 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.published_load import latency_targets, request_rate, target_percentile
 from meshlm.planner.published_rows import cluster_of, name_key, predict_each, read_table
-from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+from meshlm.planner.serving import Serving, iteration_time
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_engine import ENGINES, Engine, default_max_batch
 from meshlm.planner.serving_model import WEIGHT_BYTES, ServedModel, served_model
-from meshlm.planner.serving_modes import (Workload, clients, max_concurrency, max_rate, offline, poisson, power_w,
-                                         serving_layouts, static_batch)
+from meshlm.planner.serving_modes import (clients, max_concurrency, max_rate, offline, poisson, power_w,
+                                          serving_layouts, static_batch)
+from meshlm.planner.serving_workload import Workload
 
 # Architectures of the rows' models (Hugging Face config.json of each). Llama 3.x: the presets.
 _L2 = dict(vocab_size=32000, max_seq_len=4096, rope_theta=10000.0)

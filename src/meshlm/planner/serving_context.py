@@ -24,7 +24,8 @@ from dataclasses import replace
 
 from meshlm.planner.cluster import GiB, Cluster
 from meshlm.planner.collectives import group_span
-from meshlm.planner.serving import Serving, ServingLayout, iteration_time
+from meshlm.planner.serving import Serving, iteration_time
+from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_model import KV_BYTES, ServedModel
 
 # A doubling of the GPUs "pays" when it cuts the TPOT by at least this fraction.
