@@ -367,3 +367,85 @@ def test_a_windowed_layer_keeps_no_shared_prefix():
 def test_prefix_shared_needs_a_prefix_hit(capsys):
     with pytest.raises(ValueError, match="--prefix-shared .* --prefix-hit"):
         _cli(["plan", "infer", "--model", "llama3-8b", "--cluster", "h100", "--tp", "1", "--prefix-shared"], capsys)
+
+
+def test_vllm_cascade_rule_as_its_source_writes_it():
+    """vLLM V1's `use_cascade_attention`: at least 256 shared tokens and 8 requests; then always where no
+    FlashDecoding would run (a prompt in the step, or one query head per kv head), else its tile model over the SMs.
+    llama3-8b on one H100 (32 query and 8 kv heads, 132 SMs), 4,096 shared tokens (32 tiles): FlashDecoding's
+    8 x requests x 32 blocks fill more than cascade's one wave of 32 tiles from 17 requests on; llama3-70b at tp 8 (8
+    and 1 heads a GPU) from 133."""
+    from meshlm.planner.serving_engine import vllm_cascades
+
+    h100 = dict(q_heads=32, kv_heads=8, sms=132)
+    assert not vllm_cascades(prefix=255, requests=64, decode_only=False, **h100)
+    assert not vllm_cascades(prefix=4096, requests=7, decode_only=False, **h100)
+    assert vllm_cascades(prefix=256, requests=8, decode_only=False, **h100)
+    assert vllm_cascades(prefix=256, requests=8, decode_only=True, q_heads=32, kv_heads=32, sms=132)  # MHA
+    assert not vllm_cascades(prefix=4096, requests=16, decode_only=True, **h100)
+    assert vllm_cascades(prefix=4096, requests=17, decode_only=True, **h100)
+    tp8 = dict(q_heads=8, kv_heads=1, sms=132)
+    assert [vllm_cascades(prefix=4096, requests=n, decode_only=True, **tp8) for n in (132, 133)] == [False, True]
+    assert not vllm_cascades(prefix=4096, requests=64, decode_only=False, q_heads=32, kv_heads=8, sms=0)  # no SMs
+
+
+def test_a_cascading_engine_reads_the_shared_prefix_once():
+    """Decode attention's KV bytes per iteration: each request its whole KV, but under vLLM's cascade the prefix they
+    all share once. llama3-8b on one H100 (131,072 bytes a token), 4,224 tokens cached per request of which 3,840
+    shared: 64 decodes read (64 x 4,224 - 63 x 3,840) tokens under vLLM, 64 x 4,224 under SGLang (no cascade), and
+    vLLM too at 16 decodes alone (FlashDecoding's turn) but not with a prompt in the step; never on an AMD part
+    (no SMs: its ROCm backends do not cascade) or for latent attention."""
+    from meshlm.planner.serving_engine import ENGINES
+
+    per_token, cached, shared = 32 * 2 * 8 * 128 * 2, 4224, 3840
+    vllm = replace(_sv("llama3-8b", tp=1), engine=ENGINES["vllm"])
+    bw = vllm.cluster.hbm_bw * vllm.cluster.hbm_efficiency
+
+    def read(sv, d, **kw):  # KV bytes read by the decodes: the attention's memory time less the new tokens' writes
+        it = iteration_time(sv, decodes=d, kv_len=cached, shared_prefix=shared, **kw)
+        return it["attention_memory"] * (sv.cluster.hbm_bw * sv.cluster.hbm_efficiency) / per_token - d
+
+    assert read(vllm, 64) == pytest.approx(64 * cached - 63 * shared, rel=1e-12)
+    assert read(replace(vllm, engine=ENGINES["sglang"]), 64) == pytest.approx(64 * cached, rel=1e-12)
+    assert read(vllm, 16) == pytest.approx(16 * cached, rel=1e-12)
+    mixed = iteration_time(vllm, decodes=16, kv_len=cached, shared_prefix=shared, prefill_tokens=256,
+                           prefill_ctx=4096)["attention_memory"] * bw / per_token - 16 - 256
+    assert mixed == pytest.approx(16 * cached - 15 * shared, rel=1e-12)
+    amd = replace(vllm, cluster=get_cluster("mi300x"))
+    assert read(amd, 64) == pytest.approx(64 * cached, rel=1e-12)
+    mla = replace(_sv("deepseek-v3", tp=8), engine=ENGINES["vllm"])
+    kw = dict(decodes=64, kv_len=cached)
+    assert iteration_time(mla, **kw, shared_prefix=shared) == iteration_time(mla, **kw)
+
+
+def test_a_shared_prefix_is_read_once_only_in_full_attention_layers():
+    """A windowed layer reads each request's own window whatever the requests share; a full one the shared prefix once
+    (the two-layer model of the test above it: one full, one of a 128-token window)."""
+    from meshlm.config import ModelConfig
+    from meshlm.planner.serving_model import ServedModel
+
+    cfg = ModelConfig(vocab_size=1000, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=4,
+                      intermediate_size=1024, max_seq_len=8192)
+    sm = ServedModel(cfg, windows=(0, 128))
+    layer_token = 2 * 4 * 64 * 2
+    assert sm.decode_kv_bytes_per_gpu(10, 4352, 3840, 2.0, tp=1, pp=1, cp=1) == \
+        (10 * (4352 + 128) - 9 * 3840) * layer_token
+    assert sm.decode_kv_bytes_per_gpu(10, 4352, 0, 2.0, tp=1, pp=1, cp=1) == \
+        10 * sm.kv_bytes_per_gpu(4352, 2.0, tp=1, pp=1, cp=1)
+
+
+def test_plan_infer_prices_a_shared_prefix_read_once_on_vllm():
+    """The whole path: 64 requests of 4,096 + 256 tokens, 94% of each prompt a prefix they all share, on one H100:
+    vLLM's decode reads the prefix once a step (a shorter TPOT than with the same prefix cached per request); SGLang
+    reads it per request (the same TPOT either way)."""
+    from meshlm.planner.serving_engine import ENGINES
+
+    wl = dict(concurrency=64, prefix_hit=0.9375)
+    for engine, faster in (("vllm", True), ("sglang", False)):
+        sv = replace(_sv("llama3-8b", tp=1), engine=ENGINES[engine])
+        own = estimate_serving(sv, Workload(4096, 256, **wl))
+        shared = estimate_serving(sv, Workload(4096, 256, prefix_shared=True, **wl))
+        if faster:
+            assert shared["tpot_ms"] < 0.7 * own["tpot_ms"]
+        else:
+            assert shared["tpot_ms"] == pytest.approx(own["tpot_ms"], rel=1e-12)

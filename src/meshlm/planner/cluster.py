@@ -51,6 +51,10 @@ class Cluster:
     # Fraction of the compute units a collective occupies while it overlaps compute (NCCL runs as
     # kernels on SMs), i.e. how much slower the overlapped compute runs. See PRESETS.
     comm_sm_fraction: float = 0.0
+    # Streaming multiprocessors per GPU, as CUDA reports them (multi_processor_count): what vLLM's rule for cascade
+    # attention weighs (serving_engine.vllm_cascades). 0: none -- AMD's parts (vLLM's ROCm attention backends do not
+    # cascade) and a CPU. See PRESETS.
+    sm_count: int = 0
     # Compute units the ranks of one scale-up domain share; 0 = every rank has its own (a GPU). On a
     # CPU host it is the core count: more ranks than cores time-share them, so each rank computes at
     # cores / ranks of the measured single-core rate, and a collective has no idle core to run on
@@ -173,6 +177,9 @@ def _gbit(x: float) -> float:
 #  * comm_sm_fraction: an overlapped collective is not free -- NCCL runs it as kernels holding one
 #    SM per channel, and large collectives on NVSwitch/InfiniBand systems use ~16 channels, so
 #    compute overlapped with them runs on 16 of the SMs fewer (A100 108 SMs, H100 132, B200 148).
+#  * sm_count: NVIDIA's architecture whitepapers and datasheets: A100 108, H100 SXM 132 (H200, H800, GH200 and the
+#    NVL parts the same die), H100 PCIe 114, L40S 142, L4 58, B200 and GB200 148, B300 and GB300 160, RTX PRO 6000
+#    Blackwell 188 (the counts the comm_sm_fraction entries divide by).
 #  * hbm_efficiency: STREAM-like kernels reach ~0.8-0.9 of the HBM datasheet bandwidth; 0.8 used. NVIDIA's own
 #    memory-bound kernel benchmark agrees on Hopper and Blackwell: cuDNN's RMSNorm forward over transformer-sized
 #    activations (NVIDIA/cudnn-frontend benchmark/norms/results, 2026-02, cuDNN 9.19) moves 3.71-3.85 TB/s on H200
@@ -247,13 +254,14 @@ _HOPPER_WEIGHT_ONLY = _MARLIN_MOE_H100_TFLOPS * 1e12 / (_H100_BF16 * _H100_MATMU
 _A100 = dict(gpu="A100-SXM-80G", peak_flops={"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
              hbm_bytes=80 * GiB, hbm_bw=2.0e12, scaleup_size=8, scaleup_bw=300e9, scaleout_bw=_gbit(200),
              scaleup_latency=5e-6, scaleout_latency=10e-6, matmul_efficiency=0.80, attention_efficiency=0.65, link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 108, sm_count=108,
              gpu_power_w=400.0, node_power_w=412.0, network_power_w=100.0, pue=1.2)
 _H100 = dict(gpu="H100-SXM", peak_flops={"bf16": _H100_BF16, "fp8": 1979e12, "fp32": 67e12},
              hbm_bytes=80 * GiB, hbm_bw=3.35e12, scaleup_size=8, scaleup_bw=450e9, scaleout_bw=_gbit(400),
              scaleup_latency=4e-6, scaleout_latency=8e-6, matmul_efficiency=_H100_MATMUL, attention_efficiency=0.55,
              link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132, fa2_attention_efficiency=0.35,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 132, sm_count=132,
+             fa2_attention_efficiency=0.35,
              gpu_power_w=700.0, node_power_w=575.0, network_power_w=110.0, pue=1.2,
              matmul_precision_factor={"fp8": _MAMF_FP8["H100"] / _MAMF_BF16["H100"]},
              weight_only_gemm_factor=_HOPPER_WEIGHT_ONLY)
@@ -264,7 +272,7 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
              attention_efficiency=_B200_ATTENTION["cudnn"] / 2250,
              fa2_attention_efficiency=_B200_ATTENTION["fa2"] / 2250,
              link_efficiency=0.8,
-             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148,
+             hbm_efficiency=0.8, reserved_bytes=2 * GiB, comm_sm_fraction=16 / 148, sm_count=148,
              gpu_power_w=1000.0, node_power_w=787.0, network_power_w=110.0, pue=1.2,
              matmul_precision_factor={"fp8": _MAMF_FP8["B200"] / _MAMF_BF16["B200"], "fp4": _FP4_FACTOR})
 
@@ -334,7 +342,7 @@ _B200 = dict(gpu="B200", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 900
 #    measurement of either here: the A100's fractions (the same generation of tensor-core instructions, mma.sync
 #    without Hopper's wgmma / TMA) and fp8 at bf16's share, marked assumed; NCCL rings over PCIe at 4 channels.
 _MI300X = dict(_H100, gpu="MI300X", peak_flops={"bf16": 1307e12, "fp8": 2615e12, "fp32": 163e12},
-               hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304,
+               hbm_bytes=192 * GiB, hbm_bw=5.3e12, scaleup_bw=448e9, comm_sm_fraction=16 / 304, sm_count=0,
                attention_efficiency=229 / 1307, fa2_attention_efficiency=0.0, gpu_power_w=750.0,
                matmul_efficiency=0.47, matmul_precision_factor={"fp8": (1159.5 / 2615) / (781.9 / 1300)},
                link_efficiency=317 / 448, weight_only_gemm_factor=WEIGHT_ONLY_GEMM_FACTOR)
@@ -348,12 +356,12 @@ _GH200 = dict(_H100, gpu="GH200", hbm_bytes=144 * GiB, hbm_bw=4.9e12, scaleup_si
               matmul_precision_factor={"fp8": _MAMF_FP8["GH200"] / _MAMF_BF16["GH200"]})
 _ADA = dict(_A100, scaleup_size=8, scaleup_bw=32e9)  # efficiencies assumed (above)
 _L40S = dict(_ADA, gpu="L40S", peak_flops={"bf16": 362e12, "fp8": 733e12, "fp32": 91.6e12}, hbm_bytes=48 * GiB,
-             hbm_bw=864e9, comm_sm_fraction=4 / 142, gpu_power_w=350.0)
+             hbm_bw=864e9, comm_sm_fraction=4 / 142, sm_count=142, gpu_power_w=350.0)
 _L4 = dict(_ADA, gpu="L4", peak_flops={"bf16": 121e12, "fp8": 242.5e12, "fp32": 30.3e12}, hbm_bytes=24 * GiB,
-           hbm_bw=300e9, comm_sm_fraction=4 / 58, gpu_power_w=72.0)
+           hbm_bw=300e9, comm_sm_fraction=4 / 58, sm_count=58, gpu_power_w=72.0)
 
 _B300 = dict(_B200, gpu="B300", peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp4": 13500e12, "fp32": 80e12},
-             hbm_bytes=288 * GiB, scaleout_bw=_gbit(800), comm_sm_fraction=16 / 160, gpu_power_w=1100.0,
+             hbm_bytes=288 * GiB, scaleout_bw=_gbit(800), comm_sm_fraction=16 / 160, sm_count=160, gpu_power_w=1100.0,
              matmul_efficiency=_H100_MATMUL * _MAMF_BF16["B300"] / _MAMF_BF16["H100"],
              attention_efficiency=_B200_ATTENTION["cudnn"] / 2250 * _MAMF_BF16["B300"] / _MAMF_BF16["B200"],
              fa2_attention_efficiency=_B200_ATTENTION["fa2"] / 2250 * _MAMF_BF16["B300"] / _MAMF_BF16["B200"],
@@ -394,7 +402,8 @@ PRESETS: dict[str, Cluster] = {
                                                                                           "fp8": 1513e12,
                                                                                           "fp32": 51e12},
                                                "hbm_bw": 2.0e12, "scaleup_size": 2, "scaleup_bw": 300e9,
-                                               "comm_sm_fraction": 16 / 114, "gpu_power_w": 350.0}),
+                                               "comm_sm_fraction": 16 / 114, "sm_count": 114,
+                                               "gpu_power_w": 350.0}),
     "h100-nvl": Cluster(name="h100-nvl", **{**_H100, "gpu": "H100 NVL", "peak_flops": {"bf16": 835e12, "fp8": 1671e12,
                                                                                       "fp32": 60e12},
                                              "hbm_bytes": 94 * GiB, "hbm_bw": 3.9e12, "scaleup_size": 2,
@@ -424,7 +433,8 @@ PRESETS: dict[str, Cluster] = {
                                                    "peak_flops": {"bf16": 500e12, "fp8": 1000e12, "fp4": 2000e12,
                                                                   "fp32": 125e12},
                                                    "hbm_bytes": 96 * GiB, "hbm_bw": 1.6e12, "scaleup_bw": 64e9,
-                                                   "comm_sm_fraction": 16 / 188, "gpu_power_w": 600.0,
+                                                   "comm_sm_fraction": 16 / 188, "sm_count": 188,
+                                                   "gpu_power_w": 600.0,
                                                    # its own die (sm120): no GEMM or attention measured here,
                                                    # Hopper's fractions assumed, not B200's
                                                    "matmul_efficiency": _H100_MATMUL, "attention_efficiency": 0.55,
@@ -435,7 +445,8 @@ PRESETS: dict[str, Cluster] = {
     "gb300-nvl72": Cluster(name="gb300-nvl72", **{**_GB200, "gpu": "GB300 (NVL72)",
                                                  "peak_flops": {**_GB200["peak_flops"], "fp4": 15000e12},
                                                  "hbm_bytes": 288 * GiB, "scaleout_bw": _gbit(800),
-                                                 "comm_sm_fraction": 16 / 160, "gpu_power_w": 1400.0}),
+                                                 "comm_sm_fraction": 16 / 160, "sm_count": 160,
+                                                 "gpu_power_w": 1400.0}),
     "mi355x": Cluster(name="mi355x", **_MI355X),
     "mi350x": Cluster(name="mi350x", **{**_MI355X, "gpu": "MI350X", "gpu_power_w": 1000.0,
                                        "peak_flops": {"bf16": 2307e12, "fp8": 4614e12, "fp4": 9228e12,

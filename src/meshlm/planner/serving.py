@@ -65,7 +65,8 @@ from meshlm.planner.collectives import collective_time, expert_all_to_all, group
 from meshlm.planner.kernels import k_scale
 from meshlm.planner.mla import router_groups
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
-                                           expert_imbalance, kernel_floored, overlapped_half, roofline, stage_kernels)
+                                           expert_imbalance, kernel_floored, overlapped_half, roofline, stage_kernels,
+                                           vllm_cascades)
 from meshlm.planner.serving_layout import ServingLayout, check_serving_layout
 from meshlm.planner.serving_model import KV_BYTES, WEIGHT_BYTES, ServedModel
 
@@ -177,6 +178,13 @@ class Serving:
         lo = self.layout
         return self.sm.kv_bytes_per_gpu(tokens, KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp, cp=lo.cp)
 
+    def decode_kv_bytes(self, sequences: float, tokens: float, shared: float = 0.0) -> float:
+        """KV bytes `sequences` decodes of `tokens` each read on a GPU, the first `shared` tokens read once for all
+        (`ServedModel.decode_kv_bytes_per_gpu`)."""
+        lo = self.layout
+        return self.sm.decode_kv_bytes_per_gpu(sequences, tokens, shared, KV_BYTES[self.kv_precision], tp=lo.tp,
+                                               pp=lo.pp, cp=lo.cp)
+
     def max_sequences(self, tokens: int, *, shared_prefix: int = 0) -> int:
         """Sequences of `tokens` whose KV one dp rank holds; with `shared_prefix`, their first tokens one prefix they
         all share, held once (`ServedModel.sequences_sharing_a_prefix`)."""
@@ -249,10 +257,11 @@ def _tier(span: tuple[int, int]) -> str:
     return "scale-out link" if span[1] > 1 else "scale-up link"
 
 
-def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float) -> dict:
-    """FLOPs and HBM bytes per GPU of one micro-step: d decode tokens over kv_len cached tokens each, p prefill
-    tokens (the mean over dp ranks; `p_rank` on this rank) attending over p_ctx earlier tokens on average, through
-    one stage's layers. Routed experts see every dp rank's tokens (the mean); the rest only this rank's."""
+def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float, shared: float = 0.0) -> dict:
+    """FLOPs and HBM bytes per GPU of one micro-step: d decode tokens over kv_len cached tokens each (the first
+    `shared` of them one prefix they all share, read once where the engine cascades: `_cascades`), p prefill tokens
+    (the mean over dp ranks; `p_rank` on this rank) attending over p_ctx earlier tokens on average, through one
+    stage's layers. Routed experts see every dp rank's tokens (the mean); the rest only this rank's."""
     sm, lo, cfg = sv.sm, sv.layout, sv.sm.cfg
     f = 1.0 / lo.pp
     q = d * (1 + sv.mtp_tokens)  # query tokens of the decoding sequences: each verifies its MTP drafts too
@@ -270,6 +279,7 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     touched = 1.0 - (1.0 - cfg.num_experts_per_token / cfg.num_experts) ** routed_tokens if cfg.is_moe else 0.0
     attn = (q * sm.attention_flops(kv_len, decode=True) + p_rank * sm.attention_flops(p_ctx, decode=False)) * f
     kv_tok = sv.kv_bytes_per_token_per_gpu()
+    once = shared if _cascades(sv, requests=d, prefix=shared, decode_only=p_rank == 0) else 0.0
     elems = sm.elementwise_elems_per_token(tp=lo.tp, expert_split=lo.stage if lo.ep > 1 else lo.tp)
     # the output head runs only for the rows an engine samples (vLLM's logits indices, TensorRT-LLM without
     # gather_context_logits, SGLang, meshlm's engine): each decode query token, and one per prompt -- a prompt of
@@ -294,8 +304,20 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
             "expert_weight_bytes": w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
             # read the cache (once per query head where the kernel does not share a GQA group's loads; once for
-            # a sequence's MTP query tokens together; a windowed layer its window), write the new tokens
-            "kv_bytes": d * sv.kv_bytes_per_gpu(kv_len) * _kv_reads(sv) + (q + p_rank / lo.cp) * kv_tok}
+            # a sequence's MTP query tokens together; a windowed layer its window; a shared prefix once for all
+            # where the engine cascades), write the new tokens
+            "kv_bytes": sv.decode_kv_bytes(d, kv_len, once) * _kv_reads(sv) + (q + p_rank / lo.cp) * kv_tok}
+
+
+def _cascades(sv: Serving, *, requests: float, prefix: float, decode_only: bool) -> bool:
+    """Whether the engine attends a step's `requests` decodes by cascade attention over the `prefix` they share
+    (`Engine.cascade_attention`: vLLM's rule, `vllm_cascades`, with this GPU's heads and SMs; never for latent
+    attention, whose vLLM backends do not cascade)."""
+    if not (prefix and sv.engine.cascade_attention) or sv.sm.mla is not None:
+        return False
+    cfg, tp = sv.sm.cfg, sv.layout.tp
+    return vllm_cascades(prefix=prefix, requests=requests, q_heads=cfg.num_heads // tp,
+                         kv_heads=max(1, cfg.num_kv_heads // tp), sms=sv.cluster.sm_count, decode_only=decode_only)
 
 
 def _kv_reads(sv: Serving) -> float:
@@ -379,10 +401,11 @@ def _host_shared(sv: Serving) -> tuple[Cluster, float]:
 
 
 def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0,
-                   prefill_ctx: float = 0.0, rank_prefill: float | None = None) -> dict:
-    """One iteration of one dp rank: `decodes` sequences each advance a token over `kv_len` cached tokens, and
-    `prefill_tokens` prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along --
-    `rank_prefill` of them on this rank where dp ranks differ (the routed experts see the mean).
+                   prefill_ctx: float = 0.0, rank_prefill: float | None = None, shared_prefix: float = 0.0) -> dict:
+    """One iteration of one dp rank: `decodes` sequences each advance a token over `kv_len` cached tokens, the
+    first `shared_prefix` of them one prefix they all share (`Workload.shared_prefix_len`), and `prefill_tokens`
+    prompt tokens (attending over `prefill_ctx` earlier tokens on average) ride along -- `rank_prefill` of them on
+    this rank where dp ranks differ (the routed experts see the mean).
     Returns seconds: "total" and by component, and "bound" (what the largest part is).
 
     Each stage runs pp micro-batches per iteration (a batch below pp leaves stages idle). Where the engine
@@ -397,24 +420,26 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
     that yield (and the prefill tokens given are per generated token too, so a step carries that many more)."""
     if not (sv.mtp_tokens and decodes > 0):
         return _step(sv, decodes=decodes, kv_len=kv_len, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx,
-                     rank_prefill=rank_prefill)
+                     rank_prefill=rank_prefill, shared_prefix=shared_prefix)
     a = sv.mtp_tokens_per_step()
     step = _step(sv, decodes=decodes, kv_len=kv_len, prefill_tokens=prefill_tokens * a, prefill_ctx=prefill_ctx,
-                 rank_prefill=None if rank_prefill is None else rank_prefill * a)
-    draft = sv.mtp_tokens * _step(replace(sv, mtp_tokens=0), decodes=decodes, kv_len=kv_len)["total"] / sv.sm.layers
+                 rank_prefill=None if rank_prefill is None else rank_prefill * a, shared_prefix=shared_prefix)
+    draft = sv.mtp_tokens * _step(replace(sv, mtp_tokens=0), decodes=decodes, kv_len=kv_len,
+                                  shared_prefix=shared_prefix)["total"] / sv.sm.layers
     out = {k: v / a for k, v in step.items() if k != "bound"}
     return dict(out, total=(step["total"] + draft) / a, mtp_draft=draft / a, bound=step["bound"])
 
 
 def _step(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens: float = 0.0, prefill_ctx: float = 0.0,
-          rank_prefill: float | None = None) -> dict:
+          rank_prefill: float | None = None, shared_prefix: float = 0.0) -> dict:
     """One engine step of one dp rank (iteration_time without the MTP accounting)."""
     lo = sv.layout
     split = lambda x: x / lo.pp if decodes + prefill_tokens >= lo.pp else x  # noqa: E731
     d, p = split(decodes), split(prefill_tokens)
     p_rank = p if rank_prefill is None else split(rank_prefill)
     halves = 2 if lo.ep > 1 and sv.engine.two_batch_overlap and _splits_in_two(d, p) else 1
-    m = _micro_step(sv, d=d / halves, kv_len=kv_len, p=p / halves, p_ctx=prefill_ctx, p_rank=p_rank / halves)
+    m = _micro_step(sv, d=d / halves, kv_len=kv_len, p=p / halves, p_ctx=prefill_ctx, p_rank=p_rank / halves,
+                    shared=shared_prefix)
     work, ep, host, stages = m.pop("work"), m.pop("ep"), m.pop("host"), m.pop("stages")
     micro = overlapped_half(stages, decode=p == 0) if halves == 2 else work + ep
     scale = lo.pp * halves
@@ -453,12 +478,13 @@ def _splits_in_two(d: float, p: float) -> bool:
     return d >= 2 or (d == 0 and p >= 2)
 
 
-def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float) -> dict:
+def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float,
+                shared: float = 0.0) -> dict:
     """Seconds of one micro-batch through one stage: "work" (GEMMs, attention, elementwise kernels, tp/cp/pp
     communication, one after another), "ep" (the expert all-to-all), "host" (launching it without CUDA graphs),
     "parts" (by what bounds each) and the roofline's components."""
     cl, share = _host_shared(sv)
-    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank)
+    w = _work(sv, d=d, kv_len=kv_len, p=p, p_ctx=p_ctx, p_rank=p_rank, shared=shared)
     hbm = cl.hbm_bw * cl.hbm_efficiency / share
     rate = cl.matmul_rate(sv.gemm_precision) / share * _weight_only(cl, sv.precision, sv.gemm_precision)
     dense_rate = (cl.matmul_rate(sv.dense_gemm_precision) / share

@@ -221,6 +221,12 @@ class Engine:
     `profile_sampler`: the KV cache gets what is left after a profile run that samples one row of logits per request
     the engine may run, with this sampler (vLLM: "native" or "flashinfer", VLLM_PROFILE_BYTES_PER_LOGIT,
     `profile_peak_bytes`); None: no such run.
+    `cascade_attention`: where every running request shares a cached prompt prefix (`--prefix-shared`), a step's
+    attention reads that prefix's KV once for all of them and each request's own tokens after it, the two partials
+    merged by their log-sum-exp (FlashInfer's "cascade inference"), when vLLM's rule says it pays
+    (`vllm_cascades`): vLLM's V1 engine, its FlashAttention and FlashInfer backends. SGLang, TensorRT-LLM and meshlm's
+    engine read the prefix once per request (meshlm's: measured on this machine's CPU, a cascade there was slower,
+    README.md).
     """
 
     name: str
@@ -241,6 +247,7 @@ class Engine:
     sglang_memory: str | None = None
     max_running: int | None = None
     profile_sampler: str | None = None
+    cascade_attention: bool = False
 
     def __post_init__(self):
         if self.expert_balance not in ("none", "eplb", "perfect"):
@@ -301,14 +308,40 @@ ENGINES = {e.name: e for e in (
     # vLLM's defaults under expert parallelism: all-gather / reduce-scatter around the experts, no dual-batch overlap
     # (`--enable-dbo`, opt-in, DP + EP only: docs "Dual Batch Overlap"); a row naming them turns them on (engine_of)
     # V1 engine, v0.8-v0.13: synchronous scheduling
-    Engine("vllm", host_per_seq_s=VLLM_V1_HOST_PER_SEQ_S, **_VLLM),
+    Engine("vllm", host_per_seq_s=VLLM_V1_HOST_PER_SEQ_S, cascade_attention=True, **_VLLM),
     # V1 engine from v0.14: async scheduling (the default) overlaps its host work
-    Engine("vllm-async", **_VLLM),
+    Engine("vllm-async", cascade_attention=True, **_VLLM),
     # v0.7 and before, single-step scheduling
     Engine("vllm-v0", host_per_seq_s=VLLM_V0_HOST_PER_SEQ_S, **_VLLM),
     Engine("sglang", sglang_memory="reserve"),  # 0.4.8 on; published_serving.engine_of reads older versions
     Engine("deepseek", expert_balance="eplb"),  # DeepSeek's own serving ("Day 6" overview): TBO, DeepEP, EPLB
 )}
+
+
+# vLLM's V1 rule for cascade attention (vllm/v1/attention/backends/flash_attn.py, `use_cascade_attention`, which its
+# FlashInfer backend calls too): a common prefix of at least 256 tokens, at least 8 requests in the step, and, where
+# the plain kernel would run FlashDecoding (grouped-query heads, every request decoding one token), a tile count
+# model of the two kernels over the GPU's SMs (128 x 128 tiles): cascade runs q_heads x ceil(requests / 128) thread
+# blocks a wave, FlashDecoding requests x kv_heads x ceil(q_heads / kv_heads / 128) per prefix tile.
+VLLM_CASCADE_MIN_PREFIX = 256
+VLLM_CASCADE_MIN_REQUESTS = 8
+VLLM_CASCADE_TILE = 128
+
+
+def vllm_cascades(*, prefix: float, requests: float, q_heads: int, kv_heads: int, sms: int, decode_only: bool) -> bool:
+    """Whether vLLM's V1 engine attends a step by cascade attention (see above): `prefix` tokens every one of its
+    `requests` shares, `q_heads` / `kv_heads` heads per GPU, `sms` the GPU's SMs (0: no CUDA GPU, never),
+    `decode_only`: every request decodes one token this step."""
+    if prefix < VLLM_CASCADE_MIN_PREFIX or requests < VLLM_CASCADE_MIN_REQUESTS or sms < 1:
+        return False
+    per_kv = q_heads // kv_heads
+    if not (decode_only and per_kv > 1):  # no FlashDecoding to beat
+        return True
+    n, tile = math.ceil(requests), VLLM_CASCADE_TILE
+    tiles = math.ceil(prefix / tile)
+    cascade = math.ceil(q_heads * math.ceil(n / tile) / sms) * tiles
+    flash_decoding = math.ceil(n * kv_heads * math.ceil(per_kv / tile) * tiles / sms)
+    return cascade < flash_decoding
 
 
 def meshlm_engine(serving_host: dict, *, cluster: str = "local") -> Engine:

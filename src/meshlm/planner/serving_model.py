@@ -151,6 +151,16 @@ class ServedModel:
         return max(self.cached_tokens(tokens, stage) for stage in self._stages(pp)) \
             * self._kv_layer_bytes(kv_bytes, tp=tp) / cp
 
+    def decode_kv_bytes_per_gpu(self, sequences: float, tokens: float, shared: float, kv_bytes: float, *, tp: int,
+                                pp: int, cp: int) -> float:
+        """KV bytes `sequences` decodes of `tokens` each read on the GPU that reads most: each its `kv_bytes_per_gpu`,
+        but where their first `shared` tokens are one prefix read once for all (cascade attention), that prefix once
+        in the full-attention layers (a windowed layer reads each sequence's own window)."""
+        unit = self._kv_layer_bytes(kv_bytes, tp=tp) / cp  # one layer's bytes per token on one GPU
+        return max(sequences * self.cached_tokens(tokens, stage)
+                   - max(sequences - 1, 0.0) * sum(1 for i in stage if not self.layer_window(i)) * shared
+                   for stage in self._stages(pp)) * unit
+
     def sequences_sharing_a_prefix(self, budget: float, tokens: float, prefix: float, kv_bytes: float, *, tp: int,
                                    pp: int, cp: int) -> int:
         """Sequences of `tokens` that fit `budget` bytes of KV per GPU (`kv_bytes_per_gpu` each), or, where their first

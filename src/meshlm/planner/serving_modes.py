@@ -102,7 +102,7 @@ def _kv_fits(sv: Serving, wl: Workload) -> int:
 def static_batch(sv: Serving, wl: Workload, batch: int) -> dict:
     I, O, b = wl.input_len, wl.output_len, batch / sv.layout.dp
     pre = iteration_time(sv, decodes=0, kv_len=0, prefill_tokens=b * wl.prefill_len, prefill_ctx=wl.prefill_ctx)
-    dec = iteration_time(sv, decodes=b, kv_len=I + O / 2)
+    dec = iteration_time(sv, **wl.decoding(b))
     total = pre["total"] + (O - 1) * dec["total"]
     main = dec if (O - 1) * dec["total"] >= pre["total"] else pre
     return {"concurrency": batch, "ttft_s": pre["total"], "tpot_s": dec["total"], "output_tokens_per_s": batch * O / total,
@@ -114,7 +114,7 @@ def continuous(sv: Serving, wl: Workload, concurrency: float) -> dict:
     it = steady_iteration(sv, wl, c)
     P = wl.prefill_len
     chunk = min(P, wl.prefill_chunk)
-    with_chunk = iteration_time(sv, decodes=c, kv_len=I + O / 2, prefill_tokens=max(chunk, c * P / O),
+    with_chunk = iteration_time(sv, **wl.decoding(c), prefill_tokens=max(chunk, c * P / O),
                                 prefill_ctx=wl.prefill_ctx)
     ttft = 0.0 if wl.prefilled_elsewhere else math.ceil(P / chunk) * with_chunk["total"]
     return {"concurrency": concurrency, "ttft_s": ttft,
@@ -157,10 +157,10 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
     balances prefills across ranks."""
     I, O, lo = wl.input_len, wl.output_len, sv.layout
     if wl.prefilled_elsewhere:  # a decode pool: decodes only, every iteration alike
-        it = iteration_time(sv, decodes=c, kv_len=I + O / 2)
+        it = iteration_time(sv, **wl.decoding(c))
         return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
     P = wl.prefill_len
-    kw = dict(decodes=c, kv_len=I + O / 2, prefill_tokens=c * P / O, prefill_ctx=wl.prefill_ctx)
+    kw = dict(**wl.decoding(c), prefill_tokens=c * P / O, prefill_ctx=wl.prefill_ctx)
     if not lo.attention_dp or sv.engine.adp_balanced:
         return _prompt_mixture(sv, c, wl, min(P, wl.prefill_chunk))
     prob, piece = busiest_rank_prefill(c * P / O, min(P, wl.prefill_chunk), lo.dp)
@@ -188,7 +188,7 @@ def _prompt_mixture(sv: Serving, c: float, wl: Workload, piece: int) -> dict:
     iterations' (probability, seconds), whose rest an arrival waits out (`queues.residual_life`)."""
     I, O, P = wl.input_len, wl.output_len, wl.prefill_len
     m = c * P / O / piece if piece > 0 else 0.0
-    kw = dict(decodes=c, kv_len=I + O / 2, prefill_ctx=wl.prefill_ctx)
+    kw = dict(**wl.decoding(c), prefill_ctx=wl.prefill_ctx)
     if m <= 0 or m > MIXTURE_MAX_PIECES:
         it = iteration_time(sv, **kw, prefill_tokens=c * P / O)
         return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
@@ -287,7 +287,7 @@ def _budget_iteration(sv: Serving, wl: Workload, r: dict, prompt_tokens: int | N
     """Seconds of an iteration carrying `r`'s decodes and a full chunk of prompt tokens (the token budget; or
     `prompt_tokens`), per dp rank."""
     I, O = wl.input_len, wl.output_len
-    return iteration_time(sv, decodes=r["concurrency"] / sv.layout.dp, kv_len=I + O / 2,
+    return iteration_time(sv, **wl.decoding(r["concurrency"] / sv.layout.dp),
                           prefill_tokens=wl.prefill_chunk if prompt_tokens is None else prompt_tokens,
                           prefill_ctx=wl.prefill_ctx)["total"]
 

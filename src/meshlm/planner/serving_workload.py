@@ -93,6 +93,11 @@ class Workload:
         (`prefix_shared`), else none."""
         return self.input_len - self.prefill_len if self.prefix_shared else 0
 
+    def decoding(self, requests: float) -> dict:
+        """An iteration's decodes as `serving.iteration_time` takes them: `requests` sequences over I + O / 2 cached
+        tokens each (the mean over a request's life), the first `shared_prefix_len` of them a prefix all share."""
+        return dict(decodes=requests, kv_len=self.input_len + self.output_len / 2, shared_prefix=self.shared_prefix_len)
+
     @property
     def mode(self) -> str:
         if self.batch is not None:
