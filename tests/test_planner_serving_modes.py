@@ -449,3 +449,16 @@ def test_plan_infer_prices_a_shared_prefix_read_once_on_vllm():
             assert shared["tpot_ms"] < 0.7 * own["tpot_ms"]
         else:
             assert shared["tpot_ms"] == pytest.approx(own["tpot_ms"], rel=1e-12)
+
+
+def test_a_disaggregated_pool_too_small_for_the_weights_is_refused_by_name(capsys):
+    """Each pool of --disaggregate holds the weights on its own: deepseek-v3 in bf16 at tp 4 fits 16 H200s as one
+    deployment but not 8 of them, so 8:8 does not fit -- said of the pool, not priced at zero tokens/s (which divided
+    the joules per token by zero)."""
+    argv = ["plan", "infer", "--model", "deepseek-v3", "--cluster", "h200", "--gpus", "16", "--layout", "tp=4,ep=2"]
+    rc, out = _cli(argv + ["--json"], capsys)
+    assert rc == 0 and json.loads(out)["fits"]
+    rc, out = _cli(argv + ["--disaggregate", "8:8", "--json"], capsys)
+    answer = json.loads(out)
+    assert rc == 0 and not answer["fits"] and answer["reason"].startswith("the prefill pool's ")
+    assert "share of --disaggregate" in answer["reason"]

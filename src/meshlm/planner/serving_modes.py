@@ -403,6 +403,9 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
            "context_note": sv.sm.context_note(wl.input_len + wl.output_len), "max_concurrency": cap, "max_batch": cap}
     need = 1 if wl.disaggregate else wl.batch or 1  # clients beyond what fits wait in the queue (`clients`)
     reason = _misfit(sv, wl, cap, need, mem)
+    for name, n in zip(("prefill", "decode"), wl.disaggregate or ()):  # each pool holds the weights on its own
+        pool = _pool(sv, n)
+        reason = reason or _misfit(pool, wl, max_concurrency(pool, wl), 1, pool.memory(), pool=f"the {name} pool's ")
     out.update(fits=not reason, reason=reason)
     if reason:
         return out
@@ -451,15 +454,17 @@ def percentile_label(p: float) -> str:
     return f"p{p:g}".replace(".", "_")
 
 
-def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict) -> str:
+def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict, *, pool: str = "") -> str:
+    """Why `need` requests do not fit the deployment (`pool`: which of a disaggregated one's it is), or ""."""
     seq = wl.input_len + wl.output_len
     if cap < sv.layout.dp or cap < 1:
         profile = (f" and the engine's profile run {mem['profile'] / GiB:.1f} GiB (its sampler over "
                    f"{default_max_batch(sv.engine, sv.cluster)} rows)" if mem["profile"] else "")
         fewer = ", a smaller --max-batch" if mem["profile"] else ""
-        return (f"{mem['weights'] / GiB:.1f} GiB of weights per GPU{profile} leave room for {sv.max_tokens():,} "
-                f"tokens of KV cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp), shorten the "
-                f"sequence{fewer} or use --precision fp8 / --kv-precision fp8")
+        more = " (or that pool's share of --disaggregate)" if pool else ""
+        return (f"{pool}{mem['weights'] / GiB:.1f} GiB of weights per GPU{profile} leave room for {sv.max_tokens():,} "
+                f"tokens of KV cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp){more}, shorten "
+                f"the sequence{fewer} or use --precision fp8 / --kv-precision fp8")
     if need > cap:
         shared = f" (their shared {wl.shared_prefix_len}-token prefix held once)" if wl.shared_prefix_len else ""
         return (f"{need} requests of {seq} tokens{shared} do not fit: {sv.kv_bytes_per_gpu(seq) / 2**20:,.1f} MiB of "
