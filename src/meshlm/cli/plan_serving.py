@@ -87,7 +87,9 @@ def add_serving_parsers(sub) -> None:
                         "attending over the whole prompt; the KV is still counted whole per request (default 0)")
     i.add_argument("--prefix-shared", action="store_true",
                    help="the cached prefix of --prefix-hit is one prefix every request shares (a system prompt, a "
-                        "RAG template): the running requests hold its KV once, so more of them fit")
+                        "RAG template): the running requests hold its KV once, so more of them fit; vLLM's V1 "
+                        "engines (--engine vllm, vllm-async) also read it once a step where their cascade-attention "
+                        "rule says so, the others once per request")
     i.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens per iteration (default 8192, TensorRT-LLM's max_num_tokens)")
     i.add_argument("--max-batch", type=int, default=None,
