@@ -71,7 +71,7 @@ def test_vllm_expert_parallelism_gathers_the_tokens_without_overlap_by_default()
     gets them."""
     from meshlm.planner.collectives import collective_time, group_span
     from meshlm.planner.published_serving import engine_of
-    from meshlm.planner.serving import _comm
+    from meshlm.planner.serving_comm import step_comm as _comm
     from meshlm.planner.serving_engine import ENGINES
 
     sv = replace(_sv("deepseek-v3", cluster="h200", precision="fp8", dp=8, ep=8), engine=ENGINES["vllm"])
@@ -436,7 +436,8 @@ def test_expert_imbalance_is_the_measured_ratio_and_bounded():
 
 
 def test_busiest_expert_rank_scales_the_expert_gemms_and_all_to_all_only():
-    from meshlm.planner.serving import _comm, _work
+    from meshlm.planner.serving import _work
+    from meshlm.planner.serving_comm import step_comm as _comm
     from meshlm.planner.serving_engine import ENGINES
 
     sv = _sv("deepseek-v3", "h800", precision="fp8", ep=32, dp=32)

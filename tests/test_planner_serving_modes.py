@@ -462,3 +462,57 @@ def test_a_disaggregated_pool_too_small_for_the_weights_is_refused_by_name(capsy
     answer = json.loads(out)
     assert rc == 0 and not answer["fits"] and answer["reason"].startswith("the prefill pool's ")
     assert "share of --disaggregate" in answer["reason"]
+
+
+def test_a_draft_model_proposes_the_drafts_and_shares_the_memory():
+    """Draft-target speculative decoding (`Serving.draft_model`): a step verifies k drafts in one pass of the model (as
+    with MTP) and runs k decode steps of the draft model, the first carrying the step's prompt tokens; a prompt-only
+    iteration prefills it in both; per generated token, over 1 + p + ... + p^k. The draft's weights are the
+    deployment's too, and each sequence's KV holds both models' share: llama3-70b at tp 8 (80 layers x 1 kv head a
+    GPU, 40 KiB a token) with llama3-8b (32 x 1, 16 KiB)."""
+    from meshlm.planner.serving import _step
+
+    sv = _sv("llama3-70b", tp=8)
+    draft = served_model("llama3-8b")
+    spec = replace(sv, mtp_tokens=4, mtp_acceptance=0.7, draft_model=draft)
+    lone = replace(sv, sm=draft)
+    a = 1 + 0.7 + 0.7 ** 2 + 0.7 ** 3 + 0.7 ** 4
+    kw = dict(decodes=16, kv_len=2048)
+    want = (_step(replace(sv, mtp_tokens=4), **kw, prefill_tokens=64 * a, prefill_ctx=512)["total"]
+            + _step(lone, **kw, prefill_tokens=64 * a, prefill_ctx=512)["total"] + 3 * _step(lone, **kw)["total"]) / a
+    assert iteration_time(spec, **kw, prefill_tokens=64, prefill_ctx=512)["total"] == pytest.approx(want, rel=1e-12)
+    prompt = dict(decodes=0, kv_len=0, prefill_tokens=8192, prefill_ctx=4096)
+    assert iteration_time(spec, **prompt)["total"] == pytest.approx(
+        iteration_time(sv, **prompt)["total"] + iteration_time(lone, **prompt)["total"], rel=1e-12)
+    # memory: the draft's weights beside the model's, the KV cache split 40 : 16 between them
+    assert spec.memory()["weights"] == pytest.approx(sv.memory()["weights"] + lone.memory()["weights"], rel=1e-12)
+    assert spec.kv_share() == pytest.approx(40 / 56, rel=1e-12)
+    per_request = 3072 * 80 * 2 * 128 * 2
+    assert spec.max_sequences(3072) == int(spec.memory()["kv_capacity"] * 40 / 56 // per_request)
+
+
+def test_plan_infer_refuses_a_draft_model_it_cannot_use(capsys):
+    argv = ["plan", "infer", "--model", "llama3-70b", "--cluster", "h100", "--tp", "8"]
+    with pytest.raises(ValueError, match="--mtp-tokens K"):
+        _cli(argv + ["--draft-model", "llama3-8b"], capsys)
+    with pytest.raises(ValueError, match="vocabulary .* a draft must share the tokenizer"):
+        _cli(argv + ["--draft-model", "deepseek-v3", "--mtp-tokens", "2"], capsys)
+    with pytest.raises(ValueError, match="the draft model on this layout: tp=64 must divide num_heads=32"):
+        _cli(["plan", "infer", "--model", "llama3-405b", "--cluster", "h100", "--tp", "64", "--draft-model",
+              "llama3-8b", "--mtp-tokens", "2"], capsys)
+    rc, out = _cli(argv + ["--draft-model", "llama3-8b", "--mtp-tokens", "4", "--batch", "1", "--json"], capsys)
+    answer = json.loads(out)
+    assert rc == 0 and answer["draft_model"] == "llama3-8b" and answer["draft_tokens_per_step"] == 4
+
+
+def test_the_layout_search_splits_a_draft_model_too():
+    """Without --layout, only layouts that split both models are ranked: on GB200 NVL72's 72-GPU domain llama3-405b's
+    128 heads take tp 64, llama3-8b's 32 do not."""
+    from meshlm.planner.serving_modes import serving_layouts
+
+    sv = _sv("llama3-405b", "gb200-nvl72")
+    spec = replace(sv, mtp_tokens=2, draft_model=served_model("llama3-8b"))
+    assert max(lo.tp for lo in serving_layouts(sv, 64)) == 64
+    assert max(lo.tp for lo in serving_layouts(spec, 64)) == 32
+    assert all(estimate_serving(replace(spec, layout=lo), Workload(1024, 256, batch=1))["fits"] is not None
+               for lo in serving_layouts(spec, 64))

@@ -118,9 +118,16 @@ def add_serving_parsers(sub) -> None:
                         "where FlashInfer is installed, as in vLLM's Docker image)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
-                        "MTP module, as DeepSeek-V3's; priced as one decoder layer) (default 0)")
+                        "MTP module, as DeepSeek-V3's; priced as one decoder layer), or from --draft-model; each "
+                        "step verifies them in one pass over the KV (default 0)")
     i.add_argument("--mtp-acceptance", type=float, default=None, metavar="P",
-                   help="chance each draft is accepted after the one before (default 0.875, DeepSeek-V3's)")
+                   help="chance each draft is accepted after the one before (default 0.875, DeepSeek-V3's MTP; "
+                        "measure your own draft model's)")
+    i.add_argument("--draft-model", default=None, metavar="PRESET|CONFIG.json",
+                   help="the --mtp-tokens drafts come from this smaller model of the same vocabulary instead "
+                        "(draft-target speculative decoding: TensorRT-LLM's, vLLM's draft model, meshlm's "
+                        "--speculative draft): K decode steps of it a step, on the same layout; its weights and KV "
+                        "take their share of each GPU's memory")
     i.add_argument("--disaggregate", default=None, metavar="PREFILL_GPUS:DECODE_GPUS",
                    help="prefill and decode on separate GPUs (each pool the layout's tp x pp x cp replicas)")
     i.add_argument("--top", type=int, default=5, help="layouts to show without --layout (default 5)")
@@ -259,7 +266,7 @@ def _serving_inputs(args):
         eng = replace(eng, profile_sampler=args.sampler)
     sm = served_model(args.model)
     sv = Serving(sm, cluster, lo, **_precisions(args, sm), engine=eng,
-                 mtp_tokens=args.mtp_tokens,
+                 mtp_tokens=args.mtp_tokens, draft_model=served_model(args.draft_model) if args.draft_model else None,
                  **({} if args.mtp_acceptance is None else {"mtp_acceptance": args.mtp_acceptance}))
     # the engine's cap: --max-batch, else its own default (vLLM's max_num_seqs, TensorRT-LLM's batch size)
     wl = replace(wl, max_batch=default_max_batch(sv.engine, cluster))

@@ -57,13 +57,11 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from meshlm.planner.cluster import Cluster, time_shared
-from meshlm.planner.collectives import collective_time, expert_all_to_all, group_span
 from meshlm.planner.kernels import k_scale
-from meshlm.planner.mla import router_groups
+from meshlm.planner.serving_comm import act_bytes, dispatch_bytes, driver_comm, step_comm
 from meshlm.planner.serving_engine import (DEEPEP_NORMAL_SMS, ENGINES, HOST_LAUNCH_S, KERNEL_FLOOR_S, Engine,
                                            expert_imbalance, kernel_floored, overlapped_half, roofline, stage_kernels,
                                            vllm_cascades)
@@ -109,11 +107,22 @@ class Serving:
     # accepted given the one before it was (MTP_ACCEPTANCE).
     mtp_tokens: int = 0
     mtp_acceptance: float = MTP_ACCEPTANCE
+    # ... or with a separate, smaller model of the same vocabulary proposing those drafts (draft-target speculative
+    # decoding: TensorRT-LLM's draft-target model, vLLM's draft model, meshlm's method "draft"): each draft token is one
+    # decode step of it over the sequences' context, on the deployment's layout; its weights and its KV share the
+    # GPUs' memory with the model's (`draft_serving`).
+    draft_model: ServedModel | None = None
 
     def __post_init__(self):
         if self.mtp_tokens < 0 or not 0.0 <= self.mtp_acceptance < 1.0:
             raise ValueError(f"MTP draft tokens {self.mtp_tokens} must be >= 0 and the acceptance "
                              f"{self.mtp_acceptance} in [0, 1)")
+        if self.draft_model is not None:
+            if not self.mtp_tokens:
+                raise ValueError("a draft model proposes draft tokens: give how many per step (--mtp-tokens K)")
+            if self.draft_model.cfg.vocab_size != self.sm.cfg.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({self.draft_model.cfg.vocab_size} tokens) is not the "
+                                 f"model's ({self.sm.cfg.vocab_size}): a draft must share the tokenizer")
         for flag, value in (("--precision", self.precision), ("dense precision", self.dense_precision),
                             ("expert GEMM precision", self.expert_gemm_precision)):
             if value is not None and value not in WEIGHT_BYTES:
@@ -134,6 +143,7 @@ class Serving:
                              f"({', '.join(sorted(self.cluster.peak_flops))})")
         self.cluster.peak(self.gemm_precision)  # any other GEMM precision the GPU lacks, naming the choices
         check_serving_layout(self.sm, self.layout)
+        self.draft_serving()  # a draft model the layout cannot split, named
 
     @property
     def gemm_precision(self) -> str:
@@ -159,6 +169,25 @@ class Serving:
         expert_split = lo.stage if lo.ep > 1 else lo.tp
         return {"dense": dense * WEIGHT_BYTES[self.dense_precision or self.precision],
                 "experts": p["experts"] / (lo.pp * expert_split) * WEIGHT_BYTES[self.precision]}
+
+    def draft_serving(self) -> "Serving | None":
+        """The draft model (`draft_model`) as served beside the model: same GPUs, layout, precisions and engine."""
+        if self.draft_model is None:
+            return None
+        try:
+            return replace(self, sm=self.draft_model, draft_model=None, mtp_tokens=0, dense_precision=None,
+                           expert_gemm_precision=None)
+        except ValueError as e:
+            raise ValueError(f"the draft model on this layout: {e}") from None
+
+    def kv_share(self) -> float:
+        """The share of the KV cache that holds the model's own KV: all of it, or beside a draft model's its part of
+        the bytes a token writes in both (exact where neither has sliding-window layers)."""
+        draft = self.draft_serving()
+        if draft is None:
+            return 1.0
+        own = self.kv_bytes_per_token_per_gpu()
+        return own / (own + draft.kv_bytes_per_token_per_gpu())
 
     def mtp_tokens_per_step(self) -> float:
         """Tokens a decoding sequence gains per step: 1 + p + ... + p^k (k draft tokens, acceptance p)."""
@@ -189,17 +218,20 @@ class Serving:
         """Sequences of `tokens` whose KV one dp rank holds; with `shared_prefix`, their first tokens one prefix they
         all share, held once (`ServedModel.sequences_sharing_a_prefix`)."""
         lo = self.layout
-        return self.sm.sequences_sharing_a_prefix(self.memory()["kv_capacity"], tokens, shared_prefix,
+        return self.sm.sequences_sharing_a_prefix(self.memory()["kv_capacity"] * self.kv_share(), tokens, shared_prefix,
                                                   KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp, cp=lo.cp)
 
     def memory(self) -> dict:
-        """Bytes per GPU: weights, workspace (what the engine keeps beside the KV cache, its profile run's peak
-        `profile` among it), KV capacity -- so capacity = HBM - reserved - weights - workspace exactly. The KV cache
-        gets a share of what the weights leave (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an
-        engine that budgets a share of the whole device (`Engine.device_share`: vLLM, SGLang), that share less the
-        weights, the reserve and the peak of the engine's profile run (`Engine.profile_peak_bytes`: vLLM's sampler)."""
+        """Bytes per GPU: weights (a draft model's too), workspace (what the engine keeps beside the KV cache, its
+        profile run's peak `profile` among it), KV capacity (a draft model's KV in it too: `kv_share`) -- so capacity =
+        HBM - reserved - weights - workspace exactly. The KV cache gets a share of what the weights leave
+        (`Engine.free_memory_fraction`, default KV_MEMORY_FRACTION), or, for an engine that budgets a share of the whole
+        device (`Engine.device_share`: vLLM, SGLang), that share less the weights, the reserve and the peak of the
+        engine's profile run (`Engine.profile_peak_bytes`: vLLM's sampler)."""
         hbm, reserved = self.cluster.hbm_bytes, self.cluster.reserved_bytes
-        weights = sum(self.weight_bytes_per_gpu().values())
+        draft = self.draft_serving()
+        weights = sum(self.weight_bytes_per_gpu().values()) + (sum(draft.weight_bytes_per_gpu().values())
+                                                                 if draft is not None else 0.0)
         free = max(hbm - reserved - weights, 0.0)
         lo = self.layout
         share = self.engine.device_share(hbm, parallel=lo.tp * lo.pp, dp_attention=lo.attention_dp,
@@ -217,7 +249,8 @@ class Serving:
         """The longest single sequence whose KV one dp rank holds (its tp x cp x pp GPUs together); where the KV
         stops growing (every layer of a stage windowed, Mistral 7B v0.1) the model's own position limit."""
         lo = self.layout
-        n = self.sm.max_cached_tokens(self.memory()["kv_capacity"], KV_BYTES[self.kv_precision], tp=lo.tp, pp=lo.pp,
+        n = self.sm.max_cached_tokens(self.memory()["kv_capacity"] * self.kv_share(), KV_BYTES[self.kv_precision],
+                                      tp=lo.tp, pp=lo.pp,
                                       cp=lo.cp)
         return self.sm.cfg.max_seq_len if n is None else n
 
@@ -240,21 +273,6 @@ def _weight_only(cl: Cluster, weights: str, gemm: str) -> float:
     """The share of the `gemm`-precision GEMM rate GEMMs of `weights`-precision weights reach: the GPU's measured
     `weight_only_gemm_factor` where they are W4A16 (`weight_only`), 1 for weights and activations of one precision."""
     return cl.weight_only_gemm_factor if weight_only(weights, gemm) else 1.0
-
-
-def _act_bytes(sv: Serving) -> float:
-    """Bytes of an activation element: 16-bit, or 4 where the model is served in fp32."""
-    return 4.0 if sv.precision == "fp32" else 2.0
-
-
-def _dispatch_bytes(sv: Serving) -> float:
-    """Bytes per hidden element an expert dispatch sends: the weights' bytes, at most 16 bits (the combine
-    returns bf16)."""
-    return min(2.0, WEIGHT_BYTES[sv.precision])
-
-
-def _tier(span: tuple[int, int]) -> str:
-    return "scale-out link" if span[1] > 1 else "scale-up link"
 
 
 def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_rank: float, shared: float = 0.0) -> dict:
@@ -299,7 +317,7 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
             "dense_gemm_tile_flops": body_flops * tile("body", dense_p) + head_flops * tile("head", dense_p),
             "expert_gemm_tile_flops": expert_flops * tile("experts", sv.gemm_precision),
-            "elementwise_bytes": _act_bytes(sv) * gemm_tokens * elems * f,
+            "elementwise_bytes": act_bytes(sv) * gemm_tokens * elems * f,
             "weight_bytes": w["dense"] + w["experts"] * touched, "dense_weight_bytes": w["dense"],
             "expert_weight_bytes": w["experts"] * touched,
             "attn_flops": attn / (lo.tp * lo.cp),
@@ -329,71 +347,6 @@ def _kv_reads(sv: Serving) -> float:
     return max(1.0, (cfg.num_heads / tp) / max(1, cfg.num_kv_heads // tp))
 
 
-def _comm(sv: Serving, *, d: float, p: float, cl: Cluster | None = None) -> dict:
-    """Seconds of communication per micro-step, keyed (kind, tier); `cl`: the cluster as one rank sees it
-    (`_host_shared`; default `sv.cluster`)."""
-    lo, cl, cfg = sv.layout, cl or sv.cluster, sv.sm.cfg
-    layers, h, out = sv.sm.layers / lo.pp, cfg.hidden_size, {}
-    q = d * (1 + sv.mtp_tokens)
-    tokens = q + p / lo.cp
-    if lo.tp > 1:
-        span = group_span(1, lo.tp, cl.scaleup_size)
-        # two per layer (Megatron), and the vocab-parallel embedding's sum (on the stage holding it)
-        out[("tp", _tier(span))] = (2 * layers + 1) * collective_time("all_reduce", tokens * h * _act_bytes(sv), span,
-                                                                      cl)
-    if lo.cp > 1 and d > 0:
-        span = group_span(lo.tp, lo.cp, cl.scaleup_size)
-        partial = q * (cfg.num_heads / lo.tp) * (cfg.head_dim + 1) * 4  # fp32 partial outputs + log-sum-exp
-        per_layer = collective_time("all_gather", partial, span, cl)
-        if sv.engine.cp_decode_on_owner:  # the owners' decode queries, gathered for every rank's KV shard
-            per_layer += collective_time("all_gather", q * (cfg.num_heads / lo.tp) * cfg.head_dim * _act_bytes(sv),
-                                         span, cl)
-        out[("cp", _tier(span))] = layers * per_layer
-    if lo.ep > 1:
-        if sv.engine.ep_all_to_all == "allgather":
-            # every dp rank's tokens gathered to every rank, the experts' outputs reduce-scattered back (vLLM's
-            # AgRsAll2AllManager, over the dp group): the same bytes whatever the routing, so no rank waits on an
-            # excess; with one dp rank every rank holds the tokens and the tp all-reduce sums the experts' outputs
-            if lo.dp > 1:
-                span = group_span(lo.tp * lo.cp, lo.dp, cl.scaleup_size)
-                everyone = lo.dp * tokens * h
-                call = (collective_time("all_gather", everyone * _dispatch_bytes(sv), span, cl)
-                        + collective_time("reduce_scatter", everyone * 2.0, span, cl))
-                out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call
-        else:
-            span = group_span(1, lo.stage, cl.scaleup_size)
-            per_token = h * (_dispatch_bytes(sv) + 2.0)  # dispatch + combine (bf16)
-            call = expert_all_to_all(tokens * per_token, top_k=cfg.num_experts_per_token, span=span,
-                                     up=cl.collective_fit("all_to_all", "scale-up"), groups=router_groups(cfg),
-                                     out=cl.collective_fit("all_to_all", "scale-out"),
-                                     low_latency=p == 0 and sv.engine.ep_all_to_all == "deepep")
-            # the busiest rank receives (and sends back) its experts' excess tokens (TensorRT-LLM tech blog 4)
-            out[("ep", _tier(span))] = sv.sm.moe_layers() / lo.pp * call * sv.expert_imbalance()
-    if lo.pp > 1:
-        span = group_span(lo.stage, 2, cl.scaleup_size)
-        out[("pp", _tier(span))] = collective_time("p2p", tokens * h * _act_bytes(sv), span, cl)
-    return out
-
-
-def _driver_comm(sv: Serving, cl: Cluster, *, sampled: float) -> float:
-    """Seconds per step of a driver-rank engine's own messages (`Engine.driver_broadcast`): the step's input
-    sent over cp, then tp (two broadcasts each of a small message, its `sampled` int64 token ids: a tree of log2 n
-    p2p hops); the tp ranks' vocabulary slices of the `sampled` rows' logits all-gathered; under cp those rows'
-    hidden states all-reduced."""
-    lo, cfg = sv.layout, sv.sm.cfg
-    out = 0.0
-    for size, stride in ((lo.cp, lo.tp), (lo.tp, 1)):
-        if size > 1:
-            span = group_span(stride, size, cl.scaleup_size)
-            out += 2 * math.ceil(math.log2(size)) * collective_time("p2p", sampled * 8, span, cl)
-    if lo.tp > 1:
-        out += collective_time("all_gather", sampled * cfg.vocab_size * 4, group_span(1, lo.tp, cl.scaleup_size), cl)
-    if lo.cp > 1:
-        out += collective_time("all_reduce", sampled * cfg.hidden_size * _act_bytes(sv),
-                               group_span(lo.tp, lo.cp, cl.scaleup_size), cl)
-    return out
-
-
 def _host_shared(sv: Serving) -> tuple[Cluster, float]:
     """The cluster as one rank sees it, and by how much its ranks time-share compute (`cluster.time_shared`, as
     the training side's placement.world_setup prices it): 1 on GPUs."""
@@ -415,17 +368,30 @@ def iteration_time(sv: Serving, *, decodes: float, kv_len: float, prefill_tokens
 
     With MTP drafts (`Serving.mtp_tokens` = k > 0) one step verifies each sequence's k drafts with the main model
     (k + 1 query tokens over one read of its KV; TensorRT-LLM tech blog 2, "Attention for MTP") and drafts the next
-    k with the MTP module, one decoder layer run k times (priced as 1 / layers of a plain step each); it yields
-    `Serving.mtp_tokens_per_step` tokens per sequence. The times returned are per generated token: the step over
+    k with the MTP module, one decoder layer run k times (priced as 1 / layers of a plain step each) -- or with a
+    draft model (`Serving.draft_model`), k decode steps of it (TensorRT-LLM's draft-target, vLLM's draft model); it
+    yields `Serving.mtp_tokens_per_step` tokens per sequence. The times returned are per generated token: the step over
     that yield (and the prefill tokens given are per generated token too, so a step carries that many more)."""
+    proposer = sv.draft_serving()
     if not (sv.mtp_tokens and decodes > 0):
-        return _step(sv, decodes=decodes, kv_len=kv_len, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx,
+        step = _step(sv, decodes=decodes, kv_len=kv_len, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx,
                      rank_prefill=rank_prefill, shared_prefix=shared_prefix)
+        if proposer is None or not prefill_tokens:
+            return step
+        # a draft model prefills the prompt tokens too (its own KV)
+        draft = _step(proposer, decodes=0, kv_len=0, prefill_tokens=prefill_tokens, prefill_ctx=prefill_ctx,
+                      rank_prefill=rank_prefill)["total"]
+        return dict(step, total=step["total"] + draft, mtp_draft=draft)
     a = sv.mtp_tokens_per_step()
-    step = _step(sv, decodes=decodes, kv_len=kv_len, prefill_tokens=prefill_tokens * a, prefill_ctx=prefill_ctx,
-                 rank_prefill=None if rank_prefill is None else rank_prefill * a, shared_prefix=shared_prefix)
-    draft = sv.mtp_tokens * _step(replace(sv, mtp_tokens=0), decodes=decodes, kv_len=kv_len,
-                                  shared_prefix=shared_prefix)["total"] / sv.sm.layers
+    prompt = dict(prefill_tokens=prefill_tokens * a, prefill_ctx=prefill_ctx,
+                  rank_prefill=None if rank_prefill is None else rank_prefill * a)
+    step = _step(sv, decodes=decodes, kv_len=kv_len, shared_prefix=shared_prefix, **prompt)
+    if proposer is None:  # the MTP module: one decoder layer a draft token
+        draft = sv.mtp_tokens * _step(replace(sv, mtp_tokens=0), decodes=decodes, kv_len=kv_len,
+                                      shared_prefix=shared_prefix)["total"] / sv.sm.layers
+    else:  # a draft model: one decode step of it a draft token, the first with the step's prompt tokens
+        decode = dict(decodes=decodes, kv_len=kv_len, shared_prefix=shared_prefix)
+        draft = _step(proposer, **decode, **prompt)["total"] + (sv.mtp_tokens - 1) * _step(proposer, **decode)["total"]
     out = {k: v / a for k, v in step.items() if k != "bound"}
     return dict(out, total=(step["total"] + draft) / a, mtp_draft=draft / a, bound=step["bound"])
 
@@ -466,7 +432,7 @@ def _engine_host(sv: Serving, *, decodes: float, prefill_tokens: float, prefill_
     out = e.host_per_step_s + e.host_per_seq_s * seqs + share * layers * (e.host_per_layer_s
                                                                          + e.host_per_layer_seq_s * seqs)
     if e.driver_broadcast and lo.world > 1:
-        out += _driver_comm(sv, cl, sampled=seqs)
+        out += driver_comm(sv, cl, sampled=seqs)
     return out
 
 
@@ -495,7 +461,7 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     expert_c, expert_m = w["expert_gemm_tile_flops"] / rate, w["expert_weight_bytes"] / hbm
     gemm_c, gemm_m = dense_c + expert_c, dense_m + expert_m
     attn_c, attn_m = w["attn_flops"] / attn_rate, w["kv_bytes"] / hbm
-    comm = _comm(sv, d=d, p=p, cl=cl)
+    comm = step_comm(sv, d=d, p=p, cl=cl)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
     if cl.gemm_weight_bw:  # a CPU BLAS: the weights' packing pass, then the FLOPs (Cluster.gemm_weight_bw)
         pack, calls = cl.gemm_weight_bw / share, share * _gemm_calls(sv) * cl.gemm_call_s
@@ -547,7 +513,7 @@ def _stages(sv: Serving, *, dense: float, experts: float, attn: float, elementwi
     shared = share(moe * 3 * h * cfg.shared_intermediate_size)
     attn_in = share(moe * (attn_layer - out_proj)) + elementwise * at_moe
     attn_out = attn * at_moe + share(moe * (out_proj + h * cfg.num_experts))
-    dispatch = ep * _dispatch_bytes(sv) / (_dispatch_bytes(sv) + 2.0)
+    dispatch = ep * dispatch_bytes(sv) / (dispatch_bytes(sv) + 2.0)
     rest = dense + attn + elementwise + other - shared - attn_in - attn_out
     return {"attn_in": attn_in, "attn_out": attn_out, "shared": shared, "experts": experts, "dispatch": dispatch,
             "combine": ep - dispatch, "rest": rest}

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from meshlm.planner.cluster import GiB
 from meshlm.planner.explain import serving_caution
@@ -155,7 +155,7 @@ def steady_iteration(sv: Serving, wl: Workload, c: float) -> dict:
     the ranks meet at every MoE layer, so an iteration lasts as long as its busiest rank: a rank that starts a
     prompt (in pieces of the chunk) holds the others up (serving_engine.busiest_rank_prefill), unless the engine
     balances prefills across ranks."""
-    I, O, lo = wl.input_len, wl.output_len, sv.layout
+    O, lo = wl.output_len, sv.layout
     if wl.prefilled_elsewhere:  # a decode pool: decodes only, every iteration alike
         it = iteration_time(sv, **wl.decoding(c))
         return dict(it, itl=it["total"], itl_var=0.0, lengths=[(1.0, it["total"])])
@@ -178,15 +178,16 @@ def _prompt_mixture(sv: Serving, c: float, wl: Workload, piece: int) -> dict:
     """Continuous batching's iterations as they run: the prompts do not spread evenly over them. A prompt's P tokens
     to prefill (`Workload.prefill_len`: I, less a cached prefix) join in pieces of `piece` (the chunk, or the whole
     of them); the pieces one iteration carries are Poisson with mean m = c P / (O piece) (c requests per rank, each
-    bringing P prompt tokens per O generated), and an iteration carrying k of them lasts t(c decodes + k pieces). Decode iterations are bound by the weights' reads and
-    prefill-carrying ones by the prompt's FLOPs, so the mean iteration E[t] exceeds the iteration of the mean work
+    bringing P prompt tokens per O generated), and an iteration carrying k of them lasts t(c decodes + k pieces).
+    Decode iterations are bound by the weights' reads and prefill-carrying ones by the prompt's FLOPs, so the mean
+    iteration E[t] exceeds the iteration of the mean work
     (t is convex in the prompt tokens): E[t] sets the throughput ("total"), the decode-weighted mean
     sum P(k) (c - k) t_k / sum P(k) (c - k) the time between a request's tokens ("itl": a prompting request does not
     decode in its prompt's iteration). Past MIXTURE_MAX_PIECES pieces an iteration holds nearly the mean work
     (relative spread 1 / sqrt(m)): the mean iteration alone. "itl_var": the variance of the gaps (decode-weighted),
     whose mean over a request's O - 1 gaps sets the spread of its TPOT (`_at_rate`'s tail); "lengths": the
     iterations' (probability, seconds), whose rest an arrival waits out (`queues.residual_life`)."""
-    I, O, P = wl.input_len, wl.output_len, wl.prefill_len
+    O, P = wl.output_len, wl.prefill_len
     m = c * P / O / piece if piece > 0 else 0.0
     kw = dict(**wl.decoding(c), prefill_ctx=wl.prefill_ctx)
     if m <= 0 or m > MIXTURE_MAX_PIECES:
@@ -286,7 +287,6 @@ def prefill_queue(sv: Serving, wl: Workload, r: dict, R: float, *, busy: float, 
 def _budget_iteration(sv: Serving, wl: Workload, r: dict, prompt_tokens: int | None = None) -> float:
     """Seconds of an iteration carrying `r`'s decodes and a full chunk of prompt tokens (the token budget; or
     `prompt_tokens`), per dp rank."""
-    I, O = wl.input_len, wl.output_len
     return iteration_time(sv, **wl.decoding(r["concurrency"] / sv.layout.dp),
                           prefill_tokens=wl.prefill_chunk if prompt_tokens is None else prompt_tokens,
                           prefill_ctx=wl.prefill_ctx)["total"]
@@ -393,6 +393,8 @@ def estimate_serving(sv: Serving, wl: Workload) -> dict:
     out = {"layout": lo.label(), "gpus": gpus, "mode": wl.mode, "input_len": wl.input_len,
            "prefix_hit": wl.prefix_hit, "prefill_tokens_per_request": wl.prefill_len,
            "shared_prefix_tokens": wl.shared_prefix_len, "output_len": wl.output_len,
+           "draft_tokens_per_step": sv.mtp_tokens, "tokens_per_step": sv.mtp_tokens_per_step(),
+           "draft_model": None if sv.draft_model is None else sv.draft_model.cfg.preset or "config.json",
            "precision": sv.precision, "kv_precision": sv.kv_precision,
            "weights_gib": mem["weights"] / GiB, "workspace_gib": mem["workspace"] / GiB,
            "profile_gib": mem["profile"] / GiB,
@@ -493,10 +495,12 @@ def frontier(sv: Serving, wl: Workload) -> list[dict]:
 
 def serving_layouts(sv: Serving, gpus: int) -> list[ServingLayout]:
     """Every layout of `gpus` the search considers: tp within a scale-up domain, pp, cp = 1, the rest replicas (dp),
-    ep = 1 or, for MoE, every rank of a stage's replicas (ep = dp x tp)."""
+    ep = 1 or, for MoE, every rank of a stage's replicas (ep = dp x tp); tp and pp split a draft model too."""
     cfg, layouts = sv.sm.cfg, []
-    for tp in (t for t in _divisors(gpus) if t <= sv.cluster.scaleup_size and cfg.num_heads % t == 0):
-        for pp in (p for p in _divisors(gpus // tp) if p <= min(16, cfg.num_layers)):
+    models = [cfg] + ([sv.draft_model.cfg] if sv.draft_model is not None else [])
+    splits = lambda t: t <= sv.cluster.scaleup_size and all(m.num_heads % t == 0 for m in models)  # noqa: E731
+    for tp in filter(splits, _divisors(gpus)):
+        for pp in (p for p in _divisors(gpus // tp) if p <= min(16, *(m.num_layers for m in models))):
             dp = gpus // (tp * pp)
             eps = [1] + ([dp * tp] if cfg.is_moe and dp * tp > 1 and cfg.num_experts % (dp * tp) == 0 else [])
             layouts += [ServingLayout(tp=tp, pp=pp, ep=ep, dp=dp) for ep in eps]
