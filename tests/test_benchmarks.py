@@ -75,3 +75,25 @@ def test_prefix_cache_smoke_prices_each_run_with_a_calibration(tmp_path):
         assert {"ttft_ms", "tpot_ms"} <= set(p["single"]) and "output_tokens_per_s" in p["batch"]
     # half the prompt cached: the priced TTFT falls (its host time per step stays)
     assert priced[1]["single_ttft_over_cold"]["predicted"] < 1.0
+
+
+def test_speculative_planner_smoke_prices_both_runs_with_a_calibration(tmp_path):
+    """The planner part of speculative_planner.py (skipped by its smoke run without a calibration file): given one
+    (made-up figures, as above), the plain and the draft runs each get their predictions, at the chain acceptance
+    the draft run measured, and the draft's effect on the TPOT is set beside the measured one."""
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({
+        "matmul_flops": 5e10, "attention_flops": 2e10, "memory_bandwidth": 2e10, "cpu_cores": 2,
+        "link": {"bandwidth": 1e9, "latency": 1e-4},
+        "serving_host": {"step_s": 1e-3, "layer_s": 2e-4, "seq_s": 3e-5, "layer_seq_s": 4e-6}}))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speculative_planner.py"), "--smoke",
+                           "--calibration", str(calibration)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    stats, priced = out["runs"]["draft"]["spec_stats"], out["planner"]
+    assert stats["proposed"] > 0 and out["runs"]["plain"]["spec_stats"]["proposed"] == 0
+    assert priced["chain_p"] == out["runs"]["draft"]["acceptance"]["chain_p"]
+    for run in ("plain", "draft"):
+        assert {"ttft_ms", "tpot_ms"} <= set(priced[run]["single"]) and "output_tokens_per_s" in priced[run]["batch"]
+    assert set(priced["draft_over_plain_tpot"]) == {"single", "batch"}

@@ -1,0 +1,173 @@
+"""Draft-model speculative decoding on meshlm's engine against the serving planner's `--draft-model`, as JSON.
+
+    meshlm plan calibrate --out plan_calibration.json     # this machine, once (seconds)
+    python benchmarks/speculative_planner.py --calibration plan_calibration.json
+
+One process, one thread, a random Llama built from meshlm's own `ModelConfig` (no download, no tokenizer: token ids),
+and its draft: the target's own embeddings, first --draft-layers decoder layers, final norm and head (an early exit of
+the target, so it shares the vocabulary and agrees with it now and then). Each run serves --input-len prompt tokens
+and --output-len new tokens (greedy, ignore_eos), plainly and with the draft proposing --draft-tokens tokens a step
+(`Engine(speculative={"method": "draft"}, draft_model=...)`):
+  single   one request at a time (--repeats of them; the fastest counts, timeit's rule): time to first token and the
+           mean time between its later tokens, by engine step (serve.py's `stepped_generate`);
+  batch    --batch requests submitted at once (a static batch): output tokens/s, mean TTFT and TPOT.
+`acceptance` is the engine's own count (drafts accepted over steps that verified some), and the per-draft chain
+acceptance p it implies (accepted per step = p + p^2 + ... + p^k) is what the planner is given: `meshlm plan infer
+--cluster local --engine meshlm --mtp-tokens k --mtp-acceptance p --draft-model ...`'s prediction of the same runs
+(fp32, the engine's host time as `plan calibrate` measured it), predicted / measured (`ratio`), where --calibration
+names a calibration file; skipped otherwise. The question it answers: does the planner price what the draft adds to
+a step -- its k forwards, its weights, the verification's k + 1 query tokens -- as the engine spends it? (The
+acceptance itself is an input, measured here, not predicted.) meshlm's engine brings the draft up to a new prompt at
+the request's first decode step, so the draft's prefill lands in the first token gap there, where vLLM and
+TensorRT-LLM (and the planner) run it in the prompt's step: compare the TTFT with that in mind.
+benchmarks/speculative.py is the engine's own benchmark of speculation (trained models, transformers' assisted
+generation beside it); this one checks the planner against the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from _common import parse_args_smoke, predicted_vs_measured
+from serve import stepped_generate  # benchmarks/ is on sys.path when run as a script
+
+
+def configs(args):
+    """The target's and the draft's `ModelConfig`: the draft is the target cut to --draft-layers layers."""
+    from meshlm.config import ModelConfig
+
+    target = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                         num_heads=max(1, args.hidden // 32), num_kv_heads=max(1, args.hidden // 64),
+                         intermediate_size=3 * args.hidden, max_seq_len=args.input_len + args.output_len + 16)
+    return target, replace(target, num_layers=args.draft_layers)
+
+
+def early_exit(target, cfg):
+    """The draft: a model of `cfg` holding the target's embeddings, first layers, final norm and head."""
+    from meshlm.models.transformer import Transformer
+
+    draft = Transformer(cfg).eval()
+    keep = {f"layers.{i}." for i in range(cfg.num_layers)}
+    state = {k: v for k, v in target.state_dict().items()
+             if not k.startswith("layers.") or any(k.startswith(p) for p in keep)}
+    draft.load_state_dict(state)
+    return draft
+
+
+def measure(engine, rng: random.Random, args) -> dict:
+    """The single and batch runs of one engine (module docstring), and what its proposals achieved."""
+    fresh = lambda: [rng.randrange(2, args.vocab) for _ in range(args.input_len)]  # noqa: E731
+    stepped_generate(engine, [fresh()], 2)  # warm: the first prompt of a length pays one-time costs
+    before = dict(vars(engine.spec_stats))
+    single = min((stepped_generate(engine, [fresh()], args.output_len) for _ in range(args.repeats)),
+                 key=lambda r: r[0])
+    batch = stepped_generate(engine, [fresh() for _ in range(args.batch)], args.output_len)
+    stats = {k: v - before[k] for k, v in vars(engine.spec_stats).items()}
+    return {"single": {"ttft_ms": round(1e3 * single[1][0], 3), "tpot_ms": round(1e3 * single[2][0], 3)},
+            "batch": {"requests": args.batch, "tokens_per_s": round(args.batch * args.output_len / batch[0], 1),
+                      "ttft_mean_ms": round(1e3 * sum(batch[1]) / len(batch[1]), 3),
+                      "tpot_mean_ms": round(1e3 * sum(batch[2]) / len(batch[2]), 3)},
+            "spec_stats": stats}
+
+
+def chain_acceptance(accepted_per_step: float, k: int) -> float:
+    """p with p + p^2 + ... + p^k = `accepted_per_step` (bisection), below 1 as the planner takes it."""
+    lo, hi = 0.0, 0.999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(1, k + 1)) < accepted_per_step else (lo, mid)
+    return round(lo, 4)
+
+
+def planner(target_cfg, draft_cfg, calibration: str | None, runs: dict, args, budget: int) -> dict:
+    """The planner's static batches of 1 and of --batch, plain and with the draft at the measured acceptance,
+    predicted / measured; and the draft's slowdown or speedup of each, predicted against measured."""
+    if not calibration or not Path(calibration).exists():
+        return {"skipped": f"no calibration file {calibration!r}: run `meshlm plan calibrate --out FILE` and pass "
+                           "--calibration FILE"}
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_engine import engine as engine_preset
+    from meshlm.planner.serving_layout import ServingLayout
+    from meshlm.planner.serving_model import served_model
+    from meshlm.planner.serving_modes import estimate_serving
+    from meshlm.planner.serving_workload import Workload
+
+    cluster = get_cluster("local", calibration=calibration)
+    if not cluster.serving_host:
+        return {"skipped": f"{calibration!r} predates the engine's host timing (serving_host): rerun `meshlm plan "
+                           "calibrate`"}
+    plain = Serving(served_model(target_cfg), cluster, ServingLayout(), precision="fp32", kv_precision="fp32",
+                    engine=engine_preset("meshlm", cluster))
+    p = runs["draft"]["acceptance"]["chain_p"]
+    spec = replace(plain, mtp_tokens=args.draft_tokens, mtp_acceptance=p, draft_model=served_model(draft_cfg))
+    out = {"chain_p": p}
+    for name, sv in (("plain", plain), ("draft", spec)):
+        out[name] = {}
+        for part, batch in (("single", 1), ("batch", args.batch)):
+            est = estimate_serving(sv, Workload(args.input_len, args.output_len, batch=batch, prefill_chunk=budget))
+            m = runs[name][part]
+            out[name][part] = predicted_vs_measured(
+                {"ttft_ms": (est["ttft_ms"], m.get("ttft_ms", m.get("ttft_mean_ms"))),
+                 "tpot_ms": (est["tpot_ms"], m.get("tpot_ms", m.get("tpot_mean_ms"))),
+                 **({"output_tokens_per_s": (est["output_tokens_per_s"], m["tokens_per_s"])} if batch > 1 else {})})
+    # what the draft does to each: TPOT with it over TPOT without
+    out["draft_over_plain_tpot"] = {
+        part: {"measured": round(out["draft"][part]["tpot_ms"]["measured"] / out["plain"][part]["tpot_ms"]["measured"],
+                                 3),
+               "predicted": round(out["draft"][part]["tpot_ms"]["predicted"]
+                                  / out["plain"][part]["tpot_ms"]["predicted"], 3)}
+        for part in ("single", "batch")}
+    return {"cluster": {"matmul_flops": cluster.peak("fp32"), "cores": cluster.compute_slots,
+                        "serving_host_s": cluster.serving_host}, **out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, default in (("--hidden", 256), ("--layers", 4), ("--draft-layers", 1), ("--vocab", 1024),
+                          ("--input-len", 256), ("--output-len", 32), ("--draft-tokens", 3), ("--batch", 8),
+                          ("--repeats", 3), ("--seed", 0)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--calibration", default=None, help="a `meshlm plan calibrate` file: the planner's prediction")
+    args = parse_args_smoke(ap, dict(hidden=64, layers=2, draft_layers=1, vocab=128, input_len=32, output_len=4,
+                                     draft_tokens=2, batch=2, repeats=1))
+    from meshlm.infer.engine import Engine
+    from meshlm.models.transformer import Transformer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    target_cfg, draft_cfg = configs(args)
+    target = Transformer(target_cfg).eval()
+    draft = early_exit(target, draft_cfg)
+    budget = args.batch * args.input_len  # a static batch: every prompt prefilled in one step
+    started = time.perf_counter()
+    runs = {}
+    for name, kw in (("plain", {}),
+                     ("draft", dict(draft_model=draft, speculative={"method": "draft", "model": "early exit",
+                                                                    "num_speculative_tokens": args.draft_tokens}))):
+        engine = Engine(target, max_num_seqs=max(8, args.batch), max_num_batched_tokens=budget, **kw)
+        runs[name] = measure(engine, rng, args)
+    stats = runs["draft"]["spec_stats"]
+    per_step = stats["accepted"] / stats["forwards"] if stats["forwards"] else 0.0
+    runs["draft"]["acceptance"] = {"accepted_per_step": round(per_step, 4),
+                                   "chain_p": chain_acceptance(per_step, args.draft_tokens)}
+    result = {"model": {"hidden": args.hidden, "layers": args.layers, "draft_layers": args.draft_layers,
+                        "vocab": args.vocab, "device": "cpu", "torch_threads": torch.get_num_threads()},
+              "input_len": args.input_len, "output_len": args.output_len, "draft_tokens": args.draft_tokens,
+              "runs": runs, "planner": planner(target_cfg, draft_cfg, args.calibration, runs, args, budget),
+              "wall_seconds": round(time.perf_counter() - started, 1)}
+    if args.smoke:
+        result["smoke"] = True
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
