@@ -516,3 +516,17 @@ def test_budget_wait_on_an_engine_whose_iterations_grow_with_their_prompts(rate,
 
         rest = residual_life(lengths)
         assert own + rest + t_token * _co_riders(2 * rate * rest, prompt, budget) < 0.6 * ttft
+
+
+def test_prompts_that_outrun_the_budget_at_every_count_say_so():
+    """Poisson arrivals whose prompts outrun the token budget whatever the in-flight count (131,072-token prompts fed
+    a token an iteration): the in-flight count's fixed point runs off to infinity, which is the answer -- the queue
+    grows -- not an undefined iteration handed to the queueing formulas (it made `wait_quantile` overflow, and then
+    search forever); an undefined queue is refused there by name."""
+    from meshlm.planner.serving_modes import estimate_serving
+
+    sv = Serving(served_model("llama3-8b"), get_cluster("h100"), ServingLayout(dp=64))
+    out = estimate_serving(sv, Workload(131072, 64, request_rate=5, prefill_chunk=1))
+    assert out["fits"] and not out["keeps_up"] and out["ttft_ms"] is None
+    with pytest.raises(ValueError, match="undefined queue"):
+        wait_quantile(float("nan"), float("nan"), 0.99)

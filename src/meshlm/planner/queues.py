@@ -108,6 +108,9 @@ def erlang_c(k: int, a: float) -> float:
     return k * b / (k - a * (1 - b))
 
 
+_LOG_MAX_TERM = math.log(1e11)  # beyond, the alternating sum of `wait_quantile` loses its digits
+
+
 def wait_quantile(rho: float, s: float, q: float) -> float:
     """The q-quantile of the wait in an M/D/1 queue of service s at utilisation rho. Erlang's distribution of it,
     P(W <= u s) = (1 - rho) sum_{k=0}^{floor(u)} (rho (k - u))^k / k! exp(rho (u - k)) (the M/D/1 waiting time; e.g.
@@ -115,14 +118,25 @@ def wait_quantile(rho: float, s: float, q: float) -> float:
     alternating sum holds its digits; beyond, the Cramer-Lundberg tail of the M/G/1 wait, P(W > t) ~ C exp(-x t / s),
     x > 0 solving rho (e^x - 1) = x, C = (1 - rho) / (rho e^x - 1) (Asmussen, "Applied Probability and Queues",
     XIII.5), within 2% there (rho >= 0.85 at q = 0.99)."""
+    if math.isnan(rho) or math.isnan(s):  # a caller's bug: said, not searched for forever
+        raise ValueError(f"wait_quantile of an undefined queue: utilisation {rho}, service {s}")
     if rho <= 0 or s <= 0 or q <= 1 - rho:
         return 0.0  # P(W = 0) = 1 - rho
     if rho >= 1:
         return math.inf
 
     def below(u: float) -> bool | None:  # P(W <= u s) >= q; None where the sum's terms outgrow double precision
-        terms = [(rho * (k - u)) ** k / math.factorial(k) * math.exp(rho * (u - k)) for k in range(int(u) + 1)]
-        return None if max(map(abs, terms)) > 1e11 else (1 - rho) * math.fsum(terms) >= q
+        terms = []
+        for k in range(int(u) + 1):  # each term in logarithms: k! and x^k alone overflow a double past k ~ 170
+            x = rho * (k - u)
+            if x == 0:
+                terms.append(1.0 if k == 0 else 0.0)
+                continue
+            log = k * math.log(abs(x)) - math.lgamma(k + 1) + rho * (u - k)
+            if log > _LOG_MAX_TERM:
+                return None
+            terms.append((-1.0 if x < 0 and k % 2 else 1.0) * math.exp(log))
+        return (1 - rho) * math.fsum(terms) >= q
 
     a, b = 0.0, 1.0
     while (ok := below(b)) is False:

@@ -241,6 +241,8 @@ def poisson(sv: Serving, wl: Workload) -> dict:
     for _ in range(200):
         r = continuous(sv, wl, max(c, 1e-9))
         c, last = 0.5 * c + 0.5 * R * (r["ttft_s"] + O * r["tpot_s"]), c
+        if c == math.inf:  # the prompts outrun the token budget at every count: the queue grows without bound
+            return _at_rate(sv, wl, R, best, best)
         if abs(c - last) <= 1e-9 * max(c, 1e-9):
             break
     return _at_rate(sv, wl, R, continuous(sv, wl, max(c, 1e-9)), best)
