@@ -250,8 +250,7 @@ class Serving:
         stops growing (every layer of a stage windowed, Mistral 7B v0.1) the model's own position limit."""
         lo = self.layout
         n = self.sm.max_cached_tokens(self.memory()["kv_capacity"] * self.kv_share(), KV_BYTES[self.kv_precision],
-                                      tp=lo.tp, pp=lo.pp,
-                                      cp=lo.cp)
+                                      tp=lo.tp, pp=lo.pp, cp=lo.cp)
         return self.sm.cfg.max_seq_len if n is None else n
 
 

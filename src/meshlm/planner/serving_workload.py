@@ -35,11 +35,11 @@ class Workload:
     max_tpot_s: float | None = None
     max_rate: bool = False  # the highest Poisson rate whose tails meet the targets (`--request-rate max`)
     percentile: float | None = 99.0  # the tail of Poisson arrivals' latencies (None: their means)
-    # a disaggregated deployment's decode pool (`disaggregated`): its prompts were prefilled, and their first tokens
-    # made, on the prefill pool -- its iterations carry decodes only and add nothing to the TTFT
+    # a disaggregated deployment's decode pool (`serving_modes.disaggregated`): its prompts were prefilled, and their
+    # first tokens made, on the prefill pool -- its iterations carry decodes only and add nothing to the TTFT
     prefilled_elsewhere: bool = False
-    # the share of each prompt's tokens the engine finds in its prefix cache (`--prefix-hit`; module docstring), and
-    # whether that prefix is one that every request shares, its KV held once (`--prefix-shared`)
+    # the share of each prompt's tokens the engine finds in its prefix cache (`--prefix-hit`; serving_modes' module
+    # docstring), and whether that prefix is one that every request shares, its KV held once (`--prefix-shared`)
     prefix_hit: float = 0.0
     prefix_shared: bool = False
 
