@@ -77,6 +77,28 @@ def predicted_vs_measured(pairs: dict[str, tuple]) -> dict:
             for name, (p, m) in pairs.items() if p and m}
 
 
+def meshlm_on_this_machine(cfg: ModelConfig | str, calibration: str | None):
+    """`meshlm plan infer --cluster local --engine meshlm` of `cfg` (a `ModelConfig`, or a saved model's directory or
+    config.json; fp32 weights and KV, one rank) from a `meshlm plan
+    calibrate` file, as the benchmarks that set the planner beside meshlm's engine price it: (the `Serving`, None), or
+    (None, the JSON of why the planner part is skipped: no file, or one older than the engine's host timing)."""
+    from meshlm.planner.cluster import get_cluster
+    from meshlm.planner.serving import Serving
+    from meshlm.planner.serving_engine import engine
+    from meshlm.planner.serving_layout import ServingLayout
+    from meshlm.planner.serving_model import served_model
+
+    if not calibration or not os.path.exists(calibration):
+        return None, {"skipped": f"no calibration file {calibration!r}: run `meshlm plan calibrate --out FILE` and "
+                                 "pass --calibration FILE"}
+    cluster = get_cluster("local", calibration=calibration)
+    if not cluster.serving_host:
+        return None, {"skipped": f"{calibration!r} predates the engine's host timing (serving_host): rerun `meshlm "
+                                 "plan calibrate`"}
+    return Serving(served_model(cfg), cluster, ServingLayout(), precision="fp32", kv_precision="fp32",
+                   engine=engine("meshlm", cluster)), None
+
+
 def missing_extras(*modules: str) -> list[str]:
     """The modules of `modules` that are not installed (an optional extra of meshlm's)."""
     return [m for m in modules if importlib.util.find_spec(m) is None]

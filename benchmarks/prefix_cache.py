@@ -25,11 +25,10 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
-from _common import parse_args_smoke, predicted_vs_measured
+from _common import meshlm_on_this_machine, parse_args_smoke, predicted_vs_measured
 from serve import stepped_generate  # benchmarks/ is on sys.path when run as a script
 
 
@@ -64,23 +63,13 @@ def at_hit(engine, rng: random.Random, args, hit: float) -> dict:
 
 def planner(cfg, calibration: str | None, runs: list[dict], args, engine) -> dict:
     """The planner's static batches of 1 and of --batch at each run's measured hit share, predicted / measured."""
-    if not calibration or not Path(calibration).exists():
-        return {"skipped": f"no calibration file {calibration!r}: run `meshlm plan calibrate --out FILE` and pass "
-                           "--calibration FILE"}
-    from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving
-    from meshlm.planner.serving_layout import ServingLayout
-    from meshlm.planner.serving_engine import engine as engine_preset
-    from meshlm.planner.serving_model import served_model
     from meshlm.planner.serving_modes import estimate_serving
     from meshlm.planner.serving_workload import Workload
 
-    cluster = get_cluster("local", calibration=calibration)
-    if not cluster.serving_host:
-        return {"skipped": f"{calibration!r} predates the engine's host timing (serving_host): rerun `meshlm plan "
-                           "calibrate`"}
-    sv = Serving(served_model(cfg), cluster, ServingLayout(), precision="fp32", kv_precision="fp32",
-                 engine=engine_preset("meshlm", cluster))
+    sv, skipped = meshlm_on_this_machine(cfg, calibration)
+    if sv is None:
+        return skipped
+    cluster = sv.cluster
     budget = engine.scheduler.max_num_batched_tokens
     out = []
     for run in runs:

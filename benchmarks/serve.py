@@ -53,12 +53,9 @@ from pathlib import Path
 
 import torch
 
-from _common import OtherWork, missing_extras, parse_args_smoke, predicted_vs_measured, print_smoke_skip, run_ranks
-from meshlm.planner.cluster import get_cluster
-from meshlm.planner.serving import Serving
+from _common import (OtherWork, meshlm_on_this_machine, missing_extras, parse_args_smoke, predicted_vs_measured,
+                     print_smoke_skip, run_ranks)
 from meshlm.planner.serving_layout import ServingLayout
-from meshlm.planner.serving_engine import engine as engine_preset
-from meshlm.planner.serving_model import served_model
 from meshlm.planner.serving_modes import estimate_serving
 from meshlm.planner.serving_workload import Workload
 from meshlm.processes import free_port, stop_tree
@@ -480,13 +477,10 @@ def planner(path: Path, calibration: str, result: dict, *, par_prompts: list[lis
     of its prompts (all prefilled in the first step, then decoded together), parallel_online as Poisson arrivals at
     its rate -- beside what was measured, with ratio = predicted / measured (`predicted_vs_measured`), and again
     (`on_cores_left`) with the recorded cores less those other work on the host took during the run."""
-    if not Path(calibration).exists():
-        return {"skipped": f"no calibration file {calibration!r}: run `meshlm plan calibrate --out {calibration}`"}
-    cluster = get_cluster("local", calibration=calibration)
-    if not cluster.serving_host:
-        return {"skipped": f"{calibration!r} predates the engine's host timing (serving_host): rerun "
-                           "`meshlm plan calibrate`"}
-    sm, eng = served_model(str(path)), engine_preset("meshlm", cluster)
+    base, skipped = meshlm_on_this_machine(str(path), calibration)
+    if base is None:
+        return skipped
+    cluster = base.cluster
     offline, online = result.get("parallel_offline", {}).get("layouts", {}), result.get("parallel_online", {})
     mean_in = round(statistics.mean(map(len, par_prompts)))
     out = {"cluster": {"matmul_flops": cluster.peak("fp32"), "memory_bandwidth": cluster.hbm_bw,
@@ -504,7 +498,7 @@ def planner(path: Path, calibration: str, result: dict, *, par_prompts: list[lis
             # on the recorded cores, and on those that other work left the run (the cores less `other_work_cores`)
             left = (max(0.1, cluster.compute_slots - m["other_work_cores"])
                     if m.get("other_work_cores") is not None and cluster.compute_slots else None)
-            sv = Serving(sm, cluster, ServingLayout(tp=tp, cp=cp), precision="fp32", kv_precision="fp32", engine=eng)
+            sv = replace(base, layout=ServingLayout(tp=tp, cp=cp))
             row[part] = _versus(sv, wl, m, detail=True)
             if left and "bound" in row[part]:
                 fewer = replace(sv, cluster=replace(cluster, compute_slots=left))

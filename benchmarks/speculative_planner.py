@@ -31,11 +31,10 @@ import json
 import random
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from _common import parse_args_smoke, predicted_vs_measured
+from _common import meshlm_on_this_machine, parse_args_smoke, predicted_vs_measured
 from serve import stepped_generate  # benchmarks/ is on sys.path when run as a script
 
 
@@ -89,23 +88,14 @@ def chain_acceptance(accepted_per_step: float, k: int) -> float:
 def planner(target_cfg, draft_cfg, calibration: str | None, runs: dict, args, budget: int) -> dict:
     """The planner's static batches of 1 and of --batch, plain and with the draft at the measured acceptance,
     predicted / measured; and the draft's slowdown or speedup of each, predicted against measured."""
-    if not calibration or not Path(calibration).exists():
-        return {"skipped": f"no calibration file {calibration!r}: run `meshlm plan calibrate --out FILE` and pass "
-                           "--calibration FILE"}
-    from meshlm.planner.cluster import get_cluster
-    from meshlm.planner.serving import Serving
-    from meshlm.planner.serving_engine import engine as engine_preset
-    from meshlm.planner.serving_layout import ServingLayout
     from meshlm.planner.serving_model import served_model
     from meshlm.planner.serving_modes import estimate_serving
     from meshlm.planner.serving_workload import Workload
 
-    cluster = get_cluster("local", calibration=calibration)
-    if not cluster.serving_host:
-        return {"skipped": f"{calibration!r} predates the engine's host timing (serving_host): rerun `meshlm plan "
-                           "calibrate`"}
-    plain = Serving(served_model(target_cfg), cluster, ServingLayout(), precision="fp32", kv_precision="fp32",
-                    engine=engine_preset("meshlm", cluster))
+    plain, skipped = meshlm_on_this_machine(target_cfg, calibration)
+    if plain is None:
+        return skipped
+    cluster = plain.cluster
     p = runs["draft"]["acceptance"]["chain_p"]
     spec = replace(plain, mtp_tokens=args.draft_tokens, mtp_acceptance=p, draft_model=served_model(draft_cfg))
     out = {"chain_p": p}
