@@ -503,6 +503,8 @@ def test_plan_infer_refuses_a_draft_model_it_cannot_use(capsys):
     rc, out = _cli(argv + ["--draft-model", "llama3-8b", "--mtp-tokens", "4", "--batch", "1", "--json"], capsys)
     answer = json.loads(out)
     assert rc == 0 and answer["draft_model"] == "llama3-8b" and answer["draft_tokens_per_step"] == 4
+    rc, out = _cli(argv + ["--draft-model", "llama3-8b", "--mtp-tokens", "4", "--mtp-acceptance", "0.5"], capsys)
+    assert "speculative: 4 drafts a step from llama3-8b, 1.94 tokens a step" in out  # 1 + .5 + .25 + .125 + .0625
 
 
 def test_the_layout_search_splits_a_draft_model_too():

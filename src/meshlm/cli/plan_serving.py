@@ -318,7 +318,10 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
             f"at {r['input_len']}+{r['output_len']} tokens"
             + (f" ({r['prefix_hit']:.0%} of each prompt cached: {r['prefill_tokens_per_request']:,} tokens prefilled"
                + (f", the {r['shared_prefix_tokens']:,}-token prefix shared" if r.get("shared_prefix_tokens") else "")
-               + ")" if r.get("prefix_hit") else ""))
+               + ")" if r.get("prefix_hit") else "")
+            + (f"; speculative: {r['draft_tokens_per_step']} drafts a step from "
+               f"{r['draft_model'] or 'the MTP module'}, {r['tokens_per_step']:.2f} tokens a step"
+               if r.get("draft_tokens_per_step") else ""))
     if not r["fits"]:
         return f"{head}\n  does not fit: {r['reason']}"
     rate = f", keeps up: {'yes' if r['keeps_up'] else 'NO'} (utilisation {r['utilization']:.0%})" if "keeps_up" in r else ""
