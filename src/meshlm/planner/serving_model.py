@@ -158,7 +158,7 @@ class ServedModel:
         in the full-attention layers (a windowed layer reads each sequence's own window)."""
         unit = self._kv_layer_bytes(kv_bytes, tp=tp) / cp  # one layer's bytes per token on one GPU
         return max(sequences * self.cached_tokens(tokens, stage)
-                   - max(sequences - 1, 0.0) * sum(1 for i in stage if not self.layer_window(i)) * shared
+                   - max(sequences - 1, 0.0) * self._full_layers(stage) * shared
                    for stage in self._stages(pp)) * unit
 
     def sequences_sharing_a_prefix(self, budget: float, tokens: float, prefix: float, kv_bytes: float, *, tp: int,
@@ -171,7 +171,7 @@ class ServedModel:
         unit = self._kv_layer_bytes(kv_bytes, tp=tp) / cp  # one layer's bytes per token on one GPU
         fits = []
         for stage in self._stages(pp):
-            shared = sum(1 for i in stage if not self.layer_window(i)) * prefix  # layer-tokens held once
+            shared = self._full_layers(stage) * prefix  # layer-tokens held once
             fits.append(max(0, int((budget - shared * unit) // ((self.cached_tokens(tokens, stage) - shared) * unit))))
         return min(fits)
 
@@ -181,7 +181,7 @@ class ServedModel:
         unit = self._kv_layer_bytes(kv_bytes, tp=tp) / cp  # one layer's bytes per token on one GPU
         longest = None
         for stage in self._stages(pp):
-            full = sum(1 for i in stage if not self.layer_window(i))
+            full = self._full_layers(stage)
             windows = sorted(self.layer_window(i) for i in stage if self.layer_window(i))
             # between the k-th and (k+1)-th smallest window the stage holds (the k windows) + (full + windows
             # left) x tokens; the first segment whose longest fitting length stays below its end holds the answer
@@ -203,6 +203,10 @@ class ServedModel:
         if self.mla is not None:
             return self.kv_elems_per_token_layer() * kv_bytes
         return 2 * max(1, self.cfg.num_kv_heads // tp) * self.cfg.head_dim * kv_bytes
+
+    def _full_layers(self, stage: range) -> int:
+        """The layers of `stage` that attend over the whole sequence (no sliding window)."""
+        return sum(1 for i in stage if not self.layer_window(i))
 
     def _stages(self, pp: int) -> list[range]:
         per = math.ceil(self.layers / pp)
