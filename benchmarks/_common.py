@@ -8,7 +8,9 @@ JSON they print.
 Also: every benchmark's `--smoke` (`parse_args_smoke`: the smallest sizes for one or two steps, the same code
 paths) and the JSON a smoke run prints instead where this host lacks what a benchmark needs (`missing_extras`,
 `print_smoke_skip`), and how a benchmark sets the planner's prediction beside its measurement
-(`predicted_vs_measured`: one direction, predicted / measured, for every benchmark).
+(`predicted_vs_measured`: one direction, predicted / measured, for every benchmark); for the benchmarks that set
+the serving planner beside meshlm's engine, stepping the engine with timings (`stepped_generate`, `single_and_batch`)
+and pricing the same runs on this machine (`meshlm_on_this_machine`, `static_batches_vs`, `local_cluster_json`).
 Not responsible for: building the implementations or their training steps (each benchmark does).
 
 How memory is counted. `torch.distributed._tools.mem_tracker.MemTracker` (a TorchDispatchMode that
@@ -97,6 +99,68 @@ def meshlm_on_this_machine(cfg: ModelConfig | str, calibration: str | None):
                                  "plan calibrate`"}
     return Serving(served_model(cfg), cluster, ServingLayout(), precision="fp32", kv_precision="fp32",
                    engine=engine("meshlm", cluster)), None
+
+
+def stepped_generate(engine, prompts: list[list[int]], output_len: int):
+    """`LLM.generate`'s loop (every prompt submitted at once, steps until all finish), timing each request's first
+    token (TTFT: from the submission) and the mean time between its later tokens (TPOT). Returns (seconds, TTFTs,
+    TPOTs, token ids in prompt order, this process's CPU seconds over the wall seconds: the share of a core it got,
+    below 1 where other work on the host took the rest, or where it waited for other ranks; the cores other work
+    took meanwhile, `OtherWork` over every rank, all spawned by the benchmark's process)."""
+    from meshlm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    with OtherWork(os.getppid()) as other:  # the ranks: spawned by the benchmark's process
+        cpu, start = time.process_time(), time.perf_counter()
+        ids = [engine.add_request(p, params).request_id for p in prompts]
+        first, final = {}, {}
+        while len(final) < len(ids):
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                if out.new_token_ids:
+                    first.setdefault(out.request_id, now)
+                if out.finished:
+                    final[out.request_id] = (now, out.token_ids)
+        seconds = time.perf_counter() - start
+        share = (time.process_time() - cpu) / seconds
+    ttft = [first[i] - start for i in ids]
+    tpot = [(final[i][0] - first[i]) / max(1, len(final[i][1]) - 1) for i in ids]
+    return seconds, ttft, tpot, [final[i][1] for i in ids], share, other.cores
+
+
+def single_and_batch(engine, fresh, *, output_len: int, repeats: int, batch: int) -> dict:
+    """One request at a time (`repeats` of them, each prompt from `fresh()`; the fastest counts, timeit's rule) and a
+    static batch of `batch` requests submitted at once, stepped by `stepped_generate`: {"single": TTFT and TPOT,
+    "batch": output tokens/s, mean TTFT and TPOT}, in ms."""
+    single = min((stepped_generate(engine, [fresh()], output_len) for _ in range(repeats)), key=lambda r: r[0])
+    runs = stepped_generate(engine, [fresh() for _ in range(batch)], output_len)
+    return {"single": {"ttft_ms": round(1e3 * single[1][0], 3), "tpot_ms": round(1e3 * single[2][0], 3)},
+            "batch": {"requests": batch, "tokens_per_s": round(batch * output_len / runs[0], 1),
+                      "ttft_mean_ms": round(1e3 * sum(runs[1]) / len(runs[1]), 3),
+                      "tpot_mean_ms": round(1e3 * sum(runs[2]) / len(runs[2]), 3)}}
+
+
+def static_batches_vs(sv, measured: dict, workload) -> dict:
+    """The planner's static batches of one request and of the batch `single_and_batch` measured, each priced as
+    `workload(batch)` (a `Workload`) on `sv`, predicted / measured: TTFT, TPOT, and the batch's output tokens/s."""
+    from meshlm.planner.serving_modes import estimate_serving
+
+    out = {}
+    for part, m in measured.items():
+        batch = m.get("requests", 1)
+        est = estimate_serving(sv, workload(batch))
+        out[part] = predicted_vs_measured(
+            {"ttft_ms": (est["ttft_ms"], m.get("ttft_ms", m.get("ttft_mean_ms"))),
+             "tpot_ms": (est["tpot_ms"], m.get("tpot_ms", m.get("tpot_mean_ms"))),
+             **({"output_tokens_per_s": (est["output_tokens_per_s"], m["tokens_per_s"])} if batch > 1 else {})})
+    return out
+
+
+def local_cluster_json(cluster) -> dict:
+    """What the planner parts print of the `--cluster local` they priced on."""
+    return {"matmul_flops": cluster.peak("fp32"), "cores": cluster.compute_slots,
+            "serving_host_s": cluster.serving_host}
 
 
 def missing_extras(*modules: str) -> list[str]:

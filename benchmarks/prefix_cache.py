@@ -8,7 +8,7 @@ For each share H in --hits, requests of --input-len prompt tokens whose first H 
 an earlier request prefilled, so that the engine's prefix cache holds them, then --output-len new tokens each:
   single   one request at a time (--repeats of them, each with a prompt of its own past the shared prefix; the fastest
            counts, timeit's rule): time to first token from its submission, and the mean time between its later
-           tokens, by engine step (serve.py's `stepped_generate`);
+           tokens, by engine step (`_common.stepped_generate`);
   batch    --batch such requests submitted at once, the engine's token budget large enough to prefill them in one
            step (a static batch): output tokens/s, mean TTFT and TPOT.
 `hit_measured` is the engine's own count (prompt tokens found in its cache over those looked up) in those runs: the
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from _common import meshlm_on_this_machine, parse_args_smoke, predicted_vs_measured
-from serve import stepped_generate  # benchmarks/ is on sys.path when run as a script
+from _common import (local_cluster_json, meshlm_on_this_machine, parse_args_smoke, single_and_batch, static_batches_vs,
+                     stepped_generate)
 
 
 def model_config(args):
@@ -48,41 +48,27 @@ def at_hit(engine, rng: random.Random, args, hit: float) -> dict:
     fresh = lambda: prefix + [rng.randrange(2, vocab) for _ in range(args.input_len - cached)]  # noqa: E731
     stepped_generate(engine, [fresh()], 1)  # an earlier request: the prefix's blocks enter the cache
     before = engine.stats()
-    single = min((stepped_generate(engine, [fresh()], args.output_len) for _ in range(args.repeats)),
-                 key=lambda r: r[0])
-    batch = stepped_generate(engine, [fresh() for _ in range(args.batch)], args.output_len)
+    runs = single_and_batch(engine, fresh, output_len=args.output_len, repeats=args.repeats, batch=args.batch)
     after = engine.stats()
     queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
     found = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
     return {"hit_asked": hit, "cached_tokens": cached, "hit_measured": round(found / queried, 4) if queried else 0.0,
-            "single": {"ttft_ms": round(1e3 * single[1][0], 3), "tpot_ms": round(1e3 * single[2][0], 3)},
-            "batch": {"requests": args.batch, "tokens_per_s": round(args.batch * args.output_len / batch[0], 1),
-                      "ttft_mean_ms": round(1e3 * sum(batch[1]) / len(batch[1]), 3),
-                      "tpot_mean_ms": round(1e3 * sum(batch[2]) / len(batch[2]), 3)}}
+            **runs}
 
 
 def planner(cfg, calibration: str | None, runs: list[dict], args, engine) -> dict:
     """The planner's static batches of 1 and of --batch at each run's measured hit share, predicted / measured."""
-    from meshlm.planner.serving_modes import estimate_serving
     from meshlm.planner.serving_workload import Workload
 
     sv, skipped = meshlm_on_this_machine(cfg, calibration)
     if sv is None:
         return skipped
-    cluster = sv.cluster
     budget = engine.scheduler.max_num_batched_tokens
     out = []
     for run in runs:
-        row = {"hit": run["hit_measured"]}
-        for part, batch in (("single", 1), ("batch", args.batch)):
-            est = estimate_serving(sv, Workload(args.input_len, args.output_len, batch=batch, prefill_chunk=budget,
-                                                prefix_hit=run["hit_measured"]))
-            m = run[part]
-            row[part] = predicted_vs_measured(
-                {"ttft_ms": (est["ttft_ms"], m.get("ttft_ms", m.get("ttft_mean_ms"))),
-                 "tpot_ms": (est["tpot_ms"], m.get("tpot_ms", m.get("tpot_mean_ms"))),
-                 **({"output_tokens_per_s": (est["output_tokens_per_s"], m["tokens_per_s"])} if batch > 1 else {})})
-        out.append(row)
+        hit = run["hit_measured"]
+        out.append({"hit": hit, **static_batches_vs(sv, {p: run[p] for p in ("single", "batch")}, lambda b: Workload(
+            args.input_len, args.output_len, batch=b, prefill_chunk=budget, prefix_hit=hit))})
     cold = next((i for i, r in enumerate(runs) if r["hit_measured"] == 0), None)
     if cold is not None:  # each run's single-request TTFT over the uncached prompt's, measured and priced
         for row, run in zip(out, runs):
@@ -90,8 +76,7 @@ def planner(cfg, calibration: str | None, runs: list[dict], args, engine) -> dic
                 "measured": round(run["single"]["ttft_ms"] / runs[cold]["single"]["ttft_ms"], 3),
                 "predicted": round(row["single"]["ttft_ms"]["predicted"] / out[cold]["single"]["ttft_ms"]["predicted"],
                                    3)}
-    return {"cluster": {"matmul_flops": cluster.peak("fp32"), "cores": cluster.compute_slots,
-                        "serving_host_s": cluster.serving_host}, "runs": out}
+    return {"cluster": local_cluster_json(sv.cluster), "runs": out}
 
 
 def main() -> None:

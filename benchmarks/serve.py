@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from _common import (OtherWork, meshlm_on_this_machine, missing_extras, parse_args_smoke, predicted_vs_measured,
-                     print_smoke_skip, run_ranks)
+                     print_smoke_skip, run_ranks, stepped_generate)
 from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_modes import estimate_serving
 from meshlm.planner.serving_workload import Workload
@@ -360,34 +360,6 @@ def generate_on_ranks(rank: int, world_size: int, job: argparse.Namespace) -> di
             "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 2), "tpot_mean_ms": round(1e3 * statistics.mean(tpot), 2),
             "max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "token_ids": token_ids}
-
-
-def stepped_generate(engine, prompts: list[list[int]], output_len: int):
-    """`LLM.generate`'s loop (every prompt submitted at once, steps until all finish), timing each request's first
-    token (TTFT: from the submission) and the mean time between its later tokens (TPOT). Returns (seconds, TTFTs,
-    TPOTs, token ids in prompt order, this process's CPU seconds over the wall seconds: the share of a core it got,
-    below 1 where other work on the host took the rest, or where it waited for other ranks; the cores other work
-    took meanwhile, `OtherWork` over every rank, all spawned by the benchmark's process)."""
-    from meshlm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    with OtherWork(os.getppid()) as other:  # the ranks: spawned by the benchmark's process
-        cpu, start = time.process_time(), time.perf_counter()
-        ids = [engine.add_request(p, params).request_id for p in prompts]
-        first, final = {}, {}
-        while len(final) < len(ids):
-            outs = engine.step()
-            now = time.perf_counter()
-            for out in outs:
-                if out.new_token_ids:
-                    first.setdefault(out.request_id, now)
-                if out.finished:
-                    final[out.request_id] = (now, out.token_ids)
-        seconds = time.perf_counter() - start
-        share = (time.process_time() - cpu) / seconds
-    ttft = [first[i] - start for i in ids]
-    tpot = [(final[i][0] - first[i]) / max(1, len(final[i][1]) - 1) for i in ids]
-    return seconds, ttft, tpot, [final[i][1] for i in ids], share, other.cores
 
 
 def parallel_offline(path: Path, prompts: list[list[int]], output_len: int, layouts: list[tuple[int, int]], *,

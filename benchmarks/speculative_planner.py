@@ -9,7 +9,7 @@ the target, so it shares the vocabulary and agrees with it now and then). Each r
 and --output-len new tokens (greedy, ignore_eos), plainly and with the draft proposing --draft-tokens tokens a step
 (`Engine(speculative={"method": "draft"}, draft_model=...)`):
   single   one request at a time (--repeats of them; the fastest counts, timeit's rule): time to first token and the
-           mean time between its later tokens, by engine step (serve.py's `stepped_generate`);
+           mean time between its later tokens, by engine step (`_common.stepped_generate`);
   batch    --batch requests submitted at once (a static batch): output tokens/s, mean TTFT and TPOT.
 `acceptance` is the engine's own count (drafts accepted over steps that verified some), and the per-draft chain
 acceptance p it implies (accepted per step = p + p^2 + ... + p^k) is what the planner is given: `meshlm plan infer
@@ -34,8 +34,8 @@ from dataclasses import replace
 
 import torch
 
-from _common import meshlm_on_this_machine, parse_args_smoke, predicted_vs_measured
-from serve import stepped_generate  # benchmarks/ is on sys.path when run as a script
+from _common import (local_cluster_json, meshlm_on_this_machine, parse_args_smoke, single_and_batch, static_batches_vs,
+                     stepped_generate)
 
 
 def configs(args):
@@ -65,15 +65,8 @@ def measure(engine, rng: random.Random, args) -> dict:
     fresh = lambda: [rng.randrange(2, args.vocab) for _ in range(args.input_len)]  # noqa: E731
     stepped_generate(engine, [fresh()], 2)  # warm: the first prompt of a length pays one-time costs
     before = dict(vars(engine.spec_stats))
-    single = min((stepped_generate(engine, [fresh()], args.output_len) for _ in range(args.repeats)),
-                 key=lambda r: r[0])
-    batch = stepped_generate(engine, [fresh() for _ in range(args.batch)], args.output_len)
-    stats = {k: v - before[k] for k, v in vars(engine.spec_stats).items()}
-    return {"single": {"ttft_ms": round(1e3 * single[1][0], 3), "tpot_ms": round(1e3 * single[2][0], 3)},
-            "batch": {"requests": args.batch, "tokens_per_s": round(args.batch * args.output_len / batch[0], 1),
-                      "ttft_mean_ms": round(1e3 * sum(batch[1]) / len(batch[1]), 3),
-                      "tpot_mean_ms": round(1e3 * sum(batch[2]) / len(batch[2]), 3)},
-            "spec_stats": stats}
+    runs = single_and_batch(engine, fresh, output_len=args.output_len, repeats=args.repeats, batch=args.batch)
+    return {**runs, "spec_stats": {k: v - before[k] for k, v in vars(engine.spec_stats).items()}}
 
 
 def chain_acceptance(accepted_per_step: float, k: int) -> float:
@@ -89,34 +82,22 @@ def planner(target_cfg, draft_cfg, calibration: str | None, runs: dict, args, bu
     """The planner's static batches of 1 and of --batch, plain and with the draft at the measured acceptance,
     predicted / measured; and the draft's slowdown or speedup of each, predicted against measured."""
     from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_modes import estimate_serving
     from meshlm.planner.serving_workload import Workload
 
     plain, skipped = meshlm_on_this_machine(target_cfg, calibration)
     if plain is None:
         return skipped
-    cluster = plain.cluster
     p = runs["draft"]["acceptance"]["chain_p"]
     spec = replace(plain, mtp_tokens=args.draft_tokens, mtp_acceptance=p, draft_model=served_model(draft_cfg))
     out = {"chain_p": p}
+    priced = lambda b: Workload(args.input_len, args.output_len, batch=b, prefill_chunk=budget)  # noqa: E731
     for name, sv in (("plain", plain), ("draft", spec)):
-        out[name] = {}
-        for part, batch in (("single", 1), ("batch", args.batch)):
-            est = estimate_serving(sv, Workload(args.input_len, args.output_len, batch=batch, prefill_chunk=budget))
-            m = runs[name][part]
-            out[name][part] = predicted_vs_measured(
-                {"ttft_ms": (est["ttft_ms"], m.get("ttft_ms", m.get("ttft_mean_ms"))),
-                 "tpot_ms": (est["tpot_ms"], m.get("tpot_ms", m.get("tpot_mean_ms"))),
-                 **({"output_tokens_per_s": (est["output_tokens_per_s"], m["tokens_per_s"])} if batch > 1 else {})})
+        out[name] = static_batches_vs(sv, {p: runs[name][p] for p in ("single", "batch")}, priced)
     # what the draft does to each: TPOT with it over TPOT without
-    out["draft_over_plain_tpot"] = {
-        part: {"measured": round(out["draft"][part]["tpot_ms"]["measured"] / out["plain"][part]["tpot_ms"]["measured"],
-                                 3),
-               "predicted": round(out["draft"][part]["tpot_ms"]["predicted"]
-                                  / out["plain"][part]["tpot_ms"]["predicted"], 3)}
-        for part in ("single", "batch")}
-    return {"cluster": {"matmul_flops": cluster.peak("fp32"), "cores": cluster.compute_slots,
-                        "serving_host_s": cluster.serving_host}, **out}
+    over = lambda part, key: round(out["draft"][part]["tpot_ms"][key] / out["plain"][part]["tpot_ms"][key], 3)  # noqa: E731
+    out["draft_over_plain_tpot"] = {part: {key: over(part, key) for key in ("measured", "predicted")}
+                                    for part in ("single", "batch")}
+    return {"cluster": local_cluster_json(plain.cluster), **out}
 
 
 def main() -> None:
