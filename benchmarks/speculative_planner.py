@@ -17,9 +17,8 @@ acceptance p it implies (accepted per step = p + p^2 + ... + p^k) is what the pl
 (fp32, the engine's host time as `plan calibrate` measured it), predicted / measured (`ratio`), where --calibration
 names a calibration file; skipped otherwise. The question it answers: does the planner price what the draft adds to
 a step -- its k forwards, its weights, the verification's k + 1 query tokens -- as the engine spends it? (The
-acceptance itself is an input, measured here, not predicted.) meshlm's engine brings the draft up to a new prompt at
-the request's first decode step, so the draft's prefill lands in the first token gap there, where vLLM and
-TensorRT-LLM (and the planner) run it in the prompt's step: compare the TTFT with that in mind.
+acceptance itself is an input, measured here, not predicted.) meshlm's engine, like vLLM (and the planner), runs the
+draft over a new prompt in the step that prefills it: the draft's prefill is in the TTFT.
 benchmarks/speculative.py is the engine's own benchmark of speculation (trained models, transformers' assisted
 generation beside it); this one checks the planner against the engine.
 """

@@ -12,6 +12,7 @@
   serving starts; per request, a 400.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -162,6 +163,27 @@ def test_forwards_per_emitted_token_are_counted():
     assert spec_forwards < plain_forwards
     assert stats["tokens_per_target_forward"] == pytest.approx(48 / spec_forwards)
     assert stats["spec_accepted_tokens"] == 48 - spec_forwards
+
+
+def test_the_draft_prefills_in_the_step_that_prefills_the_prompt():
+    """As vLLM's drafter: the step that samples a request's first token also runs the draft over its prompt and that
+    token and drafts the next step's k proposals -- the first gap between tokens holds no draft prefill -- and each
+    later step drafts the next one's."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      max_seq_len=128, init_std=0.2)
+    model, draft = build_model(cfg, seed=0), build_model(dataclasses.replace(cfg, num_layers=1), seed=1)
+    engine = Engine(model, block_size=4, speculative=dict(method="draft", model="draft", num_speculative_tokens=3),
+                    draft_model=draft)
+    fed = []
+    execute = engine.proposer.runner.execute
+    engine.proposer.runner.execute = lambda step: fed.append(len(step.token_ids)) or execute(step)
+    prompt = [3, 4, 5, 6] * 3
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=20))
+    [out] = engine.step()
+    [seq] = engine.scheduler.running
+    assert len(out.new_token_ids) == 1 and fed == [len(prompt) + 1, 1, 1] and len(seq.spec_token_ids) == 3
+    engine.step()  # verifies those three, then drafts three more from the tokens it kept
+    assert len(fed) == 6 and fed[3] >= 1 and len(seq.spec_token_ids) == 3
 
 
 # ---- sampling: the distribution is the target's --------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The inference engine: requests in, tokens and text out, one continuous-batching step at a time.
 
 Responsible for: validating requests against the context length and the cache, the step loop
-(propose -> schedule -> StepInput -> model -> sample/verify -> update; proposals only under speculative
-decoding, `infer/speculative.py`), incremental detokenization with stop strings,
+(schedule -> StepInput -> model -> sample/verify -> update -> propose the next step's tokens; proposals only
+under speculative decoding, `infer/speculative.py`), incremental detokenization with stop strings,
 aborting requests, and the counters the server exports. A failure that belongs to one request (its
 sampling, or the model on its tokens alone) finishes that request with finish_reason "error" and the
 message in `RequestOutput.error`; the other requests of the step go on with the same tokens.
@@ -242,7 +242,6 @@ class Engine:
         """Run one step; return the requests that produced tokens or finished in it."""
         self._fetch_from_tiers()
         t0 = time.perf_counter()
-        self._propose()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -273,7 +272,14 @@ class Engine:
         self.seconds["schedule"] += time.perf_counter() - t1
         self.num_steps += 1
         self.num_generated_tokens += sum(len(seq.output_token_ids) for seq in sampling) - before
-        return self._outputs(sampling, failed)
+        outputs = self._outputs(sampling, failed)
+        t0 = time.perf_counter()
+        # The next step's proposals, in this step: a sequence that has just sampled its first token gets its
+        # first proposals here, the draft model prefilling its prompt in the step that prefilled the target's
+        # (as vLLM's drafter runs in the step it drafts after), not in the first gap between tokens.
+        self._propose()
+        self.seconds["schedule"] += time.perf_counter() - t0
+        return outputs
 
     def _fetch_from_tiers(self) -> None:
         """Bring back from the KV tiers the prefix blocks of the waiting requests this step may admit, before the
@@ -294,7 +300,8 @@ class Engine:
         self.seconds["kv_tiers"] += time.perf_counter() - t0
 
     def _propose(self) -> None:
-        """Speculative decoding: proposals for every running sequence that decodes (none for the others)."""
+        """Speculative decoding: proposals for every running sequence that decodes next (none for the others),
+        which the next step verifies; a sequence the scheduler then preempts or gives no room drops them."""
         if self.proposer is None:
             return
         decoding, ks = [], []
