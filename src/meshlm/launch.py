@@ -16,9 +16,11 @@ import sys
 
 
 def train_args(args) -> list[str]:
-    """The `meshlm train` arguments every rank is started with: the config, its overrides, --resume/--overwrite."""
+    """The `meshlm train` arguments every rank is started with: the config, its overrides, --resume/--overwrite,
+    --no-memory-check."""
     return [*(["--config", args.config] if args.config else []), *[a for o in args.overrides for a in ("--set", o)],
-            *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else [])]
+            *(["--resume"] if args.resume else []), *(["--overwrite"] if args.overwrite else []),
+            *(["--no-memory-check"] if getattr(args, "no_memory_check", False) else [])]
 
 
 # The options that place this command's ranks on nodes (cli/common.py's `add_node_arguments`: --nnodes,
@@ -66,8 +68,10 @@ def without_node_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def launch_ranks(args, cfg) -> int:
-    """Start --nproc ranks of this same command through torch.distributed.run; its exit code."""
+def launch_ranks(args, cfg, *, preflight=None) -> int:
+    """Start --nproc ranks of this same command through torch.distributed.run; its exit code. `preflight`: called
+    with the world size once the arguments and the layout check out, before any rank starts (`meshlm train`'s
+    memory check)."""
     from meshlm.parallel.parallelize import check_layout
     from meshlm.checkpoint import check_run_dir
 
@@ -75,6 +79,8 @@ def launch_ranks(args, cfg) -> int:
         raise ValueError(f"--nproc={args.nproc} must be >= 1")
     check_node_arguments(args)
     check_layout(cfg, args.nproc * args.nnodes)  # before any rank starts
+    if preflight is not None:
+        preflight(args.nproc * args.nnodes)
     check_run_dir(cfg.train.run_dir, resume=args.resume, overwrite=args.overwrite, model=cfg.model)
     import torch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from meshlm.cli.common import add_node_arguments
 from meshlm.launch import launch_emulated, launch_ranks
@@ -27,6 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh even though train.run_dir holds an earlier run's checkpoints (they are "
                         "deleted); without it such a run refuses")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="start even where the planner predicts that a rank's memory cannot hold the run (without "
+                        "it such a run is refused before any rank starts, naming the bytes by part and the fixes)")
     launch = p.add_argument_group(
         "launching ranks", "Passed to PyTorch's elastic launcher (torch.distributed.run), which starts "
         "--nproc ranks on this node. Under torchrun or srun (RANK/WORLD_SIZE set) leave these out.")
@@ -85,8 +89,9 @@ def run(args) -> int:
             raise ValueError(f"--nproc was given but this process is already one of {read_launch_env()[1]} "
                              "launched ranks; drop --nproc under torchrun/srun")
         if emulating:
-            return launch_emulated(args, cfg)
-        return launch_ranks(args, cfg)
+            return launch_emulated(args, cfg)  # each emulated node's launcher checks the memory
+        return launch_ranks(args, cfg, preflight=lambda world: _check_memory(args, cfg, world, ranks_here=args.nproc,
+                                                                             say=True))
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:
         raise ValueError("--nnodes/--rdzv-endpoint/--node-rank need --nproc N (ranks per node)")
     _, world_size, _ = read_launch_env()
@@ -95,6 +100,9 @@ def run(args) -> int:
     from meshlm.checkpoint import has_complete_checkpoint
 
     check_layout(cfg, world_size)  # before the process group: a bad layout fails fast, with one line
+    # a launcher's ranks: its parent said it (--nproc), or each rank checks quietly (torchrun, srun)
+    _check_memory(args, cfg, world_size, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                  say=not under_launcher)
     resume, overwrite, restarts = args.resume, args.overwrite, restart_count() if under_launcher else 0
     if restarts:
         # The launcher restarted every rank after one failed (--max-restarts): continue from the newest
@@ -105,6 +113,18 @@ def run(args) -> int:
     # would read all of it for nothing (the trainer verifies it before it ever loads from storage).
     check_run_dir(cfg.train.run_dir, resume=resume, overwrite=overwrite, model=cfg.model, checksums=not restarts)
     return _train_this_rank(cfg, resume=resume, overwrite=overwrite, distributed=under_launcher, restarts=restarts)
+
+
+def _check_memory(args, cfg, world: int, *, ranks_here: int, say: bool) -> None:
+    """Refuse a run whose ranks the planner predicts cannot hold it (`planner.preflight`), unless
+    --no-memory-check; `say`: print the prediction's line."""
+    if args.no_memory_check:
+        return
+    from meshlm.planner.preflight import check_train_memory
+
+    line = check_train_memory(cfg, world, ranks_here=max(1, ranks_here))
+    if say:
+        print(line, flush=True)
 
 
 def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int = 0) -> int:
