@@ -43,6 +43,16 @@ def test_negative_lr_rejected():
         load_config(overrides=["train.lr=-0.1"])
 
 
+@pytest.mark.parametrize("override", ["model.moe_intermediate_size=-1", "model.moe_intermediate_size=0",
+                                      "model.num_shared_experts=-1", "model.shared_expert_intermediate_size=0",
+                                      "model.router_aux_loss_coef=-0.5", "model.init_std=-1.0"])
+def test_moe_widths_and_init_that_cannot_train_are_rejected(override):
+    """Found by a fuzz pass: a negative expert width reached the model's first tensor (a traceback), the others
+    trained silently on meaningless settings."""
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.") + "=.* must be"):
+        load_config(overrides=["model.preset=tiny-moe", override])
+
+
 def test_override_types():
     cfg = load_config(overrides=["train.lr=3e-4", "train.steps=7", "train.progress=false",
                                  "train.run_dir=runs/x", "model.num_layers=2", "train.grad_clip=0"])

@@ -120,6 +120,17 @@ class ModelConfig:
             _require(self.moe_layer_freq >= 1, "model.moe_layer_freq", self.moe_layer_freq, "must be >= 1")
             _require(0 <= self.first_dense_layers <= self.num_layers, "model.first_dense_layers",
                      self.first_dense_layers, f"must be in 0..model.num_layers={self.num_layers}")
+            _require(self.moe_intermediate_size is None or self.moe_intermediate_size > 0,
+                     "model.moe_intermediate_size", self.moe_intermediate_size,
+                     "must be > 0 (each expert's width), or unset for intermediate_size")
+            _require(self.num_shared_experts >= 0, "model.num_shared_experts", self.num_shared_experts,
+                     "must be >= 0 (0 = none)")
+            _require(self.shared_expert_intermediate_size is None or self.shared_expert_intermediate_size > 0,
+                     "model.shared_expert_intermediate_size", self.shared_expert_intermediate_size,
+                     "must be > 0 (the shared experts' total width), or unset")
+        _require(self.init_std >= 0, "model.init_std", self.init_std, "must be >= 0 (the initial weights' std)")
+        _require(self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", self.router_aux_loss_coef,
+                 "must be >= 0 (0 = no load-balancing loss)")
         _require(self.capacity_factor >= 0, "model.capacity_factor", self.capacity_factor,
                  "must be >= 0 (0 = dropless; e.g. 1.25 caps each expert at 1.25x its even share)")
         _require(self.router_bias_update_rate >= 0, "model.router_bias_update_rate", self.router_bias_update_rate,
