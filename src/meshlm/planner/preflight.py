@@ -100,22 +100,41 @@ def memory_per_rank(device: str, ranks_here: int) -> tuple[int | None, str]:
                                  f"this host's {total / GiB:.1f} GiB")
 
 
+def params_lower_bound(cfg: Config) -> int:
+    """At least the model's parameters, in O(1): its layers at the smallest kind's count (dense or MoE; the kinds
+    repeat after model.first_dense_layers) and its input embedding -- the planner's own count walks every layer, so a
+    model of a billion layers is refused from this one before it is summed."""
+    from meshlm.models.stats import layer_params
+
+    m = cfg.model
+    kinds = [i for i in {0, m.first_dense_layers, m.first_dense_layers + 1} if 0 <= i < m.num_layers]
+    sizes = [layer_params(m, i) for i in kinds]
+    smallest = min(p.attention + p.mlp + p.experts + p.replicated for p in sizes)
+    return m.num_layers * smallest + m.vocab_size * m.hidden_size
+
+
 def check_train_memory(cfg: Config, world: int, *, ranks_here: int) -> str:
     """One line on what each rank is predicted to hold of what it has, or a ValueError naming the prediction, its
     parts, the memory and the fixes when it cannot fit. `ranks_here`: the ranks sharing this host's memory."""
     from meshlm.train.setup import resolve_device
 
     device = resolve_device(cfg.train.device).type
-    need = rank_memory_bytes(cfg, world, device=device)
     have, what = memory_per_rank(device, ranks_here)
     gib = lambda b: f"{b / GiB:,.2f} GiB" if b < 1024 * GiB else f"{b / 1024**4:,.1f} TiB"  # noqa: E731
+    fixes = ("make the model or the micro-batch smaller (model.*, train.micro_batch_size, train.seq_len), shard it "
+             "(parallel.zero_stage, parallel.tp, parallel.pp) or add ranks; `meshlm plan estimate --runtime meshlm` "
+             "breaks it down; --no-memory-check starts it anyway")
+    # fp32 weights, gradients and AdamW's two moments (fp64: twice), split at best over every rank
+    floor = params_lower_bound(cfg) * 16 * (2 if cfg.train.precision == "fp64" else 1) / world
+    if have is not None and floor > have:
+        raise ValueError(f"this run needs at least {gib(floor)} per rank (its {params_lower_bound(cfg):,} or more "
+                         f"parameters' weights, gradients and AdamW state, split over all {world} ranks) and each "
+                         f"rank has {gib(have)} ({what}): {fixes}")
+    need = rank_memory_bytes(cfg, world, device=device)
     parts = ", ".join(f"{k.replace('_', ' ')} {gib(need[k])}" for k in PARTS if need[k] > 0)
     if have is None:
         return f"memory: {gib(need['total'])} per rank predicted ({parts}); this host's memory is unknown"
     if need["total"] > have:
-        raise ValueError(
-            f"this run needs about {gib(need['total'])} per rank ({parts}) by the planner's count, and each rank has "
-            f"{gib(have)} ({what}): make the model or the micro-batch smaller (model.*, train.micro_batch_size, "
-            f"train.seq_len), shard it (parallel.zero_stage, parallel.tp, parallel.pp) or add ranks; `meshlm plan "
-            f"estimate --runtime meshlm` breaks it down; --no-memory-check starts it anyway")
+        raise ValueError(f"this run needs about {gib(need['total'])} per rank ({parts}) by the planner's count, and "
+                         f"each rank has {gib(have)} ({what}): {fixes}")
     return f"memory: {gib(need['total'])} per rank predicted ({parts}) of {gib(have)} ({what})"
