@@ -139,3 +139,17 @@ def test_the_runs_data_gone_asks_for_data(run, capsys):
         moved.rename(corpus)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "(the run's data) does not exist here; pass --data PATH" in err[0], err
+
+
+def test_validation_takes_one_pass_of_the_split_at_most(tmp_path):
+    """Found by fuzzing: train.val_batches=1000000000 built the index of every repeated sample at once (256 GB) and
+    died in a traceback; now a validation covers the split once, the loss that of exactly one pass."""
+    corpus = write_corpus(tmp_path / "corpus.txt", 200)
+    base = [*SMALL_MODEL, f"data.path={corpus}", "train.seq_len=32", "train.global_batch_size=4", "train.steps=1",
+            "train.sample_tokens=0", "data.val_fraction=0.2", "train.precision=fp64", "train.device=cpu"]
+    trainer = Trainer(load_config(overrides=[*base, f"train.run_dir={tmp_path / 'a'}", "train.val_batches=1000000000"]))
+    once = -(-len(trainer.val_data) // 4)
+    assert 1 < once < 1000
+    exact = trainer.loss_totals(trainer.val_data, num_global_batches=once)
+    assert trainer.evaluate() == pytest.approx(exact[0] / exact[1], rel=1e-12)
+    assert exact[1] == len(trainer.val_data) * 32 + (once * 4 - len(trainer.val_data)) * 32  # the last batch wraps

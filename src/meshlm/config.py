@@ -357,7 +357,7 @@ class TrainConfig:
     memory_checkpoint_dir: str = "/dev/shm"
     log_interval: int = 1  # steps between metrics rows
     val_interval: int = 50  # steps between validation losses
-    val_batches: int = 4  # global batches of the validation split per validation; 0: none
+    val_batches: int = 4  # global batches of the validation split per validation (one pass at most); 0: none
     peak_tflops: float = 0.0  # per device, for MFU; 0: known GPUs from a table, none on CPU (MFU not shown)
     sample_tokens: int = 120  # generated at the end of `meshlm train`
     progress: bool = True  # a progress bar; false: one plain line per logged step

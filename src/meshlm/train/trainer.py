@@ -429,9 +429,12 @@ class Trainer:
         """Mean token loss over a fixed validation set (the same every time, and under every layout).
 
         The set is the first `train.val_batches` x `train.global_batch_size` validation samples, so
-        it depends neither on the micro-batch size nor on the number of ranks that split it.
+        it depends neither on the micro-batch size nor on the number of ranks that split it -- at most the
+        global batches that cover the split once (more would only repeat its samples, and were built as one list).
         """
-        loss_sum, count = self.loss_totals(self.val_data, num_global_batches=self.cfg.train.val_batches)
+        t = self.cfg.train
+        once = max(1, -(-len(self.val_data) // t.global_batch_size))
+        loss_sum, count = self.loss_totals(self.val_data, num_global_batches=min(t.val_batches, once))
         return loss_sum / count if count else float("nan")
 
     @torch.no_grad()
