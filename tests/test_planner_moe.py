@@ -400,3 +400,21 @@ def test_group_limited_routing_sends_a_token_to_fewer_nodes(tmp_path):
     # a low-latency kernel sends every copy on its own: as many leave the node either way
     assert (expert_all_to_all(1e9, **{**fits, "low_latency": True}, groups=(8, 4))
             == expert_all_to_all(1e9, **{**fits, "low_latency": True}))
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_a_config_of_a_billion_layers_is_refused_not_walked(tmp_path, kind):
+    """Found by fuzzing: every plan command walked each layer of a config.json's num_hidden_layers=1e9 for ever."""
+    import json
+
+    from meshlm.config import ModelConfig
+    from meshlm.planner.inputs import MAX_LAYERS, resolve_model
+
+    hf = dict(DEEPSEEK_V3_JSON) if kind == "deepseek" else ModelConfig.from_preset("llama3-8b").to_hf_dict()
+    hf["num_hidden_layers"] = 10**9
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=f"1,000,000,000 layers; the planner prices at most {MAX_LAYERS:,}"):
+        resolve_model(str(tmp_path / "config.json"))
+    hf["num_hidden_layers"] = MAX_LAYERS
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert resolve_model(str(tmp_path / "config.json")).num_layers == MAX_LAYERS
