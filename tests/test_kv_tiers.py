@@ -201,6 +201,9 @@ def test_bad_settings_name_the_flag(tmp_path, model_dir, capsys):
             KVTierConfig.of(**kwargs)
     with pytest.raises(ValueError, match=r"kv_host_mb=1e-05 \(--kv-host-mb\) holds no KV block of 4096 bytes"):
         LLM(model_dir, device="cpu", kv_host_mb=1e-5, **SMALL_POOL)
+    # found by fuzzing: a host tier beyond the host's memory was allocated, and failed in a traceback
+    with pytest.raises(ValueError, match=r"kv_host_mb=1e\+12 \(--kv-host-mb\) is more than this host's memory"):
+        LLM(model_dir, device="cpu", kv_host_mb=1e12, **SMALL_POOL)
     assert KVTierConfig.of() is None and KVTierConfig.of(0, None, 0) is None
     assert main(["generate", "--hf", model_dir, "--prompt", "x", "--kv-host-mb", "-1"]) == 2
     assert "--kv-host-mb" in capsys.readouterr().err

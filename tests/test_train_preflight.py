@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from meshlm import host_memory
 from meshlm.cli import main
 from meshlm.config import load_config
 from meshlm.launch import train_args
@@ -38,7 +39,7 @@ def test_the_prediction_follows_the_layout_and_the_precision():
 def test_a_run_that_cannot_fit_is_refused_with_its_parts_and_fixes(monkeypatch):
     cfg = load_config(None, SMALL)
     need = rank_memory_bytes(cfg, 1, device="cpu")["total"]
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: int(need * 0.9))
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: int(need * 0.9))
     with pytest.raises(ValueError) as e:
         check_train_memory(cfg, 1, ranks_here=1)
     text = str(e.value)
@@ -47,7 +48,7 @@ def test_a_run_that_cannot_fit_is_refused_with_its_parts_and_fixes(monkeypatch):
     smaller = load_config(None, [*SMALL, "train.micro_batch_size=1"])
     assert check_train_memory(smaller, 1, ranks_here=1).startswith("memory: ")
     # the ranks on this host share its memory: each has its share
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: 8 * GiB)
     assert preflight.memory_per_rank("cpu", 4) == (2 * GiB, "this host's 8.0 GiB / 4 ranks")
     assert check_train_memory(cfg, 1, ranks_here=4).endswith("of 2.00 GiB (this host's 8.0 GiB / 4 ranks)")
 
@@ -67,7 +68,7 @@ def test_the_command_line_refuses_before_anything_starts(tmp_path, capsys, monke
 
 
 def test_the_host_memory_is_its_total_or_a_smaller_cgroup_limit():
-    total = preflight.host_memory_bytes()
+    total = host_memory.host_memory_bytes()
     assert total is None or 64 * 2**20 < total < 2**60
     assert GiB == 2**30
 

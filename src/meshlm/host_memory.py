@@ -1,5 +1,6 @@
 """Host memory for CPU runs: reuse of freed memory between steps (glibc malloc's two thresholds, set once
-per process), and huge pages under the KV cache.
+per process), huge pages under the KV cache, and how much memory the host has (`host_memory_bytes`: the
+train memory check's and the KV host tier's bound).
 
 Each step of the engine (or of training) allocates and frees the same activations again (hundreds of KiB to a
 few MiB each). With glibc's defaults, blocks that large are mapped fresh from the kernel
@@ -25,7 +26,9 @@ kernel's transparent huge pages are off, or off Linux, it does nothing.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -66,3 +69,25 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return madvise(start, end - start, MADV_HUGEPAGE) == 0
+
+
+def host_memory_bytes() -> int | None:
+    """This host's memory: MemTotal, or the cgroup's limit where it is smaller (a container); None if unknown."""
+    sizes = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                sizes.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        try:
+            sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):
+            pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" / a huge number: no limit
+            sizes.append(int(text))
+    return min(sizes) if sizes else None

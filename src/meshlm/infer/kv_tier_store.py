@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from meshlm.host_memory import host_memory_bytes
 from meshlm.infer.kv_tiers import (KVTierConfig, file_bytes, file_name, header_bytes, move_group, pack_block,
                                    read_header, unpack_block)
 
@@ -72,6 +73,10 @@ class KVTierStore:
         if cfg.host_mb > 0 and not self.host_slots:
             raise ValueError(f"kv_host_mb={cfg.host_mb} (--kv-host-mb) holds no KV block of {self.block_bytes} bytes "
                              f"on a rank; give at least {self.block_bytes / (1 << 20):.4f} MiB, or 0 for no host tier")
+        host = host_memory_bytes()
+        if host is not None and self.host_slots * self.block_bytes > host:
+            raise ValueError(f"kv_host_mb={cfg.host_mb:g} (--kv-host-mb) is more than this host's memory "
+                             f"({host / (1 << 20):,.0f} MiB in all); give a share of it for each rank on the host")
         # Pinned on a GPU (page-locked: copies to and from the device are DMA, no staging copy); allocated once,
         # touched only as slots fill.
         self.host = torch.empty((self.host_slots, len(k_caches), 2, self.numel), dtype=self.dtype,

@@ -9,7 +9,8 @@ prediction says cannot fit is refused with the parts of the count and the fixes;
 anyway (the prediction is a model: within ~10% of measured on the published runs, README's memory table).
 
 Responsible for: the planner's inputs from a `Config` (`train_job_and_layout`), the prediction per rank
-(`rank_memory_bytes`), what each rank has (`memory_per_rank`) and the verdict (`check_train_memory`).
+(`rank_memory_bytes`), what each rank has (`memory_per_rank`; the host's from `host_memory.host_memory_bytes`) and
+the verdict (`check_train_memory`).
 Not responsible for: the memory model (memory.py, cost.py) or measuring memory while training (train/metrics.py).
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 from meshlm.config import Config
 
@@ -64,28 +64,6 @@ def rank_memory_bytes(cfg: Config, world: int, *, device: str) -> dict:
     return out
 
 
-def host_memory_bytes() -> int | None:
-    """This host's memory: MemTotal, or the cgroup's limit where it is smaller (a container); None if unknown."""
-    sizes = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                sizes.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        try:
-            sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        except (ValueError, OSError, AttributeError):
-            pass
-    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 2**60:  # "max" / a huge number: no limit
-            sizes.append(int(text))
-    return min(sizes) if sizes else None
-
-
 def memory_per_rank(device: str, ranks_here: int) -> tuple[int | None, str]:
     """(bytes each rank has, what they are): a GPU's whole memory, or the host's divided by its ranks."""
     if device == "cuda":
@@ -93,7 +71,9 @@ def memory_per_rank(device: str, ranks_here: int) -> tuple[int | None, str]:
 
         index = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
         return torch.cuda.get_device_properties(index).total_memory, "its GPU's memory"
-    total = host_memory_bytes()
+    from meshlm import host_memory
+
+    total = host_memory.host_memory_bytes()
     if total is None:
         return None, "unknown"
     return total // ranks_here, (f"this host's {total / GiB:.1f} GiB / {ranks_here} ranks" if ranks_here > 1 else
