@@ -360,3 +360,25 @@ def test_a_request_longer_than_the_kv_cache_gets_a_4xx_and_the_server_goes_on(tm
         assert client.get("/health").status_code == 200
     finally:
         engine.stop()
+
+
+def test_settings_beyond_the_machine_are_refused_in_one_line(tmp_path, capsys):
+    """Found by fuzzing `meshlm serve`'s flags: each of these died in a traceback (the port when binding, the cache
+    and the device when allocating)."""
+    from meshlm.cli import main
+    from meshlm.infer.llm import LLM
+
+    model_dir = make_model_dir(tmp_path)
+    capsys.readouterr()  # the model's writing
+    for port in ("-1", "65536"):
+        assert main(["serve", "--model", str(model_dir), "--port", port]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last == f"meshlm serve: error: --port={port} must be in 0..65535"
+    with pytest.raises(ValueError, match=r"a KV cache of 1,000,000,000,000 MiB .*--kv-cache-mb\) is more than this "
+                                         r"host's memory"):
+        LLM(str(model_dir), device="cpu", kv_cache_memory_bytes=10**12 << 20)
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda' \(--device\) but no CUDA device is available here"):
+            LLM(str(model_dir), device="cuda")

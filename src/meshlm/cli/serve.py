@@ -78,6 +78,8 @@ def run(args) -> int:
     from meshlm.distributed import launched_ranks
 
     ranks = serving_ranks(args)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port={args.port} must be in 0..65535")
     if args.replicas < 1:
         raise ValueError(f"--replicas={args.replicas} must be >= 1")
     speculative_config(args)  # refused here, before any rank starts

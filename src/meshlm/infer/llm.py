@@ -45,6 +45,8 @@ def serving_device(device: str | torch.device, dtype: torch.dtype | None) -> tup
     defaults to bf16 on a GPU, fp32 on a CPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} (--device) but no CUDA device is available here; use cpu or auto")
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return device, dtype

@@ -129,6 +129,7 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
                                  f"{kv_block_bytes(model, block_size, self.kv_dtype)} bytes; give it more memory")
         self.num_blocks = num_blocks
+        _check_fits(num_blocks * kv_block_bytes(model, block_size, self.kv_dtype), self.device)
         caches = [new_kv_cache(local_kv_heads(model), num_blocks, block_size, cfg.head_dim, dtype=self.kv_dtype,
                                device=self.device) for _ in range(cfg.num_layers)]
         self.k_caches, self.v_caches = [k for k, _ in caches], [v for _, v in caches]
@@ -168,3 +169,17 @@ class ModelRunner:
             h = h[0, torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)]
         self.attention_seconds += getattr(ctx, "seconds", 0.0)
         return model.lm_head(model.norm(h)).float()
+
+
+def _check_fits(cache_bytes: int, device: torch.device) -> None:
+    """ValueError when a KV cache of `cache_bytes` is more than the memory of the device it goes on (a GPU's, or on
+    a CPU this host's): asked for as --kv-cache-mb, it would otherwise fail in the allocator's traceback."""
+    if device.type == "cuda":
+        have, what = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    else:
+        from meshlm.host_memory import host_memory_bytes
+
+        have, what = host_memory_bytes(), "this host's memory"
+    if have is not None and cache_bytes > have:
+        raise ValueError(f"a KV cache of {cache_bytes / (1 << 20):,.0f} MiB (kv_cache_memory_bytes, --kv-cache-mb) is "
+                         f"more than {what} ({have / (1 << 20):,.0f} MiB); give it a share of that memory")
