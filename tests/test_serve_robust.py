@@ -377,6 +377,10 @@ def test_settings_beyond_the_machine_are_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"a KV cache of 1,000,000,000,000 MiB .*--kv-cache-mb\) is more than this "
                                          r"host's memory"):
         LLM(str(model_dir), device="cpu", kv_cache_memory_bytes=10**12 << 20)
+    # and a context beyond the model's positions, which it would have served (vLLM refuses it too)
+    with pytest.raises(ValueError, match=r"max_model_len=1000000000 \(--max-model-len\) must be in 1..128"):
+        LLM(str(model_dir), device="cpu", max_model_len=10**9)
+    assert LLM(str(model_dir), device="cpu", max_model_len=64).engine.max_model_len == 64
     import torch
 
     if not torch.cuda.is_available():

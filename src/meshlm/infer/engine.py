@@ -86,7 +86,11 @@ class Engine:
         (`infer/kv_tiers.py`; a given `runner` has its own, made by `build_runner`)."""
         self.model = model
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len or model.config.max_seq_len
+        longest = model.config.max_seq_len
+        if max_model_len is not None and not 0 <= max_model_len <= longest:
+            raise ValueError(f"max_model_len={max_model_len} (--max-model-len) must be in 1..{longest}, the model's "
+                             "context (0 or unset: all of it); the model was not made for positions beyond it")
+        self.max_model_len = max_model_len or longest
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = tuple(eos_token_ids)
