@@ -128,8 +128,6 @@ def _check_memory(args, cfg, world: int, *, ranks_here: int, say: bool) -> None:
 
 
 def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int = 0) -> int:
-    import os
-
     from torch.distributed.elastic.multiprocessing.errors import record
 
     run = _run_rank
