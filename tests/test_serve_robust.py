@@ -386,3 +386,16 @@ def test_settings_beyond_the_machine_are_refused_in_one_line(tmp_path, capsys):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device='cuda' \(--device\) but no CUDA device is available here"):
             LLM(str(model_dir), device="cuda")
+
+
+def test_a_tp_the_model_cannot_take_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """The ranks refused it too, each in the same line, after the launcher had started them all."""
+    from meshlm.cli import main
+
+    model_dir = make_model_dir(tmp_path)
+    capsys.readouterr()
+    assert main(["generate", "--hf", str(model_dir), "--prompt", "x", "--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["meshlm generate: error: model.num_heads=4 is not divisible by tp=3 (tensor parallelism splits it "
+                   "evenly over the tp ranks); choose tp among the divisors {1,2,4} of 4 (it must also divide the "
+                   "other sizes), or change model.num_heads to a multiple of 3"]

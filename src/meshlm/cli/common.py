@@ -66,6 +66,7 @@ def launch_serving_ranks(args) -> int | None:
     per_node = serving_ranks_per_node(args)
     if ranks == 1:  # (one node: one rank does not split over several)
         return None
+    _check_tp_against_the_model(args)
     import torch
 
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -130,3 +131,31 @@ def in_process_group(work, device_type: str, **init_kwargs) -> int:
         raise
     teardown_distributed(wait=True)
     return code
+
+
+def _check_tp_against_the_model(args) -> None:
+    """--tp against the served model's sizes (`rules.check_tensor_parallel`, the ranks' own check), from its config
+    alone -- a Hugging Face config.json or a meshlm checkpoint's meta.json -- so that a --tp the model cannot take
+    is one line here, not one per rank after they start; a config that cannot be read is left to the ranks."""
+    from meshlm.rules import check_tensor_parallel
+
+    path = getattr(args, "model", None) or getattr(args, "checkpoint", None) or getattr(args, "hf", None)
+    if not path or getattr(args, "tp", 1) <= 1:
+        return
+    try:
+        cfg = _served_config(path)
+    except Exception:  # noqa: BLE001 -- unreadable here: each rank reads and refuses it itself, by name
+        return
+    check_tensor_parallel(cfg, args.tp)
+
+
+def _served_config(path):
+    """The `ModelConfig` of a served model, without its weights."""
+    from pathlib import Path
+
+    from meshlm.checkpoint.find import config_from_dict, read_meta, resolve_checkpoint
+    from meshlm.hf_config import read_hf_config
+
+    if (Path(path) / "config.json").is_file():
+        return read_hf_config(path)
+    return config_from_dict(read_meta(resolve_checkpoint(path))["config"]).model
