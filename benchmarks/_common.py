@@ -168,6 +168,17 @@ def missing_extras(*modules: str) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
+def print_result(result: dict, args, started: float, *, smoke_skipped: dict[str, str] | None = None) -> None:
+    """A benchmark's JSON, ended as they all end it: "wall_seconds" since `started` (perf_counter), then under --smoke
+    "smoke" and what the smoke run left out ("skipped", when `smoke_skipped` names any)."""
+    result["wall_seconds"] = round(time.perf_counter() - started, 1)
+    if args.smoke:
+        result["smoke"] = True
+        if smoke_skipped is not None:
+            result["skipped"] = smoke_skipped
+    print(json.dumps(result, indent=2))
+
+
 def print_smoke_skip(benchmark: str, skipped: dict[str, str], **extra) -> None:
     """The JSON of a smoke run that could not run (part of) its benchmark here: what was skipped, and why."""
     print(json.dumps({"benchmark": benchmark, "smoke": True, "skipped": skipped, **extra}, indent=2))

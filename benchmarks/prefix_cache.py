@@ -22,14 +22,13 @@ decode unchanged -- move the TTFT as the engine's cache does?
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 import torch
 
-from _common import (local_cluster_json, meshlm_on_this_machine, parse_args_smoke, single_and_batch, static_batches_vs,
-                     stepped_generate)
+from _common import (local_cluster_json, meshlm_on_this_machine, parse_args_smoke, print_result, single_and_batch,
+                     static_batches_vs, stepped_generate)
 
 
 def model_config(args):
@@ -104,11 +103,8 @@ def main() -> None:
     result = {"model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "device": "cpu",
                         "torch_threads": torch.get_num_threads(), "block_size": engine.block_manager.block_size},
               "input_len": args.input_len, "output_len": args.output_len, "runs": runs,
-              "planner": planner(cfg, args.calibration, runs, args, engine),
-              "wall_seconds": round(time.perf_counter() - started, 1)}
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result, indent=2))
+              "planner": planner(cfg, args.calibration, runs, args, engine)}
+    print_result(result, args, started)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -28,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import missing_extras, parse_args_smoke, print_smoke_skip
+from _common import missing_extras, parse_args_smoke, print_result, print_smoke_skip
 
 
 def metric(text: str, name: str) -> float:
@@ -146,10 +145,7 @@ def main() -> None:
                 shifted = [[(t - 2 + 7 * shift) % (vocab - 2) + 2 for t in p] for p in trace]
                 result[name] = run_policy(name, replicas.replicas, shifted, args)
         result["replicas_left_running"] = sum(r.exit_code is None for r in replicas.replicas)
-    result["wall_seconds"] = round(time.perf_counter() - started, 1)
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result, indent=2))
+    print_result(result, args, started)
 
 
 if __name__ == "__main__":

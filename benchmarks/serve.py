@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from _common import (OtherWork, meshlm_on_this_machine, missing_extras, parse_args_smoke, predicted_vs_measured,
-                     print_smoke_skip, run_ranks, stepped_generate)
+                     print_result, print_smoke_skip, run_ranks, stepped_generate)
 from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_modes import estimate_serving
 from meshlm.planner.serving_workload import Workload
@@ -573,11 +573,8 @@ def main() -> None:
         if "planner" in parts:
             result["planner"] = planner(path, args.calibration, result, par_prompts=par_prompts[:args.par_prompts],
                                         output_len=args.par_output_len, rate=args.par_rate)
-    result["wall_seconds"] = round(time.perf_counter() - started, 1)
-    if args.smoke:
-        result["smoke"] = True
-        result["skipped"] = {p: "not in --smoke" for p in ("parallel_online", "longest_context") if p not in parts}
-    print(json.dumps(result, indent=2))
+    skipped = {p: "not in --smoke" for p in ("parallel_online", "longest_context") if p not in parts}
+    print_result(result, args, started, smoke_skipped=skipped)
 
 
 if __name__ == "__main__":

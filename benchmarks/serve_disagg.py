@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import missing_extras, parse_args_smoke, predicted_vs_measured, print_smoke_skip
+from _common import missing_extras, parse_args_smoke, predicted_vs_measured, print_result, print_smoke_skip
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -338,13 +338,10 @@ def main() -> None:
         if "emulated" in parts:
             result["emulated"] = run_emulated(args, path, trace, prefill, decode,
                                               [*common, *deployments["disaggregated"]])
-    result["wall_seconds"] = round(time.perf_counter() - started, 1)
-    if args.smoke:
-        result["smoke"] = True
-        # the colocated servers are the router's (benchmarks/router.py smokes them); emulated nodes take a minute
-        # with root (tests/test_serve_nodes.py runs the pair on them)
-        result["skipped"] = {p: f"not in --smoke (--smoke --parts {p} runs it)" for p in PARTS if p not in parts}
-    print(json.dumps(result, indent=2))
+    # under --smoke: the colocated servers are the router's (benchmarks/router.py smokes them); emulated nodes take
+    # a minute with root (tests/test_serve_nodes.py runs the pair on them)
+    print_result(result, args, started,
+                 smoke_skipped={p: f"not in --smoke (--smoke --parts {p} runs it)" for p in PARTS if p not in parts})
 
 
 if __name__ == "__main__":

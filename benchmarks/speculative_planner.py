@@ -26,15 +26,14 @@ generation beside it); this one checks the planner against the engine.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from dataclasses import replace
 
 import torch
 
-from _common import (local_cluster_json, meshlm_on_this_machine, parse_args_smoke, single_and_batch, static_batches_vs,
-                     stepped_generate)
+from _common import (local_cluster_json, meshlm_on_this_machine, parse_args_smoke, print_result, single_and_batch,
+                     static_batches_vs, stepped_generate)
 
 
 def configs(args):
@@ -132,11 +131,8 @@ def main() -> None:
     result = {"model": {"hidden": args.hidden, "layers": args.layers, "draft_layers": args.draft_layers,
                         "vocab": args.vocab, "device": "cpu", "torch_threads": torch.get_num_threads()},
               "input_len": args.input_len, "output_len": args.output_len, "draft_tokens": args.draft_tokens,
-              "runs": runs, "planner": planner(target_cfg, draft_cfg, args.calibration, runs, args, budget),
-              "wall_seconds": round(time.perf_counter() - started, 1)}
-    if args.smoke:
-        result["smoke"] = True
-    print(json.dumps(result, indent=2))
+              "runs": runs, "planner": planner(target_cfg, draft_cfg, args.calibration, runs, args, budget)}
+    print_result(result, args, started)
 
 
 if __name__ == "__main__":
