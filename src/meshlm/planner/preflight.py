@@ -105,9 +105,10 @@ def check_train_memory(cfg: Config, world: int, *, ranks_here: int) -> str:
              "(parallel.zero_stage, parallel.tp, parallel.pp) or add ranks; `meshlm plan estimate --runtime meshlm` "
              "breaks it down; --no-memory-check starts it anyway")
     # fp32 weights, gradients and AdamW's two moments (fp64: twice), split at best over every rank
-    floor = params_lower_bound(cfg) * 16 * (2 if cfg.train.precision == "fp64" else 1) / world
+    params = params_lower_bound(cfg)
+    floor = params * 16 * (2 if cfg.train.precision == "fp64" else 1) / world
     if have is not None and floor > have:
-        raise ValueError(f"this run needs at least {gib(floor)} per rank (its {params_lower_bound(cfg):,} or more "
+        raise ValueError(f"this run needs at least {gib(floor)} per rank (its {params:,} or more "
                          f"parameters' weights, gradients and AdamW state, split over all {world} ranks) and each "
                          f"rank has {gib(have)} ({what}): {fixes}")
     need = rank_memory_bytes(cfg, world, device=device)
