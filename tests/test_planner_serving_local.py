@@ -14,7 +14,7 @@ import pytest
 
 from meshlm.cli.plan import add_parser as add_plan_parser
 from meshlm.cli.plan import run as run_plan
-from meshlm.planner.calibrate_serving import SERVING_LAYERS, SERVING_SEQS, _least_squares
+from meshlm.planner.calibrate_serving import SERVING_LAYERS, SERVING_SEQS, _fit_weight_pass, _least_squares
 from meshlm.planner.cluster import get_cluster
 from meshlm.planner.serving import Serving, iteration_time
 from meshlm.planner.serving_layout import ServingLayout
@@ -126,3 +126,29 @@ def test_a_cpu_gemm_passes_its_weights_then_multiplies(tmp_path):
     assert cpu["gemm_compute"] == gpu["gemm_compute"]
     assert cpu["total"] - gpu["total"] == pytest.approx(
         cpu["gemm_compute"] + cpu["gemm_memory"] - (gpu["gemm_compute"] ** 2 + gpu["gemm_memory"] ** 2) ** 0.5, rel=1e-9)
+
+
+def test_one_row_streams_the_weights_unpacked_where_the_calibration_measured_it(tmp_path):
+    """One decoding sequence is a matrix-vector product: its weights' pass at `gemv_weight_bandwidth` and
+    `gemv_call_s` per matrix, in place of the packing pass and the FLOPs; two rows pack. A file without the GEMV
+    terms prices one row as packed."""
+    gemv = dict(gemv_weight_bandwidth=1.5e10, gemv_call_s=1e-5)
+    cluster, _ = _local(tmp_path, serving_host=HOST, gemm_weight_bandwidth=5e9, gemm_call_s=2e-5, **gemv)
+    older, _ = _local(tmp_path, name="older", serving_host=HOST, gemm_weight_bandwidth=5e9, gemm_call_s=2e-5)
+    sv = _sv(cluster)
+    weights, matrices = sum(sv.weight_bytes_per_gpu().values()), 7 * sv.sm.cfg.num_layers + 1
+    one, two = (iteration_time(sv, decodes=n, kv_len=64) for n in (1, 2))
+    assert one["gemm_memory"] == pytest.approx(weights / 1.5e10 + matrices * 1e-5, rel=1e-12)
+    assert two["gemm_memory"] == pytest.approx(weights / 5e9 + matrices * 2e-5, rel=1e-12)
+    old_one = iteration_time(_sv(older), decodes=1, kv_len=64)
+    assert old_one["gemm_memory"] == pytest.approx(weights / 5e9 + matrices * 2e-5, rel=1e-12)
+    # the one-row pass replaces the packed pass and the FLOPs' time: nothing else in the iteration moves
+    assert old_one["total"] - one["total"] == pytest.approx(
+        old_one["gemm_compute"] + old_one["gemm_memory"] - one["gemm_memory"], rel=1e-9)
+
+
+def test_the_weight_pass_fit_recovers_bandwidth_and_call_cost():
+    bandwidth, call, nbytes = 8e9, 6e-6, 32 * 2**20
+    passes = [(n, nbytes, n * call + nbytes / bandwidth) for n in (128, 2)]
+    assert _fit_weight_pass(passes) == pytest.approx((bandwidth, call), rel=1e-9)
+    assert _fit_weight_pass([(128, nbytes, 1e-3), (2, nbytes, 1e-5)])[0] == 0.0  # no time left for the bytes

@@ -1,7 +1,8 @@
 """What the serving planner needs measured on this host beyond `calibrate`'s rates: the fixed host work of meshlm's
 serving engine per step, per decoder layer and per sequence (`measure_serving_host`: engine steps of tiny
 models), which the planner's `meshlm` engine prices, and what a GEMM costs on a CPU apart from its FLOPs
-(`measure_gemm_weight_pass`), which `Cluster.gemm_weight_bw` / `gemm_call_s` carry.
+(`measure_gemm_weight_pass`: packed GEMMs and one-row GEMVs), which `Cluster.gemm_weight_bw` / `gemm_call_s` /
+`gemv_weight_bw` / `gemv_call_s` carry.
 
 Responsible for: those two measurements and their fits, in thread CPU seconds on one thread.
 Not responsible for: writing the calibration file (`calibrate.calibrate`) or pricing anything (`serving.py`).
@@ -12,26 +13,29 @@ from __future__ import annotations
 import time
 
 
-def measure_gemm_weight_pass(*, nbytes: int = 32 * 2**20, sizes: tuple = (256, 2048), rows: tuple = (1, 64),
+def measure_gemm_weight_pass(*, nbytes: int = 32 * 2**20, sizes: tuple = (256, 2048), rows: tuple = (2, 64),
                              repeats: int = 7) -> dict:
     """What a GEMM costs on one thread apart from its FLOPs: `x @ W.T` through `nbytes` of fp32 size x size weights
-    (beyond the caches, as a model's layers are) for each of `sizes`, at `rows` rows of x, timed in thread CPU
-    seconds (the fastest of `repeats`); t = rows x FLOPs / r + calls x gemm_call_s + weight bytes /
-    gemm_weight_bandwidth, fitted from the two row counts (the FLOPs) and the two sizes (as many bytes in 128
-    calls as in 2). A CPU BLAS packs the weights before it multiplies, so this adds to the FLOPs' time rather
-    than overlapping it (the serving benchmark's model: its 29 GEMMs of a decode step take 1.3 ms + rows x
-    0.07 ms, not the larger of 0.34 ms of copy bandwidth and their FLOPs), and a call's fixed part grows with
-    its weights (20 us at 256 x 256, beyond the dispatch a tiny model's step holds: `measure_serving_host`).
-    {"gemm_weight_bandwidth": bytes/s, "gemm_call_s": seconds}."""
+    (beyond the caches, as a model's layers are) for each of `sizes`, at one row and at `rows` rows of x, timed in
+    thread CPU seconds (the fastest of `repeats`). A CPU BLAS takes two paths:
+    - from two rows on it packs the weights before it multiplies, so that pass adds to the FLOPs' time rather than
+      overlapping it: t = rows x FLOPs / r + calls x gemm_call_s + weight bytes / gemm_weight_bandwidth, its pass
+      the line through the two `rows` counts at zero rows (the serving benchmark's model, hidden 256: its 29 GEMMs
+      of a decode step take 1.9 ms + rows x 0.066 ms from 2 to 64 rows);
+    - one row is a matrix-vector product that streams the weights once, unpacked: t = calls x gemv_call_s + weight
+      bytes / gemv_weight_bandwidth (that model's 29 take 1.1 ms at one row, less than the packed pass alone).
+    Each path's two terms come from the two sizes, as many bytes in 128 calls as in 2 (`_fit_weight_pass`); a
+    call's fixed part grows with its weights (20 us at 256 x 256, beyond the dispatch a tiny model's step holds:
+    `measure_serving_host`). {"gemm_weight_bandwidth", "gemm_call_s", "gemv_weight_bandwidth", "gemv_call_s"}."""
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    passes = []
+    packed, gemv = [], []
     for size in sizes:
         ws = [torch.randn(size, size) for _ in range(max(1, nbytes // (4 * size * size)))]
-        times = []
-        for m in rows:
+        times = {}
+        for m in (1, *rows):
             x = torch.randn(m, size)
             best = float("inf")
             for i in range(repeats + 1):
@@ -40,14 +44,23 @@ def measure_gemm_weight_pass(*, nbytes: int = 32 * 2**20, sizes: tuple = (256, 2
                     F.linear(x, w)
                 if i:  # the first pass pays one-time setup
                     best = min(best, time.thread_time() - t)
-            times.append(best)
-        (m1, m2), (t1, t2) = rows, times
-        passes.append((len(ws), len(ws) * size * size * 4, t1 - m1 * (t2 - t1) / (m2 - m1)))
+            times[m] = best
+        (m1, m2), weights = rows, len(ws) * size * size * 4
+        packed.append((len(ws), weights, times[m1] - m1 * (times[m2] - times[m1]) / (m2 - m1)))
+        gemv.append((len(ws), weights, times[1]))
+    bw, call = _fit_weight_pass(packed)
+    gemv_bw, gemv_call = _fit_weight_pass(gemv)
+    return {"gemm_weight_bandwidth": bw, "gemm_call_s": call, "gemv_weight_bandwidth": gemv_bw,
+            "gemv_call_s": gemv_call}
+
+
+def _fit_weight_pass(passes: list) -> tuple[float, float]:
+    """(bytes/s, seconds per call) of t = calls x c + bytes / R from two passes (calls, bytes, seconds) over as many
+    bytes (the calls make the difference); a bandwidth of 0 where the calls leave no time for the bytes."""
     (n1, b1, t1), (n2, b2, t2) = passes
-    # t = n c + b / R at both sizes, as many bytes in each (b1 = b2): the calls make the difference
     call = max(0.0, (t1 - t2) / (n1 - n2)) if n1 != n2 else 0.0
     weights_s = t2 - n2 * call
-    return {"gemm_weight_bandwidth": b2 / weights_s if weights_s > 0 else 0.0, "gemm_call_s": call}
+    return (b2 / weights_s if weights_s > 0 else 0.0), call
 
 
 SERVING_LAYERS = (1, 2, 3)  # decoder layers of the tiny models whose engine steps `measure_serving_host` times

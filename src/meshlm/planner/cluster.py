@@ -93,6 +93,10 @@ class Cluster:
     # seconds each GEMM call adds to its weights' pass (`gemm_call_s`, the same measurement).
     gemm_weight_bw: float = 0.0
     gemm_call_s: float = 0.0
+    # The same for a GEMM of one row where the BLAS streams the weights once without packing them (a matrix-vector
+    # product); 0: one row is priced as the packed GEMM (files from before it was measured).
+    gemv_weight_bw: float = 0.0
+    gemv_call_s: float = 0.0
     # Per-collective fits that replace the link's default: {"scale-up" | "scale-out": {kind: (latency
     # per hop in s, achieved bandwidth in bytes/s[, seconds per call])}}, kind one of collectives.KINDS. The default for a
     # kind not listed is (the tier's latency, its bandwidth x link_efficiency). `local` fills it from
@@ -511,7 +515,9 @@ def local_cluster(path: str | Path) -> Cluster:
                    step_overhead=float(data.get("step_overhead_s", 0.0)) if emulated else 0.0,
                    gemm_k_overhead=0.0, serving_host=_serving_host(data, path),
                    gemm_weight_bw=float(data.get("gemm_weight_bandwidth", 0.0)),
-                   gemm_call_s=float(data.get("gemm_call_s", 0.0)))
+                   gemm_call_s=float(data.get("gemm_call_s", 0.0)),
+                   gemv_weight_bw=float(data.get("gemv_weight_bandwidth", 0.0)),
+                   gemv_call_s=float(data.get("gemv_call_s", 0.0)))
 
 
 def _serving_host(data: dict, path: Path) -> dict:

@@ -26,7 +26,8 @@ al. 2009; Yuan et al. 2024, "LLM Inference Unveiled", arXiv:2402.16363):
     stream through HBM once per (micro-)step; MoE reads only experts some token routed to (uniform routing:
     an expert is idle with probability (1 - k/E)^tokens); compute and memory time meet at a rounded corner
     (serving_engine.roofline, from DeepGEMM's kernel benchmarks) -- on a CPU (`Cluster.gemm_weight_bw`) they
-    add: its BLAS packs the weights at the measured rate, then multiplies;
+    add: its BLAS packs the weights at the measured rate, then multiplies (one row: a matrix-vector product
+    streaming them once at its own measured rate);
   * attention: decode reads each sequence's KV once (bandwidth-bound; once per query head where the engine's
     kernel does not share a GQA group's loads, serving_engine.Engine), prefill runs the causal square
     (compute-bound, FlashAttention's rate: `attention_efficiency`);
@@ -313,7 +314,8 @@ def _work(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float, p_ran
     tile = lambda name, precision: k_scale(pieces[name], k_overhead=sv.cluster.gemm_k_overhead,  # noqa: E731
                                            in_bytes=ELEMENT_BYTES[precision])
     dense_p = sv.dense_gemm_precision
-    return {"gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops, "expert_gemm_flops": expert_flops,
+    return {"gemm_rows": gemm_tokens, "gemm_flops": dense_flops + expert_flops, "dense_gemm_flops": dense_flops,
+            "expert_gemm_flops": expert_flops,
             "dense_gemm_tile_flops": body_flops * tile("body", dense_p) + head_flops * tile("head", dense_p),
             "expert_gemm_tile_flops": expert_flops * tile("experts", sv.gemm_precision),
             "elementwise_bytes": act_bytes(sv) * gemm_tokens * elems * f,
@@ -463,10 +465,11 @@ def _micro_step(sv: Serving, *, d: float, kv_len: float, p: float, p_ctx: float,
     comm = step_comm(sv, d=d, p=p, cl=cl)
     ep = sum(t for (kind, _), t in comm.items() if kind == "ep")
     if cl.gemm_weight_bw:  # a CPU BLAS: the weights' packing pass, then the FLOPs (Cluster.gemm_weight_bw)
-        pack, calls = cl.gemm_weight_bw / share, share * _gemm_calls(sv) * cl.gemm_call_s
-        dense = dense_c + w["dense_weight_bytes"] / pack + calls
+        pack = cl.gemm_weight_bw / share
+        dense, dense_m = _cpu_dense_gemms(sv, share, rows=w["gemm_rows"], flops_s=dense_c,
+                                          nbytes=w["dense_weight_bytes"])
         experts = expert_c + w["expert_weight_bytes"] / pack
-        gemm_m = (w["dense_weight_bytes"] + w["expert_weight_bytes"]) / pack + calls
+        gemm_m = dense_m + w["expert_weight_bytes"] / pack
     else:  # the dense GEMMs and the routed experts' grouped GEMMs are separate kernels, each at its own corner
         dense, experts = roofline(dense_c, dense_m), roofline(expert_c, expert_m)
     attn = roofline(attn_c, attn_m)
@@ -516,6 +519,22 @@ def _stages(sv: Serving, *, dense: float, experts: float, attn: float, elementwi
     rest = dense + attn + elementwise + other - shared - attn_in - attn_out
     return {"attn_in": attn_in, "attn_out": attn_out, "shared": shared, "experts": experts, "dispatch": dispatch,
             "combine": ep - dispatch, "rest": rest}
+
+
+def _cpu_dense_gemms(sv: Serving, share: float, *, rows: float, flops_s: float, nbytes: float) -> tuple[float, float]:
+    """Seconds of one rank's dense GEMMs of a micro-step on a CPU BLAS, and of their weights' pass within them. From
+    two rows on, the BLAS packs the weights (`Cluster.gemm_weight_bw`, `gemm_call_s` per matrix), then multiplies
+    (`flops_s`); one row is a matrix-vector product that streams them once, unpacked (`gemv_weight_bw`,
+    `gemv_call_s`), where the calibration measured it. Between one and two rows (a mean over iterations) the
+    share above one packs. The output head is counted at the body's rows (a prompt's one sampled row packs with
+    them; the head is a few percent of a model's weights)."""
+    cl, calls = sv.cluster, share * _gemm_calls(sv)
+    packed = nbytes / (cl.gemm_weight_bw / share) + calls * cl.gemm_call_s
+    if not cl.gemv_weight_bw or rows >= 2:
+        return flops_s + packed, packed
+    gemv = nbytes / (cl.gemv_weight_bw / share) + calls * cl.gemv_call_s
+    two = max(0.0, rows - 1.0)
+    return two * (flops_s + packed) + (1 - two) * gemv, two * packed + (1 - two) * gemv
 
 
 def _gemm_calls(sv: Serving) -> float:
