@@ -115,6 +115,10 @@ def _bad_inputs(tmp_path, tokenizer):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n\n{"text": 3}\n')
     (tmp_path / "blank.jsonl.zst").write_bytes(__import__("zstandard").ZstdCompressor().compress(b"\n\n"))
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all")
+    (tmp_path / "bad.jsonl.zst").write_bytes(b"not zstd at all")
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "manifest.json").write_text("{}")
+    (tmp_path / "prepared" / "train-000000.bin").write_bytes(b"\0\0")
     (tmp_path / "x.txt.gz").write_bytes(b"\x1f\x8b")
     (tmp_path / "broken_tok.json").write_text("{not a tokenizer")
     good = tmp_path / "ok.txt"
@@ -131,6 +135,8 @@ def _bad_inputs(tmp_path, tokenizer):
         "jsonl field not a string": ([tmp_path / "bad.jsonl"], {}, r"bad\.jsonl:3: field 'text' is int"),
         "jsonl with no lines": ([tmp_path / "blank.jsonl.zst"], {}, r"blank\.jsonl\.zst holds no JSON lines"),
         "damaged gzip": ([tmp_path / "bad.jsonl.gz"], {}, r"bad\.jsonl\.gz: cannot decompress"),
+        "damaged zstandard": ([tmp_path / "bad.jsonl.zst"], {}, r"bad\.jsonl\.zst: cannot decompress"),
+        "a prepared dataset": ([tmp_path / "prepared"], {}, r"prepared is a prepared dataset .*data\.path="),
         "compressed text": ([tmp_path / "x.txt.gz"], {}, r"x\.txt\.gz: compressed inputs must be"),
         "tokenizer missing": ([good], {"tokenizer_path": tmp_path / "none.json"}, r"--tokenizer .*none\.json does not"),
         "tokenizer unreadable": ([good], {"tokenizer_path": tmp_path / "broken_tok.json"},

@@ -104,7 +104,10 @@ class ModelConfig:
         positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                     "intermediate_size", "max_seq_len", "head_dim"]
         for name in positive:
-            _require(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "must be > 0")
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool), f"model.{name}", value,
+                     "must be a whole number")
+            _require(value > 0, f"model.{name}", value, "must be > 0")
         _require(self.hidden_size % self.num_heads == 0 or self.head_dim != self.hidden_size // self.num_heads,
                  "model.num_heads", self.num_heads,
                  f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)")
@@ -479,13 +482,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
             data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
         for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config key {section!r} must be a [section] table, e.g. [train] then steps = 1")
             if section not in _SECTIONS:
                 raise ConfigError(f"unknown config section [{section}]; valid sections: {sorted(_SECTIONS)}")
-            if not isinstance(values, dict):
-                raise ConfigError(f"config key {section!r} must be a [section] table")
             for key, value in values.items():
                 _check_key(section, key)
                 raw[section][key] = value
@@ -537,7 +540,9 @@ def _parse_value(cls: type, name: str, text: str) -> Any:
     except tomllib.TOMLDecodeError:
         if base is bool and text.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
             return text.lower() in ("true", "yes", "on", "1")
-        raise ConfigError(f"{_section_of(cls)}.{name}={text!r} is not a valid {base.__name__}") from None
+        hint = {dict: " (a TOML inline table: {factor = 8.0, low_freq_factor = 1.0}, not JSON)",
+                list: " (a TOML array: [\"a\", \"b\"])"}.get(base, "")
+        raise ConfigError(f"{_section_of(cls)}.{name}={text!r} is not a valid {base.__name__}{hint}") from None
 
 
 def _base_type(tp: Any) -> Any:

@@ -93,9 +93,14 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = Fals
     if not weight_files:
         raise ValueError(f"checkpoint {str(ckpt)!r} holds no model_rank_*.safetensors; it cannot be converted")
     if dtype is None:
-        with safe_open(str(ckpt / weight_files[0]), framework="pt") as f:
-            first = next(iter(f.keys()), None)
-            stored = f.get_slice(first).get_dtype() if first is not None else "F32"
+        try:
+            handle = safe_open(str(ckpt / weight_files[0]), framework="pt")
+        except Exception:  # noqa: BLE001 -- safetensors' own error: load_weights below names the file
+            stored = "F32"
+        else:
+            with handle as f:
+                first = next(iter(f.keys()), None)
+                stored = f.get_slice(first).get_dtype() if first is not None else "F32"
         dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(stored, "float32")
     elif dtype not in _DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not one of float32, bfloat16, float16")

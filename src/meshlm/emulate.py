@@ -47,13 +47,21 @@ _CMD_TIMEOUT_S = 30  # one `ip`/`tc` call; they return in milliseconds
 _STOP_GRACE_S = 5.0
 
 
+MIN_RATE_BPS, MAX_RATE_BPS = 1e6, 1e12  # bits/s an emulated link may have (parse_rate)
+MAX_LATENCY_S = 10.0  # the longest one-way delay it may add (parse_duration)
+
+
 def parse_rate(text: str) -> float:
     """'1gbit' / '100mbit' / '125mbps' (tc's units; bps = bytes per second) -> bits per second."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
     if not m or m.group(2).lower() not in _RATE_UNITS or float(m.group(1)) <= 0:
         raise ValueError(f"inter-node bandwidth {text!r} is not a rate; write e.g. 1gbit, 100mbit or 125mbps "
                          f"(units: {', '.join(_RATE_UNITS)})")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+    rate = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+    if not MIN_RATE_BPS <= rate <= MAX_RATE_BPS:
+        raise ValueError(f"inter-node bandwidth {text!r} is outside 1mbit..1tbit: below it a rendezvous outlasts its "
+                         "timeouts, above it tc cannot size the link's bucket; write e.g. 1gbit or 100mbit")
+    return rate
 
 
 def parse_duration(text: str) -> float:
@@ -61,7 +69,11 @@ def parse_duration(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", str(text))
     if not m or m.group(2) not in _TIME_UNITS:
         raise ValueError(f"inter-node latency {text!r} is not a duration; write e.g. 1ms or 200us")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    if seconds > MAX_LATENCY_S:
+        raise ValueError(f"inter-node latency {text!r} is above {MAX_LATENCY_S:g} s, which every rendezvous and "
+                         "collective would time out on; write e.g. 1ms or 200us")
+    return seconds
 
 
 def check_host() -> None:

@@ -25,7 +25,21 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         path = path / "config.json"
     if not path.exists():
         raise ConfigError(f"no Hugging Face config at {str(path)!r}; pass a model directory with config.json")
-    return model_config_from_hf(json.loads(path.read_text()))
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not a JSON file ({e}); pass a model directory with its config.json") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} holds a JSON {type(hf).__name__}, not an object; pass a model directory with "
+                          "its config.json")
+    try:
+        return model_config_from_hf(hf)
+    except ConfigError:
+        raise
+    except KeyError as e:
+        raise ConfigError(f"{path} lacks {e.args[0]!r}, which a {hf.get('model_type')} config.json holds") from None
+    except (TypeError, AttributeError, ValueError) as e:  # a field of the wrong type: null, a string, a list
+        raise ConfigError(f"{path} has a field of the wrong type ({e})") from None
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:

@@ -126,6 +126,8 @@ def check_emulation(args) -> tuple[float, float]:
         raise ValueError("emulated nodes all run here; drop --nnodes/--rdzv-endpoint/--node-rank")
     if getattr(args, "max_restarts", 0):
         raise ValueError("--max-restarts is not supported on emulated nodes; leave it out")
+    if getattr(args, "replica_groups", 0):
+        raise ValueError("--replica-groups is not supported on emulated nodes; leave it out")
     if args.nproc < 1:
         raise ValueError(f"{args.nproc} ranks per node (--nproc / cluster emulate --procs-per-node) must be >= 1")
     rate = parse_rate(args.inter_node_bw)

@@ -43,26 +43,38 @@ def read_run(run_dir: str | Path) -> Run:
         raise ValueError(f"run directory {str(run_dir)!r} {what}; pass the train.run_dir of a `meshlm train` run "
                          "(e.g. runs/default)")
     run = Run(path=path)
-    for line in metrics.read_text().splitlines():
+    for number, line in enumerate(metrics.read_text(errors="replace").splitlines(), 1):
         try:
             row = json.loads(line)
-        except ValueError:  # a line a crash cut short
+        except ValueError:  # a line a crash cut short (a resumed run appends after it)
             continue
         if not isinstance(row, dict):
             continue
-        if "loss" in row:
-            run.steps.append(int(row["step"]))
-            run.loss.append(float(row["loss"]))
-            run.tokens_per_s.append(float(row.get("tokens_per_s", 0.0)))
-            step_time = float(row.get("step_time_s") or 0.0)
-            comm = sum(float(v) for v in (row.get("comm_s") or {}).values())
-            run.comm_share.append(min(comm / step_time, 1.0) if step_time > 0 else 0.0)
-        elif "val_loss" in row:
-            run.val_steps.append(int(row["step"]))
-            run.val_loss.append(float(row["val_loss"]))
+        try:
+            _add_row(run, row)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{metrics}:{number}: a row meshlm train does not write ({type(e).__name__}: {e}); "
+                             "remove or mend that line") from None
     if not run.steps:
         raise ValueError(f"{metrics} holds no training step yet; plot a run that has logged at least one step")
     return run
+
+
+def _add_row(run: Run, row: dict) -> None:
+    """One metrics.jsonl row into the curves: a training step's (loss, tokens/s, communication) or a validation's."""
+    if "loss" in row:
+        step, loss = int(row["step"]), float(row["loss"])
+        tokens_per_s = float(row.get("tokens_per_s", 0.0))
+        step_time = float(row.get("step_time_s") or 0.0)
+        comm = sum(float(v) for v in (row.get("comm_s") or {}).values())
+        run.steps.append(step)
+        run.loss.append(loss)
+        run.tokens_per_s.append(tokens_per_s)
+        run.comm_share.append(min(comm / step_time, 1.0) if step_time > 0 else 0.0)
+    elif "val_loss" in row:
+        step, loss = int(row["step"]), float(row["val_loss"])
+        run.val_steps.append(step)
+        run.val_loss.append(loss)
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Run]:
@@ -72,6 +84,9 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Run]:
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("meshlm plot needs matplotlib: pip install meshlm[plot] (or pip install matplotlib)")
     out = Path(out)
+    if out.is_dir() or not out.suffix:
+        raise ValueError(f"--out {str(out)!r} is a folder or has no suffix; name the picture, e.g. "
+                         f"{str(out / 'loss.png') if out.is_dir() else str(out) + '.png'}")
     if not out.parent.is_dir():
         raise ValueError(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist; create it first")
     runs = [read_run(d) for d in run_dirs]

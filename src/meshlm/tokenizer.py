@@ -116,7 +116,7 @@ class HFTokenizer(Tokenizer):
     @classmethod
     def from_file(cls, path: str | Path) -> "HFTokenizer":
         """A lone tokenizer.json, as a training run names it: plain, EOS found by its usual names."""
-        tok = _read_tokenizer_json(Path(path))
+        tok = read_tokenizer_json(Path(path))
         eos = eos_by_name(tok)
         return cls(tok, eos_token_ids=(eos,) if eos is not None else (), plain=True, path=str(path))
 
@@ -126,7 +126,7 @@ class HFTokenizer(Tokenizer):
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             return None
-        tok = _read_tokenizer_json(path / "tokenizer.json")
+        tok = read_tokenizer_json(path / "tokenizer.json")
         tok_cfg = _read_json(path / "tokenizer_config.json")
         special = {}
         for key in ("bos_token", "eos_token", "pad_token"):
@@ -200,13 +200,17 @@ def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
     return tuple(eos)
 
 
-def _read_tokenizer_json(path: Path):
+def read_tokenizer_json(path: Path):
     try:
         from tokenizers import Tokenizer as RustTokenizer
     except ImportError:
         raise ValueError(f"tokenizer {str(path)!r} needs the `tokenizers` package; install the `hf` extra "
                          "(pip install 'meshlm[hf]') or train on bytes (an empty data.tokenizer)") from None
-    return RustTokenizer.from_file(str(path))
+    try:
+        return RustTokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- the tokenizers library raises a bare Exception on a damaged file
+        raise ValueError(f"{str(path)!r} is not a readable tokenizer.json ({e}); pass the model's own "
+                         "tokenizer.json") from None
 
 
 def _read_json(path: Path) -> dict:

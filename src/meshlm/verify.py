@@ -53,6 +53,7 @@ PRECISIONS = ("fp64", "fp32")
 # (losses and grad norms: relative; weights: absolute, or None = reported, not judged)
 TOLERANCES = {"fp64": (1e-9, 1e-9), "fp32": (1e-5, None)}
 DEFAULT_STEPS = 5
+MAX_STEPS = 1000  # the longest run verify compares (--steps)
 
 
 class LaunchFailed(RuntimeError):
@@ -74,8 +75,9 @@ def prepare(cfg: Config, *, steps: int, precision: str, run_dir: str | Path) -> 
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {list(PRECISIONS)} (fp64: exact proof; "
                          "fp32: the real dtype, weights reported only)")
-    if steps < 1:
-        raise ValueError(f"--steps={steps} must be >= 1")
+    if not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"--steps={steps} must be in 1..{MAX_STEPS}: verify proves a layout step by step over a "
+                         "short run; train longer with meshlm train")
     cfg = copy.deepcopy(cfg)
     t = cfg.train
     t.steps, t.precision, t.run_dir = steps, precision, str(run_dir)
@@ -332,6 +334,7 @@ def run(cfg: Config, *, nproc: int, steps: int = DEFAULT_STEPS, precision: str =
     log = sys.stderr if log is None else log
     check(cfg, nproc=nproc, steps=steps, precision=precision)  # before any work or directory
     root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="meshlm-verify-"))
+    root.mkdir(parents=True, exist_ok=True)  # a file in the way is one line here, before anything is said or run
     layout_cfg = prepare(cfg, steps=steps, precision=precision, run_dir=root / "layout")
     from meshlm.parallel.parallelize import check_layout, micro_batch_size
 

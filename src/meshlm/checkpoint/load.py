@@ -135,7 +135,11 @@ def load_weights(path: str | Path, model: nn.Module, *, checksums: bool = True) 
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no weights for {missing[:3]}"
                               f"{' ...' if len(missing) > 3 else ''}; {other_checkpoint_hint(path)}")
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # unexpected names, or shapes its meta.json's model does not have
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model its meta.json describes "
+                              f"({one_line(e, 160)}); {other_checkpoint_hint(path)}") from None
 
 
 def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.device = "cpu",

@@ -2,8 +2,9 @@
 
 Every subcommand is a module of this package with `add_parser(subparsers)` and `run(args) -> int`; this file
 builds the parser from them and dispatches. Responsible for: argument parsing, turning user mistakes
-(ValueError and subclasses) into one clear line on stderr with exit code 2, a closed pipe into a quiet exit 1, and
-dispatching to the library.
+(ValueError and subclasses) into one clear line on stderr with exit code 2, a path that cannot be read or written
+(an OSError naming a file) into one line with exit code 1, a closed pipe into a quiet exit 1, and dispatching to the
+library.
 Heavy imports (torch) happen inside `run`, so `meshlm --help` is instant. `python -m meshlm.cli` is the same
 command (what torchrun starts on every rank).
 Not responsible for: any logic of its own beyond wiring; starting ranks (launch.py).
@@ -70,4 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # the reader went away (`meshlm plan ... | head`): stop quietly, as `cat` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush has nowhere to fail
+        return 1
+    except OSError as e:
+        if e.filename is None:  # not a path the user named (a socket, a peer): the traceback says more
+            raise
+        # a path that cannot be read or written (a folder given for a file, a file in the way of a folder, no
+        # permission, a full disk): one line naming it, as `cp` or `mkdir` say it
+        where = f"{e.filename!s}" + (f" -> {e.filename2!s}" if e.filename2 else "")
+        print(f"meshlm {args.command}: error: {where}: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@ Not responsible for: any work of its own (prepare.py).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 EPILOG = """examples:
@@ -59,9 +60,11 @@ def run(args) -> int:
         return 2
     from meshlm.data.prepare import prepare
 
+    if not (math.isfinite(args.shard_mb) and args.shard_mb * 2**20 >= 1):
+        raise ValueError(f"--shard-mb={args.shard_mb} must be a positive number of MiB (input per shard), e.g. 128")
     summary = prepare(args.sources, tokenizer_path=args.tokenizer, out=args.out, workers=args.workers,
                       field=args.field, val_fraction=args.val_fraction,
-                      shard_bytes=max(1, int(args.shard_mb * 2**20)), progress=not args.no_progress)
+                      shard_bytes=int(args.shard_mb * 2**20), progress=not args.no_progress)
     splits = ", ".join(f"{split} {summary['num_tokens'][split]:,} tokens in {summary['num_documents'][split]:,} "
                        "documents" for split in summary["num_tokens"])
     done = (f"{summary['shards_written']} shards written, {summary['shards_skipped']} already there"

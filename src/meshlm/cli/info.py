@@ -12,8 +12,8 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="tiny", metavar="PRESET", help="a preset name (default tiny)")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory or config.json")
-    p.add_argument("--seq-len", type=int, default=0, help="sequence length for the attention FLOPs "
-                                                           "(default: 4096, capped by the model's max)")
+    p.add_argument("--seq-len", type=int, default=0, help="sequence length for the attention FLOPs, up to the model's "
+                                                           "context (default 0: 4096, or the context if shorter)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -25,6 +25,9 @@ def run(args) -> int:
     from meshlm.planner.mla import total_params
 
     cfg = ModelConfig.from_hf(args.hf) if args.hf else ModelConfig.from_preset(args.model)
+    if not 0 <= args.seq_len <= cfg.max_seq_len:
+        raise ValueError(f"--seq-len={args.seq_len} must be in 1..{cfg.max_seq_len} (the model's context), or 0 "
+                         "for the default")
     seq_len = args.seq_len or min(4096, cfg.max_seq_len)
     params = count_params(cfg)
     flops = flops_per_token(cfg, seq_len)

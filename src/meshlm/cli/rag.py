@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     ix.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     ix.add_argument("--chunk-overlap", type=int, default=32, help="tokens shared by consecutive chunks (default 32)")
     ix.add_argument("--tokenizer", default=None, metavar="DIR",
-                    help="count tokens with this model folder's tokenizer.json (default: whitespace words)")
+                    help="count tokens with this model folder's tokenizer.json, or that file (default: whitespace "
+                         "words)")
     ix.add_argument("--embed-model", default=None, metavar="DIR",
                     help="also build a dense index with this local Hugging Face encoder folder")
     ix.add_argument("--overwrite", action="store_true", help="replace what --out holds")
@@ -43,6 +44,8 @@ def run(args) -> int:
         print(f"wrote {args.out}: {meta['num_chunks']} chunks of {meta['chunk_tokens']} tokens from "
               f"{meta['num_documents']} documents (bm25{' + dense' if meta['dense'] else ''})")
         return 0
+    if not args.query.strip():
+        raise ValueError("the query is empty; pass the words to search for, e.g. meshlm rag search INDEX \"rope scaling\"")
     index = RagIndex.load(args.index)
     hits = index.search(args.query, top_k=args.top_k, mode=args.mode)
     print(json.dumps([{**p.public(), "text": p.text} for p in hits], indent=1, ensure_ascii=False))

@@ -72,6 +72,9 @@ def run(args) -> int:
     if args.replica_groups:
         if under_launcher:
             raise ValueError("--replica-groups starts its own launchers; drop it under torchrun/srun")
+        if args.emulate_nodes or args.inter_node_bw or args.inter_node_latency:
+            raise ValueError("--replica-groups is not supported on emulated nodes; leave out --replica-groups or "
+                             "the emulation (--emulate-nodes, --inter-node-bw, --inter-node-latency)")
         from meshlm.replica_launch import launch_replica_groups
 
         return launch_replica_groups(args, cfg)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from meshlm.verify import MAX_STEPS
+
+DEFAULT_MAX_RANKS, MAX_RANKS = 8, 64  # --all-layouts: ranks of the largest layouts enumerated, and their limit
 
 
 def add_parser(sub) -> None:
@@ -29,7 +32,8 @@ def add_parser(sub) -> None:
                    help="verify every (dp_replicate, dp_shard, tp, pp, cp, ep, zero_stage) of 2..--max-ranks ranks "
                         "that the build accepts for the config (seq 64, global batch 8, micro-batch 2 unless --set), "
                         "one line each, then a summary with what was refused and why")
-    p.add_argument("--max-ranks", type=int, default=8, metavar="N", help="with --all-layouts: up to N ranks (default 8)")
+    p.add_argument("--max-ranks", type=int, default=DEFAULT_MAX_RANKS, metavar="N",
+                   help=f"with --all-layouts: up to N ranks (default %(default)s, at most {MAX_RANKS})")
     p.add_argument("--sample", type=int, default=0, metavar="K",
                    help="with --all-layouts: verify K layouts drawn at random (--seed), not all")
     p.add_argument("--seed", type=int, default=0, help="with --sample: which K (default 0)")
@@ -37,7 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file (as for train)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one field, e.g. parallel.tp=2 (repeatable)")
-    p.add_argument("--steps", type=int, default=5, metavar="S", help="optimizer steps of each run (default 5)")
+    p.add_argument("--steps", type=int, default=5, metavar="S",
+                   help=f"optimizer steps of each run (default %(default)s, at most {MAX_STEPS})")
     p.add_argument("--precision", choices=["fp64", "fp32"], default="fp64",
                    help="fp64 (default): an exact proof; fp32: the real dtype, weights reported not judged")
     p.add_argument("--run-dir", metavar="DIR", default=None,
@@ -57,14 +62,19 @@ def run(args) -> int:
         if args.nproc is not None or args.run_dir is not None or args.json:
             raise ValueError("--all-layouts chooses the ranks of every layout and reports one line each: drop "
                              "--nproc, --run-dir and --json (or verify one layout with --nproc)")
-        if args.max_ranks < 2 or args.sample < 0:
-            raise ValueError(f"--max-ranks={args.max_ranks} must be >= 2 and --sample={args.sample} >= 0")
+        if not 2 <= args.max_ranks <= MAX_RANKS:
+            raise ValueError(f"--max-ranks={args.max_ranks} must be in 2..{MAX_RANKS}: every rank of a layout is a "
+                             "process on this machine")
+        if args.sample < 0:
+            raise ValueError(f"--sample={args.sample} must be >= 0 (0: every layout)")
         preset = ["model.preset=tiny-moe"] if args.moe else []
         cfg = load_config(args.config, [*preset, *verify.ALL_LAYOUTS_DEFAULTS, *args.overrides])
         return verify.main_all_layouts(cfg, max_ranks=args.max_ranks, sample=args.sample, seed=args.seed,
                                        steps=args.steps, precision=args.precision)
-    if args.moe or args.sample:
-        raise ValueError("--moe and --sample go with --all-layouts")
+    alone = [flag for flag, given in (("--moe", args.moe), ("--sample", args.sample), ("--seed", args.seed),
+                                      ("--max-ranks", args.max_ranks != DEFAULT_MAX_RANKS)) if given]
+    if alone:
+        raise ValueError(f"{', '.join(alone)} go with --all-layouts")
     if args.nproc is None:
         raise ValueError("meshlm verify needs --nproc N (the layout's ranks), or --all-layouts")
     cfg = load_config(args.config, args.overrides)

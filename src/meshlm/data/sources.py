@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from meshlm.data.manifest import MANIFEST
+
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_BATCH_ROWS = 1024
 _COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd", ".bz2", ".xz")
@@ -104,6 +106,9 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> Listing
             raise ValueError(f"source {str(source)!r} does not exist; pass a text file, a folder, "
                              "a .jsonl(.gz/.zst) or a .parquet file")
         if path.is_dir():
+            if (path / MANIFEST).is_file() and any(path.glob("*.bin")):
+                raise ValueError(f"source folder {path} is a prepared dataset (manifest.json and token shards), not "
+                                 f"text; train on it with --set data.path={path}")
             if out is not None and (out == path.resolve() or path.resolve() in out.parents):
                 raise ValueError(f"--out {out} lies inside source folder {path}; a rerun would read its own "
                                  "shards: pass an --out outside the sources")
@@ -212,7 +217,7 @@ def _jsonl_units(path: Path, block_bytes: int) -> Iterator[Unit]:
         while True:
             try:
                 block = stream.read(block_bytes)
-            except (OSError, EOFError, ValueError) as e:  # gzip/zstandard errors on damaged input
+            except Exception as e:  # noqa: BLE001 -- damaged input: gzip's OSError / EOFError, zstandard.ZstdError
                 raise ValueError(f"{path}: cannot decompress ({e}); replace or remove the file") from None
             data = carry + block
             if block:

@@ -280,12 +280,14 @@ def build_index(docs_path: str | Path, out: str | Path, *, chunk_tokens: int = 2
         raise ValueError(f"{out} is not empty; give an empty or new folder, or --overwrite")
     tokenizer, tokenizer_name = None, "words"
     if tokenizer_dir is not None:
-        from tokenizers import Tokenizer
+        from meshlm.tokenizer import read_tokenizer_json
 
-        tok_file = Path(tokenizer_dir) / "tokenizer.json"
+        tok_file = Path(tokenizer_dir)
+        tok_file = tok_file if tok_file.is_file() else tok_file / "tokenizer.json"
         if not tok_file.is_file():
-            raise ValueError(f"--tokenizer {str(tokenizer_dir)!r} has no tokenizer.json; give a model folder")
-        tokenizer, tokenizer_name = Tokenizer.from_file(str(tok_file)), f"tokenizer.json sha256:{sha256_file(tok_file)}"
+            raise ValueError(f"--tokenizer {str(tokenizer_dir)!r} has no tokenizer.json; give a model folder or "
+                             "its tokenizer.json")
+        tokenizer, tokenizer_name = read_tokenizer_json(tok_file), f"tokenizer.json sha256:{sha256_file(tok_file)}"
     docs = read_documents(docs_path, log=log)
     chunks = []
     for d in docs:
@@ -345,7 +347,7 @@ class RagIndex:
         fix = f"rebuild it with `meshlm rag index DOCS --out {path}`"
         try:
             meta = json.loads((path / "meta.json").read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise RagIndexError(f"{path} is not a meshlm RAG index (no meta.json); build one with "
                                 f"`meshlm rag index DOCS --out {path}`") from None
         except ValueError as e:

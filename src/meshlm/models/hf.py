@@ -119,7 +119,15 @@ def _read_safetensors(path: Path):
         raise ValueError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r}; "
                          "pass a Hugging Face model directory saved with safetensors")
     for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
+        if not (path / file).is_file():
+            raise ValueError(f"{str(path / file)!r}, which {index.name} lists, is missing; download the model's "
+                             "every shard")
+        try:
+            handle = safe_open(str(path / file), framework="pt")
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError on a damaged file
+            raise ValueError(f"{str(path / file)!r} is not a readable safetensors file ({e}); download it "
+                             "again") from None
+        with handle as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 

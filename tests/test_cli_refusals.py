@@ -1,0 +1,149 @@
+"""Inputs a fuzz pass over `meshlm data`, `verify`, `plot`, `config`, `info`, `convert`, `rag` and `cluster` found
+ending in a traceback, a hang or a silent nonsense, each now one line on stderr naming the value and the fix (exit 2,
+or 1 for a path that cannot be read or written). In process through `meshlm.cli.main`: no rank is started."""
+
+import json
+
+import pytest
+
+from meshlm.cli import main
+
+
+def _one_line(capsys, argv: list[str], code: int = 2) -> str:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_path_that_cannot_be_read_or_written_is_one_line_naming_it(tmp_path, capsys):
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    line = _one_line(capsys, ["config", "--config", str(folder)], code=1)
+    assert line.startswith("meshlm config: error: ") and str(folder) in line and "Is a directory" in line
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    line = _one_line(capsys, ["verify", "--nproc", "2", "--steps", "1", "--run-dir", str(a_file / "sub")], code=1)
+    assert "afile" in line and "Not a directory" in line
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
+def test_data_prepare_refuses_a_shard_size_that_is_not_positive(tmp_path, capsys, value):
+    src = tmp_path / "a.txt"
+    src.write_text("hello")
+    line = _one_line(capsys, ["data", "prepare", str(src), "--tokenizer", str(tmp_path / "t.json"),
+                              "--out", str(tmp_path / "o"), f"--shard-mb={value}"])
+    assert f"--shard-mb={float(value)} must be a positive number of MiB" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("config, says", [
+    ([1, 2], r"holds a JSON list, not an object"),
+    ({"model_type": "llama", "num_attention_heads": 4}, r"lacks 'vocab_size', which a llama config.json holds"),
+    ({"model_type": "llama", "vocab_size": 64, "hidden_size": None, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "intermediate_size": 64}, r"has a field of the wrong type"),
+    ({"model_type": "llama", "vocab_size": 64, "hidden_size": 256.5, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 64},
+     r"model\.hidden_size=256\.5 must be a whole number"),
+    ({"model_type": "llama", "vocab_size": 64, "hidden_size": True, "num_hidden_layers": 1,
+      "num_attention_heads": 1, "intermediate_size": 64}, r"model\.hidden_size=True must be a whole number"),
+    ({"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "intermediate_size": 64, "rope_scaling": [1]}, r"has a field of the wrong type"),
+    ("{not json", r"is not a JSON file"),
+])
+def test_info_names_what_is_wrong_in_a_hugging_face_config(tmp_path, capsys, config, says):
+    (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    line = _one_line(capsys, ["info", "--hf", str(tmp_path)])
+    assert line.startswith("meshlm info: error: ")
+    assert __import__("re").search(says, line), line
+
+
+def test_info_refuses_a_sequence_beyond_the_model(capsys):
+    assert "--seq-len=-1 must be in 1..256" in _one_line(capsys, ["info", "--seq-len", "-1"])
+    assert "--seq-len=257 must be in 1..256" in _one_line(capsys, ["info", "--seq-len", "257"])
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"loss": 3.0}, "KeyError: 'step'"),
+    ({"step": None, "loss": 3.0}, "TypeError"),
+    ({"step": 1, "loss": 3.0, "comm_s": 5}, "AttributeError"),
+    ({"step": "x", "loss": 3.0}, "ValueError"),
+])
+def test_plot_names_the_line_of_a_row_it_cannot_read(tmp_path, capsys, row, says):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 4.0}) + "\n" + json.dumps(row) + "\n")
+    line = _one_line(capsys, ["plot", str(run), "--out", str(tmp_path / "p.png")])
+    assert f"metrics.jsonl:2: a row meshlm train does not write ({says}" in line
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_refuses_an_out_without_a_suffix(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 4.0}) + "\n")
+    line = _one_line(capsys, ["plot", str(run), "--out", str(run)])
+    assert "is a folder or has no suffix" in line and "loss.png" in line
+    assert "e.g. " + str(tmp_path / "pic.png") in _one_line(capsys, ["plot", str(run), "--out", str(tmp_path / "pic")])
+    assert list(tmp_path.glob("*.png")) == []
+
+
+def test_rag_refuses_an_empty_query_an_index_that_is_a_file_and_a_damaged_tokenizer(tmp_path, capsys):
+    pytest.importorskip("bm25s")
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    assert "the query is empty" in _one_line(capsys, ["rag", "search", str(tmp_path), "  "])
+    assert "is not a meshlm RAG index" in _one_line(capsys, ["rag", "search", str(a_file), "words"])
+    pytest.importorskip("tokenizers")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("some words to index")
+    (tmp_path / "tok.json").write_text("{not a tokenizer")
+    line = _one_line(capsys, ["rag", "index", str(docs), "--out", str(tmp_path / "ix"), "--tokenizer",
+                              str(tmp_path / "tok.json")])
+    assert "tok.json' is not a readable tokenizer.json" in line
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["verify", "--nproc", "2", "--steps", "1000000000"], "--steps=1000000000 must be in 1..1000"),
+    (["verify", "--all-layouts", "--max-ranks", "1000"], "--max-ranks=1000 must be in 2..64"),
+    (["verify", "--nproc", "2", "--seed", "3"], "--seed go with --all-layouts"),
+    (["verify", "--nproc", "2", "--max-ranks", "4"], "--max-ranks go with --all-layouts"),
+    (["train", "--nproc", "1", "--replica-groups", "2", "--emulate-nodes", "2", "--inter-node-bw", "1gbit"],
+     "--replica-groups is not supported on emulated nodes"),
+    (["train", "--set", 'model.rope_scaling={"factor":2}'], "(a TOML inline table: {factor = 8.0"),
+])
+def test_settings_that_ran_without_end_or_were_ignored_are_refused(capsys, argv, says):
+    assert says in _one_line(capsys, argv)
+
+
+def test_a_config_with_a_key_outside_any_section_says_so(tmp_path, capsys):
+    (tmp_path / "c.toml").write_text("steps = 1\n")
+    assert "config key 'steps' must be a [section] table, e.g. [train]" in _one_line(
+        capsys, ["config", "--config", str(tmp_path / "c.toml")])
+    (tmp_path / "b.toml").write_bytes(b"\xff\xfe\x00binary")
+    assert "b.toml' is not valid TOML" in _one_line(capsys, ["config", "--config", str(tmp_path / "b.toml")])
+
+
+@pytest.mark.parametrize("rate", ["1bit", "8bit", "999kbit", "2tbit", "99999999999999999999tbit"])
+def test_an_emulated_link_outside_what_tc_shapes_is_refused(rate):
+    from meshlm.emulate import parse_duration, parse_rate
+
+    with pytest.raises(ValueError, match=r"outside 1mbit\.\.1tbit"):
+        parse_rate(rate)
+    assert parse_rate("1mbit") == 1e6 and parse_rate("1tbit") == 1e12
+    with pytest.raises(ValueError, match=r"above 10 s"):
+        parse_duration("100000s")
+
+
+def test_a_damaged_or_missing_safetensors_file_is_named(tmp_path):
+    from meshlm.models.hf import _read_safetensors
+
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(ValueError, match=r"model\.safetensors' is not a readable safetensors file"):
+        list(_read_safetensors(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-2.safetensors"}}))
+    with pytest.raises(ValueError, match=r"model-2\.safetensors', which model\.safetensors\.index\.json lists, is missing"):
+        list(_read_safetensors(tmp_path))
