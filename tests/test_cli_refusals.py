@@ -147,3 +147,15 @@ def test_a_damaged_or_missing_safetensors_file_is_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-2.safetensors"}}))
     with pytest.raises(ValueError, match=r"model-2\.safetensors', which model\.safetensors\.index\.json lists, is missing"):
         list(_read_safetensors(tmp_path))
+
+
+def test_a_checkpoint_meta_json_lacking_a_field_is_called_corrupt_not_old(tmp_path):
+    from meshlm.checkpoint.find import _meta_problem
+
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"format": 3, "step": 1, "world_size": 1}))
+    assert _meta_problem(tmp_path).endswith("meta.json is corrupt (lacks config)")
+    meta.write_text(json.dumps({"format": 3, "step": "two", "world_size": 1, "config": {}}))
+    assert "step that is not a whole number" in _meta_problem(tmp_path)
+    meta.write_text(json.dumps({"format": 1, "step": 1, "world_size": 1, "config": {}}))
+    assert "has format 1; this meshlm reads formats" in _meta_problem(tmp_path)

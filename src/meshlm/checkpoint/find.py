@@ -303,11 +303,15 @@ def _meta_problem(path: Path) -> str | None:
         return f"{meta_file} is corrupt ({one_line(e)})"
     if not isinstance(meta, dict):
         return f"{meta_file} is corrupt (not a JSON object)"
-    if meta.get("format") not in _READABLE_FORMATS or not {"config", "step", "world_size"} <= set(meta) \
-            or not isinstance(meta["config"], dict):
+    if meta.get("format") not in _READABLE_FORMATS:
         return (f"{meta_file} has format {meta.get('format')!r}; this meshlm reads formats "
                 f"{list(_READABLE_FORMATS)} (an older checkpoint: use the meshlm that wrote it, or train "
                 "afresh)")
+    lacking = sorted({"config", "step", "world_size"} - set(meta))
+    if lacking or not isinstance(meta["config"], dict) or not isinstance(meta["step"], int):
+        what = f"lacks {', '.join(lacking)}" if lacking else "has a config that is not an object or a step that " \
+            "is not a whole number"
+        return f"{meta_file} is corrupt ({what})"
     return None
 
 
