@@ -114,6 +114,8 @@ def test_rag_refuses_an_empty_query_an_index_that_is_a_file_and_a_damaged_tokeni
     (["train", "--nproc", "1", "--replica-groups", "2", "--emulate-nodes", "2", "--inter-node-bw", "1gbit"],
      "--replica-groups is not supported on emulated nodes"),
     (["train", "--set", 'model.rope_scaling={"factor":2}'], "(a TOML inline table: {factor = 8.0"),
+    (["train", "--nproc", "1", "--emulate-nodes", "100000", "--inter-node-bw", "1gbit"],
+     "100000 emulated nodes: need 2..200"),
 ])
 def test_settings_that_ran_without_end_or_were_ignored_are_refused(capsys, argv, says):
     assert says in _one_line(capsys, argv)
@@ -159,3 +161,14 @@ def test_a_checkpoint_meta_json_lacking_a_field_is_called_corrupt_not_old(tmp_pa
     assert "step that is not a whole number" in _meta_problem(tmp_path)
     meta.write_text(json.dumps({"format": 1, "step": 1, "world_size": 1, "config": {}}))
     assert "has format 1; this meshlm reads formats" in _meta_problem(tmp_path)
+
+
+def test_rag_refuses_an_index_inside_its_documents(tmp_path, capsys):
+    pytest.importorskip("bm25s")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("some words to index")
+    for out in (docs, docs / "index"):
+        line = _one_line(capsys, ["rag", "index", str(docs), "--out", str(out), "--overwrite"])
+        assert "lies inside the documents folder" in line
+    assert sorted(p.name for p in docs.iterdir()) == ["a.txt"]

@@ -46,6 +46,6 @@ def test_a_layout_wider_than_the_world_gets_one_message(capsys):
     assert main(["train", "--nproc", "2", "--set", "parallel.pp=4"]) == 2  # refused before any rank starts
     launched = capsys.readouterr().err.strip().splitlines()
     assert single == ["meshlm train: error: pp=2 x dp_replicate=1 x cp=1 x tp=1 = 2 does not divide world size 1; "
-                      "choose pp in {1}; or start 2 ranks (or a multiple), e.g. meshlm train --nproc 2"], single
+                      "choose pp in {1}; or start 2 ranks (or a multiple), e.g. --nproc 2"], single
     assert launched == ["meshlm train: error: pp=4 x dp_replicate=1 x cp=1 x tp=1 = 4 does not divide world size 2; "
-                        "choose pp in {1,2}; or start 4 ranks (or a multiple), e.g. meshlm train --nproc 4"], launched
+                        "choose pp in {1,2}; or start 4 ranks (or a multiple), e.g. --nproc 4"], launched

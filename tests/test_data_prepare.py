@@ -116,6 +116,7 @@ def _bad_inputs(tmp_path, tokenizer):
     (tmp_path / "blank.jsonl.zst").write_bytes(__import__("zstandard").ZstdCompressor().compress(b"\n\n"))
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all")
     (tmp_path / "bad.jsonl.zst").write_bytes(b"not zstd at all")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / "manifest.json").write_text("{}")
     (tmp_path / "prepared" / "train-000000.bin").write_bytes(b"\0\0")
@@ -136,6 +137,8 @@ def _bad_inputs(tmp_path, tokenizer):
         "jsonl with no lines": ([tmp_path / "blank.jsonl.zst"], {}, r"blank\.jsonl\.zst holds no JSON lines"),
         "damaged gzip": ([tmp_path / "bad.jsonl.gz"], {}, r"bad\.jsonl\.gz: cannot decompress"),
         "damaged zstandard": ([tmp_path / "bad.jsonl.zst"], {}, r"bad\.jsonl\.zst: cannot decompress"),
+        "a binary file": ([tmp_path / "image.png"], {}, r"image\.png is binary \(a NUL byte in its first 8 KiB\)"),
+        "one file twice": ([good, tmp_path / "." / "ok.txt"], {}, r"ok\.txt is given twice .*drop one of the sources"),
         "a prepared dataset": ([tmp_path / "prepared"], {}, r"prepared is a prepared dataset .*data\.path="),
         "compressed text": ([tmp_path / "x.txt.gz"], {}, r"x\.txt\.gz: compressed inputs must be"),
         "tokenizer missing": ([good], {"tokenizer_path": tmp_path / "none.json"}, r"--tokenizer .*none\.json does not"),
@@ -162,6 +165,8 @@ def test_a_folder_leaves_out_hidden_files_job_markers_and_empty_files_and_says_s
     for name, text in files.items():
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_text(text)
+    (src / "img").mkdir()
+    (src / "img" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")  # a NUL byte: not text
     listing = list_files([src])
     assert [f.relative_to(src).as_posix() for f in listing.files] == [
         "_SUCCESS.txt", "__main__.py", "_utils.py", "a/x.txt", "b.txt", "metadata.txt", "pkg/_private/mod.py"]
@@ -169,11 +174,11 @@ def test_a_folder_leaves_out_hidden_files_job_markers_and_empty_files_and_says_s
     assert rel == {"hidden": [".git/c.txt", ".part-0.parquet.crc", "a/.DS_Store"],
                    "job markers": ["_SUCCESS", "_committed_123", "_common_metadata", "_metadata", "_started_123",
                                    "_temporary/0/part-0.txt", "part-0.parquet.crc", "t/_delta_log/000.json"],
-                   "empty": ["a/empty.txt", "pkg/__init__.py"]}
+                   "empty": ["a/empty.txt", "pkg/__init__.py"], "binary": ["img/logo.png"]}
     note = listing.note().replace(src.as_posix() + "/", "")
-    assert note == ("left out 13 of the 20 files in the source folders: 3 hidden (.git/c.txt, .part-0.parquet.crc, "
+    assert note == ("left out 14 of the 21 files in the source folders: 3 hidden (.git/c.txt, .part-0.parquet.crc, "
                     "a/.DS_Store); 8 job markers (_SUCCESS, _committed_123, _common_metadata, ...); "
-                    "2 empty (a/empty.txt, pkg/__init__.py)")
+                    "2 empty (a/empty.txt, pkg/__init__.py); 1 binary (img/logo.png)")
     assert list_files([src / "b.txt"]).note() == ""
 
 

@@ -98,7 +98,7 @@ class ParallelDims:
         terms = " x ".join(f"{a}={getattr(self, a)}" for a in fixed)
         if self.dp_shard == -1:
             if world_size % product != 0:
-                more = (f"; or start {product} ranks (or a multiple), e.g. meshlm train --nproc {product}"
+                more = (f"; or start {product} ranks (or a multiple), e.g. --nproc {product}"
                         if world_size < product else "")
                 raise ValueError(f"{terms} = {product} does not divide world size {world_size}; "
                                  f"{self._fix_hint(fixed, world_size, exact=False)}{more}")

@@ -116,10 +116,11 @@ def check_emulation(args) -> tuple[float, float]:
     """(rate in bit/s, one-way latency in s) of the emulation options --emulate-nodes, --nproc (ranks per node),
     --inter-node-bw, --inter-node-latency; ValueError (one line) on a bad one, on node options (the emulation
     sets them), and where this host cannot emulate nodes (`emulate.check_host`)."""
-    from meshlm.emulate import check_host, parse_duration, parse_rate
+    from meshlm.emulate import MAX_NODES, check_host, parse_duration, parse_rate
 
-    if args.emulate_nodes < 2:
-        raise ValueError(f"{args.emulate_nodes} emulated nodes: need >= 2 (--emulate-nodes / cluster emulate --nodes)")
+    if not 2 <= args.emulate_nodes <= MAX_NODES:
+        raise ValueError(f"{args.emulate_nodes} emulated nodes: need 2..{MAX_NODES} (--emulate-nodes / cluster emulate "
+                         "--nodes)")
     if not args.inter_node_bw:
         raise ValueError("emulated nodes need --inter-node-bw RATE (e.g. 1gbit), the link between nodes")
     if args.nnodes != 1 or args.rdzv_endpoint or args.node_rank is not None:

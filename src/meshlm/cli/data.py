@@ -32,8 +32,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "shard, manifest.json with sha256s) that training memory-maps. A folder is read recursively "
                     "in sorted order, every file but hidden ones (a name starting with '.'), the markers data jobs "
                     "write (_SUCCESS, _committed_*, _started_*, *.crc, parquet's _metadata and _common_metadata, "
-                    "_temporary/, _delta_log/) and empty files, which are counted in one line on stderr; a text "
-                    "file is one document; each .jsonl line and each parquet row one document (its --field).",
+                    "_temporary/, _delta_log/), empty files and binary ones (a NUL byte in the first 8 KiB), which are "
+                    "counted in one line on stderr; a text file is one document; each .jsonl line and each parquet "
+                    "row one document (its --field).",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     prep.add_argument("sources", nargs="+", metavar="SOURCE",
                       help="text files, folders, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files")

@@ -72,7 +72,7 @@ def kind_of(path: Path) -> str:
 @dataclass(frozen=True)
 class Listing:
     """The files to read, in order, and the files of source folders left out: reason -> paths (as found, in
-    order) for the reasons "hidden", "job markers" and "empty"; `found` counts the folders' files."""
+    order) for the reasons "hidden", "job markers", "empty" and "binary"; `found` counts the folders' files."""
 
     files: list[Path]
     left_out: dict[str, list[Path]]
@@ -98,7 +98,7 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> Listing
         raise ValueError("no SOURCE given; pass text files, folders, .jsonl(.gz/.zst) or .parquet files")
     out = out.resolve() if out is not None else None
     files: list[Path] = []
-    left_out: dict[str, list[Path]] = {"hidden": [], "job markers": [], "empty": []}
+    left_out: dict[str, list[Path]] = {"hidden": [], "job markers": [], "empty": [], "binary": []}
     found = 0
     for source in sources:
         path = Path(source)
@@ -114,12 +114,12 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> Listing
                                  "shards: pass an --out outside the sources")
             listed = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
             reasons = [_left_out_reason(p.relative_to(path)) or ("empty" if p.stat().st_size == 0 else None)
-                       for p in listed]
+                       or ("binary" if _is_binary(p) else None) for p in listed]
             kept = [p for p, reason in zip(listed, reasons) if reason is None]
             if not kept:
                 empty = reasons.count("empty")
                 holds = ("no files" if not listed else f"only empty files ({empty})" if empty == len(listed)
-                         else f"no data files (only {len(listed)} hidden, job-marker or empty ones)")
+                         else f"no data files (only {len(listed)} hidden, job-marker, empty or binary ones)")
                 raise ValueError(f"source folder {path} holds {holds}; "
                                  "pass a folder with text, .jsonl(.gz/.zst) or .parquet files")
             for p, reason in zip(listed, reasons):
@@ -129,9 +129,27 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> Listing
             files += kept
         elif path.stat().st_size == 0:
             raise ValueError(f"source file {path} is empty; remove it or leave it out of the sources")
+        elif _is_binary(path):
+            raise ValueError(f"source file {path} is binary (a NUL byte in its first 8 KiB), not text; leave it out "
+                             "of the sources")
         else:
             files.append(path)
+    seen: dict[Path, Path] = {}
+    for f in files:
+        first = seen.setdefault(f.resolve(), f)
+        if first is not f:
+            raise ValueError(f"source file {f} is given twice ({first} is the same file); each file is read once: "
+                             "drop one of the sources")
     return Listing(files, {reason: paths for reason, paths in left_out.items() if paths}, found)
+
+
+def _is_binary(path: Path) -> bool:
+    """Whether a file read as plain text is not text: a NUL byte in its first 8 KiB (git's test; an image, an
+    archive, a compiled file). JSON lines, parquet and compressed files are judged by their readers."""
+    if path.name.lower().endswith((".parquet", *JSONL_SUFFIXES, *_COMPRESSED_SUFFIXES)):
+        return False
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
 
 
 def _left_out_reason(relative: Path) -> str | None:

@@ -276,6 +276,10 @@ def build_index(docs_path: str | Path, out: str | Path, *, chunk_tokens: int = 2
     if not 0 <= chunk_overlap < chunk_tokens:
         raise ValueError(f"--chunk-overlap={chunk_overlap} must be >= 0 and below --chunk-tokens={chunk_tokens}")
     out = Path(out)
+    docs_dir = Path(docs_path)
+    if docs_dir.is_dir() and (out.resolve() == docs_dir.resolve() or docs_dir.resolve() in out.resolve().parents):
+        raise ValueError(f"--out {out} lies inside the documents folder {docs_path}; a rebuild would index the "
+                         "index: pass an --out outside it")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"{out} is not empty; give an empty or new folder, or --overwrite")
     tokenizer, tokenizer_name = None, "words"
