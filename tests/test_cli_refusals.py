@@ -172,3 +172,64 @@ def test_rag_refuses_an_index_inside_its_documents(tmp_path, capsys):
         line = _one_line(capsys, ["rag", "index", str(docs), "--out", str(out), "--overwrite"])
         assert "lies inside the documents folder" in line
     assert sorted(p.name for p in docs.iterdir()) == ["a.txt"]
+
+
+EST = ["plan", "estimate", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1M", "--layout", "tp=8"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([*EST, "--failure-rate", "0"], "failure rate 0.0 per GPU-hour must be > 0"),
+    ([*EST, "--train-tokens", "inf"], "--train-tokens 'inf' must be a finite number > 0"),
+    ([*EST, "--storage-bw", "nan"], "--storage-bw 'nan' must be a finite number > 0"),
+    (["plan", "infer", "--model", "llama3-8b", "--gpus", "8", "--top", "0"], "--top 0 must be >= 1"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1M", "--top", "-1"],
+     "--top -1 must be >= 1"),
+    (["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--disaggregate", "4:4", "--batch", "8"],
+     "a static batch (--batch) are modelled on one pool only"),
+    (["plan", "schedule", "--pp", "12500", "--microbatches", "8"], "--pp 12500: at most 1024 stages"),
+    (["plan", "schedule", "--pp", "8", "--microbatches", "100000000"], "forward passes to simulate; at most 100,000"),
+])
+def test_plan_refuses_what_gave_a_nan_a_traceback_or_a_hang(capsys, argv, says):
+    assert says in _one_line(capsys, argv)
+
+
+@pytest.mark.parametrize("flag", [["--failure-rate", "inf"], ["--restart-s", "nan"]])
+def test_plan_number_flags_refuse_nan_and_infinity_at_parsing(capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main([*EST, *flag])
+    assert e.value.code == 2 and "is not a finite number" in capsys.readouterr().err
+
+
+def test_plan_search_over_a_billion_gpus_answers_at_once(capsys):
+    from meshlm.planner.search import divisors
+
+    assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(1) == [1] and len(divisors(10**9)) == 100
+    line = _one_line(capsys, ["plan", "--model", "llama3-8b", "--gpus", "1000000000", "--global-batch-tokens", "1M"])
+    assert "no valid layout for 1000000000 GPUs" in line
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[1, 2]", "holds a JSON list, not a config.json object"),
+    ("{not json", "is not a JSON file"),
+    ("{}", "config.json lacks 'num_hidden_layers'"),
+    (json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 0, "intermediate_size": 128}), "model.num_heads=0 must be > 0"),
+])
+def test_plan_names_what_is_wrong_in_a_model_config(tmp_path, capsys, content, says):
+    (tmp_path / "m.json").write_text(content)
+    assert says in _one_line(capsys, ["plan", "infer", "--model", str(tmp_path / "m.json"), "--tp", "1"])
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"matmul_flops": 0}, "holds matmul_flops=0, which no machine measures"),
+    ({"memory_bandwidth": -5}, "holds memory_bandwidth=-5"),
+    ({"link": None}, "cannot be read"),
+    ({"matmul_flops": "abc"}, "cannot be read (could not convert string to float"),
+])
+def test_a_calibration_file_no_machine_measures_is_refused(tmp_path, capsys, change, says):
+    cal = {"matmul_flops": 5e10, "memory_bandwidth": 2e10, "cpu_cores": 2, "link": {"bandwidth": 1e9, "latency": 1e-4},
+           **change}
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    line = _one_line(capsys, ["plan", "--model", "tiny", "--cluster", "local", "--calibration", str(tmp_path / "cal.json"),
+                              "--gpus", "2", "--global-batch-size", "8", "--seq-len", "256"])
+    assert says in line

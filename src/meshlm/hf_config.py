@@ -34,17 +34,24 @@ def read_hf_config(path: str | Path) -> ModelConfig:
                           "its config.json")
     try:
         return model_config_from_hf(hf)
-    except ConfigError:
-        raise
-    except KeyError as e:
-        raise ConfigError(f"{path} lacks {e.args[0]!r}, which a {hf.get('model_type')} config.json holds") from None
-    except (TypeError, AttributeError, ValueError) as e:  # a field of the wrong type: null, a string, a list
-        raise ConfigError(f"{path} has a field of the wrong type ({e})") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """The model a Hugging Face `config.json`'s contents describe (validated), or a ConfigError naming
-    what the reference model does not implement."""
+    what the reference model does not implement, or the field it lacks or cannot read."""
+    try:
+        return _model_config_from_hf(hf)
+    except ConfigError:
+        raise
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks {e.args[0]!r}, which a {hf.get('model_type') or 'model'} config.json holds") from None
+    except (TypeError, AttributeError, ValueError) as e:  # a field of the wrong type: null, a string, a list
+        raise ConfigError(f"config.json has a field of the wrong type ({e})") from None
+
+
+def _model_config_from_hf(hf: dict) -> ModelConfig:
     arch = (hf.get("architectures") or [""])[0]
     model_type = hf.get("model_type", "")
     supported = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
@@ -67,7 +74,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        head_dim=hf.get("head_dim") or (hf["hidden_size"] // num_heads if num_heads else 0),  # 0 heads: refused
         intermediate_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size"),
         max_seq_len=max_seq_len,
         rope_theta=float(_hf_rope_theta(hf)),

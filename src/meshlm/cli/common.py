@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 
+def finite_float(text: str) -> float:
+    """argparse `type` of a number flag: a float, refused (one argparse error) where it is nan or infinite, which
+    every formula would carry through to a nan or inf answer."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def require_extra(extra: str, *modules: str) -> None:
     """Raise ValueError naming the pip extra that brings `modules` when one of them is missing."""
     import importlib.util

@@ -26,6 +26,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from meshlm.cli.common import finite_float
 from meshlm.cli.plan_serving import CLUSTER_CHOICES, add_serving_parsers, run_context, run_infer
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
 from meshlm.planner.layout import ATTENTION_KERNELS, EP_DISPATCHERS, FP8_WEIGHTS
@@ -34,6 +35,10 @@ from meshlm.planner.recovery import PATHS as RECOVERY_PATHS
 
 if TYPE_CHECKING:
     from meshlm.config import ModelConfig
+
+
+# plan schedule: the most stages, and stages x micro-batches x chunks, it simulates (each answers in seconds)
+MAX_SCHEDULE_STAGES, MAX_SCHEDULE_ACTIONS = 1024, 100_000
 
 
 def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one") -> None:
@@ -88,7 +93,7 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
                         "micro-step (default: every micro-step reduces, FSDP's default)")
     p.add_argument("--train-tokens", default=None, metavar="N",
                    help="tokens of the whole run (e.g. 15T) for its days and energy")
-    p.add_argument("--failure-rate", type=float, default=None, metavar="PER_GPU_HOUR",
+    p.add_argument("--failure-rate", type=finite_float, default=None, metavar="PER_GPU_HOUR",
                    help="failures per GPU-hour (default 1.97e-5, the Llama 3 paper's 16K-GPU run)")
     p.add_argument("--storage-bw", default=None, metavar="BYTES_PER_S",
                    help="checkpoint storage write bandwidth of the job, e.g. 500G (default 122 MB/s per GPU, "
@@ -96,7 +101,7 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     p.add_argument("--recovery", choices=RECOVERY_PATHS, default="storage", help="the recovery path "
                    "`goodput` is of (all are priced): restart from storage (default), from memory, or replica groups")
     p.add_argument("--replica-groups", type=int, metavar="G", help="groups of the replica path (default: the layout's)")
-    p.add_argument("--restart-s", type=float, metavar="S", help="restart time before reloading (default 600)")
+    p.add_argument("--restart-s", type=finite_float, metavar="S", help="restart time before reloading (default 600)")
     p.add_argument("--replica-sync-every", type=int, default=1, metavar="H", help="price semi-synchronous groups' sync")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -241,6 +246,8 @@ def run_search(args) -> int:
 
     cfg = _training_model(args)
     cluster, job = _cluster_and_job(args)
+    if args.top < 1:
+        raise ValueError(f"--top {args.top} must be >= 1 (the layouts to show)")
     result = search(cfg, cluster, job, gpus=args.gpus, top=args.top)
     text = explain(result)
     if args.plot:
@@ -415,6 +422,13 @@ def run_schedule(args) -> int:
 
     if args.pp is None or args.microbatches is None:
         raise ValueError("meshlm plan schedule needs --pp and --microbatches (or --from-run RUN_DIR)")
+    if args.pp > MAX_SCHEDULE_STAGES:
+        raise ValueError(f"--pp {args.pp}: at most {MAX_SCHEDULE_STAGES} stages to simulate")
+    actions = args.pp * args.microbatches * max(1, args.chunks or 1)
+    if actions > MAX_SCHEDULE_ACTIONS:
+        raise ValueError(f"--pp {args.pp} x --microbatches {args.microbatches} x --chunks {args.chunks} = {actions:,} "
+                         f"forward passes to simulate; at most {MAX_SCHEDULE_ACTIONS:,}: a schedule's shape shows at a "
+                         "few stages and micro-batches")
     sim = simulate(build_schedule(args.schedule, pp=args.pp, num_microbatches=args.microbatches,
                                   pp_chunks=args.chunks))
     if args.plot:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 
+from meshlm.cli.common import finite_float
 from meshlm.planner.cluster import PRESETS
 from meshlm.planner.inputs import parse_size
 from meshlm.planner.serving_engine import ENGINES
@@ -72,16 +74,16 @@ def add_serving_parsers(sub) -> None:
                       help="Poisson arrivals of R requests/s: latencies (means and --percentile tails) at that load, "
                            "and whether it keeps up; 'max': the highest rate whose tails meet --max-ttft-ms / "
                            "--max-tpot-ms (MLPerf's server scenario)")
-    i.add_argument("--percentile", type=float, default=99.0, metavar="P",
+    i.add_argument("--percentile", type=finite_float, default=99.0, metavar="P",
                    help="the tail of Poisson arrivals' TTFT and TPOT reported, and that --request-rate max holds "
                         "to the targets (default 99)")
-    i.add_argument("--max-ttft-ms", type=float, default=None, metavar="MS",
+    i.add_argument("--max-ttft-ms", type=finite_float, default=None, metavar="MS",
                    help="with --offline: the best concurrency whose time to first token stays within MS "
                         "(steady state, no queueing); with --request-rate max: the highest rate whose --percentile "
                         "TTFT does; JSON meets_slo says whether any does")
-    i.add_argument("--max-tpot-ms", type=float, default=None, metavar="MS",
+    i.add_argument("--max-tpot-ms", type=finite_float, default=None, metavar="MS",
                    help="as --max-ttft-ms, for the time per output token")
-    i.add_argument("--prefix-hit", type=float, default=0.0, metavar="H",
+    i.add_argument("--prefix-hit", type=finite_float, default=0.0, metavar="H",
                    help="the share of each prompt's tokens the engine finds in its prefix cache (a shared system "
                         "prompt, earlier turns of a chat, a RAG template), in [0, 1): only the rest are prefilled, "
                         "attending over the whole prompt; the KV is still counted whole per request (default 0)")
@@ -105,7 +107,7 @@ def add_serving_parsers(sub) -> None:
                         "--sampler), the others 0.9 of what the weights leave "
                         "(default: meshlm on --cluster local when its calibration measured meshlm's engine, else "
                         "default)")
-    i.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+    i.add_argument("--memory-fraction", type=finite_float, default=None, metavar="F",
                    help="the --engine's memory knob, in (0, 1]: for vllm* its --gpu-memory-utilization (the share of "
                         "the whole GPU for weights, activations and KV cache; default 0.9), for sglang its "
                         "--mem-fraction-static (the whole GPU's share for weights and KV; default by the GPU's "
@@ -120,7 +122,7 @@ def add_serving_parsers(sub) -> None:
                    help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
                         "MTP module, as DeepSeek-V3's; priced as one decoder layer), or from --draft-model; each "
                         "step verifies them in one pass over the KV (default 0)")
-    i.add_argument("--mtp-acceptance", type=float, default=None, metavar="P",
+    i.add_argument("--mtp-acceptance", type=finite_float, default=None, metavar="P",
                    help="chance each draft is accepted after the one before (default 0.875, DeepSeek-V3's MTP; "
                         "measure your own draft model's)")
     i.add_argument("--draft-model", default=None, metavar="PRESET|CONFIG.json",
@@ -158,6 +160,8 @@ def run_infer(args) -> int:
     if args.plot and wl.disaggregate:
         raise ValueError("--plot draws one pool's continuous batching; leave out --disaggregate")
     if args.layout is None and args.tp is None:
+        if args.top < 1:
+            raise ValueError(f"--top {args.top} must be >= 1 (the layouts to show)")
         ranked = search_serving(sv, wl, gpus=gpus, top=args.top)
         if args.json:
             print(json.dumps(ranked, indent=2))
@@ -278,9 +282,12 @@ def _rate(text: str) -> float | str:
     if text.strip().lower() == "max":
         return "max"
     try:
-        return float(text)
+        rate = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected requests/s (e.g. 2.5) or 'max'") from None
+    if not (math.isfinite(rate) and rate > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected requests/s > 0 (e.g. 2.5) or 'max'")
+    return rate
 
 
 def _seconds(ms: float | None) -> float | None:

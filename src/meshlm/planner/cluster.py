@@ -12,6 +12,7 @@ per direction ("450 GB/s each way" for H100 NVLink); network figures are per GPU
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -482,15 +483,23 @@ def local_cluster(path: str | Path) -> Cluster:
     if not path.exists():
         raise ValueError(f"calibration file {str(path)!r} does not exist; run `meshlm plan calibrate "
                          f"--out {path}` first, or pick a preset cluster")
-    data = json.loads(path.read_text())
     try:
+        data = json.loads(path.read_text())
         flops = float(data["matmul_flops"])
         bw = float(data["link"]["bandwidth"])
         lat = float(data["link"]["latency"])
         mem_bw = float(data.get("memory_bandwidth", 10e9))
         mem = float(data.get("memory_bytes", 16 * GiB))
-    except (KeyError, TypeError) as e:
+    except KeyError as e:
         raise ValueError(f"calibration file {str(path)!r} lacks {e}; rerun `meshlm plan calibrate`") from None
+    except (TypeError, ValueError, AttributeError) as e:  # not JSON, not an object, a field of the wrong type
+        raise ValueError(f"calibration file {str(path)!r} cannot be read ({e}); rerun `meshlm plan calibrate`") from None
+    bad = [f"{name}={value:g}" for name, value in (("matmul_flops", flops), ("link.bandwidth", bw),
+                                                   ("memory_bandwidth", mem_bw), ("memory_bytes", mem))
+           if not (math.isfinite(value) and value > 0)] + ([] if math.isfinite(lat) and lat >= 0 else [f"link.latency={lat:g}"])
+    if bad:
+        raise ValueError(f"calibration file {str(path)!r} holds {', '.join(bad)}, which no machine measures; rerun "
+                         "`meshlm plan calibrate`")
     fits = _tier_fits(data)
     out_fits, out_bw, out_lat, domain, shared = fits, bw, lat, int(data.get("world_size_max", 1 << 20)), False
     emulated = data.get("emulated")

@@ -7,6 +7,8 @@ Not responsible for: the command line itself (`meshlm.cli.plan`) or any estimate
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
@@ -45,8 +47,8 @@ def parse_amount(text: str | float | None, *, flag: str) -> float | None:
     if value is None:
         raise ValueError(f"{flag} {text!r} is not a number like 15T, 500G or 2e12 "
                          "(K/M/G/T = 1e3/1e6/1e9/1e12)")
-    if value <= 0:
-        raise ValueError(f"{flag} {text!r} must be > 0")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} {text!r} must be a finite number > 0")
     return value
 
 

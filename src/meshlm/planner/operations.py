@@ -54,9 +54,11 @@ def failures(*, gpus: int, step_s: float, ckpt_bytes: float,
              failure_rate_per_gpu_hour: float = FAILURE_RATE_PER_GPU_HOUR,
              storage_bw: float | None = None, restart_s: float = RESTART_S) -> dict:
     """Failure, checkpoint and goodput figures of one job (seconds unless named otherwise)."""
-    if failure_rate_per_gpu_hour < 0:
-        raise ValueError(f"failure rate {failure_rate_per_gpu_hour} per GPU-hour must be >= 0 "
+    if not (math.isfinite(failure_rate_per_gpu_hour) and failure_rate_per_gpu_hour > 0):
+        raise ValueError(f"failure rate {failure_rate_per_gpu_hour} per GPU-hour must be > 0 "
                          f"(default {FAILURE_RATE_PER_GPU_HOUR:.3g}, the Llama 3 paper's)")
+    if not (math.isfinite(restart_s) and restart_s >= 0):
+        raise ValueError(f"restart time {restart_s} s must be >= 0 (default {RESTART_S:g})")
     if storage_bw is not None and storage_bw <= 0:
         raise ValueError(f"storage bandwidth {storage_bw} B/s must be > 0 (e.g. --storage-bw 2e12 for 2 TB/s)")
     bw = storage_bw if storage_bw is not None else gpus * STORAGE_BW_PER_GPU

@@ -24,6 +24,7 @@ that differ only in their data parallelism share (`cost.MICROBATCH_FREE`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from meshlm.config import ModelConfig
@@ -45,8 +46,10 @@ class SearchResult:
     best_by_class: dict = field(default_factory=dict)  # (tp, pp) -> best Estimate (fitting preferred)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending, in O(sqrt n) steps (a search over --gpus 10^9 must not count to 10^9)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -60,7 +63,7 @@ def _pow2_upto(n: int) -> list[int]:
 def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
     """Yield (layout without recompute choice, num_microbatches) for every valid pruned layout."""
     L = cfg.num_layers
-    tps = [t for t in _divisors(gpus) if t <= cluster.scaleup_size and cfg.num_heads % t == 0
+    tps = [t for t in divisors(gpus) if t <= cluster.scaleup_size and cfg.num_heads % t == 0
            and cfg.num_kv_heads % t == 0 and cfg.vocab_size % t == 0 and cfg.intermediate_size % t == 0
            and (job.seq_len % t == 0)]
     for tp in tps:
@@ -72,10 +75,10 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
             rest = gpus // (tp * cp)
             # (cp_method, cp_ulysses): each method, and the hybrid -- Ulysses within groups of u ranks, the ring
             # across them -- for every u strictly between 1 and cp (what does not split the heads is refused below)
-            cp_methods = [(m, 1) for m in CP_METHODS] + [("ring", u) for u in _divisors(cp) if 1 < u < cp]
+            cp_methods = [(m, 1) for m in CP_METHODS] + [("ring", u) for u in divisors(cp) if 1 < u < cp]
             if cp == 1:
                 cp_methods = [("ring", 1)]  # the method only matters when cp > 1
-            for pp in _divisors(rest):
+            for pp in divisors(rest):
                 if pp > L:
                     break
                 dp = rest // pp

@@ -337,7 +337,13 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
         read = planner_only(hf)
         if read is not None:
             return read
-        windows = layer_windows(hf)
+        try:
+            windows = layer_windows(hf)
+        except KeyError as e:
+            raise ValueError(f"{spec}: config.json lacks {e.args[0]!r}, which a {hf.get('model_type') or 'model'} config.json "
+                             "holds") from None
+        except (TypeError, AttributeError) as e:
+            raise ValueError(f"{spec}: config.json has a field of the wrong type ({e})") from None
         if windows:
             full = {k: v for k, v in hf.items() if k not in ("sliding_window", "use_sliding_window", "layer_types")}
             return ServedModel(model_config_from_hf(full), windows=windows)
@@ -355,17 +361,28 @@ def config_json(spec: str) -> dict | None:
         path = path / "config.json"
     if path.suffix != ".json" or not path.exists():
         return None
-    hf = json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON file ({e}); pass a model directory with its config.json") from None
+    if not isinstance(hf, dict) or not isinstance(hf.get("text_config") or {}, dict):
+        raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not a config.json object; pass a model "
+                         "directory with its config.json")
     return hf.get("text_config") or hf
 
 
 def planner_only(hf: dict) -> ServedModel | None:
     """A config.json (`config_json`) of a model meshlm's runtime does not build, as the planner reads it: a
     DeepSeek-style one (`kv_lora_rank`) or one of `PLANNER_ONLY_TYPES`; None for the rest."""
-    if hf.get("kv_lora_rank"):
-        return _from_deepseek_hf(hf)
-    if hf.get("model_type") in PLANNER_ONLY_TYPES:
-        return _from_planner_only_hf(hf)
+    try:
+        if hf.get("kv_lora_rank"):
+            return _from_deepseek_hf(hf)
+        if hf.get("model_type") in PLANNER_ONLY_TYPES:
+            return _from_planner_only_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}, which a {hf.get('model_type') or 'model'} config.json holds") from None
+    except (TypeError, AttributeError, ZeroDivisionError) as e:  # a field of the wrong type or a zero
+        raise ValueError(f"config.json has a field of the wrong type or a zero ({e})") from None
     return None
 
 

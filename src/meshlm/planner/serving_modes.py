@@ -79,6 +79,7 @@ from dataclasses import replace
 from meshlm.planner.cluster import GiB
 from meshlm.planner.explain import serving_caution
 from meshlm.planner.queues import budget_wait, slot_wait, tail_concurrency
+from meshlm.planner.search import divisors
 from meshlm.planner.serving import Serving, iteration_time, kv_transfer_bytes, weight_only
 from meshlm.planner.serving_layout import ServingLayout
 from meshlm.planner.serving_engine import busiest_rank_prefill, default_max_batch
@@ -501,8 +502,8 @@ def serving_layouts(sv: Serving, gpus: int) -> list[ServingLayout]:
     cfg, layouts = sv.sm.cfg, []
     models = [cfg] + ([sv.draft_model.cfg] if sv.draft_model is not None else [])
     splits = lambda t: t <= sv.cluster.scaleup_size and all(m.num_heads % t == 0 for m in models)  # noqa: E731
-    for tp in filter(splits, _divisors(gpus)):
-        for pp in (p for p in _divisors(gpus // tp) if p <= min(16, *(m.num_layers for m in models))):
+    for tp in filter(splits, divisors(gpus)):
+        for pp in (p for p in divisors(gpus // tp) if p <= min(16, *(m.num_layers for m in models))):
             dp = gpus // (tp * pp)
             eps = [1] + ([dp * tp] if cfg.is_moe and dp * tp > 1 and cfg.num_experts % (dp * tp) == 0 else [])
             layouts += [ServingLayout(tp=tp, pp=pp, ep=ep, dp=dp) for ep in eps]
@@ -518,7 +519,3 @@ def search_serving(sv: Serving, wl: Workload, *, gpus: int, top: int = 10) -> li
     key = lambda r: (not r["fits"], not r.get("meets_slo", True), not r.get("keeps_up", True),  # noqa: E731
                      -r.get("output_tokens_per_s", 0.0), r.get("tpot_ms", math.inf), r["weights_gib"])
     return sorted(results, key=key)[:top]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -69,9 +69,9 @@ class Workload:
             raise ValueError("--max-ttft-ms / --max-tpot-ms choose the offline concurrency or the highest rate "
                              "(--request-rate max); with --batch, --concurrency or --request-rate R the TTFT and "
                              "TPOT are the answer, not a target")
-        if self.disaggregate and self.mode in ("request-rate", "max-rate"):
+        if self.disaggregate and self.mode in ("request-rate", "max-rate", "static"):
             raise ValueError("--disaggregate prices the pools at --offline or --concurrency; Poisson arrivals "
-                             "(--request-rate) are modelled on one pool only")
+                             "(--request-rate) and a static batch (--batch) are modelled on one pool only")
         if self.max_rate and not (self.max_ttft_s or self.max_tpot_s):
             raise ValueError("--request-rate max needs a target: --max-ttft-ms and/or --max-tpot-ms (without one "
                              "the highest rate is the offline throughput, --offline)")
