@@ -186,6 +186,12 @@ EST = ["plan", "estimate", "--model", "llama3-8b", "--gpus", "8", "--global-batc
      "--top -1 must be >= 1"),
     (["plan", "infer", "--model", "llama3-8b", "--tp", "1", "--disaggregate", "4:4", "--batch", "8"],
      "a static batch (--batch) are modelled on one pool only"),
+    ([*EST[:-2], "--layout", "tp=8,tp=4"], "layout key 'tp' is given twice in 'tp=8,tp=4'"),
+    ([*EST[:-2], "--layout", "tp=0"], "layout tp=0 must be >= 1"),
+    ([*EST[:-2], "--layout", "tp=8,bucket_size_mb=nan"], "layout bucket_size_mb='nan' must be a finite number > 0"),
+    ([*EST[:-2], "--layout", "dp_replicate=2,tp=4", "--recovery", "replica", "--replica-groups", "3"],
+     "--replica-groups 3 must divide the layout's 2 data-parallel ranks"),
+    ([*EST[:-2], "--layout", "dp_replicate=2,tp=4", "--replica-sync-every", "0"], "--replica-sync-every 0 must be >= 1"),
     (["plan", "schedule", "--pp", "12500", "--microbatches", "8"], "--pp 12500: at most 1024 stages"),
     (["plan", "schedule", "--pp", "8", "--microbatches", "100000000"], "forward passes to simulate; at most 100,000"),
 ])

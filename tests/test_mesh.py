@@ -136,5 +136,5 @@ def test_init_distributed_on_two_ranks():
 
 
 def test_a_layout_wider_than_one_process_says_how_many_ranks_to_start():
-    with pytest.raises(ValueError, match=r"pp=2 .* choose pp in \{1\}; or start 2 ranks .* meshlm train --nproc 2"):
+    with pytest.raises(ValueError, match=r"pp=2 .* choose pp in \{1\}; or start 2 ranks .* --nproc 2"):
         ParallelDims(pp=2).resolve(1)

@@ -11,6 +11,7 @@ Not responsible for: enumerating layouts (`search.py`) or costing them (`cost.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from meshlm.config import ModelConfig, zero3_reshards
@@ -351,6 +352,8 @@ def parse_layout(text: str, *, gpus: int) -> Layout:
             raise ValueError(f"layout item {item!r} must look like key=value (e.g. tp=8)")
         if key not in _LAYOUT_TYPES:
             raise ValueError(f"layout key {key!r} is unknown; valid keys: {', '.join(_LAYOUT_TYPES)}")
+        if key in kw:
+            raise ValueError(f"layout key {key!r} is given twice in {text!r}; give it once")
         kind = _LAYOUT_TYPES[key]
         if kind == "bool | None" and value.lower() in ("none", ""):
             kw[key] = None
@@ -365,6 +368,10 @@ def parse_layout(text: str, *, gpus: int) -> Layout:
                 kw[key] = float(value) if kind == "float" else int(value)
             except ValueError:
                 raise ValueError(f"layout {key}={value!r} must be a number") from None
+            if kind == "float" and not (math.isfinite(kw[key]) and kw[key] > 0):
+                raise ValueError(f"layout {key}={value!r} must be a finite number > 0")
+            if key in ("dp_replicate", "tp", "pp", "cp", "ep") and kw[key] < 1:
+                raise ValueError(f"layout {key}={kw[key]} must be >= 1")
     layout = Layout(**kw)
     return resolve_layout(layout, gpus=gpus, text=text)
 

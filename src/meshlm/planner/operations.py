@@ -92,6 +92,10 @@ def job_recovery(est, cluster: Cluster, f: dict, *, configured: str = "storage",
     """The recovery paths of one `Estimate` (`recovery.recovery_paths`) with its failures `f`: the state one GPU
     holds is its weights and optimizer state, the peer copy rides the scale-out link, and the replica groups are
     `groups` or the layout's (`recovery.default_groups`)."""
+    replicas = est.layout.dp_replicate * est.layout.dp_shard  # copies of the model a group can hold whole
+    if groups is not None and not (1 <= groups <= replicas and replicas % groups == 0):
+        raise ValueError(f"--replica-groups {groups} must divide the layout's {replicas} data-parallel ranks "
+                         "(dp_replicate x dp_shard): each group holds whole copies of the model")
     state = (est.memory_gib.get("weights", 0.0) + est.memory_gib.get("optimizer", 0.0)) * GiB
     return recovery_paths(mtbf_s=f["mtbf_hours"] * 3600.0, step_s=est.time_s["step"],
                           storage_write_s=f["checkpoint_write_s"], state_bytes=state,
@@ -117,6 +121,8 @@ def operations(est, cluster: Cluster, *, total_params: float, precision: str,
     """{"failures": ..., "power": ...} for one `Estimate` (the JSON keys of `plan estimate --json`); `failures`
     carries every recovery path (`job_recovery`) and its `goodput` is the `recovery` path's; with
     `replica_sync_every` > 1 also "replica_sync" (`semi_sync`)."""
+    if replica_sync_every < 1:
+        raise ValueError(f"--replica-sync-every {replica_sync_every} must be >= 1 (1: every step)")
     gpus = est.layout.world
     f = failures(gpus=gpus, step_s=est.time_s["step"], ckpt_bytes=checkpoint_bytes(total_params, precision=precision),
                  failure_rate_per_gpu_hour=failure_rate_per_gpu_hour, storage_bw=storage_bw, restart_s=restart_s)
