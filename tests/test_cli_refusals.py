@@ -192,6 +192,11 @@ EST = ["plan", "estimate", "--model", "llama3-8b", "--gpus", "8", "--global-batc
     ([*EST[:-2], "--layout", "dp_replicate=2,tp=4", "--recovery", "replica", "--replica-groups", "3"],
      "--replica-groups 3 must divide the layout's 2 data-parallel ranks"),
     ([*EST[:-2], "--layout", "dp_replicate=2,tp=4", "--replica-sync-every", "0"], "--replica-sync-every 0 must be >= 1"),
+    (["plan", "compare", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1M", "--cluster", "h100",
+      "--cluster", "h100"], "--cluster h100 given twice"),
+    (["plan", "calibrate", "--out", "x.json", "--nodes", "0"], "describe an emulated cluster; add --emulated"),
+    (["plan", "calibrate", "--out", "x.json", "--emulated", "--nodes", "0", "--inter-node-bw", "1gbit"],
+     "--nodes 0 must be >= 2"),
     (["plan", "schedule", "--pp", "12500", "--microbatches", "8"], "--pp 12500: at most 1024 stages"),
     (["plan", "schedule", "--pp", "8", "--microbatches", "100000000"], "forward passes to simulate; at most 100,000"),
 ])

@@ -367,6 +367,9 @@ def run_compare(args) -> int:
     if len(args.cluster) < 2:
         raise ValueError(f"plan compare needs two or more --cluster (got {args.cluster}); "
                          "e.g. --cluster h100 --cluster gb200-nvl72")
+    twice = sorted({c for c in args.cluster if args.cluster.count(c) > 1})
+    if twice:
+        raise ValueError(f"--cluster {', '.join(twice)} given twice; compare different clusters")
     _require_gpus(args)
     job = make_job(seq_len=args.seq_len, global_batch_size=args.global_batch_size,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision, runtime="megatron",
@@ -479,9 +482,12 @@ def run_calibrate(args) -> int:
     """`meshlm plan calibrate`: measure this machine (or an emulated two-tier cluster) for --cluster local."""
     from meshlm.planner.calibrate import calibrate, calibrate_emulated
 
-    emulation = args.inter_node_bw or args.inter_node_latency
+    emulation = args.inter_node_bw or args.inter_node_latency or args.nodes != 2 or args.nproc_per_node != 2
     if emulation and not args.emulated:
-        raise ValueError("--inter-node-bw/--inter-node-latency describe an emulated cluster; add --emulated")
+        raise ValueError("--inter-node-bw/--inter-node-latency/--nodes/--nproc-per-node describe an emulated cluster; "
+                         "add --emulated")
+    if args.emulated and not (2 <= args.nodes and args.nproc_per_node >= 1):
+        raise ValueError(f"--nodes {args.nodes} must be >= 2 and --nproc-per-node {args.nproc_per_node} >= 1")
     if args.emulated:
         from meshlm.emulate import check_host, parse_duration, parse_rate
 
