@@ -402,13 +402,28 @@ def test_group_limited_routing_sends_a_token_to_fewer_nodes(tmp_path):
             == expert_all_to_all(1e9, **{**fits, "low_latency": True}))
 
 
+def test_a_windowed_config_of_a_billion_layers_is_refused_before_its_windows_are_listed(tmp_path):
+    """The serving planner lists a sliding-window model's windows layer by layer (`layer_windows`) before any other
+    reading: the layer cap is on the one config.json reader, so that path is refused too instead of hanging."""
+    import json
+
+    from meshlm.planner.serving_model import served_model
+
+    hf = {"model_type": "mistral", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 10**9,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128, "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="1,000,000,000 layers; the planner prices at most"):
+        served_model(str(tmp_path / "config.json"))
+
+
 @pytest.mark.parametrize("kind", ["llama", "deepseek"])
 def test_a_config_of_a_billion_layers_is_refused_not_walked(tmp_path, kind):
     """Found by fuzzing: every plan command walked each layer of a config.json's num_hidden_layers=1e9 for ever."""
     import json
 
     from meshlm.config import ModelConfig
-    from meshlm.planner.inputs import MAX_LAYERS, resolve_model
+    from meshlm.planner.inputs import resolve_model
+    from meshlm.planner.serving_model import MAX_LAYERS
 
     hf = dict(DEEPSEEK_V3_JSON) if kind == "deepseek" else ModelConfig.from_preset("llama3-8b").to_hf_dict()
     hf["num_hidden_layers"] = 10**9

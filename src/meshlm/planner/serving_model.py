@@ -353,6 +353,11 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
     return ServedModel(cfg, model_latent_attention(cfg))
 
 
+# the deepest model the planner prices: its summaries, window lists and pipeline splits walk every layer, so a
+# config.json of a billion layers would hang every command (found by fuzzing); published LLMs have a few hundred
+MAX_LAYERS = 4096
+
+
 def config_json(spec: str) -> dict | None:
     """The language model's part of the config.json `spec` names (or of the directory holding one), None where it
     names none. Gemma 3's multimodal config.json nests it as `text_config`."""
@@ -368,7 +373,12 @@ def config_json(spec: str) -> dict | None:
     if not isinstance(hf, dict) or not isinstance(hf.get("text_config") or {}, dict):
         raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not a config.json object; pass a model "
                          "directory with its config.json")
-    return hf.get("text_config") or hf
+    hf = hf.get("text_config") or hf
+    layers = hf.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise ValueError(f"--model {spec!r} has {layers:,} layers; the planner prices at most {MAX_LAYERS:,} (it "
+                         "walks every layer; published LLMs have a few hundred at most)")
+    return hf
 
 
 def planner_only(hf: dict) -> ServedModel | None:
