@@ -11,6 +11,7 @@ Not responsible for: the weights (`meshlm.models.hf`), or touching torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,7 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         path = path / "config.json"
     if not path.exists():
         raise ConfigError(f"no Hugging Face config at {str(path)!r}; pass a model directory with config.json")
-    try:
-        hf = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not a JSON file ({e}); pass a model directory with its config.json") from None
+    hf = load_config_json(path)
     if not isinstance(hf, dict):
         raise ConfigError(f"{path} holds a JSON {type(hf).__name__}, not an object; pass a model directory with "
                           "its config.json")
@@ -38,17 +36,34 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The model a Hugging Face `config.json`'s contents describe (validated), or a ConfigError naming
-    what the reference model does not implement, or the field it lacks or cannot read."""
+def load_config_json(path: Path) -> Any:
+    """What a config.json holds, or a ConfigError naming the file where it is not JSON."""
     try:
-        return _model_config_from_hf(hf)
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not a JSON file ({e}); pass a model directory with its config.json") from None
+
+
+@contextlib.contextmanager
+def reading_fields(hf: dict, where: str = "config.json"):
+    """Reading `hf`'s fields inside: a missing one (KeyError) or one of the wrong type -- a null, a string, a list, a
+    zero divided by -- becomes one ConfigError naming it; a ConfigError passes as it is."""
+    try:
+        yield
     except ConfigError:
         raise
     except KeyError as e:
-        raise ConfigError(f"config.json lacks {e.args[0]!r}, which a {hf.get('model_type') or 'model'} config.json holds") from None
-    except (TypeError, AttributeError, ValueError) as e:  # a field of the wrong type: null, a string, a list
-        raise ConfigError(f"config.json has a field of the wrong type ({e})") from None
+        raise ConfigError(f"{where} lacks {e.args[0]!r}, which a {hf.get('model_type') or 'model'} config.json "
+                          "holds") from None
+    except (TypeError, AttributeError, ValueError, ZeroDivisionError) as e:
+        raise ConfigError(f"{where} has a field of the wrong type ({e})") from None
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """The model a Hugging Face `config.json`'s contents describe (validated), or a ConfigError naming
+    what the reference model does not implement, or the field it lacks or cannot read."""
+    with reading_fields(hf):
+        return _model_config_from_hf(hf)
 
 
 def _model_config_from_hf(hf: dict) -> ModelConfig:

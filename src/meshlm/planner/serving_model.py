@@ -31,14 +31,13 @@ there, and a prompt of s tokens attends s^2 / 2 pairs up to s = window, s window
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from meshlm.config import ModelConfig
-from meshlm.hf_config import model_config_from_hf
+from meshlm.config import ConfigError, ModelConfig
+from meshlm.hf_config import load_config_json, model_config_from_hf, reading_fields
 from meshlm.models import stats as model_stats
 from meshlm.planner.mla import MLA, LatentConfig, matmul_params, model_latent_attention
 from meshlm.planner.mla import matrices as mla_matrices
@@ -312,7 +311,7 @@ def layer_windows(hf: dict) -> tuple[int, ...]:
         types = list(hf["layer_types"])
         unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
         if unknown or len(types) != layers:
-            raise ValueError(f"layer_types {unknown or types}: the serving planner reads one 'sliding_attention' or "
+            raise ConfigError(f"layer_types {unknown or types}: the serving planner reads one 'sliding_attention' or "
                              f"'full_attention' per layer ({layers} layers)")
         out = tuple(window if t == "sliding_attention" else 0 for t in types)
     elif hf.get("use_sliding_window"):
@@ -337,13 +336,8 @@ def served_model(spec: str | ModelConfig) -> ServedModel:
         read = planner_only(hf)
         if read is not None:
             return read
-        try:
+        with reading_fields(hf, where=f"{spec}: config.json"):
             windows = layer_windows(hf)
-        except KeyError as e:
-            raise ValueError(f"{spec}: config.json lacks {e.args[0]!r}, which a {hf.get('model_type') or 'model'} config.json "
-                             "holds") from None
-        except (TypeError, AttributeError) as e:
-            raise ValueError(f"{spec}: config.json has a field of the wrong type ({e})") from None
         if windows:
             full = {k: v for k, v in hf.items() if k not in ("sliding_window", "use_sliding_window", "layer_types")}
             return ServedModel(model_config_from_hf(full), windows=windows)
@@ -366,10 +360,7 @@ def config_json(spec: str) -> dict | None:
         path = path / "config.json"
     if path.suffix != ".json" or not path.exists():
         return None
-    try:
-        hf = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not a JSON file ({e}); pass a model directory with its config.json") from None
+    hf = load_config_json(path)
     if not isinstance(hf, dict) or not isinstance(hf.get("text_config") or {}, dict):
         raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not a config.json object; pass a model "
                          "directory with its config.json")
@@ -384,15 +375,11 @@ def config_json(spec: str) -> dict | None:
 def planner_only(hf: dict) -> ServedModel | None:
     """A config.json (`config_json`) of a model meshlm's runtime does not build, as the planner reads it: a
     DeepSeek-style one (`kv_lora_rank`) or one of `PLANNER_ONLY_TYPES`; None for the rest."""
-    try:
+    with reading_fields(hf):
         if hf.get("kv_lora_rank"):
             return _from_deepseek_hf(hf)
         if hf.get("model_type") in PLANNER_ONLY_TYPES:
             return _from_planner_only_hf(hf)
-    except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]!r}, which a {hf.get('model_type') or 'model'} config.json holds") from None
-    except (TypeError, AttributeError, ZeroDivisionError) as e:  # a field of the wrong type or a zero
-        raise ValueError(f"config.json has a field of the wrong type or a zero ({e})") from None
     return None
 
 
