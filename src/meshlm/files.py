@@ -1,5 +1,6 @@
 """Small file helpers shared by the checkpoint, prepared-data and retrieval-index code: checksums of files on
-disk, and writes that are atomic and durable (a reader sees the old file or the whole new one, never a part).
+disk, writes that are atomic and durable (a reader sees the old file or the whole new one, never a part), and
+whether a file's bytes are text at all (`looks_binary`).
 
 Not responsible for: what a checksum guards (the manifest logic stays with its format)."""
 
@@ -8,6 +9,15 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+
+
+BINARY_SNIFF_BYTES = 8192  # how much of a file `looks_binary` reads
+
+
+def looks_binary(head: bytes) -> bool:
+    """Whether a file whose first bytes are `head` is not text: a NUL byte in its first 8 KiB (git's test: an image,
+    an archive, a compiled file)."""
+    return b"\0" in head[:BINARY_SNIFF_BYTES]
 
 
 def sha256_file(path: str | Path) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from meshlm.data.manifest import MANIFEST
+from meshlm.files import BINARY_SNIFF_BYTES, looks_binary
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_BATCH_ROWS = 1024
@@ -144,12 +145,12 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> Listing
 
 
 def _is_binary(path: Path) -> bool:
-    """Whether a file read as plain text is not text: a NUL byte in its first 8 KiB (git's test; an image, an
-    archive, a compiled file). JSON lines, parquet and compressed files are judged by their readers."""
+    """Whether a file read as plain text is not text (`files.looks_binary`). JSON lines, parquet and compressed
+    files are judged by their readers."""
     if path.name.lower().endswith((".parquet", *JSONL_SUFFIXES, *_COMPRESSED_SUFFIXES)):
         return False
     with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
+        return looks_binary(f.read(BINARY_SNIFF_BYTES))
 
 
 def _left_out_reason(relative: Path) -> str | None:

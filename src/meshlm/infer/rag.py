@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshlm.files import sha256_file
+from meshlm.files import looks_binary, sha256_file
 
 FORMAT = "meshlm-rag-index"
 VERSION = 1
@@ -157,7 +157,7 @@ def read_documents(path: str | Path, *, log=None) -> list[dict]:
 def _text_of(file: Path) -> str | None:
     """A document file's text, or None when it is not text: a NUL byte in its first 8 KiB, or not UTF-8."""
     data = file.read_bytes()
-    if b"\0" in data[:8192]:
+    if looks_binary(data):
         return None
     try:
         return data.decode("utf-8")
