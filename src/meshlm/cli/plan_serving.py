@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import replace
 
 from meshlm.cli.common import finite_float
@@ -282,10 +281,10 @@ def _rate(text: str) -> float | str:
     if text.strip().lower() == "max":
         return "max"
     try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected requests/s (e.g. 2.5) or 'max'") from None
-    if not (math.isfinite(rate) and rate > 0):
+        rate = finite_float(text)
+    except argparse.ArgumentTypeError:  # not a number, nan or infinite
+        rate = 0.0
+    if rate <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected requests/s > 0 (e.g. 2.5) or 'max'")
     return rate
 
