@@ -244,3 +244,54 @@ def test_a_calibration_file_no_machine_measures_is_refused(tmp_path, capsys, cha
     line = _one_line(capsys, ["plan", "--model", "tiny", "--cluster", "local", "--calibration", str(tmp_path / "cal.json"),
                               "--gpus", "2", "--global-batch-size", "8", "--seq-len", "256"])
     assert says in line
+
+
+INFER = ["plan", "infer", "--model", "llama3-8b", "--cluster", "h100"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([*INFER, "--tp", "1", "--percentile", "50"], "--percentile 50 is the tail of Poisson arrivals' latencies"),
+    ([*INFER, "--tp", "1", "--mtp-acceptance", "0.5"], "--mtp-acceptance 0.5 is the chance a draft token is accepted"),
+    ([*INFER, "--tp", "1", "--calibration", "mine.json"], "--calibration mine.json describes --cluster local"),
+    ([*EST, "--calibration", "mine.json"], "no --cluster here is local (h100)"),
+    ([*INFER, "--layout", "tp=4", "--disaggregate", "4:4", "--gpus", "16"],
+     "--gpus 16 and --disaggregate 4:4 (8 GPUs) disagree"),
+    (["plan", "infer", "--model", "mixtral-8x7b", "--cluster", "h100", "--tp", "2", "--dense-precision", "fp4"],
+     "--dense-precision fp4: h100 has no fp4 tensor cores"),
+    (["plan", "context", "--model", "llama3-8b", "--context", "1K", "--max-gpus", "1000000000"],
+     "--max-gpus 1,000,000,000 is beyond the 1,048,576 GPUs"),
+    ([*EST[:-2], "--layout", "tp=8,pp_schedule=interleaved"], "layout pp_schedule=interleaved acts only with pp > 1"),
+    ([*EST[:-2], "--layout", "tp=8,cp_method=ulysses"], "layout cp_method=ulysses acts only with cp > 1"),
+    ([*EST[:-2], "--layout", "tp=4,expert_tp=2"], "layout expert_tp=2 splits routed experts; llama3-8b is dense"),
+    ([*EST, "--cluster", "a100", "--precision", "fp8"], "A100-SXM-80G has no fp8 tensor cores to train in"),
+])
+def test_plan_refuses_a_setting_it_would_have_ignored_or_priced_wrongly(capsys, argv, says):
+    assert says in _one_line(capsys, argv)
+
+
+def test_plan_infer_blames_the_engine_cap_not_the_memory_when_the_cap_binds(capsys):
+    assert main([*INFER, "--tp", "1", "--batch", "64", "--max-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the engine runs at most 8 at once per dp rank (--max-batch" in out and "MiB of KV cache" not in out
+    assert main([*INFER, "--tp", "1", "--batch", "640"]) == 0  # beyond the KV cache: the memory is named
+    assert "MiB of KV cache each per GPU alone" in capsys.readouterr().out
+
+
+def test_plan_context_never_splits_a_sequence_over_more_cp_ranks_than_tokens(capsys):
+    assert main(["plan", "context", "--model", "llama3-8b", "--context", "1K", "--max-gpus", "1048576",
+                 "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    cps = [int(p["layout"].split("cp=")[1].split(",")[0]) for p in answer["curve"]]
+    assert max(cps) <= 1024 + 1 and len(cps) > 1
+
+
+@pytest.mark.parametrize("plot, says", [
+    ("missing/x.png", "the folder"), ("x", "is a folder or has no suffix"), ("x.xyz", "matplotlib draws no .xyz")])
+def test_plan_refuses_a_plot_it_cannot_write_before_the_search(tmp_path, capsys, monkeypatch, plot, says):
+    pytest.importorskip("matplotlib")
+    import meshlm.planner.search as search
+
+    monkeypatch.setattr(search, "search", lambda *a, **k: pytest.fail("searched before refusing --plot"))
+    line = _one_line(capsys, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1M",
+                              "--plot", str(tmp_path / plot)])
+    assert line.startswith("meshlm plan: error: --plot") and says in line

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshlm.files import check_picture_path
+
 
 @dataclass
 class Run:
@@ -83,12 +85,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Run]:
         raise ValueError("give at least one run directory")
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("meshlm plot needs matplotlib: pip install meshlm[plot] (or pip install matplotlib)")
-    out = Path(out)
-    if out.is_dir() or not out.suffix:
-        raise ValueError(f"--out {str(out)!r} is a folder or has no suffix; name the picture, e.g. "
-                         f"{str(out / 'loss.png') if out.is_dir() else str(out) + '.png'}")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist; create it first")
+    out = check_picture_path(out, "--out", example="loss.png")
     runs = [read_run(d) for d in run_dirs]
     import matplotlib
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from meshlm.cli.common import finite_float
 from meshlm.cli.plan_serving import CLUSTER_CHOICES, add_serving_parsers, run_context, run_infer
+from meshlm.files import check_picture_path
 from meshlm.planner.inputs import job_operations, make_job, parse_size, resolve_model, runtime_of
 from meshlm.planner.layout import ATTENTION_KERNELS, EP_DISPATCHERS, FP8_WEIGHTS
 from meshlm.planner.mla import latent_attention
@@ -50,10 +51,11 @@ def _add_common(p: argparse.ArgumentParser, *, required: bool, gpus: str = "one"
     else:
         p.add_argument("--cluster", default="h100",
                        help=f"{CLUSTER_CHOICES} (default h100)")
-    p.add_argument("--calibration", default="plan_calibration.json", metavar="FILE",
+    p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file for --cluster local (default plan_calibration.json)")
     if gpus == "range":
-        p.add_argument("--gpus", required=True, help="GPU counts: LO:HI (powers of two, e.g. 8:16384) or 8,64,512")
+        p.add_argument("--gpus", required=True, help="GPU counts: LO:HI (LO doubled up to HI, e.g. 8:16384) or "
+                                                     "8,64,512")
     else:
         p.add_argument("--gpus", type=int, required=required, help="number of GPUs")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
@@ -133,7 +135,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     sc = sub.add_parser("scale", help="best layout, tokens/s, MFU and comm share at each GPU count; "
                                       "strong and weak scaling; the diminishing-returns point",
-                        description="Search the best layout at each GPU count of --gpus LO:HI (powers of two) under "
+                        description="Search the best layout at each GPU count of --gpus LO:HI (LO doubled up to HI) "
+                                    "under "
                                     "strong scaling (--global-batch-tokens at every count) and weak scaling "
                                     "(--tokens-per-gpu x GPUs), and name the last count before the next step up "
                                     "buys less than half its linear share of tokens/s.")
@@ -189,6 +192,13 @@ def run(args) -> int:
     """`meshlm plan [SUBCOMMAND]`: each subcommand's function below; without one, the layout search."""
     commands = {None: run_search, "estimate": run_estimate, "scale": run_scale, "compare": run_compare,
                 "infer": run_infer, "context": run_context, "schedule": run_schedule, "calibrate": run_calibrate}
+    if getattr(args, "plot", None):  # refused before the search, not after it
+        check_picture_path(args.plot, "--plot")
+    clusters = getattr(args, "cluster", None)
+    if getattr(args, "calibration", None) is not None and "local" not in (
+            clusters if isinstance(clusters, list) else [clusters]):
+        raise ValueError(f"--calibration {args.calibration} describes --cluster local, and no --cluster here is "
+                         f"local ({clusters}): give --cluster local, or leave --calibration out")
     return commands[getattr(args, "plan_command", None)](args)
 
 

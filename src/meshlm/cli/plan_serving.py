@@ -21,6 +21,8 @@ from meshlm.planner.cluster import PRESETS
 from meshlm.planner.inputs import parse_size
 from meshlm.planner.serving_engine import ENGINES
 
+# plan context: the largest --max-gpus (every count up to the smallest deployment is tried, each in microseconds)
+MAX_CONTEXT_GPUS = 1 << 20
 # The --cluster names: planner/cluster.py's presets, or this machine after `meshlm plan calibrate`.
 CLUSTER_CHOICES = " | ".join([*PRESETS, "local"])
 
@@ -57,7 +59,8 @@ def add_serving_parsers(sub) -> None:
                               "ttft_ms, tpot_ms, max_concurrency, kv_bytes_per_token (per GPU), max_context_tokens, "
                               "bound, power_w, joules_per_output_token, ... (see README).")
     _add_served(i)
-    i.add_argument("--calibration", default="plan_calibration.json", metavar="FILE")
+    i.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration file for --cluster local (default plan_calibration.json)")
     i.add_argument("--gpus", type=int, default=None, help="GPUs of the deployment (default: the layout's, or --tp)")
     i.add_argument("--layout", default=None, help="tp=T,pp=P,cp=C,ep=E,dp=D (dp default: the rest of --gpus); "
                                                  "without it every layout of --gpus is ranked")
@@ -73,7 +76,7 @@ def add_serving_parsers(sub) -> None:
                       help="Poisson arrivals of R requests/s: latencies (means and --percentile tails) at that load, "
                            "and whether it keeps up; 'max': the highest rate whose tails meet --max-ttft-ms / "
                            "--max-tpot-ms (MLPerf's server scenario)")
-    i.add_argument("--percentile", type=finite_float, default=99.0, metavar="P",
+    i.add_argument("--percentile", type=finite_float, default=None, metavar="P",
                    help="the tail of Poisson arrivals' TTFT and TPOT reported, and that --request-rate max holds "
                         "to the targets (default 99)")
     i.add_argument("--max-ttft-ms", type=finite_float, default=None, metavar="MS",
@@ -119,7 +122,8 @@ def add_serving_parsers(sub) -> None:
                         "where FlashInfer is installed, as in vLLM's Docker image)")
     i.add_argument("--mtp-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: K draft tokens per step from a one-layer draft head (the model's "
-                        "MTP module, as DeepSeek-V3's; priced as one decoder layer), or from --draft-model; each "
+                        "MTP module, as DeepSeek-V3's, or an EAGLE head; priced as one decoder layer), or from "
+                        "--draft-model; each "
                         "step verifies them in one pass over the KV (default 0)")
     i.add_argument("--mtp-acceptance", type=finite_float, default=None, metavar="P",
                    help="chance each draft is accepted after the one before (default 0.875, DeepSeek-V3's MTP; "
@@ -145,7 +149,8 @@ def add_serving_parsers(sub) -> None:
     _add_served(x)
     x.add_argument("--context", required=True, help="prompt tokens of the one sequence, e.g. 1M (= 2^20), 128K")
     x.add_argument("--output-len", type=int, default=1, help="tokens generated after it (default 1)")
-    x.add_argument("--max-gpus", type=int, default=4096, help="largest deployment to consider (default 4096)")
+    x.add_argument("--max-gpus", type=int, default=4096,
+                   help=f"largest deployment to consider (default 4096, at most {MAX_CONTEXT_GPUS:,})")
     x.add_argument("--plot", metavar="FILE.png", help="weights + KV per GPU against context length and TPOT "
                                                       "against GPUs, for scale-up domains of 8 and 72")
     x.add_argument("--json", action="store_true")
@@ -209,6 +214,9 @@ def run_context(args) -> int:
     context = parse_size(args.context)
     if context < 1 or args.output_len < 1 or args.max_gpus < 1:
         raise ValueError("--context, --output-len and --max-gpus must be >= 1")
+    if args.max_gpus > MAX_CONTEXT_GPUS:
+        raise ValueError(f"--max-gpus {args.max_gpus:,} is beyond the {MAX_CONTEXT_GPUS:,} GPUs `plan context` "
+                         "searches (it tries every count up to the smallest that holds the sequence): give fewer")
     cluster = get_cluster(args.cluster)
     sm = served_model(args.model)
     sv = Serving(sm, cluster, ServingLayout(), **_precisions(args, sm))
@@ -229,7 +237,7 @@ def _serving_inputs(args):
     from meshlm.planner.serving_layout import ServingLayout, parse_serving_layout
     from meshlm.planner.serving_engine import default_max_batch, engine
     from meshlm.planner.serving_model import served_model
-    from meshlm.planner.serving_workload import DEFAULT_PREFILL_CHUNK, Workload
+    from meshlm.planner.serving_workload import DEFAULT_PERCENTILE, DEFAULT_PREFILL_CHUNK, Workload
 
     if args.context_len is not None:
         raise ValueError("--context-len is gone: give --input-len (prompt tokens) and --output-len (generated "
@@ -245,10 +253,16 @@ def _serving_inputs(args):
     gpus = gpus or lo.world
     if layout is None and args.gpus is None:
         raise ValueError("give --gpus N (every layout ranked), or --layout / --tp")
+    _refuse_idle_flags(args)
     disagg = parse_disaggregate(args.disaggregate) if args.disaggregate else None
+    if disagg and args.gpus is not None and args.gpus != sum(disagg):
+        raise ValueError(f"--gpus {args.gpus} and --disaggregate {args.disaggregate} ({sum(disagg)} GPUs) disagree: "
+                         f"the two pools are the deployment; give --gpus {sum(disagg)}, or leave --gpus out")
     wl = Workload(args.input_len, args.output_len, batch=args.batch, concurrency=args.concurrency,
                   offline=args.offline, request_rate=None if args.request_rate == "max" else args.request_rate,
-                  max_rate=args.request_rate == "max", percentile=args.percentile, max_batch=args.max_batch,
+                  max_rate=args.request_rate == "max",
+                  percentile=DEFAULT_PERCENTILE if args.percentile is None else args.percentile,
+                  max_batch=args.max_batch,
                   prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk,
                   disaggregate=disagg, max_ttft_s=_seconds(args.max_ttft_ms), max_tpot_s=_seconds(args.max_tpot_ms),
                   prefix_hit=args.prefix_hit, prefix_shared=args.prefix_shared)
@@ -274,6 +288,16 @@ def _serving_inputs(args):
     # the engine's cap: --max-batch, else its own default (vLLM's max_num_seqs, TensorRT-LLM's batch size)
     wl = replace(wl, max_batch=default_max_batch(sv.engine, cluster))
     return sv, wl, gpus
+
+
+def _refuse_idle_flags(args) -> None:
+    """A flag that only acts with another one, given without it: named, rather than ignored."""
+    if args.percentile is not None and args.request_rate is None:
+        raise ValueError(f"--percentile {args.percentile:g} is the tail of Poisson arrivals' latencies: give "
+                         "--request-rate R (or max) with it, or leave it out")
+    if args.mtp_acceptance is not None and not args.mtp_tokens:
+        raise ValueError(f"--mtp-acceptance {args.mtp_acceptance:g} is the chance a draft token is accepted: give "
+                         "--mtp-tokens K (drafts per step) with it, or leave it out")
 
 
 def _rate(text: str) -> float | str:
@@ -326,7 +350,8 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
                + (f", the {r['shared_prefix_tokens']:,}-token prefix shared" if r.get("shared_prefix_tokens") else "")
                + ")" if r.get("prefix_hit") else "")
             + (f"; speculative: {r['draft_tokens_per_step']} drafts a step from "
-               f"{r['draft_model'] or 'the MTP module'}, {r['tokens_per_step']:.2f} tokens a step"
+               f"{r['draft_model'] or 'a one-layer draft head (an MTP module or EAGLE head)'}, "
+               f"{r['tokens_per_step']:.2f} tokens a step"
                if r.get("draft_tokens_per_step") else ""))
     if not r["fits"]:
         return f"{head}\n  does not fit: {r['reason']}"
@@ -339,6 +364,8 @@ def format_serving(r: dict, model: str, gpu: str) -> str:
                 f"{_text_ms(r[f'tpot_{p}_ms'], 2)}")
     queue = f" ({r['running']} running, {r['queued']} waiting in the queue)" if r.get("queued") else ""
     mode = {"static": "static batch", "concurrency": "continuous batching"}.get(r["mode"], r["mode"])
+    if r.get("disaggregate"):
+        mode = "disaggregated {}:{} (prefill:decode GPUs), {}".format(*r["disaggregate"], mode)
     if "meets_slo" in r:
         what = "rate" if r["mode"] == "max-rate" else "concurrency"
         mode += " within the latency targets" if r["meets_slo"] else f" (NO {what} meets the latency targets)"

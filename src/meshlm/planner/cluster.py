@@ -131,6 +131,16 @@ class Cluster:
                              f"choose one of {sorted(self.peak_flops)}")
         return self.peak_flops[precision]
 
+    def check_trains_in(self, precision: str) -> None:
+        """Refuse training in a narrow precision the GPU has no tensor cores of: an fp8 entry no faster than bf16
+        (A100's) prices a serving checkpoint's fp8 weights run at the 16-bit rate, which Transformer Engine does not
+        train in."""
+        self.peak(precision)
+        if precision in ("fp8", "fp4") and self.peak_flops[precision] <= self.peak_flops.get("bf16", 0.0):
+            raise ValueError(f"precision={precision!r}: {self.gpu} has no {precision} tensor cores to train in "
+                             f"(its {precision} entry prices served {precision} weights at the bf16 rate): train in "
+                             "bf16, or pick a cluster with them (Ada, Hopper or later)")
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 

@@ -373,6 +373,11 @@ def parse_layout(text: str, *, gpus: int) -> Layout:
             if key in ("dp_replicate", "tp", "pp", "cp", "ep") and kw[key] < 1:
                 raise ValueError(f"layout {key}={kw[key]} must be >= 1")
     layout = Layout(**kw)
+    # keys that act only beside a degree above 1: given without it, named rather than ignored
+    for key, degree in (("cp_method", "cp"), ("cp_ulysses", "cp"), ("pp_schedule", "pp"), ("pp_split", "pp")):
+        if key in kw and getattr(layout, degree) == 1:
+            raise ValueError(f"layout {key}={kw[key]} acts only with {degree} > 1 ({degree}=1 in {text!r}): "
+                             f"give {degree}=N with it, or leave {key} out")
     return resolve_layout(layout, gpus=gpus, text=text)
 
 
@@ -395,6 +400,9 @@ def validate_layout(cfg: ModelConfig, job: Job, layout: Layout, *, gpus: int) ->
             raise ValueError(f"layout {name}={getattr(lo, name)} must be >= 1")
     if lo.world != gpus:
         raise ValueError(f"layout dp_replicate*dp_shard*tp*pp*cp = {lo.world} must equal --gpus={gpus}")
+    if lo.expert_tp and not cfg.is_moe:
+        raise ValueError(f"layout expert_tp={lo.expert_tp} splits routed experts; {cfg.preset or 'the model'} is "
+                         "dense: leave expert_tp out")
     if lo.recompute not in RECOMPUTE:
         raise ValueError(f"layout recompute={lo.recompute!r} must be one of {list(RECOMPUTE)}")
     if lo.pp_split not in PP_SPLITS:

@@ -40,7 +40,7 @@ def parse_gpu_counts(text: str) -> list[int]:
         else:
             counts = sorted({int(x) for x in t.split(",") if x})
     except ValueError:
-        raise ValueError(f"--gpus {text!r} must be a range LO:HI (powers of two from LO to HI, e.g. 8:16384) "
+        raise ValueError(f"--gpus {text!r} must be a range LO:HI (LO doubled up to HI, e.g. 8:16384) "
                          "or a list such as 8,64,512 of counts >= 1") from None
     if not counts or counts[0] < 1:
         raise ValueError(f"--gpus {text!r} must name GPU counts >= 1, e.g. 8:16384")

@@ -118,6 +118,7 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, job: Job, gpus: int):
 def search(cfg: ModelConfig, cluster: Cluster, job: Job, *, gpus: int, top: int = 10) -> SearchResult:
     """Estimate every candidate layout and rank the ones that fit by step time."""
     job.validate()
+    cluster.check_trains_in(job.precision)
     cfg.validate()
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1")

@@ -128,8 +128,10 @@ class Serving:
                             ("expert GEMM precision", self.expert_gemm_precision)):
             if value is not None and value not in WEIGHT_BYTES:
                 raise ValueError(f"{flag} {value!r}: choose one of {sorted(WEIGHT_BYTES)}")
-        if self.dense_precision is not None:
-            self.cluster.peak(_gemm(self.dense_precision))
+        if self.dense_precision is not None and _gemm(self.dense_precision) not in self.cluster.peak_flops:
+            raise ValueError(f"--dense-precision {self.dense_precision}: {self.cluster.name} has no "
+                             f"{_gemm(self.dense_precision)} tensor cores; choose one it has "
+                             f"({', '.join(sorted(self.cluster.peak_flops))})")
         if self.expert_gemm_precision is not None and \
                 WEIGHT_BYTES[self.expert_gemm_precision] < WEIGHT_BYTES[self.precision]:
             raise ValueError(f"expert GEMM precision {self.expert_gemm_precision!r} is narrower than the "

@@ -32,11 +32,14 @@ from meshlm.planner.serving_model import KV_BYTES, ServedModel
 STOP_GAIN = 0.10
 
 
-def _layouts(sm: ServedModel, cluster: Cluster, gpus: int):
+def _layouts(sm: ServedModel, cluster: Cluster, gpus: int, tokens: int):
+    """The tp x pp x cp layouts of `gpus` GPUs: tp within a scale-up domain dividing the heads, pp at most a stage a
+    layer, cp at most a cp rank a token of the sequence's `tokens`."""
     for tp in (t for t in range(1, min(gpus, cluster.scaleup_size) + 1)
                if gpus % t == 0 and sm.cfg.num_heads % t == 0):
         for pp in (p for p in range(1, min(gpus // tp, sm.layers) + 1) if (gpus // tp) % p == 0):
-            yield ServingLayout(tp=tp, pp=pp, cp=gpus // (tp * pp))
+            if gpus // (tp * pp) <= tokens:
+                yield ServingLayout(tp=tp, pp=pp, cp=gpus // (tp * pp))
 
 
 def _point(sv: Serving, context: int, output_len: int) -> dict:
@@ -52,7 +55,7 @@ def _point(sv: Serving, context: int, output_len: int) -> dict:
 def best_layout(sv: Serving, gpus: int, context: int, output_len: int) -> dict | None:
     """The lowest-TPOT tp x pp x cp layout of `gpus` GPUs that holds the sequence, or None."""
     best = None
-    for lo in _layouts(sv.sm, sv.cluster, gpus):
+    for lo in _layouts(sv.sm, sv.cluster, gpus, context + output_len):
         cand = replace(sv, layout=lo)
         if cand.max_tokens() < context + output_len:
             continue

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 # Prompt tokens per iteration when chunking: TensorRT-LLM's default max_num_tokens (8192).
 DEFAULT_PREFILL_CHUNK = 8192
+# The tail of Poisson arrivals' latencies reported (and that `--request-rate max` holds to the targets): p99.
+DEFAULT_PERCENTILE = 99.0
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Workload:
     max_ttft_s: float | None = None  # latency targets of the offline optimum or of max_rate (a serving SLO)
     max_tpot_s: float | None = None
     max_rate: bool = False  # the highest Poisson rate whose tails meet the targets (`--request-rate max`)
-    percentile: float | None = 99.0  # the tail of Poisson arrivals' latencies (None: their means)
+    percentile: float | None = DEFAULT_PERCENTILE  # the tail of Poisson arrivals' latencies (None: their means)
     # a disaggregated deployment's decode pool (`serving_modes.disaggregated`): its prompts were prefilled, and their
     # first tokens made, on the prefill pool -- its iterations carry decodes only and add nothing to the TTFT
     prefilled_elsewhere: bool = False
