@@ -5,6 +5,7 @@ or 1 for a path that cannot be read or written). In process through `meshlm.cli.
 import json
 
 import pytest
+import torch
 
 from meshlm.cli import main
 
@@ -295,3 +296,25 @@ def test_plan_refuses_a_plot_it_cannot_write_before_the_search(tmp_path, capsys,
     line = _one_line(capsys, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "1M",
                               "--plot", str(tmp_path / plot)])
     assert line.startswith("meshlm plan: error: --plot") and says in line
+
+
+@pytest.mark.parametrize("spoil, says", [
+    (lambda t: t.to(torch.int8), "is int8: a quantized checkpoint"),
+    (lambda t: t.to(torch.float8_e4m3fn), "is float8_e4m3fn: a quantized checkpoint"),
+    (lambda t: t.index_fill(0, torch.tensor([0]), float("nan")), "holds NaN or infinite values"),
+])
+def test_a_hugging_face_checkpoint_a_cast_would_corrupt_is_refused(tmp_path, spoil, says):
+    from safetensors.torch import load_file, save_file
+
+    from meshlm.config import ModelConfig
+    from meshlm.models import build_model
+    from meshlm.models.hf import load_pretrained, save_pretrained
+
+    save_pretrained(build_model(ModelConfig.from_preset("tiny"), seed=0), tmp_path)
+    load_pretrained(tmp_path)  # as saved: loads
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = spoil(tensors[name]).contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"tensor '{name}' in .* {says}"):
+        load_pretrained(tmp_path)

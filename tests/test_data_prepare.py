@@ -116,6 +116,8 @@ def _bad_inputs(tmp_path, tokenizer):
     (tmp_path / "blank.jsonl.zst").write_bytes(__import__("zstandard").ZstdCompressor().compress(b"\n\n"))
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all")
     (tmp_path / "bad.jsonl.zst").write_bytes(b"not zstd at all")
+    whole = __import__("zstandard").ZstdCompressor().compress(b'{"text": "a line of text"}\n' * 2000)
+    (tmp_path / "cut.jsonl.zst").write_bytes(whole[:len(whole) // 2])  # a download cut short
     (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / "manifest.json").write_text("{}")
@@ -124,7 +126,9 @@ def _bad_inputs(tmp_path, tokenizer):
     (tmp_path / "broken_tok.json").write_text("{not a tokenizer")
     good = tmp_path / "ok.txt"
     good.write_text("hello")
+    os.mkfifo(tmp_path / "pipe")
     return {
+        "a pipe": ([tmp_path / "pipe"], {}, r"source .*pipe is not a regular file \(a pipe or a device\)"),
         "missing source": ([tmp_path / "nope.jsonl"], {}, r"source '.*nope\.jsonl' does not exist"),
         "empty file": ([tmp_path / "empty.txt"], {}, r"source file .*empty\.txt is empty"),
         "empty folder": ([tmp_path / "empty_dir"], {}, r"source folder .*empty_dir holds no files"),
@@ -137,6 +141,8 @@ def _bad_inputs(tmp_path, tokenizer):
         "jsonl with no lines": ([tmp_path / "blank.jsonl.zst"], {}, r"blank\.jsonl\.zst holds no JSON lines"),
         "damaged gzip": ([tmp_path / "bad.jsonl.gz"], {}, r"bad\.jsonl\.gz: cannot decompress"),
         "damaged zstandard": ([tmp_path / "bad.jsonl.zst"], {}, r"bad\.jsonl\.zst: cannot decompress"),
+        "truncated zstandard": ([tmp_path / "cut.jsonl.zst"], {},
+                                r"cut\.jsonl\.zst: cannot decompress \(the file ends inside a zstd frame: it is truncated"),
         "a binary file": ([tmp_path / "image.png"], {}, r"image\.png is binary \(a NUL byte in its first 8 KiB\)"),
         "one file twice": ([good, tmp_path / "." / "ok.txt"], {}, r"ok\.txt is given twice .*drop one of the sources"),
         "a prepared dataset": ([tmp_path / "prepared"], {}, r"prepared is a prepared dataset .*data\.path="),

@@ -128,6 +128,8 @@ def list_files(sources: list[str | Path], *, out: Path | None = None) -> Listing
                     left_out[reason].append(p)
             found += len(listed)
             files += kept
+        elif not path.is_file():  # a pipe, socket or device: prepare reads a source more than once (units, resume)
+            raise ValueError(f"source {path} is not a regular file (a pipe or a device); write it to a file first")
         elif path.stat().st_size == 0:
             raise ValueError(f"source file {path} is empty; remove it or leave it out of the sources")
         elif _is_binary(path):
@@ -221,10 +223,36 @@ def _open_decompressed(path: Path, raw: BinaryIO) -> BinaryIO:
     if name.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw)
     if name.endswith(".zst"):
+        return _ZstdFrames(raw)
+    return raw
+
+
+class _ZstdFrames:
+    """A .zst file's frames, one after another, decompressed (`read(n)`); a file that ends inside a frame raises
+    EOFError, as gzip's reader does. zstandard's own stream reader returns what it has there and stops, as if the file
+    were whole: a truncated download would then read as a last line cut short."""
+
+    def __init__(self, raw: BinaryIO):
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-    return raw
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._raw, self._frame, self._out = raw, None, bytearray()
+
+    def read(self, n: int) -> bytes:
+        while len(self._out) < n:
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("the file ends inside a zstd frame: it is truncated")
+                break
+            while chunk:
+                if self._frame is None or self._frame.eof:
+                    self._frame = self._new()
+                self._out += self._frame.decompress(chunk)
+                chunk = self._frame.unused_data if self._frame.eof else b""
+        out = bytes(self._out[:n])
+        del self._out[:n]
+        return out
 
 
 def _jsonl_units(path: Path, block_bytes: int) -> Iterator[Unit]:

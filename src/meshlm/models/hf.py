@@ -92,6 +92,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, *,
                     raise ValueError(f"tensor {hf_name!r} has shape {tuple(value.shape)}, but {ours!r}"
                                      f"{'' if expert is None else f'[{expert}]'} needs {tuple(target.shape)}; "
                                      "config.json and the weights disagree")
+                _check_values(hf_name, value, path)
                 _mark_filled(filled, ours, expert, hf_name)
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
     missing = []
@@ -106,6 +107,17 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, *,
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks tensors for: {', '.join(missing)}")
     return model
+
+
+def _check_values(hf_name: str, value: torch.Tensor, path: Path) -> None:
+    """Refuse weights a cast would silently corrupt: integer or 8-bit float tensors (a quantized checkpoint's, whose
+    scales live elsewhere), and NaN or infinite values (a damaged or diverged checkpoint)."""
+    if not value.is_floating_point() or value.element_size() < 2:
+        raise ValueError(f"tensor {hf_name!r} in {str(path)!r} is {str(value.dtype).removeprefix('torch.')}: a "
+                         "quantized checkpoint, which meshlm does not load; give its bf16 / fp16 / fp32 weights")
+    if not torch.isfinite(value).all():
+        raise ValueError(f"tensor {hf_name!r} in {str(path)!r} holds NaN or infinite values: the checkpoint is "
+                         "damaged (or saved from a diverged run); give a sound one")
 
 
 def _read_safetensors(path: Path):
