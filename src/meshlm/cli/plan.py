@@ -9,11 +9,11 @@ Not responsible for: any estimate (see `cost.py`, `search.py`), or the serving s
 output (`cli/plan_serving.py`: `infer`, `context`).
 
   meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 --global-batch-tokens 4M
-  meshlm plan estimate --model llama3-70b --cluster h100 --gpus 64 --layout tp=8,pp=4,zero_stage=1 --json
+  meshlm plan estimate --model llama3-70b --gpus 64 --global-batch-tokens 4M --layout tp=8,pp=4,zero_stage=1 --json
   meshlm plan scale --model llama3-70b --cluster h100 --gpus 8:16384 --global-batch-tokens 2M --plot scale.png
   meshlm plan compare --model llama3-70b --gpus 1152 --cluster h100 --cluster gb200-nvl72 --global-batch-tokens 16M
   meshlm plan infer --model llama3-70b --cluster h100 --gpus 8 --layout tp=8 --input-len 8192 --output-len 256
-  meshlm plan infer --model deepseek-v3 --cluster h200 --gpus 8 --offline      # every layout ranked
+  meshlm plan infer --model deepseek-v3 --cluster h200 --gpus 8 --precision fp8 --offline   # every layout ranked
   meshlm plan context --model llama3-405b --cluster gb200-nvl72 --context 1M --plot context.png
   meshlm plan calibrate --out plan_calibration.json
   meshlm plan schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2 --plot pp.png

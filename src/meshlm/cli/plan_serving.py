@@ -6,7 +6,7 @@ as a table or JSON. User mistakes raise ValueError (one line, exit code 2).
 Not responsible for: any estimate (`planner/serving*.py`), or the training subcommands (`cli/plan.py`).
 
   meshlm plan infer --model llama3-70b --cluster h100 --gpus 8 --layout tp=8 --input-len 8192 --output-len 256
-  meshlm plan infer --model deepseek-v3 --cluster h200 --gpus 8 --offline      # every layout ranked
+  meshlm plan infer --model deepseek-v3 --cluster h200 --gpus 8 --precision fp8 --offline   # every layout ranked
   meshlm plan context --model llama3-405b --cluster gb200-nvl72 --context 1M --plot context.png
 """
 
