@@ -318,3 +318,29 @@ def test_a_hugging_face_checkpoint_a_cast_would_corrupt_is_refused(tmp_path, spo
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=f"tensor '{name}' in .* {says}"):
         load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--prompt", "\udcff\udcfe"], "--prompt is not valid UTF-8 text"),
+    (["--top-p", "2"], "--top-p 2.0 must be in (0, 1]"),
+    (["--top-k", "-5"], "--top-k -5 must be an integer >= 1 (0 or -1 disables it)"),
+    (["--seed", str(2**64)], "--seed 18446744073709551616 must be an integer in [-2**63, 2**64)"),
+    (["--kv-host-mb", "inf"], "kv_host_mb=inf (--kv-host-mb) must be a finite number >= 0"),
+    (["--kv-disk-mb", "inf", "--kv-disk-dir", "d"], "kv_disk_mb=inf (--kv-disk-mb) must be a finite number >= 0"),
+])
+def test_generate_names_the_flag_of_a_setting_it_refuses(tmp_path, capsys, flags, says):
+    (tmp_path / "config.json").write_text("{}")  # refused before any model is read
+    argv = ["generate", "--hf", str(tmp_path), "--prompt", "hi", *flags]
+    assert says in _one_line(capsys, argv)
+
+
+def test_generate_refuses_an_empty_folder_name_and_names_both_kinds_of_model_it_looked_for(tmp_path, capsys):
+    assert "--hf is empty; give a folder" in _one_line(capsys, ["generate", "--hf", "", "--prompt", "hi"])
+    line = _one_line(capsys, ["generate", "--hf", str(tmp_path), "--prompt", "hi"])
+    assert "is neither a Hugging Face model directory (no config.json in it) nor a meshlm checkpoint" in line
+
+
+def test_generate_refuses_an_infinite_temperature_at_parsing(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--hf", ".", "--prompt", "hi", "--temperature", "inf"])
+    assert e.value.code == 2 and "'inf' is not a finite number" in capsys.readouterr().err

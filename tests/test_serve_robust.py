@@ -399,3 +399,105 @@ def test_a_tp_the_model_cannot_take_is_refused_before_any_rank_starts(tmp_path, 
     assert err == ["meshlm generate: error: model.num_heads=4 is not divisible by tp=3 (tensor parallelism splits it "
                    "evenly over the tp ranks); choose tp among the divisors {1,2,4} of 4 (it must also divide the "
                    "other sizes), or change model.num_heads to a multiple of 3"]
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, change, param, says", [
+    ("completions", {"max_tokens": 0}, "max_tokens", "max_tokens=0 must be an integer >= 1"),
+    ("chat/completions", {"max_tokens": None, "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens=0 must be an integer >= 1"),
+    ("chat/completions", {"max_completion_tokens": 3}, "max_tokens", "give one of max_tokens and max_completion"),
+    ("completions", {"max_completion_tokens": 3}, "max_completion_tokens", "a completion takes max_tokens"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21 must be"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ("completions", {"temperature": -1}, "temperature", "temperature=-1.0 must be >= 0"),
+    ("completions", {"top_p": 2}, "top_p", "top_p=2.0 must be in (0, 1]"),
+    ("completions", {"top_k": -5}, "top_k", "top_k=-5 must be an integer >= 1"),
+    ("completions", {"stop": ""}, "stop", "stop strings must be non-empty"),
+    ("completions", {"seed": 2**64}, "seed", "seed=18446744073709551616 must be an integer in"),
+    ("completions", {"stop_token_ids": [10**9]}, "stop_token_ids", "outside the vocabulary"),
+    ("completions", {"stop_token_ids": [True]}, "stop_token_ids", "must be a list of integers"),
+    ("completions", {"n": 1e308}, "n", "n=1e+308 is out of range"),
+    ("completions", {"echo": True}, "echo", "echo=True is not supported by this server"),
+    ("completions", {"presence_penalty": 1.5}, "presence_penalty", "is not supported"),
+    ("completions", {"logit_bias": {"1": 100}}, "logit_bias", "is not supported"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "is not supported"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "is not supported"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "give stream: true with it"),
+    ("completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage",
+     "include_usage='yes' must be true or false"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages", "each message needs a 'role' and a 'content'"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
+     "message role 'wizard' is not one of system, developer, user, assistant, tool"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages", "a content part of type 'image_url': this model reads text only"),
+    ("completions", {"prompt": "x " * 2000}, "prompt", "but the context length is"),
+])
+def test_a_request_is_refused_naming_the_parameter_it_sent(served, path, change, param, says):
+    body = {**(CHAT if path.startswith("chat") else COMPLETION), **change}
+    r = httpx.post(f"{served.url}/v1/{path}", headers=HEADERS, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_parameters_that_ask_for_nothing_are_served(served):
+    plain = {"echo": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [],
+             "tool_choice": "none", "response_format": {"type": "text"}, "user": "u1", "max_completion_tokens": 2}
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=HEADERS, json={**CHAT, **plain}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(served):
+    """OpenAI's chat default (no max_tokens: up to the context), where a completion's is 16 tokens."""
+    body = {**CHAT, "ignore_eos": True, "temperature": 0}
+    del body["max_tokens"]
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=HEADERS, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    context = served.engine.engine.max_model_len
+    assert out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] == context
+    assert out["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, timeout=30,
+                   json={"model": "tiny", "prompt": "hello", "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_unknown_paths_and_methods_answer_in_the_api_error_shape(served):
+    r = httpx.get(f"{served.url}/v1/nope", headers=HEADERS, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no such path '/v1/nope'", r.text
+    r = httpx.get(f"{served.url}/v1/completions", headers=HEADERS, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on '/v1/completions'"
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_logged_as_gone_not_as_an_error(served):
+    import logging
+    import socket
+    from urllib.parse import urlparse
+
+    body = json.dumps(COMPLETION).encode()
+    url = urlparse(served.url)
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    server_log = logging.getLogger("uvicorn.error")  # where an exception the app lets out is written
+    server_log.addHandler(handler)
+    try:
+        before = len(served.log)
+        with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                      + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body) + 10).encode()
+                      + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while len(served.log) == before and not errors:
+            assert time.monotonic() < deadline, "the request was never logged"
+            time.sleep(0.05)
+        time.sleep(0.2)
+    finally:
+        server_log.removeHandler(handler)
+    assert not errors, [r.getMessage() for r in errors]
+    assert " 499 " in served.log[-1] or served.log[-1].split()[2] == "499", served.log[-1]
+    assert httpx.get(f"{served.url}/health", timeout=10).json() == {"status": "ok"}

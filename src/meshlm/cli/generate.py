@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from meshlm.cli.common import add_serving_node_arguments, in_process_group, launch_serving_ranks
+from meshlm.cli.common import add_serving_node_arguments, finite_float, in_process_group, launch_serving_ranks
 
 
 def add_parser(sub) -> None:
@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--tp", type=int, default=1, metavar="N",
@@ -87,24 +87,46 @@ def speculative_config(args):
                              ngram=tuple(args.ngram), model=args.speculative_model)
 
 
+# The flag of each sampling parameter (`SamplingError.field`), for its messages.
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                  "max_tokens": "--max-new-tokens", "seed": "--seed"}
+
+
 def run(args) -> int:
     from meshlm.distributed import launched_ranks
-    from meshlm.infer.sequence import SamplingParams
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (argv keeps them as surrogates)
+        raise ValueError("--prompt is not valid UTF-8 text; give it as UTF-8") from None
+    for flag, path in (("--hf", args.hf), ("--checkpoint", args.checkpoint)):
+        if path == "":  # Path("") is the working directory
+            raise ValueError(f"{flag} is empty; give a folder")
+    params = sampling_params(args)
     speculative_config(args)  # refused here, before any rank starts
     kv_tier_kwargs(args)
     code = launch_serving_ranks(args)  # the ranks (on --nnodes nodes) through torch's launcher
     if code is not None:
         return code
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_new_tokens, seed=args.seed)
     if not launched_ranks():
         return generate_here(args, params)
     import torch
 
     return in_process_group(lambda: generate_here(args, params), "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sampling_params(args):
+    """The `SamplingParams` of the flags; a value out of range is refused naming its flag."""
+    from meshlm.infer.sequence import SamplingError, SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_tokens=args.max_new_tokens, seed=args.seed)
+    except SamplingError as e:
+        flag, message = SAMPLING_FLAGS.get(e.field, e.field), str(e)
+        raise ValueError(flag + " " + message.removeprefix(e.field + "=")) from None
 
 
 def generate_here(args, params) -> int:
@@ -127,6 +149,9 @@ def _generate_and_print(llm, args, params) -> None:
     num_prompt = len(llm.tokenizer.encode(args.prompt))
     if num_prompt == 0:
         raise ValueError("--prompt encodes to no tokens; give some text")
+    if num_prompt >= llm.engine.max_model_len:
+        raise ValueError(f"the prompt has {num_prompt} tokens, and the model's context is "
+                         f"{llm.engine.max_model_len}: shorten --prompt")
     if num_prompt + args.max_new_tokens > llm.engine.max_model_len:
         raise ValueError(f"the prompt ({num_prompt} tokens) + --max-new-tokens={args.max_new_tokens} exceeds the "
                          f"model's context of {llm.engine.max_model_len} tokens; use --max-new-tokens <= "

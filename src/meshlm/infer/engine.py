@@ -27,7 +27,7 @@ from meshlm.infer.model_runner import StepInput
 from meshlm.infer.parallel import build_runner
 from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
-from meshlm.infer.sequence import SamplingParams, Sequence, SequenceStatus
+from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
 from meshlm.tokenizer import Tokenizer
 from meshlm.models.transformer import Transformer
@@ -168,6 +168,17 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {self.max_model_len}; "
                              "shorten the prompt")
+        if params.max_tokens is None:  # up to the context (OpenAI chat's default), as far as the cache holds it
+            room = min(self.max_model_len, self.scheduler.most_tokens_per_sequence()) - len(ids)
+            if room < 1:
+                raise ValueError(f"the prompt has {len(ids)} tokens and leaves no room to generate in the "
+                                 f"{min(self.max_model_len, self.scheduler.most_tokens_per_sequence())} tokens a "
+                                 "sequence can hold here; shorten the prompt")
+            params = dataclasses.replace(params, max_tokens=room)
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise SamplingError("stop_token_ids", f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                                                  f"[0, {self.model.config.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")

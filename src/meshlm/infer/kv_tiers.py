@@ -30,6 +30,7 @@ local index b // groups.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -63,11 +64,13 @@ class KVTierConfig:
         return cfg if cfg.host_mb > 0 or cfg.disk_dir is not None else None
 
     def check(self) -> None:
-        if not self.host_mb >= 0:
-            raise ValueError(f"kv_host_mb={self.host_mb} (--kv-host-mb) must be >= 0 MiB of host memory per rank; "
+        if not (math.isfinite(self.host_mb) and self.host_mb >= 0):
+            raise ValueError(f"kv_host_mb={self.host_mb} (--kv-host-mb) must be a finite number >= 0 of MiB of host memory "
+                             "per rank; "
                              "0 turns the host tier off")
-        if not self.disk_mb >= 0:
-            raise ValueError(f"kv_disk_mb={self.disk_mb} (--kv-disk-mb) must be >= 0 MiB of disk per rank")
+        if not (math.isfinite(self.disk_mb) and self.disk_mb >= 0):
+            raise ValueError(f"kv_disk_mb={self.disk_mb} (--kv-disk-mb) must be a finite number >= 0 of MiB "
+                             "of disk per rank")
         if self.disk_dir is None:
             if self.disk_mb > 0:
                 raise ValueError(f"kv_disk_mb={self.disk_mb} (--kv-disk-mb) needs a directory: give kv_disk_dir "

@@ -34,9 +34,15 @@ def load_model_and_tokenizer(model: str | Path, *, dtype: torch.dtype = torch.fl
         from meshlm.models.hf import load_pretrained
 
         return load_pretrained(path, dtype=dtype, device=device).eval(), HFTokenizer.from_dir(path)
-    from meshlm.checkpoint import load_checkpoint_for_inference
+    from meshlm.checkpoint import CheckpointError, load_checkpoint_for_inference
 
-    net, _, tok = load_checkpoint_for_inference(path, device=device, dtype=dtype)
+    try:
+        net, _, tok = load_checkpoint_for_inference(path, device=device, dtype=dtype)
+    except CheckpointError as e:
+        if str(e).startswith("no checkpoint at"):  # neither kind: say that both were looked for
+            raise CheckpointError(f"{str(path)!r} is neither a Hugging Face model directory (no config.json in "
+                                  f"it) nor a meshlm checkpoint ({e})") from None
+        raise
     return net, tok
 
 

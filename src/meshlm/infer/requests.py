@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from meshlm.infer.sequence import SamplingParams
+from meshlm.infer.sequence import SamplingError, SamplingParams
 
 
 class APIError(Exception):
@@ -33,11 +33,19 @@ async def read_limited(request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the body has {declared} bytes; at most {limit} are accepted")
     raw = bytearray()
-    async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
-        raw += chunk
-        if len(raw) > limit:
-            raise APIError(413, f"the body is over {limit} bytes, the most accepted")
+    try:
+        async for chunk in request.stream():  # counted as it arrives: a chunked upload has no length
+            raw += chunk
+            if len(raw) > limit:
+                raise APIError(413, f"the body is over {limit} bytes, the most accepted")
+    except Exception as e:  # starlette's ClientDisconnect: nobody is left to answer
+        if type(e).__name__ != "ClientDisconnect":
+            raise
+        raise APIError(CLIENT_LEFT, "the client left before its body arrived") from None
     return bytes(raw)
+
+
+CLIENT_LEFT = 499  # the status logged for a request whose client hung up (nginx's convention)
 
 
 def json_body(raw: bytes, *, model_name: str) -> dict:
@@ -72,20 +80,27 @@ class RequestOptions:
     @classmethod
     def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int) -> "RequestOptions":
         params = sampling_params_from(body, chat=chat)
-        n = number(body, "n", 1, int)
+        n = number(body, "n", 1, int, count=True)
         if not 1 <= n <= MAX_CHOICES:
             raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
         if body.get("best_of") not in (None, n):
             raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
         stream = boolean(body, "stream")
-        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
-            raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
-                           param="stream_options")
-        return cls(params, n, stream, include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+        options = body.get("stream_options")
+        if options is not None:
+            if not stream:
+                raise APIError(400, "stream_options applies to a streamed answer: give stream: true with it",
+                               param="stream_options")
+            if not isinstance(options, dict) or set(options) - {"include_usage"}:
+                raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
+                               param="stream_options")
+        return cls(params, n, stream, include_usage=boolean(options or {}, "include_usage"),
                    rag=rag_options(body.get("rag"), rag_index, rag_top_k))
 
 
-def number(body: dict, key: str, default, kind=float, *, allow_none=True):
+def number(body: dict, key: str, default, kind=float, *, allow_none=True, count=False):
+    """`body[key]` as a finite `kind`, else an APIError naming it; `count`: a count of things (choices, tokens),
+    refused from 2**64 on, so that no message prints an int(1e308) of 309 digits."""
     value = body.get(key, default)
     if value is None and allow_none:
         return default
@@ -94,6 +109,8 @@ def number(body: dict, key: str, default, kind=float, *, allow_none=True):
             or (isinstance(value, float) and not math.isfinite(value)) or (kind is int and int(value) != value)):
         raise APIError(400, f"{key}={short(value)} must be {'an integer' if kind is int else 'a finite number'}",
                        param=key)
+    if count and abs(value) >= 1 << 64:
+        raise APIError(400, f"{key}={short(value)} is out of range", param=key)
     try:
         return kind(value)
     except OverflowError:  # float(10**400)
@@ -125,8 +142,26 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
+# Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
+# any other value is refused, naming it, rather than answered as if it had not asked.
+UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
+               "repetition_penalty": (1,), "logit_bias": ({},), "response_format": ({"type": "text"},),
+               "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",)}
+
+
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
-    max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    for key, plain in UNSUPPORTED.items():
+        if body.get(key) is not None and body[key] not in plain:
+            raise APIError(400, f"{key}={short(body[key])} is not supported by this server; leave it out",
+                           param=key)
+    given = [k for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    if not chat and "max_completion_tokens" in given:
+        raise APIError(400, "max_completion_tokens is the chat API's; a completion takes max_tokens",
+                       param="max_completion_tokens")
+    if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+        raise APIError(400, "give one of max_tokens and max_completion_tokens (max_tokens is the older name)",
+                       param="max_tokens")
+    max_key = given[-1] if given else "max_tokens"
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise APIError(400, "stop must be a string or a list of strings", param="stop")
@@ -135,22 +170,32 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
     if isinstance(stop, list) and len(stop) > 16:
         raise APIError(400, f"{len(stop)} stop strings: at most 16", param="stop")
     logprobs = body.get("logprobs")
+    logprobs_key = "top_logprobs" if chat else "logprobs"
     if chat:  # chat: logprobs is a boolean, the count is top_logprobs
-        logprobs = number(body, "top_logprobs", 0, int) if boolean(body, "logprobs") else None
+        if body.get("top_logprobs") is not None and not boolean(body, "logprobs"):
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = number(body, "top_logprobs", 0, int, count=True) if boolean(body, "logprobs") else None
     elif logprobs is not None:
-        logprobs = number(body, "logprobs", None, int)
+        logprobs = number(body, "logprobs", None, int, count=True)
     stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+    if stop_ids is not None and not (isinstance(stop_ids, list)
+                                     and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
         raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
     try:
         return SamplingParams(
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
-            top_k=number(body, "top_k", 0, int), max_tokens=number(body, max_key, 16, int),
+            top_k=number(body, "top_k", 0, int),
+            # chat's default: up to the context (OpenAI's); a completion's: 16 (OpenAI's legacy default)
+            max_tokens=number(body, max_key, None if chat else 16, int, count=True),
             seed=number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
             ignore_eos=boolean(body, "ignore_eos"),
-            num_speculative_tokens=number(body, "num_speculative_tokens", None, int))
-    except ValueError as e:
-        raise APIError(400, str(e)) from e
+            num_speculative_tokens=number(body, "num_speculative_tokens", None, int, count=True))
+    except SamplingError as e:  # named as the request named it
+        sent = {"max_tokens": max_key, "logprobs": logprobs_key}.get(e.field, e.field)
+        message = str(e)
+        if sent != e.field and message.startswith(e.field + "="):
+            message = sent + message[len(e.field):]
+        raise APIError(400, message, param=sent) from e
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -159,21 +204,27 @@ def chat_messages(body: dict) -> list[dict]:
         raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
     out = []
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, "each message needs a 'role' and a 'content'", param="messages")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or (m.get("content") is None and m["role"] != "assistant"):
+            raise APIError(400, "each message needs a 'role' and a 'content' (only an assistant's may be null)",
+                           param="messages")
+        if m["role"] not in ROLES:
+            raise APIError(400, f"message role {short(m['role'])} is not one of {', '.join(ROLES)}", param="messages")
         content = m.get("content")
-        if content is None:  # e.g. an assistant turn that only called tools
+        if content is None:  # an assistant turn that only called tools
             content = ""
-        if isinstance(content, list):  # content parts: keep the text ones
+        if isinstance(content, list):  # content parts: text ones only, joined
             parts = []
             for part in content:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise APIError(400, "each content part must be an object with a 'type'", param="messages")
-                if part["type"] == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise APIError(400, f"a text content part needs 'text' as a string, not "
-                                            f"{short(part.get('text'))}", param="messages")
-                    parts.append(part["text"])
+                if part["type"] != "text":
+                    raise APIError(400, f"a content part of type {short(part['type'])}: this model reads text "
+                                        "only; send text parts", param="messages")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"a text content part needs 'text' as a string, not "
+                                        f"{short(part.get('text'))}", param="messages")
+                parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
             raise APIError(400, "message content must be a string or a list of text parts", param="messages")
@@ -181,6 +232,7 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat API's message roles
 MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
 MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
 
@@ -199,7 +251,7 @@ def rag_options(value, index, default_top_k: int) -> tuple[int, str] | None:
                        param="rag")
     if index is None:
         raise APIError(400, "this server has no retrieval index (start it with --rag INDEX)", param="rag")
-    top_k = number(value, "top_k", default_top_k, int)
+    top_k = number(value, "top_k", default_top_k, int, count=True)
     mode = value.get("mode", "bm25")
     if mode not in index.modes:
         raise APIError(400, f"rag mode {short(mode)} is not available; this index offers {list(index.modes)}",

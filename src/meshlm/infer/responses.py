@@ -100,5 +100,5 @@ class Replies:
 
     def usage_event(self, num_prompt: int, num_completion: int) -> str:
         """The last chunk of a stream that asked for `stream_options.include_usage`."""
-        return sse({"id": self.rid, "object": self.chunk_kind, "model": self.model, "choices": [],
-                    "usage": usage(num_prompt, num_completion)})
+        return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
+                    "choices": [], "usage": usage(num_prompt, num_completion)})

@@ -83,6 +83,13 @@ class Scheduler:
                 f"request {seq.request_id!r} needs {seq.max_total_tokens} tokens in one step without chunked "
                 f"prefill, above max_num_batched_tokens={self.max_num_batched_tokens}; enable chunked prefill")
 
+    def most_tokens_per_sequence(self) -> int:
+        """The most tokens one request can hold here (`check`'s limits): the whole KV cache, and without chunked
+        prefill one step's budget."""
+        bm = self.block_manager
+        most = bm.num_blocks * bm.block_size
+        return most if self.enable_chunked_prefill else min(most, self.max_num_batched_tokens)
+
     def add(self, seq: Sequence) -> None:
         self.check(seq)
         seq.status = SequenceStatus.WAITING

@@ -15,6 +15,15 @@ import time
 from dataclasses import dataclass, field
 
 
+class SamplingError(ValueError):
+    """A sampling parameter out of its range; `field` names it (the server answers with the request's own name for
+    it, e.g. max_completion_tokens)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class SamplingParams:
     """How to generate one request's tokens.
@@ -25,13 +34,14 @@ class SamplingParams:
     with that token included in `token_ids`. `logprobs` = n returns the log-probability of each
     sampled token and of the n most likely tokens at that step. `num_speculative_tokens`: at most this many
     tokens proposed per step for this request (an engine started with speculative decoding; None: the
-    engine's number).
+    engine's number). `max_tokens` None: up to the context length (what the engine's cache can hold of it), the
+    OpenAI chat API's default.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -43,30 +53,35 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if any(isinstance(t, bool) or int(t) != t for t in self.stop_token_ids or []):
+            raise SamplingError("stop_token_ids", f"stop_token_ids={self.stop_token_ids!r} must be token ids "
+                                                  "(integers)")
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if not (self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+            raise SamplingError("temperature", f"temperature={self.temperature} must be >= 0 (0 is greedy)")
         if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+            raise SamplingError("top_p", f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is None:
             self.top_k = 0
-        if int(self.top_k) != self.top_k:
-            raise ValueError(f"top_k={self.top_k} must be an integer (0 or -1 disables it)")
+        if int(self.top_k) != self.top_k or self.top_k < -1:
+            raise SamplingError("top_k", f"top_k={self.top_k} must be an integer >= 1 (0 or -1 disables it)")
         self.top_k = int(self.top_k)  # 3.0 -> 3: torch.topk takes only an int
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise SamplingError("max_tokens", f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         # torch.Generator takes seeds in [-2**63, 2**64): checked here, because a bad seed found while
         # sampling would fail the whole step, and with it every other request in the batch.
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(1 << 63) <= self.seed < (1 << 64)):
-            raise ValueError(f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
+            raise SamplingError("seed", f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs={self.logprobs!r} must be an integer between 0 and 20")
+            raise SamplingError("logprobs", f"logprobs={self.logprobs!r} must be an integer between 0 and 20")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise SamplingError("stop", "stop strings must be non-empty")
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (or None: the engine's number)")
+            raise SamplingError("num_speculative_tokens",
+                                f"num_speculative_tokens={k!r} must be an integer >= 1 (or None: the engine's number)")
 
     @property
     def greedy(self) -> bool:

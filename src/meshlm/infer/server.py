@@ -34,7 +34,7 @@ from meshlm.infer.metrics import Histogram, metrics_text
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
     MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, completion_prompts, json_body,
-    read_limited)
+    read_limited, short)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 
@@ -209,6 +209,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     completion tokens and latency (status 499: the client left before the answer). `rag_index` (a
     `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`."""
     from fastapi import FastAPI, Request
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     # No /docs or /redoc (they would load scripts from a CDN); /openapi.json is served below, behind the key.
@@ -231,6 +232,13 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     async def _api_error(request, exc: APIError):
         # json.dumps escapes to ASCII: an error never fails to encode, whatever text it quotes.
         return Response(json.dumps(exc.body()), status_code=exc.status, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # 404 no such path, 405 wrong method: OpenAI's shape
+        path = short(request.url.path)
+        what = {404: f"no such path {path}", 405: f"{request.method} is not allowed on {path}"}
+        return await _api_error(request, APIError(exc.status_code, what.get(exc.status_code, str(exc.detail)),
+                                                  code="not_found" if exc.status_code == 404 else None))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -295,7 +303,8 @@ class _Completions:
             raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
                                 f"{MAX_CHOICES} per request", param="n")
         queue: asyncio.Queue = asyncio.Queue()
-        ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None)
+        ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None,
+                                                    chat=chat)
         replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
                           model=self.model_name, dec=self.dec, logprobs=options.params.logprobs is not None,
                           retrieved=retrieved, n=n)
@@ -369,7 +378,7 @@ class _Completions:
     # ---- the engine ----------------------------------------------------------------------------
 
     async def submit_choices(self, prompts: list, params: SamplingParams, n: int, queue: asyncio.Queue, *,
-                             rag: bool) -> tuple[list[str], int]:
+                             rag: bool, chat: bool) -> tuple[list[str], int]:
         """Queue n samples of every prompt, all or nothing. Returns (the request id of each choice, numbered
         prompt * n + sample as OpenAI numbers them; prompt tokens)."""
         ids: list[str] = []
@@ -379,7 +388,7 @@ class _Completions:
                 for j in range(n):
                     # Sample j of a seeded request draws from its own seed, so the n choices differ.
                     p = params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
-                    request_id, _, prompt_ids = await self.submit(prompt, p, queue, rag)
+                    request_id, _, prompt_ids = await self.submit(prompt, p, queue, rag, chat=chat)
                     ids.append(request_id)
                     if j == 0:
                         num_prompt += len(prompt_ids)
@@ -390,13 +399,15 @@ class _Completions:
             raise
         return ids, num_prompt
 
-    async def submit(self, prompt, params: SamplingParams, queue: asyncio.Queue, rag: bool):
+    async def submit(self, prompt, params: SamplingParams, queue: asyncio.Queue, rag: bool, *, chat: bool):
         try:
             return await self.engine.submit_async(prompt, params, queue, rag=rag)
         except EngineUnavailable as e:
             raise APIError(503, str(e), type_="server_error") from e
         except ValueError as e:
-            raise APIError(400, str(e), code="context_length_exceeded" if "context length" in str(e) else None) from e
+            context = "context length" in str(e) or "leaves no room" in str(e)
+            param = getattr(e, "field", None) or ("messages" if chat else "prompt")
+            raise APIError(400, str(e), param=param, code="context_length_exceeded" if context else None) from e
 
     async def collect(self, request, ids: list[str], queue: asyncio.Queue) -> dict[str, RequestOutput] | None:
         """Every choice's final output by request id; None if the client hung up first (its choices aborted)."""
