@@ -86,6 +86,29 @@ def test_greedy_matches_transformers(hf_case, engine_kwargs):
         assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
 
 
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(),  # the second round finds every prompt in the prefix cache: still each position is computed
+    dict(block_size=4, max_num_batched_tokens=7),  # chunked prefill forced small
+    dict(block_size=4, num_blocks=16, max_num_seqs=8),  # preemption by recompute: positions computed again
+], ids=["batched", "chunked", "preempt"])
+def test_prompt_logprobs_are_transformers_log_softmax_of_the_prompt(hf_case, engine_kwargs):
+    path, prompts, _ = hf_case
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path), device="cpu", **engine_kwargs)
+    for _ in range(1 if engine_kwargs else 2):
+        results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, prompt_logprobs=2))
+        for p, r in zip(prompts, results):
+            with torch.no_grad():
+                want = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1)
+            assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(p)
+            for pos in range(1, len(p)):
+                got = r.prompt_logprobs[pos]
+                assert got["token"] == p[pos] and abs(got["logprob"] - float(want[pos - 1, p[pos]])) < 1e-4
+                assert list(got["top"]) == want[pos - 1].topk(2).indices.tolist()
+    if engine_kwargs.get("num_blocks"):
+        assert llm.engine.stats()["num_preemptions"] > 0
+
+
 def _tiny_model():
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=64, max_seq_len=96, init_std=0.2)

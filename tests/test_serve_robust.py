@@ -421,7 +421,7 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     ("completions", {"stop_token_ids": [10**9]}, "stop_token_ids", "outside the vocabulary"),
     ("completions", {"stop_token_ids": [True]}, "stop_token_ids", "must be a list of integers"),
     ("completions", {"n": 1e308}, "n", "n=1e+308 is out of range"),
-    ("completions", {"echo": True}, "echo", "echo=True is not supported by this server"),
+    ("chat/completions", {"echo": True}, "echo", "echo=True is not supported by this server"),
     ("completions", {"presence_penalty": 1.5}, "presence_penalty", "is not supported"),
     ("completions", {"logit_bias": {"1": 100}}, "logit_bias", "is not supported"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "is not supported"),
@@ -501,3 +501,34 @@ def test_a_client_that_leaves_while_sending_its_body_is_logged_as_gone_not_as_an
     assert not errors, [r.getMessage() for r in errors]
     assert " 499 " in served.log[-1] or served.log[-1].split()[2] == "499", served.log[-1]
     assert httpx.get(f"{served.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks(served):
+    """lm-evaluation-harness's loglikelihood request to an OpenAI completions server (token ids, echo, logprobs 1,
+    max_tokens 1, temperature 0): the logprobs cover the prompt, the first token's null, then the generated token;
+    each prompt token's is the model's own given the tokens before it (one forward over the prompt), whatever the
+    prefix cache holds."""
+    import torch
+
+    prompt = [5, 40, 41, 42, 43, 44, 45, 46, 47]
+    body = {"model": "tiny", "prompt": [prompt], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    for _ in range(2):  # the second time its blocks are in the prefix cache: still every position is computed
+        r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(served.engine.engine.model(torch.tensor([prompt])).float(), -1)[0]
+        for p in range(1, len(prompt)):
+            assert abs(lp["token_logprobs"][p] - float(ref[p - 1, prompt[p]])) < 1e-5, p
+            assert len(lp["top_logprobs"][p]) == 1
+        assert choice["text"].startswith(served.engine.engine.tokenizer.decode(prompt))
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, timeout=30,
+                   json={"model": "tiny", "prompt": "hello world", "max_tokens": 2, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello world"), r.text
+    for path, extra in (("completions", {"stream": True}), ("chat/completions", {})):
+        base = CHAT if path.startswith("chat") else COMPLETION
+        r = httpx.post(f"{served.url}/v1/{path}", headers=HEADERS, json={**base, "echo": True, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text

@@ -140,6 +140,13 @@ def _parallel_ranks(rank, world_size, paths, layouts):
         out["ring"] = llm.generate([RING_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].token_ids
         out["ring_bytes"] = {op: stats.total(op=op, axis="cp").bytes for op in ("send", "recv", "all_gather")}
         llm.close()
+    # every prompt position's logits (a completion's echo with logprobs), over tp (and cp at world 4)
+    llm = LLM(paths["llama"], tp=2, cp=world_size // 2, device="cpu", block_size=4, num_blocks=32 // (world_size // 2),
+              dtype=torch.float64)
+    if llm.is_driver:
+        out["prompt_logprobs"] = llm.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                            prompt_logprobs=2))[0].prompt_logprobs
+        llm.close()
     # 36 sequences at once: decodes in two length buckets, alongside prefill chunks in the same steps
     llm = LLM(paths["qwen2"], cp=world_size, device="cpu", **{**MANY_ENGINE, "num_blocks": 256 // world_size})
     if llm.is_driver:
@@ -175,6 +182,12 @@ def test_parallel_greedy_tokens_equal_one_process(checkpoints, world):
     assert results[0]["long"] == want and len(want) == 12
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     assert results[0]["ring"] == alone.generate([RING_PROMPT], greedy)[0].token_ids
+    scored = alone.generate([LONG_PROMPT], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
+    got = results[0]["prompt_logprobs"]
+    assert got[0] is None and scored.prompt_logprobs[0] is None and len(got) == len(LONG_PROMPT)
+    for mine, theirs in zip(got[1:], scored.prompt_logprobs[1:]):
+        assert mine["token"] == theirs["token"] and list(mine["top"]) == list(theirs["top"])
+        assert abs(mine["logprob"] - theirs["logprob"]) < 1e-9, (mine, theirs)
     many = LLM(checkpoints["qwen2"], device="cpu", **MANY_ENGINE)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     assert results[0]["many"] == [o.token_ids for o in many.generate(MANY_PROMPTS, greedy)]

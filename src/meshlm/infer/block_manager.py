@@ -102,8 +102,8 @@ class BlockManager:
         self.seq_hashes[seq.seq_id] = []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.num_queried_tokens += seq.num_tokens
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # the latter: every prompt
+            return 0  # token's logits are wanted, so none may come from the cache
         parent_hash = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])

@@ -25,7 +25,7 @@ from meshlm.infer.kv_tiers import TIER_COUNTS, KVTiers
 from meshlm.comm import CollectiveError
 from meshlm.infer.model_runner import StepInput
 from meshlm.infer.parallel import build_runner
-from meshlm.infer.sampling import Sampler
+from meshlm.infer.sampling import Sampler, logprobs_info
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
@@ -44,6 +44,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict] | None = None
+    # params.prompt_logprobs: each prompt token's entry ({"token", "logprob", "top"}), None for the first
+    prompt_logprobs: list[dict | None] | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     num_cached_tokens: int = 0
@@ -267,7 +269,7 @@ class Engine:
             step = StepInput.from_schedule(out, self.runner.block_size, kv_moves=moves)
             t1 = time.perf_counter()
             self.seconds["schedule"] += t1 - t0
-            logits = self.runner.execute(step)
+            logits = self._keep_prompt_logprobs(self.runner.execute(step), step, out)
             t0 = time.perf_counter()
             self.seconds["model"] += t0 - t1
             rows = [item for item in out.scheduled if item.samples]
@@ -391,7 +393,8 @@ class Engine:
         rows, parts = [], []
         for item in out.scheduled:
             try:
-                logits = self.runner.execute(StepInput.from_schedule(SchedulerOutput([item]), self.runner.block_size))
+                alone = StepInput.from_schedule(SchedulerOutput([item]), self.runner.block_size)
+                logits = self._keep_prompt_logprobs(self.runner.execute(alone), alone, SchedulerOutput([item]))
             except Exception as e:  # noqa: BLE001 -- this request's own failure
                 failed[item.seq] = e
                 continue
@@ -399,6 +402,20 @@ class Engine:
                 rows.append(item)
                 parts.append(logits)
         return (torch.cat(parts) if parts else None), rows
+
+    def _keep_prompt_logprobs(self, logits: torch.Tensor, step: StepInput, out: SchedulerOutput) -> torch.Tensor:
+        """Record the log-probabilities of the prompt tokens whose positions' logits the step computed after its
+        sampling rows (`StepInput.prompt_positions`); return the sampling rows."""
+        n = step.num_sampling_rows
+        if not step.prompt_positions:
+            return logits
+        by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
+        logprobs = torch.log_softmax(logits[n:].float(), dim=-1)
+        for row, (seq_id, pos) in enumerate(step.prompt_positions):
+            seq = by_id[seq_id]
+            token = seq.prompt_token_ids[pos + 1]
+            seq.prompt_logprobs[pos + 1] = logprobs_info(logprobs[row], token, seq.params.prompt_logprobs)
+        return logits[:n]
 
     def _advance_text(self, seq: Sequence) -> None:
         state = self._detok[seq.request_id]
@@ -459,6 +476,7 @@ class Engine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
             text=text, finished=seq.is_finished, finish_reason=seq.finish_reason,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             new_token_ids=new_ids, new_text=new_text, num_cached_tokens=seq.num_cached_tokens)
 
     # ---- offline use ---------------------------------------------------------------------------

@@ -65,9 +65,8 @@ class KVTierConfig:
 
     def check(self) -> None:
         if not (math.isfinite(self.host_mb) and self.host_mb >= 0):
-            raise ValueError(f"kv_host_mb={self.host_mb} (--kv-host-mb) must be a finite number >= 0 of MiB of host memory "
-                             "per rank; "
-                             "0 turns the host tier off")
+            raise ValueError(f"kv_host_mb={self.host_mb} (--kv-host-mb) must be a finite number >= 0 of MiB of host "
+                             "memory per rank; 0 turns the host tier off")
         if not (math.isfinite(self.disk_mb) and self.disk_mb >= 0):
             raise ValueError(f"kv_disk_mb={self.disk_mb} (--kv-disk-mb) must be a finite number >= 0 of MiB "
                              "of disk per rank")

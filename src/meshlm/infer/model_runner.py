@@ -43,6 +43,14 @@ class StepInput:
     # KV tier moves to carry out before the step (`infer/kv_tiers.py`): blocks the scheduler evicted this step
     # are copied out before the step's tokens overwrite them
     kv_moves: list[list] = field(default_factory=list)
+    # [seq_id, position] of each prompt position whose logits are wanted after the sampling rows (requests with
+    # prompt_logprobs: position p's logits give prompt token p + 1's log-probability), in `logits_indices` order
+    prompt_positions: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        """The rows of the logits that are sampled from (the rest are `prompt_positions`')."""
+        return len(self.logits_indices) - len(self.prompt_positions)
 
     @classmethod
     def from_schedule(cls, out: SchedulerOutput, block_size: int, *, kv_moves: list[list] | None = None) -> "StepInput":
@@ -62,6 +70,15 @@ class StepInput:
             if item.samples:
                 last = len(step.token_ids)
                 step.logits_indices.extend(range(last - 1 - item.num_spec_tokens, last))
+        first = 0
+        for item in out.scheduled:  # prompt positions after every sampling row
+            seq, n = item.seq, item.num_new_tokens
+            if seq.params.prompt_logprobs is not None:
+                start = seq.num_computed_tokens
+                for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
+                    step.logits_indices.append(first + pos - start)
+                    step.prompt_positions.append([seq.seq_id, pos])
+            first += n
         if not any(step.spec_lens):
             step.spec_lens = []
         return step

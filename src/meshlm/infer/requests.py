@@ -75,6 +75,7 @@ class RequestOptions:
     n: int  # choices per prompt
     stream: bool
     include_usage: bool  # a streamed answer ends with the token usage (stream_options)
+    echo: bool  # a completion's text (and logprobs) begin with its prompt's
     rag: tuple[int, str] | None  # (top_k, mode) of retrieval, or None
 
     @classmethod
@@ -86,6 +87,9 @@ class RequestOptions:
         if body.get("best_of") not in (None, n):
             raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
         stream = boolean(body, "stream")
+        echo = not chat and boolean(body, "echo")
+        if echo and stream:
+            raise APIError(400, "echo is answered whole: leave out stream (or echo)", param="echo")
         options = body.get("stream_options")
         if options is not None:
             if not stream:
@@ -94,7 +98,7 @@ class RequestOptions:
             if not isinstance(options, dict) or set(options) - {"include_usage"}:
                 raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
                                param="stream_options")
-        return cls(params, n, stream, include_usage=boolean(options or {}, "include_usage"),
+        return cls(params, n, stream, include_usage=boolean(options or {}, "include_usage"), echo=echo,
                    rag=rag_options(body.get("rag"), rag_index, rag_top_k))
 
 
@@ -143,7 +147,8 @@ def check_text(text: str, param: str) -> str:
 
 
 # Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
-# any other value is refused, naming it, rather than answered as if it had not asked.
+# any other value is refused, naming it, rather than answered as if it had not asked. (echo: a chat's; a completion
+# echoes its prompt.)
 UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
                "repetition_penalty": (1,), "logit_bias": ({},), "response_format": ({"type": "text"},),
                "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",)}
@@ -151,6 +156,8 @@ UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0,), "fre
 
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
     for key, plain in UNSUPPORTED.items():
+        if key == "echo" and not chat:  # a completion echoes its prompt (with its tokens' logprobs: prompt_logprobs)
+            continue
         if body.get(key) is not None and body[key] not in plain:
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; leave it out",
                            param=key)
@@ -189,7 +196,8 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             max_tokens=number(body, max_key, None if chat else 16, int, count=True),
             seed=number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
             ignore_eos=boolean(body, "ignore_eos"),
-            num_speculative_tokens=number(body, "num_speculative_tokens", None, int, count=True))
+            num_speculative_tokens=number(body, "num_speculative_tokens", None, int, count=True),
+            prompt_logprobs=logprobs if not chat and boolean(body, "echo") else None)
     except SamplingError as e:  # named as the request named it
         sent = {"max_tokens": max_key, "logprobs": logprobs_key}.get(e.field, e.field)
         message = str(e)

@@ -25,6 +25,15 @@ def completion_logprobs(logprobs: list[dict], dec) -> dict:
             "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
 
 
+def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: list[dict | None] | None, dec) -> dict:
+    """`completion_logprobs` of an echoed prompt: every prompt token, the first without a log-probability (null,
+    as OpenAI's legacy API and vLLM answer), the others given the tokens before them."""
+    lps = prompt_logprobs or [None] * len(prompt_ids)
+    return {"tokens": [dec(t) for t in prompt_ids],
+            "token_logprobs": [None if lp is None else lp["logprob"] for lp in lps],
+            "top_logprobs": [None if lp is None else {dec(t): v for t, v in lp["top"].items()} for lp in lps]}
+
+
 def chat_logprobs(logprobs: list[dict], dec) -> dict:
     return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
                          "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
@@ -52,6 +61,7 @@ class Replies:
     logprobs: bool  # the request asked for logprobs
     retrieved: list[list[dict]] | None  # the passages of each prompt (retrieval-augmented requests)
     n: int  # choices per prompt: choice i answers prompt i // n
+    echo: list[str] | None = None  # each prompt's text, which a completion's text begins with (`echo`)
 
     def response(self, outputs: list[RequestOutput], num_prompt: int) -> dict:
         """The whole answer: every choice's finished output, in choice order."""
@@ -62,8 +72,11 @@ class Replies:
                 choice["message"] = {"role": "assistant", "content": out.text}
                 choice["logprobs"] = chat_logprobs(out.logprobs, self.dec) if self.logprobs else None
             else:
-                choice["text"] = out.text
+                choice["text"] = out.text if self.echo is None else self.echo[i // self.n] + out.text
                 choice["logprobs"] = completion_logprobs(out.logprobs, self.dec) if self.logprobs else None
+                if self.echo is not None and self.logprobs:
+                    head = echoed_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.dec)
+                    choice["logprobs"] = {k: head[k] + choice["logprobs"][k] for k in head}
             if self.retrieved is not None:
                 choice["retrieved"] = self.retrieved[i // self.n]
             choices.append(choice)

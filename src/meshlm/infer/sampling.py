@@ -122,10 +122,10 @@ class Sampler:
         if p.logprobs is None:
             return [(t, None) for t in tokens]
         logprobs_nv = torch.log_softmax(logits_nv[:len(tokens)], dim=-1)
-        return [(t, _logprobs_info(logprobs_nv[j], t, p.logprobs)) for j, t in enumerate(tokens)]
+        return [(t, logprobs_info(logprobs_nv[j], t, p.logprobs)) for j, t in enumerate(tokens)]
 
 
-def _logprobs_info(logprobs_v: torch.Tensor, token: int, num_top: int) -> dict:
+def logprobs_info(logprobs_v: torch.Tensor, token: int, num_top: int) -> dict:
     """A sampled token's log-probability and the `num_top` most likely tokens' (the model's distribution)."""
     top = torch.topk(logprobs_v, min(num_top, logprobs_v.shape[-1])) if num_top else None
     return {"token": token, "logprob": float(logprobs_v[token]),

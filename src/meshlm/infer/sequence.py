@@ -35,7 +35,9 @@ class SamplingParams:
     sampled token and of the n most likely tokens at that step. `num_speculative_tokens`: at most this many
     tokens proposed per step for this request (an engine started with speculative decoding; None: the
     engine's number). `max_tokens` None: up to the context length (what the engine's cache can hold of it), the
-    OpenAI chat API's default.
+    OpenAI chat API's default. `prompt_logprobs` = n returns, for every prompt token but the first, its
+    log-probability given the tokens before it and the n most likely tokens there (vLLM's parameter; the whole
+    prompt is computed, whatever the prefix cache holds of it).
     """
 
     temperature: float = 1.0
@@ -48,6 +50,7 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +79,10 @@ class SamplingParams:
             raise SamplingError("seed", f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise SamplingError("logprobs", f"logprobs={self.logprobs!r} must be an integer between 0 and 20")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise SamplingError("prompt_logprobs",
+                                f"prompt_logprobs={self.prompt_logprobs!r} must be an integer between 0 and 20")
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must be non-empty")
         k = self.num_speculative_tokens
@@ -113,6 +120,9 @@ class Sequence:
     max_model_len: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict] = field(default_factory=list)
+    # params.prompt_logprobs: position p's entry (p >= 1) is prompt token p's log-probability given tokens [0, p);
+    # None until computed (position 0 has none)
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -131,6 +141,8 @@ class Sequence:
             raise ValueError("the prompt is empty: give at least one token")
         if not self.request_id:
             self.request_id = str(self.seq_id)
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

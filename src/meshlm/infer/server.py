@@ -307,7 +307,7 @@ class _Completions:
                                                     chat=chat)
         replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
                           model=self.model_name, dec=self.dec, logprobs=options.params.logprobs is not None,
-                          retrieved=retrieved, n=n)
+                          retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None)
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage)
         finals = await self.collect(request, ids, queue)
@@ -468,6 +468,12 @@ class _Completions:
             for request_id in ids:
                 if request_id not in finished:  # the client went away (or one choice failed): free the blocks
                     self.engine.abort(request_id)
+
+    def text_of(self, prompt: str | list[int]) -> str:
+        """A prompt as echoed: its text as sent, or its token ids' text."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
 
     def dec(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
