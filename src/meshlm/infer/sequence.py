@@ -15,6 +15,11 @@ import time
 from dataclasses import dataclass, field
 
 
+def _whole(value) -> bool:
+    """An integer, or a float that is one (3.0); not a bool, nan or inf."""
+    return not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
+
+
 class SamplingError(ValueError):
     """A sampling parameter out of its range; `field` names it (the server answers with the request's own name for
     it, e.g. max_completion_tokens)."""
@@ -56,7 +61,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if any(isinstance(t, bool) or int(t) != t for t in self.stop_token_ids or []):
+        if not all(_whole(t) for t in self.stop_token_ids or []):
             raise SamplingError("stop_token_ids", f"stop_token_ids={self.stop_token_ids!r} must be token ids "
                                                   "(integers)")
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
@@ -66,7 +71,7 @@ class SamplingParams:
             raise SamplingError("top_p", f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is None:
             self.top_k = 0
-        if int(self.top_k) != self.top_k or self.top_k < -1:
+        if not _whole(self.top_k) or self.top_k < -1:
             raise SamplingError("top_k", f"top_k={self.top_k} must be an integer >= 1 (0 or -1 disables it)")
         self.top_k = int(self.top_k)  # 3.0 -> 3: torch.topk takes only an int
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
