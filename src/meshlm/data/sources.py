@@ -236,23 +236,38 @@ class _ZstdFrames:
         import zstandard
 
         self._new = zstandard.ZstdDecompressor().decompressobj
-        self._raw, self._frame, self._out = raw, None, bytearray()
+        self._raw, self._frame = raw, None
+        self._rest = b""  # compressed bytes of the next frame, read with the end of the one before
+        self._buf, self._pos = b"", 0  # the last decompressed piece, and how much of it was read
 
     def read(self, n: int) -> bytes:
-        while len(self._out) < n:
-            chunk = self._raw.read(1 << 20)
-            if not chunk:
+        pieces = []
+        while n > 0:
+            if self._pos == len(self._buf):
+                self._buf, self._pos = self._next_piece(), 0
+                if not self._buf:
+                    break
+            take = self._buf[self._pos:self._pos + n]
+            self._pos += len(take)
+            n -= len(take)
+            pieces.append(take)
+        return b"".join(pieces)
+
+    def _next_piece(self) -> bytes:
+        """The next decompressed bytes (b"" at the file's end)."""
+        while True:
+            chunk, self._rest = (self._rest or self._raw.read(1 << 16)), b""  # small: a call's output is the
+            if not chunk:  # frame's ratio times it
                 if self._frame is not None and not self._frame.eof:
                     raise EOFError("the file ends inside a zstd frame: it is truncated")
-                break
-            while chunk:
-                if self._frame is None or self._frame.eof:
-                    self._frame = self._new()
-                self._out += self._frame.decompress(chunk)
-                chunk = self._frame.unused_data if self._frame.eof else b""
-        out = bytes(self._out[:n])
-        del self._out[:n]
-        return out
+                return b""
+            if self._frame is None or self._frame.eof:
+                self._frame = self._new()
+            piece = self._frame.decompress(chunk)
+            if self._frame.eof:
+                self._rest = self._frame.unused_data
+            if piece:
+                return piece
 
 
 def _jsonl_units(path: Path, block_bytes: int) -> Iterator[Unit]:
