@@ -344,3 +344,14 @@ def test_generate_refuses_an_infinite_temperature_at_parsing(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--hf", ".", "--prompt", "hi", "--temperature", "inf"])
     assert e.value.code == 2 and "'inf' is not a finite number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 0), ("hidden_size", -256)])
+def test_planner_estimate_validates_the_model_config_it_is_given(field, value):
+    """A ZeroDivisionError, or a negative step time that fit, before (found by a fuzz pass of the Python API)."""
+    from meshlm import planner
+    from meshlm.config import ModelConfig
+
+    with pytest.raises(ValueError, match=f"model.{field}={value} must be > 0"):
+        planner.estimate(ModelConfig.from_preset("tiny", **{field: value}), "h100", gpus=1, layout="tp=1",
+                         global_batch_size=8, seq_len=256)

@@ -197,6 +197,49 @@ def test_user_errors():
     assert not llm.engine.has_unfinished()
 
 
+def test_a_bad_request_or_an_interrupted_generate_leaves_the_llm_usable(monkeypatch):
+    """Found by a fuzz pass of the Python API: a prompt holding a non-integer, or an exception other than a
+    ValueError while adding or stepping, left the first prompts' requests in the engine, and every later
+    generate finished those and failed on a KeyError of its own."""
+    import numpy as np
+
+    llm = LLM(_tiny_model(), block_size=4, device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    want = llm.generate([[7, 8]], greedy)[0].token_ids
+    for bad, says in (([[1, 2], [1.5]], r"it holds 1.5 \(float\)"), ([[1, 2], [float("inf")]], "it holds inf"),
+                      ([[1, 2], [True]], r"it holds True \(bool\)"), ([[1, 2], 5], "not int")):
+        with pytest.raises(ValueError, match=says):
+            llm.generate(bad, greedy)
+    with pytest.raises(ValueError, match="0 SamplingParams for 2 prompts"):
+        llm.generate([[1], [2]], [])
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
+        llm.generate([[1], [2]], {"max_tokens": 2})
+    step = llm.engine.step
+
+    def interrupted():
+        monkeypatch.setattr(llm.engine, "step", step)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2], [3, 4]], greedy)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([[7, 8]], greedy)[0].token_ids == want
+    assert llm.generate(np.array([7, 8]), greedy)[0].token_ids == want  # one prompt of numpy ids, or a tuple
+    assert llm.generate((7, 8), greedy)[0].token_ids == want
+
+
+@pytest.mark.parametrize("kw", [dict(logprobs=True), dict(prompt_logprobs=True), dict(temperature=None),
+                                dict(top_p="0.5"), dict(top_k=float("inf")), dict(top_k="3"), dict(ignore_eos="no"),
+                                dict(stop=[5]), dict(stop={"a": 1}), dict(stop_token_ids=[float("nan")])])
+def test_sampling_params_of_the_wrong_kind_are_refused_naming_the_field(kw):
+    from meshlm.infer.sequence import SamplingError
+
+    with pytest.raises(SamplingError, match=f"^{next(iter(kw))}=") as e:
+        SamplingParams(**kw)
+    assert e.value.field == next(iter(kw))
+
+
 def test_llm_loads_meshlm_checkpoint(tmp_path):
     from meshlm.config import Config
     from meshlm.checkpoint import save_checkpoint

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -153,7 +154,15 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (tokenizer.json): give prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}") from None
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"a prompt is text or a list of token ids (integers); it holds {bad[0]!r} "
+                             f"({type(bad[0]).__name__})")
+        ids = [int(t) for t in ids]
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -533,17 +542,20 @@ def run_to_completion(engine, prompts: list[str | list[int]],
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     if len(params_list) != len(prompts):
         raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
+    wrong = [type(sp).__name__ for sp in params_list if not isinstance(sp, SamplingParams)]
+    if wrong:
+        raise TypeError(f"params must be SamplingParams (or a list of them, one per prompt), not {wrong[0]}")
     ids: list[str] = []
     try:
         for prompt, sp in zip(prompts, params_list):
             ids.append(engine.add_request(prompt, sp).request_id)
-    except ValueError:
-        for request_id in ids:  # all or nothing
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for result in engine.step():
+                if result.finished:
+                    final[result.request_id] = result
+    except BaseException:  # all or nothing, whatever went wrong (a bad prompt, an interrupt): the engine stays usable
+        for request_id in ids:
             engine.abort(request_id)
         raise
-    final: dict[str, RequestOutput] = {}
-    while len(final) < len(ids):
-        for result in engine.step():
-            if result.finished:
-                final[result.request_id] = result
     return [final[i] for i in ids]

@@ -10,6 +10,7 @@ Not responsible for: serving (server.py) or starting ranks (torchrun, or `meshlm
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 import torch
@@ -170,8 +171,10 @@ class LLM:
         passages found for it put before it (the template in `meshlm.infer.rag`), and its result's
         `retrieved` lists them (id, doc_id, title, score).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str):
             prompts = [prompts]
+        elif len(prompts) and isinstance(prompts[0], numbers.Integral):
+            prompts = [list(prompts)]  # one prompt of token ids (a list, tuple or numpy array)
         prompts = list(prompts)
         retrieved = None
         if rag is not None:
@@ -185,7 +188,7 @@ class LLM:
                 passages = index.search(prompt, top_k=rag_top_k, mode=rag_mode)
                 prompts[i] = format_passages(passages) + prompt
                 retrieved.append([p.public() for p in passages])
-        outputs = self.engine.generate(prompts, params or SamplingParams())
+        outputs = self.engine.generate(prompts, SamplingParams() if params is None else params)
         for out, found in zip(outputs, retrieved or []):
             out.retrieved = found
         return outputs

@@ -20,6 +20,11 @@ def _whole(value) -> bool:
     return not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
 
 
+def _integer(value) -> bool:
+    """An int, not a bool (a count that indexes: torch.topk takes no float)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class SamplingError(ValueError):
     """A sampling parameter out of its range; `field` names it (the server answers with the request's own name for
     it, e.g. max_completion_tokens)."""
@@ -60,7 +65,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not (isinstance(self.stop, (list, tuple))
+                                          and all(isinstance(x, str) for x in self.stop)):
+            raise SamplingError("stop", f"stop={self.stop!r} must be a string or a list of strings")
         self.stop = list(self.stop or [])
+        for name in ("temperature", "top_p"):  # numbers (a bool is not one); their ranges below
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SamplingError(name, f"{name}={value!r} must be a number")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError("ignore_eos", f"ignore_eos={self.ignore_eos!r} must be True or False")
         if not all(_whole(t) for t in self.stop_token_ids or []):
             raise SamplingError("stop_token_ids", f"stop_token_ids={self.stop_token_ids!r} must be token ids "
                                                   "(integers)")
@@ -82,9 +96,9 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(1 << 63) <= self.seed < (1 << 64)):
             raise SamplingError("seed", f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise SamplingError("logprobs", f"logprobs={self.logprobs!r} must be an integer between 0 and 20")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+        if self.prompt_logprobs is not None and (not _integer(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise SamplingError("prompt_logprobs",
                                 f"prompt_logprobs={self.prompt_logprobs!r} must be an integer between 0 and 20")

@@ -283,6 +283,7 @@ def estimate_layout(summary: ModelSummary, cluster: Cluster, job: Job, layout: L
 def estimate(cfg: ModelConfig, cluster: Cluster, job: Job, layout: Layout, *, gpus: int | None = None) -> Estimate:
     """Validate and estimate one layout."""
     job.validate()
+    cfg.validate()
     cluster.check_trains_in(job.precision)
     if gpus is None:  # dp_shard=-1 then takes what the other degrees leave of their own product: 1
         gpus = layout.world if layout.is_resolved else layout.dp_replicate * layout.tp * layout.pp * layout.cp
