@@ -355,3 +355,21 @@ def test_planner_estimate_validates_the_model_config_it_is_given(field, value):
     with pytest.raises(ValueError, match=f"model.{field}={value} must be > 0"):
         planner.estimate(ModelConfig.from_preset("tiny", **{field: value}), "h100", gpus=1, layout="tp=1",
                          global_batch_size=8, seq_len=256)
+
+
+@pytest.mark.parametrize("change, error, says", [
+    (dict(layout=5), TypeError, "layout must be 'tp=8,pp=4,...', a dict of those keys or a Layout, not int"),
+    (dict(model=None), TypeError, "model must be a preset name, a config.json path or a ModelConfig"),
+    (dict(gpus=1.5), TypeError, "gpus=1.5 must be a whole number"),
+    (dict(seq_len=float("inf")), TypeError, "seq_len=inf must be a whole number"),
+])
+def test_the_planner_python_api_names_an_argument_of_the_wrong_kind(change, error, says):
+    """AttributeError / OverflowError / a message naming --gpus before (found by a fuzz pass of the Python API)."""
+    from meshlm import planner
+
+    args = {**dict(model="llama3-8b", cluster="h100", gpus=8, layout="tp=8", global_batch_size=8, seq_len=256), **change}
+    with pytest.raises(error, match=__import__("re").escape(says)):
+        planner.estimate(args.pop("model"), args.pop("cluster"), **args)
+    if "layout" not in change:
+        with pytest.raises(ValueError, match="top=-1 must be a whole number >= 0"):
+            planner.plan("llama3-8b", "h100", gpus=8, global_batch_size=8, seq_len=256, top=-1)

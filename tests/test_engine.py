@@ -240,6 +240,17 @@ def test_sampling_params_of_the_wrong_kind_are_refused_naming_the_field(kw):
     assert e.value.field == next(iter(kw))
 
 
+@pytest.mark.parametrize("kw, says", [(dict(num_blocks=-1), "num_blocks=-1 must be >= 1"),
+                                      (dict(seed="x"), "seed='x' must be a whole number"),
+                                      (dict(tp=1.5), "tp=1.5 must be a whole number"),
+                                      (dict(block_size=7.5), "block_size=7.5 must be a whole number"),
+                                      (dict(max_model_len=2.5), "max_model_len=2.5 must be a whole number")])
+def test_llm_refuses_counts_that_are_not_whole_numbers(kw, says):
+    """A RuntimeError or TypeError from torch before, or "start 1.5 ranks" (found by a fuzz pass of the API)."""
+    with pytest.raises(ValueError, match=says):
+        LLM(_tiny_model(), device="cpu", **kw)
+
+
 def test_llm_loads_meshlm_checkpoint(tmp_path):
     from meshlm.config import Config
     from meshlm.checkpoint import save_checkpoint

@@ -110,6 +110,10 @@ def tokenizer_identity(tok: Tokenizer):
     return type(tok).__name__, getattr(tok, "vocab_size", None)
 
 
+# The Engine arguments that count something (None: the default, where one is allowed).
+WHOLE_ARGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed")
+
+
 class LLM:
     def __init__(self, model: str | Path | Transformer, *, tp: int = 1, cp: int = 1, tokenizer: Tokenizer | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device = "auto", reuse_host_memory: bool = True,
@@ -132,6 +136,12 @@ class LLM:
         cache arguments are per rank. On rank 0 it returns a usable LLM (`is_driver`); on the others it
         runs their part of every step and returns once rank 0 calls `close()`. `comm_stats`: a `comm_stats.CommStats`
         the ranks' communication is counted (or traced) into."""
+        for name, value in (("tp", tp), ("cp", cp), *((k, engine_kwargs[k]) for k in WHOLE_ARGS if k in engine_kwargs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}={value!r} must be a whole number")
+        if engine_kwargs.get("num_blocks") is not None and engine_kwargs["num_blocks"] < 1:
+            raise ValueError(f"num_blocks={engine_kwargs['num_blocks']} must be >= 1 (or None: as many as "
+                             "kv_cache_memory_bytes holds)")
         device, dtype = serving_device(device, dtype)
         if tp < 1 or cp < 1:
             raise ValueError(f"tp={tp} and cp={cp} must be >= 1")

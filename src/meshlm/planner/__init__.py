@@ -19,6 +19,8 @@ Python API: `estimate(...)` (one layout) and `plan(...)` (search) below.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from meshlm.config import ModelConfig
 from meshlm.planner.cluster import PRESETS, Cluster, get_cluster
 from meshlm.planner.cost import Estimate, Job, Layout, parse_layout, pipeline_bubble
@@ -29,10 +31,15 @@ __all__ = ["estimate", "plan", "Estimate", "Job", "Layout", "Cluster", "PRESETS"
 
 
 def _inputs(model, cluster, *, seq_len, global_batch_size, global_batch_tokens, precision, calibration,
-            runtime="megatron"):
+            runtime="megatron", gpus=1):
     from meshlm.planner.inputs import make_job, resolve_model
 
-    cfg = model if isinstance(model, ModelConfig) else resolve_model(model)
+    if not isinstance(model, (str, Path, ModelConfig)):
+        raise TypeError(f"model must be a preset name, a config.json path or a ModelConfig, not {type(model).__name__}")
+    for name, value in (("gpus", gpus), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}={value!r} must be a whole number")
+    cfg = model if isinstance(model, ModelConfig) else resolve_model(str(model))
     clu = cluster if isinstance(cluster, Cluster) else get_cluster(cluster, calibration=calibration)
     job = make_job(seq_len=seq_len, global_batch_size=global_batch_size, global_batch_tokens=global_batch_tokens,
                    precision=precision, runtime=runtime)
@@ -50,9 +57,12 @@ def estimate(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, lay
     """
     from meshlm.planner import cost
 
-    cfg, clu, job = _inputs(model, cluster, seq_len=seq_len, global_batch_size=global_batch_size,
+    cfg, clu, job = _inputs(model, cluster, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                             global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration,
                             runtime=runtime)
+    if not isinstance(layout, (str, dict, Layout)):
+        raise TypeError(f"layout must be 'tp=8,pp=4,...', a dict of those keys or a Layout, not "
+                        f"{type(layout).__name__}")
     if isinstance(layout, str):
         layout = parse_layout(layout, gpus=gpus)
     elif isinstance(layout, dict):
@@ -63,9 +73,11 @@ def estimate(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, lay
 def plan(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, seq_len: int = 8192,
          global_batch_size: int | None = None, global_batch_tokens: int | str | None = None,
          precision: str = "bf16", top: int = 10, calibration: str | None = None) -> SearchResult:
-    """Search all layouts; `result.ranked` holds the fitting ones, fastest first."""
+    """Search all layouts; `result.ranked` holds the fitting ones, fastest first (the `top` fastest; 0: all)."""
     from meshlm.planner.search import search
 
-    cfg, clu, job = _inputs(model, cluster, seq_len=seq_len, global_batch_size=global_batch_size,
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"top={top!r} must be a whole number >= 0 (the layouts to keep; 0: all that fit)")
+    cfg, clu, job = _inputs(model, cluster, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                             global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration)
     return search(cfg, clu, job, gpus=gpus, top=top)
