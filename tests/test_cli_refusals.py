@@ -367,7 +367,8 @@ def test_the_planner_python_api_names_an_argument_of_the_wrong_kind(change, erro
     """AttributeError / OverflowError / a message naming --gpus before (found by a fuzz pass of the Python API)."""
     from meshlm import planner
 
-    args = {**dict(model="llama3-8b", cluster="h100", gpus=8, layout="tp=8", global_batch_size=8, seq_len=256), **change}
+    args = {**dict(model="llama3-8b", cluster="h100", gpus=8, layout="tp=8", global_batch_size=8, seq_len=256),
+            **change}
     with pytest.raises(error, match=__import__("re").escape(says)):
         planner.estimate(args.pop("model"), args.pop("cluster"), **args)
     if "layout" not in change:
