@@ -374,3 +374,19 @@ def test_the_planner_python_api_names_an_argument_of_the_wrong_kind(change, erro
     if "layout" not in change:
         with pytest.raises(ValueError, match="top=-1 must be a whole number >= 0"):
             planner.plan("llama3-8b", "h100", gpus=8, global_batch_size=8, seq_len=256, top=-1)
+
+
+@pytest.mark.parametrize("preset, field, value, says", [
+    ("tiny", "init_std", float("inf"), "must be a finite number"),
+    ("tiny-moe", "capacity_factor", float("inf"), "must be a finite number"),
+    ("tiny-moe", "num_experts_per_token", 1.5, "must be a whole number"),
+    ("tiny", "norm_eps", None, "must be a finite number"),
+    ("tiny", "rope_scaling", 5, "must be a table of llama3 RoPE scaling keys"),
+])
+def test_a_model_config_of_numbers_the_model_cannot_use_is_refused(preset, field, value, says):
+    """Validated before, then non-finite weights, an OverflowError or a TypeError inside the forward (found by a fuzz
+    pass of the Python API)."""
+    from meshlm.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=f"model.{field}=.* {says}"):
+        ModelConfig.from_preset(preset, **{field: value}).validate()

@@ -108,6 +108,19 @@ class ModelConfig:
             _require(isinstance(value, int) and not isinstance(value, bool), f"model.{name}", value,
                      "must be a whole number")
             _require(value > 0, f"model.{name}", value, "must be > 0")
+        for name in ("num_experts", "num_experts_per_token", "moe_layer_freq", "first_dense_layers",
+                     "num_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(self, name)  # counts (the None ones: unset)
+            _require(value is None and name.endswith("intermediate_size")
+                     or isinstance(value, int) and not isinstance(value, bool), f"model.{name}", value,
+                     "must be a whole number")
+        for name in ("rope_theta", "norm_eps", "init_std", "router_aux_loss_coef", "capacity_factor",
+                     "router_bias_update_rate"):
+            value = getattr(self, name)  # an inf or nan would reach the weights or the router as such
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                     f"model.{name}", value, "must be a finite number")
+        _require(self.rope_scaling is None or isinstance(self.rope_scaling, dict), "model.rope_scaling",
+                 self.rope_scaling, "must be a table of llama3 RoPE scaling keys, or unset")
         _require(self.hidden_size % self.num_heads == 0 or self.head_dim != self.hidden_size // self.num_heads,
                  "model.num_heads", self.num_heads,
                  f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)")
