@@ -390,3 +390,15 @@ def test_a_model_config_of_numbers_the_model_cannot_use_is_refused(preset, field
 
     with pytest.raises(ConfigError, match=f"model.{field}=.* {says}"):
         ModelConfig.from_preset(preset, **{field: value}).validate()
+
+
+def test_load_config_refuses_an_empty_path_and_overrides_that_are_not_a_list_of_strings():
+    """'' read the working directory; a string of overrides was split into characters; an int one was an
+    AttributeError (found by a fuzz pass of the Python API)."""
+    from meshlm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="config file '' is empty"):
+        load_config("")
+    for overrides in ("model.num_layers=2", ["model.num_layers=2", 5]):
+        with pytest.raises(ConfigError, match="must be a list of 'section.field=value' strings"):
+            load_config(None, overrides)

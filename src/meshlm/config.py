@@ -489,7 +489,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     so `--set model.preset=llama3-8b --set model.num_layers=2` means a 2-layer Llama-3-8B.
     """
     raw: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    if isinstance(overrides, str) or not all(isinstance(item, str) for item in overrides):
+        raise ConfigError(f"overrides={overrides!r} must be a list of 'section.field=value' strings")
     if path is not None:
+        if str(path) == "":  # Path("") is the working directory
+            raise ConfigError("config file '' is empty: give a TOML file, or None for the defaults")
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
