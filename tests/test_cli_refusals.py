@@ -402,3 +402,16 @@ def test_load_config_refuses_an_empty_path_and_overrides_that_are_not_a_list_of_
     for overrides in ("model.num_layers=2", ["model.num_layers=2", 5]):
         with pytest.raises(ConfigError, match="must be a list of 'section.field=value' strings"):
             load_config(None, overrides)
+
+
+@pytest.mark.parametrize("kw, error, says", [
+    (dict(dtype="float32"), TypeError, "dtype='float32' must be a floating torch.dtype"),
+    (dict(device="nope"), ValueError, "device='nope' is not a torch device"),
+    (dict(device="meta"), ValueError, "device='meta' holds no weights to load into"),
+])
+def test_load_pretrained_names_a_dtype_or_device_it_cannot_load_into(tmp_path, kw, error, says):
+    """'Invalid device string: float32' (naming the wrong argument) or a torch RuntimeError before."""
+    from meshlm.models.hf import load_pretrained
+
+    with pytest.raises(error, match=says):
+        load_pretrained(tmp_path, **kw)

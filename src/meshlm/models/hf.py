@@ -67,6 +67,16 @@ _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq")
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, *,
                     device: str | torch.device = "cpu") -> Transformer:
     """Build a `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype, e.g. torch.float32")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a torch device; give 'cpu' or 'cuda'") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA device is available here; use 'cpu'")
+    if kind == "meta":
+        raise ValueError("device='meta' holds no weights to load into; give 'cpu' or 'cuda'")
     path = Path(path)
     config = ModelConfig.from_hf(path)
     with torch.device("meta"):
