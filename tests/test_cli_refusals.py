@@ -358,10 +358,10 @@ def test_planner_estimate_validates_the_model_config_it_is_given(field, value):
 
 
 @pytest.mark.parametrize("change, error, says", [
-    (dict(layout=5), TypeError, "layout must be 'tp=8,pp=4,...', a dict of those keys or a Layout, not int"),
-    (dict(model=None), TypeError, "model must be a preset name, a config.json path or a ModelConfig"),
-    (dict(gpus=1.5), TypeError, "gpus=1.5 must be a whole number"),
-    (dict(seq_len=float("inf")), TypeError, "seq_len=inf must be a whole number"),
+    (dict(layout=5), ValueError, "layout must be 'tp=8,pp=4,...', a dict of those keys or a Layout, not int"),
+    (dict(model=None), ValueError, "model must be a preset name, a config.json path or a ModelConfig"),
+    (dict(gpus=1.5), ValueError, "gpus=1.5 must be a whole number"),
+    (dict(seq_len=float("inf")), ValueError, "seq_len=inf must be a whole number"),
 ])
 def test_the_planner_python_api_names_an_argument_of_the_wrong_kind(change, error, says):
     """AttributeError / OverflowError / a message naming --gpus before (found by a fuzz pass of the Python API)."""
@@ -405,7 +405,7 @@ def test_load_config_refuses_an_empty_path_and_overrides_that_are_not_a_list_of_
 
 
 @pytest.mark.parametrize("kw, error, says", [
-    (dict(dtype="float32"), TypeError, "dtype='float32' must be a floating torch.dtype"),
+    (dict(dtype="float32"), ValueError, "dtype='float32' must be a floating torch.dtype"),
     (dict(device="nope"), ValueError, "device='nope' is not a torch device"),
     (dict(device="meta"), ValueError, "device='meta' holds no weights to load into"),
 ])
@@ -415,3 +415,12 @@ def test_load_pretrained_names_a_dtype_or_device_it_cannot_load_into(tmp_path, k
 
     with pytest.raises(error, match=says):
         load_pretrained(tmp_path, **kw)
+
+
+def test_a_layout_key_at_its_default_asks_for_nothing_and_is_taken():
+    """The refusal of keys without their degree takes a full `Layout.to_dict()` (every key, at its default)."""
+    from meshlm.planner import estimate
+    from meshlm.planner.layout import Layout
+
+    for layout in (Layout(tp=8).to_dict(), "tp=8,pp=1,pp_schedule=1f1b", {"tp": 8, "cp_method": "ring"}):
+        assert estimate("llama3-8b", "h100", gpus=8, layout=layout, global_batch_tokens="1M").layout.tp == 8

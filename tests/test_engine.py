@@ -212,7 +212,7 @@ def test_a_bad_request_or_an_interrupted_generate_leaves_the_llm_usable(monkeypa
             llm.generate(bad, greedy)
     with pytest.raises(ValueError, match="0 SamplingParams for 2 prompts"):
         llm.generate([[1], [2]], [])
-    with pytest.raises(TypeError, match="params must be SamplingParams"):
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
         llm.generate([[1], [2]], {"max_tokens": 2})
     step = llm.engine.step
 
@@ -227,6 +227,11 @@ def test_a_bad_request_or_an_interrupted_generate_leaves_the_llm_usable(monkeypa
     assert llm.generate([[7, 8]], greedy)[0].token_ids == want
     assert llm.generate(np.array([7, 8]), greedy)[0].token_ids == want  # one prompt of numpy ids, or a tuple
     assert llm.generate((7, 8), greedy)[0].token_ids == want
+    assert [r.token_ids for r in llm.generate(([7, 8] for _ in range(2)), greedy)] == [want, want]  # any iterable
+    numpy_params = SamplingParams(temperature=np.float32(0), top_k=np.int64(5), max_tokens=np.int64(3),
+                                  stop_token_ids=[np.int64(0)], seed=np.int64(1))  # numpy's numbers are numbers
+    plain = SamplingParams(temperature=0.0, top_k=5, max_tokens=3, stop_token_ids=[0], seed=1)
+    assert llm.generate([[7, 8]], numpy_params)[0].token_ids == llm.generate([[7, 8]], plain)[0].token_ids
 
 
 @pytest.mark.parametrize("kw", [dict(logprobs=True), dict(prompt_logprobs=True), dict(temperature=None),

@@ -431,7 +431,7 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
      "include_usage='yes' must be true or false"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages", "each message needs a 'role' and a 'content'"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
-     "message role 'wizard' is not one of system, developer, user, assistant, tool"),
+     "message role 'wizard' is not one of system, developer, user, assistant, tool, function"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages", "a content part of type 'image_url': this model reads text only"),
     ("completions", {"prompt": "x " * 2000}, "prompt", "but the context length is"),

@@ -182,7 +182,8 @@ class DisaggregatedEngine:
     # ---- requests (any thread but the prefill's) ------------------------------------------------
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> Sequence:
-        seq = self.prefill.make_sequence(prompt, params, request_id=request_id)
+        hold = min(engine.scheduler.most_tokens_per_sequence() for engine in (self.prefill, self.decode))
+        seq = self.prefill.make_sequence(prompt, params, request_id=request_id, hold=hold)
         self.decode.scheduler.check(seq)  # it must fit the decode instance's cache too
         return seq
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
 from meshlm.tokenizer import Tokenizer
+from meshlm.values import is_integer
 from meshlm.models.transformer import Transformer
 
 
@@ -158,7 +158,7 @@ class Engine:
             ids = list(prompt)
         except TypeError:
             raise ValueError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}") from None
-        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        bad = [t for t in ids if not is_integer(t)]
         if bad:
             raise ValueError(f"a prompt is text or a list of token ids (integers); it holds {bad[0]!r} "
                              f"({type(bad[0]).__name__})")
@@ -170,8 +170,10 @@ class Engine:
         return ids
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                      request_id: str | None = None) -> Sequence:
-        """Tokenize and validate a request without touching the engine's state (safe from any thread)."""
+                      request_id: str | None = None, hold: int | None = None) -> Sequence:
+        """Tokenize and validate a request without touching the engine's state (safe from any thread). `hold`: the
+        most tokens a sequence may hold where an unset max_tokens runs to the context (default: what this engine's
+        cache holds of one; a disaggregated pair gives the lesser of its two engines')."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if not ids:
@@ -180,11 +182,11 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context length is {self.max_model_len}; "
                              "shorten the prompt")
         if params.max_tokens is None:  # up to the context (OpenAI chat's default), as far as the cache holds it
-            room = min(self.max_model_len, self.scheduler.most_tokens_per_sequence()) - len(ids)
+            longest = min(self.max_model_len, hold or self.scheduler.most_tokens_per_sequence())
+            room = longest - len(ids)
             if room < 1:
-                raise ValueError(f"the prompt has {len(ids)} tokens and leaves no room to generate in the "
-                                 f"{min(self.max_model_len, self.scheduler.most_tokens_per_sequence())} tokens a "
-                                 "sequence can hold here; shorten the prompt")
+                raise ValueError(f"the prompt has {len(ids)} tokens and leaves no room to generate in the {longest} "
+                                 "tokens a sequence can hold here; shorten the prompt")
             params = dataclasses.replace(params, max_tokens=room)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
@@ -197,7 +199,8 @@ class Engine:
         if k is not None and (self.speculative is None or k > self.speculative.num_speculative_tokens):
             most = "speculates on no token (start it with speculative=...)" if self.speculative is None else \
                 f"proposes at most {self.speculative.num_speculative_tokens} tokens a step"
-            raise ValueError(f"num_speculative_tokens={k} is more than this engine allows: it {most}")
+            raise SamplingError("num_speculative_tokens",
+                                f"num_speculative_tokens={k} is more than this engine allows: it {most}")
         seq = Sequence(ids, params, request_id=request_id or "", eos_token_ids=self.eos_token_ids,
                        max_model_len=self.max_model_len)
         self.scheduler.check(seq)
@@ -544,7 +547,7 @@ def run_to_completion(engine, prompts: list[str | list[int]],
         raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
     wrong = [type(sp).__name__ for sp in params_list if not isinstance(sp, SamplingParams)]
     if wrong:
-        raise TypeError(f"params must be SamplingParams (or a list of them, one per prompt), not {wrong[0]}")
+        raise ValueError(f"params must be SamplingParams (or a list of them, one per prompt), not {wrong[0]}")
     ids: list[str] = []
     try:
         for prompt, sp in zip(prompts, params_list):

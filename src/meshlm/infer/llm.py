@@ -10,7 +10,6 @@ Not responsible for: serving (server.py) or starting ranks (torchrun, or `meshlm
 
 from __future__ import annotations
 
-import numbers
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from meshlm.infer.parallel import RUNNER_ARGS, ParallelRunner, build_runner, run
 from meshlm.host_memory import reuse_freed_host_memory
 from meshlm.infer.sequence import SamplingParams
 from meshlm.infer.speculative import SpeculativeConfig
+from meshlm.values import is_integer
 from meshlm.tokenizer import HFTokenizer, Tokenizer, read_eos_token_ids
 from meshlm.models.transformer import Transformer
 
@@ -137,7 +137,7 @@ class LLM:
         runs their part of every step and returns once rank 0 calls `close()`. `comm_stats`: a `comm_stats.CommStats`
         the ranks' communication is counted (or traced) into."""
         for name, value in (("tp", tp), ("cp", cp), *((k, engine_kwargs[k]) for k in WHOLE_ARGS if k in engine_kwargs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and not is_integer(value):
                 raise ValueError(f"{name}={value!r} must be a whole number")
         if engine_kwargs.get("num_blocks") is not None and engine_kwargs["num_blocks"] < 1:
             raise ValueError(f"num_blocks={engine_kwargs['num_blocks']} must be >= 1 (or None: as many as "
@@ -181,11 +181,9 @@ class LLM:
         passages found for it put before it (the template in `meshlm.infer.rag`), and its result's
         `retrieved` lists them (id, doc_id, title, score).
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        elif len(prompts) and isinstance(prompts[0], numbers.Integral):
-            prompts = [list(prompts)]  # one prompt of token ids (a list, tuple or numpy array)
-        prompts = list(prompts)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # any iterable of prompts
+        if prompts and is_integer(prompts[0]):
+            prompts = [prompts]  # one prompt of token ids (a list, tuple or numpy array)
         retrieved = None
         if rag is not None:
             from meshlm.infer.rag import as_index, format_passages

@@ -240,7 +240,7 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat API's message roles
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat API's roles (function: deprecated)
 MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
 MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
 

@@ -14,15 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-
-def _whole(value) -> bool:
-    """An integer, or a float that is one (3.0); not a bool, nan or inf."""
-    return not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
-
-
-def _integer(value) -> bool:
-    """An int, not a bool (a count that indexes: torch.topk takes no float)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+from meshlm.values import is_finite_real, is_integer, is_whole_number
 
 
 class SamplingError(ValueError):
@@ -69,13 +61,14 @@ class SamplingParams:
                                           and all(isinstance(x, str) for x in self.stop)):
             raise SamplingError("stop", f"stop={self.stop!r} must be a string or a list of strings")
         self.stop = list(self.stop or [])
-        for name in ("temperature", "top_p"):  # numbers (a bool is not one); their ranges below
+        for name in ("temperature", "top_p"):  # finite numbers (a bool is not one); their ranges below
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise SamplingError(name, f"{name}={value!r} must be a number")
+            if not is_finite_real(value):
+                raise SamplingError(name, f"{name}={value!r} must be a finite number")
+            setattr(self, name, float(value))
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError("ignore_eos", f"ignore_eos={self.ignore_eos!r} must be True or False")
-        if not all(_whole(t) for t in self.stop_token_ids or []):
+        if not all(is_whole_number(t) for t in self.stop_token_ids or []):
             raise SamplingError("stop_token_ids", f"stop_token_ids={self.stop_token_ids!r} must be token ids "
                                                   "(integers)")
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
@@ -85,29 +78,30 @@ class SamplingParams:
             raise SamplingError("top_p", f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is None:
             self.top_k = 0
-        if not _whole(self.top_k) or self.top_k < -1:
+        if not is_whole_number(self.top_k) or self.top_k < -1:
             raise SamplingError("top_k", f"top_k={self.top_k} must be an integer >= 1 (0 or -1 disables it)")
         self.top_k = int(self.top_k)  # 3.0 -> 3: torch.topk takes only an int
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-                                            or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_integer(self.max_tokens) or self.max_tokens < 1):
             raise SamplingError("max_tokens", f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         # torch.Generator takes seeds in [-2**63, 2**64): checked here, because a bad seed found while
         # sampling would fail the whole step, and with it every other request in the batch.
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -(1 << 63) <= self.seed < (1 << 64)):
+        if self.seed is not None and (not is_integer(self.seed) or not -(1 << 63) <= self.seed < (1 << 64)):
             raise SamplingError("seed", f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
-        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not is_integer(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise SamplingError("logprobs", f"logprobs={self.logprobs!r} must be an integer between 0 and 20")
-        if self.prompt_logprobs is not None and (not _integer(self.prompt_logprobs)
+        if self.prompt_logprobs is not None and (not is_integer(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise SamplingError("prompt_logprobs",
                                 f"prompt_logprobs={self.prompt_logprobs!r} must be an integer between 0 and 20")
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must be non-empty")
         k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        if k is not None and (not is_integer(k) or k < 1):
             raise SamplingError("num_speculative_tokens",
                                 f"num_speculative_tokens={k!r} must be an integer >= 1 (or None: the engine's number)")
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "num_speculative_tokens"):
+            if getattr(self, name) is not None:  # numpy's integers as Python's (torch.Generator, JSON)
+                setattr(self, name, int(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:

@@ -470,10 +470,10 @@ class _Completions:
                     self.engine.abort(request_id)
 
     def text_of(self, prompt: str | list[int]) -> str:
-        """A prompt as echoed: its text as sent, or its token ids' text."""
+        """A prompt as echoed: its text as sent, or its token ids' text (special tokens too, as `dec` names them)."""
         if isinstance(prompt, str):
             return prompt
-        return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
+        return self.tokenizer.decode(prompt, skip_special_tokens=False) if self.tokenizer is not None else ""
 
     def dec(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)

@@ -68,7 +68,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, *,
                     device: str | torch.device = "cpu") -> Transformer:
     """Build a `Transformer` from a Hugging Face checkpoint directory (config.json + safetensors)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype, e.g. torch.float32")
+        raise ValueError(f"dtype={dtype!r} must be a floating torch.dtype, e.g. torch.float32")
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError):

@@ -25,6 +25,7 @@ from meshlm.config import ModelConfig
 from meshlm.planner.cluster import PRESETS, Cluster, get_cluster
 from meshlm.planner.cost import Estimate, Job, Layout, parse_layout, pipeline_bubble
 from meshlm.planner.search import SearchResult
+from meshlm.values import is_integer
 
 __all__ = ["estimate", "plan", "Estimate", "Job", "Layout", "Cluster", "PRESETS", "SearchResult",
            "get_cluster", "pipeline_bubble"]
@@ -35,10 +36,11 @@ def _inputs(model, cluster, *, seq_len, global_batch_size, global_batch_tokens, 
     from meshlm.planner.inputs import make_job, resolve_model
 
     if not isinstance(model, (str, Path, ModelConfig)):
-        raise TypeError(f"model must be a preset name, a config.json path or a ModelConfig, not {type(model).__name__}")
+        raise ValueError(f"model must be a preset name, a config.json path or a ModelConfig, not "
+                         f"{type(model).__name__}")
     for name, value in (("gpus", gpus), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}={value!r} must be a whole number")
+        if not is_integer(value):
+            raise ValueError(f"{name}={value!r} must be a whole number")
     cfg = model if isinstance(model, ModelConfig) else resolve_model(str(model))
     clu = cluster if isinstance(cluster, Cluster) else get_cluster(cluster, calibration=calibration)
     job = make_job(seq_len=seq_len, global_batch_size=global_batch_size, global_batch_tokens=global_batch_tokens,
@@ -61,8 +63,8 @@ def estimate(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, lay
                             global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration,
                             runtime=runtime)
     if not isinstance(layout, (str, dict, Layout)):
-        raise TypeError(f"layout must be 'tp=8,pp=4,...', a dict of those keys or a Layout, not "
-                        f"{type(layout).__name__}")
+        raise ValueError(f"layout must be 'tp=8,pp=4,...', a dict of those keys or a Layout, not "
+                         f"{type(layout).__name__}")
     if isinstance(layout, str):
         layout = parse_layout(layout, gpus=gpus)
     elif isinstance(layout, dict):
@@ -76,7 +78,7 @@ def plan(model: str | ModelConfig, cluster: str | Cluster, *, gpus: int, seq_len
     """Search all layouts; `result.ranked` holds the fitting ones, fastest first (the `top` fastest; 0: all)."""
     from meshlm.planner.search import search
 
-    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+    if not is_integer(top) or top < 0:
         raise ValueError(f"top={top!r} must be a whole number >= 0 (the layouts to keep; 0: all that fit)")
     cfg, clu, job = _inputs(model, cluster, gpus=gpus, seq_len=seq_len, global_batch_size=global_batch_size,
                             global_batch_tokens=global_batch_tokens, precision=precision, calibration=calibration)

@@ -373,9 +373,11 @@ def parse_layout(text: str, *, gpus: int) -> Layout:
             if key in ("dp_replicate", "tp", "pp", "cp", "ep") and kw[key] < 1:
                 raise ValueError(f"layout {key}={kw[key]} must be >= 1")
     layout = Layout(**kw)
-    # keys that act only beside a degree above 1: given without it, named rather than ignored
+    # keys that act only beside a degree above 1: set away from their default without it, named rather than ignored
+    # (a default value asks for nothing: `Layout.to_dict()` carries every key)
+    default = Layout()
     for key, degree in (("cp_method", "cp"), ("cp_ulysses", "cp"), ("pp_schedule", "pp"), ("pp_split", "pp")):
-        if key in kw and getattr(layout, degree) == 1:
+        if key in kw and kw[key] != getattr(default, key) and getattr(layout, degree) == 1:
             raise ValueError(f"layout {key}={kw[key]} acts only with {degree} > 1 ({degree}=1 in {text!r}): "
                              f"give {degree}=N with it, or leave {key} out")
     return resolve_layout(layout, gpus=gpus, text=text)
