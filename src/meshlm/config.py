@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -21,6 +20,7 @@ from typing import Any
 
 from meshlm.dims import ParallelDims
 from meshlm.rules import CP_METHODS, FAULT_TOLERANCE, PP_SCHEDULES, RECOMPUTE_MODES, REPLICA_OUTER, ZERO_STAGES
+from meshlm.values import is_finite_real, is_integer, is_whole_number
 
 
 class ConfigError(ValueError):
@@ -105,20 +105,17 @@ class ModelConfig:
                     "intermediate_size", "max_seq_len", "head_dim"]
         for name in positive:
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool), f"model.{name}", value,
-                     "must be a whole number")
+            _require(is_integer(value), f"model.{name}", value, "must be a whole number")
             _require(value > 0, f"model.{name}", value, "must be > 0")
         for name in ("num_experts", "num_experts_per_token", "moe_layer_freq", "first_dense_layers",
                      "num_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size"):
             value = getattr(self, name)  # counts (the None ones: unset)
-            _require(value is None and name.endswith("intermediate_size")
-                     or isinstance(value, int) and not isinstance(value, bool), f"model.{name}", value,
+            _require(value is None and name.endswith("intermediate_size") or is_integer(value), f"model.{name}", value,
                      "must be a whole number")
         for name in ("rope_theta", "norm_eps", "init_std", "router_aux_loss_coef", "capacity_factor",
                      "router_bias_update_rate"):
             value = getattr(self, name)  # an inf or nan would reach the weights or the router as such
-            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                     f"model.{name}", value, "must be a finite number")
+            _require(is_finite_real(value), f"model.{name}", value, "must be a finite number")
         _require(self.rope_scaling is None or isinstance(self.rope_scaling, dict), "model.rope_scaling",
                  self.rope_scaling, "must be a table of llama3 RoPE scaling keys, or unset")
         _require(self.hidden_size % self.num_heads == 0 or self.head_dim != self.hidden_size // self.num_heads,
@@ -584,12 +581,11 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
             return value
         raise ConfigError(f"{where}={value!r} must be true or false")
     if base is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                isinstance(value, float) and not value.is_integer()):
+        if not is_whole_number(value):
             raise ConfigError(f"{where}={value!r} must be an integer")
         return int(value)
     if base is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_finite_real(value):
             raise ConfigError(f"{where}={value!r} must be a number")
         return float(value)
     if base is str:

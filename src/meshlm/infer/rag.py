@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.files import looks_binary, sha256_file
+from meshlm.values import is_integer
 
 FORMAT = "meshlm-rag-index"
 VERSION = 1
@@ -452,7 +453,7 @@ class RagIndex:
         if mode not in self.modes:
             raise ValueError(f"rag mode {mode!r} is not available for this index; use one of {list(self.modes)}"
                              + ("" if self.embeddings is not None else " (build with --embed-model for dense)"))
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 64:
+        if not is_integer(top_k) or not 1 <= top_k <= 64:
             raise ValueError(f"rag top_k={top_k!r} must be an integer between 1 and 64")
         if mode == "bm25":
             hits = self._bm25_top(query, top_k)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshlm.values import is_integer
+
 METHODS = ("ngram", "draft")
 
 
@@ -34,7 +36,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {list(METHODS)}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if not is_integer(k) or k < 1:
             raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (tokens proposed per step)")
         lo, hi = (tuple(self.ngram) + (None, None))[:2]
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi) or len(tuple(self.ngram)) != 2:
