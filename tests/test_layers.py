@@ -26,8 +26,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "meshlm"
 
 LAYERS = [
     ("core", {"rules", "values", "dims", "config", "hf_config", "config_doc", "files", "nccl_order", "comm_stats",
-              "mesh", "comm", "distributed", "liveness", "stragglers", "host_memory", "processes", "emulate", "tokenizer",
-              "schedules", "timeline", "plot"}),
+              "mesh", "comm", "distributed", "liveness", "stragglers", "host_memory", "processes", "emulate",
+              "tokenizer", "schedules", "timeline", "plot"}),
     ("models", {"models"}),
     ("parallel", {"parallel"}),
     ("checkpoint", {"checkpoint"}),
