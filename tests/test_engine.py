@@ -91,7 +91,10 @@ def test_greedy_matches_transformers(hf_case, engine_kwargs):
     dict(block_size=4, max_num_batched_tokens=7),  # chunked prefill forced small
     dict(block_size=4, num_blocks=16, max_num_seqs=8),  # preemption by recompute: positions computed again
 ], ids=["batched", "chunked", "preempt"])
-def test_prompt_logprobs_are_transformers_log_softmax_of_the_prompt(hf_case, engine_kwargs):
+def test_prompt_logprobs_are_transformers_log_softmax_of_the_prompt(hf_case, engine_kwargs, monkeypatch):
+    import meshlm.infer.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PROMPT_LOGPROB_ROWS", 5)  # a step's prompt rows in several slices
     path, prompts, _ = hf_case
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     llm = LLM(str(path), device="cpu", **engine_kwargs)

@@ -25,13 +25,17 @@ from meshlm.infer.kv_tiers import TIER_COUNTS, KVTiers
 from meshlm.comm import CollectiveError
 from meshlm.infer.model_runner import StepInput
 from meshlm.infer.parallel import build_runner
-from meshlm.infer.sampling import Sampler, logprobs_info
+from meshlm.infer.sampling import Sampler
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
 from meshlm.tokenizer import Tokenizer
 from meshlm.values import is_integer
 from meshlm.models.transformer import Transformer
+
+
+# Prompt positions whose log-probabilities are computed at a time (`Engine._keep_prompt_logprobs`).
+PROMPT_LOGPROB_ROWS = 1024
 
 
 @dataclass
@@ -422,11 +426,20 @@ class Engine:
         if not step.prompt_positions:
             return logits
         by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
-        logprobs = torch.log_softmax(logits[n:].float(), dim=-1)
-        for row, (seq_id, pos) in enumerate(step.prompt_positions):
-            seq = by_id[seq_id]
-            token = seq.prompt_token_ids[pos + 1]
-            seq.prompt_logprobs[pos + 1] = logprobs_info(logprobs[row], token, seq.params.prompt_logprobs)
+        wanted = [(by_id[seq_id], pos) for seq_id, pos in step.prompt_positions]
+        targets = torch.tensor([seq.prompt_token_ids[pos + 1] for seq, pos in wanted], device=logits.device)
+        k = max(seq.params.prompt_logprobs for seq, _ in wanted)
+        # PROMPT_LOGPROB_ROWS rows at a time (a long prompt's [rows, vocab] in fp32 would be gigabytes), each slice's
+        # numbers fetched at once (one device sync a slice, not one a token)
+        for first in range(0, len(wanted), PROMPT_LOGPROB_ROWS):
+            logprobs = torch.log_softmax(logits[n + first:n + first + PROMPT_LOGPROB_ROWS].float(), dim=-1)
+            chosen = logprobs.gather(1, targets[first:first + len(logprobs), None])[:, 0].tolist()
+            top = torch.topk(logprobs, min(k, logprobs.shape[-1])) if k else None
+            ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+            for row, (seq, pos) in enumerate(wanted[first:first + len(logprobs)]):
+                m = seq.params.prompt_logprobs  # `logprobs_info`'s entry: the token's, and the m most likely
+                seq.prompt_logprobs[pos + 1] = {"token": seq.prompt_token_ids[pos + 1], "logprob": chosen[row],
+                                                "top": dict(zip(ids[row][:m], values[row][:m])) if m else {}}
         return logits[:n]
 
     def _advance_text(self, seq: Sequence) -> None:
