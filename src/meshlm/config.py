@@ -116,8 +116,6 @@ class ModelConfig:
                      "router_bias_update_rate"):
             value = getattr(self, name)  # an inf or nan would reach the weights or the router as such
             _require(is_finite_real(value), f"model.{name}", value, "must be a finite number")
-        _require(self.rope_scaling is None or isinstance(self.rope_scaling, dict), "model.rope_scaling",
-                 self.rope_scaling, "must be a table of llama3 RoPE scaling keys, or unset")
         _require(self.hidden_size % self.num_heads == 0 or self.head_dim != self.hidden_size // self.num_heads,
                  "model.num_heads", self.num_heads,
                  f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)")
@@ -149,6 +147,8 @@ class ModelConfig:
         _require(self.router_bias_update_rate >= 0, "model.router_bias_update_rate", self.router_bias_update_rate,
                  "must be >= 0 (0 = off; DeepSeek-V3 uses 1e-3)")
         if self.rope_scaling is not None:
+            _require(isinstance(self.rope_scaling, dict), "model.rope_scaling", self.rope_scaling,
+                     "must be a table of llama3 RoPE scaling keys, or unset")
             missing = {"factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"} - set(self.rope_scaling)
             _require(not missing, "model.rope_scaling", self.rope_scaling, f"is missing keys {sorted(missing)}")

@@ -25,7 +25,7 @@ from meshlm.infer.kv_tiers import TIER_COUNTS, KVTiers
 from meshlm.comm import CollectiveError
 from meshlm.infer.model_runner import StepInput
 from meshlm.infer.parallel import build_runner
-from meshlm.infer.sampling import Sampler
+from meshlm.infer.sampling import Sampler, logprobs_infos
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
@@ -167,11 +167,14 @@ class Engine:
             raise ValueError(f"a prompt is text or a list of token ids (integers); it holds {bad[0]!r} "
                              f"({type(bad[0]).__name__})")
         ids = [int(t) for t in ids]
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = self._outside_vocabulary(ids)
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model.config.vocab_size})")
         return ids
+
+    def _outside_vocabulary(self, ids: list[int]) -> list[int]:
+        """The ids of `ids` that name no token of the model."""
+        return [t for t in ids if not 0 <= t < self.model.config.vocab_size]
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                       request_id: str | None = None, hold: int | None = None) -> Sequence:
@@ -192,7 +195,7 @@ class Engine:
                 raise ValueError(f"the prompt has {len(ids)} tokens and leaves no room to generate in the {longest} "
                                  "tokens a sequence can hold here; shorten the prompt")
             params = dataclasses.replace(params, max_tokens=room)
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
+        bad = self._outside_vocabulary(params.stop_token_ids)
         if bad:
             raise SamplingError("stop_token_ids", f"stop_token_ids {bad[:5]} are outside the vocabulary "
                                                   f"[0, {self.model.config.vocab_size})")
@@ -427,19 +430,14 @@ class Engine:
             return logits
         by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
         wanted = [(by_id[seq_id], pos) for seq_id, pos in step.prompt_positions]
-        targets = torch.tensor([seq.prompt_token_ids[pos + 1] for seq, pos in wanted], device=logits.device)
-        k = max(seq.params.prompt_logprobs for seq, _ in wanted)
-        # PROMPT_LOGPROB_ROWS rows at a time (a long prompt's [rows, vocab] in fp32 would be gigabytes), each slice's
-        # numbers fetched at once (one device sync a slice, not one a token)
+        # PROMPT_LOGPROB_ROWS rows at a time: a long prompt's [rows, vocab] in fp32 would be gigabytes
         for first in range(0, len(wanted), PROMPT_LOGPROB_ROWS):
-            logprobs = torch.log_softmax(logits[n + first:n + first + PROMPT_LOGPROB_ROWS].float(), dim=-1)
-            chosen = logprobs.gather(1, targets[first:first + len(logprobs), None])[:, 0].tolist()
-            top = torch.topk(logprobs, min(k, logprobs.shape[-1])) if k else None
-            ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
-            for row, (seq, pos) in enumerate(wanted[first:first + len(logprobs)]):
-                m = seq.params.prompt_logprobs  # `logprobs_info`'s entry: the token's, and the m most likely
-                seq.prompt_logprobs[pos + 1] = {"token": seq.prompt_token_ids[pos + 1], "logprob": chosen[row],
-                                                "top": dict(zip(ids[row][:m], values[row][:m])) if m else {}}
+            part = wanted[first:first + PROMPT_LOGPROB_ROWS]
+            logprobs = torch.log_softmax(logits[n + first:n + first + len(part)].float(), dim=-1)
+            entries = logprobs_infos(logprobs, [seq.prompt_token_ids[pos + 1] for seq, pos in part],
+                                     [seq.params.prompt_logprobs for seq, _ in part])
+            for (seq, pos), entry in zip(part, entries):
+                seq.prompt_logprobs[pos + 1] = entry
         return logits[:n]
 
     def _advance_text(self, seq: Sequence) -> None:

@@ -147,17 +147,16 @@ def check_text(text: str, param: str) -> str:
 
 
 # Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
-# any other value is refused, naming it, rather than answered as if it had not asked. (echo: a chat's; a completion
-# echoes its prompt.)
-UNSUPPORTED = {"echo": (False,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
+# any other value is refused, naming it, rather than answered as if it had not asked. A chat also has no `echo` (a
+# completion echoes its prompt: CHAT_UNSUPPORTED).
+UNSUPPORTED = {"suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
                "repetition_penalty": (1,), "logit_bias": ({},), "response_format": ({"type": "text"},),
                "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",)}
+CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,)}
 
 
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
-    for key, plain in UNSUPPORTED.items():
-        if key == "echo" and not chat:  # a completion echoes its prompt (with its tokens' logprobs: prompt_logprobs)
-            continue
+    for key, plain in (CHAT_UNSUPPORTED if chat else UNSUPPORTED).items():
         if body.get(key) is not None and body[key] not in plain:
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; leave it out",
                            param=key)

@@ -122,11 +122,15 @@ class Sampler:
         if p.logprobs is None:
             return [(t, None) for t in tokens]
         logprobs_nv = torch.log_softmax(logits_nv[:len(tokens)], dim=-1)
-        return [(t, logprobs_info(logprobs_nv[j], t, p.logprobs)) for j, t in enumerate(tokens)]
+        return list(zip(tokens, logprobs_infos(logprobs_nv, tokens, [p.logprobs] * len(tokens))))
 
 
-def logprobs_info(logprobs_v: torch.Tensor, token: int, num_top: int) -> dict:
-    """A sampled token's log-probability and the `num_top` most likely tokens' (the model's distribution)."""
-    top = torch.topk(logprobs_v, min(num_top, logprobs_v.shape[-1])) if num_top else None
-    return {"token": token, "logprob": float(logprobs_v[token]),
-            "top": dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}}
+def logprobs_infos(logprobs_nv: torch.Tensor, tokens: list[int], num_tops: list[int]) -> list[dict]:
+    """Row i's entry: `tokens[i]`'s log-probability and the `num_tops[i]` most likely tokens' (the model's
+    distribution), {"token", "logprob", "top"}; the rows' numbers fetched at once (one device sync)."""
+    chosen = logprobs_nv.gather(1, torch.tensor(tokens, device=logprobs_nv.device)[:, None])[:, 0].tolist()
+    k = min(max(num_tops, default=0), logprobs_nv.shape[-1])
+    top = torch.topk(logprobs_nv, k) if k else None
+    ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * len(tokens),) * 2
+    return [{"token": t, "logprob": chosen[i], "top": dict(zip(ids[i][:m], values[i][:m]))}
+            for i, (t, m) in enumerate(zip(tokens, num_tops))]

@@ -32,13 +32,14 @@ __all__ = ["estimate", "plan", "Estimate", "Job", "Layout", "Cluster", "PRESETS"
 
 
 def _inputs(model, cluster, *, seq_len, global_batch_size, global_batch_tokens, precision, calibration,
-            runtime="megatron", gpus=1):
+            runtime="megatron", gpus=None):
+    """(ModelConfig, Cluster, Job) of the public functions' arguments, their kinds checked (`gpus`: where given)."""
     from meshlm.planner.inputs import make_job, resolve_model
 
     if not isinstance(model, (str, Path, ModelConfig)):
         raise ValueError(f"model must be a preset name, a config.json path or a ModelConfig, not "
                          f"{type(model).__name__}")
-    for name, value in (("gpus", gpus), ("seq_len", seq_len)):
+    for name, value in [("seq_len", seq_len)] + ([] if gpus is None else [("gpus", gpus)]):
         if not is_integer(value):
             raise ValueError(f"{name}={value!r} must be a whole number")
     cfg = model if isinstance(model, ModelConfig) else resolve_model(str(model))

@@ -471,10 +471,11 @@ def _misfit(sv: Serving, wl: Workload, cap: int, need: int, mem: dict, *, pool: 
         return (f"{pool}{mem['weights'] / GiB:.1f} GiB of weights per GPU{profile} leave room for {sv.max_tokens():,} "
                 f"tokens of KV cache, fewer than one sequence of {seq} tokens; add GPUs (tp, pp or cp){more}, shorten "
                 f"the sequence{fewer} or use --precision fp8 / --kv-precision fp8")
-    if need > cap and wl.max_batch and _kv_fits(sv, wl) > wl.max_batch:  # the engine's cap binds, not the memory
+    held = _kv_fits(sv, wl)  # requests the KV cache of a dp rank holds
+    if need > cap and wl.max_batch and held > wl.max_batch:  # the engine's cap binds, not the memory
         return (f"{need} requests do not fit: the engine runs at most {wl.max_batch} at once per dp rank "
                 f"(--max-batch, or the --engine's default), {cap} over {sv.layout.dp} dp rank(s), where the KV cache "
-                f"would hold {_kv_fits(sv, wl) * sv.layout.dp}: raise --max-batch, or add dp ranks")
+                f"would hold {held * sv.layout.dp}: raise --max-batch, or add dp ranks")
     if need > cap:
         shared = f" (their shared {wl.shared_prefix_len}-token prefix held once)" if wl.shared_prefix_len else ""
         return (f"{need} requests of {seq} tokens{shared} do not fit: {sv.kv_bytes_per_gpu(seq) / 2**20:,.1f} MiB of "
