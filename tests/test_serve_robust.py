@@ -305,6 +305,10 @@ def test_logprobs_in_streamed_chunks(served):
     streamed = [t for e in _stream(served, "/v1/chat/completions", chat)
                 for t in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
     assert streamed == whole and len(whole) == 4
+    # OpenAI's chat entries carry each token's UTF-8 bytes, the alternatives' too (the openai client reads them).
+    for t in whole:
+        assert t["bytes"] == list(t["token"].encode()) and len(t["top_logprobs"]) == 1
+        assert all(alt["bytes"] == list(alt["token"].encode()) for alt in t["top_logprobs"])
 
 
 def test_stop_strings_are_checked_incrementally(served):

@@ -35,9 +35,14 @@ def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: list[dict | None] | 
 
 
 def chat_logprobs(logprobs: list[dict], dec) -> dict:
-    return {"content": [{"token": dec(lp["token"]), "logprob": lp["logprob"],
-                         "top_logprobs": [{"token": dec(t), "logprob": v} for t, v in lp["top"].items()]}
-                        for lp in logprobs]}
+    """Chat's logprobs: each token's text, its UTF-8 `bytes` (OpenAI's field; a token that is part of a character
+    decodes to U+FFFD, whose bytes these are, as vLLM gives), its log-probability and its top alternatives."""
+    def entry(token: int, logprob: float) -> dict:
+        text = dec(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [entry(lp["token"], lp["logprob"])
+                        | {"top_logprobs": [entry(t, v) for t, v in lp["top"].items()]} for lp in logprobs]}
 
 
 def usage(num_prompt: int, num_completion: int) -> dict:
