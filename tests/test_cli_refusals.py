@@ -382,6 +382,8 @@ def test_the_planner_python_api_names_an_argument_of_the_wrong_kind(change, erro
     ("tiny-moe", "num_experts_per_token", 1.5, "must be a whole number"),
     ("tiny", "norm_eps", None, "must be a finite number"),
     ("tiny", "rope_scaling", 5, "must be a table of llama3 RoPE scaling keys"),
+    ("tiny", "hidden_size", None, "must be a whole number"),  # a TypeError as the head width was derived
+    ("tiny", "num_heads", "4", "must be a whole number"),
 ])
 def test_a_model_config_of_numbers_the_model_cannot_use_is_refused(preset, field, value, says):
     """Validated before, then non-finite weights, an OverflowError or a TypeError inside the forward (found by a fuzz

@@ -252,7 +252,9 @@ def test_sampling_params_of_the_wrong_kind_are_refused_naming_the_field(kw):
                                       (dict(seed="x"), "seed='x' must be a whole number"),
                                       (dict(tp=1.5), "tp=1.5 must be a whole number"),
                                       (dict(block_size=7.5), "block_size=7.5 must be a whole number"),
-                                      (dict(max_model_len=2.5), "max_model_len=2.5 must be a whole number")])
+                                      (dict(max_model_len=2.5), "max_model_len=2.5 must be a whole number"),
+                                      (dict(kv_cache_memory_bytes=float("nan")),
+                                       "kv_cache_memory_bytes=nan must be a whole number")])
 def test_llm_refuses_counts_that_are_not_whole_numbers(kw, says):
     """A RuntimeError or TypeError from torch before, or "start 1.5 ranks" (found by a fuzz pass of the API)."""
     with pytest.raises(ValueError, match=says):

@@ -77,8 +77,8 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.head_dim is None and self.num_heads > 0:
-            self.head_dim = self.hidden_size // self.num_heads
+        if self.head_dim is None and is_integer(self.hidden_size) and is_integer(self.num_heads) and self.num_heads > 0:
+            self.head_dim = self.hidden_size // self.num_heads  # else validate() names the value
 
     # -- derived ------------------------------------------------------------------------------
     @property

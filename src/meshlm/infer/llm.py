@@ -111,7 +111,8 @@ def tokenizer_identity(tok: Tokenizer):
 
 
 # The Engine arguments that count something (None: the default, where one is allowed).
-WHOLE_ARGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed")
+WHOLE_ARGS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+              "max_model_len", "seed")
 
 
 class LLM:
