@@ -294,7 +294,7 @@ def test_logprobs_in_streamed_chunks(served):
     body = {"model": "tiny", "prompt": "the quick", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "logprobs": 2}
     whole = _post(served, "/v1/completions", body)["choices"][0]["logprobs"]
-    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    lp = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
     for e in _stream(served, "/v1/completions", body):
         for key in lp:
             lp[key] += e["choices"][0].get("logprobs", {}).get(key, []) if e["choices"][0].get("logprobs") else []
@@ -529,6 +529,18 @@ def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks
             assert abs(lp["token_logprobs"][p] - float(ref[p - 1, prompt[p]])) < 1e-5, p
             assert len(lp["top_logprobs"][p]) == 1
         assert choice["text"].startswith(served.engine.engine.tokenizer.decode(prompt))
+        # where each token's text begins in the choice's text (OpenAI's legacy field)
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(prompt) + 1)]
+    # max_tokens 0 (OpenAI's legacy API, HELM): the prompt and its logprobs, no token
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, json={**body, "max_tokens": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+    only = r.json()
+    assert only["choices"][0]["text"] == served.engine.engine.tokenizer.decode(prompt)
+    assert only["choices"][0]["logprobs"] == {k: v[:-1] for k, v in lp.items()}
+    assert only["choices"][0]["finish_reason"] == "length" and only["usage"]["completion_tokens"] == 0
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, json={**body, "max_tokens": 0, "echo": False},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, timeout=30,
                    json={"model": "tiny", "prompt": "hello world", "max_tokens": 2, "echo": True})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello world"), r.text

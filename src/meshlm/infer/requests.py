@@ -77,6 +77,7 @@ class RequestOptions:
     include_usage: bool  # a streamed answer ends with the token usage (stream_options)
     echo: bool  # a completion's text (and logprobs) begin with its prompt's
     rag: tuple[int, str] | None  # (top_k, mode) of retrieval, or None
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt and its logprobs, no token generated
 
     @classmethod
     def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int) -> "RequestOptions":
@@ -99,7 +100,15 @@ class RequestOptions:
                 raise APIError(400, "stream_options must be an object such as {\"include_usage\": true}",
                                param="stream_options")
         return cls(params, n, stream, include_usage=boolean(options or {}, "include_usage"), echo=echo,
-                   rag=rag_options(body.get("rag"), rag_index, rag_top_k))
+                   rag=rag_options(body.get("rag"), rag_index, rag_top_k),
+                   prompt_only=echo and echo_without_tokens(body))
+
+
+def echo_without_tokens(body: dict) -> bool:
+    """A completion that asks for its prompt back and no token (echo, max_tokens 0: OpenAI's legacy API answered
+    it, HELM and older lm-eval score prompts so). The engine samples one token, which the answer leaves out, as
+    vLLM does."""
+    return boolean(body, "echo") and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
 
 
 def number(body: dict, key: str, default, kind=float, *, allow_none=True, count=False):
@@ -192,7 +201,8 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
             top_k=number(body, "top_k", 0, int),
             # chat's default: up to the context (OpenAI's); a completion's: 16 (OpenAI's legacy default)
-            max_tokens=number(body, max_key, None if chat else 16, int, count=True),
+            max_tokens=1 if not chat and echo_without_tokens(body) else number(body, max_key, None if chat else 16,
+                                                                                int, count=True),
             seed=number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
             ignore_eos=boolean(body, "ignore_eos"),
             num_speculative_tokens=number(body, "num_speculative_tokens", None, int, count=True),

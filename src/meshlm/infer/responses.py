@@ -12,26 +12,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from meshlm.infer.engine import RequestOutput
 
 
-def completion_logprobs(logprobs: list[dict], dec) -> dict:
-    return {"tokens": [dec(lp["token"]) for lp in logprobs],
-            "token_logprobs": [lp["logprob"] for lp in logprobs],
-            "top_logprobs": [{dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
-
-
-def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: list[dict | None] | None, dec) -> dict:
-    """`completion_logprobs` of an echoed prompt: every prompt token, the first without a log-probability (null,
-    as OpenAI's legacy API and vLLM answer), the others given the tokens before them."""
-    lps = prompt_logprobs or [None] * len(prompt_ids)
-    return {"tokens": [dec(t) for t in prompt_ids],
-            "token_logprobs": [None if lp is None else lp["logprob"] for lp in lps],
-            "top_logprobs": [None if lp is None else {dec(t): v for t, v in lp["top"].items()} for lp in lps]}
+def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], dec, offset: int = 0) -> dict:
+    """A completion's logprobs (OpenAI's legacy layout): each token's text, its log-probability and top
+    alternatives (None where there is none: an echoed prompt's first token), and `text_offset`, where its text
+    begins in the choice's text (the token texts' lengths summed from `offset`, as vLLM counts)."""
+    tokens = [dec(t) for t in token_ids]
+    return {"tokens": tokens, "text_offset": list(accumulate(map(len, tokens), initial=offset))[:-1],
+            "token_logprobs": [None if lp is None else lp["logprob"] for lp in logprobs],
+            "top_logprobs": [None if lp is None else {dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
 
 
 def chat_logprobs(logprobs: list[dict], dec) -> dict:
@@ -67,6 +63,8 @@ class Replies:
     retrieved: list[list[dict]] | None  # the passages of each prompt (retrieval-augmented requests)
     n: int  # choices per prompt: choice i answers prompt i // n
     echo: list[str] | None = None  # each prompt's text, which a completion's text begins with (`echo`)
+    prompt_only: bool = False  # echo without tokens (max_tokens 0): the one token the engine sampled is left out
+    streamed: dict[int, int] = field(default_factory=dict)  # choice -> characters of token text streamed so far
 
     def response(self, outputs: list[RequestOutput], num_prompt: int) -> dict:
         """The whole answer: every choice's finished output, in choice order."""
@@ -77,15 +75,15 @@ class Replies:
                 choice["message"] = {"role": "assistant", "content": out.text}
                 choice["logprobs"] = chat_logprobs(out.logprobs, self.dec) if self.logprobs else None
             else:
-                choice["text"] = out.text if self.echo is None else self.echo[i // self.n] + out.text
-                choice["logprobs"] = completion_logprobs(out.logprobs, self.dec) if self.logprobs else None
-                if self.echo is not None and self.logprobs:
-                    head = echoed_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.dec)
-                    choice["logprobs"] = {k: head[k] + choice["logprobs"][k] for k in head}
+                head = "" if self.echo is None else self.echo[i // self.n]
+                choice["text"] = head if self.prompt_only else head + out.text
+                choice["logprobs"] = self.whole_logprobs(out) if self.logprobs else None
+                if self.prompt_only:
+                    choice["finish_reason"] = "length"
             if self.retrieved is not None:
                 choice["retrieved"] = self.retrieved[i // self.n]
             choices.append(choice)
-        completion = sum(len(o.token_ids) for o in outputs)
+        completion = 0 if self.prompt_only else sum(len(o.token_ids) for o in outputs)
         response = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                     "created": int(time.time()), "model": self.model, "choices": choices,
                     "usage": usage(num_prompt, completion)}
@@ -93,6 +91,18 @@ class Replies:
             if len(self.retrieved) == 1:
                 response["retrieved"] = self.retrieved[0]
         return response
+
+    def whole_logprobs(self, out: RequestOutput) -> dict:
+        """A completion's logprobs: the prompt's first where it is echoed (its first token without one), then the
+        generated tokens'."""
+        ids, entries = [], []
+        if self.echo is not None:
+            ids = list(out.prompt_token_ids)
+            entries = list(out.prompt_logprobs or [None] * len(ids))
+        if not self.prompt_only:
+            ids += [lp["token"] for lp in out.logprobs]
+            entries += out.logprobs
+        return completion_logprobs(ids, entries, self.dec)
 
     @property
     def chunk_kind(self) -> str:
@@ -112,7 +122,9 @@ class Replies:
         else:
             choice["text"] = delta or ""
             if logprobs:
-                choice["logprobs"] = completion_logprobs(logprobs, self.dec)
+                lp = completion_logprobs([e["token"] for e in logprobs], logprobs, self.dec, self.streamed.get(i, 0))
+                self.streamed[i] = self.streamed.get(i, 0) + sum(map(len, lp["tokens"]))
+                choice["logprobs"] = lp
         return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
                     "choices": [choice]})
 

@@ -307,7 +307,8 @@ class _Completions:
                                                     chat=chat)
         replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
                           model=self.model_name, dec=self.dec, logprobs=options.params.logprobs is not None,
-                          retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None)
+                          retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
+                          prompt_only=options.prompt_only)
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage)
         finals = await self.collect(request, ids, queue)
