@@ -5,7 +5,8 @@ In two launched worlds (3 ranks: prefill tp2 -> decode tp1, then prefill tp1 -> 
 equal one engine's. The KV bytes on the "kv" axis (summed over the prefill ranks' sends, and over the decode ranks'
 receives) equal 2 x layers x kv_heads x head_dim x transferred tokens x 8 (float64), computed from the config:
 for one request alone its whole prompt, and for a second request sharing two blocks with it only the rest (the
-decode side's prefix cache holds the two). The traffic of a run replays clean under NCCL's ordering rules. A bad
+decode side's prefix cache holds the two). The request alone asks for its prompt's logprobs and its tokens': they
+equal one engine's within 1e-9. The traffic of a run replays clean under NCCL's ordering rules. A bad
 layout is refused with one line before any rank starts, and a `meshlm serve` whose decode instance is SIGKILLed
 mid-stream ends that stream with an error naming the decode instance while its front keeps answering (503)."""
 
@@ -29,6 +30,7 @@ CONFIG = dict(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_h
 # what one token's KV weighs on the "kv" axis: K and V x layers x kv heads x head_dim x float64
 KV_BYTES_PER_TOKEN = 2 * CONFIG["num_layers"] * CONFIG["num_kv_heads"] * (CONFIG["hidden_size"] // CONFIG["num_heads"]) * 8
 MAX_NEW = 8
+SCORED = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=2, prompt_logprobs=2)
 BLOCK = 4
 # chunked prefill (16 tokens a step) on the prefill side; a decode cache of 14 blocks in all: decodes are preempted
 PREFILL = dict(num_blocks=32, max_num_batched_tokens=16)
@@ -89,12 +91,25 @@ def _cases(rank, world_size, cases, *, exact: bool):
             if engine is not None:
                 counts = []
                 for prompt in requests:  # one after the other: B finds A's blocks in the decode side's cache
-                    engine.generate([prompt], greedy)
+                    # alone, A asks for its prompt's logprobs too (computed by the prefill side, answered by decode's)
+                    got = engine.generate([prompt], SCORED if phase == "alone" else greedy)[0]
                     counts.append(engine.stats()["kv_transferred_tokens"])
+                    if phase == "alone":
+                        out[name, "scored"] = got.token_ids, got.logprobs, got.prompt_logprobs
                 out[name, phase] = counts
                 engine.close()
             out[name, phase, "bytes"] = _kv_bytes(stats)
     return out
+
+
+def _logprob_entries_close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert g["token"] == w["token"] and list(g["top"]) == list(w["top"])
+            assert abs(g["logprob"] - w["logprob"]) < 1e-9
+            assert all(abs(g["top"][t] - w["top"][t]) < 1e-9 for t in w["top"])
 
 
 def _check(results, cases, world_size):
@@ -132,7 +147,13 @@ SIX = {"tp2_to_tp2cp2": ((2, 1), (2, 2))}
 def test_disaggregated_tokens_equal_one_engine_and_kv_bytes_are_exact():
     results = run_distributed(_cases, 3, THREE, exact=True, timeout=240)
     _check(results, THREE, 3)
+    want = LLM(_model("dense"), device="cpu", **REFERENCE).generate([A], SCORED)[0]
     for name in THREE:
+        tokens, logprobs, prompt_logprobs = results[0][name, "scored"]
+        assert tokens == want.token_ids, name
+        _logprob_entries_close(logprobs, want.logprobs)
+        _logprob_entries_close(prompt_logprobs, want.prompt_logprobs)
+        assert prompt_logprobs[0] is None and all(e is not None for e in prompt_logprobs[1:])
         # A alone: its whole prompt crosses; then B: only its tokens past the two blocks the decode side holds
         assert results[0][name, "alone"] == [len(A)]
         assert results[0][name, "shared"] == [len(A), len(A) + len(B) - 2 * BLOCK]
