@@ -544,7 +544,23 @@ def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks
     r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, timeout=30,
                    json={"model": "tiny", "prompt": "hello world", "max_tokens": 2, "echo": True})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello world"), r.text
-    for path, extra in (("completions", {"stream": True}), ("chat/completions", {})):
-        base = CHAT if path.startswith("chat") else COMPLETION
-        r = httpx.post(f"{served.url}/v1/{path}", headers=HEADERS, json={**base, "echo": True, **extra}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=HEADERS, json={**CHAT, "echo": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    # streamed: the prompt (and its logprobs) in the chunk before the first token's; the chunks add up to the answer
+    for tokens in (3, 0):
+        scored = {**body, "max_tokens": tokens, "prompt": [prompt, prompt[:4]], "ignore_eos": True}
+        whole = _post(served, "/v1/completions", scored)
+        events = _stream(served, "/v1/completions", {**scored, "stream_options": {"include_usage": True}})
+        assert events[-1]["usage"] == whole["usage"]
+        for choice in whole["choices"]:
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == choice["index"]]
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            got = {k: [x for c in mine if c.get("logprobs") for x in c["logprobs"][k]] for k in lp}
+            want = choice["logprobs"]
+            assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+            # the same numbers up to float32 (the two runs batch their steps differently)
+            assert [None if v is None else pytest.approx(v, abs=1e-5) for v in want["token_logprobs"]] == \
+                got["token_logprobs"]
+            assert [None if d is None else pytest.approx(d, abs=1e-5) for d in want["top_logprobs"]] == \
+                got["top_logprobs"]
+            assert mine[-1]["finish_reason"] == choice["finish_reason"] == "length"

@@ -89,8 +89,6 @@ class RequestOptions:
             raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
         stream = boolean(body, "stream")
         echo = not chat and boolean(body, "echo")
-        if echo and stream:
-            raise APIError(400, "echo is answered whole: leave out stream (or echo)", param="echo")
         options = body.get("stream_options")
         if options is not None:
             if not stream:

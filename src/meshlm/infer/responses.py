@@ -128,6 +128,17 @@ class Replies:
         return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
                     "choices": [choice]})
 
+    def echo_event(self, i: int, out: RequestOutput) -> str:
+        """The chunk that opens an echoed completion's choice `i`: its prompt's text, and its prompt's logprobs
+        where asked (`out` is the choice's first output, after its prefill)."""
+        choice = {"index": i, "finish_reason": None, "text": self.echo[i // self.n]}
+        if self.logprobs:
+            ids = list(out.prompt_token_ids)
+            choice["logprobs"] = completion_logprobs(ids, out.prompt_logprobs or [None] * len(ids), self.dec)
+            self.streamed[i] = sum(map(len, choice["logprobs"]["tokens"]))
+        return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
+                    "choices": [choice]})
+
     def usage_event(self, num_prompt: int, num_completion: int) -> str:
         """The last chunk of a stream that asked for `stream_options.include_usage`."""
         return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,

@@ -441,6 +441,7 @@ class _Completions:
         """The choices as server-sent events while they are generated, then `[DONE]`."""
         index = {request_id: i for i, request_id in enumerate(ids)}
         finished: dict[str, RequestOutput] = {}
+        echoed: set[int] = set()  # choices whose prompt went out (echo): in the chunk before their first token's
         try:
             if replies.chat or replies.retrieved is not None:  # the first chunk of each choice: role, passages
                 for i in range(len(ids)):
@@ -451,18 +452,22 @@ class _Completions:
                     yield sse(_engine_failed(out if isinstance(out, Exception) else out.error).body())
                     break
                 i = index[out.request_id]
+                if replies.echo is not None and i not in echoed:
+                    echoed.add(i)
+                    yield replies.echo_event(i, out)
                 # Logprobs of this step's new tokens travel with the chunk (its text may lag a token or
                 # two behind them: an incomplete character or a possible stop string is held back).
                 new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if (
                     replies.logprobs and out.new_token_ids) else None
-                if out.new_text or new_lp:
+                if (out.new_text or new_lp) and not replies.prompt_only:
                     yield replies.event(i, out.new_text, None, logprobs=new_lp)
                 if out.finished:
                     finished[out.request_id] = out
-                    yield replies.event(i, None, out.finish_reason)
+                    yield replies.event(i, None, "length" if replies.prompt_only else out.finish_reason)
             else:
                 if include_usage:
-                    yield replies.usage_event(num_prompt, sum(len(o.token_ids) for o in finished.values()))
+                    yield replies.usage_event(num_prompt, 0 if replies.prompt_only else
+                                              sum(len(o.token_ids) for o in finished.values()))
             yield "data: [DONE]\n\n"
         finally:
             request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finished.values())
