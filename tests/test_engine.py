@@ -13,6 +13,7 @@ import torch
 from meshlm import LLM, SamplingParams
 from meshlm.config import ModelConfig
 from meshlm.infer.engine import Engine
+from meshlm.infer.sequence import SamplingError
 from meshlm.models import KVCache, build_model
 
 transformers = pytest.importorskip("transformers")
@@ -110,6 +111,108 @@ def test_prompt_logprobs_are_transformers_log_softmax_of_the_prompt(hf_case, eng
                 assert list(got["top"]) == want[pos - 1].topk(2).indices.tolist()
     if engine_kwargs.get("num_blocks"):
         assert llm.engine.stats()["num_preemptions"] > 0
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama_penalties")
+    tiny_hf("llama").eval().save_pretrained(path)
+    return path
+
+
+# Repetitive prompts: the unpenalized greedy continuation repeats tokens, so every penalty changes it.
+PENALIZED_PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 40, 41, 40], [9] * 6, [60, 61, 62, 63, 64, 65, 66, 67, 68]]
+
+
+def _reference_with_penalties(hf, prompt, *, bias=None, repetition=1.0, frequency=0.0, presence=0.0) -> list[int]:
+    """Greedy decoding written out step by step on the transformers model: the last position's logits, plus the
+    bias; the repetition penalty over prompt and generated tokens; minus frequency x count and presence x seen
+    over the generated ones; argmax."""
+    tokens, generated = list(prompt), []
+    for _ in range(MAX_NEW):
+        with torch.no_grad():
+            row = hf(torch.tensor([tokens])).logits[0, -1].double()
+        for t, b in (bias or {}).items():
+            row[t] += b
+        for t in set(tokens):
+            row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+        for t in set(generated):
+            row[t] -= frequency * generated.count(t) + presence
+        generated.append(int(row.argmax()))
+        tokens.append(generated[-1])
+    return generated
+
+
+@pytest.mark.parametrize("penalties", [
+    dict(repetition_penalty=1.8), dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+    dict(logit_bias={3: 30.0, 4: -100.0}),
+    dict(frequency_penalty=0.7, presence_penalty=-0.5, repetition_penalty=1.3, logit_bias={33: 4.0}),
+], ids=["repetition", "frequency", "presence", "bias", "all"])
+def test_penalties_and_logit_bias_match_a_step_by_step_reference(llama_path, penalties):
+    """Each penalty as vLLM and OpenAI define it, greedy, against the transformers model decoded one step at a
+    time (and transformers' own repetition penalty); batched, preempted (the counts survive a recompute), and
+    with n-gram speculation (each verified row counts the proposals before it); logprobs stay the model's."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_path).eval()
+    names = {"repetition_penalty": "repetition", "frequency_penalty": "frequency", "presence_penalty": "presence",
+             "logit_bias": "bias"}
+    want = [_reference_with_penalties(hf, p, **{names[k]: v for k, v in penalties.items()}) for p in PENALIZED_PROMPTS]
+    plain = LLM(str(llama_path), device="cpu").generate(PENALIZED_PROMPTS, SamplingParams(temperature=0,
+                                                                                         max_tokens=MAX_NEW))
+    assert [r.token_ids for r in plain] != want  # the penalties change what greedy picks
+    if list(penalties) == ["repetition_penalty"]:
+        with torch.no_grad():
+            for p, w in zip(PENALIZED_PROMPTS, want):
+                out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=1.8,
+                                  attention_mask=torch.ones(1, len(p), dtype=torch.long))
+                got = out[0, len(p):].tolist()  # transformers stops at EOS (95); the reference ignores it
+                assert got == w or (got == w[:len(got)] and got[-1] == 95), (got, w)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1, **penalties)
+    for engine_kwargs in (dict(), dict(block_size=4, num_blocks=10, max_num_seqs=4),
+                          dict(speculative=dict(method="ngram", num_speculative_tokens=3, ngram=(1, 3)))):
+        llm = LLM(str(llama_path), device="cpu", **engine_kwargs)
+        results = llm.generate(PENALIZED_PROMPTS, params)
+        assert [r.token_ids for r in results] == want, engine_kwargs
+        if engine_kwargs.get("num_blocks"):
+            assert llm.engine.stats()["num_preemptions"] > 0
+        if "speculative" in engine_kwargs:
+            stats = llm.engine.stats()
+            assert stats["spec_proposed_tokens"] > 0 or list(penalties) == ["repetition_penalty"]
+            if len(penalties) > 1:  # proposals accepted: the rows after them count them as generated
+                assert stats["spec_accepted_tokens"] > 0
+    p, r = PENALIZED_PROMPTS[0], results[0]
+    with torch.no_grad():
+        model = torch.log_softmax(hf(torch.tensor([p + r.token_ids])).logits[0].double(), -1)
+    for i, entry in enumerate(r.logprobs):  # the model's own distribution, not the penalized one
+        assert abs(entry["logprob"] - float(model[len(p) - 1 + i, r.token_ids[i]])) < 1e-4
+
+
+def test_each_verified_row_is_penalized_for_the_proposals_before_it():
+    """Speculative decoding's row j follows the generated tokens and the first j proposals: its penalties count
+    them (written out by hand: logits of 1, repetition 2 over prompt [1, 2] and what follows, frequency 1,
+    presence 0.5, generated [3], proposals [3, 4])."""
+    from meshlm.infer.sampling import penalize
+    from meshlm.infer.sequence import Sequence
+
+    seq = Sequence([1, 2], SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=2.0))
+    seq.output_token_ids = [3]
+    got = penalize(torch.ones(3, 6), seq, [3, 4])
+    want = torch.tensor([[1, .5, .5, .5 - 1.5, 1, 1],  # 3 generated once
+                         [1, .5, .5, .5 - 2.5, 1, 1],  # 3 twice (the first proposal)
+                         [1, .5, .5, .5 - 2.5, .5 - 1.5, 1]])  # and 4 once
+    assert torch.equal(got, want), got
+
+
+def test_penalties_are_refused_out_of_range():
+    for kw, says in ((dict(presence_penalty=2.5), "presence_penalty=2.5 must be in"),
+                     (dict(frequency_penalty=float("nan")), "frequency_penalty=nan must be a finite number"),
+                     (dict(repetition_penalty=0), "repetition_penalty=0.0 must be > 0"),
+                     (dict(logit_bias={1: 200}), "must map token ids to biases in"),
+                     (dict(logit_bias={-1: 1}), "must map token ids"), (dict(logit_bias=[1]), "must map token ids")):
+        with pytest.raises(SamplingError, match=says):
+            SamplingParams(**kw)
+    with pytest.raises(SamplingError, match=r"logit_bias \[500\] are outside the vocabulary"):
+        LLM(_tiny_model(), device="cpu").generate([[1, 2]], SamplingParams(logit_bias={500: 1.0}))
 
 
 def _tiny_model():

@@ -426,8 +426,13 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     ("completions", {"stop_token_ids": [True]}, "stop_token_ids", "must be a list of integers"),
     ("completions", {"n": 1e308}, "n", "n=1e+308 is out of range"),
     ("chat/completions", {"echo": True}, "echo", "echo=True is not supported by this server"),
-    ("completions", {"presence_penalty": 1.5}, "presence_penalty", "is not supported"),
-    ("completions", {"logit_bias": {"1": 100}}, "logit_bias", "is not supported"),
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty=2.5 must be in [-2, 2]"),
+    ("chat/completions", {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty=0.0 must be > 0"),
+    ("completions", {"logit_bias": {"1": 101}}, "logit_bias", "must map token ids to biases in [-100, 100]"),
+    ("completions", {"logit_bias": {"a": 1}}, "logit_bias", "logit_bias key 'a' is not a token id"),
+    ("completions", {"logit_bias": {"1": "x"}}, "logit_bias", "logit_bias['1']='x' must be a number"),
+    ("completions", {"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias [99999] are outside the vocabulary"),
+    ("completions", {"suffix": "!"}, "suffix", "is not supported"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "is not supported"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "is not supported"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "give stream: true with it"),
@@ -453,6 +458,25 @@ def test_parameters_that_ask_for_nothing_are_served(served):
              "tool_choice": "none", "response_format": {"type": "text"}, "user": "u1", "max_completion_tokens": 2}
     r = httpx.post(f"{served.url}/v1/chat/completions", headers=HEADERS, json={**CHAT, **plain}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(served):
+    """A bias of 100 on one token makes greedy pick it every time; a repetition penalty then makes it pick it
+    once (the engine's own greedy with the same parameters: tests/test_engine.py checks those against a
+    reference)."""
+    from meshlm.infer.sequence import SamplingParams
+
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"7": 100}}
+    tok = served.engine.engine.tokenizer
+    assert _post(served, "/v1/completions", body)["choices"][0]["text"] == tok.decode([7] * 4)
+    penalized = {**body, "logit_bias": {"7": 5}, "repetition_penalty": 1e9, "frequency_penalty": 2}
+    text = _post(served, "/v1/completions", penalized)["choices"][0]["text"]
+    with served.engine._cv:
+        want = served.engine.engine.generate([[5, 6]], SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True, logit_bias={7: 5}, repetition_penalty=1e9,
+            frequency_penalty=2))[0]
+    assert text == want.text and want.token_ids.count(7) <= 1
 
 
 def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(served):

@@ -21,6 +21,13 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--repetition-penalty", type=finite_float, default=1.0, metavar="R",
+                   help="divide the positive logits of tokens in the prompt or generated so far by R, multiply the "
+                        "negative ones (default 1.0 = off)")
+    p.add_argument("--frequency-penalty", type=finite_float, default=0.0, metavar="F",
+                   help="subtract F x how often a token was generated so far from its logit, in [-2, 2] (default 0)")
+    p.add_argument("--presence-penalty", type=finite_float, default=0.0, metavar="P",
+                   help="subtract P from the logit of every token generated so far, in [-2, 2] (default 0)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (started through torch's launcher, on this node or over --nnodes; each "
                         "holds 1/N of the weights and of every KV block; default 1)")
@@ -89,7 +96,8 @@ def speculative_config(args):
 
 # The flag of each sampling parameter (`SamplingError.field`), for its messages.
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-                  "max_tokens": "--max-new-tokens", "seed": "--seed"}
+                  "max_tokens": "--max-new-tokens", "seed": "--seed", "repetition_penalty": "--repetition-penalty",
+                  "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty"}
 
 
 def run(args) -> int:
@@ -123,7 +131,9 @@ def sampling_params(args):
 
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              max_tokens=args.max_new_tokens, seed=args.seed)
+                              max_tokens=args.max_new_tokens, seed=args.seed,
+                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                              presence_penalty=args.presence_penalty)
     except SamplingError as e:
         flag, message = SAMPLING_FLAGS.get(e.field, e.field), str(e)
         raise ValueError(flag + " " + message.removeprefix(e.field + "=")) from None

@@ -195,10 +195,11 @@ class Engine:
                 raise ValueError(f"the prompt has {len(ids)} tokens and leaves no room to generate in the {longest} "
                                  "tokens a sequence can hold here; shorten the prompt")
             params = dataclasses.replace(params, max_tokens=room)
-        bad = self._outside_vocabulary(params.stop_token_ids)
-        if bad:
-            raise SamplingError("stop_token_ids", f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                                                  f"[0, {self.model.config.vocab_size})")
+        for name, named in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+            bad = self._outside_vocabulary(named)
+            if bad:
+                raise SamplingError(name, f"{name} {bad[:5]} are outside the vocabulary "
+                                          f"[0, {self.model.config.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")

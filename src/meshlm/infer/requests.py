@@ -156,9 +156,8 @@ def check_text(text: str, param: str) -> str:
 # Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
 # any other value is refused, naming it, rather than answered as if it had not asked. A chat also has no `echo` (a
 # completion echoes its prompt: CHAT_UNSUPPORTED).
-UNSUPPORTED = {"suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
-               "repetition_penalty": (1,), "logit_bias": ({},), "response_format": ({"type": "text"},),
-               "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",)}
+UNSUPPORTED = {"suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+               "functions": ([],), "function_call": ("none",)}
 CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,)}
 
 
@@ -204,13 +203,34 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             seed=number(body, "seed", None, int), stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
             ignore_eos=boolean(body, "ignore_eos"),
             num_speculative_tokens=number(body, "num_speculative_tokens", None, int, count=True),
-            prompt_logprobs=logprobs if not chat and boolean(body, "echo") else None)
+            prompt_logprobs=logprobs if not chat and boolean(body, "echo") else None,
+            presence_penalty=number(body, "presence_penalty", 0.0),
+            frequency_penalty=number(body, "frequency_penalty", 0.0),
+            repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body))
     except SamplingError as e:  # named as the request named it
         sent = {"max_tokens": max_key, "logprobs": logprobs_key}.get(e.field, e.field)
         message = str(e)
         if sent != e.field and message.startswith(e.field + "="):
             message = sent + message[len(e.field):]
         raise APIError(400, message, param=sent) from e
+
+
+def logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: an object from token ids (JSON's keys are strings) to biases."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > 1024:
+        raise APIError(400, "logit_bias must be an object of at most 1024 token ids (as strings) to biases",
+                       param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise APIError(400, f"logit_bias key {short(key)} is not a token id", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise APIError(400, f"logit_bias[{short(key)}]={short(value)} must be a number", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def chat_messages(body: dict) -> list[dict]:

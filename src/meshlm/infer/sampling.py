@@ -1,6 +1,7 @@
 """Turning one step's logits into each request's next token(s).
 
-Responsible for: greedy, temperature, top-k and top-p sampling per request; a private random
+Responsible for: greedy, temperature, top-k and top-p sampling per request, after its logit bias and penalties
+(`penalize`); a private random
 generator per seeded request (its samples do not depend on the rest of the batch or on
 preemptions); log-probabilities of the sampled token and the top-n alternatives (of the model's
 distribution before temperature and filters, as OpenAI reports them); speculative decoding's verification
@@ -88,7 +89,7 @@ class Sampler:
         sizes = [1 + len(p) for p in proposals]
         assert logits_nv.shape[0] == sum(sizes) and len(seqs) == len(proposals)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        if all(seq.params.greedy and seq.params.logprobs is None for seq in seqs):
+        if all(seq.params.greedy and seq.params.logprobs is None and not seq.params.penalized for seq in seqs):
             # only the token ids leave the device, not [rows, vocab] logits (argmax: the same index in any dtype)
             greedy = logits_nv.argmax(dim=-1).tolist()
             return [[(t, None) for t in accept_greedy(greedy[s:s + n], p)] for s, n, p in zip(starts, sizes, proposals)]
@@ -114,15 +115,38 @@ class Sampler:
     def _emit_rows(self, logits_nv: torch.Tensor, seq: Sequence, proposals: list[int], greedy: list[int],
                    draft_probs: torch.Tensor | None) -> Emitted:
         p = seq.params
+        scores_nv = penalize(logits_nv, seq, proposals) if p.penalized else logits_nv
         if p.temperature < MIN_TEMPERATURE:  # `sample`'s argmax
-            tokens = accept_greedy(greedy, proposals)
+            tokens = accept_greedy(scores_nv.argmax(dim=-1).tolist() if p.penalized else greedy, proposals)
         else:
-            probs = sampling_probs(logits_nv, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+            probs = sampling_probs(scores_nv, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
             tokens = verify_proposals(probs, proposals, self._generator(seq), draft_probs)
         if p.logprobs is None:
             return [(t, None) for t in tokens]
         logprobs_nv = torch.log_softmax(logits_nv[:len(tokens)], dim=-1)
         return list(zip(tokens, logprobs_infos(logprobs_nv, tokens, [p.logprobs] * len(tokens))))
+
+
+def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int]) -> torch.Tensor:
+    """The logits a request samples from (`SamplingParams`' penalties, in vLLM's order): its logit bias added,
+    then the repetition penalty over the tokens of the prompt and of what it generated, then the frequency and
+    presence penalties over what it generated. Row j follows the tokens generated so far and the first j
+    `proposals` (speculative decoding's rows)."""
+    p = seq.params
+    scores = logits_nv.clone()
+    if p.logit_bias:
+        scores[:, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=scores.dtype)
+    vocab = scores.shape[-1]
+    for j in range(scores.shape[0]):
+        generated = torch.tensor(seq.output_token_ids + proposals[:j], dtype=torch.long)
+        if p.repetition_penalty != 1:
+            seen = torch.cat([torch.tensor(seq.prompt_token_ids, dtype=torch.long), generated]).unique()
+            row = scores[j, seen]
+            scores[j, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            counts = torch.bincount(generated, minlength=vocab).to(scores.dtype)
+            scores[j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
 
 
 def logprobs_infos(logprobs_nv: torch.Tensor, tokens: list[int], num_tops: list[int]) -> list[dict]:

@@ -40,6 +40,13 @@ class SamplingParams:
     OpenAI chat API's default. `prompt_logprobs` = n returns, for every prompt token but the first, its
     log-probability given the tokens before it and the n most likely tokens there (vLLM's parameter; the whole
     prompt is computed, whatever the prefix cache holds of it).
+
+    Penalties, as vLLM applies them, in this order, before temperature and the filters: `logit_bias` {token id:
+    bias in [-100, 100]} is added to the logits (OpenAI's); `repetition_penalty` (> 0; 1 is off) divides the
+    positive logits of every token in the prompt or generated so far and multiplies the negative ones (CTRL's,
+    transformers'); `frequency_penalty` and `presence_penalty` (in [-2, 2]; OpenAI's) subtract, from each token's
+    logit, the penalty times how often it was generated so far, and the penalty once if it was. Logprobs stay
+    the model's own.
     """
 
     temperature: float = 1.0
@@ -53,6 +60,10 @@ class SamplingParams:
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,7 +72,8 @@ class SamplingParams:
                                           and all(isinstance(x, str) for x in self.stop)):
             raise SamplingError("stop", f"stop={self.stop!r} must be a string or a list of strings")
         self.stop = list(self.stop or [])
-        for name in ("temperature", "top_p"):  # finite numbers (a bool is not one); their ranges below
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            # finite numbers (a bool is not one); their ranges below
             value = getattr(self, name)
             if not is_finite_real(value):
                 raise SamplingError(name, f"{name}={value!r} must be a finite number")
@@ -93,6 +105,17 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise SamplingError("prompt_logprobs",
                                 f"prompt_logprobs={self.prompt_logprobs!r} must be an integer between 0 and 20")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise SamplingError(name, f"{name}={getattr(self, name)} must be in [-2, 2] (0 is off)")
+        if not self.repetition_penalty > 0:
+            raise SamplingError("repetition_penalty",
+                                f"repetition_penalty={self.repetition_penalty} must be > 0 (1 is off)")
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict) or not all(is_whole_number(t) and t >= 0 and is_finite_real(b)
+                                                  and -100 <= b <= 100 for t, b in bias.items()):
+            raise SamplingError("logit_bias", f"logit_bias={bias!r} must map token ids to biases in [-100, 100]")
+        self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must be non-empty")
         k = self.num_speculative_tokens
@@ -106,6 +129,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """The logits are changed before sampling (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
 
 class SequenceStatus(enum.Enum):
