@@ -325,6 +325,7 @@ def test_a_hugging_face_checkpoint_a_cast_would_corrupt_is_refused(tmp_path, spo
     (["--top-p", "2"], "--top-p 2.0 must be in (0, 1]"),
     (["--top-k", "-5"], "--top-k -5 must be an integer >= 1 (0 or -1 disables it)"),
     (["--seed", str(2**64)], "--seed 18446744073709551616 must be an integer in [-2**63, 2**64)"),
+    (["--min-p", "2"], "--min-p 2.0 must be in [0, 1] (0 is off)"),
     (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be > 0 (1 is off)"),
     (["--frequency-penalty", "3"], "--frequency-penalty 3.0 must be in [-2, 2] (0 is off)"),
     (["--kv-host-mb", "inf"], "kv_host_mb=inf (--kv-host-mb) must be a finite number >= 0"),

@@ -91,3 +91,20 @@ def test_bad_arguments_raise(model, kwargs, match):
     prompt = kwargs.pop("prompt_ids")
     with pytest.raises(ValueError, match=match):
         generate(model, prompt, **kwargs)
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_most_likely():
+    """vLLM's min_p, after temperature and before top-k / top-p: probabilities written out by hand."""
+    from meshlm.models.generation import sampling_probs
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    # temperature 1: p / p_max = 1, 0.6, 0.3, 0.1; min_p 0.25 keeps the first three
+    assert torch.allclose(sampling_probs(logits, temperature=1.0, min_p=0.25), torch.tensor([[.5, .3, .15, 0]]) / .95)
+    # temperature 2 flattens first: sqrt of the ratios, 1, 0.77, 0.55, 0.32: min_p 0.5 keeps three
+    want = torch.tensor([[.5, .3, .15, 0]]).sqrt() / torch.tensor([.5, .3, .15]).sqrt().sum()
+    assert torch.allclose(sampling_probs(logits, temperature=2.0, min_p=0.5), want)
+    # then top-p over what min_p kept (0.5 / 0.95 < 0.6: the second token crosses it)
+    assert torch.allclose(sampling_probs(logits, temperature=1.0, min_p=0.25, top_p=0.6),
+                          torch.tensor([[.625, .375, 0, 0]]))
+    assert torch.equal(sampling_probs(logits, temperature=1.0, min_p=1.0), torch.tensor([[1.0, 0, 0, 0]]))
+    assert torch.equal(sampling_probs(logits, temperature=1.0, min_p=0.0), sampling_probs(logits, temperature=1.0))

@@ -426,6 +426,7 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     ("completions", {"stop_token_ids": [True]}, "stop_token_ids", "must be a list of integers"),
     ("completions", {"n": 1e308}, "n", "n=1e+308 is out of range"),
     ("chat/completions", {"echo": True}, "echo", "echo=True is not supported by this server"),
+    ("completions", {"min_p": 1.5}, "min_p", "min_p=1.5 must be in [0, 1] (0 is off)"),
     ("completions", {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty=2.5 must be in [-2, 2]"),
     ("chat/completions", {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty=0.0 must be > 0"),
     ("completions", {"logit_bias": {"1": 101}}, "logit_bias", "must map token ids to biases in [-100, 100]"),
@@ -460,7 +461,7 @@ def test_parameters_that_ask_for_nothing_are_served(served):
     assert r.status_code == 200, r.text
 
 
-def test_logit_bias_and_penalties_reach_the_sampler(served):
+def test_logit_bias_penalties_and_min_p_reach_the_sampler(served):
     """A bias of 100 on one token makes greedy pick it every time; a repetition penalty then makes it pick it
     once (the engine's own greedy with the same parameters: tests/test_engine.py checks those against a
     reference)."""
@@ -477,6 +478,10 @@ def test_logit_bias_and_penalties_reach_the_sampler(served):
             temperature=0, max_tokens=4, ignore_eos=True, logit_bias={7: 5}, repetition_penalty=1e9,
             frequency_penalty=2))[0]
     assert text == want.text and want.token_ids.count(7) <= 1
+    # min_p 1 keeps only the most likely token: a draw at temperature 1 is greedy
+    plain = {k: v for k, v in body.items() if k != "logit_bias"}
+    drawn = _post(served, "/v1/completions", {**plain, "temperature": 1.0, "min_p": 1.0, "seed": 5})
+    assert drawn["choices"][0]["text"] == _post(served, "/v1/completions", plain)["choices"][0]["text"]
 
 
 def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(served):

@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--min-p", type=finite_float, default=0.0,
+                   help="drop tokens less likely than MIN_P x the most likely one (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--repetition-penalty", type=finite_float, default=1.0, metavar="R",
                    help="divide the positive logits of tokens in the prompt or generated so far by R, multiply the "
@@ -95,7 +97,7 @@ def speculative_config(args):
 
 
 # The flag of each sampling parameter (`SamplingError.field`), for its messages.
-SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
                   "max_tokens": "--max-new-tokens", "seed": "--seed", "repetition_penalty": "--repetition-penalty",
                   "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty"}
 
@@ -130,7 +132,7 @@ def sampling_params(args):
     from meshlm.infer.sequence import SamplingError, SamplingParams
 
     try:
-        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               max_tokens=args.max_new_tokens, seed=args.seed,
                               repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                               presence_penalty=args.presence_penalty)

@@ -107,7 +107,7 @@ class DraftProposer:
     def _draw(self, logits_1v: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor]:
         """A proposal of a sampling request and the distribution it was drawn from, [1, vocab]."""
         p = seq.params
-        probs = sampling_probs(logits_1v, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        probs = sampling_probs(logits_1v, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
         gen = self.default_generator
         if p.seed is not None:
             gen = self.generators.get(seq.seq_id)

@@ -119,7 +119,7 @@ class Sampler:
         if p.temperature < MIN_TEMPERATURE:  # `sample`'s argmax
             tokens = accept_greedy(scores_nv.argmax(dim=-1).tolist() if p.penalized else greedy, proposals)
         else:
-            probs = sampling_probs(scores_nv, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+            probs = sampling_probs(scores_nv, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
             tokens = verify_proposals(probs, proposals, self._generator(seq), draft_probs)
         if p.logprobs is None:
             return [(t, None) for t in tokens]

@@ -30,7 +30,8 @@ class SamplingError(ValueError):
 class SamplingParams:
     """How to generate one request's tokens.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. `seed` gives the
+    temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those filters (min_p, vLLM's:
+    tokens less likely than min_p x the most likely one's probability are dropped). `seed` gives the
     request its own random generator, so its samples do not depend on what else is in the batch.
     `stop` strings end the text (the stop string itself is not returned); `stop_token_ids` end it
     with that token included in `token_ids`. `logprobs` = n returns the log-probability of each
@@ -51,6 +52,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
+    min_p: float = 0.0
     top_k: int = 0
     max_tokens: int | None = 16
     seed: int | None = None
@@ -72,7 +74,7 @@ class SamplingParams:
                                           and all(isinstance(x, str) for x in self.stop)):
             raise SamplingError("stop", f"stop={self.stop!r} must be a string or a list of strings")
         self.stop = list(self.stop or [])
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             # finite numbers (a bool is not one); their ranges below
             value = getattr(self, name)
             if not is_finite_real(value):
@@ -88,6 +90,8 @@ class SamplingParams:
             raise SamplingError("temperature", f"temperature={self.temperature} must be >= 0 (0 is greedy)")
         if not (0 < self.top_p <= 1):
             raise SamplingError("top_p", f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingError("min_p", f"min_p={self.min_p} must be in [0, 1] (0 is off)")
         if self.top_k is None:
             self.top_k = 0
         if not is_whole_number(self.top_k) or self.top_k < -1:

@@ -10,6 +10,8 @@ Not responsible for: tokenisation, paged KV caches, continuous batching or servi
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from meshlm.models.transformer import KVCache, Transformer
@@ -33,14 +35,19 @@ def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p
     return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]
 
 
-def sampling_probs(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def sampling_probs(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> torch.Tensor:
     """The distribution `sample` draws from (temperature >= MIN_TEMPERATURE): float32 [rows, vocab], each row
-    summing to 1; speculative decoding's verification accepts and resamples against it."""
+    summing to 1; speculative decoding's verification accepts and resamples against it. `min_p` drops the tokens
+    less likely than min_p x the most likely one's probability (after temperature, before top-k and top-p, as
+    vLLM orders them)."""
     logits_bv = raw_bv = logits_bv.float()
     # Shifted so each row's largest logit is 0, then scaled by 1/temperature clamped to float32's range:
     # -inf logits stay -inf, finite ones stay finite (a huge temperature is a uniform draw, not inf/inf).
     logits_bv = logits_bv - logits_bv.amax(dim=-1, keepdim=True)
     logits_bv = logits_bv * min(1.0 / temperature, 1.0 / MIN_TEMPERATURE)
+    if min_p > 0:  # p / p_max = exp(logit - max logit), and the max is 0 here
+        logits_bv = logits_bv.masked_fill(logits_bv < math.log(min_p), float("-inf"))
     if 0 < top_k < logits_bv.shape[-1]:
         kth = torch.topk(logits_bv, top_k, dim=-1).values[:, -1:]
         logits_bv = logits_bv.masked_fill(logits_bv < kth, float("-inf"))
