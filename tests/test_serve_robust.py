@@ -435,7 +435,13 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     ("completions", {"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias [99999] are outside the vocabulary"),
     ("completions", {"suffix": "!"}, "suffix", "is not supported"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "is not supported"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "is not supported"),
+    ("chat/completions", {"response_format": {"type": "xml"}}, "response_format", "response_format must be"),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format", "response_format json does not compile: Invalid type: nonsense"),
+    ("completions", {"structured_outputs": {"regex": "("}}, "structured_outputs", "structured_outputs regex does not"),
+    ("completions", {"structured_outputs": {"choice": "yes"}}, "structured_outputs", "choice must be a non-empty list"),
+    ("completions", {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs", "give one of response_format and structured_outputs"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "give stream: true with it"),
     ("completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage",
      "include_usage='yes' must be true or false"),
@@ -482,6 +488,20 @@ def test_logit_bias_penalties_and_min_p_reach_the_sampler(served):
     plain = {k: v for k, v in body.items() if k != "logit_bias"}
     drawn = _post(served, "/v1/completions", {**plain, "temperature": 1.0, "min_p": 1.0, "seed": 5})
     assert drawn["choices"][0]["text"] == _post(served, "/v1/completions", plain)["choices"][0]["text"]
+
+
+def test_response_format_and_structured_outputs_hold_the_text_to_them(served):
+    """OpenAI's response_format (json_schema) on a chat and vLLM's structured_outputs (choice) on a completion:
+    a tiny random model's text follows them (tests/test_structured.py checks every kind in the engine)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    body = {**CHAT, "max_tokens": 30, "temperature": 0.8, "seed": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    out = _post(served, "/v1/chat/completions", body)["choices"][0]
+    assert set(json.loads(out["message"]["content"])) == {"n"} and out["finish_reason"] == "stop", out
+    body = {**COMPLETION, "max_tokens": 10, "n": 4, "temperature": 1.0, "seed": 3,
+            "structured_outputs": {"choice": ["red", "green", "blue"]}}
+    assert {c["text"] for c in _post(served, "/v1/completions", body)["choices"]} <= {"red", "green", "blue"}
 
 
 def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(served):

@@ -29,6 +29,7 @@ from meshlm.infer.sampling import Sampler, logprobs_infos
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
+from meshlm.infer.structured import Grammars
 from meshlm.tokenizer import Tokenizer
 from meshlm.values import is_integer
 from meshlm.models.transformer import Transformer
@@ -117,6 +118,7 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill)
         self.sampler = Sampler(seed=seed)
+        self.grammars = Grammars(tokenizer, self.model.config.vocab_size, self.eos_token_ids)  # structured outputs
         self.speculative = SpeculativeConfig.of(speculative)
         self.proposer = self._proposer(draft_model, seed=seed)
         self.spec_stats = SpecStats()
@@ -209,8 +211,9 @@ class Engine:
                 f"proposes at most {self.speculative.num_speculative_tokens} tokens a step"
             raise SamplingError("num_speculative_tokens",
                                 f"num_speculative_tokens={k} is more than this engine allows: it {most}")
+        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
         seq = Sequence(ids, params, request_id=request_id or "", eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len)
+                       max_model_len=self.max_model_len, matcher=matcher)
         self.scheduler.check(seq)
         return seq
 
@@ -337,7 +340,8 @@ class Engine:
         self.seconds["kv_tiers"] += time.perf_counter() - t0
 
     def _propose(self) -> None:
-        """Speculative decoding: proposals for every running sequence that decodes next (none for the others),
+        """Speculative decoding: proposals for every running sequence that decodes next (none for the others, nor
+        for a structured output's, whose grammar decides each token),
         which the next step verifies; a sequence the scheduler then preempts or gives no room drops them."""
         if self.proposer is None:
             return
@@ -346,7 +350,7 @@ class Engine:
             seq.spec_token_ids = []
             k = min(seq.params.num_speculative_tokens or self.speculative.num_speculative_tokens,
                     seq.max_total_tokens - seq.num_tokens - 1)
-            if seq.num_computed_tokens == seq.num_tokens - 1 and k > 0:
+            if seq.num_computed_tokens == seq.num_tokens - 1 and k > 0 and seq.matcher is None:
                 decoding.append(seq)
                 ks.append(k)
         if decoding:

@@ -156,8 +156,8 @@ def check_text(text: str, param: str) -> str:
 # Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
 # any other value is refused, naming it, rather than answered as if it had not asked. A chat also has no `echo` (a
 # completion echoes its prompt: CHAT_UNSUPPORTED).
-UNSUPPORTED = {"suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-               "functions": ([],), "function_call": ("none",)}
+UNSUPPORTED = {"suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+               "function_call": ("none",)}
 CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,)}
 
 
@@ -207,13 +207,45 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             prompt_logprobs=logprobs if not chat and boolean(body, "echo") else None,
             presence_penalty=number(body, "presence_penalty", 0.0),
             frequency_penalty=number(body, "frequency_penalty", 0.0),
-            repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body))
+            repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body),
+            structured_outputs=structured_outputs(body))
     except SamplingError as e:  # named as the request named it
-        sent = {"max_tokens": max_key, "logprobs": logprobs_key}.get(e.field, e.field)
+        sent = {"max_tokens": max_key, "logprobs": logprobs_key, "structured_outputs": structured_key(body)}.get(
+            e.field, e.field)
         message = str(e)
         if sent != e.field and message.startswith(e.field + "="):
             message = sent + message[len(e.field):]
         raise APIError(400, message, param=sent) from e
+
+
+def structured_outputs(body: dict) -> dict | None:
+    """What the output must follow: OpenAI's `response_format` (json_object; json_schema, its `schema`) or vLLM's
+    `structured_outputs` (json, regex, choice, grammar, json_object), as `infer.structured.StructuredOutputs`'
+    fields; None for plain text."""
+    fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    if fmt not in (None, {"type": "text"}) and vllm is not None:
+        raise APIError(400, "give one of response_format and structured_outputs", param="structured_outputs")
+    if vllm is not None:
+        if not isinstance(vllm, dict):
+            raise APIError(400, "structured_outputs must be an object such as {\"regex\": \"[0-9]+\"}",
+                           param="structured_outputs")
+        return vllm
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = fmt.get("json_schema") if kind == "json_schema" else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+        return {"json": spec["schema"]}
+    raise APIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                   param="response_format")
+
+
+def structured_key(body: dict) -> str:
+    """The field a request gave its structured output in (for the errors about it)."""
+    return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
 
 
 def logit_bias(body: dict) -> dict[int, float] | None:

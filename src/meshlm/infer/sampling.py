@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from meshlm.infer.sequence import SamplingParams, Sequence
+from meshlm.infer.structured import allowed
 from meshlm.models.generation import MIN_TEMPERATURE, sample, sampling_probs
 
 __all__ = ["SamplingParams", "Sampler", "sample", "verify_proposals"]
@@ -89,7 +90,7 @@ class Sampler:
         sizes = [1 + len(p) for p in proposals]
         assert logits_nv.shape[0] == sum(sizes) and len(seqs) == len(proposals)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        if all(seq.params.greedy and seq.params.logprobs is None and not seq.params.penalized for seq in seqs):
+        if all(seq.params.plain and seq.params.logprobs is None for seq in seqs):
             # only the token ids leave the device, not [rows, vocab] logits (argmax: the same index in any dtype)
             greedy = logits_nv.argmax(dim=-1).tolist()
             return [[(t, None) for t in accept_greedy(greedy[s:s + n], p)] for s, n, p in zip(starts, sizes, proposals)]
@@ -116,8 +117,14 @@ class Sampler:
                    draft_probs: torch.Tensor | None) -> Emitted:
         p = seq.params
         scores_nv = penalize(logits_nv, seq, proposals) if p.penalized else logits_nv
+        if seq.matcher is not None:  # a structured output: only what its grammar allows next (never speculated)
+            assert not proposals
+            ok = allowed(seq.matcher, scores_nv.shape[-1])
+            if not bool(ok.any()):
+                raise ValueError(f"the request's structured output allows no token here ({seq.matcher.get_error()})")
+            scores_nv = scores_nv.masked_fill(~ok, float("-inf"))
         if p.temperature < MIN_TEMPERATURE:  # `sample`'s argmax
-            tokens = accept_greedy(scores_nv.argmax(dim=-1).tolist() if p.penalized else greedy, proposals)
+            tokens = accept_greedy(scores_nv.argmax(dim=-1).tolist() if not p.plain else greedy, proposals)
         else:
             probs = sampling_probs(scores_nv, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
             tokens = verify_proposals(probs, proposals, self._generator(seq), draft_probs)

@@ -48,6 +48,10 @@ class SamplingParams:
     transformers'); `frequency_penalty` and `presence_penalty` (in [-2, 2]; OpenAI's) subtract, from each token's
     logit, the penalty times how often it was generated so far, and the penalty once if it was. Logprobs stay
     the model's own.
+
+    `structured_outputs` (`infer.structured.StructuredOutputs`, or a dict of its fields: json, regex, choice,
+    grammar, json_object) holds the tokens to a JSON schema, a regular expression, a list of choices or a Lark
+    grammar: only the tokens it allows next are sampled, and the request stops when it is complete.
     """
 
     temperature: float = 1.0
@@ -66,6 +70,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: object = None  # a StructuredOutputs once checked
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +125,10 @@ class SamplingParams:
                                                   and -100 <= b <= 100 for t, b in bias.items()):
             raise SamplingError("logit_bias", f"logit_bias={bias!r} must map token ids to biases in [-100, 100]")
         self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
+        if self.structured_outputs is not None:
+            from meshlm.infer.structured import StructuredOutputs  # here: it imports this module's SamplingError
+
+            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must be non-empty")
         k = self.num_speculative_tokens
@@ -133,6 +142,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain(self) -> bool:
+        """Greedy on the model's own logits: no bias, penalty or grammar changes them."""
+        return self.greedy and not self.penalized and self.structured_outputs is None
 
     @property
     def penalized(self) -> bool:
@@ -180,6 +194,9 @@ class Sequence:
     finish_time: float | None = None
     # Tokens proposed to follow this sequence (speculative decoding), set before each step and verified by it
     spec_token_ids: list[int] = field(default_factory=list)
+    # params.structured_outputs: its grammar's state (an llguidance matcher, infer/structured.py), which every
+    # appended token advances; a matcher that has stopped finishes the sequence
+    matcher: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
@@ -223,6 +240,8 @@ class Sequence:
 
     def append_token(self, token: int, logprobs: dict | None = None) -> None:
         self.output_token_ids.append(int(token))
+        if self.matcher is not None:
+            self.matcher.consume_token(int(token))
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         if self.first_token_time is None:
@@ -234,6 +253,8 @@ class Sequence:
             return None
         last = self.output_token_ids[-1]
         if last in self.params.stop_token_ids:
+            return "stop"
+        if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete
             return "stop"
         if not self.params.ignore_eos and last in self.eos_token_ids:
             return "stop"

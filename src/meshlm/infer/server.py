@@ -34,7 +34,7 @@ from meshlm.infer.metrics import Histogram, metrics_text
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
     MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, completion_prompts, json_body,
-    read_limited, short)
+    read_limited, short, structured_key)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 
@@ -303,8 +303,14 @@ class _Completions:
             raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
                                 f"{MAX_CHOICES} per request", param="n")
         queue: asyncio.Queue = asyncio.Queue()
-        ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None,
-                                                    chat=chat)
+        try:
+            ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None,
+                                                        chat=chat)
+        except APIError as e:  # a grammar that does not compile: named as the request named it
+            if e.param == "structured_outputs":
+                e.param = structured_key(body)
+                e.message = e.message.replace("structured_outputs", e.param, 1)
+            raise
         replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
                           model=self.model_name, dec=self.dec, logprobs=options.params.logprobs is not None,
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,

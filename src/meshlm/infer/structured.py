@@ -1,0 +1,154 @@
+"""Structured outputs: a request's tokens held to a JSON schema, a regular expression, a list of choices or a grammar.
+
+Responsible for: `StructuredOutputs`, what a request asks for (vLLM's `structured_outputs` fields: json, regex,
+choice, grammar in Lark, json_object; OpenAI's `response_format` maps onto it), and `Grammars`, which compiles
+it for one engine's tokenizer into a matcher (llguidance's `LLMatcher`: the grammar's state as tokens are
+consumed) and turns a matcher's state into the tokens allowed next (`allowed`).
+Not responsible for: sampling (sampling.py masks the logits with `allowed`), consuming tokens (a sequence's
+`append_token`), stopping (a sequence whose matcher has stopped is finished: sequence.py).
+
+llguidance (the guidance project's Rust parser; vLLM's and SGLang's `guidance` backend, llama.cpp's) rather than
+a parser of our own: it computes the allowed-token mask of a grammar over a byte-level vocabulary incrementally
+in tens of microseconds, which a Python parser could not, and has no dependency of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from meshlm.infer.sequence import SamplingError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: `json` (a JSON schema, as a dict or its text), `regex`, `choice` (the output is one of
+    these strings), `grammar` (Lark, as llguidance reads it), `json_object` (any JSON object)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputs":
+        """From a StructuredOutputs or a dict of its fields, checked."""
+        if isinstance(value, cls):
+            given = value
+        elif isinstance(value, dict) and set(value) <= set(KINDS):
+            given = cls(**value)
+        else:
+            raise SamplingError("structured_outputs", f"structured_outputs={value!r} must be a StructuredOutputs or "
+                                                      f"a dict of one of {', '.join(KINDS)}")
+        asked = [k for k in KINDS if getattr(given, k) not in (None, False)]
+        if len(asked) != 1:
+            raise SamplingError("structured_outputs", f"structured_outputs asks for {asked or 'nothing'}: give exactly "
+                                                      f"one of {', '.join(KINDS)}")
+        kind = asked[0]
+        value = getattr(given, kind)
+        well_typed = {"json": isinstance(value, (dict, str)), "regex": isinstance(value, str),
+                      "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c
+                                                                               for c in value),
+                      "grammar": isinstance(value, str), "json_object": value is True}[kind]
+        if not well_typed:
+            what = {"json": "a JSON schema (an object or its text)", "regex": "a string",
+                    "choice": "a non-empty list of non-empty strings", "grammar": "a Lark grammar (a string)",
+                    "json_object": "true"}[kind]
+            raise SamplingError("structured_outputs", f"structured_outputs {kind} must be {what}")
+        return given
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def llguidance_grammar(self) -> str:
+        """The request as llguidance's grammar (its JSON form)."""
+        from llguidance import LLMatcher
+
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, dict) else json.loads(self.json)
+            return LLMatcher.grammar_from_json_schema(schema)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:  # Lark's string literals are JSON's
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+class Grammars:
+    """One engine's compiler of structured outputs: its tokenizer, as llguidance reads it, built on first use."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self._ll = None
+
+    def _ll_tokenizer(self):
+        if self._ll is None:
+            try:
+                import llguidance
+            except ImportError:
+                raise SamplingError("structured_outputs", "structured outputs need llguidance: pip install "
+                                                          "llguidance (or meshlm[serve])") from None
+            inner = getattr(self.tokenizer, "tokenizer", None)  # HFTokenizer's `tokenizers.Tokenizer`
+            eos = list(self.eos_token_ids) or None
+            if inner is not None and hasattr(inner, "to_str"):
+                self._ll = llguidance.LLTokenizer(inner.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            elif type(self.tokenizer).__name__ == "ByteTokenizer":
+                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes(self.vocab_size, eos)))
+            else:
+                raise SamplingError("structured_outputs", "structured outputs need the model's tokenizer "
+                                                          "(a tokenizer.json or the byte tokenizer)")
+        return self._ll
+
+    def matcher(self, structured: StructuredOutputs):
+        """A fresh matcher of `structured` (its grammar's state before any token); a grammar that does not compile
+        is refused by name."""
+        from llguidance import LLMatcher
+
+        tokenizer = self._ll_tokenizer()
+        try:
+            grammar = structured.llguidance_grammar()
+        except (ValueError, TypeError) as e:  # a schema that is not JSON, a regex or Lark that does not parse
+            raise SamplingError("structured_outputs", f"structured_outputs {structured.kind} does not compile: "
+                                                      f"{_first_line(e)}") from None
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise SamplingError("structured_outputs", f"structured_outputs {structured.kind} does not compile: "
+                                                      f"{_first_line(matcher.get_error())}")
+        return matcher
+
+
+def allowed(matcher, vocab_size: int):
+    """The tokens `matcher` allows next, as a bool tensor [vocab_size] (llguidance's bitmask unpacked: bit i of
+    32-bit word w is token 32 w + i)."""
+    import torch
+
+    words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    mask = bits.flatten().bool()[:vocab_size]
+    if mask.numel() < vocab_size:  # logits wider than the tokenizer's vocabulary: the padding is never allowed
+        mask = torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])
+    return mask
+
+
+class _Bytes:
+    """The byte tokenizer as llguidance's TokenizerWrapper reads a tokenizer: token i is byte i."""
+
+    def __init__(self, vocab_size: int, eos: list[int] | None):
+        self.tokens = [bytes([i]) for i in range(min(vocab_size, 256))]
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None
+        self.special_token_ids = []
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def _first_line(error) -> str:
+    text = str(error).strip()
+    return (text.splitlines() or ["?"])[0][:300]

@@ -1,0 +1,127 @@
+"""Structured outputs (`infer/structured.py`): whatever the model (a tiny random one, whose own text is noise), the
+tokens follow the JSON schema, regular expression, choices or Lark grammar asked for, greedy and sampled, in a
+batch beside plain requests (preempted in it); the request stops when the grammar is complete;
+a grammar that does not compile is refused before any work, naming itself."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm import LLM, SamplingParams
+from meshlm.infer.sequence import SamplingError
+from tiny_hf import make_model_dir
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "x-guidance": {"whitespace_flexible": False}}  # llguidance's option: compact JSON, no runs of blanks
+
+
+def _follows_schema(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"name", "age", "tags"} and isinstance(value["name"], str) and len(value["name"]) <= 6
+            and isinstance(value["age"], int) and 0 <= value["age"] <= 120
+            and all(t in ("a", "b") for t in value["tags"]) and len(value["tags"]) <= 3)
+
+
+CASES = {  # name: (structured_outputs, check of the text)
+    "json": (dict(json=SCHEMA), _follows_schema),
+    "regex": (dict(regex=r"[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) is not None),
+    "choice": (dict(choice=["yes", "no", "maybe so"]), lambda t: t in ("yes", "no", "maybe so")),
+    "grammar": (dict(grammar='start: "(" item ("," item)* ")"\nitem: "x" | "y"'),
+                lambda t: re.fullmatch(r"\([xy](,[xy])*\)", t) is not None),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("structured"))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_tokens_follow_what_was_asked_greedy_and_sampled(model_dir, name):
+    structured, check = CASES[name]
+    llm = LLM(str(model_dir), device="cpu", block_size=4, num_blocks=20, max_num_seqs=8)
+    prompts = ["hello world", "the quick brown fox", "a", "json please"] * 2
+    params = [SamplingParams(temperature=0 if i < 2 else 1.0, seed=i, max_tokens=60, structured_outputs=structured)
+              for i in range(6)] + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
+    outs = llm.generate(prompts, params)
+    for out in outs[:6]:
+        assert check(out.text), (name, out.text)
+        assert out.finish_reason == "stop", (name, out.text)  # stopped where the grammar was complete
+    plain = LLM(str(model_dir), device="cpu").generate(prompts[6:], params[6])
+    assert [o.token_ids for o in outs[6:]] == [o.token_ids for o in plain]  # the plain requests beside them
+    assert llm.engine.stats()["num_preemptions"] > 0  # 20 blocks of 4, two plain requests of 11: recomputed
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_sampled_outputs_follow_a_pattern_for_every_seed(model_dir):
+    llm = LLM(str(model_dir), device="cpu")
+    outs = llm.generate(["x"] * 24, [SamplingParams(temperature=1.5, seed=s, max_tokens=20,
+                                                    structured_outputs=dict(regex=r"(ab|c)+d")) for s in range(24)])
+    texts = [o.text for o in outs]
+    assert all(re.fullmatch(r"(ab|c)+d", t) for t in texts), texts
+    assert len(set(texts)) > 3  # sampled: the grammar allows many, and the draws differ
+
+
+def test_a_structured_output_and_logit_bias_compose_and_logprobs_stay_the_models(model_dir):
+    """The bias moves the choice among the allowed tokens; the grammar still holds; logprobs are the model's."""
+    llm = LLM(str(model_dir), device="cpu")
+    tok = llm.engine.tokenizer
+    (close,) = tok.encode("}")
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=20, logprobs=0, logit_bias={close: 100},
+                                             structured_outputs=dict(json_object=True)))[0]
+    assert json.loads(out.text) == {} and out.finish_reason == "stop"
+    with torch.no_grad():
+        ids = llm.engine.encode("x") + out.token_ids
+        model = torch.log_softmax(llm.engine.model(torch.tensor([ids])).float(), -1)[0]
+    n = len(ids) - len(out.token_ids)
+    for i, entry in enumerate(out.logprobs):
+        assert abs(entry["logprob"] - float(model[n - 1 + i, out.token_ids[i]])) < 1e-4
+
+
+def test_a_structured_request_is_not_speculated_and_still_follows_its_grammar(model_dir):
+    llm = LLM(str(model_dir), device="cpu", speculative=dict(method="ngram", num_speculative_tokens=3, ngram=(1, 2)))
+    structured, check = CASES["grammar"]
+    outs = llm.generate(["(x,y,x,y,x,y"] * 2, [SamplingParams(temperature=0, max_tokens=40,
+                                                                 structured_outputs=structured),
+                                                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)])
+    assert check(outs[0].text)
+    assert llm.engine.stats()["spec_proposed_tokens"] > 0  # the plain request was speculated
+
+
+def test_the_byte_tokenizer_takes_structured_outputs_too():
+    from meshlm.config import ModelConfig
+    from meshlm.models import build_model
+    from meshlm.tokenizer import ByteTokenizer
+
+    model = build_model(ModelConfig(vocab_size=256, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                                    intermediate_size=64, max_seq_len=64, init_std=0.2), seed=0)
+    llm = LLM(model, tokenizer=ByteTokenizer(), device="cpu")
+    out = llm.generate(["id: "], SamplingParams(temperature=0, max_tokens=12,
+                                                structured_outputs=dict(regex=r"[A-F]{4}")))[0]
+    assert re.fullmatch(r"[A-F]{4}", out.text), out.text
+
+
+@pytest.mark.parametrize("structured, says", [
+    (dict(regex="(unclosed"), "structured_outputs regex does not compile"),
+    (dict(json={"type": "nonsense"}), "structured_outputs json does not compile"),
+    (dict(json="{not json"), "structured_outputs json does not compile"),
+    (dict(grammar="start: ???"), "structured_outputs grammar does not compile"),
+    (dict(choice=[]), "structured_outputs choice must be a non-empty list of non-empty strings"),
+    (dict(regex="a", choice=["a"]), "give exactly one of"),
+    (dict(regexp="a"), "must be a StructuredOutputs or a dict of one of"),
+])
+def test_a_request_whose_grammar_does_not_compile_is_refused_before_any_work(model_dir, structured, says):
+    llm = LLM(str(model_dir), device="cpu")
+    with pytest.raises(SamplingError, match=re.escape(says)) as e:
+        llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs=structured))
+    assert e.value.field == "structured_outputs"
+    assert llm.engine.stats()["num_running"] == llm.engine.stats()["num_waiting"] == 0
+    assert llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # still usable
