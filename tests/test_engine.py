@@ -5,6 +5,7 @@ Mixtral checkpoints, for a batch of prompts of different lengths run through con
 plainly, with prefix-cache hits, with chunked prefill forced small, and under preemption.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -563,3 +564,18 @@ def test_llm_reuses_the_host_memory_steps_free():
     faults = {on: int(proc.communicate(timeout=300)[0].split()[-1]) for on, proc in procs.items()}
     assert all(proc.returncode == 0 for proc in procs.values())
     assert faults["1"] * 5 < faults["0"], faults
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llama_path):
+    """vLLM's min_tokens: the model's EOS (95) and a stop token id, made the likeliest tokens by a bias, are not
+    sampled before min_tokens tokens; after, the EOS ends the request at once."""
+    llm = LLM(str(llama_path), device="cpu")
+    eos = llm.engine.eos_token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 50.0, eos - 1: 49.0},
+                            stop_token_ids=[eos - 1])
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == [eos]
+    out = llm.generate([[5, 6, 7]], dataclasses.replace(params, min_tokens=6))[0]
+    assert len(out.token_ids) == 7 and out.token_ids[-1] == eos and not {eos, eos - 1} & set(out.token_ids[:6])
+    assert out.finish_reason == "stop"
+    with pytest.raises(SamplingError, match=r"min_tokens=30 must be an integer in \[0, max_tokens=20\]"):
+        dataclasses.replace(params, min_tokens=30)

@@ -467,7 +467,7 @@ def test_parameters_that_ask_for_nothing_are_served(served):
     assert r.status_code == 200, r.text
 
 
-def test_logit_bias_penalties_and_min_p_reach_the_sampler(served):
+def test_logit_bias_penalties_min_p_and_min_tokens_reach_the_sampler(served):
     """A bias of 100 on one token makes greedy pick it every time; a repetition penalty then makes it pick it
     once (the engine's own greedy with the same parameters: tests/test_engine.py checks those against a
     reference)."""
@@ -488,6 +488,11 @@ def test_logit_bias_penalties_and_min_p_reach_the_sampler(served):
     plain = {k: v for k, v in body.items() if k != "logit_bias"}
     drawn = _post(served, "/v1/completions", {**plain, "temperature": 1.0, "min_p": 1.0, "seed": 5})
     assert drawn["choices"][0]["text"] == _post(served, "/v1/completions", plain)["choices"][0]["text"]
+    # min_tokens: no stop string is looked for before it (the text's first characters would stop it at once)
+    text = _post(served, "/v1/completions", {**plain, "max_tokens": 8})["choices"][0]["text"]
+    stopped = {**plain, "max_tokens": 8, "stop": text[:2]}
+    assert _post(served, "/v1/completions", stopped)["choices"][0]["text"] == ""
+    assert _post(served, "/v1/completions", {**stopped, "min_tokens": 8})["choices"][0]["text"] == text
 
 
 def test_response_format_and_structured_outputs_hold_the_text_to_them(served):

@@ -461,7 +461,8 @@ class Engine:
         before, offsets = len(state.text), (state.prefix_offset, state.read_offset)
         self._advance_text(seq)
         stops = seq.params.stop
-        if not stops or self.tokenizer is None or state.stopped or len(state.text) == before:
+        if not stops or self.tokenizer is None or state.stopped or len(state.text) == before \
+                or len(seq.output_token_ids) < seq.params.min_tokens:  # (vLLM's min_tokens: no stop before)
             return
         # Only the new piece, and the characters before it a stop string could start in, can hold a match.
         start = max(0, before - max(map(len, stops)) + 1)

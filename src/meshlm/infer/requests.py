@@ -196,7 +196,7 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
     try:
         return SamplingParams(
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
-            min_p=number(body, "min_p", 0.0),
+            min_p=number(body, "min_p", 0.0), min_tokens=number(body, "min_tokens", 0, int, count=True),
             top_k=number(body, "top_k", 0, int),
             # chat's default: up to the context (OpenAI's); a completion's: 16 (OpenAI's legacy default)
             max_tokens=1 if not chat and echo_without_tokens(body) else number(body, max_key, None if chat else 16,

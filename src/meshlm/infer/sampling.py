@@ -137,8 +137,8 @@ class Sampler:
 def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int]) -> torch.Tensor:
     """The logits a request samples from (`SamplingParams`' penalties, in vLLM's order): its logit bias added,
     then the repetition penalty over the tokens of the prompt and of what it generated, then the frequency and
-    presence penalties over what it generated. Row j follows the tokens generated so far and the first j
-    `proposals` (speculative decoding's rows)."""
+    presence penalties over what it generated; under min_tokens, no EOS or stop token id. Row j follows the
+    tokens generated so far and the first j `proposals` (speculative decoding's rows)."""
     p = seq.params
     scores = logits_nv.clone()
     if p.logit_bias:
@@ -153,6 +153,8 @@ def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int]) -> to
         if p.frequency_penalty or p.presence_penalty:
             counts = torch.bincount(generated, minlength=vocab).to(scores.dtype)
             scores[j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+        if len(generated) < p.min_tokens:
+            scores[j, [t for t in {*seq.eos_token_ids, *p.stop_token_ids} if t < vocab]] = float("-inf")
     return scores
 
 

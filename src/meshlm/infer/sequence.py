@@ -47,7 +47,8 @@ class SamplingParams:
     positive logits of every token in the prompt or generated so far and multiplies the negative ones (CTRL's,
     transformers'); `frequency_penalty` and `presence_penalty` (in [-2, 2]; OpenAI's) subtract, from each token's
     logit, the penalty times how often it was generated so far, and the penalty once if it was. Logprobs stay
-    the model's own.
+    the model's own. `min_tokens` (vLLM's): until that many tokens are generated, neither EOS nor a stop token
+    id is sampled and stop strings are not looked for.
 
     `structured_outputs` (`infer.structured.StructuredOutputs`, or a dict of its fields: json, regex, choice,
     grammar, json_object) holds the tokens to a JSON schema, a regular expression, a list of choices or a Lark
@@ -70,6 +71,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     structured_outputs: object = None  # a StructuredOutputs once checked
 
     def __post_init__(self) -> None:
@@ -104,6 +106,9 @@ class SamplingParams:
         self.top_k = int(self.top_k)  # 3.0 -> 3: torch.topk takes only an int
         if self.max_tokens is not None and (not is_integer(self.max_tokens) or self.max_tokens < 1):
             raise SamplingError("max_tokens", f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not is_integer(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
+            raise SamplingError("min_tokens", f"min_tokens={self.min_tokens!r} must be an integer in "
+                                              f"[0, max_tokens={self.max_tokens}]")
         # torch.Generator takes seeds in [-2**63, 2**64): checked here, because a bad seed found while
         # sampling would fail the whole step, and with it every other request in the batch.
         if self.seed is not None and (not is_integer(self.seed) or not -(1 << 63) <= self.seed < (1 << 64)):
@@ -135,7 +140,7 @@ class SamplingParams:
         if k is not None and (not is_integer(k) or k < 1):
             raise SamplingError("num_speculative_tokens",
                                 f"num_speculative_tokens={k!r} must be an integer >= 1 (or None: the engine's number)")
-        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "num_speculative_tokens"):
+        for name in ("max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "num_speculative_tokens"):
             if getattr(self, name) is not None:  # numpy's integers as Python's (torch.Generator, JSON)
                 setattr(self, name, int(getattr(self, name)))
 
@@ -150,9 +155,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The logits are changed before sampling (a bias or a penalty)."""
+        """The logits are changed before sampling (a bias, a penalty, or min_tokens' mask of the stop tokens)."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1
+            or self.repetition_penalty != 1 or self.min_tokens > 0
 
 
 class SequenceStatus(enum.Enum):
