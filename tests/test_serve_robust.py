@@ -434,7 +434,18 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     ("completions", {"logit_bias": {"1": "x"}}, "logit_bias", "logit_bias['1']='x' must be a number"),
     ("completions", {"logit_bias": {"99999": 1}}, "logit_bias", "logit_bias [99999] are outside the vocabulary"),
     ("completions", {"suffix": "!"}, "suffix", "is not supported"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "is not supported"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     "tool_choice \"auto\" (the default with tools) needs a parser"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "with N one of 'f'"),
+    ("chat/completions", {"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "tools must be a list"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice", "tool_choice needs tools to choose from"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                          "stream": True}, "stream", "tool calls are answered whole"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                          "response_format": {"type": "json_object"}}, "tool_choice", "a tool call is JSON of its own"),
+    ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "is not supported"),
     ("chat/completions", {"response_format": {"type": "xml"}}, "response_format", "response_format must be"),
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
      "response_format", "response_format json does not compile: Invalid type: nonsense"),
@@ -507,6 +518,61 @@ def test_response_format_and_structured_outputs_hold_the_text_to_them(served):
     body = {**COMPLETION, "max_tokens": 10, "n": 4, "temperature": 1.0, "seed": 3,
             "structured_outputs": {"choice": ["red", "green", "blue"]}}
     assert {c["text"] for c in _post(served, "/v1/completions", body)["choices"]} <= {"red", "green", "blue"}
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["a", "b"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "now"}}]  # no parameters: an empty object
+
+
+def test_a_required_tool_choice_may_answer_several_calls():
+    """The grammar of "required": a list of calls of any tool (parallel_tool_calls false: one); its text as
+    OpenAI's tool_calls."""
+    from meshlm.infer.requests import ToolChoice
+    from meshlm.infer.responses import tool_calls
+
+    tools = ToolChoice.of({"tools": TOOLS, "tool_choice": "required"})
+    schema = tools.schema()
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "add"}, {"const": "now"}]
+    assert ToolChoice.of({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}).schema()[
+        "maxItems"] == 1
+    calls = tool_calls('[{"name":"add","parameters":{"a":1,"b":2}},{"name":"now","parameters":{}}]', tools)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("add", {"a": 1, "b": 2}), ("now", {})]
+    assert len({c["id"] for c in calls}) == 2
+    assert tool_calls('[{"name":"add","parameters":{"a":1', tools) is None  # cut short: left as text
+
+
+def test_tool_choice_required_or_named_answers_tool_calls(served):
+    """tool_choice "required" (one or more calls of any tool) and a named function: the reply is held to the
+    calls' JSON, and answered as OpenAI's tool_calls (arguments as JSON text); a history with calls and a tool's
+    reply is taken."""
+    history = [{"role": "user", "content": "add 2"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+               {"role": "user", "content": "now?"}]
+    for choice, seed in (("required", 1), ("required", 2), ({"type": "function", "function": {"name": "add"}}, 3)):
+        body = {"model": "tiny", "messages": history, "tools": TOOLS, "tool_choice": choice, "max_tokens": 50,
+                "temperature": 1.0, "seed": seed, "parallel_tool_calls": False}  # one call: the context is short
+        out = _post(served, "/v1/chat/completions", body)["choices"][0]
+        assert len(out["message"].get("tool_calls", [])) == 1, out
+        assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None, out
+        for call in out["message"]["tool_calls"]:
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "add":
+                assert set(arguments) == {"a", "b"} and all(isinstance(v, int) for v in arguments.values())
+            else:
+                assert call["function"]["name"] == "now" and choice == "required" and isinstance(arguments, dict)
+        if choice != "required":
+            assert [c["function"]["name"] for c in out["message"]["tool_calls"]] == ["add"]
+    # "none": plain text, the tools only listed
+    body = {"model": "tiny", "messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3}
+    assert "tool_calls" not in _post(served, "/v1/chat/completions", body)["choices"][0]["message"]
 
 
 def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(served):

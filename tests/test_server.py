@@ -302,6 +302,12 @@ def test_chat_templates():
                 "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
     tok = Tokenizer(raw, chat_template=template, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
     assert tok.apply_chat_template(msgs) == "<s>[system]be brief</s>[user]hi</s>[assistant]"
+    # a template that lists the tools gets them as the request sent them
+    listing = Tokenizer(raw, chat_template="{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}"
+                                           "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "add"}}, {"type": "function", "function": {"name": "now"}}]
+    assert listing.apply_chat_template(msgs, tools) == "<add><now>be briefhi"
+    assert listing.apply_chat_template(msgs) == "be briefhi"
 
 
 def test_chat_template_errors_are_4xx():

@@ -65,21 +65,22 @@ class Tokenizer:
         order; a document's separator -- EOS, or the byte tokenizer's blank line -- is its own last token)."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text for chat `messages` ([{"role": ..., "content": ...}]), ending where the reply starts."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text for chat `messages` ([{"role": ..., "content": ...}]), ending where the reply starts;
+        `tools` (the OpenAI API's function definitions) are the template's `tools`, for templates that list them."""
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
-        return self._template.render(messages=messages, add_generation_prompt=True,
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                      bos_token=self.special_tokens.get("bos_token", ""),
                                      eos_token=self.special_tokens.get("eos_token", ""))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # A template writes the special tokens (e.g. BOS) itself; the fallback one does not.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=self.chat_template is None)
+        return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=self.chat_template is None)
 
 
 class ByteTokenizer(Tokenizer):

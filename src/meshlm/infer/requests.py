@@ -78,6 +78,7 @@ class RequestOptions:
     echo: bool  # a completion's text (and logprobs) begin with its prompt's
     rag: tuple[int, str] | None  # (top_k, mode) of retrieval, or None
     prompt_only: bool = False  # echo with max_tokens 0: the prompt and its logprobs, no token generated
+    tools: "ToolChoice | None" = None  # a chat's tools and tool_choice
 
     @classmethod
     def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int) -> "RequestOptions":
@@ -89,6 +90,9 @@ class RequestOptions:
             raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
         stream = boolean(body, "stream")
         echo = not chat and boolean(body, "echo")
+        tools = ToolChoice.of(body) if chat else None
+        if tools is not None and tools.calls and stream:
+            raise APIError(400, "tool calls are answered whole: leave out stream", param="stream")
         options = body.get("stream_options")
         if options is not None:
             if not stream:
@@ -99,7 +103,7 @@ class RequestOptions:
                                param="stream_options")
         return cls(params, n, stream, include_usage=boolean(options or {}, "include_usage"), echo=echo,
                    rag=rag_options(body.get("rag"), rag_index, rag_top_k),
-                   prompt_only=echo and echo_without_tokens(body))
+                   prompt_only=echo and echo_without_tokens(body), tools=tools)
 
 
 def echo_without_tokens(body: dict) -> bool:
@@ -156,13 +160,13 @@ def check_text(text: str, param: str) -> str:
 # Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
 # any other value is refused, naming it, rather than answered as if it had not asked. A chat also has no `echo` (a
 # completion echoes its prompt: CHAT_UNSUPPORTED).
-UNSUPPORTED = {"suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-               "function_call": ("none",)}
+UNSUPPORTED = {"suffix": ("",), "functions": ([],), "function_call": ("none",)}
 CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,)}
+COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": ([],), "tool_choice": ("none",)}  # tools are the chat API's
 
 
 def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
-    for key, plain in (CHAT_UNSUPPORTED if chat else UNSUPPORTED).items():
+    for key, plain in (CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items():
         if body.get(key) is not None and body[key] not in plain:
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; leave it out",
                            param=key)
@@ -208,7 +212,7 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             presence_penalty=number(body, "presence_penalty", 0.0),
             frequency_penalty=number(body, "frequency_penalty", 0.0),
             repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body),
-            structured_outputs=structured_outputs(body))
+            structured_outputs=structured_outputs(body, chat=chat))
     except SamplingError as e:  # named as the request named it
         sent = {"max_tokens": max_key, "logprobs": logprobs_key, "structured_outputs": structured_key(body)}.get(
             e.field, e.field)
@@ -218,11 +222,17 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
         raise APIError(400, message, param=sent) from e
 
 
-def structured_outputs(body: dict) -> dict | None:
-    """What the output must follow: OpenAI's `response_format` (json_object; json_schema, its `schema`) or vLLM's
-    `structured_outputs` (json, regex, choice, grammar, json_object), as `infer.structured.StructuredOutputs`'
-    fields; None for plain text."""
+def structured_outputs(body: dict, *, chat: bool = False) -> dict | None:
+    """What the output must follow: a chat's tool calls (`ToolChoice`), OpenAI's `response_format` (json_object;
+    json_schema, its `schema`) or vLLM's `structured_outputs` (json, regex, choice, grammar, json_object), as
+    `infer.structured.StructuredOutputs`' fields; None for plain text."""
     fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    tools = ToolChoice.of(body) if chat else None
+    if tools is not None and tools.calls:
+        if fmt not in (None, {"type": "text"}) or vllm is not None:
+            raise APIError(400, "a tool call is JSON of its own: leave out response_format / structured_outputs",
+                           param="tool_choice")
+        return {"json": tools.schema()}
     if fmt not in (None, {"type": "text"}) and vllm is not None:
         raise APIError(400, "give one of response_format and structured_outputs", param="structured_outputs")
     if vllm is not None:
@@ -243,8 +253,73 @@ def structured_outputs(body: dict) -> dict | None:
                    param="response_format")
 
 
+@dataclass
+class ToolChoice:
+    """A chat's `tools` (the OpenAI API's function definitions, which the chat template lists) and its
+    `tool_choice`: "none" (`calls` False: text), "required" (`name` None: one or more calls of any of them, one
+    with parallel_tool_calls false) or a named function. "auto", the API's default with tools, would need a
+    parser of each model family's own call format, which this server does not have: it is refused."""
+
+    tools: list[dict]
+    calls: bool
+    name: str | None = None
+    parallel: bool = True  # parallel_tool_calls: "required" may answer several calls (else one)
+
+    @classmethod
+    def of(cls, body: dict) -> "ToolChoice | None":
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if tools is None or tools == []:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
+            return None
+        if not (isinstance(tools, list) and len(tools) <= 128 and all(_is_function(t) for t in tools)):
+            raise APIError(400, "tools must be a list of at most 128 {\"type\": \"function\", \"function\": "
+                                "{\"name\": ..., \"parameters\": {...}}}", param="tools")
+        names = [t["function"]["name"] for t in tools]
+        parallel = boolean(body, "parallel_tool_calls", True)
+        if choice == "none":
+            return cls(tools, calls=False)
+        if choice == "required":
+            return cls(tools, calls=True, parallel=parallel)
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+                and choice["function"].get("name") in names:
+            return cls(tools, calls=True, name=choice["function"]["name"])
+        if choice is None or choice == "auto":
+            raise APIError(400, "tool_choice \"auto\" (the default with tools) needs a parser of the model's own "
+                                "tool-call format, which this server does not have; give tool_choice \"required\", "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}} or \"none\"",
+                           param="tool_choice")
+        raise APIError(400, f"tool_choice must be \"none\", \"required\" or {{\"type\": \"function\", \"function\": "
+                            f"{{\"name\": N}}}} with N one of {', '.join(map(repr, names))}", param="tool_choice")
+
+    def parameters(self, name: str) -> dict:
+        tool = next(t for t in self.tools if t["function"]["name"] == name)
+        return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+    def schema(self) -> dict:
+        """What the reply must be: the named function's arguments, or a list of calls ({"name", "parameters"})
+        of any of the tools (vLLM's form for "required"). Compact JSON (llguidance's `x-guidance` option, unless
+        the schema sets its own): a call is parsed, not read, and free blanks let a weak model loop in them."""
+        compact = {"x-guidance": {"whitespace_flexible": False}}
+        if self.name is not None:
+            return {**compact, **self.parameters(self.name)}
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                   "parameters": self.parameters(t["function"]["name"])},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        return {**compact, "type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                "items": {"anyOf": calls}}
+
+
+def _is_function(tool) -> bool:
+    function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and bool(function["name"]) \
+        and isinstance(function.get("parameters", {}), dict)
+
+
 def structured_key(body: dict) -> str:
     """The field a request gave its structured output in (for the errors about it)."""
+    if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
+        return "tools"
     return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
 
 
@@ -296,7 +371,15 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise APIError(400, "message content must be a string or a list of text parts", param="messages")
-        out.append({"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")})
+        entry = {"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:  # for the template, as sent
+            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
+                raise APIError(400, "an assistant message's tool_calls must be a list of objects", param="messages")
+            entry["tool_calls"] = m["tool_calls"]
+        for key in ("tool_call_id", "name"):  # a tool's reply: which call it answers
+            if isinstance(m.get(key), str):
+                entry[key] = check_text(m[key], "messages")
+        out.append(entry)
     return out
 
 

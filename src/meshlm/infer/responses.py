@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -41,6 +42,23 @@ def chat_logprobs(logprobs: list[dict], dec) -> dict:
                         | {"top_logprobs": [entry(t, v) for t, v in lp["top"].items()]} for lp in logprobs]}
 
 
+def tool_calls(text: str, tools) -> list[dict] | None:
+    """The OpenAI API's tool calls of a reply that its grammar held to `tools.schema()`: the named function's
+    arguments, or a list of {"name", "parameters"}; None if the text is not that (cut short)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if tools.name is not None:
+        calls = [(tools.name, value)]
+    elif isinstance(value, list) and all(isinstance(c, dict) and set(c) == {"name", "parameters"} for c in value):
+        calls = [(c["name"], c["parameters"]) for c in value]
+    else:
+        return None
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]
+
+
 def usage(num_prompt: int, num_completion: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion}
@@ -65,6 +83,7 @@ class Replies:
     echo: list[str] | None = None  # each prompt's text, which a completion's text begins with (`echo`)
     prompt_only: bool = False  # echo without tokens (max_tokens 0): the one token the engine sampled is left out
     streamed: dict[int, int] = field(default_factory=dict)  # choice -> characters of token text streamed so far
+    tools: object = None  # a chat's requests.ToolChoice that calls tools: its replies are tool calls
 
     def response(self, outputs: list[RequestOutput], num_prompt: int) -> dict:
         """The whole answer: every choice's finished output, in choice order."""
@@ -73,6 +92,11 @@ class Replies:
             choice = {"index": i, "finish_reason": out.finish_reason}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
+                calls = tool_calls(out.text, self.tools) if self.tools is not None and out.finish_reason == "stop" \
+                    else None
+                if calls is not None:
+                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    choice["finish_reason"] = "tool_calls"
                 choice["logprobs"] = chat_logprobs(out.logprobs, self.dec) if self.logprobs else None
             else:
                 head = "" if self.echo is None else self.echo[i // self.n]

@@ -295,7 +295,7 @@ class _Completions:
         body = await self.read_body(request)
         options = RequestOptions.of(body, chat=chat, rag_index=self.rag_index, rag_top_k=self.rag_top_k)
         if chat:
-            prompts, retrieved = await self.prompts_of_chat(body, options.rag)
+            prompts, retrieved = await self.prompts_of_chat(body, options.rag, options.tools)
         else:
             prompts, retrieved = await self.prompts_of_completion(body, options.rag)
         n = options.n
@@ -314,7 +314,8 @@ class _Completions:
         replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
                           model=self.model_name, dec=self.dec, logprobs=options.params.logprobs is not None,
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
-                          prompt_only=options.prompt_only)
+                          prompt_only=options.prompt_only,
+                          tools=options.tools if options.tools is not None and options.tools.calls else None)
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage)
         finals = await self.collect(request, ids, queue)
@@ -333,8 +334,9 @@ class _Completions:
         self.check_key(request)
         return json_body(await read_limited(request, self.max_body_bytes), model_name=self.model_name)
 
-    async def prompts_of_chat(self, body: dict, rag) -> tuple[list, list[list[dict]] | None]:
-        """The one prompt of a chat (its messages through the chat template), retrieved passages first."""
+    async def prompts_of_chat(self, body: dict, rag, tools) -> tuple[list, list[list[dict]] | None]:
+        """The one prompt of a chat (its messages, and its tools, through the chat template), retrieved passages
+        first."""
         from jinja2 import TemplateError  # the chat templates' engine (a dependency of torch)
 
         if self.tokenizer is None:
@@ -345,7 +347,8 @@ class _Completions:
             block, found = await self.retrieve(query, *rag)
             messages, retrieved = augment_messages(messages, block), [found]
         try:
-            return [await asyncio.to_thread(self.tokenizer.encode_chat, messages)], retrieved
+            listed = tools.tools if tools is not None else None
+            return [await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed)], retrieved
         except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
             raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
 
