@@ -1,8 +1,8 @@
 """Turning one step's logits into each request's next token(s).
 
-Responsible for: greedy, temperature, top-k and top-p sampling per request, after its logit bias and penalties
-(`penalize`); a private random
-generator per seeded request (its samples do not depend on the rest of the batch or on
+Responsible for: greedy, temperature, top-k, top-p and min-p sampling per request, after its logit bias,
+penalties and min_tokens mask (`penalize`) and its structured output's mask (the tokens its grammar allows); a
+private random generator per seeded request (its samples do not depend on the rest of the batch or on
 preemptions); log-probabilities of the sampled token and the top-n alternatives (of the model's
 distribution before temperature and filters, as OpenAI reports them); speculative decoding's verification
 (`Sampler.emit`, `verify_proposals`): a sequence with k proposals has k + 1 rows of logits, and keeps the
