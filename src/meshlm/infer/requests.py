@@ -2,8 +2,9 @@
 OpenAI-style error body naming the field), before anything reaches the engine.
 
 Responsible for: the body as JSON naming the served model (`json_body`), sampling parameters
-(`sampling_params_from`), the options of a completion (`RequestOptions.of`: n, stream, rag), chat messages,
-completion prompts, the `rag` option and the size limits of a request (`read_limited`: a body over the limit is a 413).
+(`sampling_params_from`: penalties, structured outputs (`structured_outputs`) too), the options of a completion
+(`RequestOptions.of`: n, stream, echo, rag), a chat's tools (`ToolChoice`), chat messages, completion prompts, the
+`rag` option and the size limits of a request (`read_limited`: a body over the limit is a 413).
 Not responsible for: HTTP, the engine, retrieval or the responses (server.py, engine.py, rag.py, responses.py).
 """
 
@@ -82,7 +83,8 @@ class RequestOptions:
 
     @classmethod
     def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int) -> "RequestOptions":
-        params = sampling_params_from(body, chat=chat)
+        tools = ToolChoice.of(body) if chat else None
+        params = sampling_params_from(body, chat=chat, tools=tools)
         n = number(body, "n", 1, int, count=True)
         if not 1 <= n <= MAX_CHOICES:
             raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
@@ -90,7 +92,6 @@ class RequestOptions:
             raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
         stream = boolean(body, "stream")
         echo = not chat and boolean(body, "echo")
-        tools = ToolChoice.of(body) if chat else None
         if tools is not None and tools.calls and stream:
             raise APIError(400, "tool calls are answered whole: leave out stream", param="stream")
         options = body.get("stream_options")
@@ -165,7 +166,7 @@ CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,)}
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": ([],), "tool_choice": ("none",)}  # tools are the chat API's
 
 
-def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
+def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" = None) -> SamplingParams:
     for key, plain in (CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items():
         if body.get(key) is not None and body[key] not in plain:
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; leave it out",
@@ -212,7 +213,7 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
             presence_penalty=number(body, "presence_penalty", 0.0),
             frequency_penalty=number(body, "frequency_penalty", 0.0),
             repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body),
-            structured_outputs=structured_outputs(body, chat=chat))
+            structured_outputs=structured_outputs(body, tools))
     except SamplingError as e:  # named as the request named it
         sent = {"max_tokens": max_key, "logprobs": logprobs_key, "structured_outputs": structured_key(body)}.get(
             e.field, e.field)
@@ -222,12 +223,11 @@ def sampling_params_from(body: dict, *, chat: bool) -> SamplingParams:
         raise APIError(400, message, param=sent) from e
 
 
-def structured_outputs(body: dict, *, chat: bool = False) -> dict | None:
-    """What the output must follow: a chat's tool calls (`ToolChoice`), OpenAI's `response_format` (json_object;
+def structured_outputs(body: dict, tools: "ToolChoice | None" = None) -> dict | None:
+    """What the output must follow: a chat's tool calls (`tools`), OpenAI's `response_format` (json_object;
     json_schema, its `schema`) or vLLM's `structured_outputs` (json, regex, choice, grammar, json_object), as
     `infer.structured.StructuredOutputs`' fields; None for plain text."""
     fmt, vllm = body.get("response_format"), body.get("structured_outputs")
-    tools = ToolChoice.of(body) if chat else None
     if tools is not None and tools.calls:
         if fmt not in (None, {"type": "text"}) or vllm is not None:
             raise APIError(400, "a tool call is JSON of its own: leave out response_format / structured_outputs",
