@@ -313,6 +313,8 @@ def test_chat_templates():
 def test_chat_template_errors_are_4xx():
     from types import SimpleNamespace
 
+    from meshlm.infer.requests import chat_messages
+
     from fastapi.testclient import TestClient
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
@@ -329,6 +331,23 @@ def test_chat_template_errors_are_4xx():
             tok.chat_template, tok._template = "{{ messages[0].content | no_such_filter }}", None
         r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    # A template that iterates a call's arguments (as Qwen3-Coder's does): the API's JSON text reaches it as the
+    # object it encodes; a value it still cannot iterate is a 400, not a 500 (found by a fuzz pass)
+    tok.chat_template, tok._template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                                        "{% for k, v in c.function.arguments | items %}{{ k }}={{ v }};{% endfor %}"
+                                        "{% endfor %}{% endfor %}"), None
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    assert tok.apply_chat_template(chat_messages({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": calls}]})) == "x=1;"
+    calls[0]["function"]["arguments"] = "[1]"
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": calls}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    # text that is not valid Unicode inside a call is refused as the messages' own is
+    calls[0]["function"]["name"] = "\ud800"  # sent as JSON's escape, which json.loads turns into a lone surrogate
+    r = client.post("/v1/chat/completions", headers={"content-type": "application/json"}, content=json.dumps(
+        {"model": "tiny", "messages": [{"role": "assistant", "content": None, "tool_calls": calls}]}))
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
 
 
 def _keyed_client(api_key=KEY):

@@ -96,6 +96,19 @@ def test_a_structured_request_is_not_speculated_and_still_follows_its_grammar(mo
     assert llm.engine.stats()["spec_proposed_tokens"] > 0  # the plain request was speculated
 
 
+def test_a_grammar_that_fails_while_generating_fails_its_request_alone(model_dir):
+    """A parser limit reached after the first token (llguidance's 2,000 items a row: 2,500 choices) ends that
+    request with an error naming it, never "stop" with a text that breaks the grammar (found by a fuzz pass);
+    the request beside it is answered."""
+    llm = LLM(str(model_dir), device="cpu")
+    many = SamplingParams(temperature=0, max_tokens=8, structured_outputs=dict(choice=[f"c{i}" for i in range(2500)]))
+    out, plain = llm.generate(["the quick", "the quick"], [many, SamplingParams(temperature=0, max_tokens=3,
+                                                                                 ignore_eos=True)])
+    assert out.finish_reason == "error" and "structured output failed at its token 1" in out.error, out
+    assert "max is 2000" in out.error and len(out.error) < 400  # llguidance's first line, not its state dump
+    assert len(plain.token_ids) == 3
+
+
 def test_the_byte_tokenizer_takes_structured_outputs_too():
     from meshlm.config import ModelConfig
     from meshlm.models import build_model
@@ -117,6 +130,9 @@ def test_the_byte_tokenizer_takes_structured_outputs_too():
     (dict(choice=[]), "structured_outputs choice must be a non-empty list of non-empty strings"),
     (dict(regex="a", choice=["a"]), "give exactly one of"),
     (dict(regexp="a"), "must be a StructuredOutputs or a dict of one of"),
+    (dict(regex=r"[^\s\S]"), "structured_outputs regex matches no text"),  # its first step allows nothing
+    (dict(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+     "structured_outputs json matches no text"),
 ])
 def test_a_request_whose_grammar_does_not_compile_is_refused_before_any_work(model_dir, structured, says):
     llm = LLM(str(model_dir), device="cpu")

@@ -275,6 +275,7 @@ class ToolChoice:
         if not (isinstance(tools, list) and len(tools) <= 128 and all(_is_function(t) for t in tools)):
             raise APIError(400, "tools must be a list of at most 128 {\"type\": \"function\", \"function\": "
                                 "{\"name\": ..., \"parameters\": {...}}}", param="tools")
+        check_text(json.dumps(tools, ensure_ascii=False), "tools")  # they reach the template, then the tokenizer
         names = [t["function"]["name"] for t in tools]
         parallel = boolean(body, "parallel_tool_calls", True)
         if choice == "none":
@@ -341,6 +342,19 @@ def logit_bias(body: dict) -> dict[int, float] | None:
     return out
 
 
+def _arguments_as_object(call: dict) -> dict:
+    """A tool call of a chat's history for the template: its `arguments` (JSON text in the API) as the object they
+    encode, which templates iterate or dump with `tojson` (vLLM hands them over so); left as sent otherwise."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
 def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -372,10 +386,11 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, "message content must be a string or a list of text parts", param="messages")
         entry = {"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")}
-        if m["role"] == "assistant" and m.get("tool_calls") is not None:  # for the template, as sent
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise APIError(400, "an assistant message's tool_calls must be a list of objects", param="messages")
-            entry["tool_calls"] = m["tool_calls"]
+            check_text(json.dumps(m["tool_calls"], ensure_ascii=False), "messages")
+            entry["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
         for key in ("tool_call_id", "name"):  # a tool's reply: which call it answers
             if isinstance(m.get(key), str):
                 entry[key] = check_text(m[key], "messages")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from meshlm.infer.sequence import SamplingParams, Sequence
-from meshlm.infer.structured import allowed
+from meshlm.infer.structured import allowed, error_of
 from meshlm.models.generation import MIN_TEMPERATURE, sample, sampling_probs
 
 __all__ = ["SamplingParams", "Sampler", "sample", "verify_proposals"]
@@ -120,14 +120,18 @@ class Sampler:
         if seq.matcher is not None:  # a structured output: only what its grammar allows next (never speculated)
             assert not proposals
             ok = allowed(seq.matcher, scores_nv.shape[-1])
-            if not bool(ok.any()):
-                raise ValueError(f"the request's structured output allows no token here ({seq.matcher.get_error()})")
+            if seq.matcher.is_error() or not bool(ok.any()):
+                raise ValueError(f"the request's structured output allows no token here ({error_of(seq.matcher)})")
             scores_nv = scores_nv.masked_fill(~ok, float("-inf"))
         if p.temperature < MIN_TEMPERATURE:  # `sample`'s argmax
             tokens = accept_greedy(scores_nv.argmax(dim=-1).tolist() if not p.plain else greedy, proposals)
         else:
             probs = sampling_probs(scores_nv, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
             tokens = verify_proposals(probs, proposals, self._generator(seq), draft_probs)
+        if seq.matcher is not None and (not seq.matcher.consume_token(tokens[0]) or seq.matcher.is_error()):
+            # a limit of the grammar's parser reached by this token: the request fails, never "stops" complete
+            raise ValueError(f"the request's structured output failed at its token {len(seq.output_token_ids) + 1} "
+                             f"({error_of(seq.matcher)})")
         if p.logprobs is None:
             return [(t, None) for t in tokens]
         logprobs_nv = torch.log_softmax(logits_nv[:len(tokens)], dim=-1)

@@ -199,8 +199,8 @@ class Sequence:
     finish_time: float | None = None
     # Tokens proposed to follow this sequence (speculative decoding), set before each step and verified by it
     spec_token_ids: list[int] = field(default_factory=list)
-    # params.structured_outputs: its grammar's state (an llguidance matcher, infer/structured.py), which every
-    # appended token advances; a matcher that has stopped finishes the sequence
+    # params.structured_outputs: its grammar's state (an llguidance matcher, infer/structured.py), which the
+    # sampler advances with each token it picks; a matcher that has stopped finishes the sequence
     matcher: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -245,8 +245,6 @@ class Sequence:
 
     def append_token(self, token: int, logprobs: dict | None = None) -> None:
         self.output_token_ids.append(int(token))
-        if self.matcher is not None:
-            self.matcher.consume_token(int(token))
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         if self.first_token_time is None:

@@ -349,8 +349,10 @@ class _Completions:
         try:
             listed = tools.tools if tools is not None else None
             return [await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed)], retrieved
-        except (ValueError, TemplateError) as e:  # e.g. the template's raise_exception("roles must alternate")
-            raise APIError(400, f"the model's chat template rejects these messages: {e}", param="messages") from e
+        except (ValueError, TemplateError, TypeError, KeyError, AttributeError) as e:
+            # the template's raise_exception("roles must alternate"), or a filter given what it cannot take
+            raise APIError(400, f"the model's chat template rejects these messages: {type(e).__name__}: {e}",
+                           param="messages") from e
 
     async def prompts_of_completion(self, body: dict, rag) -> tuple[list, list[list[dict]] | None]:
         """A completion's prompts, each with its retrieved passages before it where asked."""

@@ -4,8 +4,8 @@ Responsible for: `StructuredOutputs`, what a request asks for (vLLM's `structure
 choice, grammar in Lark, json_object; OpenAI's `response_format` maps onto it), and `Grammars`, which compiles
 it for one engine's tokenizer into a matcher (llguidance's `LLMatcher`: the grammar's state as tokens are
 consumed) and turns a matcher's state into the tokens allowed next (`allowed`).
-Not responsible for: sampling (sampling.py masks the logits with `allowed`), consuming tokens (a sequence's
-`append_token`), stopping (a sequence whose matcher has stopped is finished: sequence.py).
+Not responsible for: sampling (sampling.py masks the logits with `allowed` and advances the matcher with the
+token it picks), stopping (a sequence whose matcher has stopped is finished: sequence.py).
 
 llguidance (the guidance project's Rust parser; vLLM's and SGLang's `guidance` backend, llama.cpp's) rather than
 a parser of our own: it computes the allowed-token mask of a grammar over a byte-level vocabulary incrementally
@@ -86,6 +86,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._ll = None
+        self._last = None  # (the StructuredOutputs last compiled, its fresh matcher): n choices compile once
 
     def _ll_tokenizer(self):
         if self._ll is None:
@@ -106,10 +107,13 @@ class Grammars:
         return self._ll
 
     def matcher(self, structured: StructuredOutputs):
-        """A fresh matcher of `structured` (its grammar's state before any token); a grammar that does not compile
-        is refused by name."""
+        """A fresh matcher of `structured` (its grammar's state before any token); a grammar that does not compile,
+        or allows no text at all, is refused by name."""
         from llguidance import LLMatcher
 
+        last = self._last
+        if last is not None and last[0] is structured:  # the same request's next choice (n > 1)
+            return last[1].deep_copy()
         tokenizer = self._ll_tokenizer()
         try:
             grammar = structured.llguidance_grammar()
@@ -120,6 +124,11 @@ class Grammars:
         if matcher.is_error():
             raise SamplingError("structured_outputs", f"structured_outputs {structured.kind} does not compile: "
                                                       f"{_first_line(matcher.get_error())}")
+        matcher.compute_bitmask()  # the first step's tokens: a grammar that matches nothing fails here
+        if matcher.is_error():
+            raise SamplingError("structured_outputs", f"structured_outputs {structured.kind} matches no text: "
+                                                      f"{_first_line(matcher.get_error())}")
+        self._last = (structured, matcher.deep_copy())
         return matcher
 
 
@@ -147,6 +156,11 @@ class _Bytes:
 
     def __call__(self, text: bytes) -> list[int]:
         return list(text)
+
+
+def error_of(matcher) -> str:
+    """A matcher's error, its first line (llguidance appends its whole state and grammar)."""
+    return _first_line(matcher.get_error())
 
 
 def _first_line(error) -> str:
