@@ -488,6 +488,14 @@ def test_logit_bias_penalties_min_p_and_min_tokens_reach_the_sampler(served):
             "logit_bias": {"7": 100}}
     tok = served.engine.engine.tokenizer
     assert _post(served, "/v1/completions", body)["choices"][0]["text"] == tok.decode([7] * 4)
+    # a special token (<s>, id 0) is named in the logprobs but adds nothing to the text: its offsets stay put,
+    # whole and streamed (found by a fuzz pass: they ran past the text)
+    special = {**body, "logit_bias": {"0": 100}, "logprobs": 0}
+    whole = _post(served, "/v1/completions", special)["choices"][0]
+    assert whole["text"] == "" and whole["logprobs"]["tokens"] == ["<s>"] * 4
+    assert whole["logprobs"]["text_offset"] == [0] * 4
+    assert [x for e in _stream(served, "/v1/completions", special) if e["choices"] and e["choices"][0].get("logprobs")
+            for x in e["choices"][0]["logprobs"]["text_offset"]] == [0] * 4
     penalized = {**body, "logit_bias": {"7": 5}, "repetition_penalty": 1e9, "frequency_penalty": 2}
     text = _post(served, "/v1/completions", penalized)["choices"][0]["text"]
     with served.engine._cv:

@@ -21,12 +21,15 @@ if TYPE_CHECKING:
     from meshlm.infer.engine import RequestOutput
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], dec, offset: int = 0) -> dict:
+def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], dec, offset: int = 0,
+                        widths: list[int] | None = None) -> dict:
     """A completion's logprobs (OpenAI's legacy layout): each token's text, its log-probability and top
     alternatives (None where there is none: an echoed prompt's first token), and `text_offset`, where its text
-    begins in the choice's text (the token texts' lengths summed from `offset`, as vLLM counts)."""
+    begins in the choice's text: the lengths the tokens add to it (`widths`; default their texts', as vLLM counts)
+    summed from `offset`."""
     tokens = [dec(t) for t in token_ids]
-    return {"tokens": tokens, "text_offset": list(accumulate(map(len, tokens), initial=offset))[:-1],
+    widths = [len(t) for t in tokens] if widths is None else widths
+    return {"tokens": tokens, "text_offset": list(accumulate(widths, initial=offset))[:-1],
             "token_logprobs": [None if lp is None else lp["logprob"] for lp in logprobs],
             "top_logprobs": [None if lp is None else {dec(t): v for t, v in lp["top"].items()} for lp in logprobs]}
 
@@ -84,6 +87,8 @@ class Replies:
     prompt_only: bool = False  # echo without tokens (max_tokens 0): the one token the engine sampled is left out
     streamed: dict[int, int] = field(default_factory=dict)  # choice -> characters of token text streamed so far
     tools: object = None  # a chat's requests.ToolChoice that calls tools: its replies are tool calls
+    # a generated token id -> the text it adds to the choice's (a special token: none); None: its `dec` text
+    shown: Callable[[int], str] | None = None
 
     def response(self, outputs: list[RequestOutput], num_prompt: int) -> dict:
         """The whole answer: every choice's finished output, in choice order."""
@@ -123,10 +128,17 @@ class Replies:
         if self.echo is not None:
             ids = list(out.prompt_token_ids)
             entries = list(out.prompt_logprobs or [None] * len(ids))
+        widths = [len(self.dec(t)) for t in ids]  # an echoed prompt's text shows its special tokens
         if not self.prompt_only:
-            ids += [lp["token"] for lp in out.logprobs]
+            generated = [lp["token"] for lp in out.logprobs]
+            ids += generated
             entries += out.logprobs
-        return completion_logprobs(ids, entries, self.dec)
+            widths += self.widths(generated)
+        return completion_logprobs(ids, entries, self.dec, widths=widths)
+
+    def widths(self, generated: list[int]) -> list[int]:
+        """The lengths generated tokens add to a choice's text."""
+        return [len((self.shown or self.dec)(t)) for t in generated]
 
     @property
     def chunk_kind(self) -> str:
@@ -146,9 +158,10 @@ class Replies:
         else:
             choice["text"] = delta or ""
             if logprobs:
-                lp = completion_logprobs([e["token"] for e in logprobs], logprobs, self.dec, self.streamed.get(i, 0))
-                self.streamed[i] = self.streamed.get(i, 0) + sum(map(len, lp["tokens"]))
-                choice["logprobs"] = lp
+                ids = [e["token"] for e in logprobs]
+                widths = self.widths(ids)
+                choice["logprobs"] = completion_logprobs(ids, logprobs, self.dec, self.streamed.get(i, 0), widths)
+                self.streamed[i] = self.streamed.get(i, 0) + sum(widths)
         return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
                     "choices": [choice]})
 

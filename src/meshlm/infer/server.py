@@ -312,7 +312,8 @@ class _Completions:
                 e.message = e.message.replace("structured_outputs", e.param, 1)
             raise
         replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
-                          model=self.model_name, dec=self.dec, logprobs=options.params.logprobs is not None,
+                          model=self.model_name, dec=self.dec, shown=self.shown,
+                          logprobs=options.params.logprobs is not None,
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
                           prompt_only=options.prompt_only,
                           tools=options.tools if options.tools is not None and options.tools.calls else None)
@@ -491,6 +492,11 @@ class _Completions:
         if isinstance(prompt, str):
             return prompt
         return self.tokenizer.decode(prompt, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def shown(self, token: int) -> str:
+        """What a generated token adds to a choice's text: its text as the engine decodes output (special tokens
+        skipped where the tokenizer skips them)."""
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
     def dec(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
