@@ -94,6 +94,10 @@ class RequestOptions:
         echo = not chat and boolean(body, "echo")
         if tools is not None and tools.calls and stream:
             raise APIError(400, "tool calls are answered whole: leave out stream", param="stream")
+        for key in ("stop", "stop_token_ids"):  # they would cut the calls' JSON, which would then come back as text
+            if tools is not None and tools.calls and body.get(key):
+                raise APIError(400, f"{key} would cut a tool call short: leave it out with tool_choice "
+                                    f"{tools.name and 'naming a function' or 'required'}", param=key)
         options = body.get("stream_options")
         if options is not None:
             if not stream:
@@ -179,6 +183,9 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
         raise APIError(400, "give one of max_tokens and max_completion_tokens (max_tokens is the older name)",
                        param="max_tokens")
     max_key = given[-1] if given else "max_tokens"
+    if not chat and echo_without_tokens(body) and body.get("min_tokens"):
+        raise APIError(400, "min_tokens asks for tokens where max_tokens 0 (with echo) asks for none",
+                       param="min_tokens")
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise APIError(400, "stop must be a string or a list of strings", param="stop")
@@ -338,6 +345,8 @@ def logit_bias(body: dict) -> dict[int, float] | None:
             raise APIError(400, f"logit_bias key {short(key)} is not a token id", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise APIError(400, f"logit_bias[{short(key)}]={short(value)} must be a number", param="logit_bias")
+        if int(key) in out:  # "5" and "05"
+            raise APIError(400, f"logit_bias names token {int(key)} twice", param="logit_bias")
         out[int(key)] = float(value)
     return out
 
