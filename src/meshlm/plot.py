@@ -84,7 +84,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Run]:
     if not run_dirs:
         raise ValueError("give at least one run directory")
     if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("meshlm plot needs matplotlib: pip install meshlm[plot] (or pip install matplotlib)")
+        raise ValueError("meshlm plot needs matplotlib: pip install matplotlib (the plot extra: "
+                         "pip install -e \".[plot]\")")
     out = check_picture_path(out, "--out", example="loss.png")
     runs = [read_run(d) for d in run_dirs]
     import matplotlib

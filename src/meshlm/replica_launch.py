@@ -27,7 +27,8 @@ def start_lighthouse(min_groups: int):
     try:
         from torchft.coordination import LighthouseServer
     except ImportError as e:
-        raise ValueError(f"--replica-groups needs torchft ({e}); pip install 'meshlm[ft]'") from None
+        raise ValueError(f"--replica-groups needs torchft ({e}); pip install torchft (the ft extra: "
+                         "pip install -e \".[ft]\")") from None
     server = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
                               quorum_tick_ms=100, heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
     return server, server.address()

@@ -469,7 +469,7 @@ def plot_schedule(sim: SimResult, path: str, *, title: str | None = None) -> str
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ValueError("plotting a schedule needs matplotlib (pip install 'meshlm[plot]')") from exc
+        raise ValueError("plotting a schedule needs matplotlib: pip install matplotlib") from exc
     sch = sim.schedule
     fig, ax = plt.subplots(figsize=(max(6.0, sim.makespan * 0.35), 0.6 * sch.pp + 1.4))
     for r, tl in enumerate(sim.timeline):

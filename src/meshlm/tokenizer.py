@@ -205,8 +205,8 @@ def read_tokenizer_json(path: Path):
     try:
         from tokenizers import Tokenizer as RustTokenizer
     except ImportError:
-        raise ValueError(f"tokenizer {str(path)!r} needs the `tokenizers` package; install the `hf` extra "
-                         "(pip install 'meshlm[hf]') or train on bytes (an empty data.tokenizer)") from None
+        raise ValueError(f"tokenizer {str(path)!r} needs the `tokenizers` package; pip install tokenizers (the "
+                         "`hf` extra: pip install -e \".[hf]\") or train on bytes (an empty data.tokenizer)") from None
     try:
         return RustTokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 -- the tokenizers library raises a bare Exception on a damaged file

@@ -25,7 +25,7 @@ def require_extra(extra: str, *modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"this command needs {', '.join(missing)} (the [{extra}] extra): "
-                         f"pip install -e \".[{extra}]\" (or pip install meshlm[{extra}])")
+                         f"pip install {' '.join(missing)}, or the extra: pip install -e \".[{extra}]\"")
 
 
 def add_node_arguments(group) -> None:

@@ -113,8 +113,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan", help="predict memory and step time of parallel layouts on a cluster and pick one",
         description="Search every valid layout (dp_replicate, dp_shard + ZeRO stage, tp, pp + schedule, "
                     "cp + method, ep, micro-batch, recompute) for a model on a cluster, rank those that fit by step "
-                    "time and explain the winner. Sub-commands: estimate (one layout), infer (serving), "
-                    "calibrate (measure this machine for --cluster local).",
+                    "time and explain the winner. Sub-commands: estimate (one layout), scale (the best layout at "
+                    "each GPU count), compare (clusters), schedule (a pipeline schedule), infer (serving), context "
+                    "(one long context), calibrate (measure this machine for --cluster local).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: meshlm plan --model llama3-70b --cluster h100 --gpus 64 --seq-len 8192 "
                "--global-batch-tokens 4M\nJSON keys: fits, memory_gib{...,total}, time_s{...,step}, mfu, hfu, "

@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
         "plot", help="draw training runs (loss, validation loss, tokens/s, communication) into a PNG",
         description="Draw one or more training runs from their metrics.jsonl: loss and validation loss per step "
                     "(runs overlaid), tokens/s, and the share of each step spent in communication. "
-                    "Needs matplotlib (pip install meshlm[plot]).",
+                    "Needs matplotlib (pip install matplotlib).",
         epilog="example: meshlm plot runs/dp2 runs/tp2 --out compare.png")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.run_dir of a run (holds metrics.jsonl)")
     p.add_argument("--out", required=True, metavar="FILE.png", help="the picture to write")

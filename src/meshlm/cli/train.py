@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
                         "when there is none and never deletes anything")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh even though train.run_dir holds an earlier run's checkpoints (they are "
-                        "deleted); without it such a run refuses")
+                        "deleted; a run_dir holding files meshlm did not write is refused); without it such a run "
+                        "refuses")
     p.add_argument("--no-memory-check", action="store_true",
                    help="start even where the planner predicts that a rank's memory cannot hold the run (without "
                         "it such a run is refused before any rank starts, naming the bytes by part and the fixes)")

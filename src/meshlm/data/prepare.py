@@ -120,7 +120,8 @@ def tokenizer_info(path: str | Path) -> dict:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ValueError("`meshlm data prepare` needs the `tokenizers` package; pip install 'meshlm[data]'") from None
+        raise ValueError("`meshlm data prepare` needs the `tokenizers` package; pip install tokenizers "
+                         "(the data extra: pip install -e \".[data]\")") from None
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:  # the library raises a bare Exception for unreadable files

@@ -175,7 +175,8 @@ def check_files(files: list[Path], field: str) -> None:
         needs["zst"] = "zstandard"
     for what, module in needs.items():
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f"reading .{what} files needs the `{module}` package; pip install 'meshlm[data]'")
+            raise ValueError(f"reading .{what} files needs the `{module}` package; pip install {module} "
+                             "(the data extra: pip install -e \".[data]\")")
     for f in files:
         if kind_of(f) == "parquet":
             _check_parquet(f, field)

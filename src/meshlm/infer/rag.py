@@ -261,7 +261,7 @@ def _bm25(tokens: list[list[str]]):
     try:
         import bm25s
     except ImportError:
-        raise ValueError("RAG needs the bm25s package (the [rag] extra): pip install \"meshlm[rag]\"") from None
+        raise ValueError("RAG needs the bm25s package: pip install bm25s (the rag extra: pip install -e \".[rag]\")") from None
     retriever = bm25s.BM25()
     retriever.index(tokens, show_progress=False)
     return retriever
@@ -378,7 +378,7 @@ class RagIndex:
         try:
             import bm25s
         except ImportError:
-            raise ValueError("RAG needs the bm25s package (the [rag] extra): pip install \"meshlm[rag]\"") from None
+            raise ValueError("RAG needs the bm25s package: pip install bm25s (the rag extra: pip install -e \".[rag]\")") from None
         try:
             bm25 = bm25s.BM25.load(str(path / "bm25"), allow_pickle=False, show_progress=False)
         except Exception as e:  # noqa: BLE001 -- whatever bm25s raises on broken files: one line

@@ -94,7 +94,7 @@ class Grammars:
                 import llguidance
             except ImportError:
                 raise SamplingError("structured_outputs", "structured outputs need llguidance: pip install "
-                                                          "llguidance (or meshlm[serve])") from None
+                                                          "llguidance (the serve extra)") from None
             inner = getattr(self.tokenizer, "tokenizer", None)  # HFTokenizer's `tokenizers.Tokenizer`
             eos = list(self.eos_token_ids) or None
             if inner is not None and hasattr(inner, "to_str"):

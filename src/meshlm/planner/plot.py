@@ -26,7 +26,8 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib (pip install 'meshlm[plot]')") from None
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (the plot extra: "
+                         "pip install -e \".[plot]\")") from None
     return plt
 
 

@@ -91,8 +91,8 @@ def step_info(row: dict, width: int) -> str:
 def check_trackers(*, tensorboard: bool, wandb: bool) -> None:
     """Raise ValueError (one line, the pip command) when a tracker the config asks for is not installed."""
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("train.tensorboard=true needs the tensorboard package: pip install meshlm[tb] "
-                         "(or pip install tensorboard), or set train.tensorboard=false")
+        raise ValueError("train.tensorboard=true needs the tensorboard package: pip install tensorboard (the tb extra: "
+                         "pip install -e \".[tb]\"), or set train.tensorboard=false")
     if wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("train.wandb=true needs the wandb package: pip install wandb, or set train.wandb=false")
 
