@@ -1,0 +1,183 @@
+"""The OpenAI API's features beyond plain text over real HTTP, against a served tiny Llama: logit_bias, the
+penalties, min_p and min_tokens reaching the sampler; structured outputs (response_format, structured_outputs) and
+tool calls holding the text to them; echo with prompt logprobs, as lm-evaluation-harness asks, whole, streamed and
+with max_tokens 0. The server is test_serve_robust's (`serving`: one of this module's own)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("transformers")
+
+from test_serve_robust import CHAT, COMPLETION, HEADERS, _post, _stream, serving  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    yield from serving(tmp_path_factory)
+
+
+def test_logit_bias_penalties_min_p_and_min_tokens_reach_the_sampler(served):
+    """A bias of 100 on one token makes greedy pick it every time; a repetition penalty then makes it pick it
+    once (the engine's own greedy with the same parameters: tests/test_engine.py checks those against a
+    reference)."""
+    from meshlm.infer.sequence import SamplingParams
+
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"7": 100}}
+    tok = served.engine.engine.tokenizer
+    assert _post(served, "/v1/completions", body)["choices"][0]["text"] == tok.decode([7] * 4)
+    # a special token (<s>, id 0) is named in the logprobs but adds nothing to the text: its offsets stay put,
+    # whole and streamed (found by a fuzz pass: they ran past the text)
+    special = {**body, "logit_bias": {"0": 100}, "logprobs": 0}
+    whole = _post(served, "/v1/completions", special)["choices"][0]
+    assert whole["text"] == "" and whole["logprobs"]["tokens"] == ["<s>"] * 4
+    assert whole["logprobs"]["text_offset"] == [0] * 4
+    assert [x for e in _stream(served, "/v1/completions", special) if e["choices"] and e["choices"][0].get("logprobs")
+            for x in e["choices"][0]["logprobs"]["text_offset"]] == [0] * 4
+    penalized = {**body, "logit_bias": {"7": 5}, "repetition_penalty": 1e9, "frequency_penalty": 2}
+    text = _post(served, "/v1/completions", penalized)["choices"][0]["text"]
+    with served.engine._cv:
+        want = served.engine.engine.generate([[5, 6]], SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True, logit_bias={7: 5}, repetition_penalty=1e9,
+            frequency_penalty=2))[0]
+    assert text == want.text and want.token_ids.count(7) <= 1
+    # min_p 1 keeps only the most likely token: a draw at temperature 1 is greedy
+    plain = {k: v for k, v in body.items() if k != "logit_bias"}
+    drawn = _post(served, "/v1/completions", {**plain, "temperature": 1.0, "min_p": 1.0, "seed": 5})
+    assert drawn["choices"][0]["text"] == _post(served, "/v1/completions", plain)["choices"][0]["text"]
+    # min_tokens: no stop string is looked for before it (the text's first characters would stop it at once)
+    text = _post(served, "/v1/completions", {**plain, "max_tokens": 8})["choices"][0]["text"]
+    stopped = {**plain, "max_tokens": 8, "stop": text[:2]}
+    assert _post(served, "/v1/completions", stopped)["choices"][0]["text"] == ""
+    assert _post(served, "/v1/completions", {**stopped, "min_tokens": 8})["choices"][0]["text"] == text
+
+
+def test_response_format_and_structured_outputs_hold_the_text_to_them(served):
+    """OpenAI's response_format (json_schema) on a chat and vLLM's structured_outputs (choice) on a completion:
+    a tiny random model's text follows them (tests/test_structured.py checks every kind in the engine)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    body = {**CHAT, "max_tokens": 30, "temperature": 0.8, "seed": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    out = _post(served, "/v1/chat/completions", body)["choices"][0]
+    assert set(json.loads(out["message"]["content"])) == {"n"} and out["finish_reason"] == "stop", out
+    body = {**COMPLETION, "max_tokens": 10, "n": 4, "temperature": 1.0, "seed": 3,
+            "structured_outputs": {"choice": ["red", "green", "blue"]}}
+    assert {c["text"] for c in _post(served, "/v1/completions", body)["choices"]} <= {"red", "green", "blue"}
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["a", "b"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "now"}}]  # no parameters: an empty object
+
+
+def test_a_required_tool_choice_may_answer_several_calls():
+    """The grammar of "required": a list of calls of any tool (parallel_tool_calls false: one); its text as
+    OpenAI's tool_calls."""
+    from meshlm.infer.requests import ToolChoice
+    from meshlm.infer.responses import tool_calls
+
+    tools = ToolChoice.of({"tools": TOOLS, "tool_choice": "required"})
+    schema = tools.schema()
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "add"}, {"const": "now"}]
+    assert ToolChoice.of({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}).schema()[
+        "maxItems"] == 1
+    calls = tool_calls('[{"name":"add","parameters":{"a":1,"b":2}},{"name":"now","parameters":{}}]', tools)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("add", {"a": 1, "b": 2}), ("now", {})]
+    assert len({c["id"] for c in calls}) == 2
+    assert tool_calls('[{"name":"add","parameters":{"a":1', tools) is None  # cut short: left as text
+
+
+def test_tool_choice_required_or_named_answers_tool_calls(served):
+    """tool_choice "required" (one or more calls of any tool) and a named function: the reply is held to the
+    calls' JSON, and answered as OpenAI's tool_calls (arguments as JSON text); a history with calls and a tool's
+    reply is taken."""
+    history = [{"role": "user", "content": "add 2"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+               {"role": "user", "content": "now?"}]
+    for choice, seed in (("required", 1), ("required", 2), ({"type": "function", "function": {"name": "add"}}, 3)):
+        body = {"model": "tiny", "messages": history, "tools": TOOLS, "tool_choice": choice, "max_tokens": 50,
+                "temperature": 1.0, "seed": seed, "parallel_tool_calls": False}  # one call: the context is short
+        out = _post(served, "/v1/chat/completions", body)["choices"][0]
+        assert len(out["message"].get("tool_calls", [])) == 1, out
+        assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None, out
+        for call in out["message"]["tool_calls"]:
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "add":
+                assert set(arguments) == {"a", "b"} and all(isinstance(v, int) for v in arguments.values())
+            else:
+                assert call["function"]["name"] == "now" and choice == "required" and isinstance(arguments, dict)
+        if choice != "required":
+            assert [c["function"]["name"] for c in out["message"]["tool_calls"]] == ["add"]
+    # "none": plain text, the tools only listed
+    body = {"model": "tiny", "messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3}
+    assert "tool_calls" not in _post(served, "/v1/chat/completions", body)["choices"][0]["message"]
+
+
+def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks(served):
+    """lm-evaluation-harness's loglikelihood request to an OpenAI completions server (token ids, echo, logprobs 1,
+    max_tokens 1, temperature 0): the logprobs cover the prompt, the first token's null, then the generated token;
+    each prompt token's is the model's own given the tokens before it (one forward over the prompt), whatever the
+    prefix cache holds."""
+    import torch
+
+    prompt = [5, 40, 41, 42, 43, 44, 45, 46, 47]
+    body = {"model": "tiny", "prompt": [prompt], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    for _ in range(2):  # the second time its blocks are in the prefix cache: still every position is computed
+        r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(served.engine.engine.model(torch.tensor([prompt])).float(), -1)[0]
+        for p in range(1, len(prompt)):
+            assert abs(lp["token_logprobs"][p] - float(ref[p - 1, prompt[p]])) < 1e-5, p
+            assert len(lp["top_logprobs"][p]) == 1
+        assert choice["text"].startswith(served.engine.engine.tokenizer.decode(prompt))
+        # where each token's text begins in the choice's text (OpenAI's legacy field)
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(prompt) + 1)]
+    # max_tokens 0 (OpenAI's legacy API, HELM): the prompt and its logprobs, no token
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, json={**body, "max_tokens": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+    only = r.json()
+    assert only["choices"][0]["text"] == served.engine.engine.tokenizer.decode(prompt)
+    assert only["choices"][0]["logprobs"] == {k: v[:-1] for k, v in lp.items()}
+    assert only["choices"][0]["finish_reason"] == "length" and only["usage"]["completion_tokens"] == 0
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, json={**body, "max_tokens": 0, "echo": False},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, timeout=30,
+                   json={"model": "tiny", "prompt": "hello world", "max_tokens": 2, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello world"), r.text
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=HEADERS, json={**CHAT, "echo": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    # streamed: the prompt (and its logprobs) in the chunk before the first token's; the chunks add up to the answer
+    for tokens in (3, 0):
+        scored = {**body, "max_tokens": tokens, "prompt": [prompt, prompt[:4]], "ignore_eos": True}
+        whole = _post(served, "/v1/completions", scored)
+        events = _stream(served, "/v1/completions", {**scored, "stream_options": {"include_usage": True}})
+        assert events[-1]["usage"] == whole["usage"]
+        for choice in whole["choices"]:
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == choice["index"]]
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            got = {k: [x for c in mine if c.get("logprobs") for x in c["logprobs"][k]] for k in lp}
+            want = choice["logprobs"]
+            assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+            # the same numbers up to float32 (the two runs batch their steps differently)
+            assert [None if v is None else pytest.approx(v, abs=1e-5) for v in want["token_logprobs"]] == \
+                got["token_logprobs"]
+            assert [None if d is None else pytest.approx(d, abs=1e-5) for d in want["top_logprobs"]] == \
+                got["top_logprobs"]
+            assert mine[-1]["finish_reason"] == choice["finish_reason"] == "length"
