@@ -579,3 +579,11 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llama_path):
     assert out.finish_reason == "stop"
     with pytest.raises(SamplingError, match=r"min_tokens=30 must be an integer in \[0, max_tokens=20\]"):
         dataclasses.replace(params, min_tokens=30)
+    # no token is speculated before min_tokens: a step crossing it could find a stop string that one token a step
+    # would not look for (found by a review)
+    spec = LLM(str(llama_path), device="cpu", speculative=dict(method="ngram", num_speculative_tokens=3, ngram=(1, 2)))
+    repeat = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec.generate([[5, 6, 7, 5, 6, 7, 5, 6]], dataclasses.replace(repeat, min_tokens=12))
+    assert spec.engine.stats()["spec_proposed_tokens"] == 0
+    spec.generate([[5, 6, 7, 5, 6, 7, 5, 6]], repeat)
+    assert spec.engine.stats()["spec_proposed_tokens"] > 0

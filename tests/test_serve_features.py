@@ -67,6 +67,14 @@ def test_response_format_and_structured_outputs_hold_the_text_to_them(served):
     body = {**COMPLETION, "max_tokens": 10, "n": 4, "temperature": 1.0, "seed": 3,
             "structured_outputs": {"choice": ["red", "green", "blue"]}}
     assert {c["text"] for c in _post(served, "/v1/completions", body)["choices"]} <= {"red", "green", "blue"}
+    # a grammar the sampler cannot follow (llguidance's 2,000 items a row, reached at the first token) is the
+    # request's own error: a 400 naming the field as sent, whole or streamed (a 500 before a review)
+    many = {**COMPLETION, "temperature": 0, "structured_outputs": {"choice": [f"c{i}" for i in range(2500)]}}
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, json=many, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert "structured_outputs failed at token 1" in r.json()["error"]["message"]
+    events = _stream(served, "/v1/completions", many)
+    assert events[-1]["error"]["param"] == "structured_outputs" and events[-1]["error"]["code"] is None, events
 
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
@@ -79,7 +87,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b"
 def test_a_required_tool_choice_may_answer_several_calls():
     """The grammar of "required": a list of calls of any tool (parallel_tool_calls false: one); its text as
     OpenAI's tool_calls."""
-    from meshlm.infer.requests import ToolChoice
+    from meshlm.infer.requests import APIError, ToolChoice
     from meshlm.infer.responses import tool_calls
 
     tools = ToolChoice.of({"tools": TOOLS, "tool_choice": "required"})
@@ -93,12 +101,22 @@ def test_a_required_tool_choice_may_answer_several_calls():
         [("add", {"a": 1, "b": 2}), ("now", {})]
     assert len({c["id"] for c in calls}) == 2
     assert tool_calls('[{"name":"add","parameters":{"a":1', tools) is None  # cut short: left as text
+    # a tool whose parameters refer to their own definitions ($defs, as pydantic writes them): hoisted to the root
+    # of the calls' schema, where "#/$defs/..." points (found by a review: refused as a missing pointer)
+    point = {"type": "function", "function": {"name": "move", "parameters": {
+        "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/P"}}}}}
+    schema = ToolChoice.of({"tools": [*TOOLS, point], "tool_choice": "required"}).schema()
+    assert set(schema["$defs"]) == {"P"} and "$defs" not in schema["items"]["anyOf"][2]["properties"]["parameters"]
+    clash = {"type": "function", "function": {"name": "other", "parameters": {"$defs": {"P": {"type": "string"}}}}}
+    with pytest.raises(APIError, match=r"tools define \$defs 'P' differently"):
+        ToolChoice.of({"tools": [point, clash], "tool_choice": "required"}).schema()
 
 
 def test_tool_choice_required_or_named_answers_tool_calls(served):
-    """tool_choice "required" (one or more calls of any tool) and a named function: the reply is held to the
-    calls' JSON, and answered as OpenAI's tool_calls (arguments as JSON text); a history with calls and a tool's
-    reply is taken."""
+    """tool_choice "required" (one call of any tool here, parallel_tool_calls false: the context is short; the
+    several-call grammar is checked above) and a named function: the reply is held to the calls' JSON, and
+    answered as OpenAI's tool_calls (arguments as JSON text); a history with calls and a tool's reply is taken."""
     history = [{"role": "user", "content": "add 2"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},

@@ -443,6 +443,8 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                           "stop": ["\""]}, "stop", "stop would cut a tool call short"),
     ("completions", {"suffix": "!"}, "suffix", "is not supported"),
+    ("completions", {"guided_json": {"type": "object"}}, "guided_json",
+     "guided_json is vLLM's older name: give structured_outputs {\"json\": ...}"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
      "tool_choice \"auto\" (the default with tools) needs a parser"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],

@@ -56,6 +56,7 @@ class RequestOutput:
     new_text: str = ""
     num_cached_tokens: int = 0
     error: str | None = None  # why the request failed (finish_reason "error")
+    error_field: str | None = None  # the request's own parameter that failed it (a SamplingError's), else None
     retrieved: list[dict] | None = None  # passages put before the prompt (retrieval-augmented requests)
 
 
@@ -340,8 +341,9 @@ class Engine:
         self.seconds["kv_tiers"] += time.perf_counter() - t0
 
     def _propose(self) -> None:
-        """Speculative decoding: proposals for every running sequence that decodes next (none for the others, nor
-        for a structured output's, whose grammar decides each token),
+        """Speculative decoding: proposals for every running sequence that decodes next (none for the others, for
+        a structured output's, whose grammar decides each token, or before min_tokens, where a step crossing it
+        could find a stop string one token a step would not look for),
         which the next step verifies; a sequence the scheduler then preempts or gives no room drops them."""
         if self.proposer is None:
             return
@@ -350,7 +352,8 @@ class Engine:
             seq.spec_token_ids = []
             k = min(seq.params.num_speculative_tokens or self.speculative.num_speculative_tokens,
                     seq.max_total_tokens - seq.num_tokens - 1)
-            if seq.num_computed_tokens == seq.num_tokens - 1 and k > 0 and seq.matcher is None:
+            if seq.num_computed_tokens == seq.num_tokens - 1 and k > 0 and seq.matcher is None \
+                    and len(seq.output_token_ids) >= seq.params.min_tokens:
                 decoding.append(seq)
                 ks.append(k)
         if decoding:
@@ -397,6 +400,7 @@ class Engine:
             seq.finish_time = now
             result = self._output(seq)
             result.error = f"{type(error).__name__}: {error}"
+            result.error_field = getattr(error, "field", None)
             results.append(result)
             self._forget(seq)
         return results

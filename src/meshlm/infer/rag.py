@@ -257,11 +257,17 @@ class Embedder:
 # ---------------------------------------------------------------------------------------------
 
 
-def _bm25(tokens: list[list[str]]):
+def _bm25s():
     try:
         import bm25s
     except ImportError:
-        raise ValueError("RAG needs the bm25s package: pip install bm25s (the rag extra: pip install -e \".[rag]\")") from None
+        raise ValueError("RAG needs the bm25s package: pip install bm25s (the rag extra: pip install -e "
+                         "\".[rag]\")") from None
+    return bm25s
+
+
+def _bm25(tokens: list[list[str]]):
+    bm25s = _bm25s()
     retriever = bm25s.BM25()
     retriever.index(tokens, show_progress=False)
     return retriever
@@ -375,10 +381,7 @@ class RagIndex:
             raise RagIndexError(f"{path}/chunks.jsonl cannot be read ({e}); {fix}") from None
         if len(chunks) != meta.get("num_chunks"):
             raise RagIndexError(f"{path} holds {len(chunks)} chunks but meta.json says {meta.get('num_chunks')}; {fix}")
-        try:
-            import bm25s
-        except ImportError:
-            raise ValueError("RAG needs the bm25s package: pip install bm25s (the rag extra: pip install -e \".[rag]\")") from None
+        bm25s = _bm25s()
         try:
             bm25 = bm25s.BM25.load(str(path / "bm25"), allow_pickle=False, show_progress=False)
         except Exception as e:  # noqa: BLE001 -- whatever bm25s raises on broken files: one line

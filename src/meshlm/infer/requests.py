@@ -183,6 +183,10 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
         raise APIError(400, "give one of max_tokens and max_completion_tokens (max_tokens is the older name)",
                        param="max_tokens")
     max_key = given[-1] if given else "max_tokens"
+    for old in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):  # vLLM's older names
+        if body.get(old) is not None:
+            raise APIError(400, f"{old} is vLLM's older name: give structured_outputs {{\"{old[7:]}\": ...}}",
+                           param=old)
     if not chat and echo_without_tokens(body) and body.get("min_tokens"):
         raise APIError(400, "min_tokens asks for tokens where max_tokens 0 (with echo) asks for none",
                        param="min_tokens")
@@ -311,11 +315,18 @@ class ToolChoice:
         compact = {"x-guidance": {"whitespace_flexible": False}}
         if self.name is not None:
             return {**compact, **self.parameters(self.name)}
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "parameters": self.parameters(t["function"]["name"])},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-        return {**compact, "type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                "items": {"anyOf": calls}}
+        calls, defs = [], {}
+        for tool in self.tools:  # each tool's definitions move to the root, where its "#/$defs/X" points
+            parameters = dict(self.parameters(tool["function"]["name"]))
+            for key, value in (parameters.pop("$defs", None) or {}).items():
+                if defs.setdefault(key, value) != value:
+                    raise APIError(400, f"tools define $defs {short(key)} differently; give their definitions "
+                                        "distinct names", param="tools")
+            calls.append({"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
+                                                           "parameters": parameters},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        return {**compact, **({"$defs": defs} if defs else {}), "type": "array", "minItems": 1,
+                **({} if self.parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
 
 def _is_function(tool) -> bool:

@@ -1,8 +1,9 @@
 """The OpenAI API's response bodies: what a completion or chat completion request gets back.
 
 Responsible for: the layout of both endpoints' answers, whole (`Replies.response`) or streamed as server-sent
-events (`Replies.event`, `Replies.usage_event`, `sse`): the choices in OpenAI's order (prompt x n + sample),
-their text or message, their logprobs (`completion_logprobs`, `chat_logprobs`), the passages of a
+events (`Replies.event`, `Replies.echo_event`, `Replies.usage_event`, `sse`): the choices in OpenAI's order
+(prompt x n + sample), their text or message (an echoed prompt first), their logprobs (`completion_logprobs` with
+its `text_offset`, `chat_logprobs` with `bytes`), a chat's tool calls (`tool_calls`), the passages of a
 retrieval-augmented request (`retrieved`), and the token usage.
 Not responsible for: checking requests (requests.py), HTTP or waiting for the engine (server.py).
 """
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
 def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], dec, offset: int = 0,
                         widths: list[int] | None = None) -> dict:
     """A completion's logprobs (OpenAI's legacy layout): each token's text, its log-probability and top
-    alternatives (None where there is none: an echoed prompt's first token), and `text_offset`, where its text
-    begins in the choice's text: the lengths the tokens add to it (`widths`; default their texts', as vLLM counts)
-    summed from `offset`."""
+    alternatives (None where there is none: an echoed prompt's first token), and `text_offset`: the lengths of
+    the tokens before it summed from `offset` (`widths`; default their texts', as vLLM counts) -- where it begins
+    in the choice's text, unless a text prompt's BOS or a token that splits a character shifts them."""
     tokens = [dec(t) for t in token_ids]
     widths = [len(t) for t in tokens] if widths is None else widths
     return {"tokens": tokens, "text_offset": list(accumulate(widths, initial=offset))[:-1],

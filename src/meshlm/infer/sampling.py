@@ -7,7 +7,7 @@ preemptions); log-probabilities of the sampled token and the top-n alternatives 
 distribution before temperature and filters, as OpenAI reports them); speculative decoding's verification
 (`Sampler.emit`, `verify_proposals`): a sequence with k proposals has k + 1 rows of logits, and keeps the
 proposals the target accepts and one token of the target's own.
-The temperature / top-k / top-p distribution itself is `meshlm.models.generation.sampling_probs` (drawn by
+The temperature / top-k / top-p / min-p distribution itself is `meshlm.models.generation.sampling_probs` (drawn by
 `sample`), shared with the single-process generator.
 Not responsible for: stop conditions (sequence.py, engine.py), proposing tokens or running the model.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.infer.sequence import SamplingParams, Sequence
+from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence
 from meshlm.infer.structured import allowed, error_of
 from meshlm.models.generation import MIN_TEMPERATURE, sample, sampling_probs
 
@@ -68,6 +68,7 @@ class Sampler:
     def __init__(self, *, seed: int = 0):
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.prompt_masks: dict[int, torch.Tensor] = {}  # seq_id -> its prompt's tokens (repetition_penalty)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:
@@ -79,6 +80,16 @@ class Sampler:
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
+        self.prompt_masks.pop(seq.seq_id, None)
+
+    def _prompt_mask(self, seq: Sequence, vocab: int) -> torch.Tensor | None:
+        """The tokens of `seq`'s prompt, [vocab] bool, built once (a repetition penalty reads them every step)."""
+        if seq.params.repetition_penalty == 1:
+            return None
+        mask = self.prompt_masks.get(seq.seq_id)
+        if mask is None:
+            mask = self.prompt_masks[seq.seq_id] = prompt_mask(seq, vocab)
+        return mask
 
     def emit(self, logits_nv: torch.Tensor, seqs: list[Sequence],
              proposals: list[list[int]], draft_probs: list | None = None) -> list[Emitted | Exception]:
@@ -116,13 +127,18 @@ class Sampler:
     def _emit_rows(self, logits_nv: torch.Tensor, seq: Sequence, proposals: list[int], greedy: list[int],
                    draft_probs: torch.Tensor | None) -> Emitted:
         p = seq.params
-        scores_nv = penalize(logits_nv, seq, proposals) if p.penalized else logits_nv
+        scores_nv = penalize(logits_nv, seq, proposals, self._prompt_mask(seq, logits_nv.shape[-1])) \
+            if p.penalized else logits_nv
         if seq.matcher is not None:  # a structured output: only what its grammar allows next (never speculated)
             assert not proposals
             ok = allowed(seq.matcher, scores_nv.shape[-1])
             if seq.matcher.is_error() or not bool(ok.any()):
-                raise ValueError(f"the request's structured output allows no token here ({error_of(seq.matcher)})")
+                raise SamplingError("structured_outputs", f"structured_outputs allows no token here "
+                                                          f"({error_of(seq.matcher)})")
             scores_nv = scores_nv.masked_fill(~ok, float("-inf"))
+            if not bool(torch.isfinite(scores_nv).any()):
+                raise SamplingError("structured_outputs", "structured_outputs allows only tokens min_tokens holds "
+                                                          "back here (EOS or a stop token id)")
         if p.temperature < MIN_TEMPERATURE:  # `sample`'s argmax
             tokens = accept_greedy(scores_nv.argmax(dim=-1).tolist() if not p.plain else greedy, proposals)
         else:
@@ -130,30 +146,42 @@ class Sampler:
             tokens = verify_proposals(probs, proposals, self._generator(seq), draft_probs)
         if seq.matcher is not None and (not seq.matcher.consume_token(tokens[0]) or seq.matcher.is_error()):
             # a limit of the grammar's parser reached by this token: the request fails, never "stops" complete
-            raise ValueError(f"the request's structured output failed at its token {len(seq.output_token_ids) + 1} "
-                             f"({error_of(seq.matcher)})")
+            raise SamplingError("structured_outputs", f"structured_outputs failed at token "
+                                                      f"{len(seq.output_token_ids) + 1} ({error_of(seq.matcher)})")
         if p.logprobs is None:
             return [(t, None) for t in tokens]
         logprobs_nv = torch.log_softmax(logits_nv[:len(tokens)], dim=-1)
         return list(zip(tokens, logprobs_infos(logprobs_nv, tokens, [p.logprobs] * len(tokens))))
 
 
-def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int]) -> torch.Tensor:
+def prompt_mask(seq: Sequence, vocab: int) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[torch.tensor(seq.prompt_token_ids, dtype=torch.long)] = True
+    return mask
+
+
+def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int],
+             prompt: torch.Tensor | None = None) -> torch.Tensor:
     """The logits a request samples from (`SamplingParams`' penalties, in vLLM's order): its logit bias added,
-    then the repetition penalty over the tokens of the prompt and of what it generated, then the frequency and
-    presence penalties over what it generated; under min_tokens, no EOS or stop token id. Row j follows the
-    tokens generated so far and the first j `proposals` (speculative decoding's rows)."""
+    then the repetition penalty over the tokens of the prompt (`prompt`, a [vocab] mask; built here if not
+    given) and of what it generated, then the frequency and presence penalties over what it generated; under
+    min_tokens, no EOS or stop token id. Row j follows the tokens generated so far and the first j `proposals`
+    (speculative decoding's rows)."""
     p = seq.params
     scores = logits_nv.clone()
     if p.logit_bias:
         scores[:, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=scores.dtype)
     vocab = scores.shape[-1]
+    if p.repetition_penalty != 1 and prompt is None:
+        prompt = prompt_mask(seq, vocab)
     for j in range(scores.shape[0]):
         generated = torch.tensor(seq.output_token_ids + proposals[:j], dtype=torch.long)
         if p.repetition_penalty != 1:
-            seen = torch.cat([torch.tensor(seq.prompt_token_ids, dtype=torch.long), generated]).unique()
-            row = scores[j, seen]
-            scores[j, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            seen = prompt.clone()
+            seen[generated] = True
+            row = scores[j]
+            scores[j] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
+                                                      row * p.repetition_penalty), row)
         if p.frequency_penalty or p.presence_penalty:
             counts = torch.bincount(generated, minlength=vocab).to(scores.dtype)
             scores[j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)

@@ -303,14 +303,12 @@ class _Completions:
             raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
                                 f"{MAX_CHOICES} per request", param="n")
         queue: asyncio.Queue = asyncio.Queue()
+        names = {"structured_outputs": structured_key(body)}  # a grammar's errors, named as the request named it
         try:
             ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None,
                                                         chat=chat)
-        except APIError as e:  # a grammar that does not compile: named as the request named it
-            if e.param == "structured_outputs":
-                e.param = structured_key(body)
-                e.message = e.message.replace("structured_outputs", e.param, 1)
-            raise
+        except APIError as e:  # a grammar that does not compile
+            raise _named(e, names) from e
         replies = Replies(chat=chat, rid=("chatcmpl-" if chat else "cmpl-") + ids[0].removeprefix("req-"),
                           model=self.model_name, dec=self.dec, shown=self.shown,
                           logprobs=options.params.logprobs is not None,
@@ -318,8 +316,9 @@ class _Completions:
                           prompt_only=options.prompt_only,
                           tools=options.tools if options.tools is not None and options.tools.calls else None)
         if options.stream:
-            return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage)
-        finals = await self.collect(request, ids, queue)
+            return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage,
+                               names=names)
+        finals = await self.collect(request, ids, queue, names)
         if finals is None:
             return None
         outputs = [finals[request_id] for request_id in ids]
@@ -422,7 +421,8 @@ class _Completions:
             param = getattr(e, "field", None) or ("messages" if chat else "prompt")
             raise APIError(400, str(e), param=param, code="context_length_exceeded" if context else None) from e
 
-    async def collect(self, request, ids: list[str], queue: asyncio.Queue) -> dict[str, RequestOutput] | None:
+    async def collect(self, request, ids: list[str], queue: asyncio.Queue,
+                      names: dict[str, str]) -> dict[str, RequestOutput] | None:
         """Every choice's final output by request id; None if the client hung up first (its choices aborted)."""
         finals: dict[str, RequestOutput] = {}
         gone = asyncio.ensure_future(_client_gone(request))
@@ -439,7 +439,7 @@ class _Completions:
                     raise _engine_failed(out)
                 if out.finished:
                     if out.finish_reason == "error":
-                        raise APIError(500, f"generating this request failed: {out.error}", type_="server_error")
+                        raise _request_failed(out, names)
                     finals[out.request_id] = out
         finally:
             gone.cancel()
@@ -449,7 +449,7 @@ class _Completions:
         return finals
 
     async def stream(self, request, ids: list[str], queue: asyncio.Queue, replies: Replies, num_prompt: int, *,
-                     include_usage: bool):
+                     include_usage: bool, names: dict[str, str]):
         """The choices as server-sent events while they are generated, then `[DONE]`."""
         index = {request_id: i for i, request_id in enumerate(ids)}
         finished: dict[str, RequestOutput] = {}
@@ -461,7 +461,8 @@ class _Completions:
             while len(finished) < len(ids):
                 out = await queue.get()
                 if isinstance(out, Exception) or out.finish_reason == "error":
-                    yield sse(_engine_failed(out if isinstance(out, Exception) else out.error).body())
+                    failed = _engine_failed(out) if isinstance(out, Exception) else _request_failed(out, names)
+                    yield sse(failed.body())
                     break
                 i = index[out.request_id]
                 if replies.echo is not None and i not in echoed:
@@ -482,7 +483,8 @@ class _Completions:
                                               sum(len(o.token_ids) for o in finished.values()))
             yield "data: [DONE]\n\n"
         finally:
-            request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in finished.values())
+            request.scope["meshlm.tokens"] = 0 if replies.prompt_only else \
+                sum(len(o.token_ids) for o in finished.values())
             for request_id in ids:
                 if request_id not in finished:  # the client went away (or one choice failed): free the blocks
                     self.engine.abort(request_id)
@@ -500,6 +502,22 @@ class _Completions:
 
     def dec(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else str(token)
+
+
+def _request_failed(out: RequestOutput, names: dict[str, str]) -> APIError:
+    """A request the engine failed alone: a 400 naming the parameter when the request's own parameters failed it
+    (a grammar the sampler could not follow), else a 500."""
+    if out.error_field is None:
+        return APIError(500, f"generating this request failed: {out.error}", type_="server_error")
+    return _named(APIError(400, f"generating this request failed: {out.error}", param=out.error_field), names)
+
+
+def _named(error: APIError, names: dict[str, str]) -> APIError:
+    """`error` naming its parameter as the request named it (response_format for a grammar given there)."""
+    if error.param in names:
+        error.message = error.message.replace(error.param, names[error.param], 1)
+        error.param = names[error.param]
+    return error
 
 
 def _engine_failed(why) -> APIError:

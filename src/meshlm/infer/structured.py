@@ -117,7 +117,8 @@ class Grammars:
         tokenizer = self._ll_tokenizer()
         try:
             grammar = structured.llguidance_grammar()
-        except (ValueError, TypeError) as e:  # a schema that is not JSON, a regex or Lark that does not parse
+        except (ValueError, TypeError, RecursionError) as e:  # a schema that is not JSON (or nested past Python's
+            # recursion limit), a regex or Lark that does not parse
             raise SamplingError("structured_outputs", f"structured_outputs {structured.kind} does not compile: "
                                                       f"{_first_line(e)}") from None
         matcher = LLMatcher(tokenizer, grammar, log_level=0)

@@ -1,7 +1,7 @@
 """Single-process text generation with the reference model: prefill, then decode token by token.
 
 Responsible for: running a prompt (or a batch of equal-length prompts) through `Transformer` with its
-contiguous `KVCache`, picking each next token greedily or by temperature / top-k / top-p sampling
+contiguous `KVCache`, picking each next token greedily or by temperature / top-k / top-p / min-p sampling
 (reproducible with `seed`), and stopping at `max_new_tokens` or a stop token; `sample`, the one draw
 of a next token, and `sampling_probs`, the distribution it draws from, which the serving engine's sampler
 uses too.
@@ -21,17 +21,17 @@ from meshlm.models.transformer import KVCache, Transformer
 MIN_TEMPERATURE = 1e-5
 
 
-def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+def sample(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token per row: argmax when temperature is (nearly) 0, else a draw from the filtered distribution.
 
-    The one implementation of temperature / top-k / top-p, shared by the engine's `Sampler` and the
+    The one implementation of temperature / top-k / top-p / min-p, shared by the engine's `Sampler` and the
     single-process `generate` below. Numerically safe for every temperature >= 0 and top_p
     in (0, 1]: the most likely token always stays a candidate, so no row is ever all -inf.
     """
     if temperature < MIN_TEMPERATURE:
         return logits_bv.argmax(dim=-1)
-    probs_bv = sampling_probs(logits_bv, temperature=temperature, top_k=top_k, top_p=top_p)
+    probs_bv = sampling_probs(logits_bv, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     return torch.multinomial(probs_bv, 1, generator=generator)[:, 0]
 
 
@@ -70,7 +70,7 @@ def sampling_probs(logits_bv: torch.Tensor, *, temperature: float, top_k: int = 
 
 @torch.no_grad()
 def generate(model: Transformer, prompt_ids: list[int] | list[list[int]] | torch.Tensor, *,
-             max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              seed: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = ()) -> list[int] | list[list[int]]:
     """The new tokens after `prompt_ids` (the prompt itself is not repeated).
 
@@ -81,7 +81,7 @@ def generate(model: Transformer, prompt_ids: list[int] | list[list[int]] | torch
     """
     tokens_bs, batched = _as_batch(prompt_ids)
     _check_args(model, tokens_bs, max_new_tokens=max_new_tokens, temperature=temperature,
-                top_p=top_p, top_k=top_k)
+                top_p=top_p, top_k=top_k, min_p=min_p)
     batch, prompt_len = tokens_bs.shape
     if max_new_tokens == 0:
         return [[] for _ in range(batch)] if batched else []
@@ -100,8 +100,8 @@ def generate(model: Transformer, prompt_ids: list[int] | list[list[int]] | torch
         out: list[list[int]] = [[] for _ in range(batch)]
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
-            next_b = sample(logits_bv.float(), temperature=temperature, top_p=top_p, top_k=top_k,
-                           generator=generator)
+            next_b = sample(logits_bv.float(), temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            generator=generator)
             for row in range(batch):
                 if not done[row]:
                     out[row].append(int(next_b[row]))
@@ -132,7 +132,7 @@ def _as_batch(prompt_ids) -> tuple[torch.Tensor, bool]:
 
 
 def _check_args(model: Transformer, tokens_bs: torch.Tensor, *, max_new_tokens: int, temperature: float,
-                top_p: float, top_k: int) -> None:
+                top_p: float, top_k: int, min_p: float) -> None:
     config = model.config
     if tokens_bs.shape[-1] == 0:
         raise ValueError("prompt_ids is empty; generation needs at least one prompt token")
@@ -150,3 +150,5 @@ def _check_args(model: Transformer, tokens_bs: torch.Tensor, *, max_new_tokens: 
         raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = off)")
     if top_k < 0:
         raise ValueError(f"top_k={top_k} must be >= 0 (0 = off)")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p} must be in [0, 1] (0 = off)")
