@@ -331,9 +331,9 @@ def main() -> None:
                                      rss_scale=2, read_steps=5, batch=4, seq_len=64, step_ms=1))
     if missing := missing_extras("tokenizers", "pyarrow", "zstandard"):
         if args.smoke:
-            print_smoke_skip("data", {"everything": f"needs {', '.join(missing)} (pip install meshlm[data])"})
+            print_smoke_skip("data", {"everything": f"needs {', '.join(missing)} (pip install -e \".[data]\")"})
             return
-        raise SystemExit(f"benchmarks/data.py needs {', '.join(missing)}: pip install 'meshlm[data]'")
+        raise SystemExit(f"benchmarks/data.py needs {', '.join(missing)}: pip install -e \".[data]\"")
     workers = [int(w) for w in args.workers.split(",")]
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         result = run(Path(tmp), args, workers)

@@ -165,7 +165,7 @@ def main() -> None:
     args = parse_args_smoke(ap, dict(sizes=[200], queries=5, hidden=32, layers=1, vocab=256, ttft_requests=2,
                                      serve_docs=50, reuse_questions=2, reuse_repeats=2, output_len=2))
     if args.smoke and (missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx")):
-        print_smoke_skip("rag", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
+        print_smoke_skip("rag", {"everything": f"needs {', '.join(missing)} (pip install -e \".[hf,serve]\")"})
         return
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -114,7 +114,7 @@ def main() -> None:
     args = parse_args_smoke(ap, dict(groups=3, per_group=2, prefix_len=32, suffix_len=4, output_len=2, rate=50.0,
                                      hidden=32, layers=1, vocab=256))
     if args.smoke and (missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx")):
-        print_smoke_skip("router", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
+        print_smoke_skip("router", {"everything": f"needs {', '.join(missing)} (pip install -e \".[hf,serve]\")"})
         return
     from meshlm.infer.replicas import ReplicaSet
     from serve import make_model

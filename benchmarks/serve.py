@@ -529,7 +529,7 @@ def main() -> None:
                                      par_max_len=16, par_output_len=2, layouts=parse_layouts("1x1,2x1"),
                                      parts="offline,online,parallel_offline,planner"))
     if args.smoke and (missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx")):
-        print_smoke_skip("serve", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
+        print_smoke_skip("serve", {"everything": f"needs {', '.join(missing)} (pip install -e \".[hf,serve]\")"})
         return
     parts = set(args.parts.split(","))
     cps = [int(c) for c in args.context_cps.split(",")]

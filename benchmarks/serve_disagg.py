@@ -295,7 +295,7 @@ def main() -> None:
     if not parts or set(parts) - set(PARTS):
         ap.error(f"--parts {args.parts!r}: give some of {', '.join(PARTS)}")
     if missing := missing_extras("transformers", "tokenizers", "fastapi", "uvicorn", "httpx"):
-        print_smoke_skip("serve_disagg", {"everything": f"needs {', '.join(missing)} (pip install meshlm[hf,serve])"})
+        print_smoke_skip("serve_disagg", {"everything": f"needs {', '.join(missing)} (pip install -e \".[hf,serve]\")"})
         return
     from meshlm.infer.instances import disaggregate_label, parse_instance
     from serve import make_model, meshlm_server

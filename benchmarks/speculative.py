@@ -212,7 +212,7 @@ def main() -> None:
                                      train_steps=2, train_batch=4, repeats=1))
     missing = missing_extras("transformers", "safetensors")
     if missing:
-        print_smoke_skip("speculative", {"all": f"needs {', '.join(missing)} (pip install meshlm[hf,test])"})
+        print_smoke_skip("speculative", {"all": f"needs {', '.join(missing)} (pip install -e \".[hf,test]\")"})
         return
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
