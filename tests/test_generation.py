@@ -60,6 +60,8 @@ def test_tiny_top_p_keeps_only_the_most_likely_token(model):
     prompt = [2, 4, 6]
     greedy = generate(model, prompt, max_new_tokens=8)
     assert generate(model, prompt, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=0) == greedy
+    # min_p 1 keeps only the most likely token too (single-process generate takes it as the engine does)
+    assert generate(model, prompt, max_new_tokens=8, temperature=1.0, min_p=1.0, seed=0) == greedy
 
 
 def test_stop_tokens_end_rows(model):

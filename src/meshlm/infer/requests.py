@@ -226,8 +226,8 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
             repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body),
             structured_outputs=structured_outputs(body, tools))
     except SamplingError as e:  # named as the request named it
-        sent = {"max_tokens": max_key, "logprobs": logprobs_key, "structured_outputs": structured_key(body)}.get(
-            e.field, e.field)
+        sent = {"max_tokens": max_key, "logprobs": logprobs_key,
+                "structured_outputs": structured_key(body, tools)}.get(e.field, e.field)
         message = str(e)
         if sent != e.field and message.startswith(e.field + "="):
             message = sent + message[len(e.field):]
@@ -335,9 +335,10 @@ def _is_function(tool) -> bool:
         and isinstance(function.get("parameters", {}), dict)
 
 
-def structured_key(body: dict) -> str:
-    """The field a request gave its structured output in (for the errors about it)."""
-    if body.get("tools") and body.get("tool_choice") not in (None, "none", "auto"):
+def structured_key(body: dict, tools: ToolChoice | None) -> str:
+    """The field a request gave its structured output in (for the errors about it): its tools where they call
+    (`structured_outputs` builds their grammar), else the field the grammar came in."""
+    if tools is not None and tools.calls:
         return "tools"
     return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
 

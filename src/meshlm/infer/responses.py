@@ -95,7 +95,7 @@ class Replies:
         """The whole answer: every choice's finished output, in choice order."""
         choices = []
         for i, out in enumerate(outputs):
-            choice = {"index": i, "finish_reason": out.finish_reason}
+            choice = {"index": i, "finish_reason": self.finish_reason(out)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
                 calls = tool_calls(out.text, self.tools) if self.tools is not None and out.finish_reason == "stop" \
@@ -108,27 +108,35 @@ class Replies:
                 head = "" if self.echo is None else self.echo[i // self.n]
                 choice["text"] = head if self.prompt_only else head + out.text
                 choice["logprobs"] = self.whole_logprobs(out) if self.logprobs else None
-                if self.prompt_only:
-                    choice["finish_reason"] = "length"
             if self.retrieved is not None:
                 choice["retrieved"] = self.retrieved[i // self.n]
             choices.append(choice)
-        completion = 0 if self.prompt_only else sum(len(o.token_ids) for o in outputs)
         response = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                     "created": int(time.time()), "model": self.model, "choices": choices,
-                    "usage": usage(num_prompt, completion)}
+                    "usage": usage(num_prompt, self.completion_tokens(outputs))}
         if self.retrieved is not None:
             if len(self.retrieved) == 1:
                 response["retrieved"] = self.retrieved[0]
         return response
 
+    def finish_reason(self, out: RequestOutput) -> str | None:
+        """A choice's finish reason: "length" for an echo without tokens (the one the engine sampled is left out)."""
+        return "length" if self.prompt_only else out.finish_reason
+
+    def completion_tokens(self, outputs) -> int:
+        """The tokens the choices answered (none for an echo without tokens)."""
+        return 0 if self.prompt_only else sum(len(o.token_ids) for o in outputs)
+
+    @staticmethod
+    def prompt_part(out: RequestOutput) -> tuple[list[int], list[dict | None]]:
+        """An echoed prompt's token ids and their logprob entries (the first None)."""
+        ids = list(out.prompt_token_ids)
+        return ids, list(out.prompt_logprobs or [None] * len(ids))
+
     def whole_logprobs(self, out: RequestOutput) -> dict:
         """A completion's logprobs: the prompt's first where it is echoed (its first token without one), then the
         generated tokens'."""
-        ids, entries = [], []
-        if self.echo is not None:
-            ids = list(out.prompt_token_ids)
-            entries = list(out.prompt_logprobs or [None] * len(ids))
+        ids, entries = self.prompt_part(out) if self.echo is not None else ([], [])
         widths = [len(self.dec(t)) for t in ids]  # an echoed prompt's text shows its special tokens
         if not self.prompt_only:
             generated = [lp["token"] for lp in out.logprobs]
@@ -171,8 +179,7 @@ class Replies:
         where asked (`out` is the choice's first output, after its prefill)."""
         choice = {"index": i, "finish_reason": None, "text": self.echo[i // self.n]}
         if self.logprobs:
-            ids = list(out.prompt_token_ids)
-            choice["logprobs"] = completion_logprobs(ids, out.prompt_logprobs or [None] * len(ids), self.dec)
+            choice["logprobs"] = completion_logprobs(*self.prompt_part(out), self.dec)
             self.streamed[i] = sum(map(len, choice["logprobs"]["tokens"]))
         return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
                     "choices": [choice]})

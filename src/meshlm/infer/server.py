@@ -303,7 +303,8 @@ class _Completions:
             raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
                                 f"{MAX_CHOICES} per request", param="n")
         queue: asyncio.Queue = asyncio.Queue()
-        names = {"structured_outputs": structured_key(body)}  # a grammar's errors, named as the request named it
+        names = {"structured_outputs": structured_key(body, options.tools)}  # a grammar's errors, as the request
+        # named their field
         try:
             ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None,
                                                         chat=chat)
@@ -322,7 +323,7 @@ class _Completions:
         if finals is None:
             return None
         outputs = [finals[request_id] for request_id in ids]
-        request.scope["meshlm.tokens"] = sum(len(o.token_ids) for o in outputs)
+        request.scope["meshlm.tokens"] = replies.completion_tokens(outputs)
         return replies.response(outputs, num_prompt)
 
     # ---- the request ---------------------------------------------------------------------------
@@ -476,15 +477,13 @@ class _Completions:
                     yield replies.event(i, out.new_text, None, logprobs=new_lp)
                 if out.finished:
                     finished[out.request_id] = out
-                    yield replies.event(i, None, "length" if replies.prompt_only else out.finish_reason)
+                    yield replies.event(i, None, replies.finish_reason(out))
             else:
                 if include_usage:
-                    yield replies.usage_event(num_prompt, 0 if replies.prompt_only else
-                                              sum(len(o.token_ids) for o in finished.values()))
+                    yield replies.usage_event(num_prompt, replies.completion_tokens(finished.values()))
             yield "data: [DONE]\n\n"
         finally:
-            request.scope["meshlm.tokens"] = 0 if replies.prompt_only else \
-                sum(len(o.token_ids) for o in finished.values())
+            request.scope["meshlm.tokens"] = replies.completion_tokens(finished.values())
             for request_id in ids:
                 if request_id not in finished:  # the client went away (or one choice failed): free the blocks
                     self.engine.abort(request_id)

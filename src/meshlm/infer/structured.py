@@ -20,6 +20,13 @@ from dataclasses import dataclass
 from meshlm.infer.sequence import SamplingError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# each kind's value: what it must be (a check) and how the refusal says so
+VALUES = {"json": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object or its text)"),
+          "regex": (lambda v: isinstance(v, str), "a string"),
+          "choice": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(c, str) and c for c in v),
+                     "a non-empty list of non-empty strings"),
+          "grammar": (lambda v: isinstance(v, str), "a Lark grammar (a string)"),
+          "json_object": (lambda v: v is True, "true")}
 
 
 @dataclass(frozen=True)
@@ -43,26 +50,22 @@ class StructuredOutputs:
         else:
             raise SamplingError("structured_outputs", f"structured_outputs={value!r} must be a StructuredOutputs or "
                                                       f"a dict of one of {', '.join(KINDS)}")
-        asked = [k for k in KINDS if getattr(given, k) not in (None, False)]
-        if len(asked) != 1:
-            raise SamplingError("structured_outputs", f"structured_outputs asks for {asked or 'nothing'}: give exactly "
-                                                      f"one of {', '.join(KINDS)}")
-        kind = asked[0]
-        value = getattr(given, kind)
-        well_typed = {"json": isinstance(value, (dict, str)), "regex": isinstance(value, str),
-                      "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c
-                                                                               for c in value),
-                      "grammar": isinstance(value, str), "json_object": value is True}[kind]
-        if not well_typed:
-            what = {"json": "a JSON schema (an object or its text)", "regex": "a string",
-                    "choice": "a non-empty list of non-empty strings", "grammar": "a Lark grammar (a string)",
-                    "json_object": "true"}[kind]
-            raise SamplingError("structured_outputs", f"structured_outputs {kind} must be {what}")
+        if len(given.asked) != 1:
+            raise SamplingError("structured_outputs", f"structured_outputs asks for {given.asked or 'nothing'}: give "
+                                                      f"exactly one of {', '.join(KINDS)}")
+        well_typed, what = VALUES[given.kind]
+        if not well_typed(getattr(given, given.kind)):
+            raise SamplingError("structured_outputs", f"structured_outputs {given.kind} must be {what}")
         return given
 
     @property
+    def asked(self) -> list[str]:
+        """The kinds set (one, once checked)."""
+        return [k for k in KINDS if getattr(self, k) not in (None, False)]
+
+    @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return self.asked[0]
 
     def llguidance_grammar(self) -> str:
         """The request as llguidance's grammar (its JSON form)."""
