@@ -16,7 +16,7 @@ from test_serve_robust import CHAT, COMPLETION, HEADERS, _post, _stream, serving
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    yield from serving(tmp_path_factory)
+    yield from serving(tmp_path_factory, tool_call_parser="hermes")
 
 
 def test_logit_bias_penalties_min_p_and_min_tokens_reach_the_sampler(served):
@@ -89,6 +89,7 @@ def test_a_required_tool_choice_may_answer_several_calls():
     OpenAI's tool_calls."""
     from meshlm.infer.requests import APIError, ToolChoice
     from meshlm.infer.responses import tool_calls
+    from meshlm.infer.tool_parsers import Forced
 
     tools = ToolChoice.of({"tools": TOOLS, "tool_choice": "required"})
     schema = tools.schema()
@@ -96,11 +97,12 @@ def test_a_required_tool_choice_may_answer_several_calls():
     assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "add"}, {"const": "now"}]
     assert ToolChoice.of({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}).schema()[
         "maxItems"] == 1
-    calls = tool_calls('[{"name":"add","parameters":{"a":1,"b":2}},{"name":"now","parameters":{}}]', tools)
+    _, calls = Forced(tools).parse('[{"name":"add","parameters":{"a":1,"b":2}},{"name":"now","parameters":{}}]')
+    calls = tool_calls(calls)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("add", {"a": 1, "b": 2}), ("now", {})]
     assert len({c["id"] for c in calls}) == 2
-    assert tool_calls('[{"name":"add","parameters":{"a":1', tools) is None  # cut short: left as text
+    assert Forced(tools).parse('[{"name":"add","parameters":{"a":1') is None  # cut short: left as text
     # a tool whose parameters refer to their own definitions ($defs, as pydantic writes them): hoisted to the root
     # of the calls' schema, where "#/$defs/..." points (found by a review: refused as a missing pointer)
     point = {"type": "function", "function": {"name": "move", "parameters": {
@@ -140,6 +142,40 @@ def test_tool_choice_required_or_named_answers_tool_calls(served):
     # "none": plain text, the tools only listed
     body = {"model": "tiny", "messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3}
     assert "tool_calls" not in _post(served, "/v1/chat/completions", body)["choices"][0]["message"]
+    # streamed: the calls come whole in one chunk once the reply ends, as the whole answer's (refused before)
+    body = {"model": "tiny", "messages": history[-1:], "tools": TOOLS, "tool_choice": "required", "max_tokens": 50,
+            "temperature": 0, "parallel_tool_calls": False}
+    whole = _post(served, "/v1/chat/completions", body)["choices"][0]
+    events = [e["choices"][0] for e in _stream(served, "/v1/chat/completions", body)]
+    assert not "".join(c["delta"].get("content") or "" for c in events), events  # no call's text as content
+    calls = [call for c in events for call in c["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]) for c in calls] == [(0, whole["message"]["tool_calls"][0]["function"])]
+    assert events[-1]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_auto_reads_the_models_own_calls(served):
+    """tool_choice "auto" (the default with tools) on a server started with a tool-call parser (hermes here): the
+    model's text before `<tool_call>` is the content, the blocks its calls, whole and streamed; a reply without
+    one is text. A tiny random model does not call tools of itself: `structured_outputs` makes it write them."""
+    call = '<tool_call>{"name":"now","arguments":{}}</tool_call>'
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "time?"}], "tools": TOOLS[1:],
+            "max_tokens": 80, "temperature": 0, "structured_outputs": {"choice": ["Ok " + call]}}
+    whole = _post(served, "/v1/chat/completions", body)["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Ok ", whole
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == \
+        [("now", "{}")]
+    events = [e["choices"][0] for e in _stream(served, "/v1/chat/completions", {**body, "tool_choice": "auto"})]
+    assert "".join(c["delta"].get("content") or "" for c in events) == "Ok "
+    calls = [call for c in events for call in c["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]) for c in calls] == [(0, {"name": "now", "arguments": "{}"})]
+    assert events[-1]["finish_reason"] == "tool_calls"
+    # no call in the text: content, as without tools; a broken call stays text
+    for text, reason in (("Ok no call", "stop"), ("<tool_call>{oops}", "stop")):
+        plain = {**body, "structured_outputs": {"choice": [text]}}
+        out = _post(served, "/v1/chat/completions", plain)["choices"][0]
+        assert out["message"] == {"role": "assistant", "content": text} and out["finish_reason"] == reason, out
+        events = [e["choices"][0] for e in _stream(served, "/v1/chat/completions", plain)]
+        assert "".join(c["delta"].get("content") or "" for c in events) == text
 
 
 def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks(served):

@@ -34,8 +34,9 @@ class Served:
         return int(line.split()[-1])
 
 
-def serving(tmp_path_factory):
-    """A served tiny Llama, until the generator is closed (each module's `served` fixture runs its own)."""
+def serving(tmp_path_factory, **app_options):
+    """A served tiny Llama, until the generator is closed (each module's `served` fixture runs its own);
+    `app_options`: more of create_app's arguments."""
     from meshlm.infer.llm import LLM
     from meshlm.infer.server import AsyncEngine, create_app
 
@@ -43,7 +44,7 @@ def serving(tmp_path_factory):
     llm = LLM(str(model_dir), device="cpu", block_size=8, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=64)
     engine = AsyncEngine(llm.engine)
     log: list[str] = []
-    app = create_app(engine, model_name="tiny", api_key=KEY, max_body_bytes=1 << 20, log=log.append)
+    app = create_app(engine, model_name="tiny", api_key=KEY, max_body_bytes=1 << 20, log=log.append, **app_options)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
     state = Served(f"http://127.0.0.1:{port}", engine, log)
@@ -446,14 +447,16 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
     ("completions", {"guided_json": {"type": "object"}}, "guided_json",
      "guided_json is vLLM's older name: give structured_outputs {\"json\": ...}"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
-     "tool_choice \"auto\" (the default with tools) needs a parser"),
+     "tool_choice \"auto\" (the default with tools) needs a parser of the model's own tool-call format: start the "
+     "server with --tool-call-parser"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
                           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
      "with N one of 'f'"),
     ("chat/completions", {"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "tools must be a list"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice", "tool_choice needs tools to choose from"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-                          "stream": True}, "stream", "tool calls are answered whole"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "stream": True,
+                          "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop_token_ids": [5]},
+     "stop_token_ids", "stop_token_ids would cut a tool call short: leave it out with tool_choice naming a function"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                           "response_format": {"type": "json_object"}}, "tool_choice", "a tool call is JSON of its own"),
     ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "is not supported"),

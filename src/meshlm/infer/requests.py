@@ -82,8 +82,9 @@ class RequestOptions:
     tools: "ToolChoice | None" = None  # a chat's tools and tool_choice
 
     @classmethod
-    def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int) -> "RequestOptions":
-        tools = ToolChoice.of(body) if chat else None
+    def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int,
+           tool_call_parser: str | None = None) -> "RequestOptions":
+        tools = ToolChoice.of(body, tool_call_parser) if chat else None
         params = sampling_params_from(body, chat=chat, tools=tools)
         n = number(body, "n", 1, int, count=True)
         if not 1 <= n <= MAX_CHOICES:
@@ -92,8 +93,6 @@ class RequestOptions:
             raise APIError(400, f"best_of={short(body['best_of'])}: only best_of == n is supported", param="best_of")
         stream = boolean(body, "stream")
         echo = not chat and boolean(body, "echo")
-        if tools is not None and tools.calls and stream:
-            raise APIError(400, "tool calls are answered whole: leave out stream", param="stream")
         for key in ("stop", "stop_token_ids"):  # they would cut the calls' JSON, which would then come back as text
             if tools is not None and tools.calls and body.get(key):
                 raise APIError(400, f"{key} would cut a tool call short: leave it out with tool_choice "
@@ -268,16 +267,18 @@ def structured_outputs(body: dict, tools: "ToolChoice | None" = None) -> dict | 
 class ToolChoice:
     """A chat's `tools` (the OpenAI API's function definitions, which the chat template lists) and its
     `tool_choice`: "none" (`calls` False: text), "required" (`name` None: one or more calls of any of them, one
-    with parallel_tool_calls false) or a named function. "auto", the API's default with tools, would need a
-    parser of each model family's own call format, which this server does not have: it is refused."""
+    with parallel_tool_calls false), a named function, or "auto" (the API's default with tools: the model writes
+    text or calls in its own format, which the server's `--tool-call-parser` reads; refused without one)."""
 
     tools: list[dict]
-    calls: bool
+    calls: bool  # a grammar holds the reply to calls ("required" or a named function)
     name: str | None = None
     parallel: bool = True  # parallel_tool_calls: "required" may answer several calls (else one)
+    auto: bool = False  # "auto": the reply's calls, if any, are read from its text by the server's parser
 
     @classmethod
-    def of(cls, body: dict) -> "ToolChoice | None":
+    def of(cls, body: dict, parser: str | None = None) -> "ToolChoice | None":
+        """The tools and choice of a chat's `body`; `parser`: the server's --tool-call-parser, if any."""
         tools, choice = body.get("tools"), body.get("tool_choice")
         if tools is None or tools == []:
             if choice not in (None, "none", "auto"):
@@ -296,11 +297,13 @@ class ToolChoice:
         if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
                 and choice["function"].get("name") in names:
             return cls(tools, calls=True, name=choice["function"]["name"])
+        if (choice is None or choice == "auto") and parser is not None:
+            return cls(tools, calls=False, auto=True)
         if choice is None or choice == "auto":
             raise APIError(400, "tool_choice \"auto\" (the default with tools) needs a parser of the model's own "
-                                "tool-call format, which this server does not have; give tool_choice \"required\", "
-                                "{\"type\": \"function\", \"function\": {\"name\": ...}} or \"none\"",
-                           param="tool_choice")
+                                "tool-call format: start the server with --tool-call-parser (hermes, llama3_json), "
+                                "or give tool_choice \"required\", {\"type\": \"function\", \"function\": "
+                                "{\"name\": ...}} or \"none\"", param="tool_choice")
         raise APIError(400, f"tool_choice must be \"none\", \"required\" or {{\"type\": \"function\", \"function\": "
                             f"{{\"name\": N}}}} with N one of {', '.join(map(repr, names))}", param="tool_choice")
 

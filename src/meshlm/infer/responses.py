@@ -3,7 +3,8 @@
 Responsible for: the layout of both endpoints' answers, whole (`Replies.response`) or streamed as server-sent
 events (`Replies.event`, `Replies.echo_event`, `Replies.usage_event`, `sse`): the choices in OpenAI's order
 (prompt x n + sample), their text or message (an echoed prompt first), their logprobs (`completion_logprobs` with
-its `text_offset`, `chat_logprobs` with `bytes`), a chat's tool calls (`tool_calls`), the passages of a
+its `text_offset`, `chat_logprobs` with `bytes`), a chat's tool calls (`tool_calls`, read from its text by
+`tool_parsers`; streamed, the text that may be a call held back until they end), the passages of a
 retrieval-augmented request (`retrieved`), and the token usage.
 Not responsible for: checking requests (requests.py), HTTP or waiting for the engine (server.py).
 """
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from meshlm.infer.engine import RequestOutput
+    from meshlm.infer.tool_parsers import Call
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict | None], dec, offset: int = 0,
@@ -46,21 +48,11 @@ def chat_logprobs(logprobs: list[dict], dec) -> dict:
                         | {"top_logprobs": [entry(t, v) for t, v in lp["top"].items()]} for lp in logprobs]}
 
 
-def tool_calls(text: str, tools) -> list[dict] | None:
-    """The OpenAI API's tool calls of a reply that its grammar held to `tools.schema()`: the named function's
-    arguments, or a list of {"name", "parameters"}; None if the text is not that (cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if tools.name is not None:
-        calls = [(tools.name, value)]
-    elif isinstance(value, list) and all(isinstance(c, dict) and set(c) == {"name", "parameters"} for c in value):
-        calls = [(c["name"], c["parameters"]) for c in value]
-    else:
-        return None
+def tool_calls(calls: list[Call]) -> list[dict]:
+    """The OpenAI API's tool calls of (name, arguments) pairs: each with an id, its arguments as JSON text."""
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for name, arguments in calls]
 
 
 def usage(num_prompt: int, num_completion: int) -> dict:
@@ -87,7 +79,11 @@ class Replies:
     echo: list[str] | None = None  # each prompt's text, which a completion's text begins with (`echo`)
     prompt_only: bool = False  # echo without tokens (max_tokens 0): the one token the engine sampled is left out
     streamed: dict[int, int] = field(default_factory=dict)  # choice -> characters of token text streamed so far
-    tools: object = None  # a chat's requests.ToolChoice that calls tools: its replies are tool calls
+    # a chat's tool-call format (tool_parsers: a forced choice's or --tool-call-parser's): its replies' calls are
+    # read from their text; streamed, the text that may be a call is held back until the reply ends
+    calls: object = None
+    said: dict[int, str] = field(default_factory=dict)  # a chat choice's text so far (with `calls`)
+    released: dict[int, int] = field(default_factory=dict)  # ... and how much of it went out as content
     # a generated token id -> the text it adds to the choice's (a special token: none); None: its `dec` text
     shown: Callable[[int], str] | None = None
 
@@ -98,10 +94,10 @@ class Replies:
             choice = {"index": i, "finish_reason": self.finish_reason(out)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
-                calls = tool_calls(out.text, self.tools) if self.tools is not None and out.finish_reason == "stop" \
-                    else None
-                if calls is not None:
-                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                parsed = self.calls.parse(out.text) if self.calls is not None else None
+                if parsed is not None:
+                    content, calls = parsed
+                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls(calls)}
                     choice["finish_reason"] = "tool_calls"
                 choice["logprobs"] = chat_logprobs(out.logprobs, self.dec) if self.logprobs else None
             else:
@@ -160,6 +156,8 @@ class Replies:
         if first and self.retrieved is not None:
             choice["retrieved"] = self.retrieved[i // self.n]
         if self.chat:
+            if self.calls is not None and not first:
+                delta = self.release(i, delta)
             d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
             choice["delta"] = d
             if logprobs:
@@ -171,6 +169,34 @@ class Replies:
                 widths = self.widths(ids)
                 choice["logprobs"] = completion_logprobs(ids, logprobs, self.dec, self.streamed.get(i, 0), widths)
                 self.streamed[i] = self.streamed.get(i, 0) + sum(widths)
+        return self.chunk(choice)
+
+    def release(self, i: int, delta: str | None) -> str:
+        """Of a chat choice's new text, what may go out as content now: the text before where a call may begin."""
+        text = self.said[i] = self.said.get(i, "") + (delta or "")
+        sent = self.released.get(i, 0)
+        upto = self.released[i] = max(sent, self.calls.hold(text))
+        return text[sent:upto]
+
+    def finish_events(self, i: int, out: RequestOutput) -> list[str]:
+        """The chunks that end streamed choice `i`: with a tool-call format, the content held back and the calls
+        its text makes (whole, in one chunk), then the finish reason ("tool_calls" if it made any)."""
+        reason = self.finish_reason(out)
+        if not self.chat or self.calls is None:
+            return [self.event(i, None, reason)]
+        sent, parsed = self.released.pop(i, 0), self.calls.parse(out.text)
+        self.said.pop(i, None)
+        content, calls = parsed if parsed is not None else (out.text, [])
+        events = [self.chunk({"index": i, "finish_reason": None, "delta": {"content": content[sent:]}})] \
+            if content and content[sent:] else []
+        if calls:
+            entries = [{"index": k, **call} for k, call in enumerate(tool_calls(calls))]
+            events.append(self.chunk({"index": i, "finish_reason": None, "delta": {"tool_calls": entries}}))
+            reason = "tool_calls"
+        return [*events, self.chunk({"index": i, "finish_reason": reason, "delta": {}})]
+
+    def chunk(self, choice: dict) -> str:
+        """One streamed chunk of one choice."""
         return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
                     "choices": [choice]})
 
@@ -181,8 +207,7 @@ class Replies:
         if self.logprobs:
             choice["logprobs"] = completion_logprobs(*self.prompt_part(out), self.dec)
             self.streamed[i] = sum(map(len, choice["logprobs"]["tokens"]))
-        return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
-                    "choices": [choice]})
+        return self.chunk(choice)
 
     def usage_event(self, num_prompt: int, num_completion: int) -> str:
         """The last chunk of a stream that asked for `stream_options.include_usage`."""

@@ -37,6 +37,7 @@ from meshlm.infer.requests import (
     read_limited, short, structured_key)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
+from meshlm.infer.tool_parsers import PARSERS, Forced
 
 # ---------------------------------------------------------------------------------------------
 # The engine in a background thread
@@ -204,10 +205,13 @@ class EngineUnavailable(RuntimeError):
 
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, log=None, rag_index=None, rag_top_k: int = 4):
+               max_body_bytes: int = MAX_BODY_BYTES, log=None, rag_index=None, rag_top_k: int = 4,
+               tool_call_parser: str | None = None):
     """The FastAPI app. `log(line)`, when given, gets one line per request: method, path, status,
     completion tokens and latency (status 499: the client left before the answer). `rag_index` (a
-    `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`."""
+    `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`.
+    `tool_call_parser` (a name of `tool_parsers.PARSERS`): the model's own tool-call format, which lets chats
+    with tools leave the choice to the model (tool_choice "auto")."""
     from fastapi import FastAPI, Request
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -217,7 +221,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     if log is not None:
         app.add_middleware(_AccessLog, log=log)
     api = _Completions(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                       rag_index=rag_index, rag_top_k=rag_top_k)
+                       rag_index=rag_index, rag_top_k=rag_top_k, tool_call_parser=tool_call_parser)
     created = int(time.time())
 
     async def answer(request: Request, *, chat: bool) -> Response:
@@ -281,8 +285,11 @@ class _Completions:
     stream, receive, scope); the FastAPI responses are `create_app`'s."""
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, api_key: str | None, max_body_bytes: int,
-                 rag_index, rag_top_k: int):
+                 rag_index, rag_top_k: int, tool_call_parser: str | None = None):
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser={tool_call_parser!r} must be one of {', '.join(PARSERS)}")
         self.engine, self.model_name, self.api_key = engine, model_name, APIKey(api_key)
+        self.tool_call_parser = tool_call_parser
         self.max_body_bytes = max_body_bytes
         self.tokenizer = engine.engine.tokenizer
         self.rag_index, self.rag_top_k = rag_index, rag_top_k
@@ -293,7 +300,8 @@ class _Completions:
         """The answer: a JSON body (dict), an event stream (async iterator of str), or None when the client
         hung up before it was ready."""
         body = await self.read_body(request)
-        options = RequestOptions.of(body, chat=chat, rag_index=self.rag_index, rag_top_k=self.rag_top_k)
+        options = RequestOptions.of(body, chat=chat, rag_index=self.rag_index, rag_top_k=self.rag_top_k,
+                                    tool_call_parser=self.tool_call_parser)
         if chat:
             prompts, retrieved = await self.prompts_of_chat(body, options.rag, options.tools)
         else:
@@ -315,7 +323,7 @@ class _Completions:
                           logprobs=options.params.logprobs is not None,
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
                           prompt_only=options.prompt_only,
-                          tools=options.tools if options.tools is not None and options.tools.calls else None)
+                          calls=self.call_format(options.tools))
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage,
                                names=names)
@@ -477,7 +485,8 @@ class _Completions:
                     yield replies.event(i, out.new_text, None, logprobs=new_lp)
                 if out.finished:
                     finished[out.request_id] = out
-                    yield replies.event(i, None, replies.finish_reason(out))
+                    for event in replies.finish_events(i, out):
+                        yield event
             else:
                 if include_usage:
                     yield replies.usage_event(num_prompt, replies.completion_tokens(finished.values()))
@@ -487,6 +496,13 @@ class _Completions:
             for request_id in ids:
                 if request_id not in finished:  # the client went away (or one choice failed): free the blocks
                     self.engine.abort(request_id)
+
+    def call_format(self, tools):
+        """How a chat's reply makes tool calls: through the grammar of a forced choice, in the model's own format
+        (tool_choice "auto", the server's parser), or not at all (None)."""
+        if tools is not None and tools.calls:
+            return Forced(tools)
+        return PARSERS[self.tool_call_parser] if tools is not None and tools.auto else None
 
     def text_of(self, prompt: str | list[int]) -> str:
         """A prompt as echoed: its text as sent, or its token ids' text (special tokens too, as `dec` names them)."""
