@@ -16,7 +16,7 @@ from test_serve_robust import CHAT, COMPLETION, HEADERS, _post, _stream, serving
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    yield from serving(tmp_path_factory, tool_call_parser="hermes")
+    yield from serving(tmp_path_factory, tool_call_parser="hermes", reasoning_parser="qwen3")
 
 
 def test_logit_bias_penalties_min_p_and_min_tokens_reach_the_sampler(served):
@@ -176,6 +176,29 @@ def test_tool_choice_auto_reads_the_models_own_calls(served):
         assert out["message"] == {"role": "assistant", "content": text} and out["finish_reason"] == reason, out
         events = [e["choices"][0] for e in _stream(served, "/v1/chat/completions", plain)]
         assert "".join(c["delta"].get("content") or "" for c in events) == text
+
+
+def test_a_reasoning_models_thinking_is_answered_apart(served):
+    """With --reasoning-parser qwen3, a reply whose prompt left <think> open (here by continuing a prefilled
+    assistant message, continue_final_message) is its thinking: `reasoning` / `reasoning_content`, whole and
+    streamed, no content until </think> (a tiny random model never writes it: tests/test_reply_parsers.py splits
+    replies that do); a reply to a prompt that did not open one is all content."""
+    ask = [{"role": "user", "content": "2+2?"}]
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = _post(served, "/v1/chat/completions", {**body, "messages": ask})["choices"][0]["message"]
+    assert plain["content"] and plain["reasoning"] is None and plain["reasoning_content"] is None, plain
+    opened = {**body, "messages": [*ask, {"role": "assistant", "content": "<think>\n"}],
+              "continue_final_message": True, "add_generation_prompt": False}
+    whole = _post(served, "/v1/chat/completions", opened)["choices"][0]
+    assert whole["message"]["content"] is None and whole["message"]["reasoning"], whole
+    assert whole["message"]["reasoning"] == whole["message"]["reasoning_content"]
+    events = [e["choices"][0] for e in _stream(served, "/v1/chat/completions", opened)]
+    assert "".join(c["delta"].get("reasoning") or "" for c in events) == whole["message"]["reasoning"]
+    assert not any(c["delta"].get("content") for c in events) and events[-1]["finish_reason"] == "length"
+    # the prefilled text is the prompt's end (the fallback template would close the message with a newline)
+    ids = served.engine.engine.tokenizer.encode_chat([*ask, {"role": "assistant", "content": "<think>\n"}],
+                                                     add_generation_prompt=False, continue_final_message=True)
+    assert served.engine.engine.tokenizer.decode(ids).endswith("<|assistant|>\n<think>\n")
 
 
 def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks(served):

@@ -308,6 +308,26 @@ def test_chat_templates():
     tools = [{"type": "function", "function": {"name": "add"}}, {"type": "function", "function": {"name": "now"}}]
     assert listing.apply_chat_template(msgs, tools) == "<add><now>be briefhi"
     assert listing.apply_chat_template(msgs) == "be briefhi"
+    # a request's template variables (Qwen3's enable_thinking: off, its template closes an empty think block) and
+    # an earlier reply's reasoning (Qwen3's template reads reasoning_content)
+    qwen = Tokenizer(raw, chat_template="{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}"
+                                        "<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|end|>"
+                                        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% if enable_thinking"
+                                        " is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    assert qwen.apply_chat_template(msgs[1:]) == "<|user|>hi<|end|><|assistant|>"
+    assert qwen.apply_chat_template(msgs[1:], variables={"enable_thinking": False}) == \
+        "<|user|>hi<|end|><|assistant|><think></think>"
+    from meshlm.infer.requests import chat_messages
+
+    said = chat_messages({"messages": [*msgs[1:], {"role": "assistant", "content": "yo", "reasoning": "greet"}]})
+    assert qwen.apply_chat_template(said, add_generation_prompt=False) == \
+        "<|user|>hi<|end|><|assistant|><think>greet</think>yo<|end|>"
+    # continue_final_message: the prompt ends inside the last (assistant's) message, where the reply goes on
+    assert qwen.apply_chat_template(said, add_generation_prompt=False, continue_final_message=True) == \
+        "<|user|>hi<|end|><|assistant|><think>greet</think>yo"
+    with pytest.raises(ValueError, match="does not write the last message's content") as e:
+        listing.apply_chat_template([{"role": "assistant", "content": ""}], continue_final_message=True)
+    assert e.value.field == "continue_final_message"
 
 
 def test_chat_template_errors_are_4xx():

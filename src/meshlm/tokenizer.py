@@ -65,22 +65,43 @@ class Tokenizer:
         order; a document's separator -- EOS, or the byte tokenizer's blank line -- is its own last token)."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            variables: dict | None = None) -> str:
         """The prompt text for chat `messages` ([{"role": ..., "content": ...}]), ending where the reply starts;
-        `tools` (the OpenAI API's function definitions) are the template's `tools`, for templates that list them."""
+        `tools` (the OpenAI API's function definitions) are the template's `tools`, for templates that list them.
+        `add_generation_prompt`: the template opens the assistant's turn; `continue_final_message`: the text ends
+        with the last message's content instead (what the template writes after it is cut), so that the reply
+        continues it; `variables`: more of the template's variables (e.g. Qwen3's `enable_thinking`)."""
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
-        return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
+        text = self._template.render(**(variables or {}), messages=messages, tools=tools,
+                                     add_generation_prompt=add_generation_prompt,
                                      bos_token=self.special_tokens.get("bos_token", ""),
                                      eos_token=self.special_tokens.get("eos_token", ""))
+        if continue_final_message:
+            final = messages[-1]["content"]
+            at = text.rfind(final) if final else -1
+            if at < 0 and final.strip():  # a template that trims the message
+                final = final.strip()
+                at = text.rfind(final)
+            if at < 0:
+                error = ValueError("continue_final_message: the chat template does not write the last message's "
+                                   "content as sent, so the prompt cannot end inside it")
+                error.field = "continue_final_message"  # the request's field it names
+                raise error
+            text = text[:at + len(final)]
+        return text
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> list[int]:
+        """`apply_chat_template(messages, tools, **options)`'s token ids."""
         # A template writes the special tokens (e.g. BOS) itself; the fallback one does not.
-        return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=self.chat_template is None)
+        return self.encode(self.apply_chat_template(messages, tools, **options),
+                           add_special_tokens=self.chat_template is None)
 
 
 class ByteTokenizer(Tokenizer):

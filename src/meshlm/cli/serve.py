@@ -13,6 +13,7 @@ from meshlm.cli.generate import add_kv_tier_arguments, add_speculative_arguments
 from meshlm.infer.auth import api_key_of, exposure_warning
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.infer.router import POLICIES
+from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.tool_parsers import PARSERS
 
 
@@ -42,6 +43,12 @@ def add_parser(sub) -> None:
                         "choice to it (tool_choice \"auto\", the default with tools; refused without this flag): "
                         "hermes (<tool_call> JSON </tool_call>: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama "
                         "3.1/3.2's JSON calls); \"required\" and a named function work without it")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING),
+                   help="a reasoning model's format: its thinking (<think> ... </think>) is answered apart from the "
+                        "reply, as \"reasoning\" and \"reasoning_content\", whole and streamed: deepseek_r1 (the "
+                        "reply thinks from its first token: DeepSeek-R1, its distillations, QwQ) or qwen3 (it thinks "
+                        "if it opens <think> or its prompt left one open; chat_template_kwargs "
+                        "{\"enable_thinking\": false} turns it off)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (default 32)")
     p.add_argument("--kv-cache-mb", type=float, default=float(DEFAULT_KV_CACHE_MB),
@@ -155,7 +162,8 @@ def build_server(args, llm=None):
     log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
     app = create_app(engine, model_name=name, api_key=api_key,
                      max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log, rag_index=rag_index,
-                     rag_top_k=args.rag_top_k, tool_call_parser=args.tool_call_parser)
+                     rag_top_k=args.rag_top_k, tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     server.meshlm_model_name = name  # the id clients must send, for the banner

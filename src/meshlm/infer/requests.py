@@ -165,7 +165,7 @@ def check_text(text: str, param: str) -> str:
 # any other value is refused, naming it, rather than answered as if it had not asked. A chat also has no `echo` (a
 # completion echoes its prompt: CHAT_UNSUPPORTED).
 UNSUPPORTED = {"suffix": ("",), "functions": ([],), "function_call": ("none",)}
-CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,)}
+CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,), "chat_template": ()}  # the template is the model's
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": ([],), "tool_choice": ("none",)}  # tools are the chat API's
 
 
@@ -415,11 +415,44 @@ def chat_messages(body: dict) -> list[dict]:
                 raise APIError(400, "an assistant message's tool_calls must be a list of objects", param="messages")
             check_text(json.dumps(m["tool_calls"], ensure_ascii=False), "messages")
             entry["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
+        reasoning = m.get("reasoning_content", m.get("reasoning"))  # an earlier reply's thinking, for templates
+        if m["role"] == "assistant" and isinstance(reasoning, str):  # that show it (Qwen3's reads reasoning_content)
+            entry["reasoning_content"] = check_text(reasoning, "messages")
         for key in ("tool_call_id", "name"):  # a tool's reply: which call it answers
             if isinstance(m.get(key), str):
                 entry[key] = check_text(m[key], "messages")
         out.append(entry)
     return out
+
+
+TEMPLATE_SET = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token")
+
+
+def chat_template_options(body: dict, messages: list[dict]) -> dict:
+    """How a chat's messages become its prompt besides the template itself (vLLM's fields), as
+    `Tokenizer.apply_chat_template`'s options: `add_generation_prompt` (default true: the template opens the
+    assistant's turn), `continue_final_message` (the prompt ends inside the last message, an assistant's, which
+    the reply continues: a prefilled answer) and `chat_template_kwargs` (more of the template's variables, e.g.
+    Qwen3's `enable_thinking`)."""
+    add = boolean(body, "add_generation_prompt", True)
+    cont = boolean(body, "continue_final_message")
+    if add and cont:
+        raise APIError(400, "continue_final_message continues the last message, which a generation prompt would "
+                            "close: give add_generation_prompt false with it", param="continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise APIError(400, f"continue_final_message continues an assistant's message; the last message's role is "
+                            f"{short(messages[-1]['role'])}", param="continue_final_message")
+    variables = body.get("chat_template_kwargs")
+    if variables is not None and not isinstance(variables, dict):
+        raise APIError(400, "chat_template_kwargs must be an object of the chat template's variables, e.g. "
+                            "{\"enable_thinking\": false}", param="chat_template_kwargs")
+    clash = sorted(set(variables or ()) & set(TEMPLATE_SET))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs sets {', '.join(clash)}, which the server sets from the request "
+                            "(add_generation_prompt and continue_final_message are fields of their own)",
+                       param="chat_template_kwargs")
+    check_text(json.dumps(variables or {}, ensure_ascii=False), "chat_template_kwargs")
+    return {"add_generation_prompt": add, "continue_final_message": cont, "variables": variables}
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat API's roles (function: deprecated)

@@ -82,8 +82,12 @@ class Replies:
     # a chat's tool-call format (tool_parsers: a forced choice's or --tool-call-parser's): its replies' calls are
     # read from their text; streamed, the text that may be a call is held back until the reply ends
     calls: object = None
-    said: dict[int, str] = field(default_factory=dict)  # a chat choice's text so far (with `calls`)
-    released: dict[int, int] = field(default_factory=dict)  # ... and how much of it went out as content
+    # a chat's reasoning format (reasoning.Thinking, --reasoning-parser's) and whether each prompt's reply starts
+    # thinking: the reasoning goes out apart from the content
+    reasoning: object = None
+    thinking: list[bool] | None = None
+    said: dict[int, str] = field(default_factory=dict)  # a chat choice's text so far (with `calls` or `reasoning`)
+    released: dict[int, tuple[int, int]] = field(default_factory=dict)  # ... its reasoning and content sent
     # a generated token id -> the text it adds to the choice's (a special token: none); None: its `dec` text
     shown: Callable[[int], str] | None = None
 
@@ -93,11 +97,10 @@ class Replies:
         for i, out in enumerate(outputs):
             choice = {"index": i, "finish_reason": self.finish_reason(out)}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
-                parsed = self.calls.parse(out.text) if self.calls is not None else None
-                if parsed is not None:
-                    content, calls = parsed
-                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls(calls)}
+                reasoning, content, calls = self.parts(i, out.text)
+                choice["message"] = {"role": "assistant", "content": content, **self.reasoning_fields(reasoning)}
+                if calls:
+                    choice["message"]["tool_calls"] = tool_calls(calls)
                     choice["finish_reason"] = "tool_calls"
                 choice["logprobs"] = chat_logprobs(out.logprobs, self.dec) if self.logprobs else None
             else:
@@ -151,14 +154,20 @@ class Replies:
 
     def event(self, i: int, delta: str | None, finish_reason, *, first=False, logprobs=None) -> str:
         """A streamed chunk of choice `i`: new text (`delta`), its tokens' `logprobs`, or how it finished;
-        `first`: the chunk that opens a chat choice (its role) or a retrieval-augmented one (its passages)."""
+        `first`: the chunk that opens a chat choice (its role) or a retrieval-augmented one (its passages). Empty
+        where a chat's text is all held back and it carries nothing else."""
         choice = {"index": i, "finish_reason": finish_reason}
         if first and self.retrieved is not None:
             choice["retrieved"] = self.retrieved[i // self.n]
         if self.chat:
-            if self.calls is not None and not first:
-                delta = self.release(i, delta)
-            d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+            if first:
+                d = {"role": "assistant", "content": ""}
+            elif self.calls is not None or self.reasoning is not None:
+                d = self.release(i, delta)
+            else:
+                d = {"content": delta} if delta else {}
+            if not (first or d or logprobs or finish_reason):
+                return ""  # all of its text held back: nothing to send
             choice["delta"] = d
             if logprobs:
                 choice["logprobs"] = chat_logprobs(logprobs, self.dec)
@@ -171,24 +180,48 @@ class Replies:
                 self.streamed[i] = self.streamed.get(i, 0) + sum(widths)
         return self.chunk(choice)
 
-    def release(self, i: int, delta: str | None) -> str:
-        """Of a chat choice's new text, what may go out as content now: the text before where a call may begin."""
+    def parts(self, i: int, text: str, final: bool = True) -> tuple[str | None, str | None, list]:
+        """Chat choice `i`'s reasoning, content and tool calls in its `text`: the whole reply's (`final`), or the
+        text so far's, of which what may still be `</think>` or a call is held back (no calls yet)."""
+        reasoning, content = (None, text) if self.reasoning is None else \
+            self.reasoning.split(text, self.thinking[i // self.n], final)
+        if self.calls is None or content is None:
+            return reasoning, content, []
+        if not final:
+            sent = self.released.get(i, (0, 0))[1]
+            return reasoning, content[:max(sent, self.calls.hold(content))], []
+        parsed = self.calls.parse(content)
+        return (reasoning, *parsed) if parsed is not None else (reasoning, content, [])
+
+    def reasoning_fields(self, reasoning: str | None) -> dict:
+        """A message's or delta's reasoning: as `reasoning` (vLLM's field) and `reasoning_content` (SGLang's and
+        DeepSeek's API's); none without a reasoning parser."""
+        return {} if self.reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
+
+    def release(self, i: int, delta: str | None) -> dict:
+        """A streamed chat choice's delta for its new text: the reasoning and content that may go out now."""
         text = self.said[i] = self.said.get(i, "") + (delta or "")
-        sent = self.released.get(i, 0)
-        upto = self.released[i] = max(sent, self.calls.hold(text))
-        return text[sent:upto]
+        return self.delta_since(i, *self.parts(i, text, final=False)[:2])
+
+    def delta_since(self, i: int, reasoning: str | None, content: str | None) -> dict:
+        """The delta of choice `i`'s reasoning and content beyond what went out (and note it went out)."""
+        r_sent, c_sent = self.released.get(i, (0, 0))
+        d = self.reasoning_fields(reasoning[r_sent:]) if reasoning and reasoning[r_sent:] else {}
+        if content and content[c_sent:]:
+            d["content"] = content[c_sent:]
+        self.released[i] = (max(r_sent, len(reasoning or "")), max(c_sent, len(content or "")))
+        return d
 
     def finish_events(self, i: int, out: RequestOutput) -> list[str]:
-        """The chunks that end streamed choice `i`: with a tool-call format, the content held back and the calls
-        its text makes (whole, in one chunk), then the finish reason ("tool_calls" if it made any)."""
+        """The chunks that end streamed choice `i`: with a tool-call or reasoning format, the text held back and
+        the calls the reply makes (whole, in one chunk), then the finish reason ("tool_calls" if it made any)."""
         reason = self.finish_reason(out)
-        if not self.chat or self.calls is None:
+        if not self.chat or (self.calls is None and self.reasoning is None):
             return [self.event(i, None, reason)]
-        sent, parsed = self.released.pop(i, 0), self.calls.parse(out.text)
-        self.said.pop(i, None)
-        content, calls = parsed if parsed is not None else (out.text, [])
-        events = [self.chunk({"index": i, "finish_reason": None, "delta": {"content": content[sent:]}})] \
-            if content and content[sent:] else []
+        reasoning, content, calls = self.parts(i, out.text)
+        d = self.delta_since(i, reasoning, content)
+        self.said.pop(i, None), self.released.pop(i, None)
+        events = [self.chunk({"index": i, "finish_reason": None, "delta": d})] if d else []
         if calls:
             entries = [{"index": k, **call} for k, call in enumerate(tool_calls(calls))]
             events.append(self.chunk({"index": i, "finish_reason": None, "delta": {"tool_calls": entries}}))

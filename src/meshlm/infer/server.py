@@ -33,10 +33,11 @@ from meshlm.infer.engine import Engine, RequestOutput
 from meshlm.infer.metrics import Histogram, metrics_text
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
-    MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, completion_prompts, json_body,
-    read_limited, short, structured_key)
+    MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, chat_template_options, completion_prompts,
+    json_body, read_limited, short, structured_key)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
+from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.tool_parsers import PARSERS, Forced
 
 # ---------------------------------------------------------------------------------------------
@@ -206,12 +207,13 @@ class EngineUnavailable(RuntimeError):
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, log=None, rag_index=None, rag_top_k: int = 4,
-               tool_call_parser: str | None = None):
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None):
     """The FastAPI app. `log(line)`, when given, gets one line per request: method, path, status,
     completion tokens and latency (status 499: the client left before the answer). `rag_index` (a
     `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`.
     `tool_call_parser` (a name of `tool_parsers.PARSERS`): the model's own tool-call format, which lets chats
-    with tools leave the choice to the model (tool_choice "auto")."""
+    with tools leave the choice to the model (tool_choice "auto"); `reasoning_parser` (a name of
+    `reasoning.PARSERS`): a reasoning model's thinking, answered apart from its reply."""
     from fastapi import FastAPI, Request
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -221,7 +223,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     if log is not None:
         app.add_middleware(_AccessLog, log=log)
     api = _Completions(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                       rag_index=rag_index, rag_top_k=rag_top_k, tool_call_parser=tool_call_parser)
+                       rag_index=rag_index, rag_top_k=rag_top_k, tool_call_parser=tool_call_parser,
+                       reasoning_parser=reasoning_parser)
     created = int(time.time())
 
     async def answer(request: Request, *, chat: bool) -> Response:
@@ -285,9 +288,12 @@ class _Completions:
     stream, receive, scope); the FastAPI responses are `create_app`'s."""
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, api_key: str | None, max_body_bytes: int,
-                 rag_index, rag_top_k: int, tool_call_parser: str | None = None):
+                 rag_index, rag_top_k: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser={tool_call_parser!r} must be one of {', '.join(PARSERS)}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING:
+            raise ValueError(f"reasoning_parser={reasoning_parser!r} must be one of {', '.join(REASONING)}")
+        self.reasoning = REASONING.get(reasoning_parser)
         self.engine, self.model_name, self.api_key = engine, model_name, APIKey(api_key)
         self.tool_call_parser = tool_call_parser
         self.max_body_bytes = max_body_bytes
@@ -306,6 +312,8 @@ class _Completions:
             prompts, retrieved = await self.prompts_of_chat(body, options.rag, options.tools)
         else:
             prompts, retrieved = await self.prompts_of_completion(body, options.rag)
+        # a reasoning model's thinking is split off its reply, unless a grammar holds the whole reply
+        reasoning = self.reasoning if chat and options.params.structured_outputs is None else None
         n = options.n
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
@@ -323,7 +331,8 @@ class _Completions:
                           logprobs=options.params.logprobs is not None,
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
                           prompt_only=options.prompt_only,
-                          calls=self.call_format(options.tools))
+                          calls=self.call_format(options.tools), reasoning=reasoning,
+                          thinking=[reasoning.opens(self.tail(p)) for p in prompts] if reasoning else None)
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage,
                                names=names)
@@ -351,17 +360,18 @@ class _Completions:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; chat needs one")
         messages, retrieved = chat_messages(body), None
+        options = chat_template_options(body, messages)
         if rag is not None:
             query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
             block, found = await self.retrieve(query, *rag)
             messages, retrieved = augment_messages(messages, block), [found]
         try:
             listed = tools.tools if tools is not None else None
-            return [await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed)], retrieved
+            return [await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed, **options)], retrieved
         except (ValueError, TemplateError, TypeError, KeyError, AttributeError) as e:
             # the template's raise_exception("roles must alternate"), or a filter given what it cannot take
             raise APIError(400, f"the model's chat template rejects these messages: {type(e).__name__}: {e}",
-                           param="messages") from e
+                           param=getattr(e, "field", "messages")) from e
 
     async def prompts_of_completion(self, body: dict, rag) -> tuple[list, list[list[dict]] | None]:
         """A completion's prompts, each with its retrieved passages before it where asked."""
@@ -481,8 +491,10 @@ class _Completions:
                 # two behind them: an incomplete character or a possible stop string is held back).
                 new_lp = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if (
                     replies.logprobs and out.new_token_ids) else None
-                if (out.new_text or new_lp) and not replies.prompt_only:
-                    yield replies.event(i, out.new_text, None, logprobs=new_lp)
+                event = replies.event(i, out.new_text, None, logprobs=new_lp) if (
+                    out.new_text or new_lp) and not replies.prompt_only else ""
+                if event:
+                    yield event
                 if out.finished:
                     finished[out.request_id] = out
                     for event in replies.finish_events(i, out):
@@ -503,6 +515,10 @@ class _Completions:
         if tools is not None and tools.calls:
             return Forced(tools)
         return PARSERS[self.tool_call_parser] if tools is not None and tools.auto else None
+
+    def tail(self, prompt: list[int]) -> str:
+        """A chat prompt's last tokens' text, special tokens shown (where a reply starts: inside `<think>`?)."""
+        return self.tokenizer.decode(prompt[-32:], skip_special_tokens=False)
 
     def text_of(self, prompt: str | list[int]) -> str:
         """A prompt as echoed: its text as sent, or its token ids' text (special tokens too, as `dec` names them)."""

@@ -1,0 +1,54 @@
+"""Reasoning in a reply's text: the thinking a reasoning model writes before its answer, told apart from it.
+
+Responsible for: `PARSERS`, chosen with `meshlm serve --reasoning-parser` (vLLM's and SGLang's flag of that
+name): `deepseek_r1` (DeepSeek-R1 and its distillations, QwQ: the reply thinks from its first token -- R1's
+template opens `<think>` in the prompt -- until `</think>`) and `qwen3` (Qwen3: the reply thinks if it begins with
+`<think>` or its prompt left one open, as the thinking-only models' templates do; with thinking off, the template
+closes the block in the prompt and the whole reply is the answer); `Thinking.split`, a reply's text as
+(reasoning, content), of a whole reply or, streamed, of the text so far (what may still be `</think>` held back).
+Not responsible for: the answer's layout (responses.py: the reasoning goes out as `reasoning`, vLLM's field, and
+`reasoning_content`, SGLang's and DeepSeek's), the template's `enable_thinking` (a request's
+`chat_template_kwargs`). Torch-free.
+"""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+
+
+def _prefix_tail(text: str, marker: str) -> int:
+    """Where a proper prefix of `marker` ends `text` (the longest), else len(text)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return len(text) - k
+    return len(text)
+
+
+class Thinking:
+    """`<think>` ... `</think>` before the answer. `always_open`: every reply thinks from its first token."""
+
+    def __init__(self, name: str, always_open: bool):
+        self.name, self.always_open = name, always_open
+
+    def opens(self, prompt_tail: str) -> bool:
+        """Whether a reply to a prompt ending in `prompt_tail` (its text, special tokens shown) starts thinking:
+        always, or where the prompt's last `<think>` is not closed."""
+        return self.always_open or prompt_tail.rfind(START) > prompt_tail.rfind(END)
+
+    def split(self, text: str, opened: bool, final: bool) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a reply's `text` (None: none); `opened`: the reply starts thinking
+        (`opens`); `final`: the whole reply, else the text so far, whose undecided end is left out of both (a
+        possible `</think>`, or the start of a reply that may yet open `<think>`)."""
+        if text.startswith(START):
+            opened, text = True, text[len(START):]
+        elif not final and START.startswith(text):  # it may yet begin with <think>
+            return None, None
+        elif not opened:
+            return None, text
+        reasoning, closed, content = text.partition(END)
+        if closed:
+            return reasoning or None, content or None
+        return (text or None, None) if final else (text[:_prefix_tail(text, END)], None)
+
+
+PARSERS = {p.name: p for p in (Thinking("deepseek_r1", always_open=True), Thinking("qwen3", always_open=False))}
