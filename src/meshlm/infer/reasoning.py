@@ -13,15 +13,9 @@ Not responsible for: the answer's layout (responses.py: the reasoning goes out a
 
 from __future__ import annotations
 
+from meshlm.infer.tool_parsers import partial_marker_at
+
 START, END = "<think>", "</think>"
-
-
-def _prefix_tail(text: str, marker: str) -> int:
-    """Where a proper prefix of `marker` ends `text` (the longest), else len(text)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return len(text) - k
-    return len(text)
 
 
 class Thinking:
@@ -48,7 +42,7 @@ class Thinking:
         reasoning, closed, content = text.partition(END)
         if closed:
             return reasoning or None, content or None
-        return (text or None, None) if final else (text[:_prefix_tail(text, END)], None)
+        return (text or None, None) if final else (text[:partial_marker_at(text, END)], None)
 
 
 PARSERS = {p.name: p for p in (Thinking("deepseek_r1", always_open=True), Thinking("qwen3", always_open=False))}

@@ -36,7 +36,7 @@ def _call(value, arguments_keys: tuple[str, ...]) -> Call | None:
     return (value["name"], arguments) if isinstance(arguments, dict) else None
 
 
-def _prefix_tail(text: str, marker: str) -> int:
+def partial_marker_at(text: str, marker: str) -> int:
     """Where a proper prefix of `marker` ends `text` (the longest), else len(text)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
@@ -53,7 +53,7 @@ class Hermes:
 
     def hold(self, text: str) -> int:
         at = text.find(self.start)
-        return at if at >= 0 else _prefix_tail(text, self.start)
+        return at if at >= 0 else partial_marker_at(text, self.start)
 
     def parse(self, text: str) -> Parsed | None:
         at = text.find(self.start)
