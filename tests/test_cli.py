@@ -15,6 +15,10 @@ def test_help_is_instant_and_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "meshlm.cli", "--help"], capture_output=True, text=True, check=True)
     for command in ("train", "generate", "info", "plan", "serve"):
         assert command in out.stdout
+    # `python -m meshlm` is the same command (for an environment whose scripts are not on PATH), exit code included
+    run = subprocess.run([sys.executable, "-m", "meshlm", "plan", "--help"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith("usage: meshlm plan"), run
+    assert subprocess.run([sys.executable, "-m", "meshlm", "no-such-command"], capture_output=True).returncode == 2
     # --help must not pay for importing torch.
     probe = "import sys, meshlm.cli; meshlm.cli.build_parser(); print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"

@@ -384,7 +384,11 @@ def test_the_planner_python_api_names_an_argument_of_the_wrong_kind(change, erro
     ("tiny-moe", "capacity_factor", float("inf"), "must be a finite number"),
     ("tiny-moe", "num_experts_per_token", 1.5, "must be a whole number"),
     ("tiny", "norm_eps", None, "must be a finite number"),
-    ("tiny", "rope_scaling", 5, "must be a table of llama3 RoPE scaling keys"),
+    ("tiny", "rope_scaling", 5, "must be a table of RoPE scaling keys \\(llama3, yarn or linear\\)"),
+    ("tiny", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0},
+     "has rope_type 'dynamic', which must be one of llama3"),
+    ("tiny", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "is missing keys \\['original_max_position_embed"),
+    ("tiny", "rope_scaling", {"rope_type": "linear", "factor": 0}, "has a factor that is not a number > 0"),
     ("tiny", "hidden_size", None, "must be a whole number"),  # a TypeError as the head width was derived
     ("tiny", "num_heads", "4", "must be a whole number"),
 ])

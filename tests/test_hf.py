@@ -34,6 +34,10 @@ ARCHS = {
     "llama3-tied": ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
     "mistral": ("mistral", dict(sliding_window=4096)),
     "qwen2": ("qwen2", {}),  # q/k/v bias
+    # YaRN (Qwen2.5's long-context setting): interpolated low frequencies and cos/sin scaled by 0.1 ln 4 + 1 (named
+    # to sort last: the others' seeds are their places in the sorted names)
+    "yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 32})),
     "qwen3": ("qwen3", dict(head_dim=32)),  # q/k norm, head_dim != hidden / heads
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -212,8 +216,8 @@ def test_unsupported_configs_are_refused(qwen2_dir, tmp_path):
         ModelConfig.from_hf_dict({**hf, "hidden_act": "gelu"})
     with pytest.raises(ConfigError, match="attention_bias"):
         ModelConfig.from_hf_dict({**hf, "model_type": "llama", "attention_bias": True})
-    with pytest.raises(ConfigError, match="rope_scaling type 'yarn'"):
-        ModelConfig.from_hf_dict({**hf, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="rope_scaling type 'dynamic' is not supported"):  # yarn is, since
+        ModelConfig.from_hf_dict({**hf, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ValueError, match="model.safetensors"):
         (tmp_path / "config.json").write_text(json.dumps(hf))
         load_pretrained(tmp_path)
@@ -243,6 +247,50 @@ def test_llama3_rope_inv_freq_matches_transformers():
     torch.testing.assert_close(rope_inv_freq(ModelConfig.from_hf_dict(legacy)), expected, rtol=0, atol=0)
     assert not torch.equal(ours, rope_inv_freq(ModelConfig(head_dim=128, num_heads=32, hidden_size=4096,
                                                            rope_theta=500000.0)))  # scaling did something
+
+
+def test_yarn_and_linear_rope_match_transformers():
+    """YaRN as Qwen2.5 (factor 4 over 32K) and DeepSeek-V3 (factor 40, mscale / mscale_all_dim) configure it, and
+    linear scaling: the same frequencies as transformers, to the bit, and the same factor on cos and sin."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from meshlm.models.transformer import rope_attention_factor
+
+    cases = [  # (rope parameters, max_position_embeddings, the context it stretches the model to: yarn's as vLLM's)
+        ({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768},
+         32768, 131072),
+        ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+          "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}, 163840, 163840),
+        ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 4096,
+          "attention_factor": 1.5, "truncate": False}, 4096, 8192),
+        ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, 4096, 4096)]
+    for rope, positions, context in cases:
+        config = transformers.Qwen2Config(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8,
+                                          num_hidden_layers=1, vocab_size=128, intermediate_size=64,
+                                          max_position_embeddings=positions, rope_parameters=rope)
+        expected, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+        ours = ModelConfig.from_hf_dict(config.to_dict())
+        torch.testing.assert_close(rope_inv_freq(ours), expected, rtol=0, atol=0)
+        assert rope_attention_factor(ours) == attention_factor, rope
+        assert not torch.equal(rope_inv_freq(ours), rope_inv_freq(ModelConfig(
+            head_dim=128, num_heads=8, hidden_size=1024, rope_theta=rope["rope_theta"]))), rope
+        assert ours.max_seq_len == context, rope
+        assert ModelConfig.from_hf_dict(ours.to_hf_dict()) == ours  # and back, written as transformers reads it
+
+
+def test_the_engine_serves_yarn_as_transformers_generates(prompts, tmp_path):
+    """The paged engine's RoPE (its own cos / sin per position) scales as the model's: greedy tokens of a YaRN
+    model equal transformers'."""
+    from meshlm.infer.llm import LLM
+    from meshlm.infer.sequence import SamplingParams
+
+    hf = _hf_model(*ARCHS["yarn"], seed=5)
+    hf.save_pretrained(tmp_path)
+    expected = hf.generate(prompts, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[:, PROMPT_LEN:].tolist()
+    llm = LLM(str(tmp_path), device="cpu", block_size=4)
+    got = llm.generate(prompts.tolist(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [r.token_ids for r in got] == expected
 
 
 def test_bf16_load_and_tokenizer(pair, prompts, tmp_path):

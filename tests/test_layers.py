@@ -9,7 +9,7 @@
     train | infer   side by side: neither imports the other
     tools       verify evaluate convert launch replica_launch
     planner     torch-free apart from `planner.calibrate`, which measures this machine
-    cli         every command-line entry point
+    cli         every command-line entry point (and `python -m meshlm`)
 
 Imports inside functions count too (a lazy import is still a dependency). The package root
 (`meshlm/__init__.py`, a lazy re-export of `LLM` and `SamplingParams`) stands above everything.
@@ -35,7 +35,7 @@ LAYERS = [
     ("train | infer", {"train", "infer"}),
     ("tools", {"verify", "evaluate", "convert", "launch", "replica_launch"}),
     ("planner", {"planner"}),
-    ("cli", {"cli"}),
+    ("cli", {"cli", "__main__"}),  # __main__: `python -m meshlm`, the same command
 ]
 SIDE_BY_SIDE = {"train", "infer"}  # the one layer whose units must not import each other
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -50,8 +51,8 @@ class ModelConfig:
     intermediate_size: int = 768
     max_seq_len: int = 256
     rope_theta: float = 10000.0
-    # Llama-3 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None for plain RoPE.
+    # RoPE scaling, Hugging Face's keys: Llama 3's {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}, or "rope_type" "yarn" / "linear" with theirs; None for plain RoPE.
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # lm_head shares the embedding weight (under pp: two copies kept equal, pipeline.py)
@@ -148,10 +149,15 @@ class ModelConfig:
                  "must be >= 0 (0 = off; DeepSeek-V3 uses 1e-3)")
         if self.rope_scaling is not None:
             _require(isinstance(self.rope_scaling, dict), "model.rope_scaling", self.rope_scaling,
-                     "must be a table of llama3 RoPE scaling keys, or unset")
-            missing = {"factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings"} - set(self.rope_scaling)
+                     "must be a table of RoPE scaling keys (llama3, yarn or linear), or unset")
+            kind = self.rope_scaling.get("rope_type", "llama3")
+            _require(kind in ROPE_SCALING_KEYS, "model.rope_scaling", self.rope_scaling,
+                     f"has rope_type {kind!r}, which must be one of {', '.join(ROPE_SCALING_KEYS)}")
+            missing = ROPE_SCALING_KEYS[kind] - set(self.rope_scaling)
             _require(not missing, "model.rope_scaling", self.rope_scaling, f"is missing keys {sorted(missing)}")
+            factor = self.rope_scaling["factor"]
+            _require(isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
+                     and factor > 0, "model.rope_scaling", self.rope_scaling, "has a factor that is not a number > 0")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
@@ -182,6 +188,10 @@ class ModelConfig:
         return hf_config_of(self)
 
 
+# each RoPE scaling's required keys (Hugging Face's names; yarn may add attention_factor, beta_fast, beta_slow,
+# mscale, mscale_all_dim, truncate): models/transformer.rope_inv_freq applies them
+ROPE_SCALING_KEYS = {"llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+                     "yarn": {"factor", "original_max_position_embeddings"}, "linear": {"factor"}}
 _LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshlm.config import ConfigError, ModelConfig
+from meshlm.config import ROPE_SCALING_KEYS, ConfigError, ModelConfig
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:
@@ -75,7 +75,7 @@ def _model_config_from_hf(hf: dict) -> ModelConfig:
                           f"supported: {sorted(supported)}")
     _check_hf_supported(hf, model_type)
     num_heads = hf["num_attention_heads"]
-    max_seq_len = hf.get("max_position_embeddings", 2048)
+    max_seq_len = _scaled_context(hf.get("max_position_embeddings", 2048), _hf_rope_scaling(hf))
     # Mistral's sliding window only changes attention beyond `sliding_window` tokens; up to there
     # full causal attention is exact, so cap the length rather than refuse the model.
     window = hf.get("sliding_window") if model_type == "mistral" else None
@@ -136,8 +136,9 @@ def hf_config_of(cfg: ModelConfig) -> dict:
              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM"}
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **cfg.rope_scaling}
+    scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling}
+    if scaling is not None:
+        rope = {**scaling, "rope_theta": cfg.rope_theta}
     hf: dict[str, Any] = dict(
         architectures=[archs[model_type]], model_type=model_type,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -146,7 +147,7 @@ def hf_config_of(cfg: ModelConfig) -> dict:
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         # rope_parameters is what transformers 5 reads; rope_theta + rope_scaling what 4.x reads.
         rope_parameters=rope, rope_theta=cfg.rope_theta,
-        rope_scaling=None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling},
+        rope_scaling=scaling,
         hidden_act="silu", tie_word_embeddings=cfg.tie_embeddings,
         initializer_range=cfg.init_std, attention_dropout=0.0,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
@@ -234,14 +235,32 @@ def _hf_rope_theta(hf: dict) -> float:
     return params.get("rope_theta", 10000.0)
 
 
+YARN_OPTIONS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+
+
 def _hf_rope_scaling(hf: dict) -> dict | None:
+    """A config's RoPE scaling as ModelConfig.rope_scaling (its `rope_type` and keys), None if it has none."""
     rs = hf.get("rope_scaling") or hf.get("rope_parameters")
     if not rs:
         return None
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported; only 'llama3' scaling is")
-    return {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                               "original_max_position_embeddings")}
+    if kind not in ROPE_SCALING_KEYS:
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_SCALING_KEYS)} "
+                          "(dynamic and longrope change with the sequence's length)")
+    rs = dict(rs)
+    if kind == "yarn":  # transformers' default for a yarn config without it
+        rs.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+    optional = YARN_OPTIONS if kind == "yarn" else ()
+    return {**({} if kind == "llama3" else {"rope_type": kind}),  # llama3: the default, as configs saved before
+            **{k: rs[k] for k in sorted(ROPE_SCALING_KEYS[kind]) if k in rs},
+            **{k: rs[k] for k in optional if rs.get(k) is not None}}
+
+
+def _scaled_context(max_positions: int, rope_scaling: dict | None) -> int:
+    """The context a RoPE scaling stretches a model to: yarn's original context times its factor (as vLLM
+    derives its max_model_len; Qwen2.5's configs give 32K and a factor of 4); the others' configs give theirs."""
+    if rope_scaling is not None and rope_scaling.get("rope_type") == "yarn":
+        return max(max_positions, int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]))
+    return max_positions

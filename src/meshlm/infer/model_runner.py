@@ -177,7 +177,7 @@ class ModelRunner:
         if local is not None:
             tokens, positions = tokens[local], positions[local]
         h = model.embed(tokens[None])
-        cos, sin = rope_cos_sin(model.inv_freq, positions, h.dtype)
+        cos, sin = rope_cos_sin(model.inv_freq, positions, h.dtype, model.rope_scale)
         for block in model.layers.values():
             h = block(h, cos, sin, ctx)
         if local is not None:

@@ -41,14 +41,33 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies of RoPE, with Llama-3 scaling of the low frequencies when configured."""
+    """Inverse frequencies of RoPE, scaled where `config.rope_scaling` says (its `rope_type`, as Hugging Face names
+    them): llama3 (Llama 3.1's: the low frequencies divided by `factor`, a smooth band between), yarn (YaRN, Peng
+    et al. 2023: frequencies that turn fewer than `beta_slow` times over the original context are interpolated by
+    `factor`, those that turn more than `beta_fast` times kept, a linear ramp over the dimensions between) or
+    linear (positions divided by `factor`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     rs = config.rope_scaling
     if rs is None:
         return inv_freq
-    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    kind, factor = rs.get("rope_type", "llama3"), rs["factor"]
+    if kind == "linear":
+        return inv_freq / factor
     old_len = rs["original_max_position_embeddings"]
+    if kind == "yarn":
+        def dimension(turns: float) -> float:  # the dimension whose frequency turns `turns` times over old_len
+            return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low, high = dimension(rs.get("beta_fast") or 32), dimension(rs.get("beta_slow") or 1)
+        if rs.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        kept = 1 - ramp  # the share of each frequency kept as trained (extrapolated)
+        return 1.0 / (factor * config.rope_theta ** exponents) * (1 - kept) + inv_freq * kept
+    low, high = rs["low_freq_factor"], rs["high_freq_factor"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -58,15 +77,34 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (its `attention_factor`, else 0.1 ln(factor) + 1, or DeepSeek's ratio of
+    two such terms with `mscale` / `mscale_all_dim`); 1 for every other RoPE."""
+    rs = config.rope_scaling
+    if rs is None or rs.get("rope_type", "llama3") != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if rs["factor"] <= 1 else 0.1 * m * math.log(rs["factor"]) + 1.0
+
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return mscale(rs["mscale"]) / mscale(rs["mscale_all_dim"])
+    return mscale(1.0)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     """cos/sin of shape [..., seq, head_dim] for integer `positions` of shape [..., seq], the first half of sin
     negated: what `apply_rope` takes (the sign of the rotated half lives here, once per step, not once per
-    head and layer)."""
+    head and layer); both times `scale` (`rope_attention_factor`)."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    sin = emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     half = sin.shape[-1] // 2
-    return emb.cos().to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
+    return cos.to(dtype), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).to(dtype)
 
 
 def rope_positions(seq: int, *, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
@@ -248,6 +286,7 @@ class Transformer(nn.Module):
         # A plain tensor, not a buffer: `.to(dtype)` must not round the frequencies to bf16.
         with torch.device("cpu"):
             self.inv_freq = rope_inv_freq(config)
+        self.rope_scale = rope_attention_factor(config)
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,7 +297,7 @@ class Transformer(nn.Module):
         seq = h.shape[1]
         positions = rope_positions(seq, positions=positions, documents=documents,
                                    start=cache.length if cache is not None else 0, device=h.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)
         for block in self.layers.values():
             h = block(h, cos, sin, cache, documents=documents)
         if cache is not None:
