@@ -244,6 +244,11 @@ def test_cache_aware_router_serves_like_one_server_and_stops_its_replicas(model_
             events = sse_events(r)
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == \
             whole["choices"][0]["message"]["content"]
+        # vLLM's /tokenize and /detokenize pass through too: the chat's prompt as the replica counts it
+        tokens = httpx.post(url + "/tokenize", json={k: chat[k] for k in ("model", "messages")}, headers=HEADERS).json()
+        assert tokens["count"] == whole["usage"]["prompt_tokens"] == len(tokens["tokens"]), tokens
+        text = httpx.post(url + "/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}, headers=HEADERS)
+        assert "hello world" in text.json()["prompt"], text.text
         r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, headers=HEADERS)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         # A client that leaves mid-stream: the router closes its replica's stream, which aborts the request there.

@@ -201,6 +201,27 @@ def test_a_reasoning_models_thinking_is_answered_apart(served):
     assert served.engine.engine.tokenizer.decode(ids).endswith("<|assistant|>\n<think>\n")
 
 
+def test_tokenize_and_detokenize_as_vllm(served):
+    """POST /tokenize: a completion's prompt or a chat's messages as the ids the model reads (the chat's count is
+    its completion's prompt_tokens), with their texts where asked; /detokenize gives the text back."""
+    tok = served.engine.engine.tokenizer
+    out = _post(served, "/tokenize", {"model": "tiny", "prompt": "hello world", "return_token_strs": True})
+    assert out["tokens"] == tok.encode("hello world") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 128 and "".join(out["token_strs"]) == tok.decode(out["tokens"])
+    plain = _post(served, "/tokenize", {"model": "tiny", "prompt": "hello world", "add_special_tokens": False})
+    assert plain["tokens"] == tok.encode("hello world", add_special_tokens=False) and plain["token_strs"] is None
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS[1:]}
+    counted = _post(served, "/tokenize", chat)["count"]
+    answer = _post(served, "/v1/chat/completions", {**chat, "tool_choice": "none", "max_tokens": 1})
+    assert counted == answer["usage"]["prompt_tokens"]
+    assert _post(served, "/detokenize", {"model": "tiny", "tokens": out["tokens"]}) == {"prompt": "hello world"}
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": chat["messages"]}, "prompt"),
+                              ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "a"}, "tokens")):
+        r = httpx.post(served.url + path, headers=HEADERS, json={"model": "tiny", **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks(served):
     """lm-evaluation-harness's loglikelihood request to an OpenAI completions server (token ids, echo, logprobs 1,
     max_tokens 1, temperature 0): the logprobs cover the prompt, the first token's null, then the generated token;

@@ -144,7 +144,8 @@ def build_server(args, llm=None):
     `LLM` (default: `build_llm`'s), or an engine with `Engine`'s interface (`DisaggregatedEngine`)."""
     import uvicorn
 
-    from meshlm.infer.server import AsyncEngine, create_app
+    from meshlm.infer.async_engine import AsyncEngine
+    from meshlm.infer.server import create_app
 
     api_key = api_key_of(args.api_key, args.api_key_file)
     llm = llm or build_llm(args)

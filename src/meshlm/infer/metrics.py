@@ -1,7 +1,7 @@
 """The server's /metrics in Prometheus' text format: the engine's counters and gauges, and the server's histograms.
 
 Responsible for: `Histogram` (cumulative buckets, sum, count) and `metrics_text` (every counter of an
-`server.AsyncEngine`: the engine's stats, requests by finish reason, retrieval, KV blocks per cp rank,
+`async_engine.AsyncEngine`: the engine's stats, requests by finish reason, retrieval, KV blocks per cp rank,
 communication by mesh axis, disaggregated KV transfers, TTFT and TPOT histograms).
 Not responsible for: serving the route (`server.create_app`) or the router's own metrics (`replicas.py`).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshlm.infer.server import AsyncEngine
+    from meshlm.infer.async_engine import AsyncEngine
 
 
 class Histogram:

@@ -192,6 +192,14 @@ def create_router_app(replicas: list[Replica], policy: Policy, *, api_key: str |
     async def chat_completions(request: Request):
         return await router.proxy(request, "/v1/chat/completions", chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await router.proxy(request, "/tokenize", chat=False, keyed=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await router.proxy(request, "/detokenize", chat=False, keyed=False)
+
     @app.get("/v1/models")
     async def models(request: Request):
         router.key.check(request)
@@ -230,14 +238,15 @@ class _Router:
         self.max_body_bytes, self.log = max_body_bytes, log
         self.client = None  # the httpx.AsyncClient, made in the app's lifespan
 
-    async def proxy(self, request, path: str, *, chat: bool):
-        """Route one completion to a replica and answer what it answers (a stream passed on event by event)."""
+    async def proxy(self, request, path: str, *, chat: bool, keyed: bool = True):
+        """Route one completion to a replica and answer what it answers (a stream passed on event by event);
+        `keyed` False: by load alone (a request that leaves nothing in the replica's cache)."""
         import httpx
         from fastapi.responses import Response
 
         self.key.check(request)
         body = await read_limited(request, self.max_body_bytes)
-        key = routing_key(body, chat=chat) if len(body) < (1 << 20) else \
+        key = "" if not keyed else routing_key(body, chat=chat) if len(body) < (1 << 20) else \
             await asyncio.to_thread(routing_key, body, chat=chat)
         try:
             decision = self.policy.route(key, [r.in_flight for r in self.replicas], [r.live for r in self.replicas])

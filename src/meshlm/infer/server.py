@@ -8,8 +8,9 @@ each, streamed as server-sent events (with logprobs per chunk) or not (the answe
 optional API key (`Authorization: Bearer KEY`, `infer/auth.py`: every endpoint but /health, /openapi.json
 included; /docs and /redoc are not served); one log line per request; retrieval-augmented requests (`"rag"`, with an
 index from `meshlm.infer.rag`: retrieval runs in worker threads, the passages go before the prompt and
-the response lists them as `retrieved`); running the engine in one background thread that requests are
-queued to (`AsyncEngine`).
+the response lists them as `retrieved`); tool calls and reasoning read from a chat's reply (`--tool-call-parser`,
+`--reasoning-parser`); POST /tokenize and /detokenize (vLLM's). The engine runs in one background thread that
+requests are queued to (`infer/async_engine.py`).
 Not responsible for: the engine itself, tensor parallelism, or TLS (put a proxy in front). Binds to
 127.0.0.1 unless told otherwise.
 
@@ -21,184 +22,22 @@ documented in `meshlm.tokenizer` (`<|role|>\\ncontent\\n` per message, then `<|a
 
 import asyncio
 import json
-import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from meshlm.comm import CollectiveError
+from meshlm.infer.async_engine import AsyncEngine, EngineUnavailable
 from meshlm.infer.auth import APIKey
-from meshlm.infer.engine import Engine, RequestOutput
-from meshlm.infer.metrics import Histogram, metrics_text
+from meshlm.infer.engine import RequestOutput
+from meshlm.infer.metrics import metrics_text
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
-    MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, chat_messages, chat_template_options, completion_prompts,
-    json_body, read_limited, short, structured_key)
+    MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, ToolChoice, boolean, chat_messages, chat_template_options,
+    check_text, completion_prompts, json_body, read_limited, short, structured_key)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.tool_parsers import PARSERS, Forced
-
-# ---------------------------------------------------------------------------------------------
-# The engine in a background thread
-# ---------------------------------------------------------------------------------------------
-
-
-_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.submit_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.rag = False  # a retrieval-augmented prompt
-
-
-class AsyncEngine:
-    """Owns the engine; a daemon thread steps it while there is work.
-
-    `submit` and `abort` may be called from any thread: a request is tokenized and validated in the
-    caller's thread, then queued; only the engine thread touches the scheduler, between steps, so a
-    new request never waits for a running step to be accepted or rejected.
-    """
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self._cv = threading.Condition()
-        self._streams: dict[str, _Stream] = {}
-        self._pending: list = []
-        self._aborts: list[str] = []
-        self._stopped = False
-        # A rank of a multi-rank engine is gone (CollectiveError): nothing can run any more. Requests then
-        # fail with 503 and /health says unhealthy, instead of waiting on a collective that never completes.
-        self.broken: Exception | None = None
-        self.ttft = Histogram(_TIME_BUCKETS)
-        self.tpot = Histogram(_TIME_BUCKETS)
-        self.num_requests = 0
-        self.num_errors = 0
-        self.rag_latency = Histogram(_TIME_BUCKETS)
-        self.rag_tokens = Histogram(_TOKEN_BUCKETS)
-        self.rag_prompt_tokens = 0  # prompt tokens of retrieval-augmented sequences
-        self.rag_cached_tokens = 0  # ... of which the prefix cache already held
-        self._thread = threading.Thread(target=self._run, name="meshlm-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, prompt: str | list[int], params: SamplingParams,
-               queue: asyncio.Queue | None = None) -> tuple[str, asyncio.Queue, int]:
-        """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens).
-
-        Several requests may share one `queue` (the choices of one HTTP request): outputs carry their id.
-        """
-        self._check_alive()
-        stream = _Stream(asyncio.get_running_loop())
-        if queue is not None:
-            stream.queue = queue
-        seq = self.engine.make_sequence(prompt, params, request_id=f"req-{uuid.uuid4().hex}")
-        with self._cv:
-            self._pending.append(seq)
-            self._streams[seq.request_id] = stream
-            self.num_requests += 1
-            self._cv.notify()
-        return seq.request_id, stream.queue, seq.num_prompt_tokens
-
-    async def submit_async(self, prompt: str | list[int], params: SamplingParams, queue: asyncio.Queue, *,
-                           rag: bool = False) -> tuple[str, asyncio.Queue, list[int]]:
-        """`submit`, tokenizing in a worker thread: a long prompt never holds up the event loop.
-        Returns (id, queue, the prompt's token ids).
-
-        `rag`: the prompt starts with retrieved passages (counted in the RAG prefix-cache figures)."""
-        self._check_alive()
-        seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params,
-                                      request_id=f"req-{uuid.uuid4().hex}")
-        stream = _Stream(asyncio.get_running_loop())
-        stream.queue, stream.rag = queue, rag
-        with self._cv:
-            self._pending.append(seq)
-            self._streams[seq.request_id] = stream
-            self.num_requests += 1
-            self._cv.notify()
-        return seq.request_id, queue, seq.prompt_token_ids
-
-    def _check_alive(self) -> None:
-        if self.broken is not None:
-            raise EngineUnavailable(f"the engine stopped: {self.broken}")
-
-    def abort(self, request_id: str) -> None:
-        with self._cv:
-            if self._streams.pop(request_id, None) is not None:
-                self._aborts.append(request_id)
-                self._cv.notify()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify()
-        self._thread.join(timeout=10)
-
-    def stats(self) -> dict:
-        return self.engine.stats()  # plain counters, read without stopping the engine
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._stopped or self._pending or self._aborts or self.engine.has_unfinished()) \
-                        or (self.broken is not None and not self._stopped):
-                    self._cv.wait()
-                if self._stopped:
-                    return
-                pending, self._pending = self._pending, []
-                aborts, self._aborts = self._aborts, []
-            for request_id in aborts:
-                self.engine.abort(request_id)
-            for seq in pending:
-                if seq.request_id in aborts:
-                    continue
-                self.engine.add_sequence(seq)
-            try:
-                outputs, error = self.engine.step(), None
-            except CollectiveError as e:  # another rank is gone: fail everything, refuse what comes
-                outputs, error, self.broken = [], EngineUnavailable(f"the engine stopped: {e}"), e
-                self.num_errors += 1
-            except Exception as e:  # a bug in a step: fail the requests in flight, keep serving
-                outputs, error = [], e
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
-                self.num_errors += 1
-            now = time.monotonic()
-            deliveries = []
-            with self._cv:
-                if error is not None:
-                    deliveries = [(s, error) for s in self._streams.values()]
-                    self._streams.clear()
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    if out.new_token_ids and stream.first_token_time is None:
-                        stream.first_token_time = now
-                        self.ttft.observe(now - stream.submit_time)
-                        if stream.rag:  # its prefill is done: how much of the prompt the cache held
-                            self.rag_prompt_tokens += len(out.prompt_token_ids)
-                            self.rag_cached_tokens += out.num_cached_tokens
-                    if out.finished:
-                        del self._streams[out.request_id]
-                        if len(out.token_ids) > 1 and stream.first_token_time is not None:
-                            self.tpot.observe((now - stream.first_token_time) / (len(out.token_ids) - 1))
-                    deliveries.append((stream, out))
-            for stream, item in deliveries:
-                try:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-                except RuntimeError:  # the request's event loop is gone
-                    pass
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine cannot run any request (a rank of a multi-rank engine is gone): HTTP 503."""
-
 
 # ---------------------------------------------------------------------------------------------
 # The app
@@ -254,6 +93,14 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await answer(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await api.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await api.detokenize(request)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -351,6 +198,40 @@ class _Completions:
     async def read_body(self, request) -> dict:
         self.check_key(request)
         return json_body(await read_limited(request, self.max_body_bytes), model_name=self.model_name)
+
+    async def tokenize(self, request) -> dict:
+        """POST /tokenize (vLLM's): a completion's `prompt` (with its special tokens unless `add_special_tokens` is
+        false) or a chat's `messages` (its tools and template options too) as the token ids the model reads, their
+        `count`, the context's `max_model_len`, and each token's text where `return_token_strs` asks."""
+        body = await self.read_body(request)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: there is no text to tokenize")
+        if (body.get("messages") is None) == (body.get("prompt") is None):
+            raise APIError(400, "give one of 'prompt' (a completion's text) and 'messages' (a chat's)", param="prompt")
+        if body.get("messages") is not None:
+            tools = ToolChoice.of({"tools": body.get("tools"), "tool_choice": "none"})
+            (ids,), _ = await self.prompts_of_chat(body, None, tools)
+        else:
+            if not isinstance(body["prompt"], str) or not body["prompt"]:
+                raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+            add = boolean(body, "add_special_tokens", True)
+            ids = self.tokenizer.encode(check_text(body["prompt"], "prompt"), **({} if add else {
+                "add_special_tokens": False}))
+        strs = [self.dec(t) for t in ids] if boolean(body, "return_token_strs") else None
+        return {"count": len(ids), "max_model_len": self.engine.engine.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    async def detokenize(self, request) -> dict:
+        """POST /detokenize (vLLM's): token ids as their text, special tokens written out."""
+        body = await self.read_body(request)
+        tokens = body.get("tokens")
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: there is no text to give")
+        vocab = self.tokenizer.vocab_size
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                 for t in tokens)):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     async def prompts_of_chat(self, body: dict, rag, tools) -> tuple[list, list[list[dict]] | None]:
         """The one prompt of a chat (its messages, and its tools, through the chat template), retrieved passages
