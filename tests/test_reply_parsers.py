@@ -151,3 +151,42 @@ def test_a_streamed_reply_ends_as_its_whole_answer(calls, reasoning, opened):
         [SimpleNamespace(text="I think</think>\n\nIt is 4.", finish_reason="stop", token_ids=[1])], 1)
     assert answer["choices"][0]["message"] == {"role": "assistant", "content": "\n\nIt is 4.",
                                                "reasoning": "I think", "reasoning_content": "I think"}
+
+
+def test_a_streamed_chat_becomes_the_responses_events_of_its_whole_response():
+    """The Responses API's events of a chat stream that thinks, answers and calls a function: each item added,
+    its deltas, its done; the completed response holds what the whole answer's Response holds."""
+    from meshlm.infer.openai_responses import ResponseEvents, response_of
+
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"reasoning": "hm", "reasoning_content": "hm"},
+                            "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"reasoning": "m", "reasoning_content": "m"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "Let me"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": " check."}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}]
+    events = ResponseEvents({"model": "m", "input": "x"}, "m")
+    lines = events.start() + [e for c in chunks for e in events.chunk(c)] + events.finish()
+    parsed = [json.loads(line.split("data: ", 1)[1]) for line in lines]
+    assert all(line.startswith(f"event: {p['type']}\n") for line, p in zip(lines, parsed))
+    assert [p["type"] for p in parsed] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [p["sequence_number"] for p in parsed] == list(range(len(parsed)))
+    final = parsed[-1]["response"]
+    whole = response_of({"choices": [{"finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": "Let me check.", "reasoning": "hmm", "tool_calls": [call]}}],
+        "usage": chunks[-1]["usage"]}, {"model": "m", "input": "x"}, "m")
+    strip = [{k: v for k, v in item.items() if k != "id"} for item in whole["output"]]
+    assert [{k: v for k, v in item.items() if k != "id"} for item in final["output"]] == strip
+    assert final["status"] == whole["status"] == "completed" and final["usage"] == whole["usage"]
+    assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call"]

@@ -222,6 +222,67 @@ def test_tokenize_and_detokenize_as_vllm(served):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
+def test_the_responses_api_answers_as_the_chat_it_asks_for(served):
+    """POST /v1/responses (OpenAI's newer API, stateless as vLLM serves it): instructions and input as the chat's
+    messages, its text as the chat's, whole and streamed as the Responses events; items (text parts, a function call
+    and its output) and function tools in the Responses' own form; errors naming the Responses fields."""
+    chat = {"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "hello world"}], "max_tokens": 5,
+            "temperature": 0}
+    want = _post(served, "/v1/chat/completions", chat)
+    body = {"model": "tiny", "instructions": "be brief", "input": "hello world", "max_output_tokens": 5,
+            "temperature": 0}
+    got = _post(served, "/v1/responses", body)
+    assert got["object"] == "response" and got["store"] is False and got["id"].startswith("resp_")
+    assert [item["type"] for item in got["output"]] == ["message"]
+    assert got["output"][0]["content"][0]["text"] == want["choices"][0]["message"]["content"]
+    assert got["status"] == ("incomplete" if want["choices"][0]["finish_reason"] == "length" else "completed")
+    assert got["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["usage"]["output_tokens"] == want["usage"]["completion_tokens"]
+    events = _stream(served, "/v1/responses", body)
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == f"response.{got['status']}", kinds
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == got["output"][0]["content"][0]["text"] == events[-1]["response"]["output"][0]["content"][0]["text"]
+    assert events[-1]["response"]["usage"] == got["usage"]
+    # items: text parts, the model's earlier function call and its output; a forced function call answered as a
+    # function_call item, whole and streamed
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "add 2"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "3"},
+             {"type": "message", "role": "user", "content": "again"}]
+    tools = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
+    forced = {"model": "tiny", "input": items, "tools": tools, "tool_choice": {"type": "function", "name": "add"},
+              "max_output_tokens": 40, "temperature": 0}
+    got = _post(served, "/v1/responses", forced)
+    call = got["output"][-1]
+    assert call["type"] == "function_call" and call["name"] == "add" and set(json.loads(call["arguments"])) == \
+        {"a", "b"}, got
+    as_chat = {"model": "tiny", "messages": [
+        {"role": "user", "content": "add 2"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}, {"role": "user", "content": "again"}],
+        "tools": TOOLS[:1], "tool_choice": {"type": "function", "function": {"name": "add"}}, "max_tokens": 40,
+        "temperature": 0}
+    assert got["usage"]["input_tokens"] == _post(served, "/v1/chat/completions", as_chat)["usage"]["prompt_tokens"]
+    events = _stream(served, "/v1/responses", forced)
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0]["arguments"] == call["arguments"], events
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"][-1]["name"] == "add"
+    for change, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                           "input"), ({"input": []}, "input"),
+                          ({"tools": [{"type": "web_search"}]}, "tools"),
+                          ({"max_output_tokens": -1}, "max_output_tokens"),
+                          ({"text": {"format": {"type": "xml"}}}, "text"), ({"include": ["reasoning"]}, "include")):
+        r = httpx.post(served.url + "/v1/responses", headers=HEADERS, json={**body, **change}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (change, r.text)
+        assert "max_tokens" not in r.json()["error"]["message"], r.text
+
+
 def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks(served):
     """lm-evaluation-harness's loglikelihood request to an OpenAI completions server (token ids, echo, logprobs 1,
     max_tokens 1, temperature 0): the logprobs cover the prompt, the first token's null, then the generated token;

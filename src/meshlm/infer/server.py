@@ -36,6 +36,7 @@ from meshlm.infer.requests import (
     check_text, completion_prompts, json_body, read_limited, short, structured_key)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
+from meshlm.infer.openai_responses import PARAMS, ResponseEvents, as_chat, response_of
 from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.tool_parsers import PARSERS, Forced
 
@@ -66,8 +67,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                        reasoning_parser=reasoning_parser)
     created = int(time.time())
 
-    async def answer(request: Request, *, chat: bool) -> Response:
-        reply = await api.run(request, chat=chat)
+    async def answer(request: Request, *, chat: bool, work=None) -> Response:
+        reply = await (work or api.run)(request, chat=chat)
         if reply is None:  # the client hung up: nobody will read the answer
             return Response(status_code=499)
         if isinstance(reply, dict):
@@ -93,6 +94,10 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await answer(request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await answer(request, chat=True, work=api.responses)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -152,7 +157,42 @@ class _Completions:
     async def run(self, request, *, chat: bool):
         """The answer: a JSON body (dict), an event stream (async iterator of str), or None when the client
         hung up before it was ready."""
+        return await self.answer(request, await self.read_body(request), chat=chat)
+
+    async def responses(self, request, *, chat: bool = True):
+        """POST /v1/responses: the Responses request answered as the chat completion it asks for
+        (`openai_responses`), its errors naming the Responses fields."""
         body = await self.read_body(request)
+        try:
+            reply = await self.answer(request, as_chat(body), chat=True)
+        except APIError as e:
+            raise _named(e, PARAMS) from e
+        if reply is None or isinstance(reply, dict):
+            return reply and response_of(reply, body, self.model_name)
+        return self.response_events(reply, ResponseEvents(body, self.model_name))
+
+    @staticmethod
+    async def response_events(chunks, events: ResponseEvents):
+        """A streamed chat completion's chunks as the Responses API's events."""
+        try:
+            for event in events.start():
+                yield event
+            async for line in chunks:
+                data = line.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                for event in events.chunk(chunk):
+                    yield event
+                if "error" in chunk:
+                    return
+            for event in events.finish():
+                yield event
+        finally:
+            await chunks.aclose()  # its own finally aborts what has not finished
+
+    async def answer(self, request, body: dict, *, chat: bool):
+        """`run`'s answer to a request's `body`."""
         options = RequestOptions.of(body, chat=chat, rag_index=self.rag_index, rag_top_k=self.rag_top_k,
                                     tool_call_parser=self.tool_call_parser)
         if chat:
