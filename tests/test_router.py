@@ -99,6 +99,10 @@ def test_routing_key_reads_prompts_and_messages():
     chat = routing_key(json.dumps({"messages": [{"role": "system", "content": "be brief"},
                                                 {"role": "user", "content": "hi"}]}).encode(), chat=True)
     assert chat == "<|system|>\nbe brief\n<|user|>\nhi\n"
+    # a Responses request routes as the chat it asks for
+    assert routing_key(json.dumps({"instructions": "be brief", "input": "hi"}).encode(), chat=True) == chat
+    assert routing_key(json.dumps({"input": [{"role": "user", "content": "hi"}]}).encode(), chat=True) == \
+        "<|user|>\nhi\n"
     for junk in (b"{not json", b"[1]", b'{"prompt": 3}', b'{"prompt": [1, "a"]}', b"\xff"):
         assert routing_key(junk, chat=False) == "" and routing_key(junk, chat=True) == ""
 

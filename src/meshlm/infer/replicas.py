@@ -192,6 +192,10 @@ def create_router_app(replicas: list[Replica], policy: Policy, *, api_key: str |
     async def chat_completions(request: Request):
         return await router.proxy(request, "/v1/chat/completions", chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await router.proxy(request, "/v1/responses", chat=True)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await router.proxy(request, "/tokenize", chat=False, keyed=False)

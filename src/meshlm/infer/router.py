@@ -36,7 +36,8 @@ POLICIES = ("cache_aware", "round_robin")
 def routing_key(body: bytes, *, chat: bool) -> str | tuple[int, ...]:
     """What of a request body the policies route by: a completion's (first) prompt, as text or token ids,
     or a chat's messages as one string (`<|role|>\\ncontent\\n` each, so a longer conversation extends the key
-    of its start). Anything unreadable is the empty key: routed by load, and the replica answers the error."""
+    of its start; a Responses request's instructions and input likewise). Anything unreadable is the empty key:
+    routed by load, and the replica answers the error."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -45,6 +46,11 @@ def routing_key(body: bytes, *, chat: bool) -> str | tuple[int, ...]:
         return ""
     if chat:
         messages = data.get("messages")
+        if messages is None and "input" in data:  # a Responses request: its instructions, then its input
+            given = data["input"]
+            messages = [{"role": "system", "content": data.get("instructions")}] if data.get("instructions") else []
+            messages += [{"role": "user", "content": given}] if isinstance(given, str) else \
+                given if isinstance(given, list) else []
         if not isinstance(messages, list):
             return ""
         return "".join(f"<|{m.get('role')}|>\n{m.get('content')}\n" for m in messages if isinstance(m, dict))
