@@ -587,3 +587,28 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llama_path):
     assert spec.engine.stats()["spec_proposed_tokens"] == 0
     spec.generate([[5, 6, 7, 5, 6, 7, 5, 6]], repeat)
     assert spec.engine.stats()["spec_proposed_tokens"] > 0
+
+
+def test_llm_chat_is_generate_of_the_chat_templates_prompt(tmp_path):
+    """LLM.chat (vLLM's): a conversation, or several, through the chat template with the server's options; the
+    same tokens as generate() of the template's prompt."""
+    from tiny_hf import make_model_dir
+
+    llm = LLM(str(make_model_dir(tmp_path)), device="cpu")
+    tok, params = llm.tokenizer, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ask = [{"role": "user", "content": "hello world"}]
+    prefilled = [*ask, {"role": "assistant", "content": "hello"}]
+    got = llm.chat(ask, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in llm.generate([tok.encode_chat(ask)], params)]
+    both = llm.chat([ask, ask[:1] + [{"role": "assistant", "content": "hi"}, *ask]], params)
+    assert len(both) == 2 and both[0].token_ids == got[0].token_ids
+    cont = llm.chat(prefilled, params, add_generation_prompt=False, continue_final_message=True)
+    prompt = tok.encode_chat(prefilled, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(prompt).endswith("<|assistant|>\nhello")
+    assert cont[0].token_ids == llm.generate([prompt], params)[0].token_ids
+    for kwargs, says in ((dict(continue_final_message=True), "give add_generation_prompt=False"),
+                         (dict(add_generation_prompt=False, continue_final_message=True), "role is 'user'")):
+        with pytest.raises(ValueError, match=says):
+            llm.chat(ask, params, **kwargs)
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.chat([[]], params)

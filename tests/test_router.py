@@ -253,6 +253,9 @@ def test_cache_aware_router_serves_like_one_server_and_stops_its_replicas(model_
         assert tokens["count"] == whole["usage"]["prompt_tokens"] == len(tokens["tokens"]), tokens
         text = httpx.post(url + "/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}, headers=HEADERS)
         assert "hello world" in text.json()["prompt"], text.text
+        answer = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "hello world", "temperature": 0,
+                                                         "max_output_tokens": 6}, headers=HEADERS, timeout=60)
+        assert answer.json()["object"] == "response" and answer.json()["usage"]["input_tokens"] == tokens["count"]
         r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, headers=HEADERS)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         # A client that leaves mid-stream: the router closes its replica's stream, which aborts the request there.

@@ -1,4 +1,4 @@
-"""The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`.
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`, or `.chat(messages, ...)`.
 
 Responsible for: loading a model and its tokenizer from a Hugging Face directory (config.json,
 safetensors, tokenizer.json) or a meshlm training checkpoint, building the `Engine`, and running a
@@ -172,6 +172,32 @@ class LLM:
         close = getattr(self.engine.runner, "close", None) if self.engine is not None else None
         if close is not None:
             close()
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+             *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Conversations through the model's chat template, as vLLM's `LLM.chat`: one conversation
+        ([{"role": ..., "content": ...}, ...]) or a list of them, one result per conversation. `tools` (the OpenAI
+        API's function definitions) reach the template; `add_generation_prompt` opens the assistant's turn,
+        `continue_final_message` (without it) continues the last, an assistant's, message;
+        `chat_template_kwargs` are more of the template's variables (e.g. Qwen3's enable_thinking)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template: give generate() token ids")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message continues the last message, which a generation prompt would "
+                             "close: give add_generation_prompt=False with it")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for conversation in conversations:
+            if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                           for m in conversation):
+                raise ValueError("each conversation must be a non-empty list of {\"role\": ..., \"content\": ...}")
+            if continue_final_message and conversation[-1]["role"] != "assistant":
+                raise ValueError("continue_final_message continues an assistant's message; the last message's role "
+                                 f"is {conversation[-1]['role']!r}")
+        prompts = [self.tokenizer.encode_chat(c, tools, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message,
+                                              variables=chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, params)
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *, rag=None, rag_top_k: int = 4,
