@@ -126,14 +126,17 @@ def llama_path(tmp_path_factory):
 PENALIZED_PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 40, 41, 40], [9] * 6, [60, 61, 62, 63, 64, 65, 66, 67, 68]]
 
 
-def _reference_with_penalties(hf, prompt, *, bias=None, repetition=1.0, frequency=0.0, presence=0.0) -> list[int]:
-    """Greedy decoding written out step by step on the transformers model: the last position's logits, plus the
-    bias; the repetition penalty over prompt and generated tokens; minus frequency x count and presence x seen
-    over the generated ones; argmax."""
+def _reference_with_penalties(hf, prompt, *, bias=None, repetition=1.0, frequency=0.0, presence=0.0,
+                              allowed=None) -> list[int]:
+    """Greedy decoding written out step by step on the transformers model: the last position's logits, only the
+    allowed tokens', plus the bias; the repetition penalty over prompt and generated tokens; minus frequency x
+    count and presence x seen over the generated ones; argmax."""
     tokens, generated = list(prompt), []
     for _ in range(MAX_NEW):
         with torch.no_grad():
             row = hf(torch.tensor([tokens])).logits[0, -1].double()
+        if allowed is not None:
+            row[[t for t in range(len(row)) if t not in allowed]] = float("-inf")
         for t, b in (bias or {}).items():
             row[t] += b
         for t in set(tokens):
@@ -149,14 +152,15 @@ def _reference_with_penalties(hf, prompt, *, bias=None, repetition=1.0, frequenc
     dict(repetition_penalty=1.8), dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
     dict(logit_bias={3: 30.0, 4: -100.0}),
     dict(frequency_penalty=0.7, presence_penalty=-0.5, repetition_penalty=1.3, logit_bias={33: 4.0}),
-], ids=["repetition", "frequency", "presence", "bias", "all"])
+    dict(allowed_token_ids=[3, 4, 33, 60, 61], logit_bias={4: 1.0, 62: 100.0}),  # 62: not allowed, whatever its bias
+], ids=["repetition", "frequency", "presence", "bias", "all", "allowed"])
 def test_penalties_and_logit_bias_match_a_step_by_step_reference(llama_path, penalties):
     """Each penalty as vLLM and OpenAI define it, greedy, against the transformers model decoded one step at a
     time (and transformers' own repetition penalty); batched, preempted (the counts survive a recompute), and
     with n-gram speculation (each verified row counts the proposals before it); logprobs stay the model's."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_path).eval()
     names = {"repetition_penalty": "repetition", "frequency_penalty": "frequency", "presence_penalty": "presence",
-             "logit_bias": "bias"}
+             "logit_bias": "bias", "allowed_token_ids": "allowed"}
     want = [_reference_with_penalties(hf, p, **{names[k]: v for k, v in penalties.items()}) for p in PENALIZED_PROMPTS]
     plain = LLM(str(llama_path), device="cpu").generate(PENALIZED_PROMPTS, SamplingParams(temperature=0,
                                                                                          max_tokens=MAX_NEW))
@@ -587,6 +591,26 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llama_path):
     assert spec.engine.stats()["spec_proposed_tokens"] == 0
     spec.generate([[5, 6, 7, 5, 6, 7, 5, 6]], repeat)
     assert spec.engine.stats()["spec_proposed_tokens"] > 0
+
+
+def test_a_stop_string_is_kept_in_the_text_with_include_stop_str_in_output(tmp_path):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it, whole and streamed."""
+    from tiny_hf import make_model_dir
+
+    llm = LLM(str(make_model_dir(tmp_path)), device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    text = llm.generate(["hello world"], params)[0].text
+    stop = text[3:5]
+    cut = llm.generate(["hello world"], dataclasses.replace(params, stop=[stop]))[0]
+    kept = llm.generate(["hello world"], dataclasses.replace(params, stop=[stop], include_stop_str_in_output=True))[0]
+    assert cut.text == text[:text.index(stop)] and kept.text == cut.text + stop, (text, stop)
+    assert kept.finish_reason == cut.finish_reason == "stop"
+    seq = llm.engine.add_request("hello world", dataclasses.replace(params, stop=[stop],
+                                                                     include_stop_str_in_output=True))
+    pieces = []
+    while llm.engine.has_unfinished():
+        pieces += [o.new_text for o in llm.engine.step() if o.request_id == seq.request_id]
+    assert "".join(pieces) == kept.text
 
 
 def test_llm_chat_is_generate_of_the_chat_templates_prompt(tmp_path):

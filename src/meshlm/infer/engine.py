@@ -198,7 +198,8 @@ class Engine:
                 raise ValueError(f"the prompt has {len(ids)} tokens and leaves no room to generate in the {longest} "
                                  "tokens a sequence can hold here; shorten the prompt")
             params = dataclasses.replace(params, max_tokens=room)
-        for name, named in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {}))):
+        for name, named in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or {})),
+                            ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = self._outside_vocabulary(named)
             if bad:
                 raise SamplingError(name, f"{name} {bad[:5]} are outside the vocabulary "
@@ -474,7 +475,7 @@ class Engine:
         if hits:
             cut = min(hits)
             self._drop_tokens_past(seq, state.text[:before], offsets, cut[1])
-            state.text = state.text[:cut[0]]
+            state.text = state.text[:cut[1] if seq.params.include_stop_str_in_output else cut[0]]
             state.stopped = True
             if seq.is_finished:
                 seq.finish_reason = "stop"

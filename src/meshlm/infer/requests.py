@@ -164,7 +164,10 @@ def check_text(text: str, param: str) -> str:
 # Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
 # any other value is refused, naming it, rather than answered as if it had not asked. A chat also has no `echo` (a
 # completion echoes its prompt: CHAT_UNSUPPORTED).
-UNSUPPORTED = {"suffix": ("",), "functions": ([],), "function_call": ("none",)}
+UNSUPPORTED = {"suffix": ("",), "functions": ([],), "function_call": ("none",),
+               # vLLM's extra sampling fields
+               "bad_words": ([],), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+               "truncate_prompt_tokens": (), "use_beam_search": (False,), "prompt_logprobs": ()}
 CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,), "chat_template": ()}  # the template is the model's
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": ([],), "tool_choice": ("none",)}  # tools are the chat API's
 
@@ -204,10 +207,7 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
         logprobs = number(body, "top_logprobs", 0, int, count=True) if boolean(body, "logprobs") else None
     elif logprobs is not None:
         logprobs = number(body, "logprobs", None, int, count=True)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list)
-                                     and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
-        raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    stop_ids = token_ids(body, "stop_token_ids")
     try:
         return SamplingParams(
             temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
@@ -223,7 +223,8 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
             presence_penalty=number(body, "presence_penalty", 0.0),
             frequency_penalty=number(body, "frequency_penalty", 0.0),
             repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body),
-            structured_outputs=structured_outputs(body, tools))
+            structured_outputs=structured_outputs(body, tools), allowed_token_ids=token_ids(body, "allowed_token_ids"),
+            include_stop_str_in_output=boolean(body, "include_stop_str_in_output"))
     except SamplingError as e:  # named as the request named it
         sent = {"max_tokens": max_key, "logprobs": logprobs_key,
                 "structured_outputs": structured_key(body, tools)}.get(e.field, e.field)
@@ -231,6 +232,15 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
         if sent != e.field and message.startswith(e.field + "="):
             message = sent + message[len(e.field):]
         raise APIError(400, message, param=sent) from e
+
+
+def token_ids(body: dict, key: str) -> list[int] | None:
+    """`body[key]` as a list of token ids (integers), or None if not given."""
+    ids = body.get(key)
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in ids)):
+        raise APIError(400, f"{key} must be a list of integers", param=key)
+    return ids
 
 
 def structured_outputs(body: dict, tools: "ToolChoice | None" = None) -> dict | None:

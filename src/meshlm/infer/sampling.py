@@ -162,13 +162,18 @@ def prompt_mask(seq: Sequence, vocab: int) -> torch.Tensor:
 
 def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int],
              prompt: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits a request samples from (`SamplingParams`' penalties, in vLLM's order): its logit bias added,
-    then the repetition penalty over the tokens of the prompt (`prompt`, a [vocab] mask; built here if not
-    given) and of what it generated, then the frequency and presence penalties over what it generated; under
+    """The logits a request samples from (`SamplingParams`' penalties, in vLLM's order): only its allowed tokens
+    (allowed_token_ids), its logit bias added, then the repetition penalty over the tokens of the prompt
+    (`prompt`, a [vocab] mask; built here if not given) and of what it generated, then the frequency and
+    presence penalties over what it generated; under
     min_tokens, no EOS or stop token id. Row j follows the tokens generated so far and the first j `proposals`
     (speculative decoding's rows)."""
     p = seq.params
     scores = logits_nv.clone()
+    if p.allowed_token_ids is not None:  # vLLM's: the other tokens are out before anything else
+        kept = scores[:, p.allowed_token_ids]
+        scores.fill_(float("-inf"))
+        scores[:, p.allowed_token_ids] = kept
     if p.logit_bias:
         scores[:, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=scores.dtype)
     vocab = scores.shape[-1]

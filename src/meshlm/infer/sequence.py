@@ -33,7 +33,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those filters (min_p, vLLM's:
     tokens less likely than min_p x the most likely one's probability are dropped). `seed` gives the
     request its own random generator, so its samples do not depend on what else is in the batch.
-    `stop` strings end the text (the stop string itself is not returned); `stop_token_ids` end it
+    `stop` strings end the text (the stop string itself is not returned, unless `include_stop_str_in_output`,
+    vLLM's); `stop_token_ids` end it
     with that token included in `token_ids`. `logprobs` = n returns the log-probability of each
     sampled token and of the n most likely tokens at that step. `num_speculative_tokens`: at most this many
     tokens proposed per step for this request (an engine started with speculative decoding; None: the
@@ -48,7 +49,8 @@ class SamplingParams:
     transformers'); `frequency_penalty` and `presence_penalty` (in [-2, 2]; OpenAI's) subtract, from each token's
     logit, the penalty times how often it was generated so far, and the penalty once if it was. Logprobs stay
     the model's own. `min_tokens` (vLLM's): until that many tokens are generated, neither EOS nor a stop token
-    id is sampled and stop strings are not looked for.
+    id is sampled and stop strings are not looked for. `allowed_token_ids` (vLLM's): only these tokens are
+    sampled (a mask before the others).
 
     `structured_outputs` (`infer.structured.StructuredOutputs`, or a dict of its fields: json, regex, choice,
     grammar, json_object) holds the tokens to a JSON schema, a regular expression, a list of choices or a Lark
@@ -73,6 +75,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     structured_outputs: object = None  # a StructuredOutputs once checked
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +134,12 @@ class SamplingParams:
                                                   and -100 <= b <= 100 for t, b in bias.items()):
             raise SamplingError("logit_bias", f"logit_bias={bias!r} must map token ids to biases in [-100, 100]")
         self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
+        allowed_ids = self.allowed_token_ids
+        if allowed_ids is not None and not (isinstance(allowed_ids, (list, tuple)) and allowed_ids
+                                            and all(is_whole_number(t) and t >= 0 for t in allowed_ids)):
+            raise SamplingError("allowed_token_ids", f"allowed_token_ids={allowed_ids!r} must be a non-empty list "
+                                                     "of token ids")
+        self.allowed_token_ids = None if allowed_ids is None else sorted({int(t) for t in allowed_ids})
         if self.structured_outputs is not None:
             from meshlm.infer.structured import StructuredOutputs  # here: it imports this module's SamplingError
 
@@ -155,9 +165,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The logits are changed before sampling (a bias, a penalty, or min_tokens' mask of the stop tokens)."""
+        """The logits are changed before sampling (allowed tokens, a bias, a penalty, or min_tokens' mask of the
+        stop tokens)."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1 or self.min_tokens > 0
+            or self.repetition_penalty != 1 or self.min_tokens > 0 or self.allowed_token_ids is not None
 
 
 class SequenceStatus(enum.Enum):
