@@ -283,6 +283,40 @@ def test_the_responses_api_answers_as_the_chat_it_asks_for(served):
         assert "max_tokens" not in r.json()["error"]["message"], r.text
 
 
+def test_the_models_generation_config_sets_the_sampling_defaults(served, tmp_path, capsys):
+    """vLLM's --generation-config auto: the sampling fields a model's generation_config.json recommends are the
+    defaults of requests that leave them out (a request's own value wins); `vllm` reads none; a file whose values
+    no request could take is refused in one line before the server starts."""
+    from argparse import Namespace
+
+    from fastapi.testclient import TestClient
+
+    from meshlm.cli import main
+    from meshlm.cli.serve import sampling_defaults_of
+    from meshlm.infer.server import create_app
+    from meshlm.tokenizer import read_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.0, "top_k": 5, "max_new_tokens": 9, "eos_token_id": 1}))
+    assert read_generation_defaults(tmp_path) == {"temperature": 0.0, "top_k": 5}
+    assert sampling_defaults_of(Namespace(model=str(tmp_path), generation_config="auto")) == {"temperature": 0.0,
+                                                                                              "top_k": 5}
+    assert sampling_defaults_of(Namespace(model=str(tmp_path), generation_config="vllm")) == {}
+    assert sampling_defaults_of(Namespace(model="elsewhere", generation_config=str(tmp_path)))["top_k"] == 5
+    app = create_app(served.engine, model_name="tiny", api_key="k", sampling_defaults={"temperature": 0.0})
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 6, "ignore_eos": True}
+    greedy = _post(served, "/v1/completions", {**body, "temperature": 0})["choices"][0]["text"]
+    with TestClient(app) as client:
+        headers = {"Authorization": "Bearer k"}
+        assert client.post("/v1/completions", json=body, headers=headers).json()["choices"][0]["text"] == greedy
+        drawn = [client.post("/v1/completions", json={**body, "temperature": 1.0, "seed": s}, headers=headers).json()
+                 for s in range(4)]
+    assert any(d["choices"][0]["text"] != greedy for d in drawn)  # the request's own temperature wins
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    assert main(["serve", "--model", str(tmp_path), "--generation-config", "auto"]) == 2
+    assert "generation_config.json: temperature=-1.0 must be >= 0" in capsys.readouterr().err
+
+
 def test_a_completion_echoes_its_prompt_with_each_tokens_logprob_as_lm_eval_asks(served):
     """lm-evaluation-harness's loglikelihood request to an OpenAI completions server (token ids, echo, logprobs 1,
     max_tokens 1, temperature 0): the logprobs cover the prompt, the first token's null, then the generated token;

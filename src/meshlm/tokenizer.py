@@ -222,6 +222,19 @@ def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
     return tuple(eos)
 
 
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_defaults(path: str | Path) -> dict:
+    """The sampling defaults a Hugging Face directory's generation_config.json recommends for the requests that do
+    not set them (vLLM's `--generation-config auto`: temperature, top_p, top_k, min_p, repetition_penalty); {}
+    without one. `do_sample` is not read, as vLLM does not; nor `max_new_tokens` (a request's default stays the
+    room its context leaves)."""
+    config = _read_json(Path(path) / "generation_config.json")
+    return {key: config[key] for key in GENERATION_DEFAULTS
+            if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)}
+
+
 def read_tokenizer_json(path: Path):
     try:
         from tokenizers import Tokenizer as RustTokenizer

@@ -49,6 +49,11 @@ def add_parser(sub) -> None:
                         "reply thinks from its first token: DeepSeek-R1, its distillations, QwQ) or qwen3 (it thinks "
                         "if it opens <think> or its prompt left one open; chat_template_kwargs "
                         "{\"enable_thinking\": false} turns it off)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="where the sampling defaults of requests that leave them out come from (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty): auto (default, as vLLM's: the model directory's "
+                        "generation_config.json, e.g. Qwen3's temperature 0.6), vllm (none: the API's defaults, "
+                        "temperature 1) or a directory holding a generation_config.json")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (default 32)")
     p.add_argument("--kv-cache-mb", type=float, default=float(DEFAULT_KV_CACHE_MB),
@@ -98,6 +103,7 @@ def run(args) -> int:
     speculative_config(args)  # refused here, before any rank starts
     api_key_of(args.api_key, args.api_key_file)  # likewise
     kv_tier_kwargs(args)  # likewise
+    sampling_defaults_of(args)  # likewise
     if args.prefill is not None or args.decode is not None:
         return serve_disaggregated(args)
     if args.replicas > 1:
@@ -160,16 +166,40 @@ def build_server(args, llm=None):
         from meshlm.infer.rag import RagIndex
 
         rag_index = RagIndex.load(args.rag)
+    defaults = sampling_defaults_of(args)
     log = None if args.quiet else (lambda line: print(f"meshlm serve: {line}", flush=True))
     app = create_app(engine, model_name=name, api_key=api_key,
                      max_body_bytes=int(args.max_body_mb * (1 << 20)), log=log, rag_index=rag_index,
                      rag_top_k=args.rag_top_k, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, sampling_defaults=defaults)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     server.meshlm_model_name = name  # the id clients must send, for the banner
     server.meshlm_warning = exposure_warning(args.host, api_key)  # for the banner: reachable without a key
+    if defaults:  # for the banner, as vLLM says it
+        server.meshlm_warning = "\n".join(filter(None, [server.meshlm_warning, (
+            f"meshlm serve: requests that leave them out sample with the model's generation_config.json: "
+            f"{', '.join(f'{k}={v}' for k, v in defaults.items())} (--generation-config vllm: the API's defaults)")]))
     return server, engine
+
+
+def sampling_defaults_of(args) -> dict:
+    """--generation-config's sampling defaults: the model directory's (auto), none (vllm) or DIR's."""
+    from meshlm.infer.sequence import SamplingError, SamplingParams
+    from meshlm.tokenizer import read_generation_defaults
+
+    if args.generation_config == "vllm":
+        return {}
+    where = Path(args.model if args.generation_config == "auto" else args.generation_config)
+    if args.generation_config != "auto" and not (where / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config={args.generation_config!r} holds no generation_config.json; give "
+                         "auto, vllm or a directory holding one")
+    defaults = read_generation_defaults(where)
+    try:
+        SamplingParams(**defaults)
+    except SamplingError as e:
+        raise ValueError(f"{where / 'generation_config.json'}: {e}; fix it or give --generation-config vllm") from None
+    return defaults
 
 
 def model_name_of(args) -> str:

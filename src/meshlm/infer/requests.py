@@ -82,10 +82,10 @@ class RequestOptions:
     tools: "ToolChoice | None" = None  # a chat's tools and tool_choice
 
     @classmethod
-    def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int,
-           tool_call_parser: str | None = None) -> "RequestOptions":
+    def of(cls, body: dict, *, chat: bool, rag_index, rag_top_k: int, tool_call_parser: str | None = None,
+           defaults: dict | None = None) -> "RequestOptions":
         tools = ToolChoice.of(body, tool_call_parser) if chat else None
-        params = sampling_params_from(body, chat=chat, tools=tools)
+        params = sampling_params_from(body, chat=chat, tools=tools, defaults=defaults)
         n = number(body, "n", 1, int, count=True)
         if not 1 <= n <= MAX_CHOICES:
             raise APIError(400, f"n={n} must be between 1 and {MAX_CHOICES}", param="n")
@@ -172,7 +172,12 @@ CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,), "chat_template": ()}  # the
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": ([],), "tool_choice": ("none",)}  # tools are the chat API's
 
 
-def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" = None) -> SamplingParams:
+def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" = None,
+                         defaults: dict | None = None) -> SamplingParams:
+    """The request's sampling parameters; `defaults`: the server's for the fields it leaves out (the model's
+    generation_config.json, `tokenizer.read_generation_defaults`), else the API's."""
+    default = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+               **(defaults or {})}
     for key, plain in (CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items():
         if body.get(key) is not None and body[key] not in plain:
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; leave it out",
@@ -210,9 +215,10 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
     stop_ids = token_ids(body, "stop_token_ids")
     try:
         return SamplingParams(
-            temperature=number(body, "temperature", 1.0), top_p=number(body, "top_p", 1.0),
-            min_p=number(body, "min_p", 0.0), min_tokens=number(body, "min_tokens", 0, int, count=True),
-            top_k=number(body, "top_k", 0, int),
+            temperature=number(body, "temperature", default["temperature"]),
+            top_p=number(body, "top_p", default["top_p"]), min_p=number(body, "min_p", default["min_p"]),
+            min_tokens=number(body, "min_tokens", 0, int, count=True),
+            top_k=number(body, "top_k", default["top_k"], int),
             # chat's default: up to the context (OpenAI's); a completion's: 16 (OpenAI's legacy default)
             max_tokens=1 if not chat and echo_without_tokens(body) else number(body, max_key, None if chat else 16,
                                                                                 int, count=True),
@@ -222,7 +228,8 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
             prompt_logprobs=logprobs if not chat and boolean(body, "echo") else None,
             presence_penalty=number(body, "presence_penalty", 0.0),
             frequency_penalty=number(body, "frequency_penalty", 0.0),
-            repetition_penalty=number(body, "repetition_penalty", 1.0), logit_bias=logit_bias(body),
+            repetition_penalty=number(body, "repetition_penalty", default["repetition_penalty"]),
+            logit_bias=logit_bias(body),
             structured_outputs=structured_outputs(body, tools), allowed_token_ids=token_ids(body, "allowed_token_ids"),
             include_stop_str_in_output=boolean(body, "include_stop_str_in_output"))
     except SamplingError as e:  # named as the request named it

@@ -47,13 +47,16 @@ from meshlm.infer.tool_parsers import PARSERS, Forced
 
 def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, log=None, rag_index=None, rag_top_k: int = 4,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               sampling_defaults: dict | None = None):
     """The FastAPI app. `log(line)`, when given, gets one line per request: method, path, status,
     completion tokens and latency (status 499: the client left before the answer). `rag_index` (a
     `meshlm.infer.rag.RagIndex`) lets requests opt in to retrieval with `"rag": {"top_k": K}`.
     `tool_call_parser` (a name of `tool_parsers.PARSERS`): the model's own tool-call format, which lets chats
     with tools leave the choice to the model (tool_choice "auto"); `reasoning_parser` (a name of
-    `reasoning.PARSERS`): a reasoning model's thinking, answered apart from its reply."""
+    `reasoning.PARSERS`): a reasoning model's thinking, answered apart from its reply. `sampling_defaults`: the
+    temperature, top_p, top_k, min_p and repetition_penalty of requests that leave them out (the model's
+    generation_config.json's, `tokenizer.read_generation_defaults`)."""
     from fastapi import FastAPI, Request
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -64,7 +67,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
         app.add_middleware(_AccessLog, log=log)
     api = _Completions(engine, model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                        rag_index=rag_index, rag_top_k=rag_top_k, tool_call_parser=tool_call_parser,
-                       reasoning_parser=reasoning_parser)
+                       reasoning_parser=reasoning_parser, sampling_defaults=sampling_defaults)
     created = int(time.time())
 
     async def answer(request: Request, *, chat: bool, work=None) -> Response:
@@ -140,12 +143,14 @@ class _Completions:
     stream, receive, scope); the FastAPI responses are `create_app`'s."""
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, api_key: str | None, max_body_bytes: int,
-                 rag_index, rag_top_k: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 rag_index, rag_top_k: int, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 sampling_defaults: dict | None = None):
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser={tool_call_parser!r} must be one of {', '.join(PARSERS)}")
         if reasoning_parser is not None and reasoning_parser not in REASONING:
             raise ValueError(f"reasoning_parser={reasoning_parser!r} must be one of {', '.join(REASONING)}")
         self.reasoning = REASONING.get(reasoning_parser)
+        self.sampling_defaults = sampling_defaults or {}
         self.engine, self.model_name, self.api_key = engine, model_name, APIKey(api_key)
         self.tool_call_parser = tool_call_parser
         self.max_body_bytes = max_body_bytes
@@ -194,7 +199,7 @@ class _Completions:
     async def answer(self, request, body: dict, *, chat: bool):
         """`run`'s answer to a request's `body`."""
         options = RequestOptions.of(body, chat=chat, rag_index=self.rag_index, rag_top_k=self.rag_top_k,
-                                    tool_call_parser=self.tool_call_parser)
+                                    tool_call_parser=self.tool_call_parser, defaults=self.sampling_defaults)
         if chat:
             prompts, retrieved = await self.prompts_of_chat(body, options.rag, options.tools)
         else:
