@@ -119,6 +119,18 @@ def test_train_then_generate_from_the_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("def ")
     assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "0"]) == 2
     assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    # --chat: the prompt as a user's message (a system message first) through the chat template; the reply alone
+    from meshlm.infer.llm import LLM
+    from meshlm.infer.sequence import SamplingParams
+
+    capsys.readouterr()
+    chat = ["generate", "--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "5", "--chat"]
+    assert main([*chat, "--system", "code"]) == 0
+    want = LLM(str(run_dir)).chat([{"role": "system", "content": "code"}, {"role": "user", "content": "def "}],
+                                  SamplingParams(temperature=0, max_tokens=5))[0].text
+    assert capsys.readouterr().out == want + "\n"
+    assert main([*chat[:-1], "--system", "code"]) == 2
+    assert "--system is a chat's system message: give --chat with it" in capsys.readouterr().err
 
 
 def test_serve_without_its_extra_names_it_in_one_line(capsys, monkeypatch):

@@ -15,7 +15,11 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user's message through the model's chat template and print the reply "
+                        "alone (as a chat completion would answer it)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -107,6 +111,8 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat's system message: give --chat with it")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (argv keeps them as surrogates)
@@ -158,7 +164,10 @@ def generate_here(args, params) -> int:
 def _generate_and_print(llm, args, params) -> None:
     if llm.tokenizer is None:
         raise ValueError(f"{args.checkpoint or args.hf!r} has no tokenizer (tokenizer.json); cannot encode --prompt")
-    num_prompt = len(llm.tokenizer.encode(args.prompt))
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    prompt = llm.tokenizer.encode_chat([*messages, {"role": "user", "content": args.prompt}]) if args.chat \
+        else args.prompt
+    num_prompt = len(prompt) if args.chat else len(llm.tokenizer.encode(args.prompt))
     if num_prompt == 0:
         raise ValueError("--prompt encodes to no tokens; give some text")
     if num_prompt >= llm.engine.max_model_len:
@@ -168,8 +177,8 @@ def _generate_and_print(llm, args, params) -> None:
         raise ValueError(f"the prompt ({num_prompt} tokens) + --max-new-tokens={args.max_new_tokens} exceeds the "
                          f"model's context of {llm.engine.max_model_len} tokens; use --max-new-tokens <= "
                          f"{max(llm.engine.max_model_len - num_prompt, 0)}")
-    result = llm.generate([args.prompt], params)[0]
-    print(args.prompt + result.text)
+    result = llm.generate([prompt], params)[0]
+    print(result.text if args.chat else args.prompt + result.text)
     if args.stats:
         print(json.dumps(generation_stats(llm.engine)), flush=True)
 
