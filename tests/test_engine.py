@@ -218,6 +218,13 @@ def test_penalties_are_refused_out_of_range():
             SamplingParams(**kw)
     with pytest.raises(SamplingError, match=r"logit_bias \[500\] are outside the vocabulary"):
         LLM(_tiny_model(), device="cpu").generate([[1, 2]], SamplingParams(logit_bias={500: 1.0}))
+    # allowed tokens that min_tokens all holds back: the request's own error, greedy or drawn (a review: greedy
+    # picked token 0, which it did not allow, and a draw failed on NaN probabilities)
+    for temperature in (0, 1.0):
+        out = LLM(_tiny_model(), device="cpu").generate([[1, 2]], SamplingParams(
+            allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2, temperature=temperature))[0]
+        assert out.finish_reason == "error" and out.error_field == "allowed_token_ids" and out.token_ids == [], out
+        assert "allowed_token_ids allows only tokens min_tokens holds back" in out.error
 
 
 def _tiny_model():

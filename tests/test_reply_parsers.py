@@ -12,7 +12,7 @@ import pytest
 from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.requests import ToolChoice
 from meshlm.infer.responses import Replies
-from meshlm.infer.tool_parsers import PARSERS, Forced
+from meshlm.infer.tool_parsers import PARSERS, Auto, Forced
 
 HERMES, LLAMA = PARSERS["hermes"], PARSERS["llama3_json"]
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
@@ -26,11 +26,12 @@ def test_hermes_reads_the_calls_after_the_text():
     # the last call without its closing tag (the reply ended there); no text before: content None
     assert HERMES.parse('<tool_call>{"name": "now", "arguments": {}}') == (None, [("now", {})])
     # text after the calls is dropped (vLLM's hermes parser too)
-    assert HERMES.parse('<tool_call>{"name": "now"}</tool_call> bye') == (None, [("now", {})])
+    assert HERMES.parse('<tool_call>{"name": "now", "arguments": {}}</tool_call> bye') == (None, [("now", {})])
     for text in ("no call here", "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1",  # cut short
                  "<tool_call>[1, 2]</tool_call>", '<tool_call>{"name": "", "arguments": {}}</tool_call>',
                  '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',
-                 '<tool_call>{"name": "now"}</tool_call><tool_call>oops</tool_call>'):
+                 '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>oops</tool_call>',
+                 '<tool_call>{"name": "now"}</tool_call>'):  # no arguments: not a call (a review)
         assert HERMES.parse(text) is None, text  # answered as text
     # streamed: held from where the marker begins or may begin
     assert HERMES.hold("Hi <tool_call>{") == 3 and HERMES.hold("Hi <tool") == 3 and HERMES.hold("Hi <") == 3
@@ -41,10 +42,22 @@ def test_llama3_json_reads_a_reply_that_is_only_calls():
     assert LLAMA.parse('{"name": "add", "parameters": {"a": 1}}; {"name": "now", "arguments": {}}') == \
         (None, [("add", {"a": 1}), ("now", {})])
     assert LLAMA.parse('<|python_tag|>{"name": "now", "parameters": {}}') == (None, [("now", {})])
-    for text in ("The answer is 3.", '{"a": 1}', '{"name": "add", "parameters": {"a": 1}} and text', "", "{"):
+    for text in ("The answer is 3.", '{"a": 1}', '{"name": "add", "parameters": {"a": 1}} and text', "", "{",
+                 '{"name": "Alice", "age": 30}'):  # an answer in JSON with a name is not a call (a review)
         assert LLAMA.parse(text) is None, text
     assert LLAMA.hold("  ") == 0 and LLAMA.hold(' {"na') == 0 and LLAMA.hold("<|py") == 0
     assert LLAMA.hold("Sure") == 4
+
+
+def test_auto_takes_calls_of_the_requests_tools_and_one_without_parallel_calls():
+    two = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "now", "arguments": {}}' \
+          '</tool_call>'
+    auto = Auto(HERMES, ToolChoice.of({"tools": TOOLS}, "hermes"))
+    assert auto.parse(two) == (None, [("add", {"a": 1}), ("now", {})]) and auto.hold("x<tool") == 1
+    one = Auto(HERMES, ToolChoice.of({"tools": TOOLS, "parallel_tool_calls": False}, "hermes"))
+    assert one.parse(two) == (None, [("add", {"a": 1})])  # parallel_tool_calls false: at most one call
+    only_now = Auto(HERMES, ToolChoice.of({"tools": TOOLS[1:]}, "hermes"))
+    assert only_now.parse(two) is None  # a call of a function the request did not list: text
 
 
 def test_a_forced_choice_is_its_json():
@@ -120,7 +133,7 @@ def test_a_streamed_reply_ends_as_its_whole_answer(calls, reasoning, opened):
     piece of a call's text or of </think> went out as content or reasoning)."""
     texts = CASES[calls, reasoning, opened]
     calls = Forced(ToolChoice.of({"tools": TOOLS, "tool_choice": "required"})) if calls == "required" \
-        else PARSERS.get(calls)
+        else None if calls is None else Auto(PARSERS[calls], ToolChoice.of({"tools": TOOLS}, calls))
     reasoning = REASONING.get(reasoning)
     rng = random.Random(0)
     for text in texts:
@@ -143,7 +156,7 @@ def test_a_streamed_reply_ends_as_its_whole_answer(calls, reasoning, opened):
         elif reasoning is None:
             assert message["content"] == text and whole["choices"][0]["finish_reason"] == "stop"
     # what the whole answers are, spelled out for a few
-    answer = _replies(PARSERS["hermes"], REASONING["qwen3"]).response(
+    answer = _replies(Auto(PARSERS["hermes"], ToolChoice.of({"tools": TOOLS}, "hermes")), REASONING["qwen3"]).response(
         [SimpleNamespace(text=CASES["hermes", "qwen3", False][0], finish_reason="stop", token_ids=[1])], 1)
     assert answer["choices"][0]["message"]["reasoning"] == "call now" and answer["choices"][0]["message"][
         "content"] == "\n\n" and answer["choices"][0]["finish_reason"] == "tool_calls"

@@ -315,7 +315,7 @@ class ToolChoice:
                 and choice["function"].get("name") in names:
             return cls(tools, calls=True, name=choice["function"]["name"])
         if (choice is None or choice == "auto") and parser is not None:
-            return cls(tools, calls=False, auto=True)
+            return cls(tools, calls=False, parallel=parallel, auto=True)
         if choice is None or choice == "auto":
             raise APIError(400, "tool_choice \"auto\" (the default with tools) needs a parser of the model's own "
                                 "tool-call format: start the server with --tool-call-parser (hermes, llama3_json), "

@@ -129,6 +129,9 @@ class Sampler:
         p = seq.params
         scores_nv = penalize(logits_nv, seq, proposals, self._prompt_mask(seq, logits_nv.shape[-1])) \
             if p.penalized else logits_nv
+        if p.allowed_token_ids is not None and not bool(torch.isfinite(scores_nv).any(dim=-1).all()):
+            raise SamplingError("allowed_token_ids", "allowed_token_ids allows only tokens min_tokens holds back "
+                                                     "here (EOS or a stop token id)")
         if seq.matcher is not None:  # a structured output: only what its grammar allows next (never speculated)
             assert not proposals
             ok = allowed(seq.matcher, scores_nv.shape[-1])

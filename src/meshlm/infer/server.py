@@ -38,7 +38,7 @@ from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 from meshlm.infer.openai_responses import PARAMS, ResponseEvents, as_chat, response_of
 from meshlm.infer.reasoning import PARSERS as REASONING
-from meshlm.infer.tool_parsers import PARSERS, Forced
+from meshlm.infer.tool_parsers import PARSERS, Auto, Forced
 
 # ---------------------------------------------------------------------------------------------
 # The app
@@ -440,7 +440,7 @@ class _Completions:
         (tool_choice "auto", the server's parser), or not at all (None)."""
         if tools is not None and tools.calls:
             return Forced(tools)
-        return PARSERS[self.tool_call_parser] if tools is not None and tools.auto else None
+        return Auto(PARSERS[self.tool_call_parser], tools) if tools is not None and tools.auto else None
 
     def tail(self, prompt: list[int]) -> str:
         """A chat prompt's last tokens' text, special tokens shown (where a reply starts: inside `<think>`?)."""

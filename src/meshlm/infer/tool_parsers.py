@@ -4,13 +4,14 @@ Responsible for: the model families' own tool-call formats that tool_choice "aut
 `meshlm serve --tool-call-parser`, as vLLM's and SGLang's flag of that name): `hermes` (`<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>` blocks after any text: Qwen2.5, Qwen3, Hermes 2 Pro / 3) and `llama3_json` (a
 reply that is one or more `{"name": ..., "parameters": {...}}` objects separated by ";": Llama 3.1 / 3.2's JSON
-tool calling); the calls a forced tool_choice's grammar held the text to (`Forced`); and, for a streamed reply,
-from where on the text may be a call (`hold`), which the stream keeps back until the reply ends.
+tool calling), of the request's tools only (`Auto`); the calls a forced tool_choice's grammar held the text to
+(`Forced`); and, for a streamed reply, from where on the text may be a call (`hold`), which the stream keeps back
+until the reply ends.
 Not responsible for: the grammar of a forced choice (requests.ToolChoice.schema), the answer's layout
 (responses.py). Torch-free.
 
-A reply whose calls do not parse (cut short, not JSON, a call without a name) is answered as text, as vLLM does:
-the client sees what the model wrote.
+A reply whose calls do not parse (cut short, not JSON, a call without a name or arguments) is answered as text, as
+vLLM does: the client sees what the model wrote; so is one calling a function the request did not list.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ Parsed = tuple["str | None", list[Call]]  # the reply's text before its calls (N
 
 def _call(value, arguments_keys: tuple[str, ...]) -> Call | None:
     """One call object as (name, arguments): a non-empty "name" and an object under one of `arguments_keys`
-    (its JSON text is taken too, which some models write); None if it is not one."""
+    (its JSON text is taken too, which some models write); None if it is not one (an answer in JSON with a
+    "name" is not a call)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     key = next((k for k in arguments_keys if k in value), None)
-    arguments = {} if key is None else value[key]
+    if key is None:
+        return None
+    arguments = value[key]
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -124,6 +128,26 @@ def _json(text: str):
         return json.loads(text)
     except ValueError:
         return None
+
+
+class Auto:
+    """tool_choice "auto": the calls `parser` (a model family's format) reads from a reply, if they call the
+    request's tools (`tools`, a requests.ToolChoice) -- a reply calling anything else is answered as text -- and
+    only the first where parallel_tool_calls is false."""
+
+    def __init__(self, parser, tools):
+        self.parser, self.tools = parser, tools
+        self.names = {t["function"]["name"] for t in tools.tools}
+
+    def hold(self, text: str) -> int:
+        return self.parser.hold(text)
+
+    def parse(self, text: str) -> Parsed | None:
+        parsed = self.parser.parse(text)
+        if parsed is None or any(name not in self.names for name, _ in parsed[1]):
+            return None
+        content, calls = parsed
+        return content, calls if self.tools.parallel else calls[:1]
 
 
 PARSERS = {p.name: p for p in (Hermes(), Llama3Json())}  # --tool-call-parser's choices
