@@ -637,9 +637,19 @@ def test_llm_chat_is_generate_of_the_chat_templates_prompt(tmp_path):
     prompt = tok.encode_chat(prefilled, add_generation_prompt=False, continue_final_message=True)
     assert tok.decode(prompt).endswith("<|assistant|>\nhello")
     assert cont[0].token_ids == llm.generate([prompt], params)[0].token_ids
-    for kwargs, says in ((dict(continue_final_message=True), "give add_generation_prompt=False"),
+    # as the server builds a chat's prompt: text parts joined, an assistant's null content with its calls, an
+    # earlier reply's reasoning (a review: LLM.chat rendered the parts' list and "None")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]
+    assert llm.chat(parts, params)[0].token_ids == got[0].token_ids
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    null = llm.chat([*ask, {"role": "assistant", "content": None, "tool_calls": calls}, *ask], params)
+    empty = llm.chat([*ask, {"role": "assistant", "content": ""}, *ask], params)
+    assert null[0].token_ids == empty[0].token_ids
+    for kwargs, says in ((dict(continue_final_message=True), "give add_generation_prompt false with it"),
                          (dict(add_generation_prompt=False, continue_final_message=True), "role is 'user'")):
         with pytest.raises(ValueError, match=says):
             llm.chat(ask, params, **kwargs)
     with pytest.raises(ValueError, match="non-empty list"):
         llm.chat([[]], params)
+    with pytest.raises(ValueError, match="chat_template_kwargs sets messages, which the server sets"):
+        llm.chat(ask, params, chat_template_kwargs={"messages": []})

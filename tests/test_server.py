@@ -325,8 +325,17 @@ def test_chat_templates():
     # continue_final_message: the prompt ends inside the last (assistant's) message, where the reply goes on
     assert qwen.apply_chat_template(said, add_generation_prompt=False, continue_final_message=True) == \
         "<|user|>hi<|end|><|assistant|><think>greet</think>yo"
+    # ... where the message ends, not where its text last appears (a review: a prefill "im" ended inside the
+    # template's own <|im_end|>)
+    chatml = Tokenizer(raw, chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                                          "<|im_end|>\n{% endfor %}")
+    assert chatml.apply_chat_template([*msgs[1:], {"role": "assistant", "content": "im"}],
+                                      add_generation_prompt=False, continue_final_message=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nim"
+    assert listing.apply_chat_template([{"role": "assistant", "content": ""}], continue_final_message=True) == ""
+    silent = Tokenizer(raw, chat_template="{% for m in messages %}[{{ m.role }}]{% endfor %}")
     with pytest.raises(ValueError, match="does not write the last message's content") as e:
-        listing.apply_chat_template([{"role": "assistant", "content": ""}], continue_final_message=True)
+        silent.apply_chat_template([{"role": "assistant", "content": "x"}], continue_final_message=True)
     assert e.value.field == "continue_final_message"
 
 

@@ -25,6 +25,7 @@ Not responsible for: training tokenizers, detokenizing incrementally (infer/engi
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -79,22 +80,20 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
+        cut = f"<meshlm-continue-{uuid.uuid4().hex}>" if continue_final_message else ""  # marks where to end
+        if cut:
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + cut}]
         text = self._template.render(**(variables or {}), messages=messages, tools=tools,
                                      add_generation_prompt=add_generation_prompt,
                                      bos_token=self.special_tokens.get("bos_token", ""),
                                      eos_token=self.special_tokens.get("eos_token", ""))
-        if continue_final_message:
-            final = messages[-1]["content"]
-            at = text.rfind(final) if final else -1
-            if at < 0 and final.strip():  # a template that trims the message
-                final = final.strip()
-                at = text.rfind(final)
-            if at < 0:
+        if cut:
+            if text.count(cut) != 1:
                 error = ValueError("continue_final_message: the chat template does not write the last message's "
-                                   "content as sent, so the prompt cannot end inside it")
+                                   "content once as sent, so the prompt cannot end inside it")
                 error.field = "continue_final_message"  # the request's field it names
                 raise error
-            text = text[:at + len(final)]
+            text = text[:text.index(cut)]
         return text
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> list[int]:

@@ -176,27 +176,28 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
              *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Conversations through the model's chat template, as vLLM's `LLM.chat`: one conversation
-        ([{"role": ..., "content": ...}, ...]) or a list of them, one result per conversation. `tools` (the OpenAI
-        API's function definitions) reach the template; `add_generation_prompt` opens the assistant's turn,
-        `continue_final_message` (without it) continues the last, an assistant's, message;
-        `chat_template_kwargs` are more of the template's variables (e.g. Qwen3's enable_thinking)."""
+        """Conversations through the model's chat template, as vLLM's `LLM.chat` and as the server builds a chat's
+        prompt (`requests.chat_messages`, `chat_template_options`): one conversation ([{"role": ..., "content":
+        ...}, ...]) or a list of them, one result per conversation. `tools` (the OpenAI API's function definitions)
+        reach the template; `add_generation_prompt` opens the assistant's turn, `continue_final_message` (without
+        it) continues the last, an assistant's, message; `chat_template_kwargs` are more of the template's
+        variables (e.g. Qwen3's enable_thinking). A conversation the server would refuse raises ValueError."""
+        from meshlm.infer.requests import APIError, ToolChoice, chat_messages, chat_template_options
+
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: give generate() token ids")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message continues the last message, which a generation prompt would "
-                             "close: give add_generation_prompt=False with it")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        for conversation in conversations:
-            if not conversation or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                           for m in conversation):
-                raise ValueError("each conversation must be a non-empty list of {\"role\": ..., \"content\": ...}")
-            if continue_final_message and conversation[-1]["role"] != "assistant":
-                raise ValueError("continue_final_message continues an assistant's message; the last message's role "
-                                 f"is {conversation[-1]['role']!r}")
-        prompts = [self.tokenizer.encode_chat(c, tools, add_generation_prompt=add_generation_prompt,
-                                              continue_final_message=continue_final_message,
-                                              variables=chat_template_kwargs) for c in conversations]
+        body = {"tools": tools, "tool_choice": "none", "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
+        try:
+            listed = ToolChoice.of(body)
+            prompts = []
+            for conversation in conversations:
+                entries = chat_messages({"messages": conversation})
+                prompts.append(self.tokenizer.encode_chat(entries, listed.tools if listed else None,
+                                                          **chat_template_options(body, entries)))
+        except APIError as e:
+            raise ValueError(f"{e.param}: {e.message}" if e.param and e.param not in e.message else e.message) from None
         return self.generate(prompts, params)
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
