@@ -90,6 +90,11 @@ def test_reasoning_is_the_think_block_before_the_answer():
     assert qwen.split("r</think>", True, final=True) == ("r", None)
 
 
+def _out(text: str, finish_reason: str = "stop") -> SimpleNamespace:
+    """A finished choice's output, as the engine gives it (what the answers read of it)."""
+    return SimpleNamespace(text=text, finish_reason=finish_reason, token_ids=[1], num_cached_tokens=0)
+
+
 def _replies(calls, reasoning=None, opened=False) -> Replies:
     return Replies(chat=True, rid="chatcmpl-1", model="m", dec=str, logprobs=False, retrieved=None, n=1, calls=calls,
                    reasoning=reasoning, thinking=[opened])
@@ -99,7 +104,7 @@ def _streamed(replies: Replies, text: str, pieces: list[str], finish_reason: str
     """What a client gathers from the chunks of a choice streamed in `pieces` (OpenAI's SDK's accumulation)."""
     events = [replies.event(0, None, None, first=True)]
     events += [replies.event(0, p, None) for p in pieces]
-    events += replies.finish_events(0, SimpleNamespace(text=text, finish_reason=finish_reason))
+    events += replies.finish_events(0, _out(text, finish_reason))
     content, reasoning, tool_calls, reason = "", "", {}, None
     for event in filter(None, events):
         choice = json.loads(event.removeprefix("data: "))["choices"][0]
@@ -137,8 +142,7 @@ def test_a_streamed_reply_ends_as_its_whole_answer(calls, reasoning, opened):
     reasoning = REASONING.get(reasoning)
     rng = random.Random(0)
     for text in texts:
-        whole = _replies(calls, reasoning, opened).response(
-            [SimpleNamespace(text=text, finish_reason="stop", token_ids=[1])], 1)
+        whole = _replies(calls, reasoning, opened).response([_out(text)], 1)
         message = whole["choices"][0]["message"]
         for _ in range(20):
             cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(6, len(text) - 1)))) if text else []
@@ -156,12 +160,11 @@ def test_a_streamed_reply_ends_as_its_whole_answer(calls, reasoning, opened):
         elif reasoning is None:
             assert message["content"] == text and whole["choices"][0]["finish_reason"] == "stop"
     # what the whole answers are, spelled out for a few
-    answer = _replies(Auto(PARSERS["hermes"], ToolChoice.of({"tools": TOOLS}, "hermes")), REASONING["qwen3"]).response(
-        [SimpleNamespace(text=CASES["hermes", "qwen3", False][0], finish_reason="stop", token_ids=[1])], 1)
+    hermes = Auto(PARSERS["hermes"], ToolChoice.of({"tools": TOOLS}, "hermes"))
+    answer = _replies(hermes, REASONING["qwen3"]).response([_out(CASES["hermes", "qwen3", False][0])], 1)
     assert answer["choices"][0]["message"]["reasoning"] == "call now" and answer["choices"][0]["message"][
         "content"] == "\n\n" and answer["choices"][0]["finish_reason"] == "tool_calls"
-    answer = _replies(None, REASONING["deepseek_r1"], True).response(
-        [SimpleNamespace(text="I think</think>\n\nIt is 4.", finish_reason="stop", token_ids=[1])], 1)
+    answer = _replies(None, REASONING["deepseek_r1"], True).response([_out("I think</think>\n\nIt is 4.")], 1)
     assert answer["choices"][0]["message"] == {"role": "assistant", "content": "\n\nIt is 4.",
                                                "reasoning": "I think", "reasoning_content": "I think"}
 
@@ -203,3 +206,30 @@ def test_a_streamed_chat_becomes_the_responses_events_of_its_whole_response():
     assert [{k: v for k, v in item.items() if k != "id"} for item in final["output"]] == strip
     assert final["status"] == whole["status"] == "completed" and final["usage"] == whole["usage"]
     assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call"]
+
+
+@pytest.mark.parametrize("deltas, finish_reason, kinds", [
+    ([{"reasoning": "hm"}], "length", ["reasoning"]),  # cut while thinking: no message, whole or streamed
+    ([], "stop", ["message"]),  # nothing at all: an empty message, as the whole Response has
+    ([{"content": "hi"}], "length", ["message"]),
+])
+def test_a_streamed_response_has_the_items_of_the_whole_one(deltas, finish_reason, kinds):
+    """The items a stream ends with are the whole Response's, whatever the reply held (a review: a reply cut while
+    thinking had a message only when whole)."""
+    from meshlm.infer.openai_responses import ResponseEvents, response_of
+
+    events = ResponseEvents({"model": "m", "input": "x"}, "m")
+    chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason}]})
+    lines = events.start() + [e for c in chunks for e in events.chunk(c)] + events.finish()
+    parsed = [json.loads(line.split("data: ", 1)[1]) for line in lines]
+    assert [p["sequence_number"] for p in parsed] == list(range(len(parsed)))
+    message = {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas) or None,
+               "reasoning": "".join(d.get("reasoning", "") for d in deltas) or None}
+    whole = response_of({"choices": [{"finish_reason": finish_reason, "message": message}], "usage": None},
+                        {"model": "m", "input": "x"}, "m")
+    final = parsed[-1]["response"]
+    assert [o["type"] for o in final["output"]] == [o["type"] for o in whole["output"]] == kinds
+    assert [{k: v for k, v in o.items() if k != "id"} for o in final["output"]] == \
+        [{k: v for k, v in o.items() if k != "id"} for o in whole["output"]]
+    assert final["status"] == whole["status"] == ("incomplete" if finish_reason == "length" else "completed")

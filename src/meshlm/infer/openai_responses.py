@@ -16,6 +16,7 @@ Torch-free.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
@@ -25,7 +26,13 @@ from meshlm.infer.requests import APIError, short
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 # Responses fields this server does not implement, and the values that ask for nothing
 UNSUPPORTED = {"previous_response_id": (None,), "conversation": (None,), "background": (None, False),
-               "include": (None, []), "prompt": (None,), "truncation": (None, "disabled"), "top_logprobs": (None, 0)}
+               "include": (None, []), "prompt": (None,), "truncation": (None, "disabled"), "top_logprobs": (None, 0),
+               "max_tool_calls": (None,)}
+# the chat path's own fields a Responses request may carry too (vLLM's extras: sampling, the template's variables),
+# passed on as they are; the chat path checks them
+PASSED = ("seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output",
+          "chat_template_kwargs")
 PART_TEXT = ("input_text", "output_text", "text")  # content parts that are text
 
 
@@ -36,9 +43,9 @@ def as_chat(body: dict) -> dict:
             why = "this server keeps no responses: send the whole conversation in input" \
                 if key in ("previous_response_id", "conversation") else "leave it out"
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; {why}", param=key)
-    chat = {"model": body.get("model"), "messages": _messages(body)}
+    chat = {"model": body.get("model"), "messages": input_messages(body)}
     for key, to in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                    ("parallel_tool_calls", "parallel_tool_calls"), ("stream", "stream")):
+                    ("parallel_tool_calls", "parallel_tool_calls"), ("stream", "stream"), *zip(PASSED, PASSED)):
         if body.get(key) is not None:
             chat[to] = body[key]
     if body.get("tools") is not None:
@@ -61,7 +68,7 @@ def as_chat(body: dict) -> dict:
     return chat
 
 
-def _messages(body: dict) -> list[dict]:
+def input_messages(body: dict) -> list[dict]:
     """`instructions` (a system message first) and `input` as chat messages: a text is the user's message; items
     are messages (text parts), the model's function calls (an assistant message's tool_calls, consecutive ones
     together) and their outputs (tool messages); an earlier reasoning item is left out, as chat templates drop
@@ -117,35 +124,51 @@ def _text(content) -> str:
 
 def _tools(tools) -> list[dict]:
     """Function tools ({"type": "function", "name", "parameters", ...}) in the chat API's form."""
+    shape = "tools must be a list of {\"type\": \"function\", \"name\": ..., \"parameters\": {...}}"
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise APIError(400, "tools must be a list of {\"type\": \"function\", \"name\": ..., \"parameters\": {...}}",
-                       param="tools")
+        raise APIError(400, shape, param="tools")
     out = []
     for tool in tools:
         if tool.get("type") != "function":
             raise APIError(400, f"a tool of type {short(tool.get('type'))}: this server calls functions only",
                            param="tools")
+        if not isinstance(tool.get("name"), str) or not tool["name"] or not isinstance(tool.get("parameters", {}),
+                                                                                         dict):
+            raise APIError(400, shape, param="tools")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
                                                      if k in tool}})
     return out
 
 
 def _tool_choice(choice):
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice  # "auto", "none", "required", or what the chat path refuses by name
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                        "\"name\": N}", param="tool_choice")
+
+
+def renamed(param: str | None, message: str) -> tuple[str | None, str]:
+    """A chat path's error (its param and message) as the Responses request named its fields."""
+    for chat, field in PARAMS.items():
+        if chat != "messages":  # "messages" is also a plain word of the messages
+            message = re.sub(rf"\b{chat}\b", field, message)
+    return PARAMS.get(param, param), message
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def head(body: dict, rid: str, model: str) -> dict:
-    """A Response object's fields besides its output, status and usage: what the request asked for."""
+def head(body: dict, rid: str, model: str, defaults: dict) -> dict:
+    """A Response object's fields besides its output, status and usage: what the request asked for, with the
+    server's sampling `defaults` where it left them out."""
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "temperature": body.get("temperature", defaults.get("temperature", 1.0)),
+            "top_p": body.get("top_p", defaults.get("top_p", 1.0)),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": {"format": text.get("format") or {"type": "text"}}, "reasoning": body.get("reasoning"),
@@ -161,10 +184,12 @@ def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
 
 
 def usage_of(usage: dict | None) -> dict | None:
+    """The chat usage as the Responses API's (reasoning tokens are not counted apart: 0)."""
     if usage is None:
         return None
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
@@ -183,18 +208,19 @@ def call_item(call: dict, item_id: str | None = None) -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
-def response_of(answer: dict, body: dict, model: str) -> dict:
-    """The Response object of a whole chat completion `answer` to the Responses request `body`."""
+def response_of(answer: dict, body: dict, model: str, defaults: dict | None = None) -> dict:
+    """The Response object of a whole chat completion `answer` to the Responses request `body`: its reasoning, its
+    message (where it has text, or nothing else), its function calls."""
     choice = answer["choices"][0]
     message, output = choice["message"], []
     if message.get("reasoning"):
         output.append(reasoning_item(message["reasoning"]))
     status, incomplete = status_of(choice["finish_reason"])
-    if message.get("content") or not message.get("tool_calls"):
+    if message.get("content") or not (message.get("tool_calls") or message.get("reasoning")):
         output.append(message_item(message.get("content") or "", status=status))
     output += [call_item(c) for c in message.get("tool_calls") or []]
-    return {**head(body, _id("resp"), model), "status": status, "incomplete_details": incomplete, "output": output,
-            "usage": usage_of(answer["usage"])}
+    return {**head(body, _id("resp"), model, defaults or {}), "status": status, "incomplete_details": incomplete,
+            "output": output, "usage": usage_of(answer["usage"])}
 
 
 class ResponseEvents:
@@ -202,8 +228,9 @@ class ResponseEvents:
     response created and in progress, then per output item (reasoning, the message, each function call) its
     added / delta / done events, then response.completed (or response.incomplete) with the whole response."""
 
-    def __init__(self, body: dict, model: str):
-        self.response = {**head(body, _id("resp"), model), "status": "in_progress", "output": [], "usage": None}
+    def __init__(self, body: dict, model: str, defaults: dict | None = None):
+        self.response = {**head(body, _id("resp"), model, defaults or {}), "status": "in_progress", "output": [],
+                         "usage": None}
         self.sequence = 0
         self.open: dict | None = None  # the output item being streamed (reasoning or message)
         self.finish_reason: str | None = None
@@ -220,8 +247,8 @@ class ResponseEvents:
         """The events of one chat chunk (or its usage, or its error)."""
         if "error" in data:
             error = data["error"]
-            return [self.event("error", code=error.get("code"), message=error.get("message"),
-                               param=PARAMS.get(error.get("param"), error.get("param")))]
+            param, message = renamed(error.get("param"), error.get("message") or "")
+            return [self.event("error", code=error.get("code"), message=message, param=param)]
         if data.get("usage") is not None:
             self.response["usage"] = usage_of(data["usage"])
         events = []
@@ -235,7 +262,8 @@ class ResponseEvents:
                 events += self.close()
                 item, index = call_item(call), len(self.response["output"])
                 self.response["output"].append(item)
-                events += [self.event("response.output_item.added", output_index=index, item={**item, "arguments": ""}),
+                events += [self.event("response.output_item.added", output_index=index,
+                                      item={**item, "arguments": "", "status": "in_progress"}),
                            self.event("response.function_call_arguments.delta", item_id=item["id"],
                                       output_index=index, delta=item["arguments"]),
                            self.event("response.function_call_arguments.done", item_id=item["id"],
@@ -246,21 +274,24 @@ class ResponseEvents:
 
     def text(self, kind: str, delta: str) -> list[str]:
         """A reasoning or message text delta, opening its item (and closing the other) where it starts."""
-        events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self.close()
-            item = reasoning_item("") if kind == "reasoning" else message_item("", status="in_progress")
-            self.open = item
-            self.response["output"].append(item)
-            index = len(self.response["output"]) - 1
-            events.append(self.event("response.output_item.added", output_index=index, item=item))
-            if kind == "message":
-                events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
-                                         content_index=0, part=item["content"][0]))
+        events = self.open_item(kind) if self.open is None or self.open["type"] != kind else []
         item, index = self.open, len(self.response["output"]) - 1
         item["content"][0]["text"] += delta
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         return [*events, self.event(name, item_id=item["id"], output_index=index, content_index=0, delta=delta)]
+
+    def open_item(self, kind: str) -> list[str]:
+        """A reasoning or message item's added events (the item open before, if any, done first)."""
+        events = self.close()
+        item = reasoning_item("") if kind == "reasoning" else message_item("", status="in_progress")
+        self.open = item
+        self.response["output"].append(item)
+        index = len(self.response["output"]) - 1
+        events.append(self.event("response.output_item.added", output_index=index, item=item))
+        if kind == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part=item["content"][0]))
+        return events
 
     def close(self) -> list[str]:
         """The done events of the item being streamed, if any."""
@@ -281,10 +312,12 @@ class ResponseEvents:
         return [*done, self.event("response.output_item.done", output_index=index, item=item)]
 
     def finish(self) -> list[str]:
-        """The last events: the open item's done, then the whole response, completed or incomplete."""
+        """The last events: the open item's done (an empty message if the reply had nothing, as the whole
+        Response has), then the whole response, completed or incomplete."""
         status, incomplete = status_of(self.finish_reason)
+        events = [] if self.response["output"] else self.open_item("message")
         if self.open is not None and self.open["type"] == "message" and status == "incomplete":
             self.open["status"] = status  # close() marks it completed otherwise
-        events = self.close()
+        events += self.close()
         self.response.update(status=status, incomplete_details=incomplete)
         return [*events, self.event(f"response.{status}", response=self.response)]

@@ -55,9 +55,10 @@ def tool_calls(calls: list[Call]) -> list[dict]:
             for name, arguments in calls]
 
 
-def usage(num_prompt: int, num_completion: int) -> dict:
+def usage(num_prompt: int, num_completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; `cached`: the prompt tokens the prefix cache held (`prompt_tokens_details.cached_tokens`)."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+            "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(data: dict) -> str:
@@ -112,7 +113,8 @@ class Replies:
             choices.append(choice)
         response = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                     "created": int(time.time()), "model": self.model, "choices": choices,
-                    "usage": usage(num_prompt, self.completion_tokens(outputs))}
+                    "usage": usage(num_prompt, self.completion_tokens(outputs),
+                                   self.cached_tokens(enumerate(outputs)))}
         if self.retrieved is not None:
             if len(self.retrieved) == 1:
                 response["retrieved"] = self.retrieved[0]
@@ -125,6 +127,11 @@ class Replies:
     def completion_tokens(self, outputs) -> int:
         """The tokens the choices answered (none for an echo without tokens)."""
         return 0 if self.prompt_only else sum(len(o.token_ids) for o in outputs)
+
+    def cached_tokens(self, choices) -> int:
+        """The prompt tokens the prefix cache held, once per prompt (its first choice's), of (index, output)
+        pairs."""
+        return sum(out.num_cached_tokens for i, out in choices if i % self.n == 0)
 
     @staticmethod
     def prompt_part(out: RequestOutput) -> tuple[list[int], list[dict | None]]:
@@ -242,7 +249,7 @@ class Replies:
             self.streamed[i] = sum(map(len, choice["logprobs"]["tokens"]))
         return self.chunk(choice)
 
-    def usage_event(self, num_prompt: int, num_completion: int) -> str:
+    def usage_event(self, num_prompt: int, num_completion: int, cached: int = 0) -> str:
         """The last chunk of a stream that asked for `stream_options.include_usage`."""
         return sse({"id": self.rid, "object": self.chunk_kind, "created": int(time.time()), "model": self.model,
-                    "choices": [], "usage": usage(num_prompt, num_completion)})
+                    "choices": [], "usage": usage(num_prompt, num_completion, cached)})

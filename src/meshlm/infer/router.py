@@ -19,7 +19,7 @@ first, never the start of a recorded prefix. A match is a count of leading chunk
 one chunk never matches. A text prompt and the token ids of the same text are different keys.
 
 Both policies keep the records and count a prefix hit when the chosen replica's record held at least
-`threshold` of the prompt, so their hit rates compare. Torch-free, standard library only.
+`threshold` of the prompt, so their hit rates compare. Torch-free.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from meshlm.infer.openai_responses import input_messages
+from meshlm.infer.requests import APIError
 
 POLICIES = ("cache_aware", "round_robin")
 
@@ -46,11 +49,11 @@ def routing_key(body: bytes, *, chat: bool) -> str | tuple[int, ...]:
         return ""
     if chat:
         messages = data.get("messages")
-        if messages is None and "input" in data:  # a Responses request: its instructions, then its input
-            given = data["input"]
-            messages = [{"role": "system", "content": data.get("instructions")}] if data.get("instructions") else []
-            messages += [{"role": "user", "content": given}] if isinstance(given, str) else \
-                given if isinstance(given, list) else []
+        if messages is None and "input" in data:  # a Responses request: the chat's messages it asks for
+            try:
+                messages = input_messages(data)
+            except APIError:
+                return ""
         if not isinstance(messages, list):
             return ""
         return "".join(f"<|{m.get('role')}|>\n{m.get('content')}\n" for m in messages if isinstance(m, dict))

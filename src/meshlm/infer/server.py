@@ -36,7 +36,7 @@ from meshlm.infer.requests import (
     check_text, completion_prompts, json_body, read_limited, short, structured_key)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
-from meshlm.infer.openai_responses import PARAMS, ResponseEvents, as_chat, response_of
+from meshlm.infer.openai_responses import ResponseEvents, as_chat, renamed, response_of
 from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.tool_parsers import PARSERS, Auto, Forced
 
@@ -171,10 +171,11 @@ class _Completions:
         try:
             reply = await self.answer(request, as_chat(body), chat=True)
         except APIError as e:
-            raise _named(e, PARAMS) from e
+            e.param, e.message = renamed(e.param, e.message)
+            raise
         if reply is None or isinstance(reply, dict):
-            return reply and response_of(reply, body, self.model_name)
-        return self.response_events(reply, ResponseEvents(body, self.model_name))
+            return reply and response_of(reply, body, self.model_name, self.sampling_defaults)
+        return self.response_events(reply, ResponseEvents(body, self.model_name, self.sampling_defaults))
 
     @staticmethod
     async def response_events(chunks, events: ResponseEvents):
@@ -427,7 +428,8 @@ class _Completions:
                         yield event
             else:
                 if include_usage:
-                    yield replies.usage_event(num_prompt, replies.completion_tokens(finished.values()))
+                    yield replies.usage_event(num_prompt, replies.completion_tokens(finished.values()),
+                                              replies.cached_tokens((index[r], out) for r, out in finished.items()))
             yield "data: [DONE]\n\n"
         finally:
             request.scope["meshlm.tokens"] = replies.completion_tokens(finished.values())
