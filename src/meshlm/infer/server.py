@@ -1,7 +1,7 @@
 """`meshlm serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, extra `serve`).
 
 Responsible for: POST /v1/completions (one prompt or several) and /v1/chat/completions, `n` choices
-each, streamed as server-sent events (with logprobs per chunk) or not (the answers' layout is
+each, and OpenAI's POST /v1/responses as the chat it asks for (`infer/openai_responses.py`), streamed as server-sent events (with logprobs per chunk) or not (the answers' layout is
 `infer/responses.py`'s); GET /v1/models, /health and /metrics (Prometheus text, `infer/metrics.py`); answering bad input with a
 4xx and an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`, the checks in
 `infer/requests.py`) while the other requests go on; aborting the requests of a client that hangs up; an
@@ -137,8 +137,9 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
 
 class _Completions:
-    """The work behind POST /v1/completions and /v1/chat/completions: read and check the body, build the
-    prompts (retrieval first where asked), queue every choice to the engine, then answer whole or as a stream.
+    """The work behind POST /v1/completions, /v1/chat/completions and /v1/responses (and /tokenize,
+    /detokenize): read and check the body, build the prompts (retrieval first where asked), queue every choice to
+    the engine, then answer whole or as a stream.
     Also the API key check of the other endpoints. Works on the request's ASGI interface (headers, body
     stream, receive, scope); the FastAPI responses are `create_app`'s."""
 
