@@ -34,10 +34,11 @@ ARCHS = {
     "llama3-tied": ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
     "mistral": ("mistral", dict(sliding_window=4096)),
     "qwen2": ("qwen2", {}),  # q/k/v bias
-    # YaRN (Qwen2.5's long-context setting): interpolated low frequencies and cos/sin scaled by 0.1 ln 4 + 1 (named
-    # to sort last: the others' seeds are their places in the sorted names)
+    # YaRN (Qwen2.5's long-context setting): interpolated low frequencies and cos/sin scaled by 0.1 ln 4 + 1
     "yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 32})),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, split on loading; a sliding window caps the context
+    "phi3": ("phi3", dict(sliding_window=96, pad_token_id=0)),
     "qwen3": ("qwen3", dict(head_dim=32)),  # q/k norm, head_dim != hidden / heads
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -47,6 +48,8 @@ ARCHS = {
                                     shared_expert_intermediate_size=48, mlp_only_layers=[0])),
 }
 PROMPT_LEN, NEW_TOKENS = 8, 20
+SEEDS = {name: i for i, name in enumerate(["llama", "llama3-tied", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                                           "qwen3_moe", "yarn", "phi3"])}  # each case's seed, fixed as cases join
 
 
 
@@ -67,7 +70,7 @@ def prompts():
 def pair(request, tmp_path_factory):
     """(transformers model, our model loaded from its save_pretrained directory)."""
     model_type, extra = ARCHS[request.param]
-    hf = _hf_model(model_type, extra, seed=sorted(ARCHS).index(request.param))
+    hf = _hf_model(model_type, extra, seed=SEEDS[request.param])
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return hf, load_pretrained(path), path
@@ -216,6 +219,8 @@ def test_unsupported_configs_are_refused(qwen2_dir, tmp_path):
         ModelConfig.from_hf_dict({**hf, "hidden_act": "gelu"})
     with pytest.raises(ConfigError, match="attention_bias"):
         ModelConfig.from_hf_dict({**hf, "model_type": "llama", "attention_bias": True})
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.75 is not supported"):  # Phi-4-mini's
+        ModelConfig.from_hf_dict({**hf, "model_type": "phi3", "partial_rotary_factor": 0.75})
     with pytest.raises(ConfigError, match="rope_scaling type 'dynamic' is not supported"):  # yarn is, since
         ModelConfig.from_hf_dict({**hf, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ValueError, match="model.safetensors"):

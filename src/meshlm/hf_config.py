@@ -1,9 +1,10 @@
 """Hugging Face `config.json` <-> `ModelConfig`: reading the supported model types, and writing one back.
 
-Responsible for: mapping the config.json of llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe to
-a `ModelConfig` (refusing, with a `ConfigError` naming the option, what the reference model does not
-implement: another activation, MLP or o_proj biases, sliding-window attention, RoPE scaling other than
-Llama-3's, a MoE layer pattern other than every n-th layer after a leading dense run), and the inverse for
+Responsible for: mapping the config.json of llama, mistral, phi3, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe
+to a `ModelConfig` (refusing, with a `ConfigError` naming the option, what the reference model does not
+implement: another activation, MLP or o_proj biases, sliding-window attention beyond the context (capped at the
+window instead), RoPE scaling other than llama3 / yarn / linear, a partial rotary dimension, a MoE layer pattern
+other than every n-th layer after a leading dense run), and the inverse for
 export: the simplest model type that expresses a config exactly. `ModelConfig.from_hf`, `from_hf_dict` and
 `to_hf_dict` delegate here.
 Not responsible for: the weights (`meshlm.models.hf`), or touching torch.
@@ -69,16 +70,16 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 def _model_config_from_hf(hf: dict) -> ModelConfig:
     arch = (hf.get("architectures") or [""])[0]
     model_type = hf.get("model_type", "")
-    supported = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
+    supported = {"llama", "mistral", "phi3", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
     if model_type not in supported:
         raise ConfigError(f"Hugging Face model_type={model_type!r} ({arch}) is not supported; "
                           f"supported: {sorted(supported)}")
     _check_hf_supported(hf, model_type)
     num_heads = hf["num_attention_heads"]
     max_seq_len = _scaled_context(hf.get("max_position_embeddings", 2048), _hf_rope_scaling(hf))
-    # Mistral's sliding window only changes attention beyond `sliding_window` tokens; up to there
+    # Mistral's (and Phi-3's) sliding window only changes attention beyond `sliding_window` tokens; up to there
     # full causal attention is exact, so cap the length rather than refuse the model.
-    window = hf.get("sliding_window") if model_type == "mistral" else None
+    window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
     if window:
         max_seq_len = min(max_seq_len, window)
     if model_type == "qwen2_moe":  # transformers names the q/k/v bias flag differently here
@@ -209,6 +210,9 @@ def _check_hf_supported(hf: dict, model_type: str) -> None:
         raise ConfigError(f"attention_bias=true on {model_type} (a bias on o_proj too) is not supported")
     if hf.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported; set it to false (full attention)")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported; RoPE rotates "
+                          "every dimension of a head here")
 
 
 def _hf_moe_layer_pattern(hf: dict, num_experts: int) -> tuple[int, int]:

@@ -1,8 +1,8 @@
 """Hugging Face checkpoints: load one into the reference `Transformer`, save one that transformers loads.
 
 Responsible for: reading `config.json` plus `model.safetensors` (or a sharded checkpoint with
-`model.safetensors.index.json`) for llama, mistral, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe;
-mapping Hugging Face tensor names to ours, stacking per-expert weights into our `[E, ...]` tensors
+`model.safetensors.index.json`) for llama, mistral, phi3, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe;
+mapping Hugging Face tensor names to ours (Phi-3's fused qkv_proj and gate_up_proj split into ours), stacking per-expert weights into our `[E, ...]` tensors
 (from the classic one-module-per-expert layout and from transformers 5's fused `gate_up_proj`
 layout); refusing missing, unexpected, duplicated or misshapen tensors with a ValueError that names
 the tensor; and writing our model back as a classic per-expert checkpoint.
@@ -167,6 +167,14 @@ def _to_ours(hf_name: str, tensor: torch.Tensor, config: ModelConfig):
     prefix = f"layers.{layer}."
     if rest in _LAYER_RENAMES:
         return [(prefix + _LAYER_RENAMES[rest], None, tensor)]
+    if rest in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"):  # Phi-3's fused projections
+        sizes = [config.num_heads * config.head_dim, *[config.num_kv_heads * config.head_dim] * 2] \
+            if rest.startswith("self_attn") else [config.intermediate_size] * 2
+        if tensor.dim() != 2 or tensor.shape[0] != sum(sizes):
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; expected [{sum(sizes)}, "
+                             f"{config.hidden_size}] (the fused {' + '.join(map(str, sizes))} rows)")
+        names = ("attn.wq", "attn.wk", "attn.wv") if rest.startswith("self_attn") else ("mlp.w_gate", "mlp.w_up")
+        return [(f"{prefix}{name}.weight", None, part) for name, part in zip(names, tensor.split(sizes))]
     if e := _EXPERT_RE.fullmatch(rest):
         return [(prefix + f"mlp.experts.{_EXPERT_PARTS[e.group(2)]}", int(e.group(1)), tensor)]
     if f := _FUSED_RE.fullmatch(rest):
