@@ -2,10 +2,11 @@
 
 Responsible for: reading `config.json` plus `model.safetensors` (or a sharded checkpoint with
 `model.safetensors.index.json`) for llama, mistral, phi3, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe;
-mapping Hugging Face tensor names to ours (Phi-3's fused qkv_proj and gate_up_proj split into ours), stacking per-expert weights into our `[E, ...]` tensors
+mapping Hugging Face tensor names to ours (Phi-3's fused qkv_proj and gate_up_proj split into ours), stacking
+per-expert weights into our `[E, ...]` tensors
 (from the classic one-module-per-expert layout and from transformers 5's fused `gate_up_proj`
 layout); refusing missing, unexpected, duplicated or misshapen tensors with a ValueError that names
-the tensor; and writing our model back as a classic per-expert checkpoint.
+the tensor; and writing our model back as a classic per-expert checkpoint (a Phi-3 as the llama it equals).
 Not responsible for: tokenization (`meshlm.tokenizer`), the
 sharded checkpoints of training runs (`meshlm.checkpoint`), or quantised weights.
 transformers itself is not imported: the safetensors library reads and writes the files.
