@@ -2,9 +2,10 @@
 OpenAI-style error body naming the field), before anything reaches the engine.
 
 Responsible for: the body as JSON naming the served model (`json_body`), sampling parameters
-(`sampling_params_from`: penalties, structured outputs (`structured_outputs`) too), the options of a completion
-(`RequestOptions.of`: n, stream, echo, rag), a chat's tools (`ToolChoice`), chat messages, completion prompts, the
-`rag` option and the size limits of a request (`read_limited`: a body over the limit is a 413).
+(`sampling_params_from`: penalties, structured outputs (`structured_outputs`), vLLM's extras, the server's
+defaults for what a request leaves out), the options of a completion (`RequestOptions.of`: n, stream, echo, rag),
+a chat's tools (`ToolChoice`), chat messages and how they become the prompt (`chat_template_options`), completion
+prompts, the `rag` option and the size limits of a request (`read_limited`: a body over the limit is a 413).
 Not responsible for: HTTP, the engine, retrieval or the responses (server.py, engine.py, rag.py, responses.py).
 """
 
