@@ -77,6 +77,21 @@ def test_response_format_and_structured_outputs_hold_the_text_to_them(served):
     assert events[-1]["error"]["param"] == "structured_outputs" and events[-1]["error"]["code"] is None, events
 
 
+def test_a_server_without_llguidance_answers_a_grammar_with_501(served, monkeypatch):
+    """Structured outputs on a server that lacks llguidance: the server's own lack (501, a server error naming the
+    install), not the request's mistake (a 400 before)."""
+    import sys
+
+    grammars = served.engine.engine.grammars
+    monkeypatch.setattr(grammars, "_ll", None)  # compiled again, and the import fails
+    monkeypatch.setattr(grammars, "_last", None)
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    r = httpx.post(f"{served.url}/v1/completions", headers=HEADERS, timeout=30,
+                   json={**COMPLETION, "structured_outputs": {"choice": ["a", "b"]}})
+    assert r.status_code == 501 and r.json()["error"]["type"] == "server_error", r.text
+    assert r.json()["error"]["param"] == "structured_outputs" and "pip install llguidance" in r.text
+
+
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
              "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                               "b": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -366,7 +366,9 @@ class _Completions:
         except ValueError as e:
             context = "context length" in str(e) or "leaves no room" in str(e)
             param = getattr(e, "field", None) or ("messages" if chat else "prompt")
-            raise APIError(400, str(e), param=param, code="context_length_exceeded" if context else None) from e
+            status = getattr(e, "status", 400)  # 501: what this server lacks (llguidance for a grammar)
+            raise APIError(status, str(e), param=param, code="context_length_exceeded" if context else None,
+                           **({} if status == 400 else {"type_": "server_error"})) from e
 
     async def collect(self, request, ids: list[str], queue: asyncio.Queue,
                       names: dict[str, str]) -> dict[str, RequestOutput] | None:

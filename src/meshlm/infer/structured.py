@@ -96,8 +96,10 @@ class Grammars:
             try:
                 import llguidance
             except ImportError:
-                raise SamplingError("structured_outputs", "structured outputs need llguidance: pip install "
-                                                          "llguidance (the serve extra)") from None
+                error = SamplingError("structured_outputs", "structured outputs need llguidance, which this server "
+                                                            "lacks: pip install llguidance (the serve extra)")
+                error.status = 501  # the server's own lack, not the request's mistake
+                raise error from None
             inner = getattr(self.tokenizer, "tokenizer", None)  # HFTokenizer's `tokenizers.Tokenizer`
             eos = list(self.eos_token_ids) or None
             if inner is not None and hasattr(inner, "to_str"):
@@ -112,12 +114,12 @@ class Grammars:
     def matcher(self, structured: StructuredOutputs):
         """A fresh matcher of `structured` (its grammar's state before any token); a grammar that does not compile,
         or allows no text at all, is refused by name."""
-        from llguidance import LLMatcher
-
         last = self._last
         if last is not None and last[0] is structured:  # the same request's next choice (n > 1)
             return last[1].deep_copy()
-        tokenizer = self._ll_tokenizer()
+        tokenizer = self._ll_tokenizer()  # first: it says what a server without llguidance lacks
+        from llguidance import LLMatcher
+
         try:
             grammar = structured.llguidance_grammar()
         except (ValueError, TypeError, RecursionError) as e:  # a schema that is not JSON (or nested past Python's
