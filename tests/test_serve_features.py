@@ -202,6 +202,10 @@ def test_a_reasoning_models_thinking_is_answered_apart(served):
     body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     plain = _post(served, "/v1/chat/completions", {**body, "messages": ask})["choices"][0]["message"]
     assert plain["content"] and plain["reasoning"] is None and plain["reasoning_content"] is None, plain
+    # a user's own <think> opens nothing: only what the template writes of the reply does (a fuzz pass: the whole
+    # reply became reasoning)
+    tag = {**body, "messages": [{"role": "user", "content": "what does <think> mean?"}]}
+    assert _post(served, "/v1/chat/completions", tag)["choices"][0]["message"]["reasoning"] is None
     opened = {**body, "messages": [*ask, {"role": "assistant", "content": "<think>\n"}],
               "continue_final_message": True, "add_generation_prompt": False}
     whole = _post(served, "/v1/chat/completions", opened)["choices"][0]

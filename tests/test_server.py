@@ -322,6 +322,14 @@ def test_chat_templates():
     said = chat_messages({"messages": [*msgs[1:], {"role": "assistant", "content": "yo", "reasoning": "greet"}]})
     assert qwen.apply_chat_template(said, add_generation_prompt=False) == \
         "<|user|>hi<|end|><|assistant|><think>greet</think>yo<|end|>"
+    # what the template writes of the reply (the generation prompt, or the continued message): where a reasoning
+    # parser looks for an open <think>, never in the messages' own text
+    assert qwen.reply_opening(msgs[1:]) == "<|assistant|>"
+    assert qwen.reply_opening(msgs[1:], variables={"enable_thinking": False}) == "<|assistant|><think></think>"
+    asks = [{"role": "user", "content": "what is <think>?"}]
+    assert qwen.reply_opening(asks) == "<|assistant|>" and "<think>" in qwen.apply_chat_template(asks)
+    assert qwen.reply_opening(said, add_generation_prompt=False, continue_final_message=True) == "yo"
+    assert qwen.reply_opening(said, add_generation_prompt=False) == ""
     # continue_final_message: the prompt ends inside the last (assistant's) message, where the reply goes on
     assert qwen.apply_chat_template(said, add_generation_prompt=False, continue_final_message=True) == \
         "<|user|>hi<|end|><|assistant|><think>greet</think>yo"

@@ -96,6 +96,19 @@ class Tokenizer:
             text = text[:text.index(cut)]
         return text
 
+    def reply_opening(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
+        """What the prompt of `apply_chat_template(messages, tools, **options)` writes of the reply itself, after
+        the last message: the generation prompt (e.g. Qwen3's "<|im_start|>assistant\n", with "<think>\n" where
+        its template opens the thinking), or the last message's content that the reply continues; "" where the
+        template writes none, or one that does not end the same text without it."""
+        if options.get("continue_final_message"):
+            return messages[-1]["content"]
+        if not options.get("add_generation_prompt", True):
+            return ""
+        whole = self.apply_chat_template(messages, tools, **options)
+        before = self.apply_chat_template(messages, tools, **{**options, "add_generation_prompt": False})
+        return whole[len(before):] if whole.startswith(before) else ""
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> list[int]:
         """`apply_chat_template(messages, tools, **options)`'s token ids."""
         # A template writes the special tokens (e.g. BOS) itself; the fallback one does not.

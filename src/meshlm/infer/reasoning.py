@@ -3,8 +3,9 @@
 Responsible for: `PARSERS`, chosen with `meshlm serve --reasoning-parser` (vLLM's and SGLang's flag of that
 name): `deepseek_r1` (DeepSeek-R1 and its distillations, QwQ: the reply thinks from its first token -- R1's
 template opens `<think>` in the prompt -- until `</think>`) and `qwen3` (Qwen3: the reply thinks if it begins with
-`<think>` or its prompt left one open, as the thinking-only models' templates do; with thinking off, the template
-closes the block in the prompt and the whole reply is the answer); `Thinking.split`, a reply's text as
+`<think>` or its template's generation prompt left one open, as the thinking-only models' templates do; with
+thinking off, the template closes the block there and the whole reply is the answer; a `<think>` in the messages'
+own text opens nothing); `Thinking.split`, a reply's text as
 (reasoning, content), of a whole reply or, streamed, of the text so far (what may still be `</think>` held back).
 Not responsible for: the answer's layout (responses.py: the reasoning goes out as `reasoning`, vLLM's field, and
 `reasoning_content`, SGLang's and DeepSeek's), the template's `enable_thinking` (a request's
@@ -24,10 +25,10 @@ class Thinking:
     def __init__(self, name: str, always_open: bool):
         self.name, self.always_open = name, always_open
 
-    def opens(self, prompt_tail: str) -> bool:
-        """Whether a reply to a prompt ending in `prompt_tail` (its text, special tokens shown) starts thinking:
-        always, or where the prompt's last `<think>` is not closed."""
-        return self.always_open or prompt_tail.rfind(START) > prompt_tail.rfind(END)
+    def opens(self, opening: str) -> bool:
+        """Whether a reply starts thinking: always, or where what the template writes of it (`opening`:
+        `Tokenizer.reply_opening`, the generation prompt or a continued message) leaves a `<think>` open."""
+        return self.always_open or opening.rfind(START) > opening.rfind(END)
 
     def split(self, text: str, opened: bool, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of a reply's `text` (None: none); `opened`: the reply starts thinking

@@ -203,9 +203,9 @@ class _Completions:
         options = RequestOptions.of(body, chat=chat, rag_index=self.rag_index, rag_top_k=self.rag_top_k,
                                     tool_call_parser=self.tool_call_parser, defaults=self.sampling_defaults)
         if chat:
-            prompts, retrieved = await self.prompts_of_chat(body, options.rag, options.tools)
+            prompts, retrieved, opening = await self.prompts_of_chat(body, options.rag, options.tools)
         else:
-            prompts, retrieved = await self.prompts_of_completion(body, options.rag)
+            (prompts, retrieved), opening = await self.prompts_of_completion(body, options.rag), ""
         # a reasoning model's thinking is split off its reply, unless a grammar holds the whole reply
         reasoning = self.reasoning if chat and options.params.structured_outputs is None else None
         n = options.n
@@ -226,7 +226,7 @@ class _Completions:
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
                           prompt_only=options.prompt_only,
                           calls=self.call_format(options.tools), reasoning=reasoning,
-                          thinking=[reasoning.opens(self.tail(p)) for p in prompts] if reasoning else None)
+                          thinking=[reasoning.opens(opening)] * len(prompts) if reasoning else None)
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage,
                                names=names)
@@ -257,7 +257,7 @@ class _Completions:
             raise APIError(400, "give one of 'prompt' (a completion's text) and 'messages' (a chat's)", param="prompt")
         if body.get("messages") is not None:
             tools = ToolChoice.of({"tools": body.get("tools"), "tool_choice": "none"})
-            (ids,), _ = await self.prompts_of_chat(body, None, tools)
+            (ids,), _, _ = await self.prompts_of_chat(body, None, tools)
         else:
             if not isinstance(body["prompt"], str) or not body["prompt"]:
                 raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
@@ -280,9 +280,10 @@ class _Completions:
             raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
-    async def prompts_of_chat(self, body: dict, rag, tools) -> tuple[list, list[list[dict]] | None]:
+    async def prompts_of_chat(self, body: dict, rag, tools) -> tuple[list, list[list[dict]] | None, str]:
         """The one prompt of a chat (its messages, and its tools, through the chat template), retrieved passages
-        first."""
+        first; and, with a reasoning parser, what the template writes of the reply (does it open `<think>`?: not
+        the messages' own text, which may name the tag)."""
         from jinja2 import TemplateError  # the chat templates' engine (a dependency of torch)
 
         if self.tokenizer is None:
@@ -295,7 +296,10 @@ class _Completions:
             messages, retrieved = augment_messages(messages, block), [found]
         try:
             listed = tools.tools if tools is not None else None
-            return [await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed, **options)], retrieved
+            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed, **options)
+            opening = "" if self.reasoning is None else \
+                await asyncio.to_thread(self.tokenizer.reply_opening, messages, listed, **options)
+            return [prompt], retrieved, opening
         except (ValueError, TemplateError, TypeError, KeyError, AttributeError) as e:
             # the template's raise_exception("roles must alternate"), or a filter given what it cannot take
             raise APIError(400, f"the model's chat template rejects these messages: {type(e).__name__}: {e}",
@@ -446,10 +450,6 @@ class _Completions:
         if tools is not None and tools.calls:
             return Forced(tools)
         return Auto(PARSERS[self.tool_call_parser], tools) if tools is not None and tools.auto else None
-
-    def tail(self, prompt: list[int]) -> str:
-        """A chat prompt's last tokens' text, special tokens shown (where a reply starts: inside `<think>`?)."""
-        return self.tokenizer.decode(prompt[-32:], skip_special_tokens=False)
 
     def text_of(self, prompt: str | list[int]) -> str:
         """A prompt as echoed: its text as sent, or its token ids' text (special tokens too, as `dec` names them)."""
