@@ -299,11 +299,33 @@ def test_the_responses_api_answers_as_the_chat_it_asks_for(served):
                           ({"text": {"format": {"type": "xml"}}}, "text"), ({"include": ["reasoning"]}, "include"),
                           ({"max_tool_calls": 1}, "max_tool_calls"), ({"tools": [{"type": "function"}]}, "tools"),
                           ({"tool_choice": {"type": "function"}}, "tool_choice"), ({"seed": "x"}, "seed"),
-                          ({"max_output_tokens": 10**6}, "input")):
-        r = httpx.post(served.url + "/v1/responses", headers=HEADERS, json={**body, **change}, timeout=30)
+                          ({"max_output_tokens": 10**6}, "input"),
+                          # found by a fuzz pass: answered 200, or named a chat field
+                          ({"metadata": 5}, "metadata"), ({"reasoning": "junk"}, "reasoning"), ({"text": 5}, "text"),
+                          ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+                          ({"response_format": {"type": "json_object"}}, "response_format"), ({"n": 2}, "n"),
+                          ({"instructions": "\ud800"}, "instructions"),
+                          ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+                          ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input"),
+                          ({"tools": tools, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice")):
+        r = httpx.post(served.url + "/v1/responses", headers=HEADERS, content=json.dumps({**body, **change}),
+                       timeout=30)  # json.dumps escapes a lone surrogate, which httpx would not encode
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (change, r.text)
         assert "max_tokens" not in r.json()["error"]["message"], r.text  # the chat path's words renamed
         assert "\"function\": {" not in r.json()["error"]["message"], r.text  # the Responses' own shapes
+        assert "structured_outputs" not in r.json()["error"]["message"] or param == "structured_outputs", r.text
+    # a text format beside a forced call: named as text alone (a fuzz pass: "text / structured_outputs")
+    r = httpx.post(served.url + "/v1/responses", headers=HEADERS, timeout=30, json={
+        **forced, "tool_choice": "required", "text": {"format": {"type": "json_object"}}})
+    assert r.status_code == 400 and "leave out text" in r.json()["error"]["message"], r.text
+    # a request that fails mid-way: the error event, then response.failed (a fuzz pass: the stream just ended)
+    eos = served.engine.engine.eos_token_ids[0]
+    events = _stream(served, "/v1/responses", {**body, "allowed_token_ids": [eos], "min_tokens": 2})
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"], events
+    assert events[-1]["response"]["status"] == "failed" and "allowed_token_ids" in events[-1]["response"]["error"][
+        "message"]
+    text_events = [e for e in _stream(served, "/v1/responses", body) if e["type"].startswith("response.output_text")]
+    assert text_events and all(e["logprobs"] == [] for e in text_events)  # the SDK's events require the key
     # the chat path's extras pass on (a review: seed was dropped): a draw with a seed is the same draw again
     seeded = {**body, "temperature": 1.0, "seed": 7, "max_output_tokens": 8}
     texts = {_post(served, "/v1/responses", seeded)["output"][0]["content"][0]["text"] for _ in range(2)}

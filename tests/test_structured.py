@@ -124,6 +124,11 @@ def test_a_grammar_min_tokens_leaves_no_token_fails_its_request_by_name(model_di
                                              structured_outputs=dict(regex="")))[0]
     assert out.finish_reason == "error" and out.error_field == "structured_outputs", out
     assert "allows only tokens min_tokens holds back" in out.error
+    # allowed tokens the grammar never allows: named as that conflict, not min_tokens (a fuzz pass)
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[0],
+                                             structured_outputs=dict(choice=["abc"])))[0]
+    assert out.finish_reason == "error" and out.error_field == "allowed_token_ids", out
+    assert "allowed_token_ids and structured_outputs have no token in common" in out.error
 
 
 def test_the_byte_tokenizer_takes_structured_outputs_too():

@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 
-from meshlm.infer.requests import APIError, short
+from meshlm.infer.requests import APIError, check_text, short
 
 # a chat field -> the Responses field it came from (errors name what the client sent)
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
@@ -34,6 +34,12 @@ PASSED = ("seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penal
           "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output",
           "chat_template_kwargs")
 PART_TEXT = ("input_text", "output_text", "text")  # content parts that are text
+# the chat API's own fields, which a Responses request names otherwise (or not at all)
+CHAT_FIELDS = {"messages": "give input", "max_tokens": "give max_output_tokens",
+               "max_completion_tokens": "give max_output_tokens", "response_format": "give text.format",
+               "structured_outputs": "give text.format", "n": "a response has one output",
+               "stream_options": "a streamed response ends with its usage", "add_generation_prompt": "leave it out",
+               "continue_final_message": "leave it out"}
 
 
 def as_chat(body: dict) -> dict:
@@ -43,6 +49,15 @@ def as_chat(body: dict) -> dict:
             why = "this server keeps no responses: send the whole conversation in input" \
                 if key in ("previous_response_id", "conversation") else "leave it out"
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; {why}", param=key)
+    for key, hint in CHAT_FIELDS.items():
+        if body.get(key) is not None:
+            raise APIError(400, f"{key} is the chat API's, not the Responses': {hint}", param=key)
+    for key, kind in (("metadata", "an object of strings"), ("reasoning", "an object such as {\"effort\": \"low\"}"),
+                      ("text", "an object such as {\"format\": {\"type\": \"text\"}}")):
+        value = body.get(key)
+        if value is not None and not (isinstance(value, dict) and (key != "metadata" or all(
+                isinstance(v, str) for v in value.values()))):
+            raise APIError(400, f"{key} must be {kind}", param=key)
     chat = {"model": body.get("model"), "messages": input_messages(body)}
     for key, to in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                     ("parallel_tool_calls", "parallel_tool_calls"), ("stream", "stream"), *zip(PASSED, PASSED)):
@@ -51,7 +66,7 @@ def as_chat(body: dict) -> dict:
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        chat["tool_choice"] = _tool_choice(body["tool_choice"], [t["function"]["name"] for t in chat.get("tools", [])])
     text = body.get("text")
     if text is not None:
         fmt = text.get("format") if isinstance(text, dict) else None
@@ -78,7 +93,7 @@ def input_messages(body: dict) -> list[dict]:
     if instructions is not None:
         if not isinstance(instructions, str):
             raise APIError(400, "instructions must be a string", param="instructions")
-        messages.append({"role": "system", "content": instructions})
+        messages.append({"role": "system", "content": check_text(instructions, "instructions")})
     if isinstance(given, str):
         return [*messages, {"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
@@ -106,6 +121,8 @@ def input_messages(body: dict) -> list[dict]:
         elif kind != "reasoning":
             raise APIError(400, f"an input item of type {short(kind)}: this server takes message, function_call, "
                                 "function_call_output and reasoning items (text only)", param="input")
+    if len(messages) == (instructions is not None):  # the items were all earlier reasoning
+        raise APIError(400, "input holds no message to answer (only earlier reasoning items)", param="input")
     return messages
 
 
@@ -115,9 +132,11 @@ def _text(content) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         for part in content:
-            if part.get("type") not in PART_TEXT or not isinstance(part.get("text"), str):
+            if part.get("type") not in PART_TEXT:
                 raise APIError(400, f"a content part of type {short(part.get('type'))}: this model reads text "
                                     f"only; send {' / '.join(PART_TEXT[:2])} parts", param="input")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"a {short(part['type'])} part needs its text as a string", param="input")
         return "".join(p["text"] for p in content)
     raise APIError(400, "an input message's content must be a string or a list of text parts", param="input")
 
@@ -140,17 +159,21 @@ def _tools(tools) -> list[dict]:
     return out
 
 
-def _tool_choice(choice):
+def _tool_choice(choice, names: list[str]):
+    """tool_choice in the chat API's form: "auto", "none", "required", or {"type": "function", "name": N} with N
+    one of the tools' `names`."""
     if choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name") in names:
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(400, "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
-                        "\"name\": N}", param="tool_choice")
+                        f"\"name\": N}} with N one of the tools' names ({', '.join(map(repr, names)) or 'none given'})",
+                   param="tool_choice")
 
 
 def renamed(param: str | None, message: str) -> tuple[str | None, str]:
     """A chat path's error (its param and message) as the Responses request named its fields."""
+    message = message.replace("response_format / structured_outputs", "text")
     for chat, field in PARAMS.items():
         if chat != "messages":  # "messages" is also a plain word of the messages
             message = re.sub(rf"\b{chat}\b", field, message)
@@ -226,7 +249,8 @@ def response_of(answer: dict, body: dict, model: str, defaults: dict | None = No
 class ResponseEvents:
     """A streamed chat completion's chunks as the Responses API's events, each with its `sequence_number`: the
     response created and in progress, then per output item (reasoning, the message, each function call) its
-    added / delta / done events, then response.completed (or response.incomplete) with the whole response."""
+    added / delta / done events, then response.completed (or response.incomplete) with the whole response; a
+    request that fails mid-way ends with an error event and response.failed."""
 
     def __init__(self, body: dict, model: str, defaults: dict | None = None):
         self.response = {**head(body, _id("resp"), model, defaults or {}), "status": "in_progress", "output": [],
@@ -245,10 +269,13 @@ class ResponseEvents:
 
     def chunk(self, data: dict) -> list[str]:
         """The events of one chat chunk (or its usage, or its error)."""
-        if "error" in data:
+        if "error" in data:  # the request failed mid-way: the error, then the response failed with it
             error = data["error"]
             param, message = renamed(error.get("param"), error.get("message") or "")
-            return [self.event("error", code=error.get("code"), message=message, param=param)]
+            self.response.update(status="failed", error={"code": error.get("code") or error.get("type"),
+                                                         "message": message})
+            return [self.event("error", code=error.get("code"), message=message, param=param),
+                    self.event("response.failed", response=self.response)]
         if data.get("usage") is not None:
             self.response["usage"] = usage_of(data["usage"])
         events = []
@@ -277,8 +304,11 @@ class ResponseEvents:
         events = self.open_item(kind) if self.open is None or self.open["type"] != kind else []
         item, index = self.open, len(self.response["output"]) - 1
         item["content"][0]["text"] += delta
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        return [*events, self.event(name, item_id=item["id"], output_index=index, content_index=0, delta=delta)]
+        if kind == "reasoning":
+            return [*events, self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                                        content_index=0, delta=delta)]
+        return [*events, self.event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                    content_index=0, delta=delta, logprobs=[])]
 
     def open_item(self, kind: str) -> list[str]:
         """A reasoning or message item's added events (the item open before, if any, done first)."""
@@ -306,7 +336,7 @@ class ResponseEvents:
         else:
             item["status"] = "incomplete" if item["status"] == "incomplete" else "completed"
             done = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                               content_index=0, text=text),
+                               content_index=0, text=text, logprobs=[]),
                     self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                content_index=0, part=item["content"][0])]
         return [*done, self.event("response.output_item.done", output_index=index, item=item)]

@@ -140,6 +140,9 @@ class Sampler:
                                                           f"({error_of(seq.matcher)})")
             scores_nv = scores_nv.masked_fill(~ok, float("-inf"))
             if not bool(torch.isfinite(scores_nv).any()):
+                if p.allowed_token_ids is not None and not bool(ok[p.allowed_token_ids].any()):
+                    raise SamplingError("allowed_token_ids", "allowed_token_ids and structured_outputs have no "
+                                                             "token in common here")
                 raise SamplingError("structured_outputs", "structured_outputs allows only tokens min_tokens holds "
                                                           "back here (EOS or a stop token id)")
         if p.temperature < MIN_TEMPERATURE:  # `sample`'s argmax

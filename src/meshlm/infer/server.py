@@ -169,9 +169,10 @@ class _Completions:
         """POST /v1/responses: the Responses request answered as the chat completion it asks for
         (`openai_responses`), its errors naming the Responses fields."""
         body = await self.read_body(request)
+        chat_body = as_chat(body)  # its errors name the Responses fields already
         try:
-            reply = await self.answer(request, as_chat(body), chat=True)
-        except APIError as e:
+            reply = await self.answer(request, chat_body, chat=True)
+        except APIError as e:  # the chat path's: renamed
             e.param, e.message = renamed(e.param, e.message)
             raise
         if reply is None or isinstance(reply, dict):
