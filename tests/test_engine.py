@@ -651,5 +651,7 @@ def test_llm_chat_is_generate_of_the_chat_templates_prompt(tmp_path):
             llm.chat(ask, params, **kwargs)
     with pytest.raises(ValueError, match="non-empty list"):
         llm.chat([[]], params)
+    with pytest.raises(ValueError, match="give a conversation"):  # it answered [] (a review)
+        llm.chat([], params)
     with pytest.raises(ValueError, match="chat_template_kwargs sets messages, which the server sets"):
         llm.chat(ask, params, chat_template_kwargs={"messages": []})

@@ -233,3 +233,16 @@ def test_a_streamed_response_has_the_items_of_the_whole_one(deltas, finish_reaso
     assert [{k: v for k, v in o.items() if k != "id"} for o in final["output"]] == \
         [{k: v for k, v in o.items() if k != "id"} for o in whole["output"]]
     assert final["status"] == whole["status"] == ("incomplete" if finish_reason == "length" else "completed")
+
+
+def test_a_chat_error_is_named_as_the_responses_request_names_its_fields():
+    from meshlm.infer.openai_responses import renamed
+
+    assert renamed("max_tokens", "max_tokens=0 must be an integer >= 1") == (
+        "max_output_tokens", "max_output_tokens=0 must be an integer >= 1")
+    assert renamed("tool_choice", 'give tool_choice "required", {"type": "function", "function": {"name": ...}} or '
+                                  '"none"') == ("tool_choice", 'give tool_choice "required", {"type": "function", '
+                                                               '"name": ...} or "none"')
+    assert renamed("tool_choice", "a tool call is JSON of its own: leave out response_format / structured_outputs") \
+        == ("tool_choice", "a tool call is JSON of its own: leave out text")
+    assert renamed("messages", "each message needs a 'role'")[0] == "input"

@@ -2,9 +2,9 @@
 
 Responsible for: mapping the config.json of llama, mistral, phi3, qwen2, qwen3, mixtral, qwen2_moe and qwen3_moe
 to a `ModelConfig` (refusing, with a `ConfigError` naming the option, what the reference model does not
-implement: another activation, MLP or o_proj biases, sliding-window attention beyond the context (capped at the
-window instead), RoPE scaling other than llama3 / yarn / linear, a partial rotary dimension, a MoE layer pattern
-other than every n-th layer after a leading dense run), and the inverse for
+implement: another activation, MLP or o_proj biases, Qwen's use_sliding_window, RoPE scaling other than llama3 /
+yarn / linear, a partial rotary dimension, a MoE layer pattern other than every n-th layer after a leading dense
+run; Mistral's and Phi-3's sliding window caps the context at the window instead), and the inverse for
 export: the simplest model type that expresses a config exactly. `ModelConfig.from_hf`, `from_hf_dict` and
 `to_hf_dict` delegate here.
 Not responsible for: the weights (`meshlm.models.hf`), or touching torch.

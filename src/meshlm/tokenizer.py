@@ -100,14 +100,21 @@ class Tokenizer:
         """What the prompt of `apply_chat_template(messages, tools, **options)` writes of the reply itself, after
         the last message: the generation prompt (e.g. Qwen3's "<|im_start|>assistant\n", with "<think>\n" where
         its template opens the thinking), or the last message's content that the reply continues; "" where the
-        template writes none, or one that does not end the same text without it."""
+        template writes none. A template that writes the turns otherwise without its generation prompt (or refuses
+        to) is read after the last message's content."""
         if options.get("continue_final_message"):
             return messages[-1]["content"]
         if not options.get("add_generation_prompt", True):
             return ""
         whole = self.apply_chat_template(messages, tools, **options)
-        before = self.apply_chat_template(messages, tools, **{**options, "add_generation_prompt": False})
-        return whole[len(before):] if whole.startswith(before) else ""
+        try:
+            before = self.apply_chat_template(messages, tools, **{**options, "add_generation_prompt": False})
+        except Exception:  # noqa: BLE001 -- a template that insists on a generation prompt: read after the content
+            before = None
+        if before is not None and whole.startswith(before):
+            return whole[len(before):]
+        last = messages[-1]["content"]  # a template that writes the turns otherwise without it
+        return whole[whole.rfind(last) + len(last):] if last and last in whole else ""
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> list[int]:
         """`apply_chat_template(messages, tools, **options)`'s token ids."""

@@ -182,11 +182,15 @@ class LLM:
         reach the template; `add_generation_prompt` opens the assistant's turn, `continue_final_message` (without
         it) continues the last, an assistant's, message; `chat_template_kwargs` are more of the template's
         variables (e.g. Qwen3's enable_thinking). A conversation the server would refuse raises ValueError."""
+        from jinja2 import TemplateError
+
         from meshlm.infer.requests import APIError, ToolChoice, chat_messages, chat_template_options
 
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: give generate() token ids")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("give a conversation ([{\"role\": ..., \"content\": ...}, ...]) or a list of them")
         body = {"tools": tools, "tool_choice": "none", "add_generation_prompt": add_generation_prompt,
                 "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
         try:
@@ -198,6 +202,8 @@ class LLM:
                                                           **chat_template_options(body, entries)))
         except APIError as e:
             raise ValueError(f"{e.param}: {e.message}" if e.param and e.param not in e.message else e.message) from None
+        except (TemplateError, TypeError, KeyError, AttributeError) as e:  # as the server answers them (a 400)
+            raise ValueError(f"the model's chat template rejects these messages: {type(e).__name__}: {e}") from None
         return self.generate(prompts, params)
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],

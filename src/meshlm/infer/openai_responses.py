@@ -2,11 +2,12 @@
 
 Responsible for: a Responses request as a chat completion's body (`as_chat`: `instructions` and `input` -- text, or
 message / function_call / function_call_output items -- as messages, function tools and `tool_choice` in the chat
-API's form, `text.format` as `response_format`, `max_output_tokens` as `max_tokens`); the chat answer as a Response
-object (`response_of`: reasoning, message and function_call output items, status "incomplete" where it stopped at
-max_output_tokens, usage); a streamed chat answer as the Responses events (`ResponseEvents`: response.created, the
-output items with their text / reasoning deltas and function calls, response.completed); a chat error's parameter
-named as the Responses request names it (`PARAMS`).
+API's form, `text.format` as `response_format`, `max_output_tokens` as `max_tokens`, the chat path's extras passed
+on); the chat answer as a Response object (`response_of`: reasoning, message and function_call output items, status
+"incomplete" where it stopped at max_output_tokens, usage); a streamed chat answer as the Responses events
+(`ResponseEvents`: response.created, the output items with their text / reasoning deltas and function calls,
+response.completed / response.incomplete, or an error and response.failed); a chat error named as the Responses
+request names its fields (`renamed`).
 Not responsible for: sampling, tool calls and reasoning themselves (the chat path: requests.py, tool_parsers.py,
 reasoning.py). Stateless, as vLLM serves it without a store: nothing is kept, so `previous_response_id` and
 `conversation` are refused (send the conversation in `input`), and each response says `"store": false`.
@@ -28,11 +29,11 @@ PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_form
 UNSUPPORTED = {"previous_response_id": (None,), "conversation": (None,), "background": (None, False),
                "include": (None, []), "prompt": (None,), "truncation": (None, "disabled"), "top_logprobs": (None, 0),
                "max_tool_calls": (None,)}
-# the chat path's own fields a Responses request may carry too (vLLM's extras: sampling, the template's variables),
-# passed on as they are; the chat path checks them
-PASSED = ("seed", "stop", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids", "include_stop_str_in_output",
-          "chat_template_kwargs")
+# the Responses fields mapped onto the chat's (the rest pass on as they are: the chat path takes vLLM's extras
+# -- seed, stop, penalties, chat_template_kwargs, rag, ... --, refuses by name what it does not implement and
+# ignores what it does not know)
+MAPPED = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "metadata")
+TEXT_FORMATS = ("text", "json_object", "json_schema")
 PART_TEXT = ("input_text", "output_text", "text")  # content parts that are text
 # the chat API's own fields, which a Responses request names otherwise (or not at all)
 CHAT_FIELDS = {"messages": "give input", "max_tokens": "give max_output_tokens",
@@ -58,26 +59,16 @@ def as_chat(body: dict) -> dict:
         if value is not None and not (isinstance(value, dict) and (key != "metadata" or all(
                 isinstance(v, str) for v in value.values()))):
             raise APIError(400, f"{key} must be {kind}", param=key)
-    chat = {"model": body.get("model"), "messages": input_messages(body)}
-    for key, to in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                    ("parallel_tool_calls", "parallel_tool_calls"), ("stream", "stream"), *zip(PASSED, PASSED)):
-        if body.get(key) is not None:
-            chat[to] = body[key]
+    chat = {key: value for key, value in body.items() if key not in MAPPED and key not in UNSUPPORTED}
+    chat["messages"] = input_messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"], [t["function"]["name"] for t in chat.get("tools", [])])
-    text = body.get("text")
-    if text is not None:
-        fmt = text.get("format") if isinstance(text, dict) else None
-        if not isinstance(fmt, dict) and fmt is not None:
-            raise APIError(400, "text must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", "
-                                "...}}", param="text")
-        if fmt is not None and fmt.get("type") == "json_schema":
-            chat["response_format"] = {"type": "json_schema", "json_schema": {
-                k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
-        elif fmt is not None:
-            chat["response_format"] = {"type": fmt.get("type")}
+    if body.get("text") is not None:
+        chat["response_format"] = _text_format(body["text"])
     if chat.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}
     return chat
@@ -141,10 +132,25 @@ def _text(content) -> str:
     raise APIError(400, "an input message's content must be a string or a list of text parts", param="input")
 
 
+def _text_format(text) -> dict:
+    """`text` ({"format": {"type": "text" | "json_object" | "json_schema", ...}}) as the chat's response_format."""
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not (isinstance(fmt, dict) and fmt.get("type") in TEXT_FORMATS and set(text) == {"format"}):
+        raise APIError(400, "text must be {\"format\": {\"type\": \"text\"}}, {\"format\": {\"type\": "
+                            "\"json_object\"}} or {\"format\": {\"type\": \"json_schema\", \"name\": ..., \"schema\": "
+                            "{...}}}", param="text")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    if not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, "text.format of type json_schema needs its schema, an object", param="text")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                   if k in fmt}}
+
+
 def _tools(tools) -> list[dict]:
     """Function tools ({"type": "function", "name", "parameters", ...}) in the chat API's form."""
-    shape = "tools must be a list of {\"type\": \"function\", \"name\": ..., \"parameters\": {...}}"
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+    shape = "tools must be a list of at most 128 {\"type\": \"function\", \"name\": ..., \"parameters\": {...}}"
+    if not isinstance(tools, list) or len(tools) > 128 or not all(isinstance(t, dict) for t in tools):
         raise APIError(400, shape, param="tools")
     out = []
     for tool in tools:
@@ -173,7 +179,8 @@ def _tool_choice(choice, names: list[str]):
 
 def renamed(param: str | None, message: str) -> tuple[str | None, str]:
     """A chat path's error (its param and message) as the Responses request named its fields."""
-    message = message.replace("response_format / structured_outputs", "text")
+    message = message.replace("response_format / structured_outputs", "text").replace(
+        '{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
     for chat, field in PARAMS.items():
         if chat != "messages":  # "messages" is also a plain word of the messages
             message = re.sub(rf"\b{chat}\b", field, message)

@@ -285,13 +285,14 @@ def structured_outputs(body: dict, tools: "ToolChoice | None" = None) -> dict | 
 class ToolChoice:
     """A chat's `tools` (the OpenAI API's function definitions, which the chat template lists) and its
     `tool_choice`: "none" (`calls` False: text), "required" (`name` None: one or more calls of any of them, one
-    with parallel_tool_calls false), a named function, or "auto" (the API's default with tools: the model writes
-    text or calls in its own format, which the server's `--tool-call-parser` reads; refused without one)."""
+    with parallel_tool_calls false, as under "auto"), a named function, or "auto" (the API's default with tools:
+    the model writes text or calls in its own format, which the server's `--tool-call-parser` reads; refused
+    without one)."""
 
     tools: list[dict]
     calls: bool  # a grammar holds the reply to calls ("required" or a named function)
     name: str | None = None
-    parallel: bool = True  # parallel_tool_calls: "required" may answer several calls (else one)
+    parallel: bool = True  # parallel_tool_calls: "required" and "auto" may answer several calls (else one)
     auto: bool = False  # "auto": the reply's calls, if any, are read from its text by the server's parser
 
     @classmethod

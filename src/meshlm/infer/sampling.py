@@ -140,7 +140,11 @@ class Sampler:
                                                           f"({error_of(seq.matcher)})")
             scores_nv = scores_nv.masked_fill(~ok, float("-inf"))
             if not bool(torch.isfinite(scores_nv).any()):
-                if p.allowed_token_ids is not None and not bool(ok[p.allowed_token_ids].any()):
+                held = [t for t in {*seq.eos_token_ids, *p.stop_token_ids} if t < ok.numel()] \
+                    if len(seq.output_token_ids) < p.min_tokens else []
+                free = ok.clone()
+                free[held] = False  # what the grammar allows that min_tokens does not hold back
+                if bool(free.any()):  # then only allowed_token_ids can have left nothing
                     raise SamplingError("allowed_token_ids", "allowed_token_ids and structured_outputs have no "
                                                              "token in common here")
                 raise SamplingError("structured_outputs", "structured_outputs allows only tokens min_tokens holds "

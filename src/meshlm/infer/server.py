@@ -165,7 +165,7 @@ class _Completions:
         hung up before it was ready."""
         return await self.answer(request, await self.read_body(request), chat=chat)
 
-    async def responses(self, request, *, chat: bool = True):
+    async def responses(self, request, *, chat: bool = True):  # chat: as create_app's `answer` calls its work
         """POST /v1/responses: the Responses request answered as the chat completion it asks for
         (`openai_responses`), its errors naming the Responses fields."""
         body = await self.read_body(request)
@@ -258,7 +258,7 @@ class _Completions:
             raise APIError(400, "give one of 'prompt' (a completion's text) and 'messages' (a chat's)", param="prompt")
         if body.get("messages") is not None:
             tools = ToolChoice.of({"tools": body.get("tools"), "tool_choice": "none"})
-            (ids,), _, _ = await self.prompts_of_chat(body, None, tools)
+            (ids,), _, _ = await self.prompts_of_chat(body, None, tools, opening_needed=False)
         else:
             if not isinstance(body["prompt"], str) or not body["prompt"]:
                 raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
@@ -281,7 +281,8 @@ class _Completions:
             raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
-    async def prompts_of_chat(self, body: dict, rag, tools) -> tuple[list, list[list[dict]] | None, str]:
+    async def prompts_of_chat(self, body: dict, rag, tools, *,
+                              opening_needed: bool = True) -> tuple[list, list[list[dict]] | None, str]:
         """The one prompt of a chat (its messages, and its tools, through the chat template), retrieved passages
         first; and, with a reasoning parser, what the template writes of the reply (does it open `<think>`?: not
         the messages' own text, which may name the tag)."""
@@ -298,7 +299,7 @@ class _Completions:
         try:
             listed = tools.tools if tools is not None else None
             prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed, **options)
-            opening = "" if self.reasoning is None else \
+            opening = "" if not opening_needed or self.reasoning is None or self.reasoning.always_open else \
                 await asyncio.to_thread(self.tokenizer.reply_opening, messages, listed, **options)
             return [prompt], retrieved, opening
         except (ValueError, TemplateError, TypeError, KeyError, AttributeError) as e:
