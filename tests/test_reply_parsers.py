@@ -97,7 +97,7 @@ def _out(text: str, finish_reason: str = "stop") -> SimpleNamespace:
 
 def _replies(calls, reasoning=None, opened=False) -> Replies:
     return Replies(chat=True, rid="chatcmpl-1", model="m", dec=str, logprobs=False, retrieved=None, n=1, calls=calls,
-                   reasoning=reasoning, thinking=[opened])
+                   reasoning=reasoning, thinking=opened)
 
 
 def _streamed(replies: Replies, text: str, pieces: list[str], finish_reason: str) -> dict:

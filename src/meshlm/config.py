@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -84,6 +83,12 @@ class ModelConfig:
 
     # -- derived ------------------------------------------------------------------------------
     @property
+    def rope_type(self) -> str | None:
+        """The RoPE scaling's kind (llama3 where the table does not say: Llama 3's, as configs saved before), or
+        None for plain RoPE."""
+        return None if self.rope_scaling is None else self.rope_scaling.get("rope_type", "llama3")
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -151,14 +156,14 @@ class ModelConfig:
         if self.rope_scaling is not None:
             _require(isinstance(self.rope_scaling, dict), "model.rope_scaling", self.rope_scaling,
                      "must be a table of RoPE scaling keys (llama3, yarn or linear), or unset")
-            kind = self.rope_scaling.get("rope_type", "llama3")
+            kind = self.rope_type
             _require(kind in ROPE_SCALING_KEYS, "model.rope_scaling", self.rope_scaling,
                      f"has rope_type {kind!r}, which must be one of {', '.join(ROPE_SCALING_KEYS)}")
             missing = ROPE_SCALING_KEYS[kind] - set(self.rope_scaling)
             _require(not missing, "model.rope_scaling", self.rope_scaling, f"is missing keys {sorted(missing)}")
             factor = self.rope_scaling["factor"]
-            _require(isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
-                     and factor > 0, "model.rope_scaling", self.rope_scaling, "has a factor that is not a number > 0")
+            _require(is_finite_real(factor) and factor > 0, "model.rope_scaling", self.rope_scaling,
+                     "has a factor that is not a number > 0")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":

@@ -74,30 +74,36 @@ class Tokenizer:
         `add_generation_prompt`: the template opens the assistant's turn; `continue_final_message`: the text ends
         with the last message's content instead (what the template writes after it is cut), so that the reply
         continues it; `variables`: more of the template's variables (e.g. Qwen3's `enable_thinking`)."""
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
         cut = f"<meshlm-continue-{uuid.uuid4().hex}>" if continue_final_message else ""  # marks where to end
         if cut:
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + cut}]
-        text = self._template.render(**(variables or {}), messages=messages, tools=tools,
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.special_tokens.get("bos_token", ""),
-                                     eos_token=self.special_tokens.get("eos_token", ""))
+        try:
+            if self._template is None:  # a template that does not compile is refused as any other
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
+            text = self._template.render(**(variables or {}), messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.special_tokens.get("bos_token", ""),
+                                         eos_token=self.special_tokens.get("eos_token", ""))
+        except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
+            # its raise_exception("roles must alternate"), a filter given what it cannot take, or none such
+            raise ChatTemplateError(e) from e
         if cut:
             if text.count(cut) != 1:
-                error = ValueError("continue_final_message: the chat template does not write the last message's "
-                                   "content once as sent, so the prompt cannot end inside it")
-                error.field = "continue_final_message"  # the request's field it names
-                raise error
+                raise ChatTemplateError(ValueError("continue_final_message: the chat template does not write the "
+                                                   "last message's content once as sent, so the prompt cannot end "
+                                                   "inside it"), field="continue_final_message")
             text = text[:text.index(cut)]
         return text
 
-    def reply_opening(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
-        """What the prompt of `apply_chat_template(messages, tools, **options)` writes of the reply itself, after
+    def reply_opening(self, messages: list[dict], tools: list[dict] | None = None, *, whole: str | None = None,
+                      **options) -> str:
+        """What the prompt of `apply_chat_template(messages, tools, **options)` (`whole`, if rendered already)
+        writes of the reply itself, after
         the last message: the generation prompt (e.g. Qwen3's "<|im_start|>assistant\n", with "<think>\n" where
         its template opens the thinking), or the last message's content that the reply continues; "" where the
         template writes none. A template that writes the turns otherwise without its generation prompt (or refuses
@@ -106,7 +112,7 @@ class Tokenizer:
             return messages[-1]["content"]
         if not options.get("add_generation_prompt", True):
             return ""
-        whole = self.apply_chat_template(messages, tools, **options)
+        whole = self.apply_chat_template(messages, tools, **options) if whole is None else whole
         try:
             before = self.apply_chat_template(messages, tools, **{**options, "add_generation_prompt": False})
         except Exception:  # noqa: BLE001 -- a template that insists on a generation prompt: read after the content
@@ -118,9 +124,21 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options) -> list[int]:
         """`apply_chat_template(messages, tools, **options)`'s token ids."""
-        # A template writes the special tokens (e.g. BOS) itself; the fallback one does not.
-        return self.encode(self.apply_chat_template(messages, tools, **options),
-                           add_special_tokens=self.chat_template is None)
+        return self.encode_prompt(self.apply_chat_template(messages, tools, **options))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A chat prompt's text (`apply_chat_template`'s) as token ids: a template writes the special tokens (e.g.
+        BOS) itself; the fallback one does not."""
+        return self.encode(text, add_special_tokens=self.chat_template is None)
+
+
+class ChatTemplateError(ValueError):
+    """A chat template's refusal of the messages (its raise_exception, a filter given what it cannot take, or a
+    continued message it does not write as sent); `field`: the request's field it names."""
+
+    def __init__(self, error: Exception, field: str = "messages"):
+        super().__init__(f"the model's chat template rejects these messages: {type(error).__name__}: {error}")
+        self.field = field
 
 
 class ByteTokenizer(Tokenizer):

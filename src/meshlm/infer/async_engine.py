@@ -63,28 +63,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="meshlm-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: str | list[int], params: SamplingParams,
-               queue: asyncio.Queue | None = None) -> tuple[str, asyncio.Queue, int]:
-        """Queue a request; ValueError if it is invalid. Returns (id, queue of RequestOutput, prompt tokens).
-
-        Several requests may share one `queue` (the choices of one HTTP request): outputs carry their id.
-        """
-        self._check_alive()
-        stream = _Stream(asyncio.get_running_loop())
-        if queue is not None:
-            stream.queue = queue
-        seq = self.engine.make_sequence(prompt, params, request_id=f"req-{uuid.uuid4().hex}")
-        with self._cv:
-            self._pending.append(seq)
-            self._streams[seq.request_id] = stream
-            self.num_requests += 1
-            self._cv.notify()
-        return seq.request_id, stream.queue, seq.num_prompt_tokens
-
     async def submit_async(self, prompt: str | list[int], params: SamplingParams, queue: asyncio.Queue, *,
                            rag: bool = False) -> tuple[str, asyncio.Queue, list[int]]:
-        """`submit`, tokenizing in a worker thread: a long prompt never holds up the event loop.
-        Returns (id, queue, the prompt's token ids).
+        """Queue a request, tokenizing it in a worker thread (a long prompt never holds up the event loop);
+        ValueError if it is invalid. Returns (id, queue, the prompt's token ids). Several requests may share one
+        `queue` (the choices of one HTTP request): outputs carry their id.
 
         `rag`: the prompt starts with retrieved passages (counted in the RAG prefix-cache figures)."""
         self._check_alive()

@@ -182,8 +182,6 @@ class LLM:
         reach the template; `add_generation_prompt` opens the assistant's turn, `continue_final_message` (without
         it) continues the last, an assistant's, message; `chat_template_kwargs` are more of the template's
         variables (e.g. Qwen3's enable_thinking). A conversation the server would refuse raises ValueError."""
-        from jinja2 import TemplateError
-
         from meshlm.infer.requests import APIError, ToolChoice, chat_messages, chat_template_options
 
         if self.tokenizer is None:
@@ -202,8 +200,6 @@ class LLM:
                                                           **chat_template_options(body, entries)))
         except APIError as e:
             raise ValueError(f"{e.param}: {e.message}" if e.param and e.param not in e.message else e.message) from None
-        except (TemplateError, TypeError, KeyError, AttributeError) as e:  # as the server answers them (a 400)
-            raise ValueError(f"the model's chat template rejects these messages: {type(e).__name__}: {e}") from None
         return self.generate(prompts, params)
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],

@@ -242,11 +242,15 @@ def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" =
         raise APIError(400, message, param=sent) from e
 
 
+def is_id_list(value) -> bool:
+    """A list of integers (JSON's: not booleans), as token ids come."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def token_ids(body: dict, key: str) -> list[int] | None:
     """`body[key]` as a list of token ids (integers), or None if not given."""
     ids = body.get(key)
-    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in ids)):
+    if ids is not None and not is_id_list(ids):
         raise APIError(400, f"{key} must be a list of integers", param=key)
     return ids
 
@@ -256,19 +260,20 @@ def structured_outputs(body: dict, tools: "ToolChoice | None" = None) -> dict | 
     json_schema, its `schema`) or vLLM's `structured_outputs` (json, regex, choice, grammar, json_object), as
     `infer.structured.StructuredOutputs`' fields; None for plain text."""
     fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    text = fmt in (None, {"type": "text"})  # response_format asks for nothing
     if tools is not None and tools.calls:
-        if fmt not in (None, {"type": "text"}) or vllm is not None:
+        if not text or vllm is not None:
             raise APIError(400, "a tool call is JSON of its own: leave out response_format / structured_outputs",
                            param="tool_choice")
         return {"json": tools.schema()}
-    if fmt not in (None, {"type": "text"}) and vllm is not None:
+    if not text and vllm is not None:
         raise APIError(400, "give one of response_format and structured_outputs", param="structured_outputs")
     if vllm is not None:
         if not isinstance(vllm, dict):
             raise APIError(400, "structured_outputs must be an object such as {\"regex\": \"[0-9]+\"}",
                            param="structured_outputs")
         return vllm
-    if fmt is None or fmt == {"type": "text"}:
+    if text:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "json_object":
@@ -510,7 +515,7 @@ def completion_prompts(prompt, *, has_tokenizer: bool) -> list:
             if not has_tokenizer:
                 raise APIError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
             return check_text(p, "prompt")
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if is_id_list(p) and p:
             return p
         raise APIError(400, "'prompt' is required: a non-empty string or list of token ids, or a list of those",
                        param="prompt")

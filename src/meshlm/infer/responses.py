@@ -83,10 +83,10 @@ class Replies:
     # a chat's tool-call format (tool_parsers: a forced choice's or --tool-call-parser's): its replies' calls are
     # read from their text; streamed, the text that may be a call is held back until the reply ends
     calls: object = None
-    # a chat's reasoning format (reasoning.Thinking, --reasoning-parser's) and whether each prompt's reply starts
+    # a chat's reasoning format (reasoning.Thinking, --reasoning-parser's) and whether its replies (one prompt) start
     # thinking: the reasoning goes out apart from the content
     reasoning: object = None
-    thinking: list[bool] | None = None
+    thinking: bool = False
     said: dict[int, str] = field(default_factory=dict)  # a chat choice's text so far (with `calls` or `reasoning`)
     released: dict[int, tuple[int, int]] = field(default_factory=dict)  # ... its reasoning and content sent
     # a generated token id -> the text it adds to the choice's (a special token: none); None: its `dec` text
@@ -191,7 +191,7 @@ class Replies:
         """Chat choice `i`'s reasoning, content and tool calls in its `text`: the whole reply's (`final`), or the
         text so far's, of which what may still be `</think>` or a call is held back (no calls yet)."""
         reasoning, content = (None, text) if self.reasoning is None else \
-            self.reasoning.split(text, self.thinking[i // self.n], final)
+            self.reasoning.split(text, self.thinking, final)
         if self.calls is None or content is None:
             return reasoning, content, []
         if not final:

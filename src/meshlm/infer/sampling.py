@@ -140,8 +140,7 @@ class Sampler:
                                                           f"({error_of(seq.matcher)})")
             scores_nv = scores_nv.masked_fill(~ok, float("-inf"))
             if not bool(torch.isfinite(scores_nv).any()):
-                held = [t for t in {*seq.eos_token_ids, *p.stop_token_ids} if t < ok.numel()] \
-                    if len(seq.output_token_ids) < p.min_tokens else []
+                held = held_back(seq, len(seq.output_token_ids), ok.numel())
                 free = ok.clone()
                 free[held] = False  # what the grammar allows that min_tokens does not hold back
                 if bool(free.any()):  # then only allowed_token_ids can have left nothing
@@ -168,6 +167,13 @@ def prompt_mask(seq: Sequence, vocab: int) -> torch.Tensor:
     mask = torch.zeros(vocab, dtype=torch.bool)
     mask[torch.tensor(seq.prompt_token_ids, dtype=torch.long)] = True
     return mask
+
+
+def held_back(seq: Sequence, generated: int, vocab: int) -> list[int]:
+    """The tokens min_tokens holds back after `generated` tokens: EOS and the stop token ids, until min_tokens."""
+    if generated >= seq.params.min_tokens:
+        return []
+    return [t for t in {*seq.eos_token_ids, *seq.params.stop_token_ids} if t < vocab]
 
 
 def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int],
@@ -200,8 +206,7 @@ def penalize(logits_nv: torch.Tensor, seq: Sequence, proposals: list[int],
         if p.frequency_penalty or p.presence_penalty:
             counts = torch.bincount(generated, minlength=vocab).to(scores.dtype)
             scores[j] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
-        if len(generated) < p.min_tokens:
-            scores[j, [t for t in {*seq.eos_token_ids, *p.stop_token_ids} if t < vocab]] = float("-inf")
+        scores[j, held_back(seq, len(generated), vocab)] = float("-inf")
     return scores
 
 

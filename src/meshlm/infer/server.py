@@ -33,12 +33,13 @@ from meshlm.infer.metrics import metrics_text
 from meshlm.infer.rag import augment_messages, format_passages
 from meshlm.infer.requests import (
     MAX_BODY_BYTES, MAX_CHOICES, APIError, RequestOptions, ToolChoice, boolean, chat_messages, chat_template_options,
-    check_text, completion_prompts, json_body, read_limited, short, structured_key)
+    check_text, completion_prompts, is_id_list, json_body, read_limited, short, structured_key)
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 from meshlm.infer.openai_responses import ResponseEvents, as_chat, renamed, response_of
 from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.tool_parsers import PARSERS, Auto, Forced
+from meshlm.tokenizer import ChatTemplateError
 
 # ---------------------------------------------------------------------------------------------
 # The app
@@ -70,8 +71,8 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
                        reasoning_parser=reasoning_parser, sampling_defaults=sampling_defaults)
     created = int(time.time())
 
-    async def answer(request: Request, *, chat: bool, work=None) -> Response:
-        reply = await (work or api.run)(request, chat=chat)
+    async def answer(request: Request, work) -> Response:
+        reply = await work(request)  # the body, the stream, or None
         if reply is None:  # the client hung up: nobody will read the answer
             return Response(status_code=499)
         if isinstance(reply, dict):
@@ -92,15 +93,15 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await answer(request, chat=False)
+        return await answer(request, lambda r: api.run(r, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await answer(request, chat=True)
+        return await answer(request, lambda r: api.run(r, chat=True))
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        return await answer(request, chat=True, work=api.responses)
+        return await answer(request, api.responses)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -165,7 +166,7 @@ class _Completions:
         hung up before it was ready."""
         return await self.answer(request, await self.read_body(request), chat=chat)
 
-    async def responses(self, request, *, chat: bool = True):  # chat: as create_app's `answer` calls its work
+    async def responses(self, request):
         """POST /v1/responses: the Responses request answered as the chat completion it asks for
         (`openai_responses`), its errors naming the Responses fields."""
         body = await self.read_body(request)
@@ -227,7 +228,7 @@ class _Completions:
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
                           prompt_only=options.prompt_only,
                           calls=self.call_format(options.tools), reasoning=reasoning,
-                          thinking=[reasoning.opens(opening)] * len(prompts) if reasoning else None)
+                          thinking=reasoning is not None and reasoning.opens(opening))
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage,
                                names=names)
@@ -276,8 +277,7 @@ class _Completions:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: there is no text to give")
         vocab = self.tokenizer.vocab_size
-        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                 for t in tokens)):
+        if not (is_id_list(tokens) and all(0 <= t < vocab for t in tokens)):
             raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
@@ -286,8 +286,6 @@ class _Completions:
         """The one prompt of a chat (its messages, and its tools, through the chat template), retrieved passages
         first; and, with a reasoning parser, what the template writes of the reply (does it open `<think>`?: not
         the messages' own text, which may name the tag)."""
-        from jinja2 import TemplateError  # the chat templates' engine (a dependency of torch)
-
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; chat needs one")
         messages, retrieved = chat_messages(body), None
@@ -296,16 +294,19 @@ class _Completions:
             query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
             block, found = await self.retrieve(query, *rag)
             messages, retrieved = augment_messages(messages, block), [found]
+        listed = tools.tools if tools is not None else None
+        opens = opening_needed and self.reasoning is not None and not self.reasoning.always_open
+
+        def render():  # the template once: the prompt's ids, and what it writes of the reply where that decides
+            text = self.tokenizer.apply_chat_template(messages, listed, **options)
+            opening = self.tokenizer.reply_opening(messages, listed, whole=text, **options) if opens else ""
+            return self.tokenizer.encode_prompt(text), opening
+
         try:
-            listed = tools.tools if tools is not None else None
-            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, listed, **options)
-            opening = "" if not opening_needed or self.reasoning is None or self.reasoning.always_open else \
-                await asyncio.to_thread(self.tokenizer.reply_opening, messages, listed, **options)
-            return [prompt], retrieved, opening
-        except (ValueError, TemplateError, TypeError, KeyError, AttributeError) as e:
-            # the template's raise_exception("roles must alternate"), or a filter given what it cannot take
-            raise APIError(400, f"the model's chat template rejects these messages: {type(e).__name__}: {e}",
-                           param=getattr(e, "field", "messages")) from e
+            prompt, opening = await asyncio.to_thread(render)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param=e.field) from e
+        return [prompt], retrieved, opening
 
     async def prompts_of_completion(self, body: dict, rag) -> tuple[list, list[list[dict]] | None]:
         """A completion's prompts, each with its retrieved passages before it where asked."""

@@ -129,11 +129,11 @@ class Grammars:
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise SamplingError("structured_outputs", f"structured_outputs {structured.kind} does not compile: "
-                                                      f"{_first_line(matcher.get_error())}")
+                                                      f"{error_of(matcher)}")
         matcher.compute_bitmask()  # the first step's tokens: a grammar that matches nothing fails here
         if matcher.is_error():
             raise SamplingError("structured_outputs", f"structured_outputs {structured.kind} matches no text: "
-                                                      f"{_first_line(matcher.get_error())}")
+                                                      f"{error_of(matcher)}")
         self._last = (structured, matcher.deep_copy())
         return matcher
 

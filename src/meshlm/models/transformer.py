@@ -52,7 +52,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     rs = config.rope_scaling
     if rs is None:
         return inv_freq
-    kind, factor = rs.get("rope_type", "llama3"), rs["factor"]
+    kind, factor = config.rope_type, rs["factor"]
     if kind == "linear":
         return inv_freq / factor
     old_len = rs["original_max_position_embeddings"]
@@ -81,7 +81,7 @@ def rope_attention_factor(config: ModelConfig) -> float:
     """What YaRN multiplies cos and sin by (its `attention_factor`, else 0.1 ln(factor) + 1, or DeepSeek's ratio of
     two such terms with `mscale` / `mscale_all_dim`); 1 for every other RoPE."""
     rs = config.rope_scaling
-    if rs is None or rs.get("rope_type", "llama3") != "yarn":
+    if config.rope_type != "yarn":
         return 1.0
     if rs.get("attention_factor") is not None:
         return float(rs["attention_factor"])
