@@ -387,8 +387,9 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    # A text file, a folder of text files, a .jsonl, or a folder `meshlm data prepare` wrote (token shards,
-    # memory-mapped: nothing is read into memory); empty: the embedded default (Python stdlib sources)
+    # A text file, a folder of text files, a .jsonl of texts or of conversations ({"messages": [...]}: chat
+    # fine-tuning, see assistant_only_loss), or a folder `meshlm data prepare` wrote (token shards, memory-mapped:
+    # nothing is read into memory); empty: the embedded default (Python stdlib sources)
     path: str = ""
     # Prepared folders mixed by weight, e.g. [{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]
     # (instead of data.path); the mix is the same on any number of ranks
@@ -399,6 +400,9 @@ class DataConfig:
     # attention stops at document boundaries inside a packed sample (block-causal), and RoPE positions restart
     # at 0 at each document's start; false: each token sees every earlier token of its sample
     document_mask: bool = False
+    # a .jsonl of conversations ({"messages": [...]} lines, rendered by the tokenizer's chat template): the loss
+    # counts only the assistant's turns (each reply and what closes it); false: every token of the conversation
+    assistant_only_loss: bool = True
 
     @property
     def prepared(self) -> bool:

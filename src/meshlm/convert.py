@@ -5,7 +5,8 @@ Responsible for:
     under any layout -- its `model_rank_*.safetensors` hold the full weights) -> a Hugging Face folder:
     `config.json` (model type chosen by `ModelConfig.to_hf_dict`: llama / qwen2 / qwen3 when dense,
     mixtral / qwen2_moe / qwen3_moe for MoE), `model.safetensors` (`meshlm.models.hf.save_pretrained`)
-    and the checkpoint's `tokenizer.json` when it has one. Only safetensors and JSON are read.
+    and the checkpoint's `tokenizer.json` when it has one (with the chat template the run trained on
+    conversations with, in `tokenizer_config.json`). Only safetensors and JSON are read.
   * `to_meshlm`: a Hugging Face folder -> a complete meshlm run directory holding a checkpoint at step 0
     (the weights, a fresh AdamW state, the data loader at its start, the tokenizer), written by the
     trainer itself (`Trainer.save` -> `save_checkpoint`), plus `RUN_DIR/config.toml` holding the run's
@@ -25,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.config_doc import toml_value
+from meshlm.tokenizer import CHAT_CONFIG_FILE
+
+# What a Hugging Face folder keeps of its tokenizer beside tokenizer.json (`HFTokenizer.from_dir` reads them)
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -130,8 +135,11 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = Fals
             notes.append(f"the checkpoint holds no tokenizer.json (data.tokenizer={cfg.data.tokenizer!r}); "
                          "none was written")
         if tokenizer is not None:  # a plain fast tokenizer: the model type's own class may add a BOS
+            # with the chat template (and its special tokens) the run trained with, where it saved one
+            chat = json.loads((ckpt / CHAT_CONFIG_FILE).read_text()) if CHAT_CONFIG_FILE in listed else {}
             (tmp / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+                {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **chat},
+                indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -196,7 +204,8 @@ def to_meshlm(hf_dir: str | Path, run_dir: str | Path, *, overwrite: bool = Fals
     """Write Hugging Face directory `hf_dir` as a meshlm run directory `run_dir`; return a summary dict.
 
     The run directory gets a complete checkpoint at step 0 (weights, fresh optimizer state, data loader
-    at its start, the tokenizer.json when `hf_dir` has one) and `config.toml`: the run's config with the
+    at its start, the tokenizer.json when `hf_dir` has one, beside it `TOKENIZER_SIDE_FILES`: its chat template
+    and end-of-turn ids, which training on conversations reads) and `config.toml`: the run's config with the
     model from `hf_dir`, `train.run_dir` = `run_dir`, and `overrides` (`section.field=value`, as for
     `meshlm train --set`; the data, seed and batch size fixed here must be the ones training resumes with).
     Continue with `meshlm train --config RUN_DIR/config.toml --resume`."""
@@ -245,6 +254,9 @@ def to_meshlm(hf_dir: str | Path, run_dir: str | Path, *, overwrite: bool = Fals
         out.mkdir(parents=True, exist_ok=True)
         if copy_tokenizer:  # the run reads its own copy: RUN_DIR stands alone
             shutil.copyfile(tokenizer_src, out / "tokenizer.json")
+            for name in TOKENIZER_SIDE_FILES:  # its chat template and end-of-turn ids, for fine-tuning on chats
+                if (src / name).is_file():
+                    shutil.copyfile(src / name, out / name)
             cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
         trainer = Trainer(cfg, resume=False, overwrite=overwrite)
         import torch

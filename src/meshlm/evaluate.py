@@ -134,14 +134,22 @@ def _weights_loader(source: dict):
 
 
 def _eval_dataset(cfg: Config, tokenizer):
-    """(dataset, its description): every document of data.path given with --data, else the validation split."""
-    from meshlm.data.text import pack_documents, read_documents, split_documents
+    """(dataset, its description): every document of data.path given with --data, else the validation split.
+    Conversations (a .jsonl of "messages") as training reads them: the loss on the assistant's turns unless
+    data.assistant_only_loss is false."""
+    from meshlm.data.chat import is_chat_jsonl, read_conversations
+    from meshlm.data.text import (pack_conversations, pack_documents, read_documents, split_conversations,
+                                  split_documents)
 
-    docs = read_documents(cfg.data)
     where = cfg.data.path or "the standard-library corpus"
+    chat = is_chat_jsonl(cfg.data.path)
+    docs = read_conversations(cfg.data.path, max_bytes=cfg.data.max_bytes) if chat else read_documents(cfg.data)
     if cfg.data.val_fraction > 0:
-        _, docs = split_documents(docs, cfg.data.val_fraction)
+        _, docs = (split_conversations if chat else split_documents)(docs, cfg.data.val_fraction)
         where = f"the validation split of {where} (data.val_fraction={cfg.data.val_fraction:g})"
+    if chat:
+        return pack_conversations(docs, tokenizer, cfg.train.seq_len,
+                                  assistant_only=cfg.data.assistant_only_loss), where
     return pack_documents(docs, tokenizer, cfg.train.seq_len), where
 
 
@@ -150,15 +158,16 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
     """Evaluate on this process, or as one rank of the default process group (every rank calls it;
     every rank gets the same result). `data` given: all of it; else the run's validation split.
     `prepared`: what `eval_config` returned for these arguments (it is not done twice)."""
-    from meshlm.tokenizer import load_tokenizer
+    from meshlm.tokenizer import CHAT_CONFIG_FILE, load_saved_tokenizer, load_tokenizer
 
     cfg, source = prepared or eval_config(checkpoint=checkpoint, hf=hf, data=data, overrides=overrides)
     if data is not None:
         cfg.data.val_fraction = 0.0  # a dataset given for evaluation is evaluated whole
     evaluator = Evaluator(cfg, weights=_weights_loader(source))
     saved = source.get("checkpoint")
-    if saved is not None and (saved / "tokenizer.json").is_file():  # the copy the run saved (verified)
-        tokenizer = load_tokenizer(saved / "tokenizer.json")
+    if saved is not None:  # the copies the run saved (verified), else data.tokenizer or bytes
+        names = [n for n in ("tokenizer.json", CHAT_CONFIG_FILE) if (saved / n).is_file()]
+        tokenizer = load_saved_tokenizer(saved, names, cfg.data.tokenizer)
     else:  # data.tokenizer, or bytes
         tokenizer = load_tokenizer(cfg.data.tokenizer)
     dataset, where = _eval_dataset(cfg, tokenizer)

@@ -34,6 +34,10 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
+# What a checkpoint carries of a chat template its model was trained with (its chat_template and special tokens,
+# as a Hugging Face tokenizer_config.json holds them), beside its tokenizer.json
+CHAT_CONFIG_FILE = "tokenizer_config.json"
+
 # Names an end-of-sequence token goes by in tokenizer.json files that come without a model directory.
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 
@@ -64,6 +68,16 @@ class Tokenizer:
     def encode_with_starts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """`encode_documents`' stream and where each document begins in it (int64 offsets, one per document, in
         order; a document's separator -- EOS, or the byte tokenizer's blank line -- is its own last token)."""
+        raise NotImplementedError
+
+    @property
+    def separator(self) -> list[int]:
+        """The tokens `encode_with_starts` puts after each document: EOS when there is one."""
+        return [self.eos_token_id] if self.eos_token_id is not None else []
+
+    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int32, the index in `text` of each token's first character int64) of `encode(text)`: what
+        a conversation's loss mask reads (`meshlm.data.chat`). A token the tokenizer adds itself (BOS) is at 0."""
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -159,6 +173,14 @@ class ByteTokenizer(Tokenizer):
         lengths = np.asarray([len(p) + 2 for p in parts], dtype=np.int64)  # each with the blank line after it
         return np.frombuffer(blob, dtype=np.uint8).astype(np.int32), np.cumsum(lengths) - lengths
 
+    separator = [10, 10]  # a blank line
+
+    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        width = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)  # UTF-8 bytes of each character
+        return (np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32),
+                np.repeat(np.arange(len(points), dtype=np.int64), width))
+
 
 class HFTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer` with its end-of-sequence ids and chat template."""
@@ -227,6 +249,11 @@ class HFTokenizer(Tokenizer):
         lengths = np.asarray([len(enc.ids) + len(sep) for enc in encodings], dtype=np.int64)
         return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), np.cumsum(lengths) - lengths
 
+    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return (np.asarray(enc.ids, dtype=np.int32),
+                np.asarray([start for start, _ in enc.offsets], dtype=np.int64).reshape(-1))
+
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
     """The tokenizer a training run names in `data.tokenizer`: bytes for no path, else a tokenizer.json (or a
@@ -241,6 +268,29 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         raise ValueError(f"tokenizer {str(path)!r} is not a tokenizer.json nor a folder holding one; pass one, "
                          "or leave data.tokenizer empty for bytes")
     return HFTokenizer.from_file(p)
+
+
+def chat_config(tokenizer: Tokenizer) -> dict | None:
+    """What a checkpoint saves of `tokenizer`'s chat template (`CHAT_CONFIG_FILE`), None when it has none."""
+    if not tokenizer.chat_template:
+        return None
+    return {"chat_template": tokenizer.chat_template, **tokenizer.special_tokens}
+
+
+def load_saved_tokenizer(folder: Path, names, fallback: str | Path | None) -> Tokenizer:
+    """The tokenizer a checkpoint `folder` carries (`names`: the files its manifest lists and verified): its
+    tokenizer.json, else `fallback`'s (data.tokenizer, or bytes); with the chat template it trained with when it
+    saved one (`CHAT_CONFIG_FILE`: the template, its special tokens, and its eos_token -- e.g. ChatML's
+    <|im_end|>, which ends a turn -- among the end-of-sequence ids)."""
+    tokenizer = load_tokenizer(folder / "tokenizer.json" if "tokenizer.json" in names else fallback)
+    if CHAT_CONFIG_FILE in names and isinstance(tokenizer, HFTokenizer):
+        saved = _read_json(folder / CHAT_CONFIG_FILE)
+        tokenizer.chat_template = saved.get("chat_template")
+        tokenizer.special_tokens = {k: v for k, v in saved.items() if k != "chat_template" and isinstance(v, str)}
+        eos = tokenizer.tokenizer.token_to_id(tokenizer.special_tokens.get("eos_token", ""))
+        if eos is not None and eos not in tokenizer.eos_token_ids:
+            tokenizer.eos_token_ids = (*tokenizer.eos_token_ids, eos)
+    return tokenizer
 
 
 def eos_by_name(tok) -> int | None:

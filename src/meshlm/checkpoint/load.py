@@ -146,7 +146,7 @@ def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.devic
                                   dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Config, Any]:
     """(model in eval mode, config, tokenizer) from a run directory or a checkpoint; no optimizer state."""
     from meshlm.models import build_model
-    from meshlm.tokenizer import load_tokenizer
+    from meshlm.tokenizer import load_saved_tokenizer
 
     ckpt = resolve_checkpoint(path)
     listed = verify_checkpoint(ckpt)["files"]  # before meta.json is parsed
@@ -155,5 +155,5 @@ def load_checkpoint_for_inference(path: str | Path, *, device: str | torch.devic
     model = build_model(cfg.model, seed=cfg.train.seed)
     load_weights(ckpt, model, checksums=False)  # verified just above
     # The copy the run saved (verified), never a stray file; else data.tokenizer, or bytes.
-    tokenizer = load_tokenizer(ckpt / "tokenizer.json" if "tokenizer.json" in listed else cfg.data.tokenizer)
+    tokenizer = load_saved_tokenizer(ckpt, listed, cfg.data.tokenizer)
     return model.to(device=device, dtype=dtype).eval(), cfg, tokenizer

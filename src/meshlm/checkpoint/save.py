@@ -64,15 +64,15 @@ def rng_state() -> dict:
 
 def save_checkpoint(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     config: Config, rank_extra: dict, rank: int = 0, world_size: int = 1, keep: int = 2,
-                    barrier: Callable[[], None] = lambda: None, files: dict[str, Path] | None = None,
+                    barrier: Callable[[], None] = lambda: None, files: dict[str, Path | str] | None = None,
                     mesh=None) -> Path:
     """Write checkpoint `step` atomically and point `latest` at it; return its directory.
 
     `rank_extra` (RNG states, loader position, ...: plain JSON data) goes to this rank's own file. With
     several ranks every rank calls this (DCP's save is collective) and passes a `barrier` so rank 0
     publishes only after all ranks have written. `files` are copied in by rank 0 (e.g. the
-    tokenizer.json, so the checkpoint is self-contained). `mesh` is needed when the model is sharded
-    (tensor/expert parallel: it places the shards in the full tensors).
+    tokenizer.json, so the checkpoint is self-contained; a str is the file's text, e.g. the chat template).
+    `mesh` is needed when the model is sharded (tensor/expert parallel: it places the shards in the full tensors).
 
     Durability: every rank fsyncs the files it wrote and records their sizes and checksums; after a
     barrier rank 0 merges those into `manifest.json`, written last, fsyncs, renames `step_N.tmp` to
@@ -95,14 +95,14 @@ class PendingSave:
     keep: int
     barrier: Callable[[], None]
     meta: dict
-    files: dict[str, Path]
+    files: dict[str, Path | str]  # a file to copy, or a text to write
     rank_extra: dict
     writes: list = field(default_factory=list)  # what is still writing: DCP's future, the weights' thread
 
 
 def begin_save(run_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                config: Config, rank_extra: dict, rank: int = 0, world_size: int = 1, keep: int = 2,
-               barrier: Callable[[], None] = lambda: None, files: dict[str, Path] | None = None, mesh=None,
+               barrier: Callable[[], None] = lambda: None, files: dict[str, Path | str] | None = None, mesh=None,
                async_group=None, asynchronous: bool = False) -> PendingSave:
     """The first half of `save_checkpoint` (collective): capture the state and start writing it.
 
@@ -159,7 +159,10 @@ def finish_save(pending: PendingSave) -> Path:
     if p.rank == 0:
         (p.tmp / META).write_text(json.dumps(p.meta, indent=1))
         for name, src in p.files.items():
-            shutil.copyfile(src, p.tmp / name)
+            if isinstance(src, str):
+                (p.tmp / name).write_text(src)
+            else:
+                shutil.copyfile(src, p.tmp / name)
     p.barrier()
     if p.rank == 0:
         _publish(p.tmp, p.final, world_size=p.world_size, keep=p.keep)

@@ -346,6 +346,10 @@ def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
             row = json.loads(line)
         except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
             raise ValueError(f"{where} is not valid JSON ({e}); fix or delete that line") from None
+        if isinstance(row, dict) and field not in row and "messages" in row:
+            raise ValueError(f"{where} is a conversation ('messages'), not a text: prepare takes texts; train on "
+                             "a .jsonl of conversations with data.path=FILE (read in memory and rendered by the chat "
+                             "template, the loss on the assistant's turns)")
         if not isinstance(row, dict) or field not in row:
             raise ValueError(f"{where} has no field {field!r}; pass --field NAME for the key that holds the text")
         if not isinstance(row[field], str):

@@ -2,12 +2,16 @@
 
 Responsible for: reading a text file,
 a folder of text files, a `.jsonl` with a `text` field, or the embedded default corpus (the `.py` files
-of the running interpreter's standard library); a deterministic train/validation split by document;
+of the running interpreter's standard library); a `.jsonl` of conversations ({"messages": [...]}, chat.py
+renders and masks them); a deterministic train/validation split by document (or conversation);
 packing the token stream into samples of `seq_len + 1` tokens, remembering where each document begins
-(`PackedDataset.document_starts`); and `BatchLoader`, which walks a seeded shuffle of the samples one global
-batch per optimizer step, hands data-parallel rank r its contiguous slice, splits it into micro-batches
-(`micro_batch`: inputs, targets and, under data.document_mask, the document ids of
-`meshlm.models.documents`), and can save and restore its position.
+(`PackedDataset.document_starts`) and, for conversations, which targets count in the loss (the others are
+`IGNORE_INDEX`, which every loss here skips: `F.cross_entropy`'s default); and `BatchLoader`, which walks a seeded
+shuffle of the samples one global batch per optimizer step, hands data-parallel rank r its contiguous slice,
+splits it into micro-batches (`micro_batch`: inputs, targets and, under data.document_mask, the document ids of
+`meshlm.models.documents`), counts the targets of the whole global batch that count in the loss (`loss_targets`:
+what every rank divides its token losses by, so that the loss is the global batch's mean under any layout and
+any number of micro-batches), and can save and restore its position.
 Not responsible for: tokenizers (`meshlm.tokenizer`), prepared token shards (dataset.py, loader.py), moving
 batches to a device, or sharding the sequence dimension (context parallelism slices the micro-batches it is
 given).
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 
 from meshlm.config import DataConfig
+from meshlm.data.chat import Conversation, encode_conversations, is_chat_jsonl, read_conversations
 from meshlm.models.documents import documents_from_starts
 from meshlm.tokenizer import Tokenizer
 
@@ -119,10 +124,21 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
     if len(docs) == 1:
         cut = int(len(docs[0]) * (1 - val_fraction))
         return [docs[0][:cut]], [docs[0][cut:]]
+    return _split_by_hash(docs, docs, val_fraction)
+
+
+def split_conversations(convs: list[Conversation], val_fraction: float) -> tuple[list, list]:
+    """`split_documents`' rule for conversations, each hashed by its line as read (a single one stays whole)."""
+    if val_fraction <= 0 or len(convs) < 2:
+        return convs, []
+    return _split_by_hash(convs, [c.key for c in convs], val_fraction)
+
+
+def _split_by_hash(items: list, keys: list[str], val_fraction: float) -> tuple[list, list]:
     train, val = [], []
-    for d in docs:
-        h = int.from_bytes(hashlib.sha256(d.encode("utf-8", errors="replace")).digest()[:8], "little")
-        (val if h / 2**64 < val_fraction else train).append(d)
+    for item, key in zip(items, keys):
+        h = int.from_bytes(hashlib.sha256(key.encode("utf-8", errors="replace")).digest()[:8], "little")
+        (val if h / 2**64 < val_fraction else train).append(item)
     if not val:  # few documents: take the last one rather than have no validation at all
         train, val = train[:-1], train[-1:]
     return train, val
@@ -131,6 +147,8 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
 # --------------------------------------------------------------------------------------------
 # Packing
 # --------------------------------------------------------------------------------------------
+
+IGNORE_INDEX = -100  # a target that does not count in the loss (F.cross_entropy's default ignore_index)
 
 
 @dataclass
@@ -143,18 +161,33 @@ class PackedDataset:
     tokens: torch.Tensor  # 1-D int32
     seq_len: int
     starts: np.ndarray | None = None  # int64, sorted: where each document begins in `tokens` (None: not known)
+    # bool per token: whether predicting it counts in the loss (conversations: the assistant's turns); None: all do
+    trainable: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return max(0, (self.tokens.numel() - 1) // self.seq_len)
 
+    def _rows(self, values: torch.Tensor, indices) -> torch.Tensor:
+        view = values[: len(self) * self.seq_len + 1].unfold(0, self.seq_len + 1, self.seq_len)
+        return view[torch.as_tensor(indices).long()]
+
     def samples(self, indices: torch.Tensor) -> torch.Tensor:
         """[len(indices), seq_len + 1] int64."""
-        view = self.tokens[: len(self) * self.seq_len + 1].unfold(0, self.seq_len + 1, self.seq_len)
-        return view[indices].long()
+        return self._rows(self.tokens, indices).long()
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), the targets that do not count in the loss set to `IGNORE_INDEX`."""
         s = self.samples(indices)
-        return s[:, :-1], s[:, 1:]
+        inputs, targets = s[:, :-1], s[:, 1:]
+        if self.trainable is not None:
+            targets = targets.masked_fill(~self._rows(self.trainable, indices)[:, 1:], IGNORE_INDEX)
+        return inputs, targets
+
+    def loss_targets(self, indices) -> int:
+        """How many targets of the samples `indices` count in the loss."""
+        if self.trainable is None:
+            return len(indices) * self.seq_len
+        return int(self._rows(self.trainable, indices)[:, 1:].sum())
 
     def document_starts(self, indices) -> list[np.ndarray]:
         """Per sample, the positions in [0, seq_len] (within its seq_len + 1 tokens) where a document begins."""
@@ -167,11 +200,17 @@ class PackedDataset:
         return [self.starts[a:b] - o for a, b, o in zip(lo, hi, begins)]
 
 
-def pack(tokens: np.ndarray | torch.Tensor, seq_len: int, *, starts: np.ndarray | None = None) -> PackedDataset:
-    """`tokens` cut into samples; `starts`: where each document begins in them (for data.document_mask)."""
+def pack(tokens: np.ndarray | torch.Tensor, seq_len: int, *, starts: np.ndarray | None = None,
+         trainable: np.ndarray | None = None) -> PackedDataset:
+    """`tokens` cut into samples; `starts`: where each document begins in them (for data.document_mask);
+    `trainable`: per token, whether predicting it counts in the loss (None: every one)."""
     t = torch.as_tensor(np.asarray(tokens, dtype=np.int32)) if not isinstance(tokens, torch.Tensor) else tokens
     starts = None if starts is None else np.asarray(starts, dtype=np.int64)
-    return PackedDataset(tokens=t.to(torch.int32).contiguous(), seq_len=seq_len, starts=starts)
+    if trainable is not None:
+        trainable = torch.as_tensor(np.asarray(trainable, dtype=bool))
+        if trainable.shape != t.shape:
+            raise ValueError(f"trainable has {tuple(trainable.shape)} flags for {tuple(t.shape)} tokens")
+    return PackedDataset(tokens=t.to(torch.int32).contiguous(), seq_len=seq_len, starts=starts, trainable=trainable)
 
 
 def pack_documents(texts: list[str], tokenizer: Tokenizer, seq_len: int) -> PackedDataset:
@@ -192,15 +231,32 @@ def micro_batch(dataset, indices: torch.Tensor, *, documents: bool = False) -> t
 
 def build_datasets(data: DataConfig, *, seq_len: int,
                    tokenizer: Tokenizer) -> tuple[PackedDataset, PackedDataset]:
-    """Read, split, tokenize and pack: (train, validation). Cached in memory only, by the caller."""
-    train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
-    train = pack_documents(train_docs, tokenizer, seq_len)
-    val = pack_documents(val_docs, tokenizer, seq_len)
+    """Read, split, tokenize and pack: (train, validation). Cached in memory only, by the caller. A `.jsonl` of
+    conversations (`chat.is_chat_jsonl`) is rendered by `tokenizer`'s chat template, its loss on the assistant's
+    turns unless data.assistant_only_loss is false."""
     where = data.path or "the standard-library corpus"
+    if is_chat_jsonl(data.path):
+        halves = split_conversations(read_conversations(data.path, max_bytes=data.max_bytes), data.val_fraction)
+        train, val = (pack_conversations(convs, tokenizer, seq_len, assistant_only=data.assistant_only_loss)
+                      for convs in halves)
+        if len(train) and not bool(train.trainable.any()):
+            raise ValueError(f"{where}: no token of the training conversations is an assistant's; each needs a "
+                             "message with role 'assistant' (or set data.assistant_only_loss=false)")
+    else:
+        train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
+        train = pack_documents(train_docs, tokenizer, seq_len)
+        val = pack_documents(val_docs, tokenizer, seq_len)
     if len(train) == 0:
         raise ValueError(f"{where} gives {train.tokens.numel()} training tokens, fewer than one sample of "
                          f"train.seq_len+1={seq_len + 1}; use more text or a smaller train.seq_len")
     return train, val
+
+
+def pack_conversations(convs: list[Conversation], tokenizer: Tokenizer, seq_len: int, *,
+                       assistant_only: bool) -> PackedDataset:
+    """Render, tokenize and pack conversations (`chat.encode_conversations`), with their starts and loss flags."""
+    tokens, starts, trainable = encode_conversations(convs, tokenizer, assistant_only=assistant_only)
+    return pack(tokens, seq_len, starts=starts, trainable=trainable)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +294,9 @@ class BatchLoader:
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.documents = documents
+        # the targets of the last global batch (all ranks) that count in the loss: every one, unless the data
+        # masks some (conversations); PreparedLoader's data masks none
+        self.loss_targets = global_batch_size * seq_len
         self.epoch, self.position = 0, 0
         self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
@@ -256,8 +315,9 @@ class BatchLoader:
         return idx
 
     def next_batch(self) -> list[tuple[torch.Tensor, ...]]:
-        """This rank's micro-batches of the next global batch."""
+        """This rank's micro-batches of the next global batch (`loss_targets`: its targets that count)."""
         idx = self.next_global_indices()
+        self.loss_targets = self.dataset.loss_targets(idx)
         local = self.global_batch_size // self.dp_size
         mine = idx[self.dp_rank * local: (self.dp_rank + 1) * local]
         return [micro_batch(self.dataset, chunk, documents=self.documents)

@@ -13,9 +13,10 @@ group writes its own under run_dir/replica_<i>).
 The numbers. Group g of N takes slice g of every global batch (B sequences: ranks g*d .. g*d+d-1 of N*d data
 slices, d the group's own data-parallel degree), and its ranks' losses are normalised by the whole batch's tokens
 as usual. With P groups live in a step, the gradients are SUMMED over them and scaled by N/P: the gradient of the
-mean loss over the tokens the live groups processed (all groups hold the same number). The reported loss is that
-mean too. `metrics.jsonl` rows carry `replicas` (the live groups of that step) and `replica_group`; replaying those
-memberships in one process (`MembershipReplay`) gives the same weights.
+mean loss over the tokens the live groups processed (all groups hold the same number; of conversations, whose
+loss counts the assistant's targets only, the groups' counts differ, and a step without some group scales as if
+they did not). The reported loss is that mean too. `metrics.jsonl` rows carry `replicas` (the live groups of that
+step) and `replica_group`; replaying those memberships in one process (`MembershipReplay`) gives the same weights.
 
 A step whose cross-group reduction failed (a peer died mid-step) is not committed: the optimizer does not step,
 the data position goes back, and the step is retried with the next quorum (torchft's `max_retries` bounds it).
@@ -275,9 +276,9 @@ class ReplicaTrainer(Trainer):
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = t.global_batch_size * t.seq_len
+        num_tokens, counted = t.global_batch_size * t.seq_len, max(1, self.loader.loss_targets)
         return data_wait, lr, num_tokens, float(self.sum_over_dp(self.forward_backward(micro_batches,
-                                                                                    num_tokens=num_tokens)))
+                                                                                    num_tokens=counted)))
 
     def local_step(self) -> dict:
         """A semi-synchronous step: this group's slice alone (its gradients x N: the mean over its own tokens);
@@ -463,7 +464,7 @@ class MembershipReplay(Trainer):
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = t.global_batch_size * t.seq_len
-        loss = float(self.forward_backward(mine, num_tokens=num_tokens))
+        loss = float(self.forward_backward(mine, num_tokens=max(1, self.loader.loss_targets)))
         scale = self.replica_groups / len(live)
         for q in self.base_model.parameters():
             if q.grad is not None:

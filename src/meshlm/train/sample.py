@@ -23,10 +23,10 @@ from meshlm.parallel.tensor import full_state_dict
 from meshlm.tokenizer import Tokenizer
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str, *, max_seq_len: int) -> tuple[list[int], int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: str, *, max_seq_len: int, chat: bool = False) -> tuple[list[int], int]:
     """(the prompt's token ids -- a newline's for an empty prompt --, tokens left to generate), or refuse
-    a prompt that fills model.max_seq_len."""
-    ids = tokenizer.encode(prompt) or tokenizer.encode("\n")
+    a prompt that fills model.max_seq_len. `chat`: the prompt is a chat template's text (`Tokenizer.encode_prompt`)."""
+    ids = (tokenizer.encode_prompt(prompt) if chat else tokenizer.encode(prompt)) or tokenizer.encode("\n")
     room = max_seq_len - len(ids)
     if room <= 0:
         raise ValueError(f"prompt of {len(ids)} tokens leaves no room in model.max_seq_len={max_seq_len}")

@@ -10,7 +10,9 @@ optimizer (`meshlm.train.optim`).
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -22,7 +24,8 @@ from meshlm.mesh import Mesh
 from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.parallelize import ParallelModel, parallelize
-from meshlm.tokenizer import Tokenizer, load_tokenizer
+from meshlm.tokenizer import CHAT_CONFIG_FILE, HFTokenizer, Tokenizer, chat_config, load_tokenizer
+from meshlm.data.chat import is_chat_jsonl
 from meshlm.data.text import BatchLoader, build_datasets, pack
 
 
@@ -56,12 +59,32 @@ def seed_everything(seed: int) -> None:
 
 
 def load_training_tokenizer(cfg: Config) -> Tokenizer:
-    """`data.tokenizer`, refused when it has more tokens than the model has embeddings."""
+    """`data.tokenizer`, refused when it has more tokens than the model has embeddings. For conversations
+    (`meshlm.data.chat`) the tokenizer of a Hugging Face model folder (data.tokenizer, or the folder of its
+    tokenizer.json: `meshlm convert --to-meshlm` copies the model's files there) comes with its chat template."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if is_chat_jsonl(cfg.data.path) and cfg.data.tokenizer:
+        given = Path(cfg.data.tokenizer)
+        folder = given if given.is_dir() else given.parent if given.name == "tokenizer.json" else None
+        templated = HFTokenizer.from_dir(folder) if folder is not None else None
+        if templated is not None and templated.chat_template:
+            tokenizer = templated
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
     return tokenizer
+
+
+def checkpoint_files(tokenizer: Tokenizer) -> dict[str, Path | str]:
+    """What a checkpoint carries of the tokenizer: its tokenizer.json, and the chat template it trained with
+    (conversations read through a model folder's) with its special tokens, which
+    `meshlm.tokenizer.load_saved_tokenizer` reads back."""
+    files: dict[str, Path | str] = {}
+    if getattr(tokenizer, "path", None):
+        files["tokenizer.json"] = Path(tokenizer.path)
+    if chat_config(tokenizer) is not None:
+        files[CHAT_CONFIG_FILE] = json.dumps(chat_config(tokenizer), indent=1)
+    return files
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, *, device: torch.device, dtype: torch.dtype,

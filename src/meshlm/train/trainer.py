@@ -32,9 +32,11 @@ losses and validation sums are reduced over "dp_cp" (data-parallel and cp ranks)
 Under document masking (data.document_mask) every micro-batch carries its document ids (`meshlm.models.documents`),
 whole sequences on every rank; the model masks attention by document and restarts RoPE's positions at each one.
 
-Loss normalisation: every micro-batch contributes `sum of token losses / tokens in the global batch`,
-so the gradients *summed* over micro-batches (and over data-parallel ranks) are those of the mean
-over the global batch. A data-parallel gradient reduction must therefore be a sum, not a mean.
+Loss normalisation: every micro-batch contributes `sum of token losses / targets in the global batch that count`
+(every target of packed text; of conversations, the assistant's: the loader's `loss_targets`, counted from the
+global batch on every rank, so no collective is needed), so the gradients *summed* over micro-batches (and over
+data-parallel ranks) are those of the mean over the global batch, however unevenly the counted targets fall
+between micro-batches and ranks. A data-parallel gradient reduction must therefore be a sum, not a mean.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from meshlm.parallel.tensor import vocab_parallel_cross_entropy
 from meshlm.schedules import build_schedule
 from meshlm.stragglers import ArrivalRecord, StragglerWatch
 from meshlm.timeline import write_timeline
-from meshlm.data.text import validation_batches
+from meshlm.data.text import IGNORE_INDEX, validation_batches
 from meshlm.train.memory import memory_checkpoints, storage_step
 from meshlm.train.metrics import MetricsLogger, peak_tflops_guess
 from meshlm.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -81,6 +83,7 @@ from meshlm.train.resume import (
 from meshlm.train.sample import prompt_ids, whole_model
 from meshlm.train.setup import (
     build_data,
+    checkpoint_files,
     build_parallel_model,
     load_training_tokenizer,
     param_dtype,
@@ -140,7 +143,7 @@ class Trainer:
         self.checkpoints = CheckpointWriter(
             self.run_dir, config=self.cfg, rank=self.rank, world_size=self.world_size, mesh=self.mesh,
             barrier=self.barrier,
-            files={"tokenizer.json": Path(self.tokenizer.path)} if hasattr(self.tokenizer, "path") else None)
+            files=checkpoint_files(self.tokenizer))
         if self.is_main:
             make_run_dir(t.run_dir)
         # After the launcher restarted the ranks (--max-restarts): how far the run had got, to log what it lost.
@@ -334,8 +337,9 @@ class Trainer:
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = t.global_batch_size * t.seq_len  # packing: no padding, every target counts
-        loss = self.forward_backward(micro_batches, num_tokens=num_tokens)
+        num_tokens = t.global_batch_size * t.seq_len  # packing: no padding, every token is run
+        # the mean over the global batch's targets that count (conversations: the assistant's), under any layout
+        loss = self.forward_backward(micro_batches, num_tokens=max(1, self.loader.loss_targets))
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
         self.optimizer.step()
@@ -460,14 +464,14 @@ class Trainer:
                                            activation_dtype=self.dtype, forward_only=True, loss_fn=self.loss_sum,
                                            sequence_shards=self.sequence_shards, positions=positions)
             totals[0] += result.loss
-            totals[1] += sum(batch[1].numel() for batch in batches)
+            totals[1] += sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches)
             batches = []
         for batch in batches:
             inputs, targets, positions, documents = self.local_batch(*batch)
             with self.autocast():
                 logits = self.model(inputs, positions=positions, documents=documents)
             totals[0] += self.loss_sum(logits, targets)
-            totals[1] += targets.numel()
+            totals[1] += int((targets != IGNORE_INDEX).sum())
         self.model.train()
         loss_sum, count = self.sum_over_dp(totals).tolist()
         return loss_sum, int(count)
@@ -521,15 +525,16 @@ class Trainer:
     # -- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int, *, temperature: float = 0.8, top_p: float = 0.95,
-               seed: int | None = None) -> str:
-        """The text the model continues `prompt` with (the prompt itself not included).
+               seed: int | None = None, chat: bool = False) -> str:
+        """The text the model continues `prompt` with (the prompt itself not included; `chat`: a chat template's
+        text, encoded as the server encodes one).
 
         Sampled by default (seeded by train.seed, so reproducible): a small byte-level model decoded
         greedily falls into repeating its most frequent word. `temperature=0` is greedy.
         """
         from meshlm.models.generation import generate
 
-        ids, room = prompt_ids(self.tokenizer, prompt, max_seq_len=self.cfg.model.max_seq_len)
+        ids, room = prompt_ids(self.tokenizer, prompt, max_seq_len=self.cfg.model.max_seq_len, chat=chat)
         model = whole_model(self.cfg, self.base_model, self.parallel, self.mesh, device=self.device, dtype=self.dtype)
         with self.autocast():
             out = generate(model, ids, max_new_tokens=min(max_new_tokens, room), temperature=temperature,

@@ -1,0 +1,151 @@
+"""Conversations as training data (supervised fine-tuning): each rendered by the chat template the model will be
+served with, tokenized as one text, and the loss taken on the assistant's turns only.
+
+Responsible for: telling a `.jsonl` of conversations from one of texts (`is_chat_jsonl`: its first line has
+"messages"); reading and checking every conversation before any rank starts (`read_conversations`: OpenAI's form,
+{"messages": [{"role": ..., "content": ...}, ...]} with an optional "tools" list, errors naming file:line);
+`encode_conversations`, the token stream training packs with where each conversation begins and, per token,
+whether predicting it counts in the loss.
+
+Which tokens count. For the assistant message i of a conversation, the template's text of messages[:i] with the
+generation prompt (`p`) must begin the text of messages[:i + 1] (`e`), which must begin the whole conversation's
+text: the characters e adds to p -- the reply and whatever closes its turn (Llama 3's <|eot_id|>, ChatML's
+<|im_end|>) -- are the assistant's, so the model learns to end its turn where the server stops it. The whole text is
+tokenized once (as the server tokenizes a prompt, `Tokenizer.encode_prompt`), and a token counts when its first
+character lies in one of those stretches. A template that does not write a conversation's turns as prefixes of
+the whole (Qwen3's drops the reasoning of earlier turns) is refused by name: `data.assistant_only_loss=false`
+trains on every token instead. The separator between packed conversations (EOS, or the byte tokenizer's blank
+line) is never a target that counts when only the assistant's turns do.
+
+Not responsible for: packing, splitting and batching (text.py: a masked target is `IGNORE_INDEX`), the template
+language (meshlm.tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshlm.tokenizer import ChatTemplateError, Tokenizer
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list[dict]
+    tools: list[dict] | None
+    where: str  # "file:line", for errors
+    key: str  # the line as read: what the train/validation split hashes
+
+
+def is_chat_jsonl(path: str | Path) -> bool:
+    """Whether a `.jsonl` holds conversations: its first non-blank line is an object with "messages"."""
+    path = Path(path)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    return False  # the text reader names the line
+                return isinstance(row, dict) and "messages" in row
+    return False
+
+
+def read_conversations(path: str | Path, *, max_bytes: int) -> list[Conversation]:
+    """Every conversation of a `.jsonl` (whole lines until `max_bytes` of it are read), each checked."""
+    path, out, total = Path(path), [], 0
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if total >= max_bytes:
+                break
+            total += len(line.encode("utf-8"))
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not valid JSON ({e}); each line must be an object") from None
+            out.append(_conversation(row, where, line.strip()))
+    return out
+
+
+def first_turn(path: str | Path) -> list[dict] | None:
+    """The messages of a file's first conversation before its first assistant message (what the end-of-training
+    sample answers), None when there are none."""
+    with Path(path).open(encoding="utf-8") as f:
+        line = next((line for line in f if line.strip()), "")
+    messages = json.loads(line)["messages"]
+    head = next((messages[:i] for i, m in enumerate(messages) if m.get("role") == "assistant"), messages)
+    return head or None
+
+
+def _conversation(row, where: str, key: str) -> Conversation:
+    shape = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+        raise ValueError(f"{where} has no non-empty list 'messages'; each line of a conversation file must be "
+                         f"{shape} (a file of texts has {{\"text\": ...}} on every line instead)")
+    for j, m in enumerate(row["messages"]):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}: messages[{j}] must be an object with a string 'role', as in {shape}")
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and m["role"] == "assistant" and m.get("tool_calls"))):
+            raise ValueError(f"{where}: messages[{j}].content must be a string (an assistant's may be null when it "
+                             f"has tool_calls); got {type(content).__name__}")
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: 'tools' must be a list of function definitions (objects), as the chat API's")
+    return Conversation(messages=row["messages"], tools=tools, where=where, key=key)
+
+
+def encode_conversations(conversations: list[Conversation], tokenizer: Tokenizer, *,
+                         assistant_only: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens int32, starts int64: where each conversation begins, trainable bool per token: whether predicting
+    it counts in the loss) of the conversations packed in order, each followed by the tokenizer's document
+    separator (`Tokenizer.separator`)."""
+    sep_tokens = np.asarray(tokenizer.separator, dtype=np.int32)
+    tokens, trainable, lengths = [], [], []
+    for conv in conversations:
+        ids, counts = encode_conversation(conv, tokenizer, assistant_only=assistant_only)
+        tokens += [ids, sep_tokens]
+        trainable += [counts, np.full(len(sep_tokens), not assistant_only)]
+        lengths.append(len(ids) + len(sep_tokens))
+    if not tokens:
+        return np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, bool)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.concatenate(tokens), np.cumsum(lengths) - lengths, np.concatenate(trainable)
+
+
+def encode_conversation(conv: Conversation, tokenizer: Tokenizer, *, assistant_only: bool) -> tuple[np.ndarray,
+                                                                                                     np.ndarray]:
+    """(token ids, whether each counts in the loss) of one conversation rendered whole."""
+    def render(messages, generation_prompt):
+        try:
+            return tokenizer.apply_chat_template(messages, conv.tools, add_generation_prompt=generation_prompt)
+        except ChatTemplateError as e:
+            raise ValueError(f"{conv.where}: {e}") from None
+
+    whole = render(conv.messages, False)
+    ids, offsets = tokenizer.encode_with_offsets(whole, add_special_tokens=tokenizer.chat_template is None)
+    if not assistant_only:
+        return ids, np.ones(len(ids), dtype=bool)
+    spans = []
+    for i, m in enumerate(conv.messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(conv.messages[:i], True), render(conv.messages[: i + 1], False)
+        if not (through.startswith(before) and whole.startswith(through)):
+            raise ValueError(f"{conv.where}: the chat template does not write this conversation's turns as a "
+                             f"prefix of the whole (messages[{i}], the assistant's, changes what comes before it: "
+                             "e.g. Qwen3's template drops earlier turns' reasoning), so the assistant's tokens "
+                             "cannot be told apart; set data.assistant_only_loss=false to train on every token")
+        spans.append((len(before), len(through)))
+    counts = np.zeros(len(ids), dtype=bool)
+    for lo, hi in spans:
+        counts |= (offsets >= lo) & (offsets < hi)
+    return ids, counts

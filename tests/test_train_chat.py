@@ -1,0 +1,282 @@
+"""Training on conversations (supervised fine-tuning, `meshlm.data.chat`): the loss counts the assistant's turns only,
+as the chat template writes them, and is the global batch's mean under every layout.
+
+What the mask holds is checked against the template's text: with the fallback template and bytes (multi-byte
+characters included), and with a ChatML template on a BPE tokenizer read from a model folder, where what counts is
+each reply and its <|im_end|>. The loss: the trainer's first step equals the whole batch's cross entropy over the
+counted targets, taken directly, with micro-batches that hold different numbers of them (a mean per micro-batch
+would differ, and the test says by how much); and layouts reproduce one process in fp64 through `meshlm verify`.
+Bad conversation files are refused before training, naming file:line.
+"""
+
+import io
+import json
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshlm import verify
+from meshlm.config import DataConfig, load_config
+from meshlm.data.chat import encode_conversation, is_chat_jsonl, read_conversations
+from meshlm.data.text import IGNORE_INDEX, build_datasets
+from meshlm.tokenizer import ByteTokenizer, HFTokenizer
+from parity import FP64_TOL
+from runs import SMALL_MODEL, harness_launch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    """Arithmetic chats of one or two rounds, some with a system message, replies of different lengths."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        msgs = [{"role": "user", "content": f"What is {a} plus {b}?"},
+                {"role": "assistant", "content": f"{a + b}." + " Sure." * (i % 3)}]
+        if i % 3 == 0:
+            msgs = [{"role": "system", "content": "Be brief, é."}, *msgs,
+                    {"role": "user", "content": "Twice that?"}, {"role": "assistant", "content": f"{2 * (a + b)}"}]
+        out.append({"messages": msgs})
+    return out
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("chat") / "chat.jsonl", conversations(240))
+
+
+def counted_text(ids, counts, decode) -> list[str]:
+    """The stretches of counted tokens, decoded."""
+    out, run = [], []
+    for t, c in zip(list(ids) + [None], list(counts) + [False]):
+        if c:
+            run.append(t)
+        elif run:
+            out.append(decode(run))
+            run = []
+    return out
+
+
+def test_with_bytes_and_the_fallback_template_each_reply_and_its_newline_count():
+    tok = ByteTokenizer()
+    conv = read_conversations_of([conversations(1)[0]])[0]
+    ids, counts = encode_conversation(conv, tok, assistant_only=True)
+    text = tok.apply_chat_template(conv.messages, add_generation_prompt=False)
+    assert bytes(ids.tolist()).decode() == text
+    replies = [m["content"] + "\n" for m in conv.messages if m["role"] == "assistant"]
+    assert counted_text(ids, counts, tok.decode) == replies
+    ids_all, counts_all = encode_conversation(conv, tok, assistant_only=False)
+    assert (ids_all == ids).all() and counts_all.all()
+
+
+def read_conversations_of(rows):
+    with tempfile.TemporaryDirectory() as d:
+        return read_conversations(write_jsonl(Path(d) / "c.jsonl", rows), max_bytes=1 << 30)
+
+
+@pytest.fixture(scope="module")
+def chatml_folder(tmp_path_factory):
+    """A model folder's tokenizer: a byte-level BPE of 300 entries with ChatML's special tokens and template,
+    <|im_end|> its eos_token (as Qwen's instruct models)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("chatml")
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    texts = [m["content"] for c in conversations(50, seed=3) for m in c["messages"]]
+    raw.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|im_start|>",
+                                                                                       "<|im_end|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    return folder
+
+
+def test_a_model_folder_s_chatml_template_counts_each_reply_and_its_end_token(chatml_folder):
+    tok = HFTokenizer.from_dir(chatml_folder)
+    rows = conversations(12, seed=5)
+    for conv in read_conversations_of(rows):
+        ids, counts = encode_conversation(conv, tok, assistant_only=True)
+        assert tok.tokenizer.decode(ids.tolist(), skip_special_tokens=False) == \
+            tok.apply_chat_template(conv.messages, add_generation_prompt=False)
+        replies = [m["content"] + "<|im_end|>\n" for m in conv.messages if m["role"] == "assistant"]
+        got = counted_text(ids, counts, lambda r: tok.tokenizer.decode(r, skip_special_tokens=False))
+        assert got == replies
+
+
+def test_the_packed_batches_hide_what_does_not_count_and_the_loader_counts_the_rest(chat_file):
+    train, val = build_datasets(DataConfig(path=chat_file), seq_len=48, tokenizer=ByteTokenizer())
+    assert len(val) > 0 and len(train) > 30
+    idx = torch.arange(0, 16)
+    inputs, targets = train.batch(idx)
+    whole = train.samples(idx)
+    counted = targets != IGNORE_INDEX
+    assert (targets[counted] == whole[:, 1:][counted]).all()
+    assert 0 < int(counted.sum()) == train.loss_targets(idx) < targets.numel() // 2
+    # a counted target is a byte of an assistant's reply: digits, "Sure.", spaces, dots and the newline
+    assert set(bytes(targets[counted].tolist()).decode()) <= set("0123456789Sure. \n")
+    every = build_datasets(DataConfig(path=chat_file, assistant_only_loss=False), seq_len=48,
+                           tokenizer=ByteTokenizer())[0]
+    assert every.loss_targets(idx) == 16 * 48 and (every.batch(idx)[1] == whole[:, 1:]).all()
+
+
+def make_cfg(path, *extra):
+    return load_config(overrides=[*SMALL_MODEL, "train.seq_len=32", "train.global_batch_size=8",
+                                  "train.micro_batch_size=2", "train.lr=3e-3", "train.warmup_steps=2",
+                                  "train.device=cpu", "data.val_fraction=0.1", "train.val_interval=3",
+                                  "train.val_batches=1", "parallel.bucket_size_mb=0.02", f"data.path={path}",
+                                  *extra])
+
+
+def test_the_first_step_s_loss_is_the_whole_batch_s_mean_over_the_counted_targets(tmp_path, chat_file):
+    from meshlm.train.trainer import Trainer
+
+    cfg = make_cfg(chat_file, "train.precision=fp64", "train.steps=1", f"train.run_dir={tmp_path}",
+                   "train.progress=false", "train.val_batches=0")
+    trainer = Trainer(cfg)
+    state = trainer.loader.state_dict()
+    idx = trainer.loader.next_global_indices()
+    trainer.loader.load_state_dict(state)
+    inputs, targets = trainer.loader.dataset.batch(idx)
+    with torch.no_grad():
+        logits = trainer.model(inputs).double()
+    want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX))
+    per_micro = np.mean([float(F.cross_entropy(logits[i:i + 2].flatten(0, 1), targets[i:i + 2].flatten()))
+                         for i in range(0, 8, 2)])
+    counts = [int((targets[i:i + 2] != IGNORE_INDEX).sum()) for i in range(0, 8, 2)]
+    assert len(set(counts)) > 1, counts  # the micro-batches hold different numbers of counted targets
+    assert abs(per_micro - want) > 1e-4, (per_micro, want)  # so a mean per micro-batch would be another loss
+    row = trainer.train_step()
+    assert abs(row["loss"] - want) <= 1e-12 * abs(want), (row["loss"], want)
+
+
+LAYOUTS = {  # id: (ranks, settings)
+    "dp2": (2, []),
+    "tp2_sp": (2, ["parallel.tp=2"]),
+    "pp2_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "cp2_ring_document_mask": (2, ["parallel.cp=2", "parallel.cp_method=ring", "data.document_mask=true"]),
+    "zero3_dp2": (2, ["parallel.zero_stage=3"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_the_single_process_run_in_fp64(tmp_path, chat_file, layout):
+    nproc, settings = LAYOUTS[layout]
+    report = verify.run(make_cfg(chat_file, *settings), nproc=nproc, steps=3, run_dir=tmp_path,
+                        launch=harness_launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    worst = max(max(r.loss[2], r.grad_norm[2]) for r in report.rows)
+    assert worst <= FP64_TOL, verify.format_report(report)
+    assert report.max_weight_diff <= FP64_TOL, verify.format_report(report)
+
+
+def test_validation_counts_only_the_assistant_s_targets(tmp_path, chat_file):
+    from meshlm.train.trainer import Trainer
+
+    cfg = make_cfg(chat_file, "train.precision=fp64", "train.steps=1", f"train.run_dir={tmp_path}",
+                   "train.progress=false")
+    trainer = Trainer(cfg)
+    loss_sum, count = trainer.loss_totals(trainer.val_data, num_global_batches=1)
+    n = min(8, len(trainer.val_data))
+    idx = torch.arange(8) % len(trainer.val_data)
+    _, targets = trainer.val_data.batch(idx)
+    assert n > 0 and count == int((targets != IGNORE_INDEX).sum()) < targets.numel()
+
+
+def test_conversation_files_are_told_apart_and_bad_ones_refused_by_line(tmp_path):
+    assert is_chat_jsonl(write_jsonl(tmp_path / "c.jsonl", conversations(2)))
+    assert not is_chat_jsonl(write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}]))
+    good = json.dumps(conversations(1)[0])
+    bad = {
+        '{"messages": []}': "has no non-empty list 'messages'",
+        '{"messages": [{"content": "hi"}]}': "messages[0] must be an object with a string 'role'",
+        '{"messages": [{"role": "user", "content": 3}]}': "messages[0].content must be a string",
+        '{"messages": [{"role": "user", "content": "x"}], "tools": {}}': "'tools' must be a list",
+        "{not json": "is not valid JSON",
+    }
+    for line, words in bad.items():
+        path = tmp_path / "bad.jsonl"
+        path.write_text(good + "\n\n" + line + "\n")
+        with pytest.raises(ValueError, match="bad.jsonl:3") as e:
+            read_conversations(path, max_bytes=1 << 20)
+        assert words in str(e.value)
+    only_users = write_jsonl(tmp_path / "users.jsonl", [{"messages": [{"role": "user", "content": "hi " * 40}]}] * 9)
+    with pytest.raises(ValueError, match="no token of the training conversations is an assistant's"):
+        build_datasets(DataConfig(path=only_users), seq_len=16, tokenizer=ByteTokenizer())
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_unless_every_token_counts(tmp_path):
+    # as Qwen3's drops the reasoning of earlier turns: the last reply is written differently from the others
+    rewrites = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[old]{% else %}"
+                "<{{ m['role'] }}>{{ m['content'] }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = ByteTokenizer()
+    tok.chat_template = rewrites
+    conv = read_conversations_of([conversations(1)[0]])[0]
+    with pytest.raises(ValueError, match="data.assistant_only_loss=false"):
+        encode_conversation(conv, tok, assistant_only=True)
+    ids, counts = encode_conversation(conv, tok, assistant_only=False)
+    assert counts.all() and len(ids) > 0
+
+
+def test_the_checkpoint_carries_the_template_to_generation_eval_and_conversion(tmp_path, chat_file, chatml_folder):
+    from meshlm.checkpoint import load_checkpoint_for_inference
+    from meshlm.convert import to_hf
+    from meshlm.evaluate import evaluate
+    from meshlm.train.trainer import Trainer
+
+    cfg = make_cfg(chat_file, "train.steps=2", f"train.run_dir={tmp_path / 'run'}", "train.progress=false",
+                   "train.val_batches=0", "model.vocab_size=320", f"data.tokenizer={chatml_folder}")
+    Trainer(cfg).train()
+    _, _, tok = load_checkpoint_for_inference(tmp_path / "run")
+    end = tok.tokenizer.token_to_id("<|im_end|>")
+    assert tok.chat_template == CHATML and end in tok.eos_token_ids  # a reply stops where its turn ends
+    prompt = tok.encode_chat([{"role": "user", "content": "What is 1 plus 2?"}])
+    assert tok.decode(prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    to_hf(tmp_path / "run", tmp_path / "hf")
+    assert HFTokenizer.from_dir(tmp_path / "hf").chat_template == CHATML
+    result = evaluate(checkpoint=str(tmp_path / "run"), data=chat_file)
+    assert 0 < result.tokens < result.samples * cfg.train.seq_len / 2  # the assistant's targets only
+
+
+def test_fine_tuning_a_converted_model_renders_its_conversations_with_its_template(tmp_path, chat_file,
+                                                                                   chatml_folder):
+    import shutil
+
+    import transformers
+
+    from meshlm.checkpoint import load_checkpoint_for_inference
+    from meshlm.convert import to_meshlm
+    from meshlm.train.trainer import Trainer
+
+    hf = tmp_path / "hf"
+    shutil.copytree(chatml_folder, hf)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(hf)
+    to_meshlm(hf, tmp_path / "run", overrides=[f"data.path={chat_file}", "train.seq_len=32", "train.device=cpu",
+                                               "train.global_batch_size=8", "train.micro_batch_size=2",
+                                               "train.progress=false", "train.val_batches=0"])
+    cfg = load_config(tmp_path / "run" / "config.toml", ["train.steps=1"])
+    trainer = Trainer(cfg, resume=True)
+    assert trainer.tokenizer.chat_template == CHATML  # the model's own, not the fallback
+    _, targets = trainer.loader.dataset.batch(torch.arange(8))
+    counted = targets[targets != IGNORE_INDEX].tolist()
+    assert trainer.tokenizer.tokenizer.token_to_id("<|im_end|>") in counted
+    trainer.train()
+    _, _, tok = load_checkpoint_for_inference(tmp_path / "run")
+    assert tok.chat_template == CHATML and tok.tokenizer.token_to_id("<|im_end|>") in tok.eos_token_ids
