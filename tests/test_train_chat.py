@@ -128,9 +128,53 @@ def test_the_packed_batches_hide_what_does_not_count_and_the_loader_counts_the_r
     assert 0 < int(counted.sum()) == train.loss_targets(idx) < targets.numel() // 2
     # a counted target is a byte of an assistant's reply: digits, "Sure.", spaces, dots and the newline
     assert set(bytes(targets[counted].tolist()).decode()) <= set("0123456789Sure. \n")
-    every = build_datasets(DataConfig(path=chat_file, assistant_only_loss=False), seq_len=48,
-                           tokenizer=ByteTokenizer())[0]
-    assert every.loss_targets(idx) == 16 * 48 and (every.batch(idx)[1] == whole[:, 1:]).all()
+    every = build_datasets(DataConfig(path=chat_file, assistant_only_loss=False, split_across_samples=True),
+                           seq_len=48, tokenizer=ByteTokenizer())[0]  # back to back: no padding
+    assert every.loss_targets(idx) == 16 * 48 and (every.batch(idx)[1] == every.samples(idx)[:, 1:]).all()
+
+
+def test_a_conversation_that_fits_a_sample_is_never_cut_by_its_edge(chat_file):
+    seq_len = 64
+    convs = read_conversations(chat_file, max_bytes=1 << 30)
+    tok = ByteTokenizer()
+    lengths = [len(encode_conversation(c, tok, assistant_only=True)[0]) + len(tok.separator) for c in convs]
+    whole = build_datasets(DataConfig(path=chat_file, val_fraction=0), seq_len=seq_len, tokenizer=tok)[0]
+    split = build_datasets(DataConfig(path=chat_file, val_fraction=0, split_across_samples=True), seq_len=seq_len,
+                           tokenizer=tok)[0]
+    assert split.tokens.numel() == sum(lengths) and (np.diff(split.starts) == lengths[:-1]).all()
+    starts = [int(a) for a in whole.starts if int(whole.tokens[a]) == ord("<")]
+    assert len(starts) == len(convs)  # the others begin a padding run
+    cut = 0
+    for a, n in zip(starts, lengths):
+        cut += n <= seq_len + 1 and a % seq_len + n > seq_len + 1  # fits in a sample, yet crosses an edge
+    assert cut == 0
+    assert sum(a % seq_len + n > seq_len + 1 for a, n in zip(split.starts.tolist(), lengths) if n <= seq_len + 1)
+    padding = torch.ones_like(whole.trainable)
+    for a, n in zip(starts, lengths):
+        padding[a:a + n] = False
+    assert padding.any() and not whole.trainable[padding].any()  # no loss on the padding
+    assert int(whole.trainable.sum()) == int(split.trainable.sum())  # the same replies count, the padding adds none
+    assert len(whole) > len(split)
+
+
+def test_prompts_and_completions_count_the_completion_and_the_stop_after_it(tmp_path):
+    pairs = [{"prompt": f"Q: {i} + {i}?\nA:", "completion": f" {2 * i}é"} for i in range(6)]
+    path = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    assert is_chat_jsonl(path)
+    tok = ByteTokenizer()
+    data = build_datasets(DataConfig(path=path, val_fraction=0, split_across_samples=True), seq_len=8,
+                          tokenizer=tok)[0]
+    assert bytes(data.tokens.tolist()).decode() == "".join(p["prompt"] + p["completion"] + "\n\n" for p in pairs)
+    counted = counted_text(data.tokens.tolist(), data.trainable.tolist(), tok.decode)
+    assert counted == [p["completion"] + "\n\n" for p in pairs]  # the separator too: where the model stops
+    as_messages = [{"prompt": [{"role": "user", "content": "hi"}],
+                    "completion": [{"role": "assistant", "content": "hello"}]}]
+    conv = read_conversations(write_jsonl(tmp_path / "m.jsonl", as_messages), max_bytes=1 << 20)[0]
+    ids, counts = encode_conversation(conv, tok, assistant_only=True)
+    assert counted_text(ids, counts, tok.decode) == ["hello\n"]
+    for bad in ({"prompt": "q", "completion": ""}, {"prompt": "q", "completion": [{"role": "assistant"}]}):
+        with pytest.raises(ValueError, match="bad.jsonl:1: 'prompt' and 'completion' must be two texts"):
+            read_conversations(write_jsonl(tmp_path / "bad.jsonl", [bad]), max_bytes=1 << 20)
 
 
 def make_cfg(path, *extra):

@@ -403,6 +403,9 @@ class DataConfig:
     # a .jsonl of conversations ({"messages": [...]} lines, rendered by the tokenizer's chat template): the loss
     # counts only the assistant's turns (each reply and what closes it); false: every token of the conversation
     assistant_only_loss: bool = True
+    # conversations: one that does not fit in the rest of a sample starts the next one (the rest padded, no loss
+    # on it), so none is cut from its beginning; true: packed back to back and split across samples like texts
+    split_across_samples: bool = False
 
     @property
     def prepared(self) -> bool:

@@ -148,8 +148,8 @@ def _eval_dataset(cfg: Config, tokenizer):
         _, docs = (split_conversations if chat else split_documents)(docs, cfg.data.val_fraction)
         where = f"the validation split of {where} (data.val_fraction={cfg.data.val_fraction:g})"
     if chat:
-        return pack_conversations(docs, tokenizer, cfg.train.seq_len,
-                                  assistant_only=cfg.data.assistant_only_loss), where
+        return pack_conversations(docs, tokenizer, cfg.train.seq_len, assistant_only=cfg.data.assistant_only_loss,
+                                  whole=not cfg.data.split_across_samples), where
     return pack_documents(docs, tokenizer, cfg.train.seq_len), where
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from meshlm.cli.common import add_node_arguments
@@ -143,7 +144,7 @@ def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, r
 
 
 def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int) -> int:
-    from meshlm.data.chat import first_turn, is_chat_jsonl
+    from meshlm.data.chat import is_chat_jsonl, sample_prompt
     from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
     from meshlm.train.setup import resolve_device
     from meshlm.train.trainer import Trainer
@@ -157,18 +158,19 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
     try:
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite, restarts=restarts)
         trainer.train()
+        # Conversations: the reply to the first one's opening messages (its first user turn), as served;
+        # prompts and completions given as texts: the first prompt's.
+        prompt, chat = sample_prompt(cfg.data.path, trainer.tokenizer) if is_chat_jsonl(cfg.data.path) \
+            else ("def ", False)
         if cfg.train.sample_tokens > 0:
             # Every rank generates (the same tokens: same weights, same seed): under ZeRO-3 each
             # forward gathers parameters collectively, so rank 0 cannot run it alone.
-            # Conversations: the reply to the first one's opening messages (its first user turn), as served.
-            opening = first_turn(cfg.data.path) if is_chat_jsonl(cfg.data.path) else None
-            prompt = trainer.tokenizer.apply_chat_template(opening) if opening else "def "
-            text = trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens, chat=opening is not None)
+            text = trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens, chat=chat)
             if trainer.is_main:
                 print(f"--- sample ---\n{prompt}{text}\n--------------")
         if trainer.is_main and trainer.saved_step is not None:
             run_dir = cfg.train.run_dir
-            ask = '--chat --prompt "Hello"' if is_chat_jsonl(cfg.data.path) else '--prompt "def "'
+            ask = '--chat --prompt "Hello"' if chat else f"--prompt {json.dumps(prompt[:40])}"
             print(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.saved_step:06d}'}\n"
                   f"next: meshlm generate --checkpoint {run_dir} {ask}   |   "
                   f"meshlm eval --checkpoint {run_dir}   |   meshlm serve --model {run_dir}")

@@ -2,8 +2,11 @@
 served with, tokenized as one text, and the loss taken on the assistant's turns only.
 
 Responsible for: telling a `.jsonl` of conversations from one of texts (`is_chat_jsonl`: its first line has
-"messages"); reading and checking every conversation before any rank starts (`read_conversations`: OpenAI's form,
-{"messages": [{"role": ..., "content": ...}, ...]} with an optional "tools" list, errors naming file:line);
+"messages", or "prompt" and "completion"); reading and checking every conversation before any rank starts
+(`read_conversations`, errors naming file:line): OpenAI's form, {"messages": [{"role": ..., "content": ...}, ...]}
+with an optional "tools" list; or a prompt and its completion (TRL's two other forms): lists of messages, which are
+one conversation, or two texts, written one after the other without a template, the completion and the separator
+after it counting (so the model learns to stop);
 `encode_conversations`, the token stream training packs with where each conversation begins and, per token,
 whether predicting it counts in the loss.
 
@@ -38,10 +41,12 @@ class Conversation:
     tools: list[dict] | None
     where: str  # "file:line", for errors
     key: str  # the line as read: what the train/validation split hashes
+    texts: tuple[str, str] | None = None  # a prompt and its completion given as texts (then no messages)
 
 
 def is_chat_jsonl(path: str | Path) -> bool:
-    """Whether a `.jsonl` holds conversations: its first non-blank line is an object with "messages"."""
+    """Whether a `.jsonl` holds conversations: its first non-blank line is an object with "messages", or with
+    "prompt" and "completion"."""
     path = Path(path)
     if path.suffix != ".jsonl" or not path.is_file():
         return False
@@ -52,7 +57,7 @@ def is_chat_jsonl(path: str | Path) -> bool:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     return False  # the text reader names the line
-                return isinstance(row, dict) and "messages" in row
+                return isinstance(row, dict) and ("messages" in row or {"prompt", "completion"} <= set(row))
     return False
 
 
@@ -75,21 +80,30 @@ def read_conversations(path: str | Path, *, max_bytes: int) -> list[Conversation
     return out
 
 
-def first_turn(path: str | Path) -> list[dict] | None:
-    """The messages of a file's first conversation before its first assistant message (what the end-of-training
-    sample answers), None when there are none."""
-    with Path(path).open(encoding="utf-8") as f:
-        line = next((line for line in f if line.strip()), "")
-    messages = json.loads(line)["messages"]
-    head = next((messages[:i] for i, m in enumerate(messages) if m.get("role") == "assistant"), messages)
-    return head or None
+def sample_prompt(path: str | Path, tokenizer: Tokenizer) -> tuple[str, bool]:
+    """What the end-of-training sample continues: (the text, whether it is a chat template's) -- the file's first
+    conversation before its first assistant message, rendered with the generation prompt, or its first prompt."""
+    conv = read_conversations(path, max_bytes=1)[0]
+    if conv.texts is not None:
+        return conv.texts[0], False
+    head = next((conv.messages[:i] for i, m in enumerate(conv.messages) if m["role"] == "assistant"), conv.messages)
+    return tokenizer.apply_chat_template(head or conv.messages[:1]), True
 
 
 def _conversation(row, where: str, key: str) -> Conversation:
     shape = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+    if isinstance(row, dict) and "messages" not in row and {"prompt", "completion"} <= set(row):
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str) and completion:
+            return Conversation(messages=[], tools=None, where=where, key=key, texts=(prompt, completion))
+        if not (isinstance(prompt, list) and isinstance(completion, list) and completion):
+            raise ValueError(f"{where}: 'prompt' and 'completion' must be two texts or two lists of messages, the "
+                             "completion not empty")
+        row = {**row, "messages": prompt + completion}
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         raise ValueError(f"{where} has no non-empty list 'messages'; each line of a conversation file must be "
-                         f"{shape} (a file of texts has {{\"text\": ...}} on every line instead)")
+                         f"{shape}, or {{\"prompt\": ..., \"completion\": ...}} (a file of texts has "
+                         "{\"text\": ...} on every line instead)")
     for j, m in enumerate(row["messages"]):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"{where}: messages[{j}] must be an object with a string 'role', as in {shape}")
@@ -103,27 +117,46 @@ def _conversation(row, where: str, key: str) -> Conversation:
     return Conversation(messages=row["messages"], tools=tools, where=where, key=key)
 
 
-def encode_conversations(conversations: list[Conversation], tokenizer: Tokenizer, *,
-                         assistant_only: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_conversations(conversations: list[Conversation], tokenizer: Tokenizer, *, assistant_only: bool,
+                         whole_in: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens int32, starts int64: where each conversation begins, trainable bool per token: whether predicting
     it counts in the loss) of the conversations packed in order, each followed by the tokenizer's document
-    separator (`Tokenizer.separator`)."""
+    separator (`Tokenizer.separator`).
+
+    `whole_in` = seq_len: no conversation crosses the edge of a sample (samples start every seq_len tokens and
+    hold seq_len + 1, `text.PackedDataset`): one that does not fit in the rest of its sample starts the next one,
+    the rest filled with padding (the separator's first token, or 0; a document of its own that no loss counts).
+    One longer than a sample starts at a sample's start and runs on into the next ones."""
     sep_tokens = np.asarray(tokenizer.separator, dtype=np.int32)
-    tokens, trainable, lengths = [], [], []
+    pad_id = int(sep_tokens[0]) if len(sep_tokens) else 0
+    tokens, trainable, starts, at = [], [], [], 0
     for conv in conversations:
         ids, counts = encode_conversation(conv, tokenizer, assistant_only=assistant_only)
+        length = len(ids) + len(sep_tokens)
+        if whole_in and at % whole_in and at % whole_in + length > whole_in + 1:  # would cross the sample's end
+            pad = whole_in - at % whole_in
+            tokens.append(np.full(pad, pad_id, dtype=np.int32))
+            trainable.append(np.zeros(pad, dtype=bool))
+            starts.append(at)
+            at += pad
         tokens += [ids, sep_tokens]
-        trainable += [counts, np.full(len(sep_tokens), not assistant_only)]
-        lengths.append(len(ids) + len(sep_tokens))
+        # after a completion given as text, the separator (EOS) counts: it is how the model learns to stop
+        trainable += [counts, np.full(len(sep_tokens), not assistant_only or conv.texts is not None)]
+        starts.append(at)
+        at += length
     if not tokens:
         return np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, bool)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    return np.concatenate(tokens), np.cumsum(lengths) - lengths, np.concatenate(trainable)
+    return np.concatenate(tokens), np.asarray(starts, dtype=np.int64), np.concatenate(trainable)
 
 
 def encode_conversation(conv: Conversation, tokenizer: Tokenizer, *, assistant_only: bool) -> tuple[np.ndarray,
                                                                                                      np.ndarray]:
-    """(token ids, whether each counts in the loss) of one conversation rendered whole."""
+    """(token ids, whether each counts in the loss) of one conversation rendered whole (a prompt and completion
+    given as texts: the two one after the other, tokenized as documents are, without special tokens)."""
+    if conv.texts is not None:
+        prompt, completion = conv.texts
+        ids, offsets = tokenizer.encode_with_offsets(prompt + completion, add_special_tokens=False)
+        return ids, (offsets >= len(prompt)) if assistant_only else np.ones(len(ids), dtype=bool)
     def render(messages, generation_prompt):
         try:
             return tokenizer.apply_chat_template(messages, conv.tools, add_generation_prompt=generation_prompt)

@@ -237,8 +237,8 @@ def build_datasets(data: DataConfig, *, seq_len: int,
     where = data.path or "the standard-library corpus"
     if is_chat_jsonl(data.path):
         halves = split_conversations(read_conversations(data.path, max_bytes=data.max_bytes), data.val_fraction)
-        train, val = (pack_conversations(convs, tokenizer, seq_len, assistant_only=data.assistant_only_loss)
-                      for convs in halves)
+        train, val = (pack_conversations(convs, tokenizer, seq_len, assistant_only=data.assistant_only_loss,
+                                         whole=not data.split_across_samples) for convs in halves)
         if len(train) and not bool(train.trainable.any()):
             raise ValueError(f"{where}: no token of the training conversations is an assistant's; each needs a "
                              "message with role 'assistant' (or set data.assistant_only_loss=false)")
@@ -253,9 +253,11 @@ def build_datasets(data: DataConfig, *, seq_len: int,
 
 
 def pack_conversations(convs: list[Conversation], tokenizer: Tokenizer, seq_len: int, *,
-                       assistant_only: bool) -> PackedDataset:
-    """Render, tokenize and pack conversations (`chat.encode_conversations`), with their starts and loss flags."""
-    tokens, starts, trainable = encode_conversations(convs, tokenizer, assistant_only=assistant_only)
+                       assistant_only: bool, whole: bool = True) -> PackedDataset:
+    """Render, tokenize and pack conversations (`chat.encode_conversations`), with their starts and loss flags;
+    `whole`: none crosses a sample's edge (padding)."""
+    tokens, starts, trainable = encode_conversations(convs, tokenizer, assistant_only=assistant_only,
+                                                     whole_in=seq_len if whole else None)
     return pack(tokens, seq_len, starts=starts, trainable=trainable)
 
 
