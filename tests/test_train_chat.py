@@ -205,6 +205,7 @@ def test_the_first_step_s_loss_is_the_whole_batch_s_mean_over_the_counted_target
     assert abs(per_micro - want) > 1e-4, (per_micro, want)  # so a mean per micro-batch would be another loss
     row = trainer.train_step()
     assert abs(row["loss"] - want) <= 1e-12 * abs(want), (row["loss"], want)
+    assert row["loss_tokens"] == sum(counts)  # logged beside the loss
 
 
 LAYOUTS = {  # id: (ranks, settings)

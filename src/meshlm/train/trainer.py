@@ -351,8 +351,11 @@ class Trainer:
         comm_stats = self.mesh.stats.summary()
         # Each rank holds the sum over its slice of (token losses / global tokens): the sum over
         # ranks is the global mean.
-        return self.metrics_row(float(self.sum_over_dp(loss)), lr=lr, grad_norm=float(grad_norm),
-                                num_tokens=num_tokens, start=start, data_wait=data_wait, comm_stats=comm_stats)
+        row = self.metrics_row(float(self.sum_over_dp(loss)), lr=lr, grad_norm=float(grad_norm),
+                               num_tokens=num_tokens, start=start, data_wait=data_wait, comm_stats=comm_stats)
+        if self.loader.loss_targets != num_tokens:  # conversations: how many targets the loss counted
+            row["loss_tokens"] = self.loader.loss_targets
+        return row
 
     def forward_backward(self, micro_batches, *, num_tokens: int) -> torch.Tensor:
         """Forward + backward of this rank's micro-batches of a step (accumulated, reduced over data parallelism
