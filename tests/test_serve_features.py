@@ -188,7 +188,9 @@ def test_tool_choice_auto_reads_the_models_own_calls(served):
     for text, reason in (("Ok no call", "stop"), ("<tool_call>{oops}", "stop")):
         plain = {**body, "structured_outputs": {"choice": [text]}}
         out = _post(served, "/v1/chat/completions", plain)["choices"][0]
-        assert out["message"] == {"role": "assistant", "content": text} and out["finish_reason"] == reason, out
+        # (a reasoning parser's fields too: a reply held to a grammar is split like any other)
+        assert out["message"] == {"role": "assistant", "content": text, "reasoning": None, "reasoning_content": None} \
+            and out["finish_reason"] == reason, out
         events = [e["choices"][0] for e in _stream(served, "/v1/chat/completions", plain)]
         assert "".join(c["delta"].get("content") or "" for c in events) == text
 
@@ -218,6 +220,19 @@ def test_a_reasoning_models_thinking_is_answered_apart(served):
     ids = served.engine.engine.tokenizer.encode_chat([*ask, {"role": "assistant", "content": "<think>\n"}],
                                                      add_generation_prompt=False, continue_final_message=True)
     assert served.engine.engine.tokenizer.decode(ids).endswith("<|assistant|>\n<think>\n")
+
+
+def test_a_grammar_holds_a_thinking_reply_only_after_its_thinking(served):
+    """A reply whose prompt opened <think> is free until its </think> (the engine's structured_after, checked in
+    tests/test_structured.py): the tiny model never writes one, so its whole reply is reasoning, not the JSON a
+    reply that does not think is held to (test_response_format_and_structured_outputs_hold_the_text_to_them)."""
+    ask = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\n"}]
+    body = {"model": "tiny", "messages": ask, "continue_final_message": True, "add_generation_prompt": False,
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True, "response_format": {"type": "json_object"}}
+    out = _post(served, "/v1/chat/completions", body)["choices"][0]
+    assert out["message"]["content"] is None and out["message"]["reasoning"], out
+    free = _post(served, "/v1/chat/completions", {k: v for k, v in body.items() if k != "response_format"})
+    assert free["choices"][0]["message"]["reasoning"] == out["message"]["reasoning"]
 
 
 def test_tokenize_and_detokenize_as_vllm(served):

@@ -170,3 +170,29 @@ def test_a_request_whose_grammar_does_not_compile_is_refused_before_any_work(mod
     assert e.value.field == "structured_outputs"
     assert llm.engine.stats()["num_running"] == llm.engine.stats()["num_waiting"] == 0
     assert llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # still usable
+
+
+def test_a_grammar_that_waits_for_a_text_holds_only_what_follows_it(model_dir):
+    """structured_after (a reasoning model's "</think>", set by the server where a reply starts thinking): the
+    tokens up to the one that completes that text are the model's own (here its greedy reply, whose first
+    characters stand in for the end of thinking), those after it follow the grammar, and the request stops when
+    the grammar is complete; a text never reached leaves the reply unheld. Speculation waits with the grammar."""
+    llm = LLM(str(model_dir), device="cpu", block_size=4, num_blocks=40, max_num_seqs=4,
+              speculative=dict(method="ngram", num_speculative_tokens=3, ngram=(1, 2)))
+    free = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    proposed = llm.engine.stats()["spec_proposed_tokens"]
+    marker = free.text[:3]
+    upto = next(i for i in range(1, 13) if marker in llm.engine.tokenizer.decode(free.token_ids[:i]))
+    choice = dict(choice=["yes", "no", "maybe so"])
+    out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=40, structured_outputs=choice,
+                                                       structured_after=marker))[0]
+    assert out.token_ids[:upto] == free.token_ids[:upto]
+    assert out.text.startswith(llm.engine.tokenizer.decode(free.token_ids[:upto]))
+    assert out.text[len(llm.engine.tokenizer.decode(free.token_ids[:upto])):] in ("yes", "no", "maybe so")
+    assert out.finish_reason == "stop"
+    never = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                         structured_outputs=choice, structured_after="\x00never"))[0]
+    assert never.token_ids == free.token_ids
+    assert llm.engine.stats()["spec_proposed_tokens"] == proposed  # nothing proposed while a grammar waits
+    with pytest.raises(SamplingError, match="structured_after"):
+        SamplingParams(structured_after="</think>")

@@ -214,8 +214,10 @@ class Engine:
             raise SamplingError("num_speculative_tokens",
                                 f"num_speculative_tokens={k} is more than this engine allows: it {most}")
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
+        waits = params.structured_after is not None
         seq = Sequence(ids, params, request_id=request_id or "", eos_token_ids=self.eos_token_ids,
-                       max_model_len=self.max_model_len, matcher=matcher)
+                       max_model_len=self.max_model_len, matcher=None if waits else matcher,
+                       waiting_matcher=matcher if waits else None)
         self.scheduler.check(seq)
         return seq
 
@@ -343,7 +345,8 @@ class Engine:
 
     def _propose(self) -> None:
         """Speculative decoding: proposals for every running sequence that decodes next (none for the others, for
-        a structured output's, whose grammar decides each token, or before min_tokens, where a step crossing it
+        a structured output's, whose grammar decides each token or will once its text is reached, or before
+        min_tokens, where a step crossing it
         could find a stop string one token a step would not look for),
         which the next step verifies; a sequence the scheduler then preempts or gives no room drops them."""
         if self.proposer is None:
@@ -354,7 +357,7 @@ class Engine:
             k = min(seq.params.num_speculative_tokens or self.speculative.num_speculative_tokens,
                     seq.max_total_tokens - seq.num_tokens - 1)
             if seq.num_computed_tokens == seq.num_tokens - 1 and k > 0 and seq.matcher is None \
-                    and len(seq.output_token_ids) >= seq.params.min_tokens:
+                    and seq.waiting_matcher is None and len(seq.output_token_ids) >= seq.params.min_tokens:
                 decoding.append(seq)
                 ks.append(k)
         if decoding:
@@ -391,6 +394,7 @@ class Engine:
             # Also for a sequence that just finished by length or a stop token: its text must include
             # that last token, and a stop string it completes still cuts the text.
             self._check_stop_strings(seq)
+            self._start_grammar(seq)
             if seq.is_finished:
                 seq.finish_time = now
             results.append(self._output(seq))
@@ -481,6 +485,11 @@ class Engine:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
+
+    def _start_grammar(self, seq: Sequence) -> None:
+        """A grammar that waits for params.structured_after holds the next tokens once the text has reached it."""
+        if seq.waiting_matcher is not None and seq.params.structured_after in self._detok[seq.request_id].text:
+            seq.matcher, seq.waiting_matcher = seq.waiting_matcher, None
 
     def _drop_tokens_past(self, seq: Sequence, text: str, offsets: tuple[int, int], end: int) -> None:
         """A step that emitted several tokens (speculative decoding) keeps only those up to the one that completes

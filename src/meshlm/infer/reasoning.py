@@ -7,6 +7,10 @@ template opens `<think>` in the prompt -- until `</think>`) and `qwen3` (Qwen3: 
 thinking off, the template closes the block there and the whole reply is the answer; a `<think>` in the messages'
 own text opens nothing); `Thinking.split`, a reply's text as
 (reasoning, content), of a whole reply or, streamed, of the text so far (what may still be `</think>` held back).
+A grammar (structured outputs, a forced tool choice) holds a reply that starts thinking (`Thinking.opens`) only after
+its `</think>` (`SamplingParams.structured_after`), as vLLM's do; one that may or may not think (Qwen3's generation
+prompt leaves it to the model) is held from its first token, so it answers without thinking -- vLLM waits for a
+`</think>` there too, which leaves a model that never writes one unheld.
 Not responsible for: the answer's layout (responses.py: the reasoning goes out as `reasoning`, vLLM's field, and
 `reasoning_content`, SGLang's and DeepSeek's), the template's `enable_thinking` (a request's
 `chat_template_kwargs`). Torch-free.

@@ -55,6 +55,9 @@ class SamplingParams:
     `structured_outputs` (`infer.structured.StructuredOutputs`, or a dict of its fields: json, regex, choice,
     grammar, json_object) holds the tokens to a JSON schema, a regular expression, a list of choices or a Lark
     grammar: only the tokens it allows next are sampled, and the request stops when it is complete.
+    `structured_after` (a text, e.g. a reasoning model's "</think>"): the grammar holds the tokens only after the
+    generated text holds it -- the thinking before it is free, as vLLM applies structured outputs after a reasoning
+    parser's end of thinking.
     """
 
     temperature: float = 1.0
@@ -77,6 +80,7 @@ class SamplingParams:
     structured_outputs: object = None  # a StructuredOutputs once checked
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    structured_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +148,10 @@ class SamplingParams:
             from meshlm.infer.structured import StructuredOutputs  # here: it imports this module's SamplingError
 
             self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
+        if self.structured_after is not None and not (isinstance(self.structured_after, str) and self.structured_after
+                                                      and self.structured_outputs is not None):
+            raise SamplingError("structured_after", f"structured_after={self.structured_after!r} must be a non-empty "
+                                                    "text, given with structured_outputs")
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must be non-empty")
         k = self.num_speculative_tokens
@@ -213,6 +221,8 @@ class Sequence:
     # params.structured_outputs: its grammar's state (an llguidance matcher, infer/structured.py), which the
     # sampler advances with each token it picks; a matcher that has stopped finishes the sequence
     matcher: object = field(default=None, repr=False)
+    # the matcher while the generated text has not yet reached params.structured_after (no grammar until then)
+    waiting_matcher: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

@@ -21,6 +21,7 @@ documented in `meshlm.tokenizer` (`<|role|>\\ncontent\\n` per message, then `<|a
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at runtime.
 
 import asyncio
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ from meshlm.infer.requests import (
 from meshlm.infer.responses import Replies, sse
 from meshlm.infer.sequence import SamplingParams
 from meshlm.infer.openai_responses import ResponseEvents, as_chat, renamed, response_of
+from meshlm.infer.reasoning import END as REASONING_END
 from meshlm.infer.reasoning import PARSERS as REASONING
 from meshlm.infer.tool_parsers import PARSERS, Auto, Forced
 from meshlm.tokenizer import ChatTemplateError
@@ -208,8 +210,11 @@ class _Completions:
             prompts, retrieved, opening = await self.prompts_of_chat(body, options.rag, options.tools)
         else:
             (prompts, retrieved), opening = await self.prompts_of_completion(body, options.rag), ""
-        # a reasoning model's thinking is split off its reply, unless a grammar holds the whole reply
-        reasoning = self.reasoning if chat and options.params.structured_outputs is None else None
+        # a reasoning model's thinking is split off its reply; a grammar (structured outputs, a forced tool choice)
+        # holds a reply that starts thinking only after it (reasoning.py says why not one that may)
+        reasoning, params = (self.reasoning if chat else None), options.params
+        if reasoning is not None and params.structured_outputs is not None and reasoning.opens(opening):
+            params = dataclasses.replace(params, structured_after=REASONING_END)
         n = options.n
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices; at most "
@@ -218,7 +223,7 @@ class _Completions:
         names = {"structured_outputs": structured_key(body, options.tools)}  # a grammar's errors, as the request
         # named their field
         try:
-            ids, num_prompt = await self.submit_choices(prompts, options.params, n, queue, rag=retrieved is not None,
+            ids, num_prompt = await self.submit_choices(prompts, params, n, queue, rag=retrieved is not None,
                                                         chat=chat)
         except APIError as e:  # a grammar that does not compile
             raise _named(e, names) from e
