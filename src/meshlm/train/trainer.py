@@ -32,11 +32,10 @@ losses and validation sums are reduced over "dp_cp" (data-parallel and cp ranks)
 Under document masking (data.document_mask) every micro-batch carries its document ids (`meshlm.models.documents`),
 whole sequences on every rank; the model masks attention by document and restarts RoPE's positions at each one.
 
-Loss normalisation: every micro-batch contributes `sum of token losses / targets in the global batch that count`
-(every target of packed text; of conversations, the assistant's: the loader's `loss_targets`, counted from the
-global batch on every rank, so no collective is needed), so the gradients *summed* over micro-batches (and over
-data-parallel ranks) are those of the mean over the global batch, however unevenly the counted targets fall
-between micro-batches and ranks. A data-parallel gradient reduction must therefore be a sum, not a mean.
+Loss normalisation: every micro-batch contributes `sum of token losses / targets of the global batch that count`
+(all of packed text; of conversations the assistant's: the loader's `loss_targets`, counted on every rank), so the
+gradients *summed* over micro-batches and data-parallel ranks are those of the global batch's mean, however unevenly
+the counted targets fall. A data-parallel gradient reduction must therefore be a sum, not a mean.
 """
 
 from __future__ import annotations
@@ -83,8 +82,8 @@ from meshlm.train.resume import (
 from meshlm.train.sample import prompt_ids, whole_model
 from meshlm.train.setup import (
     build_data,
-    checkpoint_files,
     build_parallel_model,
+    checkpoint_files,
     load_training_tokenizer,
     param_dtype,
     resolve_device,
@@ -337,8 +336,7 @@ class Trainer:
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens = t.global_batch_size * t.seq_len  # packing: no padding, every token is run
-        # the mean over the global batch's targets that count (conversations: the assistant's), under any layout
+        num_tokens = t.global_batch_size * t.seq_len  # every token is run; the loss counts `loss_targets`
         loss = self.forward_backward(micro_batches, num_tokens=max(1, self.loader.loss_targets))
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
@@ -529,8 +527,7 @@ class Trainer:
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int, *, temperature: float = 0.8, top_p: float = 0.95,
                seed: int | None = None, chat: bool = False) -> str:
-        """The text the model continues `prompt` with (the prompt itself not included; `chat`: a chat template's
-        text, encoded as the server encodes one).
+        """The text the model continues `prompt` (`chat`: a chat template's text, encoded as served) with.
 
         Sampled by default (seeded by train.seed, so reproducible): a small byte-level model decoded
         greedily falls into repeating its most frequent word. `temperature=0` is greedy.
