@@ -1,7 +1,7 @@
 """The source tree's imports point one way: each layer imports only from the layers below it.
 
     core        rules values dims presets config hf_config config_doc files nccl_order comm_stats mesh comm distributed
-                liveness stragglers host_memory processes emulate tokenizer schedules timeline plot
+                liveness stragglers host_memory processes emulate messages tokenizer schedules timeline plot
     models      the plain single-device models (and their arithmetic, models.stats)
     parallel    the transforms that apply each strategy to a model on a mesh
     checkpoint  the checkpoint format, which training and serving both read
@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "meshlm"
 LAYERS = [
     ("core", {"rules", "values", "dims", "presets", "config", "hf_config", "config_doc", "files", "nccl_order",
               "comm_stats", "mesh", "comm", "distributed", "liveness", "stragglers", "host_memory", "processes",
-              "emulate", "tokenizer", "schedules", "timeline", "plot"}),
+              "emulate", "messages", "tokenizer", "schedules", "timeline", "plot"}),
     ("models", {"models"}),
     ("parallel", {"parallel"}),
     ("checkpoint", {"checkpoint"}),

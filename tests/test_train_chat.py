@@ -247,14 +247,19 @@ def test_conversation_files_are_told_apart_and_bad_ones_refused_by_line(tmp_path
     good = json.dumps(conversations(1)[0])
     bad = {
         '{"messages": []}': "has no non-empty list 'messages'",
-        '{"messages": [{"content": "hi"}]}': "messages[0] must be an object with a string 'role'",
-        '{"messages": [{"role": "user", "content": 3}]}': "messages[0].content must be a string",
+        # the server's own words (`meshlm.messages`): a conversation is taken as a chat request's messages are
+        '{"messages": [{"content": "hi"}]}': "each message needs a 'role' and a 'content'",
+        '{"messages": [{"role": "user", "content": 3}]}': "message content must be a string or a list of text parts",
+        '{"messages": [{"role": "robot", "content": "x"}]}': "message role 'robot' is not one of",
+        '{"messages": [{"role": "user", "content": "\\ud800"}]}': "not valid Unicode",
         '{"messages": [{"role": "user", "content": "x"}], "tools": {}}': "'tools' must be a list",
+        '{"prompt": "\\udfff", "completion": "x"}': "prompt holds text that is not valid Unicode",
         "{not json": "is not valid JSON",
+        "\udcff": "is not valid JSON in UTF-8",  # a byte that is no UTF-8 (written back as 0xff below)
     }
     for line, words in bad.items():
         path = tmp_path / "bad.jsonl"
-        path.write_text(good + "\n\n" + line + "\n")
+        path.write_bytes((good + "\n\n" + line + "\n").encode("utf-8", errors="surrogateescape"))
         with pytest.raises(ValueError, match="bad.jsonl:3") as e:
             read_conversations(path, max_bytes=1 << 20)
         assert words in str(e.value)
@@ -325,3 +330,89 @@ def test_fine_tuning_a_converted_model_renders_its_conversations_with_its_templa
     trainer.train()
     _, _, tok = load_checkpoint_for_inference(tmp_path / "run")
     assert tok.chat_template == CHATML and tok.tokenizer.token_to_id("<|im_end|>") in tok.eos_token_ids
+
+
+def test_a_conversation_renders_as_the_server_renders_the_same_messages():
+    """Tool calls (content null, arguments as JSON text) and an earlier reply's reasoning go through the server's
+    own normalisation (`meshlm.messages`): the training text is the server's prompt text for those messages."""
+    from meshlm.infer.requests import chat_messages
+
+    tools_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+                      "{% for c in m.get('tool_calls') or [] %}<call>{{ c['function']['arguments'] | tojson }}"
+                      "</call>{% endfor %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    messages = [{"role": "user", "content": "add 1 and 2"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"},
+                {"role": "assistant", "content": "3."}]
+    tok = ByteTokenizer()
+    tok.chat_template = tools_template
+    conv = read_conversations_of([{"messages": messages}])[0]
+    ids, counts = encode_conversation(conv, tok, assistant_only=True)
+    served = tok.apply_chat_template(chat_messages({"messages": messages}), add_generation_prompt=False)
+    assert bytes(ids.tolist()).decode() == served
+    assert "None" not in served and '<call>{"a": 1, "b": 2}</call>' in served  # arguments as an object
+    assert counted_text(ids, counts, tok.decode) == ['<call>{"a": 1, "b": 2}</call>', "3."]
+
+
+def test_a_reply_token_that_begins_in_the_prompt_counts_and_texts_are_tokenized_apart():
+    """A token that runs from the prompt into the reply (a generation prompt ending in a space, " 42" one BPE token)
+    is the reply's; a prompt and completion given as texts are tokenized each alone, the completion whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(["USER: what?\nASSISTANT: 42\nQ: what? A: 42"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = HFTokenizer(raw)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+    conv = read_conversations_of([{"messages": [{"role": "user", "content": "what?"},
+                                                {"role": "assistant", "content": "42"}]}])[0]
+    ids, counts = encode_conversation(conv, tok, assistant_only=True)
+    pieces = [tok.tokenizer.id_to_token(int(i)) for i in ids]
+    assert any(p.startswith("Ġ") and p.endswith("42") for p, c in zip(pieces, counts) if c), (pieces, counts)
+    pair = read_conversations_of([{"prompt": "Q: what? A: ", "completion": "42"}])[0]
+    ids, counts = encode_conversation(pair, tok, assistant_only=True)
+    assert tok.decode([int(i) for i, c in zip(ids, counts) if c]) == "42"
+
+
+def test_only_the_completion_counts_and_a_conversation_must_not_open_with_the_assistant(tmp_path):
+    few_shot = {"prompt": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                           {"role": "user", "content": "2+2?"}],
+                "completion": [{"role": "assistant", "content": "4"}]}
+    tok = ByteTokenizer()
+    conv = read_conversations_of([few_shot])[0]
+    ids, counts = encode_conversation(conv, tok, assistant_only=True)
+    assert counted_text(ids, counts, tok.decode) == ["4\n"]  # not the prompt's example reply
+    tok = ByteTokenizer()  # (a tokenizer compiles its template once)
+    tok.chat_template = "{{ messages[0]['role'] }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    first = read_conversations_of([{"messages": [{"role": "assistant", "content": "hi"},
+                                                 {"role": "user", "content": "yo"}]}])[0]
+    with pytest.raises(ValueError, match="start the conversation with a user or system message"):
+        encode_conversation(first, tok, assistant_only=True)
+
+
+def test_nothing_to_count_moves_no_weight_and_is_refused_where_a_loss_is_asked_for(tmp_path, chat_file):
+    from meshlm.evaluate import evaluate
+    from meshlm.train.trainer import Trainer
+
+    cfg = make_cfg(chat_file, "train.precision=fp64", "train.steps=1", f"train.run_dir={tmp_path / 'run'}",
+                   "train.progress=false", "train.val_batches=0")
+    trainer = Trainer(cfg)
+    trainer.loader.dataset.trainable[:] = False  # a global batch of which no target counts
+    before = {k: v.clone() for k, v in trainer.base_model.state_dict().items()}
+    row = trainer.train_step()
+    assert row["loss"] == 0 and row["loss_tokens"] == 0
+    assert all(torch.equal(before[k], v) for k, v in trainer.base_model.state_dict().items())  # AdamW did not step
+    trainer.loader.dataset.trainable[:] = True
+    trainer.train()
+    users = write_jsonl(tmp_path / "users.jsonl", [{"messages": [{"role": "user", "content": "hi " * 30}]}] * 40)
+    with pytest.raises(ValueError, match="no target of its first .* counts in the loss"):
+        evaluate(checkpoint=str(tmp_path / "run"), data=users)
+    # a tiny val_fraction takes none by hash: the last conversation is the validation split, here a user's alone
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [*conversations(60), {"messages": [
+        {"role": "user", "content": "a question without its answer " * 4}]}])
+    with pytest.raises(ValueError, match="no token of the validation conversations"):
+        build_datasets(DataConfig(path=mixed, val_fraction=1e-12), seq_len=32, tokenizer=ByteTokenizer())

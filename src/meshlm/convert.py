@@ -28,8 +28,9 @@ from typing import Any
 from meshlm.config_doc import toml_value
 from meshlm.tokenizer import CHAT_CONFIG_FILE
 
-# What a Hugging Face folder keeps of its tokenizer beside tokenizer.json (`HFTokenizer.from_dir` reads them)
-TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+# What a Hugging Face folder keeps of its tokenizer beside tokenizer.json (`HFTokenizer.from_dir` reads them; not
+# generation_config.json, whose sampling defaults `meshlm serve` would then take for the run's)
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}

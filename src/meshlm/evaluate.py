@@ -71,10 +71,10 @@ def eval_config(*, checkpoint: str | None = None, hf: str | None = None, data: s
         raise ValueError("give one of --checkpoint DIR or --hf DIR")
     if checkpoint is not None:
         path = resolve_checkpoint(checkpoint)
-        verify_checkpoint(path, checksums=checksums)  # before meta.json is parsed
+        listed = verify_checkpoint(path, checksums=checksums)["files"]  # before meta.json is parsed
         meta = read_meta(path)
         cfg = config_from_dict(meta["config"])
-        source = {"checkpoint": path, "step": int(meta["step"]), "name": str(checkpoint)}
+        source = {"checkpoint": path, "step": int(meta["step"]), "name": str(checkpoint), "files": list(listed)}
     else:
         path = Path(hf)
         model = ModelConfig.from_hf(path)
@@ -158,18 +158,18 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
     """Evaluate on this process, or as one rank of the default process group (every rank calls it;
     every rank gets the same result). `data` given: all of it; else the run's validation split.
     `prepared`: what `eval_config` returned for these arguments (it is not done twice)."""
-    from meshlm.tokenizer import CHAT_CONFIG_FILE, load_saved_tokenizer, load_tokenizer
+    from meshlm.tokenizer import load_saved_tokenizer
+    from meshlm.train.setup import load_training_tokenizer
 
     cfg, source = prepared or eval_config(checkpoint=checkpoint, hf=hf, data=data, overrides=overrides)
     if data is not None:
         cfg.data.val_fraction = 0.0  # a dataset given for evaluation is evaluated whole
     evaluator = Evaluator(cfg, weights=_weights_loader(source))
     saved = source.get("checkpoint")
-    if saved is not None:  # the copies the run saved (verified), else data.tokenizer or bytes
-        names = [n for n in ("tokenizer.json", CHAT_CONFIG_FILE) if (saved / n).is_file()]
-        tokenizer = load_saved_tokenizer(saved, names, cfg.data.tokenizer)
-    else:  # data.tokenizer, or bytes
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if saved is not None:  # the copies the run saved (listed in its manifest, verified), else data.tokenizer or bytes
+        tokenizer = load_saved_tokenizer(saved, source["files"], cfg.data.tokenizer)
+    else:  # data.tokenizer (a HF folder's, with its chat template for conversations, as training takes it)
+        tokenizer = load_training_tokenizer(cfg)
     dataset, where = _eval_dataset(cfg, tokenizer)
     batch = cfg.train.global_batch_size
     num_batches = len(dataset) // batch
@@ -178,6 +178,10 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
                          f"global batch (train.global_batch_size={batch}); use more data, or --set "
                          f"train.global_batch_size={max(len(dataset), 1)} (or a smaller train.seq_len)")
     loss_sum, tokens = evaluator.loss_totals(dataset, num_global_batches=num_batches)
+    if tokens == 0:
+        raise ValueError(f"{where}: no target of its first {num_batches * batch} samples counts in the loss (no "
+                         "assistant's turn in those conversations); evaluate other data, or --set "
+                         "data.assistant_only_loss=false")
     loss = loss_sum / tokens
     return EvalResult(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf,
                       samples=num_batches * batch, tokens=tokens, skipped_samples=len(dataset) - num_batches * batch,

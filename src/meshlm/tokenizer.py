@@ -75,9 +75,11 @@ class Tokenizer:
         """The tokens `encode_with_starts` puts after each document: EOS when there is one."""
         return [self.eos_token_id] if self.eos_token_id is not None else []
 
-    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids int32, the index in `text` of each token's first character int64) of `encode(text)`: what
-        a conversation's loss mask reads (`meshlm.data.chat`). A token the tokenizer adds itself (BOS) is at 0."""
+    def encode_with_offsets(self, text: str, *,
+                            add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids int32, where each token's characters begin in `text` and where they end, int64) of
+        `encode(text)`: what a conversation's loss mask reads (`meshlm.data.chat`). A token the tokenizer adds
+        itself (BOS) is empty at 0."""
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -175,11 +177,12 @@ class ByteTokenizer(Tokenizer):
 
     separator = [10, 10]  # a blank line
 
-    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+    def encode_with_offsets(self, text: str, *,
+                            add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         width = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)  # UTF-8 bytes of each character
-        return (np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32),
-                np.repeat(np.arange(len(points), dtype=np.int64), width))
+        starts = np.repeat(np.arange(len(points), dtype=np.int64), width)  # a byte: of its character
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32), starts, starts + 1
 
 
 class HFTokenizer(Tokenizer):
@@ -249,10 +252,11 @@ class HFTokenizer(Tokenizer):
         lengths = np.asarray([len(enc.ids) + len(sep) for enc in encodings], dtype=np.int64)
         return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), np.cumsum(lengths) - lengths
 
-    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+    def encode_with_offsets(self, text: str, *,
+                            add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return (np.asarray(enc.ids, dtype=np.int32),
-                np.asarray([start for start, _ in enc.offsets], dtype=np.int64).reshape(-1))
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(enc.ids, dtype=np.int32), offsets[:, 0], offsets[:, 1]
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
 
 from meshlm.cli.common import add_node_arguments
 from meshlm.launch import launch_emulated, launch_ranks
@@ -170,7 +170,7 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
                 print(f"--- sample ---\n{prompt}{text}\n--------------")
         if trainer.is_main and trainer.saved_step is not None:
             run_dir = cfg.train.run_dir
-            ask = '--chat --prompt "Hello"' if chat else f"--prompt {json.dumps(prompt[:40])}"
+            ask = '--chat --prompt "Hello"' if chat else f"--prompt {shlex.quote(prompt[:40])}"
             print(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.saved_step:06d}'}\n"
                   f"next: meshlm generate --checkpoint {run_dir} {ask}   |   "
                   f"meshlm eval --checkpoint {run_dir}   |   meshlm serve --model {run_dir}")

@@ -4,21 +4,24 @@ served with, tokenized as one text, and the loss taken on the assistant's turns 
 Responsible for: telling a `.jsonl` of conversations from one of texts (`is_chat_jsonl`: its first line has
 "messages", or "prompt" and "completion"); reading and checking every conversation before any rank starts
 (`read_conversations`, errors naming file:line): OpenAI's form, {"messages": [{"role": ..., "content": ...}, ...]}
-with an optional "tools" list; or a prompt and its completion (TRL's two other forms): lists of messages, which are
-one conversation, or two texts, written one after the other without a template, the completion and the separator
-after it counting (so the model learns to stop);
-`encode_conversations`, the token stream training packs with where each conversation begins and, per token,
-whether predicting it counts in the loss.
+with an optional "tools" list, the messages taken as the server takes a chat request's (`meshlm.messages`: content
+parts joined, a tool call's arguments as an object, ...), so that they render as they will be served; or a prompt
+and its completion (TRL's two other forms): two lists of messages, of which the completion's count, or two texts,
+each tokenized alone without special tokens (as a completion request's prompt, then what is generated), the
+completion and the separator after it counting (so the model learns to stop); `encode_conversations`, the token
+stream training packs with where each conversation begins and, per token, whether predicting it counts in the loss.
 
-Which tokens count. For the assistant message i of a conversation, the template's text of messages[:i] with the
-generation prompt (`p`) must begin the text of messages[:i + 1] (`e`), which must begin the whole conversation's
-text: the characters e adds to p -- the reply and whatever closes its turn (Llama 3's <|eot_id|>, ChatML's
-<|im_end|>) -- are the assistant's, so the model learns to end its turn where the server stops it. The whole text is
-tokenized once (as the server tokenizes a prompt, `Tokenizer.encode_prompt`), and a token counts when its first
-character lies in one of those stretches. A template that does not write a conversation's turns as prefixes of
-the whole (Qwen3's drops the reasoning of earlier turns) is refused by name: `data.assistant_only_loss=false`
-trains on every token instead. The separator between packed conversations (EOS, or the byte tokenizer's blank
-line) is never a target that counts when only the assistant's turns do.
+Which tokens count. For an assistant's message i (or a completion's messages from i), the template's text of
+messages[:i] with the generation prompt (`p`) must begin the text of the messages through it (`e`), which must begin
+the whole conversation's text: the characters e adds to p -- the reply and whatever closes its turn (Llama 3's
+<|eot_id|>, ChatML's <|im_end|>) -- are the assistant's, so the model learns to end its turn where the server stops
+it. The whole text is tokenized once (as the server tokenizes a prompt, `Tokenizer.encode_prompt`), and a token
+counts when its characters overlap one of those stretches (one that begins in the prompt and runs into the reply, as
+a leading space may, is the reply's, as in transformers' assistant mask). A template that does not write a
+conversation's turns as prefixes of the whole (Qwen3's drops the reasoning of earlier turns) is refused by name:
+`data.assistant_only_loss=false` trains on every token instead; so is a conversation opening with the assistant's
+message under a template that cannot render what comes before it. The separator between packed conversations (EOS,
+or the byte tokenizer's blank line) is never a target that counts when only the assistant's turns do.
 
 Not responsible for: packing, splitting and batching (text.py: a masked target is `IGNORE_INDEX`), the template
 language (meshlm.tokenizer).
@@ -32,16 +35,18 @@ from pathlib import Path
 
 import numpy as np
 
+from meshlm.messages import checked_text, template_messages
 from meshlm.tokenizer import ChatTemplateError, Tokenizer
 
 
 @dataclass(frozen=True)
 class Conversation:
-    messages: list[dict]
+    messages: list[dict]  # as the template takes them (`meshlm.messages.template_messages`)
     tools: list[dict] | None
     where: str  # "file:line", for errors
     key: str  # the line as read: what the train/validation split hashes
     texts: tuple[str, str] | None = None  # a prompt and its completion given as texts (then no messages)
+    completion_from: int | None = None  # a prompt and completion given as messages: where the completion begins
 
 
 def is_chat_jsonl(path: str | Path) -> bool:
@@ -50,13 +55,13 @@ def is_chat_jsonl(path: str | Path) -> bool:
     path = Path(path)
     if path.suffix != ".jsonl" or not path.is_file():
         return False
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for line in f:
             if line.strip():
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError:
-                    return False  # the text reader names the line
+                except ValueError:  # not JSON, or not UTF-8: the text reader names the line
+                    return False
                 return isinstance(row, dict) and ("messages" in row or {"prompt", "completion"} <= set(row))
     return False
 
@@ -64,57 +69,62 @@ def is_chat_jsonl(path: str | Path) -> bool:
 def read_conversations(path: str | Path, *, max_bytes: int) -> list[Conversation]:
     """Every conversation of a `.jsonl` (whole lines until `max_bytes` of it are read), each checked."""
     path, out, total = Path(path), [], 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             if total >= max_bytes:
                 break
-            total += len(line.encode("utf-8"))
+            total += len(raw)
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not valid JSON ({e}); each line must be an object") from None
+            except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+                raise ValueError(f"{where} is not valid JSON in UTF-8 ({e}); each line must be an object") from None
             out.append(_conversation(row, where, line.strip()))
     return out
 
 
 def sample_prompt(path: str | Path, tokenizer: Tokenizer) -> tuple[str, bool]:
     """What the end-of-training sample continues: (the text, whether it is a chat template's) -- the file's first
-    conversation before its first assistant message, rendered with the generation prompt, or its first prompt."""
+    conversation before its first assistant message (or its completion), rendered with the generation prompt, or
+    its first prompt text."""
     conv = read_conversations(path, max_bytes=1)[0]
     if conv.texts is not None:
         return conv.texts[0], False
-    head = next((conv.messages[:i] for i, m in enumerate(conv.messages) if m["role"] == "assistant"), conv.messages)
-    return tokenizer.apply_chat_template(head or conv.messages[:1]), True
+    first = conv.completion_from if conv.completion_from is not None else \
+        next((i for i, m in enumerate(conv.messages) if m["role"] == "assistant"), len(conv.messages))
+    return tokenizer.apply_chat_template(conv.messages[:first] or conv.messages[:1], conv.tools), True
 
 
 def _conversation(row, where: str, key: str) -> Conversation:
     shape = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+    completion_from = None
     if isinstance(row, dict) and "messages" not in row and {"prompt", "completion"} <= set(row):
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str) and completion:
-            return Conversation(messages=[], tools=None, where=where, key=key, texts=(prompt, completion))
+            try:
+                texts = (checked_text(prompt, "prompt"), checked_text(completion, "completion"))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            return Conversation(messages=[], tools=None, where=where, key=key, texts=texts)
         if not (isinstance(prompt, list) and isinstance(completion, list) and completion):
             raise ValueError(f"{where}: 'prompt' and 'completion' must be two texts or two lists of messages, the "
                              "completion not empty")
-        row = {**row, "messages": prompt + completion}
+        row, completion_from = {**row, "messages": prompt + completion}, len(prompt)
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         raise ValueError(f"{where} has no non-empty list 'messages'; each line of a conversation file must be "
                          f"{shape}, or {{\"prompt\": ..., \"completion\": ...}} (a file of texts has "
                          "{\"text\": ...} on every line instead)")
-    for j, m in enumerate(row["messages"]):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"{where}: messages[{j}] must be an object with a string 'role', as in {shape}")
-        content = m.get("content")
-        if not (isinstance(content, str) or (content is None and m["role"] == "assistant" and m.get("tool_calls"))):
-            raise ValueError(f"{where}: messages[{j}].content must be a string (an assistant's may be null when it "
-                             f"has tool_calls); got {type(content).__name__}")
+    try:  # as the server takes a chat's messages, so that they render the same
+        messages = template_messages(row["messages"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ValueError(f"{where}: 'tools' must be a list of function definitions (objects), as the chat API's")
-    return Conversation(messages=row["messages"], tools=tools, where=where, key=key)
+    return Conversation(messages=messages, tools=tools, where=where, key=key, completion_from=completion_from)
 
 
 def encode_conversations(conversations: list[Conversation], tokenizer: Tokenizer, *, assistant_only: bool,
@@ -151,34 +161,39 @@ def encode_conversations(conversations: list[Conversation], tokenizer: Tokenizer
 
 def encode_conversation(conv: Conversation, tokenizer: Tokenizer, *, assistant_only: bool) -> tuple[np.ndarray,
                                                                                                      np.ndarray]:
-    """(token ids, whether each counts in the loss) of one conversation rendered whole (a prompt and completion
-    given as texts: the two one after the other, tokenized as documents are, without special tokens)."""
+    """(token ids, whether each counts in the loss) of one conversation rendered whole. A token counts when its
+    characters overlap an assistant's stretch (a token that begins in the prompt and runs into the reply, as a
+    leading space may, is the reply's: transformers' assistant mask takes it so). A prompt and completion given as
+    texts: each tokenized alone, without special tokens (as a completion request's prompt is, then generated)."""
     if conv.texts is not None:
-        prompt, completion = conv.texts
-        ids, offsets = tokenizer.encode_with_offsets(prompt + completion, add_special_tokens=False)
-        return ids, (offsets >= len(prompt)) if assistant_only else np.ones(len(ids), dtype=bool)
-    def render(messages, generation_prompt):
+        prompt, completion = (np.asarray(tokenizer.encode(t, add_special_tokens=False), dtype=np.int32)
+                              for t in conv.texts)
+        counts = np.concatenate([np.full(len(prompt), not assistant_only), np.ones(len(completion), dtype=bool)])
+        return np.concatenate([prompt, completion]), counts
+
+    def render(messages, generation_prompt, what):
         try:
             return tokenizer.apply_chat_template(messages, conv.tools, add_generation_prompt=generation_prompt)
         except ChatTemplateError as e:
-            raise ValueError(f"{conv.where}: {e}") from None
+            raise ValueError(f"{conv.where}: {e}{what}") from None
 
-    whole = render(conv.messages, False)
-    ids, offsets = tokenizer.encode_with_offsets(whole, add_special_tokens=tokenizer.chat_template is None)
+    whole = render(conv.messages, False, "")
+    ids, starts, ends = tokenizer.encode_with_offsets(whole, add_special_tokens=tokenizer.chat_template is None)
     if not assistant_only:
         return ids, np.ones(len(ids), dtype=bool)
-    spans = []
-    for i, m in enumerate(conv.messages):
-        if m["role"] != "assistant":
-            continue
-        before, through = render(conv.messages[:i], True), render(conv.messages[: i + 1], False)
+    if conv.completion_from is not None:  # the completion's messages, whoever speaks in them
+        turns = [(conv.completion_from, len(conv.messages))]
+    else:
+        turns = [(i, i + 1) for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+    counts = np.zeros(len(ids), dtype=bool)
+    for first, last in turns:
+        what = (" (rendering the messages before the assistant's first one: start the conversation with a user or "
+                "system message)") if first == 0 else ""
+        before, through = render(conv.messages[:first], True, what), render(conv.messages[:last], False, "")
         if not (through.startswith(before) and whole.startswith(through)):
             raise ValueError(f"{conv.where}: the chat template does not write this conversation's turns as a "
-                             f"prefix of the whole (messages[{i}], the assistant's, changes what comes before it: "
-                             "e.g. Qwen3's template drops earlier turns' reasoning), so the assistant's tokens "
-                             "cannot be told apart; set data.assistant_only_loss=false to train on every token")
-        spans.append((len(before), len(through)))
-    counts = np.zeros(len(ids), dtype=bool)
-    for lo, hi in spans:
-        counts |= (offsets >= lo) & (offsets < hi)
+                             f"prefix of the whole (messages[{first}] changes what comes before it: e.g. Qwen3's "
+                             "template drops earlier turns' reasoning), so the assistant's tokens cannot be told "
+                             "apart; set data.assistant_only_loss=false to train on every token")
+        counts |= (starts < len(through)) & (ends > len(before))
     return ids, counts

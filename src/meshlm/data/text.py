@@ -242,6 +242,10 @@ def build_datasets(data: DataConfig, *, seq_len: int,
         if len(train) and not bool(train.trainable.any()):
             raise ValueError(f"{where}: no token of the training conversations is an assistant's; each needs a "
                              "message with role 'assistant' (or set data.assistant_only_loss=false)")
+        if len(val) and val.loss_targets(torch.arange(len(val))) == 0:
+            raise ValueError(f"{where}: no token of the validation conversations (data.val_fraction="
+                             f"{data.val_fraction:g} of them) is an assistant's, so no validation loss can be "
+                             "taken; give them assistant turns, or set data.val_fraction=0")
     else:
         train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
         train = pack_documents(train_docs, tokenizer, seq_len)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from meshlm.infer.sequence import SamplingError, SamplingParams
+from meshlm.messages import checked_text, short, template_messages
 
 
 class APIError(Exception):
@@ -146,20 +147,12 @@ def boolean(body: dict, key: str, default: bool = False) -> bool:
     return value
 
 
-def short(value) -> str:
-    """A user value for an error message: bounded length, ASCII only (safe whatever the client sent)."""
-    text = ascii(value) if not isinstance(value, (dict, list)) else type(value).__name__
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def check_text(text: str, param: str) -> str:
     """Refuse text that is not valid Unicode (JSON lets a lone surrogate such as \\ud800 through)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"{param} holds text that is not valid Unicode ({e.reason} at character {e.start}); "
-                            "send UTF-8 text", param=param) from None
-    return text
+        return checked_text(text, param)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None
 
 
 # Parameters of the OpenAI API this server does not implement, and the values that ask for nothing: a request with
@@ -390,63 +383,16 @@ def logit_bias(body: dict) -> dict[int, float] | None:
     return out
 
 
-def _arguments_as_object(call: dict) -> dict:
-    """A tool call of a chat's history for the template: its `arguments` (JSON text in the API) as the object they
-    encode, which templates iterate or dump with `tojson` (vLLM hands them over so); left as sent otherwise."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
-
-
 def chat_messages(body: dict) -> list[dict]:
+    """A chat's messages as the template takes them (`meshlm.messages.template_messages`, which training's
+    conversations go through too)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                or (m.get("content") is None and m["role"] != "assistant"):
-            raise APIError(400, "each message needs a 'role' and a 'content' (only an assistant's may be null)",
-                           param="messages")
-        if m["role"] not in ROLES:
-            raise APIError(400, f"message role {short(m['role'])} is not one of {', '.join(ROLES)}", param="messages")
-        content = m.get("content")
-        if content is None:  # an assistant turn that only called tools
-            content = ""
-        if isinstance(content, list):  # content parts: text ones only, joined
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise APIError(400, "each content part must be an object with a 'type'", param="messages")
-                if part["type"] != "text":
-                    raise APIError(400, f"a content part of type {short(part['type'])}: this model reads text "
-                                        "only; send text parts", param="messages")
-                if not isinstance(part.get("text"), str):
-                    raise APIError(400, f"a text content part needs 'text' as a string, not "
-                                        f"{short(part.get('text'))}", param="messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise APIError(400, "message content must be a string or a list of text parts", param="messages")
-        entry = {"role": check_text(m["role"], "messages"), "content": check_text(content, "messages")}
-        if m["role"] == "assistant" and m.get("tool_calls") is not None:
-            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
-                raise APIError(400, "an assistant message's tool_calls must be a list of objects", param="messages")
-            check_text(json.dumps(m["tool_calls"], ensure_ascii=False), "messages")
-            entry["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
-        reasoning = m.get("reasoning_content", m.get("reasoning"))  # an earlier reply's thinking, for templates
-        if m["role"] == "assistant" and isinstance(reasoning, str):  # that show it (Qwen3's reads reasoning_content)
-            entry["reasoning_content"] = check_text(reasoning, "messages")
-        for key in ("tool_call_id", "name"):  # a tool's reply: which call it answers
-            if isinstance(m.get(key), str):
-                entry[key] = check_text(m[key], "messages")
-        out.append(entry)
-    return out
+    try:
+        return template_messages(messages)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 TEMPLATE_SET = ("messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token")
@@ -479,7 +425,6 @@ def chat_template_options(body: dict, messages: list[dict]) -> dict:
     return {"add_generation_prompt": add, "continue_final_message": cont, "variables": variables}
 
 
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat API's roles (function: deprecated)
 MAX_CHOICES = 64  # choices (prompts x n) of one request: bounded so one request cannot fill the queue
 MAX_BODY_BYTES = 16 << 20  # default request size limit: far above any prompt a context holds
 

@@ -23,7 +23,8 @@ the data position goes back, and the step is retried with the next quorum (torch
 Semi-synchronous (parallel.replica_sync_every = H > 1), for slow links between groups: torchft's LocalSGD
 (replica_outer=average: the weights averaged) or DiLoCo (diloco: the moves since the last sync averaged and applied
 by an outer Nesterov SGD), hooked on the optimizer. Every group then steps on its own slice alone (gradients x N:
-the mean over its own tokens), and every H-th step runs the quorum and the synchronisation; a failed one is simply
+the mean over its own tokens; of conversations, N x its counted targets' losses over the whole batch's count),
+and every H-th step runs the quorum and the synchronisation; a failed one is simply
 not committed (LocalSGD keeps the local weights, DiLoCo goes back to the last sync's). Rows of sync steps carry
 `replicas` and `synced`.
 Recovery state travels over torchft's HTTP transport and is read with `weights_only=True`: tensors and plain data,

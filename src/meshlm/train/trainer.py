@@ -340,7 +340,8 @@ class Trainer:
         loss = self.forward_backward(micro_batches, num_tokens=max(1, self.loader.loss_targets))
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
-        self.optimizer.step()
+        if self.loader.loss_targets:  # a batch of which no target counts (conversations) moves no weight
+            self.optimizer.step()
         if self.moe:  # aux-loss-free balancing (model.router_bias_update_rate): the load of this step
             update_router_biases(self.base_model, self.mesh, axis=self.moe_token_axes)
         self.step += 1
