@@ -414,5 +414,32 @@ def test_nothing_to_count_moves_no_weight_and_is_refused_where_a_loss_is_asked_f
     # a tiny val_fraction takes none by hash: the last conversation is the validation split, here a user's alone
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [*conversations(60), {"messages": [
         {"role": "user", "content": "a question without its answer " * 4}]}])
-    with pytest.raises(ValueError, match="no token of the validation conversations"):
-        build_datasets(DataConfig(path=mixed, val_fraction=1e-12), seq_len=32, tokenizer=ByteTokenizer())
+    with pytest.raises(ValueError, match="no token of the .* validation samples .* is an assistant's"):
+        Trainer(make_cfg(mixed, "data.val_fraction=1e-12", f"train.run_dir={tmp_path / 'mixed'}"))
+
+
+def test_what_the_fallback_template_cannot_write_and_files_training_cannot_read_are_refused(tmp_path):
+    calls = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}
+    with pytest.raises(ValueError, match="tools or tool calls, which the fallback chat template does not write"):
+        encode_conversation(read_conversations_of([calls])[0], ByteTokenizer(), assistant_only=True)
+    # a template's own failure, whatever it raises, is the conversation's refusal naming its line
+    tok = ByteTokenizer()
+    tok.chat_template = "{{ 1 // (messages | length - 2) }}"
+    with pytest.raises(ValueError, match=r"c.jsonl:1: the model's chat template rejects .* ZeroDivisionError"):
+        encode_conversation(read_conversations_of([conversations(2)[1]])[0], tok, assistant_only=True)
+    # transformers' {% generation %} marking is written through
+    tok = ByteTokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}"
+                         "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    ids, counts = encode_conversation(read_conversations_of([conversations(2)[1]])[0], tok, assistant_only=True)
+    assert counted_text(ids, counts, tok.decode) == [conversations(2)[1]["messages"][1]["content"]]
+    (tmp_path / "c.jsonl.gz").write_bytes(b"\x1f\x8b compressed")
+    with pytest.raises(ValueError, match="is a .gz file, which training does not read as text"):
+        build_datasets(DataConfig(path=str(tmp_path / "c.jsonl.gz")), seq_len=8, tokenizer=ByteTokenizer())
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", conversations(3))
+    with pytest.raises(ValueError, match="a.jsonl:1 is a conversation: conversations are trained on from one"):
+        build_datasets(DataConfig(path=str(folder)), seq_len=8, tokenizer=ByteTokenizer())

@@ -90,7 +90,6 @@ class Tokenizer:
         `add_generation_prompt`: the template opens the assistant's turn; `continue_final_message`: the text ends
         with the last message's content instead (what the template writes after it is cut), so that the reply
         continues it; `variables`: more of the template's variables (e.g. Qwen3's `enable_thinking`)."""
-        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         cut = f"<meshlm-continue-{uuid.uuid4().hex}>" if continue_final_message else ""  # marks where to end
@@ -98,15 +97,17 @@ class Tokenizer:
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + cut}]
         try:
             if self._template is None:  # a template that does not compile is refused as any other
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=[_generation_tag()])
                 env.globals["raise_exception"] = _raise
                 self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
             text = self._template.render(**(variables or {}), messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.special_tokens.get("bos_token", ""),
                                          eos_token=self.special_tokens.get("eos_token", ""))
-        except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
-            # its raise_exception("roles must alternate"), a filter given what it cannot take, or none such
+        except Exception as e:  # noqa: BLE001 -- the template's own failure, whatever it is
+            # its raise_exception("roles must alternate"), a filter given what it cannot take, or none such, a
+            # division by zero, a range the sandbox refuses, a macro that recurses without end
             raise ChatTemplateError(e) from e
         if cut:
             if text.count(cut) != 1:
@@ -146,6 +147,24 @@ class Tokenizer:
         """A chat prompt's text (`apply_chat_template`'s) as token ids: a template writes the special tokens (e.g.
         BOS) itself; the fallback one does not."""
         return self.encode(text, add_special_tokens=self.chat_template is None)
+
+
+def _generation_tag():
+    """Jinja's extension for transformers' `{% generation %} ... {% endgeneration %}` (a template's marking of the
+    assistant's text, for its assistant mask): written through as its body (meshlm finds the assistant's text from
+    the turns themselves, `meshlm.data.chat`)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
 
 
 class ChatTemplateError(ValueError):

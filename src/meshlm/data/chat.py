@@ -2,7 +2,7 @@
 served with, tokenized as one text, and the loss taken on the assistant's turns only.
 
 Responsible for: telling a `.jsonl` of conversations from one of texts (`is_chat_jsonl`: its first line has
-"messages", or "prompt" and "completion"); reading and checking every conversation before any rank starts
+"messages", or "prompt" and "completion"); reading and checking every conversation before any training step
 (`read_conversations`, errors naming file:line): OpenAI's form, {"messages": [{"role": ..., "content": ...}, ...]}
 with an optional "tools" list, the messages taken as the server takes a chat request's (`meshlm.messages`: content
 parts joined, a tool call's arguments as an object, ...), so that they render as they will be served; or a prompt
@@ -86,16 +86,18 @@ def read_conversations(path: str | Path, *, max_bytes: int) -> list[Conversation
     return out
 
 
-def sample_prompt(path: str | Path, tokenizer: Tokenizer) -> tuple[str, bool]:
+def sample_prompt(path: str | Path, tokenizer: Tokenizer) -> tuple[str, bool] | None:
     """What the end-of-training sample continues: (the text, whether it is a chat template's) -- the file's first
-    conversation before its first assistant message (or its completion), rendered with the generation prompt, or
-    its first prompt text."""
+    conversation up to its first assistant message that answers another's (or its completion), rendered with the
+    generation prompt, or its first prompt text; None where there is no such prompt."""
     conv = read_conversations(path, max_bytes=1)[0]
     if conv.texts is not None:
-        return conv.texts[0], False
+        return (conv.texts[0], False) if conv.texts[0] else None
     first = conv.completion_from if conv.completion_from is not None else \
-        next((i for i, m in enumerate(conv.messages) if m["role"] == "assistant"), len(conv.messages))
-    return tokenizer.apply_chat_template(conv.messages[:first] or conv.messages[:1], conv.tools), True
+        next((i for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i > 0), None)
+    if not first:
+        return None
+    return tokenizer.apply_chat_template(conv.messages[:first], conv.tools), True
 
 
 def _conversation(row, where: str, key: str) -> Conversation:
@@ -170,6 +172,11 @@ def encode_conversation(conv: Conversation, tokenizer: Tokenizer, *, assistant_o
                               for t in conv.texts)
         counts = np.concatenate([np.full(len(prompt), not assistant_only), np.ones(len(completion), dtype=bool)])
         return np.concatenate([prompt, completion]), counts
+
+    if tokenizer.chat_template is None and (conv.tools or any("tool_calls" in m for m in conv.messages)):
+        raise ValueError(f"{conv.where}: this conversation has tools or tool calls, which the fallback chat template "
+                         "does not write (its turns would be trained without them); set data.tokenizer to a model "
+                         "folder whose chat template does")
 
     def render(messages, generation_prompt, what):
         try:

@@ -38,6 +38,7 @@ from meshlm.tokenizer import Tokenizer
 # Sources
 # --------------------------------------------------------------------------------------------
 
+PREPARE_ONLY = {".gz", ".zst", ".parquet", ".bz2", ".xz"}  # compressed or columnar: `meshlm data prepare` reads them
 _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".toml", ".c", ".h", ".cpp", ".js",
                   ".ts", ".html", ".css", ".yaml", ".yml", ".sh", ".tex", ".csv", ""}
 # Folders of the standard library that are not "the standard library" or are mostly generated tests.
@@ -71,6 +72,9 @@ def read_documents(data: DataConfig) -> list[str]:
                 raise ValueError(f"data.path={data.path!r} holds no text files ({sorted(_TEXT_SUFFIXES - {''})})")
         elif source.suffix == ".jsonl":
             return _cap(_read_jsonl(source), data.max_bytes)
+        elif source.suffix in PREPARE_ONLY:
+            raise ValueError(f"data.path={data.path!r} is a {source.suffix} file, which training does not read as "
+                             "text; tokenize it with `meshlm data prepare` and train on the folder it writes")
         else:
             paths = [source]
     docs, total = [], 0
@@ -98,6 +102,9 @@ def _read_jsonl(path: Path) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); each line must be an object") from None
+            if isinstance(row, dict) and "text" not in row and ("messages" in row or "prompt" in row):
+                raise ValueError(f"{path}:{lineno} is a conversation: conversations are trained on from one .jsonl "
+                                 "given as data.path (not a folder of them, nor mixed with texts)")
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise ValueError(f"{path}:{lineno} has no string field 'text'; each line must be "
                                  '{"text": "..."}')
@@ -242,10 +249,6 @@ def build_datasets(data: DataConfig, *, seq_len: int,
         if len(train) and not bool(train.trainable.any()):
             raise ValueError(f"{where}: no token of the training conversations is an assistant's; each needs a "
                              "message with role 'assistant' (or set data.assistant_only_loss=false)")
-        if len(val) and val.loss_targets(torch.arange(len(val))) == 0:
-            raise ValueError(f"{where}: no token of the validation conversations (data.val_fraction="
-                             f"{data.val_fraction:g} of them) is an assistant's, so no validation loss can be "
-                             "taken; give them assistant turns, or set data.val_fraction=0")
     else:
         train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
         train = pack_documents(train_docs, tokenizer, seq_len)

@@ -109,6 +109,12 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
     t = cfg.train
     if not cfg.data.prepared:
         train, val = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=tokenizer)
+        shown = min(len(val), t.val_batches * t.global_batch_size)  # the samples validation reads (`evaluate`)
+        if shown and val.loss_targets(torch.arange(shown)) == 0:
+            raise ValueError(f"{cfg.data.path}: no token of the {shown} validation samples (data.val_fraction="
+                             f"{cfg.data.val_fraction:g} of the conversations, train.val_batches={t.val_batches}) "
+                             "is an assistant's, so no validation loss can be taken; raise train.val_batches, "
+                             "give those conversations replies, or set data.val_fraction=0")
         loader = BatchLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
                              seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
                              documents=cfg.data.document_mask)
