@@ -82,6 +82,9 @@ def test_reasoning_is_the_think_block_before_the_answer():
     # qwen3: thinks if the reply opens <think> or the prompt left one open; else it is all answer
     assert qwen.opens("<|im_start|>assistant\n") is False and qwen.opens("assistant\n<think>\n") is True
     assert qwen.opens("assistant\n<think>\n\n</think>\n\n") is False  # enable_thinking false
+    # a prefill that closed the thinking already: no reply thinks after it, deepseek_r1's either (a review: its
+    # grammar then waited for a </think> that was in the prompt)
+    assert r1.opens("<think>plan</think>\n") is False and r1.opens("") is True and r1.opens("<think>\n") is True
     assert qwen.split("Hello", False, final=True) == (None, "Hello")
     assert qwen.split("<think>r</think>a", False, final=True) == ("r", "a")
     assert qwen.split("<th", False, final=False) == (None, None) and qwen.split("<th", False, final=True) == \

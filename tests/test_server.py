@@ -289,6 +289,30 @@ def test_client_disconnect_frees_blocks(server):
         time.sleep(0.05)
 
 
+def test_a_template_renders_as_transformers_renders_it():
+    """The jinja transformers (and vLLM) renders chat templates with: tojson keeping keys in order and text as it is
+    (jinja's own sorts and escapes: a review found tools written otherwise than the model was trained with),
+    {% break %}, strftime_now, {% generation %}."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models
+
+    from meshlm.tokenizer import HFTokenizer
+
+    template = ("{% for t in tools %}{{ t | tojson }}|{{ t | tojson(indent=2) }}{% endfor %}"
+                "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{% if m['role'] == 'assistant' %}{% generation %}<{{ m['content'] }}>{% endgeneration %}"
+                "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{{ strftime_now('%Y') }}")
+    raw = Raw(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=template)
+    msgs = [{"role": "user", "content": "héllo <b> & 'q'"}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "dropped by the break"}]
+    tools = [{"type": "function", "function": {"name": "zed", "description": "é <&>", "parameters": {"b": 1, "a": 2}}}]
+    mine = HFTokenizer(raw, chat_template=template).apply_chat_template(msgs, tools, add_generation_prompt=False)
+    assert mine == theirs.apply_chat_template(msgs, tools=tools, tokenize=False)
+    assert '"zed", "description": "é <&>"' in mine and "dropped" not in mine
+
+
 def test_chat_templates():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models

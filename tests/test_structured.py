@@ -196,3 +196,23 @@ def test_a_grammar_that_waits_for_a_text_holds_only_what_follows_it(model_dir):
     assert llm.engine.stats()["spec_proposed_tokens"] == proposed  # nothing proposed while a grammar waits
     with pytest.raises(SamplingError, match="structured_after"):
         SamplingParams(structured_after="</think>")
+
+
+def test_the_rest_of_the_token_that_ends_the_wait_is_the_grammars_first_text(model_dir):
+    """A text that ends inside a token: what that token holds past it is fed to the grammar -- kept where the
+    grammar takes it, the request's failure (named) where it does not (found by a review: it went out unheld)."""
+    llm = LLM(str(model_dir), device="cpu", block_size=4, num_blocks=40, max_num_seqs=4)
+    tok = llm.engine.tokenizer
+    free = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    edges = {len(tok.decode(free.token_ids[:i])) for i in range(13)}
+    cut = next(k for k in range(2, len(free.text)) if k not in edges)
+    marker, end = free.text[:cut], min(e for e in edges if e > cut)
+    rest = free.text[cut:end]
+    held = llm.generate(["hello world"], SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=dict(regex=re.escape(rest) + "(yes|no)"),
+        structured_after=marker))[0]
+    assert held.text[:end] == free.text[:end] and held.text[end:] in ("yes", "no"), (held.text, marker, rest)
+    refused = llm.generate(["hello world"], SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=dict(choice=["yes", "no"]), structured_after=marker))[0]
+    assert refused.finish_reason == "error" and refused.error_field == "structured_outputs"
+    assert "does not follow structured_outputs" in refused.error

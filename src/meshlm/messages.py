@@ -65,7 +65,10 @@ def template_messages(messages: list) -> list[dict]:
         if m["role"] == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise ValueError("an assistant message's tool_calls must be a list of objects")
-            checked_text(json.dumps(m["tool_calls"], ensure_ascii=False), "messages")
+            try:
+                checked_text(json.dumps(m["tool_calls"], ensure_ascii=False), "messages")
+            except RecursionError:
+                raise ValueError("an assistant message's tool_calls nest too deeply") from None
             entry["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
         reasoning = m.get("reasoning_content", m.get("reasoning"))  # an earlier reply's thinking, for templates
         if m["role"] == "assistant" and isinstance(reasoning, str):  # that show it (Qwen3's reads reasoning_content)
@@ -85,6 +88,6 @@ def _arguments_as_object(call: dict) -> dict:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested beyond what Python's parser takes: left as text
         return call
     return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call

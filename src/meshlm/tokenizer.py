@@ -90,17 +90,12 @@ class Tokenizer:
         `add_generation_prompt`: the template opens the assistant's turn; `continue_final_message`: the text ends
         with the last message's content instead (what the template writes after it is cut), so that the reply
         continues it; `variables`: more of the template's variables (e.g. Qwen3's `enable_thinking`)."""
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         cut = f"<meshlm-continue-{uuid.uuid4().hex}>" if continue_final_message else ""  # marks where to end
         if cut:
             messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + cut}]
         try:
             if self._template is None:  # a template that does not compile is refused as any other
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=[_generation_tag()])
-                env.globals["raise_exception"] = _raise
-                self._template = env.from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
+                self._template = _template_environment().from_string(self.chat_template or FALLBACK_CHAT_TEMPLATE)
             text = self._template.render(**(variables or {}), messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.special_tokens.get("bos_token", ""),
@@ -147,6 +142,25 @@ class Tokenizer:
         """A chat prompt's text (`apply_chat_template`'s) as token ids: a template writes the special tokens (e.g.
         BOS) itself; the fallback one does not."""
         return self.encode(text, add_special_tokens=self.chat_template is None)
+
+
+def _template_environment():
+    """Jinja as transformers (and so vLLM) renders chat templates: sandboxed, trim_blocks and lstrip_blocks,
+    `{% break %}` / `{% continue %}`, `{% generation %}`, `raise_exception`, `strftime_now` (today's date, which
+    Llama 3.1's template writes), and a `tojson` that keeps keys in order and text unescaped (jinja's own sorts keys
+    and escapes `<`, `>`, `&`, `'` and every non-ASCII character: tools would be written otherwise than the model
+    was trained with)."""
+    from datetime import datetime
+
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols,
+                                                                                         _generation_tag()])
+    env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+        json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
 
 
 def _generation_tag():

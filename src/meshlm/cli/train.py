@@ -161,19 +161,22 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
         # Conversations: the reply to the first one's opening messages (its first user turn), as served;
         # prompts and completions given as texts: the first prompt's.
         chats = is_chat_jsonl(cfg.data.path)
-        prompt, chat = (sample_prompt(cfg.data.path, trainer.tokenizer) or ("", True)) if chats else ("def ", False)
-        if cfg.train.sample_tokens > 0 and prompt:
+        prompt, chat = ("", True) if chats else ("def ", False)
+        if cfg.train.sample_tokens > 0:
             # Every rank generates (the same tokens: same weights, same seed): under ZeRO-3 each
             # forward gathers parameters collectively, so rank 0 cannot run it alone.
-            try:
-                text = f"{prompt}{trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens, chat=chat)}"
-            except ValueError as e:  # a prompt that fills model.max_seq_len: the run itself went well
+            try:  # a prompt that fills model.max_seq_len, or that the template refuses: the run itself went well
+                if chats:
+                    prompt, chat = sample_prompt(cfg.data.path, trainer.tokenizer) or (prompt, chat)
+                text = f"{prompt}{trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens, chat=chat)}" \
+                    if prompt else "(none: the first conversation has no prompt before a reply)"
+            except ValueError as e:
                 text = f"(none: {e})"
             if trainer.is_main:
                 print(f"--- sample ---\n{text}\n--------------")
         if trainer.is_main and trainer.saved_step is not None:
             run_dir = cfg.train.run_dir
-            ask = '--chat --prompt "Hello"' if chat else f"--prompt {shlex.quote(prompt[:40] or 'Hello')}"
+            ask = '--chat --prompt "Hello"' if chat else f"--prompt {shlex.quote(prompt[:40])}"
             print(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.saved_step:06d}'}\n"
                   f"next: meshlm generate --checkpoint {run_dir} {ask}   |   "
                   f"meshlm eval --checkpoint {run_dir}   |   meshlm serve --model {run_dir}")

@@ -29,7 +29,7 @@ from meshlm.infer.sampling import Sampler, logprobs_infos
 from meshlm.infer.scheduler import Scheduler, SchedulerOutput
 from meshlm.infer.sequence import SamplingError, SamplingParams, Sequence, SequenceStatus
 from meshlm.infer.speculative import NgramProposer, SpecStats, SpeculativeConfig
-from meshlm.infer.structured import Grammars
+from meshlm.infer.structured import Grammars, grammar_starts
 from meshlm.tokenizer import Tokenizer
 from meshlm.values import is_integer
 from meshlm.models.transformer import Transformer
@@ -76,6 +76,7 @@ class _Detok:
     prefix_offset: int = 0
     read_offset: int = 0
     stopped: bool = False  # a stop string cut `text`: nothing more is appended
+    searched: int = 0  # characters of `text` already searched for params.structured_after
 
 
 class Engine:
@@ -394,7 +395,13 @@ class Engine:
             # Also for a sequence that just finished by length or a stop token: its text must include
             # that last token, and a stop string it completes still cuts the text.
             self._check_stop_strings(seq)
-            self._start_grammar(seq)
+            state = self._detok[seq.request_id]
+            if seq.waiting_matcher is not None and not seq.is_finished:  # a grammar waiting for its text
+                error = grammar_starts(seq, state.text, state.searched, self.tokenizer.encode)
+                state.searched = len(state.text)
+                if error is not None:
+                    failed[seq] = error
+                    continue
             if seq.is_finished:
                 seq.finish_time = now
             results.append(self._output(seq))
@@ -485,11 +492,6 @@ class Engine:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
-
-    def _start_grammar(self, seq: Sequence) -> None:
-        """A grammar that waits for params.structured_after holds the next tokens once the text has reached it."""
-        if seq.waiting_matcher is not None and seq.params.structured_after in self._detok[seq.request_id].text:
-            seq.matcher, seq.waiting_matcher = seq.waiting_matcher, None
 
     def _drop_tokens_past(self, seq: Sequence, text: str, offsets: tuple[int, int], end: int) -> None:
         """A step that emitted several tokens (speculative decoding) keeps only those up to the one that completes

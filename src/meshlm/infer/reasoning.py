@@ -31,7 +31,10 @@ class Thinking:
 
     def opens(self, opening: str) -> bool:
         """Whether a reply starts thinking: always, or where what the template writes of it (`opening`:
-        `Tokenizer.reply_opening`, the generation prompt or a continued message) leaves a `<think>` open."""
+        `Tokenizer.reply_opening`, the generation prompt or a continued message) leaves a `<think>` open -- never
+        where it closed one (a prefilled `<think>...</think>`, or Qwen3's template with thinking off)."""
+        if opening.rfind(END) > opening.rfind(START):
+            return False
         return self.always_open or opening.rfind(START) > opening.rfind(END)
 
     def split(self, text: str, opened: bool, final: bool) -> tuple[str | None, str | None]:

@@ -300,7 +300,9 @@ class _Completions:
             block, found = await self.retrieve(query, *rag)
             messages, retrieved = augment_messages(messages, block), [found]
         listed = tools.tools if tools is not None else None
-        opens = opening_needed and self.reasoning is not None and not self.reasoning.always_open
+        # (a reply that always thinks can be closed only by a continued message, which costs no render)
+        opens = opening_needed and self.reasoning is not None and (not self.reasoning.always_open
+                                                                   or options.get("continue_final_message", False))
 
         def render():  # the template once: the prompt's ids, and what it writes of the reply where that decides
             text = self.tokenizer.apply_chat_template(messages, listed, **options)

@@ -172,3 +172,20 @@ def error_of(matcher) -> str:
 def _first_line(error) -> str:
     text = str(error).strip()
     return (text.splitlines() or ["?"])[0][:300]
+
+
+def grammar_starts(seq, text: str, searched: int, encode) -> SamplingError | None:
+    """A grammar that waits for `seq.params.structured_after` (`seq.waiting_matcher`) holds the next tokens once the
+    generated `text` (its first `searched` characters looked at already) has reached it; what the text holds past it
+    already (the rest of the token that ended it, or a character held back with it) is the grammar's first text,
+    `encode`d, or the request's failure where the grammar refuses it."""
+    marker = seq.params.structured_after
+    at = text.find(marker, max(0, searched - len(marker) + 1))  # the new text only
+    if at < 0:
+        return None
+    seq.matcher, seq.waiting_matcher = seq.waiting_matcher, None
+    rest = text[at + len(marker):]
+    if rest and not (seq.matcher.consume_tokens(encode(rest, add_special_tokens=False)) and not seq.matcher.is_error()):
+        return SamplingError("structured_outputs", f"the text after {marker!r} in the token that ends it, "
+                                                   f"{rest[:40]!r}, does not follow structured_outputs")
+    return None

@@ -342,7 +342,7 @@ class Trainer:
                                    norm_fn=self.parallel.grad_norm_fn)
         if self.loader.loss_targets:  # a batch of which no target counts (conversations) moves no weight
             self.optimizer.step()
-        if self.moe:  # aux-loss-free balancing (model.router_bias_update_rate): the load of this step
+        if self.moe and self.loader.loss_targets:  # aux-loss-free balancing (router_bias_update_rate): its load
             update_router_biases(self.base_model, self.mesh, axis=self.moe_token_axes)
         self.step += 1
         # What the step itself moved (gradient reduction, ...), taken before the metric reductions
