@@ -8,8 +8,8 @@ config.json / generation_config.json / tokenizer_config.json, its chat template)
 way a training run gets its tokenizer; and `encode_documents`, the token stream training packs
 (`encode_with_starts`: with where each document begins, for document masking).
 
-Chat messages are rendered with the model's chat template (jinja, sandboxed, as Hugging Face does) or, for a
-tokenizer without one, with this fallback template:
+Chat messages are rendered with the model's chat template (jinja, sandboxed, with the extensions, filters and
+globals transformers gives it: `_template_environment`) or, for a tokenizer without one, with this fallback template:
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
