@@ -176,7 +176,8 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
                 print(f"--- sample ---\n{text}\n--------------")
         if trainer.is_main and trainer.saved_step is not None:
             run_dir = cfg.train.run_dir
-            ask = '--chat --prompt "Hello"' if chat else f"--prompt {shlex.quote(prompt[:40])}"
+            ask = '--chat --prompt "Hello"' if chat else '--prompt "def "' if not chats \
+                else f"--prompt {shlex.quote(prompt[:40])}"
             print(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.saved_step:06d}'}\n"
                   f"next: meshlm generate --checkpoint {run_dir} {ask}   |   "
                   f"meshlm eval --checkpoint {run_dir}   |   meshlm serve --model {run_dir}")
