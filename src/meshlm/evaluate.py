@@ -137,20 +137,14 @@ def _eval_dataset(cfg: Config, tokenizer):
     """(dataset, its description): every document of data.path given with --data, else the validation split.
     Conversations (a .jsonl of "messages") as training reads them: the loss on the assistant's turns unless
     data.assistant_only_loss is false."""
-    from meshlm.data.chat import is_chat_jsonl, read_conversations
-    from meshlm.data.text import (pack_conversations, pack_documents, read_documents, split_conversations,
-                                  split_documents)
+    from meshlm.data.text import split_source
 
     where = cfg.data.path or "the standard-library corpus"
-    chat = is_chat_jsonl(cfg.data.path)
-    docs = read_conversations(cfg.data.path, max_bytes=cfg.data.max_bytes) if chat else read_documents(cfg.data)
+    every, held_out, pack = split_source(cfg.data, seq_len=cfg.train.seq_len, tokenizer=tokenizer)
     if cfg.data.val_fraction > 0:
-        _, docs = (split_conversations if chat else split_documents)(docs, cfg.data.val_fraction)
         where = f"the validation split of {where} (data.val_fraction={cfg.data.val_fraction:g})"
-    if chat:
-        return pack_conversations(docs, tokenizer, cfg.train.seq_len, assistant_only=cfg.data.assistant_only_loss,
-                                  whole=not cfg.data.split_across_samples), where
-    return pack_documents(docs, tokenizer, cfg.train.seq_len), where
+        return pack(held_out), where
+    return pack(every), where
 
 
 def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,

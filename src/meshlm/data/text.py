@@ -24,7 +24,7 @@ import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -242,21 +242,27 @@ def build_datasets(data: DataConfig, *, seq_len: int,
     conversations (`chat.is_chat_jsonl`) is rendered by `tokenizer`'s chat template, its loss on the assistant's
     turns unless data.assistant_only_loss is false."""
     where = data.path or "the standard-library corpus"
-    if is_chat_jsonl(data.path):
-        halves = split_conversations(read_conversations(data.path, max_bytes=data.max_bytes), data.val_fraction)
-        train, val = (pack_conversations(convs, tokenizer, seq_len, assistant_only=data.assistant_only_loss,
-                                         whole=not data.split_across_samples) for convs in halves)
-        if len(train) and not bool(train.trainable.any()):
-            raise ValueError(f"{where}: no token of the training conversations is an assistant's; each needs a "
-                             "message with role 'assistant' (or set data.assistant_only_loss=false)")
-    else:
-        train_docs, val_docs = split_documents(read_documents(data), data.val_fraction)
-        train = pack_documents(train_docs, tokenizer, seq_len)
-        val = pack_documents(val_docs, tokenizer, seq_len)
+    train_items, val_items, pack_items = split_source(data, seq_len=seq_len, tokenizer=tokenizer)
+    train, val = pack_items(train_items), pack_items(val_items)
+    if len(train) and train.trainable is not None and not bool(train.trainable.any()):
+        raise ValueError(f"{where}: no token of the training conversations is an assistant's; each needs a "
+                         "message with role 'assistant' (or set data.assistant_only_loss=false)")
     if len(train) == 0:
         raise ValueError(f"{where} gives {train.tokens.numel()} training tokens, fewer than one sample of "
                          f"train.seq_len+1={seq_len + 1}; use more text or a smaller train.seq_len")
     return train, val
+
+
+def split_source(data: DataConfig, *, seq_len: int, tokenizer: Tokenizer) -> tuple[list, list, Callable]:
+    """The configured source read and split: (training items, validation items) -- documents, or conversations
+    (`chat.is_chat_jsonl`) -- and the function that packs a list of either (nothing is tokenized yet)."""
+    if is_chat_jsonl(data.path):
+        train, val = split_conversations(read_conversations(data.path, max_bytes=data.max_bytes), data.val_fraction)
+        return train, val, lambda convs: pack_conversations(convs, tokenizer, seq_len,
+                                                            assistant_only=data.assistant_only_loss,
+                                                            whole=not data.split_across_samples)
+    train, val = split_documents(read_documents(data), data.val_fraction)
+    return train, val, lambda docs: pack_documents(docs, tokenizer, seq_len)
 
 
 def pack_conversations(convs: list[Conversation], tokenizer: Tokenizer, seq_len: int, *,

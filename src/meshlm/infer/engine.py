@@ -347,8 +347,7 @@ class Engine:
     def _propose(self) -> None:
         """Speculative decoding: proposals for every running sequence that decodes next (none for the others, for
         a structured output's, whose grammar decides each token or will once its text is reached, or before
-        min_tokens, where a step crossing it
-        could find a stop string one token a step would not look for),
+        min_tokens, where a step crossing it could find a stop string one token a step would not look for),
         which the next step verifies; a sequence the scheduler then preempts or gives no room drops them."""
         if self.proposer is None:
             return
