@@ -141,7 +141,13 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """A chat prompt's text (`apply_chat_template`'s) as token ids: a template writes the special tokens (e.g.
         BOS) itself; the fallback one does not."""
-        return self.encode(text, add_special_tokens=self.chat_template is None)
+        return self.encode(text, add_special_tokens=self.prompt_special_tokens)
+
+    @property
+    def prompt_special_tokens(self) -> bool:
+        """Whether a chat prompt's text is encoded with the tokenizer's special tokens: a template writes them
+        itself (e.g. BOS); the fallback one does not."""
+        return self.chat_template is None
 
 
 def _template_environment():
@@ -203,9 +209,9 @@ class ByteTokenizer(Tokenizer):
 
     def encode_with_starts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Documents joined by a blank line (vectorised: no Python loop per byte)."""
-        parts = [t.encode("utf-8") for t in texts]
-        blob = b"\n\n".join(parts)
-        lengths = np.asarray([len(p) + 2 for p in parts], dtype=np.int64)  # each with the blank line after it
+        parts, sep = [t.encode("utf-8") for t in texts], bytes(self.separator)
+        blob = sep.join(parts)
+        lengths = np.asarray([len(p) + len(sep) for p in parts], dtype=np.int64)  # each with the blank line after it
         return np.frombuffer(blob, dtype=np.uint8).astype(np.int32), np.cumsum(lengths) - lengths
 
     separator = [10, 10]  # a blank line
@@ -245,24 +251,13 @@ class HFTokenizer(Tokenizer):
             return None
         tok = read_tokenizer_json(path / "tokenizer.json")
         tok_cfg = _read_json(path / "tokenizer_config.json")
-        special = {}
-        for key in ("bos_token", "eos_token", "pad_token"):
-            value = tok_cfg.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if isinstance(value, str):
-                special[key] = value
-        eos = list(read_eos_token_ids(path))
-        if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
-            t = tok.token_to_id(special["eos_token"])
-            if t not in eos:
-                eos.append(t)
+        special, eos = _special_tokens(tok, tok_cfg, read_eos_token_ids(path))
         template = tok_cfg.get("chat_template")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(tok, eos_token_ids=tuple(eos), chat_template=template, special_tokens=special,
+        return cls(tok, eos_token_ids=eos, chat_template=template, special_tokens=special,
                    path=str(path / "tokenizer.json"))
 
     @property
@@ -280,8 +275,8 @@ class HFTokenizer(Tokenizer):
     def encode_with_starts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Documents encoded in one batch call (parallel in Rust), each followed by EOS when there is one."""
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
-        sep = [np.asarray([self.eos_token_id], dtype=np.int32)] if self.eos_token_id is not None else []
-        parts = [p for enc in encodings for p in [np.asarray(enc.ids, dtype=np.int32), *sep]]
+        sep = np.asarray(self.separator, dtype=np.int32)
+        parts = [p for enc in encodings for p in [np.asarray(enc.ids, dtype=np.int32), sep]]
         lengths = np.asarray([len(enc.ids) + len(sep) for enc in encodings], dtype=np.int64)
         return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), np.cumsum(lengths) - lengths
 
@@ -323,11 +318,27 @@ def load_saved_tokenizer(folder: Path, names, fallback: str | Path | None) -> To
     if CHAT_CONFIG_FILE in names and isinstance(tokenizer, HFTokenizer):
         saved = _read_json(folder / CHAT_CONFIG_FILE)
         tokenizer.chat_template = saved.get("chat_template")
-        tokenizer.special_tokens = {k: v for k, v in saved.items() if k != "chat_template" and isinstance(v, str)}
-        eos = tokenizer.tokenizer.token_to_id(tokenizer.special_tokens.get("eos_token", ""))
-        if eos is not None and eos not in tokenizer.eos_token_ids:
-            tokenizer.eos_token_ids = (*tokenizer.eos_token_ids, eos)
+        tokenizer.special_tokens, tokenizer.eos_token_ids = _special_tokens(tokenizer.tokenizer, saved,
+                                                                            tokenizer.eos_token_ids)
     return tokenizer
+
+
+def _special_tokens(tok, tok_cfg: dict, eos_ids) -> tuple[dict[str, str], tuple[int, ...]]:
+    """What a tokenizer_config.json (a model folder's, or the one a checkpoint saved) gives a `tokenizers`
+    tokenizer `tok`: its bos / eos / pad tokens (a text, or {"content": ...}), and `eos_ids` with its eos_token's id
+    added (ChatML's <|im_end|>, which ends a turn)."""
+    special = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = tok_cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            special[key] = value
+    eos = list(eos_ids)
+    end = tok.token_to_id(special["eos_token"]) if "eos_token" in special else None
+    if end is not None and end not in eos:
+        eos.append(end)
+    return special, tuple(eos)
 
 
 def eos_by_name(tok) -> int | None:

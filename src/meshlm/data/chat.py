@@ -62,8 +62,13 @@ def is_chat_jsonl(path: str | Path) -> bool:
                     row = json.loads(line)
                 except ValueError:  # not JSON, or not UTF-8: the text reader names the line
                     return False
-                return isinstance(row, dict) and ("messages" in row or {"prompt", "completion"} <= set(row))
+                return is_conversation_row(row)
     return False
+
+
+def is_conversation_row(row) -> bool:
+    """A JSON line that is a conversation: an object with "messages", or with "prompt" and "completion"."""
+    return isinstance(row, dict) and ("messages" in row or {"prompt", "completion"} <= set(row))
 
 
 def read_conversations(path: str | Path, *, max_bytes: int) -> list[Conversation]:
@@ -103,7 +108,7 @@ def sample_prompt(path: str | Path, tokenizer: Tokenizer) -> tuple[str, bool] | 
 def _conversation(row, where: str, key: str) -> Conversation:
     shape = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
     completion_from = None
-    if isinstance(row, dict) and "messages" not in row and {"prompt", "completion"} <= set(row):
+    if is_conversation_row(row) and "messages" not in row:
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str) and completion:
             try:
@@ -185,7 +190,7 @@ def encode_conversation(conv: Conversation, tokenizer: Tokenizer, *, assistant_o
             raise ValueError(f"{conv.where}: {e}{what}") from None
 
     whole = render(conv.messages, False, "")
-    ids, starts, ends = tokenizer.encode_with_offsets(whole, add_special_tokens=tokenizer.chat_template is None)
+    ids, starts, ends = tokenizer.encode_with_offsets(whole, add_special_tokens=tokenizer.prompt_special_tokens)
     if not assistant_only:
         return ids, np.ones(len(ids), dtype=bool)
     if conv.completion_from is not None:  # the completion's messages, whoever speaks in them

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from meshlm.data.chat import is_conversation_row
 from meshlm.data.manifest import MANIFEST
 from meshlm.files import BINARY_SNIFF_BYTES, looks_binary
 
@@ -346,8 +347,8 @@ def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
             row = json.loads(line)
         except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
             raise ValueError(f"{where} is not valid JSON ({e}); fix or delete that line") from None
-        if isinstance(row, dict) and field not in row and "messages" in row:
-            raise ValueError(f"{where} is a conversation ('messages'), not a text: prepare takes texts; train on "
+        if is_conversation_row(row) and field not in row:
+            raise ValueError(f"{where} is a conversation, not a text: prepare takes texts; train on "
                              "a .jsonl of conversations with data.path=FILE (read in memory and rendered by the chat "
                              "template, the loss on the assistant's turns)")
         if not isinstance(row, dict) or field not in row:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from meshlm.config import DataConfig
-from meshlm.data.chat import Conversation, encode_conversations, is_chat_jsonl, read_conversations
+from meshlm.data.chat import (Conversation, encode_conversations, is_chat_jsonl, is_conversation_row,
+                              read_conversations)
 from meshlm.models.documents import documents_from_starts
 from meshlm.tokenizer import Tokenizer
 
@@ -102,7 +103,7 @@ def _read_jsonl(path: Path) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); each line must be an object") from None
-            if isinstance(row, dict) and "text" not in row and ("messages" in row or "prompt" in row):
+            if is_conversation_row(row) and "text" not in row:
                 raise ValueError(f"{path}:{lineno} is a conversation: conversations are trained on from one .jsonl "
                                  "given as data.path (not a folder of them, nor mixed with texts)")
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
@@ -328,6 +329,12 @@ class BatchLoader:
         idx = self._order()[self.position: self.position + self.global_batch_size]
         self.position += self.global_batch_size
         return idx
+
+    @property
+    def loss_divisor(self) -> int:
+        """What every rank divides its token losses by: the last global batch's counted targets (1 where none
+        count: their losses are all 0)."""
+        return max(1, self.loss_targets)
 
     def next_batch(self) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro-batches of the next global batch (`loss_targets`: its targets that count)."""

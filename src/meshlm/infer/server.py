@@ -213,7 +213,8 @@ class _Completions:
         # a reasoning model's thinking is split off its reply; a grammar (structured outputs, a forced tool choice)
         # holds a reply that starts thinking only after it (reasoning.py says why not one that may)
         reasoning, params = (self.reasoning if chat else None), options.params
-        if reasoning is not None and params.structured_outputs is not None and reasoning.opens(opening):
+        thinking = reasoning is not None and reasoning.opens(opening)
+        if thinking and params.structured_outputs is not None:
             params = dataclasses.replace(params, structured_after=REASONING_END)
         n = options.n
         if len(prompts) * n > MAX_CHOICES:
@@ -233,7 +234,7 @@ class _Completions:
                           retrieved=retrieved, n=n, echo=[self.text_of(p) for p in prompts] if options.echo else None,
                           prompt_only=options.prompt_only,
                           calls=self.call_format(options.tools), reasoning=reasoning,
-                          thinking=reasoning is not None and reasoning.opens(opening))
+                          thinking=thinking)
         if options.stream:
             return self.stream(request, ids, queue, replies, num_prompt, include_usage=options.include_usage,
                                names=names)

@@ -277,9 +277,9 @@ class ReplicaTrainer(Trainer):
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
-        num_tokens, counted = t.global_batch_size * t.seq_len, max(1, self.loader.loss_targets)
-        return data_wait, lr, num_tokens, float(self.sum_over_dp(self.forward_backward(micro_batches,
-                                                                                    num_tokens=counted)))
+        num_tokens = t.global_batch_size * t.seq_len
+        return data_wait, lr, num_tokens, float(self.sum_over_dp(
+            self.forward_backward(micro_batches, num_tokens=self.loader.loss_divisor)))
 
     def local_step(self) -> dict:
         """A semi-synchronous step: this group's slice alone (its gradients x N: the mean over its own tokens);
@@ -465,7 +465,7 @@ class MembershipReplay(Trainer):
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = t.global_batch_size * t.seq_len
-        loss = float(self.forward_backward(mine, num_tokens=max(1, self.loader.loss_targets)))
+        loss = float(self.forward_backward(mine, num_tokens=self.loader.loss_divisor))
         scale = self.replica_groups / len(live)
         for q in self.base_model.parameters():
             if q.grad is not None:

@@ -82,8 +82,9 @@ def checkpoint_files(tokenizer: Tokenizer) -> dict[str, Path | str]:
     files: dict[str, Path | str] = {}
     if getattr(tokenizer, "path", None):
         files["tokenizer.json"] = Path(tokenizer.path)
-    if chat_config(tokenizer) is not None:
-        files[CHAT_CONFIG_FILE] = json.dumps(chat_config(tokenizer), indent=1)
+    chat = chat_config(tokenizer)
+    if chat is not None:
+        files[CHAT_CONFIG_FILE] = json.dumps(chat, indent=1)
     return files
 
 

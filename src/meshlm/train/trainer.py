@@ -337,7 +337,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = t.global_batch_size * t.seq_len  # every token is run; the loss counts `loss_targets`
-        loss = self.forward_backward(micro_batches, num_tokens=max(1, self.loader.loss_targets))
+        loss = self.forward_backward(micro_batches, num_tokens=self.loader.loss_divisor)
         grad_norm = clip_grad_norm(self.parallel.clip_params(self.base_model), t.grad_clip,
                                    norm_fn=self.parallel.grad_norm_fn)
         if self.loader.loss_targets:  # a batch of which no target counts (conversations) moves no weight
