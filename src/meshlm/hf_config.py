@@ -137,7 +137,7 @@ def hf_config_of(cfg: ModelConfig) -> dict:
              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM"}
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **cfg.rope_scaling}
+    scaling = None if cfg.rope_scaling is None else {"rope_type": cfg.rope_type, **cfg.rope_scaling}
     if scaling is not None:
         rope = {**scaling, "rope_theta": cfg.rope_theta}
     hf: dict[str, Any] = dict(
