@@ -11,7 +11,6 @@ Bad conversation files are refused before training, naming file:line.
 
 import io
 import json
-import random
 import tempfile
 from pathlib import Path
 
@@ -25,32 +24,9 @@ from meshlm.config import DataConfig, load_config
 from meshlm.data.chat import encode_conversation, is_chat_jsonl, read_conversations
 from meshlm.data.text import IGNORE_INDEX, build_datasets
 from meshlm.tokenizer import ByteTokenizer, HFTokenizer
+from chat_data import CHATML, conversations, make_chatml_folder, write_jsonl
 from parity import FP64_TOL
 from runs import SMALL_MODEL, harness_launch
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def conversations(n: int, seed: int = 0) -> list[dict]:
-    """Arithmetic chats of one or two rounds, some with a system message, replies of different lengths."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        msgs = [{"role": "user", "content": f"What is {a} plus {b}?"},
-                {"role": "assistant", "content": f"{a + b}." + " Sure." * (i % 3)}]
-        if i % 3 == 0:
-            msgs = [{"role": "system", "content": "Be brief, é."}, *msgs,
-                    {"role": "user", "content": "Twice that?"}, {"role": "assistant", "content": f"{2 * (a + b)}"}]
-        out.append({"messages": msgs})
-    return out
-
-
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def chat_file(tmp_path_factory):
@@ -88,21 +64,7 @@ def read_conversations_of(rows):
 
 @pytest.fixture(scope="module")
 def chatml_folder(tmp_path_factory):
-    """A model folder's tokenizer: a byte-level BPE of 300 entries with ChatML's special tokens and template,
-    <|im_end|> its eos_token (as Qwen's instruct models)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("chatml")
-    raw = Tokenizer(models.BPE(unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    texts = [m["content"] for c in conversations(50, seed=3) for m in c["messages"]]
-    raw.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|im_start|>",
-                                                                                       "<|im_end|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    raw.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    return folder
+    return make_chatml_folder(tmp_path_factory.mktemp("chatml"))
 
 
 def test_a_model_folder_s_chatml_template_counts_each_reply_and_its_end_token(chatml_folder):

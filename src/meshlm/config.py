@@ -394,14 +394,17 @@ class DataConfig:
     # Prepared folders mixed by weight, e.g. [{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]
     # (instead of data.path); the mix is the same on any number of ranks
     sources: list = field(default_factory=list)
-    tokenizer: str = ""  # a Hugging Face tokenizer.json; empty: bytes (prepared data: the one it was prepared with)
+    # a Hugging Face tokenizer.json, or a model folder holding one (conversations: rendered by its chat template);
+    # empty: bytes (prepared data: the one it was prepared with)
+    tokenizer: str = ""
     val_fraction: float = 0.02  # share of the documents held out for validation (prepared data: its 'val' split)
     max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large; prepared data: no cap)
     # attention stops at document boundaries inside a packed sample (block-causal), and RoPE positions restart
     # at 0 at each document's start; false: each token sees every earlier token of its sample
     document_mask: bool = False
-    # a .jsonl of conversations ({"messages": [...]} lines, rendered by the tokenizer's chat template): the loss
-    # counts only the assistant's turns (each reply and what closes it); false: every token of the conversation
+    # a .jsonl of conversations ({"messages": [...]} lines, rendered by the tokenizer's chat template), or a folder
+    # prepared from them: the loss counts only the assistant's turns (each reply and what closes it); false: every
+    # token of the conversation
     assistant_only_loss: bool = True
     # conversations: one that does not fit in the rest of a sample starts the next one (the rest padded, no loss
     # on it), so none is cut from its beginning; true: packed back to back and split across samples like texts

@@ -302,6 +302,21 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     return HFTokenizer.from_file(p)
 
 
+def conversation_tokenizer(path: str | Path | None) -> Tokenizer:
+    """The tokenizer conversations are rendered and tokenized with for training (in memory, or by `meshlm data
+    prepare`): `load_tokenizer(path)`, but that of the Hugging Face model folder `path` names (the folder, or the
+    tokenizer.json inside it: `meshlm convert --to-meshlm` copies the model's files there) when it has a chat
+    template, with that template and the folder's end-of-sequence ids."""
+    tokenizer = load_tokenizer(path)
+    if path:
+        given = Path(path)
+        folder = given if given.is_dir() else given.parent if given.name == "tokenizer.json" else None
+        templated = HFTokenizer.from_dir(folder) if folder is not None else None
+        if templated is not None and templated.chat_template:
+            return templated
+    return tokenizer
+
+
 def chat_config(tokenizer: Tokenizer) -> dict | None:
     """What a checkpoint saves of `tokenizer`'s chat template (`CHAT_CONFIG_FILE`), None when it has none."""
     if not tokenizer.chat_template:

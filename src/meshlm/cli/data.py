@@ -14,6 +14,12 @@ EPILOG = """examples:
   meshlm data prepare corpus/ --tokenizer tokenizer.json --out data/corpus
   meshlm data prepare a.jsonl.zst b.parquet --tokenizer tok/ --out data/ab --workers 8 --val-fraction 0.01
   meshlm data prepare dump.parquet --field content --tokenizer tokenizer.json --out data/dump
+  meshlm data prepare chats.jsonl.zst --tokenizer models/qwen2.5/ --out data/chats --val-fraction 0.01
+
+Conversations (.jsonl lines of {"messages": [...]}, or prompt/completion pairs; a file's first line says which
+kind it holds) are rendered by the chat template of the --tokenizer model folder and masked, the loss on the
+assistant's turns, as training reads a .jsonl of them in memory; whether one may be split across samples is
+data.split_across_samples at training time.
 
 A rerun of the same command continues an interrupted one (finished shards are kept).
 """
@@ -50,6 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                            "(default %(default)s: none)")
     prep.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20, metavar="MB",
                       help="input MiB per shard, the unit of parallel work and of resuming (default %(default)s)")
+    prep.add_argument("--all-tokens", action="store_true",
+                      help="conversations: no loss masks, every token counts (for a chat template that rewrites "
+                           "earlier turns; train with data.assistant_only_loss=false)")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -65,9 +74,12 @@ def run(args) -> int:
         raise ValueError(f"--shard-mb={args.shard_mb} must be a positive number of MiB (input per shard), e.g. 128")
     summary = prepare(args.sources, tokenizer_path=args.tokenizer, out=args.out, workers=args.workers,
                       field=args.field, val_fraction=args.val_fraction,
-                      shard_bytes=int(args.shard_mb * 2**20), progress=not args.no_progress)
+                      shard_bytes=int(args.shard_mb * 2**20), progress=not args.no_progress,
+                      assistant_only=not args.all_tokens)
+    kind = "conversations" if summary.get("num_loss_tokens") else "documents"
     splits = ", ".join(f"{split} {summary['num_tokens'][split]:,} tokens in {summary['num_documents'][split]:,} "
-                       "documents" for split in summary["num_tokens"])
+                       f"{kind}" + (f" ({summary['num_loss_tokens'][split]:,} counted in the loss)" if
+                                    summary.get("num_loss_tokens") else "") for split in summary["num_tokens"])
     done = (f"{summary['shards_written']} shards written, {summary['shards_skipped']} already there"
             if summary["shards_written"] else f"all {summary['num_shards']} shards were already there")
     print(f"{summary['out']}: {splits}; {done}; {summary['text_mb_per_s']} MB/s of text, "

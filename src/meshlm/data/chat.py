@@ -81,14 +81,18 @@ def read_conversations(path: str | Path, *, max_bytes: int) -> list[Conversation
             if total >= max_bytes:
                 break
             total += len(raw)
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-                row = json.loads(line)
-            except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
-                raise ValueError(f"{where} is not valid JSON in UTF-8 ({e}); each line must be an object") from None
-            out.append(_conversation(row, where, line.strip()))
+            out.append(conversation_of_line(raw, f"{path}:{lineno}"))
     return out
+
+
+def conversation_of_line(raw: bytes, where: str) -> Conversation:
+    """One line of a conversation file, checked (errors name `where`, its file:line)."""
+    try:
+        line = raw.decode("utf-8")
+        row = json.loads(line)
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+        raise ValueError(f"{where} is not valid JSON in UTF-8 ({e}); each line must be an object") from None
+    return _conversation(row, where, line.strip())
 
 
 def sample_prompt(path: str | Path, tokenizer: Tokenizer) -> tuple[str, bool] | None:
@@ -136,34 +140,62 @@ def _conversation(row, where: str, key: str) -> Conversation:
 
 def encode_conversations(conversations: list[Conversation], tokenizer: Tokenizer, *, assistant_only: bool,
                          whole_in: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens int32, starts int64: where each conversation begins, trainable bool per token: whether predicting
-    it counts in the loss) of the conversations packed in order, each followed by the tokenizer's document
-    separator (`Tokenizer.separator`).
-
-    `whole_in` = seq_len: no conversation crosses the edge of a sample (samples start every seq_len tokens and
-    hold seq_len + 1, `text.PackedDataset`): one that does not fit in the rest of its sample starts the next one,
-    the rest filled with padding (the separator's first token, or 0; a document of its own that no loss counts).
-    One longer than a sample starts at a sample's start and runs on into the next ones."""
-    sep_tokens = np.asarray(tokenizer.separator, dtype=np.int32)
-    pad_id = int(sep_tokens[0]) if len(sep_tokens) else 0
-    tokens, trainable, starts, at = [], [], [], 0
-    for conv in conversations:
-        ids, counts = encode_conversation(conv, tokenizer, assistant_only=assistant_only)
-        length = len(ids) + len(sep_tokens)
-        if whole_in and at % whole_in and at % whole_in + length > whole_in + 1:  # would cross the sample's end
-            pad = whole_in - at % whole_in
-            tokens.append(np.full(pad, pad_id, dtype=np.int32))
-            trainable.append(np.zeros(pad, dtype=bool))
-            starts.append(at)
-            at += pad
-        tokens += [ids, sep_tokens]
-        # after a completion given as text, the separator (EOS) counts: it is how the model learns to stop
-        trainable += [counts, np.full(len(sep_tokens), not assistant_only or conv.texts is not None)]
-        starts.append(at)
-        at += length
-    if not tokens:
+    """(tokens int32, starts int64: where each conversation -- and each run of padding -- begins, trainable bool
+    per token: whether predicting it counts in the loss) of the conversations packed in order, each followed by the
+    tokenizer's document separator (`conversation_tokens`), placed by `place` (`whole_in` = seq_len: none crosses
+    a sample's edge), the gaps padding: the separator's first token, or 0, a document of its own that no loss
+    counts."""
+    encoded = [conversation_tokens(c, tokenizer, assistant_only=assistant_only) for c in conversations]
+    if not encoded:
         return np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, bool)
-    return np.concatenate(tokens), np.asarray(starts, dtype=np.int64), np.concatenate(trainable)
+    lengths = np.asarray([len(ids) for ids, _ in encoded], dtype=np.int64)
+    at = place(lengths, whole_in)
+    total = int(at[-1] + lengths[-1])
+    tokens, trainable = np.full(total, pad_token(tokenizer), dtype=np.int32), np.zeros(total, dtype=bool)
+    for start, (ids, counts) in zip(at.tolist(), encoded):
+        tokens[start:start + len(ids)], trainable[start:start + len(ids)] = ids, counts
+    return tokens, with_padding_starts(at, lengths), trainable
+
+
+def place(lengths: np.ndarray, whole_in: int | None) -> np.ndarray:
+    """Where each of documents of `lengths` (tokens, separator included) begins when packed in order: back to back,
+    or with `whole_in` = seq_len none crossing the edge of a sample (samples start every seq_len tokens and hold
+    seq_len + 1, `text.PackedDataset`): one that does not fit in the rest of its sample starts the next one (the
+    rest is padding); one longer than a sample starts at a sample's start and runs on into the next ones. The one
+    rule of conversations packed in memory (`encode_conversations`) and read from prepared shards."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not whole_in:
+        return np.cumsum(lengths) - lengths
+    out, at = np.empty(len(lengths), dtype=np.int64), 0
+    for i, length in enumerate(lengths.tolist()):
+        used = at % whole_in
+        if used and used + length > whole_in + 1:  # would cross the sample's end
+            at += whole_in - used
+        out[i] = at
+        at += length
+    return out
+
+
+def with_padding_starts(at: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The document starts of documents placed at `at` (`place`): theirs, and each gap's before them."""
+    ends = at[:-1] + lengths[:-1]
+    gaps = ends[ends < at[1:]]
+    return np.sort(np.concatenate([at, gaps])).astype(np.int64)
+
+
+def pad_token(tokenizer: Tokenizer) -> int:
+    """What fills the rest of a sample no conversation fits: the separator's first token, or 0."""
+    return int(tokenizer.separator[0]) if tokenizer.separator else 0
+
+
+def conversation_tokens(conv: Conversation, tokenizer: Tokenizer, *, assistant_only: bool) -> tuple[np.ndarray,
+                                                                                                    np.ndarray]:
+    """`encode_conversation` followed by the tokenizer's document separator (`Tokenizer.separator`), which counts
+    only after a completion given as text (it is how the model learns to stop), or when every token does."""
+    ids, counts = encode_conversation(conv, tokenizer, assistant_only=assistant_only)
+    sep = np.asarray(tokenizer.separator, dtype=np.int32)
+    return (np.concatenate([ids, sep]).astype(np.int32),
+            np.concatenate([counts, np.full(len(sep), not assistant_only or conv.texts is not None)]))
 
 
 def encode_conversation(conv: Conversation, tokenizer: Tokenizer, *, assistant_only: bool) -> tuple[np.ndarray,

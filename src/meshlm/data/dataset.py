@@ -9,6 +9,12 @@ tokens with stride `seq_len` that never cross a shard boundary (the last `< seq_
 are not used); where documents start inside samples (for document masking); `BlendedDataset`, which mixes
 prepared datasets by weight; `open_dataset`, the one entry point for a path or a list of {path, weight}.
 Both datasets also say in which order an epoch visits them (`order`): `PreparedLoader` asks for it.
+A folder of conversations (manifest.py, version 2) is read as `meshlm.data.text` packs conversations in memory:
+its targets that do not count in the loss (mask byte 0, the padding) are `IGNORE_INDEX`, `loss_targets` counts
+the others, and unless `whole=False` (data.split_across_samples) no conversation crosses a sample's edge: each is
+placed by `meshlm.data.chat.place` (computed at open, 24 bytes per conversation), the gaps filled with the
+manifest's pad token, each gap a document of its own. The same conversations give the same samples, prepared or
+packed in memory.
 Not responsible for: which rank reads which sample, micro-batches, prefetching (loader.py).
 
 Sample i of a `PreparedDataset` lies in the shard s with cum[s] <= i < cum[s+1], where cum counts the samples
@@ -28,6 +34,7 @@ sources 0..s-1); its length, the sum of its sources', only sets how often the lo
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -37,6 +44,7 @@ import torch
 
 from meshlm.data import manifest
 from meshlm.data.permutation import SeededPermutation, derive_key
+from meshlm.data.text import IGNORE_INDEX
 from meshlm.files import sha256_file
 
 BLEND_PERIOD = 1 << 16
@@ -47,7 +55,8 @@ class PreparedDataset:
     """The samples of one split of a prepared folder (see the module docstring)."""
 
     def __init__(self, path: str | Path, *, seq_len: int, split: str = "train",
-                 tokenizer_path: str | Path | None = None, checksums: bool = False, max_open_shards: int = 256):
+                 tokenizer_path: str | Path | None = None, checksums: bool = False, max_open_shards: int = 256,
+                 assistant_only: bool = True, whole: bool = True):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
         self.path, self.seq_len, self.split = Path(path), int(seq_len), split
@@ -63,12 +72,25 @@ class PreparedDataset:
         self._shards = splits[split]["shards"]
         for shard in self._shards:
             manifest.check_shard(self.path, shard, itemsize=self.dtype.itemsize, checksums=checksums)
+        self.conversations = self.manifest.get("conversations")  # None: texts
+        if self.conversations is not None and assistant_only and not self.conversations["assistant_only_loss"]:
+            raise ValueError(f"{self.path} was prepared with --all-tokens (no loss masks): set "
+                             "data.assistant_only_loss=false to train on every token, or prepare it again without")
+        self._masked = self.conversations is not None and assistant_only
+        if self._masked and split == "train" and not splits[split]["num_loss_tokens"]:
+            raise ValueError(f"{self.path}: no token of the training conversations is an assistant's; each needs a "
+                             "message with role 'assistant' (or set data.assistant_only_loss=false)")
         tokens = np.array([s["num_tokens"] for s in self._shards], dtype=np.int64)
         self.num_tokens = int(tokens.sum())
-        self._cum = np.concatenate([[0], np.cumsum(np.maximum(tokens - 1, 0) // self.seq_len)]).astype(np.int64)
-        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._open: OrderedDict[int, tuple] = OrderedDict()
         self._max_open = max_open_shards
         self._lock = threading.Lock()  # the loader's prefetch thread and the caller may read at once
+        # conversations kept whole: per shard (where each conversation is placed, where it ends, document starts)
+        self._placed = [self._place(s, whole_in=self.seq_len) for s in range(len(self._shards))] \
+            if self.conversations is not None and whole else None
+        spans = tokens if self._placed is None else np.array([p[1][-1] if len(p[1]) else 0 for p in self._placed],
+                                                             dtype=np.int64)
+        self._cum = np.concatenate([[0], np.cumsum(np.maximum(spans - 1, 0) // self.seq_len)]).astype(np.int64)
 
     def __len__(self) -> int:
         return int(self._cum[-1])
@@ -77,8 +99,9 @@ class PreparedDataset:
         """The sample indices an epoch visits at `positions` (a seeded permutation of all samples)."""
         return SeededPermutation(len(self), derive_key(seed, epoch))(positions)
 
-    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, document starts) of shard s, memory-mapped; the least recently used are closed past a limit."""
+    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(tokens, document starts, mask bytes or None) of shard s, memory-mapped; the least recently used are
+        closed past a limit."""
         with self._lock:
             if s in self._open:
                 self._open.move_to_end(s)
@@ -86,10 +109,41 @@ class PreparedDataset:
             shard = self._shards[s]
             tokens = np.memmap(self.path / shard["bin"], dtype=self.dtype, mode="r", shape=(shard["num_tokens"],))
             starts = np.load(self.path / shard["idx"], mmap_mode="r")
-            self._open[s] = (tokens, starts)
+            masks = np.memmap(self.path / shard["mask"], dtype=np.uint8, mode="r", shape=(shard["num_tokens"],)) \
+                if self._masked else None
+            self._open[s] = (tokens, starts, masks)
             if len(self._open) > self._max_open:
                 self._open.popitem(last=False)
-            return tokens, starts
+            return self._open[s]
+
+    def _place(self, s: int, *, whole_in: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(where each conversation of shard s begins once placed whole, where it ends, the document starts:
+        the conversations' and the padding's) -- `chat.place`, the rule of conversations packed in memory."""
+        from meshlm.data.chat import place, with_padding_starts
+
+        starts = np.asarray(self._shard(s)[1], dtype=np.int64)
+        lengths = np.diff(np.append(starts, self._shards[s]["num_tokens"]))
+        at = place(lengths, whole_in)
+        return at, at + lengths, with_padding_starts(at, lengths) if len(at) else at
+
+    def _row(self, s: int, o: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The seq_len + 1 tokens at offset o of shard s, and whether predicting each counts in the loss (None for
+        texts: all do)."""
+        n = self.seq_len + 1
+        tokens, starts, masks = self._shard(s)
+        if self._placed is None:
+            counts = None if self.conversations is None else \
+                np.ones(n, dtype=bool) if masks is None else masks[o:o + n].astype(bool)
+            return tokens[o:o + n], counts
+        at, ends, _ = self._placed[s]
+        row = np.full(n, self.conversations["pad_token_id"], dtype=np.int64)
+        counts = np.zeros(n, dtype=bool)
+        for c in range(int(np.searchsorted(ends, o, side="right")), int(np.searchsorted(at, o + n, side="left"))):
+            a, b = max(int(at[c]), o), min(int(ends[c]), o + n)
+            src = int(starts[c]) + a - int(at[c])
+            row[a - o:b - o] = tokens[src:src + b - a]
+            counts[a - o:b - o] = True if masks is None else masks[src:src + b - a]
+        return row, counts
 
     def _locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """(shard, token offset) of each sample index."""
@@ -99,24 +153,39 @@ class PreparedDataset:
         shard = np.searchsorted(self._cum, idx, side="right") - 1
         return shard, (idx - self._cum[shard]) * self.seq_len
 
-    def samples(self, indices) -> torch.Tensor:
-        """[len(indices), seq_len + 1] int64."""
+    def _rows(self, indices) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[len(indices), seq_len + 1] int64 tokens, and bool: whether predicting each counts (None for texts)."""
         shards, offsets = self._locate(indices)
         out = np.empty((len(shards), self.seq_len + 1), dtype=np.int64)
-        for row, (s, o) in enumerate(zip(shards.tolist(), offsets.tolist())):
-            out[row] = self._shard(s)[0][o: o + self.seq_len + 1]
-        return torch.from_numpy(out)
+        counts = None if self.conversations is None else np.empty(out.shape, dtype=bool)
+        for i, (s, o) in enumerate(zip(shards.tolist(), offsets.tolist())):
+            out[i], row_counts = self._row(s, o)
+            if counts is not None:
+                counts[i] = row_counts
+        return torch.from_numpy(out), None if counts is None else torch.from_numpy(counts)
+
+    def samples(self, indices) -> torch.Tensor:
+        """[len(indices), seq_len + 1] int64."""
+        return self._rows(indices)[0]
 
     def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.samples(indices)
-        return s[:, :-1], s[:, 1:]
+        """(inputs, targets), the targets that do not count in the loss (conversations) set to `IGNORE_INDEX`."""
+        s, counts = self._rows(indices)
+        targets = s[:, 1:] if counts is None else s[:, 1:].masked_fill(~counts[:, 1:], IGNORE_INDEX)
+        return s[:, :-1], targets
+
+    def loss_targets(self, indices) -> int:
+        """How many targets of the samples `indices` count in the loss."""
+        if self.conversations is None:
+            return len(np.asarray(indices).reshape(-1)) * self.seq_len
+        return int(self._rows(indices)[1][:, 1:].sum())
 
     def document_starts(self, indices) -> list[np.ndarray]:
         """Per sample, the positions in [0, seq_len] (within its seq_len + 1 tokens) where a document begins."""
         shards, offsets = self._locate(indices)
         out = []
         for s, o in zip(shards.tolist(), offsets.tolist()):
-            starts = self._shard(s)[1]
+            starts = self._shard(s)[1] if self._placed is None else self._placed[s][2]
             lo, hi = np.searchsorted(starts, [o, o + self.seq_len + 1], side="left")
             out.append(np.asarray(starts[lo:hi], dtype=np.int64) - o)
         return out
@@ -157,6 +226,12 @@ class BlendedDataset:
             if len(ds) == 0:
                 raise ValueError(f"blend source {ds.path} has no sample of {ds.seq_len + 1} tokens; "
                                  "leave it out or prepare more text")
+        chats = {json.dumps(ds.conversations["chat"], sort_keys=True): ds.path for ds, _ in parts
+                 if ds.conversations is not None}
+        if len(chats) > 1:
+            a, b = list(chats.values())[:2]
+            raise ValueError(f"blend sources {a} and {b} hold conversations rendered with different chat templates; "
+                             "prepare them with the same model folder's tokenizer")
         self.sources = [ds for ds, _ in parts]
         self.seq_len, self.vocab_size = first.seq_len, first.vocab_size
         weights = np.array([w for _, w in parts], dtype=np.float64)
@@ -198,8 +273,19 @@ class BlendedDataset:
         return out
 
     def batch(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.samples(ids)
-        return s[:, :-1], s[:, 1:]
+        """(inputs, targets) of each id from its source (a conversation folder's targets masked, `IGNORE_INDEX`)."""
+        source, local = self._split(ids)
+        inputs = torch.empty((len(source), self.seq_len), dtype=torch.int64)
+        targets = torch.empty_like(inputs)
+        for s in np.unique(source).tolist():
+            rows = torch.from_numpy(np.flatnonzero(source == s))
+            inputs[rows], targets[rows] = self.sources[s].batch(local[rows.numpy()])
+        return inputs, targets
+
+    def loss_targets(self, ids) -> int:
+        """How many targets of the samples `ids` count in the loss (`PreparedDataset.loss_targets`)."""
+        source, local = self._split(ids)
+        return sum(self.sources[s].loss_targets(local[source == s]) for s in np.unique(source).tolist())
 
     def document_starts(self, ids) -> list[np.ndarray]:
         source, local = self._split(ids)
@@ -233,14 +319,36 @@ def has_split(spec, split: str) -> bool:
 
 
 def open_dataset(spec, *, seq_len: int, split: str = "train", tokenizer_path: str | Path | None = None,
-                 checksums: bool = False) -> PreparedDataset | BlendedDataset:
-    """A prepared folder (a path), or a blend (a list of {"path": ..., "weight": ...})."""
+                 checksums: bool = False, assistant_only: bool = True,
+                 whole: bool = True) -> PreparedDataset | BlendedDataset:
+    """A prepared folder (a path), or a blend (a list of {"path": ..., "weight": ...}); `assistant_only`
+    (data.assistant_only_loss) and `whole` (not data.split_across_samples): how conversation folders are read."""
+    options = dict(seq_len=seq_len, split=split, tokenizer_path=tokenizer_path, checksums=checksums,
+                   assistant_only=assistant_only, whole=whole)
     if isinstance(spec, (str, Path)):
-        return PreparedDataset(spec, seq_len=seq_len, split=split, tokenizer_path=tokenizer_path, checksums=checksums)
+        return PreparedDataset(spec, **options)
     parts = []
     for entry in spec:
         if not isinstance(entry, dict) or set(entry) != {"path", "weight"}:
             raise ValueError(f"blend entry {entry!r} must be {{path = \"DIR\", weight = W}}")
-        parts.append((PreparedDataset(entry["path"], seq_len=seq_len, split=split, tokenizer_path=tokenizer_path,
-                                      checksums=checksums), float(entry["weight"])))
+        parts.append((PreparedDataset(entry["path"], **options), float(entry["weight"])))
     return BlendedDataset(parts)
+
+
+def prepared_chat(spec) -> dict | None:
+    """The chat config (`meshlm.tokenizer.chat_config`, {} for the fallback template) the conversations of a prepared
+    folder or blend (a DataConfig's data.sources or data.path) were rendered with; None when it holds texts only."""
+    folders = [spec.path] if not spec.sources else [entry["path"] for entry in spec.sources]
+    chats = [m["conversations"]["chat"] or {} for m in (manifest.read(Path(f)) for f in folders)
+             if m.get("conversations") is not None]
+    return chats[0] if chats else None
+
+
+def check_prepared_chat(spec, chat: dict | None, tokenizer_path) -> None:
+    """A ValueError when the chat template of `tokenizer_path` (data.tokenizer) is not the one the prepared
+    conversations were rendered with (the checkpoint carries the training tokenizer's on to serving)."""
+    if (chat or {}) != prepared_chat(spec):
+        where = spec.path or ", ".join(str(e["path"]) for e in spec.sources)
+        raise ValueError(f"{where} holds conversations rendered with another chat template than data.tokenizer="
+                         f"{tokenizer_path}'s; set data.tokenizer to the model folder they were prepared with "
+                         "(its tokenizer_config.json / chat_template.jinja), or prepare them again with this one")

@@ -64,20 +64,24 @@ class PreparedLoader(BatchLoader):
         self.epoch, self.position = start[0], start[1] + self.global_batch_size
         return torch.from_numpy(idx)
 
-    def _read(self, start: tuple[int, int]) -> tuple[Batch, list[torch.Tensor]]:
+    def _read(self, start: tuple[int, int]) -> tuple[Batch, list[torch.Tensor], int]:
+        """This rank's micro-batches, their sample ids, and the global batch's targets that count in the loss."""
         local = self.global_batch_size // self.dp_size
-        mine = self._global_indices(start)[self.dp_rank * local: (self.dp_rank + 1) * local]
+        everyone = self._global_indices(start)
+        mine = everyone[self.dp_rank * local: (self.dp_rank + 1) * local]
         chunks = [torch.from_numpy(c) for c in np.split(mine, local // self.micro_batch_size)]
-        return [micro_batch(self.dataset, c, documents=self.documents) for c in chunks], chunks
+        return ([micro_batch(self.dataset, c, documents=self.documents) for c in chunks], chunks,
+                self.dataset.loss_targets(everyone))
 
     def next_batch(self) -> Batch:
-        """This rank's micro-batches (inputs, targets) of the next global batch."""
+        """This rank's micro-batches (inputs, targets) of the next global batch (`loss_targets`: its targets that
+        count in the loss, all of them but a conversation folder's masked ones)."""
         start = self._next_start()
         began = time.perf_counter()
         if self._ahead is not None and self._ahead[0] == start:
-            batch, chunks = self._ahead[1].result()
+            batch, chunks, self.loss_targets = self._ahead[1].result()
         else:  # the first step, after load_state_dict or next_global_indices, or without prefetching
-            batch, chunks = self._read(start)
+            batch, chunks, self.loss_targets = self._read(start)
         self.last_wait_s = time.perf_counter() - began
         self.epoch, self.position = start[0], start[1] + self.global_batch_size
         self.last_indices = chunks

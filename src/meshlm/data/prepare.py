@@ -10,6 +10,16 @@ documents between "train" and "val" (a document goes to validation when the firs
 sha256, little-endian, over 2^64 fall below `val_fraction`: the per-document rule of
 `meshlm.data.text.split_documents`, without its few-document fallbacks); writing each shard (temp file,
 fsync, rename) and then its record; resuming; the manifest, written last; the progress bar.
+
+Conversations: sources that are `.jsonl(.gz/.zst)` files of conversations (each file's first line says,
+`sources.holds_conversations`; texts and conversations are not mixed in one folder) are rendered by the chat
+template they will be trained and served with and tokenized as training in memory does (`meshlm.data.chat`:
+`conversation_tokens`, the tokenizer of `meshlm.tokenizer.conversation_tokenizer`), each conversation one
+document ending in the separator, with one mask byte per token (1: predicting it counts, the assistant's turns;
+`assistant_only=False`: no masks, every token counts -- for a template that rewrites earlier turns). A conversation
+goes to validation by the hash of its line as read, as `meshlm.data.text.split_conversations` splits. How they are
+packed into samples (whole, or split across samples) is training's choice, made when the folder is read
+(`dataset.PreparedDataset`).
 Not responsible for: reading the input formats (sources.py), the file format (manifest.py), training-time
 reading (dataset.py).
 
@@ -59,7 +69,8 @@ def _to_stderr(line: str) -> None:
 
 def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: str | Path, workers: int = 1,
             field: str = "text", val_fraction: float = 0.0, shard_bytes: int = DEFAULT_SHARD_BYTES,
-            progress: bool = True, log: Callable[[str], None] | None = _to_stderr) -> dict:
+            progress: bool = True, log: Callable[[str], None] | None = _to_stderr,
+            assistant_only: bool = True) -> dict:
     """Tokenize `source_paths` into `out` (see the module docstring); returns a summary of the run.
 
     The summary: out, num_shards, shards_written and shards_skipped (this run), num_documents and num_tokens
@@ -76,9 +87,13 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
         log(listing.note())
     left_out = {reason: len(paths) for reason, paths in listing.left_out.items()}
     sources.check_files(files, field)
+    conversations = _conversations(files, tokenizer_path, assistant_only)
+    if conversations is not None:
+        tokenizer["eos_token_id"] = conversations.pop("eos_token_id")
     settings = {"dtype": manifest.dtype_for(tokenizer["vocab_size"]), "tokenizer": tokenizer,
                 "settings": {"field": field, "val_fraction": float(val_fraction), "shard_bytes": int(shard_bytes)},
-                "sources": [{"path": str(f.resolve()), "bytes": f.stat().st_size} for f in files]}
+                "sources": [{"path": str(f.resolve()), "bytes": f.stat().st_size} for f in files],
+                **({"conversations": conversations} if conversations is not None else {})}
     start = time.perf_counter()
     done = _start_or_resume(out, settings)
     if done is None:  # already complete with these settings
@@ -87,7 +102,8 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
                         left_out=left_out)
     units = sources.iter_units(files, field=field, block_bytes=min(shard_bytes, JSONL_BLOCK_BYTES))
     task = _Task(index=-1, units=[], out=str(out), tokenizer_path=tokenizer["path"], dtype=settings["dtype"],
-                 eos_token_id=tokenizer["eos_token_id"], field=field, val_fraction=float(val_fraction))
+                 eos_token_id=tokenizer["eos_token_id"], field=field, val_fraction=float(val_fraction),
+                 conversations=None if conversations is None else (str(tokenizer_path), assistant_only))
     total_disk = sum(s["bytes"] for s in settings["sources"])
     records, written = _run(_jobs(units, shard_bytes), task, done, workers=workers, total_disk=total_disk,
                             progress=progress)
@@ -108,6 +124,24 @@ def _check_knobs(*, workers: int, field: str, val_fraction: float, shard_bytes: 
         raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1), e.g. 0.01")
     if shard_bytes < 1:
         raise ValueError(f"shard_bytes={shard_bytes} must be >= 1 (input bytes per shard)")
+
+
+def _conversations(files: list[Path], tokenizer_path: str | Path, assistant_only: bool) -> dict | None:
+    """The manifest's "conversations" entry when every source holds conversations (None when none does), with the
+    separator's id as "eos_token_id" (popped by the caller); refused when texts and conversations are mixed."""
+    chats = [sources.holds_conversations(f) for f in files]
+    if not any(chats):
+        return None
+    if not all(chats):
+        text, chat = files[chats.index(False)], files[chats.index(True)]
+        raise ValueError(f"{chat} holds conversations and {text} texts; prepare each kind into a folder of its own "
+                         "and train on a blend of them (data.sources)")
+    from meshlm.data.chat import pad_token
+    from meshlm.tokenizer import chat_config, conversation_tokenizer
+
+    tokenizer = conversation_tokenizer(tokenizer_path)
+    return {"chat": chat_config(tokenizer), "assistant_only_loss": bool(assistant_only),
+            "pad_token_id": pad_token(tokenizer), "eos_token_id": tokenizer.eos_token_id}
 
 
 def tokenizer_info(path: str | Path) -> dict:
@@ -205,6 +239,7 @@ class _Task:
     eos_token_id: int | None
     field: str
     val_fraction: float
+    conversations: tuple[str, bool] | None = None  # (--tokenizer as given, assistant_only) for conversations
 
 
 def _jobs(units: Iterator[sources.Unit], shard_bytes: int) -> Iterator[list[sources.Unit]]:
@@ -262,6 +297,15 @@ def _worker_tokenizer(path: str):
     return Tokenizer.from_file(path)
 
 
+@lru_cache(maxsize=2)
+def _worker_chat_tokenizer(path: str):
+    """The tokenizer (with its chat template) conversations are rendered with, in this worker, loaded once."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from meshlm.tokenizer import conversation_tokenizer
+
+    return conversation_tokenizer(path)
+
+
 def _in_validation(text: bytes, val_fraction: float) -> bool:
     h = int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
     return h / 2**64 < val_fraction
@@ -281,11 +325,44 @@ def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
 
 def _write_shard(task: _Task) -> dict:
     """Tokenize one shard's documents into its files, then write its record (in a worker process)."""
-    tok = _worker_tokenizer(task.tokenizer_path)
     out = Path(task.out)
     splits = manifest.SPLITS if task.val_fraction > 0 else ("train",)
-    writers = {s: _ShardWriter(out, manifest.shard_name(s, task.index), task.dtype, task.eos_token_id)
+    masks = task.conversations is not None and task.conversations[1]
+    writers = {s: _ShardWriter(out, manifest.shard_name(s, task.index), task.dtype, task.eos_token_id, masks=masks)
                for s in splits}
+    if task.conversations is not None:
+        text_bytes = _write_conversations(task, writers)
+    else:
+        text_bytes = _write_texts(task, writers)
+    record = {"index": task.index, "input_bytes": sum(u.input_bytes for u in task.units),
+              "disk_bytes": sum(u.disk_bytes for u in task.units), "text_bytes": text_bytes,
+              **{s: w.finish() for s, w in writers.items()}}
+    fsync_dir(out)
+    manifest.write_json_atomic(manifest.record_path(out, task.index), record)
+    return record
+
+
+def _write_conversations(task: _Task, writers: dict[str, _ShardWriter]) -> int:
+    """Every conversation of the shard, rendered, tokenized and masked as training in memory does; its text bytes."""
+    from meshlm.data.chat import conversation_of_line, conversation_tokens
+
+    tokenizer, assistant_only = _worker_chat_tokenizer(task.conversations[0]), task.conversations[1]
+    text_bytes = 0
+    for unit in task.units:
+        for line, where in sources.jsonl_lines(unit):
+            conv = conversation_of_line(line, where)
+            raw = conv.key.encode("utf-8", errors="replace")
+            text_bytes += len(raw)
+            to_val = task.val_fraction > 0 and _in_validation(raw, task.val_fraction)
+            ids, counts = conversation_tokens(conv, tokenizer, assistant_only=assistant_only)
+            writers["val" if to_val else "train"].add_tokens(ids, counts)
+    return text_bytes
+
+
+def _write_texts(task: _Task, writers: dict[str, _ShardWriter]) -> int:
+    """Every document of the shard, tokenized, each followed by EOS; its text bytes."""
+    tok = _worker_tokenizer(task.tokenizer_path)
+    splits = list(writers)
     texts = itertools.chain.from_iterable(sources.documents(u, task.field) for u in task.units)
     text_bytes = 0
     for batch in _batches(texts):
@@ -298,23 +375,33 @@ def _write_shard(task: _Task) -> dict:
         for split, docs in by_split.items():
             if docs:
                 writers[split].add(tok.encode_batch(docs, add_special_tokens=False))
-    record = {"index": task.index, "input_bytes": sum(u.input_bytes for u in task.units),
-              "disk_bytes": sum(u.disk_bytes for u in task.units), "text_bytes": text_bytes,
-              **{s: w.finish() for s, w in writers.items()}}
-    fsync_dir(out)
-    manifest.write_json_atomic(manifest.record_path(out, task.index), record)
-    return record
+    return text_bytes
 
 
 class _ShardWriter:
-    """Appends documents' tokens to `{name}.bin.tmp`; `finish` writes the `.idx` and renames both into place."""
+    """Appends documents' tokens to `{name}.bin.tmp` (with `masks`, their mask bytes to `{name}.mask.tmp`); `finish`
+    writes the `.idx` and renames them into place."""
 
-    def __init__(self, out: Path, name: str, dtype: str, eos_token_id: int | None):
+    def __init__(self, out: Path, name: str, dtype: str, eos_token_id: int | None, *, masks: bool = False):
         self.out, self.name, self.dtype, self.eos = out, name, np.dtype(dtype), eos_token_id
         self._file = None
         self._sha = hashlib.sha256()
         self.num_tokens = 0
         self._starts: list[np.ndarray] = []
+        self._masks, self._mask_sha, self._mask_file = masks, hashlib.sha256(), None
+        self.num_loss_tokens: int | None = None  # counted for conversations (`add_tokens`)
+
+    def add_tokens(self, ids: np.ndarray, counts: np.ndarray) -> None:
+        """One conversation's tokens (its separator included) and whether predicting each counts in the loss."""
+        self._starts.append(np.asarray([self.num_tokens], dtype=np.int64))
+        self._append(np.asarray(ids))
+        self.num_loss_tokens = (self.num_loss_tokens or 0) + int(np.count_nonzero(counts))
+        if self._masks:
+            data = np.asarray(counts, dtype=np.uint8).tobytes()
+            if self._mask_file is None:
+                self._mask_file = open(self.out / f"{self.name}.mask.tmp", "wb")
+            self._mask_sha.update(data)
+            self._mask_file.write(data)
 
     def add(self, encodings) -> None:
         ids = [e.ids for e in encodings]
@@ -324,6 +411,9 @@ class _ShardWriter:
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=int(lengths.sum()))
         self._starts.append(self.num_tokens + np.cumsum(lengths) - lengths)
+        self._append(flat)
+
+    def _append(self, flat: np.ndarray) -> None:
         data = flat.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
         if self._file is None:
             self._file = open(self.out / f"{self.name}.bin.tmp", "wb")
@@ -344,9 +434,18 @@ class _ShardWriter:
         idx = buffer.getvalue()
         bin_name, idx_name = f"{self.name}.bin", f"{self.name}.idx"
         write_atomic(self.out / idx_name, idx)
+        record = {"bin": bin_name, "idx": idx_name, "num_tokens": self.num_tokens, "num_documents": len(starts),
+                  "sha256": self._sha.hexdigest(), "idx_sha256": hashlib.sha256(idx).hexdigest()}
+        if self.num_loss_tokens is not None:
+            record["num_loss_tokens"] = self.num_loss_tokens
+        if self._mask_file is not None:
+            self._mask_file.flush()
+            os.fsync(self._mask_file.fileno())
+            self._mask_file.close()
+            os.replace(self.out / f"{self.name}.mask.tmp", self.out / f"{self.name}.mask")
+            record.update(mask=f"{self.name}.mask", mask_sha256=self._mask_sha.hexdigest())
         os.replace(self.out / f"{bin_name}.tmp", self.out / bin_name)
-        return {"bin": bin_name, "idx": idx_name, "num_tokens": self.num_tokens, "num_documents": len(starts),
-                "sha256": self._sha.hexdigest(), "idx_sha256": hashlib.sha256(idx).hexdigest()}
+        return record
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,6 +488,8 @@ def _summary(out: Path, m: dict, *, written: list[dict], skipped: int, seconds: 
             "shards_skipped": skipped,
             "num_documents": {s: v["num_documents"] for s, v in m["splits"].items()},
             "num_tokens": {s: v["num_tokens"] for s, v in m["splits"].items()},
+            **({"num_loss_tokens": {s: v["num_loss_tokens"] for s, v in m["splits"].items()}}
+               if m.get("conversations") is not None else {}),
             "input_bytes": m["input_bytes"], "text_bytes": m["text_bytes"], "seconds": round(seconds, 3),
             "text_mb_per_s": round(text / seconds / 1e6, 3) if written else 0.0,
             "tokens_per_s": round(tokens / seconds) if written else 0, "left_out": left_out}

@@ -338,19 +338,48 @@ def documents(unit: Unit, field: str) -> Iterator[str]:
             yield from (text for text in batch.column(0).to_pylist() if text is not None)
 
 
-def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
+def jsonl_lines(unit: Unit) -> Iterator[tuple[bytes, str]]:
+    """The non-blank lines of a `.jsonl` unit, each with its file:line."""
     for offset, line in enumerate(unit.data.split(b"\n")):
-        if not line.strip():
-            continue
-        where = f"{unit.path}:{unit.first_line + offset}"
+        if line.strip():
+            yield line, f"{unit.path}:{unit.first_line + offset}"
+
+
+def holds_conversations(path: Path) -> bool:
+    """Whether a `.jsonl(.gz/.zst)` holds conversations (`meshlm.data.chat`): its first non-blank line is one.
+    Texts otherwise, and every other kind of file."""
+    if kind_of(path) != "jsonl":
+        return False
+    with open(path, "rb") as raw:
+        stream, carry = _open_decompressed(path, raw), b""
+        while True:
+            try:
+                block = stream.read(1 << 16)
+            except Exception:  # noqa: BLE001 -- damaged: the units' reader names it
+                return False
+            carry += block
+            lines = carry.split(b"\n")
+            first = next((line for line in lines[:-1] if line.strip()), None)
+            if first is not None or not block:
+                first = first if first is not None else (lines[-1] if lines[-1].strip() else None)
+                break
+            carry = lines[-1]
+    try:
+        return first is not None and is_conversation_row(json.loads(first))
+    except ValueError:  # not JSON, or not UTF-8: the reader names the line
+        return False
+
+
+def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
+    for line, where in jsonl_lines(unit):
         try:
             row = json.loads(line)
         except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
             raise ValueError(f"{where} is not valid JSON ({e}); fix or delete that line") from None
         if is_conversation_row(row) and field not in row:
-            raise ValueError(f"{where} is a conversation, not a text: prepare takes texts; train on "
-                             "a .jsonl of conversations with data.path=FILE (read in memory and rendered by the chat "
-                             "template, the loss on the assistant's turns)")
+            raise ValueError(f"{where} is a conversation in a file of texts (a file's first line says which it "
+                             "holds); put conversations in files of their own and prepare them into a folder of "
+                             "their own")
         if not isinstance(row, dict) or field not in row:
             raise ValueError(f"{where} has no field {field!r}; pass --field NAME for the key that holds the text")
         if not isinstance(row[field], str):

@@ -311,7 +311,7 @@ class BatchLoader:
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.documents = documents
         # the targets of the last global batch (all ranks) that count in the loss: every one, unless the data
-        # masks some (conversations); PreparedLoader's data masks none
+        # masks some (conversations)
         self.loss_targets = global_batch_size * seq_len
         self.epoch, self.position = 0, 0
         self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)

@@ -24,8 +24,9 @@ from meshlm.mesh import Mesh
 from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.parallelize import ParallelModel, parallelize
-from meshlm.tokenizer import CHAT_CONFIG_FILE, HFTokenizer, Tokenizer, chat_config, load_tokenizer
+from meshlm.tokenizer import CHAT_CONFIG_FILE, Tokenizer, chat_config, conversation_tokenizer, load_tokenizer
 from meshlm.data.chat import is_chat_jsonl
+from meshlm.data.dataset import check_prepared_chat, prepared_chat
 from meshlm.data.text import BatchLoader, build_datasets, pack
 
 
@@ -59,16 +60,17 @@ def seed_everything(seed: int) -> None:
 
 
 def load_training_tokenizer(cfg: Config) -> Tokenizer:
-    """`data.tokenizer`, refused when it has more tokens than the model has embeddings. For conversations
-    (`meshlm.data.chat`) the tokenizer of a Hugging Face model folder (data.tokenizer, or the folder of its
-    tokenizer.json: `meshlm convert --to-meshlm` copies the model's files there) comes with its chat template."""
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if is_chat_jsonl(cfg.data.path) and cfg.data.tokenizer:
-        given = Path(cfg.data.tokenizer)
-        folder = given if given.is_dir() else given.parent if given.name == "tokenizer.json" else None
-        templated = HFTokenizer.from_dir(folder) if folder is not None else None
-        if templated is not None and templated.chat_template:
-            tokenizer = templated
+    """`data.tokenizer`, refused when it has more tokens than the model has embeddings. For conversations (a
+    `.jsonl` of them, `meshlm.data.chat`, or a folder `meshlm data prepare` made of one) the tokenizer of a Hugging
+    Face model folder comes with its chat template (`meshlm.tokenizer.conversation_tokenizer`); a prepared folder's
+    must be the template it was prepared with."""
+    if is_chat_jsonl(cfg.data.path):
+        tokenizer = conversation_tokenizer(cfg.data.tokenizer)
+    elif cfg.data.prepared and prepared_chat(cfg.data) is not None:
+        tokenizer = conversation_tokenizer(cfg.data.tokenizer)
+        check_prepared_chat(cfg.data, chat_config(tokenizer), cfg.data.tokenizer)
+    else:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -107,32 +109,34 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
     (memory-mapped, one prepared folder or a weighted blend; read a step ahead in a thread), else a text
     source read, tokenized and packed in memory. Either loader gives this data rank its slice of each global
     batch, and the same samples whatever the number of ranks."""
-    t = cfg.train
+    t, where = cfg.train, cfg.data.path or ", ".join(str(e["path"]) for e in cfg.data.sources)
     if not cfg.data.prepared:
         train, val = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=tokenizer)
-        shown = min(len(val), t.val_batches * t.global_batch_size)  # the samples validation reads (`evaluate`)
-        if shown and val.loss_targets(torch.arange(shown)) == 0:
-            raise ValueError(f"{cfg.data.path}: no token of the {shown} validation samples (data.val_fraction="
-                             f"{cfg.data.val_fraction:g} of the conversations, train.val_batches={t.val_batches}) "
-                             "is an assistant's, so no validation loss can be taken; raise train.val_batches, "
-                             "give those conversations replies, or set data.val_fraction=0")
         loader = BatchLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
                              seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
                              documents=cfg.data.document_mask)
-        return train, val, loader
-    from meshlm.data.dataset import has_split, open_dataset
-    from meshlm.data.loader import PreparedLoader
+    else:
+        from meshlm.data.dataset import has_split, open_dataset
+        from meshlm.data.loader import PreparedLoader
 
-    spec = cfg.data.sources or cfg.data.path
-    train = open_dataset(spec, seq_len=t.seq_len, split="train", tokenizer_path=cfg.data.tokenizer)
-    if train.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"{spec} was prepared with a vocabulary of {train.vocab_size} tokens but model.vocab_size="
-                         f"{cfg.model.vocab_size}; set model.vocab_size >= {train.vocab_size}")
-    if has_split(spec, "val"):
-        val = open_dataset(spec, seq_len=t.seq_len, split="val", tokenizer_path=cfg.data.tokenizer)
-    else:  # prepared without --val-fraction: no validation
-        val = pack(np.zeros(0, dtype=np.int32), t.seq_len)
-    loader = PreparedLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
-                            seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
-                            documents=cfg.data.document_mask)
+        spec = cfg.data.sources or cfg.data.path
+        options = dict(seq_len=t.seq_len, tokenizer_path=cfg.data.tokenizer,
+                       assistant_only=cfg.data.assistant_only_loss, whole=not cfg.data.split_across_samples)
+        train = open_dataset(spec, split="train", **options)
+        if train.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"{spec} was prepared with a vocabulary of {train.vocab_size} tokens but "
+                             f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {train.vocab_size}")
+        if has_split(spec, "val"):
+            val = open_dataset(spec, split="val", **options)
+        else:  # prepared without --val-fraction: no validation
+            val = pack(np.zeros(0, dtype=np.int32), t.seq_len)
+        loader = PreparedLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
+                                seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
+                                documents=cfg.data.document_mask)
+    shown = min(len(val), t.val_batches * t.global_batch_size)  # the samples validation reads (`evaluate`)
+    if shown and val.loss_targets(torch.arange(shown)) == 0:
+        raise ValueError(f"{where}: no token of the {shown} validation samples (data.val_fraction="
+                         f"{cfg.data.val_fraction:g} of the conversations, train.val_batches={t.val_batches}) "
+                         "is an assistant's, so no validation loss can be taken; raise train.val_batches, "
+                         "give those conversations replies, or set data.val_fraction=0")
     return train, val, loader

@@ -1,0 +1,176 @@
+"""Conversations through `meshlm data prepare`: a prepared folder gives exactly the samples, loss masks and document
+starts that training packs in memory from the same file (kept whole in samples or split across them, the assistant's
+turns or every token), training on it takes the global batch's mean over the counted targets under data parallelism
+and context parallelism with document masking, and what cannot be trained as asked is refused by name."""
+
+import gzip
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("tokenizers")
+
+from chat_data import conversations, make_chatml_folder, write_jsonl
+from parity import FP64_TOL
+from runs import SMALL_MODEL, harness_launch
+
+from meshlm import verify
+from meshlm.config import DataConfig, load_config
+from meshlm.data.chat import read_conversations
+from meshlm.data.dataset import BlendedDataset, PreparedDataset
+from meshlm.data.prepare import prepare
+from meshlm.data.text import IGNORE_INDEX, build_datasets, split_conversations
+from meshlm.tokenizer import conversation_tokenizer
+
+SEQ = 48
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_chatml_folder(tmp_path_factory.mktemp("chatml"))
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("chat") / "chat.jsonl", conversations(160))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, chat_file, folder):
+    out = tmp_path_factory.mktemp("prep") / "chats"
+    prepare([chat_file], tokenizer_path=folder, out=out, val_fraction=0.1, progress=False)
+    return out
+
+
+def in_memory(chat_file, folder, **data):
+    cfg = DataConfig(path=chat_file, tokenizer=str(folder), val_fraction=0.1, **data)
+    return build_datasets(cfg, seq_len=SEQ, tokenizer=conversation_tokenizer(folder))
+
+
+@pytest.mark.parametrize("assistant_only", [True, False])
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_prepared_folder_gives_the_samples_training_packs_in_memory(chat_file, folder, prepared, assistant_only,
+                                                                     whole):
+    mine = in_memory(chat_file, folder, assistant_only_loss=assistant_only, split_across_samples=not whole)
+    for split, packed in zip(("train", "val"), mine):
+        ds = PreparedDataset(prepared, seq_len=SEQ, split=split, tokenizer_path=folder,
+                             assistant_only=assistant_only, whole=whole)
+        assert len(ds) == len(packed) > 0
+        idx = torch.arange(len(ds))
+        assert torch.equal(ds.samples(idx), packed.samples(idx))
+        for a, b in zip(ds.batch(idx), packed.batch(idx)):
+            assert torch.equal(a, b)
+        assert ds.loss_targets(idx) == packed.loss_targets(idx)
+        assert (ds.loss_targets(idx) < len(ds) * SEQ) == (assistant_only or whole)  # masks, or padding
+        for a, b in zip(ds.document_starts(idx), packed.document_starts(idx)):
+            assert a.tolist() == b.tolist()
+
+
+def test_the_manifest_counts_what_the_loss_counts_and_masks_are_checked(chat_file, folder, prepared, tmp_path):
+    m = json.loads((prepared / "manifest.json").read_text())
+    assert m["version"] == 2 and m["conversations"]["assistant_only_loss"]
+    assert m["conversations"]["chat"]["eos_token"] == "<|im_end|>"
+    train, val = split_conversations(read_conversations(chat_file, max_bytes=1 << 30), 0.1)
+    assert m["splits"]["train"]["num_documents"] == len(train) and m["splits"]["val"]["num_documents"] == len(val)
+    packed = in_memory(chat_file, folder, split_across_samples=True)[0]
+    assert m["splits"]["train"]["num_loss_tokens"] == int(packed.trainable.sum())
+    # the same conversations over several shards and two workers: the same bytes, shard by shard
+    again = tmp_path / "again"
+    summary = prepare([chat_file], tokenizer_path=folder, out=again, val_fraction=0.1, shard_bytes=3000, workers=2,
+                      progress=False)
+    assert summary["num_shards"] > 2 and summary["num_loss_tokens"] == {s: v["num_loss_tokens"] for s, v in
+                                                                         m["splits"].items()}
+    shards = json.loads((again / "manifest.json").read_text())["splits"]["train"]["shards"]
+    joined = b"".join((again / s["mask"]).read_bytes() for s in shards)
+    assert joined == b"".join((prepared / s["mask"]).read_bytes() for s in m["splits"]["train"]["shards"])
+    (again / shards[0]["mask"]).write_bytes(b"\x01")
+    with pytest.raises(ValueError, match=r"train-000000\.mask has 1 bytes, the manifest says one per token"):
+        PreparedDataset(again, seq_len=SEQ, tokenizer_path=folder)
+
+
+def test_training_on_a_prepared_folder_takes_the_batch_s_mean_and_carries_the_template(tmp_path, prepared, folder):
+    from meshlm.train.trainer import Trainer
+
+    cfg = load_config(overrides=[*SMALL_MODEL, f"train.seq_len={SEQ}", "train.global_batch_size=8",
+                                 "train.micro_batch_size=2", "train.device=cpu", "train.precision=fp64",
+                                 "train.steps=1", f"train.run_dir={tmp_path}", "train.progress=false",
+                                 "train.val_batches=1", f"data.path={prepared}", f"data.tokenizer={folder}",
+                                 "model.vocab_size=320", "train.checkpoint_interval=1"])
+    trainer = Trainer(cfg)
+    state = trainer.loader.state_dict()
+    idx = trainer.loader.next_global_indices()
+    trainer.loader.load_state_dict(state)
+    inputs, targets = trainer.loader.dataset.batch(idx)
+    with torch.no_grad():
+        logits = trainer.model(inputs).double()
+    want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX))
+    row = trainer.train_step()
+    assert abs(row["loss"] - want) <= 1e-12 * abs(want), (row["loss"], want)
+    assert row["loss_tokens"] == int((targets != IGNORE_INDEX).sum()) < targets.numel()
+    trainer.train()
+    saved = json.loads(next(tmp_path.glob("checkpoints/step_*/tokenizer_config.json")).read_text())
+    assert saved["eos_token"] == "<|im_end|>" and "im_start" in saved["chat_template"]
+
+
+LAYOUTS = {"dp2": ["train.global_batch_size=8"],
+           "cp2_ring_document_mask": ["parallel.cp=2", "parallel.cp_method=ring", "data.document_mask=true"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_on_a_prepared_folder_match_one_process_in_fp64(tmp_path, prepared, folder, layout):
+    cfg = load_config(overrides=[*SMALL_MODEL, "train.seq_len=32", "train.global_batch_size=8",
+                                 "train.micro_batch_size=2", "train.lr=3e-3", "train.warmup_steps=2",
+                                 "train.device=cpu", "train.val_interval=3", "train.val_batches=1",
+                                 "parallel.bucket_size_mb=0.02", f"data.path={prepared}", f"data.tokenizer={folder}",
+                                 "model.vocab_size=320", *LAYOUTS[layout]])
+    report = verify.run(cfg, nproc=2, steps=3, run_dir=tmp_path, launch=harness_launch, log=io.StringIO())
+    assert report.ok, verify.format_report(report)
+    worst = max(max(r.loss[2], r.grad_norm[2]) for r in report.rows)
+    assert worst <= FP64_TOL and report.max_weight_diff <= FP64_TOL, verify.format_report(report)
+
+
+def test_a_blend_of_texts_and_conversations_counts_each_as_its_own(tmp_path, prepared, folder):
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": f"What is {i} plus {i}? {2 * i}."}) + "\n" for i in range(400)))
+    prepare([texts], tokenizer_path=folder / "tokenizer.json", out=tmp_path / "texts", progress=False)
+    text_ds = PreparedDataset(tmp_path / "texts", seq_len=SEQ, tokenizer_path=folder)
+    chat_ds = PreparedDataset(prepared, seq_len=SEQ, tokenizer_path=folder)
+    blend = BlendedDataset([(text_ds, 1.0), (chat_ds, 1.0)])
+    ids = blend.order(0, 0, np.arange(32))
+    source = ids >= len(text_ds)
+    assert 0 < source.sum() < 32
+    inputs, targets = blend.batch(ids)
+    chat_rows = torch.from_numpy(source)
+    assert (targets[~chat_rows] != IGNORE_INDEX).all()  # every target of a text counts
+    assert (targets[chat_rows] == IGNORE_INDEX).any()
+    assert blend.loss_targets(ids) == int((targets != IGNORE_INDEX).sum())
+
+
+def test_what_cannot_be_trained_as_asked_is_refused_by_name(tmp_path, chat_file, prepared, folder):
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"text": "plain"}) + "\n")
+    with pytest.raises(ValueError, match="holds conversations and .*texts.jsonl texts; prepare each kind"):
+        prepare([chat_file, texts], tokenizer_path=folder, out=tmp_path / "mixed", progress=False)
+    bad = tmp_path / "bad.jsonl.gz"  # a compressed file of conversations is read as one; its bad line named
+    rows = [json.dumps(c) for c in conversations(3)] + ['{"messages": [{"role": "wizard", "content": "x"}]}']
+    bad.write_bytes(gzip.compress(("\n".join(rows) + "\n").encode()))
+    with pytest.raises(ValueError, match=r"bad\.jsonl\.gz:4: .*wizard"):
+        prepare([bad], tokenizer_path=folder, out=tmp_path / "bad", progress=False)
+    every = tmp_path / "every"
+    prepare([chat_file], tokenizer_path=folder, out=every, progress=False, assistant_only=False)
+    assert not list(every.glob("*.mask"))
+    with pytest.raises(ValueError, match="prepared with --all-tokens .*data.assistant_only_loss=false"):
+        PreparedDataset(every, seq_len=SEQ, tokenizer_path=folder)
+    assert PreparedDataset(every, seq_len=SEQ, assistant_only=False).loss_targets(np.arange(4)) > 0
+    from meshlm.train.setup import load_training_tokenizer
+
+    (tmp_path / "plain").mkdir()  # the same tokenizer.json, without the folder's template
+    (tmp_path / "plain" / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    cfg = load_config(overrides=[*SMALL_MODEL, f"data.path={prepared}", "model.vocab_size=320", "train.seq_len=32",
+                                 f"data.tokenizer={tmp_path / 'plain' / 'tokenizer.json'}"])
+    with pytest.raises(ValueError, match="rendered with another chat template than data.tokenizer="):
+        load_training_tokenizer(cfg)
