@@ -119,7 +119,8 @@ def check_shard(folder: Path, shard: dict, *, itemsize: int, checksums: bool) ->
                          "bytes: it is truncated or damaged; copy it again or prepare the dataset again")
     if mask_path is not None and mask_path.stat().st_size != shard["num_tokens"]:
         raise ValueError(f"{mask_path} has {mask_path.stat().st_size} bytes, the manifest says one per token, "
-                         f"{shard['num_tokens']}: it is truncated or damaged; copy it again or prepare the dataset again")
+                         f"{shard['num_tokens']}: it is truncated or damaged; copy it again or prepare the dataset "
+                         "again")
     try:
         starts = np.load(idx_path, mmap_mode="r")
     except (OSError, ValueError) as e:
