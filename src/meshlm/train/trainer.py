@@ -350,11 +350,8 @@ class Trainer:
         comm_stats = self.mesh.stats.summary()
         # Each rank holds the sum over its slice of (token losses / global tokens): the sum over
         # ranks is the global mean.
-        row = self.metrics_row(float(self.sum_over_dp(loss)), lr=lr, grad_norm=float(grad_norm),
-                               num_tokens=num_tokens, start=start, data_wait=data_wait, comm_stats=comm_stats)
-        if self.loader.loss_targets != num_tokens:  # conversations: how many targets the loss counted
-            row["loss_tokens"] = self.loader.loss_targets
-        return row
+        return self.metrics_row(float(self.sum_over_dp(loss)), lr=lr, grad_norm=float(grad_norm),
+                                num_tokens=num_tokens, start=start, data_wait=data_wait, comm_stats=comm_stats)
 
     def forward_backward(self, micro_batches, *, num_tokens: int) -> torch.Tensor:
         """Forward + backward of this rank's micro-batches of a step (accumulated, reduced over data parallelism
@@ -372,7 +369,8 @@ class Trainer:
 
     def metrics_row(self, loss: float, *, lr: float, grad_norm: float, num_tokens: int, start: float,
                     data_wait: float, comm_stats) -> dict:
-        """The metrics row of the step just taken (`loss`: the global mean, already reduced)."""
+        """The metrics row of the step just taken (`loss`: the global mean, already reduced; `loss_tokens`: how many
+        targets it counted, where fewer than the batch's -- conversations)."""
         row = step_row(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, num_tokens=num_tokens,
                        step_time=time.perf_counter() - start, flops_per_token=self.flops_per_token,
                        peak_tflops=self.peak_tflops, world_size=self.world_size, device=self.device,
@@ -383,6 +381,8 @@ class Trainer:
                 row["expert_load"] = load
         if self.parallel.pipeline is not None:
             row["pp_bubble"] = pipeline_idle_share(self.pipeline_result)
+        if self.loader.loss_targets != self.cfg.train.global_batch_size * self.cfg.train.seq_len:
+            row["loss_tokens"] = self.loader.loss_targets
         return row
 
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None, *,
