@@ -174,3 +174,27 @@ def test_what_cannot_be_trained_as_asked_is_refused_by_name(tmp_path, chat_file,
                                  f"data.tokenizer={tmp_path / 'plain' / 'tokenizer.json'}"])
     with pytest.raises(ValueError, match="rendered with another chat template than data.tokenizer="):
         load_training_tokenizer(cfg)
+
+
+def test_a_parquet_file_of_conversations_prepares_as_its_json_lines_do(tmp_path, folder):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = conversations(40, seed=7)
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    # as Hugging Face chat datasets store them: messages a list of structs (a field one message lacks is null in
+    # the others), tools a JSON text
+    rows[0]["messages"][1]["name"] = "calculator"
+    table = pa.Table.from_pylist([{**r, "tools": "[]"} for r in rows])
+    pq.write_table(table, tmp_path / "c.parquet", row_group_size=7)
+    a = prepare([tmp_path / "c.jsonl"], tokenizer_path=folder, out=tmp_path / "a", progress=False)
+    b = prepare([tmp_path / "c.parquet"], tokenizer_path=folder, out=tmp_path / "b", progress=False, shard_bytes=1)
+    assert a["num_tokens"] == b["num_tokens"] and a["num_loss_tokens"] == b["num_loss_tokens"]
+    assert b["num_shards"] == 6  # one per row group
+    for name in ("bin", "mask"):
+        assert (tmp_path / "a" / f"train-000000.{name}").read_bytes() == b"".join(
+            (tmp_path / "b" / f"train-{k:06d}.{name}").read_bytes() for k in range(6))
+    bad = pa.Table.from_pylist([{**rows[1], "tools": "[]"},
+                                {"messages": [{"role": "user", "content": "x"}], "tools": "[oops"}])
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet:row 2: 'tools' is a text that is not JSON"):
+        prepare([tmp_path / "bad.parquet"], tokenizer_path=folder, out=tmp_path / "bad", progress=False)

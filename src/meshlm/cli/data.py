@@ -16,8 +16,9 @@ EPILOG = """examples:
   meshlm data prepare dump.parquet --field content --tokenizer tokenizer.json --out data/dump
   meshlm data prepare chats.jsonl.zst --tokenizer models/qwen2.5/ --out data/chats --val-fraction 0.01
 
-Conversations (.jsonl lines of {"messages": [...]}, or prompt/completion pairs; a file's first line says which
-kind it holds) are rendered by the chat template of the --tokenizer model folder and masked, the loss on the
+Conversations (.jsonl lines of {"messages": [...]}, or prompt/completion pairs: a file's first line says which
+kind it holds; parquet files with a "messages" column, or "prompt" and "completion", "tools" a list or a JSON text)
+are rendered by the chat template of the --tokenizer model folder and masked, the loss on the
 assistant's turns, as training reads a .jsonl of them in memory; whether one may be split across samples is
 data.split_across_samples at training time.
 

@@ -95,6 +95,20 @@ def conversation_of_line(raw: bytes, where: str) -> Conversation:
     return _conversation(row, where, line.strip())
 
 
+def conversation_of_row(row: dict, where: str) -> Conversation:
+    """A parquet row's conversation columns (`meshlm.data.sources.conversation_columns`), checked; "tools" may be
+    a JSON text, as Hugging Face datasets often store them, and a message's null fields are absent ones (a column of
+    structs gives every message each field any has). Its key (what the validation split hashes) is the row as JSON,
+    keys sorted."""
+    row = {k: v for k, v in row.items() if v is not None}
+    if isinstance(row.get("tools"), str):
+        try:
+            row["tools"] = json.loads(row["tools"])
+        except ValueError as e:
+            raise ValueError(f"{where}: 'tools' is a text that is not JSON ({e})") from None
+    return _conversation(row, where, json.dumps(row, ensure_ascii=False, sort_keys=True, default=str))
+
+
 def sample_prompt(path: str | Path, tokenizer: Tokenizer) -> tuple[str, bool] | None:
     """What the end-of-training sample continues: (the text, whether it is a chat template's) -- the file's first
     conversation up to its first assistant message that answers another's (or its completion), rendered with the

@@ -11,8 +11,9 @@ sha256, little-endian, over 2^64 fall below `val_fraction`: the per-document rul
 `meshlm.data.text.split_documents`, without its few-document fallbacks); writing each shard (temp file,
 fsync, rename) and then its record; resuming; the manifest, written last; the progress bar.
 
-Conversations: sources that are `.jsonl(.gz/.zst)` files of conversations (each file's first line says,
-`sources.holds_conversations`; texts and conversations are not mixed in one folder) are rendered by the chat
+Conversations: sources that are `.jsonl(.gz/.zst)` files of conversations (each file's first line says) or
+parquet files with their columns ("messages", or "prompt" and "completion"; "tools": `sources.holds_conversations`;
+texts and conversations are not mixed in one folder) are rendered by the chat
 template they will be trained and served with and tokenized as training in memory does (`meshlm.data.chat`:
 `conversation_tokens`, the tokenizer of `meshlm.tokenizer.conversation_tokenizer`), each conversation one
 document ending in the separator, with one mask byte per token (1: predicting it counts, the assistant's turns;
@@ -344,13 +345,13 @@ def _write_shard(task: _Task) -> dict:
 
 def _write_conversations(task: _Task, writers: dict[str, _ShardWriter]) -> int:
     """Every conversation of the shard, rendered, tokenized and masked as training in memory does; its text bytes."""
-    from meshlm.data.chat import conversation_of_line, conversation_tokens
+    from meshlm.data.chat import conversation_of_line, conversation_of_row, conversation_tokens
 
     tokenizer, assistant_only = _worker_chat_tokenizer(task.conversations[0]), task.conversations[1]
     text_bytes = 0
     for unit in task.units:
-        for line, where in sources.jsonl_lines(unit):
-            conv = conversation_of_line(line, where)
+        for item, where in sources.conversations(unit):
+            conv = conversation_of_line(item, where) if isinstance(item, bytes) else conversation_of_row(item, where)
             raw = conv.key.encode("utf-8", errors="replace")
             text_bytes += len(raw)
             to_val = task.val_fraction > 0 and _in_validation(raw, task.val_fraction)

@@ -9,7 +9,7 @@ column, the optional packages are there);
 cutting every file into `Unit`s in file order -- a text file is one unit (one document), a `.jsonl`,
 `.jsonl.gz` or `.jsonl.zst` gives units of whole lines of about `block_bytes` (decompressed here, in the
 reading process), a `.parquet` one unit per row group; and `documents(unit, field)`, the texts of one unit,
-which the tokenizing worker processes call.
+which the tokenizing worker processes call (`conversations(unit)` for a file of conversations).
 Not responsible for: how units become shards, tokenizing or writing (prepare.py).
 
 Documents: a text file (any other suffix) is one document, decoded as UTF-8 with invalid bytes replaced;
@@ -168,6 +168,17 @@ def _left_out_reason(relative: Path) -> str | None:
     return None
 
 
+CONVERSATION_COLUMNS = ("messages", "tools", "prompt", "completion")  # what a parquet file of conversations holds
+
+
+def conversation_columns(names) -> list[str] | None:
+    """The columns of a parquet file of conversations (a "messages" column, or "prompt" and "completion"; "tools"
+    too where it has one, as Hugging Face chat datasets store them), or None for a file of texts."""
+    if "messages" not in names and not {"prompt", "completion"} <= set(names):
+        return None
+    return [c for c in CONVERSATION_COLUMNS if c in names]
+
+
 def check_files(files: list[Path], field: str) -> None:
     """What can be checked without reading the data, for every file (so a bad input fails before any work)."""
     kinds = {kind_of(f) for f in files}
@@ -192,6 +203,10 @@ def _check_parquet(path: Path, field: str) -> None:
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise ValueError(f"{path} is not a readable parquet file ({e}); replace or remove it") from None
     schema = pf.schema_arrow
+    if pf.metadata.num_rows == 0:
+        raise ValueError(f"source file {path} has no rows; remove it or leave it out of the sources")
+    if conversation_columns(schema.names) is not None:
+        return
     if schema.get_field_index(field) < 0:
         raise ValueError(f"{path} has no column {field!r} (columns: {', '.join(schema.names)}); "
                          "pass --field NAME for the column that holds the text")
@@ -199,8 +214,6 @@ def _check_parquet(path: Path, field: str) -> None:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ValueError(f"{path}: column {field!r} holds {kind}, not strings; "
                          "pass --field NAME for the column that holds the text")
-    if pf.metadata.num_rows == 0:
-        raise ValueError(f"source file {path} has no rows; remove it or leave it out of the sources")
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,18 +318,21 @@ def _jsonl_units(path: Path, block_bytes: int) -> Iterator[Unit]:
 def _parquet_units(path: Path, field: str) -> Iterator[Unit]:
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(path).metadata
-    size, disk_done = path.stat().st_size, 0
+    pf = pq.ParquetFile(path)
+    meta = pf.metadata
+    read = conversation_columns(pf.schema_arrow.names) or [field]
+    size, disk_done, row = path.stat().st_size, 0, 1
     for i in range(meta.num_row_groups):
         group = meta.row_group(i)
         columns = [group.column(c) for c in range(group.num_columns)]
-        text = [c for c in columns if c.path_in_schema == field]
+        text = [c for c in columns if c.path_in_schema.split(".")[0] in read]
         disk = sum(c.total_compressed_size for c in columns)
         if i == meta.num_row_groups - 1:
             disk = size - disk_done  # the footer and headers go with the last group
         disk_done += disk
         yield Unit("parquet", str(path), input_bytes=sum(c.total_uncompressed_size for c in text),
-                   disk_bytes=disk, row_groups=(i,))
+                   disk_bytes=disk, first_line=row, row_groups=(i,))
+        row += group.num_rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,9 +361,33 @@ def jsonl_lines(unit: Unit) -> Iterator[tuple[bytes, str]]:
             yield line, f"{unit.path}:{unit.first_line + offset}"
 
 
+def conversations(unit: Unit) -> Iterator[tuple[bytes | dict, str]]:
+    """The conversations of a unit of a conversation file, each with where it is (file:line, or file:row N): a
+    `.jsonl` line as read, or a parquet row's conversation columns as a dict."""
+    if unit.kind == "jsonl":
+        yield from jsonl_lines(unit)
+        return
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(unit.path)
+    row = unit.first_line
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=list(unit.row_groups),
+                                 columns=conversation_columns(pf.schema_arrow.names)):
+        for item in batch.to_pylist():
+            yield item, f"{unit.path}:row {row}"
+            row += 1
+
+
 def holds_conversations(path: Path) -> bool:
-    """Whether a `.jsonl(.gz/.zst)` holds conversations (`meshlm.data.chat`): its first non-blank line is one.
-    Texts otherwise, and every other kind of file."""
+    """Whether a source holds conversations (`meshlm.data.chat`): a `.jsonl(.gz/.zst)` whose first non-blank line
+    is one, or a parquet file with their columns (`conversation_columns`). Texts otherwise."""
+    if kind_of(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return conversation_columns(pq.ParquetFile(path).schema_arrow.names) is not None
+        except Exception:  # noqa: BLE001 -- damaged: check_files names it
+            return False
     if kind_of(path) != "jsonl":
         return False
     with open(path, "rb") as raw:
