@@ -36,7 +36,12 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_file(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("chat") / "chat.jsonl", conversations(160))
+    """Conversations, and TRL's prompt/completion rows of both kinds among them."""
+    rows = conversations(160)
+    for i in range(0, 160, 20):
+        rows[i] = {"prompt": f"{i} plus one is", "completion": f" {i + 1}."}
+        rows[i + 1] = {"prompt": rows[i + 1]["messages"][:-1], "completion": rows[i + 1]["messages"][-1:]}
+    return write_jsonl(tmp_path_factory.mktemp("chat") / "chat.jsonl", rows)
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +160,14 @@ def test_what_cannot_be_trained_as_asked_is_refused_by_name(tmp_path, chat_file,
     texts.write_text(json.dumps({"text": "plain"}) + "\n")
     with pytest.raises(ValueError, match="holds conversations and .*texts.jsonl texts; prepare each kind"):
         prepare([chat_file, texts], tokenizer_path=folder, out=tmp_path / "mixed", progress=False)
+    with pytest.raises(ValueError, match="--field content names the text of a file of texts"):
+        prepare([chat_file], tokenizer_path=folder, out=tmp_path / "f", field="content", progress=False)
+    with pytest.raises(ValueError, match="--all-tokens is for conversations"):
+        prepare([texts], tokenizer_path=folder, out=tmp_path / "t", progress=False, assistant_only=False)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n{oops\n")
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2 is not valid JSON"):
+        prepare([chat_file, broken], tokenizer_path=folder, out=tmp_path / "b", progress=False)
     bad = tmp_path / "bad.jsonl.gz"  # a compressed file of conversations is read as one; its bad line named
     rows = [json.dumps(c) for c in conversations(3)] + ['{"messages": [{"role": "wizard", "content": "x"}]}']
     bad.write_bytes(gzip.compress(("\n".join(rows) + "\n").encode()))

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from meshlm import verify
 from meshlm.config import DataConfig, load_config
-from meshlm.data.chat import encode_conversation, is_chat_jsonl, read_conversations
+from meshlm.data.chat import encode_conversation, read_conversations
+from meshlm.data.sources import is_chat_jsonl
 from meshlm.data.text import IGNORE_INDEX, build_datasets
 from meshlm.tokenizer import ByteTokenizer, HFTokenizer
 from chat_data import CHATML, conversations, make_chatml_folder, write_jsonl

@@ -395,7 +395,7 @@ class DataConfig:
     # (instead of data.path); the mix is the same on any number of ranks
     sources: list = field(default_factory=list)
     # a Hugging Face tokenizer.json, or a model folder holding one (conversations: rendered by its chat template);
-    # empty: bytes (prepared data: the one it was prepared with)
+    # empty: bytes (prepared data needs the one it was prepared with)
     tokenizer: str = ""
     val_fraction: float = 0.02  # share of the documents held out for validation (prepared data: its 'val' split)
     max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large; prepared data: no cap)

@@ -41,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "write (_SUCCESS, _committed_*, _started_*, *.crc, parquet's _metadata and _common_metadata, "
                     "_temporary/, _delta_log/), empty files and binary ones (a NUL byte in the first 8 KiB), which are "
                     "counted in one line on stderr; a text file is one document; each .jsonl line and each parquet "
-                    "row one document (its --field).",
+                    "row one document (its --field), or one conversation (see below).",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     prep.add_argument("sources", nargs="+", metavar="SOURCE",
                       help="text files, folders, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files")
@@ -53,7 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     prep.add_argument("--field", default="text", metavar="NAME",
                       help="JSON key / parquet column holding the text (default %(default)s)")
     prep.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
-                      help="share of documents (chosen by a hash of their text) written to a 'val' split "
+                      help="share of documents (chosen by a hash of their text; conversations: of their line) "
+                           "written to a 'val' split "
                            "(default %(default)s: none)")
     prep.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20, metavar="MB",
                       help="input MiB per shard, the unit of parallel work and of resuming (default %(default)s)")

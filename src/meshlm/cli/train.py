@@ -144,8 +144,9 @@ def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, r
 
 
 def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int) -> int:
-    from meshlm.data.chat import is_chat_jsonl, sample_prompt
+    from meshlm.data.chat import sample_prompt
     from meshlm.data.dataset import prepared_chat
+    from meshlm.data.sources import is_chat_jsonl
     from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
     from meshlm.train.setup import resolve_device
     from meshlm.train.trainer import Trainer
@@ -162,15 +163,16 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
         # Conversations: the reply to the first one's opening messages (its first user turn), as served;
         # prompts and completions given as texts: the first prompt's; prepared conversations: to "Hello".
         chats = is_chat_jsonl(cfg.data.path)
-        prompt, chat = ("", True) if chats else ("def ", False)
-        if cfg.data.prepared and prepared_chat(cfg.data) is not None:
-            prompt, chat = trainer.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}]), True
+        hello = cfg.data.prepared and prepared_chat(cfg.data) is not None
+        prompt, chat = ("", True) if chats or hello else ("def ", False)
         if cfg.train.sample_tokens > 0:
             # Every rank generates (the same tokens: same weights, same seed): under ZeRO-3 each
             # forward gathers parameters collectively, so rank 0 cannot run it alone.
             try:  # a prompt that fills model.max_seq_len, or that the template refuses: the run itself went well
                 if chats:
                     prompt, chat = sample_prompt(cfg.data.path, trainer.tokenizer) or (prompt, chat)
+                elif hello:
+                    prompt = trainer.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
                 text = f"{prompt}{trainer.sample(prompt, max_new_tokens=cfg.train.sample_tokens, chat=chat)}" \
                     if prompt else "(none: the first conversation has no prompt before a reply)"
             except ValueError as e:

@@ -1,9 +1,9 @@
 """Conversations as training data (supervised fine-tuning): each rendered by the chat template the model will be
 served with, tokenized as one text, and the loss taken on the assistant's turns only.
 
-Responsible for: telling a `.jsonl` of conversations from one of texts (`is_chat_jsonl`: its first line has
-"messages", or "prompt" and "completion"); reading and checking every conversation before any training step
-(`read_conversations`, errors naming file:line): OpenAI's form, {"messages": [{"role": ..., "content": ...}, ...]}
+Responsible for: telling a conversation from a text (`is_conversation_row`: "messages", or "prompt" and
+"completion"; a file's first line decides what it holds, `meshlm.data.sources.holds_conversations`); reading and
+checking every conversation before any training step (`read_conversations`, errors naming file:line): OpenAI's form, {"messages": [{"role": ..., "content": ...}, ...]}
 with an optional "tools" list, the messages taken as the server takes a chat request's (`meshlm.messages`: content
 parts joined, a tool call's arguments as an object, ...), so that they render as they will be served; or a prompt
 and its completion (TRL's two other forms): two lists of messages, of which the completion's count, or two texts,
@@ -47,23 +47,6 @@ class Conversation:
     key: str  # the line as read: what the train/validation split hashes
     texts: tuple[str, str] | None = None  # a prompt and its completion given as texts (then no messages)
     completion_from: int | None = None  # a prompt and completion given as messages: where the completion begins
-
-
-def is_chat_jsonl(path: str | Path) -> bool:
-    """Whether a `.jsonl` holds conversations: its first non-blank line is an object with "messages", or with
-    "prompt" and "completion"."""
-    path = Path(path)
-    if path.suffix != ".jsonl" or not path.is_file():
-        return False
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:  # not JSON, or not UTF-8: the text reader names the line
-                    return False
-                return is_conversation_row(row)
-    return False
 
 
 def is_conversation_row(row) -> bool:
@@ -172,7 +155,7 @@ def encode_conversations(conversations: list[Conversation], tokenizer: Tokenizer
 
 
 def place(lengths: np.ndarray, whole_in: int | None) -> np.ndarray:
-    """Where each of documents of `lengths` (tokens, separator included) begins when packed in order: back to back,
+    """Where each document of `lengths` (tokens, separator included) begins when packed in order: back to back,
     or with `whole_in` = seq_len none crossing the edge of a sample (samples start every seq_len tokens and hold
     seq_len + 1, `text.PackedDataset`): one that does not fit in the rest of its sample starts the next one (the
     rest is padding); one longer than a sample starts at a sample's start and runs on into the next ones. The one

@@ -13,8 +13,9 @@ A folder of conversations (manifest.py, version 2) is read as `meshlm.data.text`
 its targets that do not count in the loss (mask byte 0, the padding) are `IGNORE_INDEX`, `loss_targets` counts
 the others, and unless `whole=False` (data.split_across_samples) no conversation crosses a sample's edge: each is
 placed by `meshlm.data.chat.place` (computed at open, 24 bytes per conversation), the gaps filled with the
-manifest's pad token, each gap a document of its own. The same conversations give the same samples, prepared or
-packed in memory.
+manifest's pad token, each gap a document of its own (per rank: every rank opens the folder). The same
+conversations give the same samples, prepared or packed in memory, shard by shard (samples never cross a shard's
+end), apart from the in-memory split's fallback for very few conversations (`text.split_conversations`).
 Not responsible for: which rank reads which sample, micro-batches, prefetching (loader.py).
 
 Sample i of a `PreparedDataset` lies in the shard s with cum[s] <= i < cum[s+1], where cum counts the samples
@@ -77,6 +78,9 @@ class PreparedDataset:
             raise ValueError(f"{self.path} was prepared with --all-tokens (no loss masks): set "
                              "data.assistant_only_loss=false to train on every token, or prepare it again without")
         self._masked = self.conversations is not None and assistant_only
+        if self._masked and any("mask" not in shard for shard in self._shards):
+            raise ValueError(f"{self.path}/{manifest.MANIFEST} names a shard of {split!r} without its loss mask: it "
+                             "is damaged; copy the whole prepared folder again or prepare it again")
         if self._masked and split == "train" and not splits[split]["num_loss_tokens"]:
             raise ValueError(f"{self.path}: no token of the training conversations is an assistant's; each needs a "
                              "message with role 'assistant' (or set data.assistant_only_loss=false)")
@@ -86,10 +90,10 @@ class PreparedDataset:
         self._max_open = max_open_shards
         self._lock = threading.Lock()  # the loader's prefetch thread and the caller may read at once
         # conversations kept whole: per shard (where each conversation is placed, where it ends, document starts)
-        self._placed = [self._place(s, whole_in=self.seq_len) for s in range(len(self._shards))] \
-            if self.conversations is not None and whole else None
-        spans = tokens if self._placed is None else np.array([p[1][-1] if len(p[1]) else 0 for p in self._placed],
-                                                             dtype=np.int64)
+        self._placed, spans = None, tokens
+        if self.conversations is not None and whole:
+            self._placed = [self._place(s, whole_in=self.seq_len) for s in range(len(self._shards))]
+            spans = np.array([ends[-1] for _, ends, _ in self._placed], dtype=np.int64)
         self._cum = np.concatenate([[0], np.cumsum(np.maximum(spans - 1, 0) // self.seq_len)]).astype(np.int64)
 
     def __len__(self) -> int:
@@ -124,24 +128,27 @@ class PreparedDataset:
         starts = np.asarray(self._shard(s)[1], dtype=np.int64)
         lengths = np.diff(np.append(starts, self._shards[s]["num_tokens"]))
         at = place(lengths, whole_in)
-        return at, at + lengths, with_padding_starts(at, lengths) if len(at) else at
+        return at, at + lengths, with_padding_starts(at, lengths)
 
-    def _row(self, s: int, o: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The seq_len + 1 tokens at offset o of shard s, and whether predicting each counts in the loss (None for
-        texts: all do)."""
+    def _row(self, s: int, o: int, *, tokens: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The seq_len + 1 tokens at offset o of shard s (`tokens=False`: None, only the counts are read), and whether
+        predicting each counts in the loss (None for texts: all do)."""
         n = self.seq_len + 1
-        tokens, starts, masks = self._shard(s)
+        ids, starts, masks = self._shard(s)
         if self._placed is None:
-            counts = None if self.conversations is None else \
-                np.ones(n, dtype=bool) if masks is None else masks[o:o + n].astype(bool)
-            return tokens[o:o + n], counts
+            if self.conversations is None:
+                counts = None
+            else:
+                counts = np.ones(n, dtype=bool) if masks is None else masks[o:o + n].astype(bool)
+            return (ids[o:o + n] if tokens else None), counts
         at, ends, _ = self._placed[s]
-        row = np.full(n, self.conversations["pad_token_id"], dtype=np.int64)
+        row = np.full(n, self.conversations["pad_token_id"], dtype=np.int64) if tokens else None
         counts = np.zeros(n, dtype=bool)
         for c in range(int(np.searchsorted(ends, o, side="right")), int(np.searchsorted(at, o + n, side="left"))):
             a, b = max(int(at[c]), o), min(int(ends[c]), o + n)
             src = int(starts[c]) + a - int(at[c])
-            row[a - o:b - o] = tokens[src:src + b - a]
+            if tokens:
+                row[a - o:b - o] = ids[src:src + b - a]
             counts[a - o:b - o] = True if masks is None else masks[src:src + b - a]
         return row, counts
 
@@ -175,10 +182,12 @@ class PreparedDataset:
         return s[:, :-1], targets
 
     def loss_targets(self, indices) -> int:
-        """How many targets of the samples `indices` count in the loss."""
+        """How many targets of the samples `indices` count in the loss (conversations: their mask bytes read, not
+        their tokens)."""
         if self.conversations is None:
             return len(np.asarray(indices).reshape(-1)) * self.seq_len
-        return int(self._rows(indices)[1][:, 1:].sum())
+        shards, offsets = self._locate(indices)
+        return sum(int(self._row(s, o, tokens=False)[1][1:].sum()) for s, o in zip(shards.tolist(), offsets.tolist()))
 
     def document_starts(self, indices) -> list[np.ndarray]:
         """Per sample, the positions in [0, seq_len] (within its seq_len + 1 tokens) where a document begins."""

@@ -1,5 +1,6 @@
-"""`PreparedLoader`: `BatchLoader`'s walk over prepared (memory-mapped) data, reading only this rank's samples,
-one step ahead in a background thread.
+"""`PreparedLoader`: `BatchLoader`'s walk over prepared (memory-mapped) data, reading only this rank's samples (and,
+for conversations, every sample's mask bytes: the global batch's counted targets), one step ahead in a background
+thread.
 
 Responsible for: the global batch of each optimizer step, taken from the dataset's epoch order
 (`dataset.order(seed, epoch, positions)`: a seeded permutation, or a blend's schedule); this data-parallel

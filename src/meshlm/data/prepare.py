@@ -75,8 +75,8 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
     """Tokenize `source_paths` into `out` (see the module docstring); returns a summary of the run.
 
     The summary: out, num_shards, shards_written and shards_skipped (this run), num_documents and num_tokens
-    per split, input_bytes, text_bytes, seconds, text_mb_per_s and tokens_per_s of the shards written, and
-    left_out: how many files of the source folders were not read, by reason (hidden, job markers, empty,
+    per split (conversations: num_loss_tokens too, what the loss counts), input_bytes, text_bytes, seconds,
+    text_mb_per_s and tokens_per_s of the shards written, and left_out: how many files of the source folders were not read, by reason (hidden, job markers, empty,
     binary), which `log` hears of in one line before any work (default: on stderr; None: not at all).
     """
     _check_knobs(workers=workers, field=field, val_fraction=val_fraction, shard_bytes=shard_bytes)
@@ -88,9 +88,9 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
         log(listing.note())
     left_out = {reason: len(paths) for reason, paths in listing.left_out.items()}
     sources.check_files(files, field)
-    conversations = _conversations(files, tokenizer_path, assistant_only)
+    conversations = _conversations(files, tokenizer_path, field=field, assistant_only=assistant_only)
     if conversations is not None:
-        tokenizer["eos_token_id"] = conversations.pop("eos_token_id")
+        conversations, tokenizer["eos_token_id"] = conversations
     settings = {"dtype": manifest.dtype_for(tokenizer["vocab_size"]), "tokenizer": tokenizer,
                 "settings": {"field": field, "val_fraction": float(val_fraction), "shard_bytes": int(shard_bytes)},
                 "sources": [{"path": str(f.resolve()), "bytes": f.stat().st_size} for f in files],
@@ -127,22 +127,30 @@ def _check_knobs(*, workers: int, field: str, val_fraction: float, shard_bytes: 
         raise ValueError(f"shard_bytes={shard_bytes} must be >= 1 (input bytes per shard)")
 
 
-def _conversations(files: list[Path], tokenizer_path: str | Path, assistant_only: bool) -> dict | None:
-    """The manifest's "conversations" entry when every source holds conversations (None when none does), with the
-    separator's id as "eos_token_id" (popped by the caller); refused when texts and conversations are mixed."""
+def _conversations(files: list[Path], tokenizer_path: str | Path, *, field: str,
+                   assistant_only: bool) -> tuple[dict, int | None] | None:
+    """(the manifest's "conversations" entry, the id of the separator after each) when every source holds
+    conversations, None when none does; refused when texts and conversations are mixed, and options of the other
+    kind (--field for texts, --all-tokens for conversations)."""
     chats = [sources.holds_conversations(f) for f in files]
     if not any(chats):
+        if not assistant_only:
+            raise ValueError("--all-tokens is for conversations (no loss masks); every token of a text counts: "
+                             "leave it out")
         return None
     if not all(chats):
         text, chat = files[chats.index(False)], files[chats.index(True)]
         raise ValueError(f"{chat} holds conversations and {text} texts; prepare each kind into a folder of its own "
                          "and train on a blend of them (data.sources)")
+    if field != "text":
+        raise ValueError(f"--field {field} names the text of a file of texts, but {files[0]} holds conversations "
+                         "(its messages, or prompt and completion, are read whole): leave --field out")
     from meshlm.data.chat import pad_token
     from meshlm.tokenizer import chat_config, conversation_tokenizer
 
     tokenizer = conversation_tokenizer(tokenizer_path)
-    return {"chat": chat_config(tokenizer), "assistant_only_loss": bool(assistant_only),
-            "pad_token_id": pad_token(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    return ({"chat": chat_config(tokenizer), "assistant_only_loss": bool(assistant_only),
+             "pad_token_id": pad_token(tokenizer)}, tokenizer.eos_token_id)
 
 
 def tokenizer_info(path: str | Path) -> dict:
@@ -290,26 +298,24 @@ def _run(jobs: Iterator[list[sources.Unit]], task: _Task, done: dict[int, dict],
 
 
 @lru_cache(maxsize=2)
-def _worker_tokenizer(path: str):
-    """The tokenizer of this worker process, loaded once, single-threaded (see the module docstring)."""
+def _worker_tokenizer(path: str, *, chat: bool = False):
+    """The tokenizer of this worker process, loaded once, single-threaded (see the module docstring): the
+    `tokenizers` one of a tokenizer.json, or with `chat` meshlm's with the chat template conversations are rendered
+    with (`meshlm.tokenizer.conversation_tokenizer`)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if chat:
+        from meshlm.tokenizer import conversation_tokenizer
+
+        return conversation_tokenizer(path)
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(path)
 
 
-@lru_cache(maxsize=2)
-def _worker_chat_tokenizer(path: str):
-    """The tokenizer (with its chat template) conversations are rendered with, in this worker, loaded once."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from meshlm.tokenizer import conversation_tokenizer
-
-    return conversation_tokenizer(path)
-
-
-def _in_validation(text: bytes, val_fraction: float) -> bool:
+def _split_of(text: bytes, val_fraction: float) -> str:
+    """"val" when the first 8 bytes of the text's sha256 fall below `val_fraction` (the module docstring's rule)."""
     h = int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
-    return h / 2**64 < val_fraction
+    return "val" if val_fraction > 0 and h / 2**64 < val_fraction else "train"
 
 
 def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
@@ -347,16 +353,15 @@ def _write_conversations(task: _Task, writers: dict[str, _ShardWriter]) -> int:
     """Every conversation of the shard, rendered, tokenized and masked as training in memory does; its text bytes."""
     from meshlm.data.chat import conversation_of_line, conversation_of_row, conversation_tokens
 
-    tokenizer, assistant_only = _worker_chat_tokenizer(task.conversations[0]), task.conversations[1]
+    tokenizer, assistant_only = _worker_tokenizer(task.conversations[0], chat=True), task.conversations[1]
     text_bytes = 0
     for unit in task.units:
         for item, where in sources.conversations(unit):
             conv = conversation_of_line(item, where) if isinstance(item, bytes) else conversation_of_row(item, where)
             raw = conv.key.encode("utf-8", errors="replace")
             text_bytes += len(raw)
-            to_val = task.val_fraction > 0 and _in_validation(raw, task.val_fraction)
             ids, counts = conversation_tokens(conv, tokenizer, assistant_only=assistant_only)
-            writers["val" if to_val else "train"].add_tokens(ids, counts)
+            writers[_split_of(raw, task.val_fraction)].add_tokens(ids, counts)
     return text_bytes
 
 
@@ -371,8 +376,7 @@ def _write_texts(task: _Task, writers: dict[str, _ShardWriter]) -> int:
         for text in batch:
             raw = text.encode("utf-8", errors="replace")
             text_bytes += len(raw)
-            to_val = task.val_fraction > 0 and _in_validation(raw, task.val_fraction)
-            by_split["val" if to_val else "train"].append(text)
+            by_split[_split_of(raw, task.val_fraction)].append(text)
         for split, docs in by_split.items():
             if docs:
                 writers[split].add(tok.encode_batch(docs, add_special_tokens=False))

@@ -380,7 +380,8 @@ def conversations(unit: Unit) -> Iterator[tuple[bytes | dict, str]]:
 
 def holds_conversations(path: Path) -> bool:
     """Whether a source holds conversations (`meshlm.data.chat`): a `.jsonl(.gz/.zst)` whose first non-blank line
-    is one, or a parquet file with their columns (`conversation_columns`). Texts otherwise."""
+    is one (`chat.is_conversation_row`; a line that is not JSON is refused, naming it), or a parquet file with their
+    columns (`conversation_columns`). Texts otherwise."""
     if kind_of(path) == "parquet":
         import pyarrow.parquet as pq
 
@@ -388,26 +389,39 @@ def holds_conversations(path: Path) -> bool:
             return conversation_columns(pq.ParquetFile(path).schema_arrow.names) is not None
         except Exception:  # noqa: BLE001 -- damaged: check_files names it
             return False
-    if kind_of(path) != "jsonl":
+    first = _first_line(path) if kind_of(path) == "jsonl" else None
+    if first is None:
         return False
+    try:
+        return is_conversation_row(json.loads(first[1]))
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        raise ValueError(f"{path}:{first[0]} is not valid JSON ({e}); fix or delete that line") from None
+
+
+def is_chat_jsonl(path: str | Path) -> bool:
+    """Whether `path` (data.path) is a `.jsonl` of conversations, which training reads in memory."""
+    path = Path(path)
+    return path.suffix == ".jsonl" and path.is_file() and holds_conversations(path)
+
+
+def _first_line(path: Path) -> tuple[int, bytes] | None:
+    """(line number, bytes) of a `.jsonl(.gz/.zst)`'s first non-blank line, decompressed; None when it has none, or
+    when it cannot be decompressed (the units' reader names that)."""
     with open(path, "rb") as raw:
-        stream, carry = _open_decompressed(path, raw), b""
+        stream, carry, lineno = _open_decompressed(path, raw), b"", 1
         while True:
             try:
                 block = stream.read(1 << 16)
-            except Exception:  # noqa: BLE001 -- damaged: the units' reader names it
-                return False
-            carry += block
-            lines = carry.split(b"\n")
-            first = next((line for line in lines[:-1] if line.strip()), None)
-            if first is not None or not block:
-                first = first if first is not None else (lines[-1] if lines[-1].strip() else None)
-                break
+            except Exception:  # noqa: BLE001 -- gzip's OSError / EOFError, zstandard.ZstdError
+                return None
+            lines = (carry + block).split(b"\n")
+            for line in lines[:-1]:
+                if line.strip():
+                    return lineno, line
+                lineno += 1
             carry = lines[-1]
-    try:
-        return first is not None and is_conversation_row(json.loads(first))
-    except ValueError:  # not JSON, or not UTF-8: the reader names the line
-        return False
+            if not block:
+                return (lineno, carry) if carry.strip() else None
 
 
 def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:

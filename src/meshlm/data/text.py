@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from meshlm.config import DataConfig
-from meshlm.data.chat import (Conversation, encode_conversations, is_chat_jsonl, is_conversation_row,
-                              read_conversations)
+from meshlm.data.chat import Conversation, encode_conversations, is_conversation_row, read_conversations
+from meshlm.data.sources import is_chat_jsonl
 from meshlm.models.documents import documents_from_starts
 from meshlm.tokenizer import Tokenizer
 
@@ -240,7 +240,7 @@ def micro_batch(dataset, indices: torch.Tensor, *, documents: bool = False) -> t
 def build_datasets(data: DataConfig, *, seq_len: int,
                    tokenizer: Tokenizer) -> tuple[PackedDataset, PackedDataset]:
     """Read, split, tokenize and pack: (train, validation). Cached in memory only, by the caller. A `.jsonl` of
-    conversations (`chat.is_chat_jsonl`) is rendered by `tokenizer`'s chat template, its loss on the assistant's
+    conversations (`sources.is_chat_jsonl`) is rendered by `tokenizer`'s chat template, its loss on the assistant's
     turns unless data.assistant_only_loss is false."""
     where = data.path or "the standard-library corpus"
     train_items, val_items, pack_items = split_source(data, seq_len=seq_len, tokenizer=tokenizer)
@@ -256,7 +256,7 @@ def build_datasets(data: DataConfig, *, seq_len: int,
 
 def split_source(data: DataConfig, *, seq_len: int, tokenizer: Tokenizer) -> tuple[list, list, Callable]:
     """The configured source read and split: (training items, validation items) -- documents, or conversations
-    (`chat.is_chat_jsonl`) -- and the function that packs a list of either (nothing is tokenized yet)."""
+    (`sources.is_chat_jsonl`) -- and the function that packs a list of either (nothing is tokenized yet)."""
     if is_chat_jsonl(data.path):
         train, val = split_conversations(read_conversations(data.path, max_bytes=data.max_bytes), data.val_fraction)
         return train, val, lambda convs: pack_conversations(convs, tokenizer, seq_len,

@@ -25,8 +25,8 @@ from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.parallelize import ParallelModel, parallelize
 from meshlm.tokenizer import CHAT_CONFIG_FILE, Tokenizer, chat_config, conversation_tokenizer, load_tokenizer
-from meshlm.data.chat import is_chat_jsonl
-from meshlm.data.dataset import check_prepared_chat, prepared_chat
+from meshlm.data.sources import is_chat_jsonl
+from meshlm.data.dataset import check_prepared_chat, has_split, open_dataset, prepared_chat
 from meshlm.data.text import BatchLoader, build_datasets, pack
 
 
@@ -116,7 +116,6 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
                              seq_len=t.seq_len, seed=t.seed, dp_rank=dp_rank, dp_size=dp_size,
                              documents=cfg.data.document_mask)
     else:
-        from meshlm.data.dataset import has_split, open_dataset
         from meshlm.data.loader import PreparedLoader
 
         spec = cfg.data.sources or cfg.data.path
@@ -135,8 +134,10 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
                                 documents=cfg.data.document_mask)
     shown = min(len(val), t.val_batches * t.global_batch_size)  # the samples validation reads (`evaluate`)
     if shown and val.loss_targets(torch.arange(shown)) == 0:
-        raise ValueError(f"{where}: no token of the {shown} validation samples (data.val_fraction="
-                         f"{cfg.data.val_fraction:g} of the conversations, train.val_batches={t.val_batches}) "
-                         "is an assistant's, so no validation loss can be taken; raise train.val_batches, "
-                         "give those conversations replies, or set data.val_fraction=0")
+        held = "its 'val' split" if cfg.data.prepared else f"data.val_fraction={cfg.data.val_fraction:g}"
+        fix = "prepare the folder again with other --val-fraction" if cfg.data.prepared \
+            else "raise train.val_batches, or set data.val_fraction=0"
+        raise ValueError(f"{where}: no token of the {shown} validation samples ({held} of the conversations, "
+                         f"train.val_batches={t.val_batches}) is an assistant's, so no validation loss can be "
+                         f"taken; give those conversations replies, {fix}, or set train.val_batches=0")
     return train, val, loader
