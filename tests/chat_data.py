@@ -44,3 +44,18 @@ def make_chatml_folder(folder: Path) -> Path:
     raw.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     return folder
+
+
+def first_step_batch(trainer):
+    """(targets, logits, the batch's cross entropy over its counted targets) of the global batch the trainer's next
+    step takes, read without moving its loader."""
+    import torch
+    import torch.nn.functional as F
+
+    state = trainer.loader.state_dict()
+    idx = trainer.loader.next_global_indices()
+    trainer.loader.load_state_dict(state)
+    inputs, targets = trainer.loader.dataset.batch(idx)
+    with torch.no_grad():
+        logits = trainer.model(inputs).double()
+    return targets, logits, float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100))

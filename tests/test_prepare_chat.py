@@ -10,11 +10,10 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("tokenizers")
 
-from chat_data import conversations, make_chatml_folder, write_jsonl
+from chat_data import first_step_batch, conversations, make_chatml_folder, write_jsonl
 from parity import FP64_TOL
 from runs import SMALL_MODEL, harness_launch
 
@@ -106,13 +105,7 @@ def test_training_on_a_prepared_folder_takes_the_batch_s_mean_and_carries_the_te
                                  "train.val_batches=1", f"data.path={prepared}", f"data.tokenizer={folder}",
                                  "model.vocab_size=320", "train.checkpoint_interval=1"])
     trainer = Trainer(cfg)
-    state = trainer.loader.state_dict()
-    idx = trainer.loader.next_global_indices()
-    trainer.loader.load_state_dict(state)
-    inputs, targets = trainer.loader.dataset.batch(idx)
-    with torch.no_grad():
-        logits = trainer.model(inputs).double()
-    want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX))
+    targets, logits, want = first_step_batch(trainer)
     row = trainer.train_step()
     assert abs(row["loss"] - want) <= 1e-12 * abs(want), (row["loss"], want)
     assert row["loss_tokens"] == int((targets != IGNORE_INDEX).sum()) < targets.numel()

@@ -25,7 +25,7 @@ from meshlm.data.chat import encode_conversation, read_conversations
 from meshlm.data.sources import is_chat_jsonl
 from meshlm.data.text import IGNORE_INDEX, build_datasets
 from meshlm.tokenizer import ByteTokenizer, HFTokenizer
-from chat_data import CHATML, conversations, make_chatml_folder, write_jsonl
+from chat_data import first_step_batch, CHATML, conversations, make_chatml_folder, write_jsonl
 from parity import FP64_TOL
 from runs import SMALL_MODEL, harness_launch
 
@@ -154,13 +154,7 @@ def test_the_first_step_s_loss_is_the_whole_batch_s_mean_over_the_counted_target
     cfg = make_cfg(chat_file, "train.precision=fp64", "train.steps=1", f"train.run_dir={tmp_path}",
                    "train.progress=false", "train.val_batches=0")
     trainer = Trainer(cfg)
-    state = trainer.loader.state_dict()
-    idx = trainer.loader.next_global_indices()
-    trainer.loader.load_state_dict(state)
-    inputs, targets = trainer.loader.dataset.batch(idx)
-    with torch.no_grad():
-        logits = trainer.model(inputs).double()
-    want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX))
+    targets, logits, want = first_step_batch(trainer)
     per_micro = np.mean([float(F.cross_entropy(logits[i:i + 2].flatten(0, 1), targets[i:i + 2].flatten()))
                          for i in range(0, 8, 2)])
     counts = [int((targets[i:i + 2] != IGNORE_INDEX).sum()) for i in range(0, 8, 2)]

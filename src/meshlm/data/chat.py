@@ -3,13 +3,14 @@ served with, tokenized as one text, and the loss taken on the assistant's turns 
 
 Responsible for: telling a conversation from a text (`is_conversation_row`: "messages", or "prompt" and
 "completion"; a file's first line decides what it holds, `meshlm.data.sources.holds_conversations`); reading and
-checking every conversation before any training step (`read_conversations`, errors naming file:line): OpenAI's form, {"messages": [{"role": ..., "content": ...}, ...]}
-with an optional "tools" list, the messages taken as the server takes a chat request's (`meshlm.messages`: content
-parts joined, a tool call's arguments as an object, ...), so that they render as they will be served; or a prompt
-and its completion (TRL's two other forms): two lists of messages, of which the completion's count, or two texts,
-each tokenized alone without special tokens (as a completion request's prompt, then what is generated), the
-completion and the separator after it counting (so the model learns to stop); `encode_conversations`, the token
-stream training packs with where each conversation begins and, per token, whether predicting it counts in the loss.
+checking every conversation before any training step (`read_conversations`, errors naming file:line): OpenAI's form,
+{"messages": [{"role": ..., "content": ...}, ...]} with an optional "tools" list, the messages taken as the server
+takes a chat request's (`meshlm.messages`: content parts joined, a tool call's arguments as an object, ...), so that
+they render as they will be served; or a prompt and its completion (TRL's two other forms): two lists of messages,
+of which the completion's count, or two texts, each tokenized alone without special tokens (as a completion
+request's prompt, then what is generated), the completion and the separator after it counting (so the model learns
+to stop); `encode_conversations`, the token stream training packs with where each conversation begins and, per
+token, whether predicting it counts in the loss.
 
 Which tokens count. For an assistant's message i (or a completion's messages from i), the template's text of
 messages[:i] with the generation prompt (`p`) must begin the text of the messages through it (`e`), which must begin

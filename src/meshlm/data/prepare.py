@@ -74,10 +74,11 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
             assistant_only: bool = True) -> dict:
     """Tokenize `source_paths` into `out` (see the module docstring); returns a summary of the run.
 
-    The summary: out, num_shards, shards_written and shards_skipped (this run), num_documents and num_tokens
-    per split (conversations: num_loss_tokens too, what the loss counts), input_bytes, text_bytes, seconds,
-    text_mb_per_s and tokens_per_s of the shards written, and left_out: how many files of the source folders were not read, by reason (hidden, job markers, empty,
-    binary), which `log` hears of in one line before any work (default: on stderr; None: not at all).
+    The summary: out, num_shards, shards_written and shards_skipped (this run), num_documents and num_tokens per
+    split (conversations: num_loss_tokens too, what the loss counts), input_bytes, text_bytes, seconds,
+    text_mb_per_s and tokens_per_s of the shards written, and left_out: how many files of the source folders were
+    not read, by reason (hidden, job markers, empty, binary), which `log` hears of in one line before any work
+    (default: on stderr; None: not at all).
     """
     _check_knobs(workers=workers, field=field, val_fraction=val_fraction, shard_bytes=shard_bytes)
     out = Path(out)
