@@ -176,6 +176,22 @@ def test_lr_schedule():
     assert lr_at(60, cfg) == 1.0
 
 
+def test_epochs_set_the_steps_and_the_schedule_spans_them(tmp_path, text_file, capsys):
+    cfg = make_cfg(tmp_path / "run", text_file, "train.epochs=1.5", "train.steps=1000", "train.warmup_steps=2",
+                   "train.val_interval=1000", "train.checkpoint_interval=0", "train.min_lr_ratio=0.1")
+    trainer = Trainer(cfg)
+    per_epoch = len(trainer.train_data) // 8  # whole global batches of 8 samples
+    assert per_epoch >= 4 and trainer.cfg.train.steps == round(1.5 * per_epoch)
+    summary = trainer.train()
+    assert summary["steps"] == round(1.5 * per_epoch) and trainer.loader.epoch == 1  # into the second pass
+    assert "(1.5 epochs: " in capsys.readouterr().out
+    lrs = [r["lr"] for r in rows(tmp_path / "run") if "lr" in r]
+    assert len(lrs) == summary["steps"] and lrs[-1] == pytest.approx(lr_at(summary["steps"] - 1, cfg.train))
+    assert lrs[-1] < 0.11 * 1e-2  # the cosine ended with the run
+    with pytest.raises(ValueError, match=r"train.epochs=-1(\.0)? must be >= 0"):
+        load_config(overrides=["train.epochs=-1"])
+
+
 def test_clip_grad_norm_and_norm_hook():
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     params[0].grad = torch.tensor([3.0, 0.0, 0.0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -321,6 +322,9 @@ class TrainConfig:
     # The defaults are the CPU demo (`meshlm train`, configs/tiny.toml): tiny on the stdlib corpus;
     # README.md's quick tour shows what it prints and the runs that chose seq_len, batch and lr.
     steps: int = 150  # optimizer steps
+    # if > 0, passes over the training set: sets train.steps (epochs x its whole global batches, rounded) once the
+    # data is read, the learning-rate schedule spanning them
+    epochs: float = 0.0
     seq_len: int = 128  # tokens per sample
     global_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     global_batch_tokens: int = 0  # if > 0, overrides global_batch_size (= tokens // seq_len)
@@ -370,6 +374,8 @@ class TrainConfig:
         for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "memory_checkpoint_interval",
                      "val_batches", "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
             _require(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "must be >= 0")
+        _require(math.isfinite(self.epochs) and self.epochs >= 0, "train.epochs", self.epochs,
+                 "must be >= 0 (0: train.steps decides)")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshlm.config import Config
+from meshlm.config import Config, TrainConfig
 from meshlm.mesh import Mesh
 from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
@@ -102,6 +102,14 @@ def build_parallel_model(cfg: Config, mesh: Mesh, *, device: torch.device, dtype
         weights(model)
     init = ShardInit(cfg.model, t.seed, mesh, device, dtype)
     return model, parallelize(model, mesh, cfg.parallel, seq_len=t.seq_len, init=init)
+
+
+def set_steps_from_epochs(t: TrainConfig, num_samples: int) -> None:
+    """With train.epochs > 0, train.steps becomes that many passes over the `num_samples` training samples: epochs x
+    the whole global batches of one (a partial one at an epoch's end is dropped, as the loaders do), rounded, at
+    least 1 -- and the learning-rate schedule spans them."""
+    if t.epochs > 0:
+        t.steps = max(1, round(t.epochs * (num_samples // t.global_batch_size)))
 
 
 def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_rank: int, dp_size: int):

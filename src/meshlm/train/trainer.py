@@ -82,6 +82,7 @@ from meshlm.train.resume import (
 from meshlm.train.sample import prompt_ids, whole_model
 from meshlm.train.setup import (
     build_data,
+    set_steps_from_epochs,
     build_parallel_model,
     checkpoint_files,
     load_training_tokenizer,
@@ -121,6 +122,7 @@ class Trainer:
         self.tokenizer = load_training_tokenizer(cfg)
         self.train_data, self.val_data, self.loader = build_data(
             cfg, self.tokenizer, micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        set_steps_from_epochs(t, len(self.train_data))  # train.epochs, when given, decides train.steps
 
         self.setup_model()
         self.optimizer = build_optimizer(self.base_model, t, zero=self.parallel.zero)
@@ -262,8 +264,9 @@ class Trainer:
                                       device=self.device)
         # Two lines that fit 80 columns (a terminal would wrap one long line mid-phrase).
         precision = str(self.autocast_dtype or self.dtype).removeprefix("torch.")
+        epochs = f" ({t.epochs:g} epochs: {t.steps:,} steps)" if t.epochs else ""
         logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training samples of "
-                     f"{t.seq_len} tokens\ndevice {self.device}, precision {precision}; MFU: {self.peak_note}")
+                     f"{t.seq_len} tokens{epochs}\ndevice {self.device}, precision {precision}; MFU: {self.peak_note}")
         if self.resumed_from is not None:
             logger.print(f"resumed from {self.resumed_from} at step {self.step}")
         if self.restart_row is not None:
@@ -345,11 +348,9 @@ class Trainer:
         if self.moe and self.loader.loss_targets:  # aux-loss-free balancing (router_bias_update_rate): its load
             update_router_biases(self.base_model, self.mesh, axis=self.moe_token_axes)
         self.step += 1
-        # What the step itself moved (gradient reduction, ...), taken before the metric reductions
-        # below, which exist only for logging.
+        # What the step itself moved (gradient reduction, ...), before the metric reductions below (only for logs)
         comm_stats = self.mesh.stats.summary()
-        # Each rank holds the sum over its slice of (token losses / global tokens): the sum over
-        # ranks is the global mean.
+        # Each rank holds the sum over its slice of (token losses / global tokens): the sum over ranks is the mean.
         return self.metrics_row(float(self.sum_over_dp(loss)), lr=lr, grad_norm=float(grad_norm),
                                 num_tokens=num_tokens, start=start, data_wait=data_wait, comm_stats=comm_stats)
 
@@ -453,8 +454,7 @@ class Trainer:
                                      micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank,
                                      dp_size=self.dp_size, documents=self.cfg.data.document_mask)
         self.model.eval()
-        # [sum of token losses, tokens] summed over ranks: right even when ranks hold different
-        # numbers of batches (or none), and every rank joins the reduction.
+        # [sum of token losses, tokens] summed over ranks: right when ranks hold different numbers of batches (or none)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.parallel.pipeline is not None and batches:
             # Forward only through the stages; the stages of one pipeline hold the same batches.
