@@ -112,6 +112,17 @@ def test_training_on_a_prepared_folder_takes_the_batch_s_mean_and_carries_the_te
     trainer.train()
     saved = json.loads(next(tmp_path.glob("checkpoints/step_*/tokenizer_config.json")).read_text())
     assert saved["eos_token"] == "<|im_end|>" and "im_start" in saved["chat_template"]
+    # meshlm eval reads the run's prepared folder as training did: its 'val' split, or with --data every split
+    from meshlm.evaluate import evaluate
+
+    def counted(split):
+        ds = PreparedDataset(prepared, seq_len=SEQ, split=split)
+        return ds.loss_targets(np.arange(len(ds) // 4 * 4))
+
+    held_out = evaluate(checkpoint=str(tmp_path), overrides=["train.global_batch_size=4"])
+    assert held_out.tokens == counted("val") > 0 and np.isfinite(held_out.loss) and "'val' split" in held_out.data
+    every = evaluate(checkpoint=str(tmp_path), data=str(prepared), overrides=["train.global_batch_size=4"])
+    assert every.tokens == counted("train") + counted("val") and "every split" in every.data
 
 
 LAYOUTS = {"dp2": ["train.global_batch_size=8"],

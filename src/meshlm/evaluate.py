@@ -89,8 +89,9 @@ def eval_config(*, checkpoint: str | None = None, hf: str | None = None, data: s
     cfg.train.sample_tokens, cfg.train.progress = 0, False
     if data is not None:
         if not Path(data).exists():
-            raise ValueError(f"--data {data!r} does not exist; pass a text file, a folder of text files or a .jsonl")
-        cfg.data.path = data
+            raise ValueError(f"--data {data!r} does not exist; pass a text file, a folder of text files, a .jsonl or a "
+                             "folder `meshlm data prepare` wrote")
+        cfg.data.path, cfg.data.sources = data, []
     if not any(o.strip().startswith("data.path") for o in overrides) and cfg.data.path \
             and not Path(cfg.data.path).exists():
         raise ValueError(f"data.path={cfg.data.path!r} (the run's data) does not exist here; pass --data PATH "
@@ -133,18 +134,39 @@ def _weights_loader(source: dict):
     return load
 
 
-def _eval_dataset(cfg: Config, tokenizer):
-    """(dataset, its description): every document of data.path given with --data, else the validation split.
-    Conversations (a .jsonl of "messages") as training reads them: the loss on the assistant's turns unless
-    data.assistant_only_loss is false."""
+def _eval_datasets(cfg: Config, tokenizer, *, whole: bool) -> tuple[list, str]:
+    """(datasets, their description): every document of data.path given with --data (`whole`), else the validation
+    split. Conversations (a .jsonl of "messages") as training reads them: the loss on the assistant's turns unless
+    data.assistant_only_loss is false. Prepared folders (data.path, or each of data.sources) are opened as training
+    opens them: their 'val' split, or with --data every split; checked against the tokenizer's tokenizer.json."""
+    if cfg.data.prepared:
+        return _prepared_datasets(cfg, getattr(tokenizer, "path", None) or cfg.data.tokenizer, whole=whole)
     from meshlm.data.text import split_source
 
     where = cfg.data.path or "the standard-library corpus"
     every, held_out, pack = split_source(cfg.data, seq_len=cfg.train.seq_len, tokenizer=tokenizer)
     if cfg.data.val_fraction > 0:
         where = f"the validation split of {where} (data.val_fraction={cfg.data.val_fraction:g})"
-        return pack(held_out), where
-    return pack(every), where
+        return [pack(held_out)], where
+    return [pack(every)], where
+
+
+def _prepared_datasets(cfg: Config, tokenizer_path, *, whole: bool) -> tuple[list, str]:
+    from meshlm.data import manifest
+    from meshlm.data.dataset import PreparedDataset
+
+    folders = [entry["path"] for entry in cfg.data.sources] if cfg.data.sources else [cfg.data.path]
+    out = []
+    for folder in folders:
+        splits = manifest.read(Path(folder))["splits"]
+        if not whole and "val" not in splits:
+            raise ValueError(f"{folder} holds no 'val' split (prepared without --val-fraction); evaluate all of it "
+                             f"with --data {folder}, or prepare it again with --val-fraction F")
+        out += [PreparedDataset(folder, seq_len=cfg.train.seq_len, split=split, tokenizer_path=tokenizer_path,
+                                assistant_only=cfg.data.assistant_only_loss, whole=not cfg.data.split_across_samples)
+                for split in (manifest.SPLITS if whole else ("val",)) if split in splits]
+    what = "every split" if whole else "the 'val' split"
+    return out, f"{what} of {', '.join(map(str, folders))} (prepared)"
 
 
 def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,
@@ -164,21 +186,24 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
         tokenizer = load_saved_tokenizer(saved, source["files"], cfg.data.tokenizer)
     else:  # data.tokenizer (a HF folder's, with its chat template for conversations, as training takes it)
         tokenizer = load_training_tokenizer(cfg)
-    dataset, where = _eval_dataset(cfg, tokenizer)
+    datasets, where = _eval_datasets(cfg, tokenizer, whole=data is not None)
     batch = cfg.train.global_batch_size
-    num_batches = len(dataset) // batch
+    sizes = [len(dataset) for dataset in datasets]
+    num_batches = sum(n // batch for n in sizes)
     if num_batches == 0:
-        raise ValueError(f"{where} gives {len(dataset)} samples of {cfg.train.seq_len + 1} tokens, fewer than one "
-                         f"global batch (train.global_batch_size={batch}); use more data, or --set "
-                         f"train.global_batch_size={max(len(dataset), 1)} (or a smaller train.seq_len)")
-    loss_sum, tokens = evaluator.loss_totals(dataset, num_global_batches=num_batches)
+        raise ValueError(f"{where} gives {max(sizes, default=0)} samples of {cfg.train.seq_len + 1} tokens, fewer "
+                         f"than one global batch (train.global_batch_size={batch}); use more data, or --set "
+                         f"train.global_batch_size={max(max(sizes, default=0), 1)} (or a smaller train.seq_len)")
+    totals = [evaluator.loss_totals(dataset, num_global_batches=n // batch)
+              for dataset, n in zip(datasets, sizes) if n >= batch]  # every rank evaluates the same datasets
+    loss_sum, tokens = sum(t[0] for t in totals), sum(t[1] for t in totals)
     if tokens == 0:
         raise ValueError(f"{where}: no target of its first {num_batches * batch} samples counts in the loss (no "
                          "assistant's turn in those conversations); evaluate other data, or --set "
                          "data.assistant_only_loss=false")
     loss = loss_sum / tokens
     return EvalResult(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf,
-                      samples=num_batches * batch, tokens=tokens, skipped_samples=len(dataset) - num_batches * batch,
+                      samples=num_batches * batch, tokens=tokens, skipped_samples=sum(sizes) - num_batches * batch,
                       seq_len=cfg.train.seq_len, model=source["name"], step=source["step"], data=where,
                       world_size=evaluator.world_size)
 

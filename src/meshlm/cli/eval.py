@@ -25,9 +25,10 @@ def add_parser(sub) -> None:
     src.add_argument("--checkpoint", metavar="DIR", help="a meshlm run dir or one of its checkpoints")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, "
                                                  "tokenizer.json)")
-    p.add_argument("--data", metavar="PATH", help="evaluate all of this text file, folder of text files or .jsonl "
+    p.add_argument("--data", metavar="PATH", help="evaluate all of this text file, folder of text files, .jsonl "
                                                   "(of conversations: the loss on the assistant's turns, as training "
-                                                  "takes it; default: the run's validation split)")
+                                                  "takes it) or prepared folder (every split); default: the run's "
+                                                  "validation split (a prepared folder's 'val' split)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a parallel/train/data field, e.g. train.global_batch_size=8 (repeatable)")
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="ranks on this node (default: one process)")
