@@ -215,3 +215,26 @@ def test_a_parquet_file_of_conversations_prepares_as_its_json_lines_do(tmp_path,
     pq.write_table(bad, tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"bad\.parquet:row 2: 'tools' is a text that is not JSON"):
         prepare([tmp_path / "bad.parquet"], tokenizer_path=folder, out=tmp_path / "bad", progress=False)
+
+
+def test_data_show_marks_what_the_loss_counts_in_a_prepared_folder_and_a_file_alike(prepared, chat_file, folder,
+                                                                                    capsys):
+    from meshlm.cli import main
+
+    def shown(*args):
+        assert main(["data", "show", *args, "--seq-len", str(SEQ), "--samples", "3", "--first", "2",
+                     "--no-color"]) == 0
+        return capsys.readouterr().out
+
+    from_folder = shown(str(prepared), "--tokenizer", str(folder))
+    from_file = shown(chat_file, "--tokenizer", str(folder))
+    assert from_folder.count("--- sample ") == 3 and "--- sample 2 of " in from_folder
+    marked = [piece.split("]]")[0] for piece in from_folder.split("[[")[1:]]
+    assert marked and all(piece.endswith("<|im_end|>\n") for piece in marked if "<|im_end|>" in piece)
+    assert "<|im_start|>assistant\n[[" in from_folder and "[[<|im_start|>" not in from_folder
+    packed = in_memory(chat_file, folder)[0]
+    counted = int((packed.batch(np.arange(2, 5))[1] != IGNORE_INDEX).sum())
+    headers = [line for line in from_file.splitlines() if line.startswith("--- sample")]
+    assert sum(int(line.split(": ")[1].split(" of ")[0]) for line in headers) == counted > 0
+    every = shown(str(prepared), "--all-tokens", "--split-across-samples")
+    assert f"{SEQ} of {SEQ} targets count" in every

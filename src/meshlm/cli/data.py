@@ -62,13 +62,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="conversations: no loss masks, every token counts (for a chat template that rewrites "
                            "earlier turns; train with data.assistant_only_loss=false)")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    show = sub.add_parser(
+        "show", help="print training samples as the model sees them, the targets that count in the loss marked",
+        description="Print samples of what training reads from PATH -- a prepared folder, or any data.path "
+                    "(a .jsonl of conversations is rendered by the --tokenizer model folder's chat template) -- "
+                    "decoded, each token marked by whether predicting it counts in the loss (green, or [[...]] "
+                    "with --no-color or piped): the assistant's turns of conversations, every token of texts.",
+        epilog="example:\n  meshlm data show data/chats --seq-len 2048 --samples 3\n"
+               "  meshlm data show chats.jsonl --tokenizer models/qwen2.5/ --seq-len 512",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    show.add_argument("path", metavar="PATH", help="a prepared folder, or a file or folder training reads")
+    show.add_argument("--tokenizer", metavar="FILE", default=None,
+                      help="tokenizer.json or model folder (default: a prepared folder's own; bytes otherwise)")
+    show.add_argument("--seq-len", type=int, default=128, metavar="L", help="train.seq_len (default %(default)s)")
+    show.add_argument("--samples", type=int, default=2, metavar="N", help="how many (default %(default)s)")
+    show.add_argument("--first", type=int, default=0, metavar="K", help="the first sample shown (default 0)")
+    show.add_argument("--split", default="train", choices=("train", "val"), help="a prepared folder's split")
+    show.add_argument("--split-across-samples", action="store_true",
+                      help="data.split_across_samples=true: conversations packed back to back")
+    show.add_argument("--all-tokens", action="store_true", help="data.assistant_only_loss=false")
+    show.add_argument("--no-color", action="store_true",
+                      help="mark counted text [[like this]] instead of green (the default when piped)")
     return p
 
 
 def run(args) -> int:
-    if getattr(args, "data_command", None) != "prepare":
-        print("usage: meshlm data prepare SOURCE... --tokenizer FILE --out DIR (meshlm data prepare --help)",
-              file=sys.stderr)
+    command = getattr(args, "data_command", None)
+    if command == "show":
+        return _show(args)
+    if command != "prepare":
+        print("usage: meshlm data prepare SOURCE... --tokenizer FILE --out DIR | meshlm data show PATH "
+              "(meshlm data prepare --help, meshlm data show --help)", file=sys.stderr)
         return 2
     from meshlm.data.prepare import prepare
 
@@ -86,4 +111,34 @@ def run(args) -> int:
             if summary["shards_written"] else f"all {summary['num_shards']} shards were already there")
     print(f"{summary['out']}: {splits}; {done}; {summary['text_mb_per_s']} MB/s of text, "
           f"{summary['tokens_per_s']:,} tokens/s")
+    return 0
+
+
+def _show(args) -> int:
+    from rich.console import Console
+    from rich.text import Text
+
+    from meshlm.data.show import open_samples, sample_runs
+
+    for name in ("seq_len", "samples"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    samples, tokenizer = open_samples(args.path, tokenizer=args.tokenizer, seq_len=args.seq_len, split=args.split,
+                                      assistant_only=not args.all_tokens, whole=not args.split_across_samples)
+    if not 0 <= args.first < len(samples):
+        raise ValueError(f"--first={args.first}: {args.path} gives {len(samples)} samples of {args.seq_len + 1} "
+                         f"tokens; pass 0..{len(samples) - 1}")
+    console = Console(highlight=False, no_color=args.no_color, soft_wrap=True)
+    brackets = args.no_color or not console.is_terminal  # piped: the marks must survive without colours
+    for index in range(args.first, min(args.first + args.samples, len(samples))):
+        runs, counted = sample_runs(samples, index, tokenizer)
+        console.print(f"--- sample {index} of {len(samples)}: {counted} of {args.seq_len} targets count ---",
+                      style="bold")
+        text = Text()
+        for piece, counts in runs:
+            if counts and brackets:
+                text.append(f"[[{piece}]]")
+            else:
+                text.append(piece, style="green" if counts else "dim")
+        console.print(text)
     return 0

@@ -9,5 +9,7 @@ Two sources, one loader interface (`next_batch`: this data rank's micro-batches 
   dataset.py     prepared shards memory-mapped as samples; blends of several by weight (permutation.py: the
                  seeded shuffle computed per position, nothing the size of the corpus is built)
   loader.py      `PreparedLoader`: `BatchLoader`'s walk over prepared data, a step ahead in a thread
+  chat.py        conversations rendered by a chat template, the loss on the assistant's turns
+  show.py        `meshlm data show`: samples as training reads them, the counted targets marked
 The command line is `meshlm.cli.data`.
 """
