@@ -15,6 +15,7 @@ pytest.importorskip("tokenizers")
 
 from chat_data import first_step_batch, conversations, make_chatml_folder, write_jsonl
 from parity import FP64_TOL
+from prepared_data import make_tokenizer
 from runs import SMALL_MODEL, harness_launch
 
 from meshlm import verify
@@ -123,6 +124,13 @@ def test_training_on_a_prepared_folder_takes_the_batch_s_mean_and_carries_the_te
     assert held_out.tokens == counted("val") > 0 and np.isfinite(held_out.loss) and "'val' split" in held_out.data
     every = evaluate(checkpoint=str(tmp_path), data=str(prepared), overrides=["train.global_batch_size=4"])
     assert every.tokens == counted("train") + counted("val") and "every split" in every.data
+    other = tmp_path / "other"  # a folder of another tokenizer's tokens is not this model's to read
+    (other / "tok").mkdir(parents=True)
+    make_tokenizer(other / "tok" / "tokenizer.json")
+    (other / "t.jsonl").write_text("".join(json.dumps({"text": f"{i} plus {i}"}) + "\n" for i in range(200)))
+    prepare([other / "t.jsonl"], tokenizer_path=other / "tok", out=other / "prep", progress=False)
+    with pytest.raises(ValueError, match="holds the tokens of .*tokenizer.json, and this model reads"):
+        evaluate(checkpoint=str(tmp_path), data=str(other / "prep"), overrides=["train.global_batch_size=4"])
 
 
 LAYOUTS = {"dp2": ["train.global_batch_size=8"],
@@ -238,3 +246,25 @@ def test_data_show_marks_what_the_loss_counts_in_a_prepared_folder_and_a_file_al
     assert sum(int(line.split(": ")[1].split(" of ")[0]) for line in headers) == counted > 0
     every = shown(str(prepared), "--all-tokens", "--split-across-samples")
     assert f"{SEQ} of {SEQ} targets count" in every
+
+
+def test_data_show_decodes_as_training_reads_texts_and_splits_no_character(tmp_path, folder):
+    from meshlm.data.show import open_samples, sample_runs
+    from meshlm.data.text import source_tokenizer
+
+    texts = tmp_path / "t.jsonl"  # texts, read through a model folder: its plain tokenizer, as training reads them
+    texts.write_text("".join(json.dumps({"text": f"naïve {i} ☃ plus"}) + "\n" for i in range(300)))
+    samples, tokenizer = open_samples(texts, tokenizer=str(folder), seq_len=SEQ)
+    data = DataConfig(path=str(texts), tokenizer=str(folder), val_fraction=0.0)
+    packed = build_datasets(data, seq_len=SEQ, tokenizer=source_tokenizer(data))[0]
+    assert len(samples) == len(packed) and torch.equal(samples.samples(np.arange(5)), packed.samples(np.arange(5)))
+    chats = tmp_path / "c.jsonl"  # bytes: a reply's first character is two bytes, split between runs
+    write_jsonl(chats, [{"messages": [{"role": "user", "content": "ça?"}, {"role": "assistant", "content": "é ✓"}]}
+                        for _ in range(40)])
+    samples, tokenizer = open_samples(chats, tokenizer=None, seq_len=SEQ)
+    for i in range(4):
+        runs, counted = sample_runs(samples, i, tokenizer)
+        assert "".join(text for text, _ in runs) == tokenizer.decode(samples.samples(np.asarray([i]))[0].tolist())
+        assert counted and all("\ufffd" not in text for text, counts in runs if counts)
+    with pytest.raises(ValueError, match="not a prepared folder.*leave --split out"):
+        open_samples(chats, tokenizer=None, seq_len=SEQ, split="val")

@@ -190,6 +190,10 @@ def test_epochs_set_the_steps_and_the_schedule_spans_them(tmp_path, text_file, c
     assert lrs[-1] < 0.11 * 1e-2  # the cosine ended with the run
     with pytest.raises(ValueError, match=r"train.epochs=-1(\.0)? must be >= 0"):
         load_config(overrides=["train.epochs=-1"])
+    from meshlm import verify
+
+    proof = verify.prepare(cfg, steps=3, precision="fp64", run_dir=tmp_path / "proof")
+    assert Trainer(proof).cfg.train.steps == 3  # verify runs the steps it is asked for, whatever the epochs
 
 
 def test_clip_grad_norm_and_norm_hook():

@@ -421,6 +421,11 @@ class DataConfig:
         """Whether training reads token shards `meshlm data prepare` wrote (data.sources, or data.path)."""
         return bool(self.sources) or is_prepared(self.path)
 
+    @property
+    def folders(self) -> list[str]:
+        """The prepared folders training reads: data.sources' paths, or data.path."""
+        return [str(entry["path"]) for entry in self.sources] if self.sources else [self.path]
+
     def validate(self) -> None:
         _require(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in [0, 1)")
         _require(self.max_bytes > 0, "data.max_bytes", self.max_bytes, "must be > 0")

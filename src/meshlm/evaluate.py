@@ -12,7 +12,9 @@ Launching ranks (`--nproc`) is the CLI's, through the same elastic launcher as `
 
 Which samples: the first whole global batches (`train.global_batch_size` samples each, split over the
 data-parallel ranks as in training) of the dataset, so the set does not depend on the layout; fewer
-than one global batch of samples left at the end is not evaluated, and the report says how many.
+than one global batch of samples left at the end is not evaluated, and the report says how many. Prepared folders
+(the run's data.path or data.sources, or `--data`) give a dataset per folder and split, each evaluated so, their
+token losses pooled.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def eval_config(*, checkpoint: str | None = None, hf: str | None = None, data: s
     if not any(o.strip().startswith("data.path") for o in overrides) and cfg.data.path \
             and not Path(cfg.data.path).exists():
         raise ValueError(f"data.path={cfg.data.path!r} (the run's data) does not exist here; pass --data PATH "
-                         "(a text file, a folder of text files or a .jsonl)")
+                         "(a text file, a folder of text files, a .jsonl or a prepared folder)")
     return _with_overrides(cfg, list(overrides)).validate(), source
 
 
@@ -140,7 +142,7 @@ def _eval_datasets(cfg: Config, tokenizer, *, whole: bool) -> tuple[list, str]:
     data.assistant_only_loss is false. Prepared folders (data.path, or each of data.sources) are opened as training
     opens them: their 'val' split, or with --data every split; checked against the tokenizer's tokenizer.json."""
     if cfg.data.prepared:
-        return _prepared_datasets(cfg, getattr(tokenizer, "path", None) or cfg.data.tokenizer, whole=whole)
+        return _prepared_datasets(cfg, tokenizer, whole=whole)
     from meshlm.data.text import split_source
 
     where = cfg.data.path or "the standard-library corpus"
@@ -151,22 +153,32 @@ def _eval_datasets(cfg: Config, tokenizer, *, whole: bool) -> tuple[list, str]:
     return [pack(every)], where
 
 
-def _prepared_datasets(cfg: Config, tokenizer_path, *, whole: bool) -> tuple[list, str]:
+def _prepared_datasets(cfg: Config, tokenizer, *, whole: bool) -> tuple[list, str]:
+    """Each prepared folder's 'val' split, or with `whole` every split, each evaluated whole and pooled by tokens (not
+    by a blend's weights); refused when the model's tokenizer is not the one the folder was prepared with."""
     from meshlm.data import manifest
     from meshlm.data.dataset import PreparedDataset
+    from meshlm.files import sha256_file
 
-    folders = [entry["path"] for entry in cfg.data.sources] if cfg.data.sources else [cfg.data.path]
     out = []
-    for folder in folders:
-        splits = manifest.read(Path(folder))["splits"]
-        if not whole and "val" not in splits:
+    for folder in cfg.data.folders:
+        m = manifest.read(Path(folder))
+        mine = getattr(tokenizer, "path", None)
+        if mine is None or sha256_file(Path(mine)) != m["tokenizer"]["sha256"]:
+            raise ValueError(f"{folder} holds the tokens of {m['tokenizer']['path']}, and this model reads "
+                             f"{mine or 'bytes'}; prepare the data with the model's tokenizer.json (a checkpoint "
+                             "carries it) to evaluate it")
+        if m["tokenizer"]["vocab_size"] > cfg.model.vocab_size:
+            raise ValueError(f"{folder} was prepared with a vocabulary of {m['tokenizer']['vocab_size']} tokens, "
+                             f"more than the model's {cfg.model.vocab_size}; prepare it with the model's tokenizer")
+        if not whole and "val" not in m["splits"]:
             raise ValueError(f"{folder} holds no 'val' split (prepared without --val-fraction); evaluate all of it "
                              f"with --data {folder}, or prepare it again with --val-fraction F")
-        out += [PreparedDataset(folder, seq_len=cfg.train.seq_len, split=split, tokenizer_path=tokenizer_path,
+        out += [PreparedDataset(folder, seq_len=cfg.train.seq_len, split=split,
                                 assistant_only=cfg.data.assistant_only_loss, whole=not cfg.data.split_across_samples)
-                for split in (manifest.SPLITS if whole else ("val",)) if split in splits]
+                for split in (manifest.SPLITS if whole else ("val",)) if split in m["splits"]]
     what = "every split" if whole else "the 'val' split"
-    return out, f"{what} of {', '.join(map(str, folders))} (prepared)"
+    return out, f"{what} of {', '.join(cfg.data.folders)} (prepared)"
 
 
 def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str | None = None,
@@ -183,6 +195,10 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
     evaluator = Evaluator(cfg, weights=_weights_loader(source))
     saved = source.get("checkpoint")
     if saved is not None:  # the copies the run saved (listed in its manifest, verified), else data.tokenizer or bytes
+        if cfg.data.prepared and "tokenizer.json" not in source["files"]:
+            raise ValueError(f"{source['name']} was trained on bytes (its checkpoint holds no tokenizer.json), and "
+                             f"{', '.join(cfg.data.folders)} holds a tokenizer's tokens; evaluate a text file or "
+                             "folder with --data")
         tokenizer = load_saved_tokenizer(saved, source["files"], cfg.data.tokenizer)
     else:  # data.tokenizer (a HF folder's, with its chat template for conversations, as training takes it)
         tokenizer = load_training_tokenizer(cfg)
@@ -191,9 +207,11 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
     sizes = [len(dataset) for dataset in datasets]
     num_batches = sum(n // batch for n in sizes)
     if num_batches == 0:
-        raise ValueError(f"{where} gives {max(sizes, default=0)} samples of {cfg.train.seq_len + 1} tokens, fewer "
-                         f"than one global batch (train.global_batch_size={batch}); use more data, or --set "
-                         f"train.global_batch_size={max(max(sizes, default=0), 1)} (or a smaller train.seq_len)")
+        most = max(sizes, default=0)
+        each = f" (the most in one split: {most})" if len(sizes) > 1 else ""
+        fix = f"--set train.global_batch_size={most}" if most else "a smaller train.seq_len"
+        raise ValueError(f"{where} gives {sum(sizes)} samples of {cfg.train.seq_len + 1} tokens{each}, fewer than "
+                         f"one global batch (train.global_batch_size={batch}); use more data, or {fix}")
     totals = [evaluator.loss_totals(dataset, num_global_batches=n // batch)
               for dataset, n in zip(datasets, sizes) if n >= batch]  # every rank evaluates the same datasets
     loss_sum, tokens = sum(t[0] for t in totals), sum(t[1] for t in totals)

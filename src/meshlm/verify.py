@@ -80,7 +80,7 @@ def prepare(cfg: Config, *, steps: int, precision: str, run_dir: str | Path) -> 
                          "short run; train longer with meshlm train")
     cfg = copy.deepcopy(cfg)
     t = cfg.train
-    t.steps, t.precision, t.run_dir = steps, precision, str(run_dir)
+    t.steps, t.epochs, t.precision, t.run_dir = steps, 0.0, precision, str(run_dir)  # the steps asked, not epochs
     t.val_batches, t.sample_tokens, t.progress = 0, 0, False
     t.log_interval, t.checkpoint_interval, t.keep_checkpoints = 1, 0, 1
     return cfg.validate()

@@ -125,6 +125,9 @@ def _show(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     samples, tokenizer = open_samples(args.path, tokenizer=args.tokenizer, seq_len=args.seq_len, split=args.split,
                                       assistant_only=not args.all_tokens, whole=not args.split_across_samples)
+    if not len(samples):
+        raise ValueError(f"{args.path} gives no sample of --seq-len {args.seq_len} + 1 tokens; pass a smaller "
+                         "--seq-len")
     if not 0 <= args.first < len(samples):
         raise ValueError(f"--first={args.first}: {args.path} gives {len(samples)} samples of {args.seq_len + 1} "
                          f"tokens; pass 0..{len(samples) - 1}")

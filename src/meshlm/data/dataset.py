@@ -347,8 +347,7 @@ def open_dataset(spec, *, seq_len: int, split: str = "train", tokenizer_path: st
 def prepared_chat(spec) -> dict | None:
     """The chat config (`meshlm.tokenizer.chat_config`, {} for the fallback template) the conversations of a prepared
     folder or blend (a DataConfig's data.sources or data.path) were rendered with; None when it holds texts only."""
-    folders = [spec.path] if not spec.sources else [entry["path"] for entry in spec.sources]
-    chats = [m["conversations"]["chat"] or {} for m in (manifest.read(Path(f)) for f in folders)
+    chats = [m["conversations"]["chat"] or {} for m in (manifest.read(Path(f)) for f in spec.folders)
              if m.get("conversations") is not None]
     return chats[0] if chats else None
 
@@ -357,7 +356,7 @@ def check_prepared_chat(spec, chat: dict | None, tokenizer_path) -> None:
     """A ValueError when the chat template of `tokenizer_path` (data.tokenizer) is not the one the prepared
     conversations were rendered with (the checkpoint carries the training tokenizer's on to serving)."""
     if (chat or {}) != prepared_chat(spec):
-        where = spec.path or ", ".join(str(e["path"]) for e in spec.sources)
-        raise ValueError(f"{where} holds conversations rendered with another chat template than data.tokenizer="
-                         f"{tokenizer_path}'s; set data.tokenizer to the model folder they were prepared with "
-                         "(its tokenizer_config.json / chat_template.jinja), or prepare them again with this one")
+        raise ValueError(f"{', '.join(spec.folders)} holds conversations rendered with another chat template than "
+                         f"data.tokenizer={tokenizer_path}'s; set data.tokenizer to the model folder they were "
+                         "prepared with (its tokenizer_config.json / chat_template.jinja), or prepare them again with "
+                         "this one")

@@ -16,35 +16,48 @@ import numpy as np
 
 from meshlm.config import DataConfig, is_prepared
 from meshlm.data.dataset import PreparedDataset
-from meshlm.data.text import IGNORE_INDEX, build_datasets
-from meshlm.tokenizer import Tokenizer, conversation_tokenizer, load_tokenizer
+from meshlm.data.text import IGNORE_INDEX, PackedDataset, build_datasets, source_tokenizer
+from meshlm.tokenizer import Tokenizer, load_tokenizer
 
 
 def open_samples(path: str | Path, *, tokenizer: str | None, seq_len: int, split: str = "train",
-                 assistant_only: bool = True, whole: bool = True) -> tuple[object, Tokenizer]:
+                 assistant_only: bool = True, whole: bool = True) -> tuple[PreparedDataset | PackedDataset, Tokenizer]:
     """(the samples training would read from `path`, the tokenizer that decodes them). A prepared folder's split,
     decoded with `tokenizer` or the tokenizer.json it was prepared with; else `path` packed in memory whole (no
-    validation split held out), with `tokenizer` (a model folder: its chat template for conversations)."""
+    validation split held out, the first data.max_bytes of it as training reads), with `tokenizer` (a model folder:
+    its chat template for conversations)."""
     if is_prepared(str(path)):
         samples = PreparedDataset(path, seq_len=seq_len, split=split, tokenizer_path=tokenizer,
                                   assistant_only=assistant_only, whole=whole)
-        return samples, load_tokenizer(tokenizer or samples.manifest["tokenizer"]["path"])
-    data = DataConfig(path=str(path), tokenizer=tokenizer or "", val_fraction=0.0, max_bytes=1 << 62,
+        recorded = Path(samples.manifest["tokenizer"]["path"])
+        if tokenizer is None and not recorded.is_file():
+            raise ValueError(f"{path} was prepared with {recorded}, which is not there any more; pass --tokenizer "
+                             "with that tokenizer.json (or its folder)")
+        return samples, load_tokenizer(tokenizer or recorded)
+    if split != "train":
+        raise ValueError(f"{path} is not a prepared folder: it is shown whole, as packed for training (no split); "
+                         "leave --split out")
+    data = DataConfig(path=str(path), tokenizer=tokenizer or "", val_fraction=0.0,
                       assistant_only_loss=assistant_only, split_across_samples=not whole)
     data.validate()
-    decoder = conversation_tokenizer(data.tokenizer)
+    decoder = source_tokenizer(data)
     return build_datasets(data, seq_len=seq_len, tokenizer=decoder)[0], decoder
 
 
 def sample_runs(samples, index: int, tokenizer: Tokenizer) -> tuple[list[tuple[str, bool]], int]:
     """(sample `index` as (text, counts) runs -- the first token, an input only, in a run that does not count --,
-    how many of its targets count in the loss)."""
-    inputs, targets = samples.batch(np.asarray([index]))
-    ids = [int(inputs[0, 0])] + [int(t) for t in samples.samples(np.asarray([index]))[0, 1:]]
-    counts = [False] + [int(t) != IGNORE_INDEX for t in targets[0]]
-    runs, start = [], 0
+    how many of its targets count in the loss). Each run is what decoding the sample up to its end adds to the text
+    before it, so a character whose bytes two runs share, or a space a decoder writes only between tokens
+    (SentencePiece's), is printed once, where it ends."""
+    ids = [int(t) for t in samples.samples(np.asarray([index]))[0]]
+    counts = [False] + [int(t) != IGNORE_INDEX for t in samples.batch(np.asarray([index]))[1][0]]
+    runs, start, before = [], 0, ""
     for i in range(1, len(ids) + 1):
         if i == len(ids) or counts[i] != counts[start]:
-            runs.append((tokenizer.decode(ids[start:i], skip_special_tokens=False), counts[start]))
-            start = i
+            text = tokenizer.decode(ids[:i], skip_special_tokens=False)
+            kept = before.rstrip("\ufffd")  # a character cut at the run's end is whole in the longer text
+            while not text.startswith(kept):
+                kept = kept[:-1]
+            runs.append((text[len(kept):], counts[start]))
+            start, before = i, text
     return runs, sum(counts)

@@ -33,7 +33,7 @@ from meshlm.config import DataConfig
 from meshlm.data.chat import Conversation, encode_conversations, is_conversation_row, read_conversations
 from meshlm.data.sources import is_chat_jsonl
 from meshlm.models.documents import documents_from_starts
-from meshlm.tokenizer import Tokenizer
+from meshlm.tokenizer import Tokenizer, conversation_tokenizer, load_tokenizer
 
 # --------------------------------------------------------------------------------------------
 # Sources
@@ -252,6 +252,12 @@ def build_datasets(data: DataConfig, *, seq_len: int,
         raise ValueError(f"{where} gives {train.tokens.numel()} training tokens, fewer than one sample of "
                          f"train.seq_len+1={seq_len + 1}; use more text or a smaller train.seq_len")
     return train, val
+
+
+def source_tokenizer(data: DataConfig) -> Tokenizer:
+    """The tokenizer training reads data.path with in memory: for conversations a model folder's with its chat
+    template (`meshlm.tokenizer.conversation_tokenizer`), else data.tokenizer's (bytes when empty)."""
+    return conversation_tokenizer(data.tokenizer) if is_chat_jsonl(data.path) else load_tokenizer(data.tokenizer)
 
 
 def split_source(data: DataConfig, *, seq_len: int, tokenizer: Tokenizer) -> tuple[list, list, Callable]:

@@ -24,10 +24,9 @@ from meshlm.mesh import Mesh
 from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.parallelize import ParallelModel, parallelize
-from meshlm.tokenizer import CHAT_CONFIG_FILE, Tokenizer, chat_config, conversation_tokenizer, load_tokenizer
-from meshlm.data.sources import is_chat_jsonl
+from meshlm.tokenizer import CHAT_CONFIG_FILE, Tokenizer, chat_config, conversation_tokenizer
 from meshlm.data.dataset import check_prepared_chat, has_split, open_dataset, prepared_chat
-from meshlm.data.text import BatchLoader, build_datasets, pack
+from meshlm.data.text import BatchLoader, build_datasets, pack, source_tokenizer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,13 +63,11 @@ def load_training_tokenizer(cfg: Config) -> Tokenizer:
     `.jsonl` of them, `meshlm.data.chat`, or a folder `meshlm data prepare` made of one) the tokenizer of a Hugging
     Face model folder comes with its chat template (`meshlm.tokenizer.conversation_tokenizer`); a prepared folder's
     must be the template it was prepared with."""
-    if is_chat_jsonl(cfg.data.path):
-        tokenizer = conversation_tokenizer(cfg.data.tokenizer)
-    elif cfg.data.prepared and prepared_chat(cfg.data) is not None:
+    if cfg.data.prepared and prepared_chat(cfg.data) is not None:
         tokenizer = conversation_tokenizer(cfg.data.tokenizer)
         check_prepared_chat(cfg.data, chat_config(tokenizer), cfg.data.tokenizer)
     else:
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = source_tokenizer(cfg.data)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -106,10 +103,11 @@ def build_parallel_model(cfg: Config, mesh: Mesh, *, device: torch.device, dtype
 
 def set_steps_from_epochs(t: TrainConfig, num_samples: int) -> None:
     """With train.epochs > 0, train.steps becomes that many passes over the `num_samples` training samples: epochs x
-    the whole global batches of one (a partial one at an epoch's end is dropped, as the loaders do), rounded, at
-    least 1 -- and the learning-rate schedule spans them."""
+    the whole global batches of one (a partial one at an epoch's end is dropped, as the loaders do), rounded half up,
+    at least 1 -- and the learning-rate schedule spans them. A blend's pass is the loader's: as many samples as its
+    sources hold together, drawn by weight."""
     if t.epochs > 0:
-        t.steps = max(1, round(t.epochs * (num_samples // t.global_batch_size)))
+        t.steps = max(1, int(t.epochs * (num_samples // t.global_batch_size) + 0.5))
 
 
 def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_rank: int, dp_size: int):
@@ -117,7 +115,7 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
     (memory-mapped, one prepared folder or a weighted blend; read a step ahead in a thread), else a text
     source read, tokenized and packed in memory. Either loader gives this data rank its slice of each global
     batch, and the same samples whatever the number of ranks."""
-    t, where = cfg.train, cfg.data.path or ", ".join(str(e["path"]) for e in cfg.data.sources)
+    t, where = cfg.train, ", ".join(cfg.data.folders)
     if not cfg.data.prepared:
         train, val = build_datasets(cfg.data, seq_len=t.seq_len, tokenizer=tokenizer)
         loader = BatchLoader(train, global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,

@@ -82,7 +82,6 @@ from meshlm.train.resume import (
 from meshlm.train.sample import prompt_ids, whole_model
 from meshlm.train.setup import (
     build_data,
-    set_steps_from_epochs,
     build_parallel_model,
     checkpoint_files,
     load_training_tokenizer,
@@ -90,6 +89,7 @@ from meshlm.train.setup import (
     resolve_device,
     resolve_precision,
     seed_everything,
+    set_steps_from_epochs,
 )
 
 
@@ -264,7 +264,7 @@ class Trainer:
                                       device=self.device)
         # Two lines that fit 80 columns (a terminal would wrap one long line mid-phrase).
         precision = str(self.autocast_dtype or self.dtype).removeprefix("torch.")
-        epochs = f" ({t.epochs:g} epochs: {t.steps:,} steps)" if t.epochs else ""
+        epochs = f" ({t.epochs:g} epoch{'' if t.epochs == 1 else 's'}: {t.steps:,} steps)" if t.epochs else ""
         logger.print(f"meshlm: {num_params:,} parameters, {len(self.train_data):,} training samples of "
                      f"{t.seq_len} tokens{epochs}\ndevice {self.device}, precision {precision}; MFU: {self.peak_note}")
         if self.resumed_from is not None:
