@@ -23,7 +23,7 @@ from meshlm.infer.attention import GatherBuffers, PagedAttention, new_kv_cache
 from meshlm.infer.block_manager import DEFAULT_KV_CACHE_MB
 from meshlm.infer.scheduler import SchedulerOutput
 from meshlm.models.moe import MoE
-from meshlm.models.transformer import Transformer, rope_cos_sin
+from meshlm.models.transformer import Transformer
 
 
 @dataclass
@@ -177,7 +177,7 @@ class ModelRunner:
         if local is not None:
             tokens, positions = tokens[local], positions[local]
         h = model.embed(tokens[None])
-        cos, sin = rope_cos_sin(model.inv_freq, positions, h.dtype, model.rope_scale)
+        cos, sin = model.rope(positions, h.dtype)
         for block in model.layers.values():
             h = block(h, cos, sin, ctx)
         if local is not None:

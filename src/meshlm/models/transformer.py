@@ -288,6 +288,11 @@ class Transformer(nn.Module):
             self.inv_freq = rope_inv_freq(config)
         self.rope_scale = rope_attention_factor(config)
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) at `positions`, with the model's frequencies and attention factor: what every forward
+        over its blocks (this one, a pipeline stage's, the serving runner's) hands them."""
+        return rope_cos_sin(self.inv_freq, positions, dtype, self.rope_scale)
+
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         if documents is not None and cache is not None:
@@ -297,7 +302,7 @@ class Transformer(nn.Module):
         seq = h.shape[1]
         positions = rope_positions(seq, positions=positions, documents=documents,
                                    start=cache.length if cache is not None else 0, device=h.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)
+        cos, sin = self.rope(positions, h.dtype)
         for block in self.layers.values():
             h = block(h, cos, sin, cache, documents=documents)
         if cache is not None:

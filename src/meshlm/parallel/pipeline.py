@@ -61,7 +61,7 @@ from torch import nn
 from meshlm import comm
 from meshlm.mesh import Mesh
 from meshlm.models.moe import MoE
-from meshlm.models.transformer import Transformer, rope_cos_sin, rope_positions
+from meshlm.models.transformer import Transformer, rope_positions
 from meshlm import schedules
 from meshlm.schedules import Schedule, balanced_split
 from meshlm.timeline import TimedAction
@@ -134,7 +134,7 @@ class PipelineStage:
         m = self.model
         h = m.embed(x) if self.is_first(chunk) else x
         positions = rope_positions(seq_len or h.shape[1], positions=positions, documents=documents, device=h.device)
-        cos, sin = rope_cos_sin(m.inv_freq, positions, h.dtype, m.rope_scale)
+        cos, sin = m.rope(positions, h.dtype)
         for name in self.chunk_layers[chunk]:
             h = m.layers[name](h, cos, sin, documents=documents)
         if aux_scale and torch.is_grad_enabled():
