@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 
-from meshlm.infer.requests import APIError, check_text, short
+from meshlm.infer.requests import API_SAMPLING_DEFAULTS, APIError, check_text, short
 
 # a chat field -> the Responses field it came from (errors name what the client sent)
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
@@ -197,8 +197,7 @@ def head(body: dict, rid: str, model: str, defaults: dict) -> dict:
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     return {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature", defaults.get("temperature", 1.0)),
-            "top_p": body.get("top_p", defaults.get("top_p", 1.0)),
+            **{key: body.get(key, {**API_SAMPLING_DEFAULTS, **defaults}[key]) for key in ("temperature", "top_p")},
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": {"format": text.get("format") or {"type": "text"}}, "reasoning": body.get("reasoning"),

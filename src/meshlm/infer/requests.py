@@ -166,12 +166,16 @@ CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": (False,), "chat_template": ()}  # the
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "tools": ([],), "tool_choice": ("none",)}  # tools are the chat API's
 
 
+# What the API samples with where a request leaves these out and the server has no defaults of its own (the model's
+# generation_config.json, `tokenizer.read_generation_defaults`, which names the same fields)
+API_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def sampling_params_from(body: dict, *, chat: bool, tools: "ToolChoice | None" = None,
                          defaults: dict | None = None) -> SamplingParams:
     """The request's sampling parameters; `defaults`: the server's for the fields it leaves out (the model's
     generation_config.json, `tokenizer.read_generation_defaults`), else the API's."""
-    default = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-               **(defaults or {})}
+    default = {**API_SAMPLING_DEFAULTS, **(defaults or {})}
     for key, plain in (CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items():
         if body.get(key) is not None and body[key] not in plain:
             raise APIError(400, f"{key}={short(body[key])} is not supported by this server; leave it out",
