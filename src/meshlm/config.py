@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -322,9 +321,7 @@ class TrainConfig:
     # The defaults are the CPU demo (`meshlm train`, configs/tiny.toml): tiny on the stdlib corpus;
     # README.md's quick tour shows what it prints and the runs that chose seq_len, batch and lr.
     steps: int = 150  # optimizer steps
-    # if > 0, passes over the training set: sets train.steps (epochs x its whole global batches, rounded) once the
-    # data is read, the learning-rate schedule spanning them
-    epochs: float = 0.0
+    epochs: float = 0.0  # if > 0: passes over the training set, setting train.steps once the data is read
     seq_len: int = 128  # tokens per sample
     global_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     global_batch_tokens: int = 0  # if > 0, overrides global_batch_size (= tokens // seq_len)
@@ -374,8 +371,7 @@ class TrainConfig:
         for name in ("micro_batch_size", "warmup_steps", "checkpoint_interval", "memory_checkpoint_interval",
                      "val_batches", "global_batch_tokens", "weight_decay", "grad_clip", "sample_tokens", "peak_tflops"):
             _require(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "must be >= 0")
-        _require(math.isfinite(self.epochs) and self.epochs >= 0, "train.epochs", self.epochs,
-                 "must be >= 0 (0: train.steps decides)")
+        _require(self.epochs >= 0, "train.epochs", self.epochs, "must be >= 0 (0: train.steps decides)")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2",
@@ -397,33 +393,28 @@ class DataConfig:
     # fine-tuning, see assistant_only_loss), or a folder `meshlm data prepare` wrote (token shards, memory-mapped:
     # nothing is read into memory); empty: the embedded default (Python stdlib sources)
     path: str = ""
-    # Prepared folders mixed by weight, e.g. [{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]
-    # (instead of data.path); the mix is the same on any number of ranks
+    # Prepared folders mixed by weight instead of data.path, the same mix on any number of ranks, e.g.
+    # [{path = "data/web", weight = 0.7}, {path = "data/code", weight = 0.3}]
     sources: list = field(default_factory=list)
-    # a Hugging Face tokenizer.json, or a model folder holding one (conversations: rendered by its chat template);
-    # empty: bytes (prepared data needs the one it was prepared with)
-    tokenizer: str = ""
+    tokenizer: str = ""  # tokenizer.json or its model folder (a chat template for conversations); empty: bytes
     val_fraction: float = 0.02  # share of the documents held out for validation (prepared data: its 'val' split)
     max_bytes: int = 8_000_000  # cap on the text read (the default corpus is large; prepared data: no cap)
     # attention stops at document boundaries inside a packed sample (block-causal), and RoPE positions restart
     # at 0 at each document's start; false: each token sees every earlier token of its sample
     document_mask: bool = False
-    # a .jsonl of conversations ({"messages": [...]} lines, rendered by the tokenizer's chat template), or a folder
-    # prepared from them: the loss counts only the assistant's turns (each reply and what closes it); false: every
-    # token of the conversation
+    # conversations ({"messages": [...]} lines rendered by the chat template, or a folder prepared from them): the
+    # loss counts only the assistant's turns (each reply and what closes it); false: every token
     assistant_only_loss: bool = True
-    # conversations: one that does not fit in the rest of a sample starts the next one (the rest padded, no loss
-    # on it), so none is cut from its beginning; true: packed back to back and split across samples like texts
+    # conversations: one that does not fit in the rest of a sample starts the next (the rest padded, no loss on it),
+    # so none is cut from its beginning; true: packed back to back and split across samples like texts
     split_across_samples: bool = False
 
     @property
-    def prepared(self) -> bool:
-        """Whether training reads token shards `meshlm data prepare` wrote (data.sources, or data.path)."""
+    def prepared(self) -> bool:  # whether training reads token shards `meshlm data prepare` wrote
         return bool(self.sources) or is_prepared(self.path)
 
     @property
-    def folders(self) -> list[str]:
-        """The prepared folders training reads: data.sources' paths, or data.path."""
+    def folders(self) -> list[str]:  # the prepared folders training reads: data.sources' paths, or data.path
         return [str(entry["path"]) for entry in self.sources] if self.sources else [self.path]
 
     def validate(self) -> None:
@@ -445,7 +436,7 @@ class DataConfig:
                 _require(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0,
                          f"data.sources[{i}].weight", w, "must be a number > 0")
         if self.prepared and not self.tokenizer:
-            first = self.sources[0]["path"] if self.sources else self.path
+            first = self.folders[0]
             named = json.loads((Path(first) / "manifest.json").read_text()).get("tokenizer", {}).get("path", "?")
             raise ConfigError(f"data.tokenizer is empty but {first} holds prepared tokens; set data.tokenizer to the "
                               f"tokenizer.json it was prepared with ({named})")
@@ -596,14 +587,9 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r} must be a string")
         return value
-    if typing.get_origin(base) is list or base is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}={value!r} must be a list")
-        return value
-    if typing.get_origin(base) is dict or base is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}={value!r} must be a table")
-        return value
+    for kind, word in ((list, "a list"), (dict, "a table")):
+        if (typing.get_origin(base) or base) is kind and not isinstance(value, kind):
+            raise ConfigError(f"{where}={value!r} must be {word}")
     return value
 
 
