@@ -1,7 +1,8 @@
-"""`meshlm data prepare`: the command line of `meshlm.data.prepare`.
+"""`meshlm data prepare` and `meshlm data show`: the command lines of `meshlm.data.prepare` and `meshlm.data.show`.
 
-Responsible for: `add_parser(subparsers)` (the `data` command and its `prepare` subcommand) and `run(args)`.
-Not responsible for: any work of its own (prepare.py).
+Responsible for: `add_parser(subparsers)` (the `data` command and its subcommands `prepare` and `show`), `run(args)`,
+and printing `show`'s samples (rich: the counted text green, or [[...]] when piped).
+Not responsible for: the work itself (prepare.py, show.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add `data` (with its subcommand `prepare`) to a `meshlm` subparsers object."""
     from meshlm.data.prepare import DEFAULT_SHARD_BYTES
 
-    p = subparsers.add_parser("data", help="prepare corpora for training (tokenize once into token shards)",
+    p = subparsers.add_parser("data", help="prepare corpora for training (tokenize once into token shards), and "
+                                           "show samples as training reads them",
                               description="Work on training corpora.")
     sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     prep = sub.add_parser(
