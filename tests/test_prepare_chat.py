@@ -268,3 +268,42 @@ def test_data_show_decodes_as_training_reads_texts_and_splits_no_character(tmp_p
         assert counted and all("\ufffd" not in text for text, counts in runs if counts)
     with pytest.raises(ValueError, match="not a prepared folder.*leave --split out"):
         open_samples(chats, tokenizer=None, seq_len=SEQ, split="val")
+
+
+def test_bad_inputs_are_named_leave_nothing_behind_and_blends_name_the_folder_at_fault(tmp_path, chat_file,
+                                                                                      prepared, folder):
+    texts = tmp_path / "t.jsonl"  # a lone surrogate in a text: named by file:line, prepared or read in memory
+    texts.write_text('{"text": "ok"}\n{"text": "bad \\ud800 x"}\n')
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: field 'text' holds text that is not valid Unicode"):
+        prepare([texts], tokenizer_path=folder, out=tmp_path / "t", progress=False)
+    assert not (tmp_path / "t").exists()  # no shard finished: nothing left, the same command runs once it is fixed
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: its 'text' holds text that is not valid Unicode"):
+        build_datasets(DataConfig(path=str(texts)), seq_len=SEQ, tokenizer=conversation_tokenizer(None))
+    texts.write_text('{"text": "ok"}\n{"text": "fixed"}\n')
+    assert prepare([texts], tokenizer_path=folder, out=tmp_path / "t", progress=False)["num_shards"] == 1
+    same = tmp_path / "same.jsonl"  # every conversation hashes into 'val': training is told so
+    from meshlm.data.prepare import _split_of
+
+    into_val = next(c for c in conversations(20) if _split_of(json.dumps(c).encode(), 0.5) == "val")
+    write_jsonl(same, [into_val] * 20)
+    prepare([same], tokenizer_path=folder, out=tmp_path / "same", val_fraction=0.5, progress=False)
+    from meshlm.train.setup import build_data, load_training_tokenizer
+
+    def cfg_of(*data):
+        return load_config(overrides=[*SMALL_MODEL, "model.vocab_size=320", f"train.seq_len={SEQ}",
+                                      f"data.tokenizer={folder}", *data])
+
+    cfg = cfg_of(f"data.path={tmp_path / 'same'}")
+    with pytest.raises(ValueError, match="'train' split is empty: all its 20 documents hashed into 'val'"):
+        build_data(cfg, load_training_tokenizer(cfg), micro_batch_size=1, dp_rank=0, dp_size=1)
+    other = tmp_path / "other_model"  # another template: a blend names the folder rendered with it, not the others
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (other / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}!",
+                                                             "eos_token": "<|im_end|>"}))
+    blend = cfg_of(f"data.sources=[{{path = \"{prepared}\", weight = 1}}]", f"data.tokenizer={other}")
+    with pytest.raises(ValueError, match=f"^{prepared} holds conversations rendered with another chat template"):
+        load_training_tokenizer(blend)
+    (other / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x", "eos_token": "<|nope|>"}))
+    with pytest.raises(ValueError, match="eos_token '<\\|nope\\|>', which is not a token of its tokenizer.json"):
+        prepare([chat_file], tokenizer_path=other, out=tmp_path / "nope", progress=False)

@@ -35,12 +35,13 @@ class EvalResult:
     perplexity: float
     samples: int  # evaluated
     tokens: int  # predicted tokens evaluated
-    skipped_samples: int  # the tail of the dataset, fewer than one global batch
+    skipped_samples: int  # the tail of the dataset (of each part), fewer than one global batch
     seq_len: int
     model: str
     step: int | None  # the checkpoint's step (None for a Hugging Face model)
     data: str  # what was evaluated, in words
     world_size: int
+    parts: int = 1  # datasets evaluated each whole and pooled (prepared folders' splits)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -223,7 +224,7 @@ def evaluate(*, checkpoint: str | None = None, hf: str | None = None, data: str 
     return EvalResult(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf,
                       samples=num_batches * batch, tokens=tokens, skipped_samples=sum(sizes) - num_batches * batch,
                       seq_len=cfg.train.seq_len, model=source["name"], step=source["step"], data=where,
-                      world_size=evaluator.world_size)
+                      world_size=evaluator.world_size, parts=len(sizes))
 
 
 def format_result(r: EvalResult, *, as_json: bool) -> str:
@@ -231,8 +232,9 @@ def format_result(r: EvalResult, *, as_json: bool) -> str:
         return json.dumps(r.to_dict(), indent=1)
     step = f" (step {r.step})" if r.step is not None else ""
     ranks = f", {r.world_size} ranks" if r.world_size > 1 else ""
-    skipped = (f"; the last {r.skipped_samples} samples (less than one global batch) not evaluated"
-               if r.skipped_samples else "")
+    tail = "the last" if r.parts == 1 else f"the ends of its {r.parts} splits:"
+    skipped = (f"; {tail} {r.skipped_samples} samples (less than one global batch{' each' * (r.parts > 1)}) not "
+               "evaluated" if r.skipped_samples else "")
     return (f"meshlm eval: {r.model}{step} on {r.data}: {r.samples} samples of {r.seq_len} tokens "
             f"({r.tokens:,} tokens){ranks}{skipped}\n"
             f"loss {r.loss:.4f}  perplexity {r.perplexity:.3f}")

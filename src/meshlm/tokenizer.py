@@ -313,6 +313,11 @@ def conversation_tokenizer(path: str | Path | None) -> Tokenizer:
         folder = given if given.is_dir() else given.parent if given.name == "tokenizer.json" else None
         templated = HFTokenizer.from_dir(folder) if folder is not None else None
         if templated is not None and templated.chat_template:
+            eos = templated.special_tokens.get("eos_token")
+            if eos is not None and templated.tokenizer.token_to_id(eos) is None:
+                raise ValueError(f"{folder}'s tokenizer_config.json names eos_token {eos!r}, which is not a token of "
+                                 "its tokenizer.json: conversations would be trained without their end of turn; fix "
+                                 "the folder's eos_token")
             return templated
     return tokenizer
 

@@ -123,8 +123,8 @@ def _conversation(row, where: str, key: str) -> Conversation:
                              "completion not empty")
         row, completion_from = {**row, "messages": prompt + completion}, len(prompt)
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
-        raise ValueError(f"{where} has no non-empty list 'messages'; each line of a conversation file must be "
-                         f"{shape}, or {{\"prompt\": ..., \"completion\": ...}} (a file of texts has "
+        raise ValueError(f"{where} has no non-empty list 'messages'; each line (or parquet row) of a conversation file "
+                         f"must be {shape}, or {{\"prompt\": ..., \"completion\": ...}} (a file of texts has "
                          "{\"text\": ...} on every line instead)")
     try:  # as the server takes a chat's messages, so that they render the same
         messages = template_messages(row["messages"])

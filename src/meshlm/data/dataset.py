@@ -76,14 +76,11 @@ class PreparedDataset:
         self.conversations = self.manifest.get("conversations")  # None: texts
         if self.conversations is not None and assistant_only and not self.conversations["assistant_only_loss"]:
             raise ValueError(f"{self.path} was prepared with --all-tokens (no loss masks): set "
-                             "data.assistant_only_loss=false to train on every token, or prepare it again without")
+                             "data.assistant_only_loss=false (every token counts), or prepare it again without")
         self._masked = self.conversations is not None and assistant_only
         if self._masked and any("mask" not in shard for shard in self._shards):
             raise ValueError(f"{self.path}/{manifest.MANIFEST} names a shard of {split!r} without its loss mask: it "
                              "is damaged; copy the whole prepared folder again or prepare it again")
-        if self._masked and split == "train" and not splits[split]["num_loss_tokens"]:
-            raise ValueError(f"{self.path}: no token of the training conversations is an assistant's; each needs a "
-                             "message with role 'assistant' (or set data.assistant_only_loss=false)")
         tokens = np.array([s["num_tokens"] for s in self._shards], dtype=np.int64)
         self.num_tokens = int(tokens.sum())
         self._open: OrderedDict[int, tuple] = OrderedDict()
@@ -346,17 +343,41 @@ def open_dataset(spec, *, seq_len: int, split: str = "train", tokenizer_path: st
 
 def prepared_chat(spec) -> dict | None:
     """The chat config (`meshlm.tokenizer.chat_config`, {} for the fallback template) the conversations of a prepared
-    folder or blend (a DataConfig's data.sources or data.path) were rendered with; None when it holds texts only."""
-    chats = [m["conversations"]["chat"] or {} for m in (manifest.read(Path(f)) for f in spec.folders)
-             if m.get("conversations") is not None]
+    folder or blend (a DataConfig's data.sources or data.path) were rendered with (the first's); None when it holds
+    texts only."""
+    chats = list(_chats(spec).values())
     return chats[0] if chats else None
 
 
+def _chats(spec) -> dict[str, dict]:
+    """folder -> the chat config its conversations were rendered with, for the folders of conversations."""
+    return {f: m["conversations"]["chat"] or {} for f, m in ((f, manifest.read(Path(f))) for f in spec.folders)
+            if m.get("conversations") is not None}
+
+
+def check_training_split(spec) -> None:
+    """A ValueError naming a prepared folder (of a DataConfig's) whose 'train' split training cannot learn from: empty
+    (every document hashed into 'val'), or conversations none of whose tokens counts where only the assistant's do."""
+    for folder in spec.folders:
+        m = manifest.read(Path(folder))
+        train = m["splits"]["train"]
+        if not train["num_documents"]:
+            raise ValueError(f"{folder}'s 'train' split is empty: all its "
+                             f"{m['splits'].get('val', {}).get('num_documents', 0)} "
+                             f"documents hashed into 'val' (--val-fraction {m['settings']['val_fraction']:g}); "
+                             "prepare it with a smaller --val-fraction, or more documents")
+        if m.get("conversations") and spec.assistant_only_loss and m["conversations"]["assistant_only_loss"] \
+                and not train["num_loss_tokens"]:
+            raise ValueError(f"{folder}: no token of the training conversations is an assistant's; each needs a "
+                             "message with role 'assistant' (or set data.assistant_only_loss=false)")
+
+
 def check_prepared_chat(spec, chat: dict | None, tokenizer_path) -> None:
-    """A ValueError when the chat template of `tokenizer_path` (data.tokenizer) is not the one the prepared
-    conversations were rendered with (the checkpoint carries the training tokenizer's on to serving)."""
-    if (chat or {}) != prepared_chat(spec):
-        raise ValueError(f"{', '.join(spec.folders)} holds conversations rendered with another chat template than "
+    """A ValueError naming the prepared folders whose conversations were rendered with another chat template than
+    `tokenizer_path`'s (data.tokenizer; the checkpoint carries the training tokenizer's on to serving)."""
+    others = [folder for folder, theirs in _chats(spec).items() if theirs != (chat or {})]
+    if others:
+        raise ValueError(f"{', '.join(others)} holds conversations rendered with another chat template than "
                          f"data.tokenizer={tokenizer_path}'s; set data.tokenizer to the model folder they were "
                          "prepared with (its tokenizer_config.json / chat_template.jinja), or prepare them again with "
                          "this one")

@@ -96,7 +96,7 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
                 "settings": {"field": field, "val_fraction": float(val_fraction), "shard_bytes": int(shard_bytes)},
                 "sources": [{"path": str(f.resolve()), "bytes": f.stat().st_size} for f in files],
                 **({"conversations": conversations} if conversations is not None else {})}
-    start = time.perf_counter()
+    start, created = time.perf_counter(), not out.exists()
     done = _start_or_resume(out, settings)
     if done is None:  # already complete with these settings
         m = manifest.read(out)
@@ -107,8 +107,17 @@ def prepare(source_paths: list[str | Path], *, tokenizer_path: str | Path, out: 
                  eos_token_id=tokenizer["eos_token_id"], field=field, val_fraction=float(val_fraction),
                  conversations=None if conversations is None else (str(tokenizer_path), assistant_only))
     total_disk = sum(s["bytes"] for s in settings["sources"])
-    records, written = _run(_jobs(units, shard_bytes), task, done, workers=workers, total_disk=total_disk,
-                            progress=progress)
+    try:
+        records, written = _run(_jobs(units, shard_bytes), task, done, workers=workers, total_disk=total_disk,
+                                progress=progress)
+    except ValueError:  # a bad input (named): a run that finished no shard leaves nothing behind, so the same
+        if not list((out / manifest.PROGRESS_DIR).glob("[0-9]*.json")):  # command runs afresh once it is fixed
+            shutil.rmtree(out / manifest.PROGRESS_DIR)
+            for tmp in out.glob("*.tmp"):
+                tmp.unlink()
+            if created and not any(out.iterdir()):
+                out.rmdir()
+        raise
     manifest.write_json_atomic(out / manifest.MANIFEST, manifest.build(settings, records))
     shutil.rmtree(out / manifest.PROGRESS_DIR)
     for tmp in out.glob("*.tmp"):  # left by a killed run, for a shard finished since

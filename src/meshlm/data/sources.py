@@ -28,6 +28,7 @@ from typing import BinaryIO, Iterator
 
 from meshlm.data.chat import is_conversation_row
 from meshlm.data.manifest import MANIFEST
+from meshlm.messages import checked_text
 from meshlm.files import BINARY_SNIFF_BYTES, looks_binary
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -439,4 +440,8 @@ def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
         if not isinstance(row[field], str):
             raise ValueError(f"{where}: field {field!r} is {type(row[field]).__name__}, not a string; "
                              "pass --field NAME for the key that holds the text")
-        yield row[field]
+        try:
+            text = checked_text(row[field], f"field {field!r}")
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}; fix or delete that line") from None
+        yield text

@@ -32,6 +32,7 @@ import torch
 from meshlm.config import DataConfig
 from meshlm.data.chat import Conversation, encode_conversations, is_conversation_row, read_conversations
 from meshlm.data.sources import is_chat_jsonl
+from meshlm.messages import checked_text
 from meshlm.models.documents import documents_from_starts
 from meshlm.tokenizer import Tokenizer, conversation_tokenizer, load_tokenizer
 
@@ -109,7 +110,10 @@ def _read_jsonl(path: Path) -> list[str]:
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise ValueError(f"{path}:{lineno} has no string field 'text'; each line must be "
                                  '{"text": "..."}')
-            docs.append(row["text"])
+            try:
+                docs.append(checked_text(row["text"], "its 'text'"))
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}; fix or delete that line") from None
     return docs
 
 

@@ -25,7 +25,7 @@ from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.parallelize import ParallelModel, parallelize
 from meshlm.tokenizer import CHAT_CONFIG_FILE, Tokenizer, chat_config, conversation_tokenizer
-from meshlm.data.dataset import check_prepared_chat, has_split, open_dataset, prepared_chat
+from meshlm.data.dataset import check_prepared_chat, check_training_split, has_split, open_dataset, prepared_chat
 from meshlm.data.text import BatchLoader, build_datasets, pack, source_tokenizer
 
 
@@ -127,6 +127,7 @@ def build_data(cfg: Config, tokenizer: Tokenizer, *, micro_batch_size: int, dp_r
         spec = cfg.data.sources or cfg.data.path
         options = dict(seq_len=t.seq_len, tokenizer_path=cfg.data.tokenizer,
                        assistant_only=cfg.data.assistant_only_loss, whole=not cfg.data.split_across_samples)
+        check_training_split(cfg.data)
         train = open_dataset(spec, split="train", **options)
         if train.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"{spec} was prepared with a vocabulary of {train.vocab_size} tokens but "
