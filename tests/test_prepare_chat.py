@@ -172,8 +172,17 @@ def test_what_cannot_be_trained_as_asked_is_refused_by_name(tmp_path, chat_file,
     texts.write_text(json.dumps({"text": "plain"}) + "\n")
     with pytest.raises(ValueError, match="holds conversations and .*texts.jsonl texts; prepare each kind"):
         prepare([chat_file, texts], tokenizer_path=folder, out=tmp_path / "mixed", progress=False)
-    with pytest.raises(ValueError, match="--field content names the text of a file of texts"):
+    with pytest.raises(ValueError, match=r"chat\.jsonl:1 is a conversation with no field 'content', in a file read"):
         prepare([chat_file], tokenizer_path=folder, out=tmp_path / "f", field="content", progress=False)
+    both = tmp_path / "both.jsonl"  # rows with a text and messages: conversations, unless --field names the text
+    both.write_text("".join(json.dumps({"body": f"{i} plus {i}", **c}) + "\n" for i, c in enumerate(conversations(9))))
+    assert "num_loss_tokens" in prepare([both], tokenizer_path=folder, out=tmp_path / "b1", progress=False)
+    assert "num_loss_tokens" not in prepare([both], tokenizer_path=folder, out=tmp_path / "b2", field="body",
+                                            progress=False)
+    late = tmp_path / "late.jsonl"  # a file of texts, then a conversation: named by its line
+    late.write_text(json.dumps({"text": "plain"}) + "\n" + json.dumps(conversations(1)[0]) + "\n")
+    with pytest.raises(ValueError, match=r"late\.jsonl:2 is a conversation with no field 'text'"):
+        prepare([late], tokenizer_path=folder, out=tmp_path / "late", progress=False)
     with pytest.raises(ValueError, match="--all-tokens is for conversations"):
         prepare([texts], tokenizer_path=folder, out=tmp_path / "t", progress=False, assistant_only=False)
     broken = tmp_path / "broken.jsonl"
@@ -250,13 +259,13 @@ def test_data_show_marks_what_the_loss_counts_in_a_prepared_folder_and_a_file_al
 
 def test_data_show_decodes_as_training_reads_texts_and_splits_no_character(tmp_path, folder):
     from meshlm.data.show import open_samples, sample_runs
-    from meshlm.data.text import source_tokenizer
+    from meshlm.tokenizer import load_tokenizer
 
     texts = tmp_path / "t.jsonl"  # texts, read through a model folder: its plain tokenizer, as training reads them
     texts.write_text("".join(json.dumps({"text": f"naïve {i} ☃ plus"}) + "\n" for i in range(300)))
     samples, tokenizer = open_samples(texts, tokenizer=str(folder), seq_len=SEQ)
     data = DataConfig(path=str(texts), tokenizer=str(folder), val_fraction=0.0)
-    packed = build_datasets(data, seq_len=SEQ, tokenizer=source_tokenizer(data))[0]
+    packed = build_datasets(data, seq_len=SEQ, tokenizer=load_tokenizer(folder))[0]  # plain: no template's EOS
     assert len(samples) == len(packed) and torch.equal(samples.samples(np.arange(5)), packed.samples(np.arange(5)))
     chats = tmp_path / "c.jsonl"  # bytes: a reply's first character is two bytes, split between runs
     write_jsonl(chats, [{"messages": [{"role": "user", "content": "ça?"}, {"role": "assistant", "content": "é ✓"}]}

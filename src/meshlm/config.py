@@ -424,7 +424,7 @@ class DataConfig:
             _require(Path(self.path).exists(), "data.path", self.path, "must be an existing file or folder")
         if self.tokenizer:
             _require(Path(self.tokenizer).exists(), "data.tokenizer", self.tokenizer,
-                     "must be an existing tokenizer.json (or empty for bytes)")
+                     "must be an existing tokenizer.json or its folder (or empty for bytes)")
         if self.sources:
             _require(not self.path, "data.path", self.path, "must be empty when data.sources mixes prepared folders")
             for i, entry in enumerate(self.sources):

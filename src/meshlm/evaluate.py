@@ -158,9 +158,13 @@ def _prepared_datasets(cfg: Config, tokenizer, *, whole: bool) -> tuple[list, st
     """Each prepared folder's 'val' split, or with `whole` every split, each evaluated whole and pooled by tokens (not
     by a blend's weights); refused when the model's tokenizer is not the one the folder was prepared with."""
     from meshlm.data import manifest
-    from meshlm.data.dataset import PreparedDataset
+    from meshlm.data.dataset import PreparedDataset, check_prepared_chat
     from meshlm.files import sha256_file
+    from meshlm.tokenizer import chat_config
 
+    check_prepared_chat(cfg.data, chat_config(tokenizer), "the model's own",  # the template it serves with
+                        "prepare them again with --tokenizer the model's folder (a checkpoint's step folder holds its "
+                        "tokenizer and template)")
     out = []
     for folder in cfg.data.folders:
         m = manifest.read(Path(folder))

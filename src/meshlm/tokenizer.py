@@ -4,8 +4,9 @@ Responsible for: the `Tokenizer` base every tokenizer here shares (encode, decod
 chat rendering); `ByteTokenizer` (UTF-8 bytes, vocabulary 256, nothing to download); `HFTokenizer` (a
 `tokenizer.json` through the `tokenizers` library, no transformers needed), read either alone (what a
 training run names in `data.tokenizer`) or from a Hugging Face model directory (its end-of-sequence ids from
-config.json / generation_config.json / tokenizer_config.json, its chat template); `load_tokenizer`, the one
-way a training run gets its tokenizer; and `encode_documents`, the token stream training packs
+config.json / generation_config.json / tokenizer_config.json, its chat template); `load_tokenizer`, the way a
+training run gets its tokenizer (`conversation_tokenizer` for conversations: a model folder's, with its template);
+and `encode_documents`, the token stream training packs
 (`encode_with_starts`: with where each document begins, for document masking).
 
 Chat messages are rendered with the model's chat template (jinja, sandboxed, with the extensions, filters and

@@ -28,7 +28,7 @@ A rerun of the same command continues an interrupted one (finished shards are ke
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `data` (with its subcommand `prepare`) to a `meshlm` subparsers object."""
+    """Add `data` (with its subcommands `prepare` and `show`) to a `meshlm` subparsers object."""
     from meshlm.data.prepare import DEFAULT_SHARD_BYTES
 
     p = subparsers.add_parser("data", help="prepare corpora for training (tokenize once into token shards), and "

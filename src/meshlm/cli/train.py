@@ -159,11 +159,11 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
     finished = False
     try:
         trainer = Trainer(cfg, resume=resume, overwrite=overwrite, restarts=restarts)
-        trainer.train()
         # Conversations: the reply to the first one's opening messages (its first user turn), as served;
         # prompts and completions given as texts: the first prompt's; prepared conversations: to "Hello".
         chats = is_chat_jsonl(cfg.data.path)
         hello = cfg.data.prepared and prepared_chat(cfg.data) is not None
+        trainer.train()
         prompt, chat = ("", True) if chats or hello else ("def ", False)
         if cfg.train.sample_tokens > 0:
             # Every rank generates (the same tokens: same weights, same seed): under ZeRO-3 each

@@ -7,7 +7,9 @@ given tokenizer.json), memory-maps its shards on first use (numpy memmap: pages 
 touches them, so resident memory does not grow with the corpus), and cuts them into samples of `seq_len + 1`
 tokens with stride `seq_len` that never cross a shard boundary (the last `< seq_len + 1` tokens of a shard
 are not used); where documents start inside samples (for document masking); `BlendedDataset`, which mixes
-prepared datasets by weight; `open_dataset`, the one entry point for a path or a list of {path, weight}.
+prepared datasets by weight; `open_dataset`, the one entry point for a path or a list of {path, weight}; what
+training checks of prepared folders before opening them (`check_training_split`, `prepared_chat`,
+`check_prepared_chat`: the chat template their conversations were rendered with).
 Both datasets also say in which order an epoch visits them (`order`): `PreparedLoader` asks for it.
 A folder of conversations (manifest.py, version 2) is read as `meshlm.data.text` packs conversations in memory:
 its targets that do not count in the loss (mask byte 0, the padding) are `IGNORE_INDEX`, `loss_targets` counts
@@ -372,12 +374,10 @@ def check_training_split(spec) -> None:
                              "message with role 'assistant' (or set data.assistant_only_loss=false)")
 
 
-def check_prepared_chat(spec, chat: dict | None, tokenizer_path) -> None:
+def check_prepared_chat(spec, chat: dict | None, whose: str, fix: str) -> None:
     """A ValueError naming the prepared folders whose conversations were rendered with another chat template than
-    `tokenizer_path`'s (data.tokenizer; the checkpoint carries the training tokenizer's on to serving)."""
+    `chat` (`whose` it is, e.g. data.tokenizer's; the checkpoint carries the training tokenizer's on to serving)."""
     others = [folder for folder, theirs in _chats(spec).items() if theirs != (chat or {})]
     if others:
-        raise ValueError(f"{', '.join(others)} holds conversations rendered with another chat template than "
-                         f"data.tokenizer={tokenizer_path}'s; set data.tokenizer to the model folder they were "
-                         "prepared with (its tokenizer_config.json / chat_template.jinja), or prepare them again with "
-                         "this one")
+        raise ValueError(f"{', '.join(others)} holds conversations rendered with another chat template than {whose}; "
+                         f"{fix}")

@@ -140,9 +140,9 @@ def _check_knobs(*, workers: int, field: str, val_fraction: float, shard_bytes: 
 def _conversations(files: list[Path], tokenizer_path: str | Path, *, field: str,
                    assistant_only: bool) -> tuple[dict, int | None] | None:
     """(the manifest's "conversations" entry, the id of the separator after each) when every source holds
-    conversations, None when none does; refused when texts and conversations are mixed, and options of the other
-    kind (--field for texts, --all-tokens for conversations)."""
-    chats = [sources.holds_conversations(f) for f in files]
+    conversations, None when none does (or --field names a key: its texts are read); refused when texts and
+    conversations are mixed, and --all-tokens for texts."""
+    chats = [sources.holds_conversations(f, field) for f in files]
     if not any(chats):
         if not assistant_only:
             raise ValueError("--all-tokens is for conversations (no loss masks); every token of a text counts: "
@@ -152,9 +152,6 @@ def _conversations(files: list[Path], tokenizer_path: str | Path, *, field: str,
         text, chat = files[chats.index(False)], files[chats.index(True)]
         raise ValueError(f"{chat} holds conversations and {text} texts; prepare each kind into a folder of its own "
                          "and train on a blend of them (data.sources)")
-    if field != "text":
-        raise ValueError(f"--field {field} names the text of a file of texts, but {files[0]} holds conversations "
-                         "(its messages, or prompt and completion, are read whole): leave --field out")
     from meshlm.data.chat import pad_token
     from meshlm.tokenizer import chat_config, conversation_tokenizer
 

@@ -1,11 +1,13 @@
-"""The text sources `meshlm data prepare` reads: which files, checked before any work starts, cut into units.
+"""The sources `meshlm data prepare` reads: which files, texts or conversations, checked before any work starts, cut
+into units.
 
 Responsible for: turning the SOURCE arguments into an ordered list of files (a folder is walked recursively
 in sorted order of relative paths, leaving out -- and counting, `Listing.note` -- what is not data: hidden
 files and folders (a name starting with "."), the markers data jobs write beside their output (`JOB_MARKERS`),
 and empty files; every other file is read, a code corpus's `_utils.py` too); checking what can be checked
 without reading the data (the file exists and is not empty, the format is known, a parquet file has the text
-column, the optional packages are there);
+column, the optional packages are there); which kind a file holds (`holds_conversations`: a `.jsonl`'s first line,
+a parquet file's columns, `conversation_columns`; `is_chat_jsonl` for training's data.path);
 cutting every file into `Unit`s in file order -- a text file is one unit (one document), a `.jsonl`,
 `.jsonl.gz` or `.jsonl.zst` gives units of whole lines of about `block_bytes` (decompressed here, in the
 reading process), a `.parquet` one unit per row group; and `documents(unit, field)`, the texts of one unit,
@@ -14,7 +16,8 @@ Not responsible for: how units become shards, tokenizing or writing (prepare.py)
 
 Documents: a text file (any other suffix) is one document, decoded as UTF-8 with invalid bytes replaced;
 each non-blank `.jsonl` line is one document, the string under `field`; each non-null value of a parquet
-file's `field` column is one document (read one row group and 1024 rows at a time, never the whole file).
+file's `field` column is one document (read one row group and 1024 rows at a time, never the whole file). In a
+file of conversations each line or row is one conversation (`meshlm.data.chat` reads it).
 """
 
 from __future__ import annotations
@@ -172,10 +175,15 @@ def _left_out_reason(relative: Path) -> str | None:
 CONVERSATION_COLUMNS = ("messages", "tools", "prompt", "completion")  # what a parquet file of conversations holds
 
 
-def conversation_columns(names) -> list[str] | None:
+DEFAULT_FIELD = "text"  # --field's default: a file whose rows have conversations is read as conversations unless
+# --field names another key (then its texts are read: an explicit field wins)
+
+
+def conversation_columns(names, field: str = DEFAULT_FIELD) -> list[str] | None:
     """The columns of a parquet file of conversations (a "messages" column, or "prompt" and "completion"; "tools"
-    too where it has one, as Hugging Face chat datasets store them), or None for a file of texts."""
-    if "messages" not in names and not {"prompt", "completion"} <= set(names):
+    too where it has one, as Hugging Face chat datasets store them), or None for a file of texts (also when `field`
+    names another column than the default's: the texts asked for)."""
+    if field != DEFAULT_FIELD or ("messages" not in names and not {"prompt", "completion"} <= set(names)):
         return None
     return [c for c in CONVERSATION_COLUMNS if c in names]
 
@@ -206,7 +214,7 @@ def _check_parquet(path: Path, field: str) -> None:
     schema = pf.schema_arrow
     if pf.metadata.num_rows == 0:
         raise ValueError(f"source file {path} has no rows; remove it or leave it out of the sources")
-    if conversation_columns(schema.names) is not None:
+    if conversation_columns(schema.names, field) is not None:
         return
     if schema.get_field_index(field) < 0:
         raise ValueError(f"{path} has no column {field!r} (columns: {', '.join(schema.names)}); "
@@ -321,12 +329,12 @@ def _parquet_units(path: Path, field: str) -> Iterator[Unit]:
 
     pf = pq.ParquetFile(path)
     meta = pf.metadata
-    read = conversation_columns(pf.schema_arrow.names) or [field]
+    read = conversation_columns(pf.schema_arrow.names, field) or [field]
     size, disk_done, row = path.stat().st_size, 0, 1
     for i in range(meta.num_row_groups):
         group = meta.row_group(i)
         columns = [group.column(c) for c in range(group.num_columns)]
-        text = [c for c in columns if c.path_in_schema.split(".")[0] in read]
+        text = [c for c in columns if any(c.path_in_schema == r or c.path_in_schema.startswith(f"{r}.") for r in read)]
         disk = sum(c.total_compressed_size for c in columns)
         if i == meta.num_row_groups - 1:
             disk = size - disk_done  # the footer and headers go with the last group
@@ -379,7 +387,7 @@ def conversations(unit: Unit) -> Iterator[tuple[bytes | dict, str]]:
             row += 1
 
 
-def holds_conversations(path: Path) -> bool:
+def holds_conversations(path: Path, field: str = DEFAULT_FIELD) -> bool:
     """Whether a source holds conversations (`meshlm.data.chat`): a `.jsonl(.gz/.zst)` whose first non-blank line
     is one (`chat.is_conversation_row`; a line that is not JSON is refused, naming it), or a parquet file with their
     columns (`conversation_columns`). Texts otherwise."""
@@ -387,10 +395,10 @@ def holds_conversations(path: Path) -> bool:
         import pyarrow.parquet as pq
 
         try:
-            return conversation_columns(pq.ParquetFile(path).schema_arrow.names) is not None
+            return conversation_columns(pq.ParquetFile(path).schema_arrow.names, field) is not None
         except Exception:  # noqa: BLE001 -- damaged: check_files names it
             return False
-    first = _first_line(path) if kind_of(path) == "jsonl" else None
+    first = _first_line(path) if kind_of(path) == "jsonl" and field == DEFAULT_FIELD else None
     if first is None:
         return False
     try:
@@ -432,9 +440,9 @@ def _jsonl_documents(unit: Unit, field: str) -> Iterator[str]:
         except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
             raise ValueError(f"{where} is not valid JSON ({e}); fix or delete that line") from None
         if is_conversation_row(row) and field not in row:
-            raise ValueError(f"{where} is a conversation in a file of texts (a file's first line says which it "
-                             "holds); put conversations in files of their own and prepare them into a folder of "
-                             "their own")
+            raise ValueError(f"{where} is a conversation with no field {field!r}, in a file read as texts (its first "
+                             "line, or --field, says so); put conversations in files of their own and prepare them, "
+                             "--field left out, into a folder of their own")
         if not isinstance(row, dict) or field not in row:
             raise ValueError(f"{where} has no field {field!r}; pass --field NAME for the key that holds the text")
         if not isinstance(row[field], str):

@@ -12,6 +12,7 @@ splits it into micro-batches (`micro_batch`: inputs, targets and, under data.doc
 `meshlm.models.documents`), counts the targets of the whole global batch that count in the loss (`loss_targets`:
 what every rank divides its token losses by, so that the loss is the global batch's mean under any layout and
 any number of micro-batches), and can save and restore its position.
+`source_tokenizer` is the tokenizer training reads data.path with.
 Not responsible for: tokenizers (`meshlm.tokenizer`), prepared token shards (dataset.py, loader.py), moving
 batches to a device, or sharding the sequence dimension (context parallelism slices the micro-batches it is
 given).
@@ -106,7 +107,8 @@ def _read_jsonl(path: Path) -> list[str]:
                 raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); each line must be an object") from None
             if is_conversation_row(row) and "text" not in row:
                 raise ValueError(f"{path}:{lineno} is a conversation: conversations are trained on from one .jsonl "
-                                 "given as data.path (not a folder of them, nor mixed with texts)")
+                                 "given as data.path, not mixed with texts (a folder of them: `meshlm data prepare` "
+                                 "it)")
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise ValueError(f"{path}:{lineno} has no string field 'text'; each line must be "
                                  '{"text": "..."}')

@@ -2,7 +2,8 @@
 
 Responsible for: resolving `train.device` and `train.precision` to a torch device, an autocast dtype and
 the parameters' dtype; seeding every RNG a run draws from; loading the tokenizer and refusing one larger
-than the model's vocabulary; the data and its loader (in memory, or prepared token shards); and building the model the way every layout starts -- on the meta device,
+than the model's vocabulary; the data and its loader (in memory, or prepared token shards), and train.epochs'
+number of steps once the data is read; and building the model the way every layout starts -- on the meta device,
 split over the ranks by `meshlm.parallel.parallelize`, each rank then initialising only what it holds.
 Not responsible for: the mesh (`meshlm.mesh`), how a strategy splits the model (`meshlm.parallel`), or the
 optimizer (`meshlm.train.optim`).
@@ -65,7 +66,9 @@ def load_training_tokenizer(cfg: Config) -> Tokenizer:
     must be the template it was prepared with."""
     if cfg.data.prepared and prepared_chat(cfg.data) is not None:
         tokenizer = conversation_tokenizer(cfg.data.tokenizer)
-        check_prepared_chat(cfg.data, chat_config(tokenizer), cfg.data.tokenizer)
+        check_prepared_chat(cfg.data, chat_config(tokenizer), f"data.tokenizer={cfg.data.tokenizer}'s",
+                            "set data.tokenizer to the model folder they were prepared with (its tokenizer_config.json "
+                            "/ chat_template.jinja), or prepare them again with this one")
     else:
         tokenizer = source_tokenizer(cfg.data)
     if tokenizer.vocab_size > cfg.model.vocab_size:
