@@ -145,7 +145,7 @@ def _train_this_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, r
 
 def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts: int) -> int:
     from meshlm.data.chat import sample_prompt
-    from meshlm.data.dataset import prepared_chat
+    from meshlm.data.dataset import has_conversations
     from meshlm.data.sources import is_chat_jsonl
     from meshlm.distributed import exit_with_parent, init_distributed, teardown_distributed
     from meshlm.train.setup import resolve_device
@@ -162,7 +162,7 @@ def _run_rank(cfg, *, resume: bool, overwrite: bool, distributed: bool, restarts
         # Conversations: the reply to the first one's opening messages (its first user turn), as served;
         # prompts and completions given as texts: the first prompt's; prepared conversations: to "Hello".
         chats = is_chat_jsonl(cfg.data.path)
-        hello = cfg.data.prepared and prepared_chat(cfg.data) is not None
+        hello = cfg.data.prepared and has_conversations(cfg.data)
         trainer.train()
         prompt, chat = ("", True) if chats or hello else ("def ", False)
         if cfg.train.sample_tokens > 0:

@@ -8,7 +8,7 @@ touches them, so resident memory does not grow with the corpus), and cuts them i
 tokens with stride `seq_len` that never cross a shard boundary (the last `< seq_len + 1` tokens of a shard
 are not used); where documents start inside samples (for document masking); `BlendedDataset`, which mixes
 prepared datasets by weight; `open_dataset`, the one entry point for a path or a list of {path, weight}; what
-training checks of prepared folders before opening them (`check_training_split`, `prepared_chat`,
+training checks of prepared folders before opening them (`check_training_split`, `has_conversations`,
 `check_prepared_chat`: the chat template their conversations were rendered with).
 Both datasets also say in which order an epoch visits them (`order`): `PreparedLoader` asks for it.
 A folder of conversations (manifest.py, version 2) is read as `meshlm.data.text` packs conversations in memory:
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from meshlm.data import manifest
+from meshlm.data.chat import place, with_padding_starts
 from meshlm.data.permutation import SeededPermutation, derive_key
 from meshlm.data.text import IGNORE_INDEX
 from meshlm.files import sha256_file
@@ -122,8 +123,6 @@ class PreparedDataset:
     def _place(self, s: int, *, whole_in: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(where each conversation of shard s begins once placed whole, where it ends, the document starts:
         the conversations' and the padding's) -- `chat.place`, the rule of conversations packed in memory."""
-        from meshlm.data.chat import place, with_padding_starts
-
         starts = np.asarray(self._shard(s)[1], dtype=np.int64)
         lengths = np.diff(np.append(starts, self._shards[s]["num_tokens"]))
         at = place(lengths, whole_in)
@@ -343,12 +342,9 @@ def open_dataset(spec, *, seq_len: int, split: str = "train", tokenizer_path: st
     return BlendedDataset(parts)
 
 
-def prepared_chat(spec) -> dict | None:
-    """The chat config (`meshlm.tokenizer.chat_config`, {} for the fallback template) the conversations of a prepared
-    folder or blend (a DataConfig's data.sources or data.path) were rendered with (the first's); None when it holds
-    texts only."""
-    chats = list(_chats(spec).values())
-    return chats[0] if chats else None
+def has_conversations(spec) -> bool:
+    """Whether a prepared folder or blend (a DataConfig's data.path or data.sources) holds conversations."""
+    return bool(_chats(spec))
 
 
 def _chats(spec) -> dict[str, dict]:

@@ -26,7 +26,7 @@ from meshlm.models import build_model
 from meshlm.parallel.materialize import ShardInit
 from meshlm.parallel.parallelize import ParallelModel, parallelize
 from meshlm.tokenizer import CHAT_CONFIG_FILE, Tokenizer, chat_config, conversation_tokenizer
-from meshlm.data.dataset import check_prepared_chat, check_training_split, has_split, open_dataset, prepared_chat
+from meshlm.data.dataset import check_prepared_chat, check_training_split, has_conversations, has_split, open_dataset
 from meshlm.data.text import BatchLoader, build_datasets, pack, source_tokenizer
 
 
@@ -64,7 +64,7 @@ def load_training_tokenizer(cfg: Config) -> Tokenizer:
     `.jsonl` of them, `meshlm.data.chat`, or a folder `meshlm data prepare` made of one) the tokenizer of a Hugging
     Face model folder comes with its chat template (`meshlm.tokenizer.conversation_tokenizer`); a prepared folder's
     must be the template it was prepared with."""
-    if cfg.data.prepared and prepared_chat(cfg.data) is not None:
+    if cfg.data.prepared and has_conversations(cfg.data):
         tokenizer = conversation_tokenizer(cfg.data.tokenizer)
         check_prepared_chat(cfg.data, chat_config(tokenizer), f"data.tokenizer={cfg.data.tokenizer}'s",
                             "set data.tokenizer to the model folder they were prepared with (its tokenizer_config.json "
